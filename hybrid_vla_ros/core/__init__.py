@@ -1,0 +1,1 @@
+"""ROS-free core: model partition, shared-memory ring, conversions, camera synchronization."""
