@@ -1,0 +1,198 @@
+"""SuffixNode class (imported by suffix_node.main only after the process is pinned)."""
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+from autoware_planning_msgs.msg import Trajectory
+from diagnostic_msgs.msg import DiagnosticArray
+from nav_msgs.msg import Odometry
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+from ..core.affinity import pin_process, thread_affinities
+from ..core.params import ParameterError, SuffixParams
+from ..core.pipeline import SuffixRunner
+from ..core.shm_ring import SlotRejected
+from ..core.stats import DropCounter, StageTimes
+from ..core.trajectory import ego_state_from_odometry, waypoints_to_trajectory
+from . import common
+from .msg_conv import ns_to_stamp, stamp_to_ns, trajectory_to_msg
+
+
+class SuffixNode(LifecycleNode):
+    """Lifecycle node running the CPU suffix. See ``suffix_node`` and the README for topics."""
+
+    def __init__(self, early_affinity: list[int] | None = None, **kwargs):
+        super().__init__("suffix_node", **kwargs)
+        d = common.declare
+        d(self, "model_path", "", "checkpoint directory (config.json + model.safetensors)")
+        d(self, "split_layer", -1, "split layer K this suffix expects; slots with another K are rejected")
+        d(self, "cpu_affinity", None, "cores the whole process is pinned to ([] = not pinned)",
+          Parameter.Type.INTEGER_ARRAY)
+        d(self, "threads", 0, "torch intra-op threads (0 = one per pinned core)")
+        d(self, "dtype", "fp32", "fp32 | bf16 | fp16")
+        d(self, "ring_name", "prefix_states", "shared-memory ring name (as the prefix node's)")
+        d(self, "output_frame", "map", "frame of the published trajectory")
+        d(self, "wheelbase_m", 2.79, "wheelbase for front_wheel_angle_rad (m)")
+        d(self, "max_odometry_age_s", 1.0, "odometry older than this vs the camera stamp is not used (s)")
+        self.early_affinity = early_affinity
+        self.runner: SuffixRunner | None = None
+        self.params: SuffixParams | None = None
+        self.drops = DropCounter()
+        self.times = StageTimes()
+        self.frames_out = 0
+        self.last_error = ""
+        self._throttle = common.Throttle()
+        self._odom = None  # (stamp_ns, EgoState) of the newest valid odometry
+        self._odom_sub = None
+        self._worker: threading.Thread | None = None
+        self._running = False
+        self._traj_pub = self.create_lifecycle_publisher(
+            Trajectory, "~/output/trajectory", QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
+        self._timing_pub = self.create_lifecycle_publisher(DiagnosticArray, "~/debug/frame_timing", 10)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._diag_timer = self.create_timer(1.0, self._publish_diagnostics)
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        v = lambda n, dflt=None: common.value(self, n, dflt)  # noqa: E731
+        try:
+            p = SuffixParams(
+                model_path=v("model_path"), split_layer=v("split_layer"), cpu_affinity=v("cpu_affinity", []),
+                threads=v("threads"), dtype=v("dtype"), ring_name=v("ring_name"), output_frame=v("output_frame"),
+                wheelbase_m=float(v("wheelbase_m")), max_odometry_age_s=float(v("max_odometry_age_s")))
+            p.validate()
+            if p.cpu_affinity:
+                pin_process(p.cpu_affinity)
+            threads = p.threads or len(p.cpu_affinity) or torch.get_num_threads()
+            ring = f"{self.get_namespace().strip('/').replace('/', '.') or 'root'}.{p.ring_name}"
+            self.runner = SuffixRunner(p.model_path, p.split_layer, dtype=p.dtype, ring_name=ring, threads=threads)
+            p.validate(num_layers=self.runner.cfg.num_layers)
+        except (ParameterError, ValueError, OSError, RuntimeError) as e:
+            self.last_error = str(e)
+            self.get_logger().error(f"configure failed: {e}")
+            self.runner = None
+            return TransitionCallbackReturn.FAILURE
+        self.params = p
+        cores = sorted(set().union(*thread_affinities().values()))
+        self.get_logger().info(
+            f"configured: split_layer={p.split_layer}/{self.runner.cfg.num_layers} dtype={p.dtype} "
+            f"threads={torch.get_num_threads()} cores={cores} (pinned early: {self.early_affinity or 'no'}) "
+            f"ring '{ring}'" + (" [random-init weights: trajectories are not driving advice]"
+                                if self.runner.cfg.random_init else ""))
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._odom_sub = self.create_subscription(Odometry, "~/input/kinematic_state", self._on_odometry, 10)
+        self._running = True
+        self._worker = threading.Thread(target=self._work, name="suffix_worker", daemon=True)
+        self._worker.start()
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop()
+        self._publish_diagnostics()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.shutdown_pipeline()
+        return TransitionCallbackReturn.SUCCESS
+
+    def shutdown_pipeline(self) -> None:
+        """Stop the worker and release the ring and model (idempotent)."""
+        self._stop()
+        self._release()
+
+    def _stop(self) -> None:
+        self._running = False
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        if self._odom_sub is not None:
+            self.destroy_subscription(self._odom_sub)
+            self._odom_sub = None
+
+    def _release(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+            self.get_logger().info("cleaned up: detached from the ring, model freed")
+
+    # ------------------------------------------------------------------------------------- frames
+    def _on_odometry(self, msg: Odometry) -> None:
+        try:
+            ego = ego_state_from_odometry(msg)
+        except ValueError as e:
+            self._drop("bad_odometry", str(e))
+            return
+        self._odom = (stamp_to_ns(msg.header.stamp), ego)
+
+    def _work(self) -> None:
+        waiting_logged = False
+        while self._running:
+            try:
+                result = self.runner.poll(0.1)
+            except SlotRejected as e:
+                self._drop(f"slot_{e.cause}", str(e))
+                continue
+            except FloatingPointError as e:
+                self._drop("non_finite_output", str(e))
+                continue
+            except Exception as e:  # noqa: BLE001 - counted and reported, the node keeps running
+                self._drop("internal_error", f"{type(e).__name__}: {e}")
+                continue
+            if not self.runner.attached and not waiting_logged:
+                self.get_logger().info("waiting for the prefix node's ring")
+                waiting_logged = True
+            if result is None:
+                continue
+            self._publish(result)
+
+    def _publish(self, result) -> None:
+        stamp = result.meta.stamp_ns
+        odom = self._odom
+        if odom is None:
+            self._drop("no_odometry", "no valid odometry on ~/input/kinematic_state yet")
+            return
+        if abs(stamp - odom[0]) > self.params.max_odometry_age_s * 1e9:
+            self._drop("stale_odometry", f"odometry {abs(stamp - odom[0]) / 1e9:.3f} s from the camera stamp")
+            return
+        try:
+            arrays = waypoints_to_trajectory(result.waypoints, self.runner.cfg.waypoint_dt_s, odom[1],
+                                             self.params.wheelbase_m)
+        except ValueError as e:
+            self._drop("bad_waypoints", str(e))
+            return
+        self._traj_pub.publish(trajectory_to_msg(arrays, stamp, self.params.output_frame))
+        self.frames_out += 1
+        stages = {"preprocess": result.preprocess_ms, "prefix": result.prefix_ms,
+                  "handoff": result.handoff_ms, "suffix": result.suffix_ms}
+        for k, ms in stages.items():
+            self.times.add(k, ms)
+        timing = common.diagnostic_array(self, "frame_timing", common.OK, f"seq {result.meta.seq}",
+                                         {f"{k}_ms": f"{ms:.4f}" for k, ms in stages.items()})
+        timing.header.stamp = ns_to_stamp(stamp)
+        self._timing_pub.publish(timing)
+
+    def _drop(self, cause: str, message: str) -> None:
+        n = self.drops.add(cause)
+        self.last_error = message
+        if self._throttle(cause):
+            self.get_logger().warning(f"dropped frame ({cause}, {n} so far): {message}")
+
+    def _publish_diagnostics(self) -> None:
+        ring = self.runner.ring_stats() if self.runner is not None else {}
+        drops = self.drops.snapshot()
+        values = common.flatten_stats(self.times.summary(), drops, {
+            "state": common.lifecycle_state(self), "trajectories_out": self.frames_out,
+            "ring_read": ring.get("read", 0), "split_layer": self.params.split_layer if self.params else "",
+            "cpu_affinity": sorted(os.sched_getaffinity(0)), "last_error": self.last_error})
+        level = common.OK if not self.last_error else common.WARN
+        self._diag_pub.publish(common.diagnostic_array(self, "pipeline", level, "suffix stage", values))

@@ -1,0 +1,228 @@
+"""prefix_node: cameras -> vision encoder, projector, decoder blocks [0, K) -> shared-memory ring.
+
+Lifecycle (ROS 2 managed node, as in ros2/demos lifecycle_py):
+  on_configure  validate parameters, load the prefix onto the device, create the ring;
+  on_activate   subscribe to the cameras, start the worker thread;
+  on_deactivate unsubscribe, stop the worker (a frame in progress finishes and is published);
+  on_cleanup    remove the ring, free the device memory;
+  on_shutdown   as cleanup, from any state.
+Subscription callbacks only stamp and queue messages; decoding and inference run on one worker
+thread that always takes the newest synchronized frame (older unprocessed ones are counted as
+``superseded``), so a slow model never backs up DDS queues.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.executors import ExternalShutdownException
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.parameter import Parameter
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import CompressedImage, Image
+
+from ..core.config import VLAConfig
+from ..core.image import ImageDecodeError
+from ..core.params import ParameterError, PrefixParams
+from ..core.pipeline import PrefixRunner
+from ..core.stats import DropCounter, StageTimes
+from ..core.sync import CameraSynchronizer
+from . import common
+from .msg_conv import stamp_to_ns
+
+
+class PrefixNode(LifecycleNode):
+    """Lifecycle node running the GPU prefix. See the module docstring and README for topics."""
+
+    def __init__(self, **kwargs):
+        super().__init__("prefix_node", **kwargs)
+        d = common.declare
+        d(self, "model_path", "", "checkpoint directory (config.json + model.safetensors)")
+        d(self, "split_layer", -1, "split layer K in [0, L]: the prefix runs decoder blocks [0, K)")
+        d(self, "camera_topics", None, "image topic per camera, camera order ([] = ~/input/image<i>)",
+          Parameter.Type.STRING_ARRAY)
+        d(self, "camera_transports", None, "raw | compressed, one value or one per camera",
+          Parameter.Type.STRING_ARRAY)
+        d(self, "sync_tolerance_ms", 50.0, "largest header-stamp spread within one frame (ms)")
+        d(self, "device", "auto", "auto | cpu | cuda | cuda:N")
+        d(self, "dtype", "fp32", "fp32 | bf16 | fp16")
+        d(self, "ring_name", "prefix_states", "shared-memory ring name (scoped by user and namespace)")
+        d(self, "ring_slots", 4, "ring slots (>= 3)")
+        d(self, "torch_threads", 0, "torch intra-op threads when on CPU (0 = default)")
+        self.runner: PrefixRunner | None = None
+        self.params: PrefixParams | None = None
+        self.drops = DropCounter()
+        self.times = StageTimes()
+        self.frames_in = 0
+        self.frames_synced = 0
+        self.frames_out = 0
+        self.last_error = ""
+        self._throttle = common.Throttle()
+        self._subs = []
+        self._sync: CameraSynchronizer | None = None
+        self._pending = None  # newest synchronized frame waiting for the worker
+        self._cv = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._running = False
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._diag_timer = self.create_timer(1.0, self._publish_diagnostics)
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        v = lambda n, dflt=None: common.value(self, n, dflt)  # noqa: E731
+        try:
+            p = PrefixParams(
+                model_path=v("model_path"), split_layer=v("split_layer"),
+                camera_topics=v("camera_topics", []), camera_transports=v("camera_transports", ["raw"]),
+                sync_tolerance_ms=float(v("sync_tolerance_ms")), device=v("device"), dtype=v("dtype"),
+                ring_name=v("ring_name"), ring_slots=v("ring_slots"), torch_threads=v("torch_threads"))
+            p.validate()
+            cfg = VLAConfig.load(p.model_path)
+            p.validate(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers)
+            ring = f"{self.get_namespace().strip('/').replace('/', '.') or 'root'}.{p.ring_name}"
+            self.runner = PrefixRunner(p.model_path, p.split_layer, device=p.device, dtype=p.dtype,
+                                       ring_name=ring, ring_slots=p.ring_slots, torch_threads=p.torch_threads)
+        except (ParameterError, ValueError, OSError, RuntimeError) as e:
+            self.last_error = str(e)
+            self.get_logger().error(f"configure failed: {e}")
+            return TransitionCallbackReturn.FAILURE
+        self.params = p
+        cfg = self.runner.cfg
+        self.get_logger().info(
+            f"configured: split_layer={p.split_layer}/{cfg.num_layers} device={self.runner.device} dtype={p.dtype} "
+            f"hidden states {cfg.prefix_state_shape} -> ring '{ring}' ({p.ring_slots} slots)"
+            + (" [random-init weights: trajectories are not driving advice]" if cfg.random_init else ""))
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        p = self.params
+        self._sync = CameraSynchronizer(len(p.camera_topics), int(p.sync_tolerance_ms * 1e6))
+        for cam, (topic, transport) in enumerate(zip(p.camera_topics, p.camera_transports)):
+            if transport == "compressed":
+                sub = self.create_subscription(CompressedImage, f"{topic}/compressed",
+                                               self._make_callback(cam, transport), qos_profile_sensor_data)
+            else:
+                sub = self.create_subscription(Image, topic, self._make_callback(cam, transport),
+                                               qos_profile_sensor_data)
+            self._subs.append(sub)
+        self._running = True
+        self._worker = threading.Thread(target=self._work, name="prefix_worker", daemon=True)
+        self._worker.start()
+        self.get_logger().info(f"active: {len(self._subs)} camera subscriptions "
+                               f"({', '.join(s.topic_name for s in self._subs)})")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop()
+        self._publish_diagnostics()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop()
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _stop(self) -> None:
+        for sub in self._subs:
+            self.destroy_subscription(sub)
+        self._subs = []
+        with self._cv:
+            self._running = False
+            self._pending = None
+            self._cv.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+
+    def _release(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+            self.get_logger().info("cleaned up: ring removed, model memory freed")
+
+    # ------------------------------------------------------------------------------------- frames
+    def _make_callback(self, cam: int, transport: str):
+        def callback(msg) -> None:
+            self.frames_in += 1
+            stamp = stamp_to_ns(msg.header.stamp)
+            emitted = self._sync.add(cam, stamp, (transport, msg))
+            for cause, n in self._sync.pop_drops().items():
+                self.drops.add(cause, n)
+            if emitted is None:
+                return
+            self.frames_synced += 1
+            with self._cv:
+                if self._pending is not None:
+                    self.drops.add("superseded")
+                self._pending = emitted
+                self._cv.notify()
+        return callback
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while self._running and self._pending is None:
+                    self._cv.wait()
+                if not self._running:
+                    return
+                stamp, items = self._pending
+                self._pending = None
+            try:
+                result = self.runner.run(items, stamp)
+            except ImageDecodeError as e:
+                self._drop("decode_error", str(e))
+                continue
+            except (ValueError, FloatingPointError) as e:
+                self._drop("model_error", str(e))
+                continue
+            except Exception as e:  # noqa: BLE001 - the node keeps running, the error is counted and reported
+                self._drop("internal_error", f"{type(e).__name__}: {e}")
+                continue
+            self.frames_out += 1
+            self.times.add("preprocess", result.preprocess_ms)
+            self.times.add("prefix", result.prefix_ms)
+
+    def _drop(self, cause: str, message: str) -> None:
+        n = self.drops.add(cause)
+        self.last_error = message
+        if self._throttle(cause):
+            self.get_logger().warning(f"dropped frame ({cause}, {n} so far): {message}")
+
+    def _publish_diagnostics(self) -> None:
+        ring = self.runner.ring.stats if self.runner is not None else {}
+        drops = self.drops.snapshot()
+        drops.update({f"ring_{k}": v for k, v in ring.items() if k == "dropped_oldest"})
+        level = common.OK if not self.last_error else common.WARN
+        values = common.flatten_stats(self.times.summary(), drops, {
+            "state": common.lifecycle_state(self),
+            "frames_in": self.frames_in, "frames_synchronized": self.frames_synced,
+            "frames_out": self.frames_out, "ring_published": ring.get("published", 0),
+            "split_layer": self.params.split_layer if self.params else "", "last_error": self.last_error})
+        self._diag_pub.publish(common.diagnostic_array(self, "pipeline", level, "prefix stage", values))
+
+
+def main(args: list[str] | None = None) -> int:
+    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args ...``."""
+    rclpy.init(args=args if args is not None else sys.argv)
+    node = PrefixNode()
+    try:
+        rclpy.spin(node)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node._stop()
+        node._release()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

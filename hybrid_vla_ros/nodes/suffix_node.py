@@ -1,0 +1,61 @@
+"""suffix_node: shared-memory ring -> decoder blocks [K, L), norm, planning head -> Autoware Trajectory.
+
+The process pins itself to ``cpu_affinity`` before torch or rclpy is imported (see ``main``), so
+every thread it ever starts (OpenMP pool, DDS, executor) runs on the spare cores.
+
+Lifecycle:
+  on_configure  validate parameters, pin again (every thread), load the suffix on the CPU;
+  on_activate   subscribe to odometry, start the worker (it attaches to the prefix's ring, waiting
+                for it if the prefix is not configured yet);
+  on_deactivate stop the worker;  on_cleanup / on_shutdown  detach from the ring, free the model.
+Output: ``~/output/trajectory`` (autoware_planning_msgs/Trajectory, frame ``output_frame``,
+header.stamp = the camera stamp of the frame), ``~/debug/frame_timing`` (DiagnosticArray, one per
+frame, same stamp, per-stage milliseconds) and ``/diagnostics`` (1 Hz).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _pin_early(argv: list[str]) -> list[int] | None:
+    """Apply ``cpu_affinity`` from the command line before any thread-starting import."""
+    from ..core.affinity import affinity_from_ros_args, pin_process
+
+    cores = affinity_from_ros_args(argv, {"suffix_node"})
+    if cores:
+        pin_process(cores)
+    return cores
+
+
+def main(args: list[str] | None = None) -> int:
+    """Console entry point: ``ros2 run hybrid_vla_ros suffix_node --ros-args -p cpu_affinity:=[2,3] ...``."""
+    argv = args if args is not None else sys.argv
+    try:
+        early = _pin_early(argv)
+    except ValueError as e:
+        print(f"suffix_node: {e}", file=sys.stderr)
+        return 2
+    if early:
+        # Keep OpenMP from sizing its pool for all cores before configure sets the thread count.
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(early)))
+    import rclpy
+    from rclpy.executors import ExternalShutdownException
+
+    from ._suffix_impl import SuffixNode
+
+    rclpy.init(args=argv)
+    node = SuffixNode(early_affinity=early)
+    try:
+        rclpy.spin(node)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.shutdown_pipeline()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

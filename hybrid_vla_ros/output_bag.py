@@ -1,0 +1,54 @@
+"""MCAP rosbag2 writer for the replay's outputs (rosbags, with message definitions embedded)."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+
+def _typestore_with_autoware():
+    """rosbags Kilted typestore plus autoware_planning_msgs read from the installed .msg files."""
+    from ament_index_python.packages import get_package_share_directory
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    share = Path(get_package_share_directory("autoware_planning_msgs")) / "msg"
+    types = {}
+    for name in ("TrajectoryPoint", "Trajectory"):
+        types.update(get_types_from_msg((share / f"{name}.msg").read_text(), f"autoware_planning_msgs/msg/{name}"))
+    store.register(types)
+    return store
+
+
+class OutputBag:
+    """Thread-safe MCAP bag at ``path`` (a rosbag2 folder; a number is appended if it exists)."""
+
+    def __init__(self, path: str | Path):
+        from rosbags.rosbag2 import StoragePlugin, Writer
+
+        path = Path(path)
+        candidate, i = path, 1
+        while candidate.exists():
+            candidate, i = path.with_name(f"{path.name}_{i}"), i + 1
+        self.path = candidate
+        self._store = _typestore_with_autoware()
+        self._writer = Writer(self.path, version=8, storage_plugin=StoragePlugin.MCAP)
+        self._writer.open()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def add_topic(self, topic: str, msgtype: str):
+        """Register a topic; returns the connection to pass to ``write``."""
+        with self._lock:
+            return self._writer.add_connection(topic, msgtype, typestore=self._store)
+
+    def write(self, connection, t_ns: int, raw: bytes) -> None:
+        """Append CDR bytes (from rclpy.serialization.serialize_message) at time ``t_ns``."""
+        with self._lock:
+            if not self._closed:
+                self._writer.write(connection, t_ns, raw)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._writer.close()

@@ -1,0 +1,396 @@
+"""``hybrid-vla replay``: the main job. Bag -> prefix_node -> ring -> suffix_node -> Trajectory bag + report.
+
+It starts the two node processes (or, with ``--attach``, uses nodes already running, e.g. started
+with ``ros2 run`` on a ROS 2 machine), drives them through configure and activate with the standard
+``lifecycle_msgs/srv/ChangeState`` services as a lifecycle manager would, replays a rosbag2 bag
+(MCAP or sqlite3, read with rosbags) at its recorded rate through rclpy publishers, looped
+``--loops`` times with header stamps shifted so time keeps increasing, records every published
+Trajectory (and the per-frame timing) into an MCAP bag, and prints a report. It then deactivates
+and cleans both nodes up and stops the processes.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BAG = PACKAGE_ROOT / "data" / "dgp_scene02_6cam_mcap"
+CAMERA_TOPIC = re.compile(r"^/sensing/camera/camera(\d+)/image_raw(/compressed)?$")
+ODOMETRY_TOPIC = "/localization/kinematic_state"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``hybrid-vla replay``."""
+    p.add_argument("--model-path", required=True, help="checkpoint directory (see `hybrid-vla init-model`)")
+    p.add_argument("--bag", default=str(DEFAULT_BAG), help="rosbag2 folder (MCAP or sqlite3); default: the embedded DGP bag")
+    p.add_argument("--loops", type=int, default=1, help="play the bag this many times (stamps shifted each loop)")
+    p.add_argument("--rate", type=float, default=1.0, help="playback speed factor (1.0 = recorded rate)")
+    p.add_argument("--split-layer", type=int, default=None, help="split layer K (default: L // 2)")
+    p.add_argument("--transport", choices=("compressed", "raw"), default="compressed",
+                   help="camera topics to play: image_raw/compressed or image_raw")
+    p.add_argument("--device", default="auto", help="prefix device: auto | cpu | cuda[:N]")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (both nodes)")
+    p.add_argument("--suffix-cores", default=None,
+                   help="cores for the suffix process, e.g. '1' or '2,3' (default: the last core)")
+    p.add_argument("--prefix-threads", type=int, default=0, help="torch threads of a CPU prefix (0 = the other cores)")
+    p.add_argument("--sync-tolerance-ms", type=float, default=50.0, help="camera synchronization tolerance (ms)")
+    p.add_argument("--namespace", default="/hybrid_vla", help="namespace of the two nodes")
+    p.add_argument("--output-topic", default="/planning/hybrid_vla/trajectory", help="trajectory topic")
+    p.add_argument("--output", default="out/replay", help="output folder (bag, logs, report.json)")
+    p.add_argument("--attach", action="store_true", help="drive nodes that are already running instead of starting them")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each lifecycle transition")
+
+
+@dataclass
+class BagMessage:
+    """One message of the bag: topic, type name (pkg/msg/Name), receive time (ns) and CDR bytes."""
+
+    topic: str
+    msgtype: str
+    t_ns: int
+    raw: bytes
+
+
+def read_bag(path: str | Path) -> list[BagMessage]:
+    """All messages of a rosbag2 folder in time order. Raises FileNotFoundError / rosbags errors."""
+    from rosbags.highlevel import AnyReader
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no bag at {path}")
+    with AnyReader([path]) as reader:
+        return [BagMessage(c.topic, c.msgtype, t, bytes(raw)) for c, t, raw in reader.messages()]
+
+
+def message_class(msgtype: str):
+    """'sensor_msgs/msg/Image' -> the rclpy message class. Raises ImportError / AttributeError."""
+    pkg, kind, name = msgtype.split("/")
+    return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
+
+
+def camera_topics(messages: list[BagMessage], transport: str) -> list[str]:
+    """Base image topics (without /compressed) of /sensing/camera/camera<i>/image_raw[/compressed],
+    in camera-index order, for the transport asked. Raises ValueError when there are none."""
+    found = {}
+    for m in messages:
+        match = CAMERA_TOPIC.match(m.topic)
+        if match and bool(match.group(2)) == (transport == "compressed"):
+            found[int(match.group(1))] = m.topic.removesuffix("/compressed")
+    if not found:
+        raise ValueError(f"the bag has no {transport} camera topics like /sensing/camera/camera0/image_raw")
+    return [found[i] for i in sorted(found)]
+
+
+@dataclass
+class Recorder:
+    """What the replay node received, by camera stamp (ns)."""
+
+    trajectories: dict[int, float] = field(default_factory=dict)  # stamp -> wall receive time (s)
+    timings: dict[int, dict] = field(default_factory=dict)  # stamp -> stage ms
+    diagnostics: dict[str, dict] = field(default_factory=dict)  # status name -> key/values
+    traj_points: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    v = np.asarray(values)
+    return {"n": int(v.size), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90))}
+
+
+def _parse_cores(text: str | None) -> list[int]:
+    if text is None:
+        cores = sorted(os.sched_getaffinity(0))
+        return [cores[-1]]
+    return [int(c) for c in text.split(",") if c.strip()]
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """Run the main job; returns a process exit code (0 when trajectories came out and nodes shut down cleanly)."""
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    from .core.config import VLAConfig
+    from .lifecycle_client import LifecycleClient
+    from .nodes.msg_conv import stamp_to_ns
+    from .output_bag import OutputBag
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg = VLAConfig.load(args.model_path)
+        messages = read_bag(args.bag)
+        cams = camera_topics(messages, args.transport)
+    except (OSError, ValueError) as e:
+        print(f"hybrid-vla replay: {e}", file=sys.stderr)
+        return 1
+    if len(cams) != cfg.n_cameras:
+        print(f"hybrid-vla replay: the bag has {len(cams)} cameras, the model takes {cfg.n_cameras}", file=sys.stderr)
+        return 1
+    k = cfg.num_layers // 2 if args.split_layer is None else args.split_layer
+    suffix_cores = _parse_cores(args.suffix_cores)
+    prefix_threads = args.prefix_threads or max(1, len(os.sched_getaffinity(0)) - len(suffix_cores))
+    ns = "/" + args.namespace.strip("/")
+    play_topics = {f"{t}/compressed" if args.transport == "compressed" else t for t in cams} | {ODOMETRY_TOPIC}
+    play = [m for m in messages if m.topic in play_topics]
+    if cfg.random_init:
+        print("note: the checkpoint has RANDOM weights: the trajectories test the pipeline, they are not driving advice")
+
+    params = {
+        f"{ns}/prefix_node": {"ros__parameters": {
+            "model_path": str(Path(args.model_path).resolve()), "split_layer": k, "camera_topics": cams,
+            "camera_transports": [args.transport], "sync_tolerance_ms": args.sync_tolerance_ms,
+            "device": args.device, "dtype": args.dtype, "torch_threads": prefix_threads}},
+        f"{ns}/suffix_node": {"ros__parameters": {
+            "model_path": str(Path(args.model_path).resolve()), "split_layer": k, "cpu_affinity": suffix_cores,
+            "threads": len(suffix_cores), "dtype": args.dtype}},
+    }
+    params_file = out / "params.yaml"
+    import yaml
+
+    params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+
+    procs: list[subprocess.Popen] = []
+    if not args.attach:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        for name, extra in (("prefix_node", []),
+                            ("suffix_node", ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}",
+                                             "-r", f"~/output/trajectory:={args.output_topic}"])):
+            cmd = [sys.executable, "-m", f"hybrid_vla_ros.nodes.{name}", "--ros-args", "-r", f"__ns:={ns}",
+                   "--params-file", str(params_file), *extra]
+            log = open(out / f"{name}.log", "w")
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    rclpy.init()
+    node = rclpy.create_node("hybrid_vla_replay")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    spin = threading.Thread(target=executor.spin, daemon=True)
+    spin.start()
+    rec = Recorder()
+    bag = OutputBag(out / "trajectories")
+    rc = 1
+    try:
+        rc = _drive(args, node, rec, bag, play, cams, ns, procs, out, cfg, k, suffix_cores,
+                    LifecycleClient, deserialize_message, serialize_message, stamp_to_ns, message_class)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+    finally:
+        bag.close()
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
+        codes = _stop_processes(procs)
+        if any(c != 0 for c in codes):
+            print(f"node processes exited with {codes}; logs in {out}", file=sys.stderr)
+            rc = rc or 1
+    return rc
+
+
+def _stop_processes(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+def _drive(args, node, rec, bag, play, cams, ns, procs, out, cfg, k, suffix_cores, LifecycleClient,
+           deserialize_message, serialize_message, stamp_to_ns, message_class) -> int:
+    from autoware_planning_msgs.msg import Trajectory
+    from diagnostic_msgs.msg import DiagnosticArray
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+    timing_topic = f"{ns}/suffix_node/debug/frame_timing"
+    traj_conn = bag.add_topic(args.output_topic, "autoware_planning_msgs/msg/Trajectory")
+    timing_conn = bag.add_topic(timing_topic, "diagnostic_msgs/msg/DiagnosticArray")
+
+    def on_trajectory(msg):
+        stamp = stamp_to_ns(msg.header.stamp)
+        with rec.lock:
+            rec.trajectories[stamp] = time.monotonic()
+            rec.traj_points.append(len(msg.points))
+        bag.write(traj_conn, stamp, serialize_message(msg))
+
+    def on_timing(msg):
+        stamp = stamp_to_ns(msg.header.stamp)
+        with rec.lock:
+            rec.timings[stamp] = {kv.key.removesuffix("_ms"): float(kv.value) for kv in msg.status[0].values}
+        bag.write(timing_conn, stamp, serialize_message(msg))
+
+    def on_diag(msg):
+        with rec.lock:
+            for s in msg.status:
+                rec.diagnostics[s.name] = {kv.key: kv.value for kv in s.values}
+
+    node.create_subscription(Trajectory, args.output_topic, on_trajectory,
+                             QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)
+    node.create_subscription(DiagnosticArray, "/diagnostics", on_diag, 50)
+
+    managers = [LifecycleClient(node, f"{ns}/prefix_node"), LifecycleClient(node, f"{ns}/suffix_node")]
+    t_start = time.monotonic()
+    for m in managers:
+        if not m.wait_for_services(args.timeout, procs):
+            print(f"hybrid-vla replay: {m.name} did not come up; logs in {out}", file=sys.stderr)
+            return 1
+    for transition in ("configure", "activate"):
+        for m in managers:
+            ok, detail = m.change_state(transition, args.timeout)
+            if not ok:
+                print(f"hybrid-vla replay: {transition} of {m.name} failed ({detail}); logs in {out}", file=sys.stderr)
+                return 1
+    print(f"nodes active after {time.monotonic() - t_start:.1f} s: split_layer={k}/{cfg.num_layers}, "
+          f"suffix pinned to cores {suffix_cores}")
+
+    publishers = {}
+    for m in play:
+        if m.topic not in publishers:
+            publishers[m.topic] = (node.create_publisher(message_class(m.msgtype), m.topic, 10), message_class(m.msgtype))
+    _wait_for_subscribers(publishers, timeout=10.0)
+
+    published = _play(args, play, publishers, deserialize_message, rec)
+    frames = published["frames"]
+    # Let frames in flight finish: stop when every frame has an answer or output stalls for 3 s.
+    last_count, last_change = -1, time.monotonic()
+    while time.monotonic() - last_change < 3.0 and len(rec.trajectories) < len(frames):
+        if len(rec.trajectories) != last_count:
+            last_count, last_change = len(rec.trajectories), time.monotonic()
+        time.sleep(0.05)
+    for m in managers:
+        m.change_state("deactivate", args.timeout)
+    time.sleep(0.5)  # the nodes publish their final /diagnostics on deactivate
+    for m in managers:
+        m.change_state("cleanup", args.timeout)
+
+    report = _report(rec, frames, published, ns, k, cfg, bag.path)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _print_report(report)
+    return 0 if report["trajectories_out"] > 0 else 1
+
+
+def _wait_for_subscribers(publishers: dict, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(pub.get_subscription_count() > 0 for pub, _ in publishers.values()
+               if not pub.topic_name.endswith("camera_info")):
+            return
+        time.sleep(0.05)
+
+
+def _play(args, play, publishers, deserialize_message, rec) -> dict:
+    """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts."""
+    from tqdm import tqdm
+
+    t0 = play[0].t_ns
+    span = play[-1].t_ns - t0
+    gaps = np.diff(sorted({m.t_ns for m in play if CAMERA_TOPIC.match(m.topic)}))
+    gaps = gaps[gaps > args.sync_tolerance_ms * 1e6]  # between frames, not between the cameras of one frame
+    period = int(np.median(gaps)) if gaps.size else 100_000_000
+    loop_len = span + period
+    frames: dict[int, float] = {}  # frame stamp (ns, its first camera message) -> wall time its last image went out
+    n_msgs = 0
+    last_frame = None
+    total = args.loops * len(play)
+    bar = tqdm(total=total, unit="msg", disable=args.quiet, dynamic_ncols=True, desc="replay")
+    wall0 = time.monotonic()
+    for loop in range(args.loops):
+        offset = loop * loop_len
+        for m in play:
+            due = wall0 + (m.t_ns - t0 + offset) / 1e9 / args.rate
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            pub, cls = publishers[m.topic]
+            msg = deserialize_message(m.raw, cls)
+            stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec + offset
+            msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
+            pub.publish(msg)
+            n_msgs += 1
+            if CAMERA_TOPIC.match(m.topic):
+                if last_frame is None or abs(stamp - last_frame) > args.sync_tolerance_ms * 1e6:
+                    last_frame = stamp
+                frames[last_frame] = time.monotonic()
+            bar.update(1)
+            with rec.lock:
+                done = len(rec.trajectories)
+            bar.set_postfix(frames=len(frames), trajectories=done, refresh=False)
+    bar.close()
+    return {"frames": frames, "messages": n_msgs, "wall_s": time.monotonic() - wall0}
+
+
+def _report(rec, frames, published, ns, k, cfg, bag_path) -> dict:
+    with rec.lock:
+        trajectories = dict(rec.trajectories)
+        timings = dict(rec.timings)
+        diags = dict(rec.diagnostics)
+    prefix = diags.get(f"prefix_node: pipeline", {})
+    suffix = diags.get(f"suffix_node: pipeline", {})
+    e2e = []
+    for stamp, t_recv in trajectories.items():
+        key = min(frames, key=lambda f: abs(f - stamp)) if frames else None
+        if key is not None:
+            e2e.append((t_recv - frames[key]) * 1e3)
+    stages = {s: _percentiles([t[s] for t in timings.values() if s in t])
+              for s in ("preprocess", "prefix", "handoff", "suffix")}
+    stages["end_to_end"] = _percentiles(e2e)
+    drops = {}
+    for side, d in (("prefix", prefix), ("suffix", suffix)):
+        for key, v in d.items():
+            if key.startswith("drop_") and int(v):
+                drops[f"{side}.{key[5:]}"] = int(v)
+    return {
+        "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
+        "camera_messages_in": int(prefix.get("frames_in", 0)),
+        "frames_published": len(frames),
+        "frames_synchronized": int(prefix.get("frames_synchronized", 0)),
+        "frames_through_prefix": int(prefix.get("frames_out", 0)),
+        "trajectories_out": len(trajectories),
+        "drops": drops,
+        "stages_ms": stages,
+        "messages_played": published["messages"],
+        "playback_wall_s": round(published["wall_s"], 3),
+        "output_bag": str(bag_path),
+    }
+
+
+def _print_report(r: dict) -> None:
+    print()
+    print("hybrid-vla replay report" + ("  (random-init model: not driving advice)" if r["random_init"] else ""))
+    print(f"  split layer            {r['split_layer']} of {r['num_layers']}")
+    print(f"  camera messages in     {r['camera_messages_in']}")
+    print(f"  frames published       {r['frames_published']}")
+    print(f"  frames synchronized    {r['frames_synchronized']}")
+    print(f"  frames through prefix  {r['frames_through_prefix']}")
+    print(f"  trajectories out       {r['trajectories_out']}")
+    print(f"  drops by cause         {r['drops'] or 'none'}")
+    print(f"  {'stage':<22} {'n':>5} {'p50 ms':>9} {'p90 ms':>9}")
+    for stage, s in r["stages_ms"].items():
+        if s["n"]:
+            print(f"  {stage:<22} {s['n']:>5} {s['p50']:>9.2f} {s['p90']:>9.2f}")
+        else:
+            print(f"  {stage:<22} {0:>5} {'-':>9} {'-':>9}")
+    print(f"  output bag             {r['output_bag']}")

@@ -1,0 +1,32 @@
+"""Shared fixtures: a tiny random-init checkpoint on disk, the embedded bag, an isolated ROS domain."""
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+EMBEDDED_BAG = REPO / "data" / "dgp_scene02_6cam_mcap"
+
+# Each test run gets its own DDS domain on loopback, so parallel runs (CI and a developer) never
+# see each other's nodes. Child processes inherit it.
+os.environ.setdefault("ROS_DOMAIN_ID", str(random.Random(os.getpid()).randint(1, 100)))
+os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A random-init 'tiny' checkpoint written by the same code as `hybrid-vla init-model`."""
+    from hybrid_vla_ros.core.checkpoint import init_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    init_model("tiny", path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def embedded_bag() -> Path:
+    assert (EMBEDDED_BAG / "metadata.yaml").is_file(), "the embedded DGP bag is missing"
+    return EMBEDDED_BAG
