@@ -6,6 +6,7 @@ BAG := data/dgp_scene02_6cam_mcap
 LOOPS ?= 3
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
+export AMENT_PREFIX_PATH ?= $(CURDIR)/.venv
 
 .PHONY: venv demo test bench clean
 venv:

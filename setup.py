@@ -13,7 +13,7 @@ setup(
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         (f"share/{PACKAGE}", ["package.xml"]),
         (f"share/{PACKAGE}/launch", glob("launch/*.py") + glob("launch/*.xml")),
-        (f"share/{PACKAGE}/config", glob("config/*.yaml")),
+        (f"share/{PACKAGE}/config", glob("config/*.yaml") + glob("config/*.xml")),
         (f"share/{PACKAGE}/data/dgp_scene02_6cam_mcap", glob("data/dgp_scene02_6cam_mcap/*")),
     ],
     install_requires=["setuptools"],

@@ -17,7 +17,7 @@ def _init_model(args: argparse.Namespace) -> int:
     except (FileExistsError, ValueError) as e:
         print(f"hybrid-vla init-model: {e}", file=sys.stderr)
         return 1
-    print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} (model id {model_id(args.path):016x}): "
+    print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} (model id {model_id(args.path) & (2**64 - 1):016x}): "
           f"{cfg.n_cameras} cameras at {cfg.image_size}px, {cfg.num_layers} decoder blocks, "
           f"hidden states {cfg.prefix_state_shape}. Its trajectories exercise the pipeline; they are not driving advice.")
     return 0

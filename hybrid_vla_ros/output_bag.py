@@ -1,17 +1,31 @@
 """MCAP rosbag2 writer for the replay's outputs (rosbags, with message definitions embedded)."""
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
 
+def share_directory(package: str) -> Path:
+    """``share/<package>`` from the ament index, or from this interpreter's prefix (the venv) when
+    AMENT_PREFIX_PATH is not set. Raises LookupError when neither has it."""
+    from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
+
+    try:
+        return Path(get_package_share_directory(package))
+    except (OSError, PackageNotFoundError):
+        candidate = Path(sys.prefix) / "share" / package
+        if candidate.is_dir():
+            return candidate
+    raise LookupError(f"package {package!r} is not installed (no share/{package} in the ament index or {sys.prefix})")
+
+
 def _typestore_with_autoware():
     """rosbags Kilted typestore plus autoware_planning_msgs read from the installed .msg files."""
-    from ament_index_python.packages import get_package_share_directory
     from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
     store = get_typestore(Stores.ROS2_KILTED)
-    share = Path(get_package_share_directory("autoware_planning_msgs")) / "msg"
+    share = share_directory("autoware_planning_msgs") / "msg"
     types = {}
     for name in ("TrajectoryPoint", "Trajectory"):
         types.update(get_types_from_msg((share / f"{name}.msg").read_text(), f"autoware_planning_msgs/msg/{name}"))

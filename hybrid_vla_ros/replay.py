@@ -119,8 +119,21 @@ def _parse_cores(text: str | None) -> list[int]:
     return [int(c) for c in text.split(",") if c.strip()]
 
 
+def config_file(name: str) -> Path:
+    """A file of the package's config/ folder: the source tree's, else the installed share/ copy."""
+    local = PACKAGE_ROOT / "config" / name
+    if local.is_file():
+        return local
+    from .output_bag import share_directory
+
+    return share_directory("hybrid_vla_ros") / "config" / name
+
+
 def run_replay(args: argparse.Namespace) -> int:
     """Run the main job; returns a process exit code (0 when trajectories came out and nodes shut down cleanly)."""
+    # Whole camera images over shared memory (see config/fastdds_shm_large.xml); the node processes inherit it.
+    if "FASTDDS_DEFAULT_PROFILES_FILE" not in os.environ and "FASTRTPS_DEFAULT_PROFILES_FILE" not in os.environ:
+        os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(config_file("fastdds_shm_large.xml"))
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.serialization import deserialize_message, serialize_message

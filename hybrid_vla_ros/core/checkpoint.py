@@ -56,10 +56,10 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0) -> VLAConfig:
 
 
 def model_id(path: str | Path) -> int:
-    """64-bit id of a checkpoint, the same in every process that loads it (the slot header carries it).
+    """Signed 64-bit id of a checkpoint, the same in every process that loads it (the slot header carries it).
 
     sha256 over config.json and the safetensors header, keys sorted (tensor names, dtypes, shapes, offsets and
-    metadata, which includes the seed for presets), first 8 bytes as an unsigned int. It does not
+    metadata, which includes the seed for presets), first 8 bytes as a signed int64. It does not
     hash the weight bytes (a 7B checkpoint would take seconds): two checkpoints that differ only in
     weight values with identical headers share an id. Raises FileNotFoundError, ValueError.
     """
@@ -74,7 +74,7 @@ def model_id(path: str | Path) -> int:
             raise ValueError(f"{path / WEIGHTS_FILE}: implausible safetensors header size {n}")
         header = json.loads(f.read(n))  # canonical form: safetensors writes metadata in hash order
     digest.update(json.dumps(header, sort_keys=True).encode())
-    return int.from_bytes(digest.digest()[:8], "little")
+    return int.from_bytes(digest.digest()[:8], "little", signed=True)
 
 
 def _materialize(module: nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> None:

@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-_RING_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_RING_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 DEVICES = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 TRANSPORTS = ("raw", "compressed")
@@ -75,7 +75,7 @@ class PrefixParams:
         _check(p, self.sync_tolerance_ms > 0, "sync_tolerance_ms", "must be > 0 ms")
         _check(p, bool(DEVICES.match(self.device)), "device", "must be auto, cpu, cuda or cuda:N")
         _check(p, self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}")
-        _check(p, bool(_RING_NAME.match(self.ring_name)), "ring_name", "1-64 characters of [A-Za-z0-9_.-]")
+        _check(p, bool(_RING_NAME.match(self.ring_name)), "ring_name", "1-64 characters of [A-Za-z0-9_-]")
         _check(p, 3 <= self.ring_slots <= 64, "ring_slots", "must be in [3, 64]")
         _check(p, self.torch_threads >= 0, "torch_threads", "must be >= 0")
         if p:
@@ -119,7 +119,7 @@ class SuffixParams:
         _check(p, not bad, "cpu_affinity", f"cores {bad} do not exist (this machine has 0..{(os.cpu_count() or 1) - 1})")
         _check(p, self.threads >= 0, "threads", "must be >= 0")
         _check(p, self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}")
-        _check(p, bool(_RING_NAME.match(self.ring_name)), "ring_name", "1-64 characters of [A-Za-z0-9_.-]")
+        _check(p, bool(_RING_NAME.match(self.ring_name)), "ring_name", "1-64 characters of [A-Za-z0-9_-]")
         _check(p, bool(self.output_frame), "output_frame", "must not be empty")
         _check(p, self.wheelbase_m > 0, "wheelbase_m", "must be > 0 m")
         _check(p, self.max_odometry_age_s > 0, "max_odometry_age_s", "must be > 0 s")

@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint import load_stage, model_id, parse_dtype
 from .image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess
-from .shm_ring import FrameMeta, RingConsumer, RingProducer, slot_bytes_for
+from .shm_ring import FrameMeta, RingConsumer, RingProducer, segment_name, slot_bytes_for
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,7 +58,8 @@ class PrefixRunner:
     """
 
     def __init__(self, model_path: str, split_layer: int, *, device: str = "auto", dtype: str = "fp32",
-                 ring_name: str = "prefix_states", ring_slots: int = 4, torch_threads: int = 0):
+                 ring_name: str = "prefix_states", namespace: str = "/", ring_slots: int = 4,
+                 torch_threads: int = 0):
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype)
         if torch_threads > 0:
@@ -68,7 +69,8 @@ class PrefixRunner:
         self.split_layer = split_layer
         self.model_id = model_id(model_path)
         self.state_shape = self.cfg.prefix_state_shape
-        self.ring = RingProducer(ring_name, ring_slots, slot_bytes_for(self.state_shape, self.dtype), self.model_id)
+        self.ring = RingProducer(segment_name(ring_name, namespace), ring_slots,
+                                 slot_bytes_for(self.state_shape, self.dtype), self.model_id)
         s = self.cfg.image_size
         self._pixels_cpu = torch.empty((self.cfg.n_cameras, 3, s, s), dtype=torch.float32)
 
@@ -143,7 +145,7 @@ class SuffixRunner:
     """
 
     def __init__(self, model_path: str, split_layer: int, *, dtype: str = "fp32", ring_name: str = "prefix_states",
-                 threads: int = 0):
+                 namespace: str = "/", threads: int = 0):
         if threads > 0:
             torch.set_num_threads(threads)
         self.dtype = parse_dtype(dtype)
@@ -151,7 +153,7 @@ class SuffixRunner:
         self.cfg = self.stage.cfg
         self.split_layer = split_layer
         self.model_id = model_id(model_path)
-        self.ring_name = ring_name
+        self.segment = segment_name(ring_name, namespace)
         self.ring: RingConsumer | None = None
 
     def _attach(self) -> bool:
@@ -160,7 +162,7 @@ class SuffixRunner:
             self.ring = None
         if self.ring is None:
             try:
-                self.ring = RingConsumer(self.ring_name, expected_model_id=self.model_id,
+                self.ring = RingConsumer(self.segment, expected_model_id=self.model_id,
                                          expected_split_layer=self.split_layer)
             except FileNotFoundError:
                 return False

@@ -13,6 +13,7 @@ from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from ..core.affinity import pin_process, thread_affinities
+from ..core.odometry import OdometryBuffer
 from ..core.params import ParameterError, SuffixParams
 from ..core.pipeline import SuffixRunner
 from ..core.shm_ring import SlotRejected
@@ -46,7 +47,7 @@ class SuffixNode(LifecycleNode):
         self.frames_out = 0
         self.last_error = ""
         self._throttle = common.Throttle()
-        self._odom = None  # (stamp_ns, EgoState) of the newest valid odometry
+        self._odom = OdometryBuffer()
         self._odom_sub = None
         self._worker: threading.Thread | None = None
         self._running = False
@@ -68,8 +69,7 @@ class SuffixNode(LifecycleNode):
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)
             threads = p.threads or len(p.cpu_affinity) or torch.get_num_threads()
-            ring = f"{self.get_namespace().strip('/').replace('/', '.') or 'root'}.{p.ring_name}"
-            self.runner = SuffixRunner(p.model_path, p.split_layer, dtype=p.dtype, ring_name=ring, threads=threads)
+            self.runner = SuffixRunner(p.model_path, p.split_layer, dtype=p.dtype, ring_name=p.ring_name, namespace=self.get_namespace(), threads=threads)
             p.validate(num_layers=self.runner.cfg.num_layers)
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.last_error = str(e)
@@ -81,7 +81,7 @@ class SuffixNode(LifecycleNode):
         self.get_logger().info(
             f"configured: split_layer={p.split_layer}/{self.runner.cfg.num_layers} dtype={p.dtype} "
             f"threads={torch.get_num_threads()} cores={cores} (pinned early: {self.early_affinity or 'no'}) "
-            f"ring '{ring}'" + (" [random-init weights: trajectories are not driving advice]"
+            f"ring '{self.runner.segment}'" + (" [random-init weights: trajectories are not driving advice]"
                                 if self.runner.cfg.random_init else ""))
         return TransitionCallbackReturn.SUCCESS
 
@@ -132,7 +132,7 @@ class SuffixNode(LifecycleNode):
         except ValueError as e:
             self._drop("bad_odometry", str(e))
             return
-        self._odom = (stamp_to_ns(msg.header.stamp), ego)
+        self._odom.add(stamp_to_ns(msg.header.stamp), ego)
 
     def _work(self) -> None:
         waiting_logged = False
@@ -157,15 +157,13 @@ class SuffixNode(LifecycleNode):
 
     def _publish(self, result) -> None:
         stamp = result.meta.stamp_ns
-        odom = self._odom
-        if odom is None:
-            self._drop("no_odometry", "no valid odometry on ~/input/kinematic_state yet")
-            return
-        if abs(stamp - odom[0]) > self.params.max_odometry_age_s * 1e9:
-            self._drop("stale_odometry", f"odometry {abs(stamp - odom[0]) / 1e9:.3f} s from the camera stamp")
+        try:
+            ego, _ = self._odom.nearest(stamp, int(self.params.max_odometry_age_s * 1e9))
+        except LookupError as e:
+            self._drop(str(e.args[0]), f"no odometry within {self.params.max_odometry_age_s} s of the camera stamp")
             return
         try:
-            arrays = waypoints_to_trajectory(result.waypoints, self.runner.cfg.waypoint_dt_s, odom[1],
+            arrays = waypoints_to_trajectory(result.waypoints, self.runner.cfg.waypoint_dt_s, ego,
                                              self.params.wheelbase_m)
         except ValueError as e:
             self._drop("bad_waypoints", str(e))

@@ -82,9 +82,8 @@ class PrefixNode(LifecycleNode):
             p.validate()
             cfg = VLAConfig.load(p.model_path)
             p.validate(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers)
-            ring = f"{self.get_namespace().strip('/').replace('/', '.') or 'root'}.{p.ring_name}"
             self.runner = PrefixRunner(p.model_path, p.split_layer, device=p.device, dtype=p.dtype,
-                                       ring_name=ring, ring_slots=p.ring_slots, torch_threads=p.torch_threads)
+                                       ring_name=p.ring_name, namespace=self.get_namespace(), ring_slots=p.ring_slots, torch_threads=p.torch_threads)
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.last_error = str(e)
             self.get_logger().error(f"configure failed: {e}")
@@ -93,7 +92,7 @@ class PrefixNode(LifecycleNode):
         cfg = self.runner.cfg
         self.get_logger().info(
             f"configured: split_layer={p.split_layer}/{cfg.num_layers} device={self.runner.device} dtype={p.dtype} "
-            f"hidden states {cfg.prefix_state_shape} -> ring '{ring}' ({p.ring_slots} slots)"
+            f"hidden states {cfg.prefix_state_shape} -> ring '{self.runner.ring.name}' ({p.ring_slots} slots)"
             + (" [random-init weights: trajectories are not driving advice]" if cfg.random_init else ""))
         return TransitionCallbackReturn.SUCCESS
 

@@ -1,0 +1,103 @@
+"""Parameter validation, early CPU pinning from ROS arguments, the odometry buffer."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hybrid_vla_ros.core.affinity import affinity_from_ros_args
+from hybrid_vla_ros.core.odometry import OdometryBuffer
+from hybrid_vla_ros.core.params import ParameterError, PrefixParams, SuffixParams
+
+
+def test_prefix_params_expand_and_validate(tiny_checkpoint):
+    p = PrefixParams(model_path=str(tiny_checkpoint), split_layer=2, camera_transports=["compressed"])
+    p.validate(n_cameras=6, num_layers=4)
+    assert p.camera_topics == [f"~/input/image{i}" for i in range(6)]
+    assert p.camera_transports == ["compressed"] * 6
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("split_layer", 5, "split_layer: 5 out of range [0, 4]"),
+    ("split_layer", -1, "split_layer"),
+    ("camera_topics", ["/a", "/b"], "camera_topics: 2 topics given, the model takes 6"),
+    ("camera_transports", ["jpeg"], "camera_transports"),
+    ("sync_tolerance_ms", 0.0, "sync_tolerance_ms"),
+    ("device", "tpu", "device"),
+    ("dtype", "int8", "dtype"),
+    ("ring_name", "../etc/passwd", "ring_name"),
+    ("ring_slots", 2, "ring_slots"),
+    ("model_path", "/nonexistent/model", "model_path"),
+])
+def test_prefix_params_reject(tiny_checkpoint, field, value, needle):
+    p = PrefixParams(model_path=str(tiny_checkpoint), split_layer=2)
+    setattr(p, field, value)
+    with pytest.raises(ParameterError) as e:
+        p.validate(n_cameras=6, num_layers=4)
+    assert needle in str(e.value)
+
+
+def test_suffix_params_reject_every_problem_at_once(tiny_checkpoint):
+    p = SuffixParams(model_path=str(tiny_checkpoint), split_layer=9, cpu_affinity=[4096], wheelbase_m=0.0,
+                     output_frame="")
+    with pytest.raises(ParameterError) as e:
+        p.validate(num_layers=4)
+    for needle in ("split_layer", "cpu_affinity", "wheelbase_m", "output_frame"):
+        assert needle in str(e.value)
+
+
+def test_affinity_from_command_line_and_params_file(tmp_path):
+    names = {"suffix_node"}
+    assert affinity_from_ros_args(["prog"], names) is None
+    assert affinity_from_ros_args(["prog", "--ros-args", "-p", "cpu_affinity:=[1, 3]"], names) == [1, 3]
+    assert affinity_from_ros_args(["prog", "--ros-args", "-p", "suffix_node:cpu_affinity:=2"], names) == [2]
+    assert affinity_from_ros_args(["prog", "--ros-args", "-p", "prefix_node:cpu_affinity:=2"], names) is None
+    f = tmp_path / "p.yaml"
+    f.write_text(textwrap.dedent("""
+        /ns/prefix_node:
+          ros__parameters: {cpu_affinity: [0]}
+        /ns/suffix_node:
+          ros__parameters: {cpu_affinity: [1], threads: 1}
+    """))
+    assert affinity_from_ros_args(["prog", "--ros-args", "--params-file", str(f)], names) == [1]
+    # a later -p wins over an earlier params file, as in rcl
+    assert affinity_from_ros_args(["prog", "--ros-args", "--params-file", str(f), "-p", "cpu_affinity:=[0]"],
+                                  names) == [0]
+    with pytest.raises(ValueError):
+        affinity_from_ros_args(["prog", "--ros-args", "-p", "cpu_affinity:=[a]"], names)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell pinned from unpinned")
+def test_pinning_before_torch_covers_every_thread():
+    """A process pinned by suffix_node's early step has all threads, torch's pool included, on the core."""
+    core = max(os.sched_getaffinity(0))
+    code = textwrap.dedent(f"""
+        import sys
+        from hybrid_vla_ros.nodes.suffix_node import _pin_early
+        _pin_early(["x", "--ros-args", "-p", "cpu_affinity:=[{core}]"])
+        import torch
+        torch.set_num_threads(2)
+        torch.ones(256, 256) @ torch.ones(256, 256)  # start the intra-op pool
+        from hybrid_vla_ros.core.affinity import thread_affinities
+        aff = thread_affinities()
+        assert len(aff) > 1, aff
+        assert all(s == {{{core}}} for s in aff.values()), aff
+        print(len(aff))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) > 1
+
+
+def test_odometry_buffer_picks_nearest_and_rejects_stale():
+    buf = OdometryBuffer()
+    with pytest.raises(LookupError, match="no_odometry"):
+        buf.nearest(0, 10)
+    for t in (100, 200, 300):
+        buf.add(t, f"ego{t}")
+    assert buf.nearest(190, 50) == ("ego200", 10)
+    assert buf.nearest(320, 50) == ("ego300", 20)
+    with pytest.raises(LookupError, match="stale_odometry"):
+        buf.nearest(1000, 50)
