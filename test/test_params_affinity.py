@@ -1,5 +1,7 @@
 """Parameter validation, early CPU pinning from ROS arguments, the odometry buffer."""
+import math
 import os
+import threading
 import subprocess
 import sys
 import textwrap
@@ -91,13 +93,33 @@ def test_pinning_before_torch_covers_every_thread():
     assert int(out.stdout.strip()) > 1
 
 
-def test_odometry_buffer_picks_nearest_and_rejects_stale():
+def _ego(t_s, x, yaw=0.0, speed=0.0):
+    from hybrid_vla_ros.core.trajectory import EgoState
+
+    return EgoState(x=x, y=0.0, z=0.0, yaw=yaw, speed=speed, stamp_ns=int(t_s * 1e9))
+
+
+def test_odometry_pose_at_interpolates_propagates_and_rejects_stale():
     buf = OdometryBuffer()
     with pytest.raises(LookupError, match="no_odometry"):
-        buf.nearest(0, 10)
-    for t in (100, 200, 300):
-        buf.add(t, f"ego{t}")
-    assert buf.nearest(190, 50) == ("ego200", 10)
-    assert buf.nearest(320, 50) == ("ego300", 20)
+        buf.pose_at(0, 10)
+    buf.add(_ego(2.0, 20.0, yaw=3.1, speed=2.0))
+    buf.add(_ego(1.0, 10.0, yaw=-3.1, speed=1.0))  # out of order on purpose: the buffer sorts by stamp
+    ego, how = buf.pose_at(int(1.25e9), int(1e9))
+    assert how == "interpolated"
+    assert ego.x == pytest.approx(12.5) and ego.speed == pytest.approx(1.25)
+    # shortest arc across +-pi: from -3.1 rad backwards towards 3.1 rad, never through 0
+    assert ego.yaw == pytest.approx(-3.1 - 0.25 * (2 * math.pi - 6.2), abs=1e-9)
+    ego, how = buf.pose_at(int(2.5e9), int(1e9))  # after the newest: constant-velocity propagation
+    assert how == "propagated"
+    assert ego.x == pytest.approx(20.0 + 2.0 * 0.5 * math.cos(3.1))
     with pytest.raises(LookupError, match="stale_odometry"):
-        buf.nearest(1000, 50)
+        buf.pose_at(int(5e9), int(1e9))
+
+
+def test_odometry_wait_for_newer_state():
+    buf = OdometryBuffer()
+    buf.add(_ego(1.0, 0.0))
+    assert not buf.wait_for(int(2e9), 0.01)
+    threading.Timer(0.05, lambda: buf.add(_ego(2.1, 1.0))).start()
+    assert buf.wait_for(int(2e9), 5.0)

@@ -1,39 +1,98 @@
-"""Recent ego states, to pick the one that matches a camera stamp."""
+"""Ego pose at a camera stamp, from a buffer of recent odometry.
+
+A frame's waypoints are in the ego frame of the instant its cameras fired, so they must be moved
+into ``map`` with the ego pose *at the camera stamp*, not with whatever odometry arrived last
+(at 1.3 m/s, one second of difference puts the whole trajectory 1.3 m off). Autoware's
+``/localization/kinematic_state`` runs at about 50 Hz, so two messages bracket any recent camera
+stamp; recorded bags may be slower, and the odometry of an instant may arrive after its images.
+"""
 from __future__ import annotations
 
+import bisect
+import math
 import threading
-from collections import deque
+
+from .trajectory import EgoState, wrap_angle
+
+
+def interpolate(a: EgoState, b: EgoState, stamp_ns: int) -> EgoState:
+    """Linear interpolation of position and speed, shortest-arc interpolation of yaw, at ``stamp_ns``.
+
+    Requires a.stamp_ns <= stamp_ns <= b.stamp_ns (ns); equal stamps return ``a``'s pose.
+    """
+    span = b.stamp_ns - a.stamp_ns
+    w = 0.0 if span <= 0 else (stamp_ns - a.stamp_ns) / span
+    return EgoState(
+        x=a.x + w * (b.x - a.x), y=a.y + w * (b.y - a.y), z=a.z + w * (b.z - a.z),
+        yaw=wrap_angle(a.yaw + w * wrap_angle(b.yaw - a.yaw)), speed=a.speed + w * (b.speed - a.speed),
+        stamp_ns=stamp_ns)
+
+
+def propagate(ego: EgoState, stamp_ns: int) -> EgoState:
+    """Move ``ego`` along its heading at its longitudinal speed (m/s) to ``stamp_ns`` (constant velocity)."""
+    dt = (stamp_ns - ego.stamp_ns) * 1e-9
+    return EgoState(x=ego.x + ego.speed * dt * math.cos(ego.yaw), y=ego.y + ego.speed * dt * math.sin(ego.yaw),
+                    z=ego.z, yaw=ego.yaw, speed=ego.speed, stamp_ns=stamp_ns)
 
 
 class OdometryBuffer:
-    """Thread-safe buffer of the last ``maxlen`` (stamp_ns, ego state) pairs.
+    """Thread-safe, time-ordered buffer of the last ``maxlen`` ego states (from Odometry).
 
-    ``nearest(stamp_ns, max_age_ns)`` returns the entry closest in time to a camera stamp, so the
-    waypoints of a frame are placed in ``map`` with the ego pose of that frame even when the
-    odometry of that instant arrives after the images (Autoware's kinematic_state runs at ~50 Hz;
-    recorded bags may be slower). Raises LookupError('no_odometry') when empty and
-    LookupError('stale_odometry') when the closest entry is more than ``max_age_ns`` away.
+    :meth:`pose_at` gives the ego pose at a camera stamp: interpolated between the two states that
+    bracket it, or, when the stamp lies outside the buffered span, propagated at constant velocity
+    from the nearest state. Either way every state used must lie within ``max_age_ns`` of the stamp.
+    :meth:`wait_for` lets the caller wait (bounded) for the state after a stamp when it has not
+    arrived yet.
     """
 
     def __init__(self, maxlen: int = 256):
-        self._entries: deque = deque(maxlen=maxlen)
-        self._lock = threading.Lock()
+        self._maxlen = maxlen
+        self._stamps: list[int] = []
+        self._states: list[EgoState] = []
+        self._cv = threading.Condition()
 
-    def add(self, stamp_ns: int, ego) -> None:
-        with self._lock:
-            self._entries.append((stamp_ns, ego))
+    def add(self, ego: EgoState) -> None:
+        """Insert a state (ns stamp in ``ego.stamp_ns``); an equal stamp replaces the older entry."""
+        with self._cv:
+            i = bisect.bisect_left(self._stamps, ego.stamp_ns)
+            if i < len(self._stamps) and self._stamps[i] == ego.stamp_ns:
+                self._states[i] = ego
+            else:
+                self._stamps.insert(i, ego.stamp_ns)
+                self._states.insert(i, ego)
+            if len(self._stamps) > self._maxlen:
+                del self._stamps[0], self._states[0]
+            self._cv.notify_all()
 
-    def nearest(self, stamp_ns: int, max_age_ns: int):
-        """-> (ego, |stamp difference| in ns) of the closest entry; see the class docstring."""
-        with self._lock:
-            if not self._entries:
+    def wait_for(self, stamp_ns: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until a state at or after ``stamp_ns`` is buffered; True if one is."""
+        with self._cv:
+            return self._cv.wait_for(lambda: bool(self._stamps) and self._stamps[-1] >= stamp_ns, timeout_s)
+
+    def pose_at(self, stamp_ns: int, max_age_ns: int) -> tuple[EgoState, str]:
+        """Ego state at ``stamp_ns`` and how it was obtained: 'interpolated' or 'propagated'.
+
+        Raises LookupError('no_odometry') when the buffer is empty and LookupError('stale_odometry')
+        when the states needed are more than ``max_age_ns`` from the stamp.
+        """
+        with self._cv:
+            if not self._stamps:
                 raise LookupError("no_odometry")
-            stamp, ego = min(self._entries, key=lambda e: abs(e[0] - stamp_ns))
-        gap = abs(stamp - stamp_ns)
-        if gap > max_age_ns:
+            i = bisect.bisect_left(self._stamps, stamp_ns)
+            if i < len(self._stamps) and self._stamps[i] == stamp_ns:
+                return self._states[i], "interpolated"
+            if 0 < i < len(self._stamps):
+                a, b = self._states[i - 1], self._states[i]
+                if stamp_ns - a.stamp_ns <= max_age_ns and b.stamp_ns - stamp_ns <= max_age_ns:
+                    return interpolate(a, b, stamp_ns), "interpolated"
+                nearest = min((a, b), key=lambda e: abs(e.stamp_ns - stamp_ns))
+            else:
+                nearest = self._states[0] if i == 0 else self._states[-1]
+        if abs(nearest.stamp_ns - stamp_ns) > max_age_ns:
             raise LookupError("stale_odometry")
-        return ego, gap
+        return propagate(nearest, stamp_ns), "propagated"
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        with self._cv:
+            self._stamps.clear()
+            self._states.clear()

@@ -94,7 +94,10 @@ class SuffixParams:
     model_path, dtype, ring_name: as for the prefix; both nodes must name the same checkpoint and ring.
     output_frame: frame of the published trajectory (Autoware: "map").
     wheelbase_m: vehicle wheelbase for front_wheel_angle_rad (m, > 0; Autoware vehicle_info wheel_base).
-    max_odometry_age_s: odometry older than this relative to the camera stamp is not used (s, > 0).
+    max_odometry_age_s: odometry farther than this from the camera stamp is not used (s, > 0); the
+        ego pose at the camera stamp is interpolated between the two bracketing odometry messages, or
+        propagated at constant velocity from the nearest one.
+    odometry_wait_s: longest wait for the odometry message after a camera stamp (s, >= 0).
     """
 
     model_path: str
@@ -106,6 +109,7 @@ class SuffixParams:
     output_frame: str = "map"
     wheelbase_m: float = 2.79
     max_odometry_age_s: float = 1.0
+    odometry_wait_s: float = 0.2
 
     def validate(self, num_layers: int | None = None) -> "SuffixParams":
         """Raise ParameterError listing every invalid field."""
@@ -123,6 +127,7 @@ class SuffixParams:
         _check(p, bool(self.output_frame), "output_frame", "must not be empty")
         _check(p, self.wheelbase_m > 0, "wheelbase_m", "must be > 0 m")
         _check(p, self.max_odometry_age_s > 0, "max_odometry_age_s", "must be > 0 s")
+        _check(p, 0 <= self.odometry_wait_s <= 5, "odometry_wait_s", "must be in [0, 5] s")
         if p:
             raise ParameterError("invalid parameters: " + "; ".join(p))
         return self

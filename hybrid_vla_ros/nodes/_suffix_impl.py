@@ -20,7 +20,7 @@ from ..core.shm_ring import SlotRejected
 from ..core.stats import DropCounter, StageTimes
 from ..core.trajectory import ego_state_from_odometry, waypoints_to_trajectory
 from . import common
-from .msg_conv import ns_to_stamp, stamp_to_ns, trajectory_to_msg
+from .msg_conv import ns_to_stamp, trajectory_to_msg
 
 
 class SuffixNode(LifecycleNode):
@@ -38,13 +38,15 @@ class SuffixNode(LifecycleNode):
         d(self, "ring_name", "prefix_states", "shared-memory ring name (as the prefix node's)")
         d(self, "output_frame", "map", "frame of the published trajectory")
         d(self, "wheelbase_m", 2.79, "wheelbase for front_wheel_angle_rad (m)")
-        d(self, "max_odometry_age_s", 1.0, "odometry older than this vs the camera stamp is not used (s)")
+        d(self, "max_odometry_age_s", 1.0, "odometry farther than this from the camera stamp is not used (s)")
+        d(self, "odometry_wait_s", 0.2, "longest wait for the odometry after a camera stamp (s)")
         self.early_affinity = early_affinity
         self.runner: SuffixRunner | None = None
         self.params: SuffixParams | None = None
         self.drops = DropCounter()
         self.times = StageTimes()
         self.frames_out = 0
+        self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
         self.last_error = ""
         self._throttle = common.Throttle()
         self._odom = OdometryBuffer()
@@ -64,7 +66,8 @@ class SuffixNode(LifecycleNode):
             p = SuffixParams(
                 model_path=v("model_path"), split_layer=v("split_layer"), cpu_affinity=v("cpu_affinity", []),
                 threads=v("threads"), dtype=v("dtype"), ring_name=v("ring_name"), output_frame=v("output_frame"),
-                wheelbase_m=float(v("wheelbase_m")), max_odometry_age_s=float(v("max_odometry_age_s")))
+                wheelbase_m=float(v("wheelbase_m")), max_odometry_age_s=float(v("max_odometry_age_s")),
+                odometry_wait_s=float(v("odometry_wait_s")))
             p.validate()
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)
@@ -132,7 +135,7 @@ class SuffixNode(LifecycleNode):
         except ValueError as e:
             self._drop("bad_odometry", str(e))
             return
-        self._odom.add(stamp_to_ns(msg.header.stamp), ego)
+        self._odom.add(ego)
 
     def _work(self) -> None:
         waiting_logged = False
@@ -157,8 +160,10 @@ class SuffixNode(LifecycleNode):
 
     def _publish(self, result) -> None:
         stamp = result.meta.stamp_ns
+        # Wait briefly for the odometry after the camera stamp, so the pose can be interpolated.
+        self._odom.wait_for(stamp, self.params.odometry_wait_s)
         try:
-            ego, _ = self._odom.nearest(stamp, int(self.params.max_odometry_age_s * 1e9))
+            ego, method = self._odom.pose_at(stamp, int(self.params.max_odometry_age_s * 1e9))
         except LookupError as e:
             self._drop(str(e.args[0]), f"no odometry within {self.params.max_odometry_age_s} s of the camera stamp")
             return
@@ -170,6 +175,8 @@ class SuffixNode(LifecycleNode):
             return
         self._traj_pub.publish(trajectory_to_msg(arrays, stamp, self.params.output_frame))
         self.frames_out += 1
+        if method == "propagated":
+            self.odometry_propagated += 1
         stages = {"preprocess": result.preprocess_ms, "prefix": result.prefix_ms,
                   "handoff": result.handoff_ms, "suffix": result.suffix_ms}
         for k, ms in stages.items():
@@ -190,7 +197,7 @@ class SuffixNode(LifecycleNode):
         drops = self.drops.snapshot()
         values = common.flatten_stats(self.times.summary(), drops, {
             "state": common.lifecycle_state(self), "trajectories_out": self.frames_out,
-            "ring_read": ring.get("read", 0), "split_layer": self.params.split_layer if self.params else "",
+            "ring_read": ring.get("read", 0), "odometry_propagated": self.odometry_propagated, "split_layer": self.params.split_layer if self.params else "",
             "cpu_affinity": sorted(os.sched_getaffinity(0)), "last_error": self.last_error})
         level = common.OK if not self.last_error else common.WARN
         self._diag_pub.publish(common.diagnostic_array(self, "pipeline", level, "suffix stage", values))

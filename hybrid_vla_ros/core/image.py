@@ -1,0 +1,408 @@
+"""Camera image decoding and model preprocessing, free of ROS imports.
+
+Everything here takes plain values (or duck-typed message objects that carry the fields of
+``sensor_msgs/msg/Image`` / ``sensor_msgs/msg/CompressedImage``) and returns numpy arrays in one
+fixed layout: ``(H, W, 3)`` ``uint8`` **RGB**, C-contiguous. Nothing in this module swaps channels
+silently: every input encoding has one documented conversion, and anything else raises
+:class:`ImageDecodeError`.
+
+Conventions and their sources
+-----------------------------
+* Encoding names and their byte layouts: ROS ``sensor_msgs/image_encodings.hpp`` (``rgb8``, ``bgr8``,
+  ``rgba8``, ``bgra8``, ``mono8``, ``mono16``, ``bayer_<pattern>8``, ``yuv422`` = UYVY,
+  ``yuv422_yuy2`` = YUYV, and the aliases ``uyvy`` / ``yuyv`` added in later distributions).
+* Row layout: ``sensor_msgs/msg/Image.msg`` -- ``step`` is the full row length in bytes (it may exceed
+  ``width * bytes_per_pixel``: the padding is ignored), ``data`` holds ``step * height`` bytes and
+  ``is_bigendian`` gives the byte order of multi-byte samples.
+* Bayer names: ROS names the 2x2 pattern at the image's top-left corner (``bayer_rggb8`` = R G / G B).
+  OpenCV's legacy ``COLOR_Bayer<XY>2*`` codes name the pattern that starts at pixel (1, 1), one row and
+  one column further in, so ROS ``rggb`` is OpenCV ``BayerBG``, ``bggr`` is ``BayerRG``, ``gbrg`` is
+  ``BayerGR`` and ``grbg`` is ``BayerGB`` (the same mapping cv_bridge uses; checked by a synthetic
+  red-scene test).
+* Compressed formats: ``sensor_msgs/msg/CompressedImage.msg`` (``format`` = ``jpeg`` / ``png``) and
+  image_transport's ``compressed_image_transport`` strings ``"<encoding>; <codec> compressed <target>"``
+  (e.g. ``"rgb8; jpeg compressed bgr8"``); the channel-order rule follows that package's subscriber.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import TYPE_CHECKING, Sequence
+
+import cv2
+import numpy as np
+
+if TYPE_CHECKING:  # torch is imported lazily by preprocess(): decoding alone does not need it.
+    import torch
+
+__all__ = [
+    "ImageDecodeError",
+    "SUPPORTED_ENCODINGS",
+    "decode_image",
+    "decode_compressed",
+    "image_msg_to_rgb",
+    "compressed_msg_to_rgb",
+    "preprocess",
+]
+
+
+class ImageDecodeError(ValueError):
+    """An image message cannot be turned into an RGB array (bad fields, unsupported encoding, corrupt data)."""
+
+
+# encoding -> (bytes per pixel, OpenCV conversion code to RGB, or None where numpy handles it).
+_MONO16 = -1  # sentinel: handled by taking the high byte, see decode_image()
+_ENCODINGS: dict[str, tuple[int, int | None]] = {
+    "rgb8": (3, None),
+    "bgr8": (3, cv2.COLOR_BGR2RGB),
+    "rgba8": (4, cv2.COLOR_RGBA2RGB),
+    "bgra8": (4, cv2.COLOR_BGRA2RGB),
+    "mono8": (1, cv2.COLOR_GRAY2RGB),
+    "mono16": (2, _MONO16),
+    # ROS top-left pattern -> OpenCV code named from pixel (1, 1); see the module docstring.
+    "bayer_rggb8": (1, cv2.COLOR_BayerBG2RGB),
+    "bayer_bggr8": (1, cv2.COLOR_BayerRG2RGB),
+    "bayer_gbrg8": (1, cv2.COLOR_BayerGR2RGB),
+    "bayer_grbg8": (1, cv2.COLOR_BayerGB2RGB),
+    # 4:2:2 packed, 2 bytes per pixel; one macropixel = 2 pixels = 4 bytes.
+    "yuv422": (2, cv2.COLOR_YUV2RGB_UYVY),  # image_encodings: YUV422 is U Y0 V Y1 (UYVY)
+    "uyvy": (2, cv2.COLOR_YUV2RGB_UYVY),
+    "yuv422_yuy2": (2, cv2.COLOR_YUV2RGB_YUY2),  # image_encodings: YUV422_YUY2 is Y0 U Y1 V (YUYV)
+    "yuyv": (2, cv2.COLOR_YUV2RGB_YUY2),
+}
+
+#: Encodings :func:`decode_image` accepts (ROS ``sensor_msgs/image_encodings.hpp`` names).
+SUPPORTED_ENCODINGS: tuple[str, ...] = tuple(_ENCODINGS)
+
+_GENERIC_TYPE = re.compile(r"^(8|16|32|64)(U|S|F)C([1-4])$")
+_YUV = ("yuv422", "uyvy", "yuv422_yuy2", "yuyv")
+
+
+def _unsupported_reason(encoding: str) -> str:
+    """Explain why ``encoding`` is not accepted (used in the ImageDecodeError message)."""
+    if _GENERIC_TYPE.match(encoding):
+        return (
+            f"{encoding!r} is a generic OpenCV-type encoding (image_encodings TYPE_*): it has no colour "
+            "semantics (typically depth, disparity or other per-pixel measurements), so there is no RGB "
+            "interpretation to decode"
+        )
+    if encoding in ("rgb16", "bgr16", "rgba16", "bgra16") or (
+        encoding.startswith("bayer_") and encoding.endswith("16")
+    ):
+        return f"{encoding!r} (16 bits per channel colour) is not supported; publish 8-bit colour"
+    if encoding.lower() in ("jpeg", "jpg", "png", "tiff"):
+        return f"{encoding!r} is a compressed format: use decode_compressed() on a CompressedImage"
+    if encoding != encoding.lower() and encoding.lower() in _ENCODINGS:
+        return f"{encoding!r}: ROS encoding names are lower case (did you mean {encoding.lower()!r}?)"
+    return f"{encoding!r} is not a supported colour encoding"
+
+
+def _as_index(value, name: str) -> int:
+    """Coerce an integer-like field (Python or numpy int) to ``int``; anything else is an error."""
+    if isinstance(value, bool):
+        raise ImageDecodeError(f"{name} must be an integer, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ImageDecodeError(f"{name} must be an integer, got {type(value).__name__}") from None
+
+
+def _as_bytes_array(data, what: str) -> np.ndarray:
+    """View ``data`` (bytes, bytearray, array('B'), memoryview, numpy array) as a flat uint8 array, no copy."""
+    try:
+        return np.frombuffer(data, dtype=np.uint8)
+    except (TypeError, ValueError) as exc:
+        raise ImageDecodeError(
+            f"{what}: data must be a contiguous byte buffer (bytes, array('B'), uint8 ndarray), "
+            f"got {type(data).__name__}: {exc}"
+        ) from None
+
+
+def decode_image(
+    encoding: str, height: int, width: int, step: int, is_bigendian: bool | int, data
+) -> np.ndarray:
+    """Decode the fields of a ``sensor_msgs/msg/Image`` into an RGB array.
+
+    Args:
+        encoding: ROS encoding name (``sensor_msgs/image_encodings.hpp``); one of
+            :data:`SUPPORTED_ENCODINGS`: ``rgb8``, ``bgr8``, ``rgba8``, ``bgra8`` (alpha dropped),
+            ``mono8`` (grey replicated to 3 channels), ``mono16`` (high byte, i.e. ``value >> 8``, in the
+            byte order given by ``is_bigendian``, replicated), ``bayer_rggb8`` / ``bayer_bggr8`` /
+            ``bayer_gbrg8`` / ``bayer_grbg8`` (OpenCV bilinear demosaic; pattern named at the top-left
+            pixel as in ROS), ``yuv422`` / ``uyvy`` (U Y0 V Y1) and ``yuv422_yuy2`` / ``yuyv``
+            (Y0 U Y1 V), converted by OpenCV (``width`` must be even).
+        height: rows (pixels), > 0.
+        width: columns (pixels), > 0.
+        step: bytes per row including any padding, ``>= width * bytes_per_pixel``.
+        is_bigendian: byte order of 16-bit samples (only ``mono16`` uses it).
+        data: ``height * step`` bytes; any buffer-protocol object (``bytes``, ``array('B')`` as rclpy
+            gives it, a ``uint8`` ndarray as rosbags gives it, ``memoryview``). It is not modified and the
+            result never aliases it.
+
+    Returns:
+        ``(height, width, 3)`` ``uint8`` RGB, C-contiguous, newly allocated. The input is read through a
+        strided view (row padding skipped, OpenCV takes padded rows without copying) and written once:
+        a single copy for ``rgb8``, a single colour conversion otherwise (``mono16`` only: OpenCV first
+        gathers the high bytes, which was faster than any single-pass alternative measured).
+
+    Raises:
+        ImageDecodeError: unknown or non-colour encoding (e.g. ``16UC1``, ``32FC1``: depth has no RGB
+            meaning), ``height`` or ``width`` <= 0, ``step < width * bytes_per_pixel``, ``len(data) !=
+            height * step`` (``Image.msg``: data size is step * rows), odd ``width`` for 4:2:2 YUV,
+            non-integer sizes or a ``data`` object that is not a byte buffer.
+    """
+    if not isinstance(encoding, str):
+        raise ImageDecodeError(f"encoding must be a str, got {type(encoding).__name__}")
+    spec = _ENCODINGS.get(encoding)
+    if spec is None:
+        raise ImageDecodeError(f"cannot decode image: {_unsupported_reason(encoding)}; "
+                               f"supported: {', '.join(SUPPORTED_ENCODINGS)}")
+    bpp, code = spec
+    height = _as_index(height, "height")
+    width = _as_index(width, "width")
+    step = _as_index(step, "step")
+    if height <= 0 or width <= 0:
+        raise ImageDecodeError(f"empty or negative image size {width}x{height} ({encoding})")
+    row_bytes = width * bpp
+    if step < row_bytes:
+        raise ImageDecodeError(
+            f"step {step} < width * bytes_per_pixel = {width} * {bpp} = {row_bytes} ({encoding})"
+        )
+    if encoding in _YUV and width % 2:
+        raise ImageDecodeError(f"{encoding} packs 2 pixels per 4-byte macropixel: width {width} must be even")
+    buf = _as_bytes_array(data, encoding)
+    expected = height * step
+    if buf.size != expected:
+        kind = "short" if buf.size < expected else "long"
+        raise ImageDecodeError(
+            f"data too {kind}: {buf.size} bytes, expected height * step = {height} * {step} = {expected} "
+            f"({encoding} {width}x{height})"
+        )
+
+    # (height, row_bytes) view that skips the padding; no copy.
+    rows = buf.reshape(height, step)[:, :row_bytes]
+    if code is None:  # rgb8: already the output layout, one copy detaches it from the message.
+        return rows.reshape(height, width, 3).copy()
+    if code == _MONO16:
+        # The high byte of each 16-bit sample is value >> 8: byte 0 when big-endian, byte 1 when little.
+        high = rows[:, 0::2] if bool(is_bigendian) else rows[:, 1::2]
+        return cv2.cvtColor(high, cv2.COLOR_GRAY2RGB)
+    if bpp == 1:
+        src = rows
+    else:
+        src = rows.reshape(height, width, bpp)
+    out = cv2.cvtColor(src, code)
+    if out.shape != (height, width, 3):  # defensive: OpenCV must return exactly one RGB pixel per input pixel
+        raise ImageDecodeError(f"{encoding}: conversion produced shape {out.shape}, expected {(height, width, 3)}")
+    return out
+
+
+_JPEG_SOI = b"\xff\xd8\xff"
+_JPEG_EOI = b"\xff\xd9"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_IEND = b"IEND\xaeB`\x82"
+_IMREAD_COLOR_RGB = getattr(cv2, "IMREAD_COLOR_RGB", None)
+_COLOUR_ENCODINGS = ("rgb8", "rgba8", "rgb16", "rgba16", "bgr8", "bgra8", "bgr16", "bgra16")  # isColor()
+
+
+def _parse_format(fmt: str) -> tuple[str, bool]:
+    """Return (codec, payload_is_bgr) for a CompressedImage ``format`` string.
+
+    ``payload_is_bgr`` says whether the 3-channel matrix that OpenCV's decoder produces (B, G, R order
+    in memory for a normal colour JPEG/PNG) holds BGR, following compressed_image_transport's
+    subscriber: a bare ``jpeg``/``png`` or a non-colour original (mono, bayer, yuv -> compressed as
+    mono8) is BGR/grey; a colour original is BGR only if the string says ``compressed bgr...``,
+    otherwise the publisher stored RGB bytes and the decoded matrix already is RGB.
+    """
+    if not isinstance(fmt, str):
+        raise ImageDecodeError(f"format must be a str, got {type(fmt).__name__}")
+    text = fmt.strip()
+    if ";" not in text:
+        codec = text.lower()
+        if codec == "jpg":
+            codec = "jpeg"
+        if codec not in ("jpeg", "png"):
+            raise ImageDecodeError(f"unsupported CompressedImage format {fmt!r}: expected 'jpeg', 'png' or "
+                                   "'<encoding>; <jpeg|png> compressed <encoding>'")
+        return codec, True
+    original, rest = (part.strip() for part in text.split(";", 1))
+    rest_lower = rest.lower()
+    if "compresseddepth" in rest_lower.replace(" ", ""):
+        raise ImageDecodeError(f"{fmt!r} is a compressedDepth (depth image) payload, not a colour image")
+    words = rest_lower.split()
+    codec = words[0] if words else ""
+    if codec == "jpg":
+        codec = "jpeg"
+    if codec not in ("jpeg", "png") or "compressed" not in words:
+        raise ImageDecodeError(f"unsupported CompressedImage format {fmt!r}: expected "
+                               "'<encoding>; <jpeg|png> compressed <encoding>'")
+    if original in _COLOUR_ENCODINGS:
+        return codec, "compressed bgr" in rest_lower
+    return codec, True
+
+
+def decode_compressed(format: str, data) -> np.ndarray:  # noqa: A002 - the message field is called format
+    """Decode a ``sensor_msgs/msg/CompressedImage`` payload into an RGB array.
+
+    Args:
+        format: ``"jpeg"`` (or ``"jpg"``), ``"png"`` (case-insensitive), or image_transport's
+            ``"<encoding>; <codec> compressed <target>"`` (e.g. ``"rgb8; jpeg compressed bgr8"``,
+            ``"mono8; png compressed mono8"``). Channel order of the payload follows
+            compressed_image_transport: BGR unless a colour original is declared with a non-``bgr``
+            target, in which case the payload already holds RGB.
+        data: the compressed bytes (any buffer-protocol object: ``bytes``, ``array('B')``, ``uint8``
+            ndarray). Not modified.
+
+    Returns:
+        ``(H, W, 3)`` ``uint8`` RGB, C-contiguous (H, W from the payload). Greyscale payloads are
+        replicated to 3 channels; 16-bit PNG is reduced to 8 bits by OpenCV.
+
+    Raises:
+        ImageDecodeError: unsupported format string (``tiff``, ``compressedDepth``, ...), empty data, a
+            payload whose magic bytes do not match the declared codec, a JPEG without its end-of-image
+            marker (truncated), or a payload OpenCV cannot decode (corrupt).
+
+    Note:
+        libjpeg recovers from some damage inside the entropy-coded data (it prints "Corrupt JPEG data"
+        on stderr and returns an image); OpenCV does not report that, so such frames cannot be detected
+        here. Truncation and header damage are detected.
+    """
+    codec, payload_is_bgr = _parse_format(format)
+    buf = _as_bytes_array(data, f"CompressedImage({format!r})")
+    if buf.size == 0:
+        raise ImageDecodeError(f"empty CompressedImage payload ({format!r})")
+    head = buf[:8].tobytes()
+    if codec == "jpeg":
+        if not head.startswith(_JPEG_SOI):
+            raise ImageDecodeError(f"format {format!r} says JPEG but data does not start with the JPEG SOI marker "
+                                   f"(first bytes {head.hex()})")
+        # Allow zero padding after EOI (some drivers pad to a fixed size); look only at the tail.
+        end = buf.size
+        tail_floor = max(0, end - 4096)
+        while end > tail_floor and buf[end - 1] == 0:
+            end -= 1
+        if end < 2 or buf[end - 2 : end].tobytes() != _JPEG_EOI:
+            raise ImageDecodeError(f"JPEG payload has no end-of-image marker: truncated ({buf.size} bytes)")
+    else:
+        if head != _PNG_SIGNATURE:
+            raise ImageDecodeError(f"format {format!r} says PNG but data does not start with the PNG signature "
+                                   f"(first bytes {head.hex()})")
+    # IMREAD_COLOR yields the decoder's B, G, R memory order; IMREAD_COLOR_RGB (OpenCV >= 4.10) swaps to
+    # R, G, B inside the decoder, saving a pass. Older OpenCV: decode BGR, then swap in place.
+    swap_after = payload_is_bgr and _IMREAD_COLOR_RGB is None
+    flag = _IMREAD_COLOR_RGB if (payload_is_bgr and not swap_after) else cv2.IMREAD_COLOR
+    try:
+        img = cv2.imdecode(buf, flag)
+    except cv2.error as exc:
+        raise ImageDecodeError(f"OpenCV failed to decode {codec} payload ({buf.size} bytes): {exc}") from None
+    if img is None:
+        raise ImageDecodeError(f"corrupt or truncated {codec} payload ({buf.size} bytes): OpenCV could not decode it")
+    if img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
+        raise ImageDecodeError(f"decoded {codec} has unexpected shape/dtype {img.shape} {img.dtype}")
+    if swap_after:
+        cv2.cvtColor(img, cv2.COLOR_BGR2RGB, dst=img)
+    return img
+
+
+def image_msg_to_rgb(msg) -> np.ndarray:
+    """Decode a ``sensor_msgs/msg/Image`` (or any object with its fields) with :func:`decode_image`.
+
+    Uses ``msg.encoding``, ``msg.height``, ``msg.width``, ``msg.step``, ``msg.is_bigendian`` and
+    ``msg.data``. Returns ``(height, width, 3)`` ``uint8`` RGB. Raises :class:`ImageDecodeError` as
+    :func:`decode_image` does, and when a field is missing.
+    """
+    try:
+        fields = (msg.encoding, msg.height, msg.width, msg.step, msg.is_bigendian, msg.data)
+    except AttributeError as exc:
+        raise ImageDecodeError(f"not an Image message: {exc}") from None
+    return decode_image(*fields)
+
+
+def compressed_msg_to_rgb(msg) -> np.ndarray:
+    """Decode a ``sensor_msgs/msg/CompressedImage`` (or any object with ``format`` and ``data``).
+
+    Returns ``(H, W, 3)`` ``uint8`` RGB. Raises :class:`ImageDecodeError` as :func:`decode_compressed`
+    does, and when a field is missing.
+    """
+    try:
+        fmt, data = msg.format, msg.data
+    except AttributeError as exc:
+        raise ImageDecodeError(f"not a CompressedImage message: {exc}") from None
+    return decode_compressed(fmt, data)
+
+
+def _channel_triplet(values, name: str) -> tuple[float, float, float]:
+    """Normalise a per-channel mean/std (scalar or 3 values, RGB order) to a float triple."""
+    arr = np.asarray(values, dtype=np.float64).reshape(-1)
+    if arr.size == 1:
+        arr = np.repeat(arr, 3)
+    if arr.size != 3 or not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} must be a finite scalar or 3 values (R, G, B), got {values!r}")
+    return float(arr[0]), float(arr[1]), float(arr[2])
+
+
+def preprocess(
+    images: Sequence[np.ndarray],
+    size: int,
+    mean: Sequence[float] | float,
+    std: Sequence[float] | float,
+    out: "torch.Tensor | None" = None,
+) -> "torch.Tensor":
+    """Resize and normalise camera images into the model's input tensor.
+
+    Each image is resized with ``cv2.resize(..., interpolation=cv2.INTER_AREA)`` to ``size x size``
+    (aspect ratio not kept, as Orion resizes 1600x900 to 640x640), scaled to [0, 1] and normalised:
+    ``(pixel / 255 - mean[c]) / std[c]``.
+
+    Args:
+        images: ``n_cams`` arrays, each ``(H_i, W_i, 3)`` ``uint8`` RGB (sizes may differ).
+        size: output side in pixels, > 0.
+        mean: per-channel mean in [0, 1] units, RGB order (e.g. ImageNet ``(0.485, 0.456, 0.406)``);
+            a scalar applies to all channels.
+        std: per-channel standard deviation in [0, 1] units, RGB order, each > 0; scalar allowed.
+        out: optional preallocated ``float32`` tensor of shape ``(n_cams, 3, size, size)`` (any
+            device); when given it is filled in place and returned, so steady-state calls allocate
+            nothing but the small resized ``uint8`` images.
+
+    Returns:
+        ``float32`` tensor ``(n_cams, 3, size, size)``, channel order RGB (CHW per camera).
+
+    Raises:
+        ValueError: empty ``images``, an image that is not ``(H, W, 3)`` ``uint8``, ``size`` not an int > 0,
+            non-finite mean/std or ``std <= 0``, or ``out`` with the wrong shape or dtype.
+    """
+    import torch
+
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise ValueError(f"size must be an int, got {type(size).__name__}")
+    size = int(size)
+    if size <= 0:
+        raise ValueError(f"size must be > 0, got {size}")
+    n = len(images)
+    if n == 0:
+        raise ValueError("images is empty")
+    mean3 = _channel_triplet(mean, "mean")
+    std3 = _channel_triplet(std, "std")
+    if min(std3) <= 0:
+        raise ValueError(f"std must be > 0, got {std3}")
+    for i, img in enumerate(images):
+        if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+            desc = f"{img.dtype} {img.shape}" if isinstance(img, np.ndarray) else type(img).__name__
+            raise ValueError(f"images[{i}] must be an (H, W, 3) uint8 RGB array, got {desc}")
+        if img.shape[0] == 0 or img.shape[1] == 0:
+            raise ValueError(f"images[{i}] is empty: {img.shape}")
+    shape = (n, 3, size, size)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {shape}, got {out.dtype} {tuple(out.shape)}")
+
+    for i, img in enumerate(images):
+        resized = cv2.resize(img, (size, size), interpolation=cv2.INTER_AREA)  # (size, size, 3) uint8
+        out[i].copy_(torch.from_numpy(resized).permute(2, 0, 1))  # HWC uint8 -> CHW float32, one pass
+    # (x / 255 - m) / s == x * (1 / (255 s)) - m / s, per channel, in place over the whole batch.
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std3], dtype=torch.float32, device=out.device)
+    shift = torch.tensor([m / s for m, s in zip(mean3, std3)], dtype=torch.float32, device=out.device)
+    out.mul_(scale.view(1, 3, 1, 1)).sub_(shift.view(1, 3, 1, 1))
+    return out
