@@ -123,3 +123,21 @@ def test_odometry_wait_for_newer_state():
     assert not buf.wait_for(int(2e9), 0.01)
     threading.Timer(0.05, lambda: buf.add(_ego(2.1, 1.0))).start()
     assert buf.wait_for(int(2e9), 5.0)
+
+
+@pytest.mark.parametrize("node,cls", [("prefix_node", PrefixParams), ("suffix_node", SuffixParams)])
+def test_shipped_parameter_files_are_valid(tiny_checkpoint, node, cls):
+    import yaml
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "config" / f"{node}.param.yaml"
+    values = yaml.safe_load(path.read_text())["/**"]["ros__parameters"]
+    values["model_path"] = str(tiny_checkpoint)
+    params = cls(**values)
+    if cls is PrefixParams:
+        params.validate(n_cameras=6, num_layers=4)
+    else:
+        params.cpu_affinity = [c for c in params.cpu_affinity if c in os.sched_getaffinity(0)]
+        params.validate(num_layers=4)
+    names = set(cls.__dataclass_fields__)
+    assert set(values) == names, "the file names every parameter, and only those"

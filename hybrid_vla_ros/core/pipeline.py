@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint import load_stage, model_id, parse_dtype
 from .image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess
-from .shm_ring import FrameMeta, RingConsumer, RingProducer, segment_name, slot_bytes_for
+from .shm_ring import FrameMeta, RingConsumer, RingError, RingProducer, segment_name, slot_bytes_for
 
 
 def resolve_device(name: str) -> torch.device:
@@ -138,8 +138,9 @@ class SuffixRunner:
     """Suffix stage plus ring consumer (CPU).
 
     ``poll(timeout_s)`` waits for the oldest unread frame, runs blocks [K, L), norm and head on a
-    zero-copy view of the slot and returns a :class:`SuffixResult`, or None on timeout or while the
-    prefix's ring does not exist yet. Raises ``SlotRejected`` (counted by the ring) for a slot whose
+    zero-copy view of the slot and returns a :class:`SuffixResult`, or None on timeout or while it
+    cannot attach to the prefix's ring (``attach_error`` says why; it retries on the next poll, and
+    re-attaches by itself when the prefix restarts and replaces the ring). Raises ``SlotRejected`` (counted by the ring) for a slot whose
     header fails validation, e.g. another split layer or model, and FloatingPointError for
     non-finite waypoints.
     """
@@ -155,6 +156,7 @@ class SuffixRunner:
         self.model_id = model_id(model_path)
         self.segment = segment_name(ring_name, namespace)
         self.ring: RingConsumer | None = None
+        self.attach_error = ""  # why the last attach attempt failed ("" when attached)
 
     def _attach(self) -> bool:
         if self.ring is not None and self.ring.producer_gone:
@@ -165,7 +167,12 @@ class SuffixRunner:
                 self.ring = RingConsumer(self.segment, expected_model_id=self.model_id,
                                          expected_split_layer=self.split_layer)
             except FileNotFoundError:
+                self.attach_error = "the prefix has not created the ring yet"
                 return False
+            except RingError as e:  # e.g. another consumer holds the ring, or a foreign segment
+                self.attach_error = str(e)
+                return False
+            self.attach_error = ""
         return True
 
     @property
@@ -175,7 +182,7 @@ class SuffixRunner:
     @torch.inference_mode()
     def poll(self, timeout_s: float) -> SuffixResult | None:
         if not self._attach():
-            time.sleep(min(timeout_s, 0.05))  # the prefix has not created the ring yet
+            time.sleep(min(timeout_s, 0.05))  # no ring to wait on yet: retry at a modest rate
             return None
         slot = self.ring.read(timeout_s)
         if slot is None:

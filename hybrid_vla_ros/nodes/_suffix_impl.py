@@ -138,7 +138,6 @@ class SuffixNode(LifecycleNode):
         self._odom.add(ego)
 
     def _work(self) -> None:
-        waiting_logged = False
         while self._running:
             try:
                 result = self.runner.poll(0.1)
@@ -151,9 +150,8 @@ class SuffixNode(LifecycleNode):
             except Exception as e:  # noqa: BLE001 - counted and reported, the node keeps running
                 self._drop("internal_error", f"{type(e).__name__}: {e}")
                 continue
-            if not self.runner.attached and not waiting_logged:
-                self.get_logger().info("waiting for the prefix node's ring")
-                waiting_logged = True
+            if not self.runner.attached and self._throttle("attach"):
+                self.get_logger().info(f"waiting for the prefix node's ring: {self.runner.attach_error}")
             if result is None:
                 continue
             self._publish(result)

@@ -1,0 +1,567 @@
+"""Tests of the shared-memory hand-off (hybrid_vla_ros.core.shm_ring) with real separate processes."""
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import queue
+import signal
+import stat
+import struct
+import time
+import uuid
+
+import pytest
+import torch
+
+from hybrid_vla_ros.core import shm_ring as sr
+from hybrid_vla_ros.core.shm_ring import (
+    FrameMeta, RingConsumer, RingError, RingNameConflict, RingProducer, SlotRejected, segment_name,
+    segment_path, slot_bytes_for,
+)
+
+CTX = mp.get_context("spawn")
+WAIT_S = 60.0  # generous bound for cross-process hand-shakes; only hit if something is broken
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture
+def name():
+    seg = segment_name("t_" + uuid.uuid4().hex[:12])
+    yield seg
+    for entry in os.listdir(sr.SHM_DIR):
+        if entry == seg or entry.startswith(seg + ".init-"):
+            os.unlink(os.path.join(sr.SHM_DIR, entry))
+
+
+class _Children:
+    """Spawned helper processes, killed at the end of the test whatever happens."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, target, *args) -> mp.Process:
+        p = CTX.Process(target=target, args=args, daemon=True)
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def kill_all(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(WAIT_S)
+
+
+@pytest.fixture
+def children():
+    c = _Children()
+    yield c
+    c.kill_all()
+
+
+def _frame(seed: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+
+
+def _wait(evt, proc: mp.Process | None = None) -> None:
+    """Wait for a helper's event; fail at once (not after WAIT_S) if the helper ``proc`` died instead."""
+    deadline = time.monotonic() + WAIT_S
+    while not evt.wait(0.2 if proc is not None else WAIT_S):
+        if proc is None or time.monotonic() > deadline:
+            raise AssertionError("helper process did not answer")
+        if not proc.is_alive() and not evt.is_set():
+            raise AssertionError(f"helper process exited with code {proc.exitcode}")
+
+
+def _get(q, proc: mp.Process):
+    """Get a helper's result; fail at once if the helper died without sending it."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            if not proc.is_alive():
+                try:
+                    return q.get(timeout=1.0)  # sent just before exiting
+                except queue.Empty:
+                    raise AssertionError(f"helper process exited with code {proc.exitcode}") from None
+            assert time.monotonic() < deadline, "helper process did not answer"
+
+
+# ---------------------------------------------------------------- helper processes (top level for spawn)
+
+def _roundtrip_producer(name, frames, created, go, done):
+    """Publishes ``frames`` = [(seed, shape, dtype name, stamp, split, timings)] once the consumer is attached."""
+    cap = max(slot_bytes_for(shape, DTYPES[d]) for _, shape, d, *_ in frames)
+    with RingProducer(name, len(frames) + 1, cap, model_id=42) as prod:  # room for all: nothing dropped
+        created.set()
+        _wait(go)
+        for seed, shape, d, stamp, split, timings in frames:
+            slot = prod.acquire(shape, DTYPES[d])
+            slot.tensor.copy_(_frame(seed, shape, DTYPES[d]))
+            prod.publish(slot, stamp_ns=stamp, split_layer=split, timings_ms=timings)
+        _wait(done)
+
+
+def _drop_producer(name, n_slots, n_frames, created, go, step2, stats_q, done):
+    """Publishes frame 1, then (while the consumer holds it) frames 2..n_frames, and reports its stats."""
+    with RingProducer(name, n_slots, slot_bytes_for((256,), torch.float32), model_id=1) as prod:
+        created.set()
+        _wait(go)
+        for seq in range(1, n_frames + 1):
+            if seq == 2:
+                _wait(step2)
+            slot = prod.acquire((256,), torch.float32)
+            assert slot.seq == seq
+            slot.tensor.fill_(seq)
+            prod.publish(slot, stamp_ns=seq, split_layer=0)
+        stats_q.put(prod.stats)
+        _wait(done)
+
+
+def _torn_writer(name, n_frames, numel, created, go, stats_q):
+    """Fills every frame with its seq value, as fast as it can."""
+    torch.set_num_threads(1)  # two processes on two cores: no OpenMP oversubscription
+    with RingProducer(name, 4, slot_bytes_for((numel,), torch.float32), model_id=3) as prod:
+        created.set()
+        _wait(go)
+        for _ in range(n_frames):
+            slot = prod.acquire((numel,), torch.float32)
+            slot.tensor.fill_(float(slot.seq))
+            prod.publish(slot, stamp_ns=slot.seq, split_layer=5)
+        stats_q.put(prod.stats)  # the reader keeps its mapping: unlinking at exit loses no READY frame
+
+
+def _torn_reader(name, n_frames, attached, result_q):
+    """Reads until seq == n_frames; checks every element equals meta.seq when taken and before release."""
+    torch.set_num_threads(1)
+    reads, bad, out_of_order, last = 0, 0, 0, 0
+    with RingConsumer(name, expected_model_id=3, expected_split_layer=5) as cons:
+        attached.set()
+        while last < n_frames:
+            slot = cons.read(WAIT_S)
+            if slot is None:
+                break
+            with slot:
+                seq = slot.meta.seq
+                if not bool((slot.tensor == float(seq)).all()):
+                    bad += 1
+                if seq <= last:
+                    out_of_order += 1
+                last = seq
+                reads += 1
+                for _ in range(3):  # hold it a while, like a model would: the producer must not touch it
+                    if not bool((slot.tensor == float(seq)).all()):
+                        bad += 1
+        result_q.put({"reads": reads, "bad": bad, "out_of_order": out_of_order, "last": last,
+                      "stats": cons.stats})
+
+
+def _idle_producer(name, created, stop):
+    """Owns the segment until ``stop`` is set (or it is killed)."""
+    prod = RingProducer(name, 3, 4096, model_id=9)
+    slot = prod.acquire((4,), torch.float32)
+    slot.tensor.fill_(1.0)
+    prod.publish(slot, stamp_ns=1, split_layer=0)
+    created.set()
+    stop.wait(WAIT_S)
+    prod.close()
+
+
+def _reading_consumer(name, read_done, result_q, crash):
+    """Attaches, reads one frame; then exits normally without closing or releasing, or is SIGKILLed."""
+    cons = RingConsumer(name)
+    slot = cons.read(WAIT_S)
+    result_q.put(None if slot is None else slot.meta.seq)
+    read_done.set()
+    if crash:
+        time.sleep(WAIT_S)  # stays READING until the parent kills it
+
+
+# ---------------------------------------------------------------- pure functions
+
+def test_segment_name_format_and_rejections():
+    uid = os.getuid()
+    assert segment_name("hidden") == f"hybrid_vla.{uid}.-.hidden"
+    assert segment_name("hidden", "/car1/front/") == f"hybrid_vla.{uid}.-car1-front.hidden"
+    assert segment_name("hidden", "car1") == f"hybrid_vla.{uid}.-car1.hidden"
+    assert segment_name("h", "/a_b") != segment_name("h", "/a/b")
+    for bad in ("a/b", "", "..", "a b", "x\0", "ü", "a.b"):
+        with pytest.raises(ValueError):
+            segment_name(bad)
+    for bad_ns in ("/a//b", "/a.b", "/a-b", "/a b"):
+        with pytest.raises(ValueError):
+            segment_name("x", bad_ns)
+    with pytest.raises(ValueError):
+        segment_name("x" * 100)
+    for bad in ("../etc", "a/b", ".hidden", "x" * 101):
+        with pytest.raises(ValueError):
+            segment_path(bad)
+
+
+def test_slot_bytes_for():
+    assert slot_bytes_for((2, 3), torch.float32) == 64
+    assert slot_bytes_for((513, 4096), torch.bfloat16) == 513 * 4096 * 2
+    assert slot_bytes_for((1, 5, 7), torch.float16) % 64 == 0
+    with pytest.raises(ValueError):
+        slot_bytes_for((1, 2, 3, 4, 5), torch.float32)
+    with pytest.raises(ValueError):
+        slot_bytes_for((-1, 2), torch.float32)
+    with pytest.raises(TypeError):
+        slot_bytes_for((2,), torch.complex64)
+
+
+def test_header_layout_matches_documented_offsets():
+    fmt = sr._SLOT.format
+    fields = ["I", "H", "H", "Q", "q", "q", "q", "Q", "q", "i", "I", "I", "I", "4q", "8d"]
+    offsets = [struct.calcsize("<" + "".join(fields[:k])) for k in range(len(fields))]
+    assert fmt == "<" + "".join(fields)
+    assert offsets == list(sr.SLOT_FIELD_OFFSETS.values())
+    assert (sr.GLOBAL_HEADER_BYTES + sr.SLOT_HEADER_BYTES) % sr.PAYLOAD_ALIGN == 0
+
+
+# ---------------------------------------------------------------- between processes
+
+def test_round_trip_values_and_meta_between_processes(name, children):
+    frames = [
+        (1, (1, 37, 64), "bf16", 1_000_000_001, 12, (1.5, 2.25)),
+        (2, (5, 16), "fp16", 2, 12, ()),
+        (3, (2, 3, 4, 5), "fp32", -7, 13, tuple(float(i) for i in range(8))),
+        (4, (), "fp32", 4, 12, (0.125,)),
+    ]
+    created, go, done = CTX.Event(), CTX.Event(), CTX.Event()
+    proc = children.start(_roundtrip_producer, name, frames, created, go, done)
+    _wait(created, proc)
+    with RingConsumer(name, expected_model_id=42) as cons:
+        go.set()  # the consumer now waits inside read(): each frame arrives through the wake socket
+        for k, (seed, shape, d, stamp, split, timings) in enumerate(frames, start=1):
+            with cons.read(WAIT_S) as slot:
+                now = time.monotonic_ns()
+                m = slot.meta
+                assert isinstance(m, FrameMeta)
+                assert (m.seq, m.stamp_ns, m.shape, m.dtype, m.split_layer, m.model_id, m.timings_ms) == (
+                    k, stamp, shape, DTYPES[d], split, 42, timings)
+                assert m.t_write_start_ns <= m.t_publish_ns <= now
+                assert slot.tensor.shape == shape and slot.tensor.dtype == DTYPES[d]
+                assert torch.equal(slot.tensor, _frame(seed, shape, DTYPES[d]))
+        assert cons.read(0) is None
+        assert cons.stats["read"] == len(frames)
+    done.set()
+
+
+def test_drop_oldest_when_consumer_is_slow(name, children):
+    n_slots, n_frames = 4, 50
+    created, go, step2, done = CTX.Event(), CTX.Event(), CTX.Event(), CTX.Event()
+    stats_q = CTX.Queue()
+    proc = children.start(_drop_producer, name, n_slots, n_frames, created, go, step2, stats_q, done)
+    _wait(created, proc)
+    with RingConsumer(name) as cons:
+        go.set()
+        held = cons.read(WAIT_S)  # frame 1, kept READING while the producer publishes 2..50
+        assert held.meta.seq == 1
+        step2.set()
+        stats = _get(stats_q, proc)
+        assert stats["published"] == n_frames
+        # three slots cycle while one is READING: frames 2..47 were overwritten, 48..50 are READY
+        assert stats["dropped_oldest"] == n_frames - 1 - (n_slots - 1)
+        assert bool((held.tensor == 1.0).all()), "a READING slot was overwritten"
+        assert sorted(cons.slot_states()) == ["READING", "READY", "READY", "READY"]
+        held.release()
+        got = []
+        while (slot := cons.read(0)) is not None:
+            with slot:
+                assert bool((slot.tensor == float(slot.meta.seq)).all())
+                got.append(slot.meta.seq)
+        assert got == [48, 49, 50]
+        assert cons.stats["read"] + stats["dropped_oldest"] == n_frames
+    done.set()
+
+
+def test_no_torn_reads_concurrent_writer_and_reader_processes(name, children):
+    n_frames, numel = 20000, 65536
+    created, attached, go = CTX.Event(), CTX.Event(), CTX.Event()
+    stats_q, result_q = CTX.Queue(), CTX.Queue()
+    writer = children.start(_torn_writer, name, n_frames, numel, created, go, stats_q)
+    _wait(created, writer)
+    reader = children.start(_torn_reader, name, n_frames, attached, result_q)
+    _wait(attached, reader)
+    go.set()
+    stats = _get(stats_q, writer)
+    result = _get(result_q, reader)
+    print(stats, result)
+    assert result["bad"] == 0 and result["out_of_order"] == 0
+    assert result["last"] == n_frames
+    assert stats["published"] == n_frames
+    assert result["reads"] + stats["dropped_oldest"] == n_frames
+    assert result["reads"] > 1 and result["stats"]["read"] == result["reads"]
+
+
+def test_stale_segment_of_sigkilled_producer_is_replaced(name, children):
+    created, stop = CTX.Event(), CTX.Event()
+    proc = children.start(_idle_producer, name, created, stop)
+    _wait(created, proc)
+    old_cons = RingConsumer(name)
+    old_ino = os.stat(segment_path(name)).st_ino
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(WAIT_S)
+    assert os.path.exists(segment_path(name)), "a killed producer cannot clean up"
+    assert not old_cons.owner_alive
+    assert not old_cons.producer_gone
+    with RingProducer(name, 3, 4096, model_id=10) as prod:
+        assert os.stat(segment_path(name)).st_ino != old_ino
+        assert old_cons.producer_gone  # the name now points at another segment
+        old_cons.close()
+        with RingConsumer(name, expected_model_id=10) as cons:
+            assert cons.owner_alive and cons.read(0) is None  # the dead producer's frame is gone
+            slot = prod.acquire((4,), torch.float32)
+            slot.tensor.fill_(2.0)
+            prod.publish(slot, stamp_ns=0, split_layer=0)
+            with cons.read(WAIT_S) as r:
+                assert r.meta.model_id == 10 and r.meta.seq == 1 and bool((r.tensor == 2.0).all())
+
+
+def test_live_owner_gives_name_conflict(name, children):
+    created, stop = CTX.Event(), CTX.Event()
+    proc = children.start(_idle_producer, name, created, stop)
+    _wait(created, proc)
+    ino = os.stat(segment_path(name)).st_ino
+    with pytest.raises(RingNameConflict):
+        RingProducer(name, 3, 4096, model_id=1)
+    assert os.stat(segment_path(name)).st_ino == ino, "the live owner's segment must stay"
+    with RingConsumer(name) as cons:  # and it is still fully usable
+        with cons.read(WAIT_S) as r:
+            assert r.meta.model_id == 9
+    stop.set()
+    proc.join(WAIT_S)
+    assert proc.exitcode == 0
+    assert not os.path.exists(segment_path(name))
+    with RingProducer(name, 3, 4096, model_id=1):
+        pass
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["exit", "sigkill"])
+def test_consumer_process_exit_keeps_segment_and_frees_reading_slot(name, children, crash):
+    with RingProducer(name, 3, 4096, model_id=1) as prod:
+        for v in (1.0, 2.0):
+            slot = prod.acquire((8,), torch.float32)
+            slot.tensor.fill_(v)
+            prod.publish(slot, stamp_ns=0, split_layer=0)
+        read_done, result_q = CTX.Event(), CTX.Queue()
+        proc = children.start(_reading_consumer, name, read_done, result_q, crash)
+        _wait(read_done, proc)
+        assert _get(result_q, proc) == 1
+        if crash:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(WAIT_S)
+        assert prod.slot_states().count("READING") == 1  # left behind either way: nobody released it
+        assert os.path.exists(segment_path(name)), "an exiting consumer must not unlink the segment"
+        with RingConsumer(name) as cons:  # the predecessor is gone: its wake socket and READING slot are free
+            assert "READING" not in cons.slot_states()
+            assert cons.stats["reclaimed_reading"] == 1
+            with cons.read(0) as r:
+                assert r.meta.seq == 2 and bool((r.tensor == 2.0).all())
+            assert cons.read(0) is None
+            for _ in range(3):  # all three slots are usable again: three frames fit without a drop
+                slot = prod.acquire((8,), torch.float32)
+                prod.publish(slot, stamp_ns=0, split_layer=0)
+            assert prod.stats["dropped_oldest"] == 0
+            for seq in (3, 4, 5):
+                with cons.read(0) as r:
+                    assert r.meta.seq == seq
+
+
+# ---------------------------------------------------------------- one process (header surgery, API rules)
+
+def _publish(prod, value=1.0, shape=(4, 8), dtype=torch.float32, split=0, stamp=0):
+    slot = prod.acquire(shape, dtype)
+    slot.tensor.fill_(value)
+    prod.publish(slot, stamp_ns=stamp, split_layer=split)
+    return slot.index
+
+
+def _patch(mapping, prod, index, field, fmt, *values):
+    struct.pack_into("<" + fmt, mapping, sr.GLOBAL_HEADER_BYTES + index * prod.slot_stride
+                     + sr.SLOT_FIELD_OFFSETS[field], *values)
+
+
+def test_header_validation_rejects_each_cause_then_reads_next_good_frame(name):
+    cap = slot_bytes_for((4, 8), torch.float32)
+    with RingProducer(name, 4, cap, model_id=5) as prod, \
+            RingConsumer(name, expected_model_id=5, expected_split_layer=2) as cons:
+        fd = os.open(segment_path(name), os.O_RDWR)
+        mapping = mmap.mmap(fd, prod.total_bytes)
+        os.close(fd)
+        corruptions = [
+            ("bad_magic", lambda i: _patch(mapping, prod, i, "magic", "I", 0xDEADBEEF)),
+            ("bad_version", lambda i: _patch(mapping, prod, i, "version", "H", 99)),
+            ("bad_dtype", lambda i: _patch(mapping, prod, i, "dtype", "I", 77)),
+            ("bad_shape", lambda i: _patch(mapping, prod, i, "shape", "q", 1 << 20)),  # nbytes disagrees
+            ("bad_shape", lambda i: (_patch(mapping, prod, i, "shape", "q", 1 << 20),  # bigger than the slot
+                                     _patch(mapping, prod, i, "payload_nbytes", "Q", (1 << 20) * 8 * 4))),
+            ("bad_shape", lambda i: _patch(mapping, prod, i, "ndim", "I", 7)),
+            ("bad_shape", lambda i: _patch(mapping, prod, i, "shape", "qq", -4, -8)),
+            ("split_mismatch", lambda i: _patch(mapping, prod, i, "split_layer", "i", 3)),
+            ("model_mismatch", lambda i: _patch(mapping, prod, i, "model_id", "q", 6)),
+        ]
+        for k, (cause, corrupt) in enumerate(corruptions):
+            corrupt(_publish(prod, value=-1.0, split=2))
+            good_stamp = 1000 + k
+            _publish(prod, value=float(k), split=2, stamp=good_stamp)
+            with pytest.raises(SlotRejected) as info:
+                cons.read(WAIT_S)
+            assert info.value.cause == cause
+            if cause.endswith("_mismatch"):
+                assert info.value.meta is not None and info.value.meta.shape == (4, 8)
+            else:
+                assert info.value.meta is None
+            with cons.read(WAIT_S) as r:
+                assert r.meta.stamp_ns == good_stamp and bool((r.tensor == float(k)).all())
+            assert cons.read(0) is None
+        st = cons.stats
+        assert st["read"] == len(corruptions)
+        for cause in sr.REJECT_CAUSES:
+            assert st[f"rejected_{cause}"] == sum(c == cause for c, _ in corruptions)
+        assert "READING" not in prod.slot_states()
+
+        cons.expected_split_layer = 4  # settable: K reconfigured
+        _publish(prod, split=2)
+        with pytest.raises(SlotRejected) as info:
+            cons.read(0)
+        assert info.value.cause == "split_mismatch" and info.value.meta.split_layer == 2
+        _publish(prod, split=4)
+        with cons.read(0) as r:
+            assert r.meta.split_layer == 4
+        mapping.close()
+
+
+def test_wrap_around_many_more_frames_than_slots(name):
+    shape = (3, 5)
+    with RingProducer(name, 3, slot_bytes_for(shape, torch.bfloat16), model_id=0) as prod, RingConsumer(name) as cons:
+        for seq in range(1, 301):
+            slot = prod.acquire(shape, torch.bfloat16)
+            slot.tensor.copy_(_frame(seq, shape, torch.bfloat16))
+            assert prod.publish(slot, stamp_ns=seq, split_layer=1) == seq
+            if seq % 2 == 0:  # read two at a time: oldest first
+                for want in (seq - 1, seq):
+                    with cons.read(0) as r:
+                        assert r.meta.seq == want and torch.equal(r.tensor, _frame(want, shape, torch.bfloat16))
+        assert prod.stats == {"published": 300, "dropped_oldest": 0, "aborted": 0, "wake_errors": 0}
+        assert cons.stats["read"] == 300
+
+
+def test_segment_mode_is_0600_regardless_of_umask(name):
+    old = os.umask(0)
+    try:
+        with RingProducer(name, 3, 64, model_id=0):
+            st = os.stat(segment_path(name))
+            assert stat.S_IMODE(st.st_mode) == 0o600
+            assert st.st_uid == os.getuid()
+    finally:
+        os.umask(old)
+
+
+def test_global_header_records_owner(name):
+    with RingProducer(name, 3, 100, model_id=-3) as prod:
+        with open(segment_path(name), "rb") as f:
+            head = f.read(sr._GLOBAL.size)
+        magic, version, hdr, pid, start, inst, n, shb, cap, stride, total, model, _created = sr._GLOBAL.unpack(head)
+        assert (magic, version, hdr, pid, n, shb, cap, model) == (
+            sr.GLOBAL_MAGIC, sr.LAYOUT_VERSION, sr.GLOBAL_HEADER_BYTES, os.getpid(), 3, sr.SLOT_HEADER_BYTES, 128, -3)
+        assert start == sr._proc_identity(os.getpid())[1] and inst == prod.instance_id
+        assert total == os.stat(segment_path(name)).st_size == hdr + 3 * stride
+
+
+def test_same_process_recreate_replaces_and_old_close_keeps_new(name):
+    first = RingProducer(name, 3, 64, model_id=1)
+    second = RingProducer(name, 3, 64, model_id=2)  # the owner is this process: not a conflict
+    first.close()  # must not unlink the successor's segment
+    with RingConsumer(name) as cons:
+        assert not cons.producer_gone and cons.model_id == 2
+    second.close()
+    assert not os.path.exists(segment_path(name))
+
+
+def test_clean_close_removes_segment_and_is_idempotent(name):
+    prod = RingProducer(name, 3, 64, model_id=0)
+    assert os.path.exists(segment_path(name))
+    prod.close()
+    assert not os.path.exists(segment_path(name))
+    prod.close()
+    with pytest.raises(RingError):
+        prod.acquire((1,), torch.float32)
+    with RingProducer(name, 3, 64, model_id=0):
+        assert os.path.exists(segment_path(name))
+    assert not os.path.exists(segment_path(name))
+    assert not [e for e in os.listdir(sr.SHM_DIR) if e.startswith(name)]
+
+
+def test_producer_gone_after_producer_close(name):
+    prod = RingProducer(name, 3, 64, model_id=0)
+    cons = RingConsumer(name)
+    _publish(prod, shape=(2,))
+    assert not cons.producer_gone
+    prod.close()
+    assert cons.producer_gone
+    with cons.read(0) as r:  # frames published before close stay readable
+        assert r.meta.seq == 1
+    t0 = time.monotonic()
+    assert cons.read(30) is None  # returns early: nothing ready and the producer is gone
+    assert time.monotonic() - t0 < 25
+    cons.close()
+    assert cons.producer_gone
+    cons.close()
+
+
+def test_read_timeout_returns_none(name):
+    with RingProducer(name, 3, 64, model_id=0) as prod, RingConsumer(name) as cons:
+        assert cons.read(0) is None
+        t0 = time.monotonic()
+        assert cons.read(0.05) is None
+        assert time.monotonic() - t0 >= 0.05  # it did wait, and then gave up
+        for _ in range(5):  # five wake-ups queued, frames read without waiting; stale wake-ups drained
+            _publish(prod, shape=(2,))
+        for seq in range(1, 4):
+            with cons.read(0) as r:
+                assert r.meta.seq == seq + 2  # two of five dropped: three slots, nobody reading
+        assert cons.read(0.01) is None
+        assert prod.stats["dropped_oldest"] == 2
+
+
+def test_api_misuse_errors(name):
+    with pytest.raises(ValueError):
+        RingProducer(name, 2, 64, model_id=0)
+    with pytest.raises(FileNotFoundError):
+        RingConsumer(name)
+    with RingProducer(name, 3, 64, model_id=0) as prod:
+        with pytest.raises(ValueError):
+            prod.acquire((17,), torch.float32)  # 68 bytes > 64
+        with pytest.raises(TypeError):
+            prod.acquire((2,), torch.complex64)
+        slot = prod.acquire((2,), torch.float16)
+        with pytest.raises(RingError):
+            prod.acquire((2,), torch.float16)
+        prod.abort(slot)
+        with pytest.raises(RingError):
+            prod.publish(slot, stamp_ns=0, split_layer=0)
+        slot = prod.acquire((2,), torch.float16)
+        assert slot.seq == 1  # an aborted frame does not use up a seq
+        with pytest.raises(ValueError):
+            prod.publish(slot, stamp_ns=0, split_layer=0, timings_ms=[0.0] * 9)
+        prod.publish(slot, stamp_ns=0, split_layer=0)
+        prod.acquire((2,), torch.float16)  # dropped unpublished: the next acquire takes it back
+        _publish(prod, shape=(2,))
+        assert prod.stats["aborted"] == 2 and prod.stats["published"] == 2
+
+        with RingConsumer(name) as cons:
+            with pytest.raises(RingError):
+                RingConsumer(name)  # single consumer
+            held = cons.read(0)
+            with pytest.raises(RingError):
+                cons.read(0)  # previous ReadSlot still held
+            held.release()
+            held.release()
+            cons.read(0)  # dropped unreleased: released by the next read
+            assert cons.read(0) is None
+            assert "READING" not in cons.slot_states()
