@@ -368,7 +368,7 @@ def _report(rec, frames, published, ns, k, cfg, bag_path) -> dict:
         if key is not None:
             e2e.append((t_recv - frames[key]) * 1e3)
     stages = {s: _percentiles([t[s] for t in timings.values() if s in t])
-              for s in ("preprocess", "prefix", "handoff", "suffix")}
+              for s in ("preprocess", "prefix", "handoff", "suffix", "odometry_wait")}
     stages["end_to_end"] = _percentiles(e2e)
     drops = {}
     for side, d in (("prefix", prefix), ("suffix", suffix)):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 from autoware_planning_msgs.msg import Trajectory
@@ -159,7 +160,9 @@ class SuffixNode(LifecycleNode):
     def _publish(self, result) -> None:
         stamp = result.meta.stamp_ns
         # Wait briefly for the odometry after the camera stamp, so the pose can be interpolated.
+        t_wait = time.perf_counter()
         self._odom.wait_for(stamp, self.params.odometry_wait_s)
+        odometry_wait_ms = (time.perf_counter() - t_wait) * 1e3
         try:
             ego, method = self._odom.pose_at(stamp, int(self.params.max_odometry_age_s * 1e9))
         except LookupError as e:
@@ -176,7 +179,7 @@ class SuffixNode(LifecycleNode):
         if method == "propagated":
             self.odometry_propagated += 1
         stages = {"preprocess": result.preprocess_ms, "prefix": result.prefix_ms,
-                  "handoff": result.handoff_ms, "suffix": result.suffix_ms}
+                  "handoff": result.handoff_ms, "suffix": result.suffix_ms, "odometry_wait": odometry_wait_ms}
         for k, ms in stages.items():
             self.times.add(k, ms)
         timing = common.diagnostic_array(self, "frame_timing", common.OK, f"seq {result.meta.seq}",
