@@ -180,16 +180,10 @@ def run_replay(args: argparse.Namespace) -> int:
 
     procs: list[subprocess.Popen] = []
     if not args.attach:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        for name, extra in (("prefix_node", []),
-                            ("suffix_node", ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}",
-                                             "-r", f"~/output/trajectory:={args.output_topic}"])):
-            cmd = [sys.executable, "-m", f"hybrid_vla_ros.nodes.{name}", "--ros-args", "-r", f"__ns:={ns}",
-                   "--params-file", str(params_file), *extra]
-            log = open(out / f"{name}.log", "w")
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(launch_node("prefix_node", ns, params_file, [], out / "prefix_node.log"))
+        procs.append(launch_node("suffix_node", ns, params_file,
+                                 ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}",
+                                  "-r", f"~/output/trajectory:={args.output_topic}"], out / "suffix_node.log"))
 
     rclpy.init()
     node = rclpy.create_node("hybrid_vla_replay")
@@ -210,14 +204,28 @@ def run_replay(args: argparse.Namespace) -> int:
         executor.shutdown()
         node.destroy_node()
         rclpy.try_shutdown()
-        codes = _stop_processes(procs)
+        codes = stop_processes(procs)
         if any(c != 0 for c in codes):
             print(f"node processes exited with {codes}; logs in {out}", file=sys.stderr)
             rc = rc or 1
     return rc
 
 
-def _stop_processes(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
+def launch_node(name: str, ns: str, params_file: Path, ros_args: list[str], log_path: Path) -> subprocess.Popen:
+    """Start ``prefix_node`` or ``suffix_node`` as a child process (``python -m``, this interpreter) in
+    namespace ``ns`` with a params file and extra ``--ros-args`` (remaps); output goes to ``log_path``.
+    The child runs in its own session so a terminal Ctrl-C reaches it only through :func:`stop_processes`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    cmd = [sys.executable, "-m", f"hybrid_vla_ros.nodes.{name}", "--ros-args", "-r", f"__ns:={ns}",
+           "--params-file", str(params_file), *ros_args]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
+    """SIGINT each process (rclpy shuts the node down cleanly), wait, SIGKILL what remains; exit codes."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGINT)

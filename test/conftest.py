@@ -14,6 +14,8 @@ EMBEDDED_BAG = REPO / "data" / "dgp_scene02_6cam_mcap"
 # see each other's nodes. Child processes inherit it.
 os.environ.setdefault("ROS_DOMAIN_ID", str(random.Random(os.getpid()).randint(1, 100)))
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+# Whole camera images over Fast DDS shared memory, as `hybrid-vla replay` does (see that XML file).
+os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(REPO / "config" / "fastdds_shm_large.xml"))
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 Real stamps: the 6 compressed camera topics of data/dgp_scene02_6cam_mcap (3 frames). DGP's cameras are
 triggered together: all six share one header stamp per frame (spread 0), 1.000 s apart. The nuScenes
-bag under /work/shared/data (if present) has the real staggered rolling-shutter stamps of nuScenes
+bag under ../shared/data beside the checkout (if present) has the real staggered rolling-shutter stamps of nuScenes
 (CAM_FRONT_LEFT first, CAM_BACK_LEFT last, 42.6 ms spread).
 """
 
@@ -17,7 +17,7 @@ from rosbags.highlevel import AnyReader
 from hybrid_vla_ros.core.sync import DROP_CAUSES, CameraSynchronizer, SyncedSet
 
 BAG = Path(__file__).resolve().parents[1] / "data" / "dgp_scene02_6cam_mcap"
-NUSCENES_BAG = Path("/work/shared/data/bags/nuscenes_scene0061_1sample_mcap")
+NUSCENES_BAG = Path(__file__).resolve().parents[2] / "shared" / "data" / "bags" / "nuscenes_scene0061_1sample_mcap"
 MS = 1_000_000
 N = 6
 

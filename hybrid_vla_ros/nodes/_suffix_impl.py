@@ -14,6 +14,7 @@ from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from ..core.affinity import pin_process, thread_affinities
+from ..core.config import VLAConfig
 from ..core.odometry import OdometryBuffer
 from ..core.params import ParameterError, SuffixParams
 from ..core.pipeline import SuffixRunner
@@ -70,11 +71,12 @@ class SuffixNode(LifecycleNode):
                 wheelbase_m=float(v("wheelbase_m")), max_odometry_age_s=float(v("max_odometry_age_s")),
                 odometry_wait_s=float(v("odometry_wait_s")))
             p.validate()
+            p.validate(num_layers=VLAConfig.load(p.model_path).num_layers)
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)
             threads = p.threads or len(p.cpu_affinity) or torch.get_num_threads()
-            self.runner = SuffixRunner(p.model_path, p.split_layer, dtype=p.dtype, ring_name=p.ring_name, namespace=self.get_namespace(), threads=threads)
-            p.validate(num_layers=self.runner.cfg.num_layers)
+            self.runner = SuffixRunner(p.model_path, p.split_layer, dtype=p.dtype, ring_name=p.ring_name,
+                                       namespace=self.get_namespace(), threads=threads)
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.last_error = str(e)
             self.get_logger().error(f"configure failed: {e}")

@@ -83,7 +83,8 @@ class PrefixNode(LifecycleNode):
             cfg = VLAConfig.load(p.model_path)
             p.validate(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers)
             self.runner = PrefixRunner(p.model_path, p.split_layer, device=p.device, dtype=p.dtype,
-                                       ring_name=p.ring_name, namespace=self.get_namespace(), ring_slots=p.ring_slots, torch_threads=p.torch_threads)
+                                       ring_name=p.ring_name, namespace=self.get_namespace(),
+                                       ring_slots=p.ring_slots, torch_threads=p.torch_threads)
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.last_error = str(e)
             self.get_logger().error(f"configure failed: {e}")
