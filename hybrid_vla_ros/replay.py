@@ -383,6 +383,8 @@ def _report(rec, frames, published, ns, k, cfg, bag_path) -> dict:
         for key, v in d.items():
             if key.startswith("drop_") and int(v):
                 drops[f"{side}.{key[5:]}"] = int(v)
+    if int(prefix.get("ring_dropped_oldest", 0)):  # frames the suffix was too slow to read
+        drops["ring.dropped_oldest"] = int(prefix["ring_dropped_oldest"])
     return {
         "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
         "camera_messages_in": int(prefix.get("frames_in", 0)),

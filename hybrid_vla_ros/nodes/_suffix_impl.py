@@ -9,7 +9,7 @@ import torch
 from autoware_planning_msgs.msg import Trajectory
 from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Odometry
-from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
@@ -19,13 +19,12 @@ from ..core.odometry import OdometryBuffer
 from ..core.params import ParameterError, SuffixParams
 from ..core.pipeline import SuffixRunner
 from ..core.shm_ring import SlotRejected
-from ..core.stats import DropCounter, StageTimes
 from ..core.trajectory import ego_state_from_odometry, waypoints_to_trajectory
 from . import common
 from .msg_conv import ns_to_stamp, trajectory_to_msg
 
 
-class SuffixNode(LifecycleNode):
+class SuffixNode(common.PipelineNode):
     """Lifecycle node running the CPU suffix. See ``suffix_node`` and the README for topics."""
 
     def __init__(self, early_affinity: list[int] | None = None, **kwargs):
@@ -45,12 +44,8 @@ class SuffixNode(LifecycleNode):
         self.early_affinity = early_affinity
         self.runner: SuffixRunner | None = None
         self.params: SuffixParams | None = None
-        self.drops = DropCounter()
-        self.times = StageTimes()
         self.frames_out = 0
         self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
-        self.last_error = ""
-        self._throttle = common.Throttle()
         self._odom = OdometryBuffer()
         self._odom_sub = None
         self._worker: threading.Thread | None = None
@@ -58,8 +53,6 @@ class SuffixNode(LifecycleNode):
         self._traj_pub = self.create_lifecycle_publisher(
             Trajectory, "~/output/trajectory", QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
         self._timing_pub = self.create_lifecycle_publisher(DiagnosticArray, "~/debug/frame_timing", 10)
-        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self._diag_timer = self.create_timer(1.0, self._publish_diagnostics)
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -97,24 +90,6 @@ class SuffixNode(LifecycleNode):
         self._worker = threading.Thread(target=self._work, name="suffix_worker", daemon=True)
         self._worker.start()
         return super().on_activate(state)
-
-    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
-        self._publish_diagnostics()
-        return super().on_deactivate(state)
-
-    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._release()
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self.shutdown_pipeline()
-        return TransitionCallbackReturn.SUCCESS
-
-    def shutdown_pipeline(self) -> None:
-        """Stop the worker and release the ring and model (idempotent)."""
-        self._stop()
-        self._release()
 
     def _stop(self) -> None:
         self._running = False
@@ -189,18 +164,9 @@ class SuffixNode(LifecycleNode):
         timing.header.stamp = ns_to_stamp(stamp)
         self._timing_pub.publish(timing)
 
-    def _drop(self, cause: str, message: str) -> None:
-        n = self.drops.add(cause)
-        self.last_error = message
-        if self._throttle(cause):
-            self.get_logger().warning(f"dropped frame ({cause}, {n} so far): {message}")
-
-    def _publish_diagnostics(self) -> None:
+    def _diagnostic_values(self) -> dict:
         ring = self.runner.ring_stats() if self.runner is not None else {}
-        drops = self.drops.snapshot()
-        values = common.flatten_stats(self.times.summary(), drops, {
-            "state": common.lifecycle_state(self), "trajectories_out": self.frames_out,
-            "ring_read": ring.get("read", 0), "odometry_propagated": self.odometry_propagated, "split_layer": self.params.split_layer if self.params else "",
-            "cpu_affinity": sorted(os.sched_getaffinity(0)), "last_error": self.last_error})
-        level = common.OK if not self.last_error else common.WARN
-        self._diag_pub.publish(common.diagnostic_array(self, "pipeline", level, "suffix stage", values))
+        return {"trajectories_out": self.frames_out, "ring_read": ring.get("read", 0),
+                "odometry_propagated": self.odometry_propagated,
+                "split_layer": self.params.split_layer if self.params else "",
+                "cpu_affinity": sorted(os.sched_getaffinity(0))}

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import time
 
+import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.exceptions import ParameterUninitializedException
+from rclpy.executors import ExternalShutdownException
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rcl_interfaces.msg import ParameterDescriptor
 
+from ..core.stats import DropCounter, StageTimes
 from .msg_conv import ns_to_stamp
 
 
@@ -74,3 +78,82 @@ def flatten_stats(stage_summary: dict, drops: dict, extra: dict) -> dict:
     for cause, n in sorted(drops.items()):
         out[f"drop_{cause}"] = n
     return out
+
+
+class PipelineNode(LifecycleNode):
+    """Lifecycle scaffolding shared by prefix_node and suffix_node (after ros2/demos lifecycle_py).
+
+    Subclasses implement ``on_configure``, ``on_activate`` (ending with ``super().on_activate``),
+    ``_stop`` (stop the worker and subscriptions; idempotent), ``_release`` (free the stage and ring;
+    idempotent) and ``_diagnostic_values`` (dict of key/values for /diagnostics). This class gives
+    deactivate / cleanup / shutdown / error handling, counted and rate-limited drops, and a 1 Hz
+    ``/diagnostics`` publisher that also reports on deactivate.
+    """
+
+    def __init__(self, name: str, **kwargs):
+        super().__init__(name, **kwargs)
+        self.drops = DropCounter()
+        self.times = StageTimes()
+        self.last_error = ""
+        self._throttle = Throttle()
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._diag_timer = self.create_timer(1.0, self.publish_diagnostics)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop()
+        self.publish_diagnostics()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.shutdown_pipeline()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.get_logger().error(f"error in a transition callback; releasing everything ({self.last_error})")
+        self.shutdown_pipeline()
+        return TransitionCallbackReturn.SUCCESS  # back to unconfigured, ready to configure again
+
+    def shutdown_pipeline(self) -> None:
+        """Stop the worker and release the stage and the ring (idempotent)."""
+        self._stop()
+        self._release()
+
+    def _drop(self, cause: str, message: str) -> None:
+        """Count a dropped frame or message by cause and log it at most every 2 s per cause."""
+        n = self.drops.add(cause)
+        self.last_error = message
+        if self._throttle(cause):
+            self.get_logger().warning(f"dropped ({cause}, {n} so far): {message}")
+
+    def publish_diagnostics(self) -> None:
+        values = flatten_stats(self.times.summary(), self.drops.snapshot(),
+                               {"state": lifecycle_state(self), **self._diagnostic_values(),
+                                "last_error": self.last_error})
+        level = OK if not self.last_error else WARN
+        self._diag_pub.publish(diagnostic_array(self, "pipeline", level, self.get_name(), values))
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def _diagnostic_values(self) -> dict:
+        return {}
+
+
+def spin(node: PipelineNode) -> int:
+    """Spin a pipeline node until Ctrl-C / SIGINT / external shutdown, then release it; exit code 0."""
+    try:
+        rclpy.spin(node)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.shutdown_pipeline()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0

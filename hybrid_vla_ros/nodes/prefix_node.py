@@ -17,9 +17,7 @@ import threading
 import time
 
 import rclpy
-from diagnostic_msgs.msg import DiagnosticArray
-from rclpy.executors import ExternalShutdownException
-from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
@@ -28,13 +26,12 @@ from ..core.config import VLAConfig
 from ..core.image import ImageDecodeError
 from ..core.params import ParameterError, PrefixParams
 from ..core.pipeline import PrefixRunner
-from ..core.stats import DropCounter, StageTimes
 from ..core.sync import CameraSynchronizer
 from . import common
 from .msg_conv import stamp_to_ns
 
 
-class PrefixNode(LifecycleNode):
+class PrefixNode(common.PipelineNode):
     """Lifecycle node running the GPU prefix. See the module docstring and README for topics."""
 
     def __init__(self, **kwargs):
@@ -54,21 +51,15 @@ class PrefixNode(LifecycleNode):
         d(self, "torch_threads", 0, "torch intra-op threads when on CPU (0 = default)")
         self.runner: PrefixRunner | None = None
         self.params: PrefixParams | None = None
-        self.drops = DropCounter()
-        self.times = StageTimes()
         self.frames_in = 0
         self.frames_synced = 0
         self.frames_out = 0
-        self.last_error = ""
-        self._throttle = common.Throttle()
         self._subs = []
         self._sync: CameraSynchronizer | None = None
         self._pending = None  # newest synchronized frame waiting for the worker
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._running = False
-        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self._diag_timer = self.create_timer(1.0, self._publish_diagnostics)
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -115,20 +106,6 @@ class PrefixNode(LifecycleNode):
                                f"({', '.join(s.topic_name for s in self._subs)})")
         return super().on_activate(state)
 
-    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
-        self._publish_diagnostics()
-        return super().on_deactivate(state)
-
-    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._release()
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
-        self._release()
-        return TransitionCallbackReturn.SUCCESS
-
     def _stop(self) -> None:
         for sub in self._subs:
             self.destroy_subscription(sub)
@@ -151,7 +128,11 @@ class PrefixNode(LifecycleNode):
     def _make_callback(self, cam: int, transport: str):
         def callback(msg) -> None:
             self.frames_in += 1
-            stamp = stamp_to_ns(msg.header.stamp)
+            try:
+                stamp = stamp_to_ns(msg.header.stamp)
+            except ValueError as e:
+                self._drop("bad_stamp", f"camera {cam}: {e}")
+                return
             emitted = self._sync.add(cam, stamp, (transport, msg))
             for cause, n in self._sync.pop_drops().items():
                 self.drops.add(cause, n)
@@ -189,39 +170,18 @@ class PrefixNode(LifecycleNode):
             self.times.add("preprocess", result.preprocess_ms)
             self.times.add("prefix", result.prefix_ms)
 
-    def _drop(self, cause: str, message: str) -> None:
-        n = self.drops.add(cause)
-        self.last_error = message
-        if self._throttle(cause):
-            self.get_logger().warning(f"dropped frame ({cause}, {n} so far): {message}")
-
-    def _publish_diagnostics(self) -> None:
+    def _diagnostic_values(self) -> dict:
         ring = self.runner.ring.stats if self.runner is not None else {}
-        drops = self.drops.snapshot()
-        drops.update({f"ring_{k}": v for k, v in ring.items() if k == "dropped_oldest"})
-        level = common.OK if not self.last_error else common.WARN
-        values = common.flatten_stats(self.times.summary(), drops, {
-            "state": common.lifecycle_state(self),
-            "frames_in": self.frames_in, "frames_synchronized": self.frames_synced,
-            "frames_out": self.frames_out, "ring_published": ring.get("published", 0),
-            "split_layer": self.params.split_layer if self.params else "", "last_error": self.last_error})
-        self._diag_pub.publish(common.diagnostic_array(self, "pipeline", level, "prefix stage", values))
+        return {"frames_in": self.frames_in, "frames_synchronized": self.frames_synced,
+                "frames_out": self.frames_out, "ring_published": ring.get("published", 0),
+                "ring_dropped_oldest": ring.get("dropped_oldest", 0),
+                "split_layer": self.params.split_layer if self.params else ""}
 
 
 def main(args: list[str] | None = None) -> int:
     """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args ...``."""
     rclpy.init(args=args if args is not None else sys.argv)
-    node = PrefixNode()
-    try:
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        node._stop()
-        node._release()
-        node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    return common.spin(PrefixNode())
 
 
 if __name__ == "__main__":

@@ -40,21 +40,12 @@ def main(args: list[str] | None = None) -> int:
         # Keep OpenMP from sizing its pool for all cores before configure sets the thread count.
         os.environ.setdefault("OMP_NUM_THREADS", str(len(early)))
     import rclpy
-    from rclpy.executors import ExternalShutdownException
 
+    from . import common
     from ._suffix_impl import SuffixNode
 
     rclpy.init(args=argv)
-    node = SuffixNode(early_affinity=early)
-    try:
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        node.shutdown_pipeline()
-        node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    return common.spin(SuffixNode(early_affinity=early))
 
 
 if __name__ == "__main__":
