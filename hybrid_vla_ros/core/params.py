@@ -56,10 +56,7 @@ class PrefixParams:
         """Raise ParameterError listing every invalid field. ``n_cameras`` / ``num_layers`` come from
         the checkpoint when known. Expands single-value ``camera_transports`` and empty topics."""
         p: list[str] = []
-        _check(p, bool(self.model_path), "model_path", "must name a checkpoint directory")
-        _check(p, not self.model_path or os.path.isdir(self.model_path), "model_path",
-               f"{self.model_path!r} is not a directory")
-        _check_split(p, self.split_layer, num_layers)
+        _check_common(p, self.model_path, self.split_layer, num_layers, self.dtype, self.ring_name)
         if n_cameras is not None:
             if not self.camera_topics:
                 self.camera_topics = [f"~/input/image{i}" for i in range(n_cameras)]
@@ -74,8 +71,6 @@ class PrefixParams:
         _check(p, len(set(self.camera_topics)) == len(self.camera_topics), "camera_topics", "duplicate topic")
         _check(p, self.sync_tolerance_ms > 0, "sync_tolerance_ms", "must be > 0 ms")
         _check(p, bool(DEVICES.match(self.device)), "device", "must be auto, cpu, cuda or cuda:N")
-        _check(p, self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}")
-        _check(p, bool(_RING_NAME.match(self.ring_name)), "ring_name", "1-64 characters of [A-Za-z0-9_-]")
         _check(p, 3 <= self.ring_slots <= 64, "ring_slots", "must be in [3, 64]")
         _check(p, self.torch_threads >= 0, "torch_threads", "must be >= 0")
         if p:
@@ -114,16 +109,11 @@ class SuffixParams:
     def validate(self, num_layers: int | None = None) -> "SuffixParams":
         """Raise ParameterError listing every invalid field."""
         p: list[str] = []
-        _check(p, bool(self.model_path), "model_path", "must name a checkpoint directory")
-        _check(p, not self.model_path or os.path.isdir(self.model_path), "model_path",
-               f"{self.model_path!r} is not a directory")
-        _check_split(p, self.split_layer, num_layers)
+        _check_common(p, self.model_path, self.split_layer, num_layers, self.dtype, self.ring_name)
         available = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
         bad = [c for c in self.cpu_affinity if c not in available]
         _check(p, not bad, "cpu_affinity", f"cores {bad} do not exist (this machine has 0..{(os.cpu_count() or 1) - 1})")
         _check(p, self.threads >= 0, "threads", "must be >= 0")
-        _check(p, self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}")
-        _check(p, bool(_RING_NAME.match(self.ring_name)), "ring_name", "1-64 characters of [A-Za-z0-9_-]")
         _check(p, bool(self.output_frame), "output_frame", "must not be empty")
         _check(p, self.wheelbase_m > 0, "wheelbase_m", "must be > 0 m")
         _check(p, self.max_odometry_age_s > 0, "max_odometry_age_s", "must be > 0 s")
@@ -131,6 +121,16 @@ class SuffixParams:
         if p:
             raise ParameterError("invalid parameters: " + "; ".join(p))
         return self
+
+
+def _check_common(p: list[str], model_path: str, k: int, num_layers: int | None, dtype: str, ring_name: str) -> None:
+    """Checks both nodes share: model_path, split_layer, dtype, ring_name."""
+    _check(p, bool(model_path), "model_path", "must name a checkpoint directory")
+    _check(p, not model_path or os.path.isdir(model_path), "model_path", f"{model_path!r} is not a directory")
+    _check_split(p, k, num_layers)
+    _check(p, dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}")
+    _check(p, isinstance(ring_name, str) and bool(_RING_NAME.match(ring_name)), "ring_name",
+           "1-64 characters of [A-Za-z0-9_-]")
 
 
 def _check_split(p: list[str], k: int, num_layers: int | None) -> None:
