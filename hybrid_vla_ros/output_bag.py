@@ -1,6 +1,7 @@
 """MCAP rosbag2 writer for the replay's outputs (rosbags, with message definitions embedded)."""
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -34,12 +35,18 @@ def _typestore_with_autoware():
 
 
 class OutputBag:
-    """Thread-safe MCAP bag at ``path`` (a rosbag2 folder; a number is appended if it exists)."""
+    """Thread-safe MCAP bag at ``path`` (a rosbag2 folder).
 
-    def __init__(self, path: str | Path):
+    If ``path`` exists: with ``overwrite`` a previous rosbag2 folder there (one holding metadata.yaml)
+    is replaced; otherwise, or when it is not a bag folder, a number is appended to the name.
+    """
+
+    def __init__(self, path: str | Path, overwrite: bool = False):
         from rosbags.rosbag2 import StoragePlugin, Writer
 
         path = Path(path)
+        if overwrite and path.is_dir() and (path / "metadata.yaml").is_file():
+            shutil.rmtree(path)
         candidate, i = path, 1
         while candidate.exists():
             candidate, i = path.with_name(f"{path.name}_{i}"), i + 1

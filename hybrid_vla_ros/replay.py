@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-tolerance-ms", type=float, default=50.0, help="camera synchronization tolerance (ms)")
     p.add_argument("--namespace", default="/hybrid_vla", help="namespace of the two nodes")
     p.add_argument("--output-topic", default="/planning/hybrid_vla/trajectory", help="trajectory topic")
-    p.add_argument("--output", default="out/replay", help="output folder (bag, logs, report.json)")
+    p.add_argument("--output", default="out/replay",
+                   help="output folder: trajectories/ (MCAP bag, replaced on each run), node logs, params.yaml, report.json")
     p.add_argument("--attach", action="store_true", help="drive nodes that are already running instead of starting them")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each lifecycle transition")
@@ -101,7 +102,6 @@ class Recorder:
     trajectories: dict[int, float] = field(default_factory=dict)  # stamp -> wall receive time (s)
     timings: dict[int, dict] = field(default_factory=dict)  # stamp -> stage ms
     diagnostics: dict[str, dict] = field(default_factory=dict)  # status name -> key/values
-    traj_points: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -129,86 +129,246 @@ def config_file(name: str) -> Path:
     return share_directory("hybrid_vla_ros") / "config" / name
 
 
+_ROS_NAMESPACE = re.compile(r"^/?([A-Za-z_][A-Za-z0-9_]*)(/[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """Problems with the command-line arguments that need no ROS and no model (one line each)."""
+    problems = []
+    if args.loops < 1:
+        problems.append(f"--loops must be >= 1, got {args.loops}")
+    if not args.rate > 0:
+        problems.append(f"--rate must be > 0, got {args.rate}")
+    if args.sync_tolerance_ms <= 0:
+        problems.append(f"--sync-tolerance-ms must be > 0, got {args.sync_tolerance_ms}")
+    if not _ROS_NAMESPACE.match(args.namespace):
+        problems.append(f"--namespace {args.namespace!r} is not a ROS namespace ([A-Za-z_][A-Za-z0-9_]* parts)")
+    try:
+        cores = _parse_cores(args.suffix_cores)
+        missing = sorted(set(cores) - os.sched_getaffinity(0))
+        if missing or not cores:
+            problems.append(f"--suffix-cores {args.suffix_cores!r}: this process may use cores "
+                            f"{sorted(os.sched_getaffinity(0))}")
+    except ValueError:
+        problems.append(f"--suffix-cores {args.suffix_cores!r} is not a comma-separated list of core numbers")
+    return problems
+
+
 def run_replay(args: argparse.Namespace) -> int:
     """Run the main job; returns a process exit code (0 when trajectories came out and nodes shut down cleanly)."""
+    problems = check_arguments(args)
+    if problems:
+        for p in problems:
+            print(f"hybrid-vla replay: {p}", file=sys.stderr)
+        return 2
+    from .core.config import VLAConfig
+
+    try:
+        cfg = VLAConfig.load(args.model_path)
+    except (OSError, ValueError) as e:
+        print(f"hybrid-vla replay: cannot read the checkpoint config in {args.model_path}: {e}", file=sys.stderr)
+        return 1
+    try:
+        messages = read_bag(args.bag)
+        cams = camera_topics(messages, args.transport)
+    except Exception as e:  # noqa: BLE001 - rosbags raises its own error types for unreadable bags
+        print(f"hybrid-vla replay: cannot use the bag {args.bag}: {e}", file=sys.stderr)
+        return 1
+    if len(cams) != cfg.n_cameras:
+        print(f"hybrid-vla replay: the bag has {len(cams)} {args.transport} cameras, the model takes {cfg.n_cameras}",
+              file=sys.stderr)
+        return 1
+    out = Path(args.output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"hybrid-vla replay: cannot create the output folder {out}: {e}", file=sys.stderr)
+        return 1
     # Whole camera images over shared memory (see config/fastdds_shm_large.xml); the node processes inherit it.
     if "FASTDDS_DEFAULT_PROFILES_FILE" not in os.environ and "FASTRTPS_DEFAULT_PROFILES_FILE" not in os.environ:
         os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(config_file("fastdds_shm_large.xml"))
-    import rclpy
-    from rclpy.executors import SingleThreadedExecutor
-    from rclpy.serialization import deserialize_message, serialize_message
-
-    from .core.config import VLAConfig
-    from .lifecycle_client import LifecycleClient
-    from .nodes.msg_conv import stamp_to_ns
-    from .output_bag import OutputBag
-
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        cfg = VLAConfig.load(args.model_path)
-        messages = read_bag(args.bag)
-        cams = camera_topics(messages, args.transport)
-    except (OSError, ValueError) as e:
-        print(f"hybrid-vla replay: {e}", file=sys.stderr)
-        return 1
-    if len(cams) != cfg.n_cameras:
-        print(f"hybrid-vla replay: the bag has {len(cams)} cameras, the model takes {cfg.n_cameras}", file=sys.stderr)
-        return 1
-    k = cfg.num_layers // 2 if args.split_layer is None else args.split_layer
-    suffix_cores = _parse_cores(args.suffix_cores)
-    prefix_threads = args.prefix_threads or max(1, len(os.sched_getaffinity(0)) - len(suffix_cores))
-    ns = "/" + args.namespace.strip("/")
-    play_topics = {f"{t}/compressed" if args.transport == "compressed" else t for t in cams} | {ODOMETRY_TOPIC}
-    play = [m for m in messages if m.topic in play_topics]
     if cfg.random_init:
         print("note: the checkpoint has RANDOM weights: the trajectories test the pipeline, they are not driving advice")
+    session = ReplaySession(args, cfg, messages, cams, out)
+    return session.run()
 
-    params = {
-        f"{ns}/prefix_node": {"ros__parameters": {
-            "model_path": str(Path(args.model_path).resolve()), "split_layer": k, "camera_topics": cams,
-            "camera_transports": [args.transport], "sync_tolerance_ms": args.sync_tolerance_ms,
-            "device": args.device, "dtype": args.dtype, "torch_threads": prefix_threads}},
-        f"{ns}/suffix_node": {"ros__parameters": {
-            "model_path": str(Path(args.model_path).resolve()), "split_layer": k, "cpu_affinity": suffix_cores,
-            "threads": len(suffix_cores), "dtype": args.dtype}},
-    }
-    params_file = out / "params.yaml"
-    import yaml
 
-    params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+class ReplaySession:
+    """One replay: node processes (unless attached), lifecycle management, playback, recording, report."""
 
-    procs: list[subprocess.Popen] = []
-    if not args.attach:
-        procs.append(launch_node("prefix_node", ns, params_file, [], out / "prefix_node.log"))
-        procs.append(launch_node("suffix_node", ns, params_file,
-                                 ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}",
-                                  "-r", f"~/output/trajectory:={args.output_topic}"], out / "suffix_node.log"))
+    def __init__(self, args, cfg, messages: list[BagMessage], cams: list[str], out: Path):
+        self.args, self.cfg, self.cams, self.out = args, cfg, cams, out
+        self.ns = "/" + args.namespace.strip("/")
+        self.k = cfg.num_layers // 2 if args.split_layer is None else args.split_layer
+        self.suffix_cores = _parse_cores(args.suffix_cores)
+        play_topics = {f"{t}/compressed" if args.transport == "compressed" else t for t in cams} | {ODOMETRY_TOPIC}
+        self.play = [m for m in messages if m.topic in play_topics]
+        self.rec = Recorder()
+        self.procs: list[subprocess.Popen] = []
+        self.bag = None
+        self.interrupted = False
 
-    rclpy.init()
-    node = rclpy.create_node("hybrid_vla_replay")
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    spin = threading.Thread(target=executor.spin, daemon=True)
-    spin.start()
-    rec = Recorder()
-    bag = OutputBag(out / "trajectories")
-    rc = 1
-    try:
-        rc = _drive(args, node, rec, bag, play, cams, ns, procs, out, cfg, k, suffix_cores,
-                    LifecycleClient, deserialize_message, serialize_message, stamp_to_ns, message_class)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-    finally:
-        bag.close()
-        executor.shutdown()
-        node.destroy_node()
-        rclpy.try_shutdown()
-        codes = stop_processes(procs)
-        if any(c != 0 for c in codes):
-            print(f"node processes exited with {codes}; logs in {out}", file=sys.stderr)
-            rc = rc or 1
-    return rc
+    def write_params(self) -> Path:
+        """The params file both node processes read (also a record of what was run)."""
+        import yaml
+
+        a, model = self.args, str(Path(self.args.model_path).resolve())
+        prefix_threads = a.prefix_threads or max(1, len(os.sched_getaffinity(0)) - len(self.suffix_cores))
+        params = {
+            f"{self.ns}/prefix_node": {"ros__parameters": {
+                "model_path": model, "split_layer": self.k, "camera_topics": self.cams,
+                "camera_transports": [a.transport], "sync_tolerance_ms": a.sync_tolerance_ms,
+                "device": a.device, "dtype": a.dtype, "torch_threads": prefix_threads}},
+            f"{self.ns}/suffix_node": {"ros__parameters": {
+                "model_path": model, "split_layer": self.k, "cpu_affinity": self.suffix_cores,
+                "threads": len(self.suffix_cores), "dtype": a.dtype}},
+        }
+        path = self.out / "params.yaml"
+        path.write_text(yaml.safe_dump(params, sort_keys=False))
+        return path
+
+    def run(self) -> int:
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.signals import SignalHandlerOptions
+
+        if not self.args.attach:
+            params_file = self.write_params()
+            self.procs.append(launch_node("prefix_node", self.ns, params_file, [], self.out / "prefix_node.log"))
+            self.procs.append(launch_node(
+                "suffix_node", self.ns, params_file,
+                ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}", "-r", f"~/output/trajectory:={self.args.output_topic}"],
+                self.out / "suffix_node.log"))
+        # No rclpy signal handler: Ctrl-C stays a KeyboardInterrupt here, so the replay can stop playback,
+        # still take the nodes down through their lifecycle and write the report.
+        context = rclpy.Context()
+        rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
+        node = rclpy.create_node("hybrid_vla_replay", context=context)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(node)
+        spin = threading.Thread(target=executor.spin, daemon=True)
+        spin.start()
+        rc = 1
+        try:
+            rc = self._drive(node)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+        finally:
+            if self.bag is not None:
+                self.bag.close()
+            executor.shutdown()
+            spin.join(timeout=10)
+            node.destroy_node()
+            rclpy.try_shutdown(context=context)
+            codes = stop_processes(self.procs)
+            if any(c != 0 for c in codes):
+                print(f"node processes exited with {codes}; logs in {self.out}", file=sys.stderr)
+                rc = rc or 1
+        return rc
+
+    def _subscribe(self, node) -> None:
+        from autoware_planning_msgs.msg import Trajectory
+        from diagnostic_msgs.msg import DiagnosticArray
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from rclpy.serialization import serialize_message
+
+        from .nodes.msg_conv import stamp_to_ns
+
+        rec, bag = self.rec, self.bag
+        timing_topic = f"{self.ns}/suffix_node/debug/frame_timing"
+        traj_conn = bag.add_topic(self.args.output_topic, "autoware_planning_msgs/msg/Trajectory")
+        timing_conn = bag.add_topic(timing_topic, "diagnostic_msgs/msg/DiagnosticArray")
+
+        def on_trajectory(msg):
+            stamp = stamp_to_ns(msg.header.stamp)
+            with rec.lock:
+                rec.trajectories[stamp] = time.monotonic()
+            bag.write(traj_conn, stamp, serialize_message(msg))
+
+        def on_timing(msg):
+            stamp = stamp_to_ns(msg.header.stamp)
+            with rec.lock:
+                rec.timings[stamp] = {kv.key.removesuffix("_ms"): float(kv.value) for kv in msg.status[0].values}
+            bag.write(timing_conn, stamp, serialize_message(msg))
+
+        def on_diag(msg):
+            with rec.lock:
+                for s in msg.status:
+                    rec.diagnostics[s.name] = {kv.key: kv.value for kv in s.values}
+
+        node.create_subscription(Trajectory, self.args.output_topic, on_trajectory,
+                                 QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)
+        node.create_subscription(DiagnosticArray, "/diagnostics", on_diag, 50)
+
+    def _bring_up(self, managers) -> bool:
+        t_start = time.monotonic()
+        for m in managers:
+            if not m.wait_for_services(self.args.timeout, self.procs):
+                dead = [(name, p.returncode) for name, p in zip(("prefix_node", "suffix_node"), self.procs)
+                        if p.poll() is not None]
+                if dead:
+                    for name, code in dead:
+                        tail = (self.out / f"{name}.log").read_text().strip().splitlines()[-3:]
+                        print(f"hybrid-vla replay: {name} exited with {code}: " + " | ".join(tail), file=sys.stderr)
+                else:
+                    print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s", file=sys.stderr)
+                return False
+        for transition in ("configure", "activate"):
+            for m in managers:
+                ok, detail = m.change_state(transition, self.args.timeout)
+                if not ok:
+                    print(f"hybrid-vla replay: {transition} of {m.name} failed ({detail}); "
+                          f"see {self.out if self.procs else 'the node output'}", file=sys.stderr)
+                    return False
+        where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
+        print(f"nodes active after {time.monotonic() - t_start:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
+        return True
+
+    def _drive(self, node) -> int:
+        from .lifecycle_client import LifecycleClient
+        from .output_bag import OutputBag
+
+        managers = [LifecycleClient(node, f"{self.ns}/prefix_node"), LifecycleClient(node, f"{self.ns}/suffix_node")]
+        if not self._bring_up(managers):
+            return 1
+        self.bag = OutputBag(self.out / "trajectories", overwrite=True)
+        self._subscribe(node)
+        publishers = {}
+        for m in self.play:
+            if m.topic not in publishers:
+                cls = message_class(m.msgtype)
+                publishers[m.topic] = (node.create_publisher(cls, m.topic, 10), cls)
+        _wait_for_subscribers(publishers, timeout=10.0)
+        foreign = sorted(t for t, (pub, _) in publishers.items() if node.count_publishers(t) > 1)
+        if foreign:
+            print(f"warning: other publishers on {', '.join(foreign)}: their frames mix with this replay's",
+                  file=sys.stderr)
+        published = _play(self.args, self.play, publishers, self.rec)
+        self.interrupted = published["interrupted"]
+        if self.interrupted:
+            print("\ninterrupted: playback stopped, shutting the nodes down", file=sys.stderr)
+        frames = published["frames"]
+        # Let frames in flight finish: stop when every frame has an answer or output stalls for 3 s.
+        last_count, last_change = -1, time.monotonic()
+        while time.monotonic() - last_change < 3.0 and len(self.rec.trajectories) < len(frames):
+            if len(self.rec.trajectories) != last_count:
+                last_count, last_change = len(self.rec.trajectories), time.monotonic()
+            time.sleep(0.05)
+        for m in managers:
+            m.change_state("deactivate", self.args.timeout)
+        time.sleep(0.5)  # the nodes publish their final /diagnostics on deactivate
+        for m in managers:
+            m.change_state("cleanup", self.args.timeout)
+        report = _report(self.rec, frames, published, self.ns, self.k, self.cfg, self.bag.path,
+                         self.args.sync_tolerance_ms)
+        (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        _print_report(report)
+        if report["frames_published"] and not report["camera_messages_in"]:
+            print("hint: the prefix received no camera messages: do its camera_topics / camera_transports match "
+                  f"the played topics ({self.cams[0]}{'/compressed' if self.args.transport == 'compressed' else ''}, ...)?",
+                  file=sys.stderr)
+        return 0 if report["trajectories_out"] > 0 and not self.interrupted else 1
 
 
 def launch_node(name: str, ns: str, params_file: Path, ros_args: list[str], log_path: Path) -> subprocess.Popen:
@@ -239,80 +399,6 @@ def stop_processes(procs: list[subprocess.Popen], timeout: float = 20.0) -> list
     return codes
 
 
-def _drive(args, node, rec, bag, play, cams, ns, procs, out, cfg, k, suffix_cores, LifecycleClient,
-           deserialize_message, serialize_message, stamp_to_ns, message_class) -> int:
-    from autoware_planning_msgs.msg import Trajectory
-    from diagnostic_msgs.msg import DiagnosticArray
-    from rclpy.qos import QoSProfile, ReliabilityPolicy
-
-    timing_topic = f"{ns}/suffix_node/debug/frame_timing"
-    traj_conn = bag.add_topic(args.output_topic, "autoware_planning_msgs/msg/Trajectory")
-    timing_conn = bag.add_topic(timing_topic, "diagnostic_msgs/msg/DiagnosticArray")
-
-    def on_trajectory(msg):
-        stamp = stamp_to_ns(msg.header.stamp)
-        with rec.lock:
-            rec.trajectories[stamp] = time.monotonic()
-            rec.traj_points.append(len(msg.points))
-        bag.write(traj_conn, stamp, serialize_message(msg))
-
-    def on_timing(msg):
-        stamp = stamp_to_ns(msg.header.stamp)
-        with rec.lock:
-            rec.timings[stamp] = {kv.key.removesuffix("_ms"): float(kv.value) for kv in msg.status[0].values}
-        bag.write(timing_conn, stamp, serialize_message(msg))
-
-    def on_diag(msg):
-        with rec.lock:
-            for s in msg.status:
-                rec.diagnostics[s.name] = {kv.key: kv.value for kv in s.values}
-
-    node.create_subscription(Trajectory, args.output_topic, on_trajectory,
-                             QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
-    node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)
-    node.create_subscription(DiagnosticArray, "/diagnostics", on_diag, 50)
-
-    managers = [LifecycleClient(node, f"{ns}/prefix_node"), LifecycleClient(node, f"{ns}/suffix_node")]
-    t_start = time.monotonic()
-    for m in managers:
-        if not m.wait_for_services(args.timeout, procs):
-            print(f"hybrid-vla replay: {m.name} did not come up; logs in {out}", file=sys.stderr)
-            return 1
-    for transition in ("configure", "activate"):
-        for m in managers:
-            ok, detail = m.change_state(transition, args.timeout)
-            if not ok:
-                print(f"hybrid-vla replay: {transition} of {m.name} failed ({detail}); logs in {out}", file=sys.stderr)
-                return 1
-    print(f"nodes active after {time.monotonic() - t_start:.1f} s: split_layer={k}/{cfg.num_layers}, "
-          f"suffix pinned to cores {suffix_cores}")
-
-    publishers = {}
-    for m in play:
-        if m.topic not in publishers:
-            publishers[m.topic] = (node.create_publisher(message_class(m.msgtype), m.topic, 10), message_class(m.msgtype))
-    _wait_for_subscribers(publishers, timeout=10.0)
-
-    published = _play(args, play, publishers, deserialize_message, rec)
-    frames = published["frames"]
-    # Let frames in flight finish: stop when every frame has an answer or output stalls for 3 s.
-    last_count, last_change = -1, time.monotonic()
-    while time.monotonic() - last_change < 3.0 and len(rec.trajectories) < len(frames):
-        if len(rec.trajectories) != last_count:
-            last_count, last_change = len(rec.trajectories), time.monotonic()
-        time.sleep(0.05)
-    for m in managers:
-        m.change_state("deactivate", args.timeout)
-    time.sleep(0.5)  # the nodes publish their final /diagnostics on deactivate
-    for m in managers:
-        m.change_state("cleanup", args.timeout)
-
-    report = _report(rec, frames, published, ns, k, cfg, bag.path)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _print_report(report)
-    return 0 if report["trajectories_out"] > 0 else 1
-
-
 def _wait_for_subscribers(publishers: dict, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -322,8 +408,12 @@ def _wait_for_subscribers(publishers: dict, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def _play(args, play, publishers, deserialize_message, rec) -> dict:
-    """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts."""
+def _play(args, play, publishers, rec) -> dict:
+    """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
+
+    Ctrl-C stops playback early; the result then says ``interrupted: True``.
+    """
+    from rclpy.serialization import deserialize_message
     from tqdm import tqdm
 
     t0 = play[0].t_ns
@@ -333,11 +423,20 @@ def _play(args, play, publishers, deserialize_message, rec) -> dict:
     period = int(np.median(gaps)) if gaps.size else 100_000_000
     loop_len = span + period
     frames: dict[int, float] = {}  # frame stamp (ns, its first camera message) -> wall time its last image went out
-    n_msgs = 0
-    last_frame = None
     total = args.loops * len(play)
     bar = tqdm(total=total, unit="msg", disable=args.quiet, dynamic_ncols=True, desc="replay")
     wall0 = time.monotonic()
+    interrupted = False
+    try:
+        _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len)
+    except KeyboardInterrupt:
+        interrupted = True
+    bar.close()
+    return {"frames": frames, "messages": bar.n, "wall_s": time.monotonic() - wall0, "interrupted": interrupted}
+
+
+def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len) -> None:
+    last_frame = None
     for loop in range(args.loops):
         offset = loop * loop_len
         for m in play:
@@ -350,7 +449,6 @@ def _play(args, play, publishers, deserialize_message, rec) -> dict:
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec + offset
             msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
             pub.publish(msg)
-            n_msgs += 1
             if CAMERA_TOPIC.match(m.topic):
                 if last_frame is None or abs(stamp - last_frame) > args.sync_tolerance_ms * 1e6:
                     last_frame = stamp
@@ -359,21 +457,21 @@ def _play(args, play, publishers, deserialize_message, rec) -> dict:
             with rec.lock:
                 done = len(rec.trajectories)
             bar.set_postfix(frames=len(frames), trajectories=done, refresh=False)
-    bar.close()
-    return {"frames": frames, "messages": n_msgs, "wall_s": time.monotonic() - wall0}
 
 
-def _report(rec, frames, published, ns, k, cfg, bag_path) -> dict:
+def _report(rec, frames, published, ns, k, cfg, bag_path, tolerance_ms) -> dict:
     with rec.lock:
         trajectories = dict(rec.trajectories)
         timings = dict(rec.timings)
         diags = dict(rec.diagnostics)
-    prefix = diags.get(f"prefix_node: pipeline", {})
-    suffix = diags.get(f"suffix_node: pipeline", {})
-    e2e = []
+    prefix = diags.get(f"{ns}/prefix_node: pipeline", {})
+    suffix = diags.get(f"{ns}/suffix_node: pipeline", {})
+    e2e, foreign = [], 0
     for stamp, t_recv in trajectories.items():
         key = min(frames, key=lambda f: abs(f - stamp)) if frames else None
-        if key is not None:
+        if key is None or abs(key - stamp) > tolerance_ms * 1e6:
+            foreign += 1  # a trajectory for a frame this replay did not publish
+        else:
             e2e.append((t_recv - frames[key]) * 1e3)
     stages = {s: _percentiles([t[s] for t in timings.values() if s in t])
               for s in ("preprocess", "prefix", "handoff", "suffix", "odometry_wait")}
@@ -391,11 +489,13 @@ def _report(rec, frames, published, ns, k, cfg, bag_path) -> dict:
         "frames_published": len(frames),
         "frames_synchronized": int(prefix.get("frames_synchronized", 0)),
         "frames_through_prefix": int(prefix.get("frames_out", 0)),
-        "trajectories_out": len(trajectories),
+        "trajectories_out": len(trajectories) - foreign,
+        "foreign_trajectories": foreign,
         "drops": drops,
         "stages_ms": stages,
         "messages_played": published["messages"],
         "playback_wall_s": round(published["wall_s"], 3),
+        "interrupted": published["interrupted"],
         "output_bag": str(bag_path),
     }
 
@@ -409,6 +509,8 @@ def _print_report(r: dict) -> None:
     print(f"  frames synchronized    {r['frames_synchronized']}")
     print(f"  frames through prefix  {r['frames_through_prefix']}")
     print(f"  trajectories out       {r['trajectories_out']}")
+    if r.get("foreign_trajectories"):
+        print(f"  foreign trajectories   {r['foreign_trajectories']} (not from this replay's frames: another publisher?)")
     print(f"  drops by cause         {r['drops'] or 'none'}")
     print(f"  {'stage':<22} {'n':>5} {'p50 ms':>9} {'p90 ms':>9}")
     for stage, s in r["stages_ms"].items():

@@ -151,7 +151,7 @@ def test_lifecycle_order_split_mismatch_and_reconfigure(nodes, embedded_bag):
 
     # prefix runs K=1, suffix expects K=2: every slot is rejected and counted, nothing is published
     publish(0)
-    assert graph.wait(lambda: int(graph.diag.get("suffix_node: pipeline", {}).get("drop_slot_split_mismatch", 0)) >= 1), \
+    assert graph.wait(lambda: int(graph.diag.get(f"{ns}/suffix_node: pipeline", {}).get("drop_slot_split_mismatch", 0)) >= 1), \
         (logs / "suffix.log").read_text()
     assert graph.trajectories == []
     assert "split_mismatch" in (logs / "suffix.log").read_text()

@@ -117,6 +117,19 @@ def test_odometry_pose_at_interpolates_propagates_and_rejects_stale():
         buf.pose_at(int(5e9), int(1e9))
 
 
+def test_odometry_clock_jump_back_clears_the_buffer():
+    buf = OdometryBuffer(jump_back_ns=int(1e9))
+    buf.add(_ego(100.0, 5.0))
+    buf.add(_ego(101.0, 6.0))
+    buf.add(_ego(10.0, 0.0))  # clock restarted
+    assert buf.time_jumps == 1
+    ego, how = buf.pose_at(int(10.0e9), int(1e9))
+    assert ego.x == 0.0
+    buf.add(_ego(10.5, 0.5))  # a small step back is a late message, kept in order
+    buf.add(_ego(10.2, 0.2))
+    assert buf.time_jumps == 1 and buf.pose_at(int(10.2e9), int(1e9))[0].x == 0.2
+
+
 def test_odometry_wait_for_newer_state():
     buf = OdometryBuffer()
     buf.add(_ego(1.0, 0.0))

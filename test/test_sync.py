@@ -190,7 +190,7 @@ def test_interleaved_frames_and_best_window():
 
 
 def test_reset_allows_time_to_restart(frame_stamps):
-    sync = CameraSynchronizer(N, tolerance_ns=20 * MS)
+    sync = CameraSynchronizer(N, tolerance_ns=20 * MS, jump_back_ns=10_000 * MS)  # 2 s back: not a jump here
     for f in frame_stamps:
         _feed(sync, f)
     assert _feed(sync, frame_stamps[0]) == [] and sync.drops["out_of_order"] == N  # replay loop
@@ -210,3 +210,22 @@ def test_validation():
             CameraSynchronizer(*args)
     single = CameraSynchronizer(1, tolerance_ns=0)
     assert single.add(0, 3, "only") == SyncedSet(3, ["only"])
+
+
+def test_clock_jump_back_restarts_synchronization():
+    """A bag restarted (or a sensor clock reset) must not block the node until time catches up."""
+    sync = CameraSynchronizer(N, tolerance_ns=10 * MS, jump_back_ns=1000 * MS)
+    t0 = 1_700_000_000 * 10**9
+    assert len(_feed(sync, t0)) == 1
+    assert len(_feed(sync, t0 + 2000 * MS)) == 1
+    # back to the start of the recording: every later frame would be out_of_order without the jump rule
+    assert len(_feed(sync, t0)) == 1
+    assert sync.drops["time_jump"] == 1
+    assert len(_feed(sync, t0 + 100 * MS)) == 1
+    # one frame stamped an hour ahead, then normal frames again: processed after one jump
+    assert len(_feed(sync, t0 + 3600 * 10**9)) == 1
+    assert len(_feed(sync, t0 + 200 * MS)) == 1
+    assert sync.drops["time_jump"] == 2
+    # a small step back (within jump_back_ns) is still a late message, not a jump
+    sync.add(0, t0 + 100 * MS, "late")
+    assert sync.drops["out_of_order"] == 1 and sync.drops["time_jump"] == 2

@@ -45,15 +45,25 @@ class OdometryBuffer:
     arrived yet.
     """
 
-    def __init__(self, maxlen: int = 256):
+    def __init__(self, maxlen: int = 256, jump_back_ns: int = 1_000_000_000):
         self._maxlen = maxlen
+        self._jump_back_ns = jump_back_ns
+        self.time_jumps = 0  # times the buffer was cleared because the clock jumped back
         self._stamps: list[int] = []
         self._states: list[EgoState] = []
         self._cv = threading.Condition()
 
     def add(self, ego: EgoState) -> None:
-        """Insert a state (ns stamp in ``ego.stamp_ns``); an equal stamp replaces the older entry."""
+        """Insert a state (ns stamp in ``ego.stamp_ns``); an equal stamp replaces the older entry.
+
+        A state more than ``jump_back_ns`` older than the newest one means the clock jumped back (bag
+        restarted, clock reset, or earlier stamps in the future): the buffer is cleared first.
+        """
         with self._cv:
+            if self._stamps and self._stamps[-1] - ego.stamp_ns > self._jump_back_ns:
+                self._stamps.clear()
+                self._states.clear()
+                self.time_jumps += 1
             i = bisect.bisect_left(self._stamps, ego.stamp_ns)
             if i < len(self._stamps) and self._stamps[i] == ego.stamp_ns:
                 self._states[i] = ego

@@ -116,6 +116,10 @@ class PrefixRunner:
             torch.cuda.empty_cache()
 
 
+class StaleFrame(RuntimeError):
+    """A frame published before this consumer attached (left in the ring from before a restart)."""
+
+
 @dataclass
 class SuffixResult:
     """Waypoints of one frame with its slot metadata and stage timings (ms)."""
@@ -142,7 +146,8 @@ class SuffixRunner:
     cannot attach to the prefix's ring (``attach_error`` says why; it retries on the next poll, and
     re-attaches by itself when the prefix restarts and replaces the ring). Raises ``SlotRejected`` (counted by the ring) for a slot whose
     header fails validation, e.g. another split layer or model, and FloatingPointError for
-    non-finite waypoints.
+    non-finite waypoints, and StaleFrame for a frame published before this consumer attached (left
+    over from before a restart).
     """
 
     def __init__(self, model_path: str, split_layer: int, *, dtype: str = "fp32", ring_name: str = "prefix_states",
@@ -157,6 +162,7 @@ class SuffixRunner:
         self.segment = segment_name(ring_name, namespace)
         self.ring: RingConsumer | None = None
         self.attach_error = ""  # why the last attach attempt failed ("" when attached)
+        self._attached_ns = 0  # CLOCK_MONOTONIC time of the last attach
 
     def _attach(self) -> bool:
         if self.ring is not None and self.ring.producer_gone:
@@ -173,6 +179,7 @@ class SuffixRunner:
                 self.attach_error = str(e)
                 return False
             self.attach_error = ""
+            self._attached_ns = time.monotonic_ns()
         return True
 
     @property
@@ -188,6 +195,8 @@ class SuffixRunner:
         if slot is None:
             return None
         with slot:
+            if slot.meta.t_publish_ns < self._attached_ns:
+                raise StaleFrame(f"frame seq {slot.meta.seq} was published before the suffix attached")
             t_ready = time.monotonic_ns()
             t0 = time.perf_counter()
             waypoints = self.stage(slot.tensor)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 __all__ = ["CameraSynchronizer", "SyncedSet", "DROP_CAUSES"]
 
 #: Causes counted in :attr:`CameraSynchronizer.drops`.
-DROP_CAUSES = ("unsynced", "queue_overflow", "out_of_order", "duplicate")
+DROP_CAUSES = ("unsynced", "queue_overflow", "out_of_order", "duplicate", "time_jump")
 
 
 class SyncedSet(NamedTuple):
@@ -41,11 +41,15 @@ class CameraSynchronizer:
         n_cameras: number of cameras (>= 1); camera indices are ``0 .. n_cameras - 1``.
         tolerance_ns: largest allowed spread ``max(stamps) - min(stamps)`` within one set (ns, >= 0).
         queue_depth: messages kept per camera while waiting (>= 1); the oldest is dropped beyond it.
+        jump_back_ns: a backwards step larger than this is a clock jump, not a late message (ns, >= 1).
 
     Behaviour:
         * Per camera, stamps must strictly increase: an equal stamp is counted as ``duplicate``, an
-          older one as ``out_of_order``; both are discarded (call :meth:`reset` after a deliberate time
-          jump, e.g. when a bag replay loops).
+          older one as ``out_of_order``; both are discarded.
+        * A stamp more than ``jump_back_ns`` older than that camera's last one is a clock jump (a bag
+          restarted, a sensor clock reset, or earlier stamps far in the future): every queue and stamp
+          history is cleared, ``time_jump`` counts the event, the queued messages count as ``unsynced``,
+          and the new message starts the new timeline.
         * :meth:`add` returns a :class:`SyncedSet` when the new message completes a set (each camera
           contributes the message closest in time to the new one inside the best window of width
           ``tolerance_ns``), else ``None``. At most one set is completed per call.
@@ -65,10 +69,12 @@ class CameraSynchronizer:
     Thread safety: :meth:`add`, :meth:`pop_drops` and :meth:`reset` hold an internal lock.
     """
 
-    def __init__(self, n_cameras: int, tolerance_ns: int, queue_depth: int = 4) -> None:
+    def __init__(self, n_cameras: int, tolerance_ns: int, queue_depth: int = 4,
+                 jump_back_ns: int = 1_000_000_000) -> None:
         self.n_cameras = _positive_int(n_cameras, "n_cameras", minimum=1)
         self.tolerance_ns = _positive_int(tolerance_ns, "tolerance_ns", minimum=0)
         self.queue_depth = _positive_int(queue_depth, "queue_depth", minimum=1)
+        self.jump_back_ns = _positive_int(jump_back_ns, "jump_back_ns", minimum=1)
         self._queues: list[deque[tuple[int, Any]]] = [deque() for _ in range(self.n_cameras)]
         self._last_stamp: list[int | None] = [None] * self.n_cameras
         self.drops: dict[str, int] = dict.fromkeys(DROP_CAUSES, 0)
@@ -100,6 +106,15 @@ class CameraSynchronizer:
             raise ValueError(f"stamp_ns must be >= 0, got {stamp}")
         with self._lock:
             last = self._last_stamp[cam]
+            if last is not None and last - stamp > self.jump_back_ns:
+                # The clock jumped back (bag restarted, sensor clock reset) or the previous stamps were far
+                # in the future: start over rather than waiting for time to catch up with them.
+                self.drops["time_jump"] += 1
+                self.drops["unsynced"] += sum(len(q) for q in self._queues)
+                for queue in self._queues:
+                    queue.clear()
+                self._last_stamp = [None] * self.n_cameras
+                last = None
             if last is not None and stamp <= last:
                 self.drops["duplicate" if stamp == last else "out_of_order"] += 1
                 return None

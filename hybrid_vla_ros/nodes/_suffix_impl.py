@@ -17,7 +17,7 @@ from ..core.affinity import pin_process, thread_affinities
 from ..core.config import VLAConfig
 from ..core.odometry import OdometryBuffer
 from ..core.params import ParameterError, SuffixParams
-from ..core.pipeline import SuffixRunner
+from ..core.pipeline import StaleFrame, SuffixRunner
 from ..core.shm_ring import SlotRejected
 from ..core.trajectory import ego_state_from_odometry, waypoints_to_trajectory
 from . import common
@@ -44,6 +44,7 @@ class SuffixNode(common.PipelineNode):
         self.early_affinity = early_affinity
         self.runner: SuffixRunner | None = None
         self.params: SuffixParams | None = None
+        self.frames_in = 0  # frames taken from the ring, rejected ones included
         self.frames_out = 0
         self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
         self._odom = OdometryBuffer()
@@ -116,23 +117,32 @@ class SuffixNode(common.PipelineNode):
         self._odom.add(ego)
 
     def _work(self) -> None:
-        while self._running:
+        attached = False
+        while self._running and self.context.ok():
             try:
                 result = self.runner.poll(0.1)
+                if self.runner.attached != attached:
+                    attached = self.runner.attached
+                    self.get_logger().info(f"attached to the ring '{self.runner.segment}'" if attached else
+                                           "the prefix's ring went away; waiting for it to come back")
+                if not attached and self._throttle("attach"):
+                    self.get_logger().info(f"waiting for the prefix node's ring: {self.runner.attach_error}")
+                if result is not None:
+                    self.frames_in += 1
+                    self._publish(result)
             except SlotRejected as e:
+                self.frames_in += 1
                 self._drop(f"slot_{e.cause}", str(e))
-                continue
+            except StaleFrame as e:
+                self.frames_in += 1
+                self._drop("stale_frame", str(e))
             except FloatingPointError as e:
+                self.frames_in += 1
                 self._drop("non_finite_output", str(e))
-                continue
             except Exception as e:  # noqa: BLE001 - counted and reported, the node keeps running
+                if not self.context.ok():
+                    return  # ROS is shutting down (Ctrl-C): publishing can no longer succeed
                 self._drop("internal_error", f"{type(e).__name__}: {e}")
-                continue
-            if not self.runner.attached and self._throttle("attach"):
-                self.get_logger().info(f"waiting for the prefix node's ring: {self.runner.attach_error}")
-            if result is None:
-                continue
-            self._publish(result)
 
     def _publish(self, result) -> None:
         stamp = result.meta.stamp_ns
@@ -164,9 +174,14 @@ class SuffixNode(common.PipelineNode):
         timing.header.stamp = ns_to_stamp(stamp)
         self._timing_pub.publish(timing)
 
+    def _io_counts(self) -> tuple[int, int]:
+        return self.frames_in, self.frames_out
+
     def _diagnostic_values(self) -> dict:
         ring = self.runner.ring_stats() if self.runner is not None else {}
-        return {"trajectories_out": self.frames_out, "ring_read": ring.get("read", 0),
-                "odometry_propagated": self.odometry_propagated,
+        return {"frames_in": self.frames_in, "trajectories_out": self.frames_out,
+                "ring_attached": self.runner is not None and self.runner.attached,
+                "ring_read": ring.get("read", 0),
+                "odometry_propagated": self.odometry_propagated, "odometry_time_jumps": self._odom.time_jumps,
                 "split_layer": self.params.split_layer if self.params else "",
                 "cpu_affinity": sorted(os.sched_getaffinity(0))}

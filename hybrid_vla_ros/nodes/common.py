@@ -56,8 +56,9 @@ class Throttle:
 
 
 def diagnostic_array(node: Node, name: str, level: bytes, message: str, values: dict) -> DiagnosticArray:
-    """One DiagnosticStatus (Autoware convention: '<node>: <name>') in a DiagnosticArray stamped now."""
-    status = DiagnosticStatus(level=level, name=f"{node.get_name()}: {name}", message=message,
+    """One DiagnosticStatus named '<fully qualified node name>: <name>' (Autoware's '<node>: <task>'
+    convention, with the namespace so that two deployments stay apart) in a DiagnosticArray stamped now."""
+    status = DiagnosticStatus(level=level, name=f"{node.get_fully_qualified_name()}: {name}", message=message,
                               hardware_id=node.get_fully_qualified_name())
     status.values = [KeyValue(key=str(k), value=str(v)) for k, v in values.items()]
     arr = DiagnosticArray(status=[status])
@@ -97,6 +98,7 @@ class PipelineNode(LifecycleNode):
         self.last_error = ""
         self._throttle = Throttle()
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._stall_since = time.monotonic()
         self._diag_timer = self.create_timer(1.0, self.publish_diagnostics)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -129,12 +131,36 @@ class PipelineNode(LifecycleNode):
         if self._throttle(cause):
             self.get_logger().warning(f"dropped ({cause}, {n} so far): {message}")
 
+    STALL_S = 3.0  # inputs arriving without any output for this long is an ERROR
+
     def publish_diagnostics(self) -> None:
-        values = flatten_stats(self.times.summary(), self.drops.snapshot(),
+        """Publish one DiagnosticStatus '<fully qualified node name>: pipeline' on /diagnostics.
+
+        Level: ERROR when inputs keep arriving but nothing has come out for STALL_S seconds, WARN when
+        something was dropped since the previous report, else OK.
+        """
+        drops = self.drops.snapshot()
+        values = flatten_stats(self.times.summary(), drops,
                                {"state": lifecycle_state(self), **self._diagnostic_values(),
                                 "last_error": self.last_error})
-        level = OK if not self.last_error else WARN
-        self._diag_pub.publish(diagnostic_array(self, "pipeline", level, self.get_name(), values))
+        now = time.monotonic()
+        inputs, outputs = self._io_counts()
+        prev = getattr(self, "_diag_prev", None)
+        if prev is None or outputs != prev["outputs"] or inputs == prev["inputs"]:
+            self._stall_since = now  # output moved, or no new input: not stalled
+        self._diag_prev = {"inputs": inputs, "outputs": outputs, "drops": sum(drops.values())}
+        new_drops = self._diag_prev["drops"] - (prev["drops"] if prev else 0)
+        if now - self._stall_since >= self.STALL_S:
+            level, message = ERROR, f"inputs arrive but nothing came out for {now - self._stall_since:.0f} s"
+        elif new_drops > 0:
+            level, message = WARN, f"{new_drops} dropped since the last report ({self.last_error})"
+        else:
+            level, message = OK, "ok"
+        self._diag_pub.publish(diagnostic_array(self, "pipeline", level, message, values))
+
+    def _io_counts(self) -> tuple[int, int]:
+        """(inputs seen, outputs produced) so far, for stall detection."""
+        return 0, 0
 
     def _stop(self) -> None:
         raise NotImplementedError

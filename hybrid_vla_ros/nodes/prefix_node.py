@@ -170,6 +170,9 @@ class PrefixNode(common.PipelineNode):
             self.times.add("preprocess", result.preprocess_ms)
             self.times.add("prefix", result.prefix_ms)
 
+    def _io_counts(self) -> tuple[int, int]:
+        return self.frames_in, self.frames_out
+
     def _diagnostic_values(self) -> dict:
         ring = self.runner.ring.stats if self.runner is not None else {}
         return {"frames_in": self.frames_in, "frames_synchronized": self.frames_synced,
