@@ -1,0 +1,63 @@
+"""`hybrid-vla` command line: init-model and the replay's up-front argument checks (no ROS graph needed)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_vla_ros.cli import build_parser
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*argv, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "hybrid_vla_ros.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def test_init_model_writes_a_random_init_checkpoint_and_refuses_to_overwrite(tmp_path):
+    out = _run("init-model", "--preset", "tiny", str(tmp_path / "m"))
+    assert out.returncode == 0, out.stderr
+    assert "RANDOM-INIT" in out.stdout and "not driving advice" in out.stdout
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["random_init"] is True and cfg["preset"] == "tiny"
+    again = _run("init-model", "--preset", "tiny", str(tmp_path / "m"))
+    assert again.returncode == 1 and "already holds a checkpoint" in again.stderr
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--rate", "0"], "--rate must be > 0"),
+    (["--rate", "-2"], "--rate must be > 0"),
+    (["--loops", "0"], "--loops must be >= 1"),
+    (["--suffix-cores", "4096"], "--suffix-cores '4096'"),
+    (["--suffix-cores", "a,b"], "not a comma-separated list"),
+    (["--namespace", "bad name"], "is not a ROS namespace"),
+    (["--sync-tolerance-ms", "0"], "--sync-tolerance-ms must be > 0"),
+])
+def test_replay_rejects_bad_arguments_before_starting_anything(tiny_checkpoint, tmp_path, extra, needle):
+    out = _run("replay", "--model-path", str(tiny_checkpoint), "--output", str(tmp_path / "o"), *extra)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert needle in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "o").exists(), "nothing is started or written for bad arguments"
+
+
+@pytest.mark.parametrize("make_args,needle", [
+    (lambda ck, tmp: ["--model-path", str(REPO / "README.md")], "cannot read the checkpoint config"),
+    (lambda ck, tmp: ["--model-path", str(tmp / "missing")], "cannot read the checkpoint config"),
+    (lambda ck, tmp: ["--model-path", str(ck), "--bag", str(tmp / "nobag")], "cannot use the bag"),
+    (lambda ck, tmp: ["--model-path", str(ck), "--transport", "raw"], "the bag has 1 raw cameras, the model takes 6"),
+    (lambda ck, tmp: ["--model-path", str(ck), "--output", "/proc/forbidden/out"], "cannot create the output folder"),
+])
+def test_replay_reports_unusable_inputs_clearly(tiny_checkpoint, tmp_path, make_args, needle):
+    out = _run("replay", "--output", str(tmp_path / "o"), *make_args(tiny_checkpoint, tmp_path))
+    assert out.returncode == 1 and needle in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_parser_help_lists_subcommands():
+    text = build_parser().format_help()
+    assert "init-model" in text and "replay" in text
