@@ -1,96 +1,104 @@
 """Start prefix_node and suffix_node as managed (lifecycle) nodes and bring both to active.
 
-ros2 launch hybrid_vla_ros hybrid_vla.launch.py model_path:=/path/to/checkpoint split_layer:=16 \
-    cpu_affinity:='[6, 7]' output_trajectory:=/planning/hybrid_vla/trajectory
+    ros2 launch hybrid_vla_ros hybrid_vla.launch.py model_path:=/path/to/checkpoint split_layer:=16 \
+        cpu_affinity:='[6, 7]' output_trajectory:=/planning/hybrid_vla/trajectory
 
-Each node is configured as soon as it starts and activated as soon as it reaches "inactive"
-(the pattern of launch_ros' lifecycle examples), so no separate lifecycle manager is needed. With
-``autostart:=false`` the nodes stay unconfigured for your own manager. Camera inputs
-``~/input/image<i>`` are remapped onto Autoware's ``/sensing/camera/camera<i>/<camera_topic_suffix>``;
-with ``camera_transport:=compressed`` the node subscribes to ``.../compressed``.
+Parameters come from the two parameter files (``prefix_param_file``, ``suffix_param_file``, by
+default the package's ``config/*.param.yaml``); a launch argument given on the command line
+overrides the file's value, one left empty keeps it. Each node is configured when it starts and
+activated when that configure succeeds (the event pattern of launch_ros' lifecycle examples), so no
+separate lifecycle manager is needed; ``autostart:=false`` leaves both unconfigured for your own
+manager. Camera inputs ``~/input/image<i>`` are remapped onto Autoware's
+``/sensing/camera/camera<i>/<camera_topic_suffix>`` (``.../compressed`` with
+``camera_transport:=compressed``), odometry and trajectory onto the topics given.
 """
+import yaml
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, EmitEvent, RegisterEventHandler
-from launch.conditions import IfCondition
+from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
 from launch.events import matches_action
-from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
+from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
 from launch_ros.substitutions import FindPackageShare
 from lifecycle_msgs.msg import Transition
 
+PACKAGE = "hybrid_vla_ros"
 N_CAMERAS = 6
 
+# (name, default, description); "" as default = keep the parameter file's value
 ARGUMENTS = [
-    ("model_path", None, "checkpoint directory (config.json + model.safetensors)"),
-    ("split_layer", "-1", "split layer K in [0, L]: decoder blocks [0, K) on the GPU, [K, L) on the CPU"),
-    ("cpu_affinity", "[]", "cores for the suffix process, e.g. '[6, 7]' ([] = not pinned)"),
-    ("device", "auto", "prefix device: auto | cpu | cuda | cuda:N"),
-    ("dtype", "fp32", "fp32 | bf16 | fp16"),
+    ("model_path", "", "checkpoint directory (config.json + model.safetensors)"),
+    ("split_layer", "", "split layer K in [0, L]: decoder blocks [0, K) on the GPU, [K, L) on the CPU"),
+    ("cpu_affinity", "", "cores for the whole suffix process, e.g. '[6, 7]'"),
+    ("device", "", "prefix device: auto | cpu | cuda | cuda:N"),
+    ("dtype", "", "fp32 | bf16 | fp16 (both nodes)"),
+    ("camera_transport", "raw", "raw (sensor_msgs/Image) | compressed (sensor_msgs/CompressedImage)"),
     ("camera_topic_suffix", "image_rect_color", "camera i is /sensing/camera/camera<i>/<this>"),
-    ("camera_transport", "raw", "raw | compressed"),
     ("input_kinematic_state", "/localization/kinematic_state", "nav_msgs/Odometry of the ego vehicle"),
-    ("output_trajectory", "/planning/hybrid_vla/trajectory", "where the Trajectory is published"),
-    ("namespace", "hybrid_vla", "namespace of both nodes (also scopes the shared-memory ring)"),
-    ("prefix_param_file", None, "parameter file of prefix_node"),
-    ("suffix_param_file", None, "parameter file of suffix_node"),
-    ("autostart", "true", "configure and activate both nodes at start"),
+    ("output_trajectory", "/planning/hybrid_vla/trajectory", "topic of the published Trajectory"),
+    ("namespace", "hybrid_vla", "namespace of both nodes (it also scopes the shared-memory ring)"),
+    ("prefix_param_file", "", "parameter file of prefix_node (default: the package's config/prefix_node.param.yaml)"),
+    ("suffix_param_file", "", "parameter file of suffix_node (default: the package's config/suffix_node.param.yaml)"),
+    ("autostart", "true", "configure and activate both nodes when they start"),
 ]
+# launch arguments that override a node parameter of the same name when given
+PREFIX_OVERRIDES = ("model_path", "split_layer", "device", "dtype")
+SUFFIX_OVERRIDES = ("model_path", "split_layer", "cpu_affinity", "dtype")
 
 
-def _share(*parts):
-    return PathJoinSubstitution([FindPackageShare("hybrid_vla_ros"), *parts])
+def _overrides(values: dict, names) -> dict:
+    """Typed parameter values (YAML scalars / lists) of the non-empty launch arguments in ``names``."""
+    return {n: yaml.safe_load(values[n]) if n != "model_path" else values[n] for n in names if values[n] != ""}
+
+
+def _autostart(node) -> list:
+    """Configure ``node`` now; activate it when a configure has brought it to inactive."""
+    configure = EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
+                                            transition_id=Transition.TRANSITION_CONFIGURE))
+    activate = RegisterEventHandler(OnStateTransition(
+        target_lifecycle_node=node, start_state="configuring", goal_state="inactive",
+        entities=[EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
+                                              transition_id=Transition.TRANSITION_ACTIVATE))]))
+    return [activate, configure]
+
+
+def launch_setup(context, *args, **kwargs) -> list:
+    """Build both nodes from the launch arguments' values (called by OpaqueFunction)."""
+    values = {name: LaunchConfiguration(name).perform(context) for name, _, _ in ARGUMENTS}
+    share = FindPackageShare(PACKAGE).perform(context)
+    prefix_file = values["prefix_param_file"] or f"{share}/config/prefix_node.param.yaml"
+    suffix_file = values["suffix_param_file"] or f"{share}/config/suffix_node.param.yaml"
+    transport = values["camera_transport"]
+    if transport not in ("raw", "compressed"):
+        raise ValueError(f"camera_transport must be raw or compressed, got {transport!r}")
+
+    inputs = [f"~/input/image{i}" for i in range(N_CAMERAS)]
+    remaps = []
+    for i, name in enumerate(inputs):
+        target = f"/sensing/camera/camera{i}/{values['camera_topic_suffix']}"
+        remaps.append((f"{name}/compressed" if transport == "compressed" else name,
+                       f"{target}/compressed" if transport == "compressed" else target))
+    prefix = LifecycleNode(
+        package=PACKAGE, executable="prefix_node", name="prefix_node", namespace=values["namespace"],
+        output="screen",
+        parameters=[prefix_file, {"camera_topics": inputs, "camera_transports": [transport],
+                                  **_overrides(values, PREFIX_OVERRIDES)}],
+        remappings=remaps)
+    suffix = LifecycleNode(
+        package=PACKAGE, executable="suffix_node", name="suffix_node", namespace=values["namespace"],
+        output="screen",
+        parameters=[suffix_file, _overrides(values, SUFFIX_OVERRIDES)],
+        remappings=[("~/input/kinematic_state", values["input_kinematic_state"]),
+                    ("~/output/trajectory", values["output_trajectory"])])
+    actions = [prefix, suffix]
+    if values["autostart"].lower() in ("true", "1", "yes"):
+        actions += _autostart(prefix) + _autostart(suffix)
+    return actions
 
 
 def generate_launch_description() -> LaunchDescription:
-    defaults = {
-        "prefix_param_file": _share("config", "prefix_node.param.yaml"),
-        "suffix_param_file": _share("config", "suffix_node.param.yaml"),
-    }
-    args = []
-    for name, default, description in ARGUMENTS:
-        default = defaults.get(name, default)
-        if default is None:
-            args.append(DeclareLaunchArgument(name, description=description))
-        else:
-            args.append(DeclareLaunchArgument(name, default_value=default, description=description))
-    arg = LaunchConfiguration
-
-    common = {"model_path": arg("model_path"), "split_layer": arg("split_layer"), "dtype": arg("dtype")}
-    camera_remaps = []
-    for i in range(N_CAMERAS):
-        target = ["/sensing/camera/camera", str(i), "/", arg("camera_topic_suffix")]
-        camera_remaps.append((f"~/input/image{i}", target))
-        camera_remaps.append((f"~/input/image{i}/compressed", target + ["/compressed"]))
-
-    prefix = LifecycleNode(
-        package="hybrid_vla_ros", executable="prefix_node", name="prefix_node", namespace=arg("namespace"),
-        output="screen",
-        parameters=[arg("prefix_param_file"), {
-            **common, "device": arg("device"), "camera_transports": ["", arg("camera_transport")][1:],
-            "camera_topics": [f"~/input/image{i}" for i in range(N_CAMERAS)]}],
-        remappings=camera_remaps,
-    )
-    suffix = LifecycleNode(
-        package="hybrid_vla_ros", executable="suffix_node", name="suffix_node", namespace=arg("namespace"),
-        output="screen",
-        parameters=[arg("suffix_param_file"), {**common, "cpu_affinity": arg("cpu_affinity")}],
-        remappings=[("~/input/kinematic_state", arg("input_kinematic_state")),
-                    ("~/output/trajectory", arg("output_trajectory"))],
-    )
-
-    autostart = IfCondition(arg("autostart"))
-    actions = [*args, prefix, suffix]
-    for node in (prefix, suffix):
-        actions.append(EmitEvent(
-            event=ChangeState(lifecycle_node_matcher=matches_action(node),
-                              transition_id=Transition.TRANSITION_CONFIGURE),
-            condition=autostart))
-        actions.append(RegisterEventHandler(
-            OnStateTransition(
-                target_lifecycle_node=node, goal_state="inactive",
-                entities=[EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
-                                                      transition_id=Transition.TRANSITION_ACTIVATE))]),
-            condition=autostart))
-    return LaunchDescription(actions)
+    return LaunchDescription(
+        [DeclareLaunchArgument(name, default_value=default, description=description)
+         for name, default, description in ARGUMENTS]
+        + [OpaqueFunction(function=launch_setup)])

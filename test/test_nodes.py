@@ -148,6 +148,14 @@ def test_lifecycle_order_split_mismatch_and_reconfigure(nodes, embedded_bag):
         assert client.change_state("activate", 10)[0]
         assert client.get_state() == "active"
     publish = _frame_publisher(graph, ns, embedded_bag)
+    # QoS as Autoware uses it: sensor-data (best effort) camera subscriptions, reliable trajectory
+    from rclpy.qos import DurabilityPolicy, ReliabilityPolicy
+
+    cam_sub = graph.node.get_subscriptions_info_by_topic(f"{ns}/cam0/compressed")
+    assert cam_sub and cam_sub[0].qos_profile.reliability == ReliabilityPolicy.BEST_EFFORT
+    traj_pub = graph.node.get_publishers_info_by_topic(f"{ns}/suffix_node/output/trajectory")
+    assert traj_pub and traj_pub[0].qos_profile.reliability == ReliabilityPolicy.RELIABLE
+    assert traj_pub[0].qos_profile.durability == DurabilityPolicy.VOLATILE
 
     # prefix runs K=1, suffix expects K=2: every slot is rejected and counted, nothing is published
     publish(0)
