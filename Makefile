@@ -16,7 +16,7 @@ $(MODEL)/config.json: | venv
 	$(HV) init-model --preset tiny $(MODEL)
 
 demo: venv $(MODEL)/config.json
-	$(HV) replay --model-path $(MODEL) --bag $(BAG) --loops $(LOOPS) --output out/demo
+	$(HV) replay --model-path $(MODEL) --bag $(BAG) --loops $(LOOPS) --output out/demo --plots out/demo/plots
 
 test: venv
 	$(PY) -m pytest -q test

@@ -6,7 +6,8 @@ with ``ros2 run`` on a ROS 2 machine), drives them through configure and activat
 (MCAP or sqlite3, read with rosbags) at its recorded rate through rclpy publishers, looped
 ``--loops`` times with header stamps shifted so time keeps increasing, records every published
 Trajectory (and the per-frame timing) into an MCAP bag, and prints a report. It then deactivates
-and cleans both nodes up and stops the processes.
+and cleans both nodes up and stops the processes. With ``--plots DIR`` it also draws what the
+pipeline did (see :mod:`hybrid_vla_ros.plots`).
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="out/replay",
                    help="output folder: trajectories/ (MCAP bag, replaced on each run), node logs, params.yaml, report.json")
     p.add_argument("--attach", action="store_true", help="drive nodes that are already running instead of starting them")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="also write PNG pictures (trajectory on the front camera, bird's-eye view, timeline, "
+                        "latency histograms) into DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each lifecycle transition")
 
@@ -100,8 +104,11 @@ class Recorder:
     """What the replay node received, by camera stamp (ns)."""
 
     trajectories: dict[int, float] = field(default_factory=dict)  # stamp -> wall receive time (s)
-    timings: dict[int, dict] = field(default_factory=dict)  # stamp -> stage ms
+    timings: dict[int, dict] = field(default_factory=dict)  # stamp -> stage ms, and t_*_ns CLOCK_MONOTONIC instants
     diagnostics: dict[str, dict] = field(default_factory=dict)  # status name -> key/values
+    paths: dict[int, np.ndarray] = field(default_factory=dict)  # stamp -> (P, 3) time_from_start s, map x, y (m)
+    odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
+    first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -184,6 +191,12 @@ def run_replay(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"hybrid-vla replay: cannot create the output folder {out}: {e}", file=sys.stderr)
         return 1
+    if args.plots:
+        try:
+            Path(args.plots).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"hybrid-vla replay: cannot create the plots folder {args.plots}: {e}", file=sys.stderr)
+            return 1
     # Whole camera images over shared memory (see config/fastdds_shm_large.xml); the node processes inherit it.
     if "FASTDDS_DEFAULT_PROFILES_FILE" not in os.environ and "FASTRTPS_DEFAULT_PROFILES_FILE" not in os.environ:
         os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(config_file("fastdds_shm_large.xml"))
@@ -198,6 +211,7 @@ class ReplaySession:
 
     def __init__(self, args, cfg, messages: list[BagMessage], cams: list[str], out: Path):
         self.args, self.cfg, self.cams, self.out = args, cfg, cams, out
+        self.messages = messages  # the whole bag: CameraInfo and /tf_static for the plots
         self.ns = "/" + args.namespace.strip("/")
         self.k = cfg.num_layers // 2 if args.split_layer is None else args.split_layer
         self.suffix_cores = _parse_cores(args.suffix_cores)
@@ -281,14 +295,21 @@ class ReplaySession:
 
         def on_trajectory(msg):
             stamp = stamp_to_ns(msg.header.stamp)
+            t_recv = time.monotonic()
+            path = np.array([(p.time_from_start.sec + p.time_from_start.nanosec * 1e-9, p.pose.position.x,
+                              p.pose.position.y) for p in msg.points]).reshape(-1, 3)
             with rec.lock:
-                rec.trajectories[stamp] = time.monotonic()
+                rec.trajectories[stamp] = t_recv
+                rec.paths[stamp] = path
             bag.write(traj_conn, stamp, serialize_message(msg))
 
         def on_timing(msg):
             stamp = stamp_to_ns(msg.header.stamp)
+            # '<stage>_ms' -> stage: float ms; 't_<event>_ns' stays: int CLOCK_MONOTONIC ns
+            values = {kv.key: int(kv.value) if kv.key.endswith("_ns") else float(kv.value)
+                      for kv in msg.status[0].values}
             with rec.lock:
-                rec.timings[stamp] = {kv.key.removesuffix("_ms"): float(kv.value) for kv in msg.status[0].values}
+                rec.timings[stamp] = {k.removesuffix("_ms"): v for k, v in values.items()}
             bag.write(timing_conn, stamp, serialize_message(msg))
 
         def on_diag(msg):
@@ -344,7 +365,8 @@ class ReplaySession:
         if foreign:
             print(f"warning: other publishers on {', '.join(foreign)}: their frames mix with this replay's",
                   file=sys.stderr)
-        published = _play(self.args, self.play, publishers, self.rec)
+        first_camera = f"{self.cams[0]}/compressed" if self.args.transport == "compressed" else self.cams[0]
+        published = _play(self.args, self.play, publishers, self.rec, self.ns, first_camera)
         self.interrupted = published["interrupted"]
         if self.interrupted:
             print("\ninterrupted: playback stopped, shutting the nodes down", file=sys.stderr)
@@ -368,7 +390,39 @@ class ReplaySession:
             print("hint: the prefix received no camera messages: do its camera_topics / camera_transports match "
                   f"the played topics ({self.cams[0]}{'/compressed' if self.args.transport == 'compressed' else ''}, ...)?",
                   file=sys.stderr)
-        return 0 if report["trajectories_out"] > 0 and not self.interrupted else 1
+        plots_ok = self._write_plots(frames) if self.args.plots else True
+        return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
+
+    def _write_plots(self, frames: dict[int, float]) -> bool:
+        """Draw the pictures into ``--plots``; prints their paths. False (and a message) when that fails."""
+        from . import plots
+
+        rec = self.rec
+        with rec.lock:
+            received, timings, paths = dict(rec.trajectories), dict(rec.timings), dict(rec.paths)
+            odometry, camera_images = list(rec.odometry), dict(rec.first_camera)
+        tolerance_ns = self.args.sync_tolerance_ms * 1e6
+        sent = {}  # trajectory stamp -> when the replay sent its frame's last image
+        for stamp in received:
+            key = _frame_of(frames, stamp, tolerance_ns)
+            if key is not None:
+                sent[stamp] = frames[key]
+        try:
+            data = plots.collect(
+                timings=timings, paths=paths, received=received, sent=sent, odometry=odometry,
+                camera_images=camera_images, bag_messages=self.messages, tolerance_ns=tolerance_ns,
+                extrinsics_yaml=config_file(plots.DEFAULT_EXTRINSICS),
+                caption=f"split layer {self.k} of {self.cfg.num_layers}",
+                random_init=self.cfg.random_init)
+            written = plots.write_all(data, self.args.plots)
+        except Exception as e:  # noqa: BLE001 - the report is out already; say what went wrong and fail
+            print(f"hybrid-vla replay: cannot write the plots into {self.args.plots}: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return False
+        print("plots:")
+        for path in written:
+            print(f"  {path}")
+        return True
 
 
 def launch_node(name: str, ns: str, params_file: Path, ros_args: list[str], log_path: Path) -> subprocess.Popen:
@@ -408,9 +462,29 @@ def _wait_for_subscribers(publishers: dict, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def _play(args, play, publishers, rec) -> dict:
+def _frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int | None:
+    """The published frame (key of ``frames``) a trajectory stamp belongs to, or None (not this replay's)."""
+    key = min(frames, key=lambda f: abs(f - stamp)) if frames else None
+    return None if key is None or abs(key - stamp) > tolerance_ns else key
+
+
+def _drops(prefix: dict, suffix: dict) -> dict[str, int]:
+    """Drops by cause from the nodes' latest /diagnostics key/values (prefix, suffix, ring overwrites)."""
+    drops = {}
+    for side, d in (("prefix", prefix), ("suffix", suffix)):
+        for key, v in d.items():
+            if key.startswith("drop_") and int(v):
+                drops[f"{side}.{key[5:]}"] = int(v)
+    if int(prefix.get("ring_dropped_oldest", 0)):  # frames the suffix was too slow to read
+        drops["ring.dropped_oldest"] = int(prefix["ring_dropped_oldest"])
+    return drops
+
+
+def _play(args, play, publishers, rec, ns: str, first_camera: str) -> dict:
     """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
 
+    Records the odometry played and the messages of ``first_camera`` into ``rec`` (for the plots). The
+    progress bar counts frames and shows trajectories and drops (from the nodes' latest /diagnostics).
     Ctrl-C stops playback early; the result then says ``interrupted: True``.
     """
     from rclpy.serialization import deserialize_message
@@ -418,24 +492,33 @@ def _play(args, play, publishers, rec) -> dict:
 
     t0 = play[0].t_ns
     span = play[-1].t_ns - t0
-    gaps = np.diff(sorted({m.t_ns for m in play if CAMERA_TOPIC.match(m.topic)}))
+    camera_times = sorted({m.t_ns for m in play if CAMERA_TOPIC.match(m.topic)})
+    gaps = np.diff(camera_times)
     gaps = gaps[gaps > args.sync_tolerance_ms * 1e6]  # between frames, not between the cameras of one frame
     period = int(np.median(gaps)) if gaps.size else 100_000_000
     loop_len = span + period
     frames: dict[int, float] = {}  # frame stamp (ns, its first camera message) -> wall time its last image went out
-    total = args.loops * len(play)
-    bar = tqdm(total=total, unit="msg", disable=args.quiet, dynamic_ncols=True, desc="replay")
+    frames_per_loop = gaps.size + 1 if camera_times else 0
+    bar = tqdm(total=args.loops * frames_per_loop, unit="frame", disable=args.quiet, dynamic_ncols=True, desc="replay",
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]")
+    status = (f"{ns}/prefix_node: pipeline", f"{ns}/suffix_node: pipeline")
+    counts = {"messages": 0}
     wall0 = time.monotonic()
     interrupted = False
     try:
-        _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len)
+        _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
+                    first_camera, status, counts)
     except KeyboardInterrupt:
         interrupted = True
     bar.close()
-    return {"frames": frames, "messages": bar.n, "wall_s": time.monotonic() - wall0, "interrupted": interrupted}
+    return {"frames": frames, "messages": counts["messages"], "wall_s": time.monotonic() - wall0,
+            "interrupted": interrupted}
 
 
-def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len) -> None:
+def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
+                first_camera, status, counts) -> None:
+    from .core.trajectory import ego_state_from_odometry
+
     last_frame = None
     for loop in range(args.loops):
         offset = loop * loop_len
@@ -449,14 +532,27 @@ def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, w
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec + offset
             msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
             pub.publish(msg)
+            counts["messages"] += 1
             if CAMERA_TOPIC.match(m.topic):
                 if last_frame is None or abs(stamp - last_frame) > args.sync_tolerance_ms * 1e6:
                     last_frame = stamp
+                    bar.update(1)
                 frames[last_frame] = time.monotonic()
-            bar.update(1)
+                if m.topic == first_camera:
+                    with rec.lock:
+                        rec.first_camera[stamp] = m
+            elif m.topic == ODOMETRY_TOPIC:
+                try:
+                    ego = ego_state_from_odometry(msg)
+                except ValueError:
+                    ego = None  # the suffix node drops it too (bad_odometry)
+                if ego is not None:
+                    with rec.lock:
+                        rec.odometry.append(ego)
             with rec.lock:
                 done = len(rec.trajectories)
-            bar.set_postfix(frames=len(frames), trajectories=done, refresh=False)
+                drops = sum(_drops(*(rec.diagnostics.get(name, {}) for name in status)).values())
+            bar.set_postfix({"trajectories": done, "drops": drops}, refresh=False)
 
 
 def _report(rec, frames, published, ns, k, cfg, bag_path, tolerance_ms) -> dict:
@@ -468,21 +564,15 @@ def _report(rec, frames, published, ns, k, cfg, bag_path, tolerance_ms) -> dict:
     suffix = diags.get(f"{ns}/suffix_node: pipeline", {})
     e2e, foreign = [], 0
     for stamp, t_recv in trajectories.items():
-        key = min(frames, key=lambda f: abs(f - stamp)) if frames else None
-        if key is None or abs(key - stamp) > tolerance_ms * 1e6:
+        key = _frame_of(frames, stamp, tolerance_ms * 1e6)
+        if key is None:
             foreign += 1  # a trajectory for a frame this replay did not publish
         else:
             e2e.append((t_recv - frames[key]) * 1e3)
     stages = {s: _percentiles([t[s] for t in timings.values() if s in t])
               for s in ("preprocess", "prefix", "handoff", "suffix", "odometry_wait")}
     stages["end_to_end"] = _percentiles(e2e)
-    drops = {}
-    for side, d in (("prefix", prefix), ("suffix", suffix)):
-        for key, v in d.items():
-            if key.startswith("drop_") and int(v):
-                drops[f"{side}.{key[5:]}"] = int(v)
-    if int(prefix.get("ring_dropped_oldest", 0)):  # frames the suffix was too slow to read
-        drops["ring.dropped_oldest"] = int(prefix["ring_dropped_oldest"])
+    drops = _drops(prefix, suffix)
     return {
         "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
         "camera_messages_in": int(prefix.get("frames_in", 0)),

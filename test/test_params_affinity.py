@@ -10,14 +10,15 @@ import pytest
 
 from hybrid_vla_ros.core.affinity import affinity_from_ros_args
 from hybrid_vla_ros.core.odometry import OdometryBuffer
-from hybrid_vla_ros.core.params import ParameterError, PrefixParams, SuffixParams
+from hybrid_vla_ros.core.params import ParameterError, validate
 
 
 def test_prefix_params_expand_and_validate(tiny_checkpoint):
-    p = PrefixParams(model_path=str(tiny_checkpoint), split_layer=2, camera_transports=["compressed"])
-    p.validate(n_cameras=6, num_layers=4)
+    p = validate("prefix_node", {"model_path": str(tiny_checkpoint), "split_layer": 2,
+                                 "camera_transports": ["compressed"]}, n_cameras=6, num_layers=4)
     assert p.camera_topics == [f"~/input/image{i}" for i in range(6)]
     assert p.camera_transports == ["compressed"] * 6
+    assert p.ring_slots == 4 and p.sync_tolerance_ms == 50.0  # schema defaults fill what is not given
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -33,18 +34,17 @@ def test_prefix_params_expand_and_validate(tiny_checkpoint):
     ("model_path", "/nonexistent/model", "model_path"),
 ])
 def test_prefix_params_reject(tiny_checkpoint, field, value, needle):
-    p = PrefixParams(model_path=str(tiny_checkpoint), split_layer=2)
-    setattr(p, field, value)
+    values = {"model_path": str(tiny_checkpoint), "split_layer": 2, field: value}
     with pytest.raises(ParameterError) as e:
-        p.validate(n_cameras=6, num_layers=4)
+        validate("prefix_node", values, n_cameras=6, num_layers=4)
     assert needle in str(e.value)
 
 
 def test_suffix_params_reject_every_problem_at_once(tiny_checkpoint):
-    p = SuffixParams(model_path=str(tiny_checkpoint), split_layer=9, cpu_affinity=[4096], wheelbase_m=0.0,
-                     output_frame="")
+    values = {"model_path": str(tiny_checkpoint), "split_layer": 9, "cpu_affinity": [4096], "wheelbase_m": 0.0,
+              "output_frame": ""}
     with pytest.raises(ParameterError) as e:
-        p.validate(num_layers=4)
+        validate("suffix_node", values, num_layers=4)
     for needle in ("split_layer", "cpu_affinity", "wheelbase_m", "output_frame"):
         assert needle in str(e.value)
 
@@ -138,19 +138,19 @@ def test_odometry_wait_for_newer_state():
     assert buf.wait_for(int(2e9), 5.0)
 
 
-@pytest.mark.parametrize("node,cls", [("prefix_node", PrefixParams), ("suffix_node", SuffixParams)])
-def test_shipped_parameter_files_are_valid(tiny_checkpoint, node, cls):
+@pytest.mark.parametrize("node", ["prefix_node", "suffix_node"])
+def test_shipped_parameter_files_are_valid(tiny_checkpoint, node):
     import yaml
     from pathlib import Path
+
+    from hybrid_vla_ros.core.params import parameter_specs
 
     path = Path(__file__).resolve().parent.parent / "config" / f"{node}.param.yaml"
     values = yaml.safe_load(path.read_text())["/**"]["ros__parameters"]
     values["model_path"] = str(tiny_checkpoint)
-    params = cls(**values)
-    if cls is PrefixParams:
-        params.validate(n_cameras=6, num_layers=4)
+    if node == "prefix_node":
+        validate(node, values, n_cameras=6, num_layers=4)
     else:
-        params.cpu_affinity = [c for c in params.cpu_affinity if c in os.sched_getaffinity(0)]
-        params.validate(num_layers=4)
-    names = set(cls.__dataclass_fields__)
-    assert set(values) == names, "the file names every parameter, and only those"
+        values["cpu_affinity"] = [c for c in values["cpu_affinity"] if c in os.sched_getaffinity(0)]
+        validate(node, values, num_layers=4)
+    assert set(values) == set(parameter_specs(node)), "the file names every parameter, and only those"

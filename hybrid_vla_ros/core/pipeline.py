@@ -8,6 +8,11 @@ Timing fields (ms, wall time of this host; CLOCK_MONOTONIC where two processes c
 ``preprocess`` (decode + resize + normalise of all cameras), ``prefix`` (vision .. block K-1),
 ``handoff`` (start of the device-to-host copy into the slot -> the suffix holds a view of it),
 ``suffix`` (blocks K..L-1, norm, head).
+
+Instants (``time.monotonic_ns()``, CLOCK_MONOTONIC, system-wide, so other processes on the host can
+put them on one timeline): the instant the prefix starts a frame travels as the third of the slot
+header's timings (in ms; ``SuffixResult.t_prefix_start_ns``); the slot header holds
+``t_write_start_ns``; the suffix adds ``t_ready_ns`` (it holds the view) and ``t_suffix_end_ns``.
 """
 from __future__ import annotations
 
@@ -88,6 +93,7 @@ class PrefixRunner:
     def run(self, items: list, stamp_ns: int) -> PrefixResult:
         if len(items) != self.cfg.n_cameras:
             raise ValueError(f"frame has {len(items)} cameras, the model takes {self.cfg.n_cameras}")
+        t_start_ns = time.monotonic_ns()
         t0 = time.perf_counter()
         images = self.decode(items)
         preprocess(images, self.cfg.image_size, self.cfg.image_mean, self.cfg.image_std, out=self._pixels_cpu)
@@ -104,7 +110,8 @@ class PrefixRunner:
         except BaseException:
             self.ring.abort(slot)
             raise
-        seq = self.ring.publish(slot, stamp_ns=stamp_ns, split_layer=self.split_layer, timings_ms=(pre_ms, prefix_ms))
+        seq = self.ring.publish(slot, stamp_ns=stamp_ns, split_layer=self.split_layer,
+                                timings_ms=(pre_ms, prefix_ms, t_start_ns / 1e6))  # start instant in ms
         return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms)
 
     def close(self) -> None:
@@ -122,12 +129,14 @@ class StaleFrame(RuntimeError):
 
 @dataclass
 class SuffixResult:
-    """Waypoints of one frame with its slot metadata and stage timings (ms)."""
+    """Waypoints of one frame with its slot metadata, stage timings (ms) and instants (CLOCK_MONOTONIC ns)."""
 
     waypoints: np.ndarray  # (N, 2) float64 metres, ego frame
     meta: FrameMeta
     handoff_ms: float
     suffix_ms: float
+    t_ready_ns: int = 0  # the suffix holds the view of the slot
+    t_suffix_end_ns: int = 0  # the suffix stage returned the waypoints
 
     @property
     def preprocess_ms(self) -> float:
@@ -136,6 +145,11 @@ class SuffixResult:
     @property
     def prefix_ms(self) -> float:
         return self.meta.timings_ms[1] if len(self.meta.timings_ms) > 1 else float("nan")
+
+    @property
+    def t_prefix_start_ns(self) -> int:
+        """When the prefix started on this frame (decode); 0 when the producer did not send it."""
+        return round(self.meta.timings_ms[2] * 1e6) if len(self.meta.timings_ms) > 2 else 0
 
 
 class SuffixRunner:
@@ -198,14 +212,13 @@ class SuffixRunner:
             if slot.meta.t_publish_ns < self._attached_ns:
                 raise StaleFrame(f"frame seq {slot.meta.seq} was published before the suffix attached")
             t_ready = time.monotonic_ns()
-            t0 = time.perf_counter()
             waypoints = self.stage(slot.tensor)
-            suffix_ms = (time.perf_counter() - t0) * 1e3
+            t_end = time.monotonic_ns()
             meta = slot.meta
         wp = waypoints.double().numpy()
         if not np.isfinite(wp).all():
             raise FloatingPointError("suffix produced non-finite waypoints")
-        return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, suffix_ms)
+        return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, (t_end - t_ready) / 1e6, t_ready, t_end)
 
     def ring_stats(self) -> dict:
         return dict(self.ring.stats) if self.ring is not None else {}

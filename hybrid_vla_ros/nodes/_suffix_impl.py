@@ -10,13 +10,12 @@ from autoware_planning_msgs.msg import Trajectory
 from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Odometry
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
-from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from ..core.affinity import pin_process, thread_affinities
 from ..core.config import VLAConfig
 from ..core.odometry import OdometryBuffer
-from ..core.params import ParameterError, SuffixParams
+from ..core.params import ParameterError, Params
 from ..core.pipeline import StaleFrame, SuffixRunner
 from ..core.shm_ring import SlotRejected
 from ..core.trajectory import ego_state_from_odometry, waypoints_to_trajectory
@@ -29,21 +28,9 @@ class SuffixNode(common.PipelineNode):
 
     def __init__(self, early_affinity: list[int] | None = None, **kwargs):
         super().__init__("suffix_node", **kwargs)
-        d = common.declare
-        d(self, "model_path", "", "checkpoint directory (config.json + model.safetensors)")
-        d(self, "split_layer", -1, "split layer K this suffix expects; slots with another K are rejected")
-        d(self, "cpu_affinity", None, "cores the whole process is pinned to ([] = not pinned)",
-          Parameter.Type.INTEGER_ARRAY)
-        d(self, "threads", 0, "torch intra-op threads (0 = one per pinned core)")
-        d(self, "dtype", "fp32", "fp32 | bf16 | fp16")
-        d(self, "ring_name", "prefix_states", "shared-memory ring name (as the prefix node's)")
-        d(self, "output_frame", "map", "frame of the published trajectory")
-        d(self, "wheelbase_m", 2.79, "wheelbase for front_wheel_angle_rad (m)")
-        d(self, "max_odometry_age_s", 1.0, "odometry farther than this from the camera stamp is not used (s)")
-        d(self, "odometry_wait_s", 0.2, "longest wait for the odometry after a camera stamp (s)")
         self.early_affinity = early_affinity
         self.runner: SuffixRunner | None = None
-        self.params: SuffixParams | None = None
+        self.params: Params | None = None
         self.frames_in = 0  # frames taken from the ring, rejected ones included
         self.frames_out = 0
         self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
@@ -57,15 +44,9 @@ class SuffixNode(common.PipelineNode):
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
-        v = lambda n, dflt=None: common.value(self, n, dflt)  # noqa: E731
         try:
-            p = SuffixParams(
-                model_path=v("model_path"), split_layer=v("split_layer"), cpu_affinity=v("cpu_affinity", []),
-                threads=v("threads"), dtype=v("dtype"), ring_name=v("ring_name"), output_frame=v("output_frame"),
-                wheelbase_m=float(v("wheelbase_m")), max_odometry_age_s=float(v("max_odometry_age_s")),
-                odometry_wait_s=float(v("odometry_wait_s")))
-            p.validate()
-            p.validate(num_layers=VLAConfig.load(p.model_path).num_layers)
+            p = self.read_parameters()  # schema checks first: model_path must name a directory
+            p = self.read_parameters(num_layers=VLAConfig.load(p.model_path).num_layers)
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)
             threads = p.threads or len(p.cpu_affinity) or torch.get_num_threads()
@@ -162,6 +143,7 @@ class SuffixNode(common.PipelineNode):
             self._drop("bad_waypoints", str(e))
             return
         self._traj_pub.publish(trajectory_to_msg(arrays, stamp, self.params.output_frame))
+        t_publish_ns = time.monotonic_ns()
         self.frames_out += 1
         if method == "propagated":
             self.odometry_propagated += 1
@@ -169,8 +151,12 @@ class SuffixNode(common.PipelineNode):
                   "handoff": result.handoff_ms, "suffix": result.suffix_ms, "odometry_wait": odometry_wait_ms}
         for k, ms in stages.items():
             self.times.add(k, ms)
+        # CLOCK_MONOTONIC instants (ns, system-wide): a process on this host can lay frames on one timeline.
+        instants = {"t_prefix_start_ns": result.t_prefix_start_ns, "t_write_start_ns": result.meta.t_write_start_ns,
+                    "t_ready_ns": result.t_ready_ns, "t_suffix_end_ns": result.t_suffix_end_ns,
+                    "t_publish_ns": t_publish_ns}
         timing = common.diagnostic_array(self, "frame_timing", common.OK, f"seq {result.meta.seq}",
-                                         {f"{k}_ms": f"{ms:.4f}" for k, ms in stages.items()})
+                                         {**{f"{k}_ms": f"{ms:.4f}" for k, ms in stages.items()}, **instants})
         timing.header.stamp = ns_to_stamp(stamp)
         self._timing_pub.publish(timing)
 

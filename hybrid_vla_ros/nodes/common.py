@@ -1,4 +1,4 @@
-"""Helpers shared by the two lifecycle nodes: parameter reading, diagnostics, throttled logs."""
+"""Helpers shared by the two lifecycle nodes: parameters from the schema, diagnostics, throttled logs."""
 from __future__ import annotations
 
 import time
@@ -12,26 +12,45 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rcl_interfaces.msg import ParameterDescriptor
 
+from ..core import params
 from ..core.stats import DropCounter, StageTimes
 from .msg_conv import ns_to_stamp
 
 
-def declare(node: Node, name: str, default, description: str, ptype: Parameter.Type | None = None) -> None:
-    """Declare a parameter with a description. Array parameters without a default take ``ptype``."""
-    desc = ParameterDescriptor(description=description)
-    if ptype is not None:
-        node.declare_parameter(name, ptype, desc)
-    else:
-        node.declare_parameter(name, default, desc)
+# ROS parameter type of each schema type (as core.params.ros_type names it)
+_PARAMETER_TYPES = {
+    "string": Parameter.Type.STRING, "int": Parameter.Type.INTEGER, "double": Parameter.Type.DOUBLE,
+    "bool": Parameter.Type.BOOL, "string[]": Parameter.Type.STRING_ARRAY,
+    "int[]": Parameter.Type.INTEGER_ARRAY, "double[]": Parameter.Type.DOUBLE_ARRAY,
+    "bool[]": Parameter.Type.BOOL_ARRAY,
+}
 
 
-def value(node: Node, name: str, default=None):
-    """Current value of a declared parameter; ``default`` when it was declared without one."""
-    try:
-        v = node.get_parameter(name).value
-    except ParameterUninitializedException:
-        return default
-    return list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
+def declare_parameters(node: Node, schema_node: str) -> None:
+    """Declare every parameter of ``schema/<schema_node>.schema.json`` with the schema's default,
+    description and valid values (``ros2 param describe``). A parameter without a default, or an
+    array whose default is [] (rclpy cannot type an empty list), is declared by its type and stays
+    unset until given; validation then applies the schema default."""
+    for name, spec in params.parameter_specs(schema_node).items():
+        desc = ParameterDescriptor(description=spec.get("description", ""),
+                                   additional_constraints=params.constraint_text(spec))
+        default = spec.get("default")
+        if default is None or default == []:
+            node.declare_parameter(name, _PARAMETER_TYPES[params.ros_type(spec)], desc)
+        else:
+            node.declare_parameter(name, float(default) if spec["type"] == "number" else default, desc)
+
+
+def parameter_values(node: Node, schema_node: str) -> dict:
+    """Name -> current value of each of the schema's parameters that is set (unset ones left out)."""
+    values = {}
+    for name in params.parameter_specs(schema_node):
+        try:
+            v = node.get_parameter(name).value
+        except ParameterUninitializedException:
+            continue
+        values[name] = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
+    return values
 
 
 def lifecycle_state(node) -> str:
@@ -84,15 +103,19 @@ def flatten_stats(stage_summary: dict, drops: dict, extra: dict) -> dict:
 class PipelineNode(LifecycleNode):
     """Lifecycle scaffolding shared by prefix_node and suffix_node (after ros2/demos lifecycle_py).
 
-    Subclasses implement ``on_configure``, ``on_activate`` (ending with ``super().on_activate``),
-    ``_stop`` (stop the worker and subscriptions; idempotent), ``_release`` (free the stage and ring;
-    idempotent) and ``_diagnostic_values`` (dict of key/values for /diagnostics). This class gives
-    deactivate / cleanup / shutdown / error handling, counted and rate-limited drops, and a 1 Hz
-    ``/diagnostics`` publisher that also reports on deactivate.
+    The node's ROS parameters are declared from ``schema/<name>.schema.json`` (``name`` is the node's
+    default name); ``read_parameters`` returns them validated. Subclasses implement ``on_configure``,
+    ``on_activate`` (ending with ``super().on_activate``), ``_stop`` (stop the worker and
+    subscriptions; idempotent), ``_release`` (free the stage and ring; idempotent) and
+    ``_diagnostic_values`` (dict of key/values for /diagnostics). This class gives deactivate /
+    cleanup / shutdown / error handling, counted and rate-limited drops, and a 1 Hz ``/diagnostics``
+    publisher that also reports on deactivate.
     """
 
     def __init__(self, name: str, **kwargs):
         super().__init__(name, **kwargs)
+        self._schema_node = name
+        declare_parameters(self, name)
         self.drops = DropCounter()
         self.times = StageTimes()
         self.last_error = ""
@@ -100,6 +123,11 @@ class PipelineNode(LifecycleNode):
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._stall_since = time.monotonic()
         self._diag_timer = self.create_timer(1.0, self.publish_diagnostics)
+
+    def read_parameters(self, **checkpoint) -> params.Params:
+        """The current parameters checked against the node's schema and, given ``checkpoint`` facts
+        (``num_layers``, ``n_cameras``), against the checkpoint. Raises ParameterError."""
+        return params.validate(self._schema_node, parameter_values(self, self._schema_node), **checkpoint)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop()

@@ -18,13 +18,12 @@ import time
 
 import rclpy
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
-from rclpy.parameter import Parameter
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 
 from ..core.config import VLAConfig
 from ..core.image import ImageDecodeError
-from ..core.params import ParameterError, PrefixParams
+from ..core.params import ParameterError, Params
 from ..core.pipeline import PrefixRunner
 from ..core.sync import CameraSynchronizer
 from . import common
@@ -36,21 +35,8 @@ class PrefixNode(common.PipelineNode):
 
     def __init__(self, **kwargs):
         super().__init__("prefix_node", **kwargs)
-        d = common.declare
-        d(self, "model_path", "", "checkpoint directory (config.json + model.safetensors)")
-        d(self, "split_layer", -1, "split layer K in [0, L]: the prefix runs decoder blocks [0, K)")
-        d(self, "camera_topics", None, "image topic per camera, camera order ([] = ~/input/image<i>)",
-          Parameter.Type.STRING_ARRAY)
-        d(self, "camera_transports", None, "raw | compressed, one value or one per camera",
-          Parameter.Type.STRING_ARRAY)
-        d(self, "sync_tolerance_ms", 50.0, "largest header-stamp spread within one frame (ms)")
-        d(self, "device", "auto", "auto | cpu | cuda | cuda:N")
-        d(self, "dtype", "fp32", "fp32 | bf16 | fp16")
-        d(self, "ring_name", "prefix_states", "shared-memory ring name (scoped by user and namespace)")
-        d(self, "ring_slots", 4, "ring slots (>= 3)")
-        d(self, "torch_threads", 0, "torch intra-op threads when on CPU (0 = default)")
         self.runner: PrefixRunner | None = None
-        self.params: PrefixParams | None = None
+        self.params: Params | None = None
         self.frames_in = 0
         self.frames_synced = 0
         self.frames_out = 0
@@ -63,16 +49,10 @@ class PrefixNode(common.PipelineNode):
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
-        v = lambda n, dflt=None: common.value(self, n, dflt)  # noqa: E731
         try:
-            p = PrefixParams(
-                model_path=v("model_path"), split_layer=v("split_layer"),
-                camera_topics=v("camera_topics", []), camera_transports=v("camera_transports", ["raw"]),
-                sync_tolerance_ms=float(v("sync_tolerance_ms")), device=v("device"), dtype=v("dtype"),
-                ring_name=v("ring_name"), ring_slots=v("ring_slots"), torch_threads=v("torch_threads"))
-            p.validate()
+            p = self.read_parameters()  # schema checks first: model_path must name a directory
             cfg = VLAConfig.load(p.model_path)
-            p.validate(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers)
+            p = self.read_parameters(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers)
             self.runner = PrefixRunner(p.model_path, p.split_layer, device=p.device, dtype=p.dtype,
                                        ring_name=p.ring_name, namespace=self.get_namespace(),
                                        ring_slots=p.ring_slots, torch_threads=p.torch_threads)

@@ -1,0 +1,136 @@
+"""`hybrid-vla replay --plots DIR`: the four pictures from a real replay, the frame-timing instants they are
+drawn from, and the camera projection and extrinsics math on their own."""
+import math
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from hybrid_vla_ros import plots
+from hybrid_vla_ros.output_bag import _typestore_with_autoware
+
+REPO = Path(__file__).resolve().parent.parent
+EXTRINSICS = REPO / "config" / plots.DEFAULT_EXTRINSICS
+# K of camera0 in the embedded bag's CameraInfo (DGP CAMERA_01)
+K_CAMERA0 = np.array([[2181.530254382263, 0.0, 928.0218817103168],
+                      [0.0, 2181.6034466840038, 615.9567879463117],
+                      [0.0, 0.0, 1.0]])
+EXPECTED_PX = {  # (width, height)
+    "trajectory_camera.png": (1300, 900),
+    "trajectory_bev.png": (900, 1000),
+    "timeline.png": (1400, 900),
+    "latency_hist.png": (1400, 800),
+}
+
+
+@pytest.fixture(scope="module")
+def plots_run(tmp_path_factory, tiny_checkpoint, embedded_bag):
+    out = tmp_path_factory.mktemp("replay_plots")
+    plot_dir = out / "plots"
+    cmd = [sys.executable, "-m", "hybrid_vla_ros.cli", "replay", "--model-path", str(tiny_checkpoint),
+           "--bag", str(embedded_bag), "--loops", "1", "--split-layer", "2",
+           "--namespace", f"/pl_{uuid.uuid4().hex[:8]}", "--output", str(out), "--plots", str(plot_dir), "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    logs = "\n".join(p.read_text() for p in out.glob("*.log"))
+    assert proc.returncode == 0, f"replay failed:\n{proc.stdout}\n{proc.stderr}\n{logs}"
+    return out, plot_dir, proc.stdout
+
+
+def test_replay_writes_the_four_pictures(plots_run):
+    _, plot_dir, stdout = plots_run
+    for name, (width, height) in EXPECTED_PX.items():
+        path = plot_dir / name
+        assert path.is_file(), name
+        assert str(path) in stdout, f"{name} not listed in the replay output"
+        image = cv2.imread(str(path), cv2.IMREAD_COLOR)
+        assert image is not None, f"{name} does not decode"
+        assert image.shape == (height, width, 3), name
+        gray = cv2.cvtColor(image, cv2.COLOR_BGR2GRAY).astype(np.float64)
+        assert gray.var() > 100.0, f"{name} looks blank (pixel variance {gray.var():.1f})"
+        assert (gray < 128).mean() > 0.002, f"{name} has almost no dark pixels (no text or lines)"
+
+
+def test_frame_timing_carries_ordered_monotonic_instants(plots_run):
+    out, _, _ = plots_run
+    from rosbags.highlevel import AnyReader
+
+    with AnyReader([out / "trajectories"], default_typestore=_typestore_with_autoware()) as reader:
+        conns = [c for c in reader.connections if c.topic.endswith("/debug/frame_timing")]
+        arrays = [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
+    assert len(arrays) == 3
+    order = ("t_prefix_start_ns", "t_write_start_ns", "t_ready_ns", "t_suffix_end_ns", "t_publish_ns")
+    for array in arrays:
+        values = {kv.key: kv.value for kv in array.status[0].values}
+        for key in ("preprocess_ms", "prefix_ms", "handoff_ms", "suffix_ms", "odometry_wait_ms"):
+            assert float(values[key]) >= 0, key
+        instants = [int(values[k]) for k in order]
+        assert all(a <= b for a, b in zip(instants, instants[1:])), dict(zip(order, instants))
+        # the durations agree with the instants (the prefix ends before its ring write starts)
+        t = dict(zip(order, instants))
+        assert (t["t_write_start_ns"] - t["t_prefix_start_ns"]) / 1e6 >= float(values["preprocess_ms"]) + \
+            float(values["prefix_ms"]) - 0.01
+        assert (t["t_ready_ns"] - t["t_write_start_ns"]) / 1e6 == pytest.approx(float(values["handoff_ms"]), abs=1e-3)
+        assert (t["t_suffix_end_ns"] - t["t_ready_ns"]) / 1e6 == pytest.approx(float(values["suffix_ms"]), abs=1e-3)
+
+
+def test_extrinsics_yaml_is_a_proper_rotation_with_optical_axes():
+    ext = plots.load_extrinsics_yaml(EXTRINSICS)
+    assert (ext.parent, ext.child) == ("base_link", "camera0/camera_optical_link")
+    rot = ext.matrix[:3, :3]
+    assert np.allclose(rot.T @ rot, np.eye(3), atol=1e-9)
+    assert np.linalg.det(rot) == pytest.approx(1.0, abs=1e-9)
+    assert np.array_equal(ext.matrix[3], [0, 0, 0, 1])
+    # optical frame: z forward, x right (-y of base_link), y down (-z of base_link)
+    assert rot[:, 2] @ [1, 0, 0] > 0.99
+    assert rot[:, 0] @ [0, -1, 0] > 0.99
+    assert rot[:, 1] @ [0, 0, -1] > 0.99
+    assert 1.0 < ext.matrix[2, 3] < 2.0  # the camera sits above base_link
+
+
+def test_point_on_the_optical_axis_projects_to_the_principal_point():
+    ext = plots.load_extrinsics_yaml(EXTRINSICS)
+    origin, axis = ext.matrix[:3, 3], ext.matrix[:3, 2]
+    uv, in_front = plots.project_points([origin + 12.0 * axis, origin + 40.0 * axis], ext.matrix, K_CAMERA0)
+    assert in_front.all()
+    assert np.allclose(uv, [[K_CAMERA0[0, 2], K_CAMERA0[1, 2]]] * 2, atol=1e-6)
+    # one metre to the camera's right at 10 m depth lands fx / 10 pixels right of cx
+    right = ext.matrix[:3, 0]
+    uv, _ = plots.project_points([origin + 10.0 * axis + right], ext.matrix, K_CAMERA0)
+    assert uv[0] == pytest.approx([K_CAMERA0[0, 2] + K_CAMERA0[0, 0] / 10, K_CAMERA0[1, 2]], abs=1e-6)
+
+
+def test_points_behind_the_camera_are_not_projected_nor_drawn():
+    ext = plots.load_extrinsics_yaml(EXTRINSICS)
+    origin, axis = ext.matrix[:3, 3], ext.matrix[:3, 2]
+    uv, in_front = plots.project_points([origin - 5.0 * axis, origin + 20.0 * axis], ext.matrix, K_CAMERA0)
+    assert list(in_front) == [False, True]
+    assert np.isnan(uv[0]).all() and np.isfinite(uv[1]).all()
+    # drawing: a path with base_link (behind the camera), a point 20 m ahead and one 5 m behind the car
+    image = np.full((1216, 1936, 3), 90, dtype=np.uint8)
+    view = plots.CameraView("camera0", 0, image, K_CAMERA0, ext.child, ext)
+    path = np.array([[0.0, 0.0, 0.0], [0.5, 20.0, 0.0], [1.0, -5.0, 0.0]])  # t, x, y in base_link
+    data = plots.PlotData([plots.FrameRecord(0, {}, path)], highlight=0, camera=view)
+    ax = plots.draw_camera(data).axes[0]
+    scatters = [c for c in ax.collections if type(c).__name__ == "PathCollection"]
+    assert len(scatters) == 1
+    drawn = scatters[0].get_offsets()
+    expected, _ = plots.project_points([[20.0, 0.0, 0.0]], ext.matrix, K_CAMERA0)
+    assert np.allclose(np.asarray(drawn), expected)
+    # the line towards it is cut at the near plane, never through a point behind the camera
+    segments = plots.visible_segments(path[:, [1, 2, 0]] * [1, 1, 0], ext.matrix, K_CAMERA0)
+    assert len(segments) == 2 and np.isfinite(segments).all()
+
+
+def test_extrinsics_compose_along_a_tf_chain():
+    a = plots.rigid_transform((1.0, 0.0, 0.5), (0.0, 0.0, math.sin(0.25), math.cos(0.25)))
+    b = plots.load_extrinsics_yaml(EXTRINSICS).matrix
+    tfs = [("base_link", "sensor_kit", a), ("/sensor_kit", "camera0/camera_optical_link", b)]
+    ext = plots.extrinsics_from_tf(tfs, "base_link", "camera0/camera_optical_link")
+    assert ext is not None and np.allclose(ext.matrix, a @ b)
+    assert plots.extrinsics_from_tf(tfs, "base_link", "camera1/camera_optical_link") is None
