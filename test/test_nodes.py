@@ -163,6 +163,15 @@ def test_lifecycle_order_split_mismatch_and_reconfigure(nodes, embedded_bag):
         (logs / "suffix.log").read_text()
     assert graph.trajectories == []
     assert "split_mismatch" in (logs / "suffix.log").read_text()
+    # diagnostics carry memory and ring fill for both nodes
+    assert graph.wait(lambda: f"{ns}/prefix_node: pipeline" in graph.diag)
+    with graph.lock:
+        for name in ("prefix_node", "suffix_node"):
+            values = graph.diag[f"{ns}/{name}: pipeline"]
+            assert float(values["rss_mib"]) > 50
+            ready, slots = values["ring_ready_slots"].split("/")
+            assert int(slots) == 4 and 0 <= int(ready) <= 4
+
 
     # re-configure the suffix with the prefix's split layer: deactivate, cleanup, set, configure, activate
     assert suffix.change_state("deactivate", 10)[0] and suffix.change_state("cleanup", 10)[0]

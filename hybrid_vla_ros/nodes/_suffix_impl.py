@@ -163,6 +163,9 @@ class SuffixNode(common.PipelineNode):
     def _io_counts(self) -> tuple[int, int]:
         return self.frames_in, self.frames_out
 
+    def _ring(self):
+        return self.runner.ring if self.runner is not None else None
+
     def _diagnostic_values(self) -> dict:
         ring = self.runner.ring_stats() if self.runner is not None else {}
         return {"frames_in": self.frames_in, "trajectories_out": self.frames_out,

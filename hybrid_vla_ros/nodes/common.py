@@ -165,11 +165,15 @@ class PipelineNode(LifecycleNode):
         """Publish one DiagnosticStatus '<fully qualified node name>: pipeline' on /diagnostics.
 
         Level: ERROR when inputs keep arriving but nothing has come out for STALL_S seconds, WARN when
-        something was dropped since the previous report, else OK.
+        something was dropped since the previous report or the ring holds n_slots - 1 unread frames
+        (the next frame overwrites one), else OK. Values include the ring's unread slots and the
+        process's memory (resident set; CUDA allocated / reserved when the process uses CUDA).
         """
         drops = self.drops.snapshot()
+        ring_ready, ring_slots = ring_fill(self._ring())
         values = flatten_stats(self.times.summary(), drops,
                                {"state": lifecycle_state(self), **self._diagnostic_values(),
+                                "ring_ready_slots": f"{ring_ready}/{ring_slots}", **memory_values(),
                                 "last_error": self.last_error})
         now = time.monotonic()
         inputs, outputs = self._io_counts()
@@ -182,6 +186,8 @@ class PipelineNode(LifecycleNode):
             level, message = ERROR, f"inputs arrive but nothing came out for {now - self._stall_since:.0f} s"
         elif new_drops > 0:
             level, message = WARN, f"{new_drops} dropped since the last report ({self.last_error})"
+        elif ring_slots and ring_ready >= ring_slots - 1:
+            level, message = WARN, f"ring nearly full ({ring_ready}/{ring_slots} unread): the suffix falls behind"
         else:
             level, message = OK, "ok"
         self._diag_pub.publish(diagnostic_array(self, "pipeline", level, message, values))
@@ -189,6 +195,10 @@ class PipelineNode(LifecycleNode):
     def _io_counts(self) -> tuple[int, int]:
         """(inputs seen, outputs produced) so far, for stall detection."""
         return 0, 0
+
+    def _ring(self):
+        """This node's end of the shared-memory ring, or None while it has none."""
+        return None
 
     def _stop(self) -> None:
         raise NotImplementedError
@@ -198,6 +208,29 @@ class PipelineNode(LifecycleNode):
 
     def _diagnostic_values(self) -> dict:
         return {}
+
+
+def ring_fill(ring) -> tuple[int, int]:
+    """(READY slots, all slots) of a ring end; (0, 0) without a ring or once it is closed."""
+    if ring is None:
+        return 0, 0
+    try:
+        states = ring.slot_states()
+    except Exception:  # noqa: BLE001 - a ring closing under us just has no fill to report
+        return 0, 0
+    return states.count("READY"), len(states)
+
+
+def memory_values() -> dict:
+    """Process memory for diagnostics: resident set (MiB) and, when CUDA is in use, allocated / reserved."""
+    import psutil
+    import torch
+
+    out = {"rss_mib": f"{psutil.Process().memory_info().rss / 2**20:.1f}"}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_allocated_mib"] = f"{torch.cuda.memory_allocated() / 2**20:.1f}"
+        out["cuda_reserved_mib"] = f"{torch.cuda.memory_reserved() / 2**20:.1f}"
+    return out
 
 
 def spin(node: PipelineNode) -> int:

@@ -153,6 +153,9 @@ class PrefixNode(common.PipelineNode):
     def _io_counts(self) -> tuple[int, int]:
         return self.frames_in, self.frames_out
 
+    def _ring(self):
+        return self.runner.ring if self.runner is not None else None
+
     def _diagnostic_values(self) -> dict:
         ring = self.runner.ring.stats if self.runner is not None else {}
         return {"frames_in": self.frames_in, "frames_synchronized": self.frames_synced,
