@@ -233,9 +233,11 @@ class ReplaySession:
                 "model_path": model, "split_layer": self.k, "camera_topics": self.cams,
                 "camera_transports": [a.transport], "sync_tolerance_ms": a.sync_tolerance_ms,
                 "device": a.device, "dtype": a.dtype, "torch_threads": prefix_threads}},
+            # The bag keeps its recorded stamps (years old by the node clock), so the output guard's age
+            # check is off for these two processes only; every other guard check stays as configured.
             f"{self.ns}/suffix_node": {"ros__parameters": {
                 "model_path": model, "split_layer": self.k, "cpu_affinity": self.suffix_cores,
-                "threads": len(self.suffix_cores), "dtype": a.dtype}},
+                "threads": len(self.suffix_cores), "dtype": a.dtype, "guard.check_age": False}},
         }
         path = self.out / "params.yaml"
         path.write_text(yaml.safe_dump(params, sort_keys=False))
@@ -390,6 +392,10 @@ class ReplaySession:
             print("hint: the prefix received no camera messages: do its camera_topics / camera_transports match "
                   f"the played topics ({self.cams[0]}{'/compressed' if self.args.transport == 'compressed' else ''}, ...)?",
                   file=sys.stderr)
+        if report["drops"].get("suffix.guard_too_old") or report["drops"].get("suffix.guard_future_stamp"):
+            print("hint: the suffix node's output guard dropped trajectories for their stamps: the replay plays the "
+                  "bag's recorded stamps, so nodes that replay drives need guard.check_age false (the params.yaml "
+                  "a replay writes has it)", file=sys.stderr)
         plots_ok = self._write_plots(frames) if self.args.plots else True
         return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
 
@@ -530,7 +536,8 @@ def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, w
             pub, cls = publishers[m.topic]
             msg = deserialize_message(m.raw, cls)
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec + offset
-            msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
+            if offset:  # the first loop plays the stamps as recorded, invalid ones (nanosec >= 1e9) included
+                msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
             pub.publish(msg)
             counts["messages"] += 1
             if CAMERA_TOPIC.match(m.topic):

@@ -28,7 +28,9 @@ def _cell(text: str) -> str:
 
 
 def _literal(value) -> str:
-    """A default as written in a params file, in a code span: `auto`, `""`, `50.0`, `[raw]`, `[]`."""
+    """A default as written in a params file, in a code span: `auto`, `""`, `50.0`, `true`, `[raw]`, `[]`."""
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"  # YAML's spelling, not Python's
     if isinstance(value, list):
         return "`[" + ", ".join(str(v) if v != "" else '""' for v in value) + "]`"
     if value == "":

@@ -13,9 +13,8 @@ import yaml
 
 rclpy = pytest.importorskip("rclpy")
 
-from rcl_interfaces.msg import Parameter as ParameterMsg  # noqa: E402
-from rcl_interfaces.msg import ParameterType, ParameterValue  # noqa: E402
-from rcl_interfaces.srv import SetParameters  # noqa: E402
+from rcl_interfaces.srv import GetParameters, SetParameters  # noqa: E402
+from rclpy.parameter import Parameter, parameter_value_to_python  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.serialization import deserialize_message  # noqa: E402
 
@@ -75,7 +74,8 @@ def nodes(tmp_path, tiny_checkpoint):
     params = {
         f"{ns}/prefix_node": {"ros__parameters": {**common, "split_layer": 1, "camera_transports": ["compressed"],
                                                   "camera_topics": [f"{ns}/cam{i}" for i in range(6)]}},
-        f"{ns}/suffix_node": {"ros__parameters": {**common, "split_layer": 2}},
+        # the bag's recorded stamps are years old: the output guard's age check is off, as in a replay
+        f"{ns}/suffix_node": {"ros__parameters": {**common, "split_layer": 2, "guard.check_age": False}},
     }
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump(params))
@@ -125,16 +125,33 @@ def _frame_publisher(graph, ns, embedded_bag):
     return publish
 
 
-def _set_param(graph, target, name, value):
+def _try_set_param(graph, target, name, value):
+    """Set one parameter through the node's SetParameters service (as `ros2 param set` does); its result."""
     client = graph.node.create_client(SetParameters, f"{target}/set_parameters")
     assert client.wait_for_service(10)
-    req = SetParameters.Request(parameters=[ParameterMsg(
-        name=name, value=ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value))])
+    req = SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()])
     done = threading.Event()
     future = client.call_async(req)
     future.add_done_callback(lambda _: done.set())
     assert done.wait(10)
-    assert future.result().results[0].successful
+    graph.node.destroy_client(client)
+    return future.result().results[0]
+
+
+def _get_param(graph, target, name):
+    client = graph.node.create_client(GetParameters, f"{target}/get_parameters")
+    assert client.wait_for_service(10)
+    done = threading.Event()
+    future = client.call_async(GetParameters.Request(names=[name]))
+    future.add_done_callback(lambda _: done.set())
+    assert done.wait(10)
+    graph.node.destroy_client(client)
+    return parameter_value_to_python(future.result().values[0])
+
+
+def _set_param(graph, target, name, value):
+    result = _try_set_param(graph, target, name, value)
+    assert result.successful, result.reason
 
 
 def test_lifecycle_order_split_mismatch_and_reconfigure(nodes, embedded_bag):
@@ -191,6 +208,21 @@ def test_lifecycle_order_split_mismatch_and_reconfigure(nodes, embedded_bag):
     assert prefix.change_state("deactivate", 10)[0] and prefix.change_state("activate", 10)[0]
     publish(2)
     assert graph.wait(lambda: len(graph.trajectories) >= 2)
+
+    # the output guard, with its age check on (accepted while active, applied at the next configure):
+    # the recorded stamps are years old by the node clock, so such a frame is dropped, never published;
+    # a frame stamped now passes
+    for name, value in (("guard.check_age", True), ("guard.max_age_s", 5.0)):
+        _set_param(graph, f"{ns}/suffix_node", name, value)
+    assert suffix.change_state("deactivate", 10)[0] and suffix.change_state("cleanup", 10)[0]
+    assert suffix.change_state("configure", 60)[0] and suffix.change_state("activate", 10)[0]
+    publish(0, shift_ns=10 * 10**9)  # later than frame 2 (time keeps increasing), still years old
+    assert graph.wait(lambda: "guard_too_old" in (logs / "suffix.log").read_text()), (logs / "suffix.log").read_text()
+    assert len(graph.trajectories) == 2
+    publish(1, shift_ns=time.time_ns() - frame1)
+    assert graph.wait(lambda: len(graph.trajectories) >= 3), (logs / "suffix.log").read_text()
+    stamp = graph.trajectories[2].header.stamp
+    assert 0 <= time.time_ns() - (stamp.sec * 10**9 + stamp.nanosec) < 5 * 10**9
     for client in (prefix, suffix):
         assert client.change_state("deactivate", 10)[0] and client.change_state("cleanup", 10)[0]
     assert not Path("/dev/shm", segment_name("prefix_states", ns)).exists(), "cleanup removes the ring"
@@ -198,6 +230,21 @@ def test_lifecycle_order_split_mismatch_and_reconfigure(nodes, embedded_bag):
 
 def test_invalid_parameters_fail_configure_and_node_survives(nodes):
     ns, graph, prefix, suffix, procs, logs = nodes
+    # a new value is checked against the schema when it is set: refused with a reason that names the
+    # parameter and the rule, and the node keeps its old value
+    for node, name, value, reason in [
+        ("suffix_node", "split_layer", -5, "split_layer: must be >= 0, got -5"),
+        ("prefix_node", "dtype", "fp64", "dtype: must be one of fp32, bf16, fp16, got 'fp64'"),
+        ("suffix_node", "no_such_parameter", 1, "no_such_parameter: unknown parameter (not in suffix_node's schema)"),
+        ("prefix_node", "ring_slots", "4", "ring_slots: must be of type int, got string '4'"),
+        ("suffix_node", "wheelbase_m", 3, "wheelbase_m: must be of type double, got int 3 (write 3.0)"),
+        ("suffix_node", "guard.max_age_s", 0.0, "guard.max_age_s: must be > 0, got 0.0"),
+    ]:
+        result = _try_set_param(graph, f"{ns}/{node}", name, value)
+        assert not result.successful and result.reason == reason, (name, result.reason)
+    assert "parameter change refused: split_layer: must be >= 0, got -5" in (logs / "suffix.log").read_text()
+    assert _get_param(graph, f"{ns}/suffix_node", "split_layer") == 2
+    # a value the schema allows is accepted; what needs the checkpoint (K <= L) is checked at configure
     _set_param(graph, f"{ns}/suffix_node", "split_layer", 99)
     ok, _ = suffix.change_state("configure", 60)
     assert not ok and suffix.get_state() == "unconfigured"

@@ -155,6 +155,17 @@ def schema_problems(node: str, values: Mapping[str, Any]) -> list[str]:
     return [f"{_label(path)}: {problem}" for path, problem in _schema_errors(node, values)]
 
 
+def value_problems(node: str, values: Mapping[str, Any]) -> list[str]:
+    """Every way the given parameters break their own schema entries (type, range, enum, pattern,
+    lengths), one 'name: problem' each; a name the schema does not know is a problem too.
+
+    For a change to some parameters (``ros2 param set``): the others are not judged, and the checks
+    that need the checkpoint or this machine (:func:`validate`'s code-side checks) wait for configure.
+    """
+    merged = {**copy.deepcopy(defaults(node)), **values}
+    return [f"{_label(path)}: {problem}" for path, problem in _schema_errors(node, merged) if path[0] in values]
+
+
 def _schema_errors(node: str, values: Mapping[str, Any]) -> list[tuple[list, str]]:
     """(path inside the parameters, e.g. ['camera_transports', 0], problem) for each schema violation."""
     _, validator = _load(node)

@@ -14,6 +14,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from ..core.affinity import pin_process, thread_affinities
 from ..core.config import VLAConfig
+from ..core.guard import GuardLimits, find_violations
 from ..core.odometry import OdometryBuffer
 from ..core.params import ParameterError, Params
 from ..core.pipeline import StaleFrame, SuffixRunner
@@ -31,6 +32,7 @@ class SuffixNode(common.PipelineNode):
         self.early_affinity = early_affinity
         self.runner: SuffixRunner | None = None
         self.params: Params | None = None
+        self.guard: GuardLimits | None = None  # output guard limits, from the guard.* parameters at configure
         self.frames_in = 0  # frames taken from the ring, rejected ones included
         self.frames_out = 0
         self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
@@ -58,12 +60,16 @@ class SuffixNode(common.PipelineNode):
             self.runner = None
             return TransitionCallbackReturn.FAILURE
         self.params = p
+        self.guard = GuardLimits.from_params(p)
         cores = sorted(set().union(*thread_affinities().values()))
         self.get_logger().info(
             f"configured: split_layer={p.split_layer}/{self.runner.cfg.num_layers} dtype={p.dtype} "
             f"threads={torch.get_num_threads()} cores={cores} (pinned early: {self.early_affinity or 'no'}) "
             f"ring '{self.runner.segment}'" + (" [random-init weights: trajectories are not driving advice]"
                                 if self.runner.cfg.random_init else ""))
+        if not self.guard.check_age:
+            self.get_logger().warning("guard.check_age is false: trajectories are published however old their "
+                                      "camera stamp is (for replays of recorded bags, not for a vehicle)")
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -141,6 +147,11 @@ class SuffixNode(common.PipelineNode):
                                              self.params.wheelbase_m)
         except ValueError as e:
             self._drop("bad_waypoints", str(e))
+            return
+        # Output guard: an invalid trajectory is never published (one drop per frame, the first cause).
+        violations = find_violations(arrays, stamp, self.get_clock().now().nanoseconds, self.guard)
+        if violations:
+            self._drop(f"guard_{violations[0].cause}", "trajectory not published: " + "; ".join(map(str, violations)))
             return
         self._traj_pub.publish(trajectory_to_msg(arrays, stamp, self.params.output_frame))
         t_publish_ns = time.monotonic_ns()

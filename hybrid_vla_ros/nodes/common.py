@@ -10,7 +10,7 @@ from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.node import Node
 from rclpy.parameter import Parameter
-from rcl_interfaces.msg import ParameterDescriptor
+from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
 
 from ..core import params
 from ..core.stats import DropCounter, StageTimes
@@ -24,6 +24,7 @@ _PARAMETER_TYPES = {
     "int[]": Parameter.Type.INTEGER_ARRAY, "double[]": Parameter.Type.DOUBLE_ARRAY,
     "bool[]": Parameter.Type.BOOL_ARRAY,
 }
+_TYPE_WORDS = {t: word for word, t in _PARAMETER_TYPES.items()}  # Parameter.Type -> 'int', 'string[]', ...
 
 
 def declare_parameters(node: Node, schema_node: str) -> None:
@@ -116,6 +117,8 @@ class PipelineNode(LifecycleNode):
         super().__init__(name, **kwargs)
         self._schema_node = name
         declare_parameters(self, name)
+        self.add_on_set_parameters_callback(self._check_parameter_change)  # after declaring: file values
+        # are not judged here but at configure, which reports every problem at once
         self.drops = DropCounter()
         self.times = StageTimes()
         self.last_error = ""
@@ -123,6 +126,52 @@ class PipelineNode(LifecycleNode):
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._stall_since = time.monotonic()
         self._diag_timer = self.create_timer(1.0, self.publish_diagnostics)
+
+    def _check_parameter_change(self, changes: list[Parameter]) -> SetParametersResult:
+        """on-set-parameters callback: each new value must meet its schema entry (type, range, enum,
+        pattern; ``core.params.value_problems``), else the whole change is refused with a reason
+        naming the parameter and the rule, e.g. 'split_layer: must be >= 0, got -5'. Values are read at
+        configure, so an accepted change takes effect at the next configure; the checks that need the
+        checkpoint (e.g. split_layer <= L) wait for it too. Parameters outside the schema (rclpy's own,
+        e.g. use_sim_time) are left to rclpy."""
+        specs = params.parameter_specs(self._schema_node)
+        values = {}
+        for p in changes:
+            if p.name in specs and p.value is not None:
+                v = p.value
+                values[p.name] = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
+        problems = params.value_problems(self._schema_node, values)
+        if problems:
+            reason = "; ".join(problems)
+            self.get_logger().warning(f"parameter change refused: {reason}")
+            return SetParametersResult(successful=False, reason=reason)
+        if values and lifecycle_state(self) in ("inactive", "active"):
+            self.get_logger().info(f"parameter change accepted ({', '.join(values)}): it takes effect at the "
+                                   "next configure (deactivate, cleanup, configure, activate)")
+        return SetParametersResult(successful=True)
+
+    def set_parameters_atomically(self, parameter_list: list[Parameter]) -> SetParametersResult:
+        """rclpy's, but an undeclared name, an unset value or a value of the wrong type is refused with
+        a reason that names the parameter (rclpy's own reasons do not, e.g. "Wrong parameter type,
+        expected '2' got '4'"). The parameter services (``ros2 param set``) call this method."""
+        problems = []
+        for p in parameter_list:
+            if not self.has_parameter(p.name):
+                problems += params.value_problems(self._schema_node, {p.name: p.value})
+            elif p.type_ == Parameter.Type.NOT_SET:
+                problems.append(f"{p.name}: cannot be unset (it is declared with a type)")
+            else:
+                declared = Parameter.Type(self.describe_parameter(p.name).type)
+                if p.type_ != declared:
+                    hint = f" (write {float(p.value)!r})" if (p.type_, declared) == (
+                        Parameter.Type.INTEGER, Parameter.Type.DOUBLE) else ""
+                    problems.append(f"{p.name}: must be of type {_TYPE_WORDS.get(declared, declared.name)}, "
+                                    f"got {_TYPE_WORDS.get(p.type_, p.type_.name)} {p.value!r}{hint}")
+        if problems:
+            reason = "; ".join(problems)
+            self.get_logger().warning(f"parameter change refused: {reason}")
+            return SetParametersResult(successful=False, reason=reason)
+        return super().set_parameters_atomically(parameter_list)
 
     def read_parameters(self, **checkpoint) -> params.Params:
         """The current parameters checked against the node's schema and, given ``checkpoint`` facts

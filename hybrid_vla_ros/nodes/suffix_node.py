@@ -9,7 +9,8 @@ Lifecycle:
                 for it if the prefix is not configured yet);
   on_deactivate stop the worker;  on_cleanup / on_shutdown  detach from the ring, free the model.
 Output: ``~/output/trajectory`` (autoware_planning_msgs/Trajectory, frame ``output_frame``,
-header.stamp = the camera stamp of the frame), ``~/debug/frame_timing`` (DiagnosticArray, one per
+header.stamp = the camera stamp of the frame; only trajectories that pass the output guard,
+``core/guard.py`` with the ``guard.*`` parameters: the others are dropped as ``guard_<cause>``), ``~/debug/frame_timing`` (DiagnosticArray, one per
 frame, same stamp, per-stage milliseconds) and ``/diagnostics`` (1 Hz).
 """
 from __future__ import annotations
