@@ -30,6 +30,17 @@ from . import common
 from .msg_conv import stamp_to_ns
 
 
+#: Log text of each synchronizer drop cause (core.sync.DROP_CAUSES).
+SYNC_DROP_REASONS = {
+    "out_of_order": "header stamp older than this camera's previous message (stamps must increase per camera)",
+    "duplicate": "header stamp equal to this camera's previous message",
+    "unsynced": "camera messages without a partner on every camera within sync_tolerance_ms were discarded",
+    "queue_overflow": "a camera sent nothing for a while: the oldest message queued for it was pushed out",
+    "time_jump": "header stamp more than 1 s older than this camera's previous one (clock reset, bag restart "
+                 "or earlier stamps in the future): synchronization restarted, queued messages discarded",
+}
+
+
 class PrefixNode(common.PipelineNode):
     """Lifecycle node running the GPU prefix. See the module docstring and README for topics."""
 
@@ -110,21 +121,31 @@ class PrefixNode(common.PipelineNode):
             self.frames_in += 1
             try:
                 stamp = stamp_to_ns(msg.header.stamp)
+                if stamp < 0:  # int32 sec may be negative; the synchronizer takes stamps >= 0 only
+                    raise ValueError(f"negative stamp {msg.header.stamp.sec} s {msg.header.stamp.nanosec} ns")
             except ValueError as e:
                 self._drop("bad_stamp", f"camera {cam}: {e}")
                 return
             emitted = self._sync.add(cam, stamp, (transport, msg))
             for cause, n in self._sync.pop_drops().items():
-                self.drops.add(cause, n)
+                self._count(cause, n, f"camera {cam} message stamped {stamp} ns: {SYNC_DROP_REASONS[cause]}")
             if emitted is None:
                 return
             self.frames_synced += 1
             with self._cv:
                 if self._pending is not None:
-                    self.drops.add("superseded")
+                    self._count("superseded", 1, "a newer synchronized frame arrived before the worker took this "
+                                "one (the prefix is slower than the camera rate)")
                 self._pending = emitted
                 self._cv.notify()
         return callback
+
+    def _count(self, cause: str, n: int, message: str) -> None:
+        """Count ``n`` drops of ``cause`` and log it at most every 2 s per cause, as ``_drop`` does."""
+        total = self.drops.add(cause, n)
+        self.last_error = message
+        if self._throttle(cause):
+            self.get_logger().warning(f"dropped ({cause}, {total} so far): {message}")
 
     def _work(self) -> None:
         while True:
