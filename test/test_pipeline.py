@@ -1,0 +1,102 @@
+"""PrefixRunner -> ring -> SuffixRunner in one process (no ROS): results, non-finite values, stale frames."""
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybrid_vla_ros.core.checkpoint import WEIGHTS_FILE, load_stage
+from hybrid_vla_ros.core.image import compressed_msg_to_rgb, preprocess
+from hybrid_vla_ros.core.pipeline import PrefixRunner, StaleFrame, SuffixRunner
+from hybrid_vla_ros.replay import read_bag
+
+
+@pytest.fixture(scope="module")
+def frame(embedded_bag):
+    """The first synchronized frame of the embedded bag: (stamp_ns, [("compressed", msg)] * 6)."""
+    from rosbags.typesys import Stores, get_typestore
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    first = {}
+    for m in read_bag(embedded_bag):
+        if m.topic.endswith("/image_raw/compressed") and m.topic not in first:
+            first[m.topic] = store.deserialize_cdr(m.raw, m.msgtype)
+    msgs = [first[t] for t in sorted(first)]
+    stamp = msgs[0].header.stamp.sec * 10**9 + msgs[0].header.stamp.nanosec
+    return stamp, [("compressed", msg) for msg in msgs]
+
+
+def _poisoned(tmp_path, tiny_checkpoint, prefix: str):
+    """A copy of the tiny checkpoint whose tensors starting with ``prefix`` are NaN."""
+    out = tmp_path / f"nan_{prefix.strip('.')}"
+    out.mkdir()
+    (out / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
+    state = load_file(str(tiny_checkpoint / WEIGHTS_FILE))
+    state = {k: torch.full_like(v, float("nan")) if k.startswith(prefix) else v for k, v in state.items()}
+    save_file(state, str(out / WEIGHTS_FILE))
+    return out
+
+
+def test_frame_through_both_runners_matches_the_monolithic_model(tiny_checkpoint, frame):
+    ns = f"/pl_{uuid.uuid4().hex[:6]}"
+    stamp, items = frame
+    prefix = PrefixRunner(str(tiny_checkpoint), 2, device="cpu", namespace=ns)
+    suffix = SuffixRunner(str(tiny_checkpoint), 2, namespace=ns)
+    try:
+        assert suffix.poll(0.05) is None  # attaches, nothing published yet
+        published = prefix.run(items, stamp)
+        result = suffix.poll(5.0)
+        assert result is not None and result.meta.seq == published.seq and result.meta.stamp_ns == stamp
+        assert result.meta.split_layer == 2 and result.handoff_ms >= 0 and result.suffix_ms > 0
+        full = load_stage(tiny_checkpoint, "full")
+        cfg = full.cfg
+        with torch.inference_mode():
+            pixels = preprocess([compressed_msg_to_rgb(m) for _, m in items], cfg.image_size, cfg.image_mean,
+                                cfg.image_std)
+            expected = full(pixels).double().numpy()
+        assert abs(result.waypoints - expected).max() <= 1e-5
+    finally:
+        suffix.close()
+        prefix.close()
+
+
+def test_non_finite_values_are_refused_on_both_sides(tmp_path, tiny_checkpoint, frame):
+    stamp, items = frame
+    ns = f"/pl_{uuid.uuid4().hex[:6]}"
+    bad_prefix = PrefixRunner(str(_poisoned(tmp_path, tiny_checkpoint, "vision.")), 1, device="cpu", namespace=ns)
+    try:
+        with pytest.raises(FloatingPointError, match="hidden states"):
+            bad_prefix.run(items, stamp)
+        assert bad_prefix.ring.stats["published"] == 0, "nothing non-finite reaches the ring"
+    finally:
+        bad_prefix.close()
+    nan_head = _poisoned(tmp_path, tiny_checkpoint, "head.")
+    prefix = PrefixRunner(str(nan_head), 1, device="cpu", namespace=ns)
+    suffix = SuffixRunner(str(nan_head), 1, namespace=ns)
+    try:
+        suffix.poll(0.05)
+        prefix.run(items, stamp)
+        with pytest.raises(FloatingPointError, match="waypoints"):
+            suffix.poll(5.0)
+    finally:
+        suffix.close()
+        prefix.close()
+
+
+def test_frames_published_before_the_suffix_attached_are_stale(tiny_checkpoint, frame):
+    stamp, items = frame
+    ns = f"/pl_{uuid.uuid4().hex[:6]}"
+    prefix = PrefixRunner(str(tiny_checkpoint), 3, device="cpu", namespace=ns)
+    try:
+        prefix.run(items, stamp)  # nobody attached yet: e.g. a suffix restarting
+        suffix = SuffixRunner(str(tiny_checkpoint), 3, namespace=ns)
+        try:
+            with pytest.raises(StaleFrame):
+                suffix.poll(5.0)
+            prefix.run(items, stamp + 10**9)
+            result = suffix.poll(5.0)
+            assert result is not None and result.meta.stamp_ns == stamp + 10**9
+        finally:
+            suffix.close()
+    finally:
+        prefix.close()
