@@ -104,12 +104,13 @@ class SuffixNode(common.PipelineNode):
         self._odom.add(ego)
 
     def _work(self) -> None:
-        attached = False
+        ring = None  # the ring end we were attached to, to log every (re-)attach
         while self._running and self.context.ok():
             try:
                 result = self.runner.poll(0.1)
-                if self.runner.attached != attached:
-                    attached = self.runner.attached
+                attached = self.runner.attached
+                if self.runner.ring is not ring:
+                    ring = self.runner.ring
                     self.get_logger().info(f"attached to the ring '{self.runner.segment}'" if attached else
                                            "the prefix's ring went away; waiting for it to come back")
                 if not attached and self._throttle("attach"):
@@ -181,6 +182,7 @@ class SuffixNode(common.PipelineNode):
         ring = self.runner.ring_stats() if self.runner is not None else {}
         return {"frames_in": self.frames_in, "trajectories_out": self.frames_out,
                 "ring_attached": self.runner is not None and self.runner.attached,
+                "ring_owner_alive": self._ring() is not None and self._ring().owner_alive,
                 "ring_read": ring.get("read", 0),
                 "odometry_propagated": self.odometry_propagated, "odometry_time_jumps": self._odom.time_jumps,
                 "split_layer": self.params.split_layer if self.params else "",
