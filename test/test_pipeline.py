@@ -100,3 +100,19 @@ def test_frames_published_before_the_suffix_attached_are_stale(tiny_checkpoint, 
             suffix.close()
     finally:
         prefix.close()
+
+
+def test_close_really_frees_the_stage_weights(tiny_checkpoint):
+    """cleanup must return the stage's memory: no reference to its weights survives close()."""
+    import gc
+    import weakref
+
+    ns = f"/pl_{uuid.uuid4().hex[:6]}"
+    prefix = PrefixRunner(str(tiny_checkpoint), 2, device="cpu", namespace=ns)
+    suffix = SuffixRunner(str(tiny_checkpoint), 2, namespace=ns)
+    refs = [weakref.ref(p) for p in list(prefix.stage.parameters()) + list(suffix.stage.parameters())]
+    assert refs
+    suffix.close()
+    prefix.close()
+    gc.collect()
+    assert all(r() is None for r in refs), "stage weights still referenced after close()"
