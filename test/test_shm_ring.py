@@ -565,3 +565,24 @@ def test_api_misuse_errors(name):
             cons.read(0)  # dropped unreleased: released by the next read
             assert cons.read(0) is None
             assert "READING" not in cons.slot_states()
+
+
+def test_init_leftovers_of_dead_or_reused_pids_are_removed_live_ones_kept():
+    """A producer killed while creating its segment leaves <name>.init-<pid>-<start>-<rand>; the next
+    producer removes it when that process is gone, even if its pid now belongs to another process."""
+    name = sr.segment_name(f"init_{uuid.uuid4().hex[:8]}", "/")
+    base = os.path.join(sr.SHM_DIR, name)
+    start = sr._proc_identity(os.getppid())[1]
+    reused = f"{base}.init-{os.getppid()}-{start + 12345}-dead"  # live pid, other start time: a reused pid
+    live = f"{base}.init-{os.getppid()}-{start}-live"  # the parent really is alive with that start time
+    for path in (reused, live):
+        with open(path, "w"):
+            pass
+    try:
+        with RingProducer(name, 3, 1024, 1):
+            assert not os.path.exists(reused)
+            assert os.path.exists(live)
+    finally:
+        for path in (reused, live):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -440,7 +440,9 @@ class RingProducer(_RingEnd):
         self._outstanding: weakref.ref | None = None
 
         self._remove_dead_init_files()
-        tmp = f"{self.path}.init-{self.owner_pid}-{secrets.token_hex(4)}"
+        # pid and process start time in the name: a leftover of a dead process is recognised even if its
+        # pid has been reused since (see _remove_dead_init_files)
+        tmp = f"{self.path}.init-{self.owner_pid}-{self.owner_start_time}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         sock = None
         try:
@@ -486,8 +488,10 @@ class RingProducer(_RingEnd):
             return
         for entry in entries:
             if entry.startswith(prefix):
-                pid = entry[len(prefix):].split("-", 1)[0]
-                if pid.isdigit() and _proc_identity(int(pid)) is None:
+                parts = entry[len(prefix):].split("-")
+                if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+                    continue  # not a file of ours
+                if not _process_alive(int(parts[0]), int(parts[1])):
                     try:
                         os.unlink(os.path.join(SHM_DIR, entry))
                     except OSError:

@@ -103,6 +103,8 @@ class PrefixNode(common.PipelineNode):
         self._subs = []
         with self._cv:
             self._running = False
+            if self._pending is not None:  # a synchronized frame the worker had not started: count it
+                self.drops.add("deactivated")
             self._pending = None
             self._cv.notify_all()
         if self._worker is not None:
