@@ -55,6 +55,7 @@ class PlanningHead(nn.Module):
         self.fc2 = nn.Linear(hidden_size, n_waypoints * 2)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """(H,) or (B, H) -> waypoints (N, 2) or (B, N, 2) float32 metres (cumulative displacements)."""
         deltas = self.fc2(self.act(self.fc1(h))).float()
         deltas = deltas.unflatten(-1, (self.n_waypoints, 2))
         return torch.cumsum(deltas, dim=-2)
@@ -170,6 +171,7 @@ class PrefixStage(nn.Module):
         return _shift_layer_key(local_key, 0)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Pixels (C, 3, S, S) in the stage dtype -> hidden states h_K (T, H). Raises ValueError on a wrong shape."""
         return run_blocks(self, self.layers, embed(self, pixel_values))
 
 
@@ -197,6 +199,7 @@ class SuffixStage(nn.Module):
         return _shift_layer_key(local_key, self.split_layer)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Hidden states h_K (T, H) -> waypoints (N, 2) float32 m. Raises ValueError on a wrong shape."""
         expected = self.cfg.prefix_state_shape
         if tuple(hidden_states.shape) != expected:
             raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != expected {expected}")

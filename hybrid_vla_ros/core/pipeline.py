@@ -91,6 +91,9 @@ class PrefixRunner:
 
     @torch.inference_mode()
     def run(self, items: list, stamp_ns: int) -> PrefixResult:
+        """One synchronized frame (camera-order ``(transport, msg)`` items, camera stamp in ns) into the
+        ring; see the class docstring. Raises ImageDecodeError, ValueError (camera count) and
+        FloatingPointError (non-finite hidden states: nothing is published)."""
         if len(items) != self.cfg.n_cameras:
             raise ValueError(f"frame has {len(items)} cameras, the model takes {self.cfg.n_cameras}")
         t_start_ns = time.monotonic_ns()
@@ -202,6 +205,7 @@ class SuffixRunner:
 
     @torch.inference_mode()
     def poll(self, timeout_s: float) -> SuffixResult | None:
+        """Wait up to ``timeout_s`` (s) for a frame and run the suffix on it; see the class docstring."""
         if not self._attach():
             time.sleep(min(timeout_s, 0.05))  # no ring to wait on yet: retry at a modest rate
             return None

@@ -20,10 +20,12 @@ class StageTimes:
         self._lock = threading.Lock()
 
     def add(self, stage: str, ms: float) -> None:
+        """Record one duration (ms) of ``stage``."""
         with self._lock:
             self._samples.setdefault(stage, deque(maxlen=self._window)).append(float(ms))
 
     def summary(self) -> dict[str, dict[str, float]]:
+        """Per stage: sample count, p50, p90, mean and max (ms) over the window."""
         with self._lock:
             snap = {k: np.asarray(v) for k, v in self._samples.items() if v}
         return {
