@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-LOOP_NS = 3_000_000_000  # the embedded bag: 3 frames 1 s apart; loop k is shifted by k * 3 s
-ODOM_WINDOW_NS = 950_000_000  # odometry sent with each frame: stamps within +-0.95 s (one before, one after)
+from hybrid_vla_ros.frame_player import LoopingFramePlayer  # noqa: E402
+
 # Causes counted per camera or odometry message, not per frame (see core/sync.py and the suffix node).
 MESSAGE_CAUSES = {"prefix": {"unsynced", "queue_overflow", "out_of_order", "duplicate", "time_jump", "bad_stamp"},
                   "suffix": {"bad_odometry"}}
@@ -135,76 +135,6 @@ class Graph:
         self.rclpy.try_shutdown(context=self.context)
 
 
-class Player:
-    """Publishes the embedded bag's frames in a loop: frame k is bag frame k % 3 shifted by (k // 3) * 3 s.
-
-    With each frame go the odometry messages within +-0.95 s of its stamp (one before it, one after it),
-    so the suffix can always interpolate the pose and the odometry never steps back by 1 s (a clock jump).
-    """
-
-    def __init__(self, node, ns: str, bag: Path):
-        from rclpy.serialization import deserialize_message
-
-        from hybrid_vla_ros.replay import message_class, read_bag
-
-        msgs = read_bag(bag)
-        cams = sorted({m.topic for m in msgs if m.topic.endswith("/image_raw/compressed")})
-        image_cls = message_class("sensor_msgs/msg/CompressedImage")
-        odom_cls = message_class("nav_msgs/msg/Odometry")
-        self.images = [[deserialize_message(m.raw, image_cls) for m in msgs if m.topic == t] for t in cams]
-        self.odom = [deserialize_message(m.raw, odom_cls) for m in msgs if m.topic == "/localization/kinematic_state"]
-        self.image_stamps = [_stamp(m) for m in self.images[0]]
-        self.odom_stamps = [_stamp(m) for m in self.odom]
-        self.n_cameras = len(cams)
-        self.pubs = [node.create_publisher(image_cls, f"{ns}/cam{i}/compressed", 10) for i in range(len(cams))]
-        self.odom_pub = node.create_publisher(odom_cls, f"{ns}/odom", 10)
-        self.count = 0
-        self.sent: dict[int, float] = {}  # frame stamp -> time.monotonic() after its last image went out
-
-    def wait_for_subscribers(self, timeout: float = 20.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(p.get_subscription_count() > 0 for p in self.pubs + [self.odom_pub]):
-                return True
-            time.sleep(0.05)
-        return False
-
-    def publish(self) -> int:
-        loop, i = divmod(self.count, len(self.image_stamps))
-        stamp = self.image_stamps[i] + loop * LOOP_NS
-        for lp in (loop - 1, loop, loop + 1):  # odometry first: the suffix then never waits for it
-            for msg, s in zip(self.odom, self.odom_stamps):
-                shifted = s + lp * LOOP_NS
-                if abs(shifted - stamp) <= ODOM_WINDOW_NS and shifted > 0:
-                    msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(shifted, 10**9)
-                    self.odom_pub.publish(msg)
-        for pub, cam in zip(self.pubs, self.images):
-            msg = cam[i]
-            msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 10**9)
-            pub.publish(msg)
-        self.sent[stamp] = time.monotonic()
-        self.count += 1
-        return stamp
-
-    def play(self, n: int, fps: float, stop: threading.Event | None = None) -> tuple[list[int], float]:
-        """Publish ``n`` frames on a fixed schedule (no drift; late frames go out at once).
-
-        Returns (their stamps, wall seconds)."""
-        stamps, t0 = [], time.monotonic()
-        for k in range(n):
-            if stop is not None and stop.is_set():
-                break
-            delay = t0 + k / fps - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            stamps.append(self.publish())
-        return stamps, time.monotonic() - t0
-
-
-def _stamp(msg) -> int:
-    return msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec
-
-
 # ------------------------------------------------------------------------------------------ resources
 
 def shm_maps(pid: int) -> tuple[int, int]:
@@ -236,7 +166,7 @@ def shm_maps(pid: int) -> tuple[int, int]:
 class Monitor:
     """Samples the node processes every ``period_s`` in a background thread."""
 
-    def __init__(self, procs: dict, player: Player, graph: Graph, period_s: float, ring_prefix: str):
+    def __init__(self, procs: dict, player: LoopingFramePlayer, graph: Graph, period_s: float, ring_prefix: str):
         import psutil
 
         self.ring_prefix = ring_prefix  # this run's ring segment (and any .init-* file of it)
@@ -355,7 +285,7 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
-def _drain(graph: Graph, player: Player, stamps: list[int], quiet_s: float = 3.0) -> None:
+def _drain(graph: Graph, player: LoopingFramePlayer, stamps: list[int], quiet_s: float = 3.0) -> None:
     """Wait until every frame has its trajectory or nothing new arrived for ``quiet_s``."""
     want = set(stamps)
     last, since = -1, time.monotonic()
@@ -440,7 +370,7 @@ def _growth(samples: list[dict], start_frame: int, warm_frames: int) -> dict:
     return out
 
 
-def _latency(graph: Graph, player: Player, stamps: list[int], warm_frames: int) -> dict:
+def _latency(graph: Graph, player: LoopingFramePlayer, stamps: list[int], warm_frames: int) -> dict:
     """Latency p50/p90 (ms) early (the quarter of the run after warm-up) and late (the last quarter)."""
     with graph.lock:
         received, timings = dict(graph.received), dict(graph.timings)
@@ -480,7 +410,7 @@ def run(args) -> dict:
                      "ros_domain_id": os.environ["ROS_DOMAIN_ID"]}
     try:
         pipeline = Pipeline(graph, ns, model, args.split_layer, out)
-        player = Player(graph.node, ns, REPO / "data" / "dgp_scene02_6cam_mcap")
+        player = LoopingFramePlayer(graph.node, ns, REPO / "data" / "dgp_scene02_6cam_mcap")
         t_up = time.monotonic()
         pipeline.bring_up()
         if not player.wait_for_subscribers():
@@ -538,7 +468,7 @@ def run(args) -> dict:
     return results
 
 
-def _progress(player: Player, graph: Graph, start: int, total: int, stop: threading.Event) -> None:
+def _progress(player: LoopingFramePlayer, graph: Graph, start: int, total: int, stop: threading.Event) -> None:
     t0 = time.monotonic()
     with graph.lock:
         got0 = len(graph.received)

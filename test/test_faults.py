@@ -31,17 +31,15 @@ rclpy = pytest.importorskip("rclpy")
 
 from lifecycle_msgs.msg import Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState  # noqa: E402
-from rclpy.serialization import deserialize_message  # noqa: E402
 
 from hybrid_vla_ros.core import shm_ring as sr  # noqa: E402
 from hybrid_vla_ros.core.shm_ring import segment_name  # noqa: E402
 from hybrid_vla_ros.lifecycle_client import TRANSITIONS, LifecycleClient  # noqa: E402
-from hybrid_vla_ros.replay import PACKAGE_ROOT, launch_node, message_class, read_bag, stop_processes  # noqa: E402
+from hybrid_vla_ros.frame_player import LoopingFramePlayer  # noqa: E402
+from hybrid_vla_ros.replay import PACKAGE_ROOT, launch_node, stop_processes  # noqa: E402
 
 SHM = Path(sr.SHM_DIR)
 RUN = uuid.uuid4().hex[:6]  # every namespace of this module starts with /flt_<RUN>_
-LOOP_NS = 3_000_000_000  # the embedded bag: 3 frames 1 s apart; loop k is shifted by k * 3 s
-ODOM_WINDOW_NS = 950_000_000  # odometry sent with each frame: stamps within +-0.95 s (brackets the frame)
 
 
 # ------------------------------------------------------------------------------------- /dev/shm
@@ -153,59 +151,6 @@ class Graph:
         rclpy.try_shutdown(context=self.context)
 
 
-class Player:
-    """Publishes the embedded bag's frames (6 compressed cameras) in a loop, with the odometry around each.
-
-    Frame k is bag frame k % 3 shifted by (k // 3) * 3 s, so stamps keep increasing. With each frame go the
-    odometry messages (of any loop) within +-0.95 s of its stamp: one before and one after it, so a suffix
-    started at any time can place the frame, and no step back exceeds the 1 s clock-jump threshold.
-    """
-
-    def __init__(self, node, ns: str, bag: Path):
-        msgs = read_bag(bag)
-        cams = sorted({m.topic for m in msgs if m.topic.endswith("/image_raw/compressed")})
-        image_cls = message_class("sensor_msgs/msg/CompressedImage")
-        odom_cls = message_class("nav_msgs/msg/Odometry")
-        self.images = [[deserialize_message(m.raw, image_cls) for m in msgs if m.topic == t] for t in cams]
-        self.odom = [deserialize_message(m.raw, odom_cls) for m in msgs if m.topic == "/localization/kinematic_state"]
-        self.image_stamps = [_stamp(m) for m in self.images[0]]
-        self.odom_stamps = [_stamp(m) for m in self.odom]
-        self.pubs = [node.create_publisher(image_cls, f"{ns}/cam{i}/compressed", 10) for i in range(len(cams))]
-        self.odom_pub = node.create_publisher(odom_cls, f"{ns}/odom", 10)
-        self.count = 0
-        self.stamps: list[int] = []  # stamp of frame k
-
-    def wait_for_subscribers(self, timeout: float = 15.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(p.get_subscription_count() > 0 for p in self.pubs):
-                return True
-            time.sleep(0.05)
-        return False
-
-    def publish(self) -> int:
-        """Publish the next frame; returns its stamp (ns, the same for all cameras)."""
-        loop, i = divmod(self.count, len(self.image_stamps))
-        stamp = self.image_stamps[i] + loop * LOOP_NS
-        for pub, cam in zip(self.pubs, self.images):
-            msg = cam[i]
-            msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 10**9)
-            pub.publish(msg)
-        for lp in (loop - 1, loop, loop + 1):
-            for msg, s in zip(self.odom, self.odom_stamps):
-                shifted = s + lp * LOOP_NS
-                if abs(shifted - stamp) <= ODOM_WINDOW_NS and shifted > 0:
-                    msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(shifted, 10**9)
-                    self.odom_pub.publish(msg)
-        self.count += 1
-        self.stamps.append(stamp)
-        return stamp
-
-
-def _stamp(msg) -> int:
-    return msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec
-
-
 # ------------------------------------------------------------------------------------ node rig
 
 class Rig:
@@ -232,7 +177,7 @@ class Rig:
         self.launches = {"prefix": 0, "suffix": 0}
         self.closed: list[int] | None = None
         self.graph = Graph(self.ns)
-        self.player = Player(self.graph.node, self.ns, bag)
+        self.player = LoopingFramePlayer(self.graph.node, self.ns, bag)
 
     def status(self, role: str) -> str:
         return f"{self.ns}/{role}_node: pipeline"
@@ -353,7 +298,7 @@ def test_suffix_sigkill_prefix_keeps_going_and_restarted_suffix_resumes(rig):
     rig.launch("prefix")
     rig.launch("suffix")
     rig.bring_up("prefix", "suffix")
-    assert rig.player.wait_for_subscribers(), rig.logs()
+    assert rig.player.wait_for_subscribers(odometry=False), rig.logs()
     n, _ = rig.publish_until_trajectory(5)
     assert n <= 2, f"the fresh pair needed {n} frames for its first trajectory"
 
@@ -403,7 +348,7 @@ def test_prefix_sigkill_restart_replaces_segment_and_suffix_reattaches(rig):
     rig.launch("prefix")
     rig.launch("suffix")
     rig.bring_up("prefix", "suffix")
-    assert rig.player.wait_for_subscribers(), rig.logs()
+    assert rig.player.wait_for_subscribers(odometry=False), rig.logs()
     rig.publish_until_trajectory(5)
     path = SHM / rig.segment
     old_ino = path.stat().st_ino
@@ -487,7 +432,7 @@ def test_restart_loop_leaves_shm_clean_and_a_fresh_pair_works(rig):
     in_use = ring_entries(rig.segment)
     assert in_use == [rig.segment] and unused_entries(rig.segment) == [], in_use
     assert segment_owner(SHM / rig.segment)[0] == rig.procs["prefix"].pid
-    assert rig.player.wait_for_subscribers(), rig.logs()
+    assert rig.player.wait_for_subscribers(odometry=False), rig.logs()
     n, _ = rig.publish_until_trajectory(10, period_s=1.0)
     print(f"after the loop: leftovers {leftover or 'none'} replaced; final pair's first trajectory after {n} frame(s)")
     for role in ("prefix", "suffix"):
