@@ -1,4 +1,4 @@
-"""``hybrid-vla`` command line: ``init-model`` and ``replay``.
+"""``hybrid-vla`` command line: ``init-model``, ``replay``, ``plan`` and ``profile``.
 
 Run as ``hybrid-vla ...`` (installed) or ``python -m hybrid_vla_ros.cli ...`` (from the source tree).
 Subcommands import torch / rclpy only when they run, so ``--help`` is instant.
@@ -9,17 +9,33 @@ import argparse
 import sys
 
 
+def _option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``init-model --set``; VALUE is read as JSON (``true``, ``2``, ``{"type": "mlp"}``),
+    else taken as a string."""
+    import json
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def _init_model(args: argparse.Namespace) -> int:
     from .core.checkpoint import init_model, model_id
 
     try:
-        cfg = init_model(args.preset, args.path, seed=args.seed)
-    except (FileExistsError, ValueError) as e:
+        cfg = init_model(args.preset, args.path, seed=args.seed, overrides=dict(args.set), dtype=args.dtype)
+    except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"hybrid-vla init-model: {e}", file=sys.stderr)
         return 1
     print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} (model id {model_id(args.path) & (2**64 - 1):016x}): "
           f"{cfg.n_cameras} cameras at {cfg.image_size}px, {cfg.num_layers} decoder blocks, "
-          f"hidden states {cfg.prefix_state_shape}. Its trajectories exercise the pipeline; they are not driving advice.")
+          f"hidden states {cfg.prefix_state_shape}"
+          + (", pretrained SmolLM2-135M LLM blocks" if args.preset == "smol" else "")
+          + ". Its trajectories exercise the pipeline; they are not driving advice.")
     return 0
 
 
@@ -29,13 +45,84 @@ def _replay(args: argparse.Namespace) -> int:
     return run_replay(args)
 
 
+def _err(cmd: str, e: BaseException) -> int:
+    print(f"hybrid-vla {cmd}: {e}", file=sys.stderr)
+    return 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``hybrid-vla plan``: memory (and latency, with --profile) per split layer, and the chosen K."""
+    import json
+
+    from .core import planner
+
+    try:
+        if args.preset:
+            plan = planner.plan_for_preset(args.preset, args.profile, args.gpu_budget_gb, args.dtype,
+                                           args.cuda_overhead_gb)
+        else:
+            plan = planner.plan_for_checkpoint(args.model, args.profile, args.gpu_budget_gb, args.dtype,
+                                               args.cuda_overhead_gb)
+    except (FileNotFoundError, ValueError) as e:
+        return _err("plan", e)
+    print(planner.format_table(plan))
+    try:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(plan.to_dict(), f, indent=2)
+            print(f"wrote {args.json}")
+        if args.plot:
+            print(f"wrote {planner.plot_plan(plan, args.plot)}")
+    except OSError as e:
+        return _err("plan", e)
+    return 0
+
+
+def _cores(text: str) -> list[int]:
+    try:
+        cores = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of core indices") from None
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one core index >= 0")
+    return cores
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """``hybrid-vla profile``: time each block on the CPU (and CUDA) and write a profile JSON file."""
+    from .core.profiler import profile_model, write_profile
+
+    try:
+        doc = profile_model(preset_name=args.preset, model_path=args.model, dtype=args.dtype, cores=args.cores,
+                            threads=args.threads, device=args.device, repeats=args.repeats, warmup=args.warmup,
+                            vision_blocks=args.vision_blocks, llm_blocks=args.llm_blocks,
+                            log=None if args.quiet else print)
+        write_profile(doc, args.out)
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        return _err("profile", e)
+    devs = ", ".join(f"{d['name']} ({d['description']}, cores {d['cores']}, {d['threads']} threads)"
+                     for d in doc["devices"].values())
+    print(f"wrote {args.out}: {doc['dtype']}, {devs}")
+    return 0
+
+
+def _add_model_source(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="a preset architecture (tiny, smol, orion, minddrive-0.5b, minddrive-3b)")
+    src.add_argument("--model", metavar="PATH", help="a checkpoint directory (config.json + model.safetensors)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-vla", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("init-model", help="write a random-init checkpoint of a preset")
-    p.add_argument("--preset", default="tiny", help="preset name (tiny)")
+    p = sub.add_parser("init-model", help="write a checkpoint of a preset (random init; smol: real LLM weights)")
+    p.add_argument("--preset", default="tiny",
+                   help="preset name: tiny (default), smol, orion, minddrive-0.5b, minddrive-3b")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    p.add_argument("--set", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set llm_passes=1 --set ego_state_input=true (repeatable)")
+    p.add_argument("--dtype", default="fp32", help="dtype the weights are stored in: fp32 (default), bf16, fp16")
     p.add_argument("path", help="checkpoint directory to create")
     p.set_defaults(func=_init_model)
 
@@ -44,6 +131,41 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="run both nodes on a bag and report (the main job)")
     add_arguments(r)
     r.set_defaults(func=_replay)
+
+    pl = sub.add_parser("plan", help="GPU/CPU memory and predicted latency per split layer K, and the chosen K",
+                        description="One row per split layer K: GPU bytes of the prefix (weights, estimated "
+                                    "activations, assumed CUDA overhead), CPU bytes of the suffix, bytes handed "
+                                    "off per frame, predicted ms (with --profile), then the chosen K and why. "
+                                    "Sizes in GB are 1e9 bytes.")
+    _add_model_source(pl)
+    pl.add_argument("--dtype", default="fp16", help="dtype of the stages: fp16 (default), bf16, fp32")
+    pl.add_argument("--gpu-budget-gb", type=float, default=None, metavar="GB",
+                    help="GPU memory available to the prefix, GB (default: no limit)")
+    pl.add_argument("--profile", metavar="FILE", help="a profile from `hybrid-vla profile` (enables latencies)")
+    pl.add_argument("--cuda-overhead-gb", type=float, default=None, metavar="GB",
+                    help="assumed CUDA context + workspace + allocator allowance, GB (default 1.0: "
+                         "hybrid_vla_ros.core.planner.DEFAULT_CUDA_OVERHEAD_GB)")
+    pl.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
+    pl.add_argument("--plot", metavar="OUT.png", help="also plot memory and latency vs K (PNG)")
+    pl.set_defaults(func=_plan)
+
+    pr = sub.add_parser("profile", help="time every block on this machine's CPU (and GPU) for `plan --profile`")
+    _add_model_source(pr)
+    pr.add_argument("--dtype", default="fp32", help="dtype of weights and activations: fp32 (default), bf16, fp16")
+    pr.add_argument("--cores", type=_cores, default=None, metavar="0,1",
+                    help="pin the process to these CPU cores while measuring (default: as started)")
+    pr.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    pr.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
+                    help="cpu: CPU only; cuda: CUDA and CPU; auto (default): CUDA too when available")
+    pr.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per part, median kept (5)")
+    pr.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed runs first (1)")
+    pr.add_argument("--vision-blocks", choices=("all", "1"), default="all",
+                    help="time every vision block, or one counted for all (1)")
+    pr.add_argument("--llm-blocks", choices=("all", "1"), default="all",
+                    help="time every decoder block, or one counted for all (1)")
+    pr.add_argument("--quiet", action="store_true", help="no per-part progress lines")
+    pr.add_argument("--out", required=True, metavar="FILE", help="profile JSON file to write")
+    pr.set_defaults(func=_profile)
     return parser
 
 

@@ -30,6 +30,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BAG = PACKAGE_ROOT / "data" / "dgp_scene02_6cam_mcap"
 CAMERA_TOPIC = re.compile(r"^/sensing/camera/camera(\d+)/image_raw(/compressed)?$")
 ODOMETRY_TOPIC = "/localization/kinematic_state"
+ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
+# the checkpoint takes the ego state
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loops", type=int, default=1, help="play the bag this many times (stamps shifted each loop)")
     p.add_argument("--rate", type=float, default=1.0, help="playback speed factor (1.0 = recorded rate)")
     p.add_argument("--split-layer", type=int, default=None, help="split layer K (default: L // 2)")
+    p.add_argument("--resplit", type=_resplit_event, action="append", default=[], metavar="FRAME:K",
+                   help="live re-split: set split_layer K on the running suffix, then the prefix, just before "
+                        "frame FRAME (0-based, counted over all loops) is played; repeatable. The report says "
+                        "what each move cost")
     p.add_argument("--transport", choices=("compressed", "raw"), default="compressed",
                    help="camera topics to play: image_raw/compressed or image_raw")
     p.add_argument("--device", default="auto", help="prefix device: auto | cpu | cuda[:N]")
@@ -139,6 +145,38 @@ def config_file(name: str) -> Path:
 _ROS_NAMESPACE = re.compile(r"^/?([A-Za-z_][A-Za-z0-9_]*)(/[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
+def _resplit_event(text: str) -> tuple[int, int]:
+    """``FRAME:K`` of ``--resplit`` -> (frame index >= 0, split layer >= 0)."""
+    try:
+        frame, k = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FRAME:K (two integers)") from None
+    if frame < 0 or k < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: FRAME and K must be >= 0")
+    return frame, k
+
+
+def set_parameter(node, target: str, name: str, value, timeout: float = 10.0) -> tuple[bool, str]:
+    """Set one parameter of node ``target`` through its SetParameters service (as ``ros2 param set``).
+    Returns (successful, reason); (False, 'timed out ...') when the service does not answer in ``timeout`` s."""
+    from rcl_interfaces.srv import SetParameters
+    from rclpy.parameter import Parameter
+
+    client = node.create_client(SetParameters, f"{target}/set_parameters")
+    try:
+        if not client.wait_for_service(timeout):
+            return False, f"timed out waiting for {target}/set_parameters"
+        done = threading.Event()
+        future = client.call_async(SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()]))
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            return False, f"timed out setting {name} on {target}"
+        result = future.result().results[0]
+        return result.successful, result.reason
+    finally:
+        node.destroy_client(client)
+
+
 def check_arguments(args: argparse.Namespace) -> list[str]:
     """Problems with the command-line arguments that need no ROS and no model (one line each)."""
     problems = []
@@ -181,6 +219,11 @@ def run_replay(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - rosbags raises its own error types for unreadable bags
         print(f"hybrid-vla replay: cannot use the bag {args.bag}: {e}", file=sys.stderr)
         return 1
+    bad_k = [f"{f}:{k}" for f, k in args.resplit if k > cfg.num_layers]
+    if bad_k or (args.split_layer is not None and not 0 <= args.split_layer <= cfg.num_layers):
+        print(f"hybrid-vla replay: split layers must be in [0, {cfg.num_layers}] for this model "
+              f"(--split-layer {args.split_layer}, --resplit {' '.join(bad_k) or '-'})", file=sys.stderr)
+        return 2
     if len(cams) != cfg.n_cameras:
         print(f"hybrid-vla replay: the bag has {len(cams)} {args.transport} cameras, the model takes {cfg.n_cameras}",
               file=sys.stderr)
@@ -216,6 +259,8 @@ class ReplaySession:
         self.k = cfg.num_layers // 2 if args.split_layer is None else args.split_layer
         self.suffix_cores = _parse_cores(args.suffix_cores)
         play_topics = {f"{t}/compressed" if args.transport == "compressed" else t for t in cams} | {ODOMETRY_TOPIC}
+        if cfg.ego_state_input:  # only a prefix with ego state input subscribes to the acceleration
+            play_topics.add(ACCELERATION_TOPIC)
         self.play = [m for m in messages if m.topic in play_topics]
         self.rec = Recorder()
         self.procs: list[subprocess.Popen] = []
@@ -250,7 +295,12 @@ class ReplaySession:
 
         if not self.args.attach:
             params_file = self.write_params()
-            self.procs.append(launch_node("prefix_node", self.ns, params_file, [], self.out / "prefix_node.log"))
+            # The prefix reads odometry (and acceleration) only for a checkpoint with ego_state_input.
+            self.procs.append(launch_node(
+                "prefix_node", self.ns, params_file,
+                ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}",
+                 "-r", f"~/input/acceleration:={ACCELERATION_TOPIC}"],
+                self.out / "prefix_node.log"))
             self.procs.append(launch_node(
                 "suffix_node", self.ns, params_file,
                 ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}", "-r", f"~/output/trajectory:={self.args.output_topic}"],
@@ -362,13 +412,17 @@ class ReplaySession:
             if m.topic not in publishers:
                 cls = message_class(m.msgtype)
                 publishers[m.topic] = (node.create_publisher(cls, m.topic, 10), cls)
-        _wait_for_subscribers(publishers, timeout=10.0)
+        # with ego state input both nodes read the odometry
+        _wait_for_subscribers(publishers, timeout=10.0,
+                              minimum={ODOMETRY_TOPIC: 2 if self.cfg.ego_state_input else 1})
         foreign = sorted(t for t, (pub, _) in publishers.items() if node.count_publishers(t) > 1)
         if foreign:
             print(f"warning: other publishers on {', '.join(foreign)}: their frames mix with this replay's",
                   file=sys.stderr)
         first_camera = f"{self.cams[0]}/compressed" if self.args.transport == "compressed" else self.cams[0]
-        published = _play(self.args, self.play, publishers, self.rec, self.ns, first_camera)
+        self.resplit_log = []
+        published = _play(self.args, self.play, publishers, self.rec, self.ns, first_camera,
+                          on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None)
         self.interrupted = published["interrupted"]
         if self.interrupted:
             print("\ninterrupted: playback stopped, shutting the nodes down", file=sys.stderr)
@@ -386,6 +440,7 @@ class ReplaySession:
             m.change_state("cleanup", self.args.timeout)
         report = _report(self.rec, frames, published, self.ns, self.k, self.cfg, self.bag.path,
                          self.args.sync_tolerance_ms)
+        report["resplits"] = _resplit_report(self.resplit_log, frames, self.rec, self.args.sync_tolerance_ms)
         (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         _print_report(report)
         if report["frames_published"] and not report["camera_messages_in"]:
@@ -398,6 +453,19 @@ class ReplaySession:
                   "a replay writes has it)", file=sys.stderr)
         plots_ok = self._write_plots(frames) if self.args.plots else True
         return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
+
+    def _resplit(self, node, index: int) -> None:
+        """Before frame ``index``: apply the ``--resplit`` events due (suffix first, so it loads blocks ahead)."""
+        for frame, k in self.args.resplit:
+            if frame != index:
+                continue
+            t0 = time.monotonic()
+            results = [set_parameter(node, f"{self.ns}/{name}", "split_layer", k) for name in ("suffix_node", "prefix_node")]
+            failed = [reason for ok, reason in results if not ok]
+            if failed:
+                print(f"\nre-split to K={k} before frame {index} refused: {'; '.join(failed)}", file=sys.stderr)
+            self.resplit_log.append({"frame": index, "split_layer": k, "accepted": not failed,
+                                     "set_ms": round((time.monotonic() - t0) * 1e3, 2)})
 
     def _write_plots(self, frames: dict[int, float]) -> bool:
         """Draw the pictures into ``--plots``; prints their paths. False (and a message) when that fails."""
@@ -459,10 +527,13 @@ def stop_processes(procs: list[subprocess.Popen], timeout: float = 20.0) -> list
     return codes
 
 
-def _wait_for_subscribers(publishers: dict, timeout: float) -> None:
+def _wait_for_subscribers(publishers: dict, timeout: float, minimum: dict[str, int] | None = None) -> None:
+    """Wait up to ``timeout`` s until every publisher (camera_info aside) has a subscriber, or as many as
+    ``minimum`` names for its topic."""
+    minimum = minimum or {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(pub.get_subscription_count() > 0 for pub, _ in publishers.values()
+        if all(pub.get_subscription_count() >= minimum.get(topic, 1) for topic, (pub, _) in publishers.items()
                if not pub.topic_name.endswith("camera_info")):
             return
         time.sleep(0.05)
@@ -486,12 +557,13 @@ def _drops(prefix: dict, suffix: dict) -> dict[str, int]:
     return drops
 
 
-def _play(args, play, publishers, rec, ns: str, first_camera: str) -> dict:
+def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None) -> dict:
     """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
 
     Records the odometry played and the messages of ``first_camera`` into ``rec`` (for the plots). The
     progress bar counts frames and shows trajectories and drops (from the nodes' latest /diagnostics).
-    Ctrl-C stops playback early; the result then says ``interrupted: True``.
+    Ctrl-C stops playback early; the result then says ``interrupted: True``. ``on_frame(index)`` runs
+    before the first message of each frame (index 0-based over all loops).
     """
     from rclpy.serialization import deserialize_message
     from tqdm import tqdm
@@ -513,7 +585,7 @@ def _play(args, play, publishers, rec, ns: str, first_camera: str) -> dict:
     interrupted = False
     try:
         _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                    first_camera, status, counts)
+                    first_camera, status, counts, on_frame)
     except KeyboardInterrupt:
         interrupted = True
     bar.close()
@@ -522,7 +594,7 @@ def _play(args, play, publishers, rec, ns: str, first_camera: str) -> dict:
 
 
 def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                first_camera, status, counts) -> None:
+                first_camera, status, counts, on_frame=None) -> None:
     from .core.trajectory import ego_state_from_odometry
 
     last_frame = None
@@ -538,10 +610,16 @@ def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, w
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec + offset
             if offset:  # the first loop plays the stamps as recorded, invalid ones (nanosec >= 1e9) included
                 msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
+            new_frame = CAMERA_TOPIC.match(m.topic) and (
+                last_frame is None or abs(stamp - last_frame) > args.sync_tolerance_ms * 1e6)
+            if new_frame:
+                if on_frame is not None:
+                    on_frame(counts.get("frames", 0))  # (a disabled tqdm bar does not count)
+                counts["frames"] = counts.get("frames", 0) + 1
             pub.publish(msg)
             counts["messages"] += 1
             if CAMERA_TOPIC.match(m.topic):
-                if last_frame is None or abs(stamp - last_frame) > args.sync_tolerance_ms * 1e6:
+                if new_frame:
                     last_frame = stamp
                     bar.update(1)
                 frames[last_frame] = time.monotonic()
@@ -597,6 +675,24 @@ def _report(rec, frames, published, ns, k, cfg, bag_path, tolerance_ms) -> dict:
     }
 
 
+def _resplit_report(events: list[dict], frames: dict[int, float], rec, tolerance_ms: float) -> list[dict]:
+    """Per ``--resplit`` event: the frames from the event's frame to the next event (or the end) that got no
+    trajectory (what the re-split cost, in frames) and the end-to-end latency of the event's frame (ms)."""
+    order = sorted(frames)
+    with rec.lock:
+        answered = {_frame_of(frames, stamp, tolerance_ms * 1e6): t for stamp, t in rec.trajectories.items()}
+    out = []
+    for i, e in enumerate(events):
+        end = events[i + 1]["frame"] if i + 1 < len(events) else len(order)
+        window = range(e["frame"], min(end, len(order)))
+        lost = [j for j in window if order[j] not in answered]
+        first = order[e["frame"]] if e["frame"] < len(order) else None
+        e2e = (answered[first] - frames[first]) * 1e3 if first in answered else None
+        out.append({**e, "frames_without_trajectory": lost,
+                    "first_frame_e2e_ms": None if e2e is None else round(e2e, 2)})
+    return out
+
+
 def _print_report(r: dict) -> None:
     print()
     print("hybrid-vla replay report" + ("  (random-init model: not driving advice)" if r["random_init"] else ""))
@@ -615,4 +711,10 @@ def _print_report(r: dict) -> None:
             print(f"  {stage:<22} {s['n']:>5} {s['p50']:>9.2f} {s['p90']:>9.2f}")
         else:
             print(f"  {stage:<22} {0:>5} {'-':>9} {'-':>9}")
+    for e in r.get("resplits", []):
+        cost = (f"{len(e['frames_without_trajectory'])} frame(s) without a trajectory"
+                + (f" ({e['frames_without_trajectory']})" if e["frames_without_trajectory"] else ""))
+        e2e = "-" if e["first_frame_e2e_ms"] is None else f"{e['first_frame_e2e_ms']:.1f} ms"
+        print(f"  re-split before frame {e['frame']:<3} K -> {e['split_layer']}: "
+              + (f"{cost}; that frame end to end {e2e}" if e["accepted"] else "refused"))
     print(f"  output bag             {r['output_bag']}")

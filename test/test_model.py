@@ -141,3 +141,84 @@ def test_config_rejects_inconsistent_values():
     d["image_size"] = 70
     with pytest.raises(ValueError, match="image_size"):
         VLAConfig.from_dict(d)
+
+
+# ------------------------------------------------------------------------------------ model families
+#: Published parameter counts (model cards / papers): Vicuna-7B (LLaMA-7B shape, with its LM head)
+#: 6.74 B, Qwen2-0.5B 0.49 B, Qwen2.5-3B 3.09 B (tied embeddings), EVA-02-L 0.30 B (304 M).
+PUBLISHED_LLM = {"orion": 6.74e9, "minddrive-0.5b": 0.494e9, "minddrive-3b": 3.09e9}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_LLM))
+def test_published_presets_match_parameter_counts_on_meta(name):
+    from hybrid_vla_ros.core.config import preset
+    from hybrid_vla_ros.core.model import parameter_counts
+
+    counts = parameter_counts(preset(name))
+    assert counts["llm_published"] == pytest.approx(PUBLISHED_LLM[name], rel=0.02)
+    assert counts["vision"] == pytest.approx(0.304e9, rel=0.02)
+    cfg = preset(name)
+    assert cfg.n_cameras == 6 and cfg.image_size == 640 and cfg.num_vision_tokens == 513
+    assert cfg.n_modes == 6 and cfg.ego_state_input
+
+
+def test_published_architectures():
+    from hybrid_vla_ros.core.config import preset
+
+    orion = preset("orion")
+    assert (orion.num_layers, orion.hidden_size, orion.llm["num_attention_heads"], orion.llm["intermediate_size"]) \
+        == (32, 4096, 32, 11008)
+    assert orion.prefix_state_shape == (8 + 513 + 1 + 1, 4096)
+    m05 = preset("minddrive-0.5b")
+    assert (m05.llm_type, m05.num_layers, m05.hidden_size, m05.llm["num_attention_heads"],
+            m05.llm["num_key_value_heads"], m05.llm["intermediate_size"]) == ("qwen2", 24, 896, 14, 2, 4864)
+    assert m05.prefix_state_shape == (2, 523, 896), "two LLM passes (decision, action) cross the split"
+    assert preset("minddrive-0.5b", llm_passes=1).prefix_state_shape == (523, 896)
+    m3 = preset("minddrive-3b")
+    assert (m3.num_layers, m3.hidden_size, m3.llm["num_attention_heads"], m3.llm["intermediate_size"]) \
+        == (36, 2048, 16, 11008)
+    with pytest.raises(ValueError, match="unknown preset option"):
+        preset("orion", n_gpus=2)
+    with pytest.raises(ValueError, match="llm_passes"):
+        preset("orion", llm_passes=3)
+
+
+#: Small variants of every architectural option, exercised end to end on real pixels.
+VARIANTS = {
+    "qwen2_query_ego_two_passes": dict(
+        llm=dict(model_type="qwen2", hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                 num_attention_heads=6, num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-6,
+                 max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=True),
+        projector={"type": "query", "num_queries": 20, "num_layers": 2, "num_heads": 2},
+        ego_state_input=True, llm_passes=2),
+    "llama_mlp_ego": dict(ego_state_input=True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_split_is_exact_for_every_variant_and_layer(tmp_path, real_pixels, variant):
+    from hybrid_vla_ros.core.config import NAV_COMMANDS
+
+    path = tmp_path / variant
+    cfg = init_model("tiny", path, overrides=VARIANTS[variant])
+    ego = torch.tensor([8.3, -0.4, 0.05])
+    full = load_stage(path, "full")
+    with torch.inference_mode():
+        reference = {c: full(real_pixels, ego, c) for c in range(len(NAV_COMMANDS))}
+        assert not torch.equal(reference[0], reference[3]), "the navigation command selects another mode"
+        assert not torch.equal(full(real_pixels, ego * 2), reference[3]), "the ego state reaches the output"
+        for k in range(cfg.num_layers + 1):
+            hidden = load_stage(path, "prefix", k)(real_pixels, ego)
+            assert hidden.shape == cfg.prefix_state_shape
+            suffix = load_stage(path, "suffix", k)
+            for c in (0, 3):
+                assert (suffix(hidden, c) - reference[c]).abs().max().item() <= 1e-5, f"split {k} differs"
+        with pytest.raises(ValueError, match="ego state"):
+            full(real_pixels, None)
+        with pytest.raises(ValueError, match="ego state"):
+            full(real_pixels, torch.tensor([1.0, float("nan"), 0.0]))
+        with pytest.raises(ValueError, match="navigation command"):
+            full(real_pixels, ego, 6)
+    if cfg.llm_passes == 2:
+        out = load_stage(path, "suffix", 1).plan_all(load_stage(path, "prefix", 1)(real_pixels, ego))
+        assert out.decision_logits.shape == (len(NAV_COMMANDS),) and out.modes.shape == (6, cfg.n_waypoints, 2)

@@ -8,6 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -154,7 +155,7 @@ def _set_param(graph, target, name, value):
     assert result.successful, result.reason
 
 
-def test_lifecycle_order_split_mismatch_and_reconfigure(nodes, embedded_bag):
+def test_lifecycle_order_split_following_and_reconfigure(nodes, embedded_bag):
     ns, graph, prefix, suffix, procs, logs = nodes
     # illegal transition: activate before configure is refused, the node stays unconfigured
     ok, _ = prefix.change_state("activate", 10)
@@ -174,12 +175,14 @@ def test_lifecycle_order_split_mismatch_and_reconfigure(nodes, embedded_bag):
     assert traj_pub and traj_pub[0].qos_profile.reliability == ReliabilityPolicy.RELIABLE
     assert traj_pub[0].qos_profile.durability == DurabilityPolicy.VOLATILE
 
-    # prefix runs K=1, suffix expects K=2: every slot is rejected and counted, nothing is published
+    # prefix runs K=1, suffix was configured for K=2: the suffix follows the K in the slot header, loads
+    # block 1 for that frame (an on-demand re-split, logged and counted) and publishes; never a mismatched K
     publish(0)
-    assert graph.wait(lambda: int(graph.diag.get(f"{ns}/suffix_node: pipeline", {}).get("drop_slot_split_mismatch", 0)) >= 1), \
+    assert graph.wait(lambda: len(graph.trajectories) >= 1), (logs / "suffix.log").read_text()
+    assert graph.wait(lambda: graph.diag.get(f"{ns}/suffix_node: pipeline", {}).get("resplits_on_demand") == "1")
+    assert graph.diag[f"{ns}/suffix_node: pipeline"]["blocks_held_from"] == "1"
+    assert "re-split: now holding blocks [1, 4) for frame seq 1 at K=1: loaded 1 block(s)" in \
         (logs / "suffix.log").read_text()
-    assert graph.trajectories == []
-    assert "split_mismatch" in (logs / "suffix.log").read_text()
     # diagnostics carry memory and ring fill for both nodes
     assert graph.wait(lambda: f"{ns}/prefix_node: pipeline" in graph.diag)
     with graph.lock:
@@ -188,7 +191,7 @@ def test_lifecycle_order_split_mismatch_and_reconfigure(nodes, embedded_bag):
             assert float(values["rss_mib"]) > 50
             ready, slots = values["ring_ready_slots"].split("/")
             assert int(slots) == 4 and 0 <= int(ready) <= 4
-
+        graph.trajectories.clear()
 
     # re-configure the suffix with the prefix's split layer: deactivate, cleanup, set, configure, activate
     assert suffix.change_state("deactivate", 10)[0] and suffix.change_state("cleanup", 10)[0]
@@ -252,3 +255,47 @@ def test_invalid_parameters_fail_configure_and_node_survives(nodes):
     assert "split_layer: 99 out of range [0, 4]" in (logs / "suffix.log").read_text()
     _set_param(graph, f"{ns}/suffix_node", "split_layer", 1)
     assert suffix.change_state("configure", 60)[0]
+
+
+def _points(traj) -> np.ndarray:
+    """(n, 3) x, y (m, map) and speed (m/s) of a trajectory's points."""
+    return np.array([(p.pose.position.x, p.pose.position.y, p.longitudinal_velocity_mps) for p in traj.points])
+
+
+def test_live_resplit_on_running_nodes(nodes, embedded_bag):
+    """Set split_layer on both active nodes (suffix first, as an operator would): blocks move between
+    the processes without a restart, the same frame gives the same trajectory at every K, no frame is
+    lost, and a K above L is refused while active."""
+    ns, graph, prefix, suffix, procs, logs = nodes
+    for client in (prefix, suffix):
+        assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
+    _set_param(graph, f"{ns}/suffix_node", "split_layer", 1)  # get ready for the prefix's K=1
+    publish = _frame_publisher(graph, ns, embedded_bag)
+    publish(0)
+    assert graph.wait(lambda: len(graph.trajectories) >= 1), (logs / "suffix.log").read_text()
+    reference = _points(graph.trajectories[0])
+    for i, k in enumerate((3, 4, 0, 2), start=1):
+        _set_param(graph, f"{ns}/suffix_node", "split_layer", k)
+        _set_param(graph, f"{ns}/prefix_node", "split_layer", k)
+        assert graph.wait(lambda: f"re-split K {'1 3 4 0'.split()[i - 1]} -> {k}" in (logs / "prefix.log").read_text()), \
+            (logs / "prefix.log").read_text()  # applied by the idle worker, before any frame
+        publish(0, shift_ns=i * 10 * 10**9)  # the same images 10 s later each time (stamps must increase)
+        assert graph.wait(lambda: len(graph.trajectories) >= i + 1), (logs / "suffix.log").read_text()
+        assert np.abs(_points(graph.trajectories[i]) - reference).max() <= 1e-6, f"K={k} changed the output"
+    assert graph.wait(lambda: graph.diag.get(f"{ns}/prefix_node: pipeline", {}).get("resplits") == "4")
+    assert graph.wait(lambda: graph.diag.get(f"{ns}/suffix_node: pipeline", {}).get("trajectories_out") == "5")
+    with graph.lock:
+        suffix_diag = dict(graph.diag[f"{ns}/suffix_node: pipeline"])
+    assert suffix_diag["split_layer"] == "2"
+    assert suffix_diag["resplits_on_demand"] == "0", "each move was announced to the suffix first"
+    assert suffix_diag["blocks_held_from"] == "2" and suffix_diag["trajectories_out"] == "5"
+    assert not any(k.startswith("drop_") and v != "0" for k, v in suffix_diag.items()), suffix_diag
+    # a K the checkpoint does not have is refused while the checkpoint is loaded
+    result = _try_set_param(graph, f"{ns}/prefix_node", "split_layer", 5)
+    assert not result.successful and result.reason == "split_layer: 5 out of range [0, 4] for this model"
+    # auto on a CPU prefix with no budget: the largest K (every block on the prefix device), logged with why
+    _set_param(graph, f"{ns}/prefix_node", "split_layer", "auto")
+    assert graph.wait(lambda: "re-split K 2 -> 4" in (logs / "prefix.log").read_text())
+    assert "split_layer auto: no profile, latencies unknown: K=4" in (logs / "prefix.log").read_text()
+    result = _try_set_param(graph, f"{ns}/prefix_node", "split_layer", "fastest")
+    assert not result.successful and "split_layer: must match ^auto$" in result.reason

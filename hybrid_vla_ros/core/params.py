@@ -93,6 +93,8 @@ _ROS_TYPES = {"string": "string", "integer": "int", "number": "double", "boolean
 
 def ros_type(spec: Mapping) -> str:
     """The ROS parameter type of a schema entry: 'string', 'int', 'double', 'bool' or '<item type>[]'."""
+    if isinstance(spec["type"], list):  # declared with dynamic typing, e.g. split_layer: an int or 'auto'
+        return " or ".join(_ROS_TYPES[t] for t in spec["type"])
     if spec["type"] == "array":
         return ros_type(spec["items"]) + "[]"
     return _ROS_TYPES[spec["type"]]
@@ -253,7 +255,7 @@ def _checkpoint_checks(v: dict, bad: set[str], num_layers: int | None) -> list[s
         elif not os.path.isdir(path):
             problems.append(f"model_path: {path!r} is not a directory")
     k = v["split_layer"]
-    if "split_layer" not in bad and num_layers is not None and k > num_layers:
+    if "split_layer" not in bad and num_layers is not None and isinstance(k, int) and k > num_layers:
         problems.append(f"split_layer: {k} out of range [0, {num_layers}] for this model")
     return problems
 

@@ -651,8 +651,9 @@ class RingConsumer(_RingEnd):
     Args:
         name: segment name, as given to the producer.
         expected_model_id: if not None, frames whose model id differs are rejected (``model_mismatch``).
-        expected_split_layer: if not None, frames whose split layer differs are rejected (``split_mismatch``);
-            a plain attribute, settable at any time (e.g. when K is reconfigured).
+        expected_split_layer: if not None, frames whose split layer differs are rejected (``split_mismatch``):
+            an int (that K only) or a container of ints (e.g. ``range(0, L + 1)``, every K the model has, for a
+            consumer that follows a live re-split); a plain attribute, settable at any time.
 
     Raises FileNotFoundError if the segment does not exist, RingError if it is not a compatible ring, belongs
     to another uid, or another live consumer is attached (its wake socket is bound). Slots left READING by a
@@ -665,7 +666,7 @@ class RingConsumer(_RingEnd):
     """
 
     def __init__(self, name: str, *, expected_model_id: int | None = None,
-                 expected_split_layer: int | None = None):
+                 expected_split_layer=None):
         self.name = _validate_segment_name(name)
         self.path = segment_path(name)
         self.expected_model_id = expected_model_id
@@ -784,7 +785,8 @@ class RingConsumer(_RingEnd):
         meta = FrameMeta(seq, stamp, shape, dtype, split, model_id, t_ws, t_pub, timings)
         if self.expected_model_id is not None and model_id != self.expected_model_id:
             return "model_mismatch", meta
-        if self.expected_split_layer is not None and split != self.expected_split_layer:
+        expected = self.expected_split_layer
+        if expected is not None and (split != expected if isinstance(expected, int) else split not in expected):
             return "split_mismatch", meta
         return None, meta
 

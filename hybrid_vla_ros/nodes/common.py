@@ -34,7 +34,8 @@ def declare_parameters(node: Node, schema_node: str) -> None:
     unset until given; validation then applies the schema default."""
     for name, spec in params.parameter_specs(schema_node).items():
         desc = ParameterDescriptor(description=spec.get("description", ""),
-                                   additional_constraints=params.constraint_text(spec))
+                                   additional_constraints=params.constraint_text(spec),
+                                   dynamic_typing=isinstance(spec["type"], list))
         default = spec.get("default")
         if default is None or default == []:
             node.declare_parameter(name, _PARAMETER_TYPES[params.ros_type(spec)], desc)
@@ -127,13 +128,17 @@ class PipelineNode(LifecycleNode):
         self._stall_since = time.monotonic()
         self._diag_timer = self.create_timer(1.0, self.publish_diagnostics)
 
+    #: Parameters a running node applies as soon as they are set (through :meth:`_apply_live_parameters`);
+    #: every other one is read at configure.
+    LIVE_PARAMETERS: tuple[str, ...] = ()
+
     def _check_parameter_change(self, changes: list[Parameter]) -> SetParametersResult:
         """on-set-parameters callback: each new value must meet its schema entry (type, range, enum,
         pattern; ``core.params.value_problems``), else the whole change is refused with a reason
         naming the parameter and the rule, e.g. 'split_layer: must be >= 0, got -5'. Values are read at
-        configure, so an accepted change takes effect at the next configure; the checks that need the
-        checkpoint (e.g. split_layer <= L) wait for it too. Parameters outside the schema (rclpy's own,
-        e.g. use_sim_time) are left to rclpy."""
+        configure, so an accepted change takes effect at the next configure (those in
+        ``LIVE_PARAMETERS`` at once); the checks that need the checkpoint (e.g. split_layer <= L) wait
+        for it too. Parameters outside the schema (rclpy's own, e.g. use_sim_time) are left to rclpy."""
         specs = params.parameter_specs(self._schema_node)
         values = {}
         for p in changes:
@@ -141,14 +146,27 @@ class PipelineNode(LifecycleNode):
                 v = p.value
                 values[p.name] = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
         problems = params.value_problems(self._schema_node, values)
+        problems += self._live_parameter_problems({k: v for k, v in values.items() if k in self.LIVE_PARAMETERS})
         if problems:
             reason = "; ".join(problems)
             self.get_logger().warning(f"parameter change refused: {reason}")
             return SetParametersResult(successful=False, reason=reason)
-        if values and lifecycle_state(self) in ("inactive", "active"):
-            self.get_logger().info(f"parameter change accepted ({', '.join(values)}): it takes effect at the "
+        later = [name for name in values if name not in self.LIVE_PARAMETERS]
+        if later and lifecycle_state(self) in ("inactive", "active"):
+            self.get_logger().info(f"parameter change accepted ({', '.join(later)}): it takes effect at the "
                                    "next configure (deactivate, cleanup, configure, activate)")
+        live = {name: v for name, v in values.items() if name in self.LIVE_PARAMETERS}
+        if live:
+            self._apply_live_parameters(live)
         return SetParametersResult(successful=True)
+
+    def _apply_live_parameters(self, values: dict) -> None:
+        """Apply accepted new values (name -> value) of ``LIVE_PARAMETERS`` now (they met the schema)."""
+
+    def _live_parameter_problems(self, values: dict) -> list[str]:
+        """'name: problem' for new values of ``LIVE_PARAMETERS`` that the schema allows but the loaded
+        checkpoint does not (e.g. a split layer above L); [] by default."""
+        return []
 
     def set_parameters_atomically(self, parameter_list: list[Parameter]) -> SetParametersResult:
         """rclpy's, but an undeclared name, an unset value or a value of the wrong type is refused with
@@ -160,6 +178,8 @@ class PipelineNode(LifecycleNode):
                 problems += params.value_problems(self._schema_node, {p.name: p.value})
             elif p.type_ == Parameter.Type.NOT_SET:
                 problems.append(f"{p.name}: cannot be unset (it is declared with a type)")
+            elif self.describe_parameter(p.name).dynamic_typing:  # several types: the schema judges the value
+                problems += params.value_problems(self._schema_node, {p.name: p.value})
             else:
                 declared = Parameter.Type(self.describe_parameter(p.name).type)
                 if p.type_ != declared:

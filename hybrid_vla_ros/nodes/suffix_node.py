@@ -5,13 +5,16 @@ every thread it ever starts (OpenMP pool, DDS, executor) runs on the spare cores
 
 Lifecycle:
   on_configure  validate parameters, pin again (every thread), load the suffix on the CPU;
-  on_activate   subscribe to odometry, start the worker (it attaches to the prefix's ring, waiting
-                for it if the prefix is not configured yet);
+  on_activate   subscribe to odometry and the navigation command, start the worker (it attaches to
+                the prefix's ring, waiting for it if the prefix is not configured yet);
   on_deactivate stop the worker;  on_cleanup / on_shutdown  detach from the ring, free the model.
 Output: ``~/output/trajectory`` (autoware_planning_msgs/Trajectory, frame ``output_frame``,
 header.stamp = the camera stamp of the frame; only trajectories that pass the output guard,
 ``core/guard.py`` with the ``guard.*`` parameters: the others are dropped as ``guard_<cause>``), ``~/debug/frame_timing`` (DiagnosticArray, one per
 frame, same stamp, per-stage milliseconds) and ``/diagnostics`` (1 Hz).
+Navigation command: the ``navigation_command`` parameter (read at configure, applied at once when set
+while running) or a name on ``~/input/navigation_command`` (std_msgs/String), the latest of the two,
+selects the planner mode of the next frame; ``/diagnostics`` shows the command in use.
 """
 from __future__ import annotations
 
