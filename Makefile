@@ -22,7 +22,7 @@ test: venv
 	$(PY) -m pytest -q test
 
 bench: venv $(MODEL)/config.json
-	$(PY) scripts/bench_handoff.py
+	$(HV) bench --plots out/benchmark/plots
 	$(HV) replay --model-path $(MODEL) --bag $(BAG) --loops 10 --output out/bench --quiet
 
 clean:

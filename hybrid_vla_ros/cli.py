@@ -1,4 +1,4 @@
-"""``hybrid-vla`` command line: ``init-model``, ``replay``, ``plan`` and ``profile``.
+"""``hybrid-vla`` command line: ``init-model``, ``replay``, ``plan``, ``profile`` and ``bench``.
 
 Run as ``hybrid-vla ...`` (installed) or ``python -m hybrid_vla_ros.cli ...`` (from the source tree).
 Subcommands import torch / rclpy only when they run, so ``--help`` is instant.
@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--quiet", action="store_true", help="no per-part progress lines")
     pr.add_argument("--out", required=True, metavar="FILE", help="profile JSON file to write")
     pr.set_defaults(func=_profile)
+
+    from .bench import cli as bench_cli  # no torch / rclpy at import
+
+    b = sub.add_parser("bench", help=bench_cli.DESCRIPTION, description=bench_cli.DESCRIPTION)
+    bench_cli.add_arguments(b)
+    b.set_defaults(func=bench_cli.run)
     return parser
 
 

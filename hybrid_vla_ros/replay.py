@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-layer", type=int, default=None, help="split layer K (default: L // 2)")
     p.add_argument("--resplit", type=_resplit_event, action="append", default=[], metavar="FRAME:K",
                    help="live re-split: set split_layer K on the running suffix, then the prefix, just before "
-                        "frame FRAME (0-based, counted over all loops) is played; repeatable. The report says "
-                        "what each move cost")
+                        "frame FRAME (0-based, counted over all loops) is played; repeatable. The report lists the "
+                        "frames each move left without a trajectory; the nodes' logs give load and wait times")
     p.add_argument("--transport", choices=("compressed", "raw"), default="compressed",
                    help="camera topics to play: image_raw/compressed or image_raw")
     p.add_argument("--device", default="auto", help="prefix device: auto | cpu | cuda[:N]")
@@ -441,6 +441,11 @@ class ReplaySession:
         report = _report(self.rec, frames, published, self.ns, self.k, self.cfg, self.bag.path,
                          self.args.sync_tolerance_ms)
         report["resplits"] = _resplit_report(self.resplit_log, frames, self.rec, self.args.sync_tolerance_ms)
+        applied = {(e["frame"], e["split_layer"]) for e in self.resplit_log}
+        report["resplits_not_reached"] = [f"{f}:{k}" for f, k in self.args.resplit if (f, k) not in applied]
+        if report["resplits_not_reached"]:
+            print(f"warning: --resplit {' '.join(report['resplits_not_reached'])} not applied: playback ended after "
+                  f"{len(frames)} frames", file=sys.stderr)
         (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         _print_report(report)
         if report["frames_published"] and not report["camera_messages_in"]:
@@ -696,7 +701,9 @@ def _resplit_report(events: list[dict], frames: dict[int, float], rec, tolerance
 def _print_report(r: dict) -> None:
     print()
     print("hybrid-vla replay report" + ("  (random-init model: not driving advice)" if r["random_init"] else ""))
-    print(f"  split layer            {r['split_layer']} of {r['num_layers']}")
+    moves = [str(e["split_layer"]) for e in r.get("resplits", []) if e["accepted"]]
+    print(f"  split layer            {r['split_layer']} of {r['num_layers']}"
+          + (f" at the start, then {', '.join(moves)} (--resplit)" if moves else ""))
     print(f"  camera messages in     {r['camera_messages_in']}")
     print(f"  frames published       {r['frames_published']}")
     print(f"  frames synchronized    {r['frames_synchronized']}")

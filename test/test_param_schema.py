@@ -110,6 +110,9 @@ def _problems(node, values, **checkpoint):
     ("prefix_node", "ring_slots", 65, "must be <= 64"),
     ("prefix_node", "sync_tolerance_ms", 0.0, "must be > 0"),
     ("prefix_node", "split_layer", -1, "must be >= 0"),
+    ("prefix_node", "split_layer", 2.0, "must be of type int or string, got 2.0"),  # a double is no block index
+    ("suffix_node", "split_layer", "fastest", "must match ^auto$"),
+    ("prefix_node", "gpu_budget_gb", -1.0, "must be >= 0"),
     ("suffix_node", "odometry_wait_s", 5.5, "must be <= 5"),
     ("prefix_node", "ego_state_wait_s", 5.5, "must be <= 5"),
     ("prefix_node", "max_ego_state_age_s", 0.0, "must be > 0"),

@@ -97,7 +97,7 @@ def test_frames_in_flight_finish_with_the_k_they_started_with(tiny_checkpoint, f
             assert abs(r.waypoints - references[r.meta.stamp_ns]).max() <= 1e-5
         loads = [e for r in results for e in r.resplits]
         assert len(loads) == 1 and not loads[0].on_demand and loads[0].blocks_loaded == 2
-        assert loads[0] in results[3].resplits or any(loads[0] in r.resplits for r in results[:3]), \
+        assert any(loads[0] in r.resplits for r in results[:4]) and not any(r.resplits for r in results[4:]), \
             "loaded in the background, swapped in by the first K=1 frame at the latest"
     finally:
         suffix.close()
@@ -155,3 +155,53 @@ def test_memory_pressure_moves_k_down_by_the_shortfall():
     per_block = plan.row(32).gpu_weight_bytes - plan.row(31).gpu_weight_bytes
     assert k == 32 - -(-2 * 2**30 // per_block) == 26, reason
     assert plan.row(k).gpu_total_bytes <= budget < plan.row(k + 1).gpu_total_bytes
+
+
+def test_a_move_that_is_no_longer_wanted_frees_its_blocks(tiny_checkpoint, frames):
+    """K 1 -> 4 requested, then 0 before the load is taken: the loaded blocks are dropped, not kept."""
+    prefix, suffix = _pair(tiny_checkpoint, 1)
+    try:
+        prefix.request_split_layer(4)
+        assert prefix.prefetcher.pending == (1, 4)
+        prefix.request_split_layer(0)
+        assert prefix.prefetcher.pending is None
+        event = prefix.apply_split_request(timeout=None)
+        assert (event.new_split_layer, event.blocks_freed, len(prefix.stage.layers)) == (0, 1, 0)
+        suffix.request_split_layer(0)
+        assert suffix.prefetcher.pending == (0, 1)
+        suffix.request_split_layer(3)
+        assert suffix.prefetcher.pending is None
+    finally:
+        suffix.close()
+        prefix.close()
+
+
+def test_a_failed_load_drops_the_request_and_loses_no_frame(tmp_path, tiny_checkpoint, frames, references):
+    import shutil
+
+    from hybrid_vla_ros.core.checkpoint import WEIGHTS_FILE
+    from hybrid_vla_ros.core.pipeline import ResplitError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    prefix, suffix = _pair(ckpt, 3)
+    try:
+        assert suffix.poll(0.05) is None
+        (ckpt / WEIGHTS_FILE).rename(tmp_path / "moved")  # the checkpoint goes away under the running nodes
+        prefix.request_split_layer(4)
+        with pytest.raises(ResplitError, match="not applied, K stays 3"):
+            prefix.apply_split_request(timeout=None)  # the node's idle worker counts this as resplit_error
+        prefix.request_split_layer(4)
+        assert prefix.prefetcher.prefetch(3, 4).exception(timeout=10) is not None  # the load has failed
+        suffix.request_split_layer(1)
+        stamp, items = frames[0]
+        published = prefix.run(items, stamp)  # the frame still goes out, at the K it had
+        assert published.split_layer == 3 and "not applied, K stays 3" in published.resplit_error
+        with pytest.raises(ResplitError, match="request dropped"):
+            suffix.poll(5.0)
+        result = suffix.poll(5.0)  # reported once; the frame is still there and exact
+        assert result.meta.seq == published.seq and abs(result.waypoints - references[stamp]).max() <= 1e-5
+        assert not prefix.split_requested and prefix.run(items, stamp).resplit_error is None
+    finally:
+        suffix.close()
+        prefix.close()

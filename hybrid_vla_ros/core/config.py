@@ -94,8 +94,22 @@ class VLAConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError on an inconsistent configuration."""
+        """Raise ValueError on an inconsistent configuration (wrong types included)."""
         problems = []
+        for name in ("n_cameras", "image_size", "planning_token_id", "n_waypoints", "n_modes", "llm_passes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                problems.append(f"{name} must be an integer, got {v!r}")
+        for name in ("ego_state_input", "random_init"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.waypoint_dt_s, bool) or not isinstance(self.waypoint_dt_s, (int, float)):
+            problems.append(f"waypoint_dt_s must be a number, got {self.waypoint_dt_s!r}")
+        for name in ("vision", "llm", "projector"):
+            if not isinstance(getattr(self, name), dict):
+                problems.append(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
             if key not in self.llm:
                 problems.append(f"llm.{key} missing")
@@ -120,8 +134,12 @@ class VLAConfig:
         kind = self.projector.get("type")
         if kind == "query":
             for key in ("num_queries", "num_layers", "num_heads"):
-                if not isinstance(self.projector.get(key), int) or self.projector[key] < 1:
+                v = self.projector.get(key)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     problems.append(f"projector.{key} must be a positive integer")
+            heads = self.projector.get("num_heads")
+            if isinstance(heads, int) and heads > 0 and int(self.vision["hidden_size"]) % heads:
+                problems.append("projector.num_heads must divide vision.hidden_size")
         elif kind != "mlp":
             problems.append(f"projector.type {kind!r} is not 'mlp' or 'query'")
         if self.n_modes not in (1, len(NAV_COMMANDS)):

@@ -66,11 +66,19 @@ def schema_path(node: str) -> Path:
     return installed
 
 
+# JSON Schema counts 2.0 as an integer; a ROS parameter of 2.0 is a double, and a split layer of 2.0 is
+# not a block index. Integers here are Python ints (bools excluded), as rclpy types them.
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft7Validator,
+    type_checker=jsonschema.Draft7Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _checker, v: isinstance(v, int) and not isinstance(v, bool)))
+
+
 @functools.lru_cache(maxsize=None)
 def _load(node: str) -> tuple[dict, jsonschema.Draft7Validator]:
     schema = json.loads(schema_path(node).read_text())
     jsonschema.Draft7Validator.check_schema(schema)
-    return schema, jsonschema.Draft7Validator(schema)
+    return schema, _Validator(schema)
 
 
 def load_schema(node: str) -> dict:
@@ -106,6 +114,12 @@ def constraint_text(spec: Mapping, code: str = "") -> str:
     def lit(v: Any) -> str:
         return f"{code}{v}{code}"
 
+    if isinstance(spec.get("type"), list):  # e.g. an int or 'auto': say which rule applies to which type
+        numeric = {k: v for k, v in spec.items() if k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")}
+        textual = {k: v for k, v in spec.items() if k in ("pattern", "minLength", "maxLength", "enum")}
+        parts = [f"{article} {word} " + " and ".join(_value_constraints(rules, lit))
+                 for article, word, rules in (("an", "integer", numeric), ("a", "string", textual)) if rules]
+        return ("; ".join(parts)[0].upper() + "; ".join(parts)[1:] + ".") if parts else ""
     parts = _value_constraints(spec, lit)
     if spec.get("type") == "array":
         if "minItems" in spec:

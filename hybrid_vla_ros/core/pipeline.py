@@ -80,53 +80,76 @@ class BlockPrefetcher:
 
     A live re-split that needs new blocks asks for them here first (:meth:`prefetch`) and swaps them in
     at a frame boundary once loaded (:meth:`take`), so frames keep flowing at the old K meanwhile: the
-    move costs the pipeline the swap, not the load. One job at a time; a job for another range replaces
-    a pending one (its result is discarded). Loader errors (missing tensors, I/O) are raised by ``take``.
+    move costs the pipeline the swap, not the load. One job at a time: a job for another range replaces
+    the pending one, and :meth:`discard` drops it when the move is no longer wanted (a queued load never
+    runs; a running one finishes and its blocks are freed, not kept). Each load first checks that the
+    checkpoint on disk still has the model id the stage was loaded with, so blocks of different weights
+    are never mixed.
     """
 
-    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype, expected_model_id: int):
         from concurrent.futures import ThreadPoolExecutor
 
         self.model_path, self.device, self.dtype = model_path, device, dtype
+        self.expected_model_id = expected_model_id
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block_loader")
         self._job = None  # (start, stop, future of (blocks, load_ms))
         self._lock = threading.Lock()
 
     def _load(self, start: int, stop: int):
         t0 = time.perf_counter()
+        found = model_id(self.model_path)
+        if found != self.expected_model_id:
+            raise ValueError(f"the checkpoint at {self.model_path} changed on disk since it was loaded (model id "
+                             f"{found & (2**64 - 1):016x}, loaded {self.expected_model_id & (2**64 - 1):016x}): "
+                             "reconfigure the nodes to use it")
         blocks = load_blocks(self.model_path, start, stop, device=self.device, dtype=self.dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return blocks, (time.perf_counter() - t0) * 1e3
 
-    def prefetch(self, start: int, stop: int) -> None:
-        """Start loading blocks [start, stop) unless that job is already pending."""
+    def prefetch(self, start: int, stop: int):
+        """Start loading blocks [start, stop) unless that job is already pending; returns its future."""
         with self._lock:
             if self._job is not None and self._job[:2] == (start, stop):
-                return
-            self._job = (start, stop, self._pool.submit(self._load, start, stop))
+                return self._job[2]
+            if self._job is not None:
+                self._job[2].cancel()
+            future = self._pool.submit(self._load, start, stop)
+            self._job = (start, stop, future)
+            return future
+
+    def discard(self) -> None:
+        """Drop the pending job and its result (the move it was for is no longer wanted)."""
+        with self._lock:
+            if self._job is not None:
+                self._job[2].cancel()
+                self._job = None
+
+    def _forget(self, future) -> None:
+        with self._lock:
+            if self._job is not None and self._job[2] is future:
+                self._job = None
 
     def take(self, start: int, stop: int, timeout: float | None = 0.0):
-        """Blocks [start, stop) and their load time in ms, waiting up to ``timeout`` s (None: until loaded)
-        for a pending job of that range (one is started when none is pending); (None, 0.0) when not loaded
-        in time. Raises what the loader raised."""
+        """Blocks [start, stop) and their load time in ms, waiting up to ``timeout`` s (None: until
+        loaded). The pending job is used when it is for this range; otherwise one is started for it
+        (replacing the pending one). Returns (None, 0.0) when not loaded in time (the job goes on).
+        Raises what the loader raised (the job is then dropped)."""
+        from concurrent.futures import CancelledError
         from concurrent.futures import TimeoutError as FutureTimeout
 
-        self.prefetch(start, stop)
-        with self._lock:
-            future = self._job[2]
+        future = self.prefetch(start, stop)
         try:
             blocks, load_ms = future.result(timeout)
         except FutureTimeout:
             return None, 0.0
+        except CancelledError:  # replaced by a request from another thread meanwhile
+            return None, 0.0
         except BaseException:
-            with self._lock:
-                if self._job is not None and self._job[2] is future:
-                    self._job = None
+            self._forget(future)
             raise
-        with self._lock:
-            if self._job is not None and self._job[2] is future:
-                self._job = None
+        self._forget(future)
         return blocks, load_ms
 
     @property
@@ -137,8 +160,12 @@ class BlockPrefetcher:
 
     def close(self) -> None:
         """Stop the loader thread (a load in progress finishes; its result is dropped)."""
+        self.discard()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._job = None
+
+
+class ResplitError(RuntimeError):
+    """Loading the blocks for a requested split layer failed; the request is dropped and K stays."""
 
 
 def _move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float = 0.0,
@@ -152,7 +179,7 @@ def _move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float
     n_before = len(stage.layers)
 
     def provide(a: int, b: int):
-        if blocks is None or len(blocks) != b - a:
+        if blocks is None or len(blocks) != b - a or (b > a and blocks[0].self_attn.layer_idx != a):
             raise RuntimeError(f"blocks [{a}, {b}) were not loaded for this move")
         return blocks
 
@@ -170,7 +197,8 @@ def _move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float
 @dataclass
 class PrefixResult:
     """One frame handed to the ring: its slot sequence number, the split layer it was computed at,
-    stage timings (ms) and the re-split applied just before it (None when K did not change)."""
+    stage timings (ms) and the re-split applied just before it (None when K did not change), or why a
+    requested one failed."""
 
     seq: int
     stamp_ns: int
@@ -178,6 +206,7 @@ class PrefixResult:
     prefix_ms: float
     split_layer: int = -1
     resplit: Resplit | None = None
+    resplit_error: str | None = None  # a requested move failed before this frame (it ran at the old K)
 
 
 class PrefixRunner:
@@ -204,8 +233,8 @@ class PrefixRunner:
         self.split_layer = split_layer
         self._requested_split: int | None = None
         self._split_lock = threading.Lock()
-        self.prefetcher = BlockPrefetcher(self.model_path, self.device, self.dtype)
         self.model_id = model_id(model_path)
+        self.prefetcher = BlockPrefetcher(self.model_path, self.device, self.dtype, self.model_id)
         self.state_shape = self.cfg.prefix_state_shape
         self.ring = RingProducer(segment_name(ring_name, namespace), ring_slots,
                                  slot_bytes_for(self.state_shape, self.dtype), self.model_id)
@@ -226,6 +255,8 @@ class PrefixRunner:
             self._requested_split = split_layer
             if split_layer > self.split_layer:
                 self.prefetcher.prefetch(self.split_layer, split_layer)
+            else:
+                self.prefetcher.discard()  # a load for an earlier move up is no longer wanted
 
     @property
     def split_requested(self) -> bool:
@@ -237,7 +268,7 @@ class PrefixRunner:
         goes up (waiting up to ``timeout`` s for the load; None: until loaded), drop blocks and return
         their device memory when it goes down. Returns what it cost, or None when nothing was applied
         (no request, or the blocks are still loading: the request stays pending). Raises what loading
-        the blocks raised (the request is then dropped and K stays)."""
+        the blocks raised as :class:`ResplitError` (the request is then dropped and K stays)."""
         with self._split_lock:
             k = self._requested_split
             if k is None or k == self.split_layer:
@@ -248,17 +279,20 @@ class PrefixRunner:
         if k > self.split_layer:
             try:
                 blocks, load_ms = self.prefetcher.take(self.split_layer, k, timeout)
-            except BaseException:
+            except Exception as e:
                 with self._split_lock:
                     if self._requested_split == k:
                         self._requested_split = None
-                raise
+                raise ResplitError(f"split layer {k} not applied, K stays {self.split_layer}: "
+                                   f"{type(e).__name__}: {e}") from e
             if blocks is None:
                 return None
         with self._split_lock:
             if self._requested_split == k:
                 self._requested_split = None
             # else a newer request arrived meanwhile: apply this one now, the newer one on the next call
+            if k < self.split_layer:
+                self.prefetcher.discard()
         event = _move_split(self.stage, k, self.device, blocks, load_ms, t_start=t0)
         self.split_layer = k
         return event
@@ -284,7 +318,11 @@ class PrefixRunner:
             raise ValueError(f"frame has {len(items)} cameras, the model takes {self.cfg.n_cameras}")
         ego = None if ego_state is None else torch.as_tensor(ego_state, dtype=torch.float32)
         check_ego_state(self.cfg, ego)
-        resplit = self.apply_split_request()
+        resplit_error = None
+        try:
+            resplit = self.apply_split_request()
+        except ResplitError as e:  # the frame still goes out, at the K it had
+            resplit, resplit_error = None, str(e)
         t_start_ns = time.monotonic_ns()
         t0 = time.perf_counter()
         images = self.decode(items)
@@ -304,7 +342,7 @@ class PrefixRunner:
             raise
         seq = self.ring.publish(slot, stamp_ns=stamp_ns, split_layer=self.split_layer,
                                 timings_ms=(pre_ms, prefix_ms, t_start_ns / 1e6))  # start instant in ms
-        return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit)
+        return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit, resplit_error)
 
     def close(self) -> None:
         """Remove the ring and free the stage's (device) memory."""
@@ -355,12 +393,13 @@ class SuffixRunner:
     so once a frame at a higher K has been computed no frame at a lower K can follow, and the blocks
     below it are freed (unless :meth:`request_split_layer` asked to keep them ready for a coming move
     down). A frame at a K below the first block held loads the missing blocks first (``on_demand``):
-    a frame is never computed with a mismatched K. It returns or None on timeout or while it
+    a frame is never computed with a mismatched K. ``poll`` returns None on timeout or while it
     cannot attach to the prefix's ring (``attach_error`` says why; it retries on the next poll, and
-    re-attaches by itself when the prefix restarts and replaces the ring). Raises ``SlotRejected`` (counted by the ring) for a slot whose
-    header fails validation, e.g. another split layer or model, and FloatingPointError for
-    non-finite waypoints, and StaleFrame for a frame published before this consumer attached (left
-    over from before a restart).
+    re-attaches by itself when the prefix restarts and replaces the ring). Raises ``SlotRejected``
+    (counted by the ring) for a slot whose header fails validation, e.g. another model or a K outside
+    [0, L]; FloatingPointError for non-finite waypoints; StaleFrame for a frame published before this
+    consumer attached (left over from before a restart); ResplitError, once, when blocks requested
+    with :meth:`request_split_layer` could not be loaded (the request is dropped; no frame is lost).
     """
 
     def __init__(self, model_path: str, split_layer: int, *, dtype: str = "fp32", ring_name: str = "prefix_states",
@@ -375,7 +414,7 @@ class SuffixRunner:
         self._requested_split: int | None = None
         self._keep_from: int | None = None  # keep blocks from here on for an announced move down
         self._split_lock = threading.Lock()
-        self.prefetcher = BlockPrefetcher(self.model_path, torch.device("cpu"), self.dtype)
+        self.prefetcher = BlockPrefetcher(self.model_path, torch.device("cpu"), self.dtype, model_id(model_path))
         self._events: list[Resplit] = []  # moves made while no frame was returned, reported with the next
         self.model_id = model_id(model_path)
         self.segment = segment_name(ring_name, namespace)
@@ -417,6 +456,8 @@ class SuffixRunner:
             self._requested_split = split_layer
             if split_layer < self.stage.split_layer:
                 self.prefetcher.prefetch(split_layer, self.stage.split_layer)
+            else:
+                self.prefetcher.discard()
 
     def _load_front(self, k: int, on_demand: bool, timeout: float | None) -> Resplit | None:
         """Prepend blocks [k, first held) (prefetched, or loaded now); None when not loaded within ``timeout``."""
@@ -432,7 +473,14 @@ class SuffixRunner:
         if k is None:
             return
         if k < self.stage.split_layer:
-            event = self._load_front(k, False, 0.0)
+            try:
+                event = self._load_front(k, False, 0.0)
+            except Exception as e:
+                with self._split_lock:
+                    if self._requested_split == k:
+                        self._requested_split = None
+                raise ResplitError(f"preparing blocks [{k}, {self.stage.split_layer}) failed, request dropped: "
+                                   f"{type(e).__name__}: {e}") from e
             if event is None:
                 return  # still loading: swapped in before a later frame (or waited for by the frame that needs it)
             self._events.append(event)

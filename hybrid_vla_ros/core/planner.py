@@ -447,7 +447,7 @@ def choose_split_layer(rows: list[PlanRow], gpu_budget_bytes: int | float | None
                          f"{least.gpu_total_bytes / GB:.3f} GB at K={least.k} (weights "
                          f"{least.gpu_weight_bytes / GB:.3f} GB, activations {least.gpu_activation_bytes / GB:.3f} GB, "
                          f"overhead {least.gpu_overhead_bytes / GB:.3f} GB)")
-    budget_txt = "no GPU budget" if gpu_budget_bytes is None else f"the {budget / GB:.2f} GB GPU budget"
+    budget_txt = "(no GPU budget)" if gpu_budget_bytes is None else f"the {budget / GB:.2f} GB GPU budget"
     if any(r.e2e_ms is None for r in rows):
         best = max(fit, key=lambda r: r.k)
         return best.k, (f"no profile, latencies unknown: K={best.k}, the largest split layer that fits {budget_txt} "
@@ -530,8 +530,8 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
 def _gb_to_bytes(gb: float | None) -> int | None:
     if gb is None:
         return None
-    if not gb >= 0:
-        raise ValueError(f"a size in GB must be >= 0, got {gb!r}")
+    if not (gb >= 0 and math.isfinite(gb)):
+        raise ValueError(f"a size in GB must be a finite number >= 0, got {gb!r}")
     return int(round(gb * GB))
 
 

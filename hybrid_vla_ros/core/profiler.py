@@ -45,6 +45,8 @@ repeated for every block of that kind. Times are wall-clock (``time.perf_counter
 """
 from __future__ import annotations
 
+import math
+
 import datetime as _dt
 import json
 import os
@@ -130,6 +132,18 @@ PROFILE_SCHEMA = {
 
 # ------------------------------------------------------------------------------------ file format
 
+def _non_finite(node, path: str = "") -> str | None:
+    """JSON path of the first NaN or infinite number in a parsed document, else None."""
+    if isinstance(node, float) and not math.isfinite(node):
+        return path or "(top level)"
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in children:
+        found = _non_finite(value, f"{path}/{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
 def validate_profile(doc: object, source: str = "profile") -> dict:
     """Check a parsed profile against :data:`PROFILE_SCHEMA` and its internal consistency.
 
@@ -148,6 +162,9 @@ def validate_profile(doc: object, source: str = "profile") -> dict:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         raise ValueError(f"{source}: {where}: {err.message}{more}")
+    bad = _non_finite(doc)
+    if bad:
+        raise ValueError(f"{source}: {bad}: not a finite number (NaN or Infinity): re-run hybrid-vla profile")
     try:
         cfg = VLAConfig.from_dict(doc["model"]["config"])
     except (ValueError, TypeError) as e:

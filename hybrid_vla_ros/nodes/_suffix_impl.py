@@ -19,7 +19,7 @@ from ..core.guard import GuardLimits, find_violations
 from ..core.model import DEFAULT_COMMAND
 from ..core.odometry import OdometryBuffer
 from ..core.params import ParameterError, Params
-from ..core.pipeline import StaleFrame, SuffixRunner
+from ..core.pipeline import ResplitError, StaleFrame, SuffixRunner
 from ..core.shm_ring import SlotRejected
 from ..core.trajectory import ego_state_from_odometry, waypoints_to_trajectory
 from . import common
@@ -191,6 +191,8 @@ class SuffixNode(common.PipelineNode):
             except StaleFrame as e:
                 self.frames_in += 1
                 self._drop("stale_frame", str(e))
+            except ResplitError as e:  # no frame was taken: counted as an event, frames_in unchanged
+                self._drop("resplit_error", str(e))
             except FloatingPointError as e:
                 self.frames_in += 1
                 self._drop("non_finite_output", str(e))

@@ -157,7 +157,12 @@ class PipelineNode(LifecycleNode):
                                    "next configure (deactivate, cleanup, configure, activate)")
         live = {name: v for name, v in values.items() if name in self.LIVE_PARAMETERS}
         if live:
-            self._apply_live_parameters(live)
+            try:
+                self._apply_live_parameters(live)
+            except Exception as e:  # noqa: BLE001 - a parameter callback must never take the node down
+                reason = f"{', '.join(live)}: could not be applied: {type(e).__name__}: {e}"
+                self.get_logger().error(f"parameter change refused: {reason}")
+                return SetParametersResult(successful=False, reason=reason)
         return SetParametersResult(successful=True)
 
     def _apply_live_parameters(self, values: dict) -> None:

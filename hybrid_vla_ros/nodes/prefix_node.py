@@ -131,9 +131,8 @@ class PrefixNode(common.PipelineNode):
                 self.create_subscription(Odometry, "~/input/kinematic_state", self._on_kinematic_state, 10),
                 self.create_subscription(AccelWithCovarianceStamped, "~/input/acceleration", self._on_acceleration, 10),
             ]
-        if self.plan is not None and self.params.auto_resplit_free_mb > 0 and self.runner.device.type == "cuda":
-            self._pressure_timer = self.create_timer(2.0, self._check_memory_pressure)
         self._running = True
+        self._update_pressure_timer()
         self._worker = threading.Thread(target=self._work, name="prefix_worker", daemon=True)
         self._worker.start()
         self.get_logger().info(f"active: {len(self._subs)} camera subscriptions "
@@ -172,7 +171,9 @@ class PrefixNode(common.PipelineNode):
         elif p.gpu_budget_gb > 0:
             budget_gb = p.gpu_budget_gb
         elif device.type == "cuda":
-            budget_gb = torch.cuda.mem_get_info(device)[0] / 1e9
+            # free memory, plus what this prefix holds already when it is running (a live switch to auto)
+            held = torch.cuda.memory_reserved(device) if self.runner is not None else 0
+            budget_gb = (torch.cuda.mem_get_info(device)[0] + held) / 1e9
         else:
             budget_gb = None  # a CPU prefix: no device budget
         return plan_for_checkpoint(p.model_path, p.profile_path or None, budget_gb, p.dtype,
@@ -198,11 +199,23 @@ class PrefixNode(common.PipelineNode):
             k = self.plan.chosen_k
         else:
             self.plan = None
+        self._update_pressure_timer()
         self.runner.request_split_layer(k)
         with self._cv:
             self._cv.notify()  # an idle worker applies it at once
         self.get_logger().info(f"split_layer {k} requested (now {self.runner.split_layer}): the frame in progress "
                                "finishes at its K, the next one is computed at the new K")
+
+    def _update_pressure_timer(self) -> None:
+        """Run the 2 s memory-pressure check while active with ``split_layer: auto``, ``auto_resplit_free_mb``
+        > 0 and a CUDA prefix; stop it otherwise."""
+        wanted = (self._running and self.plan is not None and self.params.auto_resplit_free_mb > 0
+                  and self.runner is not None and self.runner.device.type == "cuda")
+        if wanted and self._pressure_timer is None:
+            self._pressure_timer = self.create_timer(2.0, self._check_memory_pressure)
+        elif not wanted and self._pressure_timer is not None:
+            self.destroy_timer(self._pressure_timer)
+            self._pressure_timer = None
 
     def _check_memory_pressure(self) -> None:
         """2 s timer (``split_layer: auto`` on CUDA with ``auto_resplit_free_mb`` > 0): move K down when the
@@ -314,7 +327,7 @@ class PrefixNode(common.PipelineNode):
                 try:  # blocks for a move up load in the background: check back every 50 ms (frames may come)
                     event = self.runner.apply_split_request(timeout=0.05)
                 except Exception as e:  # noqa: BLE001 - e.g. a missing block in the checkpoint: counted, K stays
-                    self._drop("resplit_error", f"{type(e).__name__}: {e}")
+                    self._drop("resplit_error", str(e))
                     continue
                 if event is not None:
                     self._log_resplit(event)
@@ -341,6 +354,8 @@ class PrefixNode(common.PipelineNode):
             self.frames_out += 1
             if result.resplit is not None:
                 self._log_resplit(result.resplit)
+            if result.resplit_error is not None:
+                self._drop("resplit_error", result.resplit_error)
             if accel_source is not None:
                 self.ego_accel_sources[accel_source] += 1
             self.times.add("preprocess", result.preprocess_ms)

@@ -1,0 +1,246 @@
+"""hybrid_vla_ros.bench: the arithmetic (FLOP counts, split choice, pipeline figures) and the plumbing (a quick
+run writes a complete JSON document and PNGs). No test asserts a timing: the bench reports figures, the goals
+are evaluated in its output."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid_vla_ros.bench import report
+from hybrid_vla_ros.bench.cli import main as bench_main
+from hybrid_vla_ros.bench.common import percentiles, time_call
+from hybrid_vla_ros.bench.handoff import payload_bytes, payload_shape, run_handoff
+from hybrid_vla_ros.bench.pipeline import choose_split, frame_rows, model_overrides, summarize_pipeline
+from hybrid_vla_ros.bench.suffix_flops import block_flops, gemm_shapes, head_flops, suffix_flops
+from hybrid_vla_ros.core.config import preset
+
+
+# ------------------------------------------------------------------------------------------ FLOP counts
+
+def test_block_flops_of_tiny_equal_a_hand_count():
+    cfg = preset("tiny")  # H 128, 4 heads of 32, 2 KV heads, MLP 344, T = 8 + 96 + 1 = 105
+    T = 105
+    assert cfg.num_tokens == T
+    q = o = 2 * T * 128 * 128
+    k = v = 2 * T * 128 * 64
+    mlp = 3 * 2 * T * 128 * 344
+    pairs = T * (T + 1) // 2  # causal attention counted as half
+    attn = 2 * (2 * 4 * 32 * pairs)  # QK^T and AV, 4 heads of 32
+    got = block_flops(cfg, T)
+    assert sum(got["linear"].values()) == q + o + k + v + mlp == 38_062_080
+    assert got["attention"]["qk"] + got["attention"]["av"] == attn == 2_849_280
+    assert got["attention_full"] == 2 * 2 * 4 * 32 * T * T
+    assert got["total"] == 38_062_080 + 2_849_280
+    assert head_flops(cfg) == 2 * 128 * 128 + 2 * 128 * 6 * 6 * 2
+    s = suffix_flops(cfg, 1)
+    assert s["blocks"] == 3 and s["total"] == 3 * got["total"] + head_flops(cfg)
+
+
+def test_two_passes_count_twice_and_add_the_decision_head():
+    cfg = preset("minddrive-0.5b")
+    assert cfg.llm_passes == 2 and cfg.num_tokens == 523
+    one, two = block_flops(cfg, 523, 1), block_flops(cfg, 523, 2)
+    assert two["total"] == 2 * one["total"]
+    h = cfg.hidden_size
+    assert head_flops(cfg) == 2 * h * h + 2 * h * 6 * 6 * 2 + 2 * h * 6
+    assert gemm_shapes(cfg)[0] == (2 * 523, 896, 4864)
+
+
+@pytest.mark.parametrize("name", ["tiny", "smol", "minddrive-0.5b"])
+def test_linear_and_attention_flops_equal_torch_flop_counter(name):
+    """torch's FlopCounterMode on the meta device (no compute) counts the real module's matmuls: its mm + addmm
+    must equal our Linear count of one block + heads, its bmm (SDPA's math decomposition on meta) our full
+    (non-causal) attention count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hybrid_vla_ros.core.model import SuffixStage
+
+    cfg = preset(name)
+    k = cfg.num_layers - 1
+    with torch.device("meta"):
+        stage = SuffixStage(cfg, k)
+        h = torch.empty(cfg.prefix_state_shape)
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        stage(h, 3, k)
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    ours = suffix_flops(cfg, k)
+    assert counts.get("aten.mm", 0) + counts.get("aten.addmm", 0) == ours["linear_total"]
+    if "aten.bmm" in counts:
+        assert counts["aten.bmm"] == ours["per_block"]["attention_full"]
+
+
+# ------------------------------------------------------------------------------------------ split choice
+
+def _profile(pre, blocks, handoff=0.5, head=0.2, rotary=0.1):
+    return {"preprocess_ms": pre, "parts_ms": {"vision_embeddings": 1.0, "vision_post": 0.0, "projector_embed": 1.0,
+                                               "rotary": rotary, "head": head},
+            "vision_blocks_ms": [2.0, 2.0], "llm_blocks_ms": blocks, "handoff_ms": handoff}
+
+
+def test_choose_split_takes_the_smallest_prefix_bound_k():
+    # front = pre 10 + 1 + 4 + 0 + 1 = 16 ms; blocks of 4 ms, 8 of them
+    c = choose_split(_profile(10.0, [4.0] * 8), margin=0.05)
+    table = {k: (p, s) for k, p, s in c["table"]}
+    assert table[0] == pytest.approx((16.0, 0.5 + 0.1 + 32 + 0.2))
+    assert table[8] == pytest.approx((16.0 + 0.1 + 32, 0.5 + 0.2))
+    k = c["split_layer"]
+    p, s = table[k]
+    assert p >= 1.05 * s and table[k - 1][0] < 1.05 * table[k - 1][1]
+    assert k == 3  # P(3) = 28.1 >= 1.05 x 20.8; P(2) = 24.1 < 1.05 x 24.8
+    assert c["balanced_split_layer"] == 2  # max(24.1, 24.8) = 24.8 < max(28.1, 20.8) = 28.1
+
+
+def test_choose_split_is_zero_when_the_prefix_dominates():
+    assert choose_split(_profile(70.0, [0.5] * 4))["split_layer"] == 0
+
+
+def test_model_overrides_keep_the_llm_side():
+    o = model_overrides("minddrive-0.5b", 112)
+    cfg = preset("minddrive-0.5b", **o)
+    assert cfg.image_size == cfg.vision["image_size"] == 112 and cfg.num_tokens == 523
+    assert model_overrides("tiny", 64) == {} and model_overrides("tiny", None) == {}
+
+
+# ------------------------------------------------------------------------------------------ pipeline figures
+
+def _rec(seq, start, pre, pfx, write, publish, ready, end):
+    ms = 1_000_000
+    return {"seq": seq, "preprocess_ms": pre, "prefix_ms": pfx, "handoff_ms": (ready - write), "suffix_ms": end - ready,
+            "t_prefix_start_ns": start * ms, "t_write_start_ns": write * ms, "t_publish_ns": publish * ms,
+            "t_ready_ns": ready * ms, "t_suffix_end_ns": end * ms}
+
+
+def test_summarize_pipeline_prefix_bound():
+    """Prefix 10 ms a frame (9 + 1), copy 1 ms, wake 1 ms, suffix 4 ms: a frame every 12 ms (prefix + copy and
+    a 1 ms gap), ideal = 1 / 10 ms."""
+    suffix, prefix = [], []
+    for i in range(1, 7):
+        t = (i - 1) * 12
+        suffix.append(_rec(i, t, 9, 1, t + 10, t + 11, t + 12, t + 16))
+        prefix.append({"seq": i, "preprocess_ms": 9, "prefix_ms": 1, "t_call_ns": t * 10**6,
+                       "t_return_ns": (t + 11) * 10**6})
+    s = summarize_pipeline(suffix, prefix, warmup=1, total=6)
+    assert s["frames_measured"] == 5 and s["frames_dropped"] == 0
+    assert s["fps"] == pytest.approx(1000 / 12)
+    assert s["ideal_fps"] == pytest.approx(100.0)  # max(9 + 1, (ready - write) 2 + suffix 4) = 10 ms
+    assert s["efficiency"] == pytest.approx(10 / 12)
+    assert s["bottleneck"] == "prefix"
+    assert s["stages_ms"]["queue_wait_ms"]["p50"] == 0
+    assert s["stages_ms"]["copy_ms"]["p50"] == pytest.approx(1) and s["stages_ms"]["wake_ms"]["p50"] == pytest.approx(1)
+    lat = s["latency"]
+    assert lat["e2e_p50_ms"] == pytest.approx(16) and lat["stage_sum_p50_ms"] == pytest.approx(14)
+    assert lat["overhead_p50_ms"] == pytest.approx(2) and lat["met"]  # 2 <= 0.05 x 14 + 2
+    assert len(s["timeline"]) == 5
+
+
+def test_efficiency_uses_mean_stage_times_so_a_stalled_frame_does_not_count_against_the_pipeline():
+    """Frames with a 10 ms prefix and one of 30 ms (e.g. preempted by other work), 2 ms of copy and gap each:
+    the four periods the rate spans (frames 3..6) last 32 + 12 + 12 + 12 ms, their prefix stages 30 + 10 + 10 +
+    10 ms, so efficiency = 15 / 17; the median-based figure would blame the stall on the pipeline (10 / 17)."""
+    suffix, prefix, start = [], [], 0
+    for seq, p in enumerate([10, 10, 30, 10, 10, 10], start=1):
+        w = start + p
+        suffix.append(_rec(seq, start, 1, p - 1, w, w + 1, w + 2, w + 6))
+        prefix.append({"seq": seq, "preprocess_ms": 1, "prefix_ms": p - 1, "t_call_ns": start * 10**6,
+                       "t_return_ns": (w + 1) * 10**6})
+        start += p + 2
+    s = summarize_pipeline(suffix, prefix, warmup=1, total=6)
+    assert s["fps"] == pytest.approx(4 / 0.068)
+    assert s["efficiency"] == pytest.approx(15 / 17)
+    assert s["efficiency_p50"] == pytest.approx(10 / 17)
+
+
+def test_queue_wait_is_split_from_the_handoff():
+    """A suffix of 20 ms behind a 10 ms prefix: frame 2 is published at 21 ms while frame 1's suffix runs until
+    32 ms, so it waits 11 ms in the ring; its net hand-off is the rest."""
+    rows = frame_rows([_rec(1, 0, 9, 1, 10, 11, 12, 32), _rec(2, 11, 9, 1, 20, 21, 32, 52)])
+    assert rows[1]["queue_wait_ms"] == pytest.approx(11)
+    assert rows[1]["handoff_net_ms"] == pytest.approx(12 - 11)
+    assert rows[1]["overhead_ms"] == pytest.approx((52 - 11) - (9 + 1 + 20))
+
+
+def test_percentiles_and_time_call():
+    p = percentiles([1, 2, 3, 4, 5])
+    assert (p["n"], p["p50"], p["min"], p["max"]) == (5, 3, 1, 5) and p["p90"] == pytest.approx(4.6)
+    assert percentiles([])["n"] == 0
+    t = time_call(lambda: sum(range(100)), repeats=3, min_sample_s=0.001)
+    assert len(t["samples"]) == 3 and t["median"] > 0 and t["calls_per_sample"] >= 1
+
+
+def test_payload_is_exactly_the_size():
+    for mib in (1, 4, 8, 32):
+        assert payload_bytes(mib) == mib * 2**20
+        assert payload_shape(mib)[1] == 4096
+
+
+# ------------------------------------------------------------------------------------------ plumbing
+
+def test_handoff_with_a_tiny_count_gives_sane_figures():
+    r = run_handoff([1], count=4, warmup=1, rclpy_count=2, rclpy_warmup=1, variants=("default",), log=lambda s: None)
+    row = r["sizes"][0]
+    ring = row["ring"]
+    assert ring["n"] == 4 and ring["lost"] == 0
+    assert ring["latency_ms"]["p50"] > 0 and ring["copy_ms"]["p50"] > 0 and ring["publish_to_view_ms"]["p50"] > 0
+    assert ring["cpu_ms_per_msg"]["total"] > 0
+    assert row["memcpy"]["latency_ms"]["p50"] > 0 and row["memcpy"]["bandwidth_gb_s"] > 0
+    rc = row["rclpy"]["default"]
+    assert rc["n"] + rc["lost"] == 2 and (rc["n"] == 0 or rc["latency_ms"]["p50"] > 0)
+    assert row["best_rclpy"] == "default" and row["ratio_best_rclpy_over_ring_p50"] > 0
+
+
+def test_quick_run_writes_complete_json_markdown_and_pngs(tmp_path):
+    out = tmp_path / "bench.json"
+    plots = tmp_path / "plots"
+    rc = bench_main(["--quick", "--only", "handoff,flops", "--presets", "tiny", "--sizes-mib", "1", "--count", "3",
+                     "--warmup", "1", "--rclpy-variants", "none", "--flops-dtypes", "fp32", "--flops-repeats", "1",
+                     "--flops-blocks", "1", "--json", str(out), "--plots", str(plots), "--quiet"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert report.validate(doc) == []
+    assert doc["errors"] == {} and set(doc["noise"]) == {"handoff", "suffix_flops"}
+    assert [g["id"] for g in doc["goals"]] == ["suffix_flops_tiny_fp32"]
+    assert doc["suffix_flops"]["results"][0]["ratio"] > 0
+    assert (plots / "handoff.png").stat().st_size > 1000 and (plots / "suffix_flops.png").stat().st_size > 1000
+    md = out.with_suffix(".md").read_text()
+    assert "| 1 MiB |" in md and "| tiny | fp32 |" in md
+
+
+def test_quick_pipeline_and_preprocess_run(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--quick", "--only", "pipeline,preprocess", "--presets", "tiny", "--split", "tiny=2",
+                     "--frames", "3", "--warmup-frames", "1", "--sequential", "1core", "--preprocess-frames", "1",
+                     "--model-cache", str(tmp_path / "models"), "--json", str(out), "--plots", str(tmp_path / "p"),
+                     "--quiet"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert report.validate(doc) == []
+    e = doc["pipeline"]["presets"][0]
+    assert e["split_layer"] == 2 and e["pipeline"]["frames_measured"] == 3
+    assert e["pipeline"]["fps"] > 0 and e["sequential"]["1core"]["fps"] > 0
+    kinds = {(r["preset"], r["input"]) for r in doc["preprocess"]["results"]}
+    assert kinds == {("tiny", "jpeg"), ("tiny", "rgb8")}
+    assert all(0 < r["share"] < 1 for r in doc["preprocess"]["results"])
+    assert {g["id"] for g in doc["goals"]} == {"pipeline_efficiency_tiny", "pipeline_latency_tiny"}
+    assert all(Path(tmp_path / "p" / f).is_file() for f in ("pipeline.png", "pipeline_timeline.png", "preprocess.png"))
+
+
+def test_markdown_and_goals_of_a_synthetic_document(tmp_path):
+    pct = {"n": 3, "p50": 0.4, "p90": 0.5, "mean": 0.4, "min": 0.3, "max": 0.5}
+    rpct = {**pct, "p50": 20.0, "p90": 25.0}
+    doc = {"kind": report.KIND, "host": {}, "software": {}, "noise": {}, "errors": {}, "goals": [],
+           "handoff": {"producer_cores": [0], "consumer_cores": [1], "count": 3, "rclpy_count": 3,
+                       "variants": {"default": "x"},
+                       "sizes": [{"size_mib": 8.0, "memcpy": {"latency_ms": pct},
+                                  "ring": {"latency_ms": pct, "copy_ms": pct, "publish_to_view_ms": pct,
+                                           "cpu_ms_per_msg": {"total": 0.5}},
+                                  "rclpy": {"default": {"latency_ms": rpct, "cpu_ms_per_msg": {"total": 9.0},
+                                                        "lost": 0}},
+                                  "best_rclpy": "default", "ratio_best_rclpy_over_ring_p50": 50.0,
+                                  "ratio_ring_over_memcpy_p50": 1.0}]}}
+    goals = report.evaluate_goals(doc)
+    assert [(g["id"], g["met"]) for g in goals] == [("handoff_p50_8mib", True), ("handoff_vs_rclpy_8mib", True)]
+    doc["goals"] = goals
+    md = report.markdown(doc)
+    assert "| 8 MiB |" in md and "50.0x" in md and "| yes |" in md
+    assert json.loads(report.write_json({"x": float("nan")}, tmp_path / "a.json").read_text()) == {"x": None}
