@@ -56,10 +56,12 @@ def _plan(args: argparse.Namespace) -> int:
 
     from .core import planner
 
+    if args.set and not args.preset:
+        return _err("plan", ValueError("--set needs --preset (a checkpoint's config is fixed)"))
     try:
         if args.preset:
             plan = planner.plan_for_preset(args.preset, args.profile, args.gpu_budget_gb, args.dtype,
-                                           args.cuda_overhead_gb)
+                                           args.cuda_overhead_gb, **dict(args.set))
         else:
             plan = planner.plan_for_checkpoint(args.model, args.profile, args.gpu_budget_gb, args.dtype,
                                                args.cuda_overhead_gb)
@@ -139,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "Sizes in GB are 1e9 bytes.")
     _add_model_source(pl)
     pl.add_argument("--dtype", default="fp16", help="dtype of the stages: fp16 (default), bf16, fp32")
+    pl.add_argument("--set", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                    help="with --preset: override a config field, as init-model --set (e.g. llm_passes=1)")
     pl.add_argument("--gpu-budget-gb", type=float, default=None, metavar="GB",
                     help="GPU memory available to the prefix, GB (default: no limit)")
     pl.add_argument("--profile", metavar="FILE", help="a profile from `hybrid-vla profile` (enables latencies)")

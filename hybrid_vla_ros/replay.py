@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=("compressed", "raw"), default="compressed",
                    help="camera topics to play: image_raw/compressed or image_raw")
     p.add_argument("--device", default="auto", help="prefix device: auto | cpu | cuda[:N]")
+    p.add_argument("--fast-jpeg-decode", action="store_true",
+                   help="the prefix decodes JPEGs scaled down when the model input is small (prefix parameter "
+                        "fast_jpeg_decode; the picture differs slightly from a full decode)")
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (both nodes)")
     p.add_argument("--suffix-cores", default=None,
                    help="cores for the suffix process, e.g. '1' or '2,3' (default: the last core)")
@@ -277,7 +280,8 @@ class ReplaySession:
             f"{self.ns}/prefix_node": {"ros__parameters": {
                 "model_path": model, "split_layer": self.k, "camera_topics": self.cams,
                 "camera_transports": [a.transport], "sync_tolerance_ms": a.sync_tolerance_ms,
-                "device": a.device, "dtype": a.dtype, "torch_threads": prefix_threads}},
+                "device": a.device, "dtype": a.dtype, "torch_threads": prefix_threads,
+                "fast_jpeg_decode": a.fast_jpeg_decode}},
             # The bag keeps its recorded stamps (years old by the node clock), so the output guard's age
             # check is off for these two processes only; every other guard check stays as configured.
             f"{self.ns}/suffix_node": {"ros__parameters": {

@@ -219,7 +219,7 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     assert e["split_layer"] == 2 and e["pipeline"]["frames_measured"] == 3
     assert e["pipeline"]["fps"] > 0 and e["sequential"]["1core"]["fps"] > 0
     kinds = {(r["preset"], r["input"]) for r in doc["preprocess"]["results"]}
-    assert kinds == {("tiny", "jpeg"), ("tiny", "rgb8")}
+    assert kinds == {("tiny", "jpeg"), ("tiny", "jpeg_fast"), ("tiny", "rgb8")}
     assert all(0 < r["share"] < 1 for r in doc["preprocess"]["results"])
     assert {g["id"] for g in doc["goals"]} == {"pipeline_efficiency_tiny", "pipeline_latency_tiny"}
     assert all(Path(tmp_path / "p" / f).is_file() for f in ("pipeline.png", "pipeline_timeline.png", "preprocess.png"))

@@ -448,3 +448,45 @@ def test_rclpy_messages_from_bag_cdr(bag, decoded, src):
         np.testing.assert_array_equal(ours, decoded[(cam, stamp)])
         theirs = CvBridge().compressed_imgmsg_to_cv2(msg, "rgb8")
         assert np.abs(ours.astype(np.int16) - theirs.astype(np.int16)).max() <= 1
+
+
+# ------------------------------------------------------------------ scaled-down JPEG decode (fast_jpeg_decode)
+def _dgp_jpegs():
+    from rosbags.typesys import Stores, get_typestore
+
+    from hybrid_vla_ros.replay import read_bag
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    bag = Path(__file__).resolve().parents[1] / "data" / "dgp_scene02_6cam_mcap"
+    msgs = [m for m in read_bag(bag) if m.topic.endswith("/image_raw/compressed")][:6]
+    return [store.deserialize_cdr(m.raw, m.msgtype) for m in msgs]
+
+
+def test_jpeg_size_reads_the_start_of_frame_of_real_camera_images():
+    from hybrid_vla_ros.core.image import jpeg_size
+
+    for msg in _dgp_jpegs():
+        assert jpeg_size(np.frombuffer(bytes(msg.data), np.uint8)) == (1216, 1936)
+    assert jpeg_size(np.frombuffer(b"\xff\xd8\x00\x00garbage", np.uint8)) is None
+
+
+@pytest.mark.parametrize("min_size, factor", [(64, 8), (152, 8), (153, 4), (304, 4), (608, 2), (609, 1)])
+def test_scaled_down_decode_keeps_at_least_min_size_and_the_picture(min_size, factor):
+    """Real 1936x1216 camera JPEGs: the largest factor that keeps both sides >= min_size, RGB order kept,
+    and after the model's resize the picture matches a full decode within a few grey levels."""
+    from hybrid_vla_ros.core.image import decode_compressed, jpeg_reduction
+
+    assert jpeg_reduction(1216, 1936, min_size) == factor
+    for msg in _dgp_jpegs()[:2]:
+        full = decode_compressed(msg.format, msg.data)
+        fast = decode_compressed(msg.format, msg.data, min_size=min_size)
+        assert fast.shape == (-(-1216 // factor), -(-1936 // factor), 3) and min(fast.shape[:2]) >= min_size
+        if factor == 1:
+            assert np.array_equal(fast, full)
+            continue
+        side = min(min_size, 128)
+        a = cv2.resize(full, (side, side), interpolation=cv2.INTER_AREA).astype(int)
+        b = cv2.resize(fast, (side, side), interpolation=cv2.INTER_AREA).astype(int)
+        assert np.abs(a - b).mean() < 4.0, "same picture, same channel order"
+        swapped = np.abs(a - b[..., ::-1]).mean()
+        assert swapped > np.abs(a - b).mean(), "RGB, not BGR"

@@ -4,6 +4,8 @@ Inputs, per preset:
 
 * ``jpeg``: six ``sensor_msgs/CompressedImage``-like objects (``format`` "jpeg", ``data`` bytes), decoded by
   OpenCV to RGB, resized (INTER_AREA) to the preset's S x S input and normalised;
+* ``jpeg_fast``: the same JPEGs with the prefix's ``fast_jpeg_decode`` (decoded scaled down by 2, 4 or 8
+  inside libjpeg while both sides stay >= S; no reduction for S > 450 on 1600x900 cameras);
 * ``rgb8``: six ``sensor_msgs/Image``-like objects (``encoding`` rgb8, 1600x900, ``step`` 4800, ``data`` an
   ``array('B')`` as rclpy delivers it), converted (one copy out of the message) and resized the same way.
 
@@ -94,7 +96,7 @@ def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, came
 
     torch.set_num_threads(threads)
     jpegs, source = camera_jpegs(camera_dir, bag)
-    kinds = {"jpeg": compressed_items(jpegs), "rgb8": raw_items(jpegs)}
+    kinds = {"jpeg": compressed_items(jpegs), "jpeg_fast": compressed_items(jpegs), "rgb8": raw_items(jpegs)}
     out = []
     for spec in presets:
         runner = PrefixRunner(spec["model_path"], spec["split_layer"], device=device, dtype=dtype,
@@ -102,6 +104,7 @@ def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, came
         ego = EGO_STATE if runner.cfg.ego_state_input else None
         try:
             for kind, items in kinds.items():
+                runner.fast_jpeg_decode = kind == "jpeg_fast"  # PrefixRunner's scaled-down JPEG decode
                 runner.run(items, 0, ego)  # warm-up
                 pre, pfx, dec, t0, i = [], [], [], time.monotonic(), 0
                 while i < max_frames and (i < min_frames or time.monotonic() - t0 < min_seconds):

@@ -302,13 +302,14 @@ def plot_handoff(h: dict, path: Path) -> Path:
     for v in h["variants"]:
         series.append((f"rclpy {v}", lambda r, v=v: r["rclpy"][v]["latency_ms"],
                        lambda r, v=v: r["rclpy"][v]["cpu_ms_per_msg"]["total"]))
-    for label, lat, cpu in series:
+    for i, (label, lat, cpu) in enumerate(series):
+        color = f"C{i}"  # one colour per method in both panels
         p50 = [lat(r)["p50"] for r in h["sizes"]]
         p90 = [lat(r)["p90"] for r in h["sizes"]]
         ax1.errorbar(sizes, p50, yerr=[[0] * len(p50), [max(0.0, b - a) for a, b in zip(p50, p90)]], marker="o",
-                     capsize=3, label=label)
+                     capsize=3, label=label, color=color)
         if cpu is not None:
-            ax2.plot(sizes, [cpu(r) for r in h["sizes"]], marker="o", label=label)
+            ax2.plot(sizes, [cpu(r) for r in h["sizes"]], marker="o", label=label, color=color)
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

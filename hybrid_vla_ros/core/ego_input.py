@@ -211,7 +211,8 @@ class EgoInputBuffer:
 
         Speed, yaw rate and a measured acceleration are interpolated linearly between the two samples
         that bracket the stamp when both lie within ``max_age_ns`` (ns) of it, else taken from the
-        nearest sample within ``max_age_ns``. Nothing is extrapolated or made up: raises LookupError with
+        nearest sample within ``max_age_ns`` (held, zero-order, not extrapolated along a slope). Nothing
+        is made up: raises LookupError with
         cause ``"no_ego_state"`` (no kinematic sample at all), ``"stale_ego_state"`` (none within
         ``max_age_ns``) or ``"no_acceleration"`` (no acceleration sample and fewer than two kinematic
         samples within ``max_age_ns``), and ValueError for a negative ``max_age_ns``.

@@ -99,7 +99,8 @@ class PrefixNode(common.PipelineNode):
                 self.get_logger().info(f"split_layer auto: {self.plan.reason}")
             self.runner = PrefixRunner(p.model_path, k, device=p.device, dtype=p.dtype,
                                        ring_name=p.ring_name, namespace=self.get_namespace(),
-                                       ring_slots=p.ring_slots, torch_threads=p.torch_threads)
+                                       ring_slots=p.ring_slots, torch_threads=p.torch_threads,
+                                       fast_jpeg_decode=p.fast_jpeg_decode)
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.last_error = str(e)
             self.get_logger().error(f"configure failed: {e}")
