@@ -61,10 +61,10 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         if args.preset:
             plan = planner.plan_for_preset(args.preset, args.profile, args.gpu_budget_gb, args.dtype,
-                                           args.cuda_overhead_gb, **dict(args.set))
+                                           args.cuda_overhead_gb, args.preprocess_ms, **dict(args.set))
         else:
             plan = planner.plan_for_checkpoint(args.model, args.profile, args.gpu_budget_gb, args.dtype,
-                                               args.cuda_overhead_gb)
+                                               args.cuda_overhead_gb, args.preprocess_ms)
     except (FileNotFoundError, ValueError) as e:
         return _err("plan", e)
     print(planner.format_table(plan))
@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cuda-overhead-gb", type=float, default=None, metavar="GB",
                     help="assumed CUDA context + workspace + allocator allowance, GB (default 1.0: "
                          "hybrid_vla_ros.core.planner.DEFAULT_CUDA_OVERHEAD_GB)")
+    pl.add_argument("--preprocess-ms", type=float, default=None, metavar="MS",
+                    help="camera preprocessing per frame in the prefix, ms (default: the profile's measurement "
+                         "on the embedded bag's JPEG cameras; set yours, e.g. for raw cameras or fast_jpeg_decode)")
     pl.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
     pl.add_argument("--plot", metavar="OUT.png", help="also plot memory and latency vs K (PNG)")
     pl.set_defaults(func=_plan)

@@ -27,7 +27,25 @@ from pathlib import Path
 import numpy as np
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_BAG = PACKAGE_ROOT / "data" / "dgp_scene02_6cam_mcap"
+
+
+def package_file(*parts: str) -> Path:
+    """A file or folder shipped with the package (``config/...``, ``data/...``): the source tree's, else the
+    installed ``share/hybrid_vla_ros`` copy (a colcon install keeps the Python code in site-packages and
+    these under share/). Returns the source-tree path when neither exists (callers report it missing)."""
+    local = PACKAGE_ROOT.joinpath(*parts)
+    if local.exists():
+        return local
+    try:
+        from .output_bag import share_directory
+
+        installed = share_directory("hybrid_vla_ros").joinpath(*parts)
+    except Exception:  # noqa: BLE001 - no ament index: not installed
+        return local
+    return installed if installed.exists() else local
+
+
+DEFAULT_BAG = package_file("data", "dgp_scene02_6cam_mcap")
 CAMERA_TOPIC = re.compile(r"^/sensing/camera/camera(\d+)/image_raw(/compressed)?$")
 ODOMETRY_TOPIC = "/localization/kinematic_state"
 ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
@@ -137,12 +155,7 @@ def _parse_cores(text: str | None) -> list[int]:
 
 def config_file(name: str) -> Path:
     """A file of the package's config/ folder: the source tree's, else the installed share/ copy."""
-    local = PACKAGE_ROOT / "config" / name
-    if local.is_file():
-        return local
-    from .output_bag import share_directory
-
-    return share_directory("hybrid_vla_ros") / "config" / name
+    return package_file("config", name)
 
 
 _ROS_NAMESPACE = re.compile(r"^/?([A-Za-z_][A-Za-z0-9_]*)(/[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -444,6 +457,9 @@ class ReplaySession:
             m.change_state("cleanup", self.args.timeout)
         report = _report(self.rec, frames, published, self.ns, self.k, self.cfg, self.bag.path,
                          self.args.sync_tolerance_ms)
+        report["settings"] = {"dtype": self.args.dtype, "device": self.args.device, "rate": self.args.rate,
+                              "loops": self.args.loops, "transport": self.args.transport,
+                              "fast_jpeg_decode": self.args.fast_jpeg_decode}
         report["resplits"] = _resplit_report(self.resplit_log, frames, self.rec, self.args.sync_tolerance_ms)
         applied = {(e["frame"], e["split_layer"]) for e in self.resplit_log}
         report["resplits_not_reached"] = [f"{f}:{k}" for f, k in self.args.resplit if (f, k) not in applied]

@@ -280,7 +280,29 @@ def test_profiler_reads_a_checkpoint_one_block_at_a_time(tiny_checkpoint, tmp_pa
     write_profile(doc, tmp_path / "p.json")
     plan = plan_for_checkpoint(tiny_checkpoint, tmp_path / "p.json", dtype="fp32")
     assert plan.rows[0].e2e_ms is not None
-    assert plan.notes == ["the profile has no CUDA measurements: the prefix latency is its CPU time"]
+    assert plan.notes[0] == "the profile has no CUDA measurements: the prefix latency is its CPU time"
+    assert plan.notes[1].startswith("camera preprocessing") and doc["preprocess"]["cameras"] == 6
+
+
+def test_camera_preprocessing_counts_in_the_prefix_and_moves_the_choice(tiny_checkpoint, tmp_path):
+    """The profile measures decoding and resizing the embedded bag's 6 JPEG cameras (tens of ms on this
+    machine, far more than tiny's blocks); the predicted prefix time includes it at every K, and
+    --preprocess-ms replaces it."""
+    doc = profile_model(model_path=tiny_checkpoint, device="cpu", repeats=2, warmup=1, vision_blocks="1",
+                        llm_blocks="1")
+    pre_ms = doc["preprocess"]["ms"]
+    assert pre_ms > 5 * sum(doc["devices"]["cpu"]["llm_blocks_ms"]), "decoding six 2.4 MP JPEGs dominates tiny"
+    write_profile(doc, tmp_path / "p.json")
+    with_pre = plan_for_checkpoint(tiny_checkpoint, tmp_path / "p.json", dtype="fp32")
+    without = plan_for_checkpoint(tiny_checkpoint, tmp_path / "p.json", dtype="fp32", preprocess_ms=0.0)
+    given = plan_for_checkpoint(tiny_checkpoint, tmp_path / "p.json", dtype="fp32", preprocess_ms=10.0)
+    for a, b, c in zip(with_pre.rows, without.rows, given.rows):
+        assert a.prefix_ms - b.prefix_ms == pytest.approx(pre_ms)
+        assert c.prefix_ms - b.prefix_ms == pytest.approx(10.0)
+    # prefix-bound by the cameras: the highest throughput is with the fewest blocks on the prefix
+    assert with_pre.chosen_k == 0
+    with pytest.raises(ValueError, match="preprocess_ms"):
+        plan_for_checkpoint(tiny_checkpoint, tmp_path / "p.json", preprocess_ms=float("nan"))
 
 
 def test_bad_profiles_are_rejected_with_clear_errors(tiny_profile, tmp_path):

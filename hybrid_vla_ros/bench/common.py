@@ -18,10 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..replay import package_file
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_BAG = REPO_ROOT / "data" / "dgp_scene02_6cam_mcap"
+DEFAULT_BAG = package_file("data", "dgp_scene02_6cam_mcap")  # the source tree's, else the installed copy
 NUSCENES_DIR = REPO_ROOT.parent / "shared" / "data" / "nuscenes_scene0061_mmdet3d_demo"
-SHM_PROFILE = REPO_ROOT / "config" / "fastdds_shm_large.xml"
+SHM_PROFILE = package_file("config", "fastdds_shm_large.xml")
 #: Environment variables that select a Fast DDS configuration; stripped from every rclpy worker so that each
 #: variant runs with exactly the settings it names and nothing inherited from the caller (e.g. the tests'
 #: FASTDDS_DEFAULT_PROFILES_FILE).

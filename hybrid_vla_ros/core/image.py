@@ -245,7 +245,7 @@ def _parse_format(fmt: str) -> tuple[str, bool]:
 def jpeg_size(buf: np.ndarray) -> tuple[int, int] | None:
     """(height, width) in pixels from a JPEG's start-of-frame segment (ITU-T T.81, B.2.2), or None when
     the markers before it are not well formed. ``buf``: the uint8 payload, starting with SOI."""
-    data = buf.tobytes() if buf.size < 65536 else buf[:65536].tobytes()  # SOF sits in the first headers
+    data = memoryview(buf)  # walks the marker segments in place, however long the APP/EXIF segments are
     i = 2
     while i + 9 <= len(data):
         if data[i] != 0xFF:
@@ -255,11 +255,11 @@ def jpeg_size(buf: np.ndarray) -> tuple[int, int] | None:
             i += 1
             continue
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOF0..SOF15 (not DHT, JPG, DAC)
-            return int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
+            return int.from_bytes(data[i + 5:i + 7].tobytes(), "big"), int.from_bytes(data[i + 7:i + 9].tobytes(), "big")
         if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length field
             i += 2
             continue
-        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+        i += 2 + int.from_bytes(data[i + 2:i + 4].tobytes(), "big")
     return None
 
 

@@ -310,7 +310,7 @@ class LatencyModel:
 
     prefix_device: str
     suffix_device: str
-    prefix_fixed_ms: float  # vision + projector + embeddings (K-independent)
+    prefix_fixed_ms: float  # camera preprocessing + vision + projector + embeddings (K-independent)
     prefix_rotary_ms: float
     prefix_blocks_ms: list[float]
     suffix_rotary_ms: float
@@ -336,13 +336,17 @@ def _arch_key(cfg: VLAConfig) -> dict:
             "n_modes": cfg.n_modes, "n_waypoints": cfg.n_waypoints}
 
 
-def latency_model(profile: dict, cfg: VLAConfig, dtype: str | torch.dtype) -> LatencyModel:
+def latency_model(profile: dict, cfg: VLAConfig, dtype: str | torch.dtype,
+                  preprocess_ms: float | None = None) -> LatencyModel:
     """Turn a validated profile (:func:`hybrid_vla_ros.core.profiler.load_profile`) into per-part times.
 
     The prefix runs on the profile's ``cuda`` device when it has one, else on its ``cpu`` one; the
     suffix always on ``cpu``. The hand-off line is fitted to the prefix device's ring measurements
-    (bytes -> ms). Raises ValueError when the profile was measured on another architecture (layers,
-    widths, token count, cameras...). A different dtype is allowed and recorded in ``notes``.
+    (bytes -> ms). The prefix's K-independent time includes the camera preprocessing of a frame
+    (decode, resize, normalise on the CPU): ``preprocess_ms`` when given, else the profile's
+    ``preprocess`` measurement, else none (said in ``notes``: the prediction is then too low for a
+    prefix fed JPEG cameras). Raises ValueError when the profile was measured on another architecture
+    (layers, widths, token count, cameras...). A different dtype is allowed and recorded in ``notes``.
     """
     pcfg = VLAConfig.from_dict(profile["model"]["config"])
     mine, theirs = _arch_key(cfg), _arch_key(pcfg)
@@ -362,6 +366,17 @@ def latency_model(profile: dict, cfg: VLAConfig, dtype: str | torch.dtype) -> La
     parts = pre["parts_ms"]
     fixed = (parts["vision_embeddings"] + sum(pre["vision_blocks_ms"]) + parts["vision_post"]
              + parts["projector_embed"])
+    if preprocess_ms is None and "preprocess" in profile:
+        preprocess_ms = profile["preprocess"]["ms"]
+        notes.append(f"camera preprocessing {preprocess_ms:.1f} ms a frame from the profile "
+                     f"({profile['preprocess'].get('source', 'measured')})")
+    elif preprocess_ms is None:
+        preprocess_ms = 0.0
+        notes.append("the profile has no camera preprocessing time: predicted prefix times leave out decoding "
+                     "and resizing the cameras")
+    else:
+        notes.append(f"camera preprocessing {preprocess_ms:.1f} ms a frame (given)")
+    fixed += preprocess_ms
     a, b = _fit_line([(m["bytes"], m["ms"]) for m in pre["handoff"]["ring"]])
     return LatencyModel(prefix_device=pre["name"], suffix_device=suf["name"], prefix_fixed_ms=fixed,
                         prefix_rotary_ms=parts["rotary"], prefix_blocks_ms=list(pre["llm_blocks_ms"]),
@@ -476,13 +491,14 @@ def choose_split_layer(rows: list[PlanRow], gpu_budget_bytes: int | float | None
 def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: dict | None = None,
                gpu_budget_bytes: int | float | None = None, cuda_overhead_bytes: int | float | None = None,
                suffix_dtype: str | torch.dtype | None = None, model_name: str = "",
-               profile_name: str | None = None) -> Plan:
+               profile_name: str | None = None, preprocess_ms: float | None = None) -> Plan:
     """Memory (and, with a profile, latency) of every split layer of ``cfg``, and the chosen K.
 
     ``dtype``: the prefix dtype on the GPU; ``suffix_dtype``: the suffix's on the CPU (default: the
     same, as the nodes load both stages in one dtype). ``cuda_overhead_bytes`` defaults to
     :data:`DEFAULT_CUDA_OVERHEAD_GB` GB. ``profile``: a dict from
-    :func:`hybrid_vla_ros.core.profiler.load_profile`. Runs on the meta device: no tensor memory, well
+    :func:`hybrid_vla_ros.core.profiler.load_profile`; ``preprocess_ms``: camera preprocessing per frame
+    (ms) to use instead of the profile's (see :func:`latency_model`). Runs on the meta device: no tensor memory, well
     under a second for 7B. Raises ValueError (bad dtype, profile of another architecture, no K fits
     the budget), RuntimeError if the ring's slot size for the hidden states disagrees with the
     hand-off payload computed here.
@@ -500,7 +516,7 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
     slot = slot_bytes_for(cfg.prefix_state_shape, dtype)
     if slot != max(64, -(-payload // 64) * 64):  # the ring and this plan must agree on the payload
         raise RuntimeError(f"ring slot {slot} bytes disagrees with the hand-off payload {payload} bytes")
-    lat = latency_model(profile, cfg, dtype) if profile is not None else None
+    lat = latency_model(profile, cfg, dtype, preprocess_ms) if profile is not None else None
     rows = []
     for k in range(cfg.num_layers + 1):
         act, phase = activation_peak(cfg, k, dtype, "prefix")
@@ -537,27 +553,32 @@ def _gb_to_bytes(gb: float | None) -> int | None:
 
 def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None = None,
                         gpu_budget_gb: float | None = None, dtype: str = "fp16",
-                        cuda_overhead_gb: float | None = None) -> Plan:
+                        cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None) -> Plan:
     """Plan the checkpoint at ``model_path`` (reads only its config.json): the entry point for
     ``split_layer: auto``.
 
     ``profile_path``: a profile JSON (:mod:`hybrid_vla_ros.core.profiler`) or None; ``gpu_budget_gb``:
     GPU memory for the prefix in GB (1e9 bytes), None for no limit; ``dtype``: the stages' dtype;
-    ``cuda_overhead_gb``: the CUDA context/workspace allowance (None: :data:`DEFAULT_CUDA_OVERHEAD_GB`).
+    ``cuda_overhead_gb``: the CUDA context/workspace allowance (None: :data:`DEFAULT_CUDA_OVERHEAD_GB`);
+    ``preprocess_ms``: camera preprocessing per frame, ms (None: the profile's measurement).
     Returns a :class:`Plan` (``.chosen_k``, ``.reason``, ``.rows``). Raises FileNotFoundError (no config
     or profile), ValueError (bad config, dtype or profile, no K fits the budget).
     """
     cfg = VLAConfig.load(model_path)
-    return _plan_with(cfg, str(model_path), profile_path, gpu_budget_gb, dtype, cuda_overhead_gb)
+    return _plan_with(cfg, str(model_path), profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms)
 
 
 def plan_for_preset(name: str, profile_path: str | Path | None = None, gpu_budget_gb: float | None = None,
-                    dtype: str = "fp16", cuda_overhead_gb: float | None = None, **overrides) -> Plan:
+                    dtype: str = "fp16", cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None,
+                    **overrides) -> Plan:
     """Like :func:`plan_for_checkpoint` for a preset architecture (``overrides`` as in :func:`preset`)."""
-    return _plan_with(preset(name, **overrides), name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb)
+    return _plan_with(preset(name, **overrides), name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb,
+                      preprocess_ms)
 
 
-def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb) -> Plan:
+def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms=None) -> Plan:
+    if preprocess_ms is not None and not (preprocess_ms >= 0 and math.isfinite(preprocess_ms)):
+        raise ValueError(f"preprocess_ms must be a finite number >= 0, got {preprocess_ms!r}")
     profile = None
     if profile_path is not None:
         from .profiler import load_profile
@@ -565,7 +586,7 @@ def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb) 
         profile = load_profile(profile_path)
     return plan_split(cfg, dtype, profile=profile, gpu_budget_bytes=_gb_to_bytes(gpu_budget_gb),
                       cuda_overhead_bytes=_gb_to_bytes(cuda_overhead_gb), model_name=name,
-                      profile_name=None if profile_path is None else str(profile_path))
+                      profile_name=None if profile_path is None else str(profile_path), preprocess_ms=preprocess_ms)
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -28,6 +28,8 @@ Profile file (JSON, :data:`PROFILE_SCHEMA`, checked by :func:`load_profile`)::
     prefix_state_shape  [T, H] or [2, T, H]; handoff_bytes: its size in bytes
     settings            {"warmup": int, "repeats": int, "vision_blocks": "all" | "1", "llm_blocks": "all" | "1"}
     devices             {"cpu": DEVICE, "cuda": DEVICE (only when measured)}
+    preprocess          {"ms", "min_ms": camera decode + resize + normalise of one frame on the CPU, ms;
+                         "cameras": int; "source": str} (absent when the embedded bag was not found)
     DEVICE = {
       "kind": "cpu" | "cuda", "name": "cpu" | "cuda:0", "description": CPU model or GPU name,
       "cores": [int] (CPU cores the process was pinned to), "threads": int (torch intra-op threads),
@@ -126,6 +128,9 @@ PROFILE_SCHEMA = {
                                     "vision_blocks": {"enum": ["all", "1"]}, "llm_blocks": {"enum": ["all", "1"]}}},
         "devices": {"type": "object", "required": ["cpu"],
                     "properties": {"cpu": _DEVICE, "cuda": _DEVICE}, "additionalProperties": False},
+        "preprocess": {"type": "object", "required": ["ms"],
+                       "properties": {"ms": _MS, "min_ms": _MS, "cameras": {"type": "integer", "minimum": 1},
+                                      "source": {"type": "string"}}},
     },
 }
 
@@ -487,6 +492,44 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
             "handoff": handoff}
 
 
+def measure_preprocess(cfg: VLAConfig, *, warmup: int = 1, repeats: int = 5, log=None) -> dict | None:
+    """Camera preprocessing of one frame on the CPU, as the prefix node does it: decode the embedded bag's
+    JPEG cameras (1936 x 1216; as many as the model takes, cycling through the bag's 6) and resize and
+    normalise them to the model input (``core.image``). Returns ``{"ms": median ms, "min_ms": ms,
+    "source": str, "cameras": int}``, or None when the embedded bag is not found. The prefix pays this
+    every frame before its model stages, whatever K is."""
+    from ..replay import DEFAULT_BAG, read_bag
+    from .image import decode_compressed, preprocess
+
+    try:
+        from rosbags.typesys import Stores, get_typestore
+
+        store = get_typestore(Stores.ROS2_KILTED)
+        first = {}
+        for m in read_bag(DEFAULT_BAG):
+            if m.topic.endswith("/compressed") and m.topic not in first:
+                first[m.topic] = store.deserialize_cdr(m.raw, m.msgtype)
+    except Exception as e:  # noqa: BLE001 - no bag (e.g. an install without data): no preprocessing figure
+        if log:
+            log(f"  camera preprocessing not measured: {type(e).__name__}: {e}")
+        return None
+    if not first:
+        return None
+    msgs = [first[t] for t in sorted(first)]
+    cams = [msgs[i % len(msgs)] for i in range(cfg.n_cameras)]
+    out = torch.empty((cfg.n_cameras, 3, cfg.image_size, cfg.image_size), dtype=torch.float32)
+
+    def once() -> None:
+        preprocess([decode_compressed(m.format, m.data) for m in cams], cfg.image_size, cfg.image_mean,
+                   cfg.image_std, out=out)
+
+    median, fastest = _time_ms(once, torch.device("cpu"), warmup, repeats)
+    if log:
+        log(f"  camera preprocessing: {median:.2f} ms ({cfg.n_cameras} JPEG cameras of the embedded bag)")
+    return {"ms": median, "min_ms": fastest, "cameras": cfg.n_cameras,
+            "source": f"{cfg.n_cameras} JPEG cameras (1936x1216) of the embedded DGP bag, decode + resize + normalise"}
+
+
 def profile_model(*, preset_name: str | None = None, model_path: str | Path | None = None, dtype: str = "fp32",
                   cores: list[int] | None = None, threads: int | None = None, device: str = "auto",
                   repeats: int = 5, warmup: int = 1, vision_blocks: str = "all", llm_blocks: str = "all",
@@ -539,6 +582,7 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
                 devices["cuda"] = _profile_device(cfg, torch.device("cuda", torch.cuda.current_device()), tdtype,
                                                   **kw)
             devices["cpu"] = _profile_device(cfg, torch.device("cpu"), tdtype, **kw)
+        preprocess_doc = measure_preprocess(cfg, warmup=warmup, repeats=repeats, log=log)
     finally:
         torch.set_num_threads(old_threads)
         if cores is not None:
@@ -554,4 +598,5 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
         "handoff_bytes": torch.Size(cfg.prefix_state_shape).numel() * torch.empty((), dtype=tdtype).element_size(),
         "settings": {"warmup": warmup, "repeats": repeats, "vision_blocks": vision_blocks, "llm_blocks": llm_blocks},
         "devices": devices,
+        **({"preprocess": preprocess_doc} if preprocess_doc else {}),
     }

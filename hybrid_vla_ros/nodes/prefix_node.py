@@ -110,6 +110,8 @@ class PrefixNode(common.PipelineNode):
         self.get_logger().info(
             f"configured: split_layer={self.runner.split_layer}/{cfg.num_layers} device={self.runner.device} dtype={p.dtype} "
             f"hidden states {cfg.prefix_state_shape} -> ring '{self.runner.ring.name}' ({p.ring_slots} slots)"
+            + ("; fast_jpeg_decode ON (JPEGs decoded scaled down: validate the model with it)"
+               if p.fast_jpeg_decode else "")
             + (f"; ego state input (wait {p.ego_state_wait_s} s, max age {p.max_ego_state_age_s} s)"
                if cfg.ego_state_input else "")
             + (" [random-init weights: trajectories are not driving advice]" if cfg.random_init else ""))
@@ -375,6 +377,7 @@ class PrefixNode(common.PipelineNode):
                 "ring_dropped_oldest": ring.get("dropped_oldest", 0),
                 "split_layer": self.runner.split_layer if self.runner is not None else "",
                 "split_layer_auto": self.plan is not None, "resplits": self.resplits,
+                "fast_jpeg_decode": bool(self.params.fast_jpeg_decode) if self.params else "",
                 "ego_state_input": self.runner is not None and self.runner.cfg.ego_state_input,
                 **{f"ego_accel_{source}": n for source, n in self.ego_accel_sources.items()},
                 "ego_time_jumps": self._ego.time_jumps}
