@@ -136,6 +136,43 @@ def _versions() -> dict:
     return out
 
 
+def _setting_problems(args: argparse.Namespace, s: dict, parts: list[str]) -> list[str]:
+    """Bad option values, found before anything is measured (one line each)."""
+    from ..core.config import PRESETS
+    from .handoff import RCLPY_VARIANTS
+
+    problems = []
+    if not parts:
+        problems.append("--only names no part")
+    unknown = [v for v in s["rclpy_variants"] if v not in RCLPY_VARIANTS]
+    if unknown:
+        problems.append(f"--rclpy-variants {unknown}: use {', '.join(RCLPY_VARIANTS)} or none")
+    bad = [v for v in s["sequential"] if v not in ("1core", "2core")]
+    if bad:
+        problems.append(f"--sequential {bad}: use 1core, 2core")
+    bad = [v for v in set(s["presets"]) | set(s["flops_presets"]) if v not in PRESETS]
+    if bad:
+        problems.append(f"--presets {sorted(bad)}: use {', '.join(PRESETS)}")
+    bad = [v for v in [args.dtype, *args.flops_dtypes] if v not in ("fp32", "bf16", "fp16")]
+    if bad:
+        problems.append(f"dtype {bad}: use fp32, bf16, fp16")
+    if any(not (x > 0) for x in s["sizes_mib"]):
+        problems.append(f"--sizes-mib {s['sizes_mib']}: sizes must be > 0")
+    for key in ("count", "rclpy_count", "frames", "flops_repeats", "flops_blocks", "preprocess_frames"):
+        if s.get(key) is not None and s[key] < 1:
+            problems.append(f"--{key.replace('_', '-')} must be >= 1, got {s[key]}")
+    bad = {k: v for k, v in args.image_size.items() if v < 1}
+    if bad:
+        problems.append(f"--image-size {bad}: sizes must be >= 1 pixel")
+    bad = {k: v for k, v in args.split.items() if v < 0}
+    if bad:
+        problems.append(f"--split {bad}: split layers must be >= 0")
+    out = Path(args.json)
+    if out.is_dir() or (out.parent.exists() and not os.access(out.parent, os.W_OK)):
+        problems.append(f"--json {out}: not a writable file path")
+    return problems
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the selected parts; write JSON, Markdown and (with --plots) PNGs; print the tables."""
     from . import report
@@ -164,6 +201,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     s = _settings(args)
+    problems = _setting_problems(args, s, parts)
+    if problems:
+        for line in problems:
+            print(f"hybrid-vla bench: {line}", file=sys.stderr)
+        return 2
     from .pipeline import DEFAULT_IMAGE_SIZES
 
     image_sizes = {**DEFAULT_IMAGE_SIZES, **args.image_size}
