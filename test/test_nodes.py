@@ -1,4 +1,4 @@
-"""The two lifecycle nodes as real processes: lifecycle services, split-layer mismatch, re-configure.
+"""The two lifecycle nodes as real processes: lifecycle services, split-layer following, live re-split, re-configure.
 
 The test process acts as lifecycle manager and camera driver: it calls ChangeState / SetParameters
 on the nodes and publishes real frames of the embedded bag.
@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,14 +15,14 @@ import yaml
 
 rclpy = pytest.importorskip("rclpy")
 
-from rcl_interfaces.srv import GetParameters, SetParameters  # noqa: E402
-from rclpy.parameter import Parameter, parameter_value_to_python  # noqa: E402
+from rcl_interfaces.srv import GetParameters  # noqa: E402
+from rclpy.parameter import parameter_value_to_python  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.serialization import deserialize_message  # noqa: E402
 
 from hybrid_vla_ros.core.shm_ring import segment_name  # noqa: E402
 from hybrid_vla_ros.lifecycle_client import LifecycleClient  # noqa: E402
-from hybrid_vla_ros.replay import launch_node, message_class, read_bag, stop_processes  # noqa: E402
+from hybrid_vla_ros.replay import set_parameter, launch_node, message_class, read_bag, stop_processes  # noqa: E402
 
 
 class Graph:
@@ -128,15 +129,8 @@ def _frame_publisher(graph, ns, embedded_bag):
 
 def _try_set_param(graph, target, name, value):
     """Set one parameter through the node's SetParameters service (as `ros2 param set` does); its result."""
-    client = graph.node.create_client(SetParameters, f"{target}/set_parameters")
-    assert client.wait_for_service(10)
-    req = SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()])
-    done = threading.Event()
-    future = client.call_async(req)
-    future.add_done_callback(lambda _: done.set())
-    assert done.wait(10)
-    graph.node.destroy_client(client)
-    return future.result().results[0]
+    ok, reason = set_parameter(graph.node, target, name, value)
+    return SimpleNamespace(successful=ok, reason=reason)
 
 
 def _get_param(graph, target, name):

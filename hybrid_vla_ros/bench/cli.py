@@ -17,7 +17,8 @@ import time
 import traceback
 from pathlib import Path
 
-from .common import DEFAULT_BAG, NUSCENES_DIR, NoiseMeter, REPO_ROOT, cpu_flags, cpu_model, parse_cores
+from ..core.affinity import cpu_model
+from .common import DEFAULT_BAG, NUSCENES_DIR, NoiseMeter, REPO_ROOT, cpu_flags, parse_cores
 
 PARTS = ("handoff", "pipeline", "flops", "preprocess")
 #: One-line description for the ``bench`` subcommand's help.

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import random
 import select
 import socket
@@ -75,17 +74,6 @@ def time_call(fn, *, repeats: int, min_sample_s: float = 0.02, warmup: int = 1) 
 
 
 # ------------------------------------------------------------------------------------------------ host
-
-def cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo (or platform's guess)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def cpu_flags() -> list[str]:
     """The vector ISA flags of interest (AVX2, AVX-512 F/BF16/VNNI, AMX) that /proc/cpuinfo lists."""

@@ -61,6 +61,7 @@ def payload_shape(size_mib: float) -> tuple[int, int]:
 
 
 def payload_bytes(size_mib: float) -> int:
+    """Bytes of the bf16 (tokens, hidden) payload used for ``size_mib`` MiB (:func:`payload_shape`)."""
     t, h = payload_shape(size_mib)
     return t * h * BYTES_PER_ELEMENT
 

@@ -436,6 +436,9 @@ def run_pipeline_once(model_path: Path, split_layer: int, dtype: str, *, prefix_
 
 def run_sequential(model_path: Path, split_layer: int, dtype: str, *, cores, frames: int, warmup: int, bag: Path,
                    expected_frame_s: float) -> dict:
+    """The stages one after the other in one worker pinned to ``cores`` on the same bag frames: frames/s and
+    end-to-end ms (p50) of ``frames`` frames after ``warmup``, the baseline of the pipeline's efficiency.
+    ``expected_frame_s`` (s) sizes the worker's time budget. Raises what the worker raised."""
     ring = f"bench_seq_{uuid.uuid4().hex[:10]}"
     args = {"model_path": str(model_path), "split_layer": split_layer, "dtype": dtype, "ring_name": ring,
             "threads": len(cores), "total": warmup + frames, "bag": str(bag)}

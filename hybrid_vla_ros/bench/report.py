@@ -294,6 +294,8 @@ def _plt():
 
 
 def plot_handoff(h: dict, path: Path) -> Path:
+    """Hand-off PNG at ``path``: latency p50 (bar to p90, ms) and CPU ms per message against payload MiB, log-log,
+    one colour per method (memcpy, ring, each rclpy variant). ``h``: the document's ``handoff`` part."""
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     sizes = [r["size_mib"] for r in h["sizes"]]
@@ -332,6 +334,9 @@ _LAT_PARTS = (("preprocess_ms", "preprocess"), ("prefix_ms", "prefix"), ("gap_ms
 
 
 def plot_pipeline(p: dict, path: Path) -> Path:
+    """Pipeline PNG at ``path``, per preset: frames/s of the pipeline, its ideal and the sequential baselines, and
+    end-to-end ms against the stage times.
+    ``p``: the document's ``pipeline`` part."""
     plt = _plt()
     presets = p["presets"]
     fig, axes = plt.subplots(len(presets), 2, figsize=(12, 3.2 * len(presets)), squeeze=False)
@@ -389,6 +394,8 @@ def plot_timeline(p: dict, path: Path, max_frames: int = 8) -> Path:
 
 
 def plot_flops(f: dict, path: Path) -> Path:
+    """FLOP/s PNG at ``path``: achieved suffix GFLOP/s against the GEMM peak per preset and dtype.
+    ``f``: the document's ``suffix_flops`` part."""
     plt = _plt()
     res = f["results"]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(res)), 4.5))
@@ -410,6 +417,8 @@ def plot_flops(f: dict, path: Path) -> Path:
 
 
 def plot_preprocess(q: dict, path: Path) -> Path:
+    """Preprocessing PNG at ``path``: decode, resize + normalise and prefix model ms per preset and input kind.
+    ``q``: the document's ``preprocess`` part."""
     plt = _plt()
     res = q["results"]
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(res) + 1.5))

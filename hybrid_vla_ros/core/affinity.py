@@ -15,6 +15,19 @@ from pathlib import Path
 import yaml
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (``platform``'s guess where that has none)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _parse_core_list(text: str) -> list[int]:
     """'[1, 2]' or '1,2' or '3' -> [1, 2] / [3]. Raises ValueError on anything else."""
     value = yaml.safe_load(text)

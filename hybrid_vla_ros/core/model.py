@@ -344,7 +344,8 @@ class SuffixStage(nn.Module):
         if isinstance(k, bool) or not self.split_layer <= k <= self.cfg.num_layers:
             raise ValueError(f"hidden states at split layer {k}: this suffix holds blocks "
                              f"[{self.split_layer}, {self.cfg.num_layers})")
-        return plan(self, run_blocks(self, self.layers[k - self.split_layer:], hidden_states), command)
+        layers = self.layers if k == self.split_layer else self.layers[k - self.split_layer:]
+        return plan(self, run_blocks(self, layers, hidden_states), command)
 
     def move_split(self, split_layer: int, load_blocks) -> None:
         """Re-split in place: own blocks [split_layer, L) from now on.

@@ -191,6 +191,31 @@ class BlockPrefetcher:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+class SplitRequest:
+    """The newest split layer asked for by another thread (a parameter callback), until a runner takes it.
+
+    ``set(k)`` records it; ``pending`` is it (None when there is none); ``done(k)`` clears it, but only
+    if no newer request replaced ``k`` meanwhile (that one stays for the next frame boundary).
+    """
+
+    def __init__(self):
+        self._k: int | None = None
+        self._lock = threading.Lock()
+
+    def set(self, k: int) -> None:
+        with self._lock:
+            self._k = k
+
+    @property
+    def pending(self) -> int | None:
+        return self._k
+
+    def done(self, k: int) -> None:
+        with self._lock:
+            if self._k == k:
+                self._k = None
+
+
 class ResplitError(RuntimeError):
     """Loading the blocks for a requested split layer failed; the request is dropped and K stays."""
 
@@ -262,8 +287,7 @@ class PrefixRunner:
         self.stage = load_stage(model_path, "prefix", split_layer, device=self.device, dtype=self.dtype)
         self.cfg = self.stage.cfg
         self.split_layer = split_layer
-        self._requested_split: int | None = None
-        self._split_lock = threading.Lock()
+        self._request = SplitRequest()
         self.model_id = model_id(model_path)
         self.prefetcher = BlockPrefetcher(self.model_path, self.device, self.dtype, self.model_id)
         self.state_shape = self.cfg.prefix_state_shape
@@ -282,17 +306,16 @@ class PrefixRunner:
         later frame carries the new K in its slot header. Raises ValueError for a K out of [0, L].
         """
         check_split_layer(self.cfg, split_layer)
-        with self._split_lock:
-            self._requested_split = split_layer
-            if split_layer > self.split_layer:
-                self.prefetcher.prefetch(self.split_layer, split_layer)
-            else:
-                self.prefetcher.discard()  # a load for an earlier move up is no longer wanted
+        self._request.set(split_layer)
+        if split_layer > self.split_layer:
+            self.prefetcher.prefetch(self.split_layer, split_layer)
+        else:
+            self.prefetcher.discard()  # a load for an earlier move up is no longer wanted
 
     @property
     def split_requested(self) -> bool:
         """True while a :meth:`request_split_layer` waits to be applied."""
-        return self._requested_split is not None
+        return self._request.pending is not None
 
     def apply_split_request(self, timeout: float | None = 0.0) -> Resplit | None:
         """Apply a pending :meth:`request_split_layer`: swap in the blocks loaded in the background when K
@@ -300,30 +323,25 @@ class PrefixRunner:
         their device memory when it goes down. Returns what it cost, or None when nothing was applied
         (no request, or the blocks are still loading: the request stays pending). Raises what loading
         the blocks raised as :class:`ResplitError` (the request is then dropped and K stays)."""
-        with self._split_lock:
-            k = self._requested_split
-            if k is None or k == self.split_layer:
-                self._requested_split = None
-                return None
+        k = self._request.pending
+        if k is None or k == self.split_layer:
+            if k is not None:
+                self._request.done(k)
+            return None
         t0 = time.perf_counter()
         blocks, load_ms = None, 0.0
         if k > self.split_layer:
             try:
                 blocks, load_ms = self.prefetcher.take(self.split_layer, k, timeout)
             except Exception as e:
-                with self._split_lock:
-                    if self._requested_split == k:
-                        self._requested_split = None
+                self._request.done(k)
                 raise ResplitError(f"split layer {k} not applied, K stays {self.split_layer}: "
                                    f"{type(e).__name__}: {e}") from e
             if blocks is None:
                 return None
-        with self._split_lock:
-            if self._requested_split == k:
-                self._requested_split = None
-            # else a newer request arrived meanwhile: apply this one now, the newer one on the next call
-            if k < self.split_layer:
-                self.prefetcher.discard()
+        else:
+            self.prefetcher.discard()
+        self._request.done(k)  # a newer request that arrived meanwhile stays for the next call
         event = _move_split(self.stage, k, self.device, blocks, load_ms, t_start=t0)
         self.split_layer = k
         return event
@@ -443,9 +461,8 @@ class SuffixRunner:
         self.stage = load_stage(model_path, "suffix", split_layer, device="cpu", dtype=self.dtype)
         self.cfg = self.stage.cfg
         self.split_layer = split_layer  # K of the last frame computed (or the configured one)
-        self._requested_split: int | None = None
+        self._request = SplitRequest()
         self._keep_from: int | None = None  # keep blocks from here on for an announced move down
-        self._split_lock = threading.Lock()
         self.prefetcher = BlockPrefetcher(self.model_path, torch.device("cpu"), self.dtype, model_id(model_path))
         self._events: list[Resplit] = []  # moves made while no frame was returned, reported with the next
         self.model_id = model_id(model_path)
@@ -484,12 +501,11 @@ class SuffixRunner:
         background, swapped in between frames and kept until a frame at that K arrives, so the prefix's
         move down costs no wait here. Raises ValueError for a K out of [0, L]."""
         check_split_layer(self.cfg, split_layer)
-        with self._split_lock:
-            self._requested_split = split_layer
-            if split_layer < self.stage.split_layer:
-                self.prefetcher.prefetch(split_layer, self.stage.split_layer)
-            else:
-                self.prefetcher.discard()
+        self._request.set(split_layer)
+        if split_layer < self.stage.split_layer:
+            self.prefetcher.prefetch(split_layer, self.stage.split_layer)
+        else:
+            self.prefetcher.discard()
 
     def _load_front(self, k: int, on_demand: bool, timeout: float | None) -> Resplit | None:
         """Prepend blocks [k, first held) (prefetched, or loaded now); None when not loaded within ``timeout``."""
@@ -500,34 +516,27 @@ class SuffixRunner:
         return _move_split(self.stage, k, torch.device("cpu"), blocks, load_ms, on_demand, t_start=t0)
 
     def _before_frame(self) -> None:
-        with self._split_lock:
-            k = self._requested_split
+        k = self._request.pending
         if k is None:
             return
         if k < self.stage.split_layer:
             try:
                 event = self._load_front(k, False, 0.0)
             except Exception as e:
-                with self._split_lock:
-                    if self._requested_split == k:
-                        self._requested_split = None
+                self._request.done(k)
                 raise ResplitError(f"preparing blocks [{k}, {self.stage.split_layer}) failed, request dropped: "
                                    f"{type(e).__name__}: {e}") from e
             if event is None:
                 return  # still loading: swapped in before a later frame (or waited for by the frame that needs it)
             self._events.append(event)
-        with self._split_lock:
-            if self._requested_split == k:
-                self._requested_split = None
+        self._request.done(k)
         self._keep_from = k if k < self.split_layer else None
 
     def _after_frame(self, k: int) -> None:
         self.split_layer = k
         if self._keep_from is not None and k <= self._keep_from:
             self._keep_from = None  # the announced move down has happened
-        with self._split_lock:
-            pending = self._requested_split
-        keep = min(x for x in (k, self._keep_from, pending) if x is not None)
+        keep = min(x for x in (k, self._keep_from, self._request.pending) if x is not None)
         if keep > self.stage.split_layer:
             self._events.append(_move_split(self.stage, keep, torch.device("cpu")))
 

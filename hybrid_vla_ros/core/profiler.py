@@ -63,7 +63,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .affinity import pin_process
+from .affinity import cpu_model, pin_process
 from .checkpoint import WEIGHTS_FILE, load_stage, parse_dtype
 from .config import VLAConfig, preset
 from .model import DEFAULT_COMMAND, LLM_FAMILIES, PrefixStage, SuffixStage, embed, llm_config, plan
@@ -327,16 +327,6 @@ def _block_from_checkpoint(path: Path, cfg: VLAConfig, index: int, device: torch
     return block.eval().requires_grad_(False)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def measure_handoff(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, warmup: int, repeats: int,
                     scales: tuple[float, ...] = (0.5, 1.0, 2.0)) -> dict:
     """Hand-off time of hidden states of ``shape`` (and of the token dim scaled by ``scales``) from ``device``.
@@ -483,7 +473,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
         props = torch.cuda.get_device_properties(device)
         desc, extra = props.name, {"total_memory_bytes": int(props.total_memory)}
     else:
-        desc, extra = _cpu_model(), {}
+        desc, extra = cpu_model(), {}
     return {"kind": device.type, "name": str(device), "description": desc,
             "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), **extra,
             "parts_ms": {k: timing[k] for k in PART_KEYS}, "vision_blocks_ms": vis_ms,
@@ -591,7 +581,7 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
         "format_version": PROFILE_FORMAT_VERSION, "kind": PROFILE_KIND,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "torch_version": torch.__version__, "python_version": sys.version.split()[0], "platform": platform.platform(),
-        "host": {"cpu_model": _cpu_model(), "logical_cpus": os.cpu_count() or 1},
+        "host": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count() or 1},
         "model": {"source": "checkpoint" if model_path is not None else "preset", "preset": cfg.preset or None,
                   "path": str(model_path) if model_path is not None else None, "config": cfg.to_dict()},
         "dtype": DTYPE_NAMES[tdtype], "prefix_state_shape": list(cfg.prefix_state_shape),
