@@ -1,6 +1,6 @@
 # Quick start: `make demo` then `make test`. Both bootstrap .venv on first use (a few minutes).
 PY := .venv/bin/python
-HV := $(PY) -m hybrid_vla_ros.cli
+HV := $(PY) -m hybrid_vla_ros
 MODEL := out/models/tiny
 BAG := data/dgp_scene02_6cam_mcap
 LOOPS ?= 5

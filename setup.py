@@ -26,9 +26,9 @@ setup(
     tests_require=["pytest"],
     entry_points={
         "console_scripts": [
-            "prefix_node = hybrid_vla_ros.nodes.prefix_node:main",
-            "suffix_node = hybrid_vla_ros.nodes.suffix_node:main",
-            "hybrid-vla = hybrid_vla_ros.cli:main",
+            "prefix_node = hybrid_vla_ros.ros.prefix_node:main",
+            "suffix_node = hybrid_vla_ros.ros.suffix_node:main",
+            "hybrid-vla = hybrid_vla_ros.tools.cli:main",
         ],
     },
 )

@@ -16,7 +16,6 @@ navigation command name (``std_msgs/String``) on ``input_navigation_command``, i
 ``navigation_command`` (default: the parameter file's, LANE_FOLLOW as shipped).
 """
 import yaml
-from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
@@ -25,6 +24,8 @@ from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
 from launch_ros.substitutions import FindPackageShare
 from lifecycle_msgs.msg import Transition
+
+from launch import LaunchDescription
 
 PACKAGE = "hybrid_vla_ros"
 N_CAMERAS = 6

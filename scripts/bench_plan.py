@@ -3,7 +3,7 @@
 
 For each model (default: ``smol`` and ``minddrive-0.5b``):
 
-1. profile it with :func:`hybrid_vla_ros.core.profiler.profile_model` on CPU core 0 with one torch
+1. profile it with :func:`hybrid_vla_ros.split.profiler.profile_model` on CPU core 0 with one torch
    thread (``smol``: its real checkpoint written by ``init_model("smol", dir)``, SmolLM2-135M LLM from
    the GGUF file; ``minddrive-0.5b``: random weights, one representative vision block);
 2. predict prefix / hand-off / suffix / end-to-end ms for every K with the planner;
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from hybrid_vla_ros.core.checkpoint import init_model, load_stage
-from hybrid_vla_ros.core.config import preset
-from hybrid_vla_ros.core.model import VLAModel, embed, plan, run_blocks
-from hybrid_vla_ros.core.planner import GB, choose_split_layer, plan_split
-from hybrid_vla_ros.core.profiler import measure_handoff, profile_model, random_init_
+from hybrid_vla_ros.model.checkpoint import init_model, load_stage
+from hybrid_vla_ros.model.config import preset
+from hybrid_vla_ros.model.modeling import VLAModel, embed, plan, run_blocks
+from hybrid_vla_ros.split.planner import GB, choose_split_layer, plan_split
+from hybrid_vla_ros.split.profiler import measure_handoff, profile_model, random_init_
 
 PREFIX_CORE, SUFFIX_CORE = 0, 1
 

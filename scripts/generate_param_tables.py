@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hybrid_vla_ros.core import params  # noqa: E402  (after the path set-up above)
+from hybrid_vla_ros.ros import params  # noqa: E402  (after the path set-up above)
 
 
 def _cell(text: str) -> str:

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from hybrid_vla_ros.frame_player import LoopingFramePlayer  # noqa: E402
+from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
 
 # Causes counted per camera or odometry message, not per frame (see core/sync.py and the suffix node).
 MESSAGE_CAUSES = {"prefix": {"unsynced", "queue_overflow", "out_of_order", "duplicate", "time_jump", "bad_stamp"},
@@ -218,8 +218,8 @@ class Pipeline:
     def __init__(self, graph: Graph, ns: str, model: Path, split_layer: int, out: Path):
         import yaml
 
-        from hybrid_vla_ros.lifecycle_client import LifecycleClient
-        from hybrid_vla_ros.replay import launch_node
+        from hybrid_vla_ros.ros.lifecycle_client import LifecycleClient
+        from hybrid_vla_ros.tools.replay import launch_node
 
         common = {"model_path": str(model), "split_layer": split_layer, "dtype": "fp32"}
         params = {
@@ -248,7 +248,7 @@ class Pipeline:
                     raise RuntimeError(f"{transition} of {role}_node failed ({detail}); see {self.out}")
 
     def shut_down(self) -> list[int]:
-        from hybrid_vla_ros.replay import stop_processes
+        from hybrid_vla_ros.tools.replay import stop_processes
 
         for transition in ("deactivate", "cleanup"):
             for role, client in self.clients.items():
@@ -399,7 +399,7 @@ def run(args) -> dict:
     if args.model_path:
         model = Path(args.model_path)
     else:
-        from hybrid_vla_ros.core.checkpoint import init_model
+        from hybrid_vla_ros.model.checkpoint import init_model
 
         model = Path(tmp.name) / "tiny"
         init_model("tiny", model)

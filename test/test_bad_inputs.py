@@ -27,16 +27,16 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+import bad_input_bags as bags
 import cv2
 import numpy as np
 import pytest
 import torch
 
-import bad_input_bags as bags
-from hybrid_vla_ros.core.checkpoint import load_stage
-from hybrid_vla_ros.core.image import SUPPORTED_ENCODINGS, compressed_msg_to_rgb, image_msg_to_rgb, preprocess
-from hybrid_vla_ros.core.odometry import OdometryBuffer
-from hybrid_vla_ros.core.trajectory import ego_state_from_odometry, waypoints_to_trajectory
+from hybrid_vla_ros.model.checkpoint import load_stage
+from hybrid_vla_ros.vehicle.image import SUPPORTED_ENCODINGS, compressed_msg_to_rgb, image_msg_to_rgb, preprocess
+from hybrid_vla_ros.vehicle.odometry import OdometryBuffer
+from hybrid_vla_ros.vehicle.trajectory import ego_state_from_odometry, waypoints_to_trajectory
 
 REPO = Path(__file__).resolve().parent.parent
 DROP_LINE = re.compile(r"dropped \((\w+), (\d+) so far\): (.*)")
@@ -46,7 +46,7 @@ WHEELBASE_M = 2.79  # suffix_node default
 
 def _replay(bag: bags.BadInputBag, out: Path, checkpoint: Path) -> SimpleNamespace:
     """Play ``bag`` once through both node processes; what came back (report, logs, trajectories)."""
-    cmd = [sys.executable, "-m", "hybrid_vla_ros.cli", "replay", "--bag", str(bag.path), "--transport", bag.transport,
+    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--bag", str(bag.path), "--transport", bag.transport,
            "--model-path", str(checkpoint), "--namespace", f"/bad_{uuid.uuid4().hex[:8]}", "--output", str(out),
            "--quiet", "--timeout", "30"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -64,7 +64,7 @@ def _trajectories(path: Path) -> dict[int, object]:
     """Published trajectories by header stamp (ns), from the replay's output bag."""
     from rosbags.highlevel import AnyReader
 
-    from hybrid_vla_ros.output_bag import _typestore_with_autoware
+    from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
 
     if not (path / "metadata.yaml").exists():
         return {}

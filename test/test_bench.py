@@ -1,4 +1,4 @@
-"""hybrid_vla_ros.bench: the arithmetic (FLOP counts, split choice, pipeline figures) and the plumbing (a quick
+"""hybrid_vla_ros.tools.bench: the arithmetic (FLOP counts, split choice, pipeline figures) and the plumbing (a quick
 run writes a complete JSON document and PNGs). No test asserts a timing: the bench reports figures, the goals
 are evaluated in its output."""
 import json
@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_vla_ros.bench import report
-from hybrid_vla_ros.bench.cli import main as bench_main
-from hybrid_vla_ros.bench.common import percentiles, time_call
-from hybrid_vla_ros.bench.handoff import payload_bytes, payload_shape, run_handoff
-from hybrid_vla_ros.bench.pipeline import choose_split, frame_rows, model_overrides, summarize_pipeline
-from hybrid_vla_ros.bench.suffix_flops import block_flops, gemm_shapes, head_flops, suffix_flops
-from hybrid_vla_ros.core.config import preset
-
+from hybrid_vla_ros.model.config import preset
+from hybrid_vla_ros.tools.bench import report
+from hybrid_vla_ros.tools.bench.cli import main as bench_main
+from hybrid_vla_ros.tools.bench.common import percentiles, time_call
+from hybrid_vla_ros.tools.bench.handoff import payload_bytes, payload_shape, run_handoff
+from hybrid_vla_ros.tools.bench.pipeline import choose_split, frame_rows, model_overrides, summarize_pipeline
+from hybrid_vla_ros.tools.bench.suffix_flops import block_flops, gemm_shapes, head_flops, suffix_flops
 
 # ------------------------------------------------------------------------------------------ FLOP counts
 
@@ -54,7 +53,7 @@ def test_linear_and_attention_flops_equal_torch_flop_counter(name):
     (non-causal) attention count."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hybrid_vla_ros.core.model import SuffixStage
+    from hybrid_vla_ros.model.modeling import SuffixStage
 
     cfg = preset(name)
     k = cfg.num_layers - 1

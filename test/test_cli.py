@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_vla_ros.cli import build_parser
+from hybrid_vla_ros.tools.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(*argv, timeout=120):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "hybrid_vla_ros.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hybrid_vla_ros.tools.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
 
 

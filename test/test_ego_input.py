@@ -1,4 +1,4 @@
-"""hybrid_vla_ros.core.ego_input: the ego-state model input (speed, acceleration, yaw rate) at a camera stamp.
+"""hybrid_vla_ros.vehicle.ego_input: the ego-state model input (speed, acceleration, yaw rate) at a camera stamp.
 
 Real data: the embedded bag's three /localization/kinematic_state messages (1 Hz, ~91 ms after each
 frame's cameras) and its camera stamps; the bag has no /localization/acceleration, so the acceleration
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hybrid_vla_ros.core.config import EGO_FEATURES
-from hybrid_vla_ros.core.ego_input import (
+from hybrid_vla_ros.model.config import EGO_FEATURES
+from hybrid_vla_ros.vehicle.ego_input import (
     ACCEL_SOURCES,
     LOOKUP_CAUSES,
     EgoInputBuffer,

@@ -18,13 +18,14 @@ import yaml
 
 rclpy = pytest.importorskip("rclpy")
 
-from hybrid_vla_ros.core.config import NAV_COMMANDS, VLAConfig  # noqa: E402
-from hybrid_vla_ros.core.params import parameter_specs  # noqa: E402
-from hybrid_vla_ros.core.shm_ring import segment_name  # noqa: E402
-from hybrid_vla_ros.frame_player import LoopingFramePlayer  # noqa: E402
-from hybrid_vla_ros.lifecycle_client import LifecycleClient  # noqa: E402
-from hybrid_vla_ros.replay import launch_node, stop_processes  # noqa: E402
 from test_nodes import Graph, _set_param, _try_set_param  # noqa: E402
+
+from hybrid_vla_ros.model.config import NAV_COMMANDS, VLAConfig  # noqa: E402
+from hybrid_vla_ros.ros.lifecycle_client import LifecycleClient  # noqa: E402
+from hybrid_vla_ros.ros.params import parameter_specs  # noqa: E402
+from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
+from hybrid_vla_ros.tools.replay import launch_node, stop_processes  # noqa: E402
+from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # The guard is not under test here: random-init modes may turn sharply, so its limits are wide.
@@ -36,7 +37,7 @@ WIDE_GUARD = {"guard.check_age": False, "guard.max_speed_mps": 100.0, "guard.max
 @pytest.fixture(scope="module")
 def ego_checkpoint(tmp_path_factory) -> Path:
     """A random-init 'tiny' checkpoint (6 planner modes) that takes the ego state."""
-    from hybrid_vla_ros.core.checkpoint import init_model
+    from hybrid_vla_ros.model.checkpoint import init_model
 
     path = tmp_path_factory.mktemp("models") / "tiny_ego"
     cfg = init_model("tiny", path, overrides={"ego_state_input": True})
@@ -198,7 +199,7 @@ def test_replay_of_the_embedded_bag_with_an_ego_checkpoint(tmp_path, ego_checkpo
     single odometry message near it and no acceleration topic: it is dropped as no_acceleration."""
     assert VLAConfig.load(ego_checkpoint).ego_state_input
     ns = f"/er_{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "hybrid_vla_ros.cli", "replay", "--model-path", str(ego_checkpoint),
+    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--model-path", str(ego_checkpoint),
            "--bag", str(embedded_bag), "--loops", "2", "--namespace", ns, "--output", str(tmp_path), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

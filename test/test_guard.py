@@ -1,14 +1,14 @@
 """The output guard (core/guard.py) on trajectories built the way the suffix node builds them:
-ego-frame waypoints -> core.trajectory.waypoints_to_trajectory -> check."""
+ego-frame waypoints -> vehicle.trajectory.waypoints_to_trajectory -> check."""
 import math
 from dataclasses import fields, replace
 
 import numpy as np
 import pytest
+from hybrid_vla_ros.ros import params
 
-from hybrid_vla_ros.core import params
-from hybrid_vla_ros.core.guard import CAUSES, GuardLimits, check_trajectory, find_violations, path_curvature
-from hybrid_vla_ros.core.trajectory import EgoState, TrajectoryArrays, waypoints_to_trajectory
+from hybrid_vla_ros.vehicle.guard import CAUSES, GuardLimits, check_trajectory, find_violations, path_curvature
+from hybrid_vla_ros.vehicle.trajectory import EgoState, TrajectoryArrays, waypoints_to_trajectory
 
 DT = 0.5  # s between waypoints (the tiny preset's waypoint_dt_s)
 N = 6

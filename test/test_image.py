@@ -1,4 +1,4 @@
-"""Tests for hybrid_vla_ros.core.image on the embedded bag's real camera frames.
+"""Tests for hybrid_vla_ros.vehicle.image on the embedded bag's real camera frames.
 
 Bag: data/dgp_scene02_6cam_mcap (DDAD/DGP scene 02): 6 cameras as CompressedImage JPEG 1936x1216,
 3 stamps each, plus camera0 as raw rgb8 484x304 (step 1452) at the same stamps. The raw frame is the
@@ -20,7 +20,7 @@ import pytest
 import torch
 from rosbags.highlevel import AnyReader
 
-from hybrid_vla_ros.core.image import (
+from hybrid_vla_ros.vehicle.image import (
     SUPPORTED_ENCODINGS,
     ImageDecodeError,
     compressed_msg_to_rgb,
@@ -454,7 +454,7 @@ def test_rclpy_messages_from_bag_cdr(bag, decoded, src):
 def _dgp_jpegs():
     from rosbags.typesys import Stores, get_typestore
 
-    from hybrid_vla_ros.replay import read_bag
+    from hybrid_vla_ros.util.bags import read_bag
 
     store = get_typestore(Stores.ROS2_KILTED)
     bag = Path(__file__).resolve().parents[1] / "data" / "dgp_scene02_6cam_mcap"
@@ -463,7 +463,7 @@ def _dgp_jpegs():
 
 
 def test_jpeg_size_reads_the_start_of_frame_of_real_camera_images():
-    from hybrid_vla_ros.core.image import jpeg_size
+    from hybrid_vla_ros.vehicle.image import jpeg_size
 
     for msg in _dgp_jpegs():
         assert jpeg_size(np.frombuffer(bytes(msg.data), np.uint8)) == (1216, 1936)
@@ -474,7 +474,7 @@ def test_jpeg_size_reads_the_start_of_frame_of_real_camera_images():
 def test_scaled_down_decode_keeps_at_least_min_size_and_the_picture(min_size, factor):
     """Real 1936x1216 camera JPEGs: the largest factor that keeps both sides >= min_size, RGB order kept,
     and after the model's resize the picture matches a full decode within a few grey levels."""
-    from hybrid_vla_ros.core.image import decode_compressed, jpeg_reduction
+    from hybrid_vla_ros.vehicle.image import decode_compressed, jpeg_reduction
 
     assert jpeg_reduction(1216, 1936, min_size) == factor
     for msg in _dgp_jpegs()[:2]:

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_vla_ros.core.checkpoint import load_stage
-from hybrid_vla_ros.core.odometry import OdometryBuffer
-from hybrid_vla_ros.core.image import decode_compressed, preprocess
-from hybrid_vla_ros.core.shm_ring import segment_name
-from hybrid_vla_ros.core.trajectory import ego_state_from_odometry, waypoints_to_trajectory
-from hybrid_vla_ros.output_bag import _typestore_with_autoware
-from hybrid_vla_ros.replay import read_bag
+from hybrid_vla_ros.model.checkpoint import load_stage
+from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
+from hybrid_vla_ros.transport.ring import segment_name
+from hybrid_vla_ros.util.bags import read_bag
+from hybrid_vla_ros.vehicle.image import decode_compressed, preprocess
+from hybrid_vla_ros.vehicle.odometry import OdometryBuffer
+from hybrid_vla_ros.vehicle.trajectory import ego_state_from_odometry, waypoints_to_trajectory
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,7 +35,7 @@ def _stamp(msg) -> int:
 def replay_run(tmp_path_factory, tiny_checkpoint, embedded_bag):
     out = tmp_path_factory.mktemp("replay")
     ns = f"/it_{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "hybrid_vla_ros.cli", "replay", "--model-path", str(tiny_checkpoint),
+    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--model-path", str(tiny_checkpoint),
            "--bag", str(embedded_bag), "--loops", "1", "--split-layer", "1", "--namespace", ns,
            "--output", str(out), "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -26,7 +26,7 @@ def test_built_type_hash_is_upstream_autoware():
 
 
 def test_installed_type_description_hash():
-    from hybrid_vla_ros.output_bag import share_directory
+    from hybrid_vla_ros.tools.output_bag import share_directory
 
     share = share_directory("autoware_planning_msgs")
     desc = json.loads((share / "msg" / "Trajectory.json").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybrid_vla_ros.core.affinity import affinity_from_ros_args
+from hybrid_vla_ros.ros.params_file import cpu_affinity_from_ros_args
 
 LAUNCH_FILE = Path(__file__).resolve().parent.parent / "launch" / "hybrid_vla.launch.py"
 SHARE = "/opt/ws/install/hybrid_vla_ros/share/hybrid_vla_ros"
@@ -160,11 +160,11 @@ def test_bad_transport_is_refused(launch_file):
 
 def test_cpu_affinity_reaches_the_suffix_early_pinning(launch_file, tmp_path):
     """launch_ros hands the parameter dicts to the node as --params-file files; the suffix node must
-    find cpu_affinity there before torch and rclpy start (hybrid_vla_ros.core.affinity)."""
+    find cpu_affinity there before torch and rclpy start (hybrid_vla_ros.ros.params_file)."""
     module, classes = launch_file
     _, _, nodes = _setup(module, classes, cpu_affinity="[1]")
     shipped = Path(__file__).resolve().parent.parent / "config" / "suffix_node.param.yaml"
     override = tmp_path / "launch_params.yaml"
     override.write_text(yaml.safe_dump({"/**": {"ros__parameters": nodes["suffix_node"].kwargs["parameters"][1]}}))
     argv = ["suffix_node", "--ros-args", "--params-file", str(shipped), "--params-file", str(override)]
-    assert affinity_from_ros_args(argv, {"suffix_node"}) == [1]
+    assert cpu_affinity_from_ros_args(argv, "suffix_node") == [1]

@@ -23,9 +23,10 @@ import launch_testing.actions  # noqa: E402
 import launch_testing.asserts  # noqa: E402
 import rclpy  # noqa: E402
 from ament_index_python.packages import get_package_share_directory  # noqa: E402
-from launch import LaunchDescription  # noqa: E402
 from launch.actions import IncludeLaunchDescription  # noqa: E402
 from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
+
+from launch import LaunchDescription  # noqa: E402
 
 NAMESPACE = "hvla_launch_test"
 OUTPUT = f"/{NAMESPACE}/trajectory"
@@ -34,7 +35,7 @@ MODEL_DIR = Path(tempfile.mkdtemp(prefix="hvla_launch_test_")) / "tiny"
 
 @pytest.mark.launch_test
 def generate_test_description():
-    from hybrid_vla_ros.core.checkpoint import init_model
+    from hybrid_vla_ros.model.checkpoint import init_model
 
     init_model("tiny", MODEL_DIR)
     share = Path(get_package_share_directory("hybrid_vla_ros"))
@@ -53,7 +54,7 @@ class TestTrajectoryFromRealFrames(unittest.TestCase):
         from autoware_planning_msgs.msg import Trajectory
         from rclpy.serialization import deserialize_message
 
-        from hybrid_vla_ros.replay import message_class, read_bag
+        from hybrid_vla_ros.tools.replay import message_class, read_bag
 
         share = Path(get_package_share_directory("hybrid_vla_ros"))
         messages = [m for m in read_bag(share / "data" / "dgp_scene02_6cam_mcap")

@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hybrid_vla_ros.core.checkpoint import WEIGHTS_FILE, init_model, load_stage, model_id
-from hybrid_vla_ros.core.config import VLAConfig
-from hybrid_vla_ros.core.image import decode_compressed, preprocess
-from hybrid_vla_ros.replay import read_bag
+from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE, init_model, load_stage, model_id
+from hybrid_vla_ros.model.config import VLAConfig
+from hybrid_vla_ros.util.bags import read_bag
+from hybrid_vla_ros.vehicle.image import decode_compressed, preprocess
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_checkpoint_errors(tmp_path, tiny_checkpoint):
 
 
 def test_config_rejects_inconsistent_values():
-    from hybrid_vla_ros.core.config import preset
+    from hybrid_vla_ros.model.config import preset
 
     d = preset("tiny").to_dict()
     d["planning_token_id"] = 10_000
@@ -151,8 +151,8 @@ PUBLISHED_LLM = {"orion": 6.74e9, "minddrive-0.5b": 0.494e9, "minddrive-3b": 3.0
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_LLM))
 def test_published_presets_match_parameter_counts_on_meta(name):
-    from hybrid_vla_ros.core.config import preset
-    from hybrid_vla_ros.core.model import parameter_counts
+    from hybrid_vla_ros.model.config import preset
+    from hybrid_vla_ros.model.modeling import parameter_counts
 
     counts = parameter_counts(preset(name))
     assert counts["llm_published"] == pytest.approx(PUBLISHED_LLM[name], rel=0.02)
@@ -163,7 +163,7 @@ def test_published_presets_match_parameter_counts_on_meta(name):
 
 
 def test_published_architectures():
-    from hybrid_vla_ros.core.config import preset
+    from hybrid_vla_ros.model.config import preset
 
     orion = preset("orion")
     assert (orion.num_layers, orion.hidden_size, orion.llm["num_attention_heads"], orion.llm["intermediate_size"]) \
@@ -197,7 +197,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_split_is_exact_for_every_variant_and_layer(tmp_path, real_pixels, variant):
-    from hybrid_vla_ros.core.config import NAV_COMMANDS
+    from hybrid_vla_ros.model.config import NAV_COMMANDS
 
     path = tmp_path / variant
     cfg = init_model("tiny", path, overrides=VARIANTS[variant])

@@ -16,13 +16,14 @@ import yaml
 rclpy = pytest.importorskip("rclpy")
 
 from rcl_interfaces.srv import GetParameters  # noqa: E402
-from rclpy.parameter import parameter_value_to_python  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.parameter import parameter_value_to_python  # noqa: E402
 from rclpy.serialization import deserialize_message  # noqa: E402
 
-from hybrid_vla_ros.core.shm_ring import segment_name  # noqa: E402
-from hybrid_vla_ros.lifecycle_client import LifecycleClient  # noqa: E402
-from hybrid_vla_ros.replay import set_parameter, launch_node, message_class, read_bag, stop_processes  # noqa: E402
+from hybrid_vla_ros.ros.lifecycle_client import LifecycleClient  # noqa: E402
+from hybrid_vla_ros.tools.replay import launch_node, message_class, set_parameter, stop_processes  # noqa: E402
+from hybrid_vla_ros.util.bags import read_bag  # noqa: E402
+from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
 
 
 class Graph:

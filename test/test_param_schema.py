@@ -8,9 +8,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from hybrid_vla_ros.ros import params
 
-from hybrid_vla_ros.core import params
-from hybrid_vla_ros.core.params import ParameterError, validate
+from hybrid_vla_ros.ros.params import ParameterError, validate
 
 REPO = Path(__file__).resolve().parent.parent
 DRAFT_07 = "http://json-schema.org/draft-07/schema#"
@@ -55,8 +55,8 @@ def declared():
     import rclpy
     from rclpy.node import Node
 
-    from hybrid_vla_ros.nodes._suffix_impl import SuffixNode
-    from hybrid_vla_ros.nodes.prefix_node import PrefixNode
+    from hybrid_vla_ros.ros._suffix_impl import SuffixNode
+    from hybrid_vla_ros.ros.prefix_node import PrefixNode
 
     context = rclpy.Context()
     rclpy.init(context=context)
@@ -179,8 +179,9 @@ def test_valid_values_come_back_complete_and_typed(tiny_checkpoint):
 
 def test_installed_schema_is_found_through_the_ament_index(tmp_path, monkeypatch):
     """Outside a source tree the schema comes from share/hybrid_vla_ros/schema (setup.py installs it)."""
-    import setuptools  # noqa: F401  (first, so that distutils is setuptools' copy, also on Python >= 3.12)
     from distutils.core import run_setup
+
+    import setuptools  # noqa: F401  (first, so that distutils is setuptools' copy, also on Python >= 3.12)
 
     monkeypatch.chdir(REPO)
     dist = run_setup("setup.py", stop_after="init")

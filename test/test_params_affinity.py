@@ -1,16 +1,20 @@
 """Parameter validation, early CPU pinning from ROS arguments, the odometry buffer."""
 import math
 import os
-import threading
 import subprocess
 import sys
 import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 
-from hybrid_vla_ros.core.affinity import affinity_from_ros_args
-from hybrid_vla_ros.core.odometry import OdometryBuffer
-from hybrid_vla_ros.core.params import ParameterError, validate
+from hybrid_vla_ros.ros.params import ParameterError, validate
+from hybrid_vla_ros.ros.params_file import ParamsFileError, cpu_affinity_from_ros_args, parameter_from_files
+from hybrid_vla_ros.vehicle.odometry import OdometryBuffer
+
+TOOLS_MISSING = ("launch_ros is not installed: the bootstrap installs it from ../shared/ros2-tools "
+                 "(HYBRID_VLA_ROS2_TOOLS)")
 
 
 def test_prefix_params_expand_and_validate(tiny_checkpoint):
@@ -50,11 +54,14 @@ def test_suffix_params_reject_every_problem_at_once(tiny_checkpoint):
 
 
 def test_affinity_from_command_line_and_params_file(tmp_path):
-    names = {"suffix_node"}
-    assert affinity_from_ros_args(["prog"], names) is None
-    assert affinity_from_ros_args(["prog", "--ros-args", "-p", "cpu_affinity:=[1, 3]"], names) == [1, 3]
-    assert affinity_from_ros_args(["prog", "--ros-args", "-p", "suffix_node:cpu_affinity:=2"], names) == [2]
-    assert affinity_from_ros_args(["prog", "--ros-args", "-p", "prefix_node:cpu_affinity:=2"], names) is None
+    def early(*args):
+        return cpu_affinity_from_ros_args(["prog", "--ros-args", *args], "suffix_node")
+
+    assert cpu_affinity_from_ros_args(["prog"], "suffix_node") is None
+    assert early("-p", "cpu_affinity:=[1, 3]") == [1, 3]
+    assert early("-p", "suffix_node:cpu_affinity:=2") == [2]
+    assert early("-p", "prefix_node:cpu_affinity:=2") is None
+    assert early("-p", "cpu_affinity:=[]") == []
     f = tmp_path / "p.yaml"
     f.write_text(textwrap.dedent("""
         /ns/prefix_node:
@@ -62,12 +69,34 @@ def test_affinity_from_command_line_and_params_file(tmp_path):
         /ns/suffix_node:
           ros__parameters: {cpu_affinity: [1], threads: 1}
     """))
-    assert affinity_from_ros_args(["prog", "--ros-args", "--params-file", str(f)], names) == [1]
+    assert early("-r", "__ns:=/ns", "--params-file", str(f)) == [1]
+    # the key names the node in /ns: a suffix_node in the root namespace is not it (rcl's rule)
+    assert early("--params-file", str(f)) is None
     # a later -p wins over an earlier params file, as in rcl
-    assert affinity_from_ros_args(["prog", "--ros-args", "--params-file", str(f), "-p", "cpu_affinity:=[0]"],
-                                  names) == [0]
-    with pytest.raises(ValueError):
-        affinity_from_ros_args(["prog", "--ros-args", "-p", "cpu_affinity:=[a]"], names)
+    assert early("-r", "__ns:=/ns", "--params-file", str(f), "-p", "cpu_affinity:=[0]") == [0]
+    with pytest.raises(ParamsFileError, match="cpu_affinity"):
+        early("-p", "cpu_affinity:=[a]")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("/**:\n  ros__parameters: {cpu_affinity: [1\n")
+    with pytest.raises(ParamsFileError, match="bad.yaml"):
+        early("--params-file", str(bad))
+
+
+def test_params_file_written_by_real_launch_ros_is_read(tmp_path):
+    """launch_ros writes a node's dict parameters with yaml.dump, lists as !!python/tuple (the crash of the
+    README's own `ros2 launch ... cpu_affinity:='[6, 7]'`): the early read takes them as lists."""
+    launch_ros = pytest.importorskip("launch_ros.actions", reason=TOOLS_MISSING)
+    from launch import LaunchContext
+
+    node = launch_ros.Node(package="hybrid_vla_ros", executable="suffix_node", name="suffix_node",
+                           namespace="hybrid_vla", parameters=[{"cpu_affinity": [6, 7], "split_layer": 2}])
+    node._perform_substitutions(LaunchContext())  # what launch does before it starts the process
+    files = [arg for arg, is_file in node._Node__expanded_parameter_arguments if is_file]
+    assert files and "!!python/tuple" in Path(files[0]).read_text()  # the real tool's output, as it is
+    argv = ["suffix_node", "--ros-args", "-r", "__node:=suffix_node", "-r", "__ns:=/hybrid_vla",
+            "--params-file", files[0]]
+    assert cpu_affinity_from_ros_args(argv, "suffix_node") == [6, 7]
+    assert parameter_from_files(files, "/hybrid_vla", "suffix_node", "split_layer") == 2
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell pinned from unpinned")
@@ -76,12 +105,12 @@ def test_pinning_before_torch_covers_every_thread():
     core = max(os.sched_getaffinity(0))
     code = textwrap.dedent(f"""
         import sys
-        from hybrid_vla_ros.nodes.suffix_node import _pin_early
+        from hybrid_vla_ros.ros.suffix_node import _pin_early
         _pin_early(["x", "--ros-args", "-p", "cpu_affinity:=[{core}]"])
         import torch
         torch.set_num_threads(2)
         torch.ones(256, 256) @ torch.ones(256, 256)  # start the intra-op pool
-        from hybrid_vla_ros.core.affinity import thread_affinities
+        from hybrid_vla_ros.util.cores import thread_affinities
         aff = thread_affinities()
         assert len(aff) > 1, aff
         assert all(s == {{{core}}} for s in aff.values()), aff
@@ -94,7 +123,7 @@ def test_pinning_before_torch_covers_every_thread():
 
 
 def _ego(t_s, x, yaw=0.0, speed=0.0):
-    from hybrid_vla_ros.core.trajectory import EgoState
+    from hybrid_vla_ros.vehicle.trajectory import EgoState
 
     return EgoState(x=x, y=0.0, z=0.0, yaw=yaw, speed=speed, stamp_ns=int(t_s * 1e9))
 
@@ -140,10 +169,11 @@ def test_odometry_wait_for_newer_state():
 
 @pytest.mark.parametrize("node", ["prefix_node", "suffix_node"])
 def test_shipped_parameter_files_are_valid(tiny_checkpoint, node):
-    import yaml
     from pathlib import Path
 
-    from hybrid_vla_ros.core.params import parameter_specs
+    import yaml
+
+    from hybrid_vla_ros.ros.params import parameter_specs
 
     path = Path(__file__).resolve().parent.parent / "config" / f"{node}.param.yaml"
     values = yaml.safe_load(path.read_text())["/**"]["ros__parameters"]

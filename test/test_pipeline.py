@@ -5,10 +5,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybrid_vla_ros.core.checkpoint import WEIGHTS_FILE, load_stage
-from hybrid_vla_ros.core.image import compressed_msg_to_rgb, preprocess
-from hybrid_vla_ros.core.pipeline import PrefixRunner, StaleFrame, SuffixRunner
-from hybrid_vla_ros.replay import read_bag
+from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE, load_stage
+from hybrid_vla_ros.runtime.prefix import PrefixRunner
+from hybrid_vla_ros.runtime.suffix import StaleFrame, SuffixRunner
+from hybrid_vla_ros.util.bags import read_bag
+from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, preprocess
 
 
 @pytest.fixture(scope="module")

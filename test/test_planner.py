@@ -8,16 +8,31 @@ import psutil
 import pytest
 import torch
 
-from hybrid_vla_ros.cli import main
-from hybrid_vla_ros.core.checkpoint import load_stage
-from hybrid_vla_ros.core.config import preset
-from hybrid_vla_ros.core.model import PrefixStage, SuffixStage
-from hybrid_vla_ros.core.planner import (
-    GB, PlanRow, activation_peak, activation_phases, choose_split_layer, handoff_bytes, plan_for_checkpoint,
-    plan_for_preset, plan_split, stage_weights)
-from hybrid_vla_ros.core.profiler import (
-    PROFILE_FORMAT_VERSION, load_profile, measure_peak_cpu_bytes, profile_model, validate_profile, write_profile)
-from hybrid_vla_ros.core.shm_ring import RingConsumer, RingProducer, segment_name, slot_bytes_for
+from hybrid_vla_ros.model.checkpoint import load_stage
+from hybrid_vla_ros.model.config import preset
+from hybrid_vla_ros.model.modeling import PrefixStage, SuffixStage
+from hybrid_vla_ros.split.planner import (
+    GB,
+    PlanRow,
+    activation_peak,
+    activation_phases,
+    choose_split_layer,
+    handoff_bytes,
+    plan_for_checkpoint,
+    plan_for_preset,
+    plan_split,
+    stage_weights,
+)
+from hybrid_vla_ros.split.profiler import (
+    PROFILE_FORMAT_VERSION,
+    load_profile,
+    measure_peak_cpu_bytes,
+    profile_model,
+    validate_profile,
+    write_profile,
+)
+from hybrid_vla_ros.tools.cli import main
+from hybrid_vla_ros.transport.ring import RingConsumer, RingProducer, segment_name, slot_bytes_for
 
 
 def _stage_bytes(stage):

@@ -11,8 +11,8 @@ import cv2
 import numpy as np
 import pytest
 
-from hybrid_vla_ros import plots
-from hybrid_vla_ros.output_bag import _typestore_with_autoware
+from hybrid_vla_ros.tools import plots
+from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
 
 REPO = Path(__file__).resolve().parent.parent
 EXTRINSICS = REPO / "config" / plots.DEFAULT_EXTRINSICS
@@ -32,7 +32,7 @@ EXPECTED_PX = {  # (width, height)
 def plots_run(tmp_path_factory, tiny_checkpoint, embedded_bag):
     out = tmp_path_factory.mktemp("replay_plots")
     plot_dir = out / "plots"
-    cmd = [sys.executable, "-m", "hybrid_vla_ros.cli", "replay", "--model-path", str(tiny_checkpoint),
+    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--model-path", str(tiny_checkpoint),
            "--bag", str(embedded_bag), "--loops", "1", "--split-layer", "2",
            "--namespace", f"/pl_{uuid.uuid4().hex[:8]}", "--output", str(out), "--plots", str(plot_dir), "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -4,10 +4,11 @@ import uuid
 import pytest
 import torch
 
-from hybrid_vla_ros.core.checkpoint import load_stage
-from hybrid_vla_ros.core.image import compressed_msg_to_rgb, preprocess
-from hybrid_vla_ros.core.pipeline import PrefixRunner, SuffixRunner
-from hybrid_vla_ros.replay import read_bag
+from hybrid_vla_ros.model.checkpoint import load_stage
+from hybrid_vla_ros.runtime.prefix import PrefixRunner
+from hybrid_vla_ros.runtime.suffix import SuffixRunner
+from hybrid_vla_ros.util.bags import read_bag
+from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, preprocess
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,11 @@ def test_memory_pressure_moves_k_down_by_the_shortfall():
     """split_layer auto under memory pressure (the prefix node's 2 s check, ROS-free): the orion fp16 plan,
     the prefix at K=32, another process leaves 1 GiB free under a 3 GiB threshold: giving back the 2 GiB
     shortfall needs K <= 32 - ceil(2 GiB / 0.405 GB per block) = 26."""
-    from hybrid_vla_ros.core.planner import budget_under_pressure, choose_split_layer, plan_for_preset
+    from hybrid_vla_ros.split.planner import (
+        budget_under_pressure,
+        choose_split_layer,
+        plan_for_preset,
+    )
 
     plan = plan_for_preset("orion", dtype="fp16")
     assert budget_under_pressure(plan, 32, free_bytes=4 * 2**30, threshold_bytes=3 * 2**30) is None
@@ -179,8 +184,8 @@ def test_a_move_that_is_no_longer_wanted_frees_its_blocks(tiny_checkpoint, frame
 def test_a_failed_load_drops_the_request_and_loses_no_frame(tmp_path, tiny_checkpoint, frames, references):
     import shutil
 
-    from hybrid_vla_ros.core.checkpoint import WEIGHTS_FILE
-    from hybrid_vla_ros.core.pipeline import ResplitError
+    from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE
+    from hybrid_vla_ros.split.resplit import ResplitError
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)

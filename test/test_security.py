@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_vla_ros.core.checkpoint import WEIGHTS_FILE, load_stage, model_id
-from hybrid_vla_ros.core.shm_ring import RingProducer, segment_name
+from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE, load_stage, model_id
+from hybrid_vla_ros.transport.ring import RingProducer, segment_name
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hybrid_vla_ros"
 FORBIDDEN = {

@@ -1,4 +1,4 @@
-"""Tests of the shared-memory hand-off (hybrid_vla_ros.core.shm_ring) with real separate processes."""
+"""Tests of the shared-memory hand-off (hybrid_vla_ros.transport.ring) with real separate processes."""
 from __future__ import annotations
 
 import mmap
@@ -13,11 +13,18 @@ import uuid
 
 import pytest
 import torch
+from hybrid_vla_ros.transport import ring as sr
 
-from hybrid_vla_ros.core import shm_ring as sr
-from hybrid_vla_ros.core.shm_ring import (
-    FrameMeta, RingConsumer, RingError, RingNameConflict, RingProducer, SlotRejected, segment_name,
-    segment_path, slot_bytes_for,
+from hybrid_vla_ros.transport.ring import (
+    FrameMeta,
+    RingConsumer,
+    RingError,
+    RingNameConflict,
+    RingProducer,
+    SlotRejected,
+    segment_name,
+    segment_path,
+    slot_bytes_for,
 )
 
 CTX = mp.get_context("spawn")

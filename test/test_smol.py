@@ -3,11 +3,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hybrid_vla_ros.core.checkpoint import WEIGHTS_FILE, load_stage
-from hybrid_vla_ros.core.config import SMOL_PROMPT, SMOL_PROMPT_IDS, VLAConfig
-from hybrid_vla_ros.core.image import decode_compressed, preprocess
-from hybrid_vla_ros.core.model import run_blocks
-from hybrid_vla_ros.replay import read_bag
+from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE, load_stage
+from hybrid_vla_ros.model.config import SMOL_PROMPT, SMOL_PROMPT_IDS, VLAConfig
+from hybrid_vla_ros.model.modeling import run_blocks
+from hybrid_vla_ros.util.bags import read_bag
+from hybrid_vla_ros.vehicle.image import decode_compressed, preprocess
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +26,13 @@ def smol_pixels(embedded_bag, smol_checkpoint):
 
 
 def test_prompt_ids_are_the_smollm2_tokenisation_of_the_prompt():
-    from hybrid_vla_ros.core.gguf_llm import tokenize
+    from hybrid_vla_ros.model.gguf_llm import tokenize
 
     assert tokenize(SMOL_PROMPT) == SMOL_PROMPT_IDS
 
 
 def test_checkpoint_holds_the_pretrained_llm(smol_checkpoint):
-    from hybrid_vla_ros.core.gguf_llm import load_gguf_llm
+    from hybrid_vla_ros.model.gguf_llm import load_gguf_llm
 
     _, gguf = load_gguf_llm()
     with safe_open(str(smol_checkpoint / WEIGHTS_FILE), framework="pt") as f:
@@ -46,7 +46,7 @@ def test_llm_blocks_of_the_checkpoint_still_speak_english(smol_checkpoint):
     """Run the checkpoint's own embeddings, 30 blocks and norm as a language model (tied head): the
     greedy continuation of 'The capital of France is' is ' Paris'. Proves the blocks the prefix and
     suffix split are the pretrained ones, in order, with the right rotary positions."""
-    from hybrid_vla_ros.core.gguf_llm import load_gguf_tokenizer, tokenize
+    from hybrid_vla_ros.model.gguf_llm import load_gguf_tokenizer, tokenize
 
     full = load_stage(smol_checkpoint, "full")
     ids = torch.tensor(tokenize("The capital of France is"))

@@ -1,4 +1,4 @@
-"""Tests for hybrid_vla_ros.core.sync.CameraSynchronizer.
+"""Tests for hybrid_vla_ros.vehicle.sync.CameraSynchronizer.
 
 Real stamps: the 6 compressed camera topics of data/dgp_scene02_6cam_mcap (3 frames). DGP's cameras are
 triggered together: all six share one header stamp per frame (spread 0), 1.000 s apart. The nuScenes
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rosbags.highlevel import AnyReader
 
-from hybrid_vla_ros.core.sync import DROP_CAUSES, CameraSynchronizer, SyncedSet
+from hybrid_vla_ros.vehicle.sync import DROP_CAUSES, CameraSynchronizer, SyncedSet
 
 BAG = Path(__file__).resolve().parents[1] / "data" / "dgp_scene02_6cam_mcap"
 NUSCENES_BAG = Path(__file__).resolve().parents[2] / "shared" / "data" / "bags" / "nuscenes_scene0061_1sample_mcap"

@@ -1,4 +1,4 @@
-"""Tests for hybrid_vla_ros.core.trajectory and hybrid_vla_ros.nodes.msg_conv.
+"""Tests for hybrid_vla_ros.vehicle.trajectory and hybrid_vla_ros.ros.msg_conv.
 
 Real data: the three /localization/kinematic_state Odometry messages of data/dgp_scene02_6cam_mcap
 (DGP LiDAR poses in frame ``map``, child ``base_link``; the vehicle drives ~1.26 m/s towards map -y,
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from rosbags.highlevel import AnyReader
 
-from hybrid_vla_ros.core.trajectory import (
+from hybrid_vla_ros.vehicle.trajectory import (
     EgoState,
     TrajectoryArrays,
     ego_state_from_odometry,
@@ -281,7 +281,7 @@ from autoware_planning_msgs.msg import Trajectory  # noqa: E402
 from builtin_interfaces.msg import Time  # noqa: E402
 from rclpy.serialization import deserialize_message, serialize_message  # noqa: E402
 
-from hybrid_vla_ros.nodes.msg_conv import ns_to_stamp, stamp_to_ns, trajectory_to_msg  # noqa: E402
+from hybrid_vla_ros.ros.msg_conv import ns_to_stamp, stamp_to_ns, trajectory_to_msg  # noqa: E402
 
 _FLOAT32_FIELDS = {
     "longitudinal_velocity_mps": "v", "lateral_velocity_mps": "lat_v", "acceleration_mps2": "acc",

@@ -1,6 +1,0 @@
-"""``python -m hybrid_vla_ros.bench ...``: the same as ``hybrid-vla bench ...``."""
-import sys
-
-from .cli import main
-
-sys.exit(main())

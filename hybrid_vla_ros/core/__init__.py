@@ -1,1 +1,0 @@
-"""ROS-free core: model partition, shared-memory ring, conversions, camera synchronization."""

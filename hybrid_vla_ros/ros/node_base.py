@@ -1,0 +1,319 @@
+"""Helpers shared by the two lifecycle nodes: parameters from the schema, diagnostics, throttled logs."""
+from __future__ import annotations
+
+import time
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
+from rclpy.exceptions import ParameterUninitializedException
+from rclpy.executors import ExternalShutdownException
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+
+from ..util.stats import DropCounter, StageTimes
+from . import params
+from .msg_conv import ns_to_stamp
+
+# ROS parameter type of each schema type (as params.ros_type names it)
+_PARAMETER_TYPES = {
+    "string": Parameter.Type.STRING, "int": Parameter.Type.INTEGER, "double": Parameter.Type.DOUBLE,
+    "bool": Parameter.Type.BOOL, "string[]": Parameter.Type.STRING_ARRAY,
+    "int[]": Parameter.Type.INTEGER_ARRAY, "double[]": Parameter.Type.DOUBLE_ARRAY,
+    "bool[]": Parameter.Type.BOOL_ARRAY,
+}
+_TYPE_WORDS = {t: word for word, t in _PARAMETER_TYPES.items()}  # Parameter.Type -> 'int', 'string[]', ...
+
+
+def declare_parameters(node: Node, schema_node: str) -> None:
+    """Declare every parameter of ``schema/<schema_node>.schema.json`` with the schema's default,
+    description and valid values (``ros2 param describe``). A parameter without a default, or an
+    array whose default is [] (rclpy cannot type an empty list), is declared by its type and stays
+    unset until given; validation then applies the schema default."""
+    for name, spec in params.parameter_specs(schema_node).items():
+        desc = ParameterDescriptor(description=spec.get("description", ""),
+                                   additional_constraints=params.constraint_text(spec),
+                                   dynamic_typing=isinstance(spec["type"], list))
+        default = spec.get("default")
+        if default is None or default == []:
+            node.declare_parameter(name, _PARAMETER_TYPES[params.ros_type(spec)], desc)
+        else:
+            node.declare_parameter(name, float(default) if spec["type"] == "number" else default, desc)
+
+
+def parameter_values(node: Node, schema_node: str) -> dict:
+    """Name -> current value of each of the schema's parameters that is set (unset ones left out)."""
+    values = {}
+    for name in params.parameter_specs(schema_node):
+        try:
+            v = node.get_parameter(name).value
+        except ParameterUninitializedException:
+            continue
+        values[name] = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
+    return values
+
+
+def lifecycle_state(node) -> str:
+    """Label of a LifecycleNode's current primary state ('unconfigured', 'inactive', 'active', ...)."""
+    machine = getattr(node, "_state_machine", None)  # rclpy keeps it private; it is what get_state serves
+    return machine.current_state[1] if machine is not None else "unknown"
+
+
+class Throttle:
+    """Allow one event per ``period_s`` per key (for rate-limited log lines)."""
+
+    def __init__(self, period_s: float = 2.0):
+        self.period_s = period_s
+        self._last: dict[str, float] = {}
+
+    def __call__(self, key: str) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) >= self.period_s:
+            self._last[key] = now
+            return True
+        return False
+
+
+def diagnostic_array(node: Node, name: str, level: bytes, message: str, values: dict) -> DiagnosticArray:
+    """One DiagnosticStatus named '<fully qualified node name>: <name>' (Autoware's '<node>: <task>'
+    convention, with the namespace so that two deployments stay apart) in a DiagnosticArray stamped now."""
+    status = DiagnosticStatus(level=level, name=f"{node.get_fully_qualified_name()}: {name}", message=message,
+                              hardware_id=node.get_fully_qualified_name())
+    status.values = [KeyValue(key=str(k), value=str(v)) for k, v in values.items()]
+    arr = DiagnosticArray(status=[status])
+    arr.header.stamp = ns_to_stamp(node.get_clock().now().nanoseconds)
+    return arr
+
+
+OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
+
+
+def flatten_stats(stage_summary: dict, drops: dict, extra: dict) -> dict:
+    """Diagnostic key/values: '<stage>_p50_ms', '<stage>_p90_ms', 'drop_<cause>', plus ``extra``."""
+    out = dict(extra)
+    for stage, s in stage_summary.items():
+        out[f"{stage}_p50_ms"] = f"{s['p50']:.3f}"
+        out[f"{stage}_p90_ms"] = f"{s['p90']:.3f}"
+        out[f"{stage}_n"] = s["n"]
+    for cause, n in sorted(drops.items()):
+        out[f"drop_{cause}"] = n
+    return out
+
+
+class PipelineNode(LifecycleNode):
+    """Lifecycle scaffolding shared by prefix_node and suffix_node (after ros2/demos lifecycle_py).
+
+    The node's ROS parameters are declared from ``schema/<name>.schema.json`` (``name`` is the node's
+    default name); ``read_parameters`` returns them validated. Subclasses implement ``on_configure``,
+    ``on_activate`` (ending with ``super().on_activate``), ``_stop`` (stop the worker and
+    subscriptions; idempotent), ``_release`` (free the stage and ring; idempotent) and
+    ``_diagnostic_values`` (dict of key/values for /diagnostics). This class gives deactivate /
+    cleanup / shutdown / error handling, counted and rate-limited drops, and a 1 Hz ``/diagnostics``
+    publisher that also reports on deactivate.
+    """
+
+    def __init__(self, name: str, **kwargs):
+        super().__init__(name, **kwargs)
+        self._schema_node = name
+        declare_parameters(self, name)
+        self.add_on_set_parameters_callback(self._check_parameter_change)  # after declaring: file values
+        # are not judged here but at configure, which reports every problem at once
+        self.drops = DropCounter()
+        self.times = StageTimes()
+        self.last_error = ""
+        self._throttle = Throttle()
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._stall_since = time.monotonic()
+        self._diag_timer = self.create_timer(1.0, self.publish_diagnostics)
+
+    #: Parameters a running node applies as soon as they are set (through :meth:`_apply_live_parameters`);
+    #: every other one is read at configure.
+    LIVE_PARAMETERS: tuple[str, ...] = ()
+
+    def _check_parameter_change(self, changes: list[Parameter]) -> SetParametersResult:
+        """on-set-parameters callback: each new value must meet its schema entry (type, range, enum,
+        pattern; ``params.value_problems``), else the whole change is refused with a reason
+        naming the parameter and the rule, e.g. 'split_layer: must be >= 0, got -5'. Values are read at
+        configure, so an accepted change takes effect at the next configure (those in
+        ``LIVE_PARAMETERS`` at once); the checks that need the checkpoint (e.g. split_layer <= L) wait
+        for it too. Parameters outside the schema (rclpy's own, e.g. use_sim_time) are left to rclpy."""
+        specs = params.parameter_specs(self._schema_node)
+        values = {}
+        for p in changes:
+            if p.name in specs and p.value is not None:
+                v = p.value
+                values[p.name] = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
+        problems = params.value_problems(self._schema_node, values)
+        problems += self._live_parameter_problems({k: v for k, v in values.items() if k in self.LIVE_PARAMETERS})
+        if problems:
+            reason = "; ".join(problems)
+            self.get_logger().warning(f"parameter change refused: {reason}")
+            return SetParametersResult(successful=False, reason=reason)
+        later = [name for name in values if name not in self.LIVE_PARAMETERS]
+        if later and lifecycle_state(self) in ("inactive", "active"):
+            self.get_logger().info(f"parameter change accepted ({', '.join(later)}): it takes effect at the "
+                                   "next configure (deactivate, cleanup, configure, activate)")
+        live = {name: v for name, v in values.items() if name in self.LIVE_PARAMETERS}
+        if live:
+            try:
+                self._apply_live_parameters(live)
+            except Exception as e:  # noqa: BLE001 - a parameter callback must never take the node down
+                reason = f"{', '.join(live)}: could not be applied: {type(e).__name__}: {e}"
+                self.get_logger().error(f"parameter change refused: {reason}")
+                return SetParametersResult(successful=False, reason=reason)
+        return SetParametersResult(successful=True)
+
+    def _apply_live_parameters(self, values: dict) -> None:
+        """Apply accepted new values (name -> value) of ``LIVE_PARAMETERS`` now (they met the schema)."""
+
+    def _live_parameter_problems(self, values: dict) -> list[str]:
+        """'name: problem' for new values of ``LIVE_PARAMETERS`` that the schema allows but the loaded
+        checkpoint does not (e.g. a split layer above L); [] by default."""
+        return []
+
+    def set_parameters_atomically(self, parameter_list: list[Parameter]) -> SetParametersResult:
+        """rclpy's, but an undeclared name, an unset value or a value of the wrong type is refused with
+        a reason that names the parameter (rclpy's own reasons do not, e.g. "Wrong parameter type,
+        expected '2' got '4'"). The parameter services (``ros2 param set``) call this method."""
+        problems = []
+        for p in parameter_list:
+            if not self.has_parameter(p.name):
+                problems += params.value_problems(self._schema_node, {p.name: p.value})
+            elif p.type_ == Parameter.Type.NOT_SET:
+                problems.append(f"{p.name}: cannot be unset (it is declared with a type)")
+            elif self.describe_parameter(p.name).dynamic_typing:  # several types: the schema judges the value
+                problems += params.value_problems(self._schema_node, {p.name: p.value})
+            else:
+                declared = Parameter.Type(self.describe_parameter(p.name).type)
+                if p.type_ != declared:
+                    hint = f" (write {float(p.value)!r})" if (p.type_, declared) == (
+                        Parameter.Type.INTEGER, Parameter.Type.DOUBLE) else ""
+                    problems.append(f"{p.name}: must be of type {_TYPE_WORDS.get(declared, declared.name)}, "
+                                    f"got {_TYPE_WORDS.get(p.type_, p.type_.name)} {p.value!r}{hint}")
+        if problems:
+            reason = "; ".join(problems)
+            self.get_logger().warning(f"parameter change refused: {reason}")
+            return SetParametersResult(successful=False, reason=reason)
+        return super().set_parameters_atomically(parameter_list)
+
+    def read_parameters(self, **checkpoint) -> params.Params:
+        """The current parameters checked against the node's schema and, given ``checkpoint`` facts
+        (``num_layers``, ``n_cameras``), against the checkpoint. Raises ParameterError."""
+        return params.validate(self._schema_node, parameter_values(self, self._schema_node), **checkpoint)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop()
+        self.publish_diagnostics()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.shutdown_pipeline()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.get_logger().error(f"error in a transition callback; releasing everything ({self.last_error})")
+        self.shutdown_pipeline()
+        return TransitionCallbackReturn.SUCCESS  # back to unconfigured, ready to configure again
+
+    def shutdown_pipeline(self) -> None:
+        """Stop the worker and release the stage and the ring (idempotent)."""
+        self._stop()
+        self._release()
+
+    def _drop(self, cause: str, message: str) -> None:
+        """Count a dropped frame or message by cause and log it at most every 2 s per cause."""
+        n = self.drops.add(cause)
+        self.last_error = message
+        if self._throttle(cause):
+            self.get_logger().warning(f"dropped ({cause}, {n} so far): {message}")
+
+    STALL_S = 3.0  # inputs arriving without any output for this long is an ERROR
+
+    def publish_diagnostics(self) -> None:
+        """Publish one DiagnosticStatus '<fully qualified node name>: pipeline' on /diagnostics.
+
+        Level: ERROR when inputs keep arriving but nothing has come out for STALL_S seconds, WARN when
+        something was dropped since the previous report or the ring holds n_slots - 1 unread frames
+        (the next frame overwrites one), else OK. Values include the ring's unread slots and the
+        process's memory (resident set; CUDA allocated / reserved when the process uses CUDA).
+        """
+        drops = self.drops.snapshot()
+        ring_ready, ring_slots = ring_fill(self._ring())
+        values = flatten_stats(self.times.summary(), drops,
+                               {"state": lifecycle_state(self), **self._diagnostic_values(),
+                                "ring_ready_slots": f"{ring_ready}/{ring_slots}", **memory_values(),
+                                "last_error": self.last_error})
+        now = time.monotonic()
+        inputs, outputs = self._io_counts()
+        prev = getattr(self, "_diag_prev", None)
+        if prev is None or outputs != prev["outputs"] or inputs == prev["inputs"]:
+            self._stall_since = now  # output moved, or no new input: not stalled
+        self._diag_prev = {"inputs": inputs, "outputs": outputs, "drops": sum(drops.values())}
+        new_drops = self._diag_prev["drops"] - (prev["drops"] if prev else 0)
+        if now - self._stall_since >= self.STALL_S:
+            level, message = ERROR, f"inputs arrive but nothing came out for {now - self._stall_since:.0f} s"
+        elif new_drops > 0:
+            level, message = WARN, f"{new_drops} dropped since the last report ({self.last_error})"
+        elif ring_slots and ring_ready >= ring_slots - 1:
+            level, message = WARN, f"ring nearly full ({ring_ready}/{ring_slots} unread): the suffix falls behind"
+        else:
+            level, message = OK, "ok"
+        self._diag_pub.publish(diagnostic_array(self, "pipeline", level, message, values))
+
+    def _io_counts(self) -> tuple[int, int]:
+        """(inputs seen, outputs produced) so far, for stall detection."""
+        return 0, 0
+
+    def _ring(self):
+        """This node's end of the shared-memory ring, or None while it has none."""
+        return None
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def _diagnostic_values(self) -> dict:
+        return {}
+
+
+def ring_fill(ring) -> tuple[int, int]:
+    """(READY slots, all slots) of a ring end; (0, 0) without a ring or once it is closed."""
+    if ring is None:
+        return 0, 0
+    try:
+        states = ring.slot_states()
+    except Exception:  # noqa: BLE001 - a ring closing under us just has no fill to report
+        return 0, 0
+    return states.count("READY"), len(states)
+
+
+def memory_values() -> dict:
+    """Process memory for diagnostics: resident set (MiB) and, when CUDA is in use, allocated / reserved."""
+    import psutil
+    import torch
+
+    out = {"rss_mib": f"{psutil.Process().memory_info().rss / 2**20:.1f}"}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_allocated_mib"] = f"{torch.cuda.memory_allocated() / 2**20:.1f}"
+        out["cuda_reserved_mib"] = f"{torch.cuda.memory_reserved() / 2**20:.1f}"
+    return out
+
+
+def spin(node: PipelineNode) -> int:
+    """Spin a pipeline node until Ctrl-C / SIGINT / external shutdown, then release it; exit code 0."""
+    try:
+        rclpy.spin(node)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.shutdown_pipeline()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0

@@ -1,0 +1,58 @@
+"""suffix_node: shared-memory ring -> decoder blocks [K, L), norm, planning head -> Autoware Trajectory.
+
+The process pins itself to ``cpu_affinity`` before torch or rclpy is imported (see ``main``), so
+every thread it ever starts (OpenMP pool, DDS, executor) runs on the spare cores.
+
+Lifecycle:
+  on_configure  validate parameters, pin again (every thread), load the suffix on the CPU;
+  on_activate   subscribe to odometry and the navigation command, start the worker (it attaches to
+                the prefix's ring, waiting for it if the prefix is not configured yet);
+  on_deactivate stop the worker;  on_cleanup / on_shutdown  detach from the ring, free the model.
+Output: ``~/output/trajectory`` (autoware_planning_msgs/Trajectory, frame ``output_frame``,
+header.stamp = the camera stamp of the frame; only trajectories that pass the output guard,
+``core/guard.py`` with the ``guard.*`` parameters: the others are dropped as ``guard_<cause>``), ``~/debug/frame_timing`` (DiagnosticArray, one per
+frame, same stamp, per-stage milliseconds) and ``/diagnostics`` (1 Hz).
+Navigation command: the ``navigation_command`` parameter (read at configure, applied at once when set
+while running) or a name on ``~/input/navigation_command`` (std_msgs/String), the latest of the two,
+selects the planner mode of the next frame; ``/diagnostics`` shows the command in use.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _pin_early(argv: list[str]) -> list[int] | None:
+    """Apply ``cpu_affinity`` from the command line (``-p`` or a ``--params-file``, launch_ros' files included)
+    before any thread-starting import. Raises ValueError (ParamsFileError) naming what cannot be read."""
+    from ..util.cores import pin_process
+    from .params_file import cpu_affinity_from_ros_args
+
+    cores = cpu_affinity_from_ros_args(argv, "suffix_node")
+    if cores:
+        pin_process(cores)
+    return cores
+
+
+def main(args: list[str] | None = None) -> int:
+    """Console entry point: ``ros2 run hybrid_vla_ros suffix_node --ros-args -p cpu_affinity:=[2,3] ...``."""
+    argv = args if args is not None else sys.argv
+    try:
+        early = _pin_early(argv)
+    except ValueError as e:
+        print(f"suffix_node: {e}", file=sys.stderr)
+        return 2
+    if early:
+        # Keep OpenMP from sizing its pool for all cores before configure sets the thread count.
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(early)))
+    import rclpy
+
+    from . import node_base
+    from ._suffix_impl import SuffixNode
+
+    rclpy.init(args=argv)
+    return node_base.spin(SuffixNode(early_affinity=early))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

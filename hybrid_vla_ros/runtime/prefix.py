@@ -1,0 +1,180 @@
+"""The prefix stage without ROS: one synchronized camera frame -> vision, projector, blocks [0, K) -> ring slot.
+
+The node owns one :class:`PrefixRunner` and adds only ROS I/O. Timing fields (ms, wall time of this host):
+``preprocess`` (decode + resize + normalise of all cameras) and ``prefix`` (vision .. block K-1); the
+instant the prefix starts a frame (``time.monotonic_ns()``, CLOCK_MONOTONIC, system-wide) travels as the
+third of the slot header's timings, in ms.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..model.checkpoint import load_stage, model_id, parse_dtype
+from ..model.modeling import check_ego_state, check_split_layer
+from ..split.resplit import BlockPrefetcher, Resplit, ResplitError, SplitRequest, move_split
+from ..transport.ring import RingProducer, segment_name, slot_bytes_for
+from ..vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess
+from .device import keep_frame_buffers, resolve_device
+
+
+@dataclass
+class PrefixResult:
+    """One frame handed to the ring: its slot sequence number, the split layer it was computed at,
+    stage timings (ms) and the re-split applied just before it (None when K did not change), or why a
+    requested one failed."""
+
+    seq: int
+    stamp_ns: int
+    preprocess_ms: float
+    prefix_ms: float
+    split_layer: int = -1
+    resplit: Resplit | None = None
+    resplit_error: str | None = None  # a requested move failed before this frame (it ran at the old K)
+
+
+class PrefixRunner:
+    """Prefix stage plus ring producer.
+
+    ``run(items, stamp_ns)`` takes one synchronized frame: a list, in camera order, of
+    ``("raw", sensor_msgs/Image-like)`` or ``("compressed", sensor_msgs/CompressedImage-like)``
+    items, decodes each image once, resizes all cameras into one pre-allocated (C, 3, S, S) float
+    tensor, runs the prefix and copies the hidden states (T, H) straight into a ring slot (the
+    only copy: device-to-host). With ``fast_jpeg_decode`` a JPEG is decoded scaled down inside
+    libjpeg when the model input is small enough (``image.decode_compressed``'s ``min_size``).
+    Raises ImageDecodeError (with the camera index in the message) for a bad image; nothing reaches
+    the ring in that case.
+    """
+
+    def __init__(self, model_path: str, split_layer: int, *, device: str = "auto", dtype: str = "fp32",
+                 ring_name: str = "prefix_states", namespace: str = "/", ring_slots: int = 4,
+                 torch_threads: int = 0, fast_jpeg_decode: bool = False):
+        self.device = resolve_device(device)
+        self.fast_jpeg_decode = fast_jpeg_decode
+        self.dtype = parse_dtype(dtype)
+        keep_frame_buffers()  # decoded camera images are reused, not unmapped and faulted in again per frame
+        if torch_threads > 0:
+            torch.set_num_threads(torch_threads)
+        self.model_path = str(model_path)
+        self.stage = load_stage(model_path, "prefix", split_layer, device=self.device, dtype=self.dtype)
+        self.cfg = self.stage.cfg
+        self.split_layer = split_layer
+        self._request = SplitRequest()
+        self.model_id = model_id(model_path)
+        self.prefetcher = BlockPrefetcher(self.model_path, self.device, self.dtype, self.model_id)
+        self.state_shape = self.cfg.prefix_state_shape
+        self.ring = RingProducer(segment_name(ring_name, namespace), ring_slots,
+                                 slot_bytes_for(self.state_shape, self.dtype), self.model_id)
+        s = self.cfg.image_size
+        self._pixels_cpu = torch.empty((self.cfg.n_cameras, 3, s, s), dtype=torch.float32)
+
+    def request_split_layer(self, split_layer: int) -> None:
+        """Ask for a live re-split to ``split_layer`` (thread-safe; e.g. from a parameter callback).
+
+        Moving K up loads blocks [K, K') on the device in the background while frames continue at the
+        old K; the first frame that starts after they are loaded swaps them in. Moving K down applies at
+        the start of the next frame. Either way it happens between frames (in :meth:`run` or
+        :meth:`apply_split_request`): a frame in progress finishes with the K it started with, and every
+        later frame carries the new K in its slot header. Raises ValueError for a K out of [0, L].
+        """
+        check_split_layer(self.cfg, split_layer)
+        self._request.set(split_layer)
+        if split_layer > self.split_layer:
+            self.prefetcher.prefetch(self.split_layer, split_layer)
+        else:
+            self.prefetcher.discard()  # a load for an earlier move up is no longer wanted
+
+    @property
+    def split_requested(self) -> bool:
+        """True while a :meth:`request_split_layer` waits to be applied."""
+        return self._request.pending is not None
+
+    def apply_split_request(self, timeout: float | None = 0.0) -> Resplit | None:
+        """Apply a pending :meth:`request_split_layer`: swap in the blocks loaded in the background when K
+        goes up (waiting up to ``timeout`` s for the load; None: until loaded), drop blocks and return
+        their device memory when it goes down. Returns what it cost, or None when nothing was applied
+        (no request, or the blocks are still loading: the request stays pending). Raises what loading
+        the blocks raised as :class:`ResplitError` (the request is then dropped and K stays)."""
+        k = self._request.pending
+        if k is None or k == self.split_layer:
+            if k is not None:
+                self._request.done(k)
+            return None
+        t0 = time.perf_counter()
+        blocks, load_ms = None, 0.0
+        if k > self.split_layer:
+            try:
+                blocks, load_ms = self.prefetcher.take(self.split_layer, k, timeout)
+            except Exception as e:
+                self._request.done(k)
+                raise ResplitError(f"split layer {k} not applied, K stays {self.split_layer}: "
+                                   f"{type(e).__name__}: {e}") from e
+            if blocks is None:
+                return None
+        else:
+            self.prefetcher.discard()
+        self._request.done(k)  # a newer request that arrived meanwhile stays for the next call
+        event = move_split(self.stage, k, self.device, blocks, load_ms, t_start=t0)
+        self.split_layer = k
+        return event
+
+    def decode(self, items: list) -> list[np.ndarray]:
+        """Decode every camera image of a frame to HxWx3 uint8 RGB (camera order)."""
+        images = []
+        for cam, (transport, msg) in enumerate(items):
+            try:
+                images.append(compressed_msg_to_rgb(msg, self.cfg.image_size if self.fast_jpeg_decode else None)
+                              if transport == "compressed" else image_msg_to_rgb(msg))
+            except ValueError as e:
+                raise type(e)(f"camera {cam}: {e}") from e
+        return images
+
+    @torch.inference_mode()
+    def run(self, items: list, stamp_ns: int, ego_state=None) -> PrefixResult:
+        """One synchronized frame (camera-order ``(transport, msg)`` items, camera stamp in ns) into the
+        ring; see the class docstring. ``ego_state``: (speed m/s, acceleration m/s^2, yaw rate rad/s)
+        at the camera stamp, required when the model takes it (``cfg.ego_state_input``), else None.
+        Raises ImageDecodeError, ValueError (camera count, missing or non-finite ego state) and
+        FloatingPointError (non-finite hidden states: nothing is published)."""
+        if len(items) != self.cfg.n_cameras:
+            raise ValueError(f"frame has {len(items)} cameras, the model takes {self.cfg.n_cameras}")
+        ego = None if ego_state is None else torch.as_tensor(ego_state, dtype=torch.float32)
+        check_ego_state(self.cfg, ego)
+        resplit_error = None
+        try:
+            resplit = self.apply_split_request()
+        except ResplitError as e:  # the frame still goes out, at the K it had
+            resplit, resplit_error = None, str(e)
+        t_start_ns = time.monotonic_ns()
+        t0 = time.perf_counter()
+        images = self.decode(items)
+        preprocess(images, self.cfg.image_size, self.cfg.image_mean, self.cfg.image_std, out=self._pixels_cpu)
+        t1 = time.perf_counter()
+        pixels = self._pixels_cpu.to(self.device, self.dtype, non_blocking=True)
+        hidden = self.stage(pixels, ego)
+        if not torch.isfinite(hidden).all():
+            raise FloatingPointError("prefix produced non-finite hidden states")
+        t2 = time.perf_counter()
+        pre_ms, prefix_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        slot = self.ring.acquire(self.state_shape, self.dtype)
+        try:
+            slot.tensor.copy_(hidden)
+        except BaseException:
+            self.ring.abort(slot)
+            raise
+        seq = self.ring.publish(slot, stamp_ns=stamp_ns, split_layer=self.split_layer,
+                                timings_ms=(pre_ms, prefix_ms, t_start_ns / 1e6))  # start instant in ms
+        return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit, resplit_error)
+
+    def close(self) -> None:
+        """Remove the ring and free the stage's (device) memory."""
+        self.prefetcher.close()
+        self.ring.close()
+        self.stage = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

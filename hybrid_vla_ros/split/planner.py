@@ -1,0 +1,689 @@
+"""GPU memory plan per split layer K, predicted latency per K, and the automatic choice of K.
+
+For every split layer K in [0, L] a :class:`PlanRow` gives
+
+* **GPU bytes of the prefix** (vision encoder, projector, embeddings, decoder blocks [0, K)):
+  ``weights + activations + non-persistent buffers + CUDA overhead``.
+
+  - *weights*: exact. The sum of numel x element size of the stage's parameters and persistent
+    buffers, floating-point tensors counted in the requested dtype, others in their own dtype (what
+    :func:`hybrid_vla_ros.model.checkpoint.load_stage` puts on the device). Counted on the ``meta``
+    device, so a 7B model is planned in well under a second with no tensor memory.
+  - *buffers*: the non-persistent buffers load_stage rebuilds from the config (rotary inverse
+    frequencies in float32, SigLIP position ids in int64), exact, a few kB.
+  - *activations*: an analytic estimate of the peak of one frame's forward pass (all cameras as one
+    batch), see :func:`activation_phases`. The forward is a sequence of phases (patch embedding, a
+    vision block's attention and MLP, the projector's cross-attention, the embeddings, an LLM block's
+    RMSNorm, attention and MLP); for each phase the estimate adds up the tensors that are alive at
+    the same time (the inputs the callers still hold, the phase's intermediates), and the peak is the
+    **largest such set**, not a sum over the whole forward, because inference without autograd frees
+    every intermediate as soon as Python drops its last reference. Attention assumes a fused
+    SDPA kernel (flash or memory-efficient on CUDA, the flash kernel on CPU): no T x T score matrix
+    is ever materialised, only the output and O(T) statistics, which the estimate ignores.
+  - *CUDA overhead*: an explicit allowance, :data:`DEFAULT_CUDA_OVERHEAD_GB` = 1.0 GB by default
+    (``cuda_overhead_bytes`` / ``--cuda-overhead-gb``): the CUDA context with lazy module loading
+    (a few hundred MB), cuBLAS / cuDNN workspaces (tens of MB; the patch-embedding convolution may
+    pick a larger cuDNN algorithm), and the caching allocator's rounding and fragmentation. It is an
+    assumption, not a measurement.
+
+* **CPU bytes of the suffix** (blocks [K, L), final norm, planning head): weights + buffers +
+  activations, same rules, in the suffix dtype.
+* **Bytes handed off per frame**: prod(``cfg.prefix_state_shape``) x element size, the ring slot
+  payload (:func:`hybrid_vla_ros.transport.ring.slot_bytes_for` rounds it up to 64 bytes).
+* **Latency** from a profile (:mod:`hybrid_vla_ros.split.profiler`): prefix ms = vision embeddings +
+  vision blocks + post-norm + projector/embeddings + rotary tables + blocks [0, K) on the prefix
+  device (CUDA when the profile has it, else CPU); hand-off ms from a straight-line fit of the
+  measured ring hand-off time vs bytes; suffix ms = rotary tables + blocks [K, L) + final norm/head
+  on the profiled CPU cores; end-to-end = prefix + hand-off + suffix; pipeline throughput (frames/s)
+  = 1000 / max(prefix, hand-off + suffix), the two processes working on consecutive frames.
+  Without a profile the latencies are None (printed ``n/a``).
+
+:func:`choose_split_layer` picks the K with the lowest predicted end-to-end latency among those that
+fit the GPU budget (ties within 1%: higher throughput, then less GPU memory), or, without a profile,
+the largest K that fits. :func:`plan_for_checkpoint` is the entry point for ``split_layer: auto``.
+
+Units: bytes (int), ms (float), GB = 1e9 bytes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..model.checkpoint import parse_dtype
+from ..model.config import VLAConfig, preset
+from ..model.modeling import PrefixStage, SuffixStage
+
+GB = 1e9
+#: Default CUDA context + workspace + allocator allowance, GB (see the module docstring).
+DEFAULT_CUDA_OVERHEAD_GB = 1.0
+#: Predicted latencies within this fraction of the lowest count as a tie in :func:`choose_split_layer`.
+TIE_REL = 0.01
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return parse_dtype(dtype) if isinstance(dtype, str) else dtype
+
+
+def element_size(dtype: str | torch.dtype) -> int:
+    """Bytes per element of ``dtype`` ('fp32' / torch.float16 / ...). Raises ValueError for an unknown name."""
+    return torch.empty((), dtype=_as_dtype(dtype), device="meta").element_size()
+
+
+# ----------------------------------------------------------------------------------------- weights
+
+def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype) -> int:
+    size = element_size(dtype) if t.is_floating_point() else t.element_size()
+    return t.numel() * size
+
+
+def _module_bytes(module: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
+    """(parameters + persistent buffers, non-persistent buffers) of a module, in bytes."""
+    persistent = set(module.state_dict().keys())
+    weights = sum(_tensor_bytes(p, dtype) for p in module.parameters())
+    weights += sum(_tensor_bytes(b, dtype) for n, b in module.named_buffers() if n in persistent)
+    other = sum(b.numel() * b.element_size() for n, b in module.named_buffers() if n not in persistent)
+    return weights, other
+
+
+@dataclass
+class StageWeights:
+    """Weight bytes of the model's parts in one dtype, counted on the meta device.
+
+    ``front``: vision, projector, embeddings (the prefix without blocks); ``blocks``: one entry per
+    decoder block i; ``tail``: final norm and heads (the suffix without blocks);
+    ``prefix_buffers`` / ``suffix_buffers``: non-persistent buffers of a stage (rotary tables, position
+    ids), which do not depend on K. All in bytes.
+    """
+
+    front: int
+    blocks: list[int]
+    tail: int
+    prefix_buffers: int
+    suffix_buffers: int
+
+    def prefix(self, k: int) -> int:
+        """Bytes of the parameters and persistent buffers of PrefixStage(cfg, k)."""
+        return self.front + sum(self.blocks[:k])
+
+    def suffix(self, k: int) -> int:
+        """Bytes of the parameters and persistent buffers of SuffixStage(cfg, k)."""
+        return self.tail + sum(self.blocks[k:])
+
+
+def stage_weights(cfg: VLAConfig, dtype: str | torch.dtype) -> StageWeights:
+    """Exact weight bytes of the prefix and suffix parts of ``cfg`` in ``dtype``.
+
+    Builds PrefixStage(cfg, L) and SuffixStage(cfg, L) on the meta device (milliseconds, no memory
+    even for 7B): front = the prefix minus its ``layers``, one entry per block from the prefix's
+    ``layers``, tail = the suffix stage (which has no block at K = L). Floating-point parameters and
+    persistent buffers count ``element_size(dtype)`` bytes each, others their own size, as
+    load_stage loads them. Raises ValueError for an unknown dtype name.
+    """
+    dtype = _as_dtype(dtype)
+    with torch.device("meta"):
+        prefix = PrefixStage(cfg, cfg.num_layers)
+        suffix = SuffixStage(cfg, cfg.num_layers)
+    whole, prefix_buffers = _module_bytes(prefix, dtype)
+    blocks = [_module_bytes(block, dtype)[0] for block in prefix.layers]
+    tail, suffix_buffers = _module_bytes(suffix, dtype)
+    return StageWeights(front=whole - sum(blocks), blocks=blocks, tail=tail, prefix_buffers=prefix_buffers,
+                        suffix_buffers=suffix_buffers)
+
+
+def handoff_bytes(cfg: VLAConfig, dtype: str | torch.dtype) -> int:
+    """Bytes that cross the split per frame: prod(cfg.prefix_state_shape) x element size (the ring slot payload)."""
+    return math.prod(cfg.prefix_state_shape) * element_size(dtype)
+
+
+# ------------------------------------------------------------------------------------- activations
+
+@dataclass
+class Phase:
+    """One moment of a forward pass: the tensors alive together, name -> bytes; ``total`` is their sum."""
+
+    name: str
+    live: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.live.values())
+
+
+def _llm_dims(cfg: VLAConfig) -> dict[str, int]:
+    llm = cfg.llm
+    heads = int(llm["num_attention_heads"])
+    head_dim = int(llm.get("head_dim") or cfg.hidden_size // heads)
+    kv = int(llm.get("num_key_value_heads") or heads)
+    return {"H": cfg.hidden_size, "Hq": heads * head_dim, "Hkv": kv * head_dim, "hd": head_dim,
+            "I": int(llm["intermediate_size"]), "B": cfg.llm_passes, "T": cfg.num_tokens}
+
+
+def _llm_block_phases(cfg: VLAConfig, e: int, held: dict[str, int], label: str) -> list[Phase]:
+    """Phases of one LLM decoder block (transformers LlamaDecoderLayer / Qwen2DecoderLayer, SDPA).
+
+    ``held``: tensors the callers keep alive meanwhile (bytes). Counted per block, at N = B*T tokens:
+    RMSNorm: its float32 working copies, 8*H bytes a token whatever the dtype (fp32: x^2 then the
+    normalised x and the weighted output; fp16/bf16: the fp32 copy plus x^2, then the normalised copy
+    plus two casts). Attention, at the rotary embedding of q (its largest moment): the normalised
+    input (H), raw q (Hq) with q*cos, rotate_half(q)*sin and their sum (3*Hq), raw k and v (2*Hkv);
+    GQA runs inside SDPA (``enable_gqa``), so k/v are never repeated; SDPA output + its contiguous copy
+    come later when q's raw copy is gone (3*Hq + 2*Hkv < that). MLP, at act(gate) * up: the block
+    input of this block held by the caller, the post-attention residual, its normalised copy (3*H in
+    all, the first in ``held``), act(gate), up and their product (3*I).
+    """
+    d = _llm_dims(cfg)
+    n = d["B"] * d["T"]
+    rotary = 2 * d["T"] * d["hd"] * e  # cos, sin tables (1, T, head_dim) in the model dtype
+    base = dict(held, rotary_tables=rotary)
+    return [
+        Phase(f"{label}.rmsnorm", {**base, "norm_fp32_work": 8 * n * d["H"]}),
+        Phase(f"{label}.attention", {**base, "normed": n * d["H"] * e, "q_raw": n * d["Hq"] * e,
+                                     "q_rotary_work": 3 * n * d["Hq"] * e, "k_v": 2 * n * d["Hkv"] * e}),
+        Phase(f"{label}.mlp", {**base, "residual": n * d["H"] * e, "normed": n * d["H"] * e,
+                               "act_up_product": 3 * n * d["I"] * e}),
+    ]
+
+
+def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype, role: str = "prefix") -> list[Phase]:
+    """The phases of one frame's forward pass of a stage, each with the bytes alive at that moment.
+
+    ``role`` "prefix": pixels (C, 3, S, S) -> hidden states h_K; "suffix": h_K -> waypoints. The peak
+    activation memory is ``max(p.total for p in phases)`` (:func:`activation_peak`). Derived from the
+    shapes in the code as written (transformers SigLIP / LLaMA / Qwen2 layers, torch
+    TransformerDecoderLayer, this package's ``embed`` / ``run_blocks`` / ``plan``), in inference mode:
+
+    * the pixels (C*3*S*S) are held by the caller during the whole prefix forward;
+    * vision (tokens N = C*P, width Dv, MLP Mv): the patch convolution (its output and a copy of its
+      weight, which oneDNN reorders on the CPU; negligible at real sizes), the embeddings (conv output,
+      position embedding, their sum); a block's attention (the embeddings output x0 held by
+      SiglipVisionModel, the block input held by the encoder loop, LN1 output, q, k, v, the SDPA output
+      and out_proj's output: 8*N*Dv; the fused SDPA kernels write their output in (B, T, heads, d)
+      layout, so the transpose back is free) and MLP (x0, block input, residual, LN2 output, fc1 and
+      GELU outputs: 4*N*Dv + 2*N*Mv); the post-layernorm (x0, encoder output, its norm);
+    * query projector: the Q queries cross-attend to all N patch tokens; nn.MultiheadAttention projects
+      the memory to packed k|v (2*N*Dv) and makes a contiguous copy (2*N*Dv) while the memory (N*Dv)
+      is alive. MLP projector: the N tokens go through Linear-GELU-Linear (2*N*H alive with the input);
+    * embeddings: vision tokens, text embeddings, ego token and their concatenation (T, H), plus the
+      (2, T, H) pass-embedded copy with two passes;
+    * LLM blocks (:func:`_llm_block_phases`) at B*T tokens, with the embedding output h_0 held by
+      ``run_blocks``' argument and, from the second block on, the block's input held by its loop.
+      The suffix's input is a view of the ring slot (shared memory, not counted here).
+
+    Not modelled: O(T) softmax statistics, per-thread SDPA tiles, matrix-multiply packing buffers (the
+    CPU's bf16 GEMM takes some per thread when run with more than one), cuDNN workspaces (in the CUDA
+    overhead allowance), allocator rounding. On the CPU in fp32 the estimate equals the peak measured
+    with :func:`hybrid_vla_ros.split.profiler.measure_peak_cpu_bytes` within 0.2% for the ``tiny`` and
+    ``smol`` presets (test/test_planner.py). Raises ValueError for a bad K, role or dtype.
+    """
+    from ..model.modeling import check_split_layer
+
+    check_split_layer(cfg, split_layer)
+    e = element_size(dtype)
+    L = cfg.num_layers
+    d = _llm_dims(cfg)
+    H, n_llm = d["H"], d["B"] * d["T"]
+    state = n_llm * H * e
+    phases: list[Phase] = []
+    if role == "suffix":
+        n_blocks = L - split_layer
+        for i in range(min(n_blocks, 2)):
+            held = {"block_input": state} if i >= 1 else {}
+            phases += _llm_block_phases(cfg, e, held, f"llm.block{split_layer + i}")
+        last = d["B"] * H * 4
+        phases.append(Phase("head", {"last_token_states": 2 * last, "head_hidden": 2 * last}))
+        return phases
+    if role != "prefix":
+        raise ValueError(f"unknown role {role!r}; use prefix or suffix")
+
+    C, S = cfg.n_cameras, cfg.image_size
+    v = cfg.vision
+    Dv, Mv, P = int(v["hidden_size"]), int(v["intermediate_size"]), cfg.tokens_per_camera
+    N = C * P
+    tok = N * Dv * e
+    pixels = {"pixels": C * 3 * S * S * e}
+    patch = int(v["patch_size"])
+    conv_weight = Dv * 3 * patch * patch * e
+    phases.append(Phase("vision.patch_conv", {**pixels, "conv_weight_reorder": conv_weight, "patch_conv": tok}))
+    phases.append(Phase("vision.embeddings", {**pixels, "patch_conv": tok, "position_embedding": P * Dv * e,
+                                              "embeddings": tok}))
+    nv = int(v["num_hidden_layers"])
+    block_in = {"block_input": tok} if nv >= 2 else {}
+    held_v = {**pixels, "embeddings_x0": tok, **block_in}
+    phases.append(Phase("vision.block.attention", {**held_v, "ln1": tok, "q_k_v": 3 * tok, "sdpa_out": tok,
+                                                   "out_proj": tok}))
+    phases.append(Phase("vision.block.mlp", {**held_v, "residual": tok, "ln2": tok, "fc1_gelu": 2 * N * Mv * e}))
+    phases.append(Phase("vision.post_layernorm", {**pixels, "embeddings_x0": tok, "encoder_out": tok,
+                                                  "post_ln": tok}))
+    V = cfg.num_vision_tokens
+    if cfg.projector["type"] == "query":
+        Q = V
+        phases.append(Phase("projector.cross_attention", {**pixels, "memory": tok, "kv_proj": 2 * tok,
+                                                          "kv_contiguous": 2 * tok, "queries": 3 * Q * Dv * e}))
+        phases.append(Phase("projector.mlp", {**pixels, "memory": tok, "queries": Q * Dv * e,
+                                              "mlp": 2 * Q * H * e}))
+    else:
+        phases.append(Phase("projector.mlp", {**pixels, "vision_features": tok, "mlp": 2 * N * H * e}))
+    T = d["T"]
+    emb = {**pixels, "vision_tokens": V * H * e, "text_embeddings": (len(cfg.prompt_token_ids) + 1) * H * e,
+           "ego_token": int(cfg.ego_state_input) * H * e, "concat": T * H * e}
+    if d["B"] > 1:
+        emb["pass_embedded"] = state
+    phases.append(Phase("embed", emb))
+    for i in range(min(split_layer, 2)):
+        held = {**pixels, "h0": state}
+        if i >= 1:
+            held["block_input"] = state
+        phases += _llm_block_phases(cfg, e, held, f"llm.block{i}")
+    return phases
+
+
+def activation_peak(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype,
+                    role: str = "prefix") -> tuple[int, str]:
+    """(peak activation bytes, name of the phase where it occurs) of a stage; see :func:`activation_phases`."""
+    best = max(activation_phases(cfg, split_layer, dtype, role), key=lambda p: p.total)
+    return best.total, best.name
+
+
+# ----------------------------------------------------------------------------------------- latency
+
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ms = a + b * bytes over (bytes, ms) points; a >= 0, b >= 0. One point: a = 0."""
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    if len(set(xs)) < 2:
+        return 0.0, (sum(ys) / sum(xs)) if sum(xs) > 0 else 0.0
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    b = max(b, 0.0)
+    a = max(my - b * mx, 0.0)
+    return a, b
+
+
+@dataclass
+class LatencyModel:
+    """Per-part times (ms) read from a profile; see :func:`latency_model`."""
+
+    prefix_device: str
+    suffix_device: str
+    prefix_fixed_ms: float  # camera preprocessing + vision + projector + embeddings (K-independent)
+    prefix_rotary_ms: float
+    prefix_blocks_ms: list[float]
+    suffix_rotary_ms: float
+    suffix_blocks_ms: list[float]
+    head_ms: float
+    handoff_a_ms: float
+    handoff_b_ms_per_byte: float
+    notes: list[str] = field(default_factory=list)
+
+    def predict(self, k: int, nbytes: int) -> tuple[float, float, float]:
+        """(prefix ms, hand-off ms, suffix ms) at split layer k for a payload of ``nbytes`` bytes."""
+        L = len(self.prefix_blocks_ms)
+        prefix = self.prefix_fixed_ms + sum(self.prefix_blocks_ms[:k]) + (self.prefix_rotary_ms if k > 0 else 0.0)
+        suffix = sum(self.suffix_blocks_ms[k:]) + self.head_ms + (self.suffix_rotary_ms if k < L else 0.0)
+        handoff = self.handoff_a_ms + self.handoff_b_ms_per_byte * nbytes
+        return prefix, handoff, suffix
+
+
+def _arch_key(cfg: VLAConfig) -> dict:
+    return {"llm": {k: v for k, v in cfg.llm.items()}, "vision": dict(cfg.vision), "projector": dict(cfg.projector),
+            "n_cameras": cfg.n_cameras, "image_size": cfg.image_size,
+            "prefix_state_shape": list(cfg.prefix_state_shape),
+            "n_modes": cfg.n_modes, "n_waypoints": cfg.n_waypoints}
+
+
+def latency_model(profile: dict, cfg: VLAConfig, dtype: str | torch.dtype,
+                  preprocess_ms: float | None = None) -> LatencyModel:
+    """Turn a validated profile (:func:`hybrid_vla_ros.split.profiler.load_profile`) into per-part times.
+
+    The prefix runs on the profile's ``cuda`` device when it has one, else on its ``cpu`` one; the
+    suffix always on ``cpu``. The hand-off line is fitted to the prefix device's ring measurements
+    (bytes -> ms). The prefix's K-independent time includes the camera preprocessing of a frame
+    (decode, resize, normalise on the CPU): ``preprocess_ms`` when given, else the profile's
+    ``preprocess`` measurement, else none (said in ``notes``: the prediction is then too low for a
+    prefix fed JPEG cameras). Raises ValueError when the profile was measured on another architecture
+    (layers, widths, token count, cameras...). A different dtype is allowed and recorded in ``notes``.
+    """
+    pcfg = VLAConfig.from_dict(profile["model"]["config"])
+    mine, theirs = _arch_key(cfg), _arch_key(pcfg)
+    diff = sorted(k for k in mine if mine[k] != theirs[k])
+    if diff:
+        raise ValueError(f"the profile was measured on another architecture (differs in {', '.join(diff)}); "
+                         f"profile this model first (hybrid-vla profile)")
+    notes = []
+    want = DTYPE_NAMES.get(_as_dtype(dtype), str(dtype))
+    if profile["dtype"] != want:
+        notes.append(f"latencies were measured in {profile['dtype']}, the plan is for {want}")
+    devices = profile["devices"]
+    pre_name = "cuda" if "cuda" in devices else "cpu"
+    if pre_name == "cpu":
+        notes.append("the profile has no CUDA measurements: the prefix latency is its CPU time")
+    pre, suf = devices[pre_name], devices["cpu"]
+    parts = pre["parts_ms"]
+    fixed = (parts["vision_embeddings"] + sum(pre["vision_blocks_ms"]) + parts["vision_post"]
+             + parts["projector_embed"])
+    if preprocess_ms is None and "preprocess" in profile:
+        preprocess_ms = profile["preprocess"]["ms"]
+        notes.append(f"camera preprocessing {preprocess_ms:.1f} ms a frame from the profile "
+                     f"({profile['preprocess'].get('source', 'measured')})")
+    elif preprocess_ms is None:
+        preprocess_ms = 0.0
+        notes.append("the profile has no camera preprocessing time: predicted prefix times leave out decoding "
+                     "and resizing the cameras")
+    else:
+        notes.append(f"camera preprocessing {preprocess_ms:.1f} ms a frame (given)")
+    fixed += preprocess_ms
+    a, b = _fit_line([(m["bytes"], m["ms"]) for m in pre["handoff"]["ring"]])
+    return LatencyModel(prefix_device=pre["name"], suffix_device=suf["name"], prefix_fixed_ms=fixed,
+                        prefix_rotary_ms=parts["rotary"], prefix_blocks_ms=list(pre["llm_blocks_ms"]),
+                        suffix_rotary_ms=suf["parts_ms"]["rotary"], suffix_blocks_ms=list(suf["llm_blocks_ms"]),
+                        head_ms=suf["parts_ms"]["head"], handoff_a_ms=a, handoff_b_ms_per_byte=b, notes=notes)
+
+
+# -------------------------------------------------------------------------------------------- plan
+
+@dataclass
+class PlanRow:
+    """One split layer K. Bytes are ints; times in ms and throughput in frames/s are None without a profile."""
+
+    k: int
+    gpu_weight_bytes: int
+    gpu_activation_bytes: int
+    gpu_buffer_bytes: int
+    gpu_overhead_bytes: int
+    gpu_total_bytes: int
+    gpu_peak_phase: str
+    cpu_weight_bytes: int
+    cpu_activation_bytes: int
+    cpu_total_bytes: int
+    handoff_bytes: int
+    ring_slot_bytes: int
+    prefix_ms: float | None = None
+    handoff_ms: float | None = None
+    suffix_ms: float | None = None
+    e2e_ms: float | None = None
+    throughput_fps: float | None = None
+    fits: bool | None = None
+
+
+@dataclass
+class Plan:
+    """All rows, the chosen K and why. ``gpu_budget_bytes`` None means no budget (every K fits)."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    prefix_state_shape: tuple[int, ...]
+    gpu_budget_bytes: int | None
+    cuda_overhead_bytes: int
+    rows: list[PlanRow]
+    chosen_k: int
+    reason: str
+    profile: str | None = None
+    prefix_device: str | None = None
+    suffix_device: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def row(self, k: int) -> PlanRow:
+        """The row of split layer k. Raises IndexError when k is out of [0, L]."""
+        if not 0 <= k < len(self.rows):
+            raise IndexError(f"split layer {k} out of range [0, {len(self.rows) - 1}]")
+        return self.rows[k]
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict: every field, rows as dicts (bytes as ints, ms as floats or None)."""
+        d = asdict(self)
+        d["prefix_state_shape"] = list(self.prefix_state_shape)
+        return d
+
+
+def choose_split_layer(rows: list[PlanRow], gpu_budget_bytes: int | float | None,
+                       tie_rel: float = TIE_REL) -> tuple[int, str]:
+    """Pick the split layer: ``(K, reason)``.
+
+    Among the rows whose ``gpu_total_bytes`` is <= ``gpu_budget_bytes`` (all rows when it is None), the
+    lowest predicted ``e2e_ms``. Rows within ``tie_rel`` (relative, default 1%: below the run-to-run
+    noise of a profile) of that lowest latency are ties; ties go to the higher ``throughput_fps``,
+    then to the smaller GPU need. When the rows carry no latency (no profile), the largest K that
+    fits: the fewest decoder blocks run on the CPU, which is the slower device for them. Raises
+    ValueError when ``rows`` is empty or no row fits (the message names the smallest need).
+    """
+    if not rows:
+        raise ValueError("no split layers to choose from")
+    budget = math.inf if gpu_budget_bytes is None else float(gpu_budget_bytes)
+    fit = [r for r in rows if r.gpu_total_bytes <= budget]
+    if not fit:
+        least = min(rows, key=lambda r: r.gpu_total_bytes)
+        raise ValueError(f"no split layer fits the GPU budget of {budget / GB:.3f} GB: the smallest need is "
+                         f"{least.gpu_total_bytes / GB:.3f} GB at K={least.k} (weights "
+                         f"{least.gpu_weight_bytes / GB:.3f} GB, activations {least.gpu_activation_bytes / GB:.3f} GB, "
+                         f"overhead {least.gpu_overhead_bytes / GB:.3f} GB)")
+    budget_txt = "(no GPU budget)" if gpu_budget_bytes is None else f"the {budget / GB:.2f} GB GPU budget"
+    if any(r.e2e_ms is None for r in rows):
+        best = max(fit, key=lambda r: r.k)
+        return best.k, (f"no profile, latencies unknown: K={best.k}, the largest split layer that fits {budget_txt} "
+                        f"(needs {best.gpu_total_bytes / GB:.2f} GB), keeps the fewest decoder blocks on the "
+                        f"slower CPU")
+
+    def pick(candidates: list[PlanRow]) -> tuple[PlanRow, int]:
+        lowest = min(r.e2e_ms for r in candidates)
+        tied = [r for r in candidates if r.e2e_ms <= lowest * (1.0 + tie_rel) + 1e-12]
+        return min(tied, key=lambda r: (-r.throughput_fps, r.gpu_total_bytes, r.e2e_ms)), len(tied)
+
+    best, n_tied = pick(fit)
+    overall, _ = pick(rows)
+    reason = (f"K={best.k}: lowest predicted end-to-end latency {best.e2e_ms:.2f} ms "
+              f"({best.throughput_fps:.2f} frames/s pipelined) among the {len(fit)} of {len(rows)} split layers "
+              f"that fit {budget_txt} (needs {best.gpu_total_bytes / GB:.2f} GB)")
+    if n_tied > 1:
+        reason += (f"; {n_tied} split layers are within {tie_rel:.0%} of the lowest latency, this one has the "
+                   f"highest throughput")
+    if overall.k != best.k:
+        reason += (f"; the unconstrained best, K={overall.k} ({overall.e2e_ms:.2f} ms), needs "
+                   f"{overall.gpu_total_bytes / GB:.2f} GB")
+    return best.k, reason
+
+
+def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: dict | None = None,
+               gpu_budget_bytes: int | float | None = None, cuda_overhead_bytes: int | float | None = None,
+               suffix_dtype: str | torch.dtype | None = None, model_name: str = "",
+               profile_name: str | None = None, preprocess_ms: float | None = None) -> Plan:
+    """Memory (and, with a profile, latency) of every split layer of ``cfg``, and the chosen K.
+
+    ``dtype``: the prefix dtype on the GPU; ``suffix_dtype``: the suffix's on the CPU (default: the
+    same, as the nodes load both stages in one dtype). ``cuda_overhead_bytes`` defaults to
+    :data:`DEFAULT_CUDA_OVERHEAD_GB` GB. ``profile``: a dict from
+    :func:`hybrid_vla_ros.split.profiler.load_profile`; ``preprocess_ms``: camera preprocessing per frame
+    (ms) to use instead of the profile's (see :func:`latency_model`). Runs on the meta device: no tensor memory, well
+    under a second for 7B. Raises ValueError (bad dtype, profile of another architecture, no K fits
+    the budget), RuntimeError if the ring's slot size for the hidden states disagrees with the
+    hand-off payload computed here.
+    """
+    from ..transport.ring import slot_bytes_for
+
+    dtype = _as_dtype(dtype)
+    sdtype = _as_dtype(suffix_dtype) if suffix_dtype is not None else dtype
+    overhead = int(round(DEFAULT_CUDA_OVERHEAD_GB * GB if cuda_overhead_bytes is None else cuda_overhead_bytes))
+    if overhead < 0:
+        raise ValueError("cuda overhead must be >= 0 bytes")
+    gw = stage_weights(cfg, dtype)
+    cw = gw if sdtype == dtype else stage_weights(cfg, sdtype)
+    payload = handoff_bytes(cfg, dtype)
+    slot = slot_bytes_for(cfg.prefix_state_shape, dtype)
+    if slot != max(64, -(-payload // 64) * 64):  # the ring and this plan must agree on the payload
+        raise RuntimeError(f"ring slot {slot} bytes disagrees with the hand-off payload {payload} bytes")
+    lat = latency_model(profile, cfg, dtype, preprocess_ms) if profile is not None else None
+    rows = []
+    for k in range(cfg.num_layers + 1):
+        act, phase = activation_peak(cfg, k, dtype, "prefix")
+        weights = gw.prefix(k)
+        sact, _ = activation_peak(cfg, k, sdtype, "suffix")
+        row = PlanRow(k=k, gpu_weight_bytes=weights, gpu_activation_bytes=act, gpu_buffer_bytes=gw.prefix_buffers,
+                      gpu_overhead_bytes=overhead, gpu_total_bytes=weights + act + gw.prefix_buffers + overhead,
+                      gpu_peak_phase=phase, cpu_weight_bytes=cw.suffix(k), cpu_activation_bytes=sact,
+                      cpu_total_bytes=cw.suffix(k) + cw.suffix_buffers + sact, handoff_bytes=payload,
+                      ring_slot_bytes=slot)
+        if lat is not None:
+            p, h, s = lat.predict(k, payload)
+            row.prefix_ms, row.handoff_ms, row.suffix_ms = p, h, s
+            row.e2e_ms = p + h + s
+            row.throughput_fps = 1000.0 / max(p, h + s) if max(p, h + s) > 0 else math.inf
+        row.fits = gpu_budget_bytes is None or row.gpu_total_bytes <= gpu_budget_bytes
+        rows.append(row)
+    k, reason = choose_split_layer(rows, gpu_budget_bytes)
+    return Plan(model=model_name or cfg.preset or "checkpoint", dtype=DTYPE_NAMES.get(dtype, str(dtype)),
+                num_layers=cfg.num_layers, prefix_state_shape=tuple(cfg.prefix_state_shape),
+                gpu_budget_bytes=None if gpu_budget_bytes is None else int(gpu_budget_bytes),
+                cuda_overhead_bytes=overhead, rows=rows, chosen_k=k, reason=reason, profile=profile_name,
+                prefix_device=lat.prefix_device if lat else None, suffix_device=lat.suffix_device if lat else None,
+                notes=list(lat.notes) if lat else [])
+
+
+def _gb_to_bytes(gb: float | None) -> int | None:
+    if gb is None:
+        return None
+    if not (gb >= 0 and math.isfinite(gb)):
+        raise ValueError(f"a size in GB must be a finite number >= 0, got {gb!r}")
+    return int(round(gb * GB))
+
+
+def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None = None,
+                        gpu_budget_gb: float | None = None, dtype: str = "fp16",
+                        cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None) -> Plan:
+    """Plan the checkpoint at ``model_path`` (reads only its config.json): the entry point for
+    ``split_layer: auto``.
+
+    ``profile_path``: a profile JSON (:mod:`hybrid_vla_ros.split.profiler`) or None; ``gpu_budget_gb``:
+    GPU memory for the prefix in GB (1e9 bytes), None for no limit; ``dtype``: the stages' dtype;
+    ``cuda_overhead_gb``: the CUDA context/workspace allowance (None: :data:`DEFAULT_CUDA_OVERHEAD_GB`);
+    ``preprocess_ms``: camera preprocessing per frame, ms (None: the profile's measurement).
+    Returns a :class:`Plan` (``.chosen_k``, ``.reason``, ``.rows``). Raises FileNotFoundError (no config
+    or profile), ValueError (bad config, dtype or profile, no K fits the budget).
+    """
+    cfg = VLAConfig.load(model_path)
+    return _plan_with(cfg, str(model_path), profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms)
+
+
+def plan_for_preset(name: str, profile_path: str | Path | None = None, gpu_budget_gb: float | None = None,
+                    dtype: str = "fp16", cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None,
+                    **overrides) -> Plan:
+    """Like :func:`plan_for_checkpoint` for a preset architecture (``overrides`` as in :func:`preset`)."""
+    return _plan_with(preset(name, **overrides), name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb,
+                      preprocess_ms)
+
+
+def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms=None) -> Plan:
+    if preprocess_ms is not None and not (preprocess_ms >= 0 and math.isfinite(preprocess_ms)):
+        raise ValueError(f"preprocess_ms must be a finite number >= 0, got {preprocess_ms!r}")
+    profile = None
+    if profile_path is not None:
+        from .profiler import load_profile
+
+        profile = load_profile(profile_path)
+    return plan_split(cfg, dtype, profile=profile, gpu_budget_bytes=_gb_to_bytes(gpu_budget_gb),
+                      cuda_overhead_bytes=_gb_to_bytes(cuda_overhead_gb), model_name=name,
+                      profile_name=None if profile_path is None else str(profile_path), preprocess_ms=preprocess_ms)
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def _fmt_ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def format_table(plan: Plan) -> str:
+    """The plan as a text table, one row per K, then the chosen K and the reason.
+
+    Memory in GB (1e9 bytes) when the largest weight total is >= 1 GB, else in MB (1e6 bytes).
+    """
+    big = max(max(r.gpu_weight_bytes, r.cpu_total_bytes) for r in plan.rows) >= GB
+    unit, div = ("GB", GB) if big else ("MB", 1e6)
+    cols = ["K", f"GPU weights {unit}", f"GPU act {unit}", f"GPU ovh+buf {unit}", f"GPU total {unit}",
+            f"CPU suffix {unit}", "hand-off MB", "prefix ms", "hand-off ms", "suffix ms", "e2e ms", "fps", "fits"]
+    lines = []
+    for r in plan.rows:
+        mark = "*" if r.k == plan.chosen_k else ""
+        lines.append([f"{r.k}{mark}", f"{r.gpu_weight_bytes / div:.3f}", f"{r.gpu_activation_bytes / div:.3f}",
+                      f"{(r.gpu_overhead_bytes + r.gpu_buffer_bytes) / div:.3f}", f"{r.gpu_total_bytes / div:.3f}",
+                      f"{r.cpu_total_bytes / div:.3f}", f"{r.handoff_bytes / 1e6:.3f}", _fmt_ms(r.prefix_ms),
+                      _fmt_ms(r.handoff_ms), _fmt_ms(r.suffix_ms), _fmt_ms(r.e2e_ms),
+                      "n/a" if r.throughput_fps is None else f"{r.throughput_fps:.2f}",
+                      "yes" if r.fits else "no"])
+    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
+    out = [f"split plan for {plan.model}: {plan.num_layers} decoder blocks, dtype {plan.dtype}, hidden states "
+           f"{tuple(plan.prefix_state_shape)}; GPU budget "
+           + ("none" if plan.gpu_budget_bytes is None else f"{plan.gpu_budget_bytes / GB:.2f} GB")
+           + f"; CUDA overhead allowance {plan.cuda_overhead_bytes / GB:.2f} GB (assumed)"]
+    if plan.profile:
+        out.append(f"latencies from {plan.profile}: prefix on {plan.prefix_device}, suffix on {plan.suffix_device}")
+    else:
+        out.append("no profile: latencies n/a (run `hybrid-vla profile` and pass --profile)")
+    out += [f"note: {n}" for n in plan.notes]
+    out.append(" | ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    out.append("-+-".join("-" * w for w in widths))
+    out += [" | ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines]
+    out.append(f"chosen split layer: K={plan.chosen_k} -- {plan.reason}")
+    return "\n".join(out)
+
+
+def plot_plan(plan: Plan, path: str | Path) -> Path:
+    """Write a PNG (matplotlib, Agg backend): GPU memory (stacked) and CPU suffix memory vs K with the
+    budget line, and, with a profile, predicted prefix / hand-off+suffix / end-to-end ms vs K; the
+    chosen K is marked. Returns the path. Raises OSError when the file cannot be written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = [r.k for r in plan.rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    w = [r.gpu_weight_bytes / GB for r in plan.rows]
+    a = [r.gpu_activation_bytes / GB for r in plan.rows]
+    o = [(r.gpu_overhead_bytes + r.gpu_buffer_bytes) / GB for r in plan.rows]
+    ax1.bar(ks, w, label="GPU weights")
+    ax1.bar(ks, a, bottom=w, label="GPU activations (est.)")
+    ax1.bar(ks, o, bottom=[x + y for x, y in zip(w, a)], label="CUDA overhead (assumed)")
+    ax1.plot(ks, [r.cpu_total_bytes / GB for r in plan.rows], "k.-", label="CPU suffix")
+    if plan.gpu_budget_bytes is not None:
+        ax1.axhline(plan.gpu_budget_bytes / GB, color="r", ls="--", label=f"budget {plan.gpu_budget_bytes / GB:.1f} GB")
+    ax1.axvline(plan.chosen_k, color="g", ls=":", label=f"chosen K={plan.chosen_k}")
+    ax1.set_ylabel("memory, GB")
+    ax1.set_title(f"{plan.model}, {plan.dtype}: memory and latency vs split layer K")
+    ax1.legend(fontsize=7, loc="upper left")
+    if plan.rows[0].e2e_ms is not None:
+        ax2.plot(ks, [r.prefix_ms for r in plan.rows], label=f"prefix ({plan.prefix_device})")
+        ax2.plot(ks, [r.handoff_ms + r.suffix_ms for r in plan.rows], label=f"hand-off + suffix ({plan.suffix_device})")
+        ax2.plot(ks, [r.e2e_ms for r in plan.rows], "k-", lw=2, label="end-to-end")
+        ax2.legend(fontsize=7)
+    else:
+        ax2.text(0.5, 0.5, "no profile: latency n/a", ha="center", va="center", transform=ax2.transAxes)
+    ax2.axvline(plan.chosen_k, color="g", ls=":")
+    ax2.set_xlabel("split layer K (decoder blocks on the GPU)")
+    ax2.set_ylabel("predicted ms")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------ live re-split policy
+
+def budget_under_pressure(plan: Plan, current_k: int, free_bytes: int, threshold_bytes: int) -> int | None:
+    """GPU budget (bytes) for a re-plan when the device's free memory has fallen under a threshold.
+
+    The prefix at ``current_k`` needs ``plan.row(current_k).gpu_total_bytes``; another process took
+    memory, leaving ``free_bytes`` < ``threshold_bytes``. Giving back the shortfall
+    (``threshold_bytes - free_bytes``) restores the threshold, so the new budget is the current need
+    minus the shortfall. Returns None when ``free_bytes >= threshold_bytes`` (no pressure). Used by
+    ``split_layer: auto`` with ``auto_resplit_free_mb``: the prefix node passes the budget to
+    :func:`choose_split_layer` and moves K down live when the answer is lower (it never moves up by
+    itself, so freed memory does not make it oscillate).
+    """
+    if free_bytes >= threshold_bytes:
+        return None
+    return plan.row(current_k).gpu_total_bytes - (threshold_bytes - free_bytes)

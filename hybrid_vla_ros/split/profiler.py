@@ -1,0 +1,597 @@
+"""Per-block timing profile of a split VLA on the devices at hand, read by the split planner.
+
+:func:`profile_model` times, on the CPU (a given core set and thread count) and on CUDA when there is
+one: the vision patch embedding, each vision encoder block (or one representative block counted for
+all), the vision post-layernorm, projector + embeddings, the rotary tables a stage builds, each LLM
+decoder block, the final norm + planning head, and the hand-off of the hidden states (acquire a ring
+slot -> copy -> publish -> consumer holds the zero-copy view, producer and consumer in this process;
+and a plain memcpy) at a few payload sizes around the model's. Every input has the real shape and
+dtype ((C, 3, S, S) pixels, (C, P, Dv) vision tokens, (T, H) or (2, T, H) hidden states). Each part
+runs ``warmup`` times untimed, then ``repeats`` times; the median is kept (and the minimum).
+
+Weights: for a preset, random weights are materialised one part at a time (built on the ``meta``
+device, ``to_empty`` on the target device, initialised, timed, freed), so a 7B model never has more
+than one decoder block in memory. For a checkpoint directory, the vision side and the heads come from
+:func:`hybrid_vla_ros.model.checkpoint.load_stage` (prefix at K = 0, suffix at K = L) and each decoder
+block is read on its own from the checkpoint's safetensors file.
+
+Profile file (JSON, :data:`PROFILE_SCHEMA`, checked by :func:`load_profile`)::
+
+    format_version      1 (PROFILE_FORMAT_VERSION)
+    kind                "hybrid_vla_profile"
+    created_utc         ISO 8601 time of the measurement
+    torch_version, python_version, platform   software and OS
+    host                {"cpu_model": str, "logical_cpus": int}
+    model               {"source": "preset" | "checkpoint", "preset": name | null, "path": str | null,
+                         "config": the VLAConfig dict (config.json contents)}
+    dtype               "fp32" | "fp16" | "bf16": dtype of weights and activations
+    prefix_state_shape  [T, H] or [2, T, H]; handoff_bytes: its size in bytes
+    settings            {"warmup": int, "repeats": int, "vision_blocks": "all" | "1", "llm_blocks": "all" | "1"}
+    devices             {"cpu": DEVICE, "cuda": DEVICE (only when measured)}
+    preprocess          {"ms", "min_ms": camera decode + resize + normalise of one frame on the CPU, ms;
+                         "cameras": int; "source": str} (absent when the embedded bag was not found)
+    DEVICE = {
+      "kind": "cpu" | "cuda", "name": "cpu" | "cuda:0", "description": CPU model or GPU name,
+      "cores": [int] (CPU cores the process was pinned to), "threads": int (torch intra-op threads),
+      "total_memory_bytes": int (CUDA only),
+      "parts_ms": {"vision_embeddings", "vision_post", "projector_embed", "rotary", "head": ms},
+      "vision_blocks_ms": [ms per vision block], "vision_blocks_measured": how many were timed,
+      "llm_blocks_ms": [ms per decoder block, L entries], "llm_blocks_measured": how many were timed,
+      "min_ms": same keys as parts_ms plus "vision_blocks" / "llm_blocks" lists: the fastest repeat,
+      "handoff": {"ring": [{"bytes": int, "ms": float, "min_ms": float}], "memcpy": [same]}
+    }
+
+When only one block of a kind is measured (``vision_blocks``/``llm_blocks`` = "1") its time is
+repeated for every block of that kind. Times are wall-clock (``time.perf_counter_ns``), with
+``torch.cuda.synchronize`` around each CUDA repeat.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from ..model.checkpoint import WEIGHTS_FILE, load_stage, parse_dtype
+from ..model.config import VLAConfig, preset
+from ..model.modeling import DEFAULT_COMMAND, LLM_FAMILIES, PrefixStage, SuffixStage, embed, llm_config, plan
+from ..util.cores import cpu_model, pin_process
+
+PROFILE_FORMAT_VERSION = 1
+PROFILE_KIND = "hybrid_vla_profile"
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+PART_KEYS = ("vision_embeddings", "vision_post", "projector_embed", "rotary", "head")
+
+_MS = {"type": "number", "minimum": 0}
+_HANDOFF = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["bytes", "ms", "min_ms"],
+    "properties": {"bytes": {"type": "integer", "minimum": 1}, "ms": _MS, "min_ms": _MS}}}
+_DEVICE = {
+    "type": "object",
+    "required": ["kind", "name", "description", "cores", "threads", "parts_ms", "vision_blocks_ms",
+                 "vision_blocks_measured", "llm_blocks_ms", "llm_blocks_measured", "min_ms", "handoff"],
+    "properties": {
+        "kind": {"enum": ["cpu", "cuda"]},
+        "name": {"type": "string"},
+        "description": {"type": "string"},
+        "cores": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "threads": {"type": "integer", "minimum": 1},
+        "total_memory_bytes": {"type": "integer", "minimum": 0},
+        "parts_ms": {"type": "object", "required": list(PART_KEYS),
+                     "properties": {k: _MS for k in PART_KEYS}},
+        "vision_blocks_ms": {"type": "array", "items": _MS, "minItems": 1},
+        "vision_blocks_measured": {"type": "integer", "minimum": 1},
+        "llm_blocks_ms": {"type": "array", "items": _MS},
+        "llm_blocks_measured": {"type": "integer", "minimum": 0},
+        "min_ms": {"type": "object"},
+        "handoff": {"type": "object", "required": ["ring", "memcpy"],
+                    "properties": {"ring": _HANDOFF, "memcpy": _HANDOFF}},
+    },
+}
+#: JSON schema of a profile file (draft 2020-12).
+PROFILE_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "hybrid_vla_ros per-block timing profile",
+    "type": "object",
+    "required": ["format_version", "kind", "created_utc", "torch_version", "python_version", "host", "model",
+                 "dtype", "prefix_state_shape", "handoff_bytes", "settings", "devices"],
+    "properties": {
+        "format_version": {"const": PROFILE_FORMAT_VERSION},
+        "kind": {"const": PROFILE_KIND},
+        "created_utc": {"type": "string"},
+        "torch_version": {"type": "string"},
+        "python_version": {"type": "string"},
+        "platform": {"type": "string"},
+        "host": {"type": "object", "required": ["cpu_model", "logical_cpus"]},
+        "model": {"type": "object", "required": ["source", "preset", "path", "config"],
+                  "properties": {"source": {"enum": ["preset", "checkpoint"]},
+                                 "preset": {"type": ["string", "null"]}, "path": {"type": ["string", "null"]},
+                                 "config": {"type": "object"}}},
+        "dtype": {"enum": ["fp32", "fp16", "bf16"]},
+        "prefix_state_shape": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 2,
+                               "maxItems": 3},
+        "handoff_bytes": {"type": "integer", "minimum": 1},
+        "settings": {"type": "object", "required": ["warmup", "repeats", "vision_blocks", "llm_blocks"],
+                     "properties": {"warmup": {"type": "integer", "minimum": 0},
+                                    "repeats": {"type": "integer", "minimum": 1},
+                                    "vision_blocks": {"enum": ["all", "1"]}, "llm_blocks": {"enum": ["all", "1"]}}},
+        "devices": {"type": "object", "required": ["cpu"],
+                    "properties": {"cpu": _DEVICE, "cuda": _DEVICE}, "additionalProperties": False},
+        "preprocess": {"type": "object", "required": ["ms"],
+                       "properties": {"ms": _MS, "min_ms": _MS, "cameras": {"type": "integer", "minimum": 1},
+                                      "source": {"type": "string"}}},
+    },
+}
+
+
+# ------------------------------------------------------------------------------------ file format
+
+def _non_finite(node, path: str = "") -> str | None:
+    """JSON path of the first NaN or infinite number in a parsed document, else None."""
+    if isinstance(node, float) and not math.isfinite(node):
+        return path or "(top level)"
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in children:
+        found = _non_finite(value, f"{path}/{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def validate_profile(doc: object, source: str = "profile") -> dict:
+    """Check a parsed profile against :data:`PROFILE_SCHEMA` and its internal consistency.
+
+    Returns ``doc``. Raises ValueError naming the first problem and where it is (a JSON path), e.g.
+    ``profile p.json: devices/cpu/llm_blocks_ms: has 3 entries, the model has 4 decoder blocks``.
+    """
+    import jsonschema
+
+    if isinstance(doc, dict) and "format_version" in doc and doc["format_version"] != PROFILE_FORMAT_VERSION:
+        raise ValueError(f"{source}: format_version {doc['format_version']!r}; this code reads "
+                         f"{PROFILE_FORMAT_VERSION} (re-run hybrid-vla profile)")
+    validator = jsonschema.Draft202012Validator(PROFILE_SCHEMA)
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        raise ValueError(f"{source}: {where}: {err.message}{more}")
+    bad = _non_finite(doc)
+    if bad:
+        raise ValueError(f"{source}: {bad}: not a finite number (NaN or Infinity): re-run hybrid-vla profile")
+    try:
+        cfg = VLAConfig.from_dict(doc["model"]["config"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{source}: model/config: {e}") from None
+    if list(cfg.prefix_state_shape) != list(doc["prefix_state_shape"]):
+        raise ValueError(f"{source}: prefix_state_shape {doc['prefix_state_shape']} does not match the config's "
+                         f"{list(cfg.prefix_state_shape)}")
+    for name, dev in doc["devices"].items():
+        if len(dev["llm_blocks_ms"]) != cfg.num_layers:
+            raise ValueError(f"{source}: devices/{name}/llm_blocks_ms: has {len(dev['llm_blocks_ms'])} entries, "
+                             f"the model has {cfg.num_layers} decoder blocks")
+        nv = int(cfg.vision["num_hidden_layers"])
+        if len(dev["vision_blocks_ms"]) != nv:
+            raise ValueError(f"{source}: devices/{name}/vision_blocks_ms: has {len(dev['vision_blocks_ms'])} "
+                             f"entries, the vision encoder has {nv} blocks")
+        if dev["kind"] != name:
+            raise ValueError(f"{source}: devices/{name}/kind is {dev['kind']!r}")
+    return doc
+
+
+def load_profile(path: str | Path) -> dict:
+    """Read and validate a profile JSON file (:func:`validate_profile`).
+
+    Raises FileNotFoundError, ValueError (not JSON, or not a valid profile; the message says where).
+    """
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile {path}: not JSON ({e})") from None
+    return validate_profile(doc, f"profile {path}")
+
+
+def write_profile(doc: dict, path: str | Path) -> Path:
+    """Validate ``doc`` and write it as indented JSON to ``path``. Returns the path; raises ValueError / OSError."""
+    validate_profile(doc, "profile to write")
+    path = Path(path)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------ measurement
+
+def measure_peak_cpu_bytes(fn):
+    """Run ``fn()`` under ``torch.profiler`` with ``profile_memory=True``; return ``(result, peak bytes)``.
+
+    The peak is the largest running sum, in time order, of the CPU allocator's allocation (+) and
+    free (-) events recorded while ``fn`` runs: the bytes of tensor storage allocated during ``fn``
+    and alive at the worst moment (tensors that existed before are not counted; tensors ``fn``
+    returns are). It sees every allocation through c10's CPU allocator, which excludes memory that
+    BLAS / oneDNN libraries take with their own allocators. (tracemalloc cannot see tensor storage.)
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return result, peak
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
+    """(median ms, min ms) of ``fn()`` over ``repeats`` timed calls after ``warmup`` untimed ones."""
+    with torch.inference_mode():
+        for _ in range(warmup):
+            fn()
+        _sync(device)
+        samples = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter_ns()
+            fn()
+            _sync(device)
+            samples.append((time.perf_counter_ns() - t0) / 1e6)
+    return statistics.median(samples), min(samples)
+
+
+def random_init_(module: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """Give a meta-device module real random weights on ``device`` in ``dtype``, in place; returns it
+    in eval mode without gradients.
+
+    Matrices (2+ dims) ~ N(0, 0.02), other parameters named ``*bias`` 0, the rest (norm gains) 1;
+    ``position_ids`` buffers are rebuilt as arange and a child named ``rotary_emb`` is rebuilt from its
+    config on ``device`` (float32 tables, as load_stage does). Uses the global torch RNG. Raises
+    RuntimeError when another buffer would be left uninitialised.
+    """
+    device = torch.device(device)
+    rotary = getattr(module, "rotary_emb", None)
+    if rotary is not None:
+        del module.rotary_emb
+    module.to(dtype)  # on meta: only changes the recorded dtype of floating tensors
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+    for sub in module.modules():
+        for bname, buf in list(sub.named_buffers(recurse=False)):
+            if bname == "position_ids":
+                sub.register_buffer(bname, torch.arange(buf.shape[-1], device=device).expand(1, -1),
+                                    persistent=False)
+            else:
+                raise RuntimeError(f"cannot initialise buffer {bname!r} of {type(sub).__name__}")
+    if rotary is not None:
+        with torch.device(device):
+            module.rotary_emb = type(rotary)(rotary.config)
+    return module.eval().requires_grad_(False)
+
+
+def _free(module: nn.Module) -> None:
+    module.to_empty(device="meta")
+
+
+class _FixedVision(nn.Module):
+    """Stands in for the vision encoder so that ``embed`` times only projector + embeddings."""
+
+    def __init__(self, features: torch.Tensor):
+        super().__init__()
+        self.features = features
+
+    def forward(self, pixel_values: torch.Tensor):
+        return SimpleNamespace(last_hidden_state=self.features)
+
+
+def _block_from_checkpoint(path: Path, cfg: VLAConfig, index: int, device: torch.device,
+                           dtype: torch.dtype) -> nn.Module:
+    """Decoder block ``index`` of a checkpoint, read on its own from the safetensors file."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        block = LLM_FAMILIES[cfg.llm_type][1](llm_config(cfg), index)
+    prefix = f"layers.{index}."
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt", device=str(device)) as f:
+        keys = set(f.keys())
+        state = {}
+        for k in block.state_dict():
+            if prefix + k not in keys:
+                raise ValueError(f"checkpoint {path} lacks {prefix + k}")
+            t = f.get_tensor(prefix + k)
+            state[k] = t.to(dtype) if t.is_floating_point() else t
+    block.load_state_dict(state, strict=True, assign=True)
+    return block.eval().requires_grad_(False)
+
+
+def measure_handoff(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, warmup: int, repeats: int,
+                    scales: tuple[float, ...] = (0.5, 1.0, 2.0)) -> dict:
+    """Hand-off time of hidden states of ``shape`` (and of the token dim scaled by ``scales``) from ``device``.
+
+    ``ring``: acquire a slot of a shared-memory ring -> ``copy_`` the tensor into it (device-to-host for
+    CUDA) -> publish -> the consumer's ``read`` returns the zero-copy view (producer and consumer in
+    this process, so no scheduler wake-up of another process is included). ``memcpy``: one ``copy_``
+    into a preallocated CPU tensor. Returns {"ring": [...], "memcpy": [...]}, each entry
+    {"bytes", "ms" (median), "min_ms"}. Raises RingError / OSError when /dev/shm is unusable.
+    """
+    from ..transport.ring import (
+        RingConsumer,
+        RingProducer,
+        segment_name,
+        slot_bytes_for,
+    )
+
+    tok_dim = len(shape) - 2
+    shapes = []
+    for s in scales:
+        sh = list(shape)
+        sh[tok_dim] = max(1, round(shape[tok_dim] * s))
+        if tuple(sh) not in shapes:
+            shapes.append(tuple(sh))
+    biggest = max(shapes, key=lambda sh: torch.Size(sh).numel())
+    name = segment_name(f"profile_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+    out = {"ring": [], "memcpy": []}
+    with RingProducer(name, 3, slot_bytes_for(biggest, dtype), model_id=0) as prod, RingConsumer(name) as cons:
+        for sh in shapes:
+            src = torch.randn(sh, device=device).to(dtype)
+            dst = torch.empty(sh, dtype=dtype)
+            nbytes = src.numel() * src.element_size()
+
+            def ring_once():
+                slot = prod.acquire(sh, dtype)
+                slot.tensor.copy_(src)
+                prod.publish(slot, stamp_ns=0, split_layer=0)
+                got = cons.read(5.0)
+                if got is None:
+                    raise RuntimeError("ring hand-off timed out")
+                got.release()
+
+            ms, mn = _time_ms(ring_once, device, warmup, repeats)
+            out["ring"].append({"bytes": nbytes, "ms": ms, "min_ms": mn})
+            ms, mn = _time_ms(lambda: dst.copy_(src), device, warmup, repeats)
+            out["memcpy"].append({"bytes": nbytes, "ms": ms, "min_ms": mn})
+    return out
+
+
+def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *, model_path: Path | None,
+                    warmup: int, repeats: int, vision_blocks: str, llm_blocks: str, log) -> dict:
+    timing = {}
+    mins = {}
+
+    def timed(key, fn):
+        timing[key], mins[key] = _time_ms(fn, device, warmup, repeats)
+        log(f"  {device}: {key} {timing[key]:.3f} ms")
+
+    C, S = cfg.n_cameras, cfg.image_size
+    pixels = torch.rand((C, 3, S, S), device=device, dtype=dtype)
+    ego = torch.zeros(3, device=device) if cfg.ego_state_input else None
+    # ---- vision side and projector/embeddings
+    if model_path is not None:
+        front = load_stage(model_path, "prefix", 0, device=device, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            front = PrefixStage(cfg, 0)
+    vision = front.vision
+    enc_layers = vision.encoder.layers
+    if model_path is None:
+        random_init_(vision.embeddings, device, dtype)
+    timed("vision_embeddings", lambda: vision.embeddings(pixels))
+    Dv = int(cfg.vision["hidden_size"])
+    feats = torch.randn((C, cfg.tokens_per_camera, Dv), device=device, dtype=dtype)
+    n_measure = len(enc_layers) if vision_blocks == "all" else 1
+    vis_ms, vis_min = [], []
+    for i in range(n_measure):
+        layer = enc_layers[i]
+        if model_path is None:
+            random_init_(layer, device, dtype)
+        ms, mn = _time_ms(lambda: layer(feats, None), device, warmup, repeats)
+        vis_ms.append(ms)
+        vis_min.append(mn)
+        if model_path is None:
+            _free(layer)
+        log(f"  {device}: vision block {i} {ms:.3f} ms")
+    if n_measure < len(enc_layers):
+        vis_ms, vis_min = vis_ms * len(enc_layers), vis_min * len(enc_layers)
+    if model_path is None:
+        random_init_(vision.post_layernorm, device, dtype)
+    timed("vision_post", lambda: vision.post_layernorm(feats))
+    if model_path is None:
+        _free(vision)
+        for name, child in front.named_children():
+            if name not in ("vision", "layers", "rotary_emb"):
+                random_init_(child, device, dtype)
+    front.vision = _FixedVision(feats)
+    timed("projector_embed", lambda: embed(front, pixels, ego))
+    with torch.inference_mode():
+        h = embed(front, pixels, ego)
+    del front, vision, enc_layers
+    # ---- LLM blocks
+    llm = llm_config(cfg)
+    with torch.device(device):
+        rotary = LLM_FAMILIES[cfg.llm_type][3](llm)
+    x = h if h.dim() == 3 else h.unsqueeze(0)
+
+    def rotary_once():
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        return positions, rotary(x, positions)
+
+    timed("rotary", rotary_once)
+    with torch.inference_mode():
+        positions, cos_sin = rotary_once()
+    L = cfg.num_layers
+    n_llm = L if llm_blocks == "all" else min(1, L)
+    blk_ms, blk_min = [], []
+    for i in range(n_llm):
+        if model_path is not None:
+            block = _block_from_checkpoint(model_path, cfg, i, device, dtype)
+        else:
+            with torch.device("meta"):
+                block = LLM_FAMILIES[cfg.llm_type][1](llm, i)
+            random_init_(block, device, dtype)
+        ms, mn = _time_ms(lambda: block(x, attention_mask=None, position_ids=positions,
+                                        position_embeddings=cos_sin), device, warmup, repeats)
+        blk_ms.append(ms)
+        blk_min.append(mn)
+        _free(block)
+        del block
+        log(f"  {device}: LLM block {i} {ms:.3f} ms")
+    if 0 < n_llm < L:
+        blk_ms, blk_min = blk_ms * L, blk_min * L
+    # ---- final norm + heads
+    if model_path is not None:
+        tail = load_stage(model_path, "suffix", L, device=device, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            tail = SuffixStage(cfg, L)
+        for name, child in tail.named_children():
+            if name not in ("layers", "rotary_emb"):
+                random_init_(child, device, dtype)
+    timed("head", lambda: plan(tail, h, DEFAULT_COMMAND))
+    del tail
+    # ---- hand-off from this device
+    handoff = measure_handoff(tuple(cfg.prefix_state_shape), dtype, device, warmup, max(repeats, 5))
+    log(f"  {device}: ring hand-off " + ", ".join(f"{m['bytes']} B {m['ms']:.3f} ms" for m in handoff["ring"]))
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        desc, extra = props.name, {"total_memory_bytes": int(props.total_memory)}
+    else:
+        desc, extra = cpu_model(), {}
+    return {"kind": device.type, "name": str(device), "description": desc,
+            "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), **extra,
+            "parts_ms": {k: timing[k] for k in PART_KEYS}, "vision_blocks_ms": vis_ms,
+            "vision_blocks_measured": n_measure, "llm_blocks_ms": blk_ms, "llm_blocks_measured": n_llm,
+            "min_ms": {**{k: mins[k] for k in PART_KEYS}, "vision_blocks": vis_min, "llm_blocks": blk_min},
+            "handoff": handoff}
+
+
+def measure_preprocess(cfg: VLAConfig, *, warmup: int = 1, repeats: int = 5, log=None) -> dict | None:
+    """Camera preprocessing of one frame on the CPU, as the prefix node does it: decode the embedded bag's
+    JPEG cameras (1936 x 1216; as many as the model takes, cycling through the bag's 6) and resize and
+    normalise them to the model input (``vehicle.image``). Returns ``{"ms": median ms, "min_ms": ms,
+    "source": str, "cameras": int}``, or None when the embedded bag is not found. The prefix pays this
+    every frame before its model stages, whatever K is."""
+    from ..util.bags import read_bag
+    from ..util.paths import embedded_bag
+    from ..vehicle.image import decode_compressed, preprocess
+
+    try:
+        from rosbags.typesys import Stores, get_typestore
+
+        store = get_typestore(Stores.ROS2_KILTED)
+        first = {}
+        for m in read_bag(embedded_bag()):
+            if m.topic.endswith("/compressed") and m.topic not in first:
+                first[m.topic] = store.deserialize_cdr(m.raw, m.msgtype)
+    except Exception as e:  # noqa: BLE001 - no bag (e.g. an install without data): no preprocessing figure
+        if log:
+            log(f"  camera preprocessing not measured: {type(e).__name__}: {e}")
+        return None
+    if not first:
+        return None
+    msgs = [first[t] for t in sorted(first)]
+    cams = [msgs[i % len(msgs)] for i in range(cfg.n_cameras)]
+    out = torch.empty((cfg.n_cameras, 3, cfg.image_size, cfg.image_size), dtype=torch.float32)
+
+    def once() -> None:
+        preprocess([decode_compressed(m.format, m.data) for m in cams], cfg.image_size, cfg.image_mean,
+                   cfg.image_std, out=out)
+
+    median, fastest = _time_ms(once, torch.device("cpu"), warmup, repeats)
+    if log:
+        log(f"  camera preprocessing: {median:.2f} ms ({cfg.n_cameras} JPEG cameras of the embedded bag)")
+    return {"ms": median, "min_ms": fastest, "cameras": cfg.n_cameras,
+            "source": f"{cfg.n_cameras} JPEG cameras (1936x1216) of the embedded DGP bag, decode + resize + normalise"}
+
+
+def profile_model(*, preset_name: str | None = None, model_path: str | Path | None = None, dtype: str = "fp32",
+                  cores: list[int] | None = None, threads: int | None = None, device: str = "auto",
+                  repeats: int = 5, warmup: int = 1, vision_blocks: str = "all", llm_blocks: str = "all",
+                  seed: int = 0, log=None, **overrides) -> dict:
+    """Measure a profile (see the module docstring for its fields) and return it as a dict.
+
+    Exactly one of ``preset_name`` (random weights, one part at a time; ``overrides`` as in
+    :func:`hybrid_vla_ros.model.config.preset`) and ``model_path`` (a checkpoint directory).
+    ``cores``: CPU cores to pin the whole process to while measuring (default: the current set),
+    restored afterwards; ``threads``: torch intra-op threads (default: the current number), restored
+    afterwards. ``device``: "cpu" (CPU only), "cuda" (CUDA and CPU; error without CUDA) or "auto" (CUDA
+    too when available). The CPU is always measured because the suffix runs there. ``vision_blocks`` /
+    ``llm_blocks``: "all" or "1" (time one block, count it for every block). ``log``: callable taking
+    a progress line, or None. Raises ValueError for bad arguments (including cores this process may
+    not use), RuntimeError when CUDA is requested but unavailable.
+    """
+    if (preset_name is None) == (model_path is None):
+        raise ValueError("give exactly one of a preset name and a checkpoint path")
+    if vision_blocks not in ("all", "1") or llm_blocks not in ("all", "1"):
+        raise ValueError("vision_blocks / llm_blocks must be 'all' or '1'")
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    if threads is not None and threads < 1:
+        raise ValueError("threads must be >= 1")
+    if device not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+    tdtype = parse_dtype(dtype)
+    if model_path is not None:
+        model_path = Path(model_path)
+        cfg = VLAConfig.load(model_path)
+    else:
+        cfg = preset(preset_name, **overrides)
+    cuda_ok = torch.cuda.is_available()
+    if device == "cuda" and not cuda_ok:
+        raise RuntimeError("--device cuda: CUDA is not available on this machine")
+    log = log or (lambda line: None)
+    old_cores, old_threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    devices = {}
+    try:
+        if cores is not None:
+            pin_process(list(cores))
+        if threads is not None:
+            torch.set_num_threads(threads)
+        kw = dict(model_path=model_path, warmup=warmup, repeats=repeats, vision_blocks=vision_blocks,
+                  llm_blocks=llm_blocks, log=log)
+        use_cuda = device in ("cuda", "auto") and cuda_ok
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if use_cuda else []):
+            torch.manual_seed(seed)  # random weights and inputs; the caller's RNG state is restored
+            if use_cuda:
+                devices["cuda"] = _profile_device(cfg, torch.device("cuda", torch.cuda.current_device()), tdtype,
+                                                  **kw)
+            devices["cpu"] = _profile_device(cfg, torch.device("cpu"), tdtype, **kw)
+        preprocess_doc = measure_preprocess(cfg, warmup=warmup, repeats=repeats, log=log)
+    finally:
+        torch.set_num_threads(old_threads)
+        if cores is not None:
+            pin_process(old_cores)
+    return {
+        "format_version": PROFILE_FORMAT_VERSION, "kind": PROFILE_KIND,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__, "python_version": sys.version.split()[0], "platform": platform.platform(),
+        "host": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count() or 1},
+        "model": {"source": "checkpoint" if model_path is not None else "preset", "preset": cfg.preset or None,
+                  "path": str(model_path) if model_path is not None else None, "config": cfg.to_dict()},
+        "dtype": DTYPE_NAMES[tdtype], "prefix_state_shape": list(cfg.prefix_state_shape),
+        "handoff_bytes": torch.Size(cfg.prefix_state_shape).numel() * torch.empty((), dtype=tdtype).element_size(),
+        "settings": {"warmup": warmup, "repeats": repeats, "vision_blocks": vision_blocks, "llm_blocks": llm_blocks},
+        "devices": devices,
+        **({"preprocess": preprocess_doc} if preprocess_doc else {}),
+    }

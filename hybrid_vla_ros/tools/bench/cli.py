@@ -1,0 +1,303 @@
+"""``hybrid-vla bench [--json OUT] [--plots DIR] [--only PARTS] [--quick] ...``
+
+Register with ``add_arguments(subparser)`` and ``run(args) -> exit code``; also runs as
+``python -m hybrid_vla_ros.tools.bench``. The parent process imports neither torch nor rclpy: every measurement runs in
+pinned worker processes (:mod:`hybrid_vla_ros.tools.bench.worker`). Exit code 0 when every part ran (goals met or
+not: the figures are reported, not asserted), 1 when a part failed (its error is in the JSON), 2 for bad
+arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from ...util.cores import cpu_model, parse_core_list
+from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, cpu_flags
+
+PARTS = ("handoff", "pipeline", "flops", "preprocess")
+#: One-line description for the ``bench`` subcommand's help.
+DESCRIPTION = ("side-by-side measurements of the split pipeline (JSON, Markdown, PNG): hand-off ring vs rclpy vs "
+               "memcpy, pipeline efficiency and latency, CPU suffix FLOP/s, camera preprocessing share")
+DEFAULT_JSON = REPO_ROOT / "out" / "benchmark" / "bench.json"
+DEFAULT_PRESETS = ("tiny", "smol", "minddrive-0.5b")
+
+#: What --quick changes (unless the option is given explicitly).
+QUICK = {"presets": ["tiny"], "flops_presets": ["tiny", "smol"], "sizes_mib": [1.0, 8.0], "count": 30,
+         "rclpy_count": 10, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": 10,
+         "sequential": ["1core"], "flops_repeats": 3, "flops_blocks": 2, "preprocess_frames": 3,
+         "preprocess_seconds": 0.5}
+FULL = {"presets": list(DEFAULT_PRESETS), "flops_presets": list(DEFAULT_PRESETS), "sizes_mib": [1.0, 4.0, 8.0, 32.0],
+        "count": 200, "rclpy_count": 50, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": None,
+        "sequential": ["1core", "2core"], "flops_repeats": 5, "flops_blocks": 4, "preprocess_frames": 5,
+        "preprocess_seconds": 2.0}
+
+
+def _list(text: str) -> list[str]:
+    return [t.strip() for t in str(text).split(",") if t.strip() and t.strip().lower() != "none"]
+
+
+def _name_values(text: str, cast=int) -> dict:
+    """'tiny=0,smol=12' -> {'tiny': 0, 'smol': 12}."""
+    out = {}
+    for item in _list(text):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=VALUE")
+        try:
+            out[name.strip()] = cast(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: bad value") from None
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``hybrid-vla bench``."""
+    g = p.add_argument_group("output")
+    g.add_argument("--json", metavar="OUT", default=str(DEFAULT_JSON),
+                   help=f"JSON file (default {DEFAULT_JSON.relative_to(REPO_ROOT)})")
+    g.add_argument("--markdown", metavar="OUT", default=None, help="Markdown tables (default: the JSON path with .md)")
+    g.add_argument("--plots", metavar="DIR", default=None, help="also write PNG plots into DIR")
+    g.add_argument("--quiet", action="store_true", help="no progress lines (the tables are still printed)")
+    g = p.add_argument_group("what to run")
+    g.add_argument("--only", type=_list, default=list(PARTS),
+                   help=f"comma-separated parts: {','.join(PARTS)} (default: all)")
+    g.add_argument("--quick", action="store_true",
+                   help="short run (about a minute): tiny preset, 1 and 8 MiB, few messages and frames")
+    g.add_argument("--presets", type=_list, default=None,
+                   help=f"presets for pipeline, flops and preprocess (default {','.join(DEFAULT_PRESETS)}; "
+                        "quick: tiny, and tiny,smol for flops)")
+    g = p.add_argument_group("hand-off")
+    g.add_argument("--sizes-mib", type=float, nargs="+", default=None, help="payload sizes in MiB (default 1 4 8 32)")
+    g.add_argument("--count", type=int, default=None, help="measured ring and memcpy messages per size (default 200)")
+    g.add_argument("--warmup", type=int, default=5, help="unmeasured messages first, per size and method")
+    g.add_argument("--rclpy-count", type=int, default=None,
+                   help="measured rclpy messages per size and variant (default 50)")
+    g.add_argument("--rclpy-variants", type=_list, default=None,
+                   help="rclpy variants: default,large_data,shm_profile ('none' for no rclpy)")
+    g.add_argument("--rclpy-max-seconds", type=float, default=90.0,
+                   help="stop an rclpy size early (after 10 messages) when it takes longer than this")
+    g = p.add_argument_group("pipeline and preprocessing")
+    g.add_argument("--frames", type=int, default=None,
+                   help="measured frames per preset (default: tiny 40, smol 30, minddrive-0.5b 8, others 10)")
+    g.add_argument("--warmup-frames", type=int, default=2, help="unmeasured frames first")
+    g.add_argument("--sequential", type=_list, default=None, help="sequential baselines: 1core,2core (default both)")
+    g.add_argument("--split", type=lambda t: _name_values(t, int), default={},
+                   help="split layer per preset, e.g. tiny=0,smol=12 (default: chosen from a profile)")
+    g.add_argument("--image-size", type=lambda t: _name_values(t, int), default={},
+                   help="camera input size per preset, e.g. minddrive-0.5b=224 (default 112 px for minddrive-0.5b, "
+                        "minddrive-3b and orion; the others as the preset has it)")
+    g.add_argument("--k-margin", type=float, default=0.05,
+                   help="K = smallest K with prefix >= (1 + margin) x (hand-off + suffix) (default 0.05)")
+    g.add_argument("--dtype", default="bf16", help="model dtype of the pipeline and preprocessing runs (default bf16)")
+    g.add_argument("--preprocess-frames", type=int, default=None, help="minimum frames per preprocessing case")
+    g.add_argument("--model-cache", default=None, help="folder for the cached benchmark checkpoints")
+    g.add_argument("--bag", default=str(DEFAULT_BAG), help="rosbag2 folder with the camera frames")
+    g.add_argument("--camera-dir", default=str(NUSCENES_DIR), help="folder with six 1600x900 nuScenes CAM_* JPEGs")
+    g = p.add_argument_group("suffix FLOP/s")
+    g.add_argument("--flops-dtypes", type=_list, default=["fp32", "bf16"], help="dtypes (default fp32,bf16)")
+    g.add_argument("--flops-blocks", type=int, default=None, help="decoder blocks in the measured suffix (default 4)")
+    g.add_argument("--flops-repeats", type=int, default=None, help="timed samples (default 5)")
+    g = p.add_argument_group("cores")
+    g.add_argument("--prefix-cores", default="0", help="cores of the prefix process (default 0)")
+    g.add_argument("--suffix-cores", default="1", help="cores of the suffix process (default 1)")
+    g.add_argument("--flops-cores", default=None, help="cores of the FLOP/s worker (default: the suffix cores)")
+
+
+def _settings(args) -> dict:
+    base = QUICK if args.quick else FULL
+    s = dict(base)
+    if args.presets:
+        s["presets"] = s["flops_presets"] = list(args.presets)
+    for key in ("sizes_mib", "count", "rclpy_count", "rclpy_variants", "frames", "sequential", "flops_repeats",
+                "flops_blocks", "preprocess_frames"):
+        if getattr(args, key, None) is not None:
+            s[key] = getattr(args, key)
+    return s
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for name, dists in (("torch", ("torch",)), ("numpy", ("numpy",)),
+                        ("opencv", ("opencv-python-headless", "opencv-python", "opencv-contrib-python")),
+                        ("rclpy", ("ros-rclpy",)), ("transformers", ("transformers",))):
+        for d in dists:
+            try:
+                out[name] = version(d)
+                break
+            except PackageNotFoundError:
+                continue
+    return out
+
+
+def _setting_problems(args: argparse.Namespace, s: dict, parts: list[str]) -> list[str]:
+    """Bad option values, found before anything is measured (one line each)."""
+    from ...model.config import PRESETS
+    from .handoff import RCLPY_VARIANTS
+
+    problems = []
+    if not parts:
+        problems.append("--only names no part")
+    unknown = [v for v in s["rclpy_variants"] if v not in RCLPY_VARIANTS]
+    if unknown:
+        problems.append(f"--rclpy-variants {unknown}: use {', '.join(RCLPY_VARIANTS)} or none")
+    bad = [v for v in s["sequential"] if v not in ("1core", "2core")]
+    if bad:
+        problems.append(f"--sequential {bad}: use 1core, 2core")
+    bad = [v for v in set(s["presets"]) | set(s["flops_presets"]) if v not in PRESETS]
+    if bad:
+        problems.append(f"--presets {sorted(bad)}: use {', '.join(PRESETS)}")
+    bad = [v for v in [args.dtype, *args.flops_dtypes] if v not in ("fp32", "bf16", "fp16")]
+    if bad:
+        problems.append(f"dtype {bad}: use fp32, bf16, fp16")
+    if any(not (x > 0) for x in s["sizes_mib"]):
+        problems.append(f"--sizes-mib {s['sizes_mib']}: sizes must be > 0")
+    for key in ("count", "rclpy_count", "frames", "flops_repeats", "flops_blocks", "preprocess_frames"):
+        if s.get(key) is not None and s[key] < 1:
+            problems.append(f"--{key.replace('_', '-')} must be >= 1, got {s[key]}")
+    bad = {k: v for k, v in args.image_size.items() if v < 1}
+    if bad:
+        problems.append(f"--image-size {bad}: sizes must be >= 1 pixel")
+    bad = {k: v for k, v in args.split.items() if v < 0}
+    if bad:
+        problems.append(f"--split {bad}: split layers must be >= 0")
+    out = Path(args.json)
+    if out.is_dir() or (out.parent.exists() and not os.access(out.parent, os.W_OK)):
+        problems.append(f"--json {out}: not a writable file path")
+    return problems
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the selected parts; write JSON, Markdown and (with --plots) PNGs; print the tables."""
+    from . import report
+
+    t_start = time.monotonic()
+
+    def log(line: str) -> None:
+        if not args.quiet:
+            print(f"[{time.monotonic() - t_start:6.1f} s] {line}", flush=True)
+
+    parts = list(dict.fromkeys(args.only))
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        print(f"hybrid-vla bench: unknown part(s) {unknown}; use {','.join(PARTS)}", file=sys.stderr)
+        return 2
+    try:
+        prefix_cores, suffix_cores = parse_core_list(args.prefix_cores), parse_core_list(args.suffix_cores)
+        flops_cores = parse_core_list(args.flops_cores) if args.flops_cores else suffix_cores
+    except ValueError as e:
+        print(f"hybrid-vla bench: {e}", file=sys.stderr)
+        return 2
+    allowed = os.sched_getaffinity(0)
+    bad = sorted(set(prefix_cores + suffix_cores + flops_cores) - allowed)
+    if bad:
+        print(f"hybrid-vla bench: cores {bad} are not available to this process (it may use {sorted(allowed)})",
+              file=sys.stderr)
+        return 2
+    s = _settings(args)
+    problems = _setting_problems(args, s, parts)
+    if problems:
+        for line in problems:
+            print(f"hybrid-vla bench: {line}", file=sys.stderr)
+        return 2
+    from .pipeline import DEFAULT_IMAGE_SIZES
+
+    image_sizes = {**DEFAULT_IMAGE_SIZES, **args.image_size}
+    doc = {
+        "kind": report.KIND, "format_version": report.FORMAT_VERSION,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": None, "quick": bool(args.quick), "parts": parts,
+        "options": {k: v for k, v in vars(args).items()
+                    if isinstance(v, (str, int, float, bool, list, dict, type(None)))},
+        "host": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu_flags(),
+                 "platform": platform.platform()},
+        "software": _versions(), "settings": {k: v for k, v in s.items()}, "noise": {}, "errors": {},
+        "notes": ["Figures are ratios measured side by side in one run; none is a timing test. "
+                  "See 'noise' for how busy the machine was with other work during each part."],
+    }
+    doc["settings"].update(prefix_cores=prefix_cores, suffix_cores=suffix_cores, flops_cores=flops_cores,
+                           dtype=args.dtype, image_sizes=image_sizes, split=args.split, k_margin=args.k_margin)
+
+    def part(name: str, fn):
+        with NoiseMeter() as meter:
+            try:
+                doc[name] = fn()
+            except Exception as e:  # keep going with the other parts; the error goes into the JSON
+                doc["errors"][name] = f"{type(e).__name__}: {e}"
+                log(f"{name} FAILED: {type(e).__name__}: {e}")
+                if not args.quiet:
+                    traceback.print_exc()
+        doc["noise"][name] = meter.result
+        log(f"{name}: {meter.result['wall_s']:.1f} s, other load {meter.result['foreign_cpu_share']:.0%} of the CPUs")
+
+    if "handoff" in parts:
+        from .handoff import run_handoff
+
+        part("handoff", lambda: run_handoff(
+            s["sizes_mib"], count=s["count"], warmup=args.warmup, rclpy_count=s["rclpy_count"],
+            variants=tuple(s["rclpy_variants"]), producer_cores=prefix_cores, consumer_cores=suffix_cores,
+            max_seconds_per_size=args.rclpy_max_seconds, log=log))
+    if "flops" in parts:
+        from .suffix_flops import run_flops_part
+
+        part("suffix_flops", lambda: run_flops_part(
+            s["flops_presets"], dtypes=tuple(args.flops_dtypes), cores=flops_cores, blocks=s["flops_blocks"],
+            repeats=s["flops_repeats"], log=log))
+    plans = {}
+    if "pipeline" in parts or "preprocess" in parts:
+        from .pipeline import DEFAULT_CACHE, DEFAULT_FRAMES, prepare_preset
+
+        def prepare():
+            log(f"preparing {', '.join(s['presets'])}: checkpoints and split layers ({args.dtype})")
+            for name in s["presets"]:
+                plans[name] = prepare_preset(
+                    name, dtype=args.dtype, image_size=image_sizes.get(name), split_layer=args.split.get(name),
+                    cache=Path(args.model_cache) if args.model_cache else DEFAULT_CACHE, prefix_cores=prefix_cores,
+                    bag=Path(args.bag), margin=args.k_margin, log=log)
+                log(f"  {name}: K = {plans[name]['split_layer']} ({plans[name]['split_reason']})")
+            return dict(plans)
+
+        part("prepare", prepare)
+    if "pipeline" in parts and plans:
+        from .pipeline import run_pipeline_part
+
+        frames = {n: s["frames"] or DEFAULT_FRAMES.get(n, 10) for n in plans}
+        part("pipeline", lambda: run_pipeline_part(
+            plans, frames=frames, warmup=args.warmup_frames, prefix_cores=prefix_cores, suffix_cores=suffix_cores,
+            sequential=tuple(s["sequential"]), bag=Path(args.bag), log=log))
+    if "preprocess" in parts and plans:
+        from .preprocess import run_preprocess_part
+
+        part("preprocess", lambda: run_preprocess_part(
+            plans, dtype=args.dtype, cores=prefix_cores, camera_dir=args.camera_dir or None, bag=Path(args.bag),
+            min_frames=s["preprocess_frames"], min_seconds=s["preprocess_seconds"], log=log))
+    doc["goals"] = report.evaluate_goals(doc)
+    doc["wall_s"] = time.monotonic() - t_start
+    json_path = report.write_json(doc, args.json)
+    md_path = Path(args.markdown) if args.markdown else json_path.with_suffix(".md")
+    text = report.markdown(doc)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(text)
+    if args.plots:
+        for path in report.write_plots(doc, args.plots):
+            log(f"wrote {path}")
+    print(text)
+    log(f"wrote {json_path} and {md_path}; total {doc['wall_s']:.0f} s")
+    return 1 if doc["errors"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hybrid-vla bench", description=DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

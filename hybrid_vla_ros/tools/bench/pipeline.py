@@ -1,0 +1,542 @@
+"""Pipeline efficiency of the two-process split: frame rate and latency against the stage times, and the same
+frames run one stage after the other.
+
+Per preset:
+
+1. A checkpoint (random init, cached under the model cache folder and rebuilt when its config changes).
+   ``minddrive-0.5b`` runs with its image size overridden (default 112 px, i.e. 7x7 patches of 16 px per camera
+   instead of 640 px): the EVA-02-L-shaped ViT would take about a minute a frame at 640 px on one core. Its
+   query projector still gives 513 LLM tokens, so the LLM side, where the split is, keeps its real shape
+   ((2, 523, 896) hidden states, 24 Qwen2-0.5B blocks).
+2. The split layer K (unless given): the per-block profile of :func:`hybrid_vla_ros.split.profiler.profile_model`
+   on the prefix core (one thread, the pipeline dtype), plus the camera preprocessing of the bag's frames,
+   predicts the prefix time P(K) and the hand-off + suffix time H + S(K) (:func:`choose_split`). K is the
+   smallest K at which the prefix is at least ``margin`` (default 5 %) slower than hand-off + suffix: the
+   pipeline then runs at the prefix's rate and the suffix never has a frame waiting in the ring (a waiting
+   frame adds up to ring-slots - 1 frame periods of latency, because the consumer takes the oldest READY slot
+   and the producer overwrites the oldest one only when all are taken); it gives away less than one block's
+   time of throughput against the best-balanced K.
+3. The pipeline: the prefix (:class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner`) in a process pinned to
+   ``prefix_cores`` and the suffix (:class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner`) in one pinned to
+   ``suffix_cores``, one torch thread per core; the prefix is fed the embedded bag's real frames (6 JPEG
+   cameras of 1936x1216, looped) back to back, as fast as it runs.
+4. Sequential baselines on the same frames in one process, prefix then suffix through the same ring code:
+   ``1core`` (pinned to the prefix core, one thread: each stage as it runs alone) and ``2core`` (both cores,
+   two threads: the no-pipeline use of the same hardware).
+
+Per frame (ms; instants are CLOCK_MONOTONIC ns carried in the slot header and in the results):
+``preprocess`` + ``prefix`` (PrefixResult / slot timings), ``copy`` = t_publish - t_write_start,
+``queue_wait`` = max(0, end of the suffix's previous frame - t_publish), ``handoff_net`` = t_ready -
+t_write_start - queue_wait (copy + notification + wake-up), ``suffix`` = t_suffix_end - t_ready,
+``e2e`` = t_suffix_end - t_prefix_start.
+
+Figures (over the frames after ``warmup``; stage times as percentiles {n, p50, p90, mean, min, max}):
+
+* ``fps`` = (n - 1) / (t_suffix_end[last] - t_suffix_end[first]): the steady-state output rate.
+* ``ideal_fps`` = 1 / max(mean(preprocess + prefix), mean(handoff_net + suffix)) over the frames whose periods
+  the rate spans (all measured frames but the first), from this run's own per-frame stage times: the rate of a
+  two-stage pipeline without overhead, whose throughput is set by its slowest stage (Hennessy and Patterson,
+  "Computer Architecture: A Quantitative Approach", on pipelining). ``efficiency`` = fps / ideal_fps, goal
+  >= 0.9. Means, not medians, because fps is itself a mean (frames over their time span): a frame slowed by
+  other work on the machine lengthens both alike, so the ratio shows what the pipeline adds, not the machine's
+  other load (ratios slightly above 1 are noise). ``efficiency_p50`` uses the medians instead.
+* ``latency``: ``e2e`` against ``stage_sum`` = preprocess + prefix + suffix (the computing stages; hand-off,
+  queueing and gaps are what the pipeline adds); ``overhead`` = e2e - stage_sum per frame. Goal: median overhead
+  <= 0.05 x median stage_sum + 2 ms.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from .common import DEFAULT_BAG, REPO_ROOT, Worker, percentiles
+
+#: Default image size (px) of the presets whose 640 px ViT-L is too slow for one CPU core.
+DEFAULT_IMAGE_SIZES = {"minddrive-0.5b": 112, "minddrive-3b": 112, "orion": 112}
+#: Default measured frames per preset (after the warm-up frames); other presets get 10.
+DEFAULT_FRAMES = {"tiny": 40, "smol": 30, "minddrive-0.5b": 8}
+DEFAULT_CACHE = REPO_ROOT / "out" / "benchmark" / "models"
+#: Ego state fed to models that take one: (speed m/s, acceleration m/s^2, yaw rate rad/s), about the embedded
+#: bag's speed. Its value changes no timing.
+EGO_STATE = (1.27, 0.0, 0.0)
+RING_SLOTS = 4  # the prefix node's default ring_slots
+
+
+# ------------------------------------------------------------------------------------------ configuration
+
+def model_overrides(name: str, image_size: int | None) -> dict:
+    """Preset overrides that set the camera image size to ``image_size`` px (None: the preset's own)."""
+    if not image_size:
+        return {}
+    from ...model.config import preset
+
+    base = preset(name)
+    if image_size == base.image_size:
+        return {}
+    return {"image_size": int(image_size), "vision": dict(base.vision, image_size=int(image_size))}
+
+
+def checkpoint_dir(cache: Path, name: str, overrides: dict, dtype: str) -> Path:
+    """Cache folder of a preset's benchmark checkpoint: ``<cache>/<preset>[-img<S>]-<dtype>``."""
+    tag = f"-img{overrides['image_size']}" if "image_size" in overrides else ""
+    return Path(cache) / f"{name}{tag}-{dtype}"
+
+
+def _expected_config(name: str, overrides: dict) -> dict:
+    from ...model.config import preset
+
+    d = preset(name, **overrides).to_dict()
+    d.pop("random_init", None)
+    return d
+
+
+def checkpoint_is_current(path: Path, name: str, overrides: dict) -> bool:
+    """True when ``path`` holds a checkpoint whose config equals the preset's with these overrides."""
+    try:
+        d = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    d.pop("random_init", None)
+    expected = json.loads(json.dumps(_expected_config(name, overrides)))  # tuples -> lists, as in the file
+    return (Path(path) / "model.safetensors").is_file() and d == expected
+
+
+def checkpoint_task(chan, *, name: str, path: str, overrides: dict, dtype: str) -> dict:
+    """Worker: write a random-init checkpoint with :func:`~hybrid_vla_ros.model.checkpoint.init_model` into a
+    temporary folder next to ``path`` and move it into place."""
+    from ...model.checkpoint import init_model
+
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.monotonic()
+    init_model(name, tmp, overrides=overrides, dtype=dtype)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return {"path": str(path), "seconds": time.monotonic() - t0}
+
+
+def ensure_checkpoint(cache: Path, name: str, overrides: dict, dtype: str, log=print) -> Path:
+    """The cached checkpoint of a preset (built by a worker when missing or stale)."""
+    path = checkpoint_dir(cache, name, overrides, dtype)
+    if checkpoint_is_current(path, name, overrides):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"  writing a random-init {name} checkpoint to {path} (cached for later runs)")
+    with Worker("checkpoint", {"name": name, "path": str(path), "overrides": overrides, "dtype": dtype}) as w:
+        w.result(1800)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ frames
+
+def load_bag_frames(bag: str | Path = DEFAULT_BAG, transport: str = "compressed") -> list[tuple[list, int]]:
+    """The bag's synchronized camera frames: a list of (items, stamp_ns), items in camera order as
+    ``PrefixRunner.run`` takes them (``(transport, message)``; messages deserialized by rosbags, which carry
+    the fields of sensor_msgs/CompressedImage / Image). Frames are grouped by the k-th message of each camera
+    topic; the stamp is camera 0's receive time."""
+    from rosbags.typesys import Stores, get_typestore
+
+    from ...util.bags import camera_topics, read_bag
+
+    msgs = read_bag(bag)
+    topics = camera_topics(msgs, transport)
+    suffix = "/compressed" if transport == "compressed" else ""
+    store = get_typestore(Stores.ROS2_KILTED)
+    per_cam = [[m for m in msgs if m.topic == t + suffix] for t in topics]
+    n = min(len(c) for c in per_cam)
+    frames = []
+    for k in range(n):
+        items = [(transport, store.deserialize_cdr(c[k].raw, c[k].msgtype)) for c in per_cam]
+        frames.append((items, per_cam[0][k].t_ns))
+    return frames
+
+
+def _frame(frames: list, i: int) -> tuple[list, int]:
+    items, stamp = frames[i % len(frames)]
+    return items, stamp + (i // len(frames)) * 10**10  # each loop 10 s later: stamps keep increasing
+
+
+# ------------------------------------------------------------------------------------------ split choice
+
+def split_profile_task(chan, *, model_path: str, dtype: str, threads: int = 1, bag: str = str(DEFAULT_BAG),
+                       repeats: int = 3) -> dict:
+    """Worker (on the prefix core): per-block profile of the checkpoint (:func:`profile_model`, one vision and
+    one LLM block timed and counted for all) and the camera preprocessing time of the bag's frames (ms)."""
+    import torch
+
+    from ...model.config import VLAConfig
+    from ...split.profiler import profile_model
+    from ...vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess
+
+    torch.set_num_threads(threads)
+    cfg = VLAConfig.load(model_path)
+    doc = profile_model(model_path=model_path, dtype=dtype, threads=threads, device="cpu", repeats=repeats,
+                        warmup=1, vision_blocks="1", llm_blocks="1")
+    cpu = doc["devices"]["cpu"]
+    items, _ = load_bag_frames(bag)[0]
+    out = torch.empty((cfg.n_cameras, 3, cfg.image_size, cfg.image_size))
+
+    def pre():  # what PrefixRunner.decode + preprocess do for a frame
+        imgs = [compressed_msg_to_rgb(m) if t == "compressed" else image_msg_to_rgb(m) for t, m in items]
+        preprocess(imgs, cfg.image_size, cfg.image_mean, cfg.image_std, out=out)
+
+    pre()
+    samples = []
+    for _ in range(max(3, repeats)):
+        t0 = time.perf_counter_ns()
+        pre()
+        samples.append((time.perf_counter_ns() - t0) / 1e6)
+    state_bytes = doc["handoff_bytes"]
+    ring = min(cpu["handoff"]["ring"], key=lambda e: abs(e["bytes"] - state_bytes))
+    return {"parts_ms": cpu["parts_ms"], "vision_blocks_ms": cpu["vision_blocks_ms"],
+            "llm_blocks_ms": cpu["llm_blocks_ms"], "handoff_ms": ring["ms"], "state_bytes": state_bytes,
+            "preprocess_ms": sorted(samples)[len(samples) // 2], "threads": cpu["threads"], "cores": cpu["cores"]}
+
+
+def choose_split(profile: dict, margin: float = 0.05) -> dict:
+    """Split layer from a profile (:func:`split_profile_task`'s result; times in ms).
+
+    P(K) = preprocess + vision embeddings + vision blocks + vision post-norm + projector and embeddings
+    + (rotary tables if K > 0) + LLM blocks [0, K); S(K) = (rotary if K < L) + blocks [K, L) + final norm and
+    heads; H = ring hand-off of the hidden states. Returns ``split_layer`` = the smallest K with
+    P(K) >= (1 + margin) (H + S(K)) (L when there is none), ``balanced_split_layer`` = argmin_K max(P(K),
+    H + S(K)), and ``table``: [K, P(K), H + S(K)] for every K."""
+    parts, blocks = profile["parts_ms"], profile["llm_blocks_ms"]
+    L = len(blocks)
+    front = (profile["preprocess_ms"] + parts["vision_embeddings"] + sum(profile["vision_blocks_ms"])
+             + parts["vision_post"] + parts["projector_embed"])
+    table = []
+    for k in range(L + 1):
+        p = front + (parts["rotary"] if k > 0 else 0.0) + sum(blocks[:k])
+        s = profile["handoff_ms"] + (parts["rotary"] if k < L else 0.0) + sum(blocks[k:]) + parts["head"]
+        table.append([k, p, s])
+    chosen = next((k for k, p, s in table if p >= (1.0 + margin) * s), L)
+    balanced = min(table, key=lambda r: (max(r[1], r[2]), r[0]))[0]
+    return {"split_layer": chosen, "balanced_split_layer": balanced, "margin": margin, "table": table,
+            "predicted_prefix_ms": table[chosen][1], "predicted_handoff_suffix_ms": table[chosen][2]}
+
+
+# ------------------------------------------------------------------------------------------ worker tasks
+
+def _suffix_record(r) -> dict:
+    m = r.meta
+    return {"seq": m.seq, "preprocess_ms": r.preprocess_ms, "prefix_ms": r.prefix_ms, "handoff_ms": r.handoff_ms,
+            "suffix_ms": r.suffix_ms, "t_prefix_start_ns": r.t_prefix_start_ns, "t_write_start_ns": m.t_write_start_ns,
+            "t_publish_ns": m.t_publish_ns, "t_ready_ns": r.t_ready_ns, "t_suffix_end_ns": r.t_suffix_end_ns,
+            "split_layer": m.split_layer}
+
+
+def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_name: str, threads: int, total: int,
+                bag: str = str(DEFAULT_BAG), device: str = "cpu") -> dict:
+    """Worker: the prefix process. Waits for ``go``, runs ``total`` frames back to back, reports, then keeps
+    the ring until ``close`` (so the suffix can read the last frames)."""
+    import torch
+
+    from ...runtime.prefix import PrefixRunner
+
+    torch.set_num_threads(threads)
+    frames = load_bag_frames(bag)
+    runner = PrefixRunner(model_path, split_layer, device=device, dtype=dtype, ring_name=ring_name,
+                          ring_slots=RING_SLOTS, torch_threads=threads)
+    ego = EGO_STATE if runner.cfg.ego_state_input else None
+    try:
+        chan.send({"type": "ready"})
+        chan.recv()  # go
+        records = []
+        for i in range(total):
+            items, stamp = _frame(frames, i)
+            t_call = time.monotonic_ns()
+            r = runner.run(items, stamp, ego)
+            t_ret = time.monotonic_ns()
+            records.append({"seq": r.seq, "preprocess_ms": r.preprocess_ms, "prefix_ms": r.prefix_ms,
+                            "t_call_ns": t_call, "t_return_ns": t_ret})
+        stats = runner.ring.stats
+        chan.send({"type": "done"})
+        chan.recv()  # close: the suffix has what it needs
+        return {"records": records, "ring_stats": stats}
+    finally:
+        runner.close()
+
+
+def suffix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_name: str, threads: int, total: int,
+                idle_timeout_s: float = 120.0) -> dict:
+    """Worker: the suffix process. Attaches to the ring, says ``ready``, then computes frames until the one with
+    seq ``total`` (the last frame is never dropped: only the oldest READY slot is ever overwritten)."""
+    import torch
+
+    from ...runtime.suffix import SuffixRunner
+
+    torch.set_num_threads(threads)
+    runner = SuffixRunner(model_path, split_layer, dtype=dtype, ring_name=ring_name, threads=threads)
+    try:
+        deadline = time.monotonic() + 300
+        while not runner.attached:
+            runner.poll(0.05)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"suffix could not attach: {runner.attach_error}")
+        chan.send({"type": "ready"})
+        records, last_seq, t_last = [], 0, time.monotonic()
+        while last_seq < total:
+            r = runner.poll(1.0)
+            if r is None:
+                if time.monotonic() - t_last > idle_timeout_s:
+                    raise TimeoutError(f"no frame for {idle_timeout_s} s after seq {last_seq}")
+                continue
+            t_last = time.monotonic()
+            records.append(_suffix_record(r))
+            last_seq = r.meta.seq
+        return {"records": records, "ring_stats": runner.ring_stats()}
+    finally:
+        runner.close()
+
+
+def sequential_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_name: str, threads: int, total: int,
+                    bag: str = str(DEFAULT_BAG), device: str = "cpu") -> dict:
+    """Worker: prefix then suffix on each frame in one process (same classes, same ring code)."""
+    import torch
+
+    from ...runtime.prefix import PrefixRunner
+    from ...runtime.suffix import SuffixRunner
+
+    torch.set_num_threads(threads)
+    frames = load_bag_frames(bag)
+    prefix = PrefixRunner(model_path, split_layer, device=device, dtype=dtype, ring_name=ring_name,
+                          ring_slots=RING_SLOTS, torch_threads=threads)
+    suffix = SuffixRunner(model_path, split_layer, dtype=dtype, ring_name=ring_name, threads=threads)
+    ego = EGO_STATE if prefix.cfg.ego_state_input else None
+    try:
+        suffix.poll(0)  # attach before the first publish (a frame published earlier counts as stale)
+        if not suffix.attached:
+            raise RuntimeError(f"suffix could not attach: {suffix.attach_error}")
+        records = []
+        for i in range(total):
+            items, stamp = _frame(frames, i)
+            prefix.run(items, stamp, ego)
+            r = suffix.poll(60.0)
+            if r is None:
+                raise TimeoutError("the suffix got no frame in the sequential run")
+            records.append(_suffix_record(r))
+        return {"records": records, "threads": torch.get_num_threads()}
+    finally:
+        suffix.close()
+        prefix.close()
+
+
+# ------------------------------------------------------------------------------------------ summaries
+
+def frame_rows(records: list[dict]) -> list[dict]:
+    """Per-frame derived times (ms) from suffix records, in processing order (see the module docstring)."""
+    recs = sorted(records, key=lambda r: r["seq"])
+    rows = []
+    prev_end = None
+    for r in recs:
+        wait = max(0.0, (prev_end - r["t_publish_ns"]) / 1e6) if prev_end is not None else 0.0
+        handoff = (r["t_ready_ns"] - r["t_write_start_ns"]) / 1e6
+        pre, pfx, suf = r["preprocess_ms"], r["prefix_ms"], r["suffix_ms"]
+        e2e = (r["t_suffix_end_ns"] - r["t_prefix_start_ns"]) / 1e6
+        copy = (r["t_publish_ns"] - r["t_write_start_ns"]) / 1e6
+        rows.append({
+            "seq": r["seq"], "preprocess_ms": pre, "prefix_ms": pfx, "copy_ms": copy, "queue_wait_ms": wait,
+            "handoff_ms": handoff, "handoff_net_ms": handoff - wait, "wake_ms": handoff - wait - copy, "suffix_ms": suf,
+            "e2e_ms": e2e, "stage_sum_ms": pre + pfx + suf, "overhead_ms": e2e - (pre + pfx + suf),
+            "gap_ms": e2e - (pre + pfx + handoff + suf),  # non-finite check + slot acquire between prefix and copy
+            "t_prefix_start_ns": r["t_prefix_start_ns"], "t_suffix_end_ns": r["t_suffix_end_ns"],
+            "t_ready_ns": r["t_ready_ns"], "t_write_start_ns": r["t_write_start_ns"], "t_publish_ns": r["t_publish_ns"],
+        })
+        prev_end = r["t_suffix_end_ns"]
+    return rows
+
+
+def _rate(instants_ns: list[int]) -> float:
+    """Frames per second from completion instants: (n - 1) / (last - first); NaN with fewer than 2."""
+    if len(instants_ns) < 2 or instants_ns[-1] <= instants_ns[0]:
+        return float("nan")
+    return (len(instants_ns) - 1) / ((instants_ns[-1] - instants_ns[0]) / 1e9)
+
+
+_STAGE_KEYS = ("preprocess_ms", "prefix_ms", "copy_ms", "queue_wait_ms", "handoff_ms", "handoff_net_ms", "wake_ms",
+               "suffix_ms", "e2e_ms", "stage_sum_ms", "overhead_ms", "gap_ms")
+
+
+def summarize_pipeline(suffix_records: list[dict], prefix_records: list[dict], warmup: int, total: int,
+                       latency_rel: float = 0.05, latency_abs_ms: float = 2.0) -> dict:
+    """Figures of one pipeline run (module docstring): frames with seq > ``warmup`` count."""
+    rows = [r for r in frame_rows(suffix_records) if r["seq"] > warmup]
+    stages = {k: percentiles([r[k] for r in rows]) for k in _STAGE_KEYS}
+    prefix_side = percentiles([r["preprocess_ms"] + r["prefix_ms"] for r in rows])
+    suffix_side = percentiles([r["handoff_net_ms"] + r["suffix_ms"] for r in rows])
+    # the rate spans the n - 1 periods that end at frames 2..n: average the stage times of those same frames
+    span = rows[1:] if len(rows) > 1 else rows
+    ideal_period = max(percentiles([r["preprocess_ms"] + r["prefix_ms"] for r in span])["mean"],
+                       percentiles([r["handoff_net_ms"] + r["suffix_ms"] for r in span])["mean"])
+    ideal_p50 = max(prefix_side["p50"], suffix_side["p50"])
+    fps = _rate([r["t_suffix_end_ns"] for r in rows])
+    pre_meas = [p for p in prefix_records if p["seq"] > warmup]
+    cycle = percentiles([(p["t_return_ns"] - p["t_call_ns"]) / 1e6 for p in pre_meas])
+    e2e, ssum, over = stages["e2e_ms"]["p50"], stages["stage_sum_ms"]["p50"], stages["overhead_ms"]["p50"]
+    allowed = latency_rel * ssum + latency_abs_ms
+    return {
+        "frames_total": total, "warmup_frames": warmup, "frames_measured": len(rows),
+        "frames_dropped": sum(1 for p in pre_meas if p["seq"] not in {r["seq"] for r in rows}),
+        "stages_ms": stages,
+        "prefix_side_ms": prefix_side, "handoff_suffix_side_ms": suffix_side,
+        "bottleneck": "prefix" if prefix_side["mean"] >= suffix_side["mean"] else "handoff+suffix",
+        "prefix_cycle_ms": cycle,
+        "fps": fps, "input_fps": _rate([p["t_call_ns"] for p in pre_meas]),
+        "ideal_fps": 1e3 / ideal_period if ideal_period > 0 else float("nan"),
+        "efficiency": fps * ideal_period / 1e3, "efficiency_p50": fps * ideal_p50 / 1e3,
+        "efficiency_vs_prefix_cycle": fps * max(cycle["mean"], suffix_side["mean"]) / 1e3,
+        "latency": {"e2e_p50_ms": e2e, "e2e_p90_ms": stages["e2e_ms"]["p90"], "stage_sum_p50_ms": ssum,
+                    "overhead_p50_ms": over, "overhead_ratio": over / ssum if ssum else float("nan"),
+                    "allowed_ms": allowed, "goal": f"median(e2e - stage_sum) <= {latency_rel} x median(stage_sum) "
+                                                   f"+ {latency_abs_ms} ms",
+                    "met": bool(over <= allowed)},
+        "timeline": [{k: r[k] for k in ("seq", "t_prefix_start_ns", "t_write_start_ns", "t_publish_ns", "t_ready_ns",
+                                         "t_suffix_end_ns")} for r in rows],
+        "frames": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                   for r in frame_rows(suffix_records)],  # every frame, warm-up included, for offline analysis
+    }
+
+
+def summarize_sequential(records: list[dict], warmup: int) -> dict:
+    """Figures of a sequential run: per-frame stage times (ms), fps from completions, e2e latency."""
+    rows = [r for r in frame_rows(records) if r["seq"] > warmup]
+    return {"frames_measured": len(rows), "fps": _rate([r["t_suffix_end_ns"] for r in rows]),
+            "stages_ms": {k: percentiles([r[k] for r in rows]) for k in
+                          ("preprocess_ms", "prefix_ms", "handoff_ms", "suffix_ms", "e2e_ms", "stage_sum_ms")}}
+
+
+# ------------------------------------------------------------------------------------------ orchestration
+
+def run_pipeline_once(model_path: Path, split_layer: int, dtype: str, *, prefix_cores, suffix_cores, frames: int,
+                      warmup: int, bag: Path, expected_frame_s: float, log=print) -> dict:
+    """One two-process pipeline run; returns the raw records of both workers."""
+    ring = f"bench_pipe_{uuid.uuid4().hex[:10]}"
+    total = warmup + frames
+    common = {"model_path": str(model_path), "split_layer": split_layer, "dtype": dtype, "ring_name": ring,
+              "total": total}
+    budget = 300 + 3 * total * expected_frame_s
+    with Worker("pipeline_suffix", {**common, "threads": len(suffix_cores),
+                                    "idle_timeout_s": 120 + 5 * expected_frame_s}, cores=list(suffix_cores)) as suf, \
+            Worker("pipeline_prefix", {**common, "threads": len(prefix_cores), "bag": str(bag)},
+                   cores=list(prefix_cores)) as pre:
+        pre.recv(600, expect="ready")
+        suf.recv(600, expect="ready")
+        pre.send({"type": "go"})
+        pre.recv(budget, expect="done")
+        s = suf.result(budget)
+        pre.send({"type": "close"})
+        p = pre.result(120)
+    return {"prefix": p, "suffix": s}
+
+
+def run_sequential(model_path: Path, split_layer: int, dtype: str, *, cores, frames: int, warmup: int, bag: Path,
+                   expected_frame_s: float) -> dict:
+    """The stages one after the other in one worker pinned to ``cores`` on the same bag frames: frames/s and
+    end-to-end ms (p50) of ``frames`` frames after ``warmup``, the baseline of the pipeline's efficiency.
+    ``expected_frame_s`` (s) sizes the worker's time budget. Raises what the worker raised."""
+    ring = f"bench_seq_{uuid.uuid4().hex[:10]}"
+    args = {"model_path": str(model_path), "split_layer": split_layer, "dtype": dtype, "ring_name": ring,
+            "threads": len(cores), "total": warmup + frames, "bag": str(bag)}
+    with Worker("pipeline_sequential", args, cores=list(cores)) as w:
+        return w.result(300 + 3 * (warmup + frames) * expected_frame_s)
+
+
+def prepare_preset(name: str, *, dtype: str, image_size: int | None, split_layer: int | None, cache: Path,
+                   prefix_cores, bag: Path, margin: float, profile_repeats: int = 3, log=print) -> dict:
+    """Checkpoint and split layer of one preset (shared by the pipeline and preprocessing parts)."""
+    from ...model.config import VLAConfig
+
+    overrides = model_overrides(name, image_size)
+    path = ensure_checkpoint(cache, name, overrides, dtype, log=log)
+    cfg = VLAConfig.load(path)
+    plan = {"preset": name, "model_path": str(path), "dtype": dtype, "num_layers": cfg.num_layers,
+            "image_size": cfg.image_size, "image_size_overridden": bool(overrides),
+            "num_tokens": cfg.num_tokens, "prefix_state_shape": list(cfg.prefix_state_shape),
+            "note": (f"image size overridden to {cfg.image_size} px (preset: "
+                     f"{_preset_image(name)} px) so the vision encoder fits one CPU core; "
+                     f"the query projector keeps {cfg.num_vision_tokens} LLM tokens, T = {cfg.num_tokens}")
+            if overrides else ""}
+    if split_layer is not None:
+        plan.update(split_layer=int(split_layer), split_reason="given on the command line", profile=None)
+        return plan
+    log(f"  profiling {name} on cores {list(prefix_cores)} to choose K")
+    with Worker("split_profile", {"model_path": str(path), "dtype": dtype, "threads": len(prefix_cores),
+                                  "bag": str(bag), "repeats": profile_repeats}, cores=list(prefix_cores)) as w:
+        prof = w.result(1200)
+    choice = choose_split(prof, margin)
+    plan.update(split_layer=choice["split_layer"], profile=prof, choice=choice,
+                split_reason=(f"smallest K with predicted prefix >= {1 + margin:.2f} x (hand-off + suffix): "
+                              f"P({choice['split_layer']}) = {choice['predicted_prefix_ms']:.1f} ms vs H + S = "
+                              f"{choice['predicted_handoff_suffix_ms']:.1f} ms; prefix-bound, so no frame waits in "
+                              f"the ring (best-balanced K would be {choice['balanced_split_layer']})"))
+    return plan
+
+
+def _preset_image(name: str) -> int:
+    from ...model.config import preset
+
+    return preset(name).image_size
+
+
+def run_preset(plan: dict, *, frames: int, warmup: int, prefix_cores, suffix_cores, sequential=("1core", "2core"),
+               bag: Path = DEFAULT_BAG, log=print) -> dict:
+    """Pipeline and sequential runs of one prepared preset; returns its JSON entry."""
+    path, k, dtype = Path(plan["model_path"]), plan["split_layer"], plan["dtype"]
+    choice = plan.get("choice")
+    expected = (max(choice["predicted_prefix_ms"], choice["predicted_handoff_suffix_ms"]) / 1e3) if choice else 5.0
+    log(f"  {plan['preset']}: pipeline K={k} {dtype}, {warmup}+{frames} frames (prefix cores {list(prefix_cores)}, "
+        f"suffix cores {list(suffix_cores)})")
+    raw = run_pipeline_once(path, k, dtype, prefix_cores=prefix_cores, suffix_cores=suffix_cores, frames=frames,
+                            warmup=warmup, bag=bag, expected_frame_s=expected, log=log)
+    pipe = summarize_pipeline(raw["suffix"]["records"], raw["prefix"]["records"], warmup, warmup + frames)
+    pipe["ring_stats"] = {"producer": raw["prefix"]["ring_stats"], "consumer": raw["suffix"]["ring_stats"]}
+    entry = {**{key: plan[key] for key in ("preset", "model_path", "dtype", "num_layers", "image_size",
+                                           "image_size_overridden", "num_tokens", "prefix_state_shape", "note",
+                                           "split_layer", "split_reason")},
+             "prefix_cores": list(prefix_cores), "suffix_cores": list(suffix_cores), "pipeline": pipe,
+             "split_choice": {key: choice[key] for key in ("balanced_split_layer", "margin", "table",
+                                                            "predicted_prefix_ms", "predicted_handoff_suffix_ms")}
+             if choice else None,
+             "sequential": {}}
+    seq_cores = {"1core": list(prefix_cores), "2core": sorted(set(prefix_cores) | set(suffix_cores))}
+    for mode in sequential:
+        log(f"  {plan['preset']}: sequential {mode} (cores {seq_cores[mode]})")
+        raw_s = run_sequential(path, k, dtype, cores=seq_cores[mode], frames=frames, warmup=warmup, bag=bag,
+                               expected_frame_s=2 * expected)
+        s = summarize_sequential(raw_s["records"], warmup)
+        s.update(cores=seq_cores[mode], threads=raw_s["threads"])
+        s["pipeline_speedup_fps"] = pipe["fps"] / s["fps"]
+        s["pipeline_e2e_ratio"] = pipe["latency"]["e2e_p50_ms"] / s["stages_ms"]["e2e_ms"]["p50"]
+        entry["sequential"][mode] = s
+    if "1core" in entry["sequential"]:
+        alone = entry["sequential"]["1core"]["stages_ms"]
+        st = pipe["stages_ms"]
+        entry["contention"] = {  # stage time in the pipeline / the same stage alone on one core
+            "prefix": (st["preprocess_ms"]["p50"] + st["prefix_ms"]["p50"])
+            / (alone["preprocess_ms"]["p50"] + alone["prefix_ms"]["p50"]),
+            "suffix": st["suffix_ms"]["p50"] / alone["suffix_ms"]["p50"]}
+    return entry
+
+
+def run_pipeline_part(plans: dict, *, frames: dict, warmup: int, prefix_cores, suffix_cores,
+                      sequential=("1core", "2core"), bag: Path = DEFAULT_BAG, efficiency_goal: float = 0.9,
+                      log=print) -> dict:
+    """The whole pipeline part for prepared presets (:func:`prepare_preset`); returns its JSON section."""
+    presets = []
+    for name, plan in plans.items():
+        presets.append(run_preset(plan, frames=frames[name], warmup=warmup, prefix_cores=prefix_cores,
+                                  suffix_cores=suffix_cores, sequential=sequential, bag=bag, log=log))
+        p = presets[-1]["pipeline"]
+        log(f"  {name}: {p['fps']:.2f} fps of ideal {p['ideal_fps']:.2f} (efficiency {p['efficiency']:.3f}), "
+            f"e2e {p['latency']['e2e_p50_ms']:.1f} ms vs stages {p['latency']['stage_sum_p50_ms']:.1f} ms")
+    return {"bag": str(Path(bag).relative_to(REPO_ROOT)) if Path(bag).is_relative_to(REPO_ROOT) else str(bag),
+            "frames": "6 JPEG cameras 1936x1216 (CompressedImage), looped", "warmup_frames": warmup,
+            "efficiency_goal": efficiency_goal,
+            "latency_goal": "median(e2e - stage_sum) <= 0.05 x median(stage_sum) + 2 ms",
+            "sequential_modes": list(sequential), "presets": presets}

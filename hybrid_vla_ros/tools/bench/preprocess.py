@@ -1,0 +1,149 @@
+"""Camera preprocessing as a share of the prefix stage: 6 cameras of 1600x900 per frame.
+
+Inputs, per preset:
+
+* ``jpeg``: six ``sensor_msgs/CompressedImage``-like objects (``format`` "jpeg", ``data`` bytes), decoded by
+  OpenCV to RGB, resized (INTER_AREA) to the preset's S x S input and normalised;
+* ``jpeg_fast``: the same JPEGs with the prefix's ``fast_jpeg_decode`` (decoded scaled down by 2, 4 or 8
+  inside libjpeg while both sides stay >= S; no reduction for S > 450 on 1600x900 cameras);
+* ``rgb8``: six ``sensor_msgs/Image``-like objects (``encoding`` rgb8, 1600x900, ``step`` 4800, ``data`` an
+  ``array('B')`` as rclpy delivers it), converted (one copy out of the message) and resized the same way.
+
+The code path is the prefix's own: :meth:`PrefixRunner.run <hybrid_vla_ros.runtime.prefix.PrefixRunner.run>` is
+called on each frame and its ``PrefixResult.preprocess_ms`` (decode + convert + resize + normalise of all
+cameras, wall time) and ``prefix_ms`` (vision encoder .. block K-1 on the prefix device) are taken; decode alone
+is timed with :meth:`PrefixRunner.decode`. ``share`` = preprocess / (preprocess + prefix), medians over the
+frames. The worker is pinned to the prefix cores with one torch thread per core; OpenCV keeps its own default
+thread pool (sized to the cores the process may use), as in the prefix node.
+
+Frames: the six nuScenes CAM_* JPEGs of ``../shared/data/nuscenes_scene0061_mmdet3d_demo`` (1600x900; see
+its SOURCE.txt: scene-0061, CC BY-NC-SA 4.0) when present, else the embedded bag's frames resized to
+1600x900 with OpenCV (INTER_AREA) and re-encoded as JPEG (quality 90).
+"""
+from __future__ import annotations
+
+import uuid
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+from .common import DEFAULT_BAG, NUSCENES_DIR, Worker, percentiles
+
+WIDTH, HEIGHT = 1600, 900
+NUSCENES_ORDER = ("CAM_FRONT", "CAM_FRONT_LEFT", "CAM_FRONT_RIGHT", "CAM_BACK_LEFT", "CAM_BACK_RIGHT", "CAM_BACK")
+
+
+def camera_jpegs(camera_dir: str | Path | None = NUSCENES_DIR,
+                 bag: str | Path = DEFAULT_BAG) -> tuple[list[bytes], str]:
+    """Six 1600x900 JPEG payloads and a description of where they came from (see the module docstring)."""
+    import cv2
+    import numpy as np
+
+    if camera_dir is not None and Path(camera_dir).is_dir():
+        files = sorted(Path(camera_dir).glob("*.jpg"))
+        ordered = [next((f for f in files if f"__{cam}__" in f.name), None) for cam in NUSCENES_ORDER]
+        if all(ordered):
+            data = [f.read_bytes() for f in ordered]
+            shapes = {cv2.imdecode(np.frombuffer(d, np.uint8), cv2.IMREAD_COLOR).shape[:2] for d in data}
+            if shapes == {(HEIGHT, WIDTH)}:
+                return data, f"nuScenes scene-0061 CAM_* JPEGs from {camera_dir} (1600x900, as recorded)"
+    from ...vehicle.image import compressed_msg_to_rgb
+    from .pipeline import load_bag_frames
+
+    items, _ = load_bag_frames(bag)[0]
+    out = []
+    for _t, msg in items[:6]:
+        rgb = compressed_msg_to_rgb(msg)
+        bgr = cv2.cvtColor(cv2.resize(rgb, (WIDTH, HEIGHT), interpolation=cv2.INTER_AREA), cv2.COLOR_RGB2BGR)
+        ok, enc = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, 90])
+        if not ok:
+            raise RuntimeError("OpenCV could not encode a JPEG")
+        out.append(enc.tobytes())
+    return out, f"embedded bag {bag} frame 0, resized to 1600x900 and re-encoded (JPEG quality 90)"
+
+
+def compressed_items(jpegs: list[bytes]) -> list:
+    """``("compressed", CompressedImage-like)`` items, camera order."""
+    return [("compressed", SimpleNamespace(format="jpeg", data=d)) for d in jpegs]
+
+
+def raw_items(jpegs: list[bytes]) -> list:
+    """``("raw", Image-like rgb8)`` items with ``data`` as ``array('B')`` (what rclpy delivers)."""
+    import cv2
+    import numpy as np
+
+    items = []
+    for d in jpegs:
+        rgb = cv2.cvtColor(cv2.imdecode(np.frombuffer(d, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+        h, w = rgb.shape[:2]
+        items.append(("raw", SimpleNamespace(encoding="rgb8", height=h, width=w, step=3 * w, is_bigendian=0,
+                                             data=array("B", rgb.tobytes()))))
+    return items
+
+
+def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, camera_dir: str | None,
+                    bag: str = str(DEFAULT_BAG), min_frames: int = 5, max_frames: int = 40,
+                    min_seconds: float = 2.0, device: str = "cpu") -> dict:
+    """Worker (pinned to the prefix cores): per preset and input kind, PrefixRunner.run on the 6 cameras until
+    at least ``min_frames`` frames and ``min_seconds`` s (at most ``max_frames``), after one warm-up frame."""
+    import time
+
+    import torch
+
+    from ...runtime.prefix import PrefixRunner
+    from .pipeline import EGO_STATE
+
+    torch.set_num_threads(threads)
+    jpegs, source = camera_jpegs(camera_dir, bag)
+    kinds = {"jpeg": compressed_items(jpegs), "jpeg_fast": compressed_items(jpegs), "rgb8": raw_items(jpegs)}
+    out = []
+    for spec in presets:
+        runner = PrefixRunner(spec["model_path"], spec["split_layer"], device=device, dtype=dtype,
+                              ring_name=f"bench_pre_{uuid.uuid4().hex[:10]}", torch_threads=threads)
+        ego = EGO_STATE if runner.cfg.ego_state_input else None
+        try:
+            for kind, items in kinds.items():
+                runner.fast_jpeg_decode = kind == "jpeg_fast"  # PrefixRunner's scaled-down JPEG decode
+                runner.run(items, 0, ego)  # warm-up
+                pre, pfx, dec, t0, i = [], [], [], time.monotonic(), 0
+                while i < max_frames and (i < min_frames or time.monotonic() - t0 < min_seconds):
+                    r = runner.run(items, i + 1, ego)
+                    pre.append(r.preprocess_ms)
+                    pfx.append(r.prefix_ms)
+                    # decode alone, right after each frame (same load on the machine); the images are freed
+                    # after the clock stops, as run() frees them after its preprocess timer
+                    t_a = time.perf_counter_ns()
+                    images = runner.decode(items)
+                    t_b = time.perf_counter_ns()
+                    del images
+                    dec.append((t_b - t_a) / 1e6)
+                    i += 1
+                p, q, d = percentiles(pre), percentiles(pfx), percentiles(dec)
+                decode_ms = d["p50"]
+                out.append({"preset": spec["name"], "input": kind, "split_layer": spec["split_layer"],
+                            "image_size": runner.cfg.image_size, "cameras": len(items),
+                            "camera_size": [WIDTH, HEIGHT], "frames": i, "preprocess_ms": p, "prefix_ms": q,
+                            "decode_ms": decode_ms, "resize_normalize_ms": p["p50"] - decode_ms,
+                            "share": p["p50"] / (p["p50"] + q["p50"])})
+                chan.send({"type": "progress", "line": f"  {spec['name']} {kind}: preprocess {p['p50']:.1f} ms "
+                                                      f"(decode {decode_ms:.1f}), prefix {q['p50']:.1f} ms, "
+                                                      f"share {out[-1]['share']:.2f}"})
+        finally:
+            runner.close()
+    return {"results": out, "source": source}
+
+
+def run_preprocess_part(plans: dict, *, dtype: str, cores=(0,), camera_dir: str | Path | None = NUSCENES_DIR,
+                        bag: str | Path = DEFAULT_BAG, min_frames: int = 5, min_seconds: float = 2.0,
+                        device: str = "cpu", log=print) -> dict:
+    """The whole preprocessing part for prepared presets (:func:`.pipeline.prepare_preset`); its JSON section."""
+    specs = [{"name": n, "model_path": p["model_path"], "split_layer": p["split_layer"]} for n, p in plans.items()]
+    log(f"camera preprocessing: {', '.join(plans)}; 6 cameras 1600x900, jpeg and rgb8, cores {list(cores)}")
+    with Worker("preprocess", {"presets": specs, "dtype": dtype, "threads": len(cores),
+                               "camera_dir": str(camera_dir) if camera_dir else None, "bag": str(bag),
+                               "min_frames": min_frames, "min_seconds": min_seconds, "device": device},
+                cores=list(cores)) as w:
+        data = w.result(3600, log=log)
+    return {"source": data["source"], "cores": list(cores), "dtype": dtype, "device": device,
+            "share_definition": "preprocess / (preprocess + prefix), medians of PrefixResult over the frames",
+            "results": data["results"]}

@@ -1,0 +1,457 @@
+"""Bench output: goal evaluation, the JSON document, PNG plots (matplotlib, Agg) and Markdown tables.
+
+JSON document (``kind`` "hybrid_vla_bench", ``format_version`` 1)::
+
+    created_utc, wall_s, quick, parts, options   when and how it ran (options: the parsed command line)
+    host        {cpu_model, logical_cpus, cpu_flags, platform}
+    software    {python, torch, numpy, opencv}
+    noise       {part: {wall_s, foreign_cpu_share, steal_share, loadavg_1min}}  other load while each part ran
+    settings    the effective options (sizes, counts, presets, cores, dtype, image sizes, split layers)
+    prepare     {preset: checkpoint path, split_layer, split_reason, per-block profile, predicted P(K), H + S(K)}
+    handoff     (hybrid_vla_ros.tools.bench.handoff.run_handoff)    sizes[]: memcpy, ring, rclpy{variant}, ratios
+    pipeline    (hybrid_vla_ros.tools.bench.pipeline.run_pipeline_part)  presets[]: split, pipeline, sequential
+    suffix_flops (hybrid_vla_ros.tools.bench.suffix_flops.run_flops_part) results[]: achieved / peak GFLOP/s
+    preprocess  (hybrid_vla_ros.tools.bench.preprocess.run_preprocess_part) results[]: preprocess / prefix ms, share
+    goals       [{id, part, what, value, target, met}]
+    errors      {part: message} for parts that failed
+    notes       [str]
+
+Times are ms unless the key says otherwise; percentiles are dicts {n, p50, p90, mean, min, max}. Non-finite
+numbers are written as null.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+FORMAT_VERSION = 1
+KIND = "hybrid_vla_bench"
+PARTS = ("handoff", "pipeline", "suffix_flops", "preprocess")
+
+#: Keys each part's section must have (and, for list entries, each entry), checked by :func:`validate`.
+REQUIRED = {
+    "top": ("kind", "format_version", "created_utc", "wall_s", "quick", "host", "software", "noise", "goals",
+            "errors", "notes"),
+    "handoff": ("count", "warmup", "rclpy_count", "variants", "producer_cores", "consumer_cores", "sizes"),
+    "handoff.sizes": ("size_mib", "bytes", "memcpy", "ring", "rclpy", "ratio_ring_over_memcpy_p50", "best_rclpy",
+                      "ratio_best_rclpy_over_ring_p50"),
+    "handoff.ring": ("latency_ms", "copy_ms", "publish_to_view_ms", "cpu_ms_per_msg", "n"),
+    "pipeline": ("bag", "warmup_frames", "presets"),
+    "pipeline.presets": ("preset", "dtype", "split_layer", "split_reason", "num_layers", "num_tokens", "image_size",
+                         "note", "pipeline", "sequential"),
+    "pipeline.pipeline": ("fps", "ideal_fps", "efficiency", "latency", "stages_ms", "prefix_side_ms",
+                          "handoff_suffix_side_ms", "frames_measured", "timeline"),
+    "suffix_flops": ("cores", "threads", "goal_ratio", "results"),
+    "suffix_flops.results": ("preset", "dtype", "split_layer", "gflop", "time_ms", "achieved_gflops", "peak_gflops",
+                             "ratio", "gemm", "ops"),
+    "preprocess": ("source", "cores", "results"),
+    "preprocess.results": ("preset", "input", "image_size", "decode_ms", "preprocess_ms", "prefix_ms", "share"),
+}
+
+
+def _missing(obj: dict, keys, where: str) -> list[str]:
+    return [f"{where}.{k}" for k in keys if not isinstance(obj, dict) or k not in obj]
+
+
+def validate(doc: dict) -> list[str]:
+    """Missing fields of a bench document (empty when complete); parts listed in ``errors`` or not run are
+    skipped."""
+    out = _missing(doc, REQUIRED["top"], "doc")
+    h = doc.get("handoff")
+    if h:
+        out += _missing(h, REQUIRED["handoff"], "handoff")
+        for i, row in enumerate(h.get("sizes", [])):
+            out += _missing(row, REQUIRED["handoff.sizes"], f"handoff.sizes[{i}]")
+            out += _missing(row.get("ring", {}), REQUIRED["handoff.ring"], f"handoff.sizes[{i}].ring")
+    p = doc.get("pipeline")
+    if p:
+        out += _missing(p, REQUIRED["pipeline"], "pipeline")
+        for i, e in enumerate(p.get("presets", [])):
+            out += _missing(e, REQUIRED["pipeline.presets"], f"pipeline.presets[{i}]")
+            out += _missing(e.get("pipeline", {}), REQUIRED["pipeline.pipeline"], f"pipeline.presets[{i}].pipeline")
+    f = doc.get("suffix_flops")
+    if f:
+        out += _missing(f, REQUIRED["suffix_flops"], "suffix_flops")
+        for i, r in enumerate(f.get("results", [])):
+            out += _missing(r, REQUIRED["suffix_flops.results"], f"suffix_flops.results[{i}]")
+    q = doc.get("preprocess")
+    if q:
+        out += _missing(q, REQUIRED["preprocess"], "preprocess")
+        for i, r in enumerate(q.get("results", [])):
+            out += _missing(r, REQUIRED["preprocess.results"], f"preprocess.results[{i}]")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ goals
+
+def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: float = 0.5,
+                   handoff_ratio: float = 40.0) -> list[dict]:
+    """The issue's goals against the measured figures: [{id, part, what, value, target, met}]."""
+    goals = []
+
+    def add(gid, part, what, value, target, met):
+        ok = None if value is None or (isinstance(value, float) and not math.isfinite(value)) else bool(met)
+        goals.append({"id": gid, "part": part, "what": what, "value": value, "target": target, "met": ok})
+
+    h = doc.get("handoff")
+    if h:
+        row = next((r for r in h["sizes"] if r["size_mib"] == handoff_size_mib), None)
+        if row is not None:
+            v = row["ring"]["latency_ms"]["p50"]
+            add(f"handoff_p50_{handoff_size_mib:g}mib", "handoff", f"ring p50 at {handoff_size_mib:g} MiB (ms)", v,
+                f"<= {handoff_p50_ms}", v <= handoff_p50_ms)
+            r = row["ratio_best_rclpy_over_ring_p50"]
+            if r is not None:
+                add(f"handoff_vs_rclpy_{handoff_size_mib:g}mib", "handoff",
+                    f"best rclpy ({row['best_rclpy']}) p50 / ring p50 at {handoff_size_mib:g} MiB", r,
+                    f">= {handoff_ratio}", r >= handoff_ratio)
+    p = doc.get("pipeline")
+    if p:
+        for e in p["presets"]:
+            pl = e["pipeline"]
+            add(f"pipeline_efficiency_{e['preset']}", "pipeline", f"{e['preset']} (K={e['split_layer']}): fps / "
+                f"ideal fps", pl["efficiency"], f">= {p.get('efficiency_goal', 0.9)}",
+                pl["efficiency"] >= p.get("efficiency_goal", 0.9))
+            lat = pl["latency"]
+            add(f"pipeline_latency_{e['preset']}", "pipeline", f"{e['preset']}: e2e - stage sum, p50 (ms)",
+                lat["overhead_p50_ms"], f"<= {lat['allowed_ms']:.2f} (5 % + 2 ms)", lat["met"])
+    f = doc.get("suffix_flops")
+    if f:
+        for r in f["results"]:
+            add(f"suffix_flops_{r['preset']}_{r['dtype']}", "suffix_flops",
+                f"{r['preset']} {r['dtype']}: achieved / GEMM peak FLOP/s", r["ratio"], f">= {f['goal_ratio']}",
+                r["ratio"] >= f["goal_ratio"])
+    return goals
+
+
+# ------------------------------------------------------------------------------------------ JSON
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_json(doc: dict, path: str | Path) -> Path:
+    """Write ``doc`` as strict JSON (NaN / inf as null), creating the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ Markdown
+
+def _f(x, nd: int = 2) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    if isinstance(x, float):
+        if abs(x) >= 1000:
+            return f"{x:.0f}"
+        if abs(x) >= 100:
+            return f"{x:.1f}"
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _pp(p: dict, nd: int = 3) -> str:
+    return f"{_f(p['p50'], nd)} / {_f(p['p90'], nd)}" if p and p.get("n") else "-"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(doc: dict) -> str:
+    """Markdown tables of every part that ran, plus the goals (for the README's Performance section)."""
+    out = []
+    host = doc.get("host", {})
+    out.append(f"Measured with `hybrid-vla bench{' --quick' if doc.get('quick') else ''}` on {host.get('cpu_model')} "
+               f"({host.get('logical_cpus')} logical CPUs; {', '.join(host.get('cpu_flags', []))}), "
+               f"torch {doc.get('software', {}).get('torch')}, {doc.get('created_utc')}. "
+               "All figures come from one run; ratios compare quantities measured side by side.")
+    noise = doc.get("noise", {})
+    if noise:
+        out.append("Other load on the machine while each part ran (share of all CPUs used by other processes): "
+                   + ", ".join(f"{k} {v['foreign_cpu_share']:.0%}" for k, v in noise.items()) + ".")
+    h = doc.get("handoff")
+    if h:
+        out.append(f"\n**Hand-off** of bf16 hidden states between two processes (producer cores "
+                   f"{h['producer_cores']}, consumer cores {h['consumer_cores']}); p50 / p90 ms, CPU ms per message "
+                   f"(producer + consumer); ring/memcpy {h['count']} messages, rclpy {h['rclpy_count']} per size.")
+        variants = list(h["variants"])
+        header = ["size", "memcpy (floor)", "ring", "ring copy / wake p50", "ring CPU"]
+        for v in variants:
+            header += [f"rclpy {v}", f"{v} CPU"]
+        header += ["best rclpy / ring", "ring / memcpy"]
+        rows = []
+        for r in h["sizes"]:
+            ring = r["ring"]
+            row = [f"{r['size_mib']:g} MiB", _pp(r["memcpy"]["latency_ms"]), f"**{_pp(ring['latency_ms'])}**",
+                   f"{_f(ring['copy_ms']['p50'], 3)} / {_f(ring['publish_to_view_ms']['p50'], 3)}",
+                   _f(ring["cpu_ms_per_msg"]["total"], 3)]
+            for v in variants:
+                x = r["rclpy"][v]
+                row += [_pp(x["latency_ms"], 2) + (f" ({x['lost']} lost)" if x.get("lost") else ""),
+                        _f(x["cpu_ms_per_msg"]["total"], 2)]
+            row += [f"{_f(r['ratio_best_rclpy_over_ring_p50'], 1)}x" if r["ratio_best_rclpy_over_ring_p50"] else "-",
+                    f"{_f(r['ratio_ring_over_memcpy_p50'], 2)}x"]
+            rows.append(row)
+        out.append(_table(header, rows))
+    p = doc.get("pipeline")
+    if p:
+        out.append(f"\n**Pipeline** on the embedded bag ({p['frames']}; {p['warmup_frames']} warm-up frames); prefix "
+                   "and suffix in two processes pinned to one core each, one torch thread each. Ideal fps = 1 / "
+                   "max(mean(preprocess + prefix), mean(hand-off + suffix)) from the same run's per-frame stage times "
+                   "(those two columns are means); e2e, stage sum (preprocess + prefix + suffix) and overhead "
+                   "(e2e - stage sum, per frame) are p50, ms.")
+        header = ["preset (K / L, dtype)", "preprocess + prefix", "hand-off + suffix", "fps / ideal", "efficiency",
+                  "e2e", "stage sum", "overhead"]
+        modes = p.get("sequential_modes", [])
+        header += [f"sequential {m}: fps / e2e" for m in modes]
+        rows = []
+        for e in p["presets"]:
+            pl = e["pipeline"]
+            lat = pl["latency"]
+            row = [f"{e['preset']} ({e['split_layer']} / {e['num_layers']}, {e['dtype']}"
+                   + (f", {e['image_size']} px" if e.get("image_size_overridden") else "") + ")",
+                   _f(pl["prefix_side_ms"]["mean"], 1), _f(pl["handoff_suffix_side_ms"]["mean"], 1),
+                   f"{_f(pl['fps'], 2)} / {_f(pl['ideal_fps'], 2)}", f"**{_f(pl['efficiency'], 3)}**",
+                   _f(lat["e2e_p50_ms"], 1), _f(lat["stage_sum_p50_ms"], 1), f"{_f(lat['overhead_p50_ms'], 2)}"]
+            for m in modes:
+                s = e["sequential"].get(m)
+                row.append(f"{_f(s['fps'], 2)} / {_f(s['stages_ms']['e2e_ms']['p50'], 1)}" if s else "-")
+            rows.append(row)
+        out.append(_table(header, rows))
+        notes = [f"{e['preset']}: K = {e['split_layer']}: {e['split_reason']}" for e in p["presets"]]
+        notes += [f"{e['preset']}: {e['note']}" for e in p["presets"] if e.get("note")]
+        for e in p["presets"]:
+            pl, c = e["pipeline"], e.get("contention")
+            st = pl["stages_ms"]
+            extra = [f"bottleneck {pl['bottleneck']}", f"frames dropped {pl['frames_dropped']}",
+                     f"prefix process cycle (incl. copy, publish, freeing) {_f(pl['prefix_cycle_ms']['p50'], 1)} ms",
+                     f"hand-off {_f(st['handoff_net_ms']['p50'], 3)} ms (copy {_f(st['copy_ms']['p50'], 3)}, "
+                     f"wake {_f(st['wake_ms']['p50'], 3)}, queue wait {_f(st['queue_wait_ms']['p50'], 3)})"]
+            if c:
+                extra.append(f"stage time in the pipeline / alone on one core: prefix {_f(c['prefix'], 2)}x, "
+                             f"suffix {_f(c['suffix'], 2)}x")
+            notes.append(f"{e['preset']}: " + "; ".join(extra))
+        out.append("\n".join(f"- {n}" for n in notes))
+    f = doc.get("suffix_flops")
+    if f:
+        out.append(f"\n**CPU suffix FLOP/s** (cores {f['cores']}, {f['threads']} thread(s)): the last blocks of the "
+                   "LLM + norm + heads at the preset's token count against the best torch GEMM on the same cores and "
+                   "dtype. FLOPs: 2 x MACs of every Linear + causal attention counted as half.")
+        header = ["preset", "dtype", "blocks x T (passes)", "GFLOP", "ms", "GFLOP/s", "GEMM peak", "ratio",
+                  "time in GEMM / attention / other"]
+        rows = []
+        for r in f["results"]:
+            ops = r.get("ops") or {}
+            rows.append([r["preset"], r["dtype"], f"{r['blocks']} x {r['tokens']} ({r['passes']})", _f(r["gflop"], 3),
+                         _f(r["time_ms"], 2), _f(r["achieved_gflops"], 1), _f(r["peak_gflops"], 1),
+                         f"**{_f(r['ratio'], 2)}**",
+                         " / ".join(f"{ops.get(k, float('nan')):.0%}" for k in ("gemm_share", "attention_share",
+                                                                               "other_share")) if ops else "-"])
+        out.append(_table(header, rows))
+    q = doc.get("preprocess")
+    if q:
+        out.append(f"\n**Camera preprocessing**, 6 cameras of 1600x900 per frame ({q['source']}), prefix cores "
+                   f"{q['cores']}: decode + convert + resize + normalise (PrefixResult.preprocess_ms) against the "
+                   "prefix model time; share = preprocess / (preprocess + prefix); ms are p50.")
+        header = ["preset (input px, K)", "input", "decode / convert", "resize + normalise", "preprocess", "prefix",
+                  "share"]
+        rows = [[f"{r['preset']} ({r['image_size']}, {r['split_layer']})", r["input"], _f(r["decode_ms"], 1),
+                 _f(r["resize_normalize_ms"], 1), _f(r["preprocess_ms"]["p50"], 1), _f(r["prefix_ms"]["p50"], 1),
+                 f"**{_f(r['share'], 2)}**"] for r in q["results"]]
+        out.append(_table(header, rows))
+    goals = doc.get("goals") or []
+    if goals:
+        out.append("\n**Goals**")
+        out.append(_table(["goal", "value", "target", "met"],
+                          [[g["what"], _f(g["value"], 3), g["target"],
+                            "yes" if g["met"] else ("no" if g["met"] is False else "-")] for g in goals]))
+    if doc.get("errors"):
+        out.append("\n**Errors**: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in doc["errors"].items()))
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_handoff(h: dict, path: Path) -> Path:
+    """Hand-off PNG at ``path``: latency p50 (bar to p90, ms) and CPU ms per message against payload MiB, log-log,
+    one colour per method (memcpy, ring, each rclpy variant). ``h``: the document's ``handoff`` part."""
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sizes = [r["size_mib"] for r in h["sizes"]]
+    series = [("memcpy (floor)", lambda r: r["memcpy"]["latency_ms"], None),
+              ("ring", lambda r: r["ring"]["latency_ms"], lambda r: r["ring"]["cpu_ms_per_msg"]["total"])]
+    for v in h["variants"]:
+        series.append((f"rclpy {v}", lambda r, v=v: r["rclpy"][v]["latency_ms"],
+                       lambda r, v=v: r["rclpy"][v]["cpu_ms_per_msg"]["total"]))
+    for i, (label, lat, cpu) in enumerate(series):
+        color = f"C{i}"  # one colour per method in both panels
+        p50 = [lat(r)["p50"] for r in h["sizes"]]
+        p90 = [lat(r)["p90"] for r in h["sizes"]]
+        ax1.errorbar(sizes, p50, yerr=[[0] * len(p50), [max(0.0, b - a) for a, b in zip(p50, p90)]], marker="o",
+                     capsize=3, label=label, color=color)
+        if cpu is not None:
+            ax2.plot(sizes, [cpu(r) for r in h["sizes"]], marker="o", label=label, color=color)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("payload (MiB)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_ylabel("latency p50, bar to p90 (ms)")
+    ax1.set_title("write start -> consumer view ready")
+    ax2.set_ylabel("CPU ms per message (producer + consumer)")
+    ax2.set_title("CPU time per message")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+_LAT_PARTS = (("preprocess_ms", "preprocess"), ("prefix_ms", "prefix"), ("gap_ms", "check + acquire"),
+              ("copy_ms", "copy into slot"), ("wake_ms", "notify + wake"), ("queue_wait_ms", "queue wait"),
+              ("suffix_ms", "suffix"))
+
+
+def plot_pipeline(p: dict, path: Path) -> Path:
+    """Pipeline PNG at ``path``, per preset: frames/s of the pipeline, its ideal and the sequential baselines, and
+    end-to-end ms against the stage times.
+    ``p``: the document's ``pipeline`` part."""
+    plt = _plt()
+    presets = p["presets"]
+    fig, axes = plt.subplots(len(presets), 2, figsize=(12, 3.2 * len(presets)), squeeze=False)
+    for (ax1, ax2), e in zip(axes, presets):
+        pl = e["pipeline"]
+        names = ["pipeline", "ideal"] + [f"seq {m}" for m in e["sequential"]]
+        vals = [pl["fps"], pl["ideal_fps"]] + [s["fps"] for s in e["sequential"].values()]
+        bars = ax1.bar(names, vals, color=["C0", "C7"] + ["C1"] * len(e["sequential"]))
+        ax1.bar_label(bars, fmt="%.2f", fontsize=8)
+        ax1.set_ylabel("frames / s")
+        ax1.set_title(f"{e['preset']} K={e['split_layer']}/{e['num_layers']}: efficiency {pl['efficiency']:.3f}")
+        st = pl["stages_ms"]
+        left = 0.0
+        for key, label in _LAT_PARTS:
+            w = max(0.0, st[key]["p50"] or 0.0)
+            ax2.barh(["pipeline"], [w], left=left, label=label)
+            left += w
+        ax2.barh(["pipeline e2e"], [pl["latency"]["e2e_p50_ms"]], color="k", alpha=0.4)
+        for m, s in e["sequential"].items():
+            ax2.barh([f"seq {m} e2e"], [s["stages_ms"]["e2e_ms"]["p50"]], color="C1", alpha=0.6)
+        ax2.set_xlabel("ms (p50 of each part)")
+        ax2.set_title("latency: stages vs end to end")
+    handles, labels = axes[0][1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0.6 / (3.2 * len(presets)), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_timeline(p: dict, path: Path, max_frames: int = 8) -> Path:
+    """Gantt chart of the first measured frames of each preset: prefix, hand-off and suffix spans."""
+    plt = _plt()
+    presets = p["presets"]
+    fig, axes = plt.subplots(len(presets), 1, figsize=(12, 2.2 * len(presets)), squeeze=False)
+    for ax, e in zip(axes[:, 0], presets):
+        tl = e["pipeline"]["timeline"][:max_frames]
+        if not tl:
+            continue
+        t0 = tl[0]["t_prefix_start_ns"]
+        for i, f in enumerate(tl):
+            c = f"C{i % 10}"
+            ms = lambda t: (t - t0) / 1e6  # noqa: E731
+            ax.barh(2, ms(f["t_write_start_ns"]) - ms(f["t_prefix_start_ns"]), left=ms(f["t_prefix_start_ns"]),
+                    color=c, alpha=0.8)
+            ax.barh(1, ms(f["t_ready_ns"]) - ms(f["t_write_start_ns"]), left=ms(f["t_write_start_ns"]), color=c)
+            ax.barh(0, ms(f["t_suffix_end_ns"]) - ms(f["t_ready_ns"]), left=ms(f["t_ready_ns"]), color=c, alpha=0.8)
+        ax.set_yticks([0, 1, 2], ["suffix", "hand-off", "prefix"])
+        ax.set_xlabel("ms since the first measured frame started")
+        ax.set_title(f"{e['preset']}: one colour per frame")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_flops(f: dict, path: Path) -> Path:
+    """FLOP/s PNG at ``path``: achieved suffix GFLOP/s against the GEMM peak per preset and dtype.
+    ``f``: the document's ``suffix_flops`` part."""
+    plt = _plt()
+    res = f["results"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(res)), 4.5))
+    labels = [f"{r['preset']}\n{r['dtype']}" for r in res]
+    x = range(len(res))
+    ax.bar([i - 0.2 for i in x], [r["achieved_gflops"] for r in res], width=0.4, label="suffix achieved")
+    ax.bar([i + 0.2 for i in x], [r["peak_gflops"] for r in res], width=0.4, label="GEMM peak (same cores, dtype)",
+           color="C7")
+    for i, r in zip(x, res):
+        ax.text(i, r["peak_gflops"], f"{r['ratio']:.2f}", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(f"CPU suffix: achieved / GEMM peak (goal >= {f['goal_ratio']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_preprocess(q: dict, path: Path) -> Path:
+    """Preprocessing PNG at ``path``: decode, resize + normalise and prefix model ms per preset and input kind.
+    ``q``: the document's ``preprocess`` part."""
+    plt = _plt()
+    res = q["results"]
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(res) + 1.5))
+    labels = [f"{r['preset']} {r['input']}" for r in res]
+    dec = [r["decode_ms"] for r in res]
+    rsz = [max(0.0, r["resize_normalize_ms"]) for r in res]
+    pfx = [r["prefix_ms"]["p50"] for r in res]
+    ax.barh(labels, dec, label="decode / convert")
+    ax.barh(labels, rsz, left=dec, label="resize + normalise")
+    ax.barh(labels, pfx, left=[a + b for a, b in zip(dec, rsz)], label="prefix model", color="C7")
+    for i, r in enumerate(res):
+        ax.text(dec[i] + rsz[i] + pfx[i], i, f" share {r['share']:.2f}", va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("ms per frame (6 cameras of 1600x900), log scale")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(doc: dict, folder: str | Path) -> list[Path]:
+    """One PNG per part that ran (and a pipeline timeline); returns the paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    if doc.get("handoff"):
+        out.append(plot_handoff(doc["handoff"], folder / "handoff.png"))
+    if doc.get("pipeline"):
+        out.append(plot_pipeline(doc["pipeline"], folder / "pipeline.png"))
+        out.append(plot_timeline(doc["pipeline"], folder / "pipeline_timeline.png"))
+    if doc.get("suffix_flops"):
+        out.append(plot_flops(doc["suffix_flops"], folder / "suffix_flops.png"))
+    if doc.get("preprocess"):
+        out.append(plot_preprocess(doc["preprocess"], folder / "preprocess.png"))
+    return out

@@ -1,0 +1,191 @@
+"""``hybrid-vla`` command line: ``init-model``, ``replay``, ``plan``, ``profile`` and ``bench``.
+
+Run as ``hybrid-vla ...`` (installed) or ``python -m hybrid_vla_ros ...`` (from the source tree).
+Subcommands import torch / rclpy only when they run, so ``--help`` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``init-model --set``; VALUE is read as JSON (``true``, ``2``, ``{"type": "mlp"}``),
+    else taken as a string."""
+    import json
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from ..model.checkpoint import init_model, model_id
+
+    try:
+        cfg = init_model(args.preset, args.path, seed=args.seed, overrides=dict(args.set), dtype=args.dtype)
+    except (FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"hybrid-vla init-model: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} (model id {model_id(args.path) & (2**64 - 1):016x}): "
+          f"{cfg.n_cameras} cameras at {cfg.image_size}px, {cfg.num_layers} decoder blocks, "
+          f"hidden states {cfg.prefix_state_shape}"
+          + (", pretrained SmolLM2-135M LLM blocks" if args.preset == "smol" else "")
+          + ". Its trajectories exercise the pipeline; they are not driving advice.")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .replay import run_replay
+
+    return run_replay(args)
+
+
+def _err(cmd: str, e: BaseException) -> int:
+    print(f"hybrid-vla {cmd}: {e}", file=sys.stderr)
+    return 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``hybrid-vla plan``: memory (and latency, with --profile) per split layer, and the chosen K."""
+    import json
+
+    from ..split import planner
+
+    if args.set and not args.preset:
+        return _err("plan", ValueError("--set needs --preset (a checkpoint's config is fixed)"))
+    try:
+        if args.preset:
+            plan = planner.plan_for_preset(args.preset, args.profile, args.gpu_budget_gb, args.dtype,
+                                           args.cuda_overhead_gb, args.preprocess_ms, **dict(args.set))
+        else:
+            plan = planner.plan_for_checkpoint(args.model, args.profile, args.gpu_budget_gb, args.dtype,
+                                               args.cuda_overhead_gb, args.preprocess_ms)
+    except (FileNotFoundError, ValueError) as e:
+        return _err("plan", e)
+    print(planner.format_table(plan))
+    try:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(plan.to_dict(), f, indent=2)
+            print(f"wrote {args.json}")
+        if args.plot:
+            print(f"wrote {planner.plot_plan(plan, args.plot)}")
+    except OSError as e:
+        return _err("plan", e)
+    return 0
+
+
+def _cores(text: str) -> list[int]:
+    """``--cores`` value ('0,1', '[0, 1]', '2-3') -> core list (``util.cores.parse_core_list``)."""
+    from ..util.cores import parse_core_list
+
+    try:
+        return parse_core_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """``hybrid-vla profile``: time each block on the CPU (and CUDA) and write a profile JSON file."""
+    from ..split.profiler import profile_model, write_profile
+
+    try:
+        doc = profile_model(preset_name=args.preset, model_path=args.model, dtype=args.dtype, cores=args.cores,
+                            threads=args.threads, device=args.device, repeats=args.repeats, warmup=args.warmup,
+                            vision_blocks=args.vision_blocks, llm_blocks=args.llm_blocks,
+                            log=None if args.quiet else print)
+        write_profile(doc, args.out)
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        return _err("profile", e)
+    devs = ", ".join(f"{d['name']} ({d['description']}, cores {d['cores']}, {d['threads']} threads)"
+                     for d in doc["devices"].values())
+    print(f"wrote {args.out}: {doc['dtype']}, {devs}")
+    return 0
+
+
+def _add_model_source(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="a preset architecture (tiny, smol, orion, minddrive-0.5b, minddrive-3b)")
+    src.add_argument("--model", metavar="PATH", help="a checkpoint directory (config.json + model.safetensors)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-vla", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("init-model", help="write a checkpoint of a preset (random init; smol: real LLM weights)")
+    p.add_argument("--preset", default="tiny",
+                   help="preset name: tiny (default), smol, orion, minddrive-0.5b, minddrive-3b")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    p.add_argument("--set", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set llm_passes=1 --set ego_state_input=true (repeatable)")
+    p.add_argument("--dtype", default="fp32", help="dtype the weights are stored in: fp32 (default), bf16, fp16")
+    p.add_argument("path", help="checkpoint directory to create")
+    p.set_defaults(func=_init_model)
+
+    from .replay import add_arguments
+
+    r = sub.add_parser("replay", help="run both nodes on a bag and report (the main job)")
+    add_arguments(r)
+    r.set_defaults(func=_replay)
+
+    pl = sub.add_parser("plan", help="GPU/CPU memory and predicted latency per split layer K, and the chosen K",
+                        description="One row per split layer K: GPU bytes of the prefix (weights, estimated "
+                                    "activations, assumed CUDA overhead), CPU bytes of the suffix, bytes handed "
+                                    "off per frame, predicted ms (with --profile), then the chosen K and why. "
+                                    "Sizes in GB are 1e9 bytes.")
+    _add_model_source(pl)
+    pl.add_argument("--dtype", default="fp16", help="dtype of the stages: fp16 (default), bf16, fp32")
+    pl.add_argument("--set", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                    help="with --preset: override a config field, as init-model --set (e.g. llm_passes=1)")
+    pl.add_argument("--gpu-budget-gb", type=float, default=None, metavar="GB",
+                    help="GPU memory available to the prefix, GB (default: no limit)")
+    pl.add_argument("--profile", metavar="FILE", help="a profile from `hybrid-vla profile` (enables latencies)")
+    pl.add_argument("--cuda-overhead-gb", type=float, default=None, metavar="GB",
+                    help="assumed CUDA context + workspace + allocator allowance, GB (default 1.0: "
+                         "hybrid_vla_ros.split.planner.DEFAULT_CUDA_OVERHEAD_GB)")
+    pl.add_argument("--preprocess-ms", type=float, default=None, metavar="MS",
+                    help="camera preprocessing per frame in the prefix, ms (default: the profile's measurement "
+                         "on the embedded bag's JPEG cameras; set yours, e.g. for raw cameras or fast_jpeg_decode)")
+    pl.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
+    pl.add_argument("--plot", metavar="OUT.png", help="also plot memory and latency vs K (PNG)")
+    pl.set_defaults(func=_plan)
+
+    pr = sub.add_parser("profile", help="time every block on this machine's CPU (and GPU) for `plan --profile`")
+    _add_model_source(pr)
+    pr.add_argument("--dtype", default="fp32", help="dtype of weights and activations: fp32 (default), bf16, fp16")
+    pr.add_argument("--cores", type=_cores, default=None, metavar="0,1",
+                    help="pin the process to these CPU cores while measuring (default: as started)")
+    pr.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    pr.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
+                    help="cpu: CPU only; cuda: CUDA and CPU; auto (default): CUDA too when available")
+    pr.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per part, median kept (5)")
+    pr.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed runs first (1)")
+    pr.add_argument("--vision-blocks", choices=("all", "1"), default="all",
+                    help="time every vision block, or one counted for all (1)")
+    pr.add_argument("--llm-blocks", choices=("all", "1"), default="all",
+                    help="time every decoder block, or one counted for all (1)")
+    pr.add_argument("--quiet", action="store_true", help="no per-part progress lines")
+    pr.add_argument("--out", required=True, metavar="FILE", help="profile JSON file to write")
+    pr.set_defaults(func=_profile)
+
+    from .bench import cli as bench_cli  # no torch / rclpy at import
+
+    b = sub.add_parser("bench", help=bench_cli.DESCRIPTION, description=bench_cli.DESCRIPTION)
+    bench_cli.add_arguments(b)
+    b.set_defaults(func=bench_cli.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,695 @@
+"""``hybrid-vla replay``: the main job. Bag -> prefix_node -> ring -> suffix_node -> Trajectory bag + report.
+
+It starts the two node processes (or, with ``--attach``, uses nodes already running, e.g. started
+with ``ros2 run`` on a ROS 2 machine), drives them through configure and activate with the standard
+``lifecycle_msgs/srv/ChangeState`` services as a lifecycle manager would, replays a rosbag2 bag
+(MCAP or sqlite3, read with rosbags) at its recorded rate through rclpy publishers, looped
+``--loops`` times with header stamps shifted so time keeps increasing, records every published
+Trajectory (and the per-frame timing) into an MCAP bag, and prints a report. It then deactivates
+and cleans both nodes up and stops the processes. With ``--plots DIR`` it also draws what the
+pipeline did (see :mod:`hybrid_vla_ros.tools.plots`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..util.bags import CAMERA_TOPIC, BagMessage, camera_topics, read_bag
+from ..util.cores import parse_core_list, usable_cores
+from ..util.paths import REPO_ROOT, embedded_bag, package_file
+
+DEFAULT_BAG = embedded_bag()
+ODOMETRY_TOPIC = "/localization/kinematic_state"
+ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
+# the checkpoint takes the ego state
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``hybrid-vla replay``."""
+    p.add_argument("--model-path", required=True, help="checkpoint directory (see `hybrid-vla init-model`)")
+    p.add_argument("--bag", default=str(DEFAULT_BAG), help="rosbag2 folder (MCAP or sqlite3); default: the embedded DGP bag")
+    p.add_argument("--loops", type=int, default=1, help="play the bag this many times (stamps shifted each loop)")
+    p.add_argument("--rate", type=float, default=1.0, help="playback speed factor (1.0 = recorded rate)")
+    p.add_argument("--split-layer", type=int, default=None, help="split layer K (default: L // 2)")
+    p.add_argument("--resplit", type=_resplit_event, action="append", default=[], metavar="FRAME:K",
+                   help="live re-split: set split_layer K on the running suffix, then the prefix, just before "
+                        "frame FRAME (0-based, counted over all loops) is played; repeatable. The report lists the "
+                        "frames each move left without a trajectory; the nodes' logs give load and wait times")
+    p.add_argument("--transport", choices=("compressed", "raw"), default="compressed",
+                   help="camera topics to play: image_raw/compressed or image_raw")
+    p.add_argument("--device", default="auto", help="prefix device: auto | cpu | cuda[:N]")
+    p.add_argument("--fast-jpeg-decode", action="store_true",
+                   help="the prefix decodes JPEGs scaled down when the model input is small (prefix parameter "
+                        "fast_jpeg_decode; the picture differs slightly from a full decode)")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (both nodes)")
+    p.add_argument("--suffix-cores", default=None,
+                   help="cores for the suffix process, e.g. '1' or '2,3' (default: the last core)")
+    p.add_argument("--prefix-threads", type=int, default=0, help="torch threads of a CPU prefix (0 = the other cores)")
+    p.add_argument("--sync-tolerance-ms", type=float, default=50.0, help="camera synchronization tolerance (ms)")
+    p.add_argument("--namespace", default="/hybrid_vla", help="namespace of the two nodes")
+    p.add_argument("--output-topic", default="/planning/hybrid_vla/trajectory", help="trajectory topic")
+    p.add_argument("--output", default="out/replay",
+                   help="output folder: trajectories/ (MCAP bag, replaced on each run), node logs, params.yaml, report.json")
+    p.add_argument("--attach", action="store_true", help="drive nodes that are already running instead of starting them")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="also write PNG pictures (trajectory on the front camera, bird's-eye view, timeline, "
+                        "latency histograms) into DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each lifecycle transition")
+
+
+def message_class(msgtype: str):
+    """'sensor_msgs/msg/Image' -> the rclpy message class. Raises ImportError / AttributeError."""
+    pkg, kind, name = msgtype.split("/")
+    return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
+
+
+@dataclass
+class Recorder:
+    """What the replay node received, by camera stamp (ns)."""
+
+    trajectories: dict[int, float] = field(default_factory=dict)  # stamp -> wall receive time (s)
+    timings: dict[int, dict] = field(default_factory=dict)  # stamp -> stage ms, and t_*_ns CLOCK_MONOTONIC instants
+    diagnostics: dict[str, dict] = field(default_factory=dict)  # status name -> key/values
+    paths: dict[int, np.ndarray] = field(default_factory=dict)  # stamp -> (P, 3) time_from_start s, map x, y (m)
+    odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
+    first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    v = np.asarray(values)
+    return {"n": int(v.size), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90))}
+
+
+def _parse_cores(text: str | None) -> list[int]:
+    """``--suffix-cores`` -> core list (``util.cores.parse_core_list``); None -> the last usable core."""
+    return usable_cores()[-1:] if text is None else parse_core_list(text)
+
+
+def config_file(name: str) -> Path:
+    """A file of the package's config/ folder: the source tree's, else the installed share/ copy."""
+    return package_file("config", name)
+
+
+_ROS_NAMESPACE = re.compile(r"^/?([A-Za-z_][A-Za-z0-9_]*)(/[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _resplit_event(text: str) -> tuple[int, int]:
+    """``FRAME:K`` of ``--resplit`` -> (frame index >= 0, split layer >= 0)."""
+    try:
+        frame, k = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FRAME:K (two integers)") from None
+    if frame < 0 or k < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: FRAME and K must be >= 0")
+    return frame, k
+
+
+def set_parameter(node, target: str, name: str, value, timeout: float = 10.0) -> tuple[bool, str]:
+    """Set one parameter of node ``target`` through its SetParameters service (as ``ros2 param set``).
+    Returns (successful, reason); (False, 'timed out ...') when the service does not answer in ``timeout`` s."""
+    from rcl_interfaces.srv import SetParameters
+    from rclpy.parameter import Parameter
+
+    client = node.create_client(SetParameters, f"{target}/set_parameters")
+    try:
+        if not client.wait_for_service(timeout):
+            return False, f"timed out waiting for {target}/set_parameters"
+        done = threading.Event()
+        future = client.call_async(SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()]))
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            return False, f"timed out setting {name} on {target}"
+        result = future.result().results[0]
+        return result.successful, result.reason
+    finally:
+        node.destroy_client(client)
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """Problems with the command-line arguments that need no ROS and no model (one line each)."""
+    problems = []
+    if args.loops < 1:
+        problems.append(f"--loops must be >= 1, got {args.loops}")
+    if not args.rate > 0:
+        problems.append(f"--rate must be > 0, got {args.rate}")
+    if args.sync_tolerance_ms <= 0:
+        problems.append(f"--sync-tolerance-ms must be > 0, got {args.sync_tolerance_ms}")
+    if not _ROS_NAMESPACE.match(args.namespace):
+        problems.append(f"--namespace {args.namespace!r} is not a ROS namespace ([A-Za-z_][A-Za-z0-9_]* parts)")
+    try:
+        cores = _parse_cores(args.suffix_cores)
+        missing = sorted(set(cores) - os.sched_getaffinity(0))
+        if missing or not cores:
+            problems.append(f"--suffix-cores {args.suffix_cores!r}: this process may use cores "
+                            f"{sorted(os.sched_getaffinity(0))}")
+    except ValueError as e:
+        problems.append(f"--suffix-cores: {e}")
+    return problems
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """Run the main job; returns a process exit code (0 when trajectories came out and nodes shut down cleanly)."""
+    problems = check_arguments(args)
+    if problems:
+        for p in problems:
+            print(f"hybrid-vla replay: {p}", file=sys.stderr)
+        return 2
+    from ..model.config import VLAConfig
+
+    try:
+        cfg = VLAConfig.load(args.model_path)
+    except (OSError, ValueError) as e:
+        print(f"hybrid-vla replay: cannot read the checkpoint config in {args.model_path}: {e}", file=sys.stderr)
+        return 1
+    try:
+        messages = read_bag(args.bag)
+        cams = camera_topics(messages, args.transport)
+    except Exception as e:  # noqa: BLE001 - rosbags raises its own error types for unreadable bags
+        print(f"hybrid-vla replay: cannot use the bag {args.bag}: {e}", file=sys.stderr)
+        return 1
+    bad_k = [f"{f}:{k}" for f, k in args.resplit if k > cfg.num_layers]
+    if bad_k or (args.split_layer is not None and not 0 <= args.split_layer <= cfg.num_layers):
+        print(f"hybrid-vla replay: split layers must be in [0, {cfg.num_layers}] for this model "
+              f"(--split-layer {args.split_layer}, --resplit {' '.join(bad_k) or '-'})", file=sys.stderr)
+        return 2
+    if len(cams) != cfg.n_cameras:
+        print(f"hybrid-vla replay: the bag has {len(cams)} {args.transport} cameras, the model takes {cfg.n_cameras}",
+              file=sys.stderr)
+        return 1
+    out = Path(args.output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"hybrid-vla replay: cannot create the output folder {out}: {e}", file=sys.stderr)
+        return 1
+    if args.plots:
+        try:
+            Path(args.plots).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"hybrid-vla replay: cannot create the plots folder {args.plots}: {e}", file=sys.stderr)
+            return 1
+    # Whole camera images over shared memory (see config/fastdds_shm_large.xml); the node processes inherit it.
+    if "FASTDDS_DEFAULT_PROFILES_FILE" not in os.environ and "FASTRTPS_DEFAULT_PROFILES_FILE" not in os.environ:
+        os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(config_file("fastdds_shm_large.xml"))
+    if cfg.random_init:
+        print("note: the checkpoint has RANDOM weights: the trajectories test the pipeline, they are not driving advice")
+    session = ReplaySession(args, cfg, messages, cams, out)
+    return session.run()
+
+
+class ReplaySession:
+    """One replay: node processes (unless attached), lifecycle management, playback, recording, report."""
+
+    def __init__(self, args, cfg, messages: list[BagMessage], cams: list[str], out: Path):
+        self.args, self.cfg, self.cams, self.out = args, cfg, cams, out
+        self.messages = messages  # the whole bag: CameraInfo and /tf_static for the plots
+        self.ns = "/" + args.namespace.strip("/")
+        self.k = cfg.num_layers // 2 if args.split_layer is None else args.split_layer
+        self.suffix_cores = _parse_cores(args.suffix_cores)
+        play_topics = {f"{t}/compressed" if args.transport == "compressed" else t for t in cams} | {ODOMETRY_TOPIC}
+        if cfg.ego_state_input:  # only a prefix with ego state input subscribes to the acceleration
+            play_topics.add(ACCELERATION_TOPIC)
+        self.play = [m for m in messages if m.topic in play_topics]
+        self.rec = Recorder()
+        self.procs: list[subprocess.Popen] = []
+        self.bag = None
+        self.interrupted = False
+
+    def write_params(self) -> Path:
+        """The params file both node processes read (also a record of what was run)."""
+        import yaml
+
+        a, model = self.args, str(Path(self.args.model_path).resolve())
+        prefix_threads = a.prefix_threads or max(1, len(os.sched_getaffinity(0)) - len(self.suffix_cores))
+        params = {
+            f"{self.ns}/prefix_node": {"ros__parameters": {
+                "model_path": model, "split_layer": self.k, "camera_topics": self.cams,
+                "camera_transports": [a.transport], "sync_tolerance_ms": a.sync_tolerance_ms,
+                "device": a.device, "dtype": a.dtype, "torch_threads": prefix_threads,
+                "fast_jpeg_decode": a.fast_jpeg_decode}},
+            # The bag keeps its recorded stamps (years old by the node clock), so the output guard's age
+            # check is off for these two processes only; every other guard check stays as configured.
+            f"{self.ns}/suffix_node": {"ros__parameters": {
+                "model_path": model, "split_layer": self.k, "cpu_affinity": self.suffix_cores,
+                "threads": len(self.suffix_cores), "dtype": a.dtype, "guard.check_age": False}},
+        }
+        path = self.out / "params.yaml"
+        path.write_text(yaml.safe_dump(params, sort_keys=False))
+        return path
+
+    def run(self) -> int:
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.signals import SignalHandlerOptions
+
+        if not self.args.attach:
+            params_file = self.write_params()
+            # The prefix reads odometry (and acceleration) only for a checkpoint with ego_state_input.
+            self.procs.append(launch_node(
+                "prefix_node", self.ns, params_file,
+                ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}",
+                 "-r", f"~/input/acceleration:={ACCELERATION_TOPIC}"],
+                self.out / "prefix_node.log"))
+            self.procs.append(launch_node(
+                "suffix_node", self.ns, params_file,
+                ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}", "-r", f"~/output/trajectory:={self.args.output_topic}"],
+                self.out / "suffix_node.log"))
+        # No rclpy signal handler: Ctrl-C stays a KeyboardInterrupt here, so the replay can stop playback,
+        # still take the nodes down through their lifecycle and write the report.
+        context = rclpy.Context()
+        rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
+        node = rclpy.create_node("hybrid_vla_replay", context=context)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(node)
+        spin = threading.Thread(target=executor.spin, daemon=True)
+        spin.start()
+        rc = 1
+        try:
+            rc = self._drive(node)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+        finally:
+            if self.bag is not None:
+                self.bag.close()
+            executor.shutdown()
+            spin.join(timeout=10)
+            node.destroy_node()
+            rclpy.try_shutdown(context=context)
+            codes = stop_processes(self.procs)
+            if any(c != 0 for c in codes):
+                print(f"node processes exited with {codes}; logs in {self.out}", file=sys.stderr)
+                rc = rc or 1
+        return rc
+
+    def _subscribe(self, node) -> None:
+        from autoware_planning_msgs.msg import Trajectory
+        from diagnostic_msgs.msg import DiagnosticArray
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from rclpy.serialization import serialize_message
+
+        from ..ros.msg_conv import stamp_to_ns
+
+        rec, bag = self.rec, self.bag
+        timing_topic = f"{self.ns}/suffix_node/debug/frame_timing"
+        traj_conn = bag.add_topic(self.args.output_topic, "autoware_planning_msgs/msg/Trajectory")
+        timing_conn = bag.add_topic(timing_topic, "diagnostic_msgs/msg/DiagnosticArray")
+
+        def on_trajectory(msg):
+            stamp = stamp_to_ns(msg.header.stamp)
+            t_recv = time.monotonic()
+            path = np.array([(p.time_from_start.sec + p.time_from_start.nanosec * 1e-9, p.pose.position.x,
+                              p.pose.position.y) for p in msg.points]).reshape(-1, 3)
+            with rec.lock:
+                rec.trajectories[stamp] = t_recv
+                rec.paths[stamp] = path
+            bag.write(traj_conn, stamp, serialize_message(msg))
+
+        def on_timing(msg):
+            stamp = stamp_to_ns(msg.header.stamp)
+            # '<stage>_ms' -> stage: float ms; 't_<event>_ns' stays: int CLOCK_MONOTONIC ns
+            values = {kv.key: int(kv.value) if kv.key.endswith("_ns") else float(kv.value)
+                      for kv in msg.status[0].values}
+            with rec.lock:
+                rec.timings[stamp] = {k.removesuffix("_ms"): v for k, v in values.items()}
+            bag.write(timing_conn, stamp, serialize_message(msg))
+
+        def on_diag(msg):
+            with rec.lock:
+                for s in msg.status:
+                    rec.diagnostics[s.name] = {kv.key: kv.value for kv in s.values}
+
+        node.create_subscription(Trajectory, self.args.output_topic, on_trajectory,
+                                 QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)
+        node.create_subscription(DiagnosticArray, "/diagnostics", on_diag, 50)
+
+    def _bring_up(self, managers) -> bool:
+        t_start = time.monotonic()
+        for m in managers:
+            if not m.wait_for_services(self.args.timeout, self.procs):
+                dead = [(name, p.returncode) for name, p in zip(("prefix_node", "suffix_node"), self.procs)
+                        if p.poll() is not None]
+                if dead:
+                    for name, code in dead:
+                        tail = (self.out / f"{name}.log").read_text().strip().splitlines()[-3:]
+                        print(f"hybrid-vla replay: {name} exited with {code}: " + " | ".join(tail), file=sys.stderr)
+                else:
+                    print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s", file=sys.stderr)
+                return False
+        for transition in ("configure", "activate"):
+            for m in managers:
+                ok, detail = m.change_state(transition, self.args.timeout)
+                if not ok:
+                    print(f"hybrid-vla replay: {transition} of {m.name} failed ({detail}); "
+                          f"see {self.out if self.procs else 'the node output'}", file=sys.stderr)
+                    return False
+        where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
+        print(f"nodes active after {time.monotonic() - t_start:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
+        return True
+
+    def _drive(self, node) -> int:
+        from ..ros.lifecycle_client import LifecycleClient
+        from .output_bag import OutputBag
+
+        managers = [LifecycleClient(node, f"{self.ns}/prefix_node"), LifecycleClient(node, f"{self.ns}/suffix_node")]
+        if not self._bring_up(managers):
+            return 1
+        self.bag = OutputBag(self.out / "trajectories", overwrite=True)
+        self._subscribe(node)
+        publishers = {}
+        for m in self.play:
+            if m.topic not in publishers:
+                cls = message_class(m.msgtype)
+                publishers[m.topic] = (node.create_publisher(cls, m.topic, 10), cls)
+        # with ego state input both nodes read the odometry
+        _wait_for_subscribers(publishers, timeout=10.0,
+                              minimum={ODOMETRY_TOPIC: 2 if self.cfg.ego_state_input else 1})
+        foreign = sorted(t for t, (pub, _) in publishers.items() if node.count_publishers(t) > 1)
+        if foreign:
+            print(f"warning: other publishers on {', '.join(foreign)}: their frames mix with this replay's",
+                  file=sys.stderr)
+        first_camera = f"{self.cams[0]}/compressed" if self.args.transport == "compressed" else self.cams[0]
+        self.resplit_log = []
+        published = _play(self.args, self.play, publishers, self.rec, self.ns, first_camera,
+                          on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None)
+        self.interrupted = published["interrupted"]
+        if self.interrupted:
+            print("\ninterrupted: playback stopped, shutting the nodes down", file=sys.stderr)
+        frames = published["frames"]
+        # Let frames in flight finish: stop when every frame has an answer or output stalls for 3 s.
+        last_count, last_change = -1, time.monotonic()
+        while time.monotonic() - last_change < 3.0 and len(self.rec.trajectories) < len(frames):
+            if len(self.rec.trajectories) != last_count:
+                last_count, last_change = len(self.rec.trajectories), time.monotonic()
+            time.sleep(0.05)
+        for m in managers:
+            m.change_state("deactivate", self.args.timeout)
+        time.sleep(0.5)  # the nodes publish their final /diagnostics on deactivate
+        for m in managers:
+            m.change_state("cleanup", self.args.timeout)
+        report = _report(self.rec, frames, published, self.ns, self.k, self.cfg, self.bag.path,
+                         self.args.sync_tolerance_ms)
+        report["settings"] = {"dtype": self.args.dtype, "device": self.args.device, "rate": self.args.rate,
+                              "loops": self.args.loops, "transport": self.args.transport,
+                              "fast_jpeg_decode": self.args.fast_jpeg_decode}
+        report["resplits"] = _resplit_report(self.resplit_log, frames, self.rec, self.args.sync_tolerance_ms)
+        applied = {(e["frame"], e["split_layer"]) for e in self.resplit_log}
+        report["resplits_not_reached"] = [f"{f}:{k}" for f, k in self.args.resplit if (f, k) not in applied]
+        if report["resplits_not_reached"]:
+            print(f"warning: --resplit {' '.join(report['resplits_not_reached'])} not applied: playback ended after "
+                  f"{len(frames)} frames", file=sys.stderr)
+        (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        _print_report(report)
+        if report["frames_published"] and not report["camera_messages_in"]:
+            print("hint: the prefix received no camera messages: do its camera_topics / camera_transports match "
+                  f"the played topics ({self.cams[0]}{'/compressed' if self.args.transport == 'compressed' else ''}, ...)?",
+                  file=sys.stderr)
+        if report["drops"].get("suffix.guard_too_old") or report["drops"].get("suffix.guard_future_stamp"):
+            print("hint: the suffix node's output guard dropped trajectories for their stamps: the replay plays the "
+                  "bag's recorded stamps, so nodes that replay drives need guard.check_age false (the params.yaml "
+                  "a replay writes has it)", file=sys.stderr)
+        plots_ok = self._write_plots(frames) if self.args.plots else True
+        return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
+
+    def _resplit(self, node, index: int) -> None:
+        """Before frame ``index``: apply the ``--resplit`` events due (suffix first, so it loads blocks ahead)."""
+        for frame, k in self.args.resplit:
+            if frame != index:
+                continue
+            t0 = time.monotonic()
+            results = [set_parameter(node, f"{self.ns}/{name}", "split_layer", k) for name in ("suffix_node", "prefix_node")]
+            failed = [reason for ok, reason in results if not ok]
+            if failed:
+                print(f"\nre-split to K={k} before frame {index} refused: {'; '.join(failed)}", file=sys.stderr)
+            self.resplit_log.append({"frame": index, "split_layer": k, "accepted": not failed,
+                                     "set_ms": round((time.monotonic() - t0) * 1e3, 2)})
+
+    def _write_plots(self, frames: dict[int, float]) -> bool:
+        """Draw the pictures into ``--plots``; prints their paths. False (and a message) when that fails."""
+        from . import plots
+
+        rec = self.rec
+        with rec.lock:
+            received, timings, paths = dict(rec.trajectories), dict(rec.timings), dict(rec.paths)
+            odometry, camera_images = list(rec.odometry), dict(rec.first_camera)
+        tolerance_ns = self.args.sync_tolerance_ms * 1e6
+        sent = {}  # trajectory stamp -> when the replay sent its frame's last image
+        for stamp in received:
+            key = _frame_of(frames, stamp, tolerance_ns)
+            if key is not None:
+                sent[stamp] = frames[key]
+        try:
+            data = plots.collect(
+                timings=timings, paths=paths, received=received, sent=sent, odometry=odometry,
+                camera_images=camera_images, bag_messages=self.messages, tolerance_ns=tolerance_ns,
+                extrinsics_yaml=config_file(plots.DEFAULT_EXTRINSICS),
+                caption=f"split layer {self.k} of {self.cfg.num_layers}",
+                random_init=self.cfg.random_init)
+            written = plots.write_all(data, self.args.plots)
+        except Exception as e:  # noqa: BLE001 - the report is out already; say what went wrong and fail
+            print(f"hybrid-vla replay: cannot write the plots into {self.args.plots}: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return False
+        print("plots:")
+        for path in written:
+            print(f"  {path}")
+        return True
+
+
+def launch_node(name: str, ns: str, params_file: Path, ros_args: list[str], log_path: Path) -> subprocess.Popen:
+    """Start ``prefix_node`` or ``suffix_node`` as a child process (``python -m``, this interpreter) in
+    namespace ``ns`` with a params file and extra ``--ros-args`` (remaps); output goes to ``log_path``.
+    The child runs in its own session so a terminal Ctrl-C reaches it only through :func:`stop_processes`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    cmd = [sys.executable, "-m", f"hybrid_vla_ros.ros.{name}", "--ros-args", "-r", f"__ns:={ns}",
+           "--params-file", str(params_file), *ros_args]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
+    """SIGINT each process (rclpy shuts the node down cleanly), wait, SIGKILL what remains; exit codes."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+def _wait_for_subscribers(publishers: dict, timeout: float, minimum: dict[str, int] | None = None) -> None:
+    """Wait up to ``timeout`` s until every publisher (camera_info aside) has a subscriber, or as many as
+    ``minimum`` names for its topic."""
+    minimum = minimum or {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(pub.get_subscription_count() >= minimum.get(topic, 1) for topic, (pub, _) in publishers.items()
+               if not pub.topic_name.endswith("camera_info")):
+            return
+        time.sleep(0.05)
+
+
+def _frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int | None:
+    """The published frame (key of ``frames``) a trajectory stamp belongs to, or None (not this replay's)."""
+    key = min(frames, key=lambda f: abs(f - stamp)) if frames else None
+    return None if key is None or abs(key - stamp) > tolerance_ns else key
+
+
+def _drops(prefix: dict, suffix: dict) -> dict[str, int]:
+    """Drops by cause from the nodes' latest /diagnostics key/values (prefix, suffix, ring overwrites)."""
+    drops = {}
+    for side, d in (("prefix", prefix), ("suffix", suffix)):
+        for key, v in d.items():
+            if key.startswith("drop_") and int(v):
+                drops[f"{side}.{key[5:]}"] = int(v)
+    if int(prefix.get("ring_dropped_oldest", 0)):  # frames the suffix was too slow to read
+        drops["ring.dropped_oldest"] = int(prefix["ring_dropped_oldest"])
+    return drops
+
+
+def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None) -> dict:
+    """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
+
+    Records the odometry played and the messages of ``first_camera`` into ``rec`` (for the plots). The
+    progress bar counts frames and shows trajectories and drops (from the nodes' latest /diagnostics).
+    Ctrl-C stops playback early; the result then says ``interrupted: True``. ``on_frame(index)`` runs
+    before the first message of each frame (index 0-based over all loops).
+    """
+    from rclpy.serialization import deserialize_message
+    from tqdm import tqdm
+
+    t0 = play[0].t_ns
+    span = play[-1].t_ns - t0
+    camera_times = sorted({m.t_ns for m in play if CAMERA_TOPIC.match(m.topic)})
+    gaps = np.diff(camera_times)
+    gaps = gaps[gaps > args.sync_tolerance_ms * 1e6]  # between frames, not between the cameras of one frame
+    period = int(np.median(gaps)) if gaps.size else 100_000_000
+    loop_len = span + period
+    frames: dict[int, float] = {}  # frame stamp (ns, its first camera message) -> wall time its last image went out
+    frames_per_loop = gaps.size + 1 if camera_times else 0
+    bar = tqdm(total=args.loops * frames_per_loop, unit="frame", disable=args.quiet, dynamic_ncols=True, desc="replay",
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]")
+    status = (f"{ns}/prefix_node: pipeline", f"{ns}/suffix_node: pipeline")
+    counts = {"messages": 0}
+    wall0 = time.monotonic()
+    interrupted = False
+    try:
+        _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
+                    first_camera, status, counts, on_frame)
+    except KeyboardInterrupt:
+        interrupted = True
+    bar.close()
+    return {"frames": frames, "messages": counts["messages"], "wall_s": time.monotonic() - wall0,
+            "interrupted": interrupted}
+
+
+def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
+                first_camera, status, counts, on_frame=None) -> None:
+    from ..vehicle.trajectory import ego_state_from_odometry
+
+    last_frame = None
+    for loop in range(args.loops):
+        offset = loop * loop_len
+        for m in play:
+            due = wall0 + (m.t_ns - t0 + offset) / 1e9 / args.rate
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            pub, cls = publishers[m.topic]
+            msg = deserialize_message(m.raw, cls)
+            stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec + offset
+            if offset:  # the first loop plays the stamps as recorded, invalid ones (nanosec >= 1e9) included
+                msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
+            new_frame = CAMERA_TOPIC.match(m.topic) and (
+                last_frame is None or abs(stamp - last_frame) > args.sync_tolerance_ms * 1e6)
+            if new_frame:
+                if on_frame is not None:
+                    on_frame(counts.get("frames", 0))  # (a disabled tqdm bar does not count)
+                counts["frames"] = counts.get("frames", 0) + 1
+            pub.publish(msg)
+            counts["messages"] += 1
+            if CAMERA_TOPIC.match(m.topic):
+                if new_frame:
+                    last_frame = stamp
+                    bar.update(1)
+                frames[last_frame] = time.monotonic()
+                if m.topic == first_camera:
+                    with rec.lock:
+                        rec.first_camera[stamp] = m
+            elif m.topic == ODOMETRY_TOPIC:
+                try:
+                    ego = ego_state_from_odometry(msg)
+                except ValueError:
+                    ego = None  # the suffix node drops it too (bad_odometry)
+                if ego is not None:
+                    with rec.lock:
+                        rec.odometry.append(ego)
+            with rec.lock:
+                done = len(rec.trajectories)
+                drops = sum(_drops(*(rec.diagnostics.get(name, {}) for name in status)).values())
+            bar.set_postfix({"trajectories": done, "drops": drops}, refresh=False)
+
+
+def _report(rec, frames, published, ns, k, cfg, bag_path, tolerance_ms) -> dict:
+    with rec.lock:
+        trajectories = dict(rec.trajectories)
+        timings = dict(rec.timings)
+        diags = dict(rec.diagnostics)
+    prefix = diags.get(f"{ns}/prefix_node: pipeline", {})
+    suffix = diags.get(f"{ns}/suffix_node: pipeline", {})
+    e2e, foreign = [], 0
+    for stamp, t_recv in trajectories.items():
+        key = _frame_of(frames, stamp, tolerance_ms * 1e6)
+        if key is None:
+            foreign += 1  # a trajectory for a frame this replay did not publish
+        else:
+            e2e.append((t_recv - frames[key]) * 1e3)
+    stages = {s: _percentiles([t[s] for t in timings.values() if s in t])
+              for s in ("preprocess", "prefix", "handoff", "suffix", "odometry_wait")}
+    stages["end_to_end"] = _percentiles(e2e)
+    drops = _drops(prefix, suffix)
+    return {
+        "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
+        "camera_messages_in": int(prefix.get("frames_in", 0)),
+        "frames_published": len(frames),
+        "frames_synchronized": int(prefix.get("frames_synchronized", 0)),
+        "frames_through_prefix": int(prefix.get("frames_out", 0)),
+        "trajectories_out": len(trajectories) - foreign,
+        "foreign_trajectories": foreign,
+        "drops": drops,
+        "stages_ms": stages,
+        "messages_played": published["messages"],
+        "playback_wall_s": round(published["wall_s"], 3),
+        "interrupted": published["interrupted"],
+        "output_bag": str(bag_path),
+    }
+
+
+def _resplit_report(events: list[dict], frames: dict[int, float], rec, tolerance_ms: float) -> list[dict]:
+    """Per ``--resplit`` event: the frames from the event's frame to the next event (or the end) that got no
+    trajectory (what the re-split cost, in frames) and the end-to-end latency of the event's frame (ms)."""
+    order = sorted(frames)
+    with rec.lock:
+        answered = {_frame_of(frames, stamp, tolerance_ms * 1e6): t for stamp, t in rec.trajectories.items()}
+    out = []
+    for i, e in enumerate(events):
+        end = events[i + 1]["frame"] if i + 1 < len(events) else len(order)
+        window = range(e["frame"], min(end, len(order)))
+        lost = [j for j in window if order[j] not in answered]
+        first = order[e["frame"]] if e["frame"] < len(order) else None
+        e2e = (answered[first] - frames[first]) * 1e3 if first in answered else None
+        out.append({**e, "frames_without_trajectory": lost,
+                    "first_frame_e2e_ms": None if e2e is None else round(e2e, 2)})
+    return out
+
+
+def _print_report(r: dict) -> None:
+    print()
+    print("hybrid-vla replay report" + ("  (random-init model: not driving advice)" if r["random_init"] else ""))
+    moves = [str(e["split_layer"]) for e in r.get("resplits", []) if e["accepted"]]
+    print(f"  split layer            {r['split_layer']} of {r['num_layers']}"
+          + (f" at the start, then {', '.join(moves)} (--resplit)" if moves else ""))
+    print(f"  camera messages in     {r['camera_messages_in']}")
+    print(f"  frames published       {r['frames_published']}")
+    print(f"  frames synchronized    {r['frames_synchronized']}")
+    print(f"  frames through prefix  {r['frames_through_prefix']}")
+    print(f"  trajectories out       {r['trajectories_out']}")
+    if r.get("foreign_trajectories"):
+        print(f"  foreign trajectories   {r['foreign_trajectories']} (not from this replay's frames: another publisher?)")
+    print(f"  drops by cause         {r['drops'] or 'none'}")
+    print(f"  {'stage':<22} {'n':>5} {'p50 ms':>9} {'p90 ms':>9}")
+    for stage, s in r["stages_ms"].items():
+        if s["n"]:
+            print(f"  {stage:<22} {s['n']:>5} {s['p50']:>9.2f} {s['p90']:>9.2f}")
+        else:
+            print(f"  {stage:<22} {0:>5} {'-':>9} {'-':>9}")
+    for e in r.get("resplits", []):
+        cost = (f"{len(e['frames_without_trajectory'])} frame(s) without a trajectory"
+                + (f" ({e['frames_without_trajectory']})" if e["frames_without_trajectory"] else ""))
+        e2e = "-" if e["first_frame_e2e_ms"] is None else f"{e['first_frame_e2e_ms']:.1f} ms"
+        print(f"  re-split before frame {e['frame']:<3} K -> {e['split_layer']}: "
+              + (f"{cost}; that frame end to end {e2e}" if e["accepted"] else "refused"))
+    print(f"  output bag             {r['output_bag']}")

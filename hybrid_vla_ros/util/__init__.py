@@ -1,0 +1,1 @@
+"""Small helpers every layer may use: package paths, bags, statistics. No torch, no ROS."""

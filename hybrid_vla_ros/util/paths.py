@@ -1,0 +1,50 @@
+"""Where the package's own files are: the source tree's, else an installed ``share/hybrid_vla_ros``.
+
+A colcon (ament_python) install keeps the Python code in ``site-packages`` and the launch, config, schema
+and data files under ``<prefix>/share/hybrid_vla_ros``; a source checkout has them beside the package.
+Nothing here imports ROS: the ament index is a folder tree, read directly.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+PACKAGE = "hybrid_vla_ros"
+#: The repository root of a source checkout (the folder holding ``package.xml`` and ``hybrid_vla_ros/``).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def share_directory(package: str) -> Path:
+    """``<prefix>/share/<package>`` of the first prefix in ``AMENT_PREFIX_PATH`` whose ament index registers
+    ``package`` (what ``ament_index_python.get_package_share_directory`` returns, read here without it), else
+    this interpreter's prefix (the venv) when it holds ``share/<package>``. Raises LookupError when none has it."""
+    prefixes = [p for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p]
+    for prefix in prefixes:
+        marker = Path(prefix) / "share" / "ament_index" / "resource_index" / "packages" / package
+        if marker.is_file():
+            return Path(prefix) / "share" / package
+    candidate = Path(sys.prefix) / "share" / package
+    if candidate.is_dir():
+        return candidate
+    raise LookupError(f"package {package!r} is not installed (not in the ament index of AMENT_PREFIX_PATH, "
+                      f"no share/{package} under {sys.prefix})")
+
+
+def package_file(*parts: str) -> Path:
+    """A file or folder shipped with the package (``config/...``, ``data/...``, ``schema/...``): the source
+    tree's when it exists, else the installed ``share/hybrid_vla_ros`` copy. Returns the source-tree path
+    when neither exists (callers report it missing with that path)."""
+    local = REPO_ROOT.joinpath(*parts)
+    if local.exists():
+        return local
+    try:
+        installed = share_directory(PACKAGE).joinpath(*parts)
+    except LookupError:
+        return local
+    return installed if installed.exists() else local
+
+
+def embedded_bag() -> Path:
+    """The DGP 6-camera MCAP bag shipped in ``data/`` (see its SOURCE.txt): source tree or installed copy."""
+    return package_file("data", "dgp_scene02_6cam_mcap")

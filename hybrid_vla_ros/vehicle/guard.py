@@ -1,0 +1,237 @@
+"""Output guard: is a trajectory fit to publish? (ROS-free; the suffix node runs it right before publishing.)
+
+A model can emit anything: NaN, a point behind the previous one in time, 200 km/h, a hairpin at speed.
+:func:`find_violations` checks one :class:`~hybrid_vla_ros.vehicle.trajectory.TrajectoryArrays` against
+:class:`GuardLimits` and names every violation; the node drops a trajectory that has any and publishes
+nothing for that frame (the controller keeps its previous trajectory, as with any other dropped frame).
+
+Units: metres (m), seconds (s), m/s, m/s^2, curvature in 1/m, angles in rad, stamps in integer ns.
+
+Checks, most important first (the order of :data:`CAUSES`; a trajectory is reported once per cause, at
+its worst point):
+
+* ``non_finite``: a NaN or infinity in any field (the other checks are then skipped).
+* ``too_few_points``: fewer than 2 points (the other checks are then skipped).
+* ``time_not_increasing``: ``time_from_start`` not strictly increasing.
+* ``too_old``: ``now - header.stamp > max_age_s``, with ``now`` the node clock; ``future_stamp``: the
+  stamp lies more than ``max_future_s`` ahead of ``now`` (a clock problem between camera and computer).
+  Both only when ``check_age`` is set.
+* ``too_fast``: ``|longitudinal_velocity_mps| > max_speed_mps`` at any point (point 0 carries the
+  measured ego speed).
+* ``accel_too_high`` / ``decel_too_high``: ``acceleration_mps2`` outside ``[min_acceleration_mps2,
+  max_acceleration_mps2]``. That field is the change of speed *magnitude* (TrajectoryPoint.msg: it
+  "does not consider vehicle direction"), so a switch between forward and reverse between two points is
+  also checked: it needs at least ``(|v_k| + |v_k+1|) / dt`` of deceleration.
+* ``lateral_accel_too_high``: ``v^2 |kappa| > max_lateral_acceleration_mps2``.
+* ``curvature_too_high``: ``|kappa| > max_curvature_per_m``.
+* ``steering_too_high``: ``|front_wheel_angle_rad| > max_steering_rad``.
+
+Curvature is measured on the path itself, not taken from the message fields: the points are first
+thinned so that consecutive kept points are at least ``min_segment_m`` apart (each point closer than
+that to the last kept one is skipped, without interpolation), then ``kappa`` at each inner kept point is
+the curvature of the circle through it and its two kept neighbours (Menger curvature, ``2 sin(turn) /
+chord``). Where the path reverses there (a turn of more than 90 deg, which
+:func:`~hybrid_vla_ros.vehicle.trajectory.waypoints_to_trajectory` reads as driving in reverse) the next
+segment is mirrored first, so a cusp counts by its change of heading, not as an infinitely sharp turn.
+The steering field is checked only at points whose segments (the one before and the one after) are
+both at least ``min_segment_m`` long.
+
+Why ``min_segment_m``: curvature is a heading change divided by a length. At (near) standstill the
+model's waypoints jitter by centimetres around the ego position, and the direction between two points
+1 cm apart is noise; divided by 1 cm it becomes a curvature of hundreds of 1/m and a steering angle
+near 90 deg that nobody plans. Those trajectories are still valid (they say "stay here") and pass:
+with the default 1 m, waypoints within half a metre of the ego (what the random-init ``tiny`` demo
+model produces) leave no segment to measure, while any real turn, whose points are metres apart, is
+measured in full. Their speeds and accelerations are small and are checked as usual.
+
+Defaults and their sources (Autoware Universe ``autoware_planning_validator``,
+``config/planning_validator.param.yaml``, ``validity_checks``; and ``planning_validator.cpp``):
+
+* ``max_acceleration_mps2`` 9.8, ``min_acceleration_mps2`` -9.8, ``max_lateral_acceleration_mps2`` 9.8:
+  ``acceleration.longitudinal_max_th``, ``longitudinal_min_th``, ``lateral_th``;
+* ``max_curvature_per_m`` 1.0: ``curvature.threshold``;
+* ``max_steering_rad`` 1.414: ``steering.threshold``;
+* ``max_age_s`` 1.0: ``latency.threshold`` (``now - trajectory.header.stamp``, as here); ``check_age``
+  mirrors ``latency.enable``;
+* ``min_segment_m`` 1.0: the validator resamples the trajectory with ``min_interval = 1.0`` m ("the
+  following metrics can not be evaluated for closed points") before its curvature, lateral
+  acceleration and steering checks, and measures curvature over ``curvature_distance = 1.0`` m;
+* ``max_speed_mps`` 11.1: the planning validator has no speed bound; this is ``max_vel`` of
+  autoware_launch's ``config/planning/scenario_planning/common/common.param.yaml`` (40 km/h), the
+  speed limit of Autoware's reference planning configuration. Raise it to your operating domain's.
+* ``max_future_s`` 0.1: no Autoware counterpart; a camera stamp 0.1 s ahead of the node clock means
+  the two clocks disagree (synchronized clocks differ by well under a millisecond).
+
+A limit that is NaN rejects everything (every comparison is written as "not within the limit").
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import numpy as np
+
+from .trajectory import TrajectoryArrays
+
+__all__ = ["CAUSES", "GuardLimits", "Violation", "check_trajectory", "find_violations", "path_curvature"]
+
+CAUSES = (
+    "non_finite", "too_few_points", "time_not_increasing", "too_old", "future_stamp", "too_fast",
+    "accel_too_high", "decel_too_high", "lateral_accel_too_high", "curvature_too_high", "steering_too_high",
+)
+"""Every violation cause, most important first (the node drops a frame as ``guard_<first cause>``)."""
+
+PARAMETER_PREFIX = "guard."
+"""The node parameter of field ``f`` is ``guard.<f>`` (schema/suffix_node.schema.json)."""
+
+
+@dataclass(frozen=True)
+class GuardLimits:
+    """Limits of :func:`find_violations` (see the module docstring for each check and its source).
+
+    Attributes:
+        max_speed_mps: largest ``|longitudinal_velocity_mps|`` (m/s).
+        max_acceleration_mps2: largest ``acceleration_mps2`` (m/s^2).
+        min_acceleration_mps2: smallest ``acceleration_mps2`` (m/s^2, negative: braking).
+        max_lateral_acceleration_mps2: largest ``v^2 |kappa|`` (m/s^2).
+        max_curvature_per_m: largest path curvature ``|kappa|`` (1/m).
+        max_steering_rad: largest ``|front_wheel_angle_rad|`` (rad).
+        min_segment_m: shortest segment over which curvature and steering are judged (m).
+        check_age: compare ``header.stamp`` with the clock (``too_old``, ``future_stamp``).
+        max_age_s: largest ``now - header.stamp`` (s).
+        max_future_s: largest ``header.stamp - now`` (s).
+    """
+
+    max_speed_mps: float = 11.1
+    max_acceleration_mps2: float = 9.8
+    min_acceleration_mps2: float = -9.8
+    max_lateral_acceleration_mps2: float = 9.8
+    max_curvature_per_m: float = 1.0
+    max_steering_rad: float = 1.414
+    min_segment_m: float = 1.0
+    check_age: bool = True
+    max_age_s: float = 1.0
+    max_future_s: float = 0.1
+
+    @classmethod
+    def from_params(cls, values: Mapping[str, Any]) -> "GuardLimits":
+        """The limits from node parameters named ``guard.<field>`` (validated ones, e.g. ``Params``);
+        a field without its parameter keeps its default."""
+        return cls(**{f.name: values[PARAMETER_PREFIX + f.name] for f in fields(cls)
+                      if PARAMETER_PREFIX + f.name in values})
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: ``cause`` (one of :data:`CAUSES`) and what was found, in words."""
+
+    cause: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.cause}: {self.detail}"
+
+
+def check_trajectory(arrays: TrajectoryArrays, stamp_ns: int, now_ns: int, limits: GuardLimits) -> list[str]:
+    """Causes of every violation of ``limits`` (most important first); ``[]`` when the trajectory is
+    valid. ``stamp_ns`` is its ``header.stamp``, ``now_ns`` the clock it is judged against (ns)."""
+    return [v.cause for v in find_violations(arrays, stamp_ns, now_ns, limits)]
+
+
+def find_violations(arrays: TrajectoryArrays, stamp_ns: int, now_ns: int,
+                    limits: GuardLimits) -> list[Violation]:
+    """Every violation of ``limits``, one per cause at its worst point, most important first (the
+    order of :data:`CAUSES`); ``[]`` when the trajectory is valid. See the module docstring."""
+    found: list[Violation] = []
+    bad = [f.name for f in fields(arrays) if not np.all(np.isfinite(getattr(arrays, f.name)))]
+    if bad:
+        k = int(np.flatnonzero(~np.isfinite(getattr(arrays, bad[0])))[0])
+        return [Violation("non_finite", f"{', '.join(bad)} not finite (first: {bad[0]} at point {k})")]
+    n = len(arrays)
+    if n < 2:
+        return [Violation("too_few_points", f"{n} point{'s' if n != 1 else ''}, at least 2 needed")]
+
+    dt = np.diff(arrays.t)
+    if not np.all(dt > 0):
+        k = int(np.flatnonzero(~(dt > 0))[0])
+        found.append(Violation("time_not_increasing", f"time_from_start {arrays.t[k]:.3f} s at point {k} "
+                                                      f"then {arrays.t[k + 1]:.3f} s"))
+    if limits.check_age:
+        age_s = (int(now_ns) - int(stamp_ns)) * 1e-9
+        if not age_s <= limits.max_age_s:
+            found.append(Violation("too_old", f"stamp is {age_s:.3f} s old > {limits.max_age_s} s"))
+        if not -age_s <= limits.max_future_s:
+            found.append(Violation("future_stamp", f"stamp is {-age_s:.3f} s ahead of the clock "
+                                                   f"> {limits.max_future_s} s"))
+
+    speed = np.abs(arrays.v)
+    _worst_above(found, "too_fast", speed, limits.max_speed_mps, "|v| {:.2f} m/s at point {} > {} m/s")
+    _worst_above(found, "accel_too_high", arrays.acc, limits.max_acceleration_mps2,
+                 "acceleration {:.2f} m/s^2 at point {} > {} m/s^2")
+    # deceleration: the acceleration field, and the stop implied by a forward <-> reverse switch
+    decel = -arrays.acc.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        flip = (np.sign(arrays.v[:-1]) * np.sign(arrays.v[1:]) < 0) & (dt > 0)
+        reversal = np.where(flip, (speed[:-1] + speed[1:]) / np.where(dt > 0, dt, 1.0), 0.0)
+    decel[:-1] = np.maximum(decel[:-1], reversal)
+    _worst_above(found, "decel_too_high", decel, -limits.min_acceleration_mps2,
+                 "deceleration {:.2f} m/s^2 at point {} > {} m/s^2")
+
+    kappa, at = path_curvature(arrays.x, arrays.y, limits.min_segment_m)
+    if at.size:
+        vmax = np.maximum(speed[at], speed[np.minimum(at + 1, n - 1)])  # the faster of the two segments
+        _worst_above(found, "lateral_accel_too_high", vmax ** 2 * np.abs(kappa), limits.max_lateral_acceleration_mps2,
+                     "lateral acceleration {:.2f} m/s^2 at point {} > {} m/s^2", index=at)
+        _worst_above(found, "curvature_too_high", np.abs(kappa), limits.max_curvature_per_m,
+                     "curvature {:.3f} 1/m at point {} > {} 1/m", index=at)
+    seg = np.hypot(np.diff(arrays.x), np.diff(arrays.y))
+    long_enough = np.ones(n, dtype=bool)
+    long_enough[:-1] &= seg >= limits.min_segment_m
+    long_enough[1:] &= seg >= limits.min_segment_m
+    judged = np.flatnonzero(long_enough)
+    if judged.size:
+        _worst_above(found, "steering_too_high", np.abs(arrays.front_wheel_angle[judged]), limits.max_steering_rad,
+                     "|front wheel angle| {:.3f} rad at point {} > {} rad", index=judged)
+    return found
+
+
+def path_curvature(x, y, min_segment_m: float) -> tuple[np.ndarray, np.ndarray]:
+    """Signed curvature (1/m, left positive) of the polyline ``(x, y)`` and the indices it belongs to.
+
+    The points are thinned so that consecutive kept points are at least ``min_segment_m`` apart (no
+    interpolation); each inner kept point gets the curvature of the circle through it and its kept
+    neighbours. A turn of more than 90 deg is a switch of driving direction: the segment after it is
+    mirrored, so the curvature is that of the heading change. Returns two empty arrays when fewer than 3
+    points are kept (e.g. at standstill).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    kept = [0]
+    for i in range(1, x.size):
+        if math.hypot(x[i] - x[kept[-1]], y[i] - y[kept[-1]]) >= min_segment_m and \
+                (x[i], y[i]) != (x[kept[-1]], y[kept[-1]]):
+            kept.append(i)
+    if len(kept) < 3:
+        return np.zeros(0), np.zeros(0, dtype=int)
+    px, py = x[kept], y[kept]
+    ax, ay = px[1:-1] - px[:-2], py[1:-1] - py[:-2]  # segment into each inner point
+    bx, by = px[2:] - px[1:-1], py[2:] - py[1:-1]  # segment out of it
+    reverse = ax * bx + ay * by < 0
+    bx = np.where(reverse, -bx, bx)
+    by = np.where(reverse, -by, by)
+    cross = ax * by - ay * bx
+    chord = np.hypot(ax + bx, ay + by)
+    kappa = 2.0 * cross / (np.hypot(ax, ay) * np.hypot(bx, by) * chord)
+    return kappa, np.asarray(kept[1:-1], dtype=int)
+
+
+def _worst_above(found: list[Violation], cause: str, values, limit: float, text: str, *, index=None) -> None:
+    """Append ``cause`` when some value is not <= ``limit``, described at the largest such value
+    (``index`` maps positions in ``values`` to point indices)."""
+    values = np.asarray(values, dtype=np.float64)
+    over = ~(values <= limit)
+    if np.any(over):
+        k = int(np.argmax(np.where(over, values, -np.inf)))
+        point = int(index[k]) if index is not None else k
+        found.append(Violation(cause, text.format(values[k], point, limit)))
