@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -38,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
+from hybrid_vla_ros.util.stats import percentiles  # noqa: E402
 
 # Causes counted per camera or odometry message, not per frame (see core/sync.py and the suffix node).
 MESSAGE_CAUSES = {"prefix": {"unsynced", "queue_overflow", "out_of_order", "duplicate", "time_jump", "bad_stamp"},
@@ -299,14 +299,6 @@ def _drain(graph: Graph, player: LoopingFramePlayer, stamps: list[int], quiet_s:
         time.sleep(0.05)
 
 
-def _percentiles(values) -> dict:
-    v = np.asarray([x for x in values if math.isfinite(x)], dtype=float)
-    if v.size == 0:
-        return {"n": 0}
-    return {"n": int(v.size), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-            "max": float(v.max())}
-
-
 def account(published: int, received: int, counters: dict, n_cameras: int) -> dict:
     """Where every published frame went: output, a drop counted per frame, or lost before synchronization.
 
@@ -380,9 +372,10 @@ def _latency(graph: Graph, player: LoopingFramePlayer, stamps: list[int], warm_f
     out = {}
     for name, window in windows.items():
         e2e = [(received[s] - player.sent[s]) * 1e3 for s in window if s in received]
-        out[name] = {"frames": len(window), "end_to_end": _percentiles(e2e)}
+        out[name] = {"frames": len(window), "end_to_end": percentiles(e2e, finite_only=True)}
         for stage in ("preprocess", "prefix", "handoff", "suffix"):
-            out[name][stage] = _percentiles([timings[s][stage] for s in window if s in timings and stage in timings[s]])
+            out[name][stage] = percentiles([timings[s][stage] for s in window if s in timings and stage in timings[s]],
+                                          finite_only=True)
     return out
 
 

@@ -21,6 +21,7 @@ rclpy = pytest.importorskip("rclpy")
 from test_nodes import Graph, _set_param, _try_set_param  # noqa: E402
 
 from hybrid_vla_ros.model.config import NAV_COMMANDS, VLAConfig  # noqa: E402
+from hybrid_vla_ros.ros.graph import wait_for_subscribers  # noqa: E402
 from hybrid_vla_ros.ros.lifecycle_client import LifecycleClient  # noqa: E402
 from hybrid_vla_ros.ros.params import parameter_specs  # noqa: E402
 from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
@@ -91,9 +92,7 @@ def _diag(graph, ns, node) -> dict:
 def _player(graph, ns, embedded_bag) -> LoopingFramePlayer:
     player = LoopingFramePlayer(graph.node, ns, embedded_bag)
     assert player.wait_for_subscribers()
-    deadline = time.monotonic() + 20
-    while player.odom_pub.get_subscription_count() < 2 and time.monotonic() < deadline:  # prefix and suffix
-        time.sleep(0.05)
+    assert wait_for_subscribers([player.odom_pub], 20, minimum=2)  # prefix and suffix
     assert player.odom_pub.get_subscription_count() == 2
     return player
 
@@ -135,9 +134,7 @@ def test_prefix_feeds_the_ego_state_and_drops_frames_without_it(ego_nodes, embed
     assert int(values["frames_out"]) == 3 and int(values["drop_no_ego_state"]) == 1
     # an acceleration message at the next camera stamp is used as measured
     accel_pub = graph.node.create_publisher(AccelWithCovarianceStamped, f"{ns}/accel", 10)
-    deadline = time.monotonic() + 10
-    while accel_pub.get_subscription_count() == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_subscribers([accel_pub], 10)
     loop, i = divmod(player.count, len(player.image_stamps))
     msg = AccelWithCovarianceStamped()
     msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(player.image_stamps[i] + loop * player.loop_ns, 10**9)
@@ -159,9 +156,7 @@ def test_navigation_command_topic_and_parameter_select_the_mode(ego_nodes, embed
     ns, graph, logs = ego_nodes
     player = _player(graph, ns, embedded_bag)
     command_pub = graph.node.create_publisher(String, f"{ns}/command", 10)
-    deadline = time.monotonic() + 10
-    while command_pub.get_subscription_count() == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_subscribers([command_pub], 10)
     assert graph.wait(lambda: _diag(graph, ns, "suffix_node").get("navigation_command") == "LANE_FOLLOW")
 
     def command_in_use(name):

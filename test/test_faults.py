@@ -29,13 +29,13 @@ import yaml
 
 rclpy = pytest.importorskip("rclpy")
 
-from hybrid_vla_ros.transport import ring as sr  # noqa: E402
 from lifecycle_msgs.msg import Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState  # noqa: E402
 
 from hybrid_vla_ros.ros.lifecycle_client import TRANSITIONS, LifecycleClient  # noqa: E402
 from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
 from hybrid_vla_ros.tools.replay import launch_node, stop_processes
+from hybrid_vla_ros.transport import ring as sr  # noqa: E402
 from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
 from hybrid_vla_ros.util.paths import REPO_ROOT as PACKAGE_ROOT  # noqa: E402
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hybrid_vla_ros.model import gguf_llm
 
+from hybrid_vla_ros.model import gguf_llm
 from hybrid_vla_ros.model.gguf_llm import load_gguf_llm, smollm2_gguf_path
 
 REPO = Path(__file__).resolve().parent.parent

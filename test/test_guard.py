@@ -5,8 +5,8 @@ from dataclasses import fields, replace
 
 import numpy as np
 import pytest
-from hybrid_vla_ros.ros import params
 
+from hybrid_vla_ros.ros import params
 from hybrid_vla_ros.vehicle.guard import CAUSES, GuardLimits, check_trajectory, find_violations, path_curvature
 from hybrid_vla_ros.vehicle.trajectory import EgoState, TrajectoryArrays, waypoints_to_trajectory
 

@@ -20,10 +20,11 @@ from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import parameter_value_to_python  # noqa: E402
 from rclpy.serialization import deserialize_message  # noqa: E402
 
+from hybrid_vla_ros.ros.graph import wait_for_subscribers  # noqa: E402
 from hybrid_vla_ros.ros.lifecycle_client import LifecycleClient  # noqa: E402
 from hybrid_vla_ros.tools.replay import launch_node, message_class, set_parameter, stop_processes  # noqa: E402
-from hybrid_vla_ros.util.bags import read_bag  # noqa: E402
 from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
+from hybrid_vla_ros.util.bags import read_bag  # noqa: E402
 
 
 class Graph:
@@ -122,9 +123,7 @@ def _frame_publisher(graph, ns, embedded_bag):
             odom_pub.publish(msg)
         return stamp
 
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(p.get_subscription_count() == 0 for p in pubs.values()):
-        time.sleep(0.05)
+    wait_for_subscribers(pubs.values(), 10)
     return publish
 
 

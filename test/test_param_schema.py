@@ -8,8 +8,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from hybrid_vla_ros.ros import params
 
+from hybrid_vla_ros.ros import params
 from hybrid_vla_ros.ros.params import ParameterError, validate
 
 REPO = Path(__file__).resolve().parent.parent

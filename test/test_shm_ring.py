@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 import torch
-from hybrid_vla_ros.transport import ring as sr
 
+from hybrid_vla_ros.transport import ring as sr
 from hybrid_vla_ros.transport.ring import (
     FrameMeta,
     RingConsumer,

@@ -281,7 +281,8 @@ from autoware_planning_msgs.msg import Trajectory  # noqa: E402
 from builtin_interfaces.msg import Time  # noqa: E402
 from rclpy.serialization import deserialize_message, serialize_message  # noqa: E402
 
-from hybrid_vla_ros.ros.msg_conv import ns_to_stamp, stamp_to_ns, trajectory_to_msg  # noqa: E402
+from hybrid_vla_ros.ros.msg_conv import ns_to_stamp, trajectory_to_msg  # noqa: E402
+from hybrid_vla_ros.util.stamps import stamp_to_ns  # noqa: E402
 
 _FLOAT32_FIELDS = {
     "longitudinal_velocity_mps": "v", "lateral_velocity_mps": "lat_v", "acceleration_mps2": "acc",

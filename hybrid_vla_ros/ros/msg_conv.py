@@ -7,44 +7,14 @@ rclpy and not torch. Field meanings follow ``autoware_planning_msgs/msg/Trajecto
 
 from __future__ import annotations
 
-import operator
-
 from autoware_planning_msgs.msg import Trajectory, TrajectoryPoint
 from builtin_interfaces.msg import Duration, Time
 from geometry_msgs.msg import Point, Pose, Quaternion
 
+from ..util.stamps import NS_PER_S, split_ns
 from ..vehicle.trajectory import TrajectoryArrays
 
-__all__ = ["ns_to_stamp", "stamp_to_ns", "trajectory_to_msg"]
-
-_NS_PER_S = 1_000_000_000
-_INT32_MAX = 2**31 - 1
-
-
-def stamp_to_ns(time_msg) -> int:
-    """Nanoseconds (int) of a ``builtin_interfaces/msg/Time`` or ``Duration`` (any object with ``sec``, ``nanosec``).
-
-    Returns ``sec * 1e9 + nanosec`` exactly (integer arithmetic, no float rounding).
-
-    Raises:
-        ValueError: ``nanosec`` outside [0, 1e9).
-    """
-    sec = int(time_msg.sec)
-    nanosec = int(time_msg.nanosec)
-    if not 0 <= nanosec < _NS_PER_S:
-        raise ValueError(f"nanosec {nanosec} outside [0, 1e9)")
-    return sec * _NS_PER_S + nanosec
-
-
-def _split_ns(ns: int, what: str) -> tuple[int, int]:
-    ns = operator.index(ns)
-    if ns < 0:
-        raise ValueError(f"{what} must be >= 0 ns, got {ns}")
-    sec, nanosec = divmod(ns, _NS_PER_S)
-    if sec > _INT32_MAX:
-        raise ValueError(f"{what} {ns} ns overflows int32 seconds")
-    return sec, nanosec
-
+__all__ = ["ns_to_stamp", "trajectory_to_msg"]
 
 def ns_to_stamp(ns: int) -> Time:
     """``builtin_interfaces/msg/Time`` for ``ns`` nanoseconds since the epoch (``sec = ns // 1e9``, ``nanosec = ns % 1e9``).
@@ -53,7 +23,7 @@ def ns_to_stamp(ns: int) -> Time:
         ValueError: negative ``ns`` or seconds beyond int32 (year 2038).
         TypeError: ``ns`` is not an integer (use ``int(...)``; floats lose nanoseconds).
     """
-    sec, nanosec = _split_ns(ns, "stamp")
+    sec, nanosec = split_ns(ns, "stamp")
     return Time(sec=sec, nanosec=nanosec)
 
 
@@ -86,7 +56,7 @@ def trajectory_to_msg(arrays: TrajectoryArrays, stamp_ns: int, frame_id: str) ->
     )
     points = []
     for t, x, y, z, qx, qy, qz, qw, v, lat_v, acc, rate, front, rear in columns:
-        sec, nanosec = _split_ns(round(t * _NS_PER_S), "time_from_start")
+        sec, nanosec = split_ns(round(t * NS_PER_S), "time_from_start")
         points.append(
             TrajectoryPoint(
                 time_from_start=Duration(sec=sec, nanosec=nanosec),

@@ -34,6 +34,7 @@ from sensor_msgs.msg import CompressedImage, Image
 from ..model.config import VLAConfig
 from ..runtime.device import resolve_device
 from ..runtime.prefix import PrefixRunner
+from ..util.stamps import header_stamp_ns
 from ..vehicle.ego_input import (
     ACCEL_SOURCES,
     EgoInputBuffer,
@@ -43,7 +44,6 @@ from ..vehicle.ego_input import (
 from ..vehicle.image import ImageDecodeError
 from ..vehicle.sync import CameraSynchronizer
 from . import node_base
-from .msg_conv import stamp_to_ns
 from .params import ParameterError, Params
 
 #: Log text of each synchronizer drop cause (vehicle.sync.DROP_CAUSES).
@@ -271,9 +271,7 @@ class PrefixNode(node_base.PipelineNode):
         def callback(msg) -> None:
             self.frames_in += 1
             try:
-                stamp = stamp_to_ns(msg.header.stamp)
-                if stamp < 0:  # int32 sec may be negative; the synchronizer takes stamps >= 0 only
-                    raise ValueError(f"negative stamp {msg.header.stamp.sec} s {msg.header.stamp.nanosec} ns")
+                stamp = header_stamp_ns(msg)  # int32 sec may be negative: the synchronizer takes >= 0 only
             except ValueError as e:
                 self._drop("bad_stamp", f"camera {cam}: {e}")
                 return

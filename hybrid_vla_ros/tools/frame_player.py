@@ -9,12 +9,11 @@ import threading
 import time
 from pathlib import Path
 
+from ..ros.graph import wait_for_subscribers
+from ..util.stamps import header_stamp_ns, set_header_stamp
+
 LOOP_NS = 3_000_000_000  # the embedded bag: 3 frames 1 s apart; loop k is shifted by k * 3 s
 ODOM_WINDOW_NS = 950_000_000  # odometry sent with a frame: stamps within +-0.95 s (one before, one after)
-
-
-def _stamp(msg) -> int:
-    return msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec
 
 
 class LoopingFramePlayer:
@@ -39,8 +38,8 @@ class LoopingFramePlayer:
         odom_cls = message_class("nav_msgs/msg/Odometry")
         self.images = [[deserialize_message(m.raw, image_cls) for m in msgs if m.topic == t] for t in cams]
         self.odom = [deserialize_message(m.raw, odom_cls) for m in msgs if m.topic == "/localization/kinematic_state"]
-        self.image_stamps = [_stamp(m) for m in self.images[0]]
-        self.odom_stamps = [_stamp(m) for m in self.odom]
+        self.image_stamps = [header_stamp_ns(m) for m in self.images[0]]
+        self.odom_stamps = [header_stamp_ns(m) for m in self.odom]
         self.n_cameras = len(cams)
         self.loop_ns, self.odom_window_ns = loop_ns, odom_window_ns
         self.pubs = [node.create_publisher(image_cls, f"{ns}/cam{i}/compressed", 10) for i in range(len(cams))]
@@ -51,13 +50,7 @@ class LoopingFramePlayer:
 
     def wait_for_subscribers(self, timeout: float = 20.0, odometry: bool = True) -> bool:
         """True once every camera publisher (and, with ``odometry``, the odometry one) has a subscriber."""
-        pubs = self.pubs + ([self.odom_pub] if odometry else [])
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(p.get_subscription_count() > 0 for p in pubs):
-                return True
-            time.sleep(0.05)
-        return False
+        return wait_for_subscribers(self.pubs + ([self.odom_pub] if odometry else []), timeout)
 
     def publish(self) -> int:
         """Publish the next frame (odometry first); returns its stamp (ns, the same for all cameras)."""
@@ -67,11 +60,11 @@ class LoopingFramePlayer:
             for msg, s in zip(self.odom, self.odom_stamps):
                 shifted = s + lp * self.loop_ns
                 if abs(shifted - stamp) <= self.odom_window_ns and shifted > 0:
-                    msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(shifted, 10**9)
+                    set_header_stamp(msg, shifted)
                     self.odom_pub.publish(msg)
         for pub, cam in zip(self.pubs, self.images):
             msg = cam[i]
-            msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 10**9)
+            set_header_stamp(msg, stamp)
             pub.publish(msg)
         self.sent[stamp] = time.monotonic()
         self.stamps.append(stamp)

@@ -29,6 +29,8 @@ import numpy as np
 from ..util.bags import CAMERA_TOPIC, BagMessage, camera_topics, read_bag
 from ..util.cores import parse_core_list, usable_cores
 from ..util.paths import REPO_ROOT, embedded_bag, package_file
+from ..ros.graph import wait_for_subscribers
+from ..util.stats import percentiles
 
 DEFAULT_BAG = embedded_bag()
 ODOMETRY_TOPIC = "/localization/kinematic_state"
@@ -87,13 +89,6 @@ class Recorder:
     odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
     first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    v = np.asarray(values)
-    return {"n": int(v.size), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90))}
 
 
 def _parse_cores(text: str | None) -> list[int]:
@@ -303,7 +298,7 @@ class ReplaySession:
         from rclpy.qos import QoSProfile, ReliabilityPolicy
         from rclpy.serialization import serialize_message
 
-        from ..ros.msg_conv import stamp_to_ns
+        from ..util.stamps import stamp_to_ns
 
         rec, bag = self.rec, self.bag
         timing_topic = f"{self.ns}/suffix_node/debug/frame_timing"
@@ -378,8 +373,8 @@ class ReplaySession:
                 cls = message_class(m.msgtype)
                 publishers[m.topic] = (node.create_publisher(cls, m.topic, 10), cls)
         # with ego state input both nodes read the odometry
-        _wait_for_subscribers(publishers, timeout=10.0,
-                              minimum={ODOMETRY_TOPIC: 2 if self.cfg.ego_state_input else 1})
+        wait_for_subscribers([pub for pub, _ in publishers.values() if not pub.topic_name.endswith("camera_info")],
+                             10.0, {ODOMETRY_TOPIC: 2 if self.cfg.ego_state_input else 1})
         foreign = sorted(t for t, (pub, _) in publishers.items() if node.count_publishers(t) > 1)
         if foreign:
             print(f"warning: other publishers on {', '.join(foreign)}: their frames mix with this replay's",
@@ -500,18 +495,6 @@ def stop_processes(procs: list[subprocess.Popen], timeout: float = 20.0) -> list
     return codes
 
 
-def _wait_for_subscribers(publishers: dict, timeout: float, minimum: dict[str, int] | None = None) -> None:
-    """Wait up to ``timeout`` s until every publisher (camera_info aside) has a subscriber, or as many as
-    ``minimum`` names for its topic."""
-    minimum = minimum or {}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(pub.get_subscription_count() >= minimum.get(topic, 1) for topic, (pub, _) in publishers.items()
-               if not pub.topic_name.endswith("camera_info")):
-            return
-        time.sleep(0.05)
-
-
 def _frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int | None:
     """The published frame (key of ``frames``) a trajectory stamp belongs to, or None (not this replay's)."""
     key = min(frames, key=lambda f: abs(f - stamp)) if frames else None
@@ -627,9 +610,9 @@ def _report(rec, frames, published, ns, k, cfg, bag_path, tolerance_ms) -> dict:
             foreign += 1  # a trajectory for a frame this replay did not publish
         else:
             e2e.append((t_recv - frames[key]) * 1e3)
-    stages = {s: _percentiles([t[s] for t in timings.values() if s in t])
+    stages = {s: percentiles([t[s] for t in timings.values() if s in t])
               for s in ("preprocess", "prefix", "handoff", "suffix", "odometry_wait")}
-    stages["end_to_end"] = _percentiles(e2e)
+    stages["end_to_end"] = percentiles(e2e)
     drops = _drops(prefix, suffix)
     return {
         "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,

@@ -1,10 +1,31 @@
-"""Counters and rolling latency percentiles for the nodes' diagnostics and the replay report."""
+"""Sample summaries (percentiles), counters and rolling latency windows: the one home of these statistics,
+used by the nodes' diagnostics, the replay report, the soak script and the bench."""
 from __future__ import annotations
 
 import threading
 from collections import Counter, deque
 
 import numpy as np
+
+#: The keys of :func:`percentiles`.
+SUMMARY_KEYS = ("n", "p50", "p90", "p99", "mean", "min", "max")
+
+
+def percentiles(values, *, finite_only: bool = False) -> dict:
+    """Summary of a sample: ``n``, ``p50``, ``p90``, ``p99``, ``mean``, ``min``, ``max`` (the values' unit).
+
+    Percentiles are numpy's default linear interpolation between order statistics (type 7 of Hyndman and
+    Fan, 1996). ``finite_only`` leaves NaN / inf out first. An empty sample gives ``n`` 0 and None for the
+    rest (valid JSON, unlike NaN).
+    """
+    v = np.asarray([float(x) for x in values], dtype=np.float64)
+    if finite_only:
+        v = v[np.isfinite(v)]
+    if v.size == 0:
+        return {"n": 0, **{k: None for k in SUMMARY_KEYS[1:]}}
+    p50, p90, p99 = (float(x) for x in np.percentile(v, [50, 90, 99]))
+    return {"n": int(v.size), "p50": p50, "p90": p90, "p99": p99, "mean": float(v.mean()),
+            "min": float(v.min()), "max": float(v.max())}
 
 
 class StageTimes:
@@ -25,14 +46,10 @@ class StageTimes:
             self._samples.setdefault(stage, deque(maxlen=self._window)).append(float(ms))
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per stage: sample count, p50, p90, mean and max (ms) over the window."""
+        """Per stage with samples: :func:`percentiles` of the window (ms)."""
         with self._lock:
-            snap = {k: np.asarray(v) for k, v in self._samples.items() if v}
-        return {
-            k: {"n": int(v.size), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-                "mean": float(v.mean()), "max": float(v.max())}
-            for k, v in snap.items()
-        }
+            snap = {k: list(v) for k, v in self._samples.items() if v}
+        return {k: percentiles(v) for k, v in snap.items()}
 
 
 class DropCounter:
@@ -49,9 +66,11 @@ class DropCounter:
             return self._counts[cause]
 
     def snapshot(self) -> dict[str, int]:
+        """Cause -> count so far (a copy)."""
         with self._lock:
             return dict(self._counts)
 
     def total(self) -> int:
+        """Drops of every cause so far."""
         with self._lock:
             return sum(self._counts.values())

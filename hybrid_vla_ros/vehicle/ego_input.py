@@ -21,28 +21,19 @@ from __future__ import annotations
 
 import bisect
 import math
-import threading
 
 import numpy as np
+
+from ..util.stamps import NS_PER_S as _NS_PER_S
+from ..util.stamps import header_stamp_ns
+from .timeseries import SeriesBuffer, StampedSeries
 
 #: How :meth:`EgoInputBuffer.ego_state_at` obtained the acceleration.
 ACCEL_SOURCES = ("measured", "speed_difference")
 #: The causes (``LookupError.args[0]``) of :meth:`EgoInputBuffer.ego_state_at` failing.
 LOOKUP_CAUSES = ("no_ego_state", "stale_ego_state", "no_acceleration")
 
-_NS_PER_S = 1_000_000_000
 _MIN_DT_NS = 1_000_000  # 1 ms floor of the finite-difference step, as autoware_twist2accel
-
-
-def _stamp_ns(header, what: str) -> int:
-    """ns of ``header.stamp`` (``sec``, ``nanosec``). Raises ValueError for nanosec outside [0, 1e9) or < 0."""
-    sec, nanosec = int(header.stamp.sec), int(header.stamp.nanosec)
-    if not 0 <= nanosec < _NS_PER_S:
-        raise ValueError(f"{what} stamp nanosec {nanosec} outside [0, 1e9)")
-    stamp = sec * _NS_PER_S + nanosec
-    if stamp < 0:
-        raise ValueError(f"{what} stamp is negative: {sec} s {nanosec} ns")
-    return stamp
 
 
 def kinematic_sample_from_odometry(msg) -> tuple[int, float, float]:
@@ -52,7 +43,7 @@ def kinematic_sample_from_odometry(msg) -> tuple[int, float, float]:
     ``child_frame_id`` (``base_link``). Raises ValueError for a bad stamp or non-finite values,
     AttributeError when a field is missing.
     """
-    stamp = _stamp_ns(msg.header, "odometry")
+    stamp = header_stamp_ns(msg, "odometry stamp")
     speed, yaw_rate = float(msg.twist.twist.linear.x), float(msg.twist.twist.angular.z)
     if not (math.isfinite(speed) and math.isfinite(yaw_rate)):
         raise ValueError(f"odometry has a non-finite speed or yaw rate: speed={speed} yaw_rate={yaw_rate}")
@@ -65,77 +56,55 @@ def acceleration_sample_from_msg(msg) -> tuple[int, float]:
     The acceleration is ``accel.accel.linear.x`` (``base_link`` +x, as autoware_twist2accel publishes it).
     Raises ValueError for a bad stamp or a non-finite value, AttributeError when a field is missing.
     """
-    stamp = _stamp_ns(msg.header, "acceleration")
+    stamp = header_stamp_ns(msg, "acceleration stamp")
     accel = float(msg.accel.accel.linear.x)
     if not math.isfinite(accel):
         raise ValueError(f"acceleration is not finite: {accel}")
     return stamp, accel
 
 
-class _Series:
-    """Time-ordered (stamp ns, values tuple) samples with unique stamps, at most ``maxlen`` of them."""
+def _value_at(series: StampedSeries, stamp_ns: int, max_age_ns: int) -> tuple[float, ...] | None:
+    """Values at ``stamp_ns``: linear interpolation between the two samples bracketing it when both are
+    within ``max_age_ns``, else the nearest sample within ``max_age_ns``, else None."""
+    s, v = series.stamps, series.items
+    lo, hi = series.bracket(stamp_ns)
+    if lo is not None and lo == hi:
+        return v[lo]
+    near_lo = lo is not None and stamp_ns - s[lo] <= max_age_ns
+    near_hi = hi is not None and s[hi] - stamp_ns <= max_age_ns
+    if near_lo and near_hi:
+        w = (stamp_ns - s[lo]) / (s[hi] - s[lo])
+        return tuple(a + w * (b - a) for a, b in zip(v[lo], v[hi]))
+    if near_lo or near_hi:
+        return v[lo] if near_lo else v[hi]
+    return None
 
-    def __init__(self, maxlen: int):
-        self.maxlen = maxlen
-        self.stamps: list[int] = []
-        self.values: list[tuple[float, ...]] = []
 
-    def insert(self, stamp_ns: int, values: tuple[float, ...]) -> None:
-        i = bisect.bisect_left(self.stamps, stamp_ns)
-        if i < len(self.stamps) and self.stamps[i] == stamp_ns:
-            self.values[i] = values  # an equal stamp replaces the older entry
-        else:
-            self.stamps.insert(i, stamp_ns)
-            self.values.insert(i, values)
-        if len(self.stamps) > self.maxlen:
-            del self.stamps[0], self.values[0]
+def _slope(series: StampedSeries, stamp_ns: int, max_age_ns: int, index: int = 0) -> float | None:
+    """d(values[index])/dt (per s) around ``stamp_ns`` from two samples within ``max_age_ns`` of it.
 
-    def clear(self) -> None:
-        self.stamps.clear()
-        self.values.clear()
+    Preference: the samples just before and just after the stamp (central); with a sample exactly at
+    the stamp, it and its neighbour; else the two nearest on the one side that has samples (as a
+    live estimator such as twist2accel differentiates the two latest). None when no such pair.
+    """
+    s, v = series.stamps, series.items
+    n = len(s)
 
-    def at(self, stamp_ns: int, max_age_ns: int) -> tuple[float, ...] | None:
-        """Values at ``stamp_ns``: linear interpolation between the two samples bracketing it when both
-        are within ``max_age_ns``, else the nearest sample within ``max_age_ns``, else None."""
-        s = self.stamps
-        i = bisect.bisect_left(s, stamp_ns)
-        if i < len(s) and s[i] == stamp_ns:
-            return self.values[i]
-        lo, hi = i - 1, i  # the samples just before and just after the stamp, when they exist
-        near_lo = lo >= 0 and stamp_ns - s[lo] <= max_age_ns
-        near_hi = hi < len(s) and s[hi] - stamp_ns <= max_age_ns
-        if near_lo and near_hi:
-            w = (stamp_ns - s[lo]) / (s[hi] - s[lo])
-            return tuple(a + w * (b - a) for a, b in zip(self.values[lo], self.values[hi]))
-        if near_lo or near_hi:
-            return self.values[lo] if near_lo else self.values[hi]
-        return None
+    def near(j: int) -> bool:
+        return 0 <= j < n and abs(s[j] - stamp_ns) <= max_age_ns
 
-    def slope(self, stamp_ns: int, max_age_ns: int, index: int = 0) -> float | None:
-        """d(values[index])/dt (per s) around ``stamp_ns`` from two samples within ``max_age_ns`` of it.
-
-        Preference: the samples just before and just after the stamp (central); with a sample exactly at
-        the stamp, it and its neighbour; else the two nearest on the one side that has samples (as a
-        live estimator such as twist2accel differentiates the two latest). None when no such pair.
-        """
-        s = self.stamps
-        n = len(s)
-
-        def near(j: int) -> bool:
-            return 0 <= j < n and abs(s[j] - stamp_ns) <= max_age_ns
-
-        lo = bisect.bisect_left(s, stamp_ns) - 1  # last sample strictly before the stamp
-        hi = bisect.bisect_right(s, stamp_ns)  # first sample strictly after it
-        exact = lo + 1 if lo + 1 < hi else None
-        pairs = [(lo, hi)]
-        if exact is not None:
-            pairs += [(lo, exact), (exact, hi)]
-        pairs += [(lo - 1, lo), (hi, hi + 1)]
-        for a, b in pairs:
-            if near(a) and near(b):
-                dt_ns = max(s[b] - s[a], _MIN_DT_NS)
-                return (self.values[b][index] - self.values[a][index]) * _NS_PER_S / dt_ns
-        return None
+    lo = bisect.bisect_left(s, stamp_ns) - 1  # last sample strictly before the stamp
+    hi = bisect.bisect_right(s, stamp_ns)  # first sample strictly after it
+    exact = lo + 1 if lo + 1 < hi else None
+    pairs = [(lo, hi)]
+    if exact is not None:
+        pairs += [(lo, exact), (exact, hi)]
+    pairs += [(lo - 1, lo), (hi, hi + 1)]
+    for a, b in pairs:
+        if near(a) and near(b):
+            dt_ns = max(s[b] - s[a], _MIN_DT_NS)
+            return (v[b][index] - v[a][index]) * _NS_PER_S / dt_ns
+    return None
 
 
 class EgoInputBuffer:
@@ -151,11 +120,14 @@ class EgoInputBuffer:
     def __init__(self, maxlen: int = 256, jump_back_ns: int = _NS_PER_S):
         if maxlen < 2:
             raise ValueError(f"maxlen must be >= 2 (a finite difference needs two samples), got {maxlen}")
-        self._kin = _Series(maxlen)  # values (speed m/s, yaw rate rad/s)
-        self._acc = _Series(maxlen)  # values (longitudinal acceleration m/s^2,)
-        self._jump_back_ns = jump_back_ns
-        self.time_jumps = 0  # times both streams were cleared because a clock jumped back
-        self._cv = threading.Condition()
+        # kinematic: (speed m/s, yaw rate rad/s); acceleration: (longitudinal acceleration m/s^2,)
+        self._buf = SeriesBuffer(("kinematic", "acceleration"), maxlen, jump_back_ns)
+        self._kin, self._acc = self._buf.series["kinematic"], self._buf.series["acceleration"]
+
+    @property
+    def time_jumps(self) -> int:
+        """Times both streams were cleared because a clock jumped back."""
+        return self._buf.time_jumps
 
     @staticmethod
     def _check(stamp_ns: int, values: dict[str, float]) -> tuple[int, tuple[float, ...]]:
@@ -166,15 +138,6 @@ class EgoInputBuffer:
             raise ValueError(f"non-finite ego sample at {stamp_ns} ns: {bad}")
         return int(stamp_ns), tuple(float(v) for v in values.values())
 
-    def _add(self, series: _Series, stamp_ns: int, values: tuple[float, ...]) -> None:
-        with self._cv:
-            if series.stamps and series.stamps[-1] - stamp_ns > self._jump_back_ns:
-                self._kin.clear()
-                self._acc.clear()
-                self.time_jumps += 1
-            series.insert(stamp_ns, values)
-            self._cv.notify_all()
-
     def add_kinematic(self, stamp_ns: int, speed_mps: float, yaw_rate_radps: float) -> None:
         """Add one kinematic sample: stamp (ns), speed (m/s, base_link +x), yaw rate (rad/s).
 
@@ -182,7 +145,7 @@ class EgoInputBuffer:
         non-integer stamp or a non-finite value.
         """
         stamp, values = self._check(stamp_ns, {"speed_mps": speed_mps, "yaw_rate_radps": yaw_rate_radps})
-        self._add(self._kin, stamp, values)
+        self._buf.add("kinematic", stamp, values)
 
     def add_acceleration(self, stamp_ns: int, accel_mps2: float) -> None:
         """Add one longitudinal acceleration sample: stamp (ns), acceleration (m/s^2).
@@ -191,15 +154,13 @@ class EgoInputBuffer:
         non-integer stamp or a non-finite value.
         """
         stamp, values = self._check(stamp_ns, {"accel_mps2": accel_mps2})
-        self._add(self._acc, stamp, values)
+        self._buf.add("acceleration", stamp, values)
 
     def wait_for(self, stamp_ns: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` (s) until a kinematic sample at or after ``stamp_ns`` is buffered, so the
         speed and yaw rate can be interpolated; True if one is. The acceleration stream is not waited for
         (it may not exist: then the speeds give the acceleration)."""
-        with self._cv:
-            return self._cv.wait_for(lambda: bool(self._kin.stamps) and self._kin.stamps[-1] >= stamp_ns,
-                                     max(0.0, timeout_s))
+        return self._buf.wait_for("kinematic", stamp_ns, timeout_s)
 
     def ego_state_at(self, stamp_ns: int, max_age_ns: int) -> tuple[np.ndarray, str]:
         """The ego state at ``stamp_ns`` and how its acceleration was obtained.
@@ -219,17 +180,17 @@ class EgoInputBuffer:
         """
         if max_age_ns < 0:
             raise ValueError(f"max_age_ns must be >= 0, got {max_age_ns}")
-        with self._cv:
+        with self._buf.lock:
             if not self._kin.stamps:
                 raise LookupError("no_ego_state")
-            kin = self._kin.at(stamp_ns, max_age_ns)
+            kin = _value_at(self._kin, stamp_ns, max_age_ns)
             if kin is None:
                 raise LookupError("stale_ego_state")
-            measured = self._acc.at(stamp_ns, max_age_ns)
+            measured = _value_at(self._acc, stamp_ns, max_age_ns)
             if measured is not None:
                 accel, source = measured[0], "measured"
             else:
-                accel, source = self._kin.slope(stamp_ns, max_age_ns), "speed_difference"
+                accel, source = _slope(self._kin, stamp_ns, max_age_ns), "speed_difference"
                 if accel is None:
                     raise LookupError("no_acceleration")
         speed, yaw_rate = kin
@@ -237,6 +198,4 @@ class EgoInputBuffer:
 
     def clear(self) -> None:
         """Forget every sample (e.g. at deactivate)."""
-        with self._cv:
-            self._kin.clear()
-            self._acc.clear()
+        self._buf.clear()

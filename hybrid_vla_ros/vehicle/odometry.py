@@ -8,10 +8,9 @@ stamp; recorded bags may be slower, and the odometry of an instant may arrive af
 """
 from __future__ import annotations
 
-import bisect
 import math
-import threading
 
+from .timeseries import SeriesBuffer
 from .trajectory import EgoState, wrap_angle
 
 
@@ -42,42 +41,26 @@ class OdometryBuffer:
     bracket it, or, when the stamp lies outside the buffered span, propagated at constant velocity
     from the nearest state. Either way every state used must lie within ``max_age_ns`` of the stamp.
     :meth:`wait_for` lets the caller wait (bounded) for the state after a stamp when it has not
-    arrived yet.
+    arrived yet. A state more than ``jump_back_ns`` older than the newest clears the buffer first
+    (the clock jumped back; counted in ``time_jumps``; :class:`~.timeseries.SeriesBuffer`).
     """
 
     def __init__(self, maxlen: int = 256, jump_back_ns: int = 1_000_000_000):
-        self._maxlen = maxlen
-        self._jump_back_ns = jump_back_ns
-        self.time_jumps = 0  # times the buffer was cleared because the clock jumped back
-        self._stamps: list[int] = []
-        self._states: list[EgoState] = []
-        self._cv = threading.Condition()
+        self._buf = SeriesBuffer(("odometry",), maxlen, jump_back_ns)
+        self._series = self._buf.series["odometry"]
+
+    @property
+    def time_jumps(self) -> int:
+        """Times the buffer was cleared because the clock jumped back."""
+        return self._buf.time_jumps
 
     def add(self, ego: EgoState) -> None:
-        """Insert a state (ns stamp in ``ego.stamp_ns``); an equal stamp replaces the older entry.
-
-        A state more than ``jump_back_ns`` older than the newest one means the clock jumped back (bag
-        restarted, clock reset, or earlier stamps in the future): the buffer is cleared first.
-        """
-        with self._cv:
-            if self._stamps and self._stamps[-1] - ego.stamp_ns > self._jump_back_ns:
-                self._stamps.clear()
-                self._states.clear()
-                self.time_jumps += 1
-            i = bisect.bisect_left(self._stamps, ego.stamp_ns)
-            if i < len(self._stamps) and self._stamps[i] == ego.stamp_ns:
-                self._states[i] = ego
-            else:
-                self._stamps.insert(i, ego.stamp_ns)
-                self._states.insert(i, ego)
-            if len(self._stamps) > self._maxlen:
-                del self._stamps[0], self._states[0]
-            self._cv.notify_all()
+        """Insert a state (ns stamp in ``ego.stamp_ns``); an equal stamp replaces the older entry."""
+        self._buf.add("odometry", ego.stamp_ns, ego)
 
     def wait_for(self, stamp_ns: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until a state at or after ``stamp_ns`` is buffered; True if one is."""
-        with self._cv:
-            return self._cv.wait_for(lambda: bool(self._stamps) and self._stamps[-1] >= stamp_ns, timeout_s)
+        return self._buf.wait_for("odometry", stamp_ns, timeout_s)
 
     def pose_at(self, stamp_ns: int, max_age_ns: int) -> tuple[EgoState, str]:
         """Ego state at ``stamp_ns`` and how it was obtained: 'interpolated' or 'propagated'.
@@ -85,24 +68,24 @@ class OdometryBuffer:
         Raises LookupError('no_odometry') when the buffer is empty and LookupError('stale_odometry')
         when the states needed are more than ``max_age_ns`` from the stamp.
         """
-        with self._cv:
-            if not self._stamps:
+        with self._buf.lock:
+            states = self._series.items
+            if not states:
                 raise LookupError("no_odometry")
-            i = bisect.bisect_left(self._stamps, stamp_ns)
-            if i < len(self._stamps) and self._stamps[i] == stamp_ns:
-                return self._states[i], "interpolated"
-            if 0 < i < len(self._stamps):
-                a, b = self._states[i - 1], self._states[i]
+            lo, hi = self._series.bracket(stamp_ns)
+            if lo is not None and lo == hi:
+                return states[lo], "interpolated"
+            if lo is not None and hi is not None:
+                a, b = states[lo], states[hi]
                 if stamp_ns - a.stamp_ns <= max_age_ns and b.stamp_ns - stamp_ns <= max_age_ns:
                     return interpolate(a, b, stamp_ns), "interpolated"
                 nearest = min((a, b), key=lambda e: abs(e.stamp_ns - stamp_ns))
             else:
-                nearest = self._states[0] if i == 0 else self._states[-1]
+                nearest = states[lo if lo is not None else hi]
         if abs(nearest.stamp_ns - stamp_ns) > max_age_ns:
             raise LookupError("stale_odometry")
         return propagate(nearest, stamp_ns), "propagated"
 
     def clear(self) -> None:
-        with self._cv:
-            self._stamps.clear()
-            self._states.clear()
+        """Forget every state."""
+        self._buf.clear()

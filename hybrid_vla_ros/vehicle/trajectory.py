@@ -22,6 +22,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from ..util.stamps import header_stamp_ns
+
 __all__ = [
     "EgoState",
     "TrajectoryArrays",
@@ -103,13 +105,7 @@ def ego_state_from_odometry(msg) -> EgoState:
             stamp / nanosec outside [0, 1e9).
         AttributeError: ``msg`` lacks one of the fields.
     """
-    stamp = msg.header.stamp
-    sec, nanosec = int(stamp.sec), int(stamp.nanosec)
-    if not 0 <= nanosec < 1_000_000_000:
-        raise ValueError(f"odometry stamp nanosec {nanosec} outside [0, 1e9)")
-    stamp_ns = sec * 1_000_000_000 + nanosec
-    if stamp_ns < 0:
-        raise ValueError(f"odometry stamp is negative: {sec} s {nanosec} ns")
+    stamp_ns = header_stamp_ns(msg, "odometry stamp")
     p = msg.pose.pose.position
     q = msg.pose.pose.orientation
     x, y, z = float(p.x), float(p.y), float(p.z)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ...util.paths import REPO_ROOT, embedded_bag, package_file
+from ...util.stats import percentiles  # noqa: F401 - the bench parts import it from here
 
 DEFAULT_BAG = embedded_bag()  # the source tree's, else the installed copy
 NUSCENES_DIR = REPO_ROOT.parent / "shared" / "data" / "nuscenes_scene0061_mmdet3d_demo"
@@ -29,21 +30,6 @@ FASTDDS_ENV_PREFIXES = ("FASTDDS_", "FASTRTPS_", "RMW_FASTRTPS_")
 
 
 # ------------------------------------------------------------------------------------------------ statistics
-
-def percentiles(values) -> dict:
-    """Summary of a sample: ``n``, ``p50``, ``p90``, ``mean``, ``min``, ``max`` (same unit as the values).
-
-    Percentiles are numpy's default linear interpolation between order statistics (type 7 of Hyndman and Fan,
-    1996). An empty sample gives ``n`` 0 and NaN elsewhere (NaN is written to JSON as ``NaN``)."""
-    import numpy as np
-
-    v = np.asarray([float(x) for x in values], dtype=np.float64)
-    if v.size == 0:
-        nan = float("nan")
-        return {"n": 0, "p50": nan, "p90": nan, "mean": nan, "min": nan, "max": nan}
-    return {"n": int(v.size), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-            "mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
-
 
 def median(values) -> float:
     """Median of a non-empty sample (NaN when empty)."""
