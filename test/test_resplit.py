@@ -167,15 +167,15 @@ def test_a_move_that_is_no_longer_wanted_frees_its_blocks(tiny_checkpoint, frame
     prefix, suffix = _pair(tiny_checkpoint, 1)
     try:
         prefix.request_split_layer(4)
-        assert prefix.prefetcher.pending == (1, 4)
+        assert prefix.split.prefetcher.pending == (1, 4)
         prefix.request_split_layer(0)
-        assert prefix.prefetcher.pending is None
+        assert prefix.split.prefetcher.pending is None
         event = prefix.apply_split_request(timeout=None)
         assert (event.new_split_layer, event.blocks_freed, len(prefix.stage.layers)) == (0, 1, 0)
         suffix.request_split_layer(0)
-        assert suffix.prefetcher.pending == (0, 1)
+        assert suffix.split.prefetcher.pending == (0, 1)
         suffix.request_split_layer(3)
-        assert suffix.prefetcher.pending is None
+        assert suffix.split.prefetcher.pending is None
     finally:
         suffix.close()
         prefix.close()
@@ -197,7 +197,7 @@ def test_a_failed_load_drops_the_request_and_loses_no_frame(tmp_path, tiny_check
         with pytest.raises(ResplitError, match="not applied, K stays 3"):
             prefix.apply_split_request(timeout=None)  # the node's idle worker counts this as resplit_error
         prefix.request_split_layer(4)
-        assert prefix.prefetcher.prefetch(3, 4).exception(timeout=10) is not None  # the load has failed
+        assert prefix.split.prefetcher.prefetch(3, 4).exception(timeout=10) is not None  # the load has failed
         suffix.request_split_layer(1)
         stamp, items = frames[0]
         published = prefix.run(items, stamp)  # the frame still goes out, at the K it had

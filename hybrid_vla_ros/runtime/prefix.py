@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import load_stage, model_id, parse_dtype
-from ..model.modeling import check_ego_state, check_split_layer
-from ..split.resplit import BlockPrefetcher, Resplit, ResplitError, SplitRequest, move_split
+from ..model.modeling import check_ego_state
+from ..split.resplit import Resplit, ResplitError, StageSplit
 from ..transport.ring import RingProducer, segment_name, slot_bytes_for
 from ..vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess
 from .device import keep_frame_buffers, resolve_device
@@ -62,15 +62,20 @@ class PrefixRunner:
         self.model_path = str(model_path)
         self.stage = load_stage(model_path, "prefix", split_layer, device=self.device, dtype=self.dtype)
         self.cfg = self.stage.cfg
-        self.split_layer = split_layer
-        self._request = SplitRequest()
         self.model_id = model_id(model_path)
-        self.prefetcher = BlockPrefetcher(self.model_path, self.device, self.dtype, self.model_id)
+        #: The split layer and every move of it (split.resplit.StageSplit, side "prefix").
+        self.split = StageSplit(self.stage, "prefix", model_path=self.model_path, device=self.device,
+                                dtype=self.dtype, model_id=self.model_id)
         self.state_shape = self.cfg.prefix_state_shape
         self.ring = RingProducer(segment_name(ring_name, namespace), ring_slots,
                                  slot_bytes_for(self.state_shape, self.dtype), self.model_id)
         s = self.cfg.image_size
         self._pixels_cpu = torch.empty((self.cfg.n_cameras, 3, s, s), dtype=torch.float32)
+
+    @property
+    def split_layer(self) -> int:
+        """K: the prefix runs decoder blocks [0, K); every frame carries it in its slot header."""
+        return self.split.k
 
     def request_split_layer(self, split_layer: int) -> None:
         """Ask for a live re-split to ``split_layer`` (thread-safe; e.g. from a parameter callback).
@@ -81,46 +86,20 @@ class PrefixRunner:
         :meth:`apply_split_request`): a frame in progress finishes with the K it started with, and every
         later frame carries the new K in its slot header. Raises ValueError for a K out of [0, L].
         """
-        check_split_layer(self.cfg, split_layer)
-        self._request.set(split_layer)
-        if split_layer > self.split_layer:
-            self.prefetcher.prefetch(self.split_layer, split_layer)
-        else:
-            self.prefetcher.discard()  # a load for an earlier move up is no longer wanted
+        self.split.request(split_layer)
 
     @property
     def split_requested(self) -> bool:
         """True while a :meth:`request_split_layer` waits to be applied."""
-        return self._request.pending is not None
+        return self.split.pending is not None
 
     def apply_split_request(self, timeout: float | None = 0.0) -> Resplit | None:
-        """Apply a pending :meth:`request_split_layer`: swap in the blocks loaded in the background when K
-        goes up (waiting up to ``timeout`` s for the load; None: until loaded), drop blocks and return
-        their device memory when it goes down. Returns what it cost, or None when nothing was applied
-        (no request, or the blocks are still loading: the request stays pending). Raises what loading
-        the blocks raised as :class:`ResplitError` (the request is then dropped and K stays)."""
-        k = self._request.pending
-        if k is None or k == self.split_layer:
-            if k is not None:
-                self._request.done(k)
-            return None
-        t0 = time.perf_counter()
-        blocks, load_ms = None, 0.0
-        if k > self.split_layer:
-            try:
-                blocks, load_ms = self.prefetcher.take(self.split_layer, k, timeout)
-            except Exception as e:
-                self._request.done(k)
-                raise ResplitError(f"split layer {k} not applied, K stays {self.split_layer}: "
-                                   f"{type(e).__name__}: {e}") from e
-            if blocks is None:
-                return None
-        else:
-            self.prefetcher.discard()
-        self._request.done(k)  # a newer request that arrived meanwhile stays for the next call
-        event = move_split(self.stage, k, self.device, blocks, load_ms, t_start=t0)
-        self.split_layer = k
-        return event
+        """Apply a pending :meth:`request_split_layer` (``StageSplit.before_frame``): swap in the blocks loaded
+        in the background when K goes up (waiting up to ``timeout`` s; None: until loaded), drop blocks and
+        return their device memory when it goes down. Returns what it cost, or None when nothing was applied
+        (no request, or the blocks are still loading: the request stays pending). Raises
+        :class:`ResplitError` when loading failed (the request is then dropped and K stays)."""
+        return self.split.before_frame(timeout)
 
     def decode(self, items: list) -> list[np.ndarray]:
         """Decode every camera image of a frame to HxWx3 uint8 RGB (camera order)."""
@@ -172,7 +151,7 @@ class PrefixRunner:
 
     def close(self) -> None:
         """Remove the ring and free the stage's (device) memory."""
-        self.prefetcher.close()
+        self.split.close()
         self.ring.close()
         self.stage = None
         gc.collect()

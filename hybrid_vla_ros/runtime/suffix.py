@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import load_stage, model_id, parse_dtype
-from ..model.modeling import DEFAULT_COMMAND, check_split_layer
-from ..split.resplit import BlockPrefetcher, Resplit, ResplitError, SplitRequest, move_split
+from ..model.modeling import DEFAULT_COMMAND
+from ..split.resplit import StageSplit
 from ..transport.ring import FrameMeta, RingConsumer, RingError, segment_name
 
 
@@ -77,12 +77,10 @@ class SuffixRunner:
         self.model_path = str(model_path)
         self.stage = load_stage(model_path, "suffix", split_layer, device="cpu", dtype=self.dtype)
         self.cfg = self.stage.cfg
-        self.split_layer = split_layer  # K of the last frame computed (or the configured one)
-        self._request = SplitRequest()
-        self._keep_from: int | None = None  # keep blocks from here on for an announced move down
-        self.prefetcher = BlockPrefetcher(self.model_path, torch.device("cpu"), self.dtype, model_id(model_path))
-        self._events: list[Resplit] = []  # moves made while no frame was returned, reported with the next
         self.model_id = model_id(model_path)
+        #: The split layer and every move of it (split.resplit.StageSplit, side "suffix").
+        self.split = StageSplit(self.stage, "suffix", model_path=self.model_path, device=torch.device("cpu"),
+                                dtype=self.dtype, model_id=self.model_id)
         self.segment = segment_name(ring_name, namespace)
         #: Navigation command index (0..5, config.NAV_COMMANDS) used for the next frame; it selects the mode
         #: of a multi-mode planner. The node sets it from its parameter and command topic.
@@ -113,49 +111,16 @@ class SuffixRunner:
     def attached(self) -> bool:
         return self.ring is not None
 
+    @property
+    def split_layer(self) -> int:
+        """The K of the last frame computed (the configured one before the first frame)."""
+        return self.split.k
+
     def request_split_layer(self, split_layer: int) -> None:
         """Prepare for frames at ``split_layer`` (thread-safe): blocks [K, first held) are loaded in the
         background, swapped in between frames and kept until a frame at that K arrives, so the prefix's
         move down costs no wait here. Raises ValueError for a K out of [0, L]."""
-        check_split_layer(self.cfg, split_layer)
-        self._request.set(split_layer)
-        if split_layer < self.stage.split_layer:
-            self.prefetcher.prefetch(split_layer, self.stage.split_layer)
-        else:
-            self.prefetcher.discard()
-
-    def _load_front(self, k: int, on_demand: bool, timeout: float | None) -> Resplit | None:
-        """Prepend blocks [k, first held) (prefetched, or loaded now); None when not loaded within ``timeout``."""
-        t0 = time.perf_counter()
-        blocks, load_ms = self.prefetcher.take(k, self.stage.split_layer, timeout)
-        if blocks is None:
-            return None
-        return move_split(self.stage, k, torch.device("cpu"), blocks, load_ms, on_demand, t_start=t0)
-
-    def _before_frame(self) -> None:
-        k = self._request.pending
-        if k is None:
-            return
-        if k < self.stage.split_layer:
-            try:
-                event = self._load_front(k, False, 0.0)
-            except Exception as e:
-                self._request.done(k)
-                raise ResplitError(f"preparing blocks [{k}, {self.stage.split_layer}) failed, request dropped: "
-                                   f"{type(e).__name__}: {e}") from e
-            if event is None:
-                return  # still loading: swapped in before a later frame (or waited for by the frame that needs it)
-            self._events.append(event)
-        self._request.done(k)
-        self._keep_from = k if k < self.split_layer else None
-
-    def _after_frame(self, k: int) -> None:
-        self.split_layer = k
-        if self._keep_from is not None and k <= self._keep_from:
-            self._keep_from = None  # the announced move down has happened
-        keep = min(x for x in (k, self._keep_from, self._request.pending) if x is not None)
-        if keep > self.stage.split_layer:
-            self._events.append(move_split(self.stage, keep, torch.device("cpu")))
+        self.split.request(split_layer)
 
     @torch.inference_mode()
     def poll(self, timeout_s: float) -> SuffixResult | None:
@@ -163,7 +128,7 @@ class SuffixRunner:
         if not self._attach():
             time.sleep(min(timeout_s, 0.05))  # no ring to wait on yet: retry at a modest rate
             return None
-        self._before_frame()
+        self.split.before_frame()
         slot = self.ring.read(timeout_s)
         if slot is None:
             return None
@@ -171,15 +136,13 @@ class SuffixRunner:
             if slot.meta.t_publish_ns < self._attached_ns:
                 raise StaleFrame(f"frame seq {slot.meta.seq} was published before the suffix attached")
             k = slot.meta.split_layer
-            if k < self.stage.split_layer:  # the frame needs blocks this side does not hold (yet)
-                announced = self.prefetcher.pending == (k, self.stage.split_layer)
-                self._events.append(self._load_front(k, not announced, None))
+            self.split.for_frame(k)  # loads the blocks a frame below the first one held needs
             t_ready = time.monotonic_ns()
             waypoints = self.stage(slot.tensor, self.command, k)
             t_end = time.monotonic_ns()
             meta = slot.meta
-        self._after_frame(k)
-        resplits, self._events = tuple(self._events), []
+        self.split.after_frame(k)
+        resplits = self.split.pop_events()
         wp = waypoints.double().numpy()
         if not np.isfinite(wp).all():
             raise FloatingPointError("suffix produced non-finite waypoints")
@@ -190,7 +153,7 @@ class SuffixRunner:
         return dict(self.ring.stats) if self.ring is not None else {}
 
     def close(self) -> None:
-        self.prefetcher.close()
+        self.split.close()
         if self.ring is not None:
             self.ring.close()
             self.ring = None

@@ -1,9 +1,21 @@
-"""Moving the split layer K of a running stage: requests, background block loads and the move itself.
+"""Moving the split layer K of a running stage: one state machine, :class:`StageSplit`, for both runners.
 
-Both runners use these pieces: a :class:`SplitRequest` holds the newest K asked for by another thread (a
-parameter callback); a :class:`BlockPrefetcher` loads the decoder blocks a move needs on a background
-thread; :func:`move_split` swaps them into (or drops them from) a stage between frames and reports what the
-move cost as a :class:`Resplit`.
+Each runner owns one :class:`StageSplit` and calls it at frame boundaries; a parameter callback on another
+thread calls :meth:`StageSplit.request`. Its pieces: a :class:`SplitRequest` holds the newest K asked for;
+a :class:`BlockPrefetcher` loads the decoder blocks a move needs on a background thread, so frames keep
+flowing at the old K meanwhile; :func:`move_split` swaps them into (or drops them from) the stage between
+frames and reports what the move cost as a :class:`Resplit`.
+
+The two sides differ only in which blocks they hold and when they may let blocks go:
+
+* prefix: holds blocks [0, K) and computes every frame at K. A requested K is applied at the next frame
+  boundary once its blocks are loaded (moving up) or at once (moving down, the blocks' device memory is
+  returned). Frames carry the K they were computed at in their slot header.
+* suffix: holds blocks [first, L) and computes each frame at the K in its slot header (any K >= first).
+  Frames arrive in order, so once a frame at a higher K has been computed the blocks below it are freed,
+  unless a request asked to keep blocks ready for a coming move down. A frame at a K below ``first`` loads
+  the missing blocks before it is computed (``on_demand`` when nobody announced the move): a frame is never
+  computed with a mismatched K.
 """
 from __future__ import annotations
 
@@ -14,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.checkpoint import load_blocks, model_id
+from ..model.modeling import check_split_layer
 
 
 @dataclass
@@ -190,3 +203,154 @@ def move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float 
     dev_after = torch.cuda.memory_allocated(device) if cuda else after
     return Resplit(old, k, (time.perf_counter() - t0) * 1e3, max(0, n_after - n_before),
                    max(0, n_before - n_after), before, after, dev_before, dev_after, on_demand, load_ms)
+
+
+class StageSplit:
+    """The split layer of one running stage (``side`` "prefix" or "suffix") and every move of it.
+
+    Args:
+        stage: the :class:`~hybrid_vla_ros.model.modeling.PrefixStage` or ``SuffixStage`` it moves in place
+            (its ``split_layer`` is the boundary of the blocks it holds; ``cfg.num_layers`` is L).
+        side: "prefix" or "suffix" (see the module docstring for the difference).
+        model_path, device, dtype, model_id: where blocks are loaded from and to (the prefetcher checks the
+            model id on disk before each load, so blocks of different weights are never mixed).
+
+    State (read-only for callers): ``k`` (prefix: the K frames are computed at; suffix: the K of the last
+    frame computed), ``first_held`` / ``held`` (the block range the stage holds), ``pending`` (a requested K
+    not applied yet), ``moves`` and ``moves_on_demand`` (counts of block moves), ``events`` (Resplit records
+    not yet collected with :meth:`pop_events`). Thread-safety: :meth:`request` may be called from any thread;
+    the other methods from the runner's own thread only.
+    """
+
+    def __init__(self, stage, side: str, *, model_path: str, device: torch.device, dtype: torch.dtype,
+                 model_id: int):
+        if side not in ("prefix", "suffix"):
+            raise ValueError(f"side must be 'prefix' or 'suffix', got {side!r}")
+        self.stage, self.side, self.device = stage, side, torch.device(device)
+        self.num_layers = stage.cfg.num_layers
+        self.k = stage.split_layer
+        self.moves = 0
+        self.moves_on_demand = 0
+        self._request = SplitRequest()
+        self._keep_from: int | None = None  # suffix: blocks from here on stay for an announced move down
+        self._events: list[Resplit] = []
+        self.prefetcher = BlockPrefetcher(str(model_path), self.device, dtype, model_id)
+
+    # ------------------------------------------------------------------------------------------ state
+    @property
+    def first_held(self) -> int:
+        """prefix: 0; suffix: the first decoder block the stage holds."""
+        return 0 if self.side == "prefix" else self.stage.split_layer
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """[start, stop) of the decoder blocks the stage holds."""
+        b = self.stage.split_layer
+        return (0, b) if self.side == "prefix" else (b, self.num_layers)
+
+    @property
+    def pending(self) -> int | None:
+        """The requested K not applied yet, else None."""
+        return self._request.pending
+
+    def _missing(self, k: int) -> tuple[int, int] | None:
+        """[start, stop) of the blocks the stage lacks to compute at ``k``, None when it lacks none."""
+        b = self.stage.split_layer
+        if self.side == "prefix":
+            return (b, k) if k > b else None
+        return (k, b) if k < b else None
+
+    # ---------------------------------------------------------------------------------------- moves
+    def request(self, k: int) -> None:
+        """Ask for split layer ``k`` (thread-safe): the blocks it needs start loading in the background now.
+
+        prefix: frames move to ``k`` at the first boundary after the blocks are loaded (or at once, moving
+        down). suffix: blocks [k, first held) are loaded ahead and kept until a frame at ``k`` arrives, so the
+        prefix's move down costs no wait here. Raises ValueError for a K out of [0, L].
+        """
+        check_split_layer(self.stage.cfg, k)
+        self._request.set(k)
+        missing = self._missing(k)
+        if missing is not None:
+            self.prefetcher.prefetch(*missing)
+        else:
+            self.prefetcher.discard()  # a load for an earlier request is no longer wanted
+
+    def before_frame(self, timeout: float | None = 0.0) -> Resplit | None:
+        """Apply a pending request as far as it can be at this frame boundary; return the move made, if any.
+
+        Waits up to ``timeout`` s (None: until loaded) for blocks still loading; when they are not ready the
+        request stays pending and None is returned. prefix: K becomes the requested one. suffix: announced
+        blocks are swapped in (frames still decide the K they are computed at). Raises :class:`ResplitError`
+        when loading failed (the request is dropped and nothing changes).
+        """
+        k = self._request.pending
+        if k is None:
+            return None
+        t0 = time.perf_counter()
+        missing = self._missing(k)
+        blocks, load_ms = None, 0.0
+        if missing is not None:
+            try:
+                blocks, load_ms = self.prefetcher.take(*missing, timeout)
+            except Exception as e:
+                self._request.done(k)
+                raise ResplitError(f"split layer {k} not applied, K stays {self.k}; request dropped: loading blocks "
+                                   f"[{missing[0]}, {missing[1]}) failed: {type(e).__name__}: {e}") from e
+            if blocks is None:
+                return None
+        self._request.done(k)  # a newer request that arrived meanwhile stays for the next boundary
+        event = None
+        if self.side == "prefix":
+            if k != self.k:
+                event = self._move(k, blocks, load_ms, t0)
+            self.k = k
+        else:
+            if blocks is not None:
+                event = self._move(k, blocks, load_ms, t0)
+            self._keep_from = k if k < self.k else None
+        return event
+
+    def for_frame(self, k: int) -> Resplit | None:
+        """suffix: make the stage able to compute a frame at ``k`` (its slot header's K), loading the blocks
+        it lacks now (``on_demand`` unless exactly those were announced and are loading). Returns the move,
+        or None when nothing was missing. Raises ValueError for a K outside [0, L]; what loading raised."""
+        check_split_layer(self.stage.cfg, k)
+        missing = self._missing(k)
+        if missing is None:
+            return None
+        announced = self.prefetcher.pending == missing
+        t0 = time.perf_counter()
+        blocks, load_ms = self.prefetcher.take(*missing, None)
+        return self._move(k, blocks, load_ms, t0, on_demand=not announced)
+
+    def after_frame(self, k: int) -> Resplit | None:
+        """suffix: a frame at ``k`` was computed. Frames come in order, so blocks below the lowest K still
+        wanted (this one, an announced move down, a pending request) are freed. Returns that move, if any."""
+        self.k = k
+        if self._keep_from is not None and k <= self._keep_from:
+            self._keep_from = None  # the announced move down has happened
+        keep = min(x for x in (k, self._keep_from, self._request.pending) if x is not None)
+        if keep > self.stage.split_layer:
+            return self._move(keep)
+        return None
+
+    def _move(self, k: int, blocks=None, load_ms: float = 0.0, t_start: float | None = None,
+              on_demand: bool = False) -> Resplit:
+        event = move_split(self.stage, k, self.device, blocks, load_ms, on_demand, t_start)
+        self.moves += 1
+        self.moves_on_demand += int(on_demand)
+        self._events.append(event)
+        return event
+
+    def pop_events(self) -> tuple[Resplit, ...]:
+        """The moves made since the last call, oldest first (each also returned by the call that made it)."""
+        events, self._events = tuple(self._events), []
+        return events
+
+    def close(self) -> None:
+        """Stop the background loader (a load in progress finishes; its blocks are dropped) and let go of the
+        stage, so the runner's close frees its weights."""
+        self.prefetcher.close()
+        self.stage = None
+        self._events.clear()
