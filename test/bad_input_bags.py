@@ -560,7 +560,8 @@ def time_and_odometry_bag(path: Path) -> BadInputBag:
     every camera an hour in the future (the set goes through, one ``prefix.time_jump`` at the next
     frame, and the suffix finds no odometry that close: ``suffix.stale_odometry``), nanosec = 1.5e9 on
     one camera (``prefix.bad_stamp``, its 5 partners discarded), one camera an hour in the future
-    (see :attr:`Frame.known_issue`), all stamps zero (as for the future), a negative stamp on one
+    (its frame discarded; only that camera restarts, ``prefix.time_jump``, and the next frame goes
+    through), all stamps zero (as for the future), a negative stamp on one
     camera (``prefix.bad_stamp``).
     """
     b = _BagBuilder("compressed")
@@ -613,9 +614,7 @@ def time_and_odometry_bag(path: Path) -> BadInputBag:
     one_future = b.good_stamps(at(8.75))
     one_future[1] += FUTURE_NS
     b.add("camera 1 alone 1 h in the future", at(8.75), one_future, trajectory=False, discarded=6)
-    b.add("good after camera 1's future stamp", at(9.0), drops={"prefix.time_jump": 1},
-          known_issue="the synchronizer discards this frame's camera-0 message (camera 1's last stamp is an hour "
-                      "ahead with no partner) before camera 1's own message resets the timeline")
+    b.add("good after camera 1's future stamp", at(9.0), drops={"prefix.time_jump": 1})
     b.add("good", at(9.25))
     b.add("all stamps zero", at(9.5), [0] * N_CAMERAS, trajectory=False,
           drops={"prefix.time_jump": 1, "suffix.stale_odometry": 1})

@@ -229,3 +229,21 @@ def test_clock_jump_back_restarts_synchronization():
     # a small step back (within jump_back_ns) is still a late message, not a jump
     sync.add(0, t0 + 100 * MS, "late")
     assert sync.drops["out_of_order"] == 1 and sync.drops["time_jump"] == 2
+
+
+def test_one_camera_far_in_the_future_costs_only_its_own_frame():
+    """Camera 1 alone stamped an hour ahead: its frame is lost, the next good frame is not (it used to be:
+    camera 1's hour-ahead stamp made camera 0's next message look unmatchable before camera 1's own next
+    message restarted the timeline)."""
+    sync = CameraSynchronizer(N, tolerance_ns=50 * MS, jump_back_ns=1000 * MS)
+    t0 = 1_700_000_000 * 10**9
+    assert len(_feed(sync, t0)) == 1
+    assert _feed(sync, t0 + 250 * MS, offsets={1: 3600 * 10**9}) == []
+    (synced,) = _feed(sync, t0 + 500 * MS)
+    assert synced.stamp_ns == t0 + 500 * MS and synced.items == [(c, t0 + 500 * MS) for c in range(N)]
+    # one jump (camera 1 back from the future), its future message and the 5 partners it left alone
+    assert sync.drops["time_jump"] == 1 and sync.drops["unsynced"] == 6 and sum(sync.drops.values()) == 7
+    assert sync.queued == (0,) * N
+    # a whole-clock jump back still restarts every camera: one jump, the next frames go through
+    assert len(_feed(sync, t0 - 5000 * MS)) == 1 and sync.drops["time_jump"] == 2
+    assert len(_feed(sync, t0 - 4750 * MS)) == 1 and sync.drops["time_jump"] == 2

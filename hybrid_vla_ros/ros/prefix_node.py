@@ -53,7 +53,8 @@ SYNC_DROP_REASONS = {
     "unsynced": "camera messages without a partner on every camera within sync_tolerance_ms were discarded",
     "queue_overflow": "a camera sent nothing for a while: the oldest message queued for it was pushed out",
     "time_jump": "header stamp more than 1 s older than this camera's previous one (clock reset, bag restart "
-                 "or earlier stamps in the future): synchronization restarted, queued messages discarded",
+                 "or earlier stamps in the future): synchronization restarted (this camera alone when the "
+                 "others are on its new timeline), queued messages discarded",
 }
 #: Log text of each ego-state drop cause (vehicle.ego_input.LOOKUP_CAUSES); {age} is max_ego_state_age_s.
 EGO_DROP_REASONS = {

@@ -46,10 +46,14 @@ class CameraSynchronizer:
     Behaviour:
         * Per camera, stamps must strictly increase: an equal stamp is counted as ``duplicate``, an
           older one as ``out_of_order``; both are discarded.
-        * A stamp more than ``jump_back_ns`` older than that camera's last one is a clock jump (a bag
-          restarted, a sensor clock reset, or earlier stamps far in the future): every queue and stamp
-          history is cleared, ``time_jump`` counts the event, the queued messages count as ``unsynced``,
-          and the new message starts the new timeline.
+        * A stamp more than ``jump_back_ns`` older than that camera's last one is a clock jump, counted
+          as ``time_jump``. When no other camera's last stamp lies within ``jump_back_ns`` of the new
+          stamp, the whole clock jumped (a bag restarted, a sensor clock reset, or every camera's earlier
+          stamps far in the future): every queue and stamp history is cleared, the queued messages count
+          as ``unsynced``, and the new message starts the new timeline. When some other camera is on the
+          new stamp's timeline, only this camera's earlier stamps were off (one camera stamped far in
+          the future): only its own queue (counted as ``unsynced``) and history are cleared, so the
+          other cameras' messages of the frame in progress are kept.
         * :meth:`add` returns a :class:`SyncedSet` when the new message completes a set (each camera
           contributes the message closest in time to the new one inside the best window of width
           ``tolerance_ns``), else ``None``. At most one set is completed per call.
@@ -57,6 +61,10 @@ class CameraSynchronizer:
           removed; the skipped older ones count as ``unsynced``.
         * A queued message that can no longer be matched -- some other camera has already moved more
           than ``tolerance_ns`` past it without a partner in its queue -- is discarded as ``unsynced``.
+          A camera whose last stamp is more than ``jump_back_ns`` ahead of the message does not count
+          as having moved past it: that stamp is a jump or an outlier, and the camera's next message
+          decides which (otherwise one camera stamped an hour ahead would discard every other camera's
+          next message before its own next message is seen).
         * A camera that stops publishing makes the others' queues fill up: the first message pushed
           out of a frame counts as ``queue_overflow``, the frame's other members then as ``unsynced``.
           Every discarded message is counted exactly once.
@@ -107,13 +115,7 @@ class CameraSynchronizer:
         with self._lock:
             last = self._last_stamp[cam]
             if last is not None and last - stamp > self.jump_back_ns:
-                # The clock jumped back (bag restarted, sensor clock reset) or the previous stamps were far
-                # in the future: start over rather than waiting for time to catch up with them.
-                self.drops["time_jump"] += 1
-                self.drops["unsynced"] += sum(len(q) for q in self._queues)
-                for queue in self._queues:
-                    queue.clear()
-                self._last_stamp = [None] * self.n_cameras
+                self._restart_after_jump(cam, stamp)
                 last = None
             if last is not None and stamp <= last:
                 self.drops["duplicate" if stamp == last else "out_of_order"] += 1
@@ -148,6 +150,19 @@ class CameraSynchronizer:
         return tuple(len(q) for q in self._queues)
 
     # ----------------------------------------------------------------------------------- private
+    def _restart_after_jump(self, cam: int, stamp: int) -> None:
+        """Camera ``cam``'s new ``stamp`` lies more than ``jump_back_ns`` before its last one: start over
+        rather than wait for time to catch up. Only ``cam`` restarts when another camera is on the new
+        stamp's timeline (``cam``'s earlier stamps were the outliers), every camera otherwise."""
+        self.drops["time_jump"] += 1
+        others_agree = any(s is not None and abs(s - stamp) <= self.jump_back_ns
+                           for j, s in enumerate(self._last_stamp) if j != cam)
+        restarted = [cam] if others_agree else range(self.n_cameras)
+        for j in restarted:
+            self.drops["unsynced"] += len(self._queues[j])
+            self._queues[j].clear()
+            self._last_stamp[j] = None
+
     def _try_emit(self, cam: int, stamp: int) -> SyncedSet | None:
         tol = self.tolerance_ns
         # A set containing the new message lies in a window [lo, lo + tol] with stamp - tol <= lo <= stamp.
@@ -211,6 +226,8 @@ class CameraSynchronizer:
             last = self._last_stamp[i]
             if last is None or last < stamp + tol:
                 continue  # camera i may still deliver a message within tolerance
+            if last - stamp > self.jump_back_ns:
+                continue  # camera i jumped far ahead: a clock jump or one bad stamp; its next message tells
             if not any(abs(s - stamp) <= tol for s, _ in queue):
                 return False
         return True
