@@ -165,6 +165,36 @@ def test_too_old_and_future_stamp():
     assert _check(arrays, replace(DEFAULTS, check_age=False), age_s=-ten_years) == []
 
 
+def test_a_clock_at_zero_is_named_not_taken_for_a_future_stamp():
+    """A node with use_sim_time before its first /clock message reads 0: every real stamp would be
+    'decades ahead'; the guard says the clock has not started instead."""
+    arrays = _trajectory(_straight(5.0), 5.0)
+    (v,) = find_violations(arrays, NOW, 0, DEFAULTS)
+    assert v.cause == "no_clock" and "use_sim_time" in v.detail and "/clock" in v.detail
+    assert check_trajectory(arrays, NOW, 0, replace(DEFAULTS, check_age=False)) == []
+
+
+def test_first_point_facing_away_from_the_ego_heading():
+    """The first point is the ego pose: its yaw must be the odometry heading within
+    max_yaw_deviation_rad (Autoware planning_validator deviation.yaw_th, 90 deg)."""
+    arrays = _trajectory(_straight(5.0), 5.0)
+    ego_yaw = _ego().yaw
+    assert arrays.yaw[0] == pytest.approx(ego_yaw)
+    assert check_trajectory(arrays, NOW, NOW, DEFAULTS, ego_yaw=ego_yaw) == []
+    assert check_trajectory(arrays, NOW, NOW, DEFAULTS, ego_yaw=ego_yaw + 1.5) == []  # 86 deg: within
+    (v,) = find_violations(arrays, NOW, NOW, DEFAULTS, ego_yaw=ego_yaw + 2.0)
+    assert v.cause == "yaw_deviation" and "2.000 rad" in v.detail and "1.5708" in v.detail
+    # across +-pi the deviation is the short way round; a NaN heading is a violation, not a pass
+    arrays.yaw[0] = math.pi - 0.1
+    assert check_trajectory(arrays, NOW, NOW, DEFAULTS, ego_yaw=-math.pi + 0.1) == []
+    assert check_trajectory(arrays, NOW, NOW, DEFAULTS, ego_yaw=float("nan")) == ["yaw_deviation"]
+    # the standstill jitter of the demo model: the first point keeps the ego heading
+    rng = np.random.default_rng(1)
+    jitter = _trajectory(rng.uniform(-0.45, 0.45, size=(N, 2)))
+    assert check_trajectory(jitter, NOW, NOW, DEFAULTS, ego_yaw=ego_yaw) == []
+    np.testing.assert_allclose(jitter.yaw, ego_yaw)
+
+
 def test_violations_come_most_important_first_with_all_details():
     arrays = _trajectory(_straight(15.0), 0.0)  # too fast, and 30 m/s^2 from standstill
     violations = find_violations(arrays, NOW - 3 * 10**9, NOW, DEFAULTS)

@@ -200,7 +200,9 @@ def test_constant_turn(direction):
     arr = waypoints_to_trajectory(wp, dt, ego, WHEELBASE)
     delta = omega * dt
     chord_speed = 2 * radius * math.sin(abs(delta) / 2) / dt
-    expected_yaw = [yaw0 + (k + 0.5) * delta for k in range(n)] + [yaw0 + (n - 0.5) * delta]
+    # point 0 is the ego pose: the odometry heading; point k >= 1 faces along the chord to point k + 1
+    # (segments are 2.5 m, longer than the 1 m the pose yaw is measured over)
+    expected_yaw = [yaw0] + [yaw0 + (k + 0.5) * delta for k in range(1, n)] + [yaw0 + (n - 0.5) * delta]
     np.testing.assert_allclose(wrap_angle(arr.yaw - np.array(expected_yaw)), 0.0, atol=1e-12)
     np.testing.assert_allclose(arr.heading_rate, omega, atol=1e-12)
     np.testing.assert_allclose(arr.v[1:], chord_speed)
@@ -233,6 +235,36 @@ def test_stopped_with_jitter_keeps_heading():
     np.testing.assert_allclose(arr.heading_rate, 0.0)
     np.testing.assert_allclose(arr.front_wheel_angle, 0.0)
     assert np.all(np.abs(arr.v) < 0.03)
+
+
+def test_standstill_jitter_keeps_the_ego_heading_in_every_pose():
+    """Waypoints within half a metre of the ego (a car at standstill, the random-init demo model): no chord
+    reaches the guard's 1 m, so every point keeps the odometry heading instead of pointing along
+    centimetre-long segments (which put point yaws up to 180 deg off with the old per-segment rule)."""
+    rng = np.random.default_rng(7)
+    wp = rng.uniform(-0.25, 0.25, (6, 2))
+    ego = EgoState(3.0, -2.0, 0.0, 2.9, 0.05, 0)
+    arr = waypoints_to_trajectory(wp, 0.5, ego, WHEELBASE)
+    np.testing.assert_allclose(wrap_angle(arr.yaw - 2.9), 0.0, atol=1e-12)
+    segment_dirs = np.arctan2(np.diff(np.r_[0.0, wp[:, 1]]), np.diff(np.r_[0.0, wp[:, 0]]))
+    assert np.abs(wrap_angle(segment_dirs)).max() > math.pi / 2, "the segments point anywhere"
+    # with a 0 m chord the yaw follows every segment again (the old rule), except point 0 (the ego pose)
+    loose = waypoints_to_trajectory(wp, 0.5, ego, WHEELBASE, heading_min_segment_m=0.0)
+    assert loose.yaw[0] == pytest.approx(2.9) and np.abs(wrap_angle(loose.yaw - 2.9)).max() > 0.5
+
+
+def test_slow_turn_yaw_follows_chords_of_a_metre():
+    """At 1.26 m/s with 0.5 s steps the segments are 0.63 m: each point faces along the chord to the first
+    point a metre or more ahead (two segments), so a slow turn keeps its headings; the tail, with no
+    point that far ahead, keeps the last one."""
+    radius, speed, dt, n = 6.0, 1.26, 0.5, 6
+    delta = speed * dt / radius  # turn per step (rad)
+    theta = delta * np.arange(1, n + 1)
+    wp = np.stack([radius * np.sin(theta), radius * (1 - np.cos(theta))], 1)
+    arr = waypoints_to_trajectory(wp, dt, EgoState(0, 0, 0, 0.0, speed, 0), WHEELBASE)
+    # chord from point k to point k + 2 on the circle: direction (k + 1) * delta
+    np.testing.assert_allclose(arr.yaw[:n - 1], [0.0] + [(k + 1) * delta for k in range(1, n - 1)], atol=1e-12)
+    np.testing.assert_allclose(arr.yaw[n - 1:], (n - 1) * delta, atol=1e-12)  # nothing a metre ahead
 
 
 def test_reverse_segments_keep_vehicle_heading_and_negative_speed():
@@ -270,6 +302,9 @@ def test_waypoints_rejects_bad_input():
     for wb in (0.0, -1.0, math.nan):
         with pytest.raises(ValueError, match="wheelbase"):
             waypoints_to_trajectory(good, 0.5, ego, wb)
+    for bad in (-0.1, math.nan):
+        with pytest.raises(ValueError, match="heading_min_segment_m"):
+            waypoints_to_trajectory(good, 0.5, ego, WHEELBASE, heading_min_segment_m=bad)
     with pytest.raises(ValueError, match="ego.yaw"):
         waypoints_to_trajectory(good, 0.5, EgoState(0, 0, 0, math.nan, 1.0, 0), WHEELBASE)
     with pytest.raises(ValueError, match="equal length"):

@@ -13,9 +13,15 @@ its worst point):
 * ``non_finite``: a NaN or infinity in any field (the other checks are then skipped).
 * ``too_few_points``: fewer than 2 points (the other checks are then skipped).
 * ``time_not_increasing``: ``time_from_start`` not strictly increasing.
+* ``no_clock``: the clock reads 0 (not started: a node with ``use_sim_time`` before its first ``/clock``
+  message), so no age can be judged; reported instead of ``future_stamp``, which any real stamp
+  would be then. Only when ``check_age`` is set.
 * ``too_old``: ``now - header.stamp > max_age_s``, with ``now`` the node clock; ``future_stamp``: the
   stamp lies more than ``max_future_s`` ahead of ``now`` (a clock problem between camera and computer).
   Both only when ``check_age`` is set.
+* ``yaw_deviation``: the first point (the ego pose at the camera stamp, the point nearest the ego)
+  faces more than ``max_yaw_deviation_rad`` away from the ego heading ``ego_yaw`` (odometry). Only
+  when the caller passes ``ego_yaw``.
 * ``too_fast``: ``|longitudinal_velocity_mps| > max_speed_mps`` at any point (point 0 carries the
   measured ego speed).
 * ``accel_too_high`` / ``decel_too_high``: ``acceleration_mps2`` outside ``[min_acceleration_mps2,
@@ -51,6 +57,11 @@ Defaults and their sources (Autoware Universe ``autoware_planning_validator``,
   ``acceleration.longitudinal_max_th``, ``longitudinal_min_th``, ``lateral_th``;
 * ``max_curvature_per_m`` 1.0: ``curvature.threshold``;
 * ``max_steering_rad`` 1.414: ``steering.threshold``;
+* ``max_yaw_deviation_rad`` 1.5708 (90 deg): the yaw deviation between the ego and the nearest
+  trajectory point, ``validity_checks.deviation.yaw_th`` of ``config/planning_validator.param.yaml``
+  (README: "max valid yaw deviation between ego and nearest trajectory point"); in the later plugin
+  layout ``trajectory_checker.yaw_deviation.threshold`` of
+  ``autoware_planning_validator_trajectory_checker/config/trajectory_checker.param.yaml``, also 1.5708;
 * ``max_age_s`` 1.0: ``latency.threshold`` (``now - trajectory.header.stamp``, as here); ``check_age``
   mirrors ``latency.enable``;
 * ``min_segment_m`` 1.0: the validator resamples the trajectory with ``min_interval = 1.0`` m ("the
@@ -77,8 +88,9 @@ from .trajectory import TrajectoryArrays
 __all__ = ["CAUSES", "GuardLimits", "Violation", "check_trajectory", "find_violations", "path_curvature"]
 
 CAUSES = (
-    "non_finite", "too_few_points", "time_not_increasing", "too_old", "future_stamp", "too_fast",
-    "accel_too_high", "decel_too_high", "lateral_accel_too_high", "curvature_too_high", "steering_too_high",
+    "non_finite", "too_few_points", "time_not_increasing", "no_clock", "too_old", "future_stamp", "yaw_deviation",
+    "too_fast", "accel_too_high", "decel_too_high", "lateral_accel_too_high", "curvature_too_high",
+    "steering_too_high",
 )
 """Every violation cause, most important first (the node drops a frame as ``guard_<first cause>``)."""
 
@@ -97,6 +109,7 @@ class GuardLimits:
         max_lateral_acceleration_mps2: largest ``v^2 |kappa|`` (m/s^2).
         max_curvature_per_m: largest path curvature ``|kappa|`` (1/m).
         max_steering_rad: largest ``|front_wheel_angle_rad|`` (rad).
+        max_yaw_deviation_rad: largest ``|wrap(yaw of the first point - ego yaw)|`` (rad).
         min_segment_m: shortest segment over which curvature and steering are judged (m).
         check_age: compare ``header.stamp`` with the clock (``too_old``, ``future_stamp``).
         max_age_s: largest ``now - header.stamp`` (s).
@@ -109,6 +122,7 @@ class GuardLimits:
     max_lateral_acceleration_mps2: float = 9.8
     max_curvature_per_m: float = 1.0
     max_steering_rad: float = 1.414
+    max_yaw_deviation_rad: float = 1.5708
     min_segment_m: float = 1.0
     check_age: bool = True
     max_age_s: float = 1.0
@@ -133,16 +147,22 @@ class Violation:
         return f"{self.cause}: {self.detail}"
 
 
-def check_trajectory(arrays: TrajectoryArrays, stamp_ns: int, now_ns: int, limits: GuardLimits) -> list[str]:
+def check_trajectory(arrays: TrajectoryArrays, stamp_ns: int, now_ns: int, limits: GuardLimits, *,
+                     ego_yaw: float | None = None) -> list[str]:
     """Causes of every violation of ``limits`` (most important first); ``[]`` when the trajectory is
-    valid. ``stamp_ns`` is its ``header.stamp``, ``now_ns`` the clock it is judged against (ns)."""
-    return [v.cause for v in find_violations(arrays, stamp_ns, now_ns, limits)]
+    valid. ``stamp_ns`` is its ``header.stamp``, ``now_ns`` the clock it is judged against (ns),
+    ``ego_yaw`` the odometry heading (rad, map frame) at the stamp, None to skip the yaw check."""
+    return [v.cause for v in find_violations(arrays, stamp_ns, now_ns, limits, ego_yaw=ego_yaw)]
 
 
 def find_violations(arrays: TrajectoryArrays, stamp_ns: int, now_ns: int,
-                    limits: GuardLimits) -> list[Violation]:
+                    limits: GuardLimits, *, ego_yaw: float | None = None) -> list[Violation]:
     """Every violation of ``limits``, one per cause at its worst point, most important first (the
-    order of :data:`CAUSES`); ``[]`` when the trajectory is valid. See the module docstring."""
+    order of :data:`CAUSES`); ``[]`` when the trajectory is valid. See the module docstring.
+
+    ``stamp_ns``: the trajectory's ``header.stamp`` (ns); ``now_ns``: the clock it is judged against (ns,
+    0 = a clock that has not started); ``ego_yaw``: the ego heading (rad, map frame, the odometry's) at
+    the stamp, for ``yaw_deviation``; None skips that check. A non-finite ``ego_yaw`` is a violation."""
     found: list[Violation] = []
     bad = [f.name for f in fields(arrays) if not np.all(np.isfinite(getattr(arrays, f.name)))]
     if bad:
@@ -158,12 +178,12 @@ def find_violations(arrays: TrajectoryArrays, stamp_ns: int, now_ns: int,
         found.append(Violation("time_not_increasing", f"time_from_start {arrays.t[k]:.3f} s at point {k} "
                                                       f"then {arrays.t[k + 1]:.3f} s"))
     if limits.check_age:
-        age_s = (int(now_ns) - int(stamp_ns)) * 1e-9
-        if not age_s <= limits.max_age_s:
-            found.append(Violation("too_old", f"stamp is {age_s:.3f} s old > {limits.max_age_s} s"))
-        if not -age_s <= limits.max_future_s:
-            found.append(Violation("future_stamp", f"stamp is {-age_s:.3f} s ahead of the clock "
-                                                   f"> {limits.max_future_s} s"))
+        found += _age_violations(int(stamp_ns), int(now_ns), limits)
+    if ego_yaw is not None:
+        deviation = abs(math.remainder(float(arrays.yaw[0]) - float(ego_yaw), 2.0 * math.pi))
+        if not deviation <= limits.max_yaw_deviation_rad:
+            found.append(Violation("yaw_deviation", f"first point faces {deviation:.3f} rad away from the ego "
+                                                    f"heading {float(ego_yaw):.3f} rad > {limits.max_yaw_deviation_rad} rad"))
 
     speed = np.abs(arrays.v)
     _worst_above(found, "too_fast", speed, limits.max_speed_mps, "|v| {:.2f} m/s at point {} > {} m/s")
@@ -193,6 +213,21 @@ def find_violations(arrays: TrajectoryArrays, stamp_ns: int, now_ns: int,
     if judged.size:
         _worst_above(found, "steering_too_high", np.abs(arrays.front_wheel_angle[judged]), limits.max_steering_rad,
                      "|front wheel angle| {:.3f} rad at point {} > {} rad", index=judged)
+    return found
+
+
+def _age_violations(stamp_ns: int, now_ns: int, limits: GuardLimits) -> list[Violation]:
+    """``no_clock``, or ``too_old`` / ``future_stamp``, of a stamp judged against the clock ``now_ns`` (ns)."""
+    if now_ns <= 0:
+        return [Violation("no_clock", f"the clock reads {now_ns} ns (not started: with use_sim_time it stays 0 "
+                                      "until the first /clock message), so the stamp's age cannot be judged")]
+    found = []
+    age_s = (now_ns - stamp_ns) * 1e-9
+    if not age_s <= limits.max_age_s:
+        found.append(Violation("too_old", f"stamp is {age_s:.3f} s old > {limits.max_age_s} s"))
+    if not -age_s <= limits.max_future_s:
+        found.append(Violation("future_stamp", f"stamp is {-age_s:.3f} s ahead of the clock "
+                                               f"> {limits.max_future_s} s"))
     return found
 
 

@@ -31,6 +31,8 @@ __all__ = [
     "quaternion_to_yaw",
     "yaw_to_quaternion",
     "wrap_angle",
+    "pose_headings",
+    "segment_headings",
     "waypoints_to_trajectory",
 ]
 
@@ -160,6 +162,11 @@ def _finite(value, name: str) -> float:
     return value
 
 
+#: Default of ``heading_min_segment_m``: the output guard's ``guard.min_segment_m`` default (1 m, after
+#: Autoware's planning_validator, which resamples to 1 m before judging headings and curvature).
+HEADING_MIN_SEGMENT_M = 1.0
+
+
 def waypoints_to_trajectory(
     waypoints_ego,
     dt_s: float,
@@ -167,6 +174,7 @@ def waypoints_to_trajectory(
     wheelbase_m: float,
     *,
     min_segment_m: float = 0.01,
+    heading_min_segment_m: float = HEADING_MIN_SEGMENT_M,
 ) -> TrajectoryArrays:
     """Turn model waypoints in the ego frame into a map-frame trajectory of P = N + 1 points.
 
@@ -176,22 +184,28 @@ def waypoints_to_trajectory(
     ``z = ego.z``. Segment ``k`` runs from point ``k`` to point ``k + 1`` (length ``L_k``, k = 0..N-1).
 
     Definitions (per point ``k``):
-        * ``yaw[k]`` (k < N): heading while driving segment ``k``: its direction of travel. A segment
-          shorter than ``min_segment_m`` keeps the previous heading (``yaw[-1]`` = ego yaw). A segment
-          whose direction is more than 90 deg from the previous heading is driven in reverse: heading
-          = direction + pi and the segment speed is negative (so stop-and-jitter waypoints do not spin
-          the heading by 180 deg; Autoware infers the driving direction the same way, from pose yaw
-          versus point-to-point azimuth). ``yaw[N] = yaw[N-1]``.
+        * pose yaw (``yaw[k]``, the orientation quaternion): ``yaw[0]`` = ``ego.yaw``, the odometry heading
+          (point 0 is the ego pose). For k >= 1 the direction of the chord from point ``k`` to the first
+          later point at least ``heading_min_segment_m`` away from it; where no later point is that far
+          (a car at standstill, whose waypoints jitter by centimetres, or the end of a slow trajectory)
+          the point keeps the previous point's yaw, so a standstill trajectory carries the ego heading
+          throughout instead of the direction of centimetre-long segments (:func:`pose_headings`).
+        * segment heading (k < N): direction of travel of segment ``k``. A segment shorter than
+          ``min_segment_m`` keeps the previous heading (the ego yaw before segment 0). A segment whose
+          direction is more than 90 deg from the previous heading is driven in reverse: heading =
+          direction + pi and the segment speed is negative (so stop-and-jitter waypoints do not spin the
+          heading by 180 deg; Autoware infers the driving direction the same way, from pose yaw versus
+          point-to-point azimuth). The pose yaw follows the same reverse rule.
         * ``v[k]``: signed longitudinal speed (m/s). ``v[0]`` = ``ego.speed`` (measured);
           ``v[k] = +-L_{k-1} / dt`` for k >= 1: the mean speed over ``(t_{k-1}, t_k]``, i.e. the speed
           with which point ``k`` is reached.
         * ``acc[k]`` (k < N) = ``(|v[k+1]| - |v[k]|) / dt``: change of speed magnitude over
           ``[t_k, t_{k+1}]`` (TrajectoryPoint.msg: acceleration "does not consider vehicle direction");
           ``acc[N] = acc[N-1]``. ``acc[0]`` is therefore the acceleration from the measured speed.
-        * ``heading_rate[k]`` (rad/s): for 1 <= k < N the wrapped turn at vertex ``k``,
-          ``wrap(yaw[k] - yaw[k-1]) / dt``; ``heading_rate[0] = 2 * wrap(yaw[0] - ego.yaw) / dt`` (the
-          circular arc tangent to the ego heading through waypoint 1 turns by twice the chord angle);
-          ``heading_rate[N] = heading_rate[N-1]``. All exact for a constant-rate turn.
+        * ``heading_rate[k]`` (rad/s), from the segment headings ``h``: for 1 <= k < N the wrapped turn at
+          vertex ``k``, ``wrap(h[k] - h[k-1]) / dt``; ``heading_rate[0] = 2 * wrap(h[0] - ego.yaw) / dt``
+          (the circular arc tangent to the ego heading through waypoint 1 turns by twice the chord
+          angle); ``heading_rate[N] = heading_rate[N-1]``. All exact for a constant-rate turn.
         * curvature ``kappa[k] = heading_rate[k] / v_path[k]`` (1/m) with ``v_path[k] = v[k]`` for
           k >= 1 and the planned first-segment speed for k = 0 (curvature belongs to the path, not to
           the measured speed); 0 where ``|v_path| * dt < min_segment_m``.
@@ -203,100 +217,47 @@ def waypoints_to_trajectory(
         dt_s: time between waypoints (s), > 0.
         ego: ego state at ``t = 0`` (map frame).
         wheelbase_m: front-to-rear axle distance (m), > 0.
-        min_segment_m: segments shorter than this (m) count as "not moving" for heading and
-            curvature; >= 0.
+        min_segment_m: segments shorter than this (m) count as "not moving" for the segment heading,
+            heading rate and curvature; >= 0.
+        heading_min_segment_m: shortest chord (m) a pose yaw is measured over; >= 0. The suffix node
+            passes the output guard's ``guard.min_segment_m``, the length below which the guard does not
+            judge headings either.
 
     Returns:
         :class:`TrajectoryArrays` with P = N + 1 points, ``t = [0, dt, ..., N dt]``.
 
     Raises:
         ValueError: waypoints not of shape (N, 2) with N >= 1 or not finite; ``dt_s`` or
-            ``wheelbase_m`` not finite and > 0; ``min_segment_m`` negative; non-finite ego fields.
+            ``wheelbase_m`` not finite and > 0; ``min_segment_m`` or ``heading_min_segment_m`` negative
+            or not finite; non-finite ego fields.
     """
-    try:
-        wp = np.asarray(waypoints_ego, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"waypoints must be a numeric (N, 2) array: {exc}") from None
-    if wp.ndim != 2 or wp.shape[1] != 2 or wp.shape[0] < 1:
-        raise ValueError(f"waypoints must have shape (N, 2) with N >= 1, got {wp.shape}")
-    if not np.all(np.isfinite(wp)):
-        bad = np.argwhere(~np.isfinite(wp))[0]
-        raise ValueError(f"waypoints contain non-finite values (first at row {bad[0]}, column {bad[1]})")
-    dt = _finite(dt_s, "dt_s")
-    if dt <= 0:
-        raise ValueError(f"dt_s must be > 0, got {dt}")
-    wheelbase = _finite(wheelbase_m, "wheelbase_m")
-    if wheelbase <= 0:
-        raise ValueError(f"wheelbase_m must be > 0, got {wheelbase}")
-    min_seg = _finite(min_segment_m, "min_segment_m")
-    if min_seg < 0:
-        raise ValueError(f"min_segment_m must be >= 0, got {min_seg}")
+    wp = _checked_waypoints(waypoints_ego)
+    dt = _positive(dt_s, "dt_s")
+    wheelbase = _positive(wheelbase_m, "wheelbase_m")
+    min_seg = _non_negative(min_segment_m, "min_segment_m")
+    heading_seg = _non_negative(heading_min_segment_m, "heading_min_segment_m")
     ex, ey, ez = _finite(ego.x, "ego.x"), _finite(ego.y, "ego.y"), _finite(ego.z, "ego.z")
     eyaw, espeed = _finite(ego.yaw, "ego.yaw"), _finite(ego.speed, "ego.speed")
 
-    n = wp.shape[0]
-    p = n + 1
     # Kinematics in the ego frame (heading 0 at t = 0); only yaw and position are rotated to map.
-    lx = np.empty(p)
-    ly = np.empty(p)
-    lx[0] = ly[0] = 0.0
-    lx[1:] = wp[:, 0]
-    ly[1:] = wp[:, 1]
-    dx = np.diff(lx)
-    dy = np.diff(ly)
+    lx = np.concatenate(([0.0], wp[:, 0]))
+    ly = np.concatenate(([0.0], wp[:, 1]))
+    dx, dy = np.diff(lx), np.diff(ly)
     seg_len = np.hypot(dx, dy)
-
-    yaw_local = np.empty(p)
-    seg_sign = np.empty(n)
-    prev = 0.0
-    for k in range(n):
-        forward = dx[k] * math.cos(prev) + dy[k] * math.sin(prev) >= 0.0
-        seg_sign[k] = 1.0 if forward else -1.0
-        if seg_len[k] < min_seg:
-            heading = prev
-        else:
-            heading = math.atan2(dy[k], dx[k])
-            if not forward:
-                heading = wrap_angle(heading + math.pi)
-        yaw_local[k] = heading
-        prev = heading
-    yaw_local[n] = yaw_local[n - 1]
-
-    seg_v = seg_sign * seg_len / dt  # signed mean speed of each segment
-    v = np.empty(p)
-    v[0] = espeed
-    v[1:] = seg_v
-
-    speed_mag = np.abs(v)
-    acc = np.empty(p)
-    acc[:n] = np.diff(speed_mag) / dt
-    acc[n] = acc[n - 1]
-
-    heading_rate = np.empty(p)
-    heading_rate[0] = 2.0 * wrap_angle(yaw_local[0]) / dt
-    if n > 1:
-        heading_rate[1:n] = wrap_angle(np.diff(yaw_local[:n])) / dt
-    heading_rate[n] = heading_rate[n - 1]
-
-    v_path = v.copy()
-    v_path[0] = seg_v[0]
-    moving = np.abs(v_path) * dt >= min_seg
-    if min_seg == 0.0:
-        moving &= v_path != 0.0
-    curvature = np.zeros(p)
-    curvature[moving] = heading_rate[moving] / v_path[moving]
-    front_wheel_angle = np.arctan(wheelbase * curvature)
+    seg_heading, seg_sign = segment_headings(dx, dy, min_seg)
+    v, acc = _speeds(seg_sign * seg_len / dt, espeed, dt)
+    heading_rate = _heading_rates(seg_heading, dt)
+    front_wheel_angle = _front_wheel_angles(heading_rate, v, dt, min_seg, wheelbase)
+    yaw = wrap_angle(pose_headings(lx, ly, heading_seg) + eyaw)
 
     c, s = math.cos(eyaw), math.sin(eyaw)
-    x = ex + c * lx - s * ly
-    y = ey + s * lx + c * ly
-    yaw = wrap_angle(yaw_local + eyaw)
+    p = lx.size
     half = 0.5 * yaw
     zeros = np.zeros(p)
     return TrajectoryArrays(
         t=np.arange(p, dtype=np.float64) * dt,
-        x=x,
-        y=y,
+        x=ex + c * lx - s * ly,
+        y=ey + s * lx + c * ly,
         z=np.full(p, ez),
         yaw=yaw,
         qx=zeros.copy(),
@@ -310,3 +271,112 @@ def waypoints_to_trajectory(
         front_wheel_angle=front_wheel_angle,
         rear_wheel_angle=zeros,
     )
+
+
+def _checked_waypoints(waypoints_ego) -> np.ndarray:
+    """``waypoints_ego`` as a finite ``(N, 2)`` float64 array, N >= 1. Raises ValueError naming the problem."""
+    try:
+        wp = np.asarray(waypoints_ego, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"waypoints must be a numeric (N, 2) array: {exc}") from None
+    if wp.ndim != 2 or wp.shape[1] != 2 or wp.shape[0] < 1:
+        raise ValueError(f"waypoints must have shape (N, 2) with N >= 1, got {wp.shape}")
+    if not np.all(np.isfinite(wp)):
+        bad = np.argwhere(~np.isfinite(wp))[0]
+        raise ValueError(f"waypoints contain non-finite values (first at row {bad[0]}, column {bad[1]})")
+    return wp
+
+
+def _positive(value, name: str) -> float:
+    value = _finite(value, name)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def _non_negative(value, name: str) -> float:
+    value = _finite(value, name)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _travel_heading(dx: float, dy: float, previous: float) -> tuple[float, bool]:
+    """(heading, forward) of a displacement ``(dx, dy)`` driven from heading ``previous`` (rad, ego frame):
+    more than 90 deg from ``previous`` it is driven in reverse, heading = direction + pi."""
+    forward = dx * math.cos(previous) + dy * math.sin(previous) >= 0.0
+    heading = math.atan2(dy, dx)
+    return (heading if forward else wrap_angle(heading + math.pi)), forward
+
+
+def segment_headings(dx: np.ndarray, dy: np.ndarray, min_segment_m: float) -> tuple[np.ndarray, np.ndarray]:
+    """Heading (rad, ego frame: 0 = the ego heading) and driving direction (+1 forward, -1 reverse) of each
+    segment ``(dx[k], dy[k])`` (m). A segment shorter than ``min_segment_m`` keeps the previous heading
+    (0 before the first); see :func:`waypoints_to_trajectory`."""
+    n = dx.size
+    heading, sign = np.empty(n), np.empty(n)
+    prev = 0.0
+    for k in range(n):
+        new, forward = _travel_heading(dx[k], dy[k], prev)
+        sign[k] = 1.0 if forward else -1.0
+        if math.hypot(dx[k], dy[k]) >= min_segment_m:
+            prev = new
+        heading[k] = prev
+    return heading, sign
+
+
+def pose_headings(lx: np.ndarray, ly: np.ndarray, min_chord_m: float) -> np.ndarray:
+    """Pose yaw of each point ``(lx[k], ly[k])`` (m, ego frame, point 0 = the ego at the origin), rad in the
+    ego frame (0 = the ego heading).
+
+    Point 0 has yaw 0 (the odometry heading). Point k >= 1 takes the direction of the chord to the first
+    later point at least ``min_chord_m`` (and more than 0) away, driven in reverse when that chord points more
+    than 90 deg away from the previous yaw; with no such point it keeps the previous yaw. Chords shorter
+    than the output guard's ``guard.min_segment_m`` (Autoware's planning_validator thins to 1 m for the
+    same reason) carry no heading: centimetres of jitter at standstill would point anywhere.
+    """
+    p = lx.size
+    yaw = np.zeros(p)
+    for k in range(1, p):
+        yaw[k] = yaw[k - 1]
+        dist = np.hypot(lx[k + 1:] - lx[k], ly[k + 1:] - ly[k])
+        far = np.flatnonzero((dist >= min_chord_m) & (dist > 0.0))
+        if far.size:
+            j = k + 1 + int(far[0])
+            yaw[k], _ = _travel_heading(lx[j] - lx[k], ly[j] - ly[k], yaw[k - 1])
+    return yaw
+
+
+def _speeds(seg_v: np.ndarray, ego_speed: float, dt: float) -> tuple[np.ndarray, np.ndarray]:
+    """(v, acc) per point from the signed segment speeds ``seg_v`` (m/s) and the measured ego speed:
+    ``v = [ego_speed, seg_v...]``, ``acc[k] = (|v[k+1]| - |v[k]|) / dt`` with the last repeated."""
+    v = np.concatenate(([ego_speed], seg_v))
+    acc = np.empty(v.size)
+    acc[:-1] = np.diff(np.abs(v)) / dt
+    acc[-1] = acc[-2]
+    return v, acc
+
+
+def _heading_rates(seg_heading: np.ndarray, dt: float) -> np.ndarray:
+    """Heading rate (rad/s) per point from the segment headings (ego frame); see :func:`waypoints_to_trajectory`."""
+    n = seg_heading.size
+    rate = np.empty(n + 1)
+    rate[0] = 2.0 * wrap_angle(seg_heading[0]) / dt
+    if n > 1:
+        rate[1:n] = wrap_angle(np.diff(seg_heading)) / dt
+    rate[n] = rate[n - 1]
+    return rate
+
+
+def _front_wheel_angles(heading_rate: np.ndarray, v: np.ndarray, dt: float, min_segment_m: float,
+                        wheelbase_m: float) -> np.ndarray:
+    """``atan(wheelbase * kappa)`` per point, ``kappa = heading_rate / v_path`` (1/m; v_path: the planned
+    speed, the first segment's at point 0), 0 where the point moves less than ``min_segment_m`` per step."""
+    v_path = v.copy()
+    v_path[0] = v[1]
+    moving = np.abs(v_path) * dt >= min_segment_m
+    if min_segment_m == 0.0:
+        moving &= v_path != 0.0
+    curvature = np.zeros(v.size)
+    curvature[moving] = heading_rate[moving] / v_path[moving]
+    return np.arctan(wheelbase_m * curvature)
