@@ -41,7 +41,9 @@ class OdometryBuffer:
     bracket it, or, when the stamp lies outside the buffered span, propagated at constant velocity
     from the nearest state. Either way every state used must lie within ``max_age_ns`` of the stamp.
     :meth:`wait_for` lets the caller wait (bounded) for the state after a stamp when it has not
-    arrived yet. A state more than ``jump_back_ns`` older than the newest clears the buffer first
+    arrived yet, and :meth:`wait_budget` says how long that is worth it: only while the next state is
+    due by the stream's own period, never when the stream is late or has stopped (then the pose is
+    propagated from the newest state at once). A state more than ``jump_back_ns`` older than the newest clears the buffer first
     (the clock jumped back; counted in ``time_jumps``; :class:`~.timeseries.SeriesBuffer`).
     """
 
@@ -61,6 +63,12 @@ class OdometryBuffer:
     def wait_for(self, stamp_ns: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until a state at or after ``stamp_ns`` is buffered; True if one is."""
         return self._buf.wait_for("odometry", stamp_ns, timeout_s)
+
+    def wait_budget(self, stamp_ns: int, cap_s: float) -> tuple[float, str]:
+        """Seconds worth waiting for the state at or after ``stamp_ns`` (ns), at most ``cap_s``, and why:
+        ``bracketed`` / ``late`` (0 s), ``due`` (up to 1.5 odometry periods), ``no_period`` (``cap_s``, fewer
+        than two states yet). See :meth:`~.timeseries.SeriesBuffer.wait_budget`."""
+        return self._buf.wait_budget("odometry", stamp_ns, cap_s)
 
     def pose_at(self, stamp_ns: int, max_age_ns: int) -> tuple[EgoState, str]:
         """Ego state at ``stamp_ns`` and how it was obtained: 'interpolated' or 'propagated'.

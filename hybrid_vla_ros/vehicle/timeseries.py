@@ -10,12 +10,19 @@ a sample more than ``jump_back_ns`` older than the newest of its own stream mean
 from __future__ import annotations
 
 import bisect
+import statistics
 import threading
 from typing import Generic, Iterable, TypeVar
 
 T = TypeVar("T")
 
 _NS_PER_S = 1_000_000_000
+
+#: A sample is "due" for a stamp while the stamp lies within this many sample periods of the newest
+#: sample: the next sample, one period after the newest, brackets it (with half a period of jitter).
+DUE_PERIODS = 1.5
+#: Samples whose spacing gives a stream's period (the median spacing of the newest ones).
+PERIOD_SAMPLES = 16
 
 
 class StampedSeries(Generic[T]):
@@ -54,6 +61,14 @@ class StampedSeries(Generic[T]):
     def clear(self) -> None:
         self.stamps.clear()
         self.items.clear()
+
+    def period_ns(self) -> int | None:
+        """The stream's sample period (ns): the median spacing of the newest :data:`PERIOD_SAMPLES` stamps;
+        None with fewer than two samples."""
+        recent = self.stamps[-PERIOD_SAMPLES:]
+        if len(recent) < 2:
+            return None
+        return int(statistics.median(b - a for a, b in zip(recent, recent[1:])))
 
     def bracket(self, stamp_ns: int) -> tuple[int | None, int | None]:
         """Indices of the samples around ``stamp_ns``: ``(i, i)`` for a sample exactly at it, else (the last
@@ -96,6 +111,32 @@ class SeriesBuffer:
         with self.lock:
             return self.lock.wait_for(lambda: bool(series.stamps) and series.stamps[-1] >= stamp_ns,
                                       max(0.0, timeout_s))
+
+    def wait_budget(self, name: str, stamp_ns: int, cap_s: float) -> tuple[float, str]:
+        """How long (s) a reader at ``stamp_ns`` may wait for stream ``name``'s sample at or after it, and why.
+
+        * ``(0, "bracketed")``: a sample at or after the stamp is there already;
+        * ``(0, "late")``: the stamp lies more than :data:`DUE_PERIODS` periods after the newest sample, so
+          at least one sample that should precede it is overdue (the stream is late or has stopped):
+          waiting would only hold the frame, use what is there;
+        * ``(min(cap_s, DUE_PERIODS x period), "due")``: the next sample brackets the stamp and is due within
+          about a period; wait for it, never longer than ``cap_s``;
+        * ``(cap_s, "no_period")``: fewer than two samples (start-up), the period is not known yet.
+
+        The period is measured in stamp time (:meth:`StampedSeries.period_ns`), so the bound is the same
+        for live sensors and for a bag replayed at its recorded rate.
+        """
+        series = self.series[name]
+        cap_s = max(0.0, float(cap_s))
+        with self.lock:
+            newest, period = series.latest_stamp, series.period_ns()
+        if newest is not None and newest >= stamp_ns:
+            return 0.0, "bracketed"
+        if newest is None or period is None:
+            return cap_s, "no_period"
+        if stamp_ns - newest > DUE_PERIODS * period:
+            return 0.0, "late"
+        return min(cap_s, DUE_PERIODS * period / _NS_PER_S), "due"
 
     def clear(self) -> None:
         """Forget every sample of every stream."""
