@@ -41,6 +41,7 @@ class SuffixNode(node_base.PipelineNode):
         self.frames_in = 0  # frames taken from the ring, rejected ones included
         self.frames_out = 0
         self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
+        self.odometry_late = 0  # frames placed at once because the odometry stream was late (no wait)
         self.resplits = 0  # block moves (loads or frees) that followed the prefix's split layer
         self.resplits_on_demand = 0  # of which loads for a frame at a K this side was not prepared for
         self._odom = OdometryBuffer()
@@ -204,10 +205,14 @@ class SuffixNode(node_base.PipelineNode):
 
     def _publish(self, result) -> None:
         stamp = result.meta.stamp_ns
-        # Wait briefly for the odometry after the camera stamp, so the pose can be interpolated.
-        t_wait = time.perf_counter()
-        self._odom.wait_for(stamp, self.params.odometry_wait_s)
-        odometry_wait_ms = (time.perf_counter() - t_wait) * 1e3
+        # Wait for the odometry after the camera stamp only while it is due (docs/design.md, "Pipeline and
+        # timing"); a late or stopped stream holds no frame: the pose is propagated from the newest one.
+        budget_s, why = self._odom.wait_budget(stamp, self.params.odometry_wait_s)
+        odometry_wait_ms = 0.0
+        if budget_s > 0:
+            t_wait = time.perf_counter()
+            self._odom.wait_for(stamp, budget_s)
+            odometry_wait_ms = (time.perf_counter() - t_wait) * 1e3
         try:
             ego, method = self._odom.pose_at(stamp, int(self.params.max_odometry_age_s * 1e9))
         except LookupError as e:
@@ -215,20 +220,23 @@ class SuffixNode(node_base.PipelineNode):
             return
         try:
             arrays = waypoints_to_trajectory(result.waypoints, self.runner.cfg.waypoint_dt_s, ego,
-                                             self.params.wheelbase_m)
+                                             self.params.wheelbase_m, heading_min_segment_m=self.guard.min_segment_m)
         except ValueError as e:
             self._drop("bad_waypoints", str(e))
             return
         # Output guard: an invalid trajectory is never published (one drop per frame, the first cause).
-        violations = find_violations(arrays, stamp, self.get_clock().now().nanoseconds, self.guard)
+        violations = find_violations(arrays, stamp, self.get_clock().now().nanoseconds, self.guard, ego_yaw=ego.yaw)
         if violations:
-            self._drop(f"guard_{violations[0].cause}", "trajectory not published: " + "; ".join(map(str, violations)))
+            hint = f" ({node_base.NO_CLOCK_HINT})" if violations[0].cause == "no_clock" and self.use_sim_time() else ""
+            self._drop(f"guard_{violations[0].cause}",
+                       "trajectory not published: " + "; ".join(map(str, violations)) + hint)
             return
         self._traj_pub.publish(trajectory_to_msg(arrays, stamp, self.params.output_frame))
         t_publish_ns = time.monotonic_ns()
         self.frames_out += 1
         if method == "propagated":
             self.odometry_propagated += 1
+            self.odometry_late += why == "late"
         stages = {"preprocess": result.preprocess_ms, "prefix": result.prefix_ms,
                   "handoff": result.handoff_ms, "suffix": result.suffix_ms, "odometry_wait": odometry_wait_ms}
         for k, ms in stages.items():
@@ -254,7 +262,8 @@ class SuffixNode(node_base.PipelineNode):
                 "ring_attached": self.runner is not None and self.runner.attached,
                 "ring_owner_alive": self._ring() is not None and self._ring().owner_alive,
                 "ring_read": ring.get("read", 0),
-                "odometry_propagated": self.odometry_propagated, "odometry_time_jumps": self._odom.time_jumps,
+                "odometry_propagated": self.odometry_propagated, "odometry_late": self.odometry_late,
+                "odometry_time_jumps": self._odom.time_jumps,
                 "split_layer": self.runner.split_layer if self.runner is not None else "",
                 "blocks_held_from": self.runner.stage.split_layer if self.runner is not None else "",
                 "resplits": self.resplits, "resplits_on_demand": self.resplits_on_demand,

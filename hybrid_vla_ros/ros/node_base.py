@@ -6,6 +6,8 @@ import time
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
+from rclpy.clock import Clock
+from rclpy.clock_type import ClockType
 from rclpy.exceptions import ParameterUninitializedException
 from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
@@ -88,6 +90,11 @@ def diagnostic_array(node: Node, name: str, level: bytes, message: str, values: 
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
+#: What a node with ``use_sim_time`` and no ``/clock`` says in /diagnostics, its log and the guard's drop line.
+NO_CLOCK_HINT = ("use_sim_time is true but no message has arrived on /clock yet, so the node clock reads 0 (stamps "
+                 "cannot be aged, timers on the ROS clock do not run): publish /clock (`ros2 bag play --clock`, "
+                 "`hybrid-vla replay`) or set use_sim_time false")
+
 
 def flatten_stats(stage_summary: dict, drops: dict, extra: dict) -> dict:
     """Diagnostic key/values: '<stage>_p50_ms', '<stage>_p90_ms', 'drop_<cause>', plus ``extra``."""
@@ -125,7 +132,11 @@ class PipelineNode(LifecycleNode):
         self._throttle = Throttle()
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._stall_since = time.monotonic()
-        self._diag_timer = self.create_timer(1.0, self.publish_diagnostics)
+        self._clock_missing_said = False  # NO_CLOCK_HINT logged and not yet taken back
+        # Steady time, not the node clock: with use_sim_time a ROS-time timer stops when /clock does, and
+        # /diagnostics must keep coming (it is where a missing /clock is reported).
+        self._diag_timer = self.create_timer(1.0, self.publish_diagnostics,
+                                             clock=Clock(clock_type=ClockType.STEADY_TIME))
 
     #: Parameters a running node applies as soon as they are set (through :meth:`_apply_live_parameters`);
     #: every other one is read at configure.
@@ -234,18 +245,38 @@ class PipelineNode(LifecycleNode):
 
     STALL_S = 3.0  # inputs arriving without any output for this long is an ERROR
 
+    def use_sim_time(self) -> bool:
+        """The node's ``use_sim_time`` parameter (rclpy's own): its clock follows ``/clock``."""
+        return bool(self.get_parameter("use_sim_time").value)
+
+    def clock_missing(self) -> bool:
+        """True while ``use_sim_time`` is set and no ``/clock`` message has arrived (the node clock reads 0)."""
+        return self.use_sim_time() and self.get_clock().now().nanoseconds == 0
+
+    def _say_clock_state(self, missing: bool) -> None:
+        """Log NO_CLOCK_HINT when the clock goes missing, and once more when /clock arrives."""
+        if missing and not self._clock_missing_said:
+            self.get_logger().warning(NO_CLOCK_HINT)
+        elif not missing and self._clock_missing_said:
+            self.get_logger().info(f"/clock is arriving: node clock at {self.get_clock().now().nanoseconds} ns")
+        self._clock_missing_said = missing
+
     def publish_diagnostics(self) -> None:
         """Publish one DiagnosticStatus '<fully qualified node name>: pipeline' on /diagnostics.
 
         Level: ERROR when inputs keep arriving but nothing has come out for STALL_S seconds, WARN when
-        something was dropped since the previous report or the ring holds n_slots - 1 unread frames
-        (the next frame overwrites one), else OK. Values include the ring's unread slots and the
+        ``use_sim_time`` is set and no /clock has arrived (NO_CLOCK_HINT, also logged), when something
+        was dropped since the previous report or when the ring holds n_slots - 1 unread frames (the next
+        frame overwrites one), else OK. Published on a steady-time timer, so also without /clock. Values include the ring's unread slots and the
         process's memory (resident set; CUDA allocated / reserved when the process uses CUDA).
         """
         drops = self.drops.snapshot()
         ring_ready, ring_slots = ring_fill(self._ring())
+        clock_missing = self.clock_missing()
+        self._say_clock_state(clock_missing)
         values = flatten_stats(self.times.summary(), drops,
                                {"state": lifecycle_state(self), **self._diagnostic_values(),
+                                "use_sim_time": self.use_sim_time(), "clock_missing": clock_missing,
                                 "ring_ready_slots": f"{ring_ready}/{ring_slots}", **memory_values(),
                                 "last_error": self.last_error})
         now = time.monotonic()
@@ -257,6 +288,8 @@ class PipelineNode(LifecycleNode):
         new_drops = self._diag_prev["drops"] - (prev["drops"] if prev else 0)
         if now - self._stall_since >= self.STALL_S:
             level, message = ERROR, f"inputs arrive but nothing came out for {now - self._stall_since:.0f} s"
+        elif clock_missing:
+            level, message = WARN, NO_CLOCK_HINT
         elif new_drops > 0:
             level, message = WARN, f"{new_drops} dropped since the last report ({self.last_error})"
         elif ring_slots and ring_ready >= ring_slots - 1:
