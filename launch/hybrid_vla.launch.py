@@ -14,7 +14,14 @@ manager. Camera inputs ``~/input/image<i>`` are remapped onto Autoware's
 odometry and acceleration too (used when the checkpoint has ``ego_state_input``); the suffix takes a
 navigation command name (``std_msgs/String``) on ``input_navigation_command``, its initial value from
 ``navigation_command`` (default: the parameter file's, LANE_FOLLOW as shipped).
+
+CPU cores: ``cpu_affinity`` pins the suffix, ``prefix_cpu_affinity`` the prefix. Left empty (and with
+no ``cpu_affinity`` in the prefix's parameter file), the prefix gets every core of this machine that
+the suffix does not get (the suffix's from ``cpu_affinity`` or its parameter file), so its OpenCV and
+torch threads stay off the suffix's cores; ``prefix_cpu_affinity:='[]'`` leaves it unpinned.
 """
+import os
+
 import yaml
 from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
 from launch.events import matches_action
@@ -35,6 +42,8 @@ ARGUMENTS = [
     ("model_path", "", "checkpoint directory (config.json + model.safetensors)"),
     ("split_layer", "", "split layer K in [0, L]: decoder blocks [0, K) on the GPU, [K, L) on the CPU"),
     ("cpu_affinity", "", "cores for the whole suffix process, e.g. '[6, 7]'"),
+    ("prefix_cpu_affinity", "", "cores for the whole prefix process, e.g. '[0, 1, 2, 3, 4, 5]'; empty: every core of "
+     "this machine the suffix does not get (unless the prefix parameter file sets cpu_affinity); '[]': not pinned"),
     ("device", "", "prefix device: auto | cpu | cuda | cuda:N"),
     ("dtype", "", "fp32 | bf16 | fp16 (both nodes)"),
     ("camera_transport", "raw", "raw (sensor_msgs/Image) | compressed (sensor_msgs/CompressedImage)"),
@@ -59,6 +68,35 @@ SUFFIX_OVERRIDES = ("model_path", "split_layer", "cpu_affinity", "dtype", "navig
 def _overrides(values: dict, names) -> dict:
     """Typed parameter values (YAML scalars / lists) of the non-empty launch arguments in ``names``."""
     return {n: yaml.safe_load(values[n]) if n != "model_path" else values[n] for n in names if values[n] != ""}
+
+
+def _file_value(path: str, namespace: str, node: str, name: str):
+    """Parameter ``name`` of ``node`` in parameter file ``path``; None when unset or the file is unreadable
+    (the node itself reports a file it cannot read)."""
+    from hybrid_vla_ros.ros.params_file import ParamsFileError, parameter_from_files
+
+    try:
+        return parameter_from_files([path], namespace, node, name)
+    except ParamsFileError:
+        return None
+
+
+def _prefix_cores(values: dict, prefix_file: str, suffix_file: str):
+    """The prefix's ``cpu_affinity`` override: ``prefix_cpu_affinity`` when given; else, unless the prefix's
+    file pins it, every usable core but the suffix's; None to keep the file's value."""
+    from hybrid_vla_ros.util.cores import parse_core_list
+
+    if values["prefix_cpu_affinity"] != "":
+        return yaml.safe_load(values["prefix_cpu_affinity"])
+    namespace = "/" + values["namespace"].strip("/")
+    if _file_value(prefix_file, namespace, "prefix_node", "cpu_affinity"):
+        return None
+    suffix = (yaml.safe_load(values["cpu_affinity"]) if values["cpu_affinity"] != ""
+              else _file_value(suffix_file, namespace, "suffix_node", "cpu_affinity"))
+    if not suffix:
+        return None  # the suffix is not pinned: no cores to keep clear
+    rest = sorted(os.sched_getaffinity(0) - set(parse_core_list(suffix)))
+    return rest or None  # a machine with no core left over: the prefix stays unpinned
 
 
 def _autostart(node) -> list:
@@ -88,11 +126,14 @@ def launch_setup(context, *args, **kwargs) -> list:
         target = f"/sensing/camera/camera{i}/{values['camera_topic_suffix']}"
         remaps.append((f"{name}/compressed" if transport == "compressed" else name,
                        f"{target}/compressed" if transport == "compressed" else target))
+    prefix_overrides = _overrides(values, PREFIX_OVERRIDES)
+    prefix_cores = _prefix_cores(values, prefix_file, suffix_file)
+    if prefix_cores is not None:
+        prefix_overrides["cpu_affinity"] = prefix_cores
     prefix = LifecycleNode(
         package=PACKAGE, executable="prefix_node", name="prefix_node", namespace=values["namespace"],
         output="screen",
-        parameters=[prefix_file, {"camera_topics": inputs, "camera_transports": [transport],
-                                  **_overrides(values, PREFIX_OVERRIDES)}],
+        parameters=[prefix_file, {"camera_topics": inputs, "camera_transports": [transport], **prefix_overrides}],
         remappings=remaps + [("~/input/kinematic_state", values["input_kinematic_state"]),
                              ("~/input/acceleration", values["input_acceleration"])])
     suffix = LifecycleNode(

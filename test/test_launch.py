@@ -5,6 +5,7 @@ its arguments, the nodes' parameters and remappings, and the lifecycle autostart
 checked. On a ROS 2 machine, test/test_launch_testing.py starts it for real.
 """
 import importlib.util
+import os
 import sys
 import types
 from pathlib import Path
@@ -112,7 +113,9 @@ def test_nodes_remaps_and_parameter_overrides(launch_file):
     p_over, s_over = prefix["parameters"][1], suffix["parameters"][1]
     assert p_over["split_layer"] == 16 and s_over["split_layer"] == 16
     assert p_over["model_path"] == s_over["model_path"] == "/models/orion"
-    assert s_over["cpu_affinity"] == [6, 7] and "cpu_affinity" not in p_over
+    assert s_over["cpu_affinity"] == [6, 7]
+    # the prefix gets every other core of this machine (it used to be left unpinned, its threads on the suffix's)
+    assert p_over["cpu_affinity"] == sorted(os.sched_getaffinity(0) - {6, 7})
     assert s_over["navigation_command"] == "LEFT" and "navigation_command" not in p_over
     assert p_over["camera_transports"] == ["compressed"]
     assert p_over["camera_topics"] == [f"~/input/image{i}" for i in range(6)]
@@ -168,3 +171,27 @@ def test_cpu_affinity_reaches_the_suffix_early_pinning(launch_file, tmp_path):
     override.write_text(yaml.safe_dump({"/**": {"ros__parameters": nodes["suffix_node"].kwargs["parameters"][1]}}))
     argv = ["suffix_node", "--ros-args", "--params-file", str(shipped), "--params-file", str(override)]
     assert cpu_affinity_from_ros_args(argv, "suffix_node") == [1]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split between the nodes")
+def test_prefix_cores_are_disjoint_from_the_suffix_cores(launch_file, tmp_path):
+    """prefix_cpu_affinity: empty = every usable core but the suffix's (from cpu_affinity, or else from the
+    suffix's parameter file); an explicit value or the prefix file's own value wins; '[]' = not pinned."""
+    module, classes = launch_file
+    usable = sorted(os.sched_getaffinity(0))
+    suffix_core = usable[-1]
+
+    def prefix_cores(**given):
+        _, _, nodes = _setup(module, classes, **given)
+        return nodes["prefix_node"].kwargs["parameters"][1].get("cpu_affinity")
+
+    assert prefix_cores(cpu_affinity=f"[{suffix_core}]") == usable[:-1]
+    suffix_file = tmp_path / "suffix.yaml"
+    suffix_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": {"cpu_affinity": [suffix_core]}}}))
+    assert prefix_cores(suffix_param_file=str(suffix_file)) == usable[:-1]
+    assert prefix_cores(cpu_affinity=f"[{suffix_core}]", prefix_cpu_affinity="[0]") == [0]
+    assert prefix_cores(cpu_affinity=f"[{suffix_core}]", prefix_cpu_affinity="[]") == []
+    prefix_file = tmp_path / "prefix.yaml"
+    prefix_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": {"cpu_affinity": [0]}}}))
+    assert prefix_cores(cpu_affinity=f"[{suffix_core}]", prefix_param_file=str(prefix_file)) is None  # the file's
+    assert prefix_cores() is None, "an unpinned suffix leaves nothing to keep clear of"

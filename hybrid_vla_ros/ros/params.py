@@ -249,7 +249,7 @@ def validate(node: str, values: Mapping[str, Any], *, n_cameras: int | None = No
     problems += _checkpoint_checks(merged, bad, num_layers)
     if node == "prefix_node":
         problems += _camera_checks(merged, bad, n_cameras)
-    elif node == "suffix_node":
+    if "cpu_affinity" in merged:  # both nodes
         problems += _affinity_checks(merged, bad)
     if problems:
         raise ParameterError(problems)

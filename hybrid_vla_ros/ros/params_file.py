@@ -1,7 +1,8 @@
 """Reading ROS 2 parameter files the way rcl reads them, before rclpy starts.
 
-The suffix node must pin its process to ``cpu_affinity`` before torch or rclpy start threads, so it reads that
-one parameter itself from its command line (``-p``, ``--params-file``) before ``rclpy.init``. The files it
+Both nodes pin their process to ``cpu_affinity`` before rclpy (and, in the suffix, torch) start threads, so
+they read that one parameter themselves from their command line (``-p``, ``--params-file``) before
+``rclpy.init`` (:func:`pin_from_ros_args`). The files it
 meets there are written by people and by launch_ros. launch_ros (``launch_ros.actions.Node``) writes the
 parameters of a launch file's dict with ``yaml.dump``, which turns the tuples its parameter normalisation
 makes of every list into ``!!python/tuple`` nodes (``cpu_affinity: !!python/tuple [6, 7]``); rcl's own YAML
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ..util.cores import parse_core_list
+from ..util.cores import parse_core_list, pin_process
 
 PARAMETERS_KEY = "ros__parameters"
 
@@ -160,3 +161,14 @@ def cpu_affinity_from_ros_args(argv: list[str], node: str = "suffix_node") -> li
         return parse_core_list(raw)
     except ValueError as e:
         raise ParamsFileError(f"cpu_affinity: {e}") from None
+
+
+def pin_from_ros_args(argv: list[str], node: str) -> list[int] | None:
+    """Pin the whole process (every thread that exists, and all later ones) to ``node``'s ``cpu_affinity`` from
+    its command line (:func:`cpu_affinity_from_ros_args`). Returns the cores, None when not given, [] when
+    given empty (not pinned). Raises ValueError (ParamsFileError) for a value or file that cannot be read,
+    or cores this process may not use (:func:`~hybrid_vla_ros.util.cores.pin_process`)."""
+    cores = cpu_affinity_from_ros_args(argv, node)
+    if cores:
+        pin_process(cores)
+    return cores

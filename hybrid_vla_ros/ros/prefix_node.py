@@ -16,13 +16,21 @@ samples (``core/ego_input.py``); the worker waits up to ``ego_state_wait_s`` for
 or after the camera stamp, then feeds speed, acceleration and yaw rate at that stamp to the model. A
 frame without a usable ego state is dropped and counted (``no_ego_state``, ``stale_ego_state``,
 ``no_acceleration``), never computed with a made-up one.
+
+CPU cores: ``main`` pins the process to ``cpu_affinity`` (from the command line or params file) before
+``rclpy.init`` starts the DDS threads and before torch's and OpenCV's pools start; the few threads the
+imports above started already are pinned with them (``util.cores.pin_process``), and configure pins
+again and sizes torch's and OpenCV's pools to the pinned cores. Give the prefix the cores the suffix
+does not have (the launch file and ``hybrid-vla replay`` do).
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 
+import cv2
 import rclpy
 import torch
 from geometry_msgs.msg import AccelWithCovarianceStamped
@@ -42,9 +50,11 @@ from ..vehicle.ego_input import (
     kinematic_sample_from_odometry,
 )
 from ..vehicle.image import ImageDecodeError
+from ..util.cores import pin_process
 from ..vehicle.sync import CameraSynchronizer
 from . import node_base
 from .params import ParameterError, Params
+from .params_file import pin_from_ros_args
 
 #: Log text of each synchronizer drop cause (vehicle.sync.DROP_CAUSES).
 SYNC_DROP_REASONS = {
@@ -70,8 +80,9 @@ class PrefixNode(node_base.PipelineNode):
 
     LIVE_PARAMETERS = ("split_layer",)
 
-    def __init__(self, **kwargs):
+    def __init__(self, early_affinity: list[int] | None = None, **kwargs):
         super().__init__("prefix_node", **kwargs)
+        self.early_affinity = early_affinity  # cores main() pinned the process to before rclpy.init
         self.runner: PrefixRunner | None = None
         self.params: Params | None = None
         self.frames_in = 0
@@ -96,6 +107,9 @@ class PrefixNode(node_base.PipelineNode):
             p = self.read_parameters()  # schema checks first: model_path must name a directory
             cfg = VLAConfig.load(p.model_path)
             p = self.read_parameters(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers)
+            if p.cpu_affinity:
+                pin_process(p.cpu_affinity)
+                cv2.setNumThreads(len(p.cpu_affinity))
             self.plan = None
             k = p.split_layer
             if k == "auto":
@@ -104,7 +118,8 @@ class PrefixNode(node_base.PipelineNode):
                 self.get_logger().info(f"split_layer auto: {self.plan.reason}")
             self.runner = PrefixRunner(p.model_path, k, device=p.device, dtype=p.dtype,
                                        ring_name=p.ring_name, namespace=self.get_namespace(),
-                                       ring_slots=p.ring_slots, torch_threads=p.torch_threads,
+                                       ring_slots=p.ring_slots,
+                                       torch_threads=p.torch_threads or len(p.cpu_affinity),
                                        fast_jpeg_decode=p.fast_jpeg_decode)
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.last_error = str(e)
@@ -119,6 +134,8 @@ class PrefixNode(node_base.PipelineNode):
                if p.fast_jpeg_decode else "")
             + (f"; ego state input (wait {p.ego_state_wait_s} s, max age {p.max_ego_state_age_s} s)"
                if cfg.ego_state_input else "")
+            + (f"; cores {p.cpu_affinity} (pinned early: {self.early_affinity or 'no'})" if p.cpu_affinity
+               else "; not pinned (cpu_affinity [])")
             + (" [random-init weights: trajectories are not driving advice]" if cfg.random_init else ""))
         return TransitionCallbackReturn.SUCCESS
 
@@ -383,13 +400,19 @@ class PrefixNode(node_base.PipelineNode):
                 "fast_jpeg_decode": bool(self.params.fast_jpeg_decode) if self.params else "",
                 "ego_state_input": self.runner is not None and self.runner.cfg.ego_state_input,
                 **{f"ego_accel_{source}": n for source, n in self.ego_accel_sources.items()},
-                "ego_time_jumps": self._ego.time_jumps}
+                "ego_time_jumps": self._ego.time_jumps, "cpu_affinity": sorted(os.sched_getaffinity(0))}
 
 
 def main(args: list[str] | None = None) -> int:
-    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args ...``."""
-    rclpy.init(args=args if args is not None else sys.argv)
-    return node_base.spin(PrefixNode())
+    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args -p cpu_affinity:=[0,1] ...``."""
+    argv = args if args is not None else sys.argv
+    try:
+        early = pin_from_ros_args(argv, "prefix_node")
+    except ValueError as e:
+        print(f"prefix_node: {e}", file=sys.stderr)
+        return 2
+    rclpy.init(args=argv)
+    return node_base.spin(PrefixNode(early_affinity=early))
 
 
 if __name__ == "__main__":

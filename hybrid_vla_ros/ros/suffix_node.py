@@ -25,13 +25,9 @@ import sys
 def _pin_early(argv: list[str]) -> list[int] | None:
     """Apply ``cpu_affinity`` from the command line (``-p`` or a ``--params-file``, launch_ros' files included)
     before any thread-starting import. Raises ValueError (ParamsFileError) naming what cannot be read."""
-    from ..util.cores import pin_process
-    from .params_file import cpu_affinity_from_ros_args
+    from .params_file import pin_from_ros_args
 
-    cores = cpu_affinity_from_ros_args(argv, "suffix_node")
-    if cores:
-        pin_process(cores)
-    return cores
+    return pin_from_ros_args(argv, "suffix_node")
 
 
 def main(args: list[str] | None = None) -> int:
