@@ -4,7 +4,9 @@ It starts the two node processes (or, with ``--attach``, uses nodes already runn
 with ``ros2 run`` on a ROS 2 machine), drives them through configure and activate with the standard
 ``lifecycle_msgs/srv/ChangeState`` services as a lifecycle manager would, replays a rosbag2 bag
 (MCAP or sqlite3, read with rosbags) at its recorded rate through rclpy publishers, looped
-``--loops`` times with header stamps shifted so time keeps increasing, records every published
+``--loops`` times with header stamps shifted so time keeps increasing, and publishes the bag's time on
+``/clock`` (as ``ros2 bag play --clock`` does; the nodes it starts run with ``use_sim_time: true``, so
+their output guard judges the recorded stamps against the bag's clock), records every published
 Trajectory (and the per-frame timing) into an MCAP bag, and prints a report. It then deactivates
 and cleans both nodes up and stops the processes. With ``--plots DIR`` it also draws what the
 pipeline did (see :mod:`hybrid_vla_ros.tools.plots`).
@@ -94,6 +96,12 @@ class Recorder:
 def _parse_cores(text: str | None) -> list[int]:
     """``--suffix-cores`` -> core list (``util.cores.parse_core_list``); None -> the last usable core."""
     return usable_cores()[-1:] if text is None else parse_core_list(text)
+
+
+def prefix_cores(suffix_cores: list[int]) -> list[int]:
+    """The prefix's cores: every core this process may use that the suffix does not get ([] = not pinned,
+    when none is left over), so the prefix's OpenCV and torch threads stay off the suffix's cores."""
+    return sorted(set(usable_cores()) - set(suffix_cores))
 
 
 def config_file(name: str) -> Path:
@@ -217,6 +225,8 @@ class ReplaySession:
         self.ns = "/" + args.namespace.strip("/")
         self.k = cfg.num_layers // 2 if args.split_layer is None else args.split_layer
         self.suffix_cores = _parse_cores(args.suffix_cores)
+        self.prefix_cores = prefix_cores(self.suffix_cores)
+        self.clock = None  # the bag's clock on /clock (tools.sim_clock.BagClock) while the replay runs
         play_topics = {f"{t}/compressed" if args.transport == "compressed" else t for t in cams} | {ODOMETRY_TOPIC}
         if cfg.ego_state_input:  # only a prefix with ego state input subscribes to the acceleration
             play_topics.add(ACCELERATION_TOPIC)
@@ -227,22 +237,29 @@ class ReplaySession:
         self.interrupted = False
 
     def write_params(self) -> Path:
-        """The params file both node processes read (also a record of what was run)."""
+        """The params file both node processes read (also a record of what was run).
+
+        Both nodes run on the bag's clock (``use_sim_time: true``; the replay publishes ``/clock``), so the
+        output guard's age check stays on. At ``--rate`` above 1 the bag's clock runs that much faster than
+        the computer, so ``guard.max_age_s`` is scaled by the rate: it stays the same compute latency in
+        wall time. The prefix is pinned to the cores the suffix does not get (:func:`prefix_cores`)."""
         import yaml
 
+        from ..ros.params import defaults
+
         a, model = self.args, str(Path(self.args.model_path).resolve())
-        prefix_threads = a.prefix_threads or max(1, len(os.sched_getaffinity(0)) - len(self.suffix_cores))
+        prefix_threads = a.prefix_threads or max(1, len(self.prefix_cores) or len(os.sched_getaffinity(0)))
+        suffix = {"model_path": model, "split_layer": self.k, "cpu_affinity": self.suffix_cores,
+                  "threads": len(self.suffix_cores), "dtype": a.dtype, "use_sim_time": True}
+        if a.rate > 1.0:
+            suffix["guard.max_age_s"] = round(defaults("suffix_node")["guard.max_age_s"] * a.rate, 6)
         params = {
             f"{self.ns}/prefix_node": {"ros__parameters": {
                 "model_path": model, "split_layer": self.k, "camera_topics": self.cams,
                 "camera_transports": [a.transport], "sync_tolerance_ms": a.sync_tolerance_ms,
                 "device": a.device, "dtype": a.dtype, "torch_threads": prefix_threads,
-                "fast_jpeg_decode": a.fast_jpeg_decode}},
-            # The bag keeps its recorded stamps (years old by the node clock), so the output guard's age
-            # check is off for these two processes only; every other guard check stays as configured.
-            f"{self.ns}/suffix_node": {"ros__parameters": {
-                "model_path": model, "split_layer": self.k, "cpu_affinity": self.suffix_cores,
-                "threads": len(self.suffix_cores), "dtype": a.dtype, "guard.check_age": False}},
+                "cpu_affinity": self.prefix_cores, "fast_jpeg_decode": a.fast_jpeg_decode, "use_sim_time": True}},
+            f"{self.ns}/suffix_node": {"ros__parameters": suffix},
         }
         path = self.out / "params.yaml"
         path.write_text(yaml.safe_dump(params, sort_keys=False))
@@ -253,6 +270,20 @@ class ReplaySession:
         from rclpy.executors import SingleThreadedExecutor
         from rclpy.signals import SignalHandlerOptions
 
+        from .sim_clock import BagClock
+
+        # No rclpy signal handler: Ctrl-C stays a KeyboardInterrupt here, so the replay can stop playback,
+        # still take the nodes down through their lifecycle and write the report.
+        context = rclpy.Context()
+        rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
+        node = rclpy.create_node("hybrid_vla_replay", context=context)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(node)
+        spin = threading.Thread(target=executor.spin, daemon=True)
+        spin.start()
+        # The bag's clock on /clock before the nodes start (they run with use_sim_time: true), held at the
+        # bag's first receive time until playback starts.
+        self.clock = BagClock(node, self.play[0].t_ns).start()
         if not self.args.attach:
             params_file = self.write_params()
             # The prefix reads odometry (and acceleration) only for a checkpoint with ego_state_input.
@@ -265,21 +296,13 @@ class ReplaySession:
                 "suffix_node", self.ns, params_file,
                 ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}", "-r", f"~/output/trajectory:={self.args.output_topic}"],
                 self.out / "suffix_node.log"))
-        # No rclpy signal handler: Ctrl-C stays a KeyboardInterrupt here, so the replay can stop playback,
-        # still take the nodes down through their lifecycle and write the report.
-        context = rclpy.Context()
-        rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
-        node = rclpy.create_node("hybrid_vla_replay", context=context)
-        executor = SingleThreadedExecutor(context=context)
-        executor.add_node(node)
-        spin = threading.Thread(target=executor.spin, daemon=True)
-        spin.start()
         rc = 1
         try:
             rc = self._drive(node)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
         finally:
+            self.clock.stop()
             if self.bag is not None:
                 self.bag.close()
             executor.shutdown()
@@ -382,7 +405,7 @@ class ReplaySession:
         first_camera = f"{self.cams[0]}/compressed" if self.args.transport == "compressed" else self.cams[0]
         self.resplit_log = []
         published = _play(self.args, self.play, publishers, self.rec, self.ns, first_camera,
-                          on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None)
+                          on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None, clock=self.clock)
         self.interrupted = published["interrupted"]
         if self.interrupted:
             print("\ninterrupted: playback stopped, shutting the nodes down", file=sys.stderr)
@@ -417,8 +440,12 @@ class ReplaySession:
                   file=sys.stderr)
         if report["drops"].get("suffix.guard_too_old") or report["drops"].get("suffix.guard_future_stamp"):
             print("hint: the suffix node's output guard dropped trajectories for their stamps: the replay plays the "
-                  "bag's recorded stamps, so nodes that replay drives need guard.check_age false (the params.yaml "
-                  "a replay writes has it)", file=sys.stderr)
+                  "bag's recorded stamps and publishes the bag's time on /clock, so the nodes it drives must run "
+                  "with use_sim_time:=true (the params.yaml a replay writes has it; with --attach start them so)",
+                  file=sys.stderr)
+        if report["drops"].get("suffix.guard_no_clock"):
+            print("hint: the suffix node's clock read 0 (use_sim_time without /clock): is this replay's /clock "
+                  "reaching it (same ROS_DOMAIN_ID, discovery range)?", file=sys.stderr)
         plots_ok = self._write_plots(frames) if self.args.plots else True
         return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
 
@@ -513,8 +540,11 @@ def _drops(prefix: dict, suffix: dict) -> dict[str, int]:
     return drops
 
 
-def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None) -> dict:
+def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None, clock=None) -> dict:
     """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
+
+    ``clock`` (tools.sim_clock.BagClock): the bag's clock, run with the playback from its first message and
+    advanced to each message's receive time (loop offset included) before the message goes out.
 
     Records the odometry played and the messages of ``first_camera`` into ``rec`` (for the plots). The
     progress bar counts frames and shows trajectories and drops (from the nodes' latest /diagnostics).
@@ -538,10 +568,12 @@ def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None
     status = (f"{ns}/prefix_node: pipeline", f"{ns}/suffix_node: pipeline")
     counts = {"messages": 0}
     wall0 = time.monotonic()
+    if clock is not None:
+        clock.run(t0, wall0, args.rate)
     interrupted = False
     try:
         _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                    first_camera, status, counts, on_frame)
+                    first_camera, status, counts, on_frame, clock)
     except KeyboardInterrupt:
         interrupted = True
     bar.close()
@@ -550,7 +582,7 @@ def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None
 
 
 def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                first_camera, status, counts, on_frame=None) -> None:
+                first_camera, status, counts, on_frame=None, clock=None) -> None:
     from ..vehicle.trajectory import ego_state_from_odometry
 
     last_frame = None
@@ -572,6 +604,8 @@ def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, w
                 if on_frame is not None:
                     on_frame(counts.get("frames", 0))  # (a disabled tqdm bar does not count)
                 counts["frames"] = counts.get("frames", 0) + 1
+            if clock is not None:
+                clock.advance_to(m.t_ns + offset)  # the bag's clock first: no message from a node's future
             pub.publish(msg)
             counts["messages"] += 1
             if CAMERA_TOPIC.match(m.topic):
@@ -615,6 +649,9 @@ def _report(rec, frames, published, ns, k, cfg, bag_path, tolerance_ms) -> dict:
     stages["end_to_end"] = percentiles(e2e)
     drops = _drops(prefix, suffix)
     return {
+        "cpu_affinity": {side: json.loads(d["cpu_affinity"]) if d.get("cpu_affinity") else None
+                         for side, d in (("prefix", prefix), ("suffix", suffix))},
+        "use_sim_time": {side: d.get("use_sim_time") == "True" for side, d in (("prefix", prefix), ("suffix", suffix))},
         "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
         "camera_messages_in": int(prefix.get("frames_in", 0)),
         "frames_published": len(frames),
@@ -663,6 +700,9 @@ def _print_report(r: dict) -> None:
     if r.get("foreign_trajectories"):
         print(f"  foreign trajectories   {r['foreign_trajectories']} (not from this replay's frames: another publisher?)")
     print(f"  drops by cause         {r['drops'] or 'none'}")
+    cores = r.get("cpu_affinity") or {}
+    if cores.get("prefix") or cores.get("suffix"):
+        print(f"  cores                  prefix {cores.get('prefix')}, suffix {cores.get('suffix')}")
     print(f"  {'stage':<22} {'n':>5} {'p50 ms':>9} {'p90 ms':>9}")
     for stage, s in r["stages_ms"].items():
         if s["n"]:
