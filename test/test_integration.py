@@ -3,6 +3,9 @@
 `hybrid-vla replay` starts both node processes, drives their lifecycle services, plays the bag and
 records the trajectories. The test then recomputes every trajectory offline from the same camera
 frames and odometry with the monolithic model and checks the published one matches it.
+
+The replay drives both nodes on the bag's clock (``use_sim_time`` and ``/clock``) with the output
+guard's age check on; a second replay loops the bag twice, so the clock has to follow the shifted stamps.
 """
 import json
 import math
@@ -31,18 +34,25 @@ def _stamp(msg) -> int:
     return msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
 
 
-@pytest.fixture(scope="module")
-def replay_run(tmp_path_factory, tiny_checkpoint, embedded_bag):
-    out = tmp_path_factory.mktemp("replay")
+def _replay(out: Path, checkpoint: Path, bag: Path, *extra: str):
     ns = f"/it_{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--model-path", str(tiny_checkpoint),
-           "--bag", str(embedded_bag), "--loops", "1", "--split-layer", "1", "--namespace", ns,
-           "--output", str(out), "--quiet"]
+    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--model-path", str(checkpoint),
+           "--bag", str(bag), "--split-layer", "1", "--namespace", ns, "--output", str(out), "--quiet", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     logs = "\n".join(p.read_text() for p in out.glob("*.log"))
     assert proc.returncode == 0, f"replay failed:\n{proc.stdout}\n{proc.stderr}\n{logs}"
     return out, ns, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def replay_run(tmp_path_factory, tiny_checkpoint, embedded_bag):
+    return _replay(tmp_path_factory.mktemp("replay"), tiny_checkpoint, embedded_bag, "--loops", "1")
+
+
+@pytest.fixture(scope="module")
+def looped_run(tmp_path_factory, tiny_checkpoint, embedded_bag):
+    return _replay(tmp_path_factory.mktemp("replay_loops"), tiny_checkpoint, embedded_bag, "--loops", "2")
 
 
 def test_report_counts_every_frame(replay_run):
@@ -116,3 +126,81 @@ def test_published_trajectories_match_the_monolithic_model(replay_run, tiny_chec
             assert p.longitudinal_velocity_mps == pytest.approx(v, abs=1e-4)
             assert math.isfinite(p.acceleration_mps2) and math.isfinite(p.heading_rate_rps)
             assert math.isfinite(p.front_wheel_angle_rad)
+
+
+def _published(out: Path) -> list:
+    from rosbags.highlevel import AnyReader
+
+    with AnyReader([out / "trajectories"], default_typestore=_typestore_with_autoware()) as reader:
+        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"]
+        return [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
+
+
+@pytest.mark.parametrize("run", ["replay_run", "looped_run"])
+def test_nodes_run_on_the_bag_clock_with_the_age_check_on(request, run, embedded_bag):
+    """Both nodes take the bag's time from /clock (use_sim_time), the output guard keeps its age check (the
+    replay no longer writes guard.check_age: false), and every frame passes it: the recorded stamps are
+    fresh by the bag's clock. Looped twice, the stamps are shifted by a loop length and the clock follows
+    them (a clock left behind would drop the second loop as future_stamp, one run ahead as too_old)."""
+    out, ns, _ = request.getfixturevalue(run)
+    import yaml
+
+    params = yaml.safe_load((out / "params.yaml").read_text())
+    for name in ("prefix_node", "suffix_node"):
+        assert params[f"{ns}/{name}"]["ros__parameters"]["use_sim_time"] is True
+    assert "guard.check_age" not in params[f"{ns}/suffix_node"]["ros__parameters"]
+    report = json.loads((out / "report.json").read_text())
+    loops = report["settings"]["loops"]
+    assert report["use_sim_time"] == {"prefix": True, "suffix": True}
+    assert report["trajectories_out"] == 3 * loops and report["drops"] == {}, report
+    assert "guard.check_age is false" not in (out / "suffix_node.log").read_text()
+    stamps = sorted(t.header.stamp.sec * 10**9 + t.header.stamp.nanosec for t in _published(out))
+    frames = sorted({m.t_ns for m in read_bag(embedded_bag) if m.topic.endswith("/image_raw/compressed")})
+    assert len(stamps) == 3 * loops and stamps[:3] == frames and all(b > a for a, b in zip(stamps, stamps[1:]))
+
+
+def test_the_prefix_runs_on_the_cores_the_suffix_does_not_get(replay_run):
+    """The replay pins the suffix to its --suffix-cores (default: the last core) and the prefix to all the
+    others, so the prefix's OpenCV and torch threads stay off the suffix's core; both report their cores."""
+    out, _, stdout = replay_run
+    report = json.loads((out / "report.json").read_text())
+    usable = sorted(os.sched_getaffinity(0))
+    cores = report["cpu_affinity"]
+    assert cores["suffix"] == usable[-1:]
+    assert cores["prefix"] == (usable[:-1] or usable)  # one core: nothing left over, the prefix is unpinned
+    assert "cores                  prefix" in stdout
+
+
+def test_point_yaws_never_follow_sub_metre_segments(replay_run, embedded_bag):
+    """The random-init model's waypoints stay within about a metre of the ego (a car nearly at standstill,
+    its waypoints jittering by tens of centimetres). The first point of every published trajectory faces
+    the odometry heading at the camera stamp, and every later point either keeps the yaw before it or
+    faces along a chord of at least guard.min_segment_m (1 m) to a later point: never along a
+    centimetre-long segment (which put yaws up to 180 deg off the vehicle's heading)."""
+    out, _, _ = replay_run
+    buffer = OdometryBuffer()
+    for m in read_bag(embedded_bag):
+        if m.topic == "/localization/kinematic_state":
+            buffer.add(ego_state_from_odometry(_typestore_with_autoware().deserialize_cdr(m.raw, m.msgtype)))
+    published = _published(out)
+    assert len(published) == 3
+
+    def same(a, b, modulo=2 * math.pi):
+        return abs(math.remainder(a - b, modulo)) < 1e-6
+
+    kept = 0
+    for traj in published:
+        ego, _ = buffer.pose_at(_stamp(traj), int(1e9))
+        xy = np.array([[p.pose.position.x, p.pose.position.y] for p in traj.points])
+        yaws = []
+        for p in traj.points:
+            q = p.pose.orientation
+            yaws.append(math.atan2(2 * (q.w * q.z + q.x * q.y), 1 - 2 * (q.y * q.y + q.z * q.z)))
+        assert same(yaws[0], ego.yaw), "the first point is the ego pose: the odometry heading"
+        assert np.hypot(*np.diff(xy, axis=0).T).max() < 1.0, "sub-metre segments only (the demo model)"
+        for k in range(1, len(yaws)):
+            chords = [math.atan2(*(xy[j] - xy[k])[::-1]) for j in range(k + 1, len(xy))
+                      if np.hypot(*(xy[j] - xy[k])) >= 1.0]
+            assert same(yaws[k], yaws[k - 1]) or any(same(yaws[k], c, math.pi) for c in chords), (k, yaws, chords)
+            kept += same(yaws[k], yaws[k - 1])
+    assert kept > 0, "some points had no chord of a metre: they kept the heading before them"

@@ -1,8 +1,12 @@
-"""The two lifecycle nodes as real processes: lifecycle services, split-layer following, live re-split, re-configure.
+"""The two lifecycle nodes as real processes: lifecycle services, split-layer following, live re-split, re-configure,
+the node clock (use_sim_time without /clock), odometry that stops, and the cores each process runs on.
 
 The test process acts as lifecycle manager and camera driver: it calls ChangeState / SetParameters
 on the nodes and publishes real frames of the embedded bag.
 """
+import contextlib
+import math
+import os
 import threading
 import time
 import uuid
@@ -71,15 +75,19 @@ class Graph:
         rclpy.try_shutdown()
 
 
-@pytest.fixture
-def nodes(tmp_path, tiny_checkpoint):
+@contextlib.contextmanager
+def _node_processes(tmp_path, tiny_checkpoint, prefix_extra=None, suffix_extra=None):
+    """Both nodes as processes (unconfigured) and a Graph; yields (ns, graph, prefix, suffix, procs, logs)."""
     ns = f"/nt_{uuid.uuid4().hex[:8]}"
     common = {"model_path": str(tiny_checkpoint), "dtype": "fp32"}
     params = {
         f"{ns}/prefix_node": {"ros__parameters": {**common, "split_layer": 1, "camera_transports": ["compressed"],
-                                                  "camera_topics": [f"{ns}/cam{i}" for i in range(6)]}},
-        # the bag's recorded stamps are years old: the output guard's age check is off, as in a replay
-        f"{ns}/suffix_node": {"ros__parameters": {**common, "split_layer": 2, "guard.check_age": False}},
+                                                  "camera_topics": [f"{ns}/cam{i}" for i in range(6)],
+                                                  **(prefix_extra or {})}},
+        # the bag's recorded stamps are years old by the system clock these nodes run on: the output guard's
+        # age check is off (a replay runs them on the bag's clock instead, test_integration)
+        f"{ns}/suffix_node": {"ros__parameters": {**common, "split_layer": 2, "guard.check_age": False,
+                                                  **(suffix_extra or {})}},
     }
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump(params))
@@ -98,6 +106,12 @@ def nodes(tmp_path, tiny_checkpoint):
         codes = stop_processes(procs)
         assert codes == [0, 0], "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
         assert not Path("/dev/shm", segment_name("prefix_states", ns)).exists()
+
+
+@pytest.fixture
+def nodes(tmp_path, tiny_checkpoint):
+    with _node_processes(tmp_path, tiny_checkpoint) as running:
+        yield running
 
 
 def _frame_publisher(graph, ns, embedded_bag):
@@ -293,3 +307,161 @@ def test_live_resplit_on_running_nodes(nodes, embedded_bag):
     assert "split_layer auto: no profile, latencies unknown: K=4" in (logs / "prefix.log").read_text()
     result = _try_set_param(graph, f"{ns}/prefix_node", "split_layer", "fastest")
     assert not result.successful and "split_layer: must match ^auto$" in result.reason
+
+
+def _until_answered(graph, attempt, tries: int = 4, patience_s: float = 15.0) -> bool:
+    """Call ``attempt(k)`` (publish a frame) until a trajectory more than before comes out; True when one did.
+    Camera subscriptions are best effort: a frame sent while DDS is still matching the endpoints can be
+    lost, so a frame is sent again (with a stamp ``attempt`` makes later) rather than the test failing."""
+    before = len(graph.trajectories)
+    for k in range(tries):
+        attempt(k)
+        if graph.wait(lambda: len(graph.trajectories) > before, timeout=patience_s):
+            return True
+    return False
+
+
+def _statuses(graph, name):
+    """Every DiagnosticStatus '<name>' the graph node receives from now on: [(level, message, values)]."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    got = []
+
+    def on_diag(msg):
+        for st in msg.status:
+            if st.name == name:
+                with graph.lock:
+                    got.append((int.from_bytes(st.level, "little") if isinstance(st.level, bytes) else int(st.level),
+                                st.message, {kv.key: kv.value for kv in st.values}))
+    graph.node.create_subscription(DiagnosticArray, "/diagnostics", on_diag, 50)
+    return got
+
+
+def test_use_sim_time_without_clock_is_reported_and_named_by_the_guard(tmp_path, tiny_checkpoint, embedded_bag):
+    """Nodes with use_sim_time and no /clock: their clock reads 0. Both say so in /diagnostics (published on
+    a steady timer: on the ROS clock it never ran) and in the log, naming use_sim_time and /clock; the
+    suffix's guard, age check on, drops the frame as guard_no_clock with that hint instead of a bare
+    future_stamp. Once /clock comes, the same kind of frame goes out with the age check on."""
+    from rosgraph_msgs.msg import Clock
+
+    from hybrid_vla_ros.ros.node_base import NO_CLOCK_HINT
+
+    sim = {"use_sim_time": True}
+    with _node_processes(tmp_path, tiny_checkpoint, prefix_extra=sim,
+                         suffix_extra={**sim, "guard.check_age": True}) as (ns, graph, prefix, suffix, procs, logs):
+        reports = {side: _statuses(graph, f"{ns}/{side}_node: pipeline") for side in ("prefix", "suffix")}
+        assert graph.wait(lambda: all(reports.values())), "no /diagnostics without /clock"
+        for side, got in reports.items():
+            level, message, values = got[0]
+            assert level == 1 and message == NO_CLOCK_HINT, (side, got[0])  # WARN
+            assert values["use_sim_time"] == "True" and values["clock_missing"] == "True"
+            assert graph.wait(lambda: NO_CLOCK_HINT in (logs / f"{side}.log").read_text()), side
+        for client in (prefix, suffix):
+            assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
+        publish = _frame_publisher(graph, ns, embedded_bag)
+        publish(0)
+        assert graph.wait(lambda: "guard_no_clock" in (logs / "suffix.log").read_text()), (logs / "suffix.log").read_text()
+        line = next(ln for ln in (logs / "suffix.log").read_text().splitlines() if "guard_no_clock" in ln)
+        assert "use_sim_time" in line and "/clock" in line and "future_stamp" not in line, line
+        assert graph.trajectories == []
+        # the bag's clock arrives: 50 ms after frame 1's stamp, as `ros2 bag play --clock` would publish it
+        clock_pub = graph.node.create_publisher(Clock, "/clock", 10)
+        frame1 = sorted({m.t_ns for m in read_bag(embedded_bag) if m.topic.endswith("/compressed")})[1]
+        tick = Clock()
+        tick.clock.sec, tick.clock.nanosec = divmod(frame1 + 50_000_000, 10**9)
+        stop = threading.Event()
+
+        def keep_ticking():
+            while not stop.wait(0.05):
+                clock_pub.publish(tick)
+
+        ticker = threading.Thread(target=keep_ticking)
+        ticker.start()
+        try:
+            assert graph.wait(lambda: "/clock is arriving" in (logs / "suffix.log").read_text())
+            publish(1)
+            assert graph.wait(lambda: len(graph.trajectories) == 1), (logs / "suffix.log").read_text()
+            assert graph.wait(lambda: reports["suffix"][-1][2]["clock_missing"] == "False")
+        finally:
+            stop.set()
+            ticker.join()
+
+
+def test_odometry_that_stops_does_not_hold_the_frame(nodes, embedded_bag):
+    """Odometry at 20 Hz that stops 0.3 s before the camera stamp (never resumes): the frame is not held
+    for the odometry_wait_s (5 s here) the old per-frame wait spent; the trajectory comes out at once,
+    placed with the pose propagated from the newest odometry at constant velocity, and is counted as
+    odometry_propagated / odometry_late. Its frame timing reports no odometry wait at all."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    from hybrid_vla_ros.tools.replay import message_class
+    from hybrid_vla_ros.util.stamps import set_header_stamp
+
+    ns, graph, prefix, suffix, procs, logs = nodes
+    _set_param(graph, f"{ns}/suffix_node", "odometry_wait_s", 5.0)
+    _set_param(graph, f"{ns}/suffix_node", "split_layer", 1)
+    for client in (prefix, suffix):
+        assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
+    timings = []
+    graph.node.create_subscription(DiagnosticArray, f"{ns}/suffix_node/debug/frame_timing",
+                                   lambda m: graph._keep(timings, {kv.key: kv.value for kv in m.status[0].values}), 10)
+    msgs = read_bag(embedded_bag)
+    odom_cls, image_cls = message_class("nav_msgs/msg/Odometry"), message_class("sensor_msgs/msg/CompressedImage")
+    odom_pub = graph.node.create_publisher(odom_cls, f"{ns}/odom", 10)
+    template = deserialize_message(next(m for m in msgs if m.topic == "/localization/kinematic_state").raw, odom_cls)
+    q = template.pose.pose.orientation
+    yaw = math.atan2(2 * (q.w * q.z + q.x * q.y), 1 - 2 * (q.y * q.y + q.z * q.z))
+    speed = 1.26  # m/s along base_link x (REP 105), the bag's real pace
+    cams = sorted({m.topic for m in msgs if m.topic.endswith("/image_raw/compressed")})
+    image_pubs = [graph.node.create_publisher(image_cls, f"{ns}/cam{i}/compressed", 10) for i in range(len(cams))]
+    wait_for_subscribers(image_pubs + [odom_pub], 10)
+    stamp = sorted({m.t_ns for m in msgs if m.topic.endswith("/compressed")})[0]
+    odometry = []  # (stamp ns, x, y)
+    for k in range(15):  # stamps S - 1.0 s ... S - 0.3 s, every 50 ms; then nothing
+        t = stamp - 1_000_000_000 + k * 50_000_000
+        d = speed * (t - stamp) * 1e-9
+        template.pose.pose.position.x = 100.0 + d * math.cos(yaw)
+        template.pose.pose.position.y = 200.0 + d * math.sin(yaw)
+        template.twist.twist.linear.x = speed
+        set_header_stamp(template, t)
+        odom_pub.publish(template)
+        odometry.append((t, template.pose.pose.position.x, template.pose.pose.position.y))
+    images = [deserialize_message(next(m for m in msgs if m.topic == topic).raw, image_cls) for topic in cams]
+
+    def send_images(k):
+        nonlocal stamp
+        stamp += k * 10_000_000  # a resend 10 ms later: still well within max_odometry_age_s
+        for pub, msg in zip(image_pubs, images):
+            set_header_stamp(msg, stamp)
+            pub.publish(msg)
+
+    assert _until_answered(graph, send_images), (logs / "suffix.log").read_text()
+    first = graph.trajectories[0].points[0].pose.position
+    t_last, x_last, y_last = odometry[-1]
+    lead = speed * (stamp - t_last) * 1e-9  # 0.378 m propagated at constant velocity along the heading
+    assert (first.x, first.y) == (pytest.approx(x_last + lead * math.cos(yaw), abs=1e-6),
+                                  pytest.approx(y_last + lead * math.sin(yaw), abs=1e-6))
+    assert graph.wait(lambda: graph.diag.get(f"{ns}/suffix_node: pipeline", {}).get("odometry_late") == "1")
+    assert graph.diag[f"{ns}/suffix_node: pipeline"]["odometry_propagated"] == "1"
+    assert graph.wait(lambda: len(timings) == 1)
+    assert float(timings[0]["odometry_wait_ms"]) == 0.0, "the frame waited for odometry that was not due"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split between the nodes")
+def test_each_process_runs_on_its_own_cores(tmp_path, tiny_checkpoint, embedded_bag):
+    """prefix cpu_affinity [a], suffix [b]: after a frame has gone through both (torch's, OpenCV's and DDS's
+    threads all started), every thread of the prefix process is on core a and every one of the suffix's on
+    core b, and /diagnostics says so. (The prefix used to be unpinned: its threads ran on the suffix's core.)"""
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    with _node_processes(tmp_path, tiny_checkpoint, prefix_extra={"cpu_affinity": [a]},
+                         suffix_extra={"cpu_affinity": [b], "split_layer": 1}) as (ns, graph, prefix, suffix, procs, logs):
+        for client in (prefix, suffix):
+            assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
+        publish = _frame_publisher(graph, ns, embedded_bag)
+        assert _until_answered(graph, lambda k: publish(k % 3, shift_ns=(k // 3) * 3 * 10**9)), \
+            (logs / "prefix.log").read_text()
+        for proc, core in zip(procs, (a, b)):
+            threads = {int(t.name): os.sched_getaffinity(int(t.name)) for t in Path(f"/proc/{proc.pid}/task").iterdir()}
+            assert len(threads) > 3 and all(cores == {core} for cores in threads.values()), (core, threads)
+        assert graph.wait(lambda: graph.diag.get(f"{ns}/prefix_node: pipeline", {}).get("cpu_affinity") == f"[{a}]")
+        assert "pinned early: [" in (logs / "prefix.log").read_text()
