@@ -441,10 +441,10 @@ def test_odometry_that_stops_does_not_hold_the_frame(nodes, embedded_bag):
     lead = speed * (stamp - t_last) * 1e-9  # 0.378 m propagated at constant velocity along the heading
     assert (first.x, first.y) == (pytest.approx(x_last + lead * math.cos(yaw), abs=1e-6),
                                   pytest.approx(y_last + lead * math.sin(yaw), abs=1e-6))
-    assert graph.wait(lambda: graph.diag.get(f"{ns}/suffix_node: pipeline", {}).get("odometry_late") == "1")
-    assert graph.diag[f"{ns}/suffix_node: pipeline"]["odometry_propagated"] == "1"
     assert graph.wait(lambda: len(timings) == 1)
     assert float(timings[0]["odometry_wait_ms"]) == 0.0, "the frame waited for odometry that was not due"
+    assert graph.wait(lambda: graph.diag.get(f"{ns}/suffix_node: pipeline", {}).get("odometry_late") == "1")
+    assert graph.diag[f"{ns}/suffix_node: pipeline"]["odometry_propagated"] == "1"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split between the nodes")
