@@ -63,8 +63,10 @@ class WriteSlot:
     ``tensor``: writable CPU tensor of the requested shape/dtype that lives inside the segment; write the frame
     into it (``slot.tensor.copy_(src)``, or produce it there: ``torch.add(a, b, out=slot.tensor)``). ``seq``:
     the seq this frame gets when published. ``index``: slot index. ``t_write_start_ns``: ``time.monotonic_ns()``
-    at acquire. Do not touch ``tensor`` after publish/abort. A WriteSlot dropped without publish/abort is taken
-    back (counted as aborted) by the next acquire().
+    at acquire, i.e. when the copy into the slot starts; a producer that computes the frame in the slot sets it
+    to the instant the frame was complete there (nothing is copied), before publish. Do not touch ``tensor``
+    after publish/abort. A WriteSlot dropped without publish/abort is taken back (counted as aborted) by the
+    next acquire().
     """
 
     __slots__ = ("tensor", "seq", "index", "shape", "dtype", "t_write_start_ns", "_nbytes", "_code", "_done",
