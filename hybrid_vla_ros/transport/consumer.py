@@ -72,14 +72,20 @@ class ReadSlot:
 
 
 class _Handles:
-    def __init__(self, fd: int, receiver: WakeReceiver):
-        self.fd, self.receiver = fd, receiver
+    """The consumer's segment fd, its lock fd (an open file description of its own that holds the consumer
+    lock: mmap keeps a dup of the segment fd alive as long as any view of the mapping, which must not keep
+    the lock) and its wake-up socket."""
+
+    def __init__(self, fd: int, lock_fd: int, receiver: WakeReceiver):
+        self.fd, self.lock_fd, self.receiver = fd, lock_fd, receiver
 
     def close(self) -> None:
-        self.receiver.close()  # unbind before the single-consumer lock goes with the fd
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.receiver.close()  # unbind before the single-consumer lock goes with lock_fd
+        for attr in ("lock_fd", "fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, attr, -1)
 
 
 class RingConsumer:
@@ -100,8 +106,8 @@ class RingConsumer:
 
     Raises FileNotFoundError if the segment does not exist, RingContractError if the producer's contract does
     not fit (before anything is changed), RingError if it is not a compatible ring, belongs to another uid, or
-    another live consumer is attached (it holds the consumer lock, an OFD lock on byte 1 of the segment, in
-    any network namespace). Slots left READING by a crashed consumer are reset to FREE (that frame is lost,
+    another live consumer is attached (it holds the consumer lock, an OFD lock on byte 1 of the segment on an
+    fd of its own, whatever its network namespace; released by close() or the holder's death). Slots left READING by a crashed consumer are reset to FREE (that frame is lost,
     not re-delivered out of order). Frames published before attaching and not yet overwritten are delivered.
 
     Attributes: ``name``, ``path``, ``n_slots``, ``slot_bytes``, ``slot_stride``, ``total_bytes`` (bytes),
@@ -123,25 +129,33 @@ class RingConsumer:
         self._closed, self._mm = True, None
         self._read = self._superseded = self._reclaimed = 0
         self._rejected = {cause: 0 for cause in REJECT_CAUSES}
-        self._wake_stats = {"spin_hits": 0, "spin_misses": 0, "blocked_waits": 0, "spin_ns": 0}
+        self._wake_stats = {"found_ready": 0, "found_spinning": 0, "found_after_block": 0, "spin_misses": 0,
+                            "spin_ns": 0}
         self._outstanding: weakref.ref | None = None
         self._outstanding_key: tuple[int, int] | None = None
         fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        lock_fd = -1
         try:
             st = os.fstat(fd)
             if st.st_uid != os.getuid():
                 raise RingError(f"{self.path} belongs to uid {st.st_uid}, not {os.getuid()}")
             wake_name = self._read_global_header(os.pread(fd, GLOBAL_HEADER_BYTES, 0), st.st_size)
             self._ident = (st.st_dev, st.st_ino)
-            if not try_lock_byte(fd, CONSUMER_LOCK_BYTE):
+            lock_fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            lst = os.fstat(lock_fd)
+            if (lst.st_dev, lst.st_ino) != self._ident:
+                raise RingError(f"{self.path} was replaced while attaching; attach again")
+            if not try_lock_byte(lock_fd, CONSUMER_LOCK_BYTE):
                 raise RingError(f"another consumer is attached to {name}")
             receiver = WakeReceiver(wake_socket_path(wake_name))
             self._mm = map_segment(fd, self.total_bytes)
         except BaseException:
-            os.close(fd)  # also drops the consumer lock, if taken
+            os.close(fd)
+            if lock_fd >= 0:
+                os.close(lock_fd)  # also drops the consumer lock, if taken
             self._mm = None
             raise
-        self._handles = _Handles(fd, receiver)
+        self._handles = _Handles(fd, lock_fd, receiver)
         self._finalizer = weakref.finalize(self, self._handles.close)
         self._lock = SegmentLock(fd)
         with self._lock:  # we are the only consumer: READING slots belong to a dead predecessor
@@ -180,9 +194,10 @@ class RingConsumer:
     def stats(self) -> dict:
         """Counters: ``read`` (frames handed out), ``rejected_<cause>`` for each cause in REJECT_CAUSES,
         ``reclaimed_reading`` (READING slots of a dead predecessor reset to FREE at attach), ``superseded``
-        (READY frames freed unread because a newer one was delivered), and the wake-up's ``spin_hits`` (frames
-        found while spinning), ``spin_misses`` (spins that reached their bound), ``blocked_waits`` (waits on
-        the socket), ``spin_ms`` (CPU time spent spinning, ms)."""
+        (READY frames freed unread because a newer one was delivered), and how read() found the frames it
+        returned: ``found_ready`` (at its first look), ``found_spinning`` (while polling the publish count),
+        ``found_after_block`` (after a wait on the wake-up socket); ``spin_misses`` (spins that reached their
+        bound without a frame) and ``spin_ms`` (time spent spinning, ms: CPU time of the consumer's core)."""
         out = {"read": self._read}
         out.update({f"rejected_{c}": n for c, n in self._rejected.items()})
         out["reclaimed_reading"] = self._reclaimed
@@ -268,12 +283,9 @@ class RingConsumer:
                 break
             t = now()
         self._wake_stats["spin_ns"] += now() - t0
-        self._wake_stats["spin_hits" if hit else "spin_misses"] += 1
+        if not hit:
+            self._wake_stats["spin_misses"] += 1
         return hit
-
-    def _block(self, ns: int) -> None:
-        self._wake_stats["blocked_waits"] += 1
-        self._handles.receiver.wait(max(0, math.ceil(ns / 1e6)))
 
     def read(self, timeout_s: float) -> ReadSlot | None:
         """Wait up to ``timeout_s`` seconds (0: do not wait) for a published frame (the oldest unread one with
@@ -297,10 +309,12 @@ class RingConsumer:
                 self._release(*self._outstanding_key)
             self._outstanding = None
         deadline = time.monotonic_ns() + int(max(0.0, timeout_s) * 1e9)
+        receiver, how = self._handles.receiver, "found_ready"
         while True:
-            self._handles.receiver.drain()
+            receiver.drain()
             slot, seen = self._try_take()
             if slot is not None:
+                self._wake_stats[how] += 1
                 return slot
             now = time.monotonic_ns()
             if now >= deadline or self.producer_gone:
@@ -308,12 +322,15 @@ class RingConsumer:
             window = self.spin.window() if self.spin is not None else None
             if window is not None and now < window[1]:
                 if window[0] - now > 1_500_000:  # poll(2) counts in ms: wake up 0.5-1.5 ms before spinning
-                    self._block(min(window[0] - 1_500_000, deadline) - now)
+                    receiver.wait(math.ceil((min(window[0] - 1_500_000, deadline) - now) / 1e6))
+                    how = "found_after_block"
                     continue
                 if self._spin_until(min(window[1], deadline), seen):
+                    how = "found_spinning"
                     continue
                 now = time.monotonic_ns()
-            self._block(deadline - now)
+            receiver.wait(max(0, math.ceil((deadline - now) / 1e6)))
+            how = "found_after_block"
 
     def _release(self, index: int, seq: int) -> None:
         if self._closed:
