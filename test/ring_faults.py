@@ -1,7 +1,7 @@
 """Kill a ring producer inside publish, over and over, and check every frame a consumer then finds.
 
 Helpers only (no tests): ``test_ring_protocol.py`` runs this file as a script, ``python ring_faults.py MODE
-NAME COUNT``, which imports torch once and then, COUNT times, forks a child that creates the producer of
+NAME COUNT [SEED [locked]]`` (``locked``: publish under the mutex, as on CPUs without in-order stores), which imports torch once and then, COUNT times, forks a child that creates the producer of
 segment NAME and publishes frames until it is SIGKILLed; after each death it attaches a consumer to the
 dead producer's segment and checks every READY frame against what that seq must carry (:func:`expected`:
 stamp, shape, split layer, timings and every payload element derive from the seq, and the shape changes
@@ -136,6 +136,10 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     from hybrid_vla_ros.transport import ring
 
+    if len(argv) > 5 and argv[5] == "locked":  # the publish of CPUs without in-order stores, under the mutex
+        from hybrid_vla_ros.transport import slots
+
+        slots.STORES_VISIBLE_IN_ORDER = False
     cap = ring.slot_bytes_for((4, COLS), torch.float32)
     rng = random.Random(int(argv[4]) if len(argv) > 4 else 0)
     summary = {"mode": mode, "iterations": 0, "frames": 0, "bad": [], "bad_count": 0, "rejected": 0,

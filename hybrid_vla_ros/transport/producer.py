@@ -1,6 +1,7 @@
 """The ring's producer: creates the segment (and its wake-up directory), takes slots and publishes frames."""
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import secrets
@@ -24,6 +25,8 @@ from .slots import MAX_NDIM, MAX_TIMINGS, READING, READY, slot_offset
 from .wake import WakeSender, make_wake_dir, remove_wake_dir, wake_socket_path
 
 __all__ = ["RingProducer", "WriteSlot", "slot_bytes_for"]
+
+_NO_LOCK = contextlib.nullcontext()
 
 
 def slot_bytes_for(shape, dtype: torch.dtype) -> int:
@@ -358,14 +361,16 @@ class RingProducer:
         if not -(1 << 31) <= split_layer < (1 << 31) or not -(1 << 63) <= stamp_ns < (1 << 63):
             raise ValueError("split_layer must fit in int32 and stamp_ns in int64")
         off = slot_offset(slot.index, self.slot_stride)
-        with self._lock:
+        # A WRITING slot is the producer's alone; where stores become visible in program order (x86-TSO) the
+        # mutex adds nothing to READY-last, elsewhere its release orders the stores (slots' docstring).
+        with _NO_LOCK if slots.STORES_VISIBLE_IN_ORDER else self._lock:
             _m, _v, state, slot_seq = slots.read_prefix(self._mm, off)
             if state != slots.WRITING or slot_seq != slot.seq:
                 raise RingError(f"slot {slot.index} changed under the producer (state {state}, seq {slot_seq})")
             slots.finish_write(self._mm, off, stamp_ns=stamp_ns, t_write_start_ns=slot.t_write_start_ns,
                                t_publish_ns=t_pub, nbytes=slot._nbytes, model_id=self.model_id,
-                               split_layer=split_layer, dtype_code=slot._code, shape=slot.shape, timings=timings,
-                               published=self._published + 1)
+                               split_layer=split_layer, dtype_code=slot._code, shape=slot.shape, timings=timings)
+        slots.announce(self._mm, self._published + 1, t_pub)
         slot._done = True
         self._outstanding = None
         self._published += 1

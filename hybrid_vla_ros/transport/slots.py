@@ -20,19 +20,22 @@ at any instruction of that sequence:
   straight into the buffer, in format order, before the call returns, and the store of READY is a later,
   separate call: the C compiler cannot move one call's stores past another call that writes through the
   same escaped pointer, so program order is: body fields, then READY.
-* Slot headers are read and state-changed only under the segment mutex (an OFD lock, :mod:`.segment`). Its
-  lock and unlock are fcntl(2) system calls; the kernel's lock code orders them (a spinlock: acquire on lock,
-  release on unlock), so a consumer that takes the lock after a producer released it sees every store the
-  producer made before unlocking. No consumer reads a header without the lock (the publish count it spins
-  on is a hint only; :mod:`.consumer`).
-* A producer killed inside the sequence holds the lock; the kernel drops it only when the last descriptor of
-  that open file description is closed, i.e. in the exit path of the killed process, after its last
-  instruction. A kill is taken at an instruction boundary: the stores that happened are exactly a
-  program-order prefix of the sequence, and all of them are visible once the lock is released (x86-TSO
-  keeps stores in order anyway; a weaker CPU drains them before the exit path's own locking). A prefix that
-  ends before the READY store leaves the slot WRITING, which no consumer delivers; a prefix that includes it
-  includes every field of this frame. A state u16 is a single aligned 2-byte store, and every state value
-  is < 256, so even a byte-wise write cannot show a third value.
+* The consumer reads slot headers only under the segment mutex (an OFD lock, :mod:`.segment`): it loads a
+  slot's state, and only if READY its other fields. The mutex's lock and unlock are fcntl(2) system calls
+  whose kernel code orders memory (a spinlock: acquire on lock, release on unlock). No consumer reads a
+  header without it (the publish count it spins on is a hint only; :mod:`.consumer`).
+* Where stores become visible to other CPUs in program order and loads are not reordered with older loads
+  (x86-64: the TSO model, Intel SDM vol. 3 section 8.2.2; :data:`STORES_VISIBLE_IN_ORDER`), every store is a
+  release store: a consumer that loads READY then loads the other fields sees this frame's values. There the
+  producer publishes without the mutex (a WRITING slot is the producer's alone; nobody else changes it).
+  Elsewhere (e.g. aarch64, whose stores may become visible out of order) the producer publishes under the
+  mutex, and its unlock (release) before the consumer's lock (acquire) orders the stores.
+* A producer killed inside the sequence: a kill is taken at an instruction boundary, so the stores that
+  happened are a program-order prefix of the sequence, and (x86-TSO) they become visible in that order, or
+  (elsewhere) they are all visible once the kernel drops the killed process's mutex in its exit path. A
+  prefix that ends before the READY store leaves the slot WRITING, which no consumer delivers; a prefix that
+  includes it includes every field of this frame. A state u16 is a single aligned 2-byte store, and every
+  state value is < 256, so even a byte-wise write cannot show a third value.
 
 So the consumer can rely on: a READY (or READING) slot's header and payload are all of one frame, written
 completely. It cannot rely on anything in a WRITING or FREE slot. A frame that was READY and is being
@@ -41,6 +44,7 @@ overwritten is WRITING before its seq, stamp or payload change.
 from __future__ import annotations
 
 import math
+import platform
 import struct
 from dataclasses import dataclass
 
@@ -53,6 +57,8 @@ from .segment import _PUBLISHED, GLOBAL_HEADER_BYTES, PUBLISHED_OFFSET
 __all__ = ["FrameMeta", "FREE", "WRITING", "READY", "READING", "STATE_NAMES", "SLOT_MAGIC", "SLOT_VERSION",
            "MAX_NDIM", "MAX_TIMINGS", "SLOT_FIELD_OFFSETS"]
 
+#: True on CPUs whose stores become visible in program order (x86-64, TSO): publish needs no mutex there.
+STORES_VISIBLE_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64")
 SLOT_MAGIC = int.from_bytes(b"SLOT", "little")
 SLOT_VERSION = 1
 MAX_NDIM = 4
@@ -104,6 +110,18 @@ class FrameMeta:
         return math.prod(self.shape) * itemsize(self.dtype)
 
 
+_META_FIELDS = ("seq", "stamp_ns", "shape", "dtype", "split_layer", "model_id", "t_write_start_ns", "t_publish_ns",
+                "timings_ms")
+
+
+def _frame_meta(*values) -> FrameMeta:
+    """FrameMeta(*values), built in one dict update: the frozen dataclass's __init__ sets each field through
+    object.__setattr__, which took a third of a read() here."""
+    meta = object.__new__(FrameMeta)
+    meta.__dict__.update(zip(_META_FIELDS, values))
+    return meta
+
+
 def slot_offset(index: int, stride: int) -> int:
     """Byte offset of slot ``index`` in the segment."""
     return GLOBAL_HEADER_BYTES + index * stride
@@ -128,14 +146,21 @@ def begin_write(mm, off: int, seq: int) -> None:
 
 def finish_write(mm, off: int, *, stamp_ns: int, t_write_start_ns: int, t_publish_ns: int, nbytes: int,
                  model_id: int, split_layer: int, dtype_code: int, shape: tuple[int, ...],
-                 timings: tuple[float, ...], published: int) -> None:
-    """Publish the WRITING slot at ``off``: every header field, then READY as the last store, then the
-    publish count / instant in the global header (see the module docstring; call with the mutex held)."""
+                 timings: tuple[float, ...]) -> None:
+    """Publish the WRITING slot at ``off``: every header field, then READY as the last store (see the module
+    docstring; with the mutex held unless :data:`STORES_VISIBLE_IN_ORDER`)."""
     shape4 = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
     _SLOT_BODY.pack_into(mm, off + 16, stamp_ns, t_write_start_ns, t_publish_ns, nbytes, model_id, split_layer,
                          dtype_code, len(shape), len(timings), *shape4,
                          *(tuple(timings) + (0.0,) * (MAX_TIMINGS - len(timings))))
     _STATE.pack_into(mm, off + SLOT_STATE_OFFSET, READY)
+
+
+def announce(mm, published: int, t_publish_ns: int) -> None:
+    """Store the publish count and instant in the global header, *after* the mutex was released: a spinning
+    consumer that sees the count change then finds the mutex free instead of sleeping on it (a sleep there
+    would cost the very wake-up the spin avoids). Only a hint: no consumer reads a slot because of it
+    without taking the mutex, and the wake-up byte follows it."""
     _PUBLISHED.pack_into(mm, PUBLISHED_OFFSET, published, t_publish_ns)
 
 
@@ -166,9 +191,10 @@ def validate(raw: tuple, *, slot_bytes: int, declared_dtype, compute_dtype, expe
     if ndim > MAX_NDIM:
         return "bad_shape", None
     shape = tuple(raw[13:13 + ndim])
-    if any(s < 0 for s in shape) or nbytes > slot_bytes or math.prod(shape) * itemsize(dtype) != nbytes:
+    if (ndim and min(shape) < 0) or nbytes > slot_bytes or math.prod(shape) * itemsize(dtype) != nbytes:
         return "bad_shape", None
-    meta = FrameMeta(seq, stamp, shape, dtype, split, model_id, t_ws, t_pub, tuple(raw[17:17 + min(n_tim, MAX_TIMINGS)]))
+    meta = _frame_meta(seq, stamp, shape, dtype, split, model_id, t_ws, t_pub,
+                       tuple(raw[17:17 + min(n_tim, MAX_TIMINGS)]))
     if expected_model_id is not None and model_id != expected_model_id:
         return "model_mismatch", meta
     expected = expected_split_layer
