@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,8 @@ class PrefixRunner:
         self.copier = SlotCopier(self.ring, self.device) if self.device.type == "cuda" else None
         self._into_checked: type | None = None  # decoder block class checked by output_into_is_exact
         self._into_ok = self.device.type == "cpu"
+        self._cycle_ns: deque = deque(maxlen=8)  # run() from its start to the frame published
+        self._last_publish_ns = 0
         s = self.cfg.image_size
         self._pixels_cpu = torch.empty((self.cfg.n_cameras, 3, s, s), dtype=torch.float32)
 
@@ -165,7 +168,34 @@ class PrefixRunner:
         pre_ms, prefix_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
         seq = self.ring.publish(slot, stamp_ns=stamp_ns, split_layer=self.split_layer,
                                 timings_ms=(pre_ms, prefix_ms, t_start_ns / 1e6))  # start instant in ms
+        self._last_publish_ns = time.monotonic_ns()
+        self._cycle_ns.append(self._last_publish_ns - t_start_ns)
         return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit, resplit_error)
+
+    def pacing_delay_s(self, max_s: float = 1.0) -> float:
+        """How long to wait before starting the next frame (s; 0: start now) so that it is published just before
+        the suffix asks for it. Only when the suffix is the slower stage: then a frame started at once waits in
+        the ring (or is superseded) and reaches the planner older than the stage times say.
+
+        The suffix announces when it took its last frame and when it expects to take the next
+        (``RingConsumer.announce_next_read``); their difference is its cycle S. With this runner's cycle P
+        (median start-to-publish time of its recent frames, plus 5 % + 1 ms of margin) the next frame aims at
+        the first suffix read at least P from now that no published frame is waiting for (reads recur every S).
+        0 without a hint, when S <= P (prefix-bound: the suffix waits anyway), or when the hint is stale (the
+        suffix took nothing for 2 S) or the delay would exceed ``max_s``."""
+        if not self._cycle_ns:
+            return 0.0
+        taken, next_read = self.ring.consumer_schedule()
+        cycle_s = next_read - taken
+        cycle_p = sorted(self._cycle_ns)[len(self._cycle_ns) // 2] * 1.05 + 1_000_000
+        now = time.monotonic_ns()
+        if taken <= 0 or cycle_s <= cycle_p or now - taken > 2 * cycle_s:
+            return 0.0
+        first = next_read if self._last_publish_ns <= taken else next_read + cycle_s  # a frame waits for next_read
+        finish = now + cycle_p
+        target = first if first >= finish else first + -(-(finish - first) // cycle_s) * cycle_s
+        delay = (target - finish) / 1e9
+        return delay if 0.0 < delay <= max_s else 0.0
 
     @property
     def produce_in_slot(self) -> bool:

@@ -11,12 +11,15 @@ The ring's contract (model id, dtype, device kind, state shape in its global hea
 suffix attaches: a pair that does not fit is refused then (``contract_error``), not frame by frame. Frames
 are taken newest first by default (``delivery``; older READY ones count as ``superseded``), and the wait for
 the next one spins briefly before the frame the prefix's period predicts (``spin_lead_ms``, ``spin_max_ms``;
-:class:`~hybrid_vla_ros.transport.wake.SpinPolicy`).
+:class:`~hybrid_vla_ros.transport.wake.SpinPolicy`). When it takes a frame the suffix announces in the ring
+when it will ask for the next one (its median cycle from taking a frame to the next poll), so a prefix faster
+than it can pace itself (``PrefixRunner.pacing_delay_s``) and hand over frames that do not wait.
 """
 from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,6 +113,8 @@ class SuffixRunner:
         self.contract_error = ""  # the ring's contract does not fit this suffix ("" when it does or is unknown)
         #: Frames dropped unread because a newer one was taken (newest-first delivery), over every attach.
         self.superseded = 0
+        self._busy_ns: deque = deque(maxlen=8)  # from taking a frame to the next poll: this side's cycle
+        self._t_taken_ns = 0
         self._attached_ns = 0  # CLOCK_MONOTONIC time of the last attach
 
     def _attach(self) -> bool:
@@ -158,9 +163,16 @@ class SuffixRunner:
             time.sleep(min(timeout_s, 0.05))  # no ring to wait on yet: retry at a modest rate
             return None
         self.split.before_frame()
+        if self._t_taken_ns:
+            self._busy_ns.append(time.monotonic_ns() - self._t_taken_ns)
+            self._t_taken_ns = 0
         slot = self.ring.read(timeout_s)
         if slot is None:
             return None
+        self._t_taken_ns = time.monotonic_ns()
+        if self._busy_ns:  # pacing hint for the prefix: when this side will ask for the next frame
+            busy = sorted(self._busy_ns)[len(self._busy_ns) // 2]
+            self.ring.announce_next_read(self._t_taken_ns, self._t_taken_ns + busy)
         self.superseded += slot.superseded
         with slot:
             if slot.meta.t_publish_ns < self._attached_ns:

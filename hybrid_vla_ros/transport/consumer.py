@@ -13,8 +13,9 @@ from . import slots
 from .contract import Contract, check_contract
 from .errors import REJECT_CAUSES, RingError, SlotRejected
 from .segment import (
-    _CONTRACT, _GLOBAL, _PUBLISHED, _WAKE_NAME, CONTRACT_OFFSET, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC, LAYOUT_VERSION,
-    MAX_SLOTS, MIN_SLOTS, PAYLOAD_ALIGN, PUBLISHED_OFFSET, SLOT_HEADER_BYTES, WAKE_NAME_OFFSET, SegmentLock,
+    _CONTRACT, _GLOBAL, _NEXT_READ, _PUBLISHED, _WAKE_NAME, CONTRACT_OFFSET, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC,
+    LAYOUT_VERSION, MAX_SLOTS, MIN_SLOTS, NEXT_READ_OFFSET, PAYLOAD_ALIGN, PUBLISHED_OFFSET, SLOT_HEADER_BYTES,
+    WAKE_NAME_OFFSET, SegmentLock,
     _process_alive, map_segment, segment_path, tensor_view, try_lock_byte, validate_segment_name,
 )
 from .slots import READING, READY, FrameMeta, slot_offset
@@ -342,6 +343,16 @@ class RingConsumer:
             receiver.wait(max(0, math.ceil((deadline - now) / 1e6)))
             how = "found_after_block"
 
+    def announce_next_read(self, taken_ns: int, next_read_ns: int) -> None:
+        """Tell the producer that this consumer took a frame at ``taken_ns`` and expects to take the next one at
+        ``next_read_ns`` (CLOCK_MONOTONIC ns; 0, 0: no expectation). A hint for pacing
+        (``RingProducer.consumer_schedule``): a producer faster than this consumer can start its next frame so
+        that it is complete just then, instead of computing frames that wait in the ring or are superseded.
+        Raises RingError after close()."""
+        if self._closed:
+            raise RingError("consumer is closed")
+        _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, int(taken_ns), int(next_read_ns))
+
     def _release(self, index: int, seq: int) -> None:
         if self._closed:
             return
@@ -362,6 +373,7 @@ class RingConsumer:
             return
         if self._outstanding_key is not None:
             self._release(*self._outstanding_key)
+        _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, 0, 0)  # no consumer: nothing to pace for
         self._closed = True
         self._finalizer()
         self._mm = None

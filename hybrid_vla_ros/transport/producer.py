@@ -16,8 +16,9 @@ from . import slots
 from .contract import DEVICE_KINDS, DTYPE_CODES, dtype_name
 from .errors import RingError, RingNameConflict
 from .segment import (
-    _CONTRACT, _GLOBAL, _GLOBAL_OWNER, _WAKE_NAME, CONTRACT_OFFSET, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC,
-    LAYOUT_VERSION, MAX_SLOTS, MIN_SLOTS, PAYLOAD_ALIGN, SHM_DIR, SLOT_HEADER_BYTES, WAKE_NAME_OFFSET,
+    _CONTRACT, _GLOBAL, _GLOBAL_OWNER, _NEXT_READ, _WAKE_NAME, CONTRACT_OFFSET, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC,
+    LAYOUT_VERSION, MAX_SLOTS, MIN_SLOTS, NEXT_READ_OFFSET, PAYLOAD_ALIGN, SHM_DIR, SLOT_HEADER_BYTES,
+    WAKE_NAME_OFFSET,
     SegmentLock, _proc_identity, _process_alive, align, map_segment, segment_path, tensor_view,
     validate_segment_name,
 )
@@ -267,6 +268,15 @@ class RingProducer:
         frames were still published)."""
         return {"published": self._published, "dropped_oldest": self._dropped, "aborted": self._aborted,
                 "wake_errors": self._wake_errors}
+
+    def consumer_schedule(self) -> tuple[int, int]:
+        """(when the consumer last took a frame, when it expects to take the next one), CLOCK_MONOTONIC ns, from
+        ``RingConsumer.announce_next_read``; (0, 0) when no consumer said so (none attached, or it closed). A
+        hint: a SIGKILLed consumer's last values stay, and only ever lie in the past. Raises RingError after
+        close()."""
+        if self._closed:
+            raise RingError("producer is closed")
+        return _NEXT_READ.unpack_from(self._mm, NEXT_READ_OFFSET)
 
     def mapping(self):
         """The segment's mmap object (the whole ``total_bytes``), e.g. to page-lock it for a device

@@ -14,6 +14,9 @@ slots (slot layout: :mod:`.slots`). All integers little-endian; offsets in bytes
     160 wake-up directory name, 64 bytes ASCII, NUL-padded (:mod:`.wake`)
     256 publish count u64           264 last publish CLOCK_MONOTONIC ns i64    (own cache line; a hint, see
                                                                                RingConsumer's spin)
+    320 consumer's last take i64    328 its expected next read i64, CLOCK_MONOTONIC ns (0: none) (own cache
+                                                                               line; written by the consumer,
+                                                                               a pacing hint)
 
 Mutex: an open-file-description record lock (``F_OFD_SETLKW``, Linux >= 3.15, fcntl(2)) on byte 0 of the
 segment, which the kernel drops when its holder dies, plus a ``threading.Lock`` per object. (A classic
@@ -53,6 +56,8 @@ _WAKE_NAME = struct.Struct("<64s")
 WAKE_NAME_OFFSET = 160
 _PUBLISHED = struct.Struct("<Qq")
 PUBLISHED_OFFSET = 256
+_NEXT_READ = struct.Struct("<qq")
+NEXT_READ_OFFSET = 320
 assert _GLOBAL.size <= CONTRACT_OFFSET and CONTRACT_OFFSET + _CONTRACT.size <= WAKE_NAME_OFFSET
 assert WAKE_NAME_OFFSET + _WAKE_NAME.size <= PUBLISHED_OFFSET and PUBLISHED_OFFSET % 64 == 0
 

@@ -419,7 +419,8 @@ def summarize_rclpy(pub: dict, sub: dict) -> dict[float, dict]:
 def run_handoff(sizes_mib, *, count: int = 200, warmup: int = 5, rclpy_count: int = 50, rclpy_warmup: int = 3,
                 variants=("default", "large_data", "shm_profile"), producer_cores=(0,), consumer_cores=(1,),
                 threads: int = 1, max_seconds_per_size: float = 90.0, gaps_ms=(0.0, 20.0, 100.0),
-                gap_count: int = 60, block_gaps_ms=(20.0,), zero_copy: bool = True, log=print) -> dict:
+                gap_count: int = 60, block_gaps_ms=(20.0,), zero_copy: bool = True, rt_priority: int = 0,
+                log=print) -> dict:
     """The whole hand-off part; returns its JSON section (see :func:`hybrid_vla_ros.tools.bench.report.validate`;
     its keys are listed in :mod:`hybrid_vla_ros.tools.bench.report`). ``gaps_ms``: frame gaps of the
     zero-copy runs (0: back to back, ``count`` messages; others ``gap_count`` each); ``block_gaps_ms``: gaps of
@@ -431,7 +432,7 @@ def run_handoff(sizes_mib, *, count: int = 200, warmup: int = 5, rclpy_count: in
 
         zc = run_zero_copy(sizes, gaps_ms=gaps_ms, count=count, gap_count=gap_count, warmup=warmup,
                            block_gaps_ms=block_gaps_ms, producer_cores=producer_cores,
-                           consumer_cores=consumer_cores, threads=threads, log=log)
+                           consumer_cores=consumer_cores, threads=threads, rt_priority=rt_priority, log=log)
     log(f"hand-off: sizes {sizes} MiB; ring/memcpy {count} messages, rclpy {rclpy_count} (variants "
         f"{', '.join(variants) or 'none'}); producer cores {list(producer_cores)}, consumer {list(consumer_cores)}")
     p, c = run_ring(_schedule(sizes, warmup, count), list(producer_cores), list(consumer_cores), threads=threads,
@@ -461,7 +462,7 @@ def run_handoff(sizes_mib, *, count: int = 200, warmup: int = 5, rclpy_count: in
 
         extra = {"gaps_ms": [float(g) for g in gaps_ms], "gap_count": gap_count,
                  "block_gaps_ms": [float(g) for g in block_gaps_ms], "spin": dict(SPIN),
-                 "iceoryx2": zc["iceoryx2"], "gap_keys": [gap_key(g) for g in gaps_ms],
+                 "iceoryx2": zc["iceoryx2"], "gap_keys": [gap_key(g) for g in gaps_ms], "rt_priority": rt_priority,
                  "zero_copy_definition": ZERO_COPY_DEFINITION}
     return {
         **extra,
