@@ -272,6 +272,16 @@ def test_spin_policy_predicts_the_next_frame_from_the_period():
         sp.observe(seq, t)
     start, stop = sp.window()
     assert stop - start == 5_000_000 and 163_000_000 + 20_000_000 - start > 1_000_000
+    for _ in range(SpinPolicy.OUTCOMES // 2):  # half the spins missing is still worth spinning
+        sp.outcome(False)
+        sp.outcome(True)
+    assert sp.pauses == 0 and sp.window() is not None
+    for _ in range(SpinPolicy.OUTCOMES):  # most of them missing: block only, for OUTCOMES frames
+        sp.outcome(False)
+    assert sp.pauses == 1 and sp.window() is None
+    for seq in range(10, 10 + SpinPolicy.OUTCOMES):
+        sp.observe(seq, 163_000_000 + (seq - 9) * 20_000_000)
+    assert sp.window() is not None  # and then it tries again
     with pytest.raises(ValueError):
         SpinPolicy(lead_ms=-1)
     with pytest.raises(ValueError):

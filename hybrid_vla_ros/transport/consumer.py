@@ -200,13 +200,15 @@ class RingConsumer:
         (READY frames freed unread because a newer one was delivered), and how read() found the frames it
         returned: ``found_ready`` (at its first look), ``found_spinning`` (while polling the publish count),
         ``found_after_block`` (after a wait on the wake-up socket); ``spin_misses`` (spins that reached their
-        bound without a frame) and ``spin_ms`` (time spent spinning, ms: CPU time of the consumer's core)."""
+        bound without a frame), ``spin_ms`` (time spent spinning, ms: CPU time of the consumer's core) and
+        ``spin_pauses`` (times the spin paused because most spins missed; :class:`~.wake.SpinPolicy`)."""
         out = {"read": self._read}
         out.update({f"rejected_{c}": n for c, n in self._rejected.items()})
         out["reclaimed_reading"] = self._reclaimed
         out["superseded"] = self._superseded
         out.update({k: v for k, v in self._wake_stats.items() if k != "spin_ns"})
         out["spin_ms"] = self._wake_stats["spin_ns"] / 1e6
+        out["spin_pauses"] = self.spin.pauses if self.spin is not None else 0
         return out
 
     @property
@@ -336,7 +338,9 @@ class RingConsumer:
                     receiver.wait(math.ceil((min(window[0] - 1_500_000, deadline) - now) / 1e6))
                     how = "found_after_block"
                     continue
-                if self._spin_until(min(window[1], deadline), seen):
+                hit = self._spin_until(min(window[1], deadline), seen)
+                self.spin.outcome(hit or window[1] > deadline)  # a spin cut short by the timeout did not miss
+                if hit:
                     how = "found_spinning"
                     continue
                 now = time.monotonic_ns()

@@ -14,7 +14,9 @@ Spin: waking an idle, blocked consumer costs the kernel's wake-up of an idle CPU
 p99, whatever the mechanism), while a consumer that polls memory on its own core sees a publish within
 microseconds. :class:`SpinPolicy` predicts the next frame from the producer's recent publish instants and
 spins only from ``lead_ms`` (plus three times the recent jitter) before it is due, for at most ``max_ms``;
-after that the consumer blocks on the socket. It costs about ``lead_ms`` of one core per frame.
+after that the consumer blocks on the socket. It costs about ``lead_ms`` of one core per frame. When most of
+the recent spins missed, it pauses (blocks only) for a while: on cores shared with other work a task that
+spins also loses the scheduler's wake-up preference, so a missed spin costs more than no spin.
 """
 from __future__ import annotations
 
@@ -160,12 +162,28 @@ class SpinPolicy:
     ``history``: publish intervals kept for the prediction. Raises ValueError for bad values.
     """
 
+    #: Spins judged at once; when more than half of them missed, the spin pauses for as many frames.
+    OUTCOMES = 16
+
     def __init__(self, lead_ms: float = 1.0, max_ms: float = 5.0, history: int = 8):
         if not lead_ms >= 0 or not max_ms > 0 or history < 2:
             raise ValueError(f"spin needs lead_ms >= 0, max_ms > 0, history >= 2; got {lead_ms}, {max_ms}, {history}")
         self.lead_ns, self.max_ns = int(lead_ms * 1e6), int(max_ms * 1e6)
         self._periods: deque = deque(maxlen=history)
         self._last: tuple[int, int] | None = None  # (seq, t_publish_ns) of the newest frame seen
+        self._outcomes: deque = deque(maxlen=self.OUTCOMES)
+        self._paused = 0  # frames left without spinning
+        #: Times the spin paused because most spins missed (frames not where the period predicts them, e.g. a
+        #: jittery producer, or cores shared with other work, where a spinning task also loses its wake-up
+        #: priority): the consumer then only blocks, for ``OUTCOMES`` frames.
+        self.pauses = 0
+
+    def outcome(self, hit: bool) -> None:
+        """Record whether a spin found its frame (True) or reached its bound (False)."""
+        self._outcomes.append(bool(hit))
+        if len(self._outcomes) == self.OUTCOMES and sum(not h for h in self._outcomes) > self.OUTCOMES // 2:
+            self._paused, self.pauses = self.OUTCOMES, self.pauses + 1
+            self._outcomes.clear()
 
     def observe(self, seq: int, t_publish_ns: int) -> None:
         """Record a delivered frame's seq and publish instant (CLOCK_MONOTONIC ns)."""
@@ -174,6 +192,8 @@ class SpinPolicy:
             self._periods.append((t_publish_ns - last[1]) / (seq - last[0]))
         if last is None or seq > last[0]:
             self._last = (seq, t_publish_ns)
+        if self._paused:
+            self._paused -= 1
 
     def reset(self) -> None:
         """Forget the history (a new producer)."""
@@ -181,8 +201,9 @@ class SpinPolicy:
         self._last = None
 
     def window(self) -> tuple[int, int] | None:
-        """(spin from, spin until) in CLOCK_MONOTONIC ns for the next frame, or None without a prediction."""
-        if len(self._periods) < 2:
+        """(spin from, spin until) in CLOCK_MONOTONIC ns for the next frame, or None without a prediction (or
+        while paused)."""
+        if len(self._periods) < 2 or self._paused:
             return None
         periods = sorted(self._periods)
         period = periods[len(periods) // 2]

@@ -35,7 +35,7 @@ QUICK = {"presets": ["tiny"], "flops_presets": ["tiny", "smol"], "sizes_mib": [1
 FULL = {"presets": list(DEFAULT_PRESETS), "flops_presets": list(DEFAULT_PRESETS), "sizes_mib": [1.0, 4.0, 8.0, 32.0],
         "count": 200, "rclpy_count": 50, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": None,
         "sequential": ["1core", "2core"], "flops_repeats": 5, "flops_blocks": 4, "preprocess_frames": 5,
-        "preprocess_seconds": 2.0, "gap_count": 60, "suffix_bound": "tiny:2:400"}
+        "preprocess_seconds": 2.0, "gap_count": 40, "suffix_bound": "tiny:2:400"}
 
 
 def _list(text: str) -> list[str]:
@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gaps-ms", type=float, nargs="+", default=[0.0, 20.0, 100.0],
                    help="frame gaps of the zero-copy hand-off runs, ms (0: back to back; default 0 20 100)")
     g.add_argument("--gap-count", type=int, default=None,
-                   help="measured zero-copy messages per size at each non-zero gap (default 60, quick 10)")
+                   help="measured zero-copy messages per size at each non-zero gap (default 40, quick 10)")
     g.add_argument("--block-gaps-ms", type=float, nargs="*", default=[20.0],
                    help="gaps of the spin-off (block only) ring run (default 20)")
     g.add_argument("--no-zero-copy", action="store_true", help="leave out the zero-copy and iceoryx2 runs")

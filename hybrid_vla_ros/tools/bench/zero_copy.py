@@ -305,7 +305,7 @@ def run_zero_copy(sizes_mib, *, gaps_ms=(0.0, 20.0, 100.0), count: int = 200, ga
     """Both transports at every size and gap; returns {"methods": {method: {size: {gap_key: summary}}},
     "iceoryx2": {"available", "version" | "skipped"}} (see :func:`.handoff.run_handoff` for where it goes)."""
     sizes = [float(s) for s in sizes_mib]
-    warm = max(int(warmup), 10)  # the spin's period estimate needs a few frames at a new gap
+    warm = max(int(warmup), 6)  # the spin's period estimate needs a few frames at a new gap
 
     def entries(gaps, spin):
         return [{"size_mib": s, "gap_ms": float(g), "spin": spin, "warmup": warm,
