@@ -1,7 +1,8 @@
 """Kill a ring producer inside publish, over and over, and check every frame a consumer then finds.
 
 Helpers only (no tests): ``test_ring_protocol.py`` runs this file as a script, ``python ring_faults.py MODE
-NAME COUNT [SEED [locked]]`` (``locked``: publish under the mutex, as on CPUs without in-order stores), which imports torch once and then, COUNT times, forks a child that creates the producer of
+NAME COUNT [SEED [locked]]`` (``locked``: publish under the mutex, as on CPUs without in-order stores), which
+imports torch once and then, COUNT times, forks a child that creates the producer of
 segment NAME and publishes frames until it is SIGKILLed; after each death it attaches a consumer to the
 dead producer's segment and checks every READY frame against what that seq must carry (:func:`expected`:
 stamp, shape, split layer, timings and every payload element derive from the seq, and the shape changes

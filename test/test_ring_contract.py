@@ -48,7 +48,8 @@ def test_conversion_table():
         dst = D.get(s, torch.float64)
         with pytest.raises(RingContractError) as info:
             conversion_kind(D[p], dst)
-        assert str(D[p]).removeprefix("torch.") in str(info.value) and str(dst).removeprefix("torch.") in str(info.value)
+        words = str(info.value)
+        assert str(D[p]).removeprefix("torch.") in words and str(dst).removeprefix("torch.") in words
     # every fp16 and bf16 number (subnormals, zeros of both signs, inf included) survives the way to fp32
     # and back bit for bit; a NaN stays a NaN (its payload may be quieted; hidden states are finite anyway)
     for dt in (torch.float16, torch.bfloat16):

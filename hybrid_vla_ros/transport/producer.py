@@ -311,7 +311,8 @@ class RingProducer:
         if nbytes > self.slot_bytes:
             raise ValueError(f"payload {nbytes} bytes exceeds slot capacity {self.slot_bytes} bytes")
         if self.dtype is not None and dtype != self.dtype:
-            raise ValueError(f"this ring carries {dtype_name(self.dtype)} (declared at creation), not {dtype_name(dtype)}")
+            raise ValueError(f"this ring carries {dtype_name(self.dtype)} (declared at creation), not "
+                             f"{dtype_name(dtype)}")
         if self.state_shape is not None and shape != self.state_shape:
             raise ValueError(f"this ring carries shape {self.state_shape} (declared at creation), not {shape}")
         if self._outstanding is not None:

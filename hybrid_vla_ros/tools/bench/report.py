@@ -312,7 +312,8 @@ def markdown(doc: dict) -> str:
             for name, v in sb["variants"].items():
                 lat, st = v["latency"], v["stages_ms"]
                 rows.append([name, _f(v["prefix_side_ms"]["p50"], 1), _f(st["suffix_ms"]["p50"], 1),
-                             _f(st["queue_wait_ms"]["p50"], 1), _f(lat["e2e_p50_ms"], 1), _f(lat["stage_sum_p50_ms"], 1),
+                             _f(st["queue_wait_ms"]["p50"], 1), _f(lat["e2e_p50_ms"], 1),
+                             _f(lat["stage_sum_p50_ms"], 1),
                              f"**{_f(lat['overhead_p50_ms'], 1)}** (<= {_f(lat['allowed_ms'], 1)})", _f(v["fps"], 2),
                              str(v["ring_stats"]["consumer"].get("superseded", 0))])
             out.append(_table(["variant", "preprocess + prefix", "suffix", "queue wait", "e2e", "stage sum",

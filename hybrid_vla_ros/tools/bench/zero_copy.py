@@ -61,8 +61,8 @@ def iceoryx2_status() -> tuple[bool, str]:
 
 def _realtime(priority: int) -> None:
     """SCHED_FIFO at ``priority`` for this process (0: leave it): an end on a core nothing else may take, as the
-    suffix's reserved cores (and the prefix's) are, on a machine where other work shares the cores. Needs CAP_SYS_NICE; the
-    kernel's RT throttling (sched_rt_runtime_us) still leaves other tasks 5 %."""
+    suffix's reserved cores (and the prefix's) are, on a machine where other work shares the cores. Needs
+    CAP_SYS_NICE; the kernel's RT throttling (sched_rt_runtime_us) still leaves other tasks 5 %."""
     if priority > 0:
         import os
 
