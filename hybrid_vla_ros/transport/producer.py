@@ -5,8 +5,6 @@ import contextlib
 import operator
 import os
 import secrets
-import stat
-import struct
 import time
 import weakref
 
@@ -14,15 +12,14 @@ import torch
 
 from . import slots
 from .contract import DEVICE_KINDS, DTYPE_CODES, dtype_name
-from .errors import RingError, RingNameConflict
+from .errors import RingError
 from .segment import (
-    _CONTRACT, _GLOBAL, _GLOBAL_OWNER, _NEXT_READ, _WAKE_NAME, CONTRACT_OFFSET, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC,
-    LAYOUT_VERSION, MAX_SLOTS, MIN_SLOTS, NEXT_READ_OFFSET, PAYLOAD_ALIGN, SHM_DIR, SLOT_HEADER_BYTES,
-    WAKE_NAME_OFFSET,
-    SegmentLock, _proc_identity, _process_alive, align, map_segment, segment_path, tensor_view,
-    validate_segment_name,
+    _CONTRACT, _GLOBAL, _NEXT_READ, _WAKE_NAME, CONTRACT_OFFSET, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC, LAYOUT_VERSION,
+    MAX_SLOTS, MIN_SLOTS, NEXT_READ_OFFSET, PAYLOAD_ALIGN, SLOT_HEADER_BYTES, WAKE_NAME_OFFSET, SegmentLock,
+    _proc_identity, align, map_segment, segment_path, tensor_view, validate_segment_name,
 )
 from .slots import MAX_NDIM, MAX_TIMINGS, READING, READY, slot_offset
+from .leftovers import evict_existing, remove_dead_init_files
 from .wake import WakeSender, make_wake_dir, remove_wake_dir, wake_socket_path
 
 __all__ = ["RingProducer", "WriteSlot", "slot_bytes_for"]
@@ -38,27 +35,6 @@ def slot_bytes_for(shape, dtype: torch.dtype) -> int:
     """
     _, _, nbytes = slots.check_shape_dtype(shape, dtype)
     return max(PAYLOAD_ALIGN, align(nbytes, PAYLOAD_ALIGN))
-
-
-def _wake_dir_named_in(source) -> str | None:
-    """The wake-up directory name in a segment's global header (``source``: its bytes or its path), or None
-    (not a ring of layout >= 2, unreadable). The name is only ever used through :func:`.wake.remove_wake_dir`,
-    which touches nothing but this uid's own wake-up directories."""
-    if isinstance(source, str):
-        try:
-            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            source = os.pread(fd, GLOBAL_HEADER_BYTES, 0)
-        finally:
-            os.close(fd)
-    if len(source) < WAKE_NAME_OFFSET + _WAKE_NAME.size:
-        return None
-    magic, version = struct.unpack_from("<QI", source)
-    if magic != GLOBAL_MAGIC or version < 2:
-        return None
-    return _WAKE_NAME.unpack_from(source, WAKE_NAME_OFFSET)[0].rstrip(b"\0").decode("ascii", "replace") or None
 
 
 class WriteSlot:
@@ -206,60 +182,10 @@ class RingProducer:
                             -1 if self.state_shape is None else len(shape), *(shape + (0,) * (MAX_NDIM - len(shape))))
 
     def _remove_dead_init_files(self) -> None:
-        prefix = self.name + ".init-"
-        try:
-            entries = os.listdir(SHM_DIR)
-        except OSError:
-            return
-        for entry in entries:
-            if entry.startswith(prefix):
-                parts = entry[len(prefix):].split("-")
-                if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
-                    continue  # not a file of ours
-                if not _process_alive(int(parts[0]), int(parts[1])):
-                    path = os.path.join(SHM_DIR, entry)
-                    old_wake = _wake_dir_named_in(path)
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        continue
-                    if old_wake:
-                        remove_wake_dir(old_wake)
+        remove_dead_init_files(self.name)
 
     def _evict_existing(self) -> None:
-        """The name exists: raise RingNameConflict if a live other process owns it, else unlink it (and the
-        wake-up directory its header names)."""
-        try:
-            lst = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        if lst.st_uid != os.getuid():
-            raise RingNameConflict(f"{self.path} belongs to uid {lst.st_uid}")
-        if not stat.S_ISREG(lst.st_mode):
-            raise RingNameConflict(f"{self.path} is not a regular file")
-        try:
-            efd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return
-        try:
-            st = os.fstat(efd)
-            head = os.pread(efd, GLOBAL_HEADER_BYTES, 0)
-            if len(head) >= _GLOBAL_OWNER.size:
-                magic, _ver, _hb, pid, start, _inst = _GLOBAL_OWNER.unpack_from(head)
-                is_us = pid == self.owner_pid and start == self.owner_start_time
-                if magic == GLOBAL_MAGIC and not is_us and _process_alive(pid, start):
-                    raise RingNameConflict(f"{self.path} is owned by live process {pid}")
-            old_wake = _wake_dir_named_in(head)
-            try:
-                cur = os.stat(self.path)
-            except FileNotFoundError:
-                return
-            if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
-                os.unlink(self.path)
-                if old_wake and old_wake != self.wake_dir:
-                    remove_wake_dir(old_wake)
-        finally:
-            os.close(efd)
+        evict_existing(self.path, self.owner_pid, self.owner_start_time, self.wake_dir)
 
     @property
     def stats(self) -> dict:
