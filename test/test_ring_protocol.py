@@ -325,3 +325,30 @@ def test_a_spinning_consumer_gets_every_frame_of_a_periodic_producer(name):
         assert st["spin_ms"] > 0 and st["found_spinning"] + st["spin_misses"] > 0  # the spin did run
     finally:
         proc.join(WAIT_S)
+
+
+def _sigkilled_producer(name, created):
+    prod = RingProducer(name, 3, 4096, model_id=1)
+    created.set()
+    time.sleep(WAIT_S)
+    prod.close()
+
+
+def test_an_orphaned_wake_up_directory_is_removed_by_the_next_producer(name):
+    """A SIGKILLed producer leaves its segment and wake-up directory; once the segment is gone (removed by
+    hand), the next producer of any ring removes the directory too; while the segment is there, it stays."""
+    created = CTX.Event()
+    proc = CTX.Process(target=_sigkilled_producer, args=(name, created), daemon=True)
+    proc.start()
+    assert created.wait(WAIT_S)
+    with RingConsumer(name) as cons:
+        wake_dir = cons.wake_dir
+    os.kill(proc.pid, 9)
+    proc.join(WAIT_S)
+    assert Path(wake.SHM_DIR, wake_dir).is_dir()
+    other = segment_name("p_" + uuid.uuid4().hex[:12])
+    with RingProducer(other, 3, 64, model_id=0):
+        assert Path(wake.SHM_DIR, wake_dir).is_dir(), "its segment still names it"
+    os.unlink(Path(wake.SHM_DIR, name))
+    with RingProducer(other, 3, 64, model_id=0):
+        assert not Path(wake.SHM_DIR, wake_dir).exists()

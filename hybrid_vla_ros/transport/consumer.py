@@ -114,7 +114,8 @@ class RingConsumer:
 
     Attributes: ``name``, ``path``, ``n_slots``, ``slot_bytes``, ``slot_stride``, ``total_bytes`` (bytes),
     ``model_id`` (the producer's), ``contract`` (:class:`.contract.Contract`), ``conversion`` ('none', 'exact',
-    'rounds' or 'per frame'), ``owner_pid``, ``owner_start_time``, ``instance_id``, ``expected_model_id``,
+    'rounds' or 'per frame'), ``wake_dir`` (the wake-up directory's name), ``owner_pid``, ``owner_start_time``,
+    ``instance_id``, ``expected_model_id``,
     ``expected_split_layer``, ``compute_dtype``, ``delivery``, ``spin``.
     """
 
@@ -142,7 +143,7 @@ class RingConsumer:
             st = os.fstat(fd)
             if st.st_uid != os.getuid():
                 raise RingError(f"{self.path} belongs to uid {st.st_uid}, not {os.getuid()}")
-            wake_name = self._read_global_header(os.pread(fd, GLOBAL_HEADER_BYTES, 0), st.st_size)
+            wake_name = self.wake_dir = self._read_global_header(os.pread(fd, GLOBAL_HEADER_BYTES, 0), st.st_size)
             self._ident = (st.st_dev, st.st_ino)
             lock_fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
             lst = os.fstat(lock_fd)

@@ -10,9 +10,9 @@ from .errors import RingNameConflict
 from .segment import (
     _GLOBAL_OWNER, _WAKE_NAME, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC, SHM_DIR, WAKE_NAME_OFFSET, _process_alive,
 )
-from .wake import remove_wake_dir
+from .wake import WAKE_DIR_PREFIX, remove_wake_dir, wake_dir_owner
 
-__all__ = ["remove_dead_init_files", "evict_existing", "wake_dir_named_in"]
+__all__ = ["remove_dead_init_files", "evict_existing", "wake_dir_named_in", "remove_orphan_wake_dirs"]
 
 
 def wake_dir_named_in(source) -> str | None:
@@ -96,3 +96,28 @@ def evict_existing(path: str, owner_pid: int, owner_start_time: int, own_wake_di
                 remove_wake_dir(old_wake)
     finally:
         os.close(efd)
+
+
+def remove_orphan_wake_dirs() -> list[str]:
+    """Remove this uid's wake-up directories whose creator is dead and that no segment in /dev/shm names any
+    more (e.g. a SIGKILLed producer's segment that was then removed by hand); returns their names. A dead
+    producer's segment that is still there keeps its directory (its consumer may still be attached)."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    uid = os.getuid()
+    named = set()
+    for entry in entries:
+        if entry.startswith(f"hybrid_vla.{uid}."):
+            wake = wake_dir_named_in(os.path.join(SHM_DIR, entry))
+            if wake:
+                named.add(wake)
+    removed = []
+    for entry in entries:
+        if entry.startswith(f"{WAKE_DIR_PREFIX}{uid}.") and entry not in named:
+            owner = wake_dir_owner(entry)
+            if owner is not None and not _process_alive(*owner):
+                remove_wake_dir(entry)
+                removed.append(entry)
+    return removed

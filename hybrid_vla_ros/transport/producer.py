@@ -19,7 +19,7 @@ from .segment import (
     _proc_identity, align, map_segment, segment_path, tensor_view, validate_segment_name,
 )
 from .slots import MAX_NDIM, MAX_TIMINGS, READING, READY, slot_offset
-from .leftovers import evict_existing, remove_dead_init_files
+from .leftovers import evict_existing, remove_dead_init_files, remove_orphan_wake_dirs
 from .wake import WakeSender, make_wake_dir, remove_wake_dir, wake_socket_path
 
 __all__ = ["RingProducer", "WriteSlot", "slot_bytes_for"]
@@ -183,6 +183,7 @@ class RingProducer:
 
     def _remove_dead_init_files(self) -> None:
         remove_dead_init_files(self.name)
+        remove_orphan_wake_dirs()
 
     def _evict_existing(self) -> None:
         evict_existing(self.path, self.owner_pid, self.owner_start_time, self.wake_dir)
