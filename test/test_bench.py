@@ -176,8 +176,22 @@ def test_payload_is_exactly_the_size():
 # ------------------------------------------------------------------------------------------ plumbing
 
 def test_handoff_with_a_tiny_count_gives_sane_figures():
-    r = run_handoff([1], count=4, warmup=1, rclpy_count=2, rclpy_warmup=1, variants=("default",), log=lambda s: None)
+    r = run_handoff([1], count=4, warmup=1, rclpy_count=2, rclpy_warmup=1, variants=("default",), gap_count=3,
+                    log=lambda s: None)
     row = r["sizes"][0]
+    # the zero-copy hand-off: ring (spin then block, and block only at 20 ms) and iceoryx2 at every gap
+    assert r["gap_keys"] == ["gap_0ms", "gap_20ms", "gap_100ms"] and r["zero_copy_definition"]
+    for gap, n in (("gap_0ms", 4), ("gap_20ms", 3), ("gap_100ms", 3)):
+        z = row["zero_copy"][gap]
+        assert z["n"] == n and z["lost"] == 0 and z["handoff_ms"]["p50"] > 0 and z["handoff_ms"]["p99"] > 0
+        assert sum(z["found"].values()) == n and z["cpu_ms_per_msg"]["consumer"] > 0
+        if r["iceoryx2"]["available"]:
+            assert row["iceoryx2"][gap]["n"] == n and row["ratio_iceoryx2_over_zero_copy"][gap]["p50"] > 0
+    assert row["zero_copy_block"]["gap_20ms"]["found"]["found_spinning"] == 0
+    if not r["iceoryx2"]["available"]:
+        assert row["iceoryx2"] == {"skipped": r["iceoryx2"]["skipped"]}
+    assert report.validate({"kind": report.KIND, "handoff": r}) == [f"doc.{k}" for k in report.REQUIRED["top"]
+                                                                    if k != "kind"]
     ring = row["ring"]
     assert ring["n"] == 4 and ring["lost"] == 0
     assert ring["latency_ms"]["p50"] > 0 and ring["copy_ms"]["p50"] > 0 and ring["publish_to_view_ms"]["p50"] > 0

@@ -36,10 +36,12 @@ from hybrid_vla_ros.ros.lifecycle_client import TRANSITIONS, LifecycleClient  # 
 from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
 from hybrid_vla_ros.tools.replay import launch_node, stop_processes
 from hybrid_vla_ros.transport import ring as sr  # noqa: E402
+from hybrid_vla_ros.transport import segment as sg  # noqa: E402
+from hybrid_vla_ros.transport import slots as sl  # noqa: E402
 from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
 from hybrid_vla_ros.util.paths import REPO_ROOT as PACKAGE_ROOT  # noqa: E402
 
-SHM = Path(sr.SHM_DIR)
+SHM = Path(sg.SHM_DIR)
 RUN = uuid.uuid4().hex[:6]  # every namespace of this module starts with /flt_<RUN>_
 
 
@@ -54,13 +56,13 @@ def segment_owner(path: Path) -> tuple[int, int] | None:
     """(owner pid, owner start time) from a ring segment's global header, or None if unreadable."""
     try:
         with open(path, "rb") as f:
-            head = f.read(sr._GLOBAL_OWNER.size)
+            head = f.read(sg._GLOBAL_OWNER.size)
     except FileNotFoundError:
         return None
-    if len(head) < sr._GLOBAL_OWNER.size:
+    if len(head) < sg._GLOBAL_OWNER.size:
         return None
-    magic, _ver, _hb, pid, start, _inst = sr._GLOBAL_OWNER.unpack(head)
-    return (pid, start) if magic == sr.GLOBAL_MAGIC else None
+    magic, _ver, _hb, pid, start, _inst = sg._GLOBAL_OWNER.unpack(head)
+    return (pid, start) if magic == sg.GLOBAL_MAGIC else None
 
 
 def unused_entries(prefix: str) -> list[str]:
@@ -68,7 +70,7 @@ def unused_entries(prefix: str) -> list[str]:
     out = []
     for e in ring_entries(prefix):
         owner = segment_owner(SHM / e) if ".init-" not in e else None
-        if owner is None or not sr._process_alive(*owner):
+        if owner is None or not sg._process_alive(*owner):
             out.append(e)
     return out
 
@@ -575,9 +577,9 @@ def _slot_states_raw(path: Path) -> list[tuple[int, int]]:
     with open(path, "r+b") as f:
         mm = mmap.mmap(f.fileno(), 0)
         try:
-            head = sr._GLOBAL.unpack_from(mm, 0)
+            head = sg._GLOBAL.unpack_from(mm, 0)
             n_slots, stride = head[6], head[9]
-            return [struct.unpack_from("<IHH", mm, sr.GLOBAL_HEADER_BYTES + i * stride)[0:3:2]
+            return [struct.unpack_from("<IHH", mm, sg.GLOBAL_HEADER_BYTES + i * stride)[0:3:2]
                     for i in range(n_slots)]
         finally:
             mm.close()
@@ -628,7 +630,7 @@ def test_ring_survives_50_sigkilled_producers_and_consumers(tmp_path):
         print(f"left after the last kills: {[e.removeprefix(name) or '<segment>' for e in entries]}")
         if name in entries:
             for magic, state in _slot_states_raw(SHM / name):
-                assert magic in (0, sr.SLOT_MAGIC) and state in sr.STATE_NAMES, (magic, state)
+                assert magic in (0, sl.SLOT_MAGIC) and state in sl.STATE_NAMES, (magic, state)
         # A final producer replaces it (and any .init-* leftover), a final consumer round-trips frames.
         prod = sr.RingProducer(name, 4, sr.slot_bytes_for((numel,), torch.float32), model_id=7)
         try:

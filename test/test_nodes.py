@@ -46,6 +46,7 @@ class Graph:
         self.thread.start()
         self.trajectories = []
         self.diag = {}
+        self.levels = {}  # status name -> level (bytes) of its latest report
         self.lock = threading.Lock()
         self.node.create_subscription(Trajectory, f"{ns}/suffix_node/output/trajectory",
                                       lambda m: self._keep(self.trajectories, m), 10)
@@ -59,6 +60,7 @@ class Graph:
         with self.lock:
             for s in msg.status:
                 self.diag[s.name] = {kv.key: kv.value for kv in s.values}
+                self.levels[s.name] = s.level
 
     def wait(self, predicate, timeout=30.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -465,3 +467,42 @@ def test_each_process_runs_on_its_own_cores(tmp_path, tiny_checkpoint, embedded_
             assert len(threads) > 3 and all(cores == {core} for cores in threads.values()), (core, threads)
         assert graph.wait(lambda: graph.diag.get(f"{ns}/prefix_node: pipeline", {}).get("cpu_affinity") == f"[{a}]")
         assert "pinned early: [" in (logs / "prefix.log").read_text()
+
+
+def test_a_dtype_the_suffix_cannot_take_is_reported_at_attach_not_per_frame(nodes, embedded_bag):
+    """An fp32 prefix and an fp16 suffix: the suffix refuses the ring when it attaches, says why once in its
+    log and in /diagnostics (ERROR, ring_contract_error) while it lasts, and takes no frame: no per-frame
+    internal_error. Re-configured with bf16 (an allowed pair, rounding at the view) it plans on the frames."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    ns, graph, prefix, suffix, procs, logs = nodes
+    name = f"{ns}/suffix_node: pipeline"
+    _set_param(graph, f"{ns}/suffix_node", "split_layer", 1)
+    _set_param(graph, f"{ns}/suffix_node", "dtype", "fp16")
+    for client in (prefix, suffix):
+        assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
+    publish = _frame_publisher(graph, ns, embedded_bag)
+    publish(0)
+    assert graph.wait(lambda: "sends float32 hidden states and this suffix computes in float16"
+                      in graph.diag.get(name, {}).get("ring_contract_error", "")), (logs / "suffix.log").read_text()
+    publish(1)
+    assert graph.wait(lambda: graph.diag.get(f"{ns}/prefix_node: pipeline", {}).get("frames_out") == "2")
+    time.sleep(2.5)  # a few more diagnostics rounds and attach retries
+    with graph.lock:
+        diag, level = dict(graph.diag[name]), graph.levels[name]
+    log = (logs / "suffix.log").read_text()
+    assert level == DiagnosticStatus.ERROR and diag["ring_attached"] == "False", diag
+    assert diag["frames_in"] == "0" and diag["trajectories_out"] == "0" and graph.trajectories == []
+    assert not any(k.startswith("drop_") for k in diag), diag
+    assert log.count("cannot attach to the ring") == 1 and "internal_error" not in log, log
+    assert suffix.change_state("deactivate", 10)[0] and suffix.change_state("cleanup", 10)[0]
+    _set_param(graph, f"{ns}/suffix_node", "dtype", "bf16")
+    assert suffix.change_state("configure", 60)[0] and suffix.change_state("activate", 10)[0]
+    assert graph.wait(lambda: graph.diag.get(name, {}).get("ring_conversion") == "rounds")
+    publish(2)
+    assert graph.wait(lambda: len(graph.trajectories) >= 1), (logs / "suffix.log").read_text()
+    with graph.lock:
+        assert graph.diag[name]["ring_contract_error"] == ""
+    assert "attached to the ring" in (logs / "suffix.log").read_text()
+    for client in (prefix, suffix):
+        assert client.change_state("deactivate", 10)[0] and client.change_state("cleanup", 10)[0]

@@ -117,3 +117,41 @@ def test_close_really_frees_the_stage_weights(tiny_checkpoint):
     prefix.close()
     gc.collect()
     assert all(r() is None for r in refs), "stage weights still referenced after close()"
+
+
+def test_the_prefix_paces_itself_to_a_slower_suffix(tiny_checkpoint, frame):
+    """The suffix announces its last take and next read in the ring; a prefix faster than it waits so that its
+    next frame is published just before that read (and not for a read another frame already waits for); no
+    delay for a faster suffix, a stale announcement or none."""
+    import time
+
+    from hybrid_vla_ros.transport.ring import RingConsumer
+
+    stamp, items = frame
+    ns = f"/pl_{uuid.uuid4().hex[:6]}"
+    prefix = PrefixRunner(str(tiny_checkpoint), 2, device="cpu", namespace=ns)
+    try:
+        assert prefix.pacing_delay_s() == 0.0  # no frame yet: no cycle known
+        prefix.run(items, stamp)
+        cycle = sorted(prefix._cycle_ns)[0]
+        with RingConsumer(prefix.ring.name) as cons:
+            assert prefix.pacing_delay_s() == 0.0  # nobody announced anything
+            s = 10 * cycle + 200_000_000  # a suffix far slower than this prefix
+            now = time.monotonic_ns()
+            cons.announce_next_read(now, now + s)  # took a frame just now (after the last publish)
+            assert prefix.ring.consumer_schedule() == (now, now + s)
+            d = prefix.pacing_delay_s(max_s=60)
+            expected = (now + s - time.monotonic_ns() - cycle * 1.05 - 1e6) / 1e9
+            assert 0 < d <= expected + 1e-3 and d >= expected - 0.05
+            prefix.run(items, stamp + 1)  # a frame now waits for that read: aim at the one after it
+            d2 = prefix.pacing_delay_s(max_s=60)
+            assert abs(d2 - (d + s / 1e9)) < 0.2 + cycle / 1e9  # aims one suffix cycle later
+            assert prefix.pacing_delay_s(max_s=d2 / 2) == 0.0  # more than max_s: no delay
+            cons.announce_next_read(now, now + cycle // 2)  # a suffix faster than the prefix: no pacing
+            assert prefix.pacing_delay_s(max_s=60) == 0.0
+            cons.announce_next_read(now - 10 * s, now - 9 * s)  # stale: the suffix took nothing for long
+            assert prefix.pacing_delay_s(max_s=60) == 0.0
+            cons.announce_next_read(now, now + s)
+        assert prefix.ring.consumer_schedule() == (0, 0) and prefix.pacing_delay_s(max_s=60) == 0.0  # closed
+    finally:
+        prefix.close()

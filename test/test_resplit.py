@@ -42,7 +42,7 @@ def references(tiny_checkpoint, frames):
 def _pair(tiny_checkpoint, k):
     ns = f"/rs_{uuid.uuid4().hex[:6]}"
     return (PrefixRunner(str(tiny_checkpoint), k, device="cpu", namespace=ns, ring_slots=8),
-            SuffixRunner(str(tiny_checkpoint), k, namespace=ns))
+            SuffixRunner(str(tiny_checkpoint), k, namespace=ns, delivery="fifo"))  # frames wait in the ring here
 
 
 def test_resplit_up_and_down_keeps_every_frame_exact(tiny_checkpoint, frames, references):

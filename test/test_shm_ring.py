@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from hybrid_vla_ros.transport import ring as sr
+from hybrid_vla_ros.transport import segment as sg
+from hybrid_vla_ros.transport import slots as sl
 from hybrid_vla_ros.transport.ring import (
     FrameMeta,
     RingConsumer,
@@ -36,9 +38,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def name():
     seg = segment_name("t_" + uuid.uuid4().hex[:12])
     yield seg
-    for entry in os.listdir(sr.SHM_DIR):
+    for entry in os.listdir(sg.SHM_DIR):
         if entry == seg or entry.startswith(seg + ".init-"):
-            os.unlink(os.path.join(sr.SHM_DIR, entry))
+            os.unlink(os.path.join(sg.SHM_DIR, entry))
 
 
 class _Children:
@@ -221,12 +223,12 @@ def test_slot_bytes_for():
 
 
 def test_header_layout_matches_documented_offsets():
-    fmt = sr._SLOT.format
+    fmt = sl._SLOT.format
     fields = ["I", "H", "H", "Q", "q", "q", "q", "Q", "q", "i", "I", "I", "I", "4q", "8d"]
     offsets = [struct.calcsize("<" + "".join(fields[:k])) for k in range(len(fields))]
     assert fmt == "<" + "".join(fields)
-    assert offsets == list(sr.SLOT_FIELD_OFFSETS.values())
-    assert (sr.GLOBAL_HEADER_BYTES + sr.SLOT_HEADER_BYTES) % sr.PAYLOAD_ALIGN == 0
+    assert offsets == list(sl.SLOT_FIELD_OFFSETS.values())
+    assert (sg.GLOBAL_HEADER_BYTES + sg.SLOT_HEADER_BYTES) % sg.PAYLOAD_ALIGN == 0
 
 
 # ---------------------------------------------------------------- between processes
@@ -389,8 +391,8 @@ def _publish(prod, value=1.0, shape=(4, 8), dtype=torch.float32, split=0, stamp=
 
 
 def _patch(mapping, prod, index, field, fmt, *values):
-    struct.pack_into("<" + fmt, mapping, sr.GLOBAL_HEADER_BYTES + index * prod.slot_stride
-                     + sr.SLOT_FIELD_OFFSETS[field], *values)
+    struct.pack_into("<" + fmt, mapping, sg.GLOBAL_HEADER_BYTES + index * prod.slot_stride
+                     + sl.SLOT_FIELD_OFFSETS[field], *values)
 
 
 def test_header_validation_rejects_each_cause_then_reads_next_good_frame(name):
@@ -472,11 +474,11 @@ def test_segment_mode_is_0600_regardless_of_umask(name):
 def test_global_header_records_owner(name):
     with RingProducer(name, 3, 100, model_id=-3) as prod:
         with open(segment_path(name), "rb") as f:
-            head = f.read(sr._GLOBAL.size)
-        magic, version, hdr, pid, start, inst, n, shb, cap, stride, total, model, _created = sr._GLOBAL.unpack(head)
+            head = f.read(sg._GLOBAL.size)
+        magic, version, hdr, pid, start, inst, n, shb, cap, stride, total, model, _created = sg._GLOBAL.unpack(head)
         assert (magic, version, hdr, pid, n, shb, cap, model) == (
-            sr.GLOBAL_MAGIC, sr.LAYOUT_VERSION, sr.GLOBAL_HEADER_BYTES, os.getpid(), 3, sr.SLOT_HEADER_BYTES, 128, -3)
-        assert start == sr._proc_identity(os.getpid())[1] and inst == prod.instance_id
+            sg.GLOBAL_MAGIC, sg.LAYOUT_VERSION, sg.GLOBAL_HEADER_BYTES, os.getpid(), 3, sg.SLOT_HEADER_BYTES, 128, -3)
+        assert start == sg._proc_identity(os.getpid())[1] and inst == prod.instance_id
         assert total == os.stat(segment_path(name)).st_size == hdr + 3 * stride
 
 
@@ -501,7 +503,7 @@ def test_clean_close_removes_segment_and_is_idempotent(name):
     with RingProducer(name, 3, 64, model_id=0):
         assert os.path.exists(segment_path(name))
     assert not os.path.exists(segment_path(name))
-    assert not [e for e in os.listdir(sr.SHM_DIR) if e.startswith(name)]
+    assert not [e for e in os.listdir(sg.SHM_DIR) if e.startswith(name)]
 
 
 def test_producer_gone_after_producer_close(name):
@@ -578,8 +580,8 @@ def test_init_leftovers_of_dead_or_reused_pids_are_removed_live_ones_kept():
     """A producer killed while creating its segment leaves <name>.init-<pid>-<start>-<rand>; the next
     producer removes it when that process is gone, even if its pid now belongs to another process."""
     name = sr.segment_name(f"init_{uuid.uuid4().hex[:8]}", "/")
-    base = os.path.join(sr.SHM_DIR, name)
-    start = sr._proc_identity(os.getppid())[1]
+    base = os.path.join(sg.SHM_DIR, name)
+    start = sg._proc_identity(os.getppid())[1]
     reused = f"{base}.init-{os.getppid()}-{start + 12345}-dead"  # live pid, other start time: a reused pid
     live = f"{base}.init-{os.getppid()}-{start}-live"  # the parent really is alive with that start time
     for path in (reused, live):

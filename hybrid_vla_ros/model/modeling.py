@@ -190,12 +190,16 @@ def check_ego_state(cfg: VLAConfig, ego_state: torch.Tensor | None) -> None:
         raise ValueError(f"ego state must be {len(EGO_FEATURES)} finite values, got {ego_state.tolist()}")
 
 
-def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None) -> torch.Tensor:
+def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *,
+          out=None) -> torch.Tensor:
     """Hidden states before block 0: (C, 3, S, S) pixels [+ ego state (3,)] -> (T, H) or (2, T, H).
 
     ``m`` provides ``vision``, ``projector``, ``embed_tokens`` (and ``ego_embed`` / ``pass_embed``
-    when configured) and ``cfg``. All cameras go through the vision encoder as one batch. Raises
-    ValueError if the camera count or size is not the checkpoint's, or the ego state does not fit
+    when configured) and ``cfg``. All cameras go through the vision encoder as one batch. ``out``: None, or
+    the destination of the result (a tensor of the result's shape, dtype and device, or a callable
+    returning one, called just before the last op writes it): the final concatenation (one pass) or
+    pass-embedding add (two passes) writes straight into it, bit for bit what it returns without ``out``.
+    Raises ValueError if the camera count or size is not the checkpoint's, or the ego state does not fit
     (:func:`check_ego_state`).
     """
     cfg: VLAConfig = m.cfg
@@ -211,26 +215,82 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
     if ego_state is not None:
         parts.append(m.ego_embed(ego_state.to(device=vis.device, dtype=vis.dtype).unsqueeze(0)))
     parts.append(text[-1:])
-    h = torch.cat(parts, dim=0)
     if cfg.llm_passes > 1:
-        h = h.unsqueeze(0) + m.pass_embed.weight.unsqueeze(1)  # (passes, T, H)
-    return h
+        h = torch.cat(parts, dim=0)
+        if out is None:
+            return h.unsqueeze(0) + m.pass_embed.weight.unsqueeze(1)  # (passes, T, H)
+        return torch.add(h.unsqueeze(0), m.pass_embed.weight.unsqueeze(1), out=_destination(out))
+    return torch.cat(parts, dim=0) if out is None else torch.cat(parts, dim=0, out=_destination(out))
 
 
-def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
+def _destination(out) -> torch.Tensor:
+    return out() if callable(out) else out
+
+
+def block_forward_into(block: nn.Module, x: torch.Tensor, out, *, position_ids,
+                       position_embeddings) -> torch.Tensor:
+    """One transformers decoder block (LlamaDecoderLayer / Qwen2DecoderLayer, no cache, causal SDPA) on
+    ``x`` (B, T, H) with its last residual add written into ``out`` (a tensor of ``x``'s shape, dtype and
+    device, or a callable returning one, called after the MLP). It is the block's own forward step for step
+    (transformers 5.x ``modeling_llama.LlamaDecoderLayer.forward``: norm, attention, residual add, norm, MLP,
+    residual add), so the result is bit for bit ``block(x, ...)``; :func:`output_into_is_exact` checks that
+    against the installed transformers. Returns the destination."""
+    residual = x
+    h = block.input_layernorm(x)
+    h, _ = block.self_attn(hidden_states=h, attention_mask=None, position_ids=position_ids,
+                           position_embeddings=position_embeddings)
+    h = residual + h
+    residual = h
+    h = block.mlp(block.post_attention_layernorm(h))
+    return torch.add(residual, h, out=_destination(out))
+
+
+@torch.inference_mode()
+def output_into_is_exact(stage: nn.Module, seed: int = 0) -> bool:
+    """True when ``run_blocks(..., out=)`` gives bit for bit what the stage's blocks give without it, checked
+    on its last block with random hidden states of the model's state shape (the stage's dtype and device);
+    True without blocks (the embeddings' last op takes ``out=`` directly). A False means the installed
+    transformers' decoder block no longer matches :func:`block_forward_into`: use the copy instead."""
+    if len(stage.layers) == 0:
+        return True
+    param = next(stage.parameters())
+    shape = stage.cfg.prefix_state_shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g).to(device=param.device, dtype=param.dtype)
+    last = stage.layers[-1:]
+    expected = run_blocks(stage, last, x)
+    got = run_blocks(stage, last, x, out=torch.empty_like(x))
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return bool(torch.equal(expected.view(bits), got.view(bits)))  # bit for bit, a NaN (bad weights) included
+
+
+def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None) -> torch.Tensor:
     """Run decoder blocks over hidden states (T, H) or (B, T, H) -> same shape, causal, positions 0..T-1.
 
     The rotary tables come from ``m.rotary_emb`` and depend only on T: this is why positions need
-    not cross the split.
+    not cross the split. ``out``: None, or the destination of the result (a tensor of ``h``'s shape, dtype
+    and device, or a callable returning one, called after the last block's MLP): the last block's residual
+    add writes into it (:func:`block_forward_into`); without blocks ``h`` is copied into it. Returns ``out``
+    then.
     """
     if len(layers) == 0:
-        return h
+        return h if out is None else _destination(out).copy_(h)
     x = h if h.dim() == 3 else h.unsqueeze(0)
     positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
     cos_sin = m.rotary_emb(x, positions)
-    for block in layers:
+    last = len(layers) - 1 if out is not None else len(layers)
+    for block in layers[:last]:
         x = block(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
-    return x if h.dim() == 3 else x.squeeze(0)
+    if out is None:
+        return x if h.dim() == 3 else x.squeeze(0)
+    dest = []
+
+    def batched():  # the caller's (T, H) destination seen as the blocks' (1, T, H)
+        dest.append(_destination(out))
+        return dest[0] if dest[0].dim() == 3 else dest[0].unsqueeze(0)
+
+    block_forward_into(layers[last], x, batched, position_ids=positions, position_embeddings=cos_sin)
+    return dest[0]
 
 
 @dataclass
@@ -287,10 +347,18 @@ class PrefixStage(nn.Module):
         """Map a key of this stage's state dict to the checkpoint's key."""
         return _shift_layer_key(local_key, 0)
 
-    def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *,
+                out=None) -> torch.Tensor:
         """Pixels (C, 3, S, S) in the stage dtype [+ ego state (3,)] -> hidden states h_K.
-        Raises ValueError on a wrong shape or ego state."""
-        return run_blocks(self, self.layers, embed(self, pixel_values, ego_state))
+
+        ``out``: None, or where h_K is produced (a tensor of ``cfg.prefix_state_shape`` in the stage dtype on
+        the stage device, or a callable returning one, called just before the last op, e.g. a ring slot's
+        view): the last block's residual add (at K = 0 the embeddings' last op) writes into it, so no copy
+        follows; the values are bit for bit those without ``out``. Raises ValueError on a wrong shape or ego
+        state."""
+        if len(self.layers) == 0:
+            return embed(self, pixel_values, ego_state, out=out)
+        return run_blocks(self, self.layers, embed(self, pixel_values, ego_state), out=out)
 
     def move_split(self, split_layer: int, load_blocks) -> None:
         """Re-split in place: own blocks [0, split_layer) from now on.

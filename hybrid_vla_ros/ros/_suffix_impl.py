@@ -51,6 +51,7 @@ class SuffixNode(node_base.PipelineNode):
         self._command_sub = None
         self._worker: threading.Thread | None = None
         self._running = False
+        self._superseded_seen = 0
         self._traj_pub = self.create_lifecycle_publisher(
             Trajectory, "~/output/trajectory", QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
         self._timing_pub = self.create_lifecycle_publisher(DiagnosticArray, "~/debug/frame_timing", 10)
@@ -67,7 +68,9 @@ class SuffixNode(node_base.PipelineNode):
             # 'auto' follows the prefix: no blocks up front, the first frame loads those its K needs.
             k = num_layers if p.split_layer == "auto" else p.split_layer
             self.runner = SuffixRunner(p.model_path, k, dtype=p.dtype, ring_name=p.ring_name,
-                                       namespace=self.get_namespace(), threads=threads)
+                                       namespace=self.get_namespace(), threads=threads,
+                                       delivery=p["ring.delivery"], spin_lead_ms=p["ring.spin_lead_ms"],
+                                       spin_max_ms=p["ring.spin_max_ms"])
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.last_error = str(e)
             self.get_logger().error(f"configure failed: {e}")
@@ -77,10 +80,13 @@ class SuffixNode(node_base.PipelineNode):
         self.guard = GuardLimits.from_params(p)
         self._set_command(nav_command_index(p.navigation_command), "parameter navigation_command")
         cores = sorted(set().union(*thread_affinities().values()))
+        spin = f"{p['ring.spin_lead_ms']} ms lead, <= {p['ring.spin_max_ms']} ms" if p["ring.spin_max_ms"] else "off"
+        self._superseded_seen = 0
         self.get_logger().info(
             f"configured: split_layer={p.split_layer}/{self.runner.cfg.num_layers} dtype={p.dtype} "
             f"threads={torch.get_num_threads()} cores={cores} (pinned early: {self.early_affinity or 'no'}) "
-            f"ring '{self.runner.segment}' navigation_command={p.navigation_command}"
+            f"ring '{self.runner.segment}' (delivery {p['ring.delivery']}, spin {spin}) "
+            f"navigation_command={p.navigation_command}"
             + (" [random-init weights: trajectories are not driving advice]" if self.runner.cfg.random_init else ""))
         if not self.guard.check_age:
             self.get_logger().warning("guard.check_age is false: trajectories are published however old their "
@@ -108,6 +114,7 @@ class SuffixNode(node_base.PipelineNode):
                 setattr(self, name, None)
 
     def _release(self) -> None:
+        self.fault = ""
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -169,18 +176,49 @@ class SuffixNode(node_base.PipelineNode):
         if old != index:
             self.get_logger().info(f"navigation command {NAV_COMMANDS[old]} -> {NAV_COMMANDS[index]} (from {source})")
 
+    def _check_ring_contract(self) -> None:
+        """Log a ring contract that does not fit this suffix once per distinct problem (ERROR, with what to
+        change), and report it in /diagnostics (``ring_contract_error``, level ERROR) while it lasts."""
+        error = self.runner.contract_error
+        if error != self.fault:
+            self.fault = error
+            if error:
+                self.last_error = error
+                self.get_logger().error(f"cannot attach to the ring '{self.runner.segment}': {error}; no frame "
+                                        "is taken until the prefix and this suffix fit (dtype, model, shape)")
+            else:
+                self.get_logger().info("the ring's contract fits now")
+
+    def _count_superseded(self) -> None:
+        n = self.runner.superseded - self._superseded_seen
+        if n > 0:
+            self._superseded_seen = self.runner.superseded
+            total = self.drops.add("superseded", n)
+            self.frames_in += n
+            if self._throttle("superseded"):
+                self.get_logger().info(f"took the newest frame: {n} older unread frame(s) dropped (superseded, "
+                                       f"{total} so far; ring.delivery newest)")
+
     def _work(self) -> None:
         ring = None  # the ring end we were attached to, to log every (re-)attach
         while self._running and self.context.ok():
             try:
                 self.runner.command = self._command  # the command of the frame this poll computes
-                result = self.runner.poll(0.1)
+                try:
+                    result = self.runner.poll(0.1)
+                finally:
+                    self._count_superseded()
                 attached = self.runner.attached
+                self._check_ring_contract()
                 if self.runner.ring is not ring:
                     ring = self.runner.ring
-                    self.get_logger().info(f"attached to the ring '{self.runner.segment}'" if attached else
-                                           "the prefix's ring went away; waiting for it to come back")
-                if not attached and self._throttle("attach"):
+                    if attached:
+                        c = ring.contract
+                        self.get_logger().info(f"attached to the ring '{self.runner.segment}': {c.describe()}, "
+                                               f"conversion to {self.params.dtype}: {ring.conversion}")
+                    else:
+                        self.get_logger().info("the prefix's ring went away; waiting for it to come back")
+                if not attached and not self.fault and self._throttle("attach"):
                     self.get_logger().info(f"waiting for the prefix node's ring: {self.runner.attach_error}")
                 if result is not None:
                     self.frames_in += 1
@@ -260,6 +298,8 @@ class SuffixNode(node_base.PipelineNode):
         ring = self.runner.ring_stats() if self.runner is not None else {}
         return {"frames_in": self.frames_in, "trajectories_out": self.frames_out,
                 "ring_attached": self.runner is not None and self.runner.attached,
+                "ring_contract_error": self.fault,
+                "ring_conversion": self._ring().conversion if self._ring() is not None else "",
                 "ring_owner_alive": self._ring() is not None and self._ring().owner_alive,
                 "ring_read": ring.get("read", 0),
                 "odometry_propagated": self.odometry_propagated, "odometry_late": self.odometry_late,

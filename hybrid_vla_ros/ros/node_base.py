@@ -129,6 +129,9 @@ class PipelineNode(LifecycleNode):
         self.drops = DropCounter()
         self.times = StageTimes()
         self.last_error = ""
+        #: A standing fault that keeps the node from working (e.g. the ring's contract does not fit): while
+        #: set, /diagnostics reports ERROR with it as the message. "" when there is none.
+        self.fault = ""
         self._throttle = Throttle()
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._stall_since = time.monotonic()
@@ -264,10 +267,11 @@ class PipelineNode(LifecycleNode):
     def publish_diagnostics(self) -> None:
         """Publish one DiagnosticStatus '<fully qualified node name>: pipeline' on /diagnostics.
 
-        Level: ERROR when inputs keep arriving but nothing has come out for STALL_S seconds, WARN when
-        ``use_sim_time`` is set and no /clock has arrived (NO_CLOCK_HINT, also logged), when something
-        was dropped since the previous report or when the ring holds n_slots - 1 unread frames (the next
-        frame overwrites one), else OK. Published on a steady-time timer, so also without /clock. Values include the ring's unread slots and the
+        Level: ERROR while ``fault`` is set (its text is the message) or when inputs keep arriving but
+        nothing has come out for STALL_S seconds; WARN when ``use_sim_time`` is set and no /clock has
+        arrived (NO_CLOCK_HINT, also logged), when something was dropped since the previous report or when
+        the ring holds n_slots - 1 unread frames (the next frame overwrites one); else OK. Published on a
+        steady-time timer, so also without /clock. Values include the ring's unread slots and the
         process's memory (resident set; CUDA allocated / reserved when the process uses CUDA).
         """
         drops = self.drops.snapshot()
@@ -286,7 +290,9 @@ class PipelineNode(LifecycleNode):
             self._stall_since = now  # output moved, or no new input: not stalled
         self._diag_prev = {"inputs": inputs, "outputs": outputs, "drops": sum(drops.values())}
         new_drops = self._diag_prev["drops"] - (prev["drops"] if prev else 0)
-        if now - self._stall_since >= self.STALL_S:
+        if self.fault:
+            level, message = ERROR, self.fault
+        elif now - self._stall_since >= self.STALL_S:
             level, message = ERROR, f"inputs arrive but nothing came out for {now - self._stall_since:.0f} s"
         elif clock_missing:
             level, message = WARN, NO_CLOCK_HINT

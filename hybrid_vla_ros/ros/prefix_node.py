@@ -343,6 +343,12 @@ class PrefixNode(node_base.PipelineNode):
             with self._cv:
                 while self._running and self._pending is None and not self.runner.split_requested:
                     self._cv.wait()
+                # Pace to a slower suffix: a frame started now would wait in the ring; newer frames replace
+                # _pending meanwhile (the older one counts as superseded), so the one started is fresher.
+                delay = self.runner.pacing_delay_s() if self._pending is not None and self.params.pace_to_suffix else 0
+                deadline = time.monotonic() + delay
+                while self._running and (remaining := deadline - time.monotonic()) > 0:
+                    self._cv.wait(remaining)
                 if not self._running:
                     return
                 frame, self._pending = self._pending, None

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..model.checkpoint import load_stage, model_id, parse_dtype
-from ..model.modeling import check_ego_state
+from ..model.modeling import check_ego_state, output_into_is_exact
 from ..split.resplit import Resplit, ResplitError, StageSplit
+from ..transport.pinned import SlotCopier
 from ..transport.ring import RingProducer, segment_name, slot_bytes_for
 from ..vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess
 from .device import keep_frame_buffers, resolve_device
@@ -43,11 +45,17 @@ class PrefixRunner:
     ``run(items, stamp_ns)`` takes one synchronized frame: a list, in camera order, of
     ``("raw", sensor_msgs/Image-like)`` or ``("compressed", sensor_msgs/CompressedImage-like)``
     items, decodes each image once, resizes all cameras into one pre-allocated (C, 3, S, S) float
-    tensor, runs the prefix and copies the hidden states (T, H) straight into a ring slot (the
-    only copy: device-to-host). With ``fast_jpeg_decode`` a JPEG is decoded scaled down inside
-    libjpeg when the model input is small enough (``image.decode_compressed``'s ``min_size``).
-    Raises ImageDecodeError (with the camera index in the message) for a bad image; nothing reaches
-    the ring in that case.
+    tensor and runs the prefix. On the CPU the hidden states (T, H) are produced *in* a ring slot: the
+    slot is taken after the last block's MLP and that block's residual add (at K = 0 the embeddings'
+    last op) writes into its view, so nothing is copied (``produce_in_slot``; bit for bit the same values,
+    checked once against the installed transformers by ``model.modeling.output_into_is_exact``). On CUDA
+    they are copied device-to-host into the slot (:class:`~hybrid_vla_ros.transport.pinned.SlotCopier`:
+    the segment page-locked, a non-blocking copy on its own stream, synchronised before publish). Non-finite
+    hidden states are never published: the slot is aborted. With ``fast_jpeg_decode`` a JPEG is decoded
+    scaled down inside libjpeg when the model input is small enough (``image.decode_compressed``'s
+    ``min_size``). Raises ImageDecodeError (with the camera index in the message) for a bad image; nothing
+    reaches the ring in that case. The ring declares the model id, dtype, device kind and state shape in its
+    global header (:mod:`hybrid_vla_ros.transport.contract`), which the suffix checks when it attaches.
     """
 
     def __init__(self, model_path: str, split_layer: int, *, device: str = "auto", dtype: str = "fp32",
@@ -68,7 +76,14 @@ class PrefixRunner:
                                 dtype=self.dtype, model_id=self.model_id)
         self.state_shape = self.cfg.prefix_state_shape
         self.ring = RingProducer(segment_name(ring_name, namespace), ring_slots,
-                                 slot_bytes_for(self.state_shape, self.dtype), self.model_id)
+                                 slot_bytes_for(self.state_shape, self.dtype), self.model_id, dtype=self.dtype,
+                                 state_shape=self.state_shape, device=self.device)
+        #: Device-to-host path of a CUDA prefix (page-locked slot, staging buffer or plain copy: its ``mode``).
+        self.copier = SlotCopier(self.ring, self.device) if self.device.type == "cuda" else None
+        self._into_checked: type | None = None  # decoder block class checked by output_into_is_exact
+        self._into_ok = self.device.type == "cpu"
+        self._cycle_ns: deque = deque(maxlen=8)  # run() from its start to the frame published
+        self._last_publish_ns = 0
         s = self.cfg.image_size
         self._pixels_cpu = torch.empty((self.cfg.n_cameras, 3, s, s), dtype=torch.float32)
 
@@ -134,24 +149,91 @@ class PrefixRunner:
         preprocess(images, self.cfg.image_size, self.cfg.image_mean, self.cfg.image_std, out=self._pixels_cpu)
         t1 = time.perf_counter()
         pixels = self._pixels_cpu.to(self.device, self.dtype, non_blocking=True)
-        hidden = self.stage(pixels, ego)
-        if not torch.isfinite(hidden).all():
-            raise FloatingPointError("prefix produced non-finite hidden states")
-        t2 = time.perf_counter()
+        if self.produce_in_slot:
+            slot, t2 = self._run_in_slot(pixels, ego)
+        else:
+            hidden = self.stage(pixels, ego)
+            if not torch.isfinite(hidden).all():
+                raise FloatingPointError("prefix produced non-finite hidden states")
+            t2 = time.perf_counter()
+            slot = self.ring.acquire(self.state_shape, self.dtype)
+            try:
+                if self.copier is not None:
+                    self.copier.copy(hidden, slot.tensor)
+                else:
+                    slot.tensor.copy_(hidden)
+            except BaseException:
+                self.ring.abort(slot)
+                raise
         pre_ms, prefix_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-        slot = self.ring.acquire(self.state_shape, self.dtype)
-        try:
-            slot.tensor.copy_(hidden)
-        except BaseException:
-            self.ring.abort(slot)
-            raise
         seq = self.ring.publish(slot, stamp_ns=stamp_ns, split_layer=self.split_layer,
                                 timings_ms=(pre_ms, prefix_ms, t_start_ns / 1e6))  # start instant in ms
+        self._last_publish_ns = time.monotonic_ns()
+        self._cycle_ns.append(self._last_publish_ns - t_start_ns)
         return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit, resplit_error)
+
+    def pacing_delay_s(self, max_s: float = 1.0) -> float:
+        """How long to wait before starting the next frame (s; 0: start now) so that it is published just before
+        the suffix asks for it. Only when the suffix is the slower stage: then a frame started at once waits in
+        the ring (or is superseded) and reaches the planner older than the stage times say.
+
+        The suffix announces when it took its last frame and when it expects to take the next
+        (``RingConsumer.announce_next_read``); their difference is its cycle S. With this runner's cycle P
+        (median start-to-publish time of its recent frames, plus 5 % + 1 ms of margin) the next frame aims at
+        the first suffix read at least P from now that no published frame is waiting for (reads recur every S).
+        0 without a hint, when S <= P (prefix-bound: the suffix waits anyway), or when the hint is stale (the
+        suffix took nothing for 2 S) or the delay would exceed ``max_s``."""
+        if not self._cycle_ns:
+            return 0.0
+        taken, next_read = self.ring.consumer_schedule()
+        cycle_s = next_read - taken
+        cycle_p = sorted(self._cycle_ns)[len(self._cycle_ns) // 2] * 1.05 + 1_000_000
+        now = time.monotonic_ns()
+        if taken <= 0 or cycle_s <= cycle_p or now - taken > 2 * cycle_s:
+            return 0.0
+        first = next_read if self._last_publish_ns <= taken else next_read + cycle_s  # a frame waits for next_read
+        finish = now + cycle_p
+        target = first if first >= finish else first + -(-(finish - first) // cycle_s) * cycle_s
+        delay = (target - finish) / 1e9
+        return delay if 0.0 < delay <= max_s else 0.0
+
+    @property
+    def produce_in_slot(self) -> bool:
+        """True when the prefix writes its output straight into the ring slot (CPU device, and the last block's
+        residual add reproduced bit for bit; checked once per decoder block class)."""
+        if not self._into_ok:
+            return False
+        if len(self.stage.layers) and type(self.stage.layers[-1]) is not self._into_checked:
+            self._into_ok = output_into_is_exact(self.stage)
+            self._into_checked = type(self.stage.layers[-1])
+        return self._into_ok
+
+    def _run_in_slot(self, pixels: torch.Tensor, ego) -> tuple:
+        """The stage with its output produced in a ring slot taken just before the last op; returns (slot, t2).
+        Aborts the slot and raises FloatingPointError for non-finite hidden states."""
+        slot = None
+
+        def destination():
+            nonlocal slot
+            slot = self.ring.acquire(self.state_shape, self.dtype)
+            return slot.tensor
+
+        try:
+            hidden = self.stage(pixels, ego, out=destination)
+            if not torch.isfinite(hidden).all():
+                raise FloatingPointError("prefix produced non-finite hidden states")
+        except BaseException:
+            if slot is not None:
+                self.ring.abort(slot)
+            raise
+        slot.t_write_start_ns = time.monotonic_ns()  # the frame is complete in the slot: nothing to copy
+        return slot, time.perf_counter()
 
     def close(self) -> None:
         """Remove the ring and free the stage's (device) memory."""
         self.split.close()
+        if self.copier is not None:
+            self.copier.close()
         self.ring.close()
         self.stage = None
         gc.collect()

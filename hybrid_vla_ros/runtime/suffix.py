@@ -2,14 +2,24 @@
 
 Run in two processes with :mod:`hybrid_vla_ros.runtime.prefix` it forms the cross-frame asynchronous
 pipeline: while the suffix computes frame t from one ring slot, the prefix already computes frame t+1 into
-another. Timing fields (ms): ``handoff`` (start of the copy into the slot -> the suffix holds a view of it)
-and ``suffix`` (blocks K..L-1, norm, head); instants (CLOCK_MONOTONIC ns): ``t_write_start_ns`` from the slot
-header, ``t_ready_ns`` (the suffix holds the view) and ``t_suffix_end_ns``.
+another. Timing fields (ms): ``handoff`` (start of the copy into the slot, or for a prefix that produced
+the frame in the slot the instant it was complete there -> the suffix holds a view of it, in its compute
+dtype) and ``suffix`` (blocks K..L-1, norm, head); instants (CLOCK_MONOTONIC ns): ``t_write_start_ns`` from
+the slot header, ``t_ready_ns`` (the suffix holds the view) and ``t_suffix_end_ns``.
+
+The ring's contract (model id, dtype, device kind, state shape in its global header) is checked when the
+suffix attaches: a pair that does not fit is refused then (``contract_error``), not frame by frame. Frames
+are taken newest first by default (``delivery``; older READY ones count as ``superseded``), and the wait for
+the next one spins briefly before the frame the prefix's period predicts (``spin_lead_ms``, ``spin_max_ms``;
+:class:`~hybrid_vla_ros.transport.wake.SpinPolicy`). When it takes a frame the suffix announces in the ring
+when it will ask for the next one (its median cycle from taking a frame to the next poll), so a prefix faster
+than it can pace itself (``PrefixRunner.pacing_delay_s``) and hand over frames that do not wait.
 """
 from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +28,7 @@ import torch
 from ..model.checkpoint import load_stage, model_id, parse_dtype
 from ..model.modeling import DEFAULT_COMMAND
 from ..split.resplit import StageSplit
-from ..transport.ring import FrameMeta, RingConsumer, RingError, segment_name
+from ..transport.ring import FrameMeta, RingConsumer, RingContractError, RingError, SpinPolicy, segment_name
 
 
 class StaleFrame(RuntimeError):
@@ -36,6 +46,7 @@ class SuffixResult:
     t_ready_ns: int = 0  # the suffix holds the view of the slot
     t_suffix_end_ns: int = 0  # the suffix stage returned the waypoints
     resplits: tuple = ()  # Resplit events applied while taking this frame (blocks loaded / freed)
+    superseded: int = 0  # older unread frames freed when this one was taken (newest-first delivery)
 
     @property
     def preprocess_ms(self) -> float:
@@ -54,15 +65,20 @@ class SuffixResult:
 class SuffixRunner:
     """Suffix stage plus ring consumer (CPU).
 
-    ``poll(timeout_s)`` waits for the oldest unread frame, runs blocks [K, L), norm and head on a
-    zero-copy view of the slot and returns a :class:`SuffixResult`. K is the one in the frame's slot
-    header: the suffix follows the prefix through a live re-split. Frames arrive in sequence order,
+    ``poll(timeout_s)`` waits for a frame (the newest unread one with ``delivery="newest"``, the default for
+    planning: an older one still unread is dropped as ``superseded``; the oldest with ``"fifo"``), runs
+    blocks [K, L), norm and head on a view of the slot in this suffix's dtype (zero-copy when the prefix's
+    dtype is the same, else converted at the view: :mod:`hybrid_vla_ros.transport.contract`) and returns a
+    :class:`SuffixResult`. K is the one in the frame's slot header: the suffix follows the prefix through a
+    live re-split. Frames arrive in sequence order,
     so once a frame at a higher K has been computed no frame at a lower K can follow, and the blocks
     below it are freed (unless :meth:`request_split_layer` asked to keep them ready for a coming move
     down). A frame at a K below the first block held loads the missing blocks first (``on_demand``):
     a frame is never computed with a mismatched K. ``poll`` returns None on timeout or while it
-    cannot attach to the prefix's ring (``attach_error`` says why; it retries on the next poll, and
-    re-attaches by itself when the prefix restarts and replaces the ring). Raises ``SlotRejected``
+    cannot attach to the prefix's ring (``attach_error`` says why, ``contract_error`` too when the ring's
+    contract does not fit this suffix: another model, state shape or a dtype that cannot be converted; it
+    retries on the next poll, and re-attaches by itself when the prefix restarts and replaces the ring).
+    ``spin_max_ms`` 0 turns the spin off (the wait always blocks on the wake-up socket). Raises ``SlotRejected``
     (counted by the ring) for a slot whose header fails validation, e.g. another model or a K outside
     [0, L]; FloatingPointError for non-finite waypoints; StaleFrame for a frame published before this
     consumer attached (left over from before a restart); ResplitError, once, when blocks requested
@@ -70,7 +86,8 @@ class SuffixRunner:
     """
 
     def __init__(self, model_path: str, split_layer: int, *, dtype: str = "fp32", ring_name: str = "prefix_states",
-                 namespace: str = "/", threads: int = 0):
+                 namespace: str = "/", threads: int = 0, delivery: str = "newest", spin_lead_ms: float = 1.0,
+                 spin_max_ms: float = 5.0):
         if threads > 0:
             torch.set_num_threads(threads)
         self.dtype = parse_dtype(dtype)
@@ -85,8 +102,19 @@ class SuffixRunner:
         #: Navigation command index (0..5, config.NAV_COMMANDS) used for the next frame; it selects the mode
         #: of a multi-mode planner. The node sets it from its parameter and command topic.
         self.command = DEFAULT_COMMAND
+        if delivery not in ("newest", "fifo"):
+            raise ValueError(f"delivery must be 'newest' or 'fifo', got {delivery!r}")
+        self.delivery = delivery
+        self._spin_args = (float(spin_lead_ms), float(spin_max_ms)) if spin_max_ms > 0 else None
+        if self._spin_args is not None:
+            SpinPolicy(*self._spin_args)  # ValueError for bad values now, not at attach
         self.ring: RingConsumer | None = None
         self.attach_error = ""  # why the last attach attempt failed ("" when attached)
+        self.contract_error = ""  # the ring's contract does not fit this suffix ("" when it does or is unknown)
+        #: Frames dropped unread because a newer one was taken (newest-first delivery), over every attach.
+        self.superseded = 0
+        self._busy_ns: deque = deque(maxlen=8)  # from taking a frame to the next poll: this side's cycle
+        self._t_taken_ns = 0
         self._attached_ns = 0  # CLOCK_MONOTONIC time of the last attach
 
     def _attach(self) -> bool:
@@ -95,15 +123,21 @@ class SuffixRunner:
             self.ring = None
         if self.ring is None:
             try:
-                self.ring = RingConsumer(self.segment, expected_model_id=self.model_id,
-                                         expected_split_layer=range(0, self.cfg.num_layers + 1))
+                self.ring = RingConsumer(
+                    self.segment, expected_model_id=self.model_id,
+                    expected_split_layer=range(0, self.cfg.num_layers + 1), compute_dtype=self.dtype,
+                    expected_shape=self.cfg.prefix_state_shape, delivery=self.delivery,
+                    spin=SpinPolicy(*self._spin_args) if self._spin_args is not None else None)
             except FileNotFoundError:
                 self.attach_error = "the prefix has not created the ring yet"
                 return False
-            except RingError as e:  # e.g. another consumer holds the ring, or a foreign segment
-                self.attach_error = str(e)
+            except RingContractError as e:  # the pair does not fit: refused before any frame is taken
+                self.attach_error = self.contract_error = str(e)
                 return False
-            self.attach_error = ""
+            except RingError as e:  # e.g. another consumer holds the ring, or a foreign segment
+                self.attach_error, self.contract_error = str(e), ""
+                return False
+            self.attach_error = self.contract_error = ""
             self._attached_ns = time.monotonic_ns()
         return True
 
@@ -129,25 +163,34 @@ class SuffixRunner:
             time.sleep(min(timeout_s, 0.05))  # no ring to wait on yet: retry at a modest rate
             return None
         self.split.before_frame()
+        if self._t_taken_ns:
+            self._busy_ns.append(time.monotonic_ns() - self._t_taken_ns)
+            self._t_taken_ns = 0
         slot = self.ring.read(timeout_s)
         if slot is None:
             return None
+        self._t_taken_ns = time.monotonic_ns()
+        if self._busy_ns:  # pacing hint for the prefix: when this side will ask for the next frame
+            busy = sorted(self._busy_ns)[len(self._busy_ns) // 2]
+            self.ring.announce_next_read(self._t_taken_ns, self._t_taken_ns + busy)
+        self.superseded += slot.superseded
         with slot:
             if slot.meta.t_publish_ns < self._attached_ns:
                 raise StaleFrame(f"frame seq {slot.meta.seq} was published before the suffix attached")
             k = slot.meta.split_layer
             self.split.for_frame(k)  # loads the blocks a frame below the first one held needs
+            hidden = slot.compute_tensor  # zero-copy, or converted to this suffix's dtype (an allowed pair)
             t_ready = time.monotonic_ns()
-            waypoints = self.stage(slot.tensor, self.command, k)
+            waypoints = self.stage(hidden, self.command, k)
             t_end = time.monotonic_ns()
-            meta = slot.meta
+            meta, superseded = slot.meta, slot.superseded
         self.split.after_frame(k)
         resplits = self.split.pop_events()
         wp = waypoints.double().numpy()
         if not np.isfinite(wp).all():
             raise FloatingPointError("suffix produced non-finite waypoints")
         return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, (t_end - t_ready) / 1e6, t_ready, t_end,
-                            resplits)
+                            resplits, superseded)
 
     def ring_stats(self) -> dict:
         return dict(self.ring.stats) if self.ring is not None else {}

@@ -31,11 +31,11 @@ DEFAULT_PRESETS = ("tiny", "smol", "minddrive-0.5b")
 QUICK = {"presets": ["tiny"], "flops_presets": ["tiny", "smol"], "sizes_mib": [1.0, 8.0], "count": 30,
          "rclpy_count": 10, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": 10,
          "sequential": ["1core"], "flops_repeats": 3, "flops_blocks": 2, "preprocess_frames": 3,
-         "preprocess_seconds": 0.5}
+         "preprocess_seconds": 0.5, "gap_count": 10, "suffix_bound": None}
 FULL = {"presets": list(DEFAULT_PRESETS), "flops_presets": list(DEFAULT_PRESETS), "sizes_mib": [1.0, 4.0, 8.0, 32.0],
         "count": 200, "rclpy_count": 50, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": None,
         "sequential": ["1core", "2core"], "flops_repeats": 5, "flops_blocks": 4, "preprocess_frames": 5,
-        "preprocess_seconds": 2.0}
+        "preprocess_seconds": 2.0, "gap_count": 40, "suffix_bound": "tiny:2:400"}
 
 
 def _list(text: str) -> list[str]:
@@ -82,6 +82,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rclpy variants: default,large_data,shm_profile ('none' for no rclpy)")
     g.add_argument("--rclpy-max-seconds", type=float, default=90.0,
                    help="stop an rclpy size early (after 10 messages) when it takes longer than this")
+    g.add_argument("--gaps-ms", type=float, nargs="+", default=[0.0, 20.0, 100.0],
+                   help="frame gaps of the zero-copy hand-off runs, ms (0: back to back; default 0 20 100)")
+    g.add_argument("--gap-count", type=int, default=None,
+                   help="measured zero-copy messages per size at each non-zero gap (default 40, quick 10)")
+    g.add_argument("--block-gaps-ms", type=float, nargs="*", default=[20.0],
+                   help="gaps of the spin-off (block only) ring run (default 20)")
+    g.add_argument("--no-zero-copy", action="store_true", help="leave out the zero-copy and iceoryx2 runs")
+    g.add_argument("--rt-priority", type=int, default=0,
+                   help="run both ends of the zero-copy runs SCHED_FIFO at this priority (0: off), to emulate "
+                        "reserved cores on a machine other work shares; needs CAP_SYS_NICE")
     g = p.add_argument_group("pipeline and preprocessing")
     g.add_argument("--frames", type=int, default=None,
                    help="measured frames per preset (default: tiny 40, smol 30, minddrive-0.5b 8, others 10)")
@@ -95,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k-margin", type=float, default=0.05,
                    help="K = smallest K with prefix >= (1 + margin) x (hand-off + suffix) (default 0.05)")
     g.add_argument("--dtype", default="bf16", help="model dtype of the pipeline and preprocessing runs (default bf16)")
+    g.add_argument("--suffix-bound", default=None,
+                   help="suffix-bound pipeline case PRESET:K:MS (the preset's suffix made MS slower; FIFO, newest "
+                        "and newest + paced prefix), 'none' to skip (default tiny:2:400; quick: none)")
     g.add_argument("--preprocess-frames", type=int, default=None, help="minimum frames per preprocessing case")
     g.add_argument("--model-cache", default=None, help="folder for the cached benchmark checkpoints")
     g.add_argument("--bag", default=str(DEFAULT_BAG), help="rosbag2 folder with the camera frames")
@@ -115,7 +128,7 @@ def _settings(args) -> dict:
     if args.presets:
         s["presets"] = s["flops_presets"] = list(args.presets)
     for key in ("sizes_mib", "count", "rclpy_count", "rclpy_variants", "frames", "sequential", "flops_repeats",
-                "flops_blocks", "preprocess_frames"):
+                "flops_blocks", "preprocess_frames", "gap_count", "suffix_bound"):
         if getattr(args, key, None) is not None:
             s[key] = getattr(args, key)
     return s
@@ -168,10 +181,31 @@ def _setting_problems(args: argparse.Namespace, s: dict, parts: list[str]) -> li
     bad = {k: v for k, v in args.split.items() if v < 0}
     if bad:
         problems.append(f"--split {bad}: split layers must be >= 0")
+    if s.get("suffix_bound") and s["suffix_bound"] != "none":
+        parts_sb = str(s["suffix_bound"]).split(":")
+        if len(parts_sb) != 3 or not parts_sb[1].isdigit() or not _is_number(parts_sb[2]):
+            problems.append(f"--suffix-bound {s['suffix_bound']!r}: use PRESET:K:MS, e.g. tiny:2:400, or none")
+    if any(not (g >= 0) for g in args.gaps_ms + list(args.block_gaps_ms)):
+        problems.append("--gaps-ms / --block-gaps-ms must be >= 0")
     out = Path(args.json)
     if out.is_dir() or (out.parent.exists() and not os.access(out.parent, os.W_OK)):
         problems.append(f"--json {out}: not a writable file path")
     return problems
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
+
+
+def _suffix_bound(text) -> dict | None:
+    """'tiny:2:400' -> {preset, split_layer, suffix_extra_ms, frames}; None for none / unset."""
+    if not text or text == "none":
+        return None
+    preset, k, ms = str(text).split(":")
+    return {"preset": preset, "split_layer": int(k), "suffix_extra_ms": float(ms), "frames": 10}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,7 +277,9 @@ def run(args: argparse.Namespace) -> int:
         part("handoff", lambda: run_handoff(
             s["sizes_mib"], count=s["count"], warmup=args.warmup, rclpy_count=s["rclpy_count"],
             variants=tuple(s["rclpy_variants"]), producer_cores=prefix_cores, consumer_cores=suffix_cores,
-            max_seconds_per_size=args.rclpy_max_seconds, log=log))
+            max_seconds_per_size=args.rclpy_max_seconds, gaps_ms=tuple(args.gaps_ms), gap_count=s["gap_count"],
+            block_gaps_ms=tuple(args.block_gaps_ms), zero_copy=not args.no_zero_copy, rt_priority=args.rt_priority,
+            log=log))
     if "flops" in parts:
         from .suffix_flops import run_flops_part
 
@@ -271,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
         frames = {n: s["frames"] or DEFAULT_FRAMES.get(n, 10) for n in plans}
         part("pipeline", lambda: run_pipeline_part(
             plans, frames=frames, warmup=args.warmup_frames, prefix_cores=prefix_cores, suffix_cores=suffix_cores,
-            sequential=tuple(s["sequential"]), bag=Path(args.bag), log=log))
+            sequential=tuple(s["sequential"]), bag=Path(args.bag), suffix_bound=_suffix_bound(s["suffix_bound"]),
+            log=log))
     if "preprocess" in parts and plans:
         from .preprocess import run_preprocess_part
 

@@ -1,4 +1,6 @@
-"""Hand-off of the prefix hidden states between two processes: ring vs rclpy topic vs one memcpy.
+"""Hand-off of the prefix hidden states between two processes: ring vs rclpy topic vs one memcpy, and the
+zero-copy hand-off (the prefix producing in the slot) with realistic frame gaps against iceoryx2
+(:mod:`.zero_copy`).
 
 For each payload size S MiB the payload is a bf16 tensor (S * 2**20 / 8192, 4096), i.e. exactly S MiB (the shape
 of Orion's 4096-wide hidden states). Every message waits for the receiver's acknowledgement (an 8-byte
@@ -282,6 +284,32 @@ def rclpy_subscriber_task(chan, *, topic: str, ack_fd: int, threads: int = 1,
         rclpy.shutdown()
 
 
+#: What the zero-copy figures measure (also in the JSON, ``zero_copy_definition``).
+ZERO_COPY_DEFINITION = (
+    "hand-off = from the prefix's output being complete in the transport's memory (the ring slot / the iceoryx2 "
+    "loan it was produced in; ring: FrameMeta.t_publish_ns, taken on entry to publish) to the consumer holding a "
+    "zero-copy tensor view of it (CLOCK_MONOTONIC); frame gap = producer sleep after each acknowledgement")
+
+
+def _add_zero_copy(row: dict, size: float, zc: dict) -> None:
+    """Put the zero-copy figures of one size into its row: ``zero_copy``, ``zero_copy_block``, ``iceoryx2``
+    ({gap_key: summary} or {"skipped": reason}), and the ratios iceoryx2 / ring (p50 and p99) per gap."""
+    methods = zc["methods"]
+    for m in ("zero_copy", "zero_copy_block"):
+        row[m] = methods[m].get(size, {})
+    if "iceoryx2" in methods:
+        row["iceoryx2"] = methods["iceoryx2"].get(size, {})
+        ratios = {}
+        for gap, ours in row["zero_copy"].items():
+            theirs = row["iceoryx2"].get(gap)
+            if theirs and ours["handoff_ms"]["n"] and theirs["handoff_ms"]["n"]:
+                ratios[gap] = {q: theirs["handoff_ms"][q] / ours["handoff_ms"][q] for q in ("p50", "p99")}
+        row["ratio_iceoryx2_over_zero_copy"] = ratios
+    else:
+        row["iceoryx2"] = {"skipped": zc["iceoryx2"].get("skipped", "not run")}
+        row["ratio_iceoryx2_over_zero_copy"] = {}
+
+
 # ------------------------------------------------------------------------------------------ orchestration
 
 def run_ring(schedule: list[dict], producer_cores, consumer_cores, *, threads: int = 1, memcpy_count: int = 100,
@@ -390,9 +418,21 @@ def summarize_rclpy(pub: dict, sub: dict) -> dict[float, dict]:
 
 def run_handoff(sizes_mib, *, count: int = 200, warmup: int = 5, rclpy_count: int = 50, rclpy_warmup: int = 3,
                 variants=("default", "large_data", "shm_profile"), producer_cores=(0,), consumer_cores=(1,),
-                threads: int = 1, max_seconds_per_size: float = 90.0, log=print) -> dict:
-    """The whole hand-off part; returns its JSON section (see :func:`hybrid_vla_ros.tools.bench.report.validate`)."""
+                threads: int = 1, max_seconds_per_size: float = 90.0, gaps_ms=(0.0, 20.0, 100.0),
+                gap_count: int = 60, block_gaps_ms=(20.0,), zero_copy: bool = True, rt_priority: int = 0,
+                log=print) -> dict:
+    """The whole hand-off part; returns its JSON section (see :func:`hybrid_vla_ros.tools.bench.report.validate`;
+    its keys are listed in :mod:`hybrid_vla_ros.tools.bench.report`). ``gaps_ms``: frame gaps of the
+    zero-copy runs (0: back to back, ``count`` messages; others ``gap_count`` each); ``block_gaps_ms``: gaps of
+    the spin-off run; ``zero_copy`` False leaves the zero-copy and iceoryx2 runs out."""
     sizes = [float(s) for s in sizes_mib]
+    zc = None
+    if zero_copy:
+        from .zero_copy import run_zero_copy
+
+        zc = run_zero_copy(sizes, gaps_ms=gaps_ms, count=count, gap_count=gap_count, warmup=warmup,
+                           block_gaps_ms=block_gaps_ms, producer_cores=producer_cores,
+                           consumer_cores=consumer_cores, threads=threads, rt_priority=rt_priority, log=log)
     log(f"hand-off: sizes {sizes} MiB; ring/memcpy {count} messages, rclpy {rclpy_count} (variants "
         f"{', '.join(variants) or 'none'}); producer cores {list(producer_cores)}, consumer {list(consumer_cores)}")
     p, c = run_ring(_schedule(sizes, warmup, count), list(producer_cores), list(consumer_cores), threads=threads,
@@ -413,8 +453,19 @@ def run_handoff(sizes_mib, *, count: int = 200, warmup: int = 5, rclpy_count: in
         row["best_rclpy"] = best
         row["ratio_best_rclpy_over_ring_p50"] = (row["rclpy"][best]["latency_ms"]["p50"] / ring_p50) if best else None
         row["ratio_rclpy_over_ring_p50"] = {v: row["rclpy"][v]["latency_ms"]["p50"] / ring_p50 for v in variants}
+        if zc is not None:
+            _add_zero_copy(row, s, zc)
         rows.append(row)
+    extra = {}
+    if zc is not None:
+        from .zero_copy import SPIN, gap_key
+
+        extra = {"gaps_ms": [float(g) for g in gaps_ms], "gap_count": gap_count,
+                 "block_gaps_ms": [float(g) for g in block_gaps_ms], "spin": dict(SPIN),
+                 "iceoryx2": zc["iceoryx2"], "gap_keys": [gap_key(g) for g in gaps_ms], "rt_priority": rt_priority,
+                 "zero_copy_definition": ZERO_COPY_DEFINITION}
     return {
+        **extra,
         "payload": "bf16 (S * 2**20 / 8192, 4096) tensor, exactly S MiB",
         "method": "ack per message (AF_UNIX SEQPACKET); latency = producer write start -> consumer view ready "
                   "(CLOCK_MONOTONIC); CPU/msg = (producer + consumer process CPU, user+sys, all threads) / messages",

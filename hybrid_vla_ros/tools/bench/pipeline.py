@@ -43,6 +43,13 @@ Figures (over the frames after ``warmup``; stage times as percentiles {n, p50, p
 * ``latency``: ``e2e`` against ``stage_sum`` = preprocess + prefix + suffix (the computing stages; hand-off,
   queueing and gaps are what the pipeline adds); ``overhead`` = e2e - stage_sum per frame. Goal: median overhead
   <= 0.05 x median stage_sum + 2 ms.
+
+Suffix-bound case (``suffix_bound``, :func:`run_suffix_bound`): the presets above are split prefix-bound, so no
+frame waits in the ring. When the suffix is the slower stage, a frame can wait: up to ring-slots - 1 suffix
+periods with FIFO delivery, up to one prefix period with newest-first delivery, and about nothing when the
+prefix also paces itself to the suffix's announced next read (``PrefixRunner.pacing_delay_s``; e2e counts from
+the prefix's start, i.e. from the newest camera frame at that moment). The case runs a preset with its suffix
+made slow by a busy wait, in the three variants, and reports the same latency figures for each.
 """
 from __future__ import annotations
 
@@ -232,9 +239,10 @@ def _suffix_record(r) -> dict:
 
 
 def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_name: str, threads: int, total: int,
-                bag: str = str(DEFAULT_BAG), device: str = "cpu") -> dict:
-    """Worker: the prefix process. Waits for ``go``, runs ``total`` frames back to back, reports, then keeps
-    the ring until ``close`` (so the suffix can read the last frames)."""
+                bag: str = str(DEFAULT_BAG), device: str = "cpu", pace: bool = False) -> dict:
+    """Worker: the prefix process. Waits for ``go``, runs ``total`` frames back to back (``pace``: each after
+    ``PrefixRunner.pacing_delay_s``, as the prefix node's ``pace_to_suffix`` does), reports, then keeps the ring
+    until ``close`` (so the suffix can read the last frames)."""
     import torch
 
     from ...runtime.prefix import PrefixRunner
@@ -250,6 +258,8 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
         records = []
         for i in range(total):
             items, stamp = _frame(frames, i)
+            if pace:
+                time.sleep(runner.pacing_delay_s())
             t_call = time.monotonic_ns()
             r = runner.run(items, stamp, ego)
             t_ret = time.monotonic_ns()
@@ -264,15 +274,29 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
 
 
 def suffix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_name: str, threads: int, total: int,
-                idle_timeout_s: float = 120.0) -> dict:
+                idle_timeout_s: float = 120.0, delivery: str = "newest", suffix_extra_ms: float = 0.0) -> dict:
     """Worker: the suffix process. Attaches to the ring, says ``ready``, then computes frames until the one with
-    seq ``total`` (the last frame is never dropped: only the oldest READY slot is ever overwritten)."""
+    seq ``total`` (the last frame is never dropped: only the oldest READY slot is ever overwritten, and newest
+    first delivery takes it). ``suffix_extra_ms``: a busy wait added to every suffix stage call (a suffix made
+    slow, to run a suffix-bound pipeline with a small model)."""
     import torch
 
     from ...runtime.suffix import SuffixRunner
 
     torch.set_num_threads(threads)
-    runner = SuffixRunner(model_path, split_layer, dtype=dtype, ring_name=ring_name, threads=threads)
+    runner = SuffixRunner(model_path, split_layer, dtype=dtype, ring_name=ring_name, threads=threads,
+                          delivery=delivery)
+    if suffix_extra_ms > 0:
+        real_forward = runner.stage.forward
+
+        def slow_forward(*args, **kwargs):
+            out = real_forward(*args, **kwargs)
+            end = time.perf_counter() + suffix_extra_ms / 1e3
+            while time.perf_counter() < end:  # compute-like: the core stays busy
+                pass
+            return out
+
+        runner.stage.forward = slow_forward
     try:
         deadline = time.monotonic() + 300
         while not runner.attached:
@@ -414,16 +438,18 @@ def summarize_sequential(records: list[dict], warmup: int) -> dict:
 # ------------------------------------------------------------------------------------------ orchestration
 
 def run_pipeline_once(model_path: Path, split_layer: int, dtype: str, *, prefix_cores, suffix_cores, frames: int,
-                      warmup: int, bag: Path, expected_frame_s: float, log=print) -> dict:
+                      warmup: int, bag: Path, expected_frame_s: float, delivery: str = "newest", pace: bool = False,
+                      suffix_extra_ms: float = 0.0, log=print) -> dict:
     """One two-process pipeline run; returns the raw records of both workers."""
     ring = f"bench_pipe_{uuid.uuid4().hex[:10]}"
     total = warmup + frames
     common = {"model_path": str(model_path), "split_layer": split_layer, "dtype": dtype, "ring_name": ring,
               "total": total}
     budget = 300 + 3 * total * expected_frame_s
-    with Worker("pipeline_suffix", {**common, "threads": len(suffix_cores),
+    with Worker("pipeline_suffix", {**common, "threads": len(suffix_cores), "delivery": delivery,
+                                    "suffix_extra_ms": suffix_extra_ms,
                                     "idle_timeout_s": 120 + 5 * expected_frame_s}, cores=list(suffix_cores)) as suf, \
-            Worker("pipeline_prefix", {**common, "threads": len(prefix_cores), "bag": str(bag)},
+            Worker("pipeline_prefix", {**common, "threads": len(prefix_cores), "bag": str(bag), "pace": pace},
                    cores=list(prefix_cores)) as pre:
         pre.recv(600, expect="ready")
         suf.recv(600, expect="ready")
@@ -524,10 +550,42 @@ def run_preset(plan: dict, *, frames: int, warmup: int, prefix_cores, suffix_cor
     return entry
 
 
+#: The suffix-bound case's variants: name -> (delivery, pace the prefix to the suffix).
+SUFFIX_BOUND_VARIANTS = {"fifo": ("fifo", False), "newest": ("newest", False), "newest_paced": ("newest", True)}
+
+
+def run_suffix_bound(plan: dict, *, split_layer: int, suffix_extra_ms: float, frames: int, warmup: int,
+                     prefix_cores, suffix_cores, bag: Path = DEFAULT_BAG, log=print) -> dict:
+    """A suffix-bound pipeline (the preset's suffix made ``suffix_extra_ms`` slower with a busy wait) in three
+    variants (:data:`SUFFIX_BOUND_VARIANTS`): FIFO delivery (frames queue in the ring), newest first (a frame
+    waits up to one prefix period) and newest first with the prefix paced to the suffix's announced next read
+    (the default of the nodes). Returns {preset, split_layer, suffix_extra_ms, variants: {name: figures}},
+    figures as :func:`summarize_pipeline`'s plus the ring's counters."""
+    path = Path(plan["model_path"])
+    out = {"preset": plan["preset"], "split_layer": split_layer, "suffix_extra_ms": suffix_extra_ms,
+           "dtype": plan["dtype"], "variants": {}}
+    for name, (delivery, pace) in SUFFIX_BOUND_VARIANTS.items():
+        log(f"  suffix-bound {plan['preset']} K={split_layer} (+{suffix_extra_ms:g} ms suffix): {name}")
+        raw = run_pipeline_once(path, split_layer, plan["dtype"], prefix_cores=prefix_cores, suffix_cores=suffix_cores,
+                                frames=frames, warmup=warmup, bag=bag, expected_frame_s=1.0, delivery=delivery,
+                                pace=pace, suffix_extra_ms=suffix_extra_ms, log=log)
+        total = warmup + frames
+        pipe = summarize_pipeline(raw["suffix"]["records"], raw["prefix"]["records"], warmup, total)
+        pipe.pop("frames", None)
+        pipe["ring_stats"] = {"producer": raw["prefix"]["ring_stats"], "consumer": raw["suffix"]["ring_stats"]}
+        out["variants"][name] = pipe
+        lat = pipe["latency"]
+        log(f"    e2e p50 {lat['e2e_p50_ms']:.1f} ms vs stages {lat['stage_sum_p50_ms']:.1f} ms: overhead "
+            f"{lat['overhead_p50_ms']:.1f} ms (allowed {lat['allowed_ms']:.1f}), {pipe['fps']:.2f} fps")
+    return out
+
+
 def run_pipeline_part(plans: dict, *, frames: dict, warmup: int, prefix_cores, suffix_cores,
                       sequential=("1core", "2core"), bag: Path = DEFAULT_BAG, efficiency_goal: float = 0.9,
-                      log=print) -> dict:
-    """The whole pipeline part for prepared presets (:func:`prepare_preset`); returns its JSON section."""
+                      suffix_bound: dict | None = None, log=print) -> dict:
+    """The whole pipeline part for prepared presets (:func:`prepare_preset`); returns its JSON section.
+    ``suffix_bound``: {preset, split_layer, suffix_extra_ms, frames} for :func:`run_suffix_bound` (its preset
+    must be among ``plans``), or None."""
     presets = []
     for name, plan in plans.items():
         presets.append(run_preset(plan, frames=frames[name], warmup=warmup, prefix_cores=prefix_cores,
@@ -535,7 +593,14 @@ def run_pipeline_part(plans: dict, *, frames: dict, warmup: int, prefix_cores, s
         p = presets[-1]["pipeline"]
         log(f"  {name}: {p['fps']:.2f} fps of ideal {p['ideal_fps']:.2f} (efficiency {p['efficiency']:.3f}), "
             f"e2e {p['latency']['e2e_p50_ms']:.1f} ms vs stages {p['latency']['stage_sum_p50_ms']:.1f} ms")
+    bound = None
+    if suffix_bound and suffix_bound["preset"] in plans:
+        bound = run_suffix_bound(plans[suffix_bound["preset"]], split_layer=suffix_bound["split_layer"],
+                                 suffix_extra_ms=suffix_bound["suffix_extra_ms"], frames=suffix_bound["frames"],
+                                 warmup=max(warmup, 3), prefix_cores=prefix_cores, suffix_cores=suffix_cores,
+                                 bag=bag, log=log)
     return {"bag": str(Path(bag).relative_to(REPO_ROOT)) if Path(bag).is_relative_to(REPO_ROOT) else str(bag),
+            "suffix_bound": bound,
             "frames": "6 JPEG cameras 1936x1216 (CompressedImage), looped", "warmup_frames": warmup,
             "efficiency_goal": efficiency_goal,
             "latency_goal": "median(e2e - stage_sum) <= 0.05 x median(stage_sum) + 2 ms",

@@ -8,16 +8,31 @@ JSON document (``kind`` "hybrid_vla_bench", ``format_version`` 1)::
     noise       {part: {wall_s, foreign_cpu_share, steal_share, loadavg_1min}}  other load while each part ran
     settings    the effective options (sizes, counts, presets, cores, dtype, image sizes, split layers)
     prepare     {preset: checkpoint path, split_layer, split_reason, per-block profile, predicted P(K), H + S(K)}
-    handoff     (hybrid_vla_ros.tools.bench.handoff.run_handoff)    sizes[]: memcpy, ring, rclpy{variant}, ratios
-    pipeline    (hybrid_vla_ros.tools.bench.pipeline.run_pipeline_part)  presets[]: split, pipeline, sequential
+    handoff     (hybrid_vla_ros.tools.bench.handoff.run_handoff)    sizes[]: memcpy, ring, rclpy{variant}, ratios;
+                and the zero-copy hand-off (tools.bench.zero_copy), see below
+    pipeline    (hybrid_vla_ros.tools.bench.pipeline.run_pipeline_part)  presets[]: split, pipeline, sequential;
+                suffix_bound: {preset, split_layer, suffix_extra_ms, variants: {fifo, newest, newest_paced}: the
+                pipeline figures (latency.overhead_p50_ms, allowed_ms, met, fps, stages_ms, ring_stats)} or null
     suffix_flops (hybrid_vla_ros.tools.bench.suffix_flops.run_flops_part) results[]: achieved / peak GFLOP/s
     preprocess  (hybrid_vla_ros.tools.bench.preprocess.run_preprocess_part) results[]: preprocess / prefix ms, share
     goals       [{id, part, what, value, target, met}]
     errors      {part: message} for parts that failed
     notes       [str]
 
-Times are ms unless the key says otherwise; percentiles are dicts {n, p50, p90, mean, min, max}. Non-finite
-numbers are written as null.
+Zero-copy hand-off keys (fixed; present unless the run had --no-zero-copy). ``handoff``: ``gaps_ms`` (frame gaps,
+0 = back to back), ``gap_keys`` (``gap_<g>ms``), ``gap_count``, ``block_gaps_ms``, ``spin`` {lead_ms, max_ms},
+``rt_priority``, ``iceoryx2`` {available, version | skipped}, ``zero_copy_definition``. Each ``handoff.sizes[]``
+row: ``zero_copy`` (the ring, the frame produced in the slot, the suffix's spin-then-block wake-up),
+``zero_copy_block`` (same, spin off, at ``block_gaps_ms``) and ``iceoryx2`` (loan + event wait; or
+{"skipped": reason}), each {gap_key: {gap_ms, handoff_ms (percentiles, with p99), n, lost, cpu_ms_per_msg
+{producer, consumer, total}, spin_ms_per_msg, found {found_ready, found_spinning, found_after_block}}}, and
+``ratio_iceoryx2_over_zero_copy`` {gap_key: {p50, p99}}. Goals on them (when all of 1, 4, 8 and 32 MiB and
+the gaps 0, 20 and 100 ms ran): ``handoff_zero_copy_p50`` (largest p50 <= 0.05 ms), ``handoff_zero_copy_p99``
+(largest p99 <= 0.2 ms), ``handoff_zero_copy_vs_iceoryx2`` (smallest iceoryx2 / ring ratio of p50 and p99
+> 1); and ``pipeline_latency_suffix_bound`` (newest_paced: median overhead <= 5 % + 2 ms).
+
+Times are ms unless the key says otherwise; percentiles are dicts {n, p50, p90, p99, mean, min, max}.
+Non-finite numbers are written as null.
 """
 from __future__ import annotations
 
@@ -37,6 +52,7 @@ REQUIRED = {
     "handoff.sizes": ("size_mib", "bytes", "memcpy", "ring", "rclpy", "ratio_ring_over_memcpy_p50", "best_rclpy",
                       "ratio_best_rclpy_over_ring_p50"),
     "handoff.ring": ("latency_ms", "copy_ms", "publish_to_view_ms", "cpu_ms_per_msg", "n"),
+    "handoff.zero_copy": ("gap_ms", "handoff_ms", "n", "lost", "cpu_ms_per_msg", "spin_ms_per_msg", "found"),
     "pipeline": ("bag", "warmup_frames", "presets"),
     "pipeline.presets": ("preset", "dtype", "split_layer", "split_reason", "num_layers", "num_tokens", "image_size",
                          "note", "pipeline", "sequential"),
@@ -64,6 +80,14 @@ def validate(doc: dict) -> list[str]:
         for i, row in enumerate(h.get("sizes", [])):
             out += _missing(row, REQUIRED["handoff.sizes"], f"handoff.sizes[{i}]")
             out += _missing(row.get("ring", {}), REQUIRED["handoff.ring"], f"handoff.sizes[{i}].ring")
+            if "gaps_ms" in h:
+                for m in ("zero_copy", "zero_copy_block", "iceoryx2"):
+                    if m not in row:
+                        out.append(f"handoff.sizes[{i}].{m}")
+                        continue
+                    for gap, e in row[m].items():
+                        if gap != "skipped":
+                            out += _missing(e, REQUIRED["handoff.zero_copy"], f"handoff.sizes[{i}].{m}.{gap}")
     p = doc.get("pipeline")
     if p:
         out += _missing(p, REQUIRED["pipeline"], "pipeline")
@@ -106,8 +130,16 @@ def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: 
                 add(f"handoff_vs_rclpy_{handoff_size_mib:g}mib", "handoff",
                     f"best rclpy ({row['best_rclpy']}) p50 / ring p50 at {handoff_size_mib:g} MiB", r,
                     f">= {handoff_ratio}", r >= handoff_ratio)
+        _zero_copy_goals(h, add)
     p = doc.get("pipeline")
     if p:
+        sb = p.get("suffix_bound")
+        if sb and "newest_paced" in sb.get("variants", {}):
+            lat = sb["variants"]["newest_paced"]["latency"]
+            add("pipeline_latency_suffix_bound", "pipeline",
+                f"suffix-bound {sb['preset']} K={sb['split_layer']} (+{sb['suffix_extra_ms']:g} ms suffix), newest + "
+                f"paced: e2e - stage sum, p50 (ms)", lat["overhead_p50_ms"], f"<= {lat['allowed_ms']:.2f} (5 % + 2 ms)",
+                lat["met"])
         for e in p["presets"]:
             pl = e["pipeline"]
             add(f"pipeline_efficiency_{e['preset']}", "pipeline", f"{e['preset']} (K={e['split_layer']}): fps / "
@@ -123,6 +155,32 @@ def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: 
                 f"{r['preset']} {r['dtype']}: achieved / GEMM peak FLOP/s", r["ratio"], f">= {f['goal_ratio']}",
                 r["ratio"] >= f["goal_ratio"])
     return goals
+
+
+ZERO_COPY_GOAL_SIZES = (1.0, 4.0, 8.0, 32.0)
+ZERO_COPY_GOAL_GAPS = ("gap_0ms", "gap_20ms", "gap_100ms")
+
+
+def _zero_copy_goals(h: dict, add, p50_ms: float = 0.05, p99_ms: float = 0.2) -> None:
+    """The zero-copy goals, when every goal size and gap was measured (else none is added)."""
+    rows = {r["size_mib"]: r for r in h.get("sizes", [])}
+    if "gaps_ms" not in h or not all(s in rows for s in ZERO_COPY_GOAL_SIZES):
+        return
+    cells = [(s, g, rows[s]["zero_copy"].get(g)) for s in ZERO_COPY_GOAL_SIZES for g in ZERO_COPY_GOAL_GAPS]
+    if any(c is None or not c["handoff_ms"]["n"] for _, _, c in cells):
+        return
+    worst50 = max(cells, key=lambda c: c[2]["handoff_ms"]["p50"])
+    worst99 = max(cells, key=lambda c: c[2]["handoff_ms"]["p99"])
+    v50, v99 = worst50[2]["handoff_ms"]["p50"], worst99[2]["handoff_ms"]["p99"]
+    add("handoff_zero_copy_p50", "handoff", f"zero-copy hand-off, largest p50 over 1-32 MiB x gaps 0/20/100 ms "
+        f"(ms; at {worst50[0]:g} MiB {worst50[1]})", v50, f"<= {p50_ms}", v50 <= p50_ms)
+    add("handoff_zero_copy_p99", "handoff", f"zero-copy hand-off, largest p99 (ms; at {worst99[0]:g} MiB "
+        f"{worst99[1]})", v99, f"<= {p99_ms}", v99 <= p99_ms)
+    ratios = [r for s in ZERO_COPY_GOAL_SIZES for g in ZERO_COPY_GOAL_GAPS
+              for r in rows[s].get("ratio_iceoryx2_over_zero_copy", {}).get(g, {}).values()]
+    if len(ratios) == 2 * len(cells):
+        add("handoff_zero_copy_vs_iceoryx2", "handoff", "smallest iceoryx2 / ring ratio of p50 and p99 over sizes "
+            "and gaps", min(ratios), "> 1", min(ratios) > 1)
 
 
 # ------------------------------------------------------------------------------------------ JSON
@@ -205,6 +263,8 @@ def markdown(doc: dict) -> str:
                     f"{_f(r['ratio_ring_over_memcpy_p50'], 2)}x"]
             rows.append(row)
         out.append(_table(header, rows))
+        if "gaps_ms" in h:
+            out.append(_zero_copy_markdown(h))
     p = doc.get("pipeline")
     if p:
         out.append(f"\n**Pipeline** on the embedded bag ({p['frames']}; {p['warmup_frames']} warm-up frames); prefix "
@@ -244,6 +304,20 @@ def markdown(doc: dict) -> str:
                              f"suffix {_f(c['suffix'], 2)}x")
             notes.append(f"{e['preset']}: " + "; ".join(extra))
         out.append("\n".join(f"- {n}" for n in notes))
+        sb = p.get("suffix_bound")
+        if sb:
+            out.append(f"\n**Suffix-bound pipeline**: {sb['preset']} at K={sb['split_layer']}, its suffix made "
+                       f"{sb['suffix_extra_ms']:g} ms slower (busy wait); p50 ms.")
+            rows = []
+            for name, v in sb["variants"].items():
+                lat, st = v["latency"], v["stages_ms"]
+                rows.append([name, _f(v["prefix_side_ms"]["p50"], 1), _f(st["suffix_ms"]["p50"], 1),
+                             _f(st["queue_wait_ms"]["p50"], 1), _f(lat["e2e_p50_ms"], 1),
+                             _f(lat["stage_sum_p50_ms"], 1),
+                             f"**{_f(lat['overhead_p50_ms'], 1)}** (<= {_f(lat['allowed_ms'], 1)})", _f(v["fps"], 2),
+                             str(v["ring_stats"]["consumer"].get("superseded", 0))])
+            out.append(_table(["variant", "preprocess + prefix", "suffix", "queue wait", "e2e", "stage sum",
+                               "overhead (allowed)", "fps", "superseded"], rows))
     f = doc.get("suffix_flops")
     if f:
         out.append(f"\n**CPU suffix FLOP/s** (cores {f['cores']}, {f['threads']} thread(s)): the last blocks of the "
@@ -280,6 +354,34 @@ def markdown(doc: dict) -> str:
     if doc.get("errors"):
         out.append("\n**Errors**: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in doc["errors"].items()))
     return "\n".join(out) + "\n"
+
+
+def _zero_copy_markdown(h: dict) -> str:
+    """The zero-copy table: p50 / p99 ms per size and gap for the ring (spin then block), ring block only and
+    iceoryx2, and the ring's spin CPU per message."""
+    keys = h["gap_keys"]
+    iox = h.get("iceoryx2", {})
+    head = (f"\n**Zero-copy hand-off** ({h['zero_copy_definition']}); p50 / p99 ms; ring spin "
+            f"{h['spin']['lead_ms']} ms lead, <= {h['spin']['max_ms']} ms; iceoryx2 "
+            + (iox.get("version", "") if iox.get("available") else f"skipped: {iox.get('skipped')}")
+            + (f"; both ends SCHED_FIFO {h['rt_priority']}" if h.get("rt_priority") else "") + ".")
+    header = ["size"]
+    for k in keys:
+        header += [f"ring {k}", f"iceoryx2 {k}", f"spin ms/msg {k}"]
+    header += [f"ring block only {k}" for k in (f"gap_{g:g}ms" for g in h.get("block_gaps_ms", []))]
+    rows = []
+    for r in h["sizes"]:
+        row = [f"{r['size_mib']:g} MiB"]
+        for k in keys:
+            z, i = r["zero_copy"].get(k), r.get("iceoryx2", {}).get(k)
+            row += [f"**{_f(z['handoff_ms']['p50'], 3)} / {_f(z['handoff_ms']['p99'], 3)}**" if z else "-",
+                    f"{_f(i['handoff_ms']['p50'], 3)} / {_f(i['handoff_ms']['p99'], 3)}" if i else "-",
+                    _f(z["spin_ms_per_msg"], 2) if z else "-"]
+        for g in h.get("block_gaps_ms", []):
+            b = r["zero_copy_block"].get(f"gap_{g:g}ms")
+            row.append(f"{_f(b['handoff_ms']['p50'], 3)} / {_f(b['handoff_ms']['p99'], 3)}" if b else "-")
+        rows.append(row)
+    return head + "\n" + _table(header, rows)
 
 
 # ------------------------------------------------------------------------------------------ plots

@@ -17,6 +17,10 @@ import traceback
 TASKS = {
     "ring_producer": ("hybrid_vla_ros.tools.bench.handoff", "ring_producer_task"),
     "ring_consumer": ("hybrid_vla_ros.tools.bench.handoff", "ring_consumer_task"),
+    "zc_ring_producer": ("hybrid_vla_ros.tools.bench.zero_copy", "ring_producer_task"),
+    "zc_ring_consumer": ("hybrid_vla_ros.tools.bench.zero_copy", "ring_consumer_task"),
+    "zc_iox_producer": ("hybrid_vla_ros.tools.bench.zero_copy", "iox_producer_task"),
+    "zc_iox_consumer": ("hybrid_vla_ros.tools.bench.zero_copy", "iox_consumer_task"),
     "rclpy_publisher": ("hybrid_vla_ros.tools.bench.handoff", "rclpy_publisher_task"),
     "rclpy_subscriber": ("hybrid_vla_ros.tools.bench.handoff", "rclpy_subscriber_task"),
     "checkpoint": ("hybrid_vla_ros.tools.bench.pipeline", "checkpoint_task"),

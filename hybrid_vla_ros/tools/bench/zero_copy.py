@@ -1,0 +1,341 @@
+"""Zero-copy hand-off with realistic frame gaps: the ring as the prefix uses it on the CPU against iceoryx2.
+
+The producer *produces* each frame in the transport's memory (a ring slot, an iceoryx2 loan): one
+``copy_`` of a precomputed bf16 tensor into it stands in for the prefix's last op (the last block's residual
+add writes every byte of the slot the same way). **Hand-off** = from the output being complete there (``t0``:
+the ring's ``FrameMeta.t_publish_ns``, taken on entry to ``publish``; for iceoryx2 the instant before
+``send``) to the consumer holding a zero-copy tensor view of it (``t_view``, right after ``read`` /
+``receive`` + ``torch.frombuffer``), CLOCK_MONOTONIC in both processes. It is what the prefix's output waits
+for before the suffix can start: header, lock, notification, the consumer's wake-up, validation, the view.
+
+Frame gaps: after each acknowledgement (an 8-byte AF_UNIX SEQPACKET datagram, as in :mod:`.handoff`) the
+producer sleeps ``gap_ms`` (0: back to back) before it produces the next frame, so with a gap the consumer
+is idle and waiting, as a suffix waiting for the next camera frame is. Consumers:
+
+* ``zero_copy``: :class:`~hybrid_vla_ros.transport.ring.RingConsumer` with the suffix node's default wake-up
+  (spin from ``spin_lead_ms`` before the predicted frame, at most ``spin_max_ms``, then block on the socket);
+* ``zero_copy_block``: the same consumer with the spin off (only the socket): what a wake-up costs;
+* ``iceoryx2``: an iceoryx2 ``Slice[c_uint8]`` publish-subscribe service (``loan_slice_uninit``, zero-copy on
+  both sides) with an event service for the blocking wake-up (``Listener.timed_wait``), the way its Python
+  binding gives zero-copy; skipped, with the reason, when ``import iceoryx2`` fails.
+
+CPU per message: producer = CPU time of its ``publish`` (ring) or ``send`` + ``notify`` (iceoryx2) calls,
+consumer = CPU time of its whole process over the measured messages (waiting, spinning, reading, the
+acknowledgement), both ``time.process_time_ns``; ``spin_ms_per_msg`` = the ring consumer's ``spin_ms``.
+"""
+from __future__ import annotations
+
+import ctypes
+import socket
+import time
+import uuid
+
+from .common import Worker, percentiles
+
+HIDDEN = 4096
+ATTACH_TIMEOUT_S = 120.0
+ACK_TIMEOUT_S = 30.0
+SPIN = {"lead_ms": 1.0, "max_ms": 5.0}  # the suffix node's defaults (schema ring.spin_lead_ms / spin_max_ms)
+METHODS = ("zero_copy", "zero_copy_block", "iceoryx2")
+
+
+def gap_key(gap_ms: float) -> str:
+    """JSON key of a frame gap: 'gap_0ms', 'gap_20ms', 'gap_100ms'."""
+    return f"gap_{gap_ms:g}ms"
+
+
+def _shape(size_mib: float) -> tuple[int, int]:
+    return (max(1, round(size_mib * 2**20 / (HIDDEN * 2))), HIDDEN)
+
+
+def iceoryx2_status() -> tuple[bool, str]:
+    """(available, version or why not) of the iceoryx2 Python binding."""
+    try:
+        import iceoryx2  # noqa: F401
+        from importlib.metadata import version
+
+        return True, version("iceoryx2")
+    except Exception as e:  # noqa: BLE001 - any import failure means: skip the peer, say why
+        return False, f"{type(e).__name__}: {e}"
+
+
+def _realtime(priority: int) -> None:
+    """SCHED_FIFO at ``priority`` for this process (0: leave it): an end on a core nothing else may take, as the
+    suffix's reserved cores (and the prefix's) are, on a machine where other work shares the cores. Needs
+    CAP_SYS_NICE; the kernel's RT throttling (sched_rt_runtime_us) still leaves other tasks 5 %."""
+    if priority > 0:
+        import os
+
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+
+
+def _wait_ack(ack: socket.socket, seq: int) -> bool:
+    deadline = time.monotonic() + ACK_TIMEOUT_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        ack.settimeout(remaining)
+        try:
+            if int.from_bytes(ack.recv(16), "little") == seq:
+                return True
+        except TimeoutError:
+            return False
+    return False
+
+
+def _produce(entries, ack, produce_and_publish) -> list[dict]:
+    """The producer loop shared by both transports: per entry, warm-up + measured frames with the gap."""
+    import torch
+
+    out = []
+    for e in entries:
+        src = torch.randn(_shape(e["size_mib"])).to(torch.bfloat16)
+        cpu_ns, lost, sent = 0, 0, {}
+        for i in range(e["warmup"] + e["count"]):
+            if e["gap_ms"]:
+                time.sleep(e["gap_ms"] / 1e3)
+            seq, t0, cpu = produce_and_publish(src)
+            ok = _wait_ack(ack, seq)
+            if i >= e["warmup"]:
+                cpu_ns += cpu
+                sent[seq] = t0
+                lost += not ok
+        out.append({**e, "sent": sent, "producer_cpu_ms": cpu_ns / 1e6, "lost": lost})
+    return out
+
+
+def ring_producer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, threads: int = 1,
+                       rt_priority: int = 0) -> dict:
+    """Worker: the ring producer, producing each frame in its slot."""
+    import torch
+
+    from ...transport.ring import RingProducer, slot_bytes_for
+
+    torch.set_num_threads(threads)
+    _realtime(rt_priority)
+    ack = socket.socket(fileno=ack_fd)
+    biggest = max((_shape(e["size_mib"]) for e in entries), key=lambda s: s[0])
+    with RingProducer(segment, 3, slot_bytes_for(biggest, torch.bfloat16), model_id=1, dtype=torch.bfloat16,
+                      device="cpu") as prod:
+        def produce_and_publish(src):
+            slot = prod.acquire(tuple(src.shape), torch.bfloat16)
+            slot.tensor.copy_(src)  # the prefix's last op writes its output into the slot
+            slot.t_write_start_ns = time.monotonic_ns()
+            c0 = time.process_time_ns()
+            seq = prod.publish(slot, stamp_ns=0, split_layer=0)
+            return seq, None, time.process_time_ns() - c0
+
+        chan.send({"type": "ready"})
+        chan.recv(ATTACH_TIMEOUT_S)
+        return {"entries": _produce(entries, ack, produce_and_publish), "stats": prod.stats}
+
+
+def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, threads: int = 1,
+                       rt_priority: int = 0) -> dict:
+    """Worker: the ring consumer (spin per entry's ``spin``); records [seq, t_publish_ns, t_view_ns, found]."""
+    import torch
+
+    from ...transport.ring import RingConsumer, SpinPolicy
+
+    torch.set_num_threads(threads)
+    _realtime(rt_priority)
+    ack = socket.socket(fileno=ack_fd)
+    deadline = time.monotonic() + ATTACH_TIMEOUT_S
+    while True:
+        try:
+            cons = RingConsumer(segment, delivery="fifo")
+            break
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    out = []
+    with cons:
+        chan.send({"type": "ready"})
+        for e in entries:
+            cons.spin = SpinPolicy(SPIN["lead_ms"], SPIN["max_ms"]) if e["spin"] else None
+            recs, cpu0, spin0 = [], time.process_time_ns(), cons.stats["spin_ms"]
+            for i in range(e["warmup"] + e["count"]):
+                if i == e["warmup"]:
+                    cpu0, spin0 = time.process_time_ns(), cons.stats["spin_ms"]
+                before = cons.stats
+                slot = cons.read(ACK_TIMEOUT_S)
+                if slot is None:
+                    raise TimeoutError(f"no ring frame within {ACK_TIMEOUT_S} s")
+                view = slot.tensor  # the zero-copy view the suffix computes on
+                t_view = time.monotonic_ns()
+                after = cons.stats
+                found = next(k for k in ("found_ready", "found_spinning", "found_after_block")
+                             if after[k] != before[k])
+                m = slot.meta
+                del view
+                slot.release()
+                ack.send(m.seq.to_bytes(8, "little"))
+                if i >= e["warmup"]:
+                    recs.append([m.seq, m.t_publish_ns, t_view, found])
+            out.append({**e, "records": recs, "consumer_cpu_ms": (time.process_time_ns() - cpu0) / 1e6,
+                        "spin_ms": cons.stats["spin_ms"] - spin0})
+    return {"entries": out}
+
+
+def iox_producer_task(chan, *, service: str, entries: list[dict], ack_fd: int, threads: int = 1,
+                      rt_priority: int = 0) -> dict:
+    """Worker: an iceoryx2 publisher + notifier, producing each frame in its loan; t0 and seq travel in the
+    producer's records (the seq also in the payload's first 8 bytes)."""
+    import iceoryx2 as iox2
+    import torch
+
+    torch.set_num_threads(threads)
+    _realtime(rt_priority)
+    iox2.set_log_level(iox2.LogLevel.Warn)
+    ack = socket.socket(fileno=ack_fd)
+    biggest = max(_shape(e["size_mib"])[0] for e in entries) * HIDDEN * 2
+    node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+    svc = (node.service_builder(iox2.ServiceName.new(service)).publish_subscribe(iox2.Slice[ctypes.c_uint8])
+           .subscriber_max_buffer_size(2).history_size(0).open_or_create())
+    pub = svc.publisher_builder().initial_max_slice_len(biggest).create()
+    ev = node.service_builder(iox2.ServiceName.new(service + ".event")).event().open_or_create()
+    notifier = ev.notifier_builder().create()
+    counter = [0]
+
+    def produce_and_publish(src):
+        nbytes = src.numel() * 2
+        sample = pub.loan_slice_uninit(nbytes)
+        view = torch.frombuffer(sample.payload().as_memory_view(), dtype=torch.bfloat16).view(src.shape)
+        view.copy_(src)  # the prefix's last op writes its output into the loan
+        counter[0] += 1
+        seq = counter[0]
+        ctypes.memmove(sample.payload_ptr, seq.to_bytes(8, "little"), 8)
+        del view
+        t0 = time.monotonic_ns()
+        c0 = time.process_time_ns()
+        sample.assume_init().send()
+        notifier.notify()
+        return seq, t0, time.process_time_ns() - c0
+
+    chan.send({"type": "ready"})
+    chan.recv(ATTACH_TIMEOUT_S)
+    res = _produce(entries, ack, produce_and_publish)
+    return {"entries": res}
+
+
+def iox_consumer_task(chan, *, service: str, entries: list[dict], ack_fd: int, threads: int = 1,
+                      rt_priority: int = 0) -> dict:
+    """Worker: an iceoryx2 subscriber + listener; blocks in ``timed_wait`` when no sample is there."""
+    import iceoryx2 as iox2
+    import torch
+
+    torch.set_num_threads(threads)
+    _realtime(rt_priority)
+    iox2.set_log_level(iox2.LogLevel.Warn)
+    ack = socket.socket(fileno=ack_fd)
+    node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+    svc = (node.service_builder(iox2.ServiceName.new(service)).publish_subscribe(iox2.Slice[ctypes.c_uint8])
+           .subscriber_max_buffer_size(2).history_size(0).open_or_create())
+    sub = svc.subscriber_builder().create()
+    ev = node.service_builder(iox2.ServiceName.new(service + ".event")).event().open_or_create()
+    listener = ev.listener_builder().create()
+    wait = iox2.Duration.from_millis(int(ACK_TIMEOUT_S * 1000))
+    chan.send({"type": "ready"})
+    out = []
+    for e in entries:
+        recs, cpu0 = [], time.process_time_ns()
+        for i in range(e["warmup"] + e["count"]):
+            if i == e["warmup"]:
+                cpu0 = time.process_time_ns()
+            found = "found_ready"
+            sample = sub.receive()
+            while sample is None:
+                listener.timed_wait(wait)
+                found = "found_after_block"
+                sample = sub.receive()
+            view = torch.frombuffer(sample.payload().as_memory_view(), dtype=torch.uint8)
+            t_view = time.monotonic_ns()
+            seq = int.from_bytes(bytes(view[:8]), "little")
+            del view
+            sample.delete()
+            ack.send(seq.to_bytes(8, "little"))
+            if i >= e["warmup"]:
+                recs.append([seq, None, t_view, found])
+        out.append({**e, "records": recs, "consumer_cpu_ms": (time.process_time_ns() - cpu0) / 1e6, "spin_ms": 0.0})
+    return {"entries": out}
+
+
+def _ack_pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.set_inheritable(True)
+    b.set_inheritable(True)
+    return a, b
+
+
+def _run_pair(tasks: tuple[str, str], args: dict, entries: list[dict], producer_cores, consumer_cores,
+              rt_priority: int = 0) -> tuple:
+    a, b = _ack_pair()
+    try:
+        with Worker(tasks[0], {**args, "entries": entries, "ack_fd": a.fileno(), "rt_priority": rt_priority},
+                    cores=list(producer_cores), extra_fds=(a.fileno(),)) as prod, \
+                Worker(tasks[1], {**args, "entries": entries, "ack_fd": b.fileno(), "rt_priority": rt_priority},
+                       cores=list(consumer_cores), extra_fds=(b.fileno(),)) as cons:
+            prod.recv(ATTACH_TIMEOUT_S, expect="ready")
+            cons.recv(ATTACH_TIMEOUT_S, expect="ready")
+            prod.send({"type": "go"})
+            budget = 120 + sum((e["warmup"] + e["count"]) * (e["gap_ms"] / 1e3 + 0.2) for e in entries)
+            return prod.result(budget), cons.result(60)
+    finally:
+        a.close()
+        b.close()
+
+
+def _summary(p: dict, c: dict) -> dict:
+    recs = c["records"]
+    lat = []
+    for seq, t_pub, t_view, _found in recs:
+        t0 = t_pub if t_pub is not None else p["sent"].get(seq, p["sent"].get(str(seq)))
+        if t0 is not None:
+            lat.append((t_view - t0) / 1e6)
+    n = max(len(recs), 1)
+    found = {k: sum(r[3] == k for r in recs) for k in ("found_ready", "found_spinning", "found_after_block")}
+    return {"gap_ms": p["gap_ms"], "handoff_ms": percentiles(lat), "n": len(lat), "lost": p["lost"],
+            "cpu_ms_per_msg": {"producer": p["producer_cpu_ms"] / n, "consumer": c["consumer_cpu_ms"] / n,
+                               "total": (p["producer_cpu_ms"] + c["consumer_cpu_ms"]) / n},
+            "spin_ms_per_msg": c["spin_ms"] / n, "found": found}
+
+
+def run_zero_copy(sizes_mib, *, gaps_ms=(0.0, 20.0, 100.0), count: int = 200, gap_count: int = 60, warmup: int = 10,
+                  block_gaps_ms=(20.0,), producer_cores=(0,), consumer_cores=(1,), threads: int = 1,
+                  rt_priority: int = 0, log=print) -> dict:
+    """Both transports at every size and gap; returns {"methods": {method: {size: {gap_key: summary}}},
+    "iceoryx2": {"available", "version" | "skipped"}} (see :func:`.handoff.run_handoff` for where it goes)."""
+    sizes = [float(s) for s in sizes_mib]
+    warm = max(int(warmup), 6)  # the spin's period estimate needs a few frames at a new gap
+
+    def entries(gaps, spin):
+        return [{"size_mib": s, "gap_ms": float(g), "spin": spin, "warmup": warm,
+                 "count": int(count if not g else gap_count)} for s in sizes for g in gaps]
+
+    ring_entries = entries(gaps_ms, True) + entries(block_gaps_ms, False)
+    p, c = _run_pair(("zc_ring_producer", "zc_ring_consumer"), {"segment": _segment(), "threads": threads},
+                     ring_entries, producer_cores, consumer_cores, rt_priority)
+    methods = {"zero_copy": {}, "zero_copy_block": {}}
+    for pe, ce in zip(p["entries"], c["entries"]):
+        m = "zero_copy" if pe["spin"] else "zero_copy_block"
+        methods[m].setdefault(pe["size_mib"], {})[gap_key(pe["gap_ms"])] = _summary(pe, ce)
+    log(f"  ring produced in the slot: {len(sizes)} sizes x gaps {list(gaps_ms)} ms (+ block only at "
+        f"{list(block_gaps_ms)} ms) done")
+    ok, version = iceoryx2_status()
+    iox = {"available": ok, "version" if ok else "skipped": version}
+    if ok:
+        p, c = _run_pair(("zc_iox_producer", "zc_iox_consumer"),
+                         {"service": f"hvla_bench_{uuid.uuid4().hex[:10]}", "threads": threads},
+                         entries(gaps_ms, False), producer_cores, consumer_cores, rt_priority)
+        methods["iceoryx2"] = {}
+        for pe, ce in zip(p["entries"], c["entries"]):
+            methods["iceoryx2"].setdefault(pe["size_mib"], {})[gap_key(pe["gap_ms"])] = _summary(pe, ce)
+        log(f"  iceoryx2 {version}: {len(sizes)} sizes x gaps {list(gaps_ms)} ms done")
+    else:
+        log(f"  iceoryx2 skipped: {version}")
+    return {"methods": methods, "iceoryx2": iox}
+
+
+def _segment() -> str:
+    from ...transport.ring import segment_name
+
+    return segment_name(f"bench_zc_{uuid.uuid4().hex[:10]}")

@@ -1,0 +1,123 @@
+"""Creating a segment over what a previous producer left: its ``.init-*`` files and a dead owner's segment,
+each with the wake-up directory its header names."""
+from __future__ import annotations
+
+import os
+import stat
+import struct
+
+from .errors import RingNameConflict
+from .segment import (
+    _GLOBAL_OWNER, _WAKE_NAME, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC, SHM_DIR, WAKE_NAME_OFFSET, _process_alive,
+)
+from .wake import WAKE_DIR_PREFIX, remove_wake_dir, wake_dir_owner
+
+__all__ = ["remove_dead_init_files", "evict_existing", "wake_dir_named_in", "remove_orphan_wake_dirs"]
+
+
+def wake_dir_named_in(source) -> str | None:
+    """The wake-up directory name in a segment's global header (``source``: its bytes or its path), or None
+    (not a ring of layout >= 2, unreadable). The name is only ever used through :func:`.wake.remove_wake_dir`,
+    which touches nothing but this uid's own wake-up directories."""
+    if isinstance(source, str):
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            source = os.pread(fd, GLOBAL_HEADER_BYTES, 0)
+        finally:
+            os.close(fd)
+    if len(source) < WAKE_NAME_OFFSET + _WAKE_NAME.size:
+        return None
+    magic, version = struct.unpack_from("<QI", source)
+    if magic != GLOBAL_MAGIC or version < 2:
+        return None
+    return _WAKE_NAME.unpack_from(source, WAKE_NAME_OFFSET)[0].rstrip(b"\0").decode("ascii", "replace") or None
+
+
+def remove_dead_init_files(name: str) -> None:
+    """Remove the ``<name>.init-<pid>-<start>-<rand>`` files (and the wake-up directories their headers name)
+    that producers killed while creating segment ``name`` left, if their process is gone (pid and start
+    time: a reused pid is recognised). Errors are ignored (another producer may be doing the same)."""
+    prefix = name + ".init-"
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.startswith(prefix):
+            parts = entry[len(prefix):].split("-")
+            if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+                continue  # not a file of ours
+            if not _process_alive(int(parts[0]), int(parts[1])):
+                path = os.path.join(SHM_DIR, entry)
+                old_wake = wake_dir_named_in(path)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    continue
+                if old_wake:
+                    remove_wake_dir(old_wake)
+
+
+def evict_existing(path: str, owner_pid: int, owner_start_time: int, own_wake_dir: str | None) -> None:
+    """The segment file ``path`` exists: raise RingNameConflict if a live process other than (owner_pid,
+    owner_start_time) owns it, or it is not a regular file of this uid; else unlink it and the wake-up
+    directory its header names (unless that is ``own_wake_dir``)."""
+    try:
+        lst = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if lst.st_uid != os.getuid():
+        raise RingNameConflict(f"{path} belongs to uid {lst.st_uid}")
+    if not stat.S_ISREG(lst.st_mode):
+        raise RingNameConflict(f"{path} is not a regular file")
+    try:
+        efd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        st = os.fstat(efd)
+        head = os.pread(efd, GLOBAL_HEADER_BYTES, 0)
+        if len(head) >= _GLOBAL_OWNER.size:
+            magic, _ver, _hb, pid, start, _inst = _GLOBAL_OWNER.unpack_from(head)
+            is_us = pid == owner_pid and start == owner_start_time
+            if magic == GLOBAL_MAGIC and not is_us and _process_alive(pid, start):
+                raise RingNameConflict(f"{path} is owned by live process {pid}")
+        old_wake = wake_dir_named_in(head)
+        try:
+            cur = os.stat(path)
+        except FileNotFoundError:
+            return
+        if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(path)
+            if old_wake and old_wake != own_wake_dir:
+                remove_wake_dir(old_wake)
+    finally:
+        os.close(efd)
+
+
+def remove_orphan_wake_dirs() -> list[str]:
+    """Remove this uid's wake-up directories whose creator is dead and that no segment in /dev/shm names any
+    more (e.g. a SIGKILLed producer's segment that was then removed by hand); returns their names. A dead
+    producer's segment that is still there keeps its directory (its consumer may still be attached)."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    uid = os.getuid()
+    named = set()
+    for entry in entries:
+        if entry.startswith(f"hybrid_vla.{uid}."):
+            wake = wake_dir_named_in(os.path.join(SHM_DIR, entry))
+            if wake:
+                named.add(wake)
+    removed = []
+    for entry in entries:
+        if entry.startswith(f"{WAKE_DIR_PREFIX}{uid}.") and entry not in named:
+            owner = wake_dir_owner(entry)
+            if owner is not None and not _process_alive(*owner):
+                remove_wake_dir(entry)
+                removed.append(entry)
+    return removed

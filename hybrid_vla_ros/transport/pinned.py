@@ -1,0 +1,114 @@
+"""Device-to-host copy of the hidden states into a ring slot for a CUDA prefix.
+
+A device-to-host copy into pageable memory is staged by the CUDA driver through its own pinned buffer and
+is synchronous; into page-locked memory it is one DMA that can run on its own stream. So the producer
+registers the whole shared-memory mapping as page-locked for the device (``cudaHostRegister``, CUDA Runtime
+API, through torch's binding ``torch.cuda.cudart()``) and copies with ``non_blocking=True`` on a dedicated
+stream, synchronised before publish. If registration of the shared mapping is refused (some drivers or
+container limits on locked memory, RLIMIT_MEMLOCK), it falls back to a pinned staging buffer of one slot
+(DMA into it, then one host copy into the slot), and without CUDA to a plain copy.
+
+Modes (:attr:`SlotCopier.mode`): ``registered`` (DMA straight into the slot), ``staging`` (pinned buffer +
+host copy), ``pageable`` (plain ``copy_``: CPU source, or nothing better available).
+"""
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+__all__ = ["SlotCopier", "CUDA_HOST_REGISTER_PORTABLE"]
+
+#: cudaHostRegisterPortable (cuda_runtime_api.h): the memory is page-locked for every CUDA context.
+CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+def _default_cudart():
+    try:
+        return torch.cuda.cudart() if torch.cuda.is_available() else None
+    except (AssertionError, RuntimeError, AttributeError):  # CPU build or no driver
+        return None
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class SlotCopier:
+    """Copies a prefix's hidden states (on ``device``) into a ring producer's slots.
+
+    Args:
+        producer: the :class:`~.producer.RingProducer` whose mapping is registered (and unregistered at
+            :meth:`close`).
+        device: where the hidden states are (torch.device or string). A CPU device needs no copier: ``pageable``.
+        cudart: the CUDA runtime binding (default: ``torch.cuda.cudart()`` when CUDA is available, else None);
+            injectable for tests. Its ``cudaHostRegister(ptr, size, flags)`` / ``cudaHostUnregister(ptr)``
+            return a cudaError code (0 = cudaSuccess).
+        pinned_alloc: ``nbytes -> uint8 tensor`` in page-locked memory for the staging fallback (default
+            ``torch.empty(..., pin_memory=True)``); injectable for tests.
+
+    Attributes: ``mode`` (see the module docstring), ``reason`` (why not ``registered``, '' when it is).
+    Never raises for a refused registration or pinning: it falls back and says why in ``reason``.
+    """
+
+    def __init__(self, producer, device, *, cudart=None, pinned_alloc=_pinned):
+        self.device = torch.device(device)
+        self.mode, self.reason = "pageable", ""
+        self._cudart, self._ptr, self._keep, self._staging, self._stream = None, None, None, None, None
+        if self.device.type != "cuda":
+            self.reason = f"hidden states on {self.device.type}: a plain copy"
+            return
+        cudart = cudart if cudart is not None else _default_cudart()
+        mm: mmap.mmap = producer.mapping()
+        base = torch.frombuffer(mm, dtype=torch.uint8, count=1)  # the mapping's first byte: its address
+        ptr, size = base.data_ptr(), -(-producer.total_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        if cudart is None:
+            self.reason = "no CUDA runtime binding"
+        else:
+            try:
+                err = int(cudart.cudaHostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE))
+            except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
+                err, self.reason = -1, f"cudaHostRegister raised {type(e).__name__}: {e}"
+            if err == 0:
+                self.mode, self._cudart, self._ptr, self._keep = "registered", cudart, ptr, base
+            elif not self.reason:
+                self.reason = f"cudaHostRegister of the shared mapping returned error {err}"
+        if self.mode != "registered":
+            try:
+                self._staging = pinned_alloc(producer.slot_bytes)
+                self.mode = "staging"
+            except (RuntimeError, AssertionError) as e:
+                self.reason += f"; no pinned staging buffer either ({e})"
+        if self.mode != "pageable" and torch.cuda.is_available():
+            self._stream = torch.cuda.Stream(self.device)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy ``src`` (device tensor) into ``dst`` (a slot's CPU view of the same shape and dtype); on return
+        the data is in ``dst`` (the stream is synchronised), so the slot can be published."""
+        if self.mode == "pageable":
+            dst.copy_(src)
+            return
+        stream = self._stream
+        if self.mode == "registered":
+            target = dst
+        else:
+            nbytes = dst.numel() * dst.element_size()
+            target = self._staging[:nbytes].view(dst.dtype).view(dst.shape)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # src is complete on the compute stream
+            with torch.cuda.stream(stream):
+                target.copy_(src, non_blocking=True)
+            stream.synchronize()
+        else:
+            target.copy_(src)
+        if target is not dst:
+            dst.copy_(target)
+
+    def close(self) -> None:
+        """Unregister the mapping (idempotent). Call before the producer closes."""
+        if self._cudart is not None and self._ptr is not None:
+            try:
+                self._cudart.cudaHostUnregister(self._ptr)
+            finally:
+                self._ptr, self._keep = None, None
+        self._staging = None

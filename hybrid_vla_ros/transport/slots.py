@@ -1,0 +1,213 @@
+"""One slot of the ring: its header layout, its states and the protocol that makes a frame visible.
+
+Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header, struct "<IHHQqqqQqiIII4q8d"::
+
+      0 magic u32 (SLOT_MAGIC)   4 version u16   6 state u16 (FREE 0 / WRITING 1 / READY 2 / READING 3)
+      8 seq u64                 16 stamp ns i64  24 t_write_start ns i64   32 t_publish ns i64
+     40 payload nbytes u64      48 model id i64  56 split layer i32        60 dtype code u32
+     64 ndim u32                68 n timings u32 72 shape i64[4]           104 timings ms f64[8]
+
+then the payload at slot offset + 256 (64-byte aligned).
+
+Publish protocol: acquire stores ``state = WRITING`` *first* (so a READY frame being overwritten stops being
+READY before anything of it changes), then magic, version and seq; the payload is written while WRITING;
+publish stores every other header field, and then, in a separate last store, ``state = READY``.
+
+Why a consumer never takes a frame whose header belongs to another frame, even if the producer is SIGKILLed
+at any instruction of that sequence:
+
+* Every store here is a ``struct.Struct.pack_into`` call on the shared mapping. CPython writes each field
+  straight into the buffer, in format order, before the call returns, and the store of READY is a later,
+  separate call: the C compiler cannot move one call's stores past another call that writes through the
+  same escaped pointer, so program order is: body fields, then READY.
+* The consumer reads slot headers only under the segment mutex (an OFD lock, :mod:`.segment`): it loads a
+  slot's state, and only if READY its other fields. The mutex's lock and unlock are fcntl(2) system calls
+  whose kernel code orders memory (a spinlock: acquire on lock, release on unlock). No consumer reads a
+  header without it (the publish count it spins on is a hint only; :mod:`.consumer`).
+* Where stores become visible to other CPUs in program order and loads are not reordered with older loads
+  (x86-64: the TSO model, Intel SDM vol. 3 section 8.2.2; :data:`STORES_VISIBLE_IN_ORDER`), every store is a
+  release store: a consumer that loads READY then loads the other fields sees this frame's values. There the
+  producer publishes without the mutex (a WRITING slot is the producer's alone; nobody else changes it).
+  Elsewhere (e.g. aarch64, whose stores may become visible out of order) the producer publishes under the
+  mutex, and its unlock (release) before the consumer's lock (acquire) orders the stores.
+* A producer killed inside the sequence: a kill is taken at an instruction boundary, so the stores that
+  happened are a program-order prefix of the sequence, and (x86-TSO) they become visible in that order, or
+  (elsewhere) they are all visible once the kernel drops the killed process's mutex in its exit path. A
+  prefix that ends before the READY store leaves the slot WRITING, which no consumer delivers; a prefix that
+  includes it includes every field of this frame. A state u16 is a single aligned 2-byte store, and every
+  state value is < 256, so even a byte-wise write cannot show a third value.
+
+So the consumer can rely on: a READY (or READING) slot's header and payload are all of one frame, written
+completely. It cannot rely on anything in a WRITING or FREE slot. A frame that was READY and is being
+overwritten is WRITING before its seq, stamp or payload change.
+"""
+from __future__ import annotations
+
+import math
+import platform
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .contract import CODE_DTYPES, DTYPE_CODES, conversion_kind, itemsize
+from .errors import RingContractError
+from .segment import _PUBLISHED, GLOBAL_HEADER_BYTES, PUBLISHED_OFFSET
+
+__all__ = ["FrameMeta", "FREE", "WRITING", "READY", "READING", "STATE_NAMES", "SLOT_MAGIC", "SLOT_VERSION",
+           "MAX_NDIM", "MAX_TIMINGS", "SLOT_FIELD_OFFSETS"]
+
+#: True on CPUs whose stores become visible in program order (x86-64, TSO): publish needs no mutex there.
+STORES_VISIBLE_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64")
+SLOT_MAGIC = int.from_bytes(b"SLOT", "little")
+SLOT_VERSION = 1
+MAX_NDIM = 4
+MAX_TIMINGS = 8
+FREE, WRITING, READY, READING = 0, 1, 2, 3
+STATE_NAMES = {FREE: "FREE", WRITING: "WRITING", READY: "READY", READING: "READING"}
+
+_SLOT = struct.Struct("<IHHQqqqQqiIII4q8d")  # the whole header, for reading
+_SLOT_PREFIX = struct.Struct("<IHHQ")  # magic, version, state, seq
+_SLOT_ID = struct.Struct("<IH")  # magic, version at offset 0
+_SEQ = struct.Struct("<Q")  # at offset 8
+_SLOT_BODY = struct.Struct("<qqqQqiIII4q8d")  # stamp .. timings at offset 16
+_STATE = struct.Struct("<H")
+SLOT_STATE_OFFSET = 6
+SLOT_FIELD_OFFSETS = {
+    "magic": 0, "version": 4, "state": 6, "seq": 8, "stamp_ns": 16, "t_write_start_ns": 24, "t_publish_ns": 32,
+    "payload_nbytes": 40, "model_id": 48, "split_layer": 56, "dtype": 60, "ndim": 64, "n_timings": 68,
+    "shape": 72, "timings_ms": 104,
+}
+assert _SLOT.size == 168 and 16 + _SLOT_BODY.size == _SLOT.size
+
+
+@dataclass(frozen=True)
+class FrameMeta:
+    """Header of one published frame.
+
+    seq: 1, 2, 3, ... in publish order (no gaps; a drop shows as a gap on the consumer side).
+    stamp_ns: the producer's frame stamp (ns, any clock the producer chose, e.g. the camera stamp).
+    shape / dtype: the payload tensor's shape (at most 4 dims) and torch dtype (the producer's).
+    split_layer / model_id: decoder block index K and model identity the producer declared.
+    t_write_start_ns / t_publish_ns: ``time.monotonic_ns()`` (CLOCK_MONOTONIC, comparable across processes) when
+    the slot was acquired and when publish() was called (the frame complete in the slot).
+    timings_ms: up to 8 floats (ms) passed through from the producer (stage timings).
+    """
+
+    seq: int
+    stamp_ns: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    split_layer: int
+    model_id: int
+    t_write_start_ns: int
+    t_publish_ns: int
+    timings_ms: tuple[float, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Payload size in bytes (numel times element size)."""
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+_META_FIELDS = ("seq", "stamp_ns", "shape", "dtype", "split_layer", "model_id", "t_write_start_ns", "t_publish_ns",
+                "timings_ms")
+
+
+def _frame_meta(*values) -> FrameMeta:
+    """FrameMeta(*values), built in one dict update: the frozen dataclass's __init__ sets each field through
+    object.__setattr__, which took a third of a read() here."""
+    meta = object.__new__(FrameMeta)
+    meta.__dict__.update(zip(_META_FIELDS, values))
+    return meta
+
+
+def slot_offset(index: int, stride: int) -> int:
+    """Byte offset of slot ``index`` in the segment."""
+    return GLOBAL_HEADER_BYTES + index * stride
+
+
+def read_prefix(mm, off: int) -> tuple[int, int, int, int]:
+    """(magic, version, state, seq) of the slot at ``off``."""
+    return _SLOT_PREFIX.unpack_from(mm, off)
+
+
+def set_state(mm, off: int, state: int) -> None:
+    """Store one slot state (call with the segment mutex held)."""
+    _STATE.pack_into(mm, off + SLOT_STATE_OFFSET, state)
+
+
+def begin_write(mm, off: int, seq: int) -> None:
+    """Make the slot at ``off`` WRITING for frame ``seq``: state first, then magic, version and seq."""
+    _STATE.pack_into(mm, off + SLOT_STATE_OFFSET, WRITING)
+    _SLOT_ID.pack_into(mm, off, SLOT_MAGIC, SLOT_VERSION)
+    _SEQ.pack_into(mm, off + 8, seq)
+
+
+def finish_write(mm, off: int, *, stamp_ns: int, t_write_start_ns: int, t_publish_ns: int, nbytes: int,
+                 model_id: int, split_layer: int, dtype_code: int, shape: tuple[int, ...],
+                 timings: tuple[float, ...]) -> None:
+    """Publish the WRITING slot at ``off``: every header field, then READY as the last store (see the module
+    docstring; with the mutex held unless :data:`STORES_VISIBLE_IN_ORDER`)."""
+    shape4 = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
+    _SLOT_BODY.pack_into(mm, off + 16, stamp_ns, t_write_start_ns, t_publish_ns, nbytes, model_id, split_layer,
+                         dtype_code, len(shape), len(timings), *shape4,
+                         *(tuple(timings) + (0.0,) * (MAX_TIMINGS - len(timings))))
+    _STATE.pack_into(mm, off + SLOT_STATE_OFFSET, READY)
+
+
+def announce(mm, published: int, t_publish_ns: int) -> None:
+    """Store the publish count and instant in the global header, *after* the mutex was released: a spinning
+    consumer that sees the count change then finds the mutex free instead of sleeping on it (a sleep there
+    would cost the very wake-up the spin avoids). Only a hint: no consumer reads a slot because of it
+    without taking the mutex, and the wake-up byte follows it."""
+    _PUBLISHED.pack_into(mm, PUBLISHED_OFFSET, published, t_publish_ns)
+
+
+def check_shape_dtype(shape, dtype) -> tuple[tuple[int, ...], int, int]:
+    """Validate shape/dtype; returns (shape, dtype code, payload nbytes). ValueError / TypeError."""
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPE_CODES:
+        raise TypeError(f"unsupported dtype {dtype!r}; supported: {sorted(str(d) for d in DTYPE_CODES)}")
+    shape = tuple(int(s) for s in shape)
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"shape {shape} has more than {MAX_NDIM} dims")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    return shape, DTYPE_CODES[dtype], math.prod(shape) * itemsize(dtype)
+
+
+def validate(raw: tuple, *, slot_bytes: int, declared_dtype, compute_dtype, expected_model_id,
+             expected_split_layer) -> tuple[str | None, FrameMeta | None]:
+    """Judge a READY slot's unpacked header (``_SLOT`` fields): (None, meta) to take it, else (cause, meta or
+    None); the causes are errors.REJECT_CAUSES. Never reads the payload."""
+    (magic, version, _state, seq, stamp, t_ws, t_pub, nbytes, model_id, split, code, ndim, n_tim) = raw[:13]
+    if magic != SLOT_MAGIC:
+        return "bad_magic", None
+    if version != SLOT_VERSION:
+        return "bad_version", None
+    dtype = CODE_DTYPES.get(code)
+    if dtype is None or (declared_dtype is not None and dtype != declared_dtype):
+        return "bad_dtype", None
+    if ndim > MAX_NDIM:
+        return "bad_shape", None
+    shape = tuple(raw[13:13 + ndim])
+    if (ndim and min(shape) < 0) or nbytes > slot_bytes or math.prod(shape) * itemsize(dtype) != nbytes:
+        return "bad_shape", None
+    meta = _frame_meta(seq, stamp, shape, dtype, split, model_id, t_ws, t_pub,
+                       tuple(raw[17:17 + min(n_tim, MAX_TIMINGS)]))
+    if expected_model_id is not None and model_id != expected_model_id:
+        return "model_mismatch", meta
+    expected = expected_split_layer
+    if expected is not None and (split != expected if isinstance(expected, int) else split not in expected):
+        return "split_mismatch", meta
+    if compute_dtype is not None and declared_dtype is None:
+        try:
+            conversion_kind(dtype, compute_dtype)
+        except RingContractError:
+            return "dtype_mismatch", meta
+    return None, meta
+
+
+def read_header(mm, off: int) -> tuple:
+    """Every field of the slot header at ``off`` (``_SLOT`` order)."""
+    return _SLOT.unpack_from(mm, off)
