@@ -39,6 +39,27 @@ class PrefixResult:
     resplit_error: str | None = None  # a requested move failed before this frame (it ran at the old K)
 
 
+def pacing_delay_ns(now_ns: int, taken_ns: int, next_read_ns: int, cycle_p_ns: float, last_publish_ns: int,
+                    max_ns: int) -> int:
+    """The pacing rule of :meth:`PrefixRunner.pacing_delay_s`, on given instants (CLOCK_MONOTONIC ns).
+
+    ``taken_ns`` / ``next_read_ns``: when the suffix took its last frame and when it expects to take the next
+    (its cycle S is their difference); ``cycle_p_ns``: the prefix's cycle P with its margin; ``last_publish_ns``:
+    when the prefix published its newest frame. Returns the delay in ns before starting the next frame so that
+    it is published just before the first suffix read at least P from now that no published frame waits for
+    (reads recur every S); 0 when there is no announcement, when S <= P, when the announcement is stale (the
+    suffix took nothing for 2 S) or when the delay would exceed ``max_ns``.
+    """
+    cycle_s = next_read_ns - taken_ns
+    if taken_ns <= 0 or cycle_s <= cycle_p_ns or now_ns - taken_ns > 2 * cycle_s:
+        return 0
+    first = next_read_ns if last_publish_ns <= taken_ns else next_read_ns + cycle_s  # a frame waits for next_read
+    finish = now_ns + cycle_p_ns
+    target = first if first >= finish else first + -(-(finish - first) // cycle_s) * cycle_s
+    delay = round(target - finish)
+    return delay if 0 < delay <= max_ns else 0
+
+
 class PrefixRunner:
     """Prefix stage plus ring producer.
 
@@ -186,16 +207,9 @@ class PrefixRunner:
         if not self._cycle_ns:
             return 0.0
         taken, next_read = self.ring.consumer_schedule()
-        cycle_s = next_read - taken
         cycle_p = sorted(self._cycle_ns)[len(self._cycle_ns) // 2] * 1.05 + 1_000_000
-        now = time.monotonic_ns()
-        if taken <= 0 or cycle_s <= cycle_p or now - taken > 2 * cycle_s:
-            return 0.0
-        first = next_read if self._last_publish_ns <= taken else next_read + cycle_s  # a frame waits for next_read
-        finish = now + cycle_p
-        target = first if first >= finish else first + -(-(finish - first) // cycle_s) * cycle_s
-        delay = (target - finish) / 1e9
-        return delay if 0.0 < delay <= max_s else 0.0
+        return pacing_delay_ns(time.monotonic_ns(), taken, next_read, cycle_p, self._last_publish_ns,
+                               round(max_s * 1e9)) / 1e9
 
     @property
     def produce_in_slot(self) -> bool:
