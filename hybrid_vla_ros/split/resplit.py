@@ -177,7 +177,7 @@ def move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float 
     n_before = len(stage.layers)
 
     def provide(a: int, b: int):
-        if blocks is None or len(blocks) != b - a or (b > a and blocks[0].self_attn.layer_idx != a):
+        if blocks is None or len(blocks) != b - a or (b > a and getattr(blocks, "first_block", a) != a):
             raise RuntimeError(f"blocks [{a}, {b}) were not loaded for this move")
         return blocks
 
