@@ -49,6 +49,7 @@ from .sources import (
     digest_files,
     hf_safetensors_files,
     pickle_hint,
+    read_header,
 )
 
 WEIGHTS_FILE = "model.safetensors"
@@ -425,6 +426,7 @@ def _read_own_weights(file: Path, own: dict[str, torch.Tensor]) -> dict[str, tor
     if file.suffix in PICKLE_SUFFIXES:
         raise MissingFileError(f"{file} is a PyTorch pickle file" + pickle_hint(file))
     out = {}
+    read_header(file)  # a clear CheckpointError for a file that is not safetensors
     with safe_open(str(file), framework="pt") as f:
         for key in f.keys():
             if key not in own:

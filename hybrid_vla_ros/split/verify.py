@@ -161,17 +161,19 @@ def _reference(ck: Checkpoint, dtype, pixels, ego, ids) -> tuple[list, str]:
 
 def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | None = None,
                  prompt_ids: list[int] | None = None, cameras: int = 1, trust_model_code: bool | None = None,
-                 log=None) -> VerifyReport:
+                 layers: list[int] | None = None, log=None) -> VerifyReport:
     """Run the split of the checkpoint at ``path`` at every K against its independent reference (module docstring).
 
     ``dtype``: of both sides (fp32, bf16, fp16); ``tolerance``: on every max abs difference (default
     :data:`TOLERANCE` of the dtype); ``prompt_ids``: token ids for a bare language model (default 16 fixed ids)
     or a LLaVA directory's prompt (one image placeholder per camera); ``cameras``: images per frame for a
-    LLaVA directory (default 1); ``log``: a callable for progress lines. Everything runs on the CPU.
+    LLaVA directory (default 1); ``layers``: the split layers to check (default: every K in [0, L]; each K
+    costs a whole forward, so a 30-block model on 81 tokens takes minutes on a small CPU); ``log``: a callable
+    for progress lines. Everything runs on the CPU.
 
     Returns a :class:`VerifyReport` (``.ok``). Raises what :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`
     and the loaders raise (FileNotFoundError, ValueError), and ValueError for a tolerance that is not a positive
-    number.
+    number or a split layer outside [0, L].
     """
     torch_dtype = parse_dtype(dtype)
     tol = TOLERANCE[torch_dtype] if tolerance is None else float(tolerance)
@@ -179,11 +181,15 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
         raise ValueError(f"tolerance must be a positive number, got {tolerance!r}")
     ck = open_checkpoint(path, trust_model_code=trust_model_code, cameras=cameras, prompt_ids=prompt_ids,
                          tokens=len(prompt_ids) if prompt_ids else 16)
+    ks = list(range(ck.num_layers + 1)) if layers is None else sorted(set(layers))
+    bad = [k for k in ks if not 0 <= k <= ck.num_layers]
+    if bad or not ks:
+        raise ValueError(f"split layers {bad or ks} outside [0, {ck.num_layers}] for {path}")
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[torch_dtype]
     say = log or (lambda _line: None)
     with torch.inference_mode():
         if ck.kind == "model_code":
-            return _verify_code(ck, torch_dtype, name, tol, say)
+            return _verify_code(ck, torch_dtype, name, tol, say, ks)
         cfg = ck.model
         pixels = ego = ids = None
         if isinstance(cfg, VLAConfig):
@@ -204,7 +210,7 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
         ref_final = ref_states[L]
         report = VerifyReport(str(path), ck.description, ref_name, inputs, name, tol)
         head_ref = None
-        for k in range(L + 1):
+        for k in ks:
             prefix = ck.load("prefix", k, dtype=torch_dtype)
             suffix = ck.load("suffix", k, dtype=torch_dtype)
             h = prefix(pixels, ego) if pixels is not None else prefix(ids)
@@ -226,7 +232,7 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
     return report
 
 
-def _verify_code(ck: Checkpoint, dtype, name: str, tol: float, say) -> VerifyReport:
+def _verify_code(ck: Checkpoint, dtype, name: str, tol: float, say, ks: list[int]) -> VerifyReport:
     full = ck.load("full", dtype=dtype)
     inputs = tuple(x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
                    for x in full.model.example_inputs(0))
@@ -234,7 +240,7 @@ def _verify_code(ck: Checkpoint, dtype, name: str, tol: float, say) -> VerifyRep
     del full
     report = VerifyReport(str(ck.path), ck.description, f"{ck.model.spec}.forward (the model's own)",
                           "the model's example_inputs(0)", name, tol)
-    for k in range(ck.num_layers + 1):
+    for k in ks:
         h = ck.load("prefix", k, dtype=dtype)(*inputs)
         if tuple(h.shape) != ck.model.prefix_state_shape:
             raise RuntimeError(f"the prefix at K={k} gave hidden states {tuple(h.shape)}, the model declares "

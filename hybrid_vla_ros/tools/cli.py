@@ -76,6 +76,7 @@ def _verify_split(args: argparse.Namespace) -> int:
     try:
         report = verify_split(args.model, args.dtype, tolerance=args.tolerance, prompt_ids=args.prompt_ids,
                               cameras=args.cameras, trust_model_code=args.trust_model_code or None,
+                              layers=args.layers,
                               log=None if args.quiet else (lambda line: print(line, flush=True)))
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("verify-split", e)
@@ -165,7 +166,8 @@ def _profile(args: argparse.Namespace) -> int:
         doc = profile_model(preset_name=args.preset, model_path=args.model, dtype=args.dtype, cores=args.cores,
                             threads=args.threads, device=args.device, repeats=args.repeats, warmup=args.warmup,
                             vision_blocks=args.vision_blocks, llm_blocks=args.llm_blocks,
-                            log=None if args.quiet else print)
+                            log=None if args.quiet else print, tokens=args.tokens, cameras=args.cameras,
+                            trust_model_code=args.trust_model_code or None)
         write_profile(doc, args.out)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("profile", e)
@@ -219,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token ids: a language model's input, or a LLaVA prompt with one image token per camera "
                         "(default: fixed ids)")
     v.add_argument("--cameras", type=int, default=1, metavar="N", help="images per frame for a LLaVA directory (1)")
+    v.add_argument("--layers", type=_id_list, default=None, metavar="0,5,30",
+                   help="check only these split layers (default: every K in [0, L]; each K is a whole forward)")
     v.add_argument("--trust-model-code", action="store_true",
                    help="allow importing the model_class a checkpoint names (runs that code)")
     v.add_argument("--json", metavar="OUT", help="also write the report as JSON")
@@ -280,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time every vision block, or one counted for all (1)")
     pr.add_argument("--llm-blocks", choices=("all", "1"), default="all",
                     help="time every decoder block, or one counted for all (1)")
+    pr.add_argument("--tokens", type=int, default=512, metavar="T",
+                    help="with --model on a bare transformers language model: tokens per prefill (512)")
+    pr.add_argument("--cameras", type=int, default=1, metavar="N",
+                    help="with --model on a transformers LLaVA directory: images per frame (1)")
+    pr.add_argument("--trust-model-code", action="store_true",
+                    help="allow importing the model_class a checkpoint names (runs that code)")
     pr.add_argument("--quiet", action="store_true", help="no per-part progress lines")
     pr.add_argument("--out", required=True, metavar="FILE", help="profile JSON file to write")
     pr.set_defaults(func=_profile)
