@@ -313,3 +313,73 @@ def test_split_layer_outside_range_is_refused(hf_dirs):
         ck.load_blocks(2, ck.num_layers + 1)
     with pytest.raises(ValueError, match="split layer 0"):
         ck.load("suffix", 2).final_hidden_states(torch.zeros(4, LLM["hidden_size"]), 0)
+
+
+# ------------------------------------------------------------------------------------ CLI, plan, re-split
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_cli_verify_split_and_plan_on_transformers_directories(hf_dirs, name, tmp_path, capsys, monkeypatch):
+    """`hybrid-vla verify-split --model DIR` exits 0 with one row per K; `hybrid-vla plan --model DIR --json OUT`
+    gives L + 1 rows without reading any tensor data (safetensors' reader is disabled meanwhile), and its
+    weight bytes equal the stages loaded afterwards at every K."""
+    import safetensors
+
+    from hybrid_vla_ros.tools.cli import main
+
+    path = hf_dirs[name]
+    llava = KINDS[name][2] is not None
+    assert main(["verify-split", "--model", str(path), "--quiet"] + (["--cameras", "2"] if llava else [])) == 0
+    out = capsys.readouterr().out
+    assert "OK: 4 of 4 split layers within 1e-05" in out and "from_pretrained" in out
+    assert ("camera frame of 2 camera(s) from the embedded bag" if llava else "16 token ids") in out
+
+    def no_reading(*a, **k):
+        raise AssertionError("plan read tensor data")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_reading)
+    assert main(["plan", "--model", str(path), "--dtype", "fp32", "--tokens", "12", "--json",
+                 str(tmp_path / "plan.json")]) == 0
+    monkeypatch.undo()
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert [r["k"] for r in rows] == [0, 1, 2, 3]
+    ck = open_checkpoint(path)
+    for r in rows:
+        for role, want in (("prefix", r["gpu_weight_bytes"]), ("suffix", r["cpu_weight_bytes"])):
+            stage = ck.load(role, r["k"])
+            assert sum(t.numel() * t.element_size() for t in stage.state_dict().values()) == want, (role, r["k"])
+
+
+def test_cli_verify_split_exits_1_when_a_split_layer_differs(hf_dirs, capsys, monkeypatch):
+    from hybrid_vla_ros.model import modeling
+    from hybrid_vla_ros.tools.cli import main
+
+    real = modeling.run_blocks
+
+    def off_by_a_little(m, layers, h):
+        out = real(m, layers, h)
+        return out + 1e-3 if len(layers) == 2 else out  # wrong only where two blocks run together
+
+    monkeypatch.setattr(modeling, "run_blocks", off_by_a_little)
+    assert main(["verify-split", "--model", str(hf_dirs["llama"]), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERS" in out and "FAILED: 2 of 4 split layers" in out
+
+
+def test_live_resplit_of_a_transformers_llava_stays_exact(hf_dirs, camera_images):
+    """Blocks moved between the stages with load_blocks (as the runners' background loader does)."""
+    from hybrid_vla_ros.split.resplit import move_split
+
+    ck = open_checkpoint(hf_dirs["llava_clip_llama"])
+    cfg = ck.model
+    pixels = preprocess(camera_images[:1], cfg.image_size, cfg.image_mean, cfg.image_std)
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        expected = ck.load("suffix", 0).final_hidden_states(ck.load("prefix", 0)(pixels))
+        prefix, suffix = ck.load("prefix", 1), ck.load("suffix", 1)
+        for k, blocks in ((3, ck.load_blocks(1, 3)), (0, None)):
+            move_split(prefix, k, cpu, blocks)
+            if k < suffix.split_layer:
+                move_split(suffix, k, cpu, ck.load_blocks(k, suffix.split_layer))
+            final = suffix.final_hidden_states(prefix(pixels), k)
+            assert (final - expected).abs().max().item() <= TOL, f"K={k}"
+        assert len(prefix.layers) == 0 and len(suffix.layers) == 3
