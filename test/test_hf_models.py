@@ -383,3 +383,16 @@ def test_live_resplit_of_a_transformers_llava_stays_exact(hf_dirs, camera_images
             final = suffix.final_hidden_states(prefix(pixels), k)
             assert (final - expected).abs().max().item() <= TOL, f"K={k}"
         assert len(prefix.layers) == 0 and len(suffix.layers) == 3
+
+
+def test_a_loaded_stage_owns_its_weights_when_a_shard_is_rewritten_in_place(hf_dirs, tmp_path):
+    """The loader copies each tensor out of the file mapping: a shard truncated / re-saved under a running
+    stage changes nothing (with views of the mapping the process died of SIGBUS)."""
+    path = _copy(hf_dirs["llama"], tmp_path / "m")
+    suffix = open_checkpoint(path).load("suffix", 0)
+    h = torch.randn(5, LLM["hidden_size"])
+    with torch.inference_mode():
+        before = suffix.final_hidden_states(h)
+        for shard in shard_files(path):
+            shard.write_bytes(b"")
+        assert torch.equal(suffix.final_hidden_states(h), before)

@@ -154,9 +154,12 @@ class TensorSource:
         ``transform(name, tensor)`` returns them (applied to each tensor as soon as it is read, so a dtype
         conversion holds one stored-dtype tensor at a time, not the whole stage twice).
 
-        Each file is opened once (``safetensors.safe_open``, memory-mapped) and only the named tensors are
-        read from it. Raises KeyError for a name the source lacks, MissingFileError for a missing file,
-        CheckpointError when a file does not hold a tensor its index promised, or cannot be read.
+        Only the named tensors are read (``safetensors.safe_open(...).get_tensor``, which memory-maps the file).
+        With a ``transform`` the file is opened anew for each tensor, so the mapping -- and the file pages it
+        made resident -- is released as soon as that tensor is converted: the peak is the converted tensors plus
+        one stored tensor, not plus a whole shard. Raises KeyError for a name the source lacks,
+        MissingFileError for a missing file, CheckpointError when a file does not hold a tensor its index
+        promised, or cannot be read.
         """
         from safetensors import safe_open
 
@@ -171,13 +174,17 @@ class TensorSource:
                 with safe_open(str(file), framework="pt", device=str(device)) as f:
                     present = set(f.keys())
                     for name in wanted:
-                        info = self._index[name]
-                        if info.stored_name not in present:
-                            raise CheckpointError(f"{file} does not hold tensor {info.stored_name!r}, which "
-                                                  f"{self.label} names")
-                        t = f.get_tensor(info.stored_name)
-                        out[name] = t if transform is None else transform(name, t)
-                        del t
+                        if self._index[name].stored_name not in present:
+                            raise CheckpointError(f"{file} does not hold tensor {self._index[name].stored_name!r}, "
+                                                  f"which {self.label} names")
+                    if transform is None:
+                        out.update({name: f.get_tensor(self._index[name].stored_name) for name in wanted})
+                        continue
+                for name in wanted:
+                    with safe_open(str(file), framework="pt", device=str(device)) as f:
+                        t = f.get_tensor(self._index[name].stored_name)
+                    out[name] = transform(name, t)
+                    del t
             except CheckpointError:
                 raise
             except Exception as e:  # safetensors raises its own SafetensorError (a bare Exception subclass)
