@@ -321,3 +321,21 @@ def test_a_trained_head_attached_to_a_llava_drives_the_runners_exactly(tmp_path,
     finally:
         suffix.close()
         prefix.close()
+
+
+def test_a_two_pass_ego_composition_on_qwen2_verifies_against_transformers(tmp_path):
+    """MindDrive's shape of composition (two LLM passes as a batch of 2, an ego token) on a Qwen2 directory:
+    transformers' Qwen2 on the (2, T, H) h_0 at every K, planning head on the action pass."""
+    from hf_builders import write_qwen2
+
+    from hybrid_vla_ros.model.checkpoint import init_model
+    from hybrid_vla_ros.split.verify import verify_split
+
+    qwen = write_qwen2(tmp_path / "qwen2")
+    out = tmp_path / "two_pass"
+    cfg = init_model("tiny", out, overrides={"llm_passes": 2, "ego_state_input": True}, llm=qwen)
+    assert cfg.prefix_state_shape == (2, 106, 64) and cfg.llm_type == "qwen2"
+    report = verify_split(out)
+    assert report.ok and len(report.rows) == 4 and report.worst <= TOL
+    assert "Qwen2ForCausalLM.from_pretrained" in report.reference and "ego state" in report.inputs
+    assert all(r.output is not None for r in report.rows)

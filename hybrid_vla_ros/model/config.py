@@ -247,8 +247,13 @@ class VLAConfig:
         return (self.num_tokens, self.hidden_size)
 
     def to_dict(self) -> dict:
+        """The config.json dict. ``llm_path`` / ``vlm_path`` / ``planning_head`` appear only when set, so a
+        checkpoint that does not compose is written exactly as before they existed (older readers keep reading it)."""
         d = asdict(self)
         d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        for key, default in (("llm_path", ""), ("vlm_path", ""), ("planning_head", True)):
+            if d[key] == default:
+                del d[key]
         return {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **d}
 
     @classmethod
