@@ -339,3 +339,20 @@ def test_a_two_pass_ego_composition_on_qwen2_verifies_against_transformers(tmp_p
     assert report.ok and len(report.rows) == 4 and report.worst <= TOL
     assert "Qwen2ForCausalLM.from_pretrained" in report.reference and "ego state" in report.inputs
     assert all(r.output is not None for r in report.rows)
+
+
+def test_profile_and_split_layer_auto_on_a_composed_and_a_transformers_directory(llama_dir, composed, tmp_path):
+    """`hybrid-vla profile --model DIR` measures both kinds (composed: blocks read from the referred directory;
+    a bare LM: front / blocks / tail), and the planner behind `split_layer: auto` consumes the profile."""
+    from hybrid_vla_ros.split.planner import plan_for_checkpoint
+    from hybrid_vla_ros.split.profiler import load_profile, profile_model, write_profile
+
+    for path, kw in ((composed, {}), (llama_dir, {"tokens": 24})):
+        doc = profile_model(model_path=path, device="cpu", repeats=1, warmup=0, **kw)
+        prof = write_profile(doc, tmp_path / f"{path.name}.json")
+        assert len(load_profile(prof)["devices"]["cpu"]["llm_blocks_ms"]) == 3
+        plan = plan_for_checkpoint(path, prof, gpu_budget_gb=None, dtype="fp32", **kw)
+        assert plan.profile == str(prof) and all(r.e2e_ms is not None for r in plan.rows)
+        assert 0 <= plan.chosen_k <= 3 and "lowest predicted end-to-end latency" in plan.reason
+    with pytest.raises(ValueError, match="another architecture"):
+        plan_for_checkpoint(llama_dir, tmp_path / "tiny_on_llama.json", dtype="fp32", tokens=24)

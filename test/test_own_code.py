@@ -31,7 +31,8 @@ def _toy_class():
 
 
 def _write(path: Path, spec: str = "toy_vla.model:ToyVLA", config: dict = CONFIG, seed: int = 0) -> Path:
-    from huggingface_hub import save_torch_state_dict
+    """The team's state dict as 4 safetensors shards + a transformers-style index (weight_map)."""
+    from safetensors.torch import save_file
 
     torch.manual_seed(seed)
     model = _toy_class()(config)
@@ -39,7 +40,15 @@ def _write(path: Path, spec: str = "toy_vla.model:ToyVLA", config: dict = CONFIG
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # LayerNorm gains / biases away from 1 / 0
     path.mkdir(parents=True, exist_ok=True)
-    save_torch_state_dict(model.state_dict(), str(path), max_shard_size="40KB")
+    names = sorted(model.state_dict())
+    state = model.state_dict()
+    weight_map = {}
+    for i in range(4):
+        shard = f"model-{i + 1:05d}-of-00004.safetensors"
+        part = {n: state[n].contiguous() for n in names[i::4]}
+        save_file(part, str(path / shard), metadata={"format": "pt"})
+        weight_map.update({n: shard for n in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps({"model_type": "hybrid_vla_code", "format_version": 1,
                                                   "model_class": spec, "config": config}))
     return path

@@ -317,6 +317,7 @@ class LMConfig:
         return (self.num_tokens, self.hidden_size)
 
     def to_dict(self) -> dict:
+        """What a profile records as the model's config (``model_type`` ``transformers_lm``)."""
         return {"model_type": "transformers_lm", "llm": dict(self.llm), "num_tokens": self.num_tokens}
 
 

@@ -139,6 +139,7 @@ class CodeModel:
         return model
 
     def to_dict(self) -> dict:
+        """What a profile records as the model's config (as in config.json, without format_version)."""
         return {"model_type": CODE_MODEL_TYPE, "model_class": self.spec, "config": self.config}
 
     def build_stage(self, role: str, split_layer: int | None, stop: int | None = None) -> nn.Module:
