@@ -200,7 +200,10 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
         else:
             from ..model.hf import lm_prompt_ids
 
-            ids = torch.tensor(prompt_ids if prompt_ids else lm_prompt_ids(int(cfg.llm["vocab_size"])))
+            vocab = int(cfg.llm["vocab_size"])
+            ids = torch.tensor(prompt_ids if prompt_ids else lm_prompt_ids(vocab))
+            if int(ids.max()) >= vocab:
+                raise ValueError(f"token id {int(ids.max())} is outside the vocabulary [0, {vocab}) of {path}")
             inputs = f"{len(ids)} token ids"
         say(f"reference forward ({ck.description}) ...")
         ref_states, ref_name = _reference(ck, torch_dtype, pixels, ego, ids)
