@@ -112,7 +112,8 @@ def main() -> int:
                  ("prefix", L // 4, "fp32"), ("whole", 0, "fp32")]
         print(f"checkpoint: LlamaForCausalLM, {L} blocks, width {args.hidden}, {disk / 1e9:.2f} GB on disk in "
               f"{shards} shards (fp32), {path}")
-        print(f"{'stage':<22} {'tensors MB':>11} {'peak RSS growth MB':>19} {'held after MB':>14} {'peak / tensors':>15}")
+        print(f"{'stage':<22} {'tensors MB':>11} {'peak RSS growth MB':>19} {'held after MB':>14} "
+              f"{'peak / tensors':>15}")
         rows = []
         for role, k, dtype in cases:
             m = _measure(path, role, k, dtype)

@@ -166,8 +166,10 @@ def test_a_stage_reads_only_its_own_tensors_from_only_its_shards(hf_dirs, monkey
 
 
 def test_both_llava_layouts_are_read(hf_dirs):
-    legacy = json.loads((hf_dirs["llava_clip_llama"] / "model.safetensors.index.json").read_text())["weight_map"]
-    v5 = json.loads((hf_dirs["llava_siglip_qwen2_v5_layout"] / "model.safetensors.index.json").read_text())["weight_map"]
+    def weight_map(name):
+        return json.loads((hf_dirs[name] / "model.safetensors.index.json").read_text())["weight_map"]
+
+    legacy, v5 = weight_map("llava_clip_llama"), weight_map("llava_siglip_qwen2_v5_layout")
     assert any(k.startswith("language_model.model.layers.") for k in legacy)
     assert any(k.startswith("model.language_model.layers.") for k in v5)
     for path in (hf_dirs["llava_clip_llama"], hf_dirs["llava_siglip_qwen2_v5_layout"]):
@@ -199,7 +201,7 @@ def test_transformers_directories_cannot_drive_the_nodes(hf_dirs):
             with pytest.raises(ValueError) as e:
                 call()
             msg = str(e.value)
-            assert "planning head" in msg and f"hybrid-vla init-model" in msg and needle in msg
+            assert "planning head" in msg and "hybrid-vla init-model" in msg and needle in msg
             assert str(path / "config.json") in msg
 
 

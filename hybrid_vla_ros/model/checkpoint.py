@@ -205,7 +205,8 @@ class Checkpoint:
 
 def _not_a_directory(path: Path) -> Exception:
     if path.is_file() and path.suffix in PICKLE_SUFFIXES:
-        return MissingFileError(f"{path} is a PyTorch pickle checkpoint, not a checkpoint directory" + pickle_hint(path))
+        return MissingFileError(f"{path} is a PyTorch pickle checkpoint, not a checkpoint directory"
+                                + pickle_hint(path))
     if path.is_file():
         return MissingFileError(f"{path} is a file; a checkpoint is a directory with config.json and safetensors "
                                 "weights")
@@ -276,8 +277,8 @@ def open_checkpoint(path: str | Path, *, trust_model_code: bool | None = None, c
                               own_weights=own)
         ref_dir = _resolve_ref(path, ref_path)
         if not ref_dir.is_dir():
-            raise MissingFileError(f"{path / 'config.json'} refers to {ref_dir} ({'llm_path' if cfg.llm_path else 'vlm_path'}), "
-                                   "which is not a directory")
+            field = "llm_path" if cfg.llm_path else "vlm_path"
+            raise MissingFileError(f"{path / 'config.json'} refers to {ref_dir} ({field}), which is not a directory")
         ref = hf.read_hf(ref_dir)
         want = "llm" if cfg.llm_path else "llava"
         if ref.kind != want:
@@ -531,7 +532,8 @@ def _init_composed(preset_name: str, path: Path, seed: int, overrides: dict, dty
     if not ref_dir.is_dir():
         raise _not_a_directory(ref_dir)
     ref = hf.read_hf(ref_dir)
-    unknown = set(overrides) - (set(VLAConfig.__dataclass_fields__) - {"preset", "llm_path", "vlm_path", "planning_head"})
+    fixed = {"preset", "llm_path", "vlm_path", "planning_head"}  # set by composing, not by --set
+    unknown = set(overrides) - (set(VLAConfig.__dataclass_fields__) - fixed)
     if unknown:
         raise ValueError(f"unknown preset option(s) {sorted(unknown)}")
     base = preset(preset_name).to_dict()

@@ -171,7 +171,8 @@ class HFModel:
         """LLaVA's projector and feature selection as this package's ``projector`` dict (``type: llava``)."""
         c = self.config
         layer = c.vision_feature_layer
-        return {"type": "llava", "vision_feature_layer": list(layer) if isinstance(layer, (list, tuple)) else int(layer),
+        layer = list(layer) if isinstance(layer, (list, tuple)) else int(layer)
+        return {"type": "llava", "vision_feature_layer": layer,
                 "vision_feature_select_strategy": str(c.vision_feature_select_strategy),
                 "projector_hidden_act": str(c.projector_hidden_act),
                 "multimodal_projector_bias": bool(c.multimodal_projector_bias),
@@ -209,7 +210,8 @@ def read_hf(path: str | Path) -> HFModel:
     model_type = doc.get("model_type")
     file = path / "config.json"
     if "quantization_config" in doc:
-        raise CheckpointError(f"{file}: a quantized checkpoint ({doc['quantization_config'].get('quant_method', '?')}); "
+        method = doc["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"{file}: a quantized checkpoint ({method}); "
                               "this package loads floating-point weights (F32, F16, BF16): dequantize it first")
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "llava": LlavaConfig}
     if model_type not in classes:

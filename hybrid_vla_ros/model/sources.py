@@ -238,7 +238,8 @@ class SafetensorsSource(TensorSource):
             if canonical in self._index:
                 raise CheckpointError(f"{label}: tensors {self._index[canonical].stored_name!r} and {stored!r} both "
                                       f"map to {canonical!r}")
-            self._index[canonical] = TensorInfo(file, stored, str(entry["dtype"]), tuple(int(s) for s in entry["shape"]))
+            shape = tuple(int(s) for s in entry["shape"])
+            self._index[canonical] = TensorInfo(file, stored, str(entry["dtype"]), shape)
         self._all_files = sorted(set(files) | set(index.values()))
 
     def _header(self, file: Path, for_tensor: str | None = None) -> dict:

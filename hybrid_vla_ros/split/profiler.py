@@ -433,10 +433,11 @@ def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.d
     n_llm = L if llm_blocks == "all" else min(1, L)
     for i in range(n_llm):
         block = _block_from_checkpoint(ck, i, device, dtype)
-        if code is not None:
-            fn = (lambda b=block, i=i: code.run_blocks(nn.ModuleList([b]), h, i))
-        else:
-            fn = (lambda b=block: b(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin))
+        def fn(b=block, i=i):
+            if code is not None:
+                return code.run_blocks(nn.ModuleList([b]), h, i)
+            return b(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+
         ms, mn = _time_ms(fn, device, warmup, repeats)
         blk_ms.append(ms)
         blk_min.append(mn)
@@ -646,13 +647,13 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
             pin_process(list(cores))
         if threads is not None:
             torch.set_num_threads(threads)
-        if detailed:
-            kw = dict(model_path=ck, warmup=warmup, repeats=repeats, vision_blocks=vision_blocks,
-                      llm_blocks=llm_blocks, log=log)
-            run = lambda dev: _profile_device(cfg, dev, tdtype, **kw)  # noqa: E731
-        else:
-            run = lambda dev: _profile_device_generic(ck, dev, tdtype, warmup=warmup, repeats=repeats,  # noqa: E731
-                                                      llm_blocks=llm_blocks, log=log)
+        def run(dev: torch.device) -> dict:
+            if detailed:
+                return _profile_device(cfg, dev, tdtype, model_path=ck, warmup=warmup, repeats=repeats,
+                                       vision_blocks=vision_blocks, llm_blocks=llm_blocks, log=log)
+            return _profile_device_generic(ck, dev, tdtype, warmup=warmup, repeats=repeats, llm_blocks=llm_blocks,
+                                           log=log)
+
         use_cuda = device in ("cuda", "auto") and cuda_ok
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if use_cuda else []):
             torch.manual_seed(seed)  # random weights and inputs; the caller's RNG state is restored

@@ -136,8 +136,8 @@ def _llm_reference_on_embeddings(ck: Checkpoint, cfg: VLAConfig, h0: torch.Tenso
     conf = conf_cls(**{k: v for k, v in cfg.llm.items() if k != "model_type"})
     ref = model_cls(conf).to(dtype).eval()
     stored = load_file(str(ck.own_weights))
-    ref.load_state_dict({k: v.to(dtype) for k, v in stored.items() if k.split(".")[0] in ("embed_tokens", "layers", "norm")},
-                        strict=True)
+    llm_parts = ("embed_tokens", "layers", "norm")
+    ref.load_state_dict({k: v.to(dtype) for k, v in stored.items() if k.split(".")[0] in llm_parts}, strict=True)
     out = ref(inputs_embeds=batch, output_hidden_states=True)
     return _hidden_states(out), f"transformers {model_cls.__name__} with the checkpoint's LLM tensors on h_0"
 
