@@ -398,3 +398,20 @@ def test_a_loaded_stage_owns_its_weights_when_a_shard_is_rewritten_in_place(hf_d
         for shard in shard_files(path):
             shard.write_bytes(b"")
         assert torch.equal(suffix.final_hidden_states(h), before)
+
+
+def test_an_unsharded_directory_is_read_too(tmp_path, camera_images):
+    """One model.safetensors, no index (save_pretrained below its shard size): same split, same exactness."""
+    from transformers import Qwen2ForCausalLM
+
+    path = write_qwen2(tmp_path / "q", shard="50MB")
+    assert (path / "model.safetensors").is_file() and not (path / "model.safetensors.index.json").exists()
+    ck = open_checkpoint(path)
+    assert "unsharded" in ck.description
+    ids = torch.tensor(IDS)
+    with torch.inference_mode():
+        out = Qwen2ForCausalLM.from_pretrained(str(path))(ids[None], output_hidden_states=True)
+        ref = [h[0] for h in out.hidden_states]
+        for k in range(ck.num_layers + 1):
+            h = ck.load("prefix", k)(ids)
+            assert (ck.load("suffix", k).final_hidden_states(h) - ref[-1]).abs().max().item() <= TOL
