@@ -128,40 +128,34 @@ def test_a_wrong_position_or_mask_convention_is_caught(hf_dirs):
 
 
 def test_a_stage_reads_only_its_own_tensors_from_only_its_shards(hf_dirs, monkeypatch):
+    """Every tensor byte range read is recorded (and safetensors' mapping reader is disabled, so nothing else
+    reads data): the suffix at K=2 reads block 2 and the final norm, from the shards the index names for them."""
     import safetensors
+
+    from hybrid_vla_ros.model import sources
 
     path = hf_dirs["llama"]
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    opened, read = [], []
-    real_open = safetensors.safe_open
+    read = []
+    real = sources._read_range
 
-    class Spy:
-        def __init__(self, file, **kw):
-            self.inner = real_open(file, **kw)
-            opened.append(file.rsplit("/", 1)[-1])
+    def spy(f, size, info):
+        read.append((info.file.name, info.stored_name))
+        return real(f, size, info)
 
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
+    def no_mapping(*a, **k):
+        raise AssertionError("safe_open used to read data")
 
-        def __exit__(self, *a):
-            return self.inner.__exit__(*a)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(safetensors, "safe_open", Spy)
-    load_stage_of = open_checkpoint(path).load("suffix", 2)
-    assert sorted(read) == sorted(k for k in index if k.startswith("model.layers.2.") or k == "model.norm.weight")
-    assert set(opened) == {index[k] for k in read}, "only the shards holding those tensors are opened"
-    assert len(load_stage_of.layers) == 1
+    monkeypatch.setattr(sources, "_read_range", spy)
+    monkeypatch.setattr(safetensors, "safe_open", no_mapping)
+    suffix = open_checkpoint(path).load("suffix", 2)
+    wanted = sorted(k for k in index if k.startswith("model.layers.2.") or k == "model.norm.weight")
+    assert sorted(name for _, name in read) == wanted
+    assert all(index[name] == shard for shard, name in read), "each from the shard its index names"
+    assert len(suffix.layers) == 1
     read.clear()
     blocks = open_checkpoint(path).load_blocks(0, 1)
-    assert sorted(read) == sorted(k for k in index if k.startswith("model.layers.0."))
+    assert sorted(name for _, name in read) == sorted(k for k in index if k.startswith("model.layers.0."))
     assert blocks.first_block == 0 and len(blocks) == 1
 
 
@@ -224,6 +218,17 @@ def test_a_missing_shard_names_the_shard_and_a_tensor(hf_dirs, tmp_path):
     assert victim in str(e.value) and "shard not found" in str(e.value) and "model.layers.1." in str(e.value)
     with pytest.raises(FileNotFoundError):
         model_id(path)
+
+
+def test_a_truncated_shard_names_the_tensor_whose_bytes_are_missing(hf_dirs, tmp_path):
+    path = _copy(hf_dirs["llama"], tmp_path / "m")
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = path / index["model.layers.2.mlp.up_proj.weight"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])  # the header intact, the last tensor cut short
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\..*(truncated|corrupt)") as e:
+        open_checkpoint(path).load("suffix", 2)
+    assert shard.name in str(e.value)
 
 
 def test_an_index_naming_an_absent_tensor_is_refused(hf_dirs, tmp_path):

@@ -313,8 +313,8 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
     """Fill a meta-device module with the tensors it owns, read from ``source`` onto ``device`` in ``dtype``.
 
     Checks every tensor before reading any: present, the module's shape, a floating-point stored dtype for a
-    floating-point parameter. Each tensor is converted (CPU: copied) as soon as it is read, so the stage owns
-    its memory and the peak is its own bytes plus the mapped pages of the shard being read. Raises
+    floating-point parameter. Each tensor is converted as soon as it is read, so the stage owns its memory and
+    the peak is its own bytes plus one stored tensor. Raises
     CheckpointError naming the file and the tensor, RuntimeError when a tensor is left uninitialised.
     """
     wanted = module.state_dict()
@@ -331,15 +331,8 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
             raise CheckpointError(f"{info.where()} is stored as {info.dtype} (quantized?); this package loads "
                                   f"floating-point weights ({', '.join(FLOAT_DTYPES)}): dequantize it first")
     local_of = {c: local for local, c in keys.items()}
-
-    def convert(canonical: str, t: torch.Tensor) -> torch.Tensor:
-        # On the CPU safetensors hands out views of the file's memory map: copy into the process's own memory
-        # (a shard re-saved in place under a running node would otherwise change its weights or kill it with
-        # SIGBUS, and pages of a mapped file can be evicted and faulted back mid-frame).
-        copy = t.device.type == "cpu"
-        return t.to(dtype, copy=copy) if t.is_floating_point() else (t.clone() if copy else t)
-
-    tensors = source.read(keys.values(), device, transform=convert)
+    # in this process's own memory, never views of a file mapping (see TensorSource.read)
+    tensors = source.read(keys.values(), device, float_dtype=dtype)
     module.load_state_dict({local_of[c]: t for c, t in tensors.items()}, strict=True, assign=True)
     # Non-persistent buffers (rotary inverse frequencies, vision position ids) are not in the checkpoint;
     # rebuild them on the device from the config.

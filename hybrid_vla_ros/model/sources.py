@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -64,6 +66,11 @@ def read_header(path: Path) -> dict:
     Raises MissingFileError when the file is absent, CheckpointError when it is not a safetensors file
     (short, implausible header size, bad JSON).
     """
+    return read_header_and_start(path)[0]
+
+
+def read_header_and_start(path: Path) -> tuple[dict, int]:
+    """(:func:`read_header`, the byte offset where tensor data starts: 8 + N)."""
     path = Path(path)
     try:
         f = open(path, "rb")
@@ -85,18 +92,21 @@ def read_header(path: Path) -> dict:
         raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    return header
+    return header, 8 + n
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     """Where a canonical tensor is stored: ``file`` (absolute path), ``stored_name`` (its key in that file),
-    ``dtype`` (safetensors dtype string, e.g. ``BF16``), ``shape`` (tuple of ints)."""
+    ``dtype`` (safetensors dtype string, e.g. ``BF16``), ``shape`` (tuple of ints), ``start`` / ``end``: its
+    bytes in the file (absolute offsets: the header's ``data_offsets`` plus 8 + N)."""
 
     file: Path
     stored_name: str
     dtype: str
     shape: tuple[int, ...]
+    start: int = -1
+    end: int = -1
 
     def where(self) -> str:
         """``tensor 'name' in file '...'`` for error messages."""
@@ -149,46 +159,68 @@ class TensorSource:
         return self._index[name]
 
     def read(self, names: Iterable[str], device: str | torch.device = "cpu",
-             transform=None) -> dict[str, torch.Tensor]:
-        """Read the canonical tensors ``names`` onto ``device``: ``{name: tensor}``, in their stored dtype or as
-        ``transform(name, tensor)`` returns them (applied to each tensor as soon as it is read, so a dtype
-        conversion holds one stored-dtype tensor at a time, not the whole stage twice).
+             float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Read the canonical tensors ``names`` onto ``device``: ``{name: tensor}``, floating-point ones converted
+        to ``float_dtype`` when given (others in their stored dtype).
 
-        Only the named tensors are read (``safetensors.safe_open(...).get_tensor``, which memory-maps the file).
-        With a ``transform`` the file is opened anew for each tensor, so the mapping -- and the file pages it
-        made resident -- is released as soon as that tensor is converted: the peak is the converted tensors plus
-        one stored tensor, not plus a whole shard. Raises KeyError for a name the source lacks,
-        MissingFileError for a missing file, CheckpointError when a file does not hold a tensor its index
-        promised, or cannot be read.
+        Only the named tensors are read. Onto the CPU each one is read with one ``readinto`` of its byte range
+        (from the header, checked against its dtype, shape and the file size) into this process's memory --
+        never a view of a memory map, which a shard re-saved in place under a running node would turn into
+        SIGBUS: straight into the result when no conversion is needed, else into one scratch buffer per file
+        that is converted into the result, so a conversion holds one stored tensor at a time. Onto another
+        device (CUDA) ``safetensors.safe_open(..., device=...)`` puts each tensor there directly. Raises
+        KeyError for a name the source lacks, MissingFileError for a missing file, CheckpointError when a file
+        does not hold a tensor its index promised, or is shorter than its header says.
         """
-        from safetensors import safe_open
-
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self._index[name].file, []).append(name)
         out: dict[str, torch.Tensor] = {}
+        cpu = torch.device(device).type == "cpu" and sys.byteorder == "little"  # safetensors stores little-endian
         for file, wanted in by_file.items():
             if not file.is_file():
                 raise MissingFileError(f"{file}: shard not found (it holds {self._index[wanted[0]].where()})")
-            try:
-                with safe_open(str(file), framework="pt", device=str(device)) as f:
-                    present = set(f.keys())
+            if cpu and all(self._index[n].start >= 0 for n in wanted):
+                with open(file, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    scratch = None
                     for name in wanted:
-                        if self._index[name].stored_name not in present:
-                            raise CheckpointError(f"{file} does not hold tensor {self._index[name].stored_name!r}, "
-                                                  f"which {self.label} names")
-                    if transform is None:
-                        out.update({name: f.get_tensor(self._index[name].stored_name) for name in wanted})
-                        continue
+                        info = self._index[name]
+                        stored = FLOAT_DTYPES.get(info.dtype)
+                        if float_dtype is None or stored is None or stored == float_dtype:
+                            out[name] = _read_range(f, size, info)
+                            continue
+                        if scratch is None or scratch.numel() < info.end - info.start:
+                            scratch = None  # free the smaller one first
+                            scratch = torch.empty(max(self._index[n].end - self._index[n].start for n in wanted),
+                                                  dtype=torch.uint8)
+                        out[name] = _read_range(f, size, info, scratch).to(float_dtype)
+                    del scratch
+                continue
+            out.update(self._read_with_safe_open(file, wanted, device, float_dtype))
+        return out
+
+    def _read_with_safe_open(self, file: Path, wanted: list[str], device, float_dtype) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out = {}
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                present = set(f.keys())
                 for name in wanted:
-                    with safe_open(str(file), framework="pt", device=str(device)) as f:
-                        t = f.get_tensor(self._index[name].stored_name)
-                    out[name] = transform(name, t)
+                    if self._index[name].stored_name not in present:
+                        raise CheckpointError(f"{file} does not hold tensor {self._index[name].stored_name!r}, "
+                                              f"which {self.label} names")
+                for name in wanted:
+                    t = f.get_tensor(self._index[name].stored_name)
+                    if float_dtype is not None and t.is_floating_point():
+                        t = t.to(float_dtype)
+                    out[name] = t.clone() if t.device.type == "cpu" else t  # not a view of the memory map
                     del t
-            except CheckpointError:
-                raise
-            except Exception as e:  # safetensors raises its own SafetensorError (a bare Exception subclass)
-                raise CheckpointError(f"{file}: cannot read safetensors data ({type(e).__name__}: {e})") from e
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own SafetensorError (a bare Exception subclass)
+            raise CheckpointError(f"{file}: cannot read safetensors data ({type(e).__name__}: {e})") from e
         return out
 
     def fingerprint(self, digest) -> None:
@@ -198,6 +230,26 @@ class TensorSource:
     def files(self) -> list[Path]:
         """The files this source reads, sorted."""
         return sorted({i.file for i in self._index.values()})
+
+
+def _read_range(f, file_size: int, info: TensorInfo, into: torch.Tensor | None = None) -> torch.Tensor:
+    """One tensor's bytes [start, end) of the open file ``f`` as a CPU tensor of its dtype and shape: a new one,
+    or a view of the front of ``into`` (a uint8 scratch buffer at least that large)."""
+    dtype = FLOAT_DTYPES.get(info.dtype) or INT_DTYPES.get(info.dtype)
+    if dtype is None:
+        raise CheckpointError(f"{info.where()}: stored as {info.dtype}, which this package does not read")
+    n = info.end - info.start
+    numel = 1
+    for s in info.shape:
+        numel *= s
+    if n != numel * torch.empty((), dtype=dtype).element_size() or info.start < 0 or info.end > file_size:
+        raise CheckpointError(f"{info.where()}: data_offsets do not fit its dtype / shape {info.dtype} "
+                              f"{list(info.shape)} or the file ({file_size} bytes): a truncated or corrupt file")
+    buf = torch.empty(n, dtype=torch.uint8) if into is None else into[:n]
+    f.seek(info.start)
+    if n and f.readinto(buf.numpy()) != n:
+        raise CheckpointError(f"{info.where()}: the file ends inside the tensor's data (truncated)")
+    return buf.view(dtype).reshape(info.shape)
 
 
 class SafetensorsSource(TensorSource):
@@ -219,6 +271,7 @@ class SafetensorsSource(TensorSource):
         self.key_map = key_map or KeyMap.identity()
         self.index_file = index_file
         self._headers: dict[Path, dict] = {}
+        self._starts: dict[Path, int] = {}
         files = [Path(f) for f in files]
         if index is None:
             index = {}
@@ -239,13 +292,15 @@ class SafetensorsSource(TensorSource):
                 raise CheckpointError(f"{label}: tensors {self._index[canonical].stored_name!r} and {stored!r} both "
                                       f"map to {canonical!r}")
             shape = tuple(int(s) for s in entry["shape"])
-            self._index[canonical] = TensorInfo(file, stored, str(entry["dtype"]), shape)
+            begin, end = (int(v) for v in entry["data_offsets"])
+            start = self._starts[file]
+            self._index[canonical] = TensorInfo(file, stored, str(entry["dtype"]), shape, start + begin, start + end)
         self._all_files = sorted(set(files) | set(index.values()))
 
     def _header(self, file: Path, for_tensor: str | None = None) -> dict:
         if file not in self._headers:
             try:
-                self._headers[file] = read_header(file)
+                self._headers[file], self._starts[file] = read_header_and_start(file)
             except MissingFileError:
                 raise MissingFileError(
                     f"{file}: shard not found"
