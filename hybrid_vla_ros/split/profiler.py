@@ -62,8 +62,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..model.checkpoint import WEIGHTS_FILE, load_stage, parse_dtype
-from ..model.config import VLAConfig, preset
+from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
+from ..model.config import LMConfig, VLAConfig, preset
 from ..model.modeling import DEFAULT_COMMAND, LLM_FAMILIES, PrefixStage, SuffixStage, embed, llm_config, plan
 from ..util.cores import cpu_model, pin_process
 
@@ -169,8 +169,21 @@ def validate_profile(doc: object, source: str = "profile") -> dict:
     bad = _non_finite(doc)
     if bad:
         raise ValueError(f"{source}: {bad}: not a finite number (NaN or Infinity): re-run hybrid-vla profile")
+    config = doc["model"]["config"]
+    if config.get("model_type") != "hybrid_vla":  # a transformers LM or own model code: the block count is stated
+        layers = doc.get("num_layers")
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise ValueError(f"{source}: num_layers: a profile of a {config.get('model_type')!r} model must state its "
+                             "decoder block count")
+        for name, dev in doc["devices"].items():
+            if len(dev["llm_blocks_ms"]) != layers:
+                raise ValueError(f"{source}: devices/{name}/llm_blocks_ms: has {len(dev['llm_blocks_ms'])} entries, "
+                                 f"the model has {layers} decoder blocks")
+            if dev["kind"] != name:
+                raise ValueError(f"{source}: devices/{name}/kind is {dev['kind']!r}")
+        return doc
     try:
-        cfg = VLAConfig.from_dict(doc["model"]["config"])
+        cfg = VLAConfig.from_dict(config)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{source}: model/config: {e}") from None
     if list(cfg.prefix_state_shape) != list(doc["prefix_state_shape"]):
@@ -306,24 +319,10 @@ class _FixedVision(nn.Module):
         return SimpleNamespace(last_hidden_state=self.features)
 
 
-def _block_from_checkpoint(path: Path, cfg: VLAConfig, index: int, device: torch.device,
-                           dtype: torch.dtype) -> nn.Module:
-    """Decoder block ``index`` of a checkpoint, read on its own from the safetensors file."""
-    from safetensors import safe_open
-
-    with torch.device("meta"):
-        block = LLM_FAMILIES[cfg.llm_type][1](llm_config(cfg), index)
-    prefix = f"layers.{index}."
-    with safe_open(str(path / WEIGHTS_FILE), framework="pt", device=str(device)) as f:
-        keys = set(f.keys())
-        state = {}
-        for k in block.state_dict():
-            if prefix + k not in keys:
-                raise ValueError(f"checkpoint {path} lacks {prefix + k}")
-            t = f.get_tensor(prefix + k)
-            state[k] = t.to(dtype) if t.is_floating_point() else t
-    block.load_state_dict(state, strict=True, assign=True)
-    return block.eval().requires_grad_(False)
+def _block_from_checkpoint(ck: Checkpoint, index: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Decoder block ``index`` of a checkpoint, read on its own (from a composed checkpoint's referred directory
+    too)."""
+    return ck.load_blocks(index, index + 1, device=device, dtype=dtype)[0]
 
 
 def measure_handoff(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, warmup: int, repeats: int,
@@ -375,7 +374,91 @@ def measure_handoff(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return out
 
 
-def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *, model_path: Path | None,
+def _device_doc(device: torch.device, timing: dict, mins: dict, vis_ms, vis_min, n_vis, blk_ms, blk_min, n_llm,
+                handoff) -> dict:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        desc, extra = props.name, {"total_memory_bytes": int(props.total_memory)}
+    else:
+        desc, extra = cpu_model(), {}
+    return {"kind": device.type, "name": str(device), "description": desc,
+            "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), **extra,
+            "parts_ms": {k: timing[k] for k in PART_KEYS}, "vision_blocks_ms": vis_ms,
+            "vision_blocks_measured": n_vis, "llm_blocks_ms": blk_ms, "llm_blocks_measured": n_llm,
+            "min_ms": {**{k: mins[k] for k in PART_KEYS}, "vision_blocks": vis_min, "llm_blocks": blk_min},
+            "handoff": handoff}
+
+
+def _example_inputs(ck: Checkpoint, front: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple:
+    cfg = ck.model
+    if isinstance(cfg, VLAConfig):
+        pixels = torch.rand((cfg.n_cameras, 3, cfg.image_size, cfg.image_size), device=device, dtype=dtype)
+        return (pixels, torch.zeros(3, device=device) if cfg.ego_state_input else None)
+    if isinstance(cfg, LMConfig):
+        return (torch.arange(cfg.num_tokens, device=device) % int(cfg.llm["vocab_size"]),)
+    return tuple(x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype) if torch.is_tensor(x) else x
+                 for x in front.code.example_inputs(0))
+
+
+def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.dtype, *, warmup: int, repeats: int,
+                            llm_blocks: str, log) -> dict:
+    """Per-block timing of a model whose front is not this package's SigLIP side (a transformers LM or LLaVA,
+    own code): the whole prefix at K = 0 counts as ``vision_embeddings`` (the K-independent part), each decoder
+    block on its own, the suffix at K = L as ``head``."""
+    timing, mins = {}, {}
+
+    def timed(key, fn):
+        timing[key], mins[key] = _time_ms(fn, device, warmup, repeats)
+        log(f"  {device}: {key} {timing[key]:.3f} ms")
+
+    cfg, L = ck.model, ck.num_layers
+    front = ck.load("prefix", 0, device=device, dtype=dtype)
+    inputs = _example_inputs(ck, front, device, dtype)
+    timed("vision_embeddings", lambda: front(*inputs))
+    with torch.inference_mode():
+        h = front(*inputs)
+    for key in ("vision_post", "projector_embed", "rotary"):
+        timing[key] = mins[key] = 0.0
+    code = getattr(front, "code", None)
+    positions = cos_sin = None
+    if code is None:
+        with torch.device(device):
+            rotary = LLM_FAMILIES[cfg.llm_type][3](llm_config(cfg))
+        x = h if h.dim() == 3 else h.unsqueeze(0)
+        positions = torch.arange(x.shape[1], device=device).unsqueeze(0)
+        timed("rotary", lambda: rotary(x, positions))
+        with torch.inference_mode():
+            cos_sin = rotary(x, positions)
+    blk_ms, blk_min = [], []
+    n_llm = L if llm_blocks == "all" else min(1, L)
+    for i in range(n_llm):
+        block = _block_from_checkpoint(ck, i, device, dtype)
+        def fn(b=block, i=i):
+            if code is not None:
+                return code.run_blocks(nn.ModuleList([b]), h, i)
+            return b(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+
+        ms, mn = _time_ms(fn, device, warmup, repeats)
+        blk_ms.append(ms)
+        blk_min.append(mn)
+        del block
+        log(f"  {device}: block {i} {ms:.3f} ms")
+    if 0 < n_llm < L:
+        blk_ms, blk_min = blk_ms * L, blk_min * L
+    tail = ck.load("suffix", L, device=device, dtype=dtype)
+    if hasattr(tail, "head"):
+        timed("head", lambda: plan(tail, h, DEFAULT_COMMAND))
+    elif hasattr(tail, "final_hidden_states"):
+        timed("head", lambda: tail.final_hidden_states(h))
+    else:
+        timed("head", lambda: tail(h))
+    del tail, front
+    handoff = measure_handoff(tuple(ck.model.prefix_state_shape), dtype, device, warmup, max(repeats, 5))
+    nv = int(cfg.vision["num_hidden_layers"]) if isinstance(cfg, VLAConfig) else 1
+    return _device_doc(device, timing, mins, [0.0] * nv, [0.0] * nv, nv, blk_ms, blk_min, n_llm, handoff)
+
+
+def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *, model_path: Checkpoint | None,
                     warmup: int, repeats: int, vision_blocks: str, llm_blocks: str, log) -> dict:
     timing = {}
     mins = {}
@@ -389,7 +472,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     ego = torch.zeros(3, device=device) if cfg.ego_state_input else None
     # ---- vision side and projector/embeddings
     if model_path is not None:
-        front = load_stage(model_path, "prefix", 0, device=device, dtype=dtype)
+        front = model_path.load("prefix", 0, device=device, dtype=dtype)
     else:
         with torch.device("meta"):
             front = PrefixStage(cfg, 0)
@@ -445,7 +528,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     blk_ms, blk_min = [], []
     for i in range(n_llm):
         if model_path is not None:
-            block = _block_from_checkpoint(model_path, cfg, i, device, dtype)
+            block = _block_from_checkpoint(model_path, i, device, dtype)
         else:
             with torch.device("meta"):
                 block = LLM_FAMILIES[cfg.llm_type][1](llm, i)
@@ -461,7 +544,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
         blk_ms, blk_min = blk_ms * L, blk_min * L
     # ---- final norm + heads
     if model_path is not None:
-        tail = load_stage(model_path, "suffix", L, device=device, dtype=dtype)
+        tail = model_path.load("suffix", L, device=device, dtype=dtype)
     else:
         with torch.device("meta"):
             tail = SuffixStage(cfg, L)
@@ -473,17 +556,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     # ---- hand-off from this device
     handoff = measure_handoff(tuple(cfg.prefix_state_shape), dtype, device, warmup, max(repeats, 5))
     log(f"  {device}: ring hand-off " + ", ".join(f"{m['bytes']} B {m['ms']:.3f} ms" for m in handoff["ring"]))
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        desc, extra = props.name, {"total_memory_bytes": int(props.total_memory)}
-    else:
-        desc, extra = cpu_model(), {}
-    return {"kind": device.type, "name": str(device), "description": desc,
-            "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), **extra,
-            "parts_ms": {k: timing[k] for k in PART_KEYS}, "vision_blocks_ms": vis_ms,
-            "vision_blocks_measured": n_measure, "llm_blocks_ms": blk_ms, "llm_blocks_measured": n_llm,
-            "min_ms": {**{k: mins[k] for k in PART_KEYS}, "vision_blocks": vis_min, "llm_blocks": blk_min},
-            "handoff": handoff}
+    return _device_doc(device, timing, mins, vis_ms, vis_min, n_measure, blk_ms, blk_min, n_llm, handoff)
 
 
 def measure_preprocess(cfg: VLAConfig, *, warmup: int = 1, repeats: int = 5, log=None) -> dict | None:
@@ -528,7 +601,8 @@ def measure_preprocess(cfg: VLAConfig, *, warmup: int = 1, repeats: int = 5, log
 def profile_model(*, preset_name: str | None = None, model_path: str | Path | None = None, dtype: str = "fp32",
                   cores: list[int] | None = None, threads: int | None = None, device: str = "auto",
                   repeats: int = 5, warmup: int = 1, vision_blocks: str = "all", llm_blocks: str = "all",
-                  seed: int = 0, log=None, **overrides) -> dict:
+                  seed: int = 0, log=None, tokens: int = 512, cameras: int = 1,
+                  trust_model_code: bool | None = None, **overrides) -> dict:
     """Measure a profile (see the module docstring for its fields) and return it as a dict.
 
     Exactly one of ``preset_name`` (random weights, one part at a time; ``overrides`` as in
@@ -538,8 +612,10 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
     afterwards. ``device``: "cpu" (CPU only), "cuda" (CUDA and CPU; error without CUDA) or "auto" (CUDA
     too when available). The CPU is always measured because the suffix runs there. ``vision_blocks`` /
     ``llm_blocks``: "all" or "1" (time one block, count it for every block). ``log``: callable taking
-    a progress line, or None. Raises ValueError for bad arguments (including cores this process may
-    not use), RuntimeError when CUDA is requested but unavailable.
+    a progress line, or None. ``tokens`` / ``cameras`` / ``trust_model_code``: how a transformers directory or
+    own code is opened (:func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`); such models (and composed
+    LLaVA ones) are timed as prefix front / each block / suffix tail. Raises ValueError for bad arguments
+    (including cores this process may not use), RuntimeError when CUDA is requested but unavailable.
     """
     if (preset_name is None) == (model_path is None):
         raise ValueError("give exactly one of a preset name and a checkpoint path")
@@ -552,11 +628,14 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
     if device not in ("cpu", "cuda", "auto"):
         raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
     tdtype = parse_dtype(dtype)
+    ck = None
     if model_path is not None:
         model_path = Path(model_path)
-        cfg = VLAConfig.load(model_path)
+        ck = open_checkpoint(model_path, tokens=tokens, cameras=cameras, trust_model_code=trust_model_code)
+        cfg = ck.model
     else:
         cfg = preset(preset_name, **overrides)
+    detailed = isinstance(cfg, VLAConfig) and cfg.projector["type"] != "llava"
     cuda_ok = torch.cuda.is_available()
     if device == "cuda" and not cuda_ok:
         raise RuntimeError("--device cuda: CUDA is not available on this machine")
@@ -568,16 +647,21 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
             pin_process(list(cores))
         if threads is not None:
             torch.set_num_threads(threads)
-        kw = dict(model_path=model_path, warmup=warmup, repeats=repeats, vision_blocks=vision_blocks,
-                  llm_blocks=llm_blocks, log=log)
+        def run(dev: torch.device) -> dict:
+            if detailed:
+                return _profile_device(cfg, dev, tdtype, model_path=ck, warmup=warmup, repeats=repeats,
+                                       vision_blocks=vision_blocks, llm_blocks=llm_blocks, log=log)
+            return _profile_device_generic(ck, dev, tdtype, warmup=warmup, repeats=repeats, llm_blocks=llm_blocks,
+                                           log=log)
+
         use_cuda = device in ("cuda", "auto") and cuda_ok
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if use_cuda else []):
             torch.manual_seed(seed)  # random weights and inputs; the caller's RNG state is restored
             if use_cuda:
-                devices["cuda"] = _profile_device(cfg, torch.device("cuda", torch.cuda.current_device()), tdtype,
-                                                  **kw)
-            devices["cpu"] = _profile_device(cfg, torch.device("cpu"), tdtype, **kw)
-        preprocess_doc = measure_preprocess(cfg, warmup=warmup, repeats=repeats, log=log)
+                devices["cuda"] = run(torch.device("cuda", torch.cuda.current_device()))
+            devices["cpu"] = run(torch.device("cpu"))
+        preprocess_doc = (measure_preprocess(cfg, warmup=warmup, repeats=repeats, log=log)
+                          if isinstance(cfg, VLAConfig) else None)
     finally:
         torch.set_num_threads(old_threads)
         if cores is not None:
@@ -589,6 +673,7 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
         "host": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count() or 1},
         "model": {"source": "checkpoint" if model_path is not None else "preset", "preset": cfg.preset or None,
                   "path": str(model_path) if model_path is not None else None, "config": cfg.to_dict()},
+        "num_layers": cfg.num_layers,
         "dtype": DTYPE_NAMES[tdtype], "prefix_state_shape": list(cfg.prefix_state_shape),
         "handoff_bytes": torch.Size(cfg.prefix_state_shape).numel() * torch.empty((), dtype=tdtype).element_size(),
         "settings": {"warmup": warmup, "repeats": repeats, "vision_blocks": vision_blocks, "llm_blocks": llm_blocks},

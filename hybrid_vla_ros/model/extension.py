@@ -1,0 +1,273 @@
+"""Own model code: a team's PyTorch VLA split at K without forking this package.
+
+A checkpoint directory of own code holds its weights (``model.safetensors``, or shards with
+``model.safetensors.index.json``, under the model's own state-dict names) and a ``config.json``::
+
+    {"model_type": "hybrid_vla_code", "format_version": 1,
+     "model_class": "my_team.vla:DrivingVLA",       # importable module : class
+     "config": {...}}                                 # passed to the class as is
+
+The class is a ``torch.nn.Module`` that follows :class:`SplitModelCode`: ``cls(config)`` builds it (this
+package calls it under ``torch.device("meta")``, so it must not allocate or initialise weights by itself beyond
+what nn.Module constructors do); it names the modules that run before the decoder blocks (``front_modules``), its
+``nn.ModuleList`` of decoder blocks (``block_list``) and the modules after them (``tail_modules``); ``embed``,
+``run_blocks`` and ``readout`` are its forward pass cut at the blocks; ``forward`` is its own monolithic
+forward (the reference ``hybrid-vla verify-split`` compares the split with); ``hidden_state_shape`` is what
+crosses the split; ``example_inputs`` gives inputs for the check. The planner counts each stage's and each
+block's parameter bytes from the modules themselves (on the meta device), so it needs nothing more.
+
+**Importing the class runs its code.** It is an explicit opt-in: ``trust_model_code=True`` (the CLI's
+``--trust-model-code``) or the environment variable ``HYBRID_VLA_TRUST_MODEL_CODE=1``; without it a
+``model_class`` checkpoint is refused before anything is imported. The module must be importable (installed,
+or on ``PYTHONPATH``); nothing is imported from the checkpoint directory itself.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .sources import CheckpointError
+
+#: ``model_type`` of an own-code checkpoint's config.json.
+CODE_MODEL_TYPE = "hybrid_vla_code"
+CODE_FORMAT_VERSION = 1
+#: Environment variable that opts in to importing own model code (value ``1``).
+TRUST_ENV = "HYBRID_VLA_TRUST_MODEL_CODE"
+
+
+@runtime_checkable
+class SplitModelCode(Protocol):
+    """A team's VLA as the ordered stages of the split (an ``nn.Module``; see the module docstring).
+
+    Attributes:
+        front_modules: names of the child modules used before decoder block 0 (the prefix's side).
+        block_list: name of the ``nn.ModuleList`` attribute holding the L decoder blocks in order.
+        tail_modules: names of the child modules used after block L-1 (the suffix's side).
+    """
+
+    front_modules: tuple[str, ...]
+    block_list: str
+    tail_modules: tuple[str, ...]
+
+    def hidden_state_shape(self) -> tuple[int, ...]:
+        """Shape of the hidden states that cross the split (e.g. (T, H)); the same at every K."""
+
+    def embed(self, *inputs) -> torch.Tensor:
+        """Inputs -> hidden states before block 0 (``hidden_state_shape``), using only ``front_modules``."""
+
+    def run_blocks(self, blocks: nn.ModuleList, hidden_states: torch.Tensor, first: int) -> torch.Tensor:
+        """Run ``blocks`` (global indices ``first``, ``first + 1``, ...) over the hidden states; same shape."""
+
+    def readout(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Hidden states after block L-1 -> the model's output, using only ``tail_modules``."""
+
+    def forward(self, *inputs) -> torch.Tensor:
+        """The model's own monolithic forward: the reference the split is checked against."""
+
+    def example_inputs(self, seed: int = 0) -> tuple:
+        """Inputs for ``embed`` / ``forward`` (CPU tensors), deterministic for a seed."""
+
+
+def trusted(trust_model_code: bool | None) -> bool:
+    """The opt-in: ``trust_model_code`` when given, else ``HYBRID_VLA_TRUST_MODEL_CODE == "1"``."""
+    if trust_model_code is not None:
+        return bool(trust_model_code)
+    return os.environ.get(TRUST_ENV, "") == "1"
+
+
+def import_model_class(path: Path, spec: str, trust_model_code: bool | None = None) -> type:
+    """The class ``spec`` (``package.module:Name``) named by ``path``/config.json, imported only when trusted.
+
+    Raises CheckpointError: not trusted (nothing imported), a malformed spec, an import error, or a class that
+    does not follow :class:`SplitModelCode` (the missing members named).
+    """
+    where = Path(path) / "config.json"
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise CheckpointError(f"{where}: model_class must be 'package.module:ClassName', got {spec!r}")
+    if not trusted(trust_model_code):
+        raise CheckpointError(f"{where} names own model code {spec!r}; importing it runs that code. Opt in once you "
+                              f"trust it: --trust-model-code on the command line, or {TRUST_ENV}=1 in the "
+                              "environment")
+    module_name, class_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise CheckpointError(f"{where}: cannot import {module_name!r} for model_class {spec!r} ({e}); install it "
+                              "or put it on PYTHONPATH") from e
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise CheckpointError(f"{where}: {spec!r} is not an nn.Module class")
+    missing = [m for m in ("front_modules", "block_list", "tail_modules", "hidden_state_shape", "embed", "run_blocks",
+                           "readout", "forward", "example_inputs") if not hasattr(cls, m)]
+    if missing:
+        raise CheckpointError(f"{where}: {spec!r} lacks {', '.join(missing)} (see SplitModelCode in "
+                              "hybrid_vla_ros/model/extension.py)")
+    return cls
+
+
+class CodeModel:
+    """An own-code checkpoint's model class and config: builds its stages (what ``build_stage`` dispatches to).
+
+    ``num_layers`` (L, the length of the block list) and ``prefix_state_shape`` come from one instance built on
+    the meta device. Raises CheckpointError when building it fails or the block list is not an ``nn.ModuleList``.
+    """
+
+    llm_passes = 1
+    preset = ""
+
+    def __init__(self, path: Path, cls: type, config: dict, spec: str):
+        self.path, self.cls, self.config, self.spec = Path(path), cls, dict(config), spec
+        with torch.device("meta"):
+            probe = self.new_model()
+        self.num_layers = len(getattr(probe, probe.block_list))
+        self.prefix_state_shape = tuple(int(s) for s in probe.hidden_state_shape())
+
+    def new_model(self) -> nn.Module:
+        """A fresh instance (on the current default device; meta when building stages)."""
+        try:
+            model = self.cls(self.config)
+        except Exception as e:  # noqa: BLE001 - the user's constructor: say whose it is
+            raise CheckpointError(f"{self.path / 'config.json'}: {self.spec}(config) failed: "
+                                  f"{type(e).__name__}: {e}") from e
+        if not isinstance(getattr(model, model.block_list, None), nn.ModuleList):
+            raise CheckpointError(f"{self.spec}: attribute {model.block_list!r} is not an nn.ModuleList")
+        return model
+
+    def to_dict(self) -> dict:
+        """What a profile records as the model's config (as in config.json, without format_version)."""
+        return {"model_type": CODE_MODEL_TYPE, "model_class": self.spec, "config": self.config}
+
+    def build_stage(self, role: str, split_layer: int | None, stop: int | None = None) -> nn.Module:
+        """``prefix`` / ``suffix`` at ``split_layer``, ``blocks`` [split_layer, stop), or ``full`` (the model
+        itself, for its own reference forward). Raises ValueError for an unknown role or a K out of range."""
+        from .modeling import check_split_layer
+
+        if role == "full":
+            return CodeFull(self, self.new_model())
+        if role not in ("prefix", "suffix", "blocks"):
+            raise ValueError(f"unknown role {role!r}; use prefix, suffix or full")
+        check_split_layer(self, split_layer)
+        if role == "blocks":
+            check_split_layer(self, stop)
+            return CodeBlocks(self, self.new_model(), split_layer, stop)
+        return (CodePrefix if role == "prefix" else CodeSuffix)(self, self.new_model(), split_layer)
+
+
+def _attach(stage: nn.Module, model: nn.Module, names) -> None:
+    for name in names:
+        stage.add_module(name, getattr(model, name))
+
+
+class _CodeStage(nn.Module):
+    """Shared by own-code stages: the model object (not registered: its unused parts stay on meta), the
+    modules this stage owns registered under their own names, its blocks as ``layers``."""
+
+    def __init__(self, spec: CodeModel, model: nn.Module, split_layer: int):
+        super().__init__()
+        object.__setattr__(self, "code", model)
+        self.cfg, self.split_layer = spec, split_layer
+        self._block_list = model.block_list
+
+    def _block_key(self, local_key: str, offset: int) -> str:
+        if local_key.startswith("layers."):
+            _, idx, rest = local_key.split(".", 2)
+            return f"{self._block_list}.{int(idx) + offset}.{rest}"
+        return local_key
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        """Let the model rebuild its non-persistent buffers on ``device`` (optional ``rebuild_buffers`` hook)."""
+        hook = getattr(self.code, "rebuild_buffers", None)
+        if hook is not None:
+            hook(device)
+
+
+class CodePrefix(_CodeStage):
+    """Own code's prefix: ``front_modules`` and blocks [0, K). ``forward(*inputs) -> hidden states``."""
+
+    role = "prefix"
+
+    def __init__(self, spec: CodeModel, model: nn.Module, split_layer: int):
+        super().__init__(spec, model, split_layer)
+        _attach(self, model, model.front_modules)
+        self.layers = nn.ModuleList(list(getattr(model, model.block_list))[:split_layer])
+
+    def checkpoint_key(self, local_key: str) -> str:
+        return self._block_key(local_key, 0)
+
+    def forward(self, *inputs) -> torch.Tensor:
+        return self.code.run_blocks(self.layers, self.code.embed(*inputs), 0)
+
+    def move_split(self, split_layer: int, load_blocks) -> None:
+        """As :meth:`hybrid_vla_ros.model.modeling.PrefixStage.move_split`."""
+        from .modeling import _PrefixSide
+
+        _PrefixSide.move_split(self, split_layer, load_blocks)
+
+
+class CodeSuffix(_CodeStage):
+    """Own code's suffix: blocks [K, L) and ``tail_modules``. ``forward(h_K, split_layer=None) -> output``."""
+
+    role = "suffix"
+
+    def __init__(self, spec: CodeModel, model: nn.Module, split_layer: int):
+        super().__init__(spec, model, split_layer)
+        self.layers = nn.ModuleList(list(getattr(model, model.block_list))[split_layer:])
+        _attach(self, model, model.tail_modules)
+
+    def checkpoint_key(self, local_key: str) -> str:
+        return self._block_key(local_key, self.split_layer)
+
+    def forward(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
+        from .modeling import _SuffixSide
+
+        expected = self.cfg.prefix_state_shape
+        if tuple(hidden_states.shape) != expected:
+            raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != expected {expected}")
+        k = self.split_layer if split_layer is None else split_layer
+        layers = _SuffixSide._layers_from(self, split_layer)
+        return self.code.readout(self.code.run_blocks(layers, hidden_states, k))
+
+    def move_split(self, split_layer: int, load_blocks) -> None:
+        """As :meth:`hybrid_vla_ros.model.modeling.SuffixStage.move_split`."""
+        from .modeling import _SuffixSide
+
+        _SuffixSide.move_split(self, split_layer, load_blocks)
+
+
+class CodeBlocks(_CodeStage):
+    """Blocks [start, stop) of own code, for moving a split layer."""
+
+    def __init__(self, spec: CodeModel, model: nn.Module, start: int, stop: int):
+        super().__init__(spec, model, start)
+        self.start = start
+        self.layers = nn.ModuleList(list(getattr(model, model.block_list))[start:stop])
+
+    def checkpoint_key(self, local_key: str) -> str:
+        return self._block_key(local_key, self.start)
+
+
+class CodeFull(nn.Module):
+    """The whole own-code model (its state-dict keys are the checkpoint's): ``forward`` is the model's own."""
+
+    role = "full"
+
+    def __init__(self, spec: CodeModel, model: nn.Module):
+        super().__init__()
+        self.cfg = spec
+        self.model = model
+
+    def checkpoint_key(self, local_key: str) -> str:
+        return local_key.removeprefix("model.")
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        hook = getattr(self.model, "rebuild_buffers", None)
+        if hook is not None:
+            hook(device)
+
+    def forward(self, *inputs) -> torch.Tensor:
+        return self.model(*inputs)

@@ -1,0 +1,237 @@
+"""Hugging Face transformers checkpoint directories: what they are, and how their tensors map onto the split.
+
+A transformers directory is ``config.json`` plus either ``model.safetensors`` or shards
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (as ``PreTrainedModel.save_pretrained``
+writes it). Supported architectures (``config.json`` ``model_type``):
+
+* ``llama`` (``LlamaForCausalLM``: Vicuna, LLaMA 2 / 3, SmolLM2, ...) and ``qwen2`` (``Qwen2ForCausalLM``:
+  Qwen2, Qwen2.5): a bare language model. Its decoder blocks are transformers' ``LlamaDecoderLayer`` /
+  ``Qwen2DecoderLayer`` built from the directory's own config;
+* ``llava`` (``LlavaForConditionalGeneration``): a CLIP or SigLIP vision tower, LLaVA's two-layer projector
+  and a LLaMA / Qwen2 language model.
+
+Stored names -> this package's canonical names (:mod:`hybrid_vla_ros.model.sources`), layouts read in the
+transformers sources (``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_llava.py``,
+``conversion_mapping.py``) and checked against what transformers 5.24's ``save_pretrained`` writes:
+
+============================================================  ==========================================
+stored                                                        canonical
+============================================================  ==========================================
+``model.embed_tokens.weight``                                 ``embed_tokens.weight``
+``model.layers.{i}.<rest>``                                   ``layers.{i}.<rest>``
+``model.norm.weight``                                         ``norm.weight``
+``lm_head.weight``                                            not read (the planning pass reads hidden states)
+LLaVA, transformers 4.x and 5.x ``save_pretrained`` (default ``save_original_format``):
+``language_model.model.{embed_tokens,layers.{i},norm}.*``     as above
+``vision_tower.[vision_model.]<rest>``                        ``vision_tower.<rest>``
+``multi_modal_projector.<rest>``                              ``multi_modal_projector.<rest>``
+LLaVA, transformers 5.x in-memory layout (``save_original_format=False``):
+``model.language_model.{embed_tokens,layers.{i},norm}.*``     as above
+``model.vision_tower.<rest>``, ``model.multi_modal_projector.<rest>``  as above
+============================================================  ==========================================
+
+(``vision_model.`` is the CLIP / SigLIP wrapper transformers 4.x had; 5.x flattens it.) Rotary
+``inv_freq`` buffers stored by old LLaMA checkpoints are not read: the stages rebuild them from the config.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .sources import (
+    CheckpointError,
+    KeyMap,
+    MissingFileError,
+    SafetensorsSource,
+    hf_safetensors_files,
+)
+
+#: transformers ``model_type`` of the language models whose decoder blocks this package runs.
+LLM_MODEL_TYPES = ("llama", "qwen2")
+#: transformers ``model_type`` of the vision towers a LLaVA model may have here.
+VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
+#: Architectures (``config.json`` ``architectures``) read from a transformers directory, by model_type.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "llava": "LlavaForConditionalGeneration"}
+
+#: Config keys that describe how a config was saved or used for training, not the architecture: left out of the
+#: ``llm`` / ``vision`` dicts this package stores (they change between transformers versions and saves).
+_NOISE_KEYS = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "id2label",
+               "label2id", "problem_type", "return_dict", "output_hidden_states", "output_attentions",
+               "chunk_size_feed_forward", "is_encoder_decoder", "use_cache", "initializer_range",
+               "initializer_factor", "tokenizer_class", "auto_map"}
+
+_LLM_PARTS = r"(embed_tokens\..+|layers\.\d+\..+|norm\..+)"
+#: Stored names of a LlamaForCausalLM / Qwen2ForCausalLM (or a bare LlamaModel / Qwen2Model) -> canonical.
+LLM_KEY_MAP = KeyMap([
+    (r".*rotary_emb\.inv_freq", None),
+    (r"(?:model\.)?" + _LLM_PARTS, r"\1"),
+    (r"lm_head\..+", None),
+], "transformers causal LM")
+#: Stored names of a LlavaForConditionalGeneration (transformers 4.x and 5.x layouts) -> canonical.
+LLAVA_KEY_MAP = KeyMap([
+    (r".*rotary_emb\.inv_freq", None),
+    (r"(?:model\.)?language_model\.(?:model\.)?" + _LLM_PARTS, r"\1"),
+    (r"(?:model\.)?(?:language_model\.)?lm_head\..+", None),
+    (r"(?:model\.)?vision_tower\.(?:vision_model\.)?(.+)", r"vision_tower.\1"),
+    (r"(?:model\.)?multi_modal_projector\.(.+)", r"multi_modal_projector.\1"),
+], "transformers LLaVA")
+
+#: CLIP image statistics (OpenAI CLIP's preprocessing), LLaVA's default when a directory has no
+#: ``preprocessor_config.json``.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def read_config_json(path: Path) -> dict:
+    """``config.json`` of a checkpoint directory as a dict. Raises MissingFileError, CheckpointError."""
+    file = Path(path) / "config.json"
+    try:
+        doc = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise MissingFileError(f"{Path(path)}: no config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{file}: not a JSON object")
+    return doc
+
+
+def is_transformers_config(doc: dict) -> bool:
+    """True when a parsed config.json looks like a transformers model config (not this package's)."""
+    return "architectures" in doc or (doc.get("model_type") not in (None, "hybrid_vla", "hybrid_vla_code"))
+
+
+def architecture_name(doc: dict) -> str:
+    """The architecture a transformers config.json names (``architectures[0]``, else its model_type)."""
+    archs = doc.get("architectures") or []
+    return str(archs[0]) if archs else str(doc.get("model_type"))
+
+
+def unsupported_message(path: Path, doc: dict) -> str:
+    """Why a transformers config is not supported, naming the file, its architecture and what is."""
+    return (f"{Path(path) / 'config.json'}: architecture {architecture_name(doc)!r} (model_type "
+            f"{doc.get('model_type')!r}) is not supported; this package splits "
+            f"{', '.join(sorted(ARCHITECTURES.values()))} directories, this package's own checkpoints and own "
+            "model code (model_type 'hybrid_vla_code', see docs/models.md)")
+
+
+def _check_text_config(path: Path, text) -> None:
+    file = Path(path) / "config.json"
+    if text.model_type not in LLM_MODEL_TYPES:
+        raise CheckpointError(f"{file}: language model type {text.model_type!r} is not supported (use one of "
+                              f"{', '.join(LLM_MODEL_TYPES)})")
+    sliding = [i for i, t in enumerate(getattr(text, "layer_types", None) or []) if t != "full_attention"]
+    if sliding:
+        raise CheckpointError(f"{file}: decoder blocks {sliding[:5]} use {text.layer_types[sliding[0]]!r}; only "
+                              "full causal attention is supported (a sliding-window mask would have to match on "
+                              "both sides of the split)")
+
+
+@dataclass
+class HFModel:
+    """A transformers directory, resolved through transformers' own config classes.
+
+    ``kind``: ``llm`` or ``llava``; ``architecture``: e.g. ``LlamaForCausalLM``; ``config``: the transformers
+    config object (``LlamaConfig`` / ``Qwen2Config`` / ``LlavaConfig``); ``text_config``: the language model's
+    config (``config`` itself for an LLM); ``vision_config``: the LLaVA vision tower's (None for an LLM).
+    """
+
+    path: Path
+    kind: str
+    architecture: str
+    config: object
+    text_config: object
+    vision_config: object | None = None
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config.num_hidden_layers)
+
+    def key_map(self) -> KeyMap:
+        return LLAVA_KEY_MAP if self.kind == "llava" else LLM_KEY_MAP
+
+    def source(self) -> SafetensorsSource:
+        """The directory's tensors in canonical names (shard index when there is one). Raises
+        MissingFileError (no weights, a missing shard), CheckpointError (index names a tensor a shard lacks)."""
+        files, index, index_file = hf_safetensors_files(self.path)
+        return SafetensorsSource(files, self.key_map(), index=index, index_file=index_file,
+                                 label=f"{index_file or files[0]}")
+
+    def llm_dict(self) -> dict:
+        """The language model's config as this package's ``llm`` dict (transformers config kwargs)."""
+        return config_dict(self.text_config)
+
+    def vision_dict(self) -> dict:
+        """The vision tower's config as this package's ``vision`` dict (LLaVA only)."""
+        return config_dict(self.vision_config)
+
+    def projector_dict(self) -> dict:
+        """LLaVA's projector and feature selection as this package's ``projector`` dict (``type: llava``)."""
+        c = self.config
+        layer = c.vision_feature_layer
+        layer = list(layer) if isinstance(layer, (list, tuple)) else int(layer)
+        return {"type": "llava", "vision_feature_layer": layer,
+                "vision_feature_select_strategy": str(c.vision_feature_select_strategy),
+                "projector_hidden_act": str(c.projector_hidden_act),
+                "multimodal_projector_bias": bool(c.multimodal_projector_bias),
+                "image_token_index": int(c.image_token_index)}
+
+    def image_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(mean, std) per RGB channel from ``preprocessor_config.json`` (CLIP's when the file is absent)."""
+        file = self.path / "preprocessor_config.json"
+        if file.is_file():
+            try:
+                doc = json.loads(file.read_text())
+                return tuple(float(v) for v in doc["image_mean"]), tuple(float(v) for v in doc["image_std"])
+            except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{file}: no usable image_mean / image_std ({e})") from None
+        return CLIP_MEAN, CLIP_STD
+
+
+def config_dict(config) -> dict:
+    """A transformers config as a plain dict of its architecture kwargs (save noise removed, model_type kept)."""
+    d = {k: v for k, v in config.to_dict().items() if k not in _NOISE_KEYS}
+    d["model_type"] = config.model_type
+    return d
+
+
+def read_hf(path: str | Path) -> HFModel:
+    """Resolve a transformers directory through transformers' config classes (no network: a local path).
+
+    Raises MissingFileError (no config.json), CheckpointError (not a supported architecture, an unsupported
+    language model or vision tower, a quantized checkpoint, sliding-window attention).
+    """
+    from transformers import LlamaConfig, LlavaConfig, Qwen2Config
+
+    path = Path(path)
+    doc = read_config_json(path)
+    model_type = doc.get("model_type")
+    file = path / "config.json"
+    if "quantization_config" in doc:
+        method = doc["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"{file}: a quantized checkpoint ({method}); "
+                              "this package loads floating-point weights (F32, F16, BF16): dequantize it first")
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "llava": LlavaConfig}
+    if model_type not in classes:
+        raise CheckpointError(unsupported_message(path, doc))
+    try:
+        config = classes[model_type].from_dict(doc)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{file}: transformers cannot read it as a {model_type} config ({e})") from e
+    if model_type == "llava":
+        vision = config.vision_config
+        if vision.model_type not in VISION_MODEL_TYPES:
+            raise CheckpointError(f"{file}: vision tower {vision.model_type!r} is not supported (use one of "
+                                  f"{', '.join(VISION_MODEL_TYPES)})")
+        _check_text_config(path, config.text_config)
+        return HFModel(path, "llava", ARCHITECTURES["llava"], config, config.text_config, vision, doc)
+    _check_text_config(path, config)
+    return HFModel(path, "llm", architecture_name(doc), config, config, None, doc)
+
+
+def lm_prompt_ids(vocab_size: int, n: int = 16) -> list[int]:
+    """A fixed, deterministic token sequence inside a vocabulary of ``vocab_size`` (for verifying a bare LM
+    without a tokenizer): ``n`` ids spread over the vocabulary."""
+    return [(7 + 131 * i) % vocab_size for i in range(n)]

@@ -1,0 +1,392 @@
+"""Tensor sources: where a stage's weights come from, one named tensor at a time, never by unpickling.
+
+Every stage of the split names its tensors in this package's *canonical* names: the keys of
+:class:`hybrid_vla_ros.model.modeling.VLAModel` (``embed_tokens.weight``, ``layers.{i}.self_attn.q_proj.weight``,
+``norm.weight``, ``vision.*``, ``projector.*``, ``head.*``; for a LLaVA model ``vision_tower.*`` and
+``multi_modal_projector.*``). A :class:`TensorSource` answers, for a canonical name, which safetensors file
+holds it under which stored name, its shape and stored dtype, and reads it straight onto a device. Sources:
+
+* :class:`SafetensorsSource` -- one or more safetensors files (this package's ``model.safetensors``, or a
+  transformers directory's shards found through ``model.safetensors.index.json``), with a :class:`KeyMap`
+  from stored names to canonical names (identity for this package's own files);
+* :class:`UnionSource` -- several sources side by side, e.g. a *composed* checkpoint: this package's vision
+  side and planning head from its own file, the LLM from a transformers directory. A canonical name may
+  come from one source only.
+
+Layout source: the safetensors format (https://huggingface.co/docs/safetensors, "Format"): 8 bytes
+little-endian unsigned header length N, then N bytes of JSON ``{name: {"dtype", "shape", "data_offsets"},
+"__metadata__": {str: str}}``, then the raw bytes. Headers are parsed here directly (cheap: no tensor data);
+tensor data is read with ``safetensors.safe_open(...).get_tensor`` only for the tensors a stage owns.
+
+For converters (e.g. research ``.pth`` checkpoints with merged LoRA adapters, issue #14): a converter writes
+a safetensors file whose names a :class:`KeyMap` (a table of regular expressions) turns into canonical
+names, and :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint` reads it like any other source.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+#: Largest safetensors JSON header accepted, bytes (a 70B checkpoint's shard headers are well under 1 MB).
+MAX_HEADER_BYTES = 100 * 2**20
+#: transformers' name of the shard index of a sharded checkpoint (``PreTrainedModel.save_pretrained``).
+SHARD_INDEX = "model.safetensors.index.json"
+#: transformers' name of an unsharded checkpoint's weights.
+SINGLE_FILE = "model.safetensors"
+
+#: safetensors dtype strings (safetensors "Format" spec) of floating-point tensors this package loads.
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+#: safetensors dtype strings of integer / boolean tensors (buffers such as position ids).
+INT_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is; the message names the file and, where it applies, the tensor."""
+
+
+class MissingFileError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint refers to is not there (a shard, a referred directory). Both a ValueError and a
+    FileNotFoundError, so callers catching either see it."""
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file: ``{name: {"dtype": str, "shape": [int], "data_offsets": [a, b]},
+    "__metadata__": {...}}`` (metadata optional). Reads 8 + N bytes, no tensor data.
+
+    Raises MissingFileError when the file is absent, CheckpointError when it is not a safetensors file
+    (short, implausible header size, bad JSON).
+    """
+    return read_header_and_start(path)[0]
+
+
+def read_header_and_start(path: Path) -> tuple[dict, int]:
+    """(:func:`read_header`, the byte offset where tensor data starts: 8 + N)."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise MissingFileError(f"{path}: file not found") from None
+    with f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: implausible safetensors header size {n}")
+        text = f.read(n)
+    if len(text) != n:
+        raise CheckpointError(f"{path}: truncated safetensors header ({len(text)} of {n} bytes)")
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    return header, 8 + n
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a canonical tensor is stored: ``file`` (absolute path), ``stored_name`` (its key in that file),
+    ``dtype`` (safetensors dtype string, e.g. ``BF16``), ``shape`` (tuple of ints), ``start`` / ``end``: its
+    bytes in the file (absolute offsets: the header's ``data_offsets`` plus 8 + N)."""
+
+    file: Path
+    stored_name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int = -1
+    end: int = -1
+
+    def where(self) -> str:
+        """``tensor 'name' in file '...'`` for error messages."""
+        return f"tensor {self.stored_name!r} in {self.file}"
+
+
+class KeyMap:
+    """Stored tensor names -> canonical names, as an ordered table of ``(regex, replacement)`` rules.
+
+    :meth:`canonical` applies the first rule whose pattern matches the whole stored name (``re.fullmatch``)
+    and returns ``re.sub``'s expansion of its replacement, or None when no rule matches or the rule's
+    replacement is None (the tensor is not used, e.g. ``lm_head.weight``: the planning pass reads hidden
+    states, not logits). ``KeyMap.identity()`` keeps every name.
+    """
+
+    def __init__(self, rules: Iterable[tuple[str, str | None]], name: str = ""):
+        self.rules = [(re.compile(p), r) for p, r in rules]
+        self.name = name
+
+    @classmethod
+    def identity(cls) -> "KeyMap":
+        return cls([(r"(.*)", r"\1")], "identity")
+
+    def canonical(self, stored: str) -> str | None:
+        for pattern, replacement in self.rules:
+            m = pattern.fullmatch(stored)
+            if m:
+                return None if replacement is None else m.expand(replacement)
+        return None
+
+
+class TensorSource:
+    """Canonical name -> tensor, read straight onto a device. Subclasses fill ``self._index``
+    (canonical name -> :class:`TensorInfo`)."""
+
+    label = "checkpoint"
+
+    def __init__(self):
+        self._index: dict[str, TensorInfo] = {}
+
+    def names(self) -> set[str]:
+        """Canonical names this source holds."""
+        return set(self._index)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def info(self, name: str) -> TensorInfo:
+        """Where ``name`` is stored. Raises KeyError."""
+        return self._index[name]
+
+    def read(self, names: Iterable[str], device: str | torch.device = "cpu",
+             float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Read the canonical tensors ``names`` onto ``device``: ``{name: tensor}``, floating-point ones converted
+        to ``float_dtype`` when given (others in their stored dtype).
+
+        Only the named tensors are read. Onto the CPU each one is read with one ``readinto`` of its byte range
+        (from the header, checked against its dtype, shape and the file size) into this process's memory --
+        never a view of a memory map, which a shard re-saved in place under a running node would turn into
+        SIGBUS: straight into the result when no conversion is needed, else into one scratch buffer per file
+        that is converted into the result, so a conversion holds one stored tensor at a time. Onto another
+        device (CUDA) ``safetensors.safe_open(..., device=...)`` puts each tensor there directly. Raises
+        KeyError for a name the source lacks, MissingFileError for a missing file, CheckpointError when a file
+        does not hold a tensor its index promised, or is shorter than its header says.
+        """
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._index[name].file, []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        cpu = torch.device(device).type == "cpu" and sys.byteorder == "little"  # safetensors stores little-endian
+        for file, wanted in by_file.items():
+            if not file.is_file():
+                raise MissingFileError(f"{file}: shard not found (it holds {self._index[wanted[0]].where()})")
+            if cpu and all(self._index[n].start >= 0 for n in wanted):
+                with open(file, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    scratch = None
+                    for name in wanted:
+                        info = self._index[name]
+                        stored = FLOAT_DTYPES.get(info.dtype)
+                        if float_dtype is None or stored is None or stored == float_dtype:
+                            out[name] = _read_range(f, size, info)
+                            continue
+                        if scratch is None or scratch.numel() < info.end - info.start:
+                            scratch = None  # free the smaller one first
+                            scratch = torch.empty(max(self._index[n].end - self._index[n].start for n in wanted),
+                                                  dtype=torch.uint8)
+                        out[name] = _read_range(f, size, info, scratch).to(float_dtype)
+                    del scratch
+                continue
+            out.update(self._read_with_safe_open(file, wanted, device, float_dtype))
+        return out
+
+    def _read_with_safe_open(self, file: Path, wanted: list[str], device, float_dtype) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out = {}
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                present = set(f.keys())
+                for name in wanted:
+                    if self._index[name].stored_name not in present:
+                        raise CheckpointError(f"{file} does not hold tensor {self._index[name].stored_name!r}, "
+                                              f"which {self.label} names")
+                for name in wanted:
+                    t = f.get_tensor(self._index[name].stored_name)
+                    if float_dtype is not None and t.is_floating_point():
+                        t = t.to(float_dtype)
+                    out[name] = t.clone() if t.device.type == "cpu" else t  # not a view of the memory map
+                    del t
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own SafetensorError (a bare Exception subclass)
+            raise CheckpointError(f"{file}: cannot read safetensors data ({type(e).__name__}: {e})") from e
+        return out
+
+    def fingerprint(self, digest) -> None:
+        """Feed what identifies this source (index, every file's header) into ``digest`` (a hashlib object)."""
+        raise NotImplementedError
+
+    def files(self) -> list[Path]:
+        """The files this source reads, sorted."""
+        return sorted({i.file for i in self._index.values()})
+
+
+def _read_range(f, file_size: int, info: TensorInfo, into: torch.Tensor | None = None) -> torch.Tensor:
+    """One tensor's bytes [start, end) of the open file ``f`` as a CPU tensor of its dtype and shape: a new one,
+    or a view of the front of ``into`` (a uint8 scratch buffer at least that large)."""
+    dtype = FLOAT_DTYPES.get(info.dtype) or INT_DTYPES.get(info.dtype)
+    if dtype is None:
+        raise CheckpointError(f"{info.where()}: stored as {info.dtype}, which this package does not read")
+    n = info.end - info.start
+    numel = 1
+    for s in info.shape:
+        numel *= s
+    if n != numel * torch.empty((), dtype=dtype).element_size() or info.start < 0 or info.end > file_size:
+        raise CheckpointError(f"{info.where()}: data_offsets do not fit its dtype / shape {info.dtype} "
+                              f"{list(info.shape)} or the file ({file_size} bytes): a truncated or corrupt file")
+    buf = torch.empty(n, dtype=torch.uint8) if into is None else into[:n]
+    f.seek(info.start)
+    if n and f.readinto(buf.numpy()) != n:
+        raise CheckpointError(f"{info.where()}: the file ends inside the tensor's data (truncated)")
+    return buf.view(dtype).reshape(info.shape)
+
+
+class SafetensorsSource(TensorSource):
+    """Tensors of one or more safetensors files, renamed by a :class:`KeyMap`.
+
+    ``files``: the safetensors files (an unsharded checkpoint: one); ``index``: optional ``{stored name:
+    file}`` from a shard index (transformers' ``model.safetensors.index.json`` ``weight_map``). With an index,
+    each shard's header is read to check it holds what the index names (a shard missing or lacking a tensor
+    is an error naming the shard and the tensor); without one, the files' headers are the index. Stored names
+    the key map drops (None) are ignored; two stored names mapping to one canonical name are an error.
+
+    Raises MissingFileError, CheckpointError.
+    """
+
+    def __init__(self, files: list[Path], key_map: KeyMap | None = None, *, index: dict[str, Path] | None = None,
+                 label: str = "the checkpoint", index_file: Path | None = None):
+        super().__init__()
+        self.label = label
+        self.key_map = key_map or KeyMap.identity()
+        self.index_file = index_file
+        self._headers: dict[Path, dict] = {}
+        self._starts: dict[Path, int] = {}
+        files = [Path(f) for f in files]
+        if index is None:
+            index = {}
+            for file in files:
+                for stored in self._header(file):
+                    if stored != "__metadata__":
+                        index[stored] = file
+        for stored, file in sorted(index.items()):
+            canonical = self.key_map.canonical(stored)
+            if canonical is None:
+                continue
+            header = self._header(file, stored)
+            entry = header.get(stored)
+            if entry is None:
+                raise CheckpointError(f"{index_file or file} names tensor {stored!r} in {file}, but that file does "
+                                      "not hold it")
+            if canonical in self._index:
+                raise CheckpointError(f"{label}: tensors {self._index[canonical].stored_name!r} and {stored!r} both "
+                                      f"map to {canonical!r}")
+            shape = tuple(int(s) for s in entry["shape"])
+            begin, end = (int(v) for v in entry["data_offsets"])
+            start = self._starts[file]
+            self._index[canonical] = TensorInfo(file, stored, str(entry["dtype"]), shape, start + begin, start + end)
+        self._all_files = sorted(set(files) | set(index.values()))
+
+    def _header(self, file: Path, for_tensor: str | None = None) -> dict:
+        if file not in self._headers:
+            try:
+                self._headers[file], self._starts[file] = read_header_and_start(file)
+            except MissingFileError:
+                raise MissingFileError(
+                    f"{file}: shard not found"
+                    + (f" ({self.index_file} names it for tensor {for_tensor!r})" if self.index_file else "")) from None
+        return self._headers[file]
+
+    def fingerprint(self, digest) -> None:
+        # Headers in file-name order, keys sorted (safetensors writes metadata in hash order): for this
+        # package's single model.safetensors exactly what model_id has always hashed.
+        for file in self._all_files:
+            digest.update(json.dumps(self._header(file), sort_keys=True).encode())
+
+
+class UnionSource(TensorSource):
+    """Several sources side by side; a canonical name present in two of them is an error (CheckpointError)."""
+
+    def __init__(self, sources: list[TensorSource], label: str = "the composed checkpoint"):
+        super().__init__()
+        self.label = label
+        self.sources = list(sources)
+        for source in self.sources:
+            for name in source.names():
+                if name in self._index:
+                    raise CheckpointError(f"{label}: {self._index[name].where()} and {source.info(name).where()} "
+                                          f"both provide {name!r}")
+                self._index[name] = source.info(name)
+
+    def fingerprint(self, digest) -> None:
+        for source in self.sources:
+            source.fingerprint(digest)
+
+
+def hf_safetensors_files(directory: Path) -> tuple[list[Path], dict[str, Path] | None, Path | None]:
+    """The safetensors weights of a transformers checkpoint directory: ``(files, index, index_file)``.
+
+    A sharded checkpoint has ``model.safetensors.index.json`` (``{"metadata": ..., "weight_map": {tensor name:
+    shard file name}}``, written by ``PreTrainedModel.save_pretrained``): its shards and ``{name: shard path}``.
+    An unsharded one has ``model.safetensors``: that file and no index. Raises MissingFileError when neither
+    exists (the message names pickle files found instead and how to convert them), CheckpointError for an
+    unreadable index.
+    """
+    directory = Path(directory)
+    index_file = directory / SHARD_INDEX
+    if index_file.is_file():
+        try:
+            doc = json.loads(index_file.read_text())
+            weight_map = doc["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index_file}: not a shard index ({e})") from None
+        index = {str(k): directory / str(v) for k, v in weight_map.items()}
+        return sorted(set(index.values())), index, index_file
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return [single], None, None
+    raise MissingFileError(f"{directory}: no {SINGLE_FILE} or {SHARD_INDEX}" + pickle_hint(directory))
+
+
+#: File endings of PyTorch pickle checkpoints, which this package never opens.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def pickle_hint(path: Path) -> str:
+    """An explanation for a path that is, or a directory that holds only, pickle checkpoints ("" otherwise)."""
+    path = Path(path)
+    found = [path] if path.is_file() else (sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+                                           if path.is_dir() else [])
+    if not found or (path.is_file() and path.suffix not in PICKLE_SUFFIXES):
+        return ""
+    names = ", ".join(p.name for p in found[:3])
+    return (f"; found PyTorch pickle weights ({names}), which this package never loads: unpickling runs code "
+            "from the file. Convert them once, where you trust the file, to safetensors: for a transformers "
+            "model, `AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT)` (transformers 5 always "
+            "writes safetensors; with transformers 4 pass safe_serialization=True); for a bare state dict, "
+            "load it with torch's loader and weights_only=True and write it with "
+            "`safetensors.torch.save_file(state_dict, 'model.safetensors')`")
+
+
+def digest_files(digest, *files: Path) -> None:
+    """Feed the bytes of small text files (config.json, a shard index) into ``digest``, names first."""
+    for file in files:
+        digest.update(Path(file).name.encode())
+        digest.update(Path(file).read_bytes())
+
+
+def new_digest():
+    """The hash that :func:`hybrid_vla_ros.model.checkpoint.model_id` uses (sha256)."""
+    return hashlib.sha256()

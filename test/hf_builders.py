@@ -1,0 +1,87 @@
+"""Small random transformers checkpoints written by transformers' own ``save_pretrained`` (sharded), for the tests.
+
+Every builder makes the model with transformers' classes, then perturbs what transformers initialises to
+constants (biases 0, norm gains 1, so that a swapped or dropped bias / norm would still pass), and saves it with
+a small ``max_shard_size`` so the shard index (``model.safetensors.index.json``) is exercised.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+#: A small LLM shape: grouped KV (4 query heads, 2 KV heads), 3 decoder blocks.
+LLM = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=320, max_position_embeddings=512)
+
+
+def perturb_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Re-draw every parameter in place so hidden states are O(1) (transformers' init, std 0.02, leaves them
+    ~0.05, where a 1e-5 tolerance would mean little) and nothing is a constant: matrices ~ N(0, 1/fan_in)
+    (embedding tables ~ N(0, 1)), biases ~ N(0, 0.2), 1-D gains (norms) ~ 1 + N(0, 0.1) (random init leaves
+    biases 0 and gains 1, so a dropped bias or norm would go unnoticed)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif p.dim() == 1:
+                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.1)
+            elif "embed" in name and p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+    return model
+
+
+def write_llama(path: Path, seed: int = 0, shard: str = "60KB", **overrides) -> Path:
+    """A LlamaForCausalLM (untied LM head, rope theta 5e5) saved sharded at ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**LLM, "rope_theta": 5e5, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **overrides})
+    perturb_(LlamaForCausalLM(cfg), seed).save_pretrained(str(path), max_shard_size=shard)
+    return Path(path)
+
+
+def write_qwen2(path: Path, seed: int = 1, shard: str = "60KB", **overrides) -> Path:
+    """A Qwen2ForCausalLM (q/k/v biases, grouped KV, tied embeddings) saved sharded at ``path``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**{**LLM, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, **overrides})
+    perturb_(Qwen2ForCausalLM(cfg), seed).save_pretrained(str(path), max_shard_size=shard)
+    return Path(path)
+
+
+def write_llava(path: Path, vision: str = "clip", text: str = "llama", seed: int = 2, shard: str = "60KB",
+                original_format: bool = True, **overrides) -> Path:
+    """A LlavaForConditionalGeneration saved sharded at ``path``.
+
+    ``vision`` clip: CLIP tower (32 px, patch 8: 16 patches + a class token), feature layer -2, ``default``
+    selection (the class token dropped: 16 tokens an image); siglip: SigLIP tower (32 px, patch 16: 4 patches),
+    feature layers [-2, -1] concatenated, ``full`` selection. ``text``: llama or qwen2. ``original_format``:
+    transformers' default save (the 4.x layout ``language_model.model.*``); False: the 5.x in-memory layout
+    (``model.language_model.*``).
+    """
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    if vision == "clip":
+        vcfg = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+        extra = dict(vision_feature_layer=-2, vision_feature_select_strategy="default")
+    else:
+        vcfg = SiglipVisionConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=32, patch_size=16)
+        extra = dict(vision_feature_layer=[-2, -1], vision_feature_select_strategy="full")
+    tcfg = {**LLM, "model_type": text, "rope_theta": 1e4, "tie_word_embeddings": False}
+    cfg = LlavaConfig(vision_config=vcfg, text_config=tcfg, image_token_index=LLM["vocab_size"] - 1,
+                      **{**extra, **overrides})
+    model = perturb_(LlavaForConditionalGeneration(cfg), seed)
+    model.save_pretrained(str(path), max_shard_size=shard, save_original_format=original_format)
+    return Path(path)
+
+
+def shard_files(path: Path) -> list[Path]:
+    return sorted(Path(path).glob("model-*-of-*.safetensors"))
