@@ -67,7 +67,7 @@ def export_dequantised_gguf(src: str | Path, dst: str | Path, kind: str = "f32")
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
         if kind == "bf16" and values.ndim > 1:
             data = gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16)
-            writer.add_tensor(t.name, data, raw_shape=shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType.BF16)  # shape from the bytes
         else:
             writer.add_tensor(t.name, np.ascontiguousarray(values))
     writer.write_header_to_file()
@@ -98,9 +98,9 @@ def peer_files(log=print) -> dict:
 
 
 def time_llama_prefill(path: str | Path, tokens: int, threads: int, *, repeats: int = 5,
-                       min_sample_s: float = 0.2) -> dict:
+                       min_sample_s: float = 0.2, clock: str = "wall") -> dict:
     """Prefill time of ``tokens`` tokens with llama.cpp on the GGUF at ``path`` (this process's cores and
-    ``threads`` threads): {median_ms, min_ms, load_s}. Token ids are the first ``tokens`` ids of a fixed
+    ``threads`` threads; ``clock`` as :func:`.common.time_call`'s): {median_ms, min_ms, load_s}. Token ids are the first ``tokens`` ids of a fixed
     ramp over the vocabulary (prefill cost does not depend on which ids). Raises ImportError when llama_cpp is
     missing, what it raises for a bad file."""
     import time
@@ -121,6 +121,6 @@ def time_llama_prefill(path: str | Path, tokens: int, threads: int, *, repeats: 
         llm.reset()
         llm.eval(ids)
 
-    t = time_call(prefill, repeats=repeats, min_sample_s=min_sample_s)
+    t = time_call(prefill, repeats=repeats, min_sample_s=min_sample_s, clock=clock)
     llm.close()
     return {"median_ms": t["median"] * 1e3, "min_ms": t["min"] * 1e3, "load_s": load_s}

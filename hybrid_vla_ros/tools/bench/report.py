@@ -19,7 +19,8 @@ JSON document (``kind`` "hybrid_vla_bench", ``format_version`` 1)::
 
 ``suffix_flops`` in detail (fixed keys; the goals read them)::
 
-    cores, threads, backends [str], goal_ratio (eager rows, legacy 0.6), goal_ratio_best {dtype: ratio} and
+    cores, threads, clock ("cpu": process CPU time, used with one thread; "wall" with more), backends [str],
+    goal_ratio (eager rows, legacy 0.6), goal_ratio_best {dtype: ratio} and
     goal_restart_s (issue #16), skipped [{backend, preset, dtype, reason}] (a backend that could not be built)
     results[]   preset, dtype, backend ("eager" | "openvino"), split_layer, blocks, tokens, passes, gflop,
                 time_ms, achieved_gflops, peak_gflops (best torch GEMM of this dtype), ratio (achieved / peak),
@@ -308,7 +309,8 @@ def markdown(doc: dict) -> str:
         out.append("\n".join(f"- {n}" for n in notes))
     f = doc.get("suffix_flops")
     if f:
-        out.append(f"\n**CPU suffix FLOP/s** (cores {f['cores']}, {f['threads']} thread(s)): the last blocks of the "
+        out.append(f"\n**CPU suffix FLOP/s** (cores {f['cores']}, {f['threads']} thread(s), {f.get('clock', 'wall')} "
+                   "clock): the last blocks of the "
                    "LLM + norm + heads at the preset's token count against the best torch GEMM on the same cores and "
                    "dtype. FLOPs: 2 x MACs of every Linear + causal attention counted as half.")
         header = ["preset", "dtype", "backend (computes in)", "blocks x T (passes)", "GFLOP", "ms", "GFLOP/s",
@@ -497,8 +499,8 @@ def plot_flops(f: dict, path: Path) -> Path:
     ``f``: the document's ``suffix_flops`` part."""
     plt = _plt()
     res = f["results"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(res)), 4.5))
-    labels = [f"{r['preset']}\n{r['dtype']}" for r in res]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(res)), 4.5))
+    labels = [f"{r['preset']}\n{r['dtype']} {r.get('backend', 'eager')}" for r in res]
     x = range(len(res))
     ax.bar([i - 0.2 for i in x], [r["achieved_gflops"] for r in res], width=0.4, label="suffix achieved")
     ax.bar([i + 0.2 for i in x], [r["peak_gflops"] for r in res], width=0.4, label="GEMM peak (same cores, dtype)",

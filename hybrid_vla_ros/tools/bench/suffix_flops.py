@@ -26,6 +26,7 @@ breakdown (self CPU time per aten op, its own overhead included) shows where the
 """
 from __future__ import annotations
 
+import math
 import time
 
 from .common import time_call
@@ -149,7 +150,8 @@ def _rel_l2(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_sample_s, eager_row) -> dict:
+def _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_sample_s, eager_row,
+                  clock: str = "wall") -> dict:
     """Build ``backend`` for the stage cold (empty cache folder), time it, compare it with eager and fp32."""
     import copy
 
@@ -164,7 +166,7 @@ def _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_
     c = build_openvino(stage, k, tuple(h.shape), model_id=0, cache_dir=cache_dir, threads=threads)
     with torch.inference_mode():
         t = time_call(lambda: plan(stage, c.run(h), DEFAULT_COMMAND).waypoints, repeats=repeats,
-                      min_sample_s=min_sample_s)
+                      min_sample_s=min_sample_s, clock=clock)
         eager_last = run_blocks(stage, stage.layers, h)[..., -1:, :]
         ours_last = c.run(h)
         wp_eager = stage(h, DEFAULT_COMMAND, k)
@@ -192,9 +194,17 @@ def _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_
     return row
 
 
+def _reps(fn, repeats: int, slow_s: float = 1.0) -> int:
+    """``repeats``, or 2 when one call of ``fn`` (timed here, CPU time) takes over ``slow_s`` seconds: bf16 on a
+    CPU without bf16 instructions runs torch at 1-10 GFLOP/s, and the part must stay well under 10 minutes."""
+    t0 = time.process_time()
+    fn()
+    return repeats if time.process_time() - t0 <= slow_s else min(repeats, 2)
+
+
 def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, repeats: int = 5,
                min_sample_s: float = 0.05, gemm_repeats: int = 5, profile_ops: bool = True,
-               backends: list[str] = ("eager",), cache_dir: str | None = None) -> dict:
+               backends: list[str] = ("eager",), cache_dir: str | None = None, clock: str = "wall") -> dict:
     """Worker (pinned to the suffix cores): measure each preset's suffix per dtype and backend, and the GEMM peak
     per dtype.
 
@@ -202,7 +212,7 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
     every block has the same shapes, so the FLOP/s of a few blocks is that of any K, at a fraction of the time.
     ``backends``: "eager" always runs; "openvino" is built cold into ``cache_dir`` (which the restart workers
     reuse) and measured on the same stage. A backend that cannot be built is listed in ``skipped`` with the
-    reason."""
+    reason. ``clock``: :func:`.common.time_call`'s clock for every timing here (suffix and GEMMs alike)."""
     import torch
     import torch.nn.functional as F
 
@@ -224,15 +234,28 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
             c = torch.empty(m, n, dtype=dtype)
             flop = 2 * m * k * n
             with torch.inference_mode():
-                t_mm = time_call(lambda: torch.mm(a, b, out=c), repeats=gemm_repeats, min_sample_s=min_sample_s)
-                t_lin = time_call(lambda: F.linear(a, w), repeats=gemm_repeats, min_sample_s=min_sample_s)
+                t_mm = time_call(lambda: torch.mm(a, b, out=c), repeats=_reps(lambda: torch.mm(a, b, out=c),
+                                                                               gemm_repeats), min_sample_s=min_sample_s,
+                                 clock=clock)
+                t_lin = time_call(lambda: F.linear(a, w), repeats=_reps(lambda: F.linear(a, w), gemm_repeats),
+                                  min_sample_s=min_sample_s, clock=clock)
             gemm_cache[key] = {"shape": list(shape), "mm_gflops": flop / t_mm["median"] / 1e9,
                                "linear_gflops": flop / t_lin["median"] / 1e9}
         return gemm_cache[key]
 
     def peak_of(cfg, dtype):
-        gemms = [gemm(s, dtype) for s in gemm_shapes(cfg)]
-        best = max(gemms, key=lambda g: max(g["mm_gflops"], g["linear_gflops"]))
+        gemms = []
+        for shape in gemm_shapes(cfg):
+            rate = max((max(g["mm_gflops"], g["linear_gflops"]) for g in gemms), default=0.0)
+            if shape == LARGE_GEMM and rate and 2 * math.prod(shape) / (rate * 1e9) > 0.5:
+                # over 0.5 s a call at the block shapes' best rate (bf16 without bf16 instructions: 1-10 GFLOP/s,
+                # torch.mm the slower): not the peak there, and timing it would take minutes
+                gemms.append({"shape": list(shape), "mm_gflops": None, "linear_gflops": None,
+                              "skipped": f"over 0.5 s a call at the {rate:.1f} GFLOP/s the block shapes reach"})
+                continue
+            gemms.append(gemm(shape, dtype))
+        timed = [g for g in gemms if g["mm_gflops"] is not None]
+        best = max(timed, key=lambda g: max(g["mm_gflops"], g["linear_gflops"]))
         return gemms, best, max(best["mm_gflops"], best["linear_gflops"])
 
     out, skipped = [], []
@@ -245,7 +268,9 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
             stage, h = _stage(cfg, k, dtype, _seed(spec["name"], dname, k))
             t0 = time.monotonic()
             with torch.inference_mode():
-                t = time_call(lambda: stage(h, DEFAULT_COMMAND, k), repeats=repeats, min_sample_s=min_sample_s)
+                t = time_call(lambda: stage(h, DEFAULT_COMMAND, k), repeats=_reps(lambda: stage(h, DEFAULT_COMMAND, k),
+                                                                                  repeats),
+                              min_sample_s=min_sample_s, clock=clock)
                 calls = max(1, min(3, int(0.5 / t["median"])))  # about half a second of profiling
                 ops = _op_breakdown(lambda: stage(h, DEFAULT_COMMAND, k), calls=calls) if profile_ops else None
             gemms, best, peak = peak_of(cfg, dtype)
@@ -269,7 +294,8 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
                 if backend == "eager":
                     continue
                 try:
-                    r = _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_sample_s, row)
+                    r = _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_sample_s, row,
+                                      clock)
                 except ImportError as e:
                     skipped.append({"backend": backend, "preset": spec["name"], "dtype": dname, "reason": str(e)})
                     continue
@@ -324,7 +350,7 @@ def restart_task(chan, *, preset_name: str, blocks: int, dtype: str, threads: in
 
 
 def peer_ours_task(chan, *, tokens: int, threads: int, dtypes: list[str], backends: list[str], repeats: int = 5,
-                   min_sample_s: float = 0.2, cache_dir: str) -> dict:
+                   min_sample_s: float = 0.2, cache_dir: str, clock: str = "wall") -> dict:
     """Worker: all 30 ``smol`` blocks + norm + heads (K = 0, one pass of ``tokens`` tokens) per dtype and
     backend, the peer figure for llama.cpp's prefill. Returns {results: [{dtype, backend, time_ms, build_s}]}."""
     import torch
@@ -343,7 +369,8 @@ def peer_ours_task(chan, *, tokens: int, threads: int, dtypes: list[str], backen
         for backend in backends:
             with torch.inference_mode():
                 if backend == "eager":
-                    t = time_call(lambda: stage(h, DEFAULT_COMMAND, 0), repeats=repeats, min_sample_s=min_sample_s)
+                    t = time_call(lambda: stage(h, DEFAULT_COMMAND, 0), repeats=repeats, min_sample_s=min_sample_s,
+                                  clock=clock)
                     build_s = 0.0
                 else:
                     from ...runtime.suffix_backend import build_openvino
@@ -356,7 +383,7 @@ def peer_ours_task(chan, *, tokens: int, threads: int, dtypes: list[str], backen
                         continue
                     build_s = c.build_s
                     t = time_call(lambda: plan(stage, c.run(h), DEFAULT_COMMAND), repeats=repeats,
-                                  min_sample_s=min_sample_s)
+                                  min_sample_s=min_sample_s, clock=clock)
                     del c
             out.append({"dtype": dname, "backend": backend, "time_ms": t["median"] * 1e3, "time_min_ms": t["min"] * 1e3,
                         "build_s": build_s})
@@ -366,7 +393,8 @@ def peer_ours_task(chan, *, tokens: int, threads: int, dtypes: list[str], backen
     return {"results": out}
 
 
-def peer_llama_task(chan, *, tokens: int, threads: int, repeats: int = 5, min_sample_s: float = 0.2) -> dict:
+def peer_llama_task(chan, *, tokens: int, threads: int, repeats: int = 5, min_sample_s: float = 0.2,
+                    clock: str = "wall") -> dict:
     """Worker: llama.cpp prefill of ``tokens`` tokens for the wheel's Q4_1 GGUF and its dequantised f32 / bf16
     exports (written once into the cache folder, :func:`.llama_peer.peer_files`). Returns {kind: {file,
     median_ms, min_ms, load_s}}, or {"skipped_reason": why} when llama.cpp or the GGUF file is missing."""
@@ -382,13 +410,13 @@ def peer_llama_task(chan, *, tokens: int, threads: int, repeats: int = 5, min_sa
     out = {}
     for kind, path in files.items():
         out[kind] = {"file": str(path), **time_llama_prefill(path, tokens, threads, repeats=repeats,
-                                                             min_sample_s=min_sample_s)}
+                                                             min_sample_s=min_sample_s, clock=clock)}
         chan.send({"type": "progress", "line": f"  peer: llama.cpp {kind}: {out[kind]['median_ms']:.1f} ms"})
     return out
 
 
 def run_peer(*, cores, threads: int, tokens: int, dtypes=("bf16",), backends=("eager", "openvino"),
-             cache_dir: str, repeats: int = 5, log=print) -> dict:
+             cache_dir: str, repeats: int = 5, clock: str = "wall", log=print) -> dict:
     """The llama.cpp peer (see :mod:`.llama_peer`): this package's 30 ``smol`` blocks and llama.cpp's prefill of
     SmolLM2-135M at the same token count on the same cores, each in its own pinned worker. Returns the JSON
     section: {tokens, threads, ours: [...], llama_cpp: {kind: {median_ms, ...}} | None, skipped_reason,
@@ -396,7 +424,8 @@ def run_peer(*, cores, threads: int, tokens: int, dtypes=("bf16",), backends=("e
     from .common import Worker
 
     with Worker("peer_ours", {"tokens": tokens, "threads": threads, "dtypes": list(dtypes),
-                              "backends": list(backends), "repeats": repeats, "cache_dir": cache_dir},
+                              "backends": list(backends), "repeats": repeats, "cache_dir": cache_dir,
+                              "clock": clock},
                 cores=list(cores)) as w:
         ours = w.result(1800, log=log)["results"]
     section = {"tokens": tokens, "threads": threads, "ours": ours, "llama_cpp": None, "skipped_reason": "",
@@ -405,7 +434,8 @@ def run_peer(*, cores, threads: int, tokens: int, dtypes=("bf16",), backends=("e
     if timed:
         best = min(timed, key=lambda r: r["time_ms"])
         section["best_ours"] = {"dtype": best["dtype"], "backend": best["backend"], "time_ms": best["time_ms"]}
-    with Worker("peer_llama", {"tokens": tokens, "threads": threads, "repeats": repeats}, cores=list(cores)) as w:
+    with Worker("peer_llama", {"tokens": tokens, "threads": threads, "repeats": repeats, "clock": clock},
+                cores=list(cores)) as w:
         llama = w.result(1800, log=log)
     if "skipped_reason" in llama:
         section["skipped_reason"] = llama["skipped_reason"]
@@ -431,13 +461,14 @@ def run_flops_part(presets, *, dtypes=("fp32", "bf16"), cores=(1,), blocks: int 
 
     specs = [{"name": p, "blocks": blocks} for p in presets]
     backends = list(dict.fromkeys(["eager", *backends]))
+    clock = "cpu" if len(cores) == 1 else "wall"  # one thread: CPU time leaves out other processes' turns
     log(f"suffix FLOP/s: {', '.join(presets)} x {', '.join(dtypes)} x {', '.join(backends)} on cores "
         f"{list(cores)}, last {blocks} blocks")
     cache_dir = tempfile.mkdtemp(prefix="hybrid_vla_bench_backend_")
     try:
         with Worker("suffix_flops", {"presets": specs, "dtypes": list(dtypes), "threads": len(cores),
                                      "repeats": repeats, "min_sample_s": min_sample_s, "backends": backends,
-                                     "cache_dir": cache_dir}, cores=list(cores)) as w:
+                                     "cache_dir": cache_dir, "clock": clock}, cores=list(cores)) as w:
             data = w.result(3600, log=log)
         restarts = []
         for r in data["results"]:
@@ -457,10 +488,10 @@ def run_flops_part(presets, *, dtypes=("fp32", "bf16"), cores=(1,), blocks: int 
 
             peer_section = run_peer(cores=cores, threads=len(cores), tokens=preset("smol").num_tokens,
                                     backends=[b for b in backends if b in ("eager", "openvino")],
-                                    cache_dir=cache_dir, repeats=repeats, log=log)
+                                    cache_dir=cache_dir, repeats=repeats, clock=clock, log=log)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    return {"cores": list(cores), "threads": data["threads"], "goal_ratio": goal,
+    return {"cores": list(cores), "threads": data["threads"], "clock": clock, "goal_ratio": goal,
             "goal_ratio_best": dict(GOAL_RATIO_BEST), "goal_restart_s": GOAL_RESTART_S, "backends": backends,
             "skipped": data.get("skipped", []),
             "flop_counting": "2 x MACs of every Linear + QK^T and AV with causal attention counted as half "
