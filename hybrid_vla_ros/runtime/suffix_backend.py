@@ -282,7 +282,8 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
     core = ov.Core()
     cache_hit = _read_key(folder) == key.to_json() and (folder / "model.xml").is_file()
     if cache_hit:
-        model = core.read_model(str(folder / "model.xml"))
+        # Compiled from the path: with CACHE_DIR the plugin imports its blob without building the model first.
+        model = str(folder / "model.xml")
     else:
         # Weights in the precision the CPU plugin computes in: bf16 weights on a CPU without bf16 instructions
         # go in as f32 (their values exactly), so no FC decompresses them on every call.
