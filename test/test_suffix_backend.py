@@ -198,8 +198,8 @@ def test_a_failed_build_logs_serves_eagerly_and_is_not_retried(tiny_checkpoint, 
         for _ in range(3):
             assert torch.equal(b(stage, h, 3, 2), stage(h, 3, 2))
     assert len(calls) == 1 and b.in_use == "eager" and b.frames_eager == 3
-    assert lines == [("error", "suffix_backend openvino: build for K=2 failed: RuntimeError: conversion exploded; "
-                               "frames at K=2 run eagerly")]
+    assert lines == [("error", ("suffix_backend openvino: build for K=2 failed: RuntimeError: conversion exploded; "
+                                "frames at K=2 run eagerly"))]
     assert "conversion exploded" in b.status()["error"]
 
 

@@ -18,8 +18,8 @@ import torch
 from ..model.checkpoint import load_stage, model_id, parse_dtype
 from ..model.modeling import DEFAULT_COMMAND
 from ..split.resplit import StageSplit
-from .suffix_backend import SuffixBackend
 from ..transport.ring import FrameMeta, RingConsumer, RingError, segment_name
+from .suffix_backend import SuffixBackend
 
 
 class StaleFrame(RuntimeError):

@@ -100,9 +100,9 @@ def peer_files(log=print) -> dict:
 def time_llama_prefill(path: str | Path, tokens: int, threads: int, *, repeats: int = 5,
                        min_sample_s: float = 0.2, clock: str = "wall") -> dict:
     """Prefill time of ``tokens`` tokens with llama.cpp on the GGUF at ``path`` (this process's cores and
-    ``threads`` threads; ``clock`` as :func:`.common.time_call`'s): {median_ms, min_ms, load_s}. Token ids are the first ``tokens`` ids of a fixed
-    ramp over the vocabulary (prefill cost does not depend on which ids). Raises ImportError when llama_cpp is
-    missing, what it raises for a bad file."""
+    ``threads`` threads; ``clock`` as :func:`.common.time_call`'s): {median_ms, min_ms, load_s}. Token ids
+    are the first ``tokens`` ids of a fixed ramp over the vocabulary (prefill cost does not depend on which
+    ids). Raises ImportError when llama_cpp is missing, what it raises for a bad file."""
     import time
 
     from llama_cpp import Llama

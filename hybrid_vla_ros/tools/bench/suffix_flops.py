@@ -292,7 +292,8 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
             peak32 = peak if dtype == torch.float32 else peak_of(cfg, torch.float32)[2]
             # the best GEMM at the block's own shapes (M = B T), in the faster of the two dtypes
             block_peak = max(max(g["mm_gflops"], g["linear_gflops"]) for dt in {dtype, torch.float32}
-                             for g in peak_of(cfg, dt)[0] if g["mm_gflops"] is not None and g["shape"] != list(LARGE_GEMM))
+                             for g in peak_of(cfg, dt)[0]
+                             if g["mm_gflops"] is not None and g["shape"] != list(LARGE_GEMM))
             achieved = count["total"] / t["median"] / 1e9
             row = {
                 "preset": spec["name"], "dtype": dname, "backend": "eager", "split_layer": k,
