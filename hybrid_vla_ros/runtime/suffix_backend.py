@@ -350,8 +350,8 @@ class SuffixBackend:
         self.frames_compiled = 0
         self.frames_eager = 0
         self._compiled: CompiledSuffix | None = None
-        self._building: int | None = None  # K of the build in progress or queued
-        self._wanted: int | None = None  # the newest K a frame asked for while another build ran
+        self._building: int | None = None  # K of the build in progress
+        self._closed = False
         self._lock = threading.Lock()
         self._pool = None
         self.active = name != "eager"
@@ -393,18 +393,24 @@ class SuffixBackend:
     # ------------------------------------------------------------------------------------------ builds
     def prepare(self, stage, k: int) -> None:
         """Start building the compiled model for frames at ``k`` (blocks [k, L) must be held by ``stage``);
-        nothing when it is ready, building, has failed, or the backend is eager."""
-        if not self.active or k in self.failed or k < stage.split_layer or k >= stage.cfg.num_layers:
+        nothing when it is ready, building, has failed, or the backend is eager. One build at a time: a K asked
+        for while another builds is asked for again by its next frame (each eagerly computed frame calls this).
+        Call it on the runner's thread only: it takes the blocks from the stage, which re-splits move there."""
+        if self._closed or not self.active or k in self.failed or k < stage.split_layer or k >= stage.cfg.num_layers:
             return
         with self._lock:
-            if self.compiled_k == k or self._building == k:
-                return
-            if self._building is not None:  # one build at a time: this K goes next
-                self._wanted = k
+            if self.compiled_k == k or self._building is not None:
                 return
             self._building = k
-        layers = list(stage.layers[k - stage.split_layer:])  # taken on the runner's thread: a re-split
-        if self._pool is None:  # replaces the ModuleList, never these block modules
+        # A re-split replaces the stage's ModuleList and never changes these block modules, so the build thread
+        # can trace them while the runner computes (and moves) on.
+        layers = list(stage.layers[k - stage.split_layer:])
+        if not layers or layers[0].self_attn.layer_idx != k:  # never build an artifact for the wrong blocks
+            self.failed[k] = f"the stage's blocks do not start at {k} (first held {stage.split_layer})"
+            self._log("error", f"suffix_backend {self.requested}: {self.failed[k]}; frames at K={k} run eagerly")
+            self._building = None
+            return
+        if self._pool is None:
             self._build(stage, k, layers)
         else:
             self._pool.submit(self._build, stage, k, layers)
@@ -426,13 +432,10 @@ class SuffixBackend:
                               f"({'cached artifact' if compiled.cache_hit else 'converted and saved'} at "
                               f"{compiled.folder})")
         with self._lock:
-            if compiled is not None:
+            if compiled is not None and not self._closed:
                 self._compiled = compiled  # swapped in for the next frame at k
                 self.error = ""
             self._building = None
-            nxt, self._wanted = self._wanted, None
-        if nxt is not None and nxt != k:
-            self.prepare(stage, nxt)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until no build is in progress (True) or ``timeout`` s passed (False)."""
@@ -467,8 +470,10 @@ class SuffixBackend:
         return self.plan_all(stage, hidden_states, command, k).waypoints
 
     def close(self) -> None:
-        """Stop the build thread (a build in progress finishes; its model is dropped) and free the model."""
+        """Free the compiled model and stop taking builds; returns at once. A conversion in progress cannot be
+        interrupted: it finishes on its thread (the interpreter waits for it at exit) and its model is dropped."""
+        self._closed = True
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         self._compiled = None
