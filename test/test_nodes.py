@@ -191,6 +191,9 @@ def test_lifecycle_order_split_following_and_reconfigure(nodes, embedded_bag):
     assert graph.wait(lambda: len(graph.trajectories) >= 1), (logs / "suffix.log").read_text()
     assert graph.wait(lambda: graph.diag.get(f"{ns}/suffix_node: pipeline", {}).get("resplits_on_demand") == "1")
     assert graph.diag[f"{ns}/suffix_node: pipeline"]["blocks_held_from"] == "1"
+    backend = {k: v for k, v in graph.diag[f"{ns}/suffix_node: pipeline"].items() if k.startswith("suffix_backend")}
+    assert backend["suffix_backend"] == backend["suffix_backend_in_use"] == "eager", backend  # the default
+    assert backend["suffix_backend_error"] == "" and int(backend["suffix_backend_frames_eager"]) >= 1, backend
     assert "re-split: now holding blocks [1, 4) for frame seq 1 at K=1: loaded 1 block(s)" in \
         (logs / "suffix.log").read_text()
     # diagnostics carry memory and ring fill for both nodes

@@ -70,7 +70,8 @@ class SuffixNode(node_base.PipelineNode):
             self.runner = SuffixRunner(p.model_path, k, dtype=p.dtype, ring_name=p.ring_name,
                                        namespace=self.get_namespace(), threads=threads,
                                        delivery=p["ring.delivery"], spin_lead_ms=p["ring.spin_lead_ms"],
-                                       spin_max_ms=p["ring.spin_max_ms"])
+                                       spin_max_ms=p["ring.spin_max_ms"], backend=p.suffix_backend,
+                                       backend_cache_dir=p.backend_cache_dir or None, log=self._backend_log)
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.last_error = str(e)
             self.get_logger().error(f"configure failed: {e}")
@@ -86,12 +87,20 @@ class SuffixNode(node_base.PipelineNode):
             f"configured: split_layer={p.split_layer}/{self.runner.cfg.num_layers} dtype={p.dtype} "
             f"threads={torch.get_num_threads()} cores={cores} (pinned early: {self.early_affinity or 'no'}) "
             f"ring '{self.runner.segment}' (delivery {p['ring.delivery']}, spin {spin}) "
-            f"navigation_command={p.navigation_command}"
+            f"navigation_command={p.navigation_command} "
+            f"suffix_backend={p.suffix_backend}"
+            + (f" (in use: eager: {self.runner.backend.error})" if self.runner.backend.error else "")
+            + (f" (building for K={k} in the background, cache {self.runner.backend.cache_dir}; eager meanwhile)"
+               if self.runner.backend.status()["building"] is not None else "")
             + (" [random-init weights: trajectories are not driving advice]" if self.runner.cfg.random_init else ""))
         if not self.guard.check_age:
             self.get_logger().warning("guard.check_age is false: trajectories are published however old their "
                                       "camera stamp is (for replays of recorded bags, not for a vehicle)")
         return TransitionCallbackReturn.SUCCESS
+
+    def _backend_log(self, level: str, message: str) -> None:
+        """Log a line of the suffix backend (its build thread included) at ``level`` (info | warning | error)."""
+        getattr(self.get_logger(), level if level in ("info", "warning", "error") else "info")(message)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._odom_sub = self.create_subscription(Odometry, "~/input/kinematic_state", self._on_odometry, 10)
@@ -308,4 +317,17 @@ class SuffixNode(node_base.PipelineNode):
                 "blocks_held_from": self.runner.stage.split_layer if self.runner is not None else "",
                 "resplits": self.resplits, "resplits_on_demand": self.resplits_on_demand,
                 "navigation_command": NAV_COMMANDS[self._command],
+                **self._backend_diagnostics(),
                 "cpu_affinity": sorted(os.sched_getaffinity(0))}
+
+    def _backend_diagnostics(self) -> dict:
+        """/diagnostics values of the suffix backend: asked for, in use, the K it covers, build state, error."""
+        if self.runner is None:
+            return {"suffix_backend": self.params.suffix_backend if self.params else "", "suffix_backend_in_use": ""}
+        st = self.runner.backend.status()
+        return {"suffix_backend": st["requested"], "suffix_backend_in_use": st["in_use"],
+                "suffix_backend_k": "" if st["compiled_k"] is None else st["compiled_k"],
+                "suffix_backend_building": "" if st["building"] is None else st["building"],
+                "suffix_backend_precision": st["precision"], "suffix_backend_error": st["error"],
+                "suffix_backend_frames_compiled": st["frames_compiled"],
+                "suffix_backend_frames_eager": st["frames_eager"]}

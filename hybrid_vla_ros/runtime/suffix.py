@@ -29,6 +29,7 @@ from ..model.checkpoint import load_stage, model_id, parse_dtype
 from ..model.modeling import DEFAULT_COMMAND
 from ..split.resplit import StageSplit
 from ..transport.ring import FrameMeta, RingConsumer, RingContractError, RingError, SpinPolicy, segment_name
+from .suffix_backend import SuffixBackend
 
 
 class StaleFrame(RuntimeError):
@@ -83,11 +84,17 @@ class SuffixRunner:
     [0, L]; FloatingPointError for non-finite waypoints; StaleFrame for a frame published before this
     consumer attached (left over from before a restart); ResplitError, once, when blocks requested
     with :meth:`request_split_layer` could not be loaded (the request is dropped; no frame is lost).
+
+    ``backend`` ("eager" | "openvino", :mod:`hybrid_vla_ros.runtime.suffix_backend`): how blocks [K, L) are
+    computed; a compiled backend is built for the configured K in the background (``background_build``) and
+    for each new K a frame arrives at, eager serving meanwhile, and falls back to eager when it cannot be used
+    (``log(level, message)`` gets the line). ``backend_cache_dir``: where its artifacts live (None: the default).
     """
 
     def __init__(self, model_path: str, split_layer: int, *, dtype: str = "fp32", ring_name: str = "prefix_states",
                  namespace: str = "/", threads: int = 0, delivery: str = "newest", spin_lead_ms: float = 1.0,
-                 spin_max_ms: float = 5.0):
+                 spin_max_ms: float = 5.0, backend: str = "eager", backend_cache_dir: str | None = None,
+                 background_build: bool = True, log=None):
         if threads > 0:
             torch.set_num_threads(threads)
         self.dtype = parse_dtype(dtype)
@@ -98,6 +105,10 @@ class SuffixRunner:
         #: The split layer and every move of it (split.resplit.StageSplit, side "suffix").
         self.split = StageSplit(self.stage, "suffix", model_path=self.model_path, device=torch.device("cpu"),
                                 dtype=self.dtype, model_id=self.model_id)
+        #: The compute path of blocks [K, L) (eager, or a compiled model per K built in the background).
+        self.backend = SuffixBackend(backend, self.stage, model_id=self.model_id, cache_dir=backend_cache_dir,
+                                     threads=torch.get_num_threads(), log=log, background=background_build)
+        self.backend.prepare(self.stage, split_layer)
         self.segment = segment_name(ring_name, namespace)
         #: Navigation command index (0..5, config.NAV_COMMANDS) used for the next frame; it selects the mode
         #: of a multi-mode planner. The node sets it from its parameter and command topic.
@@ -181,7 +192,7 @@ class SuffixRunner:
             self.split.for_frame(k)  # loads the blocks a frame below the first one held needs
             hidden = slot.compute_tensor  # zero-copy, or converted to this suffix's dtype (an allowed pair)
             t_ready = time.monotonic_ns()
-            waypoints = self.stage(hidden, self.command, k)
+            waypoints = self.backend(self.stage, hidden, self.command, k)
             t_end = time.monotonic_ns()
             meta, superseded = slot.meta, slot.superseded
         self.split.after_frame(k)
@@ -196,6 +207,7 @@ class SuffixRunner:
         return dict(self.ring.stats) if self.ring is not None else {}
 
     def close(self) -> None:
+        self.backend.close()
         self.split.close()
         if self.ring is not None:
             self.ring.close()

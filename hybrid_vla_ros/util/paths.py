@@ -48,3 +48,17 @@ def package_file(*parts: str) -> Path:
 def embedded_bag() -> Path:
     """The DGP 6-camera MCAP bag shipped in ``data/`` (see its SOURCE.txt): source tree or installed copy."""
     return package_file("data", "dgp_scene02_6cam_mcap")
+
+
+#: Environment variable that overrides :func:`cache_dir`.
+CACHE_ENV = "HYBRID_VLA_CACHE"
+
+
+def cache_dir() -> Path:
+    """Folder for artifacts this package builds and may reuse (compiled suffix models, exported GGUF files):
+    ``$HYBRID_VLA_CACHE``, else ``$XDG_CACHE_HOME/hybrid_vla_ros``, else ``~/.cache/hybrid_vla_ros``. Not
+    created here."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / PACKAGE

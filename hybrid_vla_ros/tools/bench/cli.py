@@ -26,6 +26,8 @@ DESCRIPTION = ("side-by-side measurements of the split pipeline (JSON, Markdown,
                "memcpy, pipeline efficiency and latency, CPU suffix FLOP/s, camera preprocessing share")
 DEFAULT_JSON = REPO_ROOT / "out" / "benchmark" / "bench.json"
 DEFAULT_PRESETS = ("tiny", "smol", "minddrive-0.5b")
+#: hybrid_vla_ros.runtime.suffix_backend.BACKENDS, spelled out: this process imports no torch.
+FLOPS_BACKENDS = ("eager", "openvino")
 
 #: What --quick changes (unless the option is given explicitly).
 QUICK = {"presets": ["tiny"], "flops_presets": ["tiny", "smol"], "sizes_mib": [1.0, 8.0], "count": 30,
@@ -116,6 +118,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--flops-dtypes", type=_list, default=["fp32", "bf16"], help="dtypes (default fp32,bf16)")
     g.add_argument("--flops-blocks", type=int, default=None, help="decoder blocks in the measured suffix (default 4)")
     g.add_argument("--flops-repeats", type=int, default=None, help="timed samples (default 5)")
+    g.add_argument("--flops-backends", type=_list, default=["eager", "openvino"],
+                   help="suffix backends measured (default eager,openvino; eager always runs)")
+    g.add_argument("--no-peer", action="store_true",
+                   help="skip the llama.cpp peer (all 30 smol blocks against llama.cpp's prefill; runs when smol is "
+                        "among the presets)")
     g = p.add_argument_group("cores")
     g.add_argument("--prefix-cores", default="0", help="cores of the prefix process (default 0)")
     g.add_argument("--suffix-cores", default="1", help="cores of the suffix process (default 1)")
@@ -170,6 +177,9 @@ def _setting_problems(args: argparse.Namespace, s: dict, parts: list[str]) -> li
     bad = [v for v in [args.dtype, *args.flops_dtypes] if v not in ("fp32", "bf16", "fp16")]
     if bad:
         problems.append(f"dtype {bad}: use fp32, bf16, fp16")
+    bad = [v for v in args.flops_backends if v not in FLOPS_BACKENDS]
+    if bad:
+        problems.append(f"--flops-backends {bad}: use {', '.join(FLOPS_BACKENDS)}")
     if any(not (x > 0) for x in s["sizes_mib"]):
         problems.append(f"--sizes-mib {s['sizes_mib']}: sizes must be > 0")
     for key in ("count", "rclpy_count", "frames", "flops_repeats", "flops_blocks", "preprocess_frames"):
@@ -285,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
 
         part("suffix_flops", lambda: run_flops_part(
             s["flops_presets"], dtypes=tuple(args.flops_dtypes), cores=flops_cores, blocks=s["flops_blocks"],
-            repeats=s["flops_repeats"], log=log))
+            repeats=s["flops_repeats"], backends=tuple(args.flops_backends), peer=not args.no_peer, log=log))
     plans = {}
     if "pipeline" in parts or "preprocess" in parts:
         from .pipeline import DEFAULT_CACHE, DEFAULT_FRAMES, prepare_preset

@@ -29,6 +29,9 @@ TASKS = {
     "pipeline_suffix": ("hybrid_vla_ros.tools.bench.pipeline", "suffix_task"),
     "pipeline_sequential": ("hybrid_vla_ros.tools.bench.pipeline", "sequential_task"),
     "suffix_flops": ("hybrid_vla_ros.tools.bench.suffix_flops", "flops_task"),
+    "suffix_restart": ("hybrid_vla_ros.tools.bench.suffix_flops", "restart_task"),
+    "peer_ours": ("hybrid_vla_ros.tools.bench.suffix_flops", "peer_ours_task"),
+    "peer_llama": ("hybrid_vla_ros.tools.bench.suffix_flops", "peer_llama_task"),
     "preprocess": ("hybrid_vla_ros.tools.bench.preprocess", "preprocess_task"),
 }
 

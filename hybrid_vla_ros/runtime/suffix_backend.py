@@ -1,0 +1,479 @@
+"""How the CPU suffix computes decoder blocks [K, L): eagerly in torch, or through a compiled OpenVINO model.
+
+:class:`SuffixBackend` is what :class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` calls instead of the stage:
+``backend(stage, hidden_states, command, k) -> waypoints``. ``eager`` is the stage itself. ``openvino`` converts
+the stage's blocks [K, L) at the frame shape (B, T, H) once with ``openvino.convert_model`` (PyTorch frontend:
+the module is traced and its aten graph mapped to OpenVINO ops; SDPA stays one ``ScaledDotProductAttention``
+op), saves it (IR: ``model.xml`` + ``model.bin``) in a cache folder and compiles it for the CPU plugin, whose
+GEMM and attention kernels (oneDNN, its own fused SDPA) and graph fusions (RMSNorm, rotary, SiLU x up) are what
+make it faster than eager torch (figures: docs/performance.md). The final norm and the planning head run the
+last token only and stay in torch (:func:`hybrid_vla_ros.model.modeling.plan`), so the command, the modes and
+the decision logits are exactly the eager code's.
+
+K and live re-splits: a compiled model covers one K (the blocks [K, L) it was built from) and one input shape.
+A frame at any other K runs eagerly, and a build for that K starts on a background thread (eager serves the
+frames meanwhile); the new model replaces the old one between frames once it is ready. A frame is therefore
+never computed with a mismatched K: the compiled path is used only when the frame's K is the one it covers.
+
+Artifacts and the cache key: ``<cache_dir>/<model id>/<backend>-k<K>-<dtype>-<B>x<T>x<H>-<key digest>/`` holds
+``model.xml``, ``model.bin``, the CPU plugin's compiled-blob cache (``ov_cache/``) and ``key.json``, written
+last (atomically, by renaming a finished temporary folder) with the whole :class:`ArtifactKey`. The key holds
+the checkpoint's model id, a sha256 digest of the bytes of every tensor of blocks [K, L) as the stage holds
+them (dtype included: :func:`weights_digest`), K, L, the dtype, the input shape, and the versions of the
+backend, torch, transformers and this artifact format. ``model_id`` alone does not hash weight values, so the
+digest is what keeps an artifact of other weights with the same header from ever being used. An artifact is
+used only when its ``key.json`` equals the wanted key field by field; anything else is rebuilt. The cache dir
+defaults to ``$XDG_CACHE_HOME/hybrid_vla_ros`` (``~/.cache/hybrid_vla_ros``), overridable per node
+(``backend_cache_dir``) or with ``HYBRID_VLA_CACHE``. Artifacts are never deleted here: remove the folder to
+reclaim the space (one artifact is about the size of its blocks' weights in their dtype).
+
+Precision: the CPU plugin is told the stage dtype's precision (``INFERENCE_PRECISION_HINT`` f32 for fp32,
+bf16 for bf16 where the CPU has bf16 instructions, AVX512_BF16 or AMX), because its default would run an fp32
+model in bf16 on such a CPU. Where the CPU lacks them (AVX2 only) a bf16 suffix is computed in f32 from its
+bf16 weights: closer to fp32 than eager bf16, at f32 GEMM speed. ``status()['precision']`` says which.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..model.modeling import plan, run_blocks
+from ..util.paths import cache_dir
+
+#: Values of the suffix node's ``suffix_backend`` parameter.
+BACKENDS = ("eager", "openvino")
+#: Version of the artifact layout and of the traced module (bump when either changes: old artifacts are rebuilt).
+ARTIFACT_FORMAT = 2
+
+
+def default_cache_dir() -> Path:
+    """The default artifact folder: :func:`hybrid_vla_ros.util.paths.cache_dir` (``$HYBRID_VLA_CACHE``, else
+    ``$XDG_CACHE_HOME/hybrid_vla_ros``, else ``~/.cache/hybrid_vla_ros``)."""
+    return cache_dir()
+
+
+def weights_digest(blocks) -> str:
+    """sha256 (hex) over every parameter and buffer of ``blocks`` (an iterable of decoder blocks), in order:
+    its name, dtype, shape and raw bytes. Two block ranges share a digest only when they hold the same values
+    in the same dtype. Costs one pass over the weights (sha256 runs at about 1.5-2 GB/s with SHA-NI)."""
+    h = hashlib.sha256()
+    for i, block in enumerate(blocks):
+        for name, t in [*block.named_parameters(), *block.named_buffers()]:
+            t = t.detach().contiguous()
+            h.update(f"{i}.{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ArtifactKey:
+    """Everything a compiled suffix depends on; an artifact is reused only for an equal key.
+
+    ``model_id``: :func:`hybrid_vla_ros.model.checkpoint.model_id` of the checkpoint (signed int64).
+    ``weights``: :func:`weights_digest` of blocks [split_layer, num_layers) as loaded. ``dtype``: "fp32" | "bf16"
+    | "fp16" (the stage's). ``shape``: the hidden states' (B, T, H). The version fields pin the code that built
+    it (backend, torch, transformers, :data:`ARTIFACT_FORMAT`)."""
+
+    backend: str
+    backend_version: str
+    model_id: int
+    weights: str
+    split_layer: int
+    num_layers: int
+    dtype: str
+    shape: tuple
+    torch_version: str
+    transformers_version: str
+    artifact_format: int = ARTIFACT_FORMAT
+
+    def digest(self) -> str:
+        """sha256 (hex) of the key's canonical JSON."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    def folder(self, cache_dir: str | Path) -> Path:
+        """The artifact's folder under ``cache_dir`` (see the module docstring)."""
+        shape = "x".join(str(s) for s in self.shape)
+        return (Path(cache_dir) / f"{self.model_id & (2**64 - 1):016x}"
+                / f"{self.backend}-k{self.split_layer}-{self.dtype}-{shape}-{self.digest()[:16]}")
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
+#: Name of :func:`causal_attention` in transformers' attention registry (``AttentionInterface``).
+ATTENTION_NAME = "hybrid_vla_causal_sdpa"
+def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask=None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """Causal self-attention in the form the traced graph gets: queries (B, n_h, T, d), keys and values
+    (B, n_kv, T, d) -> (B, T, n_h, d), the layout transformers' ``sdpa_attention_forward`` returns.
+
+    Keys and values are repeated to n_h heads first (transformers' ``repeat_kv``), so the graph holds one 4-D
+    causal ``ScaledDotProductAttention`` per block, which OpenVINO's CPU plugin fuses into one MHA subgraph
+    (torch's ``enable_gqa`` becomes a 5-D one that it runs as separate MatMul and Softmax nodes; the two
+    measured alike here, see docs/performance.md). Positions 0..T-1, no padding: ``attention_mask`` must be
+    None (raises ValueError otherwise)."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    if attention_mask is not None:
+        raise ValueError("causal_attention takes no attention mask (positions 0..T-1, no padding)")
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, causal_attention)
+
+
+def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList:
+    """New decoder-block modules for tracing that hold ``layers``' weights (the same tensors when
+    ``weight_dtype`` is theirs, else copies cast to it) and a config of their own whose attention is
+    :func:`causal_attention`; the stage's modules and config are not touched, so the runner's eager path keeps
+    running on another thread while a build traces these."""
+    import copy
+
+    from ..model.modeling import LLM_FAMILIES, llm_config
+
+    _register_attention()
+    llm = copy.copy(llm_config(cfg))
+    llm._attn_implementation = ATTENTION_NAME
+    block_cls = LLM_FAMILIES[cfg.llm_type][1]
+    with torch.device("meta"):
+        blocks = nn.ModuleList(block_cls(llm, old.self_attn.layer_idx) for old in layers)
+    for new, old in zip(blocks, layers):
+        new.load_state_dict({k: v.detach().to(weight_dtype) for k, v in old.state_dict().items()}, strict=True,
+                            assign=True)
+    return blocks.eval().requires_grad_(False)
+
+
+class _BlocksToLastToken(nn.Module):
+    """The traced module: hidden states (B, T, H) float32 -> blocks [K, L) (:func:`traced_blocks`, weights in
+    ``dtype``) -> the last token's hidden state (B, 1, H) float32 (before the final norm). Rotary tables come
+    from positions 0..T-1."""
+
+    def __init__(self, layers: nn.ModuleList, rotary_emb: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.layers = layers
+        self.rotary_emb = rotary_emb
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_blocks(self, self.layers, x.to(self.dtype))[:, -1:, :].float()
+
+
+class CompiledSuffix:
+    """One compiled model of blocks [k, L) at one input shape (built or loaded by :func:`build_openvino`).
+
+    ``run(hidden)``: hidden states of ``shape`` ((T, H) or (B, T, H)), any float dtype -> the last token's
+    hidden state after block L-1, shape (..., 1, H), in ``dtype`` (for :func:`~hybrid_vla_ros.model.modeling.plan`).
+    One inference at a time (the runner's thread)."""
+
+    def __init__(self, key: ArtifactKey, compiled, *, dtype: torch.dtype, input_shape: tuple, folder: Path,
+                 cache_hit: bool, build_s: float, precision: str):
+        self.key, self.k = key, key.split_layer
+        self.dtype, self.input_shape, self.folder = dtype, tuple(input_shape), folder
+        self.cache_hit, self.build_s, self.precision = cache_hit, build_s, precision
+        self._request = compiled.create_infer_request()
+
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden if hidden.dim() == 3 else hidden.unsqueeze(0)
+        if x.dtype != torch.float32:
+            x = x.float()  # bf16 / fp16 -> f32 input (the cast back to the stage dtype is inside the model)
+        elif not x.is_contiguous():
+            x = x.contiguous()
+        self._request.infer([x.numpy()], share_inputs=True)
+        out = torch.from_numpy(self._request.get_output_tensor(0).data.copy())
+        out = out.to(self.dtype)
+        return out if hidden.dim() == 3 else out.squeeze(0)
+
+
+def _openvino():
+    """Import openvino (raises ImportError with the install line when it is missing)."""
+    try:
+        import openvino
+    except ImportError as e:
+        raise ImportError(f"openvino is not installed ({e}); pip install openvino==2026.4.1") from e
+    return openvino
+
+
+def openvino_precision(core, dtype: torch.dtype) -> str:
+    """The CPU plugin's ``INFERENCE_PRECISION_HINT`` for a stage in ``dtype``: "f32" for fp32; "bf16" for bf16
+    when the CPU reports BF16 in ``OPTIMIZATION_CAPABILITIES`` (AVX512_BF16 or AMX), else "f32"; "f16" for
+    fp16 when it reports FP16, else "f32"."""
+    caps = set(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    if dtype == torch.bfloat16 and "BF16" in caps:
+        return "bf16"
+    if dtype == torch.float16 and "FP16" in caps:
+        return "f16"
+    return "f32"
+
+
+def artifact_key(stage, k: int, shape: tuple, *, model_id: int, backend: str = "openvino",
+                 layers=None) -> ArtifactKey:
+    """The :class:`ArtifactKey` of ``stage``'s blocks [k, L) (``layers``: those blocks, default taken from the
+    stage) at hidden-state ``shape``. Raises ValueError when the stage does not hold blocks [k, L);
+    ImportError when the backend is not installed."""
+    import transformers
+
+    if layers is None:
+        first = stage.split_layer
+        if k < first:
+            raise ValueError(f"the stage holds blocks [{first}, {stage.cfg.num_layers}), not from {k}")
+        layers = list(stage.layers[k - first:])
+    ov = _openvino()
+    dtype = next((p.dtype for b in layers for p in b.parameters()), torch.float32)
+    return ArtifactKey(backend=backend, backend_version=ov.get_version(), model_id=int(model_id),
+                       weights=weights_digest(layers), split_layer=int(k), num_layers=int(stage.cfg.num_layers),
+                       dtype=_dtype_name(dtype), shape=tuple(int(s) for s in shape), torch_version=torch.__version__,
+                       transformers_version=transformers.__version__)
+
+
+def _read_key(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / "key.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str | Path, threads: int = 0,
+                   layers=None, key: ArtifactKey | None = None) -> CompiledSuffix:
+    """Compile ``stage``'s blocks [k, L) for hidden states of ``shape`` ((T, H) or (B, T, H)) with OpenVINO,
+    reusing the artifact in ``cache_dir`` when its key matches (see the module docstring), else converting
+    the module and saving the artifact first.
+
+    ``threads``: the CPU plugin's ``INFERENCE_NUM_THREADS`` (0: its default, every core this process may use).
+    ``layers``: blocks [k, L) (default: from the stage; pass a list taken on the runner's thread when building
+    on another one). Returns a :class:`CompiledSuffix`. Raises ImportError (openvino missing), ValueError (the
+    stage lacks blocks [k, L)), and what conversion or compilation raises."""
+    ov = _openvino()
+    t0 = time.perf_counter()
+    first = stage.split_layer
+    if layers is None:
+        if k < first:
+            raise ValueError(f"the stage holds blocks [{first}, {stage.cfg.num_layers}), not from {k}")
+        layers = list(stage.layers[k - first:])
+    shape3 = tuple(shape) if len(shape) == 3 else (1, *shape)
+    if key is None:
+        key = artifact_key(stage, k, shape3, model_id=model_id, layers=layers)
+    dtype = next((p.dtype for b in layers for p in b.parameters()), torch.float32)
+    folder = key.folder(cache_dir)
+    core = ov.Core()
+    cache_hit = _read_key(folder) == key.to_json() and (folder / "model.xml").is_file()
+    if cache_hit:
+        # Compiled from the path: with CACHE_DIR the plugin imports its blob without building the model first.
+        model = str(folder / "model.xml")
+    else:
+        # Weights in the precision the CPU plugin computes in: bf16 weights on a CPU without bf16 instructions
+        # go in as f32 (their values exactly), so no FC decompresses them on every call.
+        weight_dtype = torch.float32 if openvino_precision(core, dtype) == "f32" else dtype
+        module = _BlocksToLastToken(traced_blocks(stage.cfg, layers, weight_dtype), stage.rotary_emb,
+                                    weight_dtype).eval()
+        example = torch.zeros(shape3, dtype=torch.float32)
+        with torch.no_grad():
+            model = ov.convert_model(module, example_input=example, input=[(list(shape3), ov.Type.f32)])
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = folder.parent / f".{folder.name}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.mkdir()
+        try:
+            ov.save_model(model, str(tmp / "model.xml"), compress_to_fp16=False)
+            (tmp / "key.json").write_text(json.dumps(key.to_json(), indent=1, sort_keys=True) + "\n")
+            if folder.exists():  # a stale or unreadable artifact under the same name: replace it
+                shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    precision = openvino_precision(core, dtype)
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision,
+              "CACHE_DIR": str(folder / "ov_cache")}
+    if threads > 0:
+        config["INFERENCE_NUM_THREADS"] = int(threads)
+    compiled = core.compile_model(model, "CPU", config)
+    return CompiledSuffix(key, compiled, dtype=dtype, input_shape=shape3, folder=folder, cache_hit=cache_hit,
+                          build_s=time.perf_counter() - t0, precision=precision)
+
+
+class SuffixBackend:
+    """The suffix's compute path: eager torch, or a compiled model built per K (see the module docstring).
+
+    Args:
+        name: "eager" or "openvino" (:data:`BACKENDS`).
+        stage: the runner's :class:`~hybrid_vla_ros.model.modeling.SuffixStage` (moved in place by re-splits).
+        model_id: the checkpoint's model id (part of the cache key).
+        cache_dir: artifact folder (None: :func:`default_cache_dir`).
+        threads: CPU plugin threads (0: as many as the process may use).
+        log: ``log(level, message)`` with level "info" | "warning" | "error" (default: print).
+        background: build on a background thread (eager serves meanwhile); False builds inside the call that
+            first needs it (tests, the bench).
+
+    A backend that cannot be used (openvino not importable) falls back to eager at construction with one
+    warning line naming the reason; one whose build fails for a K logs an error line, serves that K eagerly
+    and does not retry it. ``status()`` says what is in use. Raises ValueError for an unknown name.
+    """
+
+    def __init__(self, name: str, stage, *, model_id: int, cache_dir: str | Path | None = None, threads: int = 0,
+                 log=None, background: bool = True):
+        if name not in BACKENDS:
+            raise ValueError(f"unknown suffix backend {name!r}; use one of {', '.join(BACKENDS)}")
+        self.requested = name
+        self.model_id = int(model_id)
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.threads = int(threads)
+        self.background = background
+        self._log = log or (lambda level, msg: print(f"[{level}] {msg}", flush=True))
+        self.shape = tuple(stage.cfg.prefix_state_shape)
+        self.error = ""  # why the compiled path is not in use ("" when it is, or when eager was asked for)
+        self.failed: dict[int, str] = {}  # K -> why its build failed (not retried)
+        self.builds: list[dict] = []  # one record per finished build: k, seconds, cache hit, folder
+        self.frames_compiled = 0
+        self.frames_eager = 0
+        self._compiled: CompiledSuffix | None = None
+        self._building: int | None = None  # K of the build in progress
+        self._closed = False
+        self._lock = threading.Lock()
+        self._pool = None
+        self.active = name != "eager"
+        if self.active:
+            try:
+                _openvino()
+            except ImportError as e:
+                self.active = False
+                self.error = str(e)
+                self._log("warning", f"suffix_backend {name} cannot be used, falling back to eager: {e}")
+                return
+            if background:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="suffix_backend_build")
+
+    # ------------------------------------------------------------------------------------------ state
+    @property
+    def in_use(self) -> str:
+        """"openvino" while a compiled model is ready (it serves frames at its K), else "eager"."""
+        return self.requested if self._compiled is not None else "eager"
+
+    @property
+    def compiled_k(self) -> int | None:
+        """The K the ready compiled model covers, None when there is none."""
+        c = self._compiled
+        return None if c is None else c.k
+
+    def status(self) -> dict:
+        """For logs and /diagnostics: requested, in_use, compiled_k, building (K or None), precision, error,
+        cache_dir, frames_compiled, frames_eager, last build {k, seconds, cache_hit}."""
+        c = self._compiled
+        last = self.builds[-1] if self.builds else None
+        return {"requested": self.requested, "in_use": self.in_use, "compiled_k": self.compiled_k,
+                "building": self._building, "precision": c.precision if c else "", "error": self.error,
+                "cache_dir": str(self.cache_dir), "frames_compiled": self.frames_compiled,
+                "frames_eager": self.frames_eager, "last_build": last}
+
+    # ------------------------------------------------------------------------------------------ builds
+    def prepare(self, stage, k: int) -> None:
+        """Start building the compiled model for frames at ``k`` (blocks [k, L) must be held by ``stage``);
+        nothing when it is ready, building, has failed, or the backend is eager. One build at a time: a K asked
+        for while another builds is asked for again by its next frame (each eagerly computed frame calls this).
+        Call it on the runner's thread only: it takes the blocks from the stage, which re-splits move there."""
+        if self._closed or not self.active or k in self.failed or k < stage.split_layer or k >= stage.cfg.num_layers:
+            return
+        with self._lock:
+            if self.compiled_k == k or self._building is not None:
+                return
+            self._building = k
+        # A re-split replaces the stage's ModuleList and never changes these block modules, so the build thread
+        # can trace them while the runner computes (and moves) on.
+        layers = list(stage.layers[k - stage.split_layer:])
+        if not layers or layers[0].self_attn.layer_idx != k:  # never build an artifact for the wrong blocks
+            self.failed[k] = f"the stage's blocks do not start at {k} (first held {stage.split_layer})"
+            self._log("error", f"suffix_backend {self.requested}: {self.failed[k]}; frames at K={k} run eagerly")
+            self._building = None
+            return
+        if self._pool is None:
+            self._build(stage, k, layers)
+        else:
+            self._pool.submit(self._build, stage, k, layers)
+
+    def _build(self, stage, k: int, layers: list) -> None:
+        try:
+            compiled = build_openvino(stage, k, self.shape, model_id=self.model_id, cache_dir=self.cache_dir,
+                                      threads=self.threads, layers=layers)
+        except Exception as e:  # noqa: BLE001 - logged, this K serves eagerly from now on
+            self.failed[k] = f"{type(e).__name__}: {e}"
+            self.error = f"build for K={k} failed: {self.failed[k]}"
+            self._log("error", f"suffix_backend {self.requested}: {self.error}; frames at K={k} run eagerly")
+            compiled = None
+        else:
+            self.builds.append({"k": k, "seconds": compiled.build_s, "cache_hit": compiled.cache_hit,
+                                "precision": compiled.precision, "folder": str(compiled.folder)})
+            self._log("info", f"suffix_backend {self.requested} ready for K={k} (blocks [{k}, "
+                              f"{stage.cfg.num_layers}), precision {compiled.precision}) in {compiled.build_s:.1f} s "
+                              f"({'cached artifact' if compiled.cache_hit else 'converted and saved'} at "
+                              f"{compiled.folder})")
+        with self._lock:
+            if compiled is not None and not self._closed:
+                self._compiled = compiled  # swapped in for the next frame at k
+                self.error = ""
+            self._building = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until no build is in progress (True) or ``timeout`` s passed (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._building is not None:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    # ------------------------------------------------------------------------------------------ frames
+    def plan_all(self, stage, hidden_states: torch.Tensor, command: int, k: int | None = None):
+        """:meth:`SuffixStage.plan_all` through the compiled model when it covers ``k`` (the frame's K),
+        else eagerly (and a build for ``k`` starts). Same arguments, result and errors as the stage's."""
+        k = stage.split_layer if k is None else k
+        c = self._compiled
+        if c is not None and c.k < stage.split_layer:  # its blocks were freed by a move up: free its copy too
+            with self._lock:
+                if self._compiled is c:
+                    self._compiled = None
+            c = None
+        if c is not None and c.k == k and k >= stage.split_layer and tuple(hidden_states.shape) == self.shape:
+            self.frames_compiled += 1
+            return plan(stage, c.run(hidden_states), command)
+        self.frames_eager += 1
+        out = stage.plan_all(hidden_states, command, k)  # validates shape and K first
+        self.prepare(stage, k)
+        return out
+
+    def __call__(self, stage, hidden_states: torch.Tensor, command: int, k: int | None = None) -> torch.Tensor:
+        """Waypoints (N, 2) float32 m of the command's mode; see :meth:`plan_all`."""
+        return self.plan_all(stage, hidden_states, command, k).waypoints
+
+    def close(self) -> None:
+        """Free the compiled model and stop taking builds; returns at once. A conversion in progress cannot be
+        interrupted: it finishes on its thread (the interpreter waits for it at exit) and its model is dropped."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._compiled = None
