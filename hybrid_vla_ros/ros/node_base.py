@@ -1,20 +1,26 @@
 """Helpers shared by the two lifecycle nodes: parameters from the schema, diagnostics, throttled logs."""
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
 
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
-from rclpy.exceptions import ParameterUninitializedException
-from rclpy.executors import ExternalShutdownException
+from rclpy.exceptions import InvalidParameterTypeException, ParameterUninitializedException
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.impl.implementation_singleton import rclpy_implementation as _rclpy
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.node import Node
 from rclpy.parameter import Parameter
+from rclpy.signals import SignalHandlerOptions
 
 from ..util.stats import DropCounter, StageTimes
 from . import params
 from .msg_conv import ns_to_stamp
+from .params_file import unreadable_parameters
 
 # ROS parameter type of each schema type (as params.ros_type names it)
 _PARAMETER_TYPES = {
@@ -26,20 +32,62 @@ _PARAMETER_TYPES = {
 _TYPE_WORDS = {t: word for word, t in _PARAMETER_TYPES.items()}  # Parameter.Type -> 'int', 'string[]', ...
 
 
+#: Parameters rclpy declares on every node (not in the schemas, never reported as unknown).
+_RCLPY_PARAMETERS = ("use_sim_time", "start_type_description_service")
+
+
+def type_problem(name: str, given: Parameter, declared: Parameter.Type) -> str:
+    """'name: must be of type int, got string 'four'' for a value of the wrong ROS type (with a hint to
+    write 3.0 for a double given as an integer)."""
+    hint = f" (write {float(given.value)!r})" if (given.type_, declared) == (
+        Parameter.Type.INTEGER, Parameter.Type.DOUBLE) else ""
+    return (f"{name}: must be of type {_TYPE_WORDS.get(declared, declared.name)}, "
+            f"got {_TYPE_WORDS.get(given.type_, given.type_.name)} {given.value!r}{hint}")
+
+
 def declare_parameters(node: Node, schema_node: str) -> None:
     """Declare every parameter of ``schema/<schema_node>.schema.json`` with the schema's default,
     description and valid values (``ros2 param describe``). A parameter without a default, or an
     array whose default is [] (rclpy cannot type an empty list), is declared by its type and stays
-    unset until given; validation then applies the schema default."""
+    unset until given; validation then applies the schema default.
+
+    Values given at start (``--params-file``, ``-p``; launch_ros' files included) are taken as rcl read
+    them. An empty YAML list (which rcl reads as 'not set') of an array parameter counts as the empty
+    list. A value of the wrong type (``ring_slots: four``) is not declared: every such parameter is
+    collected and ParameterError is raised after all are declared, naming each ('ring_slots: must be of
+    type int, got string 'four''), where rclpy would raise on the first with a traceback. Values for
+    names the schema does not have are logged as a warning (rclpy ignores them).
+    """
+    overrides = node._parameter_overrides  # rclpy's map of the values given at start (no public accessor)
+    problems = []
     for name, spec in params.parameter_specs(schema_node).items():
         desc = ParameterDescriptor(description=spec.get("description", ""),
                                    additional_constraints=params.constraint_text(spec),
                                    dynamic_typing=isinstance(spec["type"], list))
         default = spec.get("default")
-        if default is None or default == []:
-            node.declare_parameter(name, _PARAMETER_TYPES[params.ros_type(spec)], desc)
-        else:
-            node.declare_parameter(name, float(default) if spec["type"] == "number" else default, desc)
+        declared_type = _PARAMETER_TYPES[params.ros_type(spec)] if not desc.dynamic_typing else None
+        given = overrides.get(name)
+        if given is not None and given.type_ == Parameter.Type.NOT_SET and spec["type"] == "array":
+            overrides[name] = Parameter(name, declared_type, [])  # `name: []`, which rcl reads as unset
+        try:
+            _declare(node, name, spec, default, declared_type, desc)
+        except InvalidParameterTypeException:
+            problems.append(type_problem(name, overrides.pop(name), declared_type))
+            _declare(node, name, spec, default, declared_type, desc)
+    unknown = sorted(n for n in overrides if not node.has_parameter(n) and n not in _RCLPY_PARAMETERS
+                     and not n.startswith("qos_overrides."))
+    if unknown:
+        node.get_logger().warning(f"ignored: {', '.join(unknown)} (not parameters of {schema_node}; "
+                                  "see its schema for the names)")
+    if problems:
+        raise params.ParameterError(problems)
+
+
+def _declare(node: Node, name: str, spec: dict, default, declared_type, desc: ParameterDescriptor) -> None:
+    if default is None or default == []:
+        node.declare_parameter(name, declared_type, desc)
+    else:
+        node.declare_parameter(name, float(default) if spec["type"] == "number" else default, desc)
 
 
 def parameter_values(node: Node, schema_node: str) -> dict:
@@ -49,6 +97,8 @@ def parameter_values(node: Node, schema_node: str) -> dict:
         try:
             v = node.get_parameter(name).value
         except ParameterUninitializedException:
+            continue
+        if v is None:  # not set
             continue
         values[name] = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
     return values
@@ -187,10 +237,7 @@ class PipelineNode(LifecycleNode):
             else:
                 declared = Parameter.Type(self.describe_parameter(p.name).type)
                 if p.type_ != declared:
-                    hint = f" (write {float(p.value)!r})" if (p.type_, declared) == (
-                        Parameter.Type.INTEGER, Parameter.Type.DOUBLE) else ""
-                    problems.append(f"{p.name}: must be of type {_TYPE_WORDS.get(declared, declared.name)}, "
-                                    f"got {_TYPE_WORDS.get(p.type_, p.type_.name)} {p.value!r}{hint}")
+                    problems.append(type_problem(p.name, p, declared))
         if problems:
             reason = "; ".join(problems)
             self.get_logger().warning(f"parameter change refused: {reason}")
@@ -306,14 +353,79 @@ def memory_values() -> dict:
     return out
 
 
-def spin(node: PipelineNode) -> int:
-    """Spin a pipeline node until Ctrl-C / SIGINT / external shutdown, then release it; exit code 0."""
+def run_node(name: str, factory, argv: list[str]) -> int:
+    """Start rclpy with ``argv``, build the node with ``factory()`` and spin it (:func:`spin`); the exit code.
+
+    A command line rcl cannot read (a parameter file that is not YAML, a list mixing types) and values of
+    the wrong type are printed as one clear error naming each parameter, ``<name>: ...`` on stderr, and
+    the process exits with 2, never with a traceback. rclpy's own signal handlers are not installed:
+    SIGINT and SIGTERM are handled by :func:`spin`, so the node still logs (rosout included) while it
+    shuts down.
+    """
     try:
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
+        rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
+    except _rclpy.RCLError as e:
+        found = unreadable_parameters(argv)
+        print(f"{name}: cannot read the parameters: " + ("; ".join(found) if found else str(e)), file=sys.stderr)
+        return 2
+    try:
+        node = factory()
+    except params.ParameterError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        rclpy.try_shutdown()
+        return 2
+    except KeyboardInterrupt:
+        rclpy.try_shutdown()
+        return 130
+    return spin(node)
+
+
+class _Stop(Exception):
+    """Raised in the main thread by the SIGINT / SIGTERM handler of :func:`spin`."""
+
+
+def _stop_signal(signum, frame) -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):  # one stop: a second signal (Ctrl-C and launch) waits for it
+        signal.signal(s, signal.SIG_IGN)
+    raise _Stop(signal.Signals(signum).name)
+
+
+def spin(node: PipelineNode) -> int:
+    """Spin a pipeline node until SIGINT / SIGTERM (or an external shutdown), then release it; exit code 0.
+
+    The executor runs in a background thread and the main thread waits for a signal. On SIGINT or SIGTERM
+    the executor stops, the pipeline is released (worker stopped, ring and model freed) and logged while
+    the ROS context is still valid, then the node is destroyed and rclpy shut down. Further signals during
+    that shutdown are ignored. Returns 1 when the executor itself failed (the error is logged).
+    """
+    executor = SingleThreadedExecutor(context=node.context)
+    executor.add_node(node)
+    failed = []
+
+    def _spin() -> None:
+        try:
+            executor.spin()
+        except ExternalShutdownException:
+            pass
+        except Exception as e:  # noqa: BLE001 - reported below, then the node shuts down
+            failed.append(e)
+
+    thread = threading.Thread(target=_spin, name="executor", daemon=True)
+    try:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, _stop_signal)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.5)
+    except (_Stop, KeyboardInterrupt):
         pass
     finally:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        executor.shutdown(timeout_sec=30.0)
+        if failed:
+            node.get_logger().error(f"executor failed: {type(failed[0]).__name__}: {failed[0]}")
         node.shutdown_pipeline()
         node.destroy_node()
         rclpy.try_shutdown()
-    return 0
+    return 1 if failed else 0

@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 
-import rclpy
 import torch
 from geometry_msgs.msg import AccelWithCovarianceStamped
 from nav_msgs.msg import Odometry
@@ -388,9 +387,9 @@ class PrefixNode(node_base.PipelineNode):
 
 
 def main(args: list[str] | None = None) -> int:
-    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args ...``."""
-    rclpy.init(args=args if args is not None else sys.argv)
-    return node_base.spin(PrefixNode())
+    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args ...``. Exit code 0 after a clean
+    shutdown (SIGINT / SIGTERM), 2 when the parameters given cannot be read (see ``node_base.run_node``)."""
+    return node_base.run_node("prefix_node", PrefixNode, args if args is not None else sys.argv)
 
 
 if __name__ == "__main__":

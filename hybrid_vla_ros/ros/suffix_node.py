@@ -45,13 +45,10 @@ def main(args: list[str] | None = None) -> int:
     if early:
         # Keep OpenMP from sizing its pool for all cores before configure sets the thread count.
         os.environ.setdefault("OMP_NUM_THREADS", str(len(early)))
-    import rclpy
-
     from . import node_base
     from ._suffix_impl import SuffixNode
 
-    rclpy.init(args=argv)
-    return node_base.spin(SuffixNode(early_affinity=early))
+    return node_base.run_node("suffix_node", lambda: SuffixNode(early_affinity=early), argv)
 
 
 if __name__ == "__main__":
