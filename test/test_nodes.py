@@ -294,3 +294,64 @@ def test_live_resplit_on_running_nodes(nodes, embedded_bag):
     assert "split_layer auto: no profile, latencies unknown: K=4" in (logs / "prefix.log").read_text()
     result = _try_set_param(graph, f"{ns}/prefix_node", "split_layer", "fastest")
     assert not result.successful and "split_layer: must match ^auto$" in result.reason
+
+
+def test_candidate_trajectories_all_modes_through_the_guard(nodes, embedded_bag):
+    """With publish_candidate_trajectories the suffix publishes every planner mode (tiny: M = 6) as one
+    autoware_internal_planning_msgs/CandidateTrajectories per frame: camera stamp and output frame in each
+    header, the node's fixed generator_id, and the mode the navigation command selects equal, point for point,
+    to the Trajectory. Then, with a speed limit between the modes' speeds, the modes that break it are left
+    out of the message and counted (candidate_guard_too_fast), never published."""
+    from autoware_internal_planning_msgs.msg import CandidateTrajectories
+
+    from hybrid_vla_ros.model.config import NAV_COMMANDS
+    from hybrid_vla_ros.ros.msg_conv import generator_uuid
+
+    ns, graph, prefix, suffix, procs, logs = nodes
+    received = []
+    graph.node.create_subscription(CandidateTrajectories, f"{ns}/suffix_node/output/candidate_trajectories",
+                                   lambda m: graph._keep(received, m), 10)
+    _set_param(graph, f"{ns}/suffix_node", "split_layer", 1)
+    _set_param(graph, f"{ns}/suffix_node", "publish_candidate_trajectories", True)
+    for client in (prefix, suffix):
+        assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
+    publish = _frame_publisher(graph, ns, embedded_bag)
+    publish(0)
+    assert graph.wait(lambda: received and graph.trajectories), (logs / "suffix.log").read_text()
+    with graph.lock:
+        msg, traj = received[0], graph.trajectories[0]
+    assert len(msg.candidate_trajectories) == 6, "one candidate per planner mode"
+    fqn = f"{ns}/suffix_node"
+    expected_id = list(generator_uuid(fqn).bytes)
+    assert [list(i.generator_id.uuid) for i in msg.generator_info] == [expected_id]
+    assert msg.generator_info[0].generator_name.data == fqn
+    for c in msg.candidate_trajectories:
+        assert c.header == traj.header  # the camera stamp, frame map
+        assert list(c.generator_id.uuid) == expected_id
+        assert len(c.points) == len(traj.points) == 7
+    selected = NAV_COMMANDS.index("LANE_FOLLOW")  # the parameter file's navigation command
+    assert msg.candidate_trajectories[selected].points == traj.points
+    others = [c for i, c in enumerate(msg.candidate_trajectories) if i != selected]
+    assert all(c.points != traj.points for c in others), "random-init modes differ"
+
+    # A speed limit in the widest gap between the modes' top speeds: the faster modes break it.
+    top = sorted(max(abs(p.longitudinal_velocity_mps) for p in c.points) for c in msg.candidate_trajectories)
+    gap = max(range(len(top) - 1), key=lambda i: top[i + 1] - top[i])
+    limit = (top[gap] + top[gap + 1]) / 2
+    faster = sum(t > limit for t in top)
+    assert 0 < faster < 6
+    _set_param(graph, f"{ns}/suffix_node", "guard.max_speed_mps", float(limit))
+    assert suffix.change_state("deactivate", 10)[0] and suffix.change_state("cleanup", 10)[0]
+    assert suffix.change_state("configure", 60)[0] and suffix.change_state("activate", 10)[0]
+    with graph.lock:
+        received.clear()
+    publish(0, shift_ns=10 * 10**9)
+    assert graph.wait(lambda: received), (logs / "suffix.log").read_text()
+    kept = received[0].candidate_trajectories
+    assert len(kept) == 6 - faster
+    assert all(max(abs(p.longitudinal_velocity_mps) for p in c.points) <= limit for c in kept)
+    status = f"{ns}/suffix_node: pipeline"
+    assert graph.wait(lambda: graph.diag.get(status, {}).get("drop_candidate_guard_too_fast") == str(faster))
+    assert graph.diag[status]["candidate_trajectories_out"] == "2"
+    assert graph.diag[status]["candidates_out"] == str(6 + 6 - faster)
+    assert "left out: " in (logs / "suffix.log").read_text()

@@ -27,7 +27,12 @@ class StaleFrame(RuntimeError):
 
 @dataclass
 class SuffixResult:
-    """Waypoints of one frame with its slot metadata, stage timings (ms) and instants (CLOCK_MONOTONIC ns)."""
+    """Waypoints of one frame with its slot metadata, stage timings (ms) and instants (CLOCK_MONOTONIC ns).
+
+    ``waypoints`` is the mode the navigation command selected, ``modes`` every mode of the planner (M = 1 or
+    6, one per navigation command) and ``mode`` the selected one's index (``waypoints == modes[mode]``).
+    Only ``waypoints`` is checked for finiteness here; a non-finite other mode is the caller's to judge.
+    """
 
     waypoints: np.ndarray  # (N, 2) float64 metres, ego frame
     meta: FrameMeta
@@ -36,6 +41,8 @@ class SuffixResult:
     t_ready_ns: int = 0  # the suffix holds the view of the slot
     t_suffix_end_ns: int = 0  # the suffix stage returned the waypoints
     resplits: tuple = ()  # Resplit events applied while taking this frame (blocks loaded / freed)
+    modes: np.ndarray | None = None  # (M, N, 2) float64 metres, ego frame, every planner mode
+    mode: int = 0  # index of the selected mode in modes
 
     @property
     def preprocess_ms(self) -> float:
@@ -175,16 +182,17 @@ class SuffixRunner:
                 announced = self.prefetcher.pending == (k, self.stage.split_layer)
                 self._events.append(self._load_front(k, not announced, None))
             t_ready = time.monotonic_ns()
-            waypoints = self.stage(slot.tensor, self.command, k)
+            out = self.stage.plan_all(slot.tensor, self.command, k)
             t_end = time.monotonic_ns()
             meta = slot.meta
         self._after_frame(k)
         resplits, self._events = tuple(self._events), []
-        wp = waypoints.double().numpy()
+        modes = out.modes.double().numpy()
+        wp = modes[out.mode]
         if not np.isfinite(wp).all():
             raise FloatingPointError("suffix produced non-finite waypoints")
         return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, (t_end - t_ready) / 1e6, t_ready, t_end,
-                            resplits)
+                            resplits, modes, out.mode)
 
     def ring_stats(self) -> dict:
         return dict(self.ring.stats) if self.ring is not None else {}
