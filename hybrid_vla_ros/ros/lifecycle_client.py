@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 
-from lifecycle_msgs.msg import Transition
+from lifecycle_msgs.msg import Transition, TransitionEvent
 from lifecycle_msgs.srv import ChangeState, GetState
 
 TRANSITIONS = {
@@ -16,10 +16,17 @@ TRANSITIONS = {
     "inactive_shutdown": Transition.TRANSITION_INACTIVE_SHUTDOWN,
     "active_shutdown": Transition.TRANSITION_ACTIVE_SHUTDOWN,
 }
+#: The primary states of a managed node; the others (configuring, activating, ...) are transition states.
+PRIMARY_STATES = ("unconfigured", "inactive", "active", "finalized")
+#: Transitions that take a node one step towards active from each primary state.
+TOWARDS_ACTIVE = {"unconfigured": "configure", "inactive": "activate"}
+#: Transitions that take an active node back to each primary state (what :meth:`LifecycleClient.return_to` runs).
+BACK_FROM_ACTIVE = {"active": (), "inactive": ("deactivate",), "unconfigured": ("deactivate", "cleanup")}
 
 
 class LifecycleClient:
-    """Calls ``<node>/change_state`` and ``<node>/get_state`` of one managed node.
+    """Calls ``<node>/change_state`` and ``<node>/get_state`` of one managed node and follows its
+    ``<node>/transition_event`` topic (transitions anyone triggers, e.g. a launch file's autostart).
 
     ``node`` must be spun by an executor in another thread (calls block on a future).
     """
@@ -28,6 +35,16 @@ class LifecycleClient:
         self.name = target
         self._change = node.create_client(ChangeState, f"{target}/change_state")
         self._get = node.create_client(GetState, f"{target}/get_state")
+        self._lock = threading.Lock()
+        self._last_event = None  # monotonic time of the last transition event seen
+        self._events = 0
+        node.create_subscription(TransitionEvent, f"{target}/transition_event", self._on_event, 10)
+        self._watch_since = time.monotonic()
+
+    def _on_event(self, msg: TransitionEvent) -> None:
+        with self._lock:
+            self._last_event = time.monotonic()
+            self._events += 1
 
     def wait_for_services(self, timeout_s: float, procs=()) -> bool:
         """Wait until both services exist; gives up early if a process in ``procs`` has exited."""
@@ -62,3 +79,70 @@ class LifecycleClient:
         """Label of the node's current state, or '' when it does not answer."""
         result = self._call(self._get, GetState.Request(), timeout_s)
         return result.current_state.label if result is not None else ""
+
+    def settled_state(self, timeout_s: float, quiet_s: float = 0.0) -> str:
+        """The node's primary state once it has settled: not in a transition, and, unless it is active or
+        finalized, with no transition seen on its ``transition_event`` topic for ``quiet_s`` seconds (counted
+        from when this client started watching), so that a transition someone else is about to make (a launch
+        file's autostart configures a node as soon as its services appear) is waited for, not raced.
+
+        A node busy in a transition callback does not answer ``get_state`` (its executor is running the
+        callback): that counts as "in a transition" too. Returns the label, or '' when the node did not settle
+        within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return ""
+            label = self.get_state(min(5.0, max(remaining, 0.1)))
+            if label in ("active", "finalized"):
+                return label
+            if label in PRIMARY_STATES:
+                with self._lock:
+                    last = self._last_event if self._last_event is not None else self._watch_since
+                if time.monotonic() - last >= quiet_s:
+                    return label
+            time.sleep(0.1)
+
+    def bring_to_active(self, timeout_s: float, quiet_s: float = 0.0) -> tuple[str, list[str], str]:
+        """Make the node active with only the transitions its state needs (unconfigured: configure, then
+        activate; inactive: activate; active: none), waiting for transitions in progress (see
+        :meth:`settled_state`). A transition refused because the node moved meanwhile (someone else made it)
+        is not an error: the state is read again. Returns (the settled state found first, the transitions this
+        call made, '' or why the node is not active)."""
+        deadline = time.monotonic() + timeout_s
+        found, made, quiet = "", [], quiet_s
+        while True:
+            state = self.settled_state(max(deadline - time.monotonic(), 0.0), quiet)
+            found = found or state
+            if state == "active":
+                return found, made, ""
+            if state not in TOWARDS_ACTIVE:
+                return found, made, f"{self.name} is {state}" if state else \
+                    f"{self.name} did not settle in a primary state within {timeout_s:.0f} s"
+            transition = TOWARDS_ACTIVE[state]
+            ok, detail = self.change_state(transition, max(deadline - time.monotonic(), 1.0))
+            if ok:
+                made.append(transition)
+                quiet = 0.0  # our own transition: the next one follows at once
+                continue
+            quiet = quiet_s
+            if self.settled_state(max(deadline - time.monotonic(), 0.0), quiet) == state:
+                return found, made, f"{transition} of {self.name} failed ({detail})"
+
+    def return_to(self, state: str, timeout_s: float) -> tuple[bool, str]:
+        """Take the node back down to primary state ``state`` ('active', 'inactive' or 'unconfigured') from the
+        state it is in now, with deactivate and cleanup as needed (a node already there, or below it, is left
+        alone). Returns (success, detail)."""
+        order = ("unconfigured", "inactive", "active")
+        current = self.get_state(timeout_s)
+        if current not in order:
+            return False, f"{self.name} is {current or 'not answering'}"
+        for transition, src in (("deactivate", "active"), ("cleanup", "inactive")):
+            if current == src and order.index(state) < order.index(src):
+                ok, detail = self.change_state(transition, timeout_s)
+                if not ok:
+                    return False, f"{transition} of {self.name} failed ({detail})"
+                current = order[order.index(src) - 1]
+        return True, ""
