@@ -126,11 +126,19 @@ def ros2(env: dict, *args: str, timeout: float = 120.0) -> subprocess.CompletedP
     return subprocess.run([executable("ros2"), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def lifecycle_state(env: dict, node: str) -> str:
-    """The state label ``ros2 lifecycle get <node>`` prints ('active', 'unconfigured', ...); '' when it fails."""
-    out = ros2(env, "lifecycle", "get", node, timeout=60)
-    match = re.match(r"(\w+) \[\d+\]", out.stdout.strip())
-    return match.group(1) if out.returncode == 0 and match else ""
+def lifecycle_state(env: dict, node: str, timeout: float = 60.0) -> str:
+    """The state label ``ros2 lifecycle get <node>`` prints ('active', 'unconfigured', ...). A call that does not
+    find the node yet (the ros2 daemon it starts discovers the graph first) is repeated for up to ``timeout`` s;
+    '' when it never does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = ros2(env, "lifecycle", "get", node, timeout=60)
+        match = re.match(r"(\w+) \[\d+\]", out.stdout.strip())
+        if out.returncode == 0 and match:
+            return match.group(1)
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(0.5)
 
 
 def wait_lifecycle_state(env: dict, node: str, state: str, timeout: float, alive=None) -> str:
@@ -138,7 +146,7 @@ def wait_lifecycle_state(env: dict, node: str, state: str, timeout: float, alive
     turns False); the last state seen."""
     deadline, seen = time.monotonic() + timeout, ""
     while time.monotonic() < deadline:
-        seen = lifecycle_state(env, node)
+        seen = lifecycle_state(env, node, timeout=0)
         if seen == state or (alive is not None and not alive()):
             return seen
         time.sleep(0.5)
