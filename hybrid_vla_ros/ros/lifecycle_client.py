@@ -33,6 +33,7 @@ class LifecycleClient:
 
     def __init__(self, node, target: str):
         self.name = target
+        self._node = node
         self._change = node.create_client(ChangeState, f"{target}/change_state")
         self._get = node.create_client(GetState, f"{target}/get_state")
         self._lock = threading.Lock()
@@ -40,6 +41,12 @@ class LifecycleClient:
         self._events = 0
         node.create_subscription(TransitionEvent, f"{target}/transition_event", self._on_event, 10)
         self._watch_since = time.monotonic()
+        self.waited_s = 0.0  # time the last settled_state spent waiting for the node to settle
+
+    def other_managers(self) -> int:
+        """How many clients besides this one the node's ``change_state`` service has on the graph: a lifecycle
+        manager such as ``ros2 launch``'s LifecycleNode action (it keeps one per node, autostart or not)."""
+        return max(0, self._node.count_clients(f"{self.name}/change_state") - 1)
 
     def _on_event(self, msg: TransitionEvent) -> None:
         with self._lock:
@@ -80,41 +87,50 @@ class LifecycleClient:
         result = self._call(self._get, GetState.Request(), timeout_s)
         return result.current_state.label if result is not None else ""
 
-    def settled_state(self, timeout_s: float, quiet_s: float = 0.0) -> str:
+    def settled_state(self, timeout_s: float, quiet_s: float = 0.0, managed_quiet_s: float | None = None) -> str:
         """The node's primary state once it has settled: not in a transition, and, unless it is active or
         finalized, with no transition seen on its ``transition_event`` topic for ``quiet_s`` seconds (counted
-        from when this client started watching), so that a transition someone else is about to make (a launch
-        file's autostart configures a node as soon as its services appear) is waited for, not raced.
+        from when this client started watching), or for ``managed_quiet_s`` seconds while another lifecycle
+        manager has a client on its ``change_state`` service (:meth:`other_managers`). So a transition someone
+        else is about to make (a launch file's autostart configures a node as soon as it sees the node's
+        services, which on a busy machine took more than 3 s after this client saw them) is waited for, not raced.
 
         A node busy in a transition callback does not answer ``get_state`` (its executor is running the
         callback): that counts as "in a transition" too. Returns the label, or '' when the node did not settle
-        within ``timeout_s``.
+        within ``timeout_s``; ``waited_s`` is set to the time spent.
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return ""
-            label = self.get_state(min(5.0, max(remaining, 0.1)))
-            if label in ("active", "finalized"):
-                return label
-            if label in PRIMARY_STATES:
-                with self._lock:
-                    last = self._last_event if self._last_event is not None else self._watch_since
-                if time.monotonic() - last >= quiet_s:
+        start = time.monotonic()
+        deadline = start + timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return ""
+                label = self.get_state(min(5.0, max(remaining, 0.1)))
+                if label in ("active", "finalized"):
                     return label
-            time.sleep(0.1)
+                if label in PRIMARY_STATES:
+                    with self._lock:
+                        last = self._last_event if self._last_event is not None else self._watch_since
+                    need = managed_quiet_s if managed_quiet_s is not None and self.other_managers() else quiet_s
+                    if time.monotonic() - last >= need:
+                        return label
+                time.sleep(0.1)
+        finally:
+            self.waited_s = time.monotonic() - start
 
-    def bring_to_active(self, timeout_s: float, quiet_s: float = 0.0) -> tuple[str, list[str], str]:
+    def bring_to_active(self, timeout_s: float, quiet_s: float = 0.0,
+                        managed_quiet_s: float | None = None) -> tuple[str, list[str], str]:
         """Make the node active with only the transitions its state needs (unconfigured: configure, then
-        activate; inactive: activate; active: none), waiting for transitions in progress (see
+        activate; inactive: activate; active: none), waiting for transitions in progress and, first, for a
+        quiet time (``quiet_s``, or ``managed_quiet_s`` when another lifecycle manager is there; see
         :meth:`settled_state`). A transition refused because the node moved meanwhile (someone else made it)
         is not an error: the state is read again. Returns (the settled state found first, the transitions this
         call made, '' or why the node is not active)."""
         deadline = time.monotonic() + timeout_s
-        found, made, quiet = "", [], quiet_s
+        found, made, quiet, managed = "", [], quiet_s, managed_quiet_s
         while True:
-            state = self.settled_state(max(deadline - time.monotonic(), 0.0), quiet)
+            state = self.settled_state(max(deadline - time.monotonic(), 0.0), quiet, managed)
             found = found or state
             if state == "active":
                 return found, made, ""
@@ -125,10 +141,10 @@ class LifecycleClient:
             ok, detail = self.change_state(transition, max(deadline - time.monotonic(), 1.0))
             if ok:
                 made.append(transition)
-                quiet = 0.0  # our own transition: the next one follows at once
+                quiet, managed = 0.0, None  # our own transition: the next one follows at once
                 continue
-            quiet = quiet_s
-            if self.settled_state(max(deadline - time.monotonic(), 0.0), quiet) == state:
+            quiet, managed = quiet_s, managed_quiet_s
+            if self.settled_state(max(deadline - time.monotonic(), 0.0), quiet, managed) == state:
                 return found, made, f"{transition} of {self.name} failed ({detail})"
 
     def return_to(self, state: str, timeout_s: float) -> tuple[bool, str]:

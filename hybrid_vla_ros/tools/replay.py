@@ -11,8 +11,10 @@ pipeline did (see :mod:`hybrid_vla_ros.tools.plots`).
 
 With ``--attach`` the nodes are driven from whatever lifecycle state they are in, with only the
 transitions needed (unconfigured: configure and activate; inactive: activate; active: none). A node in
-a transition, or one that made a transition in the last ``ATTACH_QUIET_S`` seconds (a launch file's
-autostart configures and activates the nodes as soon as they start), is waited for, not raced. After
+a transition is waited for, and so is one that made a transition in the last ``--attach-wait`` seconds
+while another lifecycle manager has a client on its ``change_state`` service (``ros2 launch`` keeps one
+per node; its autostart configures and activates the nodes as soon as it sees them): that autostart is
+waited for, not raced (``ATTACH_QUIET_S`` without another manager). After
 the run each attached node is returned to the state it was found in (active stays active; one found
 unconfigured is deactivated and cleaned up again), and the processes keep running. The report counts
 this run only: the nodes' counters live as long as their processes, so the replay takes their
@@ -43,9 +45,9 @@ DEFAULT_BAG = embedded_bag()
 ODOMETRY_TOPIC = "/localization/kinematic_state"
 ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
 # the checkpoint takes the ego state
-#: With --attach, a node is taken as settled once it has made no lifecycle transition for this long (s), so a
-#: launch file's autostart in progress is waited for instead of raced.
-ATTACH_QUIET_S = 3.0
+#: With --attach, a node is taken as settled once it has made no lifecycle transition for this long (s) (for
+#: the graph to show whether another lifecycle manager is there); with another manager, --attach-wait.
+ATTACH_QUIET_S = 1.0
 #: /diagnostics keys that count events over the life of a node process (the report subtracts the values
 #: found before playback); drop_<cause> keys count too.
 COUNTERS = ("frames_in", "frames_synchronized", "frames_out", "trajectories_out", "ring_published",
@@ -79,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="out/replay",
                    help="output folder: trajectories/ (MCAP bag, replaced on each run), node logs, params.yaml, report.json")
     p.add_argument("--attach", action="store_true", help="drive nodes that are already running instead of starting them")
+    p.add_argument("--attach-wait", type=float, default=10.0, metavar="S",
+                   help="with --attach: a node found unconfigured or inactive while another lifecycle manager (e.g. "
+                        "ros2 launch, autostart or not) has a client on its change_state service is driven only "
+                        "after S seconds without a transition, so that manager's autostart is waited for, not raced")
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="also write PNG pictures (trajectory on the front camera, bird's-eye view, timeline, "
                         "latency histograms) into DIR")
@@ -167,6 +173,8 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
         problems.append(f"--rate must be > 0, got {args.rate}")
     if args.sync_tolerance_ms <= 0:
         problems.append(f"--sync-tolerance-ms must be > 0, got {args.sync_tolerance_ms}")
+    if not args.attach_wait >= 0:
+        problems.append(f"--attach-wait must be >= 0, got {args.attach_wait}")
     if not _ROS_NAMESPACE.match(args.namespace):
         problems.append(f"--namespace {args.namespace!r} is not a ROS namespace ([A-Za-z_][A-Za-z0-9_]* parts)")
     try:
@@ -376,15 +384,17 @@ class ReplaySession:
                 else:
                     print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s", file=sys.stderr)
                 return False
-        quiet = ATTACH_QUIET_S if self.args.attach else 0.0  # nodes this replay started: nobody else drives them
+        # nodes this replay started: nobody else drives them
+        quiet, managed = (ATTACH_QUIET_S, self.args.attach_wait) if self.args.attach else (0.0, None)
         # The prefix first: the suffix waits for its ring. Each node gets the timeout for its own transitions.
         for m in managers:
-            found, made, problem = m.bring_to_active(2 * self.args.timeout, quiet)
+            found, made, problem = m.bring_to_active(2 * self.args.timeout + (managed or 0.0), quiet, managed)
             self.found[m.name] = found
             if self.args.attach:
                 print(f"{m.name}: found {found or 'not settled'}"
                       + (f", {' and '.join(made)} done by this replay" if made else "")
-                      + (f"; it goes back to {found} after the run" if made and found in BACK_FROM_ACTIVE else ""))
+                      + (f"; it goes back to {found} after the run" if made and found in BACK_FROM_ACTIVE else "")
+                      + (f" (waited {m.waited_s:.1f} s for it to settle)" if m.waited_s >= 0.5 and not made else ""))
             if problem:
                 print(f"hybrid-vla replay: {problem}; see {self.out if self.procs else 'the node output'}",
                       file=sys.stderr)
