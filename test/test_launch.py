@@ -197,6 +197,7 @@ def test_played_frames_come_out_as_trajectories_and_candidates(deployment, ros_e
     assert msg.candidate_trajectories[NAV_COMMANDS.index("LANE_FOLLOW")].points == traj.points
     assert list(msg.generator_info[0].generator_id.uuid) == list(generator_uuid(f"/{NS}/suffix_node").bytes)
     out = ros_tools.ros2(ros_env, "topic", "info", CANDIDATES)
+    print(f"\n$ ros2 topic info {CANDIDATES}\n{out.stdout}")
     assert "autoware_internal_planning_msgs/msg/CandidateTrajectories" in out.stdout and "Publisher count: 1" in \
         out.stdout, out.stdout + out.stderr
 
@@ -262,7 +263,7 @@ def test_unreadable_parameter_values_are_clear_errors_at_start(ros_env, tiny_che
     one line naming the parameter, no traceback. Also ros2 run with a list rcl cannot read (mixed types), for
     both nodes, and an empty list launch argument, which launch_ros cannot write."""
     ns = f"hvla_badparams_{uuid.uuid4().hex[:6]}"
-    prefix_file = _params_file(tmp_path / "prefix.yaml", "prefix_node", ring_slots="four")
+    prefix_file = _params_file(tmp_path / "prefix.yaml", "prefix_node", ring_slots="four", split_layr=3)
     suffix_file = _params_file(tmp_path / "suffix.yaml", "suffix_node", wheelbase_m=3)
     launched = ros_tools.Launched([f"model_path:={tiny_checkpoint}", "split_layer:=2", f"namespace:={ns}",
                                    f"prefix_param_file:={prefix_file}", f"suffix_param_file:={suffix_file}"],
@@ -278,6 +279,7 @@ def test_unreadable_parameter_values_are_clear_errors_at_start(ros_env, tiny_che
         in log, log
     assert ("[suffix_node-2] suffix_node: invalid parameters: wheelbase_m: must be of type double, got int 3 "
             "(write 3.0)") in log, log
+    assert "ignored: split_layr (not parameters of prefix_node" in log, "a misspelt name is not silently lost"
     assert "Traceback" not in log and not launched.survivors()
 
     prefix_file = _params_file(tmp_path / "prefix_mixed.yaml", "prefix_node", camera_transports=["raw", 1])

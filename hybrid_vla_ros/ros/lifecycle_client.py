@@ -41,7 +41,9 @@ class LifecycleClient:
         self._events = 0
         node.create_subscription(TransitionEvent, f"{target}/transition_event", self._on_event, 10)
         self._watch_since = time.monotonic()
+        self._seen_at = None  # monotonic time its services were first seen ready
         self.waited_s = 0.0  # time the last settled_state spent waiting for the node to settle
+        self.refused = 0  # change_state requests of this client the node answered with success false
 
     def other_managers(self) -> int:
         """How many clients besides this one the node's ``change_state`` service has on the graph: a lifecycle
@@ -58,6 +60,8 @@ class LifecycleClient:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._change.service_is_ready() and self._get.service_is_ready():
+                if self._seen_at is None:
+                    self._seen_at = time.monotonic()
                 return True
             if any(p.poll() is not None for p in procs):
                 return False
@@ -80,6 +84,8 @@ class LifecycleClient:
         result = self._call(self._change, req, timeout_s)
         if result is None:
             return False, f"no answer within {timeout_s:.0f} s"
+        if not result.success:
+            self.refused += 1
         return bool(result.success), "" if result.success else "the node refused or its callback failed"
 
     def get_state(self, timeout_s: float = 5.0) -> str:
@@ -90,7 +96,7 @@ class LifecycleClient:
     def settled_state(self, timeout_s: float, quiet_s: float = 0.0, managed_quiet_s: float | None = None) -> str:
         """The node's primary state once it has settled: not in a transition, and, unless it is active or
         finalized, with no transition seen on its ``transition_event`` topic for ``quiet_s`` seconds (counted
-        from when this client started watching), or for ``managed_quiet_s`` seconds while another lifecycle
+        from when this client first saw the node's services), or for ``managed_quiet_s`` seconds while another lifecycle
         manager has a client on its ``change_state`` service (:meth:`other_managers`). So a transition someone
         else is about to make (a launch file's autostart configures a node as soon as it sees the node's
         services, which on a busy machine took more than 3 s after this client saw them) is waited for, not raced.
@@ -111,7 +117,7 @@ class LifecycleClient:
                     return label
                 if label in PRIMARY_STATES:
                     with self._lock:
-                        last = self._last_event if self._last_event is not None else self._watch_since
+                        last = max(t for t in (self._last_event, self._seen_at, self._watch_since) if t is not None)
                     need = managed_quiet_s if managed_quiet_s is not None and self.other_managers() else quiet_s
                     if time.monotonic() - last >= need:
                         return label

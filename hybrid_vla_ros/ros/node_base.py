@@ -177,6 +177,29 @@ class PipelineNode(LifecycleNode):
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._stall_since = time.monotonic()
         self._diag_timer = self.create_timer(1.0, self.publish_diagnostics)
+        #: ChangeState requests that left the state as it was (a transition not available from the current
+        #: state, e.g. two lifecycle managers asking for the same one, or a callback that failed), in
+        #: /diagnostics as lifecycle_requests_refused: `hybrid-vla replay --attach` reads it to tell whether
+        #: another manager was bringing the node up while the replay did.
+        self.lifecycle_requests_refused = 0
+        self._count_refused_requests()
+
+    def _count_refused_requests(self) -> None:
+        """Wrap the callback of rclpy's ``change_state`` service (``_service_change_state``; rclpy has no public
+        hook) to count the requests that leave the state unchanged."""
+        service = getattr(self, "_service_change_state", None)
+        if service is None:
+            return
+        inner = service.callback
+
+        def on_change_state(request, response):
+            before = lifecycle_state(self)
+            response = inner(request, response)
+            if not response.success and lifecycle_state(self) == before:
+                self.lifecycle_requests_refused += 1
+            return response
+
+        service.callback = on_change_state
 
     #: Parameters a running node applies as soon as they are set (through :meth:`_apply_live_parameters`);
     #: every other one is read at configure.
@@ -293,7 +316,9 @@ class PipelineNode(LifecycleNode):
         drops = self.drops.snapshot()
         ring_ready, ring_slots = ring_fill(self._ring())
         values = flatten_stats(self.times.summary(), drops,
-                               {"state": lifecycle_state(self), **self._diagnostic_values(),
+                               {"state": lifecycle_state(self),
+                                "lifecycle_requests_refused": self.lifecycle_requests_refused,
+                                **self._diagnostic_values(),
                                 "ring_ready_slots": f"{ring_ready}/{ring_slots}", **memory_values(),
                                 "last_error": self.last_error})
         now = time.monotonic()

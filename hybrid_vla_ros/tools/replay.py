@@ -256,6 +256,7 @@ class ReplaySession:
         self.bag = None
         self.interrupted = False
         self.found: dict[str, str] = {}  # node -> the settled lifecycle state it was found in
+        self.refused_before: dict[str, int] = {}  # node -> lifecycle_requests_refused before this replay drove it
         self.baseline: dict[str, dict] = {}  # status name -> /diagnostics values before playback
 
     def write_params(self) -> Path:
@@ -384,6 +385,11 @@ class ReplaySession:
                 else:
                     print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s", file=sys.stderr)
                 return False
+        # lifecycle requests the nodes refused so far: more at the end than this replay's own refused ones means
+        # another manager (a launch autostart this replay came before) was bringing a node up meanwhile
+        if self.args.attach:  # (a node busy in a transition publishes no /diagnostics: its latest then)
+            self.refused_before = {m.name: _refused(d) for m, d in
+                                   zip(managers, self._fresh_diagnostics(time.monotonic(), 3.0).values())}
         # nodes this replay started: nobody else drives them
         quiet, managed = (ATTACH_QUIET_S, self.args.attach_wait) if self.args.attach else (0.0, None)
         # The prefix first: the suffix waits for its ring. Each node gets the timeout for its own transitions.
@@ -416,15 +422,24 @@ class ReplaySession:
         with self.rec.lock:
             return {n: dict(self.rec.diagnostics.get(n, {})) for n in names}
 
-    def _return_nodes(self, managers) -> None:
+    def _return_nodes(self, managers, final: dict | None = None) -> None:
         """After the run: attached nodes back to the state they were found in; started ones deactivated and
-        cleaned up (their processes are stopped next)."""
+        cleaned up (their processes are stopped next). ``final``: the nodes' /diagnostics at the end (status
+        name -> key/values); an attached node that refused more lifecycle requests than this replay's own was
+        being brought up by another manager too (this replay came first): it is left active."""
         from ..ros.lifecycle_client import BACK_FROM_ACTIVE
 
         for m in managers:
             goal = self.found.get(m.name) if self.args.attach else "unconfigured"
             if goal not in BACK_FROM_ACTIVE:
                 continue  # an attached node never settled: nothing to undo
+            if self.args.attach and goal != "active" and final is not None:
+                others = (_refused(final.get(f"{m.name}: pipeline", {})) - self.refused_before.get(m.name, 0)
+                          - m.refused)
+                if others > 0:
+                    print(f"{m.name}: left active: another lifecycle manager asked for {others} transition(s) while "
+                          "this replay brought it up (a launch file's autostart this replay came before)")
+                    continue
             ok, problem = m.return_to(goal, self.args.timeout)
             if not ok:
                 print(f"hybrid-vla replay: {problem}", file=sys.stderr)
@@ -481,7 +496,7 @@ class ReplaySession:
         final = self._fresh_diagnostics(time.monotonic())
         prefix, suffix = (run_counts(final[n], self.baseline.get(n, {}))
                           for n in (f"{self.ns}/prefix_node: pipeline", f"{self.ns}/suffix_node: pipeline"))
-        self._return_nodes(managers)
+        self._return_nodes(managers, final)
         report = _report(self.rec, frames, published, self.k, self.cfg, self.bag.path,
                          self.args.sync_tolerance_ms, prefix, suffix)
         report["settings"] = {"dtype": self.args.dtype, "device": self.args.device, "rate": self.args.rate,
@@ -595,6 +610,14 @@ def _frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int 
     """The published frame (key of ``frames``) a trajectory stamp belongs to, or None (not this replay's)."""
     key = min(frames, key=lambda f: abs(f - stamp)) if frames else None
     return None if key is None or abs(key - stamp) > tolerance_ns else key
+
+
+def _refused(values: dict) -> int:
+    """``lifecycle_requests_refused`` of a node's /diagnostics key/values (0 when absent)."""
+    try:
+        return int(values.get("lifecycle_requests_refused", 0))
+    except ValueError:
+        return 0
 
 
 def run_counts(now: dict, before: dict) -> dict[str, int]:
