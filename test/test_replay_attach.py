@@ -57,10 +57,16 @@ def _replay(ros_env, model, ns, out: Path):
     return proc, report
 
 
-def _check_run(proc, report, launched):
+def _check_run(proc, report, launched, before=None):
+    """This run's report: this run's camera messages only (54 when none is lost; best-effort camera messages
+    can be lost while DDS matching completes on a busy machine), and the node's counters at the start of
+    this run are those at the start of the previous run plus what the previous run reported."""
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text + "\n" + launched.log()[-4000:]
-    assert report["camera_messages_in"] == CAMERA_MESSAGES, (report, text)
+    assert 0 < report["camera_messages_in"] <= CAMERA_MESSAGES, (report, text)
+    if before is not None:
+        assert report["node_counters_at_start"]["prefix_node"]["frames_in"] == \
+            before["node_counters_at_start"]["prefix_node"]["frames_in"] + before["camera_messages_in"]
     assert report["frames_published"] == 3 * LOOPS
     assert 0 < report["trajectories_out"] <= report["frames_published"]
     assert report["foreign_trajectories"] == 0
@@ -108,7 +114,8 @@ def test_attach_to_autostarted_nodes_twice(ros_env, ros_install, tiny_checkpoint
         assert not re.search(r"Failed to make transition", launched.log()), launched.log()
 
     second, report2 = _replay(ros_env, tiny_checkpoint, ns, tmp_path / "run2")
-    text = _check_run(second, report2, launched)
+    text = _check_run(second, report2, launched, report1)
+    print(f"camera messages in: {report1['camera_messages_in']}, then {report2['camera_messages_in']}")
     assert report2["split_layer"] == 2, "the attached prefix's K"
     for node in ("prefix_node", "suffix_node"):
         assert f"/{ns}/{node}: found active" in text and f"/{ns}/{node}: left active (as found)" in text, text
@@ -123,9 +130,12 @@ def test_attach_to_unconfigured_nodes_twice(ros_env, ros_install, tiny_checkpoin
     for node in ("prefix_node", "suffix_node"):
         assert ros_tools.wait_lifecycle_state(ros_env, f"/{ns}/{node}", "unconfigured", 180, launched.alive) == \
             "unconfigured", launched.log()
+    previous = None
     for run in ("run1", "run2"):
         proc, report = _replay(ros_env, tiny_checkpoint, ns, tmp_path / run)
-        text = _check_run(proc, report, launched)
+        text = _check_run(proc, report, launched, previous)
+        previous = report
+        print(f"camera messages in: {report['camera_messages_in']}")
         print("\n" + "\n".join(line for line in text.splitlines() if "found" in line or "left" in line))
         for node in ("prefix_node", "suffix_node"):
             assert (f"/{ns}/{node}: found unconfigured, configure and activate done by this replay; it goes back to "

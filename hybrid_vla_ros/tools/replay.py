@@ -502,6 +502,10 @@ class ReplaySession:
         report["settings"] = {"dtype": self.args.dtype, "device": self.args.device, "rate": self.args.rate,
                               "loops": self.args.loops, "transport": self.args.transport,
                               "fast_jpeg_decode": self.args.fast_jpeg_decode}
+        # the counters the nodes had before this run's playback (subtracted from the counts above)
+        report["node_counters_at_start"] = {
+            name: run_counts(self.baseline.get(f"{self.ns}/{name}: pipeline", {}), {})
+            for name in ("prefix_node", "suffix_node")}
         report["resplits"] = _resplit_report(self.resplit_log, frames, self.rec, self.args.sync_tolerance_ms)
         applied = {(e["frame"], e["split_layer"]) for e in self.resplit_log}
         report["resplits_not_reached"] = [f"{f}:{k}" for f, k in self.args.resplit if (f, k) not in applied]
