@@ -15,6 +15,8 @@ and printed no traceback and no 'Failed to publish log message to rosout'.
 
 Without the launch tools it is skipped with the reason (with CI=true it fails instead).
 """
+import atexit
+import shutil
 import sys
 import tempfile
 import threading
@@ -56,7 +58,9 @@ else:
     def generate_test_description():
         from hybrid_vla_ros.model.checkpoint import init_model
 
-        model_dir = Path(tempfile.mkdtemp(prefix="hvla_launch_test_")) / "tiny"
+        tmp = tempfile.mkdtemp(prefix="hvla_launch_test_")
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        model_dir = Path(tmp) / "tiny"
         init_model("tiny", model_dir)
         install = ros_tools.colcon_install()
         env = ros_tools.install_env(install)
