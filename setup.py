@@ -23,7 +23,7 @@ setup(
     maintainer_email="maintainers@hybrid-vla-ros.invalid",
     description="Split VLA inference: GPU prefix node, shared-memory hand-off, CPU suffix node, Autoware trajectory.",
     license="Apache License 2.0",
-    tests_require=["pytest"],
+    extras_require={"test": ["pytest"]},
     entry_points={
         "console_scripts": [
             "prefix_node = hybrid_vla_ros.ros.prefix_node:main",

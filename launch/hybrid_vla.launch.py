@@ -10,7 +10,8 @@ activated when that configure succeeds (the event pattern of launch_ros' lifecyc
 separate lifecycle manager is needed; ``autostart:=false`` leaves both unconfigured for your own
 manager. Camera inputs ``~/input/image<i>`` are remapped onto Autoware's
 ``/sensing/camera/camera<i>/<camera_topic_suffix>`` (``.../compressed`` with
-``camera_transport:=compressed``), odometry and trajectory onto the topics given. The prefix takes
+``camera_transport:=compressed``), odometry, trajectory and candidate trajectories (published with
+``publish_candidate_trajectories:=true``) onto the topics given. The prefix takes
 odometry and acceleration too (used when the checkpoint has ``ego_state_input``); the suffix takes a
 navigation command name (``std_msgs/String``) on ``input_navigation_command``, its initial value from
 ``navigation_command`` (default: the parameter file's, LANE_FOLLOW as shipped).
@@ -18,7 +19,8 @@ navigation command name (``std_msgs/String``) on ``input_navigation_command``, i
 CPU cores: ``cpu_affinity`` pins the suffix, ``prefix_cpu_affinity`` the prefix. Left empty (and with
 no ``cpu_affinity`` in the prefix's parameter file), the prefix gets every core of this machine that
 the suffix does not get (the suffix's from ``cpu_affinity`` or its parameter file), so its OpenCV and
-torch threads stay off the suffix's cores; ``prefix_cpu_affinity:='[]'`` leaves it unpinned.
+torch threads stay off the suffix's cores; ``prefix_cpu_affinity:='[]'`` leaves the prefix parameter file's
+value (unpinned as shipped).
 """
 import os
 
@@ -43,7 +45,7 @@ ARGUMENTS = [
     ("split_layer", "", "split layer K in [0, L]: decoder blocks [0, K) on the GPU, [K, L) on the CPU"),
     ("cpu_affinity", "", "cores for the whole suffix process, e.g. '[6, 7]'"),
     ("prefix_cpu_affinity", "", "cores for the whole prefix process, e.g. '[0, 1, 2, 3, 4, 5]'; empty: every core of "
-     "this machine the suffix does not get (unless the prefix parameter file sets cpu_affinity); '[]': not pinned"),
+     "this machine the suffix does not get (unless the prefix parameter file sets cpu_affinity); '[]': the prefix file's value (unpinned as shipped)"),
     ("device", "", "prefix device: auto | cpu | cuda | cuda:N"),
     ("dtype", "", "fp32 | bf16 | fp16 (both nodes)"),
     ("camera_transport", "raw", "raw (sensor_msgs/Image) | compressed (sensor_msgs/CompressedImage)"),
@@ -55,6 +57,10 @@ ARGUMENTS = [
      "std_msgs/String navigation command name for the suffix (LEFT, RIGHT, STRAIGHT, LANE_FOLLOW, ...)"),
     ("navigation_command", "", "initial navigation command of the suffix, e.g. LANE_FOLLOW"),
     ("output_trajectory", "/planning/hybrid_vla/trajectory", "topic of the published Trajectory"),
+    ("output_candidate_trajectories", "/planning/hybrid_vla/candidate_trajectories",
+     "topic of the CandidateTrajectories (every planner mode), published with publish_candidate_trajectories"),
+    ("publish_candidate_trajectories", "",
+     "true: the suffix also publishes every planner mode as CandidateTrajectories (empty: the parameter file's)"),
     ("namespace", "hybrid_vla", "namespace of both nodes (it also scopes the shared-memory ring)"),
     ("prefix_param_file", "", "parameter file of prefix_node (default: the package's config/prefix_node.param.yaml)"),
     ("suffix_param_file", "", "parameter file of suffix_node (default: the package's config/suffix_node.param.yaml)"),
@@ -62,12 +68,28 @@ ARGUMENTS = [
 ]
 # launch arguments that override a node parameter of the same name when given
 PREFIX_OVERRIDES = ("model_path", "split_layer", "device", "dtype")
-SUFFIX_OVERRIDES = ("model_path", "split_layer", "cpu_affinity", "dtype", "navigation_command")
+SUFFIX_OVERRIDES = ("model_path", "split_layer", "cpu_affinity", "dtype", "navigation_command",
+                    "publish_candidate_trajectories")
 
 
 def _overrides(values: dict, names) -> dict:
-    """Typed parameter values (YAML scalars / lists) of the non-empty launch arguments in ``names``."""
-    return {n: yaml.safe_load(values[n]) if n != "model_path" else values[n] for n in names if values[n] != ""}
+    """Typed parameter values (YAML scalars / lists) of the non-empty launch arguments in ``names``.
+
+    Raises ValueError for an empty list (e.g. ``cpu_affinity:='[]'``): launch_ros cannot write one into its
+    parameter file, and rcl ignores an empty list that follows a value from an earlier file, so it could
+    not override the parameter file's value; the message says to set it in the parameter file instead.
+    """
+    typed = {}
+    for n in names:
+        if values[n] == "":
+            continue
+        v = values[n] if n == "model_path" else yaml.safe_load(values[n])
+        if isinstance(v, list) and not v:
+            raise ValueError(f"{n}:='[]': an empty list cannot override the parameter file's value (ROS ignores "
+                             f"empty lists over earlier values); set `{n}: []` in your own parameter file and "
+                             "pass it as prefix_param_file / suffix_param_file")
+        typed[n] = v
+    return typed
 
 
 def _file_value(path: str, namespace: str, node: str, name: str):
@@ -82,12 +104,15 @@ def _file_value(path: str, namespace: str, node: str, name: str):
 
 
 def _prefix_cores(values: dict, prefix_file: str, suffix_file: str):
-    """The prefix's ``cpu_affinity`` override: ``prefix_cpu_affinity`` when given; else, unless the prefix's
-    file pins it, every usable core but the suffix's; None to keep the file's value."""
+    """The prefix's ``cpu_affinity`` override: ``prefix_cpu_affinity`` when given (``'[]'``: no override, the
+    prefix file's value, unpinned as shipped: launch_ros cannot write an empty list and rcl would ignore it
+    over the file's value); else, unless the prefix's file pins it, every usable core but the suffix's; None
+    to keep the file's value."""
     from hybrid_vla_ros.util.cores import parse_core_list
 
     if values["prefix_cpu_affinity"] != "":
-        return yaml.safe_load(values["prefix_cpu_affinity"])
+        given = yaml.safe_load(values["prefix_cpu_affinity"])
+        return given if given != [] else None
     namespace = "/" + values["namespace"].strip("/")
     if _file_value(prefix_file, namespace, "prefix_node", "cpu_affinity"):
         return None
@@ -142,7 +167,8 @@ def launch_setup(context, *args, **kwargs) -> list:
         parameters=[suffix_file, _overrides(values, SUFFIX_OVERRIDES)],
         remappings=[("~/input/kinematic_state", values["input_kinematic_state"]),
                     ("~/input/navigation_command", values["input_navigation_command"]),
-                    ("~/output/trajectory", values["output_trajectory"])])
+                    ("~/output/trajectory", values["output_trajectory"]),
+                    ("~/output/candidate_trajectories", values["output_candidate_trajectories"])])
     actions = [prefix, suffix]
     if values["autostart"].lower() in ("true", "1", "yes"):
         actions += _autostart(prefix) + _autostart(suffix)

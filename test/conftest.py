@@ -1,4 +1,10 @@
-"""Shared fixtures: a tiny random-init checkpoint on disk, the embedded bag, an isolated ROS domain."""
+"""Shared fixtures: a tiny random-init checkpoint on disk, the embedded bag, an isolated ROS domain, and the
+real ROS 2 tools (this package built with colcon into an install space, the environment its setup.bash gives).
+
+Tests that need the tools (``ros2 launch``, ``ros2 run/lifecycle/param/topic``, ``launch_test``, colcon) take the
+``ros_tools`` / ``ros_install`` / ``ros_env`` fixtures: without the tools they skip with the reason, and with
+``CI=true`` in the environment they fail instead (see test/ros_tools.py).
+"""
 import os
 import random
 import sys
@@ -9,6 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 EMBEDDED_BAG = REPO / "data" / "dgp_scene02_6cam_mcap"
+
+import ros_tools  # noqa: E402  (test/ is on sys.path: pytest puts a rootdir-less conftest's folder there)
 
 # Each test run gets its own DDS domain on loopback, so parallel runs (CI and a developer) never
 # see each other's nodes. Child processes inherit it.
@@ -42,3 +50,24 @@ def smol_checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("models") / "smol"
     init_model("smol", path)
     return path
+
+
+@pytest.fixture(scope="session")
+def ros_tools_available() -> None:
+    """Skip (or, with CI=true, fail) when launch, launch_ros, launch_testing, ros2cli or colcon are missing."""
+    ros_tools.require_tools()
+
+
+@pytest.fixture(scope="session")
+def ros_install(ros_tools_available, tmp_path_factory) -> Path:
+    """This package built with ``colcon build`` into an install space in a temporary folder (once per session)."""
+    return ros_tools.colcon_install(tmp_path_factory.mktemp("colcon"))
+
+
+@pytest.fixture(scope="session")
+def ros_env(ros_install) -> dict:
+    """The environment of ``source <install>/setup.bash`` for the ros2 commands; the ros2 daemon the CLI
+    starts for this test domain is stopped at the end of the session."""
+    env = ros_tools.install_env(ros_install)
+    yield env
+    ros_tools.stop_daemon(env)

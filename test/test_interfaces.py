@@ -1,8 +1,19 @@
-"""The locally built autoware_planning_msgs matches upstream Autoware's Trajectory type exactly."""
+"""The locally built interface packages match upstream Autoware's types exactly: autoware_planning_msgs'
+Trajectory and autoware_internal_planning_msgs' CandidateTrajectories, CandidateTrajectory and GeneratorInfo
+(autowarefoundation/autoware_internal_msgs), by their RIHS01 type hashes on the DDS graph, in the installed
+type descriptions and as rosbags computes them from the .msg files."""
 import json
 from pathlib import Path
 
+import pytest
+
 UPSTREAM_TRAJECTORY_HASH = "RIHS01_8259168af0abd0d3fa8297048f83aae4dad0955bd2d4e0904bcdc4f6f99a61b2"
+#: autoware_internal_planning_msgs types -> upstream's hashes
+UPSTREAM_INTERNAL_PLANNING_HASHES = {
+    "CandidateTrajectories": "RIHS01_64c383ed8984651da0da8cc403af88918835869c4e4f028676e3023c6122b29c",
+    "CandidateTrajectory": "RIHS01_65c7f26774c9459f94b7b95452c712f460ed20f4a008f972e71cb768b06576ee",
+    "GeneratorInfo": "RIHS01_b930bac9138649852a4f9b06a66dd6d83a3639d44d4efdf6c1a5b6ff178cfbc4",
+}
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -49,3 +60,56 @@ def test_msg_files_hash_like_upstream_in_rosbags():
 
 def test_local_interface_copy_is_hidden_from_colcon():
     assert (REPO / "interfaces" / "COLCON_IGNORE").is_file()
+
+
+def test_internal_planning_type_hashes_on_the_graph_are_upstream():
+    """The hash the graph advertises for a publisher of each autoware_internal_planning_msgs type is
+    upstream's, so Autoware's trajectory selector and our candidates publisher match on the topic."""
+    import autoware_internal_planning_msgs.msg as msgs
+    import rclpy
+    from rclpy.node import Node
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        node = Node("type_hash_probe_internal", context=context)
+        for name, expected in UPSTREAM_INTERNAL_PLANNING_HASHES.items():
+            topic = f"/type_hash_probe/{name.lower()}"
+            node.create_publisher(getattr(msgs, name), topic, 1)
+            infos = node.get_publishers_info_by_topic(topic)
+            assert infos and infos[0].topic_type == f"autoware_internal_planning_msgs/msg/{name}"
+            assert str(infos[0].topic_type_hash) == expected, name
+        node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM_INTERNAL_PLANNING_HASHES))
+def test_installed_internal_planning_type_descriptions(name):
+    from hybrid_vla_ros.tools.output_bag import share_directory
+
+    desc = json.loads((share_directory("autoware_internal_planning_msgs") / "msg" / f"{name}.json").read_text())
+    hashes = {h["type_name"]: h["hash_string"] for h in desc["type_hashes"]}
+    assert hashes[f"autoware_internal_planning_msgs/msg/{name}"] == UPSTREAM_INTERNAL_PLANNING_HASHES[name]
+    if name != "GeneratorInfo":  # the candidates carry Autoware's TrajectoryPoint
+        assert hashes["autoware_planning_msgs/msg/TrajectoryPoint"] == json.loads(
+            (share_directory("autoware_planning_msgs") / "msg" / "TrajectoryPoint.json").read_text()
+        )["type_hashes"][0]["hash_string"]
+
+
+def test_internal_planning_msg_files_hash_like_upstream_in_rosbags():
+    """Independent check: rosbags' RIHS01 of the repo's .msg files (with Kilted's std_msgs and
+    unique_identifier_msgs) is upstream's for all three types."""
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    types = {}
+    for name in ("TrajectoryPoint", "Trajectory"):
+        text = (REPO / "interfaces" / "autoware_planning_msgs" / "msg" / f"{name}.msg").read_text()
+        types.update(get_types_from_msg(text, f"autoware_planning_msgs/msg/{name}"))
+    for name in UPSTREAM_INTERNAL_PLANNING_HASHES:
+        text = (REPO / "interfaces" / "autoware_internal_planning_msgs" / "msg" / f"{name}.msg").read_text()
+        types.update(get_types_from_msg(text, f"autoware_internal_planning_msgs/msg/{name}"))
+    store.register(types)
+    for name, expected in UPSTREAM_INTERNAL_PLANNING_HASHES.items():
+        assert store.hash_rihs01(f"autoware_internal_planning_msgs/msg/{name}") == expected, name

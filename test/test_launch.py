@@ -1,197 +1,365 @@
-"""launch/hybrid_vla.launch.py, checked without `launch` / `launch_ros` (not installable here).
+"""launch/hybrid_vla.launch.py with the real tools, as a user deploys it beside Autoware.
 
-The launch file only builds a description: its imports are replaced by recording stand-ins, then
-its arguments, the nodes' parameters and remappings, and the lifecycle autostart events are
-checked. On a ROS 2 machine, test/test_launch_testing.py starts it for real.
+The package is built with ``colcon build`` into an install space (conftest ``ros_install``, once per session);
+every command runs with the environment of that install's ``setup.bash``. One ``ros2 launch hybrid_vla_ros
+hybrid_vla.launch.py`` with docs/deployment.md's arguments (a ``cpu_affinity`` list included) is shared by the
+tests of this module, in order: both nodes reach active (``ros2 lifecycle get``), frames of the embedded bag
+restamped to now come out as Trajectories and CandidateTrajectories (also read with ``ros2 topic echo``),
+``ros2 param set`` moves the split layer on both running nodes and refuses a bad value with the schema's
+message, and SIGINT stops everything: no process left, no ring segment in /dev/shm. Separate launches and
+``ros2 run`` check that parameter values the nodes cannot read are clear errors naming the parameter.
+
+No stand-ins: what the old stand-in test checked (the launch description's arguments, remappings,
+parameter overrides and autostart events) is what these real runs exercise. The prefix's default cores
+for combinations of arguments and parameter files are checked by evaluating the launch file with the real
+``launch`` / ``launch_ros`` (the parameter files launch_ros writes for each node, read back), without starting
+the processes for each combination.
 """
-import importlib.util
+from __future__ import annotations
+
 import os
-import sys
-import types
+import re
+import subprocess
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+import ros_tools
 import yaml
 
-from hybrid_vla_ros.ros.params_file import cpu_affinity_from_ros_args
-
-LAUNCH_FILE = Path(__file__).resolve().parent.parent / "launch" / "hybrid_vla.launch.py"
-SHARE = "/opt/ws/install/hybrid_vla_ros/share/hybrid_vla_ros"
-
-
-class Recorded:
-    """Stand-in for a launch entity: keeps its positional and keyword arguments."""
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
+REPO = Path(__file__).resolve().parent.parent
+NS = f"hvla_deploy_{uuid.uuid4().hex[:6]}"  # a ring lives in /dev/shm per user and namespace: one per run
+_USABLE = sorted(os.sched_getaffinity(0))
+CORES = _USABLE[-2:] if len(_USABLE) >= 4 else _USABLE[-1:]  # the suffix's cores (as Autoware leaves spare ones)
+OUTPUT = "/planning/hybrid_vla/trajectory"
+CANDIDATES = "/planning/hybrid_vla/candidate_trajectories"
+ACTIVE_TIMEOUT = 300  # model load on a loaded 2-core machine, both lifecycle transitions included
 
 
-class FakeContext:
-    def __init__(self, values):
-        self.values = values
+def deployment_arguments(model: Path, namespace: str) -> list[str]:
+    """docs/deployment.md's launch arguments (the embedded bag's cameras are image_raw/compressed)."""
+    return [f"model_path:={model}", "split_layer:=2", f"cpu_affinity:={CORES}", "camera_transport:=compressed",
+            "camera_topic_suffix:=image_raw", "input_kinematic_state:=/localization/kinematic_state",
+            f"output_trajectory:={OUTPUT}", "publish_candidate_trajectories:=true",
+            f"output_candidate_trajectories:={CANDIDATES}", f"namespace:={namespace}"]
 
 
-class LaunchConfiguration(Recorded):
-    def perform(self, context):
-        return context.values[self.args[0]]
+@pytest.fixture(scope="module")
+def deployment(ros_env, tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("launch") / "launch.log"
+    launched = ros_tools.Launched(deployment_arguments(tiny_checkpoint, NS), ros_env, log)
+    try:
+        yield launched
+    finally:
+        if launched.alive():
+            launched.stop()
+        if launched.survivors():
+            launched.kill()
+        for name in ros_tools.ring_segments(f"/{NS}"):  # after a failure only: the last test asserts none
+            Path("/dev/shm", name).unlink(missing_ok=True)
 
 
-class FindPackageShare(Recorded):
-    def perform(self, context):
-        return SHARE
+def _active(deployment, env) -> None:
+    for node in ("prefix_node", "suffix_node"):
+        state = ros_tools.wait_lifecycle_state(env, f"/{NS}/{node}", "active", ACTIVE_TIMEOUT, deployment.alive)
+        assert state == "active", f"{node} is {state!r}\n{deployment.log()[-6000:]}"
+    deployment.record_tree()
 
 
-def _module(name, **attrs):
-    mod = types.ModuleType(name)
-    mod.__dict__.update(attrs)
-    return mod
+def test_both_nodes_reach_active(deployment, ros_env):
+    _active(deployment, ros_env)
+    print(f"\nboth nodes active {time.monotonic() - deployment.t_start:.1f} s after ros2 launch started")
+    log = deployment.log()
+    assert "Traceback" not in log
+    # launch_ros wrote cpu_affinity as !!python/tuple; the suffix read it before torch and rclpy started
+    assert f"(pinned early: {CORES})" in log, log
+    pids = deployment.node_pids()
+    suffix_pid = pids["suffix_node-2"]
+    threads = os.listdir(f"/proc/{suffix_pid}/task")
+    assert len(threads) > 1
+    assert all(os.sched_getaffinity(int(t)) == set(CORES) for t in threads), "every suffix thread on the cores"
+    prefix_pid = pids["prefix_node-1"]
+    prefix_cores = set(_USABLE) - set(CORES)  # the launch file gives the prefix every core the suffix does not get
+    assert all(os.sched_getaffinity(int(t)) == prefix_cores for t in os.listdir(f"/proc/{prefix_pid}/task")), \
+        "every prefix thread off the suffix's cores"
+    out = ros_tools.ros2(ros_env, "node", "list")
+    assert f"/{NS}/prefix_node" in out.stdout and f"/{NS}/suffix_node" in out.stdout
+
+
+class Driver:
+    """An rclpy node in the test process that plays the embedded bag's compressed cameras and odometry,
+    restamped so that the newest frame is stamped now (the output guard's age check is on, as shipped),
+    and records the Trajectories and CandidateTrajectories that come out."""
+
+    def __init__(self, bag: Path):
+        import rclpy
+        from autoware_internal_planning_msgs.msg import CandidateTrajectories
+        from autoware_planning_msgs.msg import Trajectory
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+        from hybrid_vla_ros.tools.replay import message_class
+        from hybrid_vla_ros.util.bags import read_bag
+
+        self.messages = [m for m in read_bag(bag)
+                         if m.topic.endswith("/image_raw/compressed") or m.topic == "/localization/kinematic_state"]
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node(f"driver_{uuid.uuid4().hex[:6]}", context=self.context)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.lock = threading.Lock()
+        self.trajectories, self.candidates, self.camera_stamps = [], [], set()
+        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        self.node.create_subscription(Trajectory, OUTPUT, lambda m: self._keep(self.trajectories, m), reliable)
+        self.node.create_subscription(CandidateTrajectories, CANDIDATES, lambda m: self._keep(self.candidates, m),
+                                      reliable)
+        self.classes = {m.topic: message_class(m.msgtype) for m in self.messages}
+        self.pubs = {t: self.node.create_publisher(c, t, 10) for t, c in self.classes.items()}
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def _keep(self, bucket, msg):
+        with self.lock:
+            bucket.append(msg)
+
+    def play_once(self) -> None:
+        """Publish every camera and odometry message once, the newest camera frame stamped now."""
+        from rclpy.serialization import deserialize_message
+
+        last = max(m.t_ns for m in self.messages if m.topic.endswith("/compressed"))
+        shift = time.time_ns() - last
+        for m in self.messages:
+            msg = deserialize_message(m.raw, self.classes[m.topic])
+            stamp = msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec + shift
+            msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 10**9)
+            self.pubs[m.topic].publish(msg)
+            if m.topic.endswith("/compressed"):
+                with self.lock:
+                    self.camera_stamps.add(stamp)
+
+    def play_until(self, predicate, timeout: float) -> bool:
+        """Play the bag once a second until ``predicate()`` (under the lock) holds; False after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.play_once()
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                with self.lock:
+                    if predicate():
+                        return True
+                time.sleep(0.05)
+        return False
+
+    def close(self):
+        import rclpy
+
+        self.executor.shutdown()
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
 
 
 @pytest.fixture
-def launch_file(monkeypatch):
-    classes = {n: type(n, (Recorded,), {}) for n in (
-        "LaunchDescription", "DeclareLaunchArgument", "EmitEvent", "OpaqueFunction", "RegisterEventHandler",
-        "LifecycleNode", "OnStateTransition", "ChangeState")}
-    fakes = {
-        "launch": _module("launch", LaunchDescription=classes["LaunchDescription"]),
-        "launch.actions": _module("launch.actions", **{n: classes[n] for n in (
-            "DeclareLaunchArgument", "EmitEvent", "OpaqueFunction", "RegisterEventHandler")}),
-        "launch.events": _module("launch.events", matches_action=lambda action: ("matches", action)),
-        "launch.substitutions": _module("launch.substitutions", LaunchConfiguration=LaunchConfiguration),
-        "launch_ros": _module("launch_ros"),
-        "launch_ros.actions": _module("launch_ros.actions", LifecycleNode=classes["LifecycleNode"]),
-        "launch_ros.event_handlers": _module("launch_ros.event_handlers", OnStateTransition=classes["OnStateTransition"]),
-        "launch_ros.events": _module("launch_ros.events"),
-        "launch_ros.events.lifecycle": _module("launch_ros.events.lifecycle", ChangeState=classes["ChangeState"]),
-        "launch_ros.substitutions": _module("launch_ros.substitutions", FindPackageShare=FindPackageShare),
-    }
-    for name, mod in fakes.items():
-        monkeypatch.setitem(sys.modules, name, mod)
-    spec = importlib.util.spec_from_file_location("hybrid_vla_launch", LAUNCH_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, classes
+def driver(embedded_bag):
+    d = Driver(embedded_bag)
+    yield d
+    d.close()
 
 
-def _setup(module, classes, **given):
-    """Run the OpaqueFunction with the declared defaults overridden by ``given``."""
-    description = module.generate_launch_description()
-    entities = description.args[0]
-    declared = {e.args[0]: e.kwargs["default_value"] for e in entities if isinstance(e, classes["DeclareLaunchArgument"])}
-    unknown = set(given) - set(declared)
-    assert not unknown, f"not launch arguments: {unknown}"
-    opaque = [e for e in entities if isinstance(e, classes["OpaqueFunction"])]
-    assert len(opaque) == 1
-    actions = opaque[0].kwargs["function"](FakeContext({**declared, **given}))
-    nodes = {a.kwargs["name"]: a for a in actions if isinstance(a, classes["LifecycleNode"])}
-    return declared, actions, nodes
+def _stamp(header) -> int:
+    return header.stamp.sec * 10**9 + header.stamp.nanosec
 
 
-def test_arguments_cover_deployment_needs(launch_file):
-    module, classes = launch_file
-    declared, _, _ = _setup(module, classes)
-    for name in ("model_path", "split_layer", "cpu_affinity", "camera_transport", "camera_topic_suffix",
-                 "input_kinematic_state", "input_acceleration", "input_navigation_command", "navigation_command",
-                 "output_trajectory", "namespace", "autostart"):
-        assert name in declared
-    for e in module.generate_launch_description().args[0]:
-        if isinstance(e, classes["DeclareLaunchArgument"]):
-            assert e.kwargs["description"], f"{e.args[0]} has no description"
+def test_played_frames_come_out_as_trajectories_and_candidates(deployment, ros_env, driver):
+    from hybrid_vla_ros.model.config import NAV_COMMANDS
+    from hybrid_vla_ros.ros.msg_conv import generator_uuid
+
+    _active(deployment, ros_env)
+    # what a user runs to look at the output: ros2 topic echo, in parallel with the frames
+    echo = subprocess.Popen([ros2_exe(), "topic", "echo", "--once", "--field", "header.frame_id", OUTPUT,
+                             "autoware_planning_msgs/msg/Trajectory"], env=ros_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        def done():
+            stamps = {_stamp(c.candidate_trajectories[0].header) for c in driver.candidates if c.candidate_trajectories}
+            return (echo.poll() is not None and any(_stamp(t.header) in stamps for t in driver.trajectories))
+        assert driver.play_until(done, 180), deployment.log()[-6000:]
+    finally:
+        if echo.poll() is None:
+            echo.kill()
+        echoed = echo.communicate()[0]
+    assert echo.returncode == 0 and echoed.splitlines()[0] == "map", echoed
+    with driver.lock:
+        trajectories, candidates = list(driver.trajectories), list(driver.candidates)
+        camera_stamps = set(driver.camera_stamps)
+    traj = next(t for t in trajectories if _stamp(t.header) in {_stamp(c.candidate_trajectories[0].header)
+                                                                 for c in candidates if c.candidate_trajectories})
+    assert _stamp(traj.header) in camera_stamps and traj.header.frame_id == "map" and len(traj.points) == 7
+    msg = next(c for c in candidates if c.candidate_trajectories
+               and _stamp(c.candidate_trajectories[0].header) == _stamp(traj.header))
+    # 6 planner modes, less any the shipped output guard leaves out; the selected one is the Trajectory
+    assert 1 <= len(msg.candidate_trajectories) <= len(NAV_COMMANDS)
+    assert traj.points in [c.points for c in msg.candidate_trajectories]
+    assert list(msg.generator_info[0].generator_id.uuid) == list(generator_uuid(f"/{NS}/suffix_node").bytes)
+    out = ros_tools.ros2(ros_env, "topic", "info", CANDIDATES)
+    print(f"\n$ ros2 topic info {CANDIDATES}\n{out.stdout}")
+    assert "autoware_internal_planning_msgs/msg/CandidateTrajectories" in out.stdout and "Publisher count: 1" in \
+        out.stdout, out.stdout + out.stderr
 
 
-def test_nodes_remaps_and_parameter_overrides(launch_file):
-    module, classes = launch_file
-    _, actions, nodes = _setup(module, classes, model_path="/models/orion", split_layer="16",
-                               cpu_affinity="[6, 7]", camera_transport="compressed",
-                               output_trajectory="/planning/scenario_planning/trajectory",
-                               input_navigation_command="/mission/command", navigation_command="LEFT")
-    prefix, suffix = nodes["prefix_node"].kwargs, nodes["suffix_node"].kwargs
-    assert prefix["executable"] == "prefix_node" and suffix["executable"] == "suffix_node"
-    assert prefix["namespace"] == suffix["namespace"] == "hybrid_vla", "one namespace: the ring is scoped by it"
-    assert prefix["parameters"][0] == f"{SHARE}/config/prefix_node.param.yaml"
-    assert suffix["parameters"][0] == f"{SHARE}/config/suffix_node.param.yaml"
-    p_over, s_over = prefix["parameters"][1], suffix["parameters"][1]
-    assert p_over["split_layer"] == 16 and s_over["split_layer"] == 16
-    assert p_over["model_path"] == s_over["model_path"] == "/models/orion"
-    assert s_over["cpu_affinity"] == [6, 7]
-    # the prefix gets every other core of this machine (it used to be left unpinned, its threads on the suffix's)
-    assert p_over["cpu_affinity"] == sorted(os.sched_getaffinity(0) - {6, 7})
-    assert s_over["navigation_command"] == "LEFT" and "navigation_command" not in p_over
-    assert p_over["camera_transports"] == ["compressed"]
-    assert p_over["camera_topics"] == [f"~/input/image{i}" for i in range(6)]
-    assert dict(prefix["remappings"]) == {
-        **{f"~/input/image{i}/compressed": f"/sensing/camera/camera{i}/image_rect_color/compressed" for i in range(6)},
-        "~/input/kinematic_state": "/localization/kinematic_state",  # ego state input (checkpoints that take it)
-        "~/input/acceleration": "/localization/acceleration"}
-    assert dict(suffix["remappings"]) == {"~/input/kinematic_state": "/localization/kinematic_state",
-                                          "~/input/navigation_command": "/mission/command",
-                                          "~/output/trajectory": "/planning/scenario_planning/trajectory"}
+def ros2_exe() -> str:
+    return ros_tools.executable("ros2")
 
 
-def test_empty_arguments_keep_the_parameter_files(launch_file):
-    module, classes = launch_file
-    _, _, nodes = _setup(module, classes)
-    assert "split_layer" not in nodes["prefix_node"].kwargs["parameters"][1]
-    assert nodes["suffix_node"].kwargs["parameters"][1] == {}
-    assert dict(nodes["suffix_node"].kwargs["remappings"])["~/input/navigation_command"] == \
-        "/planning/hybrid_vla/navigation_command"
-    assert dict(nodes["prefix_node"].kwargs["remappings"])["~/input/image3"] == "/sensing/camera/camera3/image_rect_color"
+def test_split_layer_set_live_with_ros2_param(deployment, ros_env, driver):
+    _active(deployment, ros_env)
+    for node in ("suffix_node", "prefix_node"):  # suffix first: it loads ahead of the prefix's move
+        out = ros_tools.ros2(ros_env, "param", "set", f"/{NS}/{node}", "split_layer", "3")
+        assert out.returncode == 0 and out.stdout.strip() == "Set parameter successful", out.stdout + out.stderr
+    assert deployment.wait_log(r"\[prefix_node-1\].*re-split K 2 -> 3", 60), deployment.log()[-4000:]
+    out = ros_tools.ros2(ros_env, "param", "get", f"/{NS}/prefix_node", "split_layer")
+    assert out.stdout.strip() == "Integer value is: 3", out.stdout + out.stderr
+    # a bad value is refused with the schema's words, the node keeps its value
+    for node, value, reason in (("suffix_node", "-5", "split_layer: must be >= 0, got -5"),
+                                ("prefix_node", "9", "split_layer: 9 out of range [0, 4] for this model"),
+                                ("suffix_node", "fast", "split_layer: must match ^auto$, got 'fast'")):
+        out = ros_tools.ros2(ros_env, "param", "set", f"/{NS}/{node}", "split_layer", value)
+        assert (out.stdout + out.stderr).strip() == f"Setting parameter failed: {reason}", out.stdout + out.stderr
+    out = ros_tools.ros2(ros_env, "param", "get", f"/{NS}/suffix_node", "split_layer")
+    assert out.stdout.strip() == "Integer value is: 3", out.stdout + out.stderr
+    # frames at the new K still come out; the suffix freed the block it no longer needs
+    with driver.lock:
+        driver.trajectories.clear()
+    assert driver.play_until(lambda: driver.trajectories, 120), deployment.log()[-4000:]
+    assert deployment.wait_log(r"\[suffix_node-2\].*re-split: now holding blocks \[3, 4\) for frame seq \d+ at K=3",
+                               30), deployment.log()[-4000:]
 
 
-def test_autostart_configures_then_activates_each_node(launch_file):
-    module, classes = launch_file
-    _, actions, nodes = _setup(module, classes)
-    handlers = [a for a in actions if isinstance(a, classes["RegisterEventHandler"])]
-    configures = [a for a in actions if isinstance(a, classes["EmitEvent"])]
-    assert len(handlers) == 2 and len(configures) == 2
-    for node in nodes.values():
-        handler = next(h.args[0] for h in handlers if h.args[0].kwargs["target_lifecycle_node"] is node)
-        assert handler.kwargs["start_state"] == "configuring" and handler.kwargs["goal_state"] == "inactive"
-        activate = handler.kwargs["entities"][0].kwargs["event"].kwargs
-        assert activate["transition_id"] == 3  # lifecycle_msgs/Transition.TRANSITION_ACTIVATE
-        assert activate["lifecycle_node_matcher"] == ("matches", node)
-    assert {c.kwargs["event"].kwargs["transition_id"] for c in configures} == {1}  # TRANSITION_CONFIGURE
-    _, actions, _ = _setup(module, classes, autostart="false")
-    assert not [a for a in actions if isinstance(a, (classes["RegisterEventHandler"], classes["EmitEvent"]))]
+def test_sigint_stops_both_nodes_cleanly(deployment, ros_env):
+    _active(deployment, ros_env)
+    tree = deployment.record_tree()
+    assert len(tree) >= 2, "launch's node processes"
+    rc = deployment.stop()
+    log = deployment.log()
+    assert rc == 0, log[-4000:]
+    assert not deployment.survivors(), f"orphaned: {[p.pid for p in deployment.survivors()]}"
+    assert re.search(r"\[INFO\] \[prefix_node-1\]: process has finished cleanly", log), log[-4000:]
+    assert re.search(r"\[INFO\] \[suffix_node-2\]: process has finished cleanly", log), log[-4000:]
+    assert "cleaned up: ring removed" in log and "cleaned up: detached from the ring" in log
+    assert "Failed to publish log message to rosout" not in log, "the clean-up logs while the context is valid"
+    assert "Traceback" not in log
+    assert ros_tools.ring_segments(f"/{NS}") == []
 
 
-def test_bad_transport_is_refused(launch_file):
-    module, classes = launch_file
-    with pytest.raises(ValueError, match="camera_transport"):
-        _setup(module, classes, camera_transport="h264")
+# ---------------------------------------------------------------------------- unreadable parameters
+def _shipped(node: str) -> dict:
+    return yaml.safe_load((REPO / "config" / f"{node}.param.yaml").read_text())
 
 
-def test_cpu_affinity_reaches_the_suffix_early_pinning(launch_file, tmp_path):
-    """launch_ros hands the parameter dicts to the node as --params-file files; the suffix node must
-    find cpu_affinity there before torch and rclpy start (hybrid_vla_ros.ros.params_file)."""
-    module, classes = launch_file
-    _, _, nodes = _setup(module, classes, cpu_affinity="[1]")
-    shipped = Path(__file__).resolve().parent.parent / "config" / "suffix_node.param.yaml"
-    override = tmp_path / "launch_params.yaml"
-    override.write_text(yaml.safe_dump({"/**": {"ros__parameters": nodes["suffix_node"].kwargs["parameters"][1]}}))
-    argv = ["suffix_node", "--ros-args", "--params-file", str(shipped), "--params-file", str(override)]
-    assert cpu_affinity_from_ros_args(argv, "suffix_node") == [1]
+def _params_file(path: Path, node: str, **changes) -> Path:
+    data = _shipped(node)
+    data["/**"]["ros__parameters"].update(changes)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_unreadable_parameter_values_are_clear_errors_at_start(ros_env, tiny_checkpoint, tmp_path):
+    """A value of the wrong type in the parameter files given to ros2 launch: each node exits with 2 and
+    one line naming the parameter, no traceback. Also ros2 run with a list rcl cannot read (mixed types), for
+    both nodes, and an empty list launch argument, which launch_ros cannot write."""
+    ns = f"hvla_badparams_{uuid.uuid4().hex[:6]}"
+    prefix_file = _params_file(tmp_path / "prefix.yaml", "prefix_node", ring_slots="four", split_layr=3)
+    suffix_file = _params_file(tmp_path / "suffix.yaml", "suffix_node", wheelbase_m=3)
+    launched = ros_tools.Launched([f"model_path:={tiny_checkpoint}", "split_layer:=2", f"namespace:={ns}",
+                                   f"prefix_param_file:={prefix_file}", f"suffix_param_file:={suffix_file}"],
+                                  ros_env, tmp_path / "launch.log")
+    try:
+        for name in ("prefix_node-1", "suffix_node-2"):
+            assert launched.wait_log(rf"\[ERROR\] \[{name}\]: process has died \[pid \d+, exit code 2", 180), \
+                launched.log()
+    finally:
+        launched.stop()
+    log = launched.log()
+    assert "[prefix_node-1] prefix_node: invalid parameters: ring_slots: must be of type int, got string 'four'" \
+        in log, log
+    assert ("[suffix_node-2] suffix_node: invalid parameters: wheelbase_m: must be of type double, got int 3 "
+            "(write 3.0)") in log, log
+    assert "ignored: split_layr (not parameters of prefix_node" in log, "a misspelt name is not silently lost"
+    assert "Traceback" not in log and not launched.survivors()
+
+    prefix_file = _params_file(tmp_path / "prefix_mixed.yaml", "prefix_node", camera_transports=["raw", 1])
+    suffix_file = _params_file(tmp_path / "suffix_mixed.yaml", "suffix_node", navigation_command=["LEFT", 1])
+    for node, path, needle in (
+            ("prefix_node", prefix_file, "prefix_node: cannot read the parameters: camera_transports: a list must "
+             "hold items of one type, got integer and string in ['raw', 1]"),
+            ("suffix_node", suffix_file, "suffix_node: cannot read the parameters: navigation_command: a list must "
+             "hold items of one type, got integer and string in ['LEFT', 1]")):
+        out = ros_tools.ros2(ros_env, "run", "hybrid_vla_ros", node, "--ros-args", "-r", f"__ns:=/{ns}",
+                             "--params-file", str(path), timeout=180)
+        text = out.stdout + out.stderr
+        assert out.returncode != 0 and needle in text and f"(parameter file {path}" in text, text
+        assert "Traceback" not in text
+    # the early cpu_affinity read of the suffix (before rclpy) names the parameter too
+    suffix_file = _params_file(tmp_path / "suffix_cores.yaml", "suffix_node", cpu_affinity=["a"])
+    out = ros_tools.ros2(ros_env, "run", "hybrid_vla_ros", "suffix_node", "--ros-args", "--params-file",
+                         str(suffix_file), timeout=180)
+    assert out.returncode != 0 and "suffix_node: cpu_affinity: " in out.stderr and "Traceback" not in out.stderr, \
+        out.stderr
+    # an empty list launch argument: refused by the launch file with the reason, before any node starts
+    out = subprocess.run([ros2_exe(), "launch", "hybrid_vla_ros", "hybrid_vla.launch.py", "cpu_affinity:=[]",
+                          f"namespace:={ns}"], env=ros_env, capture_output=True, text=True, timeout=180)
+    assert out.returncode != 0 and "cpu_affinity:='[]': an empty list cannot override" in out.stdout + out.stderr, \
+        out.stdout + out.stderr
+
+
+def _prefix_cores_given(ros_env, monkeypatch, **given) -> list[int] | None:
+    """The ``cpu_affinity`` the launch file hands the prefix node for launch arguments ``given``: the real launch
+    file evaluated by the real launch / launch_ros (its OpaqueFunction run in a LaunchContext, each node's
+    parameter files written as launch_ros writes them), read back with the nodes' own loader."""
+    from launch import LaunchContext
+    from launch.actions import DeclareLaunchArgument, OpaqueFunction
+    from launch.launch_description_sources import get_launch_description_from_python_launch_file
+    from launch_ros.actions import LifecycleNode
+
+    from hybrid_vla_ros.ros.params_file import parameter_from_files
+
+    monkeypatch.setenv("AMENT_PREFIX_PATH", ros_env["AMENT_PREFIX_PATH"])  # FindPackageShare: the install space
+    description = get_launch_description_from_python_launch_file(str(REPO / "launch" / "hybrid_vla.launch.py"))
+    context = LaunchContext()
+    for entity in description.entities:
+        if isinstance(entity, DeclareLaunchArgument):
+            default = "".join(s.perform(context) for s in entity.default_value)
+            context.launch_configurations[entity.name] = given.get(entity.name, default)
+    setup = next(e for e in description.entities if isinstance(e, OpaqueFunction))
+    nodes = [a for a in setup.execute(context) if isinstance(a, LifecycleNode)]
+    prefix = next(n for n in nodes if n.node_executable == "prefix_node")
+    prefix._perform_substitutions(context)
+    files = [arg for arg, is_file in prefix._Node__expanded_parameter_arguments if is_file]
+    return parameter_from_files(files, f"/{given.get('namespace', 'hybrid_vla')}", "prefix_node", "cpu_affinity")
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split between the nodes")
-def test_prefix_cores_are_disjoint_from_the_suffix_cores(launch_file, tmp_path):
+def test_prefix_cores_are_disjoint_from_the_suffix_cores(ros_env, monkeypatch, tmp_path):
     """prefix_cpu_affinity: empty = every usable core but the suffix's (from cpu_affinity, or else from the
     suffix's parameter file); an explicit value or the prefix file's own value wins; '[]' = not pinned."""
-    module, classes = launch_file
     usable = sorted(os.sched_getaffinity(0))
     suffix_core = usable[-1]
 
     def prefix_cores(**given):
-        _, _, nodes = _setup(module, classes, **given)
-        return nodes["prefix_node"].kwargs["parameters"][1].get("cpu_affinity")
+        return _prefix_cores_given(ros_env, monkeypatch, **given)
 
     assert prefix_cores(cpu_affinity=f"[{suffix_core}]") == usable[:-1]
     suffix_file = tmp_path / "suffix.yaml"
     suffix_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": {"cpu_affinity": [suffix_core]}}}))
     assert prefix_cores(suffix_param_file=str(suffix_file)) == usable[:-1]
     assert prefix_cores(cpu_affinity=f"[{suffix_core}]", prefix_cpu_affinity="[0]") == [0]
-    assert prefix_cores(cpu_affinity=f"[{suffix_core}]", prefix_cpu_affinity="[]") == []
+    assert prefix_cores(cpu_affinity=f"[{suffix_core}]", prefix_cpu_affinity="[]") in ([], None)  # not pinned
     prefix_file = tmp_path / "prefix.yaml"
     prefix_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": {"cpu_affinity": [0]}}}))
-    assert prefix_cores(cpu_affinity=f"[{suffix_core}]", prefix_param_file=str(prefix_file)) is None  # the file's
-    assert prefix_cores() is None, "an unpinned suffix leaves nothing to keep clear of"
+    assert prefix_cores(cpu_affinity=f"[{suffix_core}]", prefix_param_file=str(prefix_file)) == [0]  # the file's
+    unpinned = tmp_path / "suffix_unpinned.yaml"
+    unpinned.write_text(yaml.safe_dump({"/**": {"ros__parameters": {"cpu_affinity": []}}}))
+    assert prefix_cores(suffix_param_file=str(unpinned)) in ([], None), \
+        "an unpinned suffix leaves nothing to keep clear of"

@@ -509,3 +509,86 @@ def test_a_dtype_the_suffix_cannot_take_is_reported_at_attach_not_per_frame(node
     assert "attached to the ring" in (logs / "suffix.log").read_text()
     for client in (prefix, suffix):
         assert client.change_state("deactivate", 10)[0] and client.change_state("cleanup", 10)[0]
+
+
+def _publish_until(graph, publish, predicate, shift_s: int, timeout: float = 180.0) -> int:
+    """Publish bag frame 0 (stamps shifted by ``shift_s``, then 10 s more each time, so they keep increasing)
+    every 5 s until ``predicate()`` holds; the next shift. Best-effort camera messages published before the
+    node's side of the DDS match is complete are lost (seen on a loaded machine), hence the repeats."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        publish(0, shift_ns=shift_s * 10**9)
+        shift_s += 10
+        if graph.wait(predicate, timeout=5.0):
+            return shift_s
+    raise AssertionError("no output for the published frames")
+
+
+def test_candidate_trajectories_all_modes_through_the_guard(nodes, embedded_bag):
+    """With publish_candidate_trajectories the suffix publishes every planner mode (tiny: M = 6) as one
+    autoware_internal_planning_msgs/CandidateTrajectories per frame: camera stamp and output frame in each
+    header, the node's fixed generator_id, and the mode the navigation command selects equal, point for point,
+    to the Trajectory. Then, with a speed limit between the modes' speeds, the modes that break it are left
+    out of the message and counted (candidate_guard_too_fast), never published."""
+    from autoware_internal_planning_msgs.msg import CandidateTrajectories
+
+    from hybrid_vla_ros.model.config import NAV_COMMANDS
+    from hybrid_vla_ros.ros.msg_conv import generator_uuid
+
+    ns, graph, prefix, suffix, procs, logs = nodes
+    received = []
+    graph.node.create_subscription(CandidateTrajectories, f"{ns}/suffix_node/output/candidate_trajectories",
+                                   lambda m: graph._keep(received, m), 10)
+    _set_param(graph, f"{ns}/suffix_node", "split_layer", 1)
+    _set_param(graph, f"{ns}/suffix_node", "publish_candidate_trajectories", True)
+    for client in (prefix, suffix):
+        assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
+    publish = _frame_publisher(graph, ns, embedded_bag)
+    def paired():  # candidates and the Trajectory of the same frame
+        return received and any(t.header == received[0].candidate_trajectories[0].header for t in graph.trajectories)
+    shift = _publish_until(graph, publish, paired, 0)
+    with graph.lock:
+        msg = received[0]
+        traj = next(t for t in graph.trajectories if t.header == msg.candidate_trajectories[0].header)
+    assert len(msg.candidate_trajectories) == 6, "one candidate per planner mode"
+    fqn = f"{ns}/suffix_node"
+    expected_id = list(generator_uuid(fqn).bytes)
+    assert [list(i.generator_id.uuid) for i in msg.generator_info] == [expected_id]
+    assert msg.generator_info[0].generator_name.data == fqn
+    for c in msg.candidate_trajectories:
+        assert c.header == traj.header  # the camera stamp, frame map
+        assert list(c.generator_id.uuid) == expected_id
+        assert len(c.points) == len(traj.points) == 7
+    selected = NAV_COMMANDS.index("LANE_FOLLOW")  # the parameter file's navigation command
+    assert msg.candidate_trajectories[selected].points == traj.points
+    others = [c for i, c in enumerate(msg.candidate_trajectories) if i != selected]
+    assert all(c.points != traj.points for c in others), "random-init modes differ"
+
+    # A speed limit in the widest gap between the modes' top speeds: the faster modes break it.
+    top = sorted(max(abs(p.longitudinal_velocity_mps) for p in c.points) for c in msg.candidate_trajectories)
+    gap = max(range(len(top) - 1), key=lambda i: top[i + 1] - top[i])
+    limit = (top[gap] + top[gap + 1]) / 2
+    faster = sum(t > limit for t in top)
+    assert 0 < faster < 6
+    _set_param(graph, f"{ns}/suffix_node", "guard.max_speed_mps", float(limit))
+    assert suffix.change_state("deactivate", 10)[0] and suffix.change_state("cleanup", 10)[0]
+    assert suffix.change_state("configure", 60)[0] and suffix.change_state("activate", 10)[0]
+    with graph.lock:
+        first_phase = list(received)
+        received.clear()
+    _publish_until(graph, publish, lambda: received, shift)
+    status = f"{ns}/suffix_node: pipeline"
+
+    def settled():  # the counters cover every message received (the 1 Hz report follows the frames)
+        d = graph.diag.get(status, {})
+        return d.get("candidate_trajectories_out") == str(len(first_phase) + len(received))
+    assert graph.wait(settled), graph.diag.get(status)
+    with graph.lock:
+        second_phase = list(received)
+        d = dict(graph.diag[status])
+    for m in second_phase:
+        assert len(m.candidate_trajectories) == 6 - faster
+        assert all(max(abs(p.longitudinal_velocity_mps) for p in c.points) <= limit for c in m.candidate_trajectories)
+    assert d["drop_candidate_guard_too_fast"] == str(faster * len(second_phase))
+    assert d["candidates_out"] == str(sum(len(m.candidate_trajectories) for m in first_phase + second_phase))
+    assert "left out: " in (logs / "suffix.log").read_text()

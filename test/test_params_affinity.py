@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from hybrid_vla_ros.ros.params import ParameterError, validate
-from hybrid_vla_ros.ros.params_file import ParamsFileError, cpu_affinity_from_ros_args, parameter_from_files
+from hybrid_vla_ros.ros.params_file import (
+    ParamsFileError,
+    cpu_affinity_from_ros_args,
+    parameter_from_files,
+    unreadable_parameters,
+)
 from hybrid_vla_ros.vehicle.odometry import OdometryBuffer
-
-TOOLS_MISSING = ("launch_ros is not installed: the bootstrap installs it from ../shared/ros2-tools "
-                 "(HYBRID_VLA_ROS2_TOOLS)")
 
 
 def test_prefix_params_expand_and_validate(tiny_checkpoint):
@@ -82,10 +84,10 @@ def test_affinity_from_command_line_and_params_file(tmp_path):
         early("--params-file", str(bad))
 
 
-def test_params_file_written_by_real_launch_ros_is_read(tmp_path):
+def test_params_file_written_by_real_launch_ros_is_read(tmp_path, ros_tools_available):
     """launch_ros writes a node's dict parameters with yaml.dump, lists as !!python/tuple (the crash of the
     README's own `ros2 launch ... cpu_affinity:='[6, 7]'`): the early read takes them as lists."""
-    launch_ros = pytest.importorskip("launch_ros.actions", reason=TOOLS_MISSING)
+    import launch_ros.actions as launch_ros
     from launch import LaunchContext
 
     node = launch_ros.Node(package="hybrid_vla_ros", executable="suffix_node", name="suffix_node",
@@ -97,6 +99,48 @@ def test_params_file_written_by_real_launch_ros_is_read(tmp_path):
             "--params-file", files[0]]
     assert cpu_affinity_from_ros_args(argv, "suffix_node") == [6, 7]
     assert parameter_from_files(files, "/hybrid_vla", "suffix_node", "split_layer") == 2
+
+
+def test_empty_list_does_not_override_like_rcl(tmp_path):
+    """rcl reads an empty YAML list as 'not set', so it never replaces an earlier value (measured with rclpy:
+    a file with [1] then one with [] gives [1]); the early read agrees, and [] alone is the empty list."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("/**:\n  ros__parameters: {cpu_affinity: [1]}\n")
+    second.write_text("/**:\n  ros__parameters: {cpu_affinity: []}\n")
+    argv = ["prog", "--ros-args", "--params-file", str(first), "--params-file", str(second)]
+    assert cpu_affinity_from_ros_args(argv, "suffix_node") == [1]
+    assert cpu_affinity_from_ros_args(argv + ["-p", "cpu_affinity:=[]"], "suffix_node") == [1]
+    assert cpu_affinity_from_ros_args(["prog", "--ros-args", "--params-file", str(second)], "suffix_node") == []
+
+
+def test_unreadable_parameters_are_named(tmp_path):
+    """What rcl cannot parse (its own error names the file and a line only) is found and named: lists that
+    mix types, in any node's section, nested names dotted, and in -p; a file that is not YAML."""
+    f = tmp_path / "p.yaml"
+    f.write_text(textwrap.dedent("""
+        /ns/prefix_node:
+          ros__parameters:
+            camera_transports: [raw, 1]
+            ring_slots: 4
+        /**:
+          ros__parameters:
+            guard: {max_speed_mps: [1, 2.0]}
+            cpu_affinity: !!python/tuple [0, 1]
+    """))
+    problems = unreadable_parameters(["prog", "--ros-args", "--params-file", str(f), "-p", "flags:=[true, 1]",
+                                      "-p", "fine:=[1, 2]"])
+    assert problems == [
+        f"camera_transports: a list must hold items of one type, got integer and string in ['raw', 1] "
+        f"(parameter file {f}, node key /ns/prefix_node)",
+        f"guard.max_speed_mps: a list must hold items of one type, got double and integer in [1, 2.0] (write every "
+        f"item as a double, e.g. 2.0) (parameter file {f}, node key /**)",
+        "flags: a list must hold items of one type, got bool and integer in [True, 1] (-p flags:=[true, 1])",
+    ]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("/**:\n  ros__parameters: {ring_slots: [1\n")
+    assert [p.split(" is not valid YAML")[0] for p in unreadable_parameters(["x", "--ros-args", "--params-file",
+                                                                              str(bad)])] == [f"parameter file {bad}"]
+    assert unreadable_parameters(["x", "--ros-args", "-p", "ring_slots:=4"]) == []
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell pinned from unpinned")

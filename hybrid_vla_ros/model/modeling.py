@@ -394,12 +394,13 @@ class PlanOutput:
 
     waypoints: (N, 2) float32 metres, the mode the command selected. modes: (M, N, 2) float32, all
     modes. decision_logits: (6,) float32 logits over NAV_COMMANDS from the decision pass (two-pass
-    models), else None.
+    models), else None. mode: index of the selected mode in ``modes`` (``waypoints == modes[mode]``).
     """
 
     waypoints: torch.Tensor
     modes: torch.Tensor
     decision_logits: torch.Tensor | None = None
+    mode: int = 0
 
 
 def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanOutput:
@@ -419,7 +420,8 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
         decision = m.decision_head(last[0]).float()
         last = last[-1]
     modes = m.head(last)
-    return PlanOutput(modes[int(command) if modes.shape[0] > 1 else 0], modes, decision)
+    mode = int(command) if modes.shape[0] > 1 else 0
+    return PlanOutput(modes[mode], modes, decision, mode)
 
 
 class _PrefixSide(nn.Module):

@@ -6,6 +6,7 @@ import threading
 import time
 
 import torch
+from autoware_internal_planning_msgs.msg import CandidateTrajectories
 from autoware_planning_msgs.msg import Trajectory
 from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Odometry
@@ -23,7 +24,7 @@ from ..vehicle.guard import GuardLimits, find_violations
 from ..vehicle.odometry import OdometryBuffer
 from ..vehicle.trajectory import ego_state_from_odometry, waypoints_to_trajectory
 from . import node_base
-from .msg_conv import ns_to_stamp, trajectory_to_msg
+from .msg_conv import candidate_trajectories_to_msg, generator_uuid, ns_to_stamp, trajectory_to_msg
 from .params import ParameterError, Params
 
 
@@ -42,6 +43,8 @@ class SuffixNode(node_base.PipelineNode):
         self.frames_out = 0
         self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
         self.odometry_late = 0  # frames placed at once because the odometry stream was late (no wait)
+        self.candidates_out = 0  # candidates published on ~/output/candidate_trajectories
+        self.candidate_msgs_out = 0  # CandidateTrajectories messages published
         self.resplits = 0  # block moves (loads or frees) that followed the prefix's split layer
         self.resplits_on_demand = 0  # of which loads for a frame at a K this side was not prepared for
         self._odom = OdometryBuffer()
@@ -55,6 +58,9 @@ class SuffixNode(node_base.PipelineNode):
         self._traj_pub = self.create_lifecycle_publisher(
             Trajectory, "~/output/trajectory", QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
         self._timing_pub = self.create_lifecycle_publisher(DiagnosticArray, "~/debug/frame_timing", 10)
+        # ~/output/candidate_trajectories, while configured with publish_candidate_trajectories
+        self._candidates_pub = None
+        self.generator_id = generator_uuid(self.get_fully_qualified_name())
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -79,6 +85,10 @@ class SuffixNode(node_base.PipelineNode):
             return TransitionCallbackReturn.FAILURE
         self.params = p
         self.guard = GuardLimits.from_params(p)
+        if p.publish_candidate_trajectories:
+            self._candidates_pub = self.create_lifecycle_publisher(
+                CandidateTrajectories, "~/output/candidate_trajectories",
+                QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
         self._set_command(nav_command_index(p.navigation_command), "parameter navigation_command")
         cores = sorted(set().union(*thread_affinities().values()))
         spin = f"{p['ring.spin_lead_ms']} ms lead, <= {p['ring.spin_max_ms']} ms" if p["ring.spin_max_ms"] else "off"
@@ -92,6 +102,8 @@ class SuffixNode(node_base.PipelineNode):
             + (f" (in use: eager: {self.runner.backend.error})" if self.runner.backend.error else "")
             + (f" (building for K={k} in the background, cache {self.runner.backend.cache_dir}; eager meanwhile)"
                if self.runner.backend.status()["building"] is not None else "")
+            + (f"; candidate trajectories of all {self.runner.cfg.n_modes} modes on "
+               f"{self._candidates_pub.topic_name} (generator_id {self.generator_id})" if self._candidates_pub else "")
             + (" [random-init weights: trajectories are not driving advice]" if self.runner.cfg.random_init else ""))
         if not self.guard.check_age:
             self.get_logger().warning("guard.check_age is false: trajectories are published however old their "
@@ -124,6 +136,9 @@ class SuffixNode(node_base.PipelineNode):
 
     def _release(self) -> None:
         self.fault = ""
+        if self._candidates_pub is not None:
+            self.destroy_lifecycle_publisher(self._candidates_pub)
+            self._candidates_pub = None
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -272,14 +287,19 @@ class SuffixNode(node_base.PipelineNode):
             self._drop("bad_waypoints", str(e))
             return
         # Output guard: an invalid trajectory is never published (one drop per frame, the first cause).
-        violations = find_violations(arrays, stamp, self.get_clock().now().nanoseconds, self.guard, ego_yaw=ego.yaw)
+        now_ns = self.get_clock().now().nanoseconds
+        violations = find_violations(arrays, stamp, now_ns, self.guard, ego_yaw=ego.yaw)
         if violations:
             hint = f" ({node_base.NO_CLOCK_HINT})" if violations[0].cause == "no_clock" and self.use_sim_time() else ""
             self._drop(f"guard_{violations[0].cause}",
                        "trajectory not published: " + "; ".join(map(str, violations)) + hint)
-            return
-        self._traj_pub.publish(trajectory_to_msg(arrays, stamp, self.params.output_frame))
+        else:
+            self._traj_pub.publish(trajectory_to_msg(arrays, stamp, self.params.output_frame))
         t_publish_ns = time.monotonic_ns()
+        if self._candidates_pub is not None:
+            self._publish_candidates(result, ego, stamp, now_ns, arrays, not violations)
+        if violations:
+            return
         self.frames_out += 1
         if method == "propagated":
             self.odometry_propagated += 1
@@ -297,6 +317,39 @@ class SuffixNode(node_base.PipelineNode):
         timing.header.stamp = ns_to_stamp(stamp)
         self._timing_pub.publish(timing)
 
+    def _publish_candidates(self, result, ego, stamp: int, now_ns: int, selected, selected_ok: bool) -> None:
+        """Publish every planner mode of ``result`` that converts and passes the output guard as one
+        CandidateTrajectories (mode order; the selected mode's ``selected`` arrays are reused, so that
+        candidate's points equal the Trajectory's). A mode left out is a counted drop:
+        ``candidate_bad_waypoints`` or ``candidate_guard_<cause>``. Nothing is published when none passes."""
+        modes = result.modes if result.modes is not None else result.waypoints[None]
+        candidates = []
+        for i, waypoints in enumerate(modes):
+            name = NAV_COMMANDS[i] if len(modes) == len(NAV_COMMANDS) else str(i)
+            if i == result.mode:
+                arrays, ok = selected, selected_ok
+                violations = [] if ok else find_violations(arrays, stamp, now_ns, self.guard, ego_yaw=ego.yaw)
+            else:
+                try:
+                    arrays = waypoints_to_trajectory(waypoints, self.runner.cfg.waypoint_dt_s, ego,
+                                                     self.params.wheelbase_m,
+                                                     heading_min_segment_m=self.guard.min_segment_m)
+                except ValueError as e:
+                    self._drop("candidate_bad_waypoints", f"candidate {name} left out: {e}")
+                    continue
+                violations = find_violations(arrays, stamp, now_ns, self.guard, ego_yaw=ego.yaw)
+            if violations:
+                self._drop(f"candidate_guard_{violations[0].cause}",
+                           f"candidate {name} left out: " + "; ".join(map(str, violations)))
+                continue
+            candidates.append(arrays)
+        if not candidates:
+            return
+        self._candidates_pub.publish(candidate_trajectories_to_msg(
+            candidates, stamp, self.params.output_frame, self.generator_id, self.get_fully_qualified_name()))
+        self.candidates_out += len(candidates)
+        self.candidate_msgs_out += 1
+
     def _io_counts(self) -> tuple[int, int]:
         return self.frames_in, self.frames_out
 
@@ -313,6 +366,7 @@ class SuffixNode(node_base.PipelineNode):
                 "ring_read": ring.get("read", 0),
                 "odometry_propagated": self.odometry_propagated, "odometry_late": self.odometry_late,
                 "odometry_time_jumps": self._odom.time_jumps,
+                "candidate_trajectories_out": self.candidate_msgs_out, "candidates_out": self.candidates_out,
                 "split_layer": self.runner.split_layer if self.runner is not None else "",
                 "blocks_held_from": self.runner.stage.split_layer if self.runner is not None else "",
                 "resplits": self.resplits, "resplits_on_demand": self.resplits_on_demand,

@@ -1,6 +1,10 @@
 """Helpers shared by the two lifecycle nodes: parameters from the schema, diagnostics, throttled logs."""
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
 import time
 
 import rclpy
@@ -8,15 +12,18 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
 from rclpy.clock import Clock
 from rclpy.clock_type import ClockType
-from rclpy.exceptions import ParameterUninitializedException
-from rclpy.executors import ExternalShutdownException
+from rclpy.exceptions import InvalidParameterTypeException, ParameterUninitializedException
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.impl.implementation_singleton import rclpy_implementation as _rclpy
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.node import Node
 from rclpy.parameter import Parameter
+from rclpy.signals import SignalHandlerOptions
 
 from ..util.stats import DropCounter, StageTimes
 from . import params
 from .msg_conv import ns_to_stamp
+from .params_file import unreadable_parameters
 
 # ROS parameter type of each schema type (as params.ros_type names it)
 _PARAMETER_TYPES = {
@@ -28,20 +35,62 @@ _PARAMETER_TYPES = {
 _TYPE_WORDS = {t: word for word, t in _PARAMETER_TYPES.items()}  # Parameter.Type -> 'int', 'string[]', ...
 
 
+#: Parameters rclpy declares on every node (not in the schemas, never reported as unknown).
+_RCLPY_PARAMETERS = ("use_sim_time", "start_type_description_service")
+
+
+def type_problem(name: str, given: Parameter, declared: Parameter.Type) -> str:
+    """'name: must be of type int, got string 'four'' for a value of the wrong ROS type (with a hint to
+    write 3.0 for a double given as an integer)."""
+    hint = f" (write {float(given.value)!r})" if (given.type_, declared) == (
+        Parameter.Type.INTEGER, Parameter.Type.DOUBLE) else ""
+    return (f"{name}: must be of type {_TYPE_WORDS.get(declared, declared.name)}, "
+            f"got {_TYPE_WORDS.get(given.type_, given.type_.name)} {given.value!r}{hint}")
+
+
 def declare_parameters(node: Node, schema_node: str) -> None:
     """Declare every parameter of ``schema/<schema_node>.schema.json`` with the schema's default,
     description and valid values (``ros2 param describe``). A parameter without a default, or an
     array whose default is [] (rclpy cannot type an empty list), is declared by its type and stays
-    unset until given; validation then applies the schema default."""
+    unset until given; validation then applies the schema default.
+
+    Values given at start (``--params-file``, ``-p``; launch_ros' files included) are taken as rcl read
+    them. An empty YAML list (which rcl reads as 'not set') of an array parameter counts as the empty
+    list. A value of the wrong type (``ring_slots: four``) is not declared: every such parameter is
+    collected and ParameterError is raised after all are declared, naming each ('ring_slots: must be of
+    type int, got string 'four''), where rclpy would raise on the first with a traceback. Values for
+    names the schema does not have are logged as a warning (rclpy ignores them).
+    """
+    overrides = node._parameter_overrides  # rclpy's map of the values given at start (no public accessor)
+    problems = []
     for name, spec in params.parameter_specs(schema_node).items():
         desc = ParameterDescriptor(description=spec.get("description", ""),
                                    additional_constraints=params.constraint_text(spec),
                                    dynamic_typing=isinstance(spec["type"], list))
         default = spec.get("default")
-        if default is None or default == []:
-            node.declare_parameter(name, _PARAMETER_TYPES[params.ros_type(spec)], desc)
-        else:
-            node.declare_parameter(name, float(default) if spec["type"] == "number" else default, desc)
+        declared_type = _PARAMETER_TYPES[params.ros_type(spec)] if not desc.dynamic_typing else None
+        given = overrides.get(name)
+        if given is not None and given.type_ == Parameter.Type.NOT_SET and spec["type"] == "array":
+            overrides[name] = Parameter(name, declared_type, [])  # `name: []`, which rcl reads as unset
+        try:
+            _declare(node, name, spec, default, declared_type, desc)
+        except InvalidParameterTypeException:
+            problems.append(type_problem(name, overrides.pop(name), declared_type))
+            _declare(node, name, spec, default, declared_type, desc)
+    unknown = sorted(n for n in overrides if not node.has_parameter(n) and n not in _RCLPY_PARAMETERS
+                     and not n.startswith("qos_overrides."))
+    if unknown:
+        node.get_logger().warning(f"ignored: {', '.join(unknown)} (not parameters of {schema_node}; "
+                                  "see its schema for the names)")
+    if problems:
+        raise params.ParameterError(problems)
+
+
+def _declare(node: Node, name: str, spec: dict, default, declared_type, desc: ParameterDescriptor) -> None:
+    if default is None or default == []:
+        node.declare_parameter(name, declared_type, desc)
+    else:
+        node.declare_parameter(name, float(default) if spec["type"] == "number" else default, desc)
 
 
 def parameter_values(node: Node, schema_node: str) -> dict:
@@ -51,6 +100,8 @@ def parameter_values(node: Node, schema_node: str) -> dict:
         try:
             v = node.get_parameter(name).value
         except ParameterUninitializedException:
+            continue
+        if v is None:  # not set
             continue
         values[name] = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
     return values
@@ -140,6 +191,29 @@ class PipelineNode(LifecycleNode):
         # /diagnostics must keep coming (it is where a missing /clock is reported).
         self._diag_timer = self.create_timer(1.0, self.publish_diagnostics,
                                              clock=Clock(clock_type=ClockType.STEADY_TIME))
+        #: ChangeState requests that left the state as it was (a transition not available from the current
+        #: state, e.g. two lifecycle managers asking for the same one, or a callback that failed), in
+        #: /diagnostics as lifecycle_requests_refused: `hybrid-vla replay --attach` reads it to tell whether
+        #: another manager was bringing the node up while the replay did.
+        self.lifecycle_requests_refused = 0
+        self._count_refused_requests()
+
+    def _count_refused_requests(self) -> None:
+        """Wrap the callback of rclpy's ``change_state`` service (``_service_change_state``; rclpy has no public
+        hook) to count the requests that leave the state unchanged."""
+        service = getattr(self, "_service_change_state", None)
+        if service is None:
+            return
+        inner = service.callback
+
+        def on_change_state(request, response):
+            before = lifecycle_state(self)
+            response = inner(request, response)
+            if not response.success and lifecycle_state(self) == before:
+                self.lifecycle_requests_refused += 1
+            return response
+
+        service.callback = on_change_state
 
     #: Parameters a running node applies as soon as they are set (through :meth:`_apply_live_parameters`);
     #: every other one is read at configure.
@@ -201,10 +275,7 @@ class PipelineNode(LifecycleNode):
             else:
                 declared = Parameter.Type(self.describe_parameter(p.name).type)
                 if p.type_ != declared:
-                    hint = f" (write {float(p.value)!r})" if (p.type_, declared) == (
-                        Parameter.Type.INTEGER, Parameter.Type.DOUBLE) else ""
-                    problems.append(f"{p.name}: must be of type {_TYPE_WORDS.get(declared, declared.name)}, "
-                                    f"got {_TYPE_WORDS.get(p.type_, p.type_.name)} {p.value!r}{hint}")
+                    problems.append(type_problem(p.name, p, declared))
         if problems:
             reason = "; ".join(problems)
             self.get_logger().warning(f"parameter change refused: {reason}")
@@ -279,7 +350,9 @@ class PipelineNode(LifecycleNode):
         clock_missing = self.clock_missing()
         self._say_clock_state(clock_missing)
         values = flatten_stats(self.times.summary(), drops,
-                               {"state": lifecycle_state(self), **self._diagnostic_values(),
+                               {"state": lifecycle_state(self),
+                                "lifecycle_requests_refused": self.lifecycle_requests_refused,
+                                **self._diagnostic_values(),
                                 "use_sim_time": self.use_sim_time(), "clock_missing": clock_missing,
                                 "ring_ready_slots": f"{ring_ready}/{ring_slots}", **memory_values(),
                                 "last_error": self.last_error})
@@ -345,14 +418,100 @@ def memory_values() -> dict:
     return out
 
 
-def spin(node: PipelineNode) -> int:
-    """Spin a pipeline node until Ctrl-C / SIGINT / external shutdown, then release it; exit code 0."""
+def run_node(name: str, factory, argv: list[str]) -> int:
+    """Start rclpy with ``argv``, build the node with ``factory()`` and spin it (:func:`spin`), then end the
+    process with spin's exit code (:func:`_exit_now`; it does not return after a spin). Returns 2 or 130 when
+    the node could not be started.
+
+    A command line rcl cannot read (a parameter file that is not YAML, a list mixing types) and values of
+    the wrong type are printed as one clear error naming each parameter, ``<name>: ...`` on stderr, and
+    the process exits with 2, never with a traceback. rclpy's own signal handlers are not installed:
+    SIGINT and SIGTERM are handled by :func:`spin`, so the node still logs (rosout included) while it
+    shuts down.
+    """
     try:
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
+        rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
+    except _rclpy.RCLError as e:
+        found = unreadable_parameters(argv)
+        print(f"{name}: cannot read the parameters: " + ("; ".join(found) if found else str(e)), file=sys.stderr)
+        return 2
+    try:
+        node = factory()
+    except params.ParameterError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        rclpy.try_shutdown()
+        return 2
+    except KeyboardInterrupt:
+        rclpy.try_shutdown()
+        return 130
+    _exit_now(spin(node))
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` once the node is shut down: finalize the ROS context (the DDS participant,
+    Fast DDS's shared-memory files with it), flush stdout and stderr, then ``os._exit``. Python's own
+    interpreter finalization with torch loaded takes seconds on a busy machine (2.4 to 4.1 s measured on a
+    2-core machine at load 5), more than the 5 s ``ros2 launch`` waits after SIGINT before it escalates to
+    SIGTERM and then SIGKILL; nothing the node needs runs in it (the ring and the model are released, the
+    logs written)."""
+    try:
+        rclpy.get_default_context().destroy()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+class _Stop(Exception):
+    """Raised in the main thread by the SIGINT / SIGTERM handler of :func:`spin`."""
+
+
+def _stop_signal(signum, frame) -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):  # one stop: a second signal (Ctrl-C and launch) waits for it
+        signal.signal(s, signal.SIG_IGN)
+    raise _Stop(signal.Signals(signum).name)
+
+
+def spin(node: PipelineNode) -> int:
+    """Spin a pipeline node until SIGINT / SIGTERM (or an external shutdown), then release it; exit code 0.
+
+    The executor runs in a background thread and the main thread waits for a signal. On SIGINT or SIGTERM
+    the executor stops, the pipeline is released (worker stopped, ring and model freed) and logged while
+    the ROS context is still valid, then the node is destroyed and rclpy shut down. Further signals during
+    that shutdown are ignored. Returns 1 when the executor itself failed (the error is logged).
+    """
+    executor = SingleThreadedExecutor(context=node.context)
+    executor.add_node(node)
+    failed = []
+
+    def _spin() -> None:
+        try:
+            executor.spin()
+        except ExternalShutdownException:
+            pass
+        except Exception as e:  # noqa: BLE001 - reported below, then the node shuts down
+            failed.append(e)
+
+    thread = threading.Thread(target=_spin, name="executor", daemon=True)
+    try:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, _stop_signal)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.5)
+    except (_Stop, KeyboardInterrupt):
         pass
     finally:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        executor.shutdown(timeout_sec=30.0)
+        if failed:
+            node.get_logger().error(f"executor failed: {type(failed[0]).__name__}: {failed[0]}")
         node.shutdown_pipeline()
         node.destroy_node()
         rclpy.try_shutdown()
-    return 0
+    return 1 if failed else 0

@@ -97,14 +97,21 @@ def node_key_matches(key: str, namespace: str, node: str) -> bool:
     return re.fullmatch(pattern, fqn) is not None
 
 
+def _later(value, new):
+    """rcl's rule for a value given again: the later one wins, except an empty list, which rcl reads as
+    'not set' and which therefore never replaces an earlier value."""
+    return value if isinstance(new, list) and not new and value is not None else new
+
+
 def parameter_from_files(paths: list[str], namespace: str, node: str, name: str):
     """The value of parameter ``name`` for ``node`` in ``namespace`` from parameter files read in order,
-    the last match winning (as rcl applies them); ``None`` when no file sets it. Raises ParamsFileError."""
+    the last match winning (as rcl applies them; an empty list does not replace an earlier value);
+    ``None`` when no file sets it. Raises ParamsFileError."""
     value = None
     for path in paths:
         for key, params in _flatten(load_params_file(path)):
             if name in params and node_key_matches(key, namespace, node):
-                value = params[name]
+                value = _later(value, params[name])
     return value
 
 
@@ -112,21 +119,12 @@ def ros_args_parameter(argv: list[str], node: str, name: str, namespace: str = "
     """The value of parameter ``name`` given to ``node`` on a ROS command line, before rclpy parses it.
 
     Reads ``-p name:=value`` / ``--param name:=value`` (also ``node:name:=value``) and ``--params-file FILE``
-    after ``--ros-args`` in order, the last one winning as in rcl; ``-r __ns:=/ns`` (and ``__node:=``) set the
-    namespace and name the file keys are matched with. ``-p`` values are YAML (``[6, 7]``). Returns the parsed
-    value, or None when it is not given. Raises ParamsFileError naming the file or argument it cannot read.
+    after ``--ros-args`` in order, the last one winning as in rcl (but an empty list, which rcl reads as
+    'not set', does not replace an earlier value); ``-r __ns:=/ns`` (and ``__node:=``) set the namespace and
+    name the file keys are matched with. ``-p`` values are YAML (``[6, 7]``). Returns the parsed value, or
+    None when it is not given. Raises ParamsFileError naming the file or argument it cannot read.
     """
-    args, value, in_ros, i = [], None, False, 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--ros-args":
-            in_ros = True
-        elif arg == "--":
-            in_ros = False
-        elif in_ros and arg in ("-p", "--param", "--params-file", "-r", "--remap") and i + 1 < len(argv):
-            args.append((arg, argv[i + 1]))
-            i += 1
-        i += 1
+    args, value = _ros_args(argv), None
     for flag, text in args:  # the node's own name and namespace first: file keys are matched against them
         if flag in ("-r", "--remap"):
             target, _, to = text.partition(":=")
@@ -140,14 +138,101 @@ def ros_args_parameter(argv: list[str], node: str, name: str, namespace: str = "
             owner, _, pname = pname.rpartition(":")
             if sep and pname == name and (not owner or owner == node):
                 try:
-                    value = _safe_yaml(raw)
+                    value = _later(value, _safe_yaml(raw))
                 except yaml.YAMLError as e:
                     raise ParamsFileError(f"-p {text}: the value of {name} is not YAML: {e}") from e
         elif flag == "--params-file":
             found = parameter_from_files([text], namespace, node, name)
             if found is not None:
-                value = found
+                value = _later(value, found)
     return value
+
+
+def _ros_args(argv: list[str]) -> list[tuple[str, str]]:
+    """(flag, value) of every ``-p`` / ``--param`` / ``--params-file`` / ``-r`` / ``--remap`` after ``--ros-args``."""
+    args, in_ros, i = [], False, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--ros-args":
+            in_ros = True
+        elif arg == "--":
+            in_ros = False
+        elif in_ros and arg in ("-p", "--param", "--params-file", "-r", "--remap") and i + 1 < len(argv):
+            args.append((arg, argv[i + 1]))
+            i += 1
+        i += 1
+    return args
+
+
+#: The parameter types rcl reads from YAML; a list must hold items of one of them only.
+_RCL_SCALARS = ((bool, "bool"), (int, "integer"), (float, "double"), (str, "string"))
+
+
+def _rcl_kind(value) -> str | None:
+    for cls, word in _RCL_SCALARS:  # bool before int: a YAML true is a Python int too
+        if isinstance(value, cls):
+            return word
+    return None
+
+
+def _value_problem(value) -> str | None:
+    """Why rcl cannot read ``value`` as a parameter value (None when it can): a list mixing types, e.g.
+    ``[1, 2.0]`` or ``[a, 1]``, or one holding something other than a scalar."""
+    if not isinstance(value, list):
+        return None
+    kinds = [_rcl_kind(v) for v in value]
+    if None in kinds:
+        return f"a list must hold plain values (bool, integer, double or string), got {value!r}"
+    if len(set(kinds)) > 1:
+        hint = " (write every item as a double, e.g. 2.0)" if set(kinds) == {"integer", "double"} else ""
+        return f"a list must hold items of one type, got {' and '.join(sorted(set(kinds)))} in {value!r}{hint}"
+    return None
+
+
+def _walk_values(params: dict, prefix: str = ""):
+    """(dotted parameter name, value) of a ``ros__parameters`` mapping; nested mappings are dotted names."""
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _walk_values(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def unreadable_parameters(argv: list[str]) -> list[str]:
+    """What on a ROS command line rcl cannot read, one line each, naming the parameter and where it is given.
+
+    For the error ``rclpy.init`` raises when rcl fails to parse the parameters (its message names the file
+    and a line, not the parameter): a parameter file that is not YAML, or a value no ROS parameter type
+    holds (a list mixing types, e.g. ``[1, 2.0]``), in any node's section of every ``--params-file`` and in
+    each ``-p name:=value``. [] when nothing is found (the caller then shows rcl's own message).
+    """
+    problems = []
+    for flag, text in _ros_args(argv):
+        if flag == "--params-file":
+            try:
+                sections = list(_flatten(load_params_file(text)))
+            except ParamsFileError as e:
+                problems.append(str(e))
+                continue
+            for key, params in sections:
+                for name, value in _walk_values(params):
+                    problem = _value_problem(value)
+                    if problem:
+                        problems.append(f"{name}: {problem} (parameter file {text}, node key {key})")
+        elif flag in ("-p", "--param"):
+            name, sep, raw = text.partition(":=")
+            if not sep:
+                continue
+            try:
+                value = _safe_yaml(raw)
+            except yaml.YAMLError as e:
+                problems.append(f"{name}: the value {raw!r} is not YAML ({flag} {text}): {e}")
+                continue
+            problem = _value_problem(value)
+            if problem:
+                problems.append(f"{name.rpartition(':')[2]}: {problem} ({flag} {text})")
+    return problems
 
 
 def cpu_affinity_from_ros_args(argv: list[str], node: str = "suffix_node") -> list[int] | None:

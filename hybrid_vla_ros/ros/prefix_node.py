@@ -31,7 +31,6 @@ import threading
 import time
 
 import cv2
-import rclpy
 import torch
 from geometry_msgs.msg import AccelWithCovarianceStamped
 from nav_msgs.msg import Odometry
@@ -410,15 +409,16 @@ class PrefixNode(node_base.PipelineNode):
 
 
 def main(args: list[str] | None = None) -> int:
-    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args -p cpu_affinity:=[0,1] ...``."""
+    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args -p cpu_affinity:=[0,1] ...``. Exit code
+    0 after a clean shutdown (SIGINT / SIGTERM), 2 when the parameters given cannot be read (see
+    ``node_base.run_node``)."""
     argv = args if args is not None else sys.argv
     try:
         early = pin_from_ros_args(argv, "prefix_node")
     except ValueError as e:
         print(f"prefix_node: {e}", file=sys.stderr)
         return 2
-    rclpy.init(args=argv)
-    return node_base.spin(PrefixNode(early_affinity=early))
+    return node_base.run_node("prefix_node", lambda: PrefixNode(early_affinity=early), argv)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ Lifecycle:
   on_deactivate stop the worker;  on_cleanup / on_shutdown  detach from the ring, free the model.
 Output: ``~/output/trajectory`` (autoware_planning_msgs/Trajectory, frame ``output_frame``,
 header.stamp = the camera stamp of the frame; only trajectories that pass the output guard,
-``core/guard.py`` with the ``guard.*`` parameters: the others are dropped as ``guard_<cause>``), ``~/debug/frame_timing`` (DiagnosticArray, one per
-frame, same stamp, per-stage milliseconds) and ``/diagnostics`` (1 Hz).
+``vehicle/guard.py`` with the ``guard.*`` parameters: the others are dropped as ``guard_<cause>``),
+``~/output/candidate_trajectories`` with ``publish_candidate_trajectories`` (autoware_internal_planning_msgs/
+CandidateTrajectories: every planner mode that passes the same conversion and guard, one generator_id fixed
+per node name, see ``msg_conv.generator_uuid``), ``~/debug/frame_timing`` (DiagnosticArray, one per frame,
+same stamp, per-stage milliseconds) and ``/diagnostics`` (1 Hz).
 Navigation command: the ``navigation_command`` parameter (read at configure, applied at once when set
 while running) or a name on ``~/input/navigation_command`` (std_msgs/String), the latest of the two,
 selects the planner mode of the next frame; ``/diagnostics`` shows the command in use.
@@ -41,13 +44,10 @@ def main(args: list[str] | None = None) -> int:
     if early:
         # Keep OpenMP from sizing its pool for all cores before configure sets the thread count.
         os.environ.setdefault("OMP_NUM_THREADS", str(len(early)))
-    import rclpy
-
     from . import node_base
     from ._suffix_impl import SuffixNode
 
-    rclpy.init(args=argv)
-    return node_base.spin(SuffixNode(early_affinity=early))
+    return node_base.run_node("suffix_node", lambda: SuffixNode(early_affinity=early), argv)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,12 @@ class StaleFrame(RuntimeError):
 
 @dataclass
 class SuffixResult:
-    """Waypoints of one frame with its slot metadata, stage timings (ms) and instants (CLOCK_MONOTONIC ns)."""
+    """Waypoints of one frame with its slot metadata, stage timings (ms) and instants (CLOCK_MONOTONIC ns).
+
+    ``waypoints`` is the mode the navigation command selected, ``modes`` every mode of the planner (M = 1 or
+    6, one per navigation command) and ``mode`` the selected one's index (``waypoints == modes[mode]``).
+    Only ``waypoints`` is checked for finiteness here; a non-finite other mode is the caller's to judge.
+    """
 
     waypoints: np.ndarray  # (N, 2) float64 metres, ego frame
     meta: FrameMeta
@@ -48,6 +53,8 @@ class SuffixResult:
     t_suffix_end_ns: int = 0  # the suffix stage returned the waypoints
     resplits: tuple = ()  # Resplit events applied while taking this frame (blocks loaded / freed)
     superseded: int = 0  # older unread frames freed when this one was taken (newest-first delivery)
+    modes: np.ndarray | None = None  # (M, N, 2) float64 metres, ego frame, every planner mode
+    mode: int = 0  # index of the selected mode in modes
 
     @property
     def preprocess_ms(self) -> float:
@@ -192,16 +199,17 @@ class SuffixRunner:
             self.split.for_frame(k)  # loads the blocks a frame below the first one held needs
             hidden = slot.compute_tensor  # zero-copy, or converted to this suffix's dtype (an allowed pair)
             t_ready = time.monotonic_ns()
-            waypoints = self.backend(self.stage, hidden, self.command, k)
+            out = self.backend.plan_all(self.stage, hidden, self.command, k)
             t_end = time.monotonic_ns()
             meta, superseded = slot.meta, slot.superseded
         self.split.after_frame(k)
         resplits = self.split.pop_events()
-        wp = waypoints.double().numpy()
+        modes = out.modes.double().numpy()
+        wp = modes[out.mode]
         if not np.isfinite(wp).all():
             raise FloatingPointError("suffix produced non-finite waypoints")
         return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, (t_end - t_ready) / 1e6, t_ready, t_end,
-                            resplits, superseded)
+                            resplits, superseded, modes, out.mode)
 
     def ring_stats(self) -> dict:
         return dict(self.ring.stats) if self.ring is not None else {}

@@ -1,15 +1,26 @@
 """``hybrid-vla replay``: the main job. Bag -> prefix_node -> ring -> suffix_node -> Trajectory bag + report.
 
 It starts the two node processes (or, with ``--attach``, uses nodes already running, e.g. started
-with ``ros2 run`` on a ROS 2 machine), drives them through configure and activate with the standard
-``lifecycle_msgs/srv/ChangeState`` services as a lifecycle manager would, replays a rosbag2 bag
-(MCAP or sqlite3, read with rosbags) at its recorded rate through rclpy publishers, looped
+with ``ros2 launch`` or ``ros2 run`` on a ROS 2 machine), drives them through configure and activate with
+the standard ``lifecycle_msgs/srv/ChangeState`` services as a lifecycle manager would, replays a rosbag2
+bag (MCAP or sqlite3, read with rosbags) at its recorded rate through rclpy publishers, looped
 ``--loops`` times with header stamps shifted so time keeps increasing, and publishes the bag's time on
 ``/clock`` (as ``ros2 bag play --clock`` does; the nodes it starts run with ``use_sim_time: true``, so
 their output guard judges the recorded stamps against the bag's clock), records every published
 Trajectory (and the per-frame timing) into an MCAP bag, and prints a report. It then deactivates
 and cleans both nodes up and stops the processes. With ``--plots DIR`` it also draws what the
 pipeline did (see :mod:`hybrid_vla_ros.tools.plots`).
+
+With ``--attach`` the nodes are driven from whatever lifecycle state they are in, with only the
+transitions needed (unconfigured: configure and activate; inactive: activate; active: none). A node in
+a transition is waited for, and so is one that made a transition in the last ``--attach-wait`` seconds
+while another lifecycle manager has a client on its ``change_state`` service (``ros2 launch`` keeps one
+per node; its autostart configures and activates the nodes as soon as it sees them): that autostart is
+waited for, not raced (``ATTACH_QUIET_S`` without another manager). After
+the run each attached node is returned to the state it was found in (active stays active; one found
+unconfigured is deactivated and cleaned up again), and the processes keep running. The report counts
+this run only: the nodes' counters live as long as their processes, so the replay takes their
+/diagnostics counters when the nodes are active, before playback, and subtracts them.
 """
 from __future__ import annotations
 
@@ -38,6 +49,13 @@ DEFAULT_BAG = embedded_bag()
 ODOMETRY_TOPIC = "/localization/kinematic_state"
 ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
 # the checkpoint takes the ego state
+#: With --attach, a node is taken as settled once it has made no lifecycle transition for this long (s) (for
+#: the graph to show whether another lifecycle manager is there); with another manager, --attach-wait.
+ATTACH_QUIET_S = 1.0
+#: /diagnostics keys that count events over the life of a node process (the report subtracts the values
+#: found before playback); drop_<cause> keys count too.
+COUNTERS = ("frames_in", "frames_synchronized", "frames_out", "trajectories_out", "ring_published",
+            "ring_dropped_oldest", "ring_read", "candidate_trajectories_out", "candidates_out")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="out/replay",
                    help="output folder: trajectories/ (MCAP bag, replaced on each run), node logs, params.yaml, report.json")
     p.add_argument("--attach", action="store_true", help="drive nodes that are already running instead of starting them")
+    p.add_argument("--attach-wait", type=float, default=10.0, metavar="S",
+                   help="with --attach: a node found unconfigured or inactive while another lifecycle manager (e.g. "
+                        "ros2 launch, autostart or not) has a client on its change_state service is driven only "
+                        "after S seconds without a transition, so that manager's autostart is waited for, not raced")
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="also write PNG pictures (trajectory on the front camera, bird's-eye view, timeline, "
                         "latency histograms) into DIR")
@@ -87,6 +109,7 @@ class Recorder:
     trajectories: dict[int, float] = field(default_factory=dict)  # stamp -> wall receive time (s)
     timings: dict[int, dict] = field(default_factory=dict)  # stamp -> stage ms, and t_*_ns CLOCK_MONOTONIC instants
     diagnostics: dict[str, dict] = field(default_factory=dict)  # status name -> key/values
+    diagnostics_at: dict[str, float] = field(default_factory=dict)  # status name -> monotonic receive time (s)
     paths: dict[int, np.ndarray] = field(default_factory=dict)  # stamp -> (P, 3) time_from_start s, map x, y (m)
     odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
     first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
@@ -153,6 +176,8 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
         problems.append(f"--rate must be > 0, got {args.rate}")
     if args.sync_tolerance_ms <= 0:
         problems.append(f"--sync-tolerance-ms must be > 0, got {args.sync_tolerance_ms}")
+    if not args.attach_wait >= 0:
+        problems.append(f"--attach-wait must be >= 0, got {args.attach_wait}")
     if not _ROS_NAMESPACE.match(args.namespace):
         problems.append(f"--namespace {args.namespace!r} is not a ROS namespace ([A-Za-z_][A-Za-z0-9_]* parts)")
     try:
@@ -235,6 +260,9 @@ class ReplaySession:
         self.procs: list[subprocess.Popen] = []
         self.bag = None
         self.interrupted = False
+        self.found: dict[str, str] = {}  # node -> the settled lifecycle state it was found in
+        self.refused_before: dict[str, int] = {}  # node -> lifecycle_requests_refused before this replay drove it
+        self.baseline: dict[str, dict] = {}  # status name -> /diagnostics values before playback
 
     def write_params(self) -> Path:
         """The params file both node processes read (also a record of what was run).
@@ -315,6 +343,13 @@ class ReplaySession:
                 rc = rc or 1
         return rc
 
+    def _on_diagnostics(self, msg) -> None:
+        t = time.monotonic()
+        with self.rec.lock:
+            for status in msg.status:
+                self.rec.diagnostics[status.name] = {kv.key: kv.value for kv in status.values}
+                self.rec.diagnostics_at[status.name] = t
+
     def _subscribe(self, node) -> None:
         from autoware_planning_msgs.msg import Trajectory
         from diagnostic_msgs.msg import DiagnosticArray
@@ -347,17 +382,15 @@ class ReplaySession:
                 rec.timings[stamp] = {k.removesuffix("_ms"): v for k, v in values.items()}
             bag.write(timing_conn, stamp, serialize_message(msg))
 
-        def on_diag(msg):
-            with rec.lock:
-                for s in msg.status:
-                    rec.diagnostics[s.name] = {kv.key: kv.value for kv in s.values}
-
         node.create_subscription(Trajectory, self.args.output_topic, on_trajectory,
                                  QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
         node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)
-        node.create_subscription(DiagnosticArray, "/diagnostics", on_diag, 50)
 
     def _bring_up(self, managers) -> bool:
+        """Make both nodes active (see the module docstring for --attach); False (with a message) when not.
+        Records the state each node was found in (``self.found``)."""
+        from ..ros.lifecycle_client import BACK_FROM_ACTIVE
+
         t_start = time.monotonic()
         for m in managers:
             if not m.wait_for_services(self.args.timeout, self.procs):
@@ -370,24 +403,84 @@ class ReplaySession:
                 else:
                     print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s", file=sys.stderr)
                 return False
-        for transition in ("configure", "activate"):
-            for m in managers:
-                ok, detail = m.change_state(transition, self.args.timeout)
-                if not ok:
-                    print(f"hybrid-vla replay: {transition} of {m.name} failed ({detail}); "
-                          f"see {self.out if self.procs else 'the node output'}", file=sys.stderr)
-                    return False
+        # lifecycle requests the nodes refused so far: more at the end than this replay's own refused ones means
+        # another manager (a launch autostart this replay came before) was bringing a node up meanwhile
+        if self.args.attach:  # (a node busy in a transition publishes no /diagnostics: its latest then)
+            self.refused_before = {m.name: _refused(d) for m, d in
+                                   zip(managers, self._fresh_diagnostics(time.monotonic(), 3.0).values())}
+        # nodes this replay started: nobody else drives them
+        quiet, managed = (ATTACH_QUIET_S, self.args.attach_wait) if self.args.attach else (0.0, None)
+        # The prefix first: the suffix waits for its ring. Each node gets the timeout for its own transitions.
+        for m in managers:
+            found, made, problem = m.bring_to_active(2 * self.args.timeout + (managed or 0.0), quiet, managed)
+            self.found[m.name] = found
+            if self.args.attach:
+                print(f"{m.name}: found {found or 'not settled'}"
+                      + (f", {' and '.join(made)} done by this replay" if made else "")
+                      + (f"; it goes back to {found} after the run" if made and found in BACK_FROM_ACTIVE else "")
+                      + (f" (waited {m.waited_s:.1f} s for it to settle)" if m.waited_s >= 0.5 and not made else ""))
+            if problem:
+                print(f"hybrid-vla replay: {problem}; see {self.out if self.procs else 'the node output'}",
+                      file=sys.stderr)
+                return False
         where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
         print(f"nodes active after {time.monotonic() - t_start:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
         return True
 
+    def _fresh_diagnostics(self, since: float, timeout: float = 10.0) -> dict[str, dict]:
+        """The nodes' pipeline /diagnostics key/values received after monotonic time ``since`` (each node
+        publishes them at 1 Hz), waiting up to ``timeout`` s; a node without one then maps to its latest."""
+        names = [f"{self.ns}/{n}: pipeline" for n in ("prefix_node", "suffix_node")]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.rec.lock:
+                if all(self.rec.diagnostics_at.get(n, -1.0) > since for n in names):
+                    break
+            time.sleep(0.05)
+        with self.rec.lock:
+            return {n: dict(self.rec.diagnostics.get(n, {})) for n in names}
+
+    def _return_nodes(self, managers, final: dict | None = None) -> None:
+        """After the run: attached nodes back to the state they were found in; started ones deactivated and
+        cleaned up (their processes are stopped next). ``final``: the nodes' /diagnostics at the end (status
+        name -> key/values); an attached node that refused more lifecycle requests than this replay's own was
+        being brought up by another manager too (this replay came first): it is left active."""
+        from ..ros.lifecycle_client import BACK_FROM_ACTIVE
+
+        for m in managers:
+            goal = self.found.get(m.name) if self.args.attach else "unconfigured"
+            if goal not in BACK_FROM_ACTIVE:
+                continue  # an attached node never settled: nothing to undo
+            if self.args.attach and goal != "active" and final is not None:
+                others = (_refused(final.get(f"{m.name}: pipeline", {})) - self.refused_before.get(m.name, 0)
+                          - m.refused)
+                if others > 0:
+                    print(f"{m.name}: left active: another lifecycle manager asked for {others} transition(s) while "
+                          "this replay brought it up (a launch file's autostart this replay came before)")
+                    continue
+            ok, problem = m.return_to(goal, self.args.timeout)
+            if not ok:
+                print(f"hybrid-vla replay: {problem}", file=sys.stderr)
+            elif self.args.attach:
+                print(f"{m.name}: left {goal}" + (" (as found)" if goal == self.found.get(m.name) else ""))
+
     def _drive(self, node) -> int:
+        from diagnostic_msgs.msg import DiagnosticArray
+
         from ..ros.lifecycle_client import LifecycleClient
         from .output_bag import OutputBag
 
         managers = [LifecycleClient(node, f"{self.ns}/prefix_node"), LifecycleClient(node, f"{self.ns}/suffix_node")]
+        self.found = {}
+        # /diagnostics from the start: the counters before playback are this run's baseline
+        node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 50)
         if not self._bring_up(managers):
+            self._return_nodes(managers)
             return 1
+        self.baseline = self._fresh_diagnostics(time.monotonic())
+        k = self.baseline.get(f"{self.ns}/prefix_node: pipeline", {}).get("split_layer", "")
+        if self.args.attach and str(k).isdigit():
+            self.k = int(k)  # the attached prefix's K, not this replay's default
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
         self._subscribe(node)
         publishers = {}
@@ -405,7 +498,8 @@ class ReplaySession:
         first_camera = f"{self.cams[0]}/compressed" if self.args.transport == "compressed" else self.cams[0]
         self.resplit_log = []
         published = _play(self.args, self.play, publishers, self.rec, self.ns, first_camera,
-                          on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None, clock=self.clock)
+                          on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None, clock=self.clock,
+                          baseline=self.baseline)
         self.interrupted = published["interrupted"]
         if self.interrupted:
             print("\ninterrupted: playback stopped, shutting the nodes down", file=sys.stderr)
@@ -416,16 +510,20 @@ class ReplaySession:
             if len(self.rec.trajectories) != last_count:
                 last_count, last_change = len(self.rec.trajectories), time.monotonic()
             time.sleep(0.05)
-        for m in managers:
-            m.change_state("deactivate", self.args.timeout)
-        time.sleep(0.5)  # the nodes publish their final /diagnostics on deactivate
-        for m in managers:
-            m.change_state("cleanup", self.args.timeout)
-        report = _report(self.rec, frames, published, self.ns, self.k, self.cfg, self.bag.path,
-                         self.args.sync_tolerance_ms)
+        # this run's counts: the nodes' counters now (a report after the frames are done) minus the baseline
+        final = self._fresh_diagnostics(time.monotonic())
+        prefix, suffix = (run_counts(final[n], self.baseline.get(n, {}))
+                          for n in (f"{self.ns}/prefix_node: pipeline", f"{self.ns}/suffix_node: pipeline"))
+        self._return_nodes(managers, final)
+        report = _report(self.rec, frames, published, self.k, self.cfg, self.bag.path,
+                         self.args.sync_tolerance_ms, prefix, suffix)
         report["settings"] = {"dtype": self.args.dtype, "device": self.args.device, "rate": self.args.rate,
                               "loops": self.args.loops, "transport": self.args.transport,
                               "fast_jpeg_decode": self.args.fast_jpeg_decode}
+        # the counters the nodes had before this run's playback (subtracted from the counts above)
+        report["node_counters_at_start"] = {
+            name: run_counts(self.baseline.get(f"{self.ns}/{name}: pipeline", {}), {})
+            for name in ("prefix_node", "suffix_node")}
         report["resplits"] = _resplit_report(self.resplit_log, frames, self.rec, self.args.sync_tolerance_ms)
         applied = {(e["frame"], e["split_layer"]) for e in self.resplit_log}
         report["resplits_not_reached"] = [f"{f}:{k}" for f, k in self.args.resplit if (f, k) not in applied]
@@ -528,6 +626,28 @@ def _frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int 
     return None if key is None or abs(key - stamp) > tolerance_ns else key
 
 
+def _refused(values: dict) -> int:
+    """``lifecycle_requests_refused`` of a node's /diagnostics key/values (0 when absent)."""
+    try:
+        return int(values.get("lifecycle_requests_refused", 0))
+    except ValueError:
+        return 0
+
+
+def run_counts(now: dict, before: dict) -> dict[str, int]:
+    """The counters of one node's /diagnostics key/values (``COUNTERS`` and ``drop_<cause>``) as counted
+    since ``before``, an earlier report of the same node: ``now - before`` per key (0 when a process restart
+    reset a counter below its earlier value). Other keys are left out."""
+    out = {}
+    for key, value in now.items():
+        if key in COUNTERS or key.startswith("drop_"):
+            try:
+                out[key] = max(0, int(value) - int(before.get(key, 0)))
+            except ValueError:
+                continue
+    return out
+
+
 def _drops(prefix: dict, suffix: dict) -> dict[str, int]:
     """Drops by cause from the nodes' latest /diagnostics key/values (prefix, suffix, ring overwrites)."""
     drops = {}
@@ -540,7 +660,8 @@ def _drops(prefix: dict, suffix: dict) -> dict[str, int]:
     return drops
 
 
-def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None, clock=None) -> dict:
+def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None, clock=None,
+          baseline=None) -> dict:
     """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
 
     ``clock`` (tools.sim_clock.BagClock): the bag's clock, run with the playback from its first message and
@@ -549,7 +670,8 @@ def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None
     Records the odometry played and the messages of ``first_camera`` into ``rec`` (for the plots). The
     progress bar counts frames and shows trajectories and drops (from the nodes' latest /diagnostics).
     Ctrl-C stops playback early; the result then says ``interrupted: True``. ``on_frame(index)`` runs
-    before the first message of each frame (index 0-based over all loops).
+    before the first message of each frame (index 0-based over all loops). ``baseline``: status name ->
+    the /diagnostics values before playback, subtracted from the drops the progress bar shows.
     """
     from rclpy.serialization import deserialize_message
     from tqdm import tqdm
@@ -573,7 +695,7 @@ def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None
     interrupted = False
     try:
         _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                    first_camera, status, counts, on_frame, clock)
+                    first_camera, status, counts, on_frame, clock, baseline or {})
     except KeyboardInterrupt:
         interrupted = True
     bar.close()
@@ -582,7 +704,7 @@ def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None
 
 
 def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                first_camera, status, counts, on_frame=None, clock=None) -> None:
+                first_camera, status, counts, on_frame=None, clock=None, baseline=None) -> None:
     from ..vehicle.trajectory import ego_state_from_odometry
 
     last_frame = None
@@ -626,17 +748,16 @@ def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, w
                         rec.odometry.append(ego)
             with rec.lock:
                 done = len(rec.trajectories)
-                drops = sum(_drops(*(rec.diagnostics.get(name, {}) for name in status)).values())
+                drops = sum(_drops(*(run_counts(rec.diagnostics.get(name, {}), (baseline or {}).get(name, {}))
+                                     for name in status)).values())
             bar.set_postfix({"trajectories": done, "drops": drops}, refresh=False)
 
 
-def _report(rec, frames, published, ns, k, cfg, bag_path, tolerance_ms) -> dict:
+def _report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: dict, suffix: dict) -> dict:
+    """The report of one run; ``prefix`` and ``suffix``: the nodes' counters of this run (:func:`run_counts`)."""
     with rec.lock:
         trajectories = dict(rec.trajectories)
         timings = dict(rec.timings)
-        diags = dict(rec.diagnostics)
-    prefix = diags.get(f"{ns}/prefix_node: pipeline", {})
-    suffix = diags.get(f"{ns}/suffix_node: pipeline", {})
     e2e, foreign = [], 0
     for stamp, t_recv in trajectories.items():
         key = _frame_of(frames, stamp, tolerance_ms * 1e6)
