@@ -515,8 +515,9 @@ class ReplaySession:
         prefix, suffix = (run_counts(final[n], self.baseline.get(n, {}))
                           for n in (f"{self.ns}/prefix_node: pipeline", f"{self.ns}/suffix_node: pipeline"))
         self._return_nodes(managers, final)
+        settings = {side: final[f"{self.ns}/{side}_node: pipeline"] for side in ("prefix", "suffix")}
         report = _report(self.rec, frames, published, self.k, self.cfg, self.bag.path,
-                         self.args.sync_tolerance_ms, prefix, suffix)
+                         self.args.sync_tolerance_ms, prefix, suffix, settings)
         report["settings"] = {"dtype": self.args.dtype, "device": self.args.device, "rate": self.args.rate,
                               "loops": self.args.loops, "transport": self.args.transport,
                               "fast_jpeg_decode": self.args.fast_jpeg_decode}
@@ -753,8 +754,11 @@ def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, w
             bar.set_postfix({"trajectories": done, "drops": drops}, refresh=False)
 
 
-def _report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: dict, suffix: dict) -> dict:
-    """The report of one run; ``prefix`` and ``suffix``: the nodes' counters of this run (:func:`run_counts`)."""
+def _report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: dict, suffix: dict,
+            settings: dict) -> dict:
+    """The report of one run; ``prefix`` and ``suffix``: the nodes' counters of this run (:func:`run_counts`);
+    ``settings``: ``{"prefix": ..., "suffix": ...}``, each node's latest /diagnostics key/values as reported (the
+    non-counter keys, ``cpu_affinity`` and ``use_sim_time``, are read from them)."""
     with rec.lock:
         trajectories = dict(rec.trajectories)
         timings = dict(rec.timings)
@@ -771,8 +775,8 @@ def _report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: dict
     drops = _drops(prefix, suffix)
     return {
         "cpu_affinity": {side: json.loads(d["cpu_affinity"]) if d.get("cpu_affinity") else None
-                         for side, d in (("prefix", prefix), ("suffix", suffix))},
-        "use_sim_time": {side: d.get("use_sim_time") == "True" for side, d in (("prefix", prefix), ("suffix", suffix))},
+                         for side, d in settings.items()},
+        "use_sim_time": {side: d.get("use_sim_time") == "True" for side, d in settings.items()},
         "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
         "camera_messages_in": int(prefix.get("frames_in", 0)),
         "frames_published": len(frames),
