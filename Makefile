@@ -2,8 +2,12 @@
 PY := .venv/bin/python
 HV := $(PY) -m hybrid_vla_ros
 MODEL := out/models/tiny
+DEMO_MODEL := out/models/smol
 BAG := data/dgp_scene02_6cam_mcap
-LOOPS ?= 5
+# The demo plays the bag (about 1 frame/s as recorded) 3x faster, 10 times: frames then arrive faster than one
+# frame's prefix + suffix time on a 2-core machine, so the prefix of frame t+1 runs while the suffix finishes t.
+LOOPS ?= 10
+RATE ?= 3
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
 export AMENT_PREFIX_PATH ?= $(CURDIR)/.venv
@@ -15,8 +19,17 @@ venv:
 $(MODEL)/config.json: | venv
 	$(HV) init-model --preset tiny $(MODEL)
 
-demo: venv $(MODEL)/config.json
-	$(HV) replay --model-path $(MODEL) --bag $(BAG) --loops $(LOOPS) --output out/demo --plots out/demo/plots
+$(DEMO_MODEL)/config.json: | venv
+	$(HV) init-model --preset smol $(DEMO_MODEL)
+
+# The demo: the split's memory / latency trade-off (measured on this machine's last core, and Orion's memory at
+# full size), then the main job: both nodes on the embedded bag with the pretrained SmolLM2-135M blocks.
+demo: venv $(DEMO_MODEL)/config.json
+	@mkdir -p out/demo/plots
+	$(HV) profile --model $(DEMO_MODEL) --cores $(lastword $(shell $(PY) -c "import os; print(*sorted(os.sched_getaffinity(0)))")) --threads 1 --quiet --out out/demo/profile.json
+	$(HV) plan --model $(DEMO_MODEL) --dtype fp32 --profile out/demo/profile.json --plot out/demo/plots/plan_smol.png | tail -n 2
+	$(HV) plan --preset orion --dtype fp16 --gpu-budget-gb 29 --plot out/demo/plots/plan_orion.png | tail -n 2
+	$(HV) replay --model-path $(DEMO_MODEL) --bag $(BAG) --loops $(LOOPS) --rate $(RATE) --output out/demo --plots out/demo/plots
 
 test: venv
 	$(PY) -m pytest -q test
