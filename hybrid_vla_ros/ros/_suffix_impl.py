@@ -20,9 +20,10 @@ from ..runtime.suffix import StaleFrame, SuffixRunner
 from ..split.resplit import ResplitError
 from ..transport.ring import SlotRejected
 from ..util.cores import pin_process, thread_affinities
-from ..vehicle.guard import GuardLimits, find_violations
+from ..vehicle.guard import GuardLimits
 from ..vehicle.odometry import OdometryBuffer
-from ..vehicle.trajectory import ego_state_from_odometry, waypoints_to_trajectory
+from ..vehicle.output import guarded_outputs
+from ..vehicle.trajectory import ego_state_from_odometry
 from . import node_base
 from .msg_conv import candidate_trajectories_to_msg, generator_uuid, ns_to_stamp, trajectory_to_msg
 from .params import ParameterError, Params
@@ -280,24 +281,26 @@ class SuffixNode(node_base.PipelineNode):
         except LookupError as e:
             self._drop(str(e.args[0]), f"no odometry within {self.params.max_odometry_age_s} s of the camera stamp")
             return
-        try:
-            arrays = waypoints_to_trajectory(result.waypoints, self.runner.cfg.waypoint_dt_s, ego,
-                                             self.params.wheelbase_m, heading_min_segment_m=self.guard.min_segment_m)
-        except ValueError as e:
-            self._drop("bad_waypoints", str(e))
-            return
-        # Output guard: an invalid trajectory is never published (one drop per frame, the first cause).
         now_ns = self.get_clock().now().nanoseconds
-        violations = find_violations(arrays, stamp, now_ns, self.guard, ego_yaw=ego.yaw)
-        if violations:
-            hint = f" ({node_base.NO_CLOCK_HINT})" if violations[0].cause == "no_clock" and self.use_sim_time() else ""
-            self._drop(f"guard_{violations[0].cause}",
-                       "trajectory not published: " + "; ".join(map(str, violations)) + hint)
-        else:
-            self._traj_pub.publish(trajectory_to_msg(arrays, stamp, self.params.output_frame))
+        modes = result.modes
+        names = NAV_COMMANDS if modes is not None and len(modes) == len(NAV_COMMANDS) else ()
+        out = guarded_outputs(result.waypoints, modes, result.mode, self.runner.cfg.waypoint_dt_s, ego,
+                              self.params.wheelbase_m, self.guard, stamp, now_ns,
+                              candidates=self._candidates_pub is not None, mode_names=names)
+        for cause, message in out.drops:
+            hint = f" ({node_base.NO_CLOCK_HINT})" if cause == "guard_no_clock" and self.use_sim_time() else ""
+            self._drop(cause, message + hint)
+        if out.selected is None:
+            return
+        violations = out.violations
+        if not violations:  # the output guard: an invalid trajectory is never published
+            self._traj_pub.publish(trajectory_to_msg(out.selected, stamp, self.params.output_frame))
         t_publish_ns = time.monotonic_ns()
-        if self._candidates_pub is not None:
-            self._publish_candidates(result, ego, stamp, now_ns, arrays, not violations)
+        if out.candidates:
+            self._candidates_pub.publish(candidate_trajectories_to_msg(
+                out.candidates, stamp, self.params.output_frame, self.generator_id, self.get_fully_qualified_name()))
+            self.candidates_out += len(out.candidates)
+            self.candidate_msgs_out += 1
         if violations:
             return
         self.frames_out += 1
@@ -316,39 +319,6 @@ class SuffixNode(node_base.PipelineNode):
                                          {**{f"{k}_ms": f"{ms:.4f}" for k, ms in stages.items()}, **instants})
         timing.header.stamp = ns_to_stamp(stamp)
         self._timing_pub.publish(timing)
-
-    def _publish_candidates(self, result, ego, stamp: int, now_ns: int, selected, selected_ok: bool) -> None:
-        """Publish every planner mode of ``result`` that converts and passes the output guard as one
-        CandidateTrajectories (mode order; the selected mode's ``selected`` arrays are reused, so that
-        candidate's points equal the Trajectory's). A mode left out is a counted drop:
-        ``candidate_bad_waypoints`` or ``candidate_guard_<cause>``. Nothing is published when none passes."""
-        modes = result.modes if result.modes is not None else result.waypoints[None]
-        candidates = []
-        for i, waypoints in enumerate(modes):
-            name = NAV_COMMANDS[i] if len(modes) == len(NAV_COMMANDS) else str(i)
-            if i == result.mode:
-                arrays, ok = selected, selected_ok
-                violations = [] if ok else find_violations(arrays, stamp, now_ns, self.guard, ego_yaw=ego.yaw)
-            else:
-                try:
-                    arrays = waypoints_to_trajectory(waypoints, self.runner.cfg.waypoint_dt_s, ego,
-                                                     self.params.wheelbase_m,
-                                                     heading_min_segment_m=self.guard.min_segment_m)
-                except ValueError as e:
-                    self._drop("candidate_bad_waypoints", f"candidate {name} left out: {e}")
-                    continue
-                violations = find_violations(arrays, stamp, now_ns, self.guard, ego_yaw=ego.yaw)
-            if violations:
-                self._drop(f"candidate_guard_{violations[0].cause}",
-                           f"candidate {name} left out: " + "; ".join(map(str, violations)))
-                continue
-            candidates.append(arrays)
-        if not candidates:
-            return
-        self._candidates_pub.publish(candidate_trajectories_to_msg(
-            candidates, stamp, self.params.output_frame, self.generator_id, self.get_fully_qualified_name()))
-        self.candidates_out += len(candidates)
-        self.candidate_msgs_out += 1
 
     def _io_counts(self) -> tuple[int, int]:
         return self.frames_in, self.frames_out

@@ -29,7 +29,6 @@ import importlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -39,23 +38,20 @@ from pathlib import Path
 
 import numpy as np
 
-from ..util.bags import CAMERA_TOPIC, BagMessage, camera_topics, read_bag
+from ..util.bags import BagMessage, camera_topics, read_bag
 from ..util.cores import parse_core_list, usable_cores
-from ..util.paths import REPO_ROOT, embedded_bag, package_file
+from ..util.paths import embedded_bag, package_file
 from ..ros.graph import wait_for_subscribers
-from ..util.stats import percentiles
+from .node_processes import launch_node, stop_processes
+from .playback import ODOMETRY_TOPIC, play_bag
+from .replay_report import frame_of, lifecycle_refused, print_report, resplit_report, run_counts, run_report
 
 DEFAULT_BAG = embedded_bag()
-ODOMETRY_TOPIC = "/localization/kinematic_state"
 ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
 # the checkpoint takes the ego state
 #: With --attach, a node is taken as settled once it has made no lifecycle transition for this long (s) (for
 #: the graph to show whether another lifecycle manager is there); with another manager, --attach-wait.
 ATTACH_QUIET_S = 1.0
-#: /diagnostics keys that count events over the life of a node process (the report subtracts the values
-#: found before playback); drop_<cause> keys count too.
-COUNTERS = ("frames_in", "frames_synchronized", "frames_out", "trajectories_out", "ring_published",
-            "ring_dropped_oldest", "ring_read", "candidate_trajectories_out", "candidates_out")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -406,7 +402,7 @@ class ReplaySession:
         # lifecycle requests the nodes refused so far: more at the end than this replay's own refused ones means
         # another manager (a launch autostart this replay came before) was bringing a node up meanwhile
         if self.args.attach:  # (a node busy in a transition publishes no /diagnostics: its latest then)
-            self.refused_before = {m.name: _refused(d) for m, d in
+            self.refused_before = {m.name: lifecycle_refused(d) for m, d in
                                    zip(managers, self._fresh_diagnostics(time.monotonic(), 3.0).values())}
         # nodes this replay started: nobody else drives them
         quiet, managed = (ATTACH_QUIET_S, self.args.attach_wait) if self.args.attach else (0.0, None)
@@ -452,7 +448,7 @@ class ReplaySession:
             if goal not in BACK_FROM_ACTIVE:
                 continue  # an attached node never settled: nothing to undo
             if self.args.attach and goal != "active" and final is not None:
-                others = (_refused(final.get(f"{m.name}: pipeline", {})) - self.refused_before.get(m.name, 0)
+                others = (lifecycle_refused(final.get(f"{m.name}: pipeline", {})) - self.refused_before.get(m.name, 0)
                           - m.refused)
                 if others > 0:
                     print(f"{m.name}: left active: another lifecycle manager asked for {others} transition(s) while "
@@ -497,7 +493,7 @@ class ReplaySession:
                   file=sys.stderr)
         first_camera = f"{self.cams[0]}/compressed" if self.args.transport == "compressed" else self.cams[0]
         self.resplit_log = []
-        published = _play(self.args, self.play, publishers, self.rec, self.ns, first_camera,
+        published = play_bag(self.args, self.play, publishers, self.rec, self.ns, first_camera,
                           on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None, clock=self.clock,
                           baseline=self.baseline)
         self.interrupted = published["interrupted"]
@@ -516,7 +512,7 @@ class ReplaySession:
                           for n in (f"{self.ns}/prefix_node: pipeline", f"{self.ns}/suffix_node: pipeline"))
         self._return_nodes(managers, final)
         settings = {side: final[f"{self.ns}/{side}_node: pipeline"] for side in ("prefix", "suffix")}
-        report = _report(self.rec, frames, published, self.k, self.cfg, self.bag.path,
+        report = run_report(self.rec, frames, published, self.k, self.cfg, self.bag.path,
                          self.args.sync_tolerance_ms, prefix, suffix, settings)
         report["settings"] = {"dtype": self.args.dtype, "device": self.args.device, "rate": self.args.rate,
                               "loops": self.args.loops, "transport": self.args.transport,
@@ -525,14 +521,14 @@ class ReplaySession:
         report["node_counters_at_start"] = {
             name: run_counts(self.baseline.get(f"{self.ns}/{name}: pipeline", {}), {})
             for name in ("prefix_node", "suffix_node")}
-        report["resplits"] = _resplit_report(self.resplit_log, frames, self.rec, self.args.sync_tolerance_ms)
+        report["resplits"] = resplit_report(self.resplit_log, frames, self.rec, self.args.sync_tolerance_ms)
         applied = {(e["frame"], e["split_layer"]) for e in self.resplit_log}
         report["resplits_not_reached"] = [f"{f}:{k}" for f, k in self.args.resplit if (f, k) not in applied]
         if report["resplits_not_reached"]:
             print(f"warning: --resplit {' '.join(report['resplits_not_reached'])} not applied: playback ended after "
                   f"{len(frames)} frames", file=sys.stderr)
         (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        _print_report(report)
+        print_report(report)
         if report["frames_published"] and not report["camera_messages_in"]:
             print("hint: the prefix received no camera messages: do its camera_topics / camera_transports match "
                   f"the played topics ({self.cams[0]}{'/compressed' if self.args.transport == 'compressed' else ''}, ...)?",
@@ -572,7 +568,7 @@ class ReplaySession:
         tolerance_ns = self.args.sync_tolerance_ms * 1e6
         sent = {}  # trajectory stamp -> when the replay sent its frame's last image
         for stamp in received:
-            key = _frame_of(frames, stamp, tolerance_ns)
+            key = frame_of(frames, stamp, tolerance_ns)
             if key is not None:
                 sent[stamp] = frames[key]
         try:
@@ -593,251 +589,23 @@ class ReplaySession:
         return True
 
 
-def launch_node(name: str, ns: str, params_file: Path, ros_args: list[str], log_path: Path) -> subprocess.Popen:
-    """Start ``prefix_node`` or ``suffix_node`` as a child process (``python -m``, this interpreter) in
-    namespace ``ns`` with a params file and extra ``--ros-args`` (remaps); output goes to ``log_path``.
-    The child runs in its own session so a terminal Ctrl-C reaches it only through :func:`stop_processes`."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    cmd = [sys.executable, "-m", f"hybrid_vla_ros.ros.{name}", "--ros-args", "-r", f"__ns:={ns}",
-           "--params-file", str(params_file), *ros_args]
-    with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def stop_processes(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
-    """SIGINT each process (rclpy shuts the node down cleanly), wait, SIGKILL what remains; exit codes."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait())
-    return codes
 
 
-def _frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int | None:
-    """The published frame (key of ``frames``) a trajectory stamp belongs to, or None (not this replay's)."""
-    key = min(frames, key=lambda f: abs(f - stamp)) if frames else None
-    return None if key is None or abs(key - stamp) > tolerance_ns else key
 
 
-def _refused(values: dict) -> int:
-    """``lifecycle_requests_refused`` of a node's /diagnostics key/values (0 when absent)."""
-    try:
-        return int(values.get("lifecycle_requests_refused", 0))
-    except ValueError:
-        return 0
 
 
-def run_counts(now: dict, before: dict) -> dict[str, int]:
-    """The counters of one node's /diagnostics key/values (``COUNTERS`` and ``drop_<cause>``) as counted
-    since ``before``, an earlier report of the same node: ``now - before`` per key (0 when a process restart
-    reset a counter below its earlier value). Other keys are left out."""
-    out = {}
-    for key, value in now.items():
-        if key in COUNTERS or key.startswith("drop_"):
-            try:
-                out[key] = max(0, int(value) - int(before.get(key, 0)))
-            except ValueError:
-                continue
-    return out
 
 
-def _drops(prefix: dict, suffix: dict) -> dict[str, int]:
-    """Drops by cause from the nodes' latest /diagnostics key/values (prefix, suffix, ring overwrites)."""
-    drops = {}
-    for side, d in (("prefix", prefix), ("suffix", suffix)):
-        for key, v in d.items():
-            if key.startswith("drop_") and int(v):
-                drops[f"{side}.{key[5:]}"] = int(v)
-    if int(prefix.get("ring_dropped_oldest", 0)):  # frames the suffix was too slow to read
-        drops["ring.dropped_oldest"] = int(prefix["ring_dropped_oldest"])
-    return drops
 
 
-def _play(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None, clock=None,
-          baseline=None) -> dict:
-    """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
-
-    ``clock`` (tools.sim_clock.BagClock): the bag's clock, run with the playback from its first message and
-    advanced to each message's receive time (loop offset included) before the message goes out.
-
-    Records the odometry played and the messages of ``first_camera`` into ``rec`` (for the plots). The
-    progress bar counts frames and shows trajectories and drops (from the nodes' latest /diagnostics).
-    Ctrl-C stops playback early; the result then says ``interrupted: True``. ``on_frame(index)`` runs
-    before the first message of each frame (index 0-based over all loops). ``baseline``: status name ->
-    the /diagnostics values before playback, subtracted from the drops the progress bar shows.
-    """
-    from rclpy.serialization import deserialize_message
-    from tqdm import tqdm
-
-    t0 = play[0].t_ns
-    span = play[-1].t_ns - t0
-    camera_times = sorted({m.t_ns for m in play if CAMERA_TOPIC.match(m.topic)})
-    gaps = np.diff(camera_times)
-    gaps = gaps[gaps > args.sync_tolerance_ms * 1e6]  # between frames, not between the cameras of one frame
-    period = int(np.median(gaps)) if gaps.size else 100_000_000
-    loop_len = span + period
-    frames: dict[int, float] = {}  # frame stamp (ns, its first camera message) -> wall time its last image went out
-    frames_per_loop = gaps.size + 1 if camera_times else 0
-    bar = tqdm(total=args.loops * frames_per_loop, unit="frame", disable=args.quiet, dynamic_ncols=True, desc="replay",
-               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]")
-    status = (f"{ns}/prefix_node: pipeline", f"{ns}/suffix_node: pipeline")
-    counts = {"messages": 0}
-    wall0 = time.monotonic()
-    if clock is not None:
-        clock.run(t0, wall0, args.rate)
-    interrupted = False
-    try:
-        _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                    first_camera, status, counts, on_frame, clock, baseline or {})
-    except KeyboardInterrupt:
-        interrupted = True
-    bar.close()
-    return {"frames": frames, "messages": counts["messages"], "wall_s": time.monotonic() - wall0,
-            "interrupted": interrupted}
 
 
-def _play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                first_camera, status, counts, on_frame=None, clock=None, baseline=None) -> None:
-    from ..vehicle.trajectory import ego_state_from_odometry
-
-    last_frame = None
-    for loop in range(args.loops):
-        offset = loop * loop_len
-        for m in play:
-            due = wall0 + (m.t_ns - t0 + offset) / 1e9 / args.rate
-            delay = due - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            pub, cls = publishers[m.topic]
-            msg = deserialize_message(m.raw, cls)
-            stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec + offset
-            if offset:  # the first loop plays the stamps as recorded, invalid ones (nanosec >= 1e9) included
-                msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
-            new_frame = CAMERA_TOPIC.match(m.topic) and (
-                last_frame is None or abs(stamp - last_frame) > args.sync_tolerance_ms * 1e6)
-            if new_frame:
-                if on_frame is not None:
-                    on_frame(counts.get("frames", 0))  # (a disabled tqdm bar does not count)
-                counts["frames"] = counts.get("frames", 0) + 1
-            if clock is not None:
-                clock.advance_to(m.t_ns + offset)  # the bag's clock first: no message from a node's future
-            pub.publish(msg)
-            counts["messages"] += 1
-            if CAMERA_TOPIC.match(m.topic):
-                if new_frame:
-                    last_frame = stamp
-                    bar.update(1)
-                frames[last_frame] = time.monotonic()
-                if m.topic == first_camera:
-                    with rec.lock:
-                        rec.first_camera[stamp] = m
-            elif m.topic == ODOMETRY_TOPIC:
-                try:
-                    ego = ego_state_from_odometry(msg)
-                except ValueError:
-                    ego = None  # the suffix node drops it too (bad_odometry)
-                if ego is not None:
-                    with rec.lock:
-                        rec.odometry.append(ego)
-            with rec.lock:
-                done = len(rec.trajectories)
-                drops = sum(_drops(*(run_counts(rec.diagnostics.get(name, {}), (baseline or {}).get(name, {}))
-                                     for name in status)).values())
-            bar.set_postfix({"trajectories": done, "drops": drops}, refresh=False)
 
 
-def _report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: dict, suffix: dict,
-            settings: dict) -> dict:
-    """The report of one run; ``prefix`` and ``suffix``: the nodes' counters of this run (:func:`run_counts`);
-    ``settings``: ``{"prefix": ..., "suffix": ...}``, each node's latest /diagnostics key/values as reported (the
-    non-counter keys, ``cpu_affinity`` and ``use_sim_time``, are read from them)."""
-    with rec.lock:
-        trajectories = dict(rec.trajectories)
-        timings = dict(rec.timings)
-    e2e, foreign = [], 0
-    for stamp, t_recv in trajectories.items():
-        key = _frame_of(frames, stamp, tolerance_ms * 1e6)
-        if key is None:
-            foreign += 1  # a trajectory for a frame this replay did not publish
-        else:
-            e2e.append((t_recv - frames[key]) * 1e3)
-    stages = {s: percentiles([t[s] for t in timings.values() if s in t])
-              for s in ("preprocess", "prefix", "handoff", "suffix", "odometry_wait")}
-    stages["end_to_end"] = percentiles(e2e)
-    drops = _drops(prefix, suffix)
-    return {
-        "cpu_affinity": {side: json.loads(d["cpu_affinity"]) if d.get("cpu_affinity") else None
-                         for side, d in settings.items()},
-        "use_sim_time": {side: d.get("use_sim_time") == "True" for side, d in settings.items()},
-        "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
-        "camera_messages_in": int(prefix.get("frames_in", 0)),
-        "frames_published": len(frames),
-        "frames_synchronized": int(prefix.get("frames_synchronized", 0)),
-        "frames_through_prefix": int(prefix.get("frames_out", 0)),
-        "trajectories_out": len(trajectories) - foreign,
-        "foreign_trajectories": foreign,
-        "drops": drops,
-        "stages_ms": stages,
-        "messages_played": published["messages"],
-        "playback_wall_s": round(published["wall_s"], 3),
-        "interrupted": published["interrupted"],
-        "output_bag": str(bag_path),
-    }
 
 
-def _resplit_report(events: list[dict], frames: dict[int, float], rec, tolerance_ms: float) -> list[dict]:
-    """Per ``--resplit`` event: the frames from the event's frame to the next event (or the end) that got no
-    trajectory (what the re-split cost, in frames) and the end-to-end latency of the event's frame (ms)."""
-    order = sorted(frames)
-    with rec.lock:
-        answered = {_frame_of(frames, stamp, tolerance_ms * 1e6): t for stamp, t in rec.trajectories.items()}
-    out = []
-    for i, e in enumerate(events):
-        end = events[i + 1]["frame"] if i + 1 < len(events) else len(order)
-        window = range(e["frame"], min(end, len(order)))
-        lost = [j for j in window if order[j] not in answered]
-        first = order[e["frame"]] if e["frame"] < len(order) else None
-        e2e = (answered[first] - frames[first]) * 1e3 if first in answered else None
-        out.append({**e, "frames_without_trajectory": lost,
-                    "first_frame_e2e_ms": None if e2e is None else round(e2e, 2)})
-    return out
 
 
-def _print_report(r: dict) -> None:
-    print()
-    print("hybrid-vla replay report" + ("  (random-init model: not driving advice)" if r["random_init"] else ""))
-    moves = [str(e["split_layer"]) for e in r.get("resplits", []) if e["accepted"]]
-    print(f"  split layer            {r['split_layer']} of {r['num_layers']}"
-          + (f" at the start, then {', '.join(moves)} (--resplit)" if moves else ""))
-    print(f"  camera messages in     {r['camera_messages_in']}")
-    print(f"  frames published       {r['frames_published']}")
-    print(f"  frames synchronized    {r['frames_synchronized']}")
-    print(f"  frames through prefix  {r['frames_through_prefix']}")
-    print(f"  trajectories out       {r['trajectories_out']}")
-    if r.get("foreign_trajectories"):
-        print(f"  foreign trajectories   {r['foreign_trajectories']} (not from this replay's frames: another publisher?)")
-    print(f"  drops by cause         {r['drops'] or 'none'}")
-    cores = r.get("cpu_affinity") or {}
-    if cores.get("prefix") or cores.get("suffix"):
-        print(f"  cores                  prefix {cores.get('prefix')}, suffix {cores.get('suffix')}")
-    print(f"  {'stage':<22} {'n':>5} {'p50 ms':>9} {'p90 ms':>9}")
-    for stage, s in r["stages_ms"].items():
-        if s["n"]:
-            print(f"  {stage:<22} {s['n']:>5} {s['p50']:>9.2f} {s['p90']:>9.2f}")
-        else:
-            print(f"  {stage:<22} {0:>5} {'-':>9} {'-':>9}")
-    for e in r.get("resplits", []):
-        cost = (f"{len(e['frames_without_trajectory'])} frame(s) without a trajectory"
-                + (f" ({e['frames_without_trajectory']})" if e["frames_without_trajectory"] else ""))
-        e2e = "-" if e["first_frame_e2e_ms"] is None else f"{e['first_frame_e2e_ms']:.1f} ms"
-        print(f"  re-split before frame {e['frame']:<3} K -> {e['split_layer']}: "
-              + (f"{cost}; that frame end to end {e2e}" if e["accepted"] else "refused"))
-    print(f"  output bag             {r['output_bag']}")

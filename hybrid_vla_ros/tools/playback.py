@@ -1,0 +1,106 @@
+"""Playing a bag for ``hybrid-vla replay``: each message at its recorded time (scaled by ``--rate``), looped with
+its stamps shifted by a loop length, the bag's clock advanced before each message, camera frames timed as
+their last image goes out, odometry kept for the pictures."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..util.bags import CAMERA_TOPIC
+from .replay_report import drops_by_cause, run_counts
+
+ODOMETRY_TOPIC = "/localization/kinematic_state"
+
+
+def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None, clock=None,
+          baseline=None) -> dict:
+    """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
+
+    ``clock`` (tools.sim_clock.BagClock): the bag's clock, run with the playback from its first message and
+    advanced to each message's receive time (loop offset included) before the message goes out.
+
+    Records the odometry played and the messages of ``first_camera`` into ``rec`` (for the plots). The
+    progress bar counts frames and shows trajectories and drops (from the nodes' latest /diagnostics).
+    Ctrl-C stops playback early; the result then says ``interrupted: True``. ``on_frame(index)`` runs
+    before the first message of each frame (index 0-based over all loops). ``baseline``: status name ->
+    the /diagnostics values before playback, subtracted from the drops the progress bar shows.
+    """
+    from rclpy.serialization import deserialize_message
+    from tqdm import tqdm
+
+    t0 = play[0].t_ns
+    span = play[-1].t_ns - t0
+    camera_times = sorted({m.t_ns for m in play if CAMERA_TOPIC.match(m.topic)})
+    gaps = np.diff(camera_times)
+    gaps = gaps[gaps > args.sync_tolerance_ms * 1e6]  # between frames, not between the cameras of one frame
+    period = int(np.median(gaps)) if gaps.size else 100_000_000
+    loop_len = span + period
+    frames: dict[int, float] = {}  # frame stamp (ns, its first camera message) -> wall time its last image went out
+    frames_per_loop = gaps.size + 1 if camera_times else 0
+    bar = tqdm(total=args.loops * frames_per_loop, unit="frame", disable=args.quiet, dynamic_ncols=True, desc="replay",
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]")
+    status = (f"{ns}/prefix_node: pipeline", f"{ns}/suffix_node: pipeline")
+    counts = {"messages": 0}
+    wall0 = time.monotonic()
+    if clock is not None:
+        clock.run(t0, wall0, args.rate)
+    interrupted = False
+    try:
+        play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
+                    first_camera, status, counts, on_frame, clock, baseline or {})
+    except KeyboardInterrupt:
+        interrupted = True
+    bar.close()
+    return {"frames": frames, "messages": counts["messages"], "wall_s": time.monotonic() - wall0,
+            "interrupted": interrupted}
+
+
+def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
+                first_camera, status, counts, on_frame=None, clock=None, baseline=None) -> None:
+    from ..vehicle.trajectory import ego_state_from_odometry
+
+    last_frame = None
+    for loop in range(args.loops):
+        offset = loop * loop_len
+        for m in play:
+            due = wall0 + (m.t_ns - t0 + offset) / 1e9 / args.rate
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            pub, cls = publishers[m.topic]
+            msg = deserialize_message(m.raw, cls)
+            stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec + offset
+            if offset:  # the first loop plays the stamps as recorded, invalid ones (nanosec >= 1e9) included
+                msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
+            new_frame = CAMERA_TOPIC.match(m.topic) and (
+                last_frame is None or abs(stamp - last_frame) > args.sync_tolerance_ms * 1e6)
+            if new_frame:
+                if on_frame is not None:
+                    on_frame(counts.get("frames", 0))  # (a disabled tqdm bar does not count)
+                counts["frames"] = counts.get("frames", 0) + 1
+            if clock is not None:
+                clock.advance_to(m.t_ns + offset)  # the bag's clock first: no message from a node's future
+            pub.publish(msg)
+            counts["messages"] += 1
+            if CAMERA_TOPIC.match(m.topic):
+                if new_frame:
+                    last_frame = stamp
+                    bar.update(1)
+                frames[last_frame] = time.monotonic()
+                if m.topic == first_camera:
+                    with rec.lock:
+                        rec.first_camera[stamp] = m
+            elif m.topic == ODOMETRY_TOPIC:
+                try:
+                    ego = ego_state_from_odometry(msg)
+                except ValueError:
+                    ego = None  # the suffix node drops it too (bad_odometry)
+                if ego is not None:
+                    with rec.lock:
+                        rec.odometry.append(ego)
+            with rec.lock:
+                done = len(rec.trajectories)
+                drops = sum(drops_by_cause(*(run_counts(rec.diagnostics.get(name, {}), (baseline or {}).get(name, {}))
+                                     for name in status)).values())
+            bar.set_postfix({"trajectories": done, "drops": drops}, refresh=False)

@@ -1,0 +1,141 @@
+"""The report of one ``hybrid-vla replay`` run: this run's node counters, drops by cause, stage percentiles,
+the cost of each live re-split, and the printed table. Pure functions of what the replay recorded."""
+from __future__ import annotations
+
+import json
+
+from ..util.stats import percentiles
+
+#: /diagnostics keys that count events over the life of a node process (the report subtracts the values
+#: found before playback); drop_<cause> keys count too.
+COUNTERS = ("frames_in", "frames_synchronized", "frames_out", "trajectories_out", "ring_published",
+            "ring_dropped_oldest", "ring_read", "candidate_trajectories_out", "candidates_out")
+
+
+def frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int | None:
+    """The published frame (key of ``frames``) a trajectory stamp belongs to, or None (not this replay's)."""
+    key = min(frames, key=lambda f: abs(f - stamp)) if frames else None
+    return None if key is None or abs(key - stamp) > tolerance_ns else key
+
+
+def lifecycle_refused(values: dict) -> int:
+    """``lifecycle_requests_refused`` of a node's /diagnostics key/values (0 when absent)."""
+    try:
+        return int(values.get("lifecycle_requests_refused", 0))
+    except ValueError:
+        return 0
+
+
+def run_counts(now: dict, before: dict) -> dict[str, int]:
+    """The counters of one node's /diagnostics key/values (``COUNTERS`` and ``drop_<cause>``) as counted
+    since ``before``, an earlier report of the same node: ``now - before`` per key (0 when a process restart
+    reset a counter below its earlier value). Other keys are left out."""
+    out = {}
+    for key, value in now.items():
+        if key in COUNTERS or key.startswith("drop_"):
+            try:
+                out[key] = max(0, int(value) - int(before.get(key, 0)))
+            except ValueError:
+                continue
+    return out
+
+
+def drops_by_cause(prefix: dict, suffix: dict) -> dict[str, int]:
+    """Drops by cause from the nodes' latest /diagnostics key/values (prefix, suffix, ring overwrites)."""
+    drops = {}
+    for side, d in (("prefix", prefix), ("suffix", suffix)):
+        for key, v in d.items():
+            if key.startswith("drop_") and int(v):
+                drops[f"{side}.{key[5:]}"] = int(v)
+    if int(prefix.get("ring_dropped_oldest", 0)):  # frames the suffix was too slow to read
+        drops["ring.dropped_oldest"] = int(prefix["ring_dropped_oldest"])
+    return drops
+
+
+def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: dict, suffix: dict,
+            settings: dict) -> dict:
+    """The report of one run; ``prefix`` and ``suffix``: the nodes' counters of this run (:func:`run_counts`);
+    ``settings``: ``{"prefix": ..., "suffix": ...}``, each node's latest /diagnostics key/values as reported (the
+    non-counter keys, ``cpu_affinity`` and ``use_sim_time``, are read from them)."""
+    with rec.lock:
+        trajectories = dict(rec.trajectories)
+        timings = dict(rec.timings)
+    e2e, foreign = [], 0
+    for stamp, t_recv in trajectories.items():
+        key = frame_of(frames, stamp, tolerance_ms * 1e6)
+        if key is None:
+            foreign += 1  # a trajectory for a frame this replay did not publish
+        else:
+            e2e.append((t_recv - frames[key]) * 1e3)
+    stages = {s: percentiles([t[s] for t in timings.values() if s in t])
+              for s in ("preprocess", "prefix", "handoff", "suffix", "odometry_wait")}
+    stages["end_to_end"] = percentiles(e2e)
+    drops = drops_by_cause(prefix, suffix)
+    return {
+        "cpu_affinity": {side: json.loads(d["cpu_affinity"]) if d.get("cpu_affinity") else None
+                         for side, d in settings.items()},
+        "use_sim_time": {side: d.get("use_sim_time") == "True" for side, d in settings.items()},
+        "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
+        "camera_messages_in": int(prefix.get("frames_in", 0)),
+        "frames_published": len(frames),
+        "frames_synchronized": int(prefix.get("frames_synchronized", 0)),
+        "frames_through_prefix": int(prefix.get("frames_out", 0)),
+        "trajectories_out": len(trajectories) - foreign,
+        "foreign_trajectories": foreign,
+        "drops": drops,
+        "stages_ms": stages,
+        "messages_played": published["messages"],
+        "playback_wall_s": round(published["wall_s"], 3),
+        "interrupted": published["interrupted"],
+        "output_bag": str(bag_path),
+    }
+
+
+def resplit_report(events: list[dict], frames: dict[int, float], rec, tolerance_ms: float) -> list[dict]:
+    """Per ``--resplit`` event: the frames from the event's frame to the next event (or the end) that got no
+    trajectory (what the re-split cost, in frames) and the end-to-end latency of the event's frame (ms)."""
+    order = sorted(frames)
+    with rec.lock:
+        answered = {frame_of(frames, stamp, tolerance_ms * 1e6): t for stamp, t in rec.trajectories.items()}
+    out = []
+    for i, e in enumerate(events):
+        end = events[i + 1]["frame"] if i + 1 < len(events) else len(order)
+        window = range(e["frame"], min(end, len(order)))
+        lost = [j for j in window if order[j] not in answered]
+        first = order[e["frame"]] if e["frame"] < len(order) else None
+        e2e = (answered[first] - frames[first]) * 1e3 if first in answered else None
+        out.append({**e, "frames_without_trajectory": lost,
+                    "first_frame_e2e_ms": None if e2e is None else round(e2e, 2)})
+    return out
+
+
+def print_report(r: dict) -> None:
+    print()
+    print("hybrid-vla replay report" + ("  (random-init model: not driving advice)" if r["random_init"] else ""))
+    moves = [str(e["split_layer"]) for e in r.get("resplits", []) if e["accepted"]]
+    print(f"  split layer            {r['split_layer']} of {r['num_layers']}"
+          + (f" at the start, then {', '.join(moves)} (--resplit)" if moves else ""))
+    print(f"  camera messages in     {r['camera_messages_in']}")
+    print(f"  frames published       {r['frames_published']}")
+    print(f"  frames synchronized    {r['frames_synchronized']}")
+    print(f"  frames through prefix  {r['frames_through_prefix']}")
+    print(f"  trajectories out       {r['trajectories_out']}")
+    if r.get("foreign_trajectories"):
+        print(f"  foreign trajectories   {r['foreign_trajectories']} (not from this replay's frames: another publisher?)")
+    print(f"  drops by cause         {r['drops'] or 'none'}")
+    cores = r.get("cpu_affinity") or {}
+    if cores.get("prefix") or cores.get("suffix"):
+        print(f"  cores                  prefix {cores.get('prefix')}, suffix {cores.get('suffix')}")
+    print(f"  {'stage':<22} {'n':>5} {'p50 ms':>9} {'p90 ms':>9}")
+    for stage, s in r["stages_ms"].items():
+        if s["n"]:
+            print(f"  {stage:<22} {s['n']:>5} {s['p50']:>9.2f} {s['p90']:>9.2f}")
+        else:
+            print(f"  {stage:<22} {0:>5} {'-':>9} {'-':>9}")
+    for e in r.get("resplits", []):
+        cost = (f"{len(e['frames_without_trajectory'])} frame(s) without a trajectory"
+                + (f" ({e['frames_without_trajectory']})" if e["frames_without_trajectory"] else ""))
+        e2e = "-" if e["first_frame_e2e_ms"] is None else f"{e['first_frame_e2e_ms']:.1f} ms"
+        print(f"  re-split before frame {e['frame']:<3} K -> {e['split_layer']}: "
+              + (f"{cost}; that frame end to end {e2e}" if e["accepted"] else "refused"))
+    print(f"  output bag             {r['output_bag']}")
