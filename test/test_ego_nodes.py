@@ -202,6 +202,13 @@ def test_replay_of_the_embedded_bag_with_an_ego_checkpoint(tmp_path, ego_checkpo
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["frames_published"] == 6
     assert report["trajectories_out"] == 5
-    assert report["drops"] == {"prefix.no_acceleration": 1}
+    drops = report["drops"]
+    if "prefix.unsynced" in drops:
+        # On a loaded machine the first frame's images (best-effort sensor QoS) can be incomplete at the
+        # prefix: that frame is then lost as unsynced, and the next one, with two speeds around it, has its
+        # acceleration. Either way exactly one frame is lost, and to a named cause.
+        assert set(drops) == {"prefix.unsynced"} and report["frames_synchronized"] == 5, report
+    else:
+        assert drops == {"prefix.no_acceleration": 1}
     log = (tmp_path / "prefix_node.log").read_text()
     assert "ego state from /localization/kinematic_state, /localization/acceleration" in log
