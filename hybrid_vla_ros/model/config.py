@@ -68,6 +68,18 @@ class VLAConfig:
         llm_passes: LLM passes per frame, 1 or 2. MindDrive runs the LLM twice, once per adapter
             (decision, then action); here the two passes run as a batch of 2 sequences told apart by a
             learned pass embedding, and the hidden states of both cross the split.
+        pass_lora_rank: 0 (default): the two passes are told apart by a learned pass embedding. r > 0 (a
+            converted MindDrive checkpoint, ``hybrid-vla convert``): each pass has its own LoRA adapter of rank r
+            on the q/k/v/o projections of every block (the published difference between the passes), run as a
+            batch of ``llm_passes`` sharing the base weights plus one low-rank delta per pass
+            (:class:`hybrid_vla_ros.model.modeling.PassLoRALinear`); no pass embedding.
+        pass_adapters: the adapter name of each pass, in pass order (e.g. ``["decision_expert",
+            "action_expert"]``); informational, and the names of ``adapters/<name>`` peft directories a converted
+            checkpoint carries for ``verify-split``'s reference.
+        decision_token_ids: MindDrive's decision read-out: the token ids of the meta-action (speed) tokens;
+            the decision head is then the LM head's rows of these tokens (no bias), read at
+            ``decision_position`` of the decision pass. Empty (default): this package's 6-way decision head.
+        decision_position: token index of the decision read-out (default -2, MindDrive's).
         llm_path: a *composed* checkpoint: the LLM's embeddings, decoder blocks and final norm are read
             from this transformers LlamaForCausalLM / Qwen2ForCausalLM directory (absolute, or relative to
             the checkpoint directory) instead of ``model.safetensors``, which then holds only this package's
@@ -101,6 +113,10 @@ class VLAConfig:
     n_modes: int = 1
     ego_state_input: bool = False
     llm_passes: int = 1
+    pass_lora_rank: int = 0
+    pass_adapters: list[str] = field(default_factory=list)
+    decision_token_ids: list[int] = field(default_factory=list)
+    decision_position: int = -2
     llm_path: str = ""
     vlm_path: str = ""
     planning_head: bool = True
@@ -109,6 +125,10 @@ class VLAConfig:
         self.image_mean = tuple(float(v) for v in self.image_mean)
         self.image_std = tuple(float(v) for v in self.image_std)
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if isinstance(self.decision_token_ids, tuple):
+            self.decision_token_ids = list(self.decision_token_ids)
+        if isinstance(self.pass_adapters, tuple):
+            self.pass_adapters = list(self.pass_adapters)
         self.validate()
 
     def validate(self) -> None:
@@ -175,8 +195,33 @@ class VLAConfig:
             problems.append(f"n_modes must be 1 or {len(NAV_COMMANDS)} (one per navigation command)")
         if self.llm_passes not in (1, 2):
             problems.append("llm_passes must be 1 or 2")
+        problems += self._pass_problems()
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
+
+    def _pass_problems(self) -> list[str]:
+        problems = []
+        r = self.pass_lora_rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            return [f"pass_lora_rank must be an integer >= 0, got {r!r}"]
+        if r and self.llm_passes < 2:
+            problems.append("pass_lora_rank > 0 needs llm_passes 2 (one adapter a pass)")
+        if not isinstance(self.pass_adapters, list) or not all(isinstance(a, str) and a for a in self.pass_adapters):
+            problems.append("pass_adapters must be a list of adapter names")
+        elif self.pass_adapters and len(self.pass_adapters) != self.llm_passes:
+            problems.append(f"pass_adapters names {len(self.pass_adapters)} adapters for {self.llm_passes} passes")
+        ids = self.decision_token_ids
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            problems.append("decision_token_ids must be a list of token ids")
+        elif ids:
+            if self.llm_passes < 2:
+                problems.append("decision_token_ids needs llm_passes 2 (the decision pass)")
+            if not all(0 <= t < int(self.llm["vocab_size"]) for t in ids) or len(set(ids)) != len(ids):
+                problems.append("decision_token_ids must be distinct ids inside the vocabulary")
+        pos = self.decision_position
+        if isinstance(pos, bool) or not isinstance(pos, int) or not -self.num_tokens <= pos < self.num_tokens:
+            problems.append(f"decision_position {pos!r} is not a token index of the {self.num_tokens} tokens")
+        return problems
 
     def _llava_problems(self) -> list[str]:
         p, problems = self.projector, []
@@ -251,7 +296,8 @@ class VLAConfig:
         checkpoint that does not compose is written exactly as before they existed (older readers keep reading it)."""
         d = asdict(self)
         d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
-        for key, default in (("llm_path", ""), ("vlm_path", ""), ("planning_head", True)):
+        for key, default in (("llm_path", ""), ("vlm_path", ""), ("planning_head", True), ("pass_lora_rank", 0),
+                             ("pass_adapters", []), ("decision_token_ids", []), ("decision_position", -2)):
             if d[key] == default:
                 del d[key]
         return {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **d}
