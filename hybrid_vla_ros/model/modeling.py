@@ -480,7 +480,7 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     if last.dim() == 2:  # two passes: decision pass first, action pass last
         if token_ids:
             decision = m.decision_head(m.norm(h[0, m.cfg.decision_position, :])).float()
-            speed = int(decision.argmax())
+            speed = None if decision.is_meta else int(decision.argmax())  # meta: FLOP counting, no values
         else:
             decision = m.decision_head(last[0]).float()
         last = last[-1]
