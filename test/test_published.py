@@ -258,6 +258,16 @@ def test_minddrive_two_passes_match_peft_per_adapter(minddrive_like):
                 assert out_plan.speed_mode == int(logits.argmax())
         # the passes really differ (the adapters differ), and differ from the base model
         assert (final[0] - final[1]).abs().max() > 1e-2
+        # the prefix writes h_K straight into a ring slot (out=): bit for bit the same with per-pass deltas
+        from hybrid_vla_ros.model.modeling import output_into_is_exact
+
+        assert output_into_is_exact(prefix)
+        slot = torch.empty_like(h1)
+        prefix(pixels, out=slot)
+        assert torch.equal(slot, h1)
+        slot0 = torch.empty_like(h0)
+        ck.load("prefix", 0)(pixels, out=slot0)
+        assert torch.equal(slot0, h0)
 
 
 def test_minddrive_verify_split_with_peft_reference_and_plan(minddrive_like, tmp_path):
@@ -276,3 +286,4 @@ def test_minddrive_needs_decision_token_ids(minddrive_like, tmp_path):
     root, _, _ = minddrive_like
     with pytest.raises(ValueError, match="decision-token-ids"):
         convert(root / "minddrive_rltrain.pth", root / "hf", tmp_path / "x", preset_name="tiny", lora_r=4)
+    assert not (tmp_path / "x").exists()  # nothing half-written left behind

@@ -261,7 +261,21 @@ def _adapter_dir(out: Path, ad: Adapter, targets: list[str]) -> None:
     save_file(state, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-def convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *, layout: str = "auto",
+def convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, **options) -> dict:
+    """Convert a published Orion / MindDrive ``.pth`` into a checkpoint directory ``out``: see
+    :func:`_convert` for the options, what it returns and raises. A failed conversion leaves no ``out`` behind
+    (when it created it)."""
+    out = Path(out)
+    created = not out.exists()
+    try:
+        return _convert(checkpoint, llm_config, out, **options)
+    except BaseException:
+        if created and out.exists():
+            shutil.rmtree(out)
+        raise
+
+
+def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *, layout: str = "auto",
             preset_name: str | None = None, overrides: dict | None = None, lora_r: int = DEFAULT_R,
             lora_alpha: float = DEFAULT_ALPHA, waypoint_token_id: int | None = None,
             decision_token_ids: list[int] | None = None, seed: int = 0, dtype: str | torch.dtype | None = None,
@@ -389,7 +403,7 @@ def convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *, 
         for ad in (parts.adapters[a] for a in MINDDRIVE_ADAPTERS):
             _adapter_dir(out / "adapters", ad, sorted({m.rsplit(".", 1)[1] for m in ad.a}))
     else:
-        base["llm_passes"] = 1
+        base.update(llm_passes=1, pass_lora_rank=0, pass_adapters=[], decision_token_ids=[])
     base.pop("model_type"), base.pop("format_version")
     base["random_init"] = True
     cfg = VLAConfig(**base)

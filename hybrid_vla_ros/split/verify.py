@@ -15,6 +15,8 @@ composed on an LLM            the package's own vision side gives h_0 (its own p
                               ``<Arch>ForCausalLM.from_pretrained(llm_path).model(inputs_embeds=h_0)``
 composed on a LLaVA           ``LlavaForConditionalGeneration.from_pretrained(vlm_path)`` on the frame (with
                               ego / pass embeddings, which LLaVA does not have: its language model on h_0)
+converted MindDrive           per pass p: ``from_pretrained(llm_path)`` with the peft adapter directory
+(per-pass LoRA adapters)      ``adapters/<pass_adapters[p]>`` merged by peft itself, on h_0[p]
 this package's own format     transformers ``LlamaModel`` / ``Qwen2Model`` built from ``llm``, its weights
                               read with ``safetensors.torch.load_file``, on h_0
 own model code                the model's own ``forward`` (:mod:`hybrid_vla_ros.model.extension`)

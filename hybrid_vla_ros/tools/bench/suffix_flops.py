@@ -72,6 +72,11 @@ def block_flops(cfg, tokens: int, batch: int = 1) -> dict:
     ``total`` = linear + causal-half attention."""
     x = _dims(cfg)
     lin = {name: 2 * batch * tokens * fin * fout for name, (fin, fout) in linear_shapes(cfg).items()}
+    rank = int(getattr(cfg, "pass_lora_rank", 0) or 0)
+    if rank:  # a converted MindDrive checkpoint: per pass x A^T (r x in) then B^T (out x r) on q/k/v/o
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            fin, fout = linear_shapes(cfg)[name]
+            lin[f"{name}.lora"] = 2 * batch * tokens * rank * (fin + fout)
     half_pairs = tokens * (tokens + 1) // 2
     per_pair = 2 * batch * x["n_heads"] * x["head_dim"]
     attn = {"qk": per_pair * half_pairs, "av": per_pair * half_pairs}
