@@ -287,3 +287,41 @@ def test_minddrive_needs_decision_token_ids(minddrive_like, tmp_path):
     with pytest.raises(ValueError, match="decision-token-ids"):
         convert(root / "minddrive_rltrain.pth", root / "hf", tmp_path / "x", preset_name="tiny", lora_r=4)
     assert not (tmp_path / "x").exists()  # nothing half-written left behind
+
+
+def test_layout_mismatch_and_unknown_adapters_are_clear_errors(orion_like, minddrive_like, tmp_path):
+    _, hf_dir, pth, _, _ = orion_like
+    with pytest.raises(CheckpointError, match="needs adapter"):
+        convert(pth, hf_dir, tmp_path / "a", layout="minddrive", preset_name="tiny", lora_r=4,
+                decision_token_ids=DECISION_IDS)
+    root, _, _ = minddrive_like
+    with pytest.raises(CheckpointError, match="needs adapter"):
+        convert(root / "minddrive_rltrain.pth", root / "hf", tmp_path / "b", layout="orion", preset_name="tiny",
+                lora_r=4)
+    # a state dict whose adapter names fit neither layout: auto refuses and says to pass --layout
+    tensors = torch.load(pth, weights_only=True)["state_dict"]
+    renamed = {k.replace(".default.", ".other."): v for k, v in tensors.items()}
+    odd = tmp_path / "odd.pth"
+    torch.save(renamed, odd)  # a bare state dict (no "state_dict" level) is read too
+    with pytest.raises(CheckpointError, match="pass --layout"):
+        convert(odd, hf_dir, tmp_path / "c", preset_name="tiny", lora_r=4)
+    assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def test_an_extra_adapter_is_reported_not_merged(orion_like, tmp_path):
+    _, hf_dir, pth, _, peft_model = orion_like
+    tensors = torch.load(pth, weights_only=True)["state_dict"]
+    extra = {k.replace(".default.", ".unused."): v * 0 + 1 for k, v in tensors.items() if ".lora_" in k}
+    both = tmp_path / "both.pth"
+    torch.save({"state_dict": {**tensors, **extra}}, both)
+    report = convert(both, hf_dir, tmp_path / "out", preset_name="tiny", layout="orion", lora_r=4, lora_alpha=8)
+    names = report["not_placed"]["lm_head"]["names"]
+    assert len(names) == len(extra) and all(".unused." in n for n in names)
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "out" / "llm" / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    merged = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    want = merged.base_layer.weight + merged.scaling["default"] * merged.lora_B["default"].weight @ \
+        merged.lora_A["default"].weight  # peft's own modules and scaling
+    assert (a[q] - want.detach()).abs().max() < 1e-6
