@@ -131,6 +131,12 @@ def _check_plan(out, tmp_path):
     assert planned.returncode == 0, planned.stderr
     rows = json.loads(doc.read_text())["rows"]
     assert [r["k"] for r in rows] == list(range(LLM["num_hidden_layers"] + 1))
+    # the plan's weights, prefix + suffix at every K, are the converted checkpoint's stored tensors (fp32 bytes,
+    # counted from the safetensors headers: the LLM in OUT/llm, the deltas and own tensors in OUT)
+    src = open_checkpoint(out).source()
+    stored = sum(4 * torch.Size(src.info(n).shape).numel() for n in src.names())
+    assert all(r["gpu_weight_bytes"] + r["cpu_weight_bytes"] == stored for r in rows)
+    assert rows[0]["gpu_weight_bytes"] < rows[-1]["gpu_weight_bytes"]
 
 
 def test_orion_converted_config_report_and_verify_split(orion_like, orion_out, tmp_path):
