@@ -331,3 +331,40 @@ def test_an_extra_adapter_is_reported_not_merged(orion_like, tmp_path):
     want = merged.base_layer.weight + merged.scaling["default"] * merged.lora_B["default"].weight @ \
         merged.lora_A["default"].weight  # peft's own modules and scaling
     assert (a[q] - want.detach()).abs().max() < 1e-6
+
+
+def test_minddrive_hparams_from_peft_saved_adapter_configs(minddrive_like, tmp_path):
+    """r / lora_alpha read from adapter_config.json as peft's own save_pretrained lays them out (one folder per
+    named adapter), with no options: the same conversion as with --lora-r 4 --lora-alpha 16."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    root, out, peft_model = minddrive_like
+    hf_dir = tmp_path / "hf"
+    peft_model.save_pretrained(str(hf_dir))
+    for name in ("decision_expert", "action_expert"):
+        found = list(hf_dir.rglob(f"{name}/adapter_config.json"))
+        assert found, sorted(str(p) for p in hf_dir.rglob("*"))
+        if found[0].parent != hf_dir / name:  # peft versions differ in where they nest named adapters
+            shutil.copytree(found[0].parent, hf_dir / name, dirs_exist_ok=True)
+    for f in (root / "hf").iterdir():
+        shutil.copy2(f, hf_dir / f.name)
+    report = convert(root / "minddrive_rltrain.pth", hf_dir, tmp_path / "out", preset_name="tiny",
+                     decision_token_ids=DECISION_IDS)
+    assert all(a["hparams_from"].endswith("adapter_config.json") and a["scaling"] == 4.0
+               for a in report["adapters"].values())
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    lora = [k for k in a if ".lora_" in k]
+    assert lora and all(torch.equal(a[k], b[k]) for k in lora)
+
+
+def test_orion_converts_to_bf16_and_loads(orion_like, tmp_path):
+    _, hf_dir, pth, _, _ = orion_like
+    convert(pth, hf_dir, tmp_path / "bf16", preset_name="tiny", lora_r=4, lora_alpha=8, dtype="bf16")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bf16" / "llm" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    suffix = open_checkpoint(tmp_path / "bf16").load("suffix", 1, dtype="bf16")
+    assert next(suffix.parameters()).dtype == torch.bfloat16
