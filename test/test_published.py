@@ -368,3 +368,28 @@ def test_orion_converts_to_bf16_and_loads(orion_like, tmp_path):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     suffix = open_checkpoint(tmp_path / "bf16").load("suffix", 1, dtype="bf16")
     assert next(suffix.parameters()).dtype == torch.bfloat16
+
+
+def test_orion_llm_written_in_shards_is_the_same(orion_like, orion_out, tmp_path):
+    """Small shards (a 7B conversion holds one shard at a time): transformers' index, the same tensors."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    _, hf_dir, pth, _, _ = orion_like
+    out = tmp_path / "sharded"
+    convert(pth, hf_dir, out, preset_name="tiny", lora_r=4, lora_alpha=8, max_shard_bytes=40_000)
+    index = json.loads((out / "llm" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (out / "llm" / "model.safetensors").exists()
+    one = load_file(str(orion_out / "llm" / "model.safetensors"))
+    many = {}
+    for name in shards:
+        many.update(load_file(str(out / "llm" / name)))
+    assert one.keys() == many.keys() == index["weight_map"].keys()
+    assert all(torch.equal(one[k], many[k]) for k in one)
+    ids = _ids(LLM["vocab_size"] + 1)
+    with torch.no_grad():
+        a = LlamaForCausalLM.from_pretrained(str(out / "llm")).model(input_ids=ids).last_hidden_state
+        b = LlamaForCausalLM.from_pretrained(str(orion_out / "llm")).model(input_ids=ids).last_hidden_state
+    assert torch.equal(a, b)
+    assert open_checkpoint(out).load("suffix", 2) is not None

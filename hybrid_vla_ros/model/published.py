@@ -76,6 +76,9 @@ WAYPOINT_TOKEN = "<waypoint_ego>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
 REPORT_FILE = "convert_report.json"
+#: Largest shard of ``OUT/llm`` written at once, bytes (bounds the conversion's memory: merged tensors are
+#: new memory, unmerged ones views of the memory-mapped ``.pth``).
+DEFAULT_SHARD_BYTES = 2 * 10**9
 
 _LORA = re.compile(r"(?P<mod>.+)\.lora_(?P<ab>[AB])\.(?P<ad>[^.]+)\.weight")
 _SAVED = re.compile(r"(?P<mod>.+)\.modules_to_save\.(?P<ad>[^.]+)\.(?P<p>weight|bias)")
@@ -279,7 +282,7 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
             preset_name: str | None = None, overrides: dict | None = None, lora_r: int = DEFAULT_R,
             lora_alpha: float = DEFAULT_ALPHA, waypoint_token_id: int | None = None,
             decision_token_ids: list[int] | None = None, seed: int = 0, dtype: str | torch.dtype | None = None,
-            log=None) -> dict:
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, log=None) -> dict:
     """Convert a published Orion / MindDrive ``.pth`` into a checkpoint directory ``out`` (module docstring).
 
     ``llm_config``: the directory with the LLM's transformers ``config.json`` (and tokenizer; optionally
@@ -290,7 +293,10 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     token (default: ``<waypoint_ego>`` from the tokenizer files, else, for Orion, the one row the checkpoint's
     vocabulary adds to config.json's); ``decision_token_ids``: MindDrive's meta-action (speed) token ids, the
     rows of the LM head its decision read-out uses (required for ``minddrive``); ``dtype``: of the written
-    tensors (default: as stored). The merge runs in float32, then is cast to that dtype.
+    tensors (default: as stored). The merge runs in float32, then is cast to that dtype. ``max_shard_bytes``:
+    ``OUT/llm`` is written in shards of at most this size (one tensor more when a single tensor is larger),
+    with transformers' ``model.safetensors.index.json``, one shard in memory at a time; a single
+    ``model.safetensors`` when everything fits in one.
 
     Returns the report (also written to ``out/convert_report.json``). Raises FileExistsError (``out`` holds
     files), MissingFileError, CheckpointError (refused pickle, unknown layout, inconsistent adapters or shapes),
@@ -303,6 +309,8 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     out, config_dir = Path(out), Path(llm_config)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    if not max_shard_bytes > 0:
+        raise ValueError(f"the shard size must be positive, got {max_shard_bytes!r} bytes")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty")
     doc = hf.read_config_json(config_dir)
@@ -348,17 +356,19 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     if layers != list(range(int(doc["num_hidden_layers"]))):
         raise CheckpointError(f"{checkpoint}: decoder blocks {layers[:3]}...{layers[-3:]} do not match "
                               f"num_hidden_layers {doc['num_hidden_layers']} of {config_dir / 'config.json'}")
-    llm_state: dict[str, torch.Tensor] = {}
     merged = []
-    for key, t in parts.llm.items():
-        mod = key.rsplit(".", 1)[0]
+
+    def llm_tensor(key: str) -> torch.Tensor:  # one tensor of OUT/llm, merged when Orion's adapter adapts it
+        t, mod = parts.llm[key], key.rsplit(".", 1)[0]
         if layout == "orion" and key.endswith(".weight") and mod in parts.adapters[ORION_ADAPTER].a:
             t = t.float() + parts.adapters[ORION_ADAPTER].delta(mod)
             merged.append(mod)
-        llm_state[key] = t.to(store_dtype).contiguous()
-    if llm_doc.get("tie_word_embeddings") and "lm_head.weight" in llm_state:
-        if torch.equal(llm_state["lm_head.weight"], llm_state["model.embed_tokens.weight"]):
-            del llm_state["lm_head.weight"]
+        return t.to(store_dtype).contiguous()
+
+    llm_keys = sorted(parts.llm)
+    if llm_doc.get("tie_word_embeddings") and "lm_head.weight" in parts.llm:
+        if torch.equal(parts.llm["lm_head.weight"], parts.llm["model.embed_tokens.weight"]):
+            llm_keys.remove("lm_head.weight")
         else:
             llm_doc["tie_word_embeddings"] = False  # the checkpoint's LM head is its own
     out.mkdir(parents=True, exist_ok=True)
@@ -366,7 +376,8 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     llm_dir.mkdir()
     llm_doc["architectures"] = [hf.ARCHITECTURES[doc["model_type"]]]
     (llm_dir / "config.json").write_text(json.dumps(llm_doc, indent=2) + "\n")
-    save_file(llm_state, str(llm_dir / "model.safetensors"), metadata={"format": "pt"})
+    _write_shards(llm_dir, llm_keys, {k: parts.llm[k].shape for k in llm_keys}, llm_tensor, store_dtype,
+                  max_shard_bytes)
     for name in TOKENIZER_FILES:
         if (config_dir / name).is_file():
             shutil.copy2(config_dir / name, llm_dir / name)
@@ -397,8 +408,9 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
         ranks = [parts.adapters[a].r for a in MINDDRIVE_ADAPTERS]
         base.update(llm_passes=2, pass_lora_rank=max(ranks), pass_adapters=list(MINDDRIVE_ADAPTERS),
                     decision_token_ids=[int(t) for t in decision_token_ids])
-        head_rows = llm_state.get("lm_head.weight", llm_state["model.embed_tokens.weight"])
-        own_extra["decision_head.weight"] = head_rows[torch.tensor(base["decision_token_ids"])].contiguous()
+        head_rows = parts.llm["lm_head.weight" if "lm_head.weight" in llm_keys else "model.embed_tokens.weight"]
+        own_extra["decision_head.weight"] = head_rows[torch.tensor(base["decision_token_ids"])].to(
+            store_dtype).contiguous()
         own_extra.update(_pass_deltas(parts, ref, max(ranks), store_dtype))
         for ad in (parts.adapters[a] for a in MINDDRIVE_ADAPTERS):
             _adapter_dir(out / "adapters", ad, sorted({m.rsplit(".", 1)[1] for m in ad.a}))
@@ -430,7 +442,7 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
         "checkpoint": str(Path(checkpoint).resolve()), "layout": layout, "out": str(out.resolve()),
         "llm": {"architecture": ref.architecture, "num_hidden_layers": ref.num_layers, "vocab_size": vocab,
                 "config_vocab_size": declared_vocab, "planning_token_id": int(wp),
-                "tensors_written": len(llm_state), "merged_modules": len(merged)},
+                "tensors_written": len(llm_keys), "merged_modules": len(merged)},
         "adapters": {a.name: {"r": a.r, "lora_alpha": a.alpha, "scaling": a.scaling, "modules": len(a.a),
                               "hparams_from": a.source,
                               "use": ("merged into llm/" if layout == "orion" else
@@ -446,11 +458,41 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     }
     if layout == "minddrive":
         report["decision"] = {"token_ids": cfg.decision_token_ids, "position": cfg.decision_position,
-                              "rows_from": "lm_head.weight" if "lm_head.weight" in llm_state else
+                              "rows_from": "lm_head.weight" if "lm_head.weight" in llm_keys else
                               "model.embed_tokens.weight (tied)"}
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     open_checkpoint(out)  # opens (the referred llm/ consistent) before success is reported
     return report
+
+
+def _write_shards(directory: Path, keys: list[str], shapes: dict, make, dtype: torch.dtype, limit: int) -> None:
+    """Write ``{key: make(key)}`` for ``keys`` as transformers writes a checkpoint: ``model.safetensors``, or
+    shards ``model-0000i-of-0000n.safetensors`` of at most ``limit`` bytes each (a larger tensor alone) and
+    ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map": {name: shard}}``). Only
+    one shard's tensors are made and held at a time."""
+    size = torch.empty((), dtype=dtype).element_size()
+    groups, current, used = [], [], 0
+    for key in keys:
+        n = torch.Size(shapes[key]).numel() * size
+        if current and used + n > limit:
+            groups.append(current)
+            current, used = [], 0
+        current.append(key)
+        used += n
+    groups.append(current)
+    if len(groups) == 1:
+        save_file({k: make(k) for k in keys}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        shard = {k: make(k) for k in group}
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        del shard
+        weight_map.update({k: name for k in group})
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
 def _pass_deltas(parts: SplitState, ref: hf.HFModel, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

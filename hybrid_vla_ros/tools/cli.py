@@ -61,7 +61,8 @@ def _convert(args: argparse.Namespace) -> int:
         report = convert(args.checkpoint, args.llm_config, args.out, layout=args.layout, preset_name=args.preset,
                          overrides=dict(args.set), lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                          waypoint_token_id=args.waypoint_token_id, decision_token_ids=args.decision_token_ids,
-                         seed=args.seed, dtype=args.dtype, log=print)
+                         seed=args.seed, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
+                         log=print)
     except (FileExistsError, FileNotFoundError, ValueError, CheckpointError, OSError) as e:
         return _err("convert", e)
     llm = report["llm"]
@@ -260,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="minddrive: the meta-action (speed) token ids the decision pass reads (7 published)")
     c.add_argument("--dtype", default=None, help="dtype of the written tensors (default: as stored)")
     c.add_argument("--seed", type=int, default=0, help="seed of the stand-in (random) own tensors")
+    c.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB",
+                   help="write OUT/llm in shards of at most this size, one in memory at a time (2)")
     c.set_defaults(func=_convert)
 
     v = sub.add_parser("verify-split", help="check the split at every K against transformers' own forward",
