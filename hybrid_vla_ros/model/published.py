@@ -42,7 +42,8 @@ directories ``adapters/<name>/`` (the reference ``verify-split`` merges with pef
 is the LM head's rows of the meta-action tokens at position -2 of the decision pass.
 
 Output directory ``OUT``: ``llm/`` (a transformers LlamaForCausalLM / Qwen2ForCausalLM directory: config.json
-with the checkpoint's vocabulary size, model.safetensors, the tokenizer files of the config directory),
+with the checkpoint's vocabulary size, model.safetensors or shards with transformers' index, the tokenizer
+files of the config directory),
 ``config.json`` + ``model.safetensors`` (a composed checkpoint, ``llm_path: "llm"``: this package's own
 tensors), ``adapters/`` (MindDrive), ``convert_report.json`` (what was placed, what was not, by name).
 """
