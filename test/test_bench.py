@@ -44,7 +44,8 @@ def test_two_passes_count_twice_and_add_the_decision_head():
     one, two = block_flops(cfg, 523, 1), block_flops(cfg, 523, 2)
     assert two["total"] == 2 * one["total"]
     h = cfg.hidden_size
-    assert head_flops(cfg) == 2 * h * h + 2 * h * 6 * 6 * 2 + 2 * h * 6
+    assert len(cfg.decision_token_ids) == 7  # MindDrive's read-out: the LM-head rows of 7 meta-action tokens
+    assert head_flops(cfg) == 2 * h * h + 2 * h * 6 * 6 * 2 + 2 * h * 7
     assert gemm_shapes(cfg)[0] == (2 * 523, 896, 4864)
 
 

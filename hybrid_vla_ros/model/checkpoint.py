@@ -407,7 +407,7 @@ def _own_modules(cfg: VLAConfig) -> nn.Module:
         h = llm.hidden_size
         if cfg.ego_state_input:
             m.ego_embed = nn.Linear(3, h)
-        if cfg.llm_passes > 1:
+        if cfg.llm_passes > 1 and not cfg.pass_lora_rank:
             m.pass_embed = nn.Embedding(cfg.llm_passes, h)
     else:
         _add_prefix_side(m, cfg, tiny)

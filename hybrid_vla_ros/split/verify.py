@@ -15,6 +15,8 @@ composed on an LLM            the package's own vision side gives h_0 (its own p
                               ``<Arch>ForCausalLM.from_pretrained(llm_path).model(inputs_embeds=h_0)``
 composed on a LLaVA           ``LlavaForConditionalGeneration.from_pretrained(vlm_path)`` on the frame (with
                               ego / pass embeddings, which LLaVA does not have: its language model on h_0)
+converted MindDrive           per pass p: ``from_pretrained(llm_path)`` with the peft adapter directory
+(per-pass LoRA adapters)      ``adapters/<pass_adapters[p]>`` merged by peft itself, on h_0[p]
 this package's own format     transformers ``LlamaModel`` / ``Qwen2Model`` built from ``llm``, its weights
                               read with ``safetensors.torch.load_file``, on h_0
 own model code                the model's own ``forward`` (:mod:`hybrid_vla_ros.model.extension`)
@@ -118,6 +120,8 @@ def _llm_reference_on_embeddings(ck: Checkpoint, cfg: VLAConfig, h0: torch.Tenso
     """transformers' language model (of the referred directory, or built from ``llm`` for this package's own
     format) run on the hybrid's h_0: its hidden_states, and a description."""
     batch = h0 if h0.dim() == 3 else h0.unsqueeze(0)
+    if ck.hf is not None and ck.hf.kind == "llm" and getattr(cfg, "pass_lora_rank", 0):
+        return _per_pass_reference(ck, cfg, batch, dtype)
     if ck.hf is not None and ck.hf.kind == "llm":
         ref = _causal_lm_class(cfg.llm_type).from_pretrained(str(ck.hf.path), dtype=dtype).eval()
         out = ref.model(inputs_embeds=batch, output_hidden_states=True)
@@ -140,6 +144,31 @@ def _llm_reference_on_embeddings(ck: Checkpoint, cfg: VLAConfig, h0: torch.Tenso
     ref.load_state_dict({k: v.to(dtype) for k, v in stored.items() if k.split(".")[0] in llm_parts}, strict=True)
     out = ref(inputs_embeds=batch, output_hidden_states=True)
     return _hidden_states(out), f"transformers {model_cls.__name__} with the checkpoint's LLM tensors on h_0"
+
+
+def _per_pass_reference(ck: Checkpoint, cfg: VLAConfig, batch: torch.Tensor, dtype) -> tuple[list, str]:
+    """A converted MindDrive checkpoint (one LoRA adapter a pass): for pass p, transformers' model of the
+    referred (unmerged base) directory with the peft adapter ``adapters/<pass_adapters[p]>`` merged by peft
+    itself (``PeftModel.from_pretrained(...).merge_and_unload()``), run on h_0[p]; hidden states stacked to
+    (P, T, H). Raises RuntimeError when peft is not installed or an adapter directory is missing."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise RuntimeError("verifying per-pass LoRA adapters needs peft (pip install peft): the reference merges "
+                           "each adapter with peft itself") from None
+    per_pass = []
+    for p, name in enumerate(cfg.pass_adapters):
+        adapter = ck.path / "adapters" / name
+        if not (adapter / "adapter_config.json").is_file():
+            raise RuntimeError(f"{adapter}: adapter directory missing (written by `hybrid-vla convert`)")
+        base = _causal_lm_class(cfg.llm_type).from_pretrained(str(ck.hf.path), dtype=dtype)
+        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
+        out = merged.model(inputs_embeds=batch[p:p + 1], output_hidden_states=True)
+        per_pass.append(out.hidden_states)
+        del merged, base
+    states = [torch.cat([hs[i] for hs in per_pass], dim=0) for i in range(len(per_pass[0]))]
+    return states, (f"transformers {ck.hf.architecture}.from_pretrained({ck.hf.path}) with peft merging adapter "
+                    f"{', '.join(cfg.pass_adapters)} (pass 0, 1, ...) on h_0 of each pass")
 
 
 def _reference(ck: Checkpoint, dtype, pixels, ego, ids) -> tuple[list, str]:

@@ -1,5 +1,5 @@
-"""``hybrid-vla`` command line: ``init-model``, ``verify-split``, ``export-smollm2``, ``replay``, ``plan``,
-``profile`` and ``bench``.
+"""``hybrid-vla`` command line: ``init-model``, ``convert``, ``verify-split``, ``export-smollm2``, ``replay``,
+``plan``, ``profile`` and ``bench``.
 
 Run as ``hybrid-vla ...`` (installed) or ``python -m hybrid_vla_ros ...`` (from the source tree).
 Subcommands import torch / rclpy only when they run, so ``--help`` is instant.
@@ -48,6 +48,37 @@ def _init_model(args: argparse.Namespace) -> int:
     print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} ({ident}): {shape}"
           + (", pretrained SmolLM2-135M LLM blocks" if args.preset == "smol" else "")
           + ". Its trajectories exercise the pipeline; they are not driving advice.")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    """``hybrid-vla convert``: a published Orion / MindDrive ``.pth`` -> a checkpoint directory (the one place
+    a pickle is read: ``torch.load`` with ``weights_only=True, mmap=True``)."""
+    from ..model.published import REPORT_FILE, convert
+    from ..model.sources import CheckpointError
+
+    try:
+        report = convert(args.checkpoint, args.llm_config, args.out, layout=args.layout, preset_name=args.preset,
+                         overrides=dict(args.set), lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                         waypoint_token_id=args.waypoint_token_id, decision_token_ids=args.decision_token_ids,
+                         seed=args.seed, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
+                         log=print)
+    except (FileExistsError, FileNotFoundError, ValueError, CheckpointError, OSError) as e:
+        return _err("convert", e)
+    llm = report["llm"]
+    print(f"wrote {args.out}: {report['layout']} layout, {llm['architecture']} with {llm['num_hidden_layers']} "
+          f"blocks, vocabulary {llm['vocab_size']} (config.json says {llm['config_vocab_size']}), planning token "
+          f"{llm['planning_token_id']}")
+    for name, a in report["adapters"].items():
+        print(f"  adapter {name}: r={a['r']} lora_alpha={a['lora_alpha']:g} (from {a['hparams_from']}), "
+              f"{a['modules']} modules, {a['use']}")
+    print(f"  placed: {sum(report['placed'].values())} tensors of the LLM; NOT placed: "
+          f"{report['not_placed_total']} tensors (names in {args.out}/{REPORT_FILE}):")
+    for group, g in sorted(report["not_placed"].items()):
+        print(f"    {group}.*: {g['count']}")
+    if report["non_tensor_entries"]:
+        print(f"  non-tensor entries skipped: {', '.join(report['non_tensor_entries'][:10])}")
+    print(f"  {report['stand_ins']}")
     return 0
 
 
@@ -204,6 +235,35 @@ def build_parser() -> argparse.ArgumentParser:
                    "any of decision_head.*, ego_embed.*, pass_embed.*, vision.*, projector.*) instead of random ones")
     p.add_argument("path", help="checkpoint directory to create")
     p.set_defaults(func=_init_model)
+
+    c = sub.add_parser("convert", help="convert a published Orion / MindDrive .pth (PEFT LoRA) to a checkpoint",
+                       description="Read a published mmcv .pth (Orion, MindDrive) with torch.load (weights_only=True, "
+                                   "mmap=True) -- tensors and plain containers only, anything else is refused -- "
+                                   "merge its LoRA adapters (W + alpha / r * B A), write the LLM as a transformers "
+                                   "directory OUT/llm, a composed checkpoint around it and OUT/convert_report.json "
+                                   "naming every tensor not placed. Loading OUT never reads the pickle.")
+    c.add_argument("checkpoint", help="the .pth file")
+    c.add_argument("--llm-config", required=True, metavar="HF_DIR",
+                   help="directory with the LLM's transformers config.json (and tokenizer, adapter_config.json)")
+    c.add_argument("out", help="checkpoint directory to create")
+    c.add_argument("--layout", choices=("orion", "minddrive", "auto"), default="auto",
+                   help="orion: one adapter, merged; minddrive: decision_expert + action_expert passes; auto "
+                        "(default): from the adapter names")
+    c.add_argument("--preset", default=None, help="preset for the driving I/O and stand-in vision side / planner "
+                   "(default: orion, or minddrive-0.5b)")
+    c.add_argument("--set", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="override a preset field, as init-model --set (repeatable)")
+    c.add_argument("--lora-r", type=int, default=16, help="LoRA r when no adapter_config.json says (16)")
+    c.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha when no adapter_config.json says (16)")
+    c.add_argument("--waypoint-token-id", type=int, default=None, metavar="ID",
+                   help="id of <waypoint_ego> (default: from the tokenizer files, else Orion's added row)")
+    c.add_argument("--decision-token-ids", type=_id_list, default=None, metavar="1,2,...",
+                   help="minddrive: the meta-action (speed) token ids the decision pass reads (7 published)")
+    c.add_argument("--dtype", default=None, help="dtype of the written tensors (default: as stored)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the stand-in (random) own tensors")
+    c.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB",
+                   help="write OUT/llm in shards of at most this size, one in memory at a time (2)")
+    c.set_defaults(func=_convert)
 
     v = sub.add_parser("verify-split", help="check the split at every K against transformers' own forward",
                        description="Load the prefix and the suffix at every split layer K of a checkpoint "

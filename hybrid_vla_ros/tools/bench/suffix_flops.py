@@ -15,7 +15,7 @@ two LLM passes (they run as a batch of 2 sequences):
   ``attention_full`` gives T^2 pairs for reference. Attention is 1-7 % of the suffix FLOPs of these presets, so
   counting it as full would move the ratio by at most that much.
 * heads, on the last token only: final-norm output -> PlanningHead fc1 (H -> H) and fc2 (H -> M N 2), plus the
-  decision head (H -> 6) with two passes.
+  decision head (H -> 6, or H -> the 7 meta-action tokens' LM-head rows) with two passes.
 
 Measured: ``SuffixStage(hidden, command, K)`` (seeded random weights, the real module) in a worker pinned to the
 suffix cores with torch threads = number of cores, eagerly and through each compiled backend
@@ -72,6 +72,11 @@ def block_flops(cfg, tokens: int, batch: int = 1) -> dict:
     ``total`` = linear + causal-half attention."""
     x = _dims(cfg)
     lin = {name: 2 * batch * tokens * fin * fout for name, (fin, fout) in linear_shapes(cfg).items()}
+    rank = int(getattr(cfg, "pass_lora_rank", 0) or 0)
+    if rank:  # a converted MindDrive checkpoint: per pass x A^T (r x in) then B^T (out x r) on q/k/v/o
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            fin, fout = linear_shapes(cfg)[name]
+            lin[f"{name}.lora"] = 2 * batch * tokens * rank * (fin + fout)
     half_pairs = tokens * (tokens + 1) // 2
     per_pair = 2 * batch * x["n_heads"] * x["head_dim"]
     attn = {"qk": per_pair * half_pairs, "av": per_pair * half_pairs}
@@ -81,11 +86,12 @@ def block_flops(cfg, tokens: int, batch: int = 1) -> dict:
 
 
 def head_flops(cfg) -> int:
-    """FLOPs of the heads on the last token: fc1 (H x H), fc2 (H x M N 2), decision head (H x 6, two passes)."""
+    """FLOPs of the heads on the last token: fc1 (H x H), fc2 (H x M N 2), decision head (two passes: H x 6, or
+    H x D with ``decision_token_ids``, MindDrive's LM-head rows of its D meta-action tokens)."""
     h = cfg.hidden_size
     flops = 2 * h * h + 2 * h * cfg.n_modes * cfg.n_waypoints * 2
     if cfg.llm_passes > 1:
-        flops += 2 * h * 6
+        flops += 2 * h * (len(getattr(cfg, "decision_token_ids", None) or []) or 6)
     return flops
 
 

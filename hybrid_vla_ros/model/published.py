@@ -1,0 +1,524 @@
+"""Orion and MindDrive as published: their mmcv ``.pth`` checkpoints converted once into this package's format.
+
+This module is the one place in the package that reads a pickle, and only here, at conversion time:
+``torch.load`` with ``weights_only=True, mmap=True, map_location="cpu"``. PyTorch's ``weights_only`` unpickler
+builds tensors and plain containers (dict, list, tuple, str, int, float, bool, None) only and raises
+``pickle.UnpicklingError`` for anything else (a class instance, a function reference), which is refused here
+with a :class:`CheckpointError` saying so. The converted directory never refers back to the pickle: loading it
+reads safetensors only (:mod:`hybrid_vla_ros.model.checkpoint`).
+
+Published layout (read in Orion's and MindDrive's released code, issue #14): one pickled dict
+``{"state_dict": {name: tensor}, "meta": ...}`` (or a bare state dict) with
+
+==============================================================  ================================================
+stored (``state_dict``)                                         here
+==============================================================  ================================================
+``lm_head.base_model.model.model.embed_tokens.weight``          ``llm/`` ``model.embed_tokens.weight`` (the
+                                                                checkpoint's rows: Orion's 32001 with
+                                                                ``<waypoint_ego>``; ``vocab_size`` follows them)
+``lm_head.base_model.model.model.layers.{i}.<m>.base_layer.*``  ``llm/`` ``model.layers.{i}.<m>.*`` (new PEFT)
+``lm_head.base_model.model.model.layers.{i}.<m>.{weight,bias}`` the same (old PEFT, no ``base_layer`` level)
+``...<m>.lora_A.<adapter>.weight`` (r, in), ``lora_B`` (out, r)  merged (one adapter) or per-pass deltas (two)
+``lm_head.base_model.model.model.norm.weight``                  ``llm/`` ``model.norm.weight``
+``lm_head.base_model.model.lm_head.weight``                     ``llm/`` ``lm_head.weight``; MindDrive: its rows
+                                                                of the meta-action tokens -> ``decision_head``
+``img_backbone.*`` (EVA-02-L), ``pts_bbox_head.*``,              not placed (reported by name): this package's
+``map_head.*``, ``ego_fut_decoder.*``, VAE parts, anything else  vision side / query projector / planner are
+                                                                stand-ins of other structure (docs/models.md)
+==============================================================  ================================================
+
+LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3; peft's
+``LoraLayer.scaling[adapter] = lora_alpha / r``): the adapted weight is ``W + (lora_alpha / r) * B @ A``,
+``A`` = ``lora_A`` (r, in), ``B`` = ``lora_B`` (out, r). r and lora_alpha come from ``adapter_config.json``
+(in the LLM config directory, or its ``<adapter>/`` subdirectory: peft's ``save_pretrained`` layout), else
+from the options (published: r = 16, alpha = 16). rsLoRA, DoRA and per-module rank / alpha patterns are refused
+(another formula).
+
+Layouts: ``orion`` -- one adapter (``default``), merged into the base weights; the planning token is
+``<waypoint_ego>``. ``minddrive`` -- two adapters on one base, ``decision_expert`` (pass 0) and
+``action_expert`` (pass 1): the base is written unmerged, each pass's delta as
+:class:`hybrid_vla_ros.model.modeling.PassLoRALinear` tensors, and both adapters again as peft adapter
+directories ``adapters/<name>/`` (the reference ``verify-split`` merges with peft itself); the decision read-out
+is the LM head's rows of the meta-action tokens at position -2 of the decision pass.
+
+Output directory ``OUT``: ``llm/`` (a transformers LlamaForCausalLM / Qwen2ForCausalLM directory: config.json
+with the checkpoint's vocabulary size, model.safetensors or shards with transformers' index, the tokenizer
+files of the config directory),
+``config.json`` + ``model.safetensors`` (a composed checkpoint, ``llm_path: "llm"``: this package's own
+tensors), ``adapters/`` (MindDrive), ``convert_report.json`` (what was placed, what was not, by name).
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from . import hf
+from .sources import CheckpointError, MissingFileError
+
+#: Where the PEFT-wrapped LLM sits in the published state dicts (Orion's / MindDrive's ``self.lm_head``).
+LLM_PREFIX = "lm_head.base_model.model."
+#: MindDrive's adapters, in pass order (decision pass first, action pass last).
+MINDDRIVE_ADAPTERS = ("decision_expert", "action_expert")
+#: Orion's single adapter (peft's default name).
+ORION_ADAPTER = "default"
+#: Published LoRA hyper-parameters (Orion and MindDrive: r = 16, lora_alpha = 16 on q/k/v/o).
+DEFAULT_R, DEFAULT_ALPHA = 16, 16
+LAYOUTS = ("orion", "minddrive", "auto")
+#: The planning token's text in both tokenizers.
+WAYPOINT_TOKEN = "<waypoint_ego>"
+#: Tokenizer / generation files copied from the LLM config directory into ``OUT/llm`` (small text files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
+REPORT_FILE = "convert_report.json"
+#: Largest shard of ``OUT/llm`` written at once, bytes (bounds the conversion's memory: merged tensors are
+#: new memory, unmerged ones views of the memory-mapped ``.pth``).
+DEFAULT_SHARD_BYTES = 2 * 10**9
+
+_LORA = re.compile(r"(?P<mod>.+)\.lora_(?P<ab>[AB])\.(?P<ad>[^.]+)\.weight")
+_SAVED = re.compile(r"(?P<mod>.+)\.modules_to_save\.(?P<ad>[^.]+)\.(?P<p>weight|bias)")
+_BASE = re.compile(r"(?P<mod>.+)\.base_layer\.(?P<p>weight|bias)")
+_LLM_PART = re.compile(r"model\.(embed_tokens\.weight|norm\.weight|layers\.\d+\..+)|lm_head\.weight")
+
+
+def read_pth(path: str | Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The state dict of an mmcv-style ``.pth`` (``{"state_dict": {...}, "meta": ...}`` or a bare state dict),
+    read with ``torch.load`` (``weights_only=True, mmap=True, map_location="cpu"``): tensors are views of the file's
+    memory map (nothing copied until used). Returns ``({name: tensor}, [names of entries that are not tensors])``.
+
+    Raises MissingFileError (no file), CheckpointError: the pickle holds something other than tensors and plain
+    containers (refused by torch's weights-only unpickler, nothing of it was run), an old non-zip ``torch.save``
+    file (mmap needs the zip format: re-save it with ``torch.save`` of torch >= 1.6), not a dict of tensors.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"{path}: checkpoint file not found")
+    try:
+        obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: refused: the pickle holds objects other than tensors and plain containers "
+                              f"(torch.load weights_only=True: {first}). Nothing of it was run. Re-save the state "
+                              "dict alone (tensors only) where you trust the file") from None
+    except (RuntimeError, ValueError, EOFError, OSError) as e:
+        raise CheckpointError(f"{path}: not a torch.save zip file that can be memory-mapped ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    state = obj.get("state_dict", obj) if isinstance(obj, dict) else obj
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict ({{name: tensor}})")
+    tensors, other = {}, []
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            tensors[str(name)] = value
+        else:
+            other.append(str(name))
+    if not tensors:
+        raise CheckpointError(f"{path}: its state dict holds no tensors")
+    return tensors, sorted(other)
+
+
+@dataclass
+class Adapter:
+    """One LoRA adapter: ``name``, ``r``, ``alpha``, and per target module (transformers name without
+    ``.weight``, e.g. ``model.layers.0.self_attn.q_proj``) its ``A`` (r, in) and ``B`` (out, r)."""
+
+    name: str
+    r: int
+    alpha: float
+    a: dict[str, torch.Tensor] = field(default_factory=dict)
+    b: dict[str, torch.Tensor] = field(default_factory=dict)
+    source: str = "options"
+
+    @property
+    def scaling(self) -> float:
+        """lora_alpha / r (peft's ``LoraLayer.scaling``)."""
+        return self.alpha / self.r
+
+    def delta(self, module: str) -> torch.Tensor:
+        """(lora_alpha / r) * B @ A in float32, (out, in)."""
+        return self.scaling * (self.b[module].float() @ self.a[module].float())
+
+
+@dataclass
+class SplitState:
+    """A published state dict taken apart: ``llm`` (transformers names -> base tensors), ``adapters``,
+    ``not_placed`` (stored names of everything outside the LLM, and the LLM's tensors with no place),
+    ``placed`` (stored names used)."""
+
+    llm: dict[str, torch.Tensor]
+    adapters: dict[str, Adapter]
+    not_placed: list[str]
+    placed: list[str]
+
+
+def _adapter_hparams(config_dir: Path, name: str, r: int, alpha: float) -> tuple[int, float, str]:
+    for file in (config_dir / name / "adapter_config.json", config_dir / "adapter_config.json"):
+        if file.is_file():
+            try:
+                doc = json.loads(file.read_text())
+                ar, aalpha = int(doc["r"]), float(doc["lora_alpha"])
+            except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{file}: no usable r / lora_alpha ({e})") from None
+            if doc.get("use_rslora") or doc.get("use_dora") or doc.get("rank_pattern") or doc.get("alpha_pattern"):
+                raise CheckpointError(f"{file}: rsLoRA / DoRA / per-module rank or alpha patterns are not "
+                                      "supported (the merge would not be W + alpha / r * B A)")
+            return ar, aalpha, str(file)
+    return int(r), float(alpha), "options"
+
+
+def split_state(tensors: dict[str, torch.Tensor], config_dir: Path, r: int = DEFAULT_R,
+                alpha: float = DEFAULT_ALPHA) -> SplitState:
+    """Take a published state dict apart (see the module docstring): the LLM's base tensors under transformers'
+    names, its LoRA adapters, and the names of every tensor not placed. Raises CheckpointError for a LoRA
+    tensor without its partner, a rank that differs from the adapter's r, DoRA magnitudes, a name stored twice
+    (with and without ``base_layer``)."""
+    llm: dict[str, torch.Tensor] = {}
+    adapters: dict[str, Adapter] = {}
+    not_placed, placed = [], []
+    for stored in sorted(tensors):
+        if not stored.startswith(LLM_PREFIX):
+            not_placed.append(stored)
+            continue
+        rest = stored[len(LLM_PREFIX):]
+        if ".lora_magnitude_vector." in rest:
+            raise CheckpointError(f"{stored}: a DoRA adapter; only plain LoRA (W + alpha / r * B A) is supported")
+        m = _LORA.fullmatch(rest)
+        if m:
+            name = m["ad"]
+            if name not in adapters:
+                ar, aalpha, src = _adapter_hparams(config_dir, name, r, alpha)
+                adapters[name] = Adapter(name, ar, aalpha, source=src)
+            (adapters[name].a if m["ab"] == "A" else adapters[name].b)[m["mod"]] = tensors[stored]
+            placed.append(stored)
+            continue
+        if ".original_module." in rest:  # peft's frozen copy of a module it also trains (modules_to_save)
+            not_placed.append(stored)
+            continue
+        m = _SAVED.fullmatch(rest) or _BASE.fullmatch(rest)
+        target = f"{m['mod']}.{m['p']}" if m else rest
+        if not _LLM_PART.fullmatch(target):
+            not_placed.append(stored)
+            continue
+        if target in llm:
+            raise CheckpointError(f"{stored}: the LLM tensor {target!r} is stored twice")
+        llm[target] = tensors[stored]
+        placed.append(stored)
+    for ad in adapters.values():
+        for mod in sorted(set(ad.a) | set(ad.b)):
+            if mod not in ad.a or mod not in ad.b:
+                raise CheckpointError(f"adapter {ad.name!r}: {mod} has lora_{'B' if mod in ad.a else 'A'} "
+                                      "without its partner")
+            rank = ad.a[mod].shape[0]
+            if ad.a[mod].dim() != 2 or ad.b[mod].dim() != 2 or ad.b[mod].shape[1] != rank or rank != ad.r:
+                raise CheckpointError(f"adapter {ad.name!r}: {mod} has lora_A {list(ad.a[mod].shape)} / lora_B "
+                                      f"{list(ad.b[mod].shape)}, not rank r = {ad.r} ({ad.source}): set --lora-r")
+            if f"{mod}.weight" not in llm:
+                raise CheckpointError(f"adapter {ad.name!r} adapts {mod}, which the checkpoint's LLM lacks")
+    return SplitState(llm, adapters, not_placed, placed)
+
+
+def _token_id(config_dir: Path, text: str) -> int | None:
+    """The id of an added token from the config directory's tokenizer files (``added_tokens.json``, else
+    ``tokenizer.json`` ``added_tokens``), None when not found."""
+    file = config_dir / "added_tokens.json"
+    if file.is_file():
+        doc = json.loads(file.read_text())
+        if text in doc:
+            return int(doc[text])
+    file = config_dir / "tokenizer.json"
+    if file.is_file():
+        for tok in json.loads(file.read_text()).get("added_tokens", []):
+            if tok.get("content") == text:
+                return int(tok["id"])
+    return None
+
+
+def _group(names: list[str], depth: int = 1) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for n in names:
+        key = ".".join(n.split(".")[:depth])
+        g = out.setdefault(key, {"count": 0, "names": []})
+        g["count"] += 1
+        g["names"].append(n)
+    return out
+
+
+def _adapter_dir(out: Path, ad: Adapter, targets: list[str]) -> None:
+    """``out/<name>/``: the adapter in peft's ``save_pretrained`` layout (adapter_config.json +
+    adapter_model.safetensors, names ``base_model.model.<module>.lora_{A,B}.weight``), its A / B as stored."""
+    d = out / ad.name
+    d.mkdir(parents=True)
+    cfg = {"peft_type": "LORA", "r": ad.r, "lora_alpha": ad.alpha, "target_modules": targets, "bias": "none",
+           "lora_dropout": 0.0, "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+           "task_type": None, "base_model_name_or_path": None, "inference_mode": True}
+    (d / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    state = {}
+    for mod in ad.a:
+        state[f"base_model.model.{mod}.lora_A.weight"] = ad.a[mod].contiguous()
+        state[f"base_model.model.{mod}.lora_B.weight"] = ad.b[mod].contiguous()
+    save_file(state, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, **options) -> dict:
+    """Convert a published Orion / MindDrive ``.pth`` into a checkpoint directory ``out``: see
+    :func:`_convert` for the options, what it returns and raises. A failed conversion leaves no ``out`` behind
+    (when it created it)."""
+    out = Path(out)
+    created = not out.exists()
+    try:
+        return _convert(checkpoint, llm_config, out, **options)
+    except BaseException:
+        if created and out.exists():
+            shutil.rmtree(out)
+        raise
+
+
+def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *, layout: str = "auto",
+            preset_name: str | None = None, overrides: dict | None = None, lora_r: int = DEFAULT_R,
+            lora_alpha: float = DEFAULT_ALPHA, waypoint_token_id: int | None = None,
+            decision_token_ids: list[int] | None = None, seed: int = 0, dtype: str | torch.dtype | None = None,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, log=None) -> dict:
+    """Convert a published Orion / MindDrive ``.pth`` into a checkpoint directory ``out`` (module docstring).
+
+    ``llm_config``: the directory with the LLM's transformers ``config.json`` (and tokenizer; optionally
+    ``adapter_config.json``); ``layout``: ``orion``, ``minddrive`` or ``auto`` (from the adapter names);
+    ``preset_name``: the preset whose driving I/O and stand-in vision side / planning head are written around
+    the LLM (default ``orion`` / ``minddrive-0.5b``), ``overrides`` its fields (as ``init-model --set``);
+    ``lora_r`` / ``lora_alpha``: when no ``adapter_config.json`` says; ``waypoint_token_id``: the planning
+    token (default: ``<waypoint_ego>`` from the tokenizer files, else, for Orion, the one row the checkpoint's
+    vocabulary adds to config.json's); ``decision_token_ids``: MindDrive's meta-action (speed) token ids, the
+    rows of the LM head its decision read-out uses (required for ``minddrive``); ``dtype``: of the written
+    tensors (default: as stored). The merge runs in float32, then is cast to that dtype. ``max_shard_bytes``:
+    ``OUT/llm`` is written in shards of at most this size (one tensor more when a single tensor is larger),
+    with transformers' ``model.safetensors.index.json``, one shard in memory at a time; a single
+    ``model.safetensors`` when everything fits in one.
+
+    Returns the report (also written to ``out/convert_report.json``). Raises FileExistsError (``out`` holds
+    files), MissingFileError, CheckpointError (refused pickle, unknown layout, inconsistent adapters or shapes),
+    ValueError (bad options).
+    """
+    from .checkpoint import WEIGHTS_FILE, _own_modules, open_checkpoint, parse_dtype
+    from .config import VLAConfig, preset
+
+    say = log or (lambda _line: None)
+    out, config_dir = Path(out), Path(llm_config)
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    if not max_shard_bytes > 0:
+        raise ValueError(f"the shard size must be positive, got {max_shard_bytes!r} bytes")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    doc = hf.read_config_json(config_dir)
+    if doc.get("model_type") not in hf.LLM_MODEL_TYPES:
+        raise CheckpointError(f"{config_dir / 'config.json'}: model_type {doc.get('model_type')!r}; the LLM config "
+                              f"must be one of {', '.join(hf.LLM_MODEL_TYPES)}")
+    say(f"reading {checkpoint} (torch.load weights_only=True, mmap=True) ...")
+    tensors, non_tensor = read_pth(checkpoint)
+    parts = split_state(tensors, config_dir, lora_r, lora_alpha)
+    names = set(parts.adapters)
+    if layout == "auto":
+        if names == {ORION_ADAPTER}:
+            layout = "orion"
+        elif set(MINDDRIVE_ADAPTERS) <= names:
+            layout = "minddrive"
+        else:
+            raise CheckpointError(f"{checkpoint}: adapters {sorted(names) or 'none'}: neither Orion's "
+                                  f"({ORION_ADAPTER!r}) nor MindDrive's ({', '.join(MINDDRIVE_ADAPTERS)}); pass "
+                                  "--layout")
+    wanted = (ORION_ADAPTER,) if layout == "orion" else MINDDRIVE_ADAPTERS
+    missing = [a for a in wanted if a not in parts.adapters]
+    if missing:
+        raise CheckpointError(f"{checkpoint}: the {layout} layout needs adapter(s) {missing}; the checkpoint has "
+                              f"{sorted(names) or 'none'}")
+    extra = sorted(names - set(wanted))
+    for stored in sorted(parts.placed):
+        m = _LORA.fullmatch(stored[len(LLM_PREFIX):])
+        if m and m["ad"] in extra:
+            parts.placed.remove(stored)
+            parts.not_placed.append(stored)
+    for key in ("model.embed_tokens.weight", "model.norm.weight"):
+        if key not in parts.llm:
+            raise CheckpointError(f"{checkpoint}: no {LLM_PREFIX}{key}: not a published Orion / MindDrive layout")
+    stored_dtype = parts.llm["model.embed_tokens.weight"].dtype
+    store_dtype = stored_dtype if dtype is None else (parse_dtype(dtype) if isinstance(dtype, str) else dtype)
+
+    # ---- the LLM as a transformers directory, vocabulary from the checkpoint
+    vocab = int(parts.llm["model.embed_tokens.weight"].shape[0])
+    llm_doc = dict(doc)
+    declared_vocab = int(doc.get("vocab_size", vocab))
+    llm_doc["vocab_size"] = vocab
+    layers = sorted({int(k.split(".")[2]) for k in parts.llm if k.startswith("model.layers.")})
+    if layers != list(range(int(doc["num_hidden_layers"]))):
+        raise CheckpointError(f"{checkpoint}: decoder blocks {layers[:3]}...{layers[-3:]} do not match "
+                              f"num_hidden_layers {doc['num_hidden_layers']} of {config_dir / 'config.json'}")
+    merged = []
+
+    def llm_tensor(key: str) -> torch.Tensor:  # one tensor of OUT/llm, merged when Orion's adapter adapts it
+        t, mod = parts.llm[key], key.rsplit(".", 1)[0]
+        if layout == "orion" and key.endswith(".weight") and mod in parts.adapters[ORION_ADAPTER].a:
+            t = t.float() + parts.adapters[ORION_ADAPTER].delta(mod)
+            merged.append(mod)
+        return t.to(store_dtype).contiguous()
+
+    llm_keys = sorted(parts.llm)
+    if llm_doc.get("tie_word_embeddings") and "lm_head.weight" in parts.llm:
+        if torch.equal(parts.llm["lm_head.weight"], parts.llm["model.embed_tokens.weight"]):
+            llm_keys.remove("lm_head.weight")
+        else:
+            llm_doc["tie_word_embeddings"] = False  # the checkpoint's LM head is its own
+    out.mkdir(parents=True, exist_ok=True)
+    llm_dir = out / "llm"
+    llm_dir.mkdir()
+    llm_doc["architectures"] = [hf.ARCHITECTURES[doc["model_type"]]]
+    (llm_dir / "config.json").write_text(json.dumps(llm_doc, indent=2) + "\n")
+    _write_shards(llm_dir, llm_keys, {k: parts.llm[k].shape for k in llm_keys}, llm_tensor, store_dtype,
+                  max_shard_bytes)
+    for name in TOKENIZER_FILES:
+        if (config_dir / name).is_file():
+            shutil.copy2(config_dir / name, llm_dir / name)
+    ref = hf.read_hf(llm_dir)
+
+    # ---- the planning token, the decision tokens
+    wp = waypoint_token_id if waypoint_token_id is not None else _token_id(config_dir, WAYPOINT_TOKEN)
+    if wp is None and layout == "orion" and vocab == declared_vocab + 1:
+        wp = vocab - 1  # Orion adds <waypoint_ego> as the one new row after the base vocabulary
+    if wp is None:
+        raise ValueError(f"cannot tell the id of {WAYPOINT_TOKEN}: not in {config_dir}'s tokenizer files; pass "
+                         "--waypoint-token-id")
+    if not 0 <= int(wp) < vocab:
+        raise ValueError(f"waypoint token id {wp} outside the checkpoint's vocabulary [0, {vocab})")
+    base = preset(preset_name or ("orion" if layout == "orion" else "minddrive-0.5b")).to_dict()
+    fixed = {"preset", "llm_path", "vlm_path", "planning_head", "llm", "pass_lora_rank", "pass_adapters",
+             "decision_token_ids", "random_init"}
+    bad = set(overrides or {}) - (set(VLAConfig.__dataclass_fields__) - fixed)
+    if bad:
+        raise ValueError(f"unknown or fixed option(s) {sorted(bad)}")
+    base.update(overrides or {})
+    base.update(llm=ref.llm_dict(), llm_path="llm", planning_token_id=int(wp))
+    own_extra: dict[str, torch.Tensor] = {}
+    if layout == "minddrive":
+        if not decision_token_ids:
+            raise ValueError("the minddrive layout needs --decision-token-ids: the ids of the meta-action (speed) "
+                             "tokens whose LM-head logits the decision pass reads")
+        ranks = [parts.adapters[a].r for a in MINDDRIVE_ADAPTERS]
+        base.update(llm_passes=2, pass_lora_rank=max(ranks), pass_adapters=list(MINDDRIVE_ADAPTERS),
+                    decision_token_ids=[int(t) for t in decision_token_ids])
+        head_rows = parts.llm["lm_head.weight" if "lm_head.weight" in llm_keys else "model.embed_tokens.weight"]
+        own_extra["decision_head.weight"] = head_rows[torch.tensor(base["decision_token_ids"])].to(
+            store_dtype).contiguous()
+        own_extra.update(_pass_deltas(parts, ref, max(ranks), store_dtype))
+        for ad in (parts.adapters[a] for a in MINDDRIVE_ADAPTERS):
+            _adapter_dir(out / "adapters", ad, sorted({m.rsplit(".", 1)[1] for m in ad.a}))
+    else:
+        base.update(llm_passes=1, pass_lora_rank=0, pass_adapters=[], decision_token_ids=[])
+    base.pop("model_type"), base.pop("format_version")
+    base["random_init"] = True
+    cfg = VLAConfig(**base)
+
+    # ---- own tensors: the preset's stand-ins (random), the decision rows and per-pass deltas
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(store_dtype)
+    try:
+        own = {k: v.detach().to(store_dtype).contiguous() for k, v in _own_modules(cfg).state_dict().items()}
+    finally:
+        torch.set_default_dtype(default_dtype)
+    for k, v in own_extra.items():
+        if k in own and tuple(own[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{k}: shape {list(v.shape)}, the model needs {list(own[k].shape)}")
+        own[k] = v
+    meta = {"format": "pt", "preset": cfg.preset, "converted_from": str(Path(checkpoint).resolve()),
+            "layout": layout}
+    save_file(own, str(out / WEIGHTS_FILE), metadata=meta)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    placed_groups = {"llm (lm_head.base_model.model.*)": len(parts.placed)}
+    report = {
+        "checkpoint": str(Path(checkpoint).resolve()), "layout": layout, "out": str(out.resolve()),
+        "llm": {"architecture": ref.architecture, "num_hidden_layers": ref.num_layers, "vocab_size": vocab,
+                "config_vocab_size": declared_vocab, "planning_token_id": int(wp),
+                "tensors_written": len(llm_keys), "merged_modules": len(merged)},
+        "adapters": {a.name: {"r": a.r, "lora_alpha": a.alpha, "scaling": a.scaling, "modules": len(a.a),
+                              "hparams_from": a.source,
+                              "use": ("merged into llm/" if layout == "orion" else
+                                      f"pass {MINDDRIVE_ADAPTERS.index(a.name)} delta + adapters/{a.name}/")}
+                     for a in (parts.adapters[n] for n in wanted)},
+        "placed": placed_groups,
+        "not_placed": _group(parts.not_placed),
+        "not_placed_total": len(parts.not_placed),
+        "non_tensor_entries": non_tensor,
+        "stand_ins": ("vision.*, projector.*, ego_embed.*, head.* are this package's random-init stand-ins "
+                      f"({cfg.preset} preset): the checkpoint's vision backbone, query heads and planner are "
+                      "not placed (listed in not_placed)"),
+    }
+    if layout == "minddrive":
+        report["decision"] = {"token_ids": cfg.decision_token_ids, "position": cfg.decision_position,
+                              "rows_from": "lm_head.weight" if "lm_head.weight" in llm_keys else
+                              "model.embed_tokens.weight (tied)"}
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    open_checkpoint(out)  # opens (the referred llm/ consistent) before success is reported
+    return report
+
+
+def _write_shards(directory: Path, keys: list[str], shapes: dict, make, dtype: torch.dtype, limit: int) -> None:
+    """Write ``{key: make(key)}`` for ``keys`` as transformers writes a checkpoint: ``model.safetensors``, or
+    shards ``model-0000i-of-0000n.safetensors`` of at most ``limit`` bytes each (a larger tensor alone) and
+    ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map": {name: shard}}``). Only
+    one shard's tensors are made and held at a time."""
+    size = torch.empty((), dtype=dtype).element_size()
+    groups, current, used = [], [], 0
+    for key in keys:
+        n = torch.Size(shapes[key]).numel() * size
+        if current and used + n > limit:
+            groups.append(current)
+            current, used = [], 0
+        current.append(key)
+        used += n
+    groups.append(current)
+    if len(groups) == 1:
+        save_file({k: make(k) for k in keys}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        shard = {k: make(k) for k in group}
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        del shard
+        weight_map.update({k: name for k in group})
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def _pass_deltas(parts: SplitState, ref: hf.HFModel, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Per-block ``layers.{i}.self_attn.{q,k,v,o}_proj.lora_A`` (P, rank, in) and ``lora_B`` (P, out, rank),
+    scaling folded into B, zero-padded to ``rank`` (exact: the padded rows / columns add nothing). Raises
+    CheckpointError when an adapter targets a module other than q/k/v/o (no per-pass place for it here)."""
+    from .modeling import PASS_LORA_TARGETS
+
+    ads = [parts.adapters[a] for a in MINDDRIVE_ADAPTERS]
+    for ad in ads:
+        other = sorted(m for m in ad.a if m.rsplit(".", 1)[1] not in PASS_LORA_TARGETS or ".self_attn." not in m)
+        if other:
+            raise CheckpointError(f"adapter {ad.name!r} adapts {other[:3]}: per-pass deltas are supported on "
+                                  f"self_attn {', '.join(PASS_LORA_TARGETS)} only")
+    out = {}
+    for i in range(ref.num_layers):
+        for t in PASS_LORA_TARGETS:
+            mod = f"model.layers.{i}.self_attn.{t}"
+            w = parts.llm[f"{mod}.weight"]
+            a = torch.zeros(len(ads), rank, w.shape[1])
+            b = torch.zeros(len(ads), w.shape[0], rank)
+            for p, ad in enumerate(ads):
+                if mod in ad.a:
+                    a[p, :ad.r] = ad.a[mod].float()
+                    b[p, :, :ad.r] = ad.b[mod].float() * ad.scaling
+            out[f"layers.{i}.self_attn.{t}.lora_A"] = a.to(dtype).contiguous()
+            out[f"layers.{i}.self_attn.{t}.lora_B"] = b.to(dtype).contiguous()
+    return out

@@ -1,0 +1,395 @@
+"""`hybrid-vla convert`: published Orion / MindDrive `.pth` checkpoints (PEFT-wrapped LLM, LoRA adapters).
+
+The `.pth` files are written here from small random transformers models wrapped by peft itself
+(`get_peft_model`, `add_adapter`) with the published key layouts (`lm_head.` + peft's state dict names, plus
+stand-ins for the vision backbone and query heads). References: peft's own `merge_and_unload()` and the
+unmerged peft model's forward (transformers' modules with peft's LoRA layers), never the converter's code.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_builders import LLM, perturb_
+from hybrid_vla_ros.model.checkpoint import open_checkpoint
+from hybrid_vla_ros.model.published import convert
+from hybrid_vla_ros.model.sources import CheckpointError
+
+REPO = Path(__file__).resolve().parent.parent
+TOL = 1e-5
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+DECISION_IDS = [11, 23, 35, 47, 59, 71, 83]  # 7 stand-in meta-action tokens
+
+
+def _cli(*argv, timeout=300):
+    return subprocess.run([sys.executable, "-m", "hybrid_vla_ros.tools.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _randomise_lora_(model, seed):
+    """peft initialises lora_B to zero (the adapted model would equal the base): draw every A and B."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name:  # as kaiming-uniform would scale it: ~ 1 / sqrt(in)
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _published_state(peft_model, old_peft=False):
+    """The published layout: `lm_head.` + peft's names; old PEFT versions had no `base_layer` level."""
+    state = {}
+    for k, v in peft_model.state_dict().items():
+        if old_peft:
+            k = k.replace(".base_layer.", ".")
+        state["lm_head." + k] = v.detach().clone()
+    g = torch.Generator().manual_seed(7)
+    state["img_backbone.blocks.0.attn.qkv.weight"] = torch.randn(96, 32, generator=g)
+    state["img_backbone.patch_embed.proj.weight"] = torch.randn(32, 3, 16, 16, generator=g)
+    state["pts_bbox_head.query_embedding.weight"] = torch.randn(10, 64, generator=g)
+    state["map_head.query_embedding.weight"] = torch.randn(10, 64, generator=g)
+    state["ego_fut_decoder.0.weight"] = torch.randn(64, 64, generator=g)
+    return state
+
+
+@pytest.fixture(scope="module")
+def orion_like(tmp_path_factory):
+    """A LLaMA (config vocab 320) whose embeddings grew by one row (<waypoint_ego>, as Orion's 32000 -> 32001),
+    wrapped by peft with one adapter (r=4, alpha=8: not the defaults, so the options / adapter_config matter)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("orion")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{**LLM, "rope_theta": 5e5, "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
+    hf_dir = root / "hf"
+    cfg.save_pretrained(str(hf_dir))  # config.json only: vocab 320, as the published HF folder says
+    base = perturb_(LlamaForCausalLM(cfg), 0)
+    base.resize_token_embeddings(LLM["vocab_size"] + 1)
+    perturb_(base, 1)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    _randomise_lora_(peft_model, 3)
+    peft_model.eval()
+    pth = root / "Orion.pth"
+    torch.save({"state_dict": _published_state(peft_model), "meta": {"epoch": 6, "config": "orion.py"}}, pth)
+    old = root / "Orion_oldpeft.pth"
+    torch.save({"state_dict": _published_state(peft_model, old_peft=True), "meta": {}}, old)
+    return root, hf_dir, pth, old, peft_model
+
+
+@pytest.fixture(scope="module")
+def orion_out(orion_like):
+    root, hf_dir, pth, _, _ = orion_like
+    out = root / "converted"
+    made = _cli("convert", str(pth), "--llm-config", str(hf_dir), str(out), "--preset", "tiny",
+                "--lora-r", "4", "--lora-alpha", "8")
+    assert made.returncode == 0, made.stderr
+    assert "orion layout" in made.stdout and "NOT placed: 5 tensors" in made.stdout
+    return out
+
+
+def _ids(vocab, n=12):
+    return torch.tensor([[(5 + 37 * i) % vocab for i in range(n)] + [vocab - 1]])
+
+
+def test_orion_llm_equals_peft_merge_and_unmerged_forward(orion_like, orion_out):
+    from peft import LoraConfig, get_peft_model  # noqa: F401  (peft is the reference)
+    from transformers import LlamaForCausalLM
+
+    _, _, _, _, peft_model = orion_like
+    ids = _ids(LLM["vocab_size"] + 1)
+    converted = LlamaForCausalLM.from_pretrained(str(orion_out / "llm")).eval()
+    assert converted.config.vocab_size == LLM["vocab_size"] + 1
+    with torch.no_grad():
+        got = converted.model(input_ids=ids, output_hidden_states=True).hidden_states
+        unmerged = peft_model.base_model.model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        import copy
+
+        merged_model = copy.deepcopy(peft_model).merge_and_unload()
+        merged = merged_model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        base_only = None
+        with peft_model.disable_adapter():
+            base_only = peft_model.base_model.model.model(input_ids=ids).last_hidden_state
+    assert len(got) == LLM["num_hidden_layers"] + 1
+    for a, b, c in zip(got, unmerged, merged):
+        assert (a - c).abs().max() < TOL  # peft's merge_and_unload
+        # the unmerged peft forward computes W x + s B A x: the same up to fp32 rounding (relative 1e-6)
+        assert (a - b).abs().max() < TOL * b.abs().max()
+    # the adapters matter: without them the model differs (so the test can fail)
+    assert (got[-1] - base_only).abs().max() > 1e-2
+
+
+def _check_plan(out, tmp_path):
+    """`hybrid-vla plan --model OUT` lists L + 1 rows, K = 0..L, the per-K weights growing with K."""
+    doc = tmp_path / "plan.json"
+    planned = _cli("plan", "--model", str(out), "--dtype", "fp32", "--json", str(doc))
+    assert planned.returncode == 0, planned.stderr
+    rows = json.loads(doc.read_text())["rows"]
+    assert [r["k"] for r in rows] == list(range(LLM["num_hidden_layers"] + 1))
+    # the plan's weights, prefix + suffix at every K, are the converted checkpoint's stored tensors (fp32 bytes,
+    # counted from the safetensors headers: the LLM in OUT/llm, the deltas and own tensors in OUT)
+    src = open_checkpoint(out).source()
+    stored = sum(4 * torch.Size(src.info(n).shape).numel() for n in src.names())
+    assert all(r["gpu_weight_bytes"] + r["cpu_weight_bytes"] == stored for r in rows)
+    assert rows[0]["gpu_weight_bytes"] < rows[-1]["gpu_weight_bytes"]
+
+
+def test_orion_converted_config_report_and_verify_split(orion_like, orion_out, tmp_path):
+    cfg = json.loads((orion_out / "config.json").read_text())
+    assert cfg["llm_path"] == "llm" and cfg["llm"]["vocab_size"] == LLM["vocab_size"] + 1
+    assert cfg["planning_token_id"] == LLM["vocab_size"]  # <waypoint_ego>: the added row
+    report = json.loads((orion_out / "convert_report.json").read_text())
+    assert report["adapters"]["default"]["r"] == 4 and report["adapters"]["default"]["scaling"] == 2.0
+    assert set(report["not_placed"]) == {"img_backbone", "pts_bbox_head", "map_head", "ego_fut_decoder"}
+    assert report["not_placed"]["img_backbone"]["count"] == 2
+    assert "img_backbone.blocks.0.attn.qkv.weight" in report["not_placed"]["img_backbone"]["names"]
+    ck = open_checkpoint(orion_out)
+    assert ck.kind == "composed" and ck.num_layers == LLM["num_hidden_layers"]
+    verified = _cli("verify-split", "--model", str(orion_out), "--quiet")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    rows = [line for line in verified.stdout.splitlines() if line.strip().endswith("| ok")]
+    assert len(rows) == LLM["num_hidden_layers"] + 1
+    _check_plan(orion_out, tmp_path)
+
+
+def test_old_peft_layout_without_base_layer_converts_the_same(orion_like, orion_out, tmp_path):
+    _, hf_dir, _, old, _ = orion_like
+    (hf_dir / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    try:
+        convert(old, hf_dir, tmp_path / "old", preset_name="tiny")  # r / alpha from adapter_config.json
+    finally:
+        (hf_dir / "adapter_config.json").unlink()
+    from safetensors.torch import load_file
+
+    a = load_file(str(orion_out / "llm" / "model.safetensors"))
+    b = load_file(str(tmp_path / "old" / "llm" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    report = json.loads((tmp_path / "old" / "convert_report.json").read_text())
+    assert report["adapters"]["default"]["hparams_from"].endswith("adapter_config.json")
+
+
+def test_wrong_rank_option_is_an_error_not_a_silent_rescale(orion_like, tmp_path):
+    _, hf_dir, pth, _, _ = orion_like
+    with pytest.raises(CheckpointError, match="rank r = 16"):
+        convert(pth, hf_dir, tmp_path / "x", preset_name="tiny")
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pth_with_a_non_tensor_object_is_refused_and_not_run(orion_like, tmp_path):
+    _, hf_dir, _, _, _ = orion_like
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "evil.pth"
+    torch.save({"state_dict": {"lm_head.x": torch.zeros(1)}, "meta": _Payload(str(marker))}, bad)
+    made = _cli("convert", str(bad), "--llm-config", str(hf_dir), str(tmp_path / "out"))
+    assert made.returncode == 1
+    assert "refused" in made.stderr and "other than tensors" in made.stderr
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------ MindDrive
+
+@pytest.fixture(scope="module")
+def minddrive_like(tmp_path_factory):
+    """A Qwen2 (tied embeddings) with MindDrive's two adapters on one base, both r=4 alpha=16 (scaling 4)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("minddrive")
+    torch.manual_seed(1)
+    cfg = Qwen2Config(**{**LLM, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True})
+    hf_dir = root / "hf"
+    cfg.save_pretrained(str(hf_dir))
+    (hf_dir / "added_tokens.json").write_text(json.dumps({"<waypoint_ego>": 300, "<path_waypoint_ego>": 301}))
+    base = perturb_(Qwen2ForCausalLM(cfg), 4)
+    lcfg = dict(r=4, lora_alpha=16, target_modules=TARGETS)
+    peft_model = get_peft_model(base, LoraConfig(**lcfg), adapter_name="decision_expert")
+    peft_model.add_adapter("action_expert", LoraConfig(**lcfg))
+    _randomise_lora_(peft_model, 5)
+    peft_model.eval()
+    pth = root / "minddrive_rltrain.pth"
+    torch.save({"state_dict": _published_state(peft_model)}, pth)
+    out = root / "converted"
+    made = _cli("convert", str(pth), "--llm-config", str(hf_dir), str(out), "--preset", "tiny",
+                "--lora-r", "4", "--lora-alpha", "16", "--decision-token-ids", ",".join(map(str, DECISION_IDS)))
+    assert made.returncode == 0, made.stderr
+    assert "minddrive layout" in made.stdout
+    return root, out, peft_model
+
+
+def _merged(peft_model, adapter):
+    import copy
+
+    m = copy.deepcopy(peft_model)
+    m.set_adapter(adapter)
+    return m.merge_and_unload(adapter_names=[adapter]).eval()
+
+
+def test_minddrive_two_passes_match_peft_per_adapter(minddrive_like):
+    root, out, peft_model = minddrive_like
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["llm_passes"] == 2 and cfg["pass_lora_rank"] == 4
+    assert cfg["pass_adapters"] == ["decision_expert", "action_expert"] and cfg["planning_token_id"] == 300
+    ck = open_checkpoint(out)
+    prefix, suffix = ck.load("prefix", 1), ck.load("suffix", 1)
+    assert not hasattr(prefix, "pass_embed")
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(ck.cfg.n_cameras, 3, ck.cfg.image_size, ck.cfg.image_size, generator=g)
+    with torch.no_grad():
+        h0 = ck.load("prefix", 0)(pixels)
+        assert h0.shape == (2, ck.cfg.num_tokens, LLM["hidden_size"]) and torch.equal(h0[0], h0[1])
+        h1 = prefix(pixels)
+        final = suffix.final_hidden_states(h1)
+        out_plan = suffix.plan_all(h1)
+        for p, name in enumerate(["decision_expert", "action_expert"]):
+            ref = _merged(peft_model, name)
+            states = ref.model(inputs_embeds=h0[p:p + 1], output_hidden_states=True).hidden_states
+            # W x + B A x (per-pass delta) vs (W + B A) x (peft's merge): equal up to fp32 rounding
+            assert (h1[p] - states[1][0]).abs().max() < TOL * max(1.0, float(states[1].abs().max()))
+            assert (final[p] - states[-1][0]).abs().max() < TOL * max(1.0, float(states[-1].abs().max()))
+            if name == "decision_expert":
+                logits = ref(inputs_embeds=h0[p:p + 1]).logits[0, -2, DECISION_IDS]
+                assert (out_plan.decision_logits - logits).abs().max() < 1e-4
+                assert out_plan.speed_mode == int(logits.argmax())
+        # the passes really differ (the adapters differ), and differ from the base model
+        assert (final[0] - final[1]).abs().max() > 1e-2
+        # the prefix writes h_K straight into a ring slot (out=): bit for bit the same with per-pass deltas
+        from hybrid_vla_ros.model.modeling import output_into_is_exact
+
+        assert output_into_is_exact(prefix)
+        slot = torch.empty_like(h1)
+        prefix(pixels, out=slot)
+        assert torch.equal(slot, h1)
+        slot0 = torch.empty_like(h0)
+        ck.load("prefix", 0)(pixels, out=slot0)
+        assert torch.equal(slot0, h0)
+
+
+def test_minddrive_verify_split_with_peft_reference_and_plan(minddrive_like, tmp_path):
+    _, out, _ = minddrive_like
+    verified = _cli("verify-split", "--model", str(out), "--quiet")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "peft merging adapter decision_expert, action_expert" in verified.stdout
+    rows = [line for line in verified.stdout.splitlines() if line.strip().endswith("| ok")]
+    assert len(rows) == LLM["num_hidden_layers"] + 1
+    _check_plan(out, tmp_path)
+    report = json.loads((out / "convert_report.json").read_text())
+    assert report["decision"]["rows_from"].startswith("model.embed_tokens")  # tied Qwen2: the embedding rows
+
+
+def test_minddrive_needs_decision_token_ids(minddrive_like, tmp_path):
+    root, _, _ = minddrive_like
+    with pytest.raises(ValueError, match="decision-token-ids"):
+        convert(root / "minddrive_rltrain.pth", root / "hf", tmp_path / "x", preset_name="tiny", lora_r=4)
+    assert not (tmp_path / "x").exists()  # nothing half-written left behind
+
+
+def test_layout_mismatch_and_unknown_adapters_are_clear_errors(orion_like, minddrive_like, tmp_path):
+    _, hf_dir, pth, _, _ = orion_like
+    with pytest.raises(CheckpointError, match="needs adapter"):
+        convert(pth, hf_dir, tmp_path / "a", layout="minddrive", preset_name="tiny", lora_r=4,
+                decision_token_ids=DECISION_IDS)
+    root, _, _ = minddrive_like
+    with pytest.raises(CheckpointError, match="needs adapter"):
+        convert(root / "minddrive_rltrain.pth", root / "hf", tmp_path / "b", layout="orion", preset_name="tiny",
+                lora_r=4)
+    # a state dict whose adapter names fit neither layout: auto refuses and says to pass --layout
+    tensors = torch.load(pth, weights_only=True)["state_dict"]
+    renamed = {k.replace(".default.", ".other."): v for k, v in tensors.items()}
+    odd = tmp_path / "odd.pth"
+    torch.save(renamed, odd)  # a bare state dict (no "state_dict" level) is read too
+    with pytest.raises(CheckpointError, match="pass --layout"):
+        convert(odd, hf_dir, tmp_path / "c", preset_name="tiny", lora_r=4)
+    assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def test_an_extra_adapter_is_reported_not_merged(orion_like, tmp_path):
+    _, hf_dir, pth, _, peft_model = orion_like
+    tensors = torch.load(pth, weights_only=True)["state_dict"]
+    extra = {k.replace(".default.", ".unused."): v * 0 + 1 for k, v in tensors.items() if ".lora_" in k}
+    both = tmp_path / "both.pth"
+    torch.save({"state_dict": {**tensors, **extra}}, both)
+    report = convert(both, hf_dir, tmp_path / "out", preset_name="tiny", layout="orion", lora_r=4, lora_alpha=8)
+    names = report["not_placed"]["lm_head"]["names"]
+    assert len(names) == len(extra) and all(".unused." in n for n in names)
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "out" / "llm" / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    merged = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    want = merged.base_layer.weight + merged.scaling["default"] * merged.lora_B["default"].weight @ \
+        merged.lora_A["default"].weight  # peft's own modules and scaling
+    assert (a[q] - want.detach()).abs().max() < 1e-6
+
+
+def test_minddrive_hparams_from_peft_saved_adapter_configs(minddrive_like, tmp_path):
+    """r / lora_alpha read from adapter_config.json as peft's own save_pretrained lays them out (one folder per
+    named adapter), with no options: the same conversion as with --lora-r 4 --lora-alpha 16."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    root, out, peft_model = minddrive_like
+    hf_dir = tmp_path / "hf"
+    peft_model.save_pretrained(str(hf_dir))
+    for name in ("decision_expert", "action_expert"):
+        found = list(hf_dir.rglob(f"{name}/adapter_config.json"))
+        assert found, sorted(str(p) for p in hf_dir.rglob("*"))
+        if found[0].parent != hf_dir / name:  # peft versions differ in where they nest named adapters
+            shutil.copytree(found[0].parent, hf_dir / name, dirs_exist_ok=True)
+    for f in (root / "hf").iterdir():
+        shutil.copy2(f, hf_dir / f.name)
+    report = convert(root / "minddrive_rltrain.pth", hf_dir, tmp_path / "out", preset_name="tiny",
+                     decision_token_ids=DECISION_IDS)
+    assert all(a["hparams_from"].endswith("adapter_config.json") and a["scaling"] == 4.0
+               for a in report["adapters"].values())
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    lora = [k for k in a if ".lora_" in k]
+    assert lora and all(torch.equal(a[k], b[k]) for k in lora)
+
+
+def test_orion_converts_to_bf16_and_loads(orion_like, tmp_path):
+    _, hf_dir, pth, _, _ = orion_like
+    convert(pth, hf_dir, tmp_path / "bf16", preset_name="tiny", lora_r=4, lora_alpha=8, dtype="bf16")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bf16" / "llm" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    suffix = open_checkpoint(tmp_path / "bf16").load("suffix", 1, dtype="bf16")
+    assert next(suffix.parameters()).dtype == torch.bfloat16
+
+
+def test_orion_llm_written_in_shards_is_the_same(orion_like, orion_out, tmp_path):
+    """Small shards (a 7B conversion holds one shard at a time): transformers' index, the same tensors."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    _, hf_dir, pth, _, _ = orion_like
+    out = tmp_path / "sharded"
+    convert(pth, hf_dir, out, preset_name="tiny", lora_r=4, lora_alpha=8, max_shard_bytes=40_000)
+    index = json.loads((out / "llm" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (out / "llm" / "model.safetensors").exists()
+    one = load_file(str(orion_out / "llm" / "model.safetensors"))
+    many = {}
+    for name in shards:
+        many.update(load_file(str(out / "llm" / name)))
+    assert one.keys() == many.keys() == index["weight_map"].keys()
+    assert all(torch.equal(one[k], many[k]) for k in one)
+    ids = _ids(LLM["vocab_size"] + 1)
+    with torch.no_grad():
+        a = LlamaForCausalLM.from_pretrained(str(out / "llm")).model(input_ids=ids).last_hidden_state
+        b = LlamaForCausalLM.from_pretrained(str(orion_out / "llm")).model(input_ids=ids).last_hidden_state
+    assert torch.equal(a, b)
+    assert open_checkpoint(out).load("suffix", 2) is not None
