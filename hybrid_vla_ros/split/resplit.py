@@ -114,7 +114,7 @@ class BlockPrefetcher:
         if self.load_stream is None:
             blocks = load_blocks(self.model_path, start, stop, device=self.device, dtype=self.dtype)
         else:
-            with torch.cuda.stream(self.load_stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(self.load_stream):  # a new thread: device 0
                 blocks = load_blocks(self.model_path, start, stop, device=self.device, dtype=self.dtype)
                 event = torch.cuda.Event()
                 event.record(self.load_stream)
