@@ -882,7 +882,7 @@ class Check:
 
     # ------------------------------------------------------------------------------ 6. camera decode
     def section_camera_decode(self) -> dict:
-        return decode_figures(str(self.device), self.sizes.camera_wh if self.args.small else CAMERA_WH,
+        return decode_figures(str(self.device), CAMERA_WH,
                               reps=self.sizes.reps)
 
     # ------------------------------------------------------------------------------ 7. numerics
