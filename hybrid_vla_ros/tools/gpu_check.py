@@ -310,16 +310,16 @@ def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
         last_read = 0.0
         stop_at = time.monotonic() + spec.get("max_s", 600)
         i = 0
-        while i < spec["frames"] or (policy is not None and not shared["done"].value):
+        # a requested move up is applied by run() once its blocks are loaded in the background (frames keep
+        # flowing meanwhile, as in the node); frames continue past `frames` until it is
+        while (i < spec["frames"] or runner.split_requested
+               or (policy is not None and not shared["done"].value)):
             if time.monotonic() > stop_at:
                 errors.append("stopped: the run's time limit")
                 break
-            applied = None  # a move up applied here, waiting for its background load (run() would not wait)
             k_req = spec.get("moves", {}).get(str(i))
             if k_req is not None:
                 runner.request_split_layer(int(k_req))
-                if int(k_req) > runner.split_layer:  # moving up: wait for the background load at this boundary
-                    applied = runner.apply_split_request(timeout=None)
             if policy is not None and time.monotonic() - last_read >= spec["policy"].get("period_s", 0.2):
                 last_read = time.monotonic()
                 free = read_free(runner)
@@ -331,8 +331,6 @@ def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
                 if k_new is not None:
                     decisions.append({"frame": i, "free": free, "from": runner.split_layer, "to": k_new, "why": why})
                     runner.request_split_layer(k_new)
-                    if k_new > runner.split_layer:
-                        applied = runner.apply_split_request(timeout=None)
             if spec.get("pace", True):
                 delay = runner.pacing_delay_s()
                 if delay > 0:
@@ -349,7 +347,7 @@ def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
             shared["frames"].value = i + 1
             rec = {"i": i, "seq": r.seq, "k": r.split_layer, "preprocess_ms": r.preprocess_ms,
                    "prefix_ms": r.prefix_ms}
-            e = r.resplit or applied
+            e = r.resplit
             if e is not None:
                 rec["resplit"] = {"from": e.old_split_layer, "to": e.new_split_layer, "ms": e.duration_ms,
                                   "load_ms": e.load_ms, "stage_before": e.stage_bytes_before,
