@@ -278,3 +278,34 @@ def test_a_failing_section_is_reported_and_the_rest_run(tmp_path, monkeypatch):
     assert report["sections"]["handoff"]["status"] == "failed" and "injected" in report["sections"]["handoff"]["error"]
     assert report["sections"]["camera_decode"]["status"] == "ok"
     assert report["sections"]["numerics"]["status"] == "not requested"
+
+
+# ------------------------------------------------------------------------------------------ uploads
+
+def test_reads_onto_a_device_are_converted_on_the_host_first(tiny_checkpoint, monkeypatch):
+    """Onto a non-CPU device every tensor reaches the uploader already in the stage dtype: the device never
+    holds the stored (fp32) copy. A fake uploader stands in for the CUDA one (page-locked staging)."""
+    from hybrid_vla_ros.model import sources
+    from hybrid_vla_ros.model.checkpoint import open_checkpoint
+
+    seen = []
+
+    class FakeUploader:
+        def __init__(self, device):
+            self.device = device
+
+        def __call__(self, t):
+            seen.append((t.device.type, t.dtype))
+            return t
+
+        def close(self):
+            seen.append("closed")
+
+    monkeypatch.setattr(sources, "DeviceUploader", FakeUploader)
+    src = open_checkpoint(tiny_checkpoint).source()
+    names = sorted(n for n in src.names() if n.startswith("layers.0."))
+    got = src.read(names, device="meta", float_dtype=torch.float16)
+    assert set(got) == set(names) and seen[-1] == "closed"
+    assert all(entry == ("cpu", torch.float16) for entry in seen[:-1]) and len(seen) == len(names) + 1
+    want = src.read(names, device="cpu", float_dtype=torch.float16)
+    assert all(torch.equal(got[n], want[n]) for n in names)
