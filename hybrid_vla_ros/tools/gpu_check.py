@@ -555,7 +555,6 @@ class Check:
         self.args = args
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.smi_used_before = _nvidia_smi_used() if torch.cuda.is_available() and args.device != "cpu" else None
         self.device = _torch_device(args.device)
         self.cuda = self.device.type == "cuda"
         self.sizes = sizes_for(args.small, self.cuda)
@@ -674,8 +673,7 @@ class Check:
 
         ctx = mp.get_context("spawn")
         with ctx.Pool(1) as pool:
-            rows = pool.apply(memory_rows, (name, self.sizes.overrides.get(name, {}), ks, dtype, str(self.device),
-                                            self.smi_used_before))
+            rows = pool.apply(memory_rows, (name, self.sizes.overrides.get(name, {}), ks, dtype, str(self.device)))
         return rows
 
     # ------------------------------------------------------------------------------ 2. paper table
@@ -954,9 +952,10 @@ def memory_rows(name: str, overrides: dict, ks: list[int], dtype: str, device_na
     """Per K: the prefix of preset ``name`` with random weights made on ``device_name`` in ``dtype`` and one
     forward on random pixels. Bytes: ``weight_bytes`` (parameters), and on CUDA ``peak_allocated``,
     ``peak_reserved``, ``driver_used`` (total - free after the forward, the allocator's cache still held),
-    ``driver_delta`` (that minus the figure before the stage was made) and ``driver_total`` (the delta plus this
-    process's CUDA context, from nvidia-smi's reading before the context existed when given, else the delta
-    plus the figure at start minus nothing: then equal to ``driver_used``)."""
+    ``driver_delta`` (that minus the figure before the stage was made), ``cuda_context`` (this process's context:
+    used after it was created minus nvidia-smi's reading before; without nvidia-smi the whole used figure at
+    start, other processes included) and ``driver_total`` = delta + context. ``smi_used_before``: ignored on
+    CUDA (read here, before this process creates its context)."""
     import gc
 
     import torch
@@ -966,6 +965,11 @@ def memory_rows(name: str, overrides: dict, ks: list[int], dtype: str, device_na
     from ..runtime.device import resolve_device
 
     cfg = preset(name, **overrides)
+    if device_name.startswith("cuda") or device_name == "auto":
+        # this process's own context is told apart by nvidia-smi's reading before it exists (the parent's
+        # context, if any, is then counted as another process's memory, not this one's)
+        index = int(device_name.partition(":")[2] or 0) if device_name.startswith("cuda") else 0
+        smi_used_before = _nvidia_smi_used(index)
     device = resolve_device(device_name)
     dt = parse_dtype(dtype)
     cuda = device.type == "cuda"
