@@ -71,7 +71,7 @@ class Sizes:
     """What a run measures: presets, their image-size overrides, frames per pipeline run, repetitions."""
 
     memory_presets: tuple = ("orion", "minddrive-0.5b")
-    pipeline_presets: tuple = ("minddrive-0.5b", "orion")
+    pipeline_presets: tuple = ("orion", "minddrive-0.5b")
     resplit_preset: str = "minddrive-0.5b"
     numerics_preset: str = "minddrive-0.5b"
     overrides: dict = field(default_factory=lambda: {"minddrive-0.5b": {}, "orion": {}})
@@ -691,11 +691,18 @@ class Check:
         def left() -> float:
             return min(self.left_s(), t_end - time.monotonic())
 
-        for name in self.sizes.pipeline_presets:
+        presets = list(self.sizes.pipeline_presets)
+        for n_done, name in enumerate(presets):
             rows = []
             out["presets"][name] = {"rows": rows}
+            # each preset gets an equal part of what is left of the share, so the last one still runs
+            p_end = time.monotonic() + left() / (len(presets) - n_done)
+
+            def row_left() -> float:
+                return min(left(), p_end - time.monotonic())
+
             try:
-                if left() <= (150 if name == "orion" else 20):  # orion: writing its 14 GB checkpoint alone takes ~1 min
+                if row_left() <= (90 if name == "orion" else 20):  # orion: writing its 14 GB checkpoint takes ~1 min
                     out["presets"][name]["status"] = "skipped: this section's share of the time budget is spent"
                     continue
                 if self.left_s() <= 30:
@@ -708,13 +715,13 @@ class Check:
                 ks = (split_points(cfg.num_layers) if self.sizes.pipeline_ks is None
                       else {int(f * cfg.num_layers) for f in self.sizes.pipeline_ks})
                 for k in sorted(ks, reverse=True):
-                    if left() <= 10:
+                    if row_left() <= 10:
                         rows.append({"k": k, "status": "skipped: this section's share of the time budget is spent"})
                         continue
                     pair = Pair(path, k, device=str(self.device), prefix_dtype=self.prefix_dtype,
                                 suffix_dtype=self.suffix_dtype, frames=self.sizes.frames + self.sizes.warmup,
                                 camera_wh=self.sizes.camera_wh, prefix_cores=self.prefix_cores,
-                                suffix_cores=self.suffix_cores, max_s=max(30.0, left()))
+                                suffix_cores=self.suffix_cores, max_s=max(30.0, row_left()))
                     pre, suf = pair.results()
                     row = {"k": k, "label": "GPU-only (K = L)" if k == cfg.num_layers else "hybrid"}
                     row.update(pipeline_figures(pre, suf, self.sizes.warmup))
