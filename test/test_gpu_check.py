@@ -309,3 +309,13 @@ def test_reads_onto_a_device_are_converted_on_the_host_first(tiny_checkpoint, mo
     assert all(entry == ("cpu", torch.float16) for entry in seen[:-1]) and len(seen) == len(names) + 1
     want = src.read(names, device="cpu", float_dtype=torch.float16)
     assert all(torch.equal(got[n], want[n]) for n in names)
+
+
+def test_cli_subcommand(tmp_path, capsys):
+    from hybrid_vla_ros.tools.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["gpu-check", "--help"])
+    assert e.value.code == 0 and "--budget-s" in capsys.readouterr().out
+    assert main(["gpu-check", "--device", "cpu", "--small", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "gpu_check.json").is_file() and (tmp_path / "gpu_check.md").is_file()
