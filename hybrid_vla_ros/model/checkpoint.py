@@ -16,8 +16,9 @@
 Weights are read only through safetensors (never pickle / ``torch.load``; a ``.bin`` / ``.pt`` / ``.pth`` is
 refused with how to convert it). A stage is built on the ``meta`` device and reads only the tensors it owns,
 found through the tensor source (:mod:`hybrid_vla_ros.model.sources`: the shard index for a sharded
-directory), straight onto its device, converted to the stage dtype one tensor at a time: the prefix process
-never holds the suffix's weights and the other way round, which is the memory the split saves on the GPU.
+directory), converted to the stage dtype on the host one tensor at a time and put on its device (CUDA: through
+page-locked staging, so the device never holds a stored-dtype copy): the prefix process never holds the
+suffix's weights and the other way round, which is the memory the split saves on the GPU.
 """
 from __future__ import annotations
 
@@ -392,8 +393,9 @@ def load_stage(path: str | Path, role: str, split_layer: int | None = None, *, d
     """Load ``role`` = "prefix", "suffix" or "full" of the driving checkpoint at ``path`` (what the runners call).
 
     The stage is built on the meta device (no memory), then only its own tensors are read from the
-    safetensors files (this package's, and a composed checkpoint's referred transformers directory) directly
-    onto ``device`` and cast to ``dtype``. Returns the module in eval mode:
+    safetensors files (this package's, and a composed checkpoint's referred transformers directory), converted
+    to ``dtype`` on the host and put on ``device`` (CUDA: page-locked staging, non-blocking copies on the current
+    stream; :meth:`~hybrid_vla_ros.model.sources.TensorSource.read`). Returns the module in eval mode:
     PrefixStage (pixels (C,3,S,S) -> hidden states (T,H)), SuffixStage (hidden states (T,H) ->
     waypoints (N,2) float32 m) or VLAModel (pixels -> waypoints).
 
