@@ -1235,6 +1235,13 @@ def machine_info(device) -> dict:
             info[mod] = getattr(__import__(mod), "__version__", "?")
         except ImportError:
             info[mod] = None
+    try:  # which code measured: the repository's commit, when it is a git checkout
+        import subprocess
+
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
     if torch.cuda.is_available() and device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory=props.total_memory, cuda=torch.version.cuda,
@@ -1259,7 +1266,7 @@ def markdown(report: dict) -> str:
                                                           f"CUDA {m.get('cuda')})" if m.get("gpu") else ""),
              f"Host {m['host']}: {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']}, transformers "
              f"{m.get('transformers')}, torchvision {m.get('torchvision')}, cv2 {m.get('cv2')}",
-             f"Options: {json.dumps(report['options'])}", f"Total: {report.get('total_s', 0):.1f} s", ""]
+             f"Code: commit {m.get('commit')}", f"Options: {json.dumps(report['options'])}", f"Total: {report.get('total_s', 0):.1f} s", ""]
     for name in SECTIONS:
         s = report["sections"].get(name, {"status": "missing"})
         lines += [f"## {TITLES[name]}", "", f"status: **{s.get('status')}**"
