@@ -473,7 +473,7 @@ class Pair:
         self.pconn, pchild = self.ctx.Pipe()
         self.sconn, schild = self.ctx.Pipe()
         pspec = dict(model=str(model), k=k, device=device, dtype=prefix_dtype, ring=ring, frames=frames,
-                     camera_wh=list(camera_wh), cores=prefix_cores, threads=len(prefix_cores) if device == "cpu" else 0,
+                     camera_wh=list(camera_wh), cores=prefix_cores, threads=len(prefix_cores),
                      moves={str(a): b for a, b in (moves or {}).items()}, policy=policy, pace=pace, max_s=max_s)
         sspec = dict(model=str(model), k=k, dtype=suffix_dtype, ring=ring, cores=suffix_cores,
                      threads=len(suffix_cores))
