@@ -805,7 +805,8 @@ class AutoResplitPolicy:
             if k < current_k:
                 return k, (f"free {free_bytes / 2**20:.0f} MiB < {self.low_bytes / 2**20:.0f} MiB: down to K={k} "
                            f"({reason})")
-            return None, f"free {free_bytes / 2**20:.0f} MiB under the threshold, and K={current_k} is already the lowest"
+            return None, (f"free {free_bytes / 2**20:.0f} MiB under the threshold, and K={current_k} is already "
+                          "the lowest that fits")
         need_now = self.plan.row(current_k).gpu_total_bytes
         best = None
         for r in self.plan.rows[current_k + 1:self.plan.chosen_k + 1]:

@@ -560,7 +560,8 @@ class Check:
         self.sizes = sizes_for(args.small, self.cuda)
         self.cache = Path(args.cache) if args.cache else self.out / "models"
         self.t0 = time.monotonic()
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else list(range(os.cpu_count() or 1)))
         self.prefix_cores, self.suffix_cores = core_split(cores)
         self.prefix_dtype = "bf16" if self._runs("bf16") else "fp32"
         self.suffix_dtype = "bf16" if self._runs_cpu("bf16") else "fp32"
@@ -763,7 +764,8 @@ class Check:
         moves_done = [r["resplit"] | {"frame": r["i"]} for r in pre["records"] if "resplit" in r]
         out = {"preset": name, "num_layers": L, "requested": {str(a): b for a, b in moves.items()},
                "moves": moves_done, "published": fig["published"], "computed": fig["computed"],
-               "superseded": fig["superseded"], "overwritten": fig["overwritten"], "lost": fig["lost"], "mismatched_k": fig["mismatched_k"],
+               "superseded": fig["superseded"], "overwritten": fig["overwritten"], "lost": fig["lost"],
+               "mismatched_k": fig["mismatched_k"],
                "errors": fig["errors"], "ks_seen_by_suffix": sorted({r["k"] for r in suf["records"]})}
         down_moves = [m for m in moves_done if m["to"] < m["from"]]
         if self.cuda and down_moves:
@@ -875,7 +877,8 @@ class Check:
                "lost": fig["lost"],
                "mismatched_k": fig["mismatched_k"], "errors": fig["errors"]}
         if not self.cuda:
-            out["note"] = f"a real ballast on the device {NEEDS_CUDA}; the policy and the live re-split are the real ones"
+            out["note"] = (f"a real ballast on the device {NEEDS_CUDA}; the policy and the live re-split are the "
+                           "real ones")
         out["status"] = "ok" if moved_down and moved_up and not ooms and fig["mismatched_k"] == 0 else "check"
         return out
 
@@ -1037,7 +1040,8 @@ def handoff_figures(device_name: str, reps: int = 20) -> dict:
     device = resolve_device(device_name)
     nbytes = math.prod(shape) * 2
     out = {"state_shape": list(shape), "dtype": "fp16", "bytes": nbytes, "modes": {}}
-    ring = RingProducer(segment_name(f"gpucheck_ho_{os.getpid()}_{uuid.uuid4().hex[:6]}", "/"), 3, slot_bytes_for(shape, dtype), 1,
+    ring = RingProducer(segment_name(f"gpucheck_ho_{os.getpid()}_{uuid.uuid4().hex[:6]}", "/"), 3,
+                        slot_bytes_for(shape, dtype), 1,
                         dtype=dtype, state_shape=shape, device=device)
 
     def timed(fn) -> dict:
@@ -1106,7 +1110,8 @@ def _jpegs(wh: tuple[int, int], n: int = 6) -> tuple[list[bytes], str]:
         import torch
         from torchvision.io import encode_jpeg
 
-        return [encode_jpeg(torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1))), quality=90).numpy().tobytes()
+        return [encode_jpeg(torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1))), quality=90)
+                .numpy().tobytes()
                 for img in images], "torchvision"
     except ImportError:
         import io
@@ -1266,7 +1271,8 @@ def markdown(report: dict) -> str:
                                                           f"CUDA {m.get('cuda')})" if m.get("gpu") else ""),
              f"Host {m['host']}: {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']}, transformers "
              f"{m.get('transformers')}, torchvision {m.get('torchvision')}, cv2 {m.get('cv2')}",
-             f"Code: commit {m.get('commit')}", f"Options: {json.dumps(report['options'])}", f"Total: {report.get('total_s', 0):.1f} s", ""]
+             f"Code: commit {m.get('commit')}", f"Options: {json.dumps(report['options'])}",
+             f"Total: {report.get('total_s', 0):.1f} s", ""]
     for name in SECTIONS:
         s = report["sections"].get(name, {"status": "missing"})
         lines += [f"## {TITLES[name]}", "", f"status: **{s.get('status')}**"
