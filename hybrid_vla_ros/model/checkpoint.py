@@ -16,8 +16,9 @@
 Weights are read only through safetensors (never pickle / ``torch.load``; a ``.bin`` / ``.pt`` / ``.pth`` is
 refused with how to convert it). A stage is built on the ``meta`` device and reads only the tensors it owns,
 found through the tensor source (:mod:`hybrid_vla_ros.model.sources`: the shard index for a sharded
-directory), straight onto its device, converted to the stage dtype one tensor at a time: the prefix process
-never holds the suffix's weights and the other way round, which is the memory the split saves on the GPU.
+directory), converted to the stage dtype on the host one tensor at a time and put on its device (CUDA: through
+page-locked staging, so the device never holds a stored-dtype copy): the prefix process never holds the
+suffix's weights and the other way round, which is the memory the split saves on the GPU.
 """
 from __future__ import annotations
 
@@ -334,8 +335,15 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
     # in this process's own memory, never views of a file mapping (see TensorSource.read)
     tensors = source.read(keys.values(), device, float_dtype=dtype)
     module.load_state_dict({local_of[c]: t for c, t in tensors.items()}, strict=True, assign=True)
-    # Non-persistent buffers (rotary inverse frequencies, vision position ids) are not in the checkpoint;
-    # rebuild them on the device from the config.
+    _rebuild_buffers(module, device)
+    leftovers = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if leftovers:
+        raise RuntimeError(f"tensors left uninitialised after loading {what}: {leftovers[:5]}")
+
+
+def _rebuild_buffers(module: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary inverse frequencies, vision position ids) are not in the checkpoint;
+    rebuild them on the device from the config."""
     if hasattr(module, "rotary_emb"):
         with torch.device(device):
             module.rotary_emb = type(module.rotary_emb)(module.rotary_emb.config)
@@ -345,9 +353,39 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
             sub.register_buffer("position_ids", torch.arange(n, device=device).expand(1, -1), persistent=False)
     if hasattr(module, "rebuild_buffers"):
         module.rebuild_buffers(device)
-    leftovers = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
-    if leftovers:
-        raise RuntimeError(f"tensors left uninitialised after loading {what}: {leftovers[:5]}")
+
+
+def random_stage(cfg: VLAConfig, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float16, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """A stage of ``cfg`` with random weights made on ``device`` in ``dtype``, no checkpoint (memory checks of
+    a model too large to write, e.g. ``orion``'s 7B in fp16: 14 GB).
+
+    Built on the meta device, then each parameter is allocated on ``device`` and filled there one at a time
+    (normal(0, ``std``) for matrices, ones for vectors such as norm weights, zeros for biases is not needed:
+    every 1-D parameter is ones), so nothing passes through host memory and the device holds only the stage.
+    ``role``: "prefix" / "suffix" at ``split_layer``, or "full". Returns the module in eval mode without
+    gradients. Raises ValueError (role, K out of [0, L], a dtype the device cannot run), torch.OutOfMemoryError.
+    """
+    device = torch.device(device)
+    check_device_dtype(device, dtype)
+    with torch.device("meta"):
+        module = build_stage(cfg, role, split_layer)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, t in module.state_dict().items():
+        new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        if new.is_floating_point():
+            if new.dim() >= 2:
+                new.normal_(0.0, std, generator=gen)
+            else:
+                new.fill_(1.0)
+        else:
+            new.zero_()
+        state[name] = new
+    module.load_state_dict(state, strict=True, assign=True)
+    del state
+    _rebuild_buffers(module, device)
+    return module.eval().requires_grad_(False)
 
 
 def load_stage(path: str | Path, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
@@ -355,8 +393,9 @@ def load_stage(path: str | Path, role: str, split_layer: int | None = None, *, d
     """Load ``role`` = "prefix", "suffix" or "full" of the driving checkpoint at ``path`` (what the runners call).
 
     The stage is built on the meta device (no memory), then only its own tensors are read from the
-    safetensors files (this package's, and a composed checkpoint's referred transformers directory) directly
-    onto ``device`` and cast to ``dtype``. Returns the module in eval mode:
+    safetensors files (this package's, and a composed checkpoint's referred transformers directory), converted
+    to ``dtype`` on the host and put on ``device`` (CUDA: page-locked staging, non-blocking copies on the current
+    stream; :meth:`~hybrid_vla_ros.model.sources.TensorSource.read`). Returns the module in eval mode:
     PrefixStage (pixels (C,3,S,S) -> hidden states (T,H)), SuffixStage (hidden states (T,H) ->
     waypoints (N,2) float32 m) or VLAModel (pixels -> waypoints).
 

@@ -163,49 +163,64 @@ class TensorSource:
         """Read the canonical tensors ``names`` onto ``device``: ``{name: tensor}``, floating-point ones converted
         to ``float_dtype`` when given (others in their stored dtype).
 
-        Only the named tensors are read. Onto the CPU each one is read with one ``readinto`` of its byte range
-        (from the header, checked against its dtype, shape and the file size) into this process's memory --
-        never a view of a memory map, which a shard re-saved in place under a running node would turn into
-        SIGBUS: straight into the result when no conversion is needed, else into one scratch buffer per file
-        that is converted into the result, so a conversion holds one stored tensor at a time. Onto another
-        device (CUDA) ``safetensors.safe_open(..., device=...)`` puts each tensor there directly. Raises
-        KeyError for a name the source lacks, MissingFileError for a missing file, CheckpointError when a file
-        does not hold a tensor its index promised, or is shorter than its header says.
+        Only the named tensors are read, each with one ``readinto`` of its byte range (from the header, checked
+        against its dtype, shape and the file size) into this process's memory -- never a view of a memory map,
+        which a shard re-saved in place under a running node would turn into SIGBUS: straight into the result
+        when no conversion is needed, else into one scratch buffer per file that is converted into the result
+        on the CPU, so a conversion holds one stored tensor at a time. Onto another device (CUDA) each tensor,
+        already in ``float_dtype``, goes through a page-locked staging buffer with a non-blocking copy on the
+        *current* stream (:class:`DeviceUploader`): the device never holds a stored-dtype (e.g. fp32) copy of a
+        tensor that becomes fp16 there. The copies are ordered on that stream; a caller loading on a side
+        stream records an event there before another stream uses the tensors. Raises KeyError for a name the
+        source lacks, MissingFileError for a missing file, CheckpointError when a file does not hold a tensor
+        its index promised, or is shorter than its header says.
         """
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self._index[name].file, []).append(name)
         out: dict[str, torch.Tensor] = {}
-        cpu = torch.device(device).type == "cpu" and sys.byteorder == "little"  # safetensors stores little-endian
-        for file, wanted in by_file.items():
-            if not file.is_file():
-                raise MissingFileError(f"{file}: shard not found (it holds {self._index[wanted[0]].where()})")
-            if cpu and all(self._index[n].start >= 0 for n in wanted):
-                with open(file, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    scratch = None
-                    for name in wanted:
-                        info = self._index[name]
-                        stored = FLOAT_DTYPES.get(info.dtype)
-                        if float_dtype is None or stored is None or stored == float_dtype:
-                            out[name] = _read_range(f, size, info)
-                            continue
-                        if scratch is None or scratch.numel() < info.end - info.start:
-                            scratch = None  # free the smaller one first
-                            scratch = torch.empty(max(self._index[n].end - self._index[n].start for n in wanted),
-                                                  dtype=torch.uint8)
-                        out[name] = _read_range(f, size, info, scratch).to(float_dtype)
-                    del scratch
-                continue
-            out.update(self._read_with_safe_open(file, wanted, device, float_dtype))
+        device = torch.device(device)
+        upload = None if device.type == "cpu" else DeviceUploader(device)
+        little = sys.byteorder == "little"  # safetensors stores little-endian
+        try:
+            for file, wanted in by_file.items():
+                if not file.is_file():
+                    raise MissingFileError(f"{file}: shard not found (it holds {self._index[wanted[0]].where()})")
+                if little and all(self._index[n].start >= 0 for n in wanted):
+                    items = self._read_ranges(file, wanted, float_dtype)
+                else:
+                    items = self._read_with_safe_open(file, wanted, float_dtype)
+                for name, t in items:
+                    out[name] = t if upload is None else upload(t)
+        finally:
+            if upload is not None:
+                upload.close()
         return out
 
-    def _read_with_safe_open(self, file: Path, wanted: list[str], device, float_dtype) -> dict[str, torch.Tensor]:
+    def _read_ranges(self, file: Path, wanted: list[str], float_dtype):
+        """Yield (name, CPU tensor in its final dtype) for ``wanted`` tensors of ``file``, one read each."""
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            scratch = None
+            for name in wanted:
+                info = self._index[name]
+                stored = FLOAT_DTYPES.get(info.dtype)
+                if float_dtype is None or stored is None or stored == float_dtype:
+                    yield name, _read_range(f, size, info)
+                    continue
+                if scratch is None or scratch.numel() < info.end - info.start:
+                    scratch = None  # free the smaller one first
+                    scratch = torch.empty(max(self._index[n].end - self._index[n].start for n in wanted),
+                                          dtype=torch.uint8)
+                yield name, _read_range(f, size, info, scratch).to(float_dtype)
+            del scratch
+
+    def _read_with_safe_open(self, file: Path, wanted: list[str], float_dtype):
+        """Yield (name, CPU tensor in its final dtype) through ``safetensors.safe_open`` (CPU), each a copy."""
         from safetensors import safe_open
 
-        out = {}
         try:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
                 present = set(f.keys())
                 for name in wanted:
                     if self._index[name].stored_name not in present:
@@ -215,13 +230,12 @@ class TensorSource:
                     t = f.get_tensor(self._index[name].stored_name)
                     if float_dtype is not None and t.is_floating_point():
                         t = t.to(float_dtype)
-                    out[name] = t.clone() if t.device.type == "cpu" else t  # not a view of the memory map
+                    yield name, t.clone()  # not a view of the memory map
                     del t
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own SafetensorError (a bare Exception subclass)
             raise CheckpointError(f"{file}: cannot read safetensors data ({type(e).__name__}: {e})") from e
-        return out
 
     def fingerprint(self, digest) -> None:
         """Feed what identifies this source (index, every file's header) into ``digest`` (a hashlib object)."""
@@ -230,6 +244,68 @@ class TensorSource:
     def files(self) -> list[Path]:
         """The files this source reads, sorted."""
         return sorted({i.file for i in self._index.values()})
+
+
+class DeviceUploader:
+    """Host tensors -> ``device`` (CUDA) through two page-locked staging buffers, non-blocking copies on the
+    stream current at each call.
+
+    ``uploader(t)`` copies the CPU tensor ``t`` (any dtype, contiguous or not) into a staging buffer, starts its
+    DMA to a new device tensor of the same dtype and shape, and returns that tensor; the two buffers alternate,
+    and a buffer is reused only after the event recorded behind its last copy completed, so reading the next
+    tensor from the file overlaps the DMA of this one. The device tensor is complete once the stream reaches the
+    copy (order work on that stream, or record an event). Without page-locked memory (no CUDA driver, locked
+    memory limit) it falls back to ``t.to(device)`` (synchronous, pageable). :meth:`close` waits for the last
+    copies and frees the buffers. Raises what torch raises for an allocation on the device (OutOfMemoryError).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._events: list = [None, None]
+        self._turn = 0
+        self.pinned = self.device.type == "cuda"
+
+    def _staging(self, nbytes: int) -> torch.Tensor | None:
+        i = self._turn
+        self._turn ^= 1
+        if self._events[i] is not None:
+            self._events[i].synchronize()  # the DMA out of this buffer is done
+            self._events[i] = None
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < nbytes:
+            self._buffers[i] = None
+            try:
+                self._buffers[i] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:
+                self.pinned = False
+                return None
+        return self._buffers[i], i
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.pinned:
+            return t.to(self.device)
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        got = self._staging(nbytes)
+        if got is None:
+            return t.to(self.device)
+        buf, i = got
+        host = buf[:nbytes]
+        host.copy_(t.reshape(-1).view(torch.uint8))
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        out.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events[i] = event
+        return out
+
+    def close(self) -> None:
+        for e in self._events:
+            if e is not None:
+                e.synchronize()
+        self._events = [None, None]
+        self._buffers = [None, None]
 
 
 def _read_range(f, file_size: int, info: TensorInfo, into: torch.Tensor | None = None) -> torch.Tensor:

@@ -407,7 +407,9 @@ def ring_fill(ring) -> tuple[int, int]:
 
 
 def memory_values() -> dict:
-    """Process memory for diagnostics: resident set (MiB) and, when CUDA is in use, allocated / reserved."""
+    """Process memory for diagnostics: resident set (MiB) and, when CUDA is in use, allocated / reserved (this
+    process's caching allocator) and the device's driver-level used / free memory (``torch.cuda.mem_get_info``,
+    every process on the device)."""
     import psutil
     import torch
 
@@ -415,6 +417,9 @@ def memory_values() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_allocated_mib"] = f"{torch.cuda.memory_allocated() / 2**20:.1f}"
         out["cuda_reserved_mib"] = f"{torch.cuda.memory_reserved() / 2**20:.1f}"
+        free, total = torch.cuda.mem_get_info()
+        out["cuda_driver_used_mib"] = f"{(total - free) / 2**20:.1f}"
+        out["cuda_driver_free_mib"] = f"{free / 2**20:.1f}"
     return out
 
 

@@ -99,6 +99,7 @@ class PrefixNode(node_base.PipelineNode):
         self.plan = None  # the split plan of `split_layer: auto` (split.planner.Plan), None for a fixed K
         self.resplits = 0  # live moves of the split layer applied
         self._pressure_timer = None
+        self._policy = None  # split.planner.AutoResplitPolicy of the running `auto` plan
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -119,7 +120,8 @@ class PrefixNode(node_base.PipelineNode):
                                        ring_name=p.ring_name, namespace=self.get_namespace(),
                                        ring_slots=p.ring_slots,
                                        torch_threads=p.torch_threads or len(p.cpu_affinity),
-                                       fast_jpeg_decode=p.fast_jpeg_decode)
+                                       fast_jpeg_decode=p.fast_jpeg_decode,
+                                       gpu_budget_bytes=int(round(p.gpu_budget_gb * 1e9)))
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.last_error = str(e)
             self.get_logger().error(f"configure failed: {e}")
@@ -243,26 +245,30 @@ class PrefixNode(node_base.PipelineNode):
 
     def _check_memory_pressure(self) -> None:
         """2 s timer (``split_layer: auto`` on CUDA with ``auto_resplit_free_mb`` > 0): move K down when the
-        device's free memory falls under the threshold (split.planner.budget_under_pressure)."""
-        from ..split.planner import budget_under_pressure, choose_split_layer
+        device's free memory falls under ``auto_resplit_free_mb`` and back up (at most to the planned K) when a
+        move up leaves ``auto_resplit_recover_mb`` free for 3 readings (split.planner.AutoResplitPolicy)."""
+        from ..split.planner import AutoResplitPolicy
 
         if self.runner is None or self.plan is None:
             return
+        low, high = AutoResplitPolicy.thresholds(self.params.auto_resplit_free_mb, self.params.auto_resplit_recover_mb)
+        if self._policy is None or self._policy.plan is not self.plan:
+            try:
+                self._policy = AutoResplitPolicy(self.plan, low, high)
+            except ValueError as e:
+                if self._throttle("memory_pressure"):
+                    self.get_logger().error(f"auto re-split off: {e}")
+                return
         free = torch.cuda.mem_get_info(self.runner.device)[0]
-        threshold = int(self.params.auto_resplit_free_mb * 2**20)
-        budget = budget_under_pressure(self.plan, self.runner.split_layer, free, threshold)
-        if budget is None:
-            return
         try:
-            k, reason = choose_split_layer(self.plan.rows, budget)
+            k, reason = self._policy.decide(self.runner.split_layer, free)
         except ValueError as e:
             if self._throttle("memory_pressure"):
-                self.get_logger().error(f"free device memory {free / 2**20:.0f} MiB < {threshold / 2**20:.0f} MiB and "
+                self.get_logger().error(f"free device memory {free / 2**20:.0f} MiB < {low / 2**20:.0f} MiB and "
                                         f"no split layer fits: {e}")
             return
-        if k < self.runner.split_layer:
-            self.get_logger().warning(f"free device memory {free / 2**20:.0f} MiB < {threshold / 2**20:.0f} MiB: "
-                                      f"moving K {self.runner.split_layer} -> {k} ({reason})")
+        if k is not None and k != self.runner.split_layer:
+            self.get_logger().warning(f"moving K {self.runner.split_layer} -> {k}: {reason}")
             self.runner.request_split_layer(k)
             with self._cv:
                 self._cv.notify()
@@ -274,7 +280,10 @@ class PrefixNode(node_base.PipelineNode):
             f"re-split K {e.old_split_layer} -> {e.new_split_layer}: {moved} block(s) in {e.duration_ms:.1f} ms"
             + (f" (loaded in the background in {e.load_ms:.1f} ms)" if e.blocks_loaded else "") + "; "
             f"prefix weights {e.stage_bytes_before / 2**20:.1f} -> {e.stage_bytes_after / 2**20:.1f} MiB"
-            + (f", device memory allocated {e.device_bytes_before / 2**20:.1f} -> {e.device_bytes_after / 2**20:.1f} MiB"
+            + (f", device memory allocated {e.device_bytes_before / 2**20:.1f} -> {e.device_bytes_after / 2**20:.1f} MiB, "
+               f"reserved {e.reserved_bytes_before / 2**20:.1f} -> {e.reserved_bytes_after / 2**20:.1f} MiB, driver-level "
+               f"used {e.driver_used_before / 2**20:.1f} -> {e.driver_used_after / 2**20:.1f} MiB "
+               f"({e.returned_to_driver_bytes / 2**20:.1f} MiB returned)"
                if self.runner.device.type == "cuda" else ""))
 
     def _release(self) -> None:

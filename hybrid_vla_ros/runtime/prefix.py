@@ -21,7 +21,7 @@ from ..split.resplit import Resplit, ResplitError, StageSplit
 from ..transport.pinned import SlotCopier
 from ..transport.ring import RingProducer, segment_name, slot_bytes_for
 from ..vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess
-from .device import keep_frame_buffers, resolve_device
+from .device import cap_device_memory, keep_frame_buffers, resolve_device
 
 
 @dataclass
@@ -77,20 +77,42 @@ class PrefixRunner:
     ``min_size``). Raises ImageDecodeError (with the camera index in the message) for a bad image; nothing
     reaches the ring in that case. The ring declares the model id, dtype, device kind and state shape in its
     global header (:mod:`hybrid_vla_ros.transport.contract`), which the suffix checks when it attaches.
+
+    CUDA: ``device`` ``cuda:N`` is checked against the device count and made the current device
+    (:func:`~.device.resolve_device`). The stage is read straight in ``dtype`` onto the device (converted on the
+    host, uploaded through page-locked staging: no transient full-precision copy on the device), and the
+    caching allocator is emptied after configure (``torch.cuda.empty_cache``) and after every move of K down
+    (:func:`~hybrid_vla_ros.split.resplit.move_split`). ``gpu_budget_bytes`` > 0 (the node's ``gpu_budget_gb``)
+    is enforced on CUDA: the plan's GPU total for ``split_layer`` (:func:`~hybrid_vla_ros.split.planner.
+    check_budget`) must fit it, else ValueError before any weight is loaded, and the process's caching
+    allocator is capped at it (``torch.cuda.set_per_process_memory_fraction``: an allocation past it raises
+    ``torch.OutOfMemoryError`` here instead of taking memory from other processes). Off CUDA the budget is not
+    checked (a CPU prefix has no device budget).
     """
 
     def __init__(self, model_path: str, split_layer: int, *, device: str = "auto", dtype: str = "fp32",
                  ring_name: str = "prefix_states", namespace: str = "/", ring_slots: int = 4,
-                 torch_threads: int = 0, fast_jpeg_decode: bool = False):
+                 torch_threads: int = 0, fast_jpeg_decode: bool = False, gpu_budget_bytes: int = 0):
         self.device = resolve_device(device)
         self.fast_jpeg_decode = fast_jpeg_decode
         self.dtype = parse_dtype(dtype)
+        self.gpu_budget_bytes = int(gpu_budget_bytes)
+        #: Fraction of the device's memory the caching allocator is capped at (1.0: no cap).
+        self.memory_fraction = 1.0
+        if self.gpu_budget_bytes > 0 and self.device.type == "cuda":
+            from ..split.planner import check_budget, plan_for_checkpoint
+
+            check_budget(plan_for_checkpoint(model_path, None, None, dtype), split_layer, self.gpu_budget_bytes)
+            self.memory_fraction = cap_device_memory(self.device, self.gpu_budget_bytes)
         keep_frame_buffers()  # decoded camera images are reused, not unmapped and faulted in again per frame
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         self.model_path = str(model_path)
         self.stage = load_stage(model_path, "prefix", split_layer, device=self.device, dtype=self.dtype)
         self.cfg = self.stage.cfg
+        if self.device.type == "cuda":  # the upload's staging and any scratch go back to the driver
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         self.model_id = model_id(model_path)
         #: The split layer and every move of it (split.resplit.StageSplit, side "prefix").
         self.split = StageSplit(self.stage, "prefix", model_path=self.model_path, device=self.device,

@@ -727,9 +727,97 @@ def budget_under_pressure(plan: Plan, current_k: int, free_bytes: int, threshold
     (``threshold_bytes - free_bytes``) restores the threshold, so the new budget is the current need
     minus the shortfall. Returns None when ``free_bytes >= threshold_bytes`` (no pressure). Used by
     ``split_layer: auto`` with ``auto_resplit_free_mb``: the prefix node passes the budget to
-    :func:`choose_split_layer` and moves K down live when the answer is lower (it never moves up by
-    itself, so freed memory does not make it oscillate).
+    :func:`choose_split_layer` and moves K down live when the answer is lower; moving back up is
+    :class:`AutoResplitPolicy`'s, with a second, higher threshold (hysteresis).
     """
     if free_bytes >= threshold_bytes:
         return None
     return plan.row(current_k).gpu_total_bytes - (threshold_bytes - free_bytes)
+
+
+def check_budget(plan: Plan, k: int, budget_bytes: int | float | None) -> None:
+    """Refuse split layer ``k`` when the plan's GPU total for it exceeds ``budget_bytes`` (None or <= 0: no
+    budget, nothing checked). Pure: compares the plan's bytes, no device call. The prefix runner calls it at
+    configure with ``gpu_budget_gb`` for a fixed K as well as for ``auto``. Raises ValueError naming the K,
+    both figures and the largest K that fits (or that none does)."""
+    if budget_bytes is None or budget_bytes <= 0:
+        return
+    need = plan.row(k).gpu_total_bytes
+    if need <= budget_bytes:
+        return
+    fitting = [r.k for r in plan.rows if r.gpu_total_bytes <= budget_bytes]
+    hint = (f"the largest K that fits is {max(fitting)}" if fitting
+            else "no K fits (even K=0 needs " f"{plan.rows[0].gpu_total_bytes / GB:.2f} GB)")
+    raise ValueError(f"split layer {k} needs {need / GB:.2f} GB of GPU memory by the plan (`hybrid-vla plan`), "
+                     f"over the {budget_bytes / GB:.2f} GB gpu_budget_gb: {hint}")
+
+
+@dataclass
+class AutoResplitPolicy:
+    """When ``split_layer: auto`` moves K live on memory pressure, and back: two thresholds (hysteresis).
+
+    Pure given free-memory readings (no device call): :meth:`decide` takes the current K and the device's
+    driver-level free bytes (``torch.cuda.mem_get_info()[0]``, read every ``period_s`` by the caller).
+
+    * down: free < ``low_bytes`` -> the largest K whose plan total fits the current need minus the shortfall
+      (:func:`budget_under_pressure`), at once (before an allocation fails);
+    * up: the memory a move up to K' would take (plan total of K' - of K) leaves at least ``high_bytes`` free,
+      for ``up_after`` readings in a row -> the largest such K', at most ``plan.chosen_k`` (the K planned for the
+      budget at configure). ``high_bytes`` must exceed ``low_bytes``: after a move up free memory stays above
+      ``high_bytes`` > ``low_bytes``, so the next reading cannot move K down again unless another process takes
+      more (no oscillation); ``up_after`` waits out short dips and frees.
+
+    Attributes: ``plan`` (split.planner.Plan), ``low_bytes``, ``high_bytes`` (bytes), ``up_after`` (readings),
+    ``calm`` (readings in a row that allowed a move up). Raises ValueError for ``low_bytes`` <= 0,
+    ``high_bytes`` <= ``low_bytes`` or ``up_after`` < 1.
+    """
+
+    plan: Plan
+    low_bytes: int
+    high_bytes: int
+    up_after: int = 3
+    calm: int = 0
+
+    def __post_init__(self):
+        if self.low_bytes <= 0:
+            raise ValueError(f"the low free-memory threshold must be > 0 bytes, got {self.low_bytes}")
+        if self.high_bytes <= self.low_bytes:
+            raise ValueError(f"the recover threshold ({self.high_bytes} bytes) must be above the low one "
+                             f"({self.low_bytes} bytes)")
+        if self.up_after < 1:
+            raise ValueError(f"up_after must be >= 1 reading, got {self.up_after}")
+
+    @staticmethod
+    def thresholds(free_mb: float, recover_mb: float) -> tuple[int, int]:
+        """(low, high) bytes from the node's ``auto_resplit_free_mb`` / ``auto_resplit_recover_mb`` (MiB);
+        ``recover_mb`` 0 means twice ``free_mb``."""
+        low = int(free_mb * 2**20)
+        high = int((recover_mb if recover_mb > 0 else 2 * free_mb) * 2**20)
+        return low, high
+
+    def decide(self, current_k: int, free_bytes: int) -> tuple[int | None, str]:
+        """(new K or None to stay, why). See the class docstring. Raises ValueError when the device is under
+        the low threshold and no K fits (the message says so; K stays)."""
+        if free_bytes < self.low_bytes:
+            self.calm = 0
+            budget = budget_under_pressure(self.plan, current_k, free_bytes, self.low_bytes)
+            k, reason = choose_split_layer(self.plan.rows, budget)
+            if k < current_k:
+                return k, (f"free {free_bytes / 2**20:.0f} MiB < {self.low_bytes / 2**20:.0f} MiB: down to K={k} "
+                           f"({reason})")
+            return None, (f"free {free_bytes / 2**20:.0f} MiB under the threshold, and K={current_k} is already "
+                          "the lowest that fits")
+        need_now = self.plan.row(current_k).gpu_total_bytes
+        best = None
+        for r in self.plan.rows[current_k + 1:self.plan.chosen_k + 1]:
+            if free_bytes - (r.gpu_total_bytes - need_now) >= self.high_bytes:
+                best = r.k
+        if best is None:
+            self.calm = 0
+            return None, "no pressure"
+        self.calm += 1
+        if self.calm < self.up_after:
+            return None, f"free memory recovered ({self.calm}/{self.up_after} readings)"
+        self.calm = 0
+        return best, (f"free {free_bytes / 2**20:.0f} MiB: up to K={best} leaves >= "
+                      f"{self.high_bytes / 2**20:.0f} MiB free for {self.up_after} readings")

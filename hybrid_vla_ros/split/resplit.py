@@ -40,8 +40,13 @@ class Resplit:
     the move was announced). blocks_loaded / blocks_freed: decoder blocks moved in / out of this
     process. stage_bytes_before / stage_bytes_after: bytes of the stage's parameters.
     device_bytes_before / device_bytes_after: ``torch.cuda.memory_allocated`` around the move on CUDA
-    (memory really returned to the device), else equal to the stage bytes. on_demand: True when the
-    suffix had to load blocks because a frame arrived at a K it had not been asked to prepare for.
+    (the tensors alive: what the stage dropped), else equal to the stage bytes. reserved_bytes_before /
+    reserved_bytes_after: ``torch.cuda.memory_reserved`` (what this process's caching allocator holds;
+    after a move down it is emptied, ``torch.cuda.empty_cache``, so the drop is memory handed back to the
+    driver). driver_used_before / driver_used_after: total - free of ``torch.cuda.mem_get_info`` (the
+    device's used memory over every process, what another process can take); all 0 off CUDA.
+    on_demand: True when the suffix had to load blocks because a frame arrived at a K it had not been
+    asked to prepare for.
     """
 
     old_split_layer: int
@@ -55,6 +60,22 @@ class Resplit:
     device_bytes_after: int
     on_demand: bool = False
     load_ms: float = 0.0
+    reserved_bytes_before: int = 0
+    reserved_bytes_after: int = 0
+    driver_used_before: int = 0
+    driver_used_after: int = 0
+
+    @property
+    def returned_to_driver_bytes(self) -> int:
+        """Device memory the move gave back to the driver (driver-level used before - after; 0 off CUDA;
+        negative when the device's use grew: blocks loaded, or another process allocated meanwhile)."""
+        return self.driver_used_before - self.driver_used_after
+
+
+def _cuda_figures(device: torch.device) -> tuple[int, int, int]:
+    """(allocated, reserved, driver-level used = total - free) bytes of a CUDA device."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(torch.cuda.memory_allocated(device)), int(torch.cuda.memory_reserved(device)), int(total - free)
 
 
 def _stage_bytes(stage: torch.nn.Module) -> int:
@@ -81,6 +102,7 @@ class BlockPrefetcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block_loader")
         self._job = None  # (start, stop, future of (blocks, load_ms))
         self._lock = threading.Lock()
+        self.load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def _load(self, start: int, stop: int):
         t0 = time.perf_counter()
@@ -89,9 +111,15 @@ class BlockPrefetcher:
             raise ValueError(f"the checkpoint at {self.model_path} changed on disk since it was loaded (model id "
                              f"{found & (2**64 - 1):016x}, loaded {self.expected_model_id & (2**64 - 1):016x}): "
                              "reconfigure the nodes to use it")
-        blocks = load_blocks(self.model_path, start, stop, device=self.device, dtype=self.dtype)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.load_stream is None:
+            blocks = load_blocks(self.model_path, start, stop, device=self.device, dtype=self.dtype)
+        else:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.load_stream):  # a new thread: device 0
+                blocks = load_blocks(self.model_path, start, stop, device=self.device, dtype=self.dtype)
+                event = torch.cuda.Event()
+                event.record(self.load_stream)
+            event.synchronize()  # this thread only: load_ms is the time until the blocks are on the device
+            blocks.ready_event, blocks.ready_device = event, self.device
         return blocks, (time.perf_counter() - t0) * 1e3
 
     def prefetch(self, start: int, stop: int):
@@ -136,6 +164,7 @@ class BlockPrefetcher:
             self._forget(future)
             raise
         self._forget(future)
+        ready_for_current_stream(blocks)
         return blocks, load_ms
 
     @property
@@ -148,6 +177,22 @@ class BlockPrefetcher:
         """Stop the loader thread (a load in progress finishes; its result is dropped)."""
         self.discard()
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def ready_for_current_stream(blocks) -> None:
+    """Order blocks loaded on another CUDA stream before the current stream's next kernels: wait for their
+    ``ready_event`` (recorded after their last host-to-device copy) and ``record_stream`` every parameter and
+    buffer, so the caching allocator does not hand their memory to the load stream again while the current
+    stream may still use it. No-op for blocks without an event (CPU, or loaded on the current stream)."""
+    event = getattr(blocks, "ready_event", None)
+    if event is None:
+        return
+    stream = torch.cuda.current_stream(getattr(blocks, "ready_device", None))
+    stream.wait_event(event)
+    for t in list(blocks.parameters()) + list(blocks.buffers()):
+        if t.is_cuda:
+            t.record_stream(stream)
+    blocks.ready_event = None
 
 
 class SplitRequest:
@@ -186,7 +231,9 @@ def move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float 
     cuda = device.type == "cuda"
     t0 = time.perf_counter() if t_start is None else t_start
     old, before = stage.split_layer, _stage_bytes(stage)
-    dev_before = torch.cuda.memory_allocated(device) if cuda else before
+    if cuda:
+        torch.cuda.synchronize(device)
+    dev_before, res_before, used_before = _cuda_figures(device) if cuda else (before, 0, 0)
     n_before = len(stage.layers)
 
     def first_index(default: int) -> int:
@@ -208,9 +255,10 @@ def move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float 
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     after = _stage_bytes(stage)
-    dev_after = torch.cuda.memory_allocated(device) if cuda else after
+    dev_after, res_after, used_after = _cuda_figures(device) if cuda else (after, 0, 0)
     return Resplit(old, k, (time.perf_counter() - t0) * 1e3, max(0, n_after - n_before),
-                   max(0, n_before - n_after), before, after, dev_before, dev_after, on_demand, load_ms)
+                   max(0, n_before - n_after), before, after, dev_before, dev_after, on_demand, load_ms,
+                   res_before, res_after, used_before, used_after)
 
 
 class StageSplit:

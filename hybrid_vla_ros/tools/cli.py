@@ -1,5 +1,5 @@
 """``hybrid-vla`` command line: ``init-model``, ``convert``, ``verify-split``, ``export-smollm2``, ``replay``,
-``plan``, ``profile`` and ``bench``.
+``plan``, ``profile``, ``bench`` and ``gpu-check``.
 
 Run as ``hybrid-vla ...`` (installed) or ``python -m hybrid_vla_ros ...`` (from the source tree).
 Subcommands import torch / rclpy only when they run, so ``--help`` is instant.
@@ -359,6 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help=bench_cli.DESCRIPTION, description=bench_cli.DESCRIPTION)
     bench_cli.add_arguments(b)
     b.set_defaults(func=bench_cli.run)
+
+    from . import gpu_check  # stdlib only at import
+
+    g = sub.add_parser("gpu-check", help="the GPU half measured in one go (memory plan, latency table, re-split, "
+                                         "pressure, hand-off, decode, numerics); ROS-free",
+                       description=gpu_check.__doc__.split("\n\n")[0])
+    gpu_check.build_parser(g)
+    g.set_defaults(func=lambda a: gpu_check.main(args=a))
     return parser
 
 
