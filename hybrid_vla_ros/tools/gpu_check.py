@@ -550,8 +550,6 @@ class Check:
     """One run of the check: options, sizes, the report being built and the global time budget."""
 
     def __init__(self, args):
-        import torch
-
         self.args = args
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
