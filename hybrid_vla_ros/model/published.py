@@ -303,11 +303,32 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     files), MissingFileError, CheckpointError (refused pickle, unknown layout, inconsistent adapters or shapes),
     ValueError (bad options).
     """
-    from .checkpoint import WEIGHTS_FILE, _own_modules, open_checkpoint, parse_dtype
-    from .config import VLAConfig, preset
+    from .checkpoint import open_checkpoint, parse_dtype
 
     say = log or (lambda _line: None)
     out, config_dir = Path(out), Path(llm_config)
+    doc = _check_inputs(out, config_dir, layout, max_shard_bytes)
+    say(f"reading {checkpoint} (torch.load weights_only=True, mmap=True) ...")
+    tensors, non_tensor = read_pth(checkpoint)
+    parts = split_state(tensors, config_dir, lora_r, lora_alpha)
+    layout, wanted = _choose_layout(checkpoint, parts, layout)
+    for key in ("model.embed_tokens.weight", "model.norm.weight"):
+        if key not in parts.llm:
+            raise CheckpointError(f"{checkpoint}: no {LLM_PREFIX}{key}: not a published Orion / MindDrive layout")
+    stored_dtype = parts.llm["model.embed_tokens.weight"].dtype
+    store_dtype = stored_dtype if dtype is None else (parse_dtype(dtype) if isinstance(dtype, str) else dtype)
+    llm = _write_llm(checkpoint, config_dir, doc, parts, layout, out, store_dtype, max_shard_bytes)
+    cfg, own_extra = _driving_config(config_dir, parts, llm, layout, preset_name, overrides, waypoint_token_id,
+                                     decision_token_ids, store_dtype, out)
+    _write_own(out, cfg, own_extra, store_dtype, seed, checkpoint, layout)
+    report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor)
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    open_checkpoint(out)  # opens (the referred llm/ consistent) before success is reported
+    return report
+
+
+def _check_inputs(out: Path, config_dir: Path, layout: str, max_shard_bytes: int) -> dict:
+    """The options :func:`_convert` checks before it reads anything; returns the LLM's ``config.json``."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
     if not max_shard_bytes > 0:
@@ -318,9 +339,13 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     if doc.get("model_type") not in hf.LLM_MODEL_TYPES:
         raise CheckpointError(f"{config_dir / 'config.json'}: model_type {doc.get('model_type')!r}; the LLM config "
                               f"must be one of {', '.join(hf.LLM_MODEL_TYPES)}")
-    say(f"reading {checkpoint} (torch.load weights_only=True, mmap=True) ...")
-    tensors, non_tensor = read_pth(checkpoint)
-    parts = split_state(tensors, config_dir, lora_r, lora_alpha)
+    return doc
+
+
+def _choose_layout(checkpoint, parts, layout: str) -> tuple[str, tuple[str, ...]]:
+    """The layout (``auto`` told from the adapter names) and the adapters it uses; the LoRA tensors of any
+    other adapter are moved from ``parts.placed`` to ``parts.not_placed`` (reported, not merged).
+    Raises CheckpointError when the adapters fit neither layout or the chosen one lacks one."""
     names = set(parts.adapters)
     if layout == "auto":
         if names == {ORION_ADAPTER}:
@@ -342,13 +367,25 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
         if m and m["ad"] in extra:
             parts.placed.remove(stored)
             parts.not_placed.append(stored)
-    for key in ("model.embed_tokens.weight", "model.norm.weight"):
-        if key not in parts.llm:
-            raise CheckpointError(f"{checkpoint}: no {LLM_PREFIX}{key}: not a published Orion / MindDrive layout")
-    stored_dtype = parts.llm["model.embed_tokens.weight"].dtype
-    store_dtype = stored_dtype if dtype is None else (parse_dtype(dtype) if isinstance(dtype, str) else dtype)
+    return layout, wanted
 
-    # ---- the LLM as a transformers directory, vocabulary from the checkpoint
+
+@dataclass
+class _WrittenLLM:
+    """What :func:`_write_llm` wrote to ``OUT/llm``: the directory read back, its tensor names, the
+    checkpoint's vocabulary and config.json's, and the modules Orion's adapter was merged into."""
+
+    ref: object
+    keys: list[str]
+    vocab: int
+    declared_vocab: int
+    merged: list[str]
+
+
+def _write_llm(checkpoint, config_dir: Path, doc: dict, parts, layout: str, out: Path, store_dtype: torch.dtype,
+               max_shard_bytes: int) -> _WrittenLLM:
+    """``OUT/llm``: the LLM as a transformers directory (config with the checkpoint's vocabulary, shards,
+    tokenizer files); for Orion its adapter merged (W + alpha / r * B A, in float32, then cast)."""
     vocab = int(parts.llm["model.embed_tokens.weight"].shape[0])
     llm_doc = dict(doc)
     declared_vocab = int(doc.get("vocab_size", vocab))
@@ -383,8 +420,18 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
         if (config_dir / name).is_file():
             shutil.copy2(config_dir / name, llm_dir / name)
     ref = hf.read_hf(llm_dir)
+    return _WrittenLLM(ref, llm_keys, vocab, declared_vocab, merged)
 
-    # ---- the planning token, the decision tokens
+
+def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, preset_name, overrides, waypoint_token_id,
+                    decision_token_ids, store_dtype: torch.dtype, out: Path):
+    """The converted checkpoint's VLAConfig (the preset's driving I/O and stand-ins around ``OUT/llm``, the
+    planning token, for MindDrive the two passes and the decision tokens) and the own tensors that come from
+    the checkpoint (MindDrive: the decision rows and per-pass deltas; its adapters also go to
+    ``OUT/adapters``). Raises ValueError for a missing or out-of-range token id or a bad override."""
+    from .config import VLAConfig, preset
+
+    ref, llm_keys, vocab, declared_vocab = llm.ref, llm.keys, llm.vocab, llm.declared_vocab
     wp = waypoint_token_id if waypoint_token_id is not None else _token_id(config_dir, WAYPOINT_TOKEN)
     if wp is None and layout == "orion" and vocab == declared_vocab + 1:
         wp = vocab - 1  # Orion adds <waypoint_ego> as the one new row after the base vocabulary
@@ -420,8 +467,14 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     base.pop("model_type"), base.pop("format_version")
     base["random_init"] = True
     cfg = VLAConfig(**base)
+    return cfg, own_extra
 
-    # ---- own tensors: the preset's stand-ins (random), the decision rows and per-pass deltas
+
+def _write_own(out: Path, cfg, own_extra: dict, store_dtype: torch.dtype, seed: int, checkpoint, layout: str) -> None:
+    """``OUT/model.safetensors`` and ``OUT/config.json``: the preset's stand-ins (random, from ``seed``) with
+    the tensors the checkpoint provides in their place (shapes checked: CheckpointError)."""
+    from .checkpoint import WEIGHTS_FILE, _own_modules
+
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(store_dtype)
@@ -438,6 +491,12 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     save_file(own, str(out / WEIGHTS_FILE), metadata=meta)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
+
+def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _WrittenLLM, cfg, non_tensor) -> dict:
+    """The conversion's report (``convert_report.json``): what was placed, merged and written, and every
+    tensor not placed, by name, grouped by prefix."""
+    ref, llm_keys, vocab, declared_vocab, merged = llm.ref, llm.keys, llm.vocab, llm.declared_vocab, llm.merged
+    wp = cfg.planning_token_id
     placed_groups = {"llm (lm_head.base_model.model.*)": len(parts.placed)}
     report = {
         "checkpoint": str(Path(checkpoint).resolve()), "layout": layout, "out": str(out.resolve()),
@@ -461,8 +520,6 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
         report["decision"] = {"token_ids": cfg.decision_token_ids, "position": cfg.decision_position,
                               "rows_from": "lm_head.weight" if "lm_head.weight" in llm_keys else
                               "model.embed_tokens.weight (tied)"}
-    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    open_checkpoint(out)  # opens (the referred llm/ consistent) before success is reported
     return report
 
 
