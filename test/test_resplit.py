@@ -7,23 +7,7 @@ import torch
 from hybrid_vla_ros.model.checkpoint import load_stage
 from hybrid_vla_ros.runtime.prefix import PrefixRunner
 from hybrid_vla_ros.runtime.suffix import SuffixRunner
-from hybrid_vla_ros.util.bags import read_bag
 from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, preprocess
-
-
-@pytest.fixture(scope="module")
-def frames(embedded_bag):
-    """The embedded bag's synchronized frames: [(stamp_ns, [("compressed", msg)] * 6)], camera order."""
-    from rosbags.typesys import Stores, get_typestore
-
-    store = get_typestore(Stores.ROS2_KILTED)
-    by_stamp: dict[int, dict] = {}
-    for m in read_bag(embedded_bag):
-        if m.topic.endswith("/image_raw/compressed"):
-            msg = store.deserialize_cdr(m.raw, m.msgtype)
-            by_stamp.setdefault(msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec, {})[m.topic] = msg
-    return [(s, [("compressed", cams[t]) for t in sorted(cams)]) for s, cams in sorted(by_stamp.items())
-            if len(cams) == 6]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from hybrid_vla_ros.runtime.prefix import PrefixRunner
 from hybrid_vla_ros.runtime.suffix import StaleFrame, SuffixRunner
 from hybrid_vla_ros.transport.contract import CONVERSIONS, conversion_kind
 from hybrid_vla_ros.transport.ring import RingConsumer, RingContractError, RingProducer, segment_name
-from hybrid_vla_ros.util.bags import read_bag
 from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, preprocess
 
 CTX = mp.get_context("spawn")
@@ -22,20 +21,6 @@ WAIT_S = 60.0
 D = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ALLOWED = [(p, s) for p in D for s in D if p == s or (D[p], D[s]) in CONVERSIONS]
 REFUSED = [(p, s) for p in D for s in D if (p, s) not in ALLOWED]
-
-
-@pytest.fixture(scope="module")
-def frames(embedded_bag):
-    """The embedded bag's synchronized frames: [(stamp_ns, [("compressed", msg)] * 6)]."""
-    from rosbags.typesys import Stores, get_typestore
-
-    store = get_typestore(Stores.ROS2_KILTED)
-    by_stamp: dict[int, dict] = {}
-    for m in read_bag(embedded_bag):
-        if m.topic.endswith("/image_raw/compressed"):
-            msg = store.deserialize_cdr(m.raw, m.msgtype)
-            by_stamp.setdefault(msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec, {})[m.topic] = msg
-    return [(st, [("compressed", cams[t]) for t in sorted(cams)]) for st, cams in sorted(by_stamp.items())]
 
 
 def test_conversion_table():

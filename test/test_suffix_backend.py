@@ -29,18 +29,9 @@ def _require_openvino():
 
 
 @pytest.fixture(scope="module")
-def camera_frames(embedded_bag):
+def camera_frames(frames):
     """The embedded bag's frames with all 6 cameras: [[rgb (H, W, 3) uint8] * 6], camera order."""
-    from rosbags.typesys import Stores, get_typestore
-
-    store = get_typestore(Stores.ROS2_KILTED)
-    by_stamp: dict[int, dict] = {}
-    for m in read_bag(embedded_bag):
-        if m.topic.endswith("/image_raw/compressed"):
-            msg = store.deserialize_cdr(m.raw, m.msgtype)
-            by_stamp.setdefault(msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec, {})[m.topic] = msg
-    return [[decode_compressed(cams[t].format, cams[t].data) for t in sorted(cams)]
-            for _, cams in sorted(by_stamp.items()) if len(cams) == 6]
+    return [[decode_compressed(msg.format, msg.data) for _, msg in cams] for _, cams in frames]
 
 
 # ------------------------------------------------------------------------------------------ numerics
