@@ -238,8 +238,7 @@ class RingConsumer:
         if self._closed:
             raise RingError("ring end is closed")
         with self._lock:
-            states = [slots.read_prefix(self._mm, slot_offset(i, self.slot_stride))[2] for i in range(self.n_slots)]
-        return [slots.STATE_NAMES.get(s, f"UNKNOWN({s})") for s in states]
+            return slots.state_names(self._mm, self.n_slots, self.slot_stride)
 
     def _try_take(self) -> tuple[ReadSlot | None, int]:
         """Take a READY slot by the delivery policy; returns (slot or None, publish count seen under the lock)."""

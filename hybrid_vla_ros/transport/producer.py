@@ -218,8 +218,7 @@ class RingProducer:
         if self._closed:
             raise RingError("ring end is closed")
         with self._lock:
-            states = [slots.read_prefix(self._mm, slot_offset(i, self.slot_stride))[2] for i in range(self.n_slots)]
-        return [slots.STATE_NAMES.get(s, f"UNKNOWN({s})") for s in states]
+            return slots.state_names(self._mm, self.n_slots, self.slot_stride)
 
     def acquire(self, shape: tuple[int, ...], dtype: torch.dtype) -> WriteSlot:
         """Take a slot for one frame of ``shape`` (<= 4 dims) and ``dtype`` (e.g. bf16 (tokens, hidden)).

@@ -211,3 +211,10 @@ def validate(raw: tuple, *, slot_bytes: int, declared_dtype, compute_dtype, expe
 def read_header(mm, off: int) -> tuple:
     """Every field of the slot header at ``off`` (``_SLOT`` order)."""
     return _SLOT.unpack_from(mm, off)
+
+
+def state_names(mm, n_slots: int, stride: int) -> list[str]:
+    """Every slot's state name in the mapping ``mm`` (FREE / WRITING / READY / READING, or UNKNOWN(<n>)), slot
+    order: a diagnostic snapshot (the states may change while it is read; the caller holds its end's lock)."""
+    states = [read_prefix(mm, slot_offset(i, stride))[2] for i in range(n_slots)]
+    return [STATE_NAMES.get(s, f"UNKNOWN({s})") for s in states]
