@@ -65,11 +65,13 @@ ARGUMENTS = [
     ("prefix_param_file", "", "parameter file of prefix_node (default: the package's config/prefix_node.param.yaml)"),
     ("suffix_param_file", "", "parameter file of suffix_node (default: the package's config/suffix_node.param.yaml)"),
     ("autostart", "true", "configure and activate both nodes when they start"),
+    ("use_sim_time", "", "true: both nodes take their clock from /clock (a bag played with `ros2 bag play --clock` "
+     "or `hybrid-vla replay --attach`), so the output guard judges recorded stamps by the bag's time"),
 ]
 # launch arguments that override a node parameter of the same name when given
-PREFIX_OVERRIDES = ("model_path", "split_layer", "device", "dtype")
+PREFIX_OVERRIDES = ("model_path", "split_layer", "device", "dtype", "use_sim_time")
 SUFFIX_OVERRIDES = ("model_path", "split_layer", "cpu_affinity", "dtype", "navigation_command",
-                    "publish_candidate_trajectories")
+                    "publish_candidate_trajectories", "use_sim_time")
 
 
 def _overrides(values: dict, names) -> dict:

@@ -39,7 +39,13 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "bootstrap: creating $VENV with $py"
   "$py" -m venv "$VENV"
 fi
-pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip=(pip_install)
+# pip, with its warnings about index locations in the machine's pip configuration that do not exist left out
+# (one line per package on some machines; they bury the bootstrap's own lines). pip's exit status is kept.
+pip_install() {
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 echo "bootstrap: installing Python packages (first run takes a few minutes)"
 "${pip[@]}" -r "$ROOT/requirements.txt"
 "${pip[@]}" --no-deps -r "$ROOT/requirements-nodeps.txt"

@@ -204,3 +204,19 @@ def test_point_yaws_never_follow_sub_metre_segments(replay_run, embedded_bag):
             assert same(yaws[k], yaws[k - 1]) or any(same(yaws[k], c, math.pi) for c in chords), (k, yaws, chords)
             kept += same(yaws[k], yaws[k - 1])
     assert kept > 0, "some points had no chord of a metre: they kept the heading before them"
+
+
+def test_a_node_that_refuses_configure_is_explained_in_the_replays_own_output(tiny_checkpoint, tmp_path):
+    """When a node the replay started refuses configure (here: a CUDA device on a machine without one, or, where
+    CUDA exists, a device index beyond the device count), the replay prints the node's own error line, not only
+    the log folder."""
+    import torch
+
+    device = f"cuda:{torch.cuda.device_count() + 7}" if torch.cuda.is_available() else "cuda"
+    cmd = [sys.executable, "-m", "hybrid_vla_ros", "replay", "--model-path", str(tiny_checkpoint), "--device", device,
+           "--namespace", f"/rf_{uuid.uuid4().hex[:8]}", "--output", str(tmp_path / "o"), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode != 0
+    assert "configure of" in proc.stderr and "failed" in proc.stderr
+    assert "configure failed:" in proc.stderr and "cuda" in proc.stderr.split("configure failed:")[1].lower()

@@ -11,41 +11,31 @@ each run. The second run of each reports the same counts as the first: the nodes
 their processes, so a replay that did not subtract them would report twice as many camera messages.
 
 Everything runs with the real tools from the colcon install space (``ros2 launch``, ``ros2 run hybrid_vla_ros
-hybrid-vla replay``, ``ros2 lifecycle get``). The suffix's parameter file turns the output guard's age check
-off, as docs/deployment.md says for replays of recorded bags.
+hybrid-vla replay``, ``ros2 lifecycle get``). Both nodes are launched with ``use_sim_time:=true``, as
+docs/deployment.md says for replays of recorded bags: the replay publishes the bag's time on /clock, so the output
+guard keeps its age check and judges the recorded stamps by it.
 """
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 import ros_tools
-import yaml
 
 LOOPS = 3
 CAMERA_MESSAGES = 6 * 3 * LOOPS  # the embedded bag: 6 cameras, 3 frames, played LOOPS times
 
 
-def _suffix_params(ros_env, install: Path, path: Path) -> Path:
-    """The installed suffix parameter file with guard.check_age false (the bag's stamps are years old), made
-    with the sed command docs/deployment.md shows."""
-    shipped = install / "hybrid_vla_ros" / "share" / "hybrid_vla_ros" / "config" / "suffix_node.param.yaml"
-    with open(path, "w") as out:
-        subprocess.run(["sed", "s/guard.check_age: true/guard.check_age: false/", str(shipped)], stdout=out,
-                       check=True, env=ros_env)
-    assert yaml.safe_load(path.read_text())["/**"]["ros__parameters"]["guard.check_age"] is False
-    return path
-
-
 def _launch(ros_env, install, model, tmp_path, ns, *extra) -> ros_tools.Launched:
-    suffix_file = _suffix_params(ros_env, install, tmp_path / "suffix_replay.param.yaml")
+    """The launch command docs/deployment.md shows for a replay into launched nodes: the bag's compressed
+    cameras, both nodes on the bag's clock (``use_sim_time:=true``; the replay publishes /clock), the output
+    guard's age check on as shipped."""
     return ros_tools.Launched([f"model_path:={model}", "split_layer:=2", "camera_transport:=compressed",
-                               "camera_topic_suffix:=image_raw", f"namespace:={ns}",
-                               f"suffix_param_file:={suffix_file}", *extra], ros_env, tmp_path / "launch.log")
+                               "camera_topic_suffix:=image_raw", f"namespace:={ns}", "use_sim_time:=true", *extra],
+                              ros_env, tmp_path / "launch.log")
 
 
 def _replay(ros_env, model, ns, out: Path):

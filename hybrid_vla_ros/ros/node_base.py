@@ -55,8 +55,8 @@ def declare_parameters(node: Node, schema_node: str) -> None:
     unset until given; validation then applies the schema default.
 
     Values given at start (``--params-file``, ``-p``; launch_ros' files included) are taken as rcl read
-    them. An empty YAML list (which rcl reads as 'not set') of an array parameter counts as the empty
-    list. A value of the wrong type (``ring_slots: four``) is not declared: every such parameter is
+    them. An empty list (YAML ``name: []`` or ``-p 'name:=[]'``, which rcl reads as 'not set') of an array
+    parameter counts as the empty list. A value of the wrong type (``ring_slots: four``) is not declared: every such parameter is
     collected and ParameterError is raised after all are declared, naming each ('ring_slots: must be of
     type int, got string 'four''), where rclpy would raise on the first with a traceback. Values for
     names the schema does not have are logged as a warning (rclpy ignores them).
@@ -71,7 +71,13 @@ def declare_parameters(node: Node, schema_node: str) -> None:
         declared_type = _PARAMETER_TYPES[params.ros_type(spec)] if not desc.dynamic_typing else None
         given = overrides.get(name)
         if given is not None and given.type_ == Parameter.Type.NOT_SET and spec["type"] == "array":
-            overrides[name] = Parameter(name, declared_type, [])  # `name: []`, which rcl reads as unset
+            # `name: []` / `-p 'name:=[]'`, which rcl reads as unset and rclpy cannot type (an empty list
+            # becomes a BYTE_ARRAY): declared by its type, and read as the empty list (parameter_values)
+            overrides.pop(name)
+            empty = getattr(node, "_given_empty_arrays", set())
+            empty.add(name)
+            node._given_empty_arrays = empty
+            default = None  # declared unset, so that the schema's default does not replace the []
         try:
             _declare(node, name, spec, default, declared_type, desc)
         except InvalidParameterTypeException:
@@ -100,8 +106,10 @@ def parameter_values(node: Node, schema_node: str) -> dict:
         try:
             v = node.get_parameter(name).value
         except ParameterUninitializedException:
-            continue
-        if v is None:  # not set
+            v = None
+        if v is None:  # not set; an array given as [] at start is the empty list
+            if name in getattr(node, "_given_empty_arrays", ()):
+                values[name] = []
             continue
         values[name] = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
     return values

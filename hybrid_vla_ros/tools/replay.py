@@ -123,6 +123,32 @@ def prefix_cores(suffix_cores: list[int]) -> list[int]:
     return sorted(set(usable_cores()) - set(suffix_cores))
 
 
+def node_error_lines(log: Path, most: int = 3) -> list[str]:
+    """The last ``most`` error lines of a node's log (rclpy's ``[ERROR]`` / ``[FATAL]`` lines and this package's
+    'invalid parameters' line), to show why a node refused a transition; [] when the log is missing."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [ln.strip() for ln in lines if "[ERROR]" in ln or "[FATAL]" in ln or "invalid parameters" in ln][-most:]
+
+
+def _age_drop_hint(report: dict, rate: float, attach: bool) -> str:
+    """Why the suffix's output guard may have dropped trajectories for their age (``guard_too_old`` /
+    ``guard_future_stamp``), from the report's ``use_sim_time`` of each node."""
+    sim = report.get("use_sim_time") or {}
+    if not sim.get("suffix"):
+        return ("the suffix node's output guard dropped trajectories for their stamps, and it does not run on "
+                "the bag's clock: the replay plays the bag's recorded stamps and publishes the bag's time on "
+                "/clock, so the nodes must run with use_sim_time:=true (the params.yaml a replay writes has it"
+                + ("; start attached nodes so, e.g. `ros2 launch ... use_sim_time:=true`)" if attach else ")"))
+    return (f"the suffix node's output guard dropped trajectories older than guard.max_age_s by the bag's clock. "
+            f"At --rate {rate:g} the replay scales guard.max_age_s by {rate:g}, so the limit is still the same wall "
+            "time from the camera stamp to publication (1 s as shipped); those frames took longer than that (is "
+            "the machine busy with other work?): replay on a quieter machine, or at a lower --rate, where frames "
+            "do not wait for the prefix")
+
+
 def config_file(name: str) -> Path:
     """A file of the package's config/ folder: the source tree's, else the installed share/ copy."""
     return package_file("config", name)
@@ -184,6 +210,12 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
                             f"{sorted(os.sched_getaffinity(0))}")
     except ValueError as e:
         problems.append(f"--suffix-cores: {e}")
+    if args.dtype not in ("fp32", "bf16", "fp16"):
+        problems.append(f"--dtype must be one of fp32, bf16, fp16, got {args.dtype!r}")
+    if args.prefix_threads < 0:
+        problems.append(f"--prefix-threads must be >= 0 (0 = one per prefix core), got {args.prefix_threads}")
+    if not args.timeout > 0:
+        problems.append(f"--timeout must be > 0 s, got {args.timeout}")
     return problems
 
 
@@ -247,6 +279,9 @@ class ReplaySession:
         self.k = cfg.num_layers // 2 if args.split_layer is None else args.split_layer
         self.suffix_cores = _parse_cores(args.suffix_cores)
         self.prefix_cores = prefix_cores(self.suffix_cores)
+        if not self.prefix_cores and not args.attach:
+            print(f"warning: --suffix-cores {self.suffix_cores} takes every core this process may use: the prefix "
+                  "runs unpinned, sharing the suffix's cores", file=sys.stderr)
         self.clock = None  # the bag's clock on /clock (tools.sim_clock.BagClock) while the replay runs
         play_topics = {f"{t}/compressed" if args.transport == "compressed" else t for t in cams} | {ODOMETRY_TOPIC}
         if cfg.ego_state_input:  # only a prefix with ego state input subscribes to the acceleration
@@ -389,6 +424,9 @@ class ReplaySession:
 
         t_start = time.monotonic()
         for m in managers:
+            if self.args.attach:
+                print(f"waiting up to {self.args.timeout:.0f} s for {m.name}'s lifecycle services "
+                      f"(ROS_DOMAIN_ID={os.environ.get('ROS_DOMAIN_ID', '0 (unset)')}) ...", flush=True)
             if not m.wait_for_services(self.args.timeout, self.procs):
                 dead = [(name, p.returncode) for name, p in zip(("prefix_node", "suffix_node"), self.procs)
                         if p.poll() is not None]
@@ -397,7 +435,10 @@ class ReplaySession:
                         tail = (self.out / f"{name}.log").read_text().strip().splitlines()[-3:]
                         print(f"hybrid-vla replay: {name} exited with {code}: " + " | ".join(tail), file=sys.stderr)
                 else:
-                    print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s", file=sys.stderr)
+                    hint = (": is it running, in this namespace (--namespace) and ROS domain (ROS_DOMAIN_ID)?"
+                            if self.args.attach else "")
+                    print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s{hint}",
+                          file=sys.stderr)
                 return False
         # lifecycle requests the nodes refused so far: more at the end than this replay's own refused ones means
         # another manager (a launch autostart this replay came before) was bringing a node up meanwhile
@@ -418,6 +459,9 @@ class ReplaySession:
             if problem:
                 print(f"hybrid-vla replay: {problem}; see {self.out if self.procs else 'the node output'}",
                       file=sys.stderr)
+                if self.procs:  # the node's own reason, from the log of the process this replay started
+                    for line in node_error_lines(self.out / f"{m.name.rsplit('/', 1)[-1]}.log"):
+                        print(f"  {line}", file=sys.stderr)
                 return False
         where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
         print(f"nodes active after {time.monotonic() - t_start:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
@@ -534,10 +578,7 @@ class ReplaySession:
                   f"the played topics ({self.cams[0]}{'/compressed' if self.args.transport == 'compressed' else ''}, ...)?",
                   file=sys.stderr)
         if report["drops"].get("suffix.guard_too_old") or report["drops"].get("suffix.guard_future_stamp"):
-            print("hint: the suffix node's output guard dropped trajectories for their stamps: the replay plays the "
-                  "bag's recorded stamps and publishes the bag's time on /clock, so the nodes it drives must run "
-                  "with use_sim_time:=true (the params.yaml a replay writes has it; with --attach start them so)",
-                  file=sys.stderr)
+            print("hint: " + _age_drop_hint(report, self.args.rate, self.args.attach), file=sys.stderr)
         if report["drops"].get("suffix.guard_no_clock"):
             print("hint: the suffix node's clock read 0 (use_sim_time without /clock): is this replay's /clock "
                   "reaching it (same ROS_DOMAIN_ID, discovery range)?", file=sys.stderr)

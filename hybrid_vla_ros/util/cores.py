@@ -79,10 +79,14 @@ def pin_process(cores: list[int]) -> list[int]:
     if not cores:
         raise ValueError("cpu_affinity is empty")
     mask = set(cores)
+    usable = sorted(os.sched_getaffinity(0))
     try:
         os.sched_setaffinity(0, mask)
     except OSError as e:
-        raise ValueError(f"cannot pin to cores {sorted(mask)}: {e}") from e
+        missing = sorted(mask - set(usable))
+        why = (f"cores {missing} do not exist or are not available to this process (it may use {usable})"
+               if missing else str(e))
+        raise ValueError(f"cannot pin to cores {sorted(mask)}: {why}") from e
     pinned = []
     for entry in Path("/proc/self/task").iterdir():
         tid = int(entry.name)
