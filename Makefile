@@ -1,4 +1,7 @@
 # Quick start: `make demo` then `make test`. Both bootstrap .venv on first use (a few minutes).
+# bash with pipefail: a failing command piped into `tail` fails the recipe
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PY := .venv/bin/python
 HV := $(PY) -m hybrid_vla_ros
 MODEL := out/models/tiny
@@ -23,13 +26,14 @@ $(DEMO_MODEL)/config.json: | venv
 	$(HV) init-model --preset smol $(DEMO_MODEL)
 
 # The demo: the split's memory / latency trade-off (measured on this machine's last core, and Orion's memory at
-# full size), then the main job: both nodes on the embedded bag with the pretrained SmolLM2-135M blocks.
+# full size on a 12 GB GPU share), then the main job at the planned K: both nodes on the embedded bag with the
+# pretrained SmolLM2-135M blocks.
 demo: venv $(DEMO_MODEL)/config.json
 	@mkdir -p out/demo/plots
 	$(HV) profile --model $(DEMO_MODEL) --cores $(lastword $(shell $(PY) -c "import os; print(*sorted(os.sched_getaffinity(0)))")) --threads 1 --quiet --out out/demo/profile.json
-	$(HV) plan --model $(DEMO_MODEL) --dtype fp32 --profile out/demo/profile.json --plot out/demo/plots/plan_smol.png | tail -n 2
-	$(HV) plan --preset orion --dtype fp16 --gpu-budget-gb 29 --plot out/demo/plots/plan_orion.png | tail -n 2
-	$(HV) replay --model-path $(DEMO_MODEL) --bag $(BAG) --loops $(LOOPS) --rate $(RATE) --output out/demo --plots out/demo/plots
+	$(HV) plan --model $(DEMO_MODEL) --dtype fp32 --profile out/demo/profile.json --plot out/demo/plots/plan_smol.png --json out/demo/plan_smol.json | tail -n 3
+	$(HV) plan --preset orion --dtype fp16 --gpu-budget-gb 12 --plot out/demo/plots/plan_orion.png | tail -n 2
+	$(HV) replay --model-path $(DEMO_MODEL) --bag $(BAG) --loops $(LOOPS) --rate $(RATE) --output out/demo --plots out/demo/plots --split-layer $$($(PY) -c "import json; print(json.load(open('out/demo/plan_smol.json'))['chosen_k'])")
 
 test: venv
 	$(PY) -m pytest -q test

@@ -698,7 +698,10 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
         ax1.axhline(plan.gpu_budget_bytes / GB, color="r", ls="--", label=f"budget {plan.gpu_budget_bytes / GB:.1f} GB")
     ax1.axvline(plan.chosen_k, color="g", ls=":", label=f"chosen K={plan.chosen_k}")
     ax1.set_ylabel("memory, GB")
-    ax1.set_title(f"{plan.model}, {plan.dtype}: memory and latency vs split layer K")
+    title = f"{plan.model}, {plan.dtype}: memory and latency vs split layer K"
+    if plan.prefix_device == "cpu":  # profiled where there is no GPU: the bars are the plan for one
+        title += "\n(prefix profiled on the CPU: the bars are what the prefix would hold on a GPU)"
+    ax1.set_title(title, fontsize=10)
     ax1.legend(fontsize=7, loc="upper left")
     if plan.rows[0].e2e_ms is not None:
         ax2.plot(ks, [r.prefix_ms for r in plan.rows], label=f"prefix ({plan.prefix_device})")
