@@ -1,4 +1,5 @@
 """`hybrid-vla` command line: init-model and the replay's up-front argument checks (no ROS graph needed)."""
+import argparse
 import json
 import os
 import subprocess
@@ -59,9 +60,31 @@ def test_replay_reports_unusable_inputs_clearly(tiny_checkpoint, tmp_path, make_
     assert "Traceback" not in out.stderr
 
 
+SUBCOMMANDS = ("init-model", "convert", "verify-split", "export-smollm2", "replay", "plan", "profile", "bench",
+               "gpu-check")
+
+
 def test_parser_help_lists_subcommands():
-    text = build_parser().format_help()
-    assert "init-model" in text and "replay" in text
+    parser = build_parser()
+    text = parser.format_help()
+    description = text.split("\n\n")[1]
+    assert "``" not in description
+    assert all(f"  {name} " in description for name in SUBCOMMANDS), description
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(subs) == set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_subcommand_help_has_a_plain_description(name):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    assert sub.description and len(sub.description.split()) >= 8 and "``" not in sub.description
+    assert " ".join(sub.description.split()[:4]) in " ".join(sub.format_help().split())
+
+
+def test_top_level_help_from_the_command_line():
+    out = _run("--help")
+    assert out.returncode == 0 and all(name in out.stdout for name in SUBCOMMANDS)
 
 
 def test_verify_split_on_this_packages_own_format_and_its_errors(tiny_checkpoint, tmp_path):

