@@ -172,6 +172,29 @@ def _err(cmd: str, e: BaseException) -> int:
     return 1
 
 
+def _usage(cmd: str, message: str) -> int:
+    """One-line error for a bad argument found before any work starts; exit status 2."""
+    print(f"hybrid-vla {cmd}: {message}", file=sys.stderr)
+    return 2
+
+
+def _output_problems(*options: tuple[str, str | None, str]) -> list[str]:
+    """Up-front checks of output paths: ``(option, path, kind)`` with kind ``file`` (its folder must exist),
+    ``file+`` (its folder may be created with parents) or ``dir`` (may be created with parents); unset paths
+    are skipped. Returns ``--option: why`` lines (empty when all are writable)."""
+    from ..util.paths import output_dir_problem, output_file_problem
+
+    out = []
+    for option, path, kind in options:
+        if not path:
+            continue
+        why = (output_dir_problem(path) if kind == "dir"
+               else output_file_problem(path, create_parents=kind == "file+"))
+        if why:
+            out.append(f"{option} {path}: {why}")
+    return out
+
+
 def _plan(args: argparse.Namespace) -> int:
     """``hybrid-vla plan``: memory (and latency, with --profile) per split layer, and the chosen K."""
     import json
@@ -180,6 +203,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.set and not args.preset:
         return _err("plan", ValueError("--set needs --preset (a checkpoint's config is fixed)"))
+    problems = _output_problems(("--json", args.json, "file"), ("--plot", args.plot, "file"))
+    if problems:
+        return _usage("plan", "; ".join(problems))
     try:
         if args.preset:
             plan = planner.plan_for_preset(args.preset, args.profile, args.gpu_budget_gb, args.dtype,
@@ -217,6 +243,9 @@ def _profile(args: argparse.Namespace) -> int:
     """``hybrid-vla profile``: time each block on the CPU (and CUDA) and write a profile JSON file."""
     from ..split.profiler import profile_model, write_profile
 
+    problems = _output_problems(("--out", args.out, "file"))
+    if problems:
+        return _usage("profile", "; ".join(problems))
     try:
         doc = profile_model(preset_name=args.preset, model_path=args.model, dtype=args.dtype, cores=args.cores,
                             threads=args.threads, device=args.device, repeats=args.repeats, warmup=args.warmup,
