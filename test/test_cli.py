@@ -120,3 +120,16 @@ def test_verify_split_progress_goes_to_stderr_and_the_table_once_to_stdout(tiny_
 def test_verify_split_layers_errors_talk_about_split_layers(value, needle):
     out = _run("verify-split", "--model", "x", f"--layers={value}")
     assert out.returncode == 2 and needle in out.stderr and "token id" not in out.stderr, out.stderr
+
+
+def test_init_model_on_an_llm_notes_the_size_and_the_random_stand_ins(tmp_path):
+    from hf_builders import write_llama
+
+    llama = write_llama(tmp_path / "llama")
+    out = _run("init-model", "--preset", "tiny", "--llm", str(llama), str(tmp_path / "c"))
+    assert out.returncode == 0, out.stderr
+    note = [line for line in out.stdout.splitlines() if line.startswith("note: ")]
+    assert len(note) == 1, out.stdout
+    size = sum(f.stat().st_size for f in (tmp_path / "c").rglob("*") if f.is_file()) / 1e9
+    assert f"{size:.3g} GB written to {tmp_path / 'c'}" in note[0]
+    assert "vision side and projector are random-init stand-ins sized for the 'tiny' preset" in note[0]

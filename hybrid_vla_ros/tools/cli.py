@@ -37,7 +37,35 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _written_gb(path) -> float:
+    """Bytes of every file under ``path``, in GB (1e9)."""
+    from pathlib import Path
+
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 1e9
+
+
+def _stand_in_note(args: argparse.Namespace) -> str:
+    """``init-model --llm``'s note: the size written and which own parts are random-init stand-ins (the vision
+    side and projector, unless ``--head`` brought trained ``vision.*`` / ``projector.*`` tensors)."""
+    trained = set()
+    if args.head:
+        from safetensors import safe_open
+
+        with safe_open(args.head, "pt") as f:
+            trained = {k.split(".", 1)[0] for k in f.keys()}
+    random_parts = [name for name, prefix in (("vision side", "vision"), ("projector", "projector"))
+                    if prefix not in trained]
+    text = f"note: {_written_gb(args.path):.3g} GB written to {args.path}"
+    if random_parts:
+        text += (f"; the {' and '.join(random_parts)} {'is a' if len(random_parts) == 1 else 'are'} random-init "
+                 f"stand-in{'' if len(random_parts) == 1 else 's'} sized for the '{args.preset}' preset, not "
+                 f"trained weights")
+    return text
+
+
 def _init_model(args: argparse.Namespace) -> int:
+    """``hybrid-vla init-model``: write a preset's checkpoint (random init), or compose one around a
+    transformers directory; prints what was written."""
     from ..model.checkpoint import init_model, model_id
 
     try:
@@ -57,6 +85,7 @@ def _init_model(args: argparse.Namespace) -> int:
               + (f" (trained tensors from {args.head})" if args.head else " (RANDOM-INIT)")
               + f", the {'LLM' if args.llm else 'vision tower, projector and LLM'} read from {ref} (not copied)"
               + (". Its trajectories exercise the pipeline; they are not driving advice." if cfg.random_init else "."))
+        print(_stand_in_note(args) if args.llm else f"note: {_written_gb(args.path):.3g} GB written to {args.path}")
         return 0
     print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} ({ident}): {shape}"
           + (", pretrained SmolLM2-135M LLM blocks" if args.preset == "smol" else "")
