@@ -133,3 +133,12 @@ def test_init_model_on_an_llm_notes_the_size_and_the_random_stand_ins(tmp_path):
     size = sum(f.stat().st_size for f in (tmp_path / "c").rglob("*") if f.is_file()) / 1e9
     assert f"{size:.3g} GB written to {tmp_path / 'c'}" in note[0]
     assert "vision side and projector are random-init stand-ins sized for the 'tiny' preset" in note[0]
+
+
+@pytest.mark.parametrize("extra,needle", [([], "dtype fp16 (plan's default, the GPU dtype;"),
+                                          (["--dtype", "fp32"], "dtype fp32 (plan defaults to fp16, the GPU dtype)")])
+def test_plan_first_line_states_the_dtype_and_its_default(capsys, extra, needle):
+    from hybrid_vla_ros.tools.cli import main
+
+    assert main(["plan", "--preset", "tiny", *extra]) == 0
+    assert needle in capsys.readouterr().out.splitlines()[0]

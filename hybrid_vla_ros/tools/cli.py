@@ -224,6 +224,17 @@ def _output_problems(*options: tuple[str, str | None, str]) -> list[str]:
     return out
 
 
+#: ``plan --dtype``'s default: the prefix's GPU dtype (profile, replay and init-model default to fp32).
+PLAN_DEFAULT_DTYPE = "fp16"
+
+
+def _plan_dtype_note(dtype: str) -> str:
+    """What ``plan``'s first line says after the dtype in use: that plan defaults to fp16, the GPU dtype."""
+    if str(dtype).lower() in ("fp16", "float16", "half"):
+        return " (plan's default, the GPU dtype; profile, replay and init-model default to fp32)"
+    return f" (plan defaults to {PLAN_DEFAULT_DTYPE}, the GPU dtype)"
+
+
 def _plan(args: argparse.Namespace) -> int:
     """``hybrid-vla plan``: memory (and latency, with --profile) per split layer, and the chosen K."""
     import json
@@ -245,7 +256,7 @@ def _plan(args: argparse.Namespace) -> int:
                                                cameras=args.cameras, trust_model_code=args.trust_model_code or None)
     except (FileNotFoundError, ValueError) as e:
         return _err("plan", e)
-    print(planner.format_table(plan))
+    print(planner.format_table(plan, _plan_dtype_note(args.dtype)))
     try:
         if args.json:
             with open(args.json, "w") as f:
@@ -400,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "off per frame, predicted ms (with --profile), then the chosen K and why. "
                                     "Sizes in GB are 1e9 bytes.")
     _add_model_source(pl)
-    pl.add_argument("--dtype", default="fp16", help="dtype of the stages: fp16 (default), bf16, fp32")
+    pl.add_argument("--dtype", default=PLAN_DEFAULT_DTYPE, help="dtype of the stages: fp16 (default), bf16, fp32")
     pl.add_argument("--set", type=_option, action="append", default=[], metavar="KEY=VALUE",
                     help="with --preset: override a config field, as init-model --set (e.g. llm_passes=1)")
     pl.add_argument("--gpu-budget-gb", type=float, default=None, metavar="GB",
