@@ -365,3 +365,17 @@ def test_cli_refuses_without_cuda_in_one_line(tmp_path, extra):
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
     assert ("use --device cpu --small here" in out.stderr) == (not extra)
     assert not (tmp_path / "o").exists()
+
+
+def test_the_script_without_torch_says_so_in_one_line(tmp_path):
+    """scripts/gpu_check.py on a Python where torch cannot be imported (sys.modules['torch'] = None)."""
+    repo = Path(__file__).resolve().parent.parent
+    code = ("import runpy, sys; sys.modules['torch'] = None; "
+            f"sys.argv = ['gpu_check.py', '--device', 'cpu', '--small', '--out', {str(tmp_path / 'o')!r}]; "
+            f"runpy.run_path({str(repo / 'scripts' / 'gpu_check.py')!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 2, out.stderr
+    assert "gpu_check needs torch (and transformers, safetensors, numpy): torch" in out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+    assert not (tmp_path / "o").exists()
