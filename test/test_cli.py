@@ -1,4 +1,5 @@
 """`hybrid-vla` command line: init-model and the replay's up-front argument checks (no ROS graph needed)."""
+import argparse
 import json
 import os
 import subprocess
@@ -62,9 +63,31 @@ def test_replay_reports_unusable_inputs_clearly(tiny_checkpoint, tmp_path, make_
     assert "Traceback" not in out.stderr
 
 
+SUBCOMMANDS = ("init-model", "convert", "verify-split", "export-smollm2", "replay", "plan", "profile", "bench",
+               "gpu-check")
+
+
 def test_parser_help_lists_subcommands():
-    text = build_parser().format_help()
-    assert "init-model" in text and "replay" in text
+    parser = build_parser()
+    text = parser.format_help()
+    description = text.split("\n\n")[1]
+    assert "``" not in description
+    assert all(f"  {name} " in description for name in SUBCOMMANDS), description
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(subs) == set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_subcommand_help_has_a_plain_description(name):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    assert sub.description and len(sub.description.split()) >= 8 and "``" not in sub.description
+    assert " ".join(sub.description.split()[:4]) in " ".join(sub.format_help().split())
+
+
+def test_top_level_help_from_the_command_line():
+    out = _run("--help")
+    assert out.returncode == 0 and all(name in out.stdout for name in SUBCOMMANDS)
 
 
 def test_verify_split_on_this_packages_own_format_and_its_errors(tiny_checkpoint, tmp_path):
@@ -83,3 +106,42 @@ def test_verify_split_on_this_packages_own_format_and_its_errors(tiny_checkpoint
                          (["--model", str(REPO / "README.md")], "is a file; a checkpoint is a directory")):
         bad = _run("verify-split", *argv)
         assert bad.returncode == 1 and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_verify_split_progress_goes_to_stderr_and_the_table_once_to_stdout(tiny_checkpoint):
+    out = _run("verify-split", "--model", str(tiny_checkpoint), "--layers", "0,4", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "reference forward" in out.stderr and "reference forward" not in out.stdout
+    progress = [line for line in out.stderr.splitlines() if line.lstrip()[:1].isdigit()]
+    assert len(progress) == 2, out.stderr
+    assert all(out.stdout.splitlines().count(line) == 1 for line in progress), out.stdout
+    assert "OK: 2 of 2 split layers within 1e-05" in out.stdout
+
+
+@pytest.mark.parametrize("value,needle", [("-1", "give at least one split layer K, each >= 0"),
+                                          ("a,b", "not a comma-separated list of split layers")])
+def test_verify_split_layers_errors_talk_about_split_layers(value, needle):
+    out = _run("verify-split", "--model", "x", f"--layers={value}")
+    assert out.returncode == 2 and needle in out.stderr and "token id" not in out.stderr, out.stderr
+
+
+def test_init_model_on_an_llm_notes_the_size_and_the_random_stand_ins(tmp_path):
+    from hf_builders import write_llama
+
+    llama = write_llama(tmp_path / "llama")
+    out = _run("init-model", "--preset", "tiny", "--llm", str(llama), str(tmp_path / "c"))
+    assert out.returncode == 0, out.stderr
+    note = [line for line in out.stdout.splitlines() if line.startswith("note: ")]
+    assert len(note) == 1, out.stdout
+    size = sum(f.stat().st_size for f in (tmp_path / "c").rglob("*") if f.is_file()) / 1e9
+    assert f"{size:.3g} GB written to {tmp_path / 'c'}" in note[0]
+    assert "vision side and projector are random-init stand-ins sized for the 'tiny' preset" in note[0]
+
+
+@pytest.mark.parametrize("extra,needle", [([], "dtype fp16 (plan's default, the GPU dtype;"),
+                                          (["--dtype", "fp32"], "dtype fp32 (plan defaults to fp16, the GPU dtype)")])
+def test_plan_first_line_states_the_dtype_and_its_default(capsys, extra, needle):
+    from hybrid_vla_ros.tools.cli import main
+
+    assert main(["plan", "--preset", "tiny", *extra]) == 0
+    assert needle in capsys.readouterr().out.splitlines()[0]

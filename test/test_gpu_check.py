@@ -319,3 +319,63 @@ def test_cli_subcommand(tmp_path, capsys):
     assert e.value.code == 0 and "--budget-s" in capsys.readouterr().out
     assert main(["gpu-check", "--device", "cpu", "--small", "--budget-s", "0", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "gpu_check.json").is_file() and (tmp_path / "gpu_check.md").is_file()
+
+
+# ------------------------------------------------------------------------------------------ preflight
+
+def test_missing_requirements_are_named_without_importing():
+    assert gpu_check.missing_requirements(find=lambda name: object()) == []
+    assert gpu_check.missing_requirements(find=lambda name: None if name in ("numpy", "torch") else object()) == [
+        "torch", "numpy"]
+
+
+def test_a_missing_requirement_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "missing_requirements", lambda find=None: ["torch"])
+    assert gpu_check.main(["--device", "cpu", "--small", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "gpu_check needs torch (and transformers, safetensors, numpy): torch" in err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("device,small,cuda,needle", [
+    ("cuda", False, False, "device 'cuda' requested but CUDA is not available"),
+    ("cuda:3", True, False, "device 'cuda:3' requested but CUDA is not available"),
+    ("cuda:3", False, True, "this machine has 1 CUDA device(s)"),
+    ("auto", False, False, "no CUDA device: the full-size check is meant for a GPU machine"),
+])
+def test_preflight_refuses(device, small, cuda, needle):
+    args = gpu_check.build_parser().parse_args(["--device", device] + (["--small"] if small else []))
+    assert needle in gpu_check.preflight(args, cuda_available=cuda, device_count=1 if cuda else 0)
+
+
+@pytest.mark.parametrize("device,small,cuda", [("auto", True, False), ("cpu", False, False),
+                                               ("auto", False, True), ("cuda", False, True)])
+def test_preflight_accepts(device, small, cuda):
+    args = gpu_check.build_parser().parse_args(["--device", device] + (["--small"] if small else []))
+    assert gpu_check.preflight(args, cuda_available=cuda, device_count=1 if cuda else 0) == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals are for a machine without CUDA")
+@pytest.mark.parametrize("extra", [["--device", "cuda"], ["--device", "cuda:3"], []])
+def test_cli_refuses_without_cuda_in_one_line(tmp_path, extra):
+    out = subprocess.run([sys.executable, "-m", "hybrid_vla_ros", "gpu-check", "--out", str(tmp_path / "o"), *extra],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+    assert ("use --device cpu --small here" in out.stderr) == (not extra)
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_script_without_torch_says_so_in_one_line(tmp_path):
+    """scripts/gpu_check.py on a Python where torch cannot be imported (sys.modules['torch'] = None)."""
+    repo = Path(__file__).resolve().parent.parent
+    code = ("import runpy, sys; sys.modules['torch'] = None; "
+            f"sys.argv = ['gpu_check.py', '--device', 'cpu', '--small', '--out', {str(tmp_path / 'o')!r}]; "
+            f"runpy.run_path({str(repo / 'scripts' / 'gpu_check.py')!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 2, out.stderr
+    assert "gpu_check needs torch (and transformers, safetensors, numpy): torch" in out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+    assert not (tmp_path / "o").exists()

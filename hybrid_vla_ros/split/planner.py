@@ -641,10 +641,11 @@ def _fmt_ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def format_table(plan: Plan) -> str:
+def format_table(plan: Plan, dtype_note: str = "") -> str:
     """The plan as a text table, one row per K, then the chosen K and the reason.
 
-    Memory in GB (1e9 bytes) when the largest weight total is >= 1 GB, else in MB (1e6 bytes).
+    Memory in GB (1e9 bytes) when the largest weight total is >= 1 GB, else in MB (1e6 bytes). ``dtype_note``
+    is appended to the dtype in the first line (``hybrid-vla plan``: where its default comes from).
     """
     big = max(max(r.gpu_weight_bytes, r.cpu_total_bytes) for r in plan.rows) >= GB
     unit, div = ("GB", GB) if big else ("MB", 1e6)
@@ -660,7 +661,7 @@ def format_table(plan: Plan) -> str:
                       "n/a" if r.throughput_fps is None else f"{r.throughput_fps:.2f}",
                       "yes" if r.fits else "no"])
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
-    out = [f"split plan for {plan.model}: {plan.num_layers} decoder blocks, dtype {plan.dtype}, hidden states "
+    out = [f"split plan for {plan.model}: {plan.num_layers} decoder blocks, dtype {plan.dtype}{dtype_note}, hidden states "
            f"{tuple(plan.prefix_state_shape)}; GPU budget "
            + ("none" if plan.gpu_budget_bytes is None else f"{plan.gpu_budget_bytes / GB:.2f} GB")
            + f"; CUDA overhead allowance {plan.cuda_overhead_bytes / GB:.2f} GB (assumed)"]

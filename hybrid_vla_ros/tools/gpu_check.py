@@ -1418,10 +1418,65 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
+#: Modules the check imports when it runs (``import name`` -> what to install).
+REQUIREMENTS = ("torch", "transformers", "safetensors", "numpy")
+#: Refusal of a full-size run on a machine where ``--device auto`` finds no CUDA device.
+NO_CUDA_FULL = ("no CUDA device: the full-size check is meant for a GPU machine (it writes about 20 GB of "
+                "checkpoints and runs for a long time); use --device cpu --small here (or --device cpu for the "
+                "full sizes on the CPU anyway)")
+
+
+def missing_requirements(find=None) -> list[str]:
+    """Names in :data:`REQUIREMENTS` this Python cannot import (``importlib.util.find_spec`` is None, or ``find``
+    standing in for it); an empty list when all are there. Nothing is imported."""
+    import importlib.util
+
+    find = find or importlib.util.find_spec
+    missing = []
+    for name in REQUIREMENTS:
+        try:
+            if find(name) is None:
+                missing.append(name)
+        except (ImportError, ValueError):
+            missing.append(name)
+    return missing
+
+
+def preflight(args: argparse.Namespace, cuda_available: bool | None = None, device_count: int | None = None) -> str:
+    """Checks before anything is written: the requirements import, ``--device`` names a device this machine has,
+    and ``auto`` resolving to the CPU is refused without ``--small`` (:data:`NO_CUDA_FULL`; ``--device cpu``
+    given explicitly runs the full sizes). ``cuda_available`` / ``device_count`` default to torch's answers.
+    Returns the error message, or ``""`` when the run may start."""
+    missing = missing_requirements()
+    if missing:
+        return (f"gpu_check needs torch (and transformers, safetensors, numpy): {', '.join(missing)} "
+                f"cannot be imported by {sys.executable}; run it with the Python that has them (e.g. the "
+                f"repository's .venv/bin/python)")
+    from ..runtime.device import parse_device
+
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+        device_count = torch.cuda.device_count() if cuda_available else 0
+    try:
+        name = parse_device(args.device, cuda_available, device_count or 0)
+    except ValueError as e:
+        return f"--device: {e}"
+    if name == "cpu" and str(args.device).strip().lower() == "auto" and not args.small:
+        return NO_CUDA_FULL
+    return ""
+
+
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
-    """Run the check; returns 0 when every section ran (ok or check), 1 when one failed."""
+    """Run the check; returns 0 when every section ran (ok or check), 1 when one failed, 2 when it cannot start
+    (:func:`preflight`: a missing requirement, a device this machine lacks, a full-size run without CUDA)."""
     if args is None:
         args = build_parser().parse_args(argv)
+    problem = preflight(args)
+    if problem:
+        print(f"gpu-check: {problem}", file=sys.stderr)
+        return 2
     check = Check(args)
     report = check.run()
     jpath, mpath = write_report(report, check.out)

@@ -62,3 +62,45 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / PACKAGE
+
+
+def output_file_problem(path: str | os.PathLike, create_parents: bool = False) -> str:
+    """Why a file cannot be written at ``path``, checked before any work is done; ``""`` when it can.
+
+    The file must not be a folder (nor an existing read-only file), and its folder must exist and be writable;
+    with ``create_parents`` a missing folder is fine when :func:`output_dir_problem` accepts it (the writer
+    creates it with its parents). Nothing is created here.
+    """
+    p = Path(path)
+    if p.is_dir():
+        return f"{p} is a folder, not a file"
+    if p.exists() and not os.access(p, os.W_OK):
+        return f"{p} is not writable"
+    folder = p.parent if str(p.parent) else Path(".")
+    if create_parents:
+        return output_dir_problem(folder)
+    if not folder.exists():
+        return f"the folder {folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    return ""
+
+
+def output_dir_problem(path: str | os.PathLike) -> str:
+    """Why a folder cannot be used (or created, with its parents) at ``path`` for output; ``""`` when it can: an
+    existing ``path`` must be a writable folder, else its nearest existing ancestor must be. Nothing is created."""
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            return f"{p} is not a folder"
+        return "" if os.access(p, os.W_OK | os.X_OK) else f"the folder {p} is not writable"
+    ancestor = p.absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"cannot create the folder {p}: {ancestor} is not a folder"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot create the folder {p}: {ancestor} is not writable"
+    return ""

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from ...util.cores import cpu_model, parse_core_list
+from ...util.paths import output_dir_problem, output_file_problem
 from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, cpu_flags
 
 PARTS = ("handoff", "pipeline", "flops", "preprocess")
@@ -197,9 +198,12 @@ def _setting_problems(args: argparse.Namespace, s: dict, parts: list[str]) -> li
             problems.append(f"--suffix-bound {s['suffix_bound']!r}: use PRESET:K:MS, e.g. tiny:2:400, or none")
     if any(not (g >= 0) for g in args.gaps_ms + list(args.block_gaps_ms)):
         problems.append("--gaps-ms / --block-gaps-ms must be >= 0")
-    out = Path(args.json)
-    if out.is_dir() or (out.parent.exists() and not os.access(out.parent, os.W_OK)):
-        problems.append(f"--json {out}: not a writable file path")
+    for option, path, why in (("--json", args.json, output_file_problem(args.json, create_parents=True)),
+                              ("--markdown", args.markdown,
+                               args.markdown and output_file_problem(args.markdown, create_parents=True)),
+                              ("--plots", args.plots, args.plots and output_dir_problem(args.plots))):
+        if why:
+            problems.append(f"{option} {path}: {why}")
     return problems
 
 
