@@ -7,6 +7,7 @@ Subcommands import torch / rclpy only when they run, so ``--help`` is instant.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 #: ``hybrid-vla --help``'s description: plain text, one line per subcommand.
@@ -480,8 +481,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns its exit code. Output piped into a reader that stops early (``| head``)
+    ends the command quietly, as a shell tool does, instead of with a BrokenPipeError traceback."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader gone by the final flush counts the same
+        return code
+    except BrokenPipeError:
+        # stdout's reader is gone: point stdout at /dev/null so the interpreter's final flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command ended by a closed pipe
 
 
 if __name__ == "__main__":
