@@ -258,3 +258,36 @@ def test_live_resplit_with_openvino_gives_the_eager_outputs_at_each_k(tiny_check
     finally:
         suffix.close()
         prefix.close()
+
+
+def test_openvino_gives_the_decision_read_out_of_a_two_pass_checkpoint(tmp_path, camera_frames):
+    """A two-pass checkpoint with MindDrive's decision read-out (the LM-head rows of the meta-action tokens at
+    position -2 of the decision pass): the compiled model gives the last two tokens, so the decision logits,
+    the speed mode and the waypoints equal eager's (fp32)."""
+    _require_openvino()
+    from hybrid_vla_ros.model.checkpoint import init_model
+    from hybrid_vla_ros.runtime.suffix_backend import read_out_tokens
+
+    path = tmp_path / "two_pass"
+    init_model("tiny", path, overrides={"llm_passes": 2, "decision_token_ids": [3, 5, 7, 11, 13, 17, 19]})
+    cfg = VLAConfig.load(path)
+    assert read_out_tokens(cfg) == 2
+    k = cfg.num_layers // 2
+    prefix = load_stage(path, "prefix", k)
+    stage = load_stage(path, "suffix", k)
+    backend = SuffixBackend("openvino", stage, model_id=model_id(path), cache_dir=tmp_path / "cache",
+                            background=False)
+    backend.prepare(stage, k)
+    assert backend.in_use == "openvino" and backend.compiled_k == k, backend.status()
+    with torch.inference_mode():
+        for images in camera_frames:
+            pixels = preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std)
+            hidden = prefix(pixels, torch.tensor([5.0, 0.3, 0.02])) if cfg.ego_state_input else prefix(pixels)
+            assert hidden.dim() == 3 and hidden.shape[0] == 2  # (passes, T, H)
+            eager = stage.plan_all(hidden, 3, k)
+            ours = backend.plan_all(stage, hidden, 3, k)
+            assert eager.speed_mode is not None and ours.speed_mode == eager.speed_mode
+            assert float((ours.decision_logits - eager.decision_logits).abs().max()) < 1e-4
+            assert float((ours.modes - eager.modes).abs().max()) <= FP32_WAYPOINT_BOUND_M
+    assert backend.frames_compiled == len(camera_frames) and backend.frames_eager == 0
+    backend.close()

@@ -6,8 +6,9 @@ the stage's blocks [K, L) at the frame shape (B, T, H) once with ``openvino.conv
 the module is traced and its aten graph mapped to OpenVINO ops; SDPA stays one ``ScaledDotProductAttention``
 op), saves it (IR: ``model.xml`` + ``model.bin``) in a cache folder and compiles it for the CPU plugin, whose
 GEMM and attention kernels (oneDNN, its own fused SDPA) and graph fusions (RMSNorm, rotary, SiLU x up) are what
-make it faster than eager torch (figures: docs/performance.md). The final norm and the planning head run the
-last token only and stay in torch (:func:`hybrid_vla_ros.model.modeling.plan`), so the command, the modes and
+make it faster than eager torch (figures: docs/performance.md). The compiled model gives the last token's
+hidden state (and, for MindDrive's decision read-out at -2, the one before: :func:`read_out_tokens`); the final
+norm and the heads stay in torch (:func:`hybrid_vla_ros.model.modeling.plan`), so the command, the modes and
 the decision logits are exactly the eager code's.
 
 K and live re-splits: a compiled model covers one K (the blocks [K, L) it was built from) and one input shape.
@@ -53,7 +54,7 @@ from ..util.paths import cache_dir
 #: Values of the suffix node's ``suffix_backend`` parameter.
 BACKENDS = ("eager", "openvino")
 #: Version of the artifact layout and of the traced module (bump when either changes: old artifacts are rebuilt).
-ARTIFACT_FORMAT = 2
+ARTIFACT_FORMAT = 3  # 3: the model gives the last tokens_out tokens
 
 
 def default_cache_dir() -> Path:
@@ -81,8 +82,9 @@ class ArtifactKey:
 
     ``model_id``: :func:`hybrid_vla_ros.model.checkpoint.model_id` of the checkpoint (signed int64).
     ``weights``: :func:`weights_digest` of blocks [split_layer, num_layers) as loaded. ``dtype``: "fp32" | "bf16"
-    | "fp16" (the stage's). ``shape``: the hidden states' (B, T, H). The version fields pin the code that built
-    it (backend, torch, transformers, :data:`ARTIFACT_FORMAT`)."""
+    | "fp16" (the stage's). ``shape``: the hidden states' (B, T, H). ``tokens_out``: how many last tokens the
+    model gives (:func:`read_out_tokens`). The version fields pin the code that built it (backend, torch,
+    transformers, :data:`ARTIFACT_FORMAT`)."""
 
     backend: str
     backend_version: str
@@ -94,6 +96,7 @@ class ArtifactKey:
     shape: tuple
     torch_version: str
     transformers_version: str
+    tokens_out: int = 1
     artifact_format: int = ARTIFACT_FORMAT
 
     def digest(self) -> str:
@@ -168,26 +171,41 @@ def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList
     return blocks.eval().requires_grad_(False)
 
 
+def read_out_tokens(cfg) -> int:
+    """How many last tokens of blocks [K, L)'s output the heads read (:func:`~hybrid_vla_ros.model.modeling.plan`):
+    1 (the planning token, last), or, with MindDrive's decision read-out (``decision_token_ids``), enough to
+    reach ``decision_position`` too (2 for its -2). Raises ValueError for a ``decision_position`` that does not
+    count from the end (the compiled model gives the last tokens only)."""
+    if not getattr(cfg, "decision_token_ids", None):
+        return 1
+    pos = int(cfg.decision_position)
+    if pos >= 0:
+        raise ValueError(f"decision_position {pos} counts from the start; the compiled suffix gives the last "
+                         "tokens only (use a negative position)")
+    return max(1, -pos)
+
+
 class _BlocksToLastToken(nn.Module):
     """The traced module: hidden states (B, T, H) float32 -> blocks [K, L) (:func:`traced_blocks`, weights in
-    ``dtype``) -> the last token's hidden state (B, 1, H) float32 (before the final norm). Rotary tables come
-    from positions 0..T-1."""
+    ``dtype``) -> the last ``tokens_out`` tokens' hidden states (B, tokens_out, H) float32 (before the final
+    norm; :func:`read_out_tokens`). Rotary tables come from positions 0..T-1."""
 
-    def __init__(self, layers: nn.ModuleList, rotary_emb: nn.Module, dtype: torch.dtype):
+    def __init__(self, layers: nn.ModuleList, rotary_emb: nn.Module, dtype: torch.dtype, tokens_out: int = 1):
         super().__init__()
         self.layers = layers
         self.rotary_emb = rotary_emb
         self.dtype = dtype
+        self.tokens_out = int(tokens_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_blocks(self, self.layers, x.to(self.dtype))[:, -1:, :].float()
+        return run_blocks(self, self.layers, x.to(self.dtype))[:, -self.tokens_out:, :].float()
 
 
 class CompiledSuffix:
     """One compiled model of blocks [k, L) at one input shape (built or loaded by :func:`build_openvino`).
 
-    ``run(hidden)``: hidden states of ``shape`` ((T, H) or (B, T, H)), any float dtype -> the last token's
-    hidden state after block L-1, shape (..., 1, H), in ``dtype`` (for :func:`~hybrid_vla_ros.model.modeling.plan`).
+    ``run(hidden)``: hidden states of ``shape`` ((T, H) or (B, T, H)), any float dtype -> the last
+    ``key.tokens_out`` tokens' hidden states after block L-1, shape (..., tokens_out, H), in ``dtype`` (for :func:`~hybrid_vla_ros.model.modeling.plan`).
     One inference at a time (the runner's thread)."""
 
     def __init__(self, key: ArtifactKey, compiled, *, dtype: torch.dtype, input_shape: tuple, folder: Path,
@@ -247,7 +265,7 @@ def artifact_key(stage, k: int, shape: tuple, *, model_id: int, backend: str = "
     return ArtifactKey(backend=backend, backend_version=ov.get_version(), model_id=int(model_id),
                        weights=weights_digest(layers), split_layer=int(k), num_layers=int(stage.cfg.num_layers),
                        dtype=_dtype_name(dtype), shape=tuple(int(s) for s in shape), torch_version=torch.__version__,
-                       transformers_version=transformers.__version__)
+                       transformers_version=transformers.__version__, tokens_out=read_out_tokens(stage.cfg))
 
 
 def _read_key(folder: Path) -> dict | None:
@@ -289,7 +307,7 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
         # go in as f32 (their values exactly), so no FC decompresses them on every call.
         weight_dtype = torch.float32 if openvino_precision(core, dtype) == "f32" else dtype
         module = _BlocksToLastToken(traced_blocks(stage.cfg, layers, weight_dtype), stage.rotary_emb,
-                                    weight_dtype).eval()
+                                    weight_dtype, key.tokens_out).eval()
         example = torch.zeros(shape3, dtype=torch.float32)
         with torch.no_grad():
             model = ov.convert_model(module, example_input=example, input=[(list(shape3), ov.Type.f32)])
