@@ -182,9 +182,10 @@ def _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_
         t = time_call(lambda: plan(stage, c.run(h), DEFAULT_COMMAND).waypoints, repeats=repeats,
                       min_sample_s=min_sample_s, clock=clock)
         eager_last = run_blocks(stage, stage.layers, h)[..., -1:, :]
-        ours_last = c.run(h)
+        ours = c.run(h)  # the last token (and the one before for a decision read-out: read_out_tokens)
+        ours_last = ours[..., -1:, :]
         wp_eager = stage(h, DEFAULT_COMMAND, k)
-        wp_ours = plan(stage, ours_last, DEFAULT_COMMAND).waypoints
+        wp_ours = plan(stage, ours, DEFAULT_COMMAND).waypoints
         acc = {"rel_l2_last_hidden_vs_eager": _rel_l2(ours_last, eager_last),
                "waypoints_max_abs_vs_eager_m": float((wp_ours - wp_eager).abs().max())}
         if stage.layers[0].self_attn.q_proj.weight.dtype != torch.float32:  # how far each is from fp32
