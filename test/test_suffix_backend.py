@@ -16,7 +16,6 @@ from hybrid_vla_ros.model.config import VLAConfig
 from hybrid_vla_ros.model.modeling import run_blocks
 from hybrid_vla_ros.runtime import suffix_backend
 from hybrid_vla_ros.runtime.suffix_backend import SuffixBackend, artifact_key, build_openvino, weights_digest
-from hybrid_vla_ros.util.bags import read_bag
 from hybrid_vla_ros.vehicle.image import decode_compressed, preprocess
 
 
@@ -202,7 +201,7 @@ def test_unknown_backend_is_refused(tiny_checkpoint):
 
 # ------------------------------------------------------------------------------------------ live re-split
 
-def test_live_resplit_with_openvino_gives_the_eager_outputs_at_each_k(tiny_checkpoint, embedded_bag, tmp_path):
+def test_live_resplit_with_openvino_gives_the_eager_outputs_at_each_k(tiny_checkpoint, frames, tmp_path):
     """Frames flow through a real ring while the prefix moves K 2 -> 1 -> 3. At each new K the first frames run
     eagerly while the backend builds for that K in the background; once it is ready the frames at that K run
     compiled. Every frame equals the monolithic eager model's output."""
@@ -212,15 +211,6 @@ def test_live_resplit_with_openvino_gives_the_eager_outputs_at_each_k(tiny_check
 
     full = load_stage(tiny_checkpoint, "full")
     cfg = full.cfg
-    from rosbags.typesys import Stores, get_typestore
-
-    store = get_typestore(Stores.ROS2_KILTED)
-    by_stamp: dict[int, dict] = {}
-    for m in read_bag(embedded_bag):
-        if m.topic.endswith("/image_raw/compressed"):
-            msg = store.deserialize_cdr(m.raw, m.msgtype)
-            by_stamp.setdefault(msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec, {})[m.topic] = msg
-    frames = [(s, [("compressed", c[t]) for t in sorted(c)]) for s, c in sorted(by_stamp.items()) if len(c) == 6]
     refs = {}
     with torch.inference_mode():
         for stamp, items in frames:
