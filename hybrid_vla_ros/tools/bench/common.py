@@ -276,6 +276,22 @@ class Worker:
         return False
 
 
+def attach_consumer(segment: str, timeout_s: float, **options):
+    """A :class:`~hybrid_vla_ros.transport.consumer.RingConsumer` on ``segment`` (``options`` passed on), retried
+    every 10 ms until the producer process has created the segment. Raises FileNotFoundError when it has not
+    within ``timeout_s`` seconds."""
+    from ...transport.ring import RingConsumer
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return RingConsumer(segment, **options)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def ros_env(domain_id: int | None = None, extra: dict | None = None) -> dict:
     """Environment of an rclpy worker: this one without any Fast DDS selection (:data:`FASTDDS_ENV_PREFIXES`),
     with a ROS_DOMAIN_ID of its own (random in 1..100 unless given; Fast DDS maps domains 0..232 to ports, the

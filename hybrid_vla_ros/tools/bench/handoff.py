@@ -40,7 +40,7 @@ import socket
 import time
 import uuid
 
-from .common import SHM_PROFILE, Worker, percentiles, ros_env
+from .common import SHM_PROFILE, Worker, attach_consumer, percentiles, ros_env
 
 HIDDEN = 4096
 BYTES_PER_ELEMENT = 2  # bf16
@@ -145,19 +145,9 @@ def ring_consumer_task(chan, *, segment: str, schedule: list[dict], ack_fd: int,
     t_view_ns] and the CPU ms of the measured messages."""
     import torch
 
-    from ...transport.ring import RingConsumer
-
     torch.set_num_threads(threads)
     ack = socket.socket(fileno=ack_fd)
-    deadline = time.monotonic() + ATTACH_TIMEOUT_S
-    while True:
-        try:
-            cons = RingConsumer(segment)
-            break
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+    cons = attach_consumer(segment, ATTACH_TIMEOUT_S)
     out = []
     with cons:
         chan.send({"type": "ready"})

@@ -30,7 +30,7 @@ import socket
 import time
 import uuid
 
-from .common import Worker, percentiles
+from .common import Worker, attach_consumer, percentiles
 
 HIDDEN = 4096
 ATTACH_TIMEOUT_S = 120.0
@@ -133,20 +133,12 @@ def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
     """Worker: the ring consumer (spin per entry's ``spin``); records [seq, t_publish_ns, t_view_ns, found]."""
     import torch
 
-    from ...transport.ring import RingConsumer, SpinPolicy
+    from ...transport.ring import SpinPolicy
 
     torch.set_num_threads(threads)
     _realtime(rt_priority)
     ack = socket.socket(fileno=ack_fd)
-    deadline = time.monotonic() + ATTACH_TIMEOUT_S
-    while True:
-        try:
-            cons = RingConsumer(segment, delivery="fifo")
-            break
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+    cons = attach_consumer(segment, ATTACH_TIMEOUT_S, delivery="fifo")
     out = []
     with cons:
         chan.send({"type": "ready"})
