@@ -196,14 +196,17 @@ def test_lifecycle_order_split_following_and_reconfigure(nodes, embedded_bag):
     assert backend["suffix_backend_error"] == "" and int(backend["suffix_backend_frames_eager"]) >= 1, backend
     assert "re-split: now holding blocks [1, 4) for frame seq 1 at K=1: loaded 1 block(s)" in \
         (logs / "suffix.log").read_text()
-    # diagnostics carry memory and ring fill for both nodes
-    assert graph.wait(lambda: f"{ns}/prefix_node: pipeline" in graph.diag)
+    # diagnostics carry memory and ring fill for both nodes (a report from before the node's configure, sent
+    # while it had no ring yet, may still be the latest one held: wait for one sent while active)
+    for name in ("prefix_node", "suffix_node"):
+        assert graph.wait(lambda: graph.diag.get(f"{ns}/{name}: pipeline", {}).get("state") == "active"), \
+            graph.diag.get(f"{ns}/{name}: pipeline")
     with graph.lock:
         for name in ("prefix_node", "suffix_node"):
             values = graph.diag[f"{ns}/{name}: pipeline"]
             assert float(values["rss_mib"]) > 50
             ready, slots = values["ring_ready_slots"].split("/")
-            assert int(slots) == 4 and 0 <= int(ready) <= 4
+            assert int(slots) == 4 and 0 <= int(ready) <= 4, (name, values)
         graph.trajectories.clear()
 
     # re-configure the suffix with the prefix's split layer: deactivate, cleanup, set, configure, activate
