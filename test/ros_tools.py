@@ -135,13 +135,19 @@ def ros2(env: dict, *args: str, timeout: float = 120.0) -> subprocess.CompletedP
 def lifecycle_state(env: dict, node: str, timeout: float = 60.0) -> str:
     """The state label ``ros2 lifecycle get <node>`` prints ('active', 'unconfigured', ...). A call that does not
     find the node yet (the ros2 daemon it starts discovers the graph first) is repeated for up to ``timeout`` s;
-    '' when it never does."""
+    '' when it never does.
+
+    Each try asks the daemon first, as a user's command does, then, if the daemon does not list the node, once
+    with ``--no-daemon`` (its own discovery for 2 s): a daemon that has served many launches can keep missing a
+    node that is up and answering (ros2/ros2cli#582; seen in CI as 60 s of 'Node not found' for nodes that a
+    replay had just driven)."""
     deadline = time.monotonic() + timeout
     while True:
-        out = ros2(env, "lifecycle", "get", node, timeout=60)
-        match = re.match(r"(\w+) \[\d+\]", out.stdout.strip())
-        if out.returncode == 0 and match:
-            return match.group(1)
+        for extra in ((), ("--no-daemon", "--spin-time", "2")):
+            out = ros2(env, "lifecycle", "get", *extra, node, timeout=60)
+            match = re.match(r"(\w+) \[\d+\]", out.stdout.strip())
+            if out.returncode == 0 and match:
+                return match.group(1)
         if time.monotonic() > deadline:
             return ""
         time.sleep(0.5)
