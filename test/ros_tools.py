@@ -127,27 +127,37 @@ def install_env(install: Path) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------ ros2 commands
+#: ``ros2`` verbs that look the node up in the graph first and answer "Node not found" when it is not listed.
+_NODE_VERBS = {("lifecycle", "get"), ("lifecycle", "set"), ("lifecycle", "list"), ("param", "get"),
+               ("param", "set"), ("param", "list"), ("param", "dump")}
+
+
 def ros2(env: dict, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    """Run ``ros2 <args>`` with ``env``; the completed process (text output). Never raises on a non-zero exit."""
-    return subprocess.run([executable("ros2"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    """Run ``ros2 <args>`` with ``env``; the completed process (text output). Never raises on a non-zero exit.
+
+    A verb that looks the node up (``_NODE_VERBS``) asks the ros2 daemon first, as a user's command does; when
+    the daemon does not list the node, it is asked once more with ``--no-daemon`` (its own discovery for 2 s): a
+    daemon that has served many launches can keep missing a node that is up and answering (ros2/ros2cli#582;
+    seen in CI as a minute of 'Node not found' for nodes that a replay had just driven)."""
+    def run(argv):
+        return subprocess.run([executable("ros2"), *argv], env=env, capture_output=True, text=True, timeout=timeout)
+
+    out = run(args)
+    if tuple(args[:2]) in _NODE_VERBS and out.returncode != 0 and "Node not found" in out.stdout + out.stderr:
+        out = run([*args[:2], "--no-daemon", "--spin-time", "2", *args[2:]])
+    return out
 
 
 def lifecycle_state(env: dict, node: str, timeout: float = 60.0) -> str:
     """The state label ``ros2 lifecycle get <node>`` prints ('active', 'unconfigured', ...). A call that does not
     find the node yet (the ros2 daemon it starts discovers the graph first) is repeated for up to ``timeout`` s;
-    '' when it never does.
-
-    Each try asks the daemon first, as a user's command does, then, if the daemon does not list the node, once
-    with ``--no-daemon`` (its own discovery for 2 s): a daemon that has served many launches can keep missing a
-    node that is up and answering (ros2/ros2cli#582; seen in CI as 60 s of 'Node not found' for nodes that a
-    replay had just driven)."""
+    '' when it never does."""
     deadline = time.monotonic() + timeout
     while True:
-        for extra in ((), ("--no-daemon", "--spin-time", "2")):
-            out = ros2(env, "lifecycle", "get", *extra, node, timeout=60)
-            match = re.match(r"(\w+) \[\d+\]", out.stdout.strip())
-            if out.returncode == 0 and match:
-                return match.group(1)
+        out = ros2(env, "lifecycle", "get", node, timeout=60)
+        match = re.match(r"(\w+) \[\d+\]", out.stdout.strip())
+        if out.returncode == 0 and match:
+            return match.group(1)
         if time.monotonic() > deadline:
             return ""
         time.sleep(0.5)
