@@ -20,7 +20,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -276,3 +278,48 @@ def ring_segments(namespace: str) -> list[str]:
 
     name = segment_name("prefix_states", namespace)
     return sorted(p.name for p in Path("/dev/shm").glob(f"{name}*"))
+
+
+# ------------------------------------------------------------------------------------ the test's own node
+class SpunNode:
+    """The test's own rclpy node, in a context of its own, spun by a SingleThreadedExecutor in a daemon thread.
+
+    Subclasses create their subscriptions and publishers on ``self.node`` and keep what arrives under
+    ``self.lock`` (``keep`` appends a message to a list); ``wait`` polls a predicate under that lock. ``close``
+    stops the executor and shuts the context down. Needs rclpy (import it only where the tests have it).
+    """
+
+    def __init__(self, name: str):
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node(f"{name}_{uuid.uuid4().hex[:6]}", context=self.context)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def keep(self, bucket: list, msg) -> None:
+        """Append ``msg`` to ``bucket`` under the lock (a subscription callback)."""
+        with self.lock:
+            bucket.append(msg)
+
+    def wait(self, predicate, timeout: float = 30.0) -> bool:
+        """Poll ``predicate()`` under the lock every 50 ms until it holds (True) or ``timeout`` s pass (False)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if predicate():
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        import rclpy
+
+        self.executor.shutdown()
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)

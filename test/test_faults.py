@@ -19,7 +19,6 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -40,6 +39,8 @@ from hybrid_vla_ros.transport import segment as sg  # noqa: E402
 from hybrid_vla_ros.transport import slots as sl  # noqa: E402
 from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
 from hybrid_vla_ros.util.paths import REPO_ROOT as PACKAGE_ROOT  # noqa: E402
+
+import ros_tools  # noqa: E402  (test/ is on sys.path)
 
 SHM = Path(sg.SHM_DIR)
 RUN = uuid.uuid4().hex[:6]  # every namespace of this module starts with /flt_<RUN>_
@@ -107,22 +108,14 @@ def clean_fastdds_zombies():
 
 # ------------------------------------------------------------------------------------ ROS graph
 
-class Graph:
+class Graph(ros_tools.SpunNode):
     """The test's own rclpy node (own context), spun in the background: trajectories and /diagnostics."""
 
     def __init__(self, ns: str):
         from autoware_planning_msgs.msg import Trajectory
         from diagnostic_msgs.msg import DiagnosticArray
-        from rclpy.executors import SingleThreadedExecutor
 
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context)
-        self.node = rclpy.create_node(f"fault_tester_{uuid.uuid4().hex[:6]}", context=self.context)
-        self.executor = SingleThreadedExecutor(context=self.context)
-        self.executor.add_node(self.node)
-        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self.thread.start()
-        self.lock = threading.Lock()
+        super().__init__("fault_tester")
         self.trajectories: list[int] = []  # header stamps (ns) in arrival order
         self.diag: dict[str, dict] = {}  # status name -> key/values of its latest report
         self.diag_count: dict[str, int] = {}  # status name -> reports received
@@ -138,20 +131,6 @@ class Graph:
             for s in msg.status:
                 self.diag[s.name] = {kv.key: kv.value for kv in s.values}
                 self.diag_count[s.name] = self.diag_count.get(s.name, 0) + 1
-
-    def wait(self, predicate, timeout: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if predicate():
-                    return True
-            time.sleep(0.05)
-        return False
-
-    def close(self):
-        self.executor.shutdown()
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
 
 
 # ------------------------------------------------------------------------------------ node rig

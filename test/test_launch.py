@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -91,16 +90,14 @@ def test_both_nodes_reach_active(deployment, ros_env):
     assert listed(out), out.stdout + out.stderr
 
 
-class Driver:
+class Driver(ros_tools.SpunNode):
     """An rclpy node in the test process that plays the embedded bag's compressed cameras and odometry,
     restamped so that the newest frame is stamped now (the output guard's age check is on, as shipped),
     and records the Trajectories and CandidateTrajectories that come out."""
 
     def __init__(self, bag: Path):
-        import rclpy
         from autoware_internal_planning_msgs.msg import CandidateTrajectories
         from autoware_planning_msgs.msg import Trajectory
-        from rclpy.executors import SingleThreadedExecutor
         from rclpy.qos import QoSProfile, ReliabilityPolicy
 
         from hybrid_vla_ros.tools.replay import message_class
@@ -108,25 +105,14 @@ class Driver:
 
         self.messages = [m for m in read_bag(bag)
                          if m.topic.endswith("/image_raw/compressed") or m.topic == "/localization/kinematic_state"]
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context)
-        self.node = rclpy.create_node(f"driver_{uuid.uuid4().hex[:6]}", context=self.context)
-        self.executor = SingleThreadedExecutor(context=self.context)
-        self.executor.add_node(self.node)
-        self.lock = threading.Lock()
+        super().__init__("driver")
         self.trajectories, self.candidates, self.camera_stamps = [], [], set()
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.node.create_subscription(Trajectory, OUTPUT, lambda m: self._keep(self.trajectories, m), reliable)
-        self.node.create_subscription(CandidateTrajectories, CANDIDATES, lambda m: self._keep(self.candidates, m),
+        self.node.create_subscription(Trajectory, OUTPUT, lambda m: self.keep(self.trajectories, m), reliable)
+        self.node.create_subscription(CandidateTrajectories, CANDIDATES, lambda m: self.keep(self.candidates, m),
                                       reliable)
         self.classes = {m.topic: message_class(m.msgtype) for m in self.messages}
         self.pubs = {t: self.node.create_publisher(c, t, 10) for t, c in self.classes.items()}
-        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self.thread.start()
-
-    def _keep(self, bucket, msg):
-        with self.lock:
-            bucket.append(msg)
 
     def play_once(self) -> None:
         """Publish every camera and odometry message once, the newest camera frame stamped now."""
@@ -155,13 +141,6 @@ class Driver:
                         return True
                 time.sleep(0.05)
         return False
-
-    def close(self):
-        import rclpy
-
-        self.executor.shutdown()
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
 
 
 @pytest.fixture

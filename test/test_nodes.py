@@ -20,7 +20,6 @@ import yaml
 rclpy = pytest.importorskip("rclpy")
 
 from rcl_interfaces.srv import GetParameters  # noqa: E402
-from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import parameter_value_to_python  # noqa: E402
 from rclpy.serialization import deserialize_message  # noqa: E402
 
@@ -30,51 +29,29 @@ from hybrid_vla_ros.tools.replay import launch_node, message_class, set_paramete
 from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
 from hybrid_vla_ros.util.bags import read_bag  # noqa: E402
 
+import ros_tools  # noqa: E402  (test/ is on sys.path)
 
-class Graph:
-    """An rclpy node spun in the background, collecting what the nodes under test publish."""
+
+class Graph(ros_tools.SpunNode):
+    """The test's own rclpy node spun in the background, collecting what the nodes under test publish."""
 
     def __init__(self, ns: str):
         from autoware_planning_msgs.msg import Trajectory
         from diagnostic_msgs.msg import DiagnosticArray
 
-        rclpy.init()
-        self.node = rclpy.create_node(f"tester_{uuid.uuid4().hex[:6]}")
-        self.executor = SingleThreadedExecutor()
-        self.executor.add_node(self.node)
-        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self.thread.start()
+        super().__init__("tester")
         self.trajectories = []
         self.diag = {}
         self.levels = {}  # status name -> level (bytes) of its latest report
-        self.lock = threading.Lock()
         self.node.create_subscription(Trajectory, f"{ns}/suffix_node/output/trajectory",
-                                      lambda m: self._keep(self.trajectories, m), 10)
+                                      lambda m: self.keep(self.trajectories, m), 10)
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 50)
-
-    def _keep(self, bucket, msg):
-        with self.lock:
-            bucket.append(msg)
 
     def _on_diag(self, msg):
         with self.lock:
             for s in msg.status:
                 self.diag[s.name] = {kv.key: kv.value for kv in s.values}
                 self.levels[s.name] = s.level
-
-    def wait(self, predicate, timeout=30.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if predicate():
-                    return True
-            time.sleep(0.05)
-        return False
-
-    def close(self):
-        self.executor.shutdown()
-        self.node.destroy_node()
-        rclpy.try_shutdown()
 
 
 @contextlib.contextmanager
@@ -412,7 +389,7 @@ def test_odometry_that_stops_does_not_hold_the_frame(nodes, embedded_bag):
         assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
     timings = []
     graph.node.create_subscription(DiagnosticArray, f"{ns}/suffix_node/debug/frame_timing",
-                                   lambda m: graph._keep(timings, {kv.key: kv.value for kv in m.status[0].values}), 10)
+                                   lambda m: graph.keep(timings, {kv.key: kv.value for kv in m.status[0].values}), 10)
     msgs = read_bag(embedded_bag)
     odom_cls, image_cls = message_class("nav_msgs/msg/Odometry"), message_class("sensor_msgs/msg/CompressedImage")
     odom_pub = graph.node.create_publisher(odom_cls, f"{ns}/odom", 10)
@@ -541,7 +518,7 @@ def test_candidate_trajectories_all_modes_through_the_guard(nodes, embedded_bag)
     ns, graph, prefix, suffix, procs, logs = nodes
     received = []
     graph.node.create_subscription(CandidateTrajectories, f"{ns}/suffix_node/output/candidate_trajectories",
-                                   lambda m: graph._keep(received, m), 10)
+                                   lambda m: graph.keep(received, m), 10)
     _set_param(graph, f"{ns}/suffix_node", "split_layer", 1)
     _set_param(graph, f"{ns}/suffix_node", "publish_candidate_trajectories", True)
     for client in (prefix, suffix):
