@@ -1,4 +1,6 @@
-"""The ring's producer: creates the segment (and its wake-up directory), takes slots and publishes frames."""
+"""The ring's producer: creates the segment (and its wake-up directory: :func:`_create_segment`), takes slots and
+publishes frames. What it shares with the consumer (the global header, mapping, mutex, close) is
+:class:`~.ring_end.RingEnd`."""
 from __future__ import annotations
 
 import contextlib
@@ -11,15 +13,15 @@ import weakref
 import torch
 
 from . import slots
-from .contract import DEVICE_KINDS, DTYPE_CODES, dtype_name
+from .contract import DTYPE_CODES, Contract, device_kind_of, dtype_name
 from .errors import RingError
-from .segment import (
-    _CONTRACT, _GLOBAL, _NEXT_READ, _WAKE_NAME, CONTRACT_OFFSET, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC, LAYOUT_VERSION,
-    MAX_SLOTS, MIN_SLOTS, NEXT_READ_OFFSET, PAYLOAD_ALIGN, SLOT_HEADER_BYTES, WAKE_NAME_OFFSET, SegmentLock,
-    _proc_identity, align, map_segment, segment_path, tensor_view, validate_segment_name,
-)
-from .slots import MAX_NDIM, MAX_TIMINGS, READING, READY, slot_offset
 from .leftovers import evict_existing, remove_dead_init_files, remove_orphan_wake_dirs
+from .ring_end import RingEnd
+from .segment import (
+    _NEXT_READ, _WAKE_NAME, GLOBAL_HEADER_BYTES, LAYOUT_VERSION, MAX_SLOTS, MIN_SLOTS, NEXT_READ_OFFSET,
+    PAYLOAD_ALIGN, SLOT_HEADER_BYTES, WAKE_NAME_OFFSET, _proc_identity, align, map_segment, tensor_view,
+)
+from .slots import slot_offset
 from .wake import WakeSender, make_wake_dir, remove_wake_dir, wake_socket_path
 
 __all__ = ["RingProducer", "WriteSlot", "slot_bytes_for"]
@@ -78,7 +80,53 @@ class _Handles:
             self.fd = -1
 
 
-class RingProducer:
+def _create_segment(path: str, total_bytes: int, owner_pid: int, owner_start_time: int, write_header):
+    """Create the segment file ``path`` of ``total_bytes`` bytes, fully initialised before anyone can attach.
+
+    It is made under a temporary name ``<path>.init-<pid>-<start time>-<random>`` (mode 0600 whatever the
+    umask; pid and process start time in the name so that a dead process's leftover is recognised even if
+    its pid has been reused: :func:`.leftovers.remove_dead_init_files`), its tmpfs pages reserved, mapped,
+    its global header written by ``write_header(mm)``, its wake-up directory made (the name recorded in the
+    header first), and then hard-linked to ``path``; a segment already there is evicted
+    (:func:`.leftovers.evict_existing`) and the link tried again, 16 times at most. The temporary name is
+    always removed. Returns (the mmap, the :class:`_Handles`: fd, wake sender, path, file identity, wake-up
+    directory name). Raises RingNameConflict (a live owner), RingError (the name keeps being re-created),
+    OSError (e.g. ENOSPC); on failure the fd is closed and the wake-up directory removed.
+    """
+    tmp = f"{path}.init-{owner_pid}-{owner_start_time}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    wake_dir = None
+    try:
+        os.fchmod(fd, 0o600)
+        os.posix_fallocate(fd, 0, total_bytes)  # reserve tmpfs pages: ENOSPC now, not SIGBUS later
+        mm = map_segment(fd, total_bytes)
+        write_header(mm)
+        wake_dir = make_wake_dir(lambda name: _WAKE_NAME.pack_into(mm, WAKE_NAME_OFFSET, name.encode()))
+        st = os.fstat(fd)
+        sender = WakeSender(wake_socket_path(wake_dir))
+        for _attempt in range(16):  # nothing after a successful link can fail
+            try:
+                os.link(tmp, path)
+                break
+            except FileExistsError:
+                evict_existing(path, owner_pid, owner_start_time, wake_dir)
+        else:
+            sender.close()
+            raise RingError(f"could not create {path}: it keeps being re-created by someone else")
+    except BaseException:
+        os.close(fd)
+        if wake_dir is not None:
+            remove_wake_dir(wake_dir)
+        raise
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    return mm, _Handles(fd, sender, path, (st.st_dev, st.st_ino), wake_dir)
+
+
+class RingProducer(RingEnd):
     """Creates the segment and publishes frames into it (single producer).
 
     Args:
@@ -103,10 +151,11 @@ class RingProducer:
     ``owner_start_time`` (clock ticks), ``instance_id``, ``wake_dir``.
     """
 
+    _ROLE = "producer"
+
     def __init__(self, name: str, n_slots: int, slot_bytes: int, model_id: int, *, dtype: torch.dtype | None = None,
                  state_shape=None, device=None):
-        self.name = validate_segment_name(name)
-        self.path = segment_path(name)
+        super().__init__(name)
         n_slots, slot_bytes, model_id = operator.index(n_slots), operator.index(slot_bytes), operator.index(model_id)
         if not MIN_SLOTS <= n_slots <= MAX_SLOTS:
             raise ValueError(f"n_slots must be in [{MIN_SLOTS}, {MAX_SLOTS}], got {n_slots}")
@@ -118,8 +167,7 @@ class RingProducer:
             raise TypeError(f"unsupported dtype {dtype!r}")
         self.dtype = dtype
         self.state_shape = None if state_shape is None else slots.check_shape_dtype(state_shape, torch.uint8)[0]
-        self.device_kind = "undeclared" if device is None else (
-            torch.device(device).type if torch.device(device).type in ("cpu", "cuda") else "other")
+        self.device_kind = "undeclared" if device is None else device_kind_of(device)
         self.n_slots = n_slots
         self.slot_bytes = align(slot_bytes, PAYLOAD_ALIGN)
         self.slot_stride = SLOT_HEADER_BYTES + self.slot_bytes
@@ -128,65 +176,18 @@ class RingProducer:
         self.owner_pid = os.getpid()
         self.owner_start_time = _proc_identity(self.owner_pid)[1]
         self.instance_id = secrets.randbits(64)
-        self._closed = True
         self._published = self._dropped = self._aborted = self._wake_errors = 0
         self._next_seq, self._next_index = 1, 0
         self._outstanding: weakref.ref | None = None
-        self._mm = None
-        self._remove_dead_init_files()
-        # pid and process start time in the name: a leftover of a dead process is recognised even if its
-        # pid has been reused since (see _remove_dead_init_files)
-        tmp = f"{self.path}.init-{self.owner_pid}-{self.owner_start_time}-{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        self.wake_dir = None
-        try:
-            os.fchmod(fd, 0o600)
-            os.posix_fallocate(fd, 0, self.total_bytes)  # reserve tmpfs pages: ENOSPC now, not SIGBUS later
-            self._mm = map_segment(fd, self.total_bytes)
-            self._write_global_header()
-            self.wake_dir = make_wake_dir(lambda name: _WAKE_NAME.pack_into(self._mm, WAKE_NAME_OFFSET, name.encode()))
-            st = os.fstat(fd)
-            sender = WakeSender(wake_socket_path(self.wake_dir))
-            for _attempt in range(16):  # nothing after a successful link can fail
-                try:
-                    os.link(tmp, self.path)
-                    break
-                except FileExistsError:
-                    self._evict_existing()
-            else:
-                sender.close()
-                raise RingError(f"could not create {self.path}: it keeps being re-created by someone else")
-        except BaseException:
-            os.close(fd)
-            if self.wake_dir is not None:
-                remove_wake_dir(self.wake_dir)
-            self._mm = None
-            raise
-        finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        self._handles = _Handles(fd, sender, self.path, (st.st_dev, st.st_ino), self.wake_dir)
-        self._finalizer = weakref.finalize(self, self._handles.close)
-        self._lock = SegmentLock(fd)
-        self._closed = False
-
-    def _write_global_header(self) -> None:
-        _GLOBAL.pack_into(
-            self._mm, 0, GLOBAL_MAGIC, LAYOUT_VERSION, GLOBAL_HEADER_BYTES, self.owner_pid, self.owner_start_time,
-            self.instance_id, self.n_slots, SLOT_HEADER_BYTES, self.slot_bytes, self.slot_stride, self.total_bytes,
-            self.model_id, time.monotonic_ns())
-        shape = self.state_shape or ()
-        _CONTRACT.pack_into(self._mm, CONTRACT_OFFSET, DTYPE_CODES.get(self.dtype, 0), DEVICE_KINDS[self.device_kind],
-                            -1 if self.state_shape is None else len(shape), *(shape + (0,) * (MAX_NDIM - len(shape))))
-
-    def _remove_dead_init_files(self) -> None:
         remove_dead_init_files(self.name)
         remove_orphan_wake_dirs()
-
-    def _evict_existing(self) -> None:
-        evict_existing(self.path, self.owner_pid, self.owner_start_time, self.wake_dir)
+        self.wake_dir = None
+        contract = Contract(self.model_id, dtype, self.device_kind, self.state_shape, LAYOUT_VERSION)
+        self._mm, handles = _create_segment(self.path, self.total_bytes, self.owner_pid, self.owner_start_time,
+                                            lambda mm: self._write_global_header(mm, contract))
+        self.wake_dir = handles.wake_dir
+        self._opened(handles.fd, handles)
+        self._closed = False
 
     @property
     def stats(self) -> dict:
@@ -201,38 +202,28 @@ class RingProducer:
         ``RingConsumer.announce_next_read``; (0, 0) when no consumer said so (none attached, or it closed). A
         hint: a SIGKILLed consumer's last values stay, and only ever lie in the past. Raises RingError after
         close()."""
-        if self._closed:
-            raise RingError("producer is closed")
+        self._check_open()
         return _NEXT_READ.unpack_from(self._mm, NEXT_READ_OFFSET)
 
     def mapping(self):
         """The segment's mmap object (the whole ``total_bytes``), e.g. to page-lock it for a device
         (:mod:`.pinned`). Raises RingError after close()."""
-        if self._closed:
-            raise RingError("producer is closed")
+        self._check_open()
         return self._mm
-
-    def slot_states(self) -> list[str]:
-        """Diagnostic snapshot of every slot's state name (FREE/WRITING/READY/READING, or UNKNOWN(<n>)).
-        Raises RingError after close()."""
-        if self._closed:
-            raise RingError("ring end is closed")
-        with self._lock:
-            return slots.state_names(self._mm, self.n_slots, self.slot_stride)
 
     def acquire(self, shape: tuple[int, ...], dtype: torch.dtype) -> WriteSlot:
         """Take a slot for one frame of ``shape`` (<= 4 dims) and ``dtype`` (e.g. bf16 (tokens, hidden)).
 
         Returns a WriteSlot whose ``tensor`` is a writable CPU view of that shape/dtype into the segment. Takes a
         FREE slot (the one written last when the consumer has freed it: its memory is warm in the cache), else
-        the oldest READY one (its frame is dropped and counted in ``dropped_oldest``), never a READING one.
-        Raises ValueError if the payload exceeds ``slot_bytes``, the shape is bad or differs from the declared
-        ``state_shape``, or the dtype differs from the declared ``dtype``; TypeError for an unsupported dtype;
-        RingError if a previous WriteSlot is still alive and neither published nor aborted (one that was
-        garbage-collected unpublished is aborted here) or if the ring is closed.
+        the oldest READY one (its frame is dropped and counted in ``dropped_oldest``), never a READING one
+        (:func:`.slots.pick_write_slot`). Raises ValueError if the payload exceeds ``slot_bytes``, the shape is
+        bad or differs from the declared ``state_shape``, or the dtype differs from the declared ``dtype``;
+        TypeError for an unsupported dtype; RingError if a previous WriteSlot is still alive and neither
+        published nor aborted (one that was garbage-collected unpublished is aborted here) or if the ring is
+        closed.
         """
-        if self._closed:
-            raise RingError("producer is closed")
+        self._check_open()
         shape, code, nbytes = slots.check_shape_dtype(shape, dtype)
         if nbytes > self.slot_bytes:
             raise ValueError(f"payload {nbytes} bytes exceeds slot capacity {self.slot_bytes} bytes")
@@ -250,21 +241,8 @@ class RingProducer:
             if self._outstanding is not None:  # a dropped WriteSlot: its WRITING slot is reusable below
                 self._outstanding = None
                 self._aborted += 1
-            chosen, oldest, oldest_seq = -1, -1, 0
-            for k in range(self.n_slots):
-                i = (self._next_index + k) % self.n_slots
-                _m, _v, state, slot_seq = slots.read_prefix(mm, slot_offset(i, stride))
-                if state == READY:
-                    if oldest < 0 or slot_seq < oldest_seq:
-                        oldest, oldest_seq = i, slot_seq
-                elif state != READING:  # FREE, a leftover WRITING, or garbage
-                    chosen = i
-                    break
-            if chosen < 0:
-                if oldest < 0:
-                    raise RingError("no slot available: every slot is READING (header corruption?)")
-                chosen = oldest
-                self._dropped += 1
+            chosen, dropped = slots.pick_write_slot(mm, self.n_slots, stride, self._next_index)
+            self._dropped += dropped
             slots.begin_write(mm, slot_offset(chosen, stride), seq)
         # Start the next scan at this slot: once the consumer has freed it, the next frame is written into the
         # same memory, still warm in the cache, instead of rotating through every slot (an 8 MiB copy into a
@@ -276,8 +254,7 @@ class RingProducer:
         return slot
 
     def _take_back(self, slot: WriteSlot) -> None:
-        if self._closed:
-            raise RingError("producer is closed")
+        self._check_open()
         if slot._done or self._outstanding is None or self._outstanding() is not slot:
             raise RingError("this WriteSlot is not the producer's outstanding slot (already published/aborted?)")
 
@@ -291,12 +268,7 @@ class RingProducer:
         """
         t_pub = time.monotonic_ns()
         self._take_back(slot)
-        timings = tuple(float(t) for t in timings_ms)
-        if len(timings) > MAX_TIMINGS:
-            raise ValueError(f"at most {MAX_TIMINGS} timings, got {len(timings)}")
-        split_layer, stamp_ns = int(split_layer), int(stamp_ns)
-        if not -(1 << 31) <= split_layer < (1 << 31) or not -(1 << 63) <= stamp_ns < (1 << 63):
-            raise ValueError("split_layer must fit in int32 and stamp_ns in int64")
+        stamp_ns, split_layer, timings = slots.check_frame_fields(stamp_ns, split_layer, timings_ms)
         off = slot_offset(slot.index, self.slot_stride)
         # A WRITING slot is the producer's alone; where stores become visible in program order (x86-TSO) the
         # mutex adds nothing to READY-last, elsewhere its release orders the stores (slots' docstring).
@@ -332,15 +304,4 @@ class RingProducer:
         """Unlink the segment (only if the name still points at this producer's segment), wake the consumer so
         it sees ``producer_gone``, remove the wake-up directory and close the fd and socket. Idempotent. Views
         handed out stay mapped until they are garbage-collected."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer()
-        self._mm = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self.close()
-        return False
+        self._shut()

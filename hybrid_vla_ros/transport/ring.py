@@ -12,7 +12,8 @@ Linux only. Where each part lives:
 * :mod:`.slots`: the slot header, its states FREE -> WRITING -> READY -> READING -> FREE, and the publish
   protocol (READY is the last store) with its memory-ordering argument;
 * :mod:`.wake`: the wake-up socket in a 0700 directory, and the bounded spin before it;
-* :mod:`.producer` / :mod:`.consumer`: the two ends (:mod:`.leftovers`: what a dead producer left);
+* :mod:`.ring_end`: what both ends share (the global header's fields, the mapping and mutex, close);
+  :mod:`.producer` / :mod:`.consumer`: the two ends (:mod:`.leftovers`: what a dead producer left);
   :mod:`.pinned`: page-locking the segment for a CUDA device-to-host copy.
 
 Slot states change only under the segment mutex. The producer takes a FREE slot, else overwrites the oldest

@@ -13,7 +13,7 @@ slots (slot layout: :mod:`.slots`). All integers little-endian; offsets in bytes
     104 state ndim i32 (-1 undeclared)   112 state shape i64[4]                (struct "<IIi4x4q")
     160 wake-up directory name, 64 bytes ASCII, NUL-padded (:mod:`.wake`)
     256 publish count u64           264 last publish CLOCK_MONOTONIC ns i64    (own cache line; a hint, see
-                                                                               RingConsumer's spin)
+                                                                               wake.FrameWaiter)
     320 consumer's last take i64    328 its expected next read i64, CLOCK_MONOTONIC ns (0: none) (own cache
                                                                                line; written by the consumer,
                                                                                a pacing hint)
@@ -22,6 +22,7 @@ Mutex: an open-file-description record lock (``F_OFD_SETLKW``, Linux >= 3.15, fc
 segment, which the kernel drops when its holder dies, plus a ``threading.Lock`` per object. (A classic
 ``fcntl.lockf`` lock belongs to the process, so it would not exclude a producer and a consumer in one process,
 and closing any fd of the file would drop it.) Byte 1 carries the single consumer's lock (:mod:`.consumer`).
+The global header's geometry, owner and contract are written and read in one place, :class:`.ring_end.RingEnd`.
 """
 from __future__ import annotations
 

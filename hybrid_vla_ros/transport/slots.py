@@ -9,6 +9,10 @@ Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header, struct
 
 then the payload at slot offset + 256 (64-byte aligned).
 
+Which slot each end takes, under the segment mutex: the producer the first slot neither READY nor READING from
+the one it wrote last, else the oldest READY one (:func:`pick_write_slot`); the consumer the oldest or newest
+READY one (:func:`take_ready`); a consumer that attaches resets READING slots to FREE (:func:`reclaim_reading`).
+
 Publish protocol: acquire stores ``state = WRITING`` *first* (so a READY frame being overwritten stops being
 READY before anything of it changes), then magic, version and seq; the payload is written while WRITING;
 publish stores every other header field, and then, in a separate last store, ``state = READY``.
@@ -23,7 +27,7 @@ at any instruction of that sequence:
 * The consumer reads slot headers only under the segment mutex (an OFD lock, :mod:`.segment`): it loads a
   slot's state, and only if READY its other fields. The mutex's lock and unlock are fcntl(2) system calls
   whose kernel code orders memory (a spinlock: acquire on lock, release on unlock). No consumer reads a
-  header without it (the publish count it spins on is a hint only; :mod:`.consumer`).
+  header without it (the publish count it spins on is a hint only; :class:`.wake.FrameWaiter`).
 * Where stores become visible to other CPUs in program order and loads are not reordered with older loads
   (x86-64: the TSO model, Intel SDM vol. 3 section 8.2.2; :data:`STORES_VISIBLE_IN_ORDER`), every store is a
   release store: a consumer that loads READY then loads the other fields sees this frame's values. There the
@@ -51,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from .contract import CODE_DTYPES, DTYPE_CODES, conversion_kind, itemsize
-from .errors import RingContractError
+from .errors import RingContractError, RingError
 from .segment import _PUBLISHED, GLOBAL_HEADER_BYTES, PUBLISHED_OFFSET
 
 __all__ = ["FrameMeta", "FREE", "WRITING", "READY", "READING", "STATE_NAMES", "SLOT_MAGIC", "SLOT_VERSION",
@@ -176,6 +180,19 @@ def check_shape_dtype(shape, dtype) -> tuple[tuple[int, ...], int, int]:
     return shape, DTYPE_CODES[dtype], math.prod(shape) * itemsize(dtype)
 
 
+def check_frame_fields(stamp_ns, split_layer, timings_ms) -> tuple[int, int, tuple[float, ...]]:
+    """Validate the header fields a publish writes; returns (stamp_ns, split_layer, timings) as int, int and a
+    tuple of floats. ValueError for more than MAX_TIMINGS timings, a split layer outside int32 or a stamp
+    outside int64."""
+    timings = tuple(float(t) for t in timings_ms)
+    if len(timings) > MAX_TIMINGS:
+        raise ValueError(f"at most {MAX_TIMINGS} timings, got {len(timings)}")
+    split_layer, stamp_ns = int(split_layer), int(stamp_ns)
+    if not -(1 << 31) <= split_layer < (1 << 31) or not -(1 << 63) <= stamp_ns < (1 << 63):
+        raise ValueError("split_layer must fit in int32 and stamp_ns in int64")
+    return stamp_ns, split_layer, timings
+
+
 def validate(raw: tuple, *, slot_bytes: int, declared_dtype, compute_dtype, expected_model_id,
              expected_split_layer) -> tuple[str | None, FrameMeta | None]:
     """Judge a READY slot's unpacked header (``_SLOT`` fields): (None, meta) to take it, else (cause, meta or
@@ -218,3 +235,58 @@ def state_names(mm, n_slots: int, stride: int) -> list[str]:
     order: a diagnostic snapshot (the states may change while it is read; the caller holds its end's lock)."""
     states = [read_prefix(mm, slot_offset(i, stride))[2] for i in range(n_slots)]
     return [STATE_NAMES.get(s, f"UNKNOWN({s})") for s in states]
+
+
+def take_ready(mm, n_slots: int, stride: int, *, newest: bool, **expect):
+    """Take the consumer's next frame (mutex held): the READY slot of the lowest seq, or with ``newest`` the
+    highest, judged by :func:`validate` (``expect``: its keyword arguments). Accepted, it becomes READING and
+    (``newest``) every other READY slot FREE, unread; rejected, it becomes FREE. Returns None when no slot is
+    READY, else (slot index, reject cause or None, FrameMeta or None, number of READY slots freed unread)."""
+    ready = []
+    for i in range(n_slots):
+        _m, _v, state, seq = read_prefix(mm, slot_offset(i, stride))
+        if state == READY:
+            ready.append((seq, i))
+    if not ready:
+        return None
+    _seq, best = max(ready) if newest else min(ready)
+    cause, meta = validate(read_header(mm, slot_offset(best, stride)), **expect)
+    set_state(mm, slot_offset(best, stride), FREE if cause else READING)
+    superseded = 0
+    if not cause and newest:
+        for _s, i in ready:
+            if i != best:
+                set_state(mm, slot_offset(i, stride), FREE)
+                superseded += 1
+    return best, cause, meta, superseded
+
+
+def pick_write_slot(mm, n_slots: int, stride: int, start: int) -> tuple[int, bool]:
+    """The slot the producer writes next (mutex held): the first from ``start`` on, cyclically, that is neither
+    READY nor READING (FREE, a leftover WRITING, or garbage), else the oldest READY one, never a READING one.
+    Returns (slot index, True if that slot's READY frame is dropped). Raises RingError if every slot is
+    READING."""
+    oldest, oldest_seq = -1, 0
+    for k in range(n_slots):
+        i = (start + k) % n_slots
+        _m, _v, state, seq = read_prefix(mm, slot_offset(i, stride))
+        if state == READY:
+            if oldest < 0 or seq < oldest_seq:
+                oldest, oldest_seq = i, seq
+        elif state != READING:
+            return i, False
+    if oldest < 0:
+        raise RingError("no slot available: every slot is READING (header corruption?)")
+    return oldest, True
+
+
+def reclaim_reading(mm, n_slots: int, stride: int) -> int:
+    """Reset every READING slot to FREE and return how many (mutex held): at attach, the single consumer's
+    READING slots belong to a dead predecessor (their frames are lost, not re-delivered out of order)."""
+    reclaimed = 0
+    for i in range(n_slots):
+        off = slot_offset(i, stride)
+        if read_prefix(mm, off)[2] == READING:
+            set_state(mm, off, FREE)
+            reclaimed += 1
+    return reclaimed

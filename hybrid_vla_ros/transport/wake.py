@@ -17,22 +17,28 @@ spins only from ``lead_ms`` (plus three times the recent jitter) before it is du
 after that the consumer blocks on the socket. It costs about ``lead_ms`` of one core per frame. When most of
 the recent spins missed, it pauses (blocks only) for a while: on cores shared with other work a task that
 spins also loses the scheduler's wake-up preference, so a missed spin costs more than no spin.
+:class:`FrameWaiter` is how the consumer's read() waits: it looks at the slots, drains stale wake-ups and
+looks again, then spins on the segment's publish count inside the policy's window and blocks on the socket
+outside it.
 """
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import secrets
 import select
 import socket
 import stat
+import time
 from collections import deque
 
 from .errors import RingError
-from .segment import SHM_DIR
+from .segment import _PUBLISHED, PUBLISHED_OFFSET, SHM_DIR
 
-__all__ = ["SpinPolicy", "make_wake_dir", "wake_socket_path", "remove_wake_dir", "WakeSender", "WakeReceiver"]
+__all__ = ["SpinPolicy", "make_wake_dir", "wake_socket_path", "remove_wake_dir", "WakeSender", "WakeReceiver",
+           "FrameWaiter"]
 
 _DIR_RE = re.compile(r"hvla-wake\.[0-9]+\.[0-9]+-[0-9]+\.[0-9a-f]{16}")
 WAKE_DIR_PREFIX = "hvla-wake."
@@ -228,3 +234,90 @@ class SpinPolicy:
         lead = min(self.max_ns, self.lead_ns + 3 * jitter)
         start = int(self._last[1] + period - lead)
         return start, start + self.max_ns
+
+
+class FrameWaiter:
+    """How the consumer's read() waits for a frame, and how it found the frames it returned.
+
+    ``receiver``: the consumer's :class:`WakeReceiver`. The consumer's :class:`SpinPolicy` (or None: block
+    only) is passed to each call, as the consumer may replace it at any time. Counters (``counts``):
+    ``found_ready`` (frames found at the first look), ``found_spinning`` (after a spin saw a publish),
+    ``found_after_block`` (after a wait on the socket), ``spin_misses`` (spins that reached their bound
+    without a publish), ``spin_ns`` (time spent spinning, ns).
+    """
+
+    #: Block until this long (ns) before a spin window opens: poll(2) counts in ms, so the wait ends 0.5-1.5
+    #: ms before the spin starts.
+    BLOCK_MARGIN_NS = 1_500_000
+
+    def __init__(self, receiver: WakeReceiver):
+        self.receiver = receiver
+        self.counts = {"found_ready": 0, "found_spinning": 0, "found_after_block": 0, "spin_misses": 0,
+                       "spin_ns": 0}
+
+    def wait_for(self, take, deadline_ns: int, gone, mm, spin: SpinPolicy | None):
+        """Look for a frame until ``deadline_ns`` (CLOCK_MONOTONIC ns) and return it, or None.
+
+        ``take()`` looks once: (a frame with a ``meta`` FrameMeta, or None; the segment's publish count seen).
+        A miss drains stale wake-ups and looks again (not on the fast path; a frame published before the call
+        is found without waiting). Then, unless the deadline has passed or ``gone()`` is true, it waits once
+        (:meth:`_wait_once` on the mapping ``mm``) and looks again. A frame returned is counted by how it was
+        found and its seq and publish instant are told to ``spin``. Raises what ``take`` raises.
+        """
+        receiver, how = self.receiver, "found_ready"
+        while True:
+            frame, seen = take()
+            if frame is None:
+                receiver.drain()
+                frame, seen = take()
+            if frame is not None:
+                self.counts[how] += 1
+                if spin is not None:
+                    spin.observe(frame.meta.seq, frame.meta.t_publish_ns)
+                return frame
+            now = time.monotonic_ns()
+            if now >= deadline_ns or gone():
+                return None
+            how = self._wait_once(mm, seen, now, deadline_ns, spin)
+
+    def _wait_once(self, mm, seen: int, now_ns: int, deadline_ns: int, spin: SpinPolicy | None) -> str:
+        """Wait once, at most until ``deadline_ns`` (``now_ns`` is now), for a publish after the publish count
+        ``seen``: inside the spin window, poll that count until it changes or the window ends; before the
+        window, block on the socket until just before it opens; without a window, block until a wake-up or the
+        deadline. Returns the counter of a frame the next look finds: 'found_spinning' or 'found_after_block'."""
+        receiver = self.receiver
+        window = spin.window() if spin is not None else None
+        if window is not None and now_ns < window[1]:
+            if window[0] - now_ns > self.BLOCK_MARGIN_NS:
+                receiver.wait(math.ceil((min(window[0] - self.BLOCK_MARGIN_NS, deadline_ns) - now_ns) / 1e6))
+                return "found_after_block"
+            hit = self._spin_until(mm, min(window[1], deadline_ns), seen)
+            spin.outcome(hit or window[1] > deadline_ns)  # a spin cut short by the timeout did not miss
+            if hit:
+                return "found_spinning"
+            now_ns = time.monotonic_ns()
+        receiver.wait(max(0, math.ceil((deadline_ns - now_ns) / 1e6)))
+        return "found_after_block"
+
+    def _spin_until(self, mm, until_ns: int, seen: int) -> bool:
+        """Poll the publish count until it differs from ``seen`` (True) or ``until_ns`` passes (False)."""
+        unpack, now = _PUBLISHED.unpack_from, time.monotonic_ns
+        t0 = t = now()
+        hit = False
+        while t < until_ns:
+            if unpack(mm, PUBLISHED_OFFSET)[0] != seen:
+                hit = True
+                break
+            t = now()
+        self.counts["spin_ns"] += now() - t0
+        if not hit:
+            self.counts["spin_misses"] += 1
+        return hit
+
+    def stats(self, spin: SpinPolicy | None) -> dict:
+        """The counters, with ``spin_ms`` (ms) for ``spin_ns`` and ``spin_pauses`` (``spin.pauses``, 0 without
+        a policy)."""
+        out = {k: v for k, v in self.counts.items() if k != "spin_ns"}
+        out["spin_ms"] = self.counts["spin_ns"] / 1e6
+        out["spin_pauses"] = spin.pauses if spin is not None else 0
+        return out
