@@ -30,7 +30,7 @@ class LoopingFramePlayer:
         from rclpy.serialization import deserialize_message
 
         from ..util.bags import read_bag
-        from .replay import message_class
+        from .playback import message_class
 
         msgs = read_bag(bag)
         cams = sorted({m.topic for m in msgs if m.topic.endswith("/image_raw/compressed")})

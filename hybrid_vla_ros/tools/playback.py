@@ -1,16 +1,45 @@
-"""Playing a bag for ``hybrid-vla replay``: each message at its recorded time (scaled by ``--rate``), looped with
-its stamps shifted by a loop length, the bag's clock advanced before each message, camera frames timed as
-their last image goes out, odometry kept for the pictures."""
+"""Playing a bag for ``hybrid-vla replay``: a publisher per played topic, each message at its recorded time
+(scaled by ``--rate``), looped with its stamps shifted by a loop length, the bag's clock advanced before each
+message, camera frames timed as their last image goes out, odometry kept for the pictures."""
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 
 import numpy as np
 
+from ..ros.graph import wait_for_subscribers
 from ..util.bags import CAMERA_TOPIC
 from .replay_report import drops_by_cause, run_counts
 
 ODOMETRY_TOPIC = "/localization/kinematic_state"
+ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
+# the checkpoint takes the ego state
+
+
+def message_class(msgtype: str):
+    """'sensor_msgs/msg/Image' -> the rclpy message class. Raises ImportError / AttributeError."""
+    pkg, kind, name = msgtype.split("/")
+    return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
+
+
+def publishers_for(node, play, odometry_readers: int = 1) -> dict:
+    """A publisher on ``node`` per topic of the messages ``play`` (topic -> (publisher, message class)), returned
+    once the nodes subscribe (10 s at most; the odometry by ``odometry_readers`` subscribers, CameraInfo not
+    waited for). Warns on stderr of other publishers on the same topics: their frames would mix with these."""
+    publishers = {}
+    for m in play:
+        if m.topic not in publishers:
+            cls = message_class(m.msgtype)
+            publishers[m.topic] = (node.create_publisher(cls, m.topic, 10), cls)
+    wait_for_subscribers([pub for pub, _ in publishers.values() if not pub.topic_name.endswith("camera_info")],
+                         10.0, {ODOMETRY_TOPIC: odometry_readers})
+    foreign = sorted(t for t, (pub, _) in publishers.items() if node.count_publishers(t) > 1)
+    if foreign:
+        print(f"warning: other publishers on {', '.join(foreign)}: their frames mix with this replay's",
+              file=sys.stderr)
+    return publishers
 
 
 def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None, clock=None,

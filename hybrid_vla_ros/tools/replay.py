@@ -21,37 +21,40 @@ the run each attached node is returned to the state it was found in (active stay
 unconfigured is deactivated and cleaned up again), and the processes keep running. The report counts
 this run only: the nodes' counters live as long as their processes, so the replay takes their
 /diagnostics counters when the nodes are active, before playback, and subtracts them.
+
+Here: the options and their checks, :func:`run_replay` and the session (:class:`ReplaySession`). The parts:
+:mod:`~hybrid_vla_ros.tools.replay_nodes` (the nodes: started or attached, their lifecycle, the params file),
+:mod:`~hybrid_vla_ros.tools.playback` (publishing the bag), :mod:`~hybrid_vla_ros.tools.replay_recorder`
+(what comes back), :mod:`~hybrid_vla_ros.tools.replay_report` (the report), :mod:`~hybrid_vla_ros.tools.sim_clock`
+(``/clock``) and :mod:`~hybrid_vla_ros.tools.node_processes` (the processes).
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from ..util.bags import BagMessage, camera_topics, read_bag
 from ..util.cores import parse_core_list, usable_cores
 from ..util.paths import embedded_bag, package_file
-from ..ros.graph import wait_for_subscribers
 from .node_processes import launch_node, stop_processes
-from .playback import ODOMETRY_TOPIC, play_bag
-from .replay_report import frame_of, lifecycle_refused, print_report, resplit_report, run_counts, run_report
+from .playback import ACCELERATION_TOPIC, ODOMETRY_TOPIC, message_class, play_bag, publishers_for
+from .replay_nodes import ATTACH_QUIET_S, ReplayNodes, node_error_lines, node_params
+from .replay_recorder import Recorder
+from .replay_report import frame_of, hints, print_report, run_counts, run_details, run_report
+
+#: The public names, those kept here for the callers of this module included (``launch_node``,
+#: ``stop_processes``, ``message_class``, ``node_error_lines``: their homes are the modules named above).
+__all__ = ["ACCELERATION_TOPIC", "ATTACH_QUIET_S", "DEFAULT_BAG", "Recorder", "ReplaySession", "add_arguments",
+           "check_arguments", "config_file", "launch_node", "message_class", "node_error_lines", "prefix_cores",
+           "run_replay", "set_parameter", "stop_processes", "write_plots"]
 
 DEFAULT_BAG = embedded_bag()
-ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
-# the checkpoint takes the ego state
-#: With --attach, a node is taken as settled once it has made no lifecycle transition for this long (s) (for
-#: the graph to show whether another lifecycle manager is there); with another manager, --attach-wait.
-ATTACH_QUIET_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,26 +95,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each lifecycle transition")
 
 
-def message_class(msgtype: str):
-    """'sensor_msgs/msg/Image' -> the rclpy message class. Raises ImportError / AttributeError."""
-    pkg, kind, name = msgtype.split("/")
-    return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
-
-
-@dataclass
-class Recorder:
-    """What the replay node received, by camera stamp (ns)."""
-
-    trajectories: dict[int, float] = field(default_factory=dict)  # stamp -> wall receive time (s)
-    timings: dict[int, dict] = field(default_factory=dict)  # stamp -> stage ms, and t_*_ns CLOCK_MONOTONIC instants
-    diagnostics: dict[str, dict] = field(default_factory=dict)  # status name -> key/values
-    diagnostics_at: dict[str, float] = field(default_factory=dict)  # status name -> monotonic receive time (s)
-    paths: dict[int, np.ndarray] = field(default_factory=dict)  # stamp -> (P, 3) time_from_start s, map x, y (m)
-    odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
-    first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
 def _parse_cores(text: str | None) -> list[int]:
     """``--suffix-cores`` -> core list (``util.cores.parse_core_list``); None -> the last usable core."""
     return usable_cores()[-1:] if text is None else parse_core_list(text)
@@ -121,32 +104,6 @@ def prefix_cores(suffix_cores: list[int]) -> list[int]:
     """The prefix's cores: every core this process may use that the suffix does not get ([] = not pinned,
     when none is left over), so the prefix's OpenCV and torch threads stay off the suffix's cores."""
     return sorted(set(usable_cores()) - set(suffix_cores))
-
-
-def node_error_lines(log: Path, most: int = 3) -> list[str]:
-    """The last ``most`` error lines of a node's log (rclpy's ``[ERROR]`` / ``[FATAL]`` lines and this package's
-    'invalid parameters' line), to show why a node refused a transition; [] when the log is missing."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    return [ln.strip() for ln in lines if "[ERROR]" in ln or "[FATAL]" in ln or "invalid parameters" in ln][-most:]
-
-
-def _age_drop_hint(report: dict, rate: float, attach: bool) -> str:
-    """Why the suffix's output guard may have dropped trajectories for their age (``guard_too_old`` /
-    ``guard_future_stamp``), from the report's ``use_sim_time`` of each node."""
-    sim = report.get("use_sim_time") or {}
-    if not sim.get("suffix"):
-        return ("the suffix node's output guard dropped trajectories for their stamps, and it does not run on "
-                "the bag's clock: the replay plays the bag's recorded stamps and publishes the bag's time on "
-                "/clock, so the nodes must run with use_sim_time:=true (the params.yaml a replay writes has it"
-                + ("; start attached nodes so, e.g. `ros2 launch ... use_sim_time:=true`)" if attach else ")"))
-    return (f"the suffix node's output guard dropped trajectories older than guard.max_age_s by the bag's clock. "
-            f"At --rate {rate:g} the replay scales guard.max_age_s by {rate:g}, so the limit is still the same wall "
-            "time from the camera stamp to publication (1 s as shipped); those frames took longer than that (is "
-            "the machine busy with other work?): replay on a quieter machine, or at a lower --rate, where frames "
-            "do not wait for the prefix")
 
 
 def config_file(name: str) -> Path:
@@ -270,7 +227,13 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 class ReplaySession:
-    """One replay: node processes (unless attached), lifecycle management, playback, recording, report."""
+    """One replay: node processes (unless attached), lifecycle management, playback, recording, report.
+
+    ``args``: the options of :func:`add_arguments` (checked); ``cfg``: the checkpoint's VLAConfig; ``messages``:
+    the whole bag (:class:`~hybrid_vla_ros.util.bags.BagMessage`, by receive time); ``cams``: its camera topics,
+    one per model camera; ``out``: the output folder (it exists). :meth:`run` returns the exit code. The nodes'
+    side is :class:`~hybrid_vla_ros.tools.replay_nodes.ReplayNodes`, what comes back a :class:`Recorder`.
+    """
 
     def __init__(self, args, cfg, messages: list[BagMessage], cams: list[str], out: Path):
         self.args, self.cfg, self.cams, self.out = args, cfg, cams, out
@@ -288,43 +251,24 @@ class ReplaySession:
             play_topics.add(ACCELERATION_TOPIC)
         self.play = [m for m in messages if m.topic in play_topics]
         self.rec = Recorder()
-        self.procs: list[subprocess.Popen] = []
+        self.nodes = ReplayNodes(args, self.ns, out, self.rec)  # processes, lifecycle, the states found
         self.bag = None
         self.interrupted = False
-        self.found: dict[str, str] = {}  # node -> the settled lifecycle state it was found in
-        self.refused_before: dict[str, int] = {}  # node -> lifecycle_requests_refused before this replay drove it
         self.baseline: dict[str, dict] = {}  # status name -> /diagnostics values before playback
 
     def write_params(self) -> Path:
-        """The params file both node processes read (also a record of what was run).
-
-        Both nodes run on the bag's clock (``use_sim_time: true``; the replay publishes ``/clock``), so the
-        output guard's age check stays on. At ``--rate`` above 1 the bag's clock runs that much faster than
-        the computer, so ``guard.max_age_s`` is scaled by the rate: it stays the same compute latency in
-        wall time. The prefix is pinned to the cores the suffix does not get (:func:`prefix_cores`)."""
+        """Write ``params.yaml``, the params file both node processes read (also a record of what was run:
+        :func:`~hybrid_vla_ros.tools.replay_nodes.node_params`); returns its path."""
         import yaml
 
-        from ..ros.params import defaults
-
-        a, model = self.args, str(Path(self.args.model_path).resolve())
-        prefix_threads = a.prefix_threads or max(1, len(self.prefix_cores) or len(os.sched_getaffinity(0)))
-        suffix = {"model_path": model, "split_layer": self.k, "cpu_affinity": self.suffix_cores,
-                  "threads": len(self.suffix_cores), "dtype": a.dtype, "use_sim_time": True}
-        if a.rate > 1.0:
-            suffix["guard.max_age_s"] = round(defaults("suffix_node")["guard.max_age_s"] * a.rate, 6)
-        params = {
-            f"{self.ns}/prefix_node": {"ros__parameters": {
-                "model_path": model, "split_layer": self.k, "camera_topics": self.cams,
-                "camera_transports": [a.transport], "sync_tolerance_ms": a.sync_tolerance_ms,
-                "device": a.device, "dtype": a.dtype, "torch_threads": prefix_threads,
-                "cpu_affinity": self.prefix_cores, "fast_jpeg_decode": a.fast_jpeg_decode, "use_sim_time": True}},
-            f"{self.ns}/suffix_node": {"ros__parameters": suffix},
-        }
+        params = node_params(self.args, self.ns, self.k, self.cams, self.prefix_cores, self.suffix_cores)
         path = self.out / "params.yaml"
         path.write_text(yaml.safe_dump(params, sort_keys=False))
         return path
 
     def run(self) -> int:
+        """The whole replay (see the module docstring); 0 when trajectories came out and the nodes shut down
+        cleanly. Ctrl-C stops playback; the nodes are still taken down and the report written."""
         import rclpy
         from rclpy.executors import SingleThreadedExecutor
         from rclpy.signals import SignalHandlerOptions
@@ -344,17 +288,7 @@ class ReplaySession:
         # bag's first receive time until playback starts.
         self.clock = BagClock(node, self.play[0].t_ns).start()
         if not self.args.attach:
-            params_file = self.write_params()
-            # The prefix reads odometry (and acceleration) only for a checkpoint with ego_state_input.
-            self.procs.append(launch_node(
-                "prefix_node", self.ns, params_file,
-                ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}",
-                 "-r", f"~/input/acceleration:={ACCELERATION_TOPIC}"],
-                self.out / "prefix_node.log"))
-            self.procs.append(launch_node(
-                "suffix_node", self.ns, params_file,
-                ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}", "-r", f"~/output/trajectory:={self.args.output_topic}"],
-                self.out / "suffix_node.log"))
+            self.nodes.launch(self.write_params())
         rc = 1
         try:
             rc = self._drive(node)
@@ -368,222 +302,73 @@ class ReplaySession:
             spin.join(timeout=10)
             node.destroy_node()
             rclpy.try_shutdown(context=context)
-            codes = stop_processes(self.procs)
+            codes = self.nodes.stop()
             if any(c != 0 for c in codes):
                 print(f"node processes exited with {codes}; logs in {self.out}", file=sys.stderr)
                 rc = rc or 1
         return rc
 
-    def _on_diagnostics(self, msg) -> None:
-        t = time.monotonic()
-        with self.rec.lock:
-            for status in msg.status:
-                self.rec.diagnostics[status.name] = {kv.key: kv.value for kv in status.values}
-                self.rec.diagnostics_at[status.name] = t
-
-    def _subscribe(self, node) -> None:
-        from autoware_planning_msgs.msg import Trajectory
-        from diagnostic_msgs.msg import DiagnosticArray
-        from rclpy.qos import QoSProfile, ReliabilityPolicy
-        from rclpy.serialization import serialize_message
-
-        from ..util.stamps import stamp_to_ns
-
-        rec, bag = self.rec, self.bag
-        timing_topic = f"{self.ns}/suffix_node/debug/frame_timing"
-        traj_conn = bag.add_topic(self.args.output_topic, "autoware_planning_msgs/msg/Trajectory")
-        timing_conn = bag.add_topic(timing_topic, "diagnostic_msgs/msg/DiagnosticArray")
-
-        def on_trajectory(msg):
-            stamp = stamp_to_ns(msg.header.stamp)
-            t_recv = time.monotonic()
-            path = np.array([(p.time_from_start.sec + p.time_from_start.nanosec * 1e-9, p.pose.position.x,
-                              p.pose.position.y) for p in msg.points]).reshape(-1, 3)
-            with rec.lock:
-                rec.trajectories[stamp] = t_recv
-                rec.paths[stamp] = path
-            bag.write(traj_conn, stamp, serialize_message(msg))
-
-        def on_timing(msg):
-            stamp = stamp_to_ns(msg.header.stamp)
-            # '<stage>_ms' -> stage: float ms; 't_<event>_ns' stays: int CLOCK_MONOTONIC ns
-            values = {kv.key: int(kv.value) if kv.key.endswith("_ns") else float(kv.value)
-                      for kv in msg.status[0].values}
-            with rec.lock:
-                rec.timings[stamp] = {k.removesuffix("_ms"): v for k, v in values.items()}
-            bag.write(timing_conn, stamp, serialize_message(msg))
-
-        node.create_subscription(Trajectory, self.args.output_topic, on_trajectory,
-                                 QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
-        node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)
-
-    def _bring_up(self, managers) -> bool:
-        """Make both nodes active (see the module docstring for --attach); False (with a message) when not.
-        Records the state each node was found in (``self.found``)."""
-        from ..ros.lifecycle_client import BACK_FROM_ACTIVE
-
-        t_start = time.monotonic()
-        for m in managers:
-            if self.args.attach:
-                print(f"waiting up to {self.args.timeout:.0f} s for {m.name}'s lifecycle services "
-                      f"(ROS_DOMAIN_ID={os.environ.get('ROS_DOMAIN_ID', '0 (unset)')}) ...", flush=True)
-            if not m.wait_for_services(self.args.timeout, self.procs):
-                dead = [(name, p.returncode) for name, p in zip(("prefix_node", "suffix_node"), self.procs)
-                        if p.poll() is not None]
-                if dead:
-                    for name, code in dead:
-                        tail = (self.out / f"{name}.log").read_text().strip().splitlines()[-3:]
-                        print(f"hybrid-vla replay: {name} exited with {code}: " + " | ".join(tail), file=sys.stderr)
-                else:
-                    hint = (": is it running, in this namespace (--namespace) and ROS domain (ROS_DOMAIN_ID)?"
-                            if self.args.attach else "")
-                    print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s{hint}",
-                          file=sys.stderr)
-                return False
-        # lifecycle requests the nodes refused so far: more at the end than this replay's own refused ones means
-        # another manager (a launch autostart this replay came before) was bringing a node up meanwhile
-        if self.args.attach:  # (a node busy in a transition publishes no /diagnostics: its latest then)
-            self.refused_before = {m.name: lifecycle_refused(d) for m, d in
-                                   zip(managers, self._fresh_diagnostics(time.monotonic(), 3.0).values())}
-        # nodes this replay started: nobody else drives them
-        quiet, managed = (ATTACH_QUIET_S, self.args.attach_wait) if self.args.attach else (0.0, None)
-        # The prefix first: the suffix waits for its ring. Each node gets the timeout for its own transitions.
-        for m in managers:
-            found, made, problem = m.bring_to_active(2 * self.args.timeout + (managed or 0.0), quiet, managed)
-            self.found[m.name] = found
-            if self.args.attach:
-                print(f"{m.name}: found {found or 'not settled'}"
-                      + (f", {' and '.join(made)} done by this replay" if made else "")
-                      + (f"; it goes back to {found} after the run" if made and found in BACK_FROM_ACTIVE else "")
-                      + (f" (waited {m.waited_s:.1f} s for it to settle)" if m.waited_s >= 0.5 and not made else ""))
-            if problem:
-                print(f"hybrid-vla replay: {problem}; see {self.out if self.procs else 'the node output'}",
-                      file=sys.stderr)
-                if self.procs:  # the node's own reason, from the log of the process this replay started
-                    for line in node_error_lines(self.out / f"{m.name.rsplit('/', 1)[-1]}.log"):
-                        print(f"  {line}", file=sys.stderr)
-                return False
-        where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
-        print(f"nodes active after {time.monotonic() - t_start:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
-        return True
-
-    def _fresh_diagnostics(self, since: float, timeout: float = 10.0) -> dict[str, dict]:
-        """The nodes' pipeline /diagnostics key/values received after monotonic time ``since`` (each node
-        publishes them at 1 Hz), waiting up to ``timeout`` s; a node without one then maps to its latest."""
-        names = [f"{self.ns}/{n}: pipeline" for n in ("prefix_node", "suffix_node")]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.rec.lock:
-                if all(self.rec.diagnostics_at.get(n, -1.0) > since for n in names):
-                    break
-            time.sleep(0.05)
-        with self.rec.lock:
-            return {n: dict(self.rec.diagnostics.get(n, {})) for n in names}
-
-    def _return_nodes(self, managers, final: dict | None = None) -> None:
-        """After the run: attached nodes back to the state they were found in; started ones deactivated and
-        cleaned up (their processes are stopped next). ``final``: the nodes' /diagnostics at the end (status
-        name -> key/values); an attached node that refused more lifecycle requests than this replay's own was
-        being brought up by another manager too (this replay came first): it is left active."""
-        from ..ros.lifecycle_client import BACK_FROM_ACTIVE
-
-        for m in managers:
-            goal = self.found.get(m.name) if self.args.attach else "unconfigured"
-            if goal not in BACK_FROM_ACTIVE:
-                continue  # an attached node never settled: nothing to undo
-            if self.args.attach and goal != "active" and final is not None:
-                others = (lifecycle_refused(final.get(f"{m.name}: pipeline", {})) - self.refused_before.get(m.name, 0)
-                          - m.refused)
-                if others > 0:
-                    print(f"{m.name}: left active: another lifecycle manager asked for {others} transition(s) while "
-                          "this replay brought it up (a launch file's autostart this replay came before)")
-                    continue
-            ok, problem = m.return_to(goal, self.args.timeout)
-            if not ok:
-                print(f"hybrid-vla replay: {problem}", file=sys.stderr)
-            elif self.args.attach:
-                print(f"{m.name}: left {goal}" + (" (as found)" if goal == self.found.get(m.name) else ""))
-
     def _drive(self, node) -> int:
+        """Nodes up, the bag played, frames in flight let finish, nodes returned, the report; the exit code."""
         from diagnostic_msgs.msg import DiagnosticArray
 
-        from ..ros.lifecycle_client import LifecycleClient
         from .output_bag import OutputBag
 
-        managers = [LifecycleClient(node, f"{self.ns}/prefix_node"), LifecycleClient(node, f"{self.ns}/suffix_node")]
-        self.found = {}
+        self.nodes.connect(node)
         # /diagnostics from the start: the counters before playback are this run's baseline
-        node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 50)
-        if not self._bring_up(managers):
-            self._return_nodes(managers)
+        node.create_subscription(DiagnosticArray, "/diagnostics", self.rec.on_diagnostics, 50)
+        t_start = time.monotonic()
+        if not self.nodes.bring_up():
+            self.nodes.return_all()
             return 1
-        self.baseline = self._fresh_diagnostics(time.monotonic())
+        where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
+        print(f"nodes active after {time.monotonic() - t_start:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
+        self.baseline = self.rec.fresh_diagnostics(self.ns, time.monotonic())
         k = self.baseline.get(f"{self.ns}/prefix_node: pipeline", {}).get("split_layer", "")
         if self.args.attach and str(k).isdigit():
             self.k = int(k)  # the attached prefix's K, not this replay's default
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
-        self._subscribe(node)
-        publishers = {}
-        for m in self.play:
-            if m.topic not in publishers:
-                cls = message_class(m.msgtype)
-                publishers[m.topic] = (node.create_publisher(cls, m.topic, 10), cls)
+        self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing")
         # with ego state input both nodes read the odometry
-        wait_for_subscribers([pub for pub, _ in publishers.values() if not pub.topic_name.endswith("camera_info")],
-                             10.0, {ODOMETRY_TOPIC: 2 if self.cfg.ego_state_input else 1})
-        foreign = sorted(t for t, (pub, _) in publishers.items() if node.count_publishers(t) > 1)
-        if foreign:
-            print(f"warning: other publishers on {', '.join(foreign)}: their frames mix with this replay's",
-                  file=sys.stderr)
+        publishers = publishers_for(node, self.play, 2 if self.cfg.ego_state_input else 1)
         first_camera = f"{self.cams[0]}/compressed" if self.args.transport == "compressed" else self.cams[0]
         self.resplit_log = []
         published = play_bag(self.args, self.play, publishers, self.rec, self.ns, first_camera,
-                          on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None, clock=self.clock,
-                          baseline=self.baseline)
+                             on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None,
+                             clock=self.clock, baseline=self.baseline)
         self.interrupted = published["interrupted"]
         if self.interrupted:
             print("\ninterrupted: playback stopped, shutting the nodes down", file=sys.stderr)
         frames = published["frames"]
         # Let frames in flight finish: stop when every frame has an answer or output stalls for 3 s.
-        last_count, last_change = -1, time.monotonic()
-        while time.monotonic() - last_change < 3.0 and len(self.rec.trajectories) < len(frames):
-            if len(self.rec.trajectories) != last_count:
-                last_count, last_change = len(self.rec.trajectories), time.monotonic()
-            time.sleep(0.05)
+        self.rec.wait_for_answers(len(frames), 3.0)
         # this run's counts: the nodes' counters now (a report after the frames are done) minus the baseline
-        final = self._fresh_diagnostics(time.monotonic())
+        final = self.rec.fresh_diagnostics(self.ns, time.monotonic())
         prefix, suffix = (run_counts(final[n], self.baseline.get(n, {}))
                           for n in (f"{self.ns}/prefix_node: pipeline", f"{self.ns}/suffix_node: pipeline"))
-        self._return_nodes(managers, final)
+        self.nodes.return_all(final)
+        report = self._report(frames, published, final, prefix, suffix)
+        for hint in hints(report, first_camera, self.args.rate, self.args.attach):
+            print(f"hint: {hint}", file=sys.stderr)
+        plots_ok = (write_plots(self.rec, frames, self.messages, self.args.plots, self.args.sync_tolerance_ms,
+                                f"split layer {self.k} of {self.cfg.num_layers}", self.cfg.random_init)
+                    if self.args.plots else True)
+        return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
+
+    def _report(self, frames: dict[int, float], published: dict, final: dict, prefix: dict, suffix: dict) -> dict:
+        """This run's report (:func:`~hybrid_vla_ros.tools.replay_report.run_report` and
+        :func:`~hybrid_vla_ros.tools.replay_report.run_details`), written to ``report.json`` and printed.
+        ``final``: the nodes' /diagnostics at the end; ``prefix`` / ``suffix``: their counts of this run."""
         settings = {side: final[f"{self.ns}/{side}_node: pipeline"] for side in ("prefix", "suffix")}
         report = run_report(self.rec, frames, published, self.k, self.cfg, self.bag.path,
-                         self.args.sync_tolerance_ms, prefix, suffix, settings)
-        report["settings"] = {"dtype": self.args.dtype, "device": self.args.device, "rate": self.args.rate,
-                              "loops": self.args.loops, "transport": self.args.transport,
-                              "fast_jpeg_decode": self.args.fast_jpeg_decode}
-        # the counters the nodes had before this run's playback (subtracted from the counts above)
-        report["node_counters_at_start"] = {
-            name: run_counts(self.baseline.get(f"{self.ns}/{name}: pipeline", {}), {})
-            for name in ("prefix_node", "suffix_node")}
-        report["resplits"] = resplit_report(self.resplit_log, frames, self.rec, self.args.sync_tolerance_ms)
-        applied = {(e["frame"], e["split_layer"]) for e in self.resplit_log}
-        report["resplits_not_reached"] = [f"{f}:{k}" for f, k in self.args.resplit if (f, k) not in applied]
+                            self.args.sync_tolerance_ms, prefix, suffix, settings)
+        report.update(run_details(self.args, self.ns, self.baseline, self.resplit_log, frames, self.rec))
         if report["resplits_not_reached"]:
             print(f"warning: --resplit {' '.join(report['resplits_not_reached'])} not applied: playback ended after "
                   f"{len(frames)} frames", file=sys.stderr)
         (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         print_report(report)
-        if report["frames_published"] and not report["camera_messages_in"]:
-            print("hint: the prefix received no camera messages: do its camera_topics / camera_transports match "
-                  f"the played topics ({self.cams[0]}{'/compressed' if self.args.transport == 'compressed' else ''}, ...)?",
-                  file=sys.stderr)
-        if report["drops"].get("suffix.guard_too_old") or report["drops"].get("suffix.guard_future_stamp"):
-            print("hint: " + _age_drop_hint(report, self.args.rate, self.args.attach), file=sys.stderr)
-        if report["drops"].get("suffix.guard_no_clock"):
-            print("hint: the suffix node's clock read 0 (use_sim_time without /clock): is this replay's /clock "
-                  "reaching it (same ROS_DOMAIN_ID, discovery range)?", file=sys.stderr)
-        plots_ok = self._write_plots(frames) if self.args.plots else True
-        return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
+        return report
 
     def _resplit(self, node, index: int) -> None:
         """Before frame ``index``: apply the ``--resplit`` events due (suffix first, so it loads blocks ahead)."""
@@ -598,55 +383,35 @@ class ReplaySession:
             self.resplit_log.append({"frame": index, "split_layer": k, "accepted": not failed,
                                      "set_ms": round((time.monotonic() - t0) * 1e3, 2)})
 
-    def _write_plots(self, frames: dict[int, float]) -> bool:
-        """Draw the pictures into ``--plots``; prints their paths. False (and a message) when that fails."""
-        from . import plots
-
-        rec = self.rec
-        with rec.lock:
-            received, timings, paths = dict(rec.trajectories), dict(rec.timings), dict(rec.paths)
-            odometry, camera_images = list(rec.odometry), dict(rec.first_camera)
-        tolerance_ns = self.args.sync_tolerance_ms * 1e6
-        sent = {}  # trajectory stamp -> when the replay sent its frame's last image
-        for stamp in received:
-            key = frame_of(frames, stamp, tolerance_ns)
-            if key is not None:
-                sent[stamp] = frames[key]
-        try:
-            data = plots.collect(
-                timings=timings, paths=paths, received=received, sent=sent, odometry=odometry,
-                camera_images=camera_images, bag_messages=self.messages, tolerance_ns=tolerance_ns,
-                extrinsics_yaml=config_file(plots.DEFAULT_EXTRINSICS),
-                caption=f"split layer {self.k} of {self.cfg.num_layers}",
-                random_init=self.cfg.random_init)
-            written = plots.write_all(data, self.args.plots)
-        except Exception as e:  # noqa: BLE001 - the report is out already; say what went wrong and fail
-            print(f"hybrid-vla replay: cannot write the plots into {self.args.plots}: {type(e).__name__}: {e}",
-                  file=sys.stderr)
-            return False
-        print("plots:")
-        for path in written:
-            print(f"  {path}")
-        return True
 
 
+def write_plots(rec: Recorder, frames: dict[int, float], messages: list[BagMessage], plots_dir: str,
+                tolerance_ms: float, caption: str, random_init: bool) -> bool:
+    """Draw what a replay recorded (``rec``; ``frames``: played frame stamp -> wall time its last image went out)
+    into ``plots_dir`` (:mod:`~hybrid_vla_ros.tools.plots`; ``messages``: the whole bag, for CameraInfo and
+    /tf_static) and print their paths. False (and a message) when that fails."""
+    from . import plots
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+    with rec.lock:
+        received, timings, paths = dict(rec.trajectories), dict(rec.timings), dict(rec.paths)
+        odometry, camera_images = list(rec.odometry), dict(rec.first_camera)
+    tolerance_ns = tolerance_ms * 1e6
+    sent = {}  # trajectory stamp -> when the replay sent its frame's last image
+    for stamp in received:
+        key = frame_of(frames, stamp, tolerance_ns)
+        if key is not None:
+            sent[stamp] = frames[key]
+    try:
+        data = plots.collect(
+            timings=timings, paths=paths, received=received, sent=sent, odometry=odometry,
+            camera_images=camera_images, bag_messages=messages, tolerance_ns=tolerance_ns,
+            extrinsics_yaml=config_file(plots.DEFAULT_EXTRINSICS), caption=caption, random_init=random_init)
+        written = plots.write_all(data, plots_dir)
+    except Exception as e:  # noqa: BLE001 - the report is out already; say what went wrong and fail
+        print(f"hybrid-vla replay: cannot write the plots into {plots_dir}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return False
+    print("plots:")
+    for path in written:
+        print(f"  {path}")
+    return True

@@ -1,5 +1,6 @@
 """The report of one ``hybrid-vla replay`` run: this run's node counters, drops by cause, stage percentiles,
-the cost of each live re-split, and the printed table. Pure functions of what the replay recorded."""
+the cost of each live re-split, the printed table and the hints at what went wrong. Pure functions of what the
+replay recorded."""
 from __future__ import annotations
 
 import json
@@ -91,6 +92,22 @@ def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: d
     }
 
 
+def run_details(args, ns: str, baseline: dict, resplit_log: list[dict], frames: dict[int, float], rec) -> dict:
+    """The report's keys beside :func:`run_report`'s: ``settings`` (the options ``args`` that shape the run),
+    ``node_counters_at_start`` (each node's counters in ``baseline``, its /diagnostics before playback by status
+    name under namespace ``ns``), ``resplits`` (:func:`resplit_report` of ``resplit_log``, the --resplit events
+    applied) and ``resplits_not_reached`` (``FRAME:K`` of those playback ended before)."""
+    details = {"settings": {"dtype": args.dtype, "device": args.device, "rate": args.rate, "loops": args.loops,
+                            "transport": args.transport, "fast_jpeg_decode": args.fast_jpeg_decode}}
+    # the counters the nodes had before this run's playback (subtracted from this run's counts)
+    details["node_counters_at_start"] = {
+        name: run_counts(baseline.get(f"{ns}/{name}: pipeline", {}), {}) for name in ("prefix_node", "suffix_node")}
+    details["resplits"] = resplit_report(resplit_log, frames, rec, args.sync_tolerance_ms)
+    applied = {(e["frame"], e["split_layer"]) for e in resplit_log}
+    details["resplits_not_reached"] = [f"{f}:{k}" for f, k in args.resplit if (f, k) not in applied]
+    return details
+
+
 def resplit_report(events: list[dict], frames: dict[int, float], rec, tolerance_ms: float) -> list[dict]:
     """Per ``--resplit`` event: the frames from the event's frame to the next event (or the end) that got no
     trajectory (what the re-split cost, in frames) and the end-to-end latency of the event's frame (ms)."""
@@ -139,3 +156,36 @@ def print_report(r: dict) -> None:
         print(f"  re-split before frame {e['frame']:<3} K -> {e['split_layer']}: "
               + (f"{cost}; that frame end to end {e2e}" if e["accepted"] else "refused"))
     print(f"  output bag             {r['output_bag']}")
+
+
+def _age_drop_hint(report: dict, rate: float, attach: bool) -> str:
+    """Why the suffix's output guard may have dropped trajectories for their age (``guard_too_old`` /
+    ``guard_future_stamp``), from the report's ``use_sim_time`` of each node."""
+    sim = report.get("use_sim_time") or {}
+    if not sim.get("suffix"):
+        return ("the suffix node's output guard dropped trajectories for their stamps, and it does not run on "
+                "the bag's clock: the replay plays the bag's recorded stamps and publishes the bag's time on "
+                "/clock, so the nodes must run with use_sim_time:=true (the params.yaml a replay writes has it"
+                + ("; start attached nodes so, e.g. `ros2 launch ... use_sim_time:=true`)" if attach else ")"))
+    return (f"the suffix node's output guard dropped trajectories older than guard.max_age_s by the bag's clock. "
+            f"At --rate {rate:g} the replay scales guard.max_age_s by {rate:g}, so the limit is still the same wall "
+            "time from the camera stamp to publication (1 s as shipped); those frames took longer than that (is "
+            "the machine busy with other work?): replay on a quieter machine, or at a lower --rate, where frames "
+            "do not wait for the prefix")
+
+
+def hints(report: dict, first_camera: str, rate: float, attach: bool) -> list[str]:
+    """What may have gone wrong, from a report of :func:`run_report` (one line each, for ``hint: `` lines):
+    no camera message reached the prefix (``first_camera``: the first topic played of them), the suffix's
+    output guard dropped trajectories for their age (at ``--rate`` ``rate``; ``attach``: the nodes were not
+    started by the replay), or the suffix's clock read 0. [] when none applies."""
+    out = []
+    if report["frames_published"] and not report["camera_messages_in"]:
+        out.append("the prefix received no camera messages: do its camera_topics / camera_transports match "
+                   f"the played topics ({first_camera}, ...)?")
+    if report["drops"].get("suffix.guard_too_old") or report["drops"].get("suffix.guard_future_stamp"):
+        out.append(_age_drop_hint(report, rate, attach))
+    if report["drops"].get("suffix.guard_no_clock"):
+        out.append("the suffix node's clock read 0 (use_sim_time without /clock): is this replay's /clock "
+                   "reaching it (same ROS_DOMAIN_ID, discovery range)?")
+    return out

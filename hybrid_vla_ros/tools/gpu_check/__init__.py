@@ -1,0 +1,149 @@
+"""``hybrid-vla gpu-check`` / ``python scripts/gpu_check.py``: the GPU half of the pipeline, measured in one go.
+
+ROS-free: it imports torch, numpy, safetensors, transformers, the standard library and this package's layers
+below ``ros/`` (cv2 through :mod:`hybrid_vla_ros.vehicle.image` for the sections that run the prefix runner;
+matplotlib, torchvision only where present). The prefix and suffix runners
+(:class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner`, :class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner`)
+run in two processes (``multiprocessing`` spawn) joined by the real shared-memory ring.
+
+Sections (each in its own try/except: a failure is reported and the rest still run; after ``--budget-s`` seconds
+the remaining sections are skipped and the report says so):
+
+1. ``memory_plan``: the prefix at K in {0, L/4, L/2, 3L/4, L} with random weights made on the device
+   (:func:`~hybrid_vla_ros.model.checkpoint.random_stage`), one forward: peak allocated, peak reserved and
+   driver-level used memory (``torch.cuda.mem_get_info``: total - free) against ``hybrid-vla plan``'s bytes.
+   Goal: within 10 %. CPU: the weights' bytes against the plan's; the allocator figures need CUDA.
+2. ``paper_table``: end-to-end latency (camera frame -> waypoints, ms) and pipelined frames/s of K = L (every
+   block on the device) against the hybrid at the other K, suffix pinned to up to 14 cores in bf16, with the
+   prefix's device memory per row.
+3. ``live_resplit``: K moved down then up while frames flow: memory returned to the driver (reserved and
+   driver-level used before / after the move), frames lost (published - computed - superseded) = 0, frames
+   computed at a K other than their slot header's = 0.
+4. ``memory_pressure``: a ballast process takes device memory while frames flow; with the auto re-split policy
+   (:class:`~hybrid_vla_ros.split.planner.AutoResplitPolicy`, the node's ``auto_resplit_free_mb`` /
+   ``auto_resplit_recover_mb``) the prefix moves K down before an allocation fails, and back up once the
+   ballast is gone. CPU: the same policy and re-split with the free memory simulated (plan bytes of the
+   current K plus the ballast's bytes taken from a device of fixed size).
+5. ``handoff``: the device-to-host copy of ``orion``'s hidden states into a ring slot: pageable vs page-locked
+   (registered mapping; pinned staging). CPU: a host copy into the slot (the device paths need CUDA).
+6. ``camera_decode``: 6 JPEG cameras of 1936 x 1216: nvJPEG (``torchvision.io.decode_jpeg`` on CUDA) against
+   the CPU path of the prefix (:func:`~hybrid_vla_ros.vehicle.image.compressed_msg_to_rgb`).
+7. ``numerics``: fp16 / bf16 prefix on the device -> CPU suffix (fp32 and bf16) against the fp32 CPU
+   monolithic model: trajectory drift at 3 s (cm; goal <= 1 cm). The weights are random: the drift of a
+   random-weight head says how the arithmetic differs, not how a trained planner would drift.
+
+Output under ``--out``: ``gpu_check.json`` (everything), ``gpu_check.md`` (tables), PNGs when matplotlib is
+installed (else a note), and a summary on stdout. ``--small`` runs reduced sizes (the ``tiny`` preset, few
+frames) so ``--device cpu --small`` finishes in about a minute on two cores.
+
+Modules: ``common`` (section names, sizes, pure helpers), ``inputs`` (checkpoints, camera frames), ``workers``
+and ``pair`` (the prefix and suffix processes of a pipeline run), one module per section (``memory_plan``,
+``paper_table``, ``live_resplit``, ``memory_pressure``, ``handoff``, ``camera_decode``, ``numerics``),
+``check`` (the run over the sections and its budget), ``report`` (JSON, Markdown, summary), ``plots``; here the
+command line (options, preflight, :func:`main`). Every module imports only the standard library at import time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .camera_decode import decode_figures
+from .check import Check
+from .common import (CAMERA_WH, EGO_STATE, GB, MIB, NEEDS_CUDA, SECTIONS, TITLES, Sizes, core_split, drift_at,
+                     frames_lost, sizes_for, split_points, wide_tiny_llm, within)
+from .handoff import handoff_figures
+from .inputs import ensure_checkpoint, raw_items, synthetic_rgb
+from .memory_plan import memory_rows
+from .memory_pressure import ballast_process
+from .numerics import numerics_figures
+from .pair import Pair, pipeline_figures
+from .report import machine_info, markdown, summary, write_report
+from .workers import prefix_process, suffix_process
+
+__all__ = ["CAMERA_WH", "EGO_STATE", "GB", "MIB", "NEEDS_CUDA", "NO_CUDA_FULL", "REQUIREMENTS", "SECTIONS", "TITLES",
+           "Check", "Pair", "Sizes", "ballast_process", "build_parser", "core_split", "decode_figures", "drift_at",
+           "ensure_checkpoint", "frames_lost", "handoff_figures", "machine_info", "main", "markdown", "memory_rows",
+           "missing_requirements", "numerics_figures", "pipeline_figures", "preflight", "prefix_process",
+           "raw_items", "sizes_for", "split_points", "suffix_process", "summary", "synthetic_rgb", "wide_tiny_llm",
+           "within", "write_report"]
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The options of ``hybrid-vla gpu-check`` and ``scripts/gpu_check.py``."""
+    p = parser or argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="gpu_check_out", help="output folder (JSON, Markdown, PNGs, model cache)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument("--small", action="store_true", help="reduced sizes: tiny preset, few frames (CPU test run)")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="time budget, s: sections not started by then are skipped (default 420)")
+    p.add_argument("--sections", nargs="*", choices=SECTIONS, default=None, help="run only these sections")
+    p.add_argument("--cache", default="", help="checkpoint cache folder (default OUT/models; reused on a rerun)")
+    return p
+
+
+#: Modules the check imports when it runs (``import name`` -> what to install).
+REQUIREMENTS = ("torch", "transformers", "safetensors", "numpy")
+#: Refusal of a full-size run on a machine where ``--device auto`` finds no CUDA device.
+NO_CUDA_FULL = ("no CUDA device: the full-size check is meant for a GPU machine (it writes about 20 GB of "
+                "checkpoints and runs for a long time); use --device cpu --small here (or --device cpu for the "
+                "full sizes on the CPU anyway)")
+
+
+def missing_requirements(find=None) -> list[str]:
+    """Names in :data:`REQUIREMENTS` this Python cannot import (``importlib.util.find_spec`` is None, or ``find``
+    standing in for it); an empty list when all are there. Nothing is imported."""
+    import importlib.util
+
+    find = find or importlib.util.find_spec
+    missing = []
+    for name in REQUIREMENTS:
+        try:
+            if find(name) is None:
+                missing.append(name)
+        except (ImportError, ValueError):
+            missing.append(name)
+    return missing
+
+
+def preflight(args: argparse.Namespace, cuda_available: bool | None = None, device_count: int | None = None) -> str:
+    """Checks before anything is written: the requirements import, ``--device`` names a device this machine has,
+    and ``auto`` resolving to the CPU is refused without ``--small`` (:data:`NO_CUDA_FULL`; ``--device cpu``
+    given explicitly runs the full sizes). ``cuda_available`` / ``device_count`` default to torch's answers.
+    Returns the error message, or ``""`` when the run may start."""
+    missing = missing_requirements()
+    if missing:
+        return (f"gpu_check needs torch (and transformers, safetensors, numpy): {', '.join(missing)} "
+                f"cannot be imported by {sys.executable}; run it with the Python that has them (e.g. the "
+                f"repository's .venv/bin/python)")
+    from ...runtime.device import parse_device
+
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+        device_count = torch.cuda.device_count() if cuda_available else 0
+    try:
+        name = parse_device(args.device, cuda_available, device_count or 0)
+    except ValueError as e:
+        return f"--device: {e}"
+    if name == "cpu" and str(args.device).strip().lower() == "auto" and not args.small:
+        return NO_CUDA_FULL
+    return ""
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    """Run the check; returns 0 when every section ran (ok or check), 1 when one failed, 2 when it cannot start
+    (:func:`preflight`: a missing requirement, a device this machine lacks, a full-size run without CUDA)."""
+    if args is None:
+        args = build_parser().parse_args(argv)
+    problem = preflight(args)
+    if problem:
+        print(f"gpu-check: {problem}", file=sys.stderr)
+        return 2
+    check = Check(args)
+    report = check.run()
+    jpath, mpath = write_report(report, check.out)
+    print(summary(report))
+    print(f"report: {jpath} and {mpath}")
+    return 1 if any(s.get("status") == "failed" for s in report["sections"].values()) else 0
+

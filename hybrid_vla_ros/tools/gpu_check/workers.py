@@ -1,0 +1,206 @@
+"""The two child processes of a pipeline run (:class:`~hybrid_vla_ros.tools.gpu_check.pair.Pair`, started with
+``multiprocessing`` spawn): a PrefixRunner feeding frames into the shared-memory ring and a SuffixRunner computing
+what it takes from it. Each sends its per-frame records (or its error and traceback) to the parent on a pipe;
+the shared counters (``multiprocessing.Value``: K, frames, free bytes, ballast bytes, done flags) tell the
+parent and the other child how far the run is."""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+from .common import EGO_STATE, rss_peak_bytes, sync
+from .inputs import raw_items
+
+
+def _pin(cores) -> None:
+    """Pin this process to ``cores`` (nothing when empty, or where CPU affinity cannot be set)."""
+    if cores:
+        try:
+            os.sched_setaffinity(0, cores)
+        except (AttributeError, OSError):
+            pass
+
+
+def _free_reader(device, sim):
+    """Free device memory in bytes: ``torch.cuda.mem_get_info`` on CUDA, else the simulation ``sim`` =
+    (total bytes, plan, ballast Value): total - plan total of the current K - ballast."""
+    import torch
+
+    if device.type == "cuda":
+        return lambda runner: int(torch.cuda.mem_get_info(device)[0])
+    total, plan, ballast = sim
+    return lambda runner: int(total - plan.row(runner.split_layer).gpu_total_bytes - ballast.value)
+
+
+def _auto_policy(spec: dict, runner, shared, conn):
+    """(policy, free-memory reader) of the spec's auto re-split (``spec['policy']``: ``low`` / ``high``
+    thresholds and ``margin`` in bytes, ``up_after`` readings), after sending the parent the plan's bytes per K;
+    (None, None) without one. On the CPU the free memory is simulated: a device of ``sim_total`` bytes (set here
+    in the spec's policy) minus the plan total of the current K minus the ballast."""
+    if not spec.get("policy"):
+        return None, None
+    from ...split.planner import AutoResplitPolicy, plan_for_checkpoint
+
+    dev = runner.device
+    pol = spec["policy"]
+    plan = plan_for_checkpoint(spec["model"], None, None, spec["dtype"],
+                               cuda_overhead_gb=None if dev.type == "cuda" else 0.0)
+    if dev.type != "cuda":
+        pol["sim_total"] = plan.row(plan.num_layers).gpu_total_bytes + pol["high"] + pol["margin"]
+    policy = AutoResplitPolicy(plan, pol["low"], pol["high"], up_after=pol.get("up_after", 3))
+    read_free = _free_reader(dev, (pol.get("sim_total", 0), plan, shared["ballast"]))
+    conn.send({"type": "plan", "rows": [r.gpu_total_bytes for r in plan.rows],
+               "sim_total": pol.get("sim_total", 0), "free": read_free(runner)})
+    return policy, read_free
+
+
+def _frame_record(i: int, r) -> dict:
+    """What the parent gets of frame ``i`` (a PrefixRunner result ``r``): seq, K, stage times (ms) and the
+    re-split the frame applied, if any (ms, bytes before / after)."""
+    rec = {"i": i, "seq": r.seq, "k": r.split_layer, "preprocess_ms": r.preprocess_ms, "prefix_ms": r.prefix_ms}
+    e = r.resplit
+    if e is not None:
+        rec["resplit"] = {"from": e.old_split_layer, "to": e.new_split_layer, "ms": e.duration_ms,
+                          "load_ms": e.load_ms, "stage_before": e.stage_bytes_before,
+                          "stage_after": e.stage_bytes_after, "allocated_before": e.device_bytes_before,
+                          "allocated_after": e.device_bytes_after, "reserved_before": e.reserved_bytes_before,
+                          "reserved_after": e.reserved_bytes_after, "used_before": e.driver_used_before,
+                          "used_after": e.driver_used_after, "returned": e.returned_to_driver_bytes}
+    if r.resplit_error:
+        rec["resplit_error"] = r.resplit_error
+    return rec
+
+
+def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
+    """Child process: a PrefixRunner feeding ``spec['frames']`` frames into the ring, applying the spec's
+    re-split moves (``moves``: {frame index: K}) or auto policy (``policy``), reporting records on ``conn``."""
+    _pin(spec.get("cores"))
+    try:
+        import torch
+
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
+        from ...runtime.device import cuda_memory
+        from ...runtime.prefix import PrefixRunner
+
+        runner = PrefixRunner(spec["model"], spec["k"], device=spec["device"], dtype=spec["dtype"],
+                              ring_name=spec["ring"], ring_slots=4)
+        dev = runner.device
+        sync(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        shared["k"].value = runner.split_layer
+        mem_loaded = cuda_memory(dev)
+        if not ev_attached.wait(300):
+            raise TimeoutError("the suffix did not attach to the ring within 300 s")
+        items = raw_items(runner.cfg.n_cameras, tuple(spec["camera_wh"]))
+        ego = EGO_STATE if runner.cfg.ego_state_input else None
+        policy, read_free = _auto_policy(spec, runner, shared, conn)
+        records, decisions, errors = [], [], []
+        last_read = 0.0
+        stop_at = time.monotonic() + spec.get("max_s", 600)
+        i = 0
+        # a requested move up is applied by run() once its blocks are loaded in the background (frames keep
+        # flowing meanwhile, as in the node); frames continue past `frames` until it is
+        while (i < spec["frames"] or runner.split_requested
+               or (policy is not None and not shared["done"].value)):
+            if time.monotonic() > stop_at:
+                errors.append("stopped: the run's time limit")
+                break
+            k_req = spec.get("moves", {}).get(str(i))
+            if k_req is not None:
+                runner.request_split_layer(int(k_req))
+            if policy is not None and time.monotonic() - last_read >= spec["policy"].get("period_s", 0.2):
+                last_read = time.monotonic()
+                free = read_free(runner)
+                shared["free"].value = free
+                try:
+                    k_new, why = policy.decide(runner.split_layer, free)
+                except ValueError as e:
+                    k_new, why = None, f"no K fits: {e}"
+                if k_new is not None:
+                    decisions.append({"frame": i, "free": free, "from": runner.split_layer, "to": k_new, "why": why})
+                    runner.request_split_layer(k_new)
+            if spec.get("pace", True):
+                delay = runner.pacing_delay_s()
+                if delay > 0:
+                    time.sleep(delay)
+            try:
+                r = runner.run(items, stamp_ns=i + 1, ego_state=ego)
+            except torch.cuda.OutOfMemoryError as e:
+                errors.append(f"frame {i}: out of memory: {e}")
+                sync(dev)
+                torch.cuda.empty_cache()
+                i += 1
+                continue
+            shared["k"].value = runner.split_layer
+            shared["frames"].value = i + 1
+            records.append(_frame_record(i, r))
+            i += 1
+        mem = cuda_memory(dev)
+        conn.send({"type": "result", "records": records, "decisions": decisions, "errors": errors,
+                   "mem_loaded": mem_loaded, "mem_end": mem, "device": str(dev),
+                   "copier": None if runner.copier is None else runner.copier.mode,
+                   "ring_stats": dict(runner.ring.stats),
+                   "stage_bytes": sum(p.numel() * p.element_size() for p in runner.stage.parameters()),
+                   "rss_peak": rss_peak_bytes()})
+        shared["prefix_done"].value = 1
+        # keep the ring until the suffix has drained it
+        deadline = time.monotonic() + 60
+        while not shared["suffix_done"].value and time.monotonic() < deadline:
+            time.sleep(0.02)
+        runner.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        shared["prefix_done"].value = 1
+        conn.send({"type": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+
+
+def suffix_process(conn, ev_attached, shared, spec: dict) -> None:
+    """Child process: a SuffixRunner computing every frame it takes until the prefix is done and the ring is
+    drained; sends the per-frame records on ``conn``."""
+    _pin(spec.get("cores"))
+    try:
+        import torch
+
+        from ...runtime.suffix import SuffixRunner
+
+        runner = SuffixRunner(spec["model"], spec["k"], dtype=spec["dtype"], ring_name=spec["ring"],
+                              threads=spec.get("threads", 0), delivery=spec.get("delivery", "newest"),
+                              background_build=False)
+        records, errors = [], []
+        t_attach = time.monotonic() + 300
+        while not runner.attached and time.monotonic() < t_attach:
+            runner.poll(0.05)
+        if not runner.attached:
+            raise TimeoutError(f"could not attach: {runner.attach_error}")
+        ev_attached.set()
+        idle_since = None
+        while True:
+            try:
+                r = runner.poll(0.2)
+            except (RuntimeError, ValueError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            if r is None:
+                if shared["prefix_done"].value:
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > 1.0:
+                        break
+                continue
+            idle_since = None
+            records.append({"seq": r.meta.seq, "k": r.meta.split_layer, "stamp": r.meta.stamp_ns,
+                            "suffix_ms": r.suffix_ms, "handoff_ms": r.handoff_ms,
+                            "e2e_ms": (r.t_suffix_end_ns - r.t_prefix_start_ns) / 1e6 if r.t_prefix_start_ns else None,
+                            "t_end_ns": r.t_suffix_end_ns, "suffix_k_held": runner.split.first_held,
+                            "superseded": r.superseded, "waypoints": r.waypoints.tolist(),
+                            "resplits": len(r.resplits)})
+        conn.send({"type": "result", "records": records, "errors": errors, "superseded": runner.superseded,
+                   "ring_stats": {k: v for k, v in runner.ring_stats().items() if isinstance(v, (int, float))},
+                   "rss_peak": rss_peak_bytes(), "threads": torch.get_num_threads()})
+        shared["suffix_done"].value = 1
+        runner.close()
+    except BaseException as e:  # noqa: BLE001
+        shared["suffix_done"].value = 1
+        conn.send({"type": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+

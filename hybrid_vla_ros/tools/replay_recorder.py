@@ -1,0 +1,92 @@
+"""What ``hybrid-vla replay`` receives from the nodes while it plays (:class:`Recorder`): the trajectories and the
+per-frame timing (also written into the output bag), the nodes' /diagnostics, and what was played for the
+pictures."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..util.bags import BagMessage
+
+
+@dataclass
+class Recorder:
+    """What the replay node received, by camera stamp (ns)."""
+
+    trajectories: dict[int, float] = field(default_factory=dict)  # stamp -> wall receive time (s)
+    timings: dict[int, dict] = field(default_factory=dict)  # stamp -> stage ms, and t_*_ns CLOCK_MONOTONIC instants
+    diagnostics: dict[str, dict] = field(default_factory=dict)  # status name -> key/values
+    diagnostics_at: dict[str, float] = field(default_factory=dict)  # status name -> monotonic receive time (s)
+    paths: dict[int, np.ndarray] = field(default_factory=dict)  # stamp -> (P, 3) time_from_start s, map x, y (m)
+    odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
+    first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on_diagnostics(self, msg) -> None:
+        """/diagnostics callback (a DiagnosticArray): each status's key/values and when they arrived."""
+        t = time.monotonic()
+        with self.lock:
+            for status in msg.status:
+                self.diagnostics[status.name] = {kv.key: kv.value for kv in status.values}
+                self.diagnostics_at[status.name] = t
+
+    def fresh_diagnostics(self, ns: str, since: float, timeout: float = 10.0) -> dict[str, dict]:
+        """The pipeline /diagnostics key/values of the nodes in namespace ``ns`` received after monotonic time
+        ``since`` (each node publishes them at 1 Hz), waiting up to ``timeout`` s; a node without one then maps
+        to its latest. Keys: ``<ns>/prefix_node: pipeline`` and ``<ns>/suffix_node: pipeline``, in that order."""
+        names = [f"{ns}/{n}: pipeline" for n in ("prefix_node", "suffix_node")]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if all(self.diagnostics_at.get(n, -1.0) > since for n in names):
+                    break
+            time.sleep(0.05)
+        with self.lock:
+            return {n: dict(self.diagnostics.get(n, {})) for n in names}
+
+    def record_outputs(self, node, bag, output_topic: str, timing_topic: str) -> None:
+        """Subscribe ``node`` to the Trajectory topic and the suffix's frame timing (a DiagnosticArray per frame);
+        each message is kept here by its stamp and written into ``bag`` (:class:`~.output_bag.OutputBag`)."""
+        from autoware_planning_msgs.msg import Trajectory
+        from diagnostic_msgs.msg import DiagnosticArray
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from rclpy.serialization import serialize_message
+
+        from ..util.stamps import stamp_to_ns
+
+        traj_conn = bag.add_topic(output_topic, "autoware_planning_msgs/msg/Trajectory")
+        timing_conn = bag.add_topic(timing_topic, "diagnostic_msgs/msg/DiagnosticArray")
+
+        def on_trajectory(msg):
+            stamp = stamp_to_ns(msg.header.stamp)
+            t_recv = time.monotonic()
+            path = np.array([(p.time_from_start.sec + p.time_from_start.nanosec * 1e-9, p.pose.position.x,
+                              p.pose.position.y) for p in msg.points]).reshape(-1, 3)
+            with self.lock:
+                self.trajectories[stamp] = t_recv
+                self.paths[stamp] = path
+            bag.write(traj_conn, stamp, serialize_message(msg))
+
+        def on_timing(msg):
+            stamp = stamp_to_ns(msg.header.stamp)
+            # '<stage>_ms' -> stage: float ms; 't_<event>_ns' stays: int CLOCK_MONOTONIC ns
+            values = {kv.key: int(kv.value) if kv.key.endswith("_ns") else float(kv.value)
+                      for kv in msg.status[0].values}
+            with self.lock:
+                self.timings[stamp] = {k.removesuffix("_ms"): v for k, v in values.items()}
+            bag.write(timing_conn, stamp, serialize_message(msg))
+
+        node.create_subscription(Trajectory, output_topic, on_trajectory,
+                                 QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)
+
+    def wait_for_answers(self, n_frames: int, stall_s: float = 3.0) -> None:
+        """Let frames in flight finish: return when ``n_frames`` trajectories are in or none came for ``stall_s``."""
+        last_count, last_change = -1, time.monotonic()
+        while time.monotonic() - last_change < stall_s and len(self.trajectories) < n_frames:
+            if len(self.trajectories) != last_count:
+                last_count, last_change = len(self.trajectories), time.monotonic()
+            time.sleep(0.05)
