@@ -18,6 +18,9 @@ same stamp, per-stage milliseconds) and ``/diagnostics`` (1 Hz).
 Navigation command: the ``navigation_command`` parameter (read at configure, applied at once when set
 while running) or a name on ``~/input/navigation_command`` (std_msgs/String), the latest of the two,
 selects the planner mode of the next frame; ``/diagnostics`` shows the command in use.
+The node class is ``_suffix_impl.SuffixNode`` (imported once the process is pinned); its parts are
+``suffix_inputs`` (odometry, navigation command), ``suffix_worker`` (the ring side) and ``suffix_outputs``
+(the guarded trajectory, candidates and frame timing).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One frame's planner output -> the trajectories a suffix may publish, each through the output guard.
 
-ROS-free: the suffix node (``ros/_suffix_impl.py``) calls :func:`guarded_outputs` with the frame's waypoints
+ROS-free: the suffix node (``ros/suffix_outputs.py``) calls :func:`guarded_outputs` with the frame's waypoints
 and the ego pose at its camera stamp, then publishes what it returns and counts what it drops. A
 trajectory that cannot be converted or that fails the guard is never published: it comes back as a drop
 (cause, message), one per trajectory, naming its first guard violation.

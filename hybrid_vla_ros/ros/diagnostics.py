@@ -1,0 +1,137 @@
+"""What a pipeline node reports on /diagnostics: the 1 Hz '<node>: pipeline' status and its helpers."""
+from __future__ import annotations
+
+import time
+
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.clock import Clock
+from rclpy.clock_type import ClockType
+from rclpy.node import Node
+
+from .lifecycle_hooks import lifecycle_state
+from .msg_conv import ns_to_stamp
+
+OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
+
+#: What a node with ``use_sim_time`` and no ``/clock`` says in /diagnostics, its log and the guard's drop line.
+NO_CLOCK_HINT = ("use_sim_time is true but no message has arrived on /clock yet, so the node clock reads 0 (stamps "
+                 "cannot be aged, timers on the ROS clock do not run): publish /clock (`ros2 bag play --clock`, "
+                 "`hybrid-vla replay`) or set use_sim_time false")
+
+
+def diagnostic_array(node: Node, name: str, level: bytes, message: str, values: dict) -> DiagnosticArray:
+    """One DiagnosticStatus named '<fully qualified node name>: <name>' (Autoware's '<node>: <task>'
+    convention, with the namespace so that two deployments stay apart) in a DiagnosticArray stamped now."""
+    status = DiagnosticStatus(level=level, name=f"{node.get_fully_qualified_name()}: {name}", message=message,
+                              hardware_id=node.get_fully_qualified_name())
+    status.values = [KeyValue(key=str(k), value=str(v)) for k, v in values.items()]
+    arr = DiagnosticArray(status=[status])
+    arr.header.stamp = ns_to_stamp(node.get_clock().now().nanoseconds)
+    return arr
+
+
+def flatten_stats(stage_summary: dict, drops: dict, extra: dict) -> dict:
+    """Diagnostic key/values: '<stage>_p50_ms', '<stage>_p90_ms', 'drop_<cause>', plus ``extra``."""
+    out = dict(extra)
+    for stage, s in stage_summary.items():
+        out[f"{stage}_p50_ms"] = f"{s['p50']:.3f}"
+        out[f"{stage}_p90_ms"] = f"{s['p90']:.3f}"
+        out[f"{stage}_n"] = s["n"]
+    for cause, n in sorted(drops.items()):
+        out[f"drop_{cause}"] = n
+    return out
+
+
+def ring_fill(ring) -> tuple[int, int]:
+    """(READY slots, all slots) of a ring end; (0, 0) without a ring or once it is closed."""
+    if ring is None:
+        return 0, 0
+    try:
+        states = ring.slot_states()
+    except Exception:  # noqa: BLE001 - a ring closing under us just has no fill to report
+        return 0, 0
+    return states.count("READY"), len(states)
+
+
+def memory_values() -> dict:
+    """Process memory for diagnostics: resident set (MiB) and, when CUDA is in use, allocated / reserved (this
+    process's caching allocator) and the device's driver-level used / free memory (``torch.cuda.mem_get_info``,
+    every process on the device)."""
+    import psutil
+    import torch
+
+    out = {"rss_mib": f"{psutil.Process().memory_info().rss / 2**20:.1f}"}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_allocated_mib"] = f"{torch.cuda.memory_allocated() / 2**20:.1f}"
+        out["cuda_reserved_mib"] = f"{torch.cuda.memory_reserved() / 2**20:.1f}"
+        free, total = torch.cuda.mem_get_info()
+        out["cuda_driver_used_mib"] = f"{(total - free) / 2**20:.1f}"
+        out["cuda_driver_free_mib"] = f"{free / 2**20:.1f}"
+    return out
+
+
+class PipelineDiagnostics:
+    """The '<fully qualified node name>: pipeline' DiagnosticStatus of a PipelineNode on /diagnostics (depth 10).
+
+    A 1 s timer on steady time, not the node clock, calls the node's ``publish_diagnostics`` (with
+    use_sim_time a ROS-time timer stops when /clock does, and /diagnostics must keep coming: it is where a
+    missing /clock is reported); that calls :meth:`publish`. Level: ERROR while the node's ``fault`` is set
+    (its text is the message) or when inputs keep arriving but nothing has come out for the node's ``STALL_S``
+    seconds; WARN when ``use_sim_time`` is set and no /clock has arrived (NO_CLOCK_HINT, also logged), when
+    something was dropped since the previous report or when the ring holds n_slots - 1 unread frames (the next
+    frame overwrites one); else OK. Values: the lifecycle state, refused lifecycle requests, the node's own
+    values (``_diagnostic_values``), the clock, the ring's unread slots, the process's memory (resident set;
+    CUDA allocated / reserved when the process uses CUDA), the last error, stage times and drops by cause.
+    """
+
+    def __init__(self, node):
+        self._node = node
+        self._pub = node.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._stall_since = time.monotonic()
+        self._clock_missing_said = False  # NO_CLOCK_HINT logged and not yet taken back
+        self._prev = None  # inputs, outputs and drops at the previous report
+        self._timer = node.create_timer(1.0, node.publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME))
+
+    def publish(self) -> None:
+        """Publish the status now."""
+        node = self._node
+        drops = node.drops.snapshot()
+        ring_ready, ring_slots = ring_fill(node._ring())
+        clock_missing = node.clock_missing()
+        self._say_clock_state(clock_missing)
+        values = flatten_stats(node.times.summary(), drops,
+                               {"state": lifecycle_state(node),
+                                "lifecycle_requests_refused": node.lifecycle_requests_refused,
+                                **node._diagnostic_values(),
+                                "use_sim_time": node.use_sim_time(), "clock_missing": clock_missing,
+                                "ring_ready_slots": f"{ring_ready}/{ring_slots}", **memory_values(),
+                                "last_error": node.last_error})
+        now = time.monotonic()
+        inputs, outputs = node._io_counts()
+        prev = self._prev
+        if prev is None or outputs != prev["outputs"] or inputs == prev["inputs"]:
+            self._stall_since = now  # output moved, or no new input: not stalled
+        self._prev = {"inputs": inputs, "outputs": outputs, "drops": sum(drops.values())}
+        new_drops = self._prev["drops"] - (prev["drops"] if prev else 0)
+        if node.fault:
+            level, message = ERROR, node.fault
+        elif now - self._stall_since >= node.STALL_S:
+            level, message = ERROR, f"inputs arrive but nothing came out for {now - self._stall_since:.0f} s"
+        elif clock_missing:
+            level, message = WARN, NO_CLOCK_HINT
+        elif new_drops > 0:
+            level, message = WARN, f"{new_drops} dropped since the last report ({node.last_error})"
+        elif ring_slots and ring_ready >= ring_slots - 1:
+            level, message = WARN, f"ring nearly full ({ring_ready}/{ring_slots} unread): the suffix falls behind"
+        else:
+            level, message = OK, "ok"
+        self._pub.publish(diagnostic_array(node, "pipeline", level, message, values))
+
+    def _say_clock_state(self, missing: bool) -> None:
+        """Log NO_CLOCK_HINT when the clock goes missing, and once more when /clock arrives."""
+        node = self._node
+        if missing and not self._clock_missing_said:
+            node.get_logger().warning(NO_CLOCK_HINT)
+        elif not missing and self._clock_missing_said:
+            node.get_logger().info(f"/clock is arriving: node clock at {node.get_clock().now().nanoseconds} ns")
+        self._clock_missing_said = missing

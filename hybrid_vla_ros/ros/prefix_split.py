@@ -1,0 +1,128 @@
+"""The prefix node's split layer K: the plan of ``split_layer: auto``, a K set while running, memory pressure."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..runtime.device import resolve_device
+
+
+class SplitLayerControl:
+    """Chooses the prefix's split layer K and asks the PrefixRunner to move it; the worker applies a move
+    between frames (``wake`` tells it one was requested).
+
+    * configure: :meth:`initial_layer` is ``split_layer``, or for ``split_layer: auto`` the K of a plan
+      (split.planner.Plan, kept in ``plan``) for the device memory budget;
+    * a ``split_layer`` set while running: :meth:`set_split_layer` (a new plan for 'auto');
+    * while active with ``split_layer: auto``, ``auto_resplit_free_mb`` > 0 and a CUDA prefix: a 2 s timer
+      (:meth:`update_timer`) that moves K down when the device's free memory runs low and back up when it
+      recovers (split.planner.AutoResplitPolicy).
+    """
+
+    def __init__(self, node, wake: Callable[[], None]):
+        self._node = node
+        self._wake = wake
+        self.plan = None  # the split plan of `split_layer: auto` (split.planner.Plan), None for a fixed K
+        self._timer = None
+        self._policy = None  # split.planner.AutoResplitPolicy of the running `auto` plan
+
+    def initial_layer(self, p) -> int:
+        """K to load at configure (parameters ``p``); logs the plan's reason for 'auto'. Raises ValueError (no K
+        fits, bad profile), FileNotFoundError."""
+        self.plan = None
+        k = p.split_layer
+        if k == "auto":
+            self.plan = self.make_plan(p)
+            k = self.plan.chosen_k
+            self._node.get_logger().info(f"split_layer auto: {self.plan.reason}")
+        return k
+
+    def make_plan(self, p, budget_bytes: int | None = None):
+        """The split plan of ``split_layer: auto`` (split.planner.Plan) for budget ``budget_bytes`` (default:
+        ``gpu_budget_gb``, or the device's free memory on CUDA when that is 0). Raises ValueError (no K fits,
+        bad profile), FileNotFoundError."""
+        from ..split.planner import plan_for_checkpoint
+
+        device = resolve_device(p.device)
+        if budget_bytes is not None:
+            budget_gb = budget_bytes / 1e9
+        elif p.gpu_budget_gb > 0:
+            budget_gb = p.gpu_budget_gb
+        elif device.type == "cuda":
+            # free memory, plus what this prefix holds already when it is running (a live switch to auto)
+            held = torch.cuda.memory_reserved(device) if self._node.runner is not None else 0
+            budget_gb = (torch.cuda.mem_get_info(device)[0] + held) / 1e9
+        else:
+            budget_gb = None  # a CPU prefix: no device budget
+        return plan_for_checkpoint(p.model_path, p.profile_path or None, budget_gb, p.dtype,
+                                   cuda_overhead_gb=None if device.type == "cuda" else 0.0)
+
+    def set_split_layer(self, k, active: bool) -> None:
+        """Request K = ``k`` (an int, or 'auto': a new plan) of the running prefix; None or an unconfigured
+        node: nothing (configure reads it). ``active``: the worker runs (for the memory-pressure timer)."""
+        node = self._node
+        if k is None or node.runner is None:
+            return  # unconfigured: read at configure
+        if k == "auto":
+            try:
+                self.plan = self.make_plan(node.params)
+            except (ValueError, OSError) as e:
+                node.get_logger().error(f"split_layer auto: no plan ({e}); K stays {node.runner.split_layer}")
+                return
+            node.get_logger().info(f"split_layer auto: {self.plan.reason}")
+            k = self.plan.chosen_k
+        else:
+            self.plan = None
+        self.update_timer(active)
+        node.runner.request_split_layer(k)
+        self._wake()  # an idle worker applies it at once
+        node.get_logger().info(f"split_layer {k} requested (now {node.runner.split_layer}): the frame in progress "
+                               "finishes at its K, the next one is computed at the new K")
+
+    def update_timer(self, active: bool) -> None:
+        """Run the 2 s memory-pressure check while ``active`` with ``split_layer: auto``, ``auto_resplit_free_mb``
+        > 0 and a CUDA prefix; stop it otherwise."""
+        node = self._node
+        wanted = (active and self.plan is not None and node.params.auto_resplit_free_mb > 0
+                  and node.runner is not None and node.runner.device.type == "cuda")
+        if wanted and self._timer is None:
+            self._timer = node.create_timer(2.0, self._check_memory_pressure)
+        elif not wanted:
+            self.stop_timer()
+
+    def stop_timer(self) -> None:
+        """Stop the memory-pressure check (idempotent)."""
+        if self._timer is not None:
+            self._node.destroy_timer(self._timer)
+            self._timer = None
+
+    def _check_memory_pressure(self) -> None:
+        """2 s timer (``split_layer: auto`` on CUDA with ``auto_resplit_free_mb`` > 0): move K down when the
+        device's free memory falls under ``auto_resplit_free_mb`` and back up (at most to the planned K) when a
+        move up leaves ``auto_resplit_recover_mb`` free for 3 readings (split.planner.AutoResplitPolicy)."""
+        from ..split.planner import AutoResplitPolicy
+
+        node = self._node
+        if node.runner is None or self.plan is None:
+            return
+        low, high = AutoResplitPolicy.thresholds(node.params.auto_resplit_free_mb, node.params.auto_resplit_recover_mb)
+        if self._policy is None or self._policy.plan is not self.plan:
+            try:
+                self._policy = AutoResplitPolicy(self.plan, low, high)
+            except ValueError as e:
+                if node._throttle("memory_pressure"):
+                    node.get_logger().error(f"auto re-split off: {e}")
+                return
+        free = torch.cuda.mem_get_info(node.runner.device)[0]
+        try:
+            k, reason = self._policy.decide(node.runner.split_layer, free)
+        except ValueError as e:
+            if node._throttle("memory_pressure"):
+                node.get_logger().error(f"free device memory {free / 2**20:.0f} MiB < {low / 2**20:.0f} MiB and "
+                                        f"no split layer fits: {e}")
+            return
+        if k is not None and k != node.runner.split_layer:
+            node.get_logger().warning(f"moving K {node.runner.split_layer} -> {k}: {reason}")
+            node.runner.request_split_layer(k)
+            self._wake()

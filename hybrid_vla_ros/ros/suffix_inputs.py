@@ -1,0 +1,105 @@
+"""The suffix node's inputs from the vehicle: the kinematic state (the ego pose at a camera stamp) and the
+navigation command (the planner mode of the next frame).
+
+Callbacks only buffer (vehicle.odometry.OdometryBuffer) or set the command; a message that cannot be read is
+a drop counted on the node by cause.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from nav_msgs.msg import Odometry
+from std_msgs.msg import String
+
+from ..model.config import NAV_COMMANDS, nav_command_index
+from ..model.modeling import DEFAULT_COMMAND
+from ..vehicle.odometry import OdometryBuffer
+from ..vehicle.trajectory import EgoState, ego_state_from_odometry
+
+
+class SuffixInputs:
+    """``~/input/kinematic_state`` (nav_msgs/Odometry) and ``~/input/navigation_command`` (std_msgs/String).
+
+    ``command`` is the navigation command index (NAV_COMMANDS) for the next frame: set by a name on the topic
+    or by :meth:`set_command` (the ``navigation_command`` parameter), the latest of the two. :meth:`pose_at`
+    gives the ego pose at a camera stamp; :meth:`count_placed` counts how the pose of a published trajectory
+    was obtained (``odometry_propagated``, ``odometry_late``).
+    """
+
+    def __init__(self, node):
+        self._node = node
+        self.odometry = OdometryBuffer()
+        self._odom_sub = None
+        self._command = DEFAULT_COMMAND  # navigation command index (NAV_COMMANDS) for the next frame
+        self._command_lock = threading.Lock()
+        self._command_sub = None
+        self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
+        self.odometry_late = 0  # frames placed at once because the odometry stream was late (no wait)
+
+    @property
+    def command(self) -> int:
+        """The navigation command index (0..5, NAV_COMMANDS) for the next frame."""
+        return self._command
+
+    def start(self) -> None:
+        """Subscribe to both topics (depth 10)."""
+        self._odom_sub = self._node.create_subscription(Odometry, "~/input/kinematic_state", self._on_odometry, 10)
+        self._command_sub = self._node.create_subscription(String, "~/input/navigation_command",
+                                                           self._on_navigation_command, 10)
+
+    def stop(self) -> None:
+        """Unsubscribe from both topics (idempotent)."""
+        for name in ("_odom_sub", "_command_sub"):
+            sub = getattr(self, name)
+            if sub is not None:
+                self._node.destroy_subscription(sub)
+                setattr(self, name, None)
+
+    def _on_odometry(self, msg: Odometry) -> None:
+        try:
+            ego = ego_state_from_odometry(msg)
+        except ValueError as e:
+            self._node._drop("bad_odometry", str(e))
+            return
+        self.odometry.add(ego)
+
+    def _on_navigation_command(self, msg: String) -> None:
+        """A command name (NAV_COMMANDS, any case) for the next frames; another name is a counted drop and
+        the command in use stays."""
+        try:
+            index = nav_command_index(msg.data)
+        except ValueError as e:
+            self._node._drop("bad_navigation_command", f"~/input/navigation_command: {e}; keeping "
+                             f"{NAV_COMMANDS[self._command]}")
+            return
+        self.set_command(index, "topic ~/input/navigation_command")
+
+    def set_command(self, index: int, source: str) -> None:
+        """Use navigation command ``index`` (0..5) from the next frame on; a change is logged with its source."""
+        with self._command_lock:
+            old, self._command = self._command, index
+        if old != index:
+            self._node.get_logger().info(f"navigation command {NAV_COMMANDS[old]} -> {NAV_COMMANDS[index]} "
+                                         f"(from {source})")
+
+    def pose_at(self, stamp: int, wait_s: float, max_age_s: float) -> tuple[EgoState, str, str, float]:
+        """(ego pose at camera stamp ``stamp`` (ns), 'interpolated' | 'propagated', why the wait was as long as it
+        was (OdometryBuffer.wait_budget), ms waited). Waits up to ``wait_s`` (s) for the odometry after the stamp,
+        only while it is due (docs/design.md, "Pipeline and timing"): a late or stopped stream holds no frame,
+        the pose is propagated from the newest one. Raises LookupError ('no_odometry', 'stale_odometry') when
+        no state lies within ``max_age_s`` (s)."""
+        budget_s, why = self.odometry.wait_budget(stamp, wait_s)
+        wait_ms = 0.0
+        if budget_s > 0:
+            t_wait = time.perf_counter()
+            self.odometry.wait_for(stamp, budget_s)
+            wait_ms = (time.perf_counter() - t_wait) * 1e3
+        ego, method = self.odometry.pose_at(stamp, int(max_age_s * 1e9))
+        return ego, method, why, wait_ms
+
+    def count_placed(self, method: str, why: str) -> None:
+        """Count a published trajectory whose pose was obtained by ``method`` after a wait for reason ``why``."""
+        if method == "propagated":
+            self.odometry_propagated += 1
+            self.odometry_late += why == "late"

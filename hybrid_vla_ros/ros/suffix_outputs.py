@@ -1,0 +1,105 @@
+"""The suffix node's outputs: the guarded trajectory, the candidate trajectories and each frame's timing."""
+from __future__ import annotations
+
+import time
+
+from autoware_internal_planning_msgs.msg import CandidateTrajectories
+from autoware_planning_msgs.msg import Trajectory
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+from ..model.config import NAV_COMMANDS
+from ..vehicle.guard import GuardLimits
+from ..vehicle.output import guarded_outputs
+from ..vehicle.trajectory import EgoState
+from .diagnostics import NO_CLOCK_HINT, OK, diagnostic_array
+from .msg_conv import candidate_trajectories_to_msg, generator_uuid, ns_to_stamp, trajectory_to_msg
+
+
+class TrajectoryOutputs:
+    """The lifecycle publishers of a suffix node and what one frame publishes on them.
+
+    * ``~/output/trajectory`` (autoware_planning_msgs/Trajectory, depth 1, reliable): the selected mode's
+      trajectory, only when it passes the output guard (vehicle.output.guarded_outputs with ``guard``);
+    * ``~/output/candidate_trajectories`` (autoware_internal_planning_msgs/CandidateTrajectories, depth 1,
+      reliable), while configured with ``publish_candidate_trajectories``: every mode that passes, under
+      ``generator_id`` (a UUID fixed per node name);
+    * ``~/debug/frame_timing`` (DiagnosticArray, depth 10): per-stage milliseconds and CLOCK_MONOTONIC
+      instants of each published frame, stamped with its camera stamp.
+
+    Every trajectory left out is a drop counted on the node by cause. Counts ``frames_out`` (trajectories
+    published), ``candidates_out`` and ``candidate_msgs_out``.
+    """
+
+    def __init__(self, node):
+        self._node = node
+        self.guard: GuardLimits | None = None  # output guard limits, from the guard.* parameters at configure
+        self.frames_out = 0
+        self.candidates_out = 0  # candidates published on ~/output/candidate_trajectories
+        self.candidate_msgs_out = 0  # CandidateTrajectories messages published
+        self._traj_pub = node.create_lifecycle_publisher(
+            Trajectory, "~/output/trajectory", QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
+        self._timing_pub = node.create_lifecycle_publisher(DiagnosticArray, "~/debug/frame_timing", 10)
+        # ~/output/candidate_trajectories, while configured with publish_candidate_trajectories
+        self.candidates_pub = None
+        self.generator_id = generator_uuid(node.get_fully_qualified_name())
+
+    def configure(self, p) -> None:
+        """Take the guard limits from parameters ``p`` and create the candidates publisher if asked for."""
+        self.guard = GuardLimits.from_params(p)
+        if p.publish_candidate_trajectories:
+            self.candidates_pub = self._node.create_lifecycle_publisher(
+                CandidateTrajectories, "~/output/candidate_trajectories",
+                QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
+
+    def release(self) -> None:
+        """Destroy the candidates publisher (idempotent)."""
+        if self.candidates_pub is not None:
+            self._node.destroy_lifecycle_publisher(self.candidates_pub)
+            self.candidates_pub = None
+
+    def publish(self, result, ego: EgoState, odometry_wait_ms: float) -> bool:
+        """Publish what frame ``result`` (runtime.suffix.SuffixResult) may: its guarded trajectory placed with
+        ``ego`` (the pose at its camera stamp), its candidates, its timing (``odometry_wait_ms``, ms, among the
+        stages). True when the trajectory was published."""
+        node, p = self._node, self._node.params
+        stamp = result.meta.stamp_ns
+        now_ns = node.get_clock().now().nanoseconds
+        modes = result.modes
+        names = NAV_COMMANDS if modes is not None and len(modes) == len(NAV_COMMANDS) else ()
+        out = guarded_outputs(result.waypoints, modes, result.mode, node.runner.cfg.waypoint_dt_s, ego,
+                              p.wheelbase_m, self.guard, stamp, now_ns,
+                              candidates=self.candidates_pub is not None, mode_names=names)
+        for cause, message in out.drops:
+            hint = f" ({NO_CLOCK_HINT})" if cause == "guard_no_clock" and node.use_sim_time() else ""
+            node._drop(cause, message + hint)
+        if out.selected is None:
+            return False
+        violations = out.violations
+        if not violations:  # the output guard: an invalid trajectory is never published
+            self._traj_pub.publish(trajectory_to_msg(out.selected, stamp, p.output_frame))
+        t_publish_ns = time.monotonic_ns()
+        if out.candidates:
+            self.candidates_pub.publish(candidate_trajectories_to_msg(
+                out.candidates, stamp, p.output_frame, self.generator_id, node.get_fully_qualified_name()))
+            self.candidates_out += len(out.candidates)
+            self.candidate_msgs_out += 1
+        if violations:
+            return False
+        self.frames_out += 1
+        self._publish_timing(result, odometry_wait_ms, t_publish_ns)
+        return True
+
+    def _publish_timing(self, result, odometry_wait_ms: float, t_publish_ns: int) -> None:
+        stages = {"preprocess": result.preprocess_ms, "prefix": result.prefix_ms,
+                  "handoff": result.handoff_ms, "suffix": result.suffix_ms, "odometry_wait": odometry_wait_ms}
+        for k, ms in stages.items():
+            self._node.times.add(k, ms)
+        # CLOCK_MONOTONIC instants (ns, system-wide): a process on this host can lay frames on one timeline.
+        instants = {"t_prefix_start_ns": result.t_prefix_start_ns, "t_write_start_ns": result.meta.t_write_start_ns,
+                    "t_ready_ns": result.t_ready_ns, "t_suffix_end_ns": result.t_suffix_end_ns,
+                    "t_publish_ns": t_publish_ns}
+        timing = diagnostic_array(self._node, "frame_timing", OK, f"seq {result.meta.seq}",
+                                  {**{f"{k}_ms": f"{ms:.4f}" for k, ms in stages.items()}, **instants})
+        timing.header.stamp = ns_to_stamp(result.meta.stamp_ns)
+        self._timing_pub.publish(timing)
