@@ -134,3 +134,34 @@ def test_extrinsics_compose_along_a_tf_chain():
     ext = plots.extrinsics_from_tf(tfs, "base_link", "camera0/camera_optical_link")
     assert ext is not None and np.allclose(ext.matrix, a @ b)
     assert plots.extrinsics_from_tf(tfs, "base_link", "camera1/camera_optical_link") is None
+
+
+def _timed_frame(stamp_ns: int, t0_ns: int) -> plots.FrameRecord:
+    """A frame whose stages took 10 ms each from ``t0_ns`` (CLOCK_MONOTONIC ns), sent 5 ms before."""
+    ms = 1_000_000
+    timing = {"preprocess": 10.0, "prefix": 10.0, "t_prefix_start_ns": t0_ns, "t_write_start_ns": t0_ns + 20 * ms,
+              "t_ready_ns": t0_ns + 21 * ms, "t_suffix_end_ns": t0_ns + 31 * ms, "t_publish_ns": t0_ns + 32 * ms}
+    return plots.FrameRecord(stamp_ns, timing, None, (t0_ns - 5 * ms) / 1e9, (t0_ns + 33 * ms) / 1e9)
+
+
+def test_timeline_marks_the_frames_sent_that_got_no_trajectory():
+    # frames stamped 1, 2, 3 s; the middle one was sent at 1.5 s (monotonic) and never answered
+    sec = 1_000_000_000
+    data = plots.PlotData([_timed_frame(1 * sec, 1 * sec), _timed_frame(3 * sec, 2 * sec)],
+                          unanswered={2 * sec: 1.5})
+    fig = plots.draw_timeline(data)
+    top = fig.axes[0]
+    marks = [line for line in top.get_lines() if line.get_marker() == "x" and len(line.get_xdata())]
+    assert len(marks) == 1
+    # its row lies between the two answered frames' rows (stamp order), at its send time from the first send
+    assert list(marks[0].get_ydata()) == [1]
+    assert marks[0].get_xdata()[0] == pytest.approx(1.5 - (1 * sec - 5_000_000) / 1e9)
+    bars = sorted({round(p.get_y() + p.get_height() / 2) for p in top.patches})
+    assert bars == [0, 2]
+    assert "1 sent that got none" in top.get_title(loc="left")
+
+    # without unanswered frames: no mark, rows 0 and 1
+    fig = plots.draw_timeline(plots.PlotData([_timed_frame(1 * sec, 1 * sec), _timed_frame(3 * sec, 2 * sec)]))
+    top = fig.axes[0]
+    assert not [line for line in top.get_lines() if line.get_marker() == "x" and len(line.get_xdata())]
+    assert sorted({round(p.get_y() + p.get_height() / 2) for p in top.patches}) == [0, 1]

@@ -7,7 +7,8 @@
   faint, one highlighted, the ego box and the camera's field of view on a metres grid.
 * ``timeline.png``: per frame, bars for preprocess / prefix / hand-off / suffix over wall time, from the
   CLOCK_MONOTONIC instants of the suffix node's ``~/debug/frame_timing``; shows when the prefix of frame
-  t+1 ran while the suffix of frame t did (the cross-frame pipeline).
+  t+1 ran while the suffix of frame t did (the cross-frame pipeline); a frame sent that got no trajectory
+  is an x on its row at the time it was sent.
 * ``latency_hist.png``: per-stage and end-to-end latency histograms with p50 / p90.
 
 :func:`collect` turns what the replay recorded into a :class:`PlotData`; :func:`write_all` draws it.
@@ -44,6 +45,7 @@ STAGE_STYLE = (  # key in the frame timing, legend label, colour
 )
 INPUT_WAIT = ("images sent -> prefix start (DDS, sync, queue)", "#c9c9c9")
 OUTPUT_WAIT = ("odometry wait + publish", "#c5b0d5")
+LOST_COLOR = "#000000"  # a frame the replay sent that got no trajectory
 RANDOM_NOTE = "RANDOM-INIT model: the path tests the pipeline, it is not a driving plan"
 EGO_BOX_M = (-1.0, 3.9, 0.95)  # rear and front end along x from base_link (rear axle), half width (m)
 GROUND_GRID_X_M = (10.0, 20.0, 30.0, 50.0)  # reference lines on the ground (base_link z = 0) in the camera picture
@@ -195,6 +197,8 @@ class PlotData:
     caption: str = ""  # e.g. the split layer
     random_init: bool = True
     end_to_end_ms: list[float] = field(default_factory=list)
+    #: Frames the replay sent that got no trajectory: camera stamp (ns) -> CLOCK_MONOTONIC (s) of the send.
+    unanswered: dict[int, float] = field(default_factory=dict)
 
 
 def _nearest(keys, stamp: int, tolerance_ns: float):
@@ -204,14 +208,15 @@ def _nearest(keys, stamp: int, tolerance_ns: float):
 
 def collect(*, timings: dict, paths: dict, received: dict, sent: dict, odometry: list, camera_images: dict,
             bag_messages: list, tolerance_ns: float, extrinsics_yaml: str | Path | None, caption: str = "",
-            random_init: bool = True) -> PlotData:
+            random_init: bool = True, unanswered: dict | None = None) -> PlotData:
     """Build the :class:`PlotData` of a replay.
 
     ``timings`` / ``paths`` / ``received`` / ``sent``: by trajectory stamp, as the replay recorded them (paths
     in map: rows of time_from_start, x, y). ``odometry``: the EgoStates played (for the heading that turns a
     map path back into base_link; its position is the path's first point, the ego pose the suffix used).
     ``camera_images``: played stamp -> bag message (topic, msgtype, raw CDR) of the first camera;
-    ``bag_messages``: the whole bag, for that camera's CameraInfo and /tf_static.
+    ``bag_messages``: the whole bag, for that camera's CameraInfo and /tf_static. ``unanswered``: frames sent
+    that got no trajectory, camera stamp (ns) -> send time (s, CLOCK_MONOTONIC); the timeline marks them.
     """
     from ..vehicle.odometry import OdometryBuffer
 
@@ -231,7 +236,8 @@ def collect(*, timings: dict, paths: dict, received: dict, sent: dict, odometry:
             path = None
         frames.append(FrameRecord(stamp, dict(timings.get(stamp, {})), path, sent.get(stamp), received.get(stamp)))
     e2e = [(f.received_s - f.sent_s) * 1e3 for f in frames if f.received_s is not None and f.sent_s is not None]
-    data = PlotData(frames, caption=caption, random_init=random_init, end_to_end_ms=e2e)
+    data = PlotData(frames, caption=caption, random_init=random_init, end_to_end_ms=e2e,
+                    unanswered=dict(unanswered or {}))
     with_path = [i for i, f in enumerate(frames) if f.path is not None]
     with_image = [i for i in with_path if _nearest(camera_images, frames[i].stamp_ns, tolerance_ns) is not None]
     candidates = with_image or with_path
@@ -539,25 +545,34 @@ def draw_timeline(data: PlotData) -> Figure:
         fig.suptitle("Pipeline timeline", fontsize=15)
         return fig
     starts = [f.timing["t_prefix_start_ns"] for _, f in timed] + [int(f.sent_s * 1e9) for _, f in timed if f.sent_s]
+    starts += [int(t * 1e9) for t in data.unanswered.values()]
     origin = min(starts)
+    # one row per frame in stamp order, those without a trajectory included (a gap with a mark)
+    row_of = {stamp: r for r, stamp in enumerate(sorted({f.stamp_ns for f in data.frames} | set(data.unanswered)))}
     rows, ivs = [], []
-    for i, f in timed:
+    for _, f in timed:
         iv = _intervals(f, origin)
         if iv is not None:
-            rows.append(i)
+            rows.append(row_of[f.stamp_ns])
             ivs.append(iv)
+    lost = sorted((row_of[stamp], t - origin / 1e9) for stamp, t in data.unanswered.items())
     overlaps = [cross_frame_overlap_s(a, b) for a, b in zip(ivs, ivs[1:])]
     n_overlap = sum(o > 0 for o in overlaps)
     top, bottom = fig.subplots(2, 1, height_ratios=[3, 2])
 
     _draw_bars(top, rows, ivs, 1.0, 0.0)
-    top.set_ylim(max(rows) + 0.8, min(rows) - 0.8)
+    if lost:
+        top.plot([t for _, t in lost], [r for r, _ in lost], ls="none", marker="x", ms=7, mew=1.5,
+                 color=LOST_COLOR, zorder=5)
+    all_rows = rows + [r for r, _ in lost]
+    top.set_ylim(max(all_rows) + 0.8, min(all_rows) - 0.8)
     top.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=12))
     top.set_xlabel("wall time since the first frame's images were sent (s, CLOCK_MONOTONIC)")
     top.set_ylabel("frame (stamp order)")
     top.grid(True, axis="x", color="#e6e6e6")
     top.set_axisbelow(True)
-    top.set_title(f"all {len(rows)} frames with a trajectory", fontsize=11, loc="left")
+    top.set_title(f"all {len(rows)} frames with a trajectory" + (
+        f"; x: {len(lost)} sent that got none (the report's drops say why)" if lost else ""), fontsize=11, loc="left")
 
     if n_overlap:
         j = int(np.argmax(overlaps))
@@ -590,6 +605,9 @@ def draw_timeline(data: PlotData) -> Figure:
     handles += [Patch(color=OUTPUT_WAIT[1], label=OUTPUT_WAIT[0])]
     handles += [top.plot([], [], ls="none", marker="|", ms=11, mew=2, color="black",
                          label="trajectory received by the replay")[0]]
+    if lost:
+        handles.append(top.plot([], [], ls="none", marker="x", ms=7, mew=1.5, color=LOST_COLOR,
+                                label="frame sent, no trajectory")[0])
     if n_overlap:
         handles.append(Patch(color="#ffd54f", alpha=0.45, label="prefix t+1 overlaps suffix t"))
     fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=10, frameon=False)

@@ -401,11 +401,14 @@ def write_plots(rec: Recorder, frames: dict[int, float], messages: list[BagMessa
         key = frame_of(frames, stamp, tolerance_ns)
         if key is not None:
             sent[stamp] = frames[key]
+    answered = {frame_of(frames, stamp, tolerance_ns) for stamp in received}
+    unanswered = {key: t for key, t in frames.items() if key not in answered}
     try:
         data = plots.collect(
             timings=timings, paths=paths, received=received, sent=sent, odometry=odometry,
             camera_images=camera_images, bag_messages=messages, tolerance_ns=tolerance_ns,
-            extrinsics_yaml=config_file(plots.DEFAULT_EXTRINSICS), caption=caption, random_init=random_init)
+            extrinsics_yaml=config_file(plots.DEFAULT_EXTRINSICS), caption=caption, random_init=random_init,
+            unanswered=unanswered)
         written = plots.write_all(data, plots_dir)
     except Exception as e:  # noqa: BLE001 - the report is out already; say what went wrong and fail
         print(f"hybrid-vla replay: cannot write the plots into {plots_dir}: {type(e).__name__}: {e}",
