@@ -348,6 +348,18 @@ def test_preflight_refuses(device, small, cuda, needle):
     assert needle in gpu_check.preflight(args, cuda_available=cuda, device_count=1 if cuda else 0)
 
 
+def test_preflight_refuses_a_budget_and_an_out_that_cannot_be(tmp_path):
+    a_file = tmp_path / "report.md"
+    a_file.write_text("x")
+    for extra, needle in ((["--budget-s", "-5"], "--budget-s must be >= 0 s, got -5.0"),
+                          (["--out", str(a_file)], f"--out: {a_file} is not a folder"),
+                          (["--out", str(a_file / "sub")], f"--out: cannot create the folder {a_file / 'sub'}: "
+                                                           f"{a_file} is not a folder")):
+        args = gpu_check.build_parser().parse_args(["--device", "cpu", "--small", *extra])
+        assert gpu_check.preflight(args, cuda_available=False, device_count=0) == needle
+    assert a_file.read_text() == "x"
+
+
 @pytest.mark.parametrize("device,small,cuda", [("auto", True, False), ("cpu", False, False),
                                                ("auto", False, True), ("cuda", False, True)])
 def test_preflight_accepts(device, small, cuda):

@@ -10,8 +10,11 @@ guard's age check on; a second replay loops the bag twice, so the clock has to f
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -220,3 +223,73 @@ def test_a_node_that_refuses_configure_is_explained_in_the_replays_own_output(ti
     assert proc.returncode != 0
     assert "configure of" in proc.stderr and "failed" in proc.stderr
     assert "configure failed:" in proc.stderr and "cuda" in proc.stderr.split("configure failed:")[1].lower()
+
+
+def _node_children(pid: int) -> list:
+    """The prefix_node / suffix_node processes started by process ``pid`` (psutil.Process objects)."""
+    import psutil
+
+    return [c for c in psutil.Process(pid).children()
+            if any(arg.startswith("hybrid_vla_ros.ros.") for arg in c.cmdline())]
+
+
+def test_a_second_replay_in_the_namespace_is_refused_and_sigterm_takes_the_nodes_down(tiny_checkpoint, tmp_path,
+                                                                                        embedded_bag):
+    """Replay A runs (many loops); replay B into A's namespace is refused in one line, before it drives any node
+    (two nodes of one name would answer both replays' lifecycle requests). SIGTERM to A (``timeout``, systemd)
+    ends it as Ctrl-C does: its nodes are taken down, none is left running."""
+    import psutil
+
+    ns = f"/sg_{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def cmd(out, *extra):
+        return [sys.executable, "-m", "hybrid_vla_ros", "replay", "--model-path", str(tiny_checkpoint), "--bag",
+                str(embedded_bag), "--split-layer", "1", "--namespace", ns, "--output", str(out), *extra]
+
+    log = open(tmp_path / "a.out", "w")
+    a = subprocess.Popen(cmd(tmp_path / "a", "--loops", "200"), stdout=log, stderr=subprocess.STDOUT, env=env,
+                         cwd=REPO)
+    try:
+        deadline = time.monotonic() + 240
+        while "nodes active" not in (tmp_path / "a.out").read_text():
+            assert a.poll() is None and time.monotonic() < deadline, (tmp_path / "a.out").read_text()
+            time.sleep(0.5)
+        nodes = _node_children(a.pid)
+        assert len(nodes) == 2
+
+        b = subprocess.run(cmd(tmp_path / "b", "--loops", "1", "--quiet"), capture_output=True, text=True,
+                           timeout=300, env=env, cwd=REPO)
+        assert b.returncode == 2, b.stdout + b.stderr
+        assert re.match(rf"hybrid-vla replay: {ns}/(prefix|suffix)_node( and {ns}/suffix_node)? (is|are) already "
+                        rf"running in ROS domain \d+: stop it, drive it with --attach", b.stderr), b.stderr
+        assert len(b.stderr.strip().splitlines()) == 1, b.stderr
+        assert "nodes active" not in b.stdout
+        assert a.poll() is None, "replay A kept running"
+
+        a.send_signal(signal.SIGTERM)
+        a.wait(120)
+        text = (tmp_path / "a.out").read_text()
+        assert "interrupted" in text, text
+        gone, alive = psutil.wait_procs(nodes, timeout=30)
+        assert not alive, f"node processes left running after SIGTERM to the replay: {alive}\n{text}"
+        assert not Path(f"/dev/shm/{segment_name('prefix_states', ns)}").exists()
+    finally:
+        if a.poll() is None:
+            a.kill()
+        log.close()
+
+
+def test_a_replay_whose_node_dies_at_start_ends_at_once(tiny_checkpoint, tmp_path):
+    """A remap rcl cannot parse ends the suffix at start: the replay says so with the node's own line and ends
+    without waiting out its timeouts on the dead node."""
+    cmd = [sys.executable, "-m", "hybrid_vla_ros", "replay", "--model-path", str(tiny_checkpoint),
+           "--output-topic", "bad topic", "--namespace", f"/dd_{uuid.uuid4().hex[:8]}", "--output",
+           str(tmp_path / "o"), "--quiet", "--timeout", "200"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode != 0
+    assert "suffix_node exited with" in proc.stderr, proc.stderr
+    # not the 200 s get_state timeout on the dead node (a bound far above the work, not a speed goal)
+    assert time.monotonic() - t0 < 150, proc.stderr

@@ -110,6 +110,19 @@ def test_attach_to_autostarted_nodes_twice(ros_env, ros_install, tiny_checkpoint
     for node in ("prefix_node", "suffix_node"):
         assert f"/{ns}/{node}: found active" in text and f"/{ns}/{node}: left active (as found)" in text, text
         assert ros_tools.lifecycle_state(ros_env, f"/{ns}/{node}") == "active"
+
+    # a replay given another checkpoint than the nodes loaded is refused (its report would describe that
+    # model's split layers), and leaves the nodes as it found them
+    from hybrid_vla_ros.model.checkpoint import init_model, model_id, model_id_text
+
+    other = tmp_path / "other_tiny"
+    init_model("tiny", other, seed=1)
+    third, _ = _replay(ros_env, other, ns, tmp_path / "run3")
+    assert third.returncode == 2, third.stdout + third.stderr
+    assert (f"the attached nodes run model {model_id_text(model_id(tiny_checkpoint))} (4 blocks), not --model-path "
+            f"{other} (model {model_id_text(model_id(other))}, 4 blocks)") in third.stderr, third.stderr
+    for node in ("prefix_node", "suffix_node"):
+        assert ros_tools.lifecycle_state(ros_env, f"/{ns}/{node}") == "active"
     _stop(launched, ns)
 
 

@@ -424,6 +424,12 @@ def model_id(path: str | Path) -> int:
     return open_checkpoint(path).model_id()
 
 
+def model_id_text(ident: int) -> str:
+    """A model id as people read it: 16 hex digits of its unsigned value (``init-model`` prints it so, the
+    prefix's /diagnostics carry it as ``model_id``)."""
+    return f"{ident & (2**64 - 1):016x}"
+
+
 # ------------------------------------------------------------------------------------------ writing
 
 def _own_modules(cfg: VLAConfig) -> nn.Module:

@@ -32,9 +32,11 @@ import sys
 import cv2
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 
+from ..model.checkpoint import model_id_text
 from ..model.config import VLAConfig
 from ..runtime.prefix import PrefixRunner
 from ..util.cores import pin_process
+from ..util.process import exit_with_parent
 from . import node_base
 from .params import ParameterError, Params
 from .params_file import pin_from_ros_args
@@ -155,6 +157,8 @@ class PrefixNode(node_base.PipelineNode):
                 "frames_out": self.frames_out, "ring_published": ring.get("published", 0),
                 "ring_dropped_oldest": ring.get("dropped_oldest", 0),
                 "split_layer": self.runner.split_layer if self.runner is not None else "",
+                "model_id": model_id_text(self.runner.model_id) if self.runner is not None else "",
+                "num_layers": self.runner.cfg.num_layers if self.runner is not None else "",
                 "split_layer_auto": self.plan is not None, "resplits": self.resplits,
                 "fast_jpeg_decode": bool(self.params.fast_jpeg_decode) if self.params else "",
                 "ego_state_input": self.runner is not None and self.runner.cfg.ego_state_input,
@@ -167,6 +171,7 @@ def main(args: list[str] | None = None) -> int:
     0 after a clean shutdown (SIGINT / SIGTERM), 2 when the parameters given cannot be read (see
     ``node_base.run_node``)."""
     argv = args if args is not None else sys.argv
+    exit_with_parent()  # started by `hybrid-vla replay`: end with it
     try:
         early = pin_from_ros_args(argv, "prefix_node")
     except ValueError as e:

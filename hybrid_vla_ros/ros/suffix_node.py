@@ -39,6 +39,9 @@ def _pin_early(argv: list[str]) -> list[int] | None:
 def main(args: list[str] | None = None) -> int:
     """Console entry point: ``ros2 run hybrid_vla_ros suffix_node --ros-args -p cpu_affinity:=[2,3] ...``."""
     argv = args if args is not None else sys.argv
+    from ..util.process import exit_with_parent
+
+    exit_with_parent()  # started by `hybrid-vla replay`: end with it
     try:
         early = _pin_early(argv)
     except ValueError as e:

@@ -67,7 +67,7 @@ def _stand_in_note(args: argparse.Namespace) -> str:
 def _init_model(args: argparse.Namespace) -> int:
     """``hybrid-vla init-model``: write a preset's checkpoint (random init), or compose one around a
     transformers directory; prints what was written."""
-    from ..model.checkpoint import init_model, model_id
+    from ..model.checkpoint import init_model, model_id, model_id_text
 
     try:
         cfg = init_model(args.preset, args.path, seed=args.seed, overrides=dict(args.set), dtype=args.dtype,
@@ -75,7 +75,7 @@ def _init_model(args: argparse.Namespace) -> int:
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"hybrid-vla init-model: {e}", file=sys.stderr)
         return 1
-    ident = f"model id {model_id(args.path) & (2**64 - 1):016x}"
+    ident = f"model id {model_id_text(model_id(args.path))}"
     shape = (f"{cfg.n_cameras} cameras at {cfg.image_size}px, {cfg.num_layers} decoder blocks, "
              f"hidden states {cfg.prefix_state_shape}")
     if args.llm or args.vlm:
@@ -178,11 +178,16 @@ def _verify_split(args: argparse.Namespace) -> int:
 def _export_smollm2(args: argparse.Namespace) -> int:
     from ..model.checkpoint import parse_dtype
     from ..model.gguf_llm import export_transformers
+    from ..util.paths import output_dir_problem
 
+    problem = output_dir_problem(args.out)
+    if problem:  # before the conversion: transformers only warns about a file in the way and writes nothing
+        print(f"hybrid-vla export-smollm2: {problem}", file=sys.stderr)
+        return 2
     try:
         out = export_transformers(args.out, args.gguf, max_shard_size=args.max_shard_size,
                                   dtype=parse_dtype(args.dtype))
-    except (FileExistsError, FileNotFoundError, ValueError, ImportError) as e:
+    except (OSError, ValueError, ImportError) as e:  # the folder exists, is a file, cannot be made; a bad GGUF
         return _err("export-smollm2", e)
     files = sorted(p.name for p in out.iterdir())
     print(f"wrote a transformers LlamaForCausalLM directory to {out} ({len(files)} files: {', '.join(files[:4])}"

@@ -9,15 +9,20 @@ import sys
 from pathlib import Path
 
 from ..util.paths import REPO_ROOT
+from ..util.process import EXIT_WITH_PARENT_ENV
 
 
 def launch_node(name: str, ns: str, params_file: Path, ros_args: list[str], log_path: Path) -> subprocess.Popen:
     """Start ``prefix_node`` or ``suffix_node`` as a child process (``python -m``, this interpreter) in
     namespace ``ns`` with a params file and extra ``--ros-args`` (remaps); output goes to ``log_path``.
-    The child runs in its own session so a terminal Ctrl-C reaches it only through :func:`stop_processes`."""
+    The child runs in its own session so a terminal Ctrl-C reaches it only through :func:`stop_processes`, and
+    gets SIGTERM from the kernel if this process exits without stopping it (killed, say:
+    :func:`~hybrid_vla_ros.util.process.exit_with_parent`). Call it from the thread that lives as long as the
+    child should (the kernel signals when the creating thread exits)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env[EXIT_WITH_PARENT_ENV] = str(os.getpid())  # the node ends with this process (util.process)
     cmd = [sys.executable, "-m", f"hybrid_vla_ros.ros.{name}", "--ros-args", "-r", f"__ns:={ns}",
            "--params-file", str(params_file), *ros_args]
     with open(log_path, "w") as log:

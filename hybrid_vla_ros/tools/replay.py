@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -287,14 +288,25 @@ class ReplaySession:
         # The bag's clock on /clock before the nodes start (they run with use_sim_time: true), held at the
         # bag's first receive time until playback starts.
         self.clock = BagClock(node, self.play[0].t_ns).start()
-        if not self.args.attach:
-            self.nodes.launch(self.write_params())
         rc = 1
+        # SIGTERM (`timeout`, systemd, a cancelled CI job) ends the replay as Ctrl-C does: the nodes it started
+        # are taken down and the report written; they would also end with it (util.process) if it were killed
+        in_main = threading.current_thread() is threading.main_thread()  # (only there can a handler be set)
+        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if in_main else None
         try:
-            rc = self._drive(node)
+            self.nodes.connect(node)
+            if self.args.attach:
+                rc = self._drive(node)
+            elif self.nodes.others_running(node):
+                rc = 2
+            else:
+                self.nodes.launch(self.write_params())
+                rc = self._drive(node)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
         finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
             self.clock.stop()
             if self.bag is not None:
                 self.bag.close()
@@ -308,25 +320,43 @@ class ReplaySession:
                 rc = rc or 1
         return rc
 
+    def _other_model(self, running_id: str, running_layers: str) -> str:
+        """Why the attached prefix's model (its /diagnostics ``model_id``, ``num_layers``) is not ``--model-path``
+        ('' when it is, or when the node does not say): the report's split layers and plots would describe
+        another model."""
+        from ..model.checkpoint import model_id, model_id_text
+
+        given = model_id_text(model_id(self.args.model_path))
+        if not running_id or running_id == given:
+            return ""
+        return (f"the attached nodes run model {running_id} ({running_layers} blocks), not --model-path "
+                f"{self.args.model_path} (model {given}, {self.cfg.num_layers} blocks): give the checkpoint they loaded")
+
     def _drive(self, node) -> int:
         """Nodes up, the bag played, frames in flight let finish, nodes returned, the report; the exit code."""
         from diagnostic_msgs.msg import DiagnosticArray
 
         from .output_bag import OutputBag
 
-        self.nodes.connect(node)
         # /diagnostics from the start: the counters before playback are this run's baseline
         node.create_subscription(DiagnosticArray, "/diagnostics", self.rec.on_diagnostics, 50)
         t_start = time.monotonic()
-        if not self.nodes.bring_up():
+        if not self.nodes.bring_up(node):
             self.nodes.return_all()
             return 1
-        where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
-        print(f"nodes active after {time.monotonic() - t_start:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
+        active_s = time.monotonic() - t_start
         self.baseline = self.rec.fresh_diagnostics(self.ns, time.monotonic())
-        k = self.baseline.get(f"{self.ns}/prefix_node: pipeline", {}).get("split_layer", "")
-        if self.args.attach and str(k).isdigit():
-            self.k = int(k)  # the attached prefix's K, not this replay's default
+        prefix = self.baseline.get(f"{self.ns}/prefix_node: pipeline", {})
+        if self.args.attach:
+            problem = self._other_model(prefix.get("model_id", ""), prefix.get("num_layers", ""))
+            if problem:
+                print(f"hybrid-vla replay: {problem}", file=sys.stderr)
+                self.nodes.return_all()
+                return 2
+            if str(prefix.get("split_layer", "")).isdigit():
+                self.k = int(prefix["split_layer"])  # the attached prefix's K, not this replay's default
+        where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
+        print(f"nodes active after {active_s:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
         self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing")
         # with ego state input both nodes read the odometry
@@ -383,6 +413,11 @@ class ReplaySession:
             self.resplit_log.append({"frame": index, "split_layer": k, "accepted": not failed,
                                      "set_ms": round((time.monotonic() - t0) * 1e3, 2)})
 
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    """SIGTERM handler of a replay: stop as on Ctrl-C."""
+    raise KeyboardInterrupt
 
 
 def write_plots(rec: Recorder, frames: dict[int, float], messages: list[BagMessage], plots_dir: str,

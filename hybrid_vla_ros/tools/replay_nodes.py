@@ -105,9 +105,49 @@ class ReplayNodes:
             print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s{hint}",
                   file=sys.stderr)
 
-    def bring_up(self) -> bool:
+    def others_running(self, node, discovery_s: float = 1.5) -> bool:
+        """Before this replay starts its own nodes: True (with a message) when a node of either name already runs
+        in this namespace, as the replay's rclpy ``node`` discovers the graph within ``discovery_s`` seconds (a
+        ``ros2 launch`` or a replay that was killed; it would answer this replay's lifecycle requests and mix
+        its counts into the report). Discovery on one host takes well under a second; a node found later is
+        caught by the same check after bring-up."""
+        wanted = {tuple(m.name.rsplit("/", 1)) for m in self.managers}
+        deadline = time.monotonic() + discovery_s
+        while True:
+            found = sorted(f"{ns.rstrip('/')}/{n}" for n, ns in node.get_node_names_and_namespaces()
+                           if (ns.rstrip("/"), n) in wanted)
+            if found:
+                print(f"hybrid-vla replay: {' and '.join(found)} {'is' if len(found) == 1 else 'are'} already running "
+                      f"in ROS domain "
+                      f"{os.environ.get('ROS_DOMAIN_ID', '0')}: stop it, drive it with --attach, or give this replay "
+                      "another --namespace", file=sys.stderr)
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def _names_unique(self, node) -> bool:
+        """False (with a message) when the graph, as the replay's rclpy ``node`` sees it, holds more than one
+        node of either name in this namespace: another pair already running there (a ``ros2 launch``, a
+        replay that was killed) would answer this replay's lifecycle requests and mix its counts into the
+        report."""
+        names = node.get_node_names_and_namespaces()
+        for m in self.managers:
+            ns, name = m.name.rsplit("/", 1)
+            count = sum(1 for n, s in names if n == name and s == (ns or "/"))
+            if count > 1:
+                domain = os.environ.get("ROS_DOMAIN_ID", "0")
+                what = ("attach to one pair only" if self.args.attach
+                        else "stop it, drive it with --attach, or give this replay another --namespace")
+                print(f"hybrid-vla replay: {count} nodes named {m.name} are running in ROS domain {domain}: {what}",
+                      file=sys.stderr)
+                return False
+        return True
+
+    def bring_up(self, node) -> bool:
         """Make both nodes active (see :mod:`hybrid_vla_ros.tools.replay` for --attach); False (with a message)
-        when not. Records the state each node was found in (``found``)."""
+        when not, or when another node of the same name runs in the namespace. Records the state each node was
+        found in (``found``). ``node``: the replay's rclpy node (for the graph)."""
         from ..ros.lifecycle_client import BACK_FROM_ACTIVE
 
         for m in self.managers:
@@ -140,7 +180,7 @@ class ReplayNodes:
                     for line in node_error_lines(self.out / f"{m.name.rsplit('/', 1)[-1]}.log"):
                         print(f"  {line}", file=sys.stderr)
                 return False
-        return True
+        return self._names_unique(node)
 
     def return_all(self, final: dict | None = None) -> None:
         """After the run: attached nodes back to the state they were found in; started ones deactivated and
@@ -149,7 +189,9 @@ class ReplayNodes:
         being brought up by another manager too (this replay came first): it is left active."""
         from ..ros.lifecycle_client import BACK_FROM_ACTIVE
 
-        for m in self.managers:
+        for m, proc in zip(self.managers, self.procs or [None] * len(self.managers)):
+            if m.name not in self.found or (proc is not None and proc.poll() is not None):
+                continue  # never brought up by this replay, or its process has exited: nothing to undo
             goal = self.found.get(m.name) if self.args.attach else "unconfigured"
             if goal not in BACK_FROM_ACTIVE:
                 continue  # an attached node never settled: nothing to undo

@@ -108,7 +108,8 @@ def missing_requirements(find=None) -> list[str]:
 def preflight(args: argparse.Namespace, cuda_available: bool | None = None, device_count: int | None = None) -> str:
     """Checks before anything is written: the requirements import, ``--device`` names a device this machine has,
     and ``auto`` resolving to the CPU is refused without ``--small`` (:data:`NO_CUDA_FULL`; ``--device cpu``
-    given explicitly runs the full sizes). ``cuda_available`` / ``device_count`` default to torch's answers.
+    given explicitly runs the full sizes), ``--budget-s`` >= 0 and ``--out`` usable as a folder.
+    ``cuda_available`` / ``device_count`` default to torch's answers.
     Returns the error message, or ``""`` when the run may start."""
     missing = missing_requirements()
     if missing:
@@ -128,19 +129,29 @@ def preflight(args: argparse.Namespace, cuda_available: bool | None = None, devi
         return f"--device: {e}"
     if name == "cpu" and str(args.device).strip().lower() == "auto" and not args.small:
         return NO_CUDA_FULL
-    return ""
+    if not args.budget_s >= 0:  # (0: every section is skipped, the report still written)
+        return f"--budget-s must be >= 0 s, got {args.budget_s}"
+    from ...util.paths import output_dir_problem
+
+    problem = output_dir_problem(args.out)
+    return f"--out: {problem}" if problem else ""
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
     """Run the check; returns 0 when every section ran (ok or check), 1 when one failed, 2 when it cannot start
-    (:func:`preflight`: a missing requirement, a device this machine lacks, a full-size run without CUDA)."""
+    (:func:`preflight`: a missing requirement, a device this machine lacks, a full-size run without CUDA, a
+    negative budget, an ``--out`` that cannot be a folder)."""
     if args is None:
         args = build_parser().parse_args(argv)
     problem = preflight(args)
     if problem:
         print(f"gpu-check: {problem}", file=sys.stderr)
         return 2
-    check = Check(args)
+    try:
+        check = Check(args)
+    except OSError as e:  # --out cannot be made after all (e.g. under /proc, or as root where access() says yes)
+        print(f"gpu-check: --out: cannot create {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     report = check.run()
     jpath, mpath = write_report(report, check.out)
     print(summary(report))
