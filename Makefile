@@ -36,7 +36,7 @@ demo: venv $(DEMO_MODEL)/config.json
 	$(HV) replay --model-path $(DEMO_MODEL) --bag $(BAG) --loops $(LOOPS) --rate $(RATE) --output out/demo --plots out/demo/plots --split-layer $$($(PY) -c "import json; print(json.load(open('out/demo/plan_smol.json'))['chosen_k'])")
 
 test: venv
-	$(PY) -m pytest -q test
+	$(PY) -m pytest -q --durations=15 test
 
 bench: venv $(MODEL)/config.json
 	$(HV) bench --plots out/benchmark/plots

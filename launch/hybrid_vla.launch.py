@@ -5,15 +5,26 @@
 
 Parameters come from the two parameter files (``prefix_param_file``, ``suffix_param_file``, by
 default the package's ``config/*.param.yaml``); a launch argument given on the command line
-overrides the file's value, one left empty keeps it. Each node is configured when it starts and
-activated when that configure succeeds (the event pattern of launch_ros' lifecycle examples), so no
-separate lifecycle manager is needed; ``autostart:=false`` leaves both unconfigured for your own
-manager. Camera inputs ``~/input/image<i>`` are remapped onto Autoware's
+overrides the file's value, one left empty keeps it.
+
+Lifecycle: with ``autostart`` (the default) each node process is configured when it starts and
+activated once, after its first successful configure (the event pattern of launch_ros' lifecycle
+examples); every later transition is left to whoever manages the node (``ros2 lifecycle``, a
+lifecycle manager): a reconfigure at another K stays inactive until it is activated. ``autostart:=false``
+leaves both unconfigured for your own manager. ``respawn:=true`` restarts a node process that died
+(after ``respawn_delay`` s), and autostart brings the new process up the same way; the survivor keeps
+running meanwhile (the prefix reports ERROR "no suffix attached" and keeps computing frames, the suffix
+reports ERROR "the ring's owner is dead") and picks the new peer up by itself. A launch into a namespace
+where a prefix_node or suffix_node already runs (in this ROS domain) is refused in one line before any
+node starts.
+
+Topics: camera inputs ``~/input/image<i>`` are remapped onto Autoware's
 ``/sensing/camera/camera<i>/<camera_topic_suffix>`` (``.../compressed`` with
 ``camera_transport:=compressed``), odometry, trajectory and candidate trajectories (published with
-``publish_candidate_trajectories:=true``) onto the topics given. The prefix takes
-odometry and acceleration too (used when the checkpoint has ``ego_state_input``); the suffix takes a
-navigation command name (``std_msgs/String``) on ``input_navigation_command``, its initial value from
+``publish_candidate_trajectories:=true``) onto the topics given; the outputs and the navigation command
+default to ``/planning/<namespace>/...``, so two instances in two namespaces publish apart. The prefix
+takes odometry and acceleration too (used when the checkpoint has ``ego_state_input``); the suffix takes
+a navigation command name (``std_msgs/String``) on ``input_navigation_command``, its initial value from
 ``navigation_command`` (default: the parameter file's, LANE_FOLLOW as shipped).
 
 CPU cores: ``cpu_affinity`` pins the suffix, ``prefix_cpu_affinity`` the prefix. Left empty (and with
@@ -23,14 +34,18 @@ torch threads stay off the suffix's cores; ``prefix_cpu_affinity:='[]'`` leaves 
 value (unpinned as shipped).
 """
 import os
+import threading
 
+import launch.logging
 import yaml
 from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
+from launch.event_handlers import OnProcessStart
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
+from launch_ros.ros_adapters import get_ros_node
 from launch_ros.substitutions import FindPackageShare
 from lifecycle_msgs.msg import Transition
 
@@ -53,18 +68,23 @@ ARGUMENTS = [
     ("input_kinematic_state", "/localization/kinematic_state", "nav_msgs/Odometry of the ego vehicle (both nodes)"),
     ("input_acceleration", "/localization/acceleration",
      "geometry_msgs/AccelWithCovarianceStamped of the ego vehicle (prefix, checkpoints with ego_state_input)"),
-    ("input_navigation_command", "/planning/hybrid_vla/navigation_command",
-     "std_msgs/String navigation command name for the suffix (LEFT, RIGHT, STRAIGHT, LANE_FOLLOW, ...)"),
+    ("input_navigation_command", "",
+     "std_msgs/String navigation command name for the suffix (LEFT, RIGHT, STRAIGHT, LANE_FOLLOW, ...) (empty: "
+     "/planning/<namespace>/navigation_command)"),
     ("navigation_command", "", "initial navigation command of the suffix, e.g. LANE_FOLLOW"),
-    ("output_trajectory", "/planning/hybrid_vla/trajectory", "topic of the published Trajectory"),
-    ("output_candidate_trajectories", "/planning/hybrid_vla/candidate_trajectories",
-     "topic of the CandidateTrajectories (every planner mode), published with publish_candidate_trajectories"),
+    ("output_trajectory", "", "topic of the published Trajectory (empty: /planning/<namespace>/trajectory)"),
+    ("output_candidate_trajectories", "",
+     "topic of the CandidateTrajectories (every planner mode), published with publish_candidate_trajectories "
+     "(empty: /planning/<namespace>/candidate_trajectories)"),
     ("publish_candidate_trajectories", "",
      "true: the suffix also publishes every planner mode as CandidateTrajectories (empty: the parameter file's)"),
     ("namespace", "hybrid_vla", "namespace of both nodes (it also scopes the shared-memory ring)"),
     ("prefix_param_file", "", "parameter file of prefix_node (default: the package's config/prefix_node.param.yaml)"),
     ("suffix_param_file", "", "parameter file of suffix_node (default: the package's config/suffix_node.param.yaml)"),
-    ("autostart", "true", "configure and activate both nodes when they start"),
+    ("autostart", "true", "configure each node process when it starts and activate it once, after its first "
+     "successful configure; later transitions are your lifecycle manager's"),
+    ("respawn", "false", "true: restart a node process that died (autostart brings it up again)"),
+    ("respawn_delay", "2.0", "seconds to wait before restarting a node process that died (with respawn)"),
     ("use_sim_time", "", "true: both nodes take their clock from /clock (a bag played with `ros2 bag play --clock` "
      "or `hybrid-vla replay --attach`), so the output guard judges recorded stamps by the bag's time"),
 ]
@@ -126,15 +146,56 @@ def _prefix_cores(values: dict, prefix_file: str, suffix_file: str):
     return rest or None  # a machine with no core left over: the prefix stays unpinned
 
 
-def _autostart(node) -> list:
-    """Configure ``node`` now; activate it when a configure has brought it to inactive."""
-    configure = EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
-                                            transition_id=Transition.TRANSITION_CONFIGURE))
-    activate = RegisterEventHandler(OnStateTransition(
-        target_lifecycle_node=node, start_state="configuring", goal_state="inactive",
-        entities=[EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
-                                              transition_id=Transition.TRANSITION_ACTIVATE))]))
-    return [activate, configure]
+def _autostart(node) -> RegisterEventHandler:
+    """Each time ``node``'s process starts (the first start and every respawn): configure it, and activate it once,
+    after that process's first successful configure (configuring -> inactive).
+
+    The configure is requested from a thread once the new process itself answers ``get_state``
+    (``ros.lifecycle_client.configure_when_ready``: after a respawn, discovery still lists the dead process's
+    services for a while, and a request sent at once can go to the dead server alone). The activation handler is
+    registered once per process start and removes itself when it fires (``handle_once``), so a later configure (a
+    reconfigure at another split layer by ``ros2 lifecycle``, a lifecycle manager) is never followed by an
+    activation from here."""
+    pending = {"activate": False}  # an activation handler registered and not yet fired
+
+    def activated(context):
+        pending["activate"] = False
+
+    def on_start(event, context) -> list:
+        from hybrid_vla_ros.ros.lifecycle_client import configure_when_ready
+
+        ros_node = get_ros_node(context)
+        target = node.node_name  # fully qualified once the action has run: /<namespace>/<name>
+        logger = launch.logging.get_logger("hybrid_vla_ros.autostart")
+        threading.Thread(target=configure_when_ready, args=(ros_node, target, event.pid),
+                         kwargs={"log": logger.error}, name=f"autostart {target}", daemon=True).start()
+        if pending["activate"]:
+            return []
+        pending["activate"] = True
+        return [RegisterEventHandler(OnStateTransition(
+            target_lifecycle_node=node, start_state="configuring", goal_state="inactive", handle_once=True,
+            entities=[OpaqueFunction(function=activated),
+                      EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
+                                                  transition_id=Transition.TRANSITION_ACTIVATE))]))]
+
+    return RegisterEventHandler(OnProcessStart(target_action=node, on_start=on_start))
+
+
+def _refuse_if_running(context, namespace: str, prefix_file: str) -> None:
+    """Raise RuntimeError (``ros2 launch`` prints it in one line and exits 1, before any node starts) when a
+    prefix_node or suffix_node already runs in ``namespace`` in this ROS domain: two nodes of one name answer each
+    other's lifecycle requests, and the second prefix could not own the ring (it would stay unconfigured on the
+    graph). Checked through the ring (its owner and consumer) and the ROS graph (``ros.graph.running_pipeline``)."""
+    from hybrid_vla_ros.ros.graph import running_pipeline
+
+    ring_name = _file_value(prefix_file, namespace, "prefix_node", "ring_name") or "prefix_states"
+    node = get_ros_node(context)
+    domain = node.context.get_domain_id()
+    found = running_pipeline(node, namespace, ring_name, domain)
+    if found:
+        raise RuntimeError(f"{' and '.join(found)} {'is' if len(found) == 1 else 'are'} already running in ROS "
+                           f"domain {domain}: stop {'it' if len(found) == 1 else 'them'} first, or launch into "
+                           "another namespace:=")
 
 
 def launch_setup(context, *args, **kwargs) -> list:
@@ -153,28 +214,53 @@ def launch_setup(context, *args, **kwargs) -> list:
         target = f"/sensing/camera/camera{i}/{values['camera_topic_suffix']}"
         remaps.append((f"{name}/compressed" if transport == "compressed" else name,
                        f"{target}/compressed" if transport == "compressed" else target))
+    namespace = "/" + values["namespace"].strip("/")
+    planning = "/planning/" + (values["namespace"].strip("/") or "hybrid_vla")
+    topics = {"output_trajectory": f"{planning}/trajectory",
+              "output_candidate_trajectories": f"{planning}/candidate_trajectories",
+              "input_navigation_command": f"{planning}/navigation_command"}
+    topics = {name: values[name] or default for name, default in topics.items()}
+    respawn = _flag(values, "respawn")
+    try:
+        respawn_delay = float(values["respawn_delay"])
+    except ValueError:
+        raise ValueError(f"respawn_delay must be a number of seconds, got {values['respawn_delay']!r}") from None
+    if not respawn_delay >= 0:
+        raise ValueError(f"respawn_delay must be >= 0 s, got {respawn_delay}")
     prefix_overrides = _overrides(values, PREFIX_OVERRIDES)
     prefix_cores = _prefix_cores(values, prefix_file, suffix_file)
     if prefix_cores is not None:
         prefix_overrides["cpu_affinity"] = prefix_cores
+    _refuse_if_running(context, namespace, prefix_file)
+    restart = {"respawn": respawn, "respawn_delay": respawn_delay}
     prefix = LifecycleNode(
         package=PACKAGE, executable="prefix_node", name="prefix_node", namespace=values["namespace"],
-        output="screen",
+        output="screen", **restart,
         parameters=[prefix_file, {"camera_topics": inputs, "camera_transports": [transport], **prefix_overrides}],
         remappings=remaps + [("~/input/kinematic_state", values["input_kinematic_state"]),
                              ("~/input/acceleration", values["input_acceleration"])])
     suffix = LifecycleNode(
         package=PACKAGE, executable="suffix_node", name="suffix_node", namespace=values["namespace"],
-        output="screen",
+        output="screen", **restart,
         parameters=[suffix_file, _overrides(values, SUFFIX_OVERRIDES)],
         remappings=[("~/input/kinematic_state", values["input_kinematic_state"]),
-                    ("~/input/navigation_command", values["input_navigation_command"]),
-                    ("~/output/trajectory", values["output_trajectory"]),
-                    ("~/output/candidate_trajectories", values["output_candidate_trajectories"])])
-    actions = [prefix, suffix]
-    if values["autostart"].lower() in ("true", "1", "yes"):
-        actions += _autostart(prefix) + _autostart(suffix)
-    return actions
+                    ("~/input/navigation_command", topics["input_navigation_command"]),
+                    ("~/output/trajectory", topics["output_trajectory"]),
+                    ("~/output/candidate_trajectories", topics["output_candidate_trajectories"])])
+    actions = []
+    if _flag(values, "autostart"):
+        actions += [_autostart(prefix), _autostart(suffix)]  # registered before the processes start
+    return actions + [prefix, suffix]
+
+
+def _flag(values: dict, name: str) -> bool:
+    """A true/false launch argument (true, 1, yes / false, 0, no, any case); ValueError otherwise."""
+    text = values[name].strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {values[name]!r}")
 
 
 def generate_launch_description() -> LaunchDescription:

@@ -50,7 +50,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from hybrid_vla_ros.model.config import preset
-    from hybrid_vla_ros.model.modeling import LLM_FAMILIES, PASS_LORA_TARGETS, _blocks, llm_config
+    from hybrid_vla_ros.model import text
+    from hybrid_vla_ros.model.modeling import PASS_LORA_TARGETS, _blocks, llm_config, llm_family
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -77,7 +78,7 @@ def main() -> int:
                 dst.weight.copy_(src.weight + src.lora_B[p] @ src.lora_A[p])
                 if dst.bias is not None:
                     dst.bias.copy_(src.bias)
-    rotary = LLM_FAMILIES[cfg_plain.llm_type][3](llm)
+    rotary = text.make_rotary(llm_family(cfg_plain), llm)
     x = torch.randn(2, T, H)
     pos = torch.arange(T).unsqueeze(0)
     cos_sin = rotary(x, pos)

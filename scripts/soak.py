@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
+from hybrid_vla_ros.transport.segment import segment_name  # noqa: E402
 from hybrid_vla_ros.util.stats import percentiles  # noqa: E402
 
 # Causes counted per camera or odometry message, not per frame (see core/sync.py and the suffix node).
@@ -258,8 +259,9 @@ class Pipeline:
 
 
 def ring_prefix(ns: str) -> str:
-    """Start of the names of every ring segment of namespace ``ns`` in /dev/shm (see core/shm_ring.py)."""
-    return f"hybrid_vla.{os.getuid()}.{ns.replace('/', '-')}."
+    """Start of the names of every ring segment of namespace ``ns`` (this ROS domain) in /dev/shm
+    (transport.segment.segment_name)."""
+    return segment_name("x", ns).removesuffix("x")
 
 
 def _int(d: dict, key: str) -> int:

@@ -54,6 +54,33 @@ def write_qwen2(path: Path, seed: int = 1, shard: str = "60KB", **overrides) -> 
     return Path(path)
 
 
+#: Per text family: config overrides that exercise what sets it apart (T = 12 test tokens): its own head_dim,
+#: q/k norms, sliding windows shorter than T, Gemma's alternating layer kinds, soft-capping and local rotary base.
+TEXT_FAMILIES = {
+    "qwen3": dict(head_dim=24, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "mistral": dict(sliding_window=5, rope_theta=1e6, tie_word_embeddings=False),
+    "gemma2": dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh",
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gemma3_text": dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "phi3": dict(sliding_window=7, rope_theta=1e4, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2),
+}
+
+
+def write_text_lm(path: Path, model_type: str, seed: int = 3, shard: str = "60KB", **overrides) -> Path:
+    """A causal LM of text family ``model_type`` (:data:`TEXT_FAMILIES`; transformers' own config and
+    ``AutoModelForCausalLM`` classes), perturbed (:func:`perturb_`) and saved sharded at ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, **{**LLM, **TEXT_FAMILIES[model_type], **overrides})
+    perturb_(AutoModelForCausalLM.from_config(cfg), seed).save_pretrained(str(path), max_shard_size=shard)
+    return Path(path)
+
+
 def write_llava(path: Path, vision: str = "clip", text: str = "llama", seed: int = 2, shard: str = "60KB",
                 original_format: bool = True, **overrides) -> Path:
     """A LlavaForConditionalGeneration saved sharded at ``path``.

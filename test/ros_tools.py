@@ -282,19 +282,20 @@ def ring_segments(namespace: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------ the test's own node
 class SpunNode:
-    """The test's own rclpy node, in a context of its own, spun by a SingleThreadedExecutor in a daemon thread.
+    """The test's own rclpy node, in a context of its own (in ROS domain ``domain_id``; None: ROS_DOMAIN_ID), spun by
+    a SingleThreadedExecutor in a daemon thread.
 
     Subclasses create their subscriptions and publishers on ``self.node`` and keep what arrives under
     ``self.lock`` (``keep`` appends a message to a list); ``wait`` polls a predicate under that lock. ``close``
     stops the executor and shuts the context down. Needs rclpy (import it only where the tests have it).
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, domain_id: int | None = None):
         import rclpy
         from rclpy.executors import SingleThreadedExecutor
 
         self.context = rclpy.Context()
-        rclpy.init(context=self.context)
+        rclpy.init(context=self.context, domain_id=domain_id)  # None: ROS_DOMAIN_ID
         self.node = rclpy.create_node(f"{name}_{uuid.uuid4().hex[:6]}", context=self.context)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)

@@ -278,7 +278,7 @@ def test_a_trained_head_attached_to_a_llava_drives_the_runners_exactly(tmp_path,
     assert set(stored) == set(head) and all(torch.equal(stored[k], head[k]) for k in head)
     bad = _cli("init-model", "--preset", "tiny", "--vlm", str(llava), "--head", str(llava / "config.json"),
                str(tmp_path / "x"))
-    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr  # a file it cannot read: exit 2
 
     ck = open_checkpoint(out)
     cfg = ck.cfg

@@ -12,6 +12,7 @@ Figures are printed (``pytest -s`` shows them): how many frames the output took 
 """
 from __future__ import annotations
 
+import copy
 import mmap
 import os
 import random
@@ -19,6 +20,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -99,26 +101,36 @@ def clean_fastdds_zombies():
     system python3, so the tool is run with this interpreter.)
     """
     yield
+    print("\n" + fastdds_shm_clean())
+
+
+def fastdds_shm_clean() -> str:
+    """Run Fast DDS's ``fastdds shm clean`` (removes the shared-memory port and segment files whose owner is
+    dead; live participants' files stay) with this interpreter; returns its summary ('' when the tool is absent).
+    """
     tool = Path(sys.prefix) / "tools" / "fastdds" / "fastdds.py"
-    if tool.is_file():
-        done = subprocess.run([sys.executable, str(tool), "shm", "clean"], capture_output=True, text=True,
-                              timeout=60)
-        print("\n" + " ".join(done.stdout.split()))
+    if not tool.is_file():
+        return ""
+    done = subprocess.run([sys.executable, str(tool), "shm", "clean"], capture_output=True, text=True, timeout=60)
+    return " ".join(done.stdout.split())
 
 
 # ------------------------------------------------------------------------------------ ROS graph
 
 class Graph(ros_tools.SpunNode):
-    """The test's own rclpy node (own context), spun in the background: trajectories and /diagnostics."""
+    """The test's own rclpy node (own context, in ROS domain ``domain_id``; None: this run's), spun in the
+    background: trajectories and /diagnostics. A report's key/values also hold its level (``_level``: 0 OK, 1 WARN,
+    2 ERROR), message (``_message``) and header stamp (``_stamp_ns``, the node's clock when it sent it)."""
 
-    def __init__(self, ns: str):
+    def __init__(self, ns: str, domain_id: int | None = None):
         from autoware_planning_msgs.msg import Trajectory
         from diagnostic_msgs.msg import DiagnosticArray
 
-        super().__init__("fault_tester")
+        super().__init__("fault_tester", domain_id)
         self.trajectories: list[int] = []  # header stamps (ns) in arrival order
         self.diag: dict[str, dict] = {}  # status name -> key/values of its latest report
         self.diag_count: dict[str, int] = {}  # status name -> reports received
+        self.reports: list[tuple[str, dict]] = []  # every report, in arrival order
         self.node.create_subscription(Trajectory, f"{ns}/suffix_node/output/trajectory", self._on_traj, 10)
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 50)
 
@@ -129,8 +141,12 @@ class Graph(ros_tools.SpunNode):
     def _on_diag(self, msg):
         with self.lock:
             for s in msg.status:
-                self.diag[s.name] = {kv.key: kv.value for kv in s.values}
+                values = {kv.key: kv.value for kv in s.values}
+                values.update(_level=s.level[0] if isinstance(s.level, bytes) else int(s.level), _message=s.message,
+                              _stamp_ns=msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec)
+                self.diag[s.name] = values
                 self.diag_count[s.name] = self.diag_count.get(s.name, 0) + 1
+                self.reports.append((s.name, values))
 
 
 # ------------------------------------------------------------------------------------ node rig
@@ -151,6 +167,7 @@ class Rig:
             f"{self.ns}/suffix_node": {"ros__parameters": {**common, "split_layer": 2, "threads": 1,
                                                            "guard.check_age": False}},
         }
+        params[f"{self.ns}/suffix_node_b"] = copy.deepcopy(params[f"{self.ns}/suffix_node"])  # a second suffix
         self.params_file = tmp_path / "params.yaml"
         self.params_file.write_text(yaml.safe_dump(params))
         self.procs: dict[str, subprocess.Popen] = {}  # role -> its latest process
@@ -174,12 +191,19 @@ class Rig:
     def launch(self, role: str) -> subprocess.Popen:
         """Start a fresh ``<role>_node`` process (log ``<role>.<n>.log``)."""
         n = self.launches[role] = self.launches[role] + 1
-        extra = ["-r", f"~/input/kinematic_state:={self.ns}/odom"] if role == "suffix" else []
-        proc = launch_node(f"{role}_node", self.ns, self.params_file, extra, self.tmp / f"{role}.{n}.log")
+        proc = self.start_extra(role, f"{role}.{n}")
         self.procs[role] = proc
-        self.all_procs.append(proc)
         # a fresh client per process: nothing pending from a killed predecessor
         self.clients[role] = LifecycleClient(self.graph.node, f"{self.ns}/{role}_node")
+        return proc
+
+    def start_extra(self, role: str, log_name: str, ros_args: list[str] = (), env: dict | None = None):
+        """Start another ``<role>_node`` process of this namespace and parameters (extra ``--ros-args``, e.g. a
+        node name; ``env``, e.g. another ROS_DOMAIN_ID), log ``<log_name>.log``; stopped by close()."""
+        extra = ["-r", f"~/input/kinematic_state:={self.ns}/odom"] if role == "suffix" else []
+        proc = launch_node(f"{role}_node", self.ns, self.params_file, [*extra, *ros_args], self.tmp / f"{log_name}.log",
+                           env)
+        self.all_procs.append(proc)
         return proc
 
     def kill(self, role: str) -> None:
@@ -188,28 +212,55 @@ class Rig:
         assert proc.poll() is None, f"{role} exited by itself with {proc.returncode}\n{self.logs()}"
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(10) == -signal.SIGKILL
+        # The dead participant's Fast DDS port files stay in /dev/shm; a restarted node that meets them can fail to
+        # open its port ("open_and_lock_file failed", seen in CI under load) and stay unreachable. Remove them, as a
+        # supervisor that respawns a node would.
+        fastdds_shm_clean()
 
     def request(self, role: str, transition: str) -> None:
         """Send a lifecycle transition request without waiting for the answer (the node may be killed)."""
         client = self.graph.node.create_client(ChangeState, f"{self.ns}/{role}_node/change_state")
         client.call_async(ChangeState.Request(transition=Transition(id=TRANSITIONS[transition])))
 
-    def wait_ready(self, role: str, timeout: float = 90.0) -> None:
+    def wait_ready(self, role: str, timeout: float = 90.0, relaunch_after_s: float = 45.0) -> None:
         """Wait until the node process answers get_state. A killed predecessor's discovery entry can make
-        its services look available for a while; only a live node answers."""
+        its services look available for a while; only a live node answers.
+
+        A restarted process that is alive but unreachable after ``relaunch_after_s`` is stopped and started once
+        more (printed): on a loaded 2-core CI machine Fast DDS's shared-memory transport left a process that
+        started right after a SIGKILL unreachable for 90 s with only "Failed init_port ... open_and_lock_file
+        failed" in its log (Fast DDS under CPU stress: eProsima/Fast-DDS#6117, ros2/rmw_fastrtps#860). A node
+        that never comes up fails here all the same: the second process gets the rest of ``timeout``."""
         proc, client = self.procs[role], self.clients[role]
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, relaunch_at = start + timeout, start + relaunch_after_s
         assert client.wait_for_services(timeout, [proc]), f"{role} never offered its services\n{self.logs()}"
         while client.get_state(2.0) == "":
             assert proc.poll() is None, f"{role} exited with {proc.returncode}\n{self.logs()}"
             assert time.monotonic() < deadline, f"{role} does not answer get_state\n{self.logs()}"
+            if relaunch_at is not None and time.monotonic() > relaunch_at and self.launches[role] > 1:
+                relaunch_at = None
+                print(f"\n{role} process {proc.pid} unreachable for {relaunch_after_s:.0f} s after its start: "
+                      f"started once more (Fast DDS shared memory under load)")
+                stop_processes([proc])
+                fastdds_shm_clean()
+                proc, client = self.launch(role), self.clients[role]
+                assert client.wait_for_services(max(deadline - time.monotonic(), 1.0), [proc]), \
+                    f"{role} never offered its services\n{self.logs()}"
 
-    def transition(self, role: str, transition: str, target: str, timeout: float = 60.0) -> None:
-        client = self.clients[role]
+    def change_state(self, client: LifecycleClient, transition: str, target: str, timeout: float = 60.0) -> None:
+        """A lifecycle transition through ``client``, where a response lost on the way counts when the node is in
+        ``target`` afterwards: a service that has not yet matched its new client's response reader drops the
+        response (rmw_fastrtps: "failed to send response (timeout)", seen in CI with a freshly started node) while
+        the transition itself ran."""
         ok, detail = client.change_state(transition, timeout)
         if not ok and client.get_state(5.0) != target:  # a request lost to a dead predecessor: once more
             ok, detail = client.change_state(transition, timeout)
-        assert ok or client.get_state(5.0) == target, f"{transition} of {role}: {detail}\n{self.logs()}"
+        assert ok or client.get_state(5.0) == target, f"{transition}: {detail}\n{self.logs()}"
+
+    def transition(self, role: str, transition: str, target: str, timeout: float = 60.0) -> None:
+        """A lifecycle transition of ``role``'s latest process (see :meth:`change_state`)."""
+        self.change_state(self.clients[role], transition, target, timeout)
 
     def bring_up(self, *roles: str) -> None:
         for role in roles:
@@ -373,6 +424,219 @@ def test_prefix_sigkill_restart_replaces_segment_and_suffix_reattaches(rig):
     assert rig.close() == [0, 0], rig.logs()
 
 
+# ------------------------------------------------------------------------------- health, domains
+ERROR_LEVEL = 2
+
+
+def _other_domain() -> int:
+    """A ROS domain id other than this run's (conftest draws 1..100)."""
+    return int(os.environ["ROS_DOMAIN_ID"]) % 100 + 101
+
+
+def _first_report(graph: Graph, name: str, since: int, predicate) -> dict | None:
+    """The first report of status ``name`` among the graph's reports from index ``since`` on that satisfies
+    ``predicate``, or None."""
+    with graph.lock:
+        return next((v for n, v in graph.reports[since:] if n == name and predicate(v)), None)
+
+
+def _wait_report(graph: Graph, name: str, since: int, predicate, timeout: float, logs) -> dict:
+    found = []
+    ok = graph.wait(lambda: found.append(r) or True if (r := next(
+        (v for n, v in graph.reports[since:] if n == name and predicate(v)), None)) is not None else False, timeout)
+    assert ok, f"no report of {name} as expected within {timeout} s; last: {graph.diag.get(name)}\n{logs()}"
+    return found[0]
+
+
+class _Feeder:
+    """Publishes the rig's frames at ``fps`` in a thread until stopped (cameras that keep coming)."""
+
+    def __init__(self, rig, fps: float):
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: rig.player.play(10**6, fps, self.stop), daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_a_pipeline_in_another_ros_domain_never_reads_this_ring(rig):
+    """Issue 19.1. A pair in this run's ROS domain and, in another domain, a suffix of the same namespace: the ring
+    is named per domain (and declares it), so the other domain's suffix never attaches, even once this domain's
+    suffix has cleaned up (the old ring name was per namespace only: it attached then and published trajectories in
+    its domain planned on this domain's cameras). It reports ERROR, naming the ring it waits for."""
+    other = _other_domain()
+    rig.launch("prefix")
+    rig.launch("suffix")
+    rig.bring_up("prefix", "suffix")
+    assert rig.player.wait_for_subscribers(odometry=False), rig.logs()
+    rig.publish_until_trajectory(5)
+    stranger = rig.start_extra("suffix", "suffix.other_domain", env={"ROS_DOMAIN_ID": str(other)})
+    graph_b = Graph(rig.ns, domain_id=other)
+    try:
+        client = LifecycleClient(graph_b.node, f"{rig.ns}/suffix_node")
+        assert client.wait_for_services(90, [stranger]), rig.logs()
+        rig.change_state(client, "configure", "inactive")
+        rig.change_state(client, "activate", "active", 30)
+        # this domain's suffix detaches (as an integrator's cleanup does); frames keep coming in this domain
+        rig.transition("suffix", "deactivate", "inactive")
+        rig.transition("suffix", "cleanup", "unconfigured")
+        for _ in range(6):
+            rig.player.publish()
+            time.sleep(0.3)
+        name = f"{rig.ns}/suffix_node: pipeline"
+        d = _wait_report(graph_b, name, 0, lambda v: v.get("state") == "active" and v["_level"] == ERROR_LEVEL,
+                         30, rig.logs)
+        mine = segment_name("prefix_states", rig.ns)
+        theirs = segment_name("prefix_states", rig.ns, other)
+        assert d["peer_cause"] == "no_ring" and theirs in d["_message"], d
+        assert d["ring_attached"] == "False" and d["trajectories_out"] == "0", d
+        with graph_b.lock:
+            assert graph_b.trajectories == [], "a trajectory in the other domain, planned on this domain's cameras"
+        assert (SHM / mine).exists() and not (SHM / theirs).exists()
+        log = (rig.tmp / "suffix.other_domain.log").read_text()
+        assert "attached to the ring" not in log, log
+        print(f"\nother-domain suffix: ERROR '{d['_message']}'")
+    finally:
+        graph_b.close()
+
+
+def test_each_node_reports_error_within_a_second_when_its_peer_dies_and_ok_when_it_is_back(rig):
+    """Issue 19.2, cameras at 10 Hz. SIGKILL the suffix: the prefix's /diagnostics is ERROR (no suffix attached),
+    stamped within 1 s of the kill; a restarted suffix makes it OK again. SIGKILL the prefix: the suffix's is ERROR
+    (the ring's owner is dead, with its pid) within 1 s; a restarted prefix makes it OK. A suffix that holds the
+    ring but takes no frame (SIGSTOP) is ERROR once frames wait three frame periods past its announced read."""
+    rig.launch("prefix")
+    rig.launch("suffix")
+    rig.bring_up("prefix", "suffix")
+    assert rig.player.wait_for_subscribers(odometry=False), rig.logs()
+    rig.publish_until_trajectory(5)
+    feeder = _Feeder(rig, 10.0)
+    figures = {}
+    try:
+        status = {role: rig.status(role) for role in ("prefix", "suffix")}
+        ok = lambda v: v["_level"] != ERROR_LEVEL and v.get("state") == "active" and v.get("peer_cause") == ""  # noqa
+        for dead, watcher, cause in (("suffix", "prefix", "no_consumer"), ("prefix", "suffix", "owner_dead")):
+            _wait_report(rig.graph, status[watcher], len(rig.graph.reports), ok, 30, rig.logs)
+            pid = rig.procs[dead].pid
+            since = len(rig.graph.reports)
+            t_kill = time.time_ns()
+            rig.kill(dead)
+            d = _wait_report(rig.graph, status[watcher], since,
+                             lambda v: v["_level"] == ERROR_LEVEL and v.get("peer_cause") == cause, 10, rig.logs)
+            to_error = (d["_stamp_ns"] - t_kill) / 1e9
+            figures[f"{dead} killed: {watcher} ERROR after"] = to_error
+            assert to_error <= 1.0, (to_error, d)
+            if dead == "prefix":
+                assert f"prefix pid {pid}" in d["_message"] and "dead" in d["_message"], d
+            t_restart = time.monotonic()
+            since = len(rig.graph.reports)
+            rig.launch(dead)
+            rig.bring_up(dead)
+            _wait_report(rig.graph, status[watcher], since, ok, 60, rig.logs)
+            figures[f"{dead} restarted: {watcher} OK after"] = time.monotonic() - t_restart
+            with rig.graph.lock:
+                seen = len(rig.graph.trajectories)
+            assert rig.graph.wait(lambda: len(rig.graph.trajectories) > seen, 60), rig.logs()
+            figures[f"{dead} restarted: first trajectory after"] = time.monotonic() - t_restart
+        # a suffix that holds the ring but takes nothing: stopped, not dead
+        _wait_report(rig.graph, status["prefix"], len(rig.graph.reports), ok, 30, rig.logs)
+        since = len(rig.graph.reports)
+        t_stop = time.time_ns()
+        os.kill(rig.procs["suffix"].pid, signal.SIGSTOP)
+        try:
+            d = _wait_report(rig.graph, status["prefix"], since,
+                             lambda v: v["_level"] == ERROR_LEVEL and v.get("peer_cause") == "consumer_stalled", 15,
+                             rig.logs)
+        finally:
+            os.kill(rig.procs["suffix"].pid, signal.SIGCONT)
+        figures["suffix stopped: prefix ERROR after"] = (d["_stamp_ns"] - t_stop) / 1e9
+        _wait_report(rig.graph, status["prefix"], len(rig.graph.reports), ok, 30, rig.logs)
+    finally:
+        feeder.close()
+    print("\n" + "\n".join(f"{k}: {v:.2f} s" for k, v in figures.items()))
+
+
+def test_an_inactive_peer_and_a_locked_out_second_suffix_are_errors(rig):
+    """Issue 19.2: a deactivated suffix (attached, takes nothing) makes the prefix ERROR, a deactivated prefix the
+    suffix; a second suffix for the same ring (here named suffix_node_b) is locked out and reports ERROR under its
+    own status name with the holder's pid, while the working one stays OK and keeps publishing."""
+    rig.launch("prefix")
+    rig.launch("suffix")
+    rig.bring_up("prefix", "suffix")
+    assert rig.player.wait_for_subscribers(odometry=False), rig.logs()
+    rig.publish_until_trajectory(5)
+    status = {role: rig.status(role) for role in ("prefix", "suffix")}
+    for inactive, watcher, cause in (("suffix", "prefix", "consumer_paused"), ("prefix", "suffix", "producer_paused")):
+        since = len(rig.graph.reports)
+        t_off = time.time_ns()
+        rig.transition(inactive, "deactivate", "inactive")
+        d = _wait_report(rig.graph, status[watcher], since,
+                         lambda v: v["_level"] == ERROR_LEVEL and v.get("peer_cause") == cause, 10, rig.logs)
+        assert "inactive" in d["_message"], d
+        print(f"\n{inactive} deactivated: {watcher} ERROR after {(d['_stamp_ns'] - t_off) / 1e9:.2f} s")
+        since = len(rig.graph.reports)
+        rig.transition(inactive, "activate", "active")
+        _wait_report(rig.graph, status[watcher], since, lambda v: v.get("peer_cause") == "", 10, rig.logs)
+    second = rig.start_extra("suffix", "suffix.second", ["-r", "__node:=suffix_node_b"])
+    client = LifecycleClient(rig.graph.node, f"{rig.ns}/suffix_node_b")
+    assert client.wait_for_services(90, [second]), rig.logs()
+    rig.change_state(client, "configure", "inactive")
+    rig.change_state(client, "activate", "active", 30)
+    since = len(rig.graph.reports)
+    d = _wait_report(rig.graph, f"{rig.ns}/suffix_node_b: pipeline", since,
+                     lambda v: v["_level"] == ERROR_LEVEL and v.get("peer_cause") == "locked_out", 20, rig.logs)
+    assert f"process {rig.procs['suffix'].pid}" in d["_message"], d
+    n, _ = rig.publish_until_trajectory(5)
+    assert n <= 3
+    working = rig.wait_fresh_diag("suffix")
+    assert working["_level"] != ERROR_LEVEL and working["peer_cause"] == "", working
+    with rig.graph.lock:
+        assert not [v for name, v in rig.graph.reports[since:]
+                    if name == f"{rig.ns}/suffix_node_b: pipeline" and v["_level"] != ERROR_LEVEL
+                    and v.get("state") == "active"], "the locked-out suffix never reports OK while active"
+    print(f"\nlocked out: '{d['_message']}'")
+
+
+def test_a_silent_camera_is_named_in_diagnostics_and_the_log(rig):
+    """Issue 19.7: five of six cameras send; the prefix's /diagnostics is ERROR naming the silent camera's index
+    and topic (cameras_silent), its log says so once, the queue overflows name it too; when it sends again that is
+    logged and frames flow. (Before: the logs named the healthy cameras whose queues overflowed.)"""
+    rig.launch("prefix")
+    rig.launch("suffix")
+    rig.bring_up("prefix", "suffix")
+    assert rig.player.wait_for_subscribers(odometry=False), rig.logs()
+    rig.publish_until_trajectory(5)
+
+    class Mute:
+        def publish(self, msg):
+            pass
+
+    camera3, rig.player.pubs[3] = rig.player.pubs[3], Mute()
+    feeder = _Feeder(rig, 5.0)
+    try:
+        since = len(rig.graph.reports)
+        d = _wait_report(rig.graph, rig.status("prefix"), since,
+                         lambda v: v["_level"] == ERROR_LEVEL and v.get("cameras_silent") == "3", 20, rig.logs)
+        topic = f"{rig.ns}/cam3/compressed"
+        assert f"camera 3 ({topic}) sent nothing for" in d["_message"], d
+        log = (rig.tmp / "prefix.1.log").read_text()
+        assert f"silent: camera 3 ({topic}); the other cameras send" in log, log[-3000:]
+        rig.player.pubs[3] = camera3
+        restored = len(rig.player.stamps)
+        since = len(rig.graph.reports)
+        _wait_report(rig.graph, rig.status("prefix"), since,
+                     lambda v: v.get("cameras_silent") == "" and v["_level"] != ERROR_LEVEL, 20, rig.logs)
+        # frames flow again: a trajectory for a frame sent after camera 3 came back
+        assert rig.graph.wait(lambda: set(rig.graph.trajectories) & set(rig.player.stamps[restored:]), 30), rig.logs()
+    finally:
+        rig.player.pubs[3] = camera3
+        feeder.close()
+    assert f"camera 3 ({topic}): sends again" in (rig.tmp / "prefix.1.log").read_text()
+    print(f"\nsilent camera: ERROR '{d['_message']}'")
+
+
 KILL_POINTS = ("starting", "configuring", "active")
 
 
@@ -383,7 +647,7 @@ def test_restart_loop_leaves_shm_clean_and_a_fresh_pair_works(rig):
     rig.launch("prefix")
     rig.launch("suffix")
     history = []
-    for it in range(5):
+    for it in range(3):  # (a kill point drawn each time: every CI run draws others)
         point = rng.choice(KILL_POINTS)
         if point == "starting":  # somewhere in the torch import / node construction
             time.sleep(rng.uniform(0.0, 2.5))
@@ -422,7 +686,7 @@ def test_restart_loop_leaves_shm_clean_and_a_fresh_pair_works(rig):
         rig.transition(role, "cleanup", "unconfigured")
     assert ring_entries(rig.segment) == []
     # nothing of this module's namespaces is left that is not in use (other test runs may own live rings)
-    assert unused_entries(f"hybrid_vla.{os.getuid()}.-flt_{RUN}_") == []
+    assert unused_entries(segment_name("x", f"/flt_{RUN}_").removesuffix(".x")) == []
     codes = rig.close()
     assert codes == [0, 0], rig.logs()
 

@@ -187,11 +187,16 @@ def cpu_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the script finds the package itself, as on the GPU machine
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu", "--small",
-                           "--out", str(out)], capture_output=True, text=True, env=env, cwd=out, timeout=600)
+    # docs/performance.md's command for the GPU machine (report under $OUT, checkpoints cached outside it), on the CPU
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(out / "OUT" / "gpu_check"),
+           "--cache", str(out / "models_cache"), "--budget-s", "540", "--device", "cpu", "--small"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out, timeout=600)
     print(proc.stdout[-4000:])
     print(proc.stderr[-4000:], file=sys.stderr)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert list((out / "models_cache").iterdir()), "the checkpoints went to --cache, not under --out"
+    out = out / "OUT" / "gpu_check"
+    assert not (out / "models").exists()
     return json.loads((out / "gpu_check.json").read_text()), out, proc.stdout
 
 
@@ -255,6 +260,37 @@ def test_cpu_run_handoff_decode_numerics(cpu_report):
     for p in computed:
         assert p["drift_3s_cm"] >= 0 and p["max_drift_cm"] >= p["drift_3s_cm"] - 1e-9
     assert num["random_weights"] and "random weights" in num["random_note"]
+    # the full-size run's path: cameras resized in the config and its vision encoder (tiny's own are 64 px)
+    assert num["image_size"] == gpu_check.sizes_for(True).numerics_image_size == 48
+
+
+def test_cpu_run_vehicle_conditions(cpu_report):
+    """Issue 24: the vehicle section on the CPU stand-in: the co-tenant ran (and held its memory), the budget
+    (the plan's bytes at L/2) makes the planned K L/2 and GPU-only not fit, and the planned K's row has its
+    latency, rate and frame count."""
+    report, out, _ = cpu_report
+    s = report["sections"]["vehicle"]
+    assert s["status"] == "ok", s
+    d = s["presets"]["tiny"]
+    assert d["planned_k"] == d["num_layers"] // 2 and d["gpu_only"].startswith("does not fit"), d
+    (row,) = d["rows"]
+    assert row["k"] == d["planned_k"] and row["e2e_ms"]["n"] >= 3 and row["e2e_ms"]["p99"] > 0 and row["fps"] > 0
+    assert row["lost"] == 0 and row["mismatched_k"] == 0 and row["plan_bytes"] <= d["budget_bytes"]
+    assert s["cotenant"]["held_bytes"] == 64 * 2**20 and s["cotenant"]["periods"] > 0, s["cotenant"]
+    assert 0 < s["cotenant"]["measured_duty"] <= 1.0
+    assert set(s["conditions"]["sources"]) and s["conditions"]["suffix_cores"], s["conditions"]
+    assert "## 8. Vehicle conditions" in (out / "gpu_check.md").read_text()
+
+
+def test_vehicle_options_are_checked():
+    base = ["--device", "cpu", "--small", "--out", "/tmp/unused_gpu_check_out"]
+    for extra, needle in ((["--cotenant-duty", "0"], "--cotenant-duty must be in (0, 1]"),
+                          (["--cotenant-duty", "1.5"], "--cotenant-duty must be in (0, 1]"),
+                          (["--spare-cores", "0"], "--spare-cores must be > 0"),
+                          (["--vla-budget-gb", "-1"], "--vla-budget-gb must be > 0")):
+        assert needle in gpu_check.preflight(gpu_check.build_parser().parse_args(base + extra))
+    args = gpu_check.build_parser().parse_args(base)
+    assert (args.vla_budget_gb, args.cotenant_gb, args.cotenant_duty, args.spare_cores) == (16.0, 8.0, 0.5, 4)
 
 
 def test_budget_skips_the_remaining_sections(tmp_path):
@@ -330,11 +366,153 @@ def test_missing_requirements_are_named_without_importing():
 
 
 def test_a_missing_requirement_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gpu_check, "missing_requirements", lambda find=None: ["torch"])
+    monkeypatch.setattr(gpu_check, "missing_requirements", lambda find=None, sections=None: ["torch"])
     assert gpu_check.main(["--device", "cpu", "--small", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "gpu_check needs torch (and transformers, safetensors, numpy): torch" in err
+    assert "gpu_check needs torch (and transformers, safetensors, numpy; cv2 for paper_table, live_resplit, " \
+           "memory_pressure, vehicle): torch cannot be imported" in err
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------- issue 24: one run that survives
+
+def test_cv2_is_checked_up_front_for_the_sections_that_run_the_prefix(tmp_path, monkeypatch, capsys):
+    """Issue 24.1: without cv2 the three sections that run the prefix runner are refused before the run starts,
+    in one line naming them and how to leave them out; the other sections run without it."""
+    import importlib.util
+
+    no_cv2 = lambda name: None if name == "cv2" else object()  # noqa: E731
+    assert gpu_check.missing_requirements(find=no_cv2) == ["cv2"]
+    assert gpu_check.missing_requirements(find=no_cv2, sections=["paper_table"]) == ["cv2"]
+    assert gpu_check.missing_requirements(find=no_cv2, sections=["handoff", "numerics", "camera_decode"]) == []
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cv2" else real(name, *a))
+    assert gpu_check.main(["--device", "cpu", "--small", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "the sections paper_table, live_resplit, memory_pressure, vehicle run the prefix's camera code, which " \
+           "needs cv2" in err and "--only memory_plan handoff camera_decode numerics" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    args = gpu_check.build_parser().parse_args(["--device", "cpu", "--small", "--out", str(tmp_path / "p"),
+                                                "--only", "handoff", "numerics"])
+    assert gpu_check.preflight(args) == ""
+
+
+def test_the_numerics_section_at_full_size_builds_a_valid_config(monkeypatch):
+    """Issue 24.2: the full-size numerics path sets the cameras to 112 px in the config and in its vision encoder
+    (changing only ``image_size`` is refused by the config, which the CPU ``--small`` run never showed)."""
+    from hybrid_vla_ros.tools.gpu_check import numerics
+
+    sizes = gpu_check.Sizes()
+    name = sizes.numerics_preset
+    with pytest.raises(ValueError, match="vision.image_size differs from image_size"):
+        preset(name, image_size=sizes.numerics_image_size)  # what the section asked for before
+    asked = {}
+
+    class FullSizeCheck:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.sizes = sizes
+
+        def checkpoint(self, preset_name, overrides, dtype="fp16"):
+            cfg = preset(preset_name, **overrides)  # what init_model would be given (not written: 1 GB)
+            asked.update(name=preset_name, cfg=cfg, dtype=dtype)
+            return Path("/nonexistent")
+
+    monkeypatch.setattr(numerics, "numerics_figures", lambda path, device: {"path": str(path)})
+    assert numerics.run(FullSizeCheck()) == {"path": "/nonexistent"}
+    cfg = asked["cfg"]
+    assert asked["name"] == name and asked["dtype"] == "fp32"
+    assert cfg.image_size == cfg.vision["image_size"] == 112 and cfg.num_layers == preset(name).num_layers
+
+
+def test_a_run_killed_mid_way_leaves_the_sections_done_so_far(tmp_path):
+    """Issue 24.3: the report is written before the first section and after each one; a run SIGKILLed (as at the
+    GPU machine's 10-minute limit) leaves every finished section's figures in gpu_check.json and .md, the rest
+    marked pending or running."""
+    import signal
+    import time
+
+    out = tmp_path / "killed"
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu", "--small",
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            cwd=tmp_path)
+    report = None
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                report = json.loads((out / "gpu_check.json").read_text())
+            except (OSError, ValueError):  # not written yet, or caught mid-write
+                report = None
+            if report and sum(s["status"] == "ok" for s in report["sections"].values()) >= 1:
+                break
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert report is not None, "no report while the run went on"
+    report = json.loads((out / "gpu_check.json").read_text())  # what a killed run leaves behind
+    statuses = {name: s["status"] for name, s in report["sections"].items()}
+    done = [name for name in gpu_check.SECTIONS if statuses[name] == "ok"]
+    assert done[:1] == ["memory_plan"], statuses
+    assert report["sections"]["memory_plan"]["presets"]["tiny"]["rows"], "the finished section's figures"
+    assert set(statuses.values()) <= {"ok", "pending", "running"} and "pending" in statuses.values(), statuses
+    md = (out / "gpu_check.md").read_text()
+    assert "not finished when this report was written" in md and "| K | plan total |" in md
+    print(f"\nkilled after {done}: {statuses}")
+
+
+def test_a_suffix_that_fails_is_named_at_once_not_after_the_prefix_times_out(tiny_checkpoint):
+    """Issue 24.5: the parent watches both children together: a suffix that cannot start (here: a dtype it
+    refuses) is reported as the suffix's error within seconds, while the prefix would wait 300 s for its attach."""
+    import time
+
+    t0 = time.monotonic()
+    pair = gpu_check.Pair(tiny_checkpoint, 2, device="cpu", prefix_dtype="fp32", suffix_dtype="fp8", frames=2,
+                          camera_wh=(64, 48), prefix_cores=[], suffix_cores=[], max_s=300)
+    with pytest.raises(RuntimeError, match=r"^suffix process: ValueError") as e:
+        pair.results()
+    took = time.monotonic() - t0
+    assert took < 60, took
+    assert not pair.prefix.is_alive() and not pair.suffix.is_alive()
+    print(f"\nsuffix failure reported after {took:.1f} s: {str(e.value).splitlines()[0]}")
+
+
+def test_a_memory_worker_that_never_answers_is_a_timeout(monkeypatch):
+    """Issue 24.7: the CUDA path's memory worker runs in a pool process with a limit (what is left of the budget,
+    at least 5 s): one that never answers raises TimeoutError naming the preset instead of hanging the run."""
+    import time
+
+    from gpu_check_stubs import memory_rows_that_never_answer
+    from hybrid_vla_ros.tools.gpu_check import memory_plan
+
+    class CudaCheck:
+        cuda = True
+        device = torch.device("cpu")  # the worker is a stand-in: nothing touches a device
+        sizes = gpu_check.Sizes()
+
+        def left_s(self):
+            return 1.0
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="the memory worker for orion gave no rows within 5 s"):
+        memory_plan._memory_rows(CudaCheck(), "orion", [0, 16], "fp16", worker=memory_rows_that_never_answer)
+    assert time.monotonic() - t0 < 60
+
+
+def test_the_report_names_the_cpu(tmp_path):
+    """Issue 24.10: the machine record has the CPU's model (from /proc/cpuinfo) and the cores usable here."""
+    from hybrid_vla_ros.util.cores import cpu_model
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Test CPU @ 2.10GHz\n")
+    assert cpu_model(str(info)) == "Intel(R) Xeon(R) Test CPU @ 2.10GHz"
+    m = gpu_check.machine_info(torch.device("cpu"))
+    assert m["cpu_model"] and m["cpus_usable"] == len(os.sched_getaffinity(0))
+    assert m["cpu_model"] in gpu_check.markdown({"machine": m, "options": {}, "sections": {}})
 
 
 @pytest.mark.parametrize("device,small,cuda,needle", [
@@ -351,7 +529,7 @@ def test_preflight_refuses(device, small, cuda, needle):
 def test_preflight_refuses_a_budget_and_an_out_that_cannot_be(tmp_path):
     a_file = tmp_path / "report.md"
     a_file.write_text("x")
-    for extra, needle in ((["--budget-s", "-5"], "--budget-s must be >= 0 s, got -5.0"),
+    for extra, needle in ((["--budget-s", "-5"], "--budget-s must be a finite number of seconds >= 0, got -5.0"),
                           (["--out", str(a_file)], f"--out: {a_file} is not a folder"),
                           (["--out", str(a_file / "sub")], f"--out: cannot create the folder {a_file / 'sub'}: "
                                                            f"{a_file} is not a folder")):
@@ -388,6 +566,129 @@ def test_the_script_without_torch_says_so_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert out.returncode == 2, out.stderr
-    assert "gpu_check needs torch (and transformers, safetensors, numpy): torch" in out.stderr
+    assert "gpu_check needs torch (and transformers, safetensors, numpy; cv2 for " in out.stderr
+    assert "): torch cannot be imported" in out.stderr
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_checkpoints_are_written_beside_the_first_section_not_inside_the_table(cpu_report, tmp_path):
+    """Issue 24.4: the checkpoints the sections read are written by a child process while the first section (which
+    needs none) runs, in the order they are read; the sections then find them ready instead of writing them in
+    their own share of the budget (orion's 14 GB took 45-90 s of the paper table's). The report says what was
+    written, in how long and when."""
+    report, _, stdout = cpu_report
+    args = gpu_check.build_parser().parse_args(["--device", "cpu", "--small", "--out", str(tmp_path / "o")])
+    assert [(n, d) for n, _, d in gpu_check.Check(args).wanted_checkpoints(
+        ["paper_table", "live_resplit", "numerics", "vehicle"])] == [("tiny", "fp16"), ("tiny", "fp32")], \
+        "each checkpoint once, in the order the sections read them"
+    assert [(c["preset"], c["dtype"], c["status"]) for c in report["checkpoints"]] == [
+        ("tiny", "fp16", "written"), ("tiny", "fp32", "written")], report["checkpoints"]
+    assert "wrote the tiny checkpoint" not in stdout, "a section wrote a checkpoint the preparation had written"
+    table = report["sections"]["paper_table"]
+    assert report["checkpoints"][0]["done_at_s"] <= table["started_s"] + table["seconds"]
+
+
+def test_the_profiler_times_the_hand_off_through_the_runners_copier():
+    """Issue 24.10: the profiler's ring hand-off goes through the SlotCopier the prefix runner uses (on CUDA the
+    registered, page-locked mapping or its staging fallback), not a plain copy_, and says which path it timed."""
+    from hybrid_vla_ros.split.profiler import measure_handoff
+    from hybrid_vla_ros.transport.pinned import SlotCopier
+
+    made, copies = [], []
+
+    class Recording(SlotCopier):
+        def __init__(self, producer, device):
+            super().__init__(producer, device)
+            made.append((producer, torch.device(device)))
+
+        def copy(self, src, dst):
+            copies.append(tuple(dst.shape))
+            super().copy(src, dst)
+
+    out = measure_handoff((105, 128), torch.float32, torch.device("cpu"), warmup=1, repeats=3,
+                          copier_factory=Recording)
+    assert len(made) == 1 and made[0][1] == torch.device("cpu") and out["ring_path"] == "pageable"
+    assert len(copies) == 3 * (1 + 3) and {(52, 128), (105, 128), (210, 128)} == set(copies)  # round(52.5): 52
+    assert [m["bytes"] for m in out["ring"]] == [52 * 128 * 4, 105 * 128 * 4, 210 * 128 * 4]
+    assert measure_handoff((105, 128), torch.float32, torch.device("cpu"), 1, 3)["ring_path"] == "pageable"
+
+
+def test_each_section_runs_under_its_own_limit(tmp_path, monkeypatch):
+    """Issue 24 (resumable): a section sees, through ``check.left_s()``, its part of what is left of the budget
+    (SECTION_SHARES over the sections still to run), not the whole budget; the report records each limit."""
+    seen = {}
+
+    def recorder(name):
+        def section(self):
+            seen[name] = self.left_s()
+            return {}
+        return section
+
+    for name in gpu_check.SECTIONS:
+        monkeypatch.setattr(gpu_check.Check, f"section_{name}", recorder(name))
+    out = tmp_path / "limits"
+    assert gpu_check.main(["--device", "cpu", "--small", "--budget-s", "130", "--out", str(out), "--only",
+                           "paper_table", "handoff", "numerics"]) == 0
+    shares = gpu_check.common.SECTION_SHARES
+    total = shares["paper_table"] + shares["handoff"] + shares["numerics"]
+    assert seen["paper_table"] == pytest.approx(130 * shares["paper_table"] / total, abs=2.0)
+    # the stub sections take no time: what one leaves goes to the ones after it
+    assert seen["handoff"] == pytest.approx(130 * shares["handoff"] / (shares["handoff"] + shares["numerics"]), abs=2)
+    assert seen["numerics"] == pytest.approx(130, abs=2.0)
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["sections"]["paper_table"]["limit_s"] == pytest.approx(seen["paper_table"], abs=1.0)
+    assert set(seen) == {"paper_table", "handoff", "numerics"}
+
+
+def test_memory_given_up_by_a_move_down_is_counted_after_the_next_frame():
+    """Issue 24.8: the move's own "after" figure also counts cached activations the next frame takes back; the
+    section also reports reserved memory before the move minus the reserved figure after the next frame."""
+    from hybrid_vla_ros.tools.gpu_check.live_resplit import reserved_drop_after_next_frame
+
+    records = [{"i": 0, "reserved": 900}, {"i": 1, "reserved": 900, "resplit": {
+        "from": 8, "to": 2, "reserved_before": 900, "reserved_after": 300}}, {"i": 2, "reserved": 420},
+        {"i": 3, "reserved": 420, "resplit": {"from": 2, "to": 8, "reserved_before": 420, "reserved_after": 900}}]
+    assert reserved_drop_after_next_frame(records) == 900 - 420
+    assert reserved_drop_after_next_frame(records[:2]) is None  # no frame after the move yet
+    assert reserved_drop_after_next_frame([{"i": 0}, {"i": 1}]) is None  # no move down
+    assert reserved_drop_after_next_frame([{"i": 0, "resplit": {"from": 4, "to": 1, "reserved_before": None}},
+                                           {"i": 1}]) is None  # CPU: no per-frame reserved figures
+
+
+def test_the_kernels_load_before_the_baseline_on_any_device():
+    """Issue 24.8: the warm-up that puts cuBLAS / attention memory into the baseline runs (here on the CPU, where it
+    only has to be correct; its effect on the CUDA figures is the first GPU run's to show)."""
+    from hybrid_vla_ros.tools.gpu_check.memory_plan import load_kernels
+
+    for dtype in (torch.float32, torch.bfloat16):
+        load_kernels(torch.device("cpu"), dtype)
+
+
+def test_a_rerun_with_only_keeps_the_earlier_sections(tmp_path):
+    """From a cold trial: a rerun of the sections a killed run did not finish (``--only``, same ``--out``) keeps the
+    finished sections' results (marked as from the earlier run) instead of reporting them not requested."""
+    out = tmp_path / "rerun"
+    assert gpu_check.main(["--device", "cpu", "--small", "--out", str(out), "--only", "memory_plan"]) == 0
+    first = json.loads((out / "gpu_check.json").read_text())["sections"]["memory_plan"]
+    assert gpu_check.main(["--device", "cpu", "--small", "--out", str(out), "--only", "handoff"]) == 0
+    report = json.loads((out / "gpu_check.json").read_text())
+    kept = report["sections"]["memory_plan"]
+    assert kept["status"] == "ok" and kept["earlier_run"] and kept["presets"] == first["presets"]
+    assert report["sections"]["handoff"]["status"] == "ok" and not report["sections"]["handoff"].get("earlier_run")
+    assert report["sections"]["numerics"]["status"] == "not requested"
+    assert "(from an earlier run into this folder)" in (out / "gpu_check.md").read_text()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--out", ""], "--out must name a folder, got an empty string"),
+    (["--cache", "FILE/models"], "--cache: cannot create the folder"),
+    (["--budget-s", "inf"], "--budget-s must be a finite number of seconds >= 0, got inf"),
+])
+def test_options_a_cold_trial_got_past_are_refused(tmp_path, extra, needle):
+    (tmp_path / "FILE").write_text("a file, not a folder")
+    argv = ["--device", "cpu", "--small", "--out", str(tmp_path / "o")]
+    argv += [a.replace("FILE", str(tmp_path / "FILE")) for a in extra]
+    assert needle in gpu_check.preflight(gpu_check.build_parser().parse_args(argv))
+    with pytest.raises(SystemExit):  # --only needs at least one section name (argparse: exit 2)
+        gpu_check.build_parser().parse_args(["--only"])

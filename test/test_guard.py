@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from hybrid_vla_ros.ros import params
-from hybrid_vla_ros.vehicle.guard import CAUSES, GuardLimits, check_trajectory, find_violations, path_curvature
-from hybrid_vla_ros.vehicle.trajectory import EgoState, TrajectoryArrays, waypoints_to_trajectory
+from hybrid_vla_ros.vehicle.guard import CAUSES, GuardLimits, check_trajectory, find_violations
+from hybrid_vla_ros.vehicle.trajectory import EgoState, TrajectoryArrays, chord_curvatures, waypoints_to_trajectory
 
 DT = 0.5  # s between waypoints (the tiny preset's waypoint_dt_s)
 N = 6
@@ -58,11 +58,12 @@ def test_realistic_trajectories_pass(name, waypoints, speed):
 
 
 def test_jitter_at_standstill_passes_though_its_heading_is_noise():
-    """Centimetre jitter around a stopped car: its heading changes are noise, so its 'curvature' and
-    wheel angles are huge; the guard does not judge them over segments shorter than min_segment_m."""
+    """Centimetre jitter around a stopped car: its heading changes are noise, its 'curvature' over those
+    centimetres huge; over chords of min_segment_m there is nothing to measure, so the published heading rates
+    and wheel angles are 0 and the trajectory ("stay here") goes out."""
     rng = np.random.default_rng(7)
     arrays = _trajectory(rng.uniform(-0.03, 0.03, size=(N, 2)))
-    assert np.max(np.abs(arrays.front_wheel_angle)) > DEFAULTS.max_steering_rad  # noise, as published
+    assert not arrays.front_wheel_angle.any() and not arrays.heading_rate.any()
     assert _check(arrays) == []
     # judged over every segment (min_segment_m = 0) the same noise would be a violation
     assert {"curvature_too_high", "steering_too_high"} & set(_check(arrays, replace(DEFAULTS, min_segment_m=0.0)))
@@ -70,7 +71,8 @@ def test_jitter_at_standstill_passes_though_its_heading_is_noise():
 
 def test_demo_like_waypoints_within_half_a_metre_pass():
     """The random-init tiny model's waypoints stay within ~0.5 m of the ego and jump around: speeds of
-    ~1 m/s, accelerations of ~2 m/s^2, published wheel angles of ~1.5 rad. They must still go out."""
+    ~1 m/s, accelerations of ~2 m/s^2, no chord of a metre (so no heading rate, no wheel angle). They must
+    still go out."""
     rng = np.random.default_rng(0)
     for _ in range(50):
         arrays = _trajectory(rng.uniform(-0.45, 0.45, size=(N, 2)), speed=-0.02)
@@ -184,7 +186,9 @@ def test_first_point_facing_away_from_the_ego_heading():
     assert check_trajectory(arrays, NOW, NOW, DEFAULTS, ego_yaw=ego_yaw + 1.5) == []  # 86 deg: within
     (v,) = find_violations(arrays, NOW, NOW, DEFAULTS, ego_yaw=ego_yaw + 2.0)
     assert v.cause == "yaw_deviation" and "2.000 rad" in v.detail and "1.5708" in v.detail
-    # across +-pi the deviation is the short way round; a NaN heading is a violation, not a pass
+    # across +-pi the deviation is the short way round; a NaN heading is a violation, not a pass (at standstill,
+    # where the first point's yaw starts no measured arc)
+    arrays = _trajectory(np.random.default_rng(2).uniform(-0.3, 0.3, size=(N, 2)))
     arrays.yaw[0] = math.pi - 0.1
     assert check_trajectory(arrays, NOW, NOW, DEFAULTS, ego_yaw=-math.pi + 0.1) == []
     assert check_trajectory(arrays, NOW, NOW, DEFAULTS, ego_yaw=float("nan")) == ["yaw_deviation"]
@@ -208,17 +212,57 @@ def test_a_nan_limit_rejects_rather_than_passes():
     assert "too_fast" in _check(arrays, replace(DEFAULTS, max_speed_mps=float("nan")))
 
 
-def test_path_curvature_of_a_circle():
+def test_chord_curvatures_of_a_circle_a_thinned_path_and_a_standstill():
+    """Against the analytic circle: 1/r at every point of an arc tangent to the start heading (the start arc and
+    the Menger circles are the same circle), for both directions of turn and in reverse; chords under
+    min_chord_m are skipped, not measured; a standstill has no chord and no curvature."""
     for radius in (3.0, 25.0):
         angles = np.linspace(0.0, 1.5, 12)
-        kappa, at = path_curvature(radius * np.sin(angles), radius * (1 - np.cos(angles)), 1.0)
-        assert at.size and np.allclose(kappa, 1.0 / radius)
-    # points closer than min_segment_m are skipped, not measured
-    kappa, at = path_curvature([0.0, 0.3, 0.31, 1.2, 2.4], [0.0, 0.2, -0.1, 0.0, 0.0], 1.0)
-    assert list(at) == [3] and abs(kappa[0]) < 1e-9
-    # a standstill leaves nothing to measure
-    kappa, at = path_curvature(np.zeros(7), np.zeros(7), 0.0)
-    assert kappa.size == 0 and at.size == 0
+        for left in (1.0, -1.0):
+            kappa = chord_curvatures(radius * np.sin(angles), left * radius * (1 - np.cos(angles)), 0.0, 1.0)
+            np.testing.assert_allclose(kappa, left / radius, rtol=1e-9)
+    # reversing from heading 0 along a circle to the left (+y): the heading turns clockwise while the car backs
+    # up, which is steering left in reverse (yaw rate = v tan(delta) / L < 0 with v < 0, delta > 0)
+    angles = np.linspace(0.0, 1.0, 8)
+    kappa = chord_curvatures(-5.0 * np.sin(angles), 5.0 * (1 - np.cos(angles)), 0.0, 1.0)
+    np.testing.assert_allclose(kappa, 1.0 / 5.0, rtol=1e-9)
+    # rotated into another frame, with the start heading: the same values
+    yaw = 2.2
+    x, y = 7.0 * np.sin(angles), 7.0 * (1 - np.cos(angles))
+    xr, yr = 10.0 + math.cos(yaw) * x - math.sin(yaw) * y, -4.0 + math.sin(yaw) * x + math.cos(yaw) * y
+    np.testing.assert_allclose(chord_curvatures(xr, yr, yaw, 1.0), 1.0 / 7.0, rtol=1e-9)
+    # 0.3 and 0.31 m from the start are under 1 m: skipped; a straight 1.2 m chord from the heading: 0
+    kappa = chord_curvatures([0.0, 0.3, 0.31, 1.2, 2.4], [0.0, 0.2, -0.1, 0.0, 0.0], 0.0, 1.0)
+    np.testing.assert_allclose(kappa, 0.0, atol=1e-12)
+    # a standstill (centimetres of jitter) leaves nothing to measure
+    rng = np.random.default_rng(3)
+    assert not chord_curvatures(rng.uniform(-0.3, 0.3, 7), rng.uniform(-0.3, 0.3, 7), 0.4, 1.0).any()
+    # the start arc: tangent to the start heading through the first kept point (2 sin(a) / chord)
+    kappa = chord_curvatures([0.0, 2.0 * math.cos(0.3)], [0.0, 2.0 * math.sin(0.3)], 0.0, 1.0)
+    np.testing.assert_allclose(kappa, 2.0 * math.sin(0.3) / 2.0)
+
+
+def test_every_published_value_is_judged_where_the_segments_are_short():
+    """Walking pace, 0.45 m per step: no segment is a min_segment_m long, yet the chords over two steps turn
+    hard. The published heading rate and steering come from the same 1 m chords the guard judges, and a
+    message whose own heading-rate or steering field breaks a limit at any point is rejected (before: fields
+    from the individual segments, judged only where both segments were >= 1 m: 1.52 rad steering published)."""
+    zigzag = [(0.45 * k, 0.3 * (k % 2)) for k in range(1, N + 1)]
+    arrays = _trajectory(zigzag, 0.9)
+    assert np.all(np.hypot(np.diff(arrays.x), np.diff(arrays.y)) < DEFAULTS.min_segment_m)
+    causes = _check(arrays)
+    kappa = chord_curvatures(arrays.x, arrays.y, arrays.yaw[0], DEFAULTS.min_segment_m)
+    np.testing.assert_allclose(arrays.heading_rate, kappa * arrays.v)
+    np.testing.assert_allclose(arrays.front_wheel_angle, np.arctan(WHEELBASE * kappa))
+    fine = np.abs(kappa).max() <= DEFAULTS.max_curvature_per_m
+    assert ("curvature_too_high" not in causes) == fine
+    gentle = _trajectory(_arc(30.0, 0.9), 0.9)  # 0.45 m per step along a 30 m circle: fine
+    assert _check(gentle) == []
+    for field, value, cause in (("front_wheel_angle", 1.52, "steering_too_high"),
+                                ("heading_rate", 3.4 * 0.9, "curvature_too_high")):
+        doctored = _trajectory(_arc(30.0, 0.9), 0.9)
+        getattr(doctored, field)[3] = value
+        assert _check(doctored) == [cause], field
 
 
 # ---------------------------------------------------------------------------- node parameters

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from hf_builders import LLM, shard_files, write_llama, write_llava, write_qwen2
+from hf_builders import LLM, TEXT_FAMILIES, shard_files, write_llama, write_llava, write_qwen2, write_text_lm
 from hybrid_vla_ros.model.checkpoint import check_device_dtype, load_stage, model_id, open_checkpoint
 from hybrid_vla_ros.model.config import VLAConfig
 from hybrid_vla_ros.model.sources import CheckpointError, MissingFileError
@@ -27,6 +27,9 @@ KINDS = {
     "qwen2": (write_qwen2, {}, None),
     "llava_clip_llama": (write_llava, dict(vision="clip", text="llama"), 16),
     "llava_siglip_qwen2_v5_layout": (write_llava, dict(vision="siglip", text="qwen2", original_format=False), 4),
+    # every other text family, each with what sets it apart (hf_builders.TEXT_FAMILIES): sliding windows shorter
+    # than the 12 tokens, Gemma's alternating layer kinds, soft-capping and scaled embeddings, Qwen3's q/k norms
+    **{family: (write_text_lm, dict(model_type=family), None) for family in TEXT_FAMILIES},
 }
 
 
@@ -51,13 +54,14 @@ def camera_images(embedded_bag):
 
 def _reference(name, path, pixels=None, ids=None):
     """transformers' own hidden_states (L + 1 entries; the last after the final norm), batch dim dropped."""
-    from transformers import LlamaForCausalLM, LlavaForConditionalGeneration, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
 
     if name.startswith("llava"):
         model = LlavaForConditionalGeneration.from_pretrained(str(path)).eval()
         out = model(input_ids=ids.unsqueeze(0), pixel_values=pixels, output_hidden_states=True)
     else:
-        model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[name].from_pretrained(str(path)).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        assert type(model).__name__ == json.loads((path / "config.json").read_text())["architectures"][0]
         out = model(input_ids=ids.unsqueeze(0), output_hidden_states=True)
     return [h[0] for h in out.hidden_states]
 
@@ -125,6 +129,24 @@ def test_a_wrong_position_or_mask_convention_is_caught(hf_dirs):
             assert (run(0) - ref[1][0]).abs().max().item() > 1e-3, "not causal"
         finally:
             block.self_attn.config._attn_implementation = "sdpa"
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text"])
+def test_a_sliding_window_shorter_than_the_frame_is_applied(hf_dirs, name):
+    """Negative control for the sliding-window masks: the same blocks run with every block's attention full
+    causal (the sliding window removed from the config) differ from transformers' forward far beyond the
+    tolerance, so the exactness above does test the band mask (window 5 < T = 12)."""
+    from transformers import AutoModelForCausalLM
+
+    path = hf_dirs[name]
+    ids = torch.tensor(IDS)
+    with torch.inference_mode():
+        ref = AutoModelForCausalLM.from_pretrained(str(path))(ids[None], output_hidden_states=True).hidden_states
+        prefix = open_checkpoint(path).load("prefix", 2)
+        assert (prefix(ids) - ref[2][0]).abs().max().item() <= TOL
+        config = prefix.rotary_emb.config
+        config.sliding_window = 10**6  # a window longer than T: plain causal attention
+        assert (prefix(ids) - ref[2][0]).abs().max().item() > 1e-2, "the window changes the result"
 
 
 def test_a_stage_reads_only_its_own_tensors_from_only_its_shards(hf_dirs, monkeypatch):
@@ -420,3 +442,30 @@ def test_an_unsharded_directory_is_read_too(tmp_path, camera_images):
         for k in range(ck.num_layers + 1):
             h = ck.load("prefix", k)(ids)
             assert (ck.load("suffix", k).final_hidden_states(h) - ref[-1]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+@pytest.mark.parametrize("command", ["init-model", "verify-split", "plan"])
+def test_the_cli_refuses_unreadable_weights_in_one_line_with_exit_2(hf_dirs, tmp_path, capsys, damage, command):
+    """A shard deleted, or cut short with its header intact: `init-model --llm`, `verify-split` and `plan` each
+    print one line naming the shard file and a tensor in it and exit 2, before transformers reads anything, and
+    init-model writes nothing."""
+    from hybrid_vla_ros.tools.cli import main
+
+    path = _copy(hf_dirs["qwen3"], tmp_path / "m")
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = path / index["model.layers.1.mlp.gate_proj.weight"]
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:-100])
+    argv = {"init-model": ["init-model", "--preset", "tiny", "--llm", str(path), str(tmp_path / "out")],
+            "verify-split": ["verify-split", "--model", str(path), "--quiet"],
+            "plan": ["plan", "--model", str(path)]}[command]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"hybrid-vla {command}: "), err
+    assert shard.name in err and "model.layers.1." in err, err
+    assert ("shard not found" if damage == "missing" else "truncated") in err, err
+    assert not (tmp_path / "out").exists()

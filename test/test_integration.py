@@ -257,11 +257,14 @@ def test_a_second_replay_in_the_namespace_is_refused_and_sigterm_takes_the_nodes
             time.sleep(0.5)
         nodes = _node_children(a.pid)
         assert len(nodes) == 2
+        pid = {role: next(n.pid for n in nodes if f"hybrid_vla_ros.ros.{role}_node" in n.cmdline())
+               for role in ("prefix", "suffix")}
 
         b = subprocess.run(cmd(tmp_path / "b", "--loops", "1", "--quiet"), capture_output=True, text=True,
                            timeout=300, env=env, cwd=REPO)
         assert b.returncode == 2, b.stdout + b.stderr
-        assert re.match(rf"hybrid-vla replay: {ns}/(prefix|suffix)_node( and {ns}/suffix_node)? (is|are) already "
+        assert re.match(rf"hybrid-vla replay: {ns}/prefix_node \(pid {pid['prefix']}, owner of the ring [^)]+\) and "
+                        rf"{ns}/suffix_node \(pid {pid['suffix']}, attached to the ring [^)]+\) are already "
                         rf"running in ROS domain \d+: stop it, drive it with --attach", b.stderr), b.stderr
         assert len(b.stderr.strip().splitlines()) == 1, b.stderr
         assert "nodes active" not in b.stdout
@@ -293,3 +296,27 @@ def test_a_replay_whose_node_dies_at_start_ends_at_once(tiny_checkpoint, tmp_pat
     assert "suffix_node exited with" in proc.stderr, proc.stderr
     # not the 200 s get_state timeout on the dead node (a bound far above the work, not a speed goal)
     assert time.monotonic() - t0 < 150, proc.stderr
+
+
+def test_the_replay_waits_for_sparse_odometry_as_long_as_the_suffix_would_once_it_knows_the_period():
+    """The replay's suffix parameters: with the embedded bag's 1 Hz odometry the first frame (before the suffix
+    knows the period) waits up to 1.5 periods at the replay's rate, not the vehicle default of 0.2 s; a dense
+    odometry stream (or none) keeps the default. (CI once dropped a replay's first frame as ``no_odometry``.)"""
+    import argparse
+
+    from hybrid_vla_ros.ros.params import defaults
+    from hybrid_vla_ros.tools.replay_nodes import node_params
+
+    def wait_s(rate: float, period_s):
+        args = argparse.Namespace(model_path=".", prefix_threads=1, rate=rate, dtype="fp32", transport="compressed",
+                                  sync_tolerance_ms=50.0, device="cpu", fast_jpeg_decode=False)
+        params = node_params(args, "/ns", 1, ["/cam"], [0], [1], period_s)["/ns/suffix_node"]["ros__parameters"]
+        return params.get("odometry_wait_s", defaults("suffix_node")["odometry_wait_s"])
+
+    periods = np.diff([m.t_ns for m in read_bag(REPO / "data" / "dgp_scene02_6cam_mcap")
+                       if m.topic == "/localization/kinematic_state"]) / 1e9
+    bag_period = float(np.median(periods))
+    assert 0.9 < bag_period < 1.1
+    assert wait_s(1.0, bag_period) == pytest.approx(1.5 * bag_period, abs=1e-3)
+    assert wait_s(3.0, bag_period) == pytest.approx(0.5 * bag_period, abs=1e-3)
+    assert wait_s(1.0, 0.02) == defaults("suffix_node")["odometry_wait_s"] == wait_s(1.0, None)

@@ -30,12 +30,13 @@ def _toy_class():
     return ToyVLA
 
 
-def _write(path: Path, spec: str = "toy_vla.model:ToyVLA", config: dict = CONFIG, seed: int = 0) -> Path:
-    """The team's state dict as 4 safetensors shards + a transformers-style index (weight_map)."""
+def _write(path: Path, spec: str = "toy_vla.model:ToyVLA", config: dict = CONFIG, seed: int = 0,
+           cls=None) -> Path:
+    """The team's state dict (``cls``, default ToyVLA) as 4 safetensors shards + a transformers-style index."""
     from safetensors.torch import save_file
 
     torch.manual_seed(seed)
-    model = _toy_class()(config)
+    model = (cls or _toy_class())(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # LayerNorm gains / biases away from 1 / 0
@@ -146,7 +147,7 @@ def test_cli_verify_split_and_plan_on_own_code(toy_dir, tmp_path):
     assert "toy_vla.model:ToyVLA.forward (the model's own)" in out.stdout and "OK: 6 of 6 split layers" in out.stdout
     refused = subprocess.run(cli + ["verify-split", "--model", str(toy_dir)], capture_output=True, text=True,
                              env={k: v for k, v in _env().items() if k != TRUST_ENV}, timeout=300, cwd=REPO)
-    assert refused.returncode == 1 and "--trust-model-code" in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.returncode == 2 and "--trust-model-code" in refused.stderr and "Traceback" not in refused.stderr
     plan = subprocess.run(cli + ["plan", "--model", str(toy_dir), "--trust-model-code", "--dtype", "fp32",
                                  "--json", str(tmp_path / "plan.json")], capture_output=True, text=True, env=_env(),
                           timeout=300, cwd=REPO)
@@ -167,3 +168,56 @@ def test_bad_model_class_entries_are_named(tmp_path):
         with pytest.raises(CheckpointError) as e:
             open_checkpoint(d, trust_model_code=True)
         assert needle in str(e.value) and str(d / "config.json") in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------------------- own code on the nodes
+
+DRIVE = dict(cameras=6, image_size=32, patch=16, width=32, heads=2, depth=4, n_waypoints=6, n_modes=6)
+
+
+def test_own_code_with_driving_io_runs_through_the_real_nodes(tmp_path, frames, embedded_bag):
+    """ToyDrive (a team's own model with a ``driving`` dict: 6 cameras, 6 modes) on the nodes: `hybrid-vla
+    replay` with the opt-in in the environment and the team's package on PYTHONPATH, K moved 1 -> 3 live; every
+    trajectory equals the team's own monolithic forward on the same preprocessed cameras (its LANE_FOLLOW mode).
+    Without the opt-in the prefix refuses at configure, naming it."""
+    from safetensors.torch import load_file
+
+    from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, preprocess
+    from replay_check import assert_trajectory_matches, published_and_odometry, stamp_ns
+
+    if str(FIXTURES) not in sys.path:
+        sys.path.insert(0, str(FIXTURES))
+    from toy_vla.drive import ToyDrive
+
+    path = _write(tmp_path / "drive", "toy_vla.drive:ToyDrive", DRIVE, cls=ToyDrive)
+    model = ToyDrive(DRIVE)
+    state = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    out = tmp_path / "replay"
+    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--model-path", str(path), "--bag",
+           str(embedded_bag), "--loops", "1", "--split-layer", "1", "--resplit", "1:3", "--output", str(out),
+           "--quiet", "--namespace", f"/oc_{os.getpid()}"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO,
+                         env={**_env(), "HYBRID_VLA_TRUST_MODEL_CODE": "1"})
+    logs = "\n".join(p.read_text() for p in out.glob("*.log"))
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{logs}"
+    report = json.loads((out / "report.json").read_text())
+    assert report["trajectories_out"] == 3 and report["drops"] == {}, report
+    assert "re-split K 1 -> 3" in logs and "own model code toy_vla.drive:ToyDrive" in logs
+    published, odometry = published_and_odometry(out, embedded_bag)
+    assert len(published) == 3
+    by_stamp = dict(frames)
+    io = model.driving
+    for traj in published:
+        pixels = preprocess([compressed_msg_to_rgb(m) for _, m in by_stamp[stamp_ns(traj)]], io["image_size"],
+                            io["image_mean"], io["image_std"])
+        with torch.inference_mode():
+            waypoints = model(pixels)[3].double().numpy()  # LANE_FOLLOW, the suffix node's default command
+        assert_trajectory_matches(traj, waypoints, io["waypoint_dt_s"], odometry)
+    refused = subprocess.run(cmd[:-1] + [f"/oc_{os.getpid()}_b"], capture_output=True, text=True, timeout=400,
+                             cwd=REPO, env={k: v for k, v in _env().items() if k != "HYBRID_VLA_TRUST_MODEL_CODE"})
+    assert refused.returncode != 0
+    assert "HYBRID_VLA_TRUST_MODEL_CODE" in refused.stdout + refused.stderr

@@ -237,3 +237,40 @@ def test_slot_copier_falls_back_to_a_plain_copy(producer):
     cpu = SlotCopier(producer, "cpu", cudart=FakeCudart(0))
     assert cpu.mode == "pageable" and "on cpu" in cpu.reason
     _roundtrip(cpu, producer)
+
+
+class StickyCudart(FakeCudart):
+    """A runtime binding whose failed call leaves its error pending for the thread until ``cudaGetLastError``
+    reads and resets it, as the CUDA runtime does; the next CUDA call (here: the staging buffer's pinned
+    allocation) then fails with that error."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.pending = 0
+
+    def cudaHostRegister(self, ptr, size, flags):
+        err = super().cudaHostRegister(ptr, size, flags)
+        self.pending = err
+        return err
+
+    def cudaGetLastError(self):
+        self.calls.append(("get_last_error",))
+        err, self.pending = self.pending, 0
+        return err
+
+    def pinned(self, nbytes):
+        if self.pending:
+            raise RuntimeError(f"CUDA error: {self.pending} (raised by an unrelated call)")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def test_a_refused_registration_leaves_no_cuda_error_pending(producer):
+    """Issue 24.6: after cudaHostRegister is refused, the copier reads (and so clears) the runtime's last error,
+    so the staging fallback's pinned allocation, the next CUDA call, does not fail with the registration's
+    error; the fallback then works."""
+    cudart = StickyCudart(712)
+    copier = SlotCopier(producer, "cuda", cudart=cudart, pinned_alloc=cudart.pinned)
+    assert [c[0] for c in cudart.calls] == ["register", "get_last_error"] and cudart.pending == 0
+    assert copier.mode == "staging" and "returned error 712" in copier.reason, copier.reason
+    _roundtrip(copier, producer)
+    copier.close()

@@ -193,7 +193,7 @@ def test_a_pth_with_a_non_tensor_object_is_refused_and_not_run(orion_like, tmp_p
     bad = tmp_path / "evil.pth"
     torch.save({"state_dict": {"lm_head.x": torch.zeros(1)}, "meta": _Payload(str(marker))}, bad)
     made = _cli("convert", str(bad), "--llm-config", str(hf_dir), str(tmp_path / "out"))
-    assert made.returncode == 1
+    assert made.returncode == 2  # a checkpoint it will not read
     assert "refused" in made.stderr and "other than tensors" in made.stderr
     assert not marker.exists() and not (tmp_path / "out").exists()
 

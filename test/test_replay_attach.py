@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import ros_tools
 
-LOOPS = 3
+LOOPS = 1
 CAMERA_MESSAGES = 6 * 3 * LOOPS  # the embedded bag: 6 cameras, 3 frames, played LOOPS times
 
 
@@ -38,11 +38,12 @@ def _launch(ros_env, install, model, tmp_path, ns, *extra) -> ros_tools.Launched
                               ros_env, tmp_path / "launch.log")
 
 
-def _replay(ros_env, model, ns, out: Path):
-    """``ros2 run hybrid_vla_ros hybrid-vla replay --attach`` with the embedded bag; (process, report.json)."""
+def _replay(ros_env, model, ns, out: Path, *extra: str):
+    """``ros2 run hybrid_vla_ros hybrid-vla replay --attach`` with the embedded bag (and ``extra`` options);
+    (process, report.json)."""
     proc = ros_tools.ros2(ros_env, "run", "hybrid_vla_ros", "hybrid-vla", "replay", "--attach", "--model-path",
                           str(model), "--namespace", f"/{ns}", "--loops", str(LOOPS), "--output", str(out), "--quiet",
-                          timeout=600)
+                          *extra, timeout=600)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else None
     return proc, report
 
@@ -113,7 +114,8 @@ def test_attach_to_autostarted_nodes_twice(ros_env, ros_install, tiny_checkpoint
 
     # a replay given another checkpoint than the nodes loaded is refused (its report would describe that
     # model's split layers), and leaves the nodes as it found them
-    from hybrid_vla_ros.model.checkpoint import init_model, model_id, model_id_text
+    from hybrid_vla_ros.model.checkpoint import init_model, model_id
+    from hybrid_vla_ros.util.ids import model_id_text
 
     other = tmp_path / "other_tiny"
     init_model("tiny", other, seed=1)
@@ -134,8 +136,10 @@ def test_attach_to_unconfigured_nodes_twice(ros_env, ros_install, tiny_checkpoin
         assert ros_tools.wait_lifecycle_state(ros_env, f"/{ns}/{node}", "unconfigured", 180, launched.alive) == \
             "unconfigured", launched.log()
     previous = None
-    for run in ("run1", "run2"):
-        proc, report = _replay(ros_env, tiny_checkpoint, ns, tmp_path / run)
+    # the first run waits --attach-wait (10 s) without a transition for launch's lifecycle client, the second is
+    # told there is no autostart to wait for (--attach-wait 0, as docs/deployment.md says)
+    for run, extra in (("run1", ()), ("run2", ("--attach-wait", "0"))):
+        proc, report = _replay(ros_env, tiny_checkpoint, ns, tmp_path / run, *extra)
         text = _check_run(proc, report, launched, previous)
         previous = report
         print(f"camera messages in: {report['camera_messages_in']}")

@@ -50,7 +50,8 @@ def test_conversion_table():
 def _typed_producer(name, dtype_name, conn):
     """A producer that declares ``dtype_name`` and (8, 32); publishes 3 frames of known values per "publish"."""
     dtype = D[dtype_name]
-    with RingProducer(name, 4, 8 * 32 * 4, model_id=7, dtype=dtype, state_shape=(8, 32), device="cpu") as prod:
+    with RingProducer(name, 4, 8 * 32 * 4, model_id=7, dtype=dtype, state_shape=(8, 32), device="cpu",
+                      domain_id=77) as prod:
         conn.send("ready")
         while conn.recv() == "publish":
             for _ in range(3):
@@ -70,7 +71,7 @@ def test_each_consumer_dtype_converts_at_the_view_or_is_refused_at_attach(produc
     """A producer process declaring ``producer`` dtype; a consumer of each compute dtype: an allowed pair gets
     ``compute_tensor`` == the sent values converted (bit for bit, zero-copy for the same dtype, lossless for
     the exact pairs); a refused pair fails at attach, every time, naming both dtypes, and leaves the ring as it
-    was (no lock, no slot taken), as do a consumer of another model or state shape."""
+    was (no lock, no slot taken), as do a consumer of another model, state shape or ROS domain."""
     name = segment_name("c_" + uuid.uuid4().hex[:12])
     conn, child_conn = CTX.Pipe()
     proc = CTX.Process(target=_typed_producer, args=(name, producer, child_conn), daemon=True)
@@ -90,16 +91,21 @@ def test_each_consumer_dtype_converts_at_the_view_or_is_refused_at_attach(produc
                     RingConsumer(name, compute_dtype=D[s])
                 assert f"sends {str(D[p])[6:]} hidden states and this suffix computes in {str(D[s])[6:]}" \
                     in str(info.value)
-        for kwargs, words in (({"expected_model_id": 8}, r"runs model 7, this suffix model 8"),
-                              ({"expected_shape": (9, 32)}, r"shape \(8, 32\), this suffix takes \(9, 32\)")):
+        for kwargs, words in (({"expected_model_id": 8},
+                               r"runs model 0000000000000007, this suffix model 0000000000000008"),
+                              ({"expected_shape": (9, 32)}, r"shape \(8, 32\), this suffix takes \(9, 32\)"),
+                              ({"expected_domain_id": 78},
+                               r"the prefix runs in ROS domain 77, this suffix in ROS domain 78")):
             with pytest.raises(RingContractError, match=words):
                 RingConsumer(name, **kwargs)
         first = True
         for s in [s for pp, s in ALLOWED if pp == p]:
             if not first:
                 publish3()
-            with RingConsumer(name, expected_model_id=7, compute_dtype=D[s], expected_shape=(8, 32)) as cons:
+            with RingConsumer(name, expected_model_id=7, compute_dtype=D[s], expected_shape=(8, 32),
+                              expected_domain_id=77) as cons:
                 assert cons.contract.dtype == D[p] and cons.contract.device_kind == "cpu"
+                assert cons.contract.domain_id == 77
                 assert cons.contract.state_shape == (8, 32) and cons.conversion == conversion_kind(D[p], D[s])
                 if first:
                     assert cons.slot_states().count("READY") == 3, "the refused attempts took nothing"

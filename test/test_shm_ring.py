@@ -191,12 +191,29 @@ def _reading_consumer(name, read_done, result_q, crash):
 
 # ---------------------------------------------------------------- pure functions
 
-def test_segment_name_format_and_rejections():
+def test_segment_name_format_and_rejections(monkeypatch):
     uid = os.getuid()
-    assert segment_name("hidden") == f"hybrid_vla.{uid}.-.hidden"
-    assert segment_name("hidden", "/car1/front/") == f"hybrid_vla.{uid}.-car1-front.hidden"
-    assert segment_name("hidden", "car1") == f"hybrid_vla.{uid}.-car1.hidden"
+    assert segment_name("hidden", "/", 0) == f"hybrid_vla.{uid}.d0.-.hidden"
+    assert segment_name("hidden", "/car1/front/", 7) == f"hybrid_vla.{uid}.d7.-car1-front.hidden"
+    assert segment_name("hidden", "car1", 232) == f"hybrid_vla.{uid}.d232.-car1.hidden"
     assert segment_name("h", "/a_b") != segment_name("h", "/a/b")
+    # the ROS domain scopes the ring: the same namespace in two domains never shares one
+    assert segment_name("h", "/car", 77) != segment_name("h", "/car", 78)
+    # no domain given: ROS_DOMAIN_ID, as rcl reads it (unset or empty: 0)
+    monkeypatch.setenv("ROS_DOMAIN_ID", "42")
+    assert segment_name("h", "/car") == segment_name("h", "/car", 42)
+    for unset in ("", " "):
+        monkeypatch.setenv("ROS_DOMAIN_ID", unset)
+        assert segment_name("h", "/car") == segment_name("h", "/car", 0)
+    monkeypatch.delenv("ROS_DOMAIN_ID")
+    assert segment_name("h", "/car") == segment_name("h", "/car", 0)
+    for bad_env in ("x", "-1", "1.5", "233"):
+        monkeypatch.setenv("ROS_DOMAIN_ID", bad_env)
+        with pytest.raises(ValueError, match="ROS_DOMAIN_ID"):
+            segment_name("h", "/car")
+    for bad_domain in (-1, 233, 1.0, True, "3"):
+        with pytest.raises(ValueError, match="domain"):
+            segment_name("h", "/car", bad_domain)
     for bad in ("a/b", "", "..", "a b", "x\0", "ü", "a.b"):
         with pytest.raises(ValueError):
             segment_name(bad)

@@ -47,8 +47,10 @@ def test_every_frame_is_output_or_a_counted_drop(soak):
     assert a["frames_published"] == FRAMES
     assert a["trajectories_received"] > 0, logs
     assert a["unaccounted"] == 0, a
-    # a frame that never synchronized shows up as counted message drops (an image lost in transport)
-    assert a["frames_unsynchronized"] == 0 or sum(a["message_drops"].values()) > 0, a
+    # a frame that never synchronized is explained: an image of it the prefix counted as dropped, or one that
+    # never reached the prefix (DDS gave up on it: the camera subscriptions are best effort, as camera drivers)
+    explained = sum(a["message_drops"].values()) + a["camera_messages_lost_in_transport"]
+    assert a["frames_unsynchronized"] <= explained, a
     # the cameras ran faster than the prefix: the prefix took the newest frame and counted the rest
     assert r["fps_achieved"] > 0.8 * FPS
     assert proc.returncode == 0, proc.stdout + proc.stderr

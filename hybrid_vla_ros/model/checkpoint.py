@@ -37,7 +37,7 @@ from torch import nn
 from . import hf
 from .config import MODEL_TYPE, LMConfig, VLAConfig, not_a_driving_checkpoint, preset
 from .extension import CODE_FORMAT_VERSION, CODE_MODEL_TYPE, CodeModel, import_model_class
-from .modeling import VLAModel, _add_prefix_side, _add_suffix_side, build_stage, llm_config
+from .modeling import VLAModel, _add_prefix_side, _add_query_tokens, _add_suffix_side, build_stage, llm_config
 from .sources import (
     FLOAT_DTYPES,
     PICKLE_SUFFIXES,
@@ -132,9 +132,11 @@ class Checkpoint:
     def cfg(self) -> VLAConfig | None:
         """The driving config (cameras in, trajectory out) when the nodes can run this checkpoint, else None."""
         m = self.model
-        return m if isinstance(m, VLAConfig) and m.planning_head else None
+        if isinstance(m, VLAConfig):
+            return m if m.planning_head else None
+        return m if getattr(m, "drives", False) else None  # own code that declares its driving I/O
 
-    def require_driving(self) -> VLAConfig:
+    def require_driving(self):
         """The driving config; ValueError saying what to do for a checkpoint without a planning head."""
         if self.cfg is None:
             doc = hf.read_config_json(self.path)
@@ -236,6 +238,53 @@ def llava_view(model: hf.HFModel, cameras: int = 1, prompt_ids: list[int] | None
                      vlm_path=str(model.path), planning_head=False)
 
 
+def vlm_view(model: hf.HFModel, cameras: int = 6, prompt: str | None = None,
+             camera_size: tuple[int, int] | None = None) -> "VLMSpec":
+    """A transformers VLM directory (a family of :data:`~hybrid_vla_ros.model.vlm.VLM_MODEL_TYPES`) as an
+    in-memory :class:`~hybrid_vla_ros.model.config.VLMSpec`: ``cameras`` images a frame, each resized to
+    ``camera_size`` (width, height; default :data:`~hybrid_vla_ros.model.config.DEFAULT_CAMERA_SIZE`),
+    ``prompt`` with one image placeholder per camera (default :func:`~hybrid_vla_ros.model.vlm.default_prompt`).
+    T is what the family's processor gives for that (run once on blank images). Raises MissingFileError (no
+    processor files), ValueError (a prompt without one placeholder per camera)."""
+    import numpy as np
+
+    from .config import DEFAULT_CAMERA_SIZE, VLMSpec
+    from .contract import DEEPSTACK, POSITION_IDS, VISUAL_MASK
+    from .vlm import default_prompt, load_processor, run_processor
+
+    processor = load_processor(model.path, model.config.model_type)
+    size = tuple(int(v) for v in (camera_size or DEFAULT_CAMERA_SIZE))
+    prompt = default_prompt(processor, cameras) if prompt is None else prompt
+    blank = [np.zeros((size[1], size[0], 3), dtype=np.uint8) for _ in range(cameras)]
+    inputs = run_processor(processor, blank, prompt)
+    tokens = inputs.tokens
+    side, shapes = (), {}
+    kind = model.config.model_type
+    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        side, shapes = (POSITION_IDS,), {POSITION_IDS: [3, 1, tokens]}
+    if kind == "qwen3_vl":
+        visual = int((inputs.input_ids == int(model.config.image_token_id)).sum())
+        levels = len(model.vision_config.deepstack_visual_indexes)
+        side = (POSITION_IDS, VISUAL_MASK, DEEPSTACK)
+        shapes.update({VISUAL_MASK: [tokens], DEEPSTACK: [levels, visual, int(model.text_config.hidden_size)]})
+    return VLMSpec(vlm=hf.config_dict(model.config), llm=model.llm_dict(), num_tokens=tokens, cameras=cameras,
+                   camera_size=size, prompt=prompt, vlm_path=str(model.path), side=side, side_shapes=shapes,
+                   vision_patches=_vision_patches(inputs, model.vision_config))
+
+
+def _vision_patches(inputs, vision) -> int:
+    """Patches the vision tower takes for one frame: rows of a Qwen-VL's flattened ``pixel_values`` (one patch
+    each), else tiles x (image size / patch)^2."""
+    pixels = inputs.images.get("pixel_values")
+    if pixels is None:
+        return 0
+    if pixels.dim() == 2:
+        return int(pixels.shape[0])
+    patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else int(vision.patch_size)
+    side = pixels.shape[-1]
+    return int(pixels.numel() // (3 * side * pixels.shape[-2])) * (side // patch) * (pixels.shape[-2] // patch)
+
+
 def _check_same_llm(cfg: VLAConfig, ref: hf.HFModel, path: Path) -> None:
     theirs = ref.llm_dict()
     diff = [k for k in ARCH_KEYS if cfg.llm.get(k) != theirs.get(k)]
@@ -245,15 +294,31 @@ def _check_same_llm(cfg: VLAConfig, ref: hf.HFModel, path: Path) -> None:
                               "again with `hybrid-vla init-model`")
 
 
-def open_checkpoint(path: str | Path, *, trust_model_code: bool | None = None, cameras: int = 1,
+def open_checkpoint(path: str | Path, *, trust_model_code: bool | None = None, cameras: int | None = None,
                     prompt_ids: list[int] | None = None, planning_token_id: int | None = None,
-                    tokens: int = 512) -> Checkpoint:
+                    tokens: int = 512, prompt: str | None = None,
+                    camera_size: tuple[int, int] | None = None) -> Checkpoint:
+    """Open the checkpoint directory at ``path`` (:func:`_open`), then check that every tensor it reads can be
+    read (:meth:`TensorSource.check_files`: every shard present, every tensor's bytes inside its file), so a
+    missing or truncated shard is refused here, naming the file and the tensor, before transformers or a stage
+    touches it. Raises as :func:`_open`, and MissingFileError / CheckpointError for unreadable weights."""
+    ck = _open(path, trust_model_code=trust_model_code, cameras=cameras, prompt_ids=prompt_ids,
+               planning_token_id=planning_token_id, tokens=tokens, prompt=prompt, camera_size=camera_size)
+    ck.source().check_files()
+    return ck
+
+
+def _open(path: str | Path, *, trust_model_code: bool | None = None, cameras: int | None = None,
+          prompt_ids: list[int] | None = None, planning_token_id: int | None = None,
+          tokens: int = 512, prompt: str | None = None, camera_size: tuple[int, int] | None = None) -> Checkpoint:
     """Open the checkpoint directory at ``path`` (see the module docstring). Reads config files and, lazily,
     safetensors headers; no weights.
 
     ``trust_model_code``: opt-in for own model code (None: the ``HYBRID_VLA_TRUST_MODEL_CODE`` environment
     variable). ``cameras`` / ``prompt_ids`` / ``planning_token_id``: how a transformers LLaVA directory is viewed
-    (:func:`llava_view`); ``tokens``: T for a bare transformers language model's plan.
+    (:func:`llava_view`; cameras default 1); ``cameras`` / ``prompt`` / ``camera_size``: how a transformers VLM
+    directory is viewed (:func:`vlm_view`; cameras default 6); ``tokens``: T for a bare transformers language
+    model's plan.
 
     Raises FileNotFoundError / MissingFileError (no directory, no config.json, no weights; a pickle checkpoint
     is refused with how to convert it), ValueError / CheckpointError (bad or unsupported config, a referred
@@ -281,11 +346,11 @@ def open_checkpoint(path: str | Path, *, trust_model_code: bool | None = None, c
             field = "llm_path" if cfg.llm_path else "vlm_path"
             raise MissingFileError(f"{path / 'config.json'} refers to {ref_dir} ({field}), which is not a directory")
         ref = hf.read_hf(ref_dir)
-        want = "llm" if cfg.llm_path else "llava"
+        want = "llm" if cfg.llm_path else ("vlm" if cfg.projector.get("type") == "vlm" else "llava")
         if ref.kind != want:
+            what = {"llm": "a causal language model", "llava": "a LLaVA model", "vlm": f"a {cfg.vlm_type} VLM"}
             raise CheckpointError(f"{path / 'config.json'}: {'llm_path' if cfg.llm_path else 'vlm_path'} names "
-                                  f"{ref_dir}, a transformers {ref.architecture} (expected "
-                                  f"{'a LLaMA / Qwen2 language model' if want == 'llm' else 'a LLaVA model'})")
+                                  f"{ref_dir}, a transformers {ref.architecture} (expected {what[want]})")
         _check_same_llm(cfg, ref, path)
         return Checkpoint(path, "composed", cfg, f"composed checkpoint ({cfg.preset or 'custom'} with "
                           f"{ref.architecture} from {ref_dir})", hf=ref, own_weights=own)
@@ -302,8 +367,10 @@ def open_checkpoint(path: str | Path, *, trust_model_code: bool | None = None, c
     model = hf.read_hf(path)
     if model.kind == "llm":
         spec = LMConfig(model.llm_dict(), num_tokens=tokens)
+    elif model.kind == "vlm":
+        spec = vlm_view(model, 6 if cameras is None else cameras, prompt, camera_size)
     else:
-        spec = llava_view(model, cameras, prompt_ids, planning_token_id)
+        spec = llava_view(model, 1 if cameras is None else cameras, prompt_ids, planning_token_id)
     files, index, _ = hf_safetensors_files(path)
     shards = f"{len(files)} shards" if index is not None else "unsharded"
     return Checkpoint(path, "transformers", spec, f"transformers {model.architecture} ({shards})", hf=model)
@@ -388,6 +455,15 @@ def random_stage(cfg: VLAConfig, role: str, split_layer: int | None = None, *, d
     return module.eval().requires_grad_(False)
 
 
+def driving_config(path: str | Path):
+    """The driving configuration of the checkpoint at ``path`` as the nodes read it at configure (cameras,
+    L, waypoints, ...): a :class:`VLAConfig` (this package's format, a composition) or the
+    :class:`~hybrid_vla_ros.model.extension.CodeModel` of own code that declares its driving I/O (importing it
+    needs the model-code opt-in). Raises FileNotFoundError, ValueError / CheckpointError saying what the
+    directory is and how to make one the nodes run when it cannot drive them."""
+    return open_checkpoint(path).require_driving()
+
+
 def load_stage(path: str | Path, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32) -> nn.Module:
     """Load ``role`` = "prefix", "suffix" or "full" of the driving checkpoint at ``path`` (what the runners call).
@@ -424,13 +500,53 @@ def model_id(path: str | Path) -> int:
     return open_checkpoint(path).model_id()
 
 
-def model_id_text(ident: int) -> str:
-    """A model id as people read it: 16 hex digits of its unsigned value (``init-model`` prints it so, the
-    prefix's /diagnostics carry it as ``model_id``)."""
-    return f"{ident & (2**64 - 1):016x}"
-
-
 # ------------------------------------------------------------------------------------------ writing
+
+def lm_head_rows(ref: hf.HFModel, token_ids: list[int]) -> torch.Tensor:
+    """Rows ``token_ids`` of a transformers directory's LM head, (D, H) float32: its stored ``lm_head.weight``
+    (any prefix the layout gives it), or, with tied embeddings (none stored), the token embeddings. Reads only
+    that tensor. Raises CheckpointError when neither is there, or an id is outside it."""
+    files, index, index_file = hf_safetensors_files(ref.path)
+    raw = SafetensorsSource(files, None, index=index, index_file=index_file, label=str(index_file or files[0]))
+    stored = [n for n in raw.names() if n == "lm_head.weight" or n.endswith(".lm_head.weight")]
+    if stored:
+        table = raw.read([stored[0]])[stored[0]]
+    elif "embed_tokens.weight" in ref.source():
+        table = ref.source().read(["embed_tokens.weight"])["embed_tokens.weight"]
+    else:
+        raise CheckpointError(f"{ref.path}: no lm_head.weight and no token embeddings to read the decision rows from")
+    ids = torch.tensor(token_ids)
+    if int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]:
+        raise CheckpointError(f"decision_token_ids {token_ids} outside the LM head's {table.shape[0]} rows")
+    return table[ids].float()
+
+
+def _default_planning_token(ref: hf.HFModel, vocab: int) -> int:
+    """The token a VLM composition appends as its planning token when none is given: the tokenizer's end-of-text
+    token (eos, else pad), else the last id of the vocabulary."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(ref.path))
+    except (OSError, ValueError):
+        return vocab - 1
+    for t in (tok.eos_token_id, tok.pad_token_id):
+        if t is not None and 0 <= int(t) < vocab:
+            return int(t)
+    return vocab - 1
+
+
+def _with_planning_token(shapes: dict) -> dict:
+    """Side tensor shapes of a processor frame (T tokens) for the frame with the planning token (T + 1)."""
+    from .contract import POSITION_IDS, VISUAL_MASK
+
+    out = {k: list(v) for k, v in shapes.items()}
+    if POSITION_IDS in out:
+        out[POSITION_IDS][-1] += 1
+    if VISUAL_MASK in out:
+        out[VISUAL_MASK][-1] += 1
+    return out
+
 
 def _own_modules(cfg: VLAConfig) -> nn.Module:
     """This package's own modules of a composed checkpoint, random-init on the CPU: the vision side and projector
@@ -441,14 +557,20 @@ def _own_modules(cfg: VLAConfig) -> nn.Module:
     tiny.vocab_size = 1  # embed_tokens comes from the referred directory: never allocate vocab x H here
     tiny.bos_token_id = tiny.eos_token_id = tiny.pad_token_id = None
     m = nn.Module()
+    if cfg.projector.get("type") == "vlm":  # the VLM brings every part before the head (and query tokens)
+        _add_query_tokens(m, cfg, llm.hidden_size)
+        _add_suffix_side(m, cfg, llm)
+        del m.norm
+        return m
     if cfg.vlm_path:
         with torch.device("meta"):
             _add_prefix_side(m, cfg, tiny)
         for name in ("vision_tower", "multi_modal_projector"):
             delattr(m, name)
-        for name in ("ego_embed", "pass_embed"):  # rebuilt for real below
+        for name in ("ego_embed", "pass_embed", "query_tokens"):  # rebuilt for real below
             if hasattr(m, name):
                 delattr(m, name)
+        _add_query_tokens(m, cfg, llm.hidden_size)
         h = llm.hidden_size
         if cfg.ego_state_input:
             m.ego_embed = nn.Linear(3, h)
@@ -488,7 +610,8 @@ def _read_own_weights(file: Path, own: dict[str, torch.Tensor]) -> dict[str, tor
 
 def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: dict | None = None,
                dtype: str | torch.dtype = torch.float32, llm: str | Path | None = None,
-               vlm: str | Path | None = None, head: str | Path | None = None) -> VLAConfig:
+               vlm: str | Path | None = None, head: str | Path | None = None, prompt: str | None = None,
+               camera_size: tuple[int, int] | None = None) -> VLAConfig:
     """Write a checkpoint of a preset to ``path`` (created). Returns its config.
 
     ``overrides`` replace top-level config fields (``{"llm_passes": 1}``; see :func:`preset`), ``dtype``
@@ -506,6 +629,10 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
     * ``vlm``: a transformers LLaVA directory: its vision tower, projector and LLM, the preset's driving I/O
       (cameras, waypoints, modes, ego state, passes, planning token) and a planning head (``vlm_path``); the
       prompt is one image placeholder per camera unless ``overrides`` sets ``prompt_token_ids``;
+    * ``vlm``: a transformers VLM of another family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, LLaVA-NeXT /
+      OneVision, Idefics3, SmolVLM): the whole VLM from there (``projector`` ``{"type": "vlm"}``), the
+      preset's cameras (count), waypoints, modes and a planning head on a planning token appended after the
+      prompt; ``prompt`` (one image placeholder per camera) and ``camera_size`` (W, H) as :func:`vlm_view`;
     * ``head``: a safetensors file of trained own tensors (``head.*`` at least; any of ``decision_head.*``,
       ``ego_embed.*``, ``pass_embed.*``, and with ``llm`` ``vision.*`` / ``projector.*``) that replace the
       random ones; ``random_init`` is false when every own tensor came from it (and the LLM is not random).
@@ -525,7 +652,9 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
     if llm is not None and vlm is not None:
         raise ValueError("--llm and --vlm exclude each other (a LLaVA directory brings its own LLM)")
     if llm is not None or vlm is not None:
-        return _init_composed(preset_name, path, seed, overrides or {}, dtype, llm, vlm, head)
+        return _init_composed(preset_name, path, seed, overrides or {}, dtype, llm, vlm, head, prompt, camera_size)
+    if prompt is not None or camera_size is not None:
+        raise ValueError("--prompt / --camera-size say how a transformers VLM sees the cameras: use them with --vlm")
     if head is not None:
         raise ValueError("--head attaches trained tensors to a composed checkpoint: use it with --llm or --vlm")
     cfg = preset(preset_name, **(overrides or {}))
@@ -565,11 +694,13 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
 
 
 def _init_composed(preset_name: str, path: Path, seed: int, overrides: dict, dtype: torch.dtype,
-                   llm: str | Path | None, vlm: str | Path | None, head: str | Path | None) -> VLAConfig:
+                   llm: str | Path | None, vlm: str | Path | None, head: str | Path | None,
+                   prompt: str | None = None, camera_size: tuple[int, int] | None = None) -> VLAConfig:
     ref_dir = Path(llm if llm is not None else vlm).expanduser().resolve()
     if not ref_dir.is_dir():
         raise _not_a_directory(ref_dir)
     ref = hf.read_hf(ref_dir)
+    ref.source().check_files()  # every shard present and whole before anything is written
     fixed = {"preset", "llm_path", "vlm_path", "planning_head"}  # set by composing, not by --set
     unknown = set(overrides) - (set(VLAConfig.__dataclass_fields__) - fixed)
     if unknown:
@@ -578,8 +709,23 @@ def _init_composed(preset_name: str, path: Path, seed: int, overrides: dict, dty
     base.update(overrides)
     if llm is not None:
         if ref.kind != "llm":
-            raise CheckpointError(f"--llm {ref_dir}: a transformers {ref.architecture}; use --vlm for a LLaVA model")
+            raise CheckpointError(f"--llm {ref_dir}: a transformers {ref.architecture}; use --vlm for a vision-language "
+                                  "model")
         base.update(llm=ref.llm_dict(), llm_path=str(ref_dir))
+    elif ref.kind == "vlm":
+        if base.get("ego_state_input") or base.get("llm_passes", 1) != 1:
+            raise ValueError(f"preset {preset_name!r} takes an ego token or two LLM passes; a VLM composition takes "
+                             "the VLM's own inputs only (use --preset tiny or smol, or --set llm_passes=1 "
+                             "--set ego_state_input=false)")
+        view = vlm_view(ref, int(base["n_cameras"]), prompt, camera_size)
+        vocab = int(ref.text_config.vocab_size)
+        token = overrides.get("planning_token_id", _default_planning_token(ref, vocab))
+        base.update(llm=ref.llm_dict(), vlm=view.vlm, vlm_path=str(ref_dir), projector={"type": "vlm"},
+                    prompt_token_ids=[], planning_token_id=int(token),
+                    vlm_view={"cameras": view.cameras, "camera_size": list(view.camera_size), "prompt": view.prompt,
+                              "num_tokens": view.num_tokens, "side": list(view.side),
+                              "side_shapes": _with_planning_token(view.side_shapes),
+                              "vision_patches": view.vision_patches})
     else:
         if ref.kind != "llava":
             raise CheckpointError(f"--vlm {ref_dir}: a transformers {ref.architecture}; use --llm for a language model")
@@ -598,6 +744,9 @@ def _init_composed(preset_name: str, path: Path, seed: int, overrides: dict, dty
         own = {k: v.detach().to(dtype).contiguous() for k, v in _own_modules(cfg).state_dict().items()}
     finally:
         torch.set_default_dtype(default_dtype)
+    if cfg.decision_token_ids and "decision_head.weight" in own:
+        # the decision read-out: the referred model's own LM-head rows of those tokens (its logits, exactly)
+        own["decision_head.weight"] = lm_head_rows(ref, cfg.decision_token_ids).to(dtype).contiguous()
     trained = _read_own_weights(Path(head), own) if head is not None else {}
     own.update({k: v.to(dtype).contiguous() for k, v in trained.items()})
     cfg.random_init = set(trained) != set(own)

@@ -26,7 +26,9 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 #: Navigation command names, in CARLA RoadOption order (value = index + 1).
 NAV_COMMANDS = ("LEFT", "RIGHT", "STRAIGHT", "LANE_FOLLOW", "CHANGE_LANE_LEFT", "CHANGE_LANE_RIGHT")
 #: LLM families whose decoder blocks the model can hold (transformers model_type values).
-LLM_TYPES = ("llama", "qwen2")
+LLM_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3",
+             # the text models of the Qwen VLMs (multimodal rotary positions; Qwen3-VL: DeepStack features)
+             "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 #: Ego-state features fed as one token when ``ego_state_input`` is set: speed (m/s, signed, base_link +x),
 #: longitudinal acceleration (m/s^2) and yaw rate (rad/s, counter-clockwise), in this order.
 EGO_FEATURES = ("speed_mps", "accel_mps2", "yaw_rate_radps")
@@ -91,6 +93,20 @@ class VLAConfig:
             and ``model.safetensors`` holds the planning head (and ego / pass embeddings when configured).
         planning_head: False only for the in-memory view of a transformers LLaVA directory that has no
             planning head (``hybrid-vla verify-split`` / ``plan`` on it); such a model cannot drive the nodes.
+        readout: how the suffix turns the final hidden states into waypoints: ``{"type": "mlp"}`` (default:
+            :class:`~hybrid_vla_ros.model.modeling.PlanningHead` on the planning token), ``{"type": "queries",
+            "count": n_waypoints}`` (learned query tokens in the planning token's place, one step each:
+            :class:`~hybrid_vla_ros.model.modeling.QueryHead`), ``{"type": "module", "class": "pkg.mod:Name",
+            "config": {...}}`` (the team's own head on every token's final state; importing it needs the
+            model-code opt-in). With ``decision_token_ids`` the LM head's rows of those tokens also read the
+            decision at ``decision_position`` (one pass or MindDrive's two).
+        vlm / vlm_view: a composed checkpoint on a transformers VLM of another family (``projector`` is
+            ``{"type": "vlm"}``, ``vlm_path`` the directory): ``vlm`` repeats the VLM's config, ``llm`` its text
+            model's; ``vlm_view`` says how the cameras are fed (``camera_size`` [W, H] px, ``prompt`` with one
+            image placeholder per camera, ``cameras``, the processor's ``num_tokens``, the ``side`` tensors that
+            cross with h_K and their ``side_shapes``, ``vision_patches``; as
+            :class:`VLMSpec`). The frame is the processor's tokens and the planning token last; the vision
+            side fields (``vision``, ``image_size``, ...) are unused.
 
     With ``projector.type == "llava"`` the token layout follows LLaVA: ``prompt_token_ids`` holds one image
     placeholder (``projector.image_token_index``) per camera, each replaced by that camera's P projected
@@ -120,6 +136,9 @@ class VLAConfig:
     llm_path: str = ""
     vlm_path: str = ""
     planning_head: bool = True
+    vlm: dict = field(default_factory=dict)
+    vlm_view: dict = field(default_factory=dict)
+    readout: dict = field(default_factory=lambda: {"type": "mlp"})
 
     def __post_init__(self) -> None:
         self.image_mean = tuple(float(v) for v in self.image_mean)
@@ -154,6 +173,11 @@ class VLAConfig:
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
             if key not in self.llm:
                 problems.append(f"llm.{key} missing")
+        if self.projector.get("type") == "vlm":
+            problems += self._vlm_problems() + self._readout_problems()
+            if problems:
+                raise ValueError("invalid model config: " + "; ".join(problems))
+            return
         for key in ("hidden_size", "patch_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             if key not in self.vision:
                 problems.append(f"vision.{key} missing")
@@ -196,8 +220,44 @@ class VLAConfig:
         if self.llm_passes not in (1, 2):
             problems.append("llm_passes must be 1 or 2")
         problems += self._pass_problems()
+        problems += self._readout_problems()
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
+
+    def _readout_problems(self) -> list[str]:
+        """The read-out (``readout``): ``mlp`` (this package's planning head on the last token), ``queries``
+        (``count`` learned query tokens last in the sequence, one waypoint step each, SimLingo's shape) or
+        ``module`` (the team's own head class, ``class`` ``package.module:Name`` with its ``config``, on the
+        final hidden states of every token)."""
+        r = self.readout
+        if not isinstance(r, dict):
+            return [f"readout must be a mapping, got {r!r}"]
+        kind = r.get("type", "mlp")
+        if kind == "mlp":
+            return []
+        if kind == "queries":
+            n = r.get("count")
+            if isinstance(n, bool) or not isinstance(n, int) or n != self.n_waypoints:
+                return [f"readout.count must be n_waypoints ({self.n_waypoints}): one query token a waypoint step"]
+            return [] if self.llm_passes == 1 else ["a queries read-out takes one LLM pass"]
+        if kind == "module":
+            spec = r.get("class")
+            if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+                return ["readout.class must be 'package.module:ClassName' (the team's own head)"]
+            if not isinstance(r.get("config", {}), dict):
+                return ["readout.config must be a mapping (keyword arguments of the head class)"]
+            return [] if self.llm_passes == 1 else ["a module read-out takes one LLM pass"]
+        return [f"readout.type {kind!r} is not 'mlp', 'queries' or 'module'"]
+
+    @property
+    def readout_type(self) -> str:
+        """``mlp``, ``queries`` or ``module`` (see :meth:`_readout_problems`)."""
+        return str(self.readout.get("type", "mlp"))
+
+    @property
+    def query_count(self) -> int:
+        """Query tokens of a ``queries`` read-out (they replace the one planning token), else 0."""
+        return int(self.readout["count"]) if self.readout_type == "queries" else 0
 
     def _pass_problems(self) -> list[str]:
         problems = []
@@ -214,14 +274,72 @@ class VLAConfig:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             problems.append("decision_token_ids must be a list of token ids")
         elif ids:
-            if self.llm_passes < 2:
-                problems.append("decision_token_ids needs llm_passes 2 (the decision pass)")
             if not all(0 <= t < int(self.llm["vocab_size"]) for t in ids) or len(set(ids)) != len(ids):
                 problems.append("decision_token_ids must be distinct ids inside the vocabulary")
         pos = self.decision_position
         if isinstance(pos, bool) or not isinstance(pos, int) or not -self.num_tokens <= pos < self.num_tokens:
             problems.append(f"decision_position {pos!r} is not a token index of the {self.num_tokens} tokens")
         return problems
+
+    def _vlm_problems(self) -> list[str]:
+        """A composed checkpoint on a transformers VLM (projector type ``vlm``): the VLM's own front, its text
+        model's blocks, this package's planning head on the last (planning) token."""
+        from .vlm import VLM_MODEL_TYPES
+
+        problems = []
+        if not self.vlm_path:
+            problems.append("projector.type 'vlm' needs vlm_path (the VLM directory its weights come from)")
+        if self.vlm.get("model_type") not in VLM_MODEL_TYPES:
+            problems.append(f"vlm.model_type must be one of {', '.join(VLM_MODEL_TYPES)}")
+        view = self.vlm_view
+        for key, kind in (("camera_size", list), ("prompt", str), ("num_tokens", int), ("side", list),
+                          ("side_shapes", dict), ("vision_patches", int)):
+            if not isinstance(view.get(key), kind):
+                problems.append(f"vlm_view.{key} missing or not a {kind.__name__}")
+        if self.ego_state_input or self.llm_passes != 1:
+            problems.append("a VLM composition takes no ego token and one LLM pass (the VLM's own inputs only)")
+        if not 0 <= self.planning_token_id < int(self.llm["vocab_size"]):
+            problems.append("planning_token_id is outside the vocabulary")
+        if self.llm.get("model_type") not in LLM_TYPES:
+            problems.append(f"llm.model_type {self.llm.get('model_type')!r} is not one of {', '.join(LLM_TYPES)}")
+        if self.n_modes not in (1, len(NAV_COMMANDS)):
+            problems.append(f"n_modes must be 1 or {len(NAV_COMMANDS)} (one per navigation command)")
+        if self.n_cameras != view.get("cameras", self.n_cameras):
+            problems.append("n_cameras differs from vlm_view.cameras")
+        pos = self.decision_position
+        if isinstance(view.get("num_tokens"), int) and (isinstance(pos, bool) or not isinstance(pos, int)
+                                                        or not -self.num_tokens <= pos < self.num_tokens):
+            problems.append(f"decision_position {pos!r} is not a token index of the {self.num_tokens} tokens")
+        return problems
+
+    # What a VLM composition's stages read, under the names VLMSpec has (model.modeling.VLMPrefixStage).
+    @property
+    def vlm_type(self) -> str:
+        return str(self.vlm.get("model_type", ""))
+
+    @property
+    def cameras(self) -> int:
+        return self.n_cameras
+
+    @property
+    def camera_size(self) -> tuple[int, int]:
+        return tuple(int(v) for v in self.vlm_view.get("camera_size", ()))
+
+    @property
+    def prompt(self) -> str:
+        return str(self.vlm_view.get("prompt", ""))
+
+    @property
+    def side(self) -> tuple[str, ...]:
+        return tuple(self.vlm_view.get("side", ())) if self.projector.get("type") == "vlm" else ()
+
+    @property
+    def side_shapes(self) -> dict:
+        return dict(self.vlm_view.get("side_shapes", {})) if self.projector.get("type") == "vlm" else {}
+
+    @property
+    def vision_patches(self) -> int:
+        return int(self.vlm_view.get("vision_patches", 0))
 
     def _llava_problems(self) -> list[str]:
         p, problems = self.projector, []
@@ -281,8 +399,11 @@ class VLAConfig:
     def num_tokens(self) -> int:
         """T = prompt + V vision tokens + 1 ego token (when ``ego_state_input``) + 1 planning token (with a
         LLaVA projector the prompt's image placeholders count as the vision tokens that replace them)."""
+        last = max(1, self.query_count)  # the planning token, or the query tokens in its place
+        if self.projector.get("type") == "vlm":  # the processor's tokens, then the planning / query tokens
+            return int(self.vlm_view["num_tokens"]) + last
         placeholders = self.n_cameras if self.projector.get("type") == "llava" else 0
-        return len(self.prompt_token_ids) - placeholders + self.num_vision_tokens + int(self.ego_state_input) + 1
+        return len(self.prompt_token_ids) - placeholders + self.num_vision_tokens + int(self.ego_state_input) + last
 
     @property
     def prefix_state_shape(self) -> tuple[int, ...]:
@@ -297,7 +418,8 @@ class VLAConfig:
         d = asdict(self)
         d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
         for key, default in (("llm_path", ""), ("vlm_path", ""), ("planning_head", True), ("pass_lora_rank", 0),
-                             ("pass_adapters", []), ("decision_token_ids", []), ("decision_position", -2)):
+                             ("pass_adapters", []), ("decision_token_ids", []), ("decision_position", -2),
+                             ("vlm", {}), ("vlm_view", {}), ("readout", {"type": "mlp"})):
             if d[key] == default:
                 del d[key]
         return {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **d}
@@ -367,16 +489,75 @@ class LMConfig:
         return {"model_type": "transformers_lm", "llm": dict(self.llm), "num_tokens": self.num_tokens}
 
 
+#: (width, height) px every camera image is resized to before a VLM's processor when none is given: 16:10, as
+#: the embedded bag's 1936 x 1216 cameras (each family's processor then resizes or tiles it its own way). Fixed
+#: so that T, and the ring's slot, is the same every frame.
+DEFAULT_CAMERA_SIZE = (448, 280)
+
+
+@dataclass
+class VLMSpec:
+    """A transformers VLM directory viewed as a split (no planning head): the family's own front, the text
+    model's blocks split at K.
+
+    ``vlm``: the VLM's transformers config as a dict (``model_type`` one of
+    :data:`~hybrid_vla_ros.model.vlm.VLM_MODEL_TYPES`); ``llm``: its text model's config kwargs with
+    ``model_type`` (e.g. ``qwen2_5_vl_text``, ``qwen2``); ``num_tokens``: T of one frame (the processor's output
+    for ``cameras`` images of ``camera_size`` and ``prompt``); ``cameras``: images per frame, in prompt order;
+    ``camera_size``: (width, height) px each camera image is resized to before the processor; ``prompt``: the
+    text with one image placeholder per camera; ``vlm_path``: the directory; ``side``: names of the side tensors
+    that cross the split with h_K (:mod:`hybrid_vla_ros.model.contract`), ``side_shapes`` their shapes (name ->
+    list of ints); ``vision_patches``: patches the vision tower takes per frame (all cameras and tiles), for
+    the memory plan.
+    """
+
+    vlm: dict
+    llm: dict
+    num_tokens: int
+    cameras: int
+    camera_size: tuple[int, int]
+    prompt: str
+    vlm_path: str
+    side: tuple[str, ...] = ()
+    side_shapes: dict = field(default_factory=dict)
+    vision_patches: int = 0
+    llm_passes: int = 1
+    preset: str = ""
+
+    num_layers = VLAConfig.num_layers
+    hidden_size = VLAConfig.hidden_size
+    llm_type = VLAConfig.llm_type
+
+    @property
+    def vlm_type(self) -> str:
+        """The VLM family's transformers model_type."""
+        return str(self.vlm["model_type"])
+
+    @property
+    def prefix_state_shape(self) -> tuple[int, int]:
+        """(T, H)."""
+        return (self.num_tokens, self.hidden_size)
+
+    def to_dict(self) -> dict:
+        """What a profile records as the model's config (``model_type`` ``transformers_vlm``)."""
+        return {"model_type": "transformers_vlm", "vlm_type": self.vlm_type, "llm": dict(self.llm),
+                "num_tokens": self.num_tokens, "cameras": self.cameras, "camera_size": list(self.camera_size),
+                "prompt": self.prompt}
+
+
 def not_a_driving_checkpoint(path: Path, doc: dict) -> str:
     """Why the directory ``path`` (config.json parsed as ``doc``) cannot drive the nodes, and what to do."""
     kind = doc.get("model_type")
     where = f"{path / 'config.json'}"
     if kind == "hybrid_vla_code":
-        return (f"{where} describes own model code ({doc.get('model_class')!r}): `hybrid-vla verify-split` and "
-                "`hybrid-vla plan` run it; the nodes run this package's driving checkpoints (model_type "
-                f"{MODEL_TYPE!r}) only")
+        return (f"{where} describes own model code ({doc.get('model_class')!r}) that declares no driving I/O: "
+                "`hybrid-vla verify-split` and `hybrid-vla plan` run it; for the nodes give the class a `driving` "
+                "dict (cameras, image_size, image_mean, image_std, n_waypoints, waypoint_dt_s, n_modes; see "
+                "docs/models.md, 'Your own model code')")
     arch = (doc.get("architectures") or [kind])[0]
-    if kind == "llava":
+    from .vlm import VLM_MODEL_TYPES
+
+    if kind == "llava" or kind in VLM_MODEL_TYPES:
         return (f"{where} is a transformers {arch} directory without a planning head: the suffix node has nothing "
                 "to turn its hidden states into a trajectory. Attach a planning head with `hybrid-vla init-model "
                 f"--vlm {path} [--head HEAD.safetensors] OUT` (the VLM's weights stay in {path}) and set model_path "

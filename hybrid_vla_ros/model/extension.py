@@ -7,6 +7,10 @@ A checkpoint directory of own code holds its weights (``model.safetensors``, or 
      "model_class": "my_team.vla:DrivingVLA",       # importable module : class
      "config": {...}}                                 # passed to the class as is
 
+To run on the nodes the class also declares its driving I/O, a ``driving`` dict (:data:`DRIVING_KEYS`: the cameras
+and their preprocessing, the waypoints it returns from ``readout``); without it the model runs in
+``verify-split``, ``plan`` and ``profile`` only.
+
 The class is a ``torch.nn.Module`` that follows :class:`SplitModelCode`: ``cls(config)`` builds it (this
 package calls it under ``torch.device("meta")``, so it must not allocate or initialise weights by itself beyond
 what nn.Module constructors do); it names the modules that run before the decoder blocks (``front_modules``), its
@@ -91,22 +95,44 @@ def import_model_class(path: Path, spec: str, trust_model_code: bool | None = No
         raise CheckpointError(f"{where}: model_class must be 'package.module:ClassName', got {spec!r}")
     if not trusted(trust_model_code):
         raise CheckpointError(f"{where} names own model code {spec!r}; importing it runs that code. Opt in once you "
-                              f"trust it: --trust-model-code on the command line, or {TRUST_ENV}=1 in the "
-                              "environment")
-    module_name, class_name = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise CheckpointError(f"{where}: cannot import {module_name!r} for model_class {spec!r} ({e}); install it "
-                              "or put it on PYTHONPATH") from e
-    cls = getattr(module, class_name, None)
-    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise CheckpointError(f"{where}: {spec!r} is not an nn.Module class")
+                              "trust it: --trust-model-code (verify-split, plan, profile), or "
+                              f"{TRUST_ENV}=1 in the environment (every command, and the nodes)")
+    cls = _import_module_class(spec, f"{where}: model_class")
     missing = [m for m in ("front_modules", "block_list", "tail_modules", "hidden_state_shape", "embed", "run_blocks",
                            "readout", "forward", "example_inputs") if not hasattr(cls, m)]
     if missing:
         raise CheckpointError(f"{where}: {spec!r} lacks {', '.join(missing)} (see SplitModelCode in "
                               "hybrid_vla_ros/model/extension.py)")
+    return cls
+
+
+def import_head_class(spec: str, trust_model_code: bool | None = None) -> type:
+    """The team's own read-out head class ``spec`` (``package.module:Name``, a ``readout`` of type ``module``),
+    imported only with the model-code opt-in (``--trust-model-code``, or the environment variable for the
+    nodes). It is built ``cls(hidden_size=H, n_waypoints=N, n_modes=M, **config)`` and called on the final-norm
+    hidden states (T, H) of the suffix; it must return (M, N, 2) waypoints (metres, ego frame). Raises
+    CheckpointError: not trusted (nothing imported), a malformed spec, an import error, not an nn.Module."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise CheckpointError(f"readout.class must be 'package.module:ClassName', got {spec!r}")
+    if not trusted(trust_model_code):
+        raise CheckpointError(f"the read-out head {spec!r} is the team's own code; importing it runs that code. Opt "
+                              f"in once you trust it: {TRUST_ENV}=1 in the environment (init-model, every command "
+                              "and the nodes read it)")
+    return _import_module_class(spec, "the read-out head")
+
+
+def _import_module_class(spec: str, what: str) -> type:
+    """The nn.Module class ``package.module:Name`` (already trusted). Raises CheckpointError naming ``what``: the
+    module cannot be imported, or the name is not an nn.Module class."""
+    module_name, class_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise CheckpointError(f"{what} {spec!r}: cannot import {module_name!r} ({e}); install it or put it on "
+                              "PYTHONPATH") from e
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise CheckpointError(f"{what} {spec!r} is not an nn.Module class")
     return cls
 
 
@@ -126,6 +152,42 @@ class CodeModel:
             probe = self.new_model()
         self.num_layers = len(getattr(probe, probe.block_list))
         self.prefix_state_shape = tuple(int(s) for s in probe.hidden_state_shape())
+        #: The driving I/O the model declares (:data:`DRIVING_KEYS`), or None: then it runs in verify-split,
+        #: plan and profile only, not on the nodes.
+        self.driving = _driving(probe, Path(path) / "config.json", spec)
+
+    # The driving I/O, under the names the nodes read from a driving config (model.config.VLAConfig).
+    @property
+    def drives(self) -> bool:
+        """True when the model declares its driving I/O: the nodes can run it."""
+        return self.driving is not None
+
+    def _io(self, key: str):
+        if self.driving is None:
+            raise AttributeError(f"{self.spec} declares no driving I/O ('driving')")
+        return self.driving[key]
+
+    n_cameras = property(lambda self: int(self._io("cameras")))
+    image_size = property(lambda self: int(self._io("image_size")))
+    image_mean = property(lambda self: tuple(float(v) for v in self._io("image_mean")))
+    image_std = property(lambda self: tuple(float(v) for v in self._io("image_std")))
+    n_waypoints = property(lambda self: int(self._io("n_waypoints")))
+    waypoint_dt_s = property(lambda self: float(self._io("waypoint_dt_s")))
+    n_modes = property(lambda self: int(self._io("n_modes")))
+    random_init = property(lambda self: bool(self.driving.get("random_init", False)) if self.driving else False)
+    ego_state_input = False
+    planning_head = property(lambda self: self.drives)
+    projector = property(lambda self: {"type": "code"})
+    side: tuple = ()
+    query_count = 0
+    readout_type = "code"
+    decision_token_ids: tuple = ()
+    vlm_type = ""
+
+    @property
+    def num_tokens(self) -> int:
+        """T: the second-to-last dim of the hidden states that cross the split."""
+        return int(self.prefix_state_shape[-2])
 
     def new_model(self) -> nn.Module:
         """A fresh instance (on the current default device; meta when building stages)."""
@@ -156,6 +218,32 @@ class CodeModel:
             check_split_layer(self, stop)
             return CodeBlocks(self, self.new_model(), split_layer, stop)
         return (CodePrefix if role == "prefix" else CodeSuffix)(self, self.new_model(), split_layer)
+
+
+#: What a model's ``driving`` dict must give for the nodes to run it: cameras (count, in ``camera_topics``
+#: order), image_size (px, square: the package decodes, resizes and normalises every camera to (C, 3, S, S)
+#: float pixels, which ``embed`` takes), image_mean / image_std (3 values each, [0, 1] units, RGB),
+#: n_waypoints, waypoint_dt_s (s), n_modes (1 or 6). Optional: random_init (bool: the trajectories are not
+#: driving advice). ``readout`` then returns waypoints (n_modes, n_waypoints, 2) metres, ego frame.
+DRIVING_KEYS = ("cameras", "image_size", "image_mean", "image_std", "n_waypoints", "waypoint_dt_s", "n_modes")
+
+
+def _driving(model: nn.Module, where: Path, spec: str) -> dict | None:
+    """The model's ``driving`` dict checked (:data:`DRIVING_KEYS`), or None when it declares none. Raises
+    CheckpointError naming what is missing or wrong."""
+    io = getattr(model, "driving", None)
+    if io is None:
+        return None
+    if not isinstance(io, dict):
+        raise CheckpointError(f"{where}: {spec}.driving must be a dict ({', '.join(DRIVING_KEYS)})")
+    missing = [k for k in DRIVING_KEYS if k not in io]
+    if missing:
+        raise CheckpointError(f"{where}: {spec}.driving lacks {', '.join(missing)}")
+    if int(io["n_modes"]) not in (1, 6) or int(io["cameras"]) < 1 or int(io["n_waypoints"]) < 1 \
+            or not float(io["waypoint_dt_s"]) > 0 or len(io["image_mean"]) != 3 or len(io["image_std"]) != 3:
+        raise CheckpointError(f"{where}: {spec}.driving: n_modes must be 1 or 6, cameras and n_waypoints >= 1, "
+                              "waypoint_dt_s > 0, image_mean / image_std 3 values each")
+    return dict(io)
 
 
 def _attach(stage: nn.Module, model: nn.Module, names) -> None:
@@ -221,6 +309,23 @@ class CodeSuffix(_CodeStage):
 
     def checkpoint_key(self, local_key: str) -> str:
         return self._block_key(local_key, self.split_layer)
+
+    def plan_all(self, hidden_states: torch.Tensor, command: int = 3, split_layer: int | None = None):
+        """A driving model's waypoints of every mode as :class:`~hybrid_vla_ros.model.modeling.PlanOutput` (the
+        command picks the mode of a 6-mode model). Raises ValueError for a model without driving I/O, a readout
+        that is not (n_modes, n_waypoints, 2), or as :meth:`forward`."""
+        from .modeling import NAV_COMMANDS, PlanOutput
+
+        if not self.cfg.drives:
+            raise ValueError(f"{self.cfg.spec} declares no driving I/O: it gives its own output, not waypoints")
+        if isinstance(command, bool) or not 0 <= int(command) < len(NAV_COMMANDS):
+            raise ValueError(f"navigation command index {command!r} out of range [0, {len(NAV_COMMANDS)})")
+        modes = self.forward(hidden_states, split_layer).float()
+        want = (self.cfg.n_modes, self.cfg.n_waypoints, 2)
+        if tuple(modes.shape) != want:
+            raise ValueError(f"{self.cfg.spec}.readout gave {tuple(modes.shape)}, its driving I/O declares {want}")
+        mode = int(command) if modes.shape[0] > 1 else 0
+        return PlanOutput(modes[mode], modes, None, mode)
 
     def forward(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
         from .modeling import _SuffixSide

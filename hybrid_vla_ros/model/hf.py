@@ -4,15 +4,19 @@ A transformers directory is ``config.json`` plus either ``model.safetensors`` or
 ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (as ``PreTrainedModel.save_pretrained``
 writes it). Supported architectures (``config.json`` ``model_type``):
 
-* ``llama`` (``LlamaForCausalLM``: Vicuna, LLaMA 2 / 3, SmolLM2, ...) and ``qwen2`` (``Qwen2ForCausalLM``:
-  Qwen2, Qwen2.5): a bare language model. Its decoder blocks are transformers' ``LlamaDecoderLayer`` /
-  ``Qwen2DecoderLayer`` built from the directory's own config;
+* a causal language model of one of the text families (:data:`~hybrid_vla_ros.model.text.TEXT_MODEL_TYPES`:
+  ``LlamaForCausalLM`` (Vicuna, LLaMA 2 / 3, SmolLM2), ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5),
+  ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` (Gemma 3 text,
+  model_type ``gemma3_text``), ``Phi3ForCausalLM``): a bare language model. Its decoder blocks are the family's
+  own transformers class built from the directory's own config (:mod:`hybrid_vla_ros.model.text`);
 * ``llava`` (``LlavaForConditionalGeneration``): a CLIP or SigLIP vision tower, LLaVA's two-layer projector
-  and a LLaMA / Qwen2 language model.
+  and a language model of one of those families.
 
 Stored names -> this package's canonical names (:mod:`hybrid_vla_ros.model.sources`), layouts read in the
-transformers sources (``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_llava.py``,
-``conversion_mapping.py``) and checked against what transformers 5.24's ``save_pretrained`` writes:
+transformers sources (``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_mistral.py``,
+``modeling_gemma2.py``, ``modeling_gemma3.py``, ``modeling_phi3.py``, ``modeling_llava.py``,
+``conversion_mapping.py``) and checked against what transformers 5.24's ``save_pretrained`` writes (every text
+family stores its base model under ``model.``):
 
 ============================================================  ==========================================
 stored                                                        canonical
@@ -39,6 +43,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .text import CAUSAL_LM_ARCHITECTURES, TEXT_MODEL_TYPES, check_splittable
 from .sources import (
     CheckpointError,
     KeyMap,
@@ -47,12 +52,13 @@ from .sources import (
     hf_safetensors_files,
 )
 
-#: transformers ``model_type`` of the language models whose decoder blocks this package runs.
-LLM_MODEL_TYPES = ("llama", "qwen2")
+#: transformers ``model_type`` of the causal language models a directory may hold (their decoder blocks run here;
+#: :data:`~hybrid_vla_ros.model.text.TEXT_MODEL_TYPES` adds the VLMs' own text models).
+LLM_MODEL_TYPES = tuple(t for t in TEXT_MODEL_TYPES if t in CAUSAL_LM_ARCHITECTURES)
 #: transformers ``model_type`` of the vision towers a LLaVA model may have here.
 VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
 #: Architectures (``config.json`` ``architectures``) read from a transformers directory, by model_type.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "llava": "LlavaForConditionalGeneration"}
+ARCHITECTURES = {**CAUSAL_LM_ARCHITECTURES, "llava": "LlavaForConditionalGeneration"}
 
 #: Config keys that describe how a config was saved or used for training, not the architecture: left out of the
 #: ``llm`` / ``vision`` dicts this package stores (they change between transformers versions and saves).
@@ -110,9 +116,12 @@ def architecture_name(doc: dict) -> str:
 
 def unsupported_message(path: Path, doc: dict) -> str:
     """Why a transformers config is not supported, naming the file, its architecture and what is."""
+    from .vlm import VLM_MODEL_TYPES
+
     return (f"{Path(path) / 'config.json'}: architecture {architecture_name(doc)!r} (model_type "
             f"{doc.get('model_type')!r}) is not supported; this package splits "
-            f"{', '.join(sorted(ARCHITECTURES.values()))} directories, this package's own checkpoints and own "
+            f"{', '.join(sorted(ARCHITECTURES.values()))} directories, the VLM families "
+            f"{', '.join(VLM_MODEL_TYPES)} (their ForConditionalGeneration), this package's own checkpoints and own "
             "model code (model_type 'hybrid_vla_code', see docs/models.md)")
 
 
@@ -121,19 +130,26 @@ def _check_text_config(path: Path, text) -> None:
     if text.model_type not in LLM_MODEL_TYPES:
         raise CheckpointError(f"{file}: language model type {text.model_type!r} is not supported (use one of "
                               f"{', '.join(LLM_MODEL_TYPES)})")
-    sliding = [i for i, t in enumerate(getattr(text, "layer_types", None) or []) if t != "full_attention"]
-    if sliding:
-        raise CheckpointError(f"{file}: decoder blocks {sliding[:5]} use {text.layer_types[sliding[0]]!r}; only "
-                              "full causal attention is supported (a sliding-window mask would have to match on "
-                              "both sides of the split)")
+    try:
+        check_splittable(text)
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+
+
+def _check_text_config_any(path: Path, text) -> None:
+    try:
+        check_splittable(text)
+    except ValueError as e:
+        raise CheckpointError(f"{Path(path) / 'config.json'}: {e}") from None
 
 
 @dataclass
 class HFModel:
     """A transformers directory, resolved through transformers' own config classes.
 
-    ``kind``: ``llm`` or ``llava``; ``architecture``: e.g. ``LlamaForCausalLM``; ``config``: the transformers
-    config object (``LlamaConfig`` / ``Qwen2Config`` / ``LlavaConfig``); ``text_config``: the language model's
+    ``kind``: ``llm``, ``llava`` or ``vlm`` (a family of :data:`~hybrid_vla_ros.model.vlm.VLM_MODEL_TYPES`);
+    ``architecture``: e.g. ``Qwen3ForCausalLM``; ``config``: the transformers
+    config object (its family's, e.g. ``Qwen3Config``, or ``LlavaConfig``); ``text_config``: the language model's
     config (``config`` itself for an LLM); ``vision_config``: the LLaVA vision tower's (None for an LLM).
     """
 
@@ -150,6 +166,10 @@ class HFModel:
         return int(self.text_config.num_hidden_layers)
 
     def key_map(self) -> KeyMap:
+        if self.kind == "vlm":
+            from .vlm import VLMKeyMap, vlm_family
+
+            return VLMKeyMap(self.config, vlm_family(self.config.model_type))
         return LLAVA_KEY_MAP if self.kind == "llava" else LLM_KEY_MAP
 
     def source(self) -> SafetensorsSource:
@@ -201,9 +221,10 @@ def read_hf(path: str | Path) -> HFModel:
     """Resolve a transformers directory through transformers' config classes (no network: a local path).
 
     Raises MissingFileError (no config.json), CheckpointError (not a supported architecture, an unsupported
-    language model or vision tower, a quantized checkpoint, sliding-window attention).
+    language model or vision tower, a quantized checkpoint, attention that cannot be split exactly).
     """
-    from transformers import LlamaConfig, LlavaConfig, Qwen2Config
+    from transformers import LlavaConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     path = Path(path)
     doc = read_config_json(path)
@@ -213,13 +234,22 @@ def read_hf(path: str | Path) -> HFModel:
         method = doc["quantization_config"].get("quant_method", "?")
         raise CheckpointError(f"{file}: a quantized checkpoint ({method}); "
                               "this package loads floating-point weights (F32, F16, BF16): dequantize it first")
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "llava": LlavaConfig}
+    from .vlm import VLM_MODEL_TYPES
+
+    classes = {**{t: CONFIG_MAPPING[t] for t in (*LLM_MODEL_TYPES, *VLM_MODEL_TYPES)}, "llava": LlavaConfig}
     if model_type not in classes:
         raise CheckpointError(unsupported_message(path, doc))
     try:
         config = classes[model_type].from_dict(doc)
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{file}: transformers cannot read it as a {model_type} config ({e})") from e
+    if model_type in VLM_MODEL_TYPES:
+        text = config.text_config
+        if text.model_type not in TEXT_MODEL_TYPES:
+            raise CheckpointError(f"{file}: the text model of this {model_type} is {text.model_type!r}, not one of "
+                                  f"{', '.join(TEXT_MODEL_TYPES)}")
+        _check_text_config_any(path, text)
+        return HFModel(path, "vlm", architecture_name(doc), config, text, config.vision_config, doc)
     if model_type == "llava":
         vision = config.vision_config
         if vision.model_type not in VISION_MODEL_TYPES:

@@ -8,7 +8,7 @@ Forward pass of one frame (one prefill, no autoregressive decode)::
     planning token id   --embed_tokens-->                             (1, H)   waypoint query
     concat -> hidden states h_0 (T, H), T = p + V + [1] + 1
     [two LLM passes: h_0 (2, T, H) = h_0 + pass_embed[pass]]
-    h_{i+1} = decoder_block_i(h_i)  for i in [0, L)     (transformers LlamaDecoderLayer / Qwen2DecoderLayer)
+    h_{i+1} = decoder_block_i(h_i)  for i in [0, L)     (the LLM family's own transformers decoder block)
     modes (M, N, 2) = planning_head(final_norm(h_L)[..., T-1, :])   (ego frame, metres, at dt .. N*dt)
     waypoints (N, 2) = modes[navigation command]                    (M = 1: the only mode)
 
@@ -40,17 +40,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, Qwen2Config, SiglipVisionConfig, SiglipVisionModel
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
+from transformers import SiglipVisionConfig, SiglipVisionModel
 
+from . import text
 from .config import EGO_FEATURES, NAV_COMMANDS, LMConfig, VLAConfig
-
-#: transformers classes of each LLM family: (config, decoder block, RMS norm, rotary embedding).
-LLM_FAMILIES = {
-    "llama": (LlamaConfig, LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding),
-    "qwen2": (Qwen2Config, Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding),
-}
 #: Default navigation command (index into NAV_COMMANDS): LANE_FOLLOW.
 DEFAULT_COMMAND = NAV_COMMANDS.index("LANE_FOLLOW")
 
@@ -62,7 +55,16 @@ class PlanningHead(nn.Module):
     x forward, y left (REP 103 base_link), at times dt, 2dt, ... N*dt. The MLP predicts per-step
     displacements; their cumulative sum gives positions, so the first waypoint is one step away
     from the ego origin.
+
+    Untrained (``init-model``'s random heads), the output layer starts at :data:`UNTRAINED_OUTPUT_SCALE` of
+    torch's default initialisation and without bias: the displacements are centimetres of noise around the ego
+    ("stay here"), not the ~0.5 m random steps in random directions of a default-initialised layer on O(1)
+    hidden states, a zigzag no vehicle can drive that the output guard rejects as too sharp a turn. Loaded
+    weights replace it.
     """
+
+    #: Factor on torch's default initialisation of the output layer of an untrained head (see above).
+    UNTRAINED_OUTPUT_SCALE = 0.05
 
     def __init__(self, hidden_size: int, n_waypoints: int, n_modes: int = 1):
         super().__init__()
@@ -70,11 +72,59 @@ class PlanningHead(nn.Module):
         self.fc1 = nn.Linear(hidden_size, hidden_size)
         self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden_size, n_modes * n_waypoints * 2)
+        with torch.no_grad():
+            self.fc2.weight.mul_(self.UNTRAINED_OUTPUT_SCALE)
+            self.fc2.bias.zero_()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """(H,) -> waypoints (M, N, 2) float32 metres (cumulative displacements)."""
         deltas = self.fc2(self.act(self.fc1(h))).float()
         return torch.cumsum(deltas.unflatten(-1, (self.n_modes, self.n_waypoints, 2)), dim=-2)
+
+
+class QueryHead(nn.Module):
+    """Waypoints from learned query tokens (SimLingo's read-out shape: queries appended to the sequence, each
+    query's final hidden state one waypoint step): ``proj`` Linear(H, 2 M) on each of the N query tokens' states
+    gives that step's displacement in each of the M modes; their cumulative sum the positions.
+
+    Input (N, H) final-norm hidden states of the N query tokens; output float32 (M, N, 2) metres, ego frame
+    (REP 103 base_link), at dt .. N dt. Untrained, the projection starts small and without bias, as
+    :class:`PlanningHead`'s output layer."""
+
+    def __init__(self, hidden_size: int, n_waypoints: int, n_modes: int = 1):
+        super().__init__()
+        self.n_waypoints, self.n_modes = n_waypoints, n_modes
+        self.proj = nn.Linear(hidden_size, 2 * n_modes)
+        with torch.no_grad():
+            self.proj.weight.mul_(PlanningHead.UNTRAINED_OUTPUT_SCALE)
+            self.proj.bias.zero_()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """(N, H) -> (M, N, 2) float32 metres (cumulative displacements)."""
+        steps = self.proj(h).float().unflatten(-1, (self.n_modes, 2)).transpose(0, 1)  # (M, N, 2)
+        return torch.cumsum(steps, dim=-2)
+
+
+def own_head(cfg: VLAConfig, hidden_size: int) -> nn.Module:
+    """The read-out head of ``cfg.readout`` (config.VLAConfig._readout_problems): :class:`PlanningHead`,
+    :class:`QueryHead`, or the team's own class built ``cls(hidden_size=H, n_waypoints=N, n_modes=M,
+    **config)`` -- imported only with the model-code opt-in (:func:`~.extension.import_head_class`), and
+    required to return (M, N, 2) waypoints from the (T, H) final hidden states."""
+    kind = cfg.readout_type
+    if kind == "queries":
+        return QueryHead(hidden_size, cfg.n_waypoints, cfg.n_modes)
+    if kind == "module":
+        from .extension import import_head_class
+
+        from .sources import CheckpointError
+
+        cls = import_head_class(cfg.readout["class"])
+        try:
+            return cls(hidden_size=hidden_size, n_waypoints=cfg.n_waypoints, n_modes=cfg.n_modes,
+                       **cfg.readout.get("config", {}))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"readout.config does not fit {cfg.readout['class']}: {e}") from None
+    return PlanningHead(hidden_size, cfg.n_waypoints, cfg.n_modes)
 
 
 class QueryProjector(nn.Module):
@@ -149,12 +199,14 @@ def add_pass_lora_(block: nn.Module, passes: int, rank: int) -> nn.Module:
 
 
 def llm_config(cfg: VLAConfig):
-    """transformers config (LlamaConfig or Qwen2Config) of the checkpoint's LLM, attention pinned to SDPA."""
-    conf_cls = LLM_FAMILIES[cfg.llm_type][0]
-    llm = conf_cls(**{k: v for k, v in cfg.llm.items() if k != "model_type"})
-    # SDPA with attention_mask=None is causal; "eager" with no mask would not be. Pin it.
-    llm._attn_implementation = "sdpa"
-    return llm
+    """transformers config of the checkpoint's LLM (its family's config class: ``LlamaConfig``,
+    ``Qwen3Config``, ``Gemma3TextConfig``, ...), attention pinned to SDPA (:func:`text.text_config`)."""
+    return text.text_config(cfg.llm)
+
+
+def llm_family(cfg: VLAConfig) -> text.TextFamily:
+    """transformers' classes of the checkpoint's LLM family (:func:`text.text_family`)."""
+    return text.text_family(cfg.llm_type)
 
 
 def _vision_config(cfg: VLAConfig):
@@ -208,20 +260,29 @@ def _add_prefix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
             m.projector = QueryProjector(vision.hidden_size, h, q["num_queries"], q["num_layers"], q["num_heads"])
         else:
             m.projector = nn.Sequential(nn.Linear(vision.hidden_size, h), nn.GELU(), nn.Linear(h, h))
-    m.embed_tokens = nn.Embedding(llm.vocab_size, h)
+    m.embed_tokens = text.make_embedding(llm_family(cfg), llm)
+    _add_query_tokens(m, cfg, h)
     if cfg.ego_state_input:
         m.ego_embed = nn.Linear(len(EGO_FEATURES), h)
     if cfg.llm_passes > 1 and not cfg.pass_lora_rank:
         m.pass_embed = nn.Embedding(cfg.llm_passes, h)
 
 
+def _add_query_tokens(m: nn.Module, cfg, hidden_size: int) -> None:
+    """A ``queries`` read-out's learned query embeddings ``query_tokens`` (N, H), last in the sequence in the
+    planning token's place; O(1) entries (N(0, 1), as transformers draws token embeddings), so they weigh in the
+    attention like the prompt's tokens."""
+    if isinstance(cfg, VLAConfig) and cfg.query_count:
+        m.query_tokens = nn.Parameter(torch.randn(cfg.query_count, hidden_size))
+
+
 def _add_suffix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
     """Attach the modules after block L-1: ``norm``, ``head`` and, with two passes, ``decision_head`` (no heads
     for a model without a planning head: ``cfg.planning_head`` false)."""
-    m.norm = LLM_FAMILIES[cfg.llm_type][2](llm.hidden_size, eps=llm.rms_norm_eps)
+    m.norm = text.make_norm(llm_family(cfg), llm)
     if not cfg.planning_head:
         return
-    m.head = PlanningHead(llm.hidden_size, cfg.n_waypoints, cfg.n_modes)
+    m.head = own_head(cfg, llm.hidden_size)
     if cfg.decision_token_ids:
         # the LM head's rows of the meta-action tokens only (MindDrive's decision read-out)
         m.decision_head = nn.Linear(llm.hidden_size, len(cfg.decision_token_ids), bias=False)
@@ -230,16 +291,17 @@ def _add_suffix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
 
 
 def _blocks(cfg: VLAConfig, llm, start: int, stop: int) -> nn.ModuleList:
-    """Decoder blocks [start, stop) (their ``layer_idx`` the global index). Raises RuntimeError unless the
-    config pins SDPA: :func:`run_blocks` passes no mask, which only SDPA turns into causal attention."""
-    if llm._attn_implementation != "sdpa":
-        raise RuntimeError(f"decoder blocks need SDPA attention (causal without a mask), the config has "
-                           f"{llm._attn_implementation!r}")
-    block_cls = LLM_FAMILIES[cfg.llm_type][1]
+    """Decoder blocks [start, stop) of the LLM family (their ``layer_idx`` the global index). Raises
+    RuntimeError unless the config pins the attention implementation :func:`run_blocks` builds masks for."""
+    want = text.attention_implementation(llm_family(cfg))
+    if llm._attn_implementation != want:
+        raise RuntimeError(f"decoder blocks need {want} attention (the masks run_blocks builds are for it), the "
+                           f"config has {llm._attn_implementation!r}")
+    blocks = text.make_blocks(llm_family(cfg), llm, start, stop)
     rank = getattr(cfg, "pass_lora_rank", 0)
     if rank:
-        return nn.ModuleList(add_pass_lora_(block_cls(llm, i), cfg.llm_passes, rank) for i in range(start, stop))
-    return nn.ModuleList(block_cls(llm, i) for i in range(start, stop))
+        return nn.ModuleList(add_pass_lora_(block, cfg.llm_passes, rank) for block in blocks)
+    return blocks
 
 
 class VLAModel(nn.Module):
@@ -258,7 +320,7 @@ class VLAModel(nn.Module):
         _add_prefix_side(self, cfg, llm)
         self.layers = _blocks(cfg, llm, 0, cfg.num_layers)
         _add_suffix_side(self, cfg, llm)
-        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+        self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
     def checkpoint_key(self, local_key: str) -> str:
         """The monolithic model's keys are the checkpoint's (canonical) keys."""
@@ -315,7 +377,7 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
         parts = [text[:-1], vis]
     if ego_state is not None:
         parts.append(m.ego_embed(ego_state.to(device=vis.device, dtype=vis.dtype).unsqueeze(0)))
-    parts.append(text[-1:])
+    parts.append(m.query_tokens if cfg.query_count else text[-1:])
     if cfg.llm_passes > 1 and cfg.pass_lora_rank:  # same tokens for each pass; the adapters tell them apart
         h = torch.cat(parts, dim=0).unsqueeze(0).expand(cfg.llm_passes, -1, -1)
         return h.contiguous() if out is None else _destination(out).copy_(h)
@@ -331,17 +393,18 @@ def _destination(out) -> torch.Tensor:
     return out() if callable(out) else out
 
 
-def block_forward_into(block: nn.Module, x: torch.Tensor, out, *, position_ids,
-                       position_embeddings) -> torch.Tensor:
-    """One transformers decoder block (LlamaDecoderLayer / Qwen2DecoderLayer, no cache, causal SDPA) on
-    ``x`` (B, T, H) with its last residual add written into ``out`` (a tensor of ``x``'s shape, dtype and
-    device, or a callable returning one, called after the MLP). It is the block's own forward step for step
-    (transformers 5.x ``modeling_llama.LlamaDecoderLayer.forward``: norm, attention, residual add, norm, MLP,
-    residual add), so the result is bit for bit ``block(x, ...)``; :func:`output_into_is_exact` checks that
-    against the installed transformers. Returns the destination."""
+def block_forward_into(block: nn.Module, x: torch.Tensor, out, *, position_ids, position_embeddings,
+                       attention_mask=None) -> torch.Tensor:
+    """One transformers decoder block (no cache, SDPA) on ``x`` (B, T, H) with its last residual add written
+    into ``out`` (a tensor of ``x``'s shape, dtype and device, or a callable returning one, called after the
+    MLP). It is the LLaMA-layout block's forward step for step (transformers 5.x
+    ``modeling_llama.LlamaDecoderLayer.forward``: norm, attention, residual add, norm, MLP, residual add), which
+    Qwen2, Qwen3, Mistral and Phi-3 blocks share; :func:`output_into_is_exact` checks it bit for bit against the
+    installed block of the model's family, and a family with another layout (Gemma's extra norms) fails that
+    check, so its runner copies instead. Returns the destination."""
     residual = x
     h = block.input_layernorm(x)
-    h, _ = block.self_attn(hidden_states=h, attention_mask=None, position_ids=position_ids,
+    h, _ = block.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
                            position_embeddings=position_embeddings)
     h = residual + h
     residual = h
@@ -350,11 +413,13 @@ def block_forward_into(block: nn.Module, x: torch.Tensor, out, *, position_ids,
 
 
 @torch.inference_mode()
-def output_into_is_exact(stage: nn.Module, seed: int = 0) -> bool:
+def output_into_is_exact(stage: nn.Module, seed: int = 0, attempts: int = 3) -> bool:
     """True when ``run_blocks(..., out=)`` gives bit for bit what the stage's blocks give without it, checked
     on its last block with random hidden states of the model's state shape (the stage's dtype and device);
     True without blocks (the embeddings' last op takes ``out=`` directly). A False means the installed
-    transformers' decoder block no longer matches :func:`block_forward_into`: use the copy instead."""
+    transformers' decoder block no longer matches :func:`block_forward_into`: use the copy instead. ``attempts``:
+    how many times the pair is run before that is concluded (a run-to-run difference in the last bits is the
+    BLAS's thread split, not the formula)."""
     if len(stage.layers) == 0:
         return True
     param = next(stage.parameters())
@@ -362,10 +427,18 @@ def output_into_is_exact(stage: nn.Module, seed: int = 0) -> bool:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g).to(device=param.device, dtype=param.dtype)
     last = stage.layers[-1:]
-    expected = run_blocks(stage, last, x)
-    got = run_blocks(stage, last, x, out=torch.empty_like(x))
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    return bool(torch.equal(expected.view(bits), got.view(bits)))  # bit for bit, a NaN (bad weights) included
+    # Up to three tries: the same formula can differ in its last bits from one run to the next when the BLAS
+    # splits a GEMM over another number of threads (MKL does on a busy machine); another formula never matches.
+    for _ in range(attempts):
+        expected = run_blocks(stage, last, x)
+        try:
+            got = run_blocks(stage, last, x, out=torch.empty_like(x))
+        except (AttributeError, TypeError):  # a block without the LLaMA layout's parts
+            return False
+        if torch.equal(expected.view(bits), got.view(bits)):  # bit for bit, a NaN (bad weights) included
+            return True
+    return False
 
 
 def llava_image_features(m: nn.Module, cfg: VLAConfig, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -411,23 +484,44 @@ def llava_input_ids(cfg: VLAConfig) -> list[int]:
     return out + [cfg.planning_token_id]
 
 
-def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None) -> torch.Tensor:
-    """Run decoder blocks over hidden states (T, H) or (B, T, H) -> same shape, causal, positions 0..T-1.
+def _kind(block: nn.Module, kinds: list[str]) -> str:
+    return kinds[block.self_attn.layer_idx]
 
-    The rotary tables come from ``m.rotary_emb`` and depend only on T: this is why positions need
-    not cross the split. ``out``: None, or the destination of the result (a tensor of ``h``'s shape, dtype
-    and device, or a callable returning one, called after the last block's MLP): the last block's residual
-    add writes into it (:func:`block_forward_into`); without blocks ``h`` is copied into it. Returns ``out``
-    then.
+
+def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None, state=None) -> torch.Tensor:
+    """Run decoder blocks over hidden states (T, H) or (B, T, H) -> same shape.
+
+    Masks and rotary tables are the family's, as its base model computes them (:func:`text.block_inputs`:
+    causal, or a sliding-window band for the blocks whose attention kind says so; the rotary of each kind from
+    ``m.rotary_emb``, whose ``config`` is the LLM's), from positions 0..T-1 -- or, with ``state`` (a
+    :class:`~hybrid_vla_ros.model.contract.SplitState` whose side tensors are what crossed the split), from its
+    multimodal rotary ``position_ids``; its DeepStack features are added after each block whose index has a
+    level (Qwen3-VL, :func:`vlm.deepstack_add`). Without side tensors everything depends only on T and the
+    config: this is why positions and masks need not cross the split for a text model. ``out``: None, or the
+    destination of the result (a tensor of ``h``'s shape, dtype and device, or a callable returning one, called
+    after the last block's MLP): the last block's residual add writes into it (:func:`block_forward_into`;
+    not with DeepStack levels left to add); without blocks ``h`` is copied into it. Returns ``out`` then.
     """
     if len(layers) == 0:
         return h if out is None else _destination(out).copy_(h)
     x = h if h.dim() == 3 else h.unsqueeze(0)
-    positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-    cos_sin = m.rotary_emb(x, positions)
+    config = m.rotary_emb.config
+    kinds = text.attention_kinds(config)
+    positions = state.position_ids if state is not None else None
+    inputs = text.block_inputs(config, m.rotary_emb, x, {_kind(b, kinds) for b in layers}, positions)
+    deep = state.deepstack if state is not None else None
+    levels = 0 if deep is None else deep.shape[0]
+    if out is not None and layers[-1].self_attn.layer_idx < levels:
+        y = run_blocks(m, layers, h, state=state)
+        return _destination(out).copy_(y)
     last = len(layers) - 1 if out is not None else len(layers)
     for block in layers[:last]:
-        x = block(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+        x = block(x, **inputs.for_block(block, _kind(block, kinds)))
+        i = block.self_attn.layer_idx
+        if i < levels:
+            from .vlm import deepstack_add
+
+            x = deepstack_add(x, state.visual_mask, deep[i])
     if out is None:
         return x if h.dim() == 3 else x.squeeze(0)
     dest = []
@@ -436,8 +530,17 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
         dest.append(_destination(out))
         return dest[0] if dest[0].dim() == 3 else dest[0].unsqueeze(0)
 
-    block_forward_into(layers[last], x, batched, position_ids=positions, position_embeddings=cos_sin)
+    block = layers[last]
+    block_forward_into(block, x, batched, **inputs.for_block(block, _kind(block, kinds)))
     return dest[0]
+
+
+def _check_modes(cfg, modes: torch.Tensor) -> None:
+    """Raise ValueError unless a read-out gave (M, N, 2) waypoints (a team's own head may not)."""
+    want = (cfg.n_modes, cfg.n_waypoints, 2)
+    if tuple(modes.shape) != want:
+        raise ValueError(f"the read-out head gave waypoints {tuple(modes.shape)}, the model declares {want} "
+                         "(n_modes, n_waypoints, 2)")
 
 
 @dataclass
@@ -467,7 +570,11 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     planning head reads the action pass's last token). With ``cfg.decision_token_ids`` the decision read-out is
     MindDrive's: the final norm of the decision pass at token position ``cfg.decision_position`` (-2), times
     the LM head's rows of those tokens only (``decision_head.weight``, (D, H)), argmax -> ``speed_mode``.
-    Raises ValueError for a command out of range.
+    The read-out (``cfg.readout``): ``mlp`` as above; ``queries``: the :class:`QueryHead` on the final-norm
+    states of the last ``query_count`` tokens (the query tokens); ``module``: the team's head on every token's
+    final-norm state, which must give (M, N, 2). With ``decision_token_ids`` and one pass, the decision is read
+    the same way at ``decision_position`` of that pass.
+    Raises ValueError for a command out of range, or a head whose waypoints are not (M, N, 2).
     """
     if isinstance(command, bool) or not 0 <= int(command) < len(NAV_COMMANDS):
         raise ValueError(f"navigation command index {command!r} out of range [0, {len(NAV_COMMANDS)})")
@@ -477,6 +584,21 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     last = m.norm(h[..., -1, :])
     decision = speed = None
     token_ids = getattr(m.cfg, "decision_token_ids", None)
+    kind = m.cfg.readout_type
+    if kind != "mlp":  # one pass: (T, H)
+        if kind == "queries":
+            modes = m.head(m.norm(h[..., -m.cfg.query_count:, :]))
+        else:
+            modes = m.head(m.norm(h))
+        if token_ids:
+            decision = m.decision_head(m.norm(h[m.cfg.decision_position, :])).float()
+            speed = None if decision.is_meta else int(decision.argmax())
+        _check_modes(m.cfg, modes)
+        mode = int(command) if modes.shape[0] > 1 else 0
+        return PlanOutput(modes[mode], modes, decision, mode, speed)
+    if last.dim() == 1 and token_ids:  # one pass with an LM-head decision read-out
+        decision = m.decision_head(m.norm(h[m.cfg.decision_position, :])).float()
+        speed = None if decision.is_meta else int(decision.argmax())
     if last.dim() == 2:  # two passes: decision pass first, action pass last
         if token_ids:
             decision = m.decision_head(m.norm(h[0, m.cfg.decision_position, :])).float()
@@ -560,7 +682,7 @@ class PrefixStage(_PrefixSide):
         llm = llm_config(cfg)
         _add_prefix_side(self, cfg, llm)
         self.layers = _blocks(cfg, llm, 0, split_layer)
-        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+        self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
     def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *,
                 out=None) -> torch.Tensor:
@@ -591,7 +713,7 @@ class SuffixStage(_SuffixSide):
         llm = llm_config(cfg)
         self.layers = _blocks(cfg, llm, split_layer, cfg.num_layers)
         _add_suffix_side(self, cfg, llm)
-        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+        self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
     def _check_shape(self, hidden_states: torch.Tensor) -> None:
         expected = self.cfg.prefix_state_shape
@@ -636,9 +758,9 @@ class TokenPrefixStage(_PrefixSide):
         check_split_layer(cfg, split_layer)
         self.cfg, self.split_layer = cfg, split_layer
         llm = llm_config(cfg)
-        self.embed_tokens = nn.Embedding(llm.vocab_size, llm.hidden_size)
+        self.embed_tokens = text.make_embedding(llm_family(cfg), llm)
         self.layers = _blocks(cfg, llm, 0, split_layer)
-        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+        self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids (T,) -> h_K (T, H). Raises ValueError for ids that are not a 1-D integer tensor inside
@@ -665,8 +787,8 @@ class LMSuffixStage(_SuffixSide):
         self.cfg, self.split_layer = cfg, split_layer
         llm = llm_config(cfg)
         self.layers = _blocks(cfg, llm, split_layer, cfg.num_layers)
-        self.norm = LLM_FAMILIES[cfg.llm_type][2](llm.hidden_size, eps=llm.rms_norm_eps)
-        self.rotary_emb = LLM_FAMILIES[cfg.llm_type][3](llm)
+        self.norm = text.make_norm(llm_family(cfg), llm)
+        self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
     def final_hidden_states(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
         """h_K (T, H) -> final-norm hidden states (T, H). Raises ValueError on a wrong width or K."""
@@ -675,6 +797,135 @@ class LMSuffixStage(_SuffixSide):
         return self.norm(run_blocks(self, self._layers_from(split_layer), hidden_states))
 
     forward = final_hidden_states
+
+
+# ----------------------------------------------------------------------------- vision-language models
+
+def vlm_config(cfg):
+    """The transformers config of a :class:`~hybrid_vla_ros.model.config.VLMSpec`'s VLM (its family's config
+    class), the text model's attention pinned as for a text family (:func:`text.attention_implementation`)."""
+    from .vlm import vlm_family
+
+    family = vlm_family(cfg.vlm_type)
+    config = family.config_class.from_dict({k: v for k, v in cfg.vlm.items() if k != "model_type"})
+    config.text_config._attn_implementation = text.attention_implementation(llm_family(cfg))
+    return config
+
+
+class VLMPrefixStage(_PrefixSide):
+    """A transformers VLM's front (its own base model up to the text model, :func:`vlm.build_front`: vision
+    tower, connector, token embeddings, multimodal positions) and the text model's decoder blocks [0, K).
+
+    ``forward(inputs: VLMInputs) -> SplitState`` at K: h_K (T, H) in the stage dtype and the side tensors the
+    blocks after K need (:class:`~hybrid_vla_ros.model.contract.SplitState`). State-dict names: the front under
+    ``vlm.`` (its token embeddings ``embed_tokens.*`` in the checkpoint, as a text model's), ``layers.{i}``.
+    """
+
+    def __init__(self, cfg, split_layer: int):
+        super().__init__()
+        from .vlm import build_front, vlm_family
+
+        check_split_layer(cfg, split_layer)
+        self.cfg, self.split_layer = cfg, split_layer
+        llm = llm_config(cfg)
+        self.family = vlm_family(cfg.vlm_type)
+        self.vlm = build_front(vlm_config(cfg), self.family, text.make_embedding(llm_family(cfg), llm))
+        _add_query_tokens(self, cfg, llm.hidden_size)
+        self.layers = _blocks(cfg, llm, 0, split_layer)
+        self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
+
+    def checkpoint_key(self, local_key: str) -> str:
+        """``vlm.<text model>.embed_tokens.*`` -> ``embed_tokens.*``; ``layers.{i}`` as they are; else as is."""
+        embed = f"vlm.{self.family.text_attribute}.embed_tokens."
+        if local_key.startswith(embed):
+            return "embed_tokens." + local_key[len(embed):]
+        return _shift_layer_key(local_key, 0)
+
+    def rebuild_buffers(self, device) -> None:
+        """The front's non-persistent buffers (made on the CPU) onto the stage's device."""
+        for module in self.vlm.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if buf.device != torch.device(device):
+                    module._buffers[name] = buf.to(device)
+
+    def forward(self, inputs) -> "SplitState":
+        """One frame's processor outputs (:class:`~hybrid_vla_ros.model.vlm.VLMInputs`) -> SplitState at K.
+        Raises ValueError when T is not the spec's (another camera size or prompt)."""
+        from .contract import SplitState
+        from .vlm import run_front
+
+        param = self.rotary_emb.inv_freq if hasattr(self.rotary_emb, "inv_freq") else None
+        dtype = next(self.vlm.parameters()).dtype
+        device = param.device if param is not None else next(self.vlm.parameters()).device
+        if inputs.tokens != self.cfg.num_tokens:
+            raise ValueError(f"the frame has {inputs.tokens} tokens, this model's split is for "
+                             f"{self.cfg.num_tokens} (camera_size {self.cfg.camera_size}, {self.cfg.cameras} "
+                             "cameras and the prompt fix T)")
+        front = run_front(self.vlm, inputs.to(device, dtype))
+        h0 = front.inputs_embeds
+        if hasattr(self, "query_tokens"):  # the learned queries in place of the planning-token copies
+            h0 = torch.cat([h0[:-len(self.query_tokens)], self.query_tokens.to(h0.dtype)], dim=0)
+        state = SplitState(h0, front.position_ids, front.visual_mask, front.deepstack)
+        state.hidden_states = run_blocks(self, self.layers, state.hidden_states, state=state)
+        return state
+
+
+class VLMSuffixStage(_SuffixSide):
+    """A transformers VLM's text blocks [K, L) and final norm. ``final_hidden_states(state, split_layer)`` ->
+    final-norm hidden states (T, H), what transformers returns as the text model's ``last_hidden_state``."""
+
+    def __init__(self, cfg, split_layer: int):
+        super().__init__()
+        check_split_layer(cfg, split_layer)
+        self.cfg, self.split_layer = cfg, split_layer
+        llm = llm_config(cfg)
+        self.layers = _blocks(cfg, llm, split_layer, cfg.num_layers)
+        self.norm = text.make_norm(llm_family(cfg), llm)
+        self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
+
+    def _check_state(self, state):
+        """``state`` as a SplitState (a bare h_K tensor wrapped: a family whose blocks need nothing else), checked:
+        its side tensors present, h_K of the spec's shape. Raises ValueError."""
+        from .contract import SplitState
+
+        if isinstance(state, torch.Tensor):
+            state = SplitState(state)
+        missing = [n for n in self.cfg.side if n not in state.side()]
+        if missing:
+            raise ValueError(f"this model's blocks after the split need side tensor(s) {missing}, which the "
+                             "prefix did not send")
+        if tuple(state.hidden_states.shape) != self.cfg.prefix_state_shape:
+            raise ValueError(f"hidden states shape {tuple(state.hidden_states.shape)} != expected "
+                             f"{self.cfg.prefix_state_shape}")
+        return state
+
+    def final_hidden_states(self, state, split_layer: int | None = None) -> torch.Tensor:
+        """SplitState at K -> (T, H). Raises ValueError on a wrong shape or K, or missing side tensors."""
+        state = self._check_state(state)
+        h = run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state)
+        return self.norm(h)
+
+    def forward(self, state, split_layer: int | None = None) -> torch.Tensor:
+        return self.final_hidden_states(state, split_layer)
+
+
+class VLMDriveSuffixStage(VLMSuffixStage):
+    """The suffix of a composed driving checkpoint on a transformers VLM (``projector.type`` ``vlm``): the text
+    blocks [K, L), the final norm and this package's planning head on the last (planning) token.
+    ``plan_all(state, command, split_layer) -> PlanOutput``; ``forward`` -> waypoints (N, 2) float32 m."""
+
+    def __init__(self, cfg: VLAConfig, split_layer: int):
+        super().__init__(cfg, split_layer)
+        _add_suffix_side(self, cfg, llm_config(cfg))
+
+    def plan_all(self, state, command: int = DEFAULT_COMMAND, split_layer: int | None = None) -> "PlanOutput":
+        """SplitState at K -> :class:`PlanOutput`. Raises ValueError as :meth:`final_hidden_states`, or for a
+        command out of range."""
+        state = self._check_state(state)
+        return plan(self, run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state), command)
+
+    def forward(self, state, command: int = DEFAULT_COMMAND, split_layer: int | None = None) -> torch.Tensor:
+        return self.plan_all(state, command, split_layer).waypoints
 
 
 class BlockRange(nn.Module):
@@ -698,15 +949,29 @@ def build_stage(model, role: str, split_layer: int | None = None, stop: int | No
     (decoder blocks [split_layer, stop)). Every returned module maps its state-dict keys to checkpoint keys
     with ``checkpoint_key``. Raises ValueError for an unknown role, a K out of range or a role the model lacks.
     """
-    if not isinstance(model, (VLAConfig, LMConfig)):
+    from .config import VLMSpec
+
+    if not isinstance(model, (VLAConfig, LMConfig, VLMSpec)):
         return model.build_stage(role, split_layer, stop)
     if role == "blocks":
         return BlockRange(model, split_layer, stop)
+    from .config import VLMSpec
+
+    drive_vlm = isinstance(model, VLAConfig) and model.projector.get("type") == "vlm"
     if role == "prefix":
+        if isinstance(model, VLMSpec) or drive_vlm:
+            return VLMPrefixStage(model, split_layer)
         return (PrefixStage if isinstance(model, VLAConfig) else TokenPrefixStage)(model, split_layer)
     if role == "suffix":
+        if drive_vlm:
+            return VLMDriveSuffixStage(model, split_layer)
+        if isinstance(model, VLMSpec):
+            return VLMSuffixStage(model, split_layer)
         return (SuffixStage if isinstance(model, VLAConfig) else LMSuffixStage)(model, split_layer)
     if role == "full":
+        if drive_vlm:
+            raise ValueError("a composition on a transformers VLM has no monolithic model here: load its prefix "
+                             "and suffix")
         if not isinstance(model, VLAConfig):
             raise ValueError("a bare language model has no monolithic driving model: load its prefix and suffix")
         return VLAModel(model)

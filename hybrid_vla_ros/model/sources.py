@@ -158,6 +158,34 @@ class TensorSource:
         """Where ``name`` is stored. Raises KeyError."""
         return self._index[name]
 
+    def check_files(self) -> None:
+        """Check that every tensor this source names can be read, before any is: its file exists and its byte
+        range (from the header) lies inside the file and fits its dtype and shape. Reads file sizes only (the
+        headers were read when the source was built). Raises MissingFileError (a file gone), CheckpointError
+        naming the file and the first tensor whose bytes are missing or do not fit (a truncated or corrupt
+        shard)."""
+        sizes: dict[Path, int] = {}
+        for name in sorted(self._index, key=lambda n: (str(self._index[n].file), self._index[n].start)):
+            info = self._index[name]
+            if info.file not in sizes:
+                try:
+                    sizes[info.file] = info.file.stat().st_size
+                except FileNotFoundError:
+                    raise MissingFileError(f"{info.file}: shard not found (it holds {info.where()})") from None
+            if info.start < 0:
+                continue  # no byte range known (read through safetensors' own reader)
+            dtype = FLOAT_DTYPES.get(info.dtype) or INT_DTYPES.get(info.dtype)
+            numel = 1
+            for d in info.shape:
+                numel *= d
+            width = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+            if info.end > sizes[info.file]:
+                raise CheckpointError(f"{info.where()}: its bytes [{info.start}, {info.end}) run past the end of "
+                                      f"the file ({sizes[info.file]} bytes): a truncated or corrupt shard")
+            if width is not None and info.end - info.start != numel * width:
+                raise CheckpointError(f"{info.where()}: {info.end - info.start} bytes for {info.dtype} "
+                                      f"{list(info.shape)}: a corrupt header")
+
     def read(self, names: Iterable[str], device: str | torch.device = "cpu",
              float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Read the canonical tensors ``names`` onto ``device``: ``{name: tensor}``, floating-point ones converted

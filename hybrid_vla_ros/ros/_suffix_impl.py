@@ -6,7 +6,8 @@ import os
 import torch
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 
-from ..model.config import NAV_COMMANDS, VLAConfig, nav_command_index
+from ..model.checkpoint import driving_config
+from ..model.config import NAV_COMMANDS, nav_command_index
 from ..runtime.suffix import SuffixRunner
 from ..util.cores import pin_process, thread_affinities
 from . import node_base
@@ -51,7 +52,7 @@ class SuffixNode(node_base.PipelineNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         try:
             p = self.read_parameters()  # schema checks first: model_path must name a directory
-            num_layers = VLAConfig.load(p.model_path).num_layers
+            num_layers = driving_config(p.model_path).num_layers
             p = self.read_parameters(num_layers=num_layers)
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)
@@ -62,13 +63,13 @@ class SuffixNode(node_base.PipelineNode):
                                        namespace=self.get_namespace(), threads=threads,
                                        delivery=p["ring.delivery"], spin_lead_ms=p["ring.spin_lead_ms"],
                                        spin_max_ms=p["ring.spin_max_ms"], backend=p.suffix_backend,
-                                       backend_cache_dir=p.backend_cache_dir or None, log=self._backend_log)
+                                       backend_cache_dir=p.backend_cache_dir or None, log=self._backend_log,
+                                       domain_id=self.context.get_domain_id())
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
-            self.last_error = str(e)
-            self.get_logger().error(f"configure failed: {e}")
             self.runner = None
-            return TransitionCallbackReturn.FAILURE
+            return self.configure_failed(e)
         self.params = p
+        self.configured()
         self._outputs.configure(p)
         self._inputs.set_command(nav_command_index(p.navigation_command), "parameter navigation_command")
         cores = sorted(set().union(*thread_affinities().values()))
@@ -98,12 +99,15 @@ class SuffixNode(node_base.PipelineNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._inputs.start()
+        self.runner.set_running(True)
         self._worker.start()
         return super().on_activate(state)
 
     def _stop(self) -> None:
         self._worker.stop()
         self._inputs.stop()
+        if self.runner is not None:
+            self.runner.set_running(False)
 
     def _release(self) -> None:
         self.fault = ""
@@ -135,6 +139,12 @@ class SuffixNode(node_base.PipelineNode):
 
     def _ring(self):
         return self.runner.ring if self.runner is not None else None
+
+    def peer_status(self):
+        runner = self.runner
+        if runner is None or not self._worker.running:
+            return None
+        return runner.peer_status()
 
     def _diagnostic_values(self) -> dict:
         ring = self.runner.ring_stats() if self.runner is not None else {}

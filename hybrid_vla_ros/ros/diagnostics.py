@@ -75,26 +75,66 @@ class PipelineDiagnostics:
 
     A 1 s timer on steady time, not the node clock, calls the node's ``publish_diagnostics`` (with
     use_sim_time a ROS-time timer stops when /clock does, and /diagnostics must keep coming: it is where a
-    missing /clock is reported); that calls :meth:`publish`. Level: ERROR while the node's ``fault`` is set
-    (its text is the message) or when inputs keep arriving but nothing has come out for the node's ``STALL_S``
-    seconds; WARN when ``use_sim_time`` is set and no /clock has arrived (NO_CLOCK_HINT, also logged), when
-    something was dropped since the previous report or when the ring holds n_slots - 1 unread frames (the next
-    frame overwrites one); else OK. Values: the lifecycle state, refused lifecycle requests, the node's own
-    values (``_diagnostic_values``), the clock, the ring's unread slots, the process's memory (resident set;
-    CUDA allocated / reserved when the process uses CUDA), the last error, stage times and drops by cause.
+    missing /clock is reported); that calls :meth:`publish`. A second steady timer checks the peer stage every
+    ``runtime.peer.CHECK_PERIOD_S`` (0.1 s: the node's ``peer_status()``, None while the node is not active)
+    and publishes at once when its cause changes, and logs the change (ERROR when the peer is lost, INFO when
+    it is back): a dead peer is on /diagnostics as ERROR within about 0.1 s.
+
+    Level: ERROR while the node's ``fault`` is set (its text is the message), while its last configure failed
+    and it is unconfigured (``configure_error``), while the peer cannot take part (the peer status's message:
+    ring owner dead, no suffix attached, a suffix that is inactive or takes no frame, locked out of the ring,
+    no ring), when inputs keep arriving but nothing has come out for the node's ``STALL_S`` seconds, or when the
+    node's ``input_problem()`` names one (e.g. a silent camera); WARN when ``use_sim_time`` is set and no
+    /clock has arrived (NO_CLOCK_HINT, also logged), when the node's ``input_warning()`` names one (images
+    arriving late), when something was dropped since the previous report or
+    when the ring holds n_slots - 1 unread frames (the next frame overwrites one); else OK. Values: the
+    lifecycle state, refused lifecycle requests, the peer (``peer_cause``, ``peer``, ``peer_message``), the
+    node's own values (``_diagnostic_values``), the clock, the ring's unread slots, the process's memory
+    (resident set; CUDA allocated / reserved when the process uses CUDA), the last error, stage times and drops
+    by cause.
     """
 
     def __init__(self, node):
+        from ..runtime.peer import CHECK_PERIOD_S
+
         self._node = node
         self._pub = node.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._stall_since = time.monotonic()
         self._clock_missing_said = False  # NO_CLOCK_HINT logged and not yet taken back
         self._prev = None  # inputs, outputs and drops at the previous report
-        self._timer = node.create_timer(1.0, node.publish_diagnostics, clock=Clock(clock_type=ClockType.STEADY_TIME))
+        self._peer = None  # the peer status of the last check (runtime.peer.PeerStatus), None: not active
+        steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self._timer = node.create_timer(1.0, node.publish_diagnostics, clock=steady)
+        self._peer_timer = node.create_timer(CHECK_PERIOD_S, self._check_peer, clock=steady)
+
+    def _peer_now(self):
+        """The node's peer status now (None while it is not active or cannot tell); a failure to look is
+        reported as no status rather than raised into the executor."""
+        try:
+            return self._node.peer_status()
+        except Exception as e:  # noqa: BLE001 - e.g. the ring closing under a cleanup: nothing to judge
+            self._node.get_logger().debug(f"peer status not available: {e}")
+            return None
+
+    def _check_peer(self) -> None:
+        """Publish at once when the peer's cause changed since the last check, and log the change."""
+        peer = self._peer_now()
+        before = self._peer
+        if (peer.cause if peer else None) == (before.cause if before else None):
+            self._peer = peer
+            return
+        self._peer = peer
+        logger = self._node.get_logger()
+        if peer is not None and not peer.ok:
+            logger.error(f"peer lost ({peer.cause}): {peer.message}")
+        elif peer is not None and before is not None and not before.ok:
+            logger.info(f"peer back: {peer.message}")
+        self.publish()
 
     def publish(self) -> None:
         """Publish the status now."""
         node = self._node
+        peer = self._peer_now()  # the change log and the immediate publish are _check_peer's
         drops = node.drops.snapshot()
         ring_ready, ring_slots = ring_fill(node._ring())
         clock_missing = node.clock_missing()
@@ -102,6 +142,9 @@ class PipelineDiagnostics:
         values = flatten_stats(node.times.summary(), drops,
                                {"state": lifecycle_state(node),
                                 "lifecycle_requests_refused": node.lifecycle_requests_refused,
+                                "configure_error": node.configure_error,
+                                "peer_cause": peer.cause if peer else "", "peer": peer.peer if peer else "",
+                                "peer_message": peer.message if peer else "",
                                 **node._diagnostic_values(),
                                 "use_sim_time": node.use_sim_time(), "clock_missing": clock_missing,
                                 "ring_ready_slots": f"{ring_ready}/{ring_slots}", **memory_values(),
@@ -113,12 +156,23 @@ class PipelineDiagnostics:
             self._stall_since = now  # output moved, or no new input: not stalled
         self._prev = {"inputs": inputs, "outputs": outputs, "drops": sum(drops.values())}
         new_drops = self._prev["drops"] - (prev["drops"] if prev else 0)
+        state = values["state"]
+        problem = node.input_problem() if state == "active" else ""
+        warning = node.input_warning() if state == "active" else ""
         if node.fault:
             level, message = ERROR, node.fault
+        elif node.configure_error and state == "unconfigured":
+            level, message = ERROR, f"configure failed: {node.configure_error}"
+        elif peer is not None and not peer.ok:
+            level, message = ERROR, peer.message
+        elif problem:
+            level, message = ERROR, problem
         elif now - self._stall_since >= node.STALL_S:
             level, message = ERROR, f"inputs arrive but nothing came out for {now - self._stall_since:.0f} s"
         elif clock_missing:
             level, message = WARN, NO_CLOCK_HINT
+        elif warning:
+            level, message = WARN, warning
         elif new_drops > 0:
             level, message = WARN, f"{new_drops} dropped since the last report ({node.last_error})"
         elif ring_slots and ring_ready >= ring_slots - 1:

@@ -32,3 +32,37 @@ def wait_for_subscribers(publishers: Iterable, timeout_s: float, minimum: int | 
         if time.monotonic() >= deadline:
             return False
         time.sleep(poll_s)
+
+
+def running_pipeline(node, namespace: str, ring_name: str, domain_id: int, discovery_s: float = 2.0,
+                     poll_s: float = 0.05) -> list[str]:
+    """What of a pipeline already runs in ``namespace`` (ROS domain ``domain_id``), one phrase each; [] when
+    nothing does. Used before starting nodes there (the launch file, ``hybrid-vla replay``): two nodes of one name
+    would answer each other's lifecycle requests, and the newcomer's prefix could not own the ring.
+
+    Two sources, so that the answer does not hang on discovery alone: the ring (instant and certain for a
+    configured pair: its owner process alive, a consumer holding its lock; ``transport.segment.segment_occupants``)
+    and the ROS graph as the rclpy ``node`` discovers it within ``discovery_s`` seconds (nodes named
+    ``<namespace>/prefix_node`` or ``<namespace>/suffix_node``, configured or not). Phrases look like
+    "/ns/prefix_node (pid 4242, owner of the ring hybrid_vla.0.d0.-ns.prefix_states)" or "/ns/suffix_node"."""
+    from ..transport.segment import segment_name, segment_occupants
+
+    ns = "/" + namespace.strip("/")
+    names = {"prefix_node": f"{ns.rstrip('/')}/prefix_node", "suffix_node": f"{ns.rstrip('/')}/suffix_node"}
+    segment = segment_name(ring_name, ns, domain_id)
+    found: dict[str, str] = {}
+    occ = segment_occupants(segment)
+    if occ is not None and occ.owner_alive:
+        found["prefix_node"] = f"{names['prefix_node']} (pid {occ.owner_pid}, owner of the ring {segment})"
+    if occ is not None and occ.consumer_attached:
+        pid = f"pid {occ.consumer_pid}, " if occ.consumer_pid > 0 else ""
+        found["suffix_node"] = f"{names['suffix_node']} ({pid}attached to the ring {segment})"
+    deadline = time.monotonic() + discovery_s
+    while len(found) < 2:
+        for name, namespace_ in node.get_node_names_and_namespaces():
+            if name in names and namespace_.rstrip("/") == ns.rstrip("/") and name not in found:
+                found[name] = names[name]
+        if found or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    return [found[n] for n in ("prefix_node", "suffix_node") if n in found]

@@ -39,11 +39,20 @@ class LifecycleClient:
         self._lock = threading.Lock()
         self._last_event = None  # monotonic time of the last transition event seen
         self._events = 0
-        node.create_subscription(TransitionEvent, f"{target}/transition_event", self._on_event, 10)
+        self._events_sub = node.create_subscription(TransitionEvent, f"{target}/transition_event", self._on_event, 10)
         self._watch_since = time.monotonic()
         self._seen_at = None  # monotonic time its services were first seen ready
         self.waited_s = 0.0  # time the last settled_state spent waiting for the node to settle
         self.refused = 0  # change_state requests of this client the node answered with success false
+
+    def close(self) -> None:
+        """Destroy this client's service clients and its transition_event subscription (idempotent)."""
+        for attr, destroy in (("_change", self._node.destroy_client), ("_get", self._node.destroy_client),
+                              ("_events_sub", self._node.destroy_subscription)):
+            handle = getattr(self, attr, None)
+            if handle is not None:
+                destroy(handle)
+                setattr(self, attr, None)
 
     def other_managers(self) -> int:
         """How many clients besides this one the node's ``change_state`` service has on the graph: a lifecycle
@@ -168,3 +177,48 @@ class LifecycleClient:
                     return False, f"{transition} of {self.name} failed ({detail})"
                 current = order[order.index(src) - 1]
         return True, ""
+
+
+def configure_when_ready(node, target: str, pid: int, timeout_s: float = 600.0, log=None) -> str:
+    """Configure managed node ``target`` of process ``pid`` once that process answers, for a launch file's
+    autostart; returns the state it is in afterwards ('' when it never answered or the process died).
+
+    A freshly (re)started process is asked only once its own ``get_state`` answers: right after a node process is
+    killed and respawned, DDS discovery still lists the dead process's services for a while, so a request sent at
+    once ("the service is ready") can go to the dead server alone and never be answered. ``get_state`` is asked
+    every 2 s until an answer comes (a dead server never answers); then ``configure`` is requested when the node is
+    unconfigured (a node some manager already moved is left as it is). ``node``: an rclpy node spun in another
+    thread (the launch's own). ``log(message)``: where to say what happened (None: nothing)."""
+    say = log or (lambda _message: None)
+    client = LifecycleClient(node, target)
+    try:
+        return _configure_when_ready(client, target, pid, timeout_s, say)
+    finally:
+        client.close()
+
+
+def _configure_when_ready(client: LifecycleClient, target: str, pid: int, timeout_s: float, say) -> str:
+    deadline = time.monotonic() + timeout_s
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+        except OSError:
+            return False
+
+    state = ""
+    while not state:
+        if not alive():
+            say(f"{target} (pid {pid}) exited before it answered")
+            return ""
+        if time.monotonic() > deadline:
+            say(f"{target} (pid {pid}) did not answer get_state within {timeout_s:.0f} s")
+            return ""
+        state = client.get_state(2.0)
+    if state != "unconfigured":
+        return state
+    ok, detail = client.change_state("configure", max(deadline - time.monotonic(), 1.0))
+    if not ok:
+        say(f"configure of {target} (pid {pid}) failed: {detail}")
+    return client.get_state(5.0)

@@ -83,6 +83,10 @@ class PipelineNode(LifecycleNode):
         #: A standing fault that keeps the node from working (e.g. the ring's contract does not fit): while
         #: set, /diagnostics reports ERROR with it as the message. "" when there is none.
         self.fault = ""
+        #: The error of the last configure when it failed ("" after a successful one): while the node is
+        #: unconfigured /diagnostics reports ERROR with it (e.g. a second prefix_node of one name and namespace
+        #: whose ring is owned by the running one).
+        self.configure_error = ""
         self._throttle = Throttle()
         self._diagnostics = PipelineDiagnostics(self)
         #: ChangeState requests that left the state as it was (a transition not available from the current
@@ -169,6 +173,32 @@ class PipelineNode(LifecycleNode):
         """(inputs seen, outputs produced) so far, for stall detection."""
         return 0, 0
 
+    def peer_status(self):
+        """The other stage as this node sees it (runtime.peer.PeerStatus), None while the node is not active:
+        checked every 0.1 s by the diagnostics (diagnostics.PipelineDiagnostics)."""
+        return None
+
+    def input_problem(self) -> str:
+        """A standing problem with this node's inputs that keeps it from producing output (e.g. a camera that
+        sends nothing while the others do), "" when there is none; reported as ERROR while the node is active."""
+        return ""
+
+    def input_warning(self) -> str:
+        """A problem with this node's inputs that does not (yet) stop it (e.g. images arriving late), "" when
+        there is none; reported as WARN while the node is active."""
+        return ""
+
+    def configure_failed(self, error: Exception | str) -> TransitionCallbackReturn:
+        """Record and log a failed configure (``configure_error``, ``last_error``; /diagnostics ERROR while
+        unconfigured) and return FAILURE."""
+        self.last_error = self.configure_error = str(error)
+        self.get_logger().error(f"configure failed: {error}")
+        return TransitionCallbackReturn.FAILURE
+
+    def configured(self) -> None:
+        """A configure succeeded: the previous one's error is gone."""
+        self.configure_error = ""
+
     def _ring(self):
         """This node's end of the shared-memory ring, or None while it has none."""
         return None
@@ -247,11 +277,14 @@ def spin(node: PipelineNode) -> int:
     The executor runs in a background thread and the main thread waits for a signal. On SIGINT or SIGTERM
     the executor stops, the pipeline is released (worker stopped, ring and model freed) and logged while
     the ROS context is still valid, then the node is destroyed and rclpy shut down. Further signals during
-    that shutdown are ignored. Returns 1 when the executor itself failed (the error is logged).
+    that shutdown are ignored. Returns 1 when the executor itself failed while the node ran (the error is logged);
+    an error a callback raises once the stop was asked for (the shutdown interrupting it) is logged as a warning
+    and leaves the exit code 0.
     """
     executor = SingleThreadedExecutor(context=node.context)
     executor.add_node(node)
-    failed = []
+    failed = []  # (exception, whether the stop had been asked for when it was raised)
+    stopping = threading.Event()
 
     def _spin() -> None:
         try:
@@ -259,7 +292,7 @@ def spin(node: PipelineNode) -> int:
         except ExternalShutdownException:
             pass
         except Exception as e:  # noqa: BLE001 - reported below, then the node shuts down
-            failed.append(e)
+            failed.append((e, stopping.is_set()))
 
     thread = threading.Thread(target=_spin, name="executor", daemon=True)
     try:
@@ -273,10 +306,17 @@ def spin(node: PipelineNode) -> int:
     finally:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
+        stopping.set()
         executor.shutdown(timeout_sec=30.0)
-        if failed:
-            node.get_logger().error(f"executor failed: {type(failed[0]).__name__}: {failed[0]}")
+        # the executor thread may still be leaving a callback the shutdown interrupted: wait for it, so that an
+        # error it raises is logged here rather than turning the exit code without a word
+        thread.join(5.0)
+        for error, during_stop in failed:
+            if during_stop:
+                node.get_logger().warning(f"while stopping, a callback raised {type(error).__name__}: {error}")
+            else:
+                node.get_logger().error(f"executor failed: {type(error).__name__}: {error}")
         node.shutdown_pipeline()
         node.destroy_node()
         rclpy.try_shutdown()
-    return 1 if failed else 0
+    return 1 if any(not during_stop for _, during_stop in failed) else 0

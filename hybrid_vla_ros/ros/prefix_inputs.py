@@ -7,11 +7,12 @@ to the worker, :class:`EgoStateInputs` keeps the samples); decoding and inferenc
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Callable
 
 from geometry_msgs.msg import AccelWithCovarianceStamped
 from nav_msgs.msg import Odometry
-from rclpy.qos import qos_profile_sensor_data
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 
 from ..util.stamps import header_stamp_ns
@@ -44,8 +45,20 @@ class CameraInputs:
     with the message, undecoded; each completed set (a SyncedSet: stamp ns, one ``(transport, msg)`` per camera
     in camera order) goes to ``on_frame``. Counts ``frames_in`` (messages, every camera) and ``frames_synced``
     (sets); a stamp that cannot be read is a ``bad_stamp`` drop, the synchronizer's discards are drops by its
-    cause (SYNC_DROP_REASONS).
+    cause (SYNC_DROP_REASONS). It also keeps when each camera's last message arrived (steady time), so that a
+    camera that sends nothing while the others do is named (:meth:`silence`), and the synchronized frames'
+    period (:meth:`frame_period_ns`).
     """
+
+    #: A camera silent for this many of the others' message periods (and at least SILENT_MIN_S) is named.
+    SILENT_PERIODS = 3
+    SILENT_MIN_S = 0.5
+    #: Images arriving this long after their header stamp (median of the recent ones, by the node clock) are
+    #: named as late: half the output guard's default age limit (guard.max_age_s 1 s), so the frames are about
+    #: to be dropped as too old. Large raw images over a DDS transport that is not tuned for them arrive seconds
+    #: late (docs/deployment.md, "Large images").
+    LATE_ARRIVAL_S = 0.5
+    DOCS_LARGE_IMAGES = "docs/deployment.md, 'Large images'"
 
     def __init__(self, node, on_frame: Callable[[SyncedSet], None]):
         self._node = node
@@ -54,41 +67,225 @@ class CameraInputs:
         self.subscriptions = []
         self.frames_in = 0
         self.frames_synced = 0
+        self._topics: list[str] = []
+        self._last_ns: list[int] = []  # per camera: CLOCK_MONOTONIC ns of its last message (0: none)
+        self._gaps_ns: deque = deque(maxlen=32)  # intervals between a camera's consecutive messages
+        self._synced_ns: deque = deque(maxlen=16)  # arrival of synchronized frames
+        self._delays_ns: deque = deque(maxlen=36)  # node clock at arrival - header stamp, recent messages
+        self._late_said = False
+        self._silent_said: dict[int, int] = {}  # camera -> when it was said to be silent (CLOCK_MONOTONIC ns)
+        self._qos_timer = None
+        self._reliability_mode = "auto"
+        self._transports: list[str] = []
+        self._topics_asked: list[str] = []
+        #: Reliability of each camera subscription now (rclpy ReliabilityPolicy).
+        self.reliabilities: list = []
+        self._generation: list[int] = []  # per camera: the generation of its current subscription
+        self._delivered: list[bool] = []  # per camera: the current subscription has delivered a message
+        self._retiring: list = []  # (camera, old subscription, CLOCK_MONOTONIC deadline ns) kept while switching
+        self._last_stamp: list[int] = []  # per camera: the stamp of its last message (-1: none)
 
-    def start(self, topics: list[str], transports: list[str], tolerance_ms: float) -> None:
+    def start(self, topics: list[str], transports: list[str], tolerance_ms: float, reliability: str = "auto") -> None:
         """Subscribe to camera ``i`` at ``topics[i]`` (sensor_msgs/Image, transport 'raw') or at
-        ``topics[i]/compressed`` (sensor_msgs/CompressedImage, transport 'compressed'), sensor-data QoS, with
-        a new synchronizer that pairs stamps within ``tolerance_ms`` (ms)."""
+        ``topics[i]/compressed`` (sensor_msgs/CompressedImage, transport 'compressed'), with a new synchronizer
+        that pairs stamps within ``tolerance_ms`` (ms). ``reliability`` (the ``camera_reliability`` parameter):
+        'best_effort' (sensor-data QoS), 'reliable', or 'auto': each topic's reliability follows its publishers,
+        now and every second (:meth:`_match_publishers`)."""
+        self._reliability_mode = reliability
         self._sync = CameraSynchronizer(len(topics), int(tolerance_ms * 1e6))
-        for cam, (topic, transport) in enumerate(zip(topics, transports)):
-            if transport == "compressed":
-                sub = self._node.create_subscription(CompressedImage, f"{topic}/compressed",
-                                                     self._callback(cam, transport), qos_profile_sensor_data)
+        self._topics_asked = [f"{t}/compressed" if tr == "compressed" else t for t, tr in zip(topics, transports)]
+        self._topics = list(self._topics_asked)  # resolved (remapped) names once subscribed
+        self._last_ns = [0] * len(topics)
+        self._gaps_ns.clear()
+        self._synced_ns.clear()
+        self._delays_ns.clear()
+        self._started_ns = time.monotonic_ns()
+        self._transports = list(transports)
+        first = ReliabilityPolicy.RELIABLE if reliability == "reliable" else ReliabilityPolicy.BEST_EFFORT
+        self.reliabilities = [first] * len(topics)
+        self._generation, self._delivered = [0] * len(topics), [False] * len(topics)
+        self._last_stamp, self._retiring, self._silent_said = [-1] * len(topics), [], {}
+        self.subscriptions = [self._subscribe(cam, first) for cam in range(len(topics))]
+        self._topics = [sub.topic_name for sub in self.subscriptions]
+        if reliability == "auto":
+            self._match_publishers()
+            self._qos_timer = self._node.create_timer(1.0, self._match_publishers)
+
+    #: How long the previous subscription of a camera stays while a new one (other reliability) is matched (s).
+    SWITCH_OVERLAP_S = 3.0
+
+    def _subscribe(self, cam: int, reliability: ReliabilityPolicy):
+        """The subscription of camera ``cam`` with ``reliability``, keep last 5, volatile (of the camera's current
+        generation)."""
+        qos = QoSProfile(depth=qos_profile_sensor_data.depth, history=HistoryPolicy.KEEP_LAST, reliability=reliability,
+                         durability=qos_profile_sensor_data.durability)
+        kind = CompressedImage if self._transports[cam] == "compressed" else Image
+        return self._node.create_subscription(kind, self._topics_asked[cam],
+                                              self._callback(cam, self._transports[cam], self._generation[cam]), qos)
+
+    def _match_publishers(self) -> None:
+        """``camera_reliability: auto``: give each camera subscription the reliability its publishers offer --
+        reliable when every one of them offers reliable (DDS then repairs a large image's lost fragments instead
+        of losing the frame), best effort when any offers best effort (a reliable subscription would not match
+        it) or none is known yet -- re-creating a subscription whose reliability must change, and logging it.
+
+        The switch loses no frame: the new subscription is made first and the old one kept until the new one has
+        delivered a message (at most SWITCH_OVERLAP_S); a message both deliver (the same stamp) is taken once. A
+        graph query that fails is logged (rate-limited) and tried again at the next tick."""
+        now = time.monotonic_ns()
+        keep = []
+        for cam, old, deadline in self._retiring:
+            if self._delivered[cam] or now >= deadline:
+                self._node.destroy_subscription(old)
             else:
-                sub = self._node.create_subscription(Image, topic, self._callback(cam, transport),
-                                                     qos_profile_sensor_data)
-            self.subscriptions.append(sub)
+                keep.append((cam, old, deadline))
+        self._retiring = keep
+        for cam, sub in enumerate(self.subscriptions):
+            topic = self._topics[cam]
+            try:
+                offered = [info.qos_profile.reliability for info in self._node.get_publishers_info_by_topic(topic)]
+            except Exception as e:  # noqa: BLE001 - a graph query must never stop the executor
+                if self._node._throttle("camera_qos"):
+                    self._node.get_logger().warning(f"camera {cam} ({topic}): cannot read its publishers' QoS: {e}")
+                continue
+            wanted = (ReliabilityPolicy.RELIABLE if offered and all(r == ReliabilityPolicy.RELIABLE for r in offered)
+                      else ReliabilityPolicy.BEST_EFFORT)
+            if not offered or wanted == self.reliabilities[cam]:
+                continue
+            for r in [r for r in self._retiring if r[0] == cam]:  # a switch back during a switch: the oldest goes
+                self._node.destroy_subscription(r[1])
+                self._retiring.remove(r)
+            self._retiring.append((cam, sub, now + int(self.SWITCH_OVERLAP_S * 1e9)))
+            self._generation[cam] += 1
+            self._delivered[cam] = False
+            self.subscriptions[cam] = self._subscribe(cam, wanted)
+            self.reliabilities[cam] = wanted
+            self._node.get_logger().info(
+                f"camera {cam} ({topic}): subscribed {wanted.name.lower()} to match its {len(offered)} "
+                f"publisher(s) ({', '.join(sorted({r.name.lower() for r in offered}))})")
 
     def stop(self) -> None:
         """Unsubscribe from every camera (idempotent)."""
-        for sub in self.subscriptions:
+        if self._qos_timer is not None:
+            self._node.destroy_timer(self._qos_timer)
+            self._qos_timer = None
+        for sub in self.subscriptions + [old for _cam, old, _deadline in self._retiring]:
             self._node.destroy_subscription(sub)
-        self.subscriptions = []
+        self.subscriptions, self._retiring = [], []
 
-    def _callback(self, cam: int, transport: str):
+    def frame_period_ns(self) -> int | None:
+        """Median interval between the last synchronized frames' arrivals (ns), None before two have come."""
+        if len(self._synced_ns) < 2:
+            return None
+        arrivals = list(self._synced_ns)
+        gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
+        return gaps[len(gaps) // 2]
+
+    def arrival_delay_ms(self) -> tuple[float, float] | None:
+        """(median, largest) of the recent images' arrival delay: the node clock when the message arrived minus
+        its header stamp (ms; transport time, plus any offset between the cameras' clock and this computer's);
+        None before any image arrived with the clock running."""
+        if not self._delays_ns:
+            return None
+        delays = sorted(self._delays_ns)
+        return delays[len(delays) // 2] / 1e6, delays[-1] / 1e6
+
+    def lateness(self) -> str:
+        """"" while images arrive in time, else one sentence saying how late (median over the recent images, more
+        than LATE_ARRIVAL_S) and the likely causes; logged once when it starts (WARN) and when it ends (INFO)."""
+        delay = self.arrival_delay_ms()
+        late = delay is not None and delay[0] > self.LATE_ARRIVAL_S * 1e3
+        if late != self._late_said:
+            self._late_said = late
+            if late:
+                self._node.get_logger().warning(f"camera images arrive late: {delay[0] / 1e3:.2f} s after their "
+                                                f"stamp (median); see {self.DOCS_LARGE_IMAGES}")
+            else:
+                self._node.get_logger().info("camera images arrive in time again")
+        if not late:
+            return ""
+        return (f"camera images arrive {delay[0] / 1e3:.2f} s after their header stamp (median of the last "
+                f"{len(self._delays_ns)}, up to {delay[1] / 1e3:.2f} s): frames will be too old to plan on. The "
+                "publishers' DDS transport is too slow for these images (large raw images on an untuned DDS: "
+                f"{self.DOCS_LARGE_IMAGES}), or the cameras' clock is behind this computer's")
+
+    def silent_cameras(self, now_ns: int | None = None) -> list[tuple[int, float]]:
+        """(camera index, seconds since its last message or since subscribing) of each camera that has sent
+        nothing for ``SILENT_PERIODS`` of the cameras' median message period (at least ``SILENT_MIN_S``) while
+        another camera has sent within that time; [] when every camera sends, or none does (no input at all is
+        not one camera's silence)."""
+        if not self._last_ns:
+            return []
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        gaps = sorted(self._gaps_ns)
+        period = gaps[len(gaps) // 2] if gaps else 0
+        limit = max(self.SILENT_PERIODS * period, int(self.SILENT_MIN_S * 1e9))
+        since = [now_ns - (t or self._started_ns) for t in self._last_ns]
+        if min(since) > limit:
+            return []
+        return [(cam, s / 1e9) for cam, s in enumerate(since) if s > limit]
+
+    def silence(self) -> str:
+        """"" while every camera sends, else one sentence naming each silent camera and its topic (no frame can be
+        synchronized without it); a change is logged once (WARN when a camera falls silent, INFO when all send
+        again)."""
+        now = time.monotonic_ns()
+        silent = self.silent_cameras(now)
+        cams = {cam for cam, _ in silent}
+        if cams != set(self._silent_said):
+            new = sorted(cams - set(self._silent_said))
+            if new:
+                self._node.get_logger().warning(
+                    "silent: " + ", ".join(f"camera {c} ({self._topics[c]})" for c in new) + "; the other cameras send")
+            back = [c for c, since in self._silent_said.items() if c not in cams and self._last_ns[c] > since]
+            if back:
+                self._node.get_logger().info(", ".join(f"camera {c} ({self._topics[c]})" for c in back)
+                                             + ": sends again")
+            self._silent_said = {c: self._silent_said.get(c, now) for c in cams}
+        if not silent:
+            return ""
+        return ("no frame can be synchronized: " + ", ".join(
+            f"camera {cam} ({self._topics[cam]}) sent nothing for {s:.1f} s" for cam, s in silent)
+            + " while the other cameras send")
+
+    def _callback(self, cam: int, transport: str, generation: int):
         def callback(msg) -> None:
+            if generation != self._generation[cam]:  # a subscription being replaced (camera_reliability auto)
+                if self._delivered[cam]:
+                    return  # the new one delivers: this one is on its way out
+            else:
+                self._delivered[cam] = True
+            header = getattr(msg, "header", None)
+            if header is not None:
+                seen = header.stamp.sec * 10**9 + header.stamp.nanosec
+                if self._retiring and seen == self._last_stamp[cam]:
+                    return  # delivered by both subscriptions while they overlap: taken once
+                self._last_stamp[cam] = seen
             self.frames_in += 1
+            now = time.monotonic_ns()
+            if self._last_ns[cam]:
+                self._gaps_ns.append(now - self._last_ns[cam])
+            self._last_ns[cam] = now
             try:
                 stamp = header_stamp_ns(msg)  # int32 sec may be negative: the synchronizer takes >= 0 only
             except ValueError as e:
                 self._node._drop("bad_stamp", f"camera {cam}: {e}")
                 return
+            clock = self._node.get_clock().now().nanoseconds
+            if clock > 0:
+                self._delays_ns.append(clock - stamp)
             emitted = self._sync.add(cam, stamp, (transport, msg))
             for cause, n in self._sync.pop_drops().items():
-                self._node._drop(cause, f"camera {cam} message stamped {stamp} ns: {SYNC_DROP_REASONS[cause]}", n)
+                why = SYNC_DROP_REASONS[cause]
+                if cause == "queue_overflow":
+                    silent = self.silent_cameras(now)
+                    why += (" (silent: " + ", ".join(f"camera {c} {self._topics[c]}" for c, _ in silent) + ")"
+                            if silent else "")
+                self._node._drop(cause, f"camera {cam} message stamped {stamp} ns: {why}", n)
             if emitted is None:
                 return
             self.frames_synced += 1
+            self._synced_ns.append(now)
             self._on_frame(emitted)
         return callback
 

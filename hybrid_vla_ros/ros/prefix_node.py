@@ -32,8 +32,8 @@ import sys
 import cv2
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 
-from ..model.checkpoint import model_id_text
-from ..model.config import VLAConfig
+from ..util.ids import model_id_text
+from ..model.checkpoint import driving_config
 from ..runtime.prefix import PrefixRunner
 from ..util.cores import pin_process
 from ..util.process import exit_with_parent
@@ -79,7 +79,7 @@ class PrefixNode(node_base.PipelineNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         try:
             p = self.read_parameters()  # schema checks first: model_path must name a directory
-            cfg = VLAConfig.load(p.model_path)
+            cfg = driving_config(p.model_path)
             p = self.read_parameters(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers)
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)
@@ -90,16 +90,17 @@ class PrefixNode(node_base.PipelineNode):
                                        ring_slots=p.ring_slots,
                                        torch_threads=p.torch_threads or len(p.cpu_affinity),
                                        fast_jpeg_decode=p.fast_jpeg_decode,
-                                       gpu_budget_bytes=int(round(p.gpu_budget_gb * 1e9)))
+                                       gpu_budget_bytes=int(round(p.gpu_budget_gb * 1e9)),
+                                       domain_id=self.context.get_domain_id())
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
-            self.last_error = str(e)
-            self.get_logger().error(f"configure failed: {e}")
-            return TransitionCallbackReturn.FAILURE
+            return self.configure_failed(e)
         self.params = p
+        self.configured()
         cfg = self.runner.cfg
         self.get_logger().info(
             f"configured: split_layer={self.runner.split_layer}/{cfg.num_layers} device={self.runner.device} dtype={p.dtype} "
-            f"hidden states {cfg.prefix_state_shape} -> ring '{self.runner.ring.name}' ({p.ring_slots} slots)"
+            f"hidden states {cfg.prefix_state_shape} -> ring '{self.runner.ring.name}' ({p.ring_slots} slots, "
+            f"{self.runner.handoff_path})"
             + ("; fast_jpeg_decode ON (JPEGs decoded scaled down: validate the model with it)"
                if p.fast_jpeg_decode else "")
             + (f"; ego state input (wait {p.ego_state_wait_s} s, max age {p.max_ego_state_age_s} s)"
@@ -111,14 +112,16 @@ class PrefixNode(node_base.PipelineNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         p = self.params
-        self._cameras.start(p.camera_topics, p.camera_transports, p.sync_tolerance_ms)
+        self._cameras.start(p.camera_topics, p.camera_transports, p.sync_tolerance_ms, p.camera_reliability)
         if self.runner.cfg.ego_state_input:
             self._ego_inputs.start()
         self._worker.start()
+        self.runner.set_running(True)
         self._split.update_timer(active=True)
         cameras, ego = self._cameras.subscriptions, self._ego_inputs.subscriptions
         self.get_logger().info(f"active: {len(cameras)} camera subscriptions "
-                               f"({', '.join(s.topic_name for s in cameras)})"
+                               f"({', '.join(s.topic_name for s in cameras)}; reliability {p.camera_reliability}: "
+                               f"{', '.join(sorted({r.name.lower() for r in self._cameras.reliabilities}))} now)"
                                + (f", ego state from {', '.join(s.topic_name for s in ego)}" if ego else ""))
         return super().on_activate(state)
 
@@ -127,6 +130,8 @@ class PrefixNode(node_base.PipelineNode):
         self._cameras.stop()
         self._ego_inputs.stop()
         self._worker.stop()
+        if self.runner is not None:
+            self.runner.set_running(False)
 
     def _release(self) -> None:
         if self.runner is not None:
@@ -151,6 +156,18 @@ class PrefixNode(node_base.PipelineNode):
     def _ring(self):
         return self.runner.ring if self.runner is not None else None
 
+    def peer_status(self):
+        runner = self.runner
+        if runner is None or not self._worker.running:
+            return None
+        return runner.peer_status(self._cameras.frame_period_ns())
+
+    def input_problem(self) -> str:
+        return self._cameras.silence()
+
+    def input_warning(self) -> str:
+        return self._cameras.lateness()
+
     def _diagnostic_values(self) -> dict:
         ring = self.runner.ring.stats if self.runner is not None else {}
         return {"frames_in": self.frames_in, "frames_synchronized": self.frames_synced,
@@ -160,10 +177,20 @@ class PrefixNode(node_base.PipelineNode):
                 "model_id": model_id_text(self.runner.model_id) if self.runner is not None else "",
                 "num_layers": self.runner.cfg.num_layers if self.runner is not None else "",
                 "split_layer_auto": self.plan is not None, "resplits": self.resplits,
+                "handoff_path": self.runner.handoff_path if self.runner is not None else "",
                 "fast_jpeg_decode": bool(self.params.fast_jpeg_decode) if self.params else "",
                 "ego_state_input": self.runner is not None and self.runner.cfg.ego_state_input,
                 **{f"ego_accel_{source}": n for source, n in self.ego_accel_sources.items()},
-                "ego_time_jumps": self._ego_inputs.buffer.time_jumps, "cpu_affinity": sorted(os.sched_getaffinity(0))}
+                "ego_time_jumps": self._ego_inputs.buffer.time_jumps, "cpu_affinity": sorted(os.sched_getaffinity(0)),
+                **self._camera_values()}
+
+    def _camera_values(self) -> dict:
+        """/diagnostics values of the camera inputs: their reliability, arrival delay, silent cameras."""
+        delay = self._cameras.arrival_delay_ms()
+        return {"camera_reliability": ",".join(r.name.lower() for r in self._cameras.reliabilities),
+                "camera_delay_p50_ms": "" if delay is None else f"{delay[0]:.1f}",
+                "camera_delay_max_ms": "" if delay is None else f"{delay[1]:.1f}",
+                "cameras_silent": ",".join(str(c) for c, _ in self._cameras.silent_cameras())}
 
 
 def main(args: list[str] | None = None) -> int:

@@ -39,6 +39,11 @@ class SuffixWorker:
         """The node has a new SuffixRunner (configure): its count of superseded frames starts at 0."""
         self._superseded_seen = 0
 
+    @property
+    def running(self) -> bool:
+        """True from :meth:`start` to :meth:`stop`."""
+        return self._running
+
     def start(self) -> None:
         """Start the thread ('suffix_worker', daemon)."""
         self._running = True

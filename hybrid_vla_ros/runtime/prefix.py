@@ -16,12 +16,14 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import load_stage, model_id, parse_dtype
+from ..split.planner import ring_side
 from ..model.modeling import check_ego_state, output_into_is_exact
 from ..split.resplit import Resplit, ResplitError, StageSplit
 from ..transport.pinned import SlotCopier
-from ..transport.ring import RingProducer, segment_name, slot_bytes_for
-from ..vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess
+from ..transport.ring import RingProducer, ros_domain_id, segment_name, slot_bytes_for
+from ..vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess, resize_rgb
 from .device import cap_device_memory, keep_frame_buffers, resolve_device
+from .peer import PeerStatus, consumer_status, stall_grace_ns
 
 
 @dataclass
@@ -75,8 +77,10 @@ class PrefixRunner:
     hidden states are never published: the slot is aborted. With ``fast_jpeg_decode`` a JPEG is decoded
     scaled down inside libjpeg when the model input is small enough (``image.decode_compressed``'s
     ``min_size``). Raises ImageDecodeError (with the camera index in the message) for a bad image; nothing
-    reaches the ring in that case. The ring declares the model id, dtype, device kind and state shape in its
-    global header (:mod:`hybrid_vla_ros.transport.contract`), which the suffix checks when it attaches.
+    reaches the ring in that case. The ring declares the model id, dtype, device kind, state shape and ROS domain
+    in its global header (:mod:`hybrid_vla_ros.transport.contract`), which the suffix checks when it attaches.
+    The ring is named by user, ROS domain (``domain_id``; None: ``ROS_DOMAIN_ID``) and namespace
+    (:func:`~hybrid_vla_ros.transport.segment.segment_name`).
 
     CUDA: ``device`` ``cuda:N`` is checked against the device count and made the current device
     (:func:`~.device.resolve_device`). The stage is read straight in ``dtype`` onto the device (converted on the
@@ -92,7 +96,8 @@ class PrefixRunner:
 
     def __init__(self, model_path: str, split_layer: int, *, device: str = "auto", dtype: str = "fp32",
                  ring_name: str = "prefix_states", namespace: str = "/", ring_slots: int = 4,
-                 torch_threads: int = 0, fast_jpeg_decode: bool = False, gpu_budget_bytes: int = 0):
+                 torch_threads: int = 0, fast_jpeg_decode: bool = False, gpu_budget_bytes: int = 0,
+                 domain_id: int | None = None):
         self.device = resolve_device(device)
         self.fast_jpeg_decode = fast_jpeg_decode
         self.dtype = parse_dtype(dtype)
@@ -118,17 +123,30 @@ class PrefixRunner:
         self.split = StageSplit(self.stage, "prefix", model_path=self.model_path, device=self.device,
                                 dtype=self.dtype, model_id=self.model_id)
         self.state_shape = self.cfg.prefix_state_shape
-        self.ring = RingProducer(segment_name(ring_name, namespace), ring_slots,
-                                 slot_bytes_for(self.state_shape, self.dtype), self.model_id, dtype=self.dtype,
-                                 state_shape=self.state_shape, device=self.device)
+        self.domain_id = ros_domain_id(domain_id)
+        #: A composition on a transformers VLM: its own processor feeds the cameras (``model.vlm``) and the side
+        #: tensors its blocks after K need cross with h_K (``model.contract``); None for this package's own front.
+        self.processor = None
+        self.side = ring_side(self.cfg, self.dtype)
+        if self.cfg.projector.get("type") == "vlm":
+            from ..model.checkpoint import open_checkpoint
+            from ..model.vlm import load_processor
+
+            self.processor = load_processor(open_checkpoint(model_path).hf.path, self.cfg.vlm_type)
+        self.ring = RingProducer(segment_name(ring_name, namespace, self.domain_id), ring_slots,
+                                 slot_bytes_for(self.state_shape, self.dtype, self.side), self.model_id,
+                                 dtype=self.dtype, state_shape=self.state_shape, device=self.device,
+                                 domain_id=self.domain_id, side=self.side)
         #: Device-to-host path of a CUDA prefix (page-locked slot, staging buffer or plain copy: its ``mode``).
         self.copier = SlotCopier(self.ring, self.device) if self.device.type == "cuda" else None
         self._into_checked: type | None = None  # decoder block class checked by output_into_is_exact
-        self._into_ok = self.device.type == "cpu"
+        self._into_ok = self.device.type == "cpu" and self.processor is None and hasattr(self.stage, "rotary_emb")
         self._cycle_ns: deque = deque(maxlen=8)  # run() from its start to the frame published
         self._last_publish_ns = 0
+        self._publishes_ns: deque = deque(maxlen=64)  # publish instants, for the consumer's stall check
         s = self.cfg.image_size
-        self._pixels_cpu = torch.empty((self.cfg.n_cameras, 3, s, s), dtype=torch.float32)
+        self._pixels_cpu = None if self.processor is not None else torch.empty((self.cfg.n_cameras, 3, s, s),
+                                                                                dtype=torch.float32)
 
     @property
     def split_layer(self) -> int:
@@ -163,8 +181,9 @@ class PrefixRunner:
         """Decode every camera image of a frame to HxWx3 uint8 RGB (camera order)."""
         images = []
         for cam, (transport, msg) in enumerate(items):
+            fast = self.fast_jpeg_decode and self.processor is None  # a VLM's processor sizes its own input
             try:
-                images.append(compressed_msg_to_rgb(msg, self.cfg.image_size if self.fast_jpeg_decode else None)
+                images.append(compressed_msg_to_rgb(msg, self.cfg.image_size if fast else None)
                               if transport == "compressed" else image_msg_to_rgb(msg))
             except ValueError as e:
                 raise type(e)(f"camera {cam}: {e}") from e
@@ -189,13 +208,16 @@ class PrefixRunner:
         t_start_ns = time.monotonic_ns()
         t0 = time.perf_counter()
         images = self.decode(items)
+        if self.processor is not None:
+            slot, t1, t2 = self._run_vlm(images)
+            return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error)
         preprocess(images, self.cfg.image_size, self.cfg.image_mean, self.cfg.image_std, out=self._pixels_cpu)
         t1 = time.perf_counter()
         pixels = self._pixels_cpu.to(self.device, self.dtype, non_blocking=True)
         if self.produce_in_slot:
             slot, t2 = self._run_in_slot(pixels, ego)
         else:
-            hidden = self.stage(pixels, ego)
+            hidden = self.stage(pixels) if ego is None else self.stage(pixels, ego)
             if not torch.isfinite(hidden).all():
                 raise FloatingPointError("prefix produced non-finite hidden states")
             t2 = time.perf_counter()
@@ -208,10 +230,38 @@ class PrefixRunner:
             except BaseException:
                 self.ring.abort(slot)
                 raise
+        return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error)
+
+    def _run_vlm(self, images: list) -> tuple:
+        """A VLM composition's frame: the family's processor (:func:`~hybrid_vla_ros.model.vlm.frame_inputs`),
+        the stage (h_K and the side tensors), both copied into a slot. Returns (slot, t1, t2); raises
+        FloatingPointError for non-finite hidden states (nothing acquired)."""
+        from ..model.vlm import frame_inputs
+
+        inputs = frame_inputs(self.processor, self.cfg, [resize_rgb(im, self.cfg.camera_size) for im in images])
+        t1 = time.perf_counter()
+        state = self.stage(inputs)
+        if not torch.isfinite(state.hidden_states).all():
+            raise FloatingPointError("prefix produced non-finite hidden states")
+        t2 = time.perf_counter()
+        slot = self.ring.acquire(self.state_shape, self.dtype)
+        try:
+            slot.tensor.copy_(state.hidden_states)
+            side = state.side()
+            for spec in self.side:
+                slot.side[spec.name].copy_(side[spec.name].reshape(spec.shape))
+        except BaseException:
+            self.ring.abort(slot)
+            raise
+        return slot, t1, t2
+
+    def _publish(self, slot, stamp_ns: int, t_start_ns: int, t0: float, t1: float, t2: float, resplit,
+                 resplit_error) -> PrefixResult:
         pre_ms, prefix_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
         seq = self.ring.publish(slot, stamp_ns=stamp_ns, split_layer=self.split_layer,
                                 timings_ms=(pre_ms, prefix_ms, t_start_ns / 1e6))  # start instant in ms
         self._last_publish_ns = time.monotonic_ns()
+        self._publishes_ns.append(self._last_publish_ns)
         self._cycle_ns.append(self._last_publish_ns - t_start_ns)
         return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit, resplit_error)
 
@@ -233,6 +283,19 @@ class PrefixRunner:
         return pacing_delay_ns(time.monotonic_ns(), taken, next_read, cycle_p, self._last_publish_ns,
                                round(max_s * 1e9)) / 1e9
 
+    def set_running(self, running: bool) -> None:
+        """Say in the ring's header that this prefix works frames (its node is active) or is paused (inactive), so
+        the suffix can report an inactive prefix (:func:`~.peer.producer_status`)."""
+        self.ring.set_running(running)
+
+    def peer_status(self, frame_period_ns: int | None) -> PeerStatus:
+        """The suffix as this prefix sees it now (:func:`~.peer.consumer_status`): attached or not (the ring's
+        consumer lock), paused, or holding the ring without taking the frames that wait past
+        :func:`~.peer.stall_grace_ns` of ``frame_period_ns`` (the cameras' frame period, ns; None: unknown)."""
+        presence = self.ring.consumer()
+        waiting = next((t for t in self._publishes_ns if t > presence.last_take_ns), 0)
+        return consumer_status(presence, self.ring.name, time.monotonic_ns(), waiting, stall_grace_ns(frame_period_ns))
+
     @property
     def produce_in_slot(self) -> bool:
         """True when the prefix writes its output straight into the ring slot (CPU device, and the last block's
@@ -243,6 +306,24 @@ class PrefixRunner:
             self._into_ok = output_into_is_exact(self.stage)
             self._into_checked = type(self.stage.layers[-1])
         return self._into_ok
+
+    @property
+    def handoff_path(self) -> str:
+        """How h_K reaches the ring slot, for the configure log and /diagnostics: ``produced in slot`` (the last
+        op writes into the slot), ``copied into slot (<Block> layout: ...)`` (a decoder block whose forward is
+        not the LLaMA layout :func:`~hybrid_vla_ros.model.modeling.block_forward_into` reproduces, e.g. Gemma's
+        extra norms), or, on CUDA, ``device copy (<mode>)`` (:class:`SlotCopier`)."""
+        if self.copier is not None:
+            return f"device copy ({self.copier.mode})"
+        if self.processor is not None:
+            extra = f" and side tensors {', '.join(s.name for s in self.side)}" if self.side else ""
+            return f"copied into slot (h_K{extra} of a {self.cfg.vlm_type} VLM)"
+        if self.produce_in_slot:
+            return "produced in slot"
+        if not hasattr(self.stage, "rotary_emb"):
+            return f"copied into slot (own model code {getattr(self.cfg, 'spec', '')})"
+        block = type(self.stage.layers[-1]).__name__ if len(self.stage.layers) else "embeddings"
+        return f"copied into slot ({block}: its forward is not the layout produced in place)"
 
     def _run_in_slot(self, pixels: torch.Tensor, ego) -> tuple:
         """The stage with its output produced in a ring slot taken just before the last op; returns (slot, t2).

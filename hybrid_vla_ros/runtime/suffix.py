@@ -26,9 +26,14 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import load_stage, model_id, parse_dtype
+from ..split.planner import ring_side
 from ..model.modeling import DEFAULT_COMMAND
 from ..split.resplit import StageSplit
-from ..transport.ring import FrameMeta, RingConsumer, RingContractError, RingError, SpinPolicy, segment_name
+from ..transport.ring import (
+    FrameMeta, RingConsumer, RingConsumerConflict, RingContractError, RingError, SpinPolicy, ros_domain_id,
+    segment_name,
+)
+from .peer import PeerStatus, producer_status
 from .suffix_backend import SuffixBackend
 
 
@@ -101,7 +106,7 @@ class SuffixRunner:
     def __init__(self, model_path: str, split_layer: int, *, dtype: str = "fp32", ring_name: str = "prefix_states",
                  namespace: str = "/", threads: int = 0, delivery: str = "newest", spin_lead_ms: float = 1.0,
                  spin_max_ms: float = 5.0, backend: str = "eager", backend_cache_dir: str | None = None,
-                 background_build: bool = True, log=None):
+                 background_build: bool = True, log=None, domain_id: int | None = None):
         if threads > 0:
             torch.set_num_threads(threads)
         self.dtype = parse_dtype(dtype)
@@ -116,7 +121,9 @@ class SuffixRunner:
         self.backend = SuffixBackend(backend, self.stage, model_id=self.model_id, cache_dir=backend_cache_dir,
                                      threads=torch.get_num_threads(), log=log, background=background_build)
         self.backend.prepare(self.stage, split_layer)
-        self.segment = segment_name(ring_name, namespace)
+        #: The ROS domain of this pipeline: the ring's name carries it, and a ring that declares another is refused.
+        self.domain_id = ros_domain_id(domain_id)
+        self.segment = segment_name(ring_name, namespace, self.domain_id)
         #: Navigation command index (0..5, config.NAV_COMMANDS) used for the next frame; it selects the mode
         #: of a multi-mode planner. The node sets it from its parameter and command topic.
         self.command = DEFAULT_COMMAND
@@ -128,7 +135,11 @@ class SuffixRunner:
             SpinPolicy(*self._spin_args)  # ValueError for bad values now, not at attach
         self.ring: RingConsumer | None = None
         self.attach_error = ""  # why the last attach attempt failed ("" when attached)
+        #: What kind of failure that was: "" (attached, or not tried yet), 'no_ring', 'locked_out', 'contract',
+        #: 'attach_error' (runtime.peer.producer_status), and for 'locked_out' the pid holding the ring.
+        self.attach_failure, self.holder_pid = "", 0
         self.contract_error = ""  # the ring's contract does not fit this suffix ("" when it does or is unknown)
+        self._running: bool | None = None  # what set_running last said (told to every ring attached later)
         #: Frames dropped unread because a newer one was taken (newest-first delivery), over every attach.
         self.superseded = 0
         self._busy_ns: deque = deque(maxlen=8)  # from taking a frame to the next poll: this side's cycle
@@ -145,23 +156,74 @@ class SuffixRunner:
                     self.segment, expected_model_id=self.model_id,
                     expected_split_layer=range(0, self.cfg.num_layers + 1), compute_dtype=self.dtype,
                     expected_shape=self.cfg.prefix_state_shape, delivery=self.delivery,
+                    expected_domain_id=self.domain_id,
                     spin=SpinPolicy(*self._spin_args) if self._spin_args is not None else None)
             except FileNotFoundError:
-                self.attach_error = "the prefix has not created the ring yet"
+                self.attach_error, self.attach_failure, self.contract_error = (
+                    "the prefix has not created the ring yet", "no_ring", "")
                 return False
             except RingContractError as e:  # the pair does not fit: refused before any frame is taken
                 self.attach_error = self.contract_error = str(e)
+                self.attach_failure = "contract"
                 return False
-            except RingError as e:  # e.g. another consumer holds the ring, or a foreign segment
-                self.attach_error, self.contract_error = str(e), ""
+            except RingConsumerConflict as e:  # another suffix holds the ring
+                self.attach_error, self.attach_failure, self.contract_error = str(e), "locked_out", ""
+                self.holder_pid = e.holder_pid
                 return False
-            self.attach_error = self.contract_error = ""
+            except RingError as e:  # e.g. a foreign segment
+                self.attach_error, self.attach_failure, self.contract_error = str(e), "attach_error", ""
+                return False
+            problems = self._side_problems(self.ring.contract)
+            if problems:  # the side tensors this model's blocks after K need do not fit what the prefix sends
+                self.ring.close()
+                self.ring = None
+                self.attach_error = self.contract_error = ("ring contract does not fit: " + "; ".join(problems))
+                self.attach_failure = "contract"
+                return False
+            self.attach_error = self.contract_error = self.attach_failure = ""
+            self.holder_pid = 0
             self._attached_ns = time.monotonic_ns()
+            if self._running is not None:
+                self.ring.set_running(self._running)
         return True
+
+    def _side_problems(self, contract) -> list[str]:
+        """Differences between the side tensors the prefix declares and the ones this model needs (floating ones
+        in the prefix's dtype: converted here, as the hidden states are)."""
+        from ..transport.contract import side_differences
+
+        return side_differences(contract.side, ring_side(self.cfg, contract.dtype or self.dtype))
+
+    def _state(self, hidden: torch.Tensor, side: dict):
+        """The SplitState of a slot: h_K and its side tensors, floating ones converted to this suffix's dtype;
+        a bare tensor for a model without side tensors."""
+        if not self.cfg.side:
+            return hidden
+        from ..model.contract import SplitState
+
+        return SplitState.from_side(hidden, {name: t.to(self.dtype) if t.is_floating_point() else t
+                                             for name, t in side.items()})
 
     @property
     def attached(self) -> bool:
         return self.ring is not None
+
+    def set_running(self, running: bool) -> None:
+        """Say in the ring's header (now and at every later attach) that this suffix takes frames (its node is
+        active) or is paused (inactive), so the prefix can report an inactive suffix
+        (:func:`~.peer.consumer_status`)."""
+        self._running = bool(running)
+        if self.ring is not None and not self.ring.producer_gone:
+            self.ring.set_running(self._running)
+
+    def peer_status(self) -> PeerStatus:
+        """The prefix as this suffix sees it now (:func:`~.peer.producer_status`): the ring's owner alive or dead,
+        paused, or why no ring could be attached (none, another suffix holds it, the contract does not fit)."""
+        ring = self.ring
+        if ring is not None and not ring.producer_gone:
+            return producer_status(True, "", "", self.segment, ring.owner_pid, ring.owner_alive, ring.producer_state)
+        return producer_status(False, self.attach_failure or "no_ring", self.attach_error, self.segment, 0, False,
+                               "not said", self.holder_pid)
 
     @property
     def split_layer(self) -> int:
@@ -198,8 +260,9 @@ class SuffixRunner:
             k = slot.meta.split_layer
             self.split.for_frame(k)  # loads the blocks a frame below the first one held needs
             hidden = slot.compute_tensor  # zero-copy, or converted to this suffix's dtype (an allowed pair)
+            state = self._state(hidden, slot.side)
             t_ready = time.monotonic_ns()
-            out = self.backend.plan_all(self.stage, hidden, self.command, k)
+            out = self.backend.plan_all(self.stage, state, self.command, k)
             t_end = time.monotonic_ns()
             meta, superseded = slot.meta, slot.superseded
         self.split.after_frame(k)

@@ -154,15 +154,25 @@ def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList
     """New decoder-block modules for tracing that hold ``layers``' weights (the same tensors when
     ``weight_dtype`` is theirs, else copies cast to it) and a config of their own whose attention is
     :func:`causal_attention`; the stage's modules and config are not touched, so the runner's eager path keeps
-    running on another thread while a build traces these."""
+    running on another thread while a build traces these. Raises ValueError for attention the traced form does
+    not have (Gemma 2's logit soft-capping; a mask other than plain causal raises in :func:`causal_attention`)."""
     import copy
 
-    from ..model.modeling import LLM_FAMILIES, llm_config
+    from ..model.modeling import llm_config, llm_family
 
     _register_attention()
     llm = copy.copy(llm_config(cfg))
+    from ..model.text import FULL, attention_kinds
+
+    kinds = {attention_kinds(llm)[old.self_attn.layer_idx] for old in layers}
+    if kinds != {FULL} or getattr(llm, "use_sliding_window", False):
+        raise ValueError(f"{cfg.llm_type}: blocks of attention kind {sorted(kinds)}: the traced attention is plain "
+                         "causal; this model's suffix runs eagerly")
+    if getattr(llm, "attn_logit_softcapping", None):
+        raise ValueError(f"{cfg.llm_type}: attention logit soft-capping ({llm.attn_logit_softcapping}) is not in "
+                         "the traced attention; this model's suffix runs eagerly")
     llm._attn_implementation = ATTENTION_NAME
-    block_cls = LLM_FAMILIES[cfg.llm_type][1]
+    block_cls = llm_family(cfg).block_class
     with torch.device("meta"):
         blocks = nn.ModuleList(block_cls(llm, old.self_attn.layer_idx) for old in layers)
     for new, old in zip(blocks, layers):
@@ -173,16 +183,21 @@ def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList
 
 def read_out_tokens(cfg) -> int:
     """How many last tokens of blocks [K, L)'s output the heads read (:func:`~hybrid_vla_ros.model.modeling.plan`):
-    1 (the planning token, last), or, with MindDrive's decision read-out (``decision_token_ids``), enough to
-    reach ``decision_position`` too (2 for its -2). Raises ValueError for a ``decision_position`` that does not
+    1 (the planning token, last), the query tokens of a ``queries`` read-out, every token for a ``module``
+    read-out, and with a decision read-out (``decision_token_ids``) enough to reach ``decision_position`` too
+    (2 for MindDrive's -2). Raises ValueError for a ``decision_position`` that does not
     count from the end (the compiled model gives the last tokens only)."""
+    kind = getattr(cfg, "readout_type", "mlp")
+    if kind == "module":  # the team's head reads every token
+        return int(cfg.num_tokens)
+    need = max(1, getattr(cfg, "query_count", 0))
     if not getattr(cfg, "decision_token_ids", None):
-        return 1
+        return need
     pos = int(cfg.decision_position)
     if pos >= 0:
         raise ValueError(f"decision_position {pos} counts from the start; the compiled suffix gives the last "
                          "tokens only (use a negative position)")
-    return max(1, -pos)
+    return max(need, -pos)
 
 
 class _BlocksToLastToken(nn.Module):
@@ -198,7 +213,15 @@ class _BlocksToLastToken(nn.Module):
         self.tokens_out = int(tokens_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_blocks(self, self.layers, x.to(self.dtype))[:, -self.tokens_out:, :].float()
+        # The loop of model.modeling.run_blocks with no mask: causal_attention is causal by construction (under
+        # tracing transformers' mask functions would build a mask tensor instead of SDPA's is_causal), and
+        # traced_blocks took only blocks of full causal attention.
+        x = x.to(self.dtype)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        cos_sin = self.rotary_emb(x, positions)
+        for block in self.layers:
+            x = block(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+        return x[:, -self.tokens_out:, :].float()
 
 
 class CompiledSuffix:
@@ -373,6 +396,17 @@ class SuffixBackend:
         self._lock = threading.Lock()
         self._pool = None
         self.active = name != "eager"
+        if self.active and not hasattr(stage, "rotary_emb"):
+            self.active = False
+            self.error = "own model code: its blocks are not traced (only transformers decoder blocks are)"
+            self._log("warning", f"suffix_backend {name} cannot be used, falling back to eager: {self.error}")
+            return
+        if self.active and getattr(stage.cfg, "side", ()):
+            self.active = False
+            self.error = (f"the model's blocks after the split take side tensors ({', '.join(stage.cfg.side)}); "
+                          "the compiled model takes the hidden states only")
+            self._log("warning", f"suffix_backend {name} cannot be used, falling back to eager: {self.error}")
+            return
         if self.active:
             try:
                 _openvino()
@@ -469,6 +503,9 @@ class SuffixBackend:
         """:meth:`SuffixStage.plan_all` through the compiled model when it covers ``k`` (the frame's K),
         else eagerly (and a build for ``k`` starts). Same arguments, result and errors as the stage's."""
         k = stage.split_layer if k is None else k
+        if not isinstance(hidden_states, torch.Tensor):  # a SplitState with side tensors: the eager stage only
+            self.frames_eager += 1
+            return stage.plan_all(hidden_states, command, k)
         c = self._compiled
         if c is not None and c.k < stage.split_layer:  # its blocks were freed by a move up: free its copy too
             with self._lock:

@@ -137,9 +137,22 @@ def stage_weights(cfg, dtype: str | torch.dtype) -> StageWeights:
                         suffix_buffers=suffix_buffers)
 
 
+def ring_side(cfg, dtype: torch.dtype) -> tuple:
+    """The side tensors of ``cfg`` as the ring declares them (:class:`~hybrid_vla_ros.transport.contract.TensorSpec`,
+    in :func:`~hybrid_vla_ros.model.contract.side_specs` order, floating ones in ``dtype``): what the prefix's ring
+    carries next to h_K, what the suffix expects, and what the slot is sized for."""
+    from ..model.contract import side_specs
+    from ..transport.contract import TensorSpec
+
+    return tuple(TensorSpec(name, shape, dt) for name, shape, dt in side_specs(cfg, _as_dtype(dtype)))
+
+
 def handoff_bytes(cfg: VLAConfig, dtype: str | torch.dtype) -> int:
-    """Bytes that cross the split per frame: prod(cfg.prefix_state_shape) x element size (the ring slot payload)."""
-    return math.prod(cfg.prefix_state_shape) * element_size(dtype)
+    """Bytes that cross the split per frame (the ring slot payload): prod(cfg.prefix_state_shape) x element size,
+    plus the side tensors a VLM sends with them (:func:`~hybrid_vla_ros.model.contract.side_bytes`)."""
+    from ..model.contract import side_bytes
+
+    return math.prod(cfg.prefix_state_shape) * element_size(dtype) + side_bytes(cfg, _as_dtype(dtype))
 
 
 # ------------------------------------------------------------------------------------- activations
@@ -227,7 +240,9 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
     check_split_layer(cfg, split_layer)
     if role not in ("prefix", "suffix"):
         raise ValueError(f"unknown role {role!r}; use prefix or suffix")
-    if not isinstance(cfg, (VLAConfig, LMConfig)):
+    from ..model.config import VLMSpec
+
+    if not isinstance(cfg, (VLAConfig, LMConfig, VLMSpec)):
         return []  # own model code: its activations are not modelled (the plan says so)
     e = element_size(dtype)
     L = cfg.num_layers
@@ -235,6 +250,13 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
     H, n_llm = d["H"], d["B"] * d["T"]
     state = n_llm * H * e
     phases: list[Phase] = []
+    vlm_front = isinstance(cfg, VLMSpec) or (isinstance(cfg, VLAConfig) and cfg.projector.get("type") == "vlm")
+    if role == "prefix" and vlm_front:
+        phases += _vlm_front_phases(cfg, e, state)
+        for i in range(min(split_layer, 2)):
+            held = {"h0": state, **({"block_input": state} if i >= 1 else {})}
+            phases += _llm_block_phases(cfg, e, held, f"llm.block{i}")
+        return phases
     if role == "prefix" and isinstance(cfg, LMConfig):
         phases.append(Phase("embed", {"token_ids": d["T"] * 8, "embeddings": state}))
         for i in range(min(split_layer, 2)):
@@ -246,7 +268,7 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
         for i in range(min(n_blocks, 2)):
             held = {"block_input": state} if i >= 1 else {}
             phases += _llm_block_phases(cfg, e, held, f"llm.block{split_layer + i}")
-        if isinstance(cfg, LMConfig):
+        if isinstance(cfg, (LMConfig, VLMSpec)):
             phases.append(Phase("norm", {"block_output": state, "norm_fp32_work": 8 * n_llm * H}))
         else:
             last = d["B"] * H * 4
@@ -303,6 +325,25 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
             held["block_input"] = state
         phases += _llm_block_phases(cfg, e, held, f"llm.block{i}")
     return phases
+
+
+def _vlm_front_phases(cfg, e: int, state: int) -> list[Phase]:
+    """An estimate of a transformers VLM front's live tensors: the vision tower's widest block (its N patches of
+    width Dv: the pixels, a block input, q / k / v and the MLP's N x Mv) and the embedding of the T tokens with
+    the image features scattered in. An estimate from the config (the tower's internals differ per family:
+    windows, merges, tiles), not a measurement: ``hybrid-vla profile`` measures."""
+    v = cfg.vlm.get("vision_config", {})
+    Dv = int(v.get("hidden_size") if "embed_dim" not in v else v["embed_dim"])
+    Mv = int(v.get("intermediate_size") or Dv * float(v.get("mlp_ratio", 4)))
+    N = max(int(cfg.vision_patches), 1)
+    tok = N * Dv * e
+    pixels = {"pixels": N * 3 * int(v.get("patch_size", 14) if not isinstance(v.get("patch_size"), list)
+                                   else v["patch_size"][0]) ** 2 * 2 * e}
+    from ..model.contract import side_bytes
+
+    side = side_bytes(cfg, {1: torch.int8, 2: torch.float16, 4: torch.float32}[e])
+    return [Phase("vision.block", {**pixels, "block_input": tok, "q_k_v": 3 * tok, "mlp": N * Mv * e}),
+            Phase("embed", {"vision_features": tok, "token_embeddings": state, "merged": state, "side_tensors": side})]
 
 
 def activation_peak(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype,
@@ -551,11 +592,15 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
     gw = stage_weights(cfg, dtype)
     cw = gw if sdtype == dtype else stage_weights(cfg, sdtype)
     payload = handoff_bytes(cfg, dtype)
-    slot = slot_bytes_for(cfg.prefix_state_shape, dtype)
-    if slot != max(64, -(-payload // 64) * 64):  # the ring and this plan must agree on the payload
+    side = ring_side(cfg, dtype)
+    slot = slot_bytes_for(cfg.prefix_state_shape, dtype, side)
+    # the ring and this plan must agree on the payload: each tensor's bytes rounded up to 64 in the slot
+    if not payload <= slot < max(64, payload) + 64 * (1 + len(side)):
         raise RuntimeError(f"ring slot {slot} bytes disagrees with the hand-off payload {payload} bytes")
     lat = latency_model(profile, cfg, dtype, preprocess_ms) if profile is not None else None
-    extra_notes = [] if isinstance(cfg, (VLAConfig, LMConfig)) else [
+    from ..model.config import VLMSpec
+
+    extra_notes = [] if isinstance(cfg, (VLAConfig, LMConfig, VLMSpec)) else [
         "own model code: activations are not estimated (weights are exact); add your own margin to the budget"]
     rows = []
     for k in range(cfg.num_layers + 1):
@@ -594,12 +639,14 @@ def _gb_to_bytes(gb: float | None) -> int | None:
 def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None = None,
                         gpu_budget_gb: float | None = None, dtype: str = "fp16",
                         cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None, *,
-                        tokens: int = 512, cameras: int = 1, trust_model_code: bool | None = None) -> Plan:
+                        tokens: int = 512, cameras: int | None = None, trust_model_code: bool | None = None,
+                        prompt: str | None = None, camera_size: tuple[int, int] | None = None) -> Plan:
     """Plan the checkpoint at ``model_path`` (reads only its config files, no weights: every kind
     :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint` opens): the entry point for ``split_layer: auto``.
 
-    ``tokens``: T of a bare transformers language model (its input length); ``cameras``: images per frame of a
-    transformers LLaVA directory; ``trust_model_code``: opt-in for own model code.
+    ``tokens``: T of a bare transformers language model (its input length); ``cameras`` / ``prompt`` /
+    ``camera_size``: how a transformers LLaVA / VLM directory is viewed (``open_checkpoint``);
+    ``trust_model_code``: opt-in for own model code.
 
     ``profile_path``: a profile JSON (:mod:`hybrid_vla_ros.split.profiler`) or None; ``gpu_budget_gb``:
     GPU memory for the prefix in GB (1e9 bytes), None for no limit; ``dtype``: the stages' dtype;
@@ -610,7 +657,8 @@ def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None 
     """
     from ..model.checkpoint import open_checkpoint
 
-    ck = open_checkpoint(model_path, tokens=tokens, cameras=cameras, trust_model_code=trust_model_code)
+    ck = open_checkpoint(model_path, tokens=tokens, cameras=cameras, trust_model_code=trust_model_code,
+                         prompt=prompt, camera_size=camera_size)
     return _plan_with(ck.model, str(model_path), profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms)
 
 

@@ -63,8 +63,9 @@ import torch
 from torch import nn
 
 from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
-from ..model.config import LMConfig, VLAConfig, preset
-from ..model.modeling import DEFAULT_COMMAND, LLM_FAMILIES, PrefixStage, SuffixStage, embed, llm_config, plan
+from ..model.config import LMConfig, VLAConfig, VLMSpec, preset
+from ..model import text
+from ..model.modeling import DEFAULT_COMMAND, PrefixStage, SuffixStage, embed, llm_config, llm_family, plan
 from ..util.cores import cpu_model, pin_process
 
 PROFILE_FORMAT_VERSION = 1
@@ -326,15 +327,19 @@ def _block_from_checkpoint(ck: Checkpoint, index: int, device: torch.device, dty
 
 
 def measure_handoff(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, warmup: int, repeats: int,
-                    scales: tuple[float, ...] = (0.5, 1.0, 2.0)) -> dict:
+                    scales: tuple[float, ...] = (0.5, 1.0, 2.0), copier_factory=None) -> dict:
     """Hand-off time of hidden states of ``shape`` (and of the token dim scaled by ``scales``) from ``device``.
 
-    ``ring``: acquire a slot of a shared-memory ring -> ``copy_`` the tensor into it (device-to-host for
-    CUDA) -> publish -> the consumer's ``read`` returns the zero-copy view (producer and consumer in
-    this process, so no scheduler wake-up of another process is included). ``memcpy``: one ``copy_``
-    into a preallocated CPU tensor. Returns {"ring": [...], "memcpy": [...]}, each entry
-    {"bytes", "ms" (median), "min_ms"}. Raises RingError / OSError when /dev/shm is unusable.
+    ``ring``: acquire a slot of a shared-memory ring -> copy the tensor into it the way the prefix runner does
+    (:class:`~hybrid_vla_ros.transport.pinned.SlotCopier` on the ring: from CUDA a DMA into the registered,
+    page-locked mapping, or its staging fallback; from the CPU a plain ``copy_``) -> publish -> the consumer's
+    ``read`` returns the zero-copy view (producer and consumer in this process, so no scheduler wake-up of another
+    process is included). ``memcpy``: one ``copy_`` into a preallocated CPU tensor. ``copier_factory``:
+    ``(producer, device) -> copier`` (default SlotCopier; injectable for tests). Returns {"ring": [...],
+    "memcpy": [...], "ring_path": the copier's mode}, each entry {"bytes", "ms" (median), "min_ms"}. Raises
+    RingError / OSError when /dev/shm is unusable.
     """
+    from ..transport.pinned import SlotCopier
     from ..transport.ring import (
         RingConsumer,
         RingProducer,
@@ -353,25 +358,35 @@ def measure_handoff(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     name = segment_name(f"profile_{os.getpid()}_{uuid.uuid4().hex[:8]}")
     out = {"ring": [], "memcpy": []}
     with RingProducer(name, 3, slot_bytes_for(biggest, dtype), model_id=0) as prod, RingConsumer(name) as cons:
-        for sh in shapes:
-            src = torch.randn(sh, device=device).to(dtype)
-            dst = torch.empty(sh, dtype=dtype)
-            nbytes = src.numel() * src.element_size()
-
-            def ring_once():
-                slot = prod.acquire(sh, dtype)
-                slot.tensor.copy_(src)
-                prod.publish(slot, stamp_ns=0, split_layer=0)
-                got = cons.read(5.0)
-                if got is None:
-                    raise RuntimeError("ring hand-off timed out")
-                got.release()
-
-            ms, mn = _time_ms(ring_once, device, warmup, repeats)
-            out["ring"].append({"bytes": nbytes, "ms": ms, "min_ms": mn})
-            ms, mn = _time_ms(lambda: dst.copy_(src), device, warmup, repeats)
-            out["memcpy"].append({"bytes": nbytes, "ms": ms, "min_ms": mn})
+        copier = (copier_factory or SlotCopier)(prod, device)
+        out["ring_path"] = copier.mode
+        try:
+            _time_handoffs(prod, cons, copier, shapes, dtype, device, warmup, repeats, out)
+        finally:
+            copier.close()
     return out
+
+
+def _time_handoffs(prod, cons, copier, shapes, dtype, device, warmup, repeats, out) -> None:
+    """The timings of :func:`measure_handoff`, per shape, into ``out``."""
+    for sh in shapes:
+        src = torch.randn(sh, device=device).to(dtype)
+        dst = torch.empty(sh, dtype=dtype)
+        nbytes = src.numel() * src.element_size()
+
+        def ring_once():
+            slot = prod.acquire(sh, dtype)
+            copier.copy(src, slot.tensor)
+            prod.publish(slot, stamp_ns=0, split_layer=0)
+            got = cons.read(5.0)
+            if got is None:
+                raise RuntimeError("ring hand-off timed out")
+            got.release()
+
+        ms, mn = _time_ms(ring_once, device, warmup, repeats)
+        out["ring"].append({"bytes": nbytes, "ms": ms, "min_ms": mn})
+        ms, mn = _time_ms(lambda: dst.copy_(src), device, warmup, repeats)
+        out["memcpy"].append({"bytes": nbytes, "ms": ms, "min_ms": mn})
 
 
 def _device_doc(device: torch.device, timing: dict, mins: dict, vis_ms, vis_min, n_vis, blk_ms, blk_min, n_llm,
@@ -389,8 +404,19 @@ def _device_doc(device: torch.device, timing: dict, mins: dict, vis_ms, vis_min,
             "handoff": handoff}
 
 
+def _vlm_front(cfg) -> bool:
+    """A transformers VLM's own front: a VLM directory as it is, or a driving composition on one."""
+    return isinstance(cfg, VLMSpec) or (isinstance(cfg, VLAConfig) and cfg.projector.get("type") == "vlm")
+
+
 def _example_inputs(ck: Checkpoint, front: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple:
     cfg = ck.model
+    if _vlm_front(cfg):  # the embedded bag's cameras through the family's processor, as verify-split
+        from ..model.vlm import frame_inputs, load_processor
+        from .verify import bag_images
+
+        processor = load_processor(ck.hf.path, cfg.vlm_type)
+        return (frame_inputs(processor, cfg, bag_images(cfg.cameras, cfg.camera_size)).to(device, dtype),)
     if isinstance(cfg, VLAConfig):
         pixels = torch.rand((cfg.n_cameras, 3, cfg.image_size, cfg.image_size), device=device, dtype=dtype)
         return (pixels, torch.zeros(3, device=device) if cfg.ego_state_input else None)
@@ -417,18 +443,22 @@ def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.d
     timed("vision_embeddings", lambda: front(*inputs))
     with torch.inference_mode():
         h = front(*inputs)
+    state = None
+    if _vlm_front(cfg):  # a SplitState: h_0 and the side tensors the blocks take
+        state, h = h, h.hidden_states
     for key in ("vision_post", "projector_embed", "rotary"):
         timing[key] = mins[key] = 0.0
     code = getattr(front, "code", None)
-    positions = cos_sin = None
+    block_in = kinds = None
     if code is None:
         with torch.device(device):
-            rotary = LLM_FAMILIES[cfg.llm_type][3](llm_config(cfg))
+            rotary = text.make_rotary(llm_family(cfg), llm_config(cfg))
         x = h if h.dim() == 3 else h.unsqueeze(0)
-        positions = torch.arange(x.shape[1], device=device).unsqueeze(0)
-        timed("rotary", lambda: rotary(x, positions))
+        kinds = text.attention_kinds(rotary.config)
+        positions = None if state is None else state.position_ids
+        timed("rotary", lambda: text.block_inputs(rotary.config, rotary, x, set(kinds), positions))
         with torch.inference_mode():
-            cos_sin = rotary(x, positions)
+            block_in = text.block_inputs(rotary.config, rotary, x, set(kinds), positions)
     blk_ms, blk_min = [], []
     n_llm = L if llm_blocks == "all" else min(1, L)
     for i in range(n_llm):
@@ -436,7 +466,7 @@ def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.d
         def fn(b=block, i=i):
             if code is not None:
                 return code.run_blocks(nn.ModuleList([b]), h, i)
-            return b(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+            return b(x, **block_in.for_block(b, kinds[i]))
 
         ms, mn = _time_ms(fn, device, warmup, repeats)
         blk_ms.append(ms)
@@ -446,7 +476,9 @@ def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.d
     if 0 < n_llm < L:
         blk_ms, blk_min = blk_ms * L, blk_min * L
     tail = ck.load("suffix", L, device=device, dtype=dtype)
-    if hasattr(tail, "head"):
+    if state is not None:
+        timed("head", lambda: tail.final_hidden_states(state))
+    elif hasattr(tail, "head"):
         timed("head", lambda: plan(tail, h, DEFAULT_COMMAND))
     elif hasattr(tail, "final_hidden_states"):
         timed("head", lambda: tail.final_hidden_states(h))
@@ -513,16 +545,16 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     # ---- LLM blocks
     llm = llm_config(cfg)
     with torch.device(device):
-        rotary = LLM_FAMILIES[cfg.llm_type][3](llm)
+        rotary = text.make_rotary(llm_family(cfg), llm)
     x = h if h.dim() == 3 else h.unsqueeze(0)
+    kinds = text.attention_kinds(llm)
 
-    def rotary_once():
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        return positions, rotary(x, positions)
+    def rotary_once():  # position ids, masks and rotary tables, as run_blocks makes them once per forward
+        return text.block_inputs(llm, rotary, x, set(kinds))
 
     timed("rotary", rotary_once)
     with torch.inference_mode():
-        positions, cos_sin = rotary_once()
+        block_in = rotary_once()
     L = cfg.num_layers
     n_llm = L if llm_blocks == "all" else min(1, L)
     blk_ms, blk_min = [], []
@@ -531,10 +563,9 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
             block = _block_from_checkpoint(model_path, i, device, dtype)
         else:
             with torch.device("meta"):
-                block = LLM_FAMILIES[cfg.llm_type][1](llm, i)
+                block = text.make_blocks(llm_family(cfg), llm, i, i + 1)[0]
             random_init_(block, device, dtype)
-        ms, mn = _time_ms(lambda: block(x, attention_mask=None, position_ids=positions,
-                                        position_embeddings=cos_sin), device, warmup, repeats)
+        ms, mn = _time_ms(lambda: block(x, **block_in.for_block(block, kinds[i])), device, warmup, repeats)
         blk_ms.append(ms)
         blk_min.append(mn)
         _free(block)
@@ -601,8 +632,9 @@ def measure_preprocess(cfg: VLAConfig, *, warmup: int = 1, repeats: int = 5, log
 def profile_model(*, preset_name: str | None = None, model_path: str | Path | None = None, dtype: str = "fp32",
                   cores: list[int] | None = None, threads: int | None = None, device: str = "auto",
                   repeats: int = 5, warmup: int = 1, vision_blocks: str = "all", llm_blocks: str = "all",
-                  seed: int = 0, log=None, tokens: int = 512, cameras: int = 1,
-                  trust_model_code: bool | None = None, **overrides) -> dict:
+                  seed: int = 0, log=None, tokens: int = 512, cameras: int | None = None,
+                  trust_model_code: bool | None = None, prompt: str | None = None,
+                  camera_size: tuple[int, int] | None = None, **overrides) -> dict:
     """Measure a profile (see the module docstring for its fields) and return it as a dict.
 
     Exactly one of ``preset_name`` (random weights, one part at a time; ``overrides`` as in
@@ -612,7 +644,8 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
     afterwards. ``device``: "cpu" (CPU only), "cuda" (CUDA and CPU; error without CUDA) or "auto" (CUDA
     too when available). The CPU is always measured because the suffix runs there. ``vision_blocks`` /
     ``llm_blocks``: "all" or "1" (time one block, count it for every block). ``log``: callable taking
-    a progress line, or None. ``tokens`` / ``cameras`` / ``trust_model_code``: how a transformers directory or
+    a progress line, or None. ``tokens`` / ``cameras`` / ``prompt`` / ``camera_size`` / ``trust_model_code``:
+    how a transformers directory or
     own code is opened (:func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`); such models (and composed
     LLaVA ones) are timed as prefix front / each block / suffix tail. Raises ValueError for bad arguments
     (including cores this process may not use), RuntimeError when CUDA is requested but unavailable.
@@ -631,11 +664,12 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
     ck = None
     if model_path is not None:
         model_path = Path(model_path)
-        ck = open_checkpoint(model_path, tokens=tokens, cameras=cameras, trust_model_code=trust_model_code)
+        ck = open_checkpoint(model_path, tokens=tokens, cameras=cameras, trust_model_code=trust_model_code,
+                             prompt=prompt, camera_size=camera_size)
         cfg = ck.model
     else:
         cfg = preset(preset_name, **overrides)
-    detailed = isinstance(cfg, VLAConfig) and cfg.projector["type"] != "llava"
+    detailed = isinstance(cfg, VLAConfig) and cfg.projector["type"] not in ("llava", "vlm")
     cuda_ok = torch.cuda.is_available()
     if device == "cuda" and not cuda_ok:
         raise RuntimeError("--device cuda: CUDA is not available on this machine")

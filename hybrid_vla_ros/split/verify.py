@@ -20,6 +20,11 @@ converted MindDrive           per pass p: ``from_pretrained(llm_path)`` with the
 this package's own format     transformers ``LlamaModel`` / ``Qwen2Model`` built from ``llm``, its weights
                               read with ``safetensors.torch.load_file``, on h_0
 own model code                the model's own ``forward`` (:mod:`hybrid_vla_ros.model.extension`)
+transformers VLM (Qwen2-VL,   ``<Family>ForConditionalGeneration.from_pretrained(DIR)`` on the embedded bag's
+Qwen2.5-VL, Qwen3-VL,         camera images and the prompt through the family's own processor (both sides
+InternVL, LLaVA-NeXT /        get the same processor outputs); h_K against the input of its text model's
+OneVision, Idefics3, SmolVLM) block K (a forward pre-hook: for Qwen3-VL, after the DeepStack features of the
+                              blocks before K), the final state against its text model's last_hidden_state
 ============================  ===========================================================================
 
 Per K it reports three maximum absolute differences: ``prefix`` (h_K, every token, against transformers'
@@ -37,7 +42,7 @@ from pathlib import Path
 import torch
 
 from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
-from ..model.config import VLAConfig
+from ..model.config import VLAConfig, VLMSpec
 from ..model.modeling import llava_input_ids
 
 #: Default tolerance on every max abs difference, by dtype (the split and the reference run in that dtype).
@@ -106,10 +111,78 @@ def bag_pixels(cfg: VLAConfig) -> torch.Tensor:
     return preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std)
 
 
-def _causal_lm_class(model_type: str):
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+def bag_images(cameras: int, camera_size: tuple[int, int] | None = None) -> list:
+    """One synchronized frame of the embedded bag as RGB uint8 arrays (H, W, 3), cameras in index order (cycled
+    past the bag's 6), each resized to ``camera_size`` (width, height) when given (PIL bilinear, as the prefix
+    node does, :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`)."""
+    from rosbags.typesys import Stores, get_typestore
 
-    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[model_type]
+    from ..util.bags import read_bag
+    from ..util.paths import embedded_bag
+    from ..vehicle.image import decode_compressed, resize_rgb
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    first = {}
+    for m in read_bag(embedded_bag()):
+        if m.topic.endswith("/image_raw/compressed") and m.topic not in first:
+            first[m.topic] = store.deserialize_cdr(m.raw, m.msgtype)
+    msgs = [first[t] for t in sorted(first)]
+    images = [decode_compressed(msgs[i % len(msgs)].format, msgs[i % len(msgs)].data) for i in range(cameras)]
+    return [resize_rgb(im, camera_size) for im in images] if camera_size else images
+
+
+def head_on_reference(suffix, final: torch.Tensor) -> torch.Tensor:
+    """The suffix's read-out head applied to the reference's final-norm hidden states ``final`` ((T, H), or
+    (P, T, H) with P passes): ``mlp`` on the planning (last) token of the action (last) pass, ``queries`` on the
+    last ``query_count`` tokens, ``module`` on every token. Returns its (M, N, 2) waypoints."""
+    cfg = suffix.cfg
+    if cfg.readout_type == "queries":
+        return suffix.head(final[-cfg.query_count:])
+    if cfg.readout_type == "module":
+        return suffix.head(final)
+    last = final[..., -1, :]
+    return suffix.head(last[-1] if last.dim() == 2 else last)
+
+
+def _vlm_reference(ck: Checkpoint, dtype, inputs) -> tuple[list, str]:
+    """transformers' own ForConditionalGeneration of a VLM directory on the processor's outputs: the input of
+    each text block (forward pre-hooks on the text model's layers; L entries) and the text model's
+    last_hidden_state (the final norm's output), batch dim dropped."""
+    from ..model.vlm import vlm_family
+
+    family = vlm_family(ck.model.vlm_type)
+    ref = family.generation_class.from_pretrained(str(ck.hf.path), dtype=dtype).eval()
+    text = getattr(ref.model, family.text_attribute)
+    states = []
+
+    def keep(module, args, kwargs):
+        states.append((args[0] if args else kwargs["hidden_states"])[0].clone())
+
+    hooks = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in text.layers]
+    queries = getattr(ck.model, "query_count", 0)
+    if queries:  # a queries read-out: the composition's own learned query embeddings in the copies' rows
+        learned = ck.load("prefix", 0, dtype=dtype).query_tokens.detach()
+
+        def swap(module, args, out):
+            return torch.cat([out[:, :-queries], learned.to(out.dtype).unsqueeze(0)], dim=1)
+
+        hooks.append(text.get_input_embeddings().register_forward_hook(swap))
+    try:
+        last = ref.model(input_ids=inputs.input_ids, **inputs.to("cpu", dtype).images).last_hidden_state[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    return states + [last], (f"transformers {family.generation_class.__name__}.from_pretrained({ck.hf.path}) "
+                             "(each text block's input, and last_hidden_state)")
+
+
+def _causal_lm_class(model_type: str):
+    """transformers' causal LM class of a text family (``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``, ...), from
+    transformers' own ``MODEL_FOR_CAUSAL_LM_MAPPING``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
 
 
 def _hidden_states(out) -> list[torch.Tensor]:
@@ -134,11 +207,11 @@ def _llm_reference_on_embeddings(ck: Checkpoint, cfg: VLAConfig, h0: torch.Tenso
         return _hidden_states(out), f"the language model of transformers LlavaForConditionalGeneration " \
                                     f"({ck.hf.path}) on h_0"
     from safetensors.torch import load_file
-    from transformers import LlamaConfig, LlamaModel, Qwen2Config, Qwen2Model
+    from transformers import AutoConfig, AutoModel
 
-    conf_cls, model_cls = {"llama": (LlamaConfig, LlamaModel), "qwen2": (Qwen2Config, Qwen2Model)}[cfg.llm_type]
-    conf = conf_cls(**{k: v for k, v in cfg.llm.items() if k != "model_type"})
-    ref = model_cls(conf).to(dtype).eval()
+    conf = AutoConfig.for_model(cfg.llm_type, **{k: v for k, v in cfg.llm.items() if k != "model_type"})
+    ref = AutoModel.from_config(conf).to(dtype).eval()  # the attention transformers picks for the family
+    model_cls = type(ref)
     stored = load_file(str(ck.own_weights))
     llm_parts = ("embed_tokens", "layers", "norm")
     ref.load_state_dict({k: v.to(dtype) for k, v in stored.items() if k.split(".")[0] in llm_parts}, strict=True)
@@ -189,8 +262,9 @@ def _reference(ck: Checkpoint, dtype, pixels, ego, ids) -> tuple[list, str]:
 
 
 def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | None = None,
-                 prompt_ids: list[int] | None = None, cameras: int = 1, trust_model_code: bool | None = None,
-                 layers: list[int] | None = None, log=None) -> VerifyReport:
+                 prompt_ids: list[int] | None = None, cameras: int | None = None,
+                 trust_model_code: bool | None = None, layers: list[int] | None = None, log=None,
+                 prompt: str | None = None, camera_size: tuple[int, int] | None = None) -> VerifyReport:
     """Run the split of the checkpoint at ``path`` at every K against its independent reference (module docstring).
 
     ``dtype``: of both sides (fp32, bf16, fp16); ``tolerance``: on every max abs difference (default
@@ -209,7 +283,7 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
     if not (tol > 0 and math.isfinite(tol)):
         raise ValueError(f"tolerance must be a positive number, got {tolerance!r}")
     ck = open_checkpoint(path, trust_model_code=trust_model_code, cameras=cameras, prompt_ids=prompt_ids,
-                         tokens=len(prompt_ids) if prompt_ids else 16)
+                         tokens=len(prompt_ids) if prompt_ids else 16, prompt=prompt, camera_size=camera_size)
     ks = list(range(ck.num_layers + 1)) if layers is None else sorted(set(layers))
     bad = [k for k in ks if not 0 <= k <= ck.num_layers]
     if bad or not ks:
@@ -219,6 +293,8 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
     with torch.inference_mode():
         if ck.kind == "model_code":
             return _verify_code(ck, torch_dtype, name, tol, say, ks)
+        if isinstance(ck.model, VLMSpec) or (isinstance(ck.model, VLAConfig) and ck.model.projector.get("type") == "vlm"):
+            return _verify_vlm(ck, torch_dtype, name, tol, say, ks)
         cfg = ck.model
         pixels = ego = ids = None
         if isinstance(cfg, VLAConfig):
@@ -252,15 +328,46 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
             d_final = _diff(final[..., -1, :], ref_final[..., -1, :])
             d_out = None
             if hasattr(suffix, "head"):
-                if head_ref is None:  # the planning head on the reference's final state (action pass: the last)
-                    last = ref_final[..., -1, :]
-                    head_ref = suffix.head(last[-1] if last.dim() == 2 else last)
+                if head_ref is None:  # the read-out head on the reference's final states
+                    head_ref = head_on_reference(suffix, ref_final)
                 d_out = _diff(suffix.plan_all(h).modes, head_ref)
             row = VerifyRow(k, d_prefix, d_final, d_out)
             row.ok = all(v is None or v <= tol for v in (d_prefix, d_final, d_out))
             report.rows.append(row)
             say(format_row(row))
             del suffix
+    return report
+
+
+def _verify_vlm(ck: Checkpoint, dtype, name: str, tol: float, say, ks: list[int]) -> VerifyReport:
+    from ..model.vlm import frame_inputs, load_processor
+
+    cfg = ck.model
+    processor = load_processor(ck.hf.path, cfg.vlm_type)
+    inputs = frame_inputs(processor, cfg, bag_images(cfg.cameras, cfg.camera_size))  # + planning token (driving)
+    say(f"reference forward ({ck.description}) ...")
+    ref_states, ref_name = _vlm_reference(ck, dtype, inputs)
+    L = ck.num_layers
+    if len(ref_states) != L + 1:
+        raise RuntimeError(f"the reference gave {len(ref_states)} hidden states, expected L + 1 = {L + 1}")
+    described = (f"camera frame of {cfg.cameras} camera(s) from the embedded bag at {cfg.camera_size[0]} x "
+                 f"{cfg.camera_size[1]} px through the family's processor, {inputs.tokens} tokens (prompt "
+                 f"{cfg.prompt!r})" + (f"; side tensors {', '.join(cfg.side)}" if cfg.side else ""))
+    report = VerifyReport(str(ck.path), ck.description, ref_name, described, name, tol)
+    head_ref = None
+    for k in ks:
+        state = ck.load("prefix", k, dtype=dtype)(inputs)
+        d_prefix = _diff(state.hidden_states, ref_states[k]) if k < L else None
+        suffix = ck.load("suffix", k, dtype=dtype)
+        final = suffix.final_hidden_states(state)
+        d_out = None
+        if hasattr(suffix, "head"):  # the read-out head on the reference's final states
+            head_ref = head_on_reference(suffix, ref_states[L]) if head_ref is None else head_ref
+            d_out = _diff(suffix.plan_all(state).modes, head_ref)
+        row = VerifyRow(k, d_prefix, _diff(final[-1], ref_states[L][-1]), d_out)
+        row.ok = all(v is None or v <= tol for v in (row.prefix, row.final, row.output))
+        report.rows.append(row)
+        say(format_row(row))
     return report
 
 
@@ -272,6 +379,11 @@ def _verify_code(ck: Checkpoint, dtype, name: str, tol: float, say, ks: list[int
     del full
     report = VerifyReport(str(ck.path), ck.description, f"{ck.model.spec}.forward (the model's own)",
                           "the model's example_inputs(0)", name, tol)
+    if ck.model.drives:  # the waypoints its driving I/O declares, as the nodes will check each frame
+        want = (ck.model.n_modes, ck.model.n_waypoints, 2)
+        if tuple(reference.shape) != want:
+            raise ValueError(f"{ck.model.spec}.forward gives {tuple(reference.shape)}; its driving I/O declares "
+                             f"waypoints {want} (n_modes, n_waypoints, 2): the nodes would drop every frame")
     for k in ks:
         h = ck.load("prefix", k, dtype=dtype)(*inputs)
         if tuple(h.shape) != ck.model.prefix_state_shape:

@@ -67,17 +67,21 @@ def _stand_in_note(args: argparse.Namespace) -> str:
 def _init_model(args: argparse.Namespace) -> int:
     """``hybrid-vla init-model``: write a preset's checkpoint (random init), or compose one around a
     transformers directory; prints what was written."""
-    from ..model.checkpoint import init_model, model_id, model_id_text
+    from ..model.checkpoint import init_model, model_id
+    from ..util.ids import model_id_text
 
     try:
         cfg = init_model(args.preset, args.path, seed=args.seed, overrides=dict(args.set), dtype=args.dtype,
-                         llm=args.llm, vlm=args.vlm, head=args.head)
+                         llm=args.llm, vlm=args.vlm, head=args.head, prompt=args.prompt,
+                         camera_size=args.camera_size)
+        ident = f"model id {model_id_text(model_id(args.path))}"
     except (FileExistsError, FileNotFoundError, ValueError) as e:
-        print(f"hybrid-vla init-model: {e}", file=sys.stderr)
-        return 1
-    ident = f"model id {model_id_text(model_id(args.path))}"
-    shape = (f"{cfg.n_cameras} cameras at {cfg.image_size}px, {cfg.num_layers} decoder blocks, "
-             f"hidden states {cfg.prefix_state_shape}")
+        return _err("init-model", e)
+    size = (f"{cfg.camera_size[0]} x {cfg.camera_size[1]} px through the {cfg.vlm_type} processor"
+            if cfg.projector.get("type") == "vlm" else f"{cfg.image_size}px")
+    shape = (f"{cfg.n_cameras} cameras at {size}, {cfg.num_layers} decoder blocks, "
+             f"hidden states {cfg.prefix_state_shape}"
+             + (f" + side tensors {', '.join(cfg.side)}" if cfg.side else ""))
     if args.llm or args.vlm:
         ref = cfg.llm_path or cfg.vlm_path
         parts = ("the vision side, projector and planning head" if args.llm else "the planning head")
@@ -156,11 +160,12 @@ def _verify_split(args: argparse.Namespace) -> int:
     from ..split.verify import format_report, verify_split
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars of the reference models: noise in a report
-    if args.cameras < 1:
-        return _err("verify-split", ValueError("--cameras must be >= 1"))
+    if args.cameras is not None and args.cameras < 1:
+        return _usage("verify-split", "--cameras must be >= 1")
     try:
         report = verify_split(args.model, args.dtype, tolerance=args.tolerance, prompt_ids=args.prompt_ids,
                               cameras=args.cameras, trust_model_code=args.trust_model_code or None,
+                              prompt=args.prompt, camera_size=args.camera_size,
                               layers=args.layers,
                               log=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
@@ -203,8 +208,12 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _err(cmd: str, e: BaseException) -> int:
+    """One line ``hybrid-vla CMD: message`` on stderr; exit status 2 for a checkpoint that cannot be read
+    (CheckpointError / MissingFileError: a missing, truncated or corrupt file, named with the tensor), else 1."""
+    from ..model.sources import CheckpointError
+
     print(f"hybrid-vla {cmd}: {e}", file=sys.stderr)
-    return 1
+    return 2 if isinstance(e, CheckpointError) else 1
 
 
 def _usage(cmd: str, message: str) -> int:
@@ -259,7 +268,8 @@ def _plan(args: argparse.Namespace) -> int:
         else:
             plan = planner.plan_for_checkpoint(args.model, args.profile, args.gpu_budget_gb, args.dtype,
                                                args.cuda_overhead_gb, args.preprocess_ms, tokens=args.tokens,
-                                               cameras=args.cameras, trust_model_code=args.trust_model_code or None)
+                                               cameras=args.cameras, trust_model_code=args.trust_model_code or None,
+                                               prompt=args.prompt, camera_size=args.camera_size)
     except (FileNotFoundError, ValueError) as e:
         return _err("plan", e)
     print(planner.format_table(plan, _plan_dtype_note(args.dtype)))
@@ -297,6 +307,7 @@ def _profile(args: argparse.Namespace) -> int:
                             threads=args.threads, device=args.device, repeats=args.repeats, warmup=args.warmup,
                             vision_blocks=args.vision_blocks, llm_blocks=args.llm_blocks,
                             log=None if args.quiet else print, tokens=args.tokens, cameras=args.cameras,
+                            prompt=args.prompt, camera_size=args.camera_size,
                             trust_model_code=args.trust_model_code or None)
         write_profile(doc, args.out)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
@@ -305,6 +316,29 @@ def _profile(args: argparse.Namespace) -> int:
                      for d in doc["devices"].values())
     print(f"wrote {args.out}: {doc['dtype']}, {devs}")
     return 0
+
+
+def _camera_size(text: str) -> tuple[int, int]:
+    """``--camera-size WxH``: two positive ints."""
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in pixels, e.g. 448x280, got {text!r}") from None
+    if w <= 0 or h <= 0:
+        raise argparse.ArgumentTypeError(f"camera size must be positive, got {text!r}")
+    return w, h
+
+
+def _add_vlm_view(p: argparse.ArgumentParser) -> None:
+    """How a transformers LLaVA / VLM directory is viewed: cameras, their size, the prompt."""
+    p.add_argument("--cameras", type=int, default=None, metavar="N",
+                   help="with --model on a transformers VLM directory: images per frame (6; a LLaVA directory: 1)")
+    p.add_argument("--camera-size", type=_camera_size, default=None, metavar="WxH",
+                   help="with --model on a transformers VLM directory: every camera image resized to this before "
+                        "the family's processor (default 448x280), which fixes the tokens per frame")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="with --model on a transformers VLM directory: the prompt, one image placeholder of the "
+                        "family per camera in camera order (default: 'camera 1 <image> ... plan the route ahead')")
 
 
 def _add_model_source(p: argparse.ArgumentParser) -> None:
@@ -336,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "LLaVA directory (read from there), a planning head with the preset's driving I/O")
     p.add_argument("--head", metavar="FILE.safetensors", help="with --llm / --vlm: trained own tensors (head.* and "
                    "any of decision_head.*, ego_embed.*, pass_embed.*, vision.*, projector.*) instead of random ones")
+    p.add_argument("--camera-size", type=_camera_size, default=None, metavar="WxH",
+                   help="with --vlm on a VLM family other than LLaVA: every camera image resized to this before the "
+                        "family's processor (default 448x280)")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="with --vlm on a VLM family other than LLaVA: the prompt, one image placeholder per camera "
+                        "in camera_topics order (default: 'camera 1 <image> ... plan the route ahead')")
     p.add_argument("path", help="checkpoint directory to create")
     p.set_defaults(func=_init_model)
 
@@ -383,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prompt-ids", type=_id_list, default=None, metavar="1,2,3",
                    help="token ids: a language model's input, or a LLaVA prompt with one image token per camera "
                         "(default: fixed ids)")
-    v.add_argument("--cameras", type=int, default=1, metavar="N", help="images per frame for a LLaVA directory (1)")
+    _add_vlm_view(v)
     v.add_argument("--layers", type=_layer_list, default=None, metavar="0,5,30",
                    help="check only these split layers (default: every K in [0, L]; each K is a whole forward)")
     v.add_argument("--trust-model-code", action="store_true",
@@ -431,8 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "on the embedded bag's JPEG cameras; set yours, e.g. for raw cameras or fast_jpeg_decode)")
     pl.add_argument("--tokens", type=int, default=512, metavar="T",
                     help="with --model on a bare transformers language model: tokens per prefill (512)")
-    pl.add_argument("--cameras", type=int, default=1, metavar="N",
-                    help="with --model on a transformers LLaVA directory: images per frame (1)")
+    _add_vlm_view(pl)
     pl.add_argument("--trust-model-code", action="store_true",
                     help="allow importing the model_class a checkpoint names (runs that code)")
     pl.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
@@ -458,8 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time every decoder block, or one counted for all (1)")
     pr.add_argument("--tokens", type=int, default=512, metavar="T",
                     help="with --model on a bare transformers language model: tokens per prefill (512)")
-    pr.add_argument("--cameras", type=int, default=1, metavar="N",
-                    help="with --model on a transformers LLaVA directory: images per frame (1)")
+    _add_vlm_view(pr)
     pr.add_argument("--trust-model-code", action="store_true",
                     help="allow importing the model_class a checkpoint names (runs that code)")
     pr.add_argument("--quiet", action="store_true", help="no per-part progress lines")

@@ -12,14 +12,22 @@ from ..util.paths import REPO_ROOT
 from ..util.process import EXIT_WITH_PARENT_ENV
 
 
-def launch_node(name: str, ns: str, params_file: Path, ros_args: list[str], log_path: Path) -> subprocess.Popen:
+def launch_node(name: str, ns: str, params_file: Path, ros_args: list[str], log_path: Path,
+                env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``prefix_node`` or ``suffix_node`` as a child process (``python -m``, this interpreter) in
-    namespace ``ns`` with a params file and extra ``--ros-args`` (remaps); output goes to ``log_path``.
+    namespace ``ns`` with a params file and extra ``--ros-args`` (remaps); output goes to ``log_path``. ``env``:
+    variables set (or, with value None, removed) for the child on top of this process's environment (e.g. another
+    ``ROS_DOMAIN_ID``).
     The child runs in its own session so a terminal Ctrl-C reaches it only through :func:`stop_processes`, and
     gets SIGTERM from the kernel if this process exits without stopping it (killed, say:
     :func:`~hybrid_vla_ros.util.process.exit_with_parent`). Call it from the thread that lives as long as the
     child should (the kernel signals when the creating thread exits)."""
-    env = dict(os.environ)
+    extra, env = env or {}, dict(os.environ)
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[EXIT_WITH_PARENT_ENV] = str(os.getpid())  # the node ends with this process (util.process)

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -81,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-threads", type=int, default=0, help="torch threads of a CPU prefix (0 = the other cores)")
     p.add_argument("--sync-tolerance-ms", type=float, default=50.0, help="camera synchronization tolerance (ms)")
     p.add_argument("--namespace", default="/hybrid_vla", help="namespace of the two nodes")
-    p.add_argument("--output-topic", default="/planning/hybrid_vla/trajectory", help="trajectory topic")
+    p.add_argument("--output-topic", default="",
+                   help="trajectory topic (default /planning/<namespace>/trajectory, as the launch file's default)")
     p.add_argument("--output", default="out/replay",
                    help="output folder: trajectories/ (MCAP bag, replaced on each run), node logs, params.yaml, report.json")
     p.add_argument("--attach", action="store_true", help="drive nodes that are already running instead of starting them")
@@ -184,10 +186,10 @@ def run_replay(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"hybrid-vla replay: {p}", file=sys.stderr)
         return 2
-    from ..model.config import VLAConfig
+    from ..model.checkpoint import driving_config
 
     try:
-        cfg = VLAConfig.load(args.model_path)
+        cfg = driving_config(args.model_path)
     except (OSError, ValueError) as e:
         print(f"hybrid-vla replay: cannot read the checkpoint config in {args.model_path}: {e}", file=sys.stderr)
         return 1
@@ -240,6 +242,8 @@ class ReplaySession:
         self.args, self.cfg, self.cams, self.out = args, cfg, cams, out
         self.messages = messages  # the whole bag: CameraInfo and /tf_static for the plots
         self.ns = "/" + args.namespace.strip("/")
+        if not args.output_topic:  # the launch file's default, so --attach finds what it publishes
+            args.output_topic = f"/planning/{self.ns.strip('/') or 'hybrid_vla'}/trajectory"
         self.k = cfg.num_layers // 2 if args.split_layer is None else args.split_layer
         self.suffix_cores = _parse_cores(args.suffix_cores)
         self.prefix_cores = prefix_cores(self.suffix_cores)
@@ -262,7 +266,9 @@ class ReplaySession:
         :func:`~hybrid_vla_ros.tools.replay_nodes.node_params`); returns its path."""
         import yaml
 
-        params = node_params(self.args, self.ns, self.k, self.cams, self.prefix_cores, self.suffix_cores)
+        stamps = [m.t_ns for m in self.play if m.topic == ODOMETRY_TOPIC]
+        period_s = statistics.median(b - a for a, b in zip(stamps, stamps[1:])) / 1e9 if len(stamps) > 1 else None
+        params = node_params(self.args, self.ns, self.k, self.cams, self.prefix_cores, self.suffix_cores, period_s)
         path = self.out / "params.yaml"
         path.write_text(yaml.safe_dump(params, sort_keys=False))
         return path
@@ -324,7 +330,8 @@ class ReplaySession:
         """Why the attached prefix's model (its /diagnostics ``model_id``, ``num_layers``) is not ``--model-path``
         ('' when it is, or when the node does not say): the report's split layers and plots would describe
         another model."""
-        from ..model.checkpoint import model_id, model_id_text
+        from ..model.checkpoint import model_id
+        from ..util.ids import model_id_text
 
         given = model_id_text(model_id(self.args.model_path))
         if not running_id or running_id == given:

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..ros.graph import running_pipeline
 from .node_processes import launch_node, stop_processes
 from .playback import ACCELERATION_TOPIC, ODOMETRY_TOPIC
 from .replay_report import lifecycle_refused
@@ -18,7 +19,8 @@ from .replay_report import lifecycle_refused
 ATTACH_QUIET_S = 1.0
 
 
-def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int], suffix_cores: list[int]) -> dict:
+def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int], suffix_cores: list[int],
+                odometry_period_s: float | None = None) -> dict:
     """The parameters of the two node processes a replay starts (node name -> ``ros__parameters``), as written to
     its params file: split layer ``k``, the ``cams`` camera topics, the cores of each (the prefix's: those the
     suffix does not get, [] = not pinned) and ``args``' model, dtype, device, transport and sync tolerance.
@@ -26,7 +28,14 @@ def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int],
     Both nodes run on the bag's clock (``use_sim_time: true``; the replay publishes ``/clock``), so the
     output guard's age check stays on. At ``--rate`` above 1 the bag's clock runs that much faster than
     the computer, so ``guard.max_age_s`` is scaled by the rate: it stays the same compute latency in
-    wall time."""
+    wall time.
+
+    ``odometry_period_s``: the bag's odometry spacing (s, median), when it has two messages or more. Until the
+    suffix has two odometry messages it knows no period and waits ``odometry_wait_s`` for the one after the
+    first frame's stamp; a bag with sparse odometry (the embedded one: 1 Hz, 91 ms after the cameras) on a busy
+    machine could miss that and drop the first frame (``no_odometry``). The replay's wait is then 1.5 periods
+    at ``--rate`` (the same bound the suffix applies once it knows the period), never below the default; a
+    wait ends as soon as the message arrives."""
     from ..ros.params import defaults
 
     a, model = args, str(Path(args.model_path).resolve())
@@ -35,6 +44,10 @@ def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int],
               "threads": len(suffix_cores), "dtype": a.dtype, "use_sim_time": True}
     if a.rate > 1.0:
         suffix["guard.max_age_s"] = round(defaults("suffix_node")["guard.max_age_s"] * a.rate, 6)
+    if odometry_period_s:
+        wait_s = round(1.5 * odometry_period_s / a.rate, 3)
+        if wait_s > defaults("suffix_node")["odometry_wait_s"]:
+            suffix["odometry_wait_s"] = wait_s
     return {
         f"{ns}/prefix_node": {"ros__parameters": {
             "model_path": model, "split_layer": k, "camera_topics": cams,
@@ -105,26 +118,20 @@ class ReplayNodes:
             print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s{hint}",
                   file=sys.stderr)
 
-    def others_running(self, node, discovery_s: float = 1.5) -> bool:
+    def others_running(self, node, discovery_s: float = 2.0) -> bool:
         """Before this replay starts its own nodes: True (with a message) when a node of either name already runs
-        in this namespace, as the replay's rclpy ``node`` discovers the graph within ``discovery_s`` seconds (a
-        ``ros2 launch`` or a replay that was killed; it would answer this replay's lifecycle requests and mix
-        its counts into the report). Discovery on one host takes well under a second; a node found later is
-        caught by the same check after bring-up."""
-        wanted = {tuple(m.name.rsplit("/", 1)) for m in self.managers}
-        deadline = time.monotonic() + discovery_s
-        while True:
-            found = sorted(f"{ns.rstrip('/')}/{n}" for n, ns in node.get_node_names_and_namespaces()
-                           if (ns.rstrip("/"), n) in wanted)
-            if found:
-                print(f"hybrid-vla replay: {' and '.join(found)} {'is' if len(found) == 1 else 'are'} already running "
-                      f"in ROS domain "
-                      f"{os.environ.get('ROS_DOMAIN_ID', '0')}: stop it, drive it with --attach, or give this replay "
-                      "another --namespace", file=sys.stderr)
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
+        in this namespace (a ``ros2 launch`` or a replay that was killed; it would answer this replay's lifecycle
+        requests and mix its counts into the report): the ring's owner and consumer, and the graph as the
+        replay's rclpy ``node`` discovers it within ``discovery_s`` seconds (``ros.graph.running_pipeline``). A
+        node found later is caught by the same check after bring-up."""
+        domain = node.context.get_domain_id()
+        found = running_pipeline(node, self.ns, "prefix_states", domain, discovery_s)
+        if found:
+            print(f"hybrid-vla replay: {' and '.join(found)} {'is' if len(found) == 1 else 'are'} already running "
+                  f"in ROS domain {domain}: stop it, drive it with --attach, or give this replay another "
+                  "--namespace", file=sys.stderr)
+            return True
+        return False
 
     def _names_unique(self, node) -> bool:
         """False (with a message) when the graph, as the replay's rclpy ``node`` sees it, holds more than one

@@ -10,12 +10,13 @@ import weakref
 import torch
 
 from . import slots
-from .contract import check_contract
-from .errors import REJECT_CAUSES, RingError, SlotRejected
+from .contract import TensorSpec, check_contract, side_specs
+from .errors import REJECT_CAUSES, RingConsumerConflict, RingError, SlotRejected
 from .ring_end import RingEnd
 from .segment import (
-    _NEXT_READ, _PUBLISHED, GLOBAL_HEADER_BYTES, NEXT_READ_OFFSET, PUBLISHED_OFFSET, SLOT_HEADER_BYTES,
-    _process_alive, map_segment, tensor_view, try_lock_byte,
+    _CONSUMER, _NEXT_READ, _PUBLISHED, _STATE, _TAKEN, CONSUMER_LOCK_BYTE, CONSUMER_OFFSET, CONSUMER_STATE_OFFSET,
+    GLOBAL_HEADER_BYTES, NEXT_READ_OFFSET, PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET, SLOT_HEADER_BYTES, STAGE_STATES,
+    TAKEN_OFFSET, _proc_identity, _process_alive, map_segment, tensor_view, try_lock_byte,
 )
 from .slots import READING, FrameMeta, slot_offset
 from .wake import FrameWaiter, SpinPolicy, WakeReceiver, wake_socket_path
@@ -25,7 +26,6 @@ __all__ = ["RingConsumer", "ReadSlot", "DELIVERY_POLICIES"]
 #: ``fifo``: the oldest READY frame first (every frame, in order, while the ring keeps up). ``newest``: the
 #: newest READY frame; the older READY ones are freed unread and counted as ``superseded``.
 DELIVERY_POLICIES = ("fifo", "newest")
-CONSUMER_LOCK_BYTE = 1
 
 
 class ReadSlot:
@@ -36,13 +36,20 @@ class ReadSlot:
     what you keep). ``meta``: the :class:`FrameMeta`. ``index``: slot index. ``superseded``: older READY
     frames freed unread when this one was taken (newest-first delivery). A ReadSlot dropped without release()
     is released by the consumer's next read().
+
+    ``side``: a dict, side-tensor name -> zero-copy CPU view into the slot, of the shape and dtype the producer
+    declared (``RingConsumer.contract.side``; empty for a ring without side tensors); like ``tensor``: read-only
+    by convention and valid until release (clone what you keep). No dtype conversion applies to them.
     """
 
-    __slots__ = ("tensor", "meta", "index", "superseded", "_consumer", "_released", "_compute", "__weakref__")
+    __slots__ = ("tensor", "meta", "index", "superseded", "side", "_consumer", "_released", "_compute",
+                 "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, meta: FrameMeta, index: int, consumer: RingConsumer, superseded: int):
+    def __init__(self, tensor: torch.Tensor, meta: FrameMeta, index: int, consumer: RingConsumer, superseded: int,
+                 side: dict[str, torch.Tensor] | None = None):
         self.tensor, self.meta, self.index, self._consumer = tensor, meta, index, consumer
         self.superseded, self._released, self._compute = superseded, False, None
+        self.side = {} if side is None else side
 
     @property
     def compute_tensor(self) -> torch.Tensor:
@@ -95,9 +102,9 @@ def _attach_segment(name: str, path: str, judge_header):
     (the first GLOBAL_HEADER_BYTES bytes; it raises to refuse the segment) and returns (the wake-up
     directory name, the segment's total bytes). Only then is anything changed: a second fd of its own takes
     the consumer lock (byte 1), the wake socket is bound in that directory and the segment mapped. Returns
-    (the mmap, the :class:`_Handles`). Raises FileNotFoundError, RingError (another uid, the file replaced
-    while attaching, another consumer attached) and whatever ``judge_header`` raises; on failure nothing is
-    left open.
+    (the mmap, the :class:`_Handles`). Raises FileNotFoundError, RingConsumerConflict (another consumer is
+    attached: its pid, as it wrote it into the header, in the message), RingError (another uid, the file replaced
+    while attaching) and whatever ``judge_header`` raises; on failure nothing is left open.
     """
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     lock_fd = -1
@@ -112,7 +119,8 @@ def _attach_segment(name: str, path: str, judge_header):
         if (lst.st_dev, lst.st_ino) != ident:
             raise RingError(f"{path} was replaced while attaching; attach again")
         if not try_lock_byte(lock_fd, CONSUMER_LOCK_BYTE):
-            raise RingError(f"another consumer is attached to {name}")
+            pid, _start = _CONSUMER.unpack_from(os.pread(fd, _CONSUMER.size, CONSUMER_OFFSET))
+            raise RingConsumerConflict(name, pid)
         receiver = WakeReceiver(wake_socket_path(wake_dir))
         mm = map_segment(fd, total_bytes)
     except BaseException:
@@ -136,20 +144,30 @@ class RingConsumer(RingEnd):
         compute_dtype: the dtype the consumer computes in; a producer dtype that cannot be converted to it is
             refused at attach (:func:`.contract.conversion_kind`); ``ReadSlot.compute_tensor`` converts.
         expected_shape: if not None, a producer that declared another state shape is refused at attach.
+        expected_domain_id: if not None, a producer that declared another ROS domain (or none) is refused at
+            attach: a pipeline never reads frames of another domain's cameras.
+        expected_side: if not None, a tuple of :class:`~.contract.TensorSpec` the producer's side tensors must
+            equal (names, shapes, dtypes; order not significant; ``()``: none): otherwise it is refused at attach,
+            each difference named (:func:`.contract.side_differences`). ValueError if it is not a tuple of
+            TensorSpec with unique names.
         delivery: ``"fifo"`` or ``"newest"`` (:data:`DELIVERY_POLICIES`).
         spin: a :class:`~.wake.SpinPolicy` to spin for a predicted frame before blocking, or None (block only).
 
     Raises FileNotFoundError if the segment does not exist, RingContractError if the producer's contract does
-    not fit (before anything is changed), RingError if it is not a compatible ring, belongs to another uid, or
-    another live consumer is attached (it holds the consumer lock, an OFD lock on byte 1 of the segment on an
-    fd of its own, whatever its network namespace; released by close() or the holder's death). Slots left
+    not fit (before anything is changed), RingConsumerConflict if another live consumer is attached (it holds the
+    consumer lock, an OFD lock on byte 1 of the segment on an fd of its own, whatever its network namespace;
+    released by close() or the holder's death), RingError if it is not a compatible ring or belongs to another
+    uid. Once attached it writes its pid and start time into the header (``RingProducer.consumer``: who reads),
+    and the instant of every take. Slots left
     READING by a crashed consumer are reset to FREE (that frame is lost, not re-delivered out of order). Frames
     published before attaching and not yet overwritten are delivered.
 
-    Attributes: ``name``, ``path``, ``n_slots``, ``slot_bytes``, ``slot_stride``, ``total_bytes`` (bytes),
-    ``model_id`` (the producer's), ``contract`` (:class:`.contract.Contract`), ``conversion`` ('none', 'exact',
+    Attributes: ``name``, ``path``, ``n_slots``, ``slot_bytes``, ``slot_stride``, ``total_bytes``, ``state_bytes``
+    (the hidden states' capacity in a payload), ``side_offsets`` (each side tensor's payload offset, in
+    ``contract.side`` order) (bytes), ``model_id`` (the producer's), ``contract`` (:class:`.contract.Contract`;
+    its ``side``: the side tensors every frame carries, ``ReadSlot.side``), ``conversion`` ('none', 'exact',
     'rounds' or 'per frame'), ``wake_dir`` (the wake-up directory's name), ``owner_pid``, ``owner_start_time``,
-    ``instance_id``, ``expected_model_id``,
+    ``instance_id``, ``expected_model_id``, ``expected_domain_id``, ``expected_side``,
     ``expected_split_layer``, ``compute_dtype``, ``delivery``, ``spin`` (settable at any time).
     """
 
@@ -157,23 +175,31 @@ class RingConsumer(RingEnd):
 
     def __init__(self, name: str, *, expected_model_id: int | None = None, expected_split_layer=None,
                  compute_dtype: torch.dtype | None = None, expected_shape=None, delivery: str = "fifo",
-                 spin: SpinPolicy | None = None):
+                 spin: SpinPolicy | None = None, expected_domain_id: int | None = None,
+                 expected_side: tuple[TensorSpec, ...] | None = None):
         if delivery not in DELIVERY_POLICIES:
             raise ValueError(f"delivery must be one of {DELIVERY_POLICIES}, got {delivery!r}")
+        self.expected_side = None if expected_side is None else side_specs(expected_side, "expected_side")
         super().__init__(name)
         self.expected_model_id, self.expected_split_layer = expected_model_id, expected_split_layer
         self.compute_dtype, self.delivery, self.spin = compute_dtype, delivery, spin
         self.expected_shape = None if expected_shape is None else tuple(int(d) for d in expected_shape)
+        self.expected_domain_id = expected_domain_id
         self._read = self._superseded = self._reclaimed = 0
         self._rejected = {cause: 0 for cause in REJECT_CAUSES}
         self._outstanding: weakref.ref | None = None
         self._outstanding_key: tuple[int, int] | None = None
         self._views: dict = {}
+        self._side_views: dict[int, dict[str, torch.Tensor]] = {}  # slot index -> its side views, made once
         self._mm, handles = _attach_segment(self.name, self.path, self._judge_header)
         self._waiter = FrameWaiter(handles.receiver)
         self._opened(handles.fd, handles)
         with self._lock:  # we are the only consumer: READING slots belong to a dead predecessor
             self._reclaimed = slots.reclaim_reading(self._mm, self.n_slots, self.slot_stride)
+            self._me = (os.getpid(), _proc_identity(os.getpid())[1])
+            _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, 0, 0)  # nothing taken yet by this consumer
+            _STATE.pack_into(self._mm, CONSUMER_STATE_OFFSET, 0)
+            _CONSUMER.pack_into(self._mm, CONSUMER_OFFSET, *self._me)
         self._closed = False
 
     def _judge_header(self, head: bytes, file_size: int) -> tuple[str, int]:
@@ -181,7 +207,9 @@ class RingConsumer(RingEnd):
         (``conversion``); returns (wake-up directory name, total bytes). RingError / RingContractError."""
         self.contract, self.wake_dir = self._read_global_header(head, file_size)
         self.conversion = check_contract(self.contract, expected_model_id=self.expected_model_id,
-                                         compute_dtype=self.compute_dtype, expected_shape=self.expected_shape)
+                                         compute_dtype=self.compute_dtype, expected_shape=self.expected_shape,
+                                         expected_domain_id=self.expected_domain_id,
+                                         expected_side=self.expected_side)
         return self.wake_dir, self.total_bytes
 
     @property
@@ -220,13 +248,27 @@ class RingConsumer(RingEnd):
         """True while the process that created the segment (pid and start time) is alive."""
         return _process_alive(self.owner_pid, self.owner_start_time)
 
+    @property
+    def producer_state(self) -> str:
+        """What the producer said of itself (``segment.STAGE_STATES``): 'running', 'paused' (its node is
+        inactive: no frames come) or 'not said'. Raises RingError after close()."""
+        self._check_open()
+        return STAGE_STATES.get(_STATE.unpack_from(self._mm, PRODUCER_STATE_OFFSET)[0], "not said")
+
+    def set_running(self, running: bool) -> None:
+        """Say in the header whether this consumer takes frames ('running') or is attached but idle ('paused': its
+        node is inactive), for the producer's health report (``RingProducer.consumer``). Raises RingError after
+        close()."""
+        self._check_open()
+        _STATE.pack_into(self._mm, CONSUMER_STATE_OFFSET, 1 if running else 2)
+
     def _try_take(self) -> tuple[ReadSlot | None, int]:
         """Take a READY slot by the delivery policy; returns (slot or None, publish count seen under the lock)."""
         mm, stride = self._mm, self.slot_stride
         with self._lock:
             seen = _PUBLISHED.unpack_from(mm, PUBLISHED_OFFSET)[0]
             taken = slots.take_ready(
-                mm, self.n_slots, stride, newest=self.delivery == "newest", slot_bytes=self.slot_bytes,
+                mm, self.n_slots, stride, newest=self.delivery == "newest", slot_bytes=self.state_bytes,
                 declared_dtype=self.contract.dtype, compute_dtype=self.compute_dtype,
                 expected_model_id=self.expected_model_id, expected_split_layer=self.expected_split_layer)
         if taken is None:
@@ -237,6 +279,7 @@ class RingConsumer(RingEnd):
             raise SlotRejected(cause, meta, f"slot {best}")
         self._read += 1
         self._superseded += superseded
+        _TAKEN.pack_into(mm, TAKEN_OFFSET, time.monotonic_ns())  # who reads, and when (RingProducer.consumer)
         key = (best, meta.shape, meta.dtype)
         view = self._views.get(key)
         if view is None:  # one view per slot and shape, made once: torch.frombuffer took a fifth of a read()
@@ -244,7 +287,16 @@ class RingConsumer(RingEnd):
                 self._views.clear()
             view = self._views[key] = tensor_view(mm, slot_offset(best, stride) + SLOT_HEADER_BYTES, meta.shape,
                                                   meta.dtype)
-        slot = ReadSlot(view, meta, best, self, superseded)
+        side = {}
+        if self.side_offsets:
+            side = self._side_views.get(best)
+            if side is None:
+                base = slot_offset(best, stride) + SLOT_HEADER_BYTES
+                side = self._side_views[best] = {
+                    spec.name: tensor_view(mm, base + off, spec.shape, spec.dtype)
+                    for spec, off in zip(self.contract.side, self.side_offsets)}
+            side = dict(side)
+        slot = ReadSlot(view, meta, best, self, superseded, side)
         self._outstanding = weakref.ref(slot)
         self._outstanding_key = (best, meta.seq)
         return slot, seen
@@ -302,5 +354,10 @@ class RingConsumer(RingEnd):
         if self._outstanding_key is not None:
             self._release(*self._outstanding_key)
         _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, 0, 0)  # no consumer: nothing to pace for
+        with self._lock:
+            if _CONSUMER.unpack_from(self._mm, CONSUMER_OFFSET) == self._me:
+                _CONSUMER.pack_into(self._mm, CONSUMER_OFFSET, 0, 0)
+                _STATE.pack_into(self._mm, CONSUMER_STATE_OFFSET, 0)
         self._shut()
         self._views = {}
+        self._side_views = {}

@@ -1,6 +1,6 @@
 """What the producer promises and the consumer checks at attach: model id, dtype of the hidden states, device
-kind and state shape (kept in the ring's global header, :mod:`.segment`), and which dtype conversions the
-consumer may apply at the view.
+kind, state shape and ROS domain (kept in the ring's global header, :mod:`.segment`), and which dtype
+conversions the consumer may apply at the view.
 
 Conversions from the producer's dtype to the consumer's compute dtype (``torch.Tensor.to``, round to nearest
 even; IEEE 754-2008 binary16 / binary32 and Google's bfloat16, i.e. binary32's upper 16 bits; "exact" is for
@@ -21,17 +21,27 @@ anything else  -              refused  (integer or float64 hidden states are not
 
 The trajectory drift of each allowed pair is measured in docs/design.md ("The dtype contract") and bounded
 (<= 1 cm at 3 s) by test/test_ring_contract.py.
+
+Side tensors (layout 4): besides the hidden states, a producer may declare typed tensors that cross with every
+frame (:class:`TensorSpec`: e.g. multimodal rotary position ids int64 (3, 1, T), an attention mask bool (T,),
+visual features in the model dtype (V, H)). They are part of the contract (``Contract.side``, the global header's
+side-tensor table) and judged at attach like the state shape (:func:`check_contract` ``expected_side``,
+:func:`side_differences`); no dtype conversion is applied to them.
 """
 from __future__ import annotations
 
+import operator
+import re
 from dataclasses import dataclass
 
 import torch
 
+from ..util.ids import model_id_text
 from .errors import RingContractError
 
 __all__ = ["DTYPE_CODES", "CODE_DTYPES", "DEVICE_KINDS", "Contract", "conversion_kind", "check_contract",
-           "itemsize", "dtype_name", "device_kind_of"]
+           "itemsize", "dtype_name", "device_kind_of", "TensorSpec", "SIDE_DTYPES", "MAX_SIDE_NAME", "MAX_SIDE_NDIM",
+           "side_differences", "side_specs"]
 
 #: Wire code of each dtype the ring carries (0: not declared).
 DTYPE_CODES = {
@@ -43,6 +53,15 @@ _ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPE_CODES}
 #: Wire code of the producer's device kind (where the hidden states were computed).
 DEVICE_KINDS = {"undeclared": 0, "cpu": 1, "cuda": 2, "other": 3}
 _KIND_NAMES = {code: name for name, code in DEVICE_KINDS.items()}
+
+#: Dtypes a side tensor may have (wire codes: :data:`DTYPE_CODES`): the floating dtypes the ring
+#: carries and the integer / boolean dtypes that position ids and masks need.
+SIDE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
+#: Longest side-tensor name (ASCII characters; the header keeps it in 32 bytes, NUL-padded).
+MAX_SIDE_NAME = 31
+#: Most dims of a side tensor (the header keeps four).
+MAX_SIDE_NDIM = 4
+_SIDE_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 
 _EXACT, _ROUNDS = "exact", "rounds"
 #: (producer dtype, consumer compute dtype) -> conversion kind, for the pairs that differ and are allowed.
@@ -93,12 +112,121 @@ def conversion_kind(src: torch.dtype, dst: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """One side tensor that crosses the ring with every frame, as the producer declares it and a consumer expects.
+
+    ``name``: an ASCII identifier (``[A-Za-z_][A-Za-z0-9_]*``) of at most 31 characters, unique among a ring's
+    side tensors: the key of ``WriteSlot.side`` / ``ReadSlot.side``. ``shape``: the tensor's dims (at most 4,
+    each >= 0; ``()`` is a scalar), in elements, e.g. ``(3, 1, T)`` for multimodal rotary position ids over T
+    tokens. ``dtype``: one of :data:`SIDE_DTYPES` (float32, float16, bfloat16, float64, int64, int32, bool); it
+    crosses as is (no conversion). A list shape is stored as a tuple of ints.
+
+    Raises ValueError (naming the spec) for a bad name, an unsupported dtype (or not a torch.dtype), more than 4
+    dims, a negative, non-integer (bool included) or absurd (>= 2**62) dim.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        name = self.name
+        if not isinstance(name, str) or not _SIDE_NAME_RE.fullmatch(name) or len(name) > MAX_SIDE_NAME:
+            raise ValueError(f"invalid side tensor name {name!r}: an ASCII identifier ([A-Za-z_][A-Za-z0-9_]*) of "
+                             f"1 to {MAX_SIDE_NAME} characters")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in SIDE_DTYPES:
+            raise ValueError(f"side tensor {name}: unsupported dtype {self.dtype!r}; supported: "
+                             f"{', '.join(dtype_name(d) for d in SIDE_DTYPES)}")
+        try:
+            if isinstance(self.shape, (str, bytes)) or any(isinstance(d, bool) for d in self.shape):
+                raise TypeError
+            dims = tuple(operator.index(d) for d in self.shape)
+        except TypeError:
+            raise ValueError(f"side tensor {name}: shape {self.shape!r} is not a sequence of ints") from None
+        if len(dims) > MAX_SIDE_NDIM:
+            raise ValueError(f"side tensor {name}: shape {dims} has more than {MAX_SIDE_NDIM} dims")
+        if any(d < 0 for d in dims):
+            raise ValueError(f"side tensor {name}: negative dimension in shape {dims}")
+        if any(d >= 1 << 62 for d in dims):
+            raise ValueError(f"side tensor {name}: dimension too large in shape {dims}")
+        object.__setattr__(self, "shape", dims)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (the product of ``shape``; 1 for a scalar)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data: numel times the dtype's element size (bool: 1 byte per element)."""
+        return self.numel * itemsize(self.dtype)
+
+    def describe(self) -> str:
+        """'position_ids int64 (3, 1, 902)': name, dtype and shape, as :meth:`Contract.describe` lists it."""
+        return f"{self.name} {dtype_name(self.dtype)} {self.shape}"
+
+
+def side_specs(side, what: str = "side") -> tuple[TensorSpec, ...]:
+    """``side`` (any iterable of :class:`TensorSpec`) as a tuple, checked: every item a TensorSpec, no name twice.
+    Raises ValueError otherwise (``what`` names the argument in the message)."""
+    try:
+        side = tuple(side)
+    except TypeError:
+        raise ValueError(f"{what} must be a tuple of TensorSpec, got {side!r}") from None
+    for spec in side:
+        if not isinstance(spec, TensorSpec):
+            raise ValueError(f"{what} must be a tuple of TensorSpec, got an item {spec!r}")
+    names = [spec.name for spec in side]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{what}: side tensor names must be unique, {', '.join(dup)} given twice")
+    return side
+
+
+def side_differences(theirs, ours) -> list[str]:
+    """Every difference between the producer's side tensors ``theirs`` and the ones a consumer expects, ``ours``
+    (tuples of :class:`TensorSpec`; matched by name, order not significant), one sentence each: a tensor both have
+    with another shape or dtype ("the prefix sends side tensor deepstack float16 (3, 256, 64), this suffix
+    expects (2, 256, 64)"), one the consumer needs and the producer does not send ("the prefix sends no side
+    tensor position_ids, which this suffix needs (int64 (3, 1, 902))"), then one the producer sends and the
+    consumer does not take, in the producer's order. Empty when they are equal. Raises ValueError for an item
+    that is not a TensorSpec or a name given twice on one side."""
+    theirs, ours = side_specs(theirs, "the prefix's side"), side_specs(ours, "expected_side")
+    by_name = {spec.name: spec for spec in theirs}
+    wanted = {spec.name for spec in ours}
+    out = []
+    for want in ours:
+        got = by_name.get(want.name)
+        if got is None:
+            out.append(f"the prefix sends no side tensor {want.name}, which this suffix needs "
+                       f"({dtype_name(want.dtype)} {want.shape})")
+        elif got != want:
+            if got.dtype == want.dtype:
+                expects = str(want.shape)
+            elif got.shape == want.shape:
+                expects = dtype_name(want.dtype)
+            else:
+                expects = f"{dtype_name(want.dtype)} {want.shape}"
+            out.append(f"the prefix sends side tensor {got.describe()}, this suffix expects {expects}")
+    for got in theirs:
+        if got.name not in wanted:
+            out.append(f"the prefix sends side tensor {got.describe()}, which this suffix does not take")
+    return out
+
+
+@dataclass(frozen=True)
 class Contract:
     """The producer's declaration in the global header.
 
     ``model_id``: int64 model identity. ``dtype``: torch dtype of every frame, or None when undeclared (each
     frame's slot header then says). ``device_kind``: 'cpu', 'cuda', 'other' or 'undeclared'. ``state_shape``:
     the shape of every frame, or None when undeclared. ``layout_version``: the segment layout (u32).
+    ``domain_id``: the ROS domain the producer runs in, or None when undeclared. ``side``: the side tensors
+    (:class:`TensorSpec`) every frame carries besides the hidden states, in the producer's order (layout 4;
+    ``()``: none).
     """
 
     model_id: int
@@ -106,36 +234,53 @@ class Contract:
     device_kind: str
     state_shape: tuple[int, ...] | None
     layout_version: int
+    domain_id: int | None = None
+    side: tuple[TensorSpec, ...] = ()
 
     @classmethod
-    def from_wire(cls, model_id: int, dtype_code: int, device_code: int, ndim: int, dims, version: int):
-        """From the header fields; unknown codes raise RingContractError."""
+    def from_wire(cls, model_id: int, dtype_code: int, device_code: int, ndim: int, dims, version: int,
+                  domain_id: int = -1, side: tuple[TensorSpec, ...] = ()):
+        """From the header fields (``domain_id`` -1: undeclared; ``side``: the side tensors, already parsed from
+        the header's table); unknown codes raise RingContractError."""
         if dtype_code and dtype_code not in CODE_DTYPES:
             raise RingContractError(f"the producer declared an unknown dtype code {dtype_code}")
         shape = tuple(int(d) for d in dims[:ndim]) if 0 <= ndim <= len(dims) else None
         return cls(int(model_id), CODE_DTYPES.get(dtype_code), _KIND_NAMES.get(device_code, f"code {device_code}"),
-                   shape, int(version))
+                   shape, int(version), None if domain_id < 0 else int(domain_id), tuple(side))
 
     def describe(self) -> str:
-        """One line for logs: 'model 123, float16 hidden states (105, 128) from cuda, layout 2'."""
+        """One line for logs: 'model 1f2e3d4c5b6a7988, float16 hidden states (105, 128) from cuda in ROS domain
+        0, layout 4' (the model id as ``init-model`` and /diagnostics print it: 16 hex digits), followed by the
+        side tensors when there are any: ', side position_ids int64 (3, 1, 902), deepstack float16 (3, 256, 64)'."""
         shape = "any shape" if self.state_shape is None else str(self.state_shape)
-        return (f"model {self.model_id}, {dtype_name(self.dtype)} hidden states {shape} from {self.device_kind}, "
-                f"layout {self.layout_version}")
+        domain = "" if self.domain_id is None else f" in ROS domain {self.domain_id}"
+        side = f", side {', '.join(spec.describe() for spec in self.side)}" if self.side else ""
+        return (f"model {model_id_text(self.model_id)}, {dtype_name(self.dtype)} hidden states {shape} from "
+                f"{self.device_kind}{domain}, layout {self.layout_version}{side}")
+
 
 
 def check_contract(contract: Contract, *, expected_model_id: int | None = None,
-                   compute_dtype: torch.dtype | None = None, expected_shape=None) -> str:
+                   compute_dtype: torch.dtype | None = None, expected_shape=None,
+                   expected_domain_id: int | None = None, expected_side=None) -> str:
     """Judge a producer's contract against a consumer's expectations (None: no expectation).
 
-    Returns the conversion kind the consumer will apply at the view ('none', 'exact', 'rounds', or 'per
-    frame' when the producer declared no dtype). Raises RingContractError with every problem in one message:
-    another model id, a state shape other than ``expected_shape``, a dtype pair :func:`conversion_kind`
-    refuses.
+    ``expected_side``: a tuple of :class:`TensorSpec` the producer's side tensors must equal (names, shapes and
+    dtypes; order not significant; ``()``: none at all). Returns the conversion kind the consumer will apply at
+    the view ('none', 'exact', 'rounds', or 'per frame' when the producer declared no dtype). Raises
+    RingContractError with every problem in one message: another ROS domain (a producer that declared none is
+    refused too when one is expected), another model id, a state shape other than ``expected_shape``, a dtype
+    pair :func:`conversion_kind` refuses, each side-tensor difference (:func:`side_differences`). Raises
+    ValueError for an ``expected_side`` that is not a tuple of TensorSpec with unique names.
     """
     problems, kind = [], "per frame"
+    if expected_domain_id is not None and contract.domain_id != expected_domain_id:
+        theirs = "no ROS domain" if contract.domain_id is None else f"ROS domain {contract.domain_id}"
+        problems.append(f"the prefix runs in {theirs}, this suffix in ROS domain {expected_domain_id} (its "
+                        "cameras are not this pipeline's: start both nodes with the same ROS_DOMAIN_ID)")
     if expected_model_id is not None and contract.model_id != expected_model_id:
-        problems.append(f"the prefix runs model {contract.model_id}, this suffix model {expected_model_id} "
-                        "(another checkpoint: use the same model_path on both)")
+        problems.append(f"the prefix runs model {model_id_text(contract.model_id)}, this suffix model "
+                        f"{model_id_text(expected_model_id)} (another checkpoint: use the same model_path on both)")
     if expected_shape is not None and contract.state_shape is not None \
             and tuple(contract.state_shape) != tuple(expected_shape):
         problems.append(f"the prefix sends hidden states of shape {contract.state_shape}, this suffix takes "
@@ -147,6 +292,8 @@ def check_contract(contract: Contract, *, expected_model_id: int | None = None,
             problems.append(str(e))
     elif contract.dtype is not None:
         kind = "none"
+    if expected_side is not None:
+        problems.extend(side_differences(contract.side, expected_side))
     if problems:
         raise RingContractError("ring contract does not fit: " + "; ".join(problems)
                                 + f" [producer: {contract.describe()}]")

@@ -2,7 +2,8 @@
 producer/consumer pair whose contract does not fit, and one rejected slot."""
 from __future__ import annotations
 
-__all__ = ["RingError", "RingNameConflict", "RingContractError", "SlotRejected", "REJECT_CAUSES"]
+__all__ = ["RingError", "RingNameConflict", "RingConsumerConflict", "RingContractError", "SlotRejected",
+           "REJECT_CAUSES"]
 
 #: Causes of :class:`SlotRejected`, each counted as ``rejected_<cause>`` by the consumer.
 #: ``bad_*``: the header is not a valid slot header of this layout (``bad_dtype`` also: a dtype other than the
@@ -18,6 +19,18 @@ class RingError(RuntimeError):
 
 class RingNameConflict(RingError):
     """A live producer (another process, same pid and start time) already owns the segment name."""
+
+
+class RingConsumerConflict(RingError):
+    """Another consumer holds the ring (its single-consumer lock): a second suffix for one prefix.
+
+    ``holder_pid``: the pid the holder wrote into the header at attach (0 when it had not yet, or is gone).
+    """
+
+    def __init__(self, name: str, holder_pid: int):
+        who = f"process {holder_pid}" if holder_pid > 0 else "another process"
+        super().__init__(f"another consumer ({who}) is attached to {name}: one prefix feeds one suffix")
+        self.holder_pid = holder_pid
 
 
 class RingContractError(RingError):

@@ -71,8 +71,10 @@ class SlotCopier:
                 err, self.reason = -1, f"cudaHostRegister raised {type(e).__name__}: {e}"
             if err == 0:
                 self.mode, self._cudart, self._ptr, self._keep = "registered", cudart, ptr, base
-            elif not self.reason:
-                self.reason = f"cudaHostRegister of the shared mapping returned error {err}"
+            else:
+                if not self.reason:
+                    self.reason = f"cudaHostRegister of the shared mapping returned error {err}"
+                self._clear_error(cudart)
         if self.mode != "registered":
             try:
                 self._staging = pinned_alloc(producer.slot_bytes)
@@ -81,6 +83,19 @@ class SlotCopier:
                 self.reason += f"; no pinned staging buffer either ({e})"
         if self.mode != "pageable" and torch.cuda.is_available():
             self._stream = torch.cuda.Stream(self.device)
+
+    @staticmethod
+    def _clear_error(cudart) -> None:
+        """Reset the CUDA runtime's last error after a refused registration. A failed runtime call leaves its
+        error pending for the thread (CUDA Runtime API, ``cudaGetLastError``: "returns the last error ... and
+        resets it to cudaSuccess"), and torch's next CUDA call would then raise that error, misleadingly, as its
+        own (the staging buffer's pinned allocation, say). A binding without ``cudaGetLastError`` is left as is."""
+        get_last = getattr(cudart, "cudaGetLastError", None)
+        if get_last is not None:
+            try:
+                get_last()
+            except Exception:  # noqa: BLE001 - clearing is best effort; the fallback still runs
+                pass
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy ``src`` (device tensor) into ``dst`` (a slot's CPU view of the same shape and dtype); on return

@@ -7,14 +7,19 @@ last result there, or copy device-to-host into it); the consumer gets a zero-cop
 Linux only. Where each part lives:
 
 * :mod:`.segment`: names and paths, the global header layout, owner identity, mapping, the mutex;
-* :mod:`.contract`: what the producer declares (model id, dtype, device kind, state shape) and which dtype
-  conversions the consumer may apply at the view (:class:`RingContractError` at attach otherwise);
+* :mod:`.contract`: what the producer declares (model id, dtype, device kind, state shape, side tensors:
+  :class:`TensorSpec`) and which dtype conversions the consumer may apply at the view
+  (:class:`RingContractError` at attach otherwise);
 * :mod:`.slots`: the slot header, its states FREE -> WRITING -> READY -> READING -> FREE, and the publish
   protocol (READY is the last store) with its memory-ordering argument;
 * :mod:`.wake`: the wake-up socket in a 0700 directory, and the bounded spin before it;
 * :mod:`.ring_end`: what both ends share (the global header's fields, the mapping and mutex, close);
   :mod:`.producer` / :mod:`.consumer`: the two ends (:mod:`.leftovers`: what a dead producer left);
   :mod:`.pinned`: page-locking the segment for a CUDA device-to-host copy.
+
+Side tensors: a producer created with ``side=(TensorSpec(...), ...)`` carries them with every frame after the
+hidden states (``WriteSlot.side`` to fill, ``ReadSlot.side`` to read: name -> zero-copy view); a consumer
+created with ``expected_side`` refuses a producer whose side tensors differ.
 
 Slot states change only under the segment mutex. The producer takes a FREE slot, else overwrites the oldest
 READY one (counted as ``dropped_oldest``), never a READING one. The consumer takes the oldest READY slot
@@ -29,15 +34,16 @@ A consumer that dies while holding a slot leaves it READING; the next consumer r
 from __future__ import annotations
 
 from .consumer import DELIVERY_POLICIES, ReadSlot, RingConsumer
-from .contract import Contract, conversion_kind
-from .errors import REJECT_CAUSES, RingContractError, RingError, RingNameConflict, SlotRejected
-from .producer import RingProducer, WriteSlot, slot_bytes_for
-from .segment import segment_name, segment_path
+from .contract import Contract, TensorSpec, conversion_kind, side_differences
+from .errors import REJECT_CAUSES, RingConsumerConflict, RingContractError, RingError, RingNameConflict, SlotRejected
+from .producer import ConsumerPresence, RingProducer, WriteSlot, slot_bytes_for
+from .segment import ros_domain_id, segment_name, segment_path
 from .slots import FrameMeta
 from .wake import SpinPolicy
 
 __all__ = [
-    "RingError", "RingNameConflict", "RingContractError", "SlotRejected", "FrameMeta", "WriteSlot", "ReadSlot",
-    "RingProducer", "RingConsumer", "segment_name", "slot_bytes_for", "segment_path", "REJECT_CAUSES",
-    "DELIVERY_POLICIES", "SpinPolicy", "Contract", "conversion_kind",
+    "RingError", "RingNameConflict", "RingConsumerConflict", "RingContractError", "SlotRejected", "FrameMeta",
+    "WriteSlot", "ReadSlot", "RingProducer", "RingConsumer", "ConsumerPresence", "segment_name", "ros_domain_id",
+    "slot_bytes_for", "segment_path", "REJECT_CAUSES", "DELIVERY_POLICIES", "SpinPolicy", "Contract",
+    "conversion_kind", "TensorSpec", "side_differences",
 ]

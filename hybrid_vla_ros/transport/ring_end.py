@@ -12,13 +12,15 @@ import time
 import weakref
 
 from . import slots
-from .contract import DEVICE_KINDS, DTYPE_CODES, Contract
-from .errors import RingError
+from .contract import CODE_DTYPES, DEVICE_KINDS, DTYPE_CODES, SIDE_DTYPES, Contract, TensorSpec
+from .errors import RingContractError, RingError
 from .segment import (
-    _CONTRACT, _GLOBAL, _WAKE_NAME, CONTRACT_OFFSET, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC, LAYOUT_VERSION, MAX_SLOTS,
-    MIN_SLOTS, PAYLOAD_ALIGN, SLOT_HEADER_BYTES, WAKE_NAME_OFFSET, SegmentLock, segment_path, validate_segment_name,
+    _CONTRACT, _DOMAIN, _GLOBAL, _SIDE_ENTRY, _SIDE_HEAD, _WAKE_NAME, CONTRACT_OFFSET, DOMAIN_OFFSET,
+    GLOBAL_HEADER_BYTES, GLOBAL_MAGIC, LAYOUT_VERSION, MAX_SIDE_TENSORS, MAX_SLOTS, MIN_SLOTS, PAYLOAD_ALIGN,
+    SIDE_ENTRY_BYTES, SIDE_HEAD_OFFSET, SIDE_TABLE_OFFSET, SLOT_HEADER_BYTES, WAKE_NAME_OFFSET, SegmentLock,
+    segment_path, validate_segment_name,
 )
-from .slots import MAX_NDIM
+from .slots import MAX_NDIM, side_layout
 
 __all__ = ["RingEnd"]
 
@@ -30,11 +32,12 @@ class RingEnd:
         name: segment name (validated: ValueError for an unsafe one); ``path`` is ``/dev/shm/<name>``.
 
     A subclass sets the geometry and owner attributes (``n_slots``, ``slot_bytes``, ``slot_stride``,
-    ``total_bytes`` in bytes; ``model_id``, ``owner_pid``, ``owner_start_time`` in clock ticks, ``instance_id``:
-    the producer from its arguments and its process, the consumer by :meth:`_read_global_header`), maps the
-    segment into ``_mm``, calls :meth:`_opened` with its handles (an object whose ``close()`` releases them;
-    it runs once, from :meth:`_shut` or at garbage collection / interpreter exit), then clears ``_closed``;
-    its ``close()`` ends with :meth:`_shut`. ``_ROLE`` ('producer', 'consumer') names the end in RingError
+    ``total_bytes`` in bytes; ``state_bytes``, the hidden states' capacity in each payload, and ``side_offsets``,
+    each side tensor's payload offset in bytes, in the contract's order; ``model_id``, ``owner_pid``,
+    ``owner_start_time`` in clock ticks, ``instance_id``: the producer from its arguments and its process, the
+    consumer by :meth:`_read_global_header`), maps the segment into ``_mm``, calls :meth:`_opened` with its
+    handles (an object whose ``close()`` releases them; it runs once, from :meth:`_shut` or at garbage
+    collection / interpreter exit), then clears ``_closed``; its ``close()`` ends with :meth:`_shut`. ``_ROLE`` ('producer', 'consumer') names the end in RingError
     messages.
     """
 
@@ -46,8 +49,9 @@ class RingEnd:
         self._closed, self._mm = True, None
 
     def _write_global_header(self, mm, contract: Contract) -> None:
-        """Write this end's geometry and owner, the creation instant and ``contract`` (its dtype, device kind
-        and state shape; the model id and layout version are this end's) into the global header of ``mm``."""
+        """Write this end's geometry and owner, the creation instant and ``contract`` (its dtype, device kind,
+        state shape, ROS domain and side-tensor table with this end's ``state_bytes`` and ``side_offsets``; the
+        model id and layout version are this end's) into the global header of ``mm``."""
         _GLOBAL.pack_into(
             mm, 0, GLOBAL_MAGIC, LAYOUT_VERSION, GLOBAL_HEADER_BYTES, self.owner_pid, self.owner_start_time,
             self.instance_id, self.n_slots, SLOT_HEADER_BYTES, self.slot_bytes, self.slot_stride, self.total_bytes,
@@ -56,12 +60,55 @@ class RingEnd:
         ndim = -1 if contract.state_shape is None else len(shape)
         _CONTRACT.pack_into(mm, CONTRACT_OFFSET, DTYPE_CODES.get(contract.dtype, 0), DEVICE_KINDS[contract.device_kind],
                             ndim, *(shape + (0,) * (MAX_NDIM - len(shape))))
+        _DOMAIN.pack_into(mm, DOMAIN_OFFSET, -1 if contract.domain_id is None else contract.domain_id)
+        _SIDE_HEAD.pack_into(mm, SIDE_HEAD_OFFSET, len(contract.side), self.state_bytes)
+        for k, (spec, off) in enumerate(zip(contract.side, self.side_offsets)):
+            dims = spec.shape + (0,) * (MAX_NDIM - len(spec.shape))
+            _SIDE_ENTRY.pack_into(mm, SIDE_TABLE_OFFSET + k * SIDE_ENTRY_BYTES, spec.name.encode("ascii"),
+                                  DTYPE_CODES[spec.dtype], len(spec.shape), *dims, off)
+
+    def _read_side_table(self, head: bytes) -> tuple[TensorSpec, ...]:
+        """Parse the side-tensor table of the global header ``head`` and check it against the geometry already
+        read (``slot_bytes``): sets ``state_bytes`` and ``side_offsets`` and returns the side tensors. Raises
+        RingContractError for a dtype code a side tensor cannot have, RingError for any other inconsistency
+        (count, name, ndim, dims, a name twice, offsets other than :func:`.slots.side_layout` places them)."""
+        count, state_bytes = _SIDE_HEAD.unpack_from(head, SIDE_HEAD_OFFSET)
+        if count > MAX_SIDE_TENSORS:
+            raise RingError(f"{self.path} has an inconsistent global header ({count} side tensors)")
+        side, offsets = [], []
+        for k in range(count):
+            raw, code, ndim, *rest = _SIDE_ENTRY.unpack_from(head, SIDE_TABLE_OFFSET + k * SIDE_ENTRY_BYTES)
+            dims, off = rest[:MAX_NDIM], rest[MAX_NDIM]
+            name = raw.rstrip(b"\0").decode("ascii", "replace")
+            dtype = CODE_DTYPES.get(code)
+            if dtype not in SIDE_DTYPES:
+                raise RingContractError(f"the producer declared side tensor {name!r} with dtype code {code}, "
+                                        "which no side tensor can have")
+            if ndim > MAX_NDIM:
+                raise RingError(f"{self.path} has an inconsistent global header (side tensor {name!r}: {ndim} dims)")
+            try:
+                side.append(TensorSpec(name, tuple(dims[:ndim]), dtype))
+            except ValueError as e:
+                raise RingError(f"{self.path} has an inconsistent global header ({e})") from None
+            offsets.append(off)
+        if len({spec.name for spec in side}) != len(side):
+            raise RingError(f"{self.path} has an inconsistent global header (a side tensor name twice)")
+        try:
+            layout = side_layout(tuple(side), self.slot_bytes)
+        except ValueError as e:
+            raise RingError(f"{self.path} has an inconsistent global header ({e})") from None
+        if layout != (state_bytes, tuple(offsets)):
+            raise RingError(f"{self.path} has an inconsistent global header (side tensors at payload offsets "
+                            f"{offsets} after {state_bytes} state bytes, not {list(layout[1])} after {layout[0]})")
+        self.state_bytes, self.side_offsets = state_bytes, tuple(offsets)
+        return tuple(side)
 
     def _read_global_header(self, head: bytes, file_size: int) -> tuple[Contract, str]:
         """Parse and judge the global header ``head`` (the first ``GLOBAL_HEADER_BYTES`` bytes of a segment file
         of ``file_size`` bytes): sets the geometry and owner attributes and returns (the producer's contract, the
         wake-up directory name). Raises RingError for a file that is not a ring of this layout version or whose
-        geometry is inconsistent, RingContractError for an unknown dtype code."""
+        geometry (side-tensor table included: :meth:`_read_side_table`) is inconsistent, RingContractError for
+        an unknown dtype code."""
         if len(head) < GLOBAL_HEADER_BYTES:
             raise RingError(f"{self.path} is too small to be a ring")
         (magic, version, header_bytes, self.owner_pid, self.owner_start_time, self.instance_id, n_slots,
@@ -78,7 +125,9 @@ class RingEnd:
             raise RingError(f"{self.path} has an inconsistent global header")
         self.n_slots, self.slot_bytes, self.slot_stride, self.total_bytes = n_slots, slot_bytes, stride, total
         code, device, ndim, *dims = _CONTRACT.unpack_from(head, CONTRACT_OFFSET)
-        contract = Contract.from_wire(self.model_id, code, device, ndim, dims, version)
+        side = self._read_side_table(head)
+        contract = Contract.from_wire(self.model_id, code, device, ndim, dims, version,
+                                      _DOMAIN.unpack_from(head, DOMAIN_OFFSET)[0], side)
         return contract, _WAKE_NAME.unpack_from(head, WAKE_NAME_OFFSET)[0].rstrip(b"\0").decode("ascii", "replace")
 
     def _opened(self, fd: int, handles) -> None:

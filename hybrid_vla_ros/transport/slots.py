@@ -7,7 +7,11 @@ Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header, struct
      40 payload nbytes u64      48 model id i64  56 split layer i32        60 dtype code u32
      64 ndim u32                68 n timings u32 72 shape i64[4]           104 timings ms f64[8]
 
-then the payload at slot offset + 256 (64-byte aligned).
+then the payload at slot offset + 256 (64-byte aligned): the hidden states, then the side tensors at their
+fixed payload offsets (layout 4; :func:`side_layout`, the global header's table: :mod:`.segment`). The header's
+payload nbytes counts the hidden states only; the side tensors' shapes and dtypes are the contract's, the same
+for every frame. They belong to the frame like the hidden states: written while the slot is WRITING, visible
+with READY (the argument below covers every byte of the slot).
 
 Which slot each end takes, under the segment mutex: the producer the first slot neither READY nor READING from
 the one it wrote last, else the oldest READY one (:func:`pick_write_slot`); the consumer the oldest or newest
@@ -54,12 +58,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .contract import CODE_DTYPES, DTYPE_CODES, conversion_kind, itemsize
+from .contract import CODE_DTYPES, DTYPE_CODES, TensorSpec, conversion_kind, itemsize
 from .errors import RingContractError, RingError
-from .segment import _PUBLISHED, GLOBAL_HEADER_BYTES, PUBLISHED_OFFSET
+from .segment import _PUBLISHED, GLOBAL_HEADER_BYTES, PAYLOAD_ALIGN, PUBLISHED_OFFSET, align
 
 __all__ = ["FrameMeta", "FREE", "WRITING", "READY", "READING", "STATE_NAMES", "SLOT_MAGIC", "SLOT_VERSION",
-           "MAX_NDIM", "MAX_TIMINGS", "SLOT_FIELD_OFFSETS"]
+           "MAX_NDIM", "MAX_TIMINGS", "SLOT_FIELD_OFFSETS", "side_region_bytes", "side_layout"]
 
 #: True on CPUs whose stores become visible in program order (x86-64, TSO): publish needs no mutex there.
 STORES_VISIBLE_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64")
@@ -124,6 +128,29 @@ def _frame_meta(*values) -> FrameMeta:
     meta = object.__new__(FrameMeta)
     meta.__dict__.update(zip(_META_FIELDS, values))
     return meta
+
+
+def side_region_bytes(side: tuple[TensorSpec, ...]) -> int:
+    """Bytes the side tensors ``side`` take in every slot's payload: each one's nbytes rounded up to 64 (a
+    zero-element tensor takes 0), summed."""
+    return sum(align(spec.nbytes, PAYLOAD_ALIGN) for spec in side)
+
+
+def side_layout(side: tuple[TensorSpec, ...], slot_bytes: int) -> tuple[int, tuple[int, ...]]:
+    """Where the side tensors ``side`` lie in a payload of ``slot_bytes`` bytes (a multiple of 64): (state bytes,
+    the payload offset of each side tensor in ``side`` order). The side region is the payload's end: the state
+    bytes (the hidden states' capacity, from payload offset 0) are ``slot_bytes`` less :func:`side_region_bytes`,
+    and each side tensor starts where the one before it ends, rounded up to 64 bytes. Raises ValueError when the
+    side tensors do not fit in ``slot_bytes``."""
+    state_bytes = slot_bytes - side_region_bytes(side)
+    if state_bytes < 0:
+        raise ValueError(f"the side tensors need {side_region_bytes(side)} bytes, more than the slot's "
+                         f"{slot_bytes}")
+    offsets, off = [], state_bytes
+    for spec in side:
+        offsets.append(off)
+        off += align(spec.nbytes, PAYLOAD_ALIGN)
+    return state_bytes, tuple(offsets)
 
 
 def slot_offset(index: int, stride: int) -> int:

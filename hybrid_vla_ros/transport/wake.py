@@ -1,7 +1,7 @@
 """Waking the consumer: a Unix datagram socket only the owner's user can reach, and a bounded spin before it.
 
-Channel: the producer creates a directory ``/dev/shm/hvla-wake.<uid>.<pid>-<start time>.<16 random hex>`` (mode 0700
-; mkdir(2) fails if the name exists, so nobody can plant it first; /dev/shm is sticky, so nobody else can
+Channel: the producer creates a directory ``/dev/shm/hvla-wake.<uid>.d<ROS domain>.<pid>-<start time>.<16 random
+hex>`` (mode 0700; ``dx`` for a ring of no ROS domain; mkdir(2) fails if the name exists, so nobody can plant it first; /dev/shm is sticky, so nobody else can
 rename or remove it) and writes its name into the segment's global header, which only the owner can read
 (the segment is 0600). The consumer binds the socket ``<dir>/wake`` inside it; the producer sends one byte
 per publish to that path. Another user can neither bind, connect nor send there: every path lookup under a
@@ -40,7 +40,7 @@ from .segment import _PUBLISHED, PUBLISHED_OFFSET, SHM_DIR
 __all__ = ["SpinPolicy", "make_wake_dir", "wake_socket_path", "remove_wake_dir", "WakeSender", "WakeReceiver",
            "FrameWaiter"]
 
-_DIR_RE = re.compile(r"hvla-wake\.[0-9]+\.[0-9]+-[0-9]+\.[0-9a-f]{16}")
+_DIR_RE = re.compile(r"hvla-wake\.[0-9]+\.d(?:[0-9]+|x)\.[0-9]+-[0-9]+\.[0-9a-f]{16}")
 WAKE_DIR_PREFIX = "hvla-wake."
 SOCKET_NAME = "wake"
 _IGNORED_SEND_ERRNOS = {errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN, errno.ENOBUFS}
@@ -56,20 +56,21 @@ def wake_dir_owner(name: str) -> tuple[int, int] | None:
     """(pid, start time) of the process that created wake-up directory ``name``, or None for another name."""
     if not isinstance(name, str) or not _DIR_RE.fullmatch(name):
         return None
-    pid, start = name.split(".")[2].split("-")
+    pid, start = name.split(".")[3].split("-")
     return int(pid), int(start)
 
 
-def make_wake_dir(record=None) -> str:
-    """Create a fresh 0700 wake-up directory in /dev/shm owned by this uid, its name carrying this process's pid
-    and start time (so an orphan is recognised: :func:`.leftovers.remove_orphan_wake_dirs`); returns the name
-    (< 64 characters).
+def make_wake_dir(record=None, domain_id: int | None = None) -> str:
+    """Create a fresh 0700 wake-up directory in /dev/shm owned by this uid, its name carrying the ring's ROS domain
+    (``domain_id``; None: ``dx``) and this process's pid and start time (so an orphan is recognised:
+    :func:`.leftovers.remove_orphan_wake_dirs`); returns the name (< 64 characters).
 
     ``record(name)`` is called before each attempt to create it (the producer writes the name into its
     segment header first, so a producer killed right after mkdir leaves a directory that its successor finds
     and removes)."""
     for _ in range(16):
-        name = f"hvla-wake.{os.getuid()}.{os.getpid()}-{_start_time()}.{secrets.token_hex(8)}"
+        domain = "x" if domain_id is None else int(domain_id)
+        name = f"hvla-wake.{os.getuid()}.d{domain}.{os.getpid()}-{_start_time()}.{secrets.token_hex(8)}"
         if record is not None:
             record(name)
         try:

@@ -59,10 +59,10 @@ def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (``platform``'s guess where that has none)."""
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name from ``cpuinfo`` (Linux's /proc/cpuinfo; ``platform``'s guess where that has none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path(cpuinfo).read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:

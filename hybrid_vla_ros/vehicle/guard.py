@@ -28,27 +28,29 @@ its worst point):
   max_acceleration_mps2]``. That field is the change of speed *magnitude* (TrajectoryPoint.msg: it
   "does not consider vehicle direction"), so a switch between forward and reverse between two points is
   also checked: it needs at least ``(|v_k| + |v_k+1|) / dt`` of deceleration.
-* ``lateral_accel_too_high``: ``v^2 |kappa| > max_lateral_acceleration_mps2``.
-* ``curvature_too_high``: ``|kappa| > max_curvature_per_m``.
-* ``steering_too_high``: ``|front_wheel_angle_rad| > max_steering_rad``.
+* ``lateral_accel_too_high``: ``v^2 |kappa| > max_lateral_acceleration_mps2`` at any point (``v`` the faster
+  of the point's speed and the next one's).
+* ``curvature_too_high``: ``|kappa| > max_curvature_per_m`` at any point, or a published ``heading_rate_rps``
+  whose curvature ``|heading_rate / v|`` exceeds it.
+* ``steering_too_high``: ``|front_wheel_angle_rad| > max_steering_rad`` at any point.
 
-Curvature is measured on the path itself, not taken from the message fields: the points are first
-thinned so that consecutive kept points are at least ``min_segment_m`` apart (each point closer than
-that to the last kept one is skipped, without interpolation), then ``kappa`` at each inner kept point is
-the curvature of the circle through it and its two kept neighbours (Menger curvature, ``2 sin(turn) /
-chord``). Where the path reverses there (a turn of more than 90 deg, which
-:func:`~hybrid_vla_ros.vehicle.trajectory.waypoints_to_trajectory` reads as driving in reverse) the next
-segment is mirrored first, so a cusp counts by its change of heading, not as an infinitely sharp turn.
-The steering field is checked only at points whose segments (the one before and the one after) are
-both at least ``min_segment_m`` long.
+Every published value is judged. Curvature is measured on the path itself, the way
+:func:`~hybrid_vla_ros.vehicle.trajectory.waypoints_to_trajectory` derives the published heading rates and
+steering angles from it: :func:`~hybrid_vla_ros.vehicle.trajectory.chord_curvatures` with ``min_segment_m``
+(the path thinned so that consecutive kept points are at least ``min_segment_m`` apart; the arc from the first
+point's heading to the first kept point; the circle through each inner kept point and its kept neighbours;
+linear in between). So the guard and the message agree by construction, and the message's own heading-rate
+and steering fields are judged as well, at every point: a trajectory that breaks a limit anywhere in what is
+published is never published.
 
 Why ``min_segment_m``: curvature is a heading change divided by a length. At (near) standstill the
 model's waypoints jitter by centimetres around the ego position, and the direction between two points
 1 cm apart is noise; divided by 1 cm it becomes a curvature of hundreds of 1/m and a steering angle
 near 90 deg that nobody plans. Those trajectories are still valid (they say "stay here") and pass:
 with the default 1 m, waypoints within half a metre of the ego (what the random-init ``tiny`` demo
-model produces) leave no segment to measure, while any real turn, whose points are metres apart, is
-measured in full. Their speeds and accelerations are small and are checked as usual.
+model produces) leave no chord to measure (curvature, heading rate and steering are 0), while any real
+turn, whose points are metres apart, is measured in full. Their speeds and accelerations are small and are
+checked as usual.
 
 Defaults and their sources (Autoware Universe ``autoware_planning_validator``,
 ``config/planning_validator.param.yaml``, ``validity_checks``; and ``planning_validator.cpp``):
@@ -83,9 +85,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .trajectory import TrajectoryArrays
+from .trajectory import TrajectoryArrays, chord_curvatures
 
-__all__ = ["CAUSES", "GuardLimits", "Violation", "check_trajectory", "find_violations", "path_curvature"]
+__all__ = ["CAUSES", "GuardLimits", "Violation", "check_trajectory", "find_violations"]
 
 CAUSES = (
     "non_finite", "too_few_points", "time_not_increasing", "no_clock", "too_old", "future_stamp", "yaw_deviation",
@@ -198,21 +200,16 @@ def find_violations(arrays: TrajectoryArrays, stamp_ns: int, now_ns: int,
     _worst_above(found, "decel_too_high", decel, -limits.min_acceleration_mps2,
                  "deceleration {:.2f} m/s^2 at point {} > {} m/s^2")
 
-    kappa, at = path_curvature(arrays.x, arrays.y, limits.min_segment_m)
-    if at.size:
-        vmax = np.maximum(speed[at], speed[np.minimum(at + 1, n - 1)])  # the faster of the two segments
-        _worst_above(found, "lateral_accel_too_high", vmax ** 2 * np.abs(kappa), limits.max_lateral_acceleration_mps2,
-                     "lateral acceleration {:.2f} m/s^2 at point {} > {} m/s^2", index=at)
-        _worst_above(found, "curvature_too_high", np.abs(kappa), limits.max_curvature_per_m,
-                     "curvature {:.3f} 1/m at point {} > {} 1/m", index=at)
-    seg = np.hypot(np.diff(arrays.x), np.diff(arrays.y))
-    long_enough = np.ones(n, dtype=bool)
-    long_enough[:-1] &= seg >= limits.min_segment_m
-    long_enough[1:] &= seg >= limits.min_segment_m
-    judged = np.flatnonzero(long_enough)
-    if judged.size:
-        _worst_above(found, "steering_too_high", np.abs(arrays.front_wheel_angle[judged]), limits.max_steering_rad,
-                     "|front wheel angle| {:.3f} rad at point {} > {} rad", index=judged)
+    kappa = np.abs(chord_curvatures(arrays.x, arrays.y, float(arrays.yaw[0]), limits.min_segment_m))
+    vmax = np.maximum(speed, np.append(speed[1:], speed[-1]))  # the faster of the point and the next one
+    _worst_above(found, "lateral_accel_too_high", vmax ** 2 * kappa, limits.max_lateral_acceleration_mps2,
+                 "lateral acceleration {:.2f} m/s^2 at point {} > {} m/s^2")
+    with np.errstate(divide="ignore", invalid="ignore"):  # the message's own heading rate, where it moves
+        field = np.where(speed > 0.0, np.abs(arrays.heading_rate) / speed, 0.0)
+    _worst_above(found, "curvature_too_high", np.maximum(kappa, field), limits.max_curvature_per_m,
+                 "curvature {:.3f} 1/m at point {} > {} 1/m")
+    _worst_above(found, "steering_too_high", np.abs(arrays.front_wheel_angle), limits.max_steering_rad,
+                 "|front wheel angle| {:.3f} rad at point {} > {} rad")
     return found
 
 
@@ -229,36 +226,6 @@ def _age_violations(stamp_ns: int, now_ns: int, limits: GuardLimits) -> list[Vio
         found.append(Violation("future_stamp", f"stamp is {-age_s:.3f} s ahead of the clock "
                                                f"> {limits.max_future_s} s"))
     return found
-
-
-def path_curvature(x, y, min_segment_m: float) -> tuple[np.ndarray, np.ndarray]:
-    """Signed curvature (1/m, left positive) of the polyline ``(x, y)`` and the indices it belongs to.
-
-    The points are thinned so that consecutive kept points are at least ``min_segment_m`` apart (no
-    interpolation); each inner kept point gets the curvature of the circle through it and its kept
-    neighbours. A turn of more than 90 deg is a switch of driving direction: the segment after it is
-    mirrored, so the curvature is that of the heading change. Returns two empty arrays when fewer than 3
-    points are kept (e.g. at standstill).
-    """
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    kept = [0]
-    for i in range(1, x.size):
-        if math.hypot(x[i] - x[kept[-1]], y[i] - y[kept[-1]]) >= min_segment_m and \
-                (x[i], y[i]) != (x[kept[-1]], y[kept[-1]]):
-            kept.append(i)
-    if len(kept) < 3:
-        return np.zeros(0), np.zeros(0, dtype=int)
-    px, py = x[kept], y[kept]
-    ax, ay = px[1:-1] - px[:-2], py[1:-1] - py[:-2]  # segment into each inner point
-    bx, by = px[2:] - px[1:-1], py[2:] - py[1:-1]  # segment out of it
-    reverse = ax * bx + ay * by < 0
-    bx = np.where(reverse, -bx, bx)
-    by = np.where(reverse, -by, by)
-    cross = ax * by - ay * bx
-    chord = np.hypot(ax + bx, ay + by)
-    kappa = 2.0 * cross / (np.hypot(ax, ay) * np.hypot(bx, by) * chord)
-    return kappa, np.asarray(kept[1:-1], dtype=int)
 
 
 def _worst_above(found: list[Violation], cause: str, values, limit: float, text: str, *, index=None) -> None:

@@ -455,3 +455,19 @@ def preprocess(
     shift = torch.tensor([m / s for m, s in zip(mean3, std3)], dtype=torch.float32, device=out.device)
     out.mul_(scale.view(1, 3, 1, 1)).sub_(shift.view(1, 3, 1, 1))
     return out
+
+
+def resize_rgb(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """An RGB uint8 image (H, W, 3) resized to ``size`` = (width, height) px with ``cv2.INTER_AREA`` (as
+    :func:`preprocess`), returned as is when it already has that size: the fixed camera size a VLM's
+    processor is given, so that every frame has the same token count T. Raises ValueError for a size that is
+    not two positive ints or an image that is not (H, W, 3) uint8."""
+    w, h = (int(v) for v in size)
+    if w <= 0 or h <= 0:
+        raise ValueError(f"camera size must be two positive ints (width, height), got {size!r}")
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"expected an (H, W, 3) uint8 RGB image, got "
+                         f"{getattr(image, 'dtype', type(image).__name__)} {getattr(image, 'shape', '')}")
+    if image.shape[1] == w and image.shape[0] == h:
+        return image
+    return cv2.resize(image, (w, h), interpolation=cv2.INTER_AREA)

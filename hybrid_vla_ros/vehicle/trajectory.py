@@ -33,6 +33,7 @@ __all__ = [
     "wrap_angle",
     "pose_headings",
     "segment_headings",
+    "chord_curvatures",
     "waypoints_to_trajectory",
 ]
 
@@ -202,13 +203,12 @@ def waypoints_to_trajectory(
         * ``acc[k]`` (k < N) = ``(|v[k+1]| - |v[k]|) / dt``: change of speed magnitude over
           ``[t_k, t_{k+1}]`` (TrajectoryPoint.msg: acceleration "does not consider vehicle direction");
           ``acc[N] = acc[N-1]``. ``acc[0]`` is therefore the acceleration from the measured speed.
-        * ``heading_rate[k]`` (rad/s), from the segment headings ``h``: for 1 <= k < N the wrapped turn at
-          vertex ``k``, ``wrap(h[k] - h[k-1]) / dt``; ``heading_rate[0] = 2 * wrap(h[0] - ego.yaw) / dt``
-          (the circular arc tangent to the ego heading through waypoint 1 turns by twice the chord
-          angle); ``heading_rate[N] = heading_rate[N-1]``. All exact for a constant-rate turn.
-        * curvature ``kappa[k] = heading_rate[k] / v_path[k]`` (1/m) with ``v_path[k] = v[k]`` for
-          k >= 1 and the planned first-segment speed for k = 0 (curvature belongs to the path, not to
-          the measured speed); 0 where ``|v_path| * dt < min_segment_m``.
+        * curvature ``kappa[k]`` (1/m, :func:`chord_curvatures` with ``heading_min_segment_m``): the
+          heading curvature of the path measured over chords of at least ``heading_min_segment_m``, the
+          very chords the output guard judges, so every published kinematic value is one the guard has
+          judged; 0 at standstill (no chord that long).
+        * ``heading_rate[k] = kappa[k] * v[k]`` (rad/s): the yaw rate at that point's speed (point 0: the
+          measured ego speed), so ``heading_rate / v`` is the judged curvature.
         * ``front_wheel_angle[k] = atan(wheelbase_m * kappa[k])`` (kinematic bicycle model, rad, left
           positive); ``lat_v = 0``; ``rear_wheel_angle = 0`` (front-steered vehicle).
 
@@ -217,11 +217,11 @@ def waypoints_to_trajectory(
         dt_s: time between waypoints (s), > 0.
         ego: ego state at ``t = 0`` (map frame).
         wheelbase_m: front-to-rear axle distance (m), > 0.
-        min_segment_m: segments shorter than this (m) count as "not moving" for the segment heading,
-            heading rate and curvature; >= 0.
-        heading_min_segment_m: shortest chord (m) a pose yaw is measured over; >= 0. The suffix node
-            passes the output guard's ``guard.min_segment_m``, the length below which the guard does not
-            judge headings either.
+        min_segment_m: segments shorter than this (m) count as "not moving" for the driving direction
+            (forward or reverse) of their speed; >= 0.
+        heading_min_segment_m: shortest chord (m) a pose yaw and the curvature are measured over; >= 0.
+            The suffix node passes the output guard's ``guard.min_segment_m``, the length below which the
+            guard does not judge headings either.
 
     Returns:
         :class:`TrajectoryArrays` with P = N + 1 points, ``t = [0, dt, ..., N dt]``.
@@ -244,10 +244,11 @@ def waypoints_to_trajectory(
     ly = np.concatenate(([0.0], wp[:, 1]))
     dx, dy = np.diff(lx), np.diff(ly)
     seg_len = np.hypot(dx, dy)
-    seg_heading, seg_sign = segment_headings(dx, dy, min_seg)
+    _seg_heading, seg_sign = segment_headings(dx, dy, min_seg)
     v, acc = _speeds(seg_sign * seg_len / dt, espeed, dt)
-    heading_rate = _heading_rates(seg_heading, dt)
-    front_wheel_angle = _front_wheel_angles(heading_rate, v, dt, min_seg, wheelbase)
+    kappa = chord_curvatures(lx, ly, 0.0, heading_seg)
+    heading_rate = kappa * v
+    front_wheel_angle = np.arctan(wheelbase * kappa)
     yaw = wrap_angle(pose_headings(lx, ly, heading_seg) + eyaw)
 
     c, s = math.cos(eyaw), math.sin(eyaw)
@@ -357,26 +358,64 @@ def _speeds(seg_v: np.ndarray, ego_speed: float, dt: float) -> tuple[np.ndarray,
     return v, acc
 
 
-def _heading_rates(seg_heading: np.ndarray, dt: float) -> np.ndarray:
-    """Heading rate (rad/s) per point from the segment headings (ego frame); see :func:`waypoints_to_trajectory`."""
-    n = seg_heading.size
-    rate = np.empty(n + 1)
-    rate[0] = 2.0 * wrap_angle(seg_heading[0]) / dt
-    if n > 1:
-        rate[1:n] = wrap_angle(np.diff(seg_heading)) / dt
-    rate[n] = rate[n - 1]
-    return rate
+def chord_curvatures(x, y, yaw0: float, min_chord_m: float) -> np.ndarray:
+    """Heading curvature (1/m) at each point of the path ``(x[k], y[k])`` (m; point 0 is the vehicle, heading
+    ``yaw0`` rad, any planar frame), measured over chords of at least ``min_chord_m``: the one definition the
+    trajectory's kinematic fields and the output guard's curvature, lateral acceleration and steering checks
+    share.
 
+    * Thinning: point 0 is kept; each later point at least ``min_chord_m`` (and more than 0) from the last kept
+      one is kept (no interpolation), as Autoware's planning_validator resamples to 1 m before these checks.
+    * Driving direction: a chord pointing more than 90 deg away from the heading before it is driven in
+      reverse; the vehicle's heading along it is the chord's direction + pi.
+    * At point 0: the circular arc tangent to ``yaw0`` through the first kept point,
+      ``2 sin(alpha) / chord`` with ``alpha`` the turn from ``yaw0`` to the chord's heading.
+    * At each inner kept point: the circle through it and its kept neighbours (Menger curvature,
+      ``2 sin(turn) / |a + b|``, the turn between the heading of the chord into it and of the chord out of it;
+      at a switch of driving direction the chord out is mirrored, so a cusp counts by its change of heading).
+      The last kept point takes its predecessor's value (point 0's when only one chord is kept).
+    * Every other point: linear in arc length between the kept points around it (after the last kept point:
+      its value), so no point's curvature exceeds that of a judged kept point.
 
-def _front_wheel_angles(heading_rate: np.ndarray, v: np.ndarray, dt: float, min_segment_m: float,
-                        wheelbase_m: float) -> np.ndarray:
-    """``atan(wheelbase * kappa)`` per point, ``kappa = heading_rate / v_path`` (1/m; v_path: the planned
-    speed, the first segment's at point 0), 0 where the point moves less than ``min_segment_m`` per step."""
-    v_path = v.copy()
-    v_path[0] = v[1]
-    moving = np.abs(v_path) * dt >= min_segment_m
-    if min_segment_m == 0.0:
-        moving &= v_path != 0.0
-    curvature = np.zeros(v.size)
-    curvature[moving] = heading_rate[moving] / v_path[moving]
-    return np.arctan(wheelbase_m * curvature)
+    Sign: positive turns left when driving forward; it is the curvature of the heading per signed arc length,
+    so that ``heading_rate = kappa * v`` with the signed speed and the bicycle model's steering
+    ``atan(wheelbase * kappa)`` hold in reverse too. All zeros when no point is ``min_chord_m`` away (a car at
+    standstill). Returns a float64 array shaped like ``x``. Raises ValueError for arrays of different shapes.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"x and y must be 1-D arrays of one shape, got {x.shape} and {y.shape}")
+    n = x.size
+    kappa = np.zeros(n)
+    kept = [0]
+    for i in range(1, n):
+        d = math.hypot(x[i] - x[kept[-1]], y[i] - y[kept[-1]])
+        if d >= min_chord_m and d > 0.0:
+            kept.append(i)
+    if len(kept) < 2:
+        return kappa
+    px, py = x[kept], y[kept]
+    cx, cy = np.diff(px), np.diff(py)
+    heading, sign = float(yaw0), []
+    headings = []
+    for j in range(cx.size):
+        heading, forward = _travel_heading(cx[j], cy[j], heading)
+        headings.append(heading)
+        sign.append(1.0 if forward else -1.0)
+    values = np.empty(len(kept))
+    alpha = wrap_angle(headings[0] - float(yaw0))
+    values[0] = sign[0] * 2.0 * math.sin(alpha) / math.hypot(cx[0], cy[0])
+    for j in range(1, len(kept) - 1):
+        ax, ay, bx, by = cx[j - 1], cy[j - 1], cx[j], cy[j]
+        if sign[j] != sign[j - 1]:  # a cusp: the chord out, mirrored, continues the chord in
+            bx, by = -bx, -by
+        cross = ax * by - ay * bx
+        chord = math.hypot(ax + bx, ay + by)
+        menger = 2.0 * cross / (math.hypot(ax, ay) * math.hypot(bx, by) * chord) if chord > 0.0 else 0.0
+        values[j] = sign[j - 1] * menger
+    values[-1] = values[-2]
+    arc = np.concatenate(([0.0], np.cumsum(np.hypot(np.diff(x), np.diff(y)))))
+    kappa[: kept[-1] + 1] = np.interp(arc[: kept[-1] + 1], arc[kept], values)
+    kappa[kept[-1] + 1:] = values[-1]
+    return kappa

@@ -21,7 +21,7 @@ from ...util.cores import cpu_model, parse_core_list
 from ...util.paths import output_dir_problem, output_file_problem
 from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, cpu_flags
 
-PARTS = ("handoff", "pipeline", "flops", "preprocess")
+PARTS = ("handoff", "pipeline", "flops", "preprocess", "families")
 #: One-line description for the ``bench`` subcommand's help.
 DESCRIPTION = ("side-by-side measurements of the split pipeline (JSON, Markdown, PNG): hand-off ring vs rclpy vs "
                "memcpy, pipeline efficiency and latency, CPU suffix FLOP/s, camera preprocessing share")
@@ -115,6 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-cache", default=None, help="folder for the cached benchmark checkpoints")
     g.add_argument("--bag", default=str(DEFAULT_BAG), help="rosbag2 folder with the camera frames")
     g.add_argument("--camera-dir", default=str(NUSCENES_DIR), help="folder with six 1600x900 nuScenes CAM_* JPEGs")
+    g = p.add_argument_group("VLM families")
+    g.add_argument("--families", type=_list, default=None,
+                   help="VLM families of the families part (default: all of tools/bench/families.py PUBLISHED)")
     g = p.add_argument_group("suffix FLOP/s")
     g.add_argument("--flops-dtypes", type=_list, default=["fp32", "bf16"], help="dtypes (default fp32,bf16)")
     g.add_argument("--flops-blocks", type=int, default=None, help="decoder blocks in the measured suffix (default 4)")
@@ -329,6 +332,11 @@ def run(args: argparse.Namespace) -> int:
         part("preprocess", lambda: run_preprocess_part(
             plans, dtype=args.dtype, cores=prefix_cores, camera_dir=args.camera_dir or None, bag=Path(args.bag),
             min_frames=s["preprocess_frames"], min_seconds=s["preprocess_seconds"], log=log))
+    if "families" in parts:
+        from .families import PUBLISHED, run_families
+
+        chosen = args.families or list(PUBLISHED)
+        part("families", lambda: run_families(chosen, repeats=1 if args.quick else 3, log=log))
     doc["goals"] = report.evaluate_goals(doc)
     doc["wall_s"] = time.monotonic() - t_start
     json_path = report.write_json(doc, args.json)

@@ -74,7 +74,7 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 KIND = "hybrid_vla_bench"
-PARTS = ("handoff", "pipeline", "suffix_flops", "preprocess")
+PARTS = ("handoff", "pipeline", "suffix_flops", "preprocess", "families")
 
 #: Keys each part's section must have (and, for list entries, each entry), checked by :func:`validate`.
 REQUIRED = {
@@ -454,6 +454,10 @@ def markdown(doc: dict) -> str:
                  _f(r["resize_normalize_ms"], 1), _f(r["preprocess_ms"]["p50"], 1), _f(r["prefix_ms"]["p50"], 1),
                  f"**{_f(r['share'], 2)}**"] for r in q["results"]]
         out.append(_table(header, rows))
+    if doc.get("families"):
+        from .families import markdown as families_markdown
+
+        out.append(families_markdown(doc["families"]))
     goals = doc.get("goals") or []
     if goals:
         out.append("\n**Goals**")

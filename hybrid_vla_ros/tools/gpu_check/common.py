@@ -6,11 +6,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SECTIONS = ("memory_plan", "paper_table", "live_resplit", "memory_pressure", "handoff", "camera_decode",
-            "numerics")
+            "numerics", "vehicle")
 TITLES = {"memory_plan": "1. Memory plan vs reality", "paper_table": "2. The paper's table",
           "live_resplit": "3. Live re-split", "memory_pressure": "4. Memory pressure",
           "handoff": "5. Hand-off: pageable vs page-locked", "camera_decode": "6. Camera decode",
-          "numerics": "7. Numerics"}
+          "numerics": "7. Numerics", "vehicle": "8. Vehicle conditions"}
+#: Each section's part of the time budget, relative (a section's limit: what is left of the budget times its part
+#: over the parts of the sections still to run, so time one leaves unused goes to the ones after it). The paper
+#: table, with two presets at up to five K each, gets the most; the others' parts follow their measured CPU dry-run
+#: times and the GPU estimates in docs/performance.md.
+SECTION_SHARES = {"memory_plan": 2.0, "paper_table": 6.0, "live_resplit": 1.5, "memory_pressure": 1.5,
+                  "handoff": 0.5, "camera_decode": 0.5, "numerics": 1.0, "vehicle": 5.0}
 NEEDS_CUDA = "needs CUDA"
 #: Ego state fed to models that take one: (speed m/s, acceleration m/s^2, yaw rate rad/s).
 EGO_STATE = (5.0, 0.0, 0.0)
@@ -29,13 +35,16 @@ class Sizes:
     resplit_preset: str = "minddrive-0.5b"
     numerics_preset: str = "minddrive-0.5b"
     overrides: dict = field(default_factory=lambda: {"minddrive-0.5b": {}, "orion": {}})
-    numerics_overrides: dict = field(default_factory=lambda: {"image_size": 112})
+    # the numerics section's cameras (px; None: the preset's own); --small uses 48 (tiny has 64), so the dry run
+    # takes the full-size run's path (the size set in the config and its vision encoder alike)
+    numerics_image_size: int | None = 112
     pipeline_ks: tuple | None = None  # None: split_points(L); else fractions of L
     frames: int = 12
     warmup: int = 2
     resplit_frames: int = 40
     camera_wh: tuple = CAMERA_WH
     reps: int = 20
+    vehicle_neighbours: bool = True  # the vehicle section runs K - 1 and K + 1 beside the planned K
 
 
 def wide_tiny_llm() -> dict:
@@ -55,9 +64,31 @@ def sizes_for(small: bool, cuda: bool = False) -> Sizes:
     if not small:
         return Sizes()
     return Sizes(memory_presets=("tiny",), pipeline_presets=("tiny",), resplit_preset="tiny", numerics_preset="tiny",
-                 overrides={"tiny": {"llm": wide_tiny_llm()} if cuda else {}}, numerics_overrides={},
+                 overrides={"tiny": {"llm": wide_tiny_llm()} if cuda else {}}, numerics_image_size=48,
                  pipeline_ks=(1.0, 0.5), frames=6, warmup=1, resplit_frames=24,
-                 camera_wh=(320, 200), reps=5)
+                 camera_wh=(320, 200), reps=5, vehicle_neighbours=False)
+
+
+def image_size_overrides(name: str, size: int, overrides: dict | None = None) -> dict:
+    """``overrides`` of preset ``name`` with its cameras at ``size`` px: the top-level ``image_size`` and the
+    vision encoder's own ``vision.image_size`` together (the config refuses them differing; ``preset`` replaces
+    top-level fields only, so the vision dict is copied with the new size)."""
+    from ...model.config import preset
+
+    out = dict(overrides or {})
+    vision = dict(out.get("vision") or preset(name, **out).vision)
+    vision["image_size"] = size
+    out.update(image_size=size, vision=vision)
+    return out
+
+
+def numerics_overrides(sizes: "Sizes") -> dict:
+    """The overrides of the numerics section's preset: the run's own for it, with the cameras at
+    ``sizes.numerics_image_size`` px where set (:func:`image_size_overrides`)."""
+    overrides = dict(sizes.overrides.get(sizes.numerics_preset, {}))
+    if sizes.numerics_image_size:
+        overrides = image_size_overrides(sizes.numerics_preset, sizes.numerics_image_size, overrides)
+    return overrides
 
 
 def split_points(num_layers: int) -> list[int]:

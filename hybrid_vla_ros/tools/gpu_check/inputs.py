@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +27,9 @@ def ensure_checkpoint(cache: Path, name: str, overrides: dict, dtype: str = "fp1
     if cfg_file.is_file() and (path / "model.safetensors").is_file():
         try:
             if json.loads(cfg_file.read_text()) == want:
+                from ...model.checkpoint import open_checkpoint
+
+                open_checkpoint(path)  # every tensor's bytes in the file: not one cut short by a killed writer
                 return path
         except (OSError, ValueError):
             pass
@@ -59,3 +63,36 @@ def raw_items(n_cameras: int, wh: tuple[int, int]) -> list:
         items.append(("raw", msg))
     return items
 
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare_checkpoints` reports per checkpoint (sent over a pipe, read by ``Check``): ``index`` in
+    its list, ``seconds`` the write took, ``error`` ('' when written), ``done_at`` the CLOCK_MONOTONIC instant it
+    finished (system-wide on Linux: the parent compares it with its own start)."""
+
+    index: int
+    seconds: float
+    error: str
+    done_at: float
+
+
+def spec_key(name: str, overrides: dict, dtype: str) -> tuple[str, str, str]:
+    """A hashable key of one checkpoint (preset name, overrides, dtype), the same for equal overrides."""
+    return name, json.dumps(overrides, sort_keys=True), dtype
+
+
+def prepare_checkpoints(cache: str, specs: list, conn) -> None:
+    """Child process (``multiprocessing`` spawn) of :class:`~hybrid_vla_ros.tools.gpu_check.check.Check`: write the
+    random-init checkpoints ``specs`` ((preset name, overrides, dtype), in the order the sections need them) with
+    :func:`ensure_checkpoint` while the first section runs, sending a :class:`Prepared` on ``conn`` after each. (Writing ``orion``'s 14 GB serially took 45-90 s on a CPU, eaten from the paper table's share of
+    the budget when it was done inside that section.)"""
+    for i, (name, overrides, dtype) in enumerate(specs):
+        t0 = time.perf_counter()
+        try:
+            ensure_checkpoint(Path(cache), name, overrides, dtype, log=lambda text: None)
+            conn.send(Prepared(i, round(time.perf_counter() - t0, 2), "", time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - the parent writes it itself then, and reports what fails
+            error = f"{type(e).__name__}: {e}"
+            conn.send(Prepared(i, round(time.perf_counter() - t0, 2), error, time.monotonic()))
+    conn.close()

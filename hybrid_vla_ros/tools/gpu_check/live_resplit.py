@@ -39,6 +39,7 @@ def run(check) -> dict:
         out["returned_to_driver_bytes"] = m["returned"]
         out["reserved_drop_bytes"] = m["reserved_before"] - m["reserved_after"]
         out["memory_returned"] = m["returned"] > 0 and m["reserved_after"] < m["reserved_before"]
+        out["reserved_drop_after_next_frame_bytes"] = reserved_drop_after_next_frame(pre["records"])
     else:
         out["memory_returned"] = NEEDS_CUDA if not check.cuda else "no move down happened"
         if down_moves:
@@ -46,3 +47,18 @@ def run(check) -> dict:
     out["status"] = "ok" if len(moves_done) == 2 and fig["lost"] == 0 and fig["mismatched_k"] == 0 else "check"
     return out
 
+
+
+def reserved_drop_after_next_frame(records: list[dict]) -> int | None:
+    """Reserved device memory given up by the first move of K down, counted once the frame after the move has run
+    (bytes: reserved before the move minus the next frame's reserved figure). The figure right after the move also
+    counts cached activations that the next frame takes back; this one does not. None without a move down or a
+    frame after it, or without per-frame ``reserved`` figures (CPU)."""
+    for j, r in enumerate(records):
+        m = r.get("resplit")
+        if m and m["to"] < m["from"]:
+            nxt = next((q for q in records[j + 1:] if q.get("reserved") is not None), None)
+            if nxt is None or m.get("reserved_before") is None:
+                return None
+            return int(m["reserved_before"] - nxt["reserved"])
+    return None

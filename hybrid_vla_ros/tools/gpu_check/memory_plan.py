@@ -48,17 +48,26 @@ def run(check) -> dict:
     return out
 
 
-def _memory_rows(check, name: str, ks: list[int], dtype: str) -> list[dict]:
+def _memory_rows(check, name: str, ks: list[int], dtype: str, worker=None) -> list[dict]:
     """Per K: the prefix made with random weights on the device, one forward; figures in bytes. On CUDA each
-    preset runs in a fresh process so the driver-level figure starts from an empty device."""
+    preset runs in a fresh process (``worker``: :func:`memory_rows`, or a stand-in with its arguments, importable
+    by a spawned process) so the driver-level figure starts from an empty device; that process gets what is left
+    of the check's budget (at least 5 s): TimeoutError when it has not answered by then (a worker that died, e.g.
+    killed for memory, never answers a ``Pool.apply``)."""
+    worker = worker or memory_rows
     if not check.cuda:
-        return memory_rows(name, check.sizes.overrides.get(name, {}), ks, dtype, str(check.device))
+        return worker(name, check.sizes.overrides.get(name, {}), ks, dtype, str(check.device))
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
+    limit_s = max(5.0, check.left_s())
     with ctx.Pool(1) as pool:
-        rows = pool.apply(memory_rows, (name, check.sizes.overrides.get(name, {}), ks, dtype, str(check.device)))
-    return rows
+        job = pool.apply_async(worker, (name, check.sizes.overrides.get(name, {}), ks, dtype, str(check.device)))
+        try:
+            return job.get(timeout=limit_s)  # a worker that died (killed, out of memory) never answers
+        except mp.TimeoutError:
+            raise TimeoutError(f"the memory worker for {name} gave no rows within {limit_s:.0f} s (it died or hangs)"
+                               ) from None
 
 
 
@@ -90,7 +99,7 @@ def memory_rows(name: str, overrides: dict, ks: list[int], dtype: str, device_na
     cuda = device.type == "cuda"
     if cuda:
         torch.zeros(1, device=device)
-        torch.cuda.synchronize(device)
+        load_kernels(device, dt)
     base_used = int(torch.cuda.mem_get_info(device)[1] - torch.cuda.mem_get_info(device)[0]) if cuda else 0
     rows = []
     for k in ks:
@@ -126,3 +135,19 @@ def memory_rows(name: str, overrides: dict, ks: list[int], dtype: str, device_na
             torch.cuda.empty_cache()
         rows.append(row)
     return rows
+
+
+def load_kernels(device, dtype) -> None:
+    """Run one small matrix product and one scaled-dot-product attention on ``device`` in ``dtype``, so the
+    libraries' own memory (cuBLAS handle and workspace, attention kernels' modules) is there before the baseline
+    is read: it then counts as the process's CUDA context, not as the first row's (K = 0) stage memory."""
+    import torch
+    import torch.nn.functional as F
+
+    a = torch.randn(256, 256, device=device).to(dtype)
+    q = torch.randn(1, 4, 64, 64, device=device).to(dtype)
+    with torch.inference_mode():
+        (a @ a).sum()
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+    sync(device)
+    del a, q

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import EGO_STATE, NEEDS_CUDA, drift_at
+from .common import EGO_STATE, NEEDS_CUDA, drift_at, numerics_overrides
 
 
 def run(check) -> dict:
     """The section: :func:`numerics_figures` of an fp32 random-init checkpoint of ``check.sizes.numerics_preset``
     on the check's device."""
-    name = check.sizes.numerics_preset
-    overrides = dict(check.sizes.overrides.get(name, {}), **check.sizes.numerics_overrides)
-    path = check.checkpoint(name, overrides, dtype="fp32")
+    path = check.checkpoint(check.sizes.numerics_preset, numerics_overrides(check.sizes), dtype="fp32")
     return numerics_figures(path, str(check.device))
 
 
@@ -37,6 +35,7 @@ def numerics_figures(path: Path, device_name: str) -> dict:
     del ref
     k = cfg.num_layers // 2
     out = {"split_layer": k, "num_layers": cfg.num_layers, "waypoint_dt_s": cfg.waypoint_dt_s,
+           "image_size": cfg.image_size,
            "reference": "fp32 monolithic model on the CPU", "random_weights": bool(cfg.random_init),
            "goal_cm": 1.0, "pairs": []}
     for pname in ("fp16", "bf16"):

@@ -17,11 +17,13 @@ class Pair:
     px), past which it goes on while a requested move is pending or, with ``policy``, until ``shared['done']``;
     ``moves``: {frame index: K} to request; ``policy``: the auto re-split's thresholds (bytes,
     :func:`~hybrid_vla_ros.tools.gpu_check.workers.prefix_process`); ``pace``: the prefix waits its pacing delay;
-    ``max_s``: the prefix's time limit (s). Each process is pinned to its cores, one torch thread per core."""
+    ``max_s``: the prefix's time limit (s); ``gpu_budget_bytes``: the prefix runner's GPU budget (0: none; a K whose
+    plan row exceeds it is refused at start, on CUDA). Each process is pinned to its cores, one torch thread per
+    core."""
 
     def __init__(self, model: str, k: int, *, device: str, prefix_dtype: str, suffix_dtype: str, frames: int,
                  camera_wh, prefix_cores, suffix_cores, moves: dict | None = None, policy: dict | None = None,
-                 pace: bool = True, max_s: float = 300):
+                 pace: bool = True, max_s: float = 300, gpu_budget_bytes: int = 0):
         import multiprocessing as mp
 
         self.ctx = mp.get_context("spawn")
@@ -33,7 +35,8 @@ class Pair:
         self.sconn, schild = self.ctx.Pipe()
         pspec = dict(model=str(model), k=k, device=device, dtype=prefix_dtype, ring=ring, frames=frames,
                      camera_wh=list(camera_wh), cores=prefix_cores, threads=len(prefix_cores),
-                     moves={str(a): b for a, b in (moves or {}).items()}, policy=policy, pace=pace, max_s=max_s)
+                     moves={str(a): b for a, b in (moves or {}).items()}, policy=policy, pace=pace, max_s=max_s,
+                     gpu_budget_bytes=int(gpu_budget_bytes))
         sspec = dict(model=str(model), k=k, dtype=suffix_dtype, ring=ring, cores=suffix_cores,
                      threads=len(suffix_cores))
         self.suffix = self.ctx.Process(target=suffix_process, args=(schild, self.ev, self.shared, sspec), daemon=True)
@@ -44,13 +47,19 @@ class Pair:
         self.plan_msg = None
 
     def results(self) -> tuple[dict, dict]:
-        """Wait for both processes; (prefix result, suffix result). Raises RuntimeError with a child's error or
-        when a child exits (or the run overruns its limit) without a result."""
+        """Wait for both processes, watching both at once; (prefix result, suffix result). Raises RuntimeError
+        naming the child: with its error (and traceback) as soon as either reports one, when either exits without
+        a result, or when the run overruns its limit (``max_s`` + 120 s). Both processes are stopped first. (A
+        suffix that cannot attach used to leave the parent waiting on the prefix, which waits up to 300 s for the
+        attach, and the failure was then blamed on the prefix.)"""
         deadline = time.monotonic() + self.max_s + 120
+        children = {"prefix": (self.pconn, self.prefix), "suffix": (self.sconn, self.suffix)}
         out = {}
-        for name, conn, proc in (("prefix", self.pconn, self.prefix), ("suffix", self.sconn, self.suffix)):
-            while name not in out:
-                if conn.poll(0.5):
+        while len(out) < 2:
+            waiting = [name for name in children if name not in out]
+            for name in waiting:
+                conn, proc = children[name]
+                if conn.poll(0.1):
                     msg = conn.recv()
                     if msg["type"] == "plan":
                         self.plan_msg = msg
@@ -62,9 +71,10 @@ class Pair:
                 elif not proc.is_alive() and not conn.poll(0.5):
                     self.kill()
                     raise RuntimeError(f"the {name} process exited without a result (exit code {proc.exitcode})")
-                elif time.monotonic() > deadline:
-                    self.kill()
-                    raise RuntimeError(f"the {name} process gave no result within {self.max_s + 120:.0f} s")
+            if len(out) < 2 and time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the {', '.join(n for n in children if n not in out)} process gave no result "
+                                   f"within {self.max_s + 120:.0f} s")
         for proc in (self.prefix, self.suffix):
             proc.join(30)
         return out["prefix"], out["suffix"]

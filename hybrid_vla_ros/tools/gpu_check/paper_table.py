@@ -13,15 +13,16 @@ from .plots import plot_paper
 
 def run(check) -> dict:
     """Per preset (``check.sizes.pipeline_presets``): one row per K (:func:`_row`), K = L first. The section takes
-    up to half of the time budget left, shared equally among the presets; what does not fit is said skipped."""
+    its own limit (:meth:`~.check.Check.section_limit_s`), shared equally among the presets; what does not fit is
+    said skipped."""
     out = {"presets": {}, "prefix_dtype": check.prefix_dtype, "suffix_dtype": check.suffix_dtype,
            "suffix_cores": check.suffix_cores, "prefix_cores": check.prefix_cores,
            "paper": {"orion": "521 -> 408 ms, 45 -> 29 GB", "minddrive-0.5b": "443 -> 306 ms"}}
     if check.prefix_dtype != "fp16":
         out["dtype_note"] = ("the prefix runs in " + check.prefix_dtype + ": fp16 -> bf16 is not an allowed ring "
                              "conversion (transport.contract.CONVERSIONS), and bf16 has fp16's bytes")
-    # this section may take half of what is left, so the sections after it still run
-    t_end = time.monotonic() + 0.5 * check.left_s()
+    # the section's own limit (Check.section_limit_s: its part of what is left), so the sections after it still run
+    t_end = time.monotonic() + check.left_s()
     out["share_s"] = round(t_end - time.monotonic(), 1)
 
     def left() -> float:
@@ -38,7 +39,9 @@ def run(check) -> dict:
             return min(left(), p_end - time.monotonic())
 
         try:
-            if row_left() <= (90 if name == "orion" else 20):  # orion: writing its 14 GB checkpoint takes ~1 min
+            # orion: writing its 14 GB checkpoint here (when the preparation has not) takes about a minute
+            ready = check.prepared(name, check.sizes.overrides.get(name, {}))
+            if row_left() <= (90 if name == "orion" and not ready else 20):
                 out["presets"][name]["status"] = "skipped: this section's share of the time budget is spent"
                 continue
             if check.left_s() <= 30:

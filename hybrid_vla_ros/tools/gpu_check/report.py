@@ -9,6 +9,7 @@ import os
 import platform
 from pathlib import Path
 
+from ...util.cores import cpu_model
 from .common import GB, SECTIONS, TITLES
 
 
@@ -19,7 +20,8 @@ def machine_info(device) -> dict:
 
     info = {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "numpy": numpy.__version__, "cpus": os.cpu_count(),
-            "device": str(device), "cuda_available": torch.cuda.is_available()}
+            "cpu_model": cpu_model(), "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(), "device": str(device), "cuda_available": torch.cuda.is_available()}
     for mod in ("transformers", "safetensors", "torchvision", "cv2", "matplotlib"):
         try:
             info[mod] = getattr(__import__(mod), "__version__", "?")
@@ -54,22 +56,32 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     lines = ["# GPU check", "", f"Device: {m['device']}" + (f" ({m.get('gpu')}, {m.get('gpu_memory', 0) / GB:.0f} GB, "
                                                           f"CUDA {m.get('cuda')})" if m.get("gpu") else ""),
-             f"Host {m['host']}: {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']}, transformers "
+             f"Host {m['host']}: {m['cpus']} CPUs ({m.get('cpu_model')}, {m.get('cpus_usable')} usable here), "
+             f"Python {m['python']}, torch {m['torch']}, transformers "
              f"{m.get('transformers')}, torchvision {m.get('torchvision')}, cv2 {m.get('cv2')}",
              f"Code: commit {m.get('commit')}", f"Options: {json.dumps(report['options'])}",
-             f"Total: {report.get('total_s', 0):.1f} s", ""]
+             f"Total: {report.get('total_s', 0):.1f} s"]
+    if report.get("checkpoints"):  # written beside the first section (Check.prepare)
+        lines.append("Checkpoints: " + "; ".join(
+            f"{c['preset']} {c['dtype']} {c['status']}" + (f" in {c['seconds']:.1f} s (done at {c['done_at_s']:.1f} s)"
+                                                          if "done_at_s" in c else "") for c in report["checkpoints"]))
+    lines.append("")
     for name in SECTIONS:
         s = report["sections"].get(name, {"status": "missing"})
         lines += [f"## {TITLES[name]}", "", f"status: **{s.get('status')}**"
-                  + (f" ({s['seconds']:.1f} s)" if "seconds" in s else ""), ""]
+                  + (f" ({s['seconds']:.1f} s)" if "seconds" in s else "")
+                  + (" (from an earlier run into this folder)" if s.get("earlier_run") else ""), ""]
         if s.get("status") == "failed":
             lines += [f"error: `{s.get('error')}`", ""]
             continue
         if s.get("status") in ("skipped", "not requested"):
             lines += [s.get("reason", ""), ""]
             continue
+        if s.get("status") in ("pending", "running"):  # a report written while the run goes on (or was killed)
+            lines += ["not finished when this report was written", ""]
+            continue
         lines += _section_md(name, s)
-        for key in ("note", "dtype_note", "random_note"):
+        for key in ("note", "dtype_note", "random_note", "budget_note"):
             if s.get(key):
                 lines += [f"note: {s[key]}", ""]
     for note in report.get("notes", []):
@@ -95,19 +107,27 @@ def _md_memory_plan(s: dict) -> list[str]:
     return out
 
 
+def _rows_table(header: list[str], rows: list[dict], cells) -> list[str]:
+    """A Markdown table of pipeline rows: ``header``, then ``cells(row)`` per measured row, or K and its status for
+    a row that was not run (no ``e2e_ms``)."""
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        if "e2e_ms" not in r:
+            out.append(f"| {r['k']} | {r.get('status')} |" + " |" * (len(header) - 2))
+        else:
+            out.append("| " + " | ".join(str(c) for c in cells(r)) + " |")
+    return out
+
+
 def _md_paper_table(s: dict) -> list[str]:
     out = []
+    header = ["K", "e2e p50 ms", "fps", "prefix p50 ms", "hand-off p50 ms", "suffix p50 ms", "GPU reserved MB",
+              "published", "lost"]
     for preset_name, d in s.get("presets", {}).items():
-        out += [f"**{preset_name}** ({d.get('status')}); paper: {s.get('paper', {}).get(preset_name, '-')}", "",
-                "| K | e2e p50 ms | fps | prefix p50 ms | hand-off p50 ms | suffix p50 ms | GPU reserved MB "
-                "| published | lost |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in d.get("rows", []):
-            if "e2e_ms" not in r:
-                out.append(f"| {r['k']} | {r.get('status')} | | | | | | | |")
-                continue
-            out.append(f"| {r['k']} | {_p50(r['e2e_ms'])} | {r['fps']:.2f} | {_p50(r['prefix_ms'])} | "
-                       f"{_p50(r['handoff_ms'])} | {_p50(r['suffix_ms'])} | {_fmt_bytes(r.get('gpu_peak_reserved'))} "
-                       f"| {r['published']} | {r['lost']} |")
+        out += [f"**{preset_name}** ({d.get('status')}); paper: {s.get('paper', {}).get(preset_name, '-')}", ""]
+        out += _rows_table(header, d.get("rows", []), lambda r: (
+            r["k"], _p50(r["e2e_ms"]), f"{r['fps']:.2f}", _p50(r["prefix_ms"]), _p50(r["handoff_ms"]),
+            _p50(r["suffix_ms"]), _fmt_bytes(r.get("gpu_peak_reserved")), r["published"], r["lost"]))
         out.append("")
     return out
 
@@ -146,7 +166,8 @@ def _md_camera_decode(s: dict) -> list[str]:
 
 
 def _md_numerics(s: dict) -> list[str]:
-    out = [f"K = {s.get('split_layer')} of {s.get('num_layers')}, against the {s.get('reference')}", "",
+    out = [f"K = {s.get('split_layer')} of {s.get('num_layers')}, cameras at {s.get('image_size')} px, against the "
+           f"{s.get('reference')}", "",
            "| prefix | suffix | drift at 3 s, cm | max drift, cm | <= 1 cm |", "|---|---|---|---|---|"]
     for p in s.get("pairs", []):
         if "drift_3s_cm" in p:
@@ -158,10 +179,31 @@ def _md_numerics(s: dict) -> list[str]:
     return out
 
 
+def _md_vehicle(s: dict) -> list[str]:
+    c = s.get("conditions", {})
+    t = s.get("cotenant", {})
+    out = [f"VLA budget {c.get('budget')}; co-tenant holds {_fmt_bytes(t.get('held_bytes'))} MB, busy a fraction "
+           f"{c.get('cotenant_duty')} of each {c.get('cotenant_period_ms')} ms period (measured "
+           f"{t.get('measured_duty')}); prefix cores {c.get('prefix_cores')}, suffix on {c.get('suffix_cores')}"
+           + (f" ({c['spare_cores_note']})" if c.get("spare_cores_note") else ""), ""]
+    header = ["K", "frames", "e2e mean ms", "e2e p99 ms", "fps", "GPU peak reserved MB", "plan MB", "driver used MB",
+              "used over budget MB", "lost"]
+    ms = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+    for preset_name, d in s.get("presets", {}).items():
+        out += [f"**{preset_name}**: planned K = {d.get('planned_k')} of {d.get('num_layers')} under "
+                f"{_fmt_bytes(d.get('budget_bytes'))} MB; GPU-only: {d.get('gpu_only')}", ""]
+        out += _rows_table(header, d.get("rows", []), lambda r: (
+            f"{r['k']} ({r['label']})", r["e2e_ms"].get("n"), ms(r["e2e_ms"].get("mean")), ms(r["e2e_ms"].get("p99")),
+            f"{r['fps']:.2f}", _fmt_bytes(r.get("gpu_peak_reserved")), _fmt_bytes(r.get("plan_bytes")),
+            _fmt_bytes(r.get("gpu_used")), _fmt_bytes(r.get("used_over_budget_bytes")), r["lost"]))
+        out.append("")
+    return out
+
+
 #: Section name -> its Markdown body (lines) from the section's figures.
 _SECTION_MD = {"memory_plan": _md_memory_plan, "paper_table": _md_paper_table, "live_resplit": _md_resplit,
                "memory_pressure": _md_resplit, "handoff": _md_handoff, "camera_decode": _md_camera_decode,
-               "numerics": _md_numerics}
+               "numerics": _md_numerics, "vehicle": _md_vehicle}
 
 
 def _section_md(name: str, s: dict) -> list[str]:
@@ -181,6 +223,10 @@ def summary(report: dict) -> str:
                 rows = [r for r in d.get("rows", []) if "e2e_ms" in r]
                 parts += [f"{p} K={r['k']}: {_p50(r['e2e_ms'])} ms {r['fps']:.2f} fps" for r in rows[:2]]
             head = "; ".join(parts)
+        elif name == "vehicle" and s.get("presets"):
+            head = "; ".join(f"{p}: planned K={d.get('planned_k')}, GPU-only "
+                             + ("fits" if d.get("gpu_only") == "fits the budget" else "does not fit")
+                             for p, d in s["presets"].items())
         elif name in ("live_resplit", "memory_pressure") and "lost" in s:
             head = f"lost {s['lost']}, mismatched K {s['mismatched_k']}"
         elif name == "numerics" and s.get("pairs"):
@@ -201,10 +247,15 @@ def _json_default(o):
 
 
 def write_report(report: dict, out: Path) -> tuple[Path, Path]:
-    """Write ``gpu_check.json`` and ``gpu_check.md`` under ``out``; returns their paths."""
+    """Write ``gpu_check.json`` and ``gpu_check.md`` under ``out``; returns their paths. Each file is written
+    beside itself and renamed over the old one, so a run killed while writing leaves the previous whole report,
+    never a truncated one."""
     jpath, mpath = Path(out) / "gpu_check.json", Path(out) / "gpu_check.md"
-    jpath.write_text(json.dumps(_finite(report), indent=2, default=_json_default) + "\n")
-    mpath.write_text(markdown(report))
+    for path, text in ((jpath, json.dumps(_finite(report), indent=2, default=_json_default) + "\n"),
+                       (mpath, markdown(report))):
+        part = path.with_name(path.name + ".part")
+        part.write_text(text)
+        os.replace(part, path)
     return jpath, mpath
 
 

@@ -85,7 +85,7 @@ def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
         from ...runtime.prefix import PrefixRunner
 
         runner = PrefixRunner(spec["model"], spec["k"], device=spec["device"], dtype=spec["dtype"],
-                              ring_name=spec["ring"], ring_slots=4)
+                              ring_name=spec["ring"], ring_slots=4, gpu_budget_bytes=spec.get("gpu_budget_bytes", 0))
         dev = runner.device
         sync(dev)
         if dev.type == "cuda":
@@ -137,6 +137,8 @@ def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
             shared["k"].value = runner.split_layer
             shared["frames"].value = i + 1
             records.append(_frame_record(i, r))
+            if dev.type == "cuda":  # after the frame: what the allocator holds once its activations are cached
+                records[-1]["reserved"] = int(torch.cuda.memory_reserved(dev))
             i += 1
         mem = cuda_memory(dev)
         conn.send({"type": "result", "records": records, "decisions": decisions, "errors": errors,

@@ -1,0 +1,370 @@
+"""Vision-language models whole, from transformers' own classes: the prefix's front and what crosses the split.
+
+A VLM family (``config.json`` ``model_type``: :data:`VLM_MODEL_TYPES`) is transformers' ``<Family>Model``:
+a vision tower, a connector, and a text model (``language_model``; Idefics3 / SmolVLM: ``text_model``) of
+decoder blocks. The prefix runs the family's own base-model forward on the processor's outputs -- vision tower,
+connector, image features scattered into the token embeddings at the image-token positions, multimodal
+rotary positions (``get_rope_index`` / ``compute_3d_position_ids``), DeepStack features -- up to the call of the
+text model, which :class:`TextCapture` stands in for: it records what the text model would have been given
+(``inputs_embeds``, ``position_ids``, ``visual_pos_masks``, ``deepstack_visual_embeds``) and stops the forward.
+Nothing of the family's own front is re-implemented here. From there the text model's decoder blocks run split
+at K (:mod:`hybrid_vla_ros.model.text`), and what they need besides the hidden states is a
+:class:`~hybrid_vla_ros.model.contract.SplitState`.
+
+The camera images go through the family's own processor (:func:`load_processor`: its image processor's
+resizing, tiling and normalisation, its tokenizer; one image placeholder of the family per camera in the
+prompt, :func:`image_placeholder`), from the VLM directory's ``preprocessor_config.json`` and tokenizer files.
+Video processors are not loaded (:func:`images_only`): the nodes feed still camera images.
+
+Stored tensor names are mapped as transformers' own ``from_pretrained`` maps them (its conversion mapping of
+the family, ``conversion_mapping.get_model_conversion_mapping`` + ``core_model_loading.rename_source_key``),
+so a directory saved in the legacy layout (``model.layers.*`` + ``visual.*``) or the 5.x one
+(``model.language_model.*``) reads the same (:class:`VLMKeyMap`).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+#: transformers ``model_type`` of the VLM families split here (their ``<Family>ForConditionalGeneration``).
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "llava_next", "llava_onevision", "idefics3",
+                   "smolvlm")
+#: The base model's attribute holding the text model, where it is not ``language_model``.
+_TEXT_ATTRIBUTE = {"idefics3": "text_model", "smolvlm": "text_model"}
+
+
+class CheckpointLayoutError(ValueError):
+    """A stored tensor name transformers would convert (merge or split) rather than rename: not read 1:1."""
+
+
+@dataclass(frozen=True)
+class VLMFamily:
+    """transformers' classes of one VLM family: ``config_class`` (``Qwen2_5_VLConfig``), ``base_class``
+    (``Qwen2_5_VLModel``), ``generation_class`` (``Qwen2_5_VLForConditionalGeneration``), ``processor_class``
+    (``Qwen2_5_VLProcessor``), ``text_attribute`` (``language_model`` or ``text_model``)."""
+
+    model_type: str
+    config_class: type
+    base_class: type
+    generation_class: type
+    processor_class: type
+    text_attribute: str
+
+
+@functools.lru_cache(maxsize=None)
+def vlm_family(model_type: str) -> VLMFamily:
+    """The :class:`VLMFamily` of ``model_type`` from transformers' registries (``CONFIG_MAPPING``,
+    ``MODEL_MAPPING``, ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING``, ``PROCESSOR_MAPPING``). Raises ValueError for
+    a model_type not in :data:`VLM_MODEL_TYPES`."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_MAPPING
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+
+    if model_type not in VLM_MODEL_TYPES:
+        raise ValueError(f"VLM type {model_type!r} is not supported; this package splits {', '.join(VLM_MODEL_TYPES)}")
+    config_class = CONFIG_MAPPING[model_type]
+    return VLMFamily(model_type, config_class, MODEL_MAPPING[config_class],
+                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[config_class], PROCESSOR_MAPPING[config_class],
+                     _TEXT_ATTRIBUTE.get(model_type, "language_model"))
+
+
+# ----------------------------------------------------------------------------------------------- processor
+
+def images_only(processor_class: type) -> type:
+    """``processor_class`` (e.g. ``Qwen2_5_VLProcessor``) with image processor and tokenizer only: its
+    ``__init__`` takes no video processor, so the processor is built without one (transformers' video
+    processors need torchvision, and the nodes feed still images). Everything else is the family's class."""
+
+    takes_video = "video_processor" in inspect.signature(processor_class.__init__).parameters
+
+    class ImagesOnly(processor_class):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            if takes_video:
+                kwargs["video_processor"] = None
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
+                             **kwargs)
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = f"{processor_class.__name__}ImagesOnly"
+    return ImagesOnly
+
+
+def load_processor(path: str | Path, model_type: str):
+    """The family's processor of the VLM directory ``path``: its image processor (``preprocessor_config.json``,
+    ``AutoImageProcessor``), its tokenizer (``AutoTokenizer``), the processor's own options from
+    ``processor_config.json`` where the directory has one, and no video processor (:func:`images_only`).
+    Raises MissingFileError naming what is missing (no image processor or tokenizer files)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from .sources import MissingFileError
+
+    path = Path(path)
+    family = vlm_family(model_type)
+    if not (path / "preprocessor_config.json").is_file():
+        raise MissingFileError(f"{path}: no preprocessor_config.json (the VLM's image processor); a VLM directory "
+                               "as saved by transformers or downloaded whole has it")
+    try:
+        images = AutoImageProcessor.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise MissingFileError(f"{path}: cannot load the VLM's image processor or tokenizer ({e})") from None
+    options = {}
+    doc_file = path / "processor_config.json"
+    if doc_file.is_file():
+        doc = json.loads(doc_file.read_text())
+        accepted = inspect.signature(family.processor_class.__init__).parameters
+        options = {k: v for k, v in doc.items() if k in accepted and k not in ("image_processor", "tokenizer",
+                                                                               "video_processor", "chat_template")}
+    return images_only(family.processor_class)(image_processor=images, tokenizer=tokenizer, **options)
+
+
+def image_placeholder(processor) -> str:
+    """The text that stands for one image in the family's prompt: Qwen-VL ``<|vision_start|><|image_pad|>
+    <|vision_end|>`` (without the spaces), InternVL ``<IMG_CONTEXT>`` wrapped as its processor expects, others
+    the processor's ``image_token`` (``<image>``). The processor expands it to the image's tokens."""
+    token = getattr(processor, "image_token", None) or "<image>"
+    start = getattr(processor, "vision_start_token", None)
+    if token == "<|image_pad|>":
+        return "<|vision_start|><|image_pad|><|vision_end|>"
+    if start:
+        return f"{start}{token}{getattr(processor, 'vision_end_token', '')}"
+    return token
+
+
+def default_prompt(processor, cameras: int) -> str:
+    """The default driving prompt: ``camera 1 <image> camera 2 <image> ... plan the route ahead`` with the
+    family's placeholder per camera (:func:`image_placeholder`), cameras in the order of the node's
+    ``camera_topics``."""
+    holder = image_placeholder(processor)
+    return " ".join(f"camera {i + 1} {holder}" for i in range(cameras)) + " plan the route ahead"
+
+
+@dataclass
+class VLMInputs:
+    """One frame as the family's processor gives it: ``input_ids`` (1, T) int64 with every image placeholder
+    expanded to the image's tokens, and ``images``: the processor's other outputs by the family's own keyword
+    names (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask``,
+    ``mm_token_type_ids``, ...; not ``attention_mask``), which its base model's forward takes as they are."""
+
+    input_ids: torch.Tensor
+    images: dict
+
+    @property
+    def tokens(self) -> int:
+        """T."""
+        return int(self.input_ids.shape[-1])
+
+    def to(self, device, dtype) -> "VLMInputs":
+        """Floating tensors in ``dtype`` on ``device``, the others on ``device``."""
+        moved = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
+                 if isinstance(v, torch.Tensor) else v for k, v in self.images.items()}
+        return VLMInputs(self.input_ids.to(device), moved)
+
+
+def run_processor(processor, images: list, prompt: str) -> VLMInputs:
+    """``images``: RGB uint8 arrays (H, W, 3), one per camera, in prompt order; ``prompt``: with one
+    placeholder per image. Raises ValueError when the counts differ."""
+    holder = getattr(processor, "image_token", None) or "<image>"
+    if prompt.count(holder) != len(images):
+        raise ValueError(f"the prompt holds {prompt.count(holder)} image placeholder(s) ({holder!r}) for "
+                         f"{len(images)} camera image(s): one per camera, in camera order")
+    out = processor(images=list(images), text=prompt, return_tensors="pt")
+    ids = out.pop("input_ids")
+    out.pop("attention_mask", None)  # one unpadded prompt: no mask (the blocks' masks are causal)
+    return VLMInputs(ids, dict(out))
+
+
+# --------------------------------------------------------------------------------------------------- front
+
+class _Captured(Exception):
+    def __init__(self, kwargs: dict):
+        super().__init__("text model input captured")
+        self.kwargs = kwargs
+
+
+class TextCapture(nn.Module):
+    """Stands in for a VLM base model's text model: holds its token embeddings (``embed_tokens``, under the
+    text model's own name so the base model's ``get_input_embeddings`` finds it) and, when the base model
+    calls it, stops the forward with what it was given (:meth:`VLMFront.forward` catches it)."""
+
+    def __init__(self, embed_tokens: nn.Module):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def forward(self, *args, **kwargs):
+        raise _Captured(kwargs)
+
+
+@dataclass
+class FrontOutput:
+    """What the VLM's base model hands its text model for one frame: ``inputs_embeds`` (T, H) in the model
+    dtype; ``position_ids``: multimodal rotary positions (3 or 4, 1, T) int64, None where the family's text
+    model uses ``arange(T)``; ``visual_mask`` (T,) bool and ``deepstack`` (levels, V, H): Qwen3-VL's DeepStack
+    features (added to the visual tokens after blocks 0 .. levels-1), else None."""
+
+    inputs_embeds: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    visual_mask: torch.Tensor | None = None
+    deepstack: torch.Tensor | None = None
+
+
+def build_front(config, family: VLMFamily, embed_tokens: nn.Module) -> nn.Module:
+    """The family's base model (``Qwen2_5_VLModel``, ...) with its text model replaced by a
+    :class:`TextCapture` around ``embed_tokens``. Its parameters are made on the meta device (filled by the
+    loader), its non-persistent buffers (vision rotary tables, position ids) on the CPU from the config
+    (accelerate's ``init_empty_weights(include_buffers=False)``), so no text block is ever allocated."""
+    import copy
+
+    from accelerate import init_empty_weights
+
+    config = copy.deepcopy(config)
+    text = config.text_config if hasattr(config, "text_config") else config
+    text.num_hidden_layers = 1
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types[:1])
+    with torch.device("cpu"), init_empty_weights(include_buffers=False):
+        base = family.base_class(config)
+    setattr(base, family.text_attribute, TextCapture(embed_tokens))
+    return base
+
+
+def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
+    """The base model's forward on one frame up to its text model (:class:`TextCapture`). Raises RuntimeError
+    when the forward ends without calling the text model (a family whose base model does not)."""
+    try:
+        front(input_ids=inputs.input_ids, **inputs.images)
+    except _Captured as c:
+        kw = c.kwargs
+    else:
+        raise RuntimeError(f"{type(front).__name__}.forward never called its text model")
+    h = kw["inputs_embeds"]
+    if h.dim() != 3 or h.shape[0] != 1:
+        raise RuntimeError(f"the VLM front gave inputs_embeds {tuple(h.shape)}, expected (1, T, H)")
+    positions = kw.get("position_ids")
+    if positions is not None and positions.dim() == 2:  # (1, T): plain positions, arange for a prefill
+        if not torch.equal(positions[0], torch.arange(h.shape[1], device=positions.device)):
+            raise RuntimeError("the VLM front gave 2-D position ids other than 0..T-1")
+        positions = None
+    deep = kw.get("deepstack_visual_embeds")
+    mask = kw.get("visual_pos_masks")
+    return FrontOutput(h[0], positions, None if mask is None else mask.reshape(-1),
+                       None if deep is None or len(deep) == 0 else torch.stack(list(deep)))
+
+
+def deepstack_add(h: torch.Tensor, visual_mask: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """Qwen3-VL's DeepStack step after a block: ``features`` (V, H) added to the hidden states (1, T, H) at
+    the visual tokens (``visual_mask`` (T,) bool, V of them) -- transformers'
+    ``Qwen3VLTextModel._deepstack_process``, called as it is (it uses no state of the model)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+
+    return Qwen3VLTextModel._deepstack_process(None, h, visual_mask.reshape(h.shape[:-1]), features)
+
+
+# ---------------------------------------------------------------------------------------------- key names
+
+class VLMKeyMap:
+    """Stored tensor names of a VLM directory -> canonical names, as transformers' ``from_pretrained`` renames
+    them for the family's ``ForConditionalGeneration`` (module docstring), then: the text model's
+    ``embed_tokens`` / ``layers.{i}`` / ``norm`` -> ``embed_tokens.*`` / ``layers.{i}.*`` / ``norm.*`` (as for a
+    text LM), everything else of the base model ``model.<rest>`` -> ``vlm.<rest>``, the LM head dropped.
+    ``canonical`` raises CheckpointLayoutError for a name transformers would convert rather than rename."""
+
+    def __init__(self, config, family: VLMFamily):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        with torch.device("meta"):
+            model = family.generation_class(_small_copy(config))
+        transforms = get_model_conversion_mapping(model)
+        self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self._prefix = model.base_model_prefix
+        self._meta = _AnyBlock(model.state_dict())
+        text = re.escape(family.text_attribute)
+        self._text = re.compile(rf"{re.escape(self._prefix)}\.{text}\.(embed_tokens\..+|layers\.\d+\..+|norm\..+)")
+        self._rest = re.compile(rf"{re.escape(self._prefix)}\.(.+)")
+        self.name = f"transformers {family.generation_class.__name__}"
+
+    def canonical(self, stored: str) -> str | None:
+        from transformers.core_model_loading import rename_source_key
+
+        if stored.endswith("rotary_emb.inv_freq"):
+            return None
+        name, converter = rename_source_key(stored, self._renamings, self._converters, self._prefix, self._meta)
+        if converter is not None:
+            raise CheckpointLayoutError(f"stored tensor {stored!r} is converted by transformers on load "
+                                        f"({converter}), not renamed: this package reads tensors 1:1")
+        if name.startswith("lm_head."):
+            return None
+        m = self._text.fullmatch(name)
+        if m:
+            return m.group(1)
+        m = self._rest.fullmatch(name)
+        if m:
+            return f"vlm.{m.group(1)}"
+        return None
+
+
+class _AnyBlock(dict):
+    """The one-text-block model's state-dict names; a lookup of block i's name answers for block 0's."""
+
+    def __init__(self, state: dict):
+        super().__init__({k: True for k in state})
+
+    def get(self, key, default=None):
+        return super().get(re.sub(r"\.layers\.\d+\.", ".layers.0.", key), default)
+
+
+def _small_copy(config):
+    """A deep copy of a VLM config with one text block (its module names are what counts, not its size)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    text = config.text_config
+    text.num_hidden_layers = 1
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types[:1])
+    return config
+
+
+def frame_inputs(processor, cfg, images: list) -> VLMInputs:
+    """One camera frame for a VLM split: ``images`` (RGB uint8 (H, W, 3), one per camera in prompt order, each
+    already of ``cfg.camera_size``: the prefix resizes them with
+    :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`) through the family's processor with ``cfg.prompt``; for a driving composition (a ``VLAConfig``) the planning token
+    (``cfg.planning_token_id``) appended last, as its planning head reads it (a ``queries`` read-out: one copy
+    per query token, whose embeddings the prefix replaces by the learned queries). Raises ValueError (camera count,
+    an image of another size, a prompt without one placeholder per camera)."""
+    from .config import VLAConfig
+
+    if len(images) != cfg.cameras:
+        raise ValueError(f"frame has {len(images)} cameras, the model takes {cfg.cameras}")
+    w, h = cfg.camera_size
+    wrong = [i for i, im in enumerate(images) if tuple(im.shape[:2]) != (h, w)]
+    if wrong:
+        raise ValueError(f"camera image(s) {wrong} are not {w} x {h} px (camera_size): resize them first (T, and "
+                         "the ring's slot, are for that size)")
+    inputs = run_processor(processor, list(images), cfg.prompt)
+    if isinstance(cfg, VLAConfig):  # the planning token, or one copy per query token (their rows replaced later)
+        for _ in range(max(1, cfg.query_count)):
+            inputs = with_token(inputs, int(cfg.planning_token_id))
+    return inputs
+
+
+def with_token(inputs: VLMInputs, token_id: int) -> VLMInputs:
+    """``inputs`` with one text token appended last (``input_ids`` (1, T+1)); per-token processor outputs
+    (``mm_token_type_ids``, ``token_type_ids``: (1, T)) get a text entry (0) for it."""
+    ids = torch.cat([inputs.input_ids, torch.tensor([[token_id]], dtype=inputs.input_ids.dtype)], dim=1)
+    images = dict(inputs.images)
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in images and images[key].shape[-1] == inputs.tokens:
+            images[key] = torch.cat([images[key], torch.zeros_like(images[key][..., :1])], dim=-1)
+    return VLMInputs(ids, images)

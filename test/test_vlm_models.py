@@ -1,0 +1,213 @@
+"""Transformers VLM directories split at K: every family against transformers' own forward.
+
+Each directory is written by transformers' ``save_pretrained`` (sharded) with its family's own processor
+(test/vlm_builders.py). The reference is transformers' ``<Family>ForConditionalGeneration.from_pretrained`` on
+the same processor outputs, run in this file with forward pre-hooks on its text blocks (the input of block K is
+what crosses the split at K) -- no code of the split path on the reference side. The input: real camera frames
+of the embedded bag through the family's processor.
+"""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from vlm_builders import VLM_BUILDERS
+from hybrid_vla_ros.model.checkpoint import open_checkpoint
+
+TOL = 1e-5
+CAMERAS = 2
+
+
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    return {name: builder(root / name, **kw) for name, (builder, kw) in VLM_BUILDERS.items()}
+
+
+def _camera_images(size):
+    from hybrid_vla_ros.split.verify import bag_images
+
+    return bag_images(CAMERAS, size)
+
+
+def _reference(path, inputs):
+    """transformers' own forward: each text block's input (L entries) and last_hidden_state, batch dropped."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
+    text = getattr(model.model, "language_model", None) or model.model.text_model
+    states = []
+    for layer in text.layers:
+        layer.register_forward_pre_hook(lambda m, a, kw: states.append((a[0] if a else kw["hidden_states"])[0]),
+                                        with_kwargs=True)
+    last = model.model(input_ids=inputs.input_ids, **inputs.images).last_hidden_state[0]
+    return states + [last]
+
+
+@pytest.mark.parametrize("family", sorted(VLM_BUILDERS))
+def test_every_family_splits_exactly_at_every_k(vlm_dirs, family):
+    """For every K: the prefix's h_K equals the input of transformers' text block K, and the suffix's final
+    hidden states equal transformers' last_hidden_state, fp32 max abs diff <= 1e-5 -- with the side tensors the
+    family needs (Qwen-VL: multimodal positions; Qwen3-VL: DeepStack features too) crossing with h_K."""
+    from hybrid_vla_ros.model.vlm import load_processor, run_processor
+
+    path = vlm_dirs[family]
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 3, "sharded"
+    ck = open_checkpoint(path, cameras=CAMERAS)
+    cfg = ck.model
+    inputs = run_processor(load_processor(path, cfg.vlm_type), _camera_images(cfg.camera_size), cfg.prompt)
+    assert inputs.tokens == cfg.num_tokens
+    with torch.inference_mode():
+        ref = _reference(path, inputs)
+        L = ck.num_layers
+        assert len(ref) == L + 1
+        for k in range(L + 1):
+            state = ck.load("prefix", k)(inputs)
+            assert state.hidden_states.shape == (cfg.num_tokens, cfg.hidden_size)
+            assert set(state.side()) == set(cfg.side), "the side tensors the spec declares, and only those"
+            if k < L:
+                assert (state.hidden_states - ref[k]).abs().max().item() <= TOL, f"h_{k} differs"
+            final = ck.load("suffix", k).final_hidden_states(state)
+            assert (final - ref[L]).abs().max().item() <= TOL, f"split at {k}: final hidden states differ"
+        assert ref[1].abs().max() > 1 and (ref[L] - ref[0]).abs().max() > 0.5, "O(1) states; the blocks act"
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_side_tensors_are_needed(vlm_dirs, family):
+    """Negative control: the suffix run without the multimodal positions (plain 0..T-1) or, for Qwen3-VL, without
+    the DeepStack features the prefix did not add yet (K = 0) differs from transformers far beyond the tolerance;
+    a suffix asked to run without a declared side tensor refuses, naming it."""
+    from hybrid_vla_ros.model.contract import SplitState
+    from hybrid_vla_ros.model.vlm import load_processor, run_processor
+
+    path = vlm_dirs[family]
+    ck = open_checkpoint(path, cameras=CAMERAS)
+    cfg = ck.model
+    inputs = run_processor(load_processor(path, cfg.vlm_type), _camera_images(cfg.camera_size), cfg.prompt)
+    with torch.inference_mode():
+        ref = _reference(path, inputs)
+        state = ck.load("prefix", 0)(inputs)
+        suffix = ck.load("suffix", 0)
+        assert (suffix.final_hidden_states(state) - ref[-1]).abs().max().item() <= TOL
+        with pytest.raises(ValueError, match="position_ids"):
+            suffix.final_hidden_states(SplitState(state.hidden_states))
+        suffix.cfg.side = ()  # let it run without: the plain positions give other states
+        assert (suffix.final_hidden_states(SplitState(state.hidden_states)) - ref[-1]).abs().max().item() > 1e-2
+        if family == "qwen3_vl":
+            no_deep = SplitState(state.hidden_states, state.position_ids)
+            assert (suffix.final_hidden_states(no_deep) - ref[-1]).abs().max().item() > 1e-2
+
+
+def test_the_processor_sees_the_camera_images_in_rgb(vlm_dirs):
+    """The images the processor gets are the cameras' RGB (the bag's JPEGs decoded as RGB, resized): swapping to
+    BGR changes the pixel values the family's processor produces, so a colour-order slip cannot pass unseen."""
+    from hybrid_vla_ros.model.vlm import load_processor, run_processor
+
+    path = vlm_dirs["qwen2_5_vl"]
+    cfg = open_checkpoint(path, cameras=CAMERAS).model
+    processor = load_processor(path, cfg.vlm_type)
+    images = _camera_images(cfg.camera_size)
+    assert all(im.shape == (cfg.camera_size[1], cfg.camera_size[0], 3) for im in images)
+    rgb = run_processor(processor, images, cfg.prompt).images["pixel_values"]
+    bgr = run_processor(processor, [im[..., ::-1].copy() for im in images], cfg.prompt).images["pixel_values"]
+    assert (rgb - bgr).abs().max() > 0.1
+    red = np.zeros_like(images[0])
+    red[..., 0] = 255
+    out = run_processor(processor, [red] * CAMERAS, cfg.prompt).images["pixel_values"]
+    # Qwen-VL's flattened patches are (channel, temporal, patch, patch): the red channel is the first third
+    mean = processor.image_processor.image_mean
+    std = processor.image_processor.image_std
+    third = out.shape[1] // 3
+    assert torch.allclose(out[:, :third], torch.full_like(out[:, :third], (1 - mean[0]) / std[0]), atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["internvl", "qwen2_5_vl", "qwen3_vl"])
+def test_cli_verify_split_and_plan_on_a_vlm_directory(vlm_dirs, family, tmp_path, capsys):
+    """`hybrid-vla verify-split --model DIR` exits 0 at every K; `hybrid-vla plan --model DIR` lists L + 1 rows,
+    its hand-off bytes the hidden states plus the declared side tensors (none, positions, positions + DeepStack;
+    every family's directory is checked at every K above, and through the CLI on its composition below)."""
+    from hybrid_vla_ros.model.contract import side_bytes
+    from hybrid_vla_ros.tools.cli import main
+
+    path = vlm_dirs[family]
+    capsys.readouterr()
+    assert main(["verify-split", "--model", str(path), "--quiet", "--cameras", str(CAMERAS)]) == 0
+    out = capsys.readouterr().out
+    assert "OK: 4 of 4 split layers within 1e-05" in out and "through the family's processor" in out, out
+    assert main(["plan", "--model", str(path), "--dtype", "fp32", "--cameras", str(CAMERAS), "--json",
+                 str(tmp_path / "plan.json")]) == 0
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert [r["k"] for r in rows] == [0, 1, 2, 3]
+    cfg = open_checkpoint(path, cameras=CAMERAS).model
+    want = cfg.num_tokens * cfg.hidden_size * 4 + side_bytes(cfg, torch.float32)
+    assert all(r["handoff_bytes"] == want for r in rows), (rows[0]["handoff_bytes"], want)
+    assert (side_bytes(cfg, torch.float32) > 0) == bool(cfg.side)
+
+
+def test_a_prompt_without_one_placeholder_per_camera_is_refused(vlm_dirs, capsys):
+    from hybrid_vla_ros.tools.cli import main
+
+    path = vlm_dirs["internvl"]
+    capsys.readouterr()
+    code = main(["plan", "--model", str(path), "--cameras", "2", "--prompt", "camera 1 <IMG_CONTEXT> plan"])
+    err = capsys.readouterr().err
+    assert code == 1 and "one per camera" in err and "1 image placeholder" in err, err
+
+
+def test_both_stored_layouts_read_the_same(vlm_dirs, tmp_path):
+    """A Qwen2.5-VL saved in transformers' default (legacy checkpoint) layout and in its 5.x in-memory layout
+    (``save_original_format=False``) give the same split."""
+    from transformers import AutoModelForImageTextToText
+
+    from hybrid_vla_ros.model.vlm import load_processor, run_processor
+
+    path = vlm_dirs["qwen2_5_vl"]
+    other = tmp_path / "v5"
+    AutoModelForImageTextToText.from_pretrained(str(path)).save_pretrained(str(other), max_shard_size="100KB",
+                                                                           save_original_format=False)
+    for f in path.iterdir():
+        if not f.name.startswith("model") and f.name != "config.json":
+            shutil.copy(f, other / f.name)
+    stored = set(json.loads((other / "model.safetensors.index.json").read_text())["weight_map"])
+    legacy = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
+    assert stored != legacy, "the two layouts name the tensors differently"
+    a, b = open_checkpoint(path, cameras=CAMERAS), open_checkpoint(other, cameras=CAMERAS)
+    inputs = run_processor(load_processor(path, a.model.vlm_type), _camera_images(a.model.camera_size), a.model.prompt)
+    with torch.inference_mode():
+        assert torch.equal(a.load("prefix", 2)(inputs).hidden_states, b.load("prefix", 2)(inputs).hidden_states)
+
+
+@pytest.mark.parametrize("family", sorted(VLM_BUILDERS))
+def test_a_composition_on_every_family_verifies(vlm_dirs, family, tmp_path, capsys):
+    """`hybrid-vla init-model --preset tiny --vlm DIR OUT` on every family, then `verify-split --model OUT`: the
+    planning head's waypoints on transformers' final state of the planning token agree at every K."""
+    from hybrid_vla_ros.tools.cli import main
+
+    out = tmp_path / "drive"
+    assert main(["init-model", "--preset", "tiny", "--vlm", str(vlm_dirs[family]), str(out)]) == 0
+    capsys.readouterr()
+    assert main(["verify-split", "--model", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "OK: 4 of 4 split layers within 1e-05" in text, text
+    rows = [line for line in text.splitlines() if line.strip()[:1].isdigit() and "|" in line]
+    assert len(rows) == 4 and all(line.split("|")[3].strip() != "-" for line in rows), "waypoints at every K"
+
+
+def test_profile_and_split_layer_auto_on_a_vlm_composition(vlm_dirs, tmp_path):
+    """`hybrid-vla profile --model OUT` times the VLM front (the family's processor outputs through its own base
+    model) and every text block; `plan --profile` then chooses K with latencies, as `split_layer: auto` does."""
+    from hybrid_vla_ros.split.planner import plan_for_checkpoint
+    from hybrid_vla_ros.tools.cli import main
+
+    out = tmp_path / "drive"
+    assert main(["init-model", "--preset", "tiny", "--vlm", str(vlm_dirs["qwen3_vl"]), str(out)]) == 0
+    assert main(["profile", "--model", str(out), "--device", "cpu", "--repeats", "1", "--quiet", "--out",
+                 str(tmp_path / "p.json")]) == 0
+    doc = json.loads((tmp_path / "p.json").read_text())
+    cpu = doc["devices"]["cpu"]
+    assert len(cpu["llm_blocks_ms"]) == 3 and all(ms > 0 for ms in cpu["llm_blocks_ms"])
+    assert cpu["parts_ms"]["vision_embeddings"] > 0 and cpu["parts_ms"]["head"] > 0
+    plan = plan_for_checkpoint(out, tmp_path / "p.json", None, "fp32")
+    assert plan.chosen_k in range(4) and all(r.e2e_ms is not None for r in plan.rows), plan.reason

@@ -1,0 +1,172 @@
+"""Tiny vision-language models of transformers' own classes, saved with ``save_pretrained`` (sharded) together
+with a processor (the family's own image processor and a word-level tokenizer that knows the family's image
+tokens), as a user's downloaded VLM directory would hold them: ``config.json``, shards, ``preprocessor_config.json``,
+``tokenizer.json``, ``processor_config.json``.
+
+Weights are re-drawn so hidden states are O(1) (hf_builders.perturb_). The vision towers are small (a few
+blocks, patch 8 or 14) and their image processors resize each camera frame to a few hundred pixels, so one
+6-camera frame is some hundred tokens.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hf_builders import LLM, perturb_
+
+from hybrid_vla_ros.tools.bench.families import word_tokenizer  # noqa: E402  (the benchmark's own, shared)
+
+
+def _text(model_type: str, **overrides) -> dict:
+    return {**LLM, "model_type": model_type, "vocab_size": LLM["vocab_size"], "rope_theta": 1e4,
+            "tie_word_embeddings": False, **overrides}
+
+
+def write_qwen_vl(path: Path, family: str = "qwen2_5_vl", seed: int = 5, shard: str = "100KB") -> Path:
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL (``family``) with its processor: vision patch 8, merge 2 (one token per
+    2 x 2 patches), images resized to at most 64 x 64 px (16 tokens a camera at 16:9), multimodal rotary sections
+    that sum to head_dim / 2 (8 = 2 + 3 + 3); Qwen3-VL with DeepStack features added after blocks 0 and 1."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+
+    special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>"]
+    tok = word_tokenizer(special, LLM["vocab_size"], path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+    if family == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+    text = _text(f"{family}_text", head_dim=16, rope_parameters=rope)
+    if family == "qwen3_vl":
+        vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=LLM["hidden_size"], num_position_embeddings=64,
+                      deepstack_visual_indexes=[0, 1])
+    elif family == "qwen2_5_vl":
+        vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=LLM["hidden_size"], window_size=32,
+                      fullatt_block_indexes=[1])
+    else:
+        vision = dict(depth=3, embed_dim=32, hidden_size=LLM["hidden_size"], mlp_ratio=2, num_heads=2, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2)
+    cfg = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                               vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    model = perturb_(AutoModelForImageTextToText.from_config(cfg), seed)
+    model.save_pretrained(str(path), max_shard_size=shard)
+    images = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                      min_pixels=16 * 16, max_pixels=64 * 64)
+    _save_processor(path, images, cfg)
+    return Path(path)
+
+
+def _save_processor(path: Path, images, cfg, **options) -> None:
+    """The image processor's ``preprocessor_config.json`` and a ``processor_config.json`` naming the family's
+    processor class with its options, as a downloaded VLM directory holds them (the tokenizer is saved by
+    :func:`word_tokenizer`)."""
+    import json
+
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+
+    images.save_pretrained(str(path))
+    doc = {"processor_class": PROCESSOR_MAPPING[type(cfg)].__name__, **options}
+    (Path(path) / "processor_config.json").write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _save_vlm(path: Path, cfg, seed: int, shard: str) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = perturb_(AutoModelForImageTextToText.from_config(cfg), seed)
+    model.save_pretrained(str(path), max_shard_size=shard)
+
+
+def write_internvl(path: Path, seed: int = 6, shard: str = "100KB") -> Path:
+    """An InternVL (InternVL3 layout: InternViT tower, pixel-shuffle connector, Qwen2 text model) with its
+    processor: 32 px tiles, patch 8, downsample 0.5 (4 tokens a tile), no extra tiles."""
+    from transformers import AutoConfig, GotOcr2ImageProcessorPil
+
+    special = ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+    tok = word_tokenizer(special, LLM["vocab_size"], path, extra={
+        "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>"})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[32, 32],
+                  patch_size=[8, 8])
+    cfg = AutoConfig.for_model("internvl", vision_config=vision, text_config=_text("qwen2"),
+                               image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4,
+                               downsample_ratio=0.5, vision_feature_layer=-1)
+    _save_vlm(path, cfg, seed, shard)
+    images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=False)
+    _save_processor(path, images, cfg, image_seq_length=4)
+    return Path(path)
+
+
+def write_llava_next(path: Path, family: str = "llava_next", seed: int = 7, shard: str = "100KB") -> Path:
+    """A LLaVA-NeXT (CLIP tower, llama text) or LLaVA-OneVision (SigLIP tower, qwen2 text) with its processor:
+    32 px base image, patch 8, 'anyres' grids of 32 / 64 px (the base image plus its tiles, a newline token per
+    row)."""
+    from transformers import AutoConfig
+
+    special = ["<image>", "<video>"]
+    tok = word_tokenizer(special, LLM["vocab_size"], path, extra={"image_token": "<image>", "video_token": "<video>"})
+    grids = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    if family == "llava_next":
+        from transformers import LlavaNextImageProcessorPil as Images
+
+        vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)
+        cfg = AutoConfig.for_model(family, vision_config=vision, text_config=_text("llama"),
+                                   image_token_index=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=grids,
+                                   vision_feature_layer=-2, vision_feature_select_strategy="default")
+        options = dict(patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    else:
+        from transformers import LlavaOnevisionImageProcessorPil as Images
+
+        vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=32, patch_size=8)
+        cfg = AutoConfig.for_model(family, vision_config=vision, text_config=_text("qwen2"),
+                                   image_token_index=tok.convert_tokens_to_ids("<image>"),
+                                   video_token_index=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=grids,
+                                   vision_feature_layer=-1, vision_feature_select_strategy="full",
+                                   vision_aspect_ratio="anyres_max_9")
+        options = dict(num_image_tokens=16, vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9")
+    _save_vlm(path, cfg, seed, shard)
+    images = Images(size={"height": 32, "width": 32} if family != "llava_next" else {"shortest_edge": 32},
+                    crop_size={"height": 32, "width": 32}, image_grid_pinpoints=grids)
+    _save_processor(path, images, cfg, **options)
+    return Path(path)
+
+
+def write_idefics3(path: Path, family: str = "idefics3", seed: int = 8, shard: str = "100KB") -> Path:
+    """An Idefics3 or SmolVLM (SigLIP-style tower, pixel-shuffle connector, llama text) with its processor: 32 px
+    tiles, patch 8, scale factor 2 (4 tokens a tile), images split into tiles of at most 32 px plus the whole
+    image, each tile wrapped in the family's row / column tokens."""
+    from transformers import AutoConfig
+
+    special = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+    special += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    tok = word_tokenizer(special, LLM["vocab_size"], path, extra={"image_token": "<image>"})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    cfg = AutoConfig.for_model(family, vision_config=vision, text_config=_text("llama"),
+                               image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)
+    _save_vlm(path, cfg, seed, shard)
+    if family == "idefics3":
+        from transformers import Idefics3ImageProcessorPil as Images
+    else:
+        from transformers import SmolVLMImageProcessorPil as Images
+    images = Images(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True)
+    _save_processor(path, images, cfg, image_seq_len=4)
+    return Path(path)
+
+
+#: Every VLM family of the tests: name -> (builder, kwargs).
+VLM_BUILDERS = {
+    "qwen2_vl": (write_qwen_vl, dict(family="qwen2_vl")),
+    "qwen2_5_vl": (write_qwen_vl, dict(family="qwen2_5_vl")),
+    "qwen3_vl": (write_qwen_vl, dict(family="qwen3_vl")),
+    "internvl": (write_internvl, {}),
+    "llava_next": (write_llava_next, dict(family="llava_next")),
+    "llava_onevision": (write_llava_next, dict(family="llava_onevision")),
+    "idefics3": (write_idefics3, dict(family="idefics3")),
+    "smolvlm": (write_idefics3, dict(family="smolvlm")),
+}
