@@ -26,7 +26,7 @@ setup(
     extras_require={"test": ["pytest"]},
     entry_points={
         "console_scripts": [
-            "prefix_node = hybrid_vla_ros.ros.prefix_node:main",
+            "prefix_node = hybrid_vla_ros.ros.prefix_main:main",  # pins, then imports prefix_node (OpenCV, torch)
             "suffix_node = hybrid_vla_ros.ros.suffix_node:main",
             "hybrid-vla = hybrid_vla_ros.tools.cli:main",
         ],

@@ -88,24 +88,36 @@ ARGUMENTS = [
     ("use_sim_time", "", "true: both nodes take their clock from /clock (a bag played with `ros2 bag play --clock` "
      "or `hybrid-vla replay --attach`), so the output guard judges recorded stamps by the bag's time"),
 ]
-# launch arguments that override a node parameter of the same name when given
-PREFIX_OVERRIDES = ("model_path", "split_layer", "device", "dtype", "use_sim_time")
-SUFFIX_OVERRIDES = ("model_path", "split_layer", "cpu_affinity", "dtype", "navigation_command",
-                    "publish_candidate_trajectories", "use_sim_time")
+# A launch argument named as a parameter of a node's schema (schema/<node>.schema.json) overrides that parameter
+# when given, except these: `cpu_affinity` pins the suffix (the prefix's cores are `prefix_cpu_affinity`).
+NOT_OVERRIDES = {"prefix_node": ("cpu_affinity",), "suffix_node": ()}
+# ROS parameters of every node, not in the schemas, that a launch argument of the same name overrides too
+ROS_OVERRIDES = ("use_sim_time",)
 
 
-def _overrides(values: dict, names) -> dict:
-    """Typed parameter values (YAML scalars / lists) of the non-empty launch arguments in ``names``.
+def _override_specs(node: str) -> dict:
+    """Launch argument name -> the schema entry of the ``node`` parameter it overrides (None for a ROS parameter
+    such as ``use_sim_time``), in the order of ``ARGUMENTS``."""
+    from hybrid_vla_ros.ros.params import parameter_specs
+
+    specs = parameter_specs(node)
+    names = [n for n, _, _ in ARGUMENTS if n in specs and n not in NOT_OVERRIDES[node]]
+    return {**{n: specs[n] for n in names}, **{n: None for n in ROS_OVERRIDES}}
+
+
+def _overrides(values: dict, node: str) -> dict:
+    """Typed parameter values of the non-empty launch arguments that override a parameter of ``node``
+    (:func:`_override_specs`): a string parameter's value as given, any other as YAML (scalars, lists).
 
     Raises ValueError for an empty list (e.g. ``cpu_affinity:='[]'``): launch_ros cannot write one into its
     parameter file, and rcl ignores an empty list that follows a value from an earlier file, so it could
     not override the parameter file's value; the message says to set it in the parameter file instead.
     """
     typed = {}
-    for n in names:
+    for n, spec in _override_specs(node).items():
         if values[n] == "":
             continue
-        v = values[n] if n == "model_path" else yaml.safe_load(values[n])
+        v = values[n] if spec is not None and spec["type"] == "string" else yaml.safe_load(values[n])
         if isinstance(v, list) and not v:
             raise ValueError(f"{n}:='[]': an empty list cannot override the parameter file's value (ROS ignores "
                              f"empty lists over earlier values); set `{n}: []` in your own parameter file and "
@@ -227,7 +239,7 @@ def launch_setup(context, *args, **kwargs) -> list:
         raise ValueError(f"respawn_delay must be a number of seconds, got {values['respawn_delay']!r}") from None
     if not respawn_delay >= 0:
         raise ValueError(f"respawn_delay must be >= 0 s, got {respawn_delay}")
-    prefix_overrides = _overrides(values, PREFIX_OVERRIDES)
+    prefix_overrides = _overrides(values, "prefix_node")
     prefix_cores = _prefix_cores(values, prefix_file, suffix_file)
     if prefix_cores is not None:
         prefix_overrides["cpu_affinity"] = prefix_cores
@@ -242,7 +254,7 @@ def launch_setup(context, *args, **kwargs) -> list:
     suffix = LifecycleNode(
         package=PACKAGE, executable="suffix_node", name="suffix_node", namespace=values["namespace"],
         output="screen", **restart,
-        parameters=[suffix_file, _overrides(values, SUFFIX_OVERRIDES)],
+        parameters=[suffix_file, _overrides(values, "suffix_node")],
         remappings=[("~/input/kinematic_state", values["input_kinematic_state"]),
                     ("~/input/navigation_command", topics["input_navigation_command"]),
                     ("~/output/trajectory", topics["output_trajectory"]),

@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from hybrid_vla_ros.ros.status import FrameTiming, PrefixStatus, SuffixStatus, pipeline_status_name  # noqa: E402
 from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
 from hybrid_vla_ros.transport.segment import segment_name  # noqa: E402
 from hybrid_vla_ros.util.stats import percentiles  # noqa: E402
@@ -91,7 +92,7 @@ class Graph:
         self.executor.add_node(self.node)
         self.lock = threading.Lock()
         self.received: dict[int, float] = {}  # trajectory stamp -> time.monotonic() at receipt
-        self.timings: dict[int, dict] = {}  # stamp -> stage ms from ~/debug/frame_timing
+        self.timings: dict[int, FrameTiming] = {}  # stamp -> the suffix's ~/debug/frame_timing
         self.diag: dict[str, dict] = {}
         self.diag_count: dict[str, int] = {}
         self.node.create_subscription(Trajectory, f"{ns}/suffix_node/output/trajectory", self._on_traj,
@@ -107,9 +108,9 @@ class Graph:
             self.received[msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec] = t
 
     def _on_timing(self, msg):
-        values = {kv.key.removesuffix("_ms"): float(kv.value) for kv in msg.status[0].values if kv.key.endswith("_ms")}
+        timing = FrameTiming.from_key_values((kv.key, kv.value) for kv in msg.status[0].values)
         with self.lock:
-            self.timings[msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec] = values
+            self.timings[msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec] = timing
 
     def _on_diag(self, msg):
         with self.lock:
@@ -264,27 +265,10 @@ def ring_prefix(ns: str) -> str:
     return segment_name("x", ns).removesuffix("x")
 
 
-def _int(d: dict, key: str) -> int:
-    try:
-        return int(d.get(key, 0))
-    except ValueError:
-        return 0
-
-
-def _counters(graph: Graph, ns: str) -> dict:
-    """Cumulative counters of both nodes from a fresh /diagnostics report of each."""
-    out = {}
-    for role in ("prefix", "suffix"):
-        d = graph.fresh_diag(f"{ns}/{role}_node: pipeline")
-        for key, value in d.items():
-            if key.startswith("drop_") or key in ("frames_in", "frames_synchronized", "frames_out", "ring_published",
-                                                 "ring_dropped_oldest", "trajectories_out", "ring_read"):
-                out[f"{role}.{key}"] = _int(d, key)
-    return out
-
-
-def _delta(after: dict, before: dict) -> dict:
-    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+def _statuses(graph: Graph, ns: str) -> tuple[PrefixStatus, SuffixStatus]:
+    """Both nodes' statuses from a fresh /diagnostics report of each (ros/status.py)."""
+    return tuple(cls.from_key_values(graph.fresh_diag(pipeline_status_name(f"{ns}/{role}_node")))
+                 for role, cls in (("prefix", PrefixStatus), ("suffix", SuffixStatus)))
 
 
 def _drain(graph: Graph, player: LoopingFramePlayer, stamps: list[int], quiet_s: float = 3.0) -> None:
@@ -301,28 +285,25 @@ def _drain(graph: Graph, player: LoopingFramePlayer, stamps: list[int], quiet_s:
         time.sleep(0.05)
 
 
-def account(published: int, received: int, counters: dict, n_cameras: int) -> dict:
+def account(published: int, received: int, prefix: PrefixStatus, suffix: SuffixStatus, n_cameras: int) -> dict:
     """Where every published frame went: output, a drop counted per frame, or lost before synchronization.
 
-    ``counters`` are the run's deltas of the nodes' cumulative /diagnostics counters.
+    ``prefix`` / ``suffix``: the nodes' statuses with their counters of the run (``after.since(before)``).
     """
     frame_drops, message_drops = {}, {}
-    for key, n in counters.items():
-        role, _, name = key.partition(".")
-        if name.startswith("drop_"):
-            cause = name[5:]
+    for role, status in (("prefix", prefix), ("suffix", suffix)):
+        for cause, n in status.drops.items():
             (message_drops if cause in MESSAGE_CAUSES[role] else frame_drops)[f"{role}.{cause}"] = n
-    if counters.get("prefix.ring_dropped_oldest"):
-        frame_drops["ring.dropped_oldest"] = counters["prefix.ring_dropped_oldest"]
-    unsynchronized = published - counters.get("prefix.frames_synchronized", 0)
-    traj_out = counters.get("suffix.trajectories_out", 0)
+    if prefix.ring_dropped_oldest:
+        frame_drops["ring.dropped_oldest"] = prefix.ring_dropped_oldest
+    unsynchronized = published - prefix.frames_synchronized
     return {
         "frames_published": published,
-        "camera_messages_in": counters.get("prefix.frames_in", 0),
-        "camera_messages_lost_in_transport": published * n_cameras - counters.get("prefix.frames_in", 0),
-        "frames_synchronized": counters.get("prefix.frames_synchronized", 0),
-        "frames_through_prefix": counters.get("prefix.frames_out", 0),
-        "trajectories_published": traj_out,
+        "camera_messages_in": prefix.frames_in,
+        "camera_messages_lost_in_transport": published * n_cameras - prefix.frames_in,
+        "frames_synchronized": prefix.frames_synchronized,
+        "frames_through_prefix": prefix.frames_out,
+        "trajectories_published": suffix.trajectories_out,
         "trajectories_received": received,
         "frame_drops": frame_drops,
         "message_drops": message_drops,
@@ -376,7 +357,7 @@ def _latency(graph: Graph, player: LoopingFramePlayer, stamps: list[int], warm_f
         e2e = [(received[s] - player.sent[s]) * 1e3 for s in window if s in received]
         out[name] = {"frames": len(window), "end_to_end": percentiles(e2e, finite_only=True)}
         for stage in ("preprocess", "prefix", "handoff", "suffix"):
-            out[name][stage] = percentiles([timings[s][stage] for s in window if s in timings and stage in timings[s]],
+            out[name][stage] = percentiles([timings[s].stage_ms()[stage] for s in window if s in timings],
                                           finite_only=True)
     return out
 
@@ -431,7 +412,7 @@ def run(args) -> dict:
         results["fps_target"] = round(fps, 3)
         results["load"] = args.load
 
-        before = _counters(graph, ns)
+        before = _statuses(graph, ns)
         start_frame = player.count
         print(f"playing {args.frames} frames at {fps:.2f} fps (~{args.frames / fps / 60:.1f} min) ...", flush=True)
         stop = threading.Event()
@@ -444,13 +425,14 @@ def run(args) -> dict:
             stop.set()
             progress.join()
         _drain(graph, player, stamps)
-        after = _counters(graph, ns)
+        after = _statuses(graph, ns)
         monitor.stop()
         with graph.lock:
             received = sum(s in graph.received for s in stamps)
         results["fps_achieved"] = round(len(stamps) / wall, 3)
         results["wall_s"] = round(wall, 1)
-        results["accounting"] = account(len(stamps), received, _delta(after, before), player.n_cameras)
+        results["accounting"] = account(len(stamps), received, *(a.since(b) for a, b in zip(after, before)),
+                                         player.n_cameras)
         results["resources"] = _growth(monitor.samples, start_frame, warm)
         results["latency_ms"] = _latency(graph, player, stamps, warm)
         results["samples"] = monitor.samples

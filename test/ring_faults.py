@@ -36,9 +36,11 @@ COLS = 16
 
 def expected(seq: int) -> dict:
     """What frame ``seq`` carries: shape (1 + seq % 4, 16) float32 filled with seq, stamp 1000 seq + 7, split
-    layer seq % 5, timings (seq, seq + 0.5)."""
+    layer seq % 5, timings (preprocess seq ms, prefix seq + 0.5 ms, started at 10**18 + seq ns)."""
+    from hybrid_vla_ros.transport.slots import SlotTimings
+
     return {"shape": (1 + seq % 4, COLS), "stamp": 1000 * seq + 7, "split": seq % 5,
-            "timings": (float(seq), seq + 0.5), "value": float(seq)}
+            "timings": SlotTimings(float(seq), seq + 0.5, 10**18 + seq), "value": float(seq)}
 
 
 def publish_one(prod, torch) -> int:
@@ -46,7 +48,7 @@ def publish_one(prod, torch) -> int:
     e = expected(seq)
     slot = prod.acquire(e["shape"], torch.float32)
     slot.tensor.fill_(e["value"])
-    return prod.publish(slot, stamp_ns=e["stamp"], split_layer=e["split"], timings_ms=e["timings"])
+    return prod.publish(slot, stamp_ns=e["stamp"], split_layer=e["split"], timings=e["timings"])
 
 
 class StoreCounter:
@@ -121,7 +123,7 @@ def check_segment(name: str, torch, ring) -> dict:
                 break
             with slot:
                 m, e = slot.meta, expected(slot.meta.seq)
-                got = {"shape": m.shape, "stamp": m.stamp_ns, "split": m.split_layer, "timings": m.timings_ms}
+                got = {"shape": m.shape, "stamp": m.stamp_ns, "split": m.split_layer, "timings": m.timings}
                 ok = all(got[k] == e[k] for k in got) and bool((slot.tensor == e["value"]).all()) \
                     and m.t_write_start_ns <= m.t_publish_ns
                 if not ok:

@@ -116,6 +116,7 @@ def test_hidden_states_cross_the_real_ring_between_processes_equal_transformers(
 import sys
 from rosbags.typesys import Stores, get_typestore
 from hybrid_vla_ros.runtime.prefix import PrefixRunner
+from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings
 from hybrid_vla_ros.util.bags import read_bag
 store = get_typestore(Stores.ROS2_KILTED)
 first = {{}}
@@ -125,7 +126,7 @@ for m in read_bag({str(REPO / 'data' / 'dgp_scene02_6cam_mcap')!r}):
         if msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec == {stamp}:
             first[m.topic] = msg
 items = [('compressed', first[t]) for t in sorted(first)]
-runner = PrefixRunner({str(composed)!r}, 0, device='cpu', namespace={ns!r}, ring_slots=8)
+runner = PrefixRunner({str(composed)!r}, PrefixRunnerSettings(0, device='cpu', namespace={ns!r}, ring_slots=8))
 for k in range(runner.cfg.num_layers + 1):
     runner.request_split_layer(k)
     runner.apply_split_request(timeout=None)
@@ -260,6 +261,7 @@ def test_a_trained_head_attached_to_a_llava_drives_the_runners_exactly(tmp_path,
 
     from hybrid_vla_ros.model.modeling import llava_input_ids
     from hybrid_vla_ros.runtime.prefix import PrefixRunner
+    from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings, SuffixRunnerSettings
     from hybrid_vla_ros.runtime.suffix import SuffixRunner
 
     llava = write_llava(tmp_path / "llava")
@@ -291,8 +293,8 @@ def test_a_trained_head_attached_to_a_llava_drives_the_runners_exactly(tmp_path,
                     output_hidden_states=True).hidden_states[-1][0, -1]
         expected = ck.load("suffix", ck.num_layers).head(final)[3].double().numpy()
     ns = f"/hd_{uuid.uuid4().hex[:6]}"
-    prefix = PrefixRunner(str(out), 0, device="cpu", namespace=ns, ring_slots=8)
-    suffix = SuffixRunner(str(out), 0, namespace=ns)
+    prefix = PrefixRunner(str(out), PrefixRunnerSettings(0, device="cpu", namespace=ns, ring_slots=8))
+    suffix = SuffixRunner(str(out), SuffixRunnerSettings(0, namespace=ns))
     try:
         assert suffix.poll(0.05) is None  # attach
         for k in range(ck.num_layers + 1):

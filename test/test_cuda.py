@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,15 +78,16 @@ def test_background_load_runs_on_its_own_stream_and_is_ready_for_the_inference_s
 
 def test_budget_is_enforced_at_configure(tiny_checkpoint):
     from hybrid_vla_ros.runtime.prefix import PrefixRunner
+    from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings
     from hybrid_vla_ros.split.planner import plan_for_checkpoint
 
     plan = plan_for_checkpoint(tiny_checkpoint, None, None, "fp32")
+    settings = PrefixRunnerSettings(4, device="cuda", ring_name=f"cuda_budget_{os.getpid()}")
     with pytest.raises(ValueError, match="gpu_budget_gb"):
-        PrefixRunner(str(tiny_checkpoint), 4, device="cuda", ring_name=f"cuda_budget_{os.getpid()}",
-                     gpu_budget_bytes=plan.row(4).gpu_total_bytes - 1)
+        PrefixRunner(str(tiny_checkpoint), replace(settings, gpu_budget_bytes=plan.row(4).gpu_total_bytes - 1))
     budget = plan.row(4).gpu_total_bytes
-    runner = PrefixRunner(str(tiny_checkpoint), 4, device="cuda", ring_name=f"cuda_budget2_{os.getpid()}",
-                          gpu_budget_bytes=budget)
+    runner = PrefixRunner(str(tiny_checkpoint), replace(settings, ring_name=f"cuda_budget2_{os.getpid()}",
+                                                        gpu_budget_bytes=budget))
     try:
         total = torch.cuda.get_device_properties(0).total_memory
         assert runner.memory_fraction == pytest.approx(min(1.0, budget / total))
@@ -97,11 +99,13 @@ def test_budget_is_enforced_at_configure(tiny_checkpoint):
 def test_resplit_down_returns_memory_to_the_driver(tmp_path):
     from hybrid_vla_ros.model.checkpoint import init_model
     from hybrid_vla_ros.runtime.prefix import PrefixRunner
+    from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings
     from hybrid_vla_ros.tools.gpu_check import raw_items, wide_tiny_llm
 
     path = tmp_path / "wide"
     init_model("tiny", path, overrides={"llm": wide_tiny_llm()}, dtype="fp16")
-    runner = PrefixRunner(str(path), 4, device="cuda", dtype="fp16", ring_name=f"cuda_resplit_{os.getpid()}")
+    runner = PrefixRunner(str(path), PrefixRunnerSettings(4, device="cuda", dtype="fp16",
+                                                          ring_name=f"cuda_resplit_{os.getpid()}"))
     try:
         items = raw_items(runner.cfg.n_cameras, (64, 48))
         runner.run(items, 1)

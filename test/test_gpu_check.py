@@ -81,9 +81,10 @@ def test_prefix_runner_checks_the_budget_only_on_cuda(tiny_checkpoint):
     if torch.cuda.is_available():
         pytest.skip("the CUDA case is in test_cuda.py")
     from hybrid_vla_ros.runtime.prefix import PrefixRunner
+    from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings
 
-    runner = PrefixRunner(str(tiny_checkpoint), 1, device="cpu", ring_name=f"gpuchk_budget_{os.getpid()}",
-                          gpu_budget_bytes=1)
+    runner = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(
+        1, device="cpu", ring_name=f"gpuchk_budget_{os.getpid()}", gpu_budget_bytes=1))
     try:
         assert runner.memory_fraction == 1.0
     finally:

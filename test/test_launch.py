@@ -340,9 +340,14 @@ def test_unreadable_parameter_values_are_clear_errors_at_start(ros_env, tiny_che
 
 
 def _prefix_cores_given(ros_env, monkeypatch, **given) -> list[int] | None:
-    """The ``cpu_affinity`` the launch file hands the prefix node for launch arguments ``given``: the real launch
-    file evaluated by the real launch / launch_ros (its OpaqueFunction run in a LaunchContext, each node's
-    parameter files written as launch_ros writes them), read back with the nodes' own loader."""
+    """The ``cpu_affinity`` the launch file hands the prefix node for launch arguments ``given``."""
+    return _parameters_given(ros_env, monkeypatch, "prefix_node", ("cpu_affinity",), **given)["cpu_affinity"]
+
+
+def _parameters_given(ros_env, monkeypatch, node: str, names, **given) -> dict:
+    """The parameters ``names`` the launch file hands ``node`` for launch arguments ``given`` (None: not set): the
+    real launch file evaluated by the real launch / launch_ros (its OpaqueFunction run in a LaunchContext, each
+    node's parameter files written as launch_ros writes them), read back with the nodes' own loader."""
     from launch import LaunchContext
     from launch.actions import DeclareLaunchArgument, OpaqueFunction
     from launch.launch_description_sources import get_launch_description_from_python_launch_file
@@ -359,10 +364,32 @@ def _prefix_cores_given(ros_env, monkeypatch, **given) -> list[int] | None:
             context.launch_configurations[entity.name] = given.get(entity.name, default)
     setup = next(e for e in description.entities if isinstance(e, OpaqueFunction))
     nodes = [a for a in setup.execute(context) if isinstance(a, LifecycleNode)]
-    prefix = next(n for n in nodes if n.node_executable == "prefix_node")
-    prefix._perform_substitutions(context)
-    files = [arg for arg, is_file in prefix._Node__expanded_parameter_arguments if is_file]
-    return parameter_from_files(files, f"/{given.get('namespace', 'hybrid_vla')}", "prefix_node", "cpu_affinity")
+    action = next(n for n in nodes if n.node_executable == node)
+    action._perform_substitutions(context)
+    files = [arg for arg, is_file in action._Node__expanded_parameter_arguments if is_file]
+    namespace = f"/{given.get('namespace', 'hybrid_vla')}"
+    return {name: parameter_from_files(files, namespace, node, name) for name in names}
+
+
+def test_launch_arguments_override_the_node_parameters_of_their_names(ros_env, monkeypatch, tmp_path):
+    """A launch argument named as a parameter in a node's schema overrides it (typed by the schema: a string as
+    given, anything else as YAML), cpu_affinity the suffix's only, use_sim_time (a ROS parameter) both nodes'."""
+    core = sorted(os.sched_getaffinity(0))[-1]
+    given = dict(model_path=str(tmp_path), split_layer="3", device="cuda:1", dtype="bf16", cpu_affinity=f"[{core}]",
+                 prefix_cpu_affinity="[0]", navigation_command="LEFT", publish_candidate_trajectories="true",
+                 use_sim_time="true")
+    names = ("model_path", "split_layer", "device", "dtype", "cpu_affinity", "navigation_command",
+             "publish_candidate_trajectories", "use_sim_time")
+    prefix = _parameters_given(ros_env, monkeypatch, "prefix_node", names, **given)
+    suffix = _parameters_given(ros_env, monkeypatch, "suffix_node", names, **given)
+    assert prefix == {"model_path": str(tmp_path), "split_layer": 3, "device": "cuda:1", "dtype": "bf16",
+                      "cpu_affinity": [0], "navigation_command": None, "publish_candidate_trajectories": None,
+                      "use_sim_time": True}, prefix
+    assert suffix == {"model_path": str(tmp_path), "split_layer": 3, "device": None, "dtype": "bf16",
+                      "cpu_affinity": [core], "navigation_command": "LEFT", "publish_candidate_trajectories": True,
+                      "use_sim_time": True}, suffix
+    assert _parameters_given(ros_env, monkeypatch, "suffix_node", ("split_layer",), split_layer="auto") == \
+        {"split_layer": "auto"}
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split between the nodes")

@@ -207,12 +207,17 @@ def test_lifecycle_order_split_following_and_reconfigure(nodes, embedded_bag, ti
         assert graph.wait(lambda: graph.diag.get(f"{ns}/{name}: pipeline", {}).get("state") == "active"
                           and graph.diag[f"{ns}/{name}: pipeline"].get("peer_cause") == ""), \
             graph.diag.get(f"{ns}/{name}: pipeline")
+    from hybrid_vla_ros.ros.status import PrefixStatus, SuffixStatus
+
     with graph.lock:
-        for name in ("prefix_node", "suffix_node"):
+        for name, cls in (("prefix_node", PrefixStatus), ("suffix_node", SuffixStatus)):
             values = graph.diag[f"{ns}/{name}: pipeline"]
-            assert float(values["rss_mib"]) > 50
-            ready, slots = values["ring_ready_slots"].split("/")
-            assert int(slots) == 4 and 0 <= int(ready) <= 4, (name, values)
+            # every key a running node writes is a field of the class the tools read it with
+            assert cls.unknown_keys(values) == [], (name, cls.unknown_keys(values))
+            status = cls.from_key_values(values)
+            assert status.rss_mib > 50 and status.state == "active" and status.split_layer in (1, 2)
+            assert status.ring_ready_slots.slots == 4 and 0 <= status.ring_ready_slots.ready <= 4, (name, values)
+            assert status.cpu_affinity and set(status.cpu_affinity) <= os.sched_getaffinity(0)
         graph.trajectories.clear()
 
     # re-configure the suffix with the prefix's split layer: deactivate, cleanup, set, configure, activate

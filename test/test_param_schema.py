@@ -172,7 +172,7 @@ def test_valid_values_come_back_complete_and_typed(tiny_checkpoint):
                  num_layers=4)
     assert set(p) == set(params.parameter_specs("suffix_node"))
     assert p.wheelbase_m == 3.0 and isinstance(p.wheelbase_m, float)
-    assert p.odometry_wait_s == 0.2 and p.output_frame == "map" and p.cpu_affinity == []
+    assert p.odometry_wait_s == 0.2 and p.output_frame == "map" and p.cpu_affinity == ()
     with pytest.raises(AttributeError):
         p.no_such_parameter  # noqa: B018
 

@@ -1,4 +1,5 @@
 """Parameter validation, early CPU pinning from ROS arguments, the odometry buffer."""
+import json
 import math
 import os
 import subprocess
@@ -22,8 +23,8 @@ from hybrid_vla_ros.vehicle.odometry import OdometryBuffer
 def test_prefix_params_expand_and_validate(tiny_checkpoint):
     p = validate("prefix_node", {"model_path": str(tiny_checkpoint), "split_layer": 2,
                                  "camera_transports": ["compressed"]}, n_cameras=6, num_layers=4)
-    assert p.camera_topics == [f"~/input/image{i}" for i in range(6)]
-    assert p.camera_transports == ["compressed"] * 6
+    assert p.camera_topics == tuple(f"~/input/image{i}" for i in range(6))  # lists are tuples in the settings
+    assert p.camera_transports == ("compressed",) * 6
     assert p.ring_slots == 4 and p.sync_tolerance_ms == 50.0  # schema defaults fill what is not given
 
 
@@ -143,27 +144,115 @@ def test_unreadable_parameters_are_named(tmp_path):
     assert unreadable_parameters(["x", "--ros-args", "-p", "ring_slots:=4"]) == []
 
 
+def _env_without_thread_counts() -> dict[str, str]:
+    """This process's environment for a child, without the thread-count variables the start-up sets."""
+    from hybrid_vla_ros.util.cores import THREAD_COUNT_VARS
+
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_COUNT_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    return env
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell pinned from unpinned")
 def test_pinning_before_torch_covers_every_thread():
-    """A process pinned by suffix_node's early step has all threads, torch's pool included, on the core."""
+    """A process started the nodes' way (pin_then_import) has every thread, torch's pool included, on the
+    core, and torch sized its pool to it."""
     core = max(os.sched_getaffinity(0))
     code = textwrap.dedent(f"""
-        import sys
-        from hybrid_vla_ros.ros.suffix_node import _pin_early
-        _pin_early(["x", "--ros-args", "-p", "cpu_affinity:=[{core}]"])
-        import torch
+        import os
+        from hybrid_vla_ros.ros.params_file import cpu_affinity_from_ros_args
+        from hybrid_vla_ros.util.cores import pin_then_import, thread_affinities
+        argv = ["x", "--ros-args", "-p", "cpu_affinity:=[{core}]"]
+        cores, torch = pin_then_import(lambda: cpu_affinity_from_ros_args(argv, "suffix_node"), "torch")
+        assert cores == [{core}] and os.environ["OMP_NUM_THREADS"] == "1", os.environ.get("OMP_NUM_THREADS")
+        assert torch.get_num_threads() == 1, torch.get_num_threads()  # sized to the pinned core at import
         torch.set_num_threads(2)
         torch.ones(256, 256) @ torch.ones(256, 256)  # start the intra-op pool
-        from hybrid_vla_ros.util.cores import thread_affinities
         aff = thread_affinities()
         assert len(aff) > 1, aff
         assert all(s == {{{core}}} for s in aff.values()), aff
         print(len(aff))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                         env=_env_without_thread_counts())
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) > 1
+
+
+#: Run in a child before a node's start-up: records the first pin (os.sched_setaffinity) and which thread-pool
+#: modules were loaded then, and at the first import of one of them (before it loads) prints what it saw as
+#: JSON and ends the process: the order is all the test needs, so nothing heavy is loaded or started.
+_TRIPWIRE = """
+import importlib.abc, json, os, sys
+from hybrid_vla_ros.util.cores import POOL_MODULES, THREAD_COUNT_VARS
+seen = {"pinned_to": None, "loaded_at_pin": None}
+real_setaffinity = os.sched_setaffinity
+def spy(pid, mask):
+    if seen["pinned_to"] is None:
+        seen["pinned_to"] = sorted(mask)
+        seen["loaded_at_pin"] = sorted(m for m in POOL_MODULES if m in sys.modules)
+    return real_setaffinity(pid, mask)
+os.sched_setaffinity = spy
+class Tripwire(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in POOL_MODULES:
+            seen.update(first_pool_import=name, env={v: os.environ.get(v) for v in THREAD_COUNT_VARS})
+            print(json.dumps(seen), flush=True)
+            os._exit(0)
+        return None
+sys.meta_path.insert(0, Tripwire())
+"""
+
+
+def _setup_entry_points() -> dict[str, str]:
+    """The nodes' console scripts in setup.py (what ``ros2 run`` / ``ros2 launch`` start): executable ->
+    ``module:function``."""
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "setup.py").read_text()
+    return dict(re.findall(r'"(prefix_node|suffix_node) = ([\w.]+:\w+)"', text))
+
+
+def _start_up(how: str, target: str, core: int) -> dict:
+    """Start a node the way ``how`` says (``script``: the console script's ``module:function``; ``-m``: ``python -m
+    module``, as ``hybrid-vla replay`` does; ``import``: a bare import of ``target``) under the tripwire with
+    ``cpu_affinity:=[core]``; what the tripwire saw."""
+    argv = ["node", "--ros-args", "-p", f"cpu_affinity:=[{core}]"]
+    if how == "script":
+        module, func = target.split(":")
+        start = f"import sys\nsys.argv = {argv!r}\nfrom {module} import {func}\nsys.exit({func}())\n"
+    elif how == "-m":
+        start = f"import runpy, sys\nsys.argv = {argv!r}\nrunpy.run_module({target!r}, run_name='__main__', alter_sys=True)\n"
+    else:
+        start = f"import {target}\n"
+    out = subprocess.run([sys.executable, "-c", _TRIPWIRE + start], capture_output=True, text=True, timeout=120,
+                         env=_env_without_thread_counts())
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0 and lines, f"no thread-pool module was imported ({out.returncode}): {out.stderr[-2000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("node,how", [("prefix_node", "script"), ("suffix_node", "script"),
+                                      ("prefix_node", "-m"), ("suffix_node", "-m")])
+def test_each_node_is_pinned_before_torch_opencv_numpy_or_rclpy_is_imported(node, how):
+    """The nodes' entry points (setup.py's console scripts, and ``python -m`` of the node modules, which
+    ``hybrid-vla replay`` runs) pin the process and set the thread-count variables before the first import of
+    torch, cv2, numpy or rclpy: their pools and the DDS threads start on the node's cores, sized to them."""
+    entry = _setup_entry_points()
+    assert set(entry) == {"prefix_node", "suffix_node"}, entry
+    core = max(os.sched_getaffinity(0))
+    seen = _start_up(how, entry[node] if how == "script" else f"hybrid_vla_ros.ros.{node}", core)
+    assert seen["pinned_to"] == [core], f"{node} ({how}) imported {seen['first_pool_import']} before pinning"
+    assert seen["loaded_at_pin"] == [], seen
+    assert all(v == "1" for v in seen["env"].values()), seen["env"]  # one thread per pinned core
+
+
+def test_the_tripwire_catches_an_import_before_the_pin():
+    """The check above can fail: importing the prefix's node module (OpenCV and torch at its top) trips the wire
+    before anything is pinned."""
+    seen = _start_up("import", "hybrid_vla_ros.ros.prefix_node", max(os.sched_getaffinity(0)))
+    assert seen["pinned_to"] is None and seen["first_pool_import"].partition(".")[0] in ("cv2", "rclpy", "torch",
+                                                                                         "numpy")
 
 
 def _ego(t_s, x, yaw=0.0, speed=0.0):

@@ -7,6 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE, load_stage
 from hybrid_vla_ros.runtime.prefix import PrefixRunner
+from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings, SuffixRunnerSettings
 from hybrid_vla_ros.runtime.suffix import StaleFrame, SuffixRunner
 from hybrid_vla_ros.util.bags import read_bag
 from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, preprocess
@@ -41,8 +42,8 @@ def _poisoned(tmp_path, tiny_checkpoint, prefix: str):
 def test_frame_through_both_runners_matches_the_monolithic_model(tiny_checkpoint, frame):
     ns = f"/pl_{uuid.uuid4().hex[:6]}"
     stamp, items = frame
-    prefix = PrefixRunner(str(tiny_checkpoint), 2, device="cpu", namespace=ns)
-    suffix = SuffixRunner(str(tiny_checkpoint), 2, namespace=ns)
+    prefix = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(2, device="cpu", namespace=ns))
+    suffix = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, namespace=ns))
     try:
         assert suffix.poll(0.05) is None  # attaches, nothing published yet
         published = prefix.run(items, stamp)
@@ -64,7 +65,8 @@ def test_frame_through_both_runners_matches_the_monolithic_model(tiny_checkpoint
 def test_non_finite_values_are_refused_on_both_sides(tmp_path, tiny_checkpoint, frame):
     stamp, items = frame
     ns = f"/pl_{uuid.uuid4().hex[:6]}"
-    bad_prefix = PrefixRunner(str(_poisoned(tmp_path, tiny_checkpoint, "vision.")), 1, device="cpu", namespace=ns)
+    bad_prefix = PrefixRunner(str(_poisoned(tmp_path, tiny_checkpoint, "vision.")),
+                              PrefixRunnerSettings(1, device="cpu", namespace=ns))
     try:
         with pytest.raises(FloatingPointError, match="hidden states"):
             bad_prefix.run(items, stamp)
@@ -72,8 +74,8 @@ def test_non_finite_values_are_refused_on_both_sides(tmp_path, tiny_checkpoint, 
     finally:
         bad_prefix.close()
     nan_head = _poisoned(tmp_path, tiny_checkpoint, "head.")
-    prefix = PrefixRunner(str(nan_head), 1, device="cpu", namespace=ns)
-    suffix = SuffixRunner(str(nan_head), 1, namespace=ns)
+    prefix = PrefixRunner(str(nan_head), PrefixRunnerSettings(1, device="cpu", namespace=ns))
+    suffix = SuffixRunner(str(nan_head), SuffixRunnerSettings(1, namespace=ns))
     try:
         suffix.poll(0.05)
         prefix.run(items, stamp)
@@ -87,10 +89,10 @@ def test_non_finite_values_are_refused_on_both_sides(tmp_path, tiny_checkpoint, 
 def test_frames_published_before_the_suffix_attached_are_stale(tiny_checkpoint, frame):
     stamp, items = frame
     ns = f"/pl_{uuid.uuid4().hex[:6]}"
-    prefix = PrefixRunner(str(tiny_checkpoint), 3, device="cpu", namespace=ns)
+    prefix = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(3, device="cpu", namespace=ns))
     try:
         prefix.run(items, stamp)  # nobody attached yet: e.g. a suffix restarting
-        suffix = SuffixRunner(str(tiny_checkpoint), 3, namespace=ns)
+        suffix = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(3, namespace=ns))
         try:
             with pytest.raises(StaleFrame):
                 suffix.poll(5.0)
@@ -109,8 +111,8 @@ def test_close_really_frees_the_stage_weights(tiny_checkpoint):
     import weakref
 
     ns = f"/pl_{uuid.uuid4().hex[:6]}"
-    prefix = PrefixRunner(str(tiny_checkpoint), 2, device="cpu", namespace=ns)
-    suffix = SuffixRunner(str(tiny_checkpoint), 2, namespace=ns)
+    prefix = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(2, device="cpu", namespace=ns))
+    suffix = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, namespace=ns))
     refs = [weakref.ref(p) for p in list(prefix.stage.parameters()) + list(suffix.stage.parameters())]
     assert refs
     suffix.close()
@@ -129,7 +131,7 @@ def test_the_prefix_paces_itself_to_a_slower_suffix(tiny_checkpoint, frame):
 
     stamp, items = frame
     ns = f"/pl_{uuid.uuid4().hex[:6]}"
-    prefix = PrefixRunner(str(tiny_checkpoint), 2, device="cpu", namespace=ns)
+    prefix = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(2, device="cpu", namespace=ns))
     try:
         assert prefix.pacing_delay_s() == 0.0  # no frame yet: no cycle known
         prefix.run(items, stamp)

@@ -11,6 +11,7 @@ import cv2
 import numpy as np
 import pytest
 
+from hybrid_vla_ros.ros.status import FrameTiming
 from hybrid_vla_ros.tools import plots
 from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
 
@@ -115,7 +116,7 @@ def test_points_behind_the_camera_are_not_projected_nor_drawn():
     image = np.full((1216, 1936, 3), 90, dtype=np.uint8)
     view = plots.CameraView("camera0", 0, image, K_CAMERA0, ext.child, ext)
     path = np.array([[0.0, 0.0, 0.0], [0.5, 20.0, 0.0], [1.0, -5.0, 0.0]])  # t, x, y in base_link
-    data = plots.PlotData([plots.FrameRecord(0, {}, path)], highlight=0, camera=view)
+    data = plots.PlotData([plots.FrameRecord(0, None, path)], highlight=0, camera=view)
     ax = plots.draw_camera(data).axes[0]
     scatters = [c for c in ax.collections if type(c).__name__ == "PathCollection"]
     assert len(scatters) == 1
@@ -139,8 +140,8 @@ def test_extrinsics_compose_along_a_tf_chain():
 def _timed_frame(stamp_ns: int, t0_ns: int) -> plots.FrameRecord:
     """A frame whose stages took 10 ms each from ``t0_ns`` (CLOCK_MONOTONIC ns), sent 5 ms before."""
     ms = 1_000_000
-    timing = {"preprocess": 10.0, "prefix": 10.0, "t_prefix_start_ns": t0_ns, "t_write_start_ns": t0_ns + 20 * ms,
-              "t_ready_ns": t0_ns + 21 * ms, "t_suffix_end_ns": t0_ns + 31 * ms, "t_publish_ns": t0_ns + 32 * ms}
+    timing = FrameTiming(preprocess_ms=10.0, prefix_ms=10.0, t_prefix_start_ns=t0_ns, t_write_start_ns=t0_ns + 20 * ms,
+                         t_ready_ns=t0_ns + 21 * ms, t_suffix_end_ns=t0_ns + 31 * ms, t_publish_ns=t0_ns + 32 * ms)
     return plots.FrameRecord(stamp_ns, timing, None, (t0_ns - 5 * ms) / 1e9, (t0_ns + 33 * ms) / 1e9)
 
 

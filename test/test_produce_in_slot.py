@@ -14,6 +14,7 @@ from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE, init_model, load_stage
 from hybrid_vla_ros.model.config import VLAConfig
 from hybrid_vla_ros.runtime import prefix as prefix_module
 from hybrid_vla_ros.runtime.prefix import PrefixRunner
+from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings
 from hybrid_vla_ros.transport.pinned import CUDA_HOST_REGISTER_PORTABLE, SlotCopier
 from hybrid_vla_ros.transport.ring import RingConsumer, RingProducer, segment_name
 from hybrid_vla_ros.util.bags import read_bag
@@ -58,7 +59,7 @@ def _producer_process(model, ks, dtype, ns, bag, ego, conn):
 
     torch.Tensor.copy_ = counting_copy
     for k in ks:
-        runner = PrefixRunner(model, k, device="cpu", dtype=dtype, namespace=ns)
+        runner = PrefixRunner(model, PrefixRunnerSettings(k, device="cpu", dtype=dtype, namespace=ns))
         try:
             base = torch.frombuffer(runner.ring.mapping(), dtype=torch.uint8, count=1).data_ptr()
             region.update(span=(base, base + runner.ring.total_bytes), copies=0)
@@ -130,7 +131,8 @@ def test_non_finite_hidden_states_produced_in_the_slot_are_aborted_not_published
                                                                                  embedded_bag, k, poison):
     stamp, items = _first_frame(embedded_bag)
     ns = f"/pis_{uuid.uuid4().hex[:6]}"
-    runner = PrefixRunner(str(_poisoned(tmp_path, tiny_checkpoint, poison)), k, device="cpu", namespace=ns)
+    runner = PrefixRunner(str(_poisoned(tmp_path, tiny_checkpoint, poison)),
+                          PrefixRunnerSettings(k, device="cpu", namespace=ns))
     try:
         assert runner.produce_in_slot
         with RingConsumer(runner.ring.name) as cons:
@@ -149,7 +151,7 @@ def test_without_an_exact_output_path_the_prefix_copies(monkeypatch, tiny_checkp
     monkeypatch.setattr(prefix_module, "output_into_is_exact", lambda stage: False)
     stamp, items = _first_frame(embedded_bag)
     ns = f"/pis_{uuid.uuid4().hex[:6]}"
-    runner = PrefixRunner(str(tiny_checkpoint), 2, device="cpu", namespace=ns)
+    runner = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(2, device="cpu", namespace=ns))
     try:
         assert not runner.produce_in_slot
         with RingConsumer(runner.ring.name) as cons:

@@ -85,3 +85,10 @@ def test_the_readme_launch_command_uses_declared_launch_arguments(ros_tools_avai
         assert args, body
         unknown = sorted(set(args) - declared)
         assert not unknown, f"the README's ros2 launch passes {unknown}, which the launch file does not declare"
+
+
+def test_the_readme_stays_a_front_page():
+    """At most 300 lines: the details live in docs/ (the changelog in docs/changelog.md), linked from it."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move details into docs/"
+    assert "docs/changelog.md" in README.read_text()

@@ -6,6 +6,7 @@ import torch
 
 from hybrid_vla_ros.model.checkpoint import load_stage
 from hybrid_vla_ros.runtime.prefix import PrefixRunner
+from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings, SuffixRunnerSettings
 from hybrid_vla_ros.runtime.suffix import SuffixRunner
 from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, preprocess
 
@@ -25,8 +26,9 @@ def references(tiny_checkpoint, frames):
 
 def _pair(tiny_checkpoint, k):
     ns = f"/rs_{uuid.uuid4().hex[:6]}"
-    return (PrefixRunner(str(tiny_checkpoint), k, device="cpu", namespace=ns, ring_slots=8),
-            SuffixRunner(str(tiny_checkpoint), k, namespace=ns, delivery="fifo"))  # frames wait in the ring here
+    return (PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(k, device="cpu", namespace=ns, ring_slots=8)),
+            SuffixRunner(str(tiny_checkpoint),  # frames wait in the ring here
+                         SuffixRunnerSettings(k, namespace=ns, delivery="fifo")))
 
 
 def test_resplit_up_and_down_keeps_every_frame_exact(tiny_checkpoint, frames, references):

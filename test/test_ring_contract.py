@@ -11,6 +11,7 @@ import torch
 
 from hybrid_vla_ros.model.checkpoint import load_stage
 from hybrid_vla_ros.runtime.prefix import PrefixRunner
+from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings, SuffixRunnerSettings
 from hybrid_vla_ros.runtime.suffix import StaleFrame, SuffixRunner
 from hybrid_vla_ros.transport.contract import CONVERSIONS, conversion_kind
 from hybrid_vla_ros.transport.ring import RingConsumer, RingContractError, RingProducer, segment_name
@@ -127,7 +128,7 @@ def test_each_consumer_dtype_converts_at_the_view_or_is_refused_at_attach(produc
 
 
 def _prefix_process(model, dtype, ns, frames, published, done):
-    runner = PrefixRunner(model, 2, device="cpu", dtype=dtype, namespace=ns)
+    runner = PrefixRunner(model, PrefixRunnerSettings(2, device="cpu", dtype=dtype, namespace=ns))
     try:
         for stamp, items in frames:
             runner.run(items, stamp)
@@ -147,7 +148,7 @@ def test_a_suffix_of_a_refused_dtype_reports_it_at_attach_not_per_frame(tiny_che
     proc.start()
     try:
         assert published.wait(WAIT_S)
-        bad = SuffixRunner(str(tiny_checkpoint), 2, dtype="fp16", namespace=ns)
+        bad = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, dtype="fp16", namespace=ns))
         try:
             for _ in range(3):
                 assert bad.poll(0.05) is None and not bad.attached
@@ -155,7 +156,8 @@ def test_a_suffix_of_a_refused_dtype_reports_it_at_attach_not_per_frame(tiny_che
             assert bad.attach_error == bad.contract_error
         finally:
             bad.close()
-        good = SuffixRunner(str(tiny_checkpoint), 2, dtype="bf16", namespace=ns, delivery="fifo")
+        good = SuffixRunner(str(tiny_checkpoint),
+                            SuffixRunnerSettings(2, dtype="bf16", namespace=ns, delivery="fifo"))
         try:
             for seq in (1, 2):  # both frames are still there (stale for a suffix that attaches after them)
                 with pytest.raises(StaleFrame, match=f"frame seq {seq} "):
@@ -183,10 +185,12 @@ def test_drift_of_every_allowed_pair_is_within_1cm_at_3s(tiny_checkpoint, frames
     for k in (0, 2, cfg.num_layers):
         for p in D:
             ns = f"/dr_{uuid.uuid4().hex[:6]}"
-            prefix = PrefixRunner(str(tiny_checkpoint), k, device="cpu", dtype=p, namespace=ns)
+            prefix = PrefixRunner(str(tiny_checkpoint),
+                                  PrefixRunnerSettings(k, device="cpu", dtype=p, namespace=ns))
             try:
                 for s in [s for pp, s in ALLOWED if pp == p]:
-                    suffix = SuffixRunner(str(tiny_checkpoint), k, dtype=s, namespace=ns, delivery="fifo")
+                    suffix = SuffixRunner(str(tiny_checkpoint),
+                                          SuffixRunnerSettings(k, dtype=s, namespace=ns, delivery="fifo"))
                     try:
                         suffix.poll(0)  # attach first: frames published before it are stale
                         out = []

@@ -1,6 +1,7 @@
 """Tests of the shared-memory hand-off (hybrid_vla_ros.transport.ring) with real separate processes."""
 from __future__ import annotations
 
+import math
 import mmap
 import multiprocessing as mp
 import os
@@ -18,12 +19,14 @@ from hybrid_vla_ros.transport import ring as sr
 from hybrid_vla_ros.transport import segment as sg
 from hybrid_vla_ros.transport import slots as sl
 from hybrid_vla_ros.transport.ring import (
+    NO_TIMINGS,
     FrameMeta,
     RingConsumer,
     RingError,
     RingNameConflict,
     RingProducer,
     SlotRejected,
+    SlotTimings,
     segment_name,
     segment_path,
     slot_bytes_for,
@@ -110,7 +113,7 @@ def _roundtrip_producer(name, frames, created, go, done):
         for seed, shape, d, stamp, split, timings in frames:
             slot = prod.acquire(shape, DTYPES[d])
             slot.tensor.copy_(_frame(seed, shape, DTYPES[d]))
-            prod.publish(slot, stamp_ns=stamp, split_layer=split, timings_ms=timings)
+            prod.publish(slot, stamp_ns=stamp, split_layer=split, timings=timings)
         _wait(done)
 
 
@@ -241,10 +244,11 @@ def test_slot_bytes_for():
 
 def test_header_layout_matches_documented_offsets():
     fmt = sl._SLOT.format
-    fields = ["I", "H", "H", "Q", "q", "q", "q", "Q", "q", "i", "I", "I", "I", "4q", "8d"]
-    offsets = [struct.calcsize("<" + "".join(fields[:k])) for k in range(len(fields))]
+    fields = ["I", "H", "H", "Q", "q", "q", "q", "Q", "q", "i", "I", "I", "4x", "4q", "d", "d", "q"]
+    offsets = [struct.calcsize("<" + "".join(fields[:k])) for k in range(len(fields)) if fields[k] != "4x"]
     assert fmt == "<" + "".join(fields)
     assert offsets == list(sl.SLOT_FIELD_OFFSETS.values())
+    assert sl.SLOT_VERSION == 2 and sl._SLOT.size == 128 <= sg.SLOT_HEADER_BYTES
     assert (sg.GLOBAL_HEADER_BYTES + sg.SLOT_HEADER_BYTES) % sg.PAYLOAD_ALIGN == 0
 
 
@@ -252,10 +256,11 @@ def test_header_layout_matches_documented_offsets():
 
 def test_round_trip_values_and_meta_between_processes(name, children):
     frames = [
-        (1, (1, 37, 64), "bf16", 1_000_000_001, 12, (1.5, 2.25)),
-        (2, (5, 16), "fp16", 2, 12, ()),
-        (3, (2, 3, 4, 5), "fp32", -7, 13, tuple(float(i) for i in range(8))),
-        (4, (), "fp32", 4, 12, (0.125,)),
+        # an instant no float of ms holds exactly (1.7e18 ns): it arrives to the ns
+        (1, (1, 37, 64), "bf16", 1_000_000_001, 12, SlotTimings(1.5, 2.25, 1_700_000_000_123_456_789)),
+        (2, (5, 16), "fp16", 2, 12, NO_TIMINGS),  # a producer that sent none
+        (3, (2, 3, 4, 5), "fp32", -7, 13, SlotTimings(0.0, 1e300, (1 << 63) - 1)),
+        (4, (), "fp32", 4, 12, SlotTimings(prefix_ms=0.125)),  # some sent, the others NaN / 0
     ]
     created, go, done = CTX.Event(), CTX.Event(), CTX.Event()
     proc = children.start(_roundtrip_producer, name, frames, created, go, done)
@@ -267,8 +272,14 @@ def test_round_trip_values_and_meta_between_processes(name, children):
                 now = time.monotonic_ns()
                 m = slot.meta
                 assert isinstance(m, FrameMeta)
-                assert (m.seq, m.stamp_ns, m.shape, m.dtype, m.split_layer, m.model_id, m.timings_ms) == (
+                assert (m.seq, m.stamp_ns, m.shape, m.dtype, m.split_layer, m.model_id, m.timings) == (
                     k, stamp, shape, DTYPES[d], split, 42, timings)
+                t = m.timings
+                assert isinstance(t, SlotTimings) and type(t.prefix_start_ns) is int
+                for field in ("preprocess_ms", "prefix_ms"):  # each sent value exactly, each one not sent NaN
+                    sent, got = getattr(timings, field), getattr(t, field)
+                    assert got == sent or (math.isnan(got) and math.isnan(sent)), (field, got, sent)
+                assert t.prefix_start_ns == timings.prefix_start_ns
                 assert m.t_write_start_ns <= m.t_publish_ns <= now
                 assert slot.tensor.shape == shape and slot.tensor.dtype == DTYPES[d]
                 assert torch.equal(slot.tensor, _frame(seed, shape, DTYPES[d]))
@@ -462,6 +473,96 @@ def test_header_validation_rejects_each_cause_then_reads_next_good_frame(name):
         mapping.close()
 
 
+#: Slot version 1's header (positional timings: n timings u32 at 68, f64[8] ms at 104), for the refusal test.
+_SLOT_V1 = struct.Struct("<IHHQqqqQqiIII4q8d")
+
+
+def _open_mapping(name, prod):
+    fd = os.open(segment_path(name), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, prod.total_bytes)
+    finally:
+        os.close(fd)
+
+
+def test_every_header_field_round_trips_through_a_slot_at_its_documented_offset(name):
+    """One frame through a real slot: each header field the consumer reads equals what was published, and sits
+    in the segment at its SLOT_FIELD_OFFSETS offset in its documented type (the slots module's table)."""
+    timings = SlotTimings(preprocess_ms=3.5, prefix_ms=7.25, prefix_start_ns=1_234_567_890_123_456_789)
+    cap = slot_bytes_for((2, 3, 4), torch.float16)
+    with RingProducer(name, 3, cap, model_id=-77) as prod, RingConsumer(name, expected_model_id=-77) as cons:
+        mapping = _open_mapping(name, prod)
+        slot = prod.acquire((2, 3, 4), torch.float16)
+        slot.tensor.fill_(1.5)
+        seq = prod.publish(slot, stamp_ns=-(1 << 63), split_layer=(1 << 31) - 1, timings=timings)
+        base = sg.GLOBAL_HEADER_BYTES + slot.index * prod.slot_stride
+
+        def at(field, fmt):
+            return struct.unpack_from("<" + fmt, mapping, base + sl.SLOT_FIELD_OFFSETS[field])
+
+        with cons.read(WAIT_S) as r:
+            m = r.meta
+            assert (m.seq, m.stamp_ns, m.split_layer, m.model_id, m.shape, m.dtype) == (
+                seq, -(1 << 63), (1 << 31) - 1, -77, (2, 3, 4), torch.float16)
+            assert m.timings == timings and m.t_write_start_ns <= m.t_publish_ns
+            assert at("magic", "I") == (sl.SLOT_MAGIC,) and at("version", "H") == (2,)
+            assert at("state", "H") == (sl.READING,) and at("seq", "Q") == (seq,)
+            assert at("stamp_ns", "q") == (m.stamp_ns,) and at("t_write_start_ns", "q") == (m.t_write_start_ns,)
+            assert at("t_publish_ns", "q") == (m.t_publish_ns,) and at("payload_nbytes", "Q") == (m.nbytes,)
+            assert at("model_id", "q") == (-77,) and at("split_layer", "i") == ((1 << 31) - 1,)
+            assert at("ndim", "I") == (3,) and at("shape", "4q") == (2, 3, 4, 0)
+            assert at("preprocess_ms", "d") == (3.5,) and at("prefix_ms", "d") == (7.25,)
+            assert at("prefix_start_ns", "q") == (1_234_567_890_123_456_789,)
+        index = _publish(prod, shape=(2, 3, 4), dtype=torch.float16)  # no timings sent: NaN, NaN, 0 in the header
+        base = sg.GLOBAL_HEADER_BYTES + index * prod.slot_stride
+        assert math.isnan(at("preprocess_ms", "d")[0]) and math.isnan(at("prefix_ms", "d")[0])
+        assert at("prefix_start_ns", "q") == (0,)
+        with cons.read(WAIT_S) as r:
+            assert r.meta.timings == NO_TIMINGS and math.isnan(r.meta.timings.prefix_ms)
+        mapping.close()
+
+
+def test_a_slot_of_the_old_version_is_refused_naming_both_versions(name):
+    """A READY slot whose header a slot-version-1 producer wrote (positional timings) is refused as bad_version,
+    its message naming both versions, none of its fields read; the next frame of this version is taken."""
+    cap = slot_bytes_for((4, 8), torch.float32)
+    with RingProducer(name, 4, cap, model_id=5) as prod, RingConsumer(name, expected_model_id=5) as cons:
+        mapping = _open_mapping(name, prod)
+        index = _publish(prod, value=-1.0, stamp=11)
+        base = sg.GLOBAL_HEADER_BYTES + index * prod.slot_stride
+        head = sl.read_header(mapping, base)
+        _SLOT_V1.pack_into(mapping, base, sl.SLOT_MAGIC, 1, sl.READY, head[3], 11, head[5], head[6], head[7], 5, 0,
+                           head[10], 2, 3, 4, 8, 0, 0, 2.0, 3.0, 1.5e6, 0.0, 0.0, 0.0, 0.0, 0.0)
+        _publish(prod, value=2.0, stamp=12)
+        with pytest.raises(SlotRejected) as info:
+            cons.read(WAIT_S)
+        assert info.value.cause == "bad_version" and info.value.meta is None
+        assert "slot header version 1" in str(info.value) and f"reads version {sl.SLOT_VERSION} only" in str(info.value)
+        with cons.read(WAIT_S) as r:
+            assert r.meta.stamp_ns == 12 and r.meta.timings == NO_TIMINGS and bool((r.tensor == 2.0).all())
+        assert cons.stats["rejected_bad_version"] == 1 and cons.stats["read"] == 1
+        mapping.close()
+
+
+def test_slot_timings_are_typed_and_checked():
+    """SlotTimings: named fields with their 'not sent' defaults (NaN ms, instant 0); NaN equals NaN; wrong types
+    and an instant outside int64 are refused when made, a tuple of timings when published."""
+    t = SlotTimings(1, 2.5, 3)
+    assert (t.preprocess_ms, t.prefix_ms, t.prefix_start_ns) == (1.0, 2.5, 3) and type(t.preprocess_ms) is float
+    assert NO_TIMINGS == SlotTimings() == SlotTimings(float("nan"), float("nan"), 0)
+    assert hash(SlotTimings()) == hash(SlotTimings(math.nan)) and SlotTimings(prefix_ms=1.0) != NO_TIMINGS
+    assert SlotTimings(prefix_start_ns=-(1 << 63)).prefix_start_ns == -(1 << 63)
+    for bad in ({"preprocess_ms": "1"}, {"prefix_ms": None}, {"preprocess_ms": True}, {"prefix_start_ns": 1.0}):
+        with pytest.raises(TypeError, match="SlotTimings"):
+            SlotTimings(**bad)
+    with pytest.raises(ValueError, match="int64"):
+        SlotTimings(prefix_start_ns=1 << 63)
+    with pytest.raises(Exception):  # frozen
+        t.prefix_ms = 1.0
+    with pytest.raises(TypeError, match="SlotTimings"):
+        sl.check_frame_fields(0, 0, (1.0, 2.0))
+
+
 def test_wrap_around_many_more_frames_than_slots(name):
     shape = (3, 5)
     with RingProducer(name, 3, slot_bytes_for(shape, torch.bfloat16), model_id=0) as prod, RingConsumer(name) as cons:
@@ -573,8 +674,8 @@ def test_api_misuse_errors(name):
             prod.publish(slot, stamp_ns=0, split_layer=0)
         slot = prod.acquire((2,), torch.float16)
         assert slot.seq == 1  # an aborted frame does not use up a seq
-        with pytest.raises(ValueError):
-            prod.publish(slot, stamp_ns=0, split_layer=0, timings_ms=[0.0] * 9)
+        with pytest.raises(TypeError, match="SlotTimings"):
+            prod.publish(slot, stamp_ns=0, split_layer=0, timings=(1.0, 2.0, 3.0))  # slot version 1's form
         prod.publish(slot, stamp_ns=0, split_layer=0)
         prod.acquire((2,), torch.float16)  # dropped unpublished: the next acquire takes it back
         _publish(prod, shape=(2,))

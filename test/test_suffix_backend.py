@@ -151,12 +151,14 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 
 def test_backend_falls_back_to_eager_with_a_log_line_when_openvino_cannot_be_imported(tiny_checkpoint, tmp_path,
                                                                                       monkeypatch):
+    from hybrid_vla_ros.runtime.settings import SuffixRunnerSettings
     from hybrid_vla_ros.runtime.suffix import SuffixRunner
 
     monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino now raises ImportError
     lines = []
-    runner = SuffixRunner(str(tiny_checkpoint), 2, namespace=f"/sb_{uuid.uuid4().hex[:6]}", backend="openvino",
-                          backend_cache_dir=str(tmp_path), log=lambda level, msg: lines.append((level, msg)))
+    settings = SuffixRunnerSettings(2, namespace=f"/sb_{uuid.uuid4().hex[:6]}", backend="openvino",
+                                    backend_cache_dir=str(tmp_path))
+    runner = SuffixRunner(str(tiny_checkpoint), settings, log=lambda level, msg: lines.append((level, msg)))
     try:
         assert runner.backend.in_use == "eager" and not runner.backend.active
         assert [lv for lv, _ in lines] == ["warning"]
@@ -207,6 +209,7 @@ def test_live_resplit_with_openvino_gives_the_eager_outputs_at_each_k(tiny_check
     compiled. Every frame equals the monolithic eager model's output."""
     _require_openvino()
     from hybrid_vla_ros.runtime.prefix import PrefixRunner
+    from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings, SuffixRunnerSettings
     from hybrid_vla_ros.runtime.suffix import SuffixRunner
 
     full = load_stage(tiny_checkpoint, "full")
@@ -218,8 +221,9 @@ def test_live_resplit_with_openvino_gives_the_eager_outputs_at_each_k(tiny_check
                                 cfg.image_mean, cfg.image_std)
             refs[stamp] = full(pixels).double().numpy()
     ns = f"/sbr_{uuid.uuid4().hex[:6]}"
-    prefix = PrefixRunner(str(tiny_checkpoint), 2, device="cpu", namespace=ns, ring_slots=8)
-    suffix = SuffixRunner(str(tiny_checkpoint), 2, namespace=ns, backend="openvino", backend_cache_dir=str(tmp_path))
+    prefix = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(2, device="cpu", namespace=ns, ring_slots=8))
+    suffix = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, namespace=ns, backend="openvino",
+                                                                     backend_cache_dir=str(tmp_path)))
     try:
         assert suffix.poll(0.05) is None  # attach
         seen = []

@@ -88,13 +88,14 @@ def test_a_suffix_whose_side_tensors_differ_is_refused_at_attach(composed, tmp_p
     """A prefix of the Qwen3-VL composition and a suffix that expects other side tensors: the suffix refuses the
     ring when it attaches, naming each difference (a contract error, as for a dtype or model mismatch)."""
     from hybrid_vla_ros.runtime.prefix import PrefixRunner
+    from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings, SuffixRunnerSettings
     from hybrid_vla_ros.runtime.suffix import SuffixRunner
 
     _, drive = composed["qwen3_vl"]
     ns = f"/sd_{uuid.uuid4().hex[:8]}"
-    prefix = PrefixRunner(str(drive), 1, device="cpu", namespace=ns)
+    prefix = PrefixRunner(str(drive), PrefixRunnerSettings(1, device="cpu", namespace=ns))
     try:
-        suffix = SuffixRunner(str(drive), 1, namespace=ns)
+        suffix = SuffixRunner(str(drive), SuffixRunnerSettings(1, namespace=ns))
         suffix.cfg.vlm_view["side_shapes"]["deepstack"][1] += 1  # as a checkpoint written for other cameras
         try:
             assert suffix.poll(0.1) is None and not suffix.attached

@@ -180,11 +180,10 @@ def load_gguf_llm(gguf_path: str | os.PathLike | None = None) -> tuple[dict, dic
 
         It loads with ``strict=True`` into ``LlamaModel(LlamaConfig(**llm_config_kwargs))``. For
         SmolLM2-135M that is 272 tensors, 134,515,008 parameters, about 540 MB in float32. The
-        file is memory-mapped and dequantised one tensor at a time; measured peak RSS growth is
-        about 0.8 GB (the result plus numpy temporaries of the 113 MB embedding and the parsed
-        vocabulary). Takes about 8 s on a 2-core x86 CPU, mostly python-side GGUF parsing in
-        transformers / gguf-py (dequantisation itself is about 1 s); cache the result if that
-        matters.
+        file is memory-mapped and dequantised one tensor at a time, so the peak memory is the result
+        plus numpy temporaries of the largest tensor (the embedding) and the parsed vocabulary. Most of
+        the time goes to python-side GGUF parsing in transformers / gguf-py, not to dequantisation
+        (figures: docs/performance.md); cache the result if that matters.
 
     Raises:
         FileNotFoundError: ``gguf_path`` does not exist (or, with ``None``, the wheel is not

@@ -1,7 +1,6 @@
 """SuffixNode class (imported by suffix_node.main only after the process is pinned)."""
 from __future__ import annotations
 
-import os
 
 import torch
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
@@ -12,6 +11,7 @@ from ..runtime.suffix import SuffixRunner
 from ..util.cores import pin_process, thread_affinities
 from . import node_base
 from .params import ParameterError, Params
+from .status import SuffixStatus
 from .suffix_inputs import SuffixInputs
 from .suffix_outputs import TrajectoryOutputs
 from .suffix_worker import SuffixWorker
@@ -26,27 +26,17 @@ class SuffixNode(node_base.PipelineNode):
     """
 
     LIVE_PARAMETERS = ("navigation_command", "split_layer")
+    STATUS = SuffixStatus
 
     def __init__(self, early_affinity: list[int] | None = None, **kwargs):
         super().__init__("suffix_node", **kwargs)
         self.early_affinity = early_affinity
         self.runner: SuffixRunner | None = None
         self.params: Params | None = None
-        self._inputs = SuffixInputs(self)
-        self._outputs = TrajectoryOutputs(self)
-        self._worker = SuffixWorker(self, self._inputs, self._outputs)
-
-    # counts and state kept by the parts, readable on the node
-    guard = property(lambda self: self._outputs.guard, doc="output guard limits (vehicle.guard.GuardLimits)")
-    generator_id = property(lambda self: self._outputs.generator_id, doc="UUID of the candidate trajectories")
-    frames_in = property(lambda self: self._worker.frames_in, doc="frames taken from the ring, rejected included")
-    frames_out = property(lambda self: self._outputs.frames_out, doc="trajectories published")
-    candidates_out = property(lambda self: self._outputs.candidates_out, doc="candidate trajectories published")
-    candidate_msgs_out = property(lambda self: self._outputs.candidate_msgs_out, doc="CandidateTrajectories sent")
-    odometry_propagated = property(lambda self: self._inputs.odometry_propagated, doc="poses propagated")
-    odometry_late = property(lambda self: self._inputs.odometry_late, doc="frames placed at once: odometry late")
-    resplits = property(lambda self: self._worker.resplits, doc="block moves following the prefix's K")
-    resplits_on_demand = property(lambda self: self._worker.resplits_on_demand, doc="of which loads on demand")
+        ctx = self.part_context()
+        self._inputs = SuffixInputs(ctx)
+        self._outputs = TrajectoryOutputs(ctx)
+        self._worker = SuffixWorker(ctx, self._inputs, self._outputs)
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -56,15 +46,11 @@ class SuffixNode(node_base.PipelineNode):
             p = self.read_parameters(num_layers=num_layers)
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)
-            threads = p.threads or len(p.cpu_affinity) or torch.get_num_threads()
-            # 'auto' follows the prefix: no blocks up front, the first frame loads those its K needs.
-            k = num_layers if p.split_layer == "auto" else p.split_layer
-            self.runner = SuffixRunner(p.model_path, k, dtype=p.dtype, ring_name=p.ring_name,
-                                       namespace=self.get_namespace(), threads=threads,
-                                       delivery=p["ring.delivery"], spin_lead_ms=p["ring.spin_lead_ms"],
-                                       spin_max_ms=p["ring.spin_max_ms"], backend=p.suffix_backend,
-                                       backend_cache_dir=p.backend_cache_dir or None, log=self._backend_log,
-                                       domain_id=self.context.get_domain_id())
+            # 'auto' follows the prefix: K = L, no blocks up front, the first frame loads those its K needs.
+            settings = p.runner_settings(num_layers, namespace=self.get_namespace(),
+                                         domain_id=self.context.get_domain_id())
+            k = settings.split_layer
+            self.runner = SuffixRunner(p.model_path, settings, log=self._backend_log)
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.runner = None
             return self.configure_failed(e)
@@ -86,9 +72,9 @@ class SuffixNode(node_base.PipelineNode):
             + (f" (building for K={k} in the background, cache {self.runner.backend.cache_dir}; eager meanwhile)"
                if self.runner.backend.status()["building"] is not None else "")
             + (f"; candidate trajectories of all {self.runner.cfg.n_modes} modes on "
-               f"{candidates.topic_name} (generator_id {self.generator_id})" if candidates else "")
+               f"{candidates.topic_name} (generator_id {self._outputs.generator_id})" if candidates else "")
             + (" [random-init weights: trajectories are not driving advice]" if self.runner.cfg.random_init else ""))
-        if not self.guard.check_age:
+        if not self._outputs.guard.check_age:
             self.get_logger().warning("guard.check_age is false: trajectories are published however old their "
                                       "camera stamp is (for replays of recorded bags, not for a vehicle)")
         return TransitionCallbackReturn.SUCCESS
@@ -118,7 +104,7 @@ class SuffixNode(node_base.PipelineNode):
             self.get_logger().info("cleaned up: detached from the ring, model freed")
 
     # ---------------------------------------------------------------------------- live parameters
-    def _apply_live_parameters(self, values: dict) -> None:
+    def apply_live_parameters(self, values: dict) -> None:
         if "navigation_command" in values:  # the schema's enum has checked the name
             self._inputs.set_command(nav_command_index(values["navigation_command"]), "parameter navigation_command")
         k = values.get("split_layer")
@@ -127,18 +113,15 @@ class SuffixNode(node_base.PipelineNode):
             self.get_logger().info(f"split_layer {k} set: blocks [{k}, {self.runner.cfg.num_layers}) will be ready "
                                    "before the next frame; each frame is computed at the K in its slot header")
 
-    def _live_parameter_problems(self, values: dict) -> list[str]:
+    def live_parameter_problems(self, values: dict) -> list[str]:
         k = values.get("split_layer")
         if isinstance(k, int) and self.runner is not None and k > self.runner.cfg.num_layers:
             return [f"split_layer: {k} out of range [0, {self.runner.cfg.num_layers}] for this model"]
         return []
 
     # ------------------------------------------------------------------------------- diagnostics
-    def _io_counts(self) -> tuple[int, int]:
-        return self.frames_in, self.frames_out
-
-    def _ring(self):
-        return self.runner.ring if self.runner is not None else None
+    def io_counts(self) -> tuple[int, int]:
+        return self._worker.frames_in, self._outputs.frames_out
 
     def peer_status(self):
         runner = self.runner
@@ -146,32 +129,29 @@ class SuffixNode(node_base.PipelineNode):
             return None
         return runner.peer_status()
 
-    def _diagnostic_values(self) -> dict:
-        ring = self.runner.ring_stats() if self.runner is not None else {}
-        return {"frames_in": self.frames_in, "trajectories_out": self.frames_out,
-                "ring_attached": self.runner is not None and self.runner.attached,
-                "ring_contract_error": self.fault,
-                "ring_conversion": self._ring().conversion if self._ring() is not None else "",
-                "ring_owner_alive": self._ring() is not None and self._ring().owner_alive,
-                "ring_read": ring.get("read", 0),
-                "odometry_propagated": self.odometry_propagated, "odometry_late": self.odometry_late,
-                "odometry_time_jumps": self._inputs.odometry.time_jumps,
-                "candidate_trajectories_out": self.candidate_msgs_out, "candidates_out": self.candidates_out,
-                "split_layer": self.runner.split_layer if self.runner is not None else "",
-                "blocks_held_from": self.runner.stage.split_layer if self.runner is not None else "",
-                "resplits": self.resplits, "resplits_on_demand": self.resplits_on_demand,
-                "navigation_command": NAV_COMMANDS[self._inputs.command],
-                **self._backend_diagnostics(),
-                "cpu_affinity": sorted(os.sched_getaffinity(0))}
+    def status_fields(self) -> dict:
+        """This node's fields of :class:`~.status.SuffixStatus`."""
+        runner, ring, worker, outputs, inputs = self.runner, self.ring_end(), self._worker, self._outputs, self._inputs
+        stats = runner.ring_stats() if runner is not None else {}
+        return dict(
+            frames_in=worker.frames_in, trajectories_out=outputs.frames_out,
+            ring_attached=runner is not None and runner.attached, ring_contract_error=self.fault,
+            ring_conversion=ring.conversion if ring is not None else "",
+            ring_owner_alive=ring is not None and ring.owner_alive, ring_read=stats.get("read", 0),
+            odometry_propagated=inputs.odometry_propagated, odometry_late=inputs.odometry_late,
+            odometry_time_jumps=inputs.odometry.time_jumps, candidate_trajectories_out=outputs.candidate_msgs_out,
+            candidates_out=outputs.candidates_out, split_layer=runner.split_layer if runner is not None else None,
+            blocks_held_from=runner.stage.split_layer if runner is not None else None,
+            resplits=worker.resplits, resplits_on_demand=worker.resplits_on_demand,
+            navigation_command=NAV_COMMANDS[inputs.command], **self._backend_fields())
 
-    def _backend_diagnostics(self) -> dict:
-        """/diagnostics values of the suffix backend: asked for, in use, the K it covers, build state, error."""
+    def _backend_fields(self) -> dict:
+        """The suffix backend's fields of the status: asked for, in use, the K it covers, build state, error."""
         if self.runner is None:
-            return {"suffix_backend": self.params.suffix_backend if self.params else "", "suffix_backend_in_use": ""}
+            return {"suffix_backend": self.params.suffix_backend if self.params else ""}
         st = self.runner.backend.status()
         return {"suffix_backend": st["requested"], "suffix_backend_in_use": st["in_use"],
-                "suffix_backend_k": "" if st["compiled_k"] is None else st["compiled_k"],
-                "suffix_backend_building": "" if st["building"] is None else st["building"],
+                "suffix_backend_k": st["compiled_k"], "suffix_backend_building": st["building"],
                 "suffix_backend_precision": st["precision"], "suffix_backend_error": st["error"],
                 "suffix_backend_frames_compiled": st["frames_compiled"],
                 "suffix_backend_frames_eager": st["frames_eager"]}

@@ -1,6 +1,7 @@
 """What a pipeline node reports on /diagnostics: the 1 Hz '<node>: pipeline' status and its helpers."""
 from __future__ import annotations
 
+import os
 import time
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
@@ -10,6 +11,7 @@ from rclpy.node import Node
 
 from .lifecycle_hooks import lifecycle_state
 from .msg_conv import ns_to_stamp
+from .status import PIPELINE, RingFill, StageTime
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
@@ -19,54 +21,49 @@ NO_CLOCK_HINT = ("use_sim_time is true but no message has arrived on /clock yet,
                  "`hybrid-vla replay`) or set use_sim_time false")
 
 
-def diagnostic_array(node: Node, name: str, level: bytes, message: str, values: dict) -> DiagnosticArray:
+def diagnostic_array(node: Node, name: str, level: bytes, message: str,
+                     values: list[tuple[str, str]]) -> DiagnosticArray:
     """One DiagnosticStatus named '<fully qualified node name>: <name>' (Autoware's '<node>: <task>'
-    convention, with the namespace so that two deployments stay apart) in a DiagnosticArray stamped now."""
+    convention, with the namespace so that two deployments stay apart) in a DiagnosticArray stamped now;
+    ``values``: its (key, value) strings (a status class's ``key_values()``, ros/status.py)."""
     status = DiagnosticStatus(level=level, name=f"{node.get_fully_qualified_name()}: {name}", message=message,
                               hardware_id=node.get_fully_qualified_name())
-    status.values = [KeyValue(key=str(k), value=str(v)) for k, v in values.items()]
+    status.values = [KeyValue(key=k, value=v) for k, v in values]
     arr = DiagnosticArray(status=[status])
     arr.header.stamp = ns_to_stamp(node.get_clock().now().nanoseconds)
     return arr
 
 
-def flatten_stats(stage_summary: dict, drops: dict, extra: dict) -> dict:
-    """Diagnostic key/values: '<stage>_p50_ms', '<stage>_p90_ms', 'drop_<cause>', plus ``extra``."""
-    out = dict(extra)
-    for stage, s in stage_summary.items():
-        out[f"{stage}_p50_ms"] = f"{s['p50']:.3f}"
-        out[f"{stage}_p90_ms"] = f"{s['p90']:.3f}"
-        out[f"{stage}_n"] = s["n"]
-    for cause, n in sorted(drops.items()):
-        out[f"drop_{cause}"] = n
-    return out
+def stage_times(stage_summary: dict) -> dict[str, StageTime]:
+    """util.stats.StageTimes.summary() (stage -> {'p50', 'p90', 'n'}, ms) as status.StageTime by stage."""
+    return {stage: StageTime(s["p50"], s["p90"], s["n"]) for stage, s in stage_summary.items()}
 
 
-def ring_fill(ring) -> tuple[int, int]:
-    """(READY slots, all slots) of a ring end; (0, 0) without a ring or once it is closed."""
+def ring_fill(ring) -> RingFill:
+    """READY slots and all slots of a ring end; RingFill(0, 0) without a ring or once it is closed."""
     if ring is None:
-        return 0, 0
+        return RingFill()
     try:
         states = ring.slot_states()
     except Exception:  # noqa: BLE001 - a ring closing under us just has no fill to report
-        return 0, 0
-    return states.count("READY"), len(states)
+        return RingFill()
+    return RingFill(states.count("READY"), len(states))
 
 
 def memory_values() -> dict:
-    """Process memory for diagnostics: resident set (MiB) and, when CUDA is in use, allocated / reserved (this
-    process's caching allocator) and the device's driver-level used / free memory (``torch.cuda.mem_get_info``,
-    every process on the device)."""
+    """Process memory for the status (field -> MiB, 2**20 bytes): resident set and, when CUDA is in use,
+    allocated / reserved (this process's caching allocator) and the device's driver-level used / free memory
+    (``torch.cuda.mem_get_info``, every process on the device)."""
     import psutil
     import torch
 
-    out = {"rss_mib": f"{psutil.Process().memory_info().rss / 2**20:.1f}"}
+    out = {"rss_mib": psutil.Process().memory_info().rss / 2**20}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda_allocated_mib"] = f"{torch.cuda.memory_allocated() / 2**20:.1f}"
-        out["cuda_reserved_mib"] = f"{torch.cuda.memory_reserved() / 2**20:.1f}"
+        out["cuda_allocated_mib"] = torch.cuda.memory_allocated() / 2**20
+        out["cuda_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
         free, total = torch.cuda.mem_get_info()
-        out["cuda_driver_used_mib"] = f"{(total - free) / 2**20:.1f}"
-        out["cuda_driver_free_mib"] = f"{free / 2**20:.1f}"
+        out["cuda_driver_used_mib"] = (total - free) / 2**20
+        out["cuda_driver_free_mib"] = free / 2**20
     return out
 
 
@@ -88,10 +85,14 @@ class PipelineDiagnostics:
     /clock has arrived (NO_CLOCK_HINT, also logged), when the node's ``input_warning()`` names one (images
     arriving late), when something was dropped since the previous report or
     when the ring holds n_slots - 1 unread frames (the next frame overwrites one); else OK. Values: the
-    lifecycle state, refused lifecycle requests, the peer (``peer_cause``, ``peer``, ``peer_message``), the
-    node's own values (``_diagnostic_values``), the clock, the ring's unread slots, the process's memory
-    (resident set; CUDA allocated / reserved when the process uses CUDA), the last error, stage times and drops
-    by cause.
+    node's ``STATUS`` class (status.PrefixStatus / status.SuffixStatus): what both nodes report (lifecycle
+    state, refused lifecycle requests, the peer, the clock, the ring's unread slots, the process's memory and
+    cores, the last error, stage times, drops by cause) and the node's own ``status_fields()``.
+
+    What it reads of the node is the node's status interface, public names only: ``STATUS``,
+    ``status_fields()``, ``io_counts()``, ``ring_end()``, ``peer_status()``, ``input_problem()``,
+    ``input_warning()``, ``clock_missing()``, ``use_sim_time()``, ``drops``, ``times``, ``fault``,
+    ``configure_error``, ``last_error``, ``lifecycle_requests_refused``, ``STALL_S``.
     """
 
     def __init__(self, node):
@@ -132,36 +133,34 @@ class PipelineDiagnostics:
         self.publish()
 
     def publish(self) -> None:
-        """Publish the status now."""
+        """Publish the status now: the node's ``STATUS`` class (ros/status.py) built from the values both nodes
+        have and the node's own (``status_fields()``), written as its ``key_values()``."""
         node = self._node
         peer = self._peer_now()  # the change log and the immediate publish are _check_peer's
         drops = node.drops.snapshot()
-        ring_ready, ring_slots = ring_fill(node._ring())
+        fill = ring_fill(node.ring_end())
         clock_missing = node.clock_missing()
         self._say_clock_state(clock_missing)
-        values = flatten_stats(node.times.summary(), drops,
-                               {"state": lifecycle_state(node),
-                                "lifecycle_requests_refused": node.lifecycle_requests_refused,
-                                "configure_error": node.configure_error,
-                                "peer_cause": peer.cause if peer else "", "peer": peer.peer if peer else "",
-                                "peer_message": peer.message if peer else "",
-                                **node._diagnostic_values(),
-                                "use_sim_time": node.use_sim_time(), "clock_missing": clock_missing,
-                                "ring_ready_slots": f"{ring_ready}/{ring_slots}", **memory_values(),
-                                "last_error": node.last_error})
+        status = node.STATUS(
+            state=lifecycle_state(node), lifecycle_requests_refused=node.lifecycle_requests_refused,
+            configure_error=node.configure_error, peer_cause=peer.cause if peer else "",
+            peer=peer.peer if peer else "", peer_message=peer.message if peer else "",
+            use_sim_time=node.use_sim_time(), clock_missing=clock_missing, ring_ready_slots=fill,
+            last_error=node.last_error, cpu_affinity=tuple(sorted(os.sched_getaffinity(0))),
+            stages=stage_times(node.times.summary()), drops=drops, **memory_values(), **node.status_fields())
         now = time.monotonic()
-        inputs, outputs = node._io_counts()
+        inputs, outputs = node.io_counts()
         prev = self._prev
         if prev is None or outputs != prev["outputs"] or inputs == prev["inputs"]:
             self._stall_since = now  # output moved, or no new input: not stalled
         self._prev = {"inputs": inputs, "outputs": outputs, "drops": sum(drops.values())}
         new_drops = self._prev["drops"] - (prev["drops"] if prev else 0)
-        state = values["state"]
-        problem = node.input_problem() if state == "active" else ""
-        warning = node.input_warning() if state == "active" else ""
+        active = status.state == "active"
+        problem = node.input_problem() if active else ""
+        warning = node.input_warning() if active else ""
         if node.fault:
             level, message = ERROR, node.fault
-        elif node.configure_error and state == "unconfigured":
+        elif node.configure_error and status.state == "unconfigured":
             level, message = ERROR, f"configure failed: {node.configure_error}"
         elif peer is not None and not peer.ok:
             level, message = ERROR, peer.message
@@ -175,11 +174,11 @@ class PipelineDiagnostics:
             level, message = WARN, warning
         elif new_drops > 0:
             level, message = WARN, f"{new_drops} dropped since the last report ({node.last_error})"
-        elif ring_slots and ring_ready >= ring_slots - 1:
-            level, message = WARN, f"ring nearly full ({ring_ready}/{ring_slots} unread): the suffix falls behind"
+        elif fill.slots and fill.ready >= fill.slots - 1:
+            level, message = WARN, f"ring nearly full ({fill.ready}/{fill.slots} unread): the suffix falls behind"
         else:
             level, message = OK, "ok"
-        self._pub.publish(diagnostic_array(node, "pipeline", level, message, values))
+        self._pub.publish(diagnostic_array(node, PIPELINE, level, message, status.key_values()))
 
     def _say_clock_state(self, missing: bool) -> None:
         """Log NO_CLOCK_HINT when the clock goes missing, and once more when /clock arrives."""

@@ -11,6 +11,8 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import rclpy
 from rcl_interfaces.msg import SetParametersResult
@@ -22,6 +24,7 @@ from rclpy.signals import SignalHandlerOptions
 
 from ..util.stats import DropCounter, StageTimes
 from . import params
+from .status import NodeStatus
 from .diagnostics import (
     ERROR,
     NO_CLOCK_HINT,
@@ -29,7 +32,6 @@ from .diagnostics import (
     WARN,
     PipelineDiagnostics,
     diagnostic_array,
-    flatten_stats,
     memory_values,
     ring_fill,
 )
@@ -37,8 +39,8 @@ from .lifecycle_hooks import lifecycle_state, on_refused_change_state
 from .node_parameters import ParameterChecks, declare_parameters, parameter_values, type_problem
 from .params_file import unreadable_parameters
 
-__all__ = ["PipelineNode", "Throttle", "run_node", "spin", "lifecycle_state", "declare_parameters",
-           "parameter_values", "type_problem", "diagnostic_array", "flatten_stats", "ring_fill", "memory_values",
+__all__ = ["PipelineNode", "PartContext", "Throttle", "run_node", "spin", "lifecycle_state", "declare_parameters",
+           "parameter_values", "type_problem", "diagnostic_array", "ring_fill", "memory_values",
            "OK", "WARN", "ERROR", "NO_CLOCK_HINT"]
 
 
@@ -57,6 +59,37 @@ class Throttle:
         return False
 
 
+@dataclass(frozen=True)
+class PartContext:
+    """What a part of a node (its inputs, worker, outputs, split-layer control) may use of the node: built by
+    :meth:`PipelineNode.part_context`, so that a part's constructor says what it needs and no part reaches into
+    the node's private state.
+
+    ``ros`` is the rclpy node for the part's own ROS entities only (``create_subscription``,
+    ``create_lifecycle_publisher``, ``create_timer`` and their destroy calls, ``get_clock``, names, graph
+    queries). ``runner()`` and ``settings()`` read the node's stage runner and validated parameters now (None
+    while unconfigured: a configure replaces both).
+    """
+
+    ros: Any
+    logger: Any
+    #: ``drop(cause, message, n=1)``: count ``n`` dropped frames or messages of ``cause``, keep ``message`` as the
+    #: node's last error, log it at most every 2 s per cause.
+    drop: Callable[..., None]
+    #: ``count(cause, n=1) -> total``: count a drop without a log line (the caller logs, or it is expected).
+    count: Callable[..., int]
+    #: ``log_every(key) -> bool``: True at most every 2 s per key, for rate-limited log lines.
+    log_every: Callable[[str], bool]
+    times: StageTimes
+    runner: Callable[[], Any]
+    settings: Callable[[], Any]
+    #: ``set_fault(text)``: the standing fault /diagnostics reports as ERROR ("" clears it; a new one is also
+    #: the last error).
+    set_fault: Callable[[str], None]
+    #: ``ros_ok() -> bool``: the node's ROS context is still valid (False once Ctrl-C shut it down).
+    ros_ok: Callable[[], bool]
+
+
 class PipelineNode(LifecycleNode):
     """Lifecycle scaffolding shared by prefix_node and suffix_node (after ros2/demos lifecycle_py).
 
@@ -64,8 +97,9 @@ class PipelineNode(LifecycleNode):
     default name) and each change is checked against it (node_parameters.ParameterChecks);
     ``read_parameters`` returns them validated. Subclasses implement ``on_configure``,
     ``on_activate`` (ending with ``super().on_activate``), ``_stop`` (stop the worker and
-    subscriptions; idempotent), ``_release`` (free the stage and ring; idempotent) and
-    ``_diagnostic_values`` (dict of key/values for /diagnostics). This class gives deactivate /
+    subscriptions; idempotent), ``_release`` (free the stage and ring; idempotent), ``STATUS`` (the node's
+    ros/status.py class) and ``status_fields`` (its own fields of it). Parts get a :class:`PartContext`
+    (:meth:`part_context`), not the node. This class gives deactivate /
     cleanup / shutdown / error handling, counted and rate-limited drops, and a 1 Hz ``/diagnostics``
     publisher that also reports on deactivate (diagnostics.PipelineDiagnostics).
     """
@@ -99,14 +133,14 @@ class PipelineNode(LifecycleNode):
     def _count_refused_request(self) -> None:
         self.lifecycle_requests_refused += 1
 
-    #: Parameters a running node applies as soon as they are set (through :meth:`_apply_live_parameters`);
+    #: Parameters a running node applies as soon as they are set (through :meth:`apply_live_parameters`);
     #: every other one is read at configure.
     LIVE_PARAMETERS: tuple[str, ...] = ()
 
-    def _apply_live_parameters(self, values: dict) -> None:
+    def apply_live_parameters(self, values: dict) -> None:
         """Apply accepted new values (name -> value) of ``LIVE_PARAMETERS`` now (they met the schema)."""
 
-    def _live_parameter_problems(self, values: dict) -> list[str]:
+    def live_parameter_problems(self, values: dict) -> list[str]:
         """'name: problem' for new values of ``LIVE_PARAMETERS`` that the schema allows but the loaded
         checkpoint does not (e.g. a split layer above L); [] by default."""
         return []
@@ -146,6 +180,17 @@ class PipelineNode(LifecycleNode):
         self._stop()
         self._release()
 
+    def part_context(self) -> PartContext:
+        """The :class:`PartContext` the node's parts are built with."""
+        return PartContext(ros=self, logger=self.get_logger(), drop=self._drop, count=self.drops.add,
+                           log_every=self._throttle, times=self.times, runner=lambda: self.runner,
+                           settings=lambda: self.params, set_fault=self._set_fault, ros_ok=self.context.ok)
+
+    def _set_fault(self, text: str) -> None:
+        self.fault = text
+        if text:
+            self.last_error = text
+
     def _drop(self, cause: str, message: str, n: int = 1) -> None:
         """Count ``n`` dropped frames or messages of ``cause`` and log it at most every 2 s per cause."""
         total = self.drops.add(cause, n)
@@ -169,7 +214,14 @@ class PipelineNode(LifecycleNode):
         and at deactivate."""
         self._diagnostics.publish()
 
-    def _io_counts(self) -> tuple[int, int]:
+    #: The node's status class (ros/status.py): what ``publish_diagnostics`` writes.
+    STATUS: type[NodeStatus] = NodeStatus
+    #: The stage runner (runtime.prefix.PrefixRunner / runtime.suffix.SuffixRunner), None while unconfigured.
+    runner: Any = None
+    #: The validated parameters of the last successful configure, None before it.
+    params: Any = None
+
+    def io_counts(self) -> tuple[int, int]:
         """(inputs seen, outputs produced) so far, for stall detection."""
         return 0, 0
 
@@ -199,9 +251,9 @@ class PipelineNode(LifecycleNode):
         """A configure succeeded: the previous one's error is gone."""
         self.configure_error = ""
 
-    def _ring(self):
+    def ring_end(self):
         """This node's end of the shared-memory ring, or None while it has none."""
-        return None
+        return self.runner.ring if self.runner is not None else None
 
     def _stop(self) -> None:
         raise NotImplementedError
@@ -209,7 +261,8 @@ class PipelineNode(LifecycleNode):
     def _release(self) -> None:
         raise NotImplementedError
 
-    def _diagnostic_values(self) -> dict:
+    def status_fields(self) -> dict:
+        """This node's own fields of its ``STATUS`` (field name -> typed value); {} by default."""
         return {}
 
 
@@ -245,8 +298,8 @@ def run_node(name: str, factory, argv: list[str]) -> int:
 def _exit_now(code: int) -> None:
     """End the process with ``code`` once the node is shut down: finalize the ROS context (the DDS participant,
     Fast DDS's shared-memory files with it), flush stdout and stderr, then ``os._exit``. Python's own
-    interpreter finalization with torch loaded takes seconds on a busy machine (2.4 to 4.1 s measured on a
-    2-core machine at load 5), more than the 5 s ``ros2 launch`` waits after SIGINT before it escalates to
+    interpreter finalization with torch loaded takes seconds on a busy machine (docs/reliability.md), more
+    than the 5 s ``ros2 launch`` waits after SIGINT before it escalates to
     SIGTERM and then SIGKILL; nothing the node needs runs in it (the ring and the model are released, the
     logs written)."""
     try:

@@ -105,7 +105,7 @@ class ParameterChecks:
     """The checks of a PipelineNode's parameter changes (``ros2 param set``, ``set_parameters``) against the
     schema of ``schema_node``, each refusal with a reason that names the parameter and the rule, also logged as
     'parameter change refused: <reason>'. The node's ``LIVE_PARAMETERS`` are applied at once through its
-    ``_apply_live_parameters`` (after its ``_live_parameter_problems``); the others take effect at the next
+    ``apply_live_parameters`` (after its ``live_parameter_problems``); the others take effect at the next
     configure."""
 
     def __init__(self, node: Node, schema_node: str):
@@ -146,7 +146,7 @@ class ParameterChecks:
                 v = p.value
                 values[p.name] = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "array" else v
         problems = params.value_problems(self._schema_node, values)
-        problems += node._live_parameter_problems({k: v for k, v in values.items() if k in live_names})
+        problems += node.live_parameter_problems({k: v for k, v in values.items() if k in live_names})
         if problems:
             return self._refuse(problems)
         later = [name for name in values if name not in live_names]
@@ -156,7 +156,7 @@ class ParameterChecks:
         live = {name: v for name, v in values.items() if name in live_names}
         if live:
             try:
-                node._apply_live_parameters(live)
+                node.apply_live_parameters(live)
             except Exception as e:  # noqa: BLE001 - a parameter callback must never take the node down
                 reason = f"{', '.join(live)}: could not be applied: {type(e).__name__}: {e}"
                 node.get_logger().error(f"parameter change refused: {reason}")

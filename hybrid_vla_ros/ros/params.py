@@ -3,7 +3,9 @@
 ``schema/<node>.schema.json`` (Autoware convention, draft-07) is the single source of truth for each
 node's parameter names, types, defaults, ranges and descriptions: the nodes declare their ROS
 parameters from it, :func:`validate` checks a node's values against it, and
-``scripts/generate_param_tables.py`` renders the README's parameter tables from it.
+``scripts/generate_param_tables.py`` renders the README's parameter tables from it. :func:`validate` returns
+the values as the node's frozen settings dataclass (``ros.settings``: ``PrefixNodeSettings``,
+``SuffixNodeSettings``), one typed field per schema parameter.
 
 Only the checks a schema cannot express live here in code: the split layer against the
 checkpoint's L, the camera count against the checkpoint (and expanding a single transport to one per
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jsonschema
+
+from .settings import SETTINGS, NodeSettings, PrefixNodeSettings, SuffixNodeSettings
 
 NODES = ("prefix_node", "suffix_node")
 PACKAGE = "hybrid_vla_ros"
@@ -38,14 +42,9 @@ class ParameterError(ValueError):
         self.problems = list(problems)
 
 
-class Params(dict):
-    """A node's validated parameters: a dict whose entries also read as attributes (``p.split_layer``)."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
+#: The former name of a node's validated parameters (an attribute dict): now its settings dataclass, which still
+#: reads by parameter name (``p["ring.delivery"]``) and by attribute (``p.split_layer``, ``p.ring.delivery``).
+Params = NodeSettings
 
 
 # ------------------------------------------------------------------------------------------- schema
@@ -234,8 +233,9 @@ def _type_words(t: str | list[str]) -> str:
 
 
 def validate(node: str, values: Mapping[str, Any], *, n_cameras: int | None = None,
-             num_layers: int | None = None) -> Params:
-    """Check a node's parameters and return them complete (schema defaults for missing ones).
+             num_layers: int | None = None) -> PrefixNodeSettings | SuffixNodeSettings:
+    """Check a node's parameters and return them complete (schema defaults for missing ones) as the node's
+    settings dataclass (:data:`~.settings.SETTINGS`: a ``number`` is a float, a list a tuple).
 
     ``values``: name -> value as read from ROS (unset parameters left out). ``n_cameras`` and
     ``num_layers`` come from the checkpoint when it is known; with ``n_cameras`` the prefix's
@@ -256,7 +256,7 @@ def validate(node: str, values: Mapping[str, Any], *, n_cameras: int | None = No
     for name, spec in parameter_specs(node).items():
         if spec["type"] == "number":  # a YAML or JSON 50 is a valid double: hand the node a float
             merged[name] = float(merged[name])
-    return Params(merged)
+    return SETTINGS[node].from_parameters(merged)
 
 
 # The checks below are what a schema cannot say. Each skips a parameter the schema already rejected.

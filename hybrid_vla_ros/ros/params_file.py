@@ -1,11 +1,11 @@
 """Reading ROS 2 parameter files the way rcl reads them, before rclpy starts.
 
-Both nodes pin their process to ``cpu_affinity`` before rclpy (and, in the suffix, torch) start threads, so
-they read that one parameter themselves from their command line (``-p``, ``--params-file``) before
-``rclpy.init`` (:func:`pin_from_ros_args`). The files it
-meets there are written by people and by launch_ros. launch_ros (``launch_ros.actions.Node``) writes the
-parameters of a launch file's dict with ``yaml.dump``, which turns the tuples its parameter normalisation
-makes of every list into ``!!python/tuple`` nodes (``cpu_affinity: !!python/tuple [6, 7]``); rcl's own YAML
+Both nodes pin their process to ``cpu_affinity`` before torch, OpenCV and rclpy start threads, so they read
+that one parameter themselves from their command line (``-p``, ``--params-file``) before any of them is
+imported (:func:`cpu_affinity_from_ros_args`, given to ``util.cores.pin_then_import`` by each node's
+``main``). The files it meets there are written by people and by launch_ros. launch_ros
+(``launch_ros.actions.Node``) writes the parameters of a launch file's dict with ``yaml.dump``, which turns the
+tuples its parameter normalisation makes of every list into ``!!python/tuple`` nodes (``cpu_affinity: !!python/tuple [6, 7]``); rcl's own YAML
 parser ignores tags, while ``yaml.safe_load`` refuses them. :func:`load_params_file` reads such a file with a
 safe loader that treats a ``!!python/tuple`` sequence as the list it was, and nothing else beyond safe YAML.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ..util.cores import parse_core_list, pin_process
+from ..util.cores import parse_core_list
 
 PARAMETERS_KEY = "ros__parameters"
 
@@ -246,14 +246,3 @@ def cpu_affinity_from_ros_args(argv: list[str], node: str = "suffix_node") -> li
         return parse_core_list(raw)
     except ValueError as e:
         raise ParamsFileError(f"cpu_affinity: {e}") from None
-
-
-def pin_from_ros_args(argv: list[str], node: str) -> list[int] | None:
-    """Pin the whole process (every thread that exists, and all later ones) to ``node``'s ``cpu_affinity`` from
-    its command line (:func:`cpu_affinity_from_ros_args`). Returns the cores, None when not given, [] when
-    given empty (not pinned). Raises ValueError (ParamsFileError) for a value or file that cannot be read,
-    or cores this process may not use (:func:`~hybrid_vla_ros.util.cores.pin_process`)."""
-    cores = cpu_affinity_from_ros_args(argv, node)
-    if cores:
-        pin_process(cores)
-    return cores

@@ -2,7 +2,7 @@
 
 Callbacks only read the header stamp, count and buffer (:class:`CameraInputs` hands each synchronized frame
 to the worker, :class:`EgoStateInputs` keeps the samples); decoding and inference run on the worker thread
-(``prefix_worker``). Every bad or discarded message is a drop counted on the node by cause.
+(``prefix_worker``). Every bad or discarded message is a drop counted by cause (through the node's PartContext).
 """
 from __future__ import annotations
 
@@ -60,8 +60,10 @@ class CameraInputs:
     LATE_ARRIVAL_S = 0.5
     DOCS_LARGE_IMAGES = "docs/deployment.md, 'Large images'"
 
-    def __init__(self, node, on_frame: Callable[[SyncedSet], None]):
-        self._node = node
+    def __init__(self, ctx, on_frame: Callable[[SyncedSet], None]):
+        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the subscriptions and the QoS timer);
+        ``on_frame``: called with each synchronized frame (the worker's ``offer``)."""
+        self._ctx = ctx
         self._on_frame = on_frame
         self._sync: CameraSynchronizer | None = None
         self.subscriptions = []
@@ -109,7 +111,7 @@ class CameraInputs:
         self._topics = [sub.topic_name for sub in self.subscriptions]
         if reliability == "auto":
             self._match_publishers()
-            self._qos_timer = self._node.create_timer(1.0, self._match_publishers)
+            self._qos_timer = self._ctx.ros.create_timer(1.0, self._match_publishers)
 
     #: How long the previous subscription of a camera stays while a new one (other reliability) is matched (s).
     SWITCH_OVERLAP_S = 3.0
@@ -120,7 +122,7 @@ class CameraInputs:
         qos = QoSProfile(depth=qos_profile_sensor_data.depth, history=HistoryPolicy.KEEP_LAST, reliability=reliability,
                          durability=qos_profile_sensor_data.durability)
         kind = CompressedImage if self._transports[cam] == "compressed" else Image
-        return self._node.create_subscription(kind, self._topics_asked[cam],
+        return self._ctx.ros.create_subscription(kind, self._topics_asked[cam],
                                               self._callback(cam, self._transports[cam], self._generation[cam]), qos)
 
     def _match_publishers(self) -> None:
@@ -136,41 +138,41 @@ class CameraInputs:
         keep = []
         for cam, old, deadline in self._retiring:
             if self._delivered[cam] or now >= deadline:
-                self._node.destroy_subscription(old)
+                self._ctx.ros.destroy_subscription(old)
             else:
                 keep.append((cam, old, deadline))
         self._retiring = keep
         for cam, sub in enumerate(self.subscriptions):
             topic = self._topics[cam]
             try:
-                offered = [info.qos_profile.reliability for info in self._node.get_publishers_info_by_topic(topic)]
+                offered = [info.qos_profile.reliability for info in self._ctx.ros.get_publishers_info_by_topic(topic)]
             except Exception as e:  # noqa: BLE001 - a graph query must never stop the executor
-                if self._node._throttle("camera_qos"):
-                    self._node.get_logger().warning(f"camera {cam} ({topic}): cannot read its publishers' QoS: {e}")
+                if self._ctx.log_every("camera_qos"):
+                    self._ctx.logger.warning(f"camera {cam} ({topic}): cannot read its publishers' QoS: {e}")
                 continue
             wanted = (ReliabilityPolicy.RELIABLE if offered and all(r == ReliabilityPolicy.RELIABLE for r in offered)
                       else ReliabilityPolicy.BEST_EFFORT)
             if not offered or wanted == self.reliabilities[cam]:
                 continue
             for r in [r for r in self._retiring if r[0] == cam]:  # a switch back during a switch: the oldest goes
-                self._node.destroy_subscription(r[1])
+                self._ctx.ros.destroy_subscription(r[1])
                 self._retiring.remove(r)
             self._retiring.append((cam, sub, now + int(self.SWITCH_OVERLAP_S * 1e9)))
             self._generation[cam] += 1
             self._delivered[cam] = False
             self.subscriptions[cam] = self._subscribe(cam, wanted)
             self.reliabilities[cam] = wanted
-            self._node.get_logger().info(
+            self._ctx.logger.info(
                 f"camera {cam} ({topic}): subscribed {wanted.name.lower()} to match its {len(offered)} "
                 f"publisher(s) ({', '.join(sorted({r.name.lower() for r in offered}))})")
 
     def stop(self) -> None:
         """Unsubscribe from every camera (idempotent)."""
         if self._qos_timer is not None:
-            self._node.destroy_timer(self._qos_timer)
+            self._ctx.ros.destroy_timer(self._qos_timer)
             self._qos_timer = None
         for sub in self.subscriptions + [old for _cam, old, _deadline in self._retiring]:
-            self._node.destroy_subscription(sub)
+            self._ctx.ros.destroy_subscription(sub)
         self.subscriptions, self._retiring = [], []
 
     def frame_period_ns(self) -> int | None:
@@ -198,10 +200,10 @@ class CameraInputs:
         if late != self._late_said:
             self._late_said = late
             if late:
-                self._node.get_logger().warning(f"camera images arrive late: {delay[0] / 1e3:.2f} s after their "
+                self._ctx.logger.warning(f"camera images arrive late: {delay[0] / 1e3:.2f} s after their "
                                                 f"stamp (median); see {self.DOCS_LARGE_IMAGES}")
             else:
-                self._node.get_logger().info("camera images arrive in time again")
+                self._ctx.logger.info("camera images arrive in time again")
         if not late:
             return ""
         return (f"camera images arrive {delay[0] / 1e3:.2f} s after their header stamp (median of the last "
@@ -235,11 +237,11 @@ class CameraInputs:
         if cams != set(self._silent_said):
             new = sorted(cams - set(self._silent_said))
             if new:
-                self._node.get_logger().warning(
+                self._ctx.logger.warning(
                     "silent: " + ", ".join(f"camera {c} ({self._topics[c]})" for c in new) + "; the other cameras send")
             back = [c for c, since in self._silent_said.items() if c not in cams and self._last_ns[c] > since]
             if back:
-                self._node.get_logger().info(", ".join(f"camera {c} ({self._topics[c]})" for c in back)
+                self._ctx.logger.info(", ".join(f"camera {c} ({self._topics[c]})" for c in back)
                                              + ": sends again")
             self._silent_said = {c: self._silent_said.get(c, now) for c in cams}
         if not silent:
@@ -269,9 +271,9 @@ class CameraInputs:
             try:
                 stamp = header_stamp_ns(msg)  # int32 sec may be negative: the synchronizer takes >= 0 only
             except ValueError as e:
-                self._node._drop("bad_stamp", f"camera {cam}: {e}")
+                self._ctx.drop("bad_stamp", f"camera {cam}: {e}")
                 return
-            clock = self._node.get_clock().now().nanoseconds
+            clock = self._ctx.ros.get_clock().now().nanoseconds
             if clock > 0:
                 self._delays_ns.append(clock - stamp)
             emitted = self._sync.add(cam, stamp, (transport, msg))
@@ -281,7 +283,7 @@ class CameraInputs:
                     silent = self.silent_cameras(now)
                     why += (" (silent: " + ", ".join(f"camera {c} {self._topics[c]}" for c, _ in silent) + ")"
                             if silent else "")
-                self._node._drop(cause, f"camera {cam} message stamped {stamp} ns: {why}", n)
+                self._ctx.drop(cause, f"camera {cam} message stamped {stamp} ns: {why}", n)
             if emitted is None:
                 return
             self.frames_synced += 1
@@ -299,8 +301,9 @@ class EgoStateInputs:
     state at a camera stamp.
     """
 
-    def __init__(self, node):
-        self._node = node
+    def __init__(self, ctx):
+        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the two subscriptions)."""
+        self._ctx = ctx
         self.buffer = EgoInputBuffer()  # speed, yaw rate and acceleration samples
         self.subscriptions = []
 
@@ -308,28 +311,28 @@ class EgoStateInputs:
         """Forget the samples (those from before a deactivate may lie behind a clock jump) and subscribe."""
         self.buffer.clear()
         self.subscriptions = [
-            self._node.create_subscription(Odometry, "~/input/kinematic_state", self._on_kinematic_state, 10),
-            self._node.create_subscription(AccelWithCovarianceStamped, "~/input/acceleration",
+            self._ctx.ros.create_subscription(Odometry, "~/input/kinematic_state", self._on_kinematic_state, 10),
+            self._ctx.ros.create_subscription(AccelWithCovarianceStamped, "~/input/acceleration",
                                            self._on_acceleration, 10),
         ]
 
     def stop(self) -> None:
         """Unsubscribe from both topics (idempotent)."""
         for sub in self.subscriptions:
-            self._node.destroy_subscription(sub)
+            self._ctx.ros.destroy_subscription(sub)
         self.subscriptions = []
 
     def _on_kinematic_state(self, msg: Odometry) -> None:
         try:
             self.buffer.add_kinematic(*kinematic_sample_from_odometry(msg))
         except ValueError as e:
-            self._node._drop("bad_kinematic_state", f"~/input/kinematic_state: {e}")
+            self._ctx.drop("bad_kinematic_state", f"~/input/kinematic_state: {e}")
 
     def _on_acceleration(self, msg: AccelWithCovarianceStamped) -> None:
         try:
             self.buffer.add_acceleration(*acceleration_sample_from_msg(msg))
         except ValueError as e:
-            self._node._drop("bad_acceleration", f"~/input/acceleration: {e}")
+            self._ctx.drop("bad_acceleration", f"~/input/acceleration: {e}")
 
     def state_at(self, stamp: int, wait_s: float, max_age_s: float):
         """(ego state (3,) float32: speed m/s, acceleration m/s^2, yaw rate rad/s; acceleration source) at the
@@ -338,5 +341,5 @@ class EgoStateInputs:
         lies within ``max_age_s`` (s)."""
         t0 = time.perf_counter()
         self.buffer.wait_for(stamp, wait_s)
-        self._node.times.add("ego_wait", (time.perf_counter() - t0) * 1e3)
+        self._ctx.times.add("ego_wait", (time.perf_counter() - t0) * 1e3)
         return self.buffer.ego_state_at(stamp, int(max_age_s * 1e9))

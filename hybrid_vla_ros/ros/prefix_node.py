@@ -18,16 +18,22 @@ or after the camera stamp, then feeds speed, acceleration and yaw rate at that s
 frame without a usable ego state is dropped and counted (``no_ego_state``, ``stale_ego_state``,
 ``no_acceleration``), never computed with a made-up one.
 
-CPU cores: ``main`` pins the process to ``cpu_affinity`` (from the command line or params file) before
-``rclpy.init`` starts the DDS threads and before torch's and OpenCV's pools start; the few threads the
-imports above started already are pinned with them (``util.cores.pin_process``), and configure pins
-again and sizes torch's and OpenCV's pools to the pinned cores. Give the prefix the cores the suffix
-does not have (the launch file and ``hybrid-vla replay`` do).
+CPU cores: the entry point (``prefix_main.main``: the ``prefix_node`` executable, and ``python -m`` of this
+module, which hands over to it before the imports below) pins the process to ``cpu_affinity`` (from the
+command line or params file) and sets the thread-count variables (``util.cores.pin_then_import``) before it
+imports this module: OpenCV, torch and rclpy start their pools and the DDS threads on the pinned cores, sized
+to them, as in the suffix. Configure pins again (every thread, for cores given only to the node's parameters,
+e.g. in a composed process) and sizes torch's and OpenCV's pools to the pinned cores. Give the prefix the cores
+the suffix does not have (the launch file and ``hybrid-vla replay`` do).
 """
 from __future__ import annotations
 
-import os
 import sys
+
+if __name__ == "__main__":  # python -m hybrid_vla_ros.ros.prefix_node: pin first, before the imports below
+    from hybrid_vla_ros.ros.prefix_main import main as _pinned_main
+
+    sys.exit(_pinned_main())
 
 import cv2
 from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
@@ -36,13 +42,13 @@ from ..util.ids import model_id_text
 from ..model.checkpoint import driving_config
 from ..runtime.prefix import PrefixRunner
 from ..util.cores import pin_process
-from ..util.process import exit_with_parent
 from . import node_base
-from .params import ParameterError, Params
-from .params_file import pin_from_ros_args
+from .params import ParameterError
+from .settings import PrefixNodeSettings
 from .prefix_inputs import EGO_DROP_REASONS, SYNC_DROP_REASONS, CameraInputs, EgoStateInputs
 from .prefix_split import SplitLayerControl
 from .prefix_worker import PrefixWorker
+from .status import PrefixStatus
 
 __all__ = ["PrefixNode", "main", "SYNC_DROP_REASONS", "EGO_DROP_REASONS"]
 
@@ -56,24 +62,18 @@ class PrefixNode(node_base.PipelineNode):
     """
 
     LIVE_PARAMETERS = ("split_layer",)
+    STATUS = PrefixStatus
 
     def __init__(self, early_affinity: list[int] | None = None, **kwargs):
         super().__init__("prefix_node", **kwargs)
         self.early_affinity = early_affinity  # cores main() pinned the process to before rclpy.init
         self.runner: PrefixRunner | None = None
-        self.params: Params | None = None
-        self._ego_inputs = EgoStateInputs(self)  # speed, yaw rate, acceleration (ego_state_input checkpoints)
-        self._worker = PrefixWorker(self, self._ego_inputs)
-        self._cameras = CameraInputs(self, on_frame=self._worker.offer)
-        self._split = SplitLayerControl(self, wake=self._worker.wake)
-
-    # counts and state kept by the parts, readable on the node
-    frames_in = property(lambda self: self._cameras.frames_in, doc="camera messages received")
-    frames_synced = property(lambda self: self._cameras.frames_synced, doc="synchronized frames")
-    frames_out = property(lambda self: self._worker.frames_out, doc="frames computed into the ring")
-    ego_accel_sources = property(lambda self: self._worker.ego_accel_sources, doc="frames out, by acceleration source")
-    resplits = property(lambda self: self._worker.resplits, doc="live moves of the split layer applied")
-    plan = property(lambda self: self._split.plan, doc="split.planner.Plan of `split_layer: auto`, else None")
+        self.params: PrefixNodeSettings | None = None
+        ctx = self.part_context()
+        self._ego_inputs = EgoStateInputs(ctx)  # speed, yaw rate, acceleration (ego_state_input checkpoints)
+        self._worker = PrefixWorker(ctx, self._ego_inputs)
+        self._cameras = CameraInputs(ctx, on_frame=self._worker.offer)
+        self._split = SplitLayerControl(ctx, wake=self._worker.wake)
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -85,13 +85,8 @@ class PrefixNode(node_base.PipelineNode):
                 pin_process(p.cpu_affinity)
                 cv2.setNumThreads(len(p.cpu_affinity))
             k = self._split.initial_layer(p)
-            self.runner = PrefixRunner(p.model_path, k, device=p.device, dtype=p.dtype,
-                                       ring_name=p.ring_name, namespace=self.get_namespace(),
-                                       ring_slots=p.ring_slots,
-                                       torch_threads=p.torch_threads or len(p.cpu_affinity),
-                                       fast_jpeg_decode=p.fast_jpeg_decode,
-                                       gpu_budget_bytes=int(round(p.gpu_budget_gb * 1e9)),
-                                       domain_id=self.context.get_domain_id())
+            self.runner = PrefixRunner(p.model_path, p.runner_settings(k, namespace=self.get_namespace(),
+                                                                       domain_id=self.context.get_domain_id()))
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             return self.configure_failed(e)
         self.params = p
@@ -105,7 +100,7 @@ class PrefixNode(node_base.PipelineNode):
                if p.fast_jpeg_decode else "")
             + (f"; ego state input (wait {p.ego_state_wait_s} s, max age {p.max_ego_state_age_s} s)"
                if cfg.ego_state_input else "")
-            + (f"; cores {p.cpu_affinity} (pinned early: {self.early_affinity or 'no'})" if p.cpu_affinity
+            + (f"; cores {list(p.cpu_affinity)} (pinned early: {self.early_affinity or 'no'})" if p.cpu_affinity
                else "; not pinned (cpu_affinity [])")
             + (" [random-init weights: trajectories are not driving advice]" if cfg.random_init else ""))
         return TransitionCallbackReturn.SUCCESS
@@ -140,21 +135,18 @@ class PrefixNode(node_base.PipelineNode):
             self.get_logger().info("cleaned up: ring removed, model memory freed")
 
     # ------------------------------------------------------------------------------ split layer
-    def _live_parameter_problems(self, values: dict) -> list[str]:
+    def live_parameter_problems(self, values: dict) -> list[str]:
         k = values.get("split_layer")
         if isinstance(k, int) and self.runner is not None and k > self.runner.cfg.num_layers:
             return [f"split_layer: {k} out of range [0, {self.runner.cfg.num_layers}] for this model"]
         return []
 
-    def _apply_live_parameters(self, values: dict) -> None:
+    def apply_live_parameters(self, values: dict) -> None:
         self._split.set_split_layer(values.get("split_layer"), active=self._worker.running)
 
     # ------------------------------------------------------------------------------- diagnostics
-    def _io_counts(self) -> tuple[int, int]:
-        return self.frames_in, self.frames_out
-
-    def _ring(self):
-        return self.runner.ring if self.runner is not None else None
+    def io_counts(self) -> tuple[int, int]:
+        return self._cameras.frames_in, self._worker.frames_out
 
     def peer_status(self):
         runner = self.runner
@@ -168,44 +160,33 @@ class PrefixNode(node_base.PipelineNode):
     def input_warning(self) -> str:
         return self._cameras.lateness()
 
-    def _diagnostic_values(self) -> dict:
-        ring = self.runner.ring.stats if self.runner is not None else {}
-        return {"frames_in": self.frames_in, "frames_synchronized": self.frames_synced,
-                "frames_out": self.frames_out, "ring_published": ring.get("published", 0),
-                "ring_dropped_oldest": ring.get("dropped_oldest", 0),
-                "split_layer": self.runner.split_layer if self.runner is not None else "",
-                "model_id": model_id_text(self.runner.model_id) if self.runner is not None else "",
-                "num_layers": self.runner.cfg.num_layers if self.runner is not None else "",
-                "split_layer_auto": self.plan is not None, "resplits": self.resplits,
-                "handoff_path": self.runner.handoff_path if self.runner is not None else "",
-                "fast_jpeg_decode": bool(self.params.fast_jpeg_decode) if self.params else "",
-                "ego_state_input": self.runner is not None and self.runner.cfg.ego_state_input,
-                **{f"ego_accel_{source}": n for source, n in self.ego_accel_sources.items()},
-                "ego_time_jumps": self._ego_inputs.buffer.time_jumps, "cpu_affinity": sorted(os.sched_getaffinity(0)),
-                **self._camera_values()}
-
-    def _camera_values(self) -> dict:
-        """/diagnostics values of the camera inputs: their reliability, arrival delay, silent cameras."""
-        delay = self._cameras.arrival_delay_ms()
-        return {"camera_reliability": ",".join(r.name.lower() for r in self._cameras.reliabilities),
-                "camera_delay_p50_ms": "" if delay is None else f"{delay[0]:.1f}",
-                "camera_delay_max_ms": "" if delay is None else f"{delay[1]:.1f}",
-                "cameras_silent": ",".join(str(c) for c, _ in self._cameras.silent_cameras())}
+    def status_fields(self) -> dict:
+        """This node's fields of :class:`~.status.PrefixStatus`."""
+        runner, cameras, worker = self.runner, self._cameras, self._worker
+        ring = runner.ring.stats if runner is not None else {}
+        delay = cameras.arrival_delay_ms()
+        return dict(
+            frames_in=cameras.frames_in, frames_synchronized=cameras.frames_synced, frames_out=worker.frames_out,
+            ring_published=ring.get("published", 0), ring_dropped_oldest=ring.get("dropped_oldest", 0),
+            split_layer=runner.split_layer if runner is not None else None,
+            model_id=model_id_text(runner.model_id) if runner is not None else "",
+            num_layers=runner.cfg.num_layers if runner is not None else None,
+            split_layer_auto=self._split.plan is not None, resplits=worker.resplits,
+            handoff_path=runner.handoff_path if runner is not None else "",
+            fast_jpeg_decode=bool(self.params.fast_jpeg_decode) if self.params else None,
+            ego_state_input=runner is not None and runner.cfg.ego_state_input,
+            ego_accel=dict(worker.ego_accel_sources), ego_time_jumps=self._ego_inputs.buffer.time_jumps,
+            camera_reliability=",".join(r.name.lower() for r in cameras.reliabilities),
+            camera_delay_p50_ms=None if delay is None else delay[0],
+            camera_delay_max_ms=None if delay is None else delay[1],
+            cameras_silent=tuple(c for c, _ in cameras.silent_cameras()))
 
 
 def main(args: list[str] | None = None) -> int:
-    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args -p cpu_affinity:=[0,1] ...``. Exit code
-    0 after a clean shutdown (SIGINT / SIGTERM), 2 when the parameters given cannot be read (see
-    ``node_base.run_node``)."""
-    argv = args if args is not None else sys.argv
-    exit_with_parent()  # started by `hybrid-vla replay`: end with it
-    try:
-        early = pin_from_ros_args(argv, "prefix_node")
-    except ValueError as e:
-        print(f"prefix_node: {e}", file=sys.stderr)
-        return 2
-    return node_base.run_node("prefix_node", lambda: PrefixNode(early_affinity=early), argv)
+    """The node's start-up, :func:`.prefix_main.main` (exit codes there), for callers of this module's ``main``
+    (a ``prefix_node`` script installed before the entry point moved). Importing this module imported OpenCV
+    and torch already, so their pools are not sized to ``cpu_affinity`` on this path (``pin_then_import`` warns):
+    start the node with the ``prefix_node`` executable or ``python -m`` of this module instead."""
+    from .prefix_main import main as pinned_main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return pinned_main(args)

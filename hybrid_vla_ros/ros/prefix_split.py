@@ -20,8 +20,10 @@ class SplitLayerControl:
       recovers (split.planner.AutoResplitPolicy).
     """
 
-    def __init__(self, node, wake: Callable[[], None]):
-        self._node = node
+    def __init__(self, ctx, wake: Callable[[], None]):
+        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the memory-pressure timer);
+        ``wake``: wakes the worker so that it applies a requested K at once."""
+        self._ctx = ctx
         self._wake = wake
         self.plan = None  # the split plan of `split_layer: auto` (split.planner.Plan), None for a fixed K
         self._timer = None
@@ -35,7 +37,7 @@ class SplitLayerControl:
         if k == "auto":
             self.plan = self.make_plan(p)
             k = self.plan.chosen_k
-            self._node.get_logger().info(f"split_layer auto: {self.plan.reason}")
+            self._ctx.logger.info(f"split_layer auto: {self.plan.reason}")
         return k
 
     def make_plan(self, p, budget_bytes: int | None = None):
@@ -51,7 +53,7 @@ class SplitLayerControl:
             budget_gb = p.gpu_budget_gb
         elif device.type == "cuda":
             # free memory, plus what this prefix holds already when it is running (a live switch to auto)
-            held = torch.cuda.memory_reserved(device) if self._node.runner is not None else 0
+            held = torch.cuda.memory_reserved(device) if self._ctx.runner() is not None else 0
             budget_gb = (torch.cuda.mem_get_info(device)[0] + held) / 1e9
         else:
             budget_gb = None  # a CPU prefix: no device budget
@@ -61,40 +63,40 @@ class SplitLayerControl:
     def set_split_layer(self, k, active: bool) -> None:
         """Request K = ``k`` (an int, or 'auto': a new plan) of the running prefix; None or an unconfigured
         node: nothing (configure reads it). ``active``: the worker runs (for the memory-pressure timer)."""
-        node = self._node
-        if k is None or node.runner is None:
+        runner, log = self._ctx.runner(), self._ctx.logger
+        if k is None or runner is None:
             return  # unconfigured: read at configure
         if k == "auto":
             try:
-                self.plan = self.make_plan(node.params)
+                self.plan = self.make_plan(self._ctx.settings())
             except (ValueError, OSError) as e:
-                node.get_logger().error(f"split_layer auto: no plan ({e}); K stays {node.runner.split_layer}")
+                log.error(f"split_layer auto: no plan ({e}); K stays {runner.split_layer}")
                 return
-            node.get_logger().info(f"split_layer auto: {self.plan.reason}")
+            log.info(f"split_layer auto: {self.plan.reason}")
             k = self.plan.chosen_k
         else:
             self.plan = None
         self.update_timer(active)
-        node.runner.request_split_layer(k)
+        runner.request_split_layer(k)
         self._wake()  # an idle worker applies it at once
-        node.get_logger().info(f"split_layer {k} requested (now {node.runner.split_layer}): the frame in progress "
+        log.info(f"split_layer {k} requested (now {runner.split_layer}): the frame in progress "
                                "finishes at its K, the next one is computed at the new K")
 
     def update_timer(self, active: bool) -> None:
         """Run the 2 s memory-pressure check while ``active`` with ``split_layer: auto``, ``auto_resplit_free_mb``
         > 0 and a CUDA prefix; stop it otherwise."""
-        node = self._node
-        wanted = (active and self.plan is not None and node.params.auto_resplit_free_mb > 0
-                  and node.runner is not None and node.runner.device.type == "cuda")
+        runner, p = self._ctx.runner(), self._ctx.settings()
+        wanted = (active and self.plan is not None and p is not None and p.auto_resplit_free_mb > 0
+                  and runner is not None and runner.device.type == "cuda")
         if wanted and self._timer is None:
-            self._timer = node.create_timer(2.0, self._check_memory_pressure)
+            self._timer = self._ctx.ros.create_timer(2.0, self._check_memory_pressure)
         elif not wanted:
             self.stop_timer()
 
     def stop_timer(self) -> None:
         """Stop the memory-pressure check (idempotent)."""
         if self._timer is not None:
-            self._node.destroy_timer(self._timer)
+            self._ctx.ros.destroy_timer(self._timer)
             self._timer = None
 
     def _check_memory_pressure(self) -> None:
@@ -103,26 +105,27 @@ class SplitLayerControl:
         move up leaves ``auto_resplit_recover_mb`` free for 3 readings (split.planner.AutoResplitPolicy)."""
         from ..split.planner import AutoResplitPolicy
 
-        node = self._node
-        if node.runner is None or self.plan is None:
+        ctx = self._ctx
+        runner, p = ctx.runner(), ctx.settings()
+        if runner is None or self.plan is None:
             return
-        low, high = AutoResplitPolicy.thresholds(node.params.auto_resplit_free_mb, node.params.auto_resplit_recover_mb)
+        low, high = AutoResplitPolicy.thresholds(p.auto_resplit_free_mb, p.auto_resplit_recover_mb)
         if self._policy is None or self._policy.plan is not self.plan:
             try:
                 self._policy = AutoResplitPolicy(self.plan, low, high)
             except ValueError as e:
-                if node._throttle("memory_pressure"):
-                    node.get_logger().error(f"auto re-split off: {e}")
+                if ctx.log_every("memory_pressure"):
+                    ctx.logger.error(f"auto re-split off: {e}")
                 return
-        free = torch.cuda.mem_get_info(node.runner.device)[0]
+        free = torch.cuda.mem_get_info(runner.device)[0]
         try:
-            k, reason = self._policy.decide(node.runner.split_layer, free)
+            k, reason = self._policy.decide(runner.split_layer, free)
         except ValueError as e:
-            if node._throttle("memory_pressure"):
-                node.get_logger().error(f"free device memory {free / 2**20:.0f} MiB < {low / 2**20:.0f} MiB and "
+            if ctx.log_every("memory_pressure"):
+                ctx.logger.error(f"free device memory {free / 2**20:.0f} MiB < {low / 2**20:.0f} MiB and "
                                         f"no split layer fits: {e}")
             return
-        if k is not None and k != node.runner.split_layer:
-            node.get_logger().warning(f"moving K {node.runner.split_layer} -> {k}: {reason}")
-            node.runner.request_split_layer(k)
+        if k is not None and k != runner.split_layer:
+            ctx.logger.warning(f"moving K {runner.split_layer} -> {k}: {reason}")
+            runner.request_split_layer(k)
             self._wake()

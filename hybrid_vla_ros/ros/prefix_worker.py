@@ -1,6 +1,7 @@
 """The prefix node's worker thread: the newest synchronized frame -> ego state -> PrefixRunner.run -> ring.
 
-It makes no ROS calls of its own: it reads the node's runner and parameters and counts drops on the node.
+It makes no ROS calls of its own: it reads the runner and settings of its node's PartContext and counts drops
+through it.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ class PrefixWorker:
     Counts ``frames_out``, ``ego_accel_sources`` (frames out by acceleration source) and ``resplits``.
     """
 
-    def __init__(self, node, ego_inputs):
-        self._node = node
+    def __init__(self, ctx, ego_inputs):
+        """``ctx``: the node's node_base.PartContext; ``ego_inputs``: prefix_inputs.EgoStateInputs."""
+        self._ctx = ctx
         self._ego_inputs = ego_inputs
         self._pending: SyncedSet | None = None  # newest synchronized frame waiting for the worker
         self._cv = threading.Condition()
@@ -35,6 +37,7 @@ class PrefixWorker:
         self.frames_out = 0
         self.ego_accel_sources = {source: 0 for source in ACCEL_SOURCES}  # frames out, by acceleration source
         self.resplits = 0  # live moves of the split layer applied
+        self._handoff_path = ""  # the runner's hand-off path after the last move ('' before any)
 
     @property
     def running(self) -> bool:
@@ -44,6 +47,7 @@ class PrefixWorker:
     def start(self) -> None:
         """Start the thread ('prefix_worker', daemon)."""
         self._running = True
+        self._handoff_path = self._ctx.runner().handoff_path  # as the configure log said
         self._thread = threading.Thread(target=self._work, name="prefix_worker", daemon=True)
         self._thread.start()
 
@@ -52,7 +56,7 @@ class PrefixWorker:
         with self._cv:
             self._running = False
             if self._pending is not None:  # a synchronized frame the worker had not started: count it
-                self._node.drops.add("deactivated")
+                self._ctx.count("deactivated")
             self._pending = None
             self._cv.notify_all()
         if self._thread is not None:
@@ -63,7 +67,7 @@ class PrefixWorker:
         """Make ``frame`` the next one to compute, in place of any still waiting (that one is ``superseded``)."""
         with self._cv:
             if self._pending is not None:
-                self._node._drop("superseded", "a newer synchronized frame arrived before the worker took this "
+                self._ctx.drop("superseded", "a newer synchronized frame arrived before the worker took this "
                                  "one (the prefix is slower than the camera rate)")
             self._pending = frame
             self._cv.notify()
@@ -74,14 +78,15 @@ class PrefixWorker:
             self._cv.notify()
 
     def _work(self) -> None:
-        runner = self._node.runner
+        runner = self._ctx.runner()
+        pace = self._ctx.settings().pace_to_suffix
         while True:
             with self._cv:
                 while self._running and self._pending is None and not runner.split_requested:
                     self._cv.wait()
                 # Pace to a slower suffix: a frame started now would wait in the ring; newer frames replace
                 # _pending meanwhile (the older one counts as superseded), so the one started is fresher.
-                delay = runner.pacing_delay_s() if self._pending is not None and self._node.params.pace_to_suffix else 0
+                delay = runner.pacing_delay_s() if self._pending is not None and pace else 0
                 deadline = time.monotonic() + delay
                 while self._running and (remaining := deadline - time.monotonic()) > 0:
                     self._cv.wait(remaining)
@@ -97,46 +102,51 @@ class PrefixWorker:
         try:  # blocks for a move up load in the background: check back every 50 ms (frames may come)
             event = runner.apply_split_request(timeout=0.05)
         except Exception as e:  # noqa: BLE001 - e.g. a missing block in the checkpoint: counted, K stays
-            self._node._drop("resplit_error", str(e))
+            self._ctx.drop("resplit_error", str(e))
             return
         if event is not None:
             self._log_resplit(event)
 
     def _compute(self, runner, frame: SyncedSet) -> None:
-        node, p = self._node, self._node.params
+        ctx, p = self._ctx, self._ctx.settings()
         stamp, items = frame
         try:
             ego, accel_source = (self._ego_inputs.state_at(stamp, p.ego_state_wait_s, p.max_ego_state_age_s)
                                  if runner.cfg.ego_state_input else (None, None))
         except LookupError as e:
             cause = str(e.args[0])
-            node._drop(cause, f"frame stamped {stamp} ns: " + EGO_DROP_REASONS[cause].format(age=p.max_ego_state_age_s))
+            ctx.drop(cause, f"frame stamped {stamp} ns: " + EGO_DROP_REASONS[cause].format(age=p.max_ego_state_age_s))
             return
         try:
             result = runner.run(items, stamp, ego_state=ego)
         except ImageDecodeError as e:
-            node._drop("decode_error", str(e))
+            ctx.drop("decode_error", str(e))
             return
         except (ValueError, FloatingPointError) as e:
-            node._drop("model_error", str(e))
+            ctx.drop("model_error", str(e))
             return
         except Exception as e:  # noqa: BLE001 - the node keeps running, the error is counted and reported
-            node._drop("internal_error", f"{type(e).__name__}: {e}")
+            ctx.drop("internal_error", f"{type(e).__name__}: {e}")
             return
         self.frames_out += 1
         if result.resplit is not None:
             self._log_resplit(result.resplit)
         if result.resplit_error is not None:
-            node._drop("resplit_error", result.resplit_error)
+            ctx.drop("resplit_error", result.resplit_error)
         if accel_source is not None:
             self.ego_accel_sources[accel_source] += 1
-        node.times.add("preprocess", result.preprocess_ms)
-        node.times.add("prefix", result.prefix_ms)
+        ctx.times.add("preprocess", result.preprocess_ms)
+        ctx.times.add("prefix", result.prefix_ms)
 
     def _log_resplit(self, e) -> None:
         self.resplits += 1
+        path = self._ctx.runner().handoff_path  # a move can change the last block's class: say the new path
+        if path != self._handoff_path:
+            if self._handoff_path:
+                self._ctx.logger.info(f"hand-off path now: {path} (was: {self._handoff_path})")
+            self._handoff_path = path
         moved = f"loaded {e.blocks_loaded}" if e.blocks_loaded else f"freed {e.blocks_freed}"
-        self._node.get_logger().info(
+        self._ctx.logger.info(
             f"re-split K {e.old_split_layer} -> {e.new_split_layer}: {moved} block(s) in {e.duration_ms:.1f} ms"
             + (f" (loaded in the background in {e.load_ms:.1f} ms)" if e.blocks_loaded else "") + "; "
             f"prefix weights {e.stage_bytes_before / 2**20:.1f} -> {e.stage_bytes_after / 2**20:.1f} MiB"
@@ -144,4 +154,4 @@ class PrefixWorker:
                f"reserved {e.reserved_bytes_before / 2**20:.1f} -> {e.reserved_bytes_after / 2**20:.1f} MiB, driver-level "
                f"used {e.driver_used_before / 2**20:.1f} -> {e.driver_used_after / 2**20:.1f} MiB "
                f"({e.returned_to_driver_bytes / 2**20:.1f} MiB returned)"
-               if self._node.runner.device.type == "cuda" else ""))
+               if self._ctx.runner().device.type == "cuda" else ""))

@@ -2,7 +2,7 @@
 navigation command (the planner mode of the next frame).
 
 Callbacks only buffer (vehicle.odometry.OdometryBuffer) or set the command; a message that cannot be read is
-a drop counted on the node by cause.
+a drop counted by cause (through the node's PartContext).
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ class SuffixInputs:
     was obtained (``odometry_propagated``, ``odometry_late``).
     """
 
-    def __init__(self, node):
-        self._node = node
+    def __init__(self, ctx):
+        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the two subscriptions)."""
+        self._ctx = ctx
         self.odometry = OdometryBuffer()
         self._odom_sub = None
         self._command = DEFAULT_COMMAND  # navigation command index (NAV_COMMANDS) for the next frame
@@ -44,8 +45,8 @@ class SuffixInputs:
 
     def start(self) -> None:
         """Subscribe to both topics (depth 10)."""
-        self._odom_sub = self._node.create_subscription(Odometry, "~/input/kinematic_state", self._on_odometry, 10)
-        self._command_sub = self._node.create_subscription(String, "~/input/navigation_command",
+        self._odom_sub = self._ctx.ros.create_subscription(Odometry, "~/input/kinematic_state", self._on_odometry, 10)
+        self._command_sub = self._ctx.ros.create_subscription(String, "~/input/navigation_command",
                                                            self._on_navigation_command, 10)
 
     def stop(self) -> None:
@@ -53,14 +54,14 @@ class SuffixInputs:
         for name in ("_odom_sub", "_command_sub"):
             sub = getattr(self, name)
             if sub is not None:
-                self._node.destroy_subscription(sub)
+                self._ctx.ros.destroy_subscription(sub)
                 setattr(self, name, None)
 
     def _on_odometry(self, msg: Odometry) -> None:
         try:
             ego = ego_state_from_odometry(msg)
         except ValueError as e:
-            self._node._drop("bad_odometry", str(e))
+            self._ctx.drop("bad_odometry", str(e))
             return
         self.odometry.add(ego)
 
@@ -70,7 +71,7 @@ class SuffixInputs:
         try:
             index = nav_command_index(msg.data)
         except ValueError as e:
-            self._node._drop("bad_navigation_command", f"~/input/navigation_command: {e}; keeping "
+            self._ctx.drop("bad_navigation_command", f"~/input/navigation_command: {e}; keeping "
                              f"{NAV_COMMANDS[self._command]}")
             return
         self.set_command(index, "topic ~/input/navigation_command")
@@ -80,7 +81,7 @@ class SuffixInputs:
         with self._command_lock:
             old, self._command = self._command, index
         if old != index:
-            self._node.get_logger().info(f"navigation command {NAV_COMMANDS[old]} -> {NAV_COMMANDS[index]} "
+            self._ctx.logger.info(f"navigation command {NAV_COMMANDS[old]} -> {NAV_COMMANDS[index]} "
                                          f"(from {source})")
 
     def pose_at(self, stamp: int, wait_s: float, max_age_s: float) -> tuple[EgoState, str, str, float]:

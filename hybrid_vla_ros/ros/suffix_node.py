@@ -1,7 +1,9 @@
 """suffix_node: shared-memory ring -> decoder blocks [K, L), norm, planning head -> Autoware Trajectory.
 
-The process pins itself to ``cpu_affinity`` before torch or rclpy is imported (see ``main``), so
-every thread it ever starts (OpenMP pool, DDS, executor) runs on the spare cores.
+The process pins itself to ``cpu_affinity`` and sets the thread-count variables (``OMP_NUM_THREADS`` ...)
+before torch or rclpy is imported (``main``, through ``util.cores.pin_then_import``, as the prefix's
+``prefix_main``), so every thread it ever starts (OpenMP pool, DDS, executor) runs on the spare cores and
+torch's pool is sized to them from the start.
 
 Lifecycle:
   on_configure  validate parameters, pin again (every thread), load the suffix on the CPU;
@@ -24,36 +26,35 @@ The node class is ``_suffix_impl.SuffixNode`` (imported once the process is pinn
 """
 from __future__ import annotations
 
-import os
 import sys
 
+from ..util.cores import pin_then_import
+from ..util.process import exit_with_parent
+from .params_file import cpu_affinity_from_ros_args
 
-def _pin_early(argv: list[str]) -> list[int] | None:
-    """Apply ``cpu_affinity`` from the command line (``-p`` or a ``--params-file``, launch_ros' files included)
-    before any thread-starting import. Raises ValueError (ParamsFileError) naming what cannot be read."""
-    from .params_file import pin_from_ros_args
-
-    return pin_from_ros_args(argv, "suffix_node")
+#: The module holding the node class, imported once the process is pinned.
+NODE_MODULE = "hybrid_vla_ros.ros._suffix_impl"
 
 
 def main(args: list[str] | None = None) -> int:
-    """Console entry point: ``ros2 run hybrid_vla_ros suffix_node --ros-args -p cpu_affinity:=[2,3] ...``."""
-    argv = args if args is not None else sys.argv
-    from ..util.process import exit_with_parent
+    """Console entry point: ``ros2 run hybrid_vla_ros suffix_node --ros-args -p cpu_affinity:=[2,3] ...``.
 
+    Pins the process to ``cpu_affinity`` from the command line or a params file (``-p`` or ``--params-file``,
+    launch_ros' files included) and sets the thread-count variables (the one start-up both nodes share:
+    :func:`~hybrid_vla_ros.util.cores.pin_then_import`), then imports the node (torch, rclpy) and runs it
+    (``node_base.run_node``). Exit code 0 after a clean shutdown, 2 when ``cpu_affinity`` or the other
+    parameters given cannot be read or the cores cannot be used.
+    """
+    argv = args if args is not None else sys.argv
     exit_with_parent()  # started by `hybrid-vla replay`: end with it
     try:
-        early = _pin_early(argv)
+        early, impl = pin_then_import(lambda: cpu_affinity_from_ros_args(argv, "suffix_node"), NODE_MODULE)
     except ValueError as e:
         print(f"suffix_node: {e}", file=sys.stderr)
         return 2
-    if early:
-        # Keep OpenMP from sizing its pool for all cores before configure sets the thread count.
-        os.environ.setdefault("OMP_NUM_THREADS", str(len(early)))
     from . import node_base
-    from ._suffix_impl import SuffixNode
 
-    return node_base.run_node("suffix_node", lambda: SuffixNode(early_affinity=early), argv)
+    return node_base.run_node("suffix_node", lambda: impl.SuffixNode(early_affinity=early), argv)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from ..vehicle.guard import GuardLimits
 from ..vehicle.output import guarded_outputs
 from ..vehicle.trajectory import EgoState
 from .diagnostics import NO_CLOCK_HINT, OK, diagnostic_array
+from .status import FrameTiming
 from .msg_conv import candidate_trajectories_to_msg, generator_uuid, ns_to_stamp, trajectory_to_msg
 
 
@@ -27,12 +28,14 @@ class TrajectoryOutputs:
     * ``~/debug/frame_timing`` (DiagnosticArray, depth 10): per-stage milliseconds and CLOCK_MONOTONIC
       instants of each published frame, stamped with its camera stamp.
 
-    Every trajectory left out is a drop counted on the node by cause. Counts ``frames_out`` (trajectories
+    Every trajectory left out is a drop counted by cause (through the node's PartContext). Counts ``frames_out`` (trajectories
     published), ``candidates_out`` and ``candidate_msgs_out``.
     """
 
-    def __init__(self, node):
-        self._node = node
+    def __init__(self, ctx):
+        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the lifecycle publishers)."""
+        self._ctx = ctx
+        node = ctx.ros
         self.guard: GuardLimits | None = None  # output guard limits, from the guard.* parameters at configure
         self.frames_out = 0
         self.candidates_out = 0  # candidates published on ~/output/candidate_trajectories
@@ -48,31 +51,31 @@ class TrajectoryOutputs:
         """Take the guard limits from parameters ``p`` and create the candidates publisher if asked for."""
         self.guard = GuardLimits.from_params(p)
         if p.publish_candidate_trajectories:
-            self.candidates_pub = self._node.create_lifecycle_publisher(
+            self.candidates_pub = self._ctx.ros.create_lifecycle_publisher(
                 CandidateTrajectories, "~/output/candidate_trajectories",
                 QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
 
     def release(self) -> None:
         """Destroy the candidates publisher (idempotent)."""
         if self.candidates_pub is not None:
-            self._node.destroy_lifecycle_publisher(self.candidates_pub)
+            self._ctx.ros.destroy_lifecycle_publisher(self.candidates_pub)
             self.candidates_pub = None
 
     def publish(self, result, ego: EgoState, odometry_wait_ms: float) -> bool:
         """Publish what frame ``result`` (runtime.suffix.SuffixResult) may: its guarded trajectory placed with
         ``ego`` (the pose at its camera stamp), its candidates, its timing (``odometry_wait_ms``, ms, among the
         stages). True when the trajectory was published."""
-        node, p = self._node, self._node.params
+        ctx, node, p = self._ctx, self._ctx.ros, self._ctx.settings()
         stamp = result.meta.stamp_ns
         now_ns = node.get_clock().now().nanoseconds
         modes = result.modes
         names = NAV_COMMANDS if modes is not None and len(modes) == len(NAV_COMMANDS) else ()
-        out = guarded_outputs(result.waypoints, modes, result.mode, node.runner.cfg.waypoint_dt_s, ego,
+        out = guarded_outputs(result.waypoints, modes, result.mode, ctx.runner().cfg.waypoint_dt_s, ego,
                               p.wheelbase_m, self.guard, stamp, now_ns,
                               candidates=self.candidates_pub is not None, mode_names=names)
         for cause, message in out.drops:
-            hint = f" ({NO_CLOCK_HINT})" if cause == "guard_no_clock" and node.use_sim_time() else ""
-            node._drop(cause, message + hint)
+            sim = cause == "guard_no_clock" and node.get_parameter("use_sim_time").value
+            ctx.drop(cause, message + (f" ({NO_CLOCK_HINT})" if sim else ""))
         if out.selected is None:
             return False
         violations = out.violations
@@ -91,15 +94,14 @@ class TrajectoryOutputs:
         return True
 
     def _publish_timing(self, result, odometry_wait_ms: float, t_publish_ns: int) -> None:
-        stages = {"preprocess": result.preprocess_ms, "prefix": result.prefix_ms,
-                  "handoff": result.handoff_ms, "suffix": result.suffix_ms, "odometry_wait": odometry_wait_ms}
-        for k, ms in stages.items():
-            self._node.times.add(k, ms)
         # CLOCK_MONOTONIC instants (ns, system-wide): a process on this host can lay frames on one timeline.
-        instants = {"t_prefix_start_ns": result.t_prefix_start_ns, "t_write_start_ns": result.meta.t_write_start_ns,
-                    "t_ready_ns": result.t_ready_ns, "t_suffix_end_ns": result.t_suffix_end_ns,
-                    "t_publish_ns": t_publish_ns}
-        timing = diagnostic_array(self._node, "frame_timing", OK, f"seq {result.meta.seq}",
-                                  {**{f"{k}_ms": f"{ms:.4f}" for k, ms in stages.items()}, **instants})
+        t = FrameTiming(preprocess_ms=result.preprocess_ms, prefix_ms=result.prefix_ms, handoff_ms=result.handoff_ms,
+                        suffix_ms=result.suffix_ms, odometry_wait_ms=odometry_wait_ms,
+                        t_prefix_start_ns=result.t_prefix_start_ns, t_write_start_ns=result.meta.t_write_start_ns,
+                        t_ready_ns=result.t_ready_ns, t_suffix_end_ns=result.t_suffix_end_ns,
+                        t_publish_ns=t_publish_ns)
+        for stage, ms in t.stage_ms().items():
+            self._ctx.times.add(stage, ms)
+        timing = diagnostic_array(self._ctx.ros, "frame_timing", OK, f"seq {result.meta.seq}", t.key_values())
         timing.header.stamp = ns_to_stamp(result.meta.stamp_ns)
         self._timing_pub.publish(timing)

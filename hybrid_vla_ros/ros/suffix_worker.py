@@ -1,7 +1,7 @@
 """The suffix node's worker thread: ring -> SuffixRunner.poll -> ego pose -> guarded trajectory.
 
-Imports nothing from ROS: it reads the node's runner and parameters, counts drops on the node, and publishes
-through the node's TrajectoryOutputs (suffix_outputs).
+Imports nothing from ROS: it reads the runner and settings of its node's PartContext, counts drops through it,
+and publishes through the node's TrajectoryOutputs (suffix_outputs).
 """
 from __future__ import annotations
 
@@ -24,20 +24,25 @@ class SuffixWorker:
     rejected and superseded ones included), ``resplits`` and ``resplits_on_demand``.
     """
 
-    def __init__(self, node, inputs, outputs):
-        self._node = node
+    def __init__(self, ctx, inputs, outputs):
+        """``ctx``: the node's node_base.PartContext; ``inputs``: suffix_inputs.SuffixInputs; ``outputs``:
+        suffix_outputs.TrajectoryOutputs."""
+        self._ctx = ctx
         self._inputs = inputs
         self._outputs = outputs
         self._thread: threading.Thread | None = None
         self._running = False
         self._superseded_seen = 0
+        self._fault = ""  # the ring contract error last reported as the node's fault
         self.frames_in = 0  # frames taken from the ring, rejected ones included
         self.resplits = 0  # block moves (loads or frees) that followed the prefix's split layer
         self.resplits_on_demand = 0  # of which loads for a frame at a K this side was not prepared for
 
     def new_runner(self) -> None:
-        """The node has a new SuffixRunner (configure): its count of superseded frames starts at 0."""
+        """The node has a new SuffixRunner (configure): its count of superseded frames starts at 0, and no ring
+        contract fault is known for it."""
         self._superseded_seen = 0
+        self._fault = ""
 
     @property
     def running(self) -> bool:
@@ -58,10 +63,10 @@ class SuffixWorker:
             self._thread = None
 
     def _work(self) -> None:
-        node = self._node
-        runner = node.runner
+        ctx = self._ctx
+        runner, log = ctx.runner(), ctx.logger
         ring = None  # the ring end we were attached to, to log every (re-)attach
-        while self._running and node.context.ok():
+        while self._running and ctx.ros_ok():
             try:
                 runner.command = self._inputs.command  # the command of the frame this poll computes
                 try:
@@ -74,12 +79,12 @@ class SuffixWorker:
                     ring = runner.ring
                     if attached:
                         c = ring.contract
-                        node.get_logger().info(f"attached to the ring '{runner.segment}': {c.describe()}, "
-                                               f"conversion to {node.params.dtype}: {ring.conversion}")
+                        log.info(f"attached to the ring '{runner.segment}': {c.describe()}, "
+                                 f"conversion to {ctx.settings().dtype}: {ring.conversion}")
                     else:
-                        node.get_logger().info("the prefix's ring went away; waiting for it to come back")
-                if not attached and not node.fault and node._throttle("attach"):
-                    node.get_logger().info(f"waiting for the prefix node's ring: {runner.attach_error}")
+                        log.info("the prefix's ring went away; waiting for it to come back")
+                if not attached and not runner.contract_error and ctx.log_every("attach"):
+                    log.info(f"waiting for the prefix node's ring: {runner.attach_error}")
                 if result is not None:
                     self.frames_in += 1
                     if result.resplits:
@@ -87,27 +92,27 @@ class SuffixWorker:
                     self._publish(result)
             except SlotRejected as e:
                 self.frames_in += 1
-                node._drop(f"slot_{e.cause}", str(e))
+                ctx.drop(f"slot_{e.cause}", str(e))
             except StaleFrame as e:
                 self.frames_in += 1
-                node._drop("stale_frame", str(e))
+                ctx.drop("stale_frame", str(e))
             except ResplitError as e:  # no frame was taken: counted as an event, frames_in unchanged
-                node._drop("resplit_error", str(e))
+                ctx.drop("resplit_error", str(e))
             except FloatingPointError as e:
                 self.frames_in += 1
-                node._drop("non_finite_output", str(e))
+                ctx.drop("non_finite_output", str(e))
             except Exception as e:  # noqa: BLE001 - counted and reported, the node keeps running
-                if not node.context.ok():
+                if not ctx.ros_ok():
                     return  # ROS is shutting down (Ctrl-C): publishing can no longer succeed
-                node._drop("internal_error", f"{type(e).__name__}: {e}")
+                ctx.drop("internal_error", f"{type(e).__name__}: {e}")
 
     def _publish(self, result) -> None:
-        p = self._node.params
+        p = self._ctx.settings()
         try:
             ego, method, why, wait_ms = self._inputs.pose_at(result.meta.stamp_ns, p.odometry_wait_s,
                                                              p.max_odometry_age_s)
         except LookupError as e:
-            self._node._drop(str(e.args[0]), f"no odometry within {p.max_odometry_age_s} s of the camera stamp")
+            self._ctx.drop(str(e.args[0]), f"no odometry within {p.max_odometry_age_s} s of the camera stamp")
             return
         if self._outputs.publish(result, ego, wait_ms):
             self._inputs.count_placed(method, why)
@@ -115,26 +120,27 @@ class SuffixWorker:
     def _check_ring_contract(self) -> None:
         """Log a ring contract that does not fit this suffix once per distinct problem (ERROR, with what to
         change), and report it in /diagnostics (``ring_contract_error``, level ERROR) while it lasts."""
-        node = self._node
-        error = node.runner.contract_error
-        if error != node.fault:
-            node.fault = error
+        ctx = self._ctx
+        runner = ctx.runner()
+        error = runner.contract_error
+        if error != self._fault:
+            self._fault = error
+            ctx.set_fault(error)
             if error:
-                node.last_error = error
-                node.get_logger().error(f"cannot attach to the ring '{node.runner.segment}': {error}; no frame "
-                                        "is taken until the prefix and this suffix fit (dtype, model, shape)")
+                ctx.logger.error(f"cannot attach to the ring '{runner.segment}': {error}; no frame "
+                                 "is taken until the prefix and this suffix fit (dtype, model, shape)")
             else:
-                node.get_logger().info("the ring's contract fits now")
+                ctx.logger.info("the ring's contract fits now")
 
     def _count_superseded(self) -> None:
-        runner = self._node.runner
+        runner = self._ctx.runner()
         n = runner.superseded - self._superseded_seen
         if n > 0:
             self._superseded_seen = runner.superseded
-            total = self._node.drops.add("superseded", n)
+            total = self._ctx.count("superseded", n)
             self.frames_in += n
-            if self._node._throttle("superseded"):
-                self._node.get_logger().info(f"took the newest frame: {n} older unread frame(s) dropped (superseded, "
+            if self._ctx.log_every("superseded"):
+                self._ctx.logger.info(f"took the newest frame: {n} older unread frame(s) dropped (superseded, "
                                              f"{total} so far; ring.delivery newest)")
 
     def _log_resplits(self, result) -> None:
@@ -144,8 +150,8 @@ class SuffixWorker:
             self.resplits_on_demand += int(e.on_demand)
             what = (f"loaded {e.blocks_loaded} block(s) (load {e.load_ms:.1f} ms)" if e.blocks_loaded
                     else f"freed {e.blocks_freed} block(s)")
-            self._node.get_logger().info(
-                f"re-split: now holding blocks [{e.new_split_layer}, {self._node.runner.cfg.num_layers}) for frame "
+            self._ctx.logger.info(
+                f"re-split: now holding blocks [{e.new_split_layer}, {self._ctx.runner().cfg.num_layers}) for frame "
                 f"seq {result.meta.seq} at K={result.meta.split_layer}: {what}, frame waited {e.duration_ms:.1f} ms, "
                 f"weights {e.stage_bytes_before / 2**20:.1f} -> {e.stage_bytes_after / 2**20:.1f} MiB"
                 + (" (on demand: this side was not told of the move; set split_layer on both nodes to load ahead)"

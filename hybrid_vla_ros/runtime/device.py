@@ -12,8 +12,8 @@ def keep_frame_buffers(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 1
 
     By default glibc serves blocks over its dynamic mmap threshold (a decoded 1936 x 1216 RGB image is
     7 MB) with ``mmap`` and gives them back with ``munmap`` when freed, so every frame pays for unmapping
-    six images after publishing and for page-faulting six fresh ones while decoding (measured here: 1.6 ms
-    per frame after publishing, and decoding 24 % slower). Raising ``M_MMAP_THRESHOLD`` (bytes; glibc's
+    six images after publishing and for page-faulting six fresh ones while decoding (the cost per frame:
+    docs/performance.md). Raising ``M_MMAP_THRESHOLD`` (bytes; glibc's
     maximum on 64-bit is 32 MiB) keeps such blocks in the heap, and ``M_TRIM_THRESHOLD`` (bytes) stops the
     heap top from being returned after each frame. Returns False (nothing changed) where ``mallopt`` is not
     glibc's. Same effect as the ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` environment variables.

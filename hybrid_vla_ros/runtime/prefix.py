@@ -2,8 +2,8 @@
 
 The node owns one :class:`PrefixRunner` and adds only ROS I/O. Timing fields (ms, wall time of this host):
 ``preprocess`` (decode + resize + normalise of all cameras) and ``prefix`` (vision .. block K-1); the
-instant the prefix starts a frame (``time.monotonic_ns()``, CLOCK_MONOTONIC, system-wide) travels as the
-third of the slot header's timings, in ms.
+instant the prefix starts a frame (``time.monotonic_ns()``, CLOCK_MONOTONIC, system-wide) travels with them in
+the slot header's :class:`~hybrid_vla_ros.transport.ring.SlotTimings` (``prefix_start_ns``, exact ns).
 """
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from ..split.planner import ring_side
 from ..model.modeling import check_ego_state, output_into_is_exact
 from ..split.resplit import Resplit, ResplitError, StageSplit
 from ..transport.pinned import SlotCopier
-from ..transport.ring import RingProducer, ros_domain_id, segment_name, slot_bytes_for
+from ..transport.ring import RingProducer, SlotTimings, ros_domain_id, segment_name, slot_bytes_for
 from ..vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess, resize_rgb
 from .device import cap_device_memory, keep_frame_buffers, resolve_device
 from .peer import PeerStatus, consumer_status, stall_grace_ns
+from .settings import PrefixRunnerSettings
 
 
 @dataclass
@@ -63,7 +64,9 @@ def pacing_delay_ns(now_ns: int, taken_ns: int, next_read_ns: int, cycle_p_ns: f
 
 
 class PrefixRunner:
-    """Prefix stage plus ring producer.
+    """Prefix stage plus ring producer: ``PrefixRunner(model_path, settings)``, the checkpoint directory and one
+    :class:`~.settings.PrefixRunnerSettings` (K, device, dtype, ring, threads, budget; the names below are its
+    fields).
 
     ``run(items, stamp_ns)`` takes one synchronized frame: a list, in camera order, of
     ``("raw", sensor_msgs/Image-like)`` or ``("compressed", sensor_msgs/CompressedImage-like)``
@@ -94,14 +97,14 @@ class PrefixRunner:
     checked (a CPU prefix has no device budget).
     """
 
-    def __init__(self, model_path: str, split_layer: int, *, device: str = "auto", dtype: str = "fp32",
-                 ring_name: str = "prefix_states", namespace: str = "/", ring_slots: int = 4,
-                 torch_threads: int = 0, fast_jpeg_decode: bool = False, gpu_budget_bytes: int = 0,
-                 domain_id: int | None = None):
-        self.device = resolve_device(device)
-        self.fast_jpeg_decode = fast_jpeg_decode
+    def __init__(self, model_path: str, settings: PrefixRunnerSettings):
+        #: What this runner was built with (:class:`~.settings.PrefixRunnerSettings`).
+        self.settings = settings
+        split_layer, dtype = settings.split_layer, settings.dtype
+        self.device = resolve_device(settings.device)
+        self.fast_jpeg_decode = settings.fast_jpeg_decode  # tools may switch it between frames
         self.dtype = parse_dtype(dtype)
-        self.gpu_budget_bytes = int(gpu_budget_bytes)
+        self.gpu_budget_bytes = int(settings.gpu_budget_bytes)
         #: Fraction of the device's memory the caching allocator is capped at (1.0: no cap).
         self.memory_fraction = 1.0
         if self.gpu_budget_bytes > 0 and self.device.type == "cuda":
@@ -110,8 +113,8 @@ class PrefixRunner:
             check_budget(plan_for_checkpoint(model_path, None, None, dtype), split_layer, self.gpu_budget_bytes)
             self.memory_fraction = cap_device_memory(self.device, self.gpu_budget_bytes)
         keep_frame_buffers()  # decoded camera images are reused, not unmapped and faulted in again per frame
-        if torch_threads > 0:
-            torch.set_num_threads(torch_threads)
+        if settings.torch_threads > 0:
+            torch.set_num_threads(settings.torch_threads)
         self.model_path = str(model_path)
         self.stage = load_stage(model_path, "prefix", split_layer, device=self.device, dtype=self.dtype)
         self.cfg = self.stage.cfg
@@ -123,7 +126,7 @@ class PrefixRunner:
         self.split = StageSplit(self.stage, "prefix", model_path=self.model_path, device=self.device,
                                 dtype=self.dtype, model_id=self.model_id)
         self.state_shape = self.cfg.prefix_state_shape
-        self.domain_id = ros_domain_id(domain_id)
+        self.domain_id = ros_domain_id(settings.domain_id)
         #: A composition on a transformers VLM: its own processor feeds the cameras (``model.vlm``) and the side
         #: tensors its blocks after K need cross with h_K (``model.contract``); None for this package's own front.
         self.processor = None
@@ -133,7 +136,8 @@ class PrefixRunner:
             from ..model.vlm import load_processor
 
             self.processor = load_processor(open_checkpoint(model_path).hf.path, self.cfg.vlm_type)
-        self.ring = RingProducer(segment_name(ring_name, namespace, self.domain_id), ring_slots,
+        self.ring = RingProducer(segment_name(settings.ring_name, settings.namespace, self.domain_id),
+                                 settings.ring_slots,
                                  slot_bytes_for(self.state_shape, self.dtype, self.side), self.model_id,
                                  dtype=self.dtype, state_shape=self.state_shape, device=self.device,
                                  domain_id=self.domain_id, side=self.side)
@@ -259,7 +263,7 @@ class PrefixRunner:
                  resplit_error) -> PrefixResult:
         pre_ms, prefix_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
         seq = self.ring.publish(slot, stamp_ns=stamp_ns, split_layer=self.split_layer,
-                                timings_ms=(pre_ms, prefix_ms, t_start_ns / 1e6))  # start instant in ms
+                                timings=SlotTimings(pre_ms, prefix_ms, t_start_ns))
         self._last_publish_ns = time.monotonic_ns()
         self._publishes_ns.append(self._last_publish_ns)
         self._cycle_ns.append(self._last_publish_ns - t_start_ns)

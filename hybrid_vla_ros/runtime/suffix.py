@@ -34,6 +34,7 @@ from ..transport.ring import (
     segment_name,
 )
 from .peer import PeerStatus, producer_status
+from .settings import SuffixRunnerSettings
 from .suffix_backend import SuffixBackend
 
 
@@ -63,20 +64,25 @@ class SuffixResult:
 
     @property
     def preprocess_ms(self) -> float:
-        return self.meta.timings_ms[0] if self.meta.timings_ms else float("nan")
+        """The prefix's decode + resize + normalise of this frame (ms, slot header); NaN when it did not send it."""
+        return self.meta.timings.preprocess_ms
 
     @property
     def prefix_ms(self) -> float:
-        return self.meta.timings_ms[1] if len(self.meta.timings_ms) > 1 else float("nan")
+        """The prefix stage of this frame (ms, slot header); NaN when the producer did not send it."""
+        return self.meta.timings.prefix_ms
 
     @property
     def t_prefix_start_ns(self) -> int:
-        """When the prefix started on this frame (decode); 0 when the producer did not send it."""
-        return round(self.meta.timings_ms[2] * 1e6) if len(self.meta.timings_ms) > 2 else 0
+        """When the prefix started on this frame (decode; CLOCK_MONOTONIC ns, slot header); 0 when the producer
+        did not send it."""
+        return self.meta.timings.prefix_start_ns
 
 
 class SuffixRunner:
-    """Suffix stage plus ring consumer (CPU).
+    """Suffix stage plus ring consumer (CPU): ``SuffixRunner(model_path, settings, log=None)``, the checkpoint
+    directory and one :class:`~.settings.SuffixRunnerSettings` (K, dtype, ring, delivery, spin, threads, backend;
+    the names below are its fields).
 
     ``poll(timeout_s)`` waits for a frame (the newest unread one with ``delivery="newest"``, the default for
     planning: an older one still unread is dropped as ``superseded``; the oldest with ``"fifo"``), runs
@@ -100,16 +106,17 @@ class SuffixRunner:
     ``backend`` ("eager" | "openvino", :mod:`hybrid_vla_ros.runtime.suffix_backend`): how blocks [K, L) are
     computed; a compiled backend is built for the configured K in the background (``background_build``) and
     for each new K a frame arrives at, eager serving meanwhile, and falls back to eager when it cannot be used
-    (``log(level, message)`` gets the line). ``backend_cache_dir``: where its artifacts live (None: the default).
+    (``log(level, message)`` gets the line). ``backend_cache_dir``: where its artifacts live ("": the default).
     """
 
-    def __init__(self, model_path: str, split_layer: int, *, dtype: str = "fp32", ring_name: str = "prefix_states",
-                 namespace: str = "/", threads: int = 0, delivery: str = "newest", spin_lead_ms: float = 1.0,
-                 spin_max_ms: float = 5.0, backend: str = "eager", backend_cache_dir: str | None = None,
-                 background_build: bool = True, log=None, domain_id: int | None = None):
-        if threads > 0:
-            torch.set_num_threads(threads)
-        self.dtype = parse_dtype(dtype)
+    def __init__(self, model_path: str, settings: SuffixRunnerSettings, *, log=None):
+        #: What this runner was built with (:class:`~.settings.SuffixRunnerSettings`).
+        self.settings = settings
+        split_layer, delivery = settings.split_layer, settings.delivery
+        spin_lead_ms, spin_max_ms = settings.spin_lead_ms, settings.spin_max_ms
+        if settings.threads > 0:
+            torch.set_num_threads(settings.threads)
+        self.dtype = parse_dtype(settings.dtype)
         self.model_path = str(model_path)
         self.stage = load_stage(model_path, "suffix", split_layer, device="cpu", dtype=self.dtype)
         self.cfg = self.stage.cfg
@@ -118,12 +125,13 @@ class SuffixRunner:
         self.split = StageSplit(self.stage, "suffix", model_path=self.model_path, device=torch.device("cpu"),
                                 dtype=self.dtype, model_id=self.model_id)
         #: The compute path of blocks [K, L) (eager, or a compiled model per K built in the background).
-        self.backend = SuffixBackend(backend, self.stage, model_id=self.model_id, cache_dir=backend_cache_dir,
-                                     threads=torch.get_num_threads(), log=log, background=background_build)
+        self.backend = SuffixBackend(settings.backend, self.stage, model_id=self.model_id,
+                                     cache_dir=settings.backend_cache_dir or None, threads=torch.get_num_threads(),
+                                     log=log, background=settings.background_build)
         self.backend.prepare(self.stage, split_layer)
         #: The ROS domain of this pipeline: the ring's name carries it, and a ring that declares another is refused.
-        self.domain_id = ros_domain_id(domain_id)
-        self.segment = segment_name(ring_name, namespace, self.domain_id)
+        self.domain_id = ros_domain_id(settings.domain_id)
+        self.segment = segment_name(settings.ring_name, settings.namespace, self.domain_id)
         #: Navigation command index (0..5, config.NAV_COMMANDS) used for the next frame; it selects the mode
         #: of a multi-mode planner. The node sets it from its parameter and command topic.
         self.command = DEFAULT_COMMAND

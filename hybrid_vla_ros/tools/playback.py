@@ -11,7 +11,7 @@ import numpy as np
 
 from ..ros.graph import wait_for_subscribers
 from ..util.bags import CAMERA_TOPIC
-from .replay_report import drops_by_cause, run_counts
+from .replay_report import drops_by_cause
 
 ODOMETRY_TOPIC = "/localization/kinematic_state"
 ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
@@ -52,8 +52,8 @@ def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=N
     Records the odometry played and the messages of ``first_camera`` into ``rec`` (for the plots). The
     progress bar counts frames and shows trajectories and drops (from the nodes' latest /diagnostics).
     Ctrl-C stops playback early; the result then says ``interrupted: True``. ``on_frame(index)`` runs
-    before the first message of each frame (index 0-based over all loops). ``baseline``: status name ->
-    the /diagnostics values before playback, subtracted from the drops the progress bar shows.
+    before the first message of each frame (index 0-based over all loops). ``baseline``: the nodes'
+    statuses before playback (replay_recorder.Statuses), subtracted from the drops the progress bar shows.
     """
     from rclpy.serialization import deserialize_message
     from tqdm import tqdm
@@ -69,7 +69,6 @@ def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=N
     frames_per_loop = gaps.size + 1 if camera_times else 0
     bar = tqdm(total=args.loops * frames_per_loop, unit="frame", disable=args.quiet, dynamic_ncols=True, desc="replay",
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]")
-    status = (f"{ns}/prefix_node: pipeline", f"{ns}/suffix_node: pipeline")
     counts = {"messages": 0}
     wall0 = time.monotonic()
     if clock is not None:
@@ -77,7 +76,7 @@ def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=N
     interrupted = False
     try:
         play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                    first_camera, status, counts, on_frame, clock, baseline or {})
+                    first_camera, ns, counts, on_frame, clock, baseline)
     except KeyboardInterrupt:
         interrupted = True
     bar.close()
@@ -86,7 +85,7 @@ def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=N
 
 
 def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                first_camera, status, counts, on_frame=None, clock=None, baseline=None) -> None:
+                first_camera, ns, counts, on_frame=None, clock=None, baseline=None) -> None:
     from ..vehicle.trajectory import ego_state_from_odometry
 
     last_frame = None
@@ -130,6 +129,8 @@ def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wa
                         rec.odometry.append(ego)
             with rec.lock:
                 done = len(rec.trajectories)
-                drops = sum(drops_by_cause(*(run_counts(rec.diagnostics.get(name, {}), (baseline or {}).get(name, {}))
-                                     for name in status)).values())
+            now = rec.statuses(ns)
+            drops = sum(drops_by_cause(
+                *(None if st is None else st.since(getattr(baseline, side, None))
+                  for side, st in (("prefix", now.prefix), ("suffix", now.suffix)))).values())
             bar.set_postfix({"trajectories": done, "drops": drops}, refresh=False)

@@ -28,6 +28,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator, MultipleLocator
 
+from ..ros.status import FrameTiming
+
 DEFAULT_EXTRINSICS = "dgp_scene02_camera0_extrinsics.yaml"  # in the package's config/ folder
 DPI = 100
 FIGSIZE_IN = {  # width, height in inches; at DPI the PNGs are exactly 100x these in pixels
@@ -169,7 +171,7 @@ class FrameRecord:
     """One frame as the replay saw it (stamp = camera stamp, ns)."""
 
     stamp_ns: int
-    timing: dict  # '<stage>': ms; 't_<event>_ns': CLOCK_MONOTONIC ns (suffix node's ~/debug/frame_timing)
+    timing: FrameTiming | None  # the suffix node's ~/debug/frame_timing of the frame (ros/status.py), None: none
     path: np.ndarray | None = None  # (P, 3): time_from_start (s), x, y (m) in base_link at the camera stamp
     sent_s: float | None = None  # CLOCK_MONOTONIC (s): the replay published the frame's last image
     received_s: float | None = None  # CLOCK_MONOTONIC (s): the replay received the trajectory
@@ -234,7 +236,7 @@ def collect(*, timings: dict, paths: dict, received: dict, sent: dict, odometry:
                 path = None  # no heading for this frame
         else:
             path = None
-        frames.append(FrameRecord(stamp, dict(timings.get(stamp, {})), path, sent.get(stamp), received.get(stamp)))
+        frames.append(FrameRecord(stamp, timings.get(stamp), path, sent.get(stamp), received.get(stamp)))
     e2e = [(f.received_s - f.sent_s) * 1e3 for f in frames if f.received_s is not None and f.sent_s is not None]
     data = PlotData(frames, caption=caption, random_init=random_init, end_to_end_ms=e2e,
                     unanswered=dict(unanswered or {}))
@@ -473,23 +475,30 @@ def draw_bev(data: PlotData) -> Figure:
 def _intervals(f: FrameRecord, origin_ns: int) -> dict[str, tuple[float, float]] | None:
     """Stage name -> (start, end) in seconds since ``origin_ns``, from the frame's instants; None without them."""
     t = f.timing
-    keys = ("t_prefix_start_ns", "t_write_start_ns", "t_ready_ns", "t_suffix_end_ns", "t_publish_ns")
-    if not all(t.get(k) for k in keys):
+    if t is None:
         return None
-    s = {k: (t[k] - origin_ns) / 1e9 for k in keys}
-    pre_end = s["t_prefix_start_ns"] + t.get("preprocess", 0.0) / 1e3
+    instants = (t.t_prefix_start_ns, t.t_write_start_ns, t.t_ready_ns, t.t_suffix_end_ns, t.t_publish_ns)
+    if not all(instants):
+        return None
+    start, write, ready, end, publish = ((x - origin_ns) / 1e9 for x in instants)
+    pre_end = start + _ms_or_0(t.preprocess_ms) / 1e3
     out = {
-        "preprocess": (s["t_prefix_start_ns"], pre_end),
-        "prefix": (pre_end, pre_end + t.get("prefix", 0.0) / 1e3),
-        "handoff": (s["t_write_start_ns"], s["t_ready_ns"]),
-        "suffix": (s["t_ready_ns"], s["t_suffix_end_ns"]),
-        "output_wait": (s["t_suffix_end_ns"], s["t_publish_ns"]),
+        "preprocess": (start, pre_end),
+        "prefix": (pre_end, pre_end + _ms_or_0(t.prefix_ms) / 1e3),
+        "handoff": (write, ready),
+        "suffix": (ready, end),
+        "output_wait": (end, publish),
     }
     if f.sent_s is not None:
-        out["input_wait"] = (f.sent_s - origin_ns / 1e9, s["t_prefix_start_ns"])
+        out["input_wait"] = (f.sent_s - origin_ns / 1e9, start)
     if f.received_s is not None:
         out["received"] = (f.received_s - origin_ns / 1e9,) * 2
     return out
+
+
+def _ms_or_0(ms: float) -> float:
+    """A stage time (ms) for a bar, 0 where the producer did not time it (NaN)."""
+    return 0.0 if ms != ms else ms
 
 
 def cross_frame_overlap_s(a: dict, b: dict) -> float:
@@ -537,14 +546,14 @@ def _label_bars(ax, rows: list[int], ivs: list[dict], t0: float) -> None:
 def draw_timeline(data: PlotData) -> Figure:
     """``timeline.png``: per-frame stage bars over wall time, whole run and a zoom on a few frames."""
     fig = _figure("timeline.png")
-    timed = [(i, f) for i, f in enumerate(data.frames) if f.timing.get("t_prefix_start_ns")]
+    timed = [(i, f) for i, f in enumerate(data.frames) if f.timing is not None and f.timing.t_prefix_start_ns]
     if not timed:
         ax = fig.add_subplot()
         ax.text(0.5, 0.5, "no frame timing with CLOCK_MONOTONIC instants was recorded", ha="center", va="center")
         ax.set_axis_off()
         fig.suptitle("Pipeline timeline", fontsize=15)
         return fig
-    starts = [f.timing["t_prefix_start_ns"] for _, f in timed] + [int(f.sent_s * 1e9) for _, f in timed if f.sent_s]
+    starts = [f.timing.t_prefix_start_ns for _, f in timed] + [int(f.sent_s * 1e9) for _, f in timed if f.sent_s]
     starts += [int(t * 1e9) for t in data.unanswered.values()]
     origin = min(starts)
     # one row per frame in stamp order, those without a trajectory included (a gap with a mark)
@@ -628,7 +637,8 @@ def draw_latency(data: PlotData) -> Figure:
         if key == "end_to_end":
             values = np.asarray(data.end_to_end_ms, dtype=np.float64)
         else:
-            values = np.asarray([f.timing[key] for f in data.frames if key in f.timing], dtype=np.float64)
+            values = np.asarray([f.timing.stage_ms()[key] for f in data.frames if f.timing is not None],
+                                dtype=np.float64)
         values = values[np.isfinite(values)]
         ax.set_title(f"{label}\nn = {values.size}", fontsize=10)
         ax.set_xlabel("latency (ms)")

@@ -47,8 +47,8 @@ from ..util.paths import embedded_bag, package_file
 from .node_processes import launch_node, stop_processes
 from .playback import ACCELERATION_TOPIC, ODOMETRY_TOPIC, message_class, play_bag, publishers_for
 from .replay_nodes import ATTACH_QUIET_S, ReplayNodes, node_error_lines, node_params
-from .replay_recorder import Recorder
-from .replay_report import frame_of, hints, print_report, run_counts, run_details, run_report
+from .replay_recorder import Recorder, Statuses
+from .replay_report import frame_of, hints, print_report, run_details, run_report
 
 #: The public names, those kept here for the callers of this module included (``launch_node``,
 #: ``stop_processes``, ``message_class``, ``node_error_lines``: their homes are the modules named above).
@@ -259,7 +259,7 @@ class ReplaySession:
         self.nodes = ReplayNodes(args, self.ns, out, self.rec)  # processes, lifecycle, the states found
         self.bag = None
         self.interrupted = False
-        self.baseline: dict[str, dict] = {}  # status name -> /diagnostics values before playback
+        self.baseline = Statuses()  # the nodes' /diagnostics statuses before playback
 
     def write_params(self) -> Path:
         """Write ``params.yaml``, the params file both node processes read (also a record of what was run:
@@ -326,7 +326,7 @@ class ReplaySession:
                 rc = rc or 1
         return rc
 
-    def _other_model(self, running_id: str, running_layers: str) -> str:
+    def _other_model(self, running_id: str, running_layers: int | None) -> str:
         """Why the attached prefix's model (its /diagnostics ``model_id``, ``num_layers``) is not ``--model-path``
         ('' when it is, or when the node does not say): the report's split layers and plots would describe
         another model."""
@@ -352,16 +352,16 @@ class ReplaySession:
             self.nodes.return_all()
             return 1
         active_s = time.monotonic() - t_start
-        self.baseline = self.rec.fresh_diagnostics(self.ns, time.monotonic())
-        prefix = self.baseline.get(f"{self.ns}/prefix_node: pipeline", {})
-        if self.args.attach:
-            problem = self._other_model(prefix.get("model_id", ""), prefix.get("num_layers", ""))
+        self.baseline = self.rec.fresh_statuses(self.ns, time.monotonic())
+        prefix = self.baseline.prefix
+        if self.args.attach and prefix is not None:
+            problem = self._other_model(prefix.model_id, prefix.num_layers)
             if problem:
                 print(f"hybrid-vla replay: {problem}", file=sys.stderr)
                 self.nodes.return_all()
                 return 2
-            if str(prefix.get("split_layer", "")).isdigit():
-                self.k = int(prefix["split_layer"])  # the attached prefix's K, not this replay's default
+            if prefix.split_layer is not None:
+                self.k = prefix.split_layer  # the attached prefix's K, not this replay's default
         where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
         print(f"nodes active after {active_s:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
@@ -380,11 +380,11 @@ class ReplaySession:
         # Let frames in flight finish: stop when every frame has an answer or output stalls for 3 s.
         self.rec.wait_for_answers(len(frames), 3.0)
         # this run's counts: the nodes' counters now (a report after the frames are done) minus the baseline
-        final = self.rec.fresh_diagnostics(self.ns, time.monotonic())
-        prefix, suffix = (run_counts(final[n], self.baseline.get(n, {}))
-                          for n in (f"{self.ns}/prefix_node: pipeline", f"{self.ns}/suffix_node: pipeline"))
+        final = self.rec.fresh_statuses(self.ns, time.monotonic())
+        prefix, suffix = (None if now is None else now.since(before)
+                          for now, before in ((final.prefix, self.baseline.prefix), (final.suffix, self.baseline.suffix)))
         self.nodes.return_all(final)
-        report = self._report(frames, published, final, prefix, suffix)
+        report = self._report(frames, published, prefix, suffix)
         for hint in hints(report, first_camera, self.args.rate, self.args.attach):
             print(f"hint: {hint}", file=sys.stderr)
         plots_ok = (write_plots(self.rec, frames, self.messages, self.args.plots, self.args.sync_tolerance_ms,
@@ -392,14 +392,13 @@ class ReplaySession:
                     if self.args.plots else True)
         return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
 
-    def _report(self, frames: dict[int, float], published: dict, final: dict, prefix: dict, suffix: dict) -> dict:
+    def _report(self, frames: dict[int, float], published: dict, prefix, suffix) -> dict:
         """This run's report (:func:`~hybrid_vla_ros.tools.replay_report.run_report` and
         :func:`~hybrid_vla_ros.tools.replay_report.run_details`), written to ``report.json`` and printed.
-        ``final``: the nodes' /diagnostics at the end; ``prefix`` / ``suffix``: their counts of this run."""
-        settings = {side: final[f"{self.ns}/{side}_node: pipeline"] for side in ("prefix", "suffix")}
+        ``prefix`` / ``suffix``: the nodes' statuses at the end with their counts of this run (ros/status.py)."""
         report = run_report(self.rec, frames, published, self.k, self.cfg, self.bag.path,
-                            self.args.sync_tolerance_ms, prefix, suffix, settings)
-        report.update(run_details(self.args, self.ns, self.baseline, self.resplit_log, frames, self.rec))
+                            self.args.sync_tolerance_ms, prefix, suffix)
+        report.update(run_details(self.args, self.baseline, self.resplit_log, frames, self.rec))
         if report["resplits_not_reached"]:
             print(f"warning: --resplit {' '.join(report['resplits_not_reached'])} not applied: playback ended after "
                   f"{len(frames)} frames", file=sys.stderr)

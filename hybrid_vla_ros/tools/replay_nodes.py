@@ -12,7 +12,6 @@ from pathlib import Path
 from ..ros.graph import running_pipeline
 from .node_processes import launch_node, stop_processes
 from .playback import ACCELERATION_TOPIC, ODOMETRY_TOPIC
-from .replay_report import lifecycle_refused
 
 #: With --attach, a node is taken as settled once it has made no lifecycle transition for this long (s) (for
 #: the graph to show whether another lifecycle manager is there); with another manager, --attach-wait.
@@ -167,8 +166,9 @@ class ReplayNodes:
         # lifecycle requests the nodes refused so far: more at the end than this replay's own refused ones means
         # another manager (a launch autostart this replay came before) was bringing a node up meanwhile
         if self.args.attach:  # (a node busy in a transition publishes no /diagnostics: its latest then)
-            before = self.rec.fresh_diagnostics(self.ns, time.monotonic(), 3.0)
-            self.refused_before = {m.name: lifecycle_refused(d) for m, d in zip(self.managers, before.values())}
+            before = self.rec.fresh_statuses(self.ns, time.monotonic(), 3.0)
+            self.refused_before = {m.name: st.lifecycle_requests_refused if (st := before.of(m.name)) else 0
+                                   for m in self.managers}
         # nodes this replay started: nobody else drives them
         quiet, managed = (ATTACH_QUIET_S, self.args.attach_wait) if self.args.attach else (0.0, None)
         # The prefix first: the suffix waits for its ring. Each node gets the timeout for its own transitions.
@@ -189,10 +189,10 @@ class ReplayNodes:
                 return False
         return self._names_unique(node)
 
-    def return_all(self, final: dict | None = None) -> None:
+    def return_all(self, final=None) -> None:
         """After the run: attached nodes back to the state they were found in; started ones deactivated and
-        cleaned up (their processes are stopped next). ``final``: the nodes' /diagnostics at the end (status
-        name -> key/values); an attached node that refused more lifecycle requests than this replay's own was
+        cleaned up (their processes are stopped next). ``final``: the nodes' statuses at the end
+        (replay_recorder.Statuses); an attached node that refused more lifecycle requests than this replay's own was
         being brought up by another manager too (this replay came first): it is left active."""
         from ..ros.lifecycle_client import BACK_FROM_ACTIVE
 
@@ -203,7 +203,8 @@ class ReplayNodes:
             if goal not in BACK_FROM_ACTIVE:
                 continue  # an attached node never settled: nothing to undo
             if self.args.attach and goal != "active" and final is not None:
-                others = (lifecycle_refused(final.get(f"{m.name}: pipeline", {})) - self.refused_before.get(m.name, 0)
+                st = final.of(m.name)
+                others = ((st.lifecycle_requests_refused if st else 0) - self.refused_before.get(m.name, 0)
                           - m.refused)
                 if others > 0:
                     print(f"{m.name}: left active: another lifecycle manager asked for {others} transition(s) while "

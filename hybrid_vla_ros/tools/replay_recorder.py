@@ -3,13 +3,30 @@ per-frame timing (also written into the output bag), the nodes' /diagnostics, an
 pictures."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..ros.status import FrameTiming, PrefixStatus, StatusError, SuffixStatus, pipeline_status_name
 from ..util.bags import BagMessage
+
+SIDES = ("prefix", "suffix")
+STATUS_OF = {"prefix": PrefixStatus, "suffix": SuffixStatus}
+
+
+@dataclass(frozen=True)
+class Statuses:
+    """The pipeline status of both nodes of one namespace (ros/status.py), None for a node not heard from."""
+
+    prefix: PrefixStatus | None = None
+    suffix: SuffixStatus | None = None
+
+    def of(self, node_name: str):
+        """The status of node ``node_name`` ('<ns>/prefix_node' or '<ns>/suffix_node')."""
+        return self.prefix if node_name.rsplit("/", 1)[-1] == "prefix_node" else self.suffix
 
 
 @dataclass
@@ -17,8 +34,8 @@ class Recorder:
     """What the replay node received, by camera stamp (ns)."""
 
     trajectories: dict[int, float] = field(default_factory=dict)  # stamp -> wall receive time (s)
-    timings: dict[int, dict] = field(default_factory=dict)  # stamp -> stage ms, and t_*_ns CLOCK_MONOTONIC instants
-    diagnostics: dict[str, dict] = field(default_factory=dict)  # status name -> key/values
+    timings: dict[int, FrameTiming] = field(default_factory=dict)  # stamp -> the suffix's frame timing
+    diagnostics: dict[str, list] = field(default_factory=dict)  # status name -> (key, value) pairs as received
     diagnostics_at: dict[str, float] = field(default_factory=dict)  # status name -> monotonic receive time (s)
     paths: dict[int, np.ndarray] = field(default_factory=dict)  # stamp -> (P, 3) time_from_start s, map x, y (m)
     odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
@@ -30,22 +47,34 @@ class Recorder:
         t = time.monotonic()
         with self.lock:
             for status in msg.status:
-                self.diagnostics[status.name] = {kv.key: kv.value for kv in status.values}
+                self.diagnostics[status.name] = [(kv.key, kv.value) for kv in status.values]
                 self.diagnostics_at[status.name] = t
 
-    def fresh_diagnostics(self, ns: str, since: float, timeout: float = 10.0) -> dict[str, dict]:
-        """The pipeline /diagnostics key/values of the nodes in namespace ``ns`` received after monotonic time
-        ``since`` (each node publishes them at 1 Hz), waiting up to ``timeout`` s; a node without one then maps
-        to its latest. Keys: ``<ns>/prefix_node: pipeline`` and ``<ns>/suffix_node: pipeline``, in that order."""
-        names = [f"{ns}/{n}: pipeline" for n in ("prefix_node", "suffix_node")]
+    def statuses(self, ns: str) -> Statuses:
+        """The latest pipeline status of each node in namespace ``ns`` (None for one not heard from)."""
+        with self.lock:
+            raw = {side: self.diagnostics.get(pipeline_status_name(f"{ns}/{side}_node")) for side in SIDES}
+        out = {}
+        for side, pairs in raw.items():
+            try:
+                out[side] = None if pairs is None else STATUS_OF[side].from_key_values(pairs)
+            except StatusError as e:
+                print(f"warning: cannot read the {side} node's /diagnostics: {e}", file=sys.stderr)
+                out[side] = None
+        return Statuses(**out)
+
+    def fresh_statuses(self, ns: str, since: float, timeout: float = 10.0) -> Statuses:
+        """The pipeline statuses of the nodes in namespace ``ns`` received after monotonic time ``since`` (each
+        node publishes its status at 1 Hz), waiting up to ``timeout`` s; a node without one then has its latest
+        (None if none came)."""
+        names = [pipeline_status_name(f"{ns}/{side}_node") for side in SIDES]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
                 if all(self.diagnostics_at.get(n, -1.0) > since for n in names):
                     break
             time.sleep(0.05)
-        with self.lock:
-            return {n: dict(self.diagnostics.get(n, {})) for n in names}
+        return self.statuses(ns)
 
     def record_outputs(self, node, bag, output_topic: str, timing_topic: str) -> None:
         """Subscribe ``node`` to the Trajectory topic and the suffix's frame timing (a DiagnosticArray per frame);
@@ -72,11 +101,14 @@ class Recorder:
 
         def on_timing(msg):
             stamp = stamp_to_ns(msg.header.stamp)
-            # '<stage>_ms' -> stage: float ms; 't_<event>_ns' stays: int CLOCK_MONOTONIC ns
-            values = {kv.key: int(kv.value) if kv.key.endswith("_ns") else float(kv.value)
-                      for kv in msg.status[0].values}
-            with self.lock:
-                self.timings[stamp] = {k.removesuffix("_ms"): v for k, v in values.items()}
+            try:
+                timing = FrameTiming.from_key_values((kv.key, kv.value) for kv in msg.status[0].values)
+            except StatusError as e:
+                print(f"warning: frame timing stamped {stamp} ns: {e}", file=sys.stderr)
+                timing = None
+            if timing is not None:
+                with self.lock:
+                    self.timings[stamp] = timing
             bag.write(timing_conn, stamp, serialize_message(msg))
 
         node.create_subscription(Trajectory, output_topic, on_trajectory,

@@ -3,15 +3,8 @@ the cost of each live re-split, the printed table and the hints at what went wro
 replay recorded."""
 from __future__ import annotations
 
-import json
-
+from ..ros.status import FrameTiming, PrefixStatus, SuffixStatus
 from ..util.stats import percentiles
-
-#: /diagnostics keys that count events over the life of a node process (the report subtracts the values
-#: found before playback); drop_<cause> keys count too.
-COUNTERS = ("frames_in", "frames_synchronized", "frames_out", "trajectories_out", "ring_published",
-            "ring_dropped_oldest", "ring_read", "candidate_trajectories_out", "candidates_out")
-
 
 def frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int | None:
     """The published frame (key of ``frames``) a trajectory stamp belongs to, or None (not this replay's)."""
@@ -19,45 +12,22 @@ def frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int |
     return None if key is None or abs(key - stamp) > tolerance_ns else key
 
 
-def lifecycle_refused(values: dict) -> int:
-    """``lifecycle_requests_refused`` of a node's /diagnostics key/values (0 when absent)."""
-    try:
-        return int(values.get("lifecycle_requests_refused", 0))
-    except ValueError:
-        return 0
-
-
-def run_counts(now: dict, before: dict) -> dict[str, int]:
-    """The counters of one node's /diagnostics key/values (``COUNTERS`` and ``drop_<cause>``) as counted
-    since ``before``, an earlier report of the same node: ``now - before`` per key (0 when a process restart
-    reset a counter below its earlier value). Other keys are left out."""
-    out = {}
-    for key, value in now.items():
-        if key in COUNTERS or key.startswith("drop_"):
-            try:
-                out[key] = max(0, int(value) - int(before.get(key, 0)))
-            except ValueError:
-                continue
-    return out
-
-
-def drops_by_cause(prefix: dict, suffix: dict) -> dict[str, int]:
-    """Drops by cause from the nodes' latest /diagnostics key/values (prefix, suffix, ring overwrites)."""
+def drops_by_cause(prefix: PrefixStatus | None, suffix: SuffixStatus | None) -> dict[str, int]:
+    """Drops by cause ('<side>.<cause>') in two statuses of the nodes (ros/status.py; e.g. their counts of one
+    run, ``status.since(baseline)``), and the frames the ring overwrote unread (``ring.dropped_oldest``)."""
     drops = {}
-    for side, d in (("prefix", prefix), ("suffix", suffix)):
-        for key, v in d.items():
-            if key.startswith("drop_") and int(v):
-                drops[f"{side}.{key[5:]}"] = int(v)
-    if int(prefix.get("ring_dropped_oldest", 0)):  # frames the suffix was too slow to read
-        drops["ring.dropped_oldest"] = int(prefix["ring_dropped_oldest"])
+    for side, status in (("prefix", prefix), ("suffix", suffix)):
+        if status is not None:
+            drops.update({f"{side}.{cause}": n for cause, n in status.drops.items() if n})
+    if prefix is not None and prefix.ring_dropped_oldest:  # frames the suffix was too slow to read
+        drops["ring.dropped_oldest"] = prefix.ring_dropped_oldest
     return drops
 
 
-def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: dict, suffix: dict,
-            settings: dict) -> dict:
-    """The report of one run; ``prefix`` and ``suffix``: the nodes' counters of this run (:func:`run_counts`);
-    ``settings``: ``{"prefix": ..., "suffix": ...}``, each node's latest /diagnostics key/values as reported (the
-    non-counter keys, ``cpu_affinity`` and ``use_sim_time``, are read from them)."""
+def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: PrefixStatus | None,
+               suffix: SuffixStatus | None) -> dict:
+    """The report of one run; ``prefix`` and ``suffix``: the nodes' statuses at the end with their counters of
+    this run (``final.since(baseline)``, ros/status.py; None for a node not heard from)."""
     with rec.lock:
         trajectories = dict(rec.trajectories)
         timings = dict(rec.timings)
@@ -68,19 +38,18 @@ def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: d
             foreign += 1  # a trajectory for a frame this replay did not publish
         else:
             e2e.append((t_recv - frames[key]) * 1e3)
-    stages = {s: percentiles([t[s] for t in timings.values() if s in t])
-              for s in ("preprocess", "prefix", "handoff", "suffix", "odometry_wait")}
+    stages = {s: percentiles([t.stage_ms()[s] for t in timings.values()]) for s in FrameTiming.STAGES}
     stages["end_to_end"] = percentiles(e2e)
     drops = drops_by_cause(prefix, suffix)
     return {
-        "cpu_affinity": {side: json.loads(d["cpu_affinity"]) if d.get("cpu_affinity") else None
-                         for side, d in settings.items()},
-        "use_sim_time": {side: d.get("use_sim_time") == "True" for side, d in settings.items()},
+        "cpu_affinity": {side: list(st.cpu_affinity) if st is not None and st.cpu_affinity else None
+                         for side, st in (("prefix", prefix), ("suffix", suffix))},
+        "use_sim_time": {side: st is not None and st.use_sim_time for side, st in (("prefix", prefix), ("suffix", suffix))},
         "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
-        "camera_messages_in": int(prefix.get("frames_in", 0)),
+        "camera_messages_in": prefix.frames_in if prefix is not None else 0,
         "frames_published": len(frames),
-        "frames_synchronized": int(prefix.get("frames_synchronized", 0)),
-        "frames_through_prefix": int(prefix.get("frames_out", 0)),
+        "frames_synchronized": prefix.frames_synchronized if prefix is not None else 0,
+        "frames_through_prefix": prefix.frames_out if prefix is not None else 0,
         "trajectories_out": len(trajectories) - foreign,
         "foreign_trajectories": foreign,
         "drops": drops,
@@ -92,16 +61,17 @@ def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: d
     }
 
 
-def run_details(args, ns: str, baseline: dict, resplit_log: list[dict], frames: dict[int, float], rec) -> dict:
+def run_details(args, baseline, resplit_log: list[dict], frames: dict[int, float], rec) -> dict:
     """The report's keys beside :func:`run_report`'s: ``settings`` (the options ``args`` that shape the run),
-    ``node_counters_at_start`` (each node's counters in ``baseline``, its /diagnostics before playback by status
-    name under namespace ``ns``), ``resplits`` (:func:`resplit_report` of ``resplit_log``, the --resplit events
+    ``node_counters_at_start`` (each node's counters in ``baseline``, the nodes' statuses before playback,
+    replay_recorder.Statuses), ``resplits`` (:func:`resplit_report` of ``resplit_log``, the --resplit events
     applied) and ``resplits_not_reached`` (``FRAME:K`` of those playback ended before)."""
     details = {"settings": {"dtype": args.dtype, "device": args.device, "rate": args.rate, "loops": args.loops,
                             "transport": args.transport, "fast_jpeg_decode": args.fast_jpeg_decode}}
     # the counters the nodes had before this run's playback (subtracted from this run's counts)
     details["node_counters_at_start"] = {
-        name: run_counts(baseline.get(f"{ns}/{name}: pipeline", {}), {}) for name in ("prefix_node", "suffix_node")}
+        f"{side}_node": st.counters() if st is not None else {}
+        for side, st in (("prefix", baseline.prefix), ("suffix", baseline.suffix))}
     details["resplits"] = resplit_report(resplit_log, frames, rec, args.sync_tolerance_ms)
     applied = {(e["frame"], e["split_layer"]) for e in resplit_log}
     details["resplits_not_reached"] = [f"{f}:{k}" for f, k in args.resplit if (f, k) not in applied]

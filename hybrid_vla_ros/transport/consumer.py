@@ -273,10 +273,10 @@ class RingConsumer(RingEnd):
                 expected_model_id=self.expected_model_id, expected_split_layer=self.expected_split_layer)
         if taken is None:
             return None, seen
-        best, cause, meta, superseded = taken
+        best, cause, meta, superseded, detail = taken
         if cause:
             self._rejected[cause] += 1
-            raise SlotRejected(cause, meta, f"slot {best}")
+            raise SlotRejected(cause, meta, f"slot {best}" + (f": {detail}" if detail else ""))
         self._read += 1
         self._superseded += superseded
         _TAKEN.pack_into(mm, TAKEN_OFFSET, time.monotonic_ns())  # who reads, and when (RingProducer.consumer)

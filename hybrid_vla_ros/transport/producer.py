@@ -369,17 +369,20 @@ class RingProducer(RingEnd):
         if slot._done or self._outstanding is None or self._outstanding() is not slot:
             raise RingError("this WriteSlot is not the producer's outstanding slot (already published/aborted?)")
 
-    def publish(self, slot: WriteSlot, *, stamp_ns: int, split_layer: int, timings_ms=()) -> int:
+    def publish(self, slot: WriteSlot, *, stamp_ns: int, split_layer: int,
+                timings: slots.SlotTimings = slots.NO_TIMINGS) -> int:
         """Publish a filled slot (READY, written last: :mod:`.slots`) and wake the consumer; returns its seq.
 
-        ``stamp_ns``: frame stamp (int64 ns); ``split_layer``: int32 decoder block index K; ``timings_ms``: up
-        to 8 floats (ms) passed through to FrameMeta. ``FrameMeta.t_publish_ns`` is taken on entry: the frame
-        is complete in the slot. Raises RingError if ``slot`` is not the outstanding slot or the ring is
-        closed, ValueError for more than 8 timings or out-of-range ints.
+        ``stamp_ns``: frame stamp (int64 ns); ``split_layer``: int32 decoder block index K; ``timings``: the
+        frame's :class:`~.slots.SlotTimings` (preprocess and prefix ms, the instant the producer started it),
+        passed through to ``FrameMeta.timings``; the default :data:`~.slots.NO_TIMINGS` sends none (NaN ms,
+        instant 0). ``FrameMeta.t_publish_ns`` is taken on entry: the frame is complete in the slot. Raises
+        RingError if ``slot`` is not the outstanding slot or the ring is closed, TypeError when ``timings`` is
+        not a SlotTimings, ValueError for out-of-range ints.
         """
         t_pub = time.monotonic_ns()
         self._take_back(slot)
-        stamp_ns, split_layer, timings = slots.check_frame_fields(stamp_ns, split_layer, timings_ms)
+        stamp_ns, split_layer, timings = slots.check_frame_fields(stamp_ns, split_layer, timings)
         off = slot_offset(slot.index, self.slot_stride)
         # A WRITING slot is the producer's alone; where stores become visible in program order (x86-TSO) the
         # mutex adds nothing to READY-last, elsewhere its release orders the stores (slots' docstring).

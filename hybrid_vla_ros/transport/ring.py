@@ -38,11 +38,12 @@ from .contract import Contract, TensorSpec, conversion_kind, side_differences
 from .errors import REJECT_CAUSES, RingConsumerConflict, RingContractError, RingError, RingNameConflict, SlotRejected
 from .producer import ConsumerPresence, RingProducer, WriteSlot, slot_bytes_for
 from .segment import ros_domain_id, segment_name, segment_path
-from .slots import FrameMeta
+from .slots import NO_TIMINGS, FrameMeta, SlotTimings
 from .wake import SpinPolicy
 
 __all__ = [
     "RingError", "RingNameConflict", "RingConsumerConflict", "RingContractError", "SlotRejected", "FrameMeta",
+    "SlotTimings", "NO_TIMINGS",
     "WriteSlot", "ReadSlot", "RingProducer", "RingConsumer", "ConsumerPresence", "segment_name", "ros_domain_id",
     "slot_bytes_for", "segment_path", "REJECT_CAUSES", "DELIVERY_POLICIES", "SpinPolicy", "Contract",
     "conversion_kind", "TensorSpec", "side_differences",

@@ -1,11 +1,18 @@
 """One slot of the ring: its header layout, its states and the protocol that makes a frame visible.
 
-Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header, struct "<IHHQqqqQqiIII4q8d"::
+Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header, struct "<IHHQqqqQqiII4x4qddq" (slot
+version 2; bytes 128-255 unused)::
 
       0 magic u32 (SLOT_MAGIC)   4 version u16   6 state u16 (FREE 0 / WRITING 1 / READY 2 / READING 3)
       8 seq u64                 16 stamp ns i64  24 t_write_start ns i64   32 t_publish ns i64
      40 payload nbytes u64      48 model id i64  56 split layer i32        60 dtype code u32
-     64 ndim u32                68 n timings u32 72 shape i64[4]           104 timings ms f64[8]
+     64 ndim u32                68 4 bytes 0     72 shape i64[4]
+    104 preprocess ms f64 (NaN: not sent)       112 prefix ms f64 (NaN: not sent)
+    120 prefix start ns i64, CLOCK_MONOTONIC (0: not sent)                 (the frame's :class:`SlotTimings`)
+
+Slot versions: 1 carried the timings positionally (68 n timings u32, 104 timings ms f64[8], the prefix's start
+instant as a float of ms); 2 names them (:class:`SlotTimings`, the start instant an exact int64 of ns). A consumer
+takes only slots of its own :data:`SLOT_VERSION` and rejects any other as ``bad_version``, naming both versions.
 
 then the payload at slot offset + 256 (64-byte aligned): the hidden states, then the side tensors at their
 fixed payload offsets (layout 4; :func:`side_layout`, the global header's table: :mod:`.segment`). The header's
@@ -52,6 +59,7 @@ overwritten is WRITING before its seq, stamp or payload change.
 from __future__ import annotations
 
 import math
+import numbers
 import platform
 import struct
 from dataclasses import dataclass
@@ -62,31 +70,94 @@ from .contract import CODE_DTYPES, DTYPE_CODES, TensorSpec, conversion_kind, ite
 from .errors import RingContractError, RingError
 from .segment import _PUBLISHED, GLOBAL_HEADER_BYTES, PAYLOAD_ALIGN, PUBLISHED_OFFSET, align
 
-__all__ = ["FrameMeta", "FREE", "WRITING", "READY", "READING", "STATE_NAMES", "SLOT_MAGIC", "SLOT_VERSION",
-           "MAX_NDIM", "MAX_TIMINGS", "SLOT_FIELD_OFFSETS", "side_region_bytes", "side_layout"]
+__all__ = ["FrameMeta", "SlotTimings", "NO_TIMINGS", "FREE", "WRITING", "READY", "READING", "STATE_NAMES",
+           "SLOT_MAGIC", "SLOT_VERSION", "MAX_NDIM", "SLOT_FIELD_OFFSETS", "side_region_bytes", "side_layout"]
 
 #: True on CPUs whose stores become visible in program order (x86-64, TSO): publish needs no mutex there.
 STORES_VISIBLE_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64")
 SLOT_MAGIC = int.from_bytes(b"SLOT", "little")
-SLOT_VERSION = 1
+SLOT_VERSION = 2  # 1: positional timings (n timings u32, f64[8] ms); 2: named SlotTimings (module docstring)
 MAX_NDIM = 4
-MAX_TIMINGS = 8
 FREE, WRITING, READY, READING = 0, 1, 2, 3
 STATE_NAMES = {FREE: "FREE", WRITING: "WRITING", READY: "READY", READING: "READING"}
 
-_SLOT = struct.Struct("<IHHQqqqQqiIII4q8d")  # the whole header, for reading
+_SLOT = struct.Struct("<IHHQqqqQqiII4x4qddq")  # the whole header, for reading
 _SLOT_PREFIX = struct.Struct("<IHHQ")  # magic, version, state, seq
 _SLOT_ID = struct.Struct("<IH")  # magic, version at offset 0
 _SEQ = struct.Struct("<Q")  # at offset 8
-_SLOT_BODY = struct.Struct("<qqqQqiIII4q8d")  # stamp .. timings at offset 16
+_SLOT_BODY = struct.Struct("<qqqQqiII4x4qddq")  # stamp .. timings at offset 16
 _STATE = struct.Struct("<H")
 SLOT_STATE_OFFSET = 6
 SLOT_FIELD_OFFSETS = {
     "magic": 0, "version": 4, "state": 6, "seq": 8, "stamp_ns": 16, "t_write_start_ns": 24, "t_publish_ns": 32,
-    "payload_nbytes": 40, "model_id": 48, "split_layer": 56, "dtype": 60, "ndim": 64, "n_timings": 68,
-    "shape": 72, "timings_ms": 104,
+    "payload_nbytes": 40, "model_id": 48, "split_layer": 56, "dtype": 60, "ndim": 64, "shape": 72,
+    "preprocess_ms": 104, "prefix_ms": 112, "prefix_start_ns": 120,
 }
-assert _SLOT.size == 168 and 16 + _SLOT_BODY.size == _SLOT.size
+assert _SLOT.size == 128 and 16 + _SLOT_BODY.size == _SLOT.size
+_INT64 = (-(1 << 63), 1 << 63)
+
+
+@dataclass(frozen=True, eq=False)
+class SlotTimings:
+    """The stage timings of one frame, as its producer writes them into the slot header (slot version 2, header
+    offsets 104-127: the module docstring) and the consumer reads them back (``FrameMeta.timings``).
+
+    preprocess_ms: the producer's input preparation (the prefix: decode + resize + normalise of every camera), ms;
+    NaN when not sent.
+    prefix_ms: the producer's stage (the prefix: vision .. block K-1), ms; NaN when not sent.
+    prefix_start_ns: ``time.monotonic_ns()`` (CLOCK_MONOTONIC, comparable across processes) when the producer
+    started the frame, exact int64 ns; 0 when not sent.
+
+    A producer that sends no timings publishes :data:`NO_TIMINGS` (every field its "not sent" value), so a
+    reader tells a missing timing from a measured one (``math.isnan``, ``== 0``). Equality and hashing treat
+    two NaNs as equal (both: not sent), so a round trip through a slot compares equal to what was published.
+    Raises TypeError for a field that is not a number (an int for ``prefix_start_ns``) and ValueError for an
+    instant outside int64.
+    """
+
+    preprocess_ms: float = math.nan
+    prefix_ms: float = math.nan
+    prefix_start_ns: int = 0
+
+    def __post_init__(self):
+        for name in ("preprocess_ms", "prefix_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"SlotTimings.{name} must be a number of ms (NaN: not sent), got {value!r}")
+            object.__setattr__(self, name, float(value))
+        start = self.prefix_start_ns
+        if isinstance(start, bool) or not isinstance(start, numbers.Integral):
+            raise TypeError(f"SlotTimings.prefix_start_ns must be an int of CLOCK_MONOTONIC ns (0: not sent), "
+                            f"got {start!r}")
+        if not _INT64[0] <= start < _INT64[1]:
+            raise ValueError(f"SlotTimings.prefix_start_ns must fit in int64, got {start}")
+        object.__setattr__(self, "prefix_start_ns", int(start))
+
+    def _key(self) -> tuple:
+        """The fields, each NaN as None (so that NaN == NaN)."""
+        return tuple(None if isinstance(v, float) and math.isnan(v) else v
+                     for v in (self.preprocess_ms, self.prefix_ms, self.prefix_start_ns))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, SlotTimings):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+#: The timings of a producer that sent none: NaN ms, instant 0 (``publish``'s default).
+NO_TIMINGS = SlotTimings()
+_TIMING_FIELDS = ("preprocess_ms", "prefix_ms", "prefix_start_ns")
+
+
+def _slot_timings(preprocess_ms: float, prefix_ms: float, prefix_start_ns: int) -> SlotTimings:
+    """SlotTimings of values read from a slot header (already of their types), without __init__'s checks: the
+    reader's path (as :func:`_frame_meta`)."""
+    timings = object.__new__(SlotTimings)
+    timings.__dict__.update(zip(_TIMING_FIELDS, (preprocess_ms, prefix_ms, prefix_start_ns)))
+    return timings
 
 
 @dataclass(frozen=True)
@@ -99,7 +170,7 @@ class FrameMeta:
     split_layer / model_id: decoder block index K and model identity the producer declared.
     t_write_start_ns / t_publish_ns: ``time.monotonic_ns()`` (CLOCK_MONOTONIC, comparable across processes) when
     the slot was acquired and when publish() was called (the frame complete in the slot).
-    timings_ms: up to 8 floats (ms) passed through from the producer (stage timings).
+    timings: the producer's stage timings (:class:`SlotTimings`; NaN / 0 in the fields it did not send).
     """
 
     seq: int
@@ -110,7 +181,7 @@ class FrameMeta:
     model_id: int
     t_write_start_ns: int
     t_publish_ns: int
-    timings_ms: tuple[float, ...]
+    timings: SlotTimings
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +190,7 @@ class FrameMeta:
 
 
 _META_FIELDS = ("seq", "stamp_ns", "shape", "dtype", "split_layer", "model_id", "t_write_start_ns", "t_publish_ns",
-                "timings_ms")
+                "timings")
 
 
 def _frame_meta(*values) -> FrameMeta:
@@ -177,13 +248,13 @@ def begin_write(mm, off: int, seq: int) -> None:
 
 def finish_write(mm, off: int, *, stamp_ns: int, t_write_start_ns: int, t_publish_ns: int, nbytes: int,
                  model_id: int, split_layer: int, dtype_code: int, shape: tuple[int, ...],
-                 timings: tuple[float, ...]) -> None:
-    """Publish the WRITING slot at ``off``: every header field, then READY as the last store (see the module
-    docstring; with the mutex held unless :data:`STORES_VISIBLE_IN_ORDER`)."""
+                 timings: SlotTimings) -> None:
+    """Publish the WRITING slot at ``off``: every header field (``timings`` at offsets 104-127), then READY as the
+    last store (see the module docstring; with the mutex held unless :data:`STORES_VISIBLE_IN_ORDER`)."""
     shape4 = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
     _SLOT_BODY.pack_into(mm, off + 16, stamp_ns, t_write_start_ns, t_publish_ns, nbytes, model_id, split_layer,
-                         dtype_code, len(shape), len(timings), *shape4,
-                         *(tuple(timings) + (0.0,) * (MAX_TIMINGS - len(timings))))
+                         dtype_code, len(shape), *shape4, timings.preprocess_ms, timings.prefix_ms,
+                         timings.prefix_start_ns)
     _STATE.pack_into(mm, off + SLOT_STATE_OFFSET, READY)
 
 
@@ -207,49 +278,57 @@ def check_shape_dtype(shape, dtype) -> tuple[tuple[int, ...], int, int]:
     return shape, DTYPE_CODES[dtype], math.prod(shape) * itemsize(dtype)
 
 
-def check_frame_fields(stamp_ns, split_layer, timings_ms) -> tuple[int, int, tuple[float, ...]]:
-    """Validate the header fields a publish writes; returns (stamp_ns, split_layer, timings) as int, int and a
-    tuple of floats. ValueError for more than MAX_TIMINGS timings, a split layer outside int32 or a stamp
+def check_frame_fields(stamp_ns, split_layer, timings) -> tuple[int, int, SlotTimings]:
+    """Validate the header fields a publish writes; returns (stamp_ns, split_layer, timings) as int, int and the
+    :class:`SlotTimings` (checked when it was made). TypeError when ``timings`` is not a SlotTimings (a tuple of
+    positional timings included: slot version 1's form); ValueError for a split layer outside int32 or a stamp
     outside int64."""
-    timings = tuple(float(t) for t in timings_ms)
-    if len(timings) > MAX_TIMINGS:
-        raise ValueError(f"at most {MAX_TIMINGS} timings, got {len(timings)}")
+    if not isinstance(timings, SlotTimings):
+        raise TypeError(f"timings must be a SlotTimings (named fields, slot version {SLOT_VERSION}), got "
+                        f"{type(timings).__name__} {timings!r}")
     split_layer, stamp_ns = int(split_layer), int(stamp_ns)
-    if not -(1 << 31) <= split_layer < (1 << 31) or not -(1 << 63) <= stamp_ns < (1 << 63):
+    if not -(1 << 31) <= split_layer < (1 << 31) or not _INT64[0] <= stamp_ns < _INT64[1]:
         raise ValueError("split_layer must fit in int32 and stamp_ns in int64")
     return stamp_ns, split_layer, timings
 
 
+def version_refused(version: int) -> str:
+    """Why a slot header of slot version ``version`` is refused (the ``bad_version`` detail): both versions."""
+    return (f"slot header version {version}, this consumer reads version {SLOT_VERSION} only (a producer of "
+            f"another hybrid_vla_ros release?)")
+
+
 def validate(raw: tuple, *, slot_bytes: int, declared_dtype, compute_dtype, expected_model_id,
-             expected_split_layer) -> tuple[str | None, FrameMeta | None]:
-    """Judge a READY slot's unpacked header (``_SLOT`` fields): (None, meta) to take it, else (cause, meta or
-    None); the causes are errors.REJECT_CAUSES. Never reads the payload."""
-    (magic, version, _state, seq, stamp, t_ws, t_pub, nbytes, model_id, split, code, ndim, n_tim) = raw[:13]
+             expected_split_layer) -> tuple[str | None, FrameMeta | None, str]:
+    """Judge a READY slot's unpacked header (``_SLOT`` fields): (None, meta, "") to take it, else (cause, meta
+    or None, detail); the causes are errors.REJECT_CAUSES, the detail "" or, for ``bad_version``,
+    :func:`version_refused` (nothing past the version of a header of another version is used). Never reads
+    the payload."""
+    (magic, version, _state, seq, stamp, t_ws, t_pub, nbytes, model_id, split, code, ndim) = raw[:12]
     if magic != SLOT_MAGIC:
-        return "bad_magic", None
+        return "bad_magic", None, ""
     if version != SLOT_VERSION:
-        return "bad_version", None
+        return "bad_version", None, version_refused(version)
     dtype = CODE_DTYPES.get(code)
     if dtype is None or (declared_dtype is not None and dtype != declared_dtype):
-        return "bad_dtype", None
+        return "bad_dtype", None, ""
     if ndim > MAX_NDIM:
-        return "bad_shape", None
-    shape = tuple(raw[13:13 + ndim])
+        return "bad_shape", None, ""
+    shape = tuple(raw[12:12 + ndim])
     if (ndim and min(shape) < 0) or nbytes > slot_bytes or math.prod(shape) * itemsize(dtype) != nbytes:
-        return "bad_shape", None
-    meta = _frame_meta(seq, stamp, shape, dtype, split, model_id, t_ws, t_pub,
-                       tuple(raw[17:17 + min(n_tim, MAX_TIMINGS)]))
+        return "bad_shape", None, ""
+    meta = _frame_meta(seq, stamp, shape, dtype, split, model_id, t_ws, t_pub, _slot_timings(*raw[16:19]))
     if expected_model_id is not None and model_id != expected_model_id:
-        return "model_mismatch", meta
+        return "model_mismatch", meta, ""
     expected = expected_split_layer
     if expected is not None and (split != expected if isinstance(expected, int) else split not in expected):
-        return "split_mismatch", meta
+        return "split_mismatch", meta, ""
     if compute_dtype is not None and declared_dtype is None:
         try:
             conversion_kind(dtype, compute_dtype)
         except RingContractError:
-            return "dtype_mismatch", meta
-    return None, meta
+            return "dtype_mismatch", meta, ""
+    return None, meta, ""
 
 
 def read_header(mm, off: int) -> tuple:
@@ -268,7 +347,8 @@ def take_ready(mm, n_slots: int, stride: int, *, newest: bool, **expect):
     """Take the consumer's next frame (mutex held): the READY slot of the lowest seq, or with ``newest`` the
     highest, judged by :func:`validate` (``expect``: its keyword arguments). Accepted, it becomes READING and
     (``newest``) every other READY slot FREE, unread; rejected, it becomes FREE. Returns None when no slot is
-    READY, else (slot index, reject cause or None, FrameMeta or None, number of READY slots freed unread)."""
+    READY, else (slot index, reject cause or None, FrameMeta or None, number of READY slots freed unread, the
+    reject detail or "")."""
     ready = []
     for i in range(n_slots):
         _m, _v, state, seq = read_prefix(mm, slot_offset(i, stride))
@@ -277,7 +357,7 @@ def take_ready(mm, n_slots: int, stride: int, *, newest: bool, **expect):
     if not ready:
         return None
     _seq, best = max(ready) if newest else min(ready)
-    cause, meta = validate(read_header(mm, slot_offset(best, stride)), **expect)
+    cause, meta, detail = validate(read_header(mm, slot_offset(best, stride)), **expect)
     set_state(mm, slot_offset(best, stride), FREE if cause else READING)
     superseded = 0
     if not cause and newest:
@@ -285,7 +365,7 @@ def take_ready(mm, n_slots: int, stride: int, *, newest: bool, **expect):
             if i != best:
                 set_state(mm, slot_offset(i, stride), FREE)
                 superseded += 1
-    return best, cause, meta, superseded
+    return best, cause, meta, superseded, detail
 
 
 def pick_write_slot(mm, n_slots: int, stride: int, start: int) -> tuple[int, bool]:

@@ -3,14 +3,20 @@
 ``os.sched_setaffinity(0, cores)`` on Linux pins only the calling thread; threads created *after* it
 inherit the mask, threads that already exist keep theirs. torch (OpenMP pool) and rclpy (DDS threads)
 start threads when imported / initialised, so a process that must stay on its cores pins before
-importing either, and :func:`pin_process` pins every existing thread as well.
+importing either, and :func:`pin_process` pins every existing thread as well. Both nodes start that way,
+through :func:`pin_then_import`.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import re
+import sys
+import warnings
 from pathlib import Path
+from types import ModuleType
+from typing import Callable
 
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
@@ -96,6 +102,48 @@ def pin_process(cores: list[int]) -> list[int]:
         except (ProcessLookupError, FileNotFoundError):  # thread ended meanwhile
             continue
     return pinned
+
+
+#: Environment variables that size a library's thread pool when it starts it (at import or first use):
+#: OpenMP (torch's intra-op pool, and MKL's), MKL, OpenBLAS (numpy, at import) and OpenCV's own pool
+#: (``OPENCV_FOR_THREADS_NUM``, read when cv2 starts its pool). :func:`pin_then_import` sets each, where unset.
+THREAD_COUNT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENCV_FOR_THREADS_NUM")
+#: Top-level modules that start (or size) thread pools when imported or initialised: none of them may be
+#: imported before :func:`pin_then_import` has pinned (test/test_params_affinity.py checks both nodes).
+POOL_MODULES = ("torch", "cv2", "numpy", "rclpy")
+
+
+def pin_then_import(read_cores: Callable[[], list[int] | None], module: str) -> tuple[list[int] | None, ModuleType]:
+    """Pin this process, size the thread pools to come, and only then import ``module``: how both nodes start.
+
+    ``read_cores()`` gives the node's ``cpu_affinity`` from its command line (the ROS arguments and parameter
+    files: :func:`hybrid_vla_ros.ros.params_file.cpu_affinity_from_ros_args`); None when not given, [] when
+    given empty. It must import nothing of :data:`POOL_MODULES`. With cores, every thread of the process is
+    pinned to them (:func:`pin_process`) and each of :data:`THREAD_COUNT_VARS` not already set is set to their
+    number; then ``module`` (the node's module, which imports torch, OpenCV and rclpy) is imported.
+
+    Why in this order: a thread pool is sized from the affinity and these variables as they are when the
+    library reads them (OpenMP when torch loads it, OpenBLAS at numpy's import, OpenCV and torch when their
+    pools first run), and every new thread inherits the affinity of the thread that starts it. So the pools,
+    and the DDS threads ``rclpy.init`` starts later, run on the node's cores with one thread per core; a pin
+    after the imports can move the threads that exist, but does not resize a pool sized for every core of
+    the machine. A variable the user set is kept. Pinning with one of :data:`POOL_MODULES` imported already
+    (a start-up that imported the node first) still pins, with a RuntimeWarning naming them.
+
+    Returns (the cores, the imported module). Raises ValueError (``read_cores``' errors, e.g. a
+    ParamsFileError, or :func:`pin_process`'s for cores this process may not use) before importing anything;
+    ImportError from ``module``.
+    """
+    cores = read_cores()
+    if cores:
+        early = [m for m in POOL_MODULES if m in sys.modules]
+        if early:
+            warnings.warn(f"pinning to cores {sorted(set(cores))} with {', '.join(early)} imported already: "
+                          f"their thread pools may be sized for every core", RuntimeWarning, stacklevel=2)
+        pin_process(cores)
+        for var in THREAD_COUNT_VARS:
+            os.environ.setdefault(var, str(len(cores)))
+    return cores, importlib.import_module(module)
 
 
 def thread_affinities() -> dict[int, set[int]]:

@@ -132,8 +132,8 @@ class GuardLimits:
 
     @classmethod
     def from_params(cls, values: Mapping[str, Any]) -> "GuardLimits":
-        """The limits from node parameters named ``guard.<field>`` (validated ones, e.g. ``Params``);
-        a field without its parameter keeps its default."""
+        """The limits from node parameters named ``guard.<field>`` (validated ones, e.g. the suffix node's settings
+        read by name, whose ``guard`` group is these limits); a field without its parameter keeps its default."""
         return cls(**{f.name: values[PARAMETER_PREFIX + f.name] for f in fields(cls)
                       if PARAMETER_PREFIX + f.name in values})
 

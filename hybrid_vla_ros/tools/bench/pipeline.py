@@ -246,11 +246,12 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
     import torch
 
     from ...runtime.prefix import PrefixRunner
+    from ...runtime.settings import PrefixRunnerSettings
 
     torch.set_num_threads(threads)
     frames = load_bag_frames(bag)
-    runner = PrefixRunner(model_path, split_layer, device=device, dtype=dtype, ring_name=ring_name,
-                          ring_slots=RING_SLOTS, torch_threads=threads)
+    runner = PrefixRunner(model_path, PrefixRunnerSettings(split_layer, device=device, dtype=dtype, ring_name=ring_name,
+                                                           ring_slots=RING_SLOTS, torch_threads=threads))
     ego = EGO_STATE if runner.cfg.ego_state_input else None
     try:
         chan.send({"type": "ready"})
@@ -281,11 +282,12 @@ def suffix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
     slow, to run a suffix-bound pipeline with a small model)."""
     import torch
 
+    from ...runtime.settings import SuffixRunnerSettings
     from ...runtime.suffix import SuffixRunner
 
     torch.set_num_threads(threads)
-    runner = SuffixRunner(model_path, split_layer, dtype=dtype, ring_name=ring_name, threads=threads,
-                          delivery=delivery)
+    runner = SuffixRunner(model_path, SuffixRunnerSettings(split_layer, dtype=dtype, ring_name=ring_name,
+                                                           threads=threads, delivery=delivery))
     if suffix_extra_ms > 0:
         real_forward = runner.stage.forward
 
@@ -325,13 +327,15 @@ def sequential_task(chan, *, model_path: str, split_layer: int, dtype: str, ring
     import torch
 
     from ...runtime.prefix import PrefixRunner
+    from ...runtime.settings import PrefixRunnerSettings, SuffixRunnerSettings
     from ...runtime.suffix import SuffixRunner
 
     torch.set_num_threads(threads)
     frames = load_bag_frames(bag)
-    prefix = PrefixRunner(model_path, split_layer, device=device, dtype=dtype, ring_name=ring_name,
-                          ring_slots=RING_SLOTS, torch_threads=threads)
-    suffix = SuffixRunner(model_path, split_layer, dtype=dtype, ring_name=ring_name, threads=threads)
+    prefix = PrefixRunner(model_path, PrefixRunnerSettings(split_layer, device=device, dtype=dtype, ring_name=ring_name,
+                                                           ring_slots=RING_SLOTS, torch_threads=threads))
+    suffix = SuffixRunner(model_path, SuffixRunnerSettings(split_layer, dtype=dtype, ring_name=ring_name,
+                                                           threads=threads))
     ego = EGO_STATE if prefix.cfg.ego_state_input else None
     try:
         suffix.poll(0)  # attach before the first publish (a frame published earlier counts as stale)

@@ -91,6 +91,7 @@ def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, came
     import torch
 
     from ...runtime.prefix import PrefixRunner
+    from ...runtime.settings import PrefixRunnerSettings
     from .pipeline import EGO_STATE
 
     torch.set_num_threads(threads)
@@ -98,8 +99,9 @@ def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, came
     kinds = {"jpeg": compressed_items(jpegs), "jpeg_fast": compressed_items(jpegs), "rgb8": raw_items(jpegs)}
     out = []
     for spec in presets:
-        runner = PrefixRunner(spec["model_path"], spec["split_layer"], device=device, dtype=dtype,
-                              ring_name=f"bench_pre_{uuid.uuid4().hex[:10]}", torch_threads=threads)
+        runner = PrefixRunner(spec["model_path"], PrefixRunnerSettings(
+            spec["split_layer"], device=device, dtype=dtype, ring_name=f"bench_pre_{uuid.uuid4().hex[:10]}",
+            torch_threads=threads))
         ego = EGO_STATE if runner.cfg.ego_state_input else None
         try:
             for kind, items in kinds.items():

@@ -85,8 +85,9 @@ def spec_key(name: str, overrides: dict, dtype: str) -> tuple[str, str, str]:
 def prepare_checkpoints(cache: str, specs: list, conn) -> None:
     """Child process (``multiprocessing`` spawn) of :class:`~hybrid_vla_ros.tools.gpu_check.check.Check`: write the
     random-init checkpoints ``specs`` ((preset name, overrides, dtype), in the order the sections need them) with
-    :func:`ensure_checkpoint` while the first section runs, sending a :class:`Prepared` on ``conn`` after each. (Writing ``orion``'s 14 GB serially took 45-90 s on a CPU, eaten from the paper table's share of
-    the budget when it was done inside that section.)"""
+    :func:`ensure_checkpoint` while the first section runs, sending a :class:`Prepared` on ``conn`` after each.
+    (Writing ``orion``'s 14 GB serially on a CPU takes about a minute, which was eaten from the paper table's
+    share of the budget when it was done inside that section.)"""
     for i, (name, overrides, dtype) in enumerate(specs):
         t0 = time.perf_counter()
         try:

@@ -83,9 +83,11 @@ def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
             torch.set_num_threads(spec["threads"])
         from ...runtime.device import cuda_memory
         from ...runtime.prefix import PrefixRunner
+        from ...runtime.settings import PrefixRunnerSettings
 
-        runner = PrefixRunner(spec["model"], spec["k"], device=spec["device"], dtype=spec["dtype"],
-                              ring_name=spec["ring"], ring_slots=4, gpu_budget_bytes=spec.get("gpu_budget_bytes", 0))
+        runner = PrefixRunner(spec["model"], PrefixRunnerSettings(
+            spec["k"], device=spec["device"], dtype=spec["dtype"], ring_name=spec["ring"], ring_slots=4,
+            gpu_budget_bytes=spec.get("gpu_budget_bytes", 0)))
         dev = runner.device
         sync(dev)
         if dev.type == "cuda":
@@ -165,11 +167,12 @@ def suffix_process(conn, ev_attached, shared, spec: dict) -> None:
     try:
         import torch
 
+        from ...runtime.settings import SuffixRunnerSettings
         from ...runtime.suffix import SuffixRunner
 
-        runner = SuffixRunner(spec["model"], spec["k"], dtype=spec["dtype"], ring_name=spec["ring"],
-                              threads=spec.get("threads", 0), delivery=spec.get("delivery", "newest"),
-                              background_build=False)
+        runner = SuffixRunner(spec["model"], SuffixRunnerSettings(
+            spec["k"], dtype=spec["dtype"], ring_name=spec["ring"], threads=spec.get("threads", 0),
+            delivery=spec.get("delivery", "newest"), background_build=False))
         records, errors = [], []
         t_attach = time.monotonic() + 300
         while not runner.attached and time.monotonic() < t_attach:

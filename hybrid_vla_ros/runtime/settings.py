@@ -1,0 +1,99 @@
+"""What a runner needs, as one frozen, typed settings object per stage (ROS-free).
+
+:class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner` takes a :class:`PrefixRunnerSettings`,
+:class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` a :class:`SuffixRunnerSettings`. The nodes build them from
+their validated parameters (``ros.settings``: ``PrefixNodeSettings.runner_settings`` /
+``SuffixNodeSettings.runner_settings``); tools and tests build them directly, and variants with
+``dataclasses.replace``. Defaults are the node schemas' defaults (``schema/<node>.schema.json``; checked by
+test/test_settings.py), except where a runner needs a resolved value the schema leaves open: ``split_layer`` is a
+concrete K here (no ``auto``, no -1 placeholder), so it has no default.
+
+Each class's ``PARAMETER_OF`` says, per runner field, which node parameter it comes from (for the defaults
+check); fields not listed there (``namespace``, ``domain_id``, ``background_build``) come from the node itself,
+not from a parameter. Units are in the field comments: ms, s, and bytes (the prefix node's ``gpu_budget_gb`` is
+in GB, 1e9 bytes; this side takes bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+#: Data type names of the weights and of the hidden states in the ring (``model.checkpoint.parse_dtype``).
+Dtype = Literal["fp32", "bf16", "fp16"]
+#: Which frame a suffix takes from the ring (``transport.ring.RingConsumer``'s ``delivery``).
+Delivery = Literal["newest", "fifo"]
+#: How a suffix computes decoder blocks [K, L) (``runtime.suffix_backend``).
+Backend = Literal["eager", "openvino"]
+
+
+@dataclass(frozen=True)
+class PrefixRunnerSettings:
+    """Settings of one :class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner` (frozen: ``dataclasses.replace`` for a
+    variant). Checked where they are used, as before (the runner raises ValueError for a device this machine does
+    not have, a K out of [0, L], a budget the plan for K exceeds)."""
+
+    #: K: the prefix loads decoder blocks [0, K). Resolved already: the node's ``split_layer: auto`` plans K first.
+    split_layer: int
+    #: ``auto`` (``cuda`` when available, else ``cpu``), ``cpu``, ``cuda`` (= ``cuda:0``) or ``cuda:N``.
+    device: str = "auto"
+    #: Weights and ring hidden states: ``fp32``, ``bf16`` or ``fp16``.
+    dtype: Dtype = "fp32"
+    #: Ring name; the segment is ``hybrid_vla.<uid>.d<domain>.<namespace>.<ring_name>`` in /dev/shm.
+    ring_name: str = "prefix_states"
+    #: Slots in the ring (frames in flight between the two stages), 3..64.
+    ring_slots: int = 4
+    #: Torch intra-op threads; 0 leaves torch's setting alone (the node passes one per pinned core for 0).
+    torch_threads: int = 0
+    #: Decode JPEGs scaled down inside libjpeg when both sides stay >= the model's input size.
+    fast_jpeg_decode: bool = False
+    #: GPU memory budget in bytes (the node's ``gpu_budget_gb`` x 1e9); enforced on CUDA only. 0: no budget.
+    gpu_budget_bytes: int = 0
+    #: ROS namespace that scopes the ring's name (the node's own namespace; not a parameter).
+    namespace: str = "/"
+    #: ROS domain id that scopes and is declared in the ring; None: ``ROS_DOMAIN_ID`` (not a parameter).
+    domain_id: int | None = None
+
+    #: Runner field -> the prefix node parameter it comes from (``gpu_budget_bytes``: ``gpu_budget_gb`` x 1e9).
+    PARAMETER_OF: ClassVar[dict[str, str]] = {
+        "split_layer": "split_layer", "device": "device", "dtype": "dtype", "ring_name": "ring_name",
+        "ring_slots": "ring_slots", "torch_threads": "torch_threads", "fast_jpeg_decode": "fast_jpeg_decode",
+        "gpu_budget_bytes": "gpu_budget_gb"}
+
+
+@dataclass(frozen=True)
+class SuffixRunnerSettings:
+    """Settings of one :class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` (frozen: ``dataclasses.replace`` for a
+    variant). Checked where they are used, as before (the runner raises ValueError for a ``delivery`` other than
+    ``newest`` / ``fifo``, spin times out of range, a K out of [0, L])."""
+
+    #: K the suffix prepares for: it loads decoder blocks [K, L) (L: none, for a node's ``split_layer: auto``,
+    #: which follows the prefix). Every frame is computed at the K in its slot header.
+    split_layer: int
+    #: Compute dtype (``fp32``, ``bf16`` or ``fp16``); the ring's hidden states are converted to it when they differ.
+    dtype: Dtype = "fp32"
+    #: Ring name to attach to, as the prefix's.
+    ring_name: str = "prefix_states"
+    #: Torch intra-op threads; 0 leaves torch's setting alone (the node passes one per pinned core for 0).
+    threads: int = 0
+    #: ``newest`` (the newest published frame; older unread ones are superseded) or ``fifo`` (every frame in order).
+    delivery: Delivery = "newest"
+    #: Start polling the ring this long before the next frame is due (ms).
+    spin_lead_ms: float = 1.0
+    #: Longest poll for one frame (ms); 0: no polling, the wait blocks on the wake-up socket.
+    spin_max_ms: float = 5.0
+    #: ``eager`` (torch) or ``openvino`` (compiled in the background, eager meanwhile and as the fallback).
+    backend: Backend = "eager"
+    #: Folder of the compiled backend's artifacts; "" = the default (``runtime.suffix_backend.default_cache_dir``).
+    backend_cache_dir: str = ""
+    #: Build the compiled backend on a background thread (False: at construction, for tests and tools).
+    background_build: bool = True
+    #: ROS namespace that scopes the ring's name (the node's own namespace; not a parameter).
+    namespace: str = "/"
+    #: ROS domain id of the pipeline; a ring that declares another is refused. None: ``ROS_DOMAIN_ID``.
+    domain_id: int | None = None
+
+    #: Runner field -> the suffix node parameter it comes from.
+    PARAMETER_OF: ClassVar[dict[str, str]] = {
+        "split_layer": "split_layer", "dtype": "dtype", "ring_name": "ring_name", "threads": "threads",
+        "delivery": "ring.delivery", "spin_lead_ms": "ring.spin_lead_ms", "spin_max_ms": "ring.spin_max_ms",
+        "backend": "suffix_backend", "backend_cache_dir": "backend_cache_dir"}

@@ -1,0 +1,125 @@
+"""The nodes' /diagnostics statuses and frame timing (ros/status.py): every field written by a node reads back
+the same through the class the tools use, the wire format the tests and ``ros2 topic echo`` read stays as it was,
+and a value that does not decode is a clear error."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from hybrid_vla_ros.ros.status import (
+    FrameTiming,
+    NodeStatus,
+    PrefixStatus,
+    RingFill,
+    StageTime,
+    StatusError,
+    SuffixStatus,
+    pipeline_status_name,
+)
+
+COMMON = dict(state="active", lifecycle_requests_refused=2, configure_error="bad model_path",
+              peer_cause="owner_dead", peer="prefix pid 41", peer_message="the prefix process is gone",
+              use_sim_time=True, clock_missing=True, ring_ready_slots=RingFill(3, 4), rss_mib=512.5,
+              cuda_allocated_mib=100.0, cuda_reserved_mib=200.0, cuda_driver_used_mib=3000.5,
+              cuda_driver_free_mib=4000.0, last_error="dropped: superseded", cpu_affinity=(0, 2),
+              stages={"prefix": StageTime(12.5, 20.25, 7), "ego_wait": StageTime(0.125, 0.5, 3)},
+              drops={"superseded": 3, "slot_bad_magic": 1})
+
+PREFIX = PrefixStatus(**COMMON, frames_in=60, frames_synchronized=10, frames_out=9, ring_published=9,
+                      ring_dropped_oldest=1, split_layer=4, model_id="abc123", num_layers=12, split_layer_auto=True,
+                      resplits=2, handoff_path="produced in the slot", fast_jpeg_decode=True, ego_state_input=True,
+                      ego_accel={"topic": 5, "differentiated": 4}, ego_time_jumps=1, camera_reliability="reliable",
+                      camera_delay_p50_ms=12.5, camera_delay_max_ms=40.0, cameras_silent=(3, 5))
+
+SUFFIX = SuffixStatus(**COMMON, frames_in=9, trajectories_out=8, ring_attached=True,
+                      ring_contract_error="dtype differs", ring_conversion="bf16 -> fp32", ring_owner_alive=True,
+                      ring_read=9, odometry_propagated=2, odometry_late=1, odometry_time_jumps=1,
+                      candidate_trajectories_out=8, candidates_out=40, split_layer=4, blocks_held_from=3, resplits=1,
+                      resplits_on_demand=1, navigation_command="LEFT", suffix_backend="openvino",
+                      suffix_backend_in_use="openvino", suffix_backend_k=4, suffix_backend_building=5,
+                      suffix_backend_precision="bf16", suffix_backend_error="no plugin",
+                      suffix_backend_frames_compiled=6, suffix_backend_frames_eager=3)
+
+
+@pytest.mark.parametrize("status", [PREFIX, SUFFIX], ids=["prefix", "suffix"])
+def test_every_field_round_trips_through_the_key_values(status):
+    default = type(status)()
+    # every field is set away from its default here: a field added to the class without a value in this test fails
+    unset = [f.name for f in dataclasses.fields(status) if getattr(status, f.name) == getattr(default, f.name)]
+    assert not unset, f"give these fields a non-default value in the test: {unset}"
+    pairs = status.key_values()
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in pairs)
+    assert len({k for k, _ in pairs}) == len(pairs), "a key is written twice"
+    assert type(status).from_key_values(pairs) == status
+    assert type(status).from_key_values(dict(pairs)) == status  # a received DiagnosticStatus as a dict too
+
+
+def test_the_wire_format_is_what_the_tests_and_ros2_topic_echo_read():
+    values = dict(PREFIX.key_values())
+    assert values["frames_out"] == "9" and values["split_layer"] == "4" and values["split_layer_auto"] == "True"
+    assert values["ring_ready_slots"] == "3/4" and values["cameras_silent"] == "3,5"
+    assert values["cpu_affinity"] == "[0, 2]" and values["rss_mib"] == "512.5"
+    assert values["drop_superseded"] == "3" and values["ego_accel_topic"] == "5"
+    assert values["prefix_p50_ms"] == "12.500" and values["prefix_p90_ms"] == "20.250" and values["prefix_n"] == "7"
+    assert pipeline_status_name("/vla/prefix_node") == "/vla/prefix_node: pipeline"
+
+
+def test_an_unconfigured_node_writes_empty_values_that_read_back_as_none():
+    status = SuffixStatus(state="unconfigured")
+    values = dict(status.key_values())
+    assert values["split_layer"] == "" and values["suffix_backend_k"] == "" and values["rss_mib"] == ""
+    back = SuffixStatus.from_key_values(values)
+    assert back.split_layer is None and back.rss_mib is None and back == status
+
+
+def test_unknown_keys_are_ignored_and_missing_ones_keep_their_default():
+    back = PrefixStatus.from_key_values({"frames_out": "4", "a_newer_key": "x", "drop_bad_stamp": "2"})
+    assert back.frames_out == 4 and back.drops == {"bad_stamp": 2} and back.frames_in == 0 and back.stages == {}
+
+
+@pytest.mark.parametrize("key, text", [("frames_out", "many"), ("split_layer_auto", "yes"), ("cpu_affinity", "{}"),
+                                       ("drop_superseded", "1.5"), ("ring_ready_slots", "3"), ("rss_mib", "big")])
+def test_a_value_that_does_not_decode_names_its_key(key, text):
+    with pytest.raises(StatusError, match=key):
+        PrefixStatus.from_key_values({key: text})
+
+
+def test_since_counts_the_counters_of_one_run_and_keeps_the_rest():
+    before = dataclasses.replace(PREFIX, frames_out=4, drops={"superseded": 1}, ego_accel={"topic": 5})
+    run = PREFIX.since(before)
+    assert run.frames_out == 5 and run.drops == {"superseded": 2, "slot_bad_magic": 1}
+    assert run.ego_accel == {"differentiated": 4}  # topic: no new frames
+    assert run.split_layer == PREFIX.split_layer and run.cpu_affinity == PREFIX.cpu_affinity  # not counters
+    restarted = dataclasses.replace(PREFIX, frames_out=2)
+    assert restarted.since(PREFIX).frames_out == 0  # a restart reset the counter: nothing negative
+    assert PREFIX.since(None) == PREFIX
+    with pytest.raises(TypeError):
+        PREFIX.since(SUFFIX)
+    assert "frames_out" in PREFIX.counters() and "split_layer" not in PREFIX.counters()
+    assert PREFIX.counters()["drop_superseded"] == 3
+
+
+def test_the_stage_keys_do_not_swallow_other_fields_ending_alike():
+    # camera_delay_p50_ms ends like a stage time: it stays a field, not a stage 'camera_delay'
+    back = PrefixStatus.from_key_values(PREFIX.key_values())
+    assert "camera_delay" not in back.stages and back.camera_delay_p50_ms == 12.5
+
+
+def test_both_statuses_share_the_common_fields():
+    common = {f.name for f in dataclasses.fields(NodeStatus)}
+    assert common <= {f.name for f in dataclasses.fields(PrefixStatus)}
+    assert common <= {f.name for f in dataclasses.fields(SuffixStatus)}
+
+
+def test_frame_timing_round_trips_and_keeps_nan_for_an_untimed_stage():
+    t = FrameTiming(preprocess_ms=1.5, prefix_ms=2.25, handoff_ms=0.125, suffix_ms=3.0, odometry_wait_ms=0.5,
+                    t_prefix_start_ns=10, t_write_start_ns=20, t_ready_ns=30, t_suffix_end_ns=40, t_publish_ns=50)
+    assert FrameTiming.from_key_values(t.key_values()) == t
+    assert dict(t.key_values())["preprocess_ms"] == "1.5000" and dict(t.key_values())["t_ready_ns"] == "30"
+    assert list(t.stage_ms()) == list(FrameTiming.STAGES)
+    untimed = FrameTiming.from_key_values(FrameTiming(suffix_ms=3.0).key_values())
+    assert math.isnan(untimed.preprocess_ms) and untimed.suffix_ms == 3.0
+    with pytest.raises(StatusError, match="t_ready_ns"):
+        FrameTiming.from_key_values({"t_ready_ns": "soon"})
