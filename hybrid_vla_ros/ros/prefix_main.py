@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from ..util.cores import pin_then_import
-from ..util.process import exit_with_parent
-from .params_file import cpu_affinity_from_ros_args
+from .entry import run_pinned
 
 __all__ = ["main"]
 
@@ -22,23 +20,10 @@ NODE_MODULE = "hybrid_vla_ros.ros.prefix_node"
 
 
 def main(args: list[str] | None = None) -> int:
-    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args -p cpu_affinity:=[0,1] ...``.
-
-    Pins the process to ``cpu_affinity`` from the command line or a params file (every thread, and the
-    thread-count variables, :func:`~hybrid_vla_ros.util.cores.pin_then_import`), then imports the node and
-    runs it (``node_base.run_node``). Exit code 0 after a clean shutdown (SIGINT / SIGTERM), 2 when
-    ``cpu_affinity`` or the other parameters given cannot be read or the cores cannot be used.
-    """
-    argv = args if args is not None else sys.argv
-    exit_with_parent()  # started by `hybrid-vla replay`: end with it
-    try:
-        early, node_module = pin_then_import(lambda: cpu_affinity_from_ros_args(argv, "prefix_node"), NODE_MODULE)
-    except ValueError as e:
-        print(f"prefix_node: {e}", file=sys.stderr)
-        return 2
-    from . import node_base
-
-    return node_base.run_node("prefix_node", lambda: node_module.PrefixNode(early_affinity=early), argv)
+    """Console entry point: ``ros2 run hybrid_vla_ros prefix_node --ros-args -p cpu_affinity:=[0,1] ...``
+    (:func:`~.entry.run_pinned`: exit code 0 after a clean shutdown, 2 when ``cpu_affinity`` or the other
+    parameters given cannot be read or the cores cannot be used)."""
+    return run_pinned("prefix_node", NODE_MODULE, "PrefixNode", args)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 __all__ = ["StageTime", "RingFill", "NodeStatus", "PrefixStatus", "SuffixStatus", "FrameTiming", "StatusError",
            "PIPELINE", "pipeline_status_name"]
@@ -59,87 +59,51 @@ class RingFill:
 
 
 # ------------------------------------------------------------------------------------------ codecs
+@dataclass(frozen=True)
 class _Codec:
-    """How one field's value is written as a KeyValue string and read back."""
+    """How one field's value is written as a KeyValue string (``encode``) and read back (``decode``, which raises
+    ValueError or TypeError for text it cannot read)."""
 
-    def encode(self, value: Any) -> str:
-        raise NotImplementedError
+    encode: Callable[[Any], str]
+    decode: Callable[[str], Any]
 
-    def decode(self, text: str) -> Any:
-        raise NotImplementedError
-
-
-class _Int(_Codec):
-    def __init__(self, optional: bool = False):
-        self.optional = optional
-
-    def encode(self, value):
-        return "" if value is None else str(int(value))
-
-    def decode(self, text):
-        return None if self.optional and text == "" else int(text)
+    def optional(self) -> "_Codec":
+        """The same codec for a value that may be None, written as ""."""
+        return _Codec(lambda v: "" if v is None else self.encode(v), lambda t: None if t == "" else self.decode(t))
 
 
-class _Float(_Codec):
-    def __init__(self, decimals: int = 3, optional: bool = False):
-        self.decimals, self.optional = decimals, optional
-
-    def encode(self, value):
-        return "" if value is None else f"{float(value):.{self.decimals}f}"
-
-    def decode(self, text):
-        return None if self.optional and text == "" else float(text)
+def _float(decimals: int) -> _Codec:
+    return _Codec(lambda v: f"{float(v):.{decimals}f}", float)
 
 
-class _Bool(_Codec):
-    def __init__(self, optional: bool = False):
-        self.optional = optional
-
-    def encode(self, value):
-        return "" if value is None else str(bool(value))
-
-    def decode(self, text):
-        if self.optional and text == "":
-            return None
-        if text not in ("True", "False"):
-            raise ValueError(f"not True / False: {text!r}")
-        return text == "True"
+def _read_bool(text: str) -> bool:
+    if text not in ("True", "False"):
+        raise ValueError(f"not True / False: {text!r}")
+    return text == "True"
 
 
-class _Str(_Codec):
-    def encode(self, value):
-        return str(value)
-
-    def decode(self, text):
-        return text
-
-
-class _Cores(_Codec):  # a JSON list of core indices
-    def encode(self, value):
-        return json.dumps(list(value))
-
-    def decode(self, text):
-        value = json.loads(text) if text else []
-        if not isinstance(value, list) or not all(isinstance(c, int) for c in value):
-            raise ValueError(f"not a list of core indices: {text!r}")
-        return tuple(value)
+def _read_cores(text: str) -> tuple[int, ...]:
+    value = json.loads(text) if text else []
+    if not isinstance(value, list) or not all(isinstance(c, int) for c in value):
+        raise ValueError(f"not a list of core indices: {text!r}")
+    return tuple(value)
 
 
-class _CommaInts(_Codec):  # "0,3"
-    def encode(self, value):
-        return ",".join(str(int(v)) for v in value)
-
-    def decode(self, text):
-        return tuple(int(v) for v in text.split(",")) if text else ()
+def _read_fill(text: str) -> RingFill:
+    ready, slots = text.split("/")
+    return RingFill(int(ready), int(slots))
 
 
-class _Fill(_Codec):  # "READY/SLOTS"
-    def encode(self, value):
-        return f"{value.ready}/{value.slots}"
-
-    def decode(self, text):
-        ready, slots = text.split("/")
-        return RingFill(int(ready), int(slots))
+_INT = _Codec(lambda v: str(int(v)), int)
+_MS, _MIB = _float(3), _float(1)
+_BOOL = _Codec(lambda v: str(bool(v)), _read_bool)
+_STR = _Codec(str, str)
+_CORES = _Codec(lambda v: json.dumps(list(v)), _read_cores)  # a JSON list of core indices
+_COMMA_INTS = _Codec(lambda v: ",".join(str(int(c)) for c in v),  # "0,3"
+                     lambda t: tuple(int(c) for c in t.split(",")) if t else ())
+_FILL = _Codec(lambda v: f"{v.ready}/{v.slots}", _read_fill)  # "READY/SLOTS"
+_OPT_INT, _OPT_MIB, _OPT_BOOL = _INT.optional(), _MIB.optional(), _BOOL.optional()
+_OPT_MS1 = _float(1).optional()  # arrival delays: 1 decimal of a ms
 
 
 def _field(codec: _Codec, default: Any = None, *, counter: bool = False, doc: str = ""):
@@ -152,8 +116,6 @@ def _counts(prefix: str, *, counter: bool = True, doc: str = ""):
     return field(default_factory=dict, metadata={"prefix": prefix, "counter": counter, "doc": doc})
 
 
-_INT, _OPT_INT, _MS, _MIB, _OPT_MIB = _Int(), _Int(optional=True), _Float(3), _Float(1), _Float(1, optional=True)
-_BOOL, _OPT_BOOL, _STR = _Bool(), _Bool(optional=True), _Str()
 _STAGE_KEY = re.compile(r"^(?P<stage>.+)_(?P<what>p50_ms|p90_ms|n)$")
 
 
@@ -172,14 +134,14 @@ class NodeStatus:
     peer_message: str = _field(_STR, "", doc="what the peer state means, in words")
     use_sim_time: bool = _field(_BOOL, False, doc="the node clock follows /clock")
     clock_missing: bool = _field(_BOOL, False, doc="use_sim_time and no /clock yet (the node clock reads 0)")
-    ring_ready_slots: RingFill = _field(_Fill(), RingFill(), doc="unread ring slots / all slots")
+    ring_ready_slots: RingFill = _field(_FILL, RingFill(), doc="unread ring slots / all slots")
     rss_mib: float | None = _field(_OPT_MIB, None, doc="resident set of the process, MiB")
     cuda_allocated_mib: float | None = _field(_OPT_MIB, None, doc="CUDA caching allocator: allocated, MiB")
     cuda_reserved_mib: float | None = _field(_OPT_MIB, None, doc="CUDA caching allocator: reserved, MiB")
     cuda_driver_used_mib: float | None = _field(_OPT_MIB, None, doc="device memory in use, every process, MiB")
     cuda_driver_free_mib: float | None = _field(_OPT_MIB, None, doc="device memory free, MiB")
     last_error: str = _field(_STR, "", doc="the message of the last drop or failure")
-    cpu_affinity: tuple[int, ...] = _field(_Cores(), (), doc="cores the process may run on")
+    cpu_affinity: tuple[int, ...] = _field(_CORES, (), doc="cores the process may run on")
     stages: Mapping[str, StageTime] = field(default_factory=dict, metadata={"stages": True})
     drops: Mapping[str, int] = _counts("drop_", doc="dropped frames or messages by cause")
 
@@ -310,9 +272,9 @@ class PrefixStatus(NodeStatus):
     ego_accel: Mapping[str, int] = _counts("ego_accel_", doc="frames out by acceleration source")
     ego_time_jumps: int = _field(_INT, 0, counter=True, doc="odometry stamps that went back (buffer reset)")
     camera_reliability: str = _field(_STR, "", doc="the cameras' QoS reliability in use, comma-separated")
-    camera_delay_p50_ms: float | None = _field(_Float(1, optional=True), None, doc="image arrival delay, ms")
-    camera_delay_max_ms: float | None = _field(_Float(1, optional=True), None, doc="worst arrival delay, ms")
-    cameras_silent: tuple[int, ...] = _field(_CommaInts(), (), doc="camera indices sending nothing")
+    camera_delay_p50_ms: float | None = _field(_OPT_MS1, None, doc="image arrival delay, ms")
+    camera_delay_max_ms: float | None = _field(_OPT_MS1, None, doc="worst arrival delay, ms")
+    cameras_silent: tuple[int, ...] = _field(_COMMA_INTS, (), doc="camera indices sending nothing")
 
 
 @dataclass(frozen=True)

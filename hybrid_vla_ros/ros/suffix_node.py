@@ -28,33 +28,17 @@ from __future__ import annotations
 
 import sys
 
-from ..util.cores import pin_then_import
-from ..util.process import exit_with_parent
-from .params_file import cpu_affinity_from_ros_args
+from .entry import run_pinned
 
 #: The module holding the node class, imported once the process is pinned.
 NODE_MODULE = "hybrid_vla_ros.ros._suffix_impl"
 
 
 def main(args: list[str] | None = None) -> int:
-    """Console entry point: ``ros2 run hybrid_vla_ros suffix_node --ros-args -p cpu_affinity:=[2,3] ...``.
-
-    Pins the process to ``cpu_affinity`` from the command line or a params file (``-p`` or ``--params-file``,
-    launch_ros' files included) and sets the thread-count variables (the one start-up both nodes share:
-    :func:`~hybrid_vla_ros.util.cores.pin_then_import`), then imports the node (torch, rclpy) and runs it
-    (``node_base.run_node``). Exit code 0 after a clean shutdown, 2 when ``cpu_affinity`` or the other
-    parameters given cannot be read or the cores cannot be used.
-    """
-    argv = args if args is not None else sys.argv
-    exit_with_parent()  # started by `hybrid-vla replay`: end with it
-    try:
-        early, impl = pin_then_import(lambda: cpu_affinity_from_ros_args(argv, "suffix_node"), NODE_MODULE)
-    except ValueError as e:
-        print(f"suffix_node: {e}", file=sys.stderr)
-        return 2
-    from . import node_base
-
-    return node_base.run_node("suffix_node", lambda: impl.SuffixNode(early_affinity=early), argv)
+    """Console entry point: ``ros2 run hybrid_vla_ros suffix_node --ros-args -p cpu_affinity:=[2,3] ...``
+    (:func:`~.entry.run_pinned`, the one start-up both nodes share: exit code 0 after a clean shutdown, 2 when
+    ``cpu_affinity`` or the other parameters given cannot be read or the cores cannot be used)."""
+    return run_pinned("suffix_node", NODE_MODULE, "SuffixNode", args)
 
 
 if __name__ == "__main__":

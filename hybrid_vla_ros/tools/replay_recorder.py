@@ -41,6 +41,7 @@ class Recorder:
     odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
     first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _decoded: dict = field(default_factory=dict)  # status name -> (receive time, its decoded status)
 
     def on_diagnostics(self, msg) -> None:
         """/diagnostics callback (a DiagnosticArray): each status's key/values and when they arrived."""
@@ -52,15 +53,24 @@ class Recorder:
 
     def statuses(self, ns: str) -> Statuses:
         """The latest pipeline status of each node in namespace ``ns`` (None for one not heard from)."""
-        with self.lock:
-            raw = {side: self.diagnostics.get(pipeline_status_name(f"{ns}/{side}_node")) for side in SIDES}
         out = {}
-        for side, pairs in raw.items():
-            try:
-                out[side] = None if pairs is None else STATUS_OF[side].from_key_values(pairs)
-            except StatusError as e:
-                print(f"warning: cannot read the {side} node's /diagnostics: {e}", file=sys.stderr)
+        for side in SIDES:
+            name = pipeline_status_name(f"{ns}/{side}_node")
+            with self.lock:
+                pairs, at = self.diagnostics.get(name), self.diagnostics_at.get(name)
+                cached = self._decoded.get(name)
+            if pairs is None:
                 out[side] = None
+            elif cached is not None and cached[0] == at:
+                out[side] = cached[1]  # the playback loop asks per message: decode each report once
+            else:
+                try:
+                    out[side] = STATUS_OF[side].from_key_values(pairs)
+                except StatusError as e:
+                    print(f"warning: cannot read the {side} node's /diagnostics: {e}", file=sys.stderr)
+                    out[side] = None
+                with self.lock:
+                    self._decoded[name] = (at, out[side])
         return Statuses(**out)
 
     def fresh_statuses(self, ns: str, since: float, timeout: float = 10.0) -> Statuses:
