@@ -60,7 +60,8 @@ ARGUMENTS = [
     ("split_layer", "", "split layer K in [0, L]: decoder blocks [0, K) on the GPU, [K, L) on the CPU"),
     ("cpu_affinity", "", "cores for the whole suffix process, e.g. '[6, 7]'"),
     ("prefix_cpu_affinity", "", "cores for the whole prefix process, e.g. '[0, 1, 2, 3, 4, 5]'; empty: every core of "
-     "this machine the suffix does not get (unless the prefix parameter file sets cpu_affinity); '[]': the prefix file's value (unpinned as shipped)"),
+     "this machine the suffix does not get (unless the prefix parameter file sets cpu_affinity); '[]': the prefix "
+     "file's value (unpinned as shipped)"),
     ("device", "", "prefix device: auto | cpu | cuda | cuda:N"),
     ("dtype", "", "fp32 | bf16 | fp16 (both nodes)"),
     ("camera_transport", "raw", "raw (sensor_msgs/Image) | compressed (sensor_msgs/CompressedImage)"),

@@ -235,8 +235,8 @@ class Pipeline:
         self.out = out
         self.procs = {
             "prefix": launch_node("prefix_node", ns, out / "params.yaml", [], out / "prefix_node.log"),
-            "suffix": launch_node("suffix_node", ns, out / "params.yaml", ["-r", f"~/input/kinematic_state:={ns}/odom"],
-                                  out / "suffix_node.log")}
+            "suffix": launch_node("suffix_node", ns, out / "params.yaml",
+                                  ["-r", f"~/input/kinematic_state:={ns}/odom"], out / "suffix_node.log")}
         self.clients = {role: LifecycleClient(graph.node, f"{ns}/{role}_node") for role in self.procs}
 
     def bring_up(self, timeout: float = 120.0) -> None:
@@ -338,7 +338,8 @@ def _growth(samples: list[dict], start_frame: int, warm_frames: int) -> dict:
             "threads_baseline": base[f"{role}_threads"], "threads_last": last[f"{role}_threads"],
             "shm_maps_baseline": base[f"{role}_shm_maps"], "shm_maps_last": last[f"{role}_shm_maps"],
             "shm_maps_max": max(s[f"{role}_shm_maps"] for s in after if f"{role}_shm_maps" in s),
-            "shm_orphaned_maps_max": max(s[f"{role}_shm_orphaned_maps"] for s in after if f"{role}_shm_orphaned_maps" in s),
+            "shm_orphaned_maps_max": max(s[f"{role}_shm_orphaned_maps"] for s in after
+                                         if f"{role}_shm_orphaned_maps" in s),
         }
     for key in ("shm_entries", "shm_hybrid_vla", "shm_fastdds"):
         out[key] = {"baseline": base[key], "last": last[key], "max": max(s[key] for s in after)}
@@ -467,7 +468,8 @@ def print_results(r: dict) -> None:
     print(f"  cameras                 {r['fps_achieved']:.2f} fps achieved (target {r['fps_target']:.2f}), "
           f"{r['wall_s']:.0f} s")
     print(f"  frames published        {a['frames_published']}")
-    print(f"  camera messages in      {a['camera_messages_in']} (lost in transport: {a['camera_messages_lost_in_transport']})")
+    print(f"  camera messages in      {a['camera_messages_in']} "
+          f"(lost in transport: {a['camera_messages_lost_in_transport']})")
     print(f"  frames synchronized     {a['frames_synchronized']}")
     print(f"  frames through prefix   {a['frames_through_prefix']}")
     print(f"  trajectories out        {a['trajectories_received']} received ({a['trajectories_published']} published)")
@@ -485,8 +487,9 @@ def print_results(r: dict) -> None:
             continue
         print(f"    {role:<7} RSS {m['rss_mib_baseline']:.1f} -> {m['rss_mib_last']:.1f} MiB "
               f"({m['rss_growth_pct']:+.2f} %, peak {m['rss_peak_growth_pct']:+.2f} %, "
-              f"{m['rss_slope_mib_per_1000_frames']:+.2f} MiB/1000 frames); fds {m['fds_baseline']} -> {m['fds_last']} "
-              f"(max {m['fds_max']}); threads {m['threads_baseline']} -> {m['threads_last']}; /dev/shm maps "
+              f"{m['rss_slope_mib_per_1000_frames']:+.2f} MiB/1000 frames); "
+              f"fds {m['fds_baseline']} -> {m['fds_last']} (max {m['fds_max']}); "
+              f"threads {m['threads_baseline']} -> {m['threads_last']}; /dev/shm maps "
               f"{m['shm_maps_baseline']} -> {m['shm_maps_last']} ({m['shm_orphaned_maps_max']} orphaned)")
     print(f"    /dev/shm entries {res['shm_entries']['baseline']} -> {res['shm_entries']['last']} "
           f"(hybrid_vla {res['shm_hybrid_vla']['baseline']} -> {res['shm_hybrid_vla']['last']}, "

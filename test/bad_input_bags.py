@@ -363,14 +363,16 @@ class _BagBuilder:
         return frame
 
     def add_odometry(self, t_from_ns: int, t_to_ns: int, period_ns: int = 50 * MS) -> None:
-        """Good odometry every ``period_ns`` over [t_from, t_to]: straight line at SPEED_MPS from the real start pose."""
+        """Good odometry every ``period_ns`` over [t_from, t_to]: straight line at SPEED_MPS from the real start
+        pose."""
         t = t_from_ns
         while t <= t_to_ns:
             self.add_odometry_msg(t)
             t += period_ns
 
     def add_odometry_msg(self, stamp_ns: int, **override) -> None:
-        """One odometry message at ``stamp_ns`` on the track; ``override`` replaces fields (x, speed, quaternion...)."""
+        """One odometry message at ``stamp_ns`` on the track; ``override`` replaces fields (x, speed,
+        quaternion...)."""
         x0, y0, z0, yaw = start_pose()
         d = SPEED_MPS * (stamp_ns - T0_NS) / 1e9
         fields = dict(x=x0 + d * math.cos(yaw), y=y0 + d * math.sin(yaw), z=z0, yaw=yaw, speed=SPEED_MPS)
@@ -538,9 +540,11 @@ def compressed_bag(path: Path, period_ms: int = 200) -> BadInputBag:
     rejected("compressedDepth payload on camera 2", 2, "16UC1; compressedDepth png", depth_payload)
     tt = next_t()
     stamps = b.good_stamps(tt)
-    msgs = [b.compressed(c, st) if c != 1 else b.compressed(c, st, data=damage_jpeg_scan(jpeg(bgr(np.asarray(b.picture(c))))))
+    msgs = [b.compressed(c, st) if c != 1
+            else b.compressed(c, st, data=damage_jpeg_scan(jpeg(bgr(np.asarray(b.picture(c))))))
             for c, st in enumerate(stamps)]
-    b.add("JPEG with damaged scan data on camera 1 (undetectable: decoded with damage)", tt, stamps, msgs, intact=False)
+    b.add("JPEG with damaged scan data on camera 1 (undetectable: decoded with damage)", tt, stamps, msgs,
+          intact=False)
     accepted("jpeg (last)", "jpeg")
     b.add_odometry(T0_NS - 75 * MS, t[0] + 100 * MS)
     return b.write(path)

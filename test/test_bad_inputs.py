@@ -49,8 +49,9 @@ def _replay(bag: bags.BadInputBag, out: Path, checkpoint: Path) -> SimpleNamespa
     trajectories). (At the recorded rate a prefix slowed by its first frames on a busy 2-core machine can miss a
     frame, `superseded`, as designed; the drops these tests count are the ones the bag's stamps and odometry
     cause, so the frames come slower than any frame's work.)"""
-    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--bag", str(bag.path), "--transport", bag.transport,
-           "--model-path", str(checkpoint), "--namespace", f"/bad_{uuid.uuid4().hex[:8]}", "--output", str(out),
+    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--bag", str(bag.path),
+           "--transport", bag.transport, "--model-path", str(checkpoint),
+           "--namespace", f"/bad_{uuid.uuid4().hex[:8]}", "--output", str(out),
            "--quiet", "--timeout", "30", "--rate", "0.5"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)

@@ -108,9 +108,9 @@ def test_model_overrides_keep_the_llm_side():
 
 def _rec(seq, start, pre, pfx, write, publish, ready, end):
     ms = 1_000_000
-    return {"seq": seq, "preprocess_ms": pre, "prefix_ms": pfx, "handoff_ms": (ready - write), "suffix_ms": end - ready,
-            "t_prefix_start_ns": start * ms, "t_write_start_ns": write * ms, "t_publish_ns": publish * ms,
-            "t_ready_ns": ready * ms, "t_suffix_end_ns": end * ms}
+    return {"seq": seq, "preprocess_ms": pre, "prefix_ms": pfx, "handoff_ms": (ready - write),
+            "suffix_ms": end - ready, "t_prefix_start_ns": start * ms, "t_write_start_ns": write * ms,
+            "t_publish_ns": publish * ms, "t_ready_ns": ready * ms, "t_suffix_end_ns": end * ms}
 
 
 def test_summarize_pipeline_prefix_bound():
@@ -129,7 +129,8 @@ def test_summarize_pipeline_prefix_bound():
     assert s["efficiency"] == pytest.approx(10 / 12)
     assert s["bottleneck"] == "prefix"
     assert s["stages_ms"]["queue_wait_ms"]["p50"] == 0
-    assert s["stages_ms"]["copy_ms"]["p50"] == pytest.approx(1) and s["stages_ms"]["wake_ms"]["p50"] == pytest.approx(1)
+    assert (s["stages_ms"]["copy_ms"]["p50"] == pytest.approx(1)
+            and s["stages_ms"]["wake_ms"]["p50"] == pytest.approx(1))
     lat = s["latency"]
     assert lat["e2e_p50_ms"] == pytest.approx(16) and lat["stage_sum_p50_ms"] == pytest.approx(14)
     assert lat["overhead_p50_ms"] == pytest.approx(2) and lat["met"]  # 2 <= 0.05 x 14 + 2
@@ -330,7 +331,8 @@ def test_dequantised_gguf_export_keeps_the_fields_and_the_dequantised_values(tmp
     writer.close()
     expected = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
                                       gguf.GGMLQuantizationType.Q8_0)
-    for kind, ftype, qtype in (("f32", 0, gguf.GGMLQuantizationType.F32), ("bf16", 32, gguf.GGMLQuantizationType.BF16)):
+    for kind, ftype, qtype in (("f32", 0, gguf.GGMLQuantizationType.F32),
+                               ("bf16", 32, gguf.GGMLQuantizationType.BF16)):
         out = gguf.GGUFReader(str(export_dequantised_gguf(src, tmp_path / f"{kind}.gguf", kind)))
         assert out.fields["general.name"].contents() == "tiny test"
         assert out.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]

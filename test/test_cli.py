@@ -105,8 +105,8 @@ def test_verify_split_on_this_packages_own_format_and_its_errors(tiny_checkpoint
     assert all(r["output"] is not None and r["output"] <= 1e-4 for r in report["rows"])
     # a checkpoint that cannot be read exits 2 (as a bad argument does), another error 1
     for argv, needle, code in ((["--model", str(tmp_path / "none")], "no checkpoint at", 2),
-                               (["--model", str(tiny_checkpoint), "--layers", "2,9"], "split layers [9] outside [0, 4]",
-                                1),
+                               (["--model", str(tiny_checkpoint), "--layers", "2,9"],
+                                "split layers [9] outside [0, 4]", 1),
                                (["--model", str(REPO / "README.md")], "is a file; a checkpoint is a directory", 2)):
         bad = _run("verify-split", *argv)
         assert bad.returncode == code and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

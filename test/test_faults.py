@@ -35,7 +35,7 @@ from lifecycle_msgs.srv import ChangeState  # noqa: E402
 
 from hybrid_vla_ros.ros.lifecycle_client import TRANSITIONS, LifecycleClient  # noqa: E402
 from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
-from hybrid_vla_ros.tools.replay import launch_node, stop_processes
+from hybrid_vla_ros.tools.replay import launch_node, stop_processes  # noqa: E402
 from hybrid_vla_ros.transport import ring as sr  # noqa: E402
 from hybrid_vla_ros.transport import segment as sg  # noqa: E402
 from hybrid_vla_ros.transport import slots as sl  # noqa: E402
@@ -201,8 +201,8 @@ class Rig:
         """Start another ``<role>_node`` process of this namespace and parameters (extra ``--ros-args``, e.g. a
         node name; ``env``, e.g. another ROS_DOMAIN_ID), log ``<log_name>.log``; stopped by close()."""
         extra = ["-r", f"~/input/kinematic_state:={self.ns}/odom"] if role == "suffix" else []
-        proc = launch_node(f"{role}_node", self.ns, self.params_file, [*extra, *ros_args], self.tmp / f"{log_name}.log",
-                           env)
+        proc = launch_node(f"{role}_node", self.ns, self.params_file, [*extra, *ros_args],
+                           self.tmp / f"{log_name}.log", env)
         self.all_procs.append(proc)
         return proc
 
@@ -356,7 +356,8 @@ def test_suffix_sigkill_prefix_keeps_going_and_restarted_suffix_resumes(rig):
     out, dropped = int(d["frames_out"]) - out0, int(d["ring_dropped_oldest"]) - dropped0
     assert rig.procs["prefix"].poll() is None
     assert out >= sent - 2 and dropped >= out - 4, d
-    print(f"\nsuffix dead: prefix computed {out}/{sent} frames, ring overwrote {dropped}, get_state in {answer_s:.3f} s")
+    print(f"\nsuffix dead: prefix computed {out}/{sent} frames, ring overwrote {dropped}, "
+          f"get_state in {answer_s:.3f} s")
 
     rig.launch("suffix")
     rig.bring_up("suffix")

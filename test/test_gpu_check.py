@@ -174,7 +174,8 @@ def test_report_helpers():
 
 
 def test_the_module_imports_no_ros():
-    code = ("import sys, hybrid_vla_ros.tools.gpu_check, hybrid_vla_ros.runtime.prefix, hybrid_vla_ros.runtime.suffix; "
+    code = ("import sys, hybrid_vla_ros.tools.gpu_check, hybrid_vla_ros.runtime.prefix, "
+            "hybrid_vla_ros.runtime.suffix; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('rclpy', 'rosidl_runtime_py', 'launch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)

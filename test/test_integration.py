@@ -125,7 +125,8 @@ def test_published_trajectories_match_the_monolithic_model(replay_run, tiny_chec
         for p, yaw, v in zip(pts, expected.yaw, expected.v):
             q = p.pose.orientation
             assert math.isclose(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w, 1.0, abs_tol=1e-9)
-            assert math.atan2(2 * (q.w * q.z + q.x * q.y), 1 - 2 * (q.y * q.y + q.z * q.z)) == pytest.approx(yaw, abs=1e-6)
+            assert (math.atan2(2 * (q.w * q.z + q.x * q.y), 1 - 2 * (q.y * q.y + q.z * q.z))
+                    == pytest.approx(yaw, abs=1e-6))
             assert p.longitudinal_velocity_mps == pytest.approx(v, abs=1e-4)
             assert math.isfinite(p.acceleration_mps2) and math.isfinite(p.heading_rate_rps)
             assert math.isfinite(p.front_wheel_angle_rad)

@@ -167,7 +167,8 @@ def test_played_frames_come_out_as_trajectories_and_candidates(deployment, ros_e
                             stderr=subprocess.STDOUT, text=True)
     try:
         def done():
-            stamps = {_stamp(c.candidate_trajectories[0].header) for c in driver.candidates if c.candidate_trajectories}
+            stamps = {_stamp(c.candidate_trajectories[0].header) for c in driver.candidates
+                      if c.candidate_trajectories}
             return (echo.poll() is not None and any(_stamp(t.header) in stamps for t in driver.trajectories))
         assert driver.play_until(done, 180), deployment.log()[-6000:]
     finally:
@@ -244,8 +245,9 @@ def test_a_second_launch_into_a_running_namespace_is_refused_in_one_line(deploym
     on the graph)."""
     _active(deployment, ros_env)
     pids = deployment.node_pids()
-    out = subprocess.run([ros2_exe(), "launch", "hybrid_vla_ros", "hybrid_vla.launch.py", f"model_path:={tiny_checkpoint}",
-                          "split_layer:=2", f"namespace:={NS}"], env=ros_env, capture_output=True, text=True, timeout=180)
+    out = subprocess.run([ros2_exe(), "launch", "hybrid_vla_ros", "hybrid_vla.launch.py",
+                          f"model_path:={tiny_checkpoint}", "split_layer:=2", f"namespace:={NS}"],
+                         env=ros_env, capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
     errors = [line for line in text.splitlines() if "[ERROR]" in line]

@@ -41,14 +41,14 @@ if ros_tools.missing_tools():
         """Stands for the launch_testing test where the tools are missing."""
 
 else:
-    import launch_testing.actions  # noqa: E402
-    import launch_testing.asserts  # noqa: E402
-    import rclpy  # noqa: E402
-    import rclpy.executors  # noqa: E402
-    from launch.actions import GroupAction, IncludeLaunchDescription, SetEnvironmentVariable  # noqa: E402
-    from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
+    import launch_testing.actions
+    import launch_testing.asserts
+    import rclpy
+    import rclpy.executors
+    from launch.actions import GroupAction, IncludeLaunchDescription, SetEnvironmentVariable
+    from launch.launch_description_sources import PythonLaunchDescriptionSource
 
-    from launch import LaunchDescription  # noqa: E402
+    from launch import LaunchDescription
 
     NAMESPACE = f"hvla_launch_test_{int(time.time() * 1000) % 10**8}"  # the ring lives in /dev/shm per namespace
     OUTPUT = f"/{NAMESPACE}/trajectory"

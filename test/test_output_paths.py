@@ -29,7 +29,8 @@ def test_output_dir_problem(tmp_path):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["profile", "--preset", "smol", "--quiet", "--out", "{tmp}/nodir/p.json"], "--out {tmp}/nodir/p.json: the folder"),
+    (["profile", "--preset", "smol", "--quiet", "--out", "{tmp}/nodir/p.json"],
+     "--out {tmp}/nodir/p.json: the folder"),
     (["plan", "--preset", "tiny", "--json", "{tmp}/nodir/p.json"], "--json {tmp}/nodir/p.json: the folder"),
     (["plan", "--preset", "tiny", "--plot", "{tmp}/nodir/p.png"], "--plot {tmp}/nodir/p.png: the folder"),
     (["bench", "--only", "handoff", "--json", "{tmp}/file/b.json"], "--json {tmp}/file/b.json:"),

@@ -222,13 +222,15 @@ def _start_up(how: str, target: str, core: int) -> dict:
         module, func = target.split(":")
         start = f"import sys\nsys.argv = {argv!r}\nfrom {module} import {func}\nsys.exit({func}())\n"
     elif how == "-m":
-        start = f"import runpy, sys\nsys.argv = {argv!r}\nrunpy.run_module({target!r}, run_name='__main__', alter_sys=True)\n"
+        start = (f"import runpy, sys\nsys.argv = {argv!r}\n"
+                 f"runpy.run_module({target!r}, run_name='__main__', alter_sys=True)\n")
     else:
         start = f"import {target}\n"
     out = subprocess.run([sys.executable, "-c", _TRIPWIRE + start], capture_output=True, text=True, timeout=120,
                          env=_env_without_thread_counts())
     lines = out.stdout.strip().splitlines()
-    assert out.returncode == 0 and lines, f"no thread-pool module was imported ({out.returncode}): {out.stderr[-2000:]}"
+    assert out.returncode == 0 and lines, (f"no thread-pool module was imported ({out.returncode}): "
+                                           f"{out.stderr[-2000:]}")
     return json.loads(lines[-1])
 
 

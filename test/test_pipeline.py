@@ -70,7 +70,7 @@ def test_non_finite_values_are_refused_on_both_sides(tmp_path, tiny_checkpoint, 
     try:
         with pytest.raises(FloatingPointError, match="hidden states"):
             bad_prefix.run(items, stamp)
-        assert bad_prefix.ring.stats["published"] == 0, "nothing non-finite reaches the ring"
+        assert bad_prefix.ring.stats.published == 0, "nothing non-finite reaches the ring"
     finally:
         bad_prefix.close()
     nan_head = _poisoned(tmp_path, tiny_checkpoint, "head.")

@@ -175,8 +175,9 @@ def _profile_for(cfg, prefix_blocks_ms, suffix_blocks_ms, *, fixed_ms=5.0, hando
                 "handoff": {"ring": [{"bytes": payload, "ms": handoff_ms, "min_ms": handoff_ms}],
                             "memcpy": [{"bytes": payload, "ms": 0.1, "min_ms": 0.1}]}}
 
-    doc = {"format_version": PROFILE_FORMAT_VERSION, "kind": "hybrid_vla_profile", "created_utc": "2025-01-01T00:00:00",
-           "torch_version": "x", "python_version": "3", "host": {"cpu_model": "x", "logical_cpus": 2},
+    doc = {"format_version": PROFILE_FORMAT_VERSION, "kind": "hybrid_vla_profile",
+           "created_utc": "2025-01-01T00:00:00", "torch_version": "x", "python_version": "3",
+           "host": {"cpu_model": "x", "logical_cpus": 2},
            "model": {"source": "preset", "preset": cfg.preset, "path": None, "config": cfg.to_dict()},
            "dtype": "fp32", "prefix_state_shape": list(cfg.prefix_state_shape), "handoff_bytes": payload,
            "settings": {"warmup": 0, "repeats": 1, "vision_blocks": "all", "llm_blocks": "all"},

@@ -109,7 +109,7 @@ def test_hidden_states_are_produced_in_the_slot_bit_for_bit(tmp_path, tiny_check
                     assert in_slot and copies == 0, f"K={k}: {copies} copies into the slot"
                     assert slot.tensor.dtype == d and torch.equal(slot.tensor, expected), f"K={k} differs"
                     assert slot.meta.t_publish_ns - slot.meta.t_write_start_ns >= 0
-                assert stats["published"] == 1 and stats["aborted"] == 0
+                assert stats.published == 1 and stats.aborted == 0
             conn.send("next")
         assert conn.poll(WAIT_S) and conn.recv() == "done"
     finally:
@@ -139,7 +139,7 @@ def test_non_finite_hidden_states_produced_in_the_slot_are_aborted_not_published
             for _ in range(2):
                 with pytest.raises(FloatingPointError, match="non-finite hidden states"):
                     runner.run(items, stamp)
-            assert runner.ring.stats["published"] == 0 and runner.ring.stats["aborted"] == 2
+            assert runner.ring.stats.published == 0 and runner.ring.stats.aborted == 2
             assert set(cons.slot_states()) == {"FREE"} and cons.read(0) is None
     finally:
         runner.close()

@@ -120,7 +120,7 @@ def test_each_consumer_dtype_converts_at_the_view_or_is_refused_at_attach(produc
                             assert torch.equal(got.to(D[p]), sent)  # nothing lost
                         if cons.conversion == "none":
                             assert got.data_ptr() == slot.tensor.data_ptr()  # zero-copy
-                assert cons.stats["read"] == 3
+                assert cons.stats.read == 3
             first = False
     finally:
         conn.send("stop")

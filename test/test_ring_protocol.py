@@ -116,11 +116,11 @@ def test_a_slow_consumer_gets_the_newest_frame_and_older_ones_are_superseded(nam
                     got.append((slot.meta.seq, slot.superseded))
             if delivery == "newest":
                 assert got == [(5, 3)]
-                assert cons.stats["superseded"] == 3 and cons.stats["read"] == 2
+                assert cons.stats.superseded == 3 and cons.stats.read == 2
                 assert "READY" not in cons.slot_states()
             else:
                 assert got == [(2, 0), (3, 0), (4, 0), (5, 0)]
-                assert cons.stats["superseded"] == 0 and cons.stats["read"] == 5
+                assert cons.stats.superseded == 0 and cons.stats.read == 5
     finally:
         done.set()
         proc.join(WAIT_S)
@@ -197,8 +197,8 @@ def test_another_uid_cannot_squat_or_reach_the_wake_up_channel(name):
                     t.join()
                     assert slot is not None and slot.meta.seq == seq and bool((slot.tensor == float(seq)).all())
                     slot.release()
-                assert cons.stats["found_after_block"] == 2  # woken through the socket (no spin policy)
-                assert prod.stats["wake_errors"] == 0
+                assert cons.stats.found_after_block == 2  # woken through the socket (no spin policy)
+                assert prod.stats.wake_errors == 0
         finally:
             hold.set()
             proc.join(WAIT_S)
@@ -220,7 +220,7 @@ def _in_new_netns(name: str, action: str, result_q) -> None:
             if action == "read":
                 slot = cons.read(WAIT_S)
                 out["seq"] = None if slot is None else slot.meta.seq
-                out["found_after_block"] = cons.stats["found_after_block"]
+                out["found_after_block"] = cons.stats.found_after_block
                 if slot is not None:
                     slot.release()
     except RingError as e:
@@ -244,7 +244,8 @@ def test_single_consumer_and_wake_ups_hold_across_network_namespaces(name):
         with RingConsumer(name):  # attached here: a consumer in another network namespace is refused
             p, q, first = _netns_child(name, "attach")
             p.join(WAIT_S)
-            assert re.match(rf"refused: another consumer \(process {os.getpid()}\) is attached", first["attach"]), first
+            refused = rf"refused: another consumer \(process {os.getpid()}\) is attached"
+            assert re.match(refused, first["attach"]), first
         # alone, a consumer in another network namespace attaches and is woken through the filesystem socket
         p, q, first = _netns_child(name, "read")
         try:
@@ -318,12 +319,12 @@ def test_a_spinning_consumer_gets_every_frame_of_a_periodic_producer(name):
                     assert bool((slot.tensor == float(slot.meta.seq)).all())
                     seqs.append(slot.meta.seq)
             st = cons.stats
-        print(f"\nspin: found {st['found_ready']} ready, {st['found_spinning']} spinning, "
-              f"{st['found_after_block']} after a blocked wait; {st['spin_misses']} spins missed, "
-              f"{st['spin_ms']:.1f} ms spun for {n} frames")
+        print(f"\nspin: found {st.found_ready} ready, {st.found_spinning} spinning, "
+              f"{st.found_after_block} after a blocked wait; {st.spin_misses} spins missed, "
+              f"{st.spin_ms:.1f} ms spun for {n} frames")
         assert seqs == list(range(1, n + 1))
-        assert st["found_ready"] + st["found_spinning"] + st["found_after_block"] == n
-        assert st["spin_ms"] > 0 and st["found_spinning"] + st["spin_misses"] > 0  # the spin did run
+        assert st.found_ready + st.found_spinning + st.found_after_block == n
+        assert st.spin_ms > 0 and st.found_spinning + st.spin_misses > 0  # the spin did run
     finally:
         proc.join(WAIT_S)
 

@@ -134,7 +134,7 @@ def test_side_tensors_cross_between_processes_exactly_for_every_frame(name, with
                         # zero-copy, at its documented payload offset in the slot
                         assert got.data_ptr() - slot.tensor.data_ptr() == off and off % 64 == 0
             assert cons.read(0) is None
-            assert cons.stats["read"] == N_FRAMES
+            assert cons.stats.read == N_FRAMES
     finally:
         done.set()
         proc.join(WAIT_S)

@@ -77,7 +77,7 @@ def test_dotted_parameters_are_fields_of_nested_frozen_groups(tmp_path):
     assert GuardLimits.from_params(s) == s.guard, "the guard's own by-name reader agrees with the group"
     assert "ring.delivery" in s and "ring" not in s and len(s) == len(params.parameter_specs("suffix_node"))
     with pytest.raises(KeyError):
-        s["ring"]  # noqa: B018 - a group is not a parameter
+        s["ring"]  # a group is not a parameter
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.dtype = "bf16"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -89,7 +89,8 @@ def test_dotted_parameters_are_fields_of_nested_frozen_groups(tmp_path):
 
 
 def test_validate_returns_typed_settings(tmp_path):
-    p = validate("prefix_node", _given(tmp_path, "prefix_node", sync_tolerance_ms=20, camera_transports=["compressed"]),
+    p = validate("prefix_node",
+                 _given(tmp_path, "prefix_node", sync_tolerance_ms=20, camera_transports=["compressed"]),
                  n_cameras=3, num_layers=4)
     assert isinstance(p, PrefixNodeSettings)
     assert p.sync_tolerance_ms == 20.0 and isinstance(p.sync_tolerance_ms, float)  # a YAML 20 is a double

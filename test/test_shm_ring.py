@@ -284,7 +284,7 @@ def test_round_trip_values_and_meta_between_processes(name, children):
                 assert slot.tensor.shape == shape and slot.tensor.dtype == DTYPES[d]
                 assert torch.equal(slot.tensor, _frame(seed, shape, DTYPES[d]))
         assert cons.read(0) is None
-        assert cons.stats["read"] == len(frames)
+        assert cons.stats.read == len(frames)
     done.set()
 
 
@@ -300,9 +300,9 @@ def test_drop_oldest_when_consumer_is_slow(name, children):
         assert held.meta.seq == 1
         step2.set()
         stats = _get(stats_q, proc)
-        assert stats["published"] == n_frames
+        assert stats.published == n_frames
         # three slots cycle while one is READING: frames 2..47 were overwritten, 48..50 are READY
-        assert stats["dropped_oldest"] == n_frames - 1 - (n_slots - 1)
+        assert stats.dropped_oldest == n_frames - 1 - (n_slots - 1)
         assert bool((held.tensor == 1.0).all()), "a READING slot was overwritten"
         assert sorted(cons.slot_states()) == ["READING", "READY", "READY", "READY"]
         held.release()
@@ -312,7 +312,7 @@ def test_drop_oldest_when_consumer_is_slow(name, children):
                 assert bool((slot.tensor == float(slot.meta.seq)).all())
                 got.append(slot.meta.seq)
         assert got == [48, 49, 50]
-        assert cons.stats["read"] + stats["dropped_oldest"] == n_frames
+        assert cons.stats.read + stats.dropped_oldest == n_frames
     done.set()
 
 
@@ -330,9 +330,9 @@ def test_no_torn_reads_concurrent_writer_and_reader_processes(name, children):
     print(stats, result)
     assert result["bad"] == 0 and result["out_of_order"] == 0
     assert result["last"] == n_frames
-    assert stats["published"] == n_frames
-    assert result["reads"] + stats["dropped_oldest"] == n_frames
-    assert result["reads"] > 1 and result["stats"]["read"] == result["reads"]
+    assert stats.published == n_frames
+    assert result["reads"] + stats.dropped_oldest == n_frames
+    assert result["reads"] > 1 and result["stats"].read == result["reads"]
 
 
 def test_stale_segment_of_sigkilled_producer_is_replaced(name, children):
@@ -396,14 +396,14 @@ def test_consumer_process_exit_keeps_segment_and_frees_reading_slot(name, childr
         assert os.path.exists(segment_path(name)), "an exiting consumer must not unlink the segment"
         with RingConsumer(name) as cons:  # the predecessor is gone: its wake socket and READING slot are free
             assert "READING" not in cons.slot_states()
-            assert cons.stats["reclaimed_reading"] == 1
+            assert cons.stats.reclaimed_reading == 1
             with cons.read(0) as r:
                 assert r.meta.seq == 2 and bool((r.tensor == 2.0).all())
             assert cons.read(0) is None
             for _ in range(3):  # all three slots are usable again: three frames fit without a drop
                 slot = prod.acquire((8,), torch.float32)
                 prod.publish(slot, stamp_ns=0, split_layer=0)
-            assert prod.stats["dropped_oldest"] == 0
+            assert prod.stats.dropped_oldest == 0
             for seq in (3, 4, 5):
                 with cons.read(0) as r:
                     assert r.meta.seq == seq
@@ -457,9 +457,9 @@ def test_header_validation_rejects_each_cause_then_reads_next_good_frame(name):
                 assert r.meta.stamp_ns == good_stamp and bool((r.tensor == float(k)).all())
             assert cons.read(0) is None
         st = cons.stats
-        assert st["read"] == len(corruptions)
+        assert st.read == len(corruptions)
         for cause in sr.REJECT_CAUSES:
-            assert st[f"rejected_{cause}"] == sum(c == cause for c, _ in corruptions)
+            assert st.rejected[cause] == sum(c == cause for c, _ in corruptions)
         assert "READING" not in prod.slot_states()
 
         cons.expected_split_layer = 4  # settable: K reconfigured
@@ -537,10 +537,11 @@ def test_a_slot_of_the_old_version_is_refused_naming_both_versions(name):
         with pytest.raises(SlotRejected) as info:
             cons.read(WAIT_S)
         assert info.value.cause == "bad_version" and info.value.meta is None
-        assert "slot header version 1" in str(info.value) and f"reads version {sl.SLOT_VERSION} only" in str(info.value)
+        message = str(info.value)
+        assert "slot header version 1" in message and f"reads version {sl.SLOT_VERSION} only" in message
         with cons.read(WAIT_S) as r:
             assert r.meta.stamp_ns == 12 and r.meta.timings == NO_TIMINGS and bool((r.tensor == 2.0).all())
-        assert cons.stats["rejected_bad_version"] == 1 and cons.stats["read"] == 1
+        assert cons.stats.rejected["bad_version"] == 1 and cons.stats.read == 1
         mapping.close()
 
 
@@ -574,8 +575,8 @@ def test_wrap_around_many_more_frames_than_slots(name):
                 for want in (seq - 1, seq):
                     with cons.read(0) as r:
                         assert r.meta.seq == want and torch.equal(r.tensor, _frame(want, shape, torch.bfloat16))
-        assert prod.stats == {"published": 300, "dropped_oldest": 0, "aborted": 0, "wake_errors": 0}
-        assert cons.stats["read"] == 300
+        assert prod.stats == sr.ProducerStats(published=300, dropped_oldest=0, aborted=0, wake_errors=0)
+        assert cons.stats.read == 300
 
 
 def test_segment_mode_is_0600_regardless_of_umask(name):
@@ -653,7 +654,7 @@ def test_read_timeout_returns_none(name):
             with cons.read(0) as r:
                 assert r.meta.seq == seq + 2  # two of five dropped: three slots, nobody reading
         assert cons.read(0.01) is None
-        assert prod.stats["dropped_oldest"] == 2
+        assert prod.stats.dropped_oldest == 2
 
 
 def test_api_misuse_errors(name):
@@ -679,7 +680,7 @@ def test_api_misuse_errors(name):
         prod.publish(slot, stamp_ns=0, split_layer=0)
         prod.acquire((2,), torch.float16)  # dropped unpublished: the next acquire takes it back
         _publish(prod, shape=(2,))
-        assert prod.stats["aborted"] == 2 and prod.stats["published"] == 2
+        assert prod.stats.aborted == 2 and prod.stats.published == 2
 
         with RingConsumer(name) as cons:
             with pytest.raises(RingError):

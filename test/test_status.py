@@ -35,7 +35,7 @@ PREFIX = PrefixStatus(**COMMON, frames_in=60, frames_synchronized=10, frames_out
 
 SUFFIX = SuffixStatus(**COMMON, frames_in=9, trajectories_out=8, ring_attached=True,
                       ring_contract_error="dtype differs", ring_conversion="bf16 -> fp32", ring_owner_alive=True,
-                      ring_read=9, odometry_propagated=2, odometry_late=1, odometry_time_jumps=1,
+                      ring_read=9, odometry_in=30, odometry_propagated=2, odometry_late=1, odometry_time_jumps=1,
                       candidate_trajectories_out=8, candidates_out=40, split_layer=4, blocks_held_from=3, resplits=1,
                       resplits_on_demand=1, navigation_command="LEFT", suffix_backend="openvino",
                       suffix_backend_in_use="openvino", suffix_backend_k=4, suffix_backend_building=5,

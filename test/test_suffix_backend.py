@@ -112,7 +112,8 @@ def test_cache_key_never_reuses_an_artifact_for_other_weights_k_or_dtype(tiny_ch
         dt = stage.layers[0].mlp.up_proj.weight.dtype
         h = torch.randn(stage.cfg.prefix_state_shape, generator=torch.Generator().manual_seed(k)).to(dt)
         with torch.inference_mode():
-            err = float((c.run(h)[..., -1:, :].float() - run_blocks(stage, stage.layers, h)[..., -1:, :].float()).abs().max())
+            err = float((c.run(h)[..., -1:, :].float()
+                         - run_blocks(stage, stage.layers, h)[..., -1:, :].float()).abs().max())
         return c, err
 
     first, err = build(tiny_checkpoint, 2, "fp32")
@@ -163,7 +164,7 @@ def test_backend_falls_back_to_eager_with_a_log_line_when_openvino_cannot_be_imp
         assert runner.backend.in_use == "eager" and not runner.backend.active
         assert [lv for lv, _ in lines] == ["warning"]
         assert "suffix_backend openvino cannot be used, falling back to eager" in lines[0][1]
-        assert "openvino" in runner.backend.status()["error"]
+        assert "openvino" in runner.backend.status().error
         h = torch.randn(runner.cfg.prefix_state_shape)
         with torch.inference_mode():
             assert torch.equal(runner.backend(runner.stage, h, 3, 2), runner.stage(h, 3, 2))
@@ -192,7 +193,7 @@ def test_a_failed_build_logs_serves_eagerly_and_is_not_retried(tiny_checkpoint, 
     assert len(calls) == 1 and b.in_use == "eager" and b.frames_eager == 3
     assert lines == [("error", ("suffix_backend openvino: build for K=2 failed: RuntimeError: conversion exploded; "
                                 "frames at K=2 run eagerly"))]
-    assert "conversion exploded" in b.status()["error"]
+    assert "conversion exploded" in b.status().error
 
 
 def test_unknown_backend_is_refused(tiny_checkpoint):
@@ -248,7 +249,7 @@ def test_live_resplit_with_openvino_gives_the_eager_outputs_at_each_k(tiny_check
         for k in (1, 3):  # a new K: its first frame ran eagerly (no artifact for it yet), the later ones compiled
             assert [c for kk, _, c in seen if kk == k] == [False, True, True, True], seen
         assert all(c for kk, step, c in seen if kk == 2 and step > 0), seen
-        assert sorted(b["k"] for b in suffix.backend.builds) == [1, 2, 3]
+        assert sorted(b.k for b in suffix.backend.builds) == [1, 2, 3]
     finally:
         suffix.close()
         prefix.close()

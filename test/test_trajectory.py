@@ -362,7 +362,8 @@ def test_trajectory_msg_from_real_odometry(odometry):
 def test_time_from_start_rounding_and_stamp_conversions(odometry):
     arr = waypoints_to_trajectory(np.cumsum(np.full((7, 2), 0.1), 0), 0.1, EgoState(0, 0, 0, 0, 1.0, 0), WHEELBASE)
     msg = trajectory_to_msg(arr, 0, "map")
-    assert [p.time_from_start.nanosec for p in msg.points] == [k * 100_000_000 for k in range(8)]  # 0.30000000000000004 s -> 300 ms
+    # 0.30000000000000004 s -> 300 ms
+    assert [p.time_from_start.nanosec for p in msg.points] == [k * 100_000_000 for k in range(8)]
     for ns in (0, 1, 999_999_999, 1_000_000_000, 1700000000091370000, (2**31 - 1) * 10**9 + 999_999_999):
         stamp = ns_to_stamp(ns)
         assert isinstance(stamp, Time) and stamp_to_ns(stamp) == ns

@@ -53,7 +53,8 @@ def _modes_from_transformers(vlm_dir, drive, images):
     ck = open_checkpoint(drive)
     cfg = ck.cfg
     family = vlm_family(cfg.vlm_type)
-    inputs = frame_inputs(load_processor(vlm_dir, cfg.vlm_type), cfg, [resize_rgb(im, cfg.camera_size) for im in images])
+    inputs = frame_inputs(load_processor(vlm_dir, cfg.vlm_type), cfg,
+                          [resize_rgb(im, cfg.camera_size) for im in images])
     with torch.inference_mode():
         ref = family.generation_class.from_pretrained(str(vlm_dir)).eval()
         final = ref.model(input_ids=inputs.input_ids, **inputs.images).last_hidden_state[0]

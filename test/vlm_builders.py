@@ -15,7 +15,7 @@ import torch
 
 from hf_builders import LLM, perturb_
 
-from hybrid_vla_ros.tools.bench.families import word_tokenizer  # noqa: E402  (the benchmark's own, shared)
+from hybrid_vla_ros.tools.bench.families import word_tokenizer  # the benchmark's own, shared
 
 
 def _text(model_type: str, **overrides) -> dict:
@@ -89,8 +89,8 @@ def write_internvl(path: Path, seed: int = 6, shard: str = "100KB") -> Path:
     tok = word_tokenizer(special, LLM["vocab_size"], path, extra={
         "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
         "video_token": "<video>"})
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[32, 32],
-                  patch_size=[8, 8])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=[32, 32], patch_size=[8, 8])
     cfg = AutoConfig.for_model("internvl", vision_config=vision, text_config=_text("qwen2"),
                                image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4,
                                downsample_ratio=0.5, vision_feature_layer=-1)

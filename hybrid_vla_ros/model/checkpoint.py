@@ -28,6 +28,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -52,6 +53,9 @@ from .sources import (
     pickle_hint,
     read_header,
 )
+
+if TYPE_CHECKING:  # imported where used: the annotation only names it
+    from .config import VLMSpec
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -709,8 +713,8 @@ def _init_composed(preset_name: str, path: Path, seed: int, overrides: dict, dty
     base.update(overrides)
     if llm is not None:
         if ref.kind != "llm":
-            raise CheckpointError(f"--llm {ref_dir}: a transformers {ref.architecture}; use --vlm for a vision-language "
-                                  "model")
+            raise CheckpointError(f"--llm {ref_dir}: a transformers {ref.architecture}; use --vlm for a "
+                                  "vision-language model")
         base.update(llm=ref.llm_dict(), llm_path=str(ref_dir))
     elif ref.kind == "vlm":
         if base.get("ego_state_input") or base.get("llm_passes", 1) != 1:
@@ -728,7 +732,8 @@ def _init_composed(preset_name: str, path: Path, seed: int, overrides: dict, dty
                               "vision_patches": view.vision_patches})
     else:
         if ref.kind != "llava":
-            raise CheckpointError(f"--vlm {ref_dir}: a transformers {ref.architecture}; use --llm for a language model")
+            raise CheckpointError(f"--vlm {ref_dir}: a transformers {ref.architecture}; "
+                                  "use --llm for a language model")
         mean, std = ref.image_stats()
         projector = ref.projector_dict()
         prompt = overrides.get("prompt_token_ids", [projector["image_token_index"]] * base["n_cameras"])

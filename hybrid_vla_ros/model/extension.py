@@ -193,7 +193,7 @@ class CodeModel:
         """A fresh instance (on the current default device; meta when building stages)."""
         try:
             model = self.cls(self.config)
-        except Exception as e:  # noqa: BLE001 - the user's constructor: say whose it is
+        except Exception as e:  # the user's constructor: say whose it is
             raise CheckpointError(f"{self.path / 'config.json'}: {self.spec}(config) failed: "
                                   f"{type(e).__name__}: {e}") from e
         if not isinstance(getattr(model, model.block_list, None), nn.ModuleList):

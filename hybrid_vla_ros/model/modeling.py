@@ -37,6 +37,7 @@ Tuning"). The planning head reads the last hidden state of a waypoint token as i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -44,6 +45,10 @@ from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from . import text
 from .config import EGO_FEATURES, NAV_COMMANDS, LMConfig, VLAConfig
+
+if TYPE_CHECKING:  # imported where used: the annotation only names it
+    from .contract import SplitState
+
 #: Default navigation command (index into NAV_COMMANDS): LANE_FOLLOW.
 DEFAULT_COMMAND = NAV_COMMANDS.index("LANE_FOLLOW")
 

@@ -408,7 +408,8 @@ class SafetensorsSource(TensorSource):
             except MissingFileError:
                 raise MissingFileError(
                     f"{file}: shard not found"
-                    + (f" ({self.index_file} names it for tensor {for_tensor!r})" if self.index_file else "")) from None
+                    + (f" ({self.index_file} names it for tensor {for_tensor!r})"
+                       if self.index_file else "")) from None
         return self._headers[file]
 
     def fingerprint(self, digest) -> None:

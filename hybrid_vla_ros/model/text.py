@@ -53,7 +53,8 @@ class TextFamily:
     """transformers' classes of one text family (see the module docstring).
 
     ``config_class`` (e.g. ``Qwen3Config``), ``base_class`` (``Qwen3Model``), ``causal_lm_class``
-    (``Qwen3ForCausalLM``; None for a VLM's text model, e.g. ``qwen2_5_vl_text``), ``block_class`` (``Qwen3DecoderLayer``, built ``block_class(config, layer_idx)``),
+    (``Qwen3ForCausalLM``; None for a VLM's text model, e.g. ``qwen2_5_vl_text``), ``block_class``
+    (``Qwen3DecoderLayer``, built ``block_class(config, layer_idx)``),
     ``norm_class`` (``Qwen3RMSNorm``, built ``norm_class(H, eps=rms_norm_eps)``), ``rotary_class``
     (``Qwen3RotaryEmbedding``, built ``rotary_class(config)``); ``rotary_per_kind``: the rotary's forward takes
     the attention kind (Gemma 3).
@@ -198,8 +199,9 @@ def make_embedding(family: TextFamily, config) -> nn.Module:
 @dataclass
 class BlockInputs:
     """What every decoder block of one forward takes besides the hidden states, by attention kind:
-    ``position_ids`` (1, T) int64 (None for a VLM's multimodal positions: its blocks take none), ``masks`` (kind -> None or a bool / additive mask), ``cos_sin`` (kind ->
-    (cos, sin), each (1, T, head_dim) in the hidden states' dtype)."""
+    ``position_ids`` (1, T) int64 (None for a VLM's multimodal positions: its blocks take none), ``masks``
+    (kind -> None or a bool / additive mask), ``cos_sin`` (kind -> (cos, sin), each (1, T, head_dim) in the
+    hidden states' dtype)."""
 
     position_ids: torch.Tensor
     masks: dict

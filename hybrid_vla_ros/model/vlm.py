@@ -339,7 +339,8 @@ def _small_copy(config):
 def frame_inputs(processor, cfg, images: list) -> VLMInputs:
     """One camera frame for a VLM split: ``images`` (RGB uint8 (H, W, 3), one per camera in prompt order, each
     already of ``cfg.camera_size``: the prefix resizes them with
-    :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`) through the family's processor with ``cfg.prompt``; for a driving composition (a ``VLAConfig``) the planning token
+    :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`) through the family's processor with ``cfg.prompt``; for a
+    driving composition (a ``VLAConfig``) the planning token
     (``cfg.planning_token_id``) appended last, as its planning head reads it (a ``queries`` read-out: one copy
     per query token, whose embeddings the prefix replaces by the learned queries). Raises ValueError (camera count,
     an image of another size, a prompt without one placeholder per camera)."""

@@ -8,6 +8,7 @@ from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from ..model.checkpoint import driving_config
 from ..model.config import NAV_COMMANDS, nav_command_index
 from ..runtime.suffix import SuffixRunner
+from ..transport.ring import ConsumerStats
 from ..util.cores import pin_process, thread_affinities
 from . import node_base
 from .params import ParameterError, Params
@@ -59,18 +60,18 @@ class SuffixNode(node_base.PipelineNode):
         self._outputs.configure(p)
         self._inputs.set_command(nav_command_index(p.navigation_command), "parameter navigation_command")
         cores = sorted(set().union(*thread_affinities().values()))
-        spin = f"{p['ring.spin_lead_ms']} ms lead, <= {p['ring.spin_max_ms']} ms" if p["ring.spin_max_ms"] else "off"
+        spin = f"{p.ring.spin_lead_ms} ms lead, <= {p.ring.spin_max_ms} ms" if p.ring.spin_max_ms else "off"
         self._worker.new_runner()
         candidates = self._outputs.candidates_pub
         self.get_logger().info(
             f"configured: split_layer={p.split_layer}/{self.runner.cfg.num_layers} dtype={p.dtype} "
             f"threads={torch.get_num_threads()} cores={cores} (pinned early: {self.early_affinity or 'no'}) "
-            f"ring '{self.runner.segment}' (delivery {p['ring.delivery']}, spin {spin}) "
+            f"ring '{self.runner.segment}' (delivery {p.ring.delivery}, spin {spin}) "
             f"navigation_command={p.navigation_command} "
             f"suffix_backend={p.suffix_backend}"
             + (f" (in use: eager: {self.runner.backend.error})" if self.runner.backend.error else "")
             + (f" (building for K={k} in the background, cache {self.runner.backend.cache_dir}; eager meanwhile)"
-               if self.runner.backend.status()["building"] is not None else "")
+               if self.runner.backend.status().building is not None else "")
             + (f"; candidate trajectories of all {self.runner.cfg.n_modes} modes on "
                f"{candidates.topic_name} (generator_id {self._outputs.generator_id})" if candidates else "")
             + (" [random-init weights: trajectories are not driving advice]" if self.runner.cfg.random_init else ""))
@@ -132,13 +133,14 @@ class SuffixNode(node_base.PipelineNode):
     def status_fields(self) -> dict:
         """This node's fields of :class:`~.status.SuffixStatus`."""
         runner, ring, worker, outputs, inputs = self.runner, self.ring_end(), self._worker, self._outputs, self._inputs
-        stats = runner.ring_stats() if runner is not None else {}
+        stats = runner.ring_stats() if runner is not None else ConsumerStats()
         return dict(
             frames_in=worker.frames_in, trajectories_out=outputs.frames_out,
             ring_attached=runner is not None and runner.attached, ring_contract_error=self.fault,
             ring_conversion=ring.conversion if ring is not None else "",
-            ring_owner_alive=ring is not None and ring.owner_alive, ring_read=stats.get("read", 0),
-            odometry_propagated=inputs.odometry_propagated, odometry_late=inputs.odometry_late,
+            ring_owner_alive=ring is not None and ring.owner_alive, ring_read=stats.read,
+            odometry_in=inputs.odometry_in, odometry_propagated=inputs.odometry_propagated,
+            odometry_late=inputs.odometry_late,
             odometry_time_jumps=inputs.odometry.time_jumps, candidate_trajectories_out=outputs.candidate_msgs_out,
             candidates_out=outputs.candidates_out, split_layer=runner.split_layer if runner is not None else None,
             blocks_held_from=runner.stage.split_layer if runner is not None else None,
@@ -150,8 +152,8 @@ class SuffixNode(node_base.PipelineNode):
         if self.runner is None:
             return {"suffix_backend": self.params.suffix_backend if self.params else ""}
         st = self.runner.backend.status()
-        return {"suffix_backend": st["requested"], "suffix_backend_in_use": st["in_use"],
-                "suffix_backend_k": st["compiled_k"], "suffix_backend_building": st["building"],
-                "suffix_backend_precision": st["precision"], "suffix_backend_error": st["error"],
-                "suffix_backend_frames_compiled": st["frames_compiled"],
-                "suffix_backend_frames_eager": st["frames_eager"]}
+        return {"suffix_backend": st.requested, "suffix_backend_in_use": st.in_use,
+                "suffix_backend_k": st.compiled_k, "suffix_backend_building": st.building,
+                "suffix_backend_precision": st.precision, "suffix_backend_error": st.error,
+                "suffix_backend_frames_compiled": st.frames_compiled,
+                "suffix_backend_frames_eager": st.frames_eager}

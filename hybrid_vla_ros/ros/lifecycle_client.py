@@ -105,10 +105,11 @@ class LifecycleClient:
     def settled_state(self, timeout_s: float, quiet_s: float = 0.0, managed_quiet_s: float | None = None) -> str:
         """The node's primary state once it has settled: not in a transition, and, unless it is active or
         finalized, with no transition seen on its ``transition_event`` topic for ``quiet_s`` seconds (counted
-        from when this client first saw the node's services), or for ``managed_quiet_s`` seconds while another lifecycle
-        manager has a client on its ``change_state`` service (:meth:`other_managers`). So a transition someone
-        else is about to make (a launch file's autostart configures a node as soon as it sees the node's
-        services, which on a busy machine took more than 3 s after this client saw them) is waited for, not raced.
+        from when this client first saw the node's services), or for ``managed_quiet_s`` seconds while another
+        lifecycle manager has a client on its ``change_state`` service (:meth:`other_managers`). So a
+        transition someone else is about to make (a launch file's autostart configures a node as soon as it sees
+        the node's services, which on a busy machine took more than 3 s after this client saw them) is waited
+        for, not raced.
 
         A node busy in a transition callback does not answer ``get_state`` (its executor is running the
         callback): that counts as "in a transition" too. Returns the label, or '' when the node did not settle

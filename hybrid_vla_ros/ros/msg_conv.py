@@ -25,7 +25,8 @@ from ..vehicle.trajectory import TrajectoryArrays
 __all__ = ["ns_to_stamp", "trajectory_to_msg", "generator_uuid", "candidate_trajectories_to_msg"]
 
 def ns_to_stamp(ns: int) -> Time:
-    """``builtin_interfaces/msg/Time`` for ``ns`` nanoseconds since the epoch (``sec = ns // 1e9``, ``nanosec = ns % 1e9``).
+    """``builtin_interfaces/msg/Time`` for ``ns`` nanoseconds since the epoch (``sec = ns // 1e9``,
+    ``nanosec = ns % 1e9``).
 
     Raises:
         ValueError: negative ``ns`` or seconds beyond int32 (year 2038).

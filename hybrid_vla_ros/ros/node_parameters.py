@@ -42,8 +42,8 @@ def declare_parameters(node: Node, schema_node: str) -> None:
 
     Values given at start (``--params-file``, ``-p``; launch_ros' files included) are taken as rcl read
     them. An empty list (YAML ``name: []`` or ``-p 'name:=[]'``, which rcl reads as 'not set') of an array
-    parameter counts as the empty list. A value of the wrong type (``ring_slots: four``) is not declared: every such parameter is
-    collected and ParameterError is raised after all are declared, naming each ('ring_slots: must be of
+    parameter counts as the empty list. A value of the wrong type (``ring_slots: four``) is not declared: every such
+    parameter is collected and ParameterError is raised after all are declared, naming each ('ring_slots: must be of
     type int, got string 'four''), where rclpy would raise on the first with a traceback. Values for
     names the schema does not have are logged as a warning (rclpy ignores them).
     """

@@ -114,7 +114,8 @@ def constraint_text(spec: Mapping, code: str = "") -> str:
         return f"{code}{v}{code}"
 
     if isinstance(spec.get("type"), list):  # e.g. an int or 'auto': say which rule applies to which type
-        numeric = {k: v for k, v in spec.items() if k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")}
+        numeric = {k: v for k, v in spec.items()
+                   if k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")}
         textual = {k: v for k, v in spec.items() if k in ("pattern", "minLength", "maxLength", "enum")}
         parts = [f"{article} {word} " + " and ".join(_value_constraints(rules, lit))
                  for article, word, rules in (("an", "integer", numeric), ("a", "string", textual)) if rules]

@@ -5,7 +5,8 @@ that one parameter themselves from their command line (``-p``, ``--params-file``
 imported (:func:`cpu_affinity_from_ros_args`, given to ``util.cores.pin_then_import`` by each node's
 ``main``). The files it meets there are written by people and by launch_ros. launch_ros
 (``launch_ros.actions.Node``) writes the parameters of a launch file's dict with ``yaml.dump``, which turns the
-tuples its parameter normalisation makes of every list into ``!!python/tuple`` nodes (``cpu_affinity: !!python/tuple [6, 7]``); rcl's own YAML
+tuples its parameter normalisation makes of every list into ``!!python/tuple`` nodes
+(``cpu_affinity: !!python/tuple [6, 7]``); rcl's own YAML
 parser ignores tags, while ``yaml.safe_load`` refuses them. :func:`load_params_file` reads such a file with a
 safe loader that treats a ``!!python/tuple`` sequence as the list it was, and nothing else beyond safe YAML.
 

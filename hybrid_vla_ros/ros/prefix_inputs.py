@@ -238,7 +238,8 @@ class CameraInputs:
             new = sorted(cams - set(self._silent_said))
             if new:
                 self._ctx.logger.warning(
-                    "silent: " + ", ".join(f"camera {c} ({self._topics[c]})" for c in new) + "; the other cameras send")
+                    "silent: " + ", ".join(f"camera {c} ({self._topics[c]})" for c in new)
+                    + "; the other cameras send")
             back = [c for c, since in self._silent_said.items() if c not in cams and self._last_ns[c] > since]
             if back:
                 self._ctx.logger.info(", ".join(f"camera {c} ({self._topics[c]})" for c in back)

@@ -41,6 +41,7 @@ from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 from ..util.ids import model_id_text
 from ..model.checkpoint import driving_config
 from ..runtime.prefix import PrefixRunner
+from ..transport.ring import ProducerStats
 from ..util.cores import pin_process
 from . import node_base
 from .params import ParameterError
@@ -93,7 +94,8 @@ class PrefixNode(node_base.PipelineNode):
         self.configured()
         cfg = self.runner.cfg
         self.get_logger().info(
-            f"configured: split_layer={self.runner.split_layer}/{cfg.num_layers} device={self.runner.device} dtype={p.dtype} "
+            f"configured: split_layer={self.runner.split_layer}/{cfg.num_layers} device={self.runner.device} "
+            f"dtype={p.dtype} "
             f"hidden states {cfg.prefix_state_shape} -> ring '{self.runner.ring.name}' ({p.ring_slots} slots, "
             f"{self.runner.handoff_path})"
             + ("; fast_jpeg_decode ON (JPEGs decoded scaled down: validate the model with it)"
@@ -163,11 +165,11 @@ class PrefixNode(node_base.PipelineNode):
     def status_fields(self) -> dict:
         """This node's fields of :class:`~.status.PrefixStatus`."""
         runner, cameras, worker = self.runner, self._cameras, self._worker
-        ring = runner.ring.stats if runner is not None else {}
+        ring = runner.ring.stats if runner is not None else ProducerStats()
         delay = cameras.arrival_delay_ms()
         return dict(
             frames_in=cameras.frames_in, frames_synchronized=cameras.frames_synced, frames_out=worker.frames_out,
-            ring_published=ring.get("published", 0), ring_dropped_oldest=ring.get("dropped_oldest", 0),
+            ring_published=ring.published, ring_dropped_oldest=ring.dropped_oldest,
             split_layer=runner.split_layer if runner is not None else None,
             model_id=model_id_text(runner.model_id) if runner is not None else "",
             num_layers=runner.cfg.num_layers if runner is not None else None,

@@ -150,8 +150,9 @@ class PrefixWorker:
             f"re-split K {e.old_split_layer} -> {e.new_split_layer}: {moved} block(s) in {e.duration_ms:.1f} ms"
             + (f" (loaded in the background in {e.load_ms:.1f} ms)" if e.blocks_loaded else "") + "; "
             f"prefix weights {e.stage_bytes_before / 2**20:.1f} -> {e.stage_bytes_after / 2**20:.1f} MiB"
-            + (f", device memory allocated {e.device_bytes_before / 2**20:.1f} -> {e.device_bytes_after / 2**20:.1f} MiB, "
-               f"reserved {e.reserved_bytes_before / 2**20:.1f} -> {e.reserved_bytes_after / 2**20:.1f} MiB, driver-level "
-               f"used {e.driver_used_before / 2**20:.1f} -> {e.driver_used_after / 2**20:.1f} MiB "
+            + (f", device memory allocated {e.device_bytes_before / 2**20:.1f} -> "
+               f"{e.device_bytes_after / 2**20:.1f} MiB, "
+               f"reserved {e.reserved_bytes_before / 2**20:.1f} -> {e.reserved_bytes_after / 2**20:.1f} MiB, "
+               f"driver-level used {e.driver_used_before / 2**20:.1f} -> {e.driver_used_after / 2**20:.1f} MiB "
                f"({e.returned_to_driver_bytes / 2**20:.1f} MiB returned)"
                if self._ctx.runner().device.type == "cuda" else ""))

@@ -288,6 +288,7 @@ class SuffixStatus(NodeStatus):
     ring_conversion: str = _field(_STR, "", doc="dtype conversion of the hidden states read")
     ring_owner_alive: bool = _field(_BOOL, False, doc="the prefix process owning the ring is alive")
     ring_read: int = _field(_INT, 0, counter=True, doc="frames read from the ring")
+    odometry_in: int = _field(_INT, 0, counter=True, doc="odometry messages read into the pose buffer")
     odometry_propagated: int = _field(_INT, 0, counter=True, doc="poses propagated, not interpolated")
     odometry_late: int = _field(_INT, 0, counter=True, doc="frames placed at once: odometry late")
     odometry_time_jumps: int = _field(_INT, 0, counter=True, doc="odometry stamps that went back")

@@ -37,6 +37,7 @@ class SuffixInputs:
         self._command_sub = None
         self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
         self.odometry_late = 0  # frames placed at once because the odometry stream was late (no wait)
+        self.odometry_in = 0  # odometry messages read into the buffer (unreadable ones are drops, not counted)
 
     @property
     def command(self) -> int:
@@ -64,6 +65,7 @@ class SuffixInputs:
             self._ctx.drop("bad_odometry", str(e))
             return
         self.odometry.add(ego)
+        self.odometry_in += 1
 
     def _on_navigation_command(self, msg: String) -> None:
         """A command name (NAV_COMMANDS, any case) for the next frames; another name is a counted drop and

@@ -28,8 +28,8 @@ class TrajectoryOutputs:
     * ``~/debug/frame_timing`` (DiagnosticArray, depth 10): per-stage milliseconds and CLOCK_MONOTONIC
       instants of each published frame, stamped with its camera stamp.
 
-    Every trajectory left out is a drop counted by cause (through the node's PartContext). Counts ``frames_out`` (trajectories
-    published), ``candidates_out`` and ``candidate_msgs_out``.
+    Every trajectory left out is a drop counted by cause (through the node's PartContext). Counts ``frames_out``
+    (trajectories published), ``candidates_out`` and ``candidate_msgs_out``.
     """
 
     def __init__(self, ctx):

@@ -30,8 +30,8 @@ from ..split.planner import ring_side
 from ..model.modeling import DEFAULT_COMMAND
 from ..split.resplit import StageSplit
 from ..transport.ring import (
-    FrameMeta, RingConsumer, RingConsumerConflict, RingContractError, RingError, SpinPolicy, ros_domain_id,
-    segment_name,
+    ConsumerStats, FrameMeta, RingConsumer, RingConsumerConflict, RingContractError, RingError, SpinPolicy,
+    ros_domain_id, segment_name,
 )
 from .peer import PeerStatus, producer_status
 from .settings import SuffixRunnerSettings
@@ -282,8 +282,9 @@ class SuffixRunner:
         return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, (t_end - t_ready) / 1e6, t_ready, t_end,
                             resplits, superseded, modes, out.mode)
 
-    def ring_stats(self) -> dict:
-        return dict(self.ring.stats) if self.ring is not None else {}
+    def ring_stats(self) -> ConsumerStats:
+        """The ring consumer's counters (:class:`~..transport.stats.ConsumerStats`; all 0 before it attached)."""
+        return self.ring.stats if self.ring is not None else ConsumerStats()
 
     def close(self) -> None:
         self.backend.close()

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..model.modeling import plan, run_blocks
+from ..model.modeling import plan
 from ..util.paths import cache_dir
 
 #: Values of the suffix node's ``suffix_backend`` parameter.
@@ -228,7 +228,8 @@ class CompiledSuffix:
     """One compiled model of blocks [k, L) at one input shape (built or loaded by :func:`build_openvino`).
 
     ``run(hidden)``: hidden states of ``shape`` ((T, H) or (B, T, H)), any float dtype -> the last
-    ``key.tokens_out`` tokens' hidden states after block L-1, shape (..., tokens_out, H), in ``dtype`` (for :func:`~hybrid_vla_ros.model.modeling.plan`).
+    ``key.tokens_out`` tokens' hidden states after block L-1, shape (..., tokens_out, H), in ``dtype`` (for
+    :func:`~hybrid_vla_ros.model.modeling.plan`).
     One inference at a time (the runner's thread)."""
 
     def __init__(self, key: ArtifactKey, compiled, *, dtype: torch.dtype, input_shape: tuple, folder: Path,
@@ -356,6 +357,38 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
                           build_s=time.perf_counter() - t0, precision=precision)
 
 
+@dataclass(frozen=True)
+class BackendBuild:
+    """One finished build of the compiled suffix: for blocks ``[k, L)``, ``seconds`` it took (s), whether the
+    artifact came from the cache (``cache_hit``), its ``precision`` and the ``folder`` it lives in."""
+
+    k: int
+    seconds: float
+    cache_hit: bool
+    precision: str
+    folder: str
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """:meth:`SuffixBackend.status`: the backend asked for (``requested``) and the one computing frames now
+    (``in_use``: it or "eager"), the K the ready compiled model covers (``compiled_k``) and the K being built in the
+    background (``building``), both None when there is none; the compiled model's ``precision`` ("" without one);
+    ``error``: why the asked-for backend is not in use ("" when it is); ``cache_dir``; frames computed by each path
+    (``frames_compiled``, ``frames_eager``); the ``last_build`` (None before the first)."""
+
+    requested: str
+    in_use: str
+    compiled_k: int | None
+    building: int | None
+    precision: str
+    error: str
+    cache_dir: str
+    frames_compiled: int
+    frames_eager: int
+    last_build: BackendBuild | None
+
+
 class SuffixBackend:
     """The suffix's compute path: eager torch, or a compiled model built per K (see the module docstring).
 
@@ -387,7 +420,7 @@ class SuffixBackend:
         self.shape = tuple(stage.cfg.prefix_state_shape)
         self.error = ""  # why the compiled path is not in use ("" when it is, or when eager was asked for)
         self.failed: dict[int, str] = {}  # K -> why its build failed (not retried)
-        self.builds: list[dict] = []  # one record per finished build: k, seconds, cache hit, folder
+        self.builds: list[BackendBuild] = []  # one record per finished build
         self.frames_compiled = 0
         self.frames_eager = 0
         self._compiled: CompiledSuffix | None = None
@@ -432,15 +465,13 @@ class SuffixBackend:
         c = self._compiled
         return None if c is None else c.k
 
-    def status(self) -> dict:
-        """For logs and /diagnostics: requested, in_use, compiled_k, building (K or None), precision, error,
-        cache_dir, frames_compiled, frames_eager, last build {k, seconds, cache_hit}."""
+    def status(self) -> BackendStatus:
+        """The backend's state now, for logs and /diagnostics (:class:`BackendStatus`)."""
         c = self._compiled
-        last = self.builds[-1] if self.builds else None
-        return {"requested": self.requested, "in_use": self.in_use, "compiled_k": self.compiled_k,
-                "building": self._building, "precision": c.precision if c else "", "error": self.error,
-                "cache_dir": str(self.cache_dir), "frames_compiled": self.frames_compiled,
-                "frames_eager": self.frames_eager, "last_build": last}
+        return BackendStatus(requested=self.requested, in_use=self.in_use, compiled_k=self.compiled_k,
+                             building=self._building, precision=c.precision if c else "", error=self.error,
+                             cache_dir=str(self.cache_dir), frames_compiled=self.frames_compiled,
+                             frames_eager=self.frames_eager, last_build=self.builds[-1] if self.builds else None)
 
     # ------------------------------------------------------------------------------------------ builds
     def prepare(self, stage, k: int) -> None:
@@ -477,8 +508,8 @@ class SuffixBackend:
             self._log("error", f"suffix_backend {self.requested}: {self.error}; frames at K={k} run eagerly")
             compiled = None
         else:
-            self.builds.append({"k": k, "seconds": compiled.build_s, "cache_hit": compiled.cache_hit,
-                                "precision": compiled.precision, "folder": str(compiled.folder)})
+            self.builds.append(BackendBuild(k=k, seconds=compiled.build_s, cache_hit=compiled.cache_hit,
+                                            precision=compiled.precision, folder=str(compiled.folder)))
             self._log("info", f"suffix_backend {self.requested} ready for K={k} (blocks [{k}, "
                               f"{stage.cfg.num_layers}), precision {compiled.precision}) in {compiled.build_s:.1f} s "
                               f"({'cached artifact' if compiled.cache_hit else 'converted and saved'} at "

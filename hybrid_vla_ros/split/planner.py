@@ -539,8 +539,8 @@ def choose_split_layer(rows: list[PlanRow], gpu_budget_bytes: int | float | None
         least = min(rows, key=lambda r: r.gpu_total_bytes)
         raise ValueError(f"no split layer fits the GPU budget of {budget / GB:.3f} GB: the smallest need is "
                          f"{least.gpu_total_bytes / GB:.3f} GB at K={least.k} (weights "
-                         f"{least.gpu_weight_bytes / GB:.3f} GB, activations {least.gpu_activation_bytes / GB:.3f} GB, "
-                         f"overhead {least.gpu_overhead_bytes / GB:.3f} GB)")
+                         f"{least.gpu_weight_bytes / GB:.3f} GB, activations "
+                         f"{least.gpu_activation_bytes / GB:.3f} GB, overhead {least.gpu_overhead_bytes / GB:.3f} GB)")
     budget_txt = "(no GPU budget)" if gpu_budget_bytes is None else f"the {budget / GB:.2f} GB GPU budget"
     if any(r.e2e_ms is None for r in rows):
         best = max(fit, key=lambda r: r.k)
@@ -709,8 +709,8 @@ def format_table(plan: Plan, dtype_note: str = "") -> str:
                       "n/a" if r.throughput_fps is None else f"{r.throughput_fps:.2f}",
                       "yes" if r.fits else "no"])
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
-    out = [f"split plan for {plan.model}: {plan.num_layers} decoder blocks, dtype {plan.dtype}{dtype_note}, hidden states "
-           f"{tuple(plan.prefix_state_shape)}; GPU budget "
+    out = [f"split plan for {plan.model}: {plan.num_layers} decoder blocks, dtype {plan.dtype}{dtype_note}, "
+           f"hidden states {tuple(plan.prefix_state_shape)}; GPU budget "
            + ("none" if plan.gpu_budget_bytes is None else f"{plan.gpu_budget_bytes / GB:.2f} GB")
            + f"; CUDA overhead allowance {plan.cuda_overhead_bytes / GB:.2f} GB (assumed)"]
     if plan.profile:
@@ -744,7 +744,8 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     ax1.bar(ks, o, bottom=[x + y for x, y in zip(w, a)], label="CUDA overhead (assumed)")
     ax1.plot(ks, [r.cpu_total_bytes / GB for r in plan.rows], "k.-", label="CPU suffix")
     if plan.gpu_budget_bytes is not None:
-        ax1.axhline(plan.gpu_budget_bytes / GB, color="r", ls="--", label=f"budget {plan.gpu_budget_bytes / GB:.1f} GB")
+        ax1.axhline(plan.gpu_budget_bytes / GB, color="r", ls="--",
+                    label=f"budget {plan.gpu_budget_bytes / GB:.1f} GB")
     ax1.axvline(plan.chosen_k, color="g", ls=":", label=f"chosen K={plan.chosen_k}")
     ax1.set_ylabel("memory, GB")
     title = f"{plan.model}, {plan.dtype}: memory and latency vs split layer K"
@@ -754,7 +755,8 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     ax1.legend(fontsize=7, loc="upper left")
     if plan.rows[0].e2e_ms is not None:
         ax2.plot(ks, [r.prefix_ms for r in plan.rows], label=f"prefix ({plan.prefix_device})")
-        ax2.plot(ks, [r.handoff_ms + r.suffix_ms for r in plan.rows], label=f"hand-off + suffix ({plan.suffix_device})")
+        ax2.plot(ks, [r.handoff_ms + r.suffix_ms for r in plan.rows],
+                 label=f"hand-off + suffix ({plan.suffix_device})")
         ax2.plot(ks, [r.e2e_ms for r in plan.rows], "k-", lw=2, label="end-to-end")
         ax2.legend(fontsize=7)
     else:

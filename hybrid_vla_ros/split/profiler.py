@@ -484,7 +484,8 @@ def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.d
         timed("head", lambda: tail.final_hidden_states(h))
     else:
         timed("head", lambda: tail(h))
-    del tail, front
+    # free them (rebound rather than deleted: the lambdas above name them)
+    tail = front = None
     handoff = measure_handoff(tuple(ck.model.prefix_state_shape), dtype, device, warmup, max(repeats, 5))
     nv = int(cfg.vision["num_hidden_layers"]) if isinstance(cfg, VLAConfig) else 1
     return _device_doc(device, timing, mins, [0.0] * nv, [0.0] * nv, nv, blk_ms, blk_min, n_llm, handoff)
@@ -541,7 +542,8 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     timed("projector_embed", lambda: embed(front, pixels, ego))
     with torch.inference_mode():
         h = embed(front, pixels, ego)
-    del front, vision, enc_layers
+    # free them (rebound rather than deleted: the lambdas above name them)
+    front = vision = enc_layers = None
     # ---- LLM blocks
     llm = llm_config(cfg)
     with torch.device(device):
@@ -569,7 +571,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
         blk_ms.append(ms)
         blk_min.append(mn)
         _free(block)
-        del block
+        block = None  # rebound rather than deleted: the lambda above names it
         log(f"  {device}: LLM block {i} {ms:.3f} ms")
     if 0 < n_llm < L:
         blk_ms, blk_min = blk_ms * L, blk_min * L
@@ -583,7 +585,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
             if name not in ("layers", "rotary_emb"):
                 random_init_(child, device, dtype)
     timed("head", lambda: plan(tail, h, DEFAULT_COMMAND))
-    del tail
+    tail = None  # rebound rather than deleted: the lambda above names it
     # ---- hand-off from this device
     handoff = measure_handoff(tuple(cfg.prefix_state_shape), dtype, device, warmup, max(repeats, 5))
     log(f"  {device}: ring hand-off " + ", ".join(f"{m['bytes']} B {m['ms']:.3f} ms" for m in handoff["ring"]))

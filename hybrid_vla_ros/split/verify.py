@@ -293,7 +293,8 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
     with torch.inference_mode():
         if ck.kind == "model_code":
             return _verify_code(ck, torch_dtype, name, tol, say, ks)
-        if isinstance(ck.model, VLMSpec) or (isinstance(ck.model, VLAConfig) and ck.model.projector.get("type") == "vlm"):
+        if isinstance(ck.model, VLMSpec) or (isinstance(ck.model, VLAConfig)
+                                             and ck.model.projector.get("type") == "vlm"):
             return _verify_vlm(ck, torch_dtype, name, tol, say, ks)
         cfg = ck.model
         pixels = ego = ids = None

@@ -400,7 +400,8 @@ def _draw_ground_grid(ax, cam: CameraView) -> None:
                                          zorder=2, label=label))
     h, w = cam.image.shape[:2]
     for x in GROUND_GRID_X_M:
-        (u, v), ok = (a[0] for a in project_points([(x, GROUND_GRID_Y_M[-1] + 0.3, 0.0)], cam.extrinsics.matrix, cam.k))
+        (u, v), ok = (a[0] for a in project_points([(x, GROUND_GRID_Y_M[-1] + 0.3, 0.0)], cam.extrinsics.matrix,
+                                                   cam.k))
         if ok and 0 <= u < w and 0 <= v < h:
             ax.annotate(f"{x:g} m", (u, v), xytext=(-4, 3), textcoords="offset points", ha="right", color="white",
                         fontsize=10, path_effects=_OUTLINE, zorder=5)

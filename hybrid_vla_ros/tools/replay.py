@@ -62,7 +62,8 @@ DEFAULT_BAG = embedded_bag()
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``hybrid-vla replay``."""
     p.add_argument("--model-path", required=True, help="checkpoint directory (see `hybrid-vla init-model`)")
-    p.add_argument("--bag", default=str(DEFAULT_BAG), help="rosbag2 folder (MCAP or sqlite3); default: the embedded DGP bag")
+    p.add_argument("--bag", default=str(DEFAULT_BAG),
+                   help="rosbag2 folder (MCAP or sqlite3); default: the embedded DGP bag")
     p.add_argument("--loops", type=int, default=1, help="play the bag this many times (stamps shifted each loop)")
     p.add_argument("--rate", type=float, default=1.0, help="playback speed factor (1.0 = recorded rate)")
     p.add_argument("--split-layer", type=int, default=None, help="split layer K (default: L // 2)")
@@ -85,8 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-topic", default="",
                    help="trajectory topic (default /planning/<namespace>/trajectory, as the launch file's default)")
     p.add_argument("--output", default="out/replay",
-                   help="output folder: trajectories/ (MCAP bag, replaced on each run), node logs, params.yaml, report.json")
-    p.add_argument("--attach", action="store_true", help="drive nodes that are already running instead of starting them")
+                   help="output folder: trajectories/ (MCAP bag, replaced on each run), node logs, params.yaml, "
+                        "report.json")
+    p.add_argument("--attach", action="store_true",
+                   help="drive nodes that are already running instead of starting them")
     p.add_argument("--attach-wait", type=float, default=10.0, metavar="S",
                    help="with --attach: a node found unconfigured or inactive while another lifecycle manager (e.g. "
                         "ros2 launch, autostart or not) has a client on its change_state service is driven only "
@@ -224,7 +227,8 @@ def run_replay(args: argparse.Namespace) -> int:
     if "FASTDDS_DEFAULT_PROFILES_FILE" not in os.environ and "FASTRTPS_DEFAULT_PROFILES_FILE" not in os.environ:
         os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(config_file("fastdds_shm_large.xml"))
     if cfg.random_init:
-        print("note: the checkpoint has RANDOM weights: the trajectories test the pipeline, they are not driving advice")
+        print("note: the checkpoint has RANDOM weights: the trajectories test the pipeline, "
+              "they are not driving advice")
     session = ReplaySession(args, cfg, messages, cams, out)
     return session.run()
 
@@ -337,7 +341,8 @@ class ReplaySession:
         if not running_id or running_id == given:
             return ""
         return (f"the attached nodes run model {running_id} ({running_layers} blocks), not --model-path "
-                f"{self.args.model_path} (model {given}, {self.cfg.num_layers} blocks): give the checkpoint they loaded")
+                f"{self.args.model_path} (model {given}, {self.cfg.num_layers} blocks): "
+                "give the checkpoint they loaded")
 
     def _drive(self, node) -> int:
         """Nodes up, the bag played, frames in flight let finish, nodes returned, the report; the exit code."""
@@ -382,7 +387,8 @@ class ReplaySession:
         # this run's counts: the nodes' counters now (a report after the frames are done) minus the baseline
         final = self.rec.fresh_statuses(self.ns, time.monotonic())
         prefix, suffix = (None if now is None else now.since(before)
-                          for now, before in ((final.prefix, self.baseline.prefix), (final.suffix, self.baseline.suffix)))
+                          for now, before in ((final.prefix, self.baseline.prefix),
+                                              (final.suffix, self.baseline.suffix)))
         self.nodes.return_all(final)
         report = self._report(frames, published, prefix, suffix)
         for hint in hints(report, first_camera, self.args.rate, self.args.attach):
@@ -412,7 +418,8 @@ class ReplaySession:
             if frame != index:
                 continue
             t0 = time.monotonic()
-            results = [set_parameter(node, f"{self.ns}/{name}", "split_layer", k) for name in ("suffix_node", "prefix_node")]
+            results = [set_parameter(node, f"{self.ns}/{name}", "split_layer", k)
+                       for name in ("suffix_node", "prefix_node")]
             failed = [reason for ok, reason in results if not ok]
             if failed:
                 print(f"\nre-split to K={k} before frame {index} refused: {'; '.join(failed)}", file=sys.stderr)

@@ -93,7 +93,8 @@ class ReplayNodes:
             self.out / "prefix_node.log"))
         self.procs.append(launch_node(
             "suffix_node", self.ns, params_file,
-            ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}", "-r", f"~/output/trajectory:={self.args.output_topic}"],
+            ["-r", f"~/input/kinematic_state:={ODOMETRY_TOPIC}",
+             "-r", f"~/output/trajectory:={self.args.output_topic}"],
             self.out / "suffix_node.log"))
 
     def connect(self, node) -> None:

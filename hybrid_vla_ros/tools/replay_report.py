@@ -44,7 +44,8 @@ def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: P
     return {
         "cpu_affinity": {side: list(st.cpu_affinity) if st is not None and st.cpu_affinity else None
                          for side, st in (("prefix", prefix), ("suffix", suffix))},
-        "use_sim_time": {side: st is not None and st.use_sim_time for side, st in (("prefix", prefix), ("suffix", suffix))},
+        "use_sim_time": {side: st is not None and st.use_sim_time
+                         for side, st in (("prefix", prefix), ("suffix", suffix))},
         "split_layer": k, "num_layers": cfg.num_layers, "random_init": cfg.random_init,
         "camera_messages_in": prefix.frames_in if prefix is not None else 0,
         "frames_published": len(frames),
@@ -108,7 +109,8 @@ def print_report(r: dict) -> None:
     print(f"  frames through prefix  {r['frames_through_prefix']}")
     print(f"  trajectories out       {r['trajectories_out']}")
     if r.get("foreign_trajectories"):
-        print(f"  foreign trajectories   {r['foreign_trajectories']} (not from this replay's frames: another publisher?)")
+        print(f"  foreign trajectories   {r['foreign_trajectories']} "
+              "(not from this replay's frames: another publisher?)")
     print(f"  drops by cause         {r['drops'] or 'none'}")
     cores = r.get("cpu_affinity") or {}
     if cores.get("prefix") or cores.get("suffix"):

@@ -56,7 +56,8 @@ class BagClock:
         self._publish(t_ns)
 
     def run(self, t0_ns: int, wall0: float, rate: float) -> None:
-        """Advance with the wall clock from bag time ``t0_ns`` at ``time.monotonic() == wall0``, ``rate`` x real time."""
+        """Advance with the wall clock from bag time ``t0_ns`` at ``time.monotonic() == wall0``, ``rate`` x real
+        time."""
         with self._lock:
             self._running = (int(t0_ns), float(wall0), float(rate))
         self._publish(self._running_time())

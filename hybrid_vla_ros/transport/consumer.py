@@ -19,6 +19,7 @@ from .segment import (
     TAKEN_OFFSET, _proc_identity, _process_alive, map_segment, tensor_view, try_lock_byte,
 )
 from .slots import READING, FrameMeta, slot_offset
+from .stats import ConsumerStats
 from .wake import FrameWaiter, SpinPolicy, WakeReceiver, wake_socket_path
 
 __all__ = ["RingConsumer", "ReadSlot", "DELIVERY_POLICIES"]
@@ -213,20 +214,15 @@ class RingConsumer(RingEnd):
         return self.wake_dir, self.total_bytes
 
     @property
-    def stats(self) -> dict:
-        """Counters: ``read`` (frames handed out), ``rejected_<cause>`` for each cause in REJECT_CAUSES,
-        ``reclaimed_reading`` (READING slots of a dead predecessor reset to FREE at attach), ``superseded``
-        (READY frames freed unread because a newer one was delivered), and how read() found the frames it
-        returned: ``found_ready`` (at its first look), ``found_spinning`` (while polling the publish count),
-        ``found_after_block`` (after a wait on the wake-up socket); ``spin_misses`` (spins that reached their
-        bound without a frame), ``spin_ms`` (time spent spinning, ms: CPU time of the consumer's core) and
-        ``spin_pauses`` (times the spin paused because most spins missed; :class:`~.wake.SpinPolicy`)."""
-        out = {"read": self._read}
-        out.update({f"rejected_{c}": n for c, n in self._rejected.items()})
-        out["reclaimed_reading"] = self._reclaimed
-        out["superseded"] = self._superseded
-        out.update(self._waiter.stats(self.spin))
-        return out
+    def stats(self) -> ConsumerStats:
+        """The counters now (:class:`~.stats.ConsumerStats`: frames read, rejected by cause, reclaimed, superseded,
+        how read() found its frames, spinning)."""
+        w = self._waiter.counts
+        return ConsumerStats(read=self._read, rejected=dict(self._rejected), reclaimed_reading=self._reclaimed,
+                             superseded=self._superseded, found_ready=w["found_ready"],
+                             found_spinning=w["found_spinning"], found_after_block=w["found_after_block"],
+                             spin_misses=w["spin_misses"], spin_ms=w["spin_ns"] / 1e6,
+                             spin_pauses=self.spin.pauses if self.spin is not None else 0)
 
     @property
     def producer_gone(self) -> bool:

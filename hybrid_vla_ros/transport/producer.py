@@ -26,6 +26,7 @@ from .segment import (
     _proc_identity, _process_alive, align, byte_locked, map_segment, ros_domain_id, tensor_view,
 )
 from .slots import slot_offset
+from .stats import ProducerStats
 from .wake import WakeSender, make_wake_dir, remove_wake_dir, wake_socket_path
 
 __all__ = ["RingProducer", "WriteSlot", "ConsumerPresence", "slot_bytes_for"]
@@ -88,8 +89,8 @@ class WriteSlot:
     the seq this frame gets when published. ``index``: slot index. ``t_write_start_ns``: ``time.monotonic_ns()``
     at acquire, i.e. when the copy into the slot starts; a producer that computes the frame in the slot sets it
     to the instant the frame was complete there (nothing is copied), before publish. Do not touch ``tensor``
-    (nor ``side``) after publish/abort. A WriteSlot dropped without publish/abort is taken back (counted as aborted) by the
-    next acquire().
+    (nor ``side``) after publish/abort. A WriteSlot dropped without publish/abort is taken back (counted as aborted)
+    by the next acquire().
 
     ``side``: a dict, side-tensor name -> writable CPU tensor inside the slot, of that
     :class:`~.contract.TensorSpec`'s shape and dtype (empty for a ring without side tensors); fill every one
@@ -269,12 +270,10 @@ class RingProducer(RingEnd):
         self._closed = False
 
     @property
-    def stats(self) -> dict:
-        """Counters: ``published``, ``dropped_oldest`` (READY frames overwritten before the consumer took them),
-        ``aborted`` (slots given back unpublished), ``wake_errors`` (notifications that failed unexpectedly; the
-        frames were still published)."""
-        return {"published": self._published, "dropped_oldest": self._dropped, "aborted": self._aborted,
-                "wake_errors": self._wake_errors}
+    def stats(self) -> ProducerStats:
+        """The counters now (:class:`~.stats.ProducerStats`: published, dropped_oldest, aborted, wake_errors)."""
+        return ProducerStats(published=self._published, dropped_oldest=self._dropped, aborted=self._aborted,
+                             wake_errors=self._wake_errors)
 
     def consumer_schedule(self) -> tuple[int, int]:
         """(when the consumer last took a frame, when it expects to take the next one), CLOCK_MONOTONIC ns, from

@@ -39,11 +39,12 @@ from .errors import REJECT_CAUSES, RingConsumerConflict, RingContractError, Ring
 from .producer import ConsumerPresence, RingProducer, WriteSlot, slot_bytes_for
 from .segment import ros_domain_id, segment_name, segment_path
 from .slots import NO_TIMINGS, FrameMeta, SlotTimings
+from .stats import ConsumerStats, ProducerStats
 from .wake import SpinPolicy
 
 __all__ = [
     "RingError", "RingNameConflict", "RingConsumerConflict", "RingContractError", "SlotRejected", "FrameMeta",
-    "SlotTimings", "NO_TIMINGS",
+    "SlotTimings", "NO_TIMINGS", "ProducerStats", "ConsumerStats",
     "WriteSlot", "ReadSlot", "RingProducer", "RingConsumer", "ConsumerPresence", "segment_name", "ros_domain_id",
     "slot_bytes_for", "segment_path", "REJECT_CAUSES", "DELIVERY_POLICIES", "SpinPolicy", "Contract",
     "conversion_kind", "TensorSpec", "side_differences",

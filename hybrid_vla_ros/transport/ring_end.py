@@ -37,8 +37,8 @@ class RingEnd:
     ``owner_start_time`` in clock ticks, ``instance_id``: the producer from its arguments and its process, the
     consumer by :meth:`_read_global_header`), maps the segment into ``_mm``, calls :meth:`_opened` with its
     handles (an object whose ``close()`` releases them; it runs once, from :meth:`_shut` or at garbage
-    collection / interpreter exit), then clears ``_closed``; its ``close()`` ends with :meth:`_shut`. ``_ROLE`` ('producer', 'consumer') names the end in RingError
-    messages.
+    collection / interpreter exit), then clears ``_closed``; its ``close()`` ends with :meth:`_shut`. ``_ROLE``
+    ('producer', 'consumer') names the end in RingError messages.
     """
 
     _ROLE = "ring end"
@@ -58,8 +58,8 @@ class RingEnd:
             self.model_id, time.monotonic_ns())
         shape = contract.state_shape or ()
         ndim = -1 if contract.state_shape is None else len(shape)
-        _CONTRACT.pack_into(mm, CONTRACT_OFFSET, DTYPE_CODES.get(contract.dtype, 0), DEVICE_KINDS[contract.device_kind],
-                            ndim, *(shape + (0,) * (MAX_NDIM - len(shape))))
+        _CONTRACT.pack_into(mm, CONTRACT_OFFSET, DTYPE_CODES.get(contract.dtype, 0),
+                            DEVICE_KINDS[contract.device_kind], ndim, *(shape + (0,) * (MAX_NDIM - len(shape))))
         _DOMAIN.pack_into(mm, DOMAIN_OFFSET, -1 if contract.domain_id is None else contract.domain_id)
         _SIDE_HEAD.pack_into(mm, SIDE_HEAD_OFFSET, len(contract.side), self.state_bytes)
         for k, (spec, off) in enumerate(zip(contract.side, self.side_offsets)):

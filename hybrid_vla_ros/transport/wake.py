@@ -1,21 +1,21 @@
 """Waking the consumer: a Unix datagram socket only the owner's user can reach, and a bounded spin before it.
 
 Channel: the producer creates a directory ``/dev/shm/hvla-wake.<uid>.d<ROS domain>.<pid>-<start time>.<16 random
-hex>`` (mode 0700; ``dx`` for a ring of no ROS domain; mkdir(2) fails if the name exists, so nobody can plant it first; /dev/shm is sticky, so nobody else can
-rename or remove it) and writes its name into the segment's global header, which only the owner can read
-(the segment is 0600). The consumer binds the socket ``<dir>/wake`` inside it; the producer sends one byte
-per publish to that path. Another user can neither bind, connect nor send there: every path lookup under a
-0700 directory of someone else fails with EACCES (path_resolution(7)); nor can they learn the name from the
-segment. A filesystem socket is found by path, not in a network namespace (unix(7): the abstract namespace is
-per network namespace), so the single-consumer rule (an OFD lock on the segment, :mod:`.consumer`) and the
-wake-ups work the same for a consumer in another network namespace.
+hex>`` (mode 0700; ``dx`` for a ring of no ROS domain; mkdir(2) fails if the name exists, so nobody can plant it
+first; /dev/shm is sticky, so nobody else can rename or remove it) and writes its name into the segment's global
+header, which only the owner can read (the segment is 0600). The consumer binds the socket ``<dir>/wake`` inside
+it; the producer sends one byte per publish to that path. Another user can neither bind, connect nor send there:
+every path lookup under a 0700 directory of someone else fails with EACCES (path_resolution(7)); nor can they learn
+the name from the segment. A filesystem socket is found by path, not in a network namespace (unix(7): the abstract
+namespace is per network namespace), so the single-consumer rule (an OFD lock on the segment, :mod:`.consumer`) and
+the wake-ups work the same for a consumer in another network namespace.
 
-Spin: waking an idle, blocked consumer costs the kernel's wake-up of an idle CPU (here 120-190 us p50, 0.3-5 ms
-p99, whatever the mechanism), while a consumer that polls memory on its own core sees a publish within
-microseconds. :class:`SpinPolicy` predicts the next frame from the producer's recent publish instants and
-spins only from ``lead_ms`` (plus three times the recent jitter) before it is due, for at most ``max_ms``;
-after that the consumer blocks on the socket. It costs about ``lead_ms`` of one core per frame. When most of
-the recent spins missed, it pauses (blocks only) for a while: on cores shared with other work a task that
+Spin: waking an idle, blocked consumer costs the kernel's wake-up of an idle CPU (a few hundred microseconds,
+whatever the mechanism; the measured figures are in docs/performance.md), while a consumer that polls memory on its
+own core sees a publish within microseconds. :class:`SpinPolicy` predicts the next frame from the producer's recent
+publish instants and spins only from ``lead_ms`` (plus three times the recent jitter) before it is due, for at most
+``max_ms``; after that the consumer blocks on the socket. It costs about ``lead_ms`` of one core per frame. When
+most of the recent spins missed, it pauses (blocks only) for a while: on cores shared with other work a task that
 spins also loses the scheduler's wake-up preference, so a missed spin costs more than no spin.
 :class:`FrameWaiter` is how the consumer's read() waits: it looks at the slots, drains stale wake-ups and
 looks again, then spins on the segment's publish count inside the policy's window and blocks on the socket
@@ -314,11 +314,3 @@ class FrameWaiter:
         if not hit:
             self.counts["spin_misses"] += 1
         return hit
-
-    def stats(self, spin: SpinPolicy | None) -> dict:
-        """The counters, with ``spin_ms`` (ms) for ``spin_ns`` and ``spin_pauses`` (``spin.pauses``, 0 without
-        a policy)."""
-        out = {k: v for k, v in self.counts.items() if k != "spin_ns"}
-        out["spin_ms"] = self.counts["spin_ns"] / 1e6
-        out["spin_pauses"] = spin.pauses if spin is not None else 0
-        return out

@@ -50,7 +50,8 @@ def parse_core_list(value) -> list[int]:
             elif part.strip().isdigit():
                 items.append(int(part))
             else:
-                raise ValueError(f"{value!r} is not a comma-separated list of core indices (e.g. '6,7', '[6, 7]' or '4-7')")
+                raise ValueError(f"{value!r} is not a comma-separated list of core indices "
+                                 "(e.g. '6,7', '[6, 7]' or '4-7')")
     else:
         raise ValueError(f"{value!r} is not a list of core indices")
     if not items:

@@ -185,7 +185,8 @@ def find_violations(arrays: TrajectoryArrays, stamp_ns: int, now_ns: int,
         deviation = abs(math.remainder(float(arrays.yaw[0]) - float(ego_yaw), 2.0 * math.pi))
         if not deviation <= limits.max_yaw_deviation_rad:
             found.append(Violation("yaw_deviation", f"first point faces {deviation:.3f} rad away from the ego "
-                                                    f"heading {float(ego_yaw):.3f} rad > {limits.max_yaw_deviation_rad} rad"))
+                                                    f"heading {float(ego_yaw):.3f} rad > "
+                                                    f"{limits.max_yaw_deviation_rad} rad"))
 
     speed = np.abs(arrays.v)
     _worst_above(found, "too_fast", speed, limits.max_speed_mps, "|v| {:.2f} m/s at point {} > {} m/s")

@@ -255,7 +255,8 @@ def jpeg_size(buf: np.ndarray) -> tuple[int, int] | None:
             i += 1
             continue
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOF0..SOF15 (not DHT, JPG, DAC)
-            return int.from_bytes(data[i + 5:i + 7].tobytes(), "big"), int.from_bytes(data[i + 7:i + 9].tobytes(), "big")
+            return (int.from_bytes(data[i + 5:i + 7].tobytes(), "big"),
+                    int.from_bytes(data[i + 7:i + 9].tobytes(), "big"))
         if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length field
             i += 2
             continue
@@ -298,8 +299,8 @@ def decode_compressed(format: str, data, min_size: int | None = None) -> np.ndar
             from a full decode (here: 1-3 grey levels on average at 64-128 px). PNG ignores it.
 
     Returns:
-        ``(H, W, 3)`` ``uint8`` RGB, C-contiguous (H, W from the payload, divided by the reduction). Greyscale payloads are
-        replicated to 3 channels; 16-bit PNG is reduced to 8 bits by OpenCV.
+        ``(H, W, 3)`` ``uint8`` RGB, C-contiguous (H, W from the payload, divided by the reduction). Greyscale payloads
+        are replicated to 3 channels; 16-bit PNG is reduced to 8 bits by OpenCV.
 
     Raises:
         ImageDecodeError: unsupported format string (``tiff``, ``compressedDepth``, ...), empty data, a

@@ -43,8 +43,8 @@ class OdometryBuffer:
     :meth:`wait_for` lets the caller wait (bounded) for the state after a stamp when it has not
     arrived yet, and :meth:`wait_budget` says how long that is worth it: only while the next state is
     due by the stream's own period, never when the stream is late or has stopped (then the pose is
-    propagated from the newest state at once). A state more than ``jump_back_ns`` older than the newest clears the buffer first
-    (the clock jumped back; counted in ``time_jumps``; :class:`~.timeseries.SeriesBuffer`).
+    propagated from the newest state at once). A state more than ``jump_back_ns`` older than the newest clears the
+    buffer first (the clock jumped back; counted in ``time_jumps``; :class:`~.timeseries.SeriesBuffer`).
     """
 
     def __init__(self, maxlen: int = 256, jump_back_ns: int = 1_000_000_000):

@@ -59,7 +59,8 @@ def yaw_to_quaternion(yaw: float) -> tuple[float, float, float, float]:
 
 
 def quaternion_to_yaw(x: float, y: float, z: float, w: float) -> float:
-    """Yaw (rad, in [-pi, pi]) of a quaternion ``(x, y, z, w)``: rotation about +z of the Z-Y-X (yaw-pitch-roll) decomposition.
+    """Yaw (rad, in [-pi, pi]) of a quaternion ``(x, y, z, w)``: rotation about +z of the Z-Y-X (yaw-pitch-roll)
+    decomposition.
 
     Same convention as tf2's ``getRPY`` / REP 103. Uses ``atan2(2 (w z + x y), w^2 + x^2 - y^2 - z^2)``,
     which does not require a unit quaternion (``q`` and ``-q`` give the same yaw).

@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         with NoiseMeter() as meter:
             try:
                 doc[name] = fn()
-            except Exception as e:  # keep going with the other parts; the error goes into the JSON
+            except Exception as e:  # noqa: BLE001 - keep going with the other parts; the error goes into the JSON
                 doc["errors"][name] = f"{type(e).__name__}: {e}"
                 log(f"{name} FAILED: {type(e).__name__}: {e}")
                 if not args.quiet:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ...util.paths import REPO_ROOT, embedded_bag, package_file
-from ...util.stats import percentiles  # noqa: F401 - the bench parts import it from here
+from ...util.stats import percentiles  # the bench parts import it from here
 
 DEFAULT_BAG = embedded_bag()  # the source tree's, else the installed copy
 NUSCENES_DIR = REPO_ROOT.parent / "shared" / "data" / "nuscenes_scene0061_mmdet3d_demo"

@@ -116,7 +116,8 @@ def _build(family: str, root: Path):
     elif family == "internvl":
         special = ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
         tok = word_tokenizer(special, 512, path, extra={"start_image_token": "<img>", "end_image_token": "</img>",
-                                                       "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"})
+                                                       "context_image_token": "<IMG_CONTEXT>",
+                                                       "video_token": "<video>"})
         cfg = AutoConfig.for_model(family, vision_config=vision, text_config={**text, "model_type": "qwen2"},
                                    image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), **extra)
         from transformers import GotOcr2ImageProcessorPil
@@ -124,7 +125,8 @@ def _build(family: str, root: Path):
         images = GotOcr2ImageProcessorPil(size={"height": 448, "width": 448}, crop_to_patches=False)
         options = {"image_seq_length": 256}
     else:
-        tok = word_tokenizer(["<image>", "<video>"], 512, path, extra={"image_token": "<image>", "video_token": "<video>"})
+        tok = word_tokenizer(["<image>", "<video>"], 512, path,
+                             extra={"image_token": "<image>", "video_token": "<video>"})
         cfg = AutoConfig.for_model(family, vision_config=vision, text_config={**text, "model_type": "qwen2"},
                                    image_token_index=tok.convert_tokens_to_ids("<image>"),
                                    video_token_index=tok.convert_tokens_to_ids("<video>"),

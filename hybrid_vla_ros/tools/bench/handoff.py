@@ -40,6 +40,7 @@ import socket
 import time
 import uuid
 
+from ...transport.stats import ProducerStats
 from .common import SHM_PROFILE, Worker, attach_consumer, percentiles, ros_env
 
 HIDDEN = 4096
@@ -137,7 +138,7 @@ def ring_producer_task(chan, *, segment: str, schedule: list[dict], ack_fd: int,
             out.append({"size_mib": entry["size_mib"], "memcpy_ms": memcpy_ms,
                         "cpu_ms": (time.process_time_ns() - cpu0) / 1e6, "lost": lost})
         stats = prod.stats
-    return {"sizes": out, "ring_stats": stats}
+    return {"sizes": out, "ring_stats": stats.as_dict()}
 
 
 def ring_consumer_task(chan, *, segment: str, schedule: list[dict], ack_fd: int, threads: int = 1) -> dict:
@@ -375,7 +376,7 @@ def summarize_ring(prod: dict, cons: dict) -> dict[float, dict]:
                      "copy_ms": percentiles([(r[2] - r[1]) / 1e6 for r in recs]),
                      "publish_to_view_ms": percentiles([(r[3] - r[2]) / 1e6 for r in recs]),
                      "cpu_ms_per_msg": _cpu(p["cpu_ms"], c["cpu_ms"], n), "n": n, "lost": p["lost"],
-                     "dropped": prod["ring_stats"]["dropped_oldest"]},
+                     "dropped": ProducerStats.from_dict(prod["ring_stats"]).dropped_oldest},
         }
     return out
 

@@ -250,8 +250,9 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
 
     torch.set_num_threads(threads)
     frames = load_bag_frames(bag)
-    runner = PrefixRunner(model_path, PrefixRunnerSettings(split_layer, device=device, dtype=dtype, ring_name=ring_name,
-                                                           ring_slots=RING_SLOTS, torch_threads=threads))
+    runner = PrefixRunner(model_path, PrefixRunnerSettings(split_layer, device=device, dtype=dtype,
+                                                           ring_name=ring_name, ring_slots=RING_SLOTS,
+                                                           torch_threads=threads))
     ego = EGO_STATE if runner.cfg.ego_state_input else None
     try:
         chan.send({"type": "ready"})
@@ -269,7 +270,7 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
         stats = runner.ring.stats
         chan.send({"type": "done"})
         chan.recv()  # close: the suffix has what it needs
-        return {"records": records, "ring_stats": stats}
+        return {"records": records, "ring_stats": stats.as_dict()}
     finally:
         runner.close()
 
@@ -316,7 +317,7 @@ def suffix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
             t_last = time.monotonic()
             records.append(_suffix_record(r))
             last_seq = r.meta.seq
-        return {"records": records, "ring_stats": runner.ring_stats()}
+        return {"records": records, "ring_stats": runner.ring_stats().as_dict()}
     finally:
         runner.close()
 
@@ -332,8 +333,9 @@ def sequential_task(chan, *, model_path: str, split_layer: int, dtype: str, ring
 
     torch.set_num_threads(threads)
     frames = load_bag_frames(bag)
-    prefix = PrefixRunner(model_path, PrefixRunnerSettings(split_layer, device=device, dtype=dtype, ring_name=ring_name,
-                                                           ring_slots=RING_SLOTS, torch_threads=threads))
+    prefix = PrefixRunner(model_path, PrefixRunnerSettings(split_layer, device=device, dtype=dtype,
+                                                           ring_name=ring_name, ring_slots=RING_SLOTS,
+                                                           torch_threads=threads))
     suffix = SuffixRunner(model_path, SuffixRunnerSettings(split_layer, dtype=dtype, ring_name=ring_name,
                                                            threads=threads))
     ego = EGO_STATE if prefix.cfg.ego_state_input else None
@@ -370,11 +372,13 @@ def frame_rows(records: list[dict]) -> list[dict]:
         copy = (r["t_publish_ns"] - r["t_write_start_ns"]) / 1e6
         rows.append({
             "seq": r["seq"], "preprocess_ms": pre, "prefix_ms": pfx, "copy_ms": copy, "queue_wait_ms": wait,
-            "handoff_ms": handoff, "handoff_net_ms": handoff - wait, "wake_ms": handoff - wait - copy, "suffix_ms": suf,
+            "handoff_ms": handoff, "handoff_net_ms": handoff - wait, "wake_ms": handoff - wait - copy,
+            "suffix_ms": suf,
             "e2e_ms": e2e, "stage_sum_ms": pre + pfx + suf, "overhead_ms": e2e - (pre + pfx + suf),
             "gap_ms": e2e - (pre + pfx + handoff + suf),  # non-finite check + slot acquire between prefix and copy
             "t_prefix_start_ns": r["t_prefix_start_ns"], "t_suffix_end_ns": r["t_suffix_end_ns"],
-            "t_ready_ns": r["t_ready_ns"], "t_write_start_ns": r["t_write_start_ns"], "t_publish_ns": r["t_publish_ns"],
+            "t_ready_ns": r["t_ready_ns"], "t_write_start_ns": r["t_write_start_ns"],
+            "t_publish_ns": r["t_publish_ns"],
         })
         prev_end = r["t_suffix_end_ns"]
     return rows

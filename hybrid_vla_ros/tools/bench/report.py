@@ -72,6 +72,8 @@ import json
 import math
 from pathlib import Path
 
+from ...transport.stats import ConsumerStats
+
 FORMAT_VERSION = 1
 KIND = "hybrid_vla_bench"
 PARTS = ("handoff", "pipeline", "suffix_flops", "preprocess", "families")
@@ -178,8 +180,8 @@ def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: 
             lat = sb["variants"]["newest_paced"]["latency"]
             add("pipeline_latency_suffix_bound", "pipeline",
                 f"suffix-bound {sb['preset']} K={sb['split_layer']} (+{sb['suffix_extra_ms']:g} ms suffix), newest + "
-                f"paced: e2e - stage sum, p50 (ms)", lat["overhead_p50_ms"], f"<= {lat['allowed_ms']:.2f} (5 % + 2 ms)",
-                lat["met"])
+                "paced: e2e - stage sum, p50 (ms)", lat["overhead_p50_ms"],
+                f"<= {lat['allowed_ms']:.2f} (5 % + 2 ms)", lat["met"])
         for e in p["presets"]:
             pl = e["pipeline"]
             add(f"pipeline_efficiency_{e['preset']}", "pipeline", f"{e['preset']} (K={e['split_layer']}): fps / "
@@ -383,7 +385,7 @@ def markdown(doc: dict) -> str:
                              _f(st["queue_wait_ms"]["p50"], 1), _f(lat["e2e_p50_ms"], 1),
                              _f(lat["stage_sum_p50_ms"], 1),
                              f"**{_f(lat['overhead_p50_ms'], 1)}** (<= {_f(lat['allowed_ms'], 1)})", _f(v["fps"], 2),
-                             str(v["ring_stats"]["consumer"].get("superseded", 0))])
+                             str(ConsumerStats.from_dict(v["ring_stats"]["consumer"]).superseded)])
             out.append(_table(["variant", "preprocess + prefix", "suffix", "queue wait", "e2e", "stage sum",
                                "overhead (allowed)", "fps", "superseded"], rows))
     f = doc.get("suffix_flops")

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         module, name = TASKS[spec["task"]]
         data = getattr(importlib.import_module(module), name)(chan, **spec["args"])
         chan.send({"type": "result", "data": data})
-    except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
+    except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt, to the parent
         try:
             chan.send({"type": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
         except OSError:

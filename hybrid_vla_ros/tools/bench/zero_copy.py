@@ -125,7 +125,7 @@ def ring_producer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
 
         chan.send({"type": "ready"})
         chan.recv(ATTACH_TIMEOUT_S)
-        return {"entries": _produce(entries, ack, produce_and_publish), "stats": prod.stats}
+        return {"entries": _produce(entries, ack, produce_and_publish), "stats": prod.stats.as_dict()}
 
 
 def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, threads: int = 1,
@@ -144,10 +144,10 @@ def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
         chan.send({"type": "ready"})
         for e in entries:
             cons.spin = SpinPolicy(SPIN["lead_ms"], SPIN["max_ms"]) if e["spin"] else None
-            recs, cpu0, spin0 = [], time.process_time_ns(), cons.stats["spin_ms"]
+            recs, cpu0, spin0 = [], time.process_time_ns(), cons.stats.spin_ms
             for i in range(e["warmup"] + e["count"]):
                 if i == e["warmup"]:
-                    cpu0, spin0 = time.process_time_ns(), cons.stats["spin_ms"]
+                    cpu0, spin0 = time.process_time_ns(), cons.stats.spin_ms
                 before = cons.stats
                 slot = cons.read(ACK_TIMEOUT_S)
                 if slot is None:
@@ -155,8 +155,7 @@ def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
                 view = slot.tensor  # the zero-copy view the suffix computes on
                 t_view = time.monotonic_ns()
                 after = cons.stats
-                found = next(k for k in ("found_ready", "found_spinning", "found_after_block")
-                             if after[k] != before[k])
+                found = after.found_by(before)
                 m = slot.meta
                 del view
                 slot.release()
@@ -164,7 +163,7 @@ def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
                 if i >= e["warmup"]:
                     recs.append([m.seq, m.t_publish_ns, t_view, found])
             out.append({**e, "records": recs, "consumer_cpu_ms": (time.process_time_ns() - cpu0) / 1e6,
-                        "spin_ms": cons.stats["spin_ms"] - spin0})
+                        "spin_ms": cons.stats.spin_ms - spin0})
     return {"entries": out}
 
 

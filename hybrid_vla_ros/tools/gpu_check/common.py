@@ -124,7 +124,7 @@ def drift_at(a, b, dt_s: float, t_s: float = 3.0) -> float:
 def frames_lost(published: int, computed: int, superseded: int, overwritten: int = 0) -> int:
     """Frames the prefix published that the suffix neither computed nor knowingly dropped: ``superseded``
     (older unread frames freed when a newer one was taken, newest-first delivery) and ``overwritten`` (READY
-    frames the producer reused with every slot full: ``RingProducer.stats['dropped_oldest']``) are counted
+    frames the producer reused with every slot full: ``RingProducer.stats.dropped_oldest``) are counted
     apart, as the ring's policy; what is left is lost."""
     return max(0, published - computed - superseded - overwritten)
 

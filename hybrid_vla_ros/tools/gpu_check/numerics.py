@@ -18,7 +18,8 @@ def run(check) -> dict:
 def numerics_figures(path: Path, device_name: str) -> dict:
     """Trajectory drift of prefix (fp16, bf16 on ``device_name``) -> suffix (CPU, fp32 and bf16) at K = L/2
     against the fp32 CPU monolithic model on the same pixels and ego state (the default command's mode): cm at
-    the 3 s waypoint and the largest distance over every waypoint. A dtype the device cannot run is reported as such."""
+    the 3 s waypoint and the largest distance over every waypoint. A dtype the device cannot run is reported as
+    such."""
     import torch
 
     from ...model.checkpoint import check_device_dtype, load_stage, parse_dtype

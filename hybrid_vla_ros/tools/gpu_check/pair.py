@@ -6,6 +6,7 @@ import os
 import time
 import uuid
 
+from ...transport.stats import ProducerStats
 from .common import frames_lost, pct
 from .workers import prefix_process, suffix_process
 
@@ -99,7 +100,7 @@ def pipeline_figures(prefix: dict, suffix: dict, warmup: int) -> dict:
     mismatched = sum(1 for r in srec if r["seq"] in prec and prec[r["seq"]]["k"] != r["k"])
     computed_below_held = sum(1 for r in srec if r["suffix_k_held"] > r["k"])
     superseded = suffix.get("superseded", 0)
-    overwritten = int(prefix.get("ring_stats", {}).get("dropped_oldest", 0))
+    overwritten = ProducerStats.from_dict(prefix.get("ring_stats", {})).dropped_oldest
     return {
         "e2e_ms": pct([r["e2e_ms"] for r in measured if r["e2e_ms"] is not None]),
         "fps": fps,

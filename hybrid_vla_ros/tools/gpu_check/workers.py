@@ -146,7 +146,7 @@ def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
         conn.send({"type": "result", "records": records, "decisions": decisions, "errors": errors,
                    "mem_loaded": mem_loaded, "mem_end": mem, "device": str(dev),
                    "copier": None if runner.copier is None else runner.copier.mode,
-                   "ring_stats": dict(runner.ring.stats),
+                   "ring_stats": runner.ring.stats.as_dict(),
                    "stage_bytes": sum(p.numel() * p.element_size() for p in runner.stage.parameters()),
                    "rss_peak": rss_peak_bytes()})
         shared["prefix_done"].value = 1
@@ -201,7 +201,7 @@ def suffix_process(conn, ev_attached, shared, spec: dict) -> None:
                             "superseded": r.superseded, "waypoints": r.waypoints.tolist(),
                             "resplits": len(r.resplits)})
         conn.send({"type": "result", "records": records, "errors": errors, "superseded": runner.superseded,
-                   "ring_stats": {k: v for k, v in runner.ring_stats().items() if isinstance(v, (int, float))},
+                   "ring_stats": runner.ring_stats().as_dict(),
                    "rss_peak": rss_peak_bytes(), "threads": torch.get_num_threads()})
         shared["suffix_done"].value = 1
         runner.close()
