@@ -251,6 +251,33 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     assert all(Path(tmp_path / "p" / f).is_file() for f in ("pipeline.png", "pipeline_timeline.png", "preprocess.png"))
 
 
+def test_quick_load_step_runs_fixed_and_rebalancing_side_by_side(tmp_path):
+    """The load-step part on tiny: four pipelines (co-tenant on the suffix's, then the prefix's core; K fixed and
+    rebalanced live), every phase measured; K never moves in a fixed run, and a rebalancing run moves it one block
+    at a time, each frame computed at the K in its slot (the K recorded by the suffix is the one the prefix used)."""
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--quick", "--only", "loadstep", "--presets", "tiny", "--load-step", "2:6:3",
+                     "--warmup-frames", "1", "--model-cache", str(tmp_path / "models"), "--json", str(out),
+                     "--plots", str(tmp_path / "p"), "--quiet"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert report.validate(doc) == [] and doc["errors"] == {}
+    e = doc["loadstep"]["presets"][0]
+    assert set(e["runs"]) == {"suffix_fixed", "suffix_rebalance", "prefix_fixed", "prefix_rebalance"}
+    for name, run in e["runs"].items():
+        ph = run["phases"]
+        assert ph["before"]["n"] >= 1 and ph["during"]["n"] >= 1 and ph["after"]["n"] >= 1, (name, ph)
+        assert all(x["e2e_ms"] > 0 and x["stage_sum_ms"] > 0 for x in run["frames"])
+        if name.endswith("fixed"):
+            assert run["moves"] == [] and {x["k"] for x in run["frames"]} == {e["split_layer"]}
+        for frame, k_from, k_to, reason in run["moves"]:
+            assert abs(k_to - k_from) == 1 and "predicted" in reason
+    ids = {g["id"] for g in doc["goals"]}
+    assert {"loadstep_latency_tiny_suffix", "loadstep_settle_tiny_prefix"} <= ids
+    assert (tmp_path / "p" / "loadstep.png").stat().st_size > 1000
+    assert "**Load step** (tiny" in out.with_suffix(".md").read_text()
+
+
 def test_markdown_and_goals_of_a_synthetic_document(tmp_path):
     pct = {"n": 3, "p50": 0.4, "p90": 0.5, "mean": 0.4, "min": 0.3, "max": 0.5}
     rpct = {**pct, "p50": 20.0, "p90": 25.0}

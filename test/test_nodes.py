@@ -7,6 +7,7 @@ on the nodes and publishes real frames of the embedded bag.
 import contextlib
 import math
 import os
+import re
 import threading
 import time
 import uuid
@@ -167,9 +168,15 @@ def test_lifecycle_order_split_following_and_reconfigure(nodes, embedded_bag, ti
     assert not ok and prefix.get_state() == "unconfigured"
 
     for client in (prefix, suffix):
+        t0 = time.monotonic()
         assert client.change_state("configure", 60)[0]
         assert client.change_state("activate", 10)[0]
         assert client.get_state() == "active"
+        # the node said each transition finished on its transition_event topic (what change_state falls back on
+        # when rmw_fastrtps loses a service response), and nothing it did not do
+        assert graph.wait(lambda: client.transition_finished("configure", t0) and
+                          client.transition_finished("activate", t0), 5)
+        assert not client.transition_finished("cleanup", t0) and not client.transition_finished("deactivate", t0)
     publish = _frame_publisher(graph, ns, embedded_bag)
     # QoS: camera subscriptions match their publishers (camera_reliability auto: these rclpy publishers are
     # reliable, so the subscriptions become reliable within a second), reliable trajectory
@@ -293,6 +300,8 @@ def test_live_resplit_on_running_nodes(nodes, embedded_bag):
     """Set split_layer on both active nodes (suffix first, as an operator would): blocks move between
     the processes without a restart, the same frame gives the same trajectory at every K, no frame is
     lost, and a K above L is refused while active."""
+    from hybrid_vla_ros.ros.status import PrefixStatus
+
     ns, graph, prefix, suffix, procs, logs = nodes
     for client in (prefix, suffix):
         assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
@@ -325,8 +334,46 @@ def test_live_resplit_on_running_nodes(nodes, embedded_bag):
     _set_param(graph, f"{ns}/prefix_node", "split_layer", "auto")
     assert graph.wait(lambda: "re-split K 2 -> 4" in (logs / "prefix.log").read_text())
     assert "split_layer auto: no profile, latencies unknown: K=4" in (logs / "prefix.log").read_text()
+    # live rebalancing needs the plan's per-K times: without a profile it stays off after the next frame, and says so
+    publish(0, shift_ns=5 * 10 * 10**9)
+    assert graph.wait(lambda: len(graph.trajectories) >= 6), (logs / "suffix.log").read_text()
+    name = f"{ns}/prefix_node: pipeline"
+    assert graph.wait(lambda: "profile_path" in PrefixStatus.from_key_values(graph.diag.get(name, {}))
+                      .split_move_reason), graph.diag[name]
+    assert "live rebalancing off" in (logs / "prefix.log").read_text()
     result = _try_set_param(graph, f"{ns}/prefix_node", "split_layer", "fastest")
     assert not result.successful and "split_layer: must match ^auto$" in result.reason
+
+
+def test_split_layer_auto_judges_the_measured_stage_times(tmp_path, tiny_checkpoint, embedded_bag):
+    """split_layer auto with a profile (live rebalancing on, the default): after each frame the prefix judges both
+    stages' measured times, the suffix's cycle read from the ring it announces in; /diagnostics carries the
+    judgement (prefix and suffix ms against the plan's), and any move it makes is one block and logged."""
+    from hybrid_vla_ros.ros.status import PrefixStatus
+    from hybrid_vla_ros.tools.cli import main as cli
+
+    profile = tmp_path / "profile.json"
+    core = sorted(os.sched_getaffinity(0))[-1]
+    assert cli(["profile", "--model", str(tiny_checkpoint), "--cores", str(core), "--threads", "1", "--repeats", "1",
+                "--quiet", "--out", str(profile)]) == 0
+    with _node_processes(tmp_path, tiny_checkpoint, prefix_extra={"split_layer": "auto", "profile_path": str(profile)},
+                         suffix_extra={"split_layer": "auto"}) as (ns, graph, prefix, suffix, procs, logs):
+        for client in (prefix, suffix):
+            assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
+        assert "live rebalancing on" in (logs / "prefix.log").read_text()
+        publish = _frame_publisher(graph, ns, embedded_bag)
+        name = f"{ns}/prefix_node: pipeline"
+        for i in range(12):
+            publish(0, shift_ns=i * 10**9)
+            assert graph.wait(lambda: len(graph.trajectories) >= i + 1), (logs / "suffix.log").read_text()
+            if PrefixStatus.from_key_values(graph.diag.get(name, {})).split_move_reason.startswith("prefix "):
+                break
+        assert graph.wait(lambda: PrefixStatus.from_key_values(graph.diag.get(name, {}))
+                          .split_move_reason.startswith("prefix ")), graph.diag.get(name)
+        status = PrefixStatus.from_key_values(graph.diag[name])
+        assert "x" in status.split_move_reason and "of the plan" in status.split_move_reason, status
+        moves = re.findall(r"rebalancing K (\d+) -> (\d+)", (logs / "prefix.log").read_text())
+        assert status.split_moves_latency <= len(moves) and all(abs(int(a) - int(b)) == 1 for a, b in moves)
 
 
 def _until_answered(graph, attempt, tries: int = 4, patience_s: float = 15.0) -> bool:

@@ -121,6 +121,45 @@ def test_close_really_frees_the_stage_weights(tiny_checkpoint):
     assert all(r() is None for r in refs), "stage weights still referenced after close()"
 
 
+def test_the_prefix_reads_both_stages_times_for_rebalancing(tiny_checkpoint, frame):
+    """PrefixRunner.stage_sample: its own cycle, and the suffix's stage time with the K it was measured at and its
+    whole cycle, as the suffix announces them in the ring header; none before it announced, none after it closed.
+    Then a real SuffixRunner announces its stage time at the frame's K after computing it."""
+    from hybrid_vla_ros.runtime.settings import SuffixRunnerSettings
+    from hybrid_vla_ros.runtime.suffix import StaleFrame, SuffixRunner
+    from hybrid_vla_ros.transport.ring import RingConsumer
+
+    stamp, items = frame
+    ns = f"/rb_{uuid.uuid4().hex[:6]}"
+    prefix = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(2, device="cpu", namespace=ns))
+    try:
+        assert prefix.stage_sample() is None  # no frame yet
+        prefix.run(items, stamp)
+        sample = prefix.stage_sample(50_000_000)
+        assert sample.prefix_ms > 0 and sample.camera_period_ms == 50.0
+        assert (sample.k, sample.suffix_ms, sample.suffix_cycle_ms) == (-1, None, None)  # nobody announced
+        with RingConsumer(prefix.ring.name) as cons:
+            t = prefix._last_publish_ns + 1000
+            cons.announce_next_read(t, t + 30_000_000)
+            cons.announce_stage_time(3, 12_500_000)
+            sample = prefix.stage_sample()
+            assert (sample.k, sample.suffix_ms, sample.suffix_cycle_ms) == (3, 12.5, 30.0)
+        sample = prefix.stage_sample()
+        assert (sample.k, sample.suffix_ms, sample.suffix_cycle_ms) == (-1, None, None)  # closed: nothing stays
+        suffix = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, dtype="fp32", namespace=ns))
+        try:
+            with pytest.raises(StaleFrame):  # attaches; the frame published before it is not computed
+                suffix.poll(5.0)
+            prefix.run(items, stamp + 10**8)
+            result = suffix.poll(5.0)
+            k, stage_ns = prefix.ring.consumer_stage_time()
+            assert k == 2 and abs(stage_ns - result.suffix_ms * 1e6) < 1e3  # one frame: its own compute time
+        finally:
+            suffix.close()
+    finally:
+        prefix.close()
+
+
 def test_the_prefix_paces_itself_to_a_slower_suffix(tiny_checkpoint, frame):
     """The suffix announces its last take and next read in the ring; a prefix faster than it waits so that its
     next frame is published just before that read (and not for a read another frame already waits for); no

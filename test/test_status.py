@@ -29,7 +29,8 @@ COMMON = dict(state="active", lifecycle_requests_refused=2, configure_error="bad
 
 PREFIX = PrefixStatus(**COMMON, frames_in=60, frames_synchronized=10, frames_out=9, ring_published=9,
                       ring_dropped_oldest=1, split_layer=4, model_id="abc123", num_layers=12, split_layer_auto=True,
-                      resplits=2, handoff_path="produced in the slot", fast_jpeg_decode=True, ego_state_input=True,
+                      resplits=2, split_moves_latency=3, split_moves_memory=1, split_move_reason="balanced",
+                      handoff_path="produced in the slot", fast_jpeg_decode=True, ego_state_input=True,
                       ego_accel={"topic": 5, "differentiated": 4}, ego_time_jumps=1, camera_reliability="reliable",
                       camera_delay_p50_ms=12.5, camera_delay_max_ms=40.0, cameras_silent=(3, 5))
 

@@ -20,6 +20,14 @@ TRANSITIONS = {
 PRIMARY_STATES = ("unconfigured", "inactive", "active", "finalized")
 #: Transitions that take a node one step towards active from each primary state.
 TOWARDS_ACTIVE = {"unconfigured": "configure", "inactive": "activate"}
+#: The state a transition passes through and the primary state it ends in when it succeeds (the lifecycle design's
+#: state machine: design.ros2.org "Managed nodes").
+TRANSITION_STATES = {
+    "configure": ("configuring", "inactive"), "cleanup": ("cleaningup", "unconfigured"),
+    "activate": ("activating", "active"), "deactivate": ("deactivating", "inactive"),
+    "unconfigured_shutdown": ("shuttingdown", "finalized"), "inactive_shutdown": ("shuttingdown", "finalized"),
+    "active_shutdown": ("shuttingdown", "finalized"),
+}
 #: Transitions that take an active node back to each primary state (what :meth:`LifecycleClient.return_to` runs).
 BACK_FROM_ACTIVE = {"active": (), "inactive": ("deactivate",), "unconfigured": ("deactivate", "cleanup")}
 
@@ -39,6 +47,7 @@ class LifecycleClient:
         self._lock = threading.Lock()
         self._last_event = None  # monotonic time of the last transition event seen
         self._events = 0
+        self._completed: list[tuple[float, str, str]] = []  # (monotonic time, start, goal) of the recent events
         self._events_sub = node.create_subscription(TransitionEvent, f"{target}/transition_event", self._on_event, 10)
         self._watch_since = time.monotonic()
         self._seen_at = None  # monotonic time its services were first seen ready
@@ -63,6 +72,15 @@ class LifecycleClient:
         with self._lock:
             self._last_event = time.monotonic()
             self._events += 1
+            self._completed.append((self._last_event, msg.start_state.label, msg.goal_state.label))
+            del self._completed[:-20]
+
+    def transition_finished(self, transition: str, since: float) -> bool:
+        """True when the node said on its transition_event topic, after ``since`` (monotonic s), that a
+        ``transition`` finished successfully (from its transition state to the primary state it leads to)."""
+        between, goal = TRANSITION_STATES[transition]
+        with self._lock:
+            return any(t >= since and start == between and end == goal for t, start, end in self._completed)
 
     def wait_for_services(self, timeout_s: float, procs=()) -> bool:
         """Wait until both services exist; gives up early if a process in ``procs`` has exited."""
@@ -87,10 +105,27 @@ class LifecycleClient:
         return future.result()
 
     def change_state(self, transition: str, timeout_s: float = 30.0) -> tuple[bool, str]:
-        """Trigger a transition by name (see TRANSITIONS). Returns (success, detail)."""
+        """Trigger a transition by name (see TRANSITIONS). Returns (success, detail).
+
+        A response that never comes is not taken for a failure while the node says on its transition_event topic
+        that the transition finished: rmw_fastrtps drops a service response when the service has not yet matched
+        the client's response reader ("failed to send response (timeout)" in the node's log), though the node made
+        the transition. The call then succeeds with a detail that says so, as soon as the event is seen."""
         req = ChangeState.Request()
         req.transition.id = TRANSITIONS[transition]
-        result = self._call(self._change, req, timeout_s)
+        since = time.monotonic()
+        done = threading.Event()
+        future = self._change.call_async(req)
+        future.add_done_callback(lambda _: done.set())
+        deadline = since + timeout_s
+        while not done.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if self.transition_finished(transition, since):
+                self._change.remove_pending_request(future)
+                return True, "the answer was lost; the node's transition_event says the transition finished"
+            if time.monotonic() >= deadline:
+                self._change.remove_pending_request(future)
+                return False, f"no answer within {timeout_s:.0f} s"
+        result = future.result()
         if result is None:
             return False, f"no answer within {timeout_s:.0f} s"
         if not result.success:

@@ -72,7 +72,8 @@ class PrefixNode(node_base.PipelineNode):
         self.params: PrefixNodeSettings | None = None
         ctx = self.part_context()
         self._ego_inputs = EgoStateInputs(ctx)  # speed, yaw rate, acceleration (ego_state_input checkpoints)
-        self._worker = PrefixWorker(ctx, self._ego_inputs)
+        self._worker = PrefixWorker(ctx, self._ego_inputs,
+                                    on_frame=lambda: self._split.after_frame(self._cameras.frame_period_ns()))
         self._cameras = CameraInputs(ctx, on_frame=self._worker.offer)
         self._split = SplitLayerControl(ctx, wake=self._worker.wake)
 
@@ -174,6 +175,8 @@ class PrefixNode(node_base.PipelineNode):
             model_id=model_id_text(runner.model_id) if runner is not None else "",
             num_layers=runner.cfg.num_layers if runner is not None else None,
             split_layer_auto=self._split.plan is not None, resplits=worker.resplits,
+            split_moves_latency=self._split.moves["latency"], split_moves_memory=self._split.moves["memory"],
+            split_move_reason=self._split.reason,
             handoff_path=runner.handoff_path if runner is not None else "",
             fast_jpeg_decode=bool(self.params.fast_jpeg_decode) if self.params else None,
             ego_state_input=runner is not None and runner.cfg.ego_state_input,

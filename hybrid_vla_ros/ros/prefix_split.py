@@ -1,6 +1,8 @@
-"""The prefix node's split layer K: the plan of ``split_layer: auto``, a K set while running, memory pressure."""
+"""The prefix node's split layer K: the plan of ``split_layer: auto``, a K set while running, and the one policy
+that moves it live (measured stage times, memory pressure; split.rebalance)."""
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -15,9 +17,14 @@ class SplitLayerControl:
     * configure: :meth:`initial_layer` is ``split_layer``, or for ``split_layer: auto`` the K of a plan
       (split.planner.Plan, kept in ``plan``) for the device memory budget;
     * a ``split_layer`` set while running: :meth:`set_split_layer` (a new plan for 'auto');
-    * while active with ``split_layer: auto``, ``auto_resplit_free_mb`` > 0 and a CUDA prefix: a 2 s timer
-      (:meth:`update_timer`) that moves K down when the device's free memory runs low and back up when it
-      recovers (split.planner.AutoResplitPolicy).
+    * while active with ``split_layer: auto``, one policy (split.rebalance.SplitPolicy): after every frame
+      (:meth:`after_frame`, from the worker) the latency balancer judges the measured stage times
+      (``auto_rebalance``, with a profile), and on a CUDA prefix with ``auto_resplit_free_mb`` > 0 a 2 s timer
+      (:meth:`update_timer`) moves K down when the device's free memory runs low and lets it back up when it
+      recovers (split.planner.AutoResplitPolicy); memory wins, the latency moves stay within what fits.
+
+    ``moves`` counts the moves asked for by kind ('latency', 'memory'); ``reason`` is the policy's last
+    judgement (for /diagnostics).
     """
 
     def __init__(self, ctx, wake: Callable[[], None]):
@@ -27,12 +34,16 @@ class SplitLayerControl:
         self._wake = wake
         self.plan = None  # the split plan of `split_layer: auto` (split.planner.Plan), None for a fixed K
         self._timer = None
-        self._policy = None  # split.planner.AutoResplitPolicy of the running `auto` plan
+        self._policy = None  # split.rebalance.SplitPolicy of the running `auto` plan
+        self._lock = threading.Lock()  # the worker's after_frame and the executor's timer share the policy
+        self.moves = {"latency": 0, "memory": 0}
+        self.reason = ""
 
     def initial_layer(self, p) -> int:
         """K to load at configure (parameters ``p``); logs the plan's reason for 'auto'. Raises ValueError (no K
         fits, bad profile), FileNotFoundError."""
         self.plan = None
+        self._policy = None
         k = p.split_layer
         if k == "auto":
             self.plan = self.make_plan(p)
@@ -68,24 +79,78 @@ class SplitLayerControl:
             return  # unconfigured: read at configure
         if k == "auto":
             try:
-                self.plan = self.make_plan(self._ctx.settings())
+                plan = self.make_plan(self._ctx.settings())
             except (ValueError, OSError) as e:
                 log.error(f"split_layer auto: no plan ({e}); K stays {runner.split_layer}")
                 return
-            log.info(f"split_layer auto: {self.plan.reason}")
-            k = self.plan.chosen_k
+            log.info(f"split_layer auto: {plan.reason}")
+            k = plan.chosen_k
         else:
-            self.plan = None
+            plan = None
+        with self._lock:
+            self.plan, self._policy, self.reason = plan, None, ""
         self.update_timer(active)
         runner.request_split_layer(k)
         self._wake()  # an idle worker applies it at once
         log.info(f"split_layer {k} requested (now {runner.split_layer}): the frame in progress "
-                               "finishes at its K, the next one is computed at the new K")
+                 "finishes at its K, the next one is computed at the new K")
+
+    def _make_policy(self):
+        """The SplitPolicy of the running plan (built on first use): the memory part on a CUDA prefix with
+        ``auto_resplit_free_mb`` > 0, the latency part with ``auto_rebalance`` and a plan with times (a profile);
+        why a part is off is logged once. Call with ``_lock`` held."""
+        from ..split.planner import AutoResplitPolicy
+        from ..split.rebalance import LatencyBalancer, SplitPolicy
+
+        ctx, p, runner = self._ctx, self._ctx.settings(), self._ctx.runner()
+        memory = latency = None
+        if p.auto_resplit_free_mb > 0 and runner.device.type == "cuda":
+            try:
+                memory = AutoResplitPolicy(self.plan, *AutoResplitPolicy.thresholds(p.auto_resplit_free_mb,
+                                                                                     p.auto_resplit_recover_mb))
+            except ValueError as e:
+                ctx.logger.error(f"auto re-split on memory pressure off: {e}")
+        if p.auto_rebalance:
+            try:
+                latency = LatencyBalancer.from_plan(self.plan, paced=p.pace_to_suffix)
+            except ValueError as e:
+                self.reason = f"live rebalancing off: {e}"
+                ctx.logger.warning(self.reason)
+        self._policy = SplitPolicy(self.plan, memory=memory, latency=latency)
+        if latency is not None:
+            ctx.logger.info(f"live rebalancing on: K moves one block at a time within K <= {self._policy.k_max} "
+                            "towards the lowest latency at the measured load")
+        return self._policy
+
+    def after_frame(self, camera_period_ns: int | None) -> None:
+        """After each frame the worker computed (its thread): with ``split_layer: auto``, let the policy judge
+        both stages' measured times and request the move it decides (logged, counted as 'latency')."""
+        runner = self._ctx.runner()
+        if runner is None or self.plan is None:
+            return
+        sample = runner.stage_sample(camera_period_ns)
+        if sample is None:
+            return
+        with self._lock:
+            policy = self._policy if self._policy is not None else self._make_policy()
+            if policy.latency is None:
+                return
+            move = policy.on_frame(sample, runner.split_layer)
+            self.reason = move.reason
+        if move.k is not None and move.k != runner.split_layer and not runner.split_requested:
+            self.moves["latency"] += 1
+            self._ctx.logger.info(f"rebalancing K {runner.split_layer} -> {move.k}: {move.reason}")
+            runner.request_split_layer(move.k)
 
     def update_timer(self, active: bool) -> None:
         """Run the 2 s memory-pressure check while ``active`` with ``split_layer: auto``, ``auto_resplit_free_mb``
-        > 0 and a CUDA prefix; stop it otherwise."""
+        > 0 and a CUDA prefix; stop it otherwise. Going active with ``auto``, the policy is built (and what it
+        will do is logged) now rather than at the first frame."""
         runner, p = self._ctx.runner(), self._ctx.settings()
+        if active and self.plan is not None and runner is not None and p is not None:
+            with self._lock:
+                if self._policy is None:
+                    self._make_policy()
         wanted = (active and self.plan is not None and p is not None and p.auto_resplit_free_mb > 0
                   and runner is not None and runner.device.type == "cuda")
         if wanted and self._timer is None:
@@ -102,30 +167,28 @@ class SplitLayerControl:
     def _check_memory_pressure(self) -> None:
         """2 s timer (``split_layer: auto`` on CUDA with ``auto_resplit_free_mb`` > 0): move K down when the
         device's free memory falls under ``auto_resplit_free_mb`` and back up (at most to the planned K) when a
-        move up leaves ``auto_resplit_recover_mb`` free for 3 readings (split.planner.AutoResplitPolicy)."""
-        from ..split.planner import AutoResplitPolicy
-
+        move up leaves ``auto_resplit_recover_mb`` free for 3 readings (split.planner.AutoResplitPolicy); with live
+        rebalancing the way back up is the balancer's, within the room the memory leaves."""
         ctx = self._ctx
-        runner, p = ctx.runner(), ctx.settings()
+        runner = ctx.runner()
         if runner is None or self.plan is None:
             return
-        low, high = AutoResplitPolicy.thresholds(p.auto_resplit_free_mb, p.auto_resplit_recover_mb)
-        if self._policy is None or self._policy.plan is not self.plan:
+        free = torch.cuda.mem_get_info(runner.device)[0]
+        with self._lock:
+            policy = self._policy if self._policy is not None else self._make_policy()
+            if policy.memory is None:
+                return
             try:
-                self._policy = AutoResplitPolicy(self.plan, low, high)
+                move = policy.on_memory(runner.split_layer, free)
             except ValueError as e:
                 if ctx.log_every("memory_pressure"):
-                    ctx.logger.error(f"auto re-split off: {e}")
+                    ctx.logger.error(f"free device memory {free / 2**20:.0f} MiB under the threshold and no split "
+                                     f"layer fits: {e}")
                 return
-        free = torch.cuda.mem_get_info(runner.device)[0]
-        try:
-            k, reason = self._policy.decide(runner.split_layer, free)
-        except ValueError as e:
-            if ctx.log_every("memory_pressure"):
-                ctx.logger.error(f"free device memory {free / 2**20:.0f} MiB < {low / 2**20:.0f} MiB and "
-                                        f"no split layer fits: {e}")
-            return
-        if k is not None and k != runner.split_layer:
-            ctx.logger.warning(f"moving K {runner.split_layer} -> {k}: {reason}")
-            runner.request_split_layer(k)
+            if move.reason:
+                self.reason = move.reason
+        if move.k is not None and move.k != runner.split_layer:
+            self.moves["memory"] += 1
+            ctx.logger.warning(f"moving K {runner.split_layer} -> {move.k}: {move.reason}")
+            runner.request_split_layer(move.k)
             self._wake()

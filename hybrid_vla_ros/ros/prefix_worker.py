@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from ..vehicle.ego_input import ACCEL_SOURCES
 from ..vehicle.image import ImageDecodeError
@@ -26,10 +27,12 @@ class PrefixWorker:
     Counts ``frames_out``, ``ego_accel_sources`` (frames out by acceleration source) and ``resplits``.
     """
 
-    def __init__(self, ctx, ego_inputs):
-        """``ctx``: the node's node_base.PartContext; ``ego_inputs``: prefix_inputs.EgoStateInputs."""
+    def __init__(self, ctx, ego_inputs, on_frame: Callable[[], None] | None = None):
+        """``ctx``: the node's node_base.PartContext; ``ego_inputs``: prefix_inputs.EgoStateInputs; ``on_frame``:
+        called on this thread after each frame published (the split-layer policy judges the stage times)."""
         self._ctx = ctx
         self._ego_inputs = ego_inputs
+        self._on_frame = on_frame
         self._pending: SyncedSet | None = None  # newest synchronized frame waiting for the worker
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -131,6 +134,11 @@ class PrefixWorker:
         self.frames_out += 1
         if result.resplit is not None:
             self._log_resplit(result.resplit)
+        if self._on_frame is not None:
+            try:
+                self._on_frame()
+            except Exception as e:  # noqa: BLE001 - the frame is out; a failing judgement must not stop the worker
+                ctx.drop("internal_error", f"split-layer policy: {type(e).__name__}: {e}")
         if result.resplit_error is not None:
             ctx.drop("resplit_error", result.resplit_error)
         if accel_source is not None:

@@ -128,6 +128,8 @@ class PrefixNodeSettings(NodeSettings):
     auto_resplit_free_mb: float = 0.0
     #: Free device memory a live move of K back up must leave, MiB (2**20 bytes). 0: twice ``auto_resplit_free_mb``.
     auto_resplit_recover_mb: float = 0.0
+    #: ``split_layer: auto``: move K live towards the lowest latency at the measured load (split.rebalance).
+    auto_rebalance: bool = True
     #: One image topic per camera, camera order; () means ``~/input/image<i>`` (validation with the checkpoint's
     #: camera count expands it).
     camera_topics: tuple[str, ...] = ()

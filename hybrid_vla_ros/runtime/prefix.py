@@ -18,6 +18,7 @@ import torch
 from ..model.checkpoint import load_stage, model_id, parse_dtype
 from ..split.planner import ring_side
 from ..model.modeling import check_ego_state, output_into_is_exact
+from ..split.rebalance import StageSample
 from ..split.resplit import Resplit, ResplitError, StageSplit
 from ..transport.pinned import SlotCopier
 from ..transport.ring import RingProducer, SlotTimings, ros_domain_id, segment_name, slot_bytes_for
@@ -286,6 +287,23 @@ class PrefixRunner:
         cycle_p = sorted(self._cycle_ns)[len(self._cycle_ns) // 2] * 1.05 + 1_000_000
         return pacing_delay_ns(time.monotonic_ns(), taken, next_read, cycle_p, self._last_publish_ns,
                                round(max_s * 1e9)) / 1e9
+
+    def stage_sample(self, camera_period_ns: int | None = None) -> StageSample | None:
+        """Both stages' times as this prefix sees them after its newest frame, for live rebalancing
+        (:class:`~hybrid_vla_ros.split.rebalance.StageSample`); None before the first frame.
+
+        ``prefix_ms``: the newest frame's cycle (start of :meth:`run` to its publish, ms); ``suffix_ms`` and ``k``:
+        the suffix's stage time and the K it was measured at, which it announces in the ring header
+        (``RingConsumer.announce_stage_time``; None and -1 before it announced one); ``suffix_cycle_ms``: its whole
+        cycle from its last announced read (``RingConsumer.announce_next_read``), None without one.
+        ``camera_period_ns``: the synchronized frames' spacing (ns), None when unknown."""
+        if not self._cycle_ns:
+            return None
+        k, stage_ns = self.ring.consumer_stage_time()
+        taken, next_read = self.ring.consumer_schedule()
+        return StageSample(k=k, prefix_ms=self._cycle_ns[-1] / 1e6, suffix_ms=stage_ns / 1e6 if stage_ns > 0 else None,
+                           suffix_cycle_ms=(next_read - taken) / 1e6 if taken > 0 and next_read > taken else None,
+                           camera_period_ms=camera_period_ns / 1e6 if camera_period_ns else None)
 
     def set_running(self, running: bool) -> None:
         """Say in the ring's header that this prefix works frames (its node is active) or is paused (inactive), so

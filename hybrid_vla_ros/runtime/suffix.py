@@ -150,8 +150,16 @@ class SuffixRunner:
         self._running: bool | None = None  # what set_running last said (told to every ring attached later)
         #: Frames dropped unread because a newer one was taken (newest-first delivery), over every attach.
         self.superseded = 0
-        self._busy_ns: deque = deque(maxlen=8)  # from taking a frame to the next poll: this side's cycle
+        #: From taking a frame to the next poll (ns): this side's cycle, at the K of ``_busy_k`` only (a frame at
+        #: another K starts it afresh, so the cycle announced to the prefix is the one at the K it computes now).
+        self._busy_ns: deque = deque(maxlen=5)
+        self._busy_k = -1
+        #: Compute times (ns) of the last frames at ``_stage_k`` (blocks [K, L) and the read-out), announced to the
+        #: prefix with their K.
+        self._stage_ns: deque = deque(maxlen=5)
+        self._stage_k = -1
         self._t_taken_ns = 0
+        self._taken_k = -1
         self._attached_ns = 0  # CLOCK_MONOTONIC time of the last attach
 
     def _attach(self) -> bool:
@@ -252,6 +260,9 @@ class SuffixRunner:
             return None
         self.split.before_frame()
         if self._t_taken_ns:
+            if self._taken_k != self._busy_k:
+                self._busy_ns.clear()
+                self._busy_k = self._taken_k
             self._busy_ns.append(time.monotonic_ns() - self._t_taken_ns)
             self._t_taken_ns = 0
         slot = self.ring.read(timeout_s)
@@ -265,7 +276,7 @@ class SuffixRunner:
         with slot:
             if slot.meta.t_publish_ns < self._attached_ns:
                 raise StaleFrame(f"frame seq {slot.meta.seq} was published before the suffix attached")
-            k = slot.meta.split_layer
+            k = self._taken_k = slot.meta.split_layer
             self.split.for_frame(k)  # loads the blocks a frame below the first one held needs
             hidden = slot.compute_tensor  # zero-copy, or converted to this suffix's dtype (an allowed pair)
             state = self._state(hidden, slot.side)
@@ -273,6 +284,7 @@ class SuffixRunner:
             out = self.backend.plan_all(self.stage, state, self.command, k)
             t_end = time.monotonic_ns()
             meta, superseded = slot.meta, slot.superseded
+        self._announce_stage_time(k, t_end - t_ready)
         self.split.after_frame(k)
         resplits = self.split.pop_events()
         modes = out.modes.double().numpy()
@@ -281,6 +293,17 @@ class SuffixRunner:
             raise FloatingPointError("suffix produced non-finite waypoints")
         return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, (t_end - t_ready) / 1e6, t_ready, t_end,
                             resplits, superseded, modes, out.mode)
+
+    def _announce_stage_time(self, k: int, stage_ns: int) -> None:
+        """Tell the prefix (through the ring header) this stage's time at K: the median of the compute times of its
+        last frames at ``k`` (blocks [K, L) and the read-out; started afresh when K changes), for live
+        rebalancing (``PrefixRunner.stage_sample``)."""
+        if k != self._stage_k:
+            self._stage_ns.clear()
+            self._stage_k = k
+        self._stage_ns.append(stage_ns)
+        if self.ring is not None and not self.ring.producer_gone:
+            self.ring.announce_stage_time(k, sorted(self._stage_ns)[len(self._stage_ns) // 2])
 
     def ring_stats(self) -> ConsumerStats:
         """The ring consumer's counters (:class:`~..transport.stats.ConsumerStats`; all 0 before it attached)."""

@@ -14,9 +14,10 @@ from .contract import TensorSpec, check_contract, side_specs
 from .errors import REJECT_CAUSES, RingConsumerConflict, RingError, SlotRejected
 from .ring_end import RingEnd
 from .segment import (
-    _CONSUMER, _NEXT_READ, _PUBLISHED, _STATE, _TAKEN, CONSUMER_LOCK_BYTE, CONSUMER_OFFSET, CONSUMER_STATE_OFFSET,
-    GLOBAL_HEADER_BYTES, NEXT_READ_OFFSET, PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET, SLOT_HEADER_BYTES, STAGE_STATES,
-    TAKEN_OFFSET, _proc_identity, _process_alive, map_segment, tensor_view, try_lock_byte,
+    _CONSUMER, _NEXT_READ, _PUBLISHED, _STAGE_TIME, _STATE, _TAKEN, CONSUMER_LOCK_BYTE, CONSUMER_OFFSET,
+    CONSUMER_STATE_OFFSET, GLOBAL_HEADER_BYTES, NEXT_READ_OFFSET, PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET,
+    SLOT_HEADER_BYTES, STAGE_STATES, STAGE_TIME_OFFSET, TAKEN_OFFSET, _proc_identity, _process_alive, map_segment,
+    tensor_view, try_lock_byte,
 )
 from .slots import READING, FrameMeta, slot_offset
 from .stats import ConsumerStats
@@ -199,6 +200,7 @@ class RingConsumer(RingEnd):
             self._reclaimed = slots.reclaim_reading(self._mm, self.n_slots, self.slot_stride)
             self._me = (os.getpid(), _proc_identity(os.getpid())[1])
             _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, 0, 0)  # nothing taken yet by this consumer
+            _STAGE_TIME.pack_into(self._mm, STAGE_TIME_OFFSET, 0, -1)  # nor timed
             _STATE.pack_into(self._mm, CONSUMER_STATE_OFFSET, 0)
             _CONSUMER.pack_into(self._mm, CONSUMER_OFFSET, *self._me)
         self._closed = False
@@ -329,6 +331,14 @@ class RingConsumer(RingEnd):
         self._check_open()
         _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, int(taken_ns), int(next_read_ns))
 
+    def announce_stage_time(self, split_layer: int, stage_ns: int) -> None:
+        """Tell the producer how long this consumer's stage takes a frame now (``stage_ns``, ns: e.g. the median of
+        its recent frames) at split layer ``split_layer`` (``RingProducer.consumer_stage_time``): what live
+        rebalancing judges the suffix by, without the consumer's other per-frame work. Raises RingError after
+        close()."""
+        self._check_open()
+        _STAGE_TIME.pack_into(self._mm, STAGE_TIME_OFFSET, int(stage_ns), int(split_layer))
+
     def _release(self, index: int, seq: int) -> None:
         if self._closed:
             return
@@ -350,6 +360,7 @@ class RingConsumer(RingEnd):
         if self._outstanding_key is not None:
             self._release(*self._outstanding_key)
         _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, 0, 0)  # no consumer: nothing to pace for
+        _STAGE_TIME.pack_into(self._mm, STAGE_TIME_OFFSET, 0, -1)
         with self._lock:
             if _CONSUMER.unpack_from(self._mm, CONSUMER_OFFSET) == self._me:
                 _CONSUMER.pack_into(self._mm, CONSUMER_OFFSET, 0, 0)

@@ -19,9 +19,9 @@ from .errors import RingError
 from .leftovers import evict_existing, remove_dead_init_files, remove_orphan_wake_dirs
 from .ring_end import RingEnd
 from .segment import (
-    _CONSUMER, _NEXT_READ, _PUBLISHED, _STATE, _WAKE_NAME, CONSUMER_LOCK_BYTE, CONSUMER_OFFSET,
+    _CONSUMER, _NEXT_READ, _PUBLISHED, _STAGE_TIME, _STATE, _WAKE_NAME, CONSUMER_LOCK_BYTE, CONSUMER_OFFSET,
     CONSUMER_STATE_OFFSET, GLOBAL_HEADER_BYTES, LAYOUT_VERSION, MAX_SIDE_TENSORS, MAX_SLOTS, MIN_SLOTS,
-    NEXT_READ_OFFSET,
+    NEXT_READ_OFFSET, STAGE_TIME_OFFSET,
     PAYLOAD_ALIGN, PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET, SLOT_HEADER_BYTES, STAGE_STATES, WAKE_NAME_OFFSET,
     _proc_identity, _process_alive, align, byte_locked, map_segment, ros_domain_id, tensor_view,
 )
@@ -282,6 +282,13 @@ class RingProducer(RingEnd):
         close()."""
         self._check_open()
         return _NEXT_READ.unpack_from(self._mm, NEXT_READ_OFFSET)
+
+    def consumer_stage_time(self) -> tuple[int, int]:
+        """(the K, the consumer's stage time in ns at that K) from ``RingConsumer.announce_stage_time``; (-1, 0)
+        when it announced none (none attached, not timed yet, or it closed). Raises RingError after close()."""
+        self._check_open()
+        stage_ns, k = _STAGE_TIME.unpack_from(self._mm, STAGE_TIME_OFFSET)
+        return (k, stage_ns) if stage_ns > 0 else (-1, 0)
 
     def consumer(self) -> ConsumerPresence:
         """Who reads this ring now (:class:`ConsumerPresence`): whether a consumer holds the consumer lock (a

@@ -21,7 +21,7 @@ from ...util.cores import cpu_model, parse_core_list
 from ...util.paths import output_dir_problem, output_file_problem
 from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, cpu_flags
 
-PARTS = ("handoff", "pipeline", "flops", "preprocess", "families")
+PARTS = ("handoff", "pipeline", "loadstep", "flops", "preprocess", "families")
 #: One-line description for the ``bench`` subcommand's help.
 DESCRIPTION = ("side-by-side measurements of the split pipeline (JSON, Markdown, PNG): hand-off ring vs rclpy vs "
                "memcpy, pipeline efficiency and latency, CPU suffix FLOP/s, camera preprocessing share")
@@ -34,11 +34,13 @@ FLOPS_BACKENDS = ("eager", "openvino")
 QUICK = {"presets": ["tiny"], "flops_presets": ["tiny", "smol"], "sizes_mib": [1.0, 8.0], "count": 30,
          "rclpy_count": 10, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": 10,
          "sequential": ["1core"], "flops_repeats": 3, "flops_blocks": 2, "preprocess_frames": 3,
-         "preprocess_seconds": 0.5, "gap_count": 10, "suffix_bound": None}
+         "preprocess_seconds": 0.5, "gap_count": 10, "suffix_bound": None, "load_step": "3:8:5",
+         "load_step_presets": ["tiny"]}
 FULL = {"presets": list(DEFAULT_PRESETS), "flops_presets": list(DEFAULT_PRESETS), "sizes_mib": [1.0, 4.0, 8.0, 32.0],
         "count": 200, "rclpy_count": 50, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": None,
         "sequential": ["1core", "2core"], "flops_repeats": 5, "flops_blocks": 4, "preprocess_frames": 5,
-        "preprocess_seconds": 2.0, "gap_count": 40, "suffix_bound": "tiny:2:400"}
+        "preprocess_seconds": 2.0, "gap_count": 40, "suffix_bound": "tiny:2:400", "load_step": "6:16:10",
+        "load_step_presets": ["smol"]}
 
 
 def _list(text: str) -> list[str]:
@@ -111,6 +113,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--suffix-bound", default=None,
                    help="suffix-bound pipeline case PRESET:K:MS (the preset's suffix made MS slower; FIFO, newest "
                         "and newest + paced prefix), 'none' to skip (default tiny:2:400; quick: none)")
+    g.add_argument("--load-step", default=None,
+                   help="load-step part BEFORE:DURING:AFTER measured frames around a co-tenant on the suffix's, then "
+                        "the prefix's cores (default 6:16:10; quick 3:8:5)")
+    g.add_argument("--load-step-presets", type=_list, default=None,
+                   help="presets of the load-step part, among --presets (default smol; quick: tiny); each runs four "
+                        "pipelines, so minddrive-0.5b adds many minutes")
     g.add_argument("--preprocess-frames", type=int, default=None, help="minimum frames per preprocessing case")
     g.add_argument("--model-cache", default=None, help="folder for the cached benchmark checkpoints")
     g.add_argument("--bag", default=str(DEFAULT_BAG), help="rosbag2 folder with the camera frames")
@@ -138,8 +146,10 @@ def _settings(args) -> dict:
     s = dict(base)
     if args.presets:
         s["presets"] = s["flops_presets"] = list(args.presets)
+        if args.load_step_presets is None:  # the default ones that run, else the first preset
+            s["load_step_presets"] = [n for n in s["load_step_presets"] if n in s["presets"]] or s["presets"][:1]
     for key in ("sizes_mib", "count", "rclpy_count", "rclpy_variants", "frames", "sequential", "flops_repeats",
-                "flops_blocks", "preprocess_frames", "gap_count", "suffix_bound"):
+                "flops_blocks", "preprocess_frames", "gap_count", "suffix_bound", "load_step", "load_step_presets"):
         if getattr(args, key, None) is not None:
             s[key] = getattr(args, key)
     return s
@@ -199,6 +209,13 @@ def _setting_problems(args: argparse.Namespace, s: dict, parts: list[str]) -> li
         parts_sb = str(s["suffix_bound"]).split(":")
         if len(parts_sb) != 3 or not parts_sb[1].isdigit() or not _is_number(parts_sb[2]):
             problems.append(f"--suffix-bound {s['suffix_bound']!r}: use PRESET:K:MS, e.g. tiny:2:400, or none")
+    phases = str(s.get("load_step") or "").split(":")
+    if len(phases) != 3 or not all(x.isdigit() and int(x) >= 1 for x in phases):
+        problems.append(f"--load-step {s.get('load_step')!r}: use BEFORE:DURING:AFTER frames, each >= 1, e.g. 6:16:10")
+    if "loadstep" in parts:
+        bad = [v for v in s["load_step_presets"] if v not in s["presets"]]
+        if bad:
+            problems.append(f"--load-step-presets {bad}: not among --presets {s['presets']}")
     if any(not (g >= 0) for g in args.gaps_ms + list(args.block_gaps_ms)):
         problems.append("--gaps-ms / --block-gaps-ms must be >= 0")
     for option, path, why in (("--json", args.json, output_file_problem(args.json, create_parents=True)),
@@ -304,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
             s["flops_presets"], dtypes=tuple(args.flops_dtypes), cores=flops_cores, blocks=s["flops_blocks"],
             repeats=s["flops_repeats"], backends=tuple(args.flops_backends), peer=not args.no_peer, log=log))
     plans = {}
-    if "pipeline" in parts or "preprocess" in parts:
+    if "pipeline" in parts or "preprocess" in parts or "loadstep" in parts:
         from .pipeline import DEFAULT_CACHE, DEFAULT_FRAMES, prepare_preset
 
         def prepare():
@@ -326,6 +343,14 @@ def run(args: argparse.Namespace) -> int:
             plans, frames=frames, warmup=args.warmup_frames, prefix_cores=prefix_cores, suffix_cores=suffix_cores,
             sequential=tuple(s["sequential"]), bag=Path(args.bag), suffix_bound=_suffix_bound(s["suffix_bound"]),
             log=log))
+    if "loadstep" in parts and plans:
+        from .loadstep import run_load_step_part
+
+        before, during, after = (int(x) for x in str(s["load_step"]).split(":"))
+        chosen = {n: plans[n] for n in s["load_step_presets"] if n in plans}
+        part("loadstep", lambda: run_load_step_part(
+            chosen, before=before, during=during, after=after, warmup=args.warmup_frames, prefix_cores=prefix_cores,
+            suffix_cores=suffix_cores, bag=Path(args.bag), log=log))
     if "preprocess" in parts and plans:
         from .preprocess import run_preprocess_part
 

@@ -239,14 +239,23 @@ def _suffix_record(r) -> dict:
 
 
 def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_name: str, threads: int, total: int,
-                bag: str = str(DEFAULT_BAG), device: str = "cpu", pace: bool = False) -> dict:
+                bag: str = str(DEFAULT_BAG), device: str = "cpu", pace: bool = False,
+                rebalance_times: list | None = None, load_step: dict | None = None) -> dict:
     """Worker: the prefix process. Waits for ``go``, runs ``total`` frames back to back (``pace``: each after
     ``PrefixRunner.pacing_delay_s``, as the prefix node's ``pace_to_suffix`` does), reports, then keeps the ring
-    until ``close`` (so the suffix can read the last frames)."""
+    until ``close`` (so the suffix can read the last frames).
+
+    ``rebalance_times``: [[prefix ms, hand-off ms, suffix ms] for every K] from the profile: after each frame a
+    :class:`~hybrid_vla_ros.split.rebalance.LatencyBalancer` judges the stage times and the move it decides is
+    requested, as the prefix node does with ``split_layer: auto`` (the result's ``moves``: [frame index, from K, to
+    K, reason]). ``load_step``: {"start": frame index, "stop": frame index, "cores": [...]}: a co-tenant (one busy
+    process per core, :class:`~.loadstep.CoTenant`) runs on those cores from frame ``start`` to ``stop``."""
     import torch
 
     from ...runtime.prefix import PrefixRunner
     from ...runtime.settings import PrefixRunnerSettings
+    from ...split.rebalance import LatencyBalancer, StageTimes
+    from .loadstep import CoTenant
 
     torch.set_num_threads(threads)
     frames = load_bag_frames(bag)
@@ -254,11 +263,17 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
                                                            ring_name=ring_name, ring_slots=RING_SLOTS,
                                                            torch_threads=threads))
     ego = EGO_STATE if runner.cfg.ego_state_input else None
+    balancer = LatencyBalancer([StageTimes(*t) for t in rebalance_times], paced=pace) if rebalance_times else None
+    cotenant = CoTenant(load_step["cores"]) if load_step else None
     try:
         chan.send({"type": "ready"})
         chan.recv()  # go
-        records = []
+        records, moves = [], []
         for i in range(total):
+            if cotenant is not None and i == load_step["start"]:
+                cotenant.start()
+            if cotenant is not None and i == load_step["stop"]:
+                cotenant.stop()
             items, stamp = _frame(frames, i)
             if pace:
                 time.sleep(runner.pacing_delay_s())
@@ -266,12 +281,19 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
             r = runner.run(items, stamp, ego)
             t_ret = time.monotonic_ns()
             records.append({"seq": r.seq, "preprocess_ms": r.preprocess_ms, "prefix_ms": r.prefix_ms,
-                            "t_call_ns": t_call, "t_return_ns": t_ret})
+                            "t_call_ns": t_call, "t_return_ns": t_ret, "split_layer": r.split_layer})
+            if balancer is not None:
+                move = balancer.observe(runner.stage_sample(None), runner.split_layer, runner.cfg.num_layers)
+                if move.k is not None and not runner.split_requested:
+                    runner.request_split_layer(move.k)
+                    moves.append([i, runner.split_layer, move.k, move.reason])
         stats = runner.ring.stats
         chan.send({"type": "done"})
         chan.recv()  # close: the suffix has what it needs
-        return {"records": records, "ring_stats": stats.as_dict()}
+        return {"records": records, "ring_stats": stats.as_dict(), "moves": moves}
     finally:
+        if cotenant is not None:
+            cotenant.stop()
         runner.close()
 
 
@@ -447,8 +469,9 @@ def summarize_sequential(records: list[dict], warmup: int) -> dict:
 
 def run_pipeline_once(model_path: Path, split_layer: int, dtype: str, *, prefix_cores, suffix_cores, frames: int,
                       warmup: int, bag: Path, expected_frame_s: float, delivery: str = "newest", pace: bool = False,
-                      suffix_extra_ms: float = 0.0, log=print) -> dict:
-    """One two-process pipeline run; returns the raw records of both workers."""
+                      suffix_extra_ms: float = 0.0, prefix_extra: dict | None = None, log=print) -> dict:
+    """One two-process pipeline run; returns the raw records of both workers. ``prefix_extra``: more arguments of
+    :func:`prefix_task` (``rebalance_times``, ``load_step``)."""
     ring = f"bench_pipe_{uuid.uuid4().hex[:10]}"
     total = warmup + frames
     common = {"model_path": str(model_path), "split_layer": split_layer, "dtype": dtype, "ring_name": ring,
@@ -457,8 +480,8 @@ def run_pipeline_once(model_path: Path, split_layer: int, dtype: str, *, prefix_
     with Worker("pipeline_suffix", {**common, "threads": len(suffix_cores), "delivery": delivery,
                                     "suffix_extra_ms": suffix_extra_ms,
                                     "idle_timeout_s": 120 + 5 * expected_frame_s}, cores=list(suffix_cores)) as suf, \
-            Worker("pipeline_prefix", {**common, "threads": len(prefix_cores), "bag": str(bag), "pace": pace},
-                   cores=list(prefix_cores)) as pre:
+            Worker("pipeline_prefix", {**common, "threads": len(prefix_cores), "bag": str(bag), "pace": pace,
+                                       **(prefix_extra or {})}, cores=list(prefix_cores)) as pre:
         pre.recv(600, expect="ready")
         suf.recv(600, expect="ready")
         pre.send({"type": "go"})

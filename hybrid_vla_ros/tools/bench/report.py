@@ -76,7 +76,7 @@ from ...transport.stats import ConsumerStats
 
 FORMAT_VERSION = 1
 KIND = "hybrid_vla_bench"
-PARTS = ("handoff", "pipeline", "suffix_flops", "preprocess", "families")
+PARTS = ("handoff", "pipeline", "loadstep", "suffix_flops", "preprocess", "families")
 
 #: Keys each part's section must have (and, for list entries, each entry), checked by :func:`validate`.
 REQUIRED = {
@@ -92,6 +92,9 @@ REQUIRED = {
                          "note", "pipeline", "sequential"),
     "pipeline.pipeline": ("fps", "ideal_fps", "efficiency", "latency", "stages_ms", "prefix_side_ms",
                           "handoff_suffix_side_ms", "frames_measured", "timeline"),
+    "loadstep": ("presets",),
+    "loadstep.presets": ("preset", "split_layer", "before", "during", "after", "warmup", "runs"),
+    "loadstep.runs": ("phases", "moves", "frames"),
     "suffix_flops": ("cores", "threads", "goal_ratio", "goal_ratio_best", "goal_restart_s", "backends", "skipped",
                      "results", "peer"),
     "suffix_flops.results": ("preset", "dtype", "backend", "split_layer", "gflop", "time_ms", "achieved_gflops",
@@ -132,6 +135,13 @@ def validate(doc: dict) -> list[str]:
         for i, e in enumerate(p.get("presets", [])):
             out += _missing(e, REQUIRED["pipeline.presets"], f"pipeline.presets[{i}]")
             out += _missing(e.get("pipeline", {}), REQUIRED["pipeline.pipeline"], f"pipeline.presets[{i}].pipeline")
+    ls = doc.get("loadstep")
+    if ls:
+        out += _missing(ls, REQUIRED["loadstep"], "loadstep")
+        for i, e in enumerate(ls.get("presets", [])):
+            out += _missing(e, REQUIRED["loadstep.presets"], f"loadstep.presets[{i}]")
+            for name, r in e.get("runs", {}).items():
+                out += _missing(r, REQUIRED["loadstep.runs"], f"loadstep.presets[{i}].runs.{name}")
     f = doc.get("suffix_flops")
     if f:
         out += _missing(f, REQUIRED["suffix_flops"], "suffix_flops")
@@ -190,6 +200,21 @@ def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: 
             lat = pl["latency"]
             add(f"pipeline_latency_{e['preset']}", "pipeline", f"{e['preset']}: e2e - stage sum, p50 (ms)",
                 lat["overhead_p50_ms"], f"<= {lat['allowed_ms']:.2f} (5 % + 2 ms)", lat["met"])
+    ls = doc.get("loadstep")
+    for e in (ls or {}).get("presets", []):
+        for where in ("suffix", "prefix"):
+            run = e["runs"].get(f"{where}_rebalance")
+            if not run:
+                continue
+            during = run["phases"]["during"]
+            add(f"loadstep_latency_{e['preset']}_{where}", "loadstep",
+                f"{e['preset']}, co-tenant on the {where}'s cores, live rebalancing: e2e - stage sum during the "
+                "step, p50 (ms)", during["overhead_p50_ms"],
+                f"<= {_f(during['allowed_ms'], 2)} (5 % + 2 ms)", during["met"])
+            add(f"loadstep_settle_{e['preset']}_{where}", "loadstep",
+                f"{e['preset']}, co-tenant on the {where}'s cores, live rebalancing: frames from the step until the "
+                "latency settles", during["settle_frames"], "<= 10",
+                during["settle_frames"] is not None and during["settle_frames"] <= 10)
     f = doc.get("suffix_flops")
     if f:
         rows = f["results"]
@@ -388,6 +413,22 @@ def markdown(doc: dict) -> str:
                              str(ConsumerStats.from_dict(v["ring_stats"]["consumer"]).superseded)])
             out.append(_table(["variant", "preprocess + prefix", "suffix", "queue wait", "e2e", "stage sum",
                                "overhead (allowed)", "fps", "superseded"], rows))
+    ls = doc.get("loadstep")
+    for e in (ls or {}).get("presets", []):
+        out.append(f"\n**Load step** ({e['preset']}, K = {e['split_layer']} from the profile; {e['before']} frames, "
+                   f"then a co-tenant (one busy process per core) for {e['during']}, then {e['after']} more): e2e p50 "
+                   "ms by phase, the overhead (e2e - stage sum) during the step against 5 % + 2 ms, frames until the "
+                   "latency settles, the K used and the moves made.")
+        rows = []
+        for name, r in e["runs"].items():
+            ph = r["phases"]
+            d = ph["during"]
+            rows.append([name.replace("_", ", "), _f(ph["before"]["e2e_p50_ms"], 0), _f(d["e2e_p50_ms"], 0),
+                         _f(ph["after"]["e2e_p50_ms"], 0),
+                         f"{_f(d['overhead_p50_ms'], 1)} (<= {_f(d['allowed_ms'], 1)})", str(d["settle_frames"]),
+                         ",".join(str(k) for k in d["k"]), str(len(r["moves"]))])
+        out.append(_table(["co-tenant, K", "before", "during", "after", "overhead during", "settle frames",
+                           "K during", "moves"], rows))
     f = doc.get("suffix_flops")
     if f:
         out.append(f"\n**CPU suffix FLOP/s** (cores {f['cores']}, {f['threads']} thread(s), {f.get('clock', 'wall')} "
@@ -661,6 +702,38 @@ def plot_preprocess(q: dict, path: Path) -> Path:
     return path
 
 
+def plot_load_step(ls: dict, path: Path) -> Path:
+    """``loadstep.png``: per preset and co-tenant place, each frame's e2e (ms) with K fixed and with live
+    rebalancing, the step shaded, and K over the frames on a second axis."""
+    plt = _plt()
+    entries = ls["presets"]
+    fig, axes = plt.subplots(len(entries), 2, figsize=(12, 3.6 * len(entries)), squeeze=False)
+    for row, e in zip(axes, entries):
+        start = e["warmup"] + e["before"]
+        stop = start + e["during"]
+        for ax, where in zip(row, ("suffix", "prefix")):
+            twin = ax.twinx()
+            for mode, color in (("fixed", "tab:gray"), ("rebalance", "tab:blue")):
+                r = e["runs"].get(f"{where}_{mode}")
+                if not r:
+                    continue
+                fr = r["frames"]
+                ax.plot([x["frame"] for x in fr], [x["e2e_ms"] for x in fr], "o-", ms=3, color=color,
+                        label=f"e2e, K {mode}")
+                twin.step([x["frame"] for x in fr], [x["k"] for x in fr], where="post", color=color, alpha=0.4,
+                          ls="--", label=f"K {mode}")
+            ax.axvspan(start - 0.5, stop - 0.5, color="tab:red", alpha=0.08, label="co-tenant")
+            ax.set_title(f"{e['preset']}: co-tenant on the {where}'s cores")
+            ax.set_xlabel("frame")
+            ax.set_ylabel("end to end, ms")
+            twin.set_ylabel("split layer K")
+            ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(doc: dict, folder: str | Path) -> list[Path]:
     """One PNG per part that ran (and a pipeline timeline); returns the paths."""
     folder = Path(folder)
@@ -671,6 +744,8 @@ def write_plots(doc: dict, folder: str | Path) -> list[Path]:
     if doc.get("pipeline"):
         out.append(plot_pipeline(doc["pipeline"], folder / "pipeline.png"))
         out.append(plot_timeline(doc["pipeline"], folder / "pipeline_timeline.png"))
+    if doc.get("loadstep"):
+        out.append(plot_load_step(doc["loadstep"], folder / "loadstep.png"))
     if doc.get("suffix_flops"):
         out.append(plot_flops(doc["suffix_flops"], folder / "suffix_flops.png"))
     if doc.get("preprocess"):

@@ -1,0 +1,239 @@
+"""Live rebalancing of the split layer K from measured stage times: ``split_layer: auto`` with ``auto_rebalance``.
+
+The plan (:mod:`.planner`) chooses K once, from a profile measured on a quiet machine. On a vehicle the load beside
+each stage changes (Autoware's planning and perception come and go on the suffix's cores, a co-tenant on the GPU),
+and so does the K with the lowest camera-to-trajectory latency. :class:`LatencyBalancer` keeps the plan's per-K
+shape and rescales it with what the prefix measures frame by frame (:class:`StageSample`):
+
+* the prefix's own cycle P (start of a frame to its publish: preprocessing, vision, blocks [0, K), hand-off write);
+* the suffix's stage time S at the K it was measured (the median of its recent frames: blocks [K, L) and the
+  read-out, ``RingConsumer.announce_stage_time``) and its whole cycle (from taking a frame to asking for the next,
+  ``RingConsumer.announce_next_read``), both in the ring header;
+* the camera period T (the synchronized frames' spacing), so a stage that waits for cameras is not mistaken for a
+  slow one.
+
+With ``a_p = P / P_plan(K)`` and ``a_s = S / S_plan(K)`` (the load factors of each side now) the predicted
+latency at any K' is
+
+    e2e(K') = age + P'(K') + h(K') + S'(K') + o + wait(K'),   P' = a_p P_plan, S' = a_s S_plan,
+    age = T / 2 when P' > T (a busy prefix starts on a camera frame half a period old), else 0,
+    wait(K') = max(P', T) / 2 when S'(K') + o > max(P', T) and the prefix does not pace itself, else 0
+
+with ``o`` the suffix's work per frame beside its stage (its cycle minus its stage time: publishing, waiting for
+odometry; the same at every K). A suffix slower than the frames it gets takes the newest one, published on average
+half a prefix cycle before its read (``ring.delivery: newest``); a prefix that paces itself to the suffix's
+announced read (``pace_to_suffix``, the default) publishes just in time instead, and a faster suffix finds each
+frame at once. The balancer moves K one block at a time towards the K' with the lowest e2e among those the GPU
+budget allows, with hysteresis:
+
+* it judges only samples measured at the current K on both sides (after a move it waits for ``settle`` more such
+  frames) and uses the median of the last ``window`` of them;
+* the best K must beat the current one by ``min_gain_rel`` of its latency and at least ``min_gain_ms``, on
+  ``confirm`` frames in a row, before K moves one block towards it.
+
+:class:`SplitPolicy` is the one policy of ``split_layer: auto``: memory pressure on a CUDA prefix
+(:class:`~.planner.AutoResplitPolicy`) sets the highest K that fits now, and wins; the latency moves stay at or under
+it, and when the latency-best K lies above it the reason says the budget holds K down. Pure: no ROS, no device call.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from .planner import AutoResplitPolicy, Plan
+
+
+@dataclass(frozen=True)
+class StageSample:
+    """One frame's measured times as the prefix sees them after publishing it (ms).
+
+    ``k``: the split layer the suffix's time was measured at (-1: unknown); ``prefix_ms``: the prefix's cycle of
+    its newest frame (start of the frame to its publish; at the current K); ``suffix_ms``: the suffix's stage time
+    at ``k`` (blocks [K, L) and the read-out, the median of its recent frames, announced in the ring header), None
+    before it announced one; ``suffix_cycle_ms``: the suffix's whole cycle (from taking a frame to asking for the
+    next: its stage time plus what the node does around it, publishing, waiting for odometry), None when unknown;
+    ``camera_period_ms``: the spacing of synchronized frames, None when unknown (then the cameras are taken to be
+    faster than both stages)."""
+
+    k: int
+    prefix_ms: float
+    suffix_ms: float | None
+    suffix_cycle_ms: float | None = None
+    camera_period_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Move:
+    """A decision of the policy: move to ``k`` (None: stay), why, and what moved it (``latency`` or
+    ``memory``)."""
+
+    k: int | None
+    reason: str
+    kind: str = "latency"
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """The predicted times (ms) of one split layer K on a quiet machine: the prefix's (camera preprocessing to
+    block K-1), the hand-off's and the suffix's (blocks K..L-1 and the read-out)."""
+
+    prefix_ms: float
+    handoff_ms: float
+    suffix_ms: float
+
+
+@dataclass
+class LatencyBalancer:
+    """Moves K one block at a time towards the lowest predicted camera-to-trajectory latency at the measured load
+    (see the module docstring for the model). ``times``: the quiet-machine :class:`StageTimes` of every K in
+    [0, L] (:meth:`from_plan` takes them from a plan made with a profile). Raises ValueError for fewer than two
+    entries, a negative time or a parameter out of range."""
+
+    times: list[StageTimes]
+    window: int = 2
+    confirm: int = 2
+    settle: int = 2
+    min_gain_rel: float = 0.05
+    min_gain_ms: float = 2.0
+    paced: bool = True
+    _samples: list[StageSample] = field(default_factory=list, repr=False)
+    _votes: int = field(default=0, repr=False)
+    _vote_k: int | None = field(default=None, repr=False)
+    _settling: int = field(default=0, repr=False)
+
+    @classmethod
+    def from_plan(cls, plan: Plan, **kwargs) -> "LatencyBalancer":
+        """The balancer of a plan's per-K times (its rows' ``prefix_ms``, ``handoff_ms``, ``suffix_ms``). Raises
+        ValueError when the plan has none (it was made without a profile)."""
+        if any(r.prefix_ms is None or r.suffix_ms is None for r in plan.rows):
+            raise ValueError("live rebalancing needs the plan's per-K stage times: give the prefix a profile "
+                             "(profile_path, from `hybrid-vla profile`)")
+        return cls([StageTimes(r.prefix_ms, r.handoff_ms or 0.0, r.suffix_ms) for r in plan.rows], **kwargs)
+
+    @property
+    def num_layers(self) -> int:
+        """L: the largest split layer."""
+        return len(self.times) - 1
+
+    def __post_init__(self):
+        if len(self.times) < 2 or any(min(t.prefix_ms, t.handoff_ms, t.suffix_ms) < 0 for t in self.times):
+            raise ValueError(f"times must give every K in [0, L] (L >= 1) non-negative times, got {self.times}")
+        if self.window < 1 or self.confirm < 1 or self.settle < 0:
+            raise ValueError(f"window and confirm must be >= 1 and settle >= 0, got {self.window}, {self.confirm}, "
+                             f"{self.settle}")
+        if not 0 <= self.min_gain_rel < 1 or self.min_gain_ms < 0:
+            raise ValueError(f"min_gain_rel must be in [0, 1) and min_gain_ms >= 0, got {self.min_gain_rel}, "
+                             f"{self.min_gain_ms}")
+
+    def moved(self) -> None:
+        """Forget what was measured: K just moved (by this balancer or by memory pressure)."""
+        self._samples.clear()
+        self._votes, self._vote_k = 0, None
+        self._settling = self.settle
+
+    def predict(self, k: int, a_p: float, a_s: float, camera_period_ms: float | None,
+                overhead_ms: float = 0.0) -> float:
+        """Predicted camera-to-trajectory latency (ms) at split layer ``k`` with load factors ``a_p`` (prefix)
+        and ``a_s`` (suffix), the camera period (ms; None: faster than both stages) and the suffix's per-frame work
+        beside its stage (``overhead_ms``: publishing, odometry; the same at every K)."""
+        row = self.times[k]
+        p, s = a_p * row.prefix_ms, a_s * row.suffix_ms
+        period = camera_period_ms or 0.0
+        cycle_p = max(p, period)
+        age = period / 2 if p > period else 0.0  # a busy prefix starts on a camera frame half a period old
+        wait = cycle_p / 2 if not self.paced and s + overhead_ms > cycle_p else 0.0
+        return age + p + row.handoff_ms + s + overhead_ms + wait
+
+    def observe(self, sample: StageSample, current_k: int, k_max: int) -> Move:
+        """Take one frame's sample; the move it leads to (``k`` None: stay) at current K ``current_k`` with the
+        highest K the budget allows now ``k_max``. A sample of another K than ``current_k`` (a frame of before the
+        last move), or one without the suffix's cycle, is left out."""
+        if sample.k != current_k or sample.suffix_ms is None or sample.prefix_ms <= 0 or sample.suffix_ms <= 0:
+            return Move(None, "waiting for frames measured at the current K on both sides")
+        if self._settling > 0:
+            self._settling -= 1
+            return Move(None, "settling after a move")
+        self._samples.append(sample)
+        del self._samples[:-self.window]
+        if len(self._samples) < self.window:
+            return Move(None, f"measuring ({len(self._samples)}/{self.window} frames)")
+        row = self.times[current_k]
+        p = statistics.median(s.prefix_ms for s in self._samples)
+        s = statistics.median(s.suffix_ms for s in self._samples)
+        periods = [x.camera_period_ms for x in self._samples if x.camera_period_ms]
+        period = statistics.median(periods) if periods else None
+        cycles = [x.suffix_cycle_ms - x.suffix_ms for x in self._samples if x.suffix_cycle_ms]
+        overhead = max(0.0, statistics.median(cycles)) if cycles else 0.0
+        a_p, a_s = p / row.prefix_ms if row.prefix_ms > 0 else 1.0, s / row.suffix_ms if row.suffix_ms > 0 else 1.0
+        predicted = [self.predict(k, a_p, a_s, period, overhead) for k in range(self.num_layers + 1)]
+        now = predicted[current_k]
+        best_all = min(range(len(predicted)), key=predicted.__getitem__)
+        best = min(range(min(k_max, self.num_layers) + 1), key=predicted.__getitem__)
+        where = (f"prefix {p:.0f} ms (x{a_p:.2f} of the plan), suffix {s:.0f} ms (x{a_s:.2f}), predicted "
+                 f"{now:.0f} ms at K={current_k}")
+        if now - predicted[best] < max(self.min_gain_rel * now, self.min_gain_ms):
+            self._votes, self._vote_k = 0, None
+            held = best_all > k_max and best_all > current_k
+            return Move(None, f"{where}; " + (f"the GPU budget holds K at {k_max} (K={best_all} would be faster)"
+                                              if held else "balanced"))
+        k_new = current_k + (1 if best > current_k else -1)  # one block at a time towards the best K
+        self._votes = self._votes + 1 if self._vote_k == k_new else 1
+        self._vote_k = k_new
+        goal = f"K={best} predicted {predicted[best]:.0f} ms"
+        if self._votes < self.confirm:
+            return Move(None, f"{where}; {goal} ({self._votes}/{self.confirm})")
+        self.moved()
+        return Move(k_new, f"{where}; towards {goal}")
+
+
+@dataclass
+class SplitPolicy:
+    """The one policy of ``split_layer: auto``: memory pressure (CUDA) and measured latency.
+
+    ``plan``: the plan of ``auto``; ``memory``: its AutoResplitPolicy on a CUDA prefix with
+    ``auto_resplit_free_mb`` > 0, else None; ``latency``: a LatencyBalancer when ``auto_rebalance`` is on and the plan
+    has times, else None. ``k_max`` is the highest K allowed now: the largest K that fits the plan's budget, lowered
+    by a memory-pressure move down and raised again by a move back up. Every decision is one :class:`Move`.
+    """
+
+    plan: Plan
+    memory: AutoResplitPolicy | None = None
+    latency: LatencyBalancer | None = None
+    k_max: int = -1
+    last: Move = field(default_factory=lambda: Move(None, ""))
+
+    def __post_init__(self):
+        if self.k_max < 0:
+            fitting = [r.k for r in self.plan.rows if r.fits]
+            self.k_max = max(fitting) if fitting else self.plan.chosen_k
+
+    def on_memory(self, current_k: int, free_bytes: int) -> Move:
+        """A reading of the device's free memory (bytes). A move down lowers ``k_max`` to it and wins over any
+        latency move; a move back up raises ``k_max`` and, without a latency balancer, is made (as before live
+        rebalancing: at most to the planned K). Raises ValueError when no K fits (AutoResplitPolicy)."""
+        if self.memory is None:
+            return Move(None, "", "memory")
+        k, reason = self.memory.decide(current_k, free_bytes)
+        if k is None:
+            return Move(None, reason, "memory")
+        if k < current_k:
+            self.k_max = k
+        else:
+            self.k_max = max(self.k_max, k)
+            if self.latency is not None:  # the balancer moves up when it is faster, within the new room
+                self.last = Move(None, f"{reason}: K may move up to {self.k_max}", "memory")
+                return self.last
+        if self.latency is not None:
+            self.latency.moved()
+        self.last = Move(k, reason, "memory")
+        return self.last
+
+    def on_frame(self, sample: StageSample, current_k: int) -> Move:
+        """One frame's measured stage times: a latency move within ``k_max`` (or None: stay). Without a latency
+        balancer, never a move."""
+        if self.latency is None:
+            return Move(None, "", "latency")
+        if current_k > self.k_max:  # a memory move down is pending: nothing to judge until it is applied
+            return Move(None, f"waiting for the move down to K <= {self.k_max}")
+        self.last = self.latency.observe(sample, current_k, self.k_max)
+        return self.last

@@ -1,0 +1,221 @@
+"""Live rebalancing (split.rebalance): the latency balancer against a pipeline simulated event by event, and the one
+policy of ``split_layer: auto`` (memory pressure wins, the budget holds K, fixed K never moves).
+
+The simulator is this test's own: a prefix that takes the newest camera frame whenever it is free and publishes it
+after its cycle, a suffix that takes the newest published frame whenever it is free (``ring.delivery: newest``);
+a frame's latency is the suffix's end minus the camera stamp. It shares nothing with the balancer's latency model,
+so "the K the balancer settles on" is checked against "the K with the lowest simulated latency".
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hybrid_vla_ros.split.planner import AutoResplitPolicy, Plan, PlanRow
+from hybrid_vla_ros.split.rebalance import LatencyBalancer, SplitPolicy, StageSample
+
+L = 12
+GB = 10**9
+
+
+def _plan(prefix_fixed=40.0, prefix_block=6.0, suffix_block=20.0, head=5.0, handoff=0.5, budget_k=L) -> Plan:
+    """A plan of L blocks: the prefix (a GPU) runs a block in ``prefix_block`` ms, the suffix (CPU cores) in
+    ``suffix_block`` ms; K above ``budget_k`` does not fit the GPU budget (1 GB a block)."""
+    rows = []
+    for k in range(L + 1):
+        rows.append(PlanRow(k=k, gpu_weight_bytes=k * GB, gpu_activation_bytes=0, gpu_buffer_bytes=0,
+                            gpu_overhead_bytes=0, gpu_total_bytes=k * GB, gpu_peak_phase="block",
+                            cpu_weight_bytes=(L - k) * GB, cpu_activation_bytes=0, cpu_total_bytes=(L - k) * GB,
+                            handoff_bytes=1, ring_slot_bytes=64, prefix_ms=prefix_fixed + k * prefix_block,
+                            handoff_ms=handoff, suffix_ms=head + (L - k) * suffix_block,
+                            e2e_ms=None, throughput_fps=None, fits=k <= budget_k))
+    return Plan(model="test", dtype="fp16", num_layers=L, prefix_state_shape=(8, 4), gpu_budget_bytes=budget_k * GB,
+                cuda_overhead_bytes=0, rows=rows, chosen_k=min(budget_k, 6), reason="test")
+
+
+def _simulate(p_ms: float, s_ms: float, period_ms: float, paced: bool, horizon_ms: float = 60_000.0) -> float:
+    """Mean camera-to-trajectory latency (ms) of the simulated pipeline: cameras every ``period_ms``, prefix cycle
+    ``p_ms``, suffix cycle ``s_ms`` (see the module docstring); ``paced``: the prefix starts a frame so that it is
+    published when the suffix is free (pace_to_suffix). The first quarter of the frames is left out (start-up)."""
+
+    def newest_camera(t, last):
+        stamp = math.floor(t / period_ms) * period_ms  # the newest camera frame at t
+        return stamp if last is None or stamp > last else last + period_ms  # none newer yet: wait for the next
+
+    latencies = []
+    if paced:  # every frame is taken as it is published, or as soon as the suffix is free
+        t_prefix, t_suffix, last = 0.0, 0.0, None
+        while t_prefix < horizon_ms:
+            start = max(t_prefix, t_suffix - p_ms)
+            last = newest_camera(start, last)
+            t_prefix = max(start, last) + p_ms
+            t_suffix = max(t_prefix, t_suffix) + s_ms
+            latencies.append(t_suffix - last)
+    else:
+        published = []  # (publish instant, camera stamp), in order: the prefix runs back to back
+        t, last = 0.0, None
+        while t < horizon_ms:
+            last = newest_camera(t, last)
+            t = max(t, last) + p_ms
+            published.append((t, last))
+        t, taken = 0.0, -1
+        while taken + 1 < len(published):
+            ready = [i for i in range(taken + 1, len(published)) if published[i][0] <= t]
+            if not ready:  # nothing new: wait for the next publish
+                t = published[taken + 1][0]
+                continue
+            taken = ready[-1]  # the newest; older unread ones are superseded
+            t += s_ms
+            latencies.append(t - published[taken][1])
+    tail = latencies[len(latencies) // 4:]
+    return sum(tail) / len(tail)
+
+
+def _true_best(plan: Plan, a_p: float, a_s: float, period_ms: float, paced: bool = True, k_max: int = L) -> int:
+    lat = {k: _simulate(a_p * plan.row(k).prefix_ms + plan.row(k).handoff_ms, a_s * plan.row(k).suffix_ms, period_ms,
+                        paced) for k in range(k_max + 1)}
+    return min(lat, key=lat.get), lat
+
+
+def _run(policy_or_balancer, plan, k, a_p, a_s, period_ms, frames, k_max=L):
+    """Feed ``frames`` samples of a pipeline at load factors (a_p, a_s) into the balancer, applying each move at
+    once (the frame after a move is measured at the new K); returns (final K, moves made)."""
+    moves = []
+    for _ in range(frames):
+        row = plan.row(k)
+        sample = StageSample(k=k, prefix_ms=a_p * row.prefix_ms, suffix_ms=a_s * row.suffix_ms,
+                             camera_period_ms=period_ms)
+        if isinstance(policy_or_balancer, SplitPolicy):
+            move = policy_or_balancer.on_frame(sample, k)
+        else:
+            move = policy_or_balancer.observe(sample, k, k_max)
+        if move.k is not None:
+            assert abs(move.k - k) == 1, "one block at a time"
+            moves.append((k, move.k))
+            k = move.k
+    return k, moves
+
+
+@pytest.mark.parametrize("paced", [True, False], ids=["paced", "unpaced"])
+@pytest.mark.parametrize("a_s, a_p", [(1.0, 1.0), (2.0, 1.0), (3.0, 1.0), (1.0, 2.5), (1.6, 1.3)],
+                         ids=["quiet", "suffix_x2", "suffix_x3", "prefix_x2.5", "both"])
+@pytest.mark.parametrize("blocks", ["gpu", "cpu"])
+def test_the_balancer_settles_where_the_simulated_pipeline_is_fastest(a_s, a_p, paced, blocks):
+    plan = _plan() if blocks == "gpu" else _plan(prefix_fixed=60.0, prefix_block=18.0, suffix_block=18.0)
+    period = 50.0  # 20 Hz cameras: faster than either stage
+    best, lat = _true_best(plan, a_p, a_s, period, paced)
+    k, moves = _run(LatencyBalancer.from_plan(plan, paced=paced), plan, 6, a_p, a_s, period, frames=200)
+    # the K it settles on is as fast as the best within 5 % (the hysteresis: a smaller gain does not move K)
+    assert lat[k] <= lat[best] * 1.05 + 2.0, (k, best, {kk: round(v) for kk, v in lat.items()}, moves)
+    # and it stays there: no move back and forth
+    assert len(moves) == len({m for m in moves}), moves
+    assert all(b - a == moves[0][1] - moves[0][0] for a, b in moves), f"direction changed: {moves}"
+
+
+def test_a_load_step_on_the_suffix_moves_k_up_and_it_recovers_after():
+    plan = _plan(prefix_fixed=60.0, prefix_block=18.0, suffix_block=18.0)  # both stages on CPU cores, as here
+    balancer = LatencyBalancer.from_plan(plan)
+    k0, quiet = _run(balancer, plan, 5, 1.0, 1.0, 50.0, frames=60)
+    k1, up = _run(balancer, plan, k0, 1.0, 2.5, 50.0, frames=80)  # a co-tenant on the suffix's cores
+    assert quiet == [] and k1 > k0 and all(b > a for a, b in up), (k0, k1, up)
+    best, lat = _true_best(plan, 1.0, 2.5, 50.0)
+    assert lat[k1] <= lat[best] * 1.05 + 2.0, (k1, best)
+    k2, _ = _run(balancer, plan, k1, 1.0, 1.0, 50.0, frames=60)  # it stops: wherever K is then, it is as fast
+    best, lat = _true_best(plan, 1.0, 1.0, 50.0)
+    assert lat[k2] <= lat[best] * 1.05 + 2.0, (k2, best)
+
+
+def test_a_load_step_on_the_gpu_moves_k_down_and_back_up_when_it_ends():
+    plan = _plan()  # a fast GPU prefix: all blocks there when the GPU is free
+    balancer = LatencyBalancer.from_plan(plan)
+    k0, quiet = _run(balancer, plan, L, 1.0, 1.0, 50.0, frames=40)
+    k1, down = _run(balancer, plan, k0, 4.0, 1.0, 50.0, frames=120)  # a co-tenant on the GPU: 4x slower blocks
+    k2, up = _run(balancer, plan, k1, 1.0, 1.0, 50.0, frames=120)
+    assert (k0, quiet) == (L, []) and k1 < k0 and all(b < a for a, b in down), (k0, k1, down)
+    assert k2 == L and all(b > a for a, b in up), (k1, k2, up)
+
+
+def test_the_first_move_after_a_step_comes_within_a_few_frames():
+    plan = _plan(prefix_fixed=60.0, prefix_block=18.0, suffix_block=18.0)
+    balancer = LatencyBalancer.from_plan(plan)
+    k0, _ = _run(balancer, plan, 5, 1.0, 1.0, 50.0, frames=40)
+    for n in range(1, 11):
+        k, moves = _run(balancer, plan, k0, 1.0, 2.5, 50.0, frames=1)
+        if moves:
+            break
+    # the window refills with frames of the new load, then `confirm` judgements in a row
+    assert moves and n <= balancer.window + balancer.confirm - 1, n
+
+
+def test_noise_around_the_balance_does_not_move_k():
+    plan = _plan()
+    balancer = LatencyBalancer.from_plan(plan)
+    k, _ = _run(balancer, plan, 6, 1.0, 1.0, 50.0, frames=60)
+    moves = []
+    for i in range(200):
+        jitter = 1.0 + (0.04 if i % 2 else -0.04)  # +-4 %: below the 5 % a move needs
+        row = plan.row(k)
+        sample = StageSample(k, row.prefix_ms * jitter, row.suffix_ms / jitter, camera_period_ms=50.0)
+        move = balancer.observe(sample, k, L)
+        moves += [move.k] if move.k is not None else []
+    assert moves == []
+
+
+def test_the_budget_holds_k_and_says_so():
+    plan = _plan(budget_k=4)
+    policy = SplitPolicy(plan, latency=LatencyBalancer.from_plan(plan))
+    assert policy.k_max == 4
+    k, moves = _run(policy, plan, 4, 1.0, 3.0, 50.0, frames=50)
+    assert k == 4 and moves == []
+    assert "budget holds K at 4" in policy.last.reason, policy.last.reason
+
+
+def test_samples_of_another_k_are_not_judged():
+    plan = _plan()
+    balancer = LatencyBalancer.from_plan(plan)
+    for _ in range(20):  # a suffix still computing frames of the old K (5): its cycle says nothing about K=6
+        move = balancer.observe(StageSample(5, 80.0, 500.0, camera_period_ms=50.0), 6, L)
+        assert move.k is None and "current K" in move.reason
+
+
+def test_a_plan_without_times_is_refused_with_the_reason():
+    plan = _plan()
+    for r in plan.rows:
+        r.prefix_ms = r.suffix_ms = None
+    with pytest.raises(ValueError, match="profile_path"):
+        LatencyBalancer.from_plan(plan)
+
+
+def test_memory_pressure_wins_over_latency():
+    plan = _plan()
+    memory = AutoResplitPolicy(plan, low_bytes=2 * GB, high_bytes=4 * GB)
+    policy = SplitPolicy(plan, memory=memory, latency=LatencyBalancer.from_plan(plan))
+    k, _ = _run(policy, plan, 6, 1.0, 3.0, 50.0, frames=80)  # a slow suffix pushes K up
+    assert k > 6
+    move = policy.on_memory(k, free_bytes=1 * GB)  # then another process takes the GPU's memory
+    assert move.kind == "memory" and move.k is not None and move.k < k and policy.k_max == move.k
+    k_low = move.k
+    k_after, moves = _run(policy, plan, k_low, 1.0, 3.0, 50.0, frames=80)  # latency still wants more: held
+    assert k_after <= k_low and all(b <= k_low for _, b in moves)
+
+
+def test_without_a_latency_balancer_nothing_moves_on_frames():
+    plan = _plan()
+    policy = SplitPolicy(plan)  # auto_rebalance false (or a fixed K: no policy at all)
+    k, moves = _run(policy, plan, 6, 1.0, 3.0, 50.0, frames=50)
+    assert k == 6 and moves == []
+
+
+def test_the_suffix_work_beside_its_stage_moves_no_block():
+    """A suffix cycle long because of what the node does around the stage (publishing, waiting for odometry) is
+    the same at every K: with a paced prefix it moves no block; the stage time the suffix announces is judged."""
+    plan = _plan(prefix_fixed=60.0, prefix_block=18.0, suffix_block=18.0)
+    balancer = LatencyBalancer.from_plan(plan)
+    moves = []
+    for _ in range(60):
+        row = plan.row(5)
+        move = balancer.observe(StageSample(5, row.prefix_ms, row.suffix_ms, suffix_cycle_ms=row.suffix_ms + 300.0,
+                                            camera_period_ms=50.0), 5, L)
+        moves += [move.k] if move.k is not None else []
+    assert moves == [] and "balanced" in move.reason, move.reason
