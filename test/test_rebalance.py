@@ -219,3 +219,29 @@ def test_the_suffix_work_beside_its_stage_moves_no_block():
                                             camera_period_ms=50.0), 5, L)
         moves += [move.k] if move.k is not None else []
     assert moves == [] and "balanced" in move.reason, move.reason
+
+
+def test_no_ping_pong_when_the_prediction_flips_between_two_neighbours():
+    """Measured prefix times with a part the plan does not scale (26.8 ms of preprocessing under load) make the far
+    best K flip sides between K=3 and K=4 (cameras at 4.4 Hz): K may go there and back once, then stays (a move
+    straight back needs the K left behind itself predicted faster)."""
+    from hybrid_vla_ros.split.rebalance import StageTimes
+
+    n, front, block, head, period = 16, 196.5, 17.03, 9.19, 227.8
+    times = [StageTimes(front + block * k, 0.5, block * (n - k) + head) for k in range(n + 1)]
+    balancer, k, history = LatencyBalancer(times), 4, [(0, 4)]
+    for i in range(300):
+        sample = StageSample(k, 1.058 * times[k].prefix_ms + 26.8, 1.344 * times[k].suffix_ms,
+                             camera_period_ms=period)
+        move = balancer.observe(sample, k, n)
+        if move.k is not None:
+            k = move.k
+            history.append((i, k))
+    assert len(history) <= 3 and history[-1][0] < 50, history  # at most there and back, then it stays
+
+
+def test_a_tie_is_no_gain_even_with_zero_thresholds():
+    plan = _plan()
+    balancer = LatencyBalancer.from_plan(plan, min_gain_rel=0.0, min_gain_ms=0.0)
+    k, moves = _run(balancer, plan, 0, 1.0, 1.0, None, frames=20, k_max=0)
+    assert k == 0 and moves == []

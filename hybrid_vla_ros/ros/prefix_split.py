@@ -185,8 +185,8 @@ class SplitLayerControl:
                     ctx.logger.error(f"free device memory {free / 2**20:.0f} MiB under the threshold and no split "
                                      f"layer fits: {e}")
                 return
-            if move.reason:
-                self.reason = move.reason
+            if move.k is not None or (policy.latency is None and move.reason):
+                self.reason = move.reason  # a reading that moves nothing leaves the latency judgement shown
         if move.k is not None and move.k != runner.split_layer:
             self.moves["memory"] += 1
             ctx.logger.warning(f"moving K {runner.split_layer} -> {move.k}: {move.reason}")

@@ -138,7 +138,8 @@ class PrefixWorker:
             try:
                 self._on_frame()
             except Exception as e:  # noqa: BLE001 - the frame is out; a failing judgement must not stop the worker
-                ctx.drop("internal_error", f"split-layer policy: {type(e).__name__}: {e}")
+                if ctx.log_every("split_policy"):  # not a dropped frame: that one was published
+                    ctx.logger.error(f"split-layer policy failed, K stays: {type(e).__name__}: {e}")
         if result.resplit_error is not None:
             ctx.drop("resplit_error", result.resplit_error)
         if accel_source is not None:

@@ -98,6 +98,7 @@ class LatencyBalancer:
     paced: bool = True
     _samples: list[StageSample] = field(default_factory=list, repr=False)
     _votes: int = field(default=0, repr=False)
+    _came_from: int | None = field(default=None, repr=False)  # the K the last move left
     _vote_k: int | None = field(default=None, repr=False)
     _settling: int = field(default=0, repr=False)
 
@@ -147,7 +148,9 @@ class LatencyBalancer:
     def observe(self, sample: StageSample, current_k: int, k_max: int) -> Move:
         """Take one frame's sample; the move it leads to (``k`` None: stay) at current K ``current_k`` with the
         highest K the budget allows now ``k_max``. A sample of another K than ``current_k`` (a frame of before the
-        last move), or one without the suffix's cycle, is left out."""
+        last move), or one without the suffix's stage time, is left out. Moving straight back to the K the last move
+        left needs that K itself predicted ``min_gain_ms`` faster than the current one (no ping-pong where the far
+        best K flips sides with the measurement)."""
         if sample.k != current_k or sample.suffix_ms is None or sample.prefix_ms <= 0 or sample.suffix_ms <= 0:
             return Move(None, "waiting for frames measured at the current K on both sides")
         if self._settling > 0:
@@ -171,18 +174,25 @@ class LatencyBalancer:
         best = min(range(min(k_max, self.num_layers) + 1), key=predicted.__getitem__)
         where = (f"prefix {p:.0f} ms (x{a_p:.2f} of the plan), suffix {s:.0f} ms (x{a_s:.2f}), predicted "
                  f"{now:.0f} ms at K={current_k}")
-        if now - predicted[best] < max(self.min_gain_rel * now, self.min_gain_ms):
+        gain = now - predicted[best]
+        if best == current_k or gain <= 0 or gain < max(self.min_gain_rel * now, self.min_gain_ms):
             self._votes, self._vote_k = 0, None
             held = best_all > k_max and best_all > current_k
             return Move(None, f"{where}; " + (f"the GPU budget holds K at {k_max} (K={best_all} would be faster)"
                                               if held else "balanced"))
         k_new = current_k + (1 if best > current_k else -1)  # one block at a time towards the best K
+        if self._came_from == k_new and predicted[k_new] > now - self.min_gain_ms:
+            # straight back to the K the last move left: only when that K itself is predicted faster now, not
+            # just on the way to a far best K (whose side can flip with the measurement: no ping-pong)
+            self._votes, self._vote_k = 0, None
+            return Move(None, f"{where}; holding: back to K={k_new} is predicted {predicted[k_new]:.0f} ms")
         self._votes = self._votes + 1 if self._vote_k == k_new else 1
         self._vote_k = k_new
         goal = f"K={best} predicted {predicted[best]:.0f} ms"
         if self._votes < self.confirm:
             return Move(None, f"{where}; {goal} ({self._votes}/{self.confirm})")
         self.moved()
+        self._came_from = current_k
         return Move(k_new, f"{where}; towards {goal}")
 
 
@@ -208,18 +218,23 @@ class SplitPolicy:
             self.k_max = max(fitting) if fitting else self.plan.chosen_k
 
     def on_memory(self, current_k: int, free_bytes: int) -> Move:
-        """A reading of the device's free memory (bytes). A move down lowers ``k_max`` to it and wins over any
-        latency move; a move back up raises ``k_max`` and, without a latency balancer, is made (as before live
-        rebalancing: at most to the planned K). Raises ValueError when no K fits (AutoResplitPolicy)."""
+        """A reading of the device's free memory (bytes). A move down lowers ``k_max`` to the K it moves to and wins
+        over any latency move; when memory has recovered (AutoResplitPolicy's move back up) ``k_max`` rises to every
+        K of the budget that leaves the recover threshold free, and without a latency balancer the move up is made
+        (as before live rebalancing: at most to the planned K). Raises ValueError when no K fits
+        (AutoResplitPolicy)."""
         if self.memory is None:
             return Move(None, "", "memory")
         k, reason = self.memory.decide(current_k, free_bytes)
         if k is None:
             return Move(None, reason, "memory")
         if k < current_k:
-            self.k_max = k
-        else:
-            self.k_max = max(self.k_max, k)
+            self.k_max = k  # the K the memory policy moved down to; it rises again when memory recovers
+        else:  # recovered: every K that fits the budget and leaves the recover threshold free
+            need = self.plan.row(current_k).gpu_total_bytes
+            room = [r.k for r in self.plan.rows
+                    if r.fits and free_bytes - (r.gpu_total_bytes - need) >= self.memory.high_bytes]
+            self.k_max = max([k, self.k_max, *room])
             if self.latency is not None:  # the balancer moves up when it is faster, within the new room
                 self.last = Move(None, f"{reason}: K may move up to {self.k_max}", "memory")
                 return self.last

@@ -210,12 +210,17 @@ def _setting_problems(args: argparse.Namespace, s: dict, parts: list[str]) -> li
         if len(parts_sb) != 3 or not parts_sb[1].isdigit() or not _is_number(parts_sb[2]):
             problems.append(f"--suffix-bound {s['suffix_bound']!r}: use PRESET:K:MS, e.g. tiny:2:400, or none")
     phases = str(s.get("load_step") or "").split(":")
-    if len(phases) != 3 or not all(x.isdigit() and int(x) >= 1 for x in phases):
+    if len(phases) != 3 or not all(x.isascii() and x.isdigit() and int(x) >= 1 for x in phases):
         problems.append(f"--load-step {s.get('load_step')!r}: use BEFORE:DURING:AFTER frames, each >= 1, e.g. 6:16:10")
     if "loadstep" in parts:
         bad = [v for v in s["load_step_presets"] if v not in s["presets"]]
         if bad:
             problems.append(f"--load-step-presets {bad}: not among --presets {s['presets']}")
+        if not s["load_step_presets"]:
+            problems.append("--load-step-presets names no preset")
+        given = sorted(set(s["load_step_presets"]) & set(args.split))
+        if given:
+            problems.append(f"--split {given}: the load step needs the profile's per-K times; leave K to the profile")
     if any(not (g >= 0) for g in args.gaps_ms + list(args.block_gaps_ms)):
         problems.append("--gaps-ms / --block-gaps-ms must be >= 0")
     for option, path, why in (("--json", args.json, output_file_problem(args.json, create_parents=True)),
