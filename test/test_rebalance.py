@@ -245,3 +245,15 @@ def test_a_tie_is_no_gain_even_with_zero_thresholds():
     balancer = LatencyBalancer.from_plan(plan, min_gain_rel=0.0, min_gain_ms=0.0)
     k, moves = _run(balancer, plan, 0, 1.0, 1.0, None, frames=20, k_max=0)
     assert k == 0 and moves == []
+
+
+def test_after_memory_recovers_k_may_use_the_whole_budget_again():
+    plan = _plan()  # chosen K 6 of 12, every K fits
+    policy = SplitPolicy(plan, memory=AutoResplitPolicy(plan, low_bytes=2 * GB, high_bytes=4 * GB),
+                         latency=LatencyBalancer.from_plan(plan))
+    assert policy.k_max == L
+    down = policy.on_memory(10, free_bytes=1 * GB)
+    assert down.k is not None and down.k < 10 and policy.k_max == down.k
+    for _ in range(3):  # recovered for the policy's readings in a row: room up to every K of the budget
+        policy.on_memory(down.k, free_bytes=100 * GB)
+    assert policy.k_max == L

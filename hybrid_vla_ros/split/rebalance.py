@@ -226,18 +226,18 @@ class SplitPolicy:
         if self.memory is None:
             return Move(None, "", "memory")
         k, reason = self.memory.decide(current_k, free_bytes)
+        if k is None or k >= current_k:  # no pressure: every K of the budget that leaves the recover threshold free
+            need = self.plan.row(current_k).gpu_total_bytes
+            room = [r.k for r in self.plan.rows
+                    if r.fits and free_bytes - (r.gpu_total_bytes - need) >= self.memory.high_bytes]
+            self.k_max = max([self.k_max, current_k, *room] + ([k] if k is not None else []))
         if k is None:
             return Move(None, reason, "memory")
         if k < current_k:
             self.k_max = k  # the K the memory policy moved down to; it rises again when memory recovers
-        else:  # recovered: every K that fits the budget and leaves the recover threshold free
-            need = self.plan.row(current_k).gpu_total_bytes
-            room = [r.k for r in self.plan.rows
-                    if r.fits and free_bytes - (r.gpu_total_bytes - need) >= self.memory.high_bytes]
-            self.k_max = max([k, self.k_max, *room])
-            if self.latency is not None:  # the balancer moves up when it is faster, within the new room
-                self.last = Move(None, f"{reason}: K may move up to {self.k_max}", "memory")
-                return self.last
+        elif self.latency is not None:  # recovered: the balancer moves up when it is faster, within the room
+            self.last = Move(None, f"{reason}: K may move up to {self.k_max}", "memory")
+            return self.last
         if self.latency is not None:
             self.latency.moved()
         self.last = Move(k, reason, "memory")
