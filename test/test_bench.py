@@ -270,8 +270,8 @@ def test_quick_load_step_runs_fixed_and_rebalancing_side_by_side(tmp_path):
         assert all(x["e2e_ms"] > 0 and x["stage_sum_ms"] > 0 for x in run["frames"])
         if name.endswith("fixed"):
             assert run["moves"] == [] and {x["k"] for x in run["frames"]} == {e["split_layer"]}
-        for frame, k_from, k_to, reason in run["moves"]:
-            assert abs(k_to - k_from) == 1 and "predicted" in reason
+        for m in run["moves"]:
+            assert abs(m["to_k"] - m["from_k"]) == 1 and "predicted" in m["reason"]
     ids = {g["id"] for g in doc["goals"]}
     assert {"loadstep_latency_tiny_suffix", "loadstep_settle_tiny_prefix"} <= ids
     assert (tmp_path / "p" / "loadstep.png").stat().st_size > 1000

@@ -301,7 +301,7 @@ class PrefixRunner:
             return None
         k, stage_ns = self.ring.consumer_stage_time()
         taken, next_read = self.ring.consumer_schedule()
-        if not self.ring.consumer().attached:  # a SIGKILLed suffix's last figures stay in the header: not now's
+        if not self.ring.consumer_attached():  # a SIGKILLed suffix's last figures stay in the header: not now's
             k, stage_ns, taken = -1, 0, 0
         return StageSample(k=k, prefix_ms=self._cycle_ns[-1] / 1e6, suffix_ms=stage_ns / 1e6 if stage_ns > 0 else None,
                            suffix_cycle_ms=(next_read - taken) / 1e6 if taken > 0 and next_read > taken else None,

@@ -290,12 +290,17 @@ class RingProducer(RingEnd):
         stage_ns, k = _STAGE_TIME.unpack_from(self._mm, STAGE_TIME_OFFSET)
         return (k, stage_ns) if stage_ns > 0 else (-1, 0)
 
+    def consumer_attached(self) -> bool:
+        """Whether a consumer holds the consumer lock now (one system call: no /proc read, unlike
+        :meth:`consumer`). Raises RingError after close()."""
+        self._check_open()
+        return byte_locked(self._handles.fd, CONSUMER_LOCK_BYTE)
+
     def consumer(self) -> ConsumerPresence:
         """Who reads this ring now (:class:`ConsumerPresence`): whether a consumer holds the consumer lock (a
         system call, no waiting), the process it named at attach and its last take and announced next read.
         Raises RingError after close()."""
-        self._check_open()
-        attached = byte_locked(self._handles.fd, CONSUMER_LOCK_BYTE)
+        attached = self.consumer_attached()
         pid, start = _CONSUMER.unpack_from(self._mm, CONSUMER_OFFSET)
         state = STAGE_STATES.get(_STATE.unpack_from(self._mm, CONSUMER_STATE_OFFSET)[0], "not said")
         taken, next_read = _NEXT_READ.unpack_from(self._mm, NEXT_READ_OFFSET)

@@ -17,6 +17,7 @@ stays within 10 % of the phase's last-third median); and the moves of K made.
 from __future__ import annotations
 
 import signal
+import statistics
 import subprocess
 import sys
 
@@ -58,8 +59,9 @@ class CoTenant:
 
 
 def _median(values: list[float]) -> float | None:
-    v = sorted(x for x in values if x is not None)
-    return v[len(v) // 2] if v else None
+    """The upper median (statistics.median_high, the runners' convention), None for no value."""
+    v = [x for x in values if x is not None]
+    return statistics.median_high(v) if v else None
 
 
 def summarize_load_step(suffix_records: list[dict], prefix_records: list[dict], moves: list, *, warmup: int,
@@ -117,7 +119,9 @@ def run_load_step(plan: dict, *, before: int, during: int, after: int, warmup: i
     choice = plan.get("choice")
     if not choice:
         raise ValueError(f"{plan['preset']}: the load step needs the profile's per-K times (do not give --split)")
-    times = [[p, 0.0, hs] for _, p, hs in choice["table"]]  # the hand-off is inside H + S in the table
+    # StageTimes' fields per K (this process imports no torch: the worker builds the class); the hand-off is inside
+    # H + S in the table
+    times = [{"prefix_ms": p, "handoff_ms": 0.0, "suffix_ms": hs} for _, p, hs in choice["table"]]
     k = plan["split_layer"]
     total = before + during + after
     out = {"preset": plan["preset"], "split_layer": k, "before": before, "during": during, "after": after,

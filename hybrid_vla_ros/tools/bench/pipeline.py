@@ -245,10 +245,11 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
     ``PrefixRunner.pacing_delay_s``, as the prefix node's ``pace_to_suffix`` does), reports, then keeps the ring
     until ``close`` (so the suffix can read the last frames).
 
-    ``rebalance_times``: [[prefix ms, hand-off ms, suffix ms] for every K] from the profile: after each frame a
+    ``rebalance_times``: the profile's :class:`~hybrid_vla_ros.split.rebalance.StageTimes` of every K, each as a
+    dict of its fields (JSON from the parent): after each frame a
     :class:`~hybrid_vla_ros.split.rebalance.LatencyBalancer` judges the stage times and the move it decides is
-    requested, as the prefix node does with ``split_layer: auto`` (the result's ``moves``: [frame index, from K, to
-    K, reason]). ``load_step``: {"start": frame index, "stop": frame index, "cores": [...]}: a co-tenant (one busy
+    requested, as the prefix node does with ``split_layer: auto`` (the result's ``moves``: {frame, from_k, to_k,
+    reason} each). ``load_step``: {"start": frame index, "stop": frame index, "cores": [...]}: a co-tenant (one busy
     process per core, :class:`~.loadstep.CoTenant`) runs on those cores from frame ``start`` to ``stop``."""
     import torch
 
@@ -263,7 +264,7 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
                                                            ring_name=ring_name, ring_slots=RING_SLOTS,
                                                            torch_threads=threads))
     ego = EGO_STATE if runner.cfg.ego_state_input else None
-    balancer = LatencyBalancer([StageTimes(*t) for t in rebalance_times], paced=pace) if rebalance_times else None
+    balancer = LatencyBalancer([StageTimes(**t) for t in rebalance_times], paced=pace) if rebalance_times else None
     cotenant = CoTenant(load_step["cores"]) if load_step else None
     try:
         chan.send({"type": "ready"})
@@ -286,7 +287,7 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
                 move = balancer.observe(runner.stage_sample(None), runner.split_layer, runner.cfg.num_layers)
                 if move.k is not None and not runner.split_requested:
                     runner.request_split_layer(move.k)
-                    moves.append([i, runner.split_layer, move.k, move.reason])
+                    moves.append({"frame": i, "from_k": runner.split_layer, "to_k": move.k, "reason": move.reason})
         stats = runner.ring.stats
         chan.send({"type": "done"})
         chan.recv()  # close: the suffix has what it needs
