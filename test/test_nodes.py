@@ -24,7 +24,7 @@ from rcl_interfaces.srv import GetParameters  # noqa: E402
 from rclpy.parameter import parameter_value_to_python  # noqa: E402
 from rclpy.serialization import deserialize_message  # noqa: E402
 
-from hybrid_vla_ros.ros.graph import wait_for_subscribers  # noqa: E402
+from hybrid_vla_ros.ros.graph import wait_for_reliable_subscriptions, wait_for_subscribers  # noqa: E402
 from hybrid_vla_ros.ros.lifecycle_client import LifecycleClient  # noqa: E402
 from hybrid_vla_ros.tools.replay import launch_node, message_class, set_parameter, stop_processes  # noqa: E402
 from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
@@ -121,22 +121,9 @@ def _frame_publisher(graph, ns, embedded_bag, ego_speed: float | None = None):
         return stamp
 
     wait_for_subscribers(pubs.values(), 10)
-    _wait_for_reliable_cameras(graph, [p.topic_name for p in pubs.values()])
+    # camera_reliability auto re-subscribes reliable about a second after it hears these reliable publishers
+    wait_for_reliable_subscriptions(graph.node, [p.topic_name for p in pubs.values()], 15.0)
     return publish
-
-
-def _wait_for_reliable_cameras(graph, topics, timeout: float = 15.0) -> None:
-    """Wait until the prefix's camera subscriptions settled on reliable (camera_reliability auto matches these
-    reliable publishers about a second after activation, re-creating each subscription): a frame published
-    before that can land in a subscription about to be replaced, and a frame published once is then lost."""
-    from rclpy.qos import ReliabilityPolicy
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        infos = [graph.node.get_subscriptions_info_by_topic(t) for t in topics]
-        if all(info and all(i.qos_profile.reliability == ReliabilityPolicy.RELIABLE for i in info) for info in infos):
-            return
-        time.sleep(0.1)
 
 
 def _try_set_param(graph, target, name, value):
@@ -484,6 +471,7 @@ def test_odometry_that_stops_does_not_hold_the_frame(nodes, embedded_bag):
     cams = sorted({m.topic for m in msgs if m.topic.endswith("/image_raw/compressed")})
     image_pubs = [graph.node.create_publisher(image_cls, f"{ns}/cam{i}/compressed", 10) for i in range(len(cams))]
     wait_for_subscribers(image_pubs + [odom_pub], 10)
+    wait_for_reliable_subscriptions(graph.node, [p.topic_name for p in image_pubs], 15.0)
     stamp = sorted({m.t_ns for m in msgs if m.topic.endswith("/compressed")})[0]
     odometry = []  # (stamp ns, x, y)
     # stamps S - 0.75 s ... S - 0.3 s, every 50 ms; then nothing. Ten: the publisher's and the suffix's history

@@ -205,7 +205,8 @@ def test_own_code_with_driving_io_runs_through_the_real_nodes(tmp_path, frames, 
     logs = "\n".join(p.read_text() for p in out.glob("*.log"))
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{logs}"
     report = json.loads((out / "report.json").read_text())
-    assert report["trajectories_out"] == 3 and report["drops"] == {}, report
+    assert report["trajectories_out"] == 3 and report["drops"] == {}, \
+        f"{json.dumps(report, indent=1)}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{logs[-6000:]}"
     assert "re-split K 1 -> 3" in logs and "own model code toy_vla.drive:ToyDrive" in logs
     published, odometry = published_and_odometry(out, embedded_bag)
     assert len(published) == 3

@@ -131,13 +131,19 @@ class CameraInputs:
         of losing the frame), best effort when any offers best effort (a reliable subscription would not match
         it) or none is known yet -- re-creating a subscription whose reliability must change, and logging it.
 
-        The switch loses no frame: the new subscription is made first and the old one kept until the new one has
-        delivered a message (at most SWITCH_OVERLAP_S); a message both deliver (the same stamp) is taken once. A
+        The switch loses no frame the old subscription received: the new subscription is made first and the old
+        one kept until the new one has delivered a message, or SWITCH_OVERLAP_S passed and the new one is matched
+        to as many publishers as the old; a message both deliver (the same stamp) is taken once. A best-effort
+        subscription can still lose a large image under load (what the switch to reliable is for), so a
+        publisher that sends a frame once waits for the switch first (ros/graph.wait_for_reliable_subscriptions). A
         graph query that fails is logged (rate-limited) and tried again at the next tick."""
         now = time.monotonic_ns()
         keep = []
         for cam, old, deadline in self._retiring:
-            if self._delivered[cam] or now >= deadline:
+            # past the deadline only once the new subscription is matched to the publishers too: until then
+            # the old one is the camera's only way in (discovery can take seconds on a loaded machine)
+            matched = self.subscriptions[cam].get_publisher_count() >= max(1, old.get_publisher_count())
+            if self._delivered[cam] or (now >= deadline and matched):
                 self._ctx.ros.destroy_subscription(old)
             else:
                 keep.append((cam, old, deadline))
