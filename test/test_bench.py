@@ -244,10 +244,17 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     e = doc["pipeline"]["presets"][0]
     assert e["split_layer"] == 2 and e["pipeline"]["frames_measured"] == 3
     assert e["pipeline"]["fps"] > 0 and e["sequential"]["1core"]["fps"] > 0
-    kinds = {(r["preset"], r["input"]) for r in doc["preprocess"]["results"]}
-    assert kinds == {("tiny", "jpeg"), ("tiny", "jpeg_fast"), ("tiny", "rgb8")}
-    assert all(0 < r["share"] < 1 for r in doc["preprocess"]["results"])
-    assert {g["id"] for g in doc["goals"]} == {"pipeline_efficiency_tiny", "pipeline_latency_tiny"}
+    rows = doc["preprocess"]["results"]
+    cases = {(r["preset"], r["input"], r["decoder"], r["resize"]) for r in rows}
+    assert cases == {("tiny", "jpeg", "opencv", "area"), ("tiny", "jpeg", "simplejpeg", "area"),
+                     ("tiny", "jpeg_fast", "opencv", "area"), ("tiny", "jpeg_fast", "simplejpeg", "area"),
+                     ("tiny", "rgb8", None, "area"), ("tiny", "rgb8", None, "bilinear"),
+                     ("tiny", "rgb8", None, "bicubic")}
+    assert all(0 < r["share"] < 1 and r["limit_ms"] > 0 for r in rows)
+    assert all(r["ratio_to_limit"] == r["preprocess_ms"]["p50"] / r["limit_ms"] for r in rows)
+    assert {g["id"] for g in doc["goals"]} == {"pipeline_efficiency_tiny", "pipeline_latency_tiny",
+                                                "preprocess_rgb8_tiny_area", "preprocess_rgb8_tiny_bilinear",
+                                                "preprocess_rgb8_tiny_bicubic"}
     assert all(Path(tmp_path / "p" / f).is_file() for f in ("pipeline.png", "pipeline_timeline.png", "preprocess.png"))
 
 

@@ -490,3 +490,80 @@ def test_scaled_down_decode_keeps_at_least_min_size_and_the_picture(min_size, fa
         assert np.abs(a - b).mean() < 4.0, "same picture, same channel order"
         swapped = np.abs(a - b[..., ::-1]).mean()
         assert swapped > np.abs(a - b).mean(), "RGB, not BGR"
+
+
+# ------------------------------------------------------------------ JPEG decoder and resize filters
+NUSCENES = Path(__file__).resolve().parents[2] / "shared" / "data" / "nuscenes_scene0061_mmdet3d_demo"
+
+
+def _real_jpegs() -> list[tuple[str, bytes]]:
+    """(what, payload): the embedded bag's six 1936x1216 cameras and, when ../shared is beside the repo, the six
+    1600x900 nuScenes CAM_* JPEGs (see its SOURCE.txt)."""
+    out = [(f"dgp camera {i}", bytes(m.data)) for i, m in enumerate(_dgp_jpegs()[:N_CAMERAS])]
+    out += [(f.name, f.read_bytes()) for f in sorted(NUSCENES.glob("*CAM_*.jpg"))[:6]]
+    return out
+
+
+def test_simplejpeg_decodes_the_pixels_opencv_decodes(monkeypatch, src):
+    """The JPEG decoder in use (simplejpeg when installed) returns OpenCV's pixels exactly: full size, each
+    libjpeg scale-down, the payload's channel-order rules, a greyscale JPEG; a payload it refuses (a damaged
+    stream, which libjpeg only warns about) is decoded by OpenCV as before."""
+    import hybrid_vla_ros.vehicle.image as image
+
+    assert image.JPEG_DECODER == "simplejpeg", "requirements.txt installs simplejpeg"
+    ok, grey = cv2.imencode(".jpg", cv2.cvtColor(src, cv2.COLOR_RGB2GRAY))
+    cases = [(what, fmt, data, min_size) for what, data in _real_jpegs()
+             for fmt in ("jpeg", "rgb8; jpeg compressed rgb8") for min_size in (None, 64, 153, 304)]
+    cases.append(("grey", "mono8; jpeg compressed mono8", grey.tobytes(), None))
+    assert len(cases) >= 2 * 4 * 6 + 1
+    damaged = bytearray(_real_jpegs()[0][1])
+    damaged[len(damaged) // 2: len(damaged) // 2 + 64] = bytes(64)  # entropy-coded data zeroed: libjpeg warns
+    cases.append(("damaged", "jpeg", bytes(damaged), None))
+    ours = [decode_compressed(fmt, data, min_size) for _, fmt, data, min_size in cases]
+    monkeypatch.setattr(image, "JPEG_DECODER", "opencv")
+    for (what, fmt, data, min_size), got in zip(cases, ours):
+        np.testing.assert_array_equal(got, decode_compressed(fmt, data, min_size), err_msg=f"{what} {fmt} {min_size}")
+    assert image._decode_jpeg_simplejpeg(np.frombuffer(bytes(damaged), np.uint8), True, 1, None) is None
+
+
+@pytest.mark.parametrize("size", [64, 128, 448])
+def test_resize_filters(bag, decoded, size):
+    """``area`` is OpenCV's INTER_AREA exactly; ``bilinear`` / ``bicubic`` follow Pillow's resize with the same
+    filter (what Hugging Face processors' ``resample`` 2 / 3 run) within 1 level on at most 0.5 % of the values,
+    on the real cameras (the embedded bag's and, when present, nuScenes'), from an rgb8 message viewed in place."""
+    from PIL import Image
+
+    images = [decoded[(cam, bag.stamps[0])] for cam in range(N_CAMERAS)]
+    images += [compressed_msg_to_rgb(SimpleNamespace(format="jpeg", data=d)) for w, d in _real_jpegs() if "CAM" in w]
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+
+    def pixels(out):  # back to 0..255 levels, (n, S, S, 3)
+        m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+        return ((out * s + m) * 255.0).permute(0, 2, 3, 1).numpy()
+
+    area = pixels(preprocess(images, size, mean, std))
+    for img, got in zip(images, area):
+        np.testing.assert_allclose(got, cv2.resize(img, (size, size), interpolation=cv2.INTER_AREA), atol=1e-3)
+    for name, pil in (("bilinear", Image.BILINEAR), ("bicubic", Image.BICUBIC)):
+        got = pixels(preprocess(images, size, mean, std, resize=name))
+        for img, g in zip(images, got):
+            ref = np.asarray(Image.fromarray(img).resize((size, size), pil)).astype(np.float64)
+            diff = np.abs(g - ref)
+            assert diff.max() < 1.0 + 1e-3 and (diff > 0.5).mean() <= 0.005, (name, diff.max(), (diff > 0.5).mean())
+        assert np.abs(got - area).mean() > 0.05, "another filter than area"
+    with pytest.raises(ValueError, match="image_resize must be one of area, bilinear, bicubic"):
+        preprocess(images, size, mean, std, resize="lanczos")
+
+
+def test_raw_rgb8_view_is_read_in_place(bag):
+    """``copy=False`` (the prefix's raw path): an rgb8 message's pixels are viewed, not copied, and preprocess
+    gives what it gives on the copy."""
+    msg = bag.raw[bag.stamps[0]]
+    message = SimpleNamespace(encoding="rgb8", height=msg.height, width=msg.width, step=msg.step, is_bigendian=0,
+                             data=array.array("B", bytes(msg.data)))
+    view, copy = image_msg_to_rgb(message, copy=False), image_msg_to_rgb(message)
+    assert np.shares_memory(view, np.frombuffer(message.data, np.uint8)) and not np.shares_memory(copy, view)
+    np.testing.assert_array_equal(view, copy)
+    for resize in ("area", "bicubic"):
+        torch.testing.assert_close(preprocess([view], 96, 0.5, 0.5, resize=resize),
+                                   preprocess([copy], 96, 0.5, 0.5, resize=resize), rtol=0, atol=0)

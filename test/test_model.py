@@ -1,5 +1,6 @@
 """Model partition: exactness of suffix(prefix(x)) for every split layer, partial loading, contracts."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,36 @@ def test_split_is_exact_for_every_variant_and_layer(tmp_path, real_pixels, varia
     if cfg.llm_passes == 2:
         out = load_stage(path, "suffix", 1).plan_all(load_stage(path, "prefix", 1)(real_pixels, ego))
         assert out.decision_logits.shape == (len(NAV_COMMANDS),) and out.modes.shape == (6, cfg.n_waypoints, 2)
+
+
+def test_image_resize_is_part_of_the_checkpoint_contract():
+    """``image_resize`` in config.json: checked against the filters, written only when not the default (a
+    checkpoint without it reads as before, ``area``), and the same check for own code's ``driving`` dict."""
+    from hybrid_vla_ros.model.config import RESIZE_FILTERS, VLAConfig
+    from hybrid_vla_ros.model.extension import _driving
+    from hybrid_vla_ros.model.sources import CheckpointError
+
+    base = VLAConfig(llm={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                          "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 64},
+                     vision={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                             "intermediate_size": 64, "patch_size": 16, "image_size": 64})
+    assert base.image_resize == "area" and "image_resize" not in base.to_dict()
+    for name in RESIZE_FILTERS[1:]:
+        d = VLAConfig(**{**_plain(base), "image_resize": name}).to_dict()
+        assert d["image_resize"] == name and VLAConfig.from_dict(d).image_resize == name
+    with pytest.raises(ValueError, match="image_resize must be one of area, bilinear, bicubic, got 'nearest'"):
+        VLAConfig(**{**_plain(base), "image_resize": "nearest"})
+    io = {"cameras": 6, "image_size": 64, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "n_waypoints": 6,
+          "waypoint_dt_s": 0.5, "n_modes": 1}
+    model = torch.nn.Module()
+    model.driving = {**io, "image_resize": "bicubic"}
+    assert _driving(model, Path("x"), "m:M")["image_resize"] == "bicubic"
+    model.driving = {**io, "image_resize": "box"}
+    with pytest.raises(CheckpointError, match="image_resize must be one of"):
+        _driving(model, Path("x"), "m:M")
+
+
+def _plain(cfg) -> dict:
+    d = cfg.to_dict()
+    d.pop("model_type"), d.pop("format_version")
+    return d

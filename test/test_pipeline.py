@@ -1,4 +1,5 @@
 """PrefixRunner -> ring -> SuffixRunner in one process (no ROS): results, non-finite values, stale frames."""
+import json
 import uuid
 
 import pytest
@@ -39,9 +40,19 @@ def _poisoned(tmp_path, tiny_checkpoint, prefix: str):
     return out
 
 
-def test_frame_through_both_runners_matches_the_monolithic_model(tiny_checkpoint, frame):
+@pytest.mark.parametrize("resize", ["area", "bicubic"])
+def test_frame_through_both_runners_matches_the_monolithic_model(tmp_path, tiny_checkpoint, frame, resize):
+    """Prefix and suffix runners at K = 2 answer a real frame as the whole model on the package's preprocessing;
+    with ``image_resize: bicubic`` in the checkpoint's config the prefix resizes with that filter."""
     ns = f"/pl_{uuid.uuid4().hex[:6]}"
     stamp, items = frame
+    if resize != "area":
+        path = tmp_path / resize
+        path.mkdir()
+        doc = json.loads((tiny_checkpoint / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**doc, "image_resize": resize}))
+        (path / WEIGHTS_FILE).symlink_to(tiny_checkpoint / WEIGHTS_FILE)
+        tiny_checkpoint = path
     prefix = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(2, device="cpu", namespace=ns))
     suffix = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, namespace=ns))
     try:
@@ -53,10 +64,14 @@ def test_frame_through_both_runners_matches_the_monolithic_model(tiny_checkpoint
         full = load_stage(tiny_checkpoint, "full")
         cfg = full.cfg
         with torch.inference_mode():
-            pixels = preprocess([compressed_msg_to_rgb(m) for _, m in items], cfg.image_size, cfg.image_mean,
-                                cfg.image_std)
-            expected = full(pixels).double().numpy()
+            assert cfg.image_resize == resize
+            images = [compressed_msg_to_rgb(m) for _, m in items]
+            expected = full(preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std,
+                                       resize=resize)).double().numpy()
+            other = full(preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std,
+                                    resize="bilinear")).double().numpy()
         assert abs(result.waypoints - expected).max() <= 1e-5
+        assert abs(result.waypoints - other).max() > 1e-4, "the filter changes the answer"
     finally:
         suffix.close()
         prefix.close()

@@ -35,6 +35,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from .config import RESIZE_FILTERS
 from .sources import CheckpointError
 
 #: ``model_type`` of an own-code checkpoint's config.json.
@@ -171,6 +172,7 @@ class CodeModel:
     image_size = property(lambda self: int(self._io("image_size")))
     image_mean = property(lambda self: tuple(float(v) for v in self._io("image_mean")))
     image_std = property(lambda self: tuple(float(v) for v in self._io("image_std")))
+    image_resize = property(lambda self: str(self.driving.get("image_resize", "area")) if self.driving else "area")
     n_waypoints = property(lambda self: int(self._io("n_waypoints")))
     waypoint_dt_s = property(lambda self: float(self._io("waypoint_dt_s")))
     n_modes = property(lambda self: int(self._io("n_modes")))
@@ -224,7 +226,8 @@ class CodeModel:
 #: order), image_size (px, square: the package decodes, resizes and normalises every camera to (C, 3, S, S)
 #: float pixels, which ``embed`` takes), image_mean / image_std (3 values each, [0, 1] units, RGB),
 #: n_waypoints, waypoint_dt_s (s), n_modes (1 or 6). Optional: random_init (bool: the trajectories are not
-#: driving advice). ``readout`` then returns waypoints (n_modes, n_waypoints, 2) metres, ego frame.
+#: driving advice), image_resize (the resize filter, model.config.RESIZE_FILTERS; default ``area``).
+#: ``readout`` then returns waypoints (n_modes, n_waypoints, 2) metres, ego frame.
 DRIVING_KEYS = ("cameras", "image_size", "image_mean", "image_std", "n_waypoints", "waypoint_dt_s", "n_modes")
 
 
@@ -243,6 +246,9 @@ def _driving(model: nn.Module, where: Path, spec: str) -> dict | None:
             or not float(io["waypoint_dt_s"]) > 0 or len(io["image_mean"]) != 3 or len(io["image_std"]) != 3:
         raise CheckpointError(f"{where}: {spec}.driving: n_modes must be 1 or 6, cameras and n_waypoints >= 1, "
                               "waypoint_dt_s > 0, image_mean / image_std 3 values each")
+    if io.get("image_resize", "area") not in RESIZE_FILTERS:
+        raise CheckpointError(f"{where}: {spec}.driving: image_resize must be one of {', '.join(RESIZE_FILTERS)}, "
+                              f"got {io['image_resize']!r}")
     return dict(io)
 
 

@@ -183,13 +183,14 @@ class PrefixRunner:
         return self.split.before_frame(timeout)
 
     def decode(self, items: list) -> list[np.ndarray]:
-        """Decode every camera image of a frame to HxWx3 uint8 RGB (camera order)."""
+        """Decode every camera image of a frame to HxWx3 uint8 RGB (camera order). A raw ``rgb8`` image is a view
+        of its message's data (no copy; the items outlive the frame's preprocessing)."""
         images = []
         for cam, (transport, msg) in enumerate(items):
             fast = self.fast_jpeg_decode and self.processor is None  # a VLM's processor sizes its own input
             try:
                 images.append(compressed_msg_to_rgb(msg, self.cfg.image_size if fast else None)
-                              if transport == "compressed" else image_msg_to_rgb(msg))
+                              if transport == "compressed" else image_msg_to_rgb(msg, copy=False))
             except ValueError as e:
                 raise type(e)(f"camera {cam}: {e}") from e
         return images
@@ -216,7 +217,8 @@ class PrefixRunner:
         if self.processor is not None:
             slot, t1, t2 = self._run_vlm(images)
             return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error)
-        preprocess(images, self.cfg.image_size, self.cfg.image_mean, self.cfg.image_std, out=self._pixels_cpu)
+        preprocess(images, self.cfg.image_size, self.cfg.image_mean, self.cfg.image_std, out=self._pixels_cpu,
+                   resize=self.cfg.image_resize)
         t1 = time.perf_counter()
         pixels = self._pixels_cpu.to(self.device, self.dtype, non_blocking=True)
         if self.produce_in_slot:

@@ -622,7 +622,7 @@ def measure_preprocess(cfg: VLAConfig, *, warmup: int = 1, repeats: int = 5, log
 
     def once() -> None:
         preprocess([decode_compressed(m.format, m.data) for m in cams], cfg.image_size, cfg.image_mean,
-                   cfg.image_std, out=out)
+                   cfg.image_std, out=out, resize=cfg.image_resize)
 
     median, fastest = _time_ms(once, torch.device("cpu"), warmup, repeats)
     if log:

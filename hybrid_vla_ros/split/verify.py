@@ -108,7 +108,7 @@ def bag_pixels(cfg: VLAConfig) -> torch.Tensor:
             first[m.topic] = store.deserialize_cdr(m.raw, m.msgtype)
     msgs = [first[t] for t in sorted(first)]
     images = [decode_compressed(msgs[i % len(msgs)].format, msgs[i % len(msgs)].data) for i in range(cfg.n_cameras)]
-    return preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std)
+    return preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std, resize=cfg.image_resize)
 
 
 def bag_images(cameras: int, camera_size: tuple[int, int] | None = None) -> list:

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..ros.graph import wait_for_subscribers
+from ..ros.graph import wait_for_reliable_subscriptions, wait_for_subscribers
 from ..util.stamps import header_stamp_ns, set_header_stamp
 
 LOOP_NS = 3_000_000_000  # the embedded bag: 3 frames 1 s apart; loop k is shifted by k * 3 s
@@ -44,13 +44,21 @@ class LoopingFramePlayer:
         self.loop_ns, self.odom_window_ns = loop_ns, odom_window_ns
         self.pubs = [node.create_publisher(image_cls, f"{ns}/cam{i}/compressed", 10) for i in range(len(cams))]
         self.odom_pub = node.create_publisher(odom_cls, f"{ns}/odom", 10)
+        self.node = node
         self.count = 0
         self.stamps: list[int] = []
         self.sent: dict[int, float] = {}
 
     def wait_for_subscribers(self, timeout: float = 20.0, odometry: bool = True) -> bool:
-        """True once every camera publisher (and, with ``odometry``, the odometry one) has a subscriber."""
-        return wait_for_subscribers(self.pubs + ([self.odom_pub] if odometry else []), timeout)
+        """True once every camera publisher (and, with ``odometry``, the odometry one) has a subscriber; then up to
+        5 s more until the camera subscriptions are reliable (a prefix with ``camera_reliability: auto``
+        re-subscribes reliable about a second after it hears these reliable publishers; a frame sent during that
+        switch can be lost: ros/graph.wait_for_reliable_subscriptions). A prefix that stays best effort only
+        costs the 5 s."""
+        if not wait_for_subscribers(self.pubs + ([self.odom_pub] if odometry else []), timeout):
+            return False
+        wait_for_reliable_subscriptions(self.node, [p.topic_name for p in self.pubs], 5.0)
+        return True
 
     def publish(self) -> int:
         """Publish the next frame (odometry first); returns its stamp (ns, the same for all cameras)."""

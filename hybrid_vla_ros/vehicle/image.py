@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Sequence
 import cv2
 import numpy as np
 
+from ..model.config import RESIZE_FILTERS
+
 if TYPE_CHECKING:  # torch is imported lazily by preprocess(): decoding alone does not need it.
     import torch
 
@@ -120,7 +122,7 @@ def _as_bytes_array(data, what: str) -> np.ndarray:
 
 
 def decode_image(
-    encoding: str, height: int, width: int, step: int, is_bigendian: bool | int, data
+    encoding: str, height: int, width: int, step: int, is_bigendian: bool | int, data, copy: bool = True
 ) -> np.ndarray:
     """Decode the fields of a ``sensor_msgs/msg/Image`` into an RGB array.
 
@@ -137,14 +139,18 @@ def decode_image(
         step: bytes per row including any padding, ``>= width * bytes_per_pixel``.
         is_bigendian: byte order of 16-bit samples (only ``mono16`` uses it).
         data: ``height * step`` bytes; any buffer-protocol object (``bytes``, ``array('B')`` as rclpy
-            gives it, a ``uint8`` ndarray as rosbags gives it, ``memoryview``). It is not modified and the
-            result never aliases it.
+            gives it, a ``uint8`` ndarray as rosbags gives it, ``memoryview``). It is not modified, and the
+            result aliases it only for ``rgb8`` with ``copy=False``.
+        copy: ``rgb8`` only: False returns a view of ``data`` (rows of ``step`` bytes, padding skipped; no
+            pass over the pixels) that the caller must only read, valid while ``data`` lives and is not
+            changed -- what the prefix uses, since the message outlives the frame's preprocessing. Other
+            encodings convert anyway.
 
     Returns:
-        ``(height, width, 3)`` ``uint8`` RGB, C-contiguous, newly allocated. The input is read through a
-        strided view (row padding skipped, OpenCV takes padded rows without copying) and written once:
-        a single copy for ``rgb8``, a single colour conversion otherwise (``mono16`` only: OpenCV first
-        gathers the high bytes, which was faster than any single-pass alternative measured).
+        ``(height, width, 3)`` ``uint8`` RGB. The input is read through a strided view (row padding skipped,
+        OpenCV takes padded rows without copying) and written once: a single copy for ``rgb8`` (C-contiguous,
+        newly allocated; none with ``copy=False``), a single colour conversion otherwise (``mono16`` only:
+        OpenCV first gathers the high bytes, which was faster than any single-pass alternative measured).
 
     Raises:
         ImageDecodeError: unknown or non-colour encoding (e.g. ``16UC1``, ``32FC1``: depth has no RGB
@@ -183,7 +189,8 @@ def decode_image(
     # (height, row_bytes) view that skips the padding; no copy.
     rows = buf.reshape(height, step)[:, :row_bytes]
     if code is None:  # rgb8: already the output layout, one copy detaches it from the message.
-        return rows.reshape(height, width, 3).copy()
+        view = rows.reshape(height, width, 3)
+        return view.copy() if copy else view
     if code == _MONO16:
         # The high byte of each 16-bit sample is value >> 8: byte 0 when big-endian, byte 1 when little.
         high = rows[:, 0::2] if bool(is_bigendian) else rows[:, 1::2]
@@ -281,6 +288,37 @@ if _IMREAD_COLOR_RGB is not None:  # IMREAD_REDUCED_GRAYSCALE_r carries only the
         (2, cv2.IMREAD_REDUCED_GRAYSCALE_2), (4, cv2.IMREAD_REDUCED_GRAYSCALE_4), (8, cv2.IMREAD_REDUCED_GRAYSCALE_8))}
 
 
+try:
+    import simplejpeg as _simplejpeg
+except ImportError:  # optional: OpenCV decodes every JPEG too
+    _simplejpeg = None
+
+#: What decodes JPEG payloads: ``simplejpeg`` (libjpeg-turbo's TurboJPEG API) when that package is installed, else
+#: ``opencv``. Both are libjpeg-turbo with its default (accurate) IDCT and upsampling; on the nuScenes cameras and
+#: the embedded bag their pixels are equal (test_image), and simplejpeg took 0.85x OpenCV's time for six 1600x900
+#: JPEGs at full size, 0.9x at 1/4 (bench preprocess, docs/performance.md). A payload simplejpeg refuses (CMYK, a
+#: damaged stream: it is strict where libjpeg only warns) or a scaled decode whose size differs from OpenCV's
+#: goes to OpenCV, so errors and recoveries are OpenCV's as before.
+JPEG_DECODER = "simplejpeg" if _simplejpeg is not None else "opencv"
+
+
+def _decode_jpeg_simplejpeg(buf: np.ndarray, payload_is_bgr: bool, reduction: int, size) -> np.ndarray | None:
+    """A JPEG payload decoded by simplejpeg to what :func:`decode_compressed` returns (RGB when the payload is BGR
+    as compressed_image_transport writes it, the payload's own order otherwise), scaled down by ``reduction``
+    (1, 2, 4, 8; ``size`` (height, width) from the header when > 1); None when simplejpeg refuses it or scales to
+    another size than libjpeg's 1/``reduction`` (OpenCV then decodes it)."""
+    kwargs = {}
+    if reduction > 1:
+        kwargs = {"min_height": -(-size[0] // reduction), "min_width": -(-size[1] // reduction)}
+    try:
+        img = _simplejpeg.decode_jpeg(buf, colorspace="RGB" if payload_is_bgr else "BGR", **kwargs)
+    except ValueError:
+        return None
+    if reduction > 1 and img.shape[:2] != (kwargs["min_height"], kwargs["min_width"]):
+        return None
+    return img
+
+
 def decode_compressed(format: str, data, min_size: int | None = None) -> np.ndarray:  # noqa: A002 - the message field is called format
     """Decode a ``sensor_msgs/msg/CompressedImage`` payload into an RGB array.
 
@@ -306,6 +344,9 @@ def decode_compressed(format: str, data, min_size: int | None = None) -> np.ndar
         ImageDecodeError: unsupported format string (``tiff``, ``compressedDepth``, ...), empty data, a
             payload whose magic bytes do not match the declared codec, a JPEG without its end-of-image
             marker (truncated), or a payload OpenCV cannot decode (corrupt).
+
+    A JPEG is decoded by :data:`JPEG_DECODER` (simplejpeg when installed, OpenCV for what it refuses), a PNG by
+    OpenCV.
 
     Note:
         libjpeg recovers from some damage inside the entropy-coded data (it prints "Corrupt JPEG data"
@@ -336,11 +377,16 @@ def decode_compressed(format: str, data, min_size: int | None = None) -> np.ndar
     # R, G, B inside the decoder, saving a pass. Older OpenCV: decode BGR, then swap in place.
     swap_after = payload_is_bgr and _IMREAD_COLOR_RGB is None
     flag = _IMREAD_COLOR_RGB if (payload_is_bgr and not swap_after) else cv2.IMREAD_COLOR
+    r, size = 1, None
     if codec == "jpeg" and min_size is not None:
         size = jpeg_size(buf)
         r = jpeg_reduction(*size, int(min_size)) if size else 1
         if r > 1:
             flag = _REDUCED_FLAGS[payload_is_bgr and not swap_after][r]
+    if codec == "jpeg" and JPEG_DECODER == "simplejpeg":
+        img = _decode_jpeg_simplejpeg(buf, payload_is_bgr, r, size)
+        if img is not None:
+            return img
     try:
         img = cv2.imdecode(buf, flag)
     except cv2.error as exc:
@@ -354,18 +400,19 @@ def decode_compressed(format: str, data, min_size: int | None = None) -> np.ndar
     return img
 
 
-def image_msg_to_rgb(msg) -> np.ndarray:
+def image_msg_to_rgb(msg, copy: bool = True) -> np.ndarray:
     """Decode a ``sensor_msgs/msg/Image`` (or any object with its fields) with :func:`decode_image`.
 
     Uses ``msg.encoding``, ``msg.height``, ``msg.width``, ``msg.step``, ``msg.is_bigendian`` and
-    ``msg.data``. Returns ``(height, width, 3)`` ``uint8`` RGB. Raises :class:`ImageDecodeError` as
+    ``msg.data``. Returns ``(height, width, 3)`` ``uint8`` RGB; ``copy=False``: for ``rgb8`` a view of
+    ``msg.data`` to read only (see :func:`decode_image`). Raises :class:`ImageDecodeError` as
     :func:`decode_image` does, and when a field is missing.
     """
     try:
         fields = (msg.encoding, msg.height, msg.width, msg.step, msg.is_bigendian, msg.data)
     except AttributeError as exc:
         raise ImageDecodeError(f"not an Image message: {exc}") from None
-    return decode_image(*fields)
+    return decode_image(*fields, copy=copy)
 
 
 def compressed_msg_to_rgb(msg, min_size: int | None = None) -> np.ndarray:
@@ -392,17 +439,28 @@ def _channel_triplet(values, name: str) -> tuple[float, float, float]:
     return float(arr[0]), float(arr[1]), float(arr[2])
 
 
+
+
+def resize_filter(name) -> str:
+    """``name`` checked against :data:`RESIZE_FILTERS`; raises ValueError naming the choices."""
+    if name not in RESIZE_FILTERS:
+        raise ValueError(f"image_resize must be one of {', '.join(RESIZE_FILTERS)}, got {name!r}")
+    return name
+
+
 def preprocess(
     images: Sequence[np.ndarray],
     size: int,
     mean: Sequence[float] | float,
     std: Sequence[float] | float,
     out: "torch.Tensor | None" = None,
+    resize: str = "area",
 ) -> "torch.Tensor":
     """Resize and normalise camera images into the model's input tensor.
 
-    Each image is resized with ``cv2.resize(..., interpolation=cv2.INTER_AREA)`` to ``size x size``
-    (aspect ratio not kept, as Orion resizes 1600x900 to 640x640), scaled to [0, 1] and normalised:
+    Each image is resized to ``size x size`` with the filter ``resize`` (:data:`RESIZE_FILTERS`; aspect ratio not
+    kept, as Orion resizes 1600x900 to 640x640) in one pass from its uint8 pixels (no full-size float copy), its
+    ``size x size`` uint8 result written into ``out`` as float, then scaled to [0, 1] and normalised:
     ``(pixel / 255 - mean[c]) / std[c]``.
 
     Args:
@@ -414,15 +472,18 @@ def preprocess(
         out: optional preallocated ``float32`` tensor of shape ``(n_cams, 3, size, size)`` (any
             device); when given it is filled in place and returned, so steady-state calls allocate
             nothing but the small resized ``uint8`` images.
+        resize: the filter, one of :data:`RESIZE_FILTERS` (default ``area``).
 
     Returns:
         ``float32`` tensor ``(n_cams, 3, size, size)``, channel order RGB (CHW per camera).
 
     Raises:
         ValueError: empty ``images``, an image that is not ``(H, W, 3)`` ``uint8``, ``size`` not an int > 0,
-            non-finite mean/std or ``std <= 0``, or ``out`` with the wrong shape or dtype.
+            non-finite mean/std or ``std <= 0``, ``out`` with the wrong shape or dtype, or an unknown ``resize``.
     """
     import torch
+
+    resize_filter(resize)
 
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
         raise ValueError(f"size must be an int, got {type(size).__name__}")
@@ -449,8 +510,16 @@ def preprocess(
         raise ValueError(f"out must be float32 {shape}, got {out.dtype} {tuple(out.shape)}")
 
     for i, img in enumerate(images):
-        resized = cv2.resize(img, (size, size), interpolation=cv2.INTER_AREA)  # (size, size, 3) uint8
-        out[i].copy_(torch.from_numpy(resized).permute(2, 0, 1))  # HWC uint8 -> CHW float32, one pass
+        if resize == "area":
+            resized = torch.from_numpy(cv2.resize(img, (size, size), interpolation=cv2.INTER_AREA))  # (S, S, 3)
+        elif img.shape[:2] == (size, size):
+            resized = torch.from_numpy(np.ascontiguousarray(img))  # interpolate at the same size copies as is
+        else:
+            # (1, 3, H, W) with channels-last strides: the layout torch's vectorised uint8 kernels take
+            chw = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1).unsqueeze(0)
+            resized = torch.nn.functional.interpolate(chw, size=(size, size), mode=resize, antialias=True,
+                                                      align_corners=False)[0].permute(1, 2, 0)
+        out[i].copy_(resized.permute(2, 0, 1))  # HWC uint8 -> CHW float32, one pass over S x S
     # (x / 255 - m) / s == x * (1 / (255 s)) - m / s, per channel, in place over the whole batch.
     scale = torch.tensor([1.0 / (255.0 * s) for s in std3], dtype=torch.float32, device=out.device)
     shift = torch.tensor([m / s for m, s in zip(mean3, std3)], dtype=torch.float32, device=out.device)

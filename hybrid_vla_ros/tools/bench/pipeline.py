@@ -189,8 +189,8 @@ def split_profile_task(chan, *, model_path: str, dtype: str, threads: int = 1, b
     out = torch.empty((cfg.n_cameras, 3, cfg.image_size, cfg.image_size))
 
     def pre():  # what PrefixRunner.decode + preprocess do for a frame
-        imgs = [compressed_msg_to_rgb(m) if t == "compressed" else image_msg_to_rgb(m) for t, m in items]
-        preprocess(imgs, cfg.image_size, cfg.image_mean, cfg.image_std, out=out)
+        imgs = [compressed_msg_to_rgb(m) if t == "compressed" else image_msg_to_rgb(m, copy=False) for t, m in items]
+        preprocess(imgs, cfg.image_size, cfg.image_mean, cfg.image_std, out=out, resize=cfg.image_resize)
 
     pre()
     samples = []

@@ -7,7 +7,12 @@ Inputs, per preset:
 * ``jpeg_fast``: the same JPEGs with the prefix's ``fast_jpeg_decode`` (decoded scaled down by 2, 4 or 8
   inside libjpeg while both sides stay >= S; no reduction for S > 450 on 1600x900 cameras);
 * ``rgb8``: six ``sensor_msgs/Image``-like objects (``encoding`` rgb8, 1600x900, ``step`` 4800, ``data`` an
-  ``array('B')`` as rclpy delivers it), converted (one copy out of the message) and resized the same way.
+  ``array('B')`` as rclpy delivers it), viewed in place (no copy) and resized with each filter of
+  ``model.config.RESIZE_FILTERS`` (area, bilinear, bicubic) into the model tensor.
+
+The JPEG rows run with each decoder (``vehicle.image.JPEG_DECODER``: OpenCV's imdecode and simplejpeg), side by
+side. Every row has the one-pass limit (``limit_ms``, :func:`memory_pass_ms`: one copy of the six cameras'
+rgb8 pixels, 26 MB, into buffers allocated beforehand) and ``ratio_to_limit`` = preprocess / limit.
 
 The code path is the prefix's own: :meth:`PrefixRunner.run <hybrid_vla_ros.runtime.prefix.PrefixRunner.run>` is
 called on each frame and its ``PrefixResult.preprocess_ms`` (decode + convert + resize + normalise of all
@@ -81,33 +86,71 @@ def raw_items(jpegs: list[bytes]) -> list:
     return items
 
 
+#: The cases of the preprocessing part: (input kind, JPEG decoder, resize filter). ``decoder`` None: not a JPEG.
+#: The JPEG rows put the decoders side by side (vehicle.image.JPEG_DECODER), the rgb8 rows the resize filters
+#: (model.config.RESIZE_FILTERS) from the same message bytes.
+CASES = (("jpeg", "opencv", "area"), ("jpeg", "simplejpeg", "area"), ("jpeg_fast", "opencv", "area"),
+         ("jpeg_fast", "simplejpeg", "area"), ("rgb8", None, "area"), ("rgb8", None, "bilinear"),
+         ("rgb8", None, "bicubic"))
+
+
+def memory_pass_ms(items: list, repeats: int = 9) -> float:
+    """The one-pass limit of a frame's camera pixels (ms, median of ``repeats``): every rgb8 image of ``items``
+    (raw ``(transport, msg)`` items) copied once, read and written, into buffers allocated beforehand --
+    the least any resize that reads every pixel costs on this core."""
+    import time
+
+    import numpy as np
+
+    src = [np.frombuffer(m.data, np.uint8) for _, m in items]
+    dst = [np.empty_like(a) for a in src]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for a, b in zip(src, dst):
+            np.copyto(b, a)
+        times.append((time.perf_counter_ns() - t0) / 1e6)
+    return float(np.median(times))
+
+
 def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, camera_dir: str | None,
                     bag: str = str(DEFAULT_BAG), min_frames: int = 5, max_frames: int = 40,
                     min_seconds: float = 2.0, device: str = "cpu") -> dict:
-    """Worker (pinned to the prefix cores): per preset and input kind, PrefixRunner.run on the 6 cameras until
-    at least ``min_frames`` frames and ``min_seconds`` s (at most ``max_frames``), after one warm-up frame."""
+    """Worker (pinned to the prefix cores): per preset and case (:data:`CASES`), PrefixRunner.run on the 6
+    cameras until at least ``min_frames`` frames and ``min_seconds`` s (at most ``max_frames``), after one
+    warm-up frame; the one-pass limit (:func:`memory_pass_ms`) measured between the frames of each case."""
     import time
 
     import torch
 
     from ...runtime.prefix import PrefixRunner
     from ...runtime.settings import PrefixRunnerSettings
+    from ...vehicle import image
     from .pipeline import EGO_STATE
 
     torch.set_num_threads(threads)
     jpegs, source = camera_jpegs(camera_dir, bag)
-    kinds = {"jpeg": compressed_items(jpegs), "jpeg_fast": compressed_items(jpegs), "rgb8": raw_items(jpegs)}
+    items_of = {"jpeg": compressed_items(jpegs), "jpeg_fast": compressed_items(jpegs), "rgb8": raw_items(jpegs)}
+    installed = image.JPEG_DECODER
     out = []
     for spec in presets:
         runner = PrefixRunner(spec["model_path"], PrefixRunnerSettings(
             spec["split_layer"], device=device, dtype=dtype, ring_name=f"bench_pre_{uuid.uuid4().hex[:10]}",
             torch_threads=threads))
         ego = EGO_STATE if runner.cfg.ego_state_input else None
+        own_filter = runner.cfg.image_resize
         try:
-            for kind, items in kinds.items():
+            for kind, decoder, resize in CASES:
+                if decoder == "simplejpeg" and installed != "simplejpeg":
+                    chan.send({"type": "progress", "line": f"  {spec['name']} {kind} simplejpeg: skipped "
+                                                          "(simplejpeg is not installed)"})
+                    continue
+                items = items_of[kind]
+                image.JPEG_DECODER = decoder or installed
+                runner.cfg.image_resize = resize  # the bench's case; the checkpoint's own filter is put back below
                 runner.fast_jpeg_decode = kind == "jpeg_fast"  # PrefixRunner's scaled-down JPEG decode
                 runner.run(items, 0, ego)  # warm-up
-                pre, pfx, dec, t0, i = [], [], [], time.monotonic(), 0
+                pre, pfx, dec, lim, t0, i = [], [], [], [], time.monotonic(), 0
                 while i < max_frames and (i < min_frames or time.monotonic() - t0 < min_seconds):
                     r = runner.run(items, i + 1, ego)
                     pre.append(r.preprocess_ms)
@@ -119,18 +162,24 @@ def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, came
                     t_b = time.perf_counter_ns()
                     del images
                     dec.append((t_b - t_a) / 1e6)
+                    lim.append(memory_pass_ms(items_of["rgb8"], repeats=3))
                     i += 1
-                p, q, d = percentiles(pre), percentiles(pfx), percentiles(dec)
+                p, q, d, limit = percentiles(pre), percentiles(pfx), percentiles(dec), percentiles(lim)["p50"]
                 decode_ms = d["p50"]
-                out.append({"preset": spec["name"], "input": kind, "split_layer": spec["split_layer"],
-                            "image_size": runner.cfg.image_size, "cameras": len(items),
-                            "camera_size": [WIDTH, HEIGHT], "frames": i, "preprocess_ms": p, "prefix_ms": q,
-                            "decode_ms": decode_ms, "resize_normalize_ms": p["p50"] - decode_ms,
+                out.append({"preset": spec["name"], "input": kind, "decoder": decoder, "resize": resize,
+                            "split_layer": spec["split_layer"], "image_size": runner.cfg.image_size,
+                            "cameras": len(items), "camera_size": [WIDTH, HEIGHT], "frames": i,
+                            "preprocess_ms": p, "prefix_ms": q, "decode_ms": decode_ms,
+                            "resize_normalize_ms": p["p50"] - decode_ms, "limit_ms": limit,
+                            "ratio_to_limit": p["p50"] / limit if limit > 0 else None,
                             "share": p["p50"] / (p["p50"] + q["p50"])})
-                chan.send({"type": "progress", "line": f"  {spec['name']} {kind}: preprocess {p['p50']:.1f} ms "
-                                                      f"(decode {decode_ms:.1f}), prefix {q['p50']:.1f} ms, "
+                chan.send({"type": "progress", "line": f"  {spec['name']} {kind} {decoder or ''} {resize}: "
+                                                      f"preprocess {p['p50']:.1f} ms (decode {decode_ms:.1f}), "
+                                                      f"one-pass limit {limit:.1f} ms, prefix {q['p50']:.1f} ms, "
                                                       f"share {out[-1]['share']:.2f}"})
         finally:
+            runner.cfg.image_resize = own_filter
+            image.JPEG_DECODER = installed
             runner.close()
     return {"results": out, "source": source}
 
@@ -140,7 +189,8 @@ def run_preprocess_part(plans: dict, *, dtype: str, cores=(0,), camera_dir: str 
                         device: str = "cpu", log=print) -> dict:
     """The whole preprocessing part for prepared presets (:func:`.pipeline.prepare_preset`); its JSON section."""
     specs = [{"name": n, "model_path": p["model_path"], "split_layer": p["split_layer"]} for n, p in plans.items()]
-    log(f"camera preprocessing: {', '.join(plans)}; 6 cameras 1600x900, jpeg and rgb8, cores {list(cores)}")
+    log(f"camera preprocessing: {', '.join(plans)}; 6 cameras 1600x900, jpeg (OpenCV and simplejpeg) and rgb8 "
+        f"(area, bilinear, bicubic), cores {list(cores)}")
     with Worker("preprocess", {"presets": specs, "dtype": dtype, "threads": len(cores),
                                "camera_dir": str(camera_dir) if camera_dir else None, "bag": str(bag),
                                "min_frames": min_frames, "min_seconds": min_seconds, "device": device},
@@ -148,4 +198,6 @@ def run_preprocess_part(plans: dict, *, dtype: str, cores=(0,), camera_dir: str 
         data = w.result(3600, log=log)
     return {"source": data["source"], "cores": list(cores), "dtype": dtype, "device": device,
             "share_definition": "preprocess / (preprocess + prefix), medians of PrefixResult over the frames",
+            "limit_definition": "one copy of the 6 cameras' rgb8 pixels into buffers allocated beforehand "
+                                "(memory_pass_ms), median, measured between the frames of each case",
             "results": data["results"]}
