@@ -62,7 +62,14 @@ def main() -> int:
             print("subscribers missing", [p.get_subscription_count() for p in pubs], file=sys.stderr)
             return 3
         time.sleep(0.1)
-    time.sleep(2.0)  # the prefix matches its subscriptions' reliability to ours within a second
+    # the prefix (camera_reliability auto) re-subscribes reliable about a second after it hears us; a frame sent
+    # before that meets a best-effort subscription that loses fragments of 26 MB messages: wait for the switch
+    # (up to 30 s: slower on a loaded machine; the test's own check then names what is missing)
+    from hybrid_vla_ros.ros.graph import wait_for_reliable_subscriptions
+
+    if not wait_for_reliable_subscriptions(node, [args.image_topic.format(i) for i in range(len(cams))], 30.0):
+        print("camera subscriptions not reliable after 30 s", file=sys.stderr)
+    time.sleep(0.5)
     for _ in range(args.frames):
         stamp = time.time_ns()
         for offset in (-50_000_000, 50_000_000):  # odometry around the camera stamp

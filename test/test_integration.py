@@ -69,6 +69,10 @@ def test_report_counts_every_frame(replay_run):
         assert report["stages_ms"][stage]["n"] == 3, stage
         assert report["stages_ms"][stage]["p50"] > 0
     assert "trajectories out       3" in stdout
+    o = report["pipeline_overhead"]  # e2e against the stage sum, per frame with a trajectory and a timing
+    assert o["n"] == 3 and o["e2e_p50_ms"] == pytest.approx(report["stages_ms"]["end_to_end"]["p50"], abs=1e-3)
+    assert o["before_prefix_p50_ms"] >= 0 and o["after_suffix_p50_ms"] >= 0 and isinstance(o["met"], bool)
+    assert 0 < o["stage_sum_p50_ms"] < o["e2e_p50_ms"] and "e2e - stage sum" in stdout
 
 
 def test_ring_removed_after_clean_shutdown(replay_run):

@@ -124,3 +124,27 @@ def test_frame_timing_round_trips_and_keeps_nan_for_an_untimed_stage():
     assert math.isnan(untimed.preprocess_ms) and untimed.suffix_ms == 3.0
     with pytest.raises(StatusError, match="t_ready_ns"):
         FrameTiming.from_key_values({"t_ready_ns": "soon"})
+
+
+def test_the_replay_report_sets_end_to_end_against_the_stage_sum():
+    """replay_report.pipeline_overhead on two frames written out by hand: e2e from the last camera message to the
+    trajectory, minus the stages the suffix timed (an untimed stage, NaN, counts 0), split into the time before the
+    prefix started and after the suffix ended; a trajectory without a timing, or of another replay, is left out."""
+    from hybrid_vla_ros.tools.replay_report import pipeline_overhead
+
+    ms = 1_000_000
+    frames = {1_000 * ms: 10.000, 2_000 * ms: 11.000}  # camera stamp (ns) -> last camera message sent (s)
+    t1 = FrameTiming(preprocess_ms=20.0, prefix_ms=100.0, handoff_ms=0.5, suffix_ms=80.0, odometry_wait_ms=math.nan,
+                     t_prefix_start_ns=10_004 * ms, t_suffix_end_ns=10_205 * ms)
+    t2 = FrameTiming(preprocess_ms=22.0, prefix_ms=101.0, handoff_ms=0.5, suffix_ms=82.0, odometry_wait_ms=1.5,
+                     t_prefix_start_ns=11_010 * ms, t_suffix_end_ns=11_220 * ms)
+    trajectories = {1_000 * ms: 10.2075, 2_000 * ms: 11.2230, 9_000 * ms: 20.0, 3_000 * ms: 12.0}
+    o = pipeline_overhead(trajectories, {1_000 * ms: t1, 2_000 * ms: t2, 9_000 * ms: t1}, frames, 50.0)
+    # frame 1: e2e 207.5, stages 200.5, overhead 7.0, before 4, after 2.5; frame 2: 223, 207, 16, 10, 3
+    assert o["n"] == 2
+    assert o["e2e_p50_ms"] == pytest.approx(215.25) and o["stage_sum_p50_ms"] == pytest.approx(203.75)
+    assert o["overhead_p50_ms"] == pytest.approx(11.5)
+    assert o["allowed_ms"] == pytest.approx(0.05 * 203.75 + 2, abs=1e-3)
+    assert o["before_prefix_p50_ms"] == pytest.approx(7.0) and o["after_suffix_p50_ms"] == pytest.approx(2.75)
+    assert o["met"] is True  # 11.5 <= 12.19
+    assert pipeline_overhead({}, {}, frames, 50.0)["met"] is None

@@ -16,6 +16,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..util.image_filters import RESIZE_FILTERS  # the checkpoint contract's names (validated below)
+
 FORMAT_VERSION = 1
 MODEL_TYPE = "hybrid_vla"
 
@@ -42,17 +44,6 @@ def nav_command_index(name: str) -> int:
         raise ValueError(f"unknown navigation command {name!r}; use one of {', '.join(NAV_COMMANDS)}") from None
 
 
-#: The resize filters of :func:`hybrid_vla_ros.vehicle.image.preprocess` (a checkpoint's ``image_resize``):
-#:
-#: * ``area``: OpenCV ``cv2.resize(..., interpolation=cv2.INTER_AREA)`` (each output pixel the mean of the input
-#:   area it covers, fractional edges weighted; rounded to uint8). The default, and all this package did before.
-#: * ``bilinear`` / ``bicubic``: ``torch.nn.functional.interpolate(..., antialias=True)`` on the uint8 image (torch's
-#:   separable uint8 kernels, vectorised for channels-last RGB), which follow Pillow's ``Image.resize`` with
-#:   ``BILINEAR`` / ``BICUBIC`` (the filters Hugging Face image processors name with ``resample`` 2 / 3): on the
-#:   nuScenes cameras at 128, 448 and 640 px they differ from Pillow by at most 1 level on at most 0.4 % of the
-#:   pixels (test_image). Several times faster than ``area`` on downscales of 1600x900 cameras
-#:   (docs/performance.md, camera preprocessing).
-RESIZE_FILTERS = ("area", "bilinear", "bicubic")
 
 @dataclass
 class VLAConfig:

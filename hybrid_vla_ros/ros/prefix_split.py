@@ -112,14 +112,17 @@ class SplitLayerControl:
                 ctx.logger.error(f"auto re-split on memory pressure off: {e}")
         if p.auto_rebalance:
             try:
-                latency = LatencyBalancer.from_plan(self.plan, paced=p.pace_to_suffix)
+                latency = LatencyBalancer.from_plan(self.plan, paced=p.pace_to_suffix,
+                                                    max_step=p.auto_rebalance_max_step)
             except ValueError as e:
                 self.reason = f"live rebalancing off: {e}"
                 ctx.logger.warning(self.reason)
         self._policy = SplitPolicy(self.plan, memory=memory, latency=latency)
         if latency is not None:
-            ctx.logger.info(f"live rebalancing on: K moves one block at a time within K <= {self._policy.k_max} "
-                            "towards the lowest latency at the measured load")
+            step = (f"at most {latency.max_step} block(s) a move" if latency.max_step
+                    else "straight to the best K")
+            ctx.logger.info(f"live rebalancing on: K moves within K <= {self._policy.k_max} towards the lowest "
+                            f"latency at the measured load ({step}; back when a move measures slower)")
         return self._policy
 
     def after_frame(self, camera_period_ns: int | None) -> None:

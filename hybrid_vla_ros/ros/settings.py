@@ -130,6 +130,8 @@ class PrefixNodeSettings(NodeSettings):
     auto_resplit_recover_mb: float = 0.0
     #: ``split_layer: auto``: move K live towards the lowest latency at the measured load (split.rebalance).
     auto_rebalance: bool = True
+    #: With ``auto_rebalance``: the most blocks one latency move takes; 0: straight to the latency-best K.
+    auto_rebalance_max_step: int = 0
     #: One image topic per camera, camera order; () means ``~/input/image<i>`` (validation with the checkpoint's
     #: camera count expands it).
     camera_topics: tuple[str, ...] = ()

@@ -23,13 +23,24 @@ with ``o`` the suffix's work per frame beside its stage (its cycle minus its sta
 odometry; the same at every K). A suffix slower than the frames it gets takes the newest one, published on average
 half a prefix cycle before its read (``ring.delivery: newest``); a prefix that paces itself to the suffix's
 announced read (``pace_to_suffix``, the default) publishes just in time instead, and a faster suffix finds each
-frame at once. The balancer moves K one block at a time towards the K' with the lowest e2e among those the GPU
-budget allows, with hysteresis:
+frame at once. The balancer moves K towards the K' with the lowest e2e among those the GPU budget allows, with
+hysteresis:
 
 * it judges only samples measured at the current K on both sides (after a move it waits for ``settle`` more such
   frames) and uses the median of the last ``window`` of them;
 * the best K must beat the current one by ``min_gain_rel`` of its latency and at least ``min_gain_ms``, on
-  ``confirm`` frames in a row, before K moves one block towards it.
+  ``confirm`` frames in a row, before K moves towards it: straight to it (``max_step`` 0, the default), or at most
+  ``max_step`` blocks;
+* the first judgement at the new K checks the move against what was *measured*, not modelled: when the latency
+  measured there is worse than the one measured before the move by the same margin, K goes straight back and no
+  latency move is made for the next ``hold`` judged frames (the plan's per-K shape was wrong for this load; the
+  hold doubles with every further such move, so a wrong model costs an excursion ever more rarely).
+
+Why not one block at a time: every move needs ``settle`` + ``window`` + ``confirm`` - 1 frames of measurement at its
+K (5 by default), and with both stages on CPU cores the latency-best K under a co-tenant lies at an end of [0, L]
+(every block costs the same on either side), so a load step needed about 5 frames per block: 6 moves in a 16-frame
+step on ``smol`` (docs/performance.md, "Load step"). A move of several blocks costs one re-split (the frame in
+progress finishes at its K, the next is computed at the new one).
 
 :class:`SplitPolicy` is the one policy of ``split_layer: auto``: memory pressure on a CUDA prefix
 (:class:`~.planner.AutoResplitPolicy`) sets the highest K that fits now, and wins; the latency moves stay at or under
@@ -84,10 +95,12 @@ class StageTimes:
 
 @dataclass
 class LatencyBalancer:
-    """Moves K one block at a time towards the lowest predicted camera-to-trajectory latency at the measured load
-    (see the module docstring for the model). ``times``: the quiet-machine :class:`StageTimes` of every K in
-    [0, L] (:meth:`from_plan` takes them from a plan made with a profile). Raises ValueError for fewer than two
-    entries, a negative time or a parameter out of range."""
+    """Moves K towards the lowest predicted camera-to-trajectory latency at the measured load, and back when the
+    move measured slower (see the module docstring for the model and the rules). ``times``: the quiet-machine
+    :class:`StageTimes` of every K in [0, L] (:meth:`from_plan` takes them from a plan made with a profile);
+    ``max_step``: the most blocks one move takes (0: straight to the best K); ``hold``: judged frames without a
+    latency move after a move that measured slower. Raises ValueError for fewer than two entries, a negative time or
+    a parameter out of range."""
 
     times: list[StageTimes]
     window: int = 2
@@ -96,11 +109,16 @@ class LatencyBalancer:
     min_gain_rel: float = 0.05
     min_gain_ms: float = 2.0
     paced: bool = True
+    max_step: int = 0
+    hold: int = 10
     _samples: list[StageSample] = field(default_factory=list, repr=False)
     _votes: int = field(default=0, repr=False)
     _came_from: int | None = field(default=None, repr=False)  # the K the last move left
     _vote_k: int | None = field(default=None, repr=False)
     _settling: int = field(default=0, repr=False)
+    _check: tuple[int, float] | None = field(default=None, repr=False)  # (K left, latency measured there)
+    _holding: int = field(default=0, repr=False)
+    _hold_next: int = field(default=-1, repr=False)  # the hold after the next slower move (doubles, see observe)
 
     @classmethod
     def from_plan(cls, plan: Plan, **kwargs) -> "LatencyBalancer":
@@ -125,12 +143,17 @@ class LatencyBalancer:
         if not 0 <= self.min_gain_rel < 1 or self.min_gain_ms < 0:
             raise ValueError(f"min_gain_rel must be in [0, 1) and min_gain_ms >= 0, got {self.min_gain_rel}, "
                              f"{self.min_gain_ms}")
+        if self.max_step < 0 or self.hold < 0:
+            raise ValueError(f"max_step and hold must be >= 0, got {self.max_step}, {self.hold}")
+        self._hold_next = self.hold
 
     def moved(self) -> None:
-        """Forget what was measured: K just moved (by this balancer or by memory pressure)."""
+        """Forget what was measured: K just moved (by this balancer or by memory pressure; a memory move is not
+        checked against the latency before it)."""
         self._samples.clear()
         self._votes, self._vote_k = 0, None
         self._settling = self.settle
+        self._check = None
 
     def predict(self, k: int, a_p: float, a_s: float, camera_period_ms: float | None,
                 overhead_ms: float = 0.0) -> float:
@@ -148,9 +171,12 @@ class LatencyBalancer:
     def observe(self, sample: StageSample, current_k: int, k_max: int) -> Move:
         """Take one frame's sample; the move it leads to (``k`` None: stay) at current K ``current_k`` with the
         highest K the budget allows now ``k_max``. A sample of another K than ``current_k`` (a frame of before the
-        last move), or one without the suffix's stage time, is left out. Moving straight back to the K the last move
-        left needs that K itself predicted ``min_gain_ms`` faster than the current one (no ping-pong where the far
-        best K flips sides with the measurement)."""
+        last move), or one without the suffix's stage time, is left out. The first judgement after a latency move
+        sends K straight back when it measured slower than before the move (then ``hold`` judged frames without a
+        latency move, doubled after each further move that measured slower, up to 32 x ``hold``, and ``hold`` again
+        after one that paid); otherwise a move back towards (or past) the K the last move left needs that K
+        itself predicted faster than the current one by a move's margin (no ping-pong where the far best K flips
+        sides with the measurement)."""
         if sample.k != current_k or sample.suffix_ms is None or sample.prefix_ms <= 0 or sample.suffix_ms <= 0:
             return Move(None, "waiting for frames measured at the current K on both sides")
         if self._settling > 0:
@@ -174,25 +200,44 @@ class LatencyBalancer:
         best = min(range(min(k_max, self.num_layers) + 1), key=predicted.__getitem__)
         where = (f"prefix {p:.0f} ms (x{a_p:.2f} of the plan), suffix {s:.0f} ms (x{a_s:.2f}), predicted "
                  f"{now:.0f} ms at K={current_k}")
+        if self._check is not None:  # the first judgement after a latency move: did it pay, as measured?
+            k_left, before = self._check
+            self._check = None
+            if k_left <= k_max and now > before + max(self.min_gain_rel * before, self.min_gain_ms):
+                self.moved()
+                self._came_from, self._holding = current_k, self._hold_next
+                self._hold_next = min(2 * self._hold_next, 32 * self.hold)  # the model stays wrong: try less often
+                return Move(k_left, f"{where}; measured slower than the {before:.0f} ms at K={k_left} before the "
+                                    f"move: back to K={k_left}, no latency move for {self._holding} frames")
+            self._hold_next = self.hold  # it paid
+        if self._holding > 0:
+            self._holding -= 1
+            return Move(None, f"{where}; holding after a move that measured slower ({self._holding} frames left)")
         gain = now - predicted[best]
         if best == current_k or gain <= 0 or gain < max(self.min_gain_rel * now, self.min_gain_ms):
             self._votes, self._vote_k = 0, None
             held = best_all > k_max and best_all > current_k
             return Move(None, f"{where}; " + (f"the GPU budget holds K at {k_max} (K={best_all} would be faster)"
                                               if held else "balanced"))
-        k_new = current_k + (1 if best > current_k else -1)  # one block at a time towards the best K
-        if self._came_from == k_new and predicted[k_new] > now - self.min_gain_ms:
-            # straight back to the K the last move left: only when that K itself is predicted faster now, not
-            # just on the way to a far best K (whose side can flip with the measurement: no ping-pong)
+        step = best - current_k
+        if self.max_step:
+            step = max(-self.max_step, min(self.max_step, step))
+        k_new = current_k + step
+        back = self._came_from
+        if back is not None and (k_new - current_k) * (back - current_k) > 0 and \
+                predicted[back] > now - max(self.min_gain_rel * now, self.min_gain_ms):
+            # back towards (or past) the K the last move left: only when that K itself is predicted faster now by
+            # the margin of a move, not just on the way to a far best K (whose side can flip with the measurement,
+            # e.g. across the camera period's step: no ping-pong)
             self._votes, self._vote_k = 0, None
-            return Move(None, f"{where}; holding: back to K={k_new} is predicted {predicted[k_new]:.0f} ms")
+            return Move(None, f"{where}; holding: back to K={back} is predicted {predicted[back]:.0f} ms")
         self._votes = self._votes + 1 if self._vote_k == k_new else 1
         self._vote_k = k_new
         goal = f"K={best} predicted {predicted[best]:.0f} ms"
         if self._votes < self.confirm:
             return Move(None, f"{where}; {goal} ({self._votes}/{self.confirm})")
         self.moved()
-        self._came_from = current_k
+        self._came_from, self._check = current_k, (current_k, now)
         return Move(k_new, f"{where}; towards {goal}")
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Sequence
 import cv2
 import numpy as np
 
-from ..model.config import RESIZE_FILTERS
+from ..util.image_filters import RESIZE_FILTERS
 
 if TYPE_CHECKING:  # torch is imported lazily by preprocess(): decoding alone does not need it.
     import torch

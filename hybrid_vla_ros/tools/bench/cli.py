@@ -135,6 +135,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-peer", action="store_true",
                    help="skip the llama.cpp peer (all 30 smol blocks against llama.cpp's prefill; runs when smol is "
                         "among the presets)")
+    g.add_argument("--build-llama-cpp", action="store_true",
+                   help="build llama-cpp-python from source into the cache first when it is not there (once, several "
+                        "minutes; the JSON records how long), so the peer runs")
     g = p.add_argument_group("cores")
     g.add_argument("--prefix-cores", default="0", help="cores of the prefix process (default 0)")
     g.add_argument("--suffix-cores", default="1", help="cores of the suffix process (default 1)")
@@ -322,9 +325,20 @@ def run(args: argparse.Namespace) -> int:
     if "flops" in parts:
         from .suffix_flops import run_flops_part
 
-        part("suffix_flops", lambda: run_flops_part(
-            s["flops_presets"], dtypes=tuple(args.flops_dtypes), cores=flops_cores, blocks=s["flops_blocks"],
-            repeats=s["flops_repeats"], backends=tuple(args.flops_backends), peer=not args.no_peer, log=log))
+        def flops():
+            build = None
+            if args.build_llama_cpp and not args.no_peer:
+                from .llama_peer import build_llama_cpp
+
+                build = build_llama_cpp(log=log)
+            out = run_flops_part(
+                s["flops_presets"], dtypes=tuple(args.flops_dtypes), cores=flops_cores, blocks=s["flops_blocks"],
+                repeats=s["flops_repeats"], backends=tuple(args.flops_backends), peer=not args.no_peer, log=log)
+            if build is not None and out.get("peer") is not None:
+                out["peer"]["llama_cpp_build"] = build
+            return out
+
+        part("suffix_flops", flops)
     plans = {}
     if "pipeline" in parts or "preprocess" in parts or "loadstep" in parts:
         from .pipeline import DEFAULT_CACHE, DEFAULT_FRAMES, prepare_preset

@@ -20,22 +20,86 @@ and backend. The ratio reported is llama.cpp ms / ours ms (> 1: ours is faster).
 """
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 #: GGUF ``general.file_type`` values (llama.cpp's ``llama_ftype``) of the exported files.
 FILE_TYPES = {"f32": 0, "bf16": 32}
+#: The llama-cpp-python release the bench builds (``--build-llama-cpp``); its sdist carries llama.cpp's source.
+LLAMA_CPP_VERSION = "0.3.36"
+#: What llama_cpp imports at start-up beyond this project's requirements (pure Python), installed beside it.
+_LLAMA_CPP_EXTRA = ("diskcache==5.6.3",)
+
+
+def llama_cpp_build_dir() -> Path:
+    """The folder :func:`build_llama_cpp` installs llama-cpp-python into: ``<cache_dir>/llama-cpp-python/
+    <version>-cp<major><minor>-<machine>`` (one build per Python and architecture; ``GGML_NATIVE`` also ties it to
+    this CPU's instruction set, so a cache copied to another CPU can fault)."""
+    from ...util.paths import cache_dir
+
+    tag = f"{LLAMA_CPP_VERSION}-cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
+    return cache_dir() / "llama-cpp-python" / tag
+
+
+def _use_built_llama_cpp() -> None:
+    """Put :func:`llama_cpp_build_dir` on ``sys.path`` (at the end: an installed llama_cpp wins) when it holds a
+    build."""
+    d = llama_cpp_build_dir()
+    if (d / "llama_cpp" / "__init__.py").is_file() and str(d) not in sys.path:
+        sys.path.append(str(d))
 
 
 def llama_cpp_status() -> tuple[bool, str]:
-    """(available, reason): whether ``llama_cpp`` imports here, and the reason when it does not."""
+    """(available, reason): whether ``llama_cpp`` imports here (installed, or built by :func:`build_llama_cpp`
+    into the cache), and the reason when it does not."""
+    _use_built_llama_cpp()
     try:
         import llama_cpp  # noqa: F401
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken shared library (OSError)
-        return False, (f"llama-cpp-python is not installed ({type(e).__name__}: {e}); build it from source "
-                       "(pip install llama-cpp-python==0.3.36) to run this peer")
+        return False, (f"llama-cpp-python is not importable ({type(e).__name__}: {e}); `hybrid-vla bench "
+                       f"--build-llama-cpp` builds {LLAMA_CPP_VERSION} from source once into "
+                       f"{llama_cpp_build_dir()} (several minutes)")
     return True, ""
+
+
+def build_llama_cpp(log=print, timeout_s: float = 3600.0) -> dict:
+    """Build llama-cpp-python :data:`LLAMA_CPP_VERSION` from its source distribution into
+    :func:`llama_cpp_build_dir` (``pip install --no-deps --target``, ``CMAKE_ARGS=-DGGML_NATIVE=ON``: llama.cpp
+    compiled for this CPU, as its own build does by default), plus :data:`_LLAMA_CPP_EXTRA`; nothing in the
+    environment changes. Needs a C/C++ compiler, cmake (or pip's), and the package index. Done once: a folder that
+    already holds a build is reused. Returns {path, built (False: reused), seconds (the build's wall time, 0.0 when
+    reused)}. Raises RuntimeError with pip's last lines when the build fails (the half-built folder is removed)."""
+    import shutil
+
+    dst = llama_cpp_build_dir()
+    if (dst / "llama_cpp" / "__init__.py").is_file():
+        return {"path": str(dst), "built": False, "seconds": 0.0}
+    tmp = dst.with_name(dst.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON"),
+               CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+    log(f"  peer: building llama-cpp-python {LLAMA_CPP_VERSION} from source into {dst} (once; several minutes)")
+    t0 = time.monotonic()
+    for spec in (f"llama-cpp-python=={LLAMA_CPP_VERSION}", *_LLAMA_CPP_EXTRA):
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-binary", "llama-cpp-python",
+                            "--target", str(tmp), "--disable-pip-version-check", "--no-input", spec],
+                           env=env, capture_output=True, text=True, timeout=timeout_s)
+        if r.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(f"building {spec} failed (pip exit {r.returncode}):\n{tail}")
+    seconds = time.monotonic() - t0
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    log(f"  peer: llama-cpp-python built in {seconds:.0f} s")
+    return {"path": str(dst), "built": True, "seconds": seconds}
 
 
 def export_dequantised_gguf(src: str | Path, dst: str | Path, kind: str = "f32") -> Path:

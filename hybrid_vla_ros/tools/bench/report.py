@@ -54,6 +54,7 @@ the gaps 0, 20 and 100 ms ran): ``handoff_zero_copy_p50`` (largest p50 <= 0.05 m
                 how much later than eager a restarted suffix returns its first frame through the compiled path}
     peer        (or null) tokens, threads, ours [{dtype, backend, time_ms, build_s}] (all 30 ``smol`` blocks),
                 llama_cpp {q4_1 | f32 | bf16: {file, median_ms, min_ms, load_s}} or null, skipped_reason,
+                llama_cpp_build {path, built, seconds} (only with ``--build-llama-cpp``),
                 ratios {"<kind>_over_<dtype>_<backend>": llama.cpp ms / ours ms}, best_ours {dtype, backend,
                 time_ms}
 
@@ -217,6 +218,12 @@ def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: 
                 f"{e['preset']}, co-tenant on the {where}'s cores, live rebalancing: frames from the step until the "
                 "latency settles", during["settle_frames"], "<= 10",
                 during["settle_frames"] is not None and during["settle_frames"] <= 10)
+            fixed = (e["runs"].get(f"{where}_fixed") or {}).get("phases", {}).get("during", {})
+            if fixed.get("e2e_p50_ms") and during.get("e2e_p50_ms"):
+                ratio = during["e2e_p50_ms"] / fixed["e2e_p50_ms"]
+                add(f"loadstep_gain_{e['preset']}_{where}", "loadstep",
+                    f"{e['preset']}, co-tenant on the {where}'s cores: e2e p50 during the step, rebalanced / fixed K",
+                    ratio, "<= 1 (not slower than a fixed K)", ratio <= 1.0)
     f = doc.get("suffix_flops")
     if f:
         rows = f["results"]
@@ -494,6 +501,10 @@ def markdown(doc: dict) -> str:
                     f"{k} {_f(v, 2)}" for k, v in peer["ratios"].items()) + "."
             else:
                 line += f"llama.cpp skipped: {peer.get('skipped_reason')}"
+            build = peer.get("llama_cpp_build")
+            if build:
+                line += (f" llama-cpp-python built from source in {build['seconds']:.0f} s ({build['path']})."
+                         if build["built"] else f" llama-cpp-python: the build in {build['path']}.")
             out.append(line)
     q = doc.get("preprocess")
     if q:
