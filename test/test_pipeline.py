@@ -209,5 +209,10 @@ def test_the_prefix_paces_itself_to_a_slower_suffix(tiny_checkpoint, frame):
     assert pacing_delay_ns(now, taken, taken + p_ns // 2, p_ns, published_before, max_ns) == 0  # faster suffix
     assert pacing_delay_ns(now, now - 10 * s_ns, now - 9 * s_ns, p_ns, published_before, max_ns) == 0  # stale
     assert pacing_delay_ns(now, 0, 0, p_ns, published_before, max_ns) == 0  # no announcement
+    # the suffix will be done (and idle, waiting) before a frame started now is out: it takes it at once, no delay
+    # (it does not read again every S on its own)
+    late = taken + s_ns - p_ns // 2
+    assert pacing_delay_ns(late, taken, taken + s_ns, p_ns, published_before, max_ns) == 0
+    assert pacing_delay_ns(taken + s_ns + p_ns, taken, taken + s_ns, p_ns, published_before, max_ns) == 0
 
 

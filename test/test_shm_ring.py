@@ -244,11 +244,11 @@ def test_slot_bytes_for():
 
 def test_header_layout_matches_documented_offsets():
     fmt = sl._SLOT.format
-    fields = ["I", "H", "H", "Q", "q", "q", "q", "Q", "q", "i", "I", "I", "4x", "4q", "d", "d", "q"]
+    fields = ["I", "H", "H", "Q", "q", "q", "q", "Q", "q", "i", "I", "I", "4x", "4q", "d", "d", "q", "d"]
     offsets = [struct.calcsize("<" + "".join(fields[:k])) for k in range(len(fields)) if fields[k] != "4x"]
     assert fmt == "<" + "".join(fields)
     assert offsets == list(sl.SLOT_FIELD_OFFSETS.values())
-    assert sl.SLOT_VERSION == 2 and sl._SLOT.size == 128 <= sg.SLOT_HEADER_BYTES
+    assert sl.SLOT_VERSION == 3 and sl._SLOT.size == 136 <= sg.SLOT_HEADER_BYTES
     assert (sg.GLOBAL_HEADER_BYTES + sg.SLOT_HEADER_BYTES) % sg.PAYLOAD_ALIGN == 0
 
 
@@ -257,7 +257,7 @@ def test_header_layout_matches_documented_offsets():
 def test_round_trip_values_and_meta_between_processes(name, children):
     frames = [
         # an instant no float of ms holds exactly (1.7e18 ns): it arrives to the ns
-        (1, (1, 37, 64), "bf16", 1_000_000_001, 12, SlotTimings(1.5, 2.25, 1_700_000_000_123_456_789)),
+        (1, (1, 37, 64), "bf16", 1_000_000_001, 12, SlotTimings(1.5, 2.25, 1_700_000_000_123_456_789, 17.5)),
         (2, (5, 16), "fp16", 2, 12, NO_TIMINGS),  # a producer that sent none
         (3, (2, 3, 4, 5), "fp32", -7, 13, SlotTimings(0.0, 1e300, (1 << 63) - 1)),
         (4, (), "fp32", 4, 12, SlotTimings(prefix_ms=0.125)),  # some sent, the others NaN / 0
@@ -488,7 +488,8 @@ def _open_mapping(name, prod):
 def test_every_header_field_round_trips_through_a_slot_at_its_documented_offset(name):
     """One frame through a real slot: each header field the consumer reads equals what was published, and sits
     in the segment at its SLOT_FIELD_OFFSETS offset in its documented type (the slots module's table)."""
-    timings = SlotTimings(preprocess_ms=3.5, prefix_ms=7.25, prefix_start_ns=1_234_567_890_123_456_789)
+    timings = SlotTimings(preprocess_ms=3.5, prefix_ms=7.25, prefix_start_ns=1_234_567_890_123_456_789,
+                          ego_wait_ms=21.125)
     cap = slot_bytes_for((2, 3, 4), torch.float16)
     with RingProducer(name, 3, cap, model_id=-77) as prod, RingConsumer(name, expected_model_id=-77) as cons:
         mapping = _open_mapping(name, prod)
@@ -505,18 +506,18 @@ def test_every_header_field_round_trips_through_a_slot_at_its_documented_offset(
             assert (m.seq, m.stamp_ns, m.split_layer, m.model_id, m.shape, m.dtype) == (
                 seq, -(1 << 63), (1 << 31) - 1, -77, (2, 3, 4), torch.float16)
             assert m.timings == timings and m.t_write_start_ns <= m.t_publish_ns
-            assert at("magic", "I") == (sl.SLOT_MAGIC,) and at("version", "H") == (2,)
+            assert at("magic", "I") == (sl.SLOT_MAGIC,) and at("version", "H") == (3,)
             assert at("state", "H") == (sl.READING,) and at("seq", "Q") == (seq,)
             assert at("stamp_ns", "q") == (m.stamp_ns,) and at("t_write_start_ns", "q") == (m.t_write_start_ns,)
             assert at("t_publish_ns", "q") == (m.t_publish_ns,) and at("payload_nbytes", "Q") == (m.nbytes,)
             assert at("model_id", "q") == (-77,) and at("split_layer", "i") == ((1 << 31) - 1,)
             assert at("ndim", "I") == (3,) and at("shape", "4q") == (2, 3, 4, 0)
             assert at("preprocess_ms", "d") == (3.5,) and at("prefix_ms", "d") == (7.25,)
-            assert at("prefix_start_ns", "q") == (1_234_567_890_123_456_789,)
+            assert at("prefix_start_ns", "q") == (1_234_567_890_123_456_789,) and at("ego_wait_ms", "d") == (21.125,)
         index = _publish(prod, shape=(2, 3, 4), dtype=torch.float16)  # no timings sent: NaN, NaN, 0 in the header
         base = sg.GLOBAL_HEADER_BYTES + index * prod.slot_stride
         assert math.isnan(at("preprocess_ms", "d")[0]) and math.isnan(at("prefix_ms", "d")[0])
-        assert at("prefix_start_ns", "q") == (0,)
+        assert at("prefix_start_ns", "q") == (0,) and math.isnan(at("ego_wait_ms", "d")[0])
         with cons.read(WAIT_S) as r:
             assert r.meta.timings == NO_TIMINGS and math.isnan(r.meta.timings.prefix_ms)
         mapping.close()

@@ -115,7 +115,8 @@ def test_both_statuses_share_the_common_fields():
 
 
 def test_frame_timing_round_trips_and_keeps_nan_for_an_untimed_stage():
-    t = FrameTiming(preprocess_ms=1.5, prefix_ms=2.25, handoff_ms=0.125, suffix_ms=3.0, odometry_wait_ms=0.5,
+    t = FrameTiming(ego_wait_ms=4.0, preprocess_ms=1.5, prefix_ms=2.25, handoff_ms=0.125, suffix_ms=3.0,
+                    odometry_wait_ms=0.5,
                     t_prefix_start_ns=10, t_write_start_ns=20, t_ready_ns=30, t_suffix_end_ns=40, t_publish_ns=50)
     assert FrameTiming.from_key_values(t.key_values()) == t
     assert dict(t.key_values())["preprocess_ms"] == "1.5000" and dict(t.key_values())["t_ready_ns"] == "30"

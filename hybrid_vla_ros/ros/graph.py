@@ -35,19 +35,23 @@ def wait_for_subscribers(publishers: Iterable, timeout_s: float, minimum: int | 
 
 
 def wait_for_reliable_subscriptions(node, topics: Iterable[str], timeout_s: float, poll_s: float = 0.1) -> bool:
-    """Wait up to ``timeout_s`` (s) until every subscription on each of ``topics`` (as
-    ``node.get_subscriptions_info_by_topic`` lists them) is reliable, and there is at least one.
+    """Wait up to ``timeout_s`` (s) until each of ``topics`` has a reliable subscription (as
+    ``node.get_subscriptions_info_by_topic`` lists them).
 
     Why: a prefix with ``camera_reliability: auto`` subscribes best effort first and re-subscribes reliable
     about a second after it hears reliable publishers (ros/prefix_inputs.py); a publisher that sends a
-    few frames once (a replay, a test) waits here so that no frame meets the switch. Returns True when they
-    all are, False on timeout (e.g. a prefix configured ``camera_reliability: best_effort``: the caller
-    decides whether to go on). ``node``: an rclpy node (duck-typed)."""
+    few frames once (a replay, a test) waits here so that no frame meets the switch. The best-effort
+    subscription the prefix keeps for a few seconds beside the new one (so that the switch loses nothing) does not
+    matter: a frame goes to both and is taken once; nor does another reader's best-effort subscription (a viewer).
+    Seeing the subscription in this node's graph means this participant discovered it, so a reliable publisher
+    here is matched to it. Returns True when each topic has one, False on timeout (e.g. a prefix configured
+    ``camera_reliability: best_effort``: the caller decides whether to go on). ``node``: an rclpy node
+    (duck-typed)."""
     topics = list(topics)
     deadline = time.monotonic() + timeout_s
     while True:
         infos = [node.get_subscriptions_info_by_topic(t) for t in topics]
-        if all(info and all(i.qos_profile.reliability.name == "RELIABLE" for i in info) for info in infos):
+        if all(any(i.qos_profile.reliability.name == "RELIABLE" for i in info) for info in infos):
             return True
         if time.monotonic() >= deadline:
             return False

@@ -12,6 +12,7 @@ from typing import Callable
 
 from geometry_msgs.msg import AccelWithCovarianceStamped
 from nav_msgs.msg import Odometry
+from rclpy.clock import Clock, ClockType
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 
@@ -111,7 +112,10 @@ class CameraInputs:
         self._topics = [sub.topic_name for sub in self.subscriptions]
         if reliability == "auto":
             self._match_publishers()
-            self._qos_timer = self._ctx.ros.create_timer(1.0, self._match_publishers)
+            # on the steady clock: with use_sim_time a /clock that has not moved yet (a replay before it plays, a
+            # paused bag) would stop a ROS-time timer, and the switch to reliable would wait for the first frames
+            self._qos_timer = self._ctx.ros.create_timer(1.0, self._match_publishers,
+                                                         clock=Clock(clock_type=ClockType.STEADY_TIME))
 
     #: How long the previous subscription of a camera stays while a new one (other reliability) is matched (s).
     SWITCH_OVERLAP_S = 3.0

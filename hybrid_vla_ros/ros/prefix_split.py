@@ -157,7 +157,10 @@ class SplitLayerControl:
         wanted = (active and self.plan is not None and p is not None and p.auto_resplit_free_mb > 0
                   and runner is not None and runner.device.type == "cuda")
         if wanted and self._timer is None:
-            self._timer = self._ctx.ros.create_timer(2.0, self._check_memory_pressure)
+            from rclpy.clock import Clock, ClockType  # steady: device memory runs on wall time, not the bag's
+
+            self._timer = self._ctx.ros.create_timer(2.0, self._check_memory_pressure,
+                                                     clock=Clock(clock_type=ClockType.STEADY_TIME))
         elif not wanted:
             self.stop_timer()
 

@@ -319,8 +319,9 @@ class FrameTiming:
     stamp): per-stage milliseconds and CLOCK_MONOTONIC instants (ns, system-wide, so a process on this host lays
     frames from both nodes on one timeline). A stage the producer did not time is NaN."""
 
-    STAGES: ClassVar[tuple[str, ...]] = ("preprocess", "prefix", "handoff", "suffix", "odometry_wait")
+    STAGES: ClassVar[tuple[str, ...]] = ("ego_wait", "preprocess", "prefix", "handoff", "suffix", "odometry_wait")
 
+    ego_wait_ms: float = math.nan  # the prefix waiting for the ego state at the camera stamp (ego-state models)
     preprocess_ms: float = math.nan  # camera decode and resize into the model tensor
     prefix_ms: float = math.nan  # vision encoder, projector, blocks [0, K), into the slot
     handoff_ms: float = math.nan  # slot write start to READY seen by the suffix

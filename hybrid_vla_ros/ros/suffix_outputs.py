@@ -1,6 +1,7 @@
 """The suffix node's outputs: the guarded trajectory, the candidate trajectories and each frame's timing."""
 from __future__ import annotations
 
+import math
 import time
 
 from autoware_internal_planning_msgs.msg import CandidateTrajectories
@@ -95,13 +96,15 @@ class TrajectoryOutputs:
 
     def _publish_timing(self, result, odometry_wait_ms: float, t_publish_ns: int) -> None:
         # CLOCK_MONOTONIC instants (ns, system-wide): a process on this host can lay frames on one timeline.
-        t = FrameTiming(preprocess_ms=result.preprocess_ms, prefix_ms=result.prefix_ms, handoff_ms=result.handoff_ms,
+        t = FrameTiming(ego_wait_ms=result.meta.timings.ego_wait_ms, preprocess_ms=result.preprocess_ms,
+                        prefix_ms=result.prefix_ms, handoff_ms=result.handoff_ms,
                         suffix_ms=result.suffix_ms, odometry_wait_ms=odometry_wait_ms,
                         t_prefix_start_ns=result.t_prefix_start_ns, t_write_start_ns=result.meta.t_write_start_ns,
                         t_ready_ns=result.t_ready_ns, t_suffix_end_ns=result.t_suffix_end_ns,
                         t_publish_ns=t_publish_ns)
         for stage, ms in t.stage_ms().items():
-            self._ctx.times.add(stage, ms)
+            if not math.isnan(ms):  # a stage this frame's producer did not time (ego_wait without ego state)
+                self._ctx.times.add(stage, ms)
         timing = diagnostic_array(self._ctx.ros, "frame_timing", OK, f"seq {result.meta.seq}", t.key_values())
         timing.header.stamp = ns_to_stamp(result.meta.stamp_ns)
         self._timing_pub.publish(timing)

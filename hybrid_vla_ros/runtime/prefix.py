@@ -8,6 +8,7 @@ the slot header's :class:`~hybrid_vla_ros.transport.ring.SlotTimings` (``prefix_
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -50,17 +51,18 @@ def pacing_delay_ns(now_ns: int, taken_ns: int, next_read_ns: int, cycle_p_ns: f
     ``taken_ns`` / ``next_read_ns``: when the suffix took its last frame and when it expects to take the next
     (its cycle S is their difference); ``cycle_p_ns``: the prefix's cycle P with its margin; ``last_publish_ns``:
     when the prefix published its newest frame. Returns the delay in ns before starting the next frame so that
-    it is published just before the first suffix read at least P from now that no published frame waits for
-    (reads recur every S); 0 when there is no announcement, when S <= P, when the announcement is stale (the
-    suffix took nothing for 2 S) or when the delay would exceed ``max_ns``.
+    it is published just as the suffix becomes free for it: at its next read (``next_read_ns``), or one cycle S
+    later when a published frame already waits for that read. 0 when the suffix will be free by the time a frame
+    started now is published (P from now: it then takes the frame at once, and waiting would only age it), when
+    there is no announcement, when S <= P, when the announcement is stale (the suffix took nothing for 2 S) or
+    when the delay would exceed ``max_ns``. (An idle suffix does not read every S: it waits for the next frame;
+    aiming at a later "read" left it idle and aged the frame by up to S, 164 ms in ``make demo``.)
     """
     cycle_s = next_read_ns - taken_ns
     if taken_ns <= 0 or cycle_s <= cycle_p_ns or now_ns - taken_ns > 2 * cycle_s:
         return 0
-    first = next_read_ns if last_publish_ns <= taken_ns else next_read_ns + cycle_s  # a frame waits for next_read
-    finish = now_ns + cycle_p_ns
-    target = first if first >= finish else first + -(-(finish - first) // cycle_s) * cycle_s
-    delay = round(target - finish)
+    free = next_read_ns if last_publish_ns <= taken_ns else next_read_ns + cycle_s  # a frame waits for next_read
+    delay = round(free - (now_ns + cycle_p_ns))
     return delay if 0 < delay <= max_ns else 0
 
 
@@ -196,10 +198,12 @@ class PrefixRunner:
         return images
 
     @torch.inference_mode()
-    def run(self, items: list, stamp_ns: int, ego_state=None) -> PrefixResult:
+    def run(self, items: list, stamp_ns: int, ego_state=None, ego_wait_ms: float = math.nan) -> PrefixResult:
         """One synchronized frame (camera-order ``(transport, msg)`` items, camera stamp in ns) into the
         ring; see the class docstring. ``ego_state``: (speed m/s, acceleration m/s^2, yaw rate rad/s)
         at the camera stamp, required when the model takes it (``cfg.ego_state_input``), else None.
+        ``ego_wait_ms``: how long the caller waited for that ego state before this call (ms; NaN: not timed),
+        sent with the frame's timings (``SlotTimings.ego_wait_ms``).
         Raises ImageDecodeError, ValueError (camera count, missing or non-finite ego state) and
         FloatingPointError (non-finite hidden states: nothing is published)."""
         if len(items) != self.cfg.n_cameras:
@@ -216,7 +220,7 @@ class PrefixRunner:
         images = self.decode(items)
         if self.processor is not None:
             slot, t1, t2 = self._run_vlm(images)
-            return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error)
+            return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error, ego_wait_ms)
         preprocess(images, self.cfg.image_size, self.cfg.image_mean, self.cfg.image_std, out=self._pixels_cpu,
                    resize=self.cfg.image_resize)
         t1 = time.perf_counter()
@@ -237,7 +241,7 @@ class PrefixRunner:
             except BaseException:
                 self.ring.abort(slot)
                 raise
-        return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error)
+        return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error, ego_wait_ms)
 
     def _run_vlm(self, images: list) -> tuple:
         """A VLM composition's frame: the family's processor (:func:`~hybrid_vla_ros.model.vlm.frame_inputs`),
@@ -263,10 +267,10 @@ class PrefixRunner:
         return slot, t1, t2
 
     def _publish(self, slot, stamp_ns: int, t_start_ns: int, t0: float, t1: float, t2: float, resplit,
-                 resplit_error) -> PrefixResult:
+                 resplit_error, ego_wait_ms: float = math.nan) -> PrefixResult:
         pre_ms, prefix_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
         seq = self.ring.publish(slot, stamp_ns=stamp_ns, split_layer=self.split_layer,
-                                timings=SlotTimings(pre_ms, prefix_ms, t_start_ns))
+                                timings=SlotTimings(pre_ms, prefix_ms, t_start_ns, ego_wait_ms))
         self._last_publish_ns = time.monotonic_ns()
         self._publishes_ns.append(self._last_publish_ns)
         self._cycle_ns.append(self._last_publish_ns - t_start_ns)

@@ -51,13 +51,13 @@ class LoopingFramePlayer:
 
     def wait_for_subscribers(self, timeout: float = 20.0, odometry: bool = True) -> bool:
         """True once every camera publisher (and, with ``odometry``, the odometry one) has a subscriber; then up to
-        5 s more until the camera subscriptions are reliable (a prefix with ``camera_reliability: auto``
+        10 s more until each camera topic has a reliable subscription (a prefix with ``camera_reliability: auto``
         re-subscribes reliable about a second after it hears these reliable publishers; a frame sent during that
         switch can be lost: ros/graph.wait_for_reliable_subscriptions). A prefix that stays best effort only
-        costs the 5 s."""
+        costs the 10 s."""
         if not wait_for_subscribers(self.pubs + ([self.odom_pub] if odometry else []), timeout):
             return False
-        wait_for_reliable_subscriptions(self.node, [p.topic_name for p in self.pubs], 5.0)
+        wait_for_reliable_subscriptions(self.node, [p.topic_name for p in self.pubs], 10.0)
         return True
 
     def publish(self) -> int:

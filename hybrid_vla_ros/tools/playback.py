@@ -27,7 +27,7 @@ def message_class(msgtype: str):
 def publishers_for(node, play, odometry_readers: int = 1) -> dict:
     """A publisher on ``node`` per topic of the messages ``play`` (topic -> (publisher, message class)), returned
     once the nodes subscribe (10 s at most; the odometry by ``odometry_readers`` subscribers, CameraInfo not
-    waited for) and the camera subscriptions are reliable (5 s at most, see below).
+    waited for) and each camera topic has a reliable subscription (10 s at most, see below).
     Warns on stderr of other publishers on the same topics: their frames would mix with these."""
     publishers = {}
     for m in play:
@@ -38,10 +38,10 @@ def publishers_for(node, play, odometry_readers: int = 1) -> dict:
                          10.0, {ODOMETRY_TOPIC: odometry_readers})
     # These publishers are reliable: a prefix with camera_reliability auto re-subscribes its cameras reliable
     # about a second after it hears them. A frame sent during that switch could be lost, and a replay sends each
-    # frame once: wait for it (5 s; a prefix configured best_effort stays so, and the replay goes on).
+    # frame once: wait for it (10 s; a prefix configured best_effort stays so, and the replay goes on).
     cameras = [pub.topic_name for pub, _ in publishers.values() if CAMERA_TOPIC.match(pub.topic_name)]
-    if cameras and not wait_for_reliable_subscriptions(node, cameras, 5.0):
-        print("note: the camera subscriptions are not all reliable after 5 s (camera_reliability best_effort?): "
+    if cameras and not wait_for_reliable_subscriptions(node, cameras, 10.0):
+        print("note: a camera topic has no reliable subscription after 10 s (camera_reliability best_effort?): "
               "large images can be lost under load", file=sys.stderr)
     foreign = sorted(t for t, (pub, _) in publishers.items() if node.count_publishers(t) > 1)
     if foreign:

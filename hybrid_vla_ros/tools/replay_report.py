@@ -38,7 +38,8 @@ def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: P
             foreign += 1  # a trajectory for a frame this replay did not publish
         else:
             e2e.append((t_recv - frames[key]) * 1e3)
-    stages = {s: percentiles([t.stage_ms()[s] for t in timings.values()]) for s in FrameTiming.STAGES}
+    stages = {s: percentiles([t.stage_ms()[s] for t in timings.values()], finite_only=True)
+              for s in FrameTiming.STAGES}
     stages["end_to_end"] = percentiles(e2e)
     drops = drops_by_cause(prefix, suffix)
     overhead = pipeline_overhead(trajectories, timings, frames, tolerance_ms)

@@ -1,17 +1,19 @@
 """One slot of the ring: its header layout, its states and the protocol that makes a frame visible.
 
-Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header, struct "<IHHQqqqQqiII4x4qddq" (slot
-version 2; bytes 128-255 unused)::
+Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header, struct "<IHHQqqqQqiII4x4qddqd" (slot
+version 3; bytes 136-255 unused)::
 
       0 magic u32 (SLOT_MAGIC)   4 version u16   6 state u16 (FREE 0 / WRITING 1 / READY 2 / READING 3)
       8 seq u64                 16 stamp ns i64  24 t_write_start ns i64   32 t_publish ns i64
      40 payload nbytes u64      48 model id i64  56 split layer i32        60 dtype code u32
      64 ndim u32                68 4 bytes 0     72 shape i64[4]
     104 preprocess ms f64 (NaN: not sent)       112 prefix ms f64 (NaN: not sent)
-    120 prefix start ns i64, CLOCK_MONOTONIC (0: not sent)                 (the frame's :class:`SlotTimings`)
+    120 prefix start ns i64, CLOCK_MONOTONIC (0: not sent)
+    128 ego wait ms f64 (NaN: not sent)                                     (104-135: the frame's :class:`SlotTimings`)
 
 Slot versions: 1 carried the timings positionally (68 n timings u32, 104 timings ms f64[8], the prefix's start
-instant as a float of ms); 2 names them (:class:`SlotTimings`, the start instant an exact int64 of ns). A consumer
+instant as a float of ms); 2 names them (:class:`SlotTimings`, the start instant an exact int64 of ns); 3 adds the
+prefix's wait for the ego state at the camera stamp (``ego_wait_ms``, before its start instant). A consumer
 takes only slots of its own :data:`SLOT_VERSION` and rejects any other as ``bad_version``, naming both versions.
 
 then the payload at slot offset + 256 (64-byte aligned): the hidden states, then the side tensors at their
@@ -76,37 +78,39 @@ __all__ = ["FrameMeta", "SlotTimings", "NO_TIMINGS", "FREE", "WRITING", "READY",
 #: True on CPUs whose stores become visible in program order (x86-64, TSO): publish needs no mutex there.
 STORES_VISIBLE_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64")
 SLOT_MAGIC = int.from_bytes(b"SLOT", "little")
-SLOT_VERSION = 2  # 1: positional timings (n timings u32, f64[8] ms); 2: named SlotTimings (module docstring)
+SLOT_VERSION = 3  # 1: positional timings (n timings u32, f64[8] ms); 2: named SlotTimings; 3: + ego_wait_ms
 MAX_NDIM = 4
 FREE, WRITING, READY, READING = 0, 1, 2, 3
 STATE_NAMES = {FREE: "FREE", WRITING: "WRITING", READY: "READY", READING: "READING"}
 
-_SLOT = struct.Struct("<IHHQqqqQqiII4x4qddq")  # the whole header, for reading
+_SLOT = struct.Struct("<IHHQqqqQqiII4x4qddqd")  # the whole header, for reading
 _SLOT_PREFIX = struct.Struct("<IHHQ")  # magic, version, state, seq
 _SLOT_ID = struct.Struct("<IH")  # magic, version at offset 0
 _SEQ = struct.Struct("<Q")  # at offset 8
-_SLOT_BODY = struct.Struct("<qqqQqiII4x4qddq")  # stamp .. timings at offset 16
+_SLOT_BODY = struct.Struct("<qqqQqiII4x4qddqd")  # stamp .. timings at offset 16
 _STATE = struct.Struct("<H")
 SLOT_STATE_OFFSET = 6
 SLOT_FIELD_OFFSETS = {
     "magic": 0, "version": 4, "state": 6, "seq": 8, "stamp_ns": 16, "t_write_start_ns": 24, "t_publish_ns": 32,
     "payload_nbytes": 40, "model_id": 48, "split_layer": 56, "dtype": 60, "ndim": 64, "shape": 72,
-    "preprocess_ms": 104, "prefix_ms": 112, "prefix_start_ns": 120,
+    "preprocess_ms": 104, "prefix_ms": 112, "prefix_start_ns": 120, "ego_wait_ms": 128,
 }
-assert _SLOT.size == 128 and 16 + _SLOT_BODY.size == _SLOT.size
+assert _SLOT.size == 136 and 16 + _SLOT_BODY.size == _SLOT.size
 _INT64 = (-(1 << 63), 1 << 63)
 
 
 @dataclass(frozen=True, eq=False)
 class SlotTimings:
-    """The stage timings of one frame, as its producer writes them into the slot header (slot version 2, header
-    offsets 104-127: the module docstring) and the consumer reads them back (``FrameMeta.timings``).
+    """The stage timings of one frame, as its producer writes them into the slot header (slot version 3, header
+    offsets 104-135: the module docstring) and the consumer reads them back (``FrameMeta.timings``).
 
     preprocess_ms: the producer's input preparation (the prefix: decode + resize + normalise of every camera), ms;
     NaN when not sent.
     prefix_ms: the producer's stage (the prefix: vision .. block K-1), ms; NaN when not sent.
     prefix_start_ns: ``time.monotonic_ns()`` (CLOCK_MONOTONIC, comparable across processes) when the producer
     started the frame, exact int64 ns; 0 when not sent.
+    ego_wait_ms: how long the producer waited, before it started the frame, for the ego state at the frame's stamp
+    (the prefix: a kinematic state at or after the camera stamp), ms; NaN when not sent.
 
     A producer that sends no timings publishes :data:`NO_TIMINGS` (every field its "not sent" value), so a
     reader tells a missing timing from a measured one (``math.isnan``, ``== 0``). Equality and hashing treat
@@ -118,9 +122,10 @@ class SlotTimings:
     preprocess_ms: float = math.nan
     prefix_ms: float = math.nan
     prefix_start_ns: int = 0
+    ego_wait_ms: float = math.nan
 
     def __post_init__(self):
-        for name in ("preprocess_ms", "prefix_ms"):
+        for name in ("preprocess_ms", "prefix_ms", "ego_wait_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"SlotTimings.{name} must be a number of ms (NaN: not sent), got {value!r}")
@@ -136,7 +141,7 @@ class SlotTimings:
     def _key(self) -> tuple:
         """The fields, each NaN as None (so that NaN == NaN)."""
         return tuple(None if isinstance(v, float) and math.isnan(v) else v
-                     for v in (self.preprocess_ms, self.prefix_ms, self.prefix_start_ns))
+                     for v in (self.preprocess_ms, self.prefix_ms, self.prefix_start_ns, self.ego_wait_ms))
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, SlotTimings):
@@ -149,14 +154,14 @@ class SlotTimings:
 
 #: The timings of a producer that sent none: NaN ms, instant 0 (``publish``'s default).
 NO_TIMINGS = SlotTimings()
-_TIMING_FIELDS = ("preprocess_ms", "prefix_ms", "prefix_start_ns")
+_TIMING_FIELDS = ("preprocess_ms", "prefix_ms", "prefix_start_ns", "ego_wait_ms")
 
 
-def _slot_timings(preprocess_ms: float, prefix_ms: float, prefix_start_ns: int) -> SlotTimings:
-    """SlotTimings of values read from a slot header (already of their types), without __init__'s checks: the
-    reader's path (as :func:`_frame_meta`)."""
+def _slot_timings(*values) -> SlotTimings:
+    """SlotTimings of values read from a slot header (already of their types, in :data:`_TIMING_FIELDS` order),
+    without __init__'s checks: the reader's path (as :func:`_frame_meta`)."""
     timings = object.__new__(SlotTimings)
-    timings.__dict__.update(zip(_TIMING_FIELDS, (preprocess_ms, prefix_ms, prefix_start_ns)))
+    timings.__dict__.update(zip(_TIMING_FIELDS, values))
     return timings
 
 
@@ -249,12 +254,12 @@ def begin_write(mm, off: int, seq: int) -> None:
 def finish_write(mm, off: int, *, stamp_ns: int, t_write_start_ns: int, t_publish_ns: int, nbytes: int,
                  model_id: int, split_layer: int, dtype_code: int, shape: tuple[int, ...],
                  timings: SlotTimings) -> None:
-    """Publish the WRITING slot at ``off``: every header field (``timings`` at offsets 104-127), then READY as the
+    """Publish the WRITING slot at ``off``: every header field (``timings`` at offsets 104-135), then READY as the
     last store (see the module docstring; with the mutex held unless :data:`STORES_VISIBLE_IN_ORDER`)."""
     shape4 = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
     _SLOT_BODY.pack_into(mm, off + 16, stamp_ns, t_write_start_ns, t_publish_ns, nbytes, model_id, split_layer,
                          dtype_code, len(shape), *shape4, timings.preprocess_ms, timings.prefix_ms,
-                         timings.prefix_start_ns)
+                         timings.prefix_start_ns, timings.ego_wait_ms)
     _STATE.pack_into(mm, off + SLOT_STATE_OFFSET, READY)
 
 
@@ -317,7 +322,7 @@ def validate(raw: tuple, *, slot_bytes: int, declared_dtype, compute_dtype, expe
     shape = tuple(raw[12:12 + ndim])
     if (ndim and min(shape) < 0) or nbytes > slot_bytes or math.prod(shape) * itemsize(dtype) != nbytes:
         return "bad_shape", None, ""
-    meta = _frame_meta(seq, stamp, shape, dtype, split, model_id, t_ws, t_pub, _slot_timings(*raw[16:19]))
+    meta = _frame_meta(seq, stamp, shape, dtype, split, model_id, t_ws, t_pub, _slot_timings(*raw[16:20]))
     if expected_model_id is not None and model_id != expected_model_id:
         return "model_mismatch", meta, ""
     expected = expected_split_layer
