@@ -308,3 +308,33 @@ def test_after_memory_recovers_k_may_use_the_whole_budget_again():
     for _ in range(3):  # recovered for the policy's readings in a row: room up to every K of the budget
         policy.on_memory(down.k, free_bytes=100 * GB)
     assert policy.k_max == L
+
+
+def test_after_a_move_back_the_other_way_is_open_at_once():
+    """The load changes right after a move: a co-tenant lands on the prefix's cores just after K moved up (both
+    stages on CPU cores). The first judgement at the new K measures it slower and sends K back; the hold blocks only
+    moves up again, so K goes down towards the now-best K = 0 within a few frames instead of after the hold."""
+    plan = _plan(prefix_fixed=60.0, prefix_block=18.0, suffix_block=18.0)
+    balancer = LatencyBalancer.from_plan(plan)
+    k, moves = _run(balancer, plan, 5, 1.0, 1.6, 50.0, frames=6)  # a slow suffix: K goes up
+    assert moves == [(5, L)], moves
+    k, moves = _run(balancer, plan, k, 2.5, 1.0, 50.0, frames=20)  # now the prefix's cores are the loaded ones
+    assert moves[0] == (L, 5) and moves[1][1] == 0 and len(moves) == 2, moves
+
+
+def test_a_side_with_almost_no_planned_time_does_not_rescale_the_others():
+    """At K = L the suffix runs the read-out alone (5 ms in the plan): a measured 60 ms there (a warm-up, a fixed
+    cost) would scale every suffix block by 12 and make every other K look 10x slower than it is. Its last trusted
+    factor (1.0: none measured yet) is used for the other K, so their predictions stay the plan's."""
+    import re
+
+    plan = _plan(prefix_fixed=60.0, prefix_block=18.0, suffix_block=18.0)
+    balancer = LatencyBalancer.from_plan(plan)
+    reasons = []
+    for _ in range(6):
+        row = plan.row(L)
+        move = balancer.observe(StageSample(L, row.prefix_ms, 60.0, camera_period_ms=50.0), L, L)
+        reasons.append(move.reason)
+    best = [float(m) for r in reasons for m in re.findall(r"K=\d+ predicted (\d+) ms", r)]
+    # the plan's K = 0 at load 1: prefix 60 + hand-off 0.5 + suffix 221 (+ a camera half-period of age)
+    assert best and all(v < 400 for v in best), reasons

@@ -33,8 +33,11 @@ hysteresis:
   ``max_step`` blocks;
 * the first judgement at the new K checks the move against what was *measured*, not modelled: when the latency
   measured there is worse than the one measured before the move by the same margin, K goes straight back and no
-  latency move is made for the next ``hold`` judged frames (the plan's per-K shape was wrong for this load; the
-  hold doubles with every further such move, so a wrong model costs an excursion ever more rarely).
+  latency move the same way is made for the next ``hold`` judged frames (the plan's per-K shape was wrong for this
+  load, or the load changed meanwhile; a move the other way stays allowed; the hold doubles with every further
+  such move, so a wrong model costs an excursion ever more rarely);
+* a side whose planned time at the current K is under :data:`TRUST_SHARE` of the stage sum there (the suffix at
+  K = L runs the read-out alone) keeps its last trusted load factor for the other K.
 
 Why not one block at a time: every move needs ``settle`` + ``window`` + ``confirm`` - 1 frames of measurement at its
 K (5 by default), and with both stages on CPU cores the latency-best K under a co-tenant lies at an end of [0, L]
@@ -52,6 +55,11 @@ import statistics
 from dataclasses import dataclass, field
 
 from .planner import AutoResplitPolicy, Plan
+
+
+#: A side's planned time at the current K must be at least this share of the stage sum there for its measured time
+#: to rescale its other K (LatencyBalancer.observe).
+TRUST_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,8 @@ class LatencyBalancer:
     _settling: int = field(default=0, repr=False)
     _check: tuple[int, float] | None = field(default=None, repr=False)  # (K left, latency measured there)
     _holding: int = field(default=0, repr=False)
+    _hold_dir: int = field(default=0, repr=False)  # the direction (+1 up, -1 down) a hold blocks
+    _a: tuple[float, float] = field(default=(1.0, 1.0), repr=False)  # the last trusted load factors (a_p, a_s)
     _hold_next: int = field(default=-1, repr=False)  # the hold after the next slower move (doubles, see observe)
 
     @classmethod
@@ -173,7 +183,7 @@ class LatencyBalancer:
         highest K the budget allows now ``k_max``. A sample of another K than ``current_k`` (a frame of before the
         last move), or one without the suffix's stage time, is left out. The first judgement after a latency move
         sends K straight back when it measured slower than before the move (then ``hold`` judged frames without a
-        latency move, doubled after each further move that measured slower, up to 32 x ``hold``, and ``hold`` again
+        latency move the same way, doubled after each further move that measured slower, up to 32 x ``hold``, and ``hold`` again
         after one that paid); otherwise a move back towards (or past) the K the last move left needs that K
         itself predicted faster than the current one by a move's margin (no ping-pong where the far best K flips
         sides with the measurement)."""
@@ -193,9 +203,17 @@ class LatencyBalancer:
         period = statistics.median(periods) if periods else None
         cycles = [x.suffix_cycle_ms - x.suffix_ms for x in self._samples if x.suffix_cycle_ms]
         overhead = max(0.0, statistics.median(cycles)) if cycles else 0.0
-        a_p, a_s = p / row.prefix_ms if row.prefix_ms > 0 else 1.0, s / row.suffix_ms if row.suffix_ms > 0 else 1.0
+        # the load factors at the current K; a side whose planned time here is under TRUST_SHARE of the stage sum
+        # (the suffix at K = L: the read-out alone) says little about its blocks: its last trusted factor is used
+        # for the other K (a warm-up or a fixed cost over a near-zero plan time gave factors of x250)
+        m_p = p / row.prefix_ms if row.prefix_ms > 0 else 1.0
+        m_s = s / row.suffix_ms if row.suffix_ms > 0 else 1.0
+        total = row.prefix_ms + row.suffix_ms
+        self._a = (m_p if row.prefix_ms >= TRUST_SHARE * total else self._a[0],
+                   m_s if row.suffix_ms >= TRUST_SHARE * total else self._a[1])
+        a_p, a_s = self._a
         predicted = [self.predict(k, a_p, a_s, period, overhead) for k in range(self.num_layers + 1)]
-        now = predicted[current_k]
+        predicted[current_k] = now = self.predict(current_k, m_p, m_s, period, overhead)  # as measured
         best_all = min(range(len(predicted)), key=predicted.__getitem__)
         best = min(range(min(k_max, self.num_layers) + 1), key=predicted.__getitem__)
         where = (f"prefix {p:.0f} ms (x{a_p:.2f} of the plan), suffix {s:.0f} ms (x{a_s:.2f}), predicted "
@@ -206,13 +224,14 @@ class LatencyBalancer:
             if k_left <= k_max and now > before + max(self.min_gain_rel * before, self.min_gain_ms):
                 self.moved()
                 self._came_from, self._holding = current_k, self._hold_next
+                self._hold_dir = 1 if current_k > k_left else -1
                 self._hold_next = min(2 * self._hold_next, 32 * self.hold)  # the model stays wrong: try less often
+                way = "up" if self._hold_dir > 0 else "down"
                 return Move(k_left, f"{where}; measured slower than the {before:.0f} ms at K={k_left} before the "
-                                    f"move: back to K={k_left}, no latency move for {self._holding} frames")
+                                    f"move: back to K={k_left}, no latency move {way} for {self._holding} frames")
             self._hold_next = self.hold  # it paid
         if self._holding > 0:
             self._holding -= 1
-            return Move(None, f"{where}; holding after a move that measured slower ({self._holding} frames left)")
         gain = now - predicted[best]
         if best == current_k or gain <= 0 or gain < max(self.min_gain_rel * now, self.min_gain_ms):
             self._votes, self._vote_k = 0, None
@@ -223,6 +242,9 @@ class LatencyBalancer:
         if self.max_step:
             step = max(-self.max_step, min(self.max_step, step))
         k_new = current_k + step
+        if self._holding > 0 and step * self._hold_dir > 0:  # the way a move measured slower: not yet
+            self._votes, self._vote_k = 0, None
+            return Move(None, f"{where}; holding after a move that measured slower ({self._holding} frames left)")
         back = self._came_from
         if back is not None and (k_new - current_k) * (back - current_k) > 0 and \
                 predicted[back] > now - max(self.min_gain_rel * now, self.min_gain_ms):
