@@ -183,10 +183,10 @@ class LatencyBalancer:
         highest K the budget allows now ``k_max``. A sample of another K than ``current_k`` (a frame of before the
         last move), or one without the suffix's stage time, is left out. The first judgement after a latency move
         sends K straight back when it measured slower than before the move (then ``hold`` judged frames without a
-        latency move the same way, doubled after each further move that measured slower, up to 32 x ``hold``, and ``hold`` again
-        after one that paid); otherwise a move back towards (or past) the K the last move left needs that K
-        itself predicted faster than the current one by a move's margin (no ping-pong where the far best K flips
-        sides with the measurement)."""
+        latency move the same way, doubled after each further move that measured slower, up to 32 x ``hold``, and
+        ``hold`` again after one that paid); otherwise a move back towards (or past) the K the last move left needs
+        that K itself predicted faster than the current one by a move's margin (no ping-pong where the far best K
+        flips sides with the measurement)."""
         if sample.k != current_k or sample.suffix_ms is None or sample.prefix_ms <= 0 or sample.suffix_ms <= 0:
             return Move(None, "waiting for frames measured at the current K on both sides")
         if self._settling > 0:
