@@ -386,8 +386,8 @@ def test_dequantised_gguf_export_keeps_the_fields_and_the_dequantised_values(tmp
 def test_llama_cpp_build_is_found_reused_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
     """``--build-llama-cpp``: the peer imports llama_cpp from the build folder in the cache (a package placed there
     stands in for the real build, which takes minutes); a folder that holds a build is reused without running pip;
-    a failing pip raises with its last lines and removes the half-built folder. Each case in a child process, so
-    this process never imports the stand-in."""
+    a failing pip, or one past its time limit, raises with the reason and removes the half-built folder. Each case
+    in a child process, so this process never imports the stand-in."""
     import subprocess
     import sys
 
@@ -413,6 +413,14 @@ try:
 except RuntimeError as e:
     print("failed", "cmake: not found" in str(e), d.exists(), d.with_name(d.name + ".building").exists(),
           len(calls))
+def too_long(*a, **k):
+    d.with_name(d.name + ".building").mkdir(parents=True, exist_ok=True)
+    raise subprocess.TimeoutExpired(a[0], k["timeout"])
+lp.subprocess.run = too_long
+try:
+    lp.build_llama_cpp(log=lambda line: None, timeout_s=5)
+except RuntimeError as e:
+    print("timeout", "longer than 5 s" in str(e), d.with_name(d.name + ".building").exists())
 '''
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -421,3 +429,4 @@ except RuntimeError as e:
     assert lines[1].startswith("reused {") and "'built': False" in lines[1] and lines[1].endswith("True"), lines
     assert lines[2] == "after True cache True", lines
     assert lines[3] == "failed True False False 1", lines
+    assert lines[4] == "timeout True False", lines

@@ -338,3 +338,43 @@ def test_a_side_with_almost_no_planned_time_does_not_rescale_the_others():
     best = [float(m) for r in reasons for m in re.findall(r"K=\d+ predicted (\d+) ms", r)]
     # the plan's K = 0 at load 1: prefix 60 + hand-off 0.5 + suffix 221 (+ a camera half-period of age)
     assert best and all(v < 400 for v in best), reasons
+
+
+def test_a_hold_one_way_survives_a_failed_move_the_other_way():
+    """Two moves that measured slower, up then down: each way keeps its own hold, so the second failure does not
+    open the first way again before its hold ran out (a reviewer's repro: K went up again 5 judged frames later)."""
+    from hybrid_vla_ros.split.rebalance import StageTimes
+
+    n = 8
+    balancer = LatencyBalancer([StageTimes(10 + 10 * k, 0.1, (n - k) * 10 + 1) for k in range(n + 1)])
+    k, moves = 4, []
+
+    def feed(fp, fs, frames):
+        nonlocal k
+        for _ in range(frames):
+            move = balancer.observe(StageSample(k, fp(k), fs(k)), k, n)
+            if move.k is not None:
+                moves.append((k, move.k))
+                k = move.k
+
+    feed(lambda k: 10 + 10 * k, lambda k: 4 * ((n - k) * 10 + 1), 4)  # a slow suffix: up
+    feed(lambda k: 400.0, lambda k: 1.0, 4)  # slower there: back, up held
+    feed(lambda k: 4 * (10 + 10 * k), lambda k: (n - k) * 10 + 1, 4)  # a slow prefix: down
+    feed(lambda k: 10.0, lambda k: 500.0, 4)  # slower there: back, down held
+    feed(lambda k: 10 + 10 * k, lambda k: 4 * ((n - k) * 10 + 1), 6)  # the suffix slow again: up is still held
+    assert moves == [(4, 8), (8, 4), (4, 0), (0, 4)], moves
+    assert balancer._holds[1] > 0 and balancer._holds[-1] > 0
+
+
+def test_the_latency_now_is_the_measured_one_even_where_the_plan_has_no_time():
+    """A plan with no suffix time at K (0 ms) and a suffix measured at 200 ms: the latency judged at K is the
+    measured 300 ms, not 100 ms (a load factor times zero lost the measured stage)."""
+    from hybrid_vla_ros.split.rebalance import StageTimes
+
+    times = [StageTimes(100.0, 0.0, 0.0 if k == 2 else 50.0 * (2 - k)) for k in range(3)]
+    balancer = LatencyBalancer(times)
+    for _ in range(3):
+        move = balancer.observe(StageSample(2, 100.0, 200.0), 2, 2)
+    assert "predicted 300 ms at K=2" in move.reason, move.reason
+    with pytest.raises(ValueError, match="current_k"):
+        balancer.observe(StageSample(3, 100.0, 200.0), 3, 2)

@@ -44,7 +44,6 @@ def nav_command_index(name: str) -> int:
         raise ValueError(f"unknown navigation command {name!r}; use one of {', '.join(NAV_COMMANDS)}") from None
 
 
-
 @dataclass
 class VLAConfig:
     """Architecture and I/O contract of a checkpoint.

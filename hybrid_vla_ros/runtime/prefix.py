@@ -283,10 +283,10 @@ class PrefixRunner:
 
         The suffix announces when it took its last frame and when it expects to take the next
         (``RingConsumer.announce_next_read``); their difference is its cycle S. With this runner's cycle P
-        (median start-to-publish time of its recent frames, plus 5 % + 1 ms of margin) the next frame aims at
-        the first suffix read at least P from now that no published frame is waiting for (reads recur every S).
-        0 without a hint, when S <= P (prefix-bound: the suffix waits anyway), or when the hint is stale (the
-        suffix took nothing for 2 S) or the delay would exceed ``max_s``."""
+        (median start-to-publish time of its recent frames, plus 5 % + 1 ms of margin) the next frame is published
+        just as the suffix becomes free for it (:func:`pacing_delay_ns`). 0 without a hint, when the suffix will be
+        free by then anyway (an idle suffix takes a frame at once), when S <= P (prefix-bound: the suffix waits
+        anyway), when the hint is stale (the suffix took nothing for 2 S) or the delay would exceed ``max_s``."""
         if not self._cycle_ns:
             return 0.0
         taken, next_read = self.ring.consumer_schedule()

@@ -125,8 +125,7 @@ class LatencyBalancer:
     _vote_k: int | None = field(default=None, repr=False)
     _settling: int = field(default=0, repr=False)
     _check: tuple[int, float] | None = field(default=None, repr=False)  # (K left, latency measured there)
-    _holding: int = field(default=0, repr=False)
-    _hold_dir: int = field(default=0, repr=False)  # the direction (+1 up, -1 down) a hold blocks
+    _holds: dict[int, int] = field(default_factory=lambda: {1: 0, -1: 0}, repr=False)  # judged frames left, per way
     _a: tuple[float, float] = field(default=(1.0, 1.0), repr=False)  # the last trusted load factors (a_p, a_s)
     _hold_next: int = field(default=-1, repr=False)  # the hold after the next slower move (doubles, see observe)
 
@@ -171,12 +170,15 @@ class LatencyBalancer:
         and ``a_s`` (suffix), the camera period (ms; None: faster than both stages) and the suffix's per-frame work
         beside its stage (``overhead_ms``: publishing, odometry; the same at every K)."""
         row = self.times[k]
-        p, s = a_p * row.prefix_ms, a_s * row.suffix_ms
-        period = camera_period_ms or 0.0
+        return self._latency(a_p * row.prefix_ms, row.handoff_ms, a_s * row.suffix_ms, camera_period_ms, overhead_ms)
+
+    def _latency(self, p: float, h: float, s: float, camera_period_ms: float | None, overhead_ms: float) -> float:
+        """The latency model (module docstring) of stage times p (prefix), h (hand-off), s (suffix), all ms."""
+        period = max(camera_period_ms or 0.0, 0.0)
         cycle_p = max(p, period)
         age = period / 2 if p > period else 0.0  # a busy prefix starts on a camera frame half a period old
         wait = cycle_p / 2 if not self.paced and s + overhead_ms > cycle_p else 0.0
-        return age + p + row.handoff_ms + s + overhead_ms + wait
+        return age + p + h + s + overhead_ms + wait
 
     def observe(self, sample: StageSample, current_k: int, k_max: int) -> Move:
         """Take one frame's sample; the move it leads to (``k`` None: stay) at current K ``current_k`` with the
@@ -186,7 +188,9 @@ class LatencyBalancer:
         latency move the same way, doubled after each further move that measured slower, up to 32 x ``hold``, and
         ``hold`` again after one that paid); otherwise a move back towards (or past) the K the last move left needs
         that K itself predicted faster than the current one by a move's margin (no ping-pong where the far best K
-        flips sides with the measurement)."""
+        flips sides with the measurement). Raises ValueError for ``current_k`` outside [0, L] or ``k_max`` < 0."""
+        if not 0 <= current_k <= self.num_layers or k_max < 0:
+            raise ValueError(f"current_k must be in [0, {self.num_layers}] and k_max >= 0, got {current_k}, {k_max}")
         if sample.k != current_k or sample.suffix_ms is None or sample.prefix_ms <= 0 or sample.suffix_ms <= 0:
             return Move(None, "waiting for frames measured at the current K on both sides")
         if self._settling > 0:
@@ -213,7 +217,7 @@ class LatencyBalancer:
                    m_s if row.suffix_ms >= TRUST_SHARE * total else self._a[1])
         a_p, a_s = self._a
         predicted = [self.predict(k, a_p, a_s, period, overhead) for k in range(self.num_layers + 1)]
-        predicted[current_k] = now = self.predict(current_k, m_p, m_s, period, overhead)  # as measured
+        predicted[current_k] = now = self._latency(p, row.handoff_ms, s, period, overhead)  # as measured
         best_all = min(range(len(predicted)), key=predicted.__getitem__)
         best = min(range(min(k_max, self.num_layers) + 1), key=predicted.__getitem__)
         where = (f"prefix {p:.0f} ms (x{a_p:.2f} of the plan), suffix {s:.0f} ms (x{a_s:.2f}), predicted "
@@ -223,15 +227,16 @@ class LatencyBalancer:
             self._check = None
             if k_left <= k_max and now > before + max(self.min_gain_rel * before, self.min_gain_ms):
                 self.moved()
-                self._came_from, self._holding = current_k, self._hold_next
-                self._hold_dir = 1 if current_k > k_left else -1
+                way = 1 if current_k > k_left else -1
+                self._came_from, self._holds[way] = current_k, self._hold_next
                 self._hold_next = min(2 * self._hold_next, 32 * self.hold)  # the model stays wrong: try less often
-                way = "up" if self._hold_dir > 0 else "down"
                 return Move(k_left, f"{where}; measured slower than the {before:.0f} ms at K={k_left} before the "
-                                    f"move: back to K={k_left}, no latency move {way} for {self._holding} frames")
-            self._hold_next = self.hold  # it paid
-        if self._holding > 0:
-            self._holding -= 1
+                                    f"move: back to K={k_left}, no latency move {'up' if way > 0 else 'down'} for "
+                                    f"{self._holds[way]} frames")
+            if k_left <= k_max:
+                self._hold_next = self.hold  # it paid (a K left above the budget now is not judged)
+        for way in self._holds:
+            self._holds[way] = max(0, self._holds[way] - 1)
         gain = now - predicted[best]
         if best == current_k or gain <= 0 or gain < max(self.min_gain_rel * now, self.min_gain_ms):
             self._votes, self._vote_k = 0, None
@@ -242,9 +247,10 @@ class LatencyBalancer:
         if self.max_step:
             step = max(-self.max_step, min(self.max_step, step))
         k_new = current_k + step
-        if self._holding > 0 and step * self._hold_dir > 0:  # the way a move measured slower: not yet
+        left = self._holds[1 if step > 0 else -1]
+        if left > 0:  # the way a move measured slower: not yet
             self._votes, self._vote_k = 0, None
-            return Move(None, f"{where}; holding after a move that measured slower ({self._holding} frames left)")
+            return Move(None, f"{where}; holding after a move that measured slower ({left} frames left)")
         back = self._came_from
         if back is not None and (k_new - current_k) * (back - current_k) > 0 and \
                 predicted[back] > now - max(self.min_gain_rel * now, self.min_gain_ms):

@@ -327,10 +327,14 @@ def run(args: argparse.Namespace) -> int:
 
         def flops():
             build = None
-            if args.build_llama_cpp and not args.no_peer:
+            if args.build_llama_cpp and not args.no_peer and "smol" in s["flops_presets"]:  # the peer's preset
                 from .llama_peer import build_llama_cpp
 
-                build = build_llama_cpp(log=log)
+                try:
+                    build = build_llama_cpp(log=log)
+                except RuntimeError as e:  # the peer is then skipped with the reason; the FLOP/s rows still run
+                    build = {"error": str(e)}
+                    log(f"  peer: building llama-cpp-python failed: {e}")
             out = run_flops_part(
                 s["flops_presets"], dtypes=tuple(args.flops_dtypes), cores=flops_cores, blocks=s["flops_blocks"],
                 repeats=s["flops_repeats"], backends=tuple(args.flops_backends), peer=not args.no_peer, log=log)

@@ -74,7 +74,8 @@ def build_llama_cpp(log=print, timeout_s: float = 3600.0) -> dict:
     compiled for this CPU, as its own build does by default), plus :data:`_LLAMA_CPP_EXTRA`; nothing in the
     environment changes. Needs a C/C++ compiler, cmake (or pip's), and the package index. Done once: a folder that
     already holds a build is reused. Returns {path, built (False: reused), seconds (the build's wall time, 0.0 when
-    reused)}. Raises RuntimeError with pip's last lines when the build fails (the half-built folder is removed)."""
+    reused)}. Raises RuntimeError with pip's last lines when the build fails, or after ``timeout_s`` (s) per pip
+    call (the half-built folder is removed either way)."""
     import shutil
 
     dst = llama_cpp_build_dir()
@@ -88,9 +89,13 @@ def build_llama_cpp(log=print, timeout_s: float = 3600.0) -> dict:
     log(f"  peer: building llama-cpp-python {LLAMA_CPP_VERSION} from source into {dst} (once; several minutes)")
     t0 = time.monotonic()
     for spec in (f"llama-cpp-python=={LLAMA_CPP_VERSION}", *_LLAMA_CPP_EXTRA):
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-binary", "llama-cpp-python",
-                            "--target", str(tmp), "--disable-pip-version-check", "--no-input", spec],
-                           env=env, capture_output=True, text=True, timeout=timeout_s)
+        try:
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-binary",
+                                "llama-cpp-python", "--target", str(tmp), "--disable-pip-version-check", "--no-input",
+                                spec], env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"building {spec} took longer than {timeout_s:.0f} s (pip was stopped)") from None
         if r.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])

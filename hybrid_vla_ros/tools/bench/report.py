@@ -54,7 +54,7 @@ the gaps 0, 20 and 100 ms ran): ``handoff_zero_copy_p50`` (largest p50 <= 0.05 m
                 how much later than eager a restarted suffix returns its first frame through the compiled path}
     peer        (or null) tokens, threads, ours [{dtype, backend, time_ms, build_s}] (all 30 ``smol`` blocks),
                 llama_cpp {q4_1 | f32 | bf16: {file, median_ms, min_ms, load_s}} or null, skipped_reason,
-                llama_cpp_build {path, built, seconds} (only with ``--build-llama-cpp``),
+                llama_cpp_build {path, built, seconds} or {error} (only with ``--build-llama-cpp``),
                 ratios {"<kind>_over_<dtype>_<backend>": llama.cpp ms / ours ms}, best_ours {dtype, backend,
                 time_ms}
 
@@ -502,7 +502,9 @@ def markdown(doc: dict) -> str:
             else:
                 line += f"llama.cpp skipped: {peer.get('skipped_reason')}"
             build = peer.get("llama_cpp_build")
-            if build:
+            if build and "error" in build:
+                line += f" Building llama-cpp-python failed: {build['error'].splitlines()[0]}"
+            elif build:
                 line += (f" llama-cpp-python built from source in {build['seconds']:.0f} s ({build['path']})."
                          if build["built"] else f" llama-cpp-python: the build in {build['path']}.")
             out.append(line)
