@@ -155,6 +155,9 @@ def test_lifecycle_order_split_following_and_reconfigure(nodes, embedded_bag, ti
     assert not ok and prefix.get_state() == "unconfigured"
 
     for client in (prefix, suffix):
+        # the events below are volatile: an event published before this client's subscription matched is lost (CI
+        # saw that on a loaded machine), so wait for the match first
+        assert client.wait_for_events(20), f"{client.name}/transition_event never matched"
         t0 = time.monotonic()
         assert client.change_state("configure", 60)[0]
         assert client.change_state("activate", 10)[0]

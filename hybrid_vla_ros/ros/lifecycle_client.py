@@ -63,6 +63,18 @@ class LifecycleClient:
                 destroy(handle)
                 setattr(self, attr, None)
 
+    def wait_for_events(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Wait up to ``timeout_s`` (s) until this client's ``transition_event`` subscription is matched to the
+        node's publisher. The topic is volatile: an event the node publishes before the match (discovery can take
+        seconds on a loaded machine) never arrives, so a caller that will rely on the events (as
+        :meth:`change_state` does when a service answer is lost) waits here first. True when matched."""
+        deadline = time.monotonic() + timeout_s
+        while self._events_sub is not None and self._events_sub.get_publisher_count() < 1:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return self._events_sub is not None
+
     def other_managers(self) -> int:
         """How many clients besides this one the node's ``change_state`` service has on the graph: a lifecycle
         manager such as ``ros2 launch``'s LifecycleNode action (it keeps one per node, autostart or not)."""
