@@ -346,11 +346,12 @@ class EgoStateInputs:
             self._ctx.drop("bad_acceleration", f"~/input/acceleration: {e}")
 
     def state_at(self, stamp: int, wait_s: float, max_age_s: float):
-        """(ego state (3,) float32: speed m/s, acceleration m/s^2, yaw rate rad/s; acceleration source) at the
-        camera stamp (ns), after waiting up to ``wait_s`` (s) for the kinematic state at or after it (the wait is
-        timed as stage ``ego_wait``). Raises LookupError (cause in args[0], EGO_DROP_REASONS) when no sample
-        lies within ``max_age_s`` (s)."""
+        """(ego state (3,) float32: speed m/s, acceleration m/s^2, yaw rate rad/s; acceleration source; the wait in
+        ms) at the camera stamp (ns), after waiting up to ``wait_s`` (s) for the kinematic state at or after it (the
+        wait is timed as stage ``ego_wait`` and sent with the frame, ``SlotTimings.ego_wait_ms``). Raises
+        LookupError (cause in args[0], EGO_DROP_REASONS) when no sample lies within ``max_age_s`` (s)."""
         t0 = time.perf_counter()
         self.buffer.wait_for(stamp, wait_s)
-        self._ctx.times.add("ego_wait", (time.perf_counter() - t0) * 1e3)
-        return self.buffer.ego_state_at(stamp, int(max_age_s * 1e9))
+        wait_ms = (time.perf_counter() - t0) * 1e3
+        self._ctx.times.add("ego_wait", wait_ms)
+        return (*self.buffer.ego_state_at(stamp, int(max_age_s * 1e9)), wait_ms)

@@ -114,16 +114,15 @@ class PrefixWorker:
     def _compute(self, runner, frame: SyncedSet) -> None:
         ctx, p = self._ctx, self._ctx.settings()
         stamp, items = frame
-        t_ego = time.perf_counter()
         try:
-            ego, accel_source = (self._ego_inputs.state_at(stamp, p.ego_state_wait_s, p.max_ego_state_age_s)
-                                 if runner.cfg.ego_state_input else (None, None))
+            ego, accel_source, ego_wait_ms = (
+                self._ego_inputs.state_at(stamp, p.ego_state_wait_s, p.max_ego_state_age_s)
+                if runner.cfg.ego_state_input else (None, None, math.nan))
         except LookupError as e:
             cause = str(e.args[0])
             ctx.drop(cause, f"frame stamped {stamp} ns: " + EGO_DROP_REASONS[cause].format(age=p.max_ego_state_age_s))
             return
         try:
-            ego_wait_ms = (time.perf_counter() - t_ego) * 1e3 if runner.cfg.ego_state_input else math.nan
             result = runner.run(items, stamp, ego_state=ego, ego_wait_ms=ego_wait_ms)
         except ImageDecodeError as e:
             ctx.drop("decode_error", str(e))

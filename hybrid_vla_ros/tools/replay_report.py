@@ -3,6 +3,9 @@ the cost of each live re-split, the printed table and the hints at what went wro
 replay recorded."""
 from __future__ import annotations
 
+import math
+import statistics
+
 from ..ros.status import FrameTiming, PrefixStatus, SuffixStatus
 from ..util.stats import percentiles
 
@@ -78,9 +81,6 @@ def pipeline_overhead(trajectories: dict[int, float], timings: dict, frames: dic
     frames: the overhead is the median of each frame's difference, not the difference of the stages' medians.
     {n, e2e_p50_ms, stage_sum_p50_ms, overhead_p50_ms, allowed_ms, met, before_prefix_p50_ms,
     after_suffix_p50_ms}; the values None (and ``met`` None) with no such frame."""
-    import math
-    import statistics
-
     rows = []
     for stamp, t_recv in trajectories.items():
         t = timings.get(stamp)
