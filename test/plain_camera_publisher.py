@@ -67,7 +67,8 @@ def main() -> int:
     # (up to 30 s: slower on a loaded machine; the test's own check then names what is missing)
     from hybrid_vla_ros.ros.graph import wait_for_reliable_subscriptions
 
-    if not wait_for_reliable_subscriptions(node, [args.image_topic.format(i) for i in range(len(cams))], 30.0):
+    if not wait_for_reliable_subscriptions(node, [args.image_topic.format(i) for i in range(len(cams))], 30.0,
+                                           every=True):
         print("camera subscriptions not reliable after 30 s", file=sys.stderr)
     time.sleep(0.5)
     for _ in range(args.frames):

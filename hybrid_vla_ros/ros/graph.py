@@ -34,7 +34,8 @@ def wait_for_subscribers(publishers: Iterable, timeout_s: float, minimum: int | 
         time.sleep(poll_s)
 
 
-def wait_for_reliable_subscriptions(node, topics: Iterable[str], timeout_s: float, poll_s: float = 0.1) -> bool:
+def wait_for_reliable_subscriptions(node, topics: Iterable[str], timeout_s: float, poll_s: float = 0.1,
+                                    every: bool = False) -> bool:
     """Wait up to ``timeout_s`` (s) until each of ``topics`` has a reliable subscription (as
     ``node.get_subscriptions_info_by_topic`` lists them).
 
@@ -45,13 +46,15 @@ def wait_for_reliable_subscriptions(node, topics: Iterable[str], timeout_s: floa
     matter: a frame goes to both and is taken once; nor does another reader's best-effort subscription (a viewer).
     Seeing the subscription in this node's graph means this participant discovered it, so a reliable publisher
     here is matched to it. Returns True when each topic has one, False on timeout (e.g. a prefix configured
-    ``camera_reliability: best_effort``: the caller decides whether to go on). ``node``: an rclpy node
-    (duck-typed)."""
+    ``camera_reliability: best_effort``: the caller decides whether to go on). ``every``: wait instead until
+    every subscription on each topic is reliable (the prefix's best-effort one retired too: stricter, for a
+    publisher that knows no other reader is there). ``node``: an rclpy node (duck-typed)."""
     topics = list(topics)
     deadline = time.monotonic() + timeout_s
     while True:
         infos = [node.get_subscriptions_info_by_topic(t) for t in topics]
-        if all(any(i.qos_profile.reliability.name == "RELIABLE" for i in info) for info in infos):
+        test = all if every else any
+        if all(info and test(i.qos_profile.reliability.name == "RELIABLE" for i in info) for info in infos):
             return True
         if time.monotonic() >= deadline:
             return False
