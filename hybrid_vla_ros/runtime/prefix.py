@@ -276,7 +276,7 @@ class PrefixRunner:
         self._cycle_ns.append(self._last_publish_ns - t_start_ns)
         return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit, resplit_error)
 
-    def pacing_delay_s(self, max_s: float = 1.0) -> float:
+    def pacing_delay_s(self, max_s: float = 30.0) -> float:
         """How long to wait before starting the next frame (s; 0: start now) so that it is published just before
         the suffix asks for it. Only when the suffix is the slower stage: then a frame started at once waits in
         the ring (or is superseded) and reaches the planner older than the stage times say.
@@ -286,7 +286,10 @@ class PrefixRunner:
         (median start-to-publish time of its recent frames, plus 5 % + 1 ms of margin) the next frame is published
         just as the suffix becomes free for it (:func:`pacing_delay_ns`). 0 without a hint, when the suffix will be
         free by then anyway (an idle suffix takes a frame at once), when S <= P (prefix-bound: the suffix waits
-        anyway), when the hint is stale (the suffix took nothing for 2 S) or the delay would exceed ``max_s``."""
+        anyway), when the hint is stale (the suffix took nothing for 2 S) or the delay would exceed ``max_s`` (s;
+        an announcement that far ahead is taken as wrong: a suffix waiting on it would idle that long; the default
+        30 s is above any suffix cycle met here, 8.5 s for ``minddrive-0.5b`` wholly on one CPU core: the 1 s of
+        before switched pacing off for it, and its frames waited 1-3 s in the ring)."""
         if not self._cycle_ns:
             return 0.0
         taken, next_read = self.ring.consumer_schedule()

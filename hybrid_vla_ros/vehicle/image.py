@@ -460,8 +460,9 @@ def preprocess(
 
     Each image is resized to ``size x size`` with the filter ``resize`` (:data:`RESIZE_FILTERS`; aspect ratio not
     kept, as Orion resizes 1600x900 to 640x640) in one pass from its uint8 pixels (no full-size float copy), its
-    ``size x size`` uint8 result written into ``out`` as float, then scaled to [0, 1] and normalised:
-    ``(pixel / 255 - mean[c]) / std[c]``.
+    ``size x size`` uint8 result converted and normalised into ``out`` camera by camera while it is in the cache
+    (on another device than the CPU the uint8 image crosses and is normalised there):
+    ``(pixel / 255 - mean[c]) / std[c]``, computed in float32 as ``(pixel - 255 mean[c]) / (255 std[c])``.
 
     Args:
         images: ``n_cams`` arrays, each ``(H_i, W_i, 3)`` ``uint8`` RGB (sizes may differ).
@@ -509,6 +510,10 @@ def preprocess(
     elif tuple(out.shape) != shape or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 {shape}, got {out.dtype} {tuple(out.shape)}")
 
+    # (x / 255 - m) / s == (x - 255 m) / (255 s), per channel: 0 and 255 map exactly where 255 m and 255 s are exact
+    mean255 = torch.tensor([255.0 * m for m in mean3], dtype=torch.float32, device=out.device).view(3, 1, 1)
+    std255 = torch.tensor([255.0 * s for s in std3], dtype=torch.float32, device=out.device).view(3, 1, 1)
+    fused = out.device.type == "cpu"
     for i, img in enumerate(images):
         if resize == "area":
             resized = torch.from_numpy(cv2.resize(img, (size, size), interpolation=cv2.INTER_AREA))  # (S, S, 3)
@@ -519,11 +524,12 @@ def preprocess(
             chw = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1).unsqueeze(0)
             resized = torch.nn.functional.interpolate(chw, size=(size, size), mode=resize, antialias=True,
                                                       align_corners=False)[0].permute(1, 2, 0)
-        out[i].copy_(resized.permute(2, 0, 1))  # HWC uint8 -> CHW float32, one pass over S x S
-    # (x / 255 - m) / s == x * (1 / (255 s)) - m / s, per channel, in place over the whole batch.
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std3], dtype=torch.float32, device=out.device)
-    shift = torch.tensor([m / s for m, s in zip(mean3, std3)], dtype=torch.float32, device=out.device)
-    out.mul_(scale.view(1, 3, 1, 1)).sub_(shift.view(1, 3, 1, 1))
+        if fused:  # HWC uint8 -> CHW float32 minus the mean in one pass, then divided while still in the cache
+            torch.sub(resized.permute(2, 0, 1), mean255, out=out[i]).div_(std255)
+        else:  # another device: the small uint8 image crosses, converted on arrival, normalised there below
+            out[i].copy_(resized.permute(2, 0, 1))
+    if not fused:
+        out.sub_(mean255).div_(std255)
     return out
 
 
