@@ -139,30 +139,39 @@ class Graph:
 
 # ------------------------------------------------------------------------------------------ resources
 
-def shm_maps(pid: int) -> tuple[int, int]:
-    """(/dev/shm files a process maps, of which orphaned), from /proc/<pid>/maps.
+#: Fast DDS's shared-memory files (its SHM transport's per-participant port segments and their locks): a process
+#: maps another participant's segment when it discovers it, so their count follows the ROS graph, not a leak here.
+FASTDDS_SHM = ("fastdds_", "sem.fastdds_", "fastrtps_", "sem.fastrtps_")
+
+
+def shm_maps(pid: int) -> tuple[int, int, int]:
+    """(/dev/shm files a process maps other than Fast DDS's, of which orphaned, Fast DDS's files it maps), from
+    /proc/<pid>/maps. Fast DDS's (:data:`FASTDDS_SHM`) are counted apart: the count grows by the segments of every
+    participant discovered meanwhile (a CLI daemon, another node: +3 in one CI run), which is not a leak of the
+    nodes'; orphans are counted over all files.
 
     Counted by inode. Orphaned: no name in /dev/shm points at the inode any more, so the mapping only keeps
     memory alive (e.g. an old ring segment still mapped). The prefix maps its ring through the temporary
     ``.init-*`` name it then unlinks, so /proc shows that path as "(deleted)" although the segment is linked:
     that is why this looks at inodes, not at the "(deleted)" mark.
     """
-    inodes = set()
+    inodes, dds = set(), set()
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
-                    inodes.add(int(fields[4]))
+                    name = fields[5].strip()[len("/dev/shm/"):]
+                    (dds if name.startswith(FASTDDS_SHM) else inodes).add(int(fields[4]))
     except (FileNotFoundError, ProcessLookupError):
-        return 0, 0
+        return 0, 0, 0
     linked = set()
     for entry in os.scandir(SHM):
         try:
             linked.add(entry.inode())
         except OSError:
             pass
-    return len(inodes), len(inodes - linked)
+    return len(inodes), len((inodes | dds) - linked), len(dds)
 
 
 class Monitor:
@@ -190,7 +199,7 @@ class Monitor:
                     s[f"{role}_threads"] = proc.num_threads()
             except Exception:  # noqa: BLE001 - the process ended: no sample
                 continue
-            s[f"{role}_shm_maps"], s[f"{role}_shm_orphaned_maps"] = shm_maps(proc.pid)
+            s[f"{role}_shm_maps"], s[f"{role}_shm_orphaned_maps"], s[f"{role}_shm_fastdds_maps"] = shm_maps(proc.pid)
         entries = os.listdir(SHM)
         s["shm_entries"] = len(entries)
         s["shm_hybrid_vla"] = sum(e.startswith("hybrid_vla.") for e in entries)
@@ -340,6 +349,8 @@ def _growth(samples: list[dict], start_frame: int, warm_frames: int) -> dict:
             "shm_maps_max": max(s[f"{role}_shm_maps"] for s in after if f"{role}_shm_maps" in s),
             "shm_orphaned_maps_max": max(s[f"{role}_shm_orphaned_maps"] for s in after
                                          if f"{role}_shm_orphaned_maps" in s),
+            "shm_fastdds_maps_baseline": base[f"{role}_shm_fastdds_maps"],
+            "shm_fastdds_maps_last": last[f"{role}_shm_fastdds_maps"],
         }
     for key in ("shm_entries", "shm_hybrid_vla", "shm_fastdds"):
         out[key] = {"baseline": base[key], "last": last[key], "max": max(s[key] for s in after)}
@@ -490,7 +501,8 @@ def print_results(r: dict) -> None:
               f"{m['rss_slope_mib_per_1000_frames']:+.2f} MiB/1000 frames); "
               f"fds {m['fds_baseline']} -> {m['fds_last']} (max {m['fds_max']}); "
               f"threads {m['threads_baseline']} -> {m['threads_last']}; /dev/shm maps "
-              f"{m['shm_maps_baseline']} -> {m['shm_maps_last']} ({m['shm_orphaned_maps_max']} orphaned)")
+              f"{m['shm_maps_baseline']} -> {m['shm_maps_last']} ({m['shm_orphaned_maps_max']} orphaned; Fast DDS's "
+              f"{m['shm_fastdds_maps_baseline']} -> {m['shm_fastdds_maps_last']})")
     print(f"    /dev/shm entries {res['shm_entries']['baseline']} -> {res['shm_entries']['last']} "
           f"(hybrid_vla {res['shm_hybrid_vla']['baseline']} -> {res['shm_hybrid_vla']['last']}, "
           f"fastdds {res['shm_fastdds']['baseline']} -> {res['shm_fastdds']['last']}; all processes on the host)")

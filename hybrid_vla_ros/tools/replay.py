@@ -133,7 +133,10 @@ def _resplit_event(text: str) -> tuple[int, int]:
 
 def set_parameter(node, target: str, name: str, value, timeout: float = 10.0) -> tuple[bool, str]:
     """Set one parameter of node ``target`` through its SetParameters service (as ``ros2 param set``).
-    Returns (successful, reason); (False, 'timed out ...') when the service does not answer in ``timeout`` s."""
+    Returns (successful, reason); (False, 'timed out ...') when the service does not answer in ``timeout`` s.
+    A request unanswered after a third of ``timeout`` is sent once more (setting a value is idempotent): with
+    rmw_fastrtps a request or response can be lost while the client's endpoints are still matching (seen under
+    load in CI: a found service that never answered)."""
     from rcl_interfaces.srv import SetParameters
     from rclpy.parameter import Parameter
 
@@ -142,11 +145,18 @@ def set_parameter(node, target: str, name: str, value, timeout: float = 10.0) ->
         if not client.wait_for_service(timeout):
             return False, f"timed out waiting for {target}/set_parameters"
         done = threading.Event()
-        future = client.call_async(SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()]))
-        future.add_done_callback(lambda _: done.set())
-        if not done.wait(timeout):
+        request = SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()])
+        futures = []
+        deadline = time.monotonic() + timeout
+        for wait_s in (timeout / 3, None):  # the second try waits for whatever time is left
+            futures.append(client.call_async(request))
+            futures[-1].add_done_callback(lambda _: done.set())
+            if done.wait(max(0.0, deadline - time.monotonic()) if wait_s is None else wait_s):
+                break
+        answered = [f for f in futures if f.done() and f.result() is not None]
+        if not answered:
             return False, f"timed out setting {name} on {target}"
-        result = future.result().results[0]
+        result = answered[0].result().results[0]
         return result.successful, result.reason
     finally:
         node.destroy_client(client)
