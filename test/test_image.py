@@ -400,6 +400,12 @@ def test_preprocess_rejects_bad_input(decoded):
         preprocess([img[..., 0]], 32, 0.5, 0.5)
     with pytest.raises(ValueError, match="std must be > 0"):
         preprocess([img], 32, 0.5, (0.5, 0.0, 0.5))
+    with pytest.raises(ValueError, match="finite in float32"):  # 255 x 1e37 overflows float32: NaN pixels
+        preprocess([img], 32, 1e37, 1e37)
+    with pytest.raises(ValueError, match="finite in float32"):  # 1 / (255 x 1e-40) overflows
+        preprocess([img], 32, 0.5, 1e-40)
+    # on another device than the CPU the uint8 image crosses and is normalised there ("meta": shapes only)
+    assert preprocess([img], 32, 0.5, 0.5, out=torch.empty((1, 3, 32, 32), device="meta")).device.type == "meta"
     with pytest.raises(ValueError, match="3 values"):
         preprocess([img], 32, (0.5, 0.5), 0.5)
     with pytest.raises(ValueError, match="size"):

@@ -216,3 +216,62 @@ def test_the_prefix_paces_itself_to_a_slower_suffix(tiny_checkpoint, frame):
     assert pacing_delay_ns(taken + s_ns + p_ns, taken, taken + s_ns, p_ns, published_before, max_ns) == 0
 
 
+
+
+class _PacedRunner:
+    """A stand-in for PrefixRunner as the prefix node's worker sees it: a suffix that is always far behind
+    (``pacing_delay_s`` answers ``delay_s`` on every ask), a split layer that can be requested, frames recorded."""
+
+    def __init__(self, delay_s: float):
+        from types import SimpleNamespace
+
+        self.delay_s, self.asks, self.runs, self.split_requested = delay_s, 0, [], False
+        self.cfg = SimpleNamespace(ego_state_input=False)
+        self.handoff_path = "produced in slot"
+
+    def pacing_delay_s(self, max_s: float = 30.0) -> float:
+        self.asks += 1
+        return self.delay_s
+
+    def run(self, items, stamp, ego_state=None, ego_wait_ms=None):
+        from types import SimpleNamespace
+
+        self.runs.append((stamp, self.split_requested))
+        self.split_requested = False
+        return SimpleNamespace(resplit=None, resplit_error=None, preprocess_ms=1.0, prefix_ms=1.0)
+
+
+def test_the_prefix_worker_asks_the_pacing_delay_again_and_a_split_request_ends_the_wait():
+    """The node's worker paces a frame to a suffix far behind (30 s): it asks the delay again while it waits
+    (the suffix may take a frame, die or restart meanwhile: the first ask is not held to), and a split layer
+    requested meanwhile ends the wait at once: the frame is computed (the runner applies the request first)
+    long before the 30 s are over, not after them."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hybrid_vla_ros.ros.prefix_worker import PrefixWorker
+    from hybrid_vla_ros.util.stats import StageTimes
+
+    runner = _PacedRunner(30.0)
+    drops = []
+    ctx = SimpleNamespace(runner=lambda: runner, settings=lambda: SimpleNamespace(pace_to_suffix=True),
+                          drop=lambda cause, msg: drops.append(cause), count=lambda cause: drops.append(cause),
+                          logger=None, log_every=lambda key: False, times=StageTimes())
+    worker = PrefixWorker(ctx, ego_inputs=None)
+    worker.start()
+    try:
+        worker.offer((123, []))
+        deadline = time.monotonic() + 10
+        while runner.asks < 3 and time.monotonic() < deadline:  # asked again while it waits
+            time.sleep(0.05)
+        assert runner.asks >= 3 and runner.runs == [], (runner.asks, runner.runs)
+        runner.split_requested = True
+        worker.wake()
+        done = threading.Event()
+        while not runner.runs and time.monotonic() < deadline:
+            done.wait(0.05)
+        assert runner.runs == [(123, True)], runner.runs  # computed with the request pending, well within 30 s
+        assert worker.frames_out == 1 and drops == []
+    finally:
+        worker.stop()

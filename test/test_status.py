@@ -149,3 +149,23 @@ def test_the_replay_report_sets_end_to_end_against_the_stage_sum():
     assert o["before_prefix_p50_ms"] == pytest.approx(7.0) and o["after_suffix_p50_ms"] == pytest.approx(2.75)
     assert o["met"] is True  # 11.5 <= 12.19
     assert pipeline_overhead({}, {}, frames, 50.0)["met"] is None
+
+
+def test_a_prefix_paced_to_a_slow_suffix_is_not_a_stall_for_two_of_its_cycles():
+    """The stall ERROR (inputs arrive, nothing comes out for STALL_S = 3 s) would fire every cycle for a prefix
+    paced to a suffix slower than 3 s (it publishes once per suffix cycle): the prefix's threshold is two of the
+    attached suffix's announced cycles when that is longer, and STALL_S without an attached suffix or a schedule."""
+    from types import SimpleNamespace
+
+    from hybrid_vla_ros.ros.prefix_node import PrefixNode
+
+    def node(attached, taken, next_read):
+        ring = SimpleNamespace(consumer_attached=lambda: attached, consumer_schedule=lambda: (taken, next_read))
+        return SimpleNamespace(runner=SimpleNamespace(ring=ring), STALL_S=PrefixNode.STALL_S)
+
+    t = 10**12
+    assert PrefixNode.stall_s(node(True, t, t + 8_500_000_000)) == 17.0  # minddrive-0.5b wholly on one core
+    assert PrefixNode.stall_s(node(True, t, t + 200_000_000)) == PrefixNode.STALL_S  # a fast suffix
+    assert PrefixNode.stall_s(node(False, t, t + 8_500_000_000)) == PrefixNode.STALL_S  # a dead one's figures
+    assert PrefixNode.stall_s(node(True, 0, 0)) == PrefixNode.STALL_S  # nothing announced yet
+    assert PrefixNode.stall_s(SimpleNamespace(runner=None, STALL_S=3.0)) == 3.0  # unconfigured

@@ -80,7 +80,7 @@ class PipelineDiagnostics:
     Level: ERROR while the node's ``fault`` is set (its text is the message), while its last configure failed
     and it is unconfigured (``configure_error``), while the peer cannot take part (the peer status's message:
     ring owner dead, no suffix attached, a suffix that is inactive or takes no frame, locked out of the ring,
-    no ring), when inputs keep arriving but nothing has come out for the node's ``STALL_S`` seconds, or when the
+    no ring), when inputs keep arriving but nothing has come out for the node's ``stall_s()`` seconds, or when the
     node's ``input_problem()`` names one (e.g. a silent camera); WARN when ``use_sim_time`` is set and no
     /clock has arrived (NO_CLOCK_HINT, also logged), when the node's ``input_warning()`` names one (images
     arriving late), when something was dropped since the previous report or
@@ -92,7 +92,7 @@ class PipelineDiagnostics:
     What it reads of the node is the node's status interface, public names only: ``STATUS``,
     ``status_fields()``, ``io_counts()``, ``ring_end()``, ``peer_status()``, ``input_problem()``,
     ``input_warning()``, ``clock_missing()``, ``use_sim_time()``, ``drops``, ``times``, ``fault``,
-    ``configure_error``, ``last_error``, ``lifecycle_requests_refused``, ``STALL_S``.
+    ``configure_error``, ``last_error``, ``lifecycle_requests_refused``, ``stall_s()``.
     """
 
     def __init__(self, node):
@@ -166,7 +166,7 @@ class PipelineDiagnostics:
             level, message = ERROR, peer.message
         elif problem:
             level, message = ERROR, problem
-        elif now - self._stall_since >= node.STALL_S:
+        elif now - self._stall_since >= node.stall_s():
             level, message = ERROR, f"inputs arrive but nothing came out for {now - self._stall_since:.0f} s"
         elif clock_missing:
             level, message = WARN, NO_CLOCK_HINT

@@ -198,7 +198,11 @@ class PipelineNode(LifecycleNode):
         if self._throttle(cause):
             self.get_logger().warning(f"dropped ({cause}, {total} so far): {message}")
 
-    STALL_S = 3.0  # inputs arriving without any output for this long is an ERROR
+    STALL_S = 3.0  # inputs arriving without any output for this long is an ERROR (see stall_s)
+
+    def stall_s(self) -> float:
+        """Seconds of inputs without any output after which /diagnostics says ERROR: :attr:`STALL_S`."""
+        return self.STALL_S
 
     def use_sim_time(self) -> bool:
         """The node's ``use_sim_time`` parameter (rclpy's own): its clock follows ``/clock``."""

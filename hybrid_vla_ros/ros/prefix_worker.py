@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from typing import Callable
 
 from ..vehicle.ego_input import ACCEL_SOURCES
@@ -27,6 +26,10 @@ class PrefixWorker:
     a usable ego state (``ego_inputs``), or one the runner fails on, is a counted drop and the thread goes on.
     Counts ``frames_out``, ``ego_accel_sources`` (frames out by acceleration source) and ``resplits``.
     """
+
+    #: Longest wait (s) before the pacing delay is asked again (it shrinks as time passes; the suffix's
+    #: announcement may change).
+    PACE_RECHECK_S = 0.1
 
     def __init__(self, ctx, ego_inputs, on_frame: Callable[[], None] | None = None):
         """``ctx``: the node's node_base.PartContext; ``ego_inputs``: prefix_inputs.EgoStateInputs; ``on_frame``:
@@ -89,11 +92,14 @@ class PrefixWorker:
                 while self._running and self._pending is None and not runner.split_requested:
                     self._cv.wait()
                 # Pace to a slower suffix: a frame started now would wait in the ring; newer frames replace
-                # _pending meanwhile (the older one counts as superseded), so the one started is fresher.
-                delay = runner.pacing_delay_s() if self._pending is not None and pace else 0
-                deadline = time.monotonic() + delay
-                while self._running and (remaining := deadline - time.monotonic()) > 0:
-                    self._cv.wait(remaining)
+                # _pending meanwhile (the older one counts as superseded), so the one started is fresher. The delay
+                # is asked again at every wake-up and at least every PACE_RECHECK_S (the suffix may take a frame,
+                # die or restart meanwhile), and a requested split layer ends the wait (it is applied first).
+                while self._running and self._pending is not None and pace and not runner.split_requested:
+                    delay = runner.pacing_delay_s()
+                    if delay <= 0:
+                        break
+                    self._cv.wait(min(delay, self.PACE_RECHECK_S))
                 if not self._running:
                     return
                 frame, self._pending = self._pending, None

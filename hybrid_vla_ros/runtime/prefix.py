@@ -286,11 +286,14 @@ class PrefixRunner:
         (median start-to-publish time of its recent frames, plus 5 % + 1 ms of margin) the next frame is published
         just as the suffix becomes free for it (:func:`pacing_delay_ns`). 0 without a hint, when the suffix will be
         free by then anyway (an idle suffix takes a frame at once), when S <= P (prefix-bound: the suffix waits
-        anyway), when the hint is stale (the suffix took nothing for 2 S) or the delay would exceed ``max_s`` (s;
-        an announcement that far ahead is taken as wrong: a suffix waiting on it would idle that long; the default
-        30 s is above any suffix cycle met here, 8.5 s for ``minddrive-0.5b`` wholly on one CPU core: the 1 s of
-        before switched pacing off for it, and its frames waited 1-3 s in the ring)."""
-        if not self._cycle_ns:
+        anyway), when no suffix is attached (a SIGKILLed one's announcement stays in the header), when the hint is
+        stale (the suffix took nothing for 2 S) or the delay would exceed ``max_s`` (s; an announcement that far
+        ahead is taken as wrong: a suffix waiting on it would idle that long). The delay can reach 2 S - P when a
+        frame already waits, so the default 30 s paces suffix cycles up to about 15 s (8.5 s for ``minddrive-0.5b``
+        wholly on one CPU core here; the 1 s of before switched pacing off for it, and its frames waited 1-3 s in
+        the ring). Cheap (a lock probe and two header reads): callers re-ask while they wait
+        (:class:`~hybrid_vla_ros.ros.prefix_worker.PrefixWorker`)."""
+        if not self._cycle_ns or not self.ring.consumer_attached():  # a dead suffix's announcement is not now's
             return 0.0
         taken, next_read = self.ring.consumer_schedule()
         cycle_p = sorted(self._cycle_ns)[len(self._cycle_ns) // 2] * 1.05 + 1_000_000

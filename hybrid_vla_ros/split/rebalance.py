@@ -32,11 +32,10 @@ hysteresis:
   ``confirm`` frames in a row, before K moves towards it: straight to it (``max_step`` 0, the default), or at most
   ``max_step`` blocks;
 * the first judgement at the new K checks the move against what was *measured*, not modelled: when the latency
-  measured there is worse than the one measured before the move by the same margin, K goes straight back (or past
-  the K it left, when the load measured at the new K predicts a K beyond it faster by the same margin: a co-tenant
-  that arrived on the side the move loaded) and no latency move the same way is made for the next ``hold`` judged
-  frames (the plan's per-K shape was wrong for this load, or the load changed meanwhile; a move the other way stays
-  allowed; the hold doubles with every further such move, so a wrong model costs an excursion ever more rarely);
+  measured there is worse than the one measured before the move by the same margin, K goes straight back and no
+  latency move the same way is made for the next ``hold`` judged frames (the plan's per-K shape was wrong for this
+  load, or the load changed meanwhile; a move the other way stays allowed; the hold doubles with every further
+  such move, so a wrong model costs an excursion ever more rarely);
 * a side whose planned time at the current K is under :data:`TRUST_SHARE` of the stage sum there (the suffix at
   K = L runs the read-out alone) keeps its last trusted load factor for the other K.
 
@@ -185,10 +184,9 @@ class LatencyBalancer:
         """Take one frame's sample; the move it leads to (``k`` None: stay) at current K ``current_k`` with the
         highest K the budget allows now ``k_max``. A sample of another K than ``current_k`` (a frame of before the
         last move), or one without the suffix's stage time, is left out. The first judgement after a latency move
-        sends K straight back when it measured slower than before the move (past the K it left when a K beyond it is
-        predicted faster by a move's margin at the load measured there), then ``hold`` judged frames without a
+        sends K straight back when it measured slower than before the move (then ``hold`` judged frames without a
         latency move the same way, doubled after each further move that measured slower, up to 32 x ``hold``, and
-        ``hold`` again after one that paid; otherwise a move back towards (or past) the K the last move left needs
+        ``hold`` again after one that paid); otherwise a move back towards (or past) the K the last move left needs
         that K itself predicted faster than the current one by a move's margin (no ping-pong where the far best K
         flips sides with the measurement). Raises ValueError for ``current_k`` outside [0, L] or ``k_max`` < 0."""
         if not 0 <= current_k <= self.num_layers or k_max < 0:
@@ -232,20 +230,9 @@ class LatencyBalancer:
                 way = 1 if current_k > k_left else -1
                 self._came_from, self._holds[way] = current_k, self._hold_next
                 self._hold_next = min(2 * self._hold_next, 32 * self.hold)  # the model stays wrong: try less often
-                # back to the K left, or past it when the load just measured here predicts a K beyond it faster by a
-                # move's margin (a co-tenant that landed on the side the move loaded: one move instead of two); not
-                # while that way is held after a move of its own that measured slower
-                beyond = [k for k in range(min(k_max, self.num_layers) + 1)
-                          if (k - k_left) * way < 0 and self._holds[-way] == 0]
-                to = min(beyond, key=predicted.__getitem__, default=k_left)
-                margin = max(self.min_gain_rel * predicted[k_left], self.min_gain_ms)
-                if predicted[to] >= predicted[k_left] - margin:
-                    to = k_left
-                past = "" if to == k_left else (f" and past it to K={to} (predicted {predicted[to]:.0f} ms against "
-                                                f"{predicted[k_left]:.0f} at K={k_left} at the load measured here)")
-                return Move(to, f"{where}; measured slower than the {before:.0f} ms at K={k_left} before the "
-                                f"move: back to K={k_left}{past}, no latency move {'up' if way > 0 else 'down'} for "
-                                f"{self._holds[way]} frames")
+                return Move(k_left, f"{where}; measured slower than the {before:.0f} ms at K={k_left} before the "
+                                    f"move: back to K={k_left}, no latency move {'up' if way > 0 else 'down'} for "
+                                    f"{self._holds[way]} frames")
             if k_left <= k_max:
                 self._hold_next = self.hold  # it paid (a K left above the budget now is not judged)
         for way in self._holds:

@@ -480,7 +480,8 @@ def preprocess(
 
     Raises:
         ValueError: empty ``images``, an image that is not ``(H, W, 3)`` ``uint8``, ``size`` not an int > 0,
-            non-finite mean/std or ``std <= 0``, ``out`` with the wrong shape or dtype, or an unknown ``resize``.
+            non-finite mean/std or ``std <= 0`` (or 255 mean, 255 std or the normalised pixels not finite in float32),
+            ``out`` with the wrong shape or dtype, or an unknown ``resize``.
     """
     import torch
 
@@ -513,6 +514,11 @@ def preprocess(
     # (x / 255 - m) / s == (x - 255 m) / (255 s), per channel: 0 and 255 map exactly where 255 m and 255 s are exact
     mean255 = torch.tensor([255.0 * m for m in mean3], dtype=torch.float32, device=out.device).view(3, 1, 1)
     std255 = torch.tensor([255.0 * s for s in std3], dtype=torch.float32, device=out.device).view(3, 1, 1)
+    f32_max = float(np.finfo(np.float32).max)
+    widest = max(max(abs(m), abs(1.0 - m)) / s for m, s in zip(mean3, std3))  # the largest |output| of 0..255
+    if max(max(abs(m), s) for m, s in zip(mean3, std3)) * 255.0 >= f32_max or widest >= f32_max / 2:
+        raise ValueError(f"mean {mean3} and std {std3}: 255 mean, 255 std and the normalised pixels "
+                         f"(up to {widest:.3g}) must be finite in float32")
     fused = out.device.type == "cpu"
     for i, img in enumerate(images):
         if resize == "area":
@@ -526,8 +532,9 @@ def preprocess(
                                                       align_corners=False)[0].permute(1, 2, 0)
         if fused:  # HWC uint8 -> CHW float32 minus the mean in one pass, then divided while still in the cache
             torch.sub(resized.permute(2, 0, 1), mean255, out=out[i]).div_(std255)
-        else:  # another device: the small uint8 image crosses, converted on arrival, normalised there below
-            out[i].copy_(resized.permute(2, 0, 1))
+        else:  # another device: the small uint8 image crosses (a blocking copy_ with a dtype change would convert
+            # on the CPU and send float32), then is converted and normalised there below
+            out[i].copy_(resized.permute(2, 0, 1).to(out.device))
     if not fused:
         out.sub_(mean255).div_(std255)
     return out
