@@ -276,7 +276,7 @@ class PrefixRunner:
         self._cycle_ns.append(self._last_publish_ns - t_start_ns)
         return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit, resplit_error)
 
-    def pacing_delay_s(self, max_s: float = 30.0) -> float:
+    def pacing_delay_s(self, max_s: float = 1.0) -> float:
         """How long to wait before starting the next frame (s; 0: start now) so that it is published just before
         the suffix asks for it. Only when the suffix is the slower stage: then a frame started at once waits in
         the ring (or is superseded) and reaches the planner older than the stage times say.
@@ -288,11 +288,11 @@ class PrefixRunner:
         free by then anyway (an idle suffix takes a frame at once), when S <= P (prefix-bound: the suffix waits
         anyway), when no suffix is attached (a SIGKILLed one's announcement stays in the header), when the hint is
         stale (the suffix took nothing for 2 S) or the delay would exceed ``max_s`` (s; an announcement that far
-        ahead is taken as wrong: a suffix waiting on it would idle that long). The delay can reach 2 S - P when a
-        frame already waits, so the default 30 s paces suffix cycles up to about 15 s (8.5 s for ``minddrive-0.5b``
-        wholly on one CPU core here; the 1 s of before switched pacing off for it, and its frames waited 1-3 s in
-        the ring). Cheap (a lock probe and two header reads): callers re-ask while they wait
-        (:class:`~hybrid_vla_ros.ros.prefix_worker.PrefixWorker`)."""
+        ahead is taken as wrong: a suffix waiting on it would idle that long). With the default 1 s a suffix whose
+        cycle is longer than about 1 s is not paced (``minddrive-0.5b`` wholly on one CPU core, 8.5 s: its frames
+        wait 1-3 s in the ring at K = 0; a 30 s cap paced it, but test_launch's large-data publisher then lost a
+        frame in two runs of three, cause not found: docs/performance.md, "Load step"). Cheap (a lock probe and two
+        header reads): callers re-ask while they wait (:class:`~hybrid_vla_ros.ros.prefix_worker.PrefixWorker`)."""
         if not self._cycle_ns or not self.ring.consumer_attached():  # a dead suffix's announcement is not now's
             return 0.0
         taken, next_read = self.ring.consumer_schedule()
