@@ -158,10 +158,13 @@ def test_a_prefix_paced_to_a_slow_suffix_is_not_a_stall_for_two_of_its_cycles():
     from types import SimpleNamespace
 
     from hybrid_vla_ros.ros.prefix_node import PrefixNode
+    from hybrid_vla_ros.runtime.prefix import PrefixRunner
 
-    def node(attached, taken, next_read):
+    def node(attached, taken, next_read):  # the runner's own suffix_cycle_s over a stand-in ring header
         ring = SimpleNamespace(consumer_attached=lambda: attached, consumer_schedule=lambda: (taken, next_read))
-        return SimpleNamespace(runner=SimpleNamespace(ring=ring), STALL_S=PrefixNode.STALL_S)
+        runner = SimpleNamespace(ring=ring)
+        runner.suffix_cycle_s = lambda: PrefixRunner.suffix_cycle_s(runner)
+        return SimpleNamespace(runner=runner, STALL_S=PrefixNode.STALL_S)
 
     t = 10**12
     assert PrefixNode.stall_s(node(True, t, t + 8_500_000_000)) == 17.0  # minddrive-0.5b wholly on one core

@@ -154,11 +154,8 @@ class PrefixNode(node_base.PipelineNode):
     def stall_s(self) -> float:
         """:attr:`STALL_S`, or two of the attached suffix's announced cycles when that is longer: paced to a
         suffix slower than STALL_S (``pace_to_suffix``), this prefix publishes once per suffix cycle."""
-        runner = self.runner
-        if runner is None or not runner.ring.consumer_attached():
-            return self.STALL_S
-        taken, next_read = runner.ring.consumer_schedule()
-        return max(self.STALL_S, 2 * (next_read - taken) / 1e9) if 0 < taken < next_read else self.STALL_S
+        cycle_s = self.runner.suffix_cycle_s() if self.runner is not None else None
+        return max(self.STALL_S, 2 * cycle_s) if cycle_s else self.STALL_S
 
     def peer_status(self):
         runner = self.runner

@@ -300,6 +300,15 @@ class PrefixRunner:
         return pacing_delay_ns(time.monotonic_ns(), taken, next_read, cycle_p, self._last_publish_ns,
                                round(max_s * 1e9)) / 1e9
 
+    def suffix_cycle_s(self) -> float | None:
+        """The attached suffix's cycle S (s): its announced next read minus its last take
+        (``RingConsumer.announce_next_read``); None when no suffix is attached (a SIGKILLed one's figures stay in the
+        header) or it announced none."""
+        if not self.ring.consumer_attached():
+            return None
+        taken, next_read = self.ring.consumer_schedule()
+        return (next_read - taken) / 1e9 if 0 < taken < next_read else None
+
     def stage_sample(self, camera_period_ns: int | None = None) -> StageSample | None:
         """Both stages' times as this prefix sees them after its newest frame, for live rebalancing
         (:class:`~hybrid_vla_ros.split.rebalance.StageSample`); None before the first frame.

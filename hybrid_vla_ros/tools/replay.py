@@ -146,13 +146,12 @@ def set_parameter(node, target: str, name: str, value, timeout: float = 10.0) ->
             return False, f"timed out waiting for {target}/set_parameters"
         done = threading.Event()
         request = SetParameters.Request(parameters=[Parameter(name, value=value).to_parameter_msg()])
-        futures = []
-        deadline = time.monotonic() + timeout
-        for wait_s in (timeout / 3, None):  # the second try waits for whatever time is left
+        futures = [client.call_async(request)]
+        futures[0].add_done_callback(lambda _: done.set())
+        if not done.wait(timeout / 3):  # unanswered: once more, for the rest of the timeout
             futures.append(client.call_async(request))
-            futures[-1].add_done_callback(lambda _: done.set())
-            if done.wait(max(0.0, deadline - time.monotonic()) if wait_s is None else wait_s):
-                break
+            futures[1].add_done_callback(lambda _: done.set())
+            done.wait(timeout * 2 / 3)
         answered = [f for f in futures if f.done() and f.result() is not None]
         if not answered:
             return False, f"timed out setting {name} on {target}"
