@@ -531,14 +531,20 @@ def test_a_plain_publisher_of_raw_1600x900_cameras_gets_its_frames_through(respa
         with reports.lock:
             delays = [float(r["camera_delay_p50_ms"]) for r in reports.reports if r.get("camera_delay_p50_ms")]
             late = [r["_message"] for r in reports.reports if "arrive" in r["_message"]]
+            # a report whose median delay is over the prefix's LATE_ARRIVAL_S names it, unless an ERROR outranks
+            # the WARN in its one message (a camera named silent while its late images are on the way)
+            unnamed = [(r["camera_delay_p50_ms"], r["_level"], r["_message"]) for r in reports.reports
+                       if float(r.get("camera_delay_p50_ms") or 0) > 500 and "arrive" not in r["_message"]
+                       and r["_level"] != 2]
     finally:
         reports.close()
     assert re.search(r"camera 0 \(/sensing/camera/camera0/plain_\w+\): subscribed reliable to match its 1 "
                      r"publisher\(s\) \(reliable\)", respawning.log()), respawning.log()[-4000:]
     print(f"\nplain raw publisher, Fast DDS defaults: {frames} of {frames} frames synchronized, arrival delay p50 "
           f"up to {max(delays):.0f} ms" + (f"; prefix WARN: {late[-1]}" if late else ""))
-    if max(delays) > 1000 * 0.5:  # late frames are named as such in the report
-        assert late, delays
+    assert not unnamed, unnamed
+    if max(delays) > 1000 * 0.5:  # late frames are named: logged once as a WARN when it starts
+        assert "camera images arrive late" in respawning.log(), delays
 
 
 def test_a_plain_publisher_on_the_large_data_profile_gets_every_frame_answered_in_time(respawning, ros_env,

@@ -338,7 +338,8 @@ def test_live_resplit_on_running_nodes(nodes, embedded_bag):
 def test_split_layer_auto_judges_the_measured_stage_times(tmp_path, tiny_checkpoint, embedded_bag):
     """split_layer auto with a profile (live rebalancing on, the default): after each frame the prefix judges both
     stages' measured times, the suffix's cycle read from the ring it announces in; /diagnostics carries the
-    judgement (prefix and suffix ms against the plan's), and any move it makes is one block and logged."""
+    judgement (prefix and suffix ms against the plan's), and any move it makes is logged and takes at most
+    ``auto_rebalance_max_step`` blocks (1 here; the default 0 goes straight to the best K)."""
     from hybrid_vla_ros.ros.status import PrefixStatus
     from hybrid_vla_ros.tools.cli import main as cli
 
@@ -346,10 +347,12 @@ def test_split_layer_auto_judges_the_measured_stage_times(tmp_path, tiny_checkpo
     core = sorted(os.sched_getaffinity(0))[-1]
     assert cli(["profile", "--model", str(tiny_checkpoint), "--cores", str(core), "--threads", "1", "--repeats", "1",
                 "--quiet", "--out", str(profile)]) == 0
-    with _node_processes(tmp_path, tiny_checkpoint, prefix_extra={"split_layer": "auto", "profile_path": str(profile)},
+    with _node_processes(tmp_path, tiny_checkpoint, prefix_extra={"split_layer": "auto", "profile_path": str(profile),
+                                                                     "auto_rebalance_max_step": 1},
                          suffix_extra={"split_layer": "auto"}) as (ns, graph, prefix, suffix, procs, logs):
         for client in (prefix, suffix):
             assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
+        assert "at most 1 block(s) a move" in (logs / "prefix.log").read_text()
         assert "live rebalancing on" in (logs / "prefix.log").read_text()
         publish = _frame_publisher(graph, ns, embedded_bag)
         name = f"{ns}/prefix_node: pipeline"
