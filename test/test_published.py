@@ -393,3 +393,51 @@ def test_orion_llm_written_in_shards_is_the_same(orion_like, orion_out, tmp_path
         b = LlamaForCausalLM.from_pretrained(str(orion_out / "llm")).model(input_ids=ids).last_hidden_state
     assert torch.equal(a, b)
     assert open_checkpoint(out).load("suffix", 2) is not None
+
+
+def test_orion_backbone_from_the_published_code_is_placed_and_computes_the_same(orion_like, monkeypatch, tmp_path):
+    """Issue 21: a `.pth` whose `img_backbone.*` is the published EVAViT's own state dict (its real key names,
+    rotary tables included; reduced width and image size) converts with the backbone placed one to one and the
+    tables checked, not left over; the converted prefix's vision side gives the published code's feature map on
+    the same pixels (fp32, within 1e-4); every split layer still verifies against transformers; a checkpoint
+    whose stored tables belong to another image size is refused with the table named."""
+    from minddrive_reference import load_eva_vit
+
+    ref_module = load_eva_vit(monkeypatch)
+    torch.manual_seed(5)
+    ref = ref_module.EVAViT(img_size=96, patch_size=16, embed_dim=64, depth=3, num_heads=4, mlp_ratio=8 / 3,
+                            window_size=4, window_block_indexes=[0, 1], pretrain_img_size=64, flash_attn=False,
+                            with_cp=False).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    root, hf_dir, _, _, peft_model = orion_like
+    state = {k: v for k, v in _published_state(peft_model).items() if not k.startswith("img_backbone.")}
+    state.update({f"img_backbone.{k}": v.clone() for k, v in ref.state_dict().items()})
+    pth = tmp_path / "Orion_eva.pth"
+    torch.save({"state_dict": state}, pth)
+    vision = dict(type="eva02", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=170,
+                  patch_size=16, image_size=96, window_size=4, global_blocks=[2], pretrain_image_size=64)
+    overrides = {"image_size": 96, "vision": vision,
+                 "projector": {"type": "query", "num_queries": 8, "num_layers": 1, "num_heads": 4}}
+    out = tmp_path / "converted"
+    report = convert(pth, hf_dir, out, preset_name="orion", overrides=overrides, lora_r=4, lora_alpha=8)
+    assert report["placed"]["vision (img_backbone.* -> vision.*, EVA-02)"] == len(
+        [k for k in ref.state_dict() if "rope" not in k])
+    assert list(report["derived_checked"].values()) == [4 + 2 * 3]
+    assert "img_backbone" not in report["not_placed"]
+    assert set(report["not_placed"]) == {"pts_bbox_head", "map_head", "ego_fut_decoder"}
+    prefix = open_checkpoint(out).load("prefix", 0, dtype="fp32")
+    pixels = torch.randn(6, 3, 96, 96)
+    with torch.no_grad():
+        expected = ref(pixels)[0]
+        got = prefix.vision.feature_map(pixels)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    verified = _cli("verify-split", "--model", str(out), "--quiet")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    # a table of another size: refused, named
+    state["img_backbone.rope_glb.freqs_cos"] = state["img_backbone.rope_glb.freqs_cos"][:16].clone()
+    torch.save({"state_dict": state}, pth)
+    with pytest.raises(CheckpointError, match=r"img_backbone\.rope_glb\.freqs_cos: the stored rotary table"):
+        convert(pth, hf_dir, tmp_path / "refused", preset_name="orion", overrides=overrides, lora_r=4, lora_alpha=8)
+    assert not (tmp_path / "refused").exists()

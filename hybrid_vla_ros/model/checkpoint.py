@@ -424,6 +424,11 @@ def _rebuild_buffers(module: nn.Module, device: torch.device) -> None:
             sub.register_buffer("position_ids", torch.arange(n, device=device).expand(1, -1), persistent=False)
     if hasattr(module, "rebuild_buffers"):
         module.rebuild_buffers(device)
+    from .eva02 import EVA02ViT
+
+    for sub in module.modules():  # an EVA-02 vision side inside a stage: its rotary tables
+        if isinstance(sub, EVA02ViT) and sub is not module:
+            sub.rebuild_buffers(device)
 
 
 def random_stage(cfg: VLAConfig, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",

@@ -58,7 +58,8 @@ class VLAConfig:
             :data:`RESIZE_FILTERS`: ``area`` (OpenCV INTER_AREA; the default, and what
             a checkpoint without the key gets), ``bilinear`` or ``bicubic`` (antialiased, as Pillow's resize and
             Hugging Face image processors' ``resample`` 2 / 3; several times faster on 1600x900 cameras).
-        vision: SiglipVisionConfig kwargs (``image_size`` must equal ``image_size``).
+        vision: SiglipVisionConfig kwargs (``image_size`` must equal ``image_size``), or with ``type: eva02`` the
+            published EVA-02 backbone's :class:`~hybrid_vla_ros.model.eva02.EVA02Config` fields.
         llm: LlamaConfig / Qwen2Config kwargs (hidden_size H, num_hidden_layers L, heads, vocab_size,
             ...) plus ``model_type`` (``llama`` or ``qwen2``; default ``llama``).
         projector: how vision features become LLM tokens. ``{"type": "mlp"}``: every patch token of
@@ -188,8 +189,19 @@ class VLAConfig:
         for key in ("hidden_size", "patch_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             if key not in self.vision:
                 problems.append(f"vision.{key} missing")
+        if self.vision_type not in ("", "eva02"):
+            problems.append(f"vision.type {self.vision_type!r} is not 'eva02' (or absent: SigLIP / the LLaVA tower)")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
+        if self.vision_type == "eva02":
+            from .eva02 import EVA02Config  # torch: imported only for a config that names this backbone
+
+            try:
+                EVA02Config.from_dict(self.vision)
+            except (TypeError, ValueError) as e:
+                problems.append(f"vision: {e}")
+            if self.projector.get("type") not in ("query", "mlp"):
+                problems.append("an EVA-02 vision side takes projector.type 'query' or 'mlp'")
         if self.vision.get("image_size", self.image_size) != self.image_size:
             problems.append("vision.image_size differs from image_size")
         if self.image_size % self.vision["patch_size"]:
@@ -381,6 +393,12 @@ class VLAConfig:
     def hidden_size(self) -> int:
         """H, the LLM width."""
         return int(self.llm["hidden_size"])
+
+    @property
+    def vision_type(self) -> str:
+        """``vision.type``: ``eva02`` for the published EVA-02 backbone (:mod:`.eva02`), "" otherwise (SigLIP
+        arguments, or a LLaVA directory's tower by ``vision.model_type``)."""
+        return str(self.vision.get("type", ""))
 
     @property
     def llm_type(self) -> str:
@@ -588,8 +606,12 @@ def not_a_driving_checkpoint(path: Path, doc: dict) -> str:
 # transformers' SigLIP vision transformer: same width, depth, token count and about the same parameters
 # (0.30 B); EVA-02's rotary position embedding and SwiGLU MLP are not reproduced, which changes
 # neither the memory nor the FLOPs by more than a few percent.
-_EVA02_L_640 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                    image_size=640, patch_size=16, layer_norm_eps=1e-6, vision_use_head=False)
+# The published vision backbone of Orion and MindDrive (model/eva02.py: EVA02Config's defaults, checked against
+# the published eva_vit.py in test_eva02): EVA-02-L at 640 px, window 16, every third block global.
+_EVA02_L_640 = dict(type="eva02", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                    intermediate_size=2730, patch_size=16, image_size=640, window_size=16,
+                    global_blocks=[2, 5, 8, 11, 14, 17, 20, 23], pretrain_image_size=224, pretrain_cls_token=True,
+                    rope_grid=16, rope_theta=10000.0, layer_norm_eps=1e-6)
 # Orion's QT-Former turns the 6 x 1600 patch tokens into 513 query tokens for the LLM (Fu et al., 2025).
 # Its exact layers are not public in detail: two transformer decoder layers at the vision width stand in,
 # with the published token count and LLM width.

@@ -45,6 +45,7 @@ from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from . import text
 from .config import EGO_FEATURES, NAV_COMMANDS, LMConfig, VLAConfig
+from .eva02 import EVA02_TYPE
 
 if TYPE_CHECKING:  # imported where used: the annotation only names it
     from .contract import SplitState
@@ -247,24 +248,33 @@ def _llava_config(cfg: VLAConfig, vision, llm):
 
 def _add_prefix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
     """Attach the modules before block 0 to ``m``: ``vision``, ``projector``, ``embed_tokens``, and
-    ``ego_embed`` / ``pass_embed`` when the config asks for them. With a LLaVA projector: transformers'
-    ``vision_tower`` (CLIP / SigLIP, built by ``AutoModel.from_config``) and ``multi_modal_projector``
-    (``LlavaMultiModalProjector``) under LLaVA's own names, so the directory's tensors load unchanged."""
-    vision = _vision_config(cfg)
+    ``ego_embed`` / ``pass_embed`` when the config asks for them. ``vision`` is the published EVA-02 backbone
+    (:mod:`.eva02`) with ``vision.type`` ``eva02``, else transformers' SigLIP. With a LLaVA projector:
+    transformers' ``vision_tower`` (CLIP / SigLIP, built by ``AutoModel.from_config``) and
+    ``multi_modal_projector`` (``LlavaMultiModalProjector``) under LLaVA's own names, so the directory's tensors
+    load unchanged."""
     h = llm.hidden_size
-    if cfg.projector["type"] == "llava":
+    if cfg.vision_type == EVA02_TYPE:
+        from .eva02 import EVA02Config, EVA02ViT
+
+        m.vision = EVA02ViT(EVA02Config.from_dict(cfg.vision))
+        width = m.vision.cfg.hidden_size
+    elif cfg.projector["type"] == "llava":
         from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+        vision = _vision_config(cfg)
         m.vision_tower = AutoModel.from_config(vision)
         m.multi_modal_projector = LlavaMultiModalProjector(_llava_config(cfg, vision, llm))
     else:
+        vision = _vision_config(cfg)
         m.vision = SiglipVisionModel(vision)
-        if cfg.projector["type"] == "query":
-            q = cfg.projector
-            m.projector = QueryProjector(vision.hidden_size, h, q["num_queries"], q["num_layers"], q["num_heads"])
-        else:
-            m.projector = nn.Sequential(nn.Linear(vision.hidden_size, h), nn.GELU(), nn.Linear(h, h))
+        width = vision.hidden_size
+    if cfg.projector["type"] == "query":
+        q = cfg.projector
+        m.projector = QueryProjector(width, h, q["num_queries"], q["num_layers"], q["num_heads"])
+    elif cfg.projector["type"] == "mlp":
+        m.projector = nn.Sequential(nn.Linear(width, h), nn.GELU(), nn.Linear(h, h))
     m.embed_tokens = text.make_embedding(llm_family(cfg), llm)
     _add_query_tokens(m, cfg, h)
     if cfg.ego_state_input:
@@ -375,7 +385,8 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
         *parts, text = _llava_parts(m, cfg, pixel_values)
         vis = text
     else:
-        vis = m.vision(pixel_values=pixel_values).last_hidden_state  # (C, P, Dv)
+        vis = m.vision(pixel_values=pixel_values)  # (C, P, Dv): EVA-02 gives the tensor, SigLIP an output
+        vis = vis if isinstance(vis, torch.Tensor) else vis.last_hidden_state
         vis = m.projector(vis) if cfg.projector["type"] == "query" else m.projector(vis.flatten(0, 1))  # (V, H)
         ids = torch.tensor(cfg.prompt_token_ids + [cfg.planning_token_id], device=vis.device)
         text = m.embed_tokens(ids)

@@ -22,9 +22,12 @@ stored (``state_dict``)                                         here
 ``lm_head.base_model.model.model.norm.weight``                  ``llm/`` ``model.norm.weight``
 ``lm_head.base_model.model.lm_head.weight``                     ``llm/`` ``lm_head.weight``; MindDrive: its rows
                                                                 of the meta-action tokens -> ``decision_head``
-``img_backbone.*`` (EVA-02-L), ``pts_bbox_head.*``,              not placed (reported by name): this package's
-``map_head.*``, ``ego_fut_decoder.*``, VAE parts, anything else  vision side / query projector / planner are
-                                                                stand-ins of other structure (docs/models.md)
+``img_backbone.*`` (EVA-02-L)                                   ``vision.*`` one to one (model/eva02.py); the
+                                                                stored rotary tables (``rope_*``, each block's
+                                                                ``attn.rope.*``) are checked, not loaded
+``pts_bbox_head.*``, ``map_head.*``, ``ego_fut_decoder.*``,      not placed (reported by name): this package's
+VAE parts, anything else                                        query projector / planner are stand-ins of
+                                                                other structure (docs/models.md)
 ==============================================================  ================================================
 
 LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3; peft's
@@ -64,6 +67,8 @@ from .sources import CheckpointError, MissingFileError
 
 #: Where the PEFT-wrapped LLM sits in the published state dicts (Orion's / MindDrive's ``self.lm_head``).
 LLM_PREFIX = "lm_head.base_model.model."
+#: Where the published checkpoints keep the EVA-02 vision backbone (placed as ``vision.*``).
+BACKBONE_PREFIX = "img_backbone."
 #: MindDrive's adapters, in pass order (decision pass first, action pass last).
 MINDDRIVE_ADAPTERS = ("decision_expert", "action_expert")
 #: Orion's single adapter (peft's default name).
@@ -320,8 +325,10 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     llm = _write_llm(checkpoint, config_dir, doc, parts, layout, out, store_dtype, max_shard_bytes)
     cfg, own_extra = _driving_config(config_dir, parts, llm, layout, preset_name, overrides, waypoint_token_id,
                                      decision_token_ids, store_dtype, out)
+    backbone = place_backbone(tensors, parts, cfg, store_dtype)
+    own_extra.update(backbone.tensors)
     _write_own(out, cfg, own_extra, store_dtype, seed, checkpoint, layout)
-    report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor)
+    report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor, backbone)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     open_checkpoint(out)  # opens (the referred llm/ consistent) before success is reported
     return report
@@ -423,6 +430,52 @@ def _write_llm(checkpoint, config_dir: Path, doc: dict, parts, layout: str, out:
     return _WrittenLLM(ref, llm_keys, vocab, declared_vocab, merged)
 
 
+@dataclass
+class PlacedBackbone:
+    """The published ``img_backbone.*`` as placed: ``tensors`` (``vision.<name>`` -> tensor, in the store
+    dtype), ``checked`` (stored names of the rotary tables compared with the ones computed from the config and
+    not loaded)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    checked: list[str] = field(default_factory=list)
+
+
+def place_backbone(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, store_dtype: torch.dtype
+                   ) -> PlacedBackbone:
+    """Place the published EVA-02 backbone (``img_backbone.*``) into the model's ``vision.*`` one to one by name
+    when the config's vision side is EVA-02 (model/eva02.py); its stored rotary tables are compared with the
+    ones the config computes (a difference means another image size, window or rotary grid: CheckpointError)
+    and left out. The names placed or checked leave ``parts.not_placed``; a stored name the backbone does not
+    have stays there (reported). Shapes are checked when the tensors are written (_write_own)."""
+    from .eva02 import EVA02_TYPE, EVA02Config, derived_tensor_names, expected_derived
+
+    placed = PlacedBackbone()
+    if cfg.vision_type != EVA02_TYPE:
+        return placed
+    eva = EVA02Config.from_dict(cfg.vision)
+    derived = set(derived_tensor_names(eva))
+    with torch.device("meta"):
+        from .eva02 import EVA02ViT
+
+        own = set(EVA02ViT(eva).state_dict())
+    for stored in [n for n in parts.not_placed if n.startswith(BACKBONE_PREFIX)]:
+        name = stored[len(BACKBONE_PREFIX):]
+        if name in derived:
+            want, got = expected_derived(eva, name), tensors[stored].float()
+            tol = 1e-5 if tensors[stored].dtype == torch.float32 else 1e-2
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=0, atol=tol):
+                raise CheckpointError(f"{stored}: the stored rotary table ({list(got.shape)}) is not EVA-02's at "
+                                      f"image_size {eva.image_size}, window {eva.window_size}, rotary grid "
+                                      f"{eva.rope_grid}: the checkpoint was made for another input size")
+            placed.checked.append(stored)
+        elif name in own:
+            placed.tensors[f"vision.{name}"] = tensors[stored].to(store_dtype).contiguous()
+        else:
+            continue
+        parts.not_placed.remove(stored)
+    return placed
+
+
 def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, preset_name, overrides, waypoint_token_id,
                     decision_token_ids, store_dtype: torch.dtype, out: Path):
     """The converted checkpoint's VLAConfig (the preset's driving I/O and stand-ins around ``OUT/llm``, the
@@ -492,12 +545,14 @@ def _write_own(out: Path, cfg, own_extra: dict, store_dtype: torch.dtype, seed: 
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
 
-def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _WrittenLLM, cfg, non_tensor) -> dict:
+def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _WrittenLLM, cfg, non_tensor,
+                       backbone: PlacedBackbone) -> dict:
     """The conversion's report (``convert_report.json``): what was placed, merged and written, and every
     tensor not placed, by name, grouped by prefix."""
     ref, llm_keys, vocab, declared_vocab, merged = llm.ref, llm.keys, llm.vocab, llm.declared_vocab, llm.merged
     wp = cfg.planning_token_id
-    placed_groups = {"llm (lm_head.base_model.model.*)": len(parts.placed)}
+    placed_groups = {"llm (lm_head.base_model.model.*)": len(parts.placed),
+                     "vision (img_backbone.* -> vision.*, EVA-02)": len(backbone.tensors)}
     report = {
         "checkpoint": str(Path(checkpoint).resolve()), "layout": layout, "out": str(out.resolve()),
         "llm": {"architecture": ref.architecture, "num_hidden_layers": ref.num_layers, "vocab_size": vocab,
@@ -512,9 +567,12 @@ def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _
         "not_placed": _group(parts.not_placed),
         "not_placed_total": len(parts.not_placed),
         "non_tensor_entries": non_tensor,
-        "stand_ins": ("vision.*, projector.*, ego_embed.*, head.* are this package's random-init stand-ins "
-                      f"({cfg.preset} preset): the checkpoint's vision backbone, query heads and planner are "
-                      "not placed (listed in not_placed)"),
+        "derived_checked": {"img_backbone rotary tables (computed from the config, equal to the stored ones)":
+                            len(backbone.checked)},
+        "stand_ins": ("projector.*, ego_embed.*, head.* are this package's random-init stand-ins "
+                      f"({cfg.preset} preset): the checkpoint's query heads and planner are not placed (listed "
+                      "in not_placed)" + ("" if backbone.tensors else "; so is its vision backbone, which this "
+                                          "config's vision side does not take")),
     }
     if layout == "minddrive":
         report["decision"] = {"token_ids": cfg.decision_token_ids, "position": cfg.decision_position,

@@ -294,11 +294,22 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
     held_v = {**pixels, "embeddings_x0": tok, **block_in}
     if llava:  # LLaVA reads hidden states of inner layers: the tower keeps every layer's output (all but one held)
         held_v = {**pixels, "hidden_states_kept": nv * tok}
-    phases.append(Phase("vision.block.attention", {**held_v, "ln1": tok, "q_k_v": 3 * tok, "sdpa_out": tok,
-                                                   "out_proj": tok}))
-    phases.append(Phase("vision.block.mlp", {**held_v, "residual": tok, "ln2": tok, "fc1_gelu": 2 * N * Mv * e}))
-    phases.append(Phase("vision.post_layernorm", {**pixels, "embeddings_x0": tok, "encoder_out": tok,
-                                                  "post_ln": tok}))
+    if cfg.vision_type == "eva02":  # EVA-02 (model/eva02.py): windows cut from a zero-padded grid, rotary q / k,
+        # SwiGLU (w1 and w2 outputs and their product live together), no final norm
+        w, g = int(v["window_size"]), S // patch
+        gp = g + (-g) % w if w and any(i not in v["global_blocks"] for i in range(nv)) else g
+        tok_p = C * gp * gp * Dv * e
+        phases.append(Phase("vision.block.attention", {**held_v, "ln1": tok, "windows": tok_p, "q_k_v": 3 * tok_p,
+                                                       "rotary": 2 * tok_p, "sdpa_out": tok_p, "out_proj": tok_p}))
+        phases.append(Phase("vision.block.mlp", {**held_v, "residual": tok, "ln2": tok, "swiglu": 3 * N * Mv * e}))
+        phases.append(Phase("vision.tokens", {**pixels, "encoder_out": tok, "tokens": tok}))
+    else:
+        phases.append(Phase("vision.block.attention", {**held_v, "ln1": tok, "q_k_v": 3 * tok, "sdpa_out": tok,
+                                                       "out_proj": tok}))
+        phases.append(Phase("vision.block.mlp", {**held_v, "residual": tok, "ln2": tok,
+                                                 "fc1_gelu": 2 * N * Mv * e}))
+        phases.append(Phase("vision.post_layernorm", {**pixels, "embeddings_x0": tok, "encoder_out": tok,
+                                                      "post_ln": tok}))
     V = cfg.num_vision_tokens
     if llava:
         layers = cfg.projector["vision_feature_layer"]

@@ -64,6 +64,7 @@ from torch import nn
 
 from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
 from ..model.config import LMConfig, VLAConfig, VLMSpec, preset
+from ..model.eva02 import EVA02ViT
 from ..model import text
 from ..model.modeling import DEFAULT_COMMAND, PrefixStage, SuffixStage, embed, llm_config, llm_family, plan
 from ..util.cores import cpu_model, pin_process
@@ -305,6 +306,49 @@ def random_init_(module: nn.Module, device: str | torch.device, dtype: torch.dty
     return module.eval().requires_grad_(False)
 
 
+def _profile_eva02(vision: EVA02ViT, pixels: torch.Tensor, feats: torch.Tensor, *, random: bool,
+                   device: torch.device, dtype: torch.dtype, warmup: int, repeats: int, every_block: bool, timed,
+                   log) -> tuple[list, list, int]:
+    """Time the EVA-02 backbone's parts: its stem (patch convolution + resized position embedding) as
+    ``vision_embeddings``, its blocks on the (C, G, G, D) grid, and the flattening into tokens as
+    ``vision_post`` (it has no final norm). Window and global blocks cost differently, so without
+    ``every_block`` the first of each kind is measured and stands for its kind. ``random``: give the meta-device
+    stem and each block random weights before timing it (freed after). Returns (per-block ms, per-block min ms,
+    blocks measured)."""
+    cfg = vision.cfg
+    blocks = vision.blocks
+    if random:
+        del vision.blocks  # the stem alone onto the device; each block follows when it is timed
+        vision.to(dtype)
+        vision.to_empty(device=device)
+        with torch.no_grad():
+            vision.patch_embed.proj.weight.normal_(0.0, 0.02)
+            vision.patch_embed.proj.bias.zero_()
+            vision.pos_embed.normal_(0.0, 0.02)
+        vision.rebuild_buffers(device)
+        vision.blocks = blocks
+    timed("vision_embeddings",
+          lambda: vision.patch_embed.proj(pixels).permute(0, 2, 3, 1) + vision.position_embedding().to(dtype))
+    grid = feats.view(feats.shape[0], cfg.grid, cfg.grid, -1)
+    kinds = [cfg.window_of(i) for i in range(len(blocks))]
+    measure = range(len(blocks)) if every_block else sorted({kinds.index(k) for k in set(kinds)})
+    got = {}
+    for i in measure:
+        block = blocks[i]
+        if random:
+            random_init_(block, device, dtype)
+        tables = ((vision.rope_window_cos, vision.rope_window_sin) if block.window
+                  else (vision.rope_global_cos, vision.rope_global_sin))
+        got[i] = _time_ms(lambda: block(grid, *tables), device, warmup, repeats)
+        if random:
+            _free(block)
+        log(f"  {device}: vision block {i} ({'window' if block.window else 'global'}) {got[i][0]:.3f} ms")
+    first_of = {k: kinds.index(k) for k in set(kinds)}
+    per_block = [got.get(i, got[first_of[kinds[i]]]) for i in range(len(blocks))]
+    timed("vision_post", lambda: grid.flatten(1, 2).contiguous())
+    return [ms for ms, _ in per_block], [mn for _, mn in per_block], len(got)
+
+
 def _free(module: nn.Module) -> None:
     module.to_empty(device="meta")
 
@@ -510,29 +554,35 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
         with torch.device("meta"):
             front = PrefixStage(cfg, 0)
     vision = front.vision
-    enc_layers = vision.encoder.layers
-    if model_path is None:
-        random_init_(vision.embeddings, device, dtype)
-    timed("vision_embeddings", lambda: vision.embeddings(pixels))
     Dv = int(cfg.vision["hidden_size"])
     feats = torch.randn((C, cfg.tokens_per_camera, Dv), device=device, dtype=dtype)
-    n_measure = len(enc_layers) if vision_blocks == "all" else 1
-    vis_ms, vis_min = [], []
-    for i in range(n_measure):
-        layer = enc_layers[i]
+    if isinstance(vision, EVA02ViT):
+        vis_ms, vis_min, n_measure = _profile_eva02(vision, pixels, feats, random=model_path is None, device=device,
+                                                    dtype=dtype, warmup=warmup, repeats=repeats,
+                                                    every_block=vision_blocks == "all", timed=timed, log=log)
+    else:
+        enc_layers = vision.encoder.layers
         if model_path is None:
-            random_init_(layer, device, dtype)
-        ms, mn = _time_ms(lambda: layer(feats, None), device, warmup, repeats)
-        vis_ms.append(ms)
-        vis_min.append(mn)
+            random_init_(vision.embeddings, device, dtype)
+        timed("vision_embeddings", lambda: vision.embeddings(pixels))
+        n_measure = len(enc_layers) if vision_blocks == "all" else 1
+        vis_ms, vis_min = [], []
+        for i in range(n_measure):
+            layer = enc_layers[i]
+            if model_path is None:
+                random_init_(layer, device, dtype)
+            ms, mn = _time_ms(lambda: layer(feats, None), device, warmup, repeats)
+            vis_ms.append(ms)
+            vis_min.append(mn)
+            if model_path is None:
+                _free(layer)
+            log(f"  {device}: vision block {i} {ms:.3f} ms")
+        if n_measure < len(enc_layers):
+            vis_ms, vis_min = vis_ms * len(enc_layers), vis_min * len(enc_layers)
         if model_path is None:
-            _free(layer)
-        log(f"  {device}: vision block {i} {ms:.3f} ms")
-    if n_measure < len(enc_layers):
-        vis_ms, vis_min = vis_ms * len(enc_layers), vis_min * len(enc_layers)
-    if model_path is None:
-        random_init_(vision.post_layernorm, device, dtype)
-    timed("vision_post", lambda: vision.post_layernorm(feats))
+            random_init_(vision.post_layernorm, device, dtype)
+        timed("vision_post", lambda: vision.post_layernorm(feats))
+        enc_layers = None
     if model_path is None:
         _free(vision)
         for name, child in front.named_children():
@@ -543,7 +593,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     with torch.inference_mode():
         h = embed(front, pixels, ego)
     # free them (rebound rather than deleted: the lambdas above name them)
-    front = vision = enc_layers = None
+    front = vision = None
     # ---- LLM blocks
     llm = llm_config(cfg)
     with torch.device(device):
@@ -645,7 +695,8 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
     restored afterwards; ``threads``: torch intra-op threads (default: the current number), restored
     afterwards. ``device``: "cpu" (CPU only), "cuda" (CUDA and CPU; error without CUDA) or "auto" (CUDA
     too when available). The CPU is always measured because the suffix runs there. ``vision_blocks`` /
-    ``llm_blocks``: "all" or "1" (time one block, count it for every block). ``log``: callable taking
+    ``llm_blocks``: "all" or "1" (time one block, count it for every block; an EVA-02 vision side: the first
+    window block and the first global block, each counted for its kind). ``log``: callable taking
     a progress line, or None. ``tokens`` / ``cameras`` / ``prompt`` / ``camera_size`` / ``trust_model_code``:
     how a transformers directory or
     own code is opened (:func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`); such models (and composed
