@@ -46,6 +46,86 @@ def _stub(monkeypatch, name: str, **attrs) -> types.ModuleType:
     return module
 
 
+class _AnyMeta(type):
+    """Metaclass of :func:`_anything_module`'s capitalised names: a class (it can be a base class) whose
+    attributes are :class:`_Anything` (``PIPELINES.register_module()``)."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+
+class _Anything:
+    """Stands for whatever an imported-but-unused name is: calling it with one class or function returns that
+    unchanged (a decorator), any other call or attribute gives another _Anything."""
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs and (isinstance(args[0], type) or callable(args[0])):
+            return args[0]
+        return _Anything()
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+
+def _anything_module(monkeypatch, name: str) -> types.ModuleType:
+    """A stub package ``name`` where every name exists: capitalised ones are classes (bases and registries),
+    the others :class:`_Anything`. Only for modules whose names the reference file imports but the code a
+    test runs never reaches (checked by the test's results against the published arithmetic)."""
+    module = _stub(monkeypatch, name)
+
+    def __getattr__(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        value = _AnyMeta(attr, (), {}) if attr[:1].isupper() else _Anything()
+        setattr(module, attr, value)
+        return value
+
+    module.__getattr__ = __getattr__
+    return module
+
+
+def _exec_file(monkeypatch, name: str, path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_pipeline(monkeypatch) -> types.ModuleType:
+    """The reference's mmcv/datasets/pipelines/transforms_3d.py (ResizeCropFlipRotImage, ResizeMultiview3D,
+    NormalizeMultiviewImage, ...), with the reference's own mmcv/image/geometric.py and photometric.py as
+    ``mmcv.image`` (imresize, imnormalize: the arithmetic under test). Every other module it imports (datasets,
+    boxes, tokenizer helpers, shapely, nuScenes devkit) is a stub where every name exists (_anything_module):
+    the image transforms do not use them. Skips when ../shared/reference is not beside the checkout."""
+    path = REFERENCE / "mmcv" / "datasets" / "pipelines" / "transforms_3d.py"
+    if not path.is_file():
+        pytest.skip(f"the published reference code is not at {REFERENCE} (../shared beside the checkout)")
+    for name in ("mmcv", "mmcv.utils", "mmcv.parallel", "mmcv.core", "mmcv.core.voxel",
+                 "mmcv.core.voxel.voxel_generator", "mmcv.core.bbox", "mmcv.core.bbox.structures",
+                 "mmcv.core.bbox.structures.cam_box3d", "mmcv.core.bbox.structures.depth_box3d",
+                 "mmcv.core.bbox.structures.lidar_box3d", "mmcv.datasets", "mmcv.datasets.builder",
+                 "mmcv.datasets.data_utils", "mmcv.datasets.data_utils.constants",
+                 "mmcv.datasets.data_utils.data_utils", "mmcv.datasets.data_utils.conversation",
+                 "mmcv.datasets.pipelines", "mmcv.image.io", "mmcv.image.colorspace", "shapely", "shapely.geometry",
+                 "nuscenes", "nuscenes.utils", "nuscenes.utils.geometry_utils"):
+        _anything_module(monkeypatch, name)
+    sys.modules["mmcv.image.io"].imread_backend = "cv2"
+    image = _stub(monkeypatch, "mmcv.image")
+    geometric = _exec_file(monkeypatch, "mmcv.image.geometric", REFERENCE / "mmcv" / "image" / "geometric.py")
+    photometric = _exec_file(monkeypatch, "mmcv.image.photometric", REFERENCE / "mmcv" / "image" / "photometric.py")
+    for name in ("impad", "impad_to_multiple", "imresize", "imrescale"):
+        setattr(image, name, getattr(geometric, name))
+    image.imnormalize = photometric.imnormalize
+    for name in ("is_list_of", "bgr2hsv", "hsv2bgr"):
+        setattr(image, name, _Anything())
+    return _exec_file(monkeypatch, "mmcv.datasets.pipelines.transforms_3d", path)
+
+
 def load_eva_vit(monkeypatch) -> types.ModuleType:
     """The reference's mmcv/models/backbones/eva_vit.py (EVAViT, Block, VisionRotaryEmbeddingFast, ...).
 
@@ -63,9 +143,34 @@ def load_eva_vit(monkeypatch) -> types.ModuleType:
     _stub(monkeypatch, "mmcv.models.utils.attention", FlashAttention=_Unused, FlashMHA=_Unused)
     _stub(monkeypatch, "scipy")
     _stub(monkeypatch, "scipy.interpolate", interp1d=_Unused)
-    name = "mmcv.models.backbones.eva_vit"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
+    return _exec_file(monkeypatch, "mmcv.models.backbones.eva_vit", path)
+
+
+def load_detector(monkeypatch) -> tuple[types.ModuleType, types.ModuleType]:
+    """(minddrive, distributions): the reference's mmcv/models/detectors/minddrive.py (the ``Minddrive``
+    detector, whose planner methods ``distribution_forward`` / ``future_states_predict`` / ``pw_*`` a test calls
+    on a small module carrying the attributes they read) and mmcv/models/utils/distributions.py (the real
+    ``DistributionModule`` / ``PredictModel`` they use). Every other module minddrive.py imports (the LLaVA
+    wrappers, heads, CARLA / RL / diffusion tooling, registries) is a stub where every name exists
+    (_anything_module); the planner methods do not reach them. Skips when ../shared/reference is not beside the
+    checkout."""
+    path = REFERENCE / "mmcv" / "models" / "detectors" / "minddrive.py"
+    if not path.is_file():
+        pytest.skip(f"the published reference code is not at {REFERENCE} (../shared beside the checkout)")
+    for name in ("mmcv", "mmcv.utils", "mmcv.utils.misc", "mmcv.utils.llava_llama", "mmcv.core", "mmcv.models",
+                 "mmcv.models.builder", "mmcv.models.bricks", "mmcv.models.detectors",
+                 "mmcv.models.detectors.mvx_two_stage", "mmcv.models.utils.grid_mask",
+                 "mmcv.models.utils.positional_encoding", "mmcv.models.utils.transformer",
+                 "mmcv.models.utils.vis_utils", "mmcv.models.utils.freeze_module", "mmcv.models.utils.layers",
+                 "mmcv.models.dense_heads", "mmcv.models.dense_heads.planning_head_plugin",
+                 "mmcv.models.dense_heads.planning_head_plugin.metric_stp3", "mmcv.datasets",
+                 "mmcv.datasets.data_utils", "mmcv.datasets.data_utils.constants",
+                 "mmcv.datasets.data_utils.data_utils", "black", "zmq", "diffusers", "diffusers.schedulers",
+                 "scipy", "scipy.optimize", "stable_baselines3", "stable_baselines3.common",
+                 "stable_baselines3.common.distributions"):
+        _anything_module(monkeypatch, name)
+    utils = _anything_module(monkeypatch, "mmcv.models.utils")
+    distributions = _exec_file(monkeypatch, "mmcv.models.utils.distributions",
+                               REFERENCE / "mmcv" / "models" / "utils" / "distributions.py")
+    utils.DistributionModule, utils.PredictModel = distributions.DistributionModule, distributions.PredictModel
+    return _exec_file(monkeypatch, "mmcv.models.detectors.minddrive", path), distributions

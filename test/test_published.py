@@ -412,7 +412,9 @@ def test_orion_backbone_from_the_published_code_is_placed_and_computes_the_same(
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.2)
     root, hf_dir, _, _, peft_model = orion_like
-    state = {k: v for k, v in _published_state(peft_model).items() if not k.startswith("img_backbone.")}
+    # the stand-in `ego_fut_decoder` of _published_state is left out: the orion preset's VAE planner would take it
+    state = {k: v for k, v in _published_state(peft_model).items()
+             if not k.startswith(("img_backbone.", "ego_fut_decoder."))}
     state.update({f"img_backbone.{k}": v.clone() for k, v in ref.state_dict().items()})
     pth = tmp_path / "Orion_eva.pth"
     torch.save({"state_dict": state}, pth)
@@ -426,7 +428,7 @@ def test_orion_backbone_from_the_published_code_is_placed_and_computes_the_same(
         [k for k in ref.state_dict() if "rope" not in k])
     assert list(report["derived_checked"].values()) == [4 + 2 * 3]
     assert "img_backbone" not in report["not_placed"]
-    assert set(report["not_placed"]) == {"pts_bbox_head", "map_head", "ego_fut_decoder"}
+    assert set(report["not_placed"]) == {"pts_bbox_head", "map_head"}
     prefix = open_checkpoint(out).load("prefix", 0, dtype="fp32")
     pixels = torch.randn(6, 3, 96, 96)
     with torch.no_grad():
@@ -441,3 +443,50 @@ def test_orion_backbone_from_the_published_code_is_placed_and_computes_the_same(
     with pytest.raises(CheckpointError, match=r"img_backbone\.rope_glb\.freqs_cos: the stored rotary table"):
         convert(pth, hf_dir, tmp_path / "refused", preset_name="orion", overrides=overrides, lora_r=4, lora_alpha=8)
     assert not (tmp_path / "refused").exists()
+
+
+def test_orion_vae_planner_from_the_published_classes_is_placed(orion_like, monkeypatch, tmp_path):
+    """Issue 21: Orion's VAE planner in the published layout (`present_distribution.*`, `predict_model.*`,
+    `ego_fut_decoder.{0,2,4}.*`, made from the published DistributionModule / PredictModel at the test LLM's width)
+    converts into the `vae` read-out's head one to one (every tensor equal after loading); the posterior
+    `future_distribution.*` is reported as left out on purpose (training only), not as unplaced; the converted
+    suffix plans with it (6 modes x 6 steps, the command's mode). The planner's arithmetic is checked against the
+    published methods in test_vae_planner."""
+    from minddrive_reference import load_detector
+
+    _, distributions = load_detector(monkeypatch)
+    width = LLM["hidden_size"]
+    torch.manual_seed(9)
+    planner = torch.nn.Module()
+    planner.present_distribution = distributions.DistributionModule(width, 32, min_log_sigma=-5.0, max_log_sigma=5.0)
+    planner.future_distribution = distributions.DistributionModule(width + 12, 32, min_log_sigma=-5.0,
+                                                                   max_log_sigma=5.0)
+    planner.predict_model = distributions.PredictModel(in_channels=32, out_channels=width, hidden_channels=width // 4,
+                                                       num_layers=4)
+    planner.ego_fut_decoder = torch.nn.Sequential(torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(),
+                                                  torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(),
+                                                  torch.nn.Linear(2 * width, 6 * 2))
+    root, hf_dir, _, _, peft_model = orion_like
+    state = {k: v for k, v in _published_state(peft_model).items() if not k.startswith("ego_fut_decoder.")}
+    published = {k: v.detach().clone() for k, v in planner.state_dict().items()}
+    state.update(published)
+    pth = tmp_path / "Orion_vae.pth"
+    torch.save({"state_dict": state}, pth)
+    out = tmp_path / "converted"
+    report = convert(pth, hf_dir, out, preset_name="tiny", overrides={"readout": {"type": "vae"}}, lora_r=4,
+                     lora_alpha=8)
+    planned = [k for k in published if not k.startswith("future_distribution.")]
+    assert report["placed"]["planner (present_distribution, predict_model, ego_fut_decoder -> head.*)"] == len(planned)
+    assert set(report["left_out_training_only"]) == {"future_distribution"}
+    assert not {"present_distribution", "predict_model", "ego_fut_decoder", "future_distribution"} & set(
+        report["not_placed"])
+    suffix = open_checkpoint(out).load("suffix", LLM["num_hidden_layers"], dtype="fp32")
+    head = suffix.head.state_dict()
+    assert all(torch.equal(head[k], published[k]) for k in planned) and len(head) == len(planned)
+    from hybrid_vla_ros.model.modeling import plan
+
+    h = torch.randn(open_checkpoint(out).model.num_tokens, width)
+    with torch.no_grad():
+        out_plan = plan(suffix, h, command=2)
+    assert out_plan.modes.shape == (6, 6, 2) and out_plan.mode == 2 and torch.equal(out_plan.waypoints,
+                                                                                   out_plan.modes[2])

@@ -24,6 +24,10 @@ MODEL_TYPE = "hybrid_vla"
 # CLIP image statistics (Radford et al., 2021), used by EVA / Orion-style vision encoders.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# ImageNet statistics in [0, 1] units, RGB: Orion's and MindDrive's img_norm_cfg (mean 123.675, 116.28, 103.53 and
+# std 58.395, 57.12, 57.375 on 0-255 pixels) divided by 255.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 #: Navigation command names, in CARLA RoadOption order (value = index + 1).
 NAV_COMMANDS = ("LEFT", "RIGHT", "STRAIGHT", "LANE_FOLLOW", "CHANGE_LANE_LEFT", "CHANGE_LANE_RIGHT")
@@ -57,7 +61,9 @@ class VLAConfig:
         image_resize: the filter that resizes each camera to S x S, one of
             :data:`RESIZE_FILTERS`: ``area`` (OpenCV INTER_AREA; the default, and what
             a checkpoint without the key gets), ``bilinear`` or ``bicubic`` (antialiased, as Pillow's resize and
-            Hugging Face image processors' ``resample`` 2 / 3; several times faster on 1600x900 cameras).
+            Hugging Face image processors' ``resample`` 2 / 3; several times faster on 1600x900 cameras), or
+            ``orion_crop`` (Orion's and MindDrive's published resize, crop and stretch: the orion / minddrive presets;
+            S even).
         vision: SiglipVisionConfig kwargs (``image_size`` must equal ``image_size``), or with ``type: eva02`` the
             published EVA-02 backbone's :class:`~hybrid_vla_ros.model.eva02.EVA02Config` fields.
         llm: LlamaConfig / Qwen2Config kwargs (hidden_size H, num_hidden_layers L, heads, vocab_size,
@@ -101,8 +107,10 @@ class VLAConfig:
         planning_head: False only for the in-memory view of a transformers LLaVA directory that has no
             planning head (``hybrid-vla verify-split`` / ``plan`` on it); such a model cannot drive the nodes.
         readout: how the suffix turns the final hidden states into waypoints: ``{"type": "mlp"}`` (default:
-            :class:`~hybrid_vla_ros.model.modeling.PlanningHead` on the planning token), ``{"type": "queries",
-            "count": n_waypoints}`` (learned query tokens in the planning token's place, one step each:
+            :class:`~hybrid_vla_ros.model.modeling.PlanningHead` on the planning token), ``{"type": "vae"}``
+            (Orion's published VAE planner on the planning token:
+            :class:`~hybrid_vla_ros.model.vae_planner.VAEPlanner`), ``{"type": "queries", "count": n_waypoints}``
+            (learned query tokens in the planning token's place, one step each:
             :class:`~hybrid_vla_ros.model.modeling.QueryHead`), ``{"type": "module", "class": "pkg.mod:Name",
             "config": {...}}`` (the team's own head on every token's final state; importing it needs the
             model-code opt-in). With ``decision_token_ids`` the LM head's rows of those tokens also read the
@@ -217,6 +225,9 @@ class VLAConfig:
             problems.append("image_mean / image_std must be 3 values, std > 0")
         if self.image_resize not in RESIZE_FILTERS:
             problems.append(f"image_resize must be one of {', '.join(RESIZE_FILTERS)}, got {self.image_resize!r}")
+        elif self.image_resize == "orion_crop" and self.image_size % 2:
+            problems.append(f"image_resize orion_crop needs an even image_size (S x S/2 is cropped), got "
+                            f"{self.image_size}")
         if self.llm.get("model_type", "llama") not in LLM_TYPES:
             problems.append(f"llm.model_type {self.llm.get('model_type')!r} is not one of {', '.join(LLM_TYPES)}")
         kind = self.projector.get("type")
@@ -246,7 +257,8 @@ class VLAConfig:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
     def _readout_problems(self) -> list[str]:
-        """The read-out (``readout``): ``mlp`` (this package's planning head on the last token), ``queries``
+        """The read-out (``readout``): ``mlp`` (this package's planning head on the last token), ``vae`` (Orion's
+        published VAE planner on the last token, model/vae_planner.py), ``queries``
         (``count`` learned query tokens last in the sequence, one waypoint step each, SimLingo's shape) or
         ``module`` (the team's own head class, ``class`` ``package.module:Name`` with its ``config``, on the
         final hidden states of every token)."""
@@ -261,6 +273,11 @@ class VLAConfig:
             if isinstance(n, bool) or not isinstance(n, int) or n != self.n_waypoints:
                 return [f"readout.count must be n_waypoints ({self.n_waypoints}): one query token a waypoint step"]
             return [] if self.llm_passes == 1 else ["a queries read-out takes one LLM pass"]
+        if kind == "vae":
+            if self.hidden_size % 8:
+                return [f"a vae read-out needs an LLM width that is a multiple of 8 (its GRU starts from 4 pieces "
+                        f"of it), got {self.hidden_size}"]
+            return []
         if kind == "module":
             spec = r.get("class")
             if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
@@ -268,11 +285,11 @@ class VLAConfig:
             if not isinstance(r.get("config", {}), dict):
                 return ["readout.config must be a mapping (keyword arguments of the head class)"]
             return [] if self.llm_passes == 1 else ["a module read-out takes one LLM pass"]
-        return [f"readout.type {kind!r} is not 'mlp', 'queries' or 'module'"]
+        return [f"readout.type {kind!r} is not 'mlp', 'vae', 'queries' or 'module'"]
 
     @property
     def readout_type(self) -> str:
-        """``mlp``, ``queries`` or ``module`` (see :meth:`_readout_problems`)."""
+        """``mlp``, ``vae``, ``queries`` or ``module`` (see :meth:`_readout_problems`)."""
         return str(self.readout.get("type", "mlp"))
 
     @property
@@ -621,8 +638,10 @@ _PROMPT8 = [1, 12, 34, 56, 78, 90, 123, 45]
 
 
 def _eva_side(**kw) -> dict:
+    # the published camera pipeline (vehicle/image.py orion_crop_geometry) and statistics
     return dict(n_cameras=6, image_size=640, vision=dict(_EVA02_L_640), projector=dict(_QT_FORMER_513),
                 prompt_token_ids=list(_PROMPT8), n_waypoints=6, waypoint_dt_s=0.5, n_modes=6,
+                image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, image_resize="orion_crop",
                 ego_state_input=True, **kw)
 
 
@@ -696,7 +715,7 @@ def preset(name: str, **overrides) -> VLAConfig:
                                num_attention_heads=32, num_key_value_heads=32, vocab_size=ORION_VOCAB,
                                rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
                                tie_word_embeddings=False),
-                      planning_token_id=ORION_WAYPOINT_TOKEN_ID)
+                      planning_token_id=ORION_WAYPOINT_TOKEN_ID, readout={"type": "vae"})
     elif name == "minddrive-0.5b":
         d = _eva_side(llm=_qwen2(896, 24, 14, 4864), planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID, llm_passes=2,
                       decision_token_ids=list(MINDDRIVE_META_ACTION_IDS))

@@ -113,12 +113,17 @@ class QueryHead(nn.Module):
 
 def own_head(cfg: VLAConfig, hidden_size: int) -> nn.Module:
     """The read-out head of ``cfg.readout`` (config.VLAConfig._readout_problems): :class:`PlanningHead`,
-    :class:`QueryHead`, or the team's own class built ``cls(hidden_size=H, n_waypoints=N, n_modes=M,
-    **config)`` -- imported only with the model-code opt-in (:func:`~.extension.import_head_class`), and
-    required to return (M, N, 2) waypoints from the (T, H) final hidden states."""
+    :class:`~.vae_planner.VAEPlanner`, :class:`QueryHead`, or the team's own class built
+    ``cls(hidden_size=H, n_waypoints=N, n_modes=M, **config)`` -- imported only with the model-code opt-in
+    (:func:`~.extension.import_head_class`), and required to return (M, N, 2) waypoints from the (T, H) final
+    hidden states."""
     kind = cfg.readout_type
     if kind == "queries":
         return QueryHead(hidden_size, cfg.n_waypoints, cfg.n_modes)
+    if kind == "vae":
+        from .vae_planner import VAEPlanner
+
+        return VAEPlanner(hidden_size, cfg.n_waypoints, cfg.n_modes)
     if kind == "module":
         from .extension import import_head_class
 
@@ -586,7 +591,8 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     planning head reads the action pass's last token). With ``cfg.decision_token_ids`` the decision read-out is
     MindDrive's: the final norm of the decision pass at token position ``cfg.decision_position`` (-2), times
     the LM head's rows of those tokens only (``decision_head.weight``, (D, H)), argmax -> ``speed_mode``.
-    The read-out (``cfg.readout``): ``mlp`` as above; ``queries``: the :class:`QueryHead` on the final-norm
+    The read-out (``cfg.readout``): ``mlp`` as above, ``vae`` the same with Orion's VAE planner
+    (:class:`~.vae_planner.VAEPlanner`, zero noise); ``queries``: the :class:`QueryHead` on the final-norm
     states of the last ``query_count`` tokens (the query tokens); ``module``: the team's head on every token's
     final-norm state, which must give (M, N, 2). With ``decision_token_ids`` and one pass, the decision is read
     the same way at ``decision_position`` of that pass.
@@ -601,7 +607,7 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     decision = speed = None
     token_ids = getattr(m.cfg, "decision_token_ids", None)
     kind = m.cfg.readout_type
-    if kind != "mlp":  # one pass: (T, H)
+    if kind not in ("mlp", "vae"):  # one pass: (T, H)
         if kind == "queries":
             modes = m.head(m.norm(h[..., -m.cfg.query_count:, :]))
         else:

@@ -327,8 +327,12 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
                                      decision_token_ids, store_dtype, out)
     backbone = place_backbone(tensors, parts, cfg, store_dtype)
     own_extra.update(backbone.tensors)
+    planner, training_only = place_planner(tensors, parts, cfg, layout, store_dtype)
+    own_extra.update(planner)
     _write_own(out, cfg, own_extra, store_dtype, seed, checkpoint, layout)
     report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor, backbone)
+    report["placed"]["planner (present_distribution, predict_model, ego_fut_decoder -> head.*)"] = len(planner)
+    report["left_out_training_only"] = _group(training_only)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     open_checkpoint(out)  # opens (the referred llm/ consistent) before success is reported
     return report
@@ -476,6 +480,33 @@ def place_backbone(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, sto
     return placed
 
 
+#: The published planner's modules (Orion's single VAE planner; MindDrive's speed planner, its path planner with
+#: the ``pw_`` prefix), placed under ``head.`` for a ``vae`` read-out.
+PLANNER_MODULES = ("present_distribution", "predict_model", "ego_fut_decoder")
+
+
+def place_planner(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, layout: str,
+                  store_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Orion's VAE planner (``present_distribution.*``, ``predict_model.*``, ``ego_fut_decoder.*``) into the
+    ``vae`` read-out's ``head.*``, one to one, when the config's read-out is ``vae`` and the layout is Orion's
+    (MindDrive's two planners are not placed yet: reported). Returns (``head.<name>`` -> tensor in the store
+    dtype, the stored names left out on purpose as training-only: the VAE's posterior ``future_distribution.*`` /
+    ``pw_future_distribution.*``, see vae_planner.TRAINING_ONLY). Both leave ``parts.not_placed``."""
+    from .vae_planner import TRAINING_ONLY
+
+    placed, left_out = {}, []
+    for stored in list(parts.not_placed):
+        top = stored.split(".", 1)[0]
+        if top in TRAINING_ONLY:
+            left_out.append(stored)
+        elif top in PLANNER_MODULES and layout == "orion" and cfg.readout_type == "vae":
+            placed[f"head.{stored}"] = tensors[stored].to(store_dtype).contiguous()
+        else:
+            continue
+        parts.not_placed.remove(stored)
+    return placed, left_out
+
+
 def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, preset_name, overrides, waypoint_token_id,
                     decision_token_ids, store_dtype: torch.dtype, out: Path):
     """The converted checkpoint's VLAConfig (the preset's driving I/O and stand-ins around ``OUT/llm``, the
@@ -569,10 +600,11 @@ def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _
         "non_tensor_entries": non_tensor,
         "derived_checked": {"img_backbone rotary tables (computed from the config, equal to the stored ones)":
                             len(backbone.checked)},
-        "stand_ins": ("projector.*, ego_embed.*, head.* are this package's random-init stand-ins "
-                      f"({cfg.preset} preset): the checkpoint's query heads and planner are not placed (listed "
-                      "in not_placed)" + ("" if backbone.tensors else "; so is its vision backbone, which this "
-                                          "config's vision side does not take")),
+        "stand_ins": (f"projector.*, ego_embed.*{'' if cfg.readout_type == 'vae' else ', head.*'} are this "
+                      f"package's random-init stand-ins ({cfg.preset} preset); the checkpoint's query heads"
+                      f"{'' if layout == 'orion' else ' and planners'} are not placed (listed in not_placed)"
+                      + ("" if backbone.tensors else "; so is its vision backbone, which this config's vision side "
+                         "does not take")),
     }
     if layout == "minddrive":
         report["decision"] = {"token_ids": cfg.decision_token_ids, "position": cfg.decision_position,

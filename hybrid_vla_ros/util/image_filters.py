@@ -12,4 +12,8 @@ from __future__ import annotations
 #:   nuScenes cameras at 128, 448 and 640 px they differ from Pillow by at most 1 level on at most 0.4 % of the
 #:   pixels (test_image). Several times faster than ``area`` on downscales of 1600x900 cameras
 #:   (docs/performance.md, camera preprocessing).
-RESIZE_FILTERS = ("area", "bilinear", "bicubic")
+#: * ``orion_crop``: Orion's and MindDrive's published test pipeline for a side S (640 published): Pillow ``BICUBIC``
+#:   to the smallest size that covers S x S/2 (1600x900 -> 640x360), the centre S columns and the bottom S/2 rows
+#:   kept (rows 40-360), then OpenCV ``INTER_LINEAR`` on the float32 pixels to S x S (rows doubled). The geometry and
+#:   the camera intrinsics it implies: :func:`hybrid_vla_ros.vehicle.image.orion_crop_geometry`.
+RESIZE_FILTERS = ("area", "bilinear", "bicubic", "orion_crop")

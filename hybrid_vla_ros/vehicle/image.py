@@ -27,6 +27,7 @@ Conventions and their sources
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 import re
 from typing import TYPE_CHECKING, Sequence
 
@@ -441,6 +442,81 @@ def _channel_triplet(values, name: str) -> tuple[float, float, float]:
 
 
 
+@dataclass(frozen=True)
+class CropResize:
+    """The geometry of the ``orion_crop`` camera pipeline for one camera (:func:`orion_crop_geometry`).
+
+    ``scale``: the first resize's factor (both axes); ``resized``: its output size (width, height) px;
+    ``crop``: the box kept from it, (left, top, right, bottom) px, right / bottom exclusive (Pillow's
+    ``Image.crop``); ``size``: the model's side S, the crop (S x S/2) stretched to S x S.
+    """
+
+    scale: float
+    resized: tuple[int, int]
+    crop: tuple[int, int, int, int]
+    size: int
+
+    def intrinsics(self, k: np.ndarray) -> np.ndarray:
+        """The 3 x 3 camera matrix (float64) of the model's S x S image from the camera's own ``k`` (3 x 3, pixels
+        of the original image): scaled by ``scale``, shifted by the crop's top-left corner, then scaled by S / crop
+        width and S / crop height (as the published pipeline updates ``cam_intrinsic``; a zero-skew ``k`` gives
+        its numbers exactly). Raises ValueError unless ``k`` is 3 x 3 and finite."""
+        k = np.asarray(k, dtype=np.float64)
+        if k.shape != (3, 3) or not np.isfinite(k).all():
+            raise ValueError(f"camera matrix must be 3 x 3 and finite, got {k.shape}")
+        left, top, right, bottom = self.crop
+        first = np.array([[self.scale, 0.0, -left], [0.0, self.scale, -top], [0.0, 0.0, 1.0]])
+        stretch = np.diag([self.size / (right - left), self.size / (bottom - top), 1.0])
+        return stretch @ first @ k
+
+
+def orion_crop_geometry(height: int, width: int, size: int) -> CropResize:
+    """Where the ``orion_crop`` pipeline takes an S x S model image from a ``width`` x ``height`` camera.
+
+    From the published test pipeline (MindDrive's inference configs, ``ResizeCropFlipRotImage`` with
+    ``final_dim`` (S/2, S) and ``bot_pct_lim`` (0, 0), then ``ResizeMultiview3D`` to (S, S)): scale
+    r = max((S/2) / height, S / width); resized (int(width r), int(height r)); keep the centre S columns and the
+    bottom S/2 rows. The published code computes r from a fixed 1600 x 900 and so resizes any other camera to
+    640 x 360; this takes the camera's own size (the same for 1600 x 900). Raises ValueError for sizes < 1 or an
+    odd S.
+    """
+    if min(height, width, size) < 1 or size % 2:
+        raise ValueError(f"orion_crop needs a positive camera size and an even model side, got {width}x{height}, "
+                         f"S = {size}")
+    fh, fw = size // 2, size
+    scale = max(fh / height, fw / width)
+    new_w, new_h = int(width * scale), int(height * scale)
+    top = new_h - fh
+    left = int(max(0, new_w - fw) / 2)
+    return CropResize(scale, (new_w, new_h), (left, top, left + fw, top + fh), size)
+
+
+_CROP_POOLS: dict = {}
+
+
+def _orion_crops(images: Sequence[np.ndarray], size: int) -> list:
+    """Each camera's ``orion_crop`` crop (:func:`orion_crop_geometry`): Pillow's bicubic resize (Pillow is the
+    published pipeline's own resize, so the pixels are its pixels) and the crop, as Pillow images. Pillow resizes
+    on one core and releases the GIL while it does, so with more than one core allowed to this process the
+    cameras are resized in a thread pool of that many workers (at most one per camera)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from PIL import Image
+
+    def crop(img: np.ndarray):
+        g = orion_crop_geometry(img.shape[0], img.shape[1], size)
+        return Image.fromarray(img).resize(g.resized, Image.Resampling.BICUBIC).crop(g.crop)
+
+    workers = min(len(images), len(os.sched_getaffinity(0)))
+    if workers < 2:
+        return [crop(img) for img in images]
+    pool = _CROP_POOLS.get(workers)
+    if pool is None:
+        pool = _CROP_POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="orion_crop")
+    return list(pool.map(crop, images))
+
+
 def resize_filter(name) -> str:
     """``name`` checked against :data:`RESIZE_FILTERS`; raises ValueError naming the choices."""
     if name not in RESIZE_FILTERS:
@@ -459,10 +535,12 @@ def preprocess(
     """Resize and normalise camera images into the model's input tensor.
 
     Each image is resized to ``size x size`` with the filter ``resize`` (:data:`RESIZE_FILTERS`; aspect ratio not
-    kept, as Orion resizes 1600x900 to 640x640) in one pass from its uint8 pixels (no full-size float copy), its
+    kept) in one pass from its uint8 pixels (no full-size float copy), its
     ``size x size`` uint8 result converted and normalised into ``out`` camera by camera while it is in the cache
     (on another device than the CPU the uint8 image crosses and is normalised there):
     ``(pixel / 255 - mean[c]) / std[c]``, computed in float32 as ``(pixel - 255 mean[c]) / (255 std[c])``.
+    ``orion_crop`` is the published Orion / MindDrive pipeline instead (:func:`orion_crop_geometry`): a Pillow
+    bicubic resize and crop in uint8, then its second resize on float32 pixels (as published, not rounded).
 
     Args:
         images: ``n_cams`` arrays, each ``(H_i, W_i, 3)`` ``uint8`` RGB (sizes may differ).
@@ -520,9 +598,13 @@ def preprocess(
         raise ValueError(f"mean {mean3} and std {std3}: 255 mean, 255 std and the normalised pixels "
                          f"(up to {widest:.3g}) must be finite in float32")
     fused = out.device.type == "cpu"
+    crops = _orion_crops(images, size) if resize == "orion_crop" else None
     for i, img in enumerate(images):
         if resize == "area":
             resized = torch.from_numpy(cv2.resize(img, (size, size), interpolation=cv2.INTER_AREA))  # (S, S, 3)
+        elif resize == "orion_crop":  # the crop (uint8, made above) stretched on float32 pixels, as published
+            resized = torch.from_numpy(cv2.resize(np.asarray(crops[i], dtype=np.float32), (size, size),
+                                                  interpolation=cv2.INTER_LINEAR))  # float32 (S, S, 3)
         elif img.shape[:2] == (size, size):
             resized = torch.from_numpy(np.ascontiguousarray(img))  # interpolate at the same size copies as is
         else:

@@ -8,7 +8,7 @@ Inputs, per preset:
   inside libjpeg while both sides stay >= S; no reduction for S > 450 on 1600x900 cameras);
 * ``rgb8``: six ``sensor_msgs/Image``-like objects (``encoding`` rgb8, 1600x900, ``step`` 4800, ``data`` an
   ``array('B')`` as rclpy delivers it), viewed in place (no copy) and resized with each filter of
-  ``model.config.RESIZE_FILTERS`` (area, bilinear, bicubic) into the model tensor.
+  ``model.config.RESIZE_FILTERS`` (area, bilinear, bicubic, orion_crop) into the model tensor.
 
 The JPEG rows run with each decoder (``vehicle.image.JPEG_DECODER``: OpenCV's imdecode and simplejpeg), side by
 side. Every row has the one-pass limit (``limit_ms``, :func:`memory_pass_ms`: one copy of the six cameras'
@@ -91,7 +91,7 @@ def raw_items(jpegs: list[bytes]) -> list:
 #: (model.config.RESIZE_FILTERS) from the same message bytes.
 CASES = (("jpeg", "opencv", "area"), ("jpeg", "simplejpeg", "area"), ("jpeg_fast", "opencv", "area"),
          ("jpeg_fast", "simplejpeg", "area"), ("rgb8", None, "area"), ("rgb8", None, "bilinear"),
-         ("rgb8", None, "bicubic"))
+         ("rgb8", None, "bicubic"), ("rgb8", None, "orion_crop"))
 
 
 def memory_pass_ms(items: list, repeats: int = 9) -> float:
@@ -190,7 +190,7 @@ def run_preprocess_part(plans: dict, *, dtype: str, cores=(0,), camera_dir: str 
     """The whole preprocessing part for prepared presets (:func:`.pipeline.prepare_preset`); its JSON section."""
     specs = [{"name": n, "model_path": p["model_path"], "split_layer": p["split_layer"]} for n, p in plans.items()]
     log(f"camera preprocessing: {', '.join(plans)}; 6 cameras 1600x900, jpeg (OpenCV and simplejpeg) and rgb8 "
-        f"(area, bilinear, bicubic), cores {list(cores)}")
+        f"({', '.join(r for k, _, r in CASES if k == 'rgb8')}), cores {list(cores)}")
     with Worker("preprocess", {"presets": specs, "dtype": dtype, "threads": len(cores),
                                "camera_dir": str(camera_dir) if camera_dir else None, "bag": str(bag),
                                "min_frames": min_frames, "min_seconds": min_seconds, "device": device},

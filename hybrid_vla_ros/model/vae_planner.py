@@ -1,0 +1,125 @@
+"""The VAE planner of Orion and MindDrive: a Gaussian latent from the LLM's planning-token state, a GRU that rolls
+it out over the future steps with that state as its initial hidden state, and an MLP that decodes each step's
+displacement in every mode. Parameter names are the published ones (``present_distribution``, ``predict_model``,
+``ego_fut_decoder``; MindDrive's path planner prefixes them with ``pw_``), so a converted checkpoint loads one to
+one.
+
+Sources: Fu et al., 2025 (Orion: a generative planner conditioned on the reasoning space) and the published code
+(MindDrive, Apache-2.0, which derives from Orion's), whose structure this follows:
+  * ``present_distribution``: three 1 x 1 convolutions on the D-wide state (D -> 2D -> 2D -> D/2, ReLU between),
+    average-pooled over its one position, and a 1 x 1 convolution to (mu, log sigma) of a 32-wide latent, log
+    sigma clamped to [-5, 5];
+  * the latent sample z = mu + exp(log sigma) * noise, the same z at each of the N steps as the input of a 4-layer
+    GRU of width D/4 whose initial hidden state is the planning-token state cut into 4 consecutive pieces (layer l
+    takes dims [l D/4, (l+1) D/4)), then Linear D/4 -> D/2, ReLU, Linear D/2 -> D, ReLU, Linear D -> D;
+  * each step's [planning-token state ; rolled-out state] (2D) through Linear 2D -> 2D, ReLU, Linear 2D -> 2D,
+    ReLU, Linear 2D -> 2 M: the step's displacement in each of the M modes; positions are their cumulative sum.
+
+The published test samples ``noise`` from N(0, 1) at every frame; here it defaults to zero (z = mu, the most likely
+latent), so a frame's trajectory does not change between runs, and a caller may pass its own noise.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+#: Width of the latent (the published ``latent_dim``), its log-sigma clamp and the GRU depth (``layer_dim``).
+LATENT_DIM = 32
+LOG_SIGMA_RANGE = (-5.0, 5.0)
+GRU_LAYERS = 4
+
+
+class DistributionEncoder(nn.Module):
+    """``conv1`` D -> 2D, ReLU, ``conv2`` 2D -> 2D, ReLU, ``conv3`` 2D -> D/2 (1 x 1 convolutions) on (B, D, 1)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.conv1 = nn.Conv1d(width, 2 * width, kernel_size=1)
+        self.conv2 = nn.Conv1d(2 * width, 2 * width, kernel_size=1)
+        self.conv3 = nn.Conv1d(2 * width, width // 2, kernel_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv3(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
+
+
+class GaussianLatent(nn.Module):
+    """The ``present_distribution``: (B, D) state -> (mu, log_sigma), each (B, LATENT_DIM), log sigma clamped."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.encoder = DistributionEncoder(width)
+        self.last_conv = nn.Sequential(nn.AdaptiveAvgPool1d(1), nn.Conv1d(width // 2, 2 * LATENT_DIM, kernel_size=1))
+
+    def forward(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.last_conv(self.encoder(state.unsqueeze(-1))).squeeze(-1)  # (B, 2 LATENT_DIM)
+        return out[:, :LATENT_DIM], out[:, LATENT_DIM:].clamp(*LOG_SIGMA_RANGE)
+
+
+class LatentRollout(nn.Module):
+    """The ``predict_model``: a GRU over the N steps (input the latent, initial hidden state the planning-token
+    state in GRU_LAYERS pieces), then Linear D/4 -> D/2, ReLU, D/2 -> D, ReLU, D -> D."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        hidden = width // GRU_LAYERS
+        self.gru = nn.GRU(input_size=LATENT_DIM, hidden_size=hidden, num_layers=GRU_LAYERS)
+        self.linear1 = nn.Linear(hidden, 2 * hidden)
+        self.linear2 = nn.Linear(2 * hidden, 4 * hidden)
+        self.linear3 = nn.Linear(4 * hidden, width)
+
+    def forward(self, z: torch.Tensor, state: torch.Tensor, steps: int) -> torch.Tensor:
+        """z (B, LATENT_DIM), state (B, D) -> (steps, B, D)."""
+        b, d = state.shape
+        h0 = state.reshape(b, GRU_LAYERS, d // GRU_LAYERS).transpose(0, 1).contiguous()  # (layers, B, D/4)
+        x, _ = self.gru(z.unsqueeze(0).expand(steps, -1, -1).contiguous(), h0)
+        return self.linear3(torch.relu(self.linear2(torch.relu(self.linear1(x)))))
+
+
+class VAEPlanner(nn.Module):
+    """Waypoints of M modes over N steps from the planning token's final-norm state (module docstring).
+
+    ``forward(h, noise=None)``: h (H,) or (B, H) -> float32 (M, N, 2) or (B, M, N, 2) metres, cumulative
+    displacements in the model's frame (the head's contract, :class:`~.modeling.PlanningHead`). ``noise``
+    (LATENT_DIM,) or (B, LATENT_DIM), default zero. ``mu_log_sigma(h)`` gives the latent's parameters. Raises
+    ValueError unless H is a multiple of 4 (the GRU's initial state) and even.
+
+    Untrained (``init-model``'s random heads), the last decoder layer starts at
+    :attr:`~.modeling.PlanningHead.UNTRAINED_OUTPUT_SCALE` of its default initialisation and without bias, as the
+    MLP head's: centimetres of noise around the ego, not random metre steps. Loaded weights replace it.
+    """
+
+    def __init__(self, hidden_size: int, n_waypoints: int, n_modes: int = 1, untrained_output_scale: float = 0.05):
+        super().__init__()
+        if hidden_size % (2 * GRU_LAYERS):
+            raise ValueError(f"the VAE planner needs a width that is a multiple of {2 * GRU_LAYERS}, got "
+                             f"{hidden_size}")
+        self.n_waypoints, self.n_modes = n_waypoints, n_modes
+        self.present_distribution = GaussianLatent(hidden_size)
+        self.predict_model = LatentRollout(hidden_size)
+        w = 2 * hidden_size
+        self.ego_fut_decoder = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
+                                             nn.Linear(w, 2 * n_modes))
+        with torch.no_grad():
+            self.ego_fut_decoder[4].weight.mul_(untrained_output_scale)
+            self.ego_fut_decoder[4].bias.zero_()
+
+    def mu_log_sigma(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H) -> the latent's (mu, log_sigma), each (B, LATENT_DIM)."""
+        return self.present_distribution(h)
+
+    def forward(self, h: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        single = h.dim() == 1
+        state = h.unsqueeze(0) if single else h
+        state = state.to(self.ego_fut_decoder[0].weight.dtype)
+        mu, log_sigma = self.present_distribution(state)
+        z = mu if noise is None else mu + log_sigma.exp() * noise.to(mu.dtype).reshape(mu.shape)
+        rolled = self.predict_model(z, state, self.n_waypoints)  # (N, B, D)
+        steps = torch.cat([state.unsqueeze(0).expand_as(rolled), rolled], dim=-1)  # (N, B, 2D)
+        deltas = self.ego_fut_decoder(steps).float().unflatten(-1, (self.n_modes, 2))  # (N, B, M, 2)
+        modes = torch.cumsum(deltas.permute(1, 2, 0, 3), dim=-2)  # (B, M, N, 2)
+        return modes[0] if single else modes
+
+
+#: The published names of a planner's training-only part (the posterior over the latent given the future, used
+#: to train): left out by the converter on purpose.
+TRAINING_ONLY = ("future_distribution", "pw_future_distribution")

@@ -1,0 +1,102 @@
+"""Issue 21: the VAE planner as published (model/vae_planner.py), against the published code: MindDrive's
+detector methods ``distribution_forward`` / ``future_states_predict`` and their ``pw_`` (path) twins, called on a
+small module carrying the attributes they read, with the published ``DistributionModule`` / ``PredictModel``
+(../shared/reference/minddrive, loaded by path: test/minddrive_reference.py), on the same weights, LLM feature and
+noise, fp32.
+
+The published methods hard-code the LLM width in a reshape (896 for Qwen2-0.5B, 2048, else 4096), so the
+comparison runs at MindDrive 0.5B's width, 896, with its two planners' shapes: speed (7 modes x 6 steps) and path
+(6 modes x 20 steps). Their per-step decoding loop sits inside the detector's test-time forward, not in a method:
+the test runs those few published lines (a loop over the steps through ``ego_fut_decoder``) itself."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hybrid_vla_ros.model.vae_planner import LATENT_DIM, VAEPlanner
+from minddrive_reference import load_detector
+
+WIDTH = 896  # Qwen2-0.5B: the width the published reshape takes for lm_model_type "qwen2"
+
+
+def _published_planner(distributions, modes: int, steps: int, path: bool) -> nn.Module:
+    """A module with the attributes the published planner methods read, built from the published classes (its
+    ``ego_fut_decoder``: Linear 2D -> 2D, ReLU, Linear 2D -> 2D, ReLU, Linear 2D -> 2M, as the detector builds it)."""
+    torch.manual_seed(11 if path else 7)
+    m = nn.Module()
+    pre = "pw_" if path else ""
+    setattr(m, f"{pre}present_distribution", distributions.DistributionModule(WIDTH, LATENT_DIM, min_log_sigma=-5.0,
+                                                                              max_log_sigma=5.0))
+    setattr(m, f"{pre}predict_model", distributions.PredictModel(in_channels=LATENT_DIM, out_channels=WIDTH,
+                                                                 hidden_channels=WIDTH // 4, num_layers=4))
+    w = 2 * WIDTH
+    setattr(m, f"{pre}ego_fut_decoder", nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
+                                                      nn.Linear(w, 2 * modes)))
+    with torch.no_grad():  # a wide latent (sigma ~ e^2, as a trained planner's can be), so the noise moves the plan
+        getattr(m, f"{pre}present_distribution").last_conv[1].bias[LATENT_DIM:] += 2.0
+    m.latent_dim, m.layer_dim, m.with_cur, m.lm_model_type = LATENT_DIM, 4, True, "qwen2"
+    m.fut_ts = m.fut_ps = steps
+    return m.eval()
+
+
+def _published_positions(detector, ref: nn.Module, feature: torch.Tensor, noise: torch.Tensor, modes: int,
+                         steps: int, path: bool) -> torch.Tensor:
+    """The published test-time planner on one LLM feature (1, D): (1, M, N, 2) positions (the per-step deltas'
+    cumulative sum, as its post-processing takes of the selected mode)."""
+    current = feature.unsqueeze(1)  # (1, 1, D): ego_feature[:, k].unsqueeze(1)
+    if path:
+        sample, _ = detector.Minddrive.pw_distribution_forward(ref, current, None, noise)
+        states_hs, _ = detector.Minddrive.pw_future_states_predict(ref, 1, sample, current, current)
+        decoder = ref.pw_ego_fut_decoder
+    else:
+        sample, _ = detector.Minddrive.distribution_forward(ref, current, None, noise)
+        states_hs, _ = detector.Minddrive.future_states_predict(ref, 1, sample, current, current)
+        decoder = ref.ego_fut_decoder
+    query_hs = states_hs[:, :, 0, :].unsqueeze(1).permute(0, 2, 1, 3)
+    deltas = torch.stack([decoder(query_hs[i]).reshape(1, modes, 2) for i in range(steps)], dim=2)
+    return deltas.cumsum(-2)
+
+
+@pytest.mark.parametrize("planner", ["speed", "path"])
+def test_vae_planner_equals_the_published_code(monkeypatch, planner):
+    """Our VAEPlanner, loaded with the published planner's tensors by their names (the path planner's without its
+    ``pw_`` prefix; strict), gives the published positions for the same noise within 1e-4, and with no noise the
+    published positions at zero noise (z = mu); the training-only posterior is not part of it."""
+    detector, distributions = load_detector(monkeypatch)
+    path = planner == "path"
+    modes, steps = (6, 20) if path else (7, 6)
+    ref = _published_planner(distributions, modes, steps, path)
+    ours = VAEPlanner(WIDTH, steps, modes).eval()
+    state = {k.removeprefix("pw_"): v for k, v in ref.state_dict().items()}
+    ours.load_state_dict(state, strict=True)
+    g = torch.Generator().manual_seed(3)
+    feature = torch.randn(1, WIDTH, generator=g) * 2.0
+    noise = torch.randn(1, 1, LATENT_DIM, generator=g)
+    with torch.no_grad():
+        expected = _published_positions(detector, ref, feature, noise, modes, steps, path)[0]
+        got = ours(feature[0], noise.view(LATENT_DIM))
+        expected0 = _published_positions(detector, ref, feature, torch.zeros_like(noise), modes, steps, path)[0]
+        got0 = ours(feature[0])
+    assert got.shape == expected.shape == (modes, steps, 2) and got.dtype == torch.float32
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 1e-4 * scale, float((got - expected).abs().max() / scale)
+    assert (got0 - expected0).abs().max() <= 1e-4 * expected0.abs().max()
+    # the noise moves the plan by far more than the tolerance: a planner that ignored it would fail above
+    assert (got0 - expected).abs().max() > 10 * 1e-4 * scale
+
+
+def test_a_batch_and_bf16_weights_and_a_bad_width():
+    """A batch of states gives each state's plan; bf16 weights take an fp32 state (cast to the weights, the
+    output float32); a width the GRU's four initial states cannot split evenly is refused."""
+    torch.manual_seed(0)
+    p = VAEPlanner(64, 6, 3).eval()
+    h = torch.randn(2, 64)
+    with torch.no_grad():
+        both = p(h)
+        assert both.shape == (2, 3, 6, 2)
+        assert torch.allclose(both[1], p(h[1]), atol=1e-6)
+        low = p.to(torch.bfloat16)(h[0])
+    assert low.dtype == torch.float32 and low.shape == (3, 6, 2)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        VAEPlanner(60, 6, 3)
