@@ -100,3 +100,23 @@ def test_a_batch_and_bf16_weights_and_a_bad_width():
     assert low.dtype == torch.float32 and low.shape == (3, 6, 2)
     with pytest.raises(ValueError, match="multiple of 8"):
         VAEPlanner(60, 6, 3)
+
+
+def test_the_vae_read_out_turns_the_published_frame_into_base_link():
+    """The published planner plans in Bench2Drive's lidar frame (x right, y forward); the `vae` read-out's plan is in
+    base_link axes (x forward, y left): a published step straight ahead (0, +d) becomes (+d, 0), one to the right
+    (+d, 0) becomes (0, -d)."""
+    from hybrid_vla_ros.model.config import preset
+    from hybrid_vla_ros.model.modeling import SuffixStage, plan
+    from hybrid_vla_ros.model.vae_planner import published_to_base_link
+
+    ahead_right = torch.tensor([[0.0, 2.0], [1.5, 0.0]])
+    assert torch.equal(published_to_base_link(ahead_right), torch.tensor([[2.0, 0.0], [0.0, -1.5]]))
+    cfg = preset("tiny", readout={"type": "vae"})
+    torch.manual_seed(0)
+    suffix = SuffixStage(cfg, cfg.num_layers).eval()
+    h = torch.randn(cfg.num_tokens, cfg.hidden_size)
+    with torch.no_grad():
+        raw = suffix.head(suffix.norm(h[-1]))
+        out = plan(suffix, h, command=1)
+    assert torch.equal(out.modes, published_to_base_link(raw)) and torch.equal(out.waypoints, out.modes[1])

@@ -592,9 +592,10 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     MindDrive's: the final norm of the decision pass at token position ``cfg.decision_position`` (-2), times
     the LM head's rows of those tokens only (``decision_head.weight``, (D, H)), argmax -> ``speed_mode``.
     The read-out (``cfg.readout``): ``mlp`` as above, ``vae`` the same with Orion's VAE planner
-    (:class:`~.vae_planner.VAEPlanner`, zero noise); ``queries``: the :class:`QueryHead` on the final-norm
-    states of the last ``query_count`` tokens (the query tokens); ``module``: the team's head on every token's
-    final-norm state, which must give (M, N, 2). With ``decision_token_ids`` and one pass, the decision is read
+    (:class:`~.vae_planner.VAEPlanner`, zero noise), its positions turned from the published frame (x right, y
+    forward) to base_link axes (:func:`~.vae_planner.published_to_base_link`); ``queries``: the
+    :class:`QueryHead` on the final-norm states of the last ``query_count`` tokens (the query tokens);
+    ``module``: the team's head on every token's final-norm state, which must give (M, N, 2). With ``decision_token_ids`` and one pass, the decision is read
     the same way at ``decision_position`` of that pass.
     Raises ValueError for a command out of range, or a head whose waypoints are not (M, N, 2).
     """
@@ -629,6 +630,10 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
             decision = m.decision_head(last[0]).float()
         last = last[-1]
     modes = m.head(last)
+    if kind == "vae":  # the published planner's frame (x right, y forward) -> base_link axes
+        from .vae_planner import published_to_base_link
+
+        modes = published_to_base_link(modes)
     mode = int(command) if modes.shape[0] > 1 else 0
     return PlanOutput(modes[mode], modes, decision, mode, speed)
 

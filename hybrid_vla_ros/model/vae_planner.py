@@ -79,7 +79,8 @@ class VAEPlanner(nn.Module):
     """Waypoints of M modes over N steps from the planning token's final-norm state (module docstring).
 
     ``forward(h, noise=None)``: h (H,) or (B, H) -> float32 (M, N, 2) or (B, M, N, 2) metres, cumulative
-    displacements in the model's frame (the head's contract, :class:`~.modeling.PlanningHead`). ``noise``
+    displacements in the published planning frame (x right, y forward; :func:`published_to_base_link` turns them
+    into the package's trajectory frame, as :func:`~.modeling.plan` does for the ``vae`` read-out). ``noise``
     (LATENT_DIM,) or (B, LATENT_DIM), default zero. ``mu_log_sigma(h)`` gives the latent's parameters. Raises
     ValueError unless H is a multiple of 4 (the GRU's initial state) and even.
 
@@ -118,6 +119,17 @@ class VAEPlanner(nn.Module):
         deltas = self.ego_fut_decoder(steps).float().unflatten(-1, (self.n_modes, 2))  # (N, B, M, 2)
         modes = torch.cumsum(deltas.permute(1, 2, 0, 3), dim=-2)  # (B, M, N, 2)
         return modes[0] if single else modes
+
+
+def published_to_base_link(xy: torch.Tensor) -> torch.Tensor:
+    """(..., 2) positions in the published models' planning frame (Bench2Drive's "lidar" frame: x right, y
+    forward, metres) -> the package's trajectory frame (REP 103 base_link axes: x forward, y left): (y, -x).
+
+    Source: the published CARLA agents' lidar-to-ego rotation [[0, 1], [-1, 0]] (xiaomi-mlab/MindDrive,
+    team_code). Only the axes turn: the published positions start at that frame's origin, which the agents put
+    0.39 m behind the vehicle's centre (and CARLA's centre is not Autoware's rear axle); that offset is not
+    applied here, so a trajectory starts at base_link's origin."""
+    return torch.stack((xy[..., 1], -xy[..., 0]), dim=-1)
 
 
 #: The published names of a planner's training-only part (the posterior over the latent given the future, used
