@@ -240,7 +240,8 @@ def test_image_resize_is_part_of_the_checkpoint_contract():
     for name in RESIZE_FILTERS[1:]:
         d = VLAConfig(**{**_plain(base), "image_resize": name}).to_dict()
         assert d["image_resize"] == name and VLAConfig.from_dict(d).image_resize == name
-    with pytest.raises(ValueError, match="image_resize must be one of area, bilinear, bicubic, orion_crop, got 'nearest'"):
+    with pytest.raises(ValueError,
+                       match="image_resize must be one of area, bilinear, bicubic, orion_crop, got 'nearest'"):
         VLAConfig(**{**_plain(base), "image_resize": "nearest"})
     io = {"cameras": 6, "image_size": 64, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "n_waypoints": 6,
           "waypoint_dt_s": 0.5, "n_modes": 1}

@@ -595,8 +595,8 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     (:class:`~.vae_planner.VAEPlanner`, zero noise), its positions turned from the published frame (x right, y
     forward) to base_link axes (:func:`~.vae_planner.published_to_base_link`); ``queries``: the
     :class:`QueryHead` on the final-norm states of the last ``query_count`` tokens (the query tokens);
-    ``module``: the team's head on every token's final-norm state, which must give (M, N, 2). With ``decision_token_ids`` and one pass, the decision is read
-    the same way at ``decision_position`` of that pass.
+    ``module``: the team's head on every token's final-norm state, which must give (M, N, 2). With
+    ``decision_token_ids`` and one pass, the decision is read the same way at ``decision_position`` of that pass.
     Raises ValueError for a command out of range, or a head whose waypoints are not (M, N, 2).
     """
     if isinstance(command, bool) or not 0 <= int(command) < len(NAV_COMMANDS):
