@@ -15,7 +15,8 @@ from hybrid_vla_ros.tools.bench.cli import main as bench_main
 from hybrid_vla_ros.tools.bench.common import percentiles, time_call
 from hybrid_vla_ros.tools.bench.handoff import payload_bytes, payload_shape, run_handoff
 from hybrid_vla_ros.tools.bench.pipeline import choose_split, frame_rows, model_overrides, summarize_pipeline
-from hybrid_vla_ros.tools.bench.suffix_flops import block_flops, gemm_shapes, head_flops, suffix_flops
+from hybrid_vla_ros.tools.bench.suffix_flops import (block_flops, gemm_shapes, head_flops, suffix_flops,
+                                                     vae_planner_flops)
 
 # ------------------------------------------------------------------------------------------ FLOP counts
 
@@ -40,20 +41,37 @@ def test_block_flops_of_tiny_equal_a_hand_count():
 
 def test_two_passes_count_twice_and_add_the_decision_head():
     cfg = preset("minddrive-0.5b")
-    assert cfg.llm_passes == 2 and cfg.num_tokens == 523
-    one, two = block_flops(cfg, 523, 1), block_flops(cfg, 523, 2)
+    assert cfg.llm_passes == 2 and cfg.num_tokens == 524  # <waypoint_ego> and <path_waypoint_ego> end it
+    one, two = block_flops(cfg, 524, 1), block_flops(cfg, 524, 2)
     assert two["total"] == 2 * one["total"]
     h = cfg.hidden_size
     assert len(cfg.decision_token_ids) == 7  # MindDrive's read-out: the LM-head rows of 7 meta-action tokens
-    assert head_flops(cfg) == 2 * h * h + 2 * h * 6 * 6 * 2 + 2 * h * 7
-    assert gemm_shapes(cfg)[0] == (2 * 523, 896, 4864)
+    # the speed planner (7 modes x 6 steps) and the path planner (6 modes x 20 points), then the decision rows
+    assert head_flops(cfg) == vae_planner_flops(h, 6, 7) + vae_planner_flops(h, 20, 6) + 2 * h * 7
+    assert gemm_shapes(cfg)[0] == (2 * 524, 896, 4864)
+    mlp = preset("minddrive-0.5b", readout={"type": "mlp"})
+    assert head_flops(mlp) == 2 * h * h + 2 * h * 6 * 6 * 2 + 2 * h * 7
+
+
+def test_vae_planner_flops_equal_torch_flop_counter():
+    """The VAE planner's FLOP count equals torch's FlopCounterMode on the module (its convolutions, GRU and
+    linears), for Orion's shape and MindDrive's two at a small width."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hybrid_vla_ros.model.vae_planner import VAEPlanner
+
+    for steps, modes in ((6, 6), (6, 7), (20, 6)):
+        p = VAEPlanner(64, steps, modes).eval()
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            p(torch.randn(64))
+        assert counter.get_total_flops() == vae_planner_flops(64, steps, modes)
 
 
 @pytest.mark.parametrize("name", ["tiny", "smol", "minddrive-0.5b"])
 def test_linear_and_attention_flops_equal_torch_flop_counter(name):
     """torch's FlopCounterMode on the meta device (no compute) counts the real module's matmuls: its mm + addmm
-    must equal our Linear count of one block + heads, its bmm (SDPA's math decomposition on meta) our full
-    (non-causal) attention count."""
+    (+ convolution) must equal our Linear count of one block + heads (minddrive-0.5b: its two VAE planners), its
+    bmm (SDPA's math decomposition on meta) our full (non-causal) attention count."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from hybrid_vla_ros.model.modeling import SuffixStage
@@ -67,7 +85,9 @@ def test_linear_and_attention_flops_equal_torch_flop_counter(name):
         stage(h, 3, k)
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     ours = suffix_flops(cfg, k)
-    assert counts.get("aten.mm", 0) + counts.get("aten.addmm", 0) == ours["linear_total"]
+    # (the VAE planners' 1 x 1 convolutions are linear maps too: counted with them)
+    assert counts.get("aten.mm", 0) + counts.get("aten.addmm", 0) + counts.get("aten.convolution", 0) \
+        == ours["linear_total"]
     if "aten.bmm" in counts:
         assert counts["aten.bmm"] == ours["per_block"]["attention_full"]
 
@@ -100,7 +120,7 @@ def test_choose_split_is_zero_when_the_prefix_dominates():
 def test_model_overrides_keep_the_llm_side():
     o = model_overrides("minddrive-0.5b", 112)
     cfg = preset("minddrive-0.5b", **o)
-    assert cfg.image_size == cfg.vision["image_size"] == 112 and cfg.num_tokens == 523
+    assert cfg.image_size == cfg.vision["image_size"] == 112 and cfg.num_tokens == 524
     assert model_overrides("tiny", 64) == {} and model_overrides("tiny", None) == {}
 
 

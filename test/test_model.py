@@ -173,8 +173,9 @@ def test_published_architectures():
     m05 = preset("minddrive-0.5b")
     assert (m05.llm_type, m05.num_layers, m05.hidden_size, m05.llm["num_attention_heads"],
             m05.llm["num_key_value_heads"], m05.llm["intermediate_size"]) == ("qwen2", 24, 896, 14, 2, 4864)
-    assert m05.prefix_state_shape == (2, 523, 896), "two LLM passes (decision, action) cross the split"
-    assert preset("minddrive-0.5b", llm_passes=1).prefix_state_shape == (523, 896)
+    # 8 prompt + 513 + ego + <waypoint_ego> + <path_waypoint_ego>; two LLM passes (decision, action) cross the split
+    assert m05.prefix_state_shape == (2, 524, 896)
+    assert preset("minddrive-0.5b", llm_passes=1).prefix_state_shape == (524, 896)
     m3 = preset("minddrive-3b")
     assert (m3.num_layers, m3.hidden_size, m3.llm["num_attention_heads"], m3.llm["intermediate_size"]) \
         == (36, 2048, 16, 11008)

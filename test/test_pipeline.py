@@ -275,3 +275,42 @@ def test_the_prefix_worker_asks_the_pacing_delay_again_and_a_split_request_ends_
         assert worker.frames_out == 1 and drops == []
     finally:
         worker.stop()
+
+
+def test_a_minddrive_shaped_model_answers_a_real_frame_through_both_runners(tmp_path, frame):
+    """Issue 21: the published parts together at a small size: the published camera pipeline (`orion_crop` on the
+    bag's 1936 x 1216 cameras, ImageNet statistics), an EVA-02 vision side (window and global blocks), two LLM
+    passes with the decision read-out and MindDrive's speed and path planners (`vae_speed_path`). Prefix and
+    suffix runners at K = 2 give the whole model's trajectory on the same frame within 1e-5."""
+    from hybrid_vla_ros.model.checkpoint import init_model
+    from hybrid_vla_ros.model.config import IMAGENET_MEAN, IMAGENET_STD
+
+    vision = dict(type="eva02", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=170,
+                  patch_size=16, image_size=64, window_size=2, global_blocks=[2], pretrain_image_size=64)
+    overrides = dict(vision=vision, projector={"type": "query", "num_queries": 16, "num_layers": 1, "num_heads": 4},
+                     image_resize="orion_crop", image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD),
+                     llm_passes=2, decision_token_ids=[11, 23, 35, 47, 59, 71, 83], planning_token_id=250,
+                     readout={"type": "vae_speed_path", "path_token_id": 251, "path_points": 20})
+    path = tmp_path / "minddrive_like"
+    cfg = init_model("tiny", path, overrides=overrides)
+    assert cfg.readout_type == "vae_speed_path" and cfg.vision_type == "eva02"
+    ns = f"/pl_{uuid.uuid4().hex[:6]}"
+    stamp, items = frame
+    prefix = PrefixRunner(str(path), PrefixRunnerSettings(2, device="cpu", namespace=ns))
+    suffix = SuffixRunner(str(path), SuffixRunnerSettings(2, namespace=ns))
+    try:
+        assert suffix.poll(0.05) is None
+        prefix.run(items, stamp)
+        result = suffix.poll(10.0)
+        assert result is not None
+        full = load_stage(path, "full")
+        with torch.inference_mode():
+            images = [compressed_msg_to_rgb(m) for _, m in items]
+            assert images[0].shape == (1216, 1936, 3)
+            pixels = preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std, resize="orion_crop")
+            expected = full(pixels).double().numpy()
+        assert result.waypoints.shape == expected.shape == (cfg.n_waypoints, 2)
+        assert abs(result.waypoints - expected).max() <= 1e-5
+    finally:
+        suffix.close()
+        prefix.close()

@@ -490,3 +490,52 @@ def test_orion_vae_planner_from_the_published_classes_is_placed(orion_like, monk
         out_plan = plan(suffix, h, command=2)
     assert out_plan.modes.shape == (6, 6, 2) and out_plan.mode == 2 and torch.equal(out_plan.waypoints,
                                                                                    out_plan.modes[2])
+
+
+def test_minddrive_speed_and_path_planners_are_placed(minddrive_like, monkeypatch, tmp_path):
+    """Issue 21: MindDrive's two VAE planners in the published layout (speed: `present_distribution`,
+    `predict_model`, `ego_fut_decoder` with 7 modes; path: the same with `pw_`, 6 modes x 20 points; made from the
+    published classes) convert into the `vae_speed_path` read-out's `head.speed.*` / `head.path.*` one to one, the
+    path token's id is read from the tokenizer files (<path_waypoint_ego>), both posteriors are reported as
+    training-only, and the converted suffix plans with them (the command's path mode, the decision's speed mode)."""
+    from minddrive_reference import load_detector
+
+    _, distributions = load_detector(monkeypatch)
+    width = LLM["hidden_size"]
+    torch.manual_seed(4)
+    planners = torch.nn.Module()
+    for pre, modes in (("", 7), ("pw_", 6)):
+        setattr(planners, f"{pre}present_distribution",
+                distributions.DistributionModule(width, 32, min_log_sigma=-5.0, max_log_sigma=5.0))
+        setattr(planners, f"{pre}future_distribution",
+                distributions.DistributionModule(width + 12, 32, min_log_sigma=-5.0, max_log_sigma=5.0))
+        setattr(planners, f"{pre}predict_model", distributions.PredictModel(
+            in_channels=32, out_channels=width, hidden_channels=width // 4, num_layers=4))
+        setattr(planners, f"{pre}ego_fut_decoder", torch.nn.Sequential(
+            torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(), torch.nn.Linear(2 * width, 2 * width),
+            torch.nn.ReLU(), torch.nn.Linear(2 * width, 2 * modes)))
+    root, _, peft_model = minddrive_like
+    state = {k: v for k, v in _published_state(peft_model).items() if not k.startswith("ego_fut_decoder.")}
+    published = {k: v.detach().clone() for k, v in planners.state_dict().items()}
+    state.update(published)
+    pth = tmp_path / "minddrive_planners.pth"
+    torch.save({"state_dict": state}, pth)
+    out = tmp_path / "converted"
+    readout = {"type": "vae_speed_path", "path_token_id": 255, "path_points": 20}
+    report = convert(pth, root / "hf", out, preset_name="tiny", overrides={"readout": readout}, lora_r=4,
+                     lora_alpha=16, decision_token_ids=DECISION_IDS)
+    assert set(report["left_out_training_only"]) == {"future_distribution", "pw_future_distribution"}
+    assert not {"present_distribution", "pw_present_distribution", "ego_fut_decoder", "pw_ego_fut_decoder",
+                "predict_model", "pw_predict_model"} & set(report["not_placed"])
+    ck = open_checkpoint(out)
+    assert ck.model.readout["path_token_id"] == 301 and ck.model.planning_token_id == 300  # added_tokens.json
+    suffix = ck.load("suffix", LLM["num_hidden_layers"], dtype="fp32")
+    head = suffix.head.state_dict()
+    expected = {("speed." if not k.startswith("pw_") else "path.") + k.removeprefix("pw_"): v
+                for k, v in published.items() if "future_distribution" not in k}
+    assert head.keys() == expected.keys() and all(torch.equal(head[k], expected[k]) for k in head)
+    from hybrid_vla_ros.model.modeling import plan
+
+    with torch.no_grad():
+        out_plan = plan(suffix, torch.randn(2, ck.model.num_tokens, width), command=0)  # LEFT: turn-left path
+    assert out_plan.mode == 2 and out_plan.path.shape == (20, 2) and 0 <= out_plan.speed_mode < 7

@@ -120,3 +120,71 @@ def test_the_vae_read_out_turns_the_published_frame_into_base_link():
         raw = suffix.head(suffix.norm(h[-1]))
         out = plan(suffix, h, command=1)
     assert torch.equal(out.modes, published_to_base_link(raw)) and torch.equal(out.waypoints, out.modes[1])
+
+
+# ------------------------------------------------------------------ MindDrive: speed and path planners together
+def test_follow_path_drives_the_speed_plan_along_the_path():
+    """Geometry from the path, timing from the speed plan: step lengths of the speed plan are distances along the
+    path (hand-computed on an L-shaped path), beyond its end the last segment goes on, a speed plan that stays
+    stays, a path of zero length gives the origin (no geometry to follow)."""
+    from hybrid_vla_ros.model.vae_planner import follow_path
+
+    path = torch.tensor([[0.0, 1.0], [0.0, 2.0], [1.0, 2.0], [2.0, 2.0]])  # 2 m ahead, then 2 m to the right
+    speed = torch.tensor([[0.3, 1.4], [0.3, 2.9], [0.3, 4.4]])  # 1.5 m steps (sqrt(0.09 + 1.96) = 1.432 first)
+    got = follow_path(speed, path)
+    first = float(torch.tensor([0.3, 1.4]).norm())
+    expected = torch.tensor([[0.0, first], [first + 1.5 - 2.0, 2.0], [first + 3.0 - 2.0, 2.0]])
+    assert torch.allclose(got, expected, atol=1e-5), got
+    assert torch.equal(follow_path(torch.zeros(4, 2), path), torch.zeros(4, 2))
+    assert torch.equal(follow_path(speed, torch.zeros(5, 2)), torch.zeros(3, 2))
+    straight = torch.stack([torch.zeros(20), torch.arange(1.0, 21.0)], dim=-1)
+    assert torch.allclose(follow_path(torch.tensor([[0.0, 5.0], [0.0, 30.0]]), straight),
+                          torch.tensor([[0.0, 5.0], [0.0, 30.0]]))
+
+
+def _speed_path_cfg(**kw):
+    from hybrid_vla_ros.model.config import preset
+
+    fields = dict(llm_passes=2, decision_token_ids=[11, 23, 35, 47, 59, 71, 83], planning_token_id=250,
+                  readout={"type": "vae_speed_path", "path_token_id": 251, "path_points": 20})
+    return preset("tiny", **{**fields, **kw})
+
+
+def test_the_speed_path_read_out_plans_as_minddrive():
+    """Two read-out tokens end the sequence (<waypoint_ego>, <path_waypoint_ego>); the speed planner reads the
+    first, the path planner the second (action pass), the speed mode is the decision's argmax, the path mode the
+    command's through MindDrive's mapping; the plan is the speed plan driven along the path, in base_link axes."""
+    from hybrid_vla_ros.model.modeling import PrefixStage, SuffixStage, plan
+    from hybrid_vla_ros.model.vae_planner import PATH_MODE_OF_COMMAND, follow_path, published_to_base_link
+
+    cfg = _speed_path_cfg()
+    mlp = _speed_path_cfg(readout={"type": "mlp"})
+    assert cfg.num_tokens == mlp.num_tokens + 1 and cfg.readout_token_ids == [250, 251]
+    torch.manual_seed(0)
+    prefix = PrefixStage(cfg, 0).eval()
+    with torch.no_grad():
+        h0 = prefix(torch.randn(6, 3, 64, 64))
+        ends = prefix.embed_tokens(torch.tensor([250, 251]))
+    assert h0.shape == (2, cfg.num_tokens, cfg.hidden_size)
+    assert torch.allclose(h0[1, -2:], ends + prefix.pass_embed.weight[1], atol=1e-6)
+    suffix = SuffixStage(cfg, cfg.num_layers).eval()
+    h = torch.randn(2, cfg.num_tokens, cfg.hidden_size)
+    for command in range(6):
+        with torch.no_grad():
+            out = plan(suffix, h, command)
+            decision = suffix.decision_head(suffix.norm(h[0, -2])).float()
+            speed, path = suffix.head(suffix.norm(h[1, -2]), suffix.norm(h[1, -1]))
+        k, j = int(decision.argmax()), PATH_MODE_OF_COMMAND[command]
+        assert out.speed_mode == k and out.mode == j and out.modes.shape == (6, cfg.n_waypoints, 2)
+        assert torch.allclose(out.waypoints, published_to_base_link(follow_path(speed[k], path[j])), atol=1e-6)
+        assert torch.equal(out.path, published_to_base_link(path[j])) and out.path.shape == (20, 2)
+        assert torch.equal(out.speed_waypoints, published_to_base_link(speed[k]))
+
+
+def test_speed_path_config_errors():
+    with pytest.raises(ValueError, match="path_token_id must be a token id"):
+        _speed_path_cfg(readout={"type": "vae_speed_path", "path_token_id": 9999, "path_points": 20})
+    with pytest.raises(ValueError, match="differ from planning_token_id"):
+        _speed_path_cfg(readout={"type": "vae_speed_path", "path_token_id": 250, "path_points": 20})
+    with pytest.raises(ValueError, match="needs decision_token_ids"):
+        _speed_path_cfg(decision_token_ids=[])

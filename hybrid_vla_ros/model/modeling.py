@@ -124,6 +124,11 @@ def own_head(cfg: VLAConfig, hidden_size: int) -> nn.Module:
         from .vae_planner import VAEPlanner
 
         return VAEPlanner(hidden_size, cfg.n_waypoints, cfg.n_modes)
+    if kind == "vae_speed_path":
+        from .vae_planner import SpeedPathPlanner
+
+        return SpeedPathPlanner(hidden_size, cfg.n_waypoints, len(cfg.decision_token_ids),
+                                int(cfg.readout["path_points"]), cfg.n_modes)
     if kind == "module":
         from .extension import import_head_class
 
@@ -393,12 +398,13 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
         vis = m.vision(pixel_values=pixel_values)  # (C, P, Dv): EVA-02 gives the tensor, SigLIP an output
         vis = vis if isinstance(vis, torch.Tensor) else vis.last_hidden_state
         vis = m.projector(vis) if cfg.projector["type"] == "query" else m.projector(vis.flatten(0, 1))  # (V, H)
-        ids = torch.tensor(cfg.prompt_token_ids + [cfg.planning_token_id], device=vis.device)
+        reads = len(cfg.readout_token_ids)  # the planning token (and MindDrive's path token after it)
+        ids = torch.tensor(cfg.prompt_token_ids + cfg.readout_token_ids, device=vis.device)
         text = m.embed_tokens(ids)
-        parts = [text[:-1], vis]
+        parts = [text[:-reads], vis]
     if ego_state is not None:
         parts.append(m.ego_embed(ego_state.to(device=vis.device, dtype=vis.dtype).unsqueeze(0)))
-    parts.append(m.query_tokens if cfg.query_count else text[-1:])
+    parts.append(m.query_tokens if cfg.query_count else text[-len(cfg.readout_token_ids):])
     if cfg.llm_passes > 1 and cfg.pass_lora_rank:  # same tokens for each pass; the adapters tell them apart
         h = torch.cat(parts, dim=0).unsqueeze(0).expand(cfg.llm_passes, -1, -1)
         return h.contiguous() if out is None else _destination(out).copy_(h)
@@ -581,6 +587,10 @@ class PlanOutput:
     decision_logits: torch.Tensor | None = None
     mode: int = 0
     speed_mode: int | None = None
+    #: ``vae_speed_path`` only (base_link axes, float32 metres): the speed planner's positions of the decided
+    #: speed mode (N, 2) at dt .. N dt, and the path planner's points of the commanded path mode (P, 2).
+    speed_waypoints: torch.Tensor | None = None
+    path: torch.Tensor | None = None
 
 
 def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanOutput:
@@ -608,7 +618,7 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     decision = speed = None
     token_ids = getattr(m.cfg, "decision_token_ids", None)
     kind = m.cfg.readout_type
-    if kind not in ("mlp", "vae"):  # one pass: (T, H)
+    if kind not in ("mlp", "vae", "vae_speed_path"):  # one pass: (T, H)
         if kind == "queries":
             modes = m.head(m.norm(h[..., -m.cfg.query_count:, :]))
         else:
@@ -629,6 +639,9 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
         else:
             decision = m.decision_head(last[0]).float()
         last = last[-1]
+    if kind == "vae_speed_path":
+        action = h[-1] if h.dim() == 3 else h
+        return speed_path_plan(m, m.norm(action[-2:]), int(command), decision, speed)
     modes = m.head(last)
     if kind == "vae":  # the published planner's frame (x right, y forward) -> base_link axes
         from .vae_planner import published_to_base_link
@@ -636,6 +649,24 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
         modes = published_to_base_link(modes)
     mode = int(command) if modes.shape[0] > 1 else 0
     return PlanOutput(modes[mode], modes, decision, mode, speed)
+
+
+def speed_path_plan(m: nn.Module, states: torch.Tensor, command: int, decision: torch.Tensor | None,
+                    speed: int | None) -> PlanOutput:
+    """MindDrive's planners on the final-norm states (2, H) of ``<waypoint_ego>`` and ``<path_waypoint_ego>``
+    (the action pass's last two tokens; ``m.head`` a :class:`~.vae_planner.SpeedPathPlanner`): the speed mode is
+    the decision's (``speed``; 0 when there is none, e.g. FLOP counting on ``meta``), the path mode the command's
+    (:data:`~.vae_planner.PATH_MODE_OF_COMMAND`). ``modes`` (one per path mode): the decided speed plan driven
+    along each path (:func:`~.vae_planner.follow_path`), ``mode`` the command's, all in base_link axes."""
+    from .vae_planner import PATH_MODE_OF_COMMAND, follow_path, published_to_base_link
+
+    speed_modes, path_modes = m.head(states[0], states[1])
+    k = speed if speed is not None else 0
+    driven = torch.stack([follow_path(speed_modes[k], p) for p in path_modes])  # (Mp, N, 2)
+    mode = PATH_MODE_OF_COMMAND[command]
+    modes = published_to_base_link(driven)
+    return PlanOutput(modes[mode], modes, decision, mode, speed, published_to_base_link(speed_modes[k]),
+                      published_to_base_link(path_modes[mode]))
 
 
 class _PrefixSide(nn.Module):

@@ -78,6 +78,8 @@ DEFAULT_R, DEFAULT_ALPHA = 16, 16
 LAYOUTS = ("orion", "minddrive", "auto")
 #: The planning token's text in both tokenizers.
 WAYPOINT_TOKEN = "<waypoint_ego>"
+#: MindDrive's path planner's token (the last of the action pass).
+PATH_WAYPOINT_TOKEN = "<path_waypoint_ego>"
 #: Tokenizer / generation files copied from the LLM config directory into ``OUT/llm`` (small text files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
@@ -488,19 +490,25 @@ PLANNER_MODULES = ("present_distribution", "predict_model", "ego_fut_decoder")
 def place_planner(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, layout: str,
                   store_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Orion's VAE planner (``present_distribution.*``, ``predict_model.*``, ``ego_fut_decoder.*``) into the
-    ``vae`` read-out's ``head.*``, one to one, when the config's read-out is ``vae`` and the layout is Orion's
-    (MindDrive's two planners are not placed yet: reported). Returns (``head.<name>`` -> tensor in the store
+    ``vae`` read-out's ``head.*``, one to one, when the config's read-out is ``vae`` and the layout is Orion's;
+    MindDrive's speed planner (the same names) into ``head.speed.*`` and its path planner (``pw_`` + the same
+    names) into ``head.path.*`` with the ``vae_speed_path`` read-out. Returns (``head.<name>`` -> tensor in the store
     dtype, the stored names left out on purpose as training-only: the VAE's posterior ``future_distribution.*`` /
     ``pw_future_distribution.*``, see vae_planner.TRAINING_ONLY). Both leave ``parts.not_placed``."""
     from .vae_planner import TRAINING_ONLY
 
     placed, left_out = {}, []
+    two = layout == "minddrive" and cfg.readout_type == "vae_speed_path"
     for stored in list(parts.not_placed):
         top = stored.split(".", 1)[0]
         if top in TRAINING_ONLY:
             left_out.append(stored)
         elif top in PLANNER_MODULES and layout == "orion" and cfg.readout_type == "vae":
             placed[f"head.{stored}"] = tensors[stored].to(store_dtype).contiguous()
+        elif top in PLANNER_MODULES and two:  # MindDrive's speed planner
+            placed[f"head.speed.{stored}"] = tensors[stored].to(store_dtype).contiguous()
+        elif top.startswith("pw_") and top[3:] in PLANNER_MODULES and two:  # and its path planner
+            placed[f"head.path.{stored[3:]}"] = tensors[stored].to(store_dtype).contiguous()
         else:
             continue
         parts.not_placed.remove(stored)
@@ -546,6 +554,14 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
         own_extra.update(_pass_deltas(parts, ref, max(ranks), store_dtype))
         for ad in (parts.adapters[a] for a in MINDDRIVE_ADAPTERS):
             _adapter_dir(out / "adapters", ad, sorted({m.rsplit(".", 1)[1] for m in ad.a}))
+        readout = dict(base.get("readout") or {})
+        if readout.get("type") == "vae_speed_path":  # the path planner's token: from the tokenizer files
+            tid = _token_id(config_dir, PATH_WAYPOINT_TOKEN)
+            if tid is None and "readout" not in (overrides or {}):
+                raise ValueError(f"cannot tell the id of {PATH_WAYPOINT_TOKEN}: not in {config_dir}'s tokenizer "
+                                 "files; give it as readout.path_token_id (--set readout=...)")
+            if tid is not None:
+                base["readout"] = {**readout, "path_token_id": int(tid)}
     else:
         base.update(llm_passes=1, pass_lora_rank=0, pass_adapters=[], decision_token_ids=[])
     base.pop("model_type"), base.pop("format_version")

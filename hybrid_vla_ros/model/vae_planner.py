@@ -135,3 +135,48 @@ def published_to_base_link(xy: torch.Tensor) -> torch.Tensor:
 #: The published names of a planner's training-only part (the posterior over the latent given the future, used
 #: to train): left out by the converter on purpose.
 TRAINING_ONLY = ("future_distribution", "pw_future_distribution")
+
+
+#: MindDrive's path mode for each navigation command (NAV_COMMANDS order, CARLA RoadOption - 1: LEFT, RIGHT,
+#: STRAIGHT, LANE_FOLLOW, CHANGE_LANE_LEFT, CHANGE_LANE_RIGHT), from its published PATH_MAPPING / PA_MAPPING
+#: (path modes: 0 lane follow, 1 straight, 2 turn left, 3 change lane left, 4 turn right, 5 change lane right).
+PATH_MODE_OF_COMMAND = (2, 4, 1, 0, 3, 5)
+
+
+class SpeedPathPlanner(nn.Module):
+    """MindDrive's two VAE planners: ``speed`` on the final-norm state of ``<waypoint_ego>`` (one mode per
+    meta-action, N steps of ``waypoint_dt_s``; the published ``present_distribution`` / ``predict_model`` /
+    ``ego_fut_decoder``) and ``path`` on that of ``<path_waypoint_ego>`` (one mode per path kind, P points about
+    1 m apart; the published ``pw_*`` modules). ``forward(speed_state, path_state, noise=None)``: two (H,) states
+    -> (speed modes (Ms, N, 2), path modes (Mp, P, 2)), float32 metres in the published frame."""
+
+    def __init__(self, hidden_size: int, n_waypoints: int, speed_modes: int, path_points: int, path_modes: int):
+        super().__init__()
+        self.speed = VAEPlanner(hidden_size, n_waypoints, speed_modes)
+        self.path = VAEPlanner(hidden_size, path_points, path_modes)
+
+    def forward(self, speed_state: torch.Tensor, path_state: torch.Tensor,
+                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.speed(speed_state, noise), self.path(path_state, noise)
+
+
+def follow_path(speed_xy: torch.Tensor, path_xy: torch.Tensor) -> torch.Tensor:
+    """The positions (N, 2) a vehicle reaches at the speed plan's times when it drives along the path: the
+    geometry from ``path_xy`` (P, 2), a polyline from the origin, the timing from ``speed_xy`` (N, 2), the
+    positions at steps of ``waypoint_dt_s``, whose cumulative step lengths are the distances travelled. Beyond the
+    path's end the last segment is extended; a path of zero length gives the origin at every step (no geometry to
+    follow: stand still). float32, any frame (the same for both). This is this package's fusion: the published
+    agents give the path to a steering controller and the speed plan to a speed controller, never one
+    trajectory."""
+    speed_xy, path_xy = speed_xy.float(), path_xy.float()
+    origin = speed_xy.new_zeros(1, 2)
+    travelled = torch.cat([origin, speed_xy]).diff(dim=0).norm(dim=-1).cumsum(0)  # (N,)
+    points = torch.cat([origin, path_xy])  # (P + 1, 2)
+    seg = points.diff(dim=0)  # (P, 2)
+    seg_len = seg.norm(dim=-1)
+    start = torch.cat([seg_len.new_zeros(1), seg_len.cumsum(0)])  # arc length at each point, (P + 1,)
+    j = (torch.searchsorted(start, travelled, right=True) - 1).clamp(0, seg.shape[0] - 1)  # segment of each step
+    frac = (travelled - start[j]) / seg_len[j].clamp_min(1e-9)
+    frac = torch.where(j < seg.shape[0] - 1, frac.clamp(max=1.0), frac)  # only the last segment extends
+    pos = points[j] + frac.unsqueeze(-1) * seg[j]
+    return torch.where(start[-1] > 0, pos, torch.zeros_like(pos))

@@ -190,7 +190,7 @@ def read_out_tokens(cfg) -> int:
     kind = getattr(cfg, "readout_type", "mlp")
     if kind == "module":  # the team's head reads every token
         return int(cfg.num_tokens)
-    need = max(1, getattr(cfg, "query_count", 0))
+    need = max(1, getattr(cfg, "query_count", 0), 2 if kind == "vae_speed_path" else 1)  # MindDrive: 2 tokens
     if not getattr(cfg, "decision_token_ids", None):
         return need
     pos = int(cfg.decision_position)

@@ -133,15 +133,28 @@ def bag_images(cameras: int, camera_size: tuple[int, int] | None = None) -> list
 
 def head_on_reference(suffix, final: torch.Tensor) -> torch.Tensor:
     """The suffix's read-out head applied to the reference's final-norm hidden states ``final`` ((T, H), or
-    (P, T, H) with P passes): ``mlp`` on the planning (last) token of the action (last) pass, ``queries`` on the
+    (P, T, H) with P passes): ``mlp`` / ``vae`` on the planning (last) token of the action (last) pass,
+    ``vae_speed_path`` on its last two with the decision pass's decision, ``queries`` on the
     last ``query_count`` tokens, ``module`` on every token. Returns its (M, N, 2) waypoints."""
     cfg = suffix.cfg
+    if cfg.readout_type == "vae_speed_path":  # MindDrive: the decided speed plan along each path, as plan() does
+        from ..model.modeling import DEFAULT_COMMAND, speed_path_plan
+
+        decision = suffix.decision_head(final[0, cfg.decision_position] if final.dim() == 3
+                                        else final[cfg.decision_position]).float()
+        action = final[-1] if final.dim() == 3 else final
+        return speed_path_plan(suffix, action[-2:], DEFAULT_COMMAND, decision, int(decision.argmax())).modes
     if cfg.readout_type == "queries":
         return suffix.head(final[-cfg.query_count:])
     if cfg.readout_type == "module":
         return suffix.head(final)
     last = final[..., -1, :]
-    return suffix.head(last[-1] if last.dim() == 2 else last)
+    modes = suffix.head(last[-1] if last.dim() == 2 else last)
+    if cfg.readout_type == "vae":  # plan() gives the published planner's positions in base_link axes
+        from ..model.vae_planner import published_to_base_link
+
+        modes = published_to_base_link(modes)
+    return modes
 
 
 def _vlm_reference(ck: Checkpoint, dtype, inputs) -> tuple[list, str]:

@@ -7,7 +7,7 @@ Per preset:
    ``minddrive-0.5b`` runs with its image size overridden (default 112 px, i.e. 7x7 patches of 16 px per camera
    instead of 640 px): the EVA-02-L-shaped ViT would take about a minute a frame at 640 px on one core. Its
    query projector still gives 513 LLM tokens, so the LLM side, where the split is, keeps its real shape
-   ((2, 523, 896) hidden states, 24 Qwen2-0.5B blocks).
+   ((2, 524, 896) hidden states, 24 Qwen2-0.5B blocks).
 2. The split layer K (unless given): the per-block profile of :func:`hybrid_vla_ros.split.profiler.profile_model`
    on the prefix core (one thread, the pipeline dtype), plus the camera preprocessing of the bag's frames,
    predicts the prefix time P(K) and the hand-off + suffix time H + S(K) (:func:`choose_split`). K is the

@@ -85,11 +85,32 @@ def block_flops(cfg, tokens: int, batch: int = 1) -> dict:
             "total": sum(lin.values()) + attn["qk"] + attn["av"]}
 
 
+def vae_planner_flops(width: int, steps: int, modes: int) -> int:
+    """FLOPs (2 per multiply-add) of one VAE planner (model/vae_planner.py) on one state of width D = ``width``:
+    the latent's 1 x 1 convolutions (D -> 2D -> 2D -> D/2 -> 64: 14 D^2 + 64 D), then per step the 4-layer GRU of
+    width h = D/4 (3 gates of input and hidden products: 6 (32 h + h^2) for the first layer, 12 h^2 for each other),
+    the roll-out MLP (h -> 2h -> 4h -> D) and the decoder (2D -> 2D -> 2D -> 2M)."""
+    d, h = width, width // 4
+    latent = 2 * (d * 2 * d + 2 * d * 2 * d + 2 * d * d // 2 + d // 2 * 64)
+    gru = 2 * 3 * (32 * h + h * h) + 3 * 2 * 3 * (h * h + h * h)
+    rollout = 2 * (h * 2 * h + 2 * h * 4 * h + 4 * h * d)
+    decoder = 2 * (2 * d * 2 * d + 2 * d * 2 * d + 2 * d * 2 * modes)
+    return latent + steps * (gru + rollout + decoder)
+
+
 def head_flops(cfg) -> int:
-    """FLOPs of the heads on the last token: fc1 (H x H), fc2 (H x M N 2), decision head (two passes: H x 6, or
-    H x D with ``decision_token_ids``, MindDrive's LM-head rows of its D meta-action tokens)."""
+    """FLOPs of the heads on the last token(s): fc1 (H x H), fc2 (H x M N 2) for the MLP head; the VAE planner(s)
+    for ``vae`` / ``vae_speed_path`` (:func:`vae_planner_flops`); the decision head (two passes: H x 6, or H x D
+    with ``decision_token_ids``, MindDrive's LM-head rows of its D meta-action tokens)."""
     h = cfg.hidden_size
-    flops = 2 * h * h + 2 * h * cfg.n_modes * cfg.n_waypoints * 2
+    kind = getattr(cfg, "readout_type", "mlp")
+    if kind == "vae":
+        flops = vae_planner_flops(h, cfg.n_waypoints, cfg.n_modes)
+    elif kind == "vae_speed_path":
+        flops = (vae_planner_flops(h, cfg.n_waypoints, len(cfg.decision_token_ids))
+                 + vae_planner_flops(h, int(cfg.readout["path_points"]), cfg.n_modes))
+    else:
+        flops = 2 * h * h + 2 * h * cfg.n_modes * cfg.n_waypoints * 2
     if cfg.llm_passes > 1:
         flops += 2 * h * (len(getattr(cfg, "decision_token_ids", None) or []) or 6)
     return flops
