@@ -445,6 +445,31 @@ def test_orion_backbone_from_the_published_code_is_placed_and_computes_the_same(
     assert not (tmp_path / "refused").exists()
 
 
+def _pth_with_planners(peft_model, distributions, modes_of: dict, pth, seed: int) -> tuple:
+    """A published-layout `.pth` (the LLM of ``peft_model``) with VAE planners made from the published classes at
+    the test LLM's width: for each name prefix ("" speed / Orion, "pw_" path) and its mode count, the
+    `present_distribution`, the training-only `future_distribution`, `predict_model` and `ego_fut_decoder`
+    (Linear 2D -> 2D, ReLU, 2D -> 2D, ReLU, 2D -> 2M, as the published detector builds it). Returns (the file, the
+    planner tensors by stored name)."""
+    width = LLM["hidden_size"]
+    torch.manual_seed(seed)
+    planners = torch.nn.Module()
+    for pre, modes in modes_of.items():
+        for name, extra in (("present_distribution", 0), ("future_distribution", 12)):
+            setattr(planners, pre + name, distributions.DistributionModule(width + extra, 32, min_log_sigma=-5.0,
+                                                                           max_log_sigma=5.0))
+        setattr(planners, f"{pre}predict_model", distributions.PredictModel(
+            in_channels=32, out_channels=width, hidden_channels=width // 4, num_layers=4))
+        setattr(planners, f"{pre}ego_fut_decoder", torch.nn.Sequential(
+            torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(), torch.nn.Linear(2 * width, 2 * width),
+            torch.nn.ReLU(), torch.nn.Linear(2 * width, 2 * modes)))
+    state = {k: v for k, v in _published_state(peft_model).items() if not k.startswith("ego_fut_decoder.")}
+    published = {k: v.detach().clone() for k, v in planners.state_dict().items()}
+    state.update(published)
+    torch.save({"state_dict": state}, pth)
+    return pth, published
+
+
 def test_orion_vae_planner_from_the_published_classes_is_placed(orion_like, monkeypatch, tmp_path):
     """Issue 21: Orion's VAE planner in the published layout (`present_distribution.*`, `predict_model.*`,
     `ego_fut_decoder.{0,2,4}.*`, made from the published DistributionModule / PredictModel at the test LLM's width)
@@ -456,22 +481,8 @@ def test_orion_vae_planner_from_the_published_classes_is_placed(orion_like, monk
 
     _, distributions = load_detector(monkeypatch)
     width = LLM["hidden_size"]
-    torch.manual_seed(9)
-    planner = torch.nn.Module()
-    planner.present_distribution = distributions.DistributionModule(width, 32, min_log_sigma=-5.0, max_log_sigma=5.0)
-    planner.future_distribution = distributions.DistributionModule(width + 12, 32, min_log_sigma=-5.0,
-                                                                   max_log_sigma=5.0)
-    planner.predict_model = distributions.PredictModel(in_channels=32, out_channels=width, hidden_channels=width // 4,
-                                                       num_layers=4)
-    planner.ego_fut_decoder = torch.nn.Sequential(torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(),
-                                                  torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(),
-                                                  torch.nn.Linear(2 * width, 6 * 2))
     root, hf_dir, _, _, peft_model = orion_like
-    state = {k: v for k, v in _published_state(peft_model).items() if not k.startswith("ego_fut_decoder.")}
-    published = {k: v.detach().clone() for k, v in planner.state_dict().items()}
-    state.update(published)
-    pth = tmp_path / "Orion_vae.pth"
-    torch.save({"state_dict": state}, pth)
+    pth, published = _pth_with_planners(peft_model, distributions, {"": 6}, tmp_path / "Orion_vae.pth", seed=9)
     out = tmp_path / "converted"
     report = convert(pth, hf_dir, out, preset_name="tiny", overrides={"readout": {"type": "vae"}}, lora_r=4,
                      lora_alpha=8)
@@ -502,24 +513,9 @@ def test_minddrive_speed_and_path_planners_are_placed(minddrive_like, monkeypatc
 
     _, distributions = load_detector(monkeypatch)
     width = LLM["hidden_size"]
-    torch.manual_seed(4)
-    planners = torch.nn.Module()
-    for pre, modes in (("", 7), ("pw_", 6)):
-        setattr(planners, f"{pre}present_distribution",
-                distributions.DistributionModule(width, 32, min_log_sigma=-5.0, max_log_sigma=5.0))
-        setattr(planners, f"{pre}future_distribution",
-                distributions.DistributionModule(width + 12, 32, min_log_sigma=-5.0, max_log_sigma=5.0))
-        setattr(planners, f"{pre}predict_model", distributions.PredictModel(
-            in_channels=32, out_channels=width, hidden_channels=width // 4, num_layers=4))
-        setattr(planners, f"{pre}ego_fut_decoder", torch.nn.Sequential(
-            torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(), torch.nn.Linear(2 * width, 2 * width),
-            torch.nn.ReLU(), torch.nn.Linear(2 * width, 2 * modes)))
     root, _, peft_model = minddrive_like
-    state = {k: v for k, v in _published_state(peft_model).items() if not k.startswith("ego_fut_decoder.")}
-    published = {k: v.detach().clone() for k, v in planners.state_dict().items()}
-    state.update(published)
-    pth = tmp_path / "minddrive_planners.pth"
-    torch.save({"state_dict": state}, pth)
+    pth, published = _pth_with_planners(peft_model, distributions, {"": 7, "pw_": 6},
+                                         tmp_path / "minddrive_planners.pth", seed=4)
     out = tmp_path / "converted"
     readout = {"type": "vae_speed_path", "path_token_id": 255, "path_points": 20}
     report = convert(pth, root / "hf", out, preset_name="tiny", overrides={"readout": readout}, lora_r=4,
