@@ -157,10 +157,10 @@ def load_detector(monkeypatch) -> tuple[types.ModuleType, types.ModuleType]:
     path = REFERENCE / "mmcv" / "models" / "detectors" / "minddrive.py"
     if not path.is_file():
         pytest.skip(f"the published reference code is not at {REFERENCE} (../shared beside the checkout)")
-    for name in ("mmcv", "mmcv.utils", "mmcv.utils.misc", "mmcv.utils.llava_llama", "mmcv.core", "mmcv.models",
+    for name in ("mmcv", "mmcv.utils", "mmcv.utils.llava_llama", "mmcv.core", "mmcv.models",
                  "mmcv.models.builder", "mmcv.models.bricks", "mmcv.models.detectors",
                  "mmcv.models.detectors.mvx_two_stage", "mmcv.models.utils.grid_mask",
-                 "mmcv.models.utils.positional_encoding", "mmcv.models.utils.transformer",
+                 "mmcv.models.utils.positional_encoding",
                  "mmcv.models.utils.vis_utils", "mmcv.models.utils.freeze_module", "mmcv.models.utils.layers",
                  "mmcv.models.dense_heads", "mmcv.models.dense_heads.planning_head_plugin",
                  "mmcv.models.dense_heads.planning_head_plugin.metric_stp3", "mmcv.datasets",
@@ -173,4 +173,14 @@ def load_detector(monkeypatch) -> tuple[types.ModuleType, types.ModuleType]:
     distributions = _exec_file(monkeypatch, "mmcv.models.utils.distributions",
                                REFERENCE / "mmcv" / "models" / "utils" / "distributions.py")
     utils.DistributionModule, utils.PredictModel = distributions.DistributionModule, distributions.PredictModel
+    # the real `locations` (feature cell centres) and `inverse_sigmoid` the position embedding uses, from their
+    # own files (whose other imports are stubs as above)
+    for name in ("mmcv.utils.llava_llamav3", "mmcv.utils.llava_qwen", "mmcv.models.bricks.activation",
+                 "mmcv.models.bricks.norm", "mmcv.models.bricks.registry", "mmcv.models.bricks.transformer",
+                 "mmcv.models.utils.weight_init", "mmcv.models.utils.builder", "mmcv.models.backbones",
+                 "mmcv.models.backbones.base_module", "mmcv.ops", "mmcv.ops.multi_scale_deform_attn"):
+        _anything_module(monkeypatch, name)
+    _exec_file(monkeypatch, "mmcv.utils.misc", REFERENCE / "mmcv" / "utils" / "misc.py")
+    _exec_file(monkeypatch, "mmcv.models.utils.transformer",
+               REFERENCE / "mmcv" / "models" / "utils" / "transformer.py")
     return _exec_file(monkeypatch, "mmcv.models.detectors.minddrive", path), distributions
