@@ -157,3 +157,15 @@ def test_the_profile_times_window_and_global_blocks_apart():
     assert any("vision block 2 (global)" in line for line in lines)
     every = profile_model(preset_name="orion", vision_blocks="all", llm_blocks="1", repeats=1, **small)
     assert every["devices"]["cpu"]["vision_blocks_measured"] == 6
+
+
+def test_a_config_names_only_what_differs_from_the_published_backbone():
+    """A model config's `vision: {type: eva02, ...}` takes EVA02Config's published values for the fields it leaves
+    out (patch 16, window 16, ...) and the model's image side, so config.json says them all."""
+    from hybrid_vla_ros.model.config import preset
+
+    cfg = preset("orion", image_size=96, vision={"type": "eva02", "hidden_size": 64, "num_hidden_layers": 3,
+                                                  "num_attention_heads": 4, "intermediate_size": 170,
+                                                  "global_blocks": [2], "window_size": 4})
+    assert cfg.vision["patch_size"] == 16 and cfg.vision["image_size"] == 96 and cfg.tokens_per_camera == 36
+    assert EVA02Config.from_dict(cfg.to_dict()["vision"]).pretrain_image_size == 224

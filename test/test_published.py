@@ -437,6 +437,11 @@ def test_orion_backbone_from_the_published_code_is_placed_and_computes_the_same(
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
     verified = _cli("verify-split", "--model", str(out), "--quiet")
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    # part of a backbone: refused, named
+    partial = {k: v for k, v in state.items() if not k.startswith("img_backbone.blocks.2.mlp.")}
+    torch.save({"state_dict": partial}, pth)
+    with pytest.raises(CheckpointError, match=r"lacks 8 of its tensors.*img_backbone\.blocks\.2\.mlp"):
+        convert(pth, hf_dir, tmp_path / "partial", preset_name="orion", overrides=overrides, lora_r=4, lora_alpha=8)
     # a table of another size: refused, named
     state["img_backbone.rope_glb.freqs_cos"] = state["img_backbone.rope_glb.freqs_cos"][:16].clone()
     torch.save({"state_dict": state}, pth)
@@ -455,7 +460,7 @@ def _pth_with_planners(peft_model, distributions, modes_of: dict, pth, seed: int
     torch.manual_seed(seed)
     planners = torch.nn.Module()
     for pre, modes in modes_of.items():
-        for name, extra in (("present_distribution", 0), ("future_distribution", 12)):
+        for name, extra in (("present_distribution", 0), ("future_distribution", 40 if pre else 12)):
             setattr(planners, pre + name, distributions.DistributionModule(width + extra, 32, min_log_sigma=-5.0,
                                                                            max_log_sigma=5.0))
         setattr(planners, f"{pre}predict_model", distributions.PredictModel(
@@ -535,3 +540,11 @@ def test_minddrive_speed_and_path_planners_are_placed(minddrive_like, monkeypatc
     with torch.no_grad():
         out_plan = plan(suffix, torch.randn(2, ck.model.num_tokens, width), command=0)  # LEFT: turn-left path
     assert out_plan.mode == 2 and out_plan.path.shape == (20, 2) and 0 <= out_plan.speed_mode < 7
+    assert "head.*" not in report["stand_ins"] and "planner" not in report["stand_ins"]
+    # a checkpoint with part of a planner is refused, not run part random
+    state = torch.load(pth, weights_only=True)["state_dict"]
+    del state["pw_ego_fut_decoder.4.weight"]
+    torch.save({"state_dict": state}, pth)
+    with pytest.raises(CheckpointError, match=r"planner lacks 1 of the tensors.*head\.path\.ego_fut_decoder\.4"):
+        convert(pth, root / "hf", tmp_path / "partial", preset_name="tiny", overrides={"readout": readout}, lora_r=4,
+                lora_alpha=16, decision_token_ids=DECISION_IDS)

@@ -20,7 +20,7 @@ from minddrive_reference import load_pipeline
 
 NUSCENES = Path(__file__).resolve().parents[2] / "shared" / "data" / "nuscenes_scene0061_mmdet3d_demo"
 # the published inference configs' settings (minddrive_qwen2_05B_infer.py: ida_aug_conf, img_norm_cfg)
-IDA_AUG_CONF = {"resize_lim": (0.38, 0.55), "final_dim": (320, 640), "bot_pct_lim": (0.0, 0.0), "rot_lim": (0.0, 0.0),
+IDA_AUG_CONF = {"resize_lim": (0.37, 0.45), "final_dim": (320, 640), "bot_pct_lim": (0.0, 0.0), "rot_lim": (0.0, 0.0),
                 "H": 900, "W": 1600, "rand_flip": False}
 # the published code (torch matrices in numpy products, regexes) warns under this numpy; not ours
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -94,6 +94,23 @@ def test_the_published_presets_take_the_published_pipeline():
     # the published statistics on 0-255 pixels are these divided by 255
     assert np.allclose(np.array(IMAGENET_MEAN) * 255, IMG_NORM_CFG["mean"]) and \
         np.allclose(np.array(IMAGENET_STD) * 255, IMG_NORM_CFG["std"])
+
+
+def test_the_crop_stays_inside_the_first_resize_for_every_camera_size():
+    """For every camera of 2:1 to 4:3 shape from 100 to 2199 px high, at the published side and a reduced one, the
+    first resize covers the crop (int() alone rounds some sizes to S - 1, where Pillow would fill a black row or
+    column), and a camera that would make that resize absurd is refused; a 154 x 77 camera has no black pixels."""
+    for size in (640, 448, 112):
+        for height in range(100, 2200, 7):
+            for aspect in (2.0, 16 / 9, 1.5, 4 / 3):
+                g = orion_crop_geometry(height, round(height * aspect), size)
+                left, top, right, bottom = g.crop
+                assert 0 <= left and 0 <= top and right <= g.resized[0] and bottom <= g.resized[1], (height, aspect)
+    grey = np.full((77, 154, 3), 200, np.uint8)
+    got = preprocess([grey], 640, IMAGENET_MEAN, IMAGENET_STD, resize="orion_crop")
+    assert torch.allclose(got, got[:, :, :1, :1].expand_as(got))  # one colour: no black border
+    with pytest.raises(ValueError, match="too far from 2:1"):
+        orion_crop_geometry(5000, 2, 640)
 
 
 def test_other_camera_sizes_and_bad_geometry():

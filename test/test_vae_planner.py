@@ -137,6 +137,9 @@ def test_follow_path_drives_the_speed_plan_along_the_path():
     assert torch.allclose(got, expected, atol=1e-5), got
     assert torch.equal(follow_path(torch.zeros(4, 2), path), torch.zeros(4, 2))
     assert torch.equal(follow_path(speed, torch.zeros(5, 2)), torch.zeros(3, 2))
+    broken = path.clone()
+    broken[1, 0] = float("nan")  # a non-finite plan stays non-finite (the output guard drops it), never "stand still"
+    assert not torch.isfinite(follow_path(speed, broken)).all()
     straight = torch.stack([torch.zeros(20), torch.arange(1.0, 21.0)], dim=-1)
     assert torch.allclose(follow_path(torch.tensor([[0.0, 5.0], [0.0, 30.0]]), straight),
                           torch.tensor([[0.0, 5.0], [0.0, 30.0]]))
@@ -182,6 +185,14 @@ def test_the_speed_path_read_out_plans_as_minddrive():
 
 
 def test_speed_path_config_errors():
+    with pytest.raises(ValueError, match="path_token_id must be a token id"):
+        _speed_path_cfg(readout={"type": "vae_speed_path", "path_points": 20})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['pathpoints'\]"):
+        _speed_path_cfg(readout={"type": "vae_speed_path", "path_token_id": 251, "pathpoints": 20})
+    with pytest.raises(ValueError, match="and the decision_token_ids"):
+        _speed_path_cfg(readout={"type": "vae_speed_path", "path_token_id": 23, "path_points": 20})
+    with pytest.raises(ValueError, match=r"path_points must be an integer in \[1, 200\]"):
+        _speed_path_cfg(readout={"type": "vae_speed_path", "path_token_id": 251, "path_points": 10**7})
     with pytest.raises(ValueError, match="path_token_id must be a token id"):
         _speed_path_cfg(readout={"type": "vae_speed_path", "path_token_id": 9999, "path_points": 20})
     with pytest.raises(ValueError, match="differ from planning_token_id"):

@@ -164,6 +164,12 @@ class VLAConfig:
             self.decision_token_ids = list(self.decision_token_ids)
         if isinstance(self.pass_adapters, tuple):
             self.pass_adapters = list(self.pass_adapters)
+        if isinstance(self.vision, dict) and self.vision.get("type") == "eva02":
+            from .eva02 import EVA02Config  # the fields a config leaves out take EVA02Config's (published) values
+
+            defaults = {k: v for k, v in EVA02Config().to_dict().items() if k not in self.vision}
+            defaults["image_size"] = self.vision.get("image_size", self.image_size)  # the model's side
+            self.vision = {**self.vision, **defaults}
         self.validate()
 
     def validate(self) -> None:
@@ -275,15 +281,20 @@ class VLAConfig:
             if isinstance(n, bool) or not isinstance(n, int) or n != self.n_waypoints:
                 return [f"readout.count must be n_waypoints ({self.n_waypoints}): one query token a waypoint step"]
             return [] if self.llm_passes == 1 else ["a queries read-out takes one LLM pass"]
+        known = {"vae": {"type"}, "vae_speed_path": {"type", "path_token_id", "path_points"}}
+        if kind in known and set(r) - known[kind]:
+            return [f"readout {kind} has unknown key(s) {sorted(set(r) - known[kind])} (it takes "
+                    f"{sorted(known[kind])})"]
         if kind == "vae_speed_path":
             problems = []
             tid, points = r.get("path_token_id"), r.get("path_points")
             if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < int(self.llm["vocab_size"]):
                 problems.append("readout.path_token_id must be a token id in the vocabulary (<path_waypoint_ego>)")
-            elif tid == self.planning_token_id:
-                problems.append("readout.path_token_id must differ from planning_token_id (<waypoint_ego>)")
-            if isinstance(points, bool) or not isinstance(points, int) or points < 1:
-                problems.append("readout.path_points must be a positive integer (20 published)")
+            elif tid == self.planning_token_id or tid in self.decision_token_ids:
+                problems.append("readout.path_token_id must differ from planning_token_id (<waypoint_ego>) and the "
+                                "decision_token_ids")
+            if isinstance(points, bool) or not isinstance(points, int) or not 1 <= points <= MAX_PATH_POINTS:
+                problems.append(f"readout.path_points must be an integer in [1, {MAX_PATH_POINTS}] (20 published)")
             if not self.decision_token_ids:
                 problems.append("a vae_speed_path read-out takes its speed mode from the decision: it needs "
                                 "decision_token_ids")
@@ -320,9 +331,10 @@ class VLAConfig:
     def readout_token_ids(self) -> list[int]:
         """The token ids that end the sequence (their final-norm states are read): the planning token, and with
         a ``vae_speed_path`` read-out MindDrive's ``<path_waypoint_ego>`` after it (``readout.path_token_id``)."""
-        if self.readout_type == "vae_speed_path":
-            return [self.planning_token_id, int(self.readout["path_token_id"])]
-        return [self.planning_token_id]
+        tid = self.readout.get("path_token_id") if isinstance(self.readout, dict) else None
+        if self.readout_type == "vae_speed_path" and isinstance(tid, int) and not isinstance(tid, bool):
+            return [self.planning_token_id, tid]
+        return [self.planning_token_id]  # (a vae_speed_path without a valid id is refused by _readout_problems)
 
     @property
     def query_count(self) -> int:
@@ -689,8 +701,10 @@ ORION_VOCAB, ORION_WAYPOINT_TOKEN_ID = 32001, 32000
 MINDDRIVE_META_ACTION_IDS = tuple(range(151646, 151653))
 MINDDRIVE_WAYPOINT_TOKEN_ID = 151659
 MINDDRIVE_PATH_WAYPOINT_TOKEN_ID = 151660
-#: MindDrive's path planner: 20 points about 1 m apart (the published fut_ps).
+#: MindDrive's path planner: 20 points about 1 m apart (the published fut_ps); at most MAX_PATH_POINTS (each is a
+#: step of its GRU roll-out).
 MINDDRIVE_PATH_POINTS = 20
+MAX_PATH_POINTS = 200
 
 
 def _qwen2(hidden: int, layers: int, heads: int, mlp: int) -> dict:

@@ -332,7 +332,8 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     planner, training_only = place_planner(tensors, parts, cfg, layout, store_dtype)
     own_extra.update(planner)
     _write_own(out, cfg, own_extra, store_dtype, seed, checkpoint, layout)
-    report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor, backbone)
+    report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor, backbone,
+                                bool(planner))
     report["placed"]["planner (present_distribution, predict_model, ego_fut_decoder -> head.*)"] = len(planner)
     report["left_out_training_only"] = _group(training_only)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
@@ -479,6 +480,10 @@ def place_backbone(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, sto
         else:
             continue
         parts.not_placed.remove(stored)
+    missing = sorted(set(own) - {k[len("vision."):] for k in placed.tensors})
+    if placed.tensors and missing:  # a part random part published backbone would run silently
+        raise CheckpointError(f"the checkpoint's EVA-02 backbone ({BACKBONE_PREFIX}*) lacks {len(missing)} of its "
+                              f"tensors, e.g. {[BACKBONE_PREFIX + n for n in missing[:3]]}")
     return placed
 
 
@@ -512,6 +517,15 @@ def place_planner(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, layo
         else:
             continue
         parts.not_placed.remove(stored)
+    if placed:  # all of the planner(s) or none: a part random part published planner would run silently
+        from .modeling import own_head
+
+        with torch.device("meta"):
+            wanted = {f"head.{k}" for k in own_head(cfg, cfg.hidden_size).state_dict()}
+        missing = sorted(wanted - set(placed))
+        if missing:
+            raise CheckpointError(f"the checkpoint's planner lacks {len(missing)} of the tensors the "
+                                  f"{cfg.readout_type} read-out needs, e.g. {missing[:3]} (as head.*)")
     return placed, left_out
 
 
@@ -593,7 +607,7 @@ def _write_own(out: Path, cfg, own_extra: dict, store_dtype: torch.dtype, seed: 
 
 
 def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _WrittenLLM, cfg, non_tensor,
-                       backbone: PlacedBackbone) -> dict:
+                       backbone: PlacedBackbone, planner_placed: bool = False) -> dict:
     """The conversion's report (``convert_report.json``): what was placed, merged and written, and every
     tensor not placed, by name, grouped by prefix."""
     ref, llm_keys, vocab, declared_vocab, merged = llm.ref, llm.keys, llm.vocab, llm.declared_vocab, llm.merged
@@ -616,9 +630,9 @@ def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _
         "non_tensor_entries": non_tensor,
         "derived_checked": {"img_backbone rotary tables (computed from the config, equal to the stored ones)":
                             len(backbone.checked)},
-        "stand_ins": (f"projector.*, ego_embed.*{'' if cfg.readout_type == 'vae' else ', head.*'} are this "
+        "stand_ins": (f"projector.*, ego_embed.*{'' if planner_placed else ', head.*'} are this "
                       f"package's random-init stand-ins ({cfg.preset} preset); the checkpoint's query heads"
-                      f"{'' if layout == 'orion' else ' and planners'} are not placed (listed in not_placed)"
+                      f"{'' if planner_placed else ' and planner(s)'} are not placed (listed in not_placed)"
                       + ("" if backbone.tensors else "; so is its vision backbone, which this config's vision side "
                          "does not take")),
     }

@@ -165,9 +165,12 @@ def follow_path(speed_xy: torch.Tensor, path_xy: torch.Tensor) -> torch.Tensor:
     geometry from ``path_xy`` (P, 2), a polyline from the origin, the timing from ``speed_xy`` (N, 2), the
     positions at steps of ``waypoint_dt_s``, whose cumulative step lengths are the distances travelled. Beyond the
     path's end the last segment is extended; a path of zero length gives the origin at every step (no geometry to
-    follow: stand still). float32, any frame (the same for both). This is this package's fusion: the published
-    agents give the path to a steering controller and the speed plan to a speed controller, never one
-    trajectory."""
+    follow: stand still); a non-finite plan gives non-finite positions (the output guard drops such a frame).
+    float32, any frame (the same for both). This is this package's fusion: the published agents give the path to
+    a steering controller and the speed plan to a speed controller, never one trajectory. Like their speed
+    controller, which takes its target speed from the norms of the speed plan's steps, the distance travelled is
+    the sum of the step lengths whatever their direction (a plan that jitters by centimetres creeps forward by
+    their sum)."""
     speed_xy, path_xy = speed_xy.float(), path_xy.float()
     origin = speed_xy.new_zeros(1, 2)
     travelled = torch.cat([origin, speed_xy]).diff(dim=0).norm(dim=-1).cumsum(0)  # (N,)
@@ -179,4 +182,4 @@ def follow_path(speed_xy: torch.Tensor, path_xy: torch.Tensor) -> torch.Tensor:
     frac = (travelled - start[j]) / seg_len[j].clamp_min(1e-9)
     frac = torch.where(j < seg.shape[0] - 1, frac.clamp(max=1.0), frac)  # only the last segment extends
     pos = points[j] + frac.unsqueeze(-1) * seg[j]
-    return torch.where(start[-1] > 0, pos, torch.zeros_like(pos))
+    return torch.where(start[-1] == 0, torch.zeros_like(pos), pos)  # non-finite plans stay non-finite (dropped)

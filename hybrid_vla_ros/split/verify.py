@@ -429,7 +429,7 @@ def format_report(report: VerifyReport) -> str:
              "   K |  prefix h_K |       final |   waypoints | verdict",
              "-----+-------------+-------------+-------------+--------"]
     lines += [format_row(r) for r in report.rows]
-    lines.append("  prefix: h_K (every token) vs the reference's hidden_states[K]; final: the planning (last) token's "
+    lines.append("  prefix: h_K (every token) vs the reference's hidden_states[K]; final: the last token's "
                  "final-norm hidden state; waypoints: the planning head's modes (- where the model has none)")
     n_bad = sum(not r.ok for r in report.rows)
     lines.append(f"{'OK' if report.ok else 'FAILED'}: {len(report.rows) - n_bad} of {len(report.rows)} split layers "

@@ -470,6 +470,11 @@ class CropResize:
         return stretch @ first @ k
 
 
+#: ``orion_crop`` refuses a camera whose first resize would exceed this many times the crop's area (an aspect ratio
+#: far from the crop's 2:1, e.g. 16:1: seconds of resizing and gigabytes for pixels that are cut away).
+MAX_CROP_RESIZE_AREA = 8
+
+
 def orion_crop_geometry(height: int, width: int, size: int) -> CropResize:
     """Where the ``orion_crop`` pipeline takes an S x S model image from a ``width`` x ``height`` camera.
 
@@ -477,15 +482,21 @@ def orion_crop_geometry(height: int, width: int, size: int) -> CropResize:
     ``final_dim`` (S/2, S) and ``bot_pct_lim`` (0, 0), then ``ResizeMultiview3D`` to (S, S)): scale
     r = max((S/2) / height, S / width); resized (int(width r), int(height r)); keep the centre S columns and the
     bottom S/2 rows. The published code computes r from a fixed 1600 x 900 and so resizes any other camera to
-    640 x 360; this takes the camera's own size (the same for 1600 x 900). Raises ValueError for sizes < 1 or an
-    odd S.
+    640 x 360; this takes the camera's own size (the same for 1600 x 900). Raises ValueError for sizes < 1, an
+    odd S, or an aspect ratio so far from 2:1 that the first resize would exceed MAX_CROP_RESIZE_AREA times the
+    crop.
     """
     if min(height, width, size) < 1 or size % 2:
         raise ValueError(f"orion_crop needs a positive camera size and an even model side, got {width}x{height}, "
                          f"S = {size}")
     fh, fw = size // 2, size
     scale = max(fh / height, fw / width)
-    new_w, new_h = int(width * scale), int(height * scale)
+    # int() as published; never below the crop (the product can round to S - 1 for some sizes, and Pillow would
+    # fill the missing row or column with black)
+    new_w, new_h = max(fw, int(width * scale)), max(fh, int(height * scale))
+    if new_w * new_h > MAX_CROP_RESIZE_AREA * fw * fh:
+        raise ValueError(f"a {width}x{height} camera is too far from 2:1 for orion_crop: its first resize would be "
+                         f"{new_w}x{new_h} px to keep a {fw}x{fh} crop")
     top = new_h - fh
     left = int(max(0, new_w - fw) / 2)
     return CropResize(scale, (new_w, new_h), (left, top, left + fw, top + fh), size)
@@ -559,7 +570,8 @@ def preprocess(
     Raises:
         ValueError: empty ``images``, an image that is not ``(H, W, 3)`` ``uint8``, ``size`` not an int > 0,
             non-finite mean/std or ``std <= 0`` (or 255 mean, 255 std or the normalised pixels not finite in float32),
-            ``out`` with the wrong shape or dtype, or an unknown ``resize``.
+            ``out`` with the wrong shape or dtype, an unknown ``resize``, or for ``orion_crop`` an odd ``size`` or a
+            camera :func:`orion_crop_geometry` refuses.
     """
     import torch
 
