@@ -36,6 +36,15 @@ class _Unused:
         raise AssertionError("the reference reached a stubbed class; build it with flash_attn=False")
 
 
+def _reference_file(*parts: str) -> Path:
+    """A file of the published reference code; skips the test, saying why, when ../shared is not beside the
+    checkout."""
+    path = REFERENCE.joinpath(*parts)
+    if not path.is_file():
+        pytest.skip(f"the published reference code is not at {REFERENCE} (../shared beside the checkout)")
+    return path
+
+
 def _stub(monkeypatch, name: str, **attrs) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__path__ = []  # a package, so that relative imports below it resolve
@@ -102,9 +111,7 @@ def load_pipeline(monkeypatch) -> types.ModuleType:
     ``mmcv.image`` (imresize, imnormalize: the arithmetic under test). Every other module it imports (datasets,
     boxes, tokenizer helpers, shapely, nuScenes devkit) is a stub where every name exists (_anything_module):
     the image transforms do not use them. Skips when ../shared/reference is not beside the checkout."""
-    path = REFERENCE / "mmcv" / "datasets" / "pipelines" / "transforms_3d.py"
-    if not path.is_file():
-        pytest.skip(f"the published reference code is not at {REFERENCE} (../shared beside the checkout)")
+    path = _reference_file("mmcv", "datasets", "pipelines", "transforms_3d.py")
     for name in ("mmcv", "mmcv.utils", "mmcv.parallel", "mmcv.core", "mmcv.core.voxel",
                  "mmcv.core.voxel.voxel_generator", "mmcv.core.bbox", "mmcv.core.bbox.structures",
                  "mmcv.core.bbox.structures.cam_box3d", "mmcv.core.bbox.structures.depth_box3d",
@@ -133,9 +140,7 @@ def load_eva_vit(monkeypatch) -> types.ModuleType:
     FlashMHA, unused with ``flash_attn=False``), ``scipy.interpolate`` (imported, unused). einops is the real
     library (requirements.txt). Skips, saying why, when ../shared/reference is not beside the checkout.
     """
-    path = REFERENCE / "mmcv" / "models" / "backbones" / "eva_vit.py"
-    if not path.is_file():
-        pytest.skip(f"the published reference code is not at {REFERENCE} (../shared beside the checkout)")
+    path = _reference_file("mmcv", "models", "backbones", "eva_vit.py")
     pytest.importorskip("einops", reason="einops (requirements.txt, tests only) is what the reference imports")
     for name in ("mmcv", "mmcv.models", "mmcv.models.backbones", "mmcv.models.utils"):
         _stub(monkeypatch, name)
@@ -154,9 +159,7 @@ def load_detector(monkeypatch) -> tuple[types.ModuleType, types.ModuleType]:
     wrappers, heads, CARLA / RL / diffusion tooling, registries) is a stub where every name exists
     (_anything_module); the planner methods do not reach them. Skips when ../shared/reference is not beside the
     checkout."""
-    path = REFERENCE / "mmcv" / "models" / "detectors" / "minddrive.py"
-    if not path.is_file():
-        pytest.skip(f"the published reference code is not at {REFERENCE} (../shared beside the checkout)")
+    path = _reference_file("mmcv", "models", "detectors", "minddrive.py")
     for name in ("mmcv", "mmcv.utils", "mmcv.utils.llava_llama", "mmcv.core", "mmcv.models",
                  "mmcv.models.builder", "mmcv.models.bricks", "mmcv.models.detectors",
                  "mmcv.models.detectors.mvx_two_stage", "mmcv.models.utils.grid_mask",

@@ -182,6 +182,7 @@ class EVA02SwiGLU(nn.Module):
         self.w3 = nn.Linear(m, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., D), in the parameters' dtype."""
         return self.w3(self.ffn_ln(F.silu(self.w1(x)) * self.w2(x)))
 
 

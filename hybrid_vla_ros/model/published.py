@@ -329,13 +329,13 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
                                      decision_token_ids, store_dtype, out)
     backbone = place_backbone(tensors, parts, cfg, store_dtype)
     own_extra.update(backbone.tensors)
-    planner, training_only = place_planner(tensors, parts, cfg, layout, store_dtype)
-    own_extra.update(planner)
+    planner = place_planner(tensors, parts, cfg, layout, store_dtype)
+    own_extra.update(planner.tensors)
     _write_own(out, cfg, own_extra, store_dtype, seed, checkpoint, layout)
     report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor, backbone,
-                                bool(planner))
-    report["placed"]["planner (present_distribution, predict_model, ego_fut_decoder -> head.*)"] = len(planner)
-    report["left_out_training_only"] = _group(training_only)
+                                bool(planner.tensors))
+    report["placed"]["planner (present_distribution, predict_model, ego_fut_decoder -> head.*)"] = len(planner.tensors)
+    report["left_out_training_only"] = _group(planner.training_only)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     open_checkpoint(out)  # opens (the referred llm/ consistent) before success is reported
     return report
@@ -492,41 +492,51 @@ def place_backbone(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, sto
 PLANNER_MODULES = ("present_distribution", "predict_model", "ego_fut_decoder")
 
 
+@dataclass
+class PlacedPlanner:
+    """The published planner(s) as placed: ``tensors`` (``head.<name>`` -> tensor, in the store dtype) and
+    ``training_only`` (stored names left out on purpose: the VAE's posterior)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    training_only: list[str] = field(default_factory=list)
+
+
 def place_planner(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, layout: str,
-                  store_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
+                  store_dtype: torch.dtype) -> PlacedPlanner:
     """Orion's VAE planner (``present_distribution.*``, ``predict_model.*``, ``ego_fut_decoder.*``) into the
     ``vae`` read-out's ``head.*``, one to one, when the config's read-out is ``vae`` and the layout is Orion's;
     MindDrive's speed planner (the same names) into ``head.speed.*`` and its path planner (``pw_`` + the same
-    names) into ``head.path.*`` with the ``vae_speed_path`` read-out. Returns (``head.<name>`` -> tensor in the store
-    dtype, the stored names left out on purpose as training-only: the VAE's posterior ``future_distribution.*`` /
-    ``pw_future_distribution.*``, see vae_planner.TRAINING_ONLY). Both leave ``parts.not_placed``."""
+    names) into ``head.path.*`` with the ``vae_speed_path`` read-out. Returns a :class:`PlacedPlanner` (its
+    ``training_only``: the VAE's posterior ``future_distribution.*`` / ``pw_future_distribution.*``, see
+    vae_planner.TRAINING_ONLY); both kinds leave ``parts.not_placed``. Raises CheckpointError for a planner only
+    partly in the checkpoint."""
     from .vae_planner import TRAINING_ONLY
 
-    placed, left_out = {}, []
+    placed = PlacedPlanner()
     two = layout == "minddrive" and cfg.readout_type == "vae_speed_path"
     for stored in list(parts.not_placed):
         top = stored.split(".", 1)[0]
         if top in TRAINING_ONLY:
-            left_out.append(stored)
+            placed.training_only.append(stored)
         elif top in PLANNER_MODULES and layout == "orion" and cfg.readout_type == "vae":
-            placed[f"head.{stored}"] = tensors[stored].to(store_dtype).contiguous()
+            placed.tensors[f"head.{stored}"] = tensors[stored].to(store_dtype).contiguous()
         elif top in PLANNER_MODULES and two:  # MindDrive's speed planner
-            placed[f"head.speed.{stored}"] = tensors[stored].to(store_dtype).contiguous()
+            placed.tensors[f"head.speed.{stored}"] = tensors[stored].to(store_dtype).contiguous()
         elif top.startswith("pw_") and top[3:] in PLANNER_MODULES and two:  # and its path planner
-            placed[f"head.path.{stored[3:]}"] = tensors[stored].to(store_dtype).contiguous()
+            placed.tensors[f"head.path.{stored[3:]}"] = tensors[stored].to(store_dtype).contiguous()
         else:
             continue
         parts.not_placed.remove(stored)
-    if placed:  # all of the planner(s) or none: a part random part published planner would run silently
+    if placed.tensors:  # all of the planner(s) or none: a part random part published planner would run silently
         from .modeling import own_head
 
         with torch.device("meta"):
             wanted = {f"head.{k}" for k in own_head(cfg, cfg.hidden_size).state_dict()}
-        missing = sorted(wanted - set(placed))
+        missing = sorted(wanted - set(placed.tensors))
         if missing:
             raise CheckpointError(f"the checkpoint's planner lacks {len(missing)} of the tensors the "
                                   f"{cfg.readout_type} read-out needs, e.g. {missing[:3]} (as head.*)")
-    return placed, left_out
+    return placed
 
 
 def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, preset_name, overrides, waypoint_token_id,

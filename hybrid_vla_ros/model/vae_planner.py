@@ -39,6 +39,7 @@ class DistributionEncoder(nn.Module):
         self.conv3 = nn.Conv1d(2 * width, width // 2, kernel_size=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, D, 1) -> (B, D/2, 1), in the parameters' dtype."""
         return self.conv3(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
 
 
@@ -109,6 +110,7 @@ class VAEPlanner(nn.Module):
         return self.present_distribution(h)
 
     def forward(self, h: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """See the class docstring: (H,) / (B, H) -> float32 (M, N, 2) / (B, M, N, 2) metres."""
         single = h.dim() == 1
         state = h.unsqueeze(0) if single else h
         state = state.to(self.ego_fut_decoder[0].weight.dtype)
