@@ -15,6 +15,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "minddrive"
 
@@ -187,3 +188,85 @@ def load_detector(monkeypatch) -> tuple[types.ModuleType, types.ModuleType]:
     _exec_file(monkeypatch, "mmcv.models.utils.transformer",
                REFERENCE / "mmcv" / "models" / "utils" / "transformer.py")
     return _exec_file(monkeypatch, "mmcv.models.detectors.minddrive", path), distributions
+
+
+class _Loss:
+    """Stands for a built loss: the heads read only ``use_sigmoid`` of their class loss (the published configs:
+    focal loss on sigmoids)."""
+
+    use_sigmoid = True
+
+
+class _HeadBase(torch.nn.Module):
+    """Stands for mmdet's ``AnchorFreeHead``: the query heads call its constructor only for nn.Module's set-up
+    (their layers are their own, built in their ``_init_layers``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+def _sdpa_flash_attention(self, q, kv, causal=False, key_padding_mask=None):
+    """The published ``FlashAttention.forward`` (flash-attn's varlen kernel, CUDA fp16 only) computed with torch's
+    scaled-dot-product attention in the inputs' dtype: q (B, T, H, D), kv (B, S, 2, H, D), ``key_padding_mask``
+    (B, S) True = keep, scale 1 / sqrt(D) (the kernel's default). Returns ((B, T, H, D), None) as the original."""
+    k, v = kv.unbind(dim=2)
+    mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           attn_mask=mask, is_causal=causal)
+    return out.transpose(1, 2), None
+
+
+def load_query_heads(monkeypatch) -> tuple[types.ModuleType, types.ModuleType]:
+    """(minddrive_head, minddrive_head_map): the reference's detection head ``MinddriveHead`` and map head
+    ``MinddriveHeadM`` with their real transformer (mmcv/models/utils/petr_transformers.py), attention modules
+    (attention.py: ``FlashMHA`` with its real projections, its flash-attn kernel call replaced by
+    :func:`_sdpa_flash_attention`, the same arithmetic in fp32 on a CPU), positional encodings, ``MLN``,
+    ``topk_gather``, ``memory_refresh``, ``transform_reference_points(_lane)`` and ``inverse_sigmoid``.
+
+    Stubs: the registries (``build_transformer`` builds the real class its config names), ``AnchorFreeHead``
+    (:class:`_HeadBase`), ``build_loss`` (:class:`_Loss`), ``build_bbox_coder`` (an object with the config's
+    ``pc_range``), ``mmcv.models.bricks.Linear`` (= nn.Linear, as mmcv's is for these shapes), initialisers
+    (the tests draw every weight themselves), and the box / NMS / assigner modules the inference path does not
+    reach. Skips when ../shared/reference is not beside the checkout or einops is missing."""
+    heads = _reference_file("mmcv", "models", "dense_heads", "minddrive_head.py")
+    pytest.importorskip("einops", reason="einops (requirements.txt, tests only) is what the reference imports")
+    root = REFERENCE / "mmcv"
+    load_detector(monkeypatch)  # the real misc.py (MLN, topk_gather, ...) and transformer.py (inverse_sigmoid)
+    identity_decorator = lambda *a, **k: (lambda f: f)  # noqa: E731 - auto_fp16 / force_fp32: precision casts
+    utils = sys.modules["mmcv.utils"]
+    utils.auto_fp16 = utils.force_fp32 = identity_decorator
+    _stub(monkeypatch, "flash_attn")
+    _stub(monkeypatch, "flash_attn.flash_attn_interface", flash_attn_varlen_kvpacked_func=_Unused)
+    _stub(monkeypatch, "flash_attn.bert_padding", unpad_input=_Unused, pad_input=_Unused, index_first_axis=_Unused)
+    attention = _exec_file(monkeypatch, "mmcv.models.utils.attention", root / "models" / "utils" / "attention.py")
+    monkeypatch.setattr(attention.FlashAttention, "forward", _sdpa_flash_attention)
+    petr = _exec_file(monkeypatch, "mmcv.models.utils.petr_transformers",
+                      root / "models" / "utils" / "petr_transformers.py")
+    positional = _exec_file(monkeypatch, "mmcv.models.utils.positional_encoding",
+                            root / "models" / "utils" / "positional_encoding.py")
+
+    def build_transformer(cfg):
+        cfg = dict(cfg)
+        return getattr(petr, cfg.pop("type"))(**cfg)
+
+    models_utils = sys.modules["mmcv.models.utils"]
+    models_utils.build_transformer = build_transformer
+    models_utils.xavier_init = lambda *a, **k: None
+    models_utils.bias_init_with_prob = lambda p: 0.0
+    models_utils.NormedLinear = _Unused
+    sys.modules["mmcv.models.bricks"].Linear = torch.nn.Linear
+    models = sys.modules["mmcv.models"]
+    models.HEADS = _Registry()
+    models.build_loss = lambda cfg: _Loss()
+    _stub(monkeypatch, "mmcv.models.dense_heads.anchor_free_head", AnchorFreeHead=_HeadBase)
+    for name in ("mmcv.core.utils", "mmcv.core.utils.dist_utils", "mmcv.core.utils.misc", "mmcv.core.bbox",
+                 "mmcv.core.bbox.util", "mmcv.core.bbox.assigners", "mmcv.core.bbox.structures",
+                 "mmcv.core.bbox.structures.box_3d_mode", "mmcv.ops.iou3d_det", "mmcv.models.utils.functional",
+                 "torchvision", "torchvision.transforms", "torchvision.transforms.functional"):
+        _anything_module(monkeypatch, name)
+    sys.modules["mmcv.core.bbox"].build_bbox_coder = lambda cfg: types.SimpleNamespace(pc_range=cfg["pc_range"])
+    sys.modules["mmcv.models.utils.positional_encoding"] = positional
+    detection = _exec_file(monkeypatch, "mmcv.models.dense_heads.minddrive_head", heads)
+    lanes = _exec_file(monkeypatch, "mmcv.models.dense_heads.minddrive_head_map",
+                       root / "models" / "dense_heads" / "minddrive_head_map.py")
+    return detection, lanes

@@ -378,6 +378,22 @@ def test_suffix_sigkill_prefix_keeps_going_and_restarted_suffix_resumes(rig):
     assert rig.close() == [0, 0], rig.logs()
 
 
+def test_a_node_that_crashes_natively_leaves_every_threads_python_stack_in_its_log(rig):
+    # a native crash (here a SIGSEGV sent from outside, as a fault in torch or a driver would raise it) must not
+    # leave an empty log: the node prints where each of its threads was (faulthandler, enabled at start-up)
+    rig.launch("suffix")
+    rig.wait_ready("suffix")
+    proc = rig.procs["suffix"]
+    os.kill(proc.pid, signal.SIGSEGV)
+    assert proc.wait(20) == -signal.SIGSEGV
+    log = (rig.tmp / "suffix.1.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in log, log
+    stack = log[log.index("Fatal Python error"):]
+    # the main thread waits in node_base.spin, the executor thread runs the rclpy executor: both are listed
+    assert "node_base.py" in stack and "executors.py" in stack, stack
+    assert "Current thread 0x" in stack and "\nThread 0x" in stack, stack
+
+
 def test_prefix_sigkill_restart_replaces_segment_and_suffix_reattaches(rig):
     rig.launch("prefix")
     rig.launch("suffix")

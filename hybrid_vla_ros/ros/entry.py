@@ -7,6 +7,7 @@ OpenCV, rclpy) is imported after that.
 """
 from __future__ import annotations
 
+import faulthandler
 import sys
 
 from ..util.cores import pin_then_import
@@ -23,11 +24,14 @@ def run_pinned(node_name: str, node_module: str, node_class: str, args: list[str
     Ends with the parent process when started by ``hybrid-vla replay`` (``util.process.exit_with_parent``),
     pins the process to ``cpu_affinity`` from the command line or a params file (``-p`` or ``--params-file``,
     launch_ros' files included; every thread and the thread-count variables), then imports the node module and
-    runs the node (``node_base.run_node``, which does not return after a spin). Returns 2, with one line
+    runs the node (``node_base.run_node``, which does not return after a spin). A fatal signal (SIGSEGV, SIGBUS,
+    SIGABRT, SIGFPE, SIGILL) prints the Python stack of every thread to stderr (``faulthandler``), so a native
+    crash leaves in the node's log where each thread was. Returns 2, with one line
     '<node_name>: <why>' on stderr, when ``cpu_affinity`` or the other parameters cannot be read or the cores
     cannot be used (the ValueError of ``pin_then_import``); else the node's exit code (0 after a clean
     SIGINT / SIGTERM shutdown)."""
     argv = args if args is not None else sys.argv
+    faulthandler.enable(all_threads=True)
     exit_with_parent()
     try:
         early, module = pin_then_import(lambda: cpu_affinity_from_ros_args(argv, node_name), node_module)

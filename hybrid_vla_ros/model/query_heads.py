@@ -1,0 +1,811 @@
+"""The query heads of Orion and MindDrive: how the camera features become the LLM's scene tokens, with a memory of
+earlier frames moved by the ego motion.
+
+Two heads read the same image features (the backbone's (C, Dv, h, w) maps, camera-major then row-major) with the
+3-D position embedding of each feature (:mod:`.camera_rays`):
+
+* the **map head** (published ``map_head``): ``num_extra`` learned "extra" queries and ``num_lane`` lane queries
+  (each lane ``n_control`` points) attend to one another, to the lanes kept from earlier frames and to the image
+  features; the extra queries' outputs, projected to the LLM width, are the map tokens (256 in MindDrive);
+* the **detection head** (published ``pts_bbox_head``): ``num_extra`` extra queries, ``num_query`` object queries
+  and the ``num_propagated`` newest objects of the memory as further queries, the older objects as keys; its
+  extra queries' outputs, then (MindDrive) ``num_memory`` scene-history queries that read the extra queries of the
+  last 16 frames, then one can-bus token (the command, the vehicle's motion state and that of the two earlier
+  frames, and the mean pose of each frame's remembered objects), all projected to the LLM width, are the object
+  tokens (256 + 16 + 1 = 273 in MindDrive; Orion has no scene history: 257).
+
+Scene tokens = object tokens then map tokens: (273 + 256 = 529, D) for MindDrive, 513 for Orion.
+
+Sources: Wang et al., 2023, "Exploring Object-Centric Temporal Modeling for Efficient Multi-View 3D Object
+Detection" (StreamPETR: the decoder layer of self-attention over the queries and the memory, LayerNorm,
+cross-attention to the image features with their 3-D position embedding, LayerNorm, FFN, LayerNorm; the memory
+queue of the top-k queries of each frame, moved into the current frame by the ego motion; the motion-aware layer
+normalisation of the memory positions); Mildenhall et al., 2020 (NeRF's sin / cos encoding at frequencies
+2^0 .. 2^5); Fu et al., 2025 (Orion: the extra queries and the can-bus token as LLM tokens); the published code
+(MindDrive's ``MinddriveHead`` / ``MinddriveHeadM``, its inference config) for the sizes, the attention masks,
+the order of the memory updates and the parameter names, which are kept so a converted checkpoint loads one to
+one (the converter folds the published six copies of each shared branch into one module, see below).
+
+What is left out, on purpose, and why:
+* the per-layer box and lane outputs of levels 0 .. 4, the traffic-light branch and the motion-prediction branch
+  (``motion_decoder``, ``motion_map_decoder``, ``lane_encoder``, ``traj_branches``, ...): the published test
+  computes them but they feed neither the tokens nor the memory. Only the last level's class scores and boxes /
+  lanes are computed, because the memory keeps the best-scored queries at their predicted positions;
+* the objects' velocities (``memory_velo``): kept by the published memory but read by nothing at inference;
+* denoising queries, losses, assigners: training only.
+
+Memory arithmetic: the published code keeps the memory's poses, points and can-bus positions in float32 global
+coordinates; here they are float64 (:class:`ObjectMemory`, :class:`MapMemory`), so a vehicle in a map frame
+hundreds of kilometres from its origin (UTM) keeps centimetre resolution where float32 rounds to metres. The
+networks run in their parameters' dtype. The published memory is reset when the frame is 2 s or more from the
+last one or the scene changes; here also when time goes backwards or does not advance (a bag loop, a replayed
+frame), and by :meth:`QueryHeads.reset`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from .camera_rays import CameraRayEmbedding, RayEmbeddingConfig, inverse_sigmoid
+
+#: The published detection range of the heads, metres, model frame: (x_min, y_min, z_min, x_max, y_max, z_max).
+PC_RANGE = (-51.2, -51.2, -5.0, 51.2, 51.2, 3.0)
+#: Entries of the published can-bus vector: translation (3), rotation quaternion (4), velocity (3),
+#: acceleration (3), angular rate (3), yaw in radians, yaw in degrees.
+CAN_BUS_SIZE = 18
+#: NeRF encoding frequencies 2^0 .. 2^(n - 1) (the published ``nerf_positional_encoding`` default).
+NERF_FREQUENCIES = 6
+#: The published memory validity window, seconds: a frame this far from the last one resets the memory.
+MEMORY_MAX_GAP_S = 2.0
+
+
+@dataclass(frozen=True)
+class QueryHeadsConfig:
+    """Shapes of both heads. Defaults are MindDrive-0.5B's published inference config with the LLM width to set.
+
+    ``embed_dims`` E: the heads' width; ``in_channels``: the backbone width; ``out_dims`` D: the LLM width;
+    ``num_layers`` / ``num_heads`` / ``feedforward_dims``: each head's decoder; ``num_extra``: extra queries (LLM
+    tokens) per head; ``n_control``: points per lane (and the repeat of an object's centre in its position
+    encoding); detection: ``num_query`` object queries, ``memory_len`` remembered objects, ``topk_proposals``
+    objects kept per frame, ``num_propagated`` newest remembered objects used as queries, ``num_classes`` /
+    ``code_size`` (box vector: centre 3, size 3, yaw 2, velocity 2), ``can_bus_len`` earlier can-bus vectors,
+    ``num_memory`` scene-history queries (0: none, Orion), ``scene_memory_len`` remembered history entries,
+    ``memory_ffn_dims`` their decoders' FFN width; map: ``num_lane`` lane queries of which the first
+    ``num_lanes_one2one`` are the one-to-one group (the rest only train), ``map_memory_len`` / ``map_topk``
+    remembered and kept lanes, ``map_classes``; ``with_mask``: the object / lane queries cannot see the extra
+    queries (published: True); ``pc_range``: the boxes' and lanes' range (:data:`PC_RANGE`)."""
+
+    embed_dims: int = 256
+    in_channels: int = 1024
+    out_dims: int = 896
+    num_layers: int = 6
+    num_heads: int = 8
+    feedforward_dims: int = 2048
+    num_extra: int = 256
+    n_control: int = 11
+    num_query: int = 600
+    memory_len: int = 600
+    topk_proposals: int = 300
+    num_propagated: int = 300
+    num_classes: int = 9
+    code_size: int = 10
+    can_bus_len: int = 2
+    num_memory: int = 16
+    scene_memory_len: int = 256
+    memory_ffn_dims: int = 512
+    num_lane: int = 1800
+    num_lanes_one2one: int = 300
+    map_memory_len: int = 600
+    map_topk: int = 300
+    map_classes: int = 6
+    with_mask: bool = True
+    pc_range: tuple[float, ...] = PC_RANGE
+
+    @classmethod
+    def from_dict(cls, d: dict, **overrides) -> "QueryHeadsConfig":
+        """From a model config's ``projector`` dict (unknown keys are ignored; missing ones take the published
+        values); ``overrides`` (e.g. ``out_dims``, ``in_channels``) win. Raises ValueError for inconsistent
+        sizes (:meth:`problems`)."""
+        names = {f.name for f in fields(cls)}
+        values = {k: (tuple(v) if k == "pc_range" else v) for k, v in d.items() if k in names}
+        cfg = cls(**{**values, **overrides})
+        problems = cfg.problems()
+        if problems:
+            raise ValueError("query heads: " + "; ".join(problems))
+        return cfg
+
+    def problems(self) -> list[str]:
+        """What makes these sizes unusable, one line each (empty when fine)."""
+        out = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name not in ("with_mask", "pc_range", "num_memory", "num_propagated") and (
+                    not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                out.append(f"{f.name} must be a positive integer, got {v!r}")
+        if out:
+            return out
+        if self.embed_dims % self.num_heads:
+            out.append("num_heads must divide embed_dims")
+        if self.memory_len % self.topk_proposals or self.memory_len // self.topk_proposals > 8:
+            out.append("memory_len must be a small multiple of topk_proposals (the can-bus token takes the mean "
+                       "pose of each frame's objects)")
+        if not 0 <= self.num_propagated <= self.topk_proposals:
+            out.append("num_propagated must be in [0, topk_proposals]")
+        if self.topk_proposals > self.num_query + self.num_propagated:
+            out.append("topk_proposals must not exceed num_query + num_propagated")
+        if self.num_memory < 0 or (self.num_memory and self.scene_memory_len % self.num_memory):
+            out.append("scene_memory_len must be a multiple of num_memory (0: no scene history)")
+        if not 0 < self.num_lanes_one2one <= self.num_lane or self.map_topk > self.num_lanes_one2one:
+            out.append("need 0 < map_topk <= num_lanes_one2one <= num_lane")
+        if len(self.pc_range) != 6 or any(hi <= lo for lo, hi in zip(self.pc_range[:3], self.pc_range[3:])):
+            out.append("pc_range must be (x_min, y_min, z_min, x_max, y_max, z_max) with each max above its min")
+        return out
+
+    @property
+    def can_bus_input(self) -> int:
+        """Width of the can-bus token's input: (1 + can_bus_len) x (command + 18 can-bus entries) + 16 per
+        remembered frame of objects (their mean 4 x 4 pose): 89 in the published model."""
+        return (1 + self.can_bus_len) * (1 + CAN_BUS_SIZE) + 16 * (self.memory_len // self.topk_proposals)
+
+    @property
+    def object_tokens(self) -> int:
+        """Object tokens: extra queries, scene-history queries, the can-bus token (273 MindDrive, 257 Orion)."""
+        return self.num_extra + self.num_memory + 1
+
+    @property
+    def scene_tokens(self) -> int:
+        """All scene tokens: object tokens then map tokens (529 MindDrive, 513 Orion)."""
+        return self.object_tokens + self.num_extra
+
+
+# ---------------------------------------------------------------------------------------------- encodings
+def nerf_encoding(x: torch.Tensor, frequencies: int = NERF_FREQUENCIES) -> torch.Tensor:
+    """(..., k) -> (..., 2 k ``frequencies``): for f = 2^0 .. 2^(n-1), [sin(f x), cos(f x)] concatenated, input
+    not included (NeRF's encoding as the published ``nerf_positional_encoding`` orders it). Same dtype."""
+    bands = 2.0 ** torch.linspace(0.0, frequencies - 1, frequencies, dtype=x.dtype, device=x.device)
+    return torch.cat([fn(x * f) for f in bands for fn in (torch.sin, torch.cos)], dim=-1)
+
+
+def time_encoding(t: torch.Tensor, dims: int = 256, temperature: float = 10000.0) -> torch.Tensor:
+    """(..., 1) times (seconds) -> (..., ``dims``): the transformer sine encoding of 2 pi t, sin at even and cos at
+    odd features with wavelengths temperature^(2 floor(i / 2) / dims) (the published ``pos2posemb1d``). The
+    result has t's dtype (float64 times stay float64 here and are cast by the caller, as published)."""
+    i = torch.arange(dims, dtype=torch.float32, device=t.device)
+    dim_t = temperature ** (2 * torch.div(i, 2, rounding_mode="floor") / dims)
+    x = (t * (2 * math.pi))[..., 0, None] / dim_t
+    return torch.stack((x[..., 0::2].sin(), x[..., 1::2].cos()), dim=-1).flatten(-2)
+
+
+class MotionLayerNorm(nn.Module):
+    """Layer normalisation (no affine) whose scale and shift come from a condition (StreamPETR's motion-aware
+    layer norm; published ``MLN``): ``gamma(c) * LN(x) + beta(c)`` with c = ReLU(Linear(c_dim, E)) ``reduce``.
+    x (..., E), c (..., c_dim) -> (..., E)."""
+
+    def __init__(self, c_dim: int, f_dim: int):
+        super().__init__()
+        self.reduce = nn.Sequential(nn.Linear(c_dim, f_dim), nn.ReLU())
+        self.gamma = nn.Linear(f_dim, f_dim)
+        self.beta = nn.Linear(f_dim, f_dim)
+        self.ln = nn.LayerNorm(f_dim, elementwise_affine=False)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        c = self.reduce(c)
+        return self.gamma(c) * self.ln(x) + self.beta(c)
+
+
+# ---------------------------------------------------------------------------------------------- decoders
+class PosAttention(nn.Module):
+    """Attention with positions added to queries and keys (not values) and a residual: ``attn(q + q_pos,
+    k + k_pos, k) + q``. ``attn`` is torch's ``nn.MultiheadAttention`` (batch first; ``bias`` False for the
+    published scene-history decoders, whose flash-attention modules have no biases). ``mask``: bool
+    (queries, keys), True = not attended. (B, Q, E), (B, K, E) -> (B, Q, E)."""
+
+    def __init__(self, embed_dims: int, num_heads: int, bias: bool = True):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(embed_dims, num_heads, bias=bias, batch_first=True)
+
+    def forward(self, query, key, query_pos=None, key_pos=None, mask=None) -> torch.Tensor:
+        q = query if query_pos is None else query + query_pos
+        k = key if key_pos is None else key + key_pos
+        out, _ = self.attn(q, k, key, attn_mask=mask, need_weights=False)
+        return out + query
+
+
+class FFN(nn.Module):
+    """Linear(E, F), ReLU, Linear(F, E) with a residual; ``_layers`` indexes 0 and 3 as published (the dropouts
+    between are identities at inference)."""
+
+    def __init__(self, embed_dims: int, feedforward_dims: int):
+        super().__init__()
+        self._layers = nn.Sequential(nn.Linear(embed_dims, feedforward_dims), nn.ReLU(), nn.Identity(),
+                                     nn.Linear(feedforward_dims, embed_dims), nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._layers(x) + x
+
+
+class TemporalDecoderLayer(nn.Module):
+    """StreamPETR's decoder layer, post-norm: self-attention of the queries over [queries; memory] (with the
+    mask), LayerNorm, cross-attention to the image features, LayerNorm, FFN, LayerNorm. ``transformer_layers``
+    holds the six parts in that order, as published."""
+
+    def __init__(self, embed_dims: int, num_heads: int, feedforward_dims: int):
+        super().__init__()
+        self.transformer_layers = nn.ModuleList([
+            PosAttention(embed_dims, num_heads), nn.LayerNorm(embed_dims), PosAttention(embed_dims, num_heads),
+            nn.LayerNorm(embed_dims), FFN(embed_dims, feedforward_dims), nn.LayerNorm(embed_dims)])
+
+    def forward(self, query, query_pos, feats, feats_pos, mask, temp_memory, temp_pos) -> torch.Tensor:
+        self_attn, norm1, cross_attn, norm2, ffn, norm3 = self.transformer_layers
+        keys = torch.cat([query, temp_memory], dim=1)
+        keys_pos = torch.cat([query_pos, temp_pos], dim=1)
+        query = norm1(self_attn(query, keys, query_pos, keys_pos, mask))
+        query = norm2(cross_attn(query, feats, query_pos, feats_pos))
+        return norm3(ffn(query))
+
+
+class _Decoder(nn.Module):
+    """``_layers`` of :class:`TemporalDecoderLayer`; returns the last layer's queries (only it is read at
+    inference)."""
+
+    def __init__(self, cfg: QueryHeadsConfig):
+        super().__init__()
+        self._layers = nn.ModuleList(TemporalDecoderLayer(cfg.embed_dims, cfg.num_heads, cfg.feedforward_dims)
+                                     for _ in range(cfg.num_layers))
+
+    def forward(self, query, *args) -> torch.Tensor:
+        for layer in self._layers:
+            query = layer(query, *args)
+        return query
+
+
+class TemporalTransformer(nn.Module):
+    """The published ``transformer`` wrapper: its one child ``query_decoder``."""
+
+    def __init__(self, cfg: QueryHeadsConfig):
+        super().__init__()
+        self.query_decoder = _Decoder(cfg)
+
+    def forward(self, query, query_pos, feats, feats_pos, mask, temp_memory, temp_pos) -> torch.Tensor:
+        """(B, Q, E) queries and positions, (B, N, E) image features and positions, bool (Q, Q + M) mask or
+        None, (B, M, E) memory and positions -> (B, Q, E) the last layer's queries."""
+        return self.query_decoder(query, query_pos, feats, feats_pos, mask, temp_memory, temp_pos)
+
+
+class CrossDecoderLayer(nn.Module):
+    """One cross-attention layer without biases, post-norm (the published scene-history decoders): attention
+    (with positions), LayerNorm, FFN, LayerNorm."""
+
+    def __init__(self, embed_dims: int, num_heads: int, feedforward_dims: int):
+        super().__init__()
+        self.transformer_layers = nn.ModuleList([
+            PosAttention(embed_dims, num_heads, bias=False), nn.LayerNorm(embed_dims),
+            FFN(embed_dims, feedforward_dims), nn.LayerNorm(embed_dims)])
+
+    def forward(self, query, key, query_pos=None, key_pos=None) -> torch.Tensor:
+        attn, norm1, ffn, norm2 = self.transformer_layers
+        return norm2(ffn(norm1(attn(query, key, query_pos, key_pos))))
+
+
+class CrossDecoder(nn.Module):
+    """``_layers`` of one :class:`CrossDecoderLayer` (published ``memory_decoder_cq`` / ``_mq``)."""
+
+    def __init__(self, cfg: QueryHeadsConfig):
+        super().__init__()
+        self._layers = nn.ModuleList([CrossDecoderLayer(cfg.embed_dims, cfg.num_heads, cfg.memory_ffn_dims)])
+
+    def forward(self, query, key, query_pos=None, key_pos=None) -> torch.Tensor:
+        for layer in self._layers:
+            query = layer(query, key, query_pos, key_pos)
+        return query
+
+
+def _class_branch(e: int, out: int) -> nn.Sequential:
+    """Linear, LayerNorm, ReLU twice, then Linear(E, out): indexes 0, 1, 3, 4, 6 as published."""
+    return nn.Sequential(nn.Linear(e, e), nn.LayerNorm(e), nn.ReLU(), nn.Linear(e, e), nn.LayerNorm(e), nn.ReLU(),
+                         nn.Linear(e, out))
+
+
+def _regression_branch(e: int, out: int) -> nn.Sequential:
+    """Linear, ReLU twice, then Linear(E, out): indexes 0, 2, 4 as published."""
+    return nn.Sequential(nn.Linear(e, e), nn.ReLU(), nn.Linear(e, e), nn.ReLU(), nn.Linear(e, out))
+
+
+# ---------------------------------------------------------------------------------------------- frame inputs
+@dataclass(frozen=True)
+class EgoFrame:
+    """What the heads need of one frame besides the images.
+
+    ``timestamp``: the frame's camera stamp, seconds (float, kept as float64); ``ego_pose``: (4, 4) float64 pose
+    of the model frame in a fixed world frame (the odometry's), metres (published ``ego_pose``, "lidar to
+    global"); ``can_bus``: (18,) float64 in the published order (:data:`CAN_BUS_SIZE`): world translation (3),
+    rotation quaternion w, x, y, z (4), velocity (3, m/s), acceleration (3, m/s^2), angular rate (3, rad/s),
+    yaw (rad), yaw (deg); ``command``: the navigation command index 0 .. 5 (published ``command``)."""
+
+    timestamp: float
+    ego_pose: torch.Tensor
+    can_bus: torch.Tensor
+    command: int
+
+    def check(self) -> None:
+        """Raise ValueError unless the shapes are (4, 4) / (18,), every value finite, the pose's last row
+        (0, 0, 0, 1) and the command in 0 .. 5."""
+        if not math.isfinite(self.timestamp):
+            raise ValueError(f"timestamp {self.timestamp} is not finite")
+        if tuple(self.ego_pose.shape) != (4, 4) or not torch.isfinite(self.ego_pose).all():
+            raise ValueError(f"ego_pose must be a finite (4, 4) matrix, got shape {tuple(self.ego_pose.shape)}")
+        last = self.ego_pose[3].to(torch.float64)
+        if not torch.allclose(last, torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)):
+            raise ValueError(f"ego_pose's last row must be (0, 0, 0, 1), got {last.tolist()}")
+        if tuple(self.can_bus.shape) != (CAN_BUS_SIZE,) or not torch.isfinite(self.can_bus).all():
+            raise ValueError(f"can_bus must be {CAN_BUS_SIZE} finite values, got shape {tuple(self.can_bus.shape)}")
+        if not 0 <= int(self.command) <= 5:
+            raise ValueError(f"command {self.command} is not a navigation command index 0 .. 5")
+
+
+@dataclass
+class ObjectMemory:
+    """The detection head's memory (batch 1), newest first. float64 unless noted.
+
+    ``embedding`` (M, E) the queries' outputs (network dtype); ``reference`` (M, 3) their centres, metres;
+    ``egopose`` (M, 4, 4) the pose of the frame each was seen in, relative to the frame it is held in;
+    ``timestamp`` (M, 1) seconds (relative, as held); ``can_bus`` (can_bus_len, 19) command and can-bus of the
+    earlier frames; ``can_bus_frames``: how many of those rows hold a frame; ``scene_query`` (S, E) the
+    scene-history queries of earlier frames (network dtype) and ``scene_timestamp`` (S, 1) seconds. Between
+    frames everything is held in the world frame of :attr:`EgoFrame.ego_pose` and at minus the absolute time;
+    :meth:`QueryHeads.forward` brings it into the current frame and back."""
+
+    embedding: torch.Tensor
+    reference: torch.Tensor
+    egopose: torch.Tensor
+    timestamp: torch.Tensor
+    can_bus: torch.Tensor
+    can_bus_frames: int
+    scene_query: torch.Tensor
+    scene_timestamp: torch.Tensor
+
+
+@dataclass
+class MapMemory:
+    """The map head's memory (batch 1), newest first: ``embedding`` (M, E) (network dtype), ``reference``
+    (M, n_control, 3) lane points in metres, ``egopose`` (M, 4, 4), ``timestamp`` (M, 1) seconds; float64 but
+    the embedding; held as :class:`ObjectMemory` is."""
+
+    embedding: torch.Tensor
+    reference: torch.Tensor
+    egopose: torch.Tensor
+    timestamp: torch.Tensor
+
+
+@dataclass
+class HeadsOutput:
+    """One frame of :class:`QueryHeads`: ``tokens`` (scene_tokens, D) in the network dtype, object tokens then
+    map tokens; ``objects`` (num_query + num_propagated, code_size) float32 boxes of the last decoder level
+    (centre in metres, model frame; the rest as the network predicts them) and ``object_scores`` (same count,
+    num_classes) sigmoid scores; ``lanes`` (num_lanes_one2one, n_control, 3) metres and ``lane_scores``
+    (num_lanes_one2one, map_classes); ``memory_reset``: whether the memory started afresh at this frame."""
+
+    tokens: torch.Tensor
+    objects: torch.Tensor
+    object_scores: torch.Tensor
+    lanes: torch.Tensor
+    lane_scores: torch.Tensor
+    memory_reset: bool
+
+
+def _to_frame(points: torch.Tensor, pose: torch.Tensor) -> torch.Tensor:
+    """(..., 3) points -> ``pose`` (4, 4) @ (x, y, z, 1), first three entries."""
+    return points @ pose[:3, :3].T + pose[:3, 3]
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, index)
+
+
+# ---------------------------------------------------------------------------------------------- heads
+class MapHead(nn.Module):
+    """The published ``map_head`` at inference (see the module docstring). The six per-level branches of the
+    published head are one module there (the same object six times); here they are ``cls_branch`` and
+    ``reg_branch`` once."""
+
+    def __init__(self, cfg: QueryHeadsConfig):
+        super().__init__()
+        self.cfg = cfg
+        e = cfg.embed_dims
+        self.transformer = TemporalTransformer(cfg)
+        self.cls_branch = _class_branch(e, cfg.map_classes)
+        self.reg_branch = _regression_branch(e, cfg.n_control * 3)
+        self.input_projection = nn.Linear(cfg.in_channels, e)
+        self.output_projection = nn.Linear(e, cfg.out_dims)
+        self.reference_points_lane = nn.Linear(e, 3)
+        self.points_embedding_lane = nn.Embedding(cfg.n_control, e)
+        self.instance_embedding_lane = nn.Embedding(cfg.num_lane, e)
+        self.query_embedding = nn.Embedding(cfg.num_extra, e)
+        self.register_buffer("pc_range", torch.tensor(cfg.pc_range, dtype=torch.float32), persistent=False)
+        self.register_buffer("attn_mask", self._mask(), persistent=False)
+
+    def _mask(self) -> torch.Tensor:
+        c = self.cfg
+        n, one = c.num_lane + c.num_extra, c.num_lanes_one2one + c.num_extra
+        mask = torch.zeros(n, n + c.map_memory_len, dtype=torch.bool)
+        mask[one:, :one] = True  # the one-to-many lanes (a training device) and the rest do not see each other
+        mask[:one, one:n] = True
+        if c.with_mask:
+            mask[c.num_extra:, :c.num_extra] = True
+        return mask
+
+    def empty_memory(self) -> MapMemory:
+        c, dev = self.cfg, self.pc_range.device
+        f64 = dict(dtype=torch.float64, device=dev)
+        return MapMemory(embedding=torch.zeros(c.map_memory_len, c.embed_dims, dtype=self.query_embedding.weight.dtype,
+                                               device=dev),
+                         reference=torch.zeros(c.map_memory_len, c.n_control, 3, **f64),
+                         egopose=torch.zeros(c.map_memory_len, 4, 4, **f64),
+                         timestamp=torch.zeros(c.map_memory_len, 1, **f64))
+
+    def forward(self, feats: torch.Tensor, feats_pos: torch.Tensor, mem: MapMemory, shared: "SharedEncoders"):
+        """``feats`` (N, in_channels) image features, ``feats_pos`` (N, E) their 3-D position embedding, ``mem``
+        in the current frame (times relative to it) -> (map tokens (num_extra, D), lanes (K, n_control, 3) metres,
+        lane scores (K, classes), kept rows of this frame (embedding (k, E), lanes (k, n_control, 3))), K the
+        one-to-one lanes, k = ``map_topk`` of them by score."""
+        c, dt = self.cfg, self.query_embedding.weight.dtype
+        memory_img = self.input_projection(feats).unsqueeze(0)
+        lane = self.instance_embedding_lane.weight.unsqueeze(-2) + self.points_embedding_lane.weight.unsqueeze(0)
+        ref = self.reference_points_lane(lane).sigmoid().flatten(-2)  # (num_lane, n_control 3)
+        query_pos = shared.query_pos(nerf_encoding(ref)).unsqueeze(0)
+        now = shared.time_embedding(time_encoding(torch.zeros_like(ref[..., :1]), c.embed_dims))
+        query_pos = query_pos + now.unsqueeze(0)
+        tgt = self.instance_embedding_lane.weight.unsqueeze(0)
+        lo, hi = self.pc_range[:3].double(), self.pc_range[3:].double()
+        temp_pos = shared.query_pos(nerf_encoding(((mem.reference - lo) / (hi - lo)).flatten(-2).to(dt)))
+        temp_pos = shared.memory_motion(temp_pos, mem.egopose, mem.timestamp)
+        tgt = torch.cat([self.query_embedding.weight.unsqueeze(0), tgt], dim=1)
+        query_pos = torch.cat([torch.zeros_like(self.query_embedding.weight).unsqueeze(0), query_pos], dim=1)
+        out = self.transformer(tgt, query_pos, memory_img, feats_pos.unsqueeze(0), self.attn_mask,
+                               mem.embedding.unsqueeze(0), temp_pos.unsqueeze(0))[0]
+        tokens = self.output_projection(out[:c.num_extra])
+        lanes_q = torch.nan_to_num(out[c.num_extra:c.num_extra + c.num_lanes_one2one])
+        one_ref = ref[:c.num_lanes_one2one]
+        points = (self.reg_branch(lanes_q) + inverse_sigmoid(one_ref)).sigmoid()
+        points = points.reshape(-1, c.n_control, 3) * (self.pc_range[3:] - self.pc_range[:3]) + self.pc_range[:3]
+        scores = self.cls_branch(lanes_q)
+        best = scores.sigmoid().max(dim=-1).values.topk(c.map_topk).indices
+        return tokens, points, scores, (lanes_q.index_select(0, best), points.index_select(0, best))
+
+
+class SharedEncoders(nn.Module):
+    """The encoders both heads share (published on the detector and referenced by each head): ``query_pos``
+    (NeRF-encoded points -> E), ``time_embedding`` (time encoding -> E, LayerNorm), ``ego_pose_pe`` (the
+    motion-aware layer norm of memory positions, conditioned on the NeRF encoding of (time, 3 x 4 pose))."""
+
+    def __init__(self, cfg: QueryHeadsConfig):
+        super().__init__()
+        e, code = cfg.embed_dims, 3 * cfg.n_control * 2 * NERF_FREQUENCIES
+        self.query_pos = nn.Sequential(nn.Linear(code, e), nn.ReLU(), nn.Linear(e, e))
+        self.time_embedding = nn.Sequential(nn.Linear(e, e), nn.LayerNorm(e))
+        self.ego_pose_pe = MotionLayerNorm(13 * 2 * NERF_FREQUENCIES, e)
+
+    def memory_motion(self, temp_pos: torch.Tensor, egopose: torch.Tensor, timestamp: torch.Tensor) -> torch.Tensor:
+        """(M, E) memory positions, (M, 4, 4) float64 poses, (M, 1) float64 relative times -> (M, E): the
+        motion-aware norm conditioned on (time, pose rows 0-2), then the time embedding added."""
+        dt = temp_pos.dtype
+        motion = torch.cat([timestamp, egopose[..., :3, :].flatten(-2)], dim=-1).to(dt)
+        temp_pos = self.ego_pose_pe(temp_pos, nerf_encoding(motion))
+        return temp_pos + self.time_embedding(time_encoding(timestamp, temp_pos.shape[-1]).to(dt))
+
+
+class ObjectHead(nn.Module):
+    """The published ``pts_bbox_head`` at inference (see the module docstring): object queries with the
+    propagated memory, the extra queries, the scene history and the can-bus token. ``cls_branch`` /
+    ``reg_branch`` are the published per-level branches (one module six times there) once."""
+
+    def __init__(self, cfg: QueryHeadsConfig):
+        super().__init__()
+        self.cfg = cfg
+        e = cfg.embed_dims
+        self.transformer = TemporalTransformer(cfg)
+        self.cls_branch = _class_branch(e, cfg.num_classes)
+        self.reg_branch = _regression_branch(e, cfg.code_size)
+        self.input_projection = nn.Linear(cfg.in_channels, e)
+        self.output_projection = nn.Linear(e, cfg.out_dims)
+        self.reference_points = nn.Embedding(cfg.num_query, 3)
+        if cfg.num_propagated:
+            self.pseudo_reference_points = nn.Embedding(cfg.num_propagated, 3)
+        self.query_embedding = nn.Embedding(cfg.num_extra, e)
+        self.can_bus_embed = nn.Sequential(nn.Linear(cfg.can_bus_input, 4 * e), nn.ReLU(),
+                                           nn.Linear(4 * e, cfg.out_dims))
+        if cfg.num_memory:
+            self.memory_query = nn.Embedding(cfg.num_memory, e)
+            self.scene_time_embedding = nn.Sequential(nn.Linear(e, e), nn.LayerNorm(e))
+            self.memory_decoder_cq = CrossDecoder(cfg)
+            self.memory_decoder_mq = CrossDecoder(cfg)
+        self.register_buffer("pc_range", torch.tensor(cfg.pc_range, dtype=torch.float32), persistent=False)
+        self.register_buffer("attn_mask", self._mask(), persistent=False)
+
+    def _mask(self) -> torch.Tensor | None:
+        c = self.cfg
+        if not c.with_mask:
+            return None
+        mask = torch.zeros(c.num_extra + c.num_query + c.num_propagated, c.num_extra + c.num_query + c.memory_len,
+                           dtype=torch.bool)
+        mask[c.num_extra:, :c.num_extra] = True
+        return mask
+
+    def empty_memory(self) -> ObjectMemory:
+        c, dev, dt = self.cfg, self.pc_range.device, self.query_embedding.weight.dtype
+        f64 = dict(dtype=torch.float64, device=dev)
+        return ObjectMemory(
+            embedding=torch.zeros(c.memory_len, c.embed_dims, dtype=dt, device=dev),
+            reference=torch.zeros(c.memory_len, 3, **f64), egopose=torch.zeros(c.memory_len, 4, 4, **f64),
+            timestamp=torch.zeros(c.memory_len, 1, **f64), can_bus=torch.zeros(c.can_bus_len, 1 + CAN_BUS_SIZE, **f64),
+            can_bus_frames=0, scene_query=torch.zeros(c.scene_memory_len, c.embed_dims, dtype=dt, device=dev),
+            scene_timestamp=torch.zeros(c.scene_memory_len, 1, **f64))
+
+    def seed_empty(self, mem: ObjectMemory) -> None:
+        """Give a fresh (all-zero) memory the learned pseudo objects: the first ``num_propagated`` rows get the
+        pseudo reference points (denormalised to the range) and identity poses (published, first frame)."""
+        n = self.cfg.num_propagated
+        if n:
+            lo, hi = self.pc_range[:3].double(), self.pc_range[3:].double()
+            mem.reference[:n] += self.pseudo_reference_points.weight.double() * (hi - lo) + lo
+            mem.egopose[:n] += torch.eye(4, dtype=torch.float64, device=mem.egopose.device)
+
+    def forward(self, feats, feats_pos, mem: ObjectMemory, frame: EgoFrame, shared: SharedEncoders):
+        """``feats`` (N, in_channels), ``feats_pos`` (N, E), ``mem`` in the current frame, ``frame`` -> (object
+        tokens (object_tokens, D), boxes (Q, code_size), scores (Q, classes), kept rows (embedding (k, E),
+        centres (k, 3) metres), the scene-history queries (num_memory, E) or None, this frame's can-bus row (19,)
+        float64), Q = num_query + num_propagated, k = ``topk_proposals``."""
+        c, dt = self.cfg, self.query_embedding.weight.dtype
+        lo, hi = self.pc_range[:3].double(), self.pc_range[3:].double()
+        memory_img = self.input_projection(feats).unsqueeze(0)
+        ref = torch.cat([torch.zeros_like(self.reference_points.weight[:c.num_extra]), self.reference_points.weight])
+        query_pos = shared.query_pos(nerf_encoding(ref.repeat(1, c.n_control)))
+        query_pos = query_pos + shared.time_embedding(time_encoding(torch.zeros_like(ref[..., :1]), c.embed_dims))
+        tgt = torch.zeros_like(query_pos)
+        temp_ref = (mem.reference - lo) / (hi - lo)  # (M, 3) float64
+        temp_pos = shared.query_pos(nerf_encoding(temp_ref.to(dt).repeat(1, c.n_control)))
+        temp_pos = shared.memory_motion(temp_pos, mem.egopose, mem.timestamp)
+        n = c.num_propagated
+        tgt = torch.cat([tgt, mem.embedding[:n]])
+        query_pos = torch.cat([query_pos, temp_pos[:n]])
+        ref = torch.cat([ref, temp_ref[:n].to(ref.dtype)])
+        tgt[:c.num_extra] = self.query_embedding.weight
+        query_pos[:c.num_extra] = 0
+        history = None
+        if c.num_memory:
+            key_pos = self.scene_time_embedding(time_encoding(mem.scene_timestamp, c.embed_dims).to(dt))
+            current = self.memory_query.weight.unsqueeze(0)
+            history = self.memory_decoder_mq(current, mem.scene_query.unsqueeze(0), torch.zeros_like(current),
+                                             key_pos.unsqueeze(0))
+        out = self.transformer(tgt.unsqueeze(0), query_pos.unsqueeze(0), memory_img, feats_pos.unsqueeze(0),
+                               self.attn_mask, mem.embedding[n:].unsqueeze(0), temp_pos[n:].unsqueeze(0))
+        out = torch.nan_to_num(out[0])
+        extra, objects = out[:c.num_extra], out[c.num_extra:]
+        tokens = [extra]
+        if history is not None:
+            history = self.memory_decoder_cq(history, extra.unsqueeze(0))[0]
+            tokens.append(history)
+        scores = self.cls_branch(objects)
+        boxes = self.reg_branch(objects)
+        centre = (boxes[:, :3] + inverse_sigmoid(ref[c.num_extra:])).sigmoid()
+        boxes = torch.cat([centre * (self.pc_range[3:] - self.pc_range[:3]) + self.pc_range[:3], boxes[:, 3:]], -1)
+        can_bus = frame.can_bus.to(torch.float64).clone()
+        can_bus[:3] = 0
+        can_bus[-1] = 0
+        row = torch.cat([can_bus.new_tensor([float(frame.command)]), can_bus])  # (19,)
+        frames = c.memory_len // c.topk_proposals
+        mean_pose = mem.egopose.reshape(frames, c.topk_proposals, 16).mean(dim=1).flatten()
+        can_bus_input = torch.cat([row, mem.can_bus.flatten(), mean_pose]).to(torch.float32)
+        token_can = self.can_bus_embed(can_bus_input.to(dt))
+        tokens = torch.cat([self.output_projection(torch.cat(tokens)), token_can.unsqueeze(0)])
+        best = scores.sigmoid().max(dim=-1).values.topk(c.topk_proposals).indices
+        kept = (objects.index_select(0, best), boxes[:, :3].index_select(0, best))
+        return tokens, boxes, scores, kept, history, row
+
+
+class QueryHeads(nn.Module):
+    """The scene-token stage of Orion / MindDrive: 3-D position embedding, map head, detection head and their
+    memory across frames (module docstring).
+
+    ``forward(features, lidar2img, frame)``: ``features`` (C, Dv, h, w) backbone feature maps, ``lidar2img``
+    (C, 4, 4) camera geometries of the model images (:class:`~.camera_rays.CameraRayEmbedding`), ``frame`` an
+    :class:`EgoFrame` -> :class:`HeadsOutput` (tokens (scene_tokens, D)). Frames must come in time order; the
+    memory is held between calls (:attr:`object_memory`, :attr:`map_memory`) and restarts (published
+    behaviour) when the frame is :data:`MEMORY_MAX_GAP_S` or more after the last one, and also when it is not
+    after it; :meth:`reset` restarts it for a new drive. Raises ValueError for inputs of the wrong shape or
+    non-finite values (:meth:`EgoFrame.check`, the camera geometry's own checks); the memory is then unchanged.
+    """
+
+    def __init__(self, cfg: QueryHeadsConfig, rays: RayEmbeddingConfig | None = None, image_size: int = 640):
+        super().__init__()
+        self.cfg = cfg
+        self.image_size = image_size
+        self.rays = CameraRayEmbedding(rays or RayEmbeddingConfig(embed_dims=cfg.embed_dims))
+        self.shared = SharedEncoders(cfg)
+        self.map_head = MapHead(cfg)
+        self.pts_bbox_head = ObjectHead(cfg)
+        self.object_memory: ObjectMemory | None = None
+        self.map_memory: MapMemory | None = None
+        self.last_timestamp: float | None = None
+
+    def reset(self) -> None:
+        """Forget every earlier frame: the next frame starts the memory afresh."""
+        self.object_memory = self.map_memory = self.last_timestamp = None
+
+    def _current(self, frame: EgoFrame) -> tuple[ObjectMemory, MapMemory, bool]:
+        """The memory brought into ``frame`` (published ``pre_update_memory``), or a fresh one; whether fresh."""
+        c, obj, lane = self.cfg, self.object_memory, self.map_memory
+        gap = None if self.last_timestamp is None else frame.timestamp - self.last_timestamp
+        if obj is None or lane is None or gap is None or not 0.0 < gap < MEMORY_MAX_GAP_S:
+            obj, lane = self.pts_bbox_head.empty_memory(), self.map_head.empty_memory()
+            self.pts_bbox_head.seed_empty(obj)
+            return obj, lane, True
+        inv = torch.linalg.inv(frame.ego_pose.to(torch.float64))
+        t = frame.timestamp
+        obj = replace(obj, embedding=obj.embedding[:c.memory_len],
+                      reference=_to_frame(obj.reference[:c.memory_len], inv),
+                      egopose=(inv @ obj.egopose)[:c.memory_len], timestamp=obj.timestamp[:c.memory_len] + t,
+                      scene_query=obj.scene_query[:c.scene_memory_len],
+                      scene_timestamp=obj.scene_timestamp[:c.scene_memory_len] + t)
+        can_bus = obj.can_bus.clone()
+        held = min(obj.can_bus_frames, can_bus.shape[0])
+        can_bus[:held, 1:4] -= frame.can_bus[:3].to(torch.float64)
+        can_bus[:held, -1] -= float(frame.can_bus[-1])
+        obj.can_bus = can_bus[:c.can_bus_len]
+        obj.can_bus_frames = min(obj.can_bus_frames, c.can_bus_len)
+        lane = MapMemory(embedding=lane.embedding[:c.map_memory_len],
+                         reference=_to_frame(lane.reference[:c.map_memory_len], inv),
+                         egopose=(inv @ lane.egopose)[:c.map_memory_len],
+                         timestamp=lane.timestamp[:c.map_memory_len] + t)
+        return obj, lane, False
+
+    def forward(self, features: torch.Tensor, lidar2img: torch.Tensor, frame: EgoFrame) -> HeadsOutput:
+        frame.check()
+        n_cam, _, h, w = features.shape
+        stride = self.rays.cfg.stride
+        feats_pos = self.rays(lidar2img.to(features.device), h, w, h * stride, w * stride)
+        feats = features.permute(0, 2, 3, 1).reshape(n_cam * h * w, -1)
+        obj, lane, fresh = self._current(frame)
+        map_tokens, lanes, lane_scores, lane_kept = self.map_head(feats, feats_pos, lane, self.shared)
+        obj_tokens, boxes, scores, obj_kept, history, row = self.pts_bbox_head(feats, feats_pos, obj, frame,
+                                                                               self.shared)
+        self._remember(frame, obj, lane, obj_kept, lane_kept, history, row)
+        return HeadsOutput(tokens=torch.cat([obj_tokens, map_tokens]), objects=boxes.float(),
+                           object_scores=scores.sigmoid().float(), lanes=lanes.float(),
+                           lane_scores=lane_scores.sigmoid().float(), memory_reset=fresh)
+
+    @torch.no_grad()
+    def _remember(self, frame, obj: ObjectMemory, lane: MapMemory, obj_kept, lane_kept, history, row) -> None:
+        """Prepend this frame's kept queries and take everything back to the world frame and absolute time
+        (published ``post_update_memory``)."""
+        pose, t = frame.ego_pose.to(torch.float64), frame.timestamp
+        c = self.cfg
+        k = c.topk_proposals
+        eye = torch.eye(4, dtype=torch.float64, device=pose.device)
+        emb, centre = obj_kept
+        can_bus = torch.cat([row.unsqueeze(0), obj.can_bus])
+        frames = obj.can_bus_frames + 1
+        can_bus[:frames, 1:4] += frame.can_bus[:3].to(torch.float64)
+        can_bus[:frames, -1] += float(frame.can_bus[-1])
+        scene_query, scene_ts = obj.scene_query, obj.scene_timestamp
+        if history is not None:
+            scene_query = torch.cat([history, scene_query])
+            scene_ts = torch.cat([torch.zeros(c.num_memory, 1, dtype=torch.float64, device=pose.device), scene_ts])
+        self.object_memory = ObjectMemory(
+            embedding=torch.cat([emb, obj.embedding]),
+            reference=_to_frame(torch.cat([centre.to(torch.float64), obj.reference]), pose),
+            egopose=pose @ torch.cat([eye.expand(k, 4, 4), obj.egopose]),
+            timestamp=torch.cat([torch.zeros(k, 1, dtype=torch.float64, device=pose.device), obj.timestamp]) - t,
+            can_bus=can_bus, can_bus_frames=frames, scene_query=scene_query, scene_timestamp=scene_ts - t)
+        lemb, lpoints = lane_kept
+        m = c.map_topk
+        self.map_memory = MapMemory(
+            embedding=torch.cat([lemb, lane.embedding]),
+            reference=_to_frame(torch.cat([lpoints.to(torch.float64), lane.reference]), pose),
+            egopose=pose @ torch.cat([eye.expand(m, 4, 4), lane.egopose]),
+            timestamp=torch.cat([torch.zeros(m, 1, dtype=torch.float64, device=pose.device), lane.timestamp]) - t)
+        self.last_timestamp = t
+
+
+# ---------------------------------------------------------------------------------------------- published keys
+#: Published tensors the heads leave out because they feed neither the tokens nor the memory (module docstring).
+OUTPUT_ONLY = ("pts_bbox_head.tl_branches.", "pts_bbox_head.motion_decoder.", "pts_bbox_head.motion_map_decoder.",
+               "pts_bbox_head.lane_encoder.", "pts_bbox_head.pos_mlp.", "pts_bbox_head.pos_mlp_sa.",
+               "pts_bbox_head.motion_mode_query.", "pts_bbox_head.traj_branches.",
+               "pts_bbox_head.traj_cls_branches.")
+#: Published tensors used only by the training losses.
+TRAINING_ONLY = ("pts_bbox_head.code_weights", "pts_bbox_head.match_costs", "map_head.code_weights",
+                 "map_head.match_costs")
+#: Published top-level prefixes of the heads' tensors (the detector's shared encoders and the two heads).
+PUBLISHED_PREFIXES = ("position_encoder.", "query_pos.", "time_embedding.", "ego_pose_pe.", "pts_bbox_head.",
+                      "map_head.", "coords_d", "position_range")
+_SHARED = ("query_pos.", "time_embedding.", "ego_pose_pe.")
+
+
+@dataclass
+class PlacedHeads:
+    """The published heads' tensors in :class:`QueryHeads`' names.
+
+    ``tensors``: local key (``QueryHeads.state_dict()`` names) -> tensor; ``read``: every published key this
+    consumed (placed, checked or left out); ``left_out``: published key -> why it is not placed (output only or
+    training only); ``checked``: the derived constants compared with the configuration (``pc_range``,
+    ``coords_d``, ``position_range``) and the shared copies compared with each other."""
+
+    tensors: dict
+    read: set
+    left_out: dict
+    checked: list
+
+
+def _local_key(key: str) -> tuple[str | None, str]:
+    """(local key or None, why none) for a published key of :data:`PUBLISHED_PREFIXES`."""
+    if key.startswith(OUTPUT_ONLY):
+        return None, "output only (feeds neither the scene tokens nor the memory)"
+    if key in TRAINING_ONLY:
+        return None, "training only (loss weights)"
+    head, _, rest = key.partition(".")
+    if head not in ("pts_bbox_head", "map_head"):
+        if key.startswith(_SHARED):
+            return f"shared.{key}", ""
+        return f"rays.{key}", ""
+    if rest.startswith(_SHARED):
+        return f"shared.{rest}", ""
+    for many, one in (("cls_branches.", "cls_branch."), ("reg_branches.", "reg_branch.")):
+        if rest.startswith(many):
+            _, _, inner = rest[len(many):].partition(".")
+            return f"{head}.{one}{inner}", ""
+    return f"{head}.{rest}", ""
+
+
+def place_published_heads(state, cfg: QueryHeadsConfig, rays: RayEmbeddingConfig | None = None) -> PlacedHeads:
+    """Map a published detector's head tensors (``state``: published key -> tensor, e.g. a MindDrive ``.pth``'s
+    ``state_dict``) onto :class:`QueryHeads` of ``cfg``.
+
+    The published detector holds its shared encoders (``query_pos``, ``time_embedding``, ``ego_pose_pe``) once
+    at the top and once more under each head, and each head's six per-level class / box branches are one module
+    (six equal key sets); every copy must be equal and is placed once. ``pc_range``, ``coords_d`` and
+    ``position_range`` are checked against the configuration, not loaded. Raises ValueError when copies differ,
+    a derived constant or a shape is not the configuration's, or an inference tensor is missing (a partial
+    checkpoint), each naming the keys."""
+    from .camera_rays import POSITION_RANGE, depth_bins
+
+    rays = rays or RayEmbeddingConfig(embed_dims=cfg.embed_dims)
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in QueryHeads(cfg, rays).state_dict().items()}
+    tensors, read, left_out, checked, problems = {}, set(), {}, [], []
+    derived = {"coords_d": depth_bins(rays), "position_range": torch.tensor(rays.position_range or POSITION_RANGE),
+               "pts_bbox_head.pc_range": torch.tensor(cfg.pc_range), "map_head.pc_range": torch.tensor(cfg.pc_range)}
+    for key in sorted(k for k in state if k.startswith(PUBLISHED_PREFIXES)):
+        value = state[key]
+        read.add(key)
+        if key in derived:
+            if tuple(value.shape) != tuple(derived[key].shape) or not torch.allclose(
+                    value.float(), derived[key].float(), rtol=1e-5, atol=1e-5):
+                problems.append(f"{key} {value.flatten()[:6].tolist()} is not the configuration's "
+                                f"{derived[key].flatten()[:6].tolist()}")
+            checked.append(key)
+            continue
+        local, why = _local_key(key)
+        if local is None:
+            left_out[key] = why
+            continue
+        if local in tensors:
+            if tensors[local].shape != value.shape or not torch.equal(tensors[local], value):
+                problems.append(f"{key} differs from the other copy of {local} (shared modules must be equal)")
+            checked.append(key)
+            continue
+        if local not in expected:
+            problems.append(f"{key}: no tensor {local} in heads of this configuration")
+        elif tuple(expected[local]) != tuple(value.shape):
+            problems.append(f"{key}: shape {tuple(value.shape)} != {tuple(expected[local])} of this configuration")
+        tensors[local] = value
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        problems.append(f"{len(missing)} inference tensor(s) of the query heads missing (a partial checkpoint): "
+                        + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+    if problems:
+        raise ValueError("query heads: " + "; ".join(problems))
+    return PlacedHeads(tensors=tensors, read=read, left_out=left_out, checked=checked)

@@ -1,0 +1,247 @@
+"""The query heads (model/query_heads.py) against the published MindDrive heads (../shared/reference/minddrive,
+loaded by test/minddrive_reference.py): same random weights, same image features and 3-D position embedding, same
+ego motion, frame after frame, so the memory of both is exercised; fp32, relative difference <= 1e-4.
+
+Sizes are reduced (2 decoder layers, 12 object and 20 lane queries, memories of 16) so a frame takes
+milliseconds; n_control (11), the can-bus layout (89 inputs) and every code path are the published ones. The
+published flash-attention kernel (CUDA fp16 only) is replaced by torch's attention with the same projections and
+scale (minddrive_reference._sdpa_flash_attention).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybrid_vla_ros.model.camera_rays import RayEmbeddingConfig
+from hybrid_vla_ros.model.query_heads import (PC_RANGE, EgoFrame, QueryHeads, QueryHeadsConfig,
+                                              place_published_heads)
+from minddrive_reference import load_query_heads
+
+CFG = QueryHeadsConfig(embed_dims=256, in_channels=24, out_dims=48, num_layers=2, num_heads=8, feedforward_dims=64,
+                       num_extra=8, num_query=12, memory_len=16, topk_proposals=8, num_propagated=8, num_memory=4,
+                       scene_memory_len=8, memory_ffn_dims=64, num_lane=20, num_lanes_one2one=10, map_memory_len=16,
+                       map_topk=8)
+RAYS = RayEmbeddingConfig(embed_dims=256, depth_num=8)
+CAMERAS, GRID_H, GRID_W = 2, 3, 4
+
+
+def _reference_heads(monkeypatch):
+    """(detection head, map head, shared encoders (query_pos, time_embedding, ego_pose_pe)) of the reference at
+    CFG's sizes, every weight drawn at random (the published initialisers leave some at zero)."""
+    detection, lanes = load_query_heads(monkeypatch)
+    misc = __import__("sys").modules["mmcv.utils.misc"]
+    e = CFG.embed_dims
+    transformer = dict(type="PETRTemporalTransformer", input_dimension=e, output_dimension=e,
+                       num_layers=CFG.num_layers, embed_dims=e, num_heads=CFG.num_heads,
+                       feedforward_dims=CFG.feedforward_dims, dropout=0.1, flash_attn=True)
+    loss = dict(type="FocalLoss", use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=2.0)
+    map_head = lanes.MinddriveHeadM(
+        num_classes=CFG.map_classes, in_channels=CFG.in_channels, out_dims=CFG.out_dims, embed_dims=e,
+        num_lane=CFG.num_lane, memory_len=CFG.map_memory_len, topk_proposals=CFG.map_topk,
+        num_lanes_one2one=CFG.num_lanes_one2one, k_one2many=1, num_extra=CFG.num_extra, with_mask=True,
+        pc_range=list(PC_RANGE), n_control=CFG.n_control, transformer=transformer, loss_cls=loss, train_cfg=None)
+    det_head = detection.MinddriveHead(
+        num_classes=CFG.num_classes, in_channels=CFG.in_channels, out_dims=CFG.out_dims, embed_dims=e,
+        num_query=CFG.num_query, memory_len=CFG.memory_len, topk_proposals=CFG.topk_proposals,
+        num_propagated=CFG.num_propagated, num_extra=CFG.num_extra, n_control=CFG.n_control, with_mask=True,
+        match_with_velo=False, use_memory=True, num_memory=CFG.num_memory, scence_memory_len=CFG.scene_memory_len,
+        memory_decoder_transformer=dict(type="DREAMTransformerDecoder", num_layers=1, embed_dims=e,
+                                        num_heads=CFG.num_heads, dropout=0.0, feedforward_dims=CFG.memory_ffn_dims,
+                                        flash_attn=True),
+        use_col_loss=False, pred_traffic_light_state=True, transformer=transformer,
+        bbox_coder=dict(pc_range=list(PC_RANGE)), loss_cls=loss, train_cfg=None)
+    shared = dict(query_pos=torch.nn.Sequential(torch.nn.Linear(396, e), torch.nn.ReLU(), torch.nn.Linear(e, e)),
+                  time_embedding=torch.nn.Sequential(torch.nn.Linear(e, e), torch.nn.LayerNorm(e)),
+                  ego_pose_pe=misc.MLN(156, e))
+    for head in (map_head, det_head):  # the detector hands each head the same three modules
+        for name, module in shared.items():
+            setattr(head, name, module)
+    gen = torch.Generator().manual_seed(7)
+    for module in (map_head, det_head):
+        for p in module.parameters():
+            p.data = torch.randn(p.shape, generator=gen) * (3.0 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.3)
+    # reference points live in [0, 1] of the range (the published initialisation draws them uniformly there)
+    for emb in (det_head.reference_points, det_head.pseudo_reference_points):
+        emb.weight.data = torch.rand(emb.weight.shape, generator=gen)
+    det_head.pc_range.data = torch.tensor(PC_RANGE)
+    map_head.pc_range.data = torch.tensor(PC_RANGE)
+    return det_head.eval(), map_head.eval(), shared
+
+
+def _published_state(det_head, map_head, shared, position_encoder) -> dict:
+    """A detector ``state_dict`` in the published names: the shared encoders at the top and under each head, the
+    3-D position embedding's MLP and depths, both heads."""
+    state = {f"pts_bbox_head.{k}": v for k, v in det_head.state_dict().items()}
+    state.update({f"map_head.{k}": v for k, v in map_head.state_dict().items()})
+    for name, module in shared.items():
+        state.update({f"{name}.{k}": v for k, v in module.state_dict().items()})
+    state.update({f"position_encoder.{k}": v for k, v in position_encoder.state_dict().items()})
+    from hybrid_vla_ros.model.camera_rays import POSITION_RANGE, depth_bins
+    state["coords_d"], state["position_range"] = depth_bins(RAYS), torch.tensor(POSITION_RANGE)
+    return state
+
+
+def _pose(yaw: float, x: float, y: float) -> torch.Tensor:
+    c, s = math.cos(yaw), math.sin(yaw)
+    return torch.tensor([[c, -s, 0, x], [s, c, 0, y], [0, 0, 1, 0.5], [0, 0, 0, 1]], dtype=torch.float32)
+
+
+def _lidar2img(gen) -> torch.Tensor:
+    """Two plausible cameras: focal 40 px, centre of the 64 x 48 image, looking along +y and -y of the model
+    frame, 1.6 m up."""
+    out = []
+    for sign in (1.0, -1.0):
+        k = torch.tensor([[40.0, 0, 32, 0], [0, 40.0, 24, 0], [0, 0, 1, 0], [0, 0, 0, 1]])
+        r = torch.tensor([[sign, 0, 0, 0], [0, 0, -1, 1.6], [0, sign, 0, 0], [0, 0, 0, 1.0]])
+        out.append(k @ r)
+    return torch.stack(out)
+
+
+def _frames(n: int, gaps: list[float]):
+    """``n`` frames: image features, an EgoFrame; the vehicle drives and turns a little between frames."""
+    gen = torch.Generator().manual_seed(3)
+    t, yaw, x, y = 1000.0, 0.3, 12.5, -4.0
+    out = []
+    for i in range(n):
+        if i:
+            t += gaps[i - 1]
+            yaw, x, y = yaw + 0.02, x + 0.8 * math.cos(yaw), y + 0.8 * math.sin(yaw)
+        feats = torch.randn(CAMERAS, CFG.in_channels, GRID_H, GRID_W, generator=gen)
+        can_bus = torch.randn(18, generator=gen)
+        can_bus[:3] = torch.tensor([x, y, 0.5])
+        out.append((feats, EgoFrame(timestamp=t, ego_pose=_pose(yaw, x, y).double(), can_bus=can_bus.double(),
+                                    command=3)))
+    return out
+
+
+def _reference_frame(det_head, map_head, pos_embed, feats, frame: EgoFrame, scene="s"):
+    pose = frame.ego_pose.float()
+    data = dict(img_feats=feats.unsqueeze(0), timestamp=torch.tensor([frame.timestamp], dtype=torch.float64),
+                ego_pose=pose.unsqueeze(0), ego_pose_inv=torch.linalg.inv(frame.ego_pose).float().unsqueeze(0),
+                can_bus=frame.can_bus.float().unsqueeze(0), command=torch.tensor([float(frame.command)]))
+    metas = [{"scene_token": scene}]
+    with torch.no_grad():
+        lane_outs, map_tokens = map_head(metas, pos_embed.unsqueeze(0), **data)
+        _, obj_tokens = det_head(metas, pos_embed.unsqueeze(0), lane_outs, **data)
+    return torch.cat([obj_tokens[0], map_tokens[0]])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _rows_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Like _rel for two memories whose rows may come in another order among near-equal scores (the order of the
+    kept queries does not change any result: attention does not depend on the order of its keys and queries)."""
+    a, b = a.double().flatten(1), b.double().flatten(1)
+    d = torch.cdist(a, b, p=float("inf"))  # the largest element difference of each pair of rows
+    return float(max(d.min(dim=1).values.max(), d.min(dim=0).values.max()) / b.abs().max())
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    """(ours, the reference's (detection head, map head)) with the same weights."""
+    det_head, map_head, shared = _reference_heads(monkeypatch)
+    ours = QueryHeads(CFG, RAYS).eval()
+    gen = torch.Generator().manual_seed(11)
+    for p in ours.rays.parameters():
+        p.data = torch.randn(p.shape, generator=gen) * 0.1
+    state = _published_state(det_head, map_head, shared, ours.rays.position_encoder)
+    placed = place_published_heads(state, CFG, RAYS)
+    ours.load_state_dict(placed.tensors, strict=True)
+    return ours, (det_head, map_head), placed
+
+
+def test_published_keys_are_all_placed_or_named(pair):
+    ours, _, placed = pair
+    # the output-only traffic-light branch and the loss weights are named, not placed; the six copies of each
+    # branch and the three of each shared encoder were compared and placed once
+    assert set(placed.left_out) >= {"pts_bbox_head.code_weights", "map_head.match_costs"}
+    assert any(k.startswith("pts_bbox_head.tl_branches.") for k in placed.left_out)
+    assert "pts_bbox_head.cls_branches.5.6.weight" in placed.checked
+    assert {"query_pos.0.weight", "pts_bbox_head.query_pos.0.weight", "coords_d"} <= set(placed.checked)
+    assert set(placed.tensors) == set(ours.state_dict())
+
+
+def test_scene_tokens_and_memory_follow_the_published_heads_frame_after_frame(pair):
+    ours, (det_head, map_head), _ = pair
+    lidar2img = _lidar2img(None)
+    # 0.1 s apart, then a 2.5 s gap (the published memory restarts), then 0.1 s again
+    frames = _frames(5, [0.1, 0.1, 2.5, 0.1])
+    with torch.no_grad():
+        pos_embed = ours.rays(lidar2img, GRID_H, GRID_W, GRID_H * 16, GRID_W * 16)
+        for i, (feats, frame) in enumerate(frames):
+            out = ours(feats, lidar2img, frame)
+            ref = _reference_frame(det_head, map_head, pos_embed, feats, frame)
+            assert out.tokens.shape == (CFG.scene_tokens, CFG.out_dims) == ref.shape
+            assert _rel(out.tokens, ref) <= 1e-4, (i, _rel(out.tokens, ref))
+            assert out.memory_reset == (i in (0, 3)), i
+            # the memory both keep: objects (embedding, centre in the world frame, pose, time), lanes, scene history
+            mem, lanes = ours.object_memory, ours.map_memory
+            assert _rows_rel(mem.embedding, det_head.memory_embedding[0]) <= 1e-4
+            assert _rows_rel(mem.reference, det_head.memory_reference_point[0]) <= 1e-4
+            assert _rows_rel(mem.egopose, det_head.memory_egopose[0]) <= 1e-4
+            assert torch.allclose(mem.timestamp, det_head.memory_timestamp[0].double(), atol=1e-6)
+            assert _rel(mem.can_bus, det_head.memory_canbus[0]) <= 1e-4
+            assert _rows_rel(mem.scene_query, det_head.memory_scene_query[0]) <= 1e-4
+            assert _rows_rel(lanes.reference, map_head.memory_reference_point[0]) <= 1e-4
+            assert _rows_rel(lanes.embedding, map_head.memory_embedding[0]) <= 1e-4
+    # the memory mattered: the same last frame on fresh heads gives other tokens
+    fresh = QueryHeads(CFG, RAYS).eval()
+    fresh.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        alone = fresh(*frames[-1][:1], lidar2img, frames[-1][1])
+    assert _rel(alone.tokens, out.tokens) > 1e-2
+
+
+def test_time_going_back_restarts_the_memory_and_bad_input_leaves_it_as_it_was(pair):
+    ours, _, _ = pair
+    lidar2img = _lidar2img(None)
+    frames = _frames(3, [0.1, 0.1])
+    with torch.no_grad():
+        ours(frames[0][0], lidar2img, frames[0][1])
+        ours(frames[1][0], lidar2img, frames[1][1])
+        held = ours.object_memory.embedding.clone()
+        # a frame with a broken pose, NaN can-bus or a bad command is refused, the memory untouched
+        feats, frame = frames[2]
+        for bad in (dict(ego_pose=torch.zeros(4, 4, dtype=torch.float64)),
+                    dict(can_bus=torch.full((18,), float("nan"), dtype=torch.float64)), dict(command=9)):
+            with pytest.raises(ValueError):
+                ours(feats, lidar2img, EgoFrame(**{**frame.__dict__, **bad}))
+            assert torch.equal(ours.object_memory.embedding, held)
+        # a bag loop: the first frame again, earlier than the last one -> a fresh memory, as on fresh heads
+        again = ours(frames[0][0], lidar2img, frames[0][1])
+        fresh = QueryHeads(CFG, RAYS).eval()
+        fresh.load_state_dict(ours.state_dict())
+        first = fresh(frames[0][0], lidar2img, frames[0][1])
+    assert again.memory_reset and torch.equal(again.tokens, first.tokens)
+
+
+def test_place_published_heads_refuses_differing_copies_and_partial_checkpoints(pair):
+    ours, (det_head, map_head), _ = pair
+    shared = {n: getattr(det_head, n) for n in ("query_pos", "time_embedding", "ego_pose_pe")}
+    state = _published_state(det_head, map_head, shared, ours.rays.position_encoder)
+    broken = dict(state)
+    broken["map_head.cls_branches.3.0.weight"] = broken["map_head.cls_branches.3.0.weight"] + 1
+    with pytest.raises(ValueError, match="differs from the other copy"):
+        place_published_heads(broken, CFG, RAYS)
+    partial = {k: v for k, v in state.items() if not k.startswith("map_head.transformer.")}
+    with pytest.raises(ValueError, match="partial checkpoint"):
+        place_published_heads(partial, CFG, RAYS)
+    wrong = dict(state)
+    wrong["pts_bbox_head.pc_range"] = torch.tensor([-50.0, -50.0, -5.0, 50.0, 50.0, 3.0])
+    with pytest.raises(ValueError, match="pc_range"):
+        place_published_heads(wrong, CFG, RAYS)
+
+
+def test_config_sizes_follow_the_published_heads():
+    published = QueryHeadsConfig()
+    assert (published.object_tokens, published.scene_tokens, published.can_bus_input) == (273, 529, 89)
+    orion = QueryHeadsConfig(num_memory=0, out_dims=4096)
+    assert orion.scene_tokens == 513
+    with pytest.raises(ValueError, match="num_heads"):
+        QueryHeadsConfig.from_dict({"num_heads": 7})
+    with pytest.raises(ValueError, match="topk_proposals"):
+        QueryHeadsConfig.from_dict({"memory_len": 500})
