@@ -270,3 +270,70 @@ def load_query_heads(monkeypatch) -> tuple[types.ModuleType, types.ModuleType]:
     lanes = _exec_file(monkeypatch, "mmcv.models.dense_heads.minddrive_head_map",
                        root / "models" / "dense_heads" / "minddrive_head_map.py")
     return detection, lanes
+
+
+def reference_heads(monkeypatch, cfg, *, motion: bool = False, seed: int = 7):
+    """(detection head ``MinddriveHead``, map head ``MinddriveHeadM``, the detector's shared encoders {query_pos,
+    time_embedding, ego_pose_pe}) of the reference (:func:`load_query_heads`) at the sizes of ``cfg`` (a
+    ``QueryHeadsConfig``; the published layout needs ``embed_dims`` 256), in eval mode, every weight drawn at
+    random from ``seed`` (matrices N(0, 9 / fan_in), vectors N(0, 0.09); the reference points uniform in [0, 1]
+    as the published initialisation draws them): the published initialisers leave some weights at zero, and large
+    enough weights keep the queries' scores apart, so the memory's top-k is the same on both sides. ``motion``:
+    also build the motion-prediction branch (``use_col_loss``, the published config: output only)."""
+    import math
+
+    detection, lanes = load_query_heads(monkeypatch)
+    misc = sys.modules["mmcv.utils.misc"]
+    e, pc_range = cfg.embed_dims, list(cfg.pc_range)
+    transformer = dict(type="PETRTemporalTransformer", input_dimension=e, output_dimension=e,
+                       num_layers=cfg.num_layers, embed_dims=e, num_heads=cfg.num_heads,
+                       feedforward_dims=cfg.feedforward_dims, dropout=0.1, flash_attn=True)
+    dream = dict(type="DREAMTransformerDecoder", num_layers=1, embed_dims=e, num_heads=cfg.num_heads, dropout=0.0,
+                 feedforward_dims=cfg.memory_ffn_dims, flash_attn=True)
+    loss = dict(type="FocalLoss", use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=2.0)
+    map_head = lanes.MinddriveHeadM(
+        num_classes=cfg.map_classes, in_channels=cfg.in_channels, out_dims=cfg.out_dims, embed_dims=e,
+        num_lane=cfg.num_lane, memory_len=cfg.map_memory_len, topk_proposals=cfg.map_topk,
+        num_lanes_one2one=cfg.num_lanes_one2one, k_one2many=1, num_extra=cfg.num_extra, with_mask=cfg.with_mask,
+        pc_range=pc_range, n_control=cfg.n_control, transformer=transformer, loss_cls=loss, train_cfg=None)
+    det_head = detection.MinddriveHead(
+        num_classes=cfg.num_classes, in_channels=cfg.in_channels, out_dims=cfg.out_dims, embed_dims=e,
+        num_query=cfg.num_query, memory_len=cfg.memory_len, topk_proposals=cfg.topk_proposals,
+        num_propagated=cfg.num_propagated, num_extra=cfg.num_extra, n_control=cfg.n_control,
+        with_mask=cfg.with_mask, match_with_velo=False, use_memory=cfg.num_memory > 0,
+        num_memory=max(cfg.num_memory, 1), scence_memory_len=cfg.scene_memory_len, memory_decoder_transformer=dream,
+        use_col_loss=motion, motion_transformer_decoder=dream, motion_map_decoder=dream if motion else None,
+        pred_traffic_light_state=True, transformer=transformer, bbox_coder=dict(pc_range=pc_range), loss_cls=loss,
+        train_cfg=None)
+    shared = dict(query_pos=torch.nn.Sequential(torch.nn.Linear(396, e), torch.nn.ReLU(), torch.nn.Linear(e, e)),
+                  time_embedding=torch.nn.Sequential(torch.nn.Linear(e, e), torch.nn.LayerNorm(e)),
+                  ego_pose_pe=misc.MLN(156, e))
+    for head in (map_head, det_head):  # the detector hands each head the same three modules
+        for name, module in shared.items():
+            setattr(head, name, module)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in (map_head, det_head):
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * (3.0 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.3))
+        for emb in (det_head.reference_points, det_head.pseudo_reference_points):
+            emb.weight.copy_(torch.rand(emb.weight.shape, generator=gen))
+        det_head.pc_range.copy_(torch.tensor(pc_range))
+        map_head.pc_range.copy_(torch.tensor(pc_range))
+    return det_head.eval(), map_head.eval(), shared
+
+
+def published_heads_state(det_head, map_head, shared, position_encoder, rays) -> dict:
+    """A detector ``state_dict`` in the published names (minddrive.py's attributes): the shared encoders at the
+    top and, as the detector's ``state_dict`` has them, again under each head; both heads; the 3-D position
+    embedding's MLP (``position_encoder``, an nn.Sequential Linear(3 D, 4 E), ReLU, Linear(4 E, E)) and its
+    stored depths and range (``coords_d``, ``position_range``) for the ray configuration ``rays``."""
+    from hybrid_vla_ros.model.camera_rays import depth_bins
+
+    state = {f"pts_bbox_head.{k}": v for k, v in det_head.state_dict().items()}
+    state.update({f"map_head.{k}": v for k, v in map_head.state_dict().items()})
+    for name, module in shared.items():
+        state.update({f"{name}.{k}": v for k, v in module.state_dict().items()})
+    state.update({f"position_encoder.{k}": v for k, v in position_encoder.state_dict().items()})
+    state["coords_d"], state["position_range"] = depth_bins(rays), torch.tensor(rays.position_range)
+    return state

@@ -41,14 +41,14 @@ def test_block_flops_of_tiny_equal_a_hand_count():
 
 def test_two_passes_count_twice_and_add_the_decision_head():
     cfg = preset("minddrive-0.5b")
-    assert cfg.llm_passes == 2 and cfg.num_tokens == 524  # <waypoint_ego> and <path_waypoint_ego> end it
-    one, two = block_flops(cfg, 524, 1), block_flops(cfg, 524, 2)
+    assert cfg.llm_passes == 2 and cfg.num_tokens == 539  # <waypoint_ego> and <path_waypoint_ego> end it
+    one, two = block_flops(cfg, 539, 1), block_flops(cfg, 539, 2)
     assert two["total"] == 2 * one["total"]
     h = cfg.hidden_size
     assert len(cfg.decision_token_ids) == 7  # MindDrive's read-out: the LM-head rows of 7 meta-action tokens
     # the speed planner (7 modes x 6 steps) and the path planner (6 modes x 20 points), then the decision rows
     assert head_flops(cfg) == vae_planner_flops(h, 6, 7) + vae_planner_flops(h, 20, 6) + 2 * h * 7
-    assert gemm_shapes(cfg)[0] == (2 * 524, 896, 4864)
+    assert gemm_shapes(cfg)[0] == (2 * 539, 896, 4864)
     mlp = preset("minddrive-0.5b", readout={"type": "mlp"})
     assert head_flops(mlp) == 2 * h * h + 2 * h * 6 * 6 * 2 + 2 * h * 7
 
@@ -120,7 +120,7 @@ def test_choose_split_is_zero_when_the_prefix_dominates():
 def test_model_overrides_keep_the_llm_side():
     o = model_overrides("minddrive-0.5b", 112)
     cfg = preset("minddrive-0.5b", **o)
-    assert cfg.image_size == cfg.vision["image_size"] == 112 and cfg.num_tokens == 524
+    assert cfg.image_size == cfg.vision["image_size"] == 112 and cfg.num_tokens == 539
     assert model_overrides("tiny", 64) == {} and model_overrides("tiny", None) == {}
 
 

@@ -8,6 +8,7 @@ from safetensors import safe_open
 
 from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE, init_model, load_stage, model_id
 from hybrid_vla_ros.model.config import VLAConfig
+from hybrid_vla_ros.model.modeling import VLAModel
 from hybrid_vla_ros.util.bags import read_bag
 from hybrid_vla_ros.vehicle.image import decode_compressed, preprocess
 
@@ -159,8 +160,16 @@ def test_published_presets_match_parameter_counts_on_meta(name):
     assert counts["llm_published"] == pytest.approx(PUBLISHED_LLM[name], rel=0.02)
     assert counts["vision"] == pytest.approx(0.304e9, rel=0.02)
     cfg = preset(name)
-    assert cfg.n_cameras == 6 and cfg.image_size == 640 and cfg.num_vision_tokens == 513
-    assert cfg.n_modes == 6 and cfg.ego_state_input
+    # the published query heads: 256 + 16 + 1 object tokens and 256 map tokens (MindDrive); Orion without the
+    # 16 scene-history tokens; MindDrive-0.5B's map head as published (10.8 M: the published module's parameters
+    # at the LLM width 896)
+    assert cfg.n_cameras == 6 and cfg.image_size == 640
+    assert cfg.num_vision_tokens == (513 if name == "orion" else 529)
+    assert cfg.n_modes == 6 and not cfg.ego_state_input  # the can-bus token carries the motion
+    with torch.device("meta"):
+        heads = VLAModel(cfg).projector
+    if name == "minddrive-0.5b":
+        assert sum(p.numel() for p in heads.map_head.parameters()) == pytest.approx(10.77e6, rel=0.01)
 
 
 def test_published_architectures():
@@ -169,13 +178,14 @@ def test_published_architectures():
     orion = preset("orion")
     assert (orion.num_layers, orion.hidden_size, orion.llm["num_attention_heads"], orion.llm["intermediate_size"]) \
         == (32, 4096, 32, 11008)
-    assert orion.prefix_state_shape == (8 + 513 + 1 + 1, 4096)
+    assert orion.prefix_state_shape == (8 + 513 + 1, 4096)
     m05 = preset("minddrive-0.5b")
     assert (m05.llm_type, m05.num_layers, m05.hidden_size, m05.llm["num_attention_heads"],
             m05.llm["num_key_value_heads"], m05.llm["intermediate_size"]) == ("qwen2", 24, 896, 14, 2, 4864)
-    # 8 prompt + 513 + ego + <waypoint_ego> + <path_waypoint_ego>; two LLM passes (decision, action) cross the split
-    assert m05.prefix_state_shape == (2, 524, 896)
-    assert preset("minddrive-0.5b", llm_passes=1).prefix_state_shape == (524, 896)
+    # 8 prompt + 529 scene tokens + <waypoint_ego> + <path_waypoint_ego>; two LLM passes (decision, action) cross
+    # the split
+    assert m05.prefix_state_shape == (2, 539, 896)
+    assert preset("minddrive-0.5b", llm_passes=1).prefix_state_shape == (539, 896)
     m3 = preset("minddrive-3b")
     assert (m3.num_layers, m3.hidden_size, m3.llm["num_attention_heads"], m3.llm["intermediate_size"]) \
         == (36, 2048, 16, 11008)

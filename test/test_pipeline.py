@@ -277,40 +277,137 @@ def test_the_prefix_worker_asks_the_pacing_delay_again_and_a_split_request_ends_
         worker.stop()
 
 
-def test_a_minddrive_shaped_model_answers_a_real_frame_through_both_runners(tmp_path, frame):
+def _bag_frames(embedded_bag) -> list[tuple[int, list]]:
+    """Every synchronized frame of the embedded bag: [(stamp_ns, [("compressed", msg)] * 6)] in time order."""
+    from rosbags.typesys import Stores, get_typestore
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    per_topic = {}
+    for m in read_bag(embedded_bag):
+        if m.topic.endswith("/image_raw/compressed"):
+            per_topic.setdefault(m.topic, []).append(store.deserialize_cdr(m.raw, m.msgtype))
+    topics = sorted(per_topic)
+    out = []
+    for i in range(min(len(v) for v in per_topic.values())):
+        msgs = [per_topic[t][i] for t in topics]
+        out.append((msgs[0].header.stamp.sec * 10**9 + msgs[0].header.stamp.nanosec,
+                    [("compressed", msg) for msg in msgs]))
+    return out
+
+
+#: A small model with the published vision side and query heads (scene_queries) on the tiny preset's LLM.
+SCENE_QUERY_OVERRIDES = dict(
+    vision=dict(type="eva02", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=170,
+                patch_size=16, image_size=64, window_size=2, global_blocks=[2], pretrain_image_size=64),
+    projector=dict(type="scene_queries", num_layers=1, feedforward_dims=64, num_extra=8, num_query=12,
+                   memory_len=16, topk_proposals=8, num_propagated=8, num_memory=4, scene_memory_len=8,
+                   memory_ffn_dims=64, num_lane=20, num_lanes_one2one=10, map_memory_len=16, map_topk=8))
+
+
+def test_the_prefix_node_refuses_a_model_with_query_heads_at_configure_and_says_why(tmp_path):
+    """Until the prefix node reads each camera's geometry and the vehicle's pose from ROS, a checkpoint with the
+    published query heads is refused at configure with the reason (not run with a made-up geometry); the node
+    stays up and unconfigured."""
+    import threading
+    import time
+
+    import rclpy
+    import yaml
+    from rclpy.executors import SingleThreadedExecutor
+
+    from hybrid_vla_ros.model.checkpoint import init_model
+    from hybrid_vla_ros.ros.lifecycle_client import LifecycleClient
+    from hybrid_vla_ros.tools.replay import launch_node, stop_processes
+
+    path = tmp_path / "heads"
+    init_model("tiny", path, overrides=SCENE_QUERY_OVERRIDES)
+    ns = f"/sq_{uuid.uuid4().hex[:8]}"
+    params = {f"{ns}/prefix_node": {"ros__parameters": {"model_path": str(path), "split_layer": 1, "device": "cpu"}}}
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params))
+    log_file = tmp_path / "prefix.log"
+    procs = [launch_node("prefix_node", ns, params_file, [], log_file)]
+    rclpy.init()
+    node = rclpy.create_node(f"tester_{uuid.uuid4().hex[:6]}")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    threading.Thread(target=executor.spin, daemon=True).start()
+    try:
+        client = LifecycleClient(node, f"{ns}/prefix_node")
+        assert client.wait_for_services(60, procs), log_file.read_text()
+        ok, _ = client.change_state("configure", 60)
+        assert not ok and client.get_state() == "unconfigured"
+        deadline = time.monotonic() + 10
+        while "configure failed" not in log_file.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = log_file.read_text()
+        assert "configure failed" in log and "query heads" in log and "CameraInfo" in log, log
+        assert procs[0].poll() is None, "a refused configure does not end the process"
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
+        assert stop_processes(procs) == [0], log_file.read_text()
+
+
+def test_a_minddrive_shaped_model_answers_real_frames_through_both_runners(tmp_path, embedded_bag):
     """Issue 21: the published parts together at a small size: the published camera pipeline (`orion_crop` on the
-    bag's 1936 x 1216 cameras, ImageNet statistics), an EVA-02 vision side (window and global blocks), two LLM
-    passes with the decision read-out and MindDrive's speed and path planners (`vae_speed_path`). Prefix and
-    suffix runners at K = 2 give the whole model's trajectory on the same frame within 1e-5."""
+    bag's 1936 x 1216 cameras, ImageNet statistics), an EVA-02 vision side (window and global blocks), the
+    published query heads with their memory (`scene_queries`), two LLM passes with the decision read-out and
+    MindDrive's speed and path planners (`vae_speed_path`). Over the bag's three frames (the heads' memory carried
+    from one to the next, in the prefix runner's stage), prefix and suffix runners at K = 2 give the whole
+    model's trajectory on each frame within 1e-5. The camera geometry is made up (example_scene_inputs), the
+    vehicle drives 1.26 m/s ahead (the bag's odometry speed)."""
+    from dataclasses import replace
+
     from hybrid_vla_ros.model.checkpoint import init_model
     from hybrid_vla_ros.model.config import IMAGENET_MEAN, IMAGENET_STD
+    from hybrid_vla_ros.model.query_heads import example_scene_inputs
 
-    vision = dict(type="eva02", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=170,
-                  patch_size=16, image_size=64, window_size=2, global_blocks=[2], pretrain_image_size=64)
-    overrides = dict(vision=vision, projector={"type": "query", "num_queries": 16, "num_layers": 1, "num_heads": 4},
-                     image_resize="orion_crop", image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD),
-                     llm_passes=2, decision_token_ids=[11, 23, 35, 47, 59, 71, 83], planning_token_id=250,
-                     readout={"type": "vae_speed_path", "path_token_id": 251, "path_points": 20})
+    overrides = dict(**SCENE_QUERY_OVERRIDES, image_resize="orion_crop", image_mean=list(IMAGENET_MEAN),
+                     image_std=list(IMAGENET_STD), llm_passes=2, decision_token_ids=[11, 23, 35, 47, 59, 71, 83],
+                     planning_token_id=250, readout={"type": "vae_speed_path", "path_token_id": 251,
+                                                     "path_points": 20})
     path = tmp_path / "minddrive_like"
     cfg = init_model("tiny", path, overrides=overrides)
     assert cfg.readout_type == "vae_speed_path" and cfg.vision_type == "eva02"
+    assert cfg.num_vision_tokens == 8 + 4 + 1 + 8  # object extra + scene history + can-bus, map extra
+    frames = _bag_frames(embedded_bag)
+    assert len(frames) == 3
+    t0 = frames[0][0]
+
+    def scene(stamp_ns):
+        base = example_scene_inputs(cfg.n_cameras, cfg.image_size, timestamp=(stamp_ns - t0) * 1e-9)
+        pose = base.frame.ego_pose.clone()
+        pose[1, 3] = 1.26 * base.frame.timestamp  # forward is +y of the model frame
+        can_bus = base.frame.can_bus.clone()
+        can_bus[:3], can_bus[7] = pose[:3, 3], 1.26
+        return replace(base, frame=replace(base.frame, ego_pose=pose, can_bus=can_bus))
+
     ns = f"/pl_{uuid.uuid4().hex[:6]}"
-    stamp, items = frame
     prefix = PrefixRunner(str(path), PrefixRunnerSettings(2, device="cpu", namespace=ns))
     suffix = SuffixRunner(str(path), SuffixRunnerSettings(2, namespace=ns))
+    full = load_stage(path, "full")
     try:
         assert suffix.poll(0.05) is None
-        prefix.run(items, stamp)
-        result = suffix.poll(10.0)
-        assert result is not None
-        full = load_stage(path, "full")
-        with torch.inference_mode():
-            images = [compressed_msg_to_rgb(m) for _, m in items]
-            assert images[0].shape == (1216, 1936, 3)
-            pixels = preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std, resize="orion_crop")
-            expected = full(pixels).double().numpy()
-        assert result.waypoints.shape == expected.shape == (cfg.n_waypoints, 2)
-        assert abs(result.waypoints - expected).max() <= 1e-5
+        with pytest.raises(ValueError, match="camera geometry and ego frame"):
+            prefix.run(frames[0][1], frames[0][0])  # the query heads cannot run without their scene inputs
+        got, want = [], []
+        for stamp, items in frames:
+            prefix.run(items, stamp, scene=scene(stamp))
+            result = suffix.poll(10.0)
+            assert result is not None
+            got.append(result.waypoints)
+            with torch.inference_mode():
+                images = [compressed_msg_to_rgb(m) for _, m in items]
+                assert images[0].shape == (1216, 1936, 3)
+                pixels = preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std, resize="orion_crop")
+                want.append(full(pixels, scene=scene(stamp)).double().numpy())
+        for g, w in zip(got, want):
+            assert g.shape == w.shape == (cfg.n_waypoints, 2)
+            assert abs(g - w).max() <= 1e-5
+        assert not full.projector.object_memory.embedding.isnan().any()
+        assert full.projector.last_timestamp == pytest.approx((frames[-1][0] - t0) * 1e-9)
     finally:
         suffix.close()
         prefix.close()

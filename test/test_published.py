@@ -426,7 +426,8 @@ def test_orion_backbone_from_the_published_code_is_placed_and_computes_the_same(
     report = convert(pth, hf_dir, out, preset_name="orion", overrides=overrides, lora_r=4, lora_alpha=8)
     assert report["placed"]["vision (img_backbone.* -> vision.*, EVA-02)"] == len(
         [k for k in ref.state_dict() if "rope" not in k])
-    assert list(report["derived_checked"].values()) == [4 + 2 * 3]
+    tables = "img_backbone rotary tables (computed from the config, equal to the stored ones)"
+    assert report["derived_checked"][tables] == 4 + 2 * 3
     assert "img_backbone" not in report["not_placed"]
     assert set(report["not_placed"]) == {"pts_bbox_head", "map_head"}
     prefix = open_checkpoint(out).load("prefix", 0, dtype="fp32")
@@ -547,4 +548,82 @@ def test_minddrive_speed_and_path_planners_are_placed(minddrive_like, monkeypatc
     torch.save({"state_dict": state}, pth)
     with pytest.raises(CheckpointError, match=r"planner lacks 1 of the tensors.*head\.path\.ego_fut_decoder\.4"):
         convert(pth, root / "hf", tmp_path / "partial", preset_name="tiny", overrides={"readout": readout}, lora_r=4,
+                lora_alpha=16, decision_token_ids=DECISION_IDS)
+
+
+def test_minddrive_query_heads_from_the_published_classes_are_placed(minddrive_like, monkeypatch, tmp_path):
+    """Issue 21: MindDrive's query heads in the published layout (MinddriveHead with its motion-prediction and
+    traffic-light branches, MinddriveHeadM, the detector's shared encoders at the top and under each head, the 3-D
+    position embedding's MLP with its stored depths and range; made from the published classes at reduced sizes)
+    convert into the `scene_queries` projector: every inference tensor placed (the six copies of each per-level
+    branch and the three of each shared encoder compared and placed once), the output-only branches and the loss
+    weights named as left out, nothing of the heads left unplaced; the converted prefix's heads give the published
+    heads' scene tokens on the same features and geometry (fp32, within 1e-4); every split layer verifies; a
+    checkpoint with part of the heads is refused."""
+    from minddrive_reference import published_heads_state, reference_heads
+
+    from hybrid_vla_ros.model.camera_rays import RayEmbeddingConfig
+    from hybrid_vla_ros.model.query_heads import QueryHeads, example_scene_inputs
+
+    root, _, peft_model = minddrive_like
+    heads_keys = dict(num_layers=1, feedforward_dims=64, num_extra=8, num_query=12, memory_len=16, topk_proposals=8,
+                      num_propagated=8, num_memory=4, scene_memory_len=8, memory_ffn_dims=64, num_lane=20,
+                      num_lanes_one2one=10, map_memory_len=16, map_topk=8)
+    vision = dict(type="eva02", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=170,
+                  patch_size=16, image_size=64, window_size=2, global_blocks=[2], pretrain_image_size=64)
+    overrides = {"image_size": 64, "vision": vision, "projector": {"type": "scene_queries", **heads_keys}}
+    from hybrid_vla_ros.model.config import preset
+
+    cfg_heads = preset("tiny", **overrides, llm={**LLM, "model_type": "qwen2"}).scene_heads_config
+    det, lanes, shared = reference_heads(monkeypatch, cfg_heads, motion=True, seed=3)
+    rays = RayEmbeddingConfig(embed_dims=256, stride=16)
+    torch.manual_seed(2)
+    position_encoder = QueryHeads(cfg_heads, rays).rays.position_encoder
+    state = {k: v for k, v in _published_state(peft_model).items()
+             if not k.startswith(("img_backbone.", "pts_bbox_head.", "map_head."))}
+    published = published_heads_state(det, lanes, shared, position_encoder, rays)
+    state.update(published)
+    pth = tmp_path / "minddrive_heads.pth"
+    torch.save({"state_dict": state}, pth)
+    out = tmp_path / "converted"
+    report = convert(pth, root / "hf", out, preset_name="tiny", overrides=overrides, lora_r=4, lora_alpha=16,
+                     decision_token_ids=DECISION_IDS)
+    with torch.device("meta"):
+        wanted = QueryHeads(cfg_heads, rays).state_dict()
+    group = "query heads (pts_bbox_head, map_head, shared encoders, position_encoder -> projector.*)"
+    assert report["placed"][group] == len(wanted)
+    leftover = {"pts_bbox_head", "map_head", "query_pos", "time_embedding", "ego_pose_pe", "position_encoder",
+                "coords_d", "position_range"}
+    assert not leftover & set(report["not_placed"]), report["not_placed"]
+    output_only = set(report["left_out_output_only"])
+    assert {"pts_bbox_head.motion_decoder", "pts_bbox_head.motion_map_decoder", "pts_bbox_head.lane_encoder",
+            "pts_bbox_head.traj_branches", "pts_bbox_head.tl_branches"} <= output_only
+    assert {"pts_bbox_head", "map_head"} <= set(report["left_out_training_only"])  # code_weights, match_costs
+    assert "projector.*" not in report["stand_ins"]
+    # the converted heads compute the published heads' tokens
+    ck = open_checkpoint(out)
+    prefix = ck.load("prefix", 0, dtype="fp32")
+    scene = example_scene_inputs(6, 64, timestamp=5.0)
+    feats = torch.randn(6, 64, 4, 4, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ours = prefix.projector(feats, scene.lidar2img, scene.frame).tokens
+        pos_embed = prefix.projector.rays(scene.lidar2img, 4, 4, 64, 64).unsqueeze(0)
+        f = scene.frame
+        data = dict(img_feats=feats.unsqueeze(0), timestamp=torch.tensor([f.timestamp], dtype=torch.float64),
+                    ego_pose=f.ego_pose.float().unsqueeze(0), ego_pose_inv=f.ego_pose.inverse().float().unsqueeze(0),
+                    can_bus=f.can_bus.float().unsqueeze(0), command=torch.tensor([float(f.command)]))
+        metas = [{"scene_token": "s"}]
+        lane_outs, map_tokens = lanes(metas, pos_embed, **data)
+        det.use_col_loss = False  # the motion branch (output only) reads map outputs this test does not make
+        _, obj_tokens = det(metas, pos_embed, lane_outs, **data)
+    expected = torch.cat([obj_tokens[0], map_tokens[0]])
+    assert ours.shape == expected.shape == (cfg_heads.scene_tokens, LLM["hidden_size"])
+    assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
+    verified = _cli("verify-split", "--model", str(out), "--quiet")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    # part of the heads: refused, named
+    del state["map_head.transformer.query_decoder._layers.0.transformer_layers.2.attn.out_proj.weight"]
+    torch.save({"state_dict": state}, pth)
+    with pytest.raises(CheckpointError, match=r"query heads do not fit.*partial checkpoint"):
+        convert(pth, root / "hf", tmp_path / "partial", preset_name="tiny", overrides=overrides, lora_r=4,
                 lora_alpha=16, decision_token_ids=DECISION_IDS)

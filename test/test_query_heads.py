@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hybrid_vla_ros.model.camera_rays import RayEmbeddingConfig
-from hybrid_vla_ros.model.query_heads import (PC_RANGE, EgoFrame, QueryHeads, QueryHeadsConfig,
+from hybrid_vla_ros.model.query_heads import (EgoFrame, QueryHeads, QueryHeadsConfig,
                                               place_published_heads)
-from minddrive_reference import load_query_heads
+from minddrive_reference import published_heads_state, reference_heads
 
 CFG = QueryHeadsConfig(embed_dims=256, in_channels=24, out_dims=48, num_layers=2, num_heads=8, feedforward_dims=64,
                        num_extra=8, num_query=12, memory_len=16, topk_proposals=8, num_propagated=8, num_memory=4,
@@ -28,59 +28,12 @@ CAMERAS, GRID_H, GRID_W = 2, 3, 4
 
 
 def _reference_heads(monkeypatch):
-    """(detection head, map head, shared encoders (query_pos, time_embedding, ego_pose_pe)) of the reference at
-    CFG's sizes, every weight drawn at random (the published initialisers leave some at zero)."""
-    detection, lanes = load_query_heads(monkeypatch)
-    misc = __import__("sys").modules["mmcv.utils.misc"]
-    e = CFG.embed_dims
-    transformer = dict(type="PETRTemporalTransformer", input_dimension=e, output_dimension=e,
-                       num_layers=CFG.num_layers, embed_dims=e, num_heads=CFG.num_heads,
-                       feedforward_dims=CFG.feedforward_dims, dropout=0.1, flash_attn=True)
-    loss = dict(type="FocalLoss", use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=2.0)
-    map_head = lanes.MinddriveHeadM(
-        num_classes=CFG.map_classes, in_channels=CFG.in_channels, out_dims=CFG.out_dims, embed_dims=e,
-        num_lane=CFG.num_lane, memory_len=CFG.map_memory_len, topk_proposals=CFG.map_topk,
-        num_lanes_one2one=CFG.num_lanes_one2one, k_one2many=1, num_extra=CFG.num_extra, with_mask=True,
-        pc_range=list(PC_RANGE), n_control=CFG.n_control, transformer=transformer, loss_cls=loss, train_cfg=None)
-    det_head = detection.MinddriveHead(
-        num_classes=CFG.num_classes, in_channels=CFG.in_channels, out_dims=CFG.out_dims, embed_dims=e,
-        num_query=CFG.num_query, memory_len=CFG.memory_len, topk_proposals=CFG.topk_proposals,
-        num_propagated=CFG.num_propagated, num_extra=CFG.num_extra, n_control=CFG.n_control, with_mask=True,
-        match_with_velo=False, use_memory=True, num_memory=CFG.num_memory, scence_memory_len=CFG.scene_memory_len,
-        memory_decoder_transformer=dict(type="DREAMTransformerDecoder", num_layers=1, embed_dims=e,
-                                        num_heads=CFG.num_heads, dropout=0.0, feedforward_dims=CFG.memory_ffn_dims,
-                                        flash_attn=True),
-        use_col_loss=False, pred_traffic_light_state=True, transformer=transformer,
-        bbox_coder=dict(pc_range=list(PC_RANGE)), loss_cls=loss, train_cfg=None)
-    shared = dict(query_pos=torch.nn.Sequential(torch.nn.Linear(396, e), torch.nn.ReLU(), torch.nn.Linear(e, e)),
-                  time_embedding=torch.nn.Sequential(torch.nn.Linear(e, e), torch.nn.LayerNorm(e)),
-                  ego_pose_pe=misc.MLN(156, e))
-    for head in (map_head, det_head):  # the detector hands each head the same three modules
-        for name, module in shared.items():
-            setattr(head, name, module)
-    gen = torch.Generator().manual_seed(7)
-    for module in (map_head, det_head):
-        for p in module.parameters():
-            p.data = torch.randn(p.shape, generator=gen) * (3.0 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.3)
-    # reference points live in [0, 1] of the range (the published initialisation draws them uniformly there)
-    for emb in (det_head.reference_points, det_head.pseudo_reference_points):
-        emb.weight.data = torch.rand(emb.weight.shape, generator=gen)
-    det_head.pc_range.data = torch.tensor(PC_RANGE)
-    map_head.pc_range.data = torch.tensor(PC_RANGE)
-    return det_head.eval(), map_head.eval(), shared
+    """(detection head, map head, shared encoders) of the reference at CFG's sizes (minddrive_reference)."""
+    return reference_heads(monkeypatch, CFG)
 
 
 def _published_state(det_head, map_head, shared, position_encoder) -> dict:
-    """A detector ``state_dict`` in the published names: the shared encoders at the top and under each head, the
-    3-D position embedding's MLP and depths, both heads."""
-    state = {f"pts_bbox_head.{k}": v for k, v in det_head.state_dict().items()}
-    state.update({f"map_head.{k}": v for k, v in map_head.state_dict().items()})
-    for name, module in shared.items():
-        state.update({f"{name}.{k}": v for k, v in module.state_dict().items()})
-    state.update({f"position_encoder.{k}": v for k, v in position_encoder.state_dict().items()})
-    from hybrid_vla_ros.model.camera_rays import POSITION_RANGE, depth_bins
-    state["coords_d"], state["position_range"] = depth_bins(RAYS), torch.tensor(POSITION_RANGE)
-    return state
+    return published_heads_state(det_head, map_head, shared, position_encoder, RAYS)
 
 
 def _pose(yaw: float, x: float, y: float) -> torch.Tensor:

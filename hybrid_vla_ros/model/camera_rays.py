@@ -79,8 +79,14 @@ class CameraRayEmbedding(nn.Module):
         self.cfg = cfg
         d, e = cfg.depth_num, cfg.embed_dims
         self.position_encoder = nn.Sequential(nn.Linear(3 * d, 4 * e), nn.ReLU(), nn.Linear(4 * e, e))
-        self.register_buffer("coords_d", depth_bins(cfg), persistent=False)
-        self.register_buffer("position_range", torch.tensor(cfg.position_range, dtype=torch.float32),
+        self.rebuild_buffers(None)
+
+    def rebuild_buffers(self, device) -> None:
+        """(Re)compute the depths and the range on ``device`` (None: the current default) from the
+        configuration (after a build on the meta device)."""
+        cfg = self.cfg
+        self.register_buffer("coords_d", depth_bins(cfg).to(device), persistent=False)
+        self.register_buffer("position_range", torch.tensor(cfg.position_range, dtype=torch.float32, device=device),
                              persistent=False)
 
     def forward(self, lidar2img: torch.Tensor, grid_h: int, grid_w: int, pad_h: int, pad_w: int) -> torch.Tensor:

@@ -422,12 +422,10 @@ def _rebuild_buffers(module: nn.Module, device: torch.device) -> None:
         if "position_ids" in dict(sub.named_buffers(recurse=False)):
             n = sub.position_ids.shape[-1]
             sub.register_buffer("position_ids", torch.arange(n, device=device).expand(1, -1), persistent=False)
-    if hasattr(module, "rebuild_buffers"):
-        module.rebuild_buffers(device)
-    from .eva02 import EVA02ViT
-
-    for sub in module.modules():  # an EVA-02 vision side inside a stage: its rotary tables
-        if isinstance(sub, EVA02ViT) and sub is not module:
+    # every part that computes its buffers from its configuration (the stage itself, an EVA-02 backbone's rotary
+    # tables, the query heads' masks and ranges, the 3-D position embedding's depths)
+    for sub in module.modules():
+        if hasattr(sub, "rebuild_buffers"):
             sub.rebuild_buffers(device)
 
 

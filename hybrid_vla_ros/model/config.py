@@ -28,6 +28,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # std 58.395, 57.12, 57.375 on 0-255 pixels) divided by 255.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+#: ``projector.type`` of the published query heads (:mod:`hybrid_vla_ros.model.query_heads`).
+SCENE_QUERIES = "scene_queries"
 
 #: Navigation command names, in CARLA RoadOption order (value = index + 1).
 NAV_COMMANDS = ("LEFT", "RIGHT", "STRAIGHT", "LANE_FOLLOW", "CHANGE_LANE_LEFT", "CHANGE_LANE_RIGHT")
@@ -71,7 +73,15 @@ class VLAConfig:
         projector: how vision features become LLM tokens. ``{"type": "mlp"}``: every patch token of
             every camera through a LLaVA two-layer MLP (C*P tokens). ``{"type": "query", "num_queries": Q,
             "num_layers": n, "num_heads": h}``: Q learned queries cross-attend to all cameras' patch
-            tokens in n transformer decoder layers, then the MLP (Q tokens; Orion's QT-Former shape).
+            tokens in n transformer decoder layers, then the MLP (Q tokens; a stand-in of Orion's QT-Former shape).
+            ``{"type": "scene_queries", ...}``: Orion's / MindDrive's published query heads
+            (:mod:`hybrid_vla_ros.model.query_heads`: a map head and a detection head with a memory of earlier
+            frames, on the EVA-02 feature maps with their 3-D position embedding): the other keys are
+            :class:`~hybrid_vla_ros.model.query_heads.QueryHeadsConfig` fields (missing ones take MindDrive's
+            published values; ``in_channels`` and ``out_dims`` come from ``vision`` and ``llm``), 529 tokens
+            (MindDrive) or 513 (``num_memory: 0``, Orion). Each frame then needs the camera geometry and the ego
+            frame (:class:`~hybrid_vla_ros.model.query_heads.SceneInputs`); needs ``vision.type: eva02`` and
+            takes no ``ego_state_input`` (its can-bus token carries the vehicle's motion).
         prompt_token_ids: fixed text prompt token ids embedded before the vision tokens.
         planning_token_id: id of the waypoint query token, always the last token.
         n_waypoints: N future waypoints produced by the head (per mode).
@@ -214,8 +224,8 @@ class VLAConfig:
                 EVA02Config.from_dict(self.vision)
             except (TypeError, ValueError) as e:
                 problems.append(f"vision: {e}")
-            if self.projector.get("type") not in ("query", "mlp"):
-                problems.append("an EVA-02 vision side takes projector.type 'query' or 'mlp'")
+            if self.projector.get("type") not in ("query", "mlp", SCENE_QUERIES):
+                problems.append(f"an EVA-02 vision side takes projector.type 'query', 'mlp' or '{SCENE_QUERIES}'")
         if self.vision.get("image_size", self.image_size) != self.image_size:
             problems.append("vision.image_size differs from image_size")
         if self.image_size % self.vision["patch_size"]:
@@ -247,8 +257,10 @@ class VLAConfig:
                 problems.append("projector.num_heads must divide vision.hidden_size")
         elif kind == "llava":
             problems += self._llava_problems()
+        elif kind == SCENE_QUERIES:
+            problems += self._scene_query_problems()
         elif kind != "mlp":
-            problems.append(f"projector.type {kind!r} is not 'mlp', 'query' or 'llava'")
+            problems.append(f"projector.type {kind!r} is not 'mlp', 'query', '{SCENE_QUERIES}' or 'llava'")
         if kind != "llava" and self.vlm_path:
             problems.append("vlm_path needs projector.type 'llava'")
         if not self.planning_head and not self.vlm_path:
@@ -304,9 +316,9 @@ class VLAConfig:
             if self.hidden_size % 8:
                 problems.append(f"a vae_speed_path read-out needs an LLM width that is a multiple of 8, got "
                                 f"{self.hidden_size}")
-            if self.projector.get("type") not in ("mlp", "query"):
-                problems.append("a vae_speed_path read-out takes this package's own vision side (projector mlp or "
-                                "query)")
+            if self.projector.get("type") not in ("mlp", "query", SCENE_QUERIES):
+                problems.append(f"a vae_speed_path read-out takes this package's own vision side (projector mlp, "
+                                f"query or {SCENE_QUERIES})")
             return problems
         if kind == "vae":
             if self.hidden_size % 8:
@@ -476,11 +488,45 @@ class VLAConfig:
         cls_token = int(self.vision.get("model_type") == "clip_vision_model")
         return patches + cls_token - int(self.projector.get("vision_feature_select_strategy") == "default")
 
+    def _scene_query_problems(self) -> list[str]:
+        problems = []
+        if self.vision_type != "eva02":
+            problems.append(f"projector.type {SCENE_QUERIES} reads the EVA-02 feature maps: it needs vision.type "
+                            "eva02")
+        if self.ego_state_input:
+            problems.append(f"projector.type {SCENE_QUERIES} carries the vehicle's motion in its can-bus token: "
+                            "ego_state_input must be false")
+        if not problems:
+            try:
+                _ = self.scene_heads_config  # its own checks
+            except (TypeError, ValueError) as e:
+                problems.append(f"projector: {e}")
+        return problems
+
+    @property
+    def scene_heads_config(self):
+        """The :class:`~hybrid_vla_ros.model.query_heads.QueryHeadsConfig` of a ``scene_queries`` projector: its
+        keys, the backbone width as ``in_channels`` and the LLM width as ``out_dims``. Raises ValueError for
+        inconsistent sizes or another projector type."""
+        if self.projector.get("type") != SCENE_QUERIES:
+            raise ValueError(f"projector.type is {self.projector.get('type')!r}, not {SCENE_QUERIES}")
+        from .query_heads import QueryHeadsConfig  # torch: only for a config that names the heads
+
+        keys = {k: v for k, v in self.projector.items() if k != "type"}
+        for derived in ("in_channels", "out_dims"):
+            if derived in keys:
+                raise ValueError(f"projector.{derived} comes from the vision / llm width; leave it out")
+        return QueryHeadsConfig.from_dict(keys, in_channels=int(self.vision["hidden_size"]),
+                                          out_dims=int(self.llm["hidden_size"]))
+
     @property
     def num_vision_tokens(self) -> int:
-        """V, LLM tokens from the cameras: C * P (MLP projector) or the query count (query projector)."""
+        """V, LLM tokens from the cameras: C * P (MLP projector), the query count (query projector) or the scene
+        tokens of the query heads (``scene_queries``: 529 MindDrive, 513 Orion)."""
         if self.projector.get("type") == "query":
             return int(self.projector["num_queries"])
+        if self.projector.get("type") == SCENE_QUERIES:
+            return self.scene_heads_config.scene_tokens
         return self.n_cameras * self.tokens_per_camera
 
     @property
@@ -674,20 +720,20 @@ _EVA02_L_640 = dict(type="eva02", hidden_size=1024, num_hidden_layers=24, num_at
                     intermediate_size=2730, patch_size=16, image_size=640, window_size=16,
                     global_blocks=[2, 5, 8, 11, 14, 17, 20, 23], pretrain_image_size=224, pretrain_cls_token=True,
                     rope_grid=16, rope_theta=10000.0, layer_norm_eps=1e-6)
-# Orion's QT-Former turns the 6 x 1600 patch tokens into 513 query tokens for the LLM (Fu et al., 2025).
-# Its exact layers are not public in detail: two transformer decoder layers at the vision width stand in,
-# with the published token count and LLM width.
-_QT_FORMER_513 = {"type": "query", "num_queries": 513, "num_layers": 2, "num_heads": 16}
+# The published query heads (model/query_heads.py, checked against MindDrive's heads in test_query_heads):
+# MindDrive's inference config (529 scene tokens); Orion's heads are taken as the same without the scene history
+# (513 tokens: 256 + 1 object tokens, 256 map tokens), Orion's own config not being public.
+_MINDDRIVE_HEADS = {"type": "scene_queries"}
+_ORION_HEADS = {"type": "scene_queries", "num_memory": 0}
 # A fixed 8-token text prompt for the random-init presets (ids inside every vocabulary used here).
 _PROMPT8 = [1, 12, 34, 56, 78, 90, 123, 45]
 
 
 def _eva_side(**kw) -> dict:
     # the published camera pipeline (vehicle/image.py orion_crop_geometry) and statistics
-    return dict(n_cameras=6, image_size=640, vision=dict(_EVA02_L_640), projector=dict(_QT_FORMER_513),
-                prompt_token_ids=list(_PROMPT8), n_waypoints=6, waypoint_dt_s=0.5, n_modes=6,
-                image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, image_resize="orion_crop",
-                ego_state_input=True, **kw)
+    return dict(n_cameras=6, image_size=640, vision=dict(_EVA02_L_640), prompt_token_ids=list(_PROMPT8),
+                n_waypoints=6, waypoint_dt_s=0.5, n_modes=6, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD,
+                image_resize="orion_crop", **kw)
 
 
 # Orion (Fu et al., 2025; released code): Vicuna's 32000 tokens plus <waypoint_ego>, added as row 32000; the
@@ -770,10 +816,12 @@ def preset(name: str, **overrides) -> VLAConfig:
                                num_attention_heads=32, num_key_value_heads=32, vocab_size=ORION_VOCAB,
                                rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
                                tie_word_embeddings=False),
-                      planning_token_id=ORION_WAYPOINT_TOKEN_ID, readout={"type": "vae"})
+                      projector=dict(_ORION_HEADS), planning_token_id=ORION_WAYPOINT_TOKEN_ID,
+                      readout={"type": "vae"})
     elif name in ("minddrive-0.5b", "minddrive-3b"):  # the speed and path VAE planners (vae_speed_path)
         llm = _qwen2(896, 24, 14, 4864) if name == "minddrive-0.5b" else _qwen2(2048, 36, 16, 11008)
-        d = _eva_side(llm=llm, planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID, llm_passes=2,
+        d = _eva_side(llm=llm, projector=dict(_MINDDRIVE_HEADS), planning_token_id=MINDDRIVE_WAYPOINT_TOKEN_ID,
+                      llm_passes=2,
                       decision_token_ids=list(MINDDRIVE_META_ACTION_IDS),
                       readout={"type": "vae_speed_path", "path_token_id": MINDDRIVE_PATH_WAYPOINT_TOKEN_ID,
                                "path_points": MINDDRIVE_PATH_POINTS})

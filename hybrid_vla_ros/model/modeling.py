@@ -44,11 +44,12 @@ from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from . import text
-from .config import EGO_FEATURES, NAV_COMMANDS, LMConfig, VLAConfig
+from .config import EGO_FEATURES, NAV_COMMANDS, SCENE_QUERIES, LMConfig, VLAConfig
 from .eva02 import EVA02_TYPE
 
 if TYPE_CHECKING:  # imported where used: the annotation only names it
     from .contract import SplitState
+    from .query_heads import SceneInputs
 
 #: Default navigation command (index into NAV_COMMANDS): LANE_FOLLOW.
 DEFAULT_COMMAND = NAV_COMMANDS.index("LANE_FOLLOW")
@@ -269,6 +270,13 @@ def _add_prefix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
 
         m.vision = EVA02ViT(EVA02Config.from_dict(cfg.vision))
         width = m.vision.cfg.hidden_size
+        if cfg.projector["type"] == SCENE_QUERIES:
+            from .camera_rays import RayEmbeddingConfig
+            from .query_heads import QueryHeads
+
+            heads = cfg.scene_heads_config
+            rays = RayEmbeddingConfig(embed_dims=heads.embed_dims, stride=int(cfg.vision["patch_size"]))
+            m.projector = QueryHeads(heads, rays, cfg.image_size)
     elif cfg.projector["type"] == "llava":
         from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
@@ -352,10 +360,10 @@ class VLAModel(nn.Module):
         return local_key
 
     def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None,
-                command: int = DEFAULT_COMMAND) -> torch.Tensor:
+                command: int = DEFAULT_COMMAND, *, scene=None) -> torch.Tensor:
         """Pixels (C, 3, S, S) in the model dtype, ego state (3,) (when the model takes it), command
-        index 0..5 -> waypoints (N, 2) float32 metres."""
-        h = embed(self, pixel_values, ego_state)
+        index 0..5, scene inputs (``scene_queries`` models) -> waypoints (N, 2) float32 metres."""
+        h = embed(self, pixel_values, ego_state, scene=scene)
         h = run_blocks(self, self.layers, h)
         return plan(self, h, command).waypoints
 
@@ -372,32 +380,62 @@ def check_ego_state(cfg: VLAConfig, ego_state: torch.Tensor | None) -> None:
         raise ValueError(f"ego state must be {len(EGO_FEATURES)} finite values, got {ego_state.tolist()}")
 
 
+def check_scene(cfg: VLAConfig, scene) -> None:
+    """Raise ValueError unless ``scene`` fits the model: a :class:`~.query_heads.SceneInputs` with one (4, 4)
+    geometry per camera for a ``scene_queries`` model, None for any other."""
+    if cfg.projector.get("type") != SCENE_QUERIES:
+        if scene is not None:
+            raise ValueError("this model takes no scene inputs (camera geometry, ego frame)")
+        return
+    if scene is None:
+        raise ValueError("this model's query heads need each frame's camera geometry and ego frame (SceneInputs)")
+    if tuple(scene.lidar2img.shape) != (cfg.n_cameras, 4, 4):
+        raise ValueError(f"scene lidar2img must be ({cfg.n_cameras}, 4, 4), got {tuple(scene.lidar2img.shape)}")
+
+
+def example_scene(cfg) -> "SceneInputs | None":
+    """Scene inputs for checks that run a model without a vehicle (split checks, profiling, GPU checks): the
+    made-up cameras and standing vehicle of :func:`~hybrid_vla_ros.model.query_heads.example_scene_inputs` for a
+    ``scene_queries`` model, None for any other (never for driving)."""
+    if not isinstance(cfg, VLAConfig) or cfg.projector.get("type") != SCENE_QUERIES:
+        return None
+    from .query_heads import example_scene_inputs
+
+    return example_scene_inputs(cfg.n_cameras, cfg.image_size)
+
+
 def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *,
-          out=None) -> torch.Tensor:
+          scene=None, out=None) -> torch.Tensor:
     """Hidden states before block 0: (C, 3, S, S) pixels [+ ego state (3,)] -> (T, H) or (2, T, H).
 
     ``m`` provides ``vision``, ``projector``, ``embed_tokens`` (and ``ego_embed`` / ``pass_embed``
     when configured) and ``cfg`` (LLaVA: ``vision_tower``, ``multi_modal_projector``; the sequence is the
     prompt with its image placeholders replaced, see :func:`llava_image_features`). All cameras go
-    through the vision encoder as one batch. ``out``: None, or the destination of the result (a tensor of
+    through the vision encoder as one batch. ``scene``: the frame's
+    :class:`~hybrid_vla_ros.model.query_heads.SceneInputs` for a ``scene_queries`` model (whose query heads keep
+    a memory of the frames before), None for any other. ``out``: None, or the destination of the result (a tensor of
     the result's shape, dtype and device, or a callable returning one, called just before the last op
     writes it): the final concatenation (one pass) or pass-embedding add (two passes) writes straight into
     it, bit for bit what it returns without ``out``. Raises ValueError if the camera count or size is not
-    the checkpoint's, or the ego state does not fit
-    (:func:`check_ego_state`).
+    the checkpoint's, or the ego state or the scene inputs do not fit (:func:`check_ego_state`,
+    :func:`check_scene`, :meth:`~hybrid_vla_ros.model.query_heads.EgoFrame.check`).
     """
     cfg: VLAConfig = m.cfg
     expected = (cfg.n_cameras, 3, cfg.image_size, cfg.image_size)
     if tuple(pixel_values.shape) != expected:
         raise ValueError(f"pixel_values shape {tuple(pixel_values.shape)} != expected {expected}")
     check_ego_state(cfg, ego_state)
+    check_scene(cfg, scene)
     if cfg.projector["type"] == "llava":
         *parts, text = _llava_parts(m, cfg, pixel_values)
         vis = text
     else:
-        vis = m.vision(pixel_values=pixel_values)  # (C, P, Dv): EVA-02 gives the tensor, SigLIP an output
-        vis = vis if isinstance(vis, torch.Tensor) else vis.last_hidden_state
-        vis = m.projector(vis) if cfg.projector["type"] == "query" else m.projector(vis.flatten(0, 1))  # (V, H)
+        if cfg.projector["type"] == SCENE_QUERIES:  # the query heads read the feature maps, with their memory
+            vis = m.projector(m.vision.feature_map(pixel_values), scene.lidar2img, scene.frame).tokens  # (V, H)
+        else:
+            vis = m.vision(pixel_values=pixel_values)  # (C, P, Dv): EVA-02 gives the tensor, SigLIP an output
+            vis = vis if isinstance(vis, torch.Tensor) else vis.last_hidden_state
+            vis = m.projector(vis) if cfg.projector["type"] == "query" else m.projector(vis.flatten(0, 1))  # (V, H)
         reads = len(cfg.readout_token_ids)  # the planning token (and MindDrive's path token after it)
         ids = torch.tensor(cfg.prompt_token_ids + cfg.readout_token_ids, device=vis.device)
         text = m.embed_tokens(ids)
@@ -742,9 +780,10 @@ class PrefixStage(_PrefixSide):
         self.layers = _blocks(cfg, llm, 0, split_layer)
         self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
-    def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *,
+    def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *, scene=None,
                 out=None) -> torch.Tensor:
-        """Pixels (C, 3, S, S) in the stage dtype [+ ego state (3,)] -> hidden states h_K.
+        """Pixels (C, 3, S, S) in the stage dtype [+ ego state (3,)] [+ the frame's scene inputs, ``scene_queries``
+        models: the query heads' memory lives in this stage and moves on with every call] -> hidden states h_K.
 
         ``out``: None, or where h_K is produced (a tensor of ``cfg.prefix_state_shape`` in the stage dtype on
         the stage device, or a callable returning one, called just before the last op, e.g. a ring slot's
@@ -752,8 +791,8 @@ class PrefixStage(_PrefixSide):
         follows; the values are bit for bit those without ``out``. Raises ValueError on a wrong shape or ego
         state."""
         if len(self.layers) == 0:
-            return embed(self, pixel_values, ego_state, out=out)
-        return run_blocks(self, self.layers, embed(self, pixel_values, ego_state), out=out)
+            return embed(self, pixel_values, ego_state, scene=scene, out=out)
+        return run_blocks(self, self.layers, embed(self, pixel_values, ego_state, scene=scene), out=out)
 
 
 class SuffixStage(_SuffixSide):

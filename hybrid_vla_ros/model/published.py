@@ -331,11 +331,18 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     own_extra.update(backbone.tensors)
     planner = place_planner(tensors, parts, cfg, layout, store_dtype)
     own_extra.update(planner.tensors)
+    heads = place_query_heads(tensors, parts, cfg, store_dtype)
+    own_extra.update(heads.tensors)
     _write_own(out, cfg, own_extra, store_dtype, seed, checkpoint, layout)
     report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor, backbone,
-                                bool(planner.tensors))
+                                bool(planner.tensors), bool(heads.tensors))
     report["placed"]["planner (present_distribution, predict_model, ego_fut_decoder -> head.*)"] = len(planner.tensors)
-    report["left_out_training_only"] = _group(planner.training_only)
+    report["placed"]["query heads (pts_bbox_head, map_head, shared encoders, position_encoder -> projector.*)"] = \
+        len(heads.tensors)
+    report["derived_checked"]["query heads (constants and extra copies of shared modules)"] = len(heads.checked)
+    training = planner.training_only + [k for k, why in heads.left_out.items() if why.startswith("training")]
+    report["left_out_training_only"] = _group(training)
+    report["left_out_output_only"] = _group([k for k, why in heads.left_out.items() if why.startswith("output")], 2)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     open_checkpoint(out)  # opens (the referred llm/ consistent) before success is reported
     return report
@@ -487,6 +494,51 @@ def place_backbone(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, sto
     return placed
 
 
+@dataclass
+class PlacedQueryHeads:
+    """The published query heads as placed (model/query_heads.py): ``tensors`` (``projector.<name>`` -> tensor,
+    in the store dtype), ``checked`` (stored names compared, not loaded: the derived constants and the extra
+    copies of shared modules), ``left_out`` (stored name -> why: output only or training only)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    checked: list[str] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)
+
+
+def place_query_heads(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, store_dtype: torch.dtype
+                      ) -> PlacedQueryHeads:
+    """Place the published query heads (``pts_bbox_head.*``, ``map_head.*``, the detector's ``query_pos.*``,
+    ``time_embedding.*``, ``ego_pose_pe.*``, ``position_encoder.*``; ``coords_d`` / ``position_range`` checked)
+    into the model's ``projector.*`` when its projector is ``scene_queries``
+    (:func:`~hybrid_vla_ros.model.query_heads.place_published_heads`: the shared copies and per-level branches
+    compared and placed once; the output-only motion / traffic-light branches and the loss weights named as left
+    out). Everything read leaves ``parts.not_placed``. Nothing is done for another projector or a checkpoint
+    without heads. Raises CheckpointError for heads only partly in the checkpoint, copies that differ, or sizes /
+    constants that are not the config's (the config's projector keys say the sizes)."""
+    from .config import SCENE_QUERIES
+    from .query_heads import PUBLISHED_PREFIXES, place_published_heads
+
+    placed = PlacedQueryHeads()
+    if cfg.projector.get("type") != SCENE_QUERIES:
+        return placed
+    stored = {n: tensors[n] for n in parts.not_placed if n.startswith(PUBLISHED_PREFIXES)}
+    if not any(n.startswith(("pts_bbox_head.", "map_head.")) for n in stored):
+        return placed
+    heads = cfg.scene_heads_config
+    from .camera_rays import RayEmbeddingConfig
+
+    rays = RayEmbeddingConfig(embed_dims=heads.embed_dims, stride=int(cfg.vision["patch_size"]))
+    try:
+        result = place_published_heads(stored, heads, rays)
+    except ValueError as e:
+        raise CheckpointError(f"the checkpoint's query heads do not fit this config: {e}") from None
+    placed.tensors = {f"projector.{k}": v.to(store_dtype).contiguous() for k, v in result.tensors.items()}
+    placed.checked, placed.left_out = list(result.checked), dict(result.left_out)
+    for name in result.read:
+        parts.not_placed.remove(name)
+    return placed
+
+
 #: The published planner's modules (Orion's single VAE planner; MindDrive's speed planner, its path planner with
 #: the ``pw_`` prefix), placed under ``head.`` for a ``vae`` read-out.
 PLANNER_MODULES = ("present_distribution", "predict_model", "ego_fut_decoder")
@@ -617,7 +669,7 @@ def _write_own(out: Path, cfg, own_extra: dict, store_dtype: torch.dtype, seed: 
 
 
 def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _WrittenLLM, cfg, non_tensor,
-                       backbone: PlacedBackbone, planner_placed: bool = False) -> dict:
+                       backbone: PlacedBackbone, planner_placed: bool = False, heads_placed: bool = False) -> dict:
     """The conversion's report (``convert_report.json``): what was placed, merged and written, and every
     tensor not placed, by name, grouped by prefix."""
     ref, llm_keys, vocab, declared_vocab, merged = llm.ref, llm.keys, llm.vocab, llm.declared_vocab, llm.merged
@@ -640,17 +692,26 @@ def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _
         "non_tensor_entries": non_tensor,
         "derived_checked": {"img_backbone rotary tables (computed from the config, equal to the stored ones)":
                             len(backbone.checked)},
-        "stand_ins": (f"projector.*, ego_embed.*{'' if planner_placed else ', head.*'} are this "
-                      f"package's random-init stand-ins ({cfg.preset} preset); the checkpoint's query heads"
-                      f"{'' if planner_placed else ' and planner(s)'} are not placed (listed in not_placed)"
-                      + ("" if backbone.tensors else "; so is its vision backbone, which this config's vision side "
-                         "does not take")),
+        "stand_ins": _stand_ins(cfg, backbone_placed=bool(backbone.tensors), planner_placed=planner_placed,
+                                heads_placed=heads_placed),
     }
     if layout == "minddrive":
         report["decision"] = {"token_ids": cfg.decision_token_ids, "position": cfg.decision_position,
                               "rows_from": "lm_head.weight" if "lm_head.weight" in llm_keys else
                               "model.embed_tokens.weight (tied)"}
     return report
+
+
+def _stand_ins(cfg, *, backbone_placed: bool, planner_placed: bool, heads_placed: bool) -> str:
+    """The report's line on the parts that are this package's random-init stand-ins, or that there are none."""
+    parts = [name for name, placed in (("vision.*", backbone_placed), ("projector.*", heads_placed),
+                                       ("head.*", planner_placed)) if not placed]
+    if cfg.ego_state_input:
+        parts.append("ego_embed.*")
+    if not parts:
+        return "none: every module of the model comes from the checkpoint"
+    return (f"{', '.join(parts)} are this package's random-init stand-ins ({cfg.preset} preset): the checkpoint has "
+            "no such part this config takes (what it has and was not placed is listed in not_placed)")
 
 
 def _write_shards(directory: Path, keys: list[str], shapes: dict, make, dtype: torch.dtype, limit: int) -> None:

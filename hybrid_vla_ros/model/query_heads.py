@@ -346,6 +346,41 @@ class EgoFrame:
             raise ValueError(f"command {self.command} is not a navigation command index 0 .. 5")
 
 
+@dataclass(frozen=True)
+class SceneInputs:
+    """What a ``scene_queries`` model needs per frame besides the pixels: ``lidar2img`` (C, 4, 4) float, each
+    camera's projection from the model frame to the model image's pixels (the camera matrix of the resized image
+    times the camera's pose; :class:`~.camera_rays.CameraRayEmbedding`), and the ``frame`` (:class:`EgoFrame`)."""
+
+    lidar2img: torch.Tensor
+    frame: EgoFrame
+
+
+def example_scene_inputs(n_cameras: int, image_size: int, timestamp: float = 0.0) -> SceneInputs:
+    """A plausible but made-up scene for checks that need one and no vehicle (split checks, profiling,
+    benchmarks): ``n_cameras`` pinhole cameras 1.6 m above the model frame's origin, looking out horizontally at
+    even headings from the front (+y of the model frame), 90 degrees field of view on ``image_size`` px square
+    images; the vehicle at the world origin, standing, command LANE_FOLLOW. Not a calibration: never for driving."""
+    f = image_size / 2.0
+    k = torch.tensor([[f, 0, image_size / 2.0, 0], [0, f, image_size / 2.0, 0], [0, 0, 1, 0], [0, 0, 0, 1]],
+                     dtype=torch.float64)
+    out = []
+    for i in range(n_cameras):
+        yaw = 2 * math.pi * i / n_cameras  # heading of the optical axis, counter-clockwise from +y
+        forward = torch.tensor([-math.sin(yaw), math.cos(yaw), 0.0], dtype=torch.float64)
+        right = torch.tensor([math.cos(yaw), math.sin(yaw), 0.0], dtype=torch.float64)
+        down = torch.tensor([0.0, 0.0, -1.0], dtype=torch.float64)
+        rot = torch.stack([right, down, forward])  # rows: the camera's x (right), y (down), z (optical axis)
+        cam = torch.eye(4, dtype=torch.float64)
+        cam[:3, :3] = rot
+        cam[:3, 3] = -rot @ torch.tensor([0.0, 0.0, 1.6], dtype=torch.float64)
+        out.append(k @ cam)
+    can_bus = torch.zeros(CAN_BUS_SIZE, dtype=torch.float64)
+    can_bus[3] = 1.0  # identity rotation quaternion (w first)
+    frame = EgoFrame(timestamp=timestamp, ego_pose=torch.eye(4, dtype=torch.float64), can_bus=can_bus, command=3)
+    return SceneInputs(lidar2img=torch.stack(out).float(), frame=frame)
+
+
 @dataclass
 class ObjectMemory:
     """The detection head's memory (batch 1), newest first. float64 unless noted.
@@ -424,8 +459,13 @@ class MapHead(nn.Module):
         self.points_embedding_lane = nn.Embedding(cfg.n_control, e)
         self.instance_embedding_lane = nn.Embedding(cfg.num_lane, e)
         self.query_embedding = nn.Embedding(cfg.num_extra, e)
-        self.register_buffer("pc_range", torch.tensor(cfg.pc_range, dtype=torch.float32), persistent=False)
-        self.register_buffer("attn_mask", self._mask(), persistent=False)
+        self.rebuild_buffers(None)
+
+    def rebuild_buffers(self, device) -> None:
+        """(Re)compute ``pc_range`` and the attention mask on ``device`` from the configuration."""
+        self.register_buffer("pc_range", torch.tensor(self.cfg.pc_range, dtype=torch.float32, device=device),
+                             persistent=False)
+        self.register_buffer("attn_mask", self._mask().to(device), persistent=False)
 
     def _mask(self) -> torch.Tensor:
         c = self.cfg
@@ -522,8 +562,14 @@ class ObjectHead(nn.Module):
             self.scene_time_embedding = nn.Sequential(nn.Linear(e, e), nn.LayerNorm(e))
             self.memory_decoder_cq = CrossDecoder(cfg)
             self.memory_decoder_mq = CrossDecoder(cfg)
-        self.register_buffer("pc_range", torch.tensor(cfg.pc_range, dtype=torch.float32), persistent=False)
-        self.register_buffer("attn_mask", self._mask(), persistent=False)
+        self.rebuild_buffers(None)
+
+    def rebuild_buffers(self, device) -> None:
+        """(Re)compute ``pc_range`` and the attention mask on ``device`` from the configuration."""
+        self.register_buffer("pc_range", torch.tensor(self.cfg.pc_range, dtype=torch.float32, device=device),
+                             persistent=False)
+        mask = self._mask()
+        self.register_buffer("attn_mask", None if mask is None else mask.to(device), persistent=False)
 
     def _mask(self) -> torch.Tensor | None:
         c = self.cfg

@@ -40,6 +40,7 @@ from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 
 from ..util.ids import model_id_text
 from ..model.checkpoint import driving_config
+from ..model.config import SCENE_QUERIES
 from ..runtime.prefix import PrefixRunner
 from ..transport.ring import ProducerStats
 from ..util.cores import pin_process
@@ -82,6 +83,12 @@ class PrefixNode(node_base.PipelineNode):
         try:
             p = self.read_parameters()  # schema checks first: model_path must name a directory
             cfg = driving_config(p.model_path)
+            if getattr(cfg, "projector", {}).get("type") == SCENE_QUERIES:
+                raise ValueError(f"{p.model_path} has the published query heads (projector {SCENE_QUERIES}): they "
+                                 "need each camera's geometry and the vehicle's pose per frame, which this node does "
+                                 "not read yet (CameraInfo, /tf_static, the odometry pose); run it through "
+                                 "hybrid_vla_ros.runtime's PrefixRunner with SceneInputs, or use a checkpoint with "
+                                 "another projector")
             p = self.read_parameters(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers)
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)

@@ -18,7 +18,7 @@ import torch
 
 from ..model.checkpoint import load_stage, model_id, parse_dtype
 from ..split.planner import ring_side
-from ..model.modeling import check_ego_state, output_into_is_exact
+from ..model.modeling import check_ego_state, check_scene, output_into_is_exact
 from ..split.rebalance import StageSample
 from ..split.resplit import Resplit, ResplitError, StageSplit
 from ..transport.pinned import SlotCopier
@@ -198,18 +198,23 @@ class PrefixRunner:
         return images
 
     @torch.inference_mode()
-    def run(self, items: list, stamp_ns: int, ego_state=None, ego_wait_ms: float = math.nan) -> PrefixResult:
+    def run(self, items: list, stamp_ns: int, ego_state=None, ego_wait_ms: float = math.nan, *,
+            scene=None) -> PrefixResult:
         """One synchronized frame (camera-order ``(transport, msg)`` items, camera stamp in ns) into the
         ring; see the class docstring. ``ego_state``: (speed m/s, acceleration m/s^2, yaw rate rad/s)
         at the camera stamp, required when the model takes it (``cfg.ego_state_input``), else None.
+        ``scene``: the frame's :class:`~hybrid_vla_ros.model.query_heads.SceneInputs` (camera geometry of the
+        model images, ego frame), required by a ``scene_queries`` model (whose query heads keep their memory in
+        this runner's stage from frame to frame), else None.
         ``ego_wait_ms``: how long the caller waited for that ego state before this call (ms; NaN: not timed),
         sent with the frame's timings (``SlotTimings.ego_wait_ms``).
-        Raises ImageDecodeError, ValueError (camera count, missing or non-finite ego state) and
-        FloatingPointError (non-finite hidden states: nothing is published)."""
+        Raises ImageDecodeError, ValueError (camera count, missing or non-finite ego state, missing or wrong scene
+        inputs) and FloatingPointError (non-finite hidden states: nothing is published)."""
         if len(items) != self.cfg.n_cameras:
             raise ValueError(f"frame has {len(items)} cameras, the model takes {self.cfg.n_cameras}")
         ego = None if ego_state is None else torch.as_tensor(ego_state, dtype=torch.float32)
         check_ego_state(self.cfg, ego)
+        check_scene(self.cfg, scene)
         resplit_error = None
         try:
             resplit = self.apply_split_request()
@@ -226,9 +231,10 @@ class PrefixRunner:
         t1 = time.perf_counter()
         pixels = self._pixels_cpu.to(self.device, self.dtype, non_blocking=True)
         if self.produce_in_slot:
-            slot, t2 = self._run_in_slot(pixels, ego)
+            slot, t2 = self._run_in_slot(pixels, ego, scene)
         else:
-            hidden = self.stage(pixels) if ego is None else self.stage(pixels, ego)
+            hidden = self.stage(pixels, ego, scene=scene) if scene is not None else (
+                self.stage(pixels) if ego is None else self.stage(pixels, ego))
             if not torch.isfinite(hidden).all():
                 raise FloatingPointError("prefix produced non-finite hidden states")
             t2 = time.perf_counter()
@@ -370,7 +376,7 @@ class PrefixRunner:
         block = type(self.stage.layers[-1]).__name__ if len(self.stage.layers) else "embeddings"
         return f"copied into slot ({block}: its forward is not the layout produced in place)"
 
-    def _run_in_slot(self, pixels: torch.Tensor, ego) -> tuple:
+    def _run_in_slot(self, pixels: torch.Tensor, ego, scene=None) -> tuple:
         """The stage with its output produced in a ring slot taken just before the last op; returns (slot, t2).
         Aborts the slot and raises FloatingPointError for non-finite hidden states."""
         slot = None
@@ -381,7 +387,7 @@ class PrefixRunner:
             return slot.tensor
 
         try:
-            hidden = self.stage(pixels, ego, out=destination)
+            hidden = self.stage(pixels, ego, scene=scene, out=destination)
             if not torch.isfinite(hidden).all():
                 raise FloatingPointError("prefix produced non-finite hidden states")
         except BaseException:

@@ -222,7 +222,11 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
       GELU outputs: 4*N*Dv + 2*N*Mv); the post-layernorm (x0, encoder output, its norm);
     * query projector: the Q queries cross-attend to all N patch tokens; nn.MultiheadAttention projects
       the memory to packed k|v (2*N*Dv) and makes a contiguous copy (2*N*Dv) while the memory (N*Dv)
-      is alive. MLP projector: the N tokens go through Linear-GELU-Linear (2*N*H alive with the input);
+      is alive. MLP projector: the N tokens go through Linear-GELU-Linear (2*N*H alive with the input).
+      Query heads (``scene_queries``): the 3-D position embedding's hidden layer (N x 4E) beside the feature
+      maps, then a head's cross-attention over the N features at the heads' width E (an estimate from the
+      code's tensors, not yet compared with a measured peak; the memory of earlier frames, about 1 MB, is not
+      counted);
     * embeddings: vision tokens, text embeddings, ego token and their concatenation (T, H), plus the
       (2, T, H) pass-embedded copy with two passes;
     * LLM blocks (:func:`_llm_block_phases`) at B*T tokens, with the embedding output h_0 held by
@@ -322,6 +326,19 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
                                                           "kv_contiguous": 2 * tok, "queries": 3 * Q * Dv * e}))
         phases.append(Phase("projector.mlp", {**pixels, "memory": tok, "queries": Q * Dv * e,
                                               "mlp": 2 * Q * H * e}))
+    elif cfg.projector["type"] == "scene_queries":
+        hc = cfg.scene_heads_config
+        E, Q = hc.embed_dims, hc.num_extra + hc.num_lane  # the map head has the most queries
+        K = Q + hc.map_memory_len
+        # while the 3-D position embedding runs: the feature maps and its MLP's hidden layer (N x 4E); while a
+        # head's cross-attention runs: the projected features, their position embedding, keys with it, the k / v
+        # projections, and the queries' working set (tgt, positions, q, output, FFN) with the self-attention mask
+        phases.append(Phase("projector.position_embedding", {**pixels, "feature_maps": tok,
+                                                             "rays_hidden": N * 4 * E * e, "pos_embed": N * E * e}))
+        phases.append(Phase("projector.query_heads", {
+            **pixels, "feature_maps": tok, "pos_embed": N * E * e, "features": N * E * e, "keys": N * E * e,
+            "kv_proj": 2 * N * E * e, "queries": 6 * Q * E * e + Q * hc.feedforward_dims * e, "self_attn_mask": Q * K,
+            "tokens": V * H * e}))
     else:
         phases.append(Phase("projector.mlp", {**pixels, "vision_features": tok, "mlp": 2 * N * H * e}))
     T = d["T"]

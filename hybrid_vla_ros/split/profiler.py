@@ -66,7 +66,8 @@ from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
 from ..model.config import LMConfig, VLAConfig, VLMSpec, preset
 from ..model.eva02 import EVA02ViT
 from ..model import text
-from ..model.modeling import DEFAULT_COMMAND, PrefixStage, SuffixStage, embed, llm_config, llm_family, plan
+from ..model.modeling import (DEFAULT_COMMAND, PrefixStage, SuffixStage, embed, example_scene, llm_config, llm_family,
+                              plan)
 from ..util.cores import cpu_model, pin_process
 
 PROFILE_FORMAT_VERSION = 1
@@ -294,6 +295,9 @@ def random_init_(module: nn.Module, device: str | torch.device, dtype: torch.dty
             else:
                 p.fill_(1.0)
     for sub in module.modules():
+        if hasattr(sub, "rebuild_buffers"):  # computes its own buffers from its configuration
+            sub.rebuild_buffers(device)
+            continue
         for bname, buf in list(sub.named_buffers(recurse=False)):
             if bname == "position_ids":
                 sub.register_buffer(bname, torch.arange(buf.shape[-1], device=device).expand(1, -1),
@@ -362,6 +366,12 @@ class _FixedVision(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor):
         return SimpleNamespace(last_hidden_state=self.features)
+
+    def feature_map(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The features as EVA-02's (C, D, G, G) feature maps (what the query heads read)."""
+        c, p, d = self.features.shape
+        g = int(math.isqrt(p))
+        return self.features.transpose(1, 2).reshape(c, d, g, g)
 
 
 def _block_from_checkpoint(ck: Checkpoint, index: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -547,6 +557,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     C, S = cfg.n_cameras, cfg.image_size
     pixels = torch.rand((C, 3, S, S), device=device, dtype=dtype)
     ego = torch.zeros(3, device=device) if cfg.ego_state_input else None
+    scene = example_scene(cfg)
     # ---- vision side and projector/embeddings
     if model_path is not None:
         front = model_path.load("prefix", 0, device=device, dtype=dtype)
@@ -589,9 +600,9 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
             if name not in ("vision", "layers", "rotary_emb"):
                 random_init_(child, device, dtype)
     front.vision = _FixedVision(feats)
-    timed("projector_embed", lambda: embed(front, pixels, ego))
+    timed("projector_embed", lambda: embed(front, pixels, ego, scene=scene))
     with torch.inference_mode():
-        h = embed(front, pixels, ego)
+        h = embed(front, pixels, ego, scene=scene)
     # free them (rebound rather than deleted: the lambdas above name them)
     front = vision = None
     # ---- LLM blocks

@@ -43,7 +43,7 @@ import torch
 
 from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
 from ..model.config import VLAConfig, VLMSpec
-from ..model.modeling import llava_input_ids
+from ..model.modeling import example_scene, llava_input_ids
 
 #: Default tolerance on every max abs difference, by dtype (the split and the reference run in that dtype).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -257,7 +257,7 @@ def _per_pass_reference(ck: Checkpoint, cfg: VLAConfig, batch: torch.Tensor, dty
                     f"{', '.join(cfg.pass_adapters)} (pass 0, 1, ...) on h_0 of each pass")
 
 
-def _reference(ck: Checkpoint, dtype, pixels, ego, ids) -> tuple[list, str]:
+def _reference(ck: Checkpoint, dtype, pixels, ego, ids, scene=None) -> tuple[list, str]:
     """transformers' hidden_states (L + 1 entries, the last after the final norm) for this checkpoint's input."""
     cfg = ck.model
     if ck.kind == "transformers" and ck.hf.kind == "llm":
@@ -270,7 +270,7 @@ def _reference(ck: Checkpoint, dtype, pixels, ego, ids) -> tuple[list, str]:
         ref = LlavaForConditionalGeneration.from_pretrained(str(ck.hf.path), dtype=dtype).eval()
         out = ref(input_ids=torch.tensor([llava_input_ids(cfg)]), pixel_values=pixels, output_hidden_states=True)
         return _hidden_states(out), f"transformers LlavaForConditionalGeneration.from_pretrained({ck.hf.path})"
-    h0 = ck.load("prefix", 0, dtype=dtype)(pixels, ego)
+    h0 = ck.load("prefix", 0, dtype=dtype)(pixels, ego, scene=scene)
     return _llm_reference_on_embeddings(ck, cfg, h0, dtype)
 
 
@@ -310,12 +310,14 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
                                              and ck.model.projector.get("type") == "vlm"):
             return _verify_vlm(ck, torch_dtype, name, tol, say, ks)
         cfg = ck.model
-        pixels = ego = ids = None
+        pixels = ego = ids = scene = None
         if isinstance(cfg, VLAConfig):
             pixels = bag_pixels(cfg).to(torch_dtype)
             ego = torch.tensor(EGO_STATE) if cfg.ego_state_input else None
+            scene = example_scene(cfg)
             inputs = (f"camera frame of {cfg.n_cameras} camera(s) from the embedded bag at {cfg.image_size} px, "
-                      f"{cfg.num_tokens} tokens" + (", ego state" if ego is not None else ""))
+                      f"{cfg.num_tokens} tokens" + (", ego state" if ego is not None else "")
+                      + (", made-up camera geometry and ego frame (query heads)" if scene is not None else ""))
         else:
             from ..model.hf import lm_prompt_ids
 
@@ -325,7 +327,7 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
                 raise ValueError(f"token id {int(ids.max())} is outside the vocabulary [0, {vocab}) of {path}")
             inputs = f"{len(ids)} token ids"
         say(f"reference forward ({ck.description}) ...")
-        ref_states, ref_name = _reference(ck, torch_dtype, pixels, ego, ids)
+        ref_states, ref_name = _reference(ck, torch_dtype, pixels, ego, ids, scene)
         L = ck.num_layers
         if len(ref_states) != L + 1:
             raise RuntimeError(f"the reference gave {len(ref_states)} hidden states, expected L + 1 = {L + 1}")
@@ -335,7 +337,7 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
         for k in ks:
             prefix = ck.load("prefix", k, dtype=torch_dtype)
             suffix = ck.load("suffix", k, dtype=torch_dtype)
-            h = prefix(pixels, ego) if pixels is not None else prefix(ids)
+            h = prefix(pixels, ego, scene=scene) if pixels is not None else prefix(ids)
             del prefix
             d_prefix = _diff(h, ref_states[k]) if k < L else None
             final = suffix.final_hidden_states(h)

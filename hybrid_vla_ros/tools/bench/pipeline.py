@@ -279,7 +279,7 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
             if pace:
                 time.sleep(runner.pacing_delay_s())
             t_call = time.monotonic_ns()
-            r = runner.run(items, stamp, ego)
+            r = runner.run(items, stamp, ego, scene=_scene(runner.cfg, stamp))
             t_ret = time.monotonic_ns()
             records.append({"seq": r.seq, "preprocess_ms": r.preprocess_ms, "prefix_ms": r.prefix_ms,
                             "t_call_ns": t_call, "t_return_ns": t_ret, "split_layer": r.split_layer})
@@ -345,6 +345,21 @@ def suffix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
         runner.close()
 
 
+def _scene(cfg, stamp_ns: int):
+    """The scene inputs of a ``scene_queries`` model (the published query heads) for a frame stamped
+    ``stamp_ns``: made-up cameras and a standing vehicle (``query_heads.example_scene_inputs``; the cost of the heads
+    does not depend on the geometry), the frame's stamp as its time so the heads' memory carries from frame to
+    frame; None for any other model."""
+    from ...model.modeling import example_scene
+
+    scene = example_scene(cfg)
+    if scene is None:
+        return None
+    from dataclasses import replace
+
+    return replace(scene, frame=replace(scene.frame, timestamp=stamp_ns * 1e-9))
+
+
 def sequential_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_name: str, threads: int, total: int,
                     bag: str = str(DEFAULT_BAG), device: str = "cpu") -> dict:
     """Worker: prefix then suffix on each frame in one process (same classes, same ring code)."""
@@ -369,7 +384,7 @@ def sequential_task(chan, *, model_path: str, split_layer: int, dtype: str, ring
         records = []
         for i in range(total):
             items, stamp = _frame(frames, i)
-            prefix.run(items, stamp, ego)
+            prefix.run(items, stamp, ego, scene=_scene(prefix.cfg, stamp))
             r = suffix.poll(60.0)
             if r is None:
                 raise TimeoutError("the suffix got no frame in the sequential run")

@@ -86,6 +86,7 @@ def memory_rows(name: str, overrides: dict, ks: list[int], dtype: str, device_na
 
     from ...model.checkpoint import parse_dtype, random_stage
     from ...model.config import preset
+    from ...model.modeling import example_scene
     from ...runtime.device import resolve_device
 
     cfg = preset(name, **overrides)
@@ -116,7 +117,7 @@ def memory_rows(name: str, overrides: dict, ks: list[int], dtype: str, device_na
         ego = torch.tensor(EGO_STATE, dtype=torch.float32, device=device) if cfg.ego_state_input else None
         with torch.inference_mode():
             t0 = time.perf_counter()
-            hidden = stage(pixels, ego)
+            hidden = stage(pixels, ego, scene=example_scene(cfg))
             sync(device)
             row["forward_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
         row["finite"] = bool(torch.isfinite(hidden).all())

@@ -23,6 +23,7 @@ def numerics_figures(path: Path, device_name: str) -> dict:
     import torch
 
     from ...model.checkpoint import check_device_dtype, load_stage, parse_dtype
+    from ...model.modeling import example_scene
     from ...runtime.device import resolve_device
 
     device = resolve_device(device_name)
@@ -32,7 +33,7 @@ def numerics_figures(path: Path, device_name: str) -> dict:
     pixels = torch.randn(cfg.n_cameras, 3, cfg.image_size, cfg.image_size, generator=gen)
     ego = torch.tensor(EGO_STATE, dtype=torch.float32) if cfg.ego_state_input else None
     with torch.inference_mode():
-        want = ref(pixels, ego).double().numpy()
+        want = ref(pixels, ego, scene=example_scene(cfg)).double().numpy()
     del ref
     k = cfg.num_layers // 2
     out = {"split_layer": k, "num_layers": cfg.num_layers, "waypoint_dt_s": cfg.waypoint_dt_s,
@@ -48,7 +49,8 @@ def numerics_figures(path: Path, device_name: str) -> dict:
             continue
         prefix = load_stage(path, "prefix", k, device=device, dtype=pdt)
         with torch.inference_mode():
-            hidden = prefix(pixels.to(device, pdt), None if ego is None else ego.to(device)).cpu()
+            hidden = prefix(pixels.to(device, pdt), None if ego is None else ego.to(device),
+                            scene=example_scene(cfg)).cpu()
         del prefix
         for sname in ("fp32", "bf16"):
             sdt = parse_dtype(sname)
