@@ -1,0 +1,210 @@
+"""The camera geometry the published query heads need (``lidar2img`` per camera), from what a ROS vehicle provides:
+each camera's ``sensor_msgs/CameraInfo`` and the static transforms from ``base_link`` to the cameras' optical frames
+(``/tf_static``).
+
+Frames (REP 103 / REP 105; Autoware):
+  * ``base_link``: x forward, y left, z up; Autoware puts it at the rear axle's centre on the ground;
+  * a camera's optical frame (``CameraInfo.header.frame_id``): x right, y down, z along the optical axis;
+  * the **model frame** of the published models: their training data's lidar frame (Bench2Drive), x right,
+    y forward, z up. Its pose in ``base_link`` is the rotation below and an origin the user gives
+    (:class:`ModelFrame`): the published lidar sits 1.84 m above the ground and 0.39 m behind the vehicle's centre
+    (Bench2Drive's ``lidar2ego``), so on a car whose base_link is the rear axle the origin is about
+    (wheelbase / 2 - 0.39, 0, 1.84) m.
+
+``lidar2img`` of camera i = K'_i (4 x 4) @ T(optical_i <- model), with K'_i the camera matrix of the *model image*
+(the camera pipeline's crop and resize applied to CameraInfo's ``k``; :func:`model_image_intrinsics`) and
+T(optical_i <- model) = inverse(T(base_link <- optical_i)) @ T(base_link <- model). The published pipeline builds it
+the same way from its dataset's ``cam_intrinsic`` and ``lidar2cam``.
+
+No ROS imports: the readers take any object with the message's fields.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .image import orion_crop_geometry
+
+#: Rotation of the model frame's axes in base_link: model x (right) = -y_base, model y (forward) = x_base,
+#: model z = z_base. Columns are the model axes written in base_link.
+MODEL_AXES_IN_BASE_LINK = np.array([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+#: Where the published models' lidar (the model frame's origin) sits relative to the vehicle's centre on the
+#: ground, metres, base_link axes (Bench2Drive's ``lidar2ego``: 0.39 m behind, 1.84 m up).
+PUBLISHED_LIDAR_FROM_VEHICLE_CENTRE = (-0.39, 0.0, 1.84)
+
+
+@dataclass(frozen=True)
+class ModelFrame:
+    """The model frame's pose in base_link: axes :data:`MODEL_AXES_IN_BASE_LINK`, origin ``origin`` (x, y, z)
+    metres in base_link. Raises ValueError for a non-finite origin."""
+
+    origin: tuple[float, float, float]
+
+    def __post_init__(self) -> None:
+        if len(self.origin) != 3 or not all(math.isfinite(float(v)) for v in self.origin):
+            raise ValueError(f"model frame origin must be 3 finite metres (x, y, z in base_link), got {self.origin}")
+
+    def in_base_link(self) -> np.ndarray:
+        """T(base_link <- model), (4, 4) float64."""
+        t = np.eye(4)
+        t[:3, :3] = MODEL_AXES_IN_BASE_LINK
+        t[:3, 3] = np.asarray(self.origin, dtype=np.float64)
+        return t
+
+
+@dataclass(frozen=True)
+class CameraIntrinsics:
+    """One camera as its CameraInfo describes it: ``k`` (3, 3) float64 pixels of the ``width`` x ``height`` image,
+    ``frame_id`` (the optical frame), ``distortion`` (the model name and coefficients; the published models assume
+    an undistorted pinhole image, see :func:`camera_intrinsics_from_info`)."""
+
+    k: np.ndarray
+    width: int
+    height: int
+    frame_id: str
+    distortion_model: str
+    d: tuple[float, ...]
+
+
+def camera_intrinsics_from_info(msg) -> CameraIntrinsics:
+    """Read a ``sensor_msgs/msg/CameraInfo`` (or an object with its fields). Raises ValueError, naming the field,
+    for: an empty frame_id, a zero or negative image size, a camera matrix that is not finite or not a pinhole
+    one (fx, fy > 0, k[2] = (0, 0, 1)), a principal point outside the image, or non-zero distortion (this package
+    does not undistort; a rectified camera publishes zeros, as the published models' images are)."""
+    frame = str(msg.header.frame_id).strip()
+    if not frame:
+        raise ValueError("camera_info has an empty header.frame_id: the camera's optical frame is needed to place it")
+    width, height = int(msg.width), int(msg.height)
+    if width <= 0 or height <= 0:
+        raise ValueError(f"camera_info of {frame}: image size {width}x{height} (a calibration must give it)")
+    k = np.asarray(list(msg.k), dtype=np.float64)
+    if k.shape != (9,) or not np.isfinite(k).all():
+        raise ValueError(f"camera_info of {frame}: k must be 9 finite values")
+    k = k.reshape(3, 3)
+    fx, fy, cx, cy = k[0, 0], k[1, 1], k[0, 2], k[1, 2]
+    if fx <= 0 or fy <= 0:
+        raise ValueError(f"camera_info of {frame}: focal length fx={fx}, fy={fy} (must be > 0; an uncalibrated "
+                         "camera publishes zeros)")
+    if not np.allclose(k[2], (0.0, 0.0, 1.0)) or k[1, 0] != 0:
+        raise ValueError(f"camera_info of {frame}: k is not a pinhole camera matrix (last row {k[2].tolist()})")
+    if not (0 <= cx <= width and 0 <= cy <= height):
+        raise ValueError(f"camera_info of {frame}: principal point ({cx}, {cy}) outside the {width}x{height} image")
+    d = tuple(float(v) for v in msg.d)
+    if any(v != 0.0 for v in d):
+        raise ValueError(f"camera_info of {frame}: distortion {msg.distortion_model} {list(d)} is not zero: the "
+                         "published models take undistorted images; publish the rectified camera (image_proc)")
+    return CameraIntrinsics(k=k, width=width, height=height, frame_id=frame,
+                            distortion_model=str(msg.distortion_model), d=d)
+
+
+def model_image_intrinsics(cam: CameraIntrinsics, size: int, resize: str) -> np.ndarray:
+    """(3, 3) float64 camera matrix of the S x S model image made from this camera by the camera pipeline
+    ``resize`` (a checkpoint's ``image_resize``): ``orion_crop`` scales, crops and stretches
+    (:meth:`~hybrid_vla_ros.vehicle.image.CropResize.intrinsics`); the plain resizes (``area``, ``bilinear``,
+    ``bicubic``) stretch the whole image, diag(S / width, S / height, 1) @ k."""
+    if resize == "orion_crop":
+        return orion_crop_geometry(cam.height, cam.width, size).intrinsics(cam.k)
+    return np.diag([size / cam.width, size / cam.height, 1.0]) @ cam.k
+
+
+def _quaternion_matrix(x: float, y: float, z: float, w: float) -> np.ndarray:
+    n = math.sqrt(x * x + y * y + z * z + w * w)
+    if not math.isfinite(n) or abs(n - 1.0) > 1e-3:
+        raise ValueError(f"rotation quaternion ({x}, {y}, {z}, {w}) is not a unit quaternion (norm {n})")
+    x, y, z, w = x / n, y / n, z / n, w / n
+    return np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
+                     [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
+                     [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]])
+
+
+def transform_matrix(translation, rotation) -> np.ndarray:
+    """(4, 4) float64 from a ``geometry_msgs`` translation (x, y, z) and rotation quaternion (x, y, z, w) (objects
+    with those fields). Raises ValueError for non-finite values or a quaternion that is not a unit one (norm off
+    by more than 1e-3; within that it is normalised)."""
+    t = np.array([float(translation.x), float(translation.y), float(translation.z)])
+    if not np.isfinite(t).all():
+        raise ValueError(f"translation {t.tolist()} is not finite")
+    out = np.eye(4)
+    out[:3, :3] = _quaternion_matrix(float(rotation.x), float(rotation.y), float(rotation.z), float(rotation.w))
+    out[:3, 3] = t
+    return out
+
+
+class StaticTransforms:
+    """The static transform tree of ``tf2_msgs/TFMessage`` messages (``/tf_static``), for lookups from one frame
+    to another through their common parents. Frame names are compared without a leading '/'.
+
+    :meth:`add` takes a message's ``transforms`` (``geometry_msgs/TransformStamped``: ``header.frame_id`` the parent,
+    ``child_frame_id`` the child, ``transform`` the child's pose in the parent); a child given again takes the newer
+    transform (as tf2 does for static transforms). :meth:`lookup` answers T(target <- source)."""
+
+    def __init__(self) -> None:
+        self._parent: dict[str, tuple[str, np.ndarray]] = {}
+
+    @staticmethod
+    def _name(frame: str) -> str:
+        return str(frame).strip().lstrip("/")
+
+    def add(self, msg) -> int:
+        """Add every transform of a TFMessage; returns how many. Raises ValueError (nothing added) for an empty
+        frame name, a frame that is its own parent, or a bad translation / rotation, naming the transform."""
+        new = {}
+        for tr in msg.transforms:
+            parent, child = self._name(tr.header.frame_id), self._name(tr.child_frame_id)
+            if not parent or not child or parent == child:
+                raise ValueError(f"static transform {parent!r} -> {child!r}: empty or identical frame names")
+            try:
+                new[child] = (parent, transform_matrix(tr.transform.translation, tr.transform.rotation))
+            except ValueError as e:
+                raise ValueError(f"static transform {parent} -> {child}: {e}") from None
+        self._parent.update(new)
+        return len(new)
+
+    @property
+    def frames(self) -> set[str]:
+        """Every frame named so far (parents and children)."""
+        return set(self._parent) | {p for p, _ in self._parent.values()}
+
+    def _to_root(self, frame: str) -> list[tuple[str, np.ndarray]]:
+        """[(frame, T(frame's root <- frame))] along the chain from ``frame`` to its root (the root last)."""
+        chain, t, seen = [(frame, np.eye(4))], np.eye(4), {frame}
+        while frame in self._parent:
+            parent, pose = self._parent[frame]
+            if parent in seen:
+                raise ValueError(f"static transforms form a loop through {parent}")
+            t = pose @ t  # T(parent <- source) = T(parent <- frame) @ T(frame <- source)
+            frame = parent
+            seen.add(frame)
+            chain.append((frame, t))
+        return chain
+
+    def lookup(self, target: str, source: str) -> np.ndarray:
+        """T(target <- source), (4, 4) float64: maps points in ``source`` to ``target``. Raises LookupError naming
+        the frames when they are not connected (a missing static transform) and ValueError for a loop."""
+        target, source = self._name(target), self._name(source)
+        up_source = {f: t for f, t in self._to_root(source)}
+        for frame, t_target in self._to_root(target):
+            if frame in up_source:  # the lowest common frame: T(common <- target) and T(common <- source)
+                return np.linalg.inv(t_target) @ up_source[frame]
+        known = ", ".join(sorted(self.frames)) or "none"
+        raise LookupError(f"no static transform connects {target} and {source} (frames known: {known})")
+
+
+def lidar2img(cameras: list[CameraIntrinsics], tf: StaticTransforms, model: ModelFrame, size: int, resize: str,
+              base_frame: str = "base_link") -> np.ndarray:
+    """(C, 4, 4) float64 ``lidar2img`` of the model images, camera order as ``cameras`` (module docstring). Raises
+    LookupError naming the camera whose optical frame is not connected to ``base_frame``, ValueError for a
+    camera pipeline that cannot take the camera (:func:`~hybrid_vla_ros.vehicle.image.orion_crop_geometry`)."""
+    base_model = model.in_base_link()
+    out = []
+    for i, cam in enumerate(cameras):
+        try:
+            base_cam = tf.lookup(base_frame, cam.frame_id)  # T(base <- optical)
+        except LookupError as e:
+            raise LookupError(f"camera {i} ({cam.frame_id}): {e}") from None
+        k4 = np.eye(4)
+        k4[:3, :3] = model_image_intrinsics(cam, size, resize)
+        out.append(k4 @ np.linalg.inv(base_cam) @ base_model)
+    return np.stack(out)

@@ -1,0 +1,167 @@
+"""Camera geometry for the query heads (vehicle/camera_geometry.py) on real calibration: the embedded bag's
+CameraInfo messages and the DGP scene's camera extrinsics (../shared/data/ddad_dgp_test_scene, the bag's source), as
+the static transforms base_link -> camera<i>/camera_optical_link a vehicle would publish. The check: the annotated
+3-D boxes of DGP scene 02 (in the front camera's frame), taken to the model frame and projected with our lidar2img,
+land in the annotated 2-D boxes of the same objects, for the plain resize and for the published crop."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+
+from hybrid_vla_ros.util.bags import read_bag
+from hybrid_vla_ros.vehicle.camera_geometry import (ModelFrame, StaticTransforms, camera_intrinsics_from_info,
+                                                    lidar2img, transform_matrix)
+from hybrid_vla_ros.vehicle.image import orion_crop_geometry
+
+DGP = Path(__file__).resolve().parents[2] / "shared" / "data" / "ddad_dgp_test_scene" / "scene_02"
+#: camera index of the embedded bag = sorted DGP camera names (its SOURCE.txt)
+CAMERAS = ["CAMERA_01", "CAMERA_05", "CAMERA_06", "CAMERA_07", "CAMERA_08", "CAMERA_09"]
+
+
+def _calibration() -> dict:
+    """The scene's calibration file (names, extrinsics, intrinsics); skips when ../shared is not beside the
+    checkout."""
+    if not DGP.is_dir():
+        pytest.skip(f"the DGP scene is not at {DGP} (../shared beside the checkout)")
+    return json.loads(next((DGP / "calibration").glob("*.json")).read_text())
+
+
+def _tf_static() -> NS:
+    """A TFMessage of the DGP extrinsics: base_link -> camera<i>/camera_optical_link (DGP's sensor poses in the
+    vehicle body frame, whose LiDAR is at its origin: the bag's base_link)."""
+    cal = _calibration()
+    transforms = []
+    for i, name in enumerate(CAMERAS):
+        e = cal["extrinsics"][cal["names"].index(name)]
+        r, t = e["rotation"], e["translation"]
+        transforms.append(NS(header=NS(frame_id="base_link"), child_frame_id=f"camera{i}/camera_optical_link",
+                             transform=NS(translation=NS(**t),
+                                          rotation=NS(x=r["qx"], y=r["qy"], z=r["qz"], w=r["qw"]))))
+    return NS(transforms=transforms)
+
+
+@pytest.fixture(scope="module")
+def infos(embedded_bag):
+    from rosbags.typesys import Stores, get_typestore
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    first = {}
+    for m in read_bag(embedded_bag):
+        if m.topic.endswith("/camera_info") and m.topic not in first:
+            first[m.topic] = store.deserialize_cdr(m.raw, m.msgtype)
+    return [first[t] for t in sorted(first)]
+
+
+def _boxes():
+    """[(centre (3,) in the front camera's frame, its 2-D box (x0, y0, x1, y1) px)] of every object annotated in
+    both, over the scene's three samples."""
+    _calibration()
+    out = []
+    three = sorted((DGP / "bounding_box_3d" / "CAMERA_01").glob("*.json"))
+    two = sorted((DGP / "bounding_box_2d" / "CAMERA_01").glob("*.json"))
+    for f3, f2 in zip(three, two):
+        boxes2 = {a["instance_id"]: a["box"] for a in json.loads(f2.read_text())["annotations"]}
+        for a in json.loads(f3.read_text())["annotations"]:
+            b = boxes2.get(a["instance_id"])
+            if b is not None:
+                t = a["box"]["pose"]["translation"]
+                out.append((np.array([t["x"], t["y"], t["z"]]), (b["x"], b["y"], b["x"] + b["w"], b["y"] + b["h"])))
+    return out
+
+
+def _project(m: np.ndarray, p: np.ndarray) -> np.ndarray:
+    q = m @ np.append(p, 1.0)
+    assert q[2] > 0
+    return q[:2] / q[2]
+
+
+@pytest.mark.parametrize("resize", ["area", "orion_crop"])
+def test_annotated_objects_project_into_their_boxes(infos, resize):
+    tf = StaticTransforms()
+    assert tf.add(_tf_static()) == 6
+    cams = [camera_intrinsics_from_info(m) for m in infos]
+    assert [c.frame_id for c in cams] == [f"camera{i}/camera_optical_link" for i in range(6)]
+    model = ModelFrame(origin=(1.2, 0.0, 1.84))
+    size = 640
+    l2i = lidar2img(cams, tf, model, size, resize)
+    assert l2i.shape == (6, 4, 4)
+    base_cam0 = tf.lookup("base_link", cams[0].frame_id)
+    model_from_base = np.linalg.inv(model.in_base_link())
+    crop = orion_crop_geometry(cams[0].height, cams[0].width, size)
+    boxes = _boxes()
+    assert len(boxes) >= 6
+    for centre_cam, (x0, y0, x1, y1) in boxes:
+        p_model = (model_from_base @ base_cam0 @ np.append(centre_cam, 1.0))[:3]
+        u, v = _project(l2i[0], p_model)
+        if resize == "area":  # the whole 1936 x 1216 image stretched to S x S
+            sx, sy = size / cams[0].width, size / cams[0].height
+            lo, hi = (x0 * sx, y0 * sy), (x1 * sx, y1 * sy)
+        else:  # scale, crop (left, top), stretch the crop to S x S
+            left, top, right, bottom = crop.crop
+            fx, fy = size / (right - left), size / (bottom - top)
+            lo = ((x0 * crop.scale - left) * fx, (y0 * crop.scale - top) * fy)
+            hi = ((x1 * crop.scale - left) * fx, (y1 * crop.scale - top) * fy)
+        assert lo[0] <= u <= hi[0] and lo[1] <= v <= hi[1], (resize, (u, v), lo, hi)
+    # the objects ahead are ahead in the model frame too (+y forward, x right)
+    p = (model_from_base @ base_cam0 @ np.append(boxes[0][0], 1.0))[:3]
+    assert p[1] > 10 and abs(p[0]) < p[1]
+
+
+def test_the_model_frame_and_a_chain_of_static_transforms():
+    model = ModelFrame(origin=(1.0, 0.0, 1.84))
+    # a point 10 m ahead of base_link and 2 m to its left is 9 m ahead and 2 m left (x = -2) of the model origin
+    p = np.linalg.inv(model.in_base_link()) @ np.array([10.0, 2.0, 1.84, 1.0])
+    assert np.allclose(p[:3], [-2.0, 9.0, 0.0])
+    # base_link -> sensor_kit -> camera: the lookup composes them, and finds them from either end
+    tf = StaticTransforms()
+    q90 = NS(x=0.0, y=0.0, z=np.sqrt(0.5), w=np.sqrt(0.5))  # 90 deg about z
+    tf.add(NS(transforms=[
+        NS(header=NS(frame_id="base_link"), child_frame_id="sensor_kit",
+           transform=NS(translation=NS(x=1.0, y=0.0, z=2.0), rotation=q90)),
+        NS(header=NS(frame_id="/sensor_kit"), child_frame_id="cam",
+           transform=NS(translation=NS(x=0.5, y=0.0, z=0.0), rotation=NS(x=0.0, y=0.0, z=0.0, w=1.0)))]))
+    t = tf.lookup("base_link", "cam")
+    assert np.allclose(t[:3, 3], [1.0, 0.5, 2.0]) and np.allclose(t[:3, 0], [0.0, 1.0, 0.0])
+    assert np.allclose(tf.lookup("cam", "base_link"), np.linalg.inv(t))
+    assert np.allclose(tf.lookup("cam", "cam"), np.eye(4))
+    with pytest.raises(LookupError, match="no static transform connects base_link and lidar"):
+        tf.lookup("base_link", "lidar")
+
+
+def test_bad_calibration_is_a_clear_error(infos):
+    good = infos[0]
+
+    def info(**fields):
+        d = dict(header=NS(frame_id=good.header.frame_id), width=good.width, height=good.height, k=list(good.k),
+                 d=list(good.d), distortion_model=good.distortion_model)
+        d.update(fields)
+        return NS(**d)
+
+    with pytest.raises(ValueError, match="focal length"):
+        camera_intrinsics_from_info(info(k=[0.0] * 8 + [1.0]))  # an uncalibrated camera
+    with pytest.raises(ValueError, match="distortion"):
+        camera_intrinsics_from_info(info(d=[0.1, 0, 0, 0, 0]))
+    with pytest.raises(ValueError, match="frame_id"):
+        camera_intrinsics_from_info(info(header=NS(frame_id="")))
+    with pytest.raises(ValueError, match="image size"):
+        camera_intrinsics_from_info(info(width=0))
+    with pytest.raises(ValueError, match="principal point"):
+        camera_intrinsics_from_info(info(k=[1000.0, 0, 5000.0, 0, 1000.0, 600.0, 0, 0, 1]))
+    with pytest.raises(ValueError, match="unit quaternion"):
+        transform_matrix(NS(x=0, y=0, z=0), NS(x=0.0, y=0.0, z=0.0, w=2.0))
+    tf = StaticTransforms()
+    with pytest.raises(ValueError, match="identical"):
+        tf.add(NS(transforms=[NS(header=NS(frame_id="a"), child_frame_id="a",
+                                 transform=NS(translation=NS(x=0, y=0, z=0), rotation=NS(x=0, y=0, z=0, w=1)))]))
+    # a camera whose optical frame has no transform to base_link: named, never an identity
+    tf.add(_tf_static())
+    cams = [camera_intrinsics_from_info(m) for m in infos]
+    cams[3] = camera_intrinsics_from_info(info(header=NS(frame_id="camera3/optical_frame_typo")))
+    with pytest.raises(LookupError, match=r"camera 3 \(camera3/optical_frame_typo\)"):
+        lidar2img(cams, tf, ModelFrame((0.0, 0.0, 1.84)), 640, "orion_crop")
+    with pytest.raises(ValueError, match="origin"):
+        ModelFrame((0.0, float("nan"), 1.84))
