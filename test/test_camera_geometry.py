@@ -6,6 +6,7 @@ land in the annotated 2-D boxes of the same objects, for the plain resize and fo
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -165,3 +166,22 @@ def test_bad_calibration_is_a_clear_error(infos):
         lidar2img(cams, tf, ModelFrame((0.0, 0.0, 1.84)), 640, "orion_crop")
     with pytest.raises(ValueError, match="origin"):
         ModelFrame((0.0, float("nan"), 1.84))
+
+
+def test_ego_motion_inputs_follow_the_published_layout():
+    from hybrid_vla_ros.vehicle.camera_geometry import CAN_BUS_FIELDS, ego_motion_inputs
+
+    model = ModelFrame(origin=(1.0, 0.0, 1.84))
+    pose, can_bus = ego_motion_inputs(100.0, -20.0, 0.5, -math.pi / 2, 5.0, 0.4, 0.1, model)
+    # heading -90 deg (south): the model origin 1 m ahead of base_link is 1 m south of it, 1.84 m up; the model's
+    # forward axis (+y) points south, its right axis (+x) west
+    assert np.allclose(pose[:3, 3], [100.0, -21.0, 2.34])
+    assert np.allclose(pose[:3, 1], [0.0, -1.0, 0.0]) and np.allclose(pose[:3, 0], [-1.0, 0.0, 0.0])
+    fields = dict(zip(CAN_BUS_FIELDS, can_bus))
+    assert (fields["x"], fields["y"], fields["z"]) == (100.0, -20.0, 0.5)
+    assert fields["vx"] == 5.0 and fields["ax"] == 0.4 and fields["wz"] == 0.1
+    assert fields["yaw_rad"] == pytest.approx(1.5 * math.pi) and fields["yaw_deg"] == pytest.approx(270.0)
+    # the yaw quaternion (w, x, y, z), as pyquaternion lists Quaternion(axis=[0, 0, 1], radians=yaw)
+    assert np.allclose([fields["qw"], fields["qz"]], [math.cos(-math.pi / 4), math.sin(-math.pi / 4)])
+    with pytest.raises(ValueError, match="non-finite"):
+        ego_motion_inputs(0.0, 0.0, 0.0, float("nan"), 0.0, 0.0, 0.0, model)

@@ -208,3 +208,32 @@ def lidar2img(cameras: list[CameraIntrinsics], tf: StaticTransforms, model: Mode
         k4[:3, :3] = model_image_intrinsics(cam, size, resize)
         out.append(k4 @ np.linalg.inv(base_cam) @ base_model)
     return np.stack(out)
+
+
+#: Entries of the published models' can-bus vector (MindDrive's Bench2Drive dataset, ``B2D_minddrive_Dataset``).
+CAN_BUS_FIELDS = ("x", "y", "z", "qw", "qx", "qy", "qz", "vx", "vy", "vz", "ax", "ay", "az", "wx", "wy", "wz",
+                  "yaw_rad", "yaw_deg")
+
+
+def ego_motion_inputs(x: float, y: float, z: float, yaw: float, speed: float, accel: float, yaw_rate: float,
+                      model: ModelFrame) -> tuple[np.ndarray, np.ndarray]:
+    """The query heads' per-frame motion inputs from the vehicle's state at the camera stamp: base_link's position
+    (x, y, z, metres) and heading ``yaw`` (rad, counter-clockwise from the odometry frame's +x) in the odometry
+    frame, its longitudinal ``speed`` (m/s), ``accel`` (m/s^2) and ``yaw_rate`` (rad/s).
+
+    Returns ``(ego_pose, can_bus)``, float64: ``ego_pose`` (4, 4) is T(odometry frame <- model frame) (published
+    ``ego_pose``, "lidar to global": base_link's planar pose times :meth:`ModelFrame.in_base_link`; roll and pitch
+    are taken as zero, as the published can-bus's yaw-only rotation does); ``can_bus`` (18,) in the published order
+    (:data:`CAN_BUS_FIELDS`; MindDrive's ``B2D_minddrive_Dataset``): translation, the yaw quaternion (w, x, y, z),
+    velocity, acceleration and angular rate in base_link (a ROS vehicle gives the longitudinal speed and
+    acceleration and the yaw rate; the other components are 0), the yaw in [0, 2 pi) and in degrees. Raises
+    ValueError for a non-finite value."""
+    values = (x, y, z, yaw, speed, accel, yaw_rate)
+    if not all(math.isfinite(float(v)) for v in values):
+        raise ValueError(f"ego state has a non-finite value: {values}")
+    c, s = math.cos(yaw), math.sin(yaw)
+    base = np.array([[c, -s, 0.0, x], [s, c, 0.0, y], [0.0, 0.0, 1.0, z], [0.0, 0.0, 0.0, 1.0]])
+    heading = yaw % (2 * math.pi)
+    can_bus = np.array([x, y, z, math.cos(yaw / 2), 0.0, 0.0, math.sin(yaw / 2), speed, 0.0, 0.0, accel, 0.0, 0.0,
+                        0.0, 0.0, yaw_rate, heading, math.degrees(heading)])
+    return base @ model.in_base_link(), can_bus
