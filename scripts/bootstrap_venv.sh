@@ -2,7 +2,8 @@
 # Create or update .venv: ROS 2 Kilted from PyPI wheels, torch (CPU), the model and bag libraries, the real
 # ROS 2 launch / launch_testing / ros2cli tools from ../shared/ros2-tools when that folder is there, the
 # interface packages (composition_interfaces for launch_ros; Autoware's autoware_planning_msgs and
-# autoware_internal_planning_msgs from interfaces/) built into the venv, and this package installed editable
+# autoware_internal_planning_msgs, and ROS 2's tf2_msgs, which has no PyPI wheel, from interfaces/) built into the
+# venv, and this package installed editable
 # (so `hybrid-vla` is on PATH after `source .venv/bin/activate`).
 # A stamp (hash of everything this script depends on) makes a second run a no-op.
 #
@@ -81,12 +82,14 @@ build_interface() {  # NAME SOURCE_DIR: cmake configure, build, install into the
 [[ -z "$TOOLS" ]] || build_interface composition_interfaces "$TOOLS/src/composition_interfaces"
 build_interface autoware_planning_msgs "$ROOT/interfaces/autoware_planning_msgs"
 build_interface autoware_internal_planning_msgs "$ROOT/interfaces/autoware_internal_planning_msgs"
+build_interface tf2_msgs "$ROOT/interfaces/tf2_msgs"
 
 echo "bootstrap: installing hybrid_vla_ros (editable) into the venv"
 "${pip[@]}" --no-deps --no-build-isolation -e "$ROOT"
 
 check="import rclpy, torch, cv2, rosbags; from autoware_planning_msgs.msg import Trajectory
-from autoware_internal_planning_msgs.msg import CandidateTrajectories"
+from autoware_internal_planning_msgs.msg import CandidateTrajectories
+from tf2_msgs.msg import TFMessage"
 [[ -z "$TOOLS" ]] || check+="
 import launch, launch_ros, launch_testing, ros2cli; from composition_interfaces.srv import LoadNode"
 "$VENV/bin/python" -c "$check" || { echo "bootstrap: the environment does not import" >&2; exit 1; }

@@ -113,3 +113,18 @@ def test_internal_planning_msg_files_hash_like_upstream_in_rosbags():
     store.register(types)
     for name, expected in UPSTREAM_INTERNAL_PLANNING_HASHES.items():
         assert store.hash_rihs01(f"autoware_internal_planning_msgs/msg/{name}") == expected, name
+
+
+def test_tf2_msgs_built_here_is_the_upstream_type():
+    """The TFMessage built into the venv (interfaces/tf2_msgs: no tf2_msgs wheel exists on PyPI) has the type hash
+    of ROS 2 Kilted's own tf2_msgs/msg/TFMessage as rosbags knows it, so /tf_static publishers of a real ROS install
+    and the prefix node match."""
+    from rosbags.typesys import Stores, get_typestore
+
+    from hybrid_vla_ros.tools.output_bag import share_directory
+
+    upstream = get_typestore(Stores.ROS2_KILTED).hash_rihs01("tf2_msgs/msg/TFMessage")
+    share = share_directory("tf2_msgs")
+    desc = json.loads((share / "msg" / "TFMessage.json").read_text())
+    hashes = {h["type_name"]: h["hash_string"] for h in desc["type_hashes"]}
+    assert hashes["tf2_msgs/msg/TFMessage"] == upstream
