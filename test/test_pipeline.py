@@ -308,12 +308,10 @@ def test_the_prefix_node_refuses_a_model_with_query_heads_at_configure_and_says_
     """Until the prefix node reads each camera's geometry and the vehicle's pose from ROS, a checkpoint with the
     published query heads is refused at configure with the reason (not run with a made-up geometry); the node
     stays up and unconfigured."""
-    import threading
     import time
 
-    import rclpy
     import yaml
-    from rclpy.executors import SingleThreadedExecutor
+    from ros_tools import SpunNode
 
     from hybrid_vla_ros.model.checkpoint import init_model
     from hybrid_vla_ros.ros.lifecycle_client import LifecycleClient
@@ -327,13 +325,9 @@ def test_the_prefix_node_refuses_a_model_with_query_heads_at_configure_and_says_
     params_file.write_text(yaml.safe_dump(params))
     log_file = tmp_path / "prefix.log"
     procs = [launch_node("prefix_node", ns, params_file, [], log_file)]
-    rclpy.init()
-    node = rclpy.create_node(f"tester_{uuid.uuid4().hex[:6]}")
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    threading.Thread(target=executor.spin, daemon=True).start()
+    tester = SpunNode("tester")
     try:
-        client = LifecycleClient(node, f"{ns}/prefix_node")
+        client = LifecycleClient(tester.node, f"{ns}/prefix_node")
         assert client.wait_for_services(60, procs), log_file.read_text()
         ok, _ = client.change_state("configure", 60)
         assert not ok and client.get_state() == "unconfigured"
@@ -344,9 +338,7 @@ def test_the_prefix_node_refuses_a_model_with_query_heads_at_configure_and_says_
         assert "configure failed" in log and "query heads" in log and "CameraInfo" in log, log
         assert procs[0].poll() is None, "a refused configure does not end the process"
     finally:
-        executor.shutdown()
-        node.destroy_node()
-        rclpy.try_shutdown()
+        tester.close()
         assert stop_processes(procs) == [0], log_file.read_text()
 
 
