@@ -347,9 +347,11 @@ def test_a_minddrive_shaped_model_answers_real_frames_through_both_runners(tmp_p
     bag's 1936 x 1216 cameras, ImageNet statistics), an EVA-02 vision side (window and global blocks), the
     published query heads with their memory (`scene_queries`), two LLM passes with the decision read-out and
     MindDrive's speed and path planners (`vae_speed_path`). Over the bag's three frames (the heads' memory carried
-    from one to the next, in the prefix runner's stage), prefix and suffix runners at K = 2 give the whole
-    model's trajectory on each frame within 1e-5. The camera geometry is made up (example_scene_inputs), the
-    vehicle drives 1.26 m/s ahead (the bag's odometry speed)."""
+    from one to the next, in the prefix runner's stage), prefix and suffix runners give the whole model's
+    trajectory on each frame within 1e-5; a live re-split (K 2 -> 1) before the third frame keeps the memory (the
+    heads live in the prefix stage, which a re-split does not rebuild), and a restarted prefix starts it afresh
+    (its first frame is a first frame). The camera geometry is made up (example_scene_inputs), the vehicle drives
+    1.26 m/s ahead (the bag's odometry speed)."""
     from dataclasses import replace
 
     from hybrid_vla_ros.model.checkpoint import init_model
@@ -385,8 +387,11 @@ def test_a_minddrive_shaped_model_answers_real_frames_through_both_runners(tmp_p
         with pytest.raises(ValueError, match="camera geometry and ego frame"):
             prefix.run(frames[0][1], frames[0][0])  # the query heads cannot run without their scene inputs
         got, want = [], []
-        for stamp, items in frames:
-            prefix.run(items, stamp, scene=scene(stamp))
+        for i, (stamp, items) in enumerate(frames):
+            if i == 2:  # a live re-split; the suffix follows the K in the slot header
+                prefix.request_split_layer(1)
+            result_prefix = prefix.run(items, stamp, scene=scene(stamp))
+            assert result_prefix.split_layer == (1 if i == 2 else 2)
             result = suffix.poll(10.0)
             assert result is not None
             got.append(result.waypoints)
@@ -400,6 +405,23 @@ def test_a_minddrive_shaped_model_answers_real_frames_through_both_runners(tmp_p
             assert abs(g - w).max() <= 1e-5
         assert not full.projector.object_memory.embedding.isnan().any()
         assert full.projector.last_timestamp == pytest.approx((frames[-1][0] - t0) * 1e-9)
+        assert abs(got[2] - got[1]).max() > 1e-4  # the frames differ (a trajectory that ignored them would not)
+        # a restarted prefix: a fresh memory, so its answer to the last frame is a first frame's
+        prefix.close()
+        prefix = PrefixRunner(str(path), PrefixRunnerSettings(2, device="cpu", namespace=ns))
+        stamp, items = frames[-1]
+        prefix.run(items, stamp, scene=scene(stamp))
+        with pytest.raises(StaleFrame):  # the suffix re-attaches to the new ring: that first frame is stale
+            suffix.poll(10.0)
+        # the same frame again: not after the last one, so the heads start afresh once more (a first frame)
+        assert prefix.run(items, stamp, scene=scene(stamp)).split_layer == 2
+        restarted = suffix.poll(10.0)
+        assert prefix.stage.projector.last_timestamp == pytest.approx((stamp - t0) * 1e-9)
+        fresh = load_stage(path, "full")
+        with torch.inference_mode():
+            first = fresh(pixels, scene=scene(stamp)).double().numpy()
+        assert restarted is not None and abs(restarted.waypoints - first).max() <= 1e-5
+        assert abs(first - want[-1]).max() > 1e-4  # the memory of the two frames before made a difference
     finally:
         suffix.close()
         prefix.close()
