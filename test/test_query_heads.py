@@ -159,7 +159,8 @@ def test_time_going_back_restarts_the_memory_and_bad_input_leaves_it_as_it_was(p
         held = ours.object_memory.embedding.clone()
         # a frame with a broken pose, NaN can-bus or a bad command is refused, the memory untouched
         feats, frame = frames[2]
-        for bad in (dict(ego_pose=torch.zeros(4, 4, dtype=torch.float64)),
+        scaled = torch.diag(torch.tensor([2.0, 2.0, 2.0, 1.0], dtype=torch.float64))  # not a rigid pose
+        for bad in (dict(ego_pose=torch.zeros(4, 4, dtype=torch.float64)), dict(ego_pose=scaled),
                     dict(can_bus=torch.full((18,), float("nan"), dtype=torch.float64)), dict(command=9)):
             with pytest.raises(ValueError):
                 ours(feats, lidar2img, EgoFrame(**{**frame.__dict__, **bad}))

@@ -337,9 +337,12 @@ class EgoFrame:
             raise ValueError(f"timestamp {self.timestamp} is not finite")
         if tuple(self.ego_pose.shape) != (4, 4) or not torch.isfinite(self.ego_pose).all():
             raise ValueError(f"ego_pose must be a finite (4, 4) matrix, got shape {tuple(self.ego_pose.shape)}")
-        last = self.ego_pose[3].to(torch.float64)
-        if not torch.allclose(last, torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)):
-            raise ValueError(f"ego_pose's last row must be (0, 0, 0, 1), got {last.tolist()}")
+        pose = self.ego_pose.to(torch.float64).cpu()
+        if not torch.allclose(pose[3], torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)):
+            raise ValueError(f"ego_pose's last row must be (0, 0, 0, 1), got {pose[3].tolist()}")
+        r = pose[:3, :3]
+        if not torch.allclose(r.T @ r, torch.eye(3, dtype=torch.float64), atol=1e-3) or float(torch.det(r)) < 0:
+            raise ValueError("ego_pose's rotation is not a rotation (R^T R = I, det +1): not a rigid pose")
         if tuple(self.can_bus.shape) != (CAN_BUS_SIZE,) or not torch.isfinite(self.can_bus).all():
             raise ValueError(f"can_bus must be {CAN_BUS_SIZE} finite values, got shape {tuple(self.can_bus.shape)}")
         if not 0 <= int(self.command) <= 5:
@@ -641,7 +644,7 @@ class ObjectHead(nn.Module):
         can_bus = frame.can_bus.to(torch.float64).clone()
         can_bus[:3] = 0
         can_bus[-1] = 0
-        row = torch.cat([can_bus.new_tensor([float(frame.command)]), can_bus])  # (19,)
+        row = torch.cat([can_bus.new_full((1,), float(frame.command)), can_bus])  # (19,)
         frames = c.memory_len // c.topk_proposals
         mean_pose = mem.egopose.reshape(frames, c.topk_proposals, 16).mean(dim=1).flatten()
         can_bus_input = torch.cat([row, mem.can_bus.flatten(), mean_pose]).to(torch.float32)
@@ -677,6 +680,11 @@ class QueryHeads(nn.Module):
         self.map_memory: MapMemory | None = None
         self.last_timestamp: float | None = None
 
+    @property
+    def pc_range_device(self) -> torch.device:
+        """The device the heads (and their memory) are on."""
+        return self.pts_bbox_head.pc_range.device
+
     def reset(self) -> None:
         """Forget every earlier frame: the next frame starts the memory afresh."""
         self.object_memory = self.map_memory = self.last_timestamp = None
@@ -698,8 +706,8 @@ class QueryHeads(nn.Module):
                       scene_timestamp=obj.scene_timestamp[:c.scene_memory_len] + t)
         can_bus = obj.can_bus.clone()
         held = min(obj.can_bus_frames, can_bus.shape[0])
-        can_bus[:held, 1:4] -= frame.can_bus[:3].to(torch.float64)
-        can_bus[:held, -1] -= float(frame.can_bus[-1])
+        can_bus[:held, 1:4] -= frame.can_bus[:3]
+        can_bus[:held, -1] -= frame.can_bus[-1]
         obj.can_bus = can_bus[:c.can_bus_len]
         obj.can_bus_frames = min(obj.can_bus_frames, c.can_bus_len)
         lane = MapMemory(embedding=lane.embedding[:c.map_memory_len],
@@ -710,6 +718,9 @@ class QueryHeads(nn.Module):
 
     def forward(self, features: torch.Tensor, lidar2img: torch.Tensor, frame: EgoFrame) -> HeadsOutput:
         frame.check()
+        dev = self.pc_range_device  # the frame's pose and can-bus join the memory on the heads' device
+        frame = replace(frame, ego_pose=frame.ego_pose.to(dev, torch.float64),
+                        can_bus=frame.can_bus.to(dev, torch.float64))
         n_cam, _, h, w = features.shape
         stride = self.rays.cfg.stride
         feats_pos = self.rays(lidar2img.to(features.device), h, w, h * stride, w * stride)
@@ -734,8 +745,8 @@ class QueryHeads(nn.Module):
         emb, centre = obj_kept
         can_bus = torch.cat([row.unsqueeze(0), obj.can_bus])
         frames = obj.can_bus_frames + 1
-        can_bus[:frames, 1:4] += frame.can_bus[:3].to(torch.float64)
-        can_bus[:frames, -1] += float(frame.can_bus[-1])
+        can_bus[:frames, 1:4] += frame.can_bus[:3]
+        can_bus[:frames, -1] += frame.can_bus[-1]
         scene_query, scene_ts = obj.scene_query, obj.scene_timestamp
         if history is not None:
             scene_query = torch.cat([history, scene_query])
