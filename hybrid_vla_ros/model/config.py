@@ -769,15 +769,18 @@ def preset(name: str, **overrides) -> VLAConfig:
     planner modes: T = 8 + 96 + 1 = 105 tokens. Small enough for tests and the demo on 2 CPU cores.
 
     ``orion`` (Fu et al., 2025, "ORION", arXiv:2503.19755): 6 cameras resized to 640x640, EVA-02-L-shaped
-    ViT (0.30 B), QT-Former-shaped query projector to 513 tokens of width 4096, an ego token, Vicuna-7B-
+    ViT (0.30 B), the published query heads without the scene history (``scene_queries``, 513 tokens of width
+    4096: Orion's own head config is not public, MindDrive's derives from it), Vicuna-7B-
     shaped LLaMA (32 blocks, width 4096, 32 heads, MLP 11008, vocab 32000 + Orion's ``<waypoint_ego>`` = 32001;
     Zheng et al., 2023; 6.74 B with its LM head, which the planning pass does not need and the model does not
     build), the waypoint token ``<waypoint_ego>`` (id 32000, the planner's read-out, as published) and
     Orion's VAE planner as published (read-out ``vae``: 6 modes x 6 steps, the mode the navigation command's).
     The vision backbone is the published EVA-02-L and the camera pipeline the published one (``orion_crop``,
-    ImageNet statistics); the query projector stands in for the query heads. T = 8 + 513 + 1 + 1 = 523.
+    ImageNet statistics). T = 8 + 513 + 1 = 522.
 
-    ``minddrive-0.5b`` / ``minddrive-3b`` (MindDrive): the same vision side, Qwen2-0.5B-shaped (24 blocks,
+    ``minddrive-0.5b`` / ``minddrive-3b`` (MindDrive): the same vision side with MindDrive's published query heads
+    (529 tokens: 256 extra object queries, 16 scene-history queries, the can-bus token, 256 extra map queries),
+    Qwen2-0.5B-shaped (24 blocks,
     width 896, 14 heads, 2 KV heads, MLP 4864; 0.49 B) or Qwen2.5-3B-shaped (36 blocks, width 2048, 16 heads,
     2 KV heads, MLP 11008; 3.09 B) LLM (Qwen team, 2024 technical reports), vocab 151936, tied embeddings.
     MindDrive runs the LLM twice a frame (decision and action adapters): ``llm_passes=2`` by default,
@@ -787,7 +790,7 @@ def preset(name: str, **overrides) -> VLAConfig:
     :data:`MINDDRIVE_META_ACTION_IDS`), argmax = the speed mode; the sequence ends with ``<waypoint_ego>`` and
     ``<path_waypoint_ego>``, read by the speed planner (7 modes x 6 steps) and the path planner (6 modes x 20
     points, the mode the command's), both VAE planners as published (read-out ``vae_speed_path``); the ids are
-    the published ones on a tokenizer without them (T = 8 + 513 + 1 + 2 = 524). The random-init presets tell the
+    the published ones on a tokenizer without them (T = 8 + 529 + 2 = 539). The random-init presets tell the
     passes apart by a learned pass embedding; converted checkpoints by their two LoRA adapters
     (``pass_lora_rank``).
 
