@@ -276,7 +276,7 @@ def _add_prefix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
 
             heads = cfg.scene_heads_config
             rays = RayEmbeddingConfig(embed_dims=heads.embed_dims, stride=int(cfg.vision["patch_size"]))
-            m.projector = QueryHeads(heads, rays, cfg.image_size)
+            m.projector = QueryHeads(heads, rays)
     elif cfg.projector["type"] == "llava":
         from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector

@@ -439,10 +439,6 @@ def _to_frame(points: torch.Tensor, pose: torch.Tensor) -> torch.Tensor:
     return points @ pose[:3, :3].T + pose[:3, 3]
 
 
-def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return x.index_select(0, index)
-
-
 # ---------------------------------------------------------------------------------------------- heads
 class MapHead(nn.Module):
     """The published ``map_head`` at inference (see the module docstring). The six per-level branches of the
@@ -668,10 +664,9 @@ class QueryHeads(nn.Module):
     non-finite values (:meth:`EgoFrame.check`, the camera geometry's own checks); the memory is then unchanged.
     """
 
-    def __init__(self, cfg: QueryHeadsConfig, rays: RayEmbeddingConfig | None = None, image_size: int = 640):
+    def __init__(self, cfg: QueryHeadsConfig, rays: RayEmbeddingConfig | None = None):
         super().__init__()
         self.cfg = cfg
-        self.image_size = image_size
         self.rays = CameraRayEmbedding(rays or RayEmbeddingConfig(embed_dims=cfg.embed_dims))
         self.shared = SharedEncoders(cfg)
         self.map_head = MapHead(cfg)
@@ -718,6 +713,12 @@ class QueryHeads(nn.Module):
 
     def forward(self, features: torch.Tensor, lidar2img: torch.Tensor, frame: EgoFrame) -> HeadsOutput:
         frame.check()
+        if features.dim() != 4 or features.shape[1] != self.cfg.in_channels:
+            raise ValueError(f"features must be (C, {self.cfg.in_channels}, h, w) feature maps, got "
+                             f"{tuple(features.shape)}")
+        if tuple(lidar2img.shape) != (features.shape[0], 4, 4):
+            raise ValueError(f"lidar2img must be ({features.shape[0]}, 4, 4), one per camera, got "
+                             f"{tuple(lidar2img.shape)}")
         dev = self.pc_range_device  # the frame's pose and can-bus join the memory on the heads' device
         frame = replace(frame, ego_pose=frame.ego_pose.to(dev, torch.float64),
                         can_bus=frame.can_bus.to(dev, torch.float64))
