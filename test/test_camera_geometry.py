@@ -185,3 +185,25 @@ def test_ego_motion_inputs_follow_the_published_layout():
     assert np.allclose([fields["qw"], fields["qz"]], [math.cos(-math.pi / 4), math.sin(-math.pi / 4)])
     with pytest.raises(ValueError, match="non-finite"):
         ego_motion_inputs(0.0, 0.0, 0.0, float("nan"), 0.0, 0.0, 0.0, model)
+
+
+def test_odd_camera_info_and_pipelines_are_value_errors(infos):
+    good = infos[0]
+
+    def info(**fields):
+        d = dict(header=NS(frame_id=good.header.frame_id), width=good.width, height=good.height, k=list(good.k),
+                 d=list(good.d), distortion_model=good.distortion_model)
+        d.update(fields)
+        return NS(**d)
+
+    with pytest.raises(ValueError, match="frame_id"):
+        camera_intrinsics_from_info(info(header=NS(frame_id=None)))
+    with pytest.raises(ValueError, match="whole pixels"):
+        camera_intrinsics_from_info(info(width=1920.7))
+    cam = camera_intrinsics_from_info(good)
+    from hybrid_vla_ros.vehicle.camera_geometry import model_image_intrinsics
+
+    with pytest.raises(ValueError, match="image_resize 'nearest'"):
+        model_image_intrinsics(cam, 640, "nearest")
+    with pytest.raises(ValueError, match="at least one camera"):
+        lidar2img([], StaticTransforms(), ModelFrame((0.0, 0.0, 1.84)), 640, "area")

@@ -425,3 +425,20 @@ def test_a_minddrive_shaped_model_answers_real_frames_through_both_runners(tmp_p
     finally:
         suffix.close()
         prefix.close()
+
+
+def test_a_bf16_stage_keeps_the_query_heads_in_float32(tmp_path):
+    """A checkpoint with the query heads loaded in bf16 (a GPU prefix's dtype): the heads stay float32 (as published),
+    the rest is bf16, and the whole model plans a finite trajectory from a frame (made-up geometry)."""
+    from hybrid_vla_ros.model.checkpoint import init_model
+    from hybrid_vla_ros.model.query_heads import example_scene_inputs
+
+    path = tmp_path / "heads"
+    cfg = init_model("tiny", path, overrides=SCENE_QUERY_OVERRIDES)
+    full = load_stage(path, "full", dtype="bf16")
+    assert {p.dtype for p in full.projector.parameters()} == {torch.float32}
+    assert {p.dtype for p in full.layers.parameters()} == {torch.bfloat16}
+    pixels = torch.rand(cfg.n_cameras, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        waypoints = full(pixels.to(torch.bfloat16), scene=example_scene_inputs(cfg.n_cameras, cfg.image_size))
+    assert waypoints.shape == (cfg.n_waypoints, 2) and torch.isfinite(waypoints).all()

@@ -199,3 +199,56 @@ def test_config_sizes_follow_the_published_heads():
         QueryHeadsConfig.from_dict({"num_heads": 7})
     with pytest.raises(ValueError, match="topk_proposals"):
         QueryHeadsConfig.from_dict({"memory_len": 500})
+
+
+def test_the_heads_stay_float32_in_a_bf16_stage(pair):
+    """A bf16 stage (a GPU prefix's dtype) keeps the heads in float32, as published: converting them changes no
+    parameter's dtype, they take bf16 feature maps, and over three frames their tokens equal the float32 heads'
+    on the same (bf16-rounded) features. The whole model casts the tokens to the stage's dtype."""
+    ours, _, _ = pair
+    half = QueryHeads(CFG, RAYS).eval()
+    half.load_state_dict(ours.state_dict())
+    half = half.to(torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.float32}
+    half.half()
+    assert {p.dtype for p in half.parameters()} == {torch.float32}
+    lidar2img = _lidar2img(None)
+    with torch.no_grad():
+        for feats, frame in _frames(3, [0.1, 0.1]):
+            rounded = feats.to(torch.bfloat16)
+            want = ours(rounded.float(), lidar2img, frame).tokens
+            got = half(rounded, lidar2img, frame).tokens
+            assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_a_frame_with_non_finite_tokens_is_not_remembered(pair):
+    ours, _, _ = pair
+    lidar2img = _lidar2img(None)
+    frames = _frames(3, [0.1, 0.1])
+    with torch.no_grad():
+        ours(frames[0][0], lidar2img, frames[0][1])
+        held, last = ours.object_memory.embedding.clone(), ours.last_timestamp
+        bad = frames[1][0].clone()
+        bad[0, 0, 0, 0] = float("nan")  # a broken feature map: the runner refuses the frame's hidden states
+        assert not torch.isfinite(ours(bad, lidar2img, frames[1][1]).tokens).all()
+        assert torch.equal(ours.object_memory.embedding, held) and ours.last_timestamp == last
+        assert torch.isfinite(ours(frames[2][0], lidar2img, frames[2][1]).tokens).all()  # the next frame is fine
+
+
+def test_bad_sizes_and_frames_are_value_errors():
+    from dataclasses import replace
+
+    from hybrid_vla_ros.model.query_heads import example_scene_inputs
+
+    for bad, needle in (({"num_memroy": 0}, "unknown key"), ({"num_extra": 700}, "num_extra"),
+                        ({"embed_dims": 9, "num_heads": 3}, "even"), ({"num_propagated": 1.5}, "num_propagated"),
+                        ({"num_propagated": None}, "num_propagated"), ({"pc_range": "abcdef"}, "pc_range"),
+                        ({"with_mask": "no"}, "with_mask"), ({"num_memory": 1.5}, "num_memory")):
+        with pytest.raises(ValueError, match=needle):
+            QueryHeadsConfig.from_dict(bad)
+    frame = example_scene_inputs(2, 64).frame
+    import numpy as np
+
+    for bad in (dict(command=2.7), dict(command=True), dict(timestamp=None), dict(ego_pose=np.eye(4))):
+        with pytest.raises(ValueError):
+            replace(frame, **bad).check()

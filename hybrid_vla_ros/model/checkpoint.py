@@ -385,7 +385,7 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
     """Fill a meta-device module with the tensors it owns, read from ``source`` onto ``device`` in ``dtype``.
 
     Checks every tensor before reading any: present, the module's shape, a floating-point stored dtype for a
-    floating-point parameter. Each tensor is converted as soon as it is read, so the stage owns its memory and
+    floating-point parameter. A part marked ``keeps_float32`` (the query heads) is read in float32. Each tensor is converted as soon as it is read, so the stage owns its memory and
     the peak is its own bytes plus one stored tensor. Raises
     CheckpointError naming the file and the tensor, RuntimeError when a tensor is left uninitialised.
     """
@@ -403,8 +403,15 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
             raise CheckpointError(f"{info.where()} is stored as {info.dtype} (quantized?); this package loads "
                                   f"floating-point weights ({', '.join(FLOAT_DTYPES)}): dequantize it first")
     local_of = {c: local for local, c in keys.items()}
+    # a part that computes in float32 whatever the stage's dtype (``keeps_float32``: the query heads) is read in
+    # float32; everything else in ``dtype``
+    kept = tuple(f"{name}." for name, m in module.named_modules() if name and getattr(m, "keeps_float32", False))
+    as_fp32 = [c for local, c in keys.items() if local.startswith(kept)] if kept else []
+    rest = [c for c in keys.values() if c not in set(as_fp32)]
     # in this process's own memory, never views of a file mapping (see TensorSource.read)
-    tensors = source.read(keys.values(), device, float_dtype=dtype)
+    tensors = source.read(rest, device, float_dtype=dtype)
+    if as_fp32:
+        tensors.update(source.read(as_fp32, device, float_dtype=torch.float32))
     module.load_state_dict({local_of[c]: t for c, t in tensors.items()}, strict=True, assign=True)
     _rebuild_buffers(module, device)
     leftovers = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]

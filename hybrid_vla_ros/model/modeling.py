@@ -431,7 +431,8 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
         vis = text
     else:
         if cfg.projector["type"] == SCENE_QUERIES:  # the query heads read the feature maps, with their memory
-            vis = m.projector(m.vision.feature_map(pixel_values), scene.lidar2img, scene.frame).tokens  # (V, H)
+            vis = m.projector(m.vision.feature_map(pixel_values), scene.lidar2img, scene.frame).tokens  # (V, H) fp32
+            vis = vis.to(m.embed_tokens.weight.dtype)  # the heads compute in float32 whatever the stage's dtype
         else:
             vis = m.vision(pixel_values=pixel_values)  # (C, P, Dv): EVA-02 gives the tensor, SigLIP an output
             vis = vis if isinstance(vis, torch.Tensor) else vis.last_hidden_state

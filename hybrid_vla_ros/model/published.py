@@ -333,6 +333,9 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     own_extra.update(planner.tensors)
     heads = place_query_heads(tensors, parts, cfg, store_dtype)
     own_extra.update(heads.tensors)
+    # random_init says the nodes run random stand-ins (logged, marked on every trajectory): only while a part is one
+    cfg.random_init = bool(_stand_in_parts(cfg, backbone_placed=bool(backbone.tensors),
+                                           planner_placed=bool(planner.tensors), heads_placed=bool(heads.tensors)))
     _write_own(out, cfg, own_extra, store_dtype, seed, checkpoint, layout)
     report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor, backbone,
                                 bool(planner.tensors), bool(heads.tensors))
@@ -702,12 +705,25 @@ def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _
     return report
 
 
-def _stand_ins(cfg, *, backbone_placed: bool, planner_placed: bool, heads_placed: bool) -> str:
-    """The report's line on the parts that are this package's random-init stand-ins, or that there are none."""
+def _stand_in_parts(cfg, *, backbone_placed: bool, planner_placed: bool, heads_placed: bool) -> list[str]:
+    """The converted model's parts that are this package's random-init stand-ins (the checkpoint has none for
+    them): the vision side, the projector, the planning head when not placed; an ego embedding, learned query
+    tokens or a pass embedding whenever the config has one (no published model has them)."""
     parts = [name for name, placed in (("vision.*", backbone_placed), ("projector.*", heads_placed),
                                        ("head.*", planner_placed)) if not placed]
     if cfg.ego_state_input:
         parts.append("ego_embed.*")
+    if cfg.query_count:
+        parts.append("query_tokens")
+    if cfg.llm_passes > 1 and not cfg.pass_lora_rank:
+        parts.append("pass_embed.*")
+    return parts
+
+
+def _stand_ins(cfg, *, backbone_placed: bool, planner_placed: bool, heads_placed: bool) -> str:
+    """The report's line on the parts that are this package's random-init stand-ins, or that there are none."""
+    parts = _stand_in_parts(cfg, backbone_placed=backbone_placed, planner_placed=planner_placed,
+                            heads_placed=heads_placed)
     if not parts:
         return "none: every module of the model comes from the checkpoint"
     return (f"{', '.join(parts)} are this package's random-init stand-ins ({cfg.preset} preset): the checkpoint has "

@@ -44,6 +44,7 @@ frame), and by :meth:`QueryHeads.reset`.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -106,11 +107,14 @@ class QueryHeadsConfig:
 
     @classmethod
     def from_dict(cls, d: dict, **overrides) -> "QueryHeadsConfig":
-        """From a model config's ``projector`` dict (unknown keys are ignored; missing ones take the published
-        values); ``overrides`` (e.g. ``out_dims``, ``in_channels``) win. Raises ValueError for inconsistent
-        sizes (:meth:`problems`)."""
+        """From a model config's ``projector`` dict (without its ``type``; missing keys take the published values);
+        ``overrides`` (e.g. ``out_dims``, ``in_channels``) win. Raises ValueError for an unknown key (a misspelt
+        size must not silently take the published value) and for inconsistent sizes (:meth:`problems`)."""
         names = {f.name for f in fields(cls)}
-        values = {k: (tuple(v) if k == "pc_range" else v) for k, v in d.items() if k in names}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"query heads: unknown key(s) {unknown}; the keys are {sorted(names)}")
+        values = {k: (tuple(v) if k == "pc_range" and isinstance(v, (list, tuple)) else v) for k, v in d.items()}
         cfg = cls(**{**values, **overrides})
         problems = cfg.problems()
         if problems:
@@ -122,13 +126,25 @@ class QueryHeadsConfig:
         out = []
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name not in ("with_mask", "pc_range", "num_memory", "num_propagated") and (
-                    not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                out.append(f"{f.name} must be a positive integer, got {v!r}")
+            if f.name == "with_mask":
+                if not isinstance(v, bool):
+                    out.append(f"with_mask must be true or false, got {v!r}")
+            elif f.name == "pc_range":
+                if not (isinstance(v, tuple) and len(v) == 6 and all(
+                        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
+                    out.append(f"pc_range must be 6 finite numbers (x_min, y_min, z_min, x_max, y_max, z_max), "
+                               f"got {v!r}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < (0 if f.name in ("num_memory",
+                                                                                     "num_propagated") else 1):
+                least = "a non-negative" if f.name in ("num_memory", "num_propagated") else "a positive"
+                out.append(f"{f.name} must be {least} integer, got {v!r}")
         if out:
             return out
-        if self.embed_dims % self.num_heads:
-            out.append("num_heads must divide embed_dims")
+        if self.embed_dims % self.num_heads or self.embed_dims % 2:
+            out.append("embed_dims must be even and a multiple of num_heads")
+        if self.num_extra > self.num_query:
+            out.append("num_extra must not exceed num_query (the extra queries take their zero reference points "
+                       "from the object queries', as published)")
         if self.memory_len % self.topk_proposals or self.memory_len // self.topk_proposals > 8:
             out.append("memory_len must be a small multiple of topk_proposals (the can-bus token takes the mean "
                        "pose of each frame's objects)")
@@ -136,12 +152,12 @@ class QueryHeadsConfig:
             out.append("num_propagated must be in [0, topk_proposals]")
         if self.topk_proposals > self.num_query + self.num_propagated:
             out.append("topk_proposals must not exceed num_query + num_propagated")
-        if self.num_memory < 0 or (self.num_memory and self.scene_memory_len % self.num_memory):
+        if self.num_memory and self.scene_memory_len % self.num_memory:
             out.append("scene_memory_len must be a multiple of num_memory (0: no scene history)")
-        if not 0 < self.num_lanes_one2one <= self.num_lane or self.map_topk > self.num_lanes_one2one:
-            out.append("need 0 < map_topk <= num_lanes_one2one <= num_lane")
-        if len(self.pc_range) != 6 or any(hi <= lo for lo, hi in zip(self.pc_range[:3], self.pc_range[3:])):
-            out.append("pc_range must be (x_min, y_min, z_min, x_max, y_max, z_max) with each max above its min")
+        if not self.num_lanes_one2one <= self.num_lane or self.map_topk > self.num_lanes_one2one:
+            out.append("need map_topk <= num_lanes_one2one <= num_lane")
+        if any(hi <= lo for lo, hi in zip(self.pc_range[:3], self.pc_range[3:])):
+            out.append("pc_range must have each max above its min")
         return out
 
     @property
@@ -171,12 +187,14 @@ def nerf_encoding(x: torch.Tensor, frequencies: int = NERF_FREQUENCIES) -> torch
 
 def time_encoding(t: torch.Tensor, dims: int = 256, temperature: float = 10000.0) -> torch.Tensor:
     """(..., 1) times (seconds) -> (..., ``dims``): the transformer sine encoding of 2 pi t, sin at even and cos at
-    odd features with wavelengths temperature^(2 floor(i / 2) / dims) (the published ``pos2posemb1d``). The
-    result has t's dtype (float64 times stay float64 here and are cast by the caller, as published)."""
+    odd features with wavelengths temperature^(2 floor(i / 2) / dims) (the published ``pos2posemb1d``; ``dims``
+    even). Computed in float64 for float64 times (as published: the memory's times are float64, cast by the
+    caller), else in float32; the result has t's dtype."""
+    work = torch.float64 if t.dtype == torch.float64 else torch.float32
     i = torch.arange(dims, dtype=torch.float32, device=t.device)
     dim_t = temperature ** (2 * torch.div(i, 2, rounding_mode="floor") / dims)
-    x = (t * (2 * math.pi))[..., 0, None] / dim_t
-    return torch.stack((x[..., 0::2].sin(), x[..., 1::2].cos()), dim=-1).flatten(-2)
+    x = (t.to(work) * (2 * math.pi))[..., 0, None] / dim_t
+    return torch.stack((x[..., 0::2].sin(), x[..., 1::2].cos()), dim=-1).flatten(-2).to(t.dtype)
 
 
 class MotionLayerNorm(nn.Module):
@@ -333,8 +351,13 @@ class EgoFrame:
     def check(self) -> None:
         """Raise ValueError unless the shapes are (4, 4) / (18,), every value finite, the pose's last row
         (0, 0, 0, 1) and the command in 0 .. 5."""
-        if not math.isfinite(self.timestamp):
-            raise ValueError(f"timestamp {self.timestamp} is not finite")
+        if isinstance(self.timestamp, bool) or not isinstance(self.timestamp, numbers.Real) or not math.isfinite(
+                self.timestamp):
+            raise ValueError(f"timestamp must be finite seconds, got {self.timestamp!r}")
+        if not isinstance(self.ego_pose, torch.Tensor) or not isinstance(self.can_bus, torch.Tensor):
+            raise ValueError("ego_pose and can_bus must be torch tensors")
+        if isinstance(self.command, bool) or not isinstance(self.command, numbers.Integral):
+            raise ValueError(f"command must be an integer navigation command index 0 .. 5, got {self.command!r}")
         if tuple(self.ego_pose.shape) != (4, 4) or not torch.isfinite(self.ego_pose).all():
             raise ValueError(f"ego_pose must be a finite (4, 4) matrix, got shape {tuple(self.ego_pose.shape)}")
         pose = self.ego_pose.to(torch.float64).cpu()
@@ -655,14 +678,25 @@ class QueryHeads(nn.Module):
     """The scene-token stage of Orion / MindDrive: 3-D position embedding, map head, detection head and their
     memory across frames (module docstring).
 
-    ``forward(features, lidar2img, frame)``: ``features`` (C, Dv, h, w) backbone feature maps, ``lidar2img``
-    (C, 4, 4) camera geometries of the model images (:class:`~.camera_rays.CameraRayEmbedding`), ``frame`` an
-    :class:`EgoFrame` -> :class:`HeadsOutput` (tokens (scene_tokens, D)). Frames must come in time order; the
-    memory is held between calls (:attr:`object_memory`, :attr:`map_memory`) and restarts (published
+    ``forward(features, lidar2img, frame)``: ``features`` (C, Dv, h, w) backbone feature maps (any float dtype),
+    ``lidar2img`` (C, 4, 4) camera geometries of the model images (:class:`~.camera_rays.CameraRayEmbedding`),
+    ``frame`` an :class:`EgoFrame` -> :class:`HeadsOutput` (tokens (scene_tokens, D) float32). Frames must come
+    in time order; the memory is held between calls (:attr:`object_memory`, :attr:`map_memory`) and restarts (published
     behaviour) when the frame is :data:`MEMORY_MAX_GAP_S` or more after the last one, and also when it is not
-    after it; :meth:`reset` restarts it for a new drive. Raises ValueError for inputs of the wrong shape or
-    non-finite values (:meth:`EgoFrame.check`, the camera geometry's own checks); the memory is then unchanged.
+    after it; :meth:`reset` restarts it for a new drive. Raises ValueError for feature maps of the wrong width, a
+    geometry count that is not the cameras', a bad frame (:meth:`EgoFrame.check`) or a camera geometry that is not
+    finite or invertible; the memory is then unchanged. Non-finite features (or inputs so large that the tokens
+    overflow) give non-finite tokens, which the caller must refuse (the prefix runner does); such a frame is not
+    remembered.
     """
+
+    #: The heads compute in float32 whatever the stage's dtype, as the published models do (MindDrive's
+    #: ``fp32_infer``): their memory's top-k choice of objects and lanes is discrete, and in bf16 near-equal scores
+    #: flip it (on random weights a 1.8 % token difference on a first frame grew to 10 % two frames later). A
+    #: conversion of the stage (``.to(bf16)``, ``.half()``) leaves them float32 (:meth:`_apply`); the tokens are
+    #: cast to the stage's dtype where they join the sequence (``modeling.embed``), and the split planner counts
+    #: their weights at 4 bytes.
+    keeps_float32 = True
 
     def __init__(self, cfg: QueryHeadsConfig, rays: RayEmbeddingConfig | None = None):
         super().__init__()
@@ -674,6 +708,15 @@ class QueryHeads(nn.Module):
         self.object_memory: ObjectMemory | None = None
         self.map_memory: MapMemory | None = None
         self.last_timestamp: float | None = None
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's, but floating tensors stay float32 (:attr:`keeps_float32`); a device move applies."""
+        def keep_float32(t):
+            out = fn(t)
+            if out.is_floating_point() and out.dtype != t.dtype:  # a dtype change: keep the values, move only
+                return t.to(device=out.device)
+            return out
+        return super()._apply(keep_float32, recurse)
 
     @property
     def pc_range_device(self) -> torch.device:
@@ -719,6 +762,7 @@ class QueryHeads(nn.Module):
         if tuple(lidar2img.shape) != (features.shape[0], 4, 4):
             raise ValueError(f"lidar2img must be ({features.shape[0]}, 4, 4), one per camera, got "
                              f"{tuple(lidar2img.shape)}")
+        features = features.float()  # the heads compute in float32 (keeps_float32)
         dev = self.pc_range_device  # the frame's pose and can-bus join the memory on the heads' device
         frame = replace(frame, ego_pose=frame.ego_pose.to(dev, torch.float64),
                         can_bus=frame.can_bus.to(dev, torch.float64))
@@ -730,8 +774,10 @@ class QueryHeads(nn.Module):
         map_tokens, lanes, lane_scores, lane_kept = self.map_head(feats, feats_pos, lane, self.shared)
         obj_tokens, boxes, scores, obj_kept, history, row = self.pts_bbox_head(feats, feats_pos, obj, frame,
                                                                                self.shared)
-        self._remember(frame, obj, lane, obj_kept, lane_kept, history, row)
-        return HeadsOutput(tokens=torch.cat([obj_tokens, map_tokens]), objects=boxes.float(),
+        tokens = torch.cat([obj_tokens, map_tokens])
+        if bool(torch.isfinite(tokens).all()):  # a frame with non-finite tokens (bad features, an absurd can-bus)
+            self._remember(frame, obj, lane, obj_kept, lane_kept, history, row)  # must not poison the memory
+        return HeadsOutput(tokens=tokens, objects=boxes.float(),
                            object_scores=scores.sigmoid().float(), lanes=lanes.float(),
                            lane_scores=lane_scores.sigmoid().float(), memory_reset=fresh)
 

@@ -82,10 +82,17 @@ def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype) -> int:
 
 
 def _module_bytes(module: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
-    """(parameters + persistent buffers, non-persistent buffers) of a module, in bytes."""
+    """(parameters + persistent buffers, non-persistent buffers) of a module, in bytes; the tensors of a part that
+    keeps float32 whatever the stage's dtype (``keeps_float32``: the query heads) at 4 bytes."""
     persistent = set(module.state_dict().keys())
-    weights = sum(_tensor_bytes(p, dtype) for p in module.parameters())
-    weights += sum(_tensor_bytes(b, dtype) for n, b in module.named_buffers() if n in persistent)
+    kept = {id(t) for m in module.modules() if getattr(m, "keeps_float32", False)
+            for t in [*m.parameters(), *m.buffers()]}
+
+    def _bytes(t):
+        return _tensor_bytes(t, torch.float32 if id(t) in kept else dtype)
+
+    weights = sum(_bytes(p) for p in module.parameters())
+    weights += sum(_bytes(b) for n, b in module.named_buffers() if n in persistent)
     other = sum(b.numel() * b.element_size() for n, b in module.named_buffers() if n not in persistent)
     return weights, other
 

@@ -21,10 +21,12 @@ No ROS imports: the readers take any object with the message's fields.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..util.image_filters import RESIZE_FILTERS
 from .image import orion_crop_geometry
 
 #: Rotation of the model frame's axes in base_link: model x (right) = -y_base, model y (forward) = x_base,
@@ -73,10 +75,13 @@ def camera_intrinsics_from_info(msg) -> CameraIntrinsics:
     for: an empty frame_id, a zero or negative image size, a camera matrix that is not finite or not a pinhole
     one (fx, fy > 0, k[2] = (0, 0, 1)), a principal point outside the image, or non-zero distortion (this package
     does not undistort; a rectified camera publishes zeros, as the published models' images are)."""
-    frame = str(msg.header.frame_id).strip()
+    frame = msg.header.frame_id.strip() if isinstance(msg.header.frame_id, str) else ""
     if not frame:
         raise ValueError("camera_info has an empty header.frame_id: the camera's optical frame is needed to place it")
-    width, height = int(msg.width), int(msg.height)
+    width, height = msg.width, msg.height
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (width, height)):
+        raise ValueError(f"camera_info of {frame}: image size {width!r} x {height!r} is not in whole pixels")
+    width, height = int(width), int(height)
     if width <= 0 or height <= 0:
         raise ValueError(f"camera_info of {frame}: image size {width}x{height} (a calibration must give it)")
     k = np.asarray(list(msg.k), dtype=np.float64)
@@ -104,6 +109,8 @@ def model_image_intrinsics(cam: CameraIntrinsics, size: int, resize: str) -> np.
     ``resize`` (a checkpoint's ``image_resize``): ``orion_crop`` scales, crops and stretches
     (:meth:`~hybrid_vla_ros.vehicle.image.CropResize.intrinsics`); the plain resizes (``area``, ``bilinear``,
     ``bicubic``) stretch the whole image, diag(S / width, S / height, 1) @ k."""
+    if resize not in RESIZE_FILTERS:
+        raise ValueError(f"image_resize {resize!r} is not one of {', '.join(RESIZE_FILTERS)}")
     if resize == "orion_crop":
         return orion_crop_geometry(cam.height, cam.width, size).intrinsics(cam.k)
     return np.diag([size / cam.width, size / cam.height, 1.0]) @ cam.k
@@ -196,7 +203,10 @@ def lidar2img(cameras: list[CameraIntrinsics], tf: StaticTransforms, model: Mode
               base_frame: str = "base_link") -> np.ndarray:
     """(C, 4, 4) float64 ``lidar2img`` of the model images, camera order as ``cameras`` (module docstring). Raises
     LookupError naming the camera whose optical frame is not connected to ``base_frame``, ValueError for a
-    camera pipeline that cannot take the camera (:func:`~hybrid_vla_ros.vehicle.image.orion_crop_geometry`)."""
+    camera pipeline that cannot take the camera (:func:`~hybrid_vla_ros.vehicle.image.orion_crop_geometry`), an
+    unknown ``resize`` or no camera."""
+    if not cameras:
+        raise ValueError("lidar2img needs at least one camera")
     base_model = model.in_base_link()
     out = []
     for i, cam in enumerate(cameras):
