@@ -385,7 +385,8 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
     """Fill a meta-device module with the tensors it owns, read from ``source`` onto ``device`` in ``dtype``.
 
     Checks every tensor before reading any: present, the module's shape, a floating-point stored dtype for a
-    floating-point parameter. A part marked ``keeps_float32`` (the query heads) is read in float32. Each tensor is converted as soon as it is read, so the stage owns its memory and
+    floating-point parameter. A part marked ``keeps_float32`` (the query heads) is read in float32. Each tensor
+    is converted as soon as it is read, so the stage owns its memory and
     the peak is its own bytes plus one stored tensor. Raises
     CheckpointError naming the file and the tensor, RuntimeError when a tensor is left uninitialised.
     """
