@@ -133,14 +133,19 @@ def test_the_model_frame_and_a_chain_of_static_transforms():
         tf.lookup("base_link", "lidar")
 
 
+def _info_like(good, **fields) -> NS:
+    """A CameraInfo-like object: ``good``'s fields with ``fields`` replaced."""
+    d = dict(header=NS(frame_id=good.header.frame_id), width=good.width, height=good.height, k=list(good.k),
+             d=list(good.d), distortion_model=good.distortion_model)
+    d.update(fields)
+    return NS(**d)
+
+
 def test_bad_calibration_is_a_clear_error(infos):
     good = infos[0]
 
     def info(**fields):
-        d = dict(header=NS(frame_id=good.header.frame_id), width=good.width, height=good.height, k=list(good.k),
-                 d=list(good.d), distortion_model=good.distortion_model)
-        d.update(fields)
-        return NS(**d)
+        return _info_like(good, **fields)
 
     with pytest.raises(ValueError, match="focal length"):
         camera_intrinsics_from_info(info(k=[0.0] * 8 + [1.0]))  # an uncalibrated camera
@@ -191,10 +196,7 @@ def test_odd_camera_info_and_pipelines_are_value_errors(infos):
     good = infos[0]
 
     def info(**fields):
-        d = dict(header=NS(frame_id=good.header.frame_id), width=good.width, height=good.height, k=list(good.k),
-                 d=list(good.d), distortion_model=good.distortion_model)
-        d.update(fields)
-        return NS(**d)
+        return _info_like(good, **fields)
 
     with pytest.raises(ValueError, match="frame_id"):
         camera_intrinsics_from_info(info(header=NS(frame_id=None)))
