@@ -457,6 +457,36 @@ class HeadsOutput:
     memory_reset: bool
 
 
+@dataclass
+class MapFrame:
+    """One frame of :class:`MapHead`: ``tokens`` (num_extra, D) map tokens; ``lanes`` (K, n_control, 3) metres and
+    ``scores`` (K, map_classes) logits of the K = num_lanes_one2one one-to-one lanes; ``kept_embedding`` (k, E) and
+    ``kept_points`` (k, n_control, 3) metres: the k = map_topk best-scored lanes, which the memory keeps."""
+
+    tokens: torch.Tensor
+    lanes: torch.Tensor
+    scores: torch.Tensor
+    kept_embedding: torch.Tensor
+    kept_points: torch.Tensor
+
+
+@dataclass
+class ObjectFrame:
+    """One frame of :class:`ObjectHead`: ``tokens`` (object_tokens, D); ``boxes`` (Q, code_size) (centre in metres)
+    and ``scores`` (Q, num_classes) logits, Q = num_query + num_propagated; ``kept_embedding`` (k, E) and
+    ``kept_centres`` (k, 3) metres: the k = topk_proposals best-scored objects, which the memory keeps;
+    ``history`` (num_memory, E) the scene-history queries (None without them); ``can_bus_row`` (19,) float64 this
+    frame's command and can-bus with translation and yaw in degrees zeroed (published ``rec_can_bus``)."""
+
+    tokens: torch.Tensor
+    boxes: torch.Tensor
+    scores: torch.Tensor
+    kept_embedding: torch.Tensor
+    kept_centres: torch.Tensor
+    history: torch.Tensor | None
+    can_bus_row: torch.Tensor
+
+
 def _to_frame(points: torch.Tensor, pose: torch.Tensor) -> torch.Tensor:
     """(..., 3) points -> ``pose`` (4, 4) @ (x, y, z, 1), first three entries."""
     return points @ pose[:3, :3].T + pose[:3, 3]
@@ -508,11 +538,10 @@ class MapHead(nn.Module):
                          egopose=torch.zeros(c.map_memory_len, 4, 4, **f64),
                          timestamp=torch.zeros(c.map_memory_len, 1, **f64))
 
-    def forward(self, feats: torch.Tensor, feats_pos: torch.Tensor, mem: MapMemory, shared: "SharedEncoders"):
+    def forward(self, feats: torch.Tensor, feats_pos: torch.Tensor, mem: MapMemory,
+                shared: "SharedEncoders") -> MapFrame:
         """``feats`` (N, in_channels) image features, ``feats_pos`` (N, E) their 3-D position embedding, ``mem``
-        in the current frame (times relative to it) -> (map tokens (num_extra, D), lanes (K, n_control, 3) metres,
-        lane scores (K, classes), kept rows of this frame (embedding (k, E), lanes (k, n_control, 3))), K the
-        one-to-one lanes, k = ``map_topk`` of them by score."""
+        in the current frame (times relative to it) -> :class:`MapFrame`."""
         c, dt = self.cfg, self.query_embedding.weight.dtype
         memory_img = self.input_projection(feats).unsqueeze(0)
         lane = self.instance_embedding_lane.weight.unsqueeze(-2) + self.points_embedding_lane.weight.unsqueeze(0)
@@ -535,7 +564,8 @@ class MapHead(nn.Module):
         points = points.reshape(-1, c.n_control, 3) * (self.pc_range[3:] - self.pc_range[:3]) + self.pc_range[:3]
         scores = self.cls_branch(lanes_q)
         best = scores.sigmoid().max(dim=-1).values.topk(c.map_topk).indices
-        return tokens, points, scores, (lanes_q.index_select(0, best), points.index_select(0, best))
+        return MapFrame(tokens=tokens, lanes=points, scores=scores, kept_embedding=lanes_q.index_select(0, best),
+                        kept_points=points.index_select(0, best))
 
 
 class SharedEncoders(nn.Module):
@@ -621,11 +651,9 @@ class ObjectHead(nn.Module):
             mem.reference[:n] += self.pseudo_reference_points.weight.double() * (hi - lo) + lo
             mem.egopose[:n] += torch.eye(4, dtype=torch.float64, device=mem.egopose.device)
 
-    def forward(self, feats, feats_pos, mem: ObjectMemory, frame: EgoFrame, shared: SharedEncoders):
-        """``feats`` (N, in_channels), ``feats_pos`` (N, E), ``mem`` in the current frame, ``frame`` -> (object
-        tokens (object_tokens, D), boxes (Q, code_size), scores (Q, classes), kept rows (embedding (k, E),
-        centres (k, 3) metres), the scene-history queries (num_memory, E) or None, this frame's can-bus row (19,)
-        float64), Q = num_query + num_propagated, k = ``topk_proposals``."""
+    def forward(self, feats, feats_pos, mem: ObjectMemory, frame: EgoFrame, shared: SharedEncoders) -> ObjectFrame:
+        """``feats`` (N, in_channels), ``feats_pos`` (N, E), ``mem`` in the current frame, ``frame`` ->
+        :class:`ObjectFrame`."""
         c, dt = self.cfg, self.query_embedding.weight.dtype
         lo, hi = self.pc_range[:3].double(), self.pc_range[3:].double()
         memory_img = self.input_projection(feats).unsqueeze(0)
@@ -670,8 +698,8 @@ class ObjectHead(nn.Module):
         token_can = self.can_bus_embed(can_bus_input.to(dt))
         tokens = torch.cat([self.output_projection(torch.cat(tokens)), token_can.unsqueeze(0)])
         best = scores.sigmoid().max(dim=-1).values.topk(c.topk_proposals).indices
-        kept = (objects.index_select(0, best), boxes[:, :3].index_select(0, best))
-        return tokens, boxes, scores, kept, history, row
+        return ObjectFrame(tokens=tokens, boxes=boxes, scores=scores, kept_embedding=objects.index_select(0, best),
+                           kept_centres=boxes[:, :3].index_select(0, best), history=history, can_bus_row=row)
 
 
 class QueryHeads(nn.Module):
@@ -771,26 +799,26 @@ class QueryHeads(nn.Module):
         feats_pos = self.rays(lidar2img.to(features.device), h, w, h * stride, w * stride)
         feats = features.permute(0, 2, 3, 1).reshape(n_cam * h * w, -1)
         obj, lane, fresh = self._current(frame)
-        map_tokens, lanes, lane_scores, lane_kept = self.map_head(feats, feats_pos, lane, self.shared)
-        obj_tokens, boxes, scores, obj_kept, history, row = self.pts_bbox_head(feats, feats_pos, obj, frame,
-                                                                               self.shared)
-        tokens = torch.cat([obj_tokens, map_tokens])
+        lanes = self.map_head(feats, feats_pos, lane, self.shared)
+        objects = self.pts_bbox_head(feats, feats_pos, obj, frame, self.shared)
+        tokens = torch.cat([objects.tokens, lanes.tokens])
         if bool(torch.isfinite(tokens).all()):  # a frame with non-finite tokens (bad features, an absurd can-bus)
-            self._remember(frame, obj, lane, obj_kept, lane_kept, history, row)  # must not poison the memory
-        return HeadsOutput(tokens=tokens, objects=boxes.float(),
-                           object_scores=scores.sigmoid().float(), lanes=lanes.float(),
-                           lane_scores=lane_scores.sigmoid().float(), memory_reset=fresh)
+            self._remember(frame, obj, lane, objects, lanes)  # must not poison the memory
+        return HeadsOutput(tokens=tokens, objects=objects.boxes.float(),
+                           object_scores=objects.scores.sigmoid().float(), lanes=lanes.lanes.float(),
+                           lane_scores=lanes.scores.sigmoid().float(), memory_reset=fresh)
 
     @torch.no_grad()
-    def _remember(self, frame, obj: ObjectMemory, lane: MapMemory, obj_kept, lane_kept, history, row) -> None:
+    def _remember(self, frame: EgoFrame, obj: ObjectMemory, lane: MapMemory, objects: ObjectFrame,
+                  lanes: MapFrame) -> None:
         """Prepend this frame's kept queries and take everything back to the world frame and absolute time
         (published ``post_update_memory``)."""
         pose, t = frame.ego_pose.to(torch.float64), frame.timestamp
         c = self.cfg
         k = c.topk_proposals
         eye = torch.eye(4, dtype=torch.float64, device=pose.device)
-        emb, centre = obj_kept
-        can_bus = torch.cat([row.unsqueeze(0), obj.can_bus])
+        emb, centre, history = objects.kept_embedding, objects.kept_centres, objects.history
+        can_bus = torch.cat([objects.can_bus_row.unsqueeze(0), obj.can_bus])
         frames = obj.can_bus_frames + 1
         can_bus[:frames, 1:4] += frame.can_bus[:3]
         can_bus[:frames, -1] += frame.can_bus[-1]
@@ -804,7 +832,7 @@ class QueryHeads(nn.Module):
             egopose=pose @ torch.cat([eye.expand(k, 4, 4), obj.egopose]),
             timestamp=torch.cat([torch.zeros(k, 1, dtype=torch.float64, device=pose.device), obj.timestamp]) - t,
             can_bus=can_bus, can_bus_frames=frames, scene_query=scene_query, scene_timestamp=scene_ts - t)
-        lemb, lpoints = lane_kept
+        lemb, lpoints = lanes.kept_embedding, lanes.kept_points
         m = c.map_topk
         self.map_memory = MapMemory(
             embedding=torch.cat([lemb, lane.embedding]),
