@@ -23,9 +23,11 @@ Topics: camera inputs ``~/input/image<i>`` are remapped onto Autoware's
 ``camera_transport:=compressed``), odometry, trajectory and candidate trajectories (published with
 ``publish_candidate_trajectories:=true``) onto the topics given; the outputs and the navigation command
 default to ``/planning/<namespace>/...``, so two instances in two namespaces publish apart. The prefix
-takes odometry and acceleration too (used when the checkpoint has ``ego_state_input``); the suffix takes
-a navigation command name (``std_msgs/String``) on ``input_navigation_command``, its initial value from
-``navigation_command`` (default: the parameter file's, LANE_FOLLOW as shipped).
+takes odometry and acceleration too (used when the checkpoint has ``ego_state_input`` or the published query
+heads); the suffix takes a navigation command name (``std_msgs/String``) on ``input_navigation_command``, its
+initial value from ``navigation_command`` (default: the parameter file's, LANE_FOLLOW as shipped), and so does a
+prefix with the query heads. The prefix's ``~/input/camera_info<i>`` is remapped onto
+``/sensing/camera/camera<i>/camera_info`` (read by the query heads, with ``/tf_static``).
 
 CPU cores: ``cpu_affinity`` pins the suffix, ``prefix_cpu_affinity`` the prefix. Left empty (and with
 no ``cpu_affinity`` in the prefix's parameter file), the prefix gets every core of this machine that
@@ -72,7 +74,12 @@ ARGUMENTS = [
     ("input_navigation_command", "",
      "std_msgs/String navigation command name for the suffix (LEFT, RIGHT, STRAIGHT, LANE_FOLLOW, ...) (empty: "
      "/planning/<namespace>/navigation_command)"),
-    ("navigation_command", "", "initial navigation command of the suffix, e.g. LANE_FOLLOW"),
+    ("navigation_command", "", "initial navigation command of the suffix (and of the prefix's query heads), e.g. "
+     "LANE_FOLLOW"),
+    ("base_frame", "", "prefix, query heads: the frame /tf_static connects to each camera's optical frame "
+     "(empty: the parameter file's, base_link)"),
+    ("model_frame_origin", "", "prefix, query heads: the published models' lidar origin in base_frame, m, e.g. "
+     "'[1.01, 0.0, 1.84]' (empty: the parameter file's)"),
     ("output_trajectory", "", "topic of the published Trajectory (empty: /planning/<namespace>/trajectory)"),
     ("output_candidate_trajectories", "",
      "topic of the CandidateTrajectories (every planner mode), published with publish_candidate_trajectories "
@@ -227,6 +234,9 @@ def launch_setup(context, *args, **kwargs) -> list:
         target = f"/sensing/camera/camera{i}/{values['camera_topic_suffix']}"
         remaps.append((f"{name}/compressed" if transport == "compressed" else name,
                        f"{target}/compressed" if transport == "compressed" else target))
+        # the camera's CameraInfo beside it (read by the published query heads): the prefix's default for
+        # ~/input/image<i> is ~/input/camera_info<i> (params.camera_info_topic)
+        remaps.append((f"~/input/camera_info{i}", f"/sensing/camera/camera{i}/camera_info"))
     namespace = "/" + values["namespace"].strip("/")
     planning = "/planning/" + (values["namespace"].strip("/") or "hybrid_vla")
     topics = {"output_trajectory": f"{planning}/trajectory",
@@ -251,7 +261,8 @@ def launch_setup(context, *args, **kwargs) -> list:
         output="screen", **restart,
         parameters=[prefix_file, {"camera_topics": inputs, "camera_transports": [transport], **prefix_overrides}],
         remappings=remaps + [("~/input/kinematic_state", values["input_kinematic_state"]),
-                             ("~/input/acceleration", values["input_acceleration"])])
+                             ("~/input/acceleration", values["input_acceleration"]),
+                             ("~/input/navigation_command", topics["input_navigation_command"])])
     suffix = LifecycleNode(
         package=PACKAGE, executable="suffix_node", name="suffix_node", namespace=values["namespace"],
         output="screen", **restart,

@@ -209,3 +209,76 @@ def test_odd_camera_info_and_pipelines_are_value_errors(infos):
         model_image_intrinsics(cam, 640, "nearest")
     with pytest.raises(ValueError, match="at least one camera"):
         lidar2img([], StaticTransforms(), ModelFrame((0.0, 0.0, 1.84)), 640, "area")
+
+
+@pytest.fixture(scope="module")
+def bag_tf_static(embedded_bag):
+    """The embedded bag's /tf_static messages (rosbags objects)."""
+    from rosbags.typesys import Stores, get_typestore
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    return [store.deserialize_cdr(m.raw, m.msgtype) for m in read_bag(embedded_bag) if m.topic == "/tf_static"]
+
+
+def test_the_bags_static_transforms_are_the_dgp_calibration(bag_tf_static):
+    """scripts/add_tf_static_from_dgp.py wrote one /tf_static message: base_link -> each camera's optical frame,
+    the DGP calibration file's extrinsics of the bag's cameras (the camera order of its SOURCE.txt)."""
+    assert len(bag_tf_static) == 1
+    got = StaticTransforms()
+    assert got.add(bag_tf_static[0]) == 6
+    want = StaticTransforms()
+    want.add(_tf_static())
+    for i in range(6):
+        frame = f"camera{i}/camera_optical_link"
+        assert np.allclose(got.lookup("base_link", frame), want.lookup("base_link", frame), atol=1e-12)
+
+
+def test_a_camera_calibration_gives_lidar2img_only_from_complete_good_input(infos, bag_tf_static):
+    """CameraCalibration (what the prefix node keeps from CameraInfo and /tf_static): the bag's calibration gives
+    lidar2img of the model images, computed once per change; each missing or bad piece is a CalibrationError
+    with its cause and the camera named, and a good CameraInfo after a bad one brings the camera back."""
+    from hybrid_vla_ros.vehicle.camera_geometry import CameraCalibration, CalibrationError
+
+    model = ModelFrame(origin=(1.01, 0.0, 1.84))
+    cal = CameraCalibration(6, model, 640, "orion_crop")
+
+    def cause(sizes=None):
+        with pytest.raises(CalibrationError) as e:
+            cal.lidar2img(sizes)
+        return e.value.cause, e.value.reason
+
+    assert cause() == ("no_camera_info", "camera 0: no camera_info received yet")
+    for i, info in enumerate(infos):
+        assert cal.set_camera_info(i, info) is None
+    c, why = cause()
+    assert c == "no_camera_transform" and why.startswith("camera 0: no static transform connects base_link and "
+                                                          "camera0/camera_optical_link")
+    assert cal.add_static_transforms(bag_tf_static[0]) == 6
+    first = cal.lidar2img([(1936, 1216)] * 6)
+    tf = StaticTransforms()
+    tf.add(_tf_static())
+    want = lidar2img([camera_intrinsics_from_info(m) for m in infos], tf, model, 640, "orion_crop")
+    assert np.allclose(first, want, rtol=1e-12, atol=1e-9)
+    assert cal.lidar2img() is first  # not computed again while nothing changed
+    assert cal.set_camera_info(2, infos[2]) is None and cal.lidar2img() is first  # the same CameraInfo again
+    # an image whose size is not its CameraInfo's
+    c, why = cause([(1936, 1216), (968, 608)] + [None] * 4)
+    assert c == "camera_size_mismatch" and why.startswith("camera 1 (camera1/camera_optical_link): image 968x608")
+    # an uncalibrated camera (zero focal length), then the good CameraInfo again
+    problem = cal.set_camera_info(3, _info_like(infos[3], k=[0.0] * 8 + [1.0]))
+    assert "focal length" in problem
+    c, why = cause()
+    assert c == "bad_camera_info" and why.startswith("camera 3: camera_info of camera3/camera_optical_link")
+    cal.set_camera_info(3, infos[3])
+    assert np.array_equal(cal.lidar2img(), first)
+    # a camera frame that is not an optical one (the body-convention camera_link: z up): turned 90 deg otherwise
+    tr = bag_tf_static[0].transforms[4]
+    body = NS(transforms=[NS(header=tr.header, child_frame_id=tr.child_frame_id,
+                             transform=NS(translation=tr.transform.translation,
+                                          rotation=NS(x=0.0, y=0.0, z=0.0, w=1.0)))])
+    cal.add_static_transforms(body)
+    c, why = cause()
+    assert c == "bad_camera_transform" and why.startswith("camera 4: camera4/camera_optical_link is not an optical")
+    with pytest.raises(ValueError, match="unit quaternion"):
+        cal.add_static_transforms(NS(transforms=[NS(header=tr.header, child_frame_id="x", transform=NS(
+            translation=tr.transform.translation, rotation=NS(x=0.0, y=0.0, z=0.0, w=0.0)))]))

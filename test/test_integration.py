@@ -306,10 +306,11 @@ def test_a_replay_whose_node_dies_at_start_ends_at_once(tiny_checkpoint, tmp_pat
 def test_the_replay_waits_for_sparse_odometry_as_long_as_the_suffix_would_once_it_knows_the_period():
     """The replay's suffix parameters: with the embedded bag's 1 Hz odometry the first frame (before the suffix
     knows the period) waits up to 1.5 periods at the replay's rate, not the vehicle default of 0.2 s; a dense
-    odometry stream (or none) keeps the default. (CI once dropped a replay's first frame as ``no_odometry``.)"""
+    odometry stream (or none) keeps the default, a very slow replay the schema's maximum. (CI once dropped a
+    replay's first frame as ``no_odometry``.)"""
     import argparse
 
-    from hybrid_vla_ros.ros.params import defaults
+    from hybrid_vla_ros.ros.params import defaults, value_problems
     from hybrid_vla_ros.tools.replay_nodes import node_params
 
     def wait_s(rate: float, period_s):
@@ -325,3 +326,20 @@ def test_the_replay_waits_for_sparse_odometry_as_long_as_the_suffix_would_once_i
     assert wait_s(1.0, bag_period) == pytest.approx(1.5 * bag_period, abs=1e-3)
     assert wait_s(3.0, bag_period) == pytest.approx(0.5 * bag_period, abs=1e-3)
     assert wait_s(1.0, 0.02) == defaults("suffix_node")["odometry_wait_s"] == wait_s(1.0, None)
+    # a slow replay (rate 0.01 asks for 150 s) gets the schema's maximum, which the node accepts
+    slow = wait_s(0.01, bag_period)
+    assert slow == 5.0 and isinstance(slow, float) and not value_problems("suffix_node", {"odometry_wait_s": slow})
+
+
+def test_the_replay_hint_on_old_trajectories_gives_the_wall_time_limit_at_the_replay_rate():
+    """A replay whose guard dropped trajectories for their age names the limit in wall time: at --rate above 1 the
+    replay scaled guard.max_age_s (the same 1 s of wall time), below 1 the bag's 1 s is 1 / rate s of wall time
+    (a whole published model on this CPU, about 50 s a frame, was told of a scaling that did not happen)."""
+    from hybrid_vla_ros.tools.replay_report import hints
+
+    report = {"frames_published": 6, "camera_messages_in": 36, "use_sim_time": {"prefix": True, "suffix": True},
+              "drops": {"suffix.guard_too_old": 2}}
+    slow, = hints(report, "/cam", 0.02, False)
+    assert "50 s of wall time" in slow and "scales" not in slow
+    fast, = hints(report, "/cam", 3.0, False)
+    assert "scales guard.max_age_s by 3" in fast

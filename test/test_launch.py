@@ -375,7 +375,8 @@ def _parameters_given(ros_env, monkeypatch, node: str, names, **given) -> dict:
 
 def test_launch_arguments_override_the_node_parameters_of_their_names(ros_env, monkeypatch, tmp_path):
     """A launch argument named as a parameter in a node's schema overrides it (typed by the schema: a string as
-    given, anything else as YAML), cpu_affinity the suffix's only, use_sim_time (a ROS parameter) both nodes'."""
+    given, anything else as YAML), cpu_affinity the suffix's only, use_sim_time (a ROS parameter) and
+    navigation_command (the query heads read it in the prefix) both nodes'."""
     core = sorted(os.sched_getaffinity(0))[-1]
     given = dict(model_path=str(tmp_path), split_layer="3", device="cuda:1", dtype="bf16", cpu_affinity=f"[{core}]",
                  prefix_cpu_affinity="[0]", navigation_command="LEFT", publish_candidate_trajectories="true",
@@ -385,7 +386,7 @@ def test_launch_arguments_override_the_node_parameters_of_their_names(ros_env, m
     prefix = _parameters_given(ros_env, monkeypatch, "prefix_node", names, **given)
     suffix = _parameters_given(ros_env, monkeypatch, "suffix_node", names, **given)
     assert prefix == {"model_path": str(tmp_path), "split_layer": 3, "device": "cuda:1", "dtype": "bf16",
-                      "cpu_affinity": [0], "navigation_command": None, "publish_candidate_trajectories": None,
+                      "cpu_affinity": [0], "navigation_command": "LEFT", "publish_candidate_trajectories": None,
                       "use_sim_time": True}, prefix
     assert suffix == {"model_path": str(tmp_path), "split_layer": 3, "device": None, "dtype": "bf16",
                       "cpu_affinity": [core], "navigation_command": "LEFT", "publish_candidate_trajectories": True,

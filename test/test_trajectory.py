@@ -377,3 +377,44 @@ def test_time_from_start_rounding_and_stamp_conversions(odometry):
         ns_to_stamp(1.5)
     with pytest.raises(ValueError):
         stamp_to_ns(SimpleNamespace(sec=1, nanosec=10**9))
+
+
+def _rigid_turn(radius_m: float, arc_m: np.ndarray, ahead_m: float) -> tuple[np.ndarray, np.ndarray]:
+    """A rigid vehicle whose rear axle drives a circle of ``radius_m`` (left positive) from the origin, heading
+    +x: (its rear axle's positions, the track of the point ``ahead_m`` in front of it, moved so it starts at 0)
+    after the arc lengths ``arc_m``."""
+    yaw = arc_m / radius_m
+    rear = np.stack([radius_m * np.sin(yaw), radius_m * (1 - np.cos(yaw))], axis=1)
+    front = rear + ahead_m * np.stack([np.cos(yaw), np.sin(yaw)], axis=1)
+    return rear, front - [ahead_m, 0.0]
+
+
+@pytest.mark.parametrize("radius_m, arc_m, within_m", [
+    (20.0, np.arange(1, 11) * 0.6, 1e-9),     # evenly spaced: exact
+    (-8.0, np.arange(1, 11) * 0.5, 1e-9),     # a right turn
+    (5.0, np.arange(1, 7) * 0.4, 1e-9),       # tight
+    (20.0, np.linspace(1.5, 30, 10), 0.06),   # uneven: the first step shorter than the others
+    (-10.0, np.linspace(1, 12, 6), 0.07),
+])
+def test_the_model_frame_track_becomes_the_rear_axles_track(radius_m, arc_m, within_m):
+    """The published models plan their lidar's track (1.01 m ahead of base_link here); base_link's track follows
+    from the geometry of a rigid vehicle whose rear axle moves along its heading."""
+    from hybrid_vla_ros.vehicle.trajectory import model_track_to_base_link
+
+    rear, planned = _rigid_turn(radius_m, arc_m, 1.01)
+    got = model_track_to_base_link(planned, (1.01, 0.0))
+    assert np.abs(got - rear).max() <= within_m
+    assert np.abs(planned - rear).max() > 0.25  # taken as it is, the plan would put base_link that far off
+
+
+def test_a_straight_or_standing_plan_is_base_links_own_and_bad_input_is_refused():
+    from hybrid_vla_ros.vehicle.trajectory import model_track_to_base_link
+
+    straight = np.stack([np.linspace(1, 10, 8), np.zeros(8)], axis=1)
+    assert np.abs(model_track_to_base_link(straight, (1.01, 0.0)) - straight).max() < 1e-12
+    jitter = np.random.default_rng(0).normal(0.0, 0.01, (6, 2))  # centimetres at standstill: no heading in it
+    assert np.abs(model_track_to_base_link(jitter, (1.01, 0.0)) - jitter).max() < 1e-12
+    with pytest.raises(ValueError, match="finite"):
+        model_track_to_base_link([[0.0, float("nan")]], (1.01, 0.0))
+    with pytest.raises(ValueError, match=r"\(N, 2\)"):
+        model_track_to_base_link(np.zeros((3, 3)), (1.01, 0.0))

@@ -42,6 +42,13 @@ LLM_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi
 EGO_FEATURES = ("speed_mps", "accel_mps2", "yaw_rate_radps")
 
 
+def takes_scene(cfg) -> bool:
+    """True for a checkpoint config (VLAConfig or another driving config) whose projector is the published query
+    heads (``scene_queries``): each frame then needs its SceneInputs (camera geometry, ego frame)."""
+    projector = getattr(cfg, "projector", None)
+    return isinstance(projector, dict) and projector.get("type") == SCENE_QUERIES
+
+
 def nav_command_index(name: str) -> int:
     """Index 0..5 of a navigation command name (case-insensitive). Raises ValueError for another name."""
     try:

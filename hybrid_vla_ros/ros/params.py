@@ -234,14 +234,17 @@ def _type_words(t: str | list[str]) -> str:
 
 
 def validate(node: str, values: Mapping[str, Any], *, n_cameras: int | None = None,
-             num_layers: int | None = None) -> PrefixNodeSettings | SuffixNodeSettings:
+             num_layers: int | None = None,
+             needs_camera_info: bool = False) -> PrefixNodeSettings | SuffixNodeSettings:
     """Check a node's parameters and return them complete (schema defaults for missing ones) as the node's
     settings dataclass (:data:`~.settings.SETTINGS`: a ``number`` is a float, a list a tuple).
 
     ``values``: name -> value as read from ROS (unset parameters left out). ``n_cameras`` and
     ``num_layers`` come from the checkpoint when it is known; with ``n_cameras`` the prefix's
     ``camera_topics`` [] becomes ``~/input/image<i>`` and a single ``camera_transports`` value one per
-    camera. Raises :class:`ParameterError` listing every problem, the schema's and the code's.
+    camera, and ``camera_info_topics`` [] one CameraInfo topic per camera (:func:`camera_info_topic`), which
+    must differ from each other when ``needs_camera_info`` (a checkpoint with the query heads). Raises
+    :class:`ParameterError` listing every problem, the schema's and the code's.
     """
     merged = {**copy.deepcopy(defaults(node)), **values}
     errors = _schema_errors(node, merged)
@@ -249,7 +252,7 @@ def validate(node: str, values: Mapping[str, Any], *, n_cameras: int | None = No
     bad = {path[0] for path, _ in errors}
     problems += _checkpoint_checks(merged, bad, num_layers)
     if node == "prefix_node":
-        problems += _camera_checks(merged, bad, n_cameras)
+        problems += _camera_checks(merged, bad, n_cameras, needs_camera_info)
     if "cpu_affinity" in merged:  # both nodes
         problems += _affinity_checks(merged, bad)
     if problems:
@@ -275,7 +278,17 @@ def _checkpoint_checks(v: dict, bad: set[str], num_layers: int | None) -> list[s
     return problems
 
 
-def _camera_checks(v: dict, bad: set[str], n_cameras: int | None) -> list[str]:
+def camera_info_topic(image_topic: str) -> str:
+    """The CameraInfo topic beside a camera's image topic, as image_transport pairs them (the image topic's last
+    name replaced by ``camera_info``), except that a last name ``image<N>`` (the node's own ``~/input/image<N>``)
+    becomes ``camera_info<N>``: ``/sensing/camera/camera0/image_rect_color`` -> ``/sensing/camera/camera0/
+    camera_info``, ``~/input/image3`` -> ``~/input/camera_info3``."""
+    head, _, last = image_topic.rstrip("/").rpartition("/")
+    number = last[len("image"):] if last.startswith("image") and last[len("image"):].isdigit() else ""
+    return f"{head}/camera_info{number}" if head or image_topic.startswith("/") else f"camera_info{number}"
+
+
+def _camera_checks(v: dict, bad: set[str], n_cameras: int | None, needs_camera_info: bool = False) -> list[str]:
     """Camera count against the checkpoint; expands the defaults in ``v`` when valid."""
     if n_cameras is None:
         return []
@@ -292,6 +305,15 @@ def _camera_checks(v: dict, bad: set[str], n_cameras: int | None) -> list[str]:
         if len(v["camera_transports"]) != n_cameras:
             problems.append(f"camera_transports: give one value or {n_cameras} (one per camera), "
                             f"got {len(v['camera_transports'])}")
+    if "camera_info_topics" not in bad and "camera_topics" not in bad and len(v["camera_topics"]) == n_cameras:
+        if not v["camera_info_topics"]:
+            v["camera_info_topics"] = [camera_info_topic(t) for t in v["camera_topics"]]
+        if len(v["camera_info_topics"]) != n_cameras:
+            problems.append(f"camera_info_topics: {len(v['camera_info_topics'])} topics given, "
+                            f"the model takes {n_cameras} cameras")
+        elif needs_camera_info and len(set(v["camera_info_topics"])) != n_cameras:
+            problems.append(f"camera_info_topics: {v['camera_info_topics']} name a topic twice (derived from "
+                            "camera_topics, which share a namespace): give one CameraInfo topic per camera")
     return problems
 
 

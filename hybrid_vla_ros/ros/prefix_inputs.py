@@ -18,6 +18,8 @@ from sensor_msgs.msg import CompressedImage, Image
 
 from ..util.stamps import header_stamp_ns
 from ..vehicle.ego_input import EgoInputBuffer, acceleration_sample_from_msg, kinematic_sample_from_odometry
+from ..vehicle.odometry import OdometryBuffer
+from ..vehicle.trajectory import EgoState, ego_state_from_odometry
 from ..vehicle.sync import CameraSynchronizer, SyncedSet
 
 #: Log text of each synchronizer drop cause (vehicle.sync.DROP_CAUSES).
@@ -36,6 +38,8 @@ EGO_DROP_REASONS = {
     "stale_ego_state": "no kinematic state within {age} s of the camera stamp",
     "no_acceleration": "no acceleration on ~/input/acceleration within {age} s of the camera stamp, and fewer than "
                        "two kinematic states within it to take the speed difference",
+    "no_odometry": "no pose received on ~/input/kinematic_state (the query heads' memory moves with the ego pose)",
+    "stale_odometry": "no pose on ~/input/kinematic_state within {age} s of the camera stamp",
 }
 
 
@@ -305,22 +309,26 @@ class CameraInputs:
 
 class EgoStateInputs:
     """``~/input/kinematic_state`` (nav_msgs/Odometry) and ``~/input/acceleration``
-    (geometry_msgs/AccelWithCovarianceStamped) of a prefix whose checkpoint takes the ego state.
+    (geometry_msgs/AccelWithCovarianceStamped) of a prefix whose checkpoint takes the ego state or has the
+    published query heads.
 
-    The callbacks only add samples to ``buffer`` (vehicle.ego_input.EgoInputBuffer); a message that cannot be
-    read is a ``bad_kinematic_state`` / ``bad_acceleration`` drop. :meth:`state_at` gives the worker the ego
-    state at a camera stamp.
+    The callbacks only add samples to ``buffer`` (vehicle.ego_input.EgoInputBuffer: speed, yaw rate,
+    acceleration) and ``poses`` (vehicle.odometry.OdometryBuffer: the pose in the odometry's frame); a message
+    that cannot be read is a ``bad_kinematic_state`` / ``bad_acceleration`` drop. :meth:`state_at` gives the
+    worker the ego state at a camera stamp, :meth:`pose_at` the pose.
     """
 
     def __init__(self, ctx):
         """``ctx``: the node's node_base.PartContext (its ``ros`` node for the two subscriptions)."""
         self._ctx = ctx
         self.buffer = EgoInputBuffer()  # speed, yaw rate and acceleration samples
+        self.poses = OdometryBuffer()  # the poses of the same kinematic states
         self.subscriptions = []
 
     def start(self) -> None:
         """Forget the samples (those from before a deactivate may lie behind a clock jump) and subscribe."""
         self.buffer.clear()
+        self.poses.clear()
         self.subscriptions = [
             self._ctx.ros.create_subscription(Odometry, "~/input/kinematic_state", self._on_kinematic_state, 10),
             self._ctx.ros.create_subscription(AccelWithCovarianceStamped, "~/input/acceleration",
@@ -335,7 +343,13 @@ class EgoStateInputs:
 
     def _on_kinematic_state(self, msg: Odometry) -> None:
         try:
-            self.buffer.add_kinematic(*kinematic_sample_from_odometry(msg))
+            sample, pose = kinematic_sample_from_odometry(msg), ego_state_from_odometry(msg)
+        except ValueError as e:
+            self._ctx.drop("bad_kinematic_state", f"~/input/kinematic_state: {e}")
+            return
+        try:
+            self.buffer.add_kinematic(*sample)
+            self.poses.add(pose)
         except ValueError as e:
             self._ctx.drop("bad_kinematic_state", f"~/input/kinematic_state: {e}")
 
@@ -355,3 +369,10 @@ class EgoStateInputs:
         wait_ms = (time.perf_counter() - t0) * 1e3
         self._ctx.times.add("ego_wait", wait_ms)
         return (*self.buffer.ego_state_at(stamp, int(max_age_s * 1e9)), wait_ms)
+
+    def pose_at(self, stamp: int, max_age_s: float) -> EgoState:
+        """The ego pose (odometry frame) at the camera stamp (ns): interpolated between the kinematic states around
+        it, or propagated from the nearest (vehicle.odometry.OdometryBuffer.pose_at; call after :meth:`state_at`,
+        which waited for them). Raises LookupError ('no_odometry', 'stale_odometry') when none lies within
+        ``max_age_s`` (s)."""
+        return self.poses.pose_at(stamp, int(max_age_s * 1e9))[0]

@@ -3,7 +3,9 @@
 Lifecycle (ROS 2 managed node, as in ros2/demos lifecycle_py):
   on_configure  validate parameters, load the prefix onto the device, create the ring;
   on_activate   subscribe to the cameras (and, for a checkpoint with ``ego_state_input``, to
-                ``~/input/kinematic_state`` and ``~/input/acceleration``), start the worker thread;
+                ``~/input/kinematic_state`` and ``~/input/acceleration``; for one with the published query
+                heads also to each camera's CameraInfo, ``/tf_static`` and ``~/input/navigation_command``),
+                start the worker thread;
   on_deactivate unsubscribe, stop the worker (a frame in progress finishes and is published);
   on_cleanup    remove the ring, free the device memory;
   on_shutdown   as cleanup, from any state.
@@ -17,6 +19,11 @@ samples (``vehicle/ego_input.py``); the worker waits up to ``ego_state_wait_s`` 
 or after the camera stamp, then feeds speed, acceleration and yaw rate at that stamp to the model. A
 frame without a usable ego state is dropped and counted (``no_ego_state``, ``stale_ego_state``,
 ``no_acceleration``), never computed with a made-up one.
+
+Scene inputs (checkpoints with the published query heads, projector ``scene_queries``; ``prefix_scene``): each
+frame's camera geometry (``lidar2img`` from the cameras' CameraInfo and ``/tf_static``) and ego frame (pose and
+motion at the camera stamp from ``~/input/kinematic_state``, the navigation command). A frame without them is a
+counted drop naming the camera or the missing input.
 
 CPU cores: the entry point (``prefix_main.main``: the ``prefix_node`` executable, and ``python -m`` of this
 module, which hands over to it before the imports below) pins the process to ``cpu_affinity`` (from the
@@ -40,7 +47,7 @@ from rclpy.lifecycle import LifecycleState, TransitionCallbackReturn
 
 from ..util.ids import model_id_text
 from ..model.checkpoint import driving_config
-from ..model.config import SCENE_QUERIES
+from ..model.config import NAV_COMMANDS, nav_command_index, takes_scene
 from ..runtime.prefix import PrefixRunner
 from ..transport.ring import ProducerStats
 from ..util.cores import pin_process
@@ -48,6 +55,7 @@ from . import node_base
 from .params import ParameterError
 from .settings import PrefixNodeSettings
 from .prefix_inputs import EGO_DROP_REASONS, SYNC_DROP_REASONS, CameraInputs, EgoStateInputs
+from .prefix_scene import SceneSource
 from .prefix_split import SplitLayerControl
 from .prefix_worker import PrefixWorker
 from .status import PrefixStatus
@@ -63,7 +71,7 @@ class PrefixNode(node_base.PipelineNode):
     moves the split layer; this class runs the lifecycle and reports the diagnostics.
     """
 
-    LIVE_PARAMETERS = ("split_layer",)
+    LIVE_PARAMETERS = ("navigation_command", "split_layer")
     STATUS = PrefixStatus
 
     def __init__(self, early_affinity: list[int] | None = None, **kwargs):
@@ -73,7 +81,8 @@ class PrefixNode(node_base.PipelineNode):
         self.params: PrefixNodeSettings | None = None
         ctx = self.part_context()
         self._ego_inputs = EgoStateInputs(ctx)  # speed, yaw rate, acceleration (ego_state_input checkpoints)
-        self._worker = PrefixWorker(ctx, self._ego_inputs,
+        self._scene = SceneSource(ctx, self._ego_inputs)  # camera geometry, ego frame (query heads)
+        self._worker = PrefixWorker(ctx, self._ego_inputs, self._scene,
                                     on_frame=lambda: self._split.after_frame(self._cameras.frame_period_ns()))
         self._cameras = CameraInputs(ctx, on_frame=self._worker.offer)
         self._split = SplitLayerControl(ctx, wake=self._worker.wake)
@@ -83,13 +92,8 @@ class PrefixNode(node_base.PipelineNode):
         try:
             p = self.read_parameters()  # schema checks first: model_path must name a directory
             cfg = driving_config(p.model_path)
-            if getattr(cfg, "projector", {}).get("type") == SCENE_QUERIES:
-                raise ValueError(f"{p.model_path} has the published query heads (projector {SCENE_QUERIES}): they "
-                                 "need each camera's geometry and the vehicle's pose per frame, which this node does "
-                                 "not read yet (CameraInfo, /tf_static, the odometry pose); run it through "
-                                 "hybrid_vla_ros.runtime's PrefixRunner with SceneInputs, or use a checkpoint with "
-                                 "another projector")
-            p = self.read_parameters(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers)
+            p = self.read_parameters(n_cameras=cfg.n_cameras, num_layers=cfg.num_layers,
+                                     needs_camera_info=takes_scene(cfg))
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)
                 cv2.setNumThreads(len(p.cpu_affinity))
@@ -99,6 +103,7 @@ class PrefixNode(node_base.PipelineNode):
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             return self.configure_failed(e)
         self.params = p
+        self._scene.navigation.set_command(nav_command_index(p.navigation_command), "parameter navigation_command")
         self.configured()
         cfg = self.runner.cfg
         self.get_logger().info(
@@ -110,6 +115,9 @@ class PrefixNode(node_base.PipelineNode):
                if p.fast_jpeg_decode else "")
             + (f"; ego state input (wait {p.ego_state_wait_s} s, max age {p.max_ego_state_age_s} s)"
                if cfg.ego_state_input else "")
+            + (f"; query heads: camera geometry from {', '.join(p.camera_info_topics)} and /tf_static "
+               f"({p.base_frame} -> each camera's optical frame; model frame origin {list(p.model_frame_origin)} m), "
+               f"ego frame from ~/input/kinematic_state, command {p.navigation_command}" if takes_scene(cfg) else "")
             + (f"; cores {list(p.cpu_affinity)} (pinned early: {self.early_affinity or 'no'})" if p.cpu_affinity
                else "; not pinned (cpu_affinity [])")
             + (" [random-init weights: trajectories are not driving advice]" if cfg.random_init else ""))
@@ -118,22 +126,27 @@ class PrefixNode(node_base.PipelineNode):
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         p = self.params
         self._cameras.start(p.camera_topics, p.camera_transports, p.sync_tolerance_ms, p.camera_reliability)
-        if self.runner.cfg.ego_state_input:
+        if self.runner.cfg.ego_state_input or takes_scene(self.runner.cfg):
             self._ego_inputs.start()
+        if takes_scene(self.runner.cfg):
+            self._scene.start(p, self.runner.cfg)
         self._worker.start()
         self.runner.set_running(True)
         self._split.update_timer(active=True)
         cameras, ego = self._cameras.subscriptions, self._ego_inputs.subscriptions
+        scene = self._scene.subscriptions + [s for s in [self._scene.navigation.subscription] if s is not None]
         self.get_logger().info(f"active: {len(cameras)} camera subscriptions "
                                f"({', '.join(s.topic_name for s in cameras)}; reliability {p.camera_reliability}: "
                                f"{', '.join(sorted({r.name.lower() for r in self._cameras.reliabilities}))} now)"
-                               + (f", ego state from {', '.join(s.topic_name for s in ego)}" if ego else ""))
+                               + (f", ego state from {', '.join(s.topic_name for s in ego)}" if ego else "")
+                               + (f", scene from {', '.join(s.topic_name for s in scene)}" if scene else ""))
         return super().on_activate(state)
 
     def _stop(self) -> None:
         self._split.stop_timer()
         self._cameras.stop()
         self._ego_inputs.stop()
+        self._scene.stop()
         self._worker.stop()
         if self.runner is not None:
             self.runner.set_running(False)
@@ -152,7 +165,11 @@ class PrefixNode(node_base.PipelineNode):
         return []
 
     def apply_live_parameters(self, values: dict) -> None:
-        self._split.set_split_layer(values.get("split_layer"), active=self._worker.running)
+        if "navigation_command" in values:  # the schema's enum has checked the name
+            self._scene.navigation.set_command(nav_command_index(values["navigation_command"]),
+                                               "parameter navigation_command")
+        if "split_layer" in values:
+            self._split.set_split_layer(values["split_layer"], active=self._worker.running)
 
     # ------------------------------------------------------------------------------- diagnostics
     def io_counts(self) -> tuple[int, int]:
@@ -179,6 +196,7 @@ class PrefixNode(node_base.PipelineNode):
     def status_fields(self) -> dict:
         """This node's fields of :class:`~.status.PrefixStatus`."""
         runner, cameras, worker = self.runner, self._cameras, self._worker
+        calibration = self._scene.calibration
         ring = runner.ring.stats if runner is not None else ProducerStats()
         delay = cameras.arrival_delay_ms()
         return dict(
@@ -197,7 +215,11 @@ class PrefixNode(node_base.PipelineNode):
             camera_reliability=",".join(r.name.lower() for r in cameras.reliabilities),
             camera_delay_p50_ms=None if delay is None else delay[0],
             camera_delay_max_ms=None if delay is None else delay[1],
-            cameras_silent=tuple(c for c, _ in cameras.silent_cameras()))
+            cameras_silent=tuple(c for c, _ in cameras.silent_cameras()),
+            scene_inputs=runner is not None and takes_scene(runner.cfg),
+            camera_infos_in=calibration.camera_infos if calibration is not None else 0,
+            static_transforms_in=calibration.static_transforms if calibration is not None else 0,
+            navigation_command=NAV_COMMANDS[self._scene.navigation.command])
 
 
 def main(args: list[str] | None = None) -> int:

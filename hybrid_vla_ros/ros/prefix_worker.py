@@ -9,10 +9,13 @@ import math
 import threading
 from typing import Callable
 
+from ..model.config import takes_scene
+from ..vehicle.camera_geometry import CalibrationError
 from ..vehicle.ego_input import ACCEL_SOURCES
 from ..vehicle.image import ImageDecodeError
 from ..vehicle.sync import SyncedSet
 from .prefix_inputs import EGO_DROP_REASONS
+from .prefix_scene import CALIBRATION_DROP_REASONS
 
 
 class PrefixWorker:
@@ -23,7 +26,9 @@ class PrefixWorker:
     ``deactivated``. With ``pace_to_suffix`` the thread waits before a frame while the suffix would leave it
     unread in the ring (``PrefixRunner.pacing_delay_s``), so the frame it starts is fresher. Between frames it
     applies a requested split layer (:meth:`wake` after ``PrefixRunner.request_split_layer``). A frame without
-    a usable ego state (``ego_inputs``), or one the runner fails on, is a counted drop and the thread goes on.
+    a usable ego state (``ego_inputs``) or, for the published query heads, without its camera geometry and ego
+    frame (``scene``: prefix_scene.SceneSource), or one the runner fails on, is a counted drop and the thread
+    goes on.
     Counts ``frames_out``, ``ego_accel_sources`` (frames out by acceleration source) and ``resplits``.
     """
 
@@ -31,11 +36,13 @@ class PrefixWorker:
     #: announcement may change).
     PACE_RECHECK_S = 0.1
 
-    def __init__(self, ctx, ego_inputs, on_frame: Callable[[], None] | None = None):
-        """``ctx``: the node's node_base.PartContext; ``ego_inputs``: prefix_inputs.EgoStateInputs; ``on_frame``:
-        called on this thread after each frame published (the split-layer policy judges the stage times)."""
+    def __init__(self, ctx, ego_inputs, scene=None, on_frame: Callable[[], None] | None = None):
+        """``ctx``: the node's node_base.PartContext; ``ego_inputs``: prefix_inputs.EgoStateInputs; ``scene``:
+        prefix_scene.SceneSource (checkpoints with the query heads); ``on_frame``: called on this thread after
+        each frame published (the split-layer policy judges the stage times)."""
         self._ctx = ctx
         self._ego_inputs = ego_inputs
+        self._scene = scene
         self._on_frame = on_frame
         self._pending: SyncedSet | None = None  # newest synchronized frame waiting for the worker
         self._cv = threading.Condition()
@@ -120,16 +127,24 @@ class PrefixWorker:
     def _compute(self, runner, frame: SyncedSet) -> None:
         ctx, p = self._ctx, self._ctx.settings()
         stamp, items = frame
+        scene = None
         try:
-            ego, accel_source, ego_wait_ms = (
-                self._ego_inputs.state_at(stamp, p.ego_state_wait_s, p.max_ego_state_age_s)
-                if runner.cfg.ego_state_input else (None, None, math.nan))
+            if takes_scene(runner.cfg):
+                ego = None
+                scene, accel_source, ego_wait_ms = self._scene.scene_at(stamp, items, p)
+            else:
+                ego, accel_source, ego_wait_ms = (
+                    self._ego_inputs.state_at(stamp, p.ego_state_wait_s, p.max_ego_state_age_s)
+                    if runner.cfg.ego_state_input else (None, None, math.nan))
+        except CalibrationError as e:
+            ctx.drop(e.cause, f"frame stamped {stamp} ns: {CALIBRATION_DROP_REASONS[e.cause]}: {e.reason}")
+            return
         except LookupError as e:
             cause = str(e.args[0])
             ctx.drop(cause, f"frame stamped {stamp} ns: " + EGO_DROP_REASONS[cause].format(age=p.max_ego_state_age_s))
             return
         try:
-            result = runner.run(items, stamp, ego_state=ego, ego_wait_ms=ego_wait_ms)
+            result = runner.run(items, stamp, ego_state=ego, ego_wait_ms=ego_wait_ms, scene=scene)
         except ImageDecodeError as e:
             ctx.drop("decode_error", str(e))
             return

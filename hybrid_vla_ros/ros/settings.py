@@ -139,6 +139,14 @@ class PrefixNodeSettings(NodeSettings):
     camera_transports: tuple[CameraTransport, ...] = ("raw",)
     #: QoS reliability of the camera subscriptions: ``auto`` (match the publishers), ``best_effort``, ``reliable``.
     camera_reliability: CameraReliability = "auto"
+    #: CameraInfo topic per camera (query heads); () means beside each image topic (params.camera_info_topic).
+    camera_info_topics: tuple[str, ...] = ()
+    #: Vehicle frame of /tf_static's camera transforms and of ``model_frame_origin`` (query heads).
+    base_frame: str = "base_link"
+    #: The model frame's origin in ``base_frame``, (x, y, z) m (query heads; vehicle.camera_geometry.ModelFrame).
+    model_frame_origin: tuple[float, ...] = (1.01, 0.0, 1.84)
+    #: Navigation command of the next frames, read by the query heads' can-bus token (CARLA RoadOption names).
+    navigation_command: NavigationCommand = "LANE_FOLLOW"
     #: Decode JPEGs scaled down by 2, 4 or 8 inside libjpeg when the model input allows.
     fast_jpeg_decode: bool = False
     #: Largest spread of header stamps within one synchronized frame, ms.
@@ -225,6 +233,8 @@ class SuffixNodeSettings(NodeSettings):
     output_frame: str = "map"
     #: Vehicle wheelbase, m.
     wheelbase_m: float = 2.79
+    #: The published query heads' model frame origin in base_link, (x, y, z) m: the prefix's value.
+    model_frame_origin: tuple[float, ...] = (1.01, 0.0, 1.84)
     #: Odometry farther than this from the camera stamp is not used, s.
     max_odometry_age_s: float = 1.0
     #: Longest wait for the odometry message after a camera stamp, s.

@@ -278,6 +278,10 @@ class PrefixStatus(NodeStatus):
     camera_delay_p50_ms: float | None = _field(_OPT_MS1, None, doc="image arrival delay, ms")
     camera_delay_max_ms: float | None = _field(_OPT_MS1, None, doc="worst arrival delay, ms")
     cameras_silent: tuple[int, ...] = _field(_COMMA_INTS, (), doc="camera indices sending nothing")
+    scene_inputs: bool = _field(_BOOL, False, doc="the query heads read camera geometry and ego frame")
+    camera_infos_in: int = _field(_INT, 0, counter=True, doc="CameraInfo messages read (query heads)")
+    static_transforms_in: int = _field(_INT, 0, counter=True, doc="/tf_static transforms read (query heads)")
+    navigation_command: str = _field(_STR, "", doc="the command of the next frame (query heads)")
 
 
 @dataclass(frozen=True)

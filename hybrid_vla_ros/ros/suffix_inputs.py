@@ -6,23 +6,21 @@ a drop counted by cause (through the node's PartContext).
 """
 from __future__ import annotations
 
-import threading
 import time
 
 from nav_msgs.msg import Odometry
-from std_msgs.msg import String
 
-from ..model.config import NAV_COMMANDS, nav_command_index
-from ..model.modeling import DEFAULT_COMMAND
 from ..vehicle.odometry import OdometryBuffer
 from ..vehicle.trajectory import EgoState, ego_state_from_odometry
+from .navigation_command import NavigationCommandInput
 
 
 class SuffixInputs:
     """``~/input/kinematic_state`` (nav_msgs/Odometry) and ``~/input/navigation_command`` (std_msgs/String).
 
     ``command`` is the navigation command index (NAV_COMMANDS) for the next frame: set by a name on the topic
-    or by :meth:`set_command` (the ``navigation_command`` parameter), the latest of the two. :meth:`pose_at`
+    or by :meth:`set_command` (the ``navigation_command`` parameter), the latest of the two
+    (:class:`~.navigation_command.NavigationCommandInput`). :meth:`pose_at`
     gives the ego pose at a camera stamp; :meth:`count_placed` counts how the pose of a published trajectory
     was obtained (``odometry_propagated``, ``odometry_late``).
     """
@@ -32,9 +30,7 @@ class SuffixInputs:
         self._ctx = ctx
         self.odometry = OdometryBuffer()
         self._odom_sub = None
-        self._command = DEFAULT_COMMAND  # navigation command index (NAV_COMMANDS) for the next frame
-        self._command_lock = threading.Lock()
-        self._command_sub = None
+        self._navigation = NavigationCommandInput(ctx)
         self.odometry_propagated = 0  # trajectories placed with a pose propagated, not interpolated
         self.odometry_late = 0  # frames placed at once because the odometry stream was late (no wait)
         self.odometry_in = 0  # odometry messages read into the buffer (unreadable ones are drops, not counted)
@@ -42,21 +38,19 @@ class SuffixInputs:
     @property
     def command(self) -> int:
         """The navigation command index (0..5, NAV_COMMANDS) for the next frame."""
-        return self._command
+        return self._navigation.command
 
     def start(self) -> None:
         """Subscribe to both topics (depth 10)."""
         self._odom_sub = self._ctx.ros.create_subscription(Odometry, "~/input/kinematic_state", self._on_odometry, 10)
-        self._command_sub = self._ctx.ros.create_subscription(String, "~/input/navigation_command",
-                                                           self._on_navigation_command, 10)
+        self._navigation.start()
 
     def stop(self) -> None:
         """Unsubscribe from both topics (idempotent)."""
-        for name in ("_odom_sub", "_command_sub"):
-            sub = getattr(self, name)
-            if sub is not None:
-                self._ctx.ros.destroy_subscription(sub)
-                setattr(self, name, None)
+        if self._odom_sub is not None:
+            self._ctx.ros.destroy_subscription(self._odom_sub)
+            self._odom_sub = None
+        self._navigation.stop()
 
     def _on_odometry(self, msg: Odometry) -> None:
         try:
@@ -67,24 +61,9 @@ class SuffixInputs:
         self.odometry.add(ego)
         self.odometry_in += 1
 
-    def _on_navigation_command(self, msg: String) -> None:
-        """A command name (NAV_COMMANDS, any case) for the next frames; another name is a counted drop and
-        the command in use stays."""
-        try:
-            index = nav_command_index(msg.data)
-        except ValueError as e:
-            self._ctx.drop("bad_navigation_command", f"~/input/navigation_command: {e}; keeping "
-                             f"{NAV_COMMANDS[self._command]}")
-            return
-        self.set_command(index, "topic ~/input/navigation_command")
-
     def set_command(self, index: int, source: str) -> None:
         """Use navigation command ``index`` (0..5) from the next frame on; a change is logged with its source."""
-        with self._command_lock:
-            old, self._command = self._command, index
-        if old != index:
-            self._ctx.logger.info(f"navigation command {NAV_COMMANDS[old]} -> {NAV_COMMANDS[index]} "
-                                         f"(from {source})")
+        self._navigation.set_command(index, source)
 
     def pose_at(self, stamp: int, wait_s: float, max_age_s: float) -> tuple[EgoState, str, str, float]:
         """(ego pose at camera stamp ``stamp`` (ns), 'interpolated' | 'propagated', why the wait was as long as it

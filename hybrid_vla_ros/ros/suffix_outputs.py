@@ -4,15 +4,16 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 from autoware_internal_planning_msgs.msg import CandidateTrajectories
 from autoware_planning_msgs.msg import Trajectory
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-from ..model.config import NAV_COMMANDS
+from ..model.config import NAV_COMMANDS, takes_scene
 from ..vehicle.guard import GuardLimits
 from ..vehicle.output import guarded_outputs
-from ..vehicle.trajectory import EgoState
+from ..vehicle.trajectory import EgoState, model_track_to_base_link
 from .diagnostics import NO_CLOCK_HINT, OK, diagnostic_array
 from .status import FrameTiming
 from .msg_conv import candidate_trajectories_to_msg, generator_uuid, ns_to_stamp, trajectory_to_msg
@@ -69,9 +70,19 @@ class TrajectoryOutputs:
         ctx, node, p = self._ctx, self._ctx.ros, self._ctx.settings()
         stamp = result.meta.stamp_ns
         now_ns = node.get_clock().now().nanoseconds
-        modes = result.modes
+        modes, waypoints = result.modes, result.waypoints
         names = NAV_COMMANDS if modes is not None and len(modes) == len(NAV_COMMANDS) else ()
-        out = guarded_outputs(result.waypoints, modes, result.mode, ctx.runner().cfg.waypoint_dt_s, ego,
+        if takes_scene(ctx.runner().cfg):  # the published planners plan the model frame origin's track
+            try:
+                origin = p.model_frame_origin[:2]
+                waypoints = model_track_to_base_link(waypoints, origin)
+                if modes is not None:
+                    modes = np.stack([model_track_to_base_link(m, origin)
+                                      for m in modes])
+            except ValueError as e:
+                ctx.drop("bad_waypoints", str(e))
+                return False
+        out = guarded_outputs(waypoints, modes, result.mode, ctx.runner().cfg.waypoint_dt_s, ego,
                               p.wheelbase_m, self.guard, stamp, now_ns,
                               candidates=self.candidates_pub is not None, mode_names=names)
         for cause, message in out.drops:

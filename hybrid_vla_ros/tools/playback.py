@@ -14,6 +14,7 @@ from ..util.bags import CAMERA_TOPIC
 from .replay_report import drops_by_cause
 
 ODOMETRY_TOPIC = "/localization/kinematic_state"
+TF_STATIC_TOPIC = "/tf_static"  # published before playback, transient local, for a model with the query heads
 ACCELERATION_TOPIC = "/localization/acceleration"  # played when the bag has it (the embedded bag does not) and
 # the checkpoint takes the ego state
 
@@ -24,17 +25,19 @@ def message_class(msgtype: str):
     return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
 
 
-def publishers_for(node, play, odometry_readers: int = 1) -> dict:
+def publishers_for(node, play, odometry_readers: int = 1, camera_info_read: bool = False) -> dict:
     """A publisher on ``node`` per topic of the messages ``play`` (topic -> (publisher, message class)), returned
-    once the nodes subscribe (10 s at most; the odometry by ``odometry_readers`` subscribers, CameraInfo not
-    waited for) and each camera topic has a reliable subscription (10 s at most, see below).
-    Warns on stderr of other publishers on the same topics: their frames would mix with these."""
+    once the nodes subscribe (10 s at most; the odometry by ``odometry_readers`` subscribers, CameraInfo only
+    waited for when ``camera_info_read``: a prefix with the query heads) and each camera topic has a reliable
+    subscription (10 s at most, see below). Warns on stderr of other publishers on the same topics: their frames
+    would mix with these."""
     publishers = {}
     for m in play:
         if m.topic not in publishers:
             cls = message_class(m.msgtype)
             publishers[m.topic] = (node.create_publisher(cls, m.topic, 10), cls)
-    wait_for_subscribers([pub for pub, _ in publishers.values() if not pub.topic_name.endswith("camera_info")],
+    wait_for_subscribers([pub for pub, _ in publishers.values()
+                          if not pub.topic_name.endswith("camera_info") or camera_info_read],
                          10.0, {ODOMETRY_TOPIC: odometry_readers})
     # These publishers are reliable: a prefix with camera_reliability auto re-subscribes its cameras reliable
     # about a second after it hears them. A frame sent during that switch could be lost, and a replay sends each
@@ -48,6 +51,46 @@ def publishers_for(node, play, odometry_readers: int = 1) -> dict:
         print(f"warning: other publishers on {', '.join(foreign)}: their frames mix with this replay's",
               file=sys.stderr)
     return publishers
+
+
+def publish_calibration(node, messages, info_topics: list[str], publishers: dict, statuses,
+                        timeout_s: float = 10.0):
+    """Before playback, for a model with the published query heads: the bag's ``/tf_static`` on a reliable,
+    transient-local publisher (as tf2's static broadcaster; returned, keep it while the replay runs) and the first
+    CameraInfo of each camera of ``info_topics`` on its publisher from ``publishers`` (topic -> (publisher,
+    class)), so the prefix has the calibration when the first frame comes (on a vehicle CameraInfo flows with every
+    image; here the bag's first CameraInfo of a camera may follow its image). ``statuses()``: the prefix's latest
+    status (ros.status.PrefixStatus or None); waits up to ``timeout_s`` until it reports them received. Returns
+    (the /tf_static publisher or None when the bag has none, whether the prefix reported them in time)."""
+    from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+    from rclpy.serialization import deserialize_message
+    from tf2_msgs.msg import TFMessage
+
+    tf_static = [m for m in messages if m.topic == TF_STATIC_TOPIC]
+    tf_pub = None
+    transforms = 0
+    if tf_static:
+        qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        tf_pub = node.create_publisher(TFMessage, TF_STATIC_TOPIC, qos)
+        merged = TFMessage()
+        for m in tf_static:  # one latched message with every transform, as a static broadcaster keeps them
+            merged.transforms.extend(deserialize_message(m.raw, TFMessage).transforms)
+        transforms = len(merged.transforms)
+        tf_pub.publish(merged)
+    infos = 0
+    for topic in info_topics:
+        first = next((m for m in messages if m.topic == topic), None)
+        if first is not None and topic in publishers:
+            pub, cls = publishers[topic]
+            pub.publish(deserialize_message(first.raw, cls))
+            infos += 1
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = statuses()
+        if status is not None and status.camera_infos_in >= infos and status.static_transforms_in >= transforms:
+            return tf_pub, True
+        time.sleep(0.1)
+    return tf_pub, False
 
 
 def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None, clock=None,

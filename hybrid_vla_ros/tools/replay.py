@@ -41,11 +41,14 @@ import threading
 import time
 from pathlib import Path
 
+from ..model.config import takes_scene
+from ..ros.params import camera_info_topic
 from ..util.bags import BagMessage, camera_topics, read_bag
 from ..util.cores import parse_core_list, usable_cores
 from ..util.paths import embedded_bag, package_file
 from .node_processes import launch_node, stop_processes
-from .playback import ACCELERATION_TOPIC, ODOMETRY_TOPIC, message_class, play_bag, publishers_for
+from .playback import (ACCELERATION_TOPIC, ODOMETRY_TOPIC, message_class, play_bag, publish_calibration,
+                       publishers_for)
 from .replay_nodes import ATTACH_QUIET_S, ReplayNodes, node_error_lines, node_params
 from .replay_recorder import Recorder, Statuses
 from .replay_report import frame_of, hints, print_report, run_details, run_report
@@ -265,7 +268,10 @@ class ReplaySession:
                   "runs unpinned, sharing the suffix's cores", file=sys.stderr)
         self.clock = None  # the bag's clock on /clock (tools.sim_clock.BagClock) while the replay runs
         play_topics = {f"{t}/compressed" if args.transport == "compressed" else t for t in cams} | {ODOMETRY_TOPIC}
-        if cfg.ego_state_input:  # only a prefix with ego state input subscribes to the acceleration
+        self.scene = takes_scene(cfg)  # the query heads read CameraInfo and /tf_static (published before playback)
+        self.info_topics = [camera_info_topic(t) for t in cams] if self.scene else []
+        play_topics |= set(self.info_topics)
+        if cfg.ego_state_input or self.scene:  # only such a prefix subscribes to the acceleration
             play_topics.add(ACCELERATION_TOPIC)
         self.play = [m for m in messages if m.topic in play_topics]
         self.rec = Recorder()
@@ -381,7 +387,14 @@ class ReplaySession:
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
         self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing")
         # with ego state input both nodes read the odometry
-        publishers = publishers_for(node, self.play, 2 if self.cfg.ego_state_input else 1)
+        publishers = publishers_for(node, self.play, 2 if self.cfg.ego_state_input or self.scene else 1,
+                                    camera_info_read=self.scene)
+        if self.scene:
+            self.tf_static_publisher, ok = publish_calibration(node, self.messages, self.info_topics, publishers,
+                                                               lambda: self.rec.statuses(self.ns).prefix)
+            if not ok:
+                print("warning: the prefix did not report the bag's CameraInfo and /tf_static within 10 s: frames "
+                      "may be dropped for want of a calibration", file=sys.stderr)
         first_camera = f"{self.cams[0]}/compressed" if self.args.transport == "compressed" else self.cams[0]
         self.resplit_log = []
         published = play_bag(self.args, self.play, publishers, self.rec, self.ns, first_camera,
@@ -391,8 +404,9 @@ class ReplaySession:
         if self.interrupted:
             print("\ninterrupted: playback stopped, shutting the nodes down", file=sys.stderr)
         frames = published["frames"]
-        # Let frames in flight finish: stop when every frame has an answer or output stalls for 3 s.
-        self.rec.wait_for_answers(len(frames), 3.0)
+        # Let frames in flight finish: stop when every frame has an answer or output stalls for 3 s, or for 1.5x
+        # the slowest answer so far (a whole published model on a CPU takes tens of seconds a frame).
+        self.rec.wait_for_answers(len(frames), max(3.0, 1.5 * self._slowest_answer_s(frames)))
         # this run's counts: the nodes' counters now (a report after the frames are done) minus the baseline
         final = self.rec.fresh_statuses(self.ns, time.monotonic())
         prefix, suffix = (None if now is None else now.since(before)
@@ -406,6 +420,15 @@ class ReplaySession:
                                 f"split layer {self.k} of {self.cfg.num_layers}", self.cfg.random_init)
                     if self.args.plots else True)
         return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
+
+    def _slowest_answer_s(self, frames: dict[int, float]) -> float:
+        """The longest time (s) from a frame's playback to its trajectory so far, 0 before any answer; ``frames``:
+        stamp (ns) -> the time it was played, as ``play_bag`` returns them."""
+        with self.rec.lock:
+            answers = dict(self.rec.trajectories)
+        waits = [t_recv - frames[key] for stamp, t_recv in answers.items()
+                 if (key := frame_of(frames, stamp, self.args.sync_tolerance_ms * 1e6)) is not None]
+        return max(waits, default=0.0)
 
     def _report(self, frames: dict[int, float], published: dict, prefix, suffix) -> dict:
         """This run's report (:func:`~hybrid_vla_ros.tools.replay_report.run_report` and

@@ -33,9 +33,11 @@ def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int],
     suffix has two odometry messages it knows no period and waits ``odometry_wait_s`` for the one after the
     first frame's stamp; a bag with sparse odometry (the embedded one: 1 Hz, 91 ms after the cameras) on a busy
     machine could miss that and drop the first frame (``no_odometry``). The replay's wait is then 1.5 periods
-    at ``--rate`` (the same bound the suffix applies once it knows the period), never below the default; a
-    wait ends as soon as the message arrives."""
-    from ..ros.params import defaults
+    at ``--rate`` (the same bound the suffix applies once it knows the period), never below the default and at
+    most the schema's maximum (5 s: a slow ``--rate`` such as 0.01 would ask for more); a wait ends as soon as
+    the message arrives. The prefix's ``ego_state_wait_s`` (checkpoints that read the ego state or have the
+    query heads) gets the same wait."""
+    from ..ros.params import defaults, parameter_specs
 
     a, model = args, str(Path(args.model_path).resolve())
     prefix_threads = a.prefix_threads or max(1, len(prefix_cores) or len(os.sched_getaffinity(0)))
@@ -43,16 +45,18 @@ def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int],
               "threads": len(suffix_cores), "dtype": a.dtype, "use_sim_time": True}
     if a.rate > 1.0:
         suffix["guard.max_age_s"] = round(defaults("suffix_node")["guard.max_age_s"] * a.rate, 6)
+    prefix = {"model_path": model, "split_layer": k, "camera_topics": cams,
+              "camera_transports": [a.transport], "sync_tolerance_ms": a.sync_tolerance_ms,
+              "device": a.device, "dtype": a.dtype, "torch_threads": prefix_threads,
+              "cpu_affinity": prefix_cores, "fast_jpeg_decode": a.fast_jpeg_decode, "use_sim_time": True}
     if odometry_period_s:
         wait_s = round(1.5 * odometry_period_s / a.rate, 3)
-        if wait_s > defaults("suffix_node")["odometry_wait_s"]:
-            suffix["odometry_wait_s"] = wait_s
+        for params, node, name in ((suffix, "suffix_node", "odometry_wait_s"),
+                                   (prefix, "prefix_node", "ego_state_wait_s")):
+            if wait_s > defaults(node)[name]:
+                params[name] = min(wait_s, float(parameter_specs(node)[name]["maximum"]))
     return {
-        f"{ns}/prefix_node": {"ros__parameters": {
-            "model_path": model, "split_layer": k, "camera_topics": cams,
-            "camera_transports": [a.transport], "sync_tolerance_ms": a.sync_tolerance_ms,
-            "device": a.device, "dtype": a.dtype, "torch_threads": prefix_threads,
-            "cpu_affinity": prefix_cores, "fast_jpeg_decode": a.fast_jpeg_decode, "use_sim_time": True}},
+        f"{ns}/prefix_node": {"ros__parameters": prefix},
         f"{ns}/suffix_node": {"ros__parameters": suffix},
     }
 

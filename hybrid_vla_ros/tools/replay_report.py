@@ -195,11 +195,16 @@ def _age_drop_hint(report: dict, rate: float, attach: bool) -> str:
                 "the bag's clock: the replay plays the bag's recorded stamps and publishes the bag's time on "
                 "/clock, so the nodes must run with use_sim_time:=true (the params.yaml a replay writes has it"
                 + ("; start attached nodes so, e.g. `ros2 launch ... use_sim_time:=true`)" if attach else ")"))
-    return (f"the suffix node's output guard dropped trajectories older than guard.max_age_s by the bag's clock. "
-            f"At --rate {rate:g} the replay scales guard.max_age_s by {rate:g}, so the limit is still the same wall "
-            "time from the camera stamp to publication (1 s as shipped); those frames took longer than that (is "
-            "the machine busy with other work?): replay on a quieter machine, or at a lower --rate, where frames "
-            "do not wait for the prefix")
+    head = "the suffix node's output guard dropped trajectories older than guard.max_age_s by the bag's clock. "
+    if rate > 1.0:
+        return (head + f"At --rate {rate:g} the replay scales guard.max_age_s by {rate:g}, so the limit is still the "
+                "same wall time from the camera stamp to publication (1 s as shipped); those frames took longer "
+                "than that (is the machine busy with other work?): replay on a quieter machine, or at a lower "
+                "--rate, where frames do not wait for the prefix")
+    return (head + f"At --rate {rate:g} the bag's clock runs {rate:g}x the wall clock, so the limit (1 s of bag time "
+            f"as shipped) is {1.0 / rate:g} s of wall time from the camera stamp to publication; those frames took "
+            "longer than that (the report's end_to_end stage, ego_wait included): replay at a lower --rate or on "
+            "a quieter machine")
 
 
 def hints(report: dict, first_camera: str, rate: float, attach: bool) -> list[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -247,3 +248,133 @@ def ego_motion_inputs(x: float, y: float, z: float, yaw: float, speed: float, ac
     can_bus = np.array([x, y, z, math.cos(yaw / 2), 0.0, 0.0, math.sin(yaw / 2), speed, 0.0, 0.0, accel, 0.0, 0.0,
                         0.0, 0.0, yaw_rate, heading, math.degrees(heading)])
     return base @ model.in_base_link(), can_bus
+
+
+#: Why a frame could not get its camera geometry (:class:`CalibrationError`'s cause), each a counted drop.
+CALIBRATION_CAUSES = ("no_camera_info", "bad_camera_info", "camera_size_mismatch", "no_camera_transform",
+                      "bad_camera_transform")
+
+
+class CalibrationError(LookupError):
+    """A frame's camera geometry cannot be made: ``args`` = (cause, one of :data:`CALIBRATION_CAUSES`; the reason,
+    naming the camera)."""
+
+    @property
+    def cause(self) -> str:
+        return str(self.args[0])
+
+    @property
+    def reason(self) -> str:
+        return str(self.args[1])
+
+
+def check_optical_frame(base_cam: np.ndarray, frame: str) -> None:
+    """Raise ValueError unless T(base_link <- camera frame) ``base_cam`` (4, 4) looks like an *optical* frame (x
+    right, y down, z along the view; REP 103's ``_optical`` suffix): its z axis within 45 degrees of horizontal and
+    its y axis pointing down. A body-convention camera frame (x forward, z up: ``camera_link`` instead of
+    ``camera_optical_link``) fails, and would otherwise give a geometry turned by 90 degrees."""
+    z_axis, y_axis = base_cam[:3, 2], base_cam[:3, 1]
+    if abs(z_axis[2]) > math.sqrt(0.5) or y_axis[2] > -math.sqrt(0.5):
+        raise ValueError(
+            f"{frame} is not an optical frame in base_link (its z axis {np.round(z_axis, 3).tolist()} should point "
+            f"out horizontally, its y axis {np.round(y_axis, 3).tolist()} down): CameraInfo's header.frame_id must "
+            "name the camera's optical frame (x right, y down, z forward), e.g. camera0/camera_optical_link")
+
+
+class CameraCalibration:
+    """The latest calibration of a camera rig, for the ``lidar2img`` of each frame: one CameraInfo per camera and
+    the static transforms. Thread-safe: ROS callbacks call :meth:`set_camera_info` / :meth:`add_static_transforms`,
+    the prefix's worker :meth:`lidar2img`, which is computed again only after the calibration changed.
+
+    ``n_cameras`` cameras in model order; ``model``: the model frame in ``base_frame``; ``size`` / ``resize``: the
+    model image side (px) and the checkpoint's ``image_resize``. A CameraInfo that cannot be used replaces that
+    camera's calibration until a good one comes (frames are dropped meanwhile, never computed with an older or
+    made-up one)."""
+
+    def __init__(self, n_cameras: int, model: ModelFrame, size: int, resize: str, base_frame: str = "base_link"):
+        if n_cameras < 1:
+            raise ValueError(f"a camera rig has at least one camera, got {n_cameras}")
+        if resize not in RESIZE_FILTERS:
+            raise ValueError(f"image_resize {resize!r} is not one of {', '.join(RESIZE_FILTERS)}")
+        if not str(base_frame).strip():
+            raise ValueError("base_frame must name a frame")
+        self.model, self.size, self.resize, self.base_frame = model, int(size), resize, str(base_frame)
+        self._lock = threading.Lock()
+        self._cameras: list[CameraIntrinsics | str | None] = [None] * n_cameras  # intrinsics, error text, nothing
+        self._tf = StaticTransforms()
+        self._version = 0  # bumped by every change of the calibration
+        self._cached: tuple[int, np.ndarray | CalibrationError] | None = None
+        self.camera_infos = 0  # CameraInfo messages read (good or bad)
+        self.static_transforms = 0  # static transforms added
+
+    def set_camera_info(self, cam: int, msg) -> str | None:
+        """Take camera ``cam``'s CameraInfo (:func:`camera_intrinsics_from_info`). Returns None when it is usable,
+        else the reason (that camera then has no calibration until a usable one arrives). A message equal to the
+        one in use changes nothing."""
+        try:
+            new: CameraIntrinsics | str = camera_intrinsics_from_info(msg)
+        except (ValueError, TypeError, AttributeError) as e:
+            new = str(e)
+        with self._lock:
+            self.camera_infos += 1
+            old = self._cameras[cam]
+            same = (isinstance(old, CameraIntrinsics) and isinstance(new, CameraIntrinsics)
+                    and (old.width, old.height, old.frame_id, old.d) == (new.width, new.height, new.frame_id, new.d)
+                    and np.array_equal(old.k, new.k)) or old == new
+            if not same:
+                self._cameras[cam] = new
+                self._version += 1
+        return new if isinstance(new, str) else None
+
+    def add_static_transforms(self, msg) -> int:
+        """Add a ``tf2_msgs/TFMessage``'s transforms (:meth:`StaticTransforms.add`); returns how many. Raises
+        ValueError (nothing added) for a bad one."""
+        with self._lock:
+            n = self._tf.add(msg)
+            self.static_transforms += n
+            self._version += 1
+        return n
+
+    def lidar2img(self, image_sizes: list[tuple[int, int] | None] | None = None) -> np.ndarray:
+        """(C, 4, 4) float64 ``lidar2img`` of the current calibration (:func:`lidar2img`). ``image_sizes``: each
+        camera's image (width, height) px in this frame, None where unknown: an image whose size is not its
+        CameraInfo's is refused (its camera matrix would not fit). Raises :class:`CalibrationError`, cause
+        ``no_camera_info`` (none received for a camera), ``bad_camera_info`` (the latest could not be used),
+        ``camera_size_mismatch``, ``no_camera_transform`` (no static transform path from ``base_frame`` to the
+        camera's frame) or ``bad_camera_transform`` (not an optical frame, :func:`check_optical_frame`; a loop)."""
+        with self._lock:
+            version, cameras = self._version, list(self._cameras)
+            cached = self._cached
+            if cached is None or cached[0] != version:
+                cached = (version, self._compute(cameras))
+                self._cached = cached
+        result = cached[1]
+        if isinstance(result, CalibrationError):
+            raise result
+        for i, (cam, seen) in enumerate(zip(cameras, image_sizes or [])):
+            if seen is not None and tuple(seen) != (cam.width, cam.height):
+                raise CalibrationError("camera_size_mismatch", f"camera {i} ({cam.frame_id}): image {seen[0]}x"
+                                       f"{seen[1]} but its camera_info describes {cam.width}x{cam.height}")
+        return result
+
+    def _compute(self, cameras: list) -> np.ndarray | CalibrationError:
+        for i, cam in enumerate(cameras):
+            if cam is None:
+                return CalibrationError("no_camera_info", f"camera {i}: no camera_info received yet")
+            if isinstance(cam, str):
+                return CalibrationError("bad_camera_info", f"camera {i}: {cam}")
+        for i, cam in enumerate(cameras):
+            try:
+                base_cam = self._tf.lookup(self.base_frame, cam.frame_id)
+            except LookupError as e:
+                return CalibrationError("no_camera_transform", f"camera {i}: {e}")
+            except ValueError as e:  # the transforms form a loop
+                return CalibrationError("bad_camera_transform", f"camera {i}: {e}")
+            try:
+                check_optical_frame(base_cam, cam.frame_id)
+            except ValueError as e:
+                return CalibrationError("bad_camera_transform", f"camera {i}: {e}")
+        try:
+            return lidar2img(cameras, self._tf, self.model, self.size, self.resize, self.base_frame)
+        except ValueError as e:  # the camera pipeline cannot take a camera (orion_crop of a too small image)
+            return CalibrationError("bad_camera_info", str(e))

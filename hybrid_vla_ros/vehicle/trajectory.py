@@ -35,6 +35,7 @@ __all__ = [
     "segment_headings",
     "chord_curvatures",
     "waypoints_to_trajectory",
+    "model_track_to_base_link",
 ]
 
 
@@ -347,6 +348,81 @@ def pose_headings(lx: np.ndarray, ly: np.ndarray, min_chord_m: float) -> np.ndar
             j = k + 1 + int(far[0])
             yaw[k], _ = _travel_heading(lx[j] - lx[k], ly[j] - ly[k], yaw[k - 1])
     return yaw
+
+
+#: Shortest chord (m) that gives a heading in :func:`model_track_to_base_link` (shorter ones, e.g. centimetres of
+#: jitter at standstill, keep the heading before them).
+TRACK_MIN_CHORD_M = 0.2
+
+
+def _track_headings(x: np.ndarray, y: np.ndarray, min_chord_m: float) -> np.ndarray:
+    """Tangent heading (rad, 0 at point 0) at each point of a track ``(x[k], y[k])`` whose point 0 is the start,
+    heading 0: point k's from the chord between its neighbours (parallel to the tangent on a circle through
+    them), the last point's from its incoming chord turned on as much again past the previous point's heading
+    (on a circle, exact for even spacing); a chord shorter than ``min_chord_m`` keeps the previous heading and one
+    more than 90 deg from it is driven in reverse (its direction + pi), as :func:`pose_headings`."""
+    n = x.size
+    yaw = np.zeros(n)
+    for k in range(1, n):
+        j, i = (k + 1, k - 1) if k + 1 < n else (k, k - 1)
+        dx, dy = x[j] - x[i], y[j] - y[i]
+        yaw[k] = yaw[k - 1]
+        if math.hypot(dx, dy) < min_chord_m:
+            continue
+        heading, _ = _travel_heading(dx, dy, yaw[k - 1])
+        if k + 1 == n:  # the incoming chord's heading is the tangent half a step back
+            heading = heading + wrap_angle(heading - yaw[k - 1])
+        yaw[k] = heading
+    return yaw
+
+
+def _track_curvatures(x: np.ndarray, y: np.ndarray, min_chord_m: float) -> np.ndarray:
+    """Signed curvature (1/m, left positive) at each point of a track: 1 / the radius of the circle through the
+    point and its neighbours (the last point: through the last three), 0 at point 0; where a chord is shorter than
+    ``min_chord_m`` the previous point's."""
+    n = x.size
+    kappa = np.zeros(n)
+    for k in range(1, n):
+        a, b, c = (k - 1, k, k + 1) if k + 1 < n else (k - 2, k - 1, k)
+        if a < 0:
+            continue
+        ux, uy, vx, vy = x[b] - x[a], y[b] - y[a], x[c] - x[b], y[c] - y[b]
+        l1, l2, l3 = math.hypot(ux, uy), math.hypot(vx, vy), math.hypot(x[c] - x[a], y[c] - y[a])
+        kappa[k] = kappa[k - 1] if min(l1, l2) < min_chord_m else 2.0 * (ux * vy - uy * vx) / (l1 * l2 * l3)
+    return kappa
+
+
+def model_track_to_base_link(waypoints, origin_xy, min_chord_m: float = TRACK_MIN_CHORD_M) -> np.ndarray:
+    """``base_link``'s planned positions from a plan of another point of the vehicle.
+
+    The published models (Orion, MindDrive) plan the track of their model frame's origin (their training lidar,
+    ``origin_xy`` = (x, y) m in base_link: ``model_frame_origin``): waypoint k is that point's position at t_k
+    in the frame it had at t_0, with base_link's axes (MindDrive's ``get_ego_trajs``: the lidar's future poses
+    in the current lidar frame). A point rigidly ``o`` ahead of base_link is at ``b_k + R(yaw_k) o`` when
+    base_link is at ``b_k`` with heading ``yaw_k``, so ``b_k = o + w_k - R(yaw_k) o`` (b_0 = 0).
+
+    ``yaw_k``, base_link's heading: base_link (the rear axle) moves along its heading, so a point d = o_x ahead
+    on a turn of its track's curvature kappa_w moves at asin(d kappa_w) to the left of the heading (rigid body on
+    a circle: the point's radius is sqrt(R^2 + d^2)); ``yaw_k`` = the track's tangent (:func:`_track_headings`)
+    minus that angle, kappa_w from the circle through each point and its neighbours (:func:`_track_curvatures`;
+    ``o_y`` is left out of that angle). Exact on a circle with evenly spaced waypoints; on a straight track
+    ``b_k = w_k``; within 6 cm for the uneven spacings of test_trajectory, where leaving the track as it is
+    would be 0.3 to 1 m off. Chords shorter than ``min_chord_m`` (standstill jitter) give no heading.
+
+    ``waypoints``: (N, 2) float (m); returns (N, 2) float64. Raises ValueError for another shape or a
+    non-finite value.
+    """
+    w = np.asarray(waypoints, dtype=np.float64)
+    o = np.asarray(origin_xy, dtype=np.float64)
+    if w.ndim != 2 or w.shape[1] != 2 or o.shape != (2,):
+        raise ValueError(f"waypoints must be (N, 2) and the origin (2,), got {w.shape} and {o.shape}")
+    if not (np.isfinite(w).all() and np.isfinite(o).all()):
+        raise ValueError("waypoints and the model frame's origin must be finite")
+    x, y = np.concatenate(([0.0], w[:, 0])), np.concatenate(([0.0], w[:, 1]))
+    kappa = _track_curvatures(x, y, min_chord_m)
+    yaw = (_track_headings(x, y, min_chord_m) - np.arcsin(np.clip(o[0] * kappa, -1.0, 1.0)))[1:]
+    c, s = np.cos(yaw), np.sin(yaw)
+    return o + w - np.stack([c * o[0] - s * o[1], s * o[0] + c * o[1]], axis=1)
 
 
 def _speeds(seg_v: np.ndarray, ego_speed: float, dt: float) -> tuple[np.ndarray, np.ndarray]:
