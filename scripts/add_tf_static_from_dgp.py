@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from _bag_folder import replace_bag_folder  # scripts/ is on sys.path when a script runs
 
 
 def camera_frames(reader) -> dict[str, str]:
@@ -92,13 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 writer.write(tf_conn, first_ns, store.serialize_cdr(tf_msg, "tf2_msgs/msg/TFMessage"))
                 for conn, t_ns, raw in reader.messages():
                     writer.write(conns[conn.id], t_ns, raw)
-        keep = [p for p in bag.iterdir() if p.name not in {q.name for q in out.iterdir()}]
-        for p in keep:  # SOURCE.txt and the like stay
-            shutil.copy2(p, out / p.name)
-        backup = bag.with_name(bag.name + ".old")
-        bag.rename(backup)
-        out.rename(bag)
-        shutil.rmtree(backup)
+        replace_bag_folder(bag, out)
     print(f"{bag}: /tf_static with {len(transforms)} camera transform(s) added")
     return 0
 

@@ -15,12 +15,13 @@ whose twist is already in the child frame cannot be told apart, so run it once p
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from _bag_folder import replace_bag_folder  # scripts/ is on sys.path when a script runs
 
 
 def rotation_matrix(x: float, y: float, z: float, w: float) -> np.ndarray:
@@ -70,13 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if not rewritten:
             print(f"no nav_msgs/msg/Odometry on {args.topic} in {bag}: nothing rewritten", file=sys.stderr)
             return 1
-        keep = [p for p in bag.iterdir() if p.name not in {q.name for q in out.iterdir()}]
-        for p in keep:  # SOURCE.txt and the like stay
-            shutil.copy2(p, out / p.name)
-        backup = bag.with_name(bag.name + ".old")
-        bag.rename(backup)
-        out.rename(bag)
-        shutil.rmtree(backup)
+        replace_bag_folder(bag, out)
     print(f"{bag}: {rewritten} Odometry twist(s) on {args.topic} rotated into the child frame")
     return 0
 
