@@ -78,8 +78,8 @@ ARGUMENTS = [
      "LANE_FOLLOW"),
     ("base_frame", "", "prefix, query heads: the frame /tf_static connects to each camera's optical frame "
      "(empty: the parameter file's, base_link)"),
-    ("model_frame_origin", "", "prefix, query heads: the published models' lidar origin in base_frame, m, e.g. "
-     "'[1.01, 0.0, 1.84]' (empty: the parameter file's)"),
+    ("model_frame_origin", "", "both nodes, query heads: the published models' lidar origin in base_frame, m, "
+     "e.g. '[1.01, 0.0, 1.84]' (empty: the parameter files')"),
     ("output_trajectory", "", "topic of the published Trajectory (empty: /planning/<namespace>/trajectory)"),
     ("output_candidate_trajectories", "",
      "topic of the CandidateTrajectories (every planner mode), published with publish_candidate_trajectories "
@@ -115,7 +115,8 @@ def _override_specs(node: str) -> dict:
 
 def _overrides(values: dict, node: str) -> dict:
     """Typed parameter values of the non-empty launch arguments that override a parameter of ``node``
-    (:func:`_override_specs`): a string parameter's value as given, any other as YAML (scalars, lists).
+    (:func:`_override_specs`): a string parameter's value as given, any other as YAML (scalars, lists); a
+    whole number given for a ``number`` parameter or list item becomes a float (``'[1, 0, 2]'`` is a double[]).
 
     Raises ValueError for an empty list (e.g. ``cpu_affinity:='[]'``): launch_ros cannot write one into its
     parameter file, and rcl ignores an empty list that follows a value from an earlier file, so it could
@@ -126,12 +127,25 @@ def _overrides(values: dict, node: str) -> dict:
         if values[n] == "":
             continue
         v = values[n] if spec is not None and spec["type"] == "string" else yaml.safe_load(values[n])
+        v = _as_numbers(v, spec)
         if isinstance(v, list) and not v:
             raise ValueError(f"{n}:='[]': an empty list cannot override the parameter file's value (ROS ignores "
                              f"empty lists over earlier values); set `{n}: []` in your own parameter file and "
                              "pass it as prefix_param_file / suffix_param_file")
         typed[n] = v
     return typed
+
+
+def _as_numbers(value, spec):
+    """``value`` with its whole numbers as floats where the schema ``spec`` says ``number`` (a double or a
+    double[]): YAML reads ``1`` as an int, which the node refuses for a double."""
+    if spec is None:
+        return value
+    if spec["type"] == "number" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if spec["type"] == "array" and spec.get("items", {}).get("type") == "number" and isinstance(value, list):
+        return [float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in value]
+    return value
 
 
 def _file_value(path: str, namespace: str, node: str, name: str):

@@ -83,7 +83,7 @@ def _project(m: np.ndarray, p: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("resize", ["area", "orion_crop"])
 def test_annotated_objects_project_into_their_boxes(infos, resize):
     tf = StaticTransforms()
-    assert tf.add(_tf_static()) == 6
+    assert tf.add(_tf_static()) == (6, [])
     cams = [camera_intrinsics_from_info(m) for m in infos]
     assert [c.frame_id for c in cams] == [f"camera{i}/camera_optical_link" for i in range(6)]
     model = ModelFrame(origin=(1.2, 0.0, 1.84))
@@ -136,7 +136,8 @@ def test_the_model_frame_and_a_chain_of_static_transforms():
 def _info_like(good, **fields) -> NS:
     """A CameraInfo-like object: ``good``'s fields with ``fields`` replaced."""
     d = dict(header=NS(frame_id=good.header.frame_id), width=good.width, height=good.height, k=list(good.k),
-             d=list(good.d), distortion_model=good.distortion_model)
+             d=list(good.d), distortion_model=good.distortion_model, p=list(good.p), binning_x=good.binning_x,
+             binning_y=good.binning_y, roi=good.roi)
     d.update(fields)
     return NS(**d)
 
@@ -148,21 +149,30 @@ def test_bad_calibration_is_a_clear_error(infos):
         return _info_like(good, **fields)
 
     with pytest.raises(ValueError, match="focal length"):
-        camera_intrinsics_from_info(info(k=[0.0] * 8 + [1.0]))  # an uncalibrated camera
-    with pytest.raises(ValueError, match="distortion"):
-        camera_intrinsics_from_info(info(d=[0.1, 0, 0, 0, 0]))
+        camera_intrinsics_from_info(info(p=[0.0] * 12))  # an uncalibrated camera
+    with pytest.raises(ValueError, match="stereo pair"):
+        camera_intrinsics_from_info(info(p=[2000.0, 0, 960, -240.0, 0, 2000.0, 600, 0, 0, 0, 1, 0]))
+    with pytest.raises(ValueError, match="binning 2 x 2"):
+        camera_intrinsics_from_info(info(binning_x=2, binning_y=2))
+    with pytest.raises(ValueError, match="region of interest 640x480"):
+        camera_intrinsics_from_info(info(roi=NS(x_offset=100, y_offset=50, width=640, height=480)))
+    # the camera matrix is the rectified image's, p[:3, :3]: k and d describe the raw image and are not read
+    rectified = [1900.0, 0.0, 950.0, 0.0, 0.0, 1901.0, 610.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    cam = camera_intrinsics_from_info(info(d=[-0.3, 0.1, 0.0, 0.0, 0.0], p=rectified))
+    assert np.array_equal(cam.k, np.array(rectified).reshape(3, 4)[:, :3])
     with pytest.raises(ValueError, match="frame_id"):
         camera_intrinsics_from_info(info(header=NS(frame_id="")))
     with pytest.raises(ValueError, match="image size"):
         camera_intrinsics_from_info(info(width=0))
     with pytest.raises(ValueError, match="principal point"):
-        camera_intrinsics_from_info(info(k=[1000.0, 0, 5000.0, 0, 1000.0, 600.0, 0, 0, 1]))
+        camera_intrinsics_from_info(info(p=[1000.0, 0, 5000.0, 0, 0, 1000.0, 600.0, 0, 0, 0, 1, 0]))
     with pytest.raises(ValueError, match="unit quaternion"):
         transform_matrix(NS(x=0, y=0, z=0), NS(x=0.0, y=0.0, z=0.0, w=2.0))
     tf = StaticTransforms()
-    with pytest.raises(ValueError, match="identical"):
-        tf.add(NS(transforms=[NS(header=NS(frame_id="a"), child_frame_id="a",
-                                 transform=NS(translation=NS(x=0, y=0, z=0), rotation=NS(x=0, y=0, z=0, w=1)))]))
+    added, problems = tf.add(NS(transforms=[NS(header=NS(frame_id="a"), child_frame_id="a",
+                                               transform=NS(translation=NS(x=0, y=0, z=0),
+                                                            rotation=NS(x=0, y=0, z=0, w=1)))]))
+    assert added == 0 and len(problems) == 1 and "'a' -> 'a' left out: empty or identical" in problems[0]
     # a camera whose optical frame has no transform to base_link: named, never an identity
     tf.add(_tf_static())
     cams = [camera_intrinsics_from_info(m) for m in infos]
@@ -225,7 +235,7 @@ def test_the_bags_static_transforms_are_the_dgp_calibration(bag_tf_static):
     the DGP calibration file's extrinsics of the bag's cameras (the camera order of its SOURCE.txt)."""
     assert len(bag_tf_static) == 1
     got = StaticTransforms()
-    assert got.add(bag_tf_static[0]) == 6
+    assert got.add(bag_tf_static[0]) == (6, [])
     want = StaticTransforms()
     want.add(_tf_static())
     for i in range(6):
@@ -253,7 +263,7 @@ def test_a_camera_calibration_gives_lidar2img_only_from_complete_good_input(info
     c, why = cause()
     assert c == "no_camera_transform" and why.startswith("camera 0: no static transform connects base_link and "
                                                           "camera0/camera_optical_link")
-    assert cal.add_static_transforms(bag_tf_static[0]) == 6
+    assert cal.add_static_transforms(bag_tf_static[0]) == [] and cal.static_transforms == 6
     first = cal.lidar2img([(1936, 1216)] * 6)
     tf = StaticTransforms()
     tf.add(_tf_static())
@@ -265,10 +275,19 @@ def test_a_camera_calibration_gives_lidar2img_only_from_complete_good_input(info
     c, why = cause([(1936, 1216), (968, 608)] + [None] * 4)
     assert c == "camera_size_mismatch" and why.startswith("camera 1 (camera1/camera_optical_link): image 968x608")
     # an uncalibrated camera (zero focal length), then the good CameraInfo again
-    problem = cal.set_camera_info(3, _info_like(infos[3], k=[0.0] * 8 + [1.0]))
+    problem = cal.set_camera_info(3, _info_like(infos[3], p=[0.0] * 12))
     assert "focal length" in problem
     c, why = cause()
     assert c == "bad_camera_info" and why.startswith("camera 3: camera_info of camera3/camera_optical_link")
+    cal.set_camera_info(3, infos[3])
+    assert np.array_equal(cal.lidar2img(), first)
+    # a changed good CameraInfo (another focal length) replaces the old one; the same again changes nothing
+    moved = list(infos[3].p)
+    moved[0] += 1.0
+    assert cal.set_camera_info(3, _info_like(infos[3], p=moved)) is None
+    second = cal.lidar2img()
+    assert not np.array_equal(second, first) and cal.set_camera_info(3, _info_like(infos[3], p=moved)) is None
+    assert cal.lidar2img() is second
     cal.set_camera_info(3, infos[3])
     assert np.array_equal(cal.lidar2img(), first)
     # a camera frame that is not an optical one (the body-convention camera_link: z up): turned 90 deg otherwise
@@ -279,6 +298,22 @@ def test_a_camera_calibration_gives_lidar2img_only_from_complete_good_input(info
     cal.add_static_transforms(body)
     c, why = cause()
     assert c == "bad_camera_transform" and why.startswith("camera 4: camera4/camera_optical_link is not an optical")
-    with pytest.raises(ValueError, match="unit quaternion"):
-        cal.add_static_transforms(NS(transforms=[NS(header=tr.header, child_frame_id="x", transform=NS(
-            translation=tr.transform.translation, rotation=NS(x=0.0, y=0.0, z=0.0, w=0.0)))]))
+    # one bad transform in a message (robot_state_publisher sends every fixed joint in one) is left out alone
+    good = bag_tf_static[0].transforms[4]
+    problems = cal.add_static_transforms(NS(transforms=[
+        NS(header=tr.header, child_frame_id="lidar", transform=NS(
+            translation=tr.transform.translation, rotation=NS(x=0.0, y=0.0, z=0.0, w=0.0))), good]))
+    assert len(problems) == 1 and "'lidar' left out" in problems[0] and "unit quaternion" in problems[0]
+    assert np.array_equal(cal.lidar2img(), first)  # camera 4's good transform came in the same message
+    # a frame dropped for its calibration raises a fresh error each time (a cached one grows its traceback and
+    # holds every dropped frame's images)
+    cal.set_camera_info(1, _info_like(infos[1], p=[0.0] * 12))
+    errors = []
+    for _ in range(3):
+        with pytest.raises(CalibrationError) as e:
+            cal.lidar2img()
+        errors.append(e.value)
+    def depth(tb):
+        return 0 if tb is None else 1 + depth(tb.tb_next)
+
+    assert errors[0] is not errors[2] and depth(errors[0].__traceback__) == depth(errors[2].__traceback__)

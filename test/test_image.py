@@ -476,6 +476,19 @@ def test_jpeg_size_reads_the_start_of_frame_of_real_camera_images():
     assert jpeg_size(np.frombuffer(b"\xff\xd8\x00\x00garbage", np.uint8)) is None
 
 
+def test_png_size_reads_the_header_of_a_real_camera_image_encoded_by_opencv():
+    """png_size (the prefix's size check of a PNG camera against its CameraInfo) on a bag frame that OpenCV
+    encodes as PNG at a size that is not square, so height and width cannot be swapped unseen."""
+    from hybrid_vla_ros.vehicle.image import png_size
+
+    msg = _dgp_jpegs()[0]
+    picture = cv2.imdecode(np.frombuffer(bytes(msg.data), np.uint8), cv2.IMREAD_COLOR)[:300, :500]
+    ok, png = cv2.imencode(".png", picture)
+    assert ok and png_size(png) == (300, 500)
+    assert png_size(np.frombuffer(bytes(msg.data), np.uint8)) is None  # a JPEG is not a PNG
+    assert png_size(png[:20]) is None
+
+
 @pytest.mark.parametrize("min_size, factor", [(64, 8), (152, 8), (153, 4), (304, 4), (608, 2), (609, 1)])
 def test_scaled_down_decode_keeps_at_least_min_size_and_the_picture(min_size, factor):
     """Real 1936x1216 camera JPEGs: the largest factor that keeps both sides >= min_size, RGB order kept,

@@ -393,6 +393,11 @@ def test_launch_arguments_override_the_node_parameters_of_their_names(ros_env, m
                       "use_sim_time": True}, suffix
     assert _parameters_given(ros_env, monkeypatch, "suffix_node", ("split_layer",), split_layer="auto") == \
         {"split_layer": "auto"}
+    # whole numbers for a double[] (YAML reads ints) reach both nodes as doubles, which they accept
+    for node in ("prefix_node", "suffix_node"):
+        origin = _parameters_given(ros_env, monkeypatch, node, ("model_frame_origin",),
+                                   model_frame_origin="[1, 0, 2]")["model_frame_origin"]
+        assert origin == [1.0, 0.0, 2.0] and all(type(v) is float for v in origin), (node, origin)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split between the nodes")

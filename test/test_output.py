@@ -48,3 +48,25 @@ def test_unconvertible_waypoints_build_nothing_and_an_old_stamp_is_too_old():
     late = guarded_outputs(_straight(5.0), None, 0, DT, EGO, 2.79, GuardLimits(), EGO.stamp_ns,
                            EGO.stamp_ns + 5_000_000_000)
     assert [c for c, _ in late.drops] == ["guard_too_old"] and late.candidates == []
+
+
+def test_a_model_frame_track_is_turned_per_mode_and_one_bad_unselected_mode_drops_only_itself():
+    """With ``to_base_link`` (the published planners' model-frame track, model_track_to_base_link) each mode is
+    turned into base_link's track before it becomes a trajectory; a mode that cannot be is that candidate's drop
+    alone, and without candidates the other modes are not even looked at."""
+    from hybrid_vla_ros.vehicle.trajectory import model_track_to_base_link
+
+    origin = (1.01, 0.0)
+    modes = np.stack([_straight(5.0), _straight(4.0), _straight(3.0)])
+    modes[2, 3] = np.nan
+    turn = lambda w: model_track_to_base_link(w, origin)  # noqa: E731
+    out = guarded_outputs(modes[0], modes, 0, DT, EGO, 2.79, GuardLimits(), EGO.stamp_ns, NOW, candidates=True,
+                          to_base_link=turn)
+    reference = waypoints_to_trajectory(turn(modes[0]), DT, EGO, 2.79,
+                                        heading_min_segment_m=GuardLimits().min_segment_m)
+    np.testing.assert_array_equal(out.selected.x, reference.x)
+    assert len(out.candidates) == 2 and [c for c, _ in out.drops] == ["candidate_bad_waypoints"]
+    alone = guarded_outputs(modes[0], modes, 0, DT, EGO, 2.79, GuardLimits(), EGO.stamp_ns, NOW, to_base_link=turn)
+    assert alone.selected is not None and alone.drops == []
+    bad = guarded_outputs(modes[2], modes, 2, DT, EGO, 2.79, GuardLimits(), EGO.stamp_ns, NOW, to_base_link=turn)
+    assert bad.selected is None and [c for c, _ in bad.drops] == ["bad_waypoints"]

@@ -133,6 +133,11 @@ def _problems(node, values, **checkpoint):
     ("prefix_node", "camera_transports", [], "must have at least 1 item"),
     ("prefix_node", "camera_topics", ["/a", "/a"], "must not repeat"),
     ("suffix_node", "output_frame", "", "must not be empty"),
+    # what the schema cannot say (params.validate's code checks)
+    ("prefix_node", "model_frame_origin", [float("nan"), 0.0, 1.84], "must be finite metres"),
+    ("suffix_node", "model_frame_origin", [1.0, float("inf"), 1.84], "must be finite metres"),
+    ("prefix_node", "model_frame_origin", [1.0, 0.0], "must have at least 3 items"),
+    ("prefix_node", "base_frame", "  ", "must match"),
 ])
 def test_bad_value_names_the_parameter(tmp_path, node, name, value, words):
     problems = _problems(node, {"model_path": str(tmp_path), "split_layer": 1, name: value})

@@ -218,14 +218,13 @@ def test_the_prefix_node_reads_the_scene_from_ros_and_its_trajectories_are_the_w
         assert np.abs(np.diff([graph.trajectories[k].points[-1].pose.position.x for k in range(3)])).max() > 0
         # 5. a CameraInfo without a focal length (an uncalibrated camera): its frames are dropped, camera named
         bad = deserialize_message(serialize_message(infos[3]), CameraInfo)
-        bad.k = [0.0] * 9
-        bad.k[8] = 1.0
+        bad.p = [0.0] * 12
         info_pubs[3].publish(bad)
         assert graph.wait(lambda: "camera 3: camera_info not usable" in (logs / "prefix.log").read_text(),
                           timeout=30), _logs(logs)
         send_frame()
         drop("bad_camera_info")
-        assert "camera 3: camera_info of camera3/camera_optical_link: focal length fx=0.0" in \
+        assert "camera 3: camera_info of camera3/camera_optical_link: focal length in p fx=0.0" in \
             (logs / "prefix.log").read_text()
         # ... and a good one again brings them back
         info_pubs[3].publish(infos[3])

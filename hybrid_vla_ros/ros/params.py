@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -255,6 +256,8 @@ def validate(node: str, values: Mapping[str, Any], *, n_cameras: int | None = No
         problems += _camera_checks(merged, bad, n_cameras, needs_camera_info)
     if "cpu_affinity" in merged:  # both nodes
         problems += _affinity_checks(merged, bad)
+    if "model_frame_origin" in merged and "model_frame_origin" not in bad:  # both nodes
+        problems += _origin_checks(merged["model_frame_origin"])
     if problems:
         raise ParameterError(problems)
     for name, spec in parameter_specs(node).items():
@@ -315,6 +318,13 @@ def _camera_checks(v: dict, bad: set[str], n_cameras: int | None, needs_camera_i
             problems.append(f"camera_info_topics: {v['camera_info_topics']} name a topic twice (derived from "
                             "camera_topics, which share a namespace): give one CameraInfo topic per camera")
     return problems
+
+
+def _origin_checks(origin) -> list[str]:
+    """model_frame_origin: finite (a schema's number takes NaN and infinity)."""
+    if all(math.isfinite(float(v)) for v in origin):
+        return []
+    return [f"model_frame_origin: {list(origin)} must be finite metres (x, y, z)"]
 
 
 def _affinity_checks(v: dict, bad: set[str]) -> list[str]:

@@ -145,9 +145,9 @@ class PrefixNode(node_base.PipelineNode):
     def _stop(self) -> None:
         self._split.stop_timer()
         self._cameras.stop()
+        self._worker.stop()  # first: a frame still in the worker reads the ego state and the scene inputs
         self._ego_inputs.stop()
         self._scene.stop()
-        self._worker.stop()
         if self.runner is not None:
             self.runner.set_running(False)
 

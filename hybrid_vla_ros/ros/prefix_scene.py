@@ -24,7 +24,7 @@ from tf2_msgs.msg import TFMessage
 
 from ..model.query_heads import EgoFrame, SceneInputs
 from ..vehicle.camera_geometry import CameraCalibration, ModelFrame, ego_motion_inputs
-from ..vehicle.image import jpeg_size
+from ..vehicle.image import jpeg_size, png_size
 from .navigation_command import NavigationCommandInput
 
 #: Log text of each calibration drop cause (vehicle.camera_geometry.CALIBRATION_CAUSES).
@@ -42,11 +42,12 @@ TF_STATIC_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST, reliabili
 
 
 def image_size_of(transport: str, msg) -> tuple[int, int] | None:
-    """(width, height) px of a camera message without decoding it: a raw Image's fields, a JPEG's frame header;
-    None when it cannot be told (another compressed format: the decoder checks it later)."""
+    """(width, height) px of a camera message without decoding it: a raw Image's fields, a JPEG's frame header, a
+    PNG's IHDR (the compressed formats the prefix decodes); None when the payload is neither (the decoder then
+    refuses it: ``decode_error``)."""
     if transport != "compressed":
         return int(msg.width), int(msg.height)
-    size = jpeg_size(msg.data) if len(msg.data) > 4 else None
+    size = png_size(msg.data) or (jpeg_size(msg.data) if len(msg.data) > 4 else None)
     return None if size is None else (size[1], size[0])
 
 
@@ -103,11 +104,9 @@ class SceneSource:
         calibration = self.calibration
         if calibration is None:
             return
-        try:
-            calibration.add_static_transforms(msg)
-        except ValueError as e:
+        for problem in calibration.add_static_transforms(msg):  # the message's other transforms are kept
             self.bad_tf_static += 1
-            self._ctx.drop("bad_tf_static", f"/tf_static: {e}")
+            self._ctx.drop("bad_tf_static", f"/tf_static: {problem}")
 
     def scene_at(self, stamp: int, items, settings) -> tuple[SceneInputs, str | None, float]:
         """(the frame's SceneInputs, how its acceleration was obtained, ms waited for the odometry) at camera stamp

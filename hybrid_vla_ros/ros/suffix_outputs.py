@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import time
 
-import numpy as np
 from autoware_internal_planning_msgs.msg import CandidateTrajectories
 from autoware_planning_msgs.msg import Trajectory
 from diagnostic_msgs.msg import DiagnosticArray
@@ -72,19 +71,13 @@ class TrajectoryOutputs:
         now_ns = node.get_clock().now().nanoseconds
         modes, waypoints = result.modes, result.waypoints
         names = NAV_COMMANDS if modes is not None and len(modes) == len(NAV_COMMANDS) else ()
-        if takes_scene(ctx.runner().cfg):  # the published planners plan the model frame origin's track
-            try:
-                origin = p.model_frame_origin[:2]
-                waypoints = model_track_to_base_link(waypoints, origin)
-                if modes is not None:
-                    modes = np.stack([model_track_to_base_link(m, origin)
-                                      for m in modes])
-            except ValueError as e:
-                ctx.drop("bad_waypoints", str(e))
-                return False
+        origin = p.model_frame_origin[:2]
+        to_base_link = (  # the published planners plan the model frame origin's track
+            (lambda w: model_track_to_base_link(w, origin)) if takes_scene(ctx.runner().cfg) else None)
         out = guarded_outputs(waypoints, modes, result.mode, ctx.runner().cfg.waypoint_dt_s, ego,
                               p.wheelbase_m, self.guard, stamp, now_ns,
-                              candidates=self.candidates_pub is not None, mode_names=names)
+                              candidates=self.candidates_pub is not None, mode_names=names,
+                              to_base_link=to_base_link)
         for cause, message in out.drops:
             sim = cause == "guard_no_clock" and node.get_parameter("use_sim_time").value
             ctx.drop(cause, message + (f" ({NO_CLOCK_HINT})" if sim else ""))

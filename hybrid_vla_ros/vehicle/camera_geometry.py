@@ -12,7 +12,7 @@ Frames (REP 103 / REP 105; Autoware):
     (wheelbase / 2 - 0.39, 0, 1.84) m.
 
 ``lidar2img`` of camera i = K'_i (4 x 4) @ T(optical_i <- model), with K'_i the camera matrix of the *model image*
-(the camera pipeline's crop and resize applied to CameraInfo's ``k``; :func:`model_image_intrinsics`) and
+(the camera pipeline's crop and resize applied to CameraInfo's ``p[:3, :3]``; :func:`model_image_intrinsics`) and
 T(optical_i <- model) = inverse(T(base_link <- optical_i)) @ T(base_link <- model). The published pipeline builds it
 the same way from its dataset's ``cam_intrinsic`` and ``lidar2cam``.
 
@@ -57,25 +57,36 @@ class ModelFrame:
         return t
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CameraIntrinsics:
-    """One camera as its CameraInfo describes it: ``k`` (3, 3) float64 pixels of the ``width`` x ``height`` image,
-    ``frame_id`` (the optical frame), ``distortion`` (the model name and coefficients; the published models assume
-    an undistorted pinhole image, see :func:`camera_intrinsics_from_info`)."""
+    """One camera as its CameraInfo describes it: ``k`` (3, 3) float64, the camera matrix of the rectified
+    ``width`` x ``height`` image in pixels (the CameraInfo's ``p[:3, :3]``), ``frame_id`` (the optical frame).
+    Two are equal when every field is (the matrices element for element)."""
 
     k: np.ndarray
     width: int
     height: int
     frame_id: str
-    distortion_model: str
-    d: tuple[float, ...]
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, CameraIntrinsics):
+            return NotImplemented
+        return ((self.width, self.height, self.frame_id) == (other.width, other.height, other.frame_id)
+                and np.array_equal(self.k, other.k))
+
+    __hash__ = object.__hash__
 
 
 def camera_intrinsics_from_info(msg) -> CameraIntrinsics:
-    """Read a ``sensor_msgs/msg/CameraInfo`` (or an object with its fields). Raises ValueError, naming the field,
-    for: an empty frame_id, a zero or negative image size, a camera matrix that is not finite or not a pinhole
-    one (fx, fy > 0, k[2] = (0, 0, 1)), a principal point outside the image, or non-zero distortion (this package
-    does not undistort; a rectified camera publishes zeros, as the published models' images are)."""
+    """Read a ``sensor_msgs/msg/CameraInfo`` (or an object with its fields) for the camera's *rectified* image, the
+    one the published models take: its camera matrix is ``p[:3, :3]`` (sensor_msgs/CameraInfo.msg: "P ... specifies
+    the intrinsic (camera) matrix of the processed (rectified) image", as image_geometry's PinholeCameraModel reads
+    it); ``k`` and ``d`` describe the raw image and are not used, so the node must subscribe to the rectified image
+    (image_proc's ``image_rect`` / ``image_rect_color``). Raises ValueError, naming the field, for: an empty
+    frame_id, a zero or negative image size, a ``p`` that is not 12 finite values of a pinhole projection (fx, fy
+    > 0, last row (0, 0, 1, 0)), a stereo pair's second camera (p's Tx, Ty not 0: its projection is from the
+    first camera's frame), binning or a region of interest (the image would not be the described one), or a
+    principal point outside the image."""
     frame = msg.header.frame_id.strip() if isinstance(msg.header.frame_id, str) else ""
     if not frame:
         raise ValueError("camera_info has an empty header.frame_id: the camera's optical frame is needed to place it")
@@ -85,24 +96,32 @@ def camera_intrinsics_from_info(msg) -> CameraIntrinsics:
     width, height = int(width), int(height)
     if width <= 0 or height <= 0:
         raise ValueError(f"camera_info of {frame}: image size {width}x{height} (a calibration must give it)")
-    k = np.asarray(list(msg.k), dtype=np.float64)
-    if k.shape != (9,) or not np.isfinite(k).all():
-        raise ValueError(f"camera_info of {frame}: k must be 9 finite values")
-    k = k.reshape(3, 3)
+    p = np.asarray(list(msg.p), dtype=np.float64)
+    if p.shape != (12,) or not np.isfinite(p).all():
+        raise ValueError(f"camera_info of {frame}: p (the rectified image's projection) must be 12 finite values")
+    p = p.reshape(3, 4)
+    k = p[:, :3].copy()
     fx, fy, cx, cy = k[0, 0], k[1, 1], k[0, 2], k[1, 2]
     if fx <= 0 or fy <= 0:
-        raise ValueError(f"camera_info of {frame}: focal length fx={fx}, fy={fy} (must be > 0; an uncalibrated "
+        raise ValueError(f"camera_info of {frame}: focal length in p fx={fx}, fy={fy} (must be > 0; an uncalibrated "
                          "camera publishes zeros)")
-    if not np.allclose(k[2], (0.0, 0.0, 1.0)) or k[1, 0] != 0:
-        raise ValueError(f"camera_info of {frame}: k is not a pinhole camera matrix (last row {k[2].tolist()})")
+    if not np.allclose(p[2], (0.0, 0.0, 1.0, 0.0)) or k[1, 0] != 0:
+        raise ValueError(f"camera_info of {frame}: p is not a pinhole projection (last row {p[2].tolist()})")
+    if p[0, 3] != 0 or p[1, 3] != 0:
+        raise ValueError(f"camera_info of {frame}: p has Tx={p[0, 3]}, Ty={p[1, 3]}: the second camera of a stereo "
+                         "pair projects from the first camera's frame; give each camera's own monocular CameraInfo")
+    binning = (int(getattr(msg, "binning_x", 0) or 0), int(getattr(msg, "binning_y", 0) or 0))
+    if max(binning) > 1:
+        raise ValueError(f"camera_info of {frame}: binning {binning[0]} x {binning[1]} is not supported (publish the "
+                         "full-resolution rectified image)")
+    roi = getattr(msg, "roi", None)
+    if roi is not None and (roi.width or roi.height) and \
+            (roi.x_offset, roi.y_offset, roi.width, roi.height) != (0, 0, width, height):
+        raise ValueError(f"camera_info of {frame}: region of interest {roi.width}x{roi.height} at ({roi.x_offset}, "
+                         f"{roi.y_offset}) is not supported (publish the whole rectified image)")
     if not (0 <= cx <= width and 0 <= cy <= height):
         raise ValueError(f"camera_info of {frame}: principal point ({cx}, {cy}) outside the {width}x{height} image")
-    d = tuple(float(v) for v in msg.d)
-    if any(v != 0.0 for v in d):
-        raise ValueError(f"camera_info of {frame}: distortion {msg.distortion_model} {list(d)} is not zero: the "
-                         "published models take undistorted images; publish the rectified camera (image_proc)")
-    return CameraIntrinsics(k=k, width=width, height=height, frame_id=frame,
-                            distortion_model=str(msg.distortion_model), d=d)
+    return CameraIntrinsics(k=k, width=width, height=height, frame_id=frame)
 
 
 def model_image_intrinsics(cam: CameraIntrinsics, size: int, resize: str) -> np.ndarray:
@@ -155,20 +174,25 @@ class StaticTransforms:
     def _name(frame: str) -> str:
         return str(frame).strip().lstrip("/")
 
-    def add(self, msg) -> int:
-        """Add every transform of a TFMessage; returns how many. Raises ValueError (nothing added) for an empty
-        frame name, a frame that is its own parent, or a bad translation / rotation, naming the transform."""
-        new = {}
+    def add(self, msg) -> tuple[int, list[str]]:
+        """Add the transforms of a TFMessage; returns (how many were added, the problems of those left out). A
+        transform with an empty frame name, a frame that is its own parent, or a bad translation / rotation is
+        left out, named in its problem line; the message's other transforms are added (as tf2's buffer does:
+        robot_state_publisher sends every fixed joint in one message)."""
+        added, problems = 0, []
         for tr in msg.transforms:
-            parent, child = self._name(tr.header.frame_id), self._name(tr.child_frame_id)
-            if not parent or not child or parent == child:
-                raise ValueError(f"static transform {parent!r} -> {child!r}: empty or identical frame names")
             try:
-                new[child] = (parent, transform_matrix(tr.transform.translation, tr.transform.rotation))
-            except ValueError as e:
-                raise ValueError(f"static transform {parent} -> {child}: {e}") from None
-        self._parent.update(new)
-        return len(new)
+                parent, child = self._name(tr.header.frame_id), self._name(tr.child_frame_id)
+                if not parent or not child or parent == child:
+                    raise ValueError("empty or identical frame names")
+                pose = transform_matrix(tr.transform.translation, tr.transform.rotation)
+            except (ValueError, TypeError, AttributeError) as e:
+                problems.append(f"static transform {getattr(tr.header, 'frame_id', '?')!r} -> "
+                                f"{getattr(tr, 'child_frame_id', '?')!r} left out: {e}")
+                continue
+            self._parent[child] = (parent, pose)
+            added += 1
+        return added, problems
 
     @property
     def frames(self) -> set[str]:
@@ -303,7 +327,7 @@ class CameraCalibration:
         self._cameras: list[CameraIntrinsics | str | None] = [None] * n_cameras  # intrinsics, error text, nothing
         self._tf = StaticTransforms()
         self._version = 0  # bumped by every change of the calibration
-        self._cached: tuple[int, np.ndarray | CalibrationError] | None = None
+        self._cached: tuple[int, np.ndarray | tuple[str, str]] | None = None  # lidar2img, or (cause, reason)
         self.camera_infos = 0  # CameraInfo messages read (good or bad)
         self.static_transforms = 0  # static transforms added
 
@@ -317,23 +341,19 @@ class CameraCalibration:
             new = str(e)
         with self._lock:
             self.camera_infos += 1
-            old = self._cameras[cam]
-            same = (isinstance(old, CameraIntrinsics) and isinstance(new, CameraIntrinsics)
-                    and (old.width, old.height, old.frame_id, old.d) == (new.width, new.height, new.frame_id, new.d)
-                    and np.array_equal(old.k, new.k)) or old == new
-            if not same:
+            if self._cameras[cam] != new:
                 self._cameras[cam] = new
                 self._version += 1
         return new if isinstance(new, str) else None
 
-    def add_static_transforms(self, msg) -> int:
-        """Add a ``tf2_msgs/TFMessage``'s transforms (:meth:`StaticTransforms.add`); returns how many. Raises
-        ValueError (nothing added) for a bad one."""
+    def add_static_transforms(self, msg) -> list[str]:
+        """Add a ``tf2_msgs/TFMessage``'s transforms (:meth:`StaticTransforms.add`); returns the problems of the
+        transforms left out (one line each, [] when all were added)."""
         with self._lock:
-            n = self._tf.add(msg)
+            n, problems = self._tf.add(msg)
             self.static_transforms += n
             self._version += 1
-        return n
+        return problems
 
     def lidar2img(self, image_sizes: list[tuple[int, int] | None] | None = None) -> np.ndarray:
         """(C, 4, 4) float64 ``lidar2img`` of the current calibration (:func:`lidar2img`). ``image_sizes``: each
@@ -349,32 +369,33 @@ class CameraCalibration:
                 cached = (version, self._compute(cameras))
                 self._cached = cached
         result = cached[1]
-        if isinstance(result, CalibrationError):
-            raise result
+        if isinstance(result, tuple):  # a fresh exception each time: a cached one would grow its traceback
+            raise CalibrationError(*result)
         for i, (cam, seen) in enumerate(zip(cameras, image_sizes or [])):
             if seen is not None and tuple(seen) != (cam.width, cam.height):
                 raise CalibrationError("camera_size_mismatch", f"camera {i} ({cam.frame_id}): image {seen[0]}x"
                                        f"{seen[1]} but its camera_info describes {cam.width}x{cam.height}")
         return result
 
-    def _compute(self, cameras: list) -> np.ndarray | CalibrationError:
+    def _compute(self, cameras: list) -> np.ndarray | tuple[str, str]:
+        """lidar2img of ``cameras``, or (cause, reason) of the :class:`CalibrationError` to raise."""
         for i, cam in enumerate(cameras):
             if cam is None:
-                return CalibrationError("no_camera_info", f"camera {i}: no camera_info received yet")
+                return "no_camera_info", f"camera {i}: no camera_info received yet"
             if isinstance(cam, str):
-                return CalibrationError("bad_camera_info", f"camera {i}: {cam}")
+                return "bad_camera_info", f"camera {i}: {cam}"
         for i, cam in enumerate(cameras):
             try:
                 base_cam = self._tf.lookup(self.base_frame, cam.frame_id)
             except LookupError as e:
-                return CalibrationError("no_camera_transform", f"camera {i}: {e}")
+                return "no_camera_transform", f"camera {i}: {e}"
             except ValueError as e:  # the transforms form a loop
-                return CalibrationError("bad_camera_transform", f"camera {i}: {e}")
+                return "bad_camera_transform", f"camera {i}: {e}"
             try:
                 check_optical_frame(base_cam, cam.frame_id)
             except ValueError as e:
-                return CalibrationError("bad_camera_transform", f"camera {i}: {e}")
+                return "bad_camera_transform", f"camera {i}: {e}"
         try:
             return lidar2img(cameras, self._tf, self.model, self.size, self.resize, self.base_frame)
         except ValueError as e:  # the camera pipeline cannot take a camera (orion_crop of a too small image)
-            return CalibrationError("bad_camera_info", str(e))
+            return "bad_camera_info", str(e)

@@ -272,6 +272,15 @@ def jpeg_size(buf: np.ndarray) -> tuple[int, int] | None:
     return None
 
 
+def png_size(buf) -> tuple[int, int] | None:
+    """(height, width) in pixels from a PNG's IHDR chunk (the signature, then IHDR first: PNG specification,
+    ISO/IEC 15948, 5.2 and 11.2.2), or None when ``buf`` (the uint8 payload) does not start so."""
+    data = bytes(memoryview(buf)[:24])
+    if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        return None
+    return int.from_bytes(data[20:24], "big"), int.from_bytes(data[16:20], "big")
+
+
 def jpeg_reduction(height: int, width: int, min_size: int) -> int:
     """Largest libjpeg DCT scale-down factor r in (8, 4, 2) with ceil(height / r) and ceil(width / r) both
     >= ``min_size`` pixels, else 1 (decode at full size)."""

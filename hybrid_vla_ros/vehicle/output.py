@@ -7,6 +7,7 @@ trajectory that cannot be converted or that fails the guard is never published: 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +38,8 @@ class GuardedOutputs:
 
 def guarded_outputs(waypoints: np.ndarray, modes: np.ndarray | None, mode: int, dt_s: float, ego: EgoState,
                     wheelbase_m: float, limits: GuardLimits, stamp_ns: int, now_ns: int, *,
-                    candidates: bool = False, mode_names: tuple[str, ...] = ()) -> GuardedOutputs:
+                    candidates: bool = False, mode_names: tuple[str, ...] = (),
+                    to_base_link: Callable[[np.ndarray], np.ndarray] | None = None) -> GuardedOutputs:
     """Convert a frame's waypoints (and with ``candidates`` every planner mode) into map-frame trajectories
     (:func:`~.trajectory.waypoints_to_trajectory`) and judge each with the output guard
     (:func:`~.guard.find_violations`, the age checks against ``now_ns``).
@@ -51,10 +53,15 @@ def guarded_outputs(waypoints: np.ndarray, modes: np.ndarray | None, mode: int, 
         stamp_ns: the frame's camera stamp; now_ns: the node clock now (ns).
         candidates: also build the candidate list. mode_names: a name per mode for the drop messages
             (its index where missing).
+        to_base_link: applied to each mode's waypoints first when they are not base_link's (the published
+            planners' model-frame track: :func:`~.trajectory.model_track_to_base_link`); its ValueError is that
+            mode's ``bad_waypoints`` / ``candidate_bad_waypoints`` drop, the other modes unaffected.
     Returns:
         :class:`GuardedOutputs`. Raises nothing for bad waypoints: those are drops.
     """
     def convert(w) -> TrajectoryArrays:
+        if to_base_link is not None:
+            w = to_base_link(w)
         return waypoints_to_trajectory(w, dt_s, ego, wheelbase_m, heading_min_segment_m=limits.min_segment_m)
 
     def judge(arrays) -> list[Violation]:
