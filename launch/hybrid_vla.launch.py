@@ -70,7 +70,8 @@ ARGUMENTS = [
     ("camera_topic_suffix", "image_rect_color", "camera i is /sensing/camera/camera<i>/<this>"),
     ("input_kinematic_state", "/localization/kinematic_state", "nav_msgs/Odometry of the ego vehicle (both nodes)"),
     ("input_acceleration", "/localization/acceleration",
-     "geometry_msgs/AccelWithCovarianceStamped of the ego vehicle (prefix, checkpoints with ego_state_input)"),
+     "geometry_msgs/AccelWithCovarianceStamped of the ego vehicle (prefix, checkpoints with ego_state_input or "
+     "the query heads)"),
     ("input_navigation_command", "",
      "std_msgs/String navigation command name for the suffix (LEFT, RIGHT, STRAIGHT, LANE_FOLLOW, ...) (empty: "
      "/planning/<namespace>/navigation_command)"),

@@ -271,3 +271,15 @@ def test_replay_of_the_embedded_bag_with_the_query_heads(tmp_path, scene_checkpo
     log = (tmp_path / "prefix_node.log").read_text()
     assert "query heads: camera geometry from /sensing/camera/camera0/camera_info" in log
     assert (tmp_path / "plots" / "trajectory_camera.png").stat().st_size > 10_000
+
+
+def test_the_replay_names_the_calibration_a_bag_lacks_for_the_query_heads(embedded_bag):
+    """Before playback the replay says which CameraInfo topics and /tf_static the bag lacks (frames of a model with
+    the query heads would all be dropped): none for the embedded bag, each one left out of it otherwise."""
+    from hybrid_vla_ros.tools.playback import missing_calibration
+
+    messages = list(read_bag(embedded_bag))
+    topics = [f"/sensing/camera/camera{i}/camera_info" for i in range(6)]
+    assert missing_calibration(messages, topics) == []
+    without = [m for m in messages if m.topic not in ("/tf_static", topics[2])]
+    assert missing_calibration(without, topics) == [topics[2], "/tf_static"]

@@ -53,6 +53,13 @@ def publishers_for(node, play, odometry_readers: int = 1, camera_info_read: bool
     return publishers
 
 
+def missing_calibration(messages, info_topics: list[str]) -> list[str]:
+    """What a bag lacks of the calibration the published query heads read: each of ``info_topics`` (CameraInfo)
+    without a message, and ``/tf_static`` when it has none; [] when it has both."""
+    topics = {m.topic for m in messages}
+    return [t for t in info_topics if t not in topics] + ([] if TF_STATIC_TOPIC in topics else [TF_STATIC_TOPIC])
+
+
 def publish_calibration(node, messages, info_topics: list[str], publishers: dict, statuses,
                         timeout_s: float = 10.0):
     """Before playback, for a model with the published query heads: the bag's ``/tf_static`` on a reliable,

@@ -47,8 +47,8 @@ from ..util.bags import BagMessage, camera_topics, read_bag
 from ..util.cores import parse_core_list, usable_cores
 from ..util.paths import embedded_bag, package_file
 from .node_processes import launch_node, stop_processes
-from .playback import (ACCELERATION_TOPIC, ODOMETRY_TOPIC, message_class, play_bag, publish_calibration,
-                       publishers_for)
+from .playback import (ACCELERATION_TOPIC, ODOMETRY_TOPIC, message_class, missing_calibration, play_bag,
+                       publish_calibration, publishers_for)
 from .replay_nodes import ATTACH_QUIET_S, ReplayNodes, node_error_lines, node_params
 from .replay_recorder import Recorder, Statuses
 from .replay_report import frame_of, hints, print_report, run_details, run_report
@@ -271,6 +271,12 @@ class ReplaySession:
         self.scene = takes_scene(cfg)  # the query heads read CameraInfo and /tf_static (published before playback)
         self.info_topics = [camera_info_topic(t) for t in cams] if self.scene else []
         play_topics |= set(self.info_topics)
+        missing = missing_calibration(messages, self.info_topics) if self.scene else []
+        if missing:
+            print(f"warning: the checkpoint has the published query heads, which need each camera's CameraInfo and "
+                  f"/tf_static (base_link -> each camera's optical frame); the bag has no {', '.join(missing)}: "
+                  "unless another node publishes them, every frame is dropped (no_camera_info / "
+                  "no_camera_transform)", file=sys.stderr)
         if cfg.ego_state_input or self.scene:  # only such a prefix subscribes to the acceleration
             play_topics.add(ACCELERATION_TOPIC)
         self.play = [m for m in messages if m.topic in play_topics]
