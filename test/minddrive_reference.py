@@ -134,6 +134,30 @@ def load_pipeline(monkeypatch) -> types.ModuleType:
     return _exec_file(monkeypatch, "mmcv.datasets.pipelines.transforms_3d", path)
 
 
+def load_prompt_pipeline(monkeypatch) -> types.ModuleType:
+    """The reference's transforms_3d.py as :func:`load_pipeline` loads it, but with the reference's own
+    conversation templates, token constants and ``preprocess_qwen2`` / ``tokenizer_image_token_new``
+    (mmcv/datasets/data_utils: what turns MindDrive's questions into input ids, the code under comparison).
+    data_utils.py imports what its box helpers use (tkinter.tix, nuScenes devkit, pyquaternion): stubs, not
+    reached by the prompt code."""
+    pipeline = load_pipeline(monkeypatch)
+    for name in ("tkinter", "tkinter.tix", "nuscenes.eval", "nuscenes.eval.common", "nuscenes.eval.common.utils",
+                 "nuscenes.utils.data_classes", "pyquaternion"):
+        _anything_module(monkeypatch, name)
+    root = REFERENCE / "mmcv" / "datasets" / "data_utils"
+    _stub(monkeypatch, "mmcv.datasets.data_utils")
+    constants = _exec_file(monkeypatch, "mmcv.datasets.data_utils.constants", root / "constants.py")
+    conversation = _exec_file(monkeypatch, "mmcv.datasets.data_utils.conversation", root / "conversation.py")
+    data_utils = _exec_file(monkeypatch, "mmcv.datasets.data_utils.data_utils", root / "data_utils.py")
+    monkeypatch.setattr(pipeline, "DEFAULT_IMAGE_TOKEN", constants.DEFAULT_IMAGE_TOKEN)
+    monkeypatch.setattr(pipeline, "conversation_lib", conversation)
+    for name in ("preprocess", "preprocess_llama3", "preprocess_qwen2"):
+        monkeypatch.setattr(pipeline, name, getattr(data_utils, name))
+    # the default conversation is module state the pipeline's __init__ sets: undone after the test
+    monkeypatch.setattr(conversation, "default_conversation", conversation.default_conversation)
+    return pipeline
+
+
 def load_eva_vit(monkeypatch) -> types.ModuleType:
     """The reference's mmcv/models/backbones/eva_vit.py (EVAViT, Block, VisionRotaryEmbeddingFast, ...).
 

@@ -308,7 +308,8 @@ def test_a_minddrive_shaped_model_answers_real_frames_through_both_runners(tmp_p
     """Issue 21: the published parts together at a small size: the published camera pipeline (`orion_crop` on the
     bag's 1936 x 1216 cameras, ImageNet statistics), an EVA-02 vision side (window and global blocks), the
     published query heads with their memory (`scene_queries`), two LLM passes with the decision read-out and
-    MindDrive's speed and path planners (`vae_speed_path`). Over the bag's three frames (the heads' memory carried
+    MindDrive's speed and path planners (`vae_speed_path`), each pass on its own prompt of its own length (the
+    shorter padded in the ring slot). Over the bag's three frames (the heads' memory carried
     from one to the next, in the prefix runner's stage), prefix and suffix runners give the whole model's
     trajectory on each frame within 1e-5; a live re-split (K 2 -> 1) before the third frame keeps the memory (the
     heads live in the prefix stage, which a re-split does not rebuild), and a restarted prefix starts it afresh
@@ -323,10 +324,14 @@ def test_a_minddrive_shaped_model_answers_real_frames_through_both_runners(tmp_p
     overrides = dict(**SCENE_QUERY_OVERRIDES, image_resize="orion_crop", image_mean=list(IMAGENET_MEAN),
                      image_std=list(IMAGENET_STD), llm_passes=2, decision_token_ids=[11, 23, 35, 47, 59, 71, 83],
                      planning_token_id=250, readout={"type": "vae_speed_path", "path_token_id": 251,
-                                                     "path_points": 20})
+                                                     "path_points": 20},
+                     # each pass its own prompt after the scene tokens, of another length (MindDrive's two)
+                     pass_prompt_token_ids=[[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 250, 5, 251]])
     path = tmp_path / "minddrive_like"
     cfg = init_model("tiny", path, overrides=overrides)
     assert cfg.readout_type == "vae_speed_path" and cfg.vision_type == "eva02"
+    at = cfg.readout_positions  # the decision pass padded by 4 tokens: its -2 is 6 from the end
+    assert (at.decision, at.planning, at.path) == (-6, -3, -1)
     assert cfg.num_vision_tokens == 8 + 4 + 1 + 8  # object extra + scene history + can-bus, map extra
     frames = _bag_frames(embedded_bag)
     assert len(frames) == 3

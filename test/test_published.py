@@ -200,24 +200,32 @@ def test_a_pth_with_a_non_tensor_object_is_refused_and_not_run(orion_like, tmp_p
 
 # ------------------------------------------------------------------------------------------------ MindDrive
 
-@pytest.fixture(scope="module")
-def minddrive_like(tmp_path_factory):
-    """A Qwen2 (tied embeddings) with MindDrive's two adapters on one base, both r=4 alpha=16 (scaling 4)."""
+def _minddrive_peft(hf_dir: Path, vocab: int, seeds: tuple[int, int, int]):
+    """A Qwen2 (tied embeddings, ``vocab`` rows; its config.json written to ``hf_dir``) wrapped by peft with
+    MindDrive's two adapters on one base, both r=4 alpha=16 (scaling 4), every weight drawn from ``seeds``
+    (torch's global seed, the base's, the adapters')."""
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    root = tmp_path_factory.mktemp("minddrive")
-    torch.manual_seed(1)
-    cfg = Qwen2Config(**{**LLM, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True})
-    hf_dir = root / "hf"
+    torch.manual_seed(seeds[0])
+    cfg = Qwen2Config(**{**LLM, "vocab_size": vocab, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                         "tie_word_embeddings": True})
     cfg.save_pretrained(str(hf_dir))
-    (hf_dir / "added_tokens.json").write_text(json.dumps({"<waypoint_ego>": 300, "<path_waypoint_ego>": 301}))
-    base = perturb_(Qwen2ForCausalLM(cfg), 4)
+    base = perturb_(Qwen2ForCausalLM(cfg), seeds[1])
     lcfg = dict(r=4, lora_alpha=16, target_modules=TARGETS)
     peft_model = get_peft_model(base, LoraConfig(**lcfg), adapter_name="decision_expert")
     peft_model.add_adapter("action_expert", LoraConfig(**lcfg))
-    _randomise_lora_(peft_model, 5)
-    peft_model.eval()
+    _randomise_lora_(peft_model, seeds[2])
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="module")
+def minddrive_like(tmp_path_factory):
+    """A Qwen2 (tied embeddings) with MindDrive's two adapters on one base, both r=4 alpha=16 (scaling 4)."""
+    root = tmp_path_factory.mktemp("minddrive")
+    hf_dir = root / "hf"
+    peft_model = _minddrive_peft(hf_dir, LLM["vocab_size"], seeds=(1, 4, 5))
+    (hf_dir / "added_tokens.json").write_text(json.dumps({"<waypoint_ego>": 300, "<path_waypoint_ego>": 301}))
     pth = root / "minddrive_rltrain.pth"
     torch.save({"state_dict": _published_state(peft_model)}, pth)
     out = root / "converted"
@@ -627,3 +635,142 @@ def test_minddrive_query_heads_from_the_published_classes_are_placed(minddrive_l
     with pytest.raises(CheckpointError, match=r"query heads do not fit.*partial checkpoint"):
         convert(pth, root / "hf", tmp_path / "partial", preset_name="tiny", overrides=overrides, lora_r=4,
                 lora_alpha=16, decision_token_ids=DECISION_IDS)
+
+
+# ------------------------------------------------------------------------- MindDrive's two published prompts
+
+def _qwen2_tokenizer(path: Path):
+    """A Qwen2 tokenizer as transformers writes one (its Qwen2Tokenizer: Qwen2's pre-tokenizer regex and byte-level
+    BPE), with the 256 byte symbols as its vocabulary and Qwen2's chat markers as special tokens (a real Qwen2's
+    151k-token vocabulary is not at hand; the token boundaries around the special tokens are Qwen2's)."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None)
+    tok.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]})
+    tok.save_pretrained(str(path))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def minddrive_tokenized(tmp_path_factory):
+    """MindDrive as published with its tokenizer beside the LLM config: the embeddings have the tokenizer's rows
+    after MindDrive's 15 added tokens (as its add_special_token resizes them), both adapters (r=4, alpha=16),
+    converted with the speed and path planners' read-out (random planner weights: this test is about the LLM's
+    token sequences and where they are read)."""
+    root = tmp_path_factory.mktemp("minddrive_tok")
+    hf_dir = root / "hf"
+    tok = _qwen2_tokenizer(hf_dir)
+    peft_model = _minddrive_peft(hf_dir, len(tok) + 15, seeds=(3, 6, 7))
+    pth = root / "minddrive.pth"
+    state = {k: v for k, v in _published_state(peft_model).items() if not k.startswith("ego_fut_decoder.")}
+    torch.save({"state_dict": state}, pth)
+    out = root / "converted"
+    readout = {"type": "vae_speed_path", "path_token_id": 0, "path_points": 20}
+    report = convert(pth, hf_dir, out, preset_name="tiny", overrides={"readout": readout}, lora_r=4, lora_alpha=16)
+    return root, hf_dir, pth, out, report, peft_model
+
+
+def _reference_input_ids(monkeypatch, hf_dir):
+    """The input ids MindDrive's inference pipeline makes (its test pipeline's LoadAnnoatationMixCriticalVQATest
+    options), one sequence per conversation, -200 where the scene tokens go, and its tokenizer after the additions."""
+    from minddrive_reference import load_prompt_pipeline
+
+    pipeline = load_prompt_pipeline(monkeypatch)
+    step = pipeline.LoadAnnoatationMixCriticalVQATest(
+        tokenizer=str(hf_dir), max_length=2048, load_type=["planning"], desc_qa=False, use_gen_token=True,
+        conv_template="llava_qwen2", is_decoupling=True, use_meta_action=True, single=True)
+    results = step({})
+    return [ids.tolist() for ids in results["input_ids"]], step.tokenizer
+
+
+def test_minddrive_passes_run_the_published_prompts(minddrive_tokenized, monkeypatch, tmp_path):
+    """Issue 21: with the tokenizer beside the LLM config, `convert` writes MindDrive's two published prompts (the
+    decision pass's and the action pass's own sequences, as its inference pipeline makes them: checked token for
+    token against the reference pipeline run on the same tokenizer) and reads the meta-action, <waypoint_ego> and
+    <path_waypoint_ego> ids from it. On the nodes' (2, T, H) hidden states (the decision pass padded at its end),
+    the decision logits equal peft's decision adapter at position -2 of the reference's decision sequence alone,
+    and the planner states equal peft's action adapter where the reference's sequence holds the two waypoint
+    tokens; a contradicting id option or another tokenizer is refused."""
+    from hybrid_vla_ros.model.modeling import speed_path_plan
+    from hybrid_vla_ros.runtime.suffix_backend import read_out_tokens
+
+    root, hf_dir, pth, out, report, peft_model = minddrive_tokenized
+    ref_ids, ref_tok = _reference_input_ids(monkeypatch, hf_dir)
+    ck = open_checkpoint(out)
+    cfg = ck.cfg
+    assert report["prompt"]["source"].startswith("MindDrive's published prompts")
+    speed = ["<maintain_moderate_speed>", "<stop>", "<maintain_slow_speed>", "<speed_up>", "<slow_down>",
+             "<maintain_fast_speed>", "<slow_down_rapidly>"]  # the reference's SPEED_MAPPING order
+    speed_ids = ref_tok.convert_tokens_to_ids(speed)
+    assert cfg.decision_token_ids == speed_ids
+    wp, path = ref_tok.convert_tokens_to_ids(["<waypoint_ego>", "<path_waypoint_ego>"])
+    assert cfg.planning_token_id == wp and cfg.readout["path_token_id"] == path
+    # token for token the reference's sequences (its decision answer ends with a randomly drawn speed token)
+    for p, ids in enumerate(ref_ids):
+        ours = cfg.prompt_token_ids + [-200] + cfg.pass_prompt_token_ids[p]
+        if p == 0:
+            assert ours[:-1] == ids[:-1] and ids[-1] in speed_ids and ours[-1] in speed_ids
+        else:
+            assert ours == ids
+    assert len(cfg.pass_prompt_token_ids[0]) != len(cfg.pass_prompt_token_ids[1])  # so one pass is padded
+    at = cfg.readout_positions
+    assert read_out_tokens(cfg) == max(-at.planning, -at.path, -at.decision)
+    # the LLM on the published sequences (peft's model per adapter on the reference's ids) vs the split model
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(cfg.n_cameras, 3, cfg.image_size, cfg.image_size, generator=g)
+    prefix, suffix = ck.load("prefix", 1, dtype="fp32"), ck.load("suffix", 1, dtype="fp32")
+    n_pre, V = len(cfg.prompt_token_ids), cfg.num_vision_tokens
+    with torch.no_grad():
+        h0 = ck.load("prefix", 0, dtype="fp32")(pixels)
+        vis = h0[0, n_pre:n_pre + V]
+        assert torch.equal(vis, h0[1, n_pre:n_pre + V])
+        h1 = prefix(pixels)
+        final = suffix.final_hidden_states(h1)
+        got = suffix.plan_all(h1, command=2)
+        ref_states = []
+        for p, (ids, name) in enumerate(zip(ref_ids, ["decision_expert", "action_expert"])):
+            ref = _merged(peft_model, name)
+            cut = ids.index(-200)  # LLaVA's prepare_inputs_labels_for_multimodal: the scene tokens in its place
+            emb = ref.get_input_embeddings()
+            x = torch.cat([emb(torch.tensor(ids[:cut])), vis, emb(torch.tensor(ids[cut + 1:]))]).unsqueeze(0)
+            states = ref(inputs_embeds=x, output_hidden_states=True)
+            if p == 0:
+                logits = states.logits[0, -2, speed_ids]  # inference_action_distribution's read-out
+                assert (got.decision_logits - logits).abs().max() <= 1e-4 * max(1.0, float(logits.abs().max()))
+                assert got.speed_mode == int(logits.argmax())
+            else:
+                seq = ids[:cut] + [-1] * V + ids[cut + 1:]
+                where = [i for i, t in enumerate(seq) if t in (wp, path)]  # inference_waypoints' positions
+                ref_states = states.hidden_states[-1][0, where]
+                ours = final[1, [at.planning, at.path]]
+                assert (ours - ref_states).abs().max() <= 1e-4 * float(ref_states.abs().max())
+            # the pass's own tokens (the decision's drawn meta-action last left out): the padding never reaches them
+            n = len(ids) - 1 + V - (p == 0)
+            real = states.hidden_states[-1][0, :n]
+            assert (final[p, :n] - real).abs().max() <= 1e-4 * float(real.abs().max())
+        expected = speed_path_plan(suffix, ref_states, 2, logits, int(logits.argmax()))
+        assert (got.modes - expected.modes).abs().max() <= 1e-4 * max(1.0, float(expected.modes.abs().max()))
+        # reading the old places (the last two tokens of the action pass) would be another plan: the test can fail
+        assert (final[1, -2:] - ref_states).abs().max() > 1e-2
+    verified = _cli("verify-split", "--model", str(out), "--quiet")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    with pytest.raises(ValueError, match="decision-token-ids"):
+        convert(pth, hf_dir, tmp_path / "a", preset_name="tiny", lora_r=4, decision_token_ids=DECISION_IDS)
+    other = tmp_path / "other"  # one token more than the tokenizer the checkpoint was trained with
+    tok = _qwen2_tokenizer(other)
+    tok.add_tokens(["<extra>"], special_tokens=True)
+    tok.save_pretrained(str(other))
+    (other / "config.json").write_text((hf_dir / "config.json").read_text())
+    (tmp_path / "b").mkdir()  # an empty OUT the user made: kept on failure, so what was written shows
+    with pytest.raises(CheckpointError, match="not the tokenizer it was trained with"):
+        convert(pth, other, tmp_path / "b", preset_name="tiny", lora_r=4)
+    assert not any((tmp_path / "b").iterdir())  # refused before OUT/llm was written
+    with pytest.raises(ValueError, match="pass_prompt_token_ids: the published prompts come from"):
+        convert(pth, hf_dir, tmp_path / "c", preset_name="tiny", lora_r=4, overrides={"pass_prompt_token_ids": [[1]]})
+    # --prompts preset: the preset's fixed prompt, said so, and the ids then come from the options
+    kept = convert(pth, hf_dir, tmp_path / "d", preset_name="tiny", lora_r=4, lora_alpha=16, prompts="preset",
+                   decision_token_ids=speed_ids, waypoint_token_id=wp)
+    assert "NOT the published conversation" in kept["prompt"]["source"]
+    assert open_checkpoint(tmp_path / "d").cfg.pass_prompt_token_ids == []

@@ -146,3 +146,48 @@ def test_a_team_head_module_verifies_plans_and_drives_the_nodes(llm_dir, tmp_pat
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{logs}"
     report = json.loads((out / "report.json").read_text())
     assert report["trajectories_out"] == 3 and report["drops"] == {}, report
+
+
+def test_pass_prompts_read_each_pass_where_its_own_tokens_are(tmp_path):
+    """Each LLM pass on its own prompt after the vision tokens (`pass_prompt_token_ids`, MindDrive's two
+    conversations; the published ones: test_published.py::test_minddrive_passes_run_the_published_prompts): the
+    shorter pass is padded at its end, and the read-outs never see that padding. With this package's 6-way decision
+    head (no decision_token_ids) the decision pass is read at its own last token: rewriting the padding's hidden
+    states changes neither the decision nor the plan (the blocks are causal), while rewriting the real last token
+    does. The config refuses prompts that do not fit the read-out."""
+    from hybrid_vla_ros.model.checkpoint import init_model
+    from hybrid_vla_ros.model.config import VLAConfig, preset
+
+    prompts = [[7, 8], [12, 13, 250, 14]]
+    path = tmp_path / "two_prompts"
+    cfg = init_model("tiny", path, overrides=dict(llm_passes=2, planning_token_id=250, pass_prompt_token_ids=prompts))
+    at = cfg.readout_positions
+    assert (at.planning, at.path, at.decision) == (-2, None, -3)  # pass 0 padded by 2 tokens
+    assert VLAConfig.from_dict(cfg.to_dict()) == cfg
+    assert "pass_prompt_token_ids" not in preset("tiny").to_dict()  # written only when set
+    ck = open_checkpoint(path)
+    prefix, suffix = ck.load("prefix", 2, dtype="fp32"), ck.load("suffix", 2, dtype="fp32")
+    pixels = torch.randn(cfg.n_cameras, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = prefix(pixels)
+        assert h.shape == (2, cfg.num_tokens, cfg.hidden_size)
+        base = suffix.plan_all(h)
+        padded = h.clone()
+        padded[0, -2:] = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+        same = suffix.plan_all(padded)
+        assert torch.equal(same.decision_logits, base.decision_logits) and torch.equal(same.modes, base.modes)
+        real = h.clone()
+        real[0, -3] += 1.0
+        assert (suffix.plan_all(real).decision_logits - base.decision_logits).abs().max() > 1e-4
+    bad = {"a read-out token twice": [[7], [250, 5, 250]], "no planning token": [[7], [12, 13]],
+           "one prompt for two passes": [[12, 250]], "an empty prompt": [[], [250]]}
+    for wrong in bad.values():  # keyed by what is wrong
+        with pytest.raises(ValueError, match="pass_prompt_token_ids|read-out token"):
+            preset("tiny", llm_passes=2, planning_token_id=250, pass_prompt_token_ids=wrong)
+    speed_path = {"type": "vae_speed_path", "path_token_id": 251, "path_points": 20}
+    with pytest.raises(ValueError, match="before the path token"):
+        preset("tiny", llm_passes=2, planning_token_id=250, readout=speed_path,
+               decision_token_ids=[11, 23, 35, 47, 59, 71, 83], pass_prompt_token_ids=[[7], [251, 250]])
+    with pytest.raises(ValueError, match="decision_position .* of the decision pass"):
+        preset("tiny", llm_passes=2, planning_token_id=250, decision_token_ids=[11, 23], decision_position=-1000,
+               pass_prompt_token_ids=[[7], [250]])

@@ -57,6 +57,34 @@ def nav_command_index(name: str) -> int:
         raise ValueError(f"unknown navigation command {name!r}; use one of {', '.join(NAV_COMMANDS)}") from None
 
 
+def _last_index(ids: list[int], token: int) -> int:
+    """Index of the last occurrence of ``token`` in ``ids`` (ValueError when absent)."""
+    return len(ids) - 1 - ids[::-1].index(token)
+
+
+@dataclass(frozen=True)
+class ReadoutPositions:
+    """Token positions the read-out heads take their final hidden states from, each counted from the end of the
+    sequence of T tokens that crosses the split (a negative index: it also indexes the last tokens a compiled
+    suffix gives, :func:`~hybrid_vla_ros.runtime.suffix_backend.read_out_tokens`).
+
+    planning: the planning token (``<waypoint_ego>``) in the last (action) pass. path: MindDrive's
+    ``<path_waypoint_ego>`` in the last pass (``vae_speed_path``), else None. decision: the decision read-out
+    in the first pass (``decision_token_ids``: at ``decision_position``; two passes without them: this
+    package's decision head on the decision pass's last token before its padding), else None. Source of the
+    published positions: MindDrive's ``inference_waypoints`` (the positions whose id is a waypoint token) and
+    ``inference_action_distribution`` (``logits[:, -2]`` of the decision prompt)."""
+
+    planning: int = -1
+    path: int | None = None
+    decision: int | None = None
+
+    @property
+    def tokens_from_end(self) -> int:
+        """How many last tokens hold every read-out position."""
+        return max(-p for p in (self.planning, self.path, self.decision) if p is not None)
+
+
 @dataclass
 class VLAConfig:
     """Architecture and I/O contract of a checkpoint.
@@ -111,7 +139,18 @@ class VLAConfig:
         decision_token_ids: MindDrive's decision read-out: the token ids of the meta-action (speed) tokens;
             the decision head is then the LM head's rows of these tokens (no bias), read at
             ``decision_position`` of the decision pass. Empty (default): this package's 6-way decision head.
-        decision_position: token index of the decision read-out (default -2, MindDrive's).
+        decision_position: token index of the decision read-out (default -2, MindDrive's); with
+            ``pass_prompt_token_ids``, counted in the decision pass's own tokens (before its padding).
+        pass_prompt_token_ids: the text after the vision tokens, one token-id list per LLM pass, each ending with
+            that pass's answer (MindDrive's published prompts, written by ``hybrid-vla convert`` from the
+            tokenizer: the decision question answered "The car should be <meta-action>", the action question
+            answered "Here is the planning trajectory <waypoint_ego> <path_waypoint_ego>"). Pass p's sequence is
+            ``prompt_token_ids``, the vision tokens, then its list; a shorter pass is padded at its end, with its
+            last token, to the longest (T). The blocks' attention is causal, so no real token sees the padding
+            and each pass's real tokens are computed as they would be alone. The planning token (and the path
+            token) is read where its id last occurs in the last pass, the decision at ``decision_position`` of
+            the first pass (:attr:`readout_positions`). Empty (default): the vision tokens, the ego token, then
+            the read-out tokens, the same for every pass.
         llm_path: a *composed* checkpoint: the LLM's embeddings, decoder blocks and final norm are read
             from this transformers LlamaForCausalLM / Qwen2ForCausalLM directory (absolute, or relative to
             the checkpoint directory) instead of ``model.safetensors``, which then holds only this package's
@@ -166,6 +205,7 @@ class VLAConfig:
     pass_adapters: list[str] = field(default_factory=list)
     decision_token_ids: list[int] = field(default_factory=list)
     decision_position: int = -2
+    pass_prompt_token_ids: list[list[int]] = field(default_factory=list)
     llm_path: str = ""
     vlm_path: str = ""
     planning_head: bool = True
@@ -177,6 +217,9 @@ class VLAConfig:
         self.image_mean = tuple(float(v) for v in self.image_mean)
         self.image_std = tuple(float(v) for v in self.image_std)
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if isinstance(self.pass_prompt_token_ids, (list, tuple)):
+            self.pass_prompt_token_ids = [list(ids) if isinstance(ids, (list, tuple)) else ids
+                                          for ids in self.pass_prompt_token_ids]
         if isinstance(self.decision_token_ids, tuple):
             self.decision_token_ids = list(self.decision_token_ids)
         if isinstance(self.pass_adapters, tuple):
@@ -276,6 +319,9 @@ class VLAConfig:
             problems.append(f"n_modes must be 1 or {len(NAV_COMMANDS)} (one per navigation command)")
         if self.llm_passes not in (1, 2):
             problems.append("llm_passes must be 1 or 2")
+        prompt_problems = self._pass_prompt_problems()
+        if prompt_problems:  # the token count below needs well-formed lists
+            raise ValueError("invalid model config: " + "; ".join(problems + prompt_problems))
         problems += self._pass_problems()
         problems += self._readout_problems()
         if problems:
@@ -378,9 +424,67 @@ class VLAConfig:
             if not all(0 <= t < int(self.llm["vocab_size"]) for t in ids) or len(set(ids)) != len(ids):
                 problems.append("decision_token_ids must be distinct ids inside the vocabulary")
         pos = self.decision_position
-        if isinstance(pos, bool) or not isinstance(pos, int) or not -self.num_tokens <= pos < self.num_tokens:
-            problems.append(f"decision_position {pos!r} is not a token index of the {self.num_tokens} tokens")
+        own = self._pass_length(0)
+        if isinstance(pos, bool) or not isinstance(pos, int) or not -own <= pos < own:
+            problems.append(f"decision_position {pos!r} is not a token index of the {own} tokens"
+                            + (" of the decision pass" if self.pass_prompt_token_ids else ""))
         return problems
+
+    def _pass_length(self, p: int) -> int:
+        """Tokens of pass ``p`` before its padding (T without ``pass_prompt_token_ids``)."""
+        if not self.pass_prompt_token_ids:
+            return self.num_tokens
+        return len(self.prompt_token_ids) + self.num_vision_tokens + len(self.pass_prompt_token_ids[p])
+
+    def _pass_prompt_problems(self) -> list[str]:
+        """``pass_prompt_token_ids``: one non-empty list of vocabulary ids per pass; the last pass holds the
+        read-out tokens (the planning token, then the path token of a ``vae_speed_path`` read-out); only the
+        layouts whose read-out is at fixed tokens (``mlp``, ``vae``, ``vae_speed_path``) and whose sequence is
+        prompt + vision tokens (no ego token, no LLaVA / VLM placeholders)."""
+        prompts = self.pass_prompt_token_ids
+        if not isinstance(prompts, list):
+            return [f"pass_prompt_token_ids must be a list of token-id lists, got {prompts!r}"]
+        if not prompts:
+            return []
+        vocab = self.llm.get("vocab_size")
+        if not all(isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         and isinstance(vocab, int) and 0 <= t < vocab for t in ids)
+                   for ids in prompts):
+            return ["pass_prompt_token_ids must hold non-empty lists of token ids inside the vocabulary"]
+        problems = []
+        if len(prompts) != self.llm_passes:
+            problems.append(f"pass_prompt_token_ids holds {len(prompts)} prompts for {self.llm_passes} LLM passes")
+        if self.ego_state_input or self.projector.get("type") in ("llava", "vlm"):
+            problems.append("pass_prompt_token_ids takes no ego token and no LLaVA / VLM image placeholders")
+        if self.readout_type not in ("mlp", "vae", "vae_speed_path"):
+            problems.append(f"pass_prompt_token_ids needs a read-out at fixed tokens, not {self.readout_type!r}")
+        last = prompts[-1]
+        reads = self.readout_token_ids
+        if not all(last.count(t) == 1 for t in reads):  # the published read-out takes every position of the id
+            problems.append(f"the last pass's prompt must hold each read-out token ({reads}) exactly once")
+        elif len(reads) == 2 and _last_index(last, reads[0]) > _last_index(last, reads[1]):
+            problems.append("the planning token must come before the path token in the last pass's prompt")
+        return problems
+
+    @property
+    def readout_positions(self) -> ReadoutPositions:
+        """Where :func:`~hybrid_vla_ros.model.modeling.plan` reads the final hidden states, counted from the end
+        of the (padded) sequence of T tokens (see :class:`ReadoutPositions`)."""
+        T = self.num_tokens
+        decision = None
+        if self.decision_token_ids:
+            pos = self.decision_position
+            pos = pos if pos >= 0 else self._pass_length(0) + pos
+            decision = pos - T
+        elif self.llm_passes > 1:  # this package's 6-way decision head: the decision pass's last real token
+            decision = self._pass_length(0) - 1 - T
+        if self.pass_prompt_token_ids:
+            last = self.pass_prompt_token_ids[-1]
+            start = len(self.prompt_token_ids) + self.num_vision_tokens
+            at = [start + _last_index(last, t) - T for t in self.readout_token_ids]
+        else:
+            at = list(range(-len(self.readout_token_ids), 0))
+        return ReadoutPositions(planning=at[0], path=at[1] if len(at) > 1 else None, decision=decision)
 
     def _vlm_problems(self) -> list[str]:
         """A composed checkpoint on a transformers VLM (projector type ``vlm``): the VLM's own front, its text
@@ -544,6 +648,8 @@ class VLAConfig:
         last = self.query_count or (len(self.readout_token_ids) if self.projector.get("type") != "vlm" else 1)
         if self.projector.get("type") == "vlm":  # the processor's tokens, then the planning / query tokens
             return int(self.vlm_view["num_tokens"]) + last
+        if self.pass_prompt_token_ids:  # each pass's own text after the vision tokens, padded to the longest
+            return len(self.prompt_token_ids) + self.num_vision_tokens + max(map(len, self.pass_prompt_token_ids))
         placeholders = self.n_cameras if self.projector.get("type") == "llava" else 0
         return len(self.prompt_token_ids) - placeholders + self.num_vision_tokens + int(self.ego_state_input) + last
 
@@ -562,6 +668,7 @@ class VLAConfig:
         for key, default in (("image_resize", "area"),
                              ("llm_path", ""), ("vlm_path", ""), ("planning_head", True), ("pass_lora_rank", 0),
                              ("pass_adapters", []), ("decision_token_ids", []), ("decision_position", -2),
+                             ("pass_prompt_token_ids", []),
                              ("vlm", {}), ("vlm_view", {}), ("readout", {"type": "mlp"})):
             if d[key] == default:
                 del d[key]

@@ -7,9 +7,11 @@ Forward pass of one frame (one prefill, no autoregressive decode)::
     ego state (3,)      --ego_embed-->                                (1, H)   ego token (optional)
     planning token id   --embed_tokens-->                             (1, H)   waypoint query
     concat -> hidden states h_0 (T, H), T = p + V + [1] + 1
-    [two LLM passes: h_0 (2, T, H) = h_0 + pass_embed[pass]]
+    [two LLM passes: h_0 (2, T, H) = h_0 + pass_embed[pass], or each pass's own text after the vision tokens
+     (``pass_prompt_token_ids``, MindDrive's two prompts), the shorter padded at its end to T]
     h_{i+1} = decoder_block_i(h_i)  for i in [0, L)     (the LLM family's own transformers decoder block)
-    modes (M, N, 2) = planning_head(final_norm(h_L)[..., T-1, :])   (ego frame, metres, at dt .. N*dt)
+    modes (M, N, 2) = planning_head(final_norm(h_L)[..., t, :])   (ego frame, metres, at dt .. N*dt)
+                      t = the planning token's position (T-1 unless the prompts put it elsewhere)
     waypoints (N, 2) = modes[navigation command]                    (M = 1: the only mode)
 
 V is C*P with the MLP projector, the query count with the query projector (:class:`QueryProjector`).
@@ -21,8 +23,9 @@ What crosses the split: only the hidden states h_K, shape (T, H) (or (2, T, H) w
 the model dtype. Everything else the suffix needs is a function of T alone and is recomputed there:
   * position ids are ``arange(T)`` (one prefill from position 0), so the rotary (cos, sin) tables
     are rebuilt from T;
-  * the attention mask is plain causal over the T tokens (``is_causal`` in SDPA), no padding;
-  * the planning token is always the last token, index T-1.
+  * the attention mask is plain causal over the T tokens (``is_causal`` in SDPA); a pass padded at its end
+    needs no mask (no real token attends to a later one);
+  * the read-out positions follow from the config (``VLAConfig.readout_positions``; the last token by default).
 The ego state enters at the embedding, so it travels inside h_K; the navigation command only picks
 the planner mode, so the suffix takes it directly. No KV cache crosses either: block i's keys and
 values are computed from h_i inside block i and are never needed by another block. A KV cache only
@@ -437,6 +440,8 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
             vis = m.vision(pixel_values=pixel_values)  # (C, P, Dv): EVA-02 gives the tensor, SigLIP an output
             vis = vis if isinstance(vis, torch.Tensor) else vis.last_hidden_state
             vis = m.projector(vis) if cfg.projector["type"] == "query" else m.projector(vis.flatten(0, 1))  # (V, H)
+        if cfg.pass_prompt_token_ids:  # each pass's own text after the vision tokens (MindDrive's two prompts)
+            return _embed_pass_prompts(m, cfg, vis, out)
         reads = len(cfg.readout_token_ids)  # the planning token (and MindDrive's path token after it)
         ids = torch.tensor(cfg.prompt_token_ids + cfg.readout_token_ids, device=vis.device)
         text = m.embed_tokens(ids)
@@ -453,6 +458,26 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
             return h.unsqueeze(0) + m.pass_embed.weight.unsqueeze(1)  # (passes, T, H)
         return torch.add(h.unsqueeze(0), m.pass_embed.weight.unsqueeze(1), out=_destination(out))
     return torch.cat(parts, dim=0) if out is None else torch.cat(parts, dim=0, out=_destination(out))
+
+
+def _embed_pass_prompts(m: nn.Module, cfg: VLAConfig, vis: torch.Tensor, out) -> torch.Tensor:
+    """Hidden states before block 0 with one prompt per pass (``cfg.pass_prompt_token_ids``): (P, T, H), pass p =
+    the shared prompt, the V vision tokens ``vis`` (V, H), then pass p's own tokens, padded at its end with its last
+    token to T (causal attention: no real token sees the padding). Passes told apart by a pass embedding add it;
+    with per-pass adapters the tokens alone differ. ``out`` as :func:`embed`."""
+    T = cfg.num_tokens
+    head = m.embed_tokens(torch.tensor(cfg.prompt_token_ids, dtype=torch.long, device=vis.device))
+    rows = []
+    for ids in cfg.pass_prompt_token_ids:
+        padded = ids + [ids[-1]] * (T - len(cfg.prompt_token_ids) - vis.shape[0] - len(ids))
+        tail = m.embed_tokens(torch.tensor(padded, dtype=torch.long, device=vis.device))
+        rows.append(torch.cat([head, vis, tail], dim=0))
+    h = torch.stack(rows)
+    if cfg.llm_passes > 1 and not cfg.pass_lora_rank:
+        h = h + m.pass_embed.weight.unsqueeze(1)
+    if cfg.llm_passes == 1:
+        h = h[0]
+    return h if out is None else _destination(out).copy_(h)
 
 
 def _destination(out) -> torch.Tensor:
@@ -637,8 +662,10 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
 
     ``command``: navigation command index 0..5 (NAV_COMMANDS); it picks the mode of a 6-mode planner
     and is ignored by a 1-mode one. Two passes: the decision pass is ``h[0]``, the action pass ``h[-1]`` (the
-    planning head reads the action pass's last token). With ``cfg.decision_token_ids`` the decision read-out is
-    MindDrive's: the final norm of the decision pass at token position ``cfg.decision_position`` (-2), times
+    planning head reads the action pass's planning token). Token positions are ``cfg.readout_positions`` (the last
+    token(s), or where MindDrive's published prompts put them), so ``h`` may also be the last
+    ``readout_positions.tokens_from_end`` tokens only (a compiled suffix's output). With ``cfg.decision_token_ids``
+    the decision read-out is MindDrive's: the final norm of the decision pass at ``cfg.decision_position`` (-2), times
     the LM head's rows of those tokens only (``decision_head.weight``, (D, H)), argmax -> ``speed_mode``.
     The read-out (``cfg.readout``): ``mlp`` as above, ``vae`` the same with Orion's VAE planner
     (:class:`~.vae_planner.VAEPlanner`, zero noise), its positions turned from the published frame (x right, y
@@ -653,7 +680,8 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
     if not hasattr(m, "head"):
         raise ValueError("this model has no planning head: it gives hidden states, not waypoints "
                          "(attach one with `hybrid-vla init-model --vlm DIR --head FILE OUT`)")
-    last = m.norm(h[..., -1, :])
+    at = m.cfg.readout_positions
+    last = m.norm(h[..., at.planning, :])
     decision = speed = None
     token_ids = getattr(m.cfg, "decision_token_ids", None)
     kind = m.cfg.readout_type
@@ -663,24 +691,22 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
         else:
             modes = m.head(m.norm(h))
         if token_ids:
-            decision = m.decision_head(m.norm(h[m.cfg.decision_position, :])).float()
+            decision = m.decision_head(m.norm(h[at.decision, :])).float()
             speed = None if decision.is_meta else int(decision.argmax())
         _check_modes(m.cfg, modes)
         mode = int(command) if modes.shape[0] > 1 else 0
         return PlanOutput(modes[mode], modes, decision, mode, speed)
     if last.dim() == 1 and token_ids:  # one pass with an LM-head decision read-out
-        decision = m.decision_head(m.norm(h[m.cfg.decision_position, :])).float()
+        decision = m.decision_head(m.norm(h[at.decision, :])).float()
         speed = None if decision.is_meta else int(decision.argmax())
     if last.dim() == 2:  # two passes: decision pass first, action pass last
+        decision = m.decision_head(m.norm(h[0, at.decision, :])).float()
         if token_ids:
-            decision = m.decision_head(m.norm(h[0, m.cfg.decision_position, :])).float()
             speed = None if decision.is_meta else int(decision.argmax())  # meta: FLOP counting, no values
-        else:
-            decision = m.decision_head(last[0]).float()
         last = last[-1]
     if kind == "vae_speed_path":
         action = h[-1] if h.dim() == 3 else h
-        return speed_path_plan(m, m.norm(action[-2:]), int(command), decision, speed)
+        return speed_path_plan(m, m.norm(action[[at.planning, at.path]]), int(command), decision, speed)
     modes = m.head(last)
     if kind == "vae":  # the published planner's frame (x right, y forward) -> base_link axes
         from .vae_planner import published_to_base_link
@@ -819,8 +845,8 @@ class SuffixStage(_SuffixSide):
             raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != expected {expected}")
 
     def final_hidden_states(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
-        """Hidden states h_K -> final-norm hidden states of every token, same shape (the planning token's is
-        ``[..., -1, :]``: what the planning head reads). Raises ValueError as :meth:`plan_all`."""
+        """Hidden states h_K -> final-norm hidden states of every token, same shape (the planning token's is at
+        ``cfg.readout_positions.planning``: what the planning head reads). Raises ValueError as :meth:`plan_all`."""
         self._check_shape(hidden_states)
         return self.norm(run_blocks(self, self._layers_from(split_layer), hidden_states))
 

@@ -290,7 +290,7 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
             preset_name: str | None = None, overrides: dict | None = None, lora_r: int = DEFAULT_R,
             lora_alpha: float = DEFAULT_ALPHA, waypoint_token_id: int | None = None,
             decision_token_ids: list[int] | None = None, seed: int = 0, dtype: str | torch.dtype | None = None,
-            max_shard_bytes: int = DEFAULT_SHARD_BYTES, log=None) -> dict:
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, prompts: str = "published", log=None) -> dict:
     """Convert a published Orion / MindDrive ``.pth`` into a checkpoint directory ``out`` (module docstring).
 
     ``llm_config``: the directory with the LLM's transformers ``config.json`` (and tokenizer; optionally
@@ -300,7 +300,10 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     ``lora_r`` / ``lora_alpha``: when no ``adapter_config.json`` says; ``waypoint_token_id``: the planning
     token (default: ``<waypoint_ego>`` from the tokenizer files, else, for Orion, the one row the checkpoint's
     vocabulary adds to config.json's); ``decision_token_ids``: MindDrive's meta-action (speed) token ids, the
-    rows of the LM head its decision read-out uses (required for ``minddrive``); ``dtype``: of the written
+    rows of the LM head its decision read-out uses (required for ``minddrive`` without tokenizer files; checked
+    against them with); ``prompts``: ``published`` (MindDrive's two conversations, tokenized with the tokenizer
+    files beside the LLM config: :mod:`.published_prompts`; the preset's fixed prompt when there are none) or
+    ``preset`` (the preset's fixed prompt, the tokenizer not read); ``dtype``: of the written
     tensors (default: as stored). The merge runs in float32, then is cast to that dtype. ``max_shard_bytes``:
     ``OUT/llm`` is written in shards of at most this size (one tensor more when a single tensor is larger),
     with transformers' ``model.safetensors.index.json``, one shard in memory at a time; a single
@@ -324,9 +327,12 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
             raise CheckpointError(f"{checkpoint}: no {LLM_PREFIX}{key}: not a published Orion / MindDrive layout")
     stored_dtype = parts.llm["model.embed_tokens.weight"].dtype
     store_dtype = stored_dtype if dtype is None else (parse_dtype(dtype) if isinstance(dtype, str) else dtype)
+    # the tokenizer is checked before anything is written (OUT/llm is gigabytes)
+    published = _published_prompts(config_dir, layout, int(parts.llm["model.embed_tokens.weight"].shape[0]),
+                                    waypoint_token_id, decision_token_ids, prompts, overrides)
     llm = _write_llm(checkpoint, config_dir, doc, parts, layout, out, store_dtype, max_shard_bytes)
     cfg, own_extra = _driving_config(config_dir, parts, llm, layout, preset_name, overrides, waypoint_token_id,
-                                     decision_token_ids, store_dtype, out)
+                                     decision_token_ids, store_dtype, out, published)
     backbone = place_backbone(tensors, parts, cfg, store_dtype)
     own_extra.update(backbone.tensors)
     planner = place_planner(tensors, parts, cfg, layout, store_dtype)
@@ -339,6 +345,7 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     _write_own(out, cfg, own_extra, store_dtype, seed, checkpoint, layout)
     report = _conversion_report(checkpoint, out, layout, wanted, parts, llm, cfg, non_tensor, backbone,
                                 bool(planner.tensors), bool(heads.tensors))
+    report["prompt"] = _prompt_report(cfg, config_dir)
     report["placed"]["planner (present_distribution, predict_model, ego_fut_decoder -> head.*)"] = len(planner.tensors)
     report["placed"]["query heads (pts_bbox_head, map_head, shared encoders, position_encoder -> projector.*)"] = \
         len(heads.tensors)
@@ -595,14 +602,17 @@ def place_planner(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, layo
 
 
 def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, preset_name, overrides, waypoint_token_id,
-                    decision_token_ids, store_dtype: torch.dtype, out: Path):
+                    decision_token_ids, store_dtype: torch.dtype, out: Path, prompts=None):
     """The converted checkpoint's VLAConfig (the preset's driving I/O and stand-ins around ``OUT/llm``, the
     planning token, for MindDrive the two passes and the decision tokens) and the own tensors that come from
     the checkpoint (MindDrive: the decision rows and per-pass deltas; its adapters also go to
-    ``OUT/adapters``). Raises ValueError for a missing or out-of-range token id or a bad override."""
+    ``OUT/adapters``). ``prompts``: MindDrive's published prompts (:func:`_published_prompts`) or None. Raises
+    ValueError for a missing or out-of-range token id or a bad override."""
     from .config import VLAConfig, preset
 
     ref, llm_keys, vocab, declared_vocab = llm.ref, llm.keys, llm.vocab, llm.declared_vocab
+    if prompts is not None:
+        waypoint_token_id, decision_token_ids = prompts.waypoint_token_id, prompts.speed_token_ids
     wp = waypoint_token_id if waypoint_token_id is not None else _token_id(config_dir, WAYPOINT_TOKEN)
     if wp is None and layout == "orion" and vocab == declared_vocab + 1:
         wp = vocab - 1  # Orion adds <waypoint_ego> as the one new row after the base vocabulary
@@ -623,7 +633,8 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
     if layout == "minddrive":
         if not decision_token_ids:
             raise ValueError("the minddrive layout needs --decision-token-ids: the ids of the meta-action (speed) "
-                             "tokens whose LM-head logits the decision pass reads")
+                             f"tokens whose LM-head logits the decision pass reads (no tokenizer in {config_dir} "
+                             "to read them and the published prompts from)")
         ranks = [parts.adapters[a].r for a in MINDDRIVE_ADAPTERS]
         base.update(llm_passes=2, pass_lora_rank=max(ranks), pass_adapters=list(MINDDRIVE_ADAPTERS),
                     decision_token_ids=[int(t) for t in decision_token_ids])
@@ -634,8 +645,10 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
         for ad in (parts.adapters[a] for a in MINDDRIVE_ADAPTERS):
             _adapter_dir(out / "adapters", ad, sorted({m.rsplit(".", 1)[1] for m in ad.a}))
         readout = dict(base.get("readout") or {})
+        if prompts is not None:  # the published conversation of each pass (model/published_prompts.py)
+            base.update(prompt_token_ids=prompts.prompt_token_ids, pass_prompt_token_ids=prompts.pass_prompt_token_ids)
         if readout.get("type") == "vae_speed_path":  # the path planner's token: from the tokenizer files
-            tid = _token_id(config_dir, PATH_WAYPOINT_TOKEN)
+            tid = prompts.path_token_id if prompts is not None else _token_id(config_dir, PATH_WAYPOINT_TOKEN)
             if tid is None and "readout" not in (overrides or {}):
                 raise ValueError(f"cannot tell the id of {PATH_WAYPOINT_TOKEN}: not in {config_dir}'s tokenizer "
                                  "files; give it as readout.path_token_id (--set readout=...)")
@@ -647,6 +660,54 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
     base["random_init"] = True
     cfg = VLAConfig(**base)
     return cfg, own_extra
+
+
+def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token_id, decision_token_ids,
+                       use: str = "published", overrides: dict | None = None):
+    """MindDrive's published prompts from the tokenizer in ``config_dir`` (:mod:`.published_prompts`), or None for
+    Orion's layout, ``use="preset"`` or a directory without tokenizer files (the preset's fixed prompt is then
+    kept, and the report says it is not the published one). Raises CheckpointError when the tokenizer, after the
+    published token additions, does not have the checkpoint's ``vocab`` embedding rows (another tokenizer: its ids
+    would name other rows), ValueError for an unknown ``use``, a token id option or prompt override that
+    contradicts it, or a tokenizer that does not load."""
+    from .published_prompts import has_tokenizer, minddrive_prompts
+
+    if use not in ("published", "preset"):
+        raise ValueError(f"prompts {use!r}: use 'published' or 'preset'")
+    if layout != "minddrive" or use == "preset" or not has_tokenizer(config_dir):
+        return None
+    clash = sorted({"prompt_token_ids", "pass_prompt_token_ids"} & set(overrides or {}))
+    if clash:
+        raise ValueError(f"--set {', '.join(clash)}: the published prompts come from {config_dir}'s tokenizer; "
+                         "use --prompts preset to give your own")
+    try:
+        prompts = minddrive_prompts(config_dir)
+    except ValueError as e:
+        raise ValueError(f"{e}; --prompts preset keeps the preset's fixed prompt (not the published one)") from None
+    if prompts.vocab_size != vocab:
+        raise CheckpointError(f"{prompts.tokenizer}: {prompts.vocab_size} tokens after MindDrive's additions, the "
+                              f"checkpoint's embeddings have {vocab} rows: not the tokenizer it was trained with "
+                              "(--prompts preset keeps the preset's fixed prompt, not the published one)")
+    if waypoint_token_id is not None and int(waypoint_token_id) != prompts.waypoint_token_id:
+        raise ValueError(f"--waypoint-token-id {waypoint_token_id}, but the tokenizer gives "
+                         f"{prompts.waypoint_token_id} for {WAYPOINT_TOKEN}")
+    if decision_token_ids and [int(t) for t in decision_token_ids] != prompts.speed_token_ids:
+        raise ValueError(f"--decision-token-ids {list(decision_token_ids)}, but the tokenizer gives "
+                         f"{prompts.speed_token_ids} for the speed meta-actions")
+    return prompts
+
+
+def _prompt_report(cfg, config_dir: Path) -> dict:
+    """The report's ``prompt`` entry: whether the passes run the published conversation or the preset's prompt."""
+    if cfg.pass_prompt_token_ids:
+        return {"source": f"MindDrive's published prompts, tokenized with {config_dir}'s tokenizer",
+                "tokens_before_scene": len(cfg.prompt_token_ids),
+                "tokens_after_scene_per_pass": [len(p) for p in cfg.pass_prompt_token_ids],
+                "readout_positions_from_end": vars(cfg.readout_positions)}
+    return {"source": f"the {cfg.preset} preset's fixed prompt: NOT the published conversation"
+                      + (f" (no tokenizer files in {config_dir})" if cfg.llm_passes > 1 else
+                         " (Orion's published prompt is not in the reference code this package is checked with)"),
+            "tokens": cfg.num_tokens}
 
 
 def _write_own(out: Path, cfg, own_extra: dict, store_dtype: torch.dtype, seed: int, checkpoint, layout: str) -> None:

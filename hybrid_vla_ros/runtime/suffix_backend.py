@@ -6,8 +6,9 @@ the stage's blocks [K, L) at the frame shape (B, T, H) once with ``openvino.conv
 the module is traced and its aten graph mapped to OpenVINO ops; SDPA stays one ``ScaledDotProductAttention``
 op), saves it (IR: ``model.xml`` + ``model.bin``) in a cache folder and compiles it for the CPU plugin, whose
 GEMM and attention kernels (oneDNN, its own fused SDPA) and graph fusions (RMSNorm, rotary, SiLU x up) are what
-make it faster than eager torch (figures: docs/performance.md). The compiled model gives the last token's
-hidden state (and, for MindDrive's decision read-out at -2, the one before: :func:`read_out_tokens`); the final
+make it faster than eager torch (figures: docs/performance.md). The compiled model gives the last tokens' hidden
+states, as many as the read-out positions reach (the planning token, and MindDrive's decision and path tokens:
+:func:`read_out_tokens`); the final
 norm and the heads stay in torch (:func:`hybrid_vla_ros.model.modeling.plan`), so the command, the modes and
 the decision logits are exactly the eager code's.
 
@@ -183,21 +184,14 @@ def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList
 
 def read_out_tokens(cfg) -> int:
     """How many last tokens of blocks [K, L)'s output the heads read (:func:`~hybrid_vla_ros.model.modeling.plan`):
-    1 (the planning token, last), the query tokens of a ``queries`` read-out, every token for a ``module``
-    read-out, and with a decision read-out (``decision_token_ids``) enough to reach ``decision_position`` too
-    (2 for MindDrive's -2). Raises ValueError for a ``decision_position`` that does not
-    count from the end (the compiled model gives the last tokens only)."""
+    enough to reach every :attr:`~hybrid_vla_ros.model.config.VLAConfig.readout_positions` entry (1 for the
+    planning token last; 2 for MindDrive's decision at -2 or its two planner tokens last; more where its published
+    prompts put them), the query tokens of a ``queries`` read-out, every token for a ``module`` read-out."""
     kind = getattr(cfg, "readout_type", "mlp")
     if kind == "module":  # the team's head reads every token
         return int(cfg.num_tokens)
-    need = max(1, getattr(cfg, "query_count", 0), 2 if kind == "vae_speed_path" else 1)  # MindDrive: 2 tokens
-    if not getattr(cfg, "decision_token_ids", None):
-        return need
-    pos = int(cfg.decision_position)
-    if pos >= 0:
-        raise ValueError(f"decision_position {pos} counts from the start; the compiled suffix gives the last "
-                         "tokens only (use a negative position)")
-    return max(need, -pos)
+    positions = getattr(cfg, "readout_positions", None)
+    return max(1, getattr(cfg, "query_count", 0), positions.tokens_from_end if positions is not None else 1)
 
 
 class _BlocksToLastToken(nn.Module):

@@ -349,7 +349,9 @@ def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype
     else:
         phases.append(Phase("projector.mlp", {**pixels, "vision_features": tok, "mlp": 2 * N * H * e}))
     T = d["T"]
-    emb = {**pixels, "vision_tokens": V * H * e, "text_embeddings": (len(cfg.prompt_token_ids) + 1) * H * e,
+    text = len(cfg.prompt_token_ids) + (sum(map(len, cfg.pass_prompt_token_ids)) if getattr(
+        cfg, "pass_prompt_token_ids", None) else 1)  # each pass's own prompt, or the planning token
+    emb = {**pixels, "vision_tokens": V * H * e, "text_embeddings": text * H * e,
            "ego_token": int(cfg.ego_state_input) * H * e, "concat": T * H * e}
     if d["B"] > 1:
         emb["pass_embedded"] = state

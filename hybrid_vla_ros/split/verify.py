@@ -29,9 +29,10 @@ OneVision, Idefics3, SmolVLM) block K (a forward pre-hook: for Qwen3-VL, after t
 
 Per K it reports three maximum absolute differences: ``prefix`` (h_K, every token, against transformers'
 ``hidden_states[K]``; none at K = L, where transformers' last entry is already normed), ``final`` (the final-norm
-hidden state of the planning token -- the last token, what the planning head reads -- against transformers'
-``hidden_states[L]``) and ``output`` (waypoints of every mode, the planning head applied to the reference's
-final state; own code: the model's output). Every K must be within ``tolerance``.
+hidden state of the planning token -- what the planning head reads, at ``readout_positions.planning`` (the last
+token unless the prompts put it elsewhere) -- against transformers' ``hidden_states[L]``) and ``output`` (waypoints
+of every mode, the planning head applied to the reference's final state; own code: the model's output). Every K
+must be within ``tolerance``.
 """
 from __future__ import annotations
 
@@ -133,22 +134,24 @@ def bag_images(cameras: int, camera_size: tuple[int, int] | None = None) -> list
 
 def head_on_reference(suffix, final: torch.Tensor) -> torch.Tensor:
     """The suffix's read-out head applied to the reference's final-norm hidden states ``final`` ((T, H), or
-    (P, T, H) with P passes): ``mlp`` / ``vae`` on the planning (last) token of the action (last) pass,
-    ``vae_speed_path`` on its last two with the decision pass's decision, ``queries`` on the
+    (P, T, H) with P passes): ``mlp`` / ``vae`` on the planning token of the action (last) pass,
+    ``vae_speed_path`` on its planning and path tokens with the decision pass's decision (token positions:
+    ``cfg.readout_positions``), ``queries`` on the
     last ``query_count`` tokens, ``module`` on every token. Returns its (M, N, 2) waypoints."""
     cfg = suffix.cfg
+    at = cfg.readout_positions
     if cfg.readout_type == "vae_speed_path":  # MindDrive: the decided speed plan along each path, as plan() does
         from ..model.modeling import DEFAULT_COMMAND, speed_path_plan
 
-        decision = suffix.decision_head(final[0, cfg.decision_position] if final.dim() == 3
-                                        else final[cfg.decision_position]).float()
+        decision = suffix.decision_head(final[0, at.decision] if final.dim() == 3 else final[at.decision]).float()
         action = final[-1] if final.dim() == 3 else final
-        return speed_path_plan(suffix, action[-2:], DEFAULT_COMMAND, decision, int(decision.argmax())).modes
+        return speed_path_plan(suffix, action[[at.planning, at.path]], DEFAULT_COMMAND, decision,
+                               int(decision.argmax())).modes
     if cfg.readout_type == "queries":
         return suffix.head(final[-cfg.query_count:])
     if cfg.readout_type == "module":
         return suffix.head(final)
-    last = final[..., -1, :]
+    last = final[..., at.planning, :]
     modes = suffix.head(last[-1] if last.dim() == 2 else last)
     if cfg.readout_type == "vae":  # plan() gives the published planner's positions in base_link axes
         from ..model.vae_planner import published_to_base_link
@@ -341,7 +344,9 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
             del prefix
             d_prefix = _diff(h, ref_states[k]) if k < L else None
             final = suffix.final_hidden_states(h)
-            d_final = _diff(final[..., -1, :], ref_final[..., -1, :])
+            at = cfg.readout_positions if hasattr(cfg, "readout_positions") else None
+            t = at.planning if at is not None else -1  # the planning token (not a pass's padding)
+            d_final = _diff(final[..., t, :], ref_final[..., t, :])
             d_out = None
             if hasattr(suffix, "head"):
                 if head_ref is None:  # the read-out head on the reference's final states

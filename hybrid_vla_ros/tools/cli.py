@@ -109,7 +109,7 @@ def _convert(args: argparse.Namespace) -> int:
                          overrides=dict(args.set), lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                          waypoint_token_id=args.waypoint_token_id, decision_token_ids=args.decision_token_ids,
                          seed=args.seed, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
-                         log=print)
+                         prompts=args.prompts, log=print)
     except (FileExistsError, FileNotFoundError, ValueError, CheckpointError, OSError) as e:
         return _err("convert", e)
     llm = report["llm"]
@@ -126,6 +126,7 @@ def _convert(args: argparse.Namespace) -> int:
     if report["non_tensor_entries"]:
         print(f"  non-tensor entries skipped: {', '.join(report['non_tensor_entries'][:10])}")
     print(f"  {report['stand_ins']}")
+    print(f"  prompt: {report['prompt']['source']}")
     return 0
 
 
@@ -401,7 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--waypoint-token-id", type=int, default=None, metavar="ID",
                    help="id of <waypoint_ego> (default: from the tokenizer files, else Orion's added row)")
     c.add_argument("--decision-token-ids", type=_id_list, default=None, metavar="1,2,...",
-                   help="minddrive: the meta-action (speed) token ids the decision pass reads (7 published)")
+                   help="minddrive: the meta-action (speed) token ids the decision pass reads (7 published; "
+                        "default: from the tokenizer, which also gives the published prompts)")
+    c.add_argument("--prompts", choices=("published", "preset"), default="published",
+                   help="minddrive: 'published' runs each pass on its published conversation, tokenized with the "
+                        "tokenizer files beside --llm-config (the preset's fixed prompt when there are none); "
+                        "'preset' keeps the preset's fixed prompt")
     c.add_argument("--dtype", default=None, help="dtype of the written tensors (default: as stored)")
     c.add_argument("--seed", type=int, default=0, help="seed of the stand-in (random) own tensors")
     c.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB",

@@ -1,0 +1,115 @@
+"""MindDrive's published prompts as token ids, made with the LLM's own tokenizer at conversion time.
+
+MindDrive runs its LLM twice a frame, each pass on its own conversation (its ``inference_only_pipeline``, the one
+its closed-loop agent runs, the same in the 0.5B and 3B configs: ``LoadAnnoatationMixCriticalVQATest`` with
+``single=True``, ``is_decoupling=True``, ``use_meta_action=True``, ``desc_qa=False``,
+``conv_template="llava_qwen2"``, turned into ids by ``preprocess_qwen2(training_mode=False)``;
+../shared/reference/minddrive, Apache-2.0):
+
+- the decision pass (adapter ``decision_expert``): "What actions should the car be taking?", answered "The car should
+  be <meta-action>"; the speed decision is the LM head's logits of the seven speed tokens at position -2 (the
+  token before the answer's meta-action, so the sampled meta-action itself never counts);
+- the action pass (adapter ``action_expert``): "Based on the above information, please provide a safe, executable,
+  and reasonable planning trajectory for the ego car.", answered "Here is the planning trajectory <waypoint_ego>
+  <path_waypoint_ego>"; the planners read the final hidden states where those two tokens are.
+
+Each human turn is ``<image>`` + newline + "You are driving a car." + the question, framed by the system turn and
+the Qwen2 chat markers exactly as the published ``preprocess_qwen2`` frames it at inference (it writes LLaMA-3's
+``<|start_header_id|>system<|end_header_id|>`` inside Qwen2's ``<|im_start|>`` ... ``<|im_end|>``; kept as
+published). The text before and after ``<image>`` and the answer are tokenized one piece at a time without special
+tokens (the published ``tokenizer_image_token_new``), and ``<image>`` becomes the scene tokens. The published model
+adds its tokens to the tokenizer in this order (``add_special_token``): the 7 speed and 6 path meta-action tokens,
+``<waypoint_ego>``, ``<path_waypoint_ego>``; the same additions here give the same ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: MindDrive's speed meta-actions in the order of its decision read-out (its SPEED_MAPPING, index = speed mode).
+SPEED_TOKENS = ("<maintain_moderate_speed>", "<stop>", "<maintain_slow_speed>", "<speed_up>", "<slow_down>",
+                "<maintain_fast_speed>", "<slow_down_rapidly>")
+#: Its path meta-actions, added after the speed ones.
+PATH_TOKENS = ("<lanefollow>", "<straight>", "<turn_left>", "<change_lane_left>", "<turn_right>",
+               "<change_lane_right>")
+WAYPOINT_TOKEN = "<waypoint_ego>"
+PATH_WAYPOINT_TOKEN = "<path_waypoint_ego>"
+IMAGE = "<image>"
+#: The Qwen2 conversation template's system prompt, turn markers and separators (``conv_llava_qwen_2``).
+SYSTEM = "You are a helpful assistant."
+USER, ASSISTANT, SEP, SEP2 = "<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_start|>", "<|im_end|>\n"
+#: The words before each question (the published ``prompt``).
+DRIVING = "You are driving a car."
+DECISION_QUESTION = "What actions should the car be taking?"
+ACTION_QUESTION = ("Based on the above information, please provide a safe, executable, and reasonable planning "
+                   "trajectory for the ego car.")
+ACTION_ANSWER = f"Here is the planning trajectory {WAYPOINT_TOKEN} {PATH_WAYPOINT_TOKEN}"
+#: The decision answer's meta-action: the published pipeline draws one at random; the read-out is the token
+#: before it, which it cannot change (causal attention), so any one gives the same decision.
+DECISION_ANSWER = f"The car should be {SPEED_TOKENS[0]}"
+#: Files whose presence says a directory holds a tokenizer's vocabulary (transformers' fast and slow formats; a
+#: ``tokenizer_config.json`` alone is not one: transformers would build an empty tokenizer from it).
+TOKENIZER_MARKERS = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class MindDrivePrompts:
+    """MindDrive's two prompts as this package's config holds them (:class:`~hybrid_vla_ros.model.config.VLAConfig`).
+
+    prompt_token_ids: the tokens before the scene tokens (system turn, user marker), shared by both passes.
+    pass_prompt_token_ids: [decision pass, action pass]: each pass's tokens after the scene tokens, to the end of its
+    answer. speed_token_ids: the 7 speed meta-action ids (the decision read-out's LM-head rows, in speed-mode order).
+    waypoint_token_id / path_token_id: ``<waypoint_ego>`` / ``<path_waypoint_ego>``. vocab_size: the tokenizer's
+    length after the published additions (the published model's embedding rows). tokenizer: its class and
+    directory, for the report."""
+
+    prompt_token_ids: list[int]
+    pass_prompt_token_ids: list[list[int]]
+    speed_token_ids: list[int]
+    waypoint_token_id: int
+    path_token_id: int
+    vocab_size: int
+    tokenizer: str
+
+
+def has_tokenizer(config_dir: str | Path) -> bool:
+    """True when ``config_dir`` holds tokenizer files (else no tokenizer is looked for: nothing is downloaded)."""
+    return any((Path(config_dir) / name).is_file() for name in TOKENIZER_MARKERS)
+
+
+def minddrive_prompts(config_dir: str | Path) -> MindDrivePrompts:
+    """Tokenize MindDrive's two published prompts with the tokenizer in ``config_dir`` (local files only), after
+    the published token additions (module docstring). Raises ValueError when no tokenizer loads from there, or when
+    a token the read-out needs does not come out as one id."""
+    from transformers import AutoTokenizer
+
+    config_dir = Path(config_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(config_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_dir}: its tokenizer does not load ({type(e).__name__}: {e})") from None
+    tok.add_tokens(list(SPEED_TOKENS + PATH_TOKENS), special_tokens=True)
+    tok.add_tokens([WAYPOINT_TOKEN], special_tokens=True)
+    tok.add_tokens([PATH_WAYPOINT_TOKEN], special_tokens=True)
+
+    def ids(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False).input_ids)
+
+    def one(token: str) -> int:
+        got = ids(token)
+        if len(got) != 1:
+            raise ValueError(f"{config_dir}: the tokenizer splits {token} into {len(got)} ids")
+        return got[0]
+
+    before: list[int] = []
+    passes = []
+    for question, answer in ((DECISION_QUESTION, DECISION_ANSWER), (ACTION_QUESTION, ACTION_ANSWER)):
+        turn = (SEP + f"<|start_header_id|>system<|end_header_id|>\n\n{SYSTEM}" + SEP2 + USER
+                + f"{IMAGE}\n{DRIVING}{question}" + SEP2 + ASSISTANT)
+        head, tail = turn.split(IMAGE)
+        before, after = ids(head), ids(tail)
+        passes.append(after + ids(answer))
+    return MindDrivePrompts(prompt_token_ids=before, pass_prompt_token_ids=passes,
+                            speed_token_ids=[one(t) for t in SPEED_TOKENS], waypoint_token_id=one(WAYPOINT_TOKEN),
+                            path_token_id=one(PATH_WAYPOINT_TOKEN), vocab_size=len(tok),
+                            tokenizer=f"{type(tok).__name__} from {config_dir}")
