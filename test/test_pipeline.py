@@ -214,6 +214,16 @@ def test_the_prefix_paces_itself_to_a_slower_suffix(tiny_checkpoint, frame):
     late = taken + s_ns - p_ns // 2
     assert pacing_delay_ns(late, taken, taken + s_ns, p_ns, published_before, max_ns) == 0
     assert pacing_delay_ns(taken + s_ns + p_ns, taken, taken + s_ns, p_ns, published_before, max_ns) == 0
+    # a suffix of 8.5 s a frame (minddrive-0.5b wholly on one core) is paced by seconds: 8.45 s, then one cycle more
+    slow = 8_500_000_000
+    assert pacing_delay_ns(now, taken, taken + slow, p_ns, published_before, max_ns) == taken + slow - now - p_ns
+    assert pacing_delay_ns(now, taken, taken + slow, p_ns, taken + 500, max_ns) == taken + 2 * slow - now - p_ns
+    # a delay over 1 s and beyond two of the suffix's cycles is no announcement the rule trusts: a take announced 5 s
+    # ahead (a header gone wrong) with a 0.5 s cycle is refused; the same under 1 s is waited
+    ahead = now + 5_000_000_000
+    assert pacing_delay_ns(now, ahead, ahead + 500_000_000, p_ns, published_before, max_ns) == 0
+    near = now + 300_000_000
+    assert pacing_delay_ns(now, near, near + 500_000_000, p_ns, published_before, max_ns) == 750_000_000
 
 
 

@@ -44,6 +44,10 @@ class PrefixResult:
     resplit_error: str | None = None  # a requested move failed before this frame (it ran at the old K)
 
 
+#: Longest pacing delay whatever the suffix's cycle (ns); beyond it the delay must be within two of its cycles.
+PACE_LIMIT_FLOOR_NS = 1_000_000_000
+
+
 def pacing_delay_ns(now_ns: int, taken_ns: int, next_read_ns: int, cycle_p_ns: float, last_publish_ns: int,
                     max_ns: int) -> int:
     """The pacing rule of :meth:`PrefixRunner.pacing_delay_s`, on given instants (CLOCK_MONOTONIC ns).
@@ -55,15 +59,17 @@ def pacing_delay_ns(now_ns: int, taken_ns: int, next_read_ns: int, cycle_p_ns: f
     later when a published frame already waits for that read. 0 when the suffix will be free by the time a frame
     started now is published (P from now: it then takes the frame at once, and waiting would only age it), when
     there is no announcement, when S <= P, when the announcement is stale (the suffix took nothing for 2 S) or
-    when the delay would exceed ``max_ns``. (An idle suffix does not read every S: it waits for the next frame;
-    aiming at a later "read" left it idle and aged the frame by up to S, 164 ms in ``make demo``.)
+    when the delay would exceed ``max_ns`` or :data:`PACE_LIMIT_FLOOR_NS` and two cycles S, whichever is longer (the
+    rule never asks more than about 2 S of a consistent announcement; up to 1 s it waits whatever S says, as
+    before 2026-12-04). (An idle suffix does not read every S: it waits for the next frame; aiming at a later "read"
+    left it idle and aged the frame by up to S, 164 ms in ``make demo``.)
     """
     cycle_s = next_read_ns - taken_ns
     if taken_ns <= 0 or cycle_s <= cycle_p_ns or now_ns - taken_ns > 2 * cycle_s:
         return 0
     free = next_read_ns if last_publish_ns <= taken_ns else next_read_ns + cycle_s  # a frame waits for next_read
     delay = round(free - (now_ns + cycle_p_ns))
-    return delay if 0 < delay <= max_ns else 0
+    return delay if 0 < delay <= min(max_ns, max(PACE_LIMIT_FLOOR_NS, 2 * cycle_s)) else 0
 
 
 class PrefixRunner:
@@ -282,7 +288,7 @@ class PrefixRunner:
         self._cycle_ns.append(self._last_publish_ns - t_start_ns)
         return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit, resplit_error)
 
-    def pacing_delay_s(self, max_s: float = 1.0) -> float:
+    def pacing_delay_s(self, max_s: float = 30.0) -> float:
         """How long to wait before starting the next frame (s; 0: start now) so that it is published just before
         the suffix asks for it. Only when the suffix is the slower stage: then a frame started at once waits in
         the ring (or is superseded) and reaches the planner older than the stage times say.
@@ -294,11 +300,11 @@ class PrefixRunner:
         free by then anyway (an idle suffix takes a frame at once), when S <= P (prefix-bound: the suffix waits
         anyway), when no suffix is attached (a SIGKILLed one's announcement stays in the header), when the hint is
         stale (the suffix took nothing for 2 S) or the delay would exceed ``max_s`` (s; an announcement that far
-        ahead is taken as wrong: a suffix waiting on it would idle that long). With the default 1 s a suffix whose
-        cycle is longer than about 1 s is not paced (``minddrive-0.5b`` wholly on one CPU core, 8.5 s: its frames
-        wait 1-3 s in the ring at K = 0; a 30 s cap paced it, but test_launch's large-data publisher then lost a
-        frame in two runs of three, cause not found: docs/performance.md, "Load step"). Cheap (a lock probe and two
-        header reads): callers re-ask while they wait (:class:`~hybrid_vla_ros.ros.prefix_worker.PrefixWorker`)."""
+        ahead is taken as wrong: a suffix waiting on it would idle that long), or beyond 1 s and two of the
+        suffix's cycles (:func:`pacing_delay_ns`). The default 30 s paces a suffix of up to about 15 s a frame
+        (``minddrive-0.5b`` wholly on one CPU core: 8.5 s); until 2026-12-04 every delay over 1 s was refused, and
+        such a suffix's frames waited 1-3 s in the ring (docs/performance.md, "Load step"). Cheap (a lock probe and
+        two header reads): callers re-ask while they wait (:class:`~hybrid_vla_ros.ros.prefix_worker.PrefixWorker`)."""
         if not self._cycle_ns or not self.ring.consumer_attached():  # a dead suffix's announcement is not now's
             return 0.0
         taken, next_read = self.ring.consumer_schedule()
