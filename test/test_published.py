@@ -230,7 +230,8 @@ def minddrive_like(tmp_path_factory):
     torch.save({"state_dict": _published_state(peft_model)}, pth)
     out = root / "converted"
     made = _cli("convert", str(pth), "--llm-config", str(hf_dir), str(out), "--preset", "tiny",
-                "--lora-r", "4", "--lora-alpha", "16", "--decision-token-ids", ",".join(map(str, DECISION_IDS)))
+                "--lora-r", "4", "--lora-alpha", "16", "--decision-token-ids", ",".join(map(str, DECISION_IDS)),
+                "--prompts", "preset")  # no tokenizer files here
     assert made.returncode == 0, made.stderr
     assert "minddrive layout" in made.stdout
     return root, out, peft_model
@@ -296,18 +297,25 @@ def test_minddrive_verify_split_with_peft_reference_and_plan(minddrive_like, tmp
     assert report["decision"]["rows_from"].startswith("model.embed_tokens")  # tied Qwen2: the embedding rows
 
 
-def test_minddrive_needs_decision_token_ids(minddrive_like, tmp_path):
+def test_minddrive_needs_its_tokenizer_or_the_preset_prompt_with_decision_token_ids(minddrive_like, tmp_path):
+    """Without tokenizer files beside the LLM config the published prompts cannot be made: an error that says so
+    (not a silent fixed prompt); with --prompts preset the decision ids must be given. Both are refused before
+    anything is written."""
     root, _, _ = minddrive_like
-    with pytest.raises(ValueError, match="decision-token-ids"):
-        convert(root / "minddrive_rltrain.pth", root / "hf", tmp_path / "x", preset_name="tiny", lora_r=4)
-    assert not (tmp_path / "x").exists()  # nothing half-written left behind
+    for name, options, match in (("x", {}, "no tokenizer files"),
+                                 ("y", {"prompts": "preset"}, "--prompts preset needs --decision-token-ids")):
+        (tmp_path / name).mkdir()  # an empty OUT the user made: kept on failure, so what was written shows
+        with pytest.raises(ValueError, match=match):
+            convert(root / "minddrive_rltrain.pth", root / "hf", tmp_path / name, preset_name="tiny", lora_r=4,
+                    **options)
+        assert not any((tmp_path / name).iterdir())  # refused before OUT/llm was written
 
 
 def test_layout_mismatch_and_unknown_adapters_are_clear_errors(orion_like, minddrive_like, tmp_path):
     _, hf_dir, pth, _, _ = orion_like
     with pytest.raises(CheckpointError, match="needs adapter"):
         convert(pth, hf_dir, tmp_path / "a", layout="minddrive", preset_name="tiny", lora_r=4,
-                decision_token_ids=DECISION_IDS)
+                decision_token_ids=DECISION_IDS, prompts="preset")
     root, _, _ = minddrive_like
     with pytest.raises(CheckpointError, match="needs adapter"):
         convert(root / "minddrive_rltrain.pth", root / "hf", tmp_path / "b", layout="orion", preset_name="tiny",
@@ -359,7 +367,7 @@ def test_minddrive_hparams_from_peft_saved_adapter_configs(minddrive_like, tmp_p
     for f in (root / "hf").iterdir():
         shutil.copy2(f, hf_dir / f.name)
     report = convert(root / "minddrive_rltrain.pth", hf_dir, tmp_path / "out", preset_name="tiny",
-                     decision_token_ids=DECISION_IDS)
+                     decision_token_ids=DECISION_IDS, prompts="preset")
     assert all(a["hparams_from"].endswith("adapter_config.json") and a["scaling"] == 4.0
                for a in report["adapters"].values())
     a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -533,7 +541,7 @@ def test_minddrive_speed_and_path_planners_are_placed(minddrive_like, monkeypatc
     out = tmp_path / "converted"
     readout = {"type": "vae_speed_path", "path_token_id": 255, "path_points": 20}
     report = convert(pth, root / "hf", out, preset_name="tiny", overrides={"readout": readout}, lora_r=4,
-                     lora_alpha=16, decision_token_ids=DECISION_IDS)
+                     lora_alpha=16, decision_token_ids=DECISION_IDS, prompts="preset")
     assert set(report["left_out_training_only"]) == {"future_distribution", "pw_future_distribution"}
     assert not {"present_distribution", "pw_present_distribution", "ego_fut_decoder", "pw_ego_fut_decoder",
                 "predict_model", "pw_predict_model"} & set(report["not_placed"])
@@ -556,7 +564,7 @@ def test_minddrive_speed_and_path_planners_are_placed(minddrive_like, monkeypatc
     torch.save({"state_dict": state}, pth)
     with pytest.raises(CheckpointError, match=r"planner lacks 1 of the tensors.*head\.path\.ego_fut_decoder\.4"):
         convert(pth, root / "hf", tmp_path / "partial", preset_name="tiny", overrides={"readout": readout}, lora_r=4,
-                lora_alpha=16, decision_token_ids=DECISION_IDS)
+                lora_alpha=16, decision_token_ids=DECISION_IDS, prompts="preset")
 
 
 def test_minddrive_query_heads_from_the_published_classes_are_placed(minddrive_like, monkeypatch, tmp_path):
@@ -595,7 +603,7 @@ def test_minddrive_query_heads_from_the_published_classes_are_placed(minddrive_l
     torch.save({"state_dict": state}, pth)
     out = tmp_path / "converted"
     report = convert(pth, root / "hf", out, preset_name="tiny", overrides=overrides, lora_r=4, lora_alpha=16,
-                     decision_token_ids=DECISION_IDS)
+                     decision_token_ids=DECISION_IDS, prompts="preset")
     with torch.device("meta"):
         wanted = QueryHeads(cfg_heads, rays).state_dict()
     group = "query heads (pts_bbox_head, map_head, shared encoders, position_encoder -> projector.*)"
@@ -634,7 +642,7 @@ def test_minddrive_query_heads_from_the_published_classes_are_placed(minddrive_l
     torch.save({"state_dict": state}, pth)
     with pytest.raises(CheckpointError, match=r"query heads do not fit.*partial checkpoint"):
         convert(pth, root / "hf", tmp_path / "partial", preset_name="tiny", overrides=overrides, lora_r=4,
-                lora_alpha=16, decision_token_ids=DECISION_IDS)
+                lora_alpha=16, decision_token_ids=DECISION_IDS, prompts="preset")
 
 
 # ------------------------------------------------------------------------- MindDrive's two published prompts

@@ -330,7 +330,8 @@ class VLAConfig:
     def _readout_problems(self) -> list[str]:
         """The read-out (``readout``): ``mlp`` (this package's planning head on the last token), ``vae`` (Orion's
         published VAE planner on the last token, model/vae_planner.py), ``vae_speed_path`` (MindDrive's speed and
-        path planners on ``<waypoint_ego>`` and ``<path_waypoint_ego>``, the last two tokens: ``path_token_id``,
+        path planners on ``<waypoint_ego>`` and ``<path_waypoint_ego>``, the last two tokens or where
+        ``pass_prompt_token_ids`` puts them: ``path_token_id``,
         ``path_points``; the speed mode is the decision's), ``queries``
         (``count`` learned query tokens last in the sequence, one waypoint step each, SimLingo's shape) or
         ``module`` (the team's own head class, ``class`` ``package.module:Name`` with its ``config``, on the

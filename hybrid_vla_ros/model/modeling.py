@@ -419,7 +419,8 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
     a memory of the frames before), None for any other. ``out``: None, or the destination of the result (a tensor of
     the result's shape, dtype and device, or a callable returning one, called just before the last op
     writes it): the final concatenation (one pass) or pass-embedding add (two passes) writes straight into
-    it, bit for bit what it returns without ``out``. Raises ValueError if the camera count or size is not
+    it (with ``pass_prompt_token_ids`` the stacked passes are copied into it), bit for bit what it returns
+    without ``out``. Raises ValueError if the camera count or size is not
     the checkpoint's, or the ego state or the scene inputs do not fit (:func:`check_ego_state`,
     :func:`check_scene`, :meth:`~hybrid_vla_ros.model.query_heads.EgoFrame.check`).
     """
@@ -718,11 +719,12 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
 
 def speed_path_plan(m: nn.Module, states: torch.Tensor, command: int, decision: torch.Tensor | None,
                     speed: int | None) -> PlanOutput:
-    """MindDrive's planners on the final-norm states (2, H) of ``<waypoint_ego>`` and ``<path_waypoint_ego>``
-    (the action pass's last two tokens; ``m.head`` a :class:`~.vae_planner.SpeedPathPlanner`): the speed mode is
-    the decision's (``speed``; 0 when there is none, e.g. FLOP counting on ``meta``), the path mode the command's
-    (:data:`~.vae_planner.PATH_MODE_OF_COMMAND`). ``modes`` (one per path mode): the decided speed plan driven
-    along each path (:func:`~.vae_planner.follow_path`), ``mode`` the command's, all in base_link axes."""
+    """MindDrive's planners on the final-norm states (2, H) of ``<waypoint_ego>`` and ``<path_waypoint_ego>`` (the
+    action pass's tokens at ``readout_positions.planning`` / ``.path``; ``m.head`` a
+    :class:`~.vae_planner.SpeedPathPlanner`): the speed mode is the decision's (``speed``; 0 when there is none,
+    e.g. FLOP counting on ``meta``), the path mode the command's (:data:`~.vae_planner.PATH_MODE_OF_COMMAND`).
+    ``modes`` (one per path mode): the decided speed plan driven along each path
+    (:func:`~.vae_planner.follow_path`), ``mode`` the command's, all in base_link axes."""
     from .vae_planner import PATH_MODE_OF_COMMAND, follow_path, published_to_base_link
 
     speed_modes, path_modes = m.head(states[0], states[1])

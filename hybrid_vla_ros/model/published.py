@@ -300,10 +300,12 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     ``lora_r`` / ``lora_alpha``: when no ``adapter_config.json`` says; ``waypoint_token_id``: the planning
     token (default: ``<waypoint_ego>`` from the tokenizer files, else, for Orion, the one row the checkpoint's
     vocabulary adds to config.json's); ``decision_token_ids``: MindDrive's meta-action (speed) token ids, the
-    rows of the LM head its decision read-out uses (required for ``minddrive`` without tokenizer files; checked
-    against them with); ``prompts``: ``published`` (MindDrive's two conversations, tokenized with the tokenizer
-    files beside the LLM config: :mod:`.published_prompts`; the preset's fixed prompt when there are none) or
-    ``preset`` (the preset's fixed prompt, the tokenizer not read); ``dtype``: of the written
+    rows of the LM head its decision read-out uses (``minddrive``: read from the tokenizer with ``prompts``
+    ``published``, and then only checked against it; required with ``preset``); ``prompts``: ``published``
+    (MindDrive's two conversations, tokenized with the tokenizer files beside the LLM config,
+    :mod:`.published_prompts`; a ValueError when there are none) or ``preset`` (the preset's fixed prompt: not
+    the published computation, and the report says so; the prompts are not made from the tokenizer, though
+    ``<waypoint_ego>``'s id may still be read from its files); ``dtype``: of the written
     tensors (default: as stored). The merge runs in float32, then is cast to that dtype. ``max_shard_bytes``:
     ``OUT/llm`` is written in shards of at most this size (one tensor more when a single tensor is larger),
     with transformers' ``model.safetensors.index.json``, one shard in memory at a time; a single
@@ -327,9 +329,13 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
             raise CheckpointError(f"{checkpoint}: no {LLM_PREFIX}{key}: not a published Orion / MindDrive layout")
     stored_dtype = parts.llm["model.embed_tokens.weight"].dtype
     store_dtype = stored_dtype if dtype is None else (parse_dtype(dtype) if isinstance(dtype, str) else dtype)
-    # the tokenizer is checked before anything is written (OUT/llm is gigabytes)
+    # the tokenizer and the token id options are checked before anything is written (OUT/llm is gigabytes)
     published = _published_prompts(config_dir, layout, int(parts.llm["model.embed_tokens.weight"].shape[0]),
                                     waypoint_token_id, decision_token_ids, prompts, overrides)
+    if layout == "minddrive" and published is None and not decision_token_ids:
+        raise ValueError("--prompts preset needs --decision-token-ids: the ids of the meta-action (speed) tokens "
+                         "whose LM-head logits the decision pass reads (with --prompts published they come from the "
+                         "tokenizer files beside --llm-config)")
     llm = _write_llm(checkpoint, config_dir, doc, parts, layout, out, store_dtype, max_shard_bytes)
     cfg, own_extra = _driving_config(config_dir, parts, llm, layout, preset_name, overrides, waypoint_token_id,
                                      decision_token_ids, store_dtype, out, published)
@@ -631,10 +637,6 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
     base.update(llm=ref.llm_dict(), llm_path="llm", planning_token_id=int(wp))
     own_extra: dict[str, torch.Tensor] = {}
     if layout == "minddrive":
-        if not decision_token_ids:
-            raise ValueError("the minddrive layout needs --decision-token-ids: the ids of the meta-action (speed) "
-                             f"tokens whose LM-head logits the decision pass reads (no tokenizer in {config_dir} "
-                             "to read them and the published prompts from)")
         ranks = [parts.adapters[a].r for a in MINDDRIVE_ADAPTERS]
         base.update(llm_passes=2, pass_lora_rank=max(ranks), pass_adapters=list(MINDDRIVE_ADAPTERS),
                     decision_token_ids=[int(t) for t in decision_token_ids])
@@ -665,17 +667,22 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
 def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token_id, decision_token_ids,
                        use: str = "published", overrides: dict | None = None):
     """MindDrive's published prompts from the tokenizer in ``config_dir`` (:mod:`.published_prompts`), or None for
-    Orion's layout, ``use="preset"`` or a directory without tokenizer files (the preset's fixed prompt is then
-    kept, and the report says it is not the published one). Raises CheckpointError when the tokenizer, after the
-    published token additions, does not have the checkpoint's ``vocab`` embedding rows (another tokenizer: its ids
-    would name other rows), ValueError for an unknown ``use``, a token id option or prompt override that
-    contradicts it, or a tokenizer that does not load."""
-    from .published_prompts import has_tokenizer, minddrive_prompts
+    Orion's layout or ``use="preset"`` (the preset's fixed prompt is then kept, and the report says it is not the
+    published one). Raises CheckpointError when the tokenizer, after the published token additions, does not have
+    the checkpoint's ``vocab`` embedding rows (another tokenizer: its ids would name other rows), ValueError for an
+    unknown ``use``, no tokenizer files in ``config_dir``, a token id option or prompt override that contradicts
+    the tokenizer, or a tokenizer that does not load."""
+    from .published_prompts import TOKENIZER_MARKERS, has_tokenizer, minddrive_prompts
 
     if use not in ("published", "preset"):
         raise ValueError(f"prompts {use!r}: use 'published' or 'preset'")
-    if layout != "minddrive" or use == "preset" or not has_tokenizer(config_dir):
+    if layout != "minddrive" or use == "preset":
         return None
+    if not has_tokenizer(config_dir):
+        raise ValueError(f"{config_dir} has no tokenizer files ({', '.join(TOKENIZER_MARKERS)}): MindDrive's "
+                         "published prompts are made with its tokenizer. Put the tokenizer beside config.json, or "
+                         "give --prompts preset --decision-token-ids ... to keep the preset's fixed prompt (not the "
+                         "published computation)")
     clash = sorted({"prompt_token_ids", "pass_prompt_token_ids"} & set(overrides or {}))
     if clash:
         raise ValueError(f"--set {', '.join(clash)}: the published prompts come from {config_dir}'s tokenizer; "
@@ -705,7 +712,7 @@ def _prompt_report(cfg, config_dir: Path) -> dict:
                 "tokens_after_scene_per_pass": [len(p) for p in cfg.pass_prompt_token_ids],
                 "readout_positions_from_end": vars(cfg.readout_positions)}
     return {"source": f"the {cfg.preset} preset's fixed prompt: NOT the published conversation"
-                      + (f" (no tokenizer files in {config_dir})" if cfg.llm_passes > 1 else
+                      + (" (--prompts preset)" if cfg.llm_passes > 1 else
                          " (Orion's published prompt is not in the reference code this package is checked with)"),
             "tokens": cfg.num_tokens}
 

@@ -290,21 +290,22 @@ class PrefixRunner:
 
     def pacing_delay_s(self, max_s: float = 30.0) -> float:
         """How long to wait before starting the next frame (s; 0: start now) so that it is published just before
-        the suffix asks for it. Only when the suffix is the slower stage: then a frame started at once waits in
-        the ring (or is superseded) and reaches the planner older than the stage times say.
+        the suffix asks for it. Only when the suffix is the slower stage: then a frame started at once waits in the
+        ring (or is superseded) and reaches the planner older than the stage times say.
 
         The suffix announces when it took its last frame and when it expects to take the next
-        (``RingConsumer.announce_next_read``); their difference is its cycle S. With this runner's cycle P
-        (median start-to-publish time of its recent frames, plus 5 % + 1 ms of margin) the next frame is published
-        just as the suffix becomes free for it (:func:`pacing_delay_ns`). 0 without a hint, when the suffix will be
-        free by then anyway (an idle suffix takes a frame at once), when S <= P (prefix-bound: the suffix waits
-        anyway), when no suffix is attached (a SIGKILLed one's announcement stays in the header), when the hint is
-        stale (the suffix took nothing for 2 S) or the delay would exceed ``max_s`` (s; an announcement that far
-        ahead is taken as wrong: a suffix waiting on it would idle that long), or beyond 1 s and two of the
-        suffix's cycles (:func:`pacing_delay_ns`). The default 30 s paces a suffix of up to about 15 s a frame
-        (``minddrive-0.5b`` wholly on one CPU core: 8.5 s); until 2026-12-04 every delay over 1 s was refused, and
-        such a suffix's frames waited 1-3 s in the ring (docs/performance.md, "Load step"). Cheap (a lock probe and
-        two header reads): callers re-ask while they wait (:class:`~hybrid_vla_ros.ros.prefix_worker.PrefixWorker`)."""
+        (``RingConsumer.announce_next_read``); their difference is its cycle S. With this runner's cycle P (median
+        start-to-publish time of its recent frames, plus 5 % + 1 ms of margin) the next frame is published just as
+        the suffix becomes free for it (:func:`pacing_delay_ns`). 0 without a hint, when the suffix will be free by
+        then anyway (an idle suffix takes a frame at once), when S <= P (prefix-bound: the suffix waits anyway),
+        when no suffix is attached (a SIGKILLed one's announcement stays in the header), when the hint is stale
+        (the suffix took nothing for 2 S) or the delay would exceed ``max_s`` (s; an announcement that far ahead is
+        taken as wrong: a suffix waiting on it would idle that long), or beyond 1 s and two of the suffix's cycles
+        (:func:`pacing_delay_ns`). The default 30 s paces a suffix of up to about 15 s a frame
+        (``minddrive-0.5b``'s 24 blocks on one CPU core: 8.5 s, 2026-12-03); until 2026-12-04 every delay over 1 s
+        was refused, and such a suffix's frames waited 1-3 s in the ring (docs/performance.md, "Load step"). Cheap
+        (a lock probe and two header reads): callers re-ask while they wait
+        (:class:`~hybrid_vla_ros.ros.prefix_worker.PrefixWorker`)."""
         if not self._cycle_ns or not self.ring.consumer_attached():  # a dead suffix's announcement is not now's
             return 0.0
         taken, next_read = self.ring.consumer_schedule()

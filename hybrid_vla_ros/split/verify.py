@@ -93,6 +93,19 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def _final_diff(cfg, final: torch.Tensor, ref_final: torch.Tensor) -> float:
+    """The ``final`` column: the largest difference of the final-norm states the heads read
+    (``cfg.readout_positions``): the planning token of the last pass and, with two passes, the decision pass's
+    read-out token (never a pass's padding); the last token where the config has no read-out positions."""
+    at = getattr(cfg, "readout_positions", None)
+    if at is None:
+        return _diff(final[..., -1, :], ref_final[..., -1, :])
+    if final.dim() == 3 and at.decision is not None:
+        return max(_diff(final[-1, at.planning], ref_final[-1, at.planning]),
+                   _diff(final[0, at.decision], ref_final[0, at.decision]))
+    return _diff(final[..., at.planning, :], ref_final[..., at.planning, :])
+
+
 def bag_pixels(cfg: VLAConfig) -> torch.Tensor:
     """One synchronized frame of the embedded bag (data/dgp_scene02_6cam_mcap), cameras in index order (cycled
     when the model takes more than the bag's 6), decoded and preprocessed for ``cfg``: (C, 3, S, S) float32."""
@@ -344,9 +357,7 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
             del prefix
             d_prefix = _diff(h, ref_states[k]) if k < L else None
             final = suffix.final_hidden_states(h)
-            at = cfg.readout_positions if hasattr(cfg, "readout_positions") else None
-            t = at.planning if at is not None else -1  # the planning token (not a pass's padding)
-            d_final = _diff(final[..., t, :], ref_final[..., t, :])
+            d_final = _final_diff(cfg, final, ref_final)
             d_out = None
             if hasattr(suffix, "head"):
                 if head_ref is None:  # the read-out head on the reference's final states

@@ -402,12 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--waypoint-token-id", type=int, default=None, metavar="ID",
                    help="id of <waypoint_ego> (default: from the tokenizer files, else Orion's added row)")
     c.add_argument("--decision-token-ids", type=_id_list, default=None, metavar="1,2,...",
-                   help="minddrive: the meta-action (speed) token ids the decision pass reads (7 published; "
-                        "default: from the tokenizer, which also gives the published prompts)")
+                   help="minddrive: the meta-action (speed) token ids the decision pass reads (7 published): read "
+                        "from the tokenizer with --prompts published (then only checked against it), needed with "
+                        "--prompts preset")
     c.add_argument("--prompts", choices=("published", "preset"), default="published",
-                   help="minddrive: 'published' runs each pass on its published conversation, tokenized with the "
-                        "tokenizer files beside --llm-config (the preset's fixed prompt when there are none); "
-                        "'preset' keeps the preset's fixed prompt")
+                   help="minddrive: 'published' (default) runs each pass on its published conversation, tokenized "
+                        "with the tokenizer files beside --llm-config (an error when there are none); 'preset' keeps "
+                        "the preset's fixed prompt (not the published computation; needs --decision-token-ids)")
     c.add_argument("--dtype", default=None, help="dtype of the written tensors (default: as stored)")
     c.add_argument("--seed", type=int, default=0, help="seed of the stand-in (random) own tensors")
     c.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB",
