@@ -246,6 +246,10 @@ def test_quick_run_writes_complete_json_markdown_and_pngs(tmp_path):
         assert ov["backend"] == "openvino" and ov["time_ms"] > 0 and ov["build_cold_s"] > 0
         assert ov["accuracy"]["rel_l2_last_hidden_vs_eager"] < 1e-4, "fp32: the same arithmetic"
         assert ov["restart"]["cache_hit"], "the restart worker reused the artifact the FLOP/s worker built"
+        ops = ov["ops"]  # the plugin's own node counters: the Linears are FullyConnected nodes, the attention one
+        shares = [ops[k] for k in ("gemm_share", "attention_share", "other_share", "outside_share")]
+        assert all(0 <= v <= 1 for v in shares) and abs(sum(shares) - 1) < 1e-9
+        assert ops["gemm_ms"] > 0 and ops["attention_ms"] > 0 and ops["gemm_gflops_in_graph"] > 0
         assert [g["id"] for g in doc["goals"]] == ["suffix_flops_tiny_fp32", "suffix_restart_tiny_fp32_openvino"]
     assert (plots / "handoff.png").stat().st_size > 1000 and (plots / "suffix_flops.png").stat().st_size > 1000
     md = out.with_suffix(".md").read_text()
@@ -256,6 +260,7 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     out = tmp_path / "bench.json"
     rc = bench_main(["--quick", "--only", "pipeline,preprocess", "--presets", "tiny", "--split", "tiny=2",
                      "--frames", "3", "--warmup-frames", "1", "--sequential", "1core", "--preprocess-frames", "1",
+                     "--suffix-bound", "tiny:2:150",
                      "--model-cache", str(tmp_path / "models"), "--json", str(out), "--plots", str(tmp_path / "p"),
                      "--quiet"])
     assert rc == 0
@@ -264,6 +269,10 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     e = doc["pipeline"]["presets"][0]
     assert e["split_layer"] == 2 and e["pipeline"]["frames_measured"] == 3
     assert e["pipeline"]["fps"] > 0 and e["sequential"]["1core"]["fps"] > 0
+    bound = doc["pipeline"]["suffix_bound"]
+    assert set(bound["variants"]) == {"fifo", "newest", "newest_paced"}
+    for v in bound["variants"].values():  # the busy wait reached the frames' suffix stage (it once did not)
+        assert v["frames_measured"] > 0 and v["stages_ms"]["suffix_ms"]["min"] >= 150
     rows = doc["preprocess"]["results"]
     cases = {(r["preset"], r["input"], r["decoder"], r["resize"]) for r in rows}
     assert cases == {("tiny", "jpeg", "opencv", "area"), ("tiny", "jpeg", "simplejpeg", "area"),
@@ -273,7 +282,7 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     assert all(0 < r["share"] < 1 and r["limit_ms"] > 0 for r in rows)
     assert all(r["ratio_to_limit"] == r["preprocess_ms"]["p50"] / r["limit_ms"] for r in rows)
     assert {g["id"] for g in doc["goals"]} == {"pipeline_efficiency_tiny", "pipeline_latency_tiny",
-                                                "preprocess_rgb8_tiny_area", "preprocess_rgb8_tiny_bilinear",
+                                                "pipeline_latency_suffix_bound", "preprocess_rgb8_tiny_area", "preprocess_rgb8_tiny_bilinear",
                                                 "preprocess_rgb8_tiny_bicubic", "preprocess_rgb8_tiny_orion_crop"}
     assert all(Path(tmp_path / "p" / f).is_file() for f in ("pipeline.png", "pipeline_timeline.png", "preprocess.png"))
 

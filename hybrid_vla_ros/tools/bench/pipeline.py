@@ -54,6 +54,7 @@ made slow by a busy wait, in the three variants, and reports the same latency fi
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -313,16 +314,18 @@ def suffix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
     runner = SuffixRunner(model_path, SuffixRunnerSettings(split_layer, dtype=dtype, ring_name=ring_name,
                                                            threads=threads, delivery=delivery))
     if suffix_extra_ms > 0:
-        real_forward = runner.stage.forward
+        # The busy wait goes where the runner computes each frame (its backend's plan_all, eager or compiled), so
+        # it lands inside the suffix stage's timer whatever path the frame takes.
+        real_plan_all = runner.backend.plan_all
 
-        def slow_forward(*args, **kwargs):
-            out = real_forward(*args, **kwargs)
+        def slow_plan_all(*args, **kwargs):
+            out = real_plan_all(*args, **kwargs)
             end = time.perf_counter() + suffix_extra_ms / 1e3
             while time.perf_counter() < end:  # compute-like: the core stays busy
                 pass
             return out
 
-        runner.stage.forward = slow_forward
+        runner.backend.plan_all = slow_plan_all
     try:
         deadline = time.monotonic() + 300
         while not runner.attached:
@@ -620,11 +623,28 @@ def run_suffix_bound(plan: dict, *, split_layer: int, suffix_extra_ms: float, fr
         pipe = summarize_pipeline(raw["suffix"]["records"], raw["prefix"]["records"], warmup, total)
         pipe.pop("frames", None)
         pipe["ring_stats"] = {"producer": raw["prefix"]["ring_stats"], "consumer": raw["suffix"]["ring_stats"]}
+        suffix_p50 = pipe["stages_ms"]["suffix_ms"]["p50"]
+        if suffix_p50 < suffix_extra_ms:  # the slowed suffix did not run: the case would not be suffix-bound
+            raise RuntimeError(f"suffix-bound case: the suffix took {suffix_p50:.1f} ms (p50), less than the "
+                               f"{suffix_extra_ms:g} ms busy wait added to it; the wait did not reach the runner")
         out["variants"][name] = pipe
         lat = pipe["latency"]
         log(f"    e2e p50 {lat['e2e_p50_ms']:.1f} ms vs stages {lat['stage_sum_p50_ms']:.1f} ms: overhead "
             f"{lat['overhead_p50_ms']:.1f} ms (allowed {lat['allowed_ms']:.1f}), {pipe['fps']:.2f} fps")
     return out
+
+
+def _suffix_bound_warmup(plan: dict, split_layer: int, suffix_extra_ms: float) -> int:
+    """Warm-up frames of the suffix-bound case: until the suffix has finished its first frame it announces no next
+    read, so nothing is paced and the prefix publishes back to back; so warm up for about two suffix frames
+    (the profile's predicted hand-off + suffix at ``split_layer`` plus the busy wait, ms) at the profile's
+    predicted prefix rate there, plus one. A 2 s suffix behind an 80 ms prefix: 51 frames, published in about
+    4 s (3 covered only a suffix under about 0.1 s). 0 without a profile."""
+    table = (plan.get("choice") or {}).get("table") or []
+    row = next((r for r in table if r[0] == split_layer), None)
+    if row is None or row[1] <= 0:
+        return 0
+    return math.ceil(2 * (row[2] + suffix_extra_ms) / row[1]) + 1
 
 
 def run_pipeline_part(plans: dict, *, frames: dict, warmup: int, prefix_cores, suffix_cores,
@@ -642,10 +662,12 @@ def run_pipeline_part(plans: dict, *, frames: dict, warmup: int, prefix_cores, s
             f"e2e {p['latency']['e2e_p50_ms']:.1f} ms vs stages {p['latency']['stage_sum_p50_ms']:.1f} ms")
     bound = None
     if suffix_bound and suffix_bound["preset"] in plans:
+        settle = _suffix_bound_warmup(plans[suffix_bound["preset"]], suffix_bound["split_layer"],
+                                      suffix_bound["suffix_extra_ms"])
         bound = run_suffix_bound(plans[suffix_bound["preset"]], split_layer=suffix_bound["split_layer"],
                                  suffix_extra_ms=suffix_bound["suffix_extra_ms"], frames=suffix_bound["frames"],
-                                 warmup=max(warmup, 3), prefix_cores=prefix_cores, suffix_cores=suffix_cores,
-                                 bag=bag, log=log)
+                                 warmup=min(max(warmup, 3, settle), 200), prefix_cores=prefix_cores,
+                                 suffix_cores=suffix_cores, bag=bag, log=log)
     return {"bag": str(Path(bag).relative_to(REPO_ROOT)) if Path(bag).is_relative_to(REPO_ROOT) else str(bag),
             "suffix_bound": bound,
             "frames": "6 JPEG cameras 1936x1216 (CompressedImage), looped", "warmup_frames": warmup,

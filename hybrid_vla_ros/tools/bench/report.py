@@ -44,7 +44,10 @@ the gaps 0, 20 and 100 ms ran): ``handoff_zero_copy_p50`` (largest p50 <= 0.05 m
                 fp32_peak_gflops, ratio_vs_fp32_peak, best_peak_gflops (max of the two), ratio_vs_best_peak,
                 block_peak_gflops (the best GEMM at the block's own shapes, M = B T, without 2048^3; informative:
                 at T = 81 these run below the large product), ratio_vs_block_peak, speedup_vs_eager, gemm[]
-                (a shape not timed has null rates and ``skipped``), ops (eager: torch.profiler shares)
+                (a shape not timed has null rates and ``skipped``), ops (eager: torch.profiler shares {gemm_share,
+                attention_share, other_share, top_ops}; a compiled backend: the plugin's node counters, the same
+                three shares of the measured time plus outside_share, gemm_ms, attention_ms, other_ms and
+                gemm_gflops_in_graph, the rate its FullyConnected nodes reach)
       compiled backends also: precision (what the CPU plugin computes in: "f32" | "bf16"), build_cold_s
                 (convert + save + compile into an empty cache), artifact_bytes, accuracy
                 {rel_l2_last_hidden_vs_eager, waypoints_max_abs_vs_eager_m, and for bf16
@@ -332,6 +335,20 @@ def _pp(p: dict, nd: int = 3) -> str:
     return f"{_f(p['p50'], nd)} / {_f(p['p90'], nd)}" if p and p.get("n") else "-"
 
 
+def _time_shares(ops: dict, peak_gflops: float) -> str:
+    """The suffix table's time column: shares of GEMM / attention / other (eager: torch.profiler's aten ops; a
+    compiled backend: the plugin's node counters, then the share outside the graph and the rate its GEMM nodes
+    reach against the GEMM peak)."""
+    if not ops:
+        return "-"
+    text = " / ".join(f"{ops.get(k, float('nan')):.0%}" for k in ("gemm_share", "attention_share", "other_share"))
+    if "outside_share" in ops:
+        text += f" / {ops['outside_share']:.0%}"
+        if ops.get("gemm_gflops_in_graph") and peak_gflops:
+            text += f" (GEMMs at {ops['gemm_gflops_in_graph'] / peak_gflops:.2f})"
+    return text
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -453,7 +470,7 @@ def markdown(doc: dict) -> str:
                    "dtype. FLOPs: 2 x MACs of every Linear + causal attention counted as half.")
         header = ["preset", "dtype", "backend (computes in)", "blocks x T (passes)", "GFLOP", "ms", "GFLOP/s",
                   "GEMM peak", "ratio", "vs best peak", "vs block-shape GEMM", "x eager",
-                  "time in GEMM / attention / other"]
+                  "time in GEMM / attention / other (/ outside the graph; GEMMs' own rate / peak)"]
         rows = []
         for r in f["results"]:
             ops = r.get("ops") or {}
@@ -463,8 +480,7 @@ def markdown(doc: dict) -> str:
                          f"**{_f(r['ratio'], 2)}**", _f(r.get("ratio_vs_best_peak"), 2),
                          _f(r.get("ratio_vs_block_peak"), 2),
                          _f(r.get("speedup_vs_eager"), 2),
-                         " / ".join(f"{ops.get(k, float('nan')):.0%}" for k in ("gemm_share", "attention_share",
-                                                                               "other_share")) if ops else "-"])
+                         _time_shares(ops, r["peak_gflops"])])
         out.append(_table(header, rows))
         compiled = [r for r in f["results"] if r.get("backend", "eager") != "eager"]
         if compiled:

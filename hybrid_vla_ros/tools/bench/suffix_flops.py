@@ -159,6 +159,72 @@ def _op_breakdown(fn, top: int = 8, calls: int = 3) -> dict:
             "top_ops": [{"op": k, "share": t / total} for k, t in events[:top]]}
 
 
+#: OpenVINO CPU node types counted as attention in :func:`_openvino_breakdown` (besides any node that took in the
+#: traced ``scaled_dot_product_attention``: the fused MHA runs as a ``Subgraph``).
+OV_ATTENTION_TYPES = ("ScaledDotProductAttention", "MHA", "Softmax")
+
+
+def _openvino_breakdown(compiled, x, total_ms: float, linear_gflop: float, calls: int = 5) -> dict:
+    """Where a compiled suffix's time goes, from the CPU plugin's own per-node counters (``PERF_COUNT``).
+
+    ``compiled``: the :class:`~hybrid_vla_ros.runtime.suffix_backend.CompiledSuffix` measured; its artifact is
+    compiled once more with ``PERF_COUNT`` on (same precision and threads; the counters cost little, but are kept
+    off the timed model) and run ``calls`` times on ``x`` (its input, float32 numpy, (B, T, H)). ``total_ms``: the
+    measured time of the whole suffix call (graph + the wrapper + final norm and heads in torch), ms.
+    ``linear_gflop``: the Linear FLOPs of the blocks, GFLOP.
+
+    Returns shares of ``total_ms`` that add up to 1 (node ``real_time`` summed per call, mean over ``calls``; the
+    nodes split the graph's part, their sum over ``total_ms`` capped at 1): ``gemm_share`` (``FullyConnected``
+    nodes: the Linears), ``attention_share`` (the attention nodes, :data:`OV_ATTENTION_TYPES`), ``other_share``
+    (every other node: RMSNorm, rotary, transposes, element-wise subgraphs, reorders), ``outside_share`` (what is
+    in no node: the infer call, the input and output copies, the final norm and heads in torch); ``gemm_ms``,
+    ``attention_ms``, ``other_ms`` (ms per call of the counted run); and ``gemm_gflops_in_graph`` = ``linear_gflop``
+    / the FullyConnected time, the rate the Linears themselves reach inside the graph (GFLOP/s)."""
+    from ...runtime.suffix_backend import _openvino
+
+    ov = _openvino()
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": compiled.precision, "PERF_COUNT": True}
+    threads = compiled.threads
+    if threads > 0:
+        config["INFERENCE_NUM_THREADS"] = threads
+    model = ov.Core().compile_model(str(compiled.folder / "model.xml"), "CPU", config)
+    # A fused node is named after one of the operations it took in (the f32 MHA subgraph after its output
+    # transpose); the runtime model lists all of them, so attention is found by what a node holds.
+    fused = {}
+    for op in model.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        names = info["originalLayersNames"].astype(str) if "originalLayersNames" in info else ""
+        fused[op.get_friendly_name()] = names
+    request = model.create_infer_request()
+    request.infer([x])  # the first call's one-off work is not the steady state
+    gemm = attention = other = 0.0
+    for _ in range(calls):
+        request.infer([x])
+        for node in request.profiling_info:
+            ms = node.real_time.total_seconds() * 1e3 / calls
+            if node.node_type == "FullyConnected":
+                gemm += ms
+            elif (node.node_type in OV_ATTENTION_TYPES
+                  or "scaled_dot_product_attention" in node.node_name + fused.get(node.node_name, "")):
+                attention += ms
+            else:
+                other += ms
+    # The counted run is a second compile: its graph time is not exactly the timed run's, so the nodes' shares
+    # split the graph's part of the measured time and the shares add up to 1.
+    nodes = max(gemm + attention + other, 1e-9)
+    graph = min(1.0, nodes / max(total_ms, 1e-9))
+    return {"gemm_share": graph * gemm / nodes, "attention_share": graph * attention / nodes,
+            "other_share": graph * other / nodes, "outside_share": 1.0 - graph,
+            "gemm_ms": gemm, "attention_ms": attention, "other_ms": other,
+            "gemm_gflops_in_graph": linear_gflop / (gemm / 1e3) if gemm > 0 else None}
+
+
+def _blocks_linear_gflop(cfg, k: int) -> float:
+    """Linear FLOPs of blocks [k, L) alone (no heads), GFLOP."""
+    count = suffix_flops(cfg, k)
+    return (count["linear_total"] - count["head"]) / 1e9
+
+
 def _stage(cfg, k: int, dtype, seed: int):
     """A SuffixStage of blocks [k, L) with seeded random weights (the same in every process for one seed)."""
     import torch
@@ -226,7 +292,9 @@ def _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_
                ratio_vs_fp32_peak=achieved / 1e9 / eager_row["fp32_peak_gflops"],
                ratio_vs_best_peak=achieved / 1e9 / eager_row["best_peak_gflops"],
                ratio_vs_block_peak=achieved / 1e9 / eager_row["block_peak_gflops"],
-               speedup_vs_eager=eager_row["time_ms"] / (t["median"] * 1e3), ops=None, precision=c.precision,
+               speedup_vs_eager=eager_row["time_ms"] / (t["median"] * 1e3), precision=c.precision,
+               ops=_openvino_breakdown(c, (h if h.dim() == 3 else h.unsqueeze(0)).float().numpy(),
+                                       t["median"] * 1e3, _blocks_linear_gflop(stage.cfg, k)),
                build_cold_s=c.build_s, accuracy=acc, seconds=time.monotonic() - t0,
                artifact_bytes=sum(f.stat().st_size for f in c.folder.rglob("*") if f.is_file()))
     return row
