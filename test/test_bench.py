@@ -281,9 +281,10 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
                      ("tiny", "rgb8", None, "bicubic"), ("tiny", "rgb8", None, "orion_crop")}
     assert all(0 < r["share"] < 1 and r["limit_ms"] > 0 for r in rows)
     assert all(r["ratio_to_limit"] == r["preprocess_ms"]["p50"] / r["limit_ms"] for r in rows)
-    assert {g["id"] for g in doc["goals"]} == {"pipeline_efficiency_tiny", "pipeline_latency_tiny",
-                                                "pipeline_latency_suffix_bound", "preprocess_rgb8_tiny_area", "preprocess_rgb8_tiny_bilinear",
-                                                "preprocess_rgb8_tiny_bicubic", "preprocess_rgb8_tiny_orion_crop"}
+    assert {g["id"] for g in doc["goals"]} == {
+        "pipeline_efficiency_tiny", "pipeline_latency_tiny", "pipeline_latency_suffix_bound",
+        "preprocess_rgb8_tiny_area", "preprocess_rgb8_tiny_bilinear", "preprocess_rgb8_tiny_bicubic",
+        "preprocess_rgb8_tiny_orion_crop"}
     assert all(Path(tmp_path / "p" / f).is_file() for f in ("pipeline.png", "pipeline_timeline.png", "preprocess.png"))
 
 

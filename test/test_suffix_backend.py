@@ -286,3 +286,60 @@ def test_openvino_gives_the_decision_read_out_of_a_two_pass_checkpoint(tmp_path,
             assert float((ours.modes - eager.modes).abs().max()) <= FP32_WAYPOINT_BOUND_M
     assert backend.frames_compiled == len(camera_frames) and backend.frames_eager == 0
     backend.close()
+
+
+# ------------------------------------------------------------------------------------------ the last block
+
+class _ParallelBlock(torch.nn.Module):
+    """A decoder block of another layout (GPT-J / Cohere style: attention and MLP both on one norm of the input,
+    x + attn(norm(x)) + mlp(norm(x))) built from a LLaMA block's parts: the pre-norm composition does not give its
+    output, so the compiled suffix must not leave any of its rows out."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.input_layernorm, self.self_attn = block.input_layernorm, block.self_attn
+        self.post_attention_layernorm, self.mlp = block.post_attention_layernorm, block.mlp
+
+    def forward(self, x, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
+        h = self.input_layernorm(x)
+        attn = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
+                              position_embeddings=position_embeddings)[0]
+        return x + attn + self.mlp(h)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_last_block_computes_only_the_read_out_rows_and_gives_the_eager_states(family, tiny_checkpoint,
+                                                                                   tmp_path):
+    """Block L-1 of the compiled suffix runs its residual, norm and MLP on the read-out rows only (build.json says
+    so), and the compiled model still gives eager's last-token hidden states (fp32, 1e-5 relative) on the tiny
+    preset's LLaMA blocks and on a transformers Qwen3 (q/k norms inside its attention) composed into a driving
+    checkpoint. The check that decides it passes the family's block and refuses the same parts composed
+    otherwise (a build traces the family's own block class, so that refusal is what a family of another layout
+    would meet)."""
+    _require_openvino()
+    from hf_builders import write_text_lm
+
+    from hybrid_vla_ros.tools.cli import main
+
+    path = tiny_checkpoint
+    if family != "llama":
+        llm = write_text_lm(tmp_path / family, family)
+        path = tmp_path / "drive"
+        assert main(["init-model", "--preset", "tiny", "--llm", str(llm), str(path)]) == 0
+    stage = load_stage(path, "suffix", 1)
+    k, shape = 1, (1, *stage.cfg.prefix_state_shape)
+    h = torch.randn(stage.cfg.prefix_state_shape, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        eager = run_blocks(stage, stage.layers, h)[-1:, :]
+        c = build_openvino(stage, k, shape, model_id=model_id(path), cache_dir=tmp_path / "cache")
+        assert c.last_block_rows == 1 and not c.cache_hit
+        rel = float((c.run(h)[-1:, :] - eager).norm() / eager.norm())
+        assert rel < 1e-5, rel
+        again = build_openvino(stage, k, shape, model_id=model_id(path), cache_dir=tmp_path / "cache")
+        assert again.cache_hit and again.last_block_rows == 1, "a restart reads what the build found"
+        # The same weights in a block of another layout: the check refuses to leave rows out, eager agrees.
+        blocks = suffix_backend.traced_blocks(stage.cfg, list(stage.layers), torch.float32)
+        parallel = _ParallelBlock(blocks[-1])
+        assert suffix_backend._prunable(blocks[-1], shape, 1, stage.rotary_emb)
+        assert not suffix_backend._prunable(parallel, shape, 1, stage.rotary_emb)
+        assert not suffix_backend._prunable(blocks[-1], shape, shape[1], stage.rotary_emb), "no row to leave out"

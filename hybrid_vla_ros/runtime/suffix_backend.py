@@ -8,7 +8,9 @@ op), saves it (IR: ``model.xml`` + ``model.bin``) in a cache folder and compiles
 GEMM and attention kernels (oneDNN, its own fused SDPA) and graph fusions (RMSNorm, rotary, SiLU x up) are what
 make it faster than eager torch (figures: docs/performance.md). The compiled model gives the last tokens' hidden
 states, as many as the read-out positions reach (the planning token, and MindDrive's decision and path tokens:
-:func:`read_out_tokens`); the final
+:func:`read_out_tokens`); its last block runs attention for every token but its residual, norm and MLP for
+those rows only, where a check at build time finds the family's block a pre-norm layer (:func:`_prunable`); the
+final
 norm and the heads stay in torch (:func:`hybrid_vla_ros.model.modeling.plan`), so the command, the modes and
 the decision logits are exactly the eager code's.
 
@@ -55,7 +57,10 @@ from ..util.paths import cache_dir
 #: Values of the suffix node's ``suffix_backend`` parameter.
 BACKENDS = ("eager", "openvino")
 #: Version of the artifact layout and of the traced module (bump when either changes: old artifacts are rebuilt).
-ARTIFACT_FORMAT = 3  # 3: the model gives the last tokens_out tokens
+ARTIFACT_FORMAT = 4  # 3: the model gives the last tokens_out tokens; 4: block L-1 after attention on those only
+#: What a build found, beside ``key.json`` in an artifact: {"last_block_rows": the rows block L-1 computes after
+#: attention, or null when it computes all (:func:`_prunable`)}.
+BUILD_FILE = "build.json"
 
 
 def default_cache_dir() -> Path:
@@ -194,17 +199,61 @@ def read_out_tokens(cfg) -> int:
     return max(1, getattr(cfg, "query_count", 0), positions.tokens_from_end if positions is not None else 1)
 
 
+def _last_rows_of_block(block: nn.Module, x: torch.Tensor, rows: int, positions: torch.Tensor,
+                        cos_sin: tuple) -> torch.Tensor:
+    """Decoder block ``block`` on hidden states ``x`` (B, T, H) -> its output's last ``rows`` tokens (B, rows, H),
+    computing attention for every token (keys and values need them all) but the residual adds, the
+    post-attention norm and the MLP for those rows only: everything after attention is per token, so the other
+    rows' work could only feed rows nobody reads. The composition is the pre-norm decoder layer of transformers'
+    ``LlamaDecoderLayer`` (x + attn(norm(x)), then x + mlp(norm(x))), which Qwen2, Qwen3, Mistral and Phi-3 share;
+    :func:`_prunable` checks a block against its own ``forward`` before this is used. Raises AttributeError for a
+    block without ``input_layernorm`` / ``self_attn`` / ``post_attention_layernorm`` / ``mlp``."""
+    attn = block.self_attn(hidden_states=block.input_layernorm(x), attention_mask=None, position_ids=positions,
+                           position_embeddings=cos_sin)[0]
+    out = x[:, -rows:, :] + attn[:, -rows:, :]
+    return out + block.mlp(block.post_attention_layernorm(out))
+
+
+def _prunable(block: nn.Module, shape: tuple, rows: int, rotary_emb: nn.Module) -> bool:
+    """Whether :func:`_last_rows_of_block` gives ``block``'s own last ``rows`` output tokens: both on one seeded
+    random input of ``shape`` (B, T, H) in the block's dtype, within 1e-5 (fp32) or 2e-2 (16-bit) of the output's
+    largest magnitude (the two may round differently: a GEMM of ``rows`` rows takes other kernels than one of
+    T). False when ``rows`` >= T (nothing to leave out), for a block of another layout (it lacks the four parts,
+    or composes them otherwise: a parallel attention + MLP, extra norms) and for anything the check raises."""
+    if rows >= shape[1]:
+        return False
+    dtype = next(block.parameters()).dtype
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    positions = torch.arange(shape[1]).unsqueeze(0)
+    try:
+        with torch.no_grad():
+            cos_sin = rotary_emb(x, positions)
+            whole = block(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+            whole = (whole[0] if isinstance(whole, tuple) else whole)[:, -rows:, :].float()
+            part = _last_rows_of_block(block, x, rows, positions, cos_sin).float()
+    except Exception:  # noqa: BLE001 -- any failure means: trace the block whole, as before
+        return False
+    if part.shape != whole.shape:
+        return False
+    tol = (1e-5 if dtype == torch.float32 else 2e-2) * max(float(whole.abs().max()), 1e-6)
+    return bool(torch.isfinite(part).all()) and float((part - whole).abs().max()) <= tol
+
+
 class _BlocksToLastToken(nn.Module):
     """The traced module: hidden states (B, T, H) float32 -> blocks [K, L) (:func:`traced_blocks`, weights in
     ``dtype``) -> the last ``tokens_out`` tokens' hidden states (B, tokens_out, H) float32 (before the final
-    norm; :func:`read_out_tokens`). Rotary tables come from positions 0..T-1."""
+    norm; :func:`read_out_tokens`). Rotary tables come from positions 0..T-1. ``prune_last``: block L-1 computes
+    its residual, norm and MLP for the read-out rows only (:func:`_last_rows_of_block`; use only where
+    :func:`_prunable` says so)."""
 
-    def __init__(self, layers: nn.ModuleList, rotary_emb: nn.Module, dtype: torch.dtype, tokens_out: int = 1):
+    def __init__(self, layers: nn.ModuleList, rotary_emb: nn.Module, dtype: torch.dtype, tokens_out: int = 1,
+                 prune_last: bool = False):
         super().__init__()
         self.layers = layers
         self.rotary_emb = rotary_emb
         self.dtype = dtype
         self.tokens_out = int(tokens_out)
+        self.prune_last = bool(prune_last)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The loop of model.modeling.run_blocks with no mask: causal_attention is causal by construction (under
@@ -213,8 +262,11 @@ class _BlocksToLastToken(nn.Module):
         x = x.to(self.dtype)
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         cos_sin = self.rotary_emb(x, positions)
-        for block in self.layers:
+        whole = self.layers[:-1] if self.prune_last else self.layers
+        for block in whole:
             x = block(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+        if self.prune_last:
+            return _last_rows_of_block(self.layers[-1], x, self.tokens_out, positions, cos_sin).float()
         return x[:, -self.tokens_out:, :].float()
 
 
@@ -225,11 +277,15 @@ class CompiledSuffix:
     ``key.tokens_out`` tokens' hidden states after block L-1, shape (..., tokens_out, H), in ``dtype`` (for
     :func:`~hybrid_vla_ros.model.modeling.plan`).
     ``threads``: the CPU plugin's thread count it was compiled with (0: the plugin's default).
+    ``last_block_rows``: the rows block L-1 computes after its attention (the read-out rows), or None when it
+    computes every token (:func:`_prunable`).
     One inference at a time (the runner's thread)."""
 
     def __init__(self, key: ArtifactKey, compiled, *, dtype: torch.dtype, input_shape: tuple, folder: Path,
-                 cache_hit: bool, build_s: float, precision: str, threads: int = 0):
+                 cache_hit: bool, build_s: float, precision: str, threads: int = 0,
+                 last_block_rows: int | None = None):
         self.key, self.k, self.threads = key, key.split_layer, int(threads)
+        self.last_block_rows = last_block_rows
         self.dtype, self.input_shape, self.folder = dtype, tuple(input_shape), folder
         self.cache_hit, self.build_s, self.precision = cache_hit, build_s, precision
         self._request = compiled.create_infer_request()
@@ -287,6 +343,15 @@ def artifact_key(stage, k: int, shape: tuple, *, model_id: int, backend: str = "
                        transformers_version=transformers.__version__, tokens_out=read_out_tokens(stage.cfg))
 
 
+def _last_block_rows(folder: Path) -> int | None:
+    """The artifact's :data:`BUILD_FILE` ``last_block_rows`` (None when absent or unreadable: computed whole)."""
+    try:
+        rows = json.loads((folder / BUILD_FILE).read_text()).get("last_block_rows")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(rows) if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None
+
+
 def _read_key(folder: Path) -> dict | None:
     try:
         return json.loads((folder / "key.json").read_text())
@@ -325,8 +390,9 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
         # Weights in the precision the CPU plugin computes in: bf16 weights on a CPU without bf16 instructions
         # go in as f32 (their values exactly), so no FC decompresses them on every call.
         weight_dtype = torch.float32 if openvino_precision(core, dtype) == "f32" else dtype
-        module = _BlocksToLastToken(traced_blocks(stage.cfg, layers, weight_dtype), stage.rotary_emb,
-                                    weight_dtype, key.tokens_out).eval()
+        blocks = traced_blocks(stage.cfg, layers, weight_dtype)
+        prune = _prunable(blocks[-1], shape3, key.tokens_out, stage.rotary_emb)
+        module = _BlocksToLastToken(blocks, stage.rotary_emb, weight_dtype, key.tokens_out, prune_last=prune).eval()
         example = torch.zeros(shape3, dtype=torch.float32)
         with torch.no_grad():
             model = ov.convert_model(module, example_input=example, input=[(list(shape3), ov.Type.f32)])
@@ -335,6 +401,7 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
         tmp.mkdir()
         try:
             ov.save_model(model, str(tmp / "model.xml"), compress_to_fp16=False)
+            (tmp / BUILD_FILE).write_text(json.dumps({"last_block_rows": key.tokens_out if prune else None}) + "\n")
             (tmp / "key.json").write_text(json.dumps(key.to_json(), indent=1, sort_keys=True) + "\n")
             if folder.exists():  # a stale or unreadable artifact under the same name: replace it
                 shutil.rmtree(folder, ignore_errors=True)
@@ -353,7 +420,8 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
         config["INFERENCE_NUM_THREADS"] = int(threads)
     compiled = core.compile_model(model, "CPU", config)
     return CompiledSuffix(key, compiled, dtype=dtype, input_shape=shape3, folder=folder, cache_hit=cache_hit,
-                          build_s=time.perf_counter() - t0, precision=precision, threads=threads)
+                          build_s=time.perf_counter() - t0, precision=precision, threads=threads,
+                          last_block_rows=_last_block_rows(folder))
 
 
 @dataclass(frozen=True)

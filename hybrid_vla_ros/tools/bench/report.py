@@ -48,7 +48,9 @@ the gaps 0, 20 and 100 ms ran): ``handoff_zero_copy_p50`` (largest p50 <= 0.05 m
                 attention_share, other_share, top_ops}; a compiled backend: the plugin's node counters, the same
                 three shares of the measured time plus outside_share, gemm_ms, attention_ms, other_ms and
                 gemm_gflops_in_graph, the rate its FullyConnected nodes reach)
-      compiled backends also: precision (what the CPU plugin computes in: "f32" | "bf16"), build_cold_s
+      compiled backends also: gflop and gflop_linear of what their graph computes (less than eager's when
+                last_block_rows, the rows block L-1 computes after attention, is set), precision (what the CPU
+                plugin computes in: "f32" | "bf16"), build_cold_s
                 (convert + save + compile into an empty cache), artifact_bytes, accuracy
                 {rel_l2_last_hidden_vs_eager, waypoints_max_abs_vs_eager_m, and for bf16
                 rel_l2_last_hidden_vs_fp32, eager_rel_l2_last_hidden_vs_fp32}, restart {eager_ready_s,

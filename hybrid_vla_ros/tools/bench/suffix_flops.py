@@ -116,6 +116,14 @@ def head_flops(cfg) -> int:
     return flops
 
 
+def mlp_rows_flops(cfg, rows: int) -> int:
+    """FLOPs of one block's MLP (gate, up: H -> I; down: I -> H) on ``rows`` tokens of each of the
+    ``cfg.llm_passes`` passes: what a compiled suffix leaves out of block L-1 when it computes the MLP for the
+    read-out rows only (:func:`hybrid_vla_ros.runtime.suffix_backend._last_rows_of_block`, T - rows rows)."""
+    x = _dims(cfg)
+    return 2 * cfg.llm_passes * rows * 3 * x["H"] * x["I"]
+
+
 def suffix_flops(cfg, split_layer: int) -> dict:
     """FLOPs of the suffix at split layer K for one frame: ``blocks`` = L - K, ``per_block`` (block_flops at
     T = cfg.num_tokens, batch = llm_passes), ``head``, ``total``."""
@@ -285,8 +293,13 @@ def _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_
                                            "passes", "gflop", "gflop_linear", "gflop_attention", "peak_gflops",
                                            "peak_shape", "gemm", "fp32_peak_gflops", "best_peak_gflops",
                                            "block_peak_gflops")}
-    achieved = eager_row["gflop"] * 1e9 / t["median"]
-    row.update(backend=backend, time_ms=t["median"] * 1e3, time_min_ms=t["min"] * 1e3,
+    # FLOPs this graph computes: block L-1 may run its MLP on the read-out rows only (c.last_block_rows)
+    left_out = mlp_rows_flops(stage.cfg, stage.cfg.num_tokens - c.last_block_rows) if c.last_block_rows else 0
+    gflop = eager_row["gflop"] - left_out / 1e9
+    achieved = gflop * 1e9 / t["median"]
+    row.update(gflop=gflop, gflop_linear=eager_row["gflop_linear"] - left_out / 1e9,
+               last_block_rows=c.last_block_rows, backend=backend, time_ms=t["median"] * 1e3,
+               time_min_ms=t["min"] * 1e3,
                per_block_ms=t["median"] * 1e3 / max(eager_row["blocks"], 1), achieved_gflops=achieved / 1e9,
                ratio=achieved / 1e9 / eager_row["peak_gflops"],
                ratio_vs_fp32_peak=achieved / 1e9 / eager_row["fp32_peak_gflops"],
@@ -294,7 +307,7 @@ def _compiled_row(stage, h, k, dname, backend, cache_dir, threads, repeats, min_
                ratio_vs_block_peak=achieved / 1e9 / eager_row["block_peak_gflops"],
                speedup_vs_eager=eager_row["time_ms"] / (t["median"] * 1e3), precision=c.precision,
                ops=_openvino_breakdown(c, (h if h.dim() == 3 else h.unsqueeze(0)).float().numpy(),
-                                       t["median"] * 1e3, _blocks_linear_gflop(stage.cfg, k)),
+                                       t["median"] * 1e3, _blocks_linear_gflop(stage.cfg, k) - left_out / 1e9),
                build_cold_s=c.build_s, accuracy=acc, seconds=time.monotonic() - t0,
                artifact_bytes=sum(f.stat().st_size for f in c.folder.rglob("*") if f.is_file()))
     return row
