@@ -3,6 +3,7 @@ run writes a complete JSON document and PNGs). No test asserts a timing: the ben
 are evaluated in its output."""
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
@@ -15,8 +16,8 @@ from hybrid_vla_ros.tools.bench.cli import main as bench_main
 from hybrid_vla_ros.tools.bench.common import percentiles, time_call
 from hybrid_vla_ros.tools.bench.handoff import payload_bytes, payload_shape, run_handoff
 from hybrid_vla_ros.tools.bench.pipeline import choose_split, frame_rows, model_overrides, summarize_pipeline
-from hybrid_vla_ros.tools.bench.suffix_flops import (block_flops, gemm_shapes, head_flops, suffix_flops,
-                                                     vae_planner_flops)
+from hybrid_vla_ros.tools.bench.suffix_flops import (block_flops, gemm_shapes, head_flops, mlp_rows_flops,
+                                                     suffix_flops, vae_planner_flops)
 
 # ------------------------------------------------------------------------------------------ FLOP counts
 
@@ -250,10 +251,26 @@ def test_quick_run_writes_complete_json_markdown_and_pngs(tmp_path):
         shares = [ops[k] for k in ("gemm_share", "attention_share", "other_share", "outside_share")]
         assert all(0 <= v <= 1 for v in shares) and abs(sum(shares) - 1) < 1e-9
         assert ops["gemm_ms"] > 0 and ops["attention_ms"] > 0 and ops["gemm_gflops_in_graph"] > 0
+        # its last block runs the MLP on the read-out row only, and the row counts the FLOPs its graph computes
+        cfg = preset("tiny")
+        assert ov["last_block_rows"] == 1
+        assert ov["gflop"] == pytest.approx(f["results"][0]["gflop"] - mlp_rows_flops(cfg, cfg.num_tokens - 1) / 1e9)
         assert [g["id"] for g in doc["goals"]] == ["suffix_flops_tiny_fp32", "suffix_restart_tiny_fp32_openvino"]
     assert (plots / "handoff.png").stat().st_size > 1000 and (plots / "suffix_flops.png").stat().st_size > 1000
     md = out.with_suffix(".md").read_text()
     assert "| 1 MiB |" in md and "| tiny | fp32 |" in md
+
+
+def test_suffix_bound_warm_up_covers_the_suffix_first_frame_at_the_prefix_rate():
+    """One suffix frame (hand-off + suffix + the busy wait) at the prefix rate, plus 3: from the profile's row at the
+    case's K, else from the preset's measured pipeline, else 3."""
+    from hybrid_vla_ros.tools.bench.pipeline import _suffix_bound_warmup
+
+    plan = {"choice": {"table": [[0, 80.0, 10.0], [2, 82.0, 4.0]]}}
+    assert _suffix_bound_warmup(plan, 2, 2000) == math.ceil(2004 / 82) + 3 == 28
+    measured = {"prefix_side_ms": {"p50": 50.0}, "handoff_suffix_side_ms": {"p50": 5.0}}
+    assert _suffix_bound_warmup({"choice": None}, 2, 150, measured) == math.ceil(155 / 50) + 3 == 7
+    assert _suffix_bound_warmup({}, 2, 150) == 3
 
 
 def test_quick_pipeline_and_preprocess_run(tmp_path):
@@ -271,6 +288,7 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     assert e["pipeline"]["fps"] > 0 and e["sequential"]["1core"]["fps"] > 0
     bound = doc["pipeline"]["suffix_bound"]
     assert set(bound["variants"]) == {"fifo", "newest", "newest_paced"}
+    assert "error" not in bound, bound.get("error")
     for v in bound["variants"].values():  # the busy wait reached the frames' suffix stage (it once did not)
         assert v["frames_measured"] > 0 and v["stages_ms"]["suffix_ms"]["min"] >= 150
     rows = doc["preprocess"]["results"]

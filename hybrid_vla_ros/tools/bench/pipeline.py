@@ -609,11 +609,13 @@ def run_suffix_bound(plan: dict, *, split_layer: int, suffix_extra_ms: float, fr
     """A suffix-bound pipeline (the preset's suffix made ``suffix_extra_ms`` slower with a busy wait) in three
     variants (:data:`SUFFIX_BOUND_VARIANTS`): FIFO delivery (frames queue in the ring), newest first (a frame
     waits up to one prefix period) and newest first with the prefix paced to the suffix's announced next read
-    (the default of the nodes). Returns {preset, split_layer, suffix_extra_ms, variants: {name: figures}},
-    figures as :func:`summarize_pipeline`'s plus the ring's counters."""
+    (the default of the nodes). Returns {preset, split_layer, suffix_extra_ms, warmup_frames, variants: {name:
+    figures}}, figures as :func:`summarize_pipeline`'s plus the ring's counters, and ``error`` when a variant's
+    suffix took less than the busy wait (it did not reach the runner: not suffix-bound; the goal is then not
+    met)."""
     path = Path(plan["model_path"])
     out = {"preset": plan["preset"], "split_layer": split_layer, "suffix_extra_ms": suffix_extra_ms,
-           "dtype": plan["dtype"], "variants": {}}
+           "dtype": plan["dtype"], "warmup_frames": warmup, "variants": {}}
     for name, (delivery, pace) in SUFFIX_BOUND_VARIANTS.items():
         log(f"  suffix-bound {plan['preset']} K={split_layer} (+{suffix_extra_ms:g} ms suffix): {name}")
         raw = run_pipeline_once(path, split_layer, plan["dtype"], prefix_cores=prefix_cores, suffix_cores=suffix_cores,
@@ -625,8 +627,10 @@ def run_suffix_bound(plan: dict, *, split_layer: int, suffix_extra_ms: float, fr
         pipe["ring_stats"] = {"producer": raw["prefix"]["ring_stats"], "consumer": raw["suffix"]["ring_stats"]}
         suffix_p50 = pipe["stages_ms"]["suffix_ms"]["p50"]
         if suffix_p50 < suffix_extra_ms:  # the slowed suffix did not run: the case would not be suffix-bound
-            raise RuntimeError(f"suffix-bound case: the suffix took {suffix_p50:.1f} ms (p50), less than the "
-                               f"{suffix_extra_ms:g} ms busy wait added to it; the wait did not reach the runner")
+            out["error"] = (f"{name}: the suffix took {suffix_p50:.1f} ms (p50), less than the {suffix_extra_ms:g} "
+                            "ms busy wait added to it; the wait did not reach the runner, so this pipeline was not "
+                            "suffix-bound")
+            log(f"    ERROR {out['error']}")
         out["variants"][name] = pipe
         lat = pipe["latency"]
         log(f"    e2e p50 {lat['e2e_p50_ms']:.1f} ms vs stages {lat['stage_sum_p50_ms']:.1f} ms: overhead "
@@ -634,17 +638,25 @@ def run_suffix_bound(plan: dict, *, split_layer: int, suffix_extra_ms: float, fr
     return out
 
 
-def _suffix_bound_warmup(plan: dict, split_layer: int, suffix_extra_ms: float) -> int:
-    """Warm-up frames of the suffix-bound case: until the suffix has finished its first frame it announces no next
-    read, so nothing is paced and the prefix publishes back to back; so warm up for about two suffix frames
-    (the profile's predicted hand-off + suffix at ``split_layer`` plus the busy wait, ms) at the profile's
-    predicted prefix rate there, plus one. A 2 s suffix behind an 80 ms prefix: 51 frames, published in about
-    4 s (3 covered only a suffix under about 0.1 s). 0 without a profile."""
+def _suffix_bound_warmup(plan: dict, split_layer: int, suffix_extra_ms: float, measured: dict | None = None) -> int:
+    """Warm-up frames of the suffix-bound case. The suffix announces its next read from its second frame on, so
+    until then nothing is paced and the prefix publishes back to back: warm up for one suffix frame at the prefix
+    rate, plus 3 (the suffix's second read, and a paced frame before the measured ones). Prefix P and hand-off +
+    suffix S (ms) come from the profile's row at ``split_layer`` (``plan["choice"]["table"]``, rows [K, P, H + S],
+    :func:`choose_split`), else from ``measured`` (this preset's pipeline run: ``prefix_side_ms`` and
+    ``handoff_suffix_side_ms`` p50, at its own K); ``suffix_extra_ms`` is added to S. A 2 s suffix behind an 80 ms
+    prefix: 29 frames. 3 when neither is known."""
     table = (plan.get("choice") or {}).get("table") or []
     row = next((r for r in table if r[0] == split_layer), None)
-    if row is None or row[1] <= 0:
-        return 0
-    return math.ceil(2 * (row[2] + suffix_extra_ms) / row[1]) + 1
+    if row is not None:
+        prefix_ms, suffix_ms = row[1], row[2]
+    elif measured:
+        prefix_ms, suffix_ms = measured["prefix_side_ms"]["p50"], measured["handoff_suffix_side_ms"]["p50"]
+    else:
+        return 3
+    if not prefix_ms or prefix_ms <= 0:
+        return 3
+    return math.ceil((suffix_ms + suffix_extra_ms) / prefix_ms) + 3
 
 
 def run_pipeline_part(plans: dict, *, frames: dict, warmup: int, prefix_cores, suffix_cores,
@@ -662,11 +674,12 @@ def run_pipeline_part(plans: dict, *, frames: dict, warmup: int, prefix_cores, s
             f"e2e {p['latency']['e2e_p50_ms']:.1f} ms vs stages {p['latency']['stage_sum_p50_ms']:.1f} ms")
     bound = None
     if suffix_bound and suffix_bound["preset"] in plans:
+        measured = next((p["pipeline"] for p in presets if p.get("preset") == suffix_bound["preset"]), None)
         settle = _suffix_bound_warmup(plans[suffix_bound["preset"]], suffix_bound["split_layer"],
-                                      suffix_bound["suffix_extra_ms"])
+                                      suffix_bound["suffix_extra_ms"], measured)
         bound = run_suffix_bound(plans[suffix_bound["preset"]], split_layer=suffix_bound["split_layer"],
                                  suffix_extra_ms=suffix_bound["suffix_extra_ms"], frames=suffix_bound["frames"],
-                                 warmup=min(max(warmup, 3, settle), 200), prefix_cores=prefix_cores,
+                                 warmup=max(warmup, settle), prefix_cores=prefix_cores,
                                  suffix_cores=suffix_cores, bag=bag, log=log)
     return {"bag": str(Path(bag).relative_to(REPO_ROOT)) if Path(bag).is_relative_to(REPO_ROOT) else str(bag),
             "suffix_bound": bound,
