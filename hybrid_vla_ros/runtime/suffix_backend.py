@@ -351,8 +351,8 @@ def artifact_key(stage, k: int, shape: tuple, *, model_id: int, backend: str = "
 
 def _last_block_rows(folder: Path, tokens_out: int) -> int | None:
     """The artifact's :data:`BUILD_FILE` ``last_block_rows`` when it is ``tokens_out`` (the only value a build
-    writes besides null); None when absent, unreadable or anything else. It informs (the bench's FLOP count, the
-    status); what runs is the graph in ``model.xml``."""
+    writes besides null); None when absent, unreadable or anything else. It informs (the bench's FLOP count);
+    what runs is the graph in ``model.xml``."""
     try:
         rows = json.loads((folder / BUILD_FILE).read_text()).get("last_block_rows")
     except (OSError, ValueError, AttributeError):
@@ -371,7 +371,8 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
                    layers=None, key: ArtifactKey | None = None) -> CompiledSuffix:
     """Compile ``stage``'s blocks [k, L) for hidden states of ``shape`` ((T, H) or (B, T, H)) with OpenVINO,
     reusing the artifact in ``cache_dir`` when its key matches (see the module docstring), else converting
-    the module and saving the artifact first.
+    the module and saving the artifact first; a matching artifact the plugin cannot compile (a damaged
+    ``model.bin``) is converted and saved again once.
 
     ``threads``: the CPU plugin's ``INFERENCE_NUM_THREADS`` (0: its default, every core this process may use).
     ``layers``: blocks [k, L) (default: from the stage; pass a list taken on the runner's thread when building
@@ -390,14 +391,11 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
     dtype = next((p.dtype for b in layers for p in b.parameters()), torch.float32)
     folder = key.folder(cache_dir)
     core = ov.Core()
-    cache_hit = _read_key(folder) == key.to_json() and (folder / "model.xml").is_file()
-    if cache_hit:
-        # Compiled from the path: with CACHE_DIR the plugin imports its blob without building the model first.
-        model = str(folder / "model.xml")
-    else:
+    weight_dtype = torch.float32 if openvino_precision(core, dtype) == "f32" else dtype
+
+    def convert_and_save(replace: bool) -> None:
         # Weights in the precision the CPU plugin computes in: bf16 weights on a CPU without bf16 instructions
         # go in as f32 (their values exactly), so no FC decompresses them on every call.
-        weight_dtype = torch.float32 if openvino_precision(core, dtype) == "f32" else dtype
         blocks = traced_blocks(stage.cfg, layers, weight_dtype)
         prune = bool(blocks) and _prunable(blocks[-1], shape3, key.tokens_out, stage.rotary_emb)
         module = _BlocksToLastToken(blocks, stage.rotary_emb, weight_dtype, key.tokens_out, prune_last=prune).eval()
@@ -411,25 +409,36 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
             ov.save_model(model, str(tmp / "model.xml"), compress_to_fp16=False)
             (tmp / BUILD_FILE).write_text(json.dumps({"last_block_rows": key.tokens_out if prune else None}) + "\n")
             (tmp / "key.json").write_text(json.dumps(key.to_json(), indent=1, sort_keys=True) + "\n")
-            if _read_key(folder) == key.to_json() and (folder / "model.xml").is_file():
+            if not replace and _read_key(folder) == key.to_json() and (folder / "model.xml").is_file():
                 shutil.rmtree(tmp, ignore_errors=True)  # another build of the same key finished first: use it
             else:
-                if folder.exists():  # a stale or unreadable artifact under the same name: replace it
+                if folder.exists():  # a stale, unreadable or damaged artifact under the same name: replace it
                     shutil.rmtree(folder, ignore_errors=True)
                 os.replace(tmp, folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        # Compiled from the saved IR, as a restart compiles it, not from the converted model in memory: the
-        # same graph ran 1.5-4 % faster read back (smol, 4 blocks: bf16 13.2 -> 12.7 ms, fp32 23.2 -> 22.8 ms,
-        # docs/performance.md), and a cold build then serves what every later start serves.
-        model = str(folder / "model.xml")
+
+    cache_hit = _read_key(folder) == key.to_json() and (folder / "model.xml").is_file()
+    if not cache_hit:
+        convert_and_save(replace=False)
     precision = openvino_precision(core, dtype)
     config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision,
               "CACHE_DIR": str(folder / "ov_cache")}
     if threads > 0:
         config["INFERENCE_NUM_THREADS"] = int(threads)
-    compiled = core.compile_model(model, "CPU", config)
+    # Compiled from the saved IR, also right after a build (as a restart compiles it, not the converted model in
+    # memory: the same graph ran 1.5-4 % faster read back; smol, 4 blocks: bf16 13.2 -> 12.7 ms, fp32 23.2 ->
+    # 22.8 ms, docs/performance.md). With CACHE_DIR the plugin imports its blob without building the model first.
+    try:
+        compiled = core.compile_model(str(folder / "model.xml"), "CPU", config)
+    except Exception:
+        if not cache_hit:
+            raise
+        # A damaged artifact under a matching key.json (model.bin missing or cut short, say): built again once.
+        cache_hit = False
+        convert_and_save(replace=True)
+        compiled = core.compile_model(str(folder / "model.xml"), "CPU", config)
     return CompiledSuffix(key, compiled, dtype=dtype, input_shape=shape3, folder=folder, cache_hit=cache_hit,
                           build_s=time.perf_counter() - t0, precision=precision, threads=threads,
                           last_block_rows=_last_block_rows(folder, key.tokens_out))

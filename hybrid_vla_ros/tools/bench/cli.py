@@ -177,6 +177,7 @@ def _versions() -> dict:
 def _setting_problems(args: argparse.Namespace, s: dict, parts: list[str]) -> list[str]:
     """Bad option values, found before anything is measured (one line each)."""
     from ...model.config import PRESETS
+    from ...model.config import preset as preset_config
     from .handoff import RCLPY_VARIANTS
 
     problems = []
@@ -211,7 +212,15 @@ def _setting_problems(args: argparse.Namespace, s: dict, parts: list[str]) -> li
     if s.get("suffix_bound") and s["suffix_bound"] != "none":
         parts_sb = str(s["suffix_bound"]).split(":")
         if len(parts_sb) != 3 or not parts_sb[1].isdigit() or not _is_number(parts_sb[2]):
-            problems.append(f"--suffix-bound {s['suffix_bound']!r}: use PRESET:K:MS, e.g. tiny:2:400, or none")
+            problems.append(f"--suffix-bound {s['suffix_bound']!r}: use PRESET:K:MS (K a whole number >= 0, MS a "
+                            "busy wait in ms >= 0), e.g. tiny:2:400, or none")
+        elif "pipeline" in parts and args.suffix_bound is not None and parts_sb[0] not in s["presets"]:
+            # (the default case, tiny:2:400, is left out when --presets leaves tiny out)
+            problems.append(f"--suffix-bound {s['suffix_bound']!r}: preset {parts_sb[0]!r} is not among --presets "
+                            f"{s['presets']} (the case runs on a preset the pipeline part prepares)")
+        elif parts_sb[0] in PRESETS and int(parts_sb[1]) > preset_config(parts_sb[0]).num_layers:
+            problems.append(f"--suffix-bound {s['suffix_bound']!r}: K {parts_sb[1]} out of range "
+                            f"[0, {preset_config(parts_sb[0]).num_layers}] for {parts_sb[0]}")
     phases = str(s.get("load_step") or "").split(":")
     if len(phases) != 3 or not all(x.isascii() and x.isdigit() and int(x) >= 1 for x in phases):
         problems.append(f"--load-step {s.get('load_step')!r}: use BEFORE:DURING:AFTER frames, each >= 1, e.g. 6:16:10")

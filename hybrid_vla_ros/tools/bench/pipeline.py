@@ -610,9 +610,9 @@ def run_suffix_bound(plan: dict, *, split_layer: int, suffix_extra_ms: float, fr
     variants (:data:`SUFFIX_BOUND_VARIANTS`): FIFO delivery (frames queue in the ring), newest first (a frame
     waits up to one prefix period) and newest first with the prefix paced to the suffix's announced next read
     (the default of the nodes). Returns {preset, split_layer, suffix_extra_ms, warmup_frames, variants: {name:
-    figures}}, figures as :func:`summarize_pipeline`'s plus the ring's counters, and ``error`` when a variant's
-    suffix took less than the busy wait (it did not reach the runner: not suffix-bound; the goal is then not
-    met)."""
+    figures}}, figures as :func:`summarize_pipeline`'s plus the ring's counters, and ``error`` when a variant was
+    not suffix-bound: its suffix took less than the busy wait (it did not reach the runner), or hand-off + suffix
+    was not the slower side (the goal is then not met)."""
     path = Path(plan["model_path"])
     out = {"preset": plan["preset"], "split_layer": split_layer, "suffix_extra_ms": suffix_extra_ms,
            "dtype": plan["dtype"], "warmup_frames": warmup, "variants": {}}
@@ -630,6 +630,11 @@ def run_suffix_bound(plan: dict, *, split_layer: int, suffix_extra_ms: float, fr
             out["error"] = (f"{name}: the suffix took {suffix_p50:.1f} ms (p50), less than the {suffix_extra_ms:g} "
                             "ms busy wait added to it; the wait did not reach the runner, so this pipeline was not "
                             "suffix-bound")
+        elif pipe["bottleneck"] != "handoff+suffix":
+            out["error"] = (f"{name}: hand-off + suffix ({pipe['handoff_suffix_side_ms']['mean']:.1f} ms, mean) was "
+                            f"not slower than the prefix ({pipe['prefix_side_ms']['mean']:.1f} ms): not suffix-bound; "
+                            "give a longer busy wait or a smaller K")
+        if out.get("error"):
             log(f"    ERROR {out['error']}")
         out["variants"][name] = pipe
         lat = pipe["latency"]

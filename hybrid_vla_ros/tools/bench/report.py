@@ -348,7 +348,8 @@ def _time_shares(ops: dict, peak_gflops: float) -> str:
         return "-"
     text = " / ".join(f"{ops.get(k, float('nan')):.0%}" for k in ("gemm_share", "attention_share", "other_share"))
     if "outside_share" in ops:
-        text += f" / {ops['outside_share']:.0%}"
+        text += f" / {ops['outside_share']:.0%}" + (" (counted run longer than timed)"
+                                                    if ops.get("counted_exceeds_timed") else "")
         if ops.get("gemm_gflops_in_graph") and peak_gflops:
             text += f" (GEMMs at {ops['gemm_gflops_in_graph'] / peak_gflops:.2f})"
     return text
@@ -473,7 +474,8 @@ def markdown(doc: dict) -> str:
         out.append(f"\n**CPU suffix FLOP/s** (cores {f['cores']}, {f['threads']} thread(s), {f.get('clock', 'wall')} "
                    "clock): the last blocks of the "
                    "LLM + norm + heads at the preset's token count against the best torch GEMM on the same cores and "
-                   "dtype. FLOPs: 2 x MACs of every Linear + causal attention counted as half.")
+                   "dtype. FLOPs: 2 x MACs of every Linear + causal attention counted as half; a compiled row "
+                   "counts what its graph computes (its last block's MLP on the read-out rows only).")
         header = ["preset", "dtype", "backend (computes in)", "blocks x T (passes)", "GFLOP", "ms", "GFLOP/s",
                   "GEMM peak", "ratio", "vs best peak", "vs block-shape GEMM", "x eager",
                   "time in GEMM / attention / other (/ outside the graph; GEMMs' own rate / peak)"]

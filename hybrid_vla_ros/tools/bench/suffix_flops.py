@@ -186,7 +186,9 @@ def _openvino_breakdown(compiled, x, total_ms: float, linear_gflop: float, calls
     nodes: the Linears), ``attention_share`` (the attention nodes, :data:`OV_ATTENTION_TYPES`), ``other_share``
     (every other node: RMSNorm, rotary, transposes, element-wise subgraphs, reorders), ``outside_share`` (what is
     in no node: the infer call, the input and output copies, the final norm and heads in torch); ``gemm_ms``,
-    ``attention_ms``, ``other_ms`` (ms per call of the counted run); and ``gemm_gflops_in_graph`` = ``linear_gflop``
+    ``attention_ms``, ``other_ms`` (ms per call of the counted run); ``counted_exceeds_timed`` (the counted
+    run's nodes took longer than the timed call: ``outside_share`` is then 0 by the cap, not measured); and
+    ``gemm_gflops_in_graph`` = ``linear_gflop``
     / the FullyConnected time, the rate the Linears themselves reach inside the graph (GFLOP/s)."""
     from ...runtime.suffix_backend import _openvino
 
@@ -223,6 +225,7 @@ def _openvino_breakdown(compiled, x, total_ms: float, linear_gflop: float, calls
     graph = min(1.0, nodes / max(total_ms, 1e-9))
     return {"gemm_share": graph * gemm / nodes, "attention_share": graph * attention / nodes,
             "other_share": graph * other / nodes, "outside_share": 1.0 - graph,
+            "counted_exceeds_timed": nodes > total_ms,
             "gemm_ms": gemm, "attention_ms": attention, "other_ms": other,
             "gemm_gflops_in_graph": linear_gflop / (gemm / 1e3) if gemm > 0 else None}
 
