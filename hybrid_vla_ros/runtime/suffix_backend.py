@@ -208,8 +208,8 @@ def _last_rows_of_block(block: nn.Module, x: torch.Tensor, rows: int, positions:
     token, so the other rows' work there could only feed rows nobody reads. The composition is the pre-norm
     decoder layer of transformers' ``LlamaDecoderLayer`` (x + attn(norm(x)), then x + mlp(norm(x))), which Qwen2,
     Qwen3, Mistral and Phi-3 share; :func:`_prunable` checks a block against its own ``forward`` before this is
-    used. Raises AttributeError for a
-    block without ``input_layernorm`` / ``self_attn`` / ``post_attention_layernorm`` / ``mlp``."""
+    used. Raises AttributeError for a block without ``input_layernorm`` / ``self_attn`` /
+    ``post_attention_layernorm`` / ``mlp``."""
     attn = block.self_attn(hidden_states=block.input_layernorm(x), attention_mask=None, position_ids=positions,
                            position_embeddings=cos_sin)[0]
     out = x[:, -rows:, :] + attn[:, -rows:, :]
@@ -360,6 +360,21 @@ def _last_block_rows(folder: Path, tokens_out: int) -> int | None:
     return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows == tokens_out else None
 
 
+def plugin_config(precision: str, threads: int = 0, *, cache_dir: Path | None = None,
+                  perf_count: bool = False) -> dict:
+    """The CPU plugin's compile options of a compiled suffix: latency hint, ``INFERENCE_PRECISION_HINT``
+    ``precision`` (:func:`openvino_precision`), ``INFERENCE_NUM_THREADS`` ``threads`` when > 0 (0: the plugin's
+    default), ``CACHE_DIR`` (its compiled-blob cache) when given, ``PERF_COUNT`` (per-node counters) when asked."""
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision}
+    if threads > 0:
+        config["INFERENCE_NUM_THREADS"] = int(threads)
+    if cache_dir is not None:
+        config["CACHE_DIR"] = str(cache_dir)
+    if perf_count:
+        config["PERF_COUNT"] = True
+    return config
+
+
 def _read_key(folder: Path) -> dict | None:
     try:
         return json.loads((folder / "key.json").read_text())
@@ -423,10 +438,7 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
     if not cache_hit:
         convert_and_save(replace=False)
     precision = openvino_precision(core, dtype)
-    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision,
-              "CACHE_DIR": str(folder / "ov_cache")}
-    if threads > 0:
-        config["INFERENCE_NUM_THREADS"] = int(threads)
+    config = plugin_config(precision, threads, cache_dir=folder / "ov_cache")
     # Compiled from the saved IR, also right after a build (as a restart compiles it, not the converted model in
     # memory: the same graph ran 1.5-4 % faster read back; smol, 4 blocks: bf16 13.2 -> 12.7 ms, fp32 23.2 ->
     # 22.8 ms, docs/performance.md). With CACHE_DIR the plugin imports its blob without building the model first.

@@ -120,8 +120,9 @@ def mlp_rows_flops(cfg, rows: int) -> int:
     """FLOPs of one block's MLP (gate, up: H -> I; down: I -> H) on ``rows`` tokens of each of the
     ``cfg.llm_passes`` passes: what a compiled suffix leaves out of block L-1 when it computes the MLP for the
     read-out rows only (:func:`hybrid_vla_ros.runtime.suffix_backend._last_rows_of_block`, T - rows rows)."""
-    x = _dims(cfg)
-    return 2 * cfg.llm_passes * rows * 3 * x["H"] * x["I"]
+    shapes = linear_shapes(cfg)
+    return sum(2 * cfg.llm_passes * rows * fin * fout for fin, fout in (shapes[n] for n in ("gate_proj", "up_proj",
+                                                                                           "down_proj")))
 
 
 def suffix_flops(cfg, split_layer: int) -> dict:
@@ -188,15 +189,12 @@ def _openvino_breakdown(compiled, x, total_ms: float, linear_gflop: float, calls
     in no node: the infer call, the input and output copies, the final norm and heads in torch); ``gemm_ms``,
     ``attention_ms``, ``other_ms`` (ms per call of the counted run); ``counted_exceeds_timed`` (the counted
     run's nodes took longer than the timed call: ``outside_share`` is then 0 by the cap, not measured); and
-    ``gemm_gflops_in_graph`` = ``linear_gflop``
-    / the FullyConnected time, the rate the Linears themselves reach inside the graph (GFLOP/s)."""
-    from ...runtime.suffix_backend import _openvino
+    ``gemm_gflops_in_graph`` = ``linear_gflop`` / the FullyConnected time, the rate the Linears themselves reach
+    inside the graph (GFLOP/s)."""
+    from ...runtime.suffix_backend import _openvino, plugin_config
 
     ov = _openvino()
-    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": compiled.precision, "PERF_COUNT": True}
-    threads = compiled.threads
-    if threads > 0:
-        config["INFERENCE_NUM_THREADS"] = threads
+    config = plugin_config(compiled.precision, compiled.threads, perf_count=True)
     model = ov.Core().compile_model(str(compiled.folder / "model.xml"), "CPU", config)
     # A fused node is named after one of the operations it took in (the f32 MHA subgraph after its output
     # transpose); the runtime model lists all of them, so attention is found by what a node holds.
