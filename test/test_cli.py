@@ -41,6 +41,7 @@ def test_init_model_writes_a_random_init_checkpoint_and_refuses_to_overwrite(tmp
     (["--dtype", "fp8"], "--dtype must be one of fp32, bf16, fp16"),
     (["--prefix-threads", "-1"], "--prefix-threads must be >= 0"),
     (["--timeout", "0"], "--timeout must be > 0"),
+    (["--attach", "--suffix-backend", "openvino"], "attached nodes keep their own"),
 ])
 def test_replay_rejects_bad_arguments_before_starting_anything(tiny_checkpoint, tmp_path, extra, needle):
     out = _run("replay", "--model-path", str(tiny_checkpoint), "--output", str(tmp_path / "o"), *extra)

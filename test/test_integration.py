@@ -37,11 +37,11 @@ def _stamp(msg) -> int:
     return msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
 
 
-def _replay(out: Path, checkpoint: Path, bag: Path, *extra: str):
+def _replay(out: Path, checkpoint: Path, bag: Path, *extra: str, env: dict | None = None):
     ns = f"/it_{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--model-path", str(checkpoint),
            "--bag", str(bag), "--split-layer", "1", "--namespace", ns, "--output", str(out), "--quiet", *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     logs = "\n".join(p.read_text() for p in out.glob("*.log"))
     assert proc.returncode == 0, f"replay failed:\n{proc.stdout}\n{proc.stderr}\n{logs}"
@@ -73,6 +73,32 @@ def test_report_counts_every_frame(replay_run):
     assert o["n"] == 3 and o["e2e_p50_ms"] == pytest.approx(report["stages_ms"]["end_to_end"]["p50"], abs=1e-3)
     assert o["before_prefix_p50_ms"] >= 0 and o["after_suffix_p50_ms"] >= 0 and isinstance(o["met"], bool)
     assert 0 < o["stage_sum_p50_ms"] < o["e2e_p50_ms"] and "e2e - stage sum" in stdout
+    b = report["suffix_backend"]  # the node's default backend, and the frames it computed in this run
+    assert (b["requested"], b["in_use"], b["frames_eager"], b["frames_compiled"]) == ("eager", "eager", 3, 0)
+    assert "suffix backend         eager: 3 frame(s)" in stdout
+
+
+def test_replay_with_the_compiled_suffix_waits_for_it_and_runs_every_frame_through_it(replay_run, tiny_checkpoint,
+                                                                                      embedded_bag, tmp_path):
+    """``--suffix-backend openvino``: the replay starts the suffix node with the compiled backend, waits for its
+    first build (into an empty cache folder) before playing, so all three frames run through the compiled blocks;
+    their trajectories are the eager replay's within the compiled backend's fp32 bound (test_suffix_backend)."""
+    out, _, stdout = _replay(tmp_path / "ov", tiny_checkpoint, embedded_bag, "--suffix-backend", "openvino",
+                             env={"HYBRID_VLA_CACHE": str(tmp_path / "cache")})
+    report = json.loads((out / "report.json").read_text())
+    b = report["suffix_backend"]
+    assert (b["requested"], b["in_use"], b["compiled_k"], b["error"]) == ("openvino", "openvino", 1, ""), b
+    assert (b["frames_compiled"], b["frames_eager"]) == (3, 0), b
+    assert "compiled suffix ready after" in stdout
+    assert "suffix backend         openvino (blocks [1, " in stdout and "3 frame(s) compiled, 0 eager" in stdout
+    assert any((tmp_path / "cache").iterdir()), "the artifact goes to the node's cache folder"
+    ours = {_stamp(t): t for t in _published(out)}
+    eager = {_stamp(t): t for t in _published(replay_run[0])}
+    assert set(ours) == set(eager) and len(ours) == 3
+    for stamp, t in ours.items():
+        got = np.array([[p.pose.position.x, p.pose.position.y] for p in t.points])
+        want = np.array([[p.pose.position.x, p.pose.position.y] for p in eager[stamp].points])
+        assert np.abs(got - want).max() <= 1e-3  # m: FP32_WAYPOINT_BOUND_M of test_suffix_backend
 
 
 def test_ring_removed_after_clean_shutdown(replay_run):
@@ -315,7 +341,8 @@ def test_the_replay_waits_for_sparse_odometry_as_long_as_the_suffix_would_once_i
 
     def wait_s(rate: float, period_s):
         args = argparse.Namespace(model_path=".", prefix_threads=1, rate=rate, dtype="fp32", transport="compressed",
-                                  sync_tolerance_ms=50.0, device="cpu", fast_jpeg_decode=False)
+                                  sync_tolerance_ms=50.0, device="cpu", fast_jpeg_decode=False,
+                                  suffix_backend=None)
         params = node_params(args, "/ns", 1, ["/cam"], [0], [1], period_s)["/ns/suffix_node"]["ros__parameters"]
         return params.get("odometry_wait_s", defaults("suffix_node")["odometry_wait_s"])
 

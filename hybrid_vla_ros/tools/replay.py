@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from ..model.config import takes_scene
-from ..ros.params import camera_info_topic
+from ..ros.params import camera_info_topic, parameter_specs
 from ..util.bags import BagMessage, camera_topics, read_bag
 from ..util.cores import parse_core_list, usable_cores
 from ..util.paths import embedded_bag, package_file
@@ -81,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the prefix decodes JPEGs scaled down when the model input is small (prefix parameter "
                         "fast_jpeg_decode; the picture differs slightly from a full decode)")
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (both nodes)")
+    p.add_argument("--suffix-backend", choices=parameter_specs("suffix_node")["suffix_backend"]["enum"],
+                   default=None,
+                   help="the suffix node's suffix_backend (default: the node's, eager). With openvino the replay "
+                        "waits, up to --timeout, for the compiled suffix before playing the bag, so every frame "
+                        "runs through it; the report says which backend computed how many frames")
     p.add_argument("--suffix-cores", default=None,
                    help="cores for the suffix process, e.g. '1' or '2,3' (default: the last core)")
     p.add_argument("--prefix-threads", type=int, default=0, help="torch threads of a CPU prefix (0 = the other cores)")
@@ -187,6 +192,9 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
         problems.append(f"--suffix-cores: {e}")
     if args.dtype not in ("fp32", "bf16", "fp16"):
         problems.append(f"--dtype must be one of fp32, bf16, fp16, got {args.dtype!r}")
+    if args.attach and args.suffix_backend is not None:
+        problems.append("--suffix-backend sets the nodes a replay starts; attached nodes keep their own: set "
+                        "suffix_backend on them (e.g. `-p suffix_backend:=openvino`)")
     if args.prefix_threads < 0:
         problems.append(f"--prefix-threads must be >= 0 (0 = one per prefix core), got {args.prefix_threads}")
     if not args.timeout > 0:
@@ -390,6 +398,8 @@ class ReplaySession:
                 self.k = prefix.split_layer  # the attached prefix's K, not this replay's default
         where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
         print(f"nodes active after {active_s:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
+        if self._wait_for_compiled_suffix():
+            self.baseline = self.rec.fresh_statuses(self.ns, time.monotonic())
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
         self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing")
         # with ego state input both nodes read the odometry
@@ -426,6 +436,33 @@ class ReplaySession:
                                 f"split layer {self.k} of {self.cfg.num_layers}", self.cfg.random_init)
                     if self.args.plots else True)
         return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
+
+    def _wait_for_compiled_suffix(self) -> bool:
+        """When the suffix node's ``suffix_backend`` is ``openvino`` and its compiled suffix is still being built
+        (``suffix_backend_building``, /diagnostics), wait for the build, up to ``--timeout`` s, so that the frames run
+        through the compiled model rather than eagerly while it builds. Prints how it ended: ready (the K it
+        covers, its precision, the wait), failed (the node's ``suffix_backend_error``; frames run eagerly) or not
+        ready in time (frames run eagerly until it is). Returns whether it waited at all."""
+        st = self.baseline.suffix
+        if st is None or st.suffix_backend != "openvino" or st.suffix_backend_building is None:
+            return False
+        print(f"waiting for the compiled suffix (blocks [{st.suffix_backend_building}, {self.cfg.num_layers}), "
+              f"OpenVINO) before playing the bag; up to {self.args.timeout:g} s")
+        t0 = time.monotonic()
+        while (st is not None and st.suffix_backend_building is not None and not st.suffix_backend_error
+               and time.monotonic() - t0 < self.args.timeout):
+            st = self.rec.fresh_statuses(self.ns, time.monotonic(), timeout=3.0).suffix
+        waited = time.monotonic() - t0
+        if st is not None and st.suffix_backend_in_use == "openvino":
+            print(f"compiled suffix ready after {waited:.1f} s: blocks [{st.suffix_backend_k}, "
+                  f"{self.cfg.num_layers}), {st.suffix_backend_precision}")
+        elif st is not None and st.suffix_backend_error:
+            print(f"warning: the compiled suffix failed ({st.suffix_backend_error}): the suffix computes eagerly",
+                  file=sys.stderr)
+        else:
+            print(f"warning: the compiled suffix was not ready after {waited:.1f} s (--timeout): frames run eagerly "
+                  "until it is", file=sys.stderr)
+        return True
 
     def _slowest_answer_s(self, frames: dict[int, float]) -> float:
         """The longest time (s) from a frame's playback to its trajectory so far, 0 before any answer; ``frames``:

@@ -22,7 +22,8 @@ def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int],
                 odometry_period_s: float | None = None) -> dict:
     """The parameters of the two node processes a replay starts (node name -> ``ros__parameters``), as written to
     its params file: split layer ``k``, the ``cams`` camera topics, the cores of each (the prefix's: those the
-    suffix does not get, [] = not pinned) and ``args``' model, dtype, device, transport and sync tolerance.
+    suffix does not get, [] = not pinned) and ``args``' model, dtype, device, transport, sync tolerance and suffix
+    backend (when given).
 
     Both nodes run on the bag's clock (``use_sim_time: true``; the replay publishes ``/clock``), so the
     output guard's age check stays on. At ``--rate`` above 1 the bag's clock runs that much faster than
@@ -43,6 +44,8 @@ def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int],
     prefix_threads = a.prefix_threads or max(1, len(prefix_cores) or len(os.sched_getaffinity(0)))
     suffix = {"model_path": model, "split_layer": k, "cpu_affinity": suffix_cores,
               "threads": len(suffix_cores), "dtype": a.dtype, "use_sim_time": True}
+    if a.suffix_backend is not None:
+        suffix["suffix_backend"] = a.suffix_backend
     if a.rate > 1.0:
         suffix["guard.max_age_s"] = round(defaults("suffix_node")["guard.max_age_s"] * a.rate, 6)
     prefix = {"model_path": model, "split_layer": k, "camera_topics": cams,

@@ -62,11 +62,25 @@ def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: P
         "drops": drops,
         "stages_ms": stages,
         "pipeline_overhead": overhead,
+        "suffix_backend": suffix_backend_report(suffix),
         "messages_played": published["messages"],
         "playback_wall_s": round(published["wall_s"], 3),
         "interrupted": published["interrupted"],
         "output_bag": str(bag_path),
     }
+
+
+def suffix_backend_report(suffix: SuffixStatus | None) -> dict | None:
+    """How the suffix computed this run's frames, from its status at the end with this run's counts (None for a
+    suffix not heard from): the backend asked for (``requested``, the ``suffix_backend`` parameter) and the one in
+    use at the end, the K the compiled model covers (None without one), its precision, why the asked-for backend
+    is not in use ('' when it is), and the frames each path computed in this run."""
+    if suffix is None:
+        return None
+    return {"requested": suffix.suffix_backend, "in_use": suffix.suffix_backend_in_use,
+            "compiled_k": suffix.suffix_backend_k, "precision": suffix.suffix_backend_precision,
+            "error": suffix.suffix_backend_error, "frames_compiled": suffix.suffix_backend_frames_compiled,
+            "frames_eager": suffix.suffix_backend_frames_eager}
 
 
 def pipeline_overhead(trajectories: dict[int, float], timings: dict, frames: dict[int, float],
@@ -161,6 +175,14 @@ def print_report(r: dict) -> None:
         print(f"  foreign trajectories   {r['foreign_trajectories']} "
               "(not from this replay's frames: another publisher?)")
     print(f"  drops by cause         {r['drops'] or 'none'}")
+    b = r.get("suffix_backend")
+    if b and b["requested"] == "eager":
+        print(f"  suffix backend         eager: {b['frames_eager']} frame(s)")
+    elif b:
+        what = b["requested"] + (f" (blocks [{b['compiled_k']}, {r['num_layers']}) compiled, {b['precision']})"
+                                 if b["compiled_k"] is not None else "")
+        print(f"  suffix backend         {what}: {b['frames_compiled']} frame(s) compiled, {b['frames_eager']} eager"
+              + (f"; not in use: {b['error']}" if b["error"] else ""))
     cores = r.get("cpu_affinity") or {}
     if cores.get("prefix") or cores.get("suffix"):
         print(f"  cores                  prefix {cores.get('prefix')}, suffix {cores.get('suffix')}")
