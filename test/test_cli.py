@@ -42,6 +42,8 @@ def test_init_model_writes_a_random_init_checkpoint_and_refuses_to_overwrite(tmp
     (["--prefix-threads", "-1"], "--prefix-threads must be >= 0"),
     (["--timeout", "0"], "--timeout must be > 0"),
     (["--attach", "--suffix-backend", "openvino"], "attached nodes keep their own"),
+    (["--camera-topics", "/a/image", "--camera-topic-suffix", "image_rect_color"], "not both"),
+    (["--camera-topics", "a/image,,/b"], "give absolute topics"),
 ])
 def test_replay_rejects_bad_arguments_before_starting_anything(tiny_checkpoint, tmp_path, extra, needle):
     out = _run("replay", "--model-path", str(tiny_checkpoint), "--output", str(tmp_path / "o"), *extra)
@@ -150,3 +152,14 @@ def test_plan_first_line_states_the_dtype_and_its_default(capsys, extra, needle)
 
     assert main(["plan", "--preset", "tiny", *extra]) == 0
     assert needle in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.parametrize("command", ["plan", "profile", "verify-split", "replay"])
+@pytest.mark.parametrize("spelling", ["--model", "--model-path"])
+def test_every_subcommand_takes_the_checkpoint_as_model_or_model_path(command, spelling):
+    """The nodes' parameter is model_path and the tools said --model: each command takes both spellings."""
+    from hybrid_vla_ros.tools.cli import build_parser
+
+    required = ["--out", "p.json"] if command == "profile" else []
+    args = build_parser().parse_args([command, spelling, "/ckpt", *required])
+    assert (args.model_path if command == "replay" else args.model) == "/ckpt"

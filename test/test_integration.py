@@ -162,6 +162,53 @@ def test_published_trajectories_match_the_monolithic_model(replay_run, tiny_chec
             assert math.isfinite(p.front_wheel_angle_rad)
 
 
+def _renamed_bag(src: Path, dst: Path, rename) -> Path:
+    """The bag at ``src`` written again (MCAP, the same CDR bytes and receive times) with each topic renamed by
+    ``rename(topic) -> topic``."""
+    from rosbags.highlevel import AnyReader
+    from rosbags.rosbag2 import StoragePlugin, Writer
+
+    store = _typestore_with_autoware()
+    with AnyReader([src], default_typestore=store) as reader, \
+            Writer(dst, version=8, storage_plugin=StoragePlugin.MCAP) as writer:
+        conns = {c.id: writer.add_connection(rename(c.topic), c.msgtype, typestore=store)
+                 for c in reader.connections}
+        for c, t, raw in reader.messages():
+            writer.write(conns[c.id], t, raw)
+    return dst
+
+
+def _xy(trajectories: list) -> dict:
+    return {_stamp(t): np.array([[p.pose.position.x, p.pose.position.y] for p in t.points]) for t in trajectories}
+
+
+def test_a_bag_with_autowares_camera_topic_names_or_any_names_replays_the_same(replay_run, tiny_checkpoint,
+                                                                             embedded_bag, tmp_path):
+    """Autoware's launch files name the cameras /sensing/camera/camera<i>/image_rect_color, other bags anything:
+    the embedded bag with its cameras renamed replays with ``--camera-topic-suffix image_rect_color`` and with
+    ``--camera-topics`` (one by one, in camera order), and gives the default replay's trajectories; a named topic
+    the bag lacks is refused with the bag's image topics listed."""
+    rect = _renamed_bag(embedded_bag, tmp_path / "rect", lambda t: t.replace("/image_raw", "/image_rect_color"))
+    out, _, stdout = _replay(tmp_path / "out_rect", tiny_checkpoint, rect, "--camera-topic-suffix", "image_rect_color")
+    want = _xy(_published(replay_run[0]))
+    got = _xy(_published(out))
+    assert set(got) == set(want) and all(np.array_equal(got[s], want[s]) for s in want)
+
+    names = [f"/cam_{i}/image" for i in range(6)]
+    free = _renamed_bag(embedded_bag, tmp_path / "free", lambda t: re.sub(
+        r"^/sensing/camera/camera(\d)/image_raw", lambda m: names[int(m.group(1))], t))
+    out, _, _ = _replay(tmp_path / "out_free", tiny_checkpoint, free, "--camera-topics", ",".join(names))
+    got = _xy(_published(out))
+    assert set(got) == set(want) and all(np.array_equal(got[s], want[s]) for s in want)
+
+    cmd = [sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--model-path", str(tiny_checkpoint),
+           "--bag", str(free), "--output", str(tmp_path / "o"), "--camera-topics", ",".join(names[:5] + ["/cam_9"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1 and "/cam_9/compressed: not in the bag" in proc.stderr, proc.stderr
+    assert "/cam_0/image/compressed" in proc.stderr and "Traceback" not in proc.stderr  # what the bag has
+
+
 def _published(out: Path) -> list:
     from rosbags.highlevel import AnyReader
 

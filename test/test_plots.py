@@ -1,5 +1,6 @@
 """`hybrid-vla replay --plots DIR`: the four pictures from a real replay, the frame-timing instants they are
 drawn from, and the camera projection and extrinsics math on their own."""
+import dataclasses
 import math
 import os
 import subprocess
@@ -8,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import cv2
+import matplotlib.colors
 import numpy as np
 import pytest
 
@@ -166,3 +168,18 @@ def test_timeline_marks_the_frames_sent_that_got_no_trajectory():
     top = fig.axes[0]
     assert not [line for line in top.get_lines() if line.get_marker() == "x" and len(line.get_xdata())]
     assert sorted({round(p.get_y() + p.get_height() / 2) for p in top.patches}) == [0, 1]
+
+
+def test_the_ego_state_wait_is_its_own_bar_not_part_of_the_grey_input_wait():
+    """An ego-state model's prefix waits for the odometry at the camera stamp before it starts: that wait is the
+    stage ``ego_wait`` (in the report's stage sum), so the timeline draws it apart from the images' transport."""
+    ms = 1_000_000
+    frame = _timed_frame(10**9, 10**9)
+    frame.timing = dataclasses.replace(frame.timing, ego_wait_ms=3.0)
+    iv = plots._intervals(frame, 0)
+    assert iv["ego_wait"] == pytest.approx((1.0 - 0.003, 1.0))
+    assert iv["input_wait"] == pytest.approx(((10**9 - 5 * ms) / 1e9, 1.0 - 0.003))  # sent .. the wait's start
+    fig = plots.draw_timeline(plots.PlotData([frame]))
+    colors = {matplotlib.colors.to_hex(p.get_facecolor()) for p in fig.axes[0].patches}
+    assert plots.EGO_WAIT[1] in colors and plots.INPUT_WAIT[1] in colors
+    assert "ego_wait" not in plots._intervals(_timed_frame(10**9, 10**9), 0)  # not timed (NaN): no bar

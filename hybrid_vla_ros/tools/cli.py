@@ -345,7 +345,8 @@ def _add_vlm_view(p: argparse.ArgumentParser) -> None:
 def _add_model_source(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="a preset architecture (tiny, smol, orion, minddrive-0.5b, minddrive-3b)")
-    src.add_argument("--model", metavar="PATH", help="a checkpoint directory: this package's, composed, a "
+    src.add_argument("--model", "--model-path", dest="model", metavar="PATH",
+                     help="a checkpoint directory: this package's, composed, a "
                      "transformers LLaMA / Qwen2 / LLaVA directory (sharded or not), or own model code")
 
 
@@ -423,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(token ids for a language model, a camera frame of the embedded bag and a "
                                    "prompt for a VLM), or the model's own forward for own code. Prints the max "
                                    "abs difference per K; exits 0 only when every K is within the tolerance.")
-    v.add_argument("--model", required=True, metavar="DIR", help="the checkpoint directory")
+    v.add_argument("--model", "--model-path", dest="model", required=True, metavar="DIR",
+                   help="the checkpoint directory")
     v.add_argument("--dtype", default="fp32", help="dtype of both sides: fp32 (default), bf16, fp16")
     v.add_argument("--tolerance", type=float, default=None, metavar="X",
                    help="max abs difference allowed (default: 1e-5 fp32, 1e-2 fp16, 5e-2 bf16)")

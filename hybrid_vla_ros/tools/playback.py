@@ -10,7 +10,6 @@ import time
 import numpy as np
 
 from ..ros.graph import wait_for_reliable_subscriptions, wait_for_subscribers
-from ..util.bags import CAMERA_TOPIC
 from .replay_report import drops_by_cause
 
 ODOMETRY_TOPIC = "/localization/kinematic_state"
@@ -25,12 +24,12 @@ def message_class(msgtype: str):
     return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
 
 
-def publishers_for(node, play, odometry_readers: int = 1, camera_info_read: bool = False) -> dict:
+def publishers_for(node, play, cameras: set[str], odometry_readers: int = 1, camera_info_read: bool = False) -> dict:
     """A publisher on ``node`` per topic of the messages ``play`` (topic -> (publisher, message class)), returned
     once the nodes subscribe (10 s at most; the odometry by ``odometry_readers`` subscribers, CameraInfo only
-    waited for when ``camera_info_read``: a prefix with the query heads) and each camera topic has a reliable
-    subscription (10 s at most, see below). Warns on stderr of other publishers on the same topics: their frames
-    would mix with these."""
+    waited for when ``camera_info_read``: a prefix with the query heads) and each camera topic (``cameras``, the
+    topics played as they are published) has a reliable subscription (10 s at most, see below). Warns on stderr
+    of other publishers on the same topics: their frames would mix with these."""
     publishers = {}
     for m in play:
         if m.topic not in publishers:
@@ -42,7 +41,7 @@ def publishers_for(node, play, odometry_readers: int = 1, camera_info_read: bool
     # These publishers are reliable: a prefix with camera_reliability auto re-subscribes its cameras reliable
     # about a second after it hears them. A frame sent during that switch could be lost, and a replay sends each
     # frame once: wait for it (10 s; a prefix configured best_effort stays so, and the replay goes on).
-    cameras = [pub.topic_name for pub, _ in publishers.values() if CAMERA_TOPIC.match(pub.topic_name)]
+    cameras = [pub.topic_name for pub, _ in publishers.values() if pub.topic_name in cameras]
     if cameras and not wait_for_reliable_subscriptions(node, cameras, 10.0):
         print("note: a camera topic has no reliable subscription after 10 s (camera_reliability best_effort?): "
               "large images can be lost under load", file=sys.stderr)
@@ -100,14 +99,17 @@ def publish_calibration(node, messages, info_topics: list[str], publishers: dict
     return tf_pub, False
 
 
-def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=None, clock=None,
-          baseline=None) -> dict:
+def play_bag(args, play, publishers, rec, ns: str, cameras: list[str], on_frame=None, clock=None,
+             baseline=None) -> dict:
     """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
+
+    ``cameras``: the camera topics as played, in model camera order (a frame is timed as its last image goes out;
+    the first camera's images are kept for the plots).
 
     ``clock`` (tools.sim_clock.BagClock): the bag's clock, run with the playback from its first message and
     advanced to each message's receive time (loop offset included) before the message goes out.
 
-    Records the odometry played and the messages of ``first_camera`` into ``rec`` (for the plots). The
+    Records the odometry played and the first camera's messages into ``rec`` (for the plots). The
     progress bar counts frames and shows trajectories and drops (from the nodes' latest /diagnostics).
     Ctrl-C stops playback early; the result then says ``interrupted: True``. ``on_frame(index)`` runs
     before the first message of each frame (index 0-based over all loops). ``baseline``: the nodes'
@@ -118,7 +120,8 @@ def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=N
 
     t0 = play[0].t_ns
     span = play[-1].t_ns - t0
-    camera_times = sorted({m.t_ns for m in play if CAMERA_TOPIC.match(m.topic)})
+    first_camera, cameras = cameras[0], set(cameras)
+    camera_times = sorted({m.t_ns for m in play if m.topic in cameras})
     gaps = np.diff(camera_times)
     gaps = gaps[gaps > args.sync_tolerance_ms * 1e6]  # between frames, not between the cameras of one frame
     period = int(np.median(gaps)) if gaps.size else 100_000_000
@@ -134,7 +137,7 @@ def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=N
     interrupted = False
     try:
         play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                    first_camera, ns, counts, on_frame, clock, baseline)
+                   cameras, first_camera, ns, counts, on_frame, clock, baseline)
     except KeyboardInterrupt:
         interrupted = True
     bar.close()
@@ -143,7 +146,7 @@ def play_bag(args, play, publishers, rec, ns: str, first_camera: str, on_frame=N
 
 
 def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
-                first_camera, ns, counts, on_frame=None, clock=None, baseline=None) -> None:
+               cameras, first_camera, ns, counts, on_frame=None, clock=None, baseline=None) -> None:
     from ..vehicle.trajectory import ego_state_from_odometry
 
     last_frame = None
@@ -159,7 +162,7 @@ def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wa
             stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec + offset
             if offset:  # the first loop plays the stamps as recorded, invalid ones (nanosec >= 1e9) included
                 msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp, 1_000_000_000)
-            new_frame = CAMERA_TOPIC.match(m.topic) and (
+            new_frame = m.topic in cameras and (
                 last_frame is None or abs(stamp - last_frame) > args.sync_tolerance_ms * 1e6)
             if new_frame:
                 if on_frame is not None:
@@ -169,7 +172,7 @@ def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wa
                 clock.advance_to(m.t_ns + offset)  # the bag's clock first: no message from a node's future
             pub.publish(msg)
             counts["messages"] += 1
-            if CAMERA_TOPIC.match(m.topic):
+            if m.topic in cameras:
                 if new_frame:
                     last_frame = stamp
                     bar.update(1)

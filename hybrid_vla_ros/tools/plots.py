@@ -46,6 +46,7 @@ STAGE_STYLE = (  # key in the frame timing, legend label, colour
     ("suffix", "suffix (blocks K..L-1, head)", "#d62728"),
 )
 INPUT_WAIT = ("images sent -> prefix start (DDS, sync, queue)", "#c9c9c9")
+EGO_WAIT = ("ego-state wait (prefix, odometry at the camera stamp)", "#8c6d31")
 OUTPUT_WAIT = ("odometry wait + publish", "#c5b0d5")
 LOST_COLOR = "#000000"  # a frame the replay sent that got no trajectory
 RANDOM_NOTE = "RANDOM-INIT model: the path tests the pipeline, it is not a driving plan"
@@ -490,8 +491,13 @@ def _intervals(f: FrameRecord, origin_ns: int) -> dict[str, tuple[float, float]]
         "suffix": (ready, end),
         "output_wait": (end, publish),
     }
+    # an ego-state model's prefix waits for the odometry at the camera stamp before it starts (its own stage)
+    ego = _ms_or_0(t.ego_wait_ms) / 1e3
+    if ego > 0:
+        out["ego_wait"] = (start - ego, start)
     if f.sent_s is not None:
-        out["input_wait"] = (f.sent_s - origin_ns / 1e9, start)
+        sent = f.sent_s - origin_ns / 1e9
+        out["input_wait"] = (sent, max(sent, start - ego))
     if f.received_s is not None:
         out["received"] = (f.received_s - origin_ns / 1e9,) * 2
     return out
@@ -518,6 +524,7 @@ def _draw_bars(ax, rows: list[int], ivs: list[dict], scale: float, offset: float
         ax.barh(y, width, left=left, height=0.7, color=color, linewidth=0, **kw)
 
     barh("input_wait", INPUT_WAIT[1])
+    barh("ego_wait", EGO_WAIT[1])
     for key, _, color in STAGE_STYLE:
         barh(key, color)
     barh("output_wait", OUTPUT_WAIT[1])
@@ -527,14 +534,15 @@ def _draw_bars(ax, rows: list[int], ivs: list[dict], scale: float, offset: float
         ax.plot(*zip(*got), ls="none", marker="|", ms=size, mew=min(2.0, size / 4), color="black", zorder=5)
 
 
-_BAR_NAMES = {"input_wait": "DDS, sync, queue", "handoff": "hand-off", "output_wait": "odometry wait"}
+_BAR_NAMES = {"input_wait": "DDS, sync, queue", "ego_wait": "ego wait", "handoff": "hand-off",
+              "output_wait": "odometry wait"}
 
 
 def _label_bars(ax, rows: list[int], ivs: list[dict], t0: float) -> None:
     """Write each stage's duration (ms) inside its bar in the zoom, where the bar is wide enough."""
     lo, hi = ax.get_xlim()
     for row, iv in zip(rows, ivs):
-        for key in ("input_wait", *(k for k, _, _ in STAGE_STYLE), "output_wait"):
+        for key in ("input_wait", "ego_wait", *(k for k, _, _ in STAGE_STYLE), "output_wait"):
             if key not in iv:
                 continue
             a, b = ((v - t0) * 1e3 for v in iv[key])
@@ -611,6 +619,8 @@ def draw_timeline(data: PlotData) -> Figure:
     bottom.set_title(what, fontsize=11, loc="left")
 
     handles = [Patch(color=INPUT_WAIT[1], label=INPUT_WAIT[0])]
+    if any("ego_wait" in iv for iv in ivs):
+        handles.append(Patch(color=EGO_WAIT[1], label=EGO_WAIT[0]))
     handles += [Patch(color=c, label=lab) for _, lab, c in STAGE_STYLE]
     handles += [Patch(color=OUTPUT_WAIT[1], label=OUTPUT_WAIT[0])]
     handles += [top.plot([], [], ls="none", marker="|", ms=11, mew=2, color="black",

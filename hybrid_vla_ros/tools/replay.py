@@ -64,7 +64,8 @@ DEFAULT_BAG = embedded_bag()
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``hybrid-vla replay``."""
-    p.add_argument("--model-path", required=True, help="checkpoint directory (see `hybrid-vla init-model`)")
+    p.add_argument("--model-path", "--model", dest="model_path", required=True,
+                   help="checkpoint directory (see `hybrid-vla init-model`); the nodes' model_path")
     p.add_argument("--bag", default=str(DEFAULT_BAG),
                    help="rosbag2 folder (MCAP or sqlite3); default: the embedded DGP bag")
     p.add_argument("--loops", type=int, default=1, help="play the bag this many times (stamps shifted each loop)")
@@ -75,7 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "frame FRAME (0-based, counted over all loops) is played; repeatable. The report lists the "
                         "frames each move left without a trajectory; the nodes' logs give load and wait times")
     p.add_argument("--transport", choices=("compressed", "raw"), default="compressed",
-                   help="camera topics to play: image_raw/compressed or image_raw")
+                   help="camera topics to play: <topic>/compressed (CompressedImage) or <topic> (Image)")
+    p.add_argument("--camera-topic-suffix", default="image_raw", metavar="NAME",
+                   help="camera i is /sensing/camera/camera<i>/NAME (default image_raw; Autoware's launch files use "
+                        "image_rect_color), as the launch file's camera_topic_suffix")
+    p.add_argument("--camera-topics", type=_topic_list, default=None, metavar="T0,T1,...",
+                   help="the cameras' image topics one by one, in the model's camera order (without /compressed), "
+                        "for a bag not named /sensing/camera/camera<i>/...")
     p.add_argument("--device", default="auto", help="prefix device: auto | cpu | cuda[:N]")
     p.add_argument("--fast-jpeg-decode", action="store_true",
                    help="the prefix decodes JPEGs scaled down when the model input is small (prefix parameter "
@@ -126,6 +133,14 @@ def config_file(name: str) -> Path:
 
 
 _ROS_NAMESPACE = re.compile(r"^/?([A-Za-z_][A-Za-z0-9_]*)(/[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _topic_list(text: str) -> list[str]:
+    """``--camera-topics`` -> absolute topic names (comma-separated, none empty)."""
+    topics = [t.strip() for t in text.split(",")]
+    if not all(t.startswith("/") and len(t) > 1 for t in topics):
+        raise argparse.ArgumentTypeError(f"{text!r}: give absolute topics, comma-separated (/a/image,/b/image)")
+    return topics
 
 
 def _resplit_event(text: str) -> tuple[int, int]:
@@ -195,6 +210,8 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     if args.attach and args.suffix_backend is not None:
         problems.append("--suffix-backend sets the nodes a replay starts; attached nodes keep their own: set "
                         "suffix_backend on them (e.g. `-p suffix_backend:=openvino`)")
+    if args.camera_topics and args.camera_topic_suffix != "image_raw":
+        problems.append("give --camera-topics or --camera-topic-suffix, not both")
     if args.prefix_threads < 0:
         problems.append(f"--prefix-threads must be >= 0 (0 = one per prefix core), got {args.prefix_threads}")
     if not args.timeout > 0:
@@ -218,7 +235,7 @@ def run_replay(args: argparse.Namespace) -> int:
         return 1
     try:
         messages = read_bag(args.bag)
-        cams = camera_topics(messages, args.transport)
+        cams = camera_topics(messages, args.transport, args.camera_topic_suffix, args.camera_topics)
     except Exception as e:  # noqa: BLE001 - rosbags raises its own error types for unreadable bags
         print(f"hybrid-vla replay: cannot use the bag {args.bag}: {e}", file=sys.stderr)
         return 1
@@ -275,7 +292,9 @@ class ReplaySession:
             print(f"warning: --suffix-cores {self.suffix_cores} takes every core this process may use: the prefix "
                   "runs unpinned, sharing the suffix's cores", file=sys.stderr)
         self.clock = None  # the bag's clock on /clock (tools.sim_clock.BagClock) while the replay runs
-        play_topics = {f"{t}/compressed" if args.transport == "compressed" else t for t in cams} | {ODOMETRY_TOPIC}
+        #: the camera topics as played, in model camera order
+        self.camera_play = [f"{t}/compressed" if args.transport == "compressed" else t for t in cams]
+        play_topics = set(self.camera_play) | {ODOMETRY_TOPIC}
         self.scene = takes_scene(cfg)  # the query heads read CameraInfo and /tf_static (published before playback)
         self.info_topics = [camera_info_topic(t) for t in cams] if self.scene else []
         play_topics |= set(self.info_topics)
@@ -403,17 +422,17 @@ class ReplaySession:
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
         self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing")
         # with ego state input both nodes read the odometry
-        publishers = publishers_for(node, self.play, 2 if self.cfg.ego_state_input or self.scene else 1,
-                                    camera_info_read=self.scene)
+        publishers = publishers_for(node, self.play, set(self.camera_play),
+                                    2 if self.cfg.ego_state_input or self.scene else 1, camera_info_read=self.scene)
         if self.scene:
             self.tf_static_publisher, ok = publish_calibration(node, self.messages, self.info_topics, publishers,
                                                                lambda: self.rec.statuses(self.ns).prefix)
             if not ok:
                 print("warning: the prefix did not report the bag's CameraInfo and /tf_static within 10 s: frames "
                       "may be dropped for want of a calibration", file=sys.stderr)
-        first_camera = f"{self.cams[0]}/compressed" if self.args.transport == "compressed" else self.cams[0]
+        first_camera = self.camera_play[0]
         self.resplit_log = []
-        published = play_bag(self.args, self.play, publishers, self.rec, self.ns, first_camera,
+        published = play_bag(self.args, self.play, publishers, self.rec, self.ns, self.camera_play,
                              on_frame=lambda i: self._resplit(node, i) if self.args.resplit else None,
                              clock=self.clock, baseline=self.baseline)
         self.interrupted = published["interrupted"]

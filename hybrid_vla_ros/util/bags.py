@@ -1,7 +1,7 @@
 """rosbag2 folders read with rosbags (no ROS install needed): every message as raw CDR bytes, in time order.
 
-Camera topics follow the naming of the embedded bag and of Autoware's sensing launch
-(``/sensing/camera/camera<i>/image_raw[/compressed]``).
+Camera topics follow Autoware's sensing launch (``/sensing/camera/camera<i>/<suffix>[/compressed]``, the suffix
+``image_raw`` in the embedded bag, ``image_rect_color`` in Autoware's launch files), or are named one by one.
 """
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-CAMERA_TOPIC = re.compile(r"^/sensing/camera/camera(\d+)/image_raw(/compressed)?$")
+#: The message type of each camera transport a replay plays.
+TRANSPORT_TYPES = {"compressed": "sensor_msgs/msg/CompressedImage", "raw": "sensor_msgs/msg/Image"}
+
+
+def camera_topic_pattern(suffix: str = "image_raw") -> re.Pattern:
+    """``/sensing/camera/camera<i>/<suffix>[/compressed]``: group 1 the camera index, group 2 ``/compressed``."""
+    return re.compile(rf"^/sensing/camera/camera(\d+)/{re.escape(suffix.strip('/'))}(/compressed)?$")
 
 
 @dataclass
@@ -33,14 +39,39 @@ def read_bag(path: str | Path) -> list[BagMessage]:
         return [BagMessage(c.topic, c.msgtype, t, bytes(raw)) for c, t, raw in reader.messages()]
 
 
-def camera_topics(messages: list[BagMessage], transport: str) -> list[str]:
-    """Base image topics (without /compressed) of /sensing/camera/camera<i>/image_raw[/compressed],
-    in camera-index order, for the transport asked. Raises ValueError when there are none."""
+def camera_topics(messages: list[BagMessage], transport: str, suffix: str = "image_raw",
+                  topics: list[str] | None = None) -> list[str]:
+    """The bag's base image topics (without ``/compressed``) of the cameras, in model camera order, for
+    ``transport`` ("compressed": ``<topic>/compressed`` sensor_msgs/msg/CompressedImage; "raw": ``<topic>``
+    sensor_msgs/msg/Image).
+
+    ``topics``: the base topics one by one, in camera order (each must be in the bag with the transport's type);
+    else found by name, ``/sensing/camera/camera<i>/<suffix>`` in camera-index order.
+    Raises ValueError when a named topic is missing or of another type, or none is found; the message lists the
+    bag's image topics of that transport."""
+    wanted = TRANSPORT_TYPES[transport]
+    typed = {m.topic: m.msgtype for m in messages}
+    images = sorted(t for t, kind in typed.items() if kind == wanted)
+
+    def played(base: str) -> str:
+        return f"{base}/compressed" if transport == "compressed" else base
+
+    have = f"the bag's {transport} image topics: {', '.join(images) or 'none'}"
+    if topics:
+        bases = [t.rstrip("/").removesuffix("/compressed") for t in topics]
+        bad = [played(b) for b in bases if typed.get(played(b)) != wanted]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: not in the bag as {wanted} ({have})")
+        if len(set(bases)) != len(bases):
+            raise ValueError(f"a camera topic is named twice: {', '.join(bases)}")
+        return bases
+    pattern = camera_topic_pattern(suffix)
     found = {}
-    for m in messages:
-        match = CAMERA_TOPIC.match(m.topic)
-        if match and bool(match.group(2)) == (transport == "compressed"):
-            found[int(match.group(1))] = m.topic.removesuffix("/compressed")
+    for topic, kind in typed.items():
+        match = pattern.match(topic)
+        if match and bool(match.group(2)) == (transport == "compressed") and kind == wanted:
+            found[int(match.group(1))] = topic.removesuffix("/compressed")
     if not found:
-        raise ValueError(f"the bag has no {transport} camera topics like /sensing/camera/camera0/image_raw")
+        raise ValueError(f"the bag has no {transport} camera topics like {played(f'/sensing/camera/camera0/{suffix}')}"
+                         f" ({have})")
     return [found[i] for i in sorted(found)]

@@ -128,7 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="VLM families of the families part (default: all of tools/bench/families.py PUBLISHED)")
     g = p.add_argument_group("suffix FLOP/s")
     g.add_argument("--flops-dtypes", type=_list, default=["fp32", "bf16"], help="dtypes (default fp32,bf16)")
-    g.add_argument("--flops-blocks", type=int, default=None, help="decoder blocks in the measured suffix (default 4)")
+    g.add_argument("--flops-blocks", type=int, default=None,
+                   help="decoder blocks in the measured suffix (default 4; per-frame costs weigh more in a short "
+                        "suffix: give the number of blocks a chosen K leaves to measure that suffix)")
     g.add_argument("--flops-repeats", type=int, default=None, help="timed samples (default 5)")
     g.add_argument("--flops-backends", type=_list, default=["eager", "openvino"],
                    help="suffix backends measured (default eager,openvino; eager always runs)")

@@ -329,7 +329,9 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
     per dtype.
 
     ``presets``: [{"name": preset, "blocks": n}] -- the suffix measured holds the last ``n`` blocks (K = L - n):
-    every block has the same shapes, so the FLOP/s of a few blocks is that of any K, at a fraction of the time.
+    every block has the same shapes, so a few blocks give the per-block rate at a fraction of the time; what each
+    frame costs once (the final norm and heads, the compiled model's call, its last block's read-out rows) weighs
+    more in a short suffix than in the one a chosen K leaves (``--flops-blocks``).
     ``backends``: "eager" always runs; "openvino" is built cold into ``cache_dir`` (which the restart workers
     reuse) and measured on the same stage. A backend that cannot be built is listed in ``skipped`` with the
     reason. ``clock``: :func:`.common.time_call`'s clock for every timing here (suffix and GEMMs alike)."""
