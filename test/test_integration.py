@@ -73,6 +73,9 @@ def test_report_counts_every_frame(replay_run):
     assert o["n"] == 3 and o["e2e_p50_ms"] == pytest.approx(report["stages_ms"]["end_to_end"]["p50"], abs=1e-3)
     assert o["before_prefix_p50_ms"] >= 0 and o["after_suffix_p50_ms"] >= 0 and isinstance(o["met"], bool)
     assert 0 < o["stage_sum_p50_ms"] < o["e2e_p50_ms"] and "e2e - stage sum" in stdout
+    # the replay deactivates both nodes before cleaning up either: neither saw its peer go (no "peer lost")
+    logs = {p.name: p.read_text() for p in out.glob("*_node.log")}
+    assert len(logs) == 2 and not [n for n, text in logs.items() if "peer lost" in text], logs
     b = report["suffix_backend"]  # the node's default backend, and the frames it computed in this run
     assert (b["requested"], b["in_use"], b["frames_eager"], b["frames_compiled"]) == ("eager", "eager", 3, 0)
     assert "suffix backend         eager: 3 frame(s)" in stdout
@@ -90,7 +93,7 @@ def test_replay_with_the_compiled_suffix_waits_for_it_and_runs_every_frame_throu
     assert (b["requested"], b["in_use"], b["compiled_k"], b["error"]) == ("openvino", "openvino", 1, ""), b
     assert (b["frames_compiled"], b["frames_eager"]) == (3, 0), b
     assert "compiled suffix ready after" in stdout
-    assert "suffix backend         openvino (blocks [1, " in stdout and "3 frame(s) compiled, 0 eager" in stdout
+    assert "suffix backend         openvino: 3 frame(s) compiled, 0 eager; at the end blocks [1, 4) compiled" in stdout
     assert any((tmp_path / "cache").iterdir()), "the artifact goes to the node's cache folder"
     ours = {_stamp(t): t for t in _published(out)}
     eager = {_stamp(t): t for t in _published(replay_run[0])}
@@ -294,11 +297,15 @@ def test_a_node_that_refuses_configure_is_explained_in_the_replays_own_output(ti
     import torch
 
     device = f"cuda:{torch.cuda.device_count() + 7}" if torch.cuda.is_available() else "cuda"
+    (tmp_path / "o" / "trajectories").mkdir(parents=True)  # an earlier run's output
+    (tmp_path / "o" / "report.json").write_text('{"trajectories_out": 29}')
     cmd = [sys.executable, "-m", "hybrid_vla_ros", "replay", "--model-path", str(tiny_checkpoint), "--device", device,
            "--namespace", f"/rf_{uuid.uuid4().hex[:8]}", "--output", str(tmp_path / "o"), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode != 0
+    # the failed run leaves no earlier report or trajectories that would read as its own
+    assert not (tmp_path / "o" / "report.json").exists() and not (tmp_path / "o" / "trajectories").exists()
     assert "configure of" in proc.stderr and "failed" in proc.stderr
     assert "configure failed:" in proc.stderr and "cuda" in proc.stderr.split("configure failed:")[1].lower()
 
@@ -417,3 +424,20 @@ def test_the_replay_hint_on_old_trajectories_gives_the_wall_time_limit_at_the_re
     assert "50 s of wall time" in slow and "scales" not in slow
     fast, = hints(report, "/cam", 3.0, False)
     assert "scales guard.max_age_s by 3" in fast
+    # an ego-state prefix without the odometry remap drops every frame: the hint names the remap
+    ego, = hints({**report, "drops": {"prefix.no_ego_state": 6}}, "/cam", 1.0, True)
+    assert "-r '~/input/kinematic_state:=/localization/kinematic_state'" in ego
+
+
+def test_the_suffix_backend_option_reaches_the_suffix_nodes_parameters():
+    import argparse
+
+    from hybrid_vla_ros.ros.params import value_problems
+    from hybrid_vla_ros.tools.replay_nodes import node_params
+
+    for backend in (None, "eager", "openvino"):
+        args = argparse.Namespace(model_path=".", prefix_threads=1, rate=1.0, dtype="fp32", transport="compressed",
+                                  sync_tolerance_ms=50.0, device="cpu", fast_jpeg_decode=False, suffix_backend=backend)
+        params = node_params(args, "/ns", 1, ["/cam"], [0], [1])["/ns/suffix_node"]["ros__parameters"]
+        assert params.get("suffix_backend") == backend  # None: the node's default
+        assert not value_problems("suffix_node", {k: v for k, v in params.items() if k == "suffix_backend"})

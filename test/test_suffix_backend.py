@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -354,3 +355,62 @@ def test_the_last_block_computes_only_the_read_out_rows_and_gives_the_eager_stat
         assert suffix_backend._prunable(blocks16[-1], shape, 1, stage.rotary_emb)
         assert not suffix_backend._prunable(_ParallelBlock(blocks16[-1]), shape, 1, stage.rotary_emb)
         assert not suffix_backend._prunable(blocks[-1], shape, shape[1], stage.rotary_emb), "no row to leave out"
+
+
+# ------------------------------------------------------------------------------------------ builds beside frames
+
+def test_background_builds_run_at_the_lowest_cpu_priority_and_still_finish(tiny_checkpoint, tmp_path):
+    """The build shares the suffix's pinned cores with the frames computed eagerly meanwhile: its thread runs at
+    nice BUILD_NICE (the runner's own thread keeps its priority), and the compiled suffix still arrives."""
+    _require_openvino()
+    import threading
+
+    stage = load_stage(tiny_checkpoint, "suffix", 2)
+    b = SuffixBackend("openvino", stage, model_id=model_id(tiny_checkpoint), cache_dir=tmp_path)
+    try:
+        own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        build_thread = b._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+        assert build_thread == suffix_backend.BUILD_NICE and own < suffix_backend.BUILD_NICE
+        b.prepare(stage, 2)
+        assert b.wait(120) and b.in_use == "openvino" and b.compiled_k == 2, b.status()
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    finally:
+        b.close()
+
+
+def test_a_cache_folder_that_cannot_be_written_builds_in_a_temporary_one_removed_at_close(tiny_checkpoint,
+                                                                                          tmp_path):
+    """A cache folder that is a file (or read-only, or missing its parent's permission) cannot take an artifact:
+    the compiled suffix is built in a temporary folder instead, with a warning naming both, serves the frames
+    with eager's waypoints, and the folder is removed at close."""
+    _require_openvino()
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("a file where the cache folder should be")
+    lines = []
+    stage = load_stage(tiny_checkpoint, "suffix", 2)
+    b = SuffixBackend("openvino", stage, model_id=model_id(tiny_checkpoint), cache_dir=not_a_folder,
+                      background=False, log=lambda level, msg: lines.append((level, msg)))
+    b.prepare(stage, 2)
+    st = b.status()
+    assert b.in_use == "openvino" and b.compiled_k == 2 and st.error == "", st
+    temp = Path(st.cache_dir)
+    assert temp != not_a_folder and any(temp.iterdir())
+    assert lines[0][0] == "warning" and str(not_a_folder) in lines[0][1] and str(temp) in lines[0][1]
+    h = torch.randn(stage.cfg.prefix_state_shape)
+    with torch.inference_mode():
+        assert (b(stage, h, 3, 2) - stage(h, 3, 2)).abs().max() <= FP32_WAYPOINT_BOUND_M
+    assert b.frames_compiled == 1
+    b.close()
+    assert not temp.exists() and not_a_folder.read_text().startswith("a file")
+
+
+def test_at_k_equal_l_the_status_says_why_nothing_is_compiled(tiny_checkpoint, tmp_path):
+    _require_openvino()
+    stage = load_stage(tiny_checkpoint, "suffix", 4)
+    b = SuffixBackend("openvino", stage, model_id=model_id(tiny_checkpoint), cache_dir=tmp_path, background=False)
+    with torch.inference_mode():
+        b(stage, torch.randn(stage.cfg.prefix_state_shape), 3, 4)
+    st = b.status()
+    assert st.in_use == "eager" and st.frames_eager == 1 and "K = L = 4: no decoder blocks" in st.error, st
+    assert not any(tmp_path.iterdir())
+    b.close()

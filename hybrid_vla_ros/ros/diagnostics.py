@@ -118,7 +118,9 @@ class PipelineDiagnostics:
             return None
 
     def _check_peer(self) -> None:
-        """Publish at once when the peer's cause changed since the last check, and log the change."""
+        """Publish at once when the peer's cause changed since the last check, and log the change (a peer missing
+        at the first check after activation as a warning, one missing after that as an error; /diagnostics says ERROR
+        for both)."""
         peer = self._peer_now()
         before = self._peer
         if (peer.cause if peer else None) == (before.cause if before else None):
@@ -126,7 +128,9 @@ class PipelineDiagnostics:
             return
         self._peer = peer
         logger = self._node.get_logger()
-        if peer is not None and not peer.ok:
+        if peer is not None and not peer.ok and before is None:  # just activated: the peer may still be coming
+            logger.warning(f"no peer yet ({peer.cause}): {peer.message}")
+        elif peer is not None and not peer.ok:
             logger.error(f"peer lost ({peer.cause}): {peer.message}")
         elif peer is not None and before is not None and not before.ok:
             logger.info(f"peer back: {peer.message}")

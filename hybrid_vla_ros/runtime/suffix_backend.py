@@ -473,8 +473,9 @@ class BackendStatus:
     """:meth:`SuffixBackend.status`: the backend asked for (``requested``) and the one computing frames now
     (``in_use``: it or "eager"), the K the ready compiled model covers (``compiled_k``) and the K being built in the
     background (``building``), both None when there is none; the compiled model's ``precision`` ("" without one);
-    ``error``: why the asked-for backend is not in use ("" when it is); ``cache_dir``; frames computed by each path
-    (``frames_compiled``, ``frames_eager``); the ``last_build`` (None before the first)."""
+    ``error``: why the asked-for backend is not in use ("" when it is; also at K = L, where there are no blocks to
+    compile); ``cache_dir`` (the temporary folder builds go to when the configured one cannot be written); frames
+    computed by each path (``frames_compiled``, ``frames_eager``); the ``last_build`` (None before the first)."""
 
     requested: str
     in_use: str
@@ -486,6 +487,24 @@ class BackendStatus:
     frames_compiled: int
     frames_eager: int
     last_build: BackendBuild | None
+
+
+#: The nice value of the background build thread (the lowest CPU priority; Linux nice values are per thread).
+BUILD_NICE = 19
+
+
+def _lowest_cpu_priority() -> None:
+    """Lower the calling thread's CPU priority to :data:`BUILD_NICE` (the background build thread's initializer).
+
+    The build shares the suffix's pinned cores with the frames computed eagerly meanwhile. At the default priority
+    it took half the core: `smol`'s last 8 blocks on one core, eager frames 70 -> 160 ms p50 and one of 1.6 s while
+    a 6.5 s build ran; at nice 19 the frames kept 64.5 -> 64.6 ms p50 (one frame 344 ms) and the build used the
+    idle time (docs/performance.md). Nothing when the platform has no per-thread priority (the build then runs at
+    the process's)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 class SuffixBackend:
@@ -527,6 +546,9 @@ class SuffixBackend:
         self._closed = False
         self._lock = threading.Lock()
         self._pool = None
+        self._temp_cache: Path | None = None  # where builds go when cache_dir cannot be written
+        self._num_layers = stage.cfg.num_layers
+        self._last_k: int | None = None  # the K of the last frame
         self.active = name != "eager"
         if self.active and not hasattr(stage, "rotary_emb"):
             self.active = False
@@ -550,7 +572,8 @@ class SuffixBackend:
             if background:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="suffix_backend_build")
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="suffix_backend_build",
+                                                initializer=_lowest_cpu_priority)
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -567,9 +590,12 @@ class SuffixBackend:
     def status(self) -> BackendStatus:
         """The backend's state now, for logs and /diagnostics (:class:`BackendStatus`)."""
         c = self._compiled
+        error = self.error or (f"K = L = {self._last_k}: no decoder blocks after the split to compile (the final "
+                               "norm and head run eagerly)" if self.active and self._last_k == self._num_layers
+                               else "")
         return BackendStatus(requested=self.requested, in_use=self.in_use, compiled_k=self.compiled_k,
-                             building=self._building, precision=c.precision if c else "", error=self.error,
-                             cache_dir=str(self.cache_dir), frames_compiled=self.frames_compiled,
+                             building=self._building, precision=c.precision if c else "", error=error,
+                             cache_dir=str(self._temp_cache or self.cache_dir), frames_compiled=self.frames_compiled,
                              frames_eager=self.frames_eager, last_build=self.builds[-1] if self.builds else None)
 
     # ------------------------------------------------------------------------------------------ builds
@@ -597,10 +623,28 @@ class SuffixBackend:
         else:
             self._pool.submit(self._build, stage, k, layers)
 
+    def _build_in_cache(self, stage, k: int, layers: list) -> CompiledSuffix:
+        """:func:`build_openvino` into the cache folder; when that folder cannot be written (an OSError: read-only,
+        not a folder, no permission), into a temporary folder of this process instead (made once, with a warning;
+        removed at :meth:`close`), so the compiled suffix still serves, only not kept for a restart."""
+        if self._temp_cache is None:
+            try:
+                return build_openvino(stage, k, self.shape, model_id=self.model_id, cache_dir=self.cache_dir,
+                                      threads=self.threads, layers=layers)
+            except OSError as e:
+                import tempfile
+
+                self._temp_cache = Path(tempfile.mkdtemp(prefix="hybrid_vla_suffix_"))
+                self._log("warning", f"suffix_backend {self.requested}: the cache folder {self.cache_dir} cannot be "
+                                     f"written ({type(e).__name__}: {e}); compiled suffixes go to "
+                                     f"{self._temp_cache} for this run and are removed at cleanup (set "
+                                     "backend_cache_dir to a writable folder to keep them)")
+        return build_openvino(stage, k, self.shape, model_id=self.model_id, cache_dir=self._temp_cache,
+                              threads=self.threads, layers=layers)
+
     def _build(self, stage, k: int, layers: list) -> None:
         try:
-            compiled = build_openvino(stage, k, self.shape, model_id=self.model_id, cache_dir=self.cache_dir,
-                                      threads=self.threads, layers=layers)
+            compiled = self._build_in_cache(stage, k, layers)
         except Exception as e:  # noqa: BLE001 - logged, this K serves eagerly from now on
             self.failed[k] = f"{type(e).__name__}: {e}"
             self.error = f"build for K={k} failed: {self.failed[k]}"
@@ -633,6 +677,7 @@ class SuffixBackend:
         """:meth:`SuffixStage.plan_all` through the compiled model when it covers ``k`` (the frame's K),
         else eagerly (and a build for ``k`` starts). Same arguments, result and errors as the stage's."""
         k = stage.split_layer if k is None else k
+        self._last_k = k
         if not isinstance(hidden_states, torch.Tensor):  # a SplitState with side tensors: the eager stage only
             self.frames_eager += 1
             return stage.plan_all(hidden_states, command, k)
@@ -656,9 +701,18 @@ class SuffixBackend:
 
     def close(self) -> None:
         """Free the compiled model and stop taking builds; returns at once. A conversion in progress cannot be
-        interrupted: it finishes on its thread (the interpreter waits for it at exit) and its model is dropped."""
+        interrupted: it finishes on its thread (the interpreter waits for it at exit) and its model is dropped.
+        A temporary build folder (a cache folder that could not be written) is removed."""
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         self._compiled = None
+        if self._temp_cache is not None:  # builds of a cache folder that could not be written: not kept
+            if self._building is None:
+                shutil.rmtree(self._temp_cache, ignore_errors=True)
+            else:  # a conversion is still writing there: removed when the interpreter exits
+                import atexit
+
+                atexit.register(shutil.rmtree, self._temp_cache, ignore_errors=True)
+            self._temp_cache = None

@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -113,7 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write PNG pictures (trajectory on the front camera, bird's-eye view, timeline, "
                         "latency histograms) into DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each lifecycle transition")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds allowed for each node's lifecycle services to appear, for each lifecycle transition "
+                        "and, with the openvino suffix backend, for its first build before playing")
 
 
 def _parse_cores(text: str | None) -> list[int]:
@@ -251,6 +254,9 @@ def run_replay(args: argparse.Namespace) -> int:
     out = Path(args.output)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        # an earlier run's report and trajectories would read as this run's if this one fails before writing its own
+        (out / "report.json").unlink(missing_ok=True)
+        shutil.rmtree(out / "trajectories", ignore_errors=True)
     except OSError as e:
         print(f"hybrid-vla replay: cannot create the output folder {out}: {e}", file=sys.stderr)
         return 1
@@ -461,24 +467,30 @@ class ReplaySession:
         (``suffix_backend_building``, /diagnostics), wait for the build, up to ``--timeout`` s, so that the frames run
         through the compiled model rather than eagerly while it builds. Prints how it ended: ready (the K it
         covers, its precision, the wait), failed (the node's ``suffix_backend_error``; frames run eagerly) or not
-        ready in time (frames run eagerly until it is). Returns whether it waited at all."""
+        ready in time (frames run eagerly until it is); with a compiled suffix ready at once (from the cache) it says
+        so. Returns whether the suffix's backend is openvino (the baseline is then taken again)."""
         st = self.baseline.suffix
-        if st is None or st.suffix_backend != "openvino" or st.suffix_backend_building is None:
+        if st is None or st.suffix_backend != "openvino":
             return False
-        print(f"waiting for the compiled suffix (blocks [{st.suffix_backend_building}, {self.cfg.num_layers}), "
-              f"OpenVINO) before playing the bag; up to {self.args.timeout:g} s")
+        waits = st.suffix_backend_building is not None
+        if waits:
+            print(f"waiting for the compiled suffix (blocks [{st.suffix_backend_building}, {self.cfg.num_layers}), "
+                  f"OpenVINO) before playing the bag; up to {self.args.timeout:g} s")
         t0 = time.monotonic()
         while (st is not None and st.suffix_backend_building is not None and not st.suffix_backend_error
                and time.monotonic() - t0 < self.args.timeout):
-            st = self.rec.fresh_statuses(self.ns, time.monotonic(), timeout=3.0).suffix
+            left = self.args.timeout - (time.monotonic() - t0)
+            st = self.rec.fresh_statuses(self.ns, time.monotonic(), timeout=min(1.5, max(0.1, left))).suffix
         waited = time.monotonic() - t0
-        if st is not None and st.suffix_backend_in_use == "openvino":
-            print(f"compiled suffix ready after {waited:.1f} s: blocks [{st.suffix_backend_k}, "
-                  f"{self.cfg.num_layers}), {st.suffix_backend_precision}")
-        elif st is not None and st.suffix_backend_error:
-            print(f"warning: the compiled suffix failed ({st.suffix_backend_error}): the suffix computes eagerly",
-                  file=sys.stderr)
-        else:
+        if st is None:
+            return True
+        if st.suffix_backend_in_use == "openvino":
+            print(f"compiled suffix ready{f' after {waited:.1f} s' if waits else ''}: blocks "
+                  f"[{st.suffix_backend_k}, {self.cfg.num_layers}), {st.suffix_backend_precision}")
+        elif st.suffix_backend_error:
+            print(f"warning: the compiled suffix is not in use ({st.suffix_backend_error}): the suffix computes "
+                  "eagerly", file=sys.stderr)
+        elif st.suffix_backend_building is not None:
             print(f"warning: the compiled suffix was not ready after {waited:.1f} s (--timeout): frames run eagerly "
                   "until it is", file=sys.stderr)
         return True

@@ -122,7 +122,7 @@ class ReplayNodes:
         else:
             hint = (": is it running, in this namespace (--namespace) and ROS domain (ROS_DOMAIN_ID)?"
                     if self.args.attach else "")
-            print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:.0f} s{hint}",
+            print(f"hybrid-vla replay: {m.name} did not answer within {self.args.timeout:g} s{hint}",
                   file=sys.stderr)
 
     def others_running(self, node, discovery_s: float = 2.0) -> bool:
@@ -166,7 +166,7 @@ class ReplayNodes:
 
         for m in self.managers:
             if self.args.attach:
-                print(f"waiting up to {self.args.timeout:.0f} s for {m.name}'s lifecycle services "
+                print(f"waiting up to {self.args.timeout:g} s for {m.name}'s lifecycle services "
                       f"(ROS_DOMAIN_ID={os.environ.get('ROS_DOMAIN_ID', '0 (unset)')}) ...", flush=True)
             if not m.wait_for_services(self.args.timeout, self.procs):
                 self._say_unanswered(m)
@@ -204,6 +204,7 @@ class ReplayNodes:
         being brought up by another manager too (this replay came first): it is left active."""
         from ..ros.lifecycle_client import BACK_FROM_ACTIVE
 
+        goals = {}  # manager -> the state to return it to
         for m, proc in zip(self.managers, self.procs or [None] * len(self.managers)):
             if m.name not in self.found or (proc is not None and proc.poll() is not None):
                 continue  # never brought up by this replay, or its process has exited: nothing to undo
@@ -218,11 +219,23 @@ class ReplayNodes:
                     print(f"{m.name}: left active: another lifecycle manager asked for {others} transition(s) while "
                           "this replay brought it up (a launch file's autostart this replay came before)")
                     continue
-            ok, problem = m.return_to(goal, self.args.timeout)
-            if not ok:
-                print(f"hybrid-vla replay: {problem}", file=sys.stderr)
-            elif self.args.attach:
-                print(f"{m.name}: left {goal}" + (" (as found)" if goal == self.found.get(m.name) else ""))
+            goals[m] = goal
+        # Both deactivated first (prefix, then suffix), then cleaned up (suffix, then prefix): an active node never
+        # sees its peer go (it would log it as a lost peer), and the suffix detaches before the prefix removes
+        # the ring.
+        failed = set()
+        steps = [(m, "inactive") for m in self.managers if goals.get(m) in ("inactive", "unconfigured")]
+        steps += [(m, "unconfigured") for m in self.managers[::-1] if goals.get(m) == "unconfigured"]
+        for m, state in steps:
+            if m not in failed:
+                ok, problem = m.return_to(state, self.args.timeout)
+                if not ok:
+                    failed.add(m)
+                    print(f"hybrid-vla replay: {problem}", file=sys.stderr)
+        if self.args.attach:
+            for m, goal in goals.items():
+                if m not in failed:
+                    print(f"{m.name}: left {goal}" + (" (as found)" if goal == self.found.get(m.name) else ""))
 
     def stop(self) -> list[int]:
         """Stop the processes this replay started (:func:`~.node_processes.stop_processes`); their exit codes."""

@@ -179,9 +179,10 @@ def print_report(r: dict) -> None:
     if b and b["requested"] == "eager":
         print(f"  suffix backend         eager: {b['frames_eager']} frame(s)")
     elif b:
-        what = b["requested"] + (f" (blocks [{b['compiled_k']}, {r['num_layers']}) compiled, {b['precision']})"
-                                 if b["compiled_k"] is not None else "")
-        print(f"  suffix backend         {what}: {b['frames_compiled']} frame(s) compiled, {b['frames_eager']} eager"
+        print(f"  suffix backend         {b['requested']}: {b['frames_compiled']} frame(s) compiled, "
+              f"{b['frames_eager']} eager"
+              + (f"; at the end blocks [{b['compiled_k']}, {r['num_layers']}) compiled, {b['precision']}"
+                 if b["compiled_k"] is not None else "")
               + (f"; not in use: {b['error']}" if b["error"] else ""))
     cores = r.get("cpu_affinity") or {}
     if cores.get("prefix") or cores.get("suffix"):
@@ -233,13 +234,19 @@ def hints(report: dict, first_camera: str, rate: float, attach: bool) -> list[st
     """What may have gone wrong, from a report of :func:`run_report` (one line each, for ``hint: `` lines):
     no camera message reached the prefix (``first_camera``: the first topic played of them), the suffix's
     output guard dropped trajectories for their age (at ``--rate`` ``rate``; ``attach``: the nodes were not
-    started by the replay), or the suffix's clock read 0. [] when none applies."""
+    started by the replay), the suffix's clock read 0, or an ego-state prefix got no odometry. [] when none
+    applies."""
     out = []
     if report["frames_published"] and not report["camera_messages_in"]:
         out.append("the prefix received no camera messages: do its camera_topics / camera_transports match "
                    f"the played topics ({first_camera}, ...)?")
     if report["drops"].get("suffix.guard_too_old") or report["drops"].get("suffix.guard_future_stamp"):
         out.append(_age_drop_hint(report, rate, attach))
+    if report["drops"].get("prefix.no_ego_state"):
+        out.append("the prefix got no odometry for this checkpoint's ego-state input (prefix.no_ego_state): its "
+                   "~/input/kinematic_state must be remapped onto /localization/kinematic_state (the launch file "
+                   "and the nodes a replay starts do it; with `ros2 run` add "
+                   "-r '~/input/kinematic_state:=/localization/kinematic_state')")
     if report["drops"].get("suffix.guard_no_clock"):
         out.append("the suffix node's clock read 0 (use_sim_time without /clock): is this replay's /clock "
                    "reaching it (same ROS_DOMAIN_ID, discovery range)?")
