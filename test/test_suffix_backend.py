@@ -414,3 +414,22 @@ def test_at_k_equal_l_the_status_says_why_nothing_is_compiled(tiny_checkpoint, t
     assert st.in_use == "eager" and st.frames_eager == 1 and "K = L = 4: no decoder blocks" in st.error, st
     assert not any(tmp_path.iterdir())
     b.close()
+
+
+def test_compile_suffix_builds_the_artifacts_a_node_then_finds_in_its_cache(tiny_checkpoint, tmp_path):
+    """``hybrid-vla compile-suffix`` builds a K range into the cache; a node's backend (a stage loaded at its own K,
+    holding the blocks of every K above) then finds each of them there instead of converting."""
+    _require_openvino()
+    from hybrid_vla_ros.tools.cli import main
+
+    assert main(["compile-suffix", "--model", str(tiny_checkpoint), "--split-layers", "1-2",
+                 "--cache-dir", str(tmp_path)]) == 0
+    stage = load_stage(tiny_checkpoint, "suffix", 1)
+    b = SuffixBackend("openvino", stage, model_id=model_id(tiny_checkpoint), cache_dir=tmp_path, background=False)
+    for k in (1, 2):
+        b.prepare(stage, k)
+        assert b.compiled_k == k and b.builds[-1].cache_hit, b.status()
+    b.close()
+    assert main(["compile-suffix", "--model", str(tiny_checkpoint), "--split-layers", "3-4",
+                 "--cache-dir", str(tmp_path)]) == 1  # K = L = 4: no blocks to compile, refused before building
+    assert not list((tmp_path).glob("*/openvino-k3-*"))

