@@ -383,6 +383,11 @@ def _add_vlm_view(p: argparse.ArgumentParser) -> None:
                         "family per camera in camera order (default: 'camera 1 <image> ... plan the route ahead')")
 
 
+def _add_checkpoint(p: argparse.ArgumentParser, help_text: str) -> None:
+    """The required checkpoint directory, ``--model`` or ``--model-path`` (the nodes' parameter) -> ``args.model``."""
+    p.add_argument("--model", "--model-path", dest="model", required=True, metavar="DIR", help=help_text)
+
+
 def _add_model_source(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="a preset architecture (tiny, smol, orion, minddrive-0.5b, minddrive-3b)")
@@ -465,8 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(token ids for a language model, a camera frame of the embedded bag and a "
                                    "prompt for a VLM), or the model's own forward for own code. Prints the max "
                                    "abs difference per K; exits 0 only when every K is within the tolerance.")
-    v.add_argument("--model", "--model-path", dest="model", required=True, metavar="DIR",
-                   help="the checkpoint directory")
+    _add_checkpoint(v, "the checkpoint directory")
     v.add_argument("--dtype", default="fp32", help="dtype of both sides: fp32 (default), bf16, fp16")
     v.add_argument("--tolerance", type=float, default=None, metavar="X",
                    help="max abs difference allowed (default: 1e-5 fp32, 1e-2 fp16, 5e-2 bf16)")
@@ -489,8 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(backend_cache_dir), so that a node at any of these K (a live move with "
                                     "split_layer: auto included) loads it instead of building it beside its frames. "
                                     "Run it on the computer the node runs on: the compile is for its CPU.")
-    cs.add_argument("--model", "--model-path", dest="model", required=True, metavar="DIR",
-                    help="the checkpoint directory (the node's model_path)")
+    _add_checkpoint(cs, "the checkpoint directory (the node's model_path)")
     cs.add_argument("--split-layers", type=_split_layer_range, required=True, metavar="K",
                     help="split layers K and ranges, e.g. 8-14 or 3,8-10 (each < L)")
     cs.add_argument("--dtype", default="fp32", help="the suffix node's dtype: fp32 (default), bf16, fp16")
