@@ -154,12 +154,26 @@ def test_plan_first_line_states_the_dtype_and_its_default(capsys, extra, needle)
     assert needle in capsys.readouterr().out.splitlines()[0]
 
 
-@pytest.mark.parametrize("command", ["plan", "profile", "verify-split", "replay"])
+@pytest.mark.parametrize("command", ["plan", "profile", "verify-split", "replay", "compile-suffix"])
 @pytest.mark.parametrize("spelling", ["--model", "--model-path"])
 def test_every_subcommand_takes_the_checkpoint_as_model_or_model_path(command, spelling):
     """The nodes' parameter is model_path and the tools said --model: each command takes both spellings."""
     from hybrid_vla_ros.tools.cli import build_parser
 
-    required = ["--out", "p.json"] if command == "profile" else []
+    required = {"profile": ["--out", "p.json"], "compile-suffix": ["--split-layers", "1"]}.get(command, [])
     args = build_parser().parse_args([command, spelling, "/ckpt", *required])
     assert (args.model_path if command == "replay" else args.model) == "/ckpt"
+
+
+@pytest.mark.parametrize("text,ks", [("8-10", [8, 9, 10]), ("3,8-9", [3, 8, 9]), ("5", [5]), ("3,14-8", None),
+                                     ("a-b", None), ("-2", None)])
+def test_compile_suffix_takes_split_layers_and_ranges(text, ks):
+    """``--split-layers``: K values and A-B ranges, both ends included; a reversed range is refused, not dropped."""
+    from hybrid_vla_ros.tools.cli import build_parser
+
+    argv = ["compile-suffix", "--model", "/m", "--split-layers", text]
+    if ks is None:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+    else:
+        assert build_parser().parse_args(argv).split_layers == ks

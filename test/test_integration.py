@@ -86,13 +86,15 @@ def test_replay_with_the_compiled_suffix_waits_for_it_and_runs_every_frame_throu
     """``--suffix-backend openvino``: the replay starts the suffix node with the compiled backend, waits for its
     first build (into an empty cache folder) before playing, so all three frames run through the compiled blocks;
     their trajectories are the eager replay's within the compiled backend's fp32 bound (test_suffix_backend)."""
+    if not os.environ.get("CI"):  # pinned in requirements.txt: in CI a missing openvino fails instead of skipping
+        pytest.importorskip("openvino")
     out, _, stdout = _replay(tmp_path / "ov", tiny_checkpoint, embedded_bag, "--suffix-backend", "openvino",
                              env={"HYBRID_VLA_CACHE": str(tmp_path / "cache")})
     report = json.loads((out / "report.json").read_text())
     b = report["suffix_backend"]
     assert (b["requested"], b["in_use"], b["compiled_k"], b["error"]) == ("openvino", "openvino", 1, ""), b
     assert (b["frames_compiled"], b["frames_eager"]) == (3, 0), b
-    assert "compiled suffix ready after" in stdout
+    assert "compiled suffix ready" in stdout  # (" after N s" when the build was still running at activation)
     assert "suffix backend         openvino: 3 frame(s) compiled, 0 eager; at the end blocks [1, 4) compiled" in stdout
     assert any((tmp_path / "cache").iterdir()), "the artifact goes to the node's cache folder"
     ours = {_stamp(t): t for t in _published(out)}

@@ -42,6 +42,7 @@ SUFFIX = SuffixStatus(**COMMON, frames_in=9, trajectories_out=8, ring_attached=T
                       resplits_on_demand=1, navigation_command="LEFT", suffix_backend="openvino",
                       suffix_backend_in_use="openvino", suffix_backend_k=4, suffix_backend_building=5,
                       suffix_backend_precision="bf16", suffix_backend_error="no plugin",
+                      suffix_backend_cache_dir="/var/cache/hv",
                       suffix_backend_frames_compiled=6, suffix_backend_frames_eager=3)
 
 

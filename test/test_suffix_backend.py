@@ -357,26 +357,7 @@ def test_the_last_block_computes_only_the_read_out_rows_and_gives_the_eager_stat
         assert not suffix_backend._prunable(blocks[-1], shape, shape[1], stage.rotary_emb), "no row to leave out"
 
 
-# ------------------------------------------------------------------------------------------ builds beside frames
-
-def test_background_builds_run_at_the_lowest_cpu_priority_and_still_finish(tiny_checkpoint, tmp_path):
-    """The build shares the suffix's pinned cores with the frames computed eagerly meanwhile: its thread runs at
-    nice BUILD_NICE (the runner's own thread keeps its priority), and the compiled suffix still arrives."""
-    _require_openvino()
-    import threading
-
-    stage = load_stage(tiny_checkpoint, "suffix", 2)
-    b = SuffixBackend("openvino", stage, model_id=model_id(tiny_checkpoint), cache_dir=tmp_path)
-    try:
-        own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        build_thread = b._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
-        assert build_thread == suffix_backend.BUILD_NICE and own < suffix_backend.BUILD_NICE
-        b.prepare(stage, 2)
-        assert b.wait(120) and b.in_use == "openvino" and b.compiled_k == 2, b.status()
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
-    finally:
-        b.close()
-
+# ------------------------------------------------------------------------------------------ the cache folder
 
 def test_a_cache_folder_that_cannot_be_written_builds_in_a_temporary_one_removed_at_close(tiny_checkpoint,
                                                                                           tmp_path):
@@ -433,3 +414,7 @@ def test_compile_suffix_builds_the_artifacts_a_node_then_finds_in_its_cache(tiny
     assert main(["compile-suffix", "--model", str(tiny_checkpoint), "--split-layers", "3-4",
                  "--cache-dir", str(tmp_path)]) == 1  # K = L = 4: no blocks to compile, refused before building
     assert not list((tmp_path).glob("*/openvino-k3-*"))
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    assert main(["compile-suffix", "--model", str(tiny_checkpoint), "--split-layers", "3",
+                 "--cache-dir", str(not_a_folder)]) == 1  # what it builds must be kept: no temporary folder

@@ -155,5 +155,6 @@ class SuffixNode(node_base.PipelineNode):
         return {"suffix_backend": st.requested, "suffix_backend_in_use": st.in_use,
                 "suffix_backend_k": st.compiled_k, "suffix_backend_building": st.building,
                 "suffix_backend_precision": st.precision, "suffix_backend_error": st.error,
+                "suffix_backend_cache_dir": st.cache_dir if st.requested != "eager" else "",
                 "suffix_backend_frames_compiled": st.frames_compiled,
                 "suffix_backend_frames_eager": st.frames_eager}

@@ -74,8 +74,9 @@ class PipelineDiagnostics:
     use_sim_time a ROS-time timer stops when /clock does, and /diagnostics must keep coming: it is where a
     missing /clock is reported); that calls :meth:`publish`. A second steady timer checks the peer stage every
     ``runtime.peer.CHECK_PERIOD_S`` (0.1 s: the node's ``peer_status()``, None while the node is not active)
-    and publishes at once when its cause changes, and logs the change (ERROR when the peer is lost, INFO when
-    it is back): a dead peer is on /diagnostics as ERROR within about 0.1 s.
+    and publishes at once when its cause changes, and logs the change (ERROR when a peer seen since the node's
+    activation is lost, a warning when none has been seen yet, INFO when it is back): a dead peer is on
+    /diagnostics as ERROR within about 0.1 s, in either case.
 
     Level: ERROR while the node's ``fault`` is set (its text is the message), while its last configure failed
     and it is unconfigured (``configure_error``), while the peer cannot take part (the peer status's message:
@@ -104,6 +105,7 @@ class PipelineDiagnostics:
         self._clock_missing_said = False  # NO_CLOCK_HINT logged and not yet taken back
         self._prev = None  # inputs, outputs and drops at the previous report
         self._peer = None  # the peer status of the last check (runtime.peer.PeerStatus), None: not active
+        self._peer_seen = False  # a working peer was seen since the node's last activation
         steady = Clock(clock_type=ClockType.STEADY_TIME)
         self._timer = node.create_timer(1.0, node.publish_diagnostics, clock=steady)
         self._peer_timer = node.create_timer(CHECK_PERIOD_S, self._check_peer, clock=steady)
@@ -119,16 +121,19 @@ class PipelineDiagnostics:
 
     def _check_peer(self) -> None:
         """Publish at once when the peer's cause changed since the last check, and log the change (a peer missing
-        at the first check after activation as a warning, one missing after that as an error; /diagnostics says ERROR
-        for both)."""
+        before one was seen since the node's activation as a warning, one lost after that as an error;
+        /diagnostics says ERROR for both)."""
         peer = self._peer_now()
         before = self._peer
+        if lifecycle_state(self._node) != "active":
+            self._peer_seen = False  # the next activation starts over: its peer may still be coming
+        seen, self._peer_seen = self._peer_seen, self._peer_seen or (peer is not None and peer.ok)
         if (peer.cause if peer else None) == (before.cause if before else None):
             self._peer = peer
             return
         self._peer = peer
         logger = self._node.get_logger()
-        if peer is not None and not peer.ok and before is None:  # just activated: the peer may still be coming
+        if peer is not None and not peer.ok and not seen:  # none since activation: it may still be coming
             logger.warning(f"no peer yet ({peer.cause}): {peer.message}")
         elif peer is not None and not peer.ok:
             logger.error(f"peer lost ({peer.cause}): {peer.message}")

@@ -312,6 +312,7 @@ class SuffixStatus(NodeStatus):
     suffix_backend_building: int | None = _field(_OPT_INT, None, doc="the K being compiled in the background")
     suffix_backend_precision: str = _field(_STR, "", doc="the compiled backend's precision")
     suffix_backend_error: str = _field(_STR, "", doc="why the asked-for backend is not in use")
+    suffix_backend_cache_dir: str = _field(_STR, "", doc="where compiled suffixes are built and found")
     suffix_backend_frames_compiled: int = _field(_INT, 0, counter=True, doc="frames the compiled backend ran")
     suffix_backend_frames_eager: int = _field(_INT, 0, counter=True, doc="frames eager PyTorch ran")
 

@@ -489,24 +489,6 @@ class BackendStatus:
     last_build: BackendBuild | None
 
 
-#: The nice value of the background build thread (the lowest CPU priority; Linux nice values are per thread).
-BUILD_NICE = 19
-
-
-def _lowest_cpu_priority() -> None:
-    """Lower the calling thread's CPU priority to :data:`BUILD_NICE` (the background build thread's initializer).
-
-    The build shares the suffix's pinned cores with the frames computed eagerly meanwhile. At the default priority
-    it took half the core: `smol`'s last 8 blocks on one core, eager frames 70 -> 160 ms p50 and one of 1.6 s while
-    a 6.5 s build ran; at nice 19 the frames kept 64.5 -> 64.6 ms p50 (one frame 344 ms) and the build used the
-    idle time (docs/performance.md). Nothing when the platform has no per-thread priority (the build then runs at
-    the process's)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICE)
-    except (AttributeError, OSError):
-        pass
-
-
 class SuffixBackend:
     """The suffix's compute path: eager torch, or a compiled model built per K (see the module docstring).
 
@@ -526,7 +508,7 @@ class SuffixBackend:
     """
 
     def __init__(self, name: str, stage, *, model_id: int, cache_dir: str | Path | None = None, threads: int = 0,
-                 log=None, background: bool = True):
+                 log=None, background: bool = True, temporary_fallback: bool = True):
         if name not in BACKENDS:
             raise ValueError(f"unknown suffix backend {name!r}; use one of {', '.join(BACKENDS)}")
         self.requested = name
@@ -547,6 +529,7 @@ class SuffixBackend:
         self._lock = threading.Lock()
         self._pool = None
         self._temp_cache: Path | None = None  # where builds go when cache_dir cannot be written
+        self._temporary_fallback = temporary_fallback
         self._num_layers = stage.cfg.num_layers
         self._last_k: int | None = None  # the K of the last frame
         self.active = name != "eager"
@@ -572,8 +555,7 @@ class SuffixBackend:
             if background:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="suffix_backend_build",
-                                                initializer=_lowest_cpu_priority)
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="suffix_backend_build")
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -589,12 +571,14 @@ class SuffixBackend:
 
     def status(self) -> BackendStatus:
         """The backend's state now, for logs and /diagnostics (:class:`BackendStatus`)."""
-        c = self._compiled
-        error = self.error or (f"K = L = {self._last_k}: no decoder blocks after the split to compile (the final "
+        with self._lock:  # one view of the compiled model, the build and the error (the build thread swaps them)
+            c, building, error = self._compiled, self._building, self.error
+        error = error or (f"K = L = {self._last_k}: no decoder blocks after the split to compile (the final "
                                "norm and head run eagerly)" if self.active and self._last_k == self._num_layers
                                else "")
-        return BackendStatus(requested=self.requested, in_use=self.in_use, compiled_k=self.compiled_k,
-                             building=self._building, precision=c.precision if c else "", error=error,
+        return BackendStatus(requested=self.requested, in_use=self.requested if c is not None else "eager",
+                             compiled_k=c.k if c is not None else None,
+                             building=building, precision=c.precision if c else "", error=error,
                              cache_dir=str(self._temp_cache or self.cache_dir), frames_compiled=self.frames_compiled,
                              frames_eager=self.frames_eager, last_build=self.builds[-1] if self.builds else None)
 
@@ -626,21 +610,26 @@ class SuffixBackend:
     def _build_in_cache(self, stage, k: int, layers: list) -> CompiledSuffix:
         """:func:`build_openvino` into the cache folder; when that folder cannot be written (an OSError: read-only,
         not a folder, no permission), into a temporary folder of this process instead (made once, with a warning;
-        removed at :meth:`close`), so the compiled suffix still serves, only not kept for a restart."""
-        if self._temp_cache is None:
+        removed at :meth:`close`), so the compiled suffix still serves, only not kept for a restart. Without
+        ``temporary_fallback`` (or once closed) the OSError is raised: the build fails."""
+        temp = self._temp_cache
+        if temp is None:
             try:
                 return build_openvino(stage, k, self.shape, model_id=self.model_id, cache_dir=self.cache_dir,
                                       threads=self.threads, layers=layers)
             except OSError as e:
                 import tempfile
 
-                self._temp_cache = Path(tempfile.mkdtemp(prefix="hybrid_vla_suffix_"))
+                with self._lock:
+                    if self._closed or not self._temporary_fallback:
+                        raise
+                    temp = self._temp_cache = Path(tempfile.mkdtemp(prefix="hybrid_vla_suffix_"))
                 self._log("warning", f"suffix_backend {self.requested}: the cache folder {self.cache_dir} cannot be "
                                      f"written ({type(e).__name__}: {e}); compiled suffixes go to "
                                      f"{self._temp_cache} for this run and are removed at cleanup (set "
                                      "backend_cache_dir to a writable folder to keep them)")
-        return build_openvino(stage, k, self.shape, model_id=self.model_id, cache_dir=self._temp_cache,
-                              threads=self.threads, layers=layers)
+        return build_openvino(stage, k, self.shape, model_id=self.model_id, cache_dir=temp, threads=self.threads,
+                              layers=layers)
 
     def _build(self, stage, k: int, layers: list) -> None:
         try:

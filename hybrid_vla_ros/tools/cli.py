@@ -160,6 +160,8 @@ def _split_layer_range(text: str) -> list[int]:
     for part in text.replace(" ", "").split(","):
         a, dash, b = part.partition("-")
         try:
+            if dash and int(b) < int(a):
+                raise ValueError
             ks += list(range(int(a), int(b) + 1)) if dash else [int(a)]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r}: give split layers K and ranges A-B, e.g. 8-14 or 3,8-10") \

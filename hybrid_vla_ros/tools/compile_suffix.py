@@ -52,7 +52,8 @@ def compile_suffix(model_path: str, split_layers: list[int], dtype: str = "fp32"
         torch.set_num_threads(threads)
     stage = load_stage(model_path, "suffix", ks[0], device="cpu", dtype=parse_dtype(dtype))
     backend = SuffixBackend("openvino", stage, model_id=model_id(model_path), cache_dir=cache_dir,
-                            threads=threads, log=log or (lambda level, message: None), background=False)
+                            threads=threads, log=log or (lambda level, message: None), background=False,
+                            temporary_fallback=False)
     try:
         if not backend.active:
             raise ValueError(f"this model's suffix cannot be compiled: {backend.error}")

@@ -477,8 +477,7 @@ class ReplaySession:
             print(f"waiting for the compiled suffix (blocks [{st.suffix_backend_building}, {self.cfg.num_layers}), "
                   f"OpenVINO) before playing the bag; up to {self.args.timeout:g} s")
         t0 = time.monotonic()
-        while (st is not None and st.suffix_backend_building is not None and not st.suffix_backend_error
-               and time.monotonic() - t0 < self.args.timeout):
+        while st is not None and st.suffix_backend_building is not None and time.monotonic() - t0 < self.args.timeout:
             left = self.args.timeout - (time.monotonic() - t0)
             st = self.rec.fresh_statuses(self.ns, time.monotonic(), timeout=min(1.5, max(0.1, left))).suffix
         waited = time.monotonic() - t0
