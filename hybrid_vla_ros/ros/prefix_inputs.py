@@ -16,6 +16,7 @@ from rclpy.clock import Clock, ClockType
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 
+from ..util.bags import played_topic
 from ..util.stamps import header_stamp_ns
 from ..vehicle.ego_input import EgoInputBuffer, acceleration_sample_from_msg, kinematic_sample_from_odometry
 from ..vehicle.odometry import OdometryBuffer
@@ -100,7 +101,7 @@ class CameraInputs:
         now and every second (:meth:`_match_publishers`)."""
         self._reliability_mode = reliability
         self._sync = CameraSynchronizer(len(topics), int(tolerance_ms * 1e6))
-        self._topics_asked = [f"{t}/compressed" if tr == "compressed" else t for t, tr in zip(topics, transports)]
+        self._topics_asked = [played_topic(t, tr) for t, tr in zip(topics, transports)]
         self._topics = list(self._topics_asked)  # resolved (remapped) names once subscribed
         self._last_ns = [0] * len(topics)
         self._gaps_ns.clear()

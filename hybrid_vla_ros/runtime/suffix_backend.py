@@ -409,6 +409,7 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
     weight_dtype = torch.float32 if openvino_precision(core, dtype) == "f32" else dtype
 
     def convert_and_save(replace: bool) -> None:
+        folder.parent.mkdir(parents=True, exist_ok=True)  # a cache that cannot be written fails before converting
         # Weights in the precision the CPU plugin computes in: bf16 weights on a CPU without bf16 instructions
         # go in as f32 (their values exactly), so no FC decompresses them on every call.
         blocks = traced_blocks(stage.cfg, layers, weight_dtype)
@@ -417,7 +418,6 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
         example = torch.zeros(shape3, dtype=torch.float32)
         with torch.no_grad():
             model = ov.convert_model(module, example_input=example, input=[(list(shape3), ov.Type.f32)])
-        folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = folder.parent / f".{folder.name}.{uuid.uuid4().hex[:8]}.tmp"
         tmp.mkdir()
         try:

@@ -4,9 +4,9 @@ of split layers into the cache the suffix node reads, before the node runs.
 A node computes a K it has no compiled model for eagerly while it builds that K in the background; with
 ``split_layer: auto`` K moves with the load, so on a car the builds would come exactly when the CPU is busy.
 Building the K range beforehand (on the car's computer: the artifact is compiled for its CPU) leaves the node
-only loading: a cached K is ready in well under a second. The builds go through the node's own
-:class:`~hybrid_vla_ros.runtime.suffix_backend.SuffixBackend`, so the checks, the cache key and the folder are the
-node's (the same checkpoint, dtype and cache folder give the same artifact).
+only compiling the saved model (about a second for ``smol``) instead of converting it. The builds go through the
+node's own :class:`~hybrid_vla_ros.runtime.suffix_backend.SuffixBackend`, so the checks, the cache key and the
+folder are the node's (the same checkpoint, dtype and cache folder give the same artifact).
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from ..model.config import takes_scene
 from ..ros.params import camera_info_topic, parameter_specs
-from ..util.bags import BagMessage, camera_topics, read_bag
+from ..util.bags import BagMessage, camera_topics, played_topic, read_bag
 from ..util.cores import parse_core_list, usable_cores
 from ..util.paths import embedded_bag, package_file
 from .node_processes import launch_node, stop_processes
@@ -299,7 +299,7 @@ class ReplaySession:
                   "runs unpinned, sharing the suffix's cores", file=sys.stderr)
         self.clock = None  # the bag's clock on /clock (tools.sim_clock.BagClock) while the replay runs
         #: the camera topics as played, in model camera order
-        self.camera_play = [f"{t}/compressed" if args.transport == "compressed" else t for t in cams]
+        self.camera_play = [played_topic(t, args.transport) for t in cams]
         play_topics = set(self.camera_play) | {ODOMETRY_TOPIC}
         self.scene = takes_scene(cfg)  # the query heads read CameraInfo and /tf_static (published before playback)
         self.info_topics = [camera_info_topic(t) for t in cams] if self.scene else []

@@ -13,6 +13,12 @@ from pathlib import Path
 TRANSPORT_TYPES = {"compressed": "sensor_msgs/msg/CompressedImage", "raw": "sensor_msgs/msg/Image"}
 
 
+def played_topic(base: str, transport: str) -> str:
+    """The topic a camera's images travel on for ``transport`` (image_transport's naming): ``<base>/compressed``
+    for "compressed", ``<base>`` for "raw"."""
+    return f"{base}/compressed" if transport == "compressed" else base
+
+
 def camera_topic_pattern(suffix: str = "image_raw") -> re.Pattern:
     """``/sensing/camera/camera<i>/<suffix>[/compressed]``: group 1 the camera index, group 2 ``/compressed``."""
     return re.compile(rf"^/sensing/camera/camera(\d+)/{re.escape(suffix.strip('/'))}(/compressed)?$")
@@ -52,14 +58,10 @@ def camera_topics(messages: list[BagMessage], transport: str, suffix: str = "ima
     wanted = TRANSPORT_TYPES[transport]
     typed = {m.topic: m.msgtype for m in messages}
     images = sorted(t for t, kind in typed.items() if kind == wanted)
-
-    def played(base: str) -> str:
-        return f"{base}/compressed" if transport == "compressed" else base
-
     have = f"the bag's {transport} image topics: {', '.join(images) or 'none'}"
     if topics:
         bases = [t.rstrip("/").removesuffix("/compressed") for t in topics]
-        bad = [played(b) for b in bases if typed.get(played(b)) != wanted]
+        bad = [played_topic(b, transport) for b in bases if typed.get(played_topic(b, transport)) != wanted]
         if bad:
             raise ValueError(f"{', '.join(bad)}: not in the bag as {wanted} ({have})")
         if len(set(bases)) != len(bases):
@@ -72,6 +74,6 @@ def camera_topics(messages: list[BagMessage], transport: str, suffix: str = "ima
         if match and bool(match.group(2)) == (transport == "compressed") and kind == wanted:
             found[int(match.group(1))] = topic.removesuffix("/compressed")
     if not found:
-        raise ValueError(f"the bag has no {transport} camera topics like {played(f'/sensing/camera/camera0/{suffix}')}"
-                         f" ({have})")
+        like = played_topic(f"/sensing/camera/camera0/{suffix}", transport)
+        raise ValueError(f"the bag has no {transport} camera topics like {like} ({have})")
     return [found[i] for i in sorted(found)]

@@ -149,13 +149,12 @@ def load_bag_frames(bag: str | Path = DEFAULT_BAG, transport: str = "compressed"
     topic; the stamp is camera 0's receive time."""
     from rosbags.typesys import Stores, get_typestore
 
-    from ...util.bags import camera_topics, read_bag
+    from ...util.bags import camera_topics, played_topic, read_bag
 
     msgs = read_bag(bag)
     topics = camera_topics(msgs, transport)
-    suffix = "/compressed" if transport == "compressed" else ""
     store = get_typestore(Stores.ROS2_KILTED)
-    per_cam = [[m for m in msgs if m.topic == t + suffix] for t in topics]
+    per_cam = [[m for m in msgs if m.topic == played_topic(t, transport)] for t in topics]
     n = min(len(c) for c in per_cam)
     frames = []
     for k in range(n):
