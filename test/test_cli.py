@@ -177,3 +177,22 @@ def test_compile_suffix_takes_split_layers_and_ranges(text, ks):
             build_parser().parse_args(argv)
     else:
         assert build_parser().parse_args(argv).split_layers == ks
+
+
+def test_camera_topics_named_one_by_one_must_be_in_the_bag_with_the_transports_type():
+    """A camera stack records raw Image and CompressedImage side by side, sometimes under one name: a topic named
+    with ``--camera-topics`` must carry the transport's type, and the message lists what the bag has."""
+    from hybrid_vla_ros.util.bags import BagMessage, camera_topics
+
+    bag = [BagMessage("/front/image", "sensor_msgs/msg/Image", 0, b""),
+           BagMessage("/front/image/compressed", "sensor_msgs/msg/CompressedImage", 0, b""),
+           BagMessage("/rear/image/compressed", "sensor_msgs/msg/Image", 0, b"")]  # compressed name, raw type
+    assert camera_topics(bag, "compressed", topics=["/front/image"]) == ["/front/image"]
+    assert camera_topics(bag, "raw", topics=["/front/image/compressed"]) == ["/front/image"]  # suffix dropped
+    with pytest.raises(ValueError, match=r"/rear/image/compressed: not in the bag as sensor_msgs/msg/CompressedImage"
+                                         r" \(the bag's compressed image topics: /front/image/compressed\)"):
+        camera_topics(bag, "compressed", topics=["/front/image", "/rear/image"])
+    with pytest.raises(ValueError, match="named twice"):
+        camera_topics(bag, "compressed", topics=["/front/image", "/front/image/compressed"])
+    with pytest.raises(ValueError, match="no raw camera topics like /sensing/camera/camera0/image_rect_color"):
+        camera_topics(bag, "raw", suffix="image_rect_color")

@@ -501,6 +501,9 @@ class SuffixBackend:
         log: ``log(level, message)`` with level "info" | "warning" | "error" (default: print).
         background: build on a background thread (eager serves meanwhile); False builds inside the call that
             first needs it (tests, the bench).
+        temporary_fallback: when ``cache_dir`` cannot be written (OSError), build into a temporary folder of the
+            process, removed at :meth:`close` (the node); False: that build fails (``hybrid-vla compile-suffix``,
+            whose builds must be kept).
 
     A backend that cannot be used (openvino not importable) falls back to eager at construction with one
     warning line naming the reason; one whose build fails for a K logs an error line, serves that K eagerly
