@@ -15,4 +15,10 @@ Sub-packages, lowest layer first (a module imports only from its own layer or th
 Everything below ``ros`` imports nothing from ROS (no rclpy, no message packages).
 """
 
+from .util.numerics import request_reproducible_mkl
+
 __version__ = "0.1.0"
+
+# oneMKL in its reproducible mode (MKL_CBWR=AUTO unless set): a split compares bit for bit with the unsplit model
+# in every run, on every host (util/numerics.py says why and what it costs)
+request_reproducible_mkl()

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 EMBEDDED_BAG = REPO / "data" / "dgp_scene02_6cam_mcap"
 
+import hybrid_vla_ros  # noqa: E402,F401  (sets oneMKL's reproducible mode before any test runs torch)
 import ros_tools  # noqa: E402  (test/ is on sys.path: pytest puts a rootdir-less conftest's folder there)
 
 # Each test run gets its own DDS domain on loopback, so parallel runs (CI and a developer) never
@@ -24,11 +25,6 @@ os.environ.setdefault("ROS_DOMAIN_ID", str(random.Random(os.getpid()).randint(1,
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 # Whole camera images over Fast DDS shared memory, as `hybrid-vla replay` does (see that XML file).
 os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(REPO / "config" / "fastdds_shm_large.xml"))
-# MKL (torch's CPU BLAS here) may use fewer threads than asked when the machine is busy (MKL_DYNAMIC, true by
-# default: Intel MKL developer reference, "MKL_DYNAMIC"); another thread split sums a GEMM in another order. Tests
-# that compare two runs bit for bit or at 1e-5 (in-slot production, verify-split on SmolLM2) then saw a difference
-# on a busy 2-core CI machine that no quiet run showed. Fixed threads for this process and its children.
-os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 
 @pytest.fixture(scope="session")

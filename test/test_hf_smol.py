@@ -62,23 +62,28 @@ def test_split_equals_llama_for_causal_lm_at_every_k_and_answers_paris(smol_hf, 
         out = reference(prompt_ids[None], output_hidden_states=True)
         ref = [h[0] for h in out.hidden_states]
         assert tokenizer.decode([int(out.logits[0, -1].argmax())]) == " Paris", "transformers itself"
+        # transformers' own float32 rounding, from its float64 run: what a split within rounding may differ by
+        ref64 = [h[0] for h in LlamaForCausalLM.from_pretrained(str(smol_hf), dtype=torch.float64).eval()(
+            prompt_ids[None], output_hidden_states=True).hidden_states]
+        allowed = [max(8 * (a.double() - b).abs().max().item(), 16 * 1.2e-7 * b.abs().max().item())
+                   for a, b in zip(ref, ref64)]
         del reference
         ck = open_checkpoint(smol_hf)
         L = ck.num_layers
         assert L == 30 and len(ref) == 31
-        worst = 0.0
+        worst = 0.0  # the largest difference as a fraction of its allowed one
         for k in range(L + 1):
             h = ck.load("prefix", k)(prompt_ids)
             if k < L:
-                worst = max(worst, (h - ref[k]).abs().max().item())
+                worst = max(worst, (h - ref[k]).abs().max().item() / allowed[k])
             suffix = ck.load("suffix", k)
             final = suffix.final_hidden_states(h)
-            worst = max(worst, (final - ref[L]).abs().max().item())
+            worst = max(worst, (final - ref[L]).abs().max().item() / allowed[L])
             if k == 15:
                 prefix = ck.load("prefix", 0)
                 logits = final[-1] @ prefix.embed_tokens.weight.T  # tied LM head
                 assert tokenizer.decode([int(logits.argmax())]) == " Paris"
-        assert worst <= 1e-5, f"max abs diff {worst}"
+        assert worst <= 1.0, f"{worst:.2f} of the allowed difference"
         assert ref[L].abs().max() > 10, "real hidden-state magnitudes (SmolLM2's outlier features)"
 
 
@@ -93,11 +98,9 @@ def test_the_smol_preset_composed_on_the_exported_llm_verifies(smol_hf, tmp_path
     assert made.returncode == 0, made.stderr
     assert (out / "model.safetensors").stat().st_size < 30e6, "the 538 MB LLM is referred to, not copied"
     # every K of the bare directory is checked above; here three K (each is a 30-block forward on 81 tokens)
-    # transformers' own LlamaForCausalLM forward on this directory differs by the process's string-hash seed (block 17
-    # by up to 7e-3 for some seeds, measured 2026-12-02; this package's split is bit-identical across seeds; cause
-    # not found, docs/limits.md): the reference is run with a seed whose forward is the one the split reproduces
     check = subprocess.run(cli + ["verify-split", "--model", str(out), "--quiet", "--layers", "0,17,30"],
-                           capture_output=True, text=True, timeout=600, cwd=REPO, env={**env, "PYTHONHASHSEED": "1"})
+                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "OK: 3 of 3 split layers within 1e-05" in check.stdout
+    assert "OK: 3 of 3 split layers within the allowed difference" in check.stdout
+    assert "bit-exact against the same code unsplit" in check.stdout
     assert f"transformers LlamaForCausalLM.from_pretrained({smol_hf})" in check.stdout

@@ -482,14 +482,14 @@ def _plain_publisher(ros_env, embedded_bag, frames: int, log: Path, profile: Pat
                             "--frames", str(frames), "--period", str(period_s)], env, log)
 
 
-class PrefixReports(ros_tools.SpunNode):
-    """The prefix's /diagnostics reports (key/values, with the level as ``_level`` and message as ``_message``)."""
+class NodeReports(ros_tools.SpunNode):
+    """A node's /diagnostics reports (key/values, with the level as ``_level`` and message as ``_message``)."""
 
-    def __init__(self, ns: str):
+    def __init__(self, ns: str, node: str = "prefix_node"):
         from diagnostic_msgs.msg import DiagnosticArray
 
-        super().__init__("prefix_reports")
-        self.name, self.reports = f"/{ns}/prefix_node: pipeline", []
+        super().__init__(f"{node}_reports")
+        self.name, self.reports = f"/{ns}/{node}: pipeline", []
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on, 50)
 
     def _on(self, msg):
@@ -498,6 +498,12 @@ class PrefixReports(ros_tools.SpunNode):
                 values = {kv.key: kv.value for kv in s.values}
                 values.update(_level=s.level[0] if isinstance(s.level, bytes) else int(s.level), _message=s.message)
                 self.keep(self.reports, values)
+
+    def drops(self) -> dict[str, int]:
+        """The newest report's drop counts by cause (``drop_<cause>`` keys), {} before the first report."""
+        with self.lock:
+            last = self.reports[-1] if self.reports else {}
+        return {k[5:]: int(v) for k, v in last.items() if k.startswith("drop_")}
 
 
 def _sent_stamps(log: Path) -> list[int]:
@@ -522,7 +528,7 @@ def test_a_plain_publisher_of_raw_1600x900_cameras_gets_its_frames_through(respa
     (its 512 KiB shared-memory segments; measured 1-3 s for 26 MB frames, docs/deployment.md), so the prefix names
     the delay in /diagnostics; the frames that are then too old are dropped by the output guard, counted."""
     _active2(respawning, ros_env)
-    reports = PrefixReports(NS2)
+    reports = NodeReports(NS2)
     frames = 8
     try:
         assert reports.wait(lambda: reports.reports, 30)
@@ -557,21 +563,40 @@ def test_a_plain_publisher_on_the_large_data_profile_gets_every_frame_answered_i
                                                                                        embedded_bag, tmp_path):
     """Issue 19.6, the remedy docs/deployment.md gives: the same plain publisher with the package's Fast DDS profile
     (config/fastdds_shm_large.xml: 32 MiB shared-memory segments; the setting that matters is the publisher's) gets
-    every frame answered with a trajectory within the shipped output guard's 1 s."""
+    its frames answered with a trajectory within the shipped output guard's 1 s.
+
+    What is deterministic (issue 37): every frame from the first one answered on is answered, and at most the
+    first frame is lost. That one is the publisher's first large sample: Fast DDS can deliver some of its six images
+    over a second late (traced on CI: cameras 4 and 5 silent, then ``guard_too_old``, "stamp is 1.104 s old";
+    docs/performance.md). A frame lost so is counted by a cause on one of the nodes, never lost silently."""
     _active2(respawning, ros_env)
     output = Output(f"/planning/{NS2}/trajectory")
+    reports = {role: NodeReports(NS2, f"{role}_node") for role in ("prefix", "suffix")}
     frames = 8
     try:
+        assert all(r.wait(lambda r=r: r.reports, 30) for r in reports.values())
+        before = {role: r.drops() for role, r in reports.items()}
         log = tmp_path / "publisher.log"
         pub = _plain_publisher(ros_env, embedded_bag, frames, log, profile=REPO / "config" / "fastdds_shm_large.xml")
         assert pub.wait(240) == 0, log.read_text()
         sent = _sent_stamps(log)
         assert len(sent) == frames
-        assert output.wait(lambda: set(sent) <= set(output.stamps), 60), \
+        assert output.wait(lambda: set(sent[1:]) <= set(output.stamps), 60), \
             (f"answered {len(set(sent) & set(output.stamps))} of {frames}\n" + respawning.log()[-6000:])
+        lost = [s for s in sent if s not in set(output.stamps)]
+        assert lost in ([], sent[:1]), lost
+
+        def counted() -> int:  # frames dropped with a cause since the publisher started, on either node
+            return sum(n - before[role].get(cause, 0) for role, r in reports.items() for cause, n in r.drops().items())
+        if lost:
+            assert all(r.wait(lambda: counted() >= len(lost), 30) for r in reports.values()), \
+                ({role: r.drops() for role, r in reports.items()}, before)
     finally:
         output.close()
-    print(f"\nplain raw publisher on the large-data profile: {frames} of {frames} frames answered")
+        for r in reports.values():
+            r.close()
+    print(f"\nplain raw publisher on the large-data profile: {frames - len(lost)} of {frames} frames answered"
+          + (f" (the first lost, counted: {[r.drops() for r in reports.values()]})" if lost else ""))
 
 
 def test_respawn_restarts_a_killed_node_and_the_pair_works_again(respawning, ros_env, embedded_bag, tmp_path):

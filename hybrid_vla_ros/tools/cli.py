@@ -196,7 +196,8 @@ def _compile_suffix(args: argparse.Namespace) -> int:
 
 
 def _verify_split(args: argparse.Namespace) -> int:
-    """``hybrid-vla verify-split``: the split at every K against transformers' own forward; exit 0 iff all agree."""
+    """``hybrid-vla verify-split``: the split at every K against its referee and the unsplit model; exit 0 iff all
+    agree."""
     import json
 
     from transformers.utils import logging as hf_logging
@@ -470,12 +471,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "this package's own; own model code) and compare with an independent "
                                    "reference forward: transformers' own model on the same weights and inputs "
                                    "(token ids for a language model, a camera frame of the embedded bag and a "
-                                   "prompt for a VLM), or the model's own forward for own code. Prints the max "
-                                   "abs difference per K; exits 0 only when every K is within the tolerance.")
+                                   "prompt for a VLM), or the model's own forward for own code; and with the same "
+                                   "code unsplit. Prints per K the max abs differences against the referee, each "
+                                   "beside its allowed difference (8 x the referee's own rounding, measured against "
+                                   "its float64 run), and against the unsplit model; exits 0 only when every K is "
+                                   "within the allowed differences and bit-exact against the unsplit model.")
     _add_checkpoint(v, "the checkpoint directory")
     v.add_argument("--dtype", default="fp32", help="dtype of both sides: fp32 (default), bf16, fp16")
     v.add_argument("--tolerance", type=float, default=None, metavar="X",
-                   help="max abs difference allowed (default: 1e-5 fp32, 1e-2 fp16, 5e-2 bf16)")
+                   help="a fixed max abs difference against the referee, instead of its measured rounding (default: "
+                        "8 x the referee's own rounding in the dtype, at least 16 ulp of each tensor's largest value)")
     v.add_argument("--prompt-ids", type=_id_list, default=None, metavar="1,2,3",
                    help="token ids: a language model's input, or a LLaVA prompt with one image token per camera "
                         "(default: fixed ids)")
