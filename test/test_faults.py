@@ -154,7 +154,7 @@ class Graph(ros_tools.SpunNode):
 class Rig:
     """Node processes of one test namespace: launch, SIGKILL, lifecycle, diagnostics, frames."""
 
-    def __init__(self, tmp_path: Path, checkpoint: Path, bag: Path, tag: str):
+    def __init__(self, tmp_path: Path, checkpoint: Path, bag: Path, tag: str, suffix_params: dict | None = None):
         self.ns = f"/flt_{RUN}_{tag}"
         self.tmp = tmp_path
         self.segment = segment_name("prefix_states", self.ns)
@@ -165,7 +165,7 @@ class Rig:
                 "camera_topics": [f"{self.ns}/cam{i}" for i in range(6)]}},
             # the bag's recorded stamps are years old: the output guard's age check is off (as replay does)
             f"{self.ns}/suffix_node": {"ros__parameters": {**common, "split_layer": 2, "threads": 1,
-                                                           "guard.check_age": False}},
+                                                           "guard.check_age": False, **(suffix_params or {})}},
         }
         params[f"{self.ns}/suffix_node_b"] = copy.deepcopy(params[f"{self.ns}/suffix_node"])  # a second suffix
         self.params_file = tmp_path / "params.yaml"
@@ -403,11 +403,16 @@ def test_prefix_sigkill_restart_replaces_segment_and_suffix_reattaches(rig):
     path = SHM / rig.segment
     old_ino = path.stat().st_ino
     old_pid = rig.procs["prefix"].pid
+    from hybrid_vla_ros.transport.leftovers import wake_dir_named_in
+
+    old_wake = wake_dir_named_in(str(path))
 
     rig.kill("prefix")
-    # the stale segment stays (nobody can unlink on SIGKILL); its owner is dead; the suffix lives on
+    # the stale segment stays (nobody can unlink on SIGKILL); its owner is dead; the suffix lives on; so does the
+    # wake-up directory the segment names (the suffix's socket is bound in it)
     assert path.exists() and unused_entries(rig.segment) == [rig.segment]
     assert segment_owner(path)[0] == old_pid
+    assert old_wake and (SHM / old_wake).is_dir(), old_wake
     time.sleep(0.5)
     assert rig.procs["suffix"].poll() is None and rig.clients["suffix"].get_state(5.0) == "active"
 
@@ -417,6 +422,9 @@ def test_prefix_sigkill_restart_replaces_segment_and_suffix_reattaches(rig):
     assert st.st_ino != old_ino, "the restarted prefix must replace the stale segment"
     assert segment_owner(path)[0] == rig.procs["prefix"].pid
     assert ring_entries(rig.segment) == [rig.segment], "no .init-* leftovers"
+    assert not (SHM / old_wake).exists(), "the dead prefix's wake-up directory is removed with its segment"
+    log = sorted(rig.tmp.glob("prefix.*.log"))[-1].read_text()
+    assert f"replaced the ring left by a dead prefix (pid {old_pid}); this one starts at split_layer 2" in log, log
     # The suffix was not touched: it notices the new segment and re-attaches by itself.
     n, first = rig.publish_until_trajectory(12, period_s=1.0)
     print(f"\nprefix restarted: first trajectory after {n} frame(s) (DDS discovery of the new camera "
@@ -652,6 +660,189 @@ def test_a_silent_camera_is_named_in_diagnostics_and_the_log(rig):
         feeder.close()
     assert f"camera 3 ({topic}): sends again" in (rig.tmp / "prefix.1.log").read_text()
     print(f"\nsilent camera: ERROR '{d['_message']}'")
+
+
+WARN_LEVEL, OK_LEVEL = 1, 0
+
+
+def test_a_stopped_prefix_is_an_error_on_the_suffix_and_ok_when_it_continues(rig):
+    """Issue 38.1, cameras at 10 Hz: the prefix stopped (SIGSTOP: alive, publishing nothing) makes the suffix's
+    /diagnostics ERROR `prefix_stalled` once its last publish is 3 of its announced cycles old (at least 0.5 s);
+    SIGCONT makes it OK at the next frame. (Before: the suffix said OK while nothing came out.)"""
+    rig.launch("prefix")
+    rig.launch("suffix")
+    rig.bring_up("prefix", "suffix")
+    assert rig.player.wait_for_subscribers(odometry=False), rig.logs()
+    rig.publish_until_trajectory(5)
+    feeder = _Feeder(rig, 10.0)
+    status = rig.status("suffix")
+    ok = lambda v: v["_level"] != ERROR_LEVEL and v.get("state") == "active" and v.get("peer_cause") == ""  # noqa
+    try:
+        read = int(rig.wait_fresh_diag("suffix")["ring_read"])  # frames flow: the prefix has announced its cycle
+        _wait_report(rig.graph, status, len(rig.graph.reports), lambda v: ok(v) and int(v["ring_read"]) >= read + 5,
+                     30, rig.logs)
+        since = len(rig.graph.reports)
+        t_stop = time.time_ns()
+        os.kill(rig.procs["prefix"].pid, signal.SIGSTOP)
+        try:
+            d = _wait_report(rig.graph, status, since,
+                             lambda v: v["_level"] == ERROR_LEVEL and v.get("peer_cause") == "prefix_stalled", 15,
+                             rig.logs)
+        finally:
+            t_cont = time.time_ns()
+            os.kill(rig.procs["prefix"].pid, signal.SIGCONT)
+        to_error = (d["_stamp_ns"] - t_stop) / 1e9
+        assert f"prefix pid {rig.procs['prefix'].pid} is alive but has published no frame" in d["_message"], d
+        back = _wait_report(rig.graph, status, len(rig.graph.reports), ok, 30, rig.logs)
+        to_ok = (back["_stamp_ns"] - t_cont) / 1e9
+    finally:
+        feeder.close()
+    # 3 cycles (0.1 s frames) or the 0.5 s floor, plus the 0.1 s check and the publish
+    assert to_error <= 2.0, (to_error, d)
+    print(f"\nprefix stopped: suffix ERROR prefix_stalled after {to_error:.2f} s; SIGCONT: OK after {to_ok:.2f} s")
+
+
+def test_a_node_that_is_not_active_reports_warn_with_its_state(rig):
+    """Issue 38.2: an unconfigured node, an inactive one and one cleaned up again report WARN with the lifecycle
+    state in the message (Autoware's tools read the level first), never OK and never a ring warning; the other
+    side names the inactive peer as its cause."""
+    rig.launch("prefix")
+    rig.launch("suffix")
+    for role in ("prefix", "suffix"):
+        rig.wait_ready(role)
+    figures = {}
+    for role in ("prefix", "suffix"):
+        d = rig.wait_fresh_diag(role, lambda v: v.get("state") == "unconfigured")
+        assert d["_level"] == WARN_LEVEL and d["_message"].startswith("unconfigured:"), d
+    figures["unconfigured"] = d["_message"]
+    rig.transition("prefix", "configure", "inactive")
+    rig.transition("suffix", "configure", "inactive")
+    d = rig.wait_fresh_diag("suffix", lambda v: v.get("state") == "inactive")
+    assert d["_level"] == WARN_LEVEL and d["_message"].startswith("inactive:"), d
+    figures["inactive"] = d["_message"]
+    rig.transition("prefix", "activate", "active")
+    rig.transition("suffix", "activate", "active")
+    assert rig.player.wait_for_subscribers(odometry=False), rig.logs()
+    rig.publish_until_trajectory(5)
+    since = len(rig.graph.reports)
+    t_off = time.time_ns()
+    rig.transition("suffix", "deactivate", "inactive")
+    d = _wait_report(rig.graph, rig.status("suffix"), since, lambda v: v.get("state") == "inactive", 10, rig.logs)
+    assert d["_level"] == WARN_LEVEL and d["_message"].startswith("inactive:") and "ring" not in d["_message"], d
+    for _ in range(4):  # frames keep coming: the ring fills while the suffix is inactive, and that is no warning
+        rig.player.publish()
+        time.sleep(0.3)
+    d = rig.wait_fresh_diag("suffix")
+    assert d["_level"] == WARN_LEVEL and d["_message"].startswith("inactive:"), d
+    p = _wait_report(rig.graph, rig.status("prefix"), since,
+                     lambda v: v["_level"] == ERROR_LEVEL and v.get("peer_cause") == "consumer_paused", 10, rig.logs)
+    figures["peer of an inactive suffix"] = f"{p['_message']} ({(p['_stamp_ns'] - t_off) / 1e9:.2f} s)"
+    rig.transition("suffix", "cleanup", "unconfigured")
+    d = rig.wait_fresh_diag("suffix", lambda v: v.get("state") == "unconfigured")
+    assert d["_level"] == WARN_LEVEL and d["_message"].startswith("unconfigured:"), d
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in figures.items()))
+
+
+class _NowFeeder:
+    """The embedded bag's frames stamped now (time.time_ns(): the nodes' clock without use_sim_time), one every
+    ``period_s`` in a thread, the odometry 50 ms before and after each stamp; camera ``late_cam``'s image of each
+    frame goes out ``delay_s`` seconds after the others (0: with them), as a camera on a slow transport."""
+
+    def __init__(self, rig, period_s: float, late_cam: int):
+        self.player, self.period_s, self.late_cam = rig.player, period_s, late_cam
+        self.delay_s = 0.0
+        self.stamps: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        from hybrid_vla_ros.util.stamps import set_header_stamp
+
+        p, pending, k = self.player, [], 0
+        next_t = time.monotonic()
+        while not self.stop.is_set():
+            now = time.monotonic()
+            for due, msg in [x for x in pending if x[0] <= now]:
+                p.pubs[self.late_cam].publish(msg)
+                pending.remove((due, msg))
+            if now >= next_t:
+                stamp = time.time_ns()
+                for offset in (-50_000_000, 50_000_000):
+                    odom = copy.deepcopy(p.odom[0])
+                    set_header_stamp(odom, stamp + offset)
+                    p.odom_pub.publish(odom)
+                for cam, pub in enumerate(p.pubs):
+                    msg = copy.deepcopy(p.images[cam][k % len(p.images[cam])])
+                    set_header_stamp(msg, stamp)
+                    if cam == self.late_cam and self.delay_s > 0:
+                        pending.append((now + self.delay_s, msg))
+                    else:
+                        pub.publish(msg)
+                self.stamps.append(stamp)
+                k += 1
+                next_t += self.period_s
+            time.sleep(0.005)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_a_late_camera_is_named_and_frames_too_old_to_plan_on_are_errors(tmp_path, tiny_checkpoint, embedded_bag):
+    """Issue 38.3, frames stamped now every 1.25 s with the output guard's age check on (guard.max_age_s 1 s): one
+    camera's images held back 1.5 s make the prefix WARN naming that camera (its median over its last 3 images is
+    over half the 1 s the suffix announced), then ERROR once 3 synchronized frames in a row were too old when
+    complete, naming it and the remedy; the suffix is ERROR once it dropped 3 frames in a row as too old. Both are
+    OK again when the camera is in time. (Before: a median over every image hid one late camera, and the suffix
+    alternated WARN and OK while nothing came out.)"""
+    rig = Rig(tmp_path, tiny_checkpoint, embedded_bag, "late_camera", suffix_params={"guard.check_age": True})
+    figures = {}
+    try:
+        rig.launch("prefix")
+        rig.launch("suffix")
+        rig.bring_up("prefix", "suffix")
+        assert rig.player.wait_for_subscribers(odometry=True), rig.logs()
+        feeder = _NowFeeder(rig, 1.25, late_cam=3)
+        try:
+            assert rig.graph.wait(lambda: set(rig.graph.trajectories) & set(feeder.stamps), 60), rig.logs()
+            for role in ("prefix", "suffix"):
+                _wait_report(rig.graph, rig.status(role), len(rig.graph.reports),
+                             lambda v: v["_level"] == OK_LEVEL, 30, rig.logs)
+            since = len(rig.graph.reports)
+            t_late = time.time_ns()
+            feeder.delay_s = 1.5
+            topic = f"{rig.ns}/cam3/compressed"
+            warn = _wait_report(rig.graph, rig.status("prefix"), since,
+                                lambda v: v["_level"] == WARN_LEVEL and f"camera 3 ({topic})" in v["_message"], 20,
+                                rig.logs)
+            assert warn["camera_delay_worst"] == "3" and float(warn["camera_delay_p50_ms"]) > 500, warn
+            delays = warn["camera_delays_p50_ms"].split(",")
+            assert float(delays[3]) > 500 and all(float(d) < 500 for i, d in enumerate(delays) if i != 3), warn
+            error = _wait_report(rig.graph, rig.status("prefix"), since,
+                                 lambda v: v["_level"] == ERROR_LEVEL and int(v["frames_too_old_in_a_row"]) >= 3, 30,
+                                 rig.logs)
+            assert f"camera 3 ({topic})" in error["_message"] and "large-data profile" in error["_message"], error
+            suffix = _wait_report(rig.graph, rig.status("suffix"), since,
+                                  lambda v: v["_level"] == ERROR_LEVEL and int(v["frames_too_old_in_a_row"]) >= 3, 30,
+                                  rig.logs)
+            assert "dropped as too old" in suffix["_message"] and int(suffix["drop_guard_too_old"]) >= 3, suffix
+            figures.update({f"{k}, after": (d["_stamp_ns"] - t_late) / 1e9 for k, d in (
+                ("prefix WARN naming camera 3", warn), ("prefix ERROR (3 frames too old)", error),
+                ("suffix ERROR (3 frames dropped as too old)", suffix))})
+            since = len(rig.graph.reports)
+            t_back = time.time_ns()
+            feeder.delay_s = 0.0
+            for role in ("prefix", "suffix"):
+                d = _wait_report(rig.graph, rig.status(role), since, lambda v: v["_level"] == OK_LEVEL, 30, rig.logs)
+                figures[f"camera in time again: {role} OK after"] = (d["_stamp_ns"] - t_back) / 1e9
+        finally:
+            feeder.close()
+        log = (rig.tmp / "prefix.1.log").read_text()
+        assert f"camera images arrive late after their stamp (median): camera 3 ({topic})" in log, log[-3000:]
+    finally:
+        rig.close()
+    print("\n" + "\n".join(f"{k}: {v:.2f} s" for k, v in figures.items()))
 
 
 KILL_POINTS = ("starting", "configuring", "active")

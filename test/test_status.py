@@ -32,10 +32,12 @@ PREFIX = PrefixStatus(**COMMON, frames_in=60, frames_synchronized=10, frames_out
                       resplits=2, split_moves_latency=3, split_moves_memory=1, split_move_reason="balanced",
                       handoff_path="produced in the slot", fast_jpeg_decode=True, ego_state_input=True,
                       ego_accel={"topic": 5, "differentiated": 4}, ego_time_jumps=1, camera_reliability="reliable",
-                      camera_delay_p50_ms=12.5, camera_delay_max_ms=40.0, cameras_silent=(3, 5), scene_inputs=True,
+                      camera_delay_worst=4, camera_delay_p50_ms=12.5, camera_delay_max_ms=40.0,
+                      camera_delays_p50_ms=(3.5, None, 12.5), camera_delays_max_ms=(4.0, None, 40.0),
+                      frames_too_old_in_a_row=2, frame_age_limit_s=1.0, cameras_silent=(3, 5), scene_inputs=True,
                       camera_infos_in=18, static_transforms_in=6, navigation_command="LEFT")
 
-SUFFIX = SuffixStatus(**COMMON, frames_in=9, trajectories_out=8, ring_attached=True,
+SUFFIX = SuffixStatus(**COMMON, frames_in=9, trajectories_out=8, frames_too_old_in_a_row=3, ring_attached=True,
                       ring_contract_error="dtype differs", ring_conversion="bf16 -> fp32", ring_owner_alive=True,
                       ring_read=9, odometry_in=30, odometry_propagated=2, odometry_late=1, odometry_time_jumps=1,
                       candidate_trajectories_out=8, candidates_out=40, split_layer=4, blocks_held_from=3, resplits=1,

@@ -124,6 +124,9 @@ class SuffixNode(node_base.PipelineNode):
     def io_counts(self) -> tuple[int, int]:
         return self._worker.frames_in, self._outputs.frames_out
 
+    def input_problem(self) -> str:
+        return self._outputs.too_old()
+
     def peer_status(self):
         runner = self.runner
         if runner is None or not self._worker.running:
@@ -136,6 +139,7 @@ class SuffixNode(node_base.PipelineNode):
         stats = runner.ring_stats() if runner is not None else ConsumerStats()
         return dict(
             frames_in=worker.frames_in, trajectories_out=outputs.frames_out,
+            frames_too_old_in_a_row=outputs.too_old_in_a_row,
             ring_attached=runner is not None and runner.attached, ring_contract_error=self.fault,
             ring_conversion=ring.conversion if ring is not None else "",
             ring_owner_alive=ring is not None and ring.owner_alive, ring_read=stats.read,

@@ -15,6 +15,13 @@ from .status import PIPELINE, RingFill, StageTime
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
+#: What a node that is not active says in /diagnostics (WARN), by lifecycle state.
+IDLE_MESSAGES = {
+    "unconfigured": "unconfigured: no model loaded, nothing computed until configured and activated",
+    "inactive": "inactive: configured, but nothing computed until activated",
+    "finalized": "finalized: the node has shut down its pipeline",
+}
+
 #: What a node with ``use_sim_time`` and no ``/clock`` says in /diagnostics, its log and the guard's drop line.
 NO_CLOCK_HINT = ("use_sim_time is true but no message has arrived on /clock yet, so the node clock reads 0 (stamps "
                  "cannot be aged, timers on the ROS clock do not run): publish /clock (`ros2 bag play --clock`, "
@@ -79,8 +86,10 @@ class PipelineDiagnostics:
     /diagnostics as ERROR within about 0.1 s, in either case.
 
     Level: ERROR while the node's ``fault`` is set (its text is the message), while its last configure failed
-    and it is unconfigured (``configure_error``), while the peer cannot take part (the peer status's message:
-    ring owner dead, no suffix attached, a suffix that is inactive or takes no frame, locked out of the ring,
+    and it is unconfigured (``configure_error``); WARN while the node is not active (unconfigured, inactive,
+    finalized: the state is the message's first word, and nothing else is judged: an idle node is never "ok");
+    ERROR while the peer cannot take part (the peer status's message: ring owner dead, a prefix that is inactive
+    or publishes nothing, no suffix attached, a suffix that is inactive or takes no frame, locked out of the ring,
     no ring), when inputs keep arriving but nothing has come out for the node's ``stall_s()`` seconds, or when the
     node's ``input_problem()`` names one (e.g. a silent camera); WARN when ``use_sim_time`` is set and no
     /clock has arrived (NO_CLOCK_HINT, also logged), when the node's ``input_warning()`` names one (images
@@ -171,6 +180,8 @@ class PipelineDiagnostics:
             level, message = ERROR, node.fault
         elif node.configure_error and status.state == "unconfigured":
             level, message = ERROR, f"configure failed: {node.configure_error}"
+        elif not active:
+            level, message = WARN, IDLE_MESSAGES.get(status.state, f"{status.state}: this node computes nothing")
         elif peer is not None and not peer.ok:
             level, message = ERROR, peer.message
         elif problem:

@@ -53,24 +53,42 @@ class CameraInputs:
     (sets); a stamp that cannot be read is a ``bad_stamp`` drop, the synchronizer's discards are drops by its
     cause (SYNC_DROP_REASONS). It also keeps when each camera's last message arrived (steady time), so that a
     camera that sends nothing while the others do is named (:meth:`silence`), and the synchronized frames'
-    period (:meth:`frame_period_ns`).
+    period (:meth:`frame_period_ns`); each camera's arrival delays (node clock minus header stamp), so that a
+    camera whose images come late is named (:meth:`lateness`); and how many synchronized frames in a row were
+    already older than the suffix's frame age limit (``frame_age_limit()``, s, None when unknown) when their last
+    image arrived (:meth:`too_old`: each of them will be dropped as ``guard_too_old``).
     """
 
     #: A camera silent for this many of the others' message periods (and at least SILENT_MIN_S) is named.
     SILENT_PERIODS = 3
     SILENT_MIN_S = 0.5
-    #: Images arriving this long after their header stamp (median of the recent ones, by the node clock) are
-    #: named as late: half the output guard's default age limit (guard.max_age_s 1 s), so the frames are about
-    #: to be dropped as too old. Large raw images over a DDS transport that is not tuned for them arrive seconds
-    #: late (docs/deployment.md, "Large images").
-    LATE_ARRIVAL_S = 0.5
+    #: A camera whose images arrive this long after their header stamp (median of its last LATE_WINDOW, by the node
+    #: clock) is named as late: half the suffix's frame age limit (its output guard's guard.max_age_s), so its
+    #: frames are about to be dropped as too old. Large raw images over a DDS transport that is not tuned for
+    #: them arrive seconds late (docs/deployment.md, "Large images").
+    LATE_FRACTION = 0.5
+    #: Images per camera whose median arrival delay judges it late: one late image is not, the second is.
+    LATE_WINDOW = 3
+    #: The frame age limit assumed while no suffix announced one: the output guard's default guard.max_age_s.
+    DEFAULT_AGE_LIMIT_S = 1.0
+    #: Arrival delays kept per camera.
+    DELAY_WINDOW = 8
+    #: Synchronized frames in a row already too old when complete, from which the prefix reports ERROR.
+    TOO_OLD_FRAMES = 3
     DOCS_LARGE_IMAGES = "docs/deployment.md, 'Large images'"
+    #: What to do about late large images, in the messages.
+    REMEDY = ("large raw images need a DDS transport made for them: the package's large-data profile "
+              "(config/fastdds_shm_large.xml as FASTDDS_DEFAULT_PROFILES_FILE) in the camera publishers' own "
+              "environment, the compressed image transport, or a shared-memory RMW (" + DOCS_LARGE_IMAGES + ")")
 
-    def __init__(self, ctx, on_frame: Callable[[SyncedSet], None]):
+    def __init__(self, ctx, on_frame: Callable[[SyncedSet], None],
+                 frame_age_limit: Callable[[], float | None] = lambda: None):
         """``ctx``: the node's node_base.PartContext (its ``ros`` node for the subscriptions and the QoS timer);
-        ``on_frame``: called with each synchronized frame (the worker's ``offer``)."""
+        ``on_frame``: called with each synchronized frame (the worker's ``offer``); ``frame_age_limit``: the
+        suffix's frame age limit now (s; None while unknown)."""
         self._ctx = ctx
         self._on_frame = on_frame
+        self._frame_age_limit = frame_age_limit
         self._sync: CameraSynchronizer | None = None
         self.subscriptions = []
         self.frames_in = 0
@@ -79,8 +97,11 @@ class CameraInputs:
         self._last_ns: list[int] = []  # per camera: CLOCK_MONOTONIC ns of its last message (0: none)
         self._gaps_ns: deque = deque(maxlen=32)  # intervals between a camera's consecutive messages
         self._synced_ns: deque = deque(maxlen=16)  # arrival of synchronized frames
-        self._delays_ns: deque = deque(maxlen=36)  # node clock at arrival - header stamp, recent messages
-        self._late_said = False
+        self._delays_ns: list[deque] = []  # per camera: node clock at arrival - header stamp, recent messages
+        self._late_said: frozenset[int] = frozenset()  # the cameras last logged as late
+        #: Synchronized frames in a row that were older than the frame age limit when complete.
+        self.too_old_in_a_row = 0
+        self._too_old_said = False
         self._silent_said: dict[int, int] = {}  # camera -> when it was said to be silent (CLOCK_MONOTONIC ns)
         self._qos_timer = None
         self._reliability_mode = "auto"
@@ -106,7 +127,8 @@ class CameraInputs:
         self._last_ns = [0] * len(topics)
         self._gaps_ns.clear()
         self._synced_ns.clear()
-        self._delays_ns.clear()
+        self._delays_ns = [deque(maxlen=self.DELAY_WINDOW) for _ in topics]
+        self.too_old_in_a_row = 0
         self._started_ns = time.monotonic_ns()
         self._transports = list(transports)
         first = ReliabilityPolicy.RELIABLE if reliability == "reliable" else ReliabilityPolicy.BEST_EFFORT
@@ -198,33 +220,80 @@ class CameraInputs:
         gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
         return gaps[len(gaps) // 2]
 
-    def arrival_delay_ms(self) -> tuple[float, float] | None:
-        """(median, largest) of the recent images' arrival delay: the node clock when the message arrived minus
-        its header stamp (ms; transport time, plus any offset between the cameras' clock and this computer's);
-        None before any image arrived with the clock running."""
-        if not self._delays_ns:
+    def camera_delays_ms(self) -> list[tuple[float, float] | None]:
+        """Per camera: (median, largest) of its recent images' arrival delay (the node clock when the message
+        arrived minus its header stamp, ms: transport time, plus any offset between that camera's clock and this
+        computer's; the last :data:`DELAY_WINDOW`), None for a camera none of whose images arrived with the clock
+        running."""
+        out = []
+        for delays in self._delays_ns:
+            ordered = sorted(delays)
+            out.append((ordered[len(ordered) // 2] / 1e6, ordered[-1] / 1e6) if ordered else None)
+        return out
+
+    def arrival_delay_ms(self) -> tuple[int, float, float] | None:
+        """(the camera with the largest median delay, its median, the largest delay of any camera), ms; None before
+        any image arrived with the clock running."""
+        delays = [(d[0], cam) for cam, d in enumerate(self.camera_delays_ms()) if d is not None]
+        if not delays:
             return None
-        delays = sorted(self._delays_ns)
-        return delays[len(delays) // 2] / 1e6, delays[-1] / 1e6
+        p50, cam = max(delays)
+        return cam, p50, max(d[1] for d in self.camera_delays_ms() if d is not None)
+
+    def _recent_median_ns(self, cam: int) -> float:
+        recent = sorted(list(self._delays_ns[cam])[-self.LATE_WINDOW:])
+        return recent[len(recent) // 2] if recent else 0.0
+
+    def _age_limit_s(self) -> float:
+        limit = self._frame_age_limit()
+        return limit if limit else self.DEFAULT_AGE_LIMIT_S
 
     def lateness(self) -> str:
-        """"" while images arrive in time, else one sentence saying how late (median over the recent images, more
-        than LATE_ARRIVAL_S) and the likely causes; logged once when it starts (WARN) and when it ends (INFO)."""
-        delay = self.arrival_delay_ms()
-        late = delay is not None and delay[0] > self.LATE_ARRIVAL_S * 1e3
-        if late != self._late_said:
-            self._late_said = late
+        """"" while every camera's images arrive in time, else one sentence naming each camera whose median arrival
+        delay over its last :data:`LATE_WINDOW` images is over :data:`LATE_FRACTION` of the suffix's frame age limit,
+        with its median and largest delay (last :data:`DELAY_WINDOW`), and the remedy; a change of the late cameras
+        is logged (WARN naming them, INFO when all are in time again)."""
+        limit = self._age_limit_s()
+        delays = self.camera_delays_ms()
+        late = {cam: d for cam, d in enumerate(delays)
+                if d is not None and self._recent_median_ns(cam) > self.LATE_FRACTION * limit * 1e9}
+        named = ", ".join(f"camera {cam} ({self._topics[cam]}) {d[0] / 1e3:.2f} s (up to {d[1] / 1e3:.2f} s)"
+                          for cam, d in sorted(late.items()))
+        if frozenset(late) != self._late_said:
             if late:
-                self._ctx.logger.warning(f"camera images arrive late: {delay[0] / 1e3:.2f} s after their "
-                                                f"stamp (median); see {self.DOCS_LARGE_IMAGES}")
-            else:
+                self._ctx.logger.warning(f"camera images arrive late after their stamp (median): {named}; "
+                                         f"see {self.DOCS_LARGE_IMAGES}")
+            elif self._late_said:
                 self._ctx.logger.info("camera images arrive in time again")
+            self._late_said = frozenset(late)
         if not late:
             return ""
-        return (f"camera images arrive {delay[0] / 1e3:.2f} s after their header stamp (median of the last "
-                f"{len(self._delays_ns)}, up to {delay[1] / 1e3:.2f} s): frames will be too old to plan on. The "
-                "publishers' DDS transport is too slow for these images (large raw images on an untuned DDS: "
-                f"{self.DOCS_LARGE_IMAGES}), or the cameras' clock is behind this computer's")
+        return (f"images arrive late after their header stamp (median of the last {self.DELAY_WINDOW}): {named}, "
+                f"over half the suffix's frame age limit ({limit:.2f} s): its frames are about to be dropped as too "
+                f"old. The publishers' DDS transport is too slow for these images ({self.REMEDY}), or the cameras' "
+                "clock is behind this computer's")
+
+    def too_old(self) -> str:
+        """"" unless the last :data:`TOO_OLD_FRAMES` synchronized frames in a row were already older than the
+        suffix's frame age limit when their last image arrived (each is dropped as ``guard_too_old``, no trajectory
+        comes out); then one sentence naming the latest camera and the remedy, logged once (ERROR; INFO when a frame
+        is in time again)."""
+        bad = self.too_old_in_a_row >= self.TOO_OLD_FRAMES
+        message = ""
+        if bad:
+            worst = self.arrival_delay_ms()
+            camera = "" if worst is None else (f"; the latest is camera {worst[0]} ({self._topics[worst[0]]}), "
+                                               f"{worst[1] / 1e3:.2f} s after its stamp (median)")
+            message = (f"the last {self.too_old_in_a_row} synchronized frames were older than the suffix's frame age "
+                       f"limit ({self._age_limit_s():.2f} s) when their last image arrived: each is dropped as too "
+                       f"old{camera}. {self.REMEDY[0].upper()}{self.REMEDY[1:]}")
+        if bad != self._too_old_said:
+            self._too_old_said = bad
+            if bad:
+                self._ctx.logger.error(message)
+            else:
+                self._ctx.logger.info("synchronized frames are young enough to plan on again")
+        return message
 
     def silent_cameras(self, now_ns: int | None = None) -> list[tuple[int, float]]:
         """(camera index, seconds since its last message or since subscribing) of each camera that has sent
@@ -291,7 +360,7 @@ class CameraInputs:
                 return
             clock = self._ctx.ros.get_clock().now().nanoseconds
             if clock > 0:
-                self._delays_ns.append(clock - stamp)
+                self._delays_ns[cam].append(clock - stamp)
             emitted = self._sync.add(cam, stamp, (transport, msg))
             for cause, n in self._sync.pop_drops().items():
                 why = SYNC_DROP_REASONS[cause]
@@ -304,6 +373,11 @@ class CameraInputs:
                 return
             self.frames_synced += 1
             self._synced_ns.append(now)
+            limit = self._frame_age_limit()
+            if limit and clock > 0 and clock - emitted.stamp_ns > limit * 1e9:
+                self.too_old_in_a_row += 1
+            else:
+                self.too_old_in_a_row = 0
             self._on_frame(emitted)
         return callback
 

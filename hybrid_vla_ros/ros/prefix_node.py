@@ -84,7 +84,7 @@ class PrefixNode(node_base.PipelineNode):
         self._scene = SceneSource(ctx, self._ego_inputs)  # camera geometry, ego frame (query heads)
         self._worker = PrefixWorker(ctx, self._ego_inputs, self._scene,
                                     on_frame=lambda: self._split.after_frame(self._cameras.frame_period_ns()))
-        self._cameras = CameraInputs(ctx, on_frame=self._worker.offer)
+        self._cameras = CameraInputs(ctx, on_frame=self._worker.offer, frame_age_limit=self._frame_age_limit)
         self._split = SplitLayerControl(ctx, wake=self._worker.wake)
 
     # ----------------------------------------------------------------------------------- lifecycle
@@ -121,6 +121,13 @@ class PrefixNode(node_base.PipelineNode):
             + (f"; cores {list(p.cpu_affinity)} (pinned early: {self.early_affinity or 'no'})" if p.cpu_affinity
                else "; not pinned (cpu_affinity [])")
             + (" [random-init weights: trajectories are not driving advice]" if cfg.random_init else ""))
+        if self.runner.ring.replaced_pid:
+            # a restart (respawn, or by hand) of a prefix that died: the ring and wake-up directory it left are
+            # replaced; what it was told at run time is not carried over
+            self.get_logger().warning(
+                f"replaced the ring left by a dead prefix (pid {self.runner.ring.replaced_pid}); this one starts at "
+                f"split_layer {self.runner.split_layer} from its parameters: a split_layer set at run time on the "
+                "dead one is not kept (put it in the launch arguments or the parameter file to keep it)")
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -187,8 +194,13 @@ class PrefixNode(node_base.PipelineNode):
             return None
         return runner.peer_status(self._cameras.frame_period_ns())
 
+    def _frame_age_limit(self) -> float | None:
+        """The attached suffix's frame age limit (s), None while unknown (CameraInputs' ``frame_age_limit``)."""
+        runner = self.runner
+        return runner.suffix_frame_age_limit_s() if runner is not None else None
+
     def input_problem(self) -> str:
-        return self._cameras.silence()
+        return self._cameras.silence() or self._cameras.too_old()
 
     def input_warning(self) -> str:
         return self._cameras.lateness()
@@ -198,7 +210,7 @@ class PrefixNode(node_base.PipelineNode):
         runner, cameras, worker = self.runner, self._cameras, self._worker
         calibration = self._scene.calibration
         ring = runner.ring.stats if runner is not None else ProducerStats()
-        delay = cameras.arrival_delay_ms()
+        delay, delays = cameras.arrival_delay_ms(), cameras.camera_delays_ms()
         return dict(
             frames_in=cameras.frames_in, frames_synchronized=cameras.frames_synced, frames_out=worker.frames_out,
             ring_published=ring.published, ring_dropped_oldest=ring.dropped_oldest,
@@ -213,8 +225,12 @@ class PrefixNode(node_base.PipelineNode):
             ego_state_input=runner is not None and runner.cfg.ego_state_input,
             ego_accel=dict(worker.ego_accel_sources), ego_time_jumps=self._ego_inputs.buffer.time_jumps,
             camera_reliability=",".join(r.name.lower() for r in cameras.reliabilities),
-            camera_delay_p50_ms=None if delay is None else delay[0],
-            camera_delay_max_ms=None if delay is None else delay[1],
+            camera_delay_worst=None if delay is None else delay[0],
+            camera_delay_p50_ms=None if delay is None else delay[1],
+            camera_delay_max_ms=None if delay is None else delay[2],
+            camera_delays_p50_ms=tuple(None if d is None else d[0] for d in delays),
+            camera_delays_max_ms=tuple(None if d is None else d[1] for d in delays),
+            frames_too_old_in_a_row=cameras.too_old_in_a_row, frame_age_limit_s=self._frame_age_limit(),
             cameras_silent=tuple(c for c, _ in cameras.silent_cameras()),
             scene_inputs=runner is not None and takes_scene(runner.cfg),
             camera_infos_in=calibration.camera_infos if calibration is not None else 0,

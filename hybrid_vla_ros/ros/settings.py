@@ -253,14 +253,16 @@ class SuffixNodeSettings(NodeSettings):
         ``num_layers``: the checkpoint's L; ``split_layer: auto`` (follow the prefix) starts at K = L, no blocks
         held, and the first frame loads the ones its K needs. ``namespace`` / ``domain_id``: the node's ROS
         namespace and domain (they scope the ring). ``threads`` 0 becomes one per ``cpu_affinity`` core (still 0,
-        torch's default, when not pinned). Raises nothing.
+        torch's default, when not pinned); the frame age limit is ``guard.max_age_s``, 0 without
+        ``guard.check_age``. Raises nothing.
         """
         k = num_layers if self.split_layer == "auto" else self.split_layer
         return SuffixRunnerSettings(
             split_layer=k, dtype=self.dtype, ring_name=self.ring_name,
             threads=self.threads or len(self.cpu_affinity), delivery=self.ring.delivery,
             spin_lead_ms=self.ring.spin_lead_ms, spin_max_ms=self.ring.spin_max_ms, backend=self.suffix_backend,
-            backend_cache_dir=self.backend_cache_dir, namespace=namespace, domain_id=domain_id)
+            backend_cache_dir=self.backend_cache_dir, namespace=namespace, domain_id=domain_id,
+            frame_age_limit_s=self.guard.max_age_s if self.guard.check_age else 0.0)
 
 
 #: Node name -> its settings class.

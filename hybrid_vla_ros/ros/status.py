@@ -104,6 +104,9 @@ _COMMA_INTS = _Codec(lambda v: ",".join(str(int(c)) for c in v),  # "0,3"
 _FILL = _Codec(lambda v: f"{v.ready}/{v.slots}", _read_fill)  # "READY/SLOTS"
 _OPT_INT, _OPT_MIB, _OPT_BOOL = _INT.optional(), _MIB.optional(), _BOOL.optional()
 _OPT_MS1 = _float(1).optional()  # arrival delays: 1 decimal of a ms
+_COMMA_OPT_MS1 = _Codec(lambda v: ",".join(_OPT_MS1.encode(d) for d in v),  # "12.5,,1503.0": one per camera
+                        lambda t: tuple(_OPT_MS1.decode(d) for d in t.split(",")) if t else ())
+_OPT_S = _float(3).optional()
 
 
 def _field(codec: _Codec, default: Any = None, *, counter: bool = False, doc: str = ""):
@@ -275,8 +278,15 @@ class PrefixStatus(NodeStatus):
     ego_accel: Mapping[str, int] = _counts("ego_accel_", doc="frames out by acceleration source")
     ego_time_jumps: int = _field(_INT, 0, counter=True, doc="odometry stamps that went back (buffer reset)")
     camera_reliability: str = _field(_STR, "", doc="the cameras' QoS reliability in use, comma-separated")
-    camera_delay_p50_ms: float | None = _field(_OPT_MS1, None, doc="image arrival delay, ms")
-    camera_delay_max_ms: float | None = _field(_OPT_MS1, None, doc="worst arrival delay, ms")
+    camera_delay_worst: int | None = _field(_OPT_INT, None, doc="the camera with the largest median arrival delay")
+    camera_delay_p50_ms: float | None = _field(_OPT_MS1, None, doc="that camera's median arrival delay, ms")
+    camera_delay_max_ms: float | None = _field(_OPT_MS1, None, doc="largest arrival delay of any camera, ms")
+    camera_delays_p50_ms: tuple[float | None, ...] = _field(_COMMA_OPT_MS1, (),
+                                                            doc="median arrival delay of each camera, ms")
+    camera_delays_max_ms: tuple[float | None, ...] = _field(_COMMA_OPT_MS1, (),
+                                                            doc="largest arrival delay of each camera, ms")
+    frames_too_old_in_a_row: int = _field(_INT, 0, doc="synchronized frames in a row older than the frame age limit")
+    frame_age_limit_s: float | None = _field(_OPT_S, None, doc="the suffix's announced frame age limit, s")
     cameras_silent: tuple[int, ...] = _field(_COMMA_INTS, (), doc="camera indices sending nothing")
     scene_inputs: bool = _field(_BOOL, False, doc="the query heads read camera geometry and ego frame")
     camera_infos_in: int = _field(_INT, 0, counter=True, doc="CameraInfo messages read (query heads)")
@@ -290,6 +300,7 @@ class SuffixStatus(NodeStatus):
 
     frames_in: int = _field(_INT, 0, counter=True, doc="frames taken from the ring, rejected ones included")
     trajectories_out: int = _field(_INT, 0, counter=True, doc="trajectories published")
+    frames_too_old_in_a_row: int = _field(_INT, 0, doc="frames in a row dropped as too old (guard_too_old)")
     ring_attached: bool = _field(_BOOL, False, doc="attached to the prefix's ring")
     ring_contract_error: str = _field(_STR, "", doc="why the ring's contract does not fit, '' when it does")
     ring_conversion: str = _field(_STR, "", doc="dtype conversion of the hidden states read")

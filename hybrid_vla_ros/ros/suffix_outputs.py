@@ -30,8 +30,12 @@ class TrajectoryOutputs:
       instants of each published frame, stamped with its camera stamp.
 
     Every trajectory left out is a drop counted by cause (through the node's PartContext). Counts ``frames_out``
-    (trajectories published), ``candidates_out`` and ``candidate_msgs_out``.
+    (trajectories published), ``candidates_out`` and ``candidate_msgs_out``, and ``too_old_in_a_row``: frames in a
+    row dropped as ``guard_too_old`` (0 again at the next trajectory published).
     """
+
+    #: Frames in a row dropped as too old from which the suffix reports ERROR (:meth:`too_old`).
+    TOO_OLD_FRAMES = 3
 
     def __init__(self, ctx):
         """``ctx``: the node's node_base.PartContext (its ``ros`` node for the lifecycle publishers)."""
@@ -41,6 +45,7 @@ class TrajectoryOutputs:
         self.frames_out = 0
         self.candidates_out = 0  # candidates published on ~/output/candidate_trajectories
         self.candidate_msgs_out = 0  # CandidateTrajectories messages published
+        self.too_old_in_a_row = 0
         self._traj_pub = node.create_lifecycle_publisher(
             Trajectory, "~/output/trajectory", QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
         self._timing_pub = node.create_lifecycle_publisher(DiagnosticArray, "~/debug/frame_timing", 10)
@@ -51,6 +56,7 @@ class TrajectoryOutputs:
     def configure(self, p) -> None:
         """Take the guard limits from parameters ``p`` and create the candidates publisher if asked for."""
         self.guard = GuardLimits.from_params(p)
+        self.too_old_in_a_row = 0
         if p.publish_candidate_trajectories:
             self.candidates_pub = self._ctx.ros.create_lifecycle_publisher(
                 CandidateTrajectories, "~/output/candidate_trajectories",
@@ -81,6 +87,8 @@ class TrajectoryOutputs:
         for cause, message in out.drops:
             sim = cause == "guard_no_clock" and node.get_parameter("use_sim_time").value
             ctx.drop(cause, message + (f" ({NO_CLOCK_HINT})" if sim else ""))
+        if any(cause == "guard_too_old" for cause, _ in out.drops):
+            self.too_old_in_a_row += 1
         if out.selected is None:
             return False
         violations = out.violations
@@ -95,8 +103,21 @@ class TrajectoryOutputs:
         if violations:
             return False
         self.frames_out += 1
+        self.too_old_in_a_row = 0
         self._publish_timing(result, odometry_wait_ms, t_publish_ns)
         return True
+
+    def too_old(self) -> str:
+        """"" unless the last :data:`TOO_OLD_FRAMES` frames in a row were dropped as too old (no trajectory came out
+        for them), else one sentence with the likely cause and what to do."""
+        if self.too_old_in_a_row < self.TOO_OLD_FRAMES:
+            return ""
+        limit = self.guard.max_age_s if self.guard is not None else float("nan")
+        return (f"the last {self.too_old_in_a_row} frames were older than guard.max_age_s ({limit:.2f} s) when "
+                "planned, and dropped as too old: no trajectory comes out. The camera images reach the prefix late "
+                "(its /diagnostics names the camera: large raw images need the large-data DDS profile in the "
+                "publishers' environment, the compressed transport or a shared-memory RMW, docs/deployment.md "
+                "'Large images'), or the prefix and suffix together take longer than the limit")
 
     def _publish_timing(self, result, odometry_wait_ms: float, t_publish_ns: int) -> None:
         # CLOCK_MONOTONIC instants (ns, system-wide): a process on this host can lay frames on one timeline.

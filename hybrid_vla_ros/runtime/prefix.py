@@ -286,6 +286,7 @@ class PrefixRunner:
         self._last_publish_ns = time.monotonic_ns()
         self._publishes_ns.append(self._last_publish_ns)
         self._cycle_ns.append(self._last_publish_ns - t_start_ns)
+        self.ring.announce_cycle(self.publish_interval_ns())
         return PrefixResult(seq, stamp_ns, pre_ms, prefix_ms, self.split_layer, resplit, resplit_error)
 
     def pacing_delay_s(self, max_s: float = 30.0) -> float:
@@ -312,6 +313,24 @@ class PrefixRunner:
         cycle_p = sorted(self._cycle_ns)[len(self._cycle_ns) // 2] * 1.05 + 1_000_000
         return pacing_delay_ns(time.monotonic_ns(), taken, next_read, cycle_p, self._last_publish_ns,
                                round(max_s * 1e9)) / 1e9
+
+    def publish_interval_ns(self) -> int:
+        """The median interval between this runner's last 9 publishes (ns; 0 before its second): how often it
+        publishes (the camera rate, or its own cycle, or the suffix it is paced to, whichever is slowest). Announced
+        in the ring after each publish (``RingProducer.announce_cycle``), so that the suffix can tell this prefix
+        stopped from slow (:func:`~.peer.producer_status`)."""
+        recent = list(self._publishes_ns)[-9:]
+        gaps = sorted(b - a for a, b in zip(recent, recent[1:]))
+        return gaps[len(gaps) // 2] if gaps else 0
+
+    def suffix_frame_age_limit_s(self) -> float | None:
+        """The oldest a frame may be (s after its camera stamp) for the attached suffix to publish its trajectory,
+        as it announced it (its output guard's ``guard.max_age_s``); None without an attached suffix or when it
+        announced no limit."""
+        if not self.ring.consumer_attached():
+            return None
+        limit = self.ring.consumer_max_age_ns()
+        return limit / 1e9 if limit > 0 else None
 
     def suffix_cycle_s(self) -> float | None:
         """The attached suffix's cycle S (s): its announced next read minus its last take

@@ -91,9 +91,12 @@ class SuffixRunnerSettings:
     namespace: str = "/"
     #: ROS domain id of the pipeline; a ring that declares another is refused. None: ``ROS_DOMAIN_ID``.
     domain_id: int | None = None
+    #: The oldest a frame may be for its trajectory to be published (s after its camera stamp; the output guard's
+    #: ``guard.max_age_s`` while ``guard.check_age``; 0: no limit), announced to the prefix in the ring.
+    frame_age_limit_s: float = 1.0
 
     #: Runner field -> the suffix node parameter it comes from.
     PARAMETER_OF: ClassVar[dict[str, str]] = {
         "split_layer": "split_layer", "dtype": "dtype", "ring_name": "ring_name", "threads": "threads",
         "delivery": "ring.delivery", "spin_lead_ms": "ring.spin_lead_ms", "spin_max_ms": "ring.spin_max_ms",
-        "backend": "suffix_backend", "backend_cache_dir": "backend_cache_dir"}
+        "backend": "suffix_backend", "backend_cache_dir": "backend_cache_dir", "frame_age_limit_s": "guard.max_age_s"}

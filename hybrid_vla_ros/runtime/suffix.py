@@ -199,6 +199,7 @@ class SuffixRunner:
             self.attach_error = self.contract_error = self.attach_failure = ""
             self.holder_pid = 0
             self._attached_ns = time.monotonic_ns()
+            self.ring.announce_max_age(round(self.settings.frame_age_limit_s * 1e9))
             if self._running is not None:
                 self.ring.set_running(self._running)
         return True
@@ -234,10 +235,13 @@ class SuffixRunner:
 
     def peer_status(self) -> PeerStatus:
         """The prefix as this suffix sees it now (:func:`~.peer.producer_status`): the ring's owner alive or dead,
-        paused, or why no ring could be attached (none, another suffix holds it, the contract does not fit)."""
+        paused, stalled (no publish for three of its announced cycles), or why no ring could be attached (none,
+        another suffix holds it, the contract does not fit)."""
         ring = self.ring
         if ring is not None and not ring.producer_gone:
-            return producer_status(True, "", "", self.segment, ring.owner_pid, ring.owner_alive, ring.producer_state)
+            last_publish, cycle = ring.producer_schedule()
+            return producer_status(True, "", "", self.segment, ring.owner_pid, ring.owner_alive, ring.producer_state,
+                                   now_ns=time.monotonic_ns(), last_publish_ns=last_publish, cycle_ns=cycle)
         return producer_status(False, self.attach_failure or "no_ring", self.attach_error, self.segment, 0, False,
                                "not said", self.holder_pid)
 

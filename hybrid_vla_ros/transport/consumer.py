@@ -14,8 +14,9 @@ from .contract import TensorSpec, check_contract, side_specs
 from .errors import REJECT_CAUSES, RingConsumerConflict, RingError, SlotRejected
 from .ring_end import RingEnd
 from .segment import (
-    _CONSUMER, _NEXT_READ, _PUBLISHED, _STAGE_TIME, _STATE, _TAKEN, CONSUMER_LOCK_BYTE, CONSUMER_OFFSET,
-    CONSUMER_STATE_OFFSET, GLOBAL_HEADER_BYTES, NEXT_READ_OFFSET, PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET,
+    _CONSUMER, _NEXT_READ, _NS, _PUBLISHED, _STAGE_TIME, _STATE, _TAKEN, CONSUMER_LOCK_BYTE, CONSUMER_MAX_AGE_OFFSET,
+    CONSUMER_OFFSET, CONSUMER_STATE_OFFSET, GLOBAL_HEADER_BYTES, NEXT_READ_OFFSET, PRODUCER_CYCLE_OFFSET,
+    PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET,
     SLOT_HEADER_BYTES, STAGE_STATES, STAGE_TIME_OFFSET, TAKEN_OFFSET, _proc_identity, _process_alive, map_segment,
     tensor_view, try_lock_byte,
 )
@@ -201,6 +202,7 @@ class RingConsumer(RingEnd):
             self._me = (os.getpid(), _proc_identity(os.getpid())[1])
             _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, 0, 0)  # nothing taken yet by this consumer
             _STAGE_TIME.pack_into(self._mm, STAGE_TIME_OFFSET, 0, -1)  # nor timed
+            _NS.pack_into(self._mm, CONSUMER_MAX_AGE_OFFSET, 0)  # nor a frame age limit announced
             _STATE.pack_into(self._mm, CONSUMER_STATE_OFFSET, 0)
             _CONSUMER.pack_into(self._mm, CONSUMER_OFFSET, *self._me)
         self._closed = False
@@ -252,6 +254,20 @@ class RingConsumer(RingEnd):
         inactive: no frames come) or 'not said'. Raises RingError after close()."""
         self._check_open()
         return STAGE_STATES.get(_STATE.unpack_from(self._mm, PRODUCER_STATE_OFFSET)[0], "not said")
+
+    def producer_schedule(self) -> tuple[int, int]:
+        """(the producer's last publish, CLOCK_MONOTONIC ns (0: none yet), the interval it announced between its
+        publishes in ns (0: none; ``RingProducer.announce_cycle``)). Raises RingError after close()."""
+        self._check_open()
+        last_publish = _PUBLISHED.unpack_from(self._mm, PUBLISHED_OFFSET)[1]
+        return last_publish, _NS.unpack_from(self._mm, PRODUCER_CYCLE_OFFSET)[0]
+
+    def announce_max_age(self, max_age_ns: int) -> None:
+        """Tell the producer the oldest a frame may be (ns after its camera stamp) for this consumer to publish its
+        result (0: no limit), so that the producer can tell when its inputs arrive too late to be of use
+        (``RingProducer.consumer_max_age_ns``). Raises RingError after close()."""
+        self._check_open()
+        _NS.pack_into(self._mm, CONSUMER_MAX_AGE_OFFSET, int(max_age_ns))
 
     def set_running(self, running: bool) -> None:
         """Say in the header whether this consumer takes frames ('running') or is attached but idle ('paused': its

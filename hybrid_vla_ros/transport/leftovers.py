@@ -61,14 +61,15 @@ def remove_dead_init_files(name: str) -> None:
                     remove_wake_dir(old_wake)
 
 
-def evict_existing(path: str, owner_pid: int, owner_start_time: int, own_wake_dir: str | None) -> None:
+def evict_existing(path: str, owner_pid: int, owner_start_time: int, own_wake_dir: str | None) -> int:
     """The segment file ``path`` exists: raise RingNameConflict if a live process other than (owner_pid,
     owner_start_time) owns it, or it is not a regular file of this uid; else unlink it and the wake-up
-    directory its header names (unless that is ``own_wake_dir``)."""
+    directory its header names (unless that is ``own_wake_dir``). Returns the pid its header names as its owner
+    (a dead process, or this one), 0 when nothing was unlinked or the header names none."""
     try:
         lst = os.lstat(path)
     except FileNotFoundError:
-        return
+        return 0
     if lst.st_uid != os.getuid():
         raise RingNameConflict(f"{path} belongs to uid {lst.st_uid}")
     if not stat.S_ISREG(lst.st_mode):
@@ -76,7 +77,8 @@ def evict_existing(path: str, owner_pid: int, owner_start_time: int, own_wake_di
     try:
         efd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return
+        return 0
+    old_owner = 0
     try:
         st = os.fstat(efd)
         head = os.pread(efd, GLOBAL_HEADER_BYTES, 0)
@@ -85,15 +87,18 @@ def evict_existing(path: str, owner_pid: int, owner_start_time: int, own_wake_di
             is_us = pid == owner_pid and start == owner_start_time
             if magic == GLOBAL_MAGIC and not is_us and _process_alive(pid, start):
                 raise RingNameConflict(f"{path} is owned by live process {pid}")
+            old_owner = pid if magic == GLOBAL_MAGIC else 0
         old_wake = wake_dir_named_in(head)
         try:
             cur = os.stat(path)
         except FileNotFoundError:
-            return
-        if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
-            os.unlink(path)
-            if old_wake and old_wake != own_wake_dir:
-                remove_wake_dir(old_wake)
+            return 0
+        if (cur.st_dev, cur.st_ino) != (st.st_dev, st.st_ino):
+            return 0
+        os.unlink(path)
+        if old_wake and old_wake != own_wake_dir:
+            remove_wake_dir(old_wake)
+        return old_owner
     finally:
         os.close(efd)
 

@@ -19,10 +19,10 @@ from .errors import RingError
 from .leftovers import evict_existing, remove_dead_init_files, remove_orphan_wake_dirs
 from .ring_end import RingEnd
 from .segment import (
-    _CONSUMER, _NEXT_READ, _PUBLISHED, _STAGE_TIME, _STATE, _WAKE_NAME, CONSUMER_LOCK_BYTE, CONSUMER_OFFSET,
-    CONSUMER_STATE_OFFSET, GLOBAL_HEADER_BYTES, LAYOUT_VERSION, MAX_SIDE_TENSORS, MAX_SLOTS, MIN_SLOTS,
-    NEXT_READ_OFFSET, STAGE_TIME_OFFSET,
-    PAYLOAD_ALIGN, PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET, SLOT_HEADER_BYTES, STAGE_STATES, WAKE_NAME_OFFSET,
+    _CONSUMER, _NEXT_READ, _NS, _PUBLISHED, _STAGE_TIME, _STATE, _WAKE_NAME, CONSUMER_LOCK_BYTE,
+    CONSUMER_MAX_AGE_OFFSET, CONSUMER_OFFSET, CONSUMER_STATE_OFFSET, GLOBAL_HEADER_BYTES, LAYOUT_VERSION,
+    MAX_SIDE_TENSORS, MAX_SLOTS, MIN_SLOTS, NEXT_READ_OFFSET, STAGE_TIME_OFFSET, PAYLOAD_ALIGN,
+    PRODUCER_CYCLE_OFFSET, PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET, SLOT_HEADER_BYTES, STAGE_STATES, WAKE_NAME_OFFSET,
     _proc_identity, _process_alive, align, byte_locked, map_segment, ros_domain_id, tensor_view,
 )
 from .slots import slot_offset
@@ -111,8 +111,10 @@ class WriteSlot:
 class _Handles:
     """The producer's fd and socket; closed by close() or by a weakref finalizer (also at interpreter exit)."""
 
-    def __init__(self, fd: int, sender: WakeSender, path: str, ident: tuple[int, int], wake_dir: str):
+    def __init__(self, fd: int, sender: WakeSender, path: str, ident: tuple[int, int], wake_dir: str,
+                 replaced_pid: int = 0):
         self.fd, self.sender, self.path, self.ident, self.wake_dir = fd, sender, path, ident, wake_dir
+        self.replaced_pid = replaced_pid
 
     def close(self) -> None:
         try:
@@ -140,12 +142,13 @@ def _create_segment(path: str, total_bytes: int, owner_pid: int, owner_start_tim
     the name recorded in the header first), and then hard-linked to ``path``; a segment already there is evicted
     (:func:`.leftovers.evict_existing`) and the link tried again, 16 times at most. The temporary name is
     always removed. Returns (the mmap, the :class:`_Handles`: fd, wake sender, path, file identity, wake-up
-    directory name). Raises RingNameConflict (a live owner), RingError (the name keeps being re-created),
+    directory name, the pid of a dead owner whose segment it replaced or 0). Raises RingNameConflict (a live
+    owner), RingError (the name keeps being re-created),
     OSError (e.g. ENOSPC); on failure the fd is closed and the wake-up directory removed.
     """
     tmp = f"{path}.init-{owner_pid}-{owner_start_time}-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    wake_dir = None
+    wake_dir, replaced = None, 0
     try:
         os.fchmod(fd, 0o600)
         os.posix_fallocate(fd, 0, total_bytes)  # reserve tmpfs pages: ENOSPC now, not SIGBUS later
@@ -159,7 +162,7 @@ def _create_segment(path: str, total_bytes: int, owner_pid: int, owner_start_tim
                 os.link(tmp, path)
                 break
             except FileExistsError:
-                evict_existing(path, owner_pid, owner_start_time, wake_dir)
+                replaced = evict_existing(path, owner_pid, owner_start_time, wake_dir) or replaced
         else:
             sender.close()
             raise RingError(f"could not create {path}: it keeps being re-created by someone else")
@@ -173,7 +176,7 @@ def _create_segment(path: str, total_bytes: int, owner_pid: int, owner_start_tim
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-    return mm, _Handles(fd, sender, path, (st.st_dev, st.st_ino), wake_dir)
+    return mm, _Handles(fd, sender, path, (st.st_dev, st.st_ino), wake_dir, replaced)
 
 
 class RingProducer(RingEnd):
@@ -266,6 +269,8 @@ class RingProducer(RingEnd):
         self._mm, handles = _create_segment(self.path, self.total_bytes, self.owner_pid, self.owner_start_time,
                                             lambda mm: self._write_global_header(mm, contract), self.domain_id)
         self.wake_dir = handles.wake_dir
+        #: The pid of the dead producer whose segment (and wake-up directory) this one replaced, 0 when none.
+        self.replaced_pid = handles.replaced_pid
         self._opened(handles.fd, handles)
         self._closed = False
 
@@ -307,6 +312,20 @@ class RingProducer(RingEnd):
         published, last_publish = _PUBLISHED.unpack_from(self._mm, PUBLISHED_OFFSET)
         return ConsumerPresence(attached, pid, start, pid > 0 and _process_alive(pid, start), state, taken,
                                 next_read, published, last_publish)
+
+    def announce_cycle(self, cycle_ns: int) -> None:
+        """Say in the header how long this producer expects between its publishes (ns; 0: no expectation), so that
+        the consumer can tell a producer that stopped publishing from a slow one (``RingConsumer.producer_schedule``).
+        Raises RingError after close()."""
+        self._check_open()
+        _NS.pack_into(self._mm, PRODUCER_CYCLE_OFFSET, int(cycle_ns))
+
+    def consumer_max_age_ns(self) -> int:
+        """The oldest a frame may be (ns after its camera stamp) for the consumer to publish its result, as the
+        consumer announced it (``RingConsumer.announce_max_age``); 0 when none is announced. Raises RingError after
+        close()."""
+        self._check_open()
+        return _NS.unpack_from(self._mm, CONSUMER_MAX_AGE_OFFSET)[0]
 
     def set_running(self, running: bool) -> None:
         """Say in the header whether this producer's node works frames ('running') or is attached but idle

@@ -16,11 +16,13 @@ slots (slot layout: :mod:`.slots`). All integers little-endian; offsets in bytes
     256 publish count u64           264 last publish CLOCK_MONOTONIC ns i64    (own cache line; a hint, see
                                                                                wake.FrameWaiter)
     272 producer state u32 (layout 3; STAGE_STATES: 0 not said, 1 running, 2 paused)
+    280 producer cycle i64 ns (layout 6; 0: none): the interval it expects between its publishes
     320 consumer's last take i64    328 its expected next read i64, CLOCK_MONOTONIC ns (0: none)
     336 consumer pid i64 (0: none)  344 consumer start time u64 (clock ticks)   (layout 3; own cache line,
     352 consumer state u32 (STAGE_STATES)                                       written by the consumer: the
     360 its stage time i64 ns (0: none) 368 the K it was measured at i32       pacing hint, who is attached, and
         (layout 5; the median compute time of its recent frames at that K)     its stage time)
+    376 its frame age limit i64 ns (layout 6; 0: none): older frames are not published (its output guard)
     384 side tensors (layout 4): count u32, 4 bytes 0, state bytes u64 (payload offset of the side region: the
         hidden states' capacity)                                               (struct "<I4xQ")
     448 side-tensor table, SIDE_ENTRY_BYTES = 80 bytes per entry, MAX_SIDE_TENSORS = 32 entries (to 3008):
@@ -57,10 +59,11 @@ __all__ = ["SHM_DIR", "LAYOUT_VERSION", "GLOBAL_MAGIC", "GLOBAL_HEADER_BYTES", "
            "segment_path", "SegmentLock", "try_lock_byte", "byte_locked", "Occupants", "segment_occupants"]
 
 SHM_DIR = "/dev/shm"
-LAYOUT_VERSION = 5  # 2: contract, wake-up directory and publish count in the global header; READY written last;
+LAYOUT_VERSION = 6  # 2: contract, wake-up directory and publish count in the global header; READY written last;
 #                    3: the ROS domain id, the consumer's pid and its last take (every take);
 #                    4: side tensors (their table in the global header, their data after the hidden states);
-#                    5: the consumer's stage time and the K it was measured at (live rebalancing)
+#                    5: the consumer's stage time and the K it was measured at (live rebalancing);
+#                    6: the producer's publish cycle and the consumer's frame age limit (health by time)
 GLOBAL_MAGIC = int.from_bytes(b"HVLARNG1", "little")
 GLOBAL_HEADER_BYTES = 4096
 SLOT_HEADER_BYTES = 256
@@ -89,6 +92,9 @@ _CONSUMER = struct.Struct("<qQ")
 CONSUMER_OFFSET = 336
 _STATE = struct.Struct("<I")
 PRODUCER_STATE_OFFSET = 272
+_NS = struct.Struct("<q")  # one CLOCK_MONOTONIC duration in ns
+PRODUCER_CYCLE_OFFSET = 280
+CONSUMER_MAX_AGE_OFFSET = 376
 CONSUMER_STATE_OFFSET = 352
 _STAGE_TIME = struct.Struct("<qi")  # the consumer's stage time ns, the K of the frames it was measured on
 STAGE_TIME_OFFSET = 360
@@ -106,7 +112,9 @@ assert _GLOBAL.size <= CONTRACT_OFFSET and CONTRACT_OFFSET + _CONTRACT.size <= D
 assert DOMAIN_OFFSET + _DOMAIN.size <= WAKE_NAME_OFFSET and CONSUMER_OFFSET == NEXT_READ_OFFSET + _NEXT_READ.size
 assert WAKE_NAME_OFFSET + _WAKE_NAME.size <= PUBLISHED_OFFSET and PUBLISHED_OFFSET % 64 == 0
 assert CONSUMER_STATE_OFFSET + _STATE.size <= STAGE_TIME_OFFSET
-assert STAGE_TIME_OFFSET + _STAGE_TIME.size <= SIDE_HEAD_OFFSET
+assert PRODUCER_STATE_OFFSET + _STATE.size <= PRODUCER_CYCLE_OFFSET and PRODUCER_CYCLE_OFFSET + _NS.size <= 320
+assert STAGE_TIME_OFFSET + _STAGE_TIME.size <= CONSUMER_MAX_AGE_OFFSET
+assert CONSUMER_MAX_AGE_OFFSET + _NS.size <= SIDE_HEAD_OFFSET
 assert SIDE_HEAD_OFFSET + _SIDE_HEAD.size <= SIDE_TABLE_OFFSET and SIDE_TABLE_OFFSET % 64 == 0
 assert SIDE_ENTRY_BYTES == 80 and SIDE_TABLE_OFFSET + MAX_SIDE_TENSORS * SIDE_ENTRY_BYTES <= GLOBAL_HEADER_BYTES
 
