@@ -277,7 +277,7 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     out = tmp_path / "bench.json"
     rc = bench_main(["--quick", "--only", "pipeline,preprocess", "--presets", "tiny", "--split", "tiny=2",
                      "--frames", "3", "--warmup-frames", "1", "--sequential", "1core", "--preprocess-frames", "1",
-                     "--suffix-bound", "tiny:2:150",
+                     "--suffix-bound", "tiny:2:250",  # a margin over the prefix, which a loaded machine slows
                      "--model-cache", str(tmp_path / "models"), "--json", str(out), "--plots", str(tmp_path / "p"),
                      "--quiet"])
     assert rc == 0
@@ -290,7 +290,7 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     assert set(bound["variants"]) == {"fifo", "newest", "newest_paced"}
     assert "error" not in bound, bound.get("error")
     for v in bound["variants"].values():  # the busy wait reached the frames' suffix stage (it once did not)
-        assert v["frames_measured"] > 0 and v["stages_ms"]["suffix_ms"]["min"] >= 150
+        assert v["frames_measured"] > 0 and v["stages_ms"]["suffix_ms"]["min"] >= 250
     rows = doc["preprocess"]["results"]
     cases = {(r["preset"], r["input"], r["decoder"], r["resize"]) for r in rows}
     assert cases == {("tiny", "jpeg", "opencv", "area"), ("tiny", "jpeg", "simplejpeg", "area"),

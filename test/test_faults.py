@@ -38,6 +38,7 @@ from hybrid_vla_ros.tools.frame_player import LoopingFramePlayer  # noqa: E402
 from hybrid_vla_ros.tools.replay import launch_node, stop_processes  # noqa: E402
 from hybrid_vla_ros.transport import ring as sr  # noqa: E402
 from hybrid_vla_ros.transport import segment as sg  # noqa: E402
+from hybrid_vla_ros.transport.layout import GLOBAL  # noqa: E402
 from hybrid_vla_ros.transport import slots as sl  # noqa: E402
 from hybrid_vla_ros.transport.ring import segment_name  # noqa: E402
 from hybrid_vla_ros.util.paths import REPO_ROOT as PACKAGE_ROOT  # noqa: E402
@@ -59,12 +60,12 @@ def segment_owner(path: Path) -> tuple[int, int] | None:
     """(owner pid, owner start time) from a ring segment's global header, or None if unreadable."""
     try:
         with open(path, "rb") as f:
-            head = f.read(sg._GLOBAL_OWNER.size)
+            head = f.read(GLOBAL.identity.size)
     except FileNotFoundError:
         return None
-    if len(head) < sg._GLOBAL_OWNER.size:
+    if len(head) < GLOBAL.identity.size:
         return None
-    magic, _ver, _hb, pid, start, _inst = sg._GLOBAL_OWNER.unpack(head)
+    magic, _ver, _hb, pid, start, _inst = GLOBAL.identity.read(head)
     return (pid, start) if magic == sg.GLOBAL_MAGIC else None
 
 
@@ -73,7 +74,7 @@ def unused_entries(prefix: str) -> list[str]:
     out = []
     for e in ring_entries(prefix):
         owner = segment_owner(SHM / e) if ".init-" not in e else None
-        if owner is None or not sg._process_alive(*owner):
+        if owner is None or not sg.process_alive(*owner):
             out.append(e)
     return out
 
@@ -1028,8 +1029,7 @@ def _slot_states_raw(path: Path) -> list[tuple[int, int]]:
     with open(path, "r+b") as f:
         mm = mmap.mmap(f.fileno(), 0)
         try:
-            head = sg._GLOBAL.unpack_from(mm, 0)
-            n_slots, stride = head[6], head[9]
+            n_slots, _shb, _cap, stride = GLOBAL.geometry.read(mm)[:4]
             return [struct.unpack_from("<IHH", mm, sg.GLOBAL_HEADER_BYTES + i * stride)[0:3:2]
                     for i in range(n_slots)]
         finally:

@@ -104,7 +104,7 @@ def test_side_tensors_cross_between_processes_exactly_for_every_frame(name, with
         with RingConsumer(name, expected_model_id=21, expected_shape=STATE[0], compute_dtype=torch.bfloat16,
                           expected_side=tuple(reversed(expected))) as cons:  # order not significant
             assert cons.contract.side == expected  # in the producer's order, as it declared them
-            assert cons.contract.layout_version == sg.LAYOUT_VERSION == 6  # 4: side tensors, 5: stage time, 6: cycle, age
+            assert cons.contract.layout_version == sg.LAYOUT_VERSION == 6  # 4: side tensors ... 6: cycle, age
             old_bytes = slot_bytes_for(*STATE)
             assert old_bytes == 576  # 11 * 24 * 2 = 528 bytes, rounded up to 64
             if with_side:

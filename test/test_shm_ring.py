@@ -17,6 +17,7 @@ import torch
 
 from hybrid_vla_ros.transport import ring as sr
 from hybrid_vla_ros.transport import segment as sg
+from hybrid_vla_ros.transport.layout import GLOBAL, SLOT
 from hybrid_vla_ros.transport import slots as sl
 from hybrid_vla_ros.transport.ring import (
     NO_TIMINGS,
@@ -242,14 +243,26 @@ def test_slot_bytes_for():
         slot_bytes_for((2,), torch.complex64)
 
 
+#: The slot header as docs/design.md and earlier releases state it (slot version 3): field -> (offset, struct code).
+DOCUMENTED_SLOT = {
+    "magic": (0, "I"), "version": (4, "H"), "state": (6, "H"), "seq": (8, "Q"), "stamp_ns": (16, "q"),
+    "t_write_start_ns": (24, "q"), "t_publish_ns": (32, "q"), "payload_nbytes": (40, "Q"), "model_id": (48, "q"),
+    "split_layer": (56, "i"), "dtype": (60, "I"), "ndim": (64, "I"), "shape": (72, "4q"), "preprocess_ms": (104, "d"),
+    "prefix_ms": (112, "d"), "prefix_start_ns": (120, "q"), "ego_wait_ms": (128, "d"),
+}
+
+
 def test_header_layout_matches_documented_offsets():
-    fmt = sl._SLOT.format
-    fields = ["I", "H", "H", "Q", "q", "q", "q", "Q", "q", "i", "I", "I", "4x", "4q", "d", "d", "q", "d"]
-    offsets = [struct.calcsize("<" + "".join(fields[:k])) for k in range(len(fields)) if fields[k] != "4x"]
-    assert fmt == "<" + "".join(fields)
-    assert offsets == list(sl.SLOT_FIELD_OFFSETS.values())
-    assert sl.SLOT_VERSION == 3 and sl._SLOT.size == 136 <= sg.SLOT_HEADER_BYTES
+    for name, (offset, code) in DOCUMENTED_SLOT.items():
+        assert SLOT.offset_of(name) == offset, name
+        assert next(f.code for g in SLOT.groups.values() for f in g.fields if f.name == name) == code, name
+    assert sl.SLOT_VERSION == 3 and SLOT.body.offset + SLOT.body.size == 136 <= sg.SLOT_HEADER_BYTES
     assert (sg.GLOBAL_HEADER_BYTES + sg.SLOT_HEADER_BYTES) % sg.PAYLOAD_ALIGN == 0
+    # the global header's fields the producer and consumer share while the ring runs (layouts 2-6)
+    assert [GLOBAL.offset_of(n) for n in ("publish_count", "last_publish_ns", "producer_state", "producer_cycle_ns",
+                                          "last_take_ns", "next_read_ns", "consumer_pid", "consumer_state",
+                                          "stage_ns", "stage_k", "frame_age_limit_ns", "side_count")] == \
+        [256, 264, 272, 280, 320, 328, 336, 352, 360, 368, 376, 384]
 
 
 # ---------------------------------------------------------------- between processes
@@ -420,7 +433,7 @@ def _publish(prod, value=1.0, shape=(4, 8), dtype=torch.float32, split=0, stamp=
 
 def _patch(mapping, prod, index, field, fmt, *values):
     struct.pack_into("<" + fmt, mapping, sg.GLOBAL_HEADER_BYTES + index * prod.slot_stride
-                     + sl.SLOT_FIELD_OFFSETS[field], *values)
+                     + SLOT.offset_of(field), *values)
 
 
 def test_header_validation_rejects_each_cause_then_reads_next_good_frame(name):
@@ -487,7 +500,7 @@ def _open_mapping(name, prod):
 
 def test_every_header_field_round_trips_through_a_slot_at_its_documented_offset(name):
     """One frame through a real slot: each header field the consumer reads equals what was published, and sits
-    in the segment at its SLOT_FIELD_OFFSETS offset in its documented type (the slots module's table)."""
+    in the segment at its documented offset in its documented type (DOCUMENTED_SLOT)."""
     timings = SlotTimings(preprocess_ms=3.5, prefix_ms=7.25, prefix_start_ns=1_234_567_890_123_456_789,
                           ego_wait_ms=21.125)
     cap = slot_bytes_for((2, 3, 4), torch.float16)
@@ -499,7 +512,7 @@ def test_every_header_field_round_trips_through_a_slot_at_its_documented_offset(
         base = sg.GLOBAL_HEADER_BYTES + slot.index * prod.slot_stride
 
         def at(field, fmt):
-            return struct.unpack_from("<" + fmt, mapping, base + sl.SLOT_FIELD_OFFSETS[field])
+            return struct.unpack_from("<" + fmt, mapping, base + DOCUMENTED_SLOT[field][0])
 
         with cons.read(WAIT_S) as r:
             m = r.meta
@@ -594,11 +607,12 @@ def test_segment_mode_is_0600_regardless_of_umask(name):
 def test_global_header_records_owner(name):
     with RingProducer(name, 3, 100, model_id=-3) as prod:
         with open(segment_path(name), "rb") as f:
-            head = f.read(sg._GLOBAL.size)
-        magic, version, hdr, pid, start, inst, n, shb, cap, stride, total, model, _created = sg._GLOBAL.unpack(head)
+            head = f.read(sg.GLOBAL_HEADER_BYTES)
+        magic, version, hdr, pid, start, inst = GLOBAL.identity.read(head)
+        n, shb, cap, stride, total, model, _created = GLOBAL.geometry.read(head)
         assert (magic, version, hdr, pid, n, shb, cap, model) == (
             sg.GLOBAL_MAGIC, sg.LAYOUT_VERSION, sg.GLOBAL_HEADER_BYTES, os.getpid(), 3, sg.SLOT_HEADER_BYTES, 128, -3)
-        assert start == sg._proc_identity(os.getpid())[1] and inst == prod.instance_id
+        assert start == sg.proc_identity(os.getpid())[1] and inst == prod.instance_id
         assert total == os.stat(segment_path(name)).st_size == hdr + 3 * stride
 
 
@@ -701,7 +715,7 @@ def test_init_leftovers_of_dead_or_reused_pids_are_removed_live_ones_kept():
     producer removes it when that process is gone, even if its pid now belongs to another process."""
     name = sr.segment_name(f"init_{uuid.uuid4().hex[:8]}", "/")
     base = os.path.join(sg.SHM_DIR, name)
-    start = sg._proc_identity(os.getppid())[1]
+    start = sg.proc_identity(os.getppid())[1]
     reused = f"{base}.init-{os.getppid()}-{start + 12345}-dead"  # live pid, other start time: a reused pid
     live = f"{base}.init-{os.getppid()}-{start}-live"  # the parent really is alive with that start time
     for path in (reused, live):

@@ -180,8 +180,10 @@ class PipelineDiagnostics:
             level, message = ERROR, node.fault
         elif node.configure_error and status.state == "unconfigured":
             level, message = ERROR, f"configure failed: {node.configure_error}"
-        elif not active:
+        elif not active:  # an idle node is never "ok"; a missing /clock is said too (it must be mended first)
             level, message = WARN, IDLE_MESSAGES.get(status.state, f"{status.state}: this node computes nothing")
+            if clock_missing:
+                message = f"{message}; {NO_CLOCK_HINT}"
         elif peer is not None and not peer.ok:
             level, message = ERROR, peer.message
         elif problem:

@@ -13,12 +13,9 @@ from . import slots
 from .contract import TensorSpec, check_contract, side_specs
 from .errors import REJECT_CAUSES, RingConsumerConflict, RingError, SlotRejected
 from .ring_end import RingEnd
+from .layout import GLOBAL, GLOBAL_HEADER_BYTES, SLOT_HEADER_BYTES
 from .segment import (
-    _CONSUMER, _NEXT_READ, _NS, _PUBLISHED, _STAGE_TIME, _STATE, _TAKEN, CONSUMER_LOCK_BYTE, CONSUMER_MAX_AGE_OFFSET,
-    CONSUMER_OFFSET, CONSUMER_STATE_OFFSET, GLOBAL_HEADER_BYTES, NEXT_READ_OFFSET, PRODUCER_CYCLE_OFFSET,
-    PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET,
-    SLOT_HEADER_BYTES, STAGE_STATES, STAGE_TIME_OFFSET, TAKEN_OFFSET, _proc_identity, _process_alive, map_segment,
-    tensor_view, try_lock_byte,
+    CONSUMER_LOCK_BYTE, STAGE_STATES, map_segment, proc_identity, process_alive, tensor_view, try_lock_byte,
 )
 from .slots import READING, FrameMeta, slot_offset
 from .stats import ConsumerStats
@@ -122,7 +119,7 @@ def _attach_segment(name: str, path: str, judge_header):
         if (lst.st_dev, lst.st_ino) != ident:
             raise RingError(f"{path} was replaced while attaching; attach again")
         if not try_lock_byte(lock_fd, CONSUMER_LOCK_BYTE):
-            pid, _start = _CONSUMER.unpack_from(os.pread(fd, _CONSUMER.size, CONSUMER_OFFSET))
+            pid, _start = GLOBAL.consumer.read(os.pread(fd, GLOBAL_HEADER_BYTES, 0))
             raise RingConsumerConflict(name, pid)
         receiver = WakeReceiver(wake_socket_path(wake_dir))
         mm = map_segment(fd, total_bytes)
@@ -199,12 +196,12 @@ class RingConsumer(RingEnd):
         self._opened(handles.fd, handles)
         with self._lock:  # we are the only consumer: READING slots belong to a dead predecessor
             self._reclaimed = slots.reclaim_reading(self._mm, self.n_slots, self.slot_stride)
-            self._me = (os.getpid(), _proc_identity(os.getpid())[1])
-            _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, 0, 0)  # nothing taken yet by this consumer
-            _STAGE_TIME.pack_into(self._mm, STAGE_TIME_OFFSET, 0, -1)  # nor timed
-            _NS.pack_into(self._mm, CONSUMER_MAX_AGE_OFFSET, 0)  # nor a frame age limit announced
-            _STATE.pack_into(self._mm, CONSUMER_STATE_OFFSET, 0)
-            _CONSUMER.pack_into(self._mm, CONSUMER_OFFSET, *self._me)
+            self._me = (os.getpid(), proc_identity(os.getpid())[1])
+            GLOBAL.schedule.write(self._mm, 0, 0)  # nothing taken yet by this consumer
+            GLOBAL.stage_time.write(self._mm, 0, -1)  # nor timed
+            GLOBAL.max_age.write(self._mm, 0)  # nor a frame age limit announced
+            GLOBAL.consumer_state.write(self._mm, 0)
+            GLOBAL.consumer.write(self._mm, *self._me)
         self._closed = False
 
     def _judge_header(self, head: bytes, file_size: int) -> tuple[str, int]:
@@ -246,41 +243,40 @@ class RingConsumer(RingEnd):
     @property
     def owner_alive(self) -> bool:
         """True while the process that created the segment (pid and start time) is alive."""
-        return _process_alive(self.owner_pid, self.owner_start_time)
+        return process_alive(self.owner_pid, self.owner_start_time)
 
     @property
     def producer_state(self) -> str:
         """What the producer said of itself (``segment.STAGE_STATES``): 'running', 'paused' (its node is
         inactive: no frames come) or 'not said'. Raises RingError after close()."""
         self._check_open()
-        return STAGE_STATES.get(_STATE.unpack_from(self._mm, PRODUCER_STATE_OFFSET)[0], "not said")
+        return STAGE_STATES.get(GLOBAL.producer_state.one(self._mm), "not said")
 
     def producer_schedule(self) -> tuple[int, int]:
         """(the producer's last publish, CLOCK_MONOTONIC ns (0: none yet), the interval it announced between its
         publishes in ns (0: none; ``RingProducer.announce_cycle``)). Raises RingError after close()."""
         self._check_open()
-        last_publish = _PUBLISHED.unpack_from(self._mm, PUBLISHED_OFFSET)[1]
-        return last_publish, _NS.unpack_from(self._mm, PRODUCER_CYCLE_OFFSET)[0]
+        return GLOBAL.published.read(self._mm)[1], GLOBAL.producer_cycle.one(self._mm)
 
     def announce_max_age(self, max_age_ns: int) -> None:
         """Tell the producer the oldest a frame may be (ns after its camera stamp) for this consumer to publish its
         result (0: no limit), so that the producer can tell when its inputs arrive too late to be of use
         (``RingProducer.consumer_max_age_ns``). Raises RingError after close()."""
         self._check_open()
-        _NS.pack_into(self._mm, CONSUMER_MAX_AGE_OFFSET, int(max_age_ns))
+        GLOBAL.max_age.write(self._mm, int(max_age_ns))
 
     def set_running(self, running: bool) -> None:
         """Say in the header whether this consumer takes frames ('running') or is attached but idle ('paused': its
         node is inactive), for the producer's health report (``RingProducer.consumer``). Raises RingError after
         close()."""
         self._check_open()
-        _STATE.pack_into(self._mm, CONSUMER_STATE_OFFSET, 1 if running else 2)
+        GLOBAL.consumer_state.write(self._mm, 1 if running else 2)
 
     def _try_take(self) -> tuple[ReadSlot | None, int]:
         """Take a READY slot by the delivery policy; returns (slot or None, publish count seen under the lock)."""
         mm, stride = self._mm, self.slot_stride
         with self._lock:
-            seen = _PUBLISHED.unpack_from(mm, PUBLISHED_OFFSET)[0]
+            seen = GLOBAL.published.read(mm)[0]
             taken = slots.take_ready(
                 mm, self.n_slots, stride, newest=self.delivery == "newest", slot_bytes=self.state_bytes,
                 declared_dtype=self.contract.dtype, compute_dtype=self.compute_dtype,
@@ -293,7 +289,7 @@ class RingConsumer(RingEnd):
             raise SlotRejected(cause, meta, f"slot {best}" + (f": {detail}" if detail else ""))
         self._read += 1
         self._superseded += superseded
-        _TAKEN.pack_into(mm, TAKEN_OFFSET, time.monotonic_ns())  # who reads, and when (RingProducer.consumer)
+        GLOBAL.last_take.write(mm, time.monotonic_ns())  # who reads, and when (RingProducer.consumer)
         key = (best, meta.shape, meta.dtype)
         view = self._views.get(key)
         if view is None:  # one view per slot and shape, made once: torch.frombuffer took a fifth of a read()
@@ -345,7 +341,7 @@ class RingConsumer(RingEnd):
         that it is complete just then, instead of computing frames that wait in the ring or are superseded.
         Raises RingError after close()."""
         self._check_open()
-        _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, int(taken_ns), int(next_read_ns))
+        GLOBAL.schedule.write(self._mm, int(taken_ns), int(next_read_ns))
 
     def announce_stage_time(self, split_layer: int, stage_ns: int) -> None:
         """Tell the producer how long this consumer's stage takes a frame now (``stage_ns``, ns: e.g. the median of
@@ -353,7 +349,7 @@ class RingConsumer(RingEnd):
         rebalancing judges the suffix by, without the consumer's other per-frame work. Raises RingError after
         close()."""
         self._check_open()
-        _STAGE_TIME.pack_into(self._mm, STAGE_TIME_OFFSET, int(stage_ns), int(split_layer))
+        GLOBAL.stage_time.write(self._mm, int(stage_ns), int(split_layer))
 
     def _release(self, index: int, seq: int) -> None:
         if self._closed:
@@ -375,12 +371,12 @@ class RingConsumer(RingEnd):
             return
         if self._outstanding_key is not None:
             self._release(*self._outstanding_key)
-        _NEXT_READ.pack_into(self._mm, NEXT_READ_OFFSET, 0, 0)  # no consumer: nothing to pace for
-        _STAGE_TIME.pack_into(self._mm, STAGE_TIME_OFFSET, 0, -1)
+        GLOBAL.schedule.write(self._mm, 0, 0)  # no consumer: nothing to pace for
+        GLOBAL.stage_time.write(self._mm, 0, -1)
         with self._lock:
-            if _CONSUMER.unpack_from(self._mm, CONSUMER_OFFSET) == self._me:
-                _CONSUMER.pack_into(self._mm, CONSUMER_OFFSET, 0, 0)
-                _STATE.pack_into(self._mm, CONSUMER_STATE_OFFSET, 0)
+            if GLOBAL.consumer.read(self._mm) == self._me:
+                GLOBAL.consumer.write(self._mm, 0, 0)
+                GLOBAL.consumer_state.write(self._mm, 0)
         self._shut()
         self._views = {}
         self._side_views = {}

@@ -7,9 +7,8 @@ import stat
 import struct
 
 from .errors import RingNameConflict
-from .segment import (
-    _GLOBAL_OWNER, _WAKE_NAME, GLOBAL_HEADER_BYTES, GLOBAL_MAGIC, SHM_DIR, WAKE_NAME_OFFSET, _process_alive,
-)
+from .layout import GLOBAL, GLOBAL_HEADER_BYTES
+from .segment import GLOBAL_MAGIC, SHM_DIR, process_alive
 from .wake import WAKE_DIR_PREFIX, remove_wake_dir, wake_dir_owner
 
 __all__ = ["remove_dead_init_files", "evict_existing", "wake_dir_named_in", "remove_orphan_wake_dirs"]
@@ -28,12 +27,12 @@ def wake_dir_named_in(source) -> str | None:
             source = os.pread(fd, GLOBAL_HEADER_BYTES, 0)
         finally:
             os.close(fd)
-    if len(source) < WAKE_NAME_OFFSET + _WAKE_NAME.size:
+    if len(source) < GLOBAL.wake_name.offset + GLOBAL.wake_name.size:
         return None
     magic, version = struct.unpack_from("<QI", source)
     if magic != GLOBAL_MAGIC or version < 2:
         return None
-    return _WAKE_NAME.unpack_from(source, WAKE_NAME_OFFSET)[0].rstrip(b"\0").decode("ascii", "replace") or None
+    return GLOBAL.wake_name.one(source).rstrip(b"\0").decode("ascii", "replace") or None
 
 
 def remove_dead_init_files(name: str) -> None:
@@ -50,7 +49,7 @@ def remove_dead_init_files(name: str) -> None:
             parts = entry[len(prefix):].split("-")
             if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
                 continue  # not a file of ours
-            if not _process_alive(int(parts[0]), int(parts[1])):
+            if not process_alive(int(parts[0]), int(parts[1])):
                 path = os.path.join(SHM_DIR, entry)
                 old_wake = wake_dir_named_in(path)
                 try:
@@ -82,10 +81,10 @@ def evict_existing(path: str, owner_pid: int, owner_start_time: int, own_wake_di
     try:
         st = os.fstat(efd)
         head = os.pread(efd, GLOBAL_HEADER_BYTES, 0)
-        if len(head) >= _GLOBAL_OWNER.size:
-            magic, _ver, _hb, pid, start, _inst = _GLOBAL_OWNER.unpack_from(head)
+        if len(head) >= GLOBAL.identity.size:
+            magic, _ver, _hb, pid, start, _inst = GLOBAL.identity.read(head)
             is_us = pid == owner_pid and start == owner_start_time
-            if magic == GLOBAL_MAGIC and not is_us and _process_alive(pid, start):
+            if magic == GLOBAL_MAGIC and not is_us and process_alive(pid, start):
                 raise RingNameConflict(f"{path} is owned by live process {pid}")
             old_owner = pid if magic == GLOBAL_MAGIC else 0
         old_wake = wake_dir_named_in(head)
@@ -122,7 +121,7 @@ def remove_orphan_wake_dirs() -> list[str]:
     for entry in entries:
         if entry.startswith(f"{WAKE_DIR_PREFIX}{uid}.") and entry not in named:
             owner = wake_dir_owner(entry)
-            if owner is not None and not _process_alive(*owner):
+            if owner is not None and not process_alive(*owner):
                 remove_wake_dir(entry)
                 removed.append(entry)
     return removed

@@ -18,12 +18,10 @@ from .contract import DTYPE_CODES, Contract, TensorSpec, device_kind_of, dtype_n
 from .errors import RingError
 from .leftovers import evict_existing, remove_dead_init_files, remove_orphan_wake_dirs
 from .ring_end import RingEnd
+from .layout import GLOBAL, GLOBAL_HEADER_BYTES, MAX_SIDE_TENSORS, SLOT_HEADER_BYTES
 from .segment import (
-    _CONSUMER, _NEXT_READ, _NS, _PUBLISHED, _STAGE_TIME, _STATE, _WAKE_NAME, CONSUMER_LOCK_BYTE,
-    CONSUMER_MAX_AGE_OFFSET, CONSUMER_OFFSET, CONSUMER_STATE_OFFSET, GLOBAL_HEADER_BYTES, LAYOUT_VERSION,
-    MAX_SIDE_TENSORS, MAX_SLOTS, MIN_SLOTS, NEXT_READ_OFFSET, STAGE_TIME_OFFSET, PAYLOAD_ALIGN,
-    PRODUCER_CYCLE_OFFSET, PRODUCER_STATE_OFFSET, PUBLISHED_OFFSET, SLOT_HEADER_BYTES, STAGE_STATES, WAKE_NAME_OFFSET,
-    _proc_identity, _process_alive, align, byte_locked, map_segment, ros_domain_id, tensor_view,
+    CONSUMER_LOCK_BYTE, LAYOUT_VERSION, MAX_SLOTS, MIN_SLOTS, PAYLOAD_ALIGN, STAGE_STATES, align, byte_locked,
+    map_segment, proc_identity, process_alive, ros_domain_id, tensor_view,
 )
 from .slots import slot_offset
 from .stats import ProducerStats
@@ -154,7 +152,7 @@ def _create_segment(path: str, total_bytes: int, owner_pid: int, owner_start_tim
         os.posix_fallocate(fd, 0, total_bytes)  # reserve tmpfs pages: ENOSPC now, not SIGBUS later
         mm = map_segment(fd, total_bytes)
         write_header(mm)
-        wake_dir = make_wake_dir(lambda name: _WAKE_NAME.pack_into(mm, WAKE_NAME_OFFSET, name.encode()), domain_id)
+        wake_dir = make_wake_dir(lambda name: GLOBAL.wake_name.write(mm, name.encode()), domain_id)
         st = os.fstat(fd)
         sender = WakeSender(wake_socket_path(wake_dir))
         for _attempt in range(16):  # nothing after a successful link can fail
@@ -255,7 +253,7 @@ class RingProducer(RingEnd):
         self.total_bytes = GLOBAL_HEADER_BYTES + n_slots * self.slot_stride
         self.model_id = int(model_id)
         self.owner_pid = os.getpid()
-        self.owner_start_time = _proc_identity(self.owner_pid)[1]
+        self.owner_start_time = proc_identity(self.owner_pid)[1]
         self.instance_id = secrets.randbits(64)
         self._published = self._dropped = self._aborted = self._wake_errors = 0
         self._next_seq, self._next_index = 1, 0
@@ -286,13 +284,13 @@ class RingProducer(RingEnd):
         hint: a SIGKILLed consumer's last values stay, and only ever lie in the past. Raises RingError after
         close()."""
         self._check_open()
-        return _NEXT_READ.unpack_from(self._mm, NEXT_READ_OFFSET)
+        return GLOBAL.schedule.read(self._mm)
 
     def consumer_stage_time(self) -> tuple[int, int]:
         """(the K, the consumer's stage time in ns at that K) from ``RingConsumer.announce_stage_time``; (-1, 0)
         when it announced none (none attached, not timed yet, or it closed). Raises RingError after close()."""
         self._check_open()
-        stage_ns, k = _STAGE_TIME.unpack_from(self._mm, STAGE_TIME_OFFSET)
+        stage_ns, k = GLOBAL.stage_time.read(self._mm)
         return (k, stage_ns) if stage_ns > 0 else (-1, 0)
 
     def consumer_attached(self) -> bool:
@@ -306,11 +304,11 @@ class RingProducer(RingEnd):
         system call, no waiting), the process it named at attach and its last take and announced next read.
         Raises RingError after close()."""
         attached = self.consumer_attached()
-        pid, start = _CONSUMER.unpack_from(self._mm, CONSUMER_OFFSET)
-        state = STAGE_STATES.get(_STATE.unpack_from(self._mm, CONSUMER_STATE_OFFSET)[0], "not said")
-        taken, next_read = _NEXT_READ.unpack_from(self._mm, NEXT_READ_OFFSET)
-        published, last_publish = _PUBLISHED.unpack_from(self._mm, PUBLISHED_OFFSET)
-        return ConsumerPresence(attached, pid, start, pid > 0 and _process_alive(pid, start), state, taken,
+        pid, start = GLOBAL.consumer.read(self._mm)
+        state = STAGE_STATES.get(GLOBAL.consumer_state.one(self._mm), "not said")
+        taken, next_read = GLOBAL.schedule.read(self._mm)
+        published, last_publish = GLOBAL.published.read(self._mm)
+        return ConsumerPresence(attached, pid, start, pid > 0 and process_alive(pid, start), state, taken,
                                 next_read, published, last_publish)
 
     def announce_cycle(self, cycle_ns: int) -> None:
@@ -318,21 +316,21 @@ class RingProducer(RingEnd):
         the consumer can tell a producer that stopped publishing from a slow one (``RingConsumer.producer_schedule``).
         Raises RingError after close()."""
         self._check_open()
-        _NS.pack_into(self._mm, PRODUCER_CYCLE_OFFSET, int(cycle_ns))
+        GLOBAL.producer_cycle.write(self._mm, int(cycle_ns))
 
     def consumer_max_age_ns(self) -> int:
         """The oldest a frame may be (ns after its camera stamp) for the consumer to publish its result, as the
         consumer announced it (``RingConsumer.announce_max_age``); 0 when none is announced. Raises RingError after
         close()."""
         self._check_open()
-        return _NS.unpack_from(self._mm, CONSUMER_MAX_AGE_OFFSET)[0]
+        return GLOBAL.max_age.one(self._mm)
 
     def set_running(self, running: bool) -> None:
         """Say in the header whether this producer's node works frames ('running') or is attached but idle
         ('paused': the node is inactive), for the consumer's health report (``RingConsumer.producer``). Raises
         RingError after close()."""
         self._check_open()
-        _STATE.pack_into(self._mm, PRODUCER_STATE_OFFSET, 1 if running else 2)
+        GLOBAL.producer_state.write(self._mm, 1 if running else 2)
 
     def mapping(self):
         """The segment's mmap object (the whole ``total_bytes``), e.g. to page-lock it for a device

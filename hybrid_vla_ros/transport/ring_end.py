@@ -3,7 +3,7 @@
 
 That is the segment's name and path; its geometry and owner as the global header states them (written by the
 producer, read and judged by the consumer: the one place that knows the header's fields; their offsets and
-structs are in :mod:`.segment`); the mapping, the segment mutex and the handles that a weakref finalizer
+structs are :data:`.layout.GLOBAL`); the mapping, the segment mutex and the handles that a weakref finalizer
 closes; the closed state; the slot-state snapshot; and the context-manager protocol.
 """
 from __future__ import annotations
@@ -14,11 +14,10 @@ import weakref
 from . import slots
 from .contract import CODE_DTYPES, DEVICE_KINDS, DTYPE_CODES, SIDE_DTYPES, Contract, TensorSpec
 from .errors import RingContractError, RingError
+from .layout import GLOBAL, GLOBAL_HEADER_BYTES, MAX_SIDE_TENSORS, SLOT_HEADER_BYTES
 from .segment import (
-    _CONTRACT, _DOMAIN, _GLOBAL, _SIDE_ENTRY, _SIDE_HEAD, _WAKE_NAME, CONTRACT_OFFSET, DOMAIN_OFFSET,
-    GLOBAL_HEADER_BYTES, GLOBAL_MAGIC, LAYOUT_VERSION, MAX_SIDE_TENSORS, MAX_SLOTS, MIN_SLOTS, PAYLOAD_ALIGN,
-    SIDE_ENTRY_BYTES, SIDE_HEAD_OFFSET, SIDE_TABLE_OFFSET, SLOT_HEADER_BYTES, WAKE_NAME_OFFSET, SegmentLock,
-    segment_path, validate_segment_name,
+    GLOBAL_MAGIC, LAYOUT_VERSION, MAX_SLOTS, MIN_SLOTS, PAYLOAD_ALIGN, SegmentLock, segment_path,
+    validate_segment_name,
 )
 from .slots import MAX_NDIM, side_layout
 
@@ -52,32 +51,32 @@ class RingEnd:
         """Write this end's geometry and owner, the creation instant and ``contract`` (its dtype, device kind,
         state shape, ROS domain and side-tensor table with this end's ``state_bytes`` and ``side_offsets``; the
         model id and layout version are this end's) into the global header of ``mm``."""
-        _GLOBAL.pack_into(
-            mm, 0, GLOBAL_MAGIC, LAYOUT_VERSION, GLOBAL_HEADER_BYTES, self.owner_pid, self.owner_start_time,
-            self.instance_id, self.n_slots, SLOT_HEADER_BYTES, self.slot_bytes, self.slot_stride, self.total_bytes,
-            self.model_id, time.monotonic_ns())
+        GLOBAL.identity.write(mm, GLOBAL_MAGIC, LAYOUT_VERSION, GLOBAL_HEADER_BYTES, self.owner_pid,
+                              self.owner_start_time, self.instance_id)
+        GLOBAL.geometry.write(mm, self.n_slots, SLOT_HEADER_BYTES, self.slot_bytes, self.slot_stride,
+                              self.total_bytes, self.model_id, time.monotonic_ns())
         shape = contract.state_shape or ()
         ndim = -1 if contract.state_shape is None else len(shape)
-        _CONTRACT.pack_into(mm, CONTRACT_OFFSET, DTYPE_CODES.get(contract.dtype, 0),
-                            DEVICE_KINDS[contract.device_kind], ndim, *(shape + (0,) * (MAX_NDIM - len(shape))))
-        _DOMAIN.pack_into(mm, DOMAIN_OFFSET, -1 if contract.domain_id is None else contract.domain_id)
-        _SIDE_HEAD.pack_into(mm, SIDE_HEAD_OFFSET, len(contract.side), self.state_bytes)
+        GLOBAL.contract.write(mm, DTYPE_CODES.get(contract.dtype, 0), DEVICE_KINDS[contract.device_kind], ndim,
+                              *(shape + (0,) * (MAX_NDIM - len(shape))))
+        GLOBAL.domain.write(mm, -1 if contract.domain_id is None else contract.domain_id)
+        GLOBAL.side_head.write(mm, len(contract.side), self.state_bytes)
         for k, (spec, off) in enumerate(zip(contract.side, self.side_offsets)):
             dims = spec.shape + (0,) * (MAX_NDIM - len(spec.shape))
-            _SIDE_ENTRY.pack_into(mm, SIDE_TABLE_OFFSET + k * SIDE_ENTRY_BYTES, spec.name.encode("ascii"),
-                                  DTYPE_CODES[spec.dtype], len(spec.shape), *dims, off)
+            GLOBAL.entry(k).write(mm, spec.name.encode("ascii"), DTYPE_CODES[spec.dtype], len(spec.shape), *dims,
+                                  off)
 
     def _read_side_table(self, head: bytes) -> tuple[TensorSpec, ...]:
         """Parse the side-tensor table of the global header ``head`` and check it against the geometry already
         read (``slot_bytes``): sets ``state_bytes`` and ``side_offsets`` and returns the side tensors. Raises
         RingContractError for a dtype code a side tensor cannot have, RingError for any other inconsistency
         (count, name, ndim, dims, a name twice, offsets other than :func:`.slots.side_layout` places them)."""
-        count, state_bytes = _SIDE_HEAD.unpack_from(head, SIDE_HEAD_OFFSET)
+        count, state_bytes = GLOBAL.side_head.read(head)
         if count > MAX_SIDE_TENSORS:
             raise RingError(f"{self.path} has an inconsistent global header ({count} side tensors)")
         side, offsets = [], []
         for k in range(count):
-            raw, code, ndim, *rest = _SIDE_ENTRY.unpack_from(head, SIDE_TABLE_OFFSET + k * SIDE_ENTRY_BYTES)
+            raw, code, ndim, *rest = GLOBAL.entry(k).read(head)
             dims, off = rest[:MAX_NDIM], rest[MAX_NDIM]
             name = raw.rstrip(b"\0").decode("ascii", "replace")
             dtype = CODE_DTYPES.get(code)
@@ -111,8 +110,9 @@ class RingEnd:
         an unknown dtype code."""
         if len(head) < GLOBAL_HEADER_BYTES:
             raise RingError(f"{self.path} is too small to be a ring")
-        (magic, version, header_bytes, self.owner_pid, self.owner_start_time, self.instance_id, n_slots,
-         slot_header_bytes, slot_bytes, stride, total, self.model_id, _created) = _GLOBAL.unpack_from(head)
+        magic, version, header_bytes, self.owner_pid, self.owner_start_time, self.instance_id = \
+            GLOBAL.identity.read(head)
+        n_slots, slot_header_bytes, slot_bytes, stride, total, self.model_id, _created = GLOBAL.geometry.read(head)
         if magic != GLOBAL_MAGIC:
             raise RingError(f"{self.path} is not a hybrid_vla ring (bad magic)")
         if version != LAYOUT_VERSION:
@@ -124,11 +124,10 @@ class RingEnd:
                 or file_size < total):
             raise RingError(f"{self.path} has an inconsistent global header")
         self.n_slots, self.slot_bytes, self.slot_stride, self.total_bytes = n_slots, slot_bytes, stride, total
-        code, device, ndim, *dims = _CONTRACT.unpack_from(head, CONTRACT_OFFSET)
+        code, device, ndim, *dims = GLOBAL.contract.read(head)
         side = self._read_side_table(head)
-        contract = Contract.from_wire(self.model_id, code, device, ndim, dims, version,
-                                      _DOMAIN.unpack_from(head, DOMAIN_OFFSET)[0], side)
-        return contract, _WAKE_NAME.unpack_from(head, WAKE_NAME_OFFSET)[0].rstrip(b"\0").decode("ascii", "replace")
+        contract = Contract.from_wire(self.model_id, code, device, ndim, dims, version, GLOBAL.domain.one(head), side)
+        return contract, GLOBAL.wake_name.one(head).rstrip(b"\0").decode("ascii", "replace")
 
     def _opened(self, fd: int, handles) -> None:
         """Keep ``handles`` (closed by :meth:`_shut`, or by a finalizer if this end is dropped unclosed) and make

@@ -2,33 +2,12 @@
 mutex between processes.
 
 One POSIX shared-memory file ``/dev/shm/<name>`` (mode 0600) holds a 4096-byte global header and ``n_slots``
-slots (slot layout: :mod:`.slots`). All integers little-endian; offsets in bytes::
-
-      0 magic u64 (GLOBAL_MAGIC)     8 layout version u32        12 header bytes u32 (offset of slot 0)
-     16 owner pid i64               24 owner start time u64 (clock ticks after boot, /proc/<pid>/stat field 22)
-     32 instance id u64 (random)    40 n_slots u32              44 slot header bytes u32
-     48 slot payload capacity u64   56 slot stride u64          64 total segment bytes u64
-     72 model id i64                80 created at, CLOCK_MONOTONIC ns          (struct "<QIIqQQIIQQQqq")
-     96 contract (layout 2): dtype code u32 (0 undeclared)   100 device kind u32 (contract.DEVICE_KINDS)
-    104 state ndim i32 (-1 undeclared)   112 state shape i64[4]                (struct "<IIi4x4q")
-    144 ROS domain id i32 (layout 3; -1 undeclared)
-    160 wake-up directory name, 64 bytes ASCII, NUL-padded (:mod:`.wake`)
-    256 publish count u64           264 last publish CLOCK_MONOTONIC ns i64    (own cache line; a hint, see
-                                                                               wake.FrameWaiter)
-    272 producer state u32 (layout 3; STAGE_STATES: 0 not said, 1 running, 2 paused)
-    280 producer cycle i64 ns (layout 6; 0: none): the interval it expects between its publishes
-    320 consumer's last take i64    328 its expected next read i64, CLOCK_MONOTONIC ns (0: none)
-    336 consumer pid i64 (0: none)  344 consumer start time u64 (clock ticks)   (layout 3; own cache line,
-    352 consumer state u32 (STAGE_STATES)                                       written by the consumer: the
-    360 its stage time i64 ns (0: none) 368 the K it was measured at i32       pacing hint, who is attached, and
-        (layout 5; the median compute time of its recent frames at that K)     its stage time)
-    376 its frame age limit i64 ns (layout 6; 0: none): older frames are not published (its output guard)
-    384 side tensors (layout 4): count u32, 4 bytes 0, state bytes u64 (payload offset of the side region: the
-        hidden states' capacity)                                               (struct "<I4xQ")
-    448 side-tensor table, SIDE_ENTRY_BYTES = 80 bytes per entry, MAX_SIDE_TENSORS = 32 entries (to 3008):
-        +0 name 32 bytes ASCII, NUL-padded   +32 dtype code u32 (contract.DTYPE_CODES)   +36 ndim u32
-        +40 dims i64[4] (0 past ndim)        +72 payload offset u64 (from the start of the slot's payload)
-                                                                               (struct "<32sII4qQ")
+slots (slot layout: :mod:`.slots`). The global header's fields, their offsets and structs are declared once, in
+:data:`.layout.GLOBAL` (its table is printed at the end of this docstring and by ``python -m
+hybrid_vla_ros.transport.layout``): identity and geometry, the contract (layout 2), the ROS domain (layout 3), the
+wake-up directory's name, the producer's cache line at 256 (publish count, last publish, state, its cycle: layout 6)
+and the consumer's at 320 (its last take and next read, pid, state, stage time: layout 5, frame age limit: layout 6),
+the side-tensor table (layout 4).
 
 Slot payload (layout 4; :mod:`.slots` for the slot header before it): the hidden states at payload offset 0, in
 a region of ``state bytes`` (the payload capacity less the side region); then each side tensor, in the table's
@@ -40,6 +19,7 @@ segment, which the kernel drops when its holder dies, plus a ``threading.Lock`` 
 ``fcntl.lockf`` lock belongs to the process, so it would not exclude a producer and a consumer in one process,
 and closing any fd of the file would drop it.) Byte 1 carries the single consumer's lock (:mod:`.consumer`).
 The global header's geometry, owner and contract are written and read in one place, :class:`.ring_end.RingEnd`.
+
 """
 from __future__ import annotations
 
@@ -54,9 +34,13 @@ from typing import NamedTuple
 
 import torch
 
+from .layout import GLOBAL, GLOBAL_HEADER_BYTES, MAX_SIDE_TENSORS, SLOT_HEADER_BYTES
+
 __all__ = ["SHM_DIR", "LAYOUT_VERSION", "GLOBAL_MAGIC", "GLOBAL_HEADER_BYTES", "SLOT_HEADER_BYTES", "PAYLOAD_ALIGN",
            "MIN_SLOTS", "MAX_SLOTS", "MAX_DOMAIN_ID", "MAX_SIDE_TENSORS", "ros_domain_id", "segment_name",
-           "segment_path", "SegmentLock", "try_lock_byte", "byte_locked", "Occupants", "segment_occupants"]
+           "segment_path", "SegmentLock", "try_lock_byte", "byte_locked", "Occupants", "segment_occupants",
+           "proc_identity", "process_alive", "CONSUMER_LOCK_BYTE", "STAGE_STATES", "map_segment", "tensor_view",
+           "align"]
 
 SHM_DIR = "/dev/shm"
 LAYOUT_VERSION = 6  # 2: contract, wake-up directory and publish count in the global header; READY written last;
@@ -65,58 +49,16 @@ LAYOUT_VERSION = 6  # 2: contract, wake-up directory and publish count in the gl
 #                    5: the consumer's stage time and the K it was measured at (live rebalancing);
 #                    6: the producer's publish cycle and the consumer's frame age limit (health by time)
 GLOBAL_MAGIC = int.from_bytes(b"HVLARNG1", "little")
-GLOBAL_HEADER_BYTES = 4096
-SLOT_HEADER_BYTES = 256
 PAYLOAD_ALIGN = 64
 MIN_SLOTS = 3
 MAX_SLOTS = 1024
 MAX_SEGMENT_NAME = 100
 #: Byte of the segment on which the single consumer holds its OFD lock (byte 0 is the mutex).
 CONSUMER_LOCK_BYTE = 1
-
-_GLOBAL = struct.Struct("<QIIqQQIIQQQqq")
-_GLOBAL_OWNER = struct.Struct("<QIIqQQ")  # magic .. instance id: fixed across layout versions
-_CONTRACT = struct.Struct("<IIi4x4q")
-CONTRACT_OFFSET = 96
-_WAKE_NAME = struct.Struct("<64s")
-WAKE_NAME_OFFSET = 160
-_PUBLISHED = struct.Struct("<Qq")
-PUBLISHED_OFFSET = 256
-_DOMAIN = struct.Struct("<i")
-DOMAIN_OFFSET = 144
-_NEXT_READ = struct.Struct("<qq")
-NEXT_READ_OFFSET = 320
-_TAKEN = struct.Struct("<q")
-TAKEN_OFFSET = 320
-_CONSUMER = struct.Struct("<qQ")
-CONSUMER_OFFSET = 336
-_STATE = struct.Struct("<I")
-PRODUCER_STATE_OFFSET = 272
-_NS = struct.Struct("<q")  # one CLOCK_MONOTONIC duration in ns
-PRODUCER_CYCLE_OFFSET = 280
-CONSUMER_MAX_AGE_OFFSET = 376
-CONSUMER_STATE_OFFSET = 352
-_STAGE_TIME = struct.Struct("<qi")  # the consumer's stage time ns, the K of the frames it was measured on
-STAGE_TIME_OFFSET = 360
-_SIDE_HEAD = struct.Struct("<I4xQ")  # count, state bytes
-SIDE_HEAD_OFFSET = 384
-_SIDE_ENTRY = struct.Struct("<32sII4qQ")  # name, dtype code, ndim, dims, payload offset
-SIDE_TABLE_OFFSET = 448
-SIDE_ENTRY_BYTES = _SIDE_ENTRY.size
-#: Most side tensors one ring carries (the table's entries in the global header).
-MAX_SIDE_TENSORS = 32
 #: What an end says of itself in the header (``RingProducer.set_running``, ``RingConsumer.set_running``): its
 #: node is active and works frames, or it is attached but paused (the node is inactive: no frames come or go).
 STAGE_STATES = {0: "not said", 1: "running", 2: "paused"}
-assert _GLOBAL.size <= CONTRACT_OFFSET and CONTRACT_OFFSET + _CONTRACT.size <= DOMAIN_OFFSET
-assert DOMAIN_OFFSET + _DOMAIN.size <= WAKE_NAME_OFFSET and CONSUMER_OFFSET == NEXT_READ_OFFSET + _NEXT_READ.size
-assert WAKE_NAME_OFFSET + _WAKE_NAME.size <= PUBLISHED_OFFSET and PUBLISHED_OFFSET % 64 == 0
-assert CONSUMER_STATE_OFFSET + _STATE.size <= STAGE_TIME_OFFSET
-assert PRODUCER_STATE_OFFSET + _STATE.size <= PRODUCER_CYCLE_OFFSET and PRODUCER_CYCLE_OFFSET + _NS.size <= 320
-assert STAGE_TIME_OFFSET + _STAGE_TIME.size <= CONSUMER_MAX_AGE_OFFSET
-assert CONSUMER_MAX_AGE_OFFSET + _NS.size <= SIDE_HEAD_OFFSET
-assert SIDE_HEAD_OFFSET + _SIDE_HEAD.size <= SIDE_TABLE_OFFSET and SIDE_TABLE_OFFSET % 64 == 0
-assert SIDE_ENTRY_BYTES == 80 and SIDE_TABLE_OFFSET + MAX_SIDE_TENSORS * SIDE_ENTRY_BYTES <= GLOBAL_HEADER_BYTES
+__doc__ += "\n" + GLOBAL.table().replace("\n", "\n    ")  # the byte table, in help() and the docs
 
 # struct flock for F_OFD_SETLK(W): short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid (must be 0)
 _FLOCK = struct.Struct("@hhqqi4x")
@@ -191,7 +133,7 @@ def segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, validate_segment_name(name))
 
 
-def _proc_identity(pid: int) -> tuple[str, int] | None:
+def proc_identity(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks after boot) of a process, or None if it does not exist."""
     if pid <= 0:
         return None
@@ -204,9 +146,9 @@ def _proc_identity(pid: int) -> tuple[str, int] | None:
     return fields[0].decode(), int(fields[19])
 
 
-def _process_alive(pid: int, start_time: int) -> bool:
+def process_alive(pid: int, start_time: int) -> bool:
     """True if process ``pid`` exists, is not a zombie and started at ``start_time`` (not a reused pid)."""
-    ident = _proc_identity(pid)
+    ident = proc_identity(pid)
     return ident is not None and ident[0] not in ("Z", "X", "x") and ident[1] == start_time
 
 
@@ -236,11 +178,11 @@ def segment_occupants(name: str) -> Occupants | None:
         head = os.pread(fd, GLOBAL_HEADER_BYTES, 0)
         if st.st_uid != os.getuid() or len(head) < GLOBAL_HEADER_BYTES:
             return None
-        magic, version, _hb, pid, start, _inst = _GLOBAL_OWNER.unpack_from(head)
+        magic, version, _hb, pid, start, _inst = GLOBAL.identity.read(head)
         if magic != GLOBAL_MAGIC or version != LAYOUT_VERSION:
             return None
-        consumer_pid, _consumer_start = _CONSUMER.unpack_from(head, CONSUMER_OFFSET)
-        return Occupants(pid, _process_alive(pid, start), consumer_pid, byte_locked(fd, CONSUMER_LOCK_BYTE))
+        consumer_pid, _consumer_start = GLOBAL.consumer.read(head)
+        return Occupants(pid, process_alive(pid, start), consumer_pid, byte_locked(fd, CONSUMER_LOCK_BYTE))
     finally:
         os.close(fd)
 

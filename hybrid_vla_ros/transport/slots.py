@@ -1,15 +1,8 @@
 """One slot of the ring: its header layout, its states and the protocol that makes a frame visible.
 
-Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header, struct "<IHHQqqqQqiII4x4qddqd" (slot
-version 3; bytes 136-255 unused)::
-
-      0 magic u32 (SLOT_MAGIC)   4 version u16   6 state u16 (FREE 0 / WRITING 1 / READY 2 / READING 3)
-      8 seq u64                 16 stamp ns i64  24 t_write_start ns i64   32 t_publish ns i64
-     40 payload nbytes u64      48 model id i64  56 split layer i32        60 dtype code u32
-     64 ndim u32                68 4 bytes 0     72 shape i64[4]
-    104 preprocess ms f64 (NaN: not sent)       112 prefix ms f64 (NaN: not sent)
-    120 prefix start ns i64, CLOCK_MONOTONIC (0: not sent)
-    128 ego wait ms f64 (NaN: not sent)                                     (104-135: the frame's :class:`SlotTimings`)
+Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header (slot version 3; bytes 136-255 unused),
+whose fields are declared in :data:`.layout.SLOT` (the table is at the end of this docstring); bytes 104-135 are
+the frame's :class:`SlotTimings`.
 
 Slot versions: 1 carried the timings positionally (68 n timings u32, 104 timings ms f64[8], the prefix's start
 instant as a float of ms); 2 names them (:class:`SlotTimings`, the start instant an exact int64 of ns); 3 adds the
@@ -63,17 +56,17 @@ from __future__ import annotations
 import math
 import numbers
 import platform
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from .contract import CODE_DTYPES, DTYPE_CODES, TensorSpec, conversion_kind, itemsize
 from .errors import RingContractError, RingError
-from .segment import _PUBLISHED, GLOBAL_HEADER_BYTES, PAYLOAD_ALIGN, PUBLISHED_OFFSET, align
+from .layout import GLOBAL, GLOBAL_HEADER_BYTES, SLOT
+from .segment import PAYLOAD_ALIGN, align
 
 __all__ = ["FrameMeta", "SlotTimings", "NO_TIMINGS", "FREE", "WRITING", "READY", "READING", "STATE_NAMES",
-           "SLOT_MAGIC", "SLOT_VERSION", "MAX_NDIM", "SLOT_FIELD_OFFSETS", "side_region_bytes", "side_layout"]
+           "SLOT_MAGIC", "SLOT_VERSION", "MAX_NDIM", "side_region_bytes", "side_layout"]
 
 #: True on CPUs whose stores become visible in program order (x86-64, TSO): publish needs no mutex there.
 STORES_VISIBLE_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64")
@@ -83,19 +76,7 @@ MAX_NDIM = 4
 FREE, WRITING, READY, READING = 0, 1, 2, 3
 STATE_NAMES = {FREE: "FREE", WRITING: "WRITING", READY: "READY", READING: "READING"}
 
-_SLOT = struct.Struct("<IHHQqqqQqiII4x4qddqd")  # the whole header, for reading
-_SLOT_PREFIX = struct.Struct("<IHHQ")  # magic, version, state, seq
-_SLOT_ID = struct.Struct("<IH")  # magic, version at offset 0
-_SEQ = struct.Struct("<Q")  # at offset 8
-_SLOT_BODY = struct.Struct("<qqqQqiII4x4qddqd")  # stamp .. timings at offset 16
-_STATE = struct.Struct("<H")
-SLOT_STATE_OFFSET = 6
-SLOT_FIELD_OFFSETS = {
-    "magic": 0, "version": 4, "state": 6, "seq": 8, "stamp_ns": 16, "t_write_start_ns": 24, "t_publish_ns": 32,
-    "payload_nbytes": 40, "model_id": 48, "split_layer": 56, "dtype": 60, "ndim": 64, "shape": 72,
-    "preprocess_ms": 104, "prefix_ms": 112, "prefix_start_ns": 120, "ego_wait_ms": 128,
-}
-assert _SLOT.size == 136 and 16 + _SLOT_BODY.size == _SLOT.size
+__doc__ += "\n" + SLOT.table().replace("\n", "\n    ")  # the byte table, in help() and the docs
 _INT64 = (-(1 << 63), 1 << 63)
 
 
@@ -236,19 +217,19 @@ def slot_offset(index: int, stride: int) -> int:
 
 def read_prefix(mm, off: int) -> tuple[int, int, int, int]:
     """(magic, version, state, seq) of the slot at ``off``."""
-    return _SLOT_PREFIX.unpack_from(mm, off)
+    return SLOT.prefix.read(mm, off)
 
 
 def set_state(mm, off: int, state: int) -> None:
     """Store one slot state (call with the segment mutex held)."""
-    _STATE.pack_into(mm, off + SLOT_STATE_OFFSET, state)
+    SLOT.state.write(mm, state, base=off)
 
 
 def begin_write(mm, off: int, seq: int) -> None:
     """Make the slot at ``off`` WRITING for frame ``seq``: state first, then magic, version and seq."""
-    _STATE.pack_into(mm, off + SLOT_STATE_OFFSET, WRITING)
-    _SLOT_ID.pack_into(mm, off, SLOT_MAGIC, SLOT_VERSION)
-    _SEQ.pack_into(mm, off + 8, seq)
+    SLOT.state.write(mm, WRITING, base=off)
+    SLOT.identity.write(mm, SLOT_MAGIC, SLOT_VERSION, base=off)
+    SLOT.seq.write(mm, seq, base=off)
 
 
 def finish_write(mm, off: int, *, stamp_ns: int, t_write_start_ns: int, t_publish_ns: int, nbytes: int,
@@ -257,10 +238,10 @@ def finish_write(mm, off: int, *, stamp_ns: int, t_write_start_ns: int, t_publis
     """Publish the WRITING slot at ``off``: every header field (``timings`` at offsets 104-135), then READY as the
     last store (see the module docstring; with the mutex held unless :data:`STORES_VISIBLE_IN_ORDER`)."""
     shape4 = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
-    _SLOT_BODY.pack_into(mm, off + 16, stamp_ns, t_write_start_ns, t_publish_ns, nbytes, model_id, split_layer,
-                         dtype_code, len(shape), *shape4, timings.preprocess_ms, timings.prefix_ms,
-                         timings.prefix_start_ns, timings.ego_wait_ms)
-    _STATE.pack_into(mm, off + SLOT_STATE_OFFSET, READY)
+    SLOT.body.write(mm, stamp_ns, t_write_start_ns, t_publish_ns, nbytes, model_id, split_layer, dtype_code,
+                    len(shape), *shape4, timings.preprocess_ms, timings.prefix_ms, timings.prefix_start_ns,
+                    timings.ego_wait_ms, base=off)
+    SLOT.state.write(mm, READY, base=off)
 
 
 def announce(mm, published: int, t_publish_ns: int) -> None:
@@ -268,7 +249,7 @@ def announce(mm, published: int, t_publish_ns: int) -> None:
     consumer that sees the count change then finds the mutex free instead of sleeping on it (a sleep there
     would cost the very wake-up the spin avoids). Only a hint: no consumer reads a slot because of it
     without taking the mutex, and the wake-up byte follows it."""
-    _PUBLISHED.pack_into(mm, PUBLISHED_OFFSET, published, t_publish_ns)
+    GLOBAL.published.write(mm, published, t_publish_ns)
 
 
 def check_shape_dtype(shape, dtype) -> tuple[tuple[int, ...], int, int]:
@@ -305,7 +286,7 @@ def version_refused(version: int) -> str:
 
 def validate(raw: tuple, *, slot_bytes: int, declared_dtype, compute_dtype, expected_model_id,
              expected_split_layer) -> tuple[str | None, FrameMeta | None, str]:
-    """Judge a READY slot's unpacked header (``_SLOT`` fields): (None, meta, "") to take it, else (cause, meta
+    """Judge a READY slot's unpacked header (:func:`read_header`): (None, meta, "") to take it, else (cause, meta
     or None, detail); the causes are errors.REJECT_CAUSES, the detail "" or, for ``bad_version``,
     :func:`version_refused` (nothing past the version of a header of another version is used). Never reads
     the payload."""
@@ -337,8 +318,8 @@ def validate(raw: tuple, *, slot_bytes: int, declared_dtype, compute_dtype, expe
 
 
 def read_header(mm, off: int) -> tuple:
-    """Every field of the slot header at ``off`` (``_SLOT`` order)."""
-    return _SLOT.unpack_from(mm, off)
+    """Every field of the slot header at ``off``: :data:`.layout.SLOT` ``prefix`` then ``body``, in order."""
+    return SLOT.prefix.read(mm, off) + SLOT.body.read(mm, off)
 
 
 def state_names(mm, n_slots: int, stride: int) -> list[str]:

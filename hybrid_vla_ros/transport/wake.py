@@ -35,7 +35,8 @@ import time
 from collections import deque
 
 from .errors import RingError
-from .segment import _PUBLISHED, PUBLISHED_OFFSET, SHM_DIR
+from .layout import GLOBAL
+from .segment import SHM_DIR
 
 __all__ = ["SpinPolicy", "make_wake_dir", "wake_socket_path", "remove_wake_dir", "WakeSender", "WakeReceiver",
            "FrameWaiter"]
@@ -47,9 +48,9 @@ _IGNORED_SEND_ERRNOS = {errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN, errno.EN
 
 
 def _start_time() -> int:
-    from .segment import _proc_identity
+    from .segment import proc_identity
 
-    return _proc_identity(os.getpid())[1]
+    return proc_identity(os.getpid())[1]
 
 
 def wake_dir_owner(name: str) -> tuple[int, int] | None:
@@ -302,11 +303,11 @@ class FrameWaiter:
 
     def _spin_until(self, mm, until_ns: int, seen: int) -> bool:
         """Poll the publish count until it differs from ``seen`` (True) or ``until_ns`` passes (False)."""
-        unpack, now = _PUBLISHED.unpack_from, time.monotonic_ns
+        count, now = GLOBAL.published.read, time.monotonic_ns
         t0 = t = now()
         hit = False
         while t < until_ns:
-            if unpack(mm, PUBLISHED_OFFSET)[0] != seen:
+            if count(mm)[0] != seen:
                 hit = True
                 break
             t = now()
