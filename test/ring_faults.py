@@ -89,10 +89,18 @@ class StoreCounter:
 
 
 def install_store_counters(kill_at: int) -> int:
-    """Replace every ``struct.Struct`` attribute of the loaded ``hybrid_vla_ros.transport`` modules; returns
+    """Replace every ``struct.Struct`` the ring writes the segment with: those of the header layouts' field groups
+    (``transport.layout``) and any module-level one of the loaded ``hybrid_vla_ros.transport`` modules; returns
     how many were replaced."""
+    from hybrid_vla_ros.transport import layout
+
     StoreCounter.count, StoreCounter.kill_at = 0, kill_at
     n = 0
+    for header in (layout.GLOBAL, layout.SLOT):
+        for group in header.groups.values():
+            if isinstance(group.struct, struct.Struct):
+                group.struct = StoreCounter(group.struct)
+                n += 1
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or not mod_name.startswith("hybrid_vla_ros.transport"):
             continue
