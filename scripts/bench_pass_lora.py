@@ -22,7 +22,6 @@ memory traffic cost, which does not depend on the values. A benchmark that print
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -50,6 +49,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from hybrid_vla_ros.model.config import preset
+    from hybrid_vla_ros.tools.harness import write_report
     from hybrid_vla_ros.model import text
     from hybrid_vla_ros.model.modeling import PASS_LORA_TARGETS, _blocks, llm_config, llm_family
 
@@ -117,8 +117,7 @@ def main() -> int:
         print(f"{name:7s} | {b32 / 1e6:15.2f} MB | {b16 / 1e6:6.2f} MB | {b16 * L / 1e6:14.1f} MB | "
               f"{times[name]:.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_report(res, args.json, indent=2)
     return 0
 
 

@@ -24,7 +24,6 @@ This is a benchmark that prints figures, not a test. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,11 +33,14 @@ from pathlib import Path
 
 import torch
 
-from hybrid_vla_ros.model.checkpoint import init_model, load_stage
+from hybrid_vla_ros.model.checkpoint import load_stage
+from hybrid_vla_ros.model.config import VLAConfig
+from hybrid_vla_ros.tools.harness import ensure_checkpoint, write_report
 from hybrid_vla_ros.model.config import preset
 from hybrid_vla_ros.model.modeling import VLAModel, embed, plan, run_blocks
 from hybrid_vla_ros.split.planner import GB, choose_split_layer, plan_split
-from hybrid_vla_ros.split.profiler import measure_handoff, profile_model, random_init_
+from hybrid_vla_ros.model.timing_parts import random_init_
+from hybrid_vla_ros.split.profiler import measure_handoff, profile_model
 
 PREFIX_CORE, SUFFIX_CORE = 0, 1
 
@@ -69,9 +71,9 @@ def bench_model(name: str, workdir: Path, repeats: int, n_ks: int, budget_fracti
     cfg = preset(name)
     vision_blocks = "1" if cfg.image_size >= 640 else "all"
     if name == "smol":
-        path = workdir / name
-        cfg = init_model(name, path)
-        print(f"[{name}] wrote the smol checkpoint (SmolLM2-135M LLM from GGUF) in {time.monotonic() - t_model:.1f} s")
+        path = ensure_checkpoint(workdir, name, dtype="fp32")
+        cfg = VLAConfig.load(path)
+        print(f"[{name}] the smol checkpoint (SmolLM2-135M LLM from GGUF) in {time.monotonic() - t_model:.1f} s")
         prof = profile_model(model_path=path, dtype="fp32", cores=[PREFIX_CORE], threads=1, device="cpu",
                              repeats=repeats + 1, warmup=1, vision_blocks=vision_blocks)
         model = load_stage(path, "full")
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
             results.append(bench_model(name, Path(tmp), args.repeats, args.ks, args.budget_fraction))
     print(f"\ntotal runtime {time.monotonic() - t0:.1f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_report(results, args.json, indent=2)
     return 0
 
 

@@ -123,7 +123,9 @@ def main() -> int:
                   f"{m['held_growth'] / 1e6:>14.1f} {ratio:>15.3f}")
             rows.append({"case": label, "role": role, "k": k, "dtype": dtype, **m, "ratio": ratio})
         if args.json:
-            Path(args.json).write_text(json.dumps({"disk_bytes": disk, "shards": shards, "rows": rows}, indent=2))
+            from hybrid_vla_ros.tools.harness import write_report
+
+            write_report({"disk_bytes": disk, "shards": shards, "rows": rows}, args.json, indent=2)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

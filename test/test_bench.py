@@ -15,7 +15,8 @@ from hybrid_vla_ros.tools.bench import report
 from hybrid_vla_ros.tools.bench.cli import main as bench_main
 from hybrid_vla_ros.tools.bench.common import percentiles, time_call
 from hybrid_vla_ros.tools.bench.handoff import payload_bytes, payload_shape, run_handoff
-from hybrid_vla_ros.tools.bench.pipeline import choose_split, frame_rows, model_overrides, summarize_pipeline
+from hybrid_vla_ros.tools.bench.pipeline import choose_split, frame_rows, summarize_pipeline
+from hybrid_vla_ros.tools.harness import sized
 from hybrid_vla_ros.tools.bench.suffix_flops import (block_flops, gemm_shapes, head_flops, mlp_rows_flops,
                                                      suffix_flops, vae_planner_flops)
 
@@ -119,10 +120,10 @@ def test_choose_split_is_zero_when_the_prefix_dominates():
 
 
 def test_model_overrides_keep_the_llm_side():
-    o = model_overrides("minddrive-0.5b", 112)
+    o = sized("minddrive-0.5b", 112)
     cfg = preset("minddrive-0.5b", **o)
     assert cfg.image_size == cfg.vision["image_size"] == 112 and cfg.num_tokens == 539
-    assert model_overrides("tiny", 64) == {} and model_overrides("tiny", None) == {}
+    assert sized("tiny", 64) == {} and sized("tiny", None) == {}
 
 
 # ------------------------------------------------------------------------------------------ pipeline figures

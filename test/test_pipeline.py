@@ -258,17 +258,12 @@ def test_the_prefix_worker_asks_the_pacing_delay_again_and_a_split_request_ends_
     long before the 30 s are over, not after them."""
     import threading
     import time
-    from types import SimpleNamespace
 
-    from hybrid_vla_ros.ros.prefix_worker import PrefixWorker
-    from hybrid_vla_ros.util.stats import StageTimes
+    from hybrid_vla_ros.runtime.loops import PrefixLoop, counting_context
 
     runner = _PacedRunner(30.0)
-    drops = []
-    ctx = SimpleNamespace(runner=lambda: runner, settings=lambda: SimpleNamespace(pace_to_suffix=True),
-                          drop=lambda cause, msg: drops.append(cause), count=lambda cause: drops.append(cause),
-                          logger=None, log_every=lambda key: False, times=StageTimes())
-    worker = PrefixWorker(ctx, ego_inputs=None)
+    ctx, drops = counting_context(runner)
+    worker = PrefixLoop(ctx, pace=True)
     worker.start()
     try:
         worker.offer((123, []))
@@ -282,7 +277,7 @@ def test_the_prefix_worker_asks_the_pacing_delay_again_and_a_split_request_ends_
         while not runner.runs and time.monotonic() < deadline:
             done.wait(0.05)
         assert runner.runs == [(123, True)], runner.runs  # computed with the request pending, well within 30 s
-        assert worker.frames_out == 1 and drops == []
+        assert worker.frames_out == 1 and drops == {}
     finally:
         worker.stop()
 

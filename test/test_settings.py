@@ -13,7 +13,7 @@ import pytest
 from hybrid_vla_ros.ros import params
 from hybrid_vla_ros.ros.params import ParameterError, validate
 from hybrid_vla_ros.ros.settings import SETTINGS, PrefixNodeSettings, SuffixNodeSettings, SuffixRingSettings
-from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings, SuffixRunnerSettings
+from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings, SplitPolicySettings, SuffixRunnerSettings
 from hybrid_vla_ros.vehicle.guard import GuardLimits
 
 NODES = ("prefix_node", "suffix_node")
@@ -134,6 +134,20 @@ def test_runner_settings_defaults_are_the_schema_defaults(node):
             assert typing.get_type_hints(cls)[name] == _expected_type(specs[parameter]), name
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.split_layer = 1
+
+
+def test_split_policy_settings_defaults_are_the_schema_defaults_and_the_node_builds_them(tmp_path):
+    specs = params.parameter_specs("prefix_node")
+    assert {f.name for f in dataclasses.fields(SplitPolicySettings)} == set(SplitPolicySettings.PARAMETER_OF)
+    settings = SplitPolicySettings("auto", str(tmp_path))
+    for name, parameter in SplitPolicySettings.PARAMETER_OF.items():
+        if name not in ("split_layer", "model_path"):  # the two a control needs given
+            default = specs[parameter]["default"]
+            assert getattr(settings, name) == default and type(getattr(settings, name)) is type(default), name
+    p = dataclasses.replace(validate("prefix_node", _given(tmp_path, "prefix_node")), split_layer="auto",
+                            auto_rebalance=False, auto_resplit_free_mb=512.0, profile_path="/tmp/p.json")
+    assert p.split_settings() == dataclasses.replace(settings, auto_rebalance=False, auto_resplit_free_mb=512.0,
+                                                     profile_path="/tmp/p.json")
 
 
 def test_node_settings_build_the_runner_settings(tmp_path):

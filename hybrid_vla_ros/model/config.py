@@ -37,6 +37,9 @@ NAV_COMMANDS = ("LEFT", "RIGHT", "STRAIGHT", "LANE_FOLLOW", "CHANGE_LANE_LEFT", 
 LLM_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3",
              # the text models of the Qwen VLMs (multimodal rotary positions; Qwen3-VL: DeepStack features)
              "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+#: transformers ``model_type`` of the VLM families split here (their ``<Family>ForConditionalGeneration``).
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "llava_next", "llava_onevision", "idefics3",
+                   "smolvlm")
 #: Ego-state features fed as one token when ``ego_state_input`` is set: speed (m/s, signed, base_link +x),
 #: longitudinal acceleration (m/s^2) and yaw rate (rad/s, counter-clockwise), in this order.
 EGO_FEATURES = ("speed_mps", "accel_mps2", "yaw_rate_radps")
@@ -66,7 +69,7 @@ def _last_index(ids: list[int], token: int) -> int:
 class ReadoutPositions:
     """Token positions the read-out heads take their final hidden states from, each counted from the end of the
     sequence of T tokens that crosses the split (a negative index: it also indexes the last tokens a compiled
-    suffix gives, :func:`~hybrid_vla_ros.runtime.suffix_backend.read_out_tokens`).
+    suffix gives, :func:`~hybrid_vla_ros.model.traced.read_out_tokens`).
 
     planning: the planning token (``<waypoint_ego>``) in the last (action) pass. path: MindDrive's
     ``<path_waypoint_ego>`` in the last pass (``vae_speed_path``), else None. decision: the decision read-out
@@ -255,7 +258,7 @@ class VLAConfig:
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
             if key not in self.llm:
                 problems.append(f"llm.{key} missing")
-        if self.projector.get("type") == "vlm":
+        if self.vlm_front:
             problems += self._vlm_problems() + self._readout_problems()
             if problems:
                 raise ValueError("invalid model config: " + "; ".join(problems))
@@ -455,7 +458,7 @@ class VLAConfig:
         problems = []
         if len(prompts) != self.llm_passes:
             problems.append(f"pass_prompt_token_ids holds {len(prompts)} prompts for {self.llm_passes} LLM passes")
-        if self.ego_state_input or self.projector.get("type") in ("llava", "vlm"):
+        if self.ego_state_input or self.vlm_front or self.projector.get("type") == "llava":
             problems.append("pass_prompt_token_ids takes no ego token and no LLaVA / VLM image placeholders")
         if self.readout_type not in ("mlp", "vae", "vae_speed_path"):
             problems.append(f"pass_prompt_token_ids needs a read-out at fixed tokens, not {self.readout_type!r}")
@@ -490,8 +493,6 @@ class VLAConfig:
     def _vlm_problems(self) -> list[str]:
         """A composed checkpoint on a transformers VLM (projector type ``vlm``): the VLM's own front, its text
         model's blocks, this package's planning head on the last (planning) token."""
-        from .vlm import VLM_MODEL_TYPES
-
         problems = []
         if not self.vlm_path:
             problems.append("projector.type 'vlm' needs vlm_path (the VLM directory its weights come from)")
@@ -518,6 +519,11 @@ class VLAConfig:
             problems.append(f"decision_position {pos!r} is not a token index of the {self.num_tokens} tokens")
         return problems
 
+    @property
+    def vlm_front(self) -> bool:
+        """True when a whole transformers VLM is the front (``projector`` ``{"type": "vlm"}``): the one test of it."""
+        return self.projector.get("type") == "vlm"
+
     # What a VLM composition's stages read, under the names VLMSpec has (model.modeling.VLMPrefixStage).
     @property
     def vlm_type(self) -> str:
@@ -537,11 +543,11 @@ class VLAConfig:
 
     @property
     def side(self) -> tuple[str, ...]:
-        return tuple(self.vlm_view.get("side", ())) if self.projector.get("type") == "vlm" else ()
+        return tuple(self.vlm_view.get("side", ())) if self.vlm_front else ()
 
     @property
     def side_shapes(self) -> dict:
-        return dict(self.vlm_view.get("side_shapes", {})) if self.projector.get("type") == "vlm" else {}
+        return dict(self.vlm_view.get("side_shapes", {})) if self.vlm_front else {}
 
     @property
     def vision_patches(self) -> int:
@@ -646,8 +652,8 @@ class VLAConfig:
         """T = prompt + V vision tokens + 1 ego token (when ``ego_state_input``) + 1 planning token (with a
         LLaVA projector the prompt's image placeholders count as the vision tokens that replace them)."""
         # the planning token(s), or the query tokens in their place
-        last = self.query_count or (len(self.readout_token_ids) if self.projector.get("type") != "vlm" else 1)
-        if self.projector.get("type") == "vlm":  # the processor's tokens, then the planning / query tokens
+        last = self.query_count or (1 if self.vlm_front else len(self.readout_token_ids))
+        if self.vlm_front:  # the processor's tokens, then the planning / query tokens
             return int(self.vlm_view["num_tokens"]) + last
         if self.pass_prompt_token_ids:  # each pass's own text after the vision tokens, padded to the longest
             return len(self.prompt_token_ids) + self.num_vision_tokens + max(map(len, self.pass_prompt_token_ids))
@@ -752,7 +758,7 @@ class VLMSpec:
     model's blocks split at K.
 
     ``vlm``: the VLM's transformers config as a dict (``model_type`` one of
-    :data:`~hybrid_vla_ros.model.vlm.VLM_MODEL_TYPES`); ``llm``: its text model's config kwargs with
+    :data:`VLM_MODEL_TYPES`); ``llm``: its text model's config kwargs with
     ``model_type`` (e.g. ``qwen2_5_vl_text``, ``qwen2``); ``num_tokens``: T of one frame (the processor's output
     for ``cameras`` images of ``camera_size`` and ``prompt``); ``cameras``: images per frame, in prompt order;
     ``camera_size``: (width, height) px each camera image is resized to before the processor; ``prompt``: the
@@ -806,8 +812,6 @@ def not_a_driving_checkpoint(path: Path, doc: dict) -> str:
                 "dict (cameras, image_size, image_mean, image_std, n_waypoints, waypoint_dt_s, n_modes; see "
                 "docs/models.md, 'Your own model code')")
     arch = (doc.get("architectures") or [kind])[0]
-    from .vlm import VLM_MODEL_TYPES
-
     if kind == "llava" or kind in VLM_MODEL_TYPES:
         return (f"{where} is a transformers {arch} directory without a planning head: the suffix node has nothing "
                 "to turn its hidden states into a trajectory. Attach a planning head with `hybrid-vla init-model "

@@ -35,8 +35,9 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .config import RESIZE_FILTERS
+from .config import NAV_COMMANDS, RESIZE_FILTERS
 from .sources import CheckpointError
+from .stages import PlanOutput, PrefixSide, SuffixSide, check_split_layer
 
 #: ``model_type`` of an own-code checkpoint's config.json.
 CODE_MODEL_TYPE = "hybrid_vla_code"
@@ -209,8 +210,6 @@ class CodeModel:
     def build_stage(self, role: str, split_layer: int | None, stop: int | None = None) -> nn.Module:
         """``prefix`` / ``suffix`` at ``split_layer``, ``blocks`` [split_layer, stop), or ``full`` (the model
         itself, for its own reference forward). Raises ValueError for an unknown role or a K out of range."""
-        from .modeling import check_split_layer
-
         if role == "full":
             return CodeFull(self, self.new_model())
         if role not in ("prefix", "suffix", "blocks"):
@@ -298,9 +297,7 @@ class CodePrefix(_CodeStage):
 
     def move_split(self, split_layer: int, load_blocks) -> None:
         """As :meth:`hybrid_vla_ros.model.modeling.PrefixStage.move_split`."""
-        from .modeling import _PrefixSide
-
-        _PrefixSide.move_split(self, split_layer, load_blocks)
+        PrefixSide.move_split(self, split_layer, load_blocks)
 
 
 class CodeSuffix(_CodeStage):
@@ -317,10 +314,9 @@ class CodeSuffix(_CodeStage):
         return self._block_key(local_key, self.split_layer)
 
     def plan_all(self, hidden_states: torch.Tensor, command: int = 3, split_layer: int | None = None):
-        """A driving model's waypoints of every mode as :class:`~hybrid_vla_ros.model.modeling.PlanOutput` (the
+        """A driving model's waypoints of every mode as :class:`~hybrid_vla_ros.model.stages.PlanOutput` (the
         command picks the mode of a 6-mode model). Raises ValueError for a model without driving I/O, a readout
         that is not (n_modes, n_waypoints, 2), or as :meth:`forward`."""
-        from .modeling import NAV_COMMANDS, PlanOutput
 
         if not self.cfg.drives:
             raise ValueError(f"{self.cfg.spec} declares no driving I/O: it gives its own output, not waypoints")
@@ -334,20 +330,16 @@ class CodeSuffix(_CodeStage):
         return PlanOutput(modes[mode], modes, None, mode)
 
     def forward(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
-        from .modeling import _SuffixSide
-
         expected = self.cfg.prefix_state_shape
         if tuple(hidden_states.shape) != expected:
             raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != expected {expected}")
         k = self.split_layer if split_layer is None else split_layer
-        layers = _SuffixSide._layers_from(self, split_layer)
+        layers = SuffixSide._layers_from(self, split_layer)
         return self.code.readout(self.code.run_blocks(layers, hidden_states, k))
 
     def move_split(self, split_layer: int, load_blocks) -> None:
         """As :meth:`hybrid_vla_ros.model.modeling.SuffixStage.move_split`."""
-        from .modeling import _SuffixSide
-
-        _SuffixSide.move_split(self, split_layer, load_blocks)
+        SuffixSide.move_split(self, split_layer, load_blocks)
 
 
 class CodeBlocks(_CodeStage):

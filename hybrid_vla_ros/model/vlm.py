@@ -33,9 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-#: transformers ``model_type`` of the VLM families split here (their ``<Family>ForConditionalGeneration``).
-VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "llava_next", "llava_onevision", "idefics3",
-                   "smolvlm")
+from .config import VLM_MODEL_TYPES
+
 #: The base model's attribute holding the text model, where it is not ``language_model``.
 _TEXT_ATTRIBUTE = {"idefics3": "text_model", "smolvlm": "text_model"}
 

@@ -15,15 +15,16 @@ from .params import ParameterError, Params
 from .status import SuffixStatus
 from .suffix_inputs import SuffixInputs
 from .suffix_outputs import TrajectoryOutputs
-from .suffix_worker import SuffixWorker
+from .suffix_worker import suffix_loop
 
 
 class SuffixNode(node_base.PipelineNode):
     """Lifecycle node running the CPU suffix. See ``suffix_node`` and the README for topics.
 
-    The parts: ``SuffixInputs`` (suffix_inputs) buffers the odometry and holds the navigation command,
-    ``SuffixWorker`` (suffix_worker) computes each frame from the ring, ``TrajectoryOutputs`` (suffix_outputs)
-    guards and publishes the trajectories; this class runs the lifecycle and reports the diagnostics.
+    The parts: ``SuffixInputs`` (suffix_inputs) buffers the odometry and holds the navigation command, a
+    ``SuffixLoop`` (runtime.loops, with the node's inputs and outputs: suffix_worker) computes each frame from the
+    ring, ``TrajectoryOutputs`` (suffix_outputs) guards and publishes the trajectories; this class runs the
+    lifecycle and reports the diagnostics.
     """
 
     LIVE_PARAMETERS = ("navigation_command", "split_layer")
@@ -37,7 +38,7 @@ class SuffixNode(node_base.PipelineNode):
         ctx = self.part_context()
         self._inputs = SuffixInputs(ctx)
         self._outputs = TrajectoryOutputs(ctx)
-        self._worker = SuffixWorker(ctx, self._inputs, self._outputs)
+        self._worker = suffix_loop(ctx, self._inputs, self._outputs)
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:

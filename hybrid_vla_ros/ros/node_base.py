@@ -22,6 +22,7 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.parameter import Parameter
 from rclpy.signals import SignalHandlerOptions
 
+from ..runtime.loops import LoopContext
 from ..util.stats import DropCounter, StageTimes
 from . import params
 from .status import NodeStatus
@@ -59,35 +60,35 @@ class Throttle:
         return False
 
 
+class SteadyTimers:
+    """A node's timers on the steady clock (runtime.split_control.Timers): device memory runs on wall time, not on a
+    bag's simulated clock."""
+
+    def __init__(self, node):
+        self._node = node
+
+    def start(self, period_s: float, fn):
+        from rclpy.clock import Clock, ClockType
+
+        return self._node.create_timer(period_s, fn, clock=Clock(clock_type=ClockType.STEADY_TIME))
+
+    def cancel(self, handle) -> None:
+        self._node.destroy_timer(handle)
+
+
 @dataclass(frozen=True)
-class PartContext:
+class PartContext(LoopContext):
     """What a part of a node (its inputs, worker, outputs, split-layer control) may use of the node: built by
     :meth:`PipelineNode.part_context`, so that a part's constructor says what it needs and no part reaches into
-    the node's private state.
-
-    ``ros`` is the rclpy node for the part's own ROS entities only (``create_subscription``,
-    ``create_lifecycle_publisher``, ``create_timer`` and their destroy calls, ``get_clock``, names, graph
-    queries). ``runner()`` and ``settings()`` read the node's stage runner and validated parameters now (None
-    while unconfigured: a configure replaces both).
+    the node's private state. What the frame loops use is its :class:`~hybrid_vla_ros.runtime.loops.LoopContext`
+    half (``drop`` logs at most every 2 s per cause and keeps the message as the node's last error; ``alive`` is
+    the node's ROS context being valid, False once Ctrl-C shut it down); ``ros`` is the rclpy node for the part's
+    own ROS entities only (subscriptions, lifecycle publishers, timers and their destroy calls, ``get_clock``,
+    names, graph queries); ``settings()`` the node's validated parameters now (None while unconfigured).
     """
 
-    ros: Any
-    logger: Any
-    #: ``drop(cause, message, n=1)``: count ``n`` dropped frames or messages of ``cause``, keep ``message`` as the
-    #: node's last error, log it at most every 2 s per cause.
-    drop: Callable[..., None]
-    #: ``count(cause, n=1) -> total``: count a drop without a log line (the caller logs, or it is expected).
-    count: Callable[..., int]
-    #: ``log_every(key) -> bool``: True at most every 2 s per key, for rate-limited log lines.
-    log_every: Callable[[str], bool]
-    times: StageTimes
-    runner: Callable[[], Any]
-    settings: Callable[[], Any]
-    #: ``set_fault(text)``: the standing fault /diagnostics reports as ERROR ("" clears it; a new one is also
-    #: the last error).
-    set_fault: Callable[[str], None]
-    #: ``ros_ok() -> bool``: the node's ROS context is still valid (False once Ctrl-C shut it down).
-    ros_ok: Callable[[], bool]
+    ros: Any = None
+    settings: Callable[[], Any] = lambda: None
 
 
 class PipelineNode(LifecycleNode):
@@ -182,9 +183,9 @@ class PipelineNode(LifecycleNode):
 
     def part_context(self) -> PartContext:
         """The :class:`PartContext` the node's parts are built with."""
-        return PartContext(ros=self, logger=self.get_logger(), drop=self._drop, count=self.drops.add,
-                           log_every=self._throttle, times=self.times, runner=lambda: self.runner,
-                           settings=lambda: self.params, set_fault=self._set_fault, ros_ok=self.context.ok)
+        return PartContext(logger=self.get_logger(), drop=self._drop, count=self.drops.add, log_every=self._throttle,
+                           times=self.times, runner=lambda: self.runner, set_fault=self._set_fault,
+                           alive=self.context.ok, ros=self, settings=lambda: self.params)
 
     def _set_fault(self, text: str) -> None:
         self.fault = text

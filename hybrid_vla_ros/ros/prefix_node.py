@@ -11,7 +11,7 @@ Lifecycle (ROS 2 managed node, as in ros2/demos lifecycle_py):
   on_shutdown   as cleanup, from any state.
 Subscription callbacks only stamp and queue messages (``prefix_inputs``); decoding and inference run on
 one worker thread (``prefix_worker``) that always takes the newest synchronized frame (older unprocessed
-ones are counted as ``superseded``), so a slow model never backs up DDS queues. ``prefix_split`` chooses
+ones are counted as ``superseded``), so a slow model never backs up DDS queues. ``runtime.split_control`` chooses
 the split layer (``split_layer: auto``) and moves it while running.
 
 Ego state (checkpoints with ``ego_state_input``): the odometry and acceleration callbacks only buffer
@@ -49,6 +49,7 @@ from ..util.ids import model_id_text
 from ..model.checkpoint import driving_config
 from ..model.config import NAV_COMMANDS, nav_command_index, takes_scene
 from ..runtime.prefix import PrefixRunner
+from ..runtime.split_control import SplitLayerControl
 from ..transport.ring import ProducerStats
 from ..util.cores import pin_process
 from . import node_base
@@ -56,8 +57,7 @@ from .params import ParameterError
 from .settings import PrefixNodeSettings
 from .prefix_inputs import EGO_DROP_REASONS, SYNC_DROP_REASONS, CameraInputs, EgoStateInputs
 from .prefix_scene import SceneSource
-from .prefix_split import SplitLayerControl
-from .prefix_worker import PrefixWorker
+from .prefix_worker import prefix_loop
 from .status import PrefixStatus
 
 __all__ = ["PrefixNode", "main", "SYNC_DROP_REASONS", "EGO_DROP_REASONS"]
@@ -66,9 +66,10 @@ __all__ = ["PrefixNode", "main", "SYNC_DROP_REASONS", "EGO_DROP_REASONS"]
 class PrefixNode(node_base.PipelineNode):
     """Lifecycle node running the GPU prefix. See the module docstring and README for topics.
 
-    The parts: ``CameraInputs`` and ``EgoStateInputs`` (prefix_inputs) subscribe and buffer, ``PrefixWorker``
-    (prefix_worker) computes the newest frame into the ring, ``SplitLayerControl`` (prefix_split) chooses and
-    moves the split layer; this class runs the lifecycle and reports the diagnostics.
+    The parts: ``CameraInputs`` and ``EgoStateInputs`` (prefix_inputs) subscribe and buffer, a ``PrefixLoop``
+    (runtime.loops, with the node's inputs: prefix_worker) computes the newest frame into the ring,
+    ``SplitLayerControl`` (runtime.split_control) chooses and moves the split layer; this class runs the lifecycle and
+    reports the diagnostics.
     """
 
     LIVE_PARAMETERS = ("navigation_command", "split_layer")
@@ -82,10 +83,11 @@ class PrefixNode(node_base.PipelineNode):
         ctx = self.part_context()
         self._ego_inputs = EgoStateInputs(ctx)  # speed, yaw rate, acceleration (ego_state_input checkpoints)
         self._scene = SceneSource(ctx, self._ego_inputs)  # camera geometry, ego frame (query heads)
-        self._worker = PrefixWorker(ctx, self._ego_inputs, self._scene,
-                                    on_frame=lambda: self._split.after_frame(self._cameras.frame_period_ns()))
+        self._worker = prefix_loop(ctx, self._ego_inputs, self._scene,
+                                   after_frame=lambda: self._split.after_frame(self._cameras.frame_period_ns()))
         self._cameras = CameraInputs(ctx, on_frame=self._worker.offer, frame_age_limit=self._frame_age_limit)
-        self._split = SplitLayerControl(ctx, wake=self._worker.wake)
+        self._split = SplitLayerControl(ctx, lambda: self.params.split_settings() if self.params else None,
+                                        self._worker.wake, timers=node_base.SteadyTimers(self))
 
     # ----------------------------------------------------------------------------------- lifecycle
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -97,7 +99,7 @@ class PrefixNode(node_base.PipelineNode):
             if p.cpu_affinity:
                 pin_process(p.cpu_affinity)
                 cv2.setNumThreads(len(p.cpu_affinity))
-            k = self._split.initial_layer(p)
+            k = self._split.initial_layer(p.split_settings())
             self.runner = PrefixRunner(p.model_path, p.runner_settings(k, namespace=self.get_namespace(),
                                                                        domain_id=self.context.get_domain_id()))
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
@@ -137,6 +139,8 @@ class PrefixNode(node_base.PipelineNode):
             self._ego_inputs.start()
         if takes_scene(self.runner.cfg):
             self._scene.start(p, self.runner.cfg)
+        self._worker.pace = p.pace_to_suffix
+        self._worker.handoff["path"] = self.runner.handoff_path  # as the configure log said
         self._worker.start()
         self.runner.set_running(True)
         self._split.update_timer(active=True)

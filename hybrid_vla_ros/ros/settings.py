@@ -24,7 +24,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from ..runtime.settings import Backend, Delivery, Dtype, PrefixRunnerSettings, SuffixRunnerSettings
+from ..runtime.settings import (Backend, Delivery, Dtype, PrefixRunnerSettings, SplitPolicySettings,
+                                SuffixRunnerSettings)
 from ..vehicle.guard import GuardLimits
 
 #: ``split_layer`` as a parameter: a K in [0, L], ``"auto"``, or -1 (the schema's placeholder for "unset", which
@@ -187,6 +188,10 @@ class PrefixNodeSettings(NodeSettings):
             ring_slots=self.ring_slots, torch_threads=self.torch_threads or len(self.cpu_affinity),
             fast_jpeg_decode=self.fast_jpeg_decode, gpu_budget_bytes=int(round(self.gpu_budget_gb * 1e9)),
             namespace=namespace, domain_id=domain_id)
+
+    def split_settings(self) -> SplitPolicySettings:
+        """What the :class:`~hybrid_vla_ros.runtime.split_control.SplitLayerControl` of these parameters needs."""
+        return SplitPolicySettings(**{f: getattr(self, f) for f in SplitPolicySettings.PARAMETER_OF})
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.checkpoint import load_stage, model_id, parse_dtype
+from ..model.checkpoint import load_stage, model_id, open_checkpoint, parse_dtype
 from ..split.planner import ring_side
 from ..model.modeling import check_ego_state, check_scene, output_into_is_exact
 from ..split.rebalance import StageSample
@@ -27,6 +27,23 @@ from ..vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess,
 from .device import cap_device_memory, keep_frame_buffers, resolve_device
 from .peer import PeerStatus, consumer_status, stall_grace_ns
 from .settings import PrefixRunnerSettings
+
+
+class _LiveFrames:
+    """One frame's decoded camera images as the model's front asks for them
+    (:class:`~hybrid_vla_ros.model.kinds.CameraFrames`): resized to a VLM's camera size, or preprocessed into the
+    runner's pixel buffer."""
+
+    def __init__(self, images: list, runner: "PrefixRunner"):
+        self._images, self._runner = images, runner
+
+    def images(self, cameras: int, size=None) -> list:
+        if len(self._images) != cameras:
+            raise ValueError(f"frame has {len(self._images)} cameras, the model takes {cameras}")
+        return [resize_rgb(im, size) for im in self._images] if size else list(self._images)
+
+    def pixels(self, cfg) -> torch.Tensor:
+        return self._runner.pixels(self._images)
 
 
 @dataclass
@@ -136,15 +153,10 @@ class PrefixRunner:
                                 dtype=self.dtype, model_id=self.model_id)
         self.state_shape = self.cfg.prefix_state_shape
         self.domain_id = ros_domain_id(settings.domain_id)
-        #: A composition on a transformers VLM: its own processor feeds the cameras (``model.vlm``) and the side
-        #: tensors its blocks after K need cross with h_K (``model.contract``); None for this package's own front.
-        self.processor = None
+        #: The model as this runner asks it (:class:`~hybrid_vla_ros.model.kinds.SplitModel`): how a frame's cameras
+        #: become the stage's input (pixels, a VLM's processor outputs), and what crosses with h_K (side tensors).
+        self.model = open_checkpoint(model_path).split_model()
         self.side = ring_side(self.cfg, self.dtype)
-        if self.cfg.projector.get("type") == "vlm":
-            from ..model.checkpoint import open_checkpoint
-            from ..model.vlm import load_processor
-
-            self.processor = load_processor(open_checkpoint(model_path).hf.path, self.cfg.vlm_type)
         self.ring = RingProducer(segment_name(settings.ring_name, settings.namespace, self.domain_id),
                                  settings.ring_slots,
                                  slot_bytes_for(self.state_shape, self.dtype, self.side), self.model_id,
@@ -153,13 +165,11 @@ class PrefixRunner:
         #: Device-to-host path of a CUDA prefix (page-locked slot, staging buffer or plain copy: its ``mode``).
         self.copier = SlotCopier(self.ring, self.device) if self.device.type == "cuda" else None
         self._into_checked: type | None = None  # decoder block class checked by output_into_is_exact
-        self._into_ok = self.device.type == "cpu" and self.processor is None and hasattr(self.stage, "rotary_emb")
+        self._into_ok = self.device.type == "cpu" and self.model.produces_in_place
         self._cycle_ns: deque = deque(maxlen=8)  # run() from its start to the frame published
         self._last_publish_ns = 0
         self._publishes_ns: deque = deque(maxlen=64)  # publish instants, for the consumer's stall check
-        s = self.cfg.image_size
-        self._pixels_cpu = None if self.processor is not None else torch.empty((self.cfg.n_cameras, 3, s, s),
-                                                                                dtype=torch.float32)
+        self._pixels_cpu: torch.Tensor | None = None  # the own front's (C, 3, S, S) float32 pixels, reused
 
     @property
     def split_layer(self) -> int:
@@ -195,7 +205,7 @@ class PrefixRunner:
         of its message's data (no copy; the items outlive the frame's preprocessing)."""
         images = []
         for cam, (transport, msg) in enumerate(items):
-            fast = self.fast_jpeg_decode and self.processor is None  # a VLM's processor sizes its own input
+            fast = self.fast_jpeg_decode and self.model.decodes_scaled  # a VLM's processor sizes its own input
             try:
                 images.append(compressed_msg_to_rgb(msg, self.cfg.image_size if fast else None)
                               if transport == "compressed" else image_msg_to_rgb(msg, copy=False))
@@ -228,55 +238,29 @@ class PrefixRunner:
             resplit, resplit_error = None, str(e)
         t_start_ns = time.monotonic_ns()
         t0 = time.perf_counter()
-        images = self.decode(items)
-        if self.processor is not None:
-            slot, t1, t2 = self._run_vlm(images)
-            return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error, ego_wait_ms)
-        preprocess(images, self.cfg.image_size, self.cfg.image_mean, self.cfg.image_std, out=self._pixels_cpu,
-                   resize=self.cfg.image_resize)
+        frames = _LiveFrames(self.decode(items), self)
+        inputs = self.model.frame_args(frames, ego_state, scene, self.device, self.dtype)
         t1 = time.perf_counter()
-        pixels = self._pixels_cpu.to(self.device, self.dtype, non_blocking=True)
         if self.produce_in_slot:
-            slot, t2 = self._run_in_slot(pixels, ego, scene)
+            slot, t2 = self._run_in_slot(inputs)
         else:
-            hidden = self.stage(pixels, ego, scene=scene) if scene is not None else (
-                self.stage(pixels) if ego is None else self.stage(pixels, ego))
-            if not torch.isfinite(hidden).all():
+            state = self.model.split_state(self.model.run_prefix(self.stage, inputs))
+            if not torch.isfinite(state.hidden_states).all():
                 raise FloatingPointError("prefix produced non-finite hidden states")
             t2 = time.perf_counter()
             slot = self.ring.acquire(self.state_shape, self.dtype)
             try:
                 if self.copier is not None:
-                    self.copier.copy(hidden, slot.tensor)
+                    self.copier.copy(state.hidden_states, slot.tensor)
                 else:
-                    slot.tensor.copy_(hidden)
+                    slot.tensor.copy_(state.hidden_states)
+                side = state.side()
+                for spec in self.side:
+                    slot.side[spec.name].copy_(side[spec.name].reshape(spec.shape))
             except BaseException:
                 self.ring.abort(slot)
                 raise
         return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error, ego_wait_ms)
-
-    def _run_vlm(self, images: list) -> tuple:
-        """A VLM composition's frame: the family's processor (:func:`~hybrid_vla_ros.model.vlm.frame_inputs`),
-        the stage (h_K and the side tensors), both copied into a slot. Returns (slot, t1, t2); raises
-        FloatingPointError for non-finite hidden states (nothing acquired)."""
-        from ..model.vlm import frame_inputs
-
-        inputs = frame_inputs(self.processor, self.cfg, [resize_rgb(im, self.cfg.camera_size) for im in images])
-        t1 = time.perf_counter()
-        state = self.stage(inputs)
-        if not torch.isfinite(state.hidden_states).all():
-            raise FloatingPointError("prefix produced non-finite hidden states")
-        t2 = time.perf_counter()
-        slot = self.ring.acquire(self.state_shape, self.dtype)
-        try:
-            slot.tensor.copy_(state.hidden_states)
-            side = state.side()
-            for spec in self.side:
-                slot.side[spec.name].copy_(side[spec.name].reshape(spec.shape))
-        except BaseException:
-            self.ring.abort(slot)
-            raise
-        return slot, t1, t2
 
     def _publish(self, slot, stamp_ns: int, t_start_ns: int, t0: float, t1: float, t2: float, resplit,
                  resplit_error, ego_wait_ms: float = math.nan) -> PrefixResult:
@@ -392,19 +376,13 @@ class PrefixRunner:
         extra norms), or, on CUDA, ``device copy (<mode>)`` (:class:`SlotCopier`)."""
         if self.copier is not None:
             return f"device copy ({self.copier.mode})"
-        if self.processor is not None:
-            extra = f" and side tensors {', '.join(s.name for s in self.side)}" if self.side else ""
-            return f"copied into slot (h_K{extra} of a {self.cfg.vlm_type} VLM)"
         if self.produce_in_slot:
             return "produced in slot"
-        if not hasattr(self.stage, "rotary_emb"):
-            return f"copied into slot (own model code {getattr(self.cfg, 'spec', '')})"
-        block = type(self.stage.layers[-1]).__name__ if len(self.stage.layers) else "embeddings"
-        return f"copied into slot ({block}: its forward is not the layout produced in place)"
+        return f"copied into slot ({self.model.copy_reason(self.stage)})"
 
-    def _run_in_slot(self, pixels: torch.Tensor, ego, scene=None) -> tuple:
-        """The stage with its output produced in a ring slot taken just before the last op; returns (slot, t2).
-        Aborts the slot and raises FloatingPointError for non-finite hidden states."""
+    def _run_in_slot(self, inputs: tuple) -> tuple:
+        """The stage on ``inputs`` with its output produced in a ring slot taken just before the last op; returns
+        (slot, t2). Aborts the slot and raises FloatingPointError for non-finite hidden states."""
         slot = None
 
         def destination():
@@ -413,7 +391,7 @@ class PrefixRunner:
             return slot.tensor
 
         try:
-            hidden = self.stage(pixels, ego, scene=scene, out=destination)
+            hidden = self.model.run_prefix(self.stage, inputs, out=destination)
             if not torch.isfinite(hidden).all():
                 raise FloatingPointError("prefix produced non-finite hidden states")
         except BaseException:
@@ -422,6 +400,15 @@ class PrefixRunner:
             raise
         slot.t_write_start_ns = time.monotonic_ns()  # the frame is complete in the slot: nothing to copy
         return slot, time.perf_counter()
+
+    def pixels(self, images: list) -> torch.Tensor:
+        """Decoded camera images -> the own front's (C, 3, S, S) float32 pixels, resized and normalised into one
+        buffer kept from frame to frame (:func:`~hybrid_vla_ros.vehicle.image.preprocess`)."""
+        cfg = self.cfg
+        if self._pixels_cpu is None:
+            self._pixels_cpu = torch.empty((cfg.n_cameras, 3, cfg.image_size, cfg.image_size), dtype=torch.float32)
+        return preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std, out=self._pixels_cpu,
+                          resize=cfg.image_resize)
 
     def close(self) -> None:
         """Remove the ring and free the stage's (device) memory."""

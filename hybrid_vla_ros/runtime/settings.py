@@ -1,7 +1,9 @@
 """What a runner needs, as one frozen, typed settings object per stage (ROS-free).
 
 :class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner` takes a :class:`PrefixRunnerSettings`,
-:class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` a :class:`SuffixRunnerSettings`. The nodes build them from
+:class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` a :class:`SuffixRunnerSettings`, the prefix's
+split-layer control (:class:`~hybrid_vla_ros.runtime.split_control.SplitLayerControl`) a
+:class:`SplitPolicySettings`. The nodes build them from
 their validated parameters (``ros.settings``: ``PrefixNodeSettings.runner_settings`` /
 ``SuffixNodeSettings.runner_settings``); tools and tests build them directly, and variants with
 ``dataclasses.replace``. Defaults are the node schemas' defaults (``schema/<node>.schema.json``; checked by
@@ -58,6 +60,39 @@ class PrefixRunnerSettings:
         "split_layer": "split_layer", "device": "device", "dtype": "dtype", "ring_name": "ring_name",
         "ring_slots": "ring_slots", "torch_threads": "torch_threads", "fast_jpeg_decode": "fast_jpeg_decode",
         "gpu_budget_bytes": "gpu_budget_gb"}
+
+
+@dataclass(frozen=True)
+class SplitPolicySettings:
+    """How the prefix chooses its split layer K and moves it live (:class:`~.split_control.SplitLayerControl`)."""
+
+    #: A K in [0, L], or ``"auto"``: planned (split.planner) and moved live by the policy.
+    split_layer: int | str
+    #: Checkpoint directory the plan is made for.
+    model_path: str
+    #: ``hybrid-vla profile`` file of the plan's times; "": none (no latency moves then).
+    profile_path: str = ""
+    #: Device memory budget, GB (1e9 bytes); 0: the device's free memory on CUDA, none on the CPU.
+    gpu_budget_gb: float = 0.0
+    #: The prefix's device and dtype, as :class:`PrefixRunnerSettings`.
+    device: str = "auto"
+    dtype: Dtype = "fp32"
+    #: Move K down when free device memory falls under this, MiB (2**20 bytes); 0: off. CUDA only.
+    auto_resplit_free_mb: float = 0.0
+    #: Free device memory a move back up must leave, MiB; 0: twice ``auto_resplit_free_mb``.
+    auto_resplit_recover_mb: float = 0.0
+    #: Move K live towards the lowest latency at the measured load (needs a profile).
+    auto_rebalance: bool = True
+    #: The most blocks one latency move takes; 0: straight to the latency-best K.
+    auto_rebalance_max_step: int = 0
+    #: The prefix waits for a slower suffix (the balancer then predicts the paced pipeline).
+    pace_to_suffix: bool = True
+
+    #: Field -> the prefix node parameter it comes from (all of the same name).
+    PARAMETER_OF: ClassVar[dict[str, str]] = {
+        name: name for name in ("split_layer", "model_path", "profile_path", "gpu_budget_gb", "device", "dtype",
+                                "auto_resplit_free_mb", "auto_resplit_recover_mb", "auto_rebalance",
+                                "auto_rebalance_max_step", "pace_to_suffix")}
 
 
 @dataclass(frozen=True)

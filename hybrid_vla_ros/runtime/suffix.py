@@ -257,6 +257,15 @@ class SuffixRunner:
         self.split.request(split_layer)
 
     @torch.inference_mode()
+    def wait_attached(self, timeout_s: float) -> None:
+        """Attach to the ring, trying every 50 ms for up to ``timeout_s`` s, taking no frame. Raises TimeoutError
+        with the reason (``attach_error``)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._attach():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not attach to the ring within {timeout_s:g} s: {self.attach_error}")
+            time.sleep(0.05)
+
     def poll(self, timeout_s: float) -> SuffixResult | None:
         """Wait up to ``timeout_s`` (s) for a frame and run the suffix on it; see the class docstring."""
         if not self._attach():

@@ -8,11 +8,11 @@ op), saves it (IR: ``model.xml`` + ``model.bin``) in a cache folder and compiles
 GEMM and attention kernels (oneDNN, its own fused SDPA) and graph fusions (RMSNorm, rotary, SiLU x up) are what
 make it faster than eager torch (figures: docs/performance.md). The compiled model gives the last tokens' hidden
 states, as many as the read-out positions reach (the planning token, and MindDrive's decision and path tokens:
-:func:`read_out_tokens`); its last block runs attention for every token but its residual, norm and MLP for
-those rows only, where a check at build time finds the family's block a pre-norm layer (:func:`_prunable`); the
-final
-norm and the heads stay in torch (:func:`hybrid_vla_ros.model.modeling.plan`), so the command, the modes and
-the decision logits are exactly the eager code's.
+:func:`~hybrid_vla_ros.model.traced.read_out_tokens`); its last block runs attention for every token but its
+residual, norm and MLP for those rows only, where a check at build time finds the family's block a pre-norm layer
+(:func:`~hybrid_vla_ros.model.traced.prunable`); the final norm and the heads stay in torch
+(:func:`hybrid_vla_ros.model.modeling.plan`), so the command, the modes and the decision logits are exactly the
+eager code's.
 
 K and live re-splits: a compiled model covers one K (the blocks [K, L) it was built from) and one input shape.
 A frame at any other K runs eagerly, and a build for that K starts on a background thread (eager serves the
@@ -49,9 +49,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ..model.modeling import plan
+from ..model.traced import (BlocksToLastTokens, prunable, read_out_tokens, traceable,
+                            traced_blocks)
 from ..util.paths import cache_dir
 
 #: Values of the suffix node's ``suffix_backend`` parameter.
@@ -59,7 +60,7 @@ BACKENDS = ("eager", "openvino")
 #: Version of the artifact layout and of the traced module (bump when either changes: old artifacts are rebuilt).
 ARTIFACT_FORMAT = 4  # 3: the model gives the last tokens_out tokens; 4: block L-1 after attention on those only
 #: What a build found, beside ``key.json`` in an artifact: {"last_block_rows": the rows block L-1 computes after
-#: attention, or null when it computes all (:func:`_prunable`)}.
+#: attention, or null when it computes all (:func:`~hybrid_vla_ros.model.traced.prunable`)}.
 BUILD_FILE = "build.json"
 
 
@@ -89,8 +90,8 @@ class ArtifactKey:
     ``model_id``: :func:`hybrid_vla_ros.model.checkpoint.model_id` of the checkpoint (signed int64).
     ``weights``: :func:`weights_digest` of blocks [split_layer, num_layers) as loaded. ``dtype``: "fp32" | "bf16"
     | "fp16" (the stage's). ``shape``: the hidden states' (B, T, H). ``tokens_out``: how many last tokens the
-    model gives (:func:`read_out_tokens`). The version fields pin the code that built it (backend, torch,
-    transformers, :data:`ARTIFACT_FORMAT`)."""
+    model gives (:func:`~hybrid_vla_ros.model.traced.read_out_tokens`). The version fields pin the code that built it
+    (backend, torch, transformers, :data:`ARTIFACT_FORMAT`)."""
 
     backend: str
     backend_version: str
@@ -128,154 +129,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES[dtype]
 
 
-#: Name of :func:`causal_attention` in transformers' attention registry (``AttentionInterface``).
-ATTENTION_NAME = "hybrid_vla_causal_sdpa"
-def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask=None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """Causal self-attention in the form the traced graph gets: queries (B, n_h, T, d), keys and values
-    (B, n_kv, T, d) -> (B, T, n_h, d), the layout transformers' ``sdpa_attention_forward`` returns.
-
-    Keys and values are repeated to n_h heads first (transformers' ``repeat_kv``), so the graph holds one 4-D
-    causal ``ScaledDotProductAttention`` per block, which OpenVINO's CPU plugin fuses into one MHA subgraph
-    (torch's ``enable_gqa`` becomes a 5-D one that it runs as separate MatMul and Softmax nodes; the two
-    measured alike here, see docs/performance.md). Positions 0..T-1, no padding: ``attention_mask`` must be
-    None (raises ValueError otherwise)."""
-    from transformers.models.llama.modeling_llama import repeat_kv
-
-    if attention_mask is not None:
-        raise ValueError("causal_attention takes no attention mask (positions 0..T-1, no padding)")
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, causal_attention)
-
-
-def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList:
-    """New decoder-block modules for tracing that hold ``layers``' weights (the same tensors when
-    ``weight_dtype`` is theirs, else copies cast to it) and a config of their own whose attention is
-    :func:`causal_attention`; the stage's modules and config are not touched, so the runner's eager path keeps
-    running on another thread while a build traces these. Raises ValueError for attention the traced form does
-    not have (Gemma 2's logit soft-capping; a mask other than plain causal raises in :func:`causal_attention`)."""
-    import copy
-
-    from ..model.modeling import llm_config, llm_family
-
-    _register_attention()
-    llm = copy.copy(llm_config(cfg))
-    from ..model.text import FULL, attention_kinds
-
-    kinds = {attention_kinds(llm)[old.self_attn.layer_idx] for old in layers}
-    if kinds != {FULL} or getattr(llm, "use_sliding_window", False):
-        raise ValueError(f"{cfg.llm_type}: blocks of attention kind {sorted(kinds)}: the traced attention is plain "
-                         "causal; this model's suffix runs eagerly")
-    if getattr(llm, "attn_logit_softcapping", None):
-        raise ValueError(f"{cfg.llm_type}: attention logit soft-capping ({llm.attn_logit_softcapping}) is not in "
-                         "the traced attention; this model's suffix runs eagerly")
-    llm._attn_implementation = ATTENTION_NAME
-    block_cls = llm_family(cfg).block_class
-    with torch.device("meta"):
-        blocks = nn.ModuleList(block_cls(llm, old.self_attn.layer_idx) for old in layers)
-    for new, old in zip(blocks, layers):
-        new.load_state_dict({k: v.detach().to(weight_dtype) for k, v in old.state_dict().items()}, strict=True,
-                            assign=True)
-    return blocks.eval().requires_grad_(False)
-
-
-def read_out_tokens(cfg) -> int:
-    """How many last tokens of blocks [K, L)'s output the heads read (:func:`~hybrid_vla_ros.model.modeling.plan`):
-    enough to reach every :attr:`~hybrid_vla_ros.model.config.VLAConfig.readout_positions` entry (1 for the
-    planning token last; 2 for MindDrive's decision at -2 or its two planner tokens last; more where its published
-    prompts put them), the query tokens of a ``queries`` read-out, every token for a ``module`` read-out."""
-    kind = getattr(cfg, "readout_type", "mlp")
-    if kind == "module":  # the team's head reads every token
-        return int(cfg.num_tokens)
-    positions = getattr(cfg, "readout_positions", None)
-    return max(1, getattr(cfg, "query_count", 0), positions.tokens_from_end if positions is not None else 1)
-
-
-def _last_rows_of_block(block: nn.Module, x: torch.Tensor, rows: int, positions: torch.Tensor,
-                        cos_sin: tuple) -> torch.Tensor:
-    """Decoder block ``block`` on hidden states ``x`` (B, T, H) -> its output's last ``rows`` tokens (B, rows, H),
-    computing the attention module for every token (the keys and values need them all; its query and output
-    projections of the other rows are wasted too, but they sit inside the family's attention module) and the
-    residual adds, the post-attention norm and the MLP for those rows only: everything after attention is per
-    token, so the other rows' work there could only feed rows nobody reads. The composition is the pre-norm
-    decoder layer of transformers' ``LlamaDecoderLayer`` (x + attn(norm(x)), then x + mlp(norm(x))), which Qwen2,
-    Qwen3, Mistral and Phi-3 share; :func:`_prunable` checks a block against its own ``forward`` before this is
-    used. Raises AttributeError for a block without ``input_layernorm`` / ``self_attn`` /
-    ``post_attention_layernorm`` / ``mlp``."""
-    attn = block.self_attn(hidden_states=block.input_layernorm(x), attention_mask=None, position_ids=positions,
-                           position_embeddings=cos_sin)[0]
-    out = x[:, -rows:, :] + attn[:, -rows:, :]
-    return out + block.mlp(block.post_attention_layernorm(out))
-
-
-def _prunable(block: nn.Module, shape: tuple, rows: int, rotary_emb: nn.Module) -> bool:
-    """Whether :func:`_last_rows_of_block` gives ``block``'s own last ``rows`` output tokens, checked on an fp32
-    copy of the block (whatever dtype it will be traced in: in bf16 the rounding hides small differences) and
-    one seeded random input of ``shape`` (B, T, H): the two updates (output minus input) of those rows must agree
-    within 1e-4 of the block's largest update (a GEMM of ``rows`` rows may take other kernels than one of T;
-    the right composition measured within 1e-6). False when ``rows`` >= T (nothing to leave out), for a block of
-    another layout (it lacks the four parts, or composes them otherwise: a parallel attention + MLP, scaled
-    residuals, extra norms) and for anything the check raises."""
-    import copy
-
-    if not 0 < rows < shape[1]:
-        return False
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(shape[1]).unsqueeze(0)
-    try:
-        block32 = copy.deepcopy(block).float()
-        with torch.no_grad():
-            cos_sin = tuple(t.float() for t in rotary_emb(x, positions))
-            whole = block32(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
-            whole = (whole[0] if isinstance(whole, tuple) else whole)[:, -rows:, :]
-            part = _last_rows_of_block(block32, x, rows, positions, cos_sin)
-    except Exception:  # noqa: BLE001 -- any failure means: trace the block whole, as before
-        return False
-    if part.shape != whole.shape or not bool(torch.isfinite(part).all()):
-        return False
-    update = whole - x[:, -rows:, :]
-    return float((part - whole).abs().max()) <= 1e-4 * float(update.abs().max())
-
-
-class _BlocksToLastToken(nn.Module):
-    """The traced module: hidden states (B, T, H) float32 -> blocks [K, L) (:func:`traced_blocks`, weights in
-    ``dtype``) -> the last ``tokens_out`` tokens' hidden states (B, tokens_out, H) float32 (before the final
-    norm; :func:`read_out_tokens`). Rotary tables come from positions 0..T-1. ``prune_last``: block L-1 computes
-    its residual, norm and MLP for the read-out rows only (:func:`_last_rows_of_block`; use only where
-    :func:`_prunable` says so)."""
-
-    def __init__(self, layers: nn.ModuleList, rotary_emb: nn.Module, dtype: torch.dtype, tokens_out: int = 1,
-                 prune_last: bool = False):
-        super().__init__()
-        self.layers = layers
-        self.rotary_emb = rotary_emb
-        self.dtype = dtype
-        self.tokens_out = int(tokens_out)
-        self.prune_last = bool(prune_last)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The loop of model.modeling.run_blocks with no mask: causal_attention is causal by construction (under
-        # tracing transformers' mask functions would build a mask tensor instead of SDPA's is_causal), and
-        # traced_blocks took only blocks of full causal attention.
-        x = x.to(self.dtype)
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        cos_sin = self.rotary_emb(x, positions)
-        whole = self.layers[:-1] if self.prune_last else self.layers
-        for block in whole:
-            x = block(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
-        if self.prune_last:
-            return _last_rows_of_block(self.layers[-1], x, self.tokens_out, positions, cos_sin).float()
-        return x[:, -self.tokens_out:, :].float()
-
-
 class CompiledSuffix:
     """One compiled model of blocks [k, L) at one input shape (built or loaded by :func:`build_openvino`).
 
@@ -284,7 +137,7 @@ class CompiledSuffix:
     :func:`~hybrid_vla_ros.model.modeling.plan`).
     ``threads``: the CPU plugin's thread count it was compiled with (0: the plugin's default).
     ``last_block_rows``: the rows block L-1 computes after its attention (the read-out rows), or None when it
-    computes every token (:func:`_prunable`).
+    computes every token (:func:`~hybrid_vla_ros.model.traced.prunable`).
     One inference at a time (the runner's thread)."""
 
     def __init__(self, key: ArtifactKey, compiled, *, dtype: torch.dtype, input_shape: tuple, folder: Path,
@@ -413,8 +266,8 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
         # Weights in the precision the CPU plugin computes in: bf16 weights on a CPU without bf16 instructions
         # go in as f32 (their values exactly), so no FC decompresses them on every call.
         blocks = traced_blocks(stage.cfg, layers, weight_dtype)
-        prune = bool(blocks) and _prunable(blocks[-1], shape3, key.tokens_out, stage.rotary_emb)
-        module = _BlocksToLastToken(blocks, stage.rotary_emb, weight_dtype, key.tokens_out, prune_last=prune).eval()
+        prune = bool(blocks) and prunable(blocks[-1], shape3, key.tokens_out, stage.rotary_emb)
+        module = BlocksToLastTokens(blocks, stage.rotary_emb, weight_dtype, key.tokens_out, prune_last=prune).eval()
         example = torch.zeros(shape3, dtype=torch.float32)
         with torch.no_grad():
             model = ov.convert_model(module, example_input=example, input=[(list(shape3), ov.Type.f32)])
@@ -536,15 +389,9 @@ class SuffixBackend:
         self._num_layers = stage.cfg.num_layers
         self._last_k: int | None = None  # the K of the last frame
         self.active = name != "eager"
-        if self.active and not hasattr(stage, "rotary_emb"):
-            self.active = False
-            self.error = "own model code: its blocks are not traced (only transformers decoder blocks are)"
-            self._log("warning", f"suffix_backend {name} cannot be used, falling back to eager: {self.error}")
-            return
-        if self.active and getattr(stage.cfg, "side", ()):
-            self.active = False
-            self.error = (f"the model's blocks after the split take side tensors ({', '.join(stage.cfg.side)}); "
-                          "the compiled model takes the hidden states only")
+        why_not = traceable(stage) if self.active else ""
+        if why_not:
+            self.active, self.error = False, why_not
             self._log("warning", f"suffix_backend {name} cannot be used, falling back to eager: {self.error}")
             return
         if self.active:

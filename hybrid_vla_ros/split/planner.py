@@ -52,9 +52,10 @@ from pathlib import Path
 
 import torch
 
+from ..model.activations import Phase, element_size
 from ..model.checkpoint import parse_dtype
-from ..model.config import LMConfig, VLAConfig, preset
-from ..model.modeling import build_stage
+from ..model.config import VLAConfig, preset
+from ..model.kinds import split_model
 
 GB = 1e9
 #: Default CUDA context + workspace + allocator allowance, GB (see the module docstring).
@@ -67,11 +68,6 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf
 
 def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return parse_dtype(dtype) if isinstance(dtype, str) else dtype
-
-
-def element_size(dtype: str | torch.dtype) -> int:
-    """Bytes per element of ``dtype`` ('fp32' / torch.float16 / ...). Raises ValueError for an unknown name."""
-    return torch.empty((), dtype=_as_dtype(dtype), device="meta").element_size()
 
 
 # ----------------------------------------------------------------------------------------- weights
@@ -125,9 +121,8 @@ class StageWeights:
 def stage_weights(cfg, dtype: str | torch.dtype) -> StageWeights:
     """Exact weight bytes of the prefix and suffix parts of ``cfg`` in ``dtype``.
 
-    ``cfg``: a :class:`VLAConfig`, an :class:`LMConfig` (a bare transformers language model) or an own-code
-    model (:class:`hybrid_vla_ros.model.extension.CodeModel`): whatever ``model.modeling.build_stage`` builds.
-    Builds the prefix and the suffix at K = L on the meta device (milliseconds, no memory
+    ``cfg``: any model's config; its kind builds the stages (:meth:`~hybrid_vla_ros.model.kinds.SplitModel.
+    build_stage`). Builds the prefix and the suffix at K = L on the meta device (milliseconds, no memory
     even for 7B): front = the prefix minus its ``layers``, one entry per block from the prefix's
     ``layers``, tail = the suffix stage (which has no block at K = L). Floating-point parameters and
     persistent buffers count ``element_size(dtype)`` bytes each, others their own size, as
@@ -135,8 +130,8 @@ def stage_weights(cfg, dtype: str | torch.dtype) -> StageWeights:
     """
     dtype = _as_dtype(dtype)
     with torch.device("meta"):
-        prefix = build_stage(cfg, "prefix", cfg.num_layers)
-        suffix = build_stage(cfg, "suffix", cfg.num_layers)
+        prefix = split_model(cfg).build_stage("prefix", cfg.num_layers)
+        suffix = split_model(cfg).build_stage("suffix", cfg.num_layers)
     whole, prefix_buffers = _module_bytes(prefix, dtype)
     blocks = [_module_bytes(block, dtype)[0] for block in prefix.layers]
     tail, suffix_buffers = _module_bytes(suffix, dtype)
@@ -164,223 +159,17 @@ def handoff_bytes(cfg: VLAConfig, dtype: str | torch.dtype) -> int:
 
 # ------------------------------------------------------------------------------------- activations
 
-@dataclass
-class Phase:
-    """One moment of a forward pass: the tensors alive together, name -> bytes; ``total`` is their sum."""
-
-    name: str
-    live: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.live.values())
-
-
-def _llm_dims(cfg: VLAConfig) -> dict[str, int]:
-    llm = cfg.llm
-    heads = int(llm["num_attention_heads"])
-    head_dim = int(llm.get("head_dim") or cfg.hidden_size // heads)
-    kv = int(llm.get("num_key_value_heads") or heads)
-    return {"H": cfg.hidden_size, "Hq": heads * head_dim, "Hkv": kv * head_dim, "hd": head_dim,
-            "I": int(llm["intermediate_size"]), "B": cfg.llm_passes, "T": cfg.num_tokens}
-
-
-def _llm_block_phases(cfg: VLAConfig, e: int, held: dict[str, int], label: str) -> list[Phase]:
-    """Phases of one LLM decoder block (transformers LlamaDecoderLayer / Qwen2DecoderLayer, SDPA).
-
-    ``held``: tensors the callers keep alive meanwhile (bytes). Counted per block, at N = B*T tokens:
-    RMSNorm: its float32 working copies, 8*H bytes a token whatever the dtype (fp32: x^2 then the
-    normalised x and the weighted output; fp16/bf16: the fp32 copy plus x^2, then the normalised copy
-    plus two casts). Attention, at the rotary embedding of q (its largest moment): the normalised
-    input (H), raw q (Hq) with q*cos, rotate_half(q)*sin and their sum (3*Hq), raw k and v (2*Hkv);
-    GQA runs inside SDPA (``enable_gqa``), so k/v are never repeated; SDPA output + its contiguous copy
-    come later when q's raw copy is gone (3*Hq + 2*Hkv < that). MLP, at act(gate) * up: the block
-    input of this block held by the caller, the post-attention residual, its normalised copy (3*H in
-    all, the first in ``held``), act(gate), up and their product (3*I).
-    """
-    d = _llm_dims(cfg)
-    n = d["B"] * d["T"]
-    rotary = 2 * d["T"] * d["hd"] * e  # cos, sin tables (1, T, head_dim) in the model dtype
-    base = dict(held, rotary_tables=rotary)
-    return [
-        Phase(f"{label}.rmsnorm", {**base, "norm_fp32_work": 8 * n * d["H"]}),
-        Phase(f"{label}.attention", {**base, "normed": n * d["H"] * e, "q_raw": n * d["Hq"] * e,
-                                     "q_rotary_work": 3 * n * d["Hq"] * e, "k_v": 2 * n * d["Hkv"] * e}),
-        Phase(f"{label}.mlp", {**base, "residual": n * d["H"] * e, "normed": n * d["H"] * e,
-                               "act_up_product": 3 * n * d["I"] * e}),
-    ]
-
-
-def activation_phases(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype, role: str = "prefix") -> list[Phase]:
-    """The phases of one frame's forward pass of a stage, each with the bytes alive at that moment.
-
-    ``role`` "prefix": pixels (C, 3, S, S) -> hidden states h_K; "suffix": h_K -> waypoints. The peak
-    activation memory is ``max(p.total for p in phases)`` (:func:`activation_peak`). Derived from the
-    shapes in the code as written (transformers SigLIP / LLaMA / Qwen2 layers, torch
-    TransformerDecoderLayer, this package's ``embed`` / ``run_blocks`` / ``plan``), in inference mode:
-
-    * the pixels (C*3*S*S) are held by the caller during the whole prefix forward;
-    * vision (tokens N = C*P, width Dv, MLP Mv): the patch convolution (its output and a copy of its
-      weight, which oneDNN reorders on the CPU; negligible at real sizes), the embeddings (conv output,
-      position embedding, their sum); a block's attention (the embeddings output x0 held by
-      SiglipVisionModel, the block input held by the encoder loop, LN1 output, q, k, v, the SDPA output
-      and out_proj's output: 8*N*Dv; the fused SDPA kernels write their output in (B, T, heads, d)
-      layout, so the transpose back is free) and MLP (x0, block input, residual, LN2 output, fc1 and
-      GELU outputs: 4*N*Dv + 2*N*Mv); the post-layernorm (x0, encoder output, its norm);
-    * query projector: the Q queries cross-attend to all N patch tokens; nn.MultiheadAttention projects
-      the memory to packed k|v (2*N*Dv) and makes a contiguous copy (2*N*Dv) while the memory (N*Dv)
-      is alive. MLP projector: the N tokens go through Linear-GELU-Linear (2*N*H alive with the input).
-      Query heads (``scene_queries``): the 3-D position embedding's hidden layer (N x 4E) beside the feature
-      maps, then a head's cross-attention over the N features at the heads' width E (an estimate from the
-      code's tensors, not yet compared with a measured peak; the memory of earlier frames, about 1 MB, is not
-      counted);
-    * embeddings: vision tokens, text embeddings, ego token and their concatenation (T, H), plus the
-      (2, T, H) pass-embedded copy with two passes;
-    * LLM blocks (:func:`_llm_block_phases`) at B*T tokens, with the embedding output h_0 held by
-      ``run_blocks``' argument and, from the second block on, the block's input held by its loop.
-      The suffix's input is a view of the ring slot (shared memory, not counted here).
-
-    Not modelled: O(T) softmax statistics, per-thread SDPA tiles, matrix-multiply packing buffers (the
-    CPU's bf16 GEMM takes some per thread when run with more than one), cuDNN workspaces (in the CUDA
-    overhead allowance), allocator rounding. On the CPU in fp32 the estimate equals the peak measured
-    with :func:`hybrid_vla_ros.split.profiler.measure_peak_cpu_bytes` within 0.2% for the ``tiny`` and
-    ``smol`` presets (test/test_planner.py). Raises ValueError for a bad K, role or dtype.
-    """
-    from ..model.modeling import check_split_layer
+def activation_phases(cfg, split_layer: int, dtype: str | torch.dtype, role: str = "prefix") -> list[Phase]:
+    """The phases of one frame's forward pass of a stage (``role`` prefix: its input -> h_K; suffix: h_K -> its
+    output), each with the bytes alive at that moment, as the model's kind gives them
+    (:meth:`~hybrid_vla_ros.model.kinds.SplitModel.activation_phases`, :mod:`hybrid_vla_ros.model.activations`);
+    [] where they are not modelled (own code). Raises ValueError for a bad K, role or dtype."""
+    from ..model.stages import check_split_layer
 
     check_split_layer(cfg, split_layer)
     if role not in ("prefix", "suffix"):
         raise ValueError(f"unknown role {role!r}; use prefix or suffix")
-    from ..model.config import VLMSpec
-
-    if not isinstance(cfg, (VLAConfig, LMConfig, VLMSpec)):
-        return []  # own model code: its activations are not modelled (the plan says so)
-    e = element_size(dtype)
-    L = cfg.num_layers
-    d = _llm_dims(cfg)
-    H, n_llm = d["H"], d["B"] * d["T"]
-    state = n_llm * H * e
-    phases: list[Phase] = []
-    vlm_front = isinstance(cfg, VLMSpec) or (isinstance(cfg, VLAConfig) and cfg.projector.get("type") == "vlm")
-    if role == "prefix" and vlm_front:
-        phases += _vlm_front_phases(cfg, e, state)
-        for i in range(min(split_layer, 2)):
-            held = {"h0": state, **({"block_input": state} if i >= 1 else {})}
-            phases += _llm_block_phases(cfg, e, held, f"llm.block{i}")
-        return phases
-    if role == "prefix" and isinstance(cfg, LMConfig):
-        phases.append(Phase("embed", {"token_ids": d["T"] * 8, "embeddings": state}))
-        for i in range(min(split_layer, 2)):
-            held = {"h0": state, **({"block_input": state} if i >= 1 else {})}
-            phases += _llm_block_phases(cfg, e, held, f"llm.block{i}")
-        return phases
-    if role == "suffix":
-        n_blocks = L - split_layer
-        for i in range(min(n_blocks, 2)):
-            held = {"block_input": state} if i >= 1 else {}
-            phases += _llm_block_phases(cfg, e, held, f"llm.block{split_layer + i}")
-        if isinstance(cfg, (LMConfig, VLMSpec)):
-            phases.append(Phase("norm", {"block_output": state, "norm_fp32_work": 8 * n_llm * H}))
-        else:
-            last = d["B"] * H * 4
-            phases.append(Phase("head", {"last_token_states": 2 * last, "head_hidden": 2 * last}))
-        return phases
-
-    C, S = cfg.n_cameras, cfg.image_size
-    v = cfg.vision
-    llava = cfg.projector["type"] == "llava"
-    patch = int(v["patch_size"])
-    # vision tokens per camera as the tower computes them (CLIP adds a class token; LLaVA selects from them)
-    P = (S // patch) ** 2 + int(v.get("model_type") == "clip_vision_model")
-    Dv, Mv = int(v["hidden_size"]), int(v["intermediate_size"])
-    N = C * P
-    tok = N * Dv * e
-    pixels = {"pixels": C * 3 * S * S * e}
-    conv_weight = Dv * 3 * patch * patch * e
-    phases.append(Phase("vision.patch_conv", {**pixels, "conv_weight_reorder": conv_weight, "patch_conv": tok}))
-    phases.append(Phase("vision.embeddings", {**pixels, "patch_conv": tok, "position_embedding": P * Dv * e,
-                                              "embeddings": tok}))
-    nv = int(v["num_hidden_layers"])
-    block_in = {"block_input": tok} if nv >= 2 else {}
-    held_v = {**pixels, "embeddings_x0": tok, **block_in}
-    if llava:  # LLaVA reads hidden states of inner layers: the tower keeps every layer's output (all but one held)
-        held_v = {**pixels, "hidden_states_kept": nv * tok}
-    if cfg.vision_type == "eva02":  # EVA-02 (model/eva02.py): windows cut from a zero-padded grid, rotary q / k,
-        # SwiGLU (w1 and w2 outputs and their product live together), no final norm
-        w, g = int(v["window_size"]), S // patch
-        gp = g + (-g) % w if w and any(i not in v["global_blocks"] for i in range(nv)) else g
-        tok_p = C * gp * gp * Dv * e
-        phases.append(Phase("vision.block.attention", {**held_v, "ln1": tok, "windows": tok_p, "q_k_v": 3 * tok_p,
-                                                       "rotary": 2 * tok_p, "sdpa_out": tok_p, "out_proj": tok_p}))
-        phases.append(Phase("vision.block.mlp", {**held_v, "residual": tok, "ln2": tok, "swiglu": 3 * N * Mv * e}))
-        phases.append(Phase("vision.tokens", {**pixels, "encoder_out": tok, "tokens": tok}))
-    else:
-        phases.append(Phase("vision.block.attention", {**held_v, "ln1": tok, "q_k_v": 3 * tok, "sdpa_out": tok,
-                                                       "out_proj": tok}))
-        phases.append(Phase("vision.block.mlp", {**held_v, "residual": tok, "ln2": tok,
-                                                 "fc1_gelu": 2 * N * Mv * e}))
-        phases.append(Phase("vision.post_layernorm", {**pixels, "embeddings_x0": tok, "encoder_out": tok,
-                                                      "post_ln": tok}))
-    V = cfg.num_vision_tokens
-    if llava:
-        layers = cfg.projector["vision_feature_layer"]
-        n_feat = len(layers) if isinstance(layers, list) else 1
-        phases.append(Phase("projector.mlp", {**pixels, "hidden_states_kept": (nv + 1) * tok,
-                                              "selected_features": V * Dv * n_feat * e, "mlp": 3 * V * H * e}))
-    elif cfg.projector["type"] == "query":
-        Q = V
-        phases.append(Phase("projector.cross_attention", {**pixels, "memory": tok, "kv_proj": 2 * tok,
-                                                          "kv_contiguous": 2 * tok, "queries": 3 * Q * Dv * e}))
-        phases.append(Phase("projector.mlp", {**pixels, "memory": tok, "queries": Q * Dv * e,
-                                              "mlp": 2 * Q * H * e}))
-    elif cfg.projector["type"] == "scene_queries":
-        hc = cfg.scene_heads_config
-        E, Q = hc.embed_dims, hc.num_extra + hc.num_lane  # the map head has the most queries
-        K = Q + hc.map_memory_len
-        # while the 3-D position embedding runs: the feature maps and its MLP's hidden layer (N x 4E); while a
-        # head's cross-attention runs: the projected features, their position embedding, keys with it, the k / v
-        # projections, and the queries' working set (tgt, positions, q, output, FFN) with the self-attention mask
-        phases.append(Phase("projector.position_embedding", {**pixels, "feature_maps": tok,
-                                                             "rays_hidden": N * 4 * E * e, "pos_embed": N * E * e}))
-        phases.append(Phase("projector.query_heads", {
-            **pixels, "feature_maps": tok, "pos_embed": N * E * e, "features": N * E * e, "keys": N * E * e,
-            "kv_proj": 2 * N * E * e, "queries": 6 * Q * E * e + Q * hc.feedforward_dims * e, "self_attn_mask": Q * K,
-            "tokens": V * H * e}))
-    else:
-        phases.append(Phase("projector.mlp", {**pixels, "vision_features": tok, "mlp": 2 * N * H * e}))
-    T = d["T"]
-    text = len(cfg.prompt_token_ids) + (sum(map(len, cfg.pass_prompt_token_ids)) if getattr(
-        cfg, "pass_prompt_token_ids", None) else 1)  # each pass's own prompt, or the planning token
-    emb = {**pixels, "vision_tokens": V * H * e, "text_embeddings": text * H * e,
-           "ego_token": int(cfg.ego_state_input) * H * e, "concat": T * H * e}
-    if d["B"] > 1:
-        emb["pass_embedded"] = state
-    phases.append(Phase("embed", emb))
-    for i in range(min(split_layer, 2)):
-        held = {**pixels, "h0": state}
-        if i >= 1:
-            held["block_input"] = state
-        phases += _llm_block_phases(cfg, e, held, f"llm.block{i}")
-    return phases
-
-
-def _vlm_front_phases(cfg, e: int, state: int) -> list[Phase]:
-    """An estimate of a transformers VLM front's live tensors: the vision tower's widest block (its N patches of
-    width Dv: the pixels, a block input, q / k / v and the MLP's N x Mv) and the embedding of the T tokens with
-    the image features scattered in. An estimate from the config (the tower's internals differ per family:
-    windows, merges, tiles), not a measurement: ``hybrid-vla profile`` measures."""
-    v = cfg.vlm.get("vision_config", {})
-    Dv = int(v.get("hidden_size") if "embed_dim" not in v else v["embed_dim"])
-    Mv = int(v.get("intermediate_size") or Dv * float(v.get("mlp_ratio", 4)))
-    N = max(int(cfg.vision_patches), 1)
-    tok = N * Dv * e
-    pixels = {"pixels": N * 3 * int(v.get("patch_size", 14) if not isinstance(v.get("patch_size"), list)
-                                   else v["patch_size"][0]) ** 2 * 2 * e}
-    from ..model.contract import side_bytes
-
-    side = side_bytes(cfg, {1: torch.int8, 2: torch.float16, 4: torch.float32}[e])
-    return [Phase("vision.block", {**pixels, "block_input": tok, "q_k_v": 3 * tok, "mlp": N * Mv * e}),
-            Phase("embed", {"vision_features": tok, "token_embeddings": state, "merged": state, "side_tensors": side})]
+    return split_model(cfg).activation_phases(split_layer, element_size(dtype), role)
 
 
 def activation_peak(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype,
@@ -435,22 +224,15 @@ class LatencyModel:
 
 
 def _arch_key(cfg) -> dict:
-    if not isinstance(cfg, VLAConfig):  # a bare LM, own model code: its config and the shape crossing the split
-        return {"config": {k: v for k, v in cfg.to_dict().items() if k != "num_tokens"},
-                "prefix_state_shape": list(cfg.prefix_state_shape)}
-    return {"llm": {k: v for k, v in cfg.llm.items()}, "vision": dict(cfg.vision), "projector": dict(cfg.projector),
-            "n_cameras": cfg.n_cameras, "image_size": cfg.image_size,
-            "prefix_state_shape": list(cfg.prefix_state_shape),
-            "n_modes": cfg.n_modes, "n_waypoints": cfg.n_waypoints}
+    return split_model(cfg).arch_key()
 
 
 def profile_arch_key(doc: dict) -> dict:
-    """The architecture key of the model a profile was measured on (its ``model.config``)."""
-    config = doc["model"]["config"]
-    if config.get("model_type") == "hybrid_vla":
-        return _arch_key(VLAConfig.from_dict(config))
-    return {"config": {k: v for k, v in config.items() if k not in ("num_tokens", "prefix_state_shape")},
-            "prefix_state_shape": list(doc["prefix_state_shape"])}
+    """The architecture key of the model a profile was measured on (:func:`~hybrid_vla_ros.model.kinds.
+    profile_arch_key`)."""
+    from ..model.kinds import profile_arch_key as key
+
+    return key(doc)
 
 
 def latency_model(profile: dict, cfg: VLAConfig, dtype: str | torch.dtype,
@@ -635,10 +417,7 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
     if not payload <= slot < max(64, payload) + 64 * (1 + len(side)):
         raise RuntimeError(f"ring slot {slot} bytes disagrees with the hand-off payload {payload} bytes")
     lat = latency_model(profile, cfg, dtype, preprocess_ms) if profile is not None else None
-    from ..model.config import VLMSpec
-
-    extra_notes = [] if isinstance(cfg, (VLAConfig, LMConfig, VLMSpec)) else [
-        "own model code: activations are not estimated (weights are exact); add your own margin to the budget"]
+    extra_notes = list(split_model(cfg).plan_notes)
     rows = []
     for k in range(cfg.num_layers + 1):
         act, phase = activation_peak(cfg, k, dtype, "prefix")

@@ -57,14 +57,14 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
-from ..model.config import LMConfig, VLAConfig, VLMSpec, preset
-from ..model.eva02 import EVA02ViT
+from ..model.config import VLAConfig, preset
+from ..model.kinds import profiled_shape, split_model
+from ..model.timing_parts import FixedVision, VisionParts, free_, random_init_
 from ..model import text
 from ..model.modeling import (DEFAULT_COMMAND, PrefixStage, SuffixStage, embed, example_scene, llm_config, llm_family,
                               plan)
@@ -172,32 +172,19 @@ def validate_profile(doc: object, source: str = "profile") -> dict:
     bad = _non_finite(doc)
     if bad:
         raise ValueError(f"{source}: {bad}: not a finite number (NaN or Infinity): re-run hybrid-vla profile")
-    config = doc["model"]["config"]
-    if config.get("model_type") != "hybrid_vla":  # a transformers LM or own model code: the block count is stated
-        layers = doc.get("num_layers")
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
-            raise ValueError(f"{source}: num_layers: a profile of a {config.get('model_type')!r} model must state its "
-                             "decoder block count")
-        for name, dev in doc["devices"].items():
-            if len(dev["llm_blocks_ms"]) != layers:
-                raise ValueError(f"{source}: devices/{name}/llm_blocks_ms: has {len(dev['llm_blocks_ms'])} entries, "
-                                 f"the model has {layers} decoder blocks")
-            if dev["kind"] != name:
-                raise ValueError(f"{source}: devices/{name}/kind is {dev['kind']!r}")
-        return doc
     try:
-        cfg = VLAConfig.from_dict(config)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{source}: model/config: {e}") from None
-    if list(cfg.prefix_state_shape) != list(doc["prefix_state_shape"]):
+        shape = profiled_shape(doc)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    if shape.prefix_state_shape is not None and list(shape.prefix_state_shape) != list(doc["prefix_state_shape"]):
         raise ValueError(f"{source}: prefix_state_shape {doc['prefix_state_shape']} does not match the config's "
-                         f"{list(cfg.prefix_state_shape)}")
+                         f"{list(shape.prefix_state_shape)}")
     for name, dev in doc["devices"].items():
-        if len(dev["llm_blocks_ms"]) != cfg.num_layers:
+        if len(dev["llm_blocks_ms"]) != shape.num_layers:
             raise ValueError(f"{source}: devices/{name}/llm_blocks_ms: has {len(dev['llm_blocks_ms'])} entries, "
-                             f"the model has {cfg.num_layers} decoder blocks")
-        nv = int(cfg.vision["num_hidden_layers"])
-        if len(dev["vision_blocks_ms"]) != nv:
+                             f"the model has {shape.num_layers} decoder blocks")
+        nv = shape.vision_layers
+        if nv is not None and len(dev["vision_blocks_ms"]) != nv:
             raise ValueError(f"{source}: devices/{name}/vision_blocks_ms: has {len(dev['vision_blocks_ms'])} "
                              f"entries, the vision encoder has {nv} blocks")
         if dev["kind"] != name:
@@ -269,109 +256,6 @@ def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> tuple[float
             _sync(device)
             samples.append((time.perf_counter_ns() - t0) / 1e6)
     return statistics.median(samples), min(samples)
-
-
-def random_init_(module: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
-    """Give a meta-device module real random weights on ``device`` in ``dtype``, in place; returns it
-    in eval mode without gradients.
-
-    Matrices (2+ dims) ~ N(0, 0.02), other parameters named ``*bias`` 0, the rest (norm gains) 1;
-    ``position_ids`` buffers are rebuilt as arange and a child named ``rotary_emb`` is rebuilt from its
-    config on ``device`` (float32 tables, as load_stage does). Uses the global torch RNG. Raises
-    RuntimeError when another buffer would be left uninitialised.
-    """
-    device = torch.device(device)
-    rotary = getattr(module, "rotary_emb", None)
-    if rotary is not None:
-        del module.rotary_emb
-    module.to(dtype)  # on meta: only changes the recorded dtype of floating tensors
-    module.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.fill_(1.0)
-    for sub in module.modules():
-        if hasattr(sub, "rebuild_buffers"):  # computes its own buffers from its configuration
-            sub.rebuild_buffers(device)
-            continue
-        for bname, buf in list(sub.named_buffers(recurse=False)):
-            if bname == "position_ids":
-                sub.register_buffer(bname, torch.arange(buf.shape[-1], device=device).expand(1, -1),
-                                    persistent=False)
-            else:
-                raise RuntimeError(f"cannot initialise buffer {bname!r} of {type(sub).__name__}")
-    if rotary is not None:
-        with torch.device(device):
-            module.rotary_emb = type(rotary)(rotary.config)
-    return module.eval().requires_grad_(False)
-
-
-def _profile_eva02(vision: EVA02ViT, pixels: torch.Tensor, feats: torch.Tensor, *, random: bool,
-                   device: torch.device, dtype: torch.dtype, warmup: int, repeats: int, every_block: bool, timed,
-                   log) -> tuple[list, list, int]:
-    """Time the EVA-02 backbone's parts: its stem (patch convolution + resized position embedding) as
-    ``vision_embeddings``, its blocks on the (C, G, G, D) grid, and the flattening into tokens as
-    ``vision_post`` (it has no final norm). Window and global blocks cost differently, so without
-    ``every_block`` the first of each kind is measured and stands for its kind. ``random``: give the meta-device
-    stem and each block random weights before timing it (freed after). Returns (per-block ms, per-block min ms,
-    blocks measured)."""
-    cfg = vision.cfg
-    blocks = vision.blocks
-    if random:
-        del vision.blocks  # the stem alone onto the device; each block follows when it is timed
-        vision.to(dtype)
-        vision.to_empty(device=device)
-        with torch.no_grad():
-            vision.patch_embed.proj.weight.normal_(0.0, 0.02)
-            vision.patch_embed.proj.bias.zero_()
-            vision.pos_embed.normal_(0.0, 0.02)
-        vision.rebuild_buffers(device)
-        vision.blocks = blocks
-    timed("vision_embeddings",
-          lambda: vision.patch_embed.proj(pixels).permute(0, 2, 3, 1) + vision.position_embedding().to(dtype))
-    grid = feats.view(feats.shape[0], cfg.grid, cfg.grid, -1)
-    kinds = [cfg.window_of(i) for i in range(len(blocks))]
-    measure = range(len(blocks)) if every_block else sorted({kinds.index(k) for k in set(kinds)})
-    got = {}
-    for i in measure:
-        block = blocks[i]
-        if random:
-            random_init_(block, device, dtype)
-        tables = ((vision.rope_window_cos, vision.rope_window_sin) if block.window
-                  else (vision.rope_global_cos, vision.rope_global_sin))
-        got[i] = _time_ms(lambda: block(grid, *tables), device, warmup, repeats)
-        if random:
-            _free(block)
-        log(f"  {device}: vision block {i} ({'window' if block.window else 'global'}) {got[i][0]:.3f} ms")
-    first_of = {k: kinds.index(k) for k in set(kinds)}
-    per_block = [got.get(i, got[first_of[kinds[i]]]) for i in range(len(blocks))]
-    timed("vision_post", lambda: grid.flatten(1, 2).contiguous())
-    return [ms for ms, _ in per_block], [mn for _, mn in per_block], len(got)
-
-
-def _free(module: nn.Module) -> None:
-    module.to_empty(device="meta")
-
-
-class _FixedVision(nn.Module):
-    """Stands in for the vision encoder so that ``embed`` times only projector + embeddings."""
-
-    def __init__(self, features: torch.Tensor):
-        super().__init__()
-        self.features = features
-
-    def forward(self, pixel_values: torch.Tensor):
-        return SimpleNamespace(last_hidden_state=self.features)
-
-    def feature_map(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """The features as EVA-02's (C, D, G, G) feature maps (what the query heads read)."""
-        c, p, d = self.features.shape
-        g = int(math.isqrt(p))
-        return self.features.transpose(1, 2).reshape(c, d, g, g)
 
 
 def _block_from_checkpoint(ck: Checkpoint, index: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -458,71 +342,36 @@ def _device_doc(device: torch.device, timing: dict, mins: dict, vis_ms, vis_min,
             "handoff": handoff}
 
 
-def _vlm_front(cfg) -> bool:
-    """A transformers VLM's own front: a VLM directory as it is, or a driving composition on one."""
-    return isinstance(cfg, VLMSpec) or (isinstance(cfg, VLAConfig) and cfg.projector.get("type") == "vlm")
-
-
-def _example_inputs(ck: Checkpoint, front: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple:
-    cfg = ck.model
-    if _vlm_front(cfg):  # the embedded bag's cameras through the family's processor, as verify-split
-        from ..model.vlm import frame_inputs, load_processor
-        from .verify import bag_images
-
-        processor = load_processor(ck.hf.path, cfg.vlm_type)
-        return (frame_inputs(processor, cfg, bag_images(cfg.cameras, cfg.camera_size)).to(device, dtype),)
-    if isinstance(cfg, VLAConfig):
-        pixels = torch.rand((cfg.n_cameras, 3, cfg.image_size, cfg.image_size), device=device, dtype=dtype)
-        return (pixels, torch.zeros(3, device=device) if cfg.ego_state_input else None)
-    if isinstance(cfg, LMConfig):
-        return (torch.arange(cfg.num_tokens, device=device) % int(cfg.llm["vocab_size"]),)
-    return tuple(x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype) if torch.is_tensor(x) else x
-                 for x in front.code.example_inputs(0))
-
-
 def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.dtype, *, warmup: int, repeats: int,
                             llm_blocks: str, log) -> dict:
-    """Per-block timing of a model whose front is not this package's SigLIP side (a transformers LM or LLaVA,
+    """Per-block timing of a model whose front is not this package's SigLIP side (a transformers LM, VLM or LLaVA,
     own code): the whole prefix at K = 0 counts as ``vision_embeddings`` (the K-independent part), each decoder
-    block on its own, the suffix at K = L as ``head``."""
+    block on its own (:meth:`~hybrid_vla_ros.model.kinds.SplitModel.block_driver`), the suffix at K = L as
+    ``head``."""
+    from .verify import BagFrames
+
     timing, mins = {}, {}
 
     def timed(key, fn):
         timing[key], mins[key] = _time_ms(fn, device, warmup, repeats)
         log(f"  {device}: {key} {timing[key]:.3f} ms")
 
-    cfg, L = ck.model, ck.num_layers
+    sm, L = ck.split_model(), ck.num_layers
     front = ck.load("prefix", 0, device=device, dtype=dtype)
-    inputs = _example_inputs(ck, front, device, dtype)
-    timed("vision_embeddings", lambda: front(*inputs))
+    inputs = sm.timing_inputs(BagFrames(), device, dtype)
+    timed("vision_embeddings", lambda: sm.run_prefix(front, inputs))
     with torch.inference_mode():
-        h = front(*inputs)
-    state = None
-    if _vlm_front(cfg):  # a SplitState: h_0 and the side tensors the blocks take
-        state, h = h, h.hidden_states
+        out = sm.run_prefix(front, inputs)
     for key in ("vision_post", "projector_embed", "rotary"):
         timing[key] = mins[key] = 0.0
-    code = getattr(front, "code", None)
-    block_in = kinds = None
-    if code is None:
-        with torch.device(device):
-            rotary = text.make_rotary(llm_family(cfg), llm_config(cfg))
-        x = h if h.dim() == 3 else h.unsqueeze(0)
-        kinds = text.attention_kinds(rotary.config)
-        positions = None if state is None else state.position_ids
-        timed("rotary", lambda: text.block_inputs(rotary.config, rotary, x, set(kinds), positions))
-        with torch.inference_mode():
-            block_in = text.block_inputs(rotary.config, rotary, x, set(kinds), positions)
+    rotary, run_block = sm.block_driver(front, out, device)
+    if rotary is not None:
+        timed("rotary", rotary)
     blk_ms, blk_min = [], []
     n_llm = L if llm_blocks == "all" else min(1, L)
     for i in range(n_llm):
         block = _block_from_checkpoint(ck, i, device, dtype)
-        def fn(b=block, i=i):
-            if code is not None:
-                return code.run_blocks(nn.ModuleList([b]), h, i)
-            return b(x, **block_in.for_block(b, kinds[i]))
-
-        ms, mn = _time_ms(fn, device, warmup, repeats)
+        ms, mn = _time_ms(lambda b=block, i=i: run_block(b, i), device, warmup, repeats)
         blk_ms.append(ms)
         blk_min.append(mn)
         del block
@@ -530,18 +379,10 @@ def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.d
     if 0 < n_llm < L:
         blk_ms, blk_min = blk_ms * L, blk_min * L
     tail = ck.load("suffix", L, device=device, dtype=dtype)
-    if state is not None:
-        timed("head", lambda: tail.final_hidden_states(state))
-    elif hasattr(tail, "head"):
-        timed("head", lambda: plan(tail, h, DEFAULT_COMMAND))
-    elif hasattr(tail, "final_hidden_states"):
-        timed("head", lambda: tail.final_hidden_states(h))
-    else:
-        timed("head", lambda: tail(h))
-    # free them (rebound rather than deleted: the lambdas above name them)
-    tail = front = None
+    timed("head", sm.profile_tail(tail, out))
+    tail = front = None  # free them (rebound rather than deleted: the lambdas above name them)
     handoff = measure_handoff(tuple(ck.model.prefix_state_shape), dtype, device, warmup, max(repeats, 5))
-    nv = int(cfg.vision["num_hidden_layers"]) if isinstance(cfg, VLAConfig) else 1
+    nv = sm.vision_layers()
     return _device_doc(device, timing, mins, [0.0] * nv, [0.0] * nv, nv, blk_ms, blk_min, n_llm, handoff)
 
 
@@ -564,47 +405,35 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     else:
         with torch.device("meta"):
             front = PrefixStage(cfg, 0)
-    vision = front.vision
     Dv = int(cfg.vision["hidden_size"])
     feats = torch.randn((C, cfg.tokens_per_camera, Dv), device=device, dtype=dtype)
-    if isinstance(vision, EVA02ViT):
-        vis_ms, vis_min, n_measure = _profile_eva02(vision, pixels, feats, random=model_path is None, device=device,
-                                                    dtype=dtype, warmup=warmup, repeats=repeats,
-                                                    every_block=vision_blocks == "all", timed=timed, log=log)
-    else:
-        enc_layers = vision.encoder.layers
-        if model_path is None:
-            random_init_(vision.embeddings, device, dtype)
-        timed("vision_embeddings", lambda: vision.embeddings(pixels))
-        n_measure = len(enc_layers) if vision_blocks == "all" else 1
-        vis_ms, vis_min = [], []
-        for i in range(n_measure):
-            layer = enc_layers[i]
-            if model_path is None:
-                random_init_(layer, device, dtype)
-            ms, mn = _time_ms(lambda: layer(feats, None), device, warmup, repeats)
-            vis_ms.append(ms)
-            vis_min.append(mn)
-            if model_path is None:
-                _free(layer)
-            log(f"  {device}: vision block {i} {ms:.3f} ms")
-        if n_measure < len(enc_layers):
-            vis_ms, vis_min = vis_ms * len(enc_layers), vis_min * len(enc_layers)
-        if model_path is None:
-            random_init_(vision.post_layernorm, device, dtype)
-        timed("vision_post", lambda: vision.post_layernorm(feats))
-        enc_layers = None
+    parts = VisionParts.of(front.vision, pixels, feats, random=model_path is None)
+    parts.prepare("stem")
+    timed("vision_embeddings", parts.stem)
+    groups = parts.groups
+    measure = range(len(groups)) if vision_blocks == "all" else sorted({groups.index(g) for g in set(groups)})
+    got = {}
+    for i in measure:
+        parts.prepare("block", i)
+        got[i] = _time_ms(lambda: parts.block(i), device, warmup, repeats)
+        parts.release(i)
+        log(f"  {device}: vision block {i} ({groups[i]}) {got[i][0]:.3f} ms")
+    per_block = [got.get(i, got[groups.index(groups[i])]) for i in range(len(groups))]
+    vis_ms, vis_min, n_measure = [ms for ms, _ in per_block], [mn for _, mn in per_block], len(got)
+    parts.prepare("post")
+    timed("vision_post", parts.post)
     if model_path is None:
-        _free(vision)
+        free_(front.vision)
         for name, child in front.named_children():
             if name not in ("vision", "layers", "rotary_emb"):
                 random_init_(child, device, dtype)
-    front.vision = _FixedVision(feats)
+    parts = None
+    front.vision = FixedVision(feats)
     timed("projector_embed", lambda: embed(front, pixels, ego, scene=scene))
     with torch.inference_mode():
         h = embed(front, pixels, ego, scene=scene)
     # free them (rebound rather than deleted: the lambdas above name them)
-    front = vision = None
+    front = None
     # ---- LLM blocks
     llm = llm_config(cfg)
     with torch.device(device):
@@ -631,7 +460,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
         ms, mn = _time_ms(lambda: block(x, **block_in.for_block(block, kinds[i])), device, warmup, repeats)
         blk_ms.append(ms)
         blk_min.append(mn)
-        _free(block)
+        free_(block)
         block = None  # rebound rather than deleted: the lambda above names it
         log(f"  {device}: LLM block {i} {ms:.3f} ms")
     if 0 < n_llm < L:
@@ -733,7 +562,8 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
         cfg = ck.model
     else:
         cfg = preset(preset_name, **overrides)
-    detailed = isinstance(cfg, VLAConfig) and cfg.projector["type"] not in ("llava", "vlm")
+    sm = ck.split_model() if ck is not None else split_model(cfg)
+    detailed = sm.profile_detailed
     cuda_ok = torch.cuda.is_available()
     if device == "cuda" and not cuda_ok:
         raise RuntimeError("--device cuda: CUDA is not available on this machine")
@@ -758,8 +588,8 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
             if use_cuda:
                 devices["cuda"] = run(torch.device("cuda", torch.cuda.current_device()))
             devices["cpu"] = run(torch.device("cpu"))
-        preprocess_doc = (measure_preprocess(cfg, warmup=warmup, repeats=repeats, log=log)
-                          if isinstance(cfg, VLAConfig) else None)
+        pre_cfg = sm.preprocess_config
+        preprocess_doc = measure_preprocess(pre_cfg, warmup=warmup, repeats=repeats, log=log) if pre_cfg else None
     finally:
         torch.set_num_threads(old_threads)
         if cores is not None:

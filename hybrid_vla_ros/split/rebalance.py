@@ -273,20 +273,25 @@ class LatencyBalancer:
 class SplitPolicy:
     """The one policy of ``split_layer: auto``: memory pressure (CUDA) and measured latency.
 
-    ``plan``: the plan of ``auto``; ``memory``: its AutoResplitPolicy on a CUDA prefix with
-    ``auto_resplit_free_mb`` > 0, else None; ``latency``: a LatencyBalancer when ``auto_rebalance`` is on and the plan
-    has times, else None. ``k_max`` is the highest K allowed now: the largest K that fits the plan's budget, lowered
-    by a memory-pressure move down and raised again by a move back up. Every decision is one :class:`Move`.
+    ``plan``: the plan of ``auto`` (None: a latency balancer alone, over every K of its times); ``memory``: its
+    AutoResplitPolicy on a CUDA prefix with ``auto_resplit_free_mb`` > 0, else None; ``latency``: a LatencyBalancer
+    when ``auto_rebalance`` is on and the plan has times, else None. ``k_max`` is the highest K allowed now: the
+    largest K that fits the plan's budget, lowered by a memory-pressure move down and raised again by a move back
+    up. Every decision is one :class:`Move`. Raises ValueError for a memory part without a plan.
     """
 
-    plan: Plan
+    plan: Plan | None
     memory: AutoResplitPolicy | None = None
     latency: LatencyBalancer | None = None
     k_max: int = -1
     last: Move = field(default_factory=lambda: Move(None, ""))
 
     def __post_init__(self):
-        if self.k_max < 0:
+        if self.plan is None and self.memory is not None:
+            raise ValueError("the memory part of the policy needs the plan's bytes per K")
+        if self.k_max < 0 and self.plan is None:  # per-K times alone (the bench): every K
+            self.k_max = self.latency.num_layers if self.latency is not None else 0
+        elif self.k_max < 0:
             fitting = [r.k for r in self.plan.rows if r.fits]
             self.k_max = max(fitting) if fitting else self.plan.chosen_k
 

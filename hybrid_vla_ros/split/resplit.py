@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.checkpoint import load_blocks, model_id
-from ..model.modeling import check_split_layer
+from ..model.stages import check_split_layer
 
 
 @dataclass

@@ -53,15 +53,12 @@ from pathlib import Path
 import torch
 
 from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
-from ..model.config import VLAConfig, VLMSpec
-from ..model.modeling import example_scene, llava_input_ids
+from ..model.kinds import EGO_STATE, SplitModel  # noqa: F401  (EGO_STATE: the example frame's ego state)
 
 #: allowed = ROUNDING_FACTOR x the referee's own rounding error (its run against its float64 run), at least
 #: ULP_FLOOR units in the last place of the tensor's largest value (module docstring).
 ROUNDING_FACTOR = 8.0
 ULP_FLOOR = 16.0
-#: The ego state fed to models that take one: speed 8.3 m/s, acceleration -0.4 m/s^2, yaw rate 0.05 rad/s.
-EGO_STATE = (8.3, -0.4, 0.05)
 
 
 @dataclass
@@ -82,17 +79,18 @@ class VerifyRow:
 
     def judge(self) -> "VerifyRow":
         """Set ``ok``: each difference within its allowed one, and bit-exact against the unsplit model."""
-        pairs = ((self.prefix, self.allowed_prefix), (self.final, self.allowed_final),
-                 (self.output, self.allowed_output))
-        self.ok = all(d is None or d <= a for d, a in pairs) and (self.unsplit is None or self.unsplit == 0.0)
+        self.ok = all(d is None or d <= a for d, a in self._pairs()) and self.unsplit in (None, 0.0)
         return self
+
+    def _pairs(self):
+        return ((self.prefix, self.allowed_prefix), (self.final, self.allowed_final),
+                (self.output, self.allowed_output))
 
     @property
     def fraction(self) -> float:
         """The largest difference as a fraction of its allowed one (0 when all are 0)."""
-        pairs = ((self.prefix, self.allowed_prefix), (self.final, self.allowed_final),
-                 (self.output, self.allowed_output))
-        return max((d / a if a else (0.0 if d == 0 else math.inf) for d, a in pairs if d is not None), default=0.0)
+        return max((d / a if a else (0.0 if d == 0 else math.inf) for d, a in self._pairs() if d is not None),
+                   default=0.0)
 
 
 @dataclass
@@ -127,42 +125,78 @@ class VerifyReport:
         return {**asdict(self), "ok": self.ok, "worst": self.worst, "worst_fraction": self.worst_fraction}
 
 
-@dataclass
-class _Allowed:
-    """The allowed difference of each column (per K for h_K), from the referee and its float64 run."""
-
-    prefix: list[float | None]
-    final: float
-    output: float | None
-
-    def row(self, k: int, prefix, final, output, unsplit) -> VerifyRow:
-        return VerifyRow(k, prefix, final, output, self.prefix[k] if prefix is not None else None, self.final,
-                         self.output if output is not None else None, unsplit).judge()
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        raise RuntimeError(f"shapes differ: split {tuple(a.shape)} vs reference {tuple(b.shape)}")
+    return (a.float() - b.float()).abs().max().item()
 
 
-def _allowed(ref: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype, fixed: float | None) -> float:
-    """The allowed max abs difference from ``ref`` (the referee in ``dtype``) given its float64 run ``ref64``
-    (module docstring), or ``fixed`` when the user gave a tolerance."""
+def _allowed(ref: torch.Tensor, ref64: torch.Tensor | None, dtype: torch.dtype, fixed: float | None) -> float:
+    """The allowed max abs difference from ``ref`` (the referee in ``dtype``) given its float64 run ``ref64`` (None:
+    the ulp floor alone), or ``fixed`` when the user gave a tolerance (module docstring)."""
     if fixed is not None:
         return fixed
-    spread = (ref.double() - ref64.double()).abs().max().item()
-    scale = ref64.double().abs().max().item()
-    return max(ROUNDING_FACTOR * spread, ULP_FLOOR * torch.finfo(dtype).eps * scale)
+    floor = ULP_FLOOR * torch.finfo(dtype).eps * (ref if ref64 is None else ref64).double().abs().max().item()
+    if ref64 is None:
+        return floor
+    return max(ROUNDING_FACTOR * (ref.double() - ref64.double()).abs().max().item(), floor)
 
 
-def _basis(dtype_name: str, fixed: float | None, note: str = "") -> str:
-    if fixed is not None:
-        return f"a fixed max abs difference of {fixed:g} (--tolerance)"
-    return (f"{ROUNDING_FACTOR:g} x the referee's own {dtype_name} rounding (its run against its float64 run on the "
-            f"same input), at least {ULP_FLOOR:g} ulp of the tensor's largest value{note}")
+class BagFrames:
+    """The embedded bag's first synchronized frame (data/dgp_scene02_6cam_mcap), cameras in index order and cycled
+    past its 6: the :class:`~hybrid_vla_ros.model.kinds.CameraFrames` every check runs on."""
+
+    def __init__(self):
+        from rosbags.typesys import Stores, get_typestore
+
+        from ..util.bags import read_bag
+        from ..util.paths import embedded_bag
+
+        store = get_typestore(Stores.ROS2_KILTED)
+        first = {}
+        for m in read_bag(embedded_bag()):
+            if m.topic.endswith("/image_raw/compressed") and m.topic not in first:
+                first[m.topic] = store.deserialize_cdr(m.raw, m.msgtype)
+        self._msgs = [first[t] for t in sorted(first)]
+
+    def _decoded(self, cameras: int) -> list:
+        from ..vehicle.image import decode_compressed
+
+        return [decode_compressed(self._msgs[i % len(self._msgs)].format, self._msgs[i % len(self._msgs)].data)
+                for i in range(cameras)]
+
+    def images(self, cameras: int, size: tuple[int, int] | None = None) -> list:
+        """RGB uint8 (H, W, 3), each resized to ``size`` (width, height) when given (PIL bilinear, as the prefix
+        node does: :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`)."""
+        from ..vehicle.image import resize_rgb
+
+        images = self._decoded(cameras)
+        return [resize_rgb(im, size) for im in images] if size else images
+
+    def pixels(self, cfg) -> torch.Tensor:
+        """(C, 3, S, S) float32 for a driving config's own front, as the prefix node preprocesses them."""
+        from ..vehicle.image import preprocess
+
+        return preprocess(self._decoded(cfg.n_cameras), cfg.image_size, cfg.image_mean, cfg.image_std,
+                          resize=cfg.image_resize)
+
+
+def bag_pixels(cfg) -> torch.Tensor:
+    """:meth:`BagFrames.pixels` of the embedded bag's first frame for ``cfg``: (C, 3, S, S) float32."""
+    return BagFrames().pixels(cfg)
+
+
+def bag_images(cameras: int, camera_size: tuple[int, int] | None = None) -> list:
+    """:meth:`BagFrames.images` of the embedded bag's first frame."""
+    return BagFrames().images(cameras, camera_size)
 
 
 class _Unsplit:
     """The same code unsplit: the prefix at K = L (the input of each block kept: h_K for K < L) and the suffix at L.
-    ``states[k]`` is h_k (for a VLM, its SplitState's hidden states), ``final`` the final-norm states of every token,
-    ``output`` the waypoints (None without a head)."""
+    ``states[k]`` is h_k, ``final`` the final-norm states of every token (None for own code), ``output`` what
+    :meth:`SplitModel.output` gives."""
 
-    def __init__(self, ck: Checkpoint, dtype, run_prefix):
+    def __init__(self, ck: Checkpoint, sm: SplitModel, dtype, inputs: tuple):
         L = ck.num_layers
         prefix = ck.load("prefix", L, dtype=dtype)
         kept: list[torch.Tensor] = []
@@ -170,228 +204,21 @@ class _Unsplit:
             lambda module, args, kwargs: kept.append((args[0] if args else kwargs["hidden_states"]).clone()),
             with_kwargs=True) for layer in prefix.layers]
         try:
-            out = run_prefix(prefix)
+            out = sm.run_prefix(prefix, inputs)
         finally:
             for h in hooks:
                 h.remove()
         del prefix
-        hidden = out.hidden_states if hasattr(out, "hidden_states") else out
+        hidden = sm.hidden(out)
         self.states = [s.reshape(hidden.shape) for s in kept] + [hidden]
         suffix = ck.load("suffix", L, dtype=dtype)
-        self.final = suffix.final_hidden_states(out)
-        self.output = suffix.plan_all(out).modes if hasattr(suffix, "head") else None
+        self.final, self.output = sm.final_states(suffix, out), sm.output(suffix, out)
 
-    def diff(self, k: int, h: torch.Tensor, final: torch.Tensor, output: torch.Tensor | None) -> float:
-        """Max abs difference of the split at K = k (h_K, final states, waypoints) against this run."""
-        out = [_diff(h, self.states[k]), _diff(final, self.final)]
-        if output is not None:
-            out.append(_diff(output, self.output))
+    def diff(self, k: int, h: torch.Tensor, final, output) -> float:
+        """Max abs difference of the split at K = k (h_K, final states, output) against this run."""
+        out = [_diff(h, self.states[k])]
+        out += [_diff(a, b) for a, b in ((final, self.final), (output, self.output)) if a is not None]
         return max(out)
-
-
-def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        raise RuntimeError(f"shapes differ: split {tuple(a.shape)} vs reference {tuple(b.shape)}")
-    return (a.float() - b.float()).abs().max().item()
-
-
-def _readout_rows(cfg, final: torch.Tensor) -> torch.Tensor:
-    """The final-norm states the heads read (``cfg.readout_positions``): the planning token of the last pass and,
-    with two passes, the decision pass's read-out token (never a pass's padding); the last token where the config
-    has no read-out positions. (R, H)."""
-    at = getattr(cfg, "readout_positions", None)
-    if at is None:
-        return final[..., -1, :].reshape(-1, final.shape[-1])
-    if final.dim() == 3 and at.decision is not None:
-        return torch.stack([final[-1, at.planning], final[0, at.decision]])
-    return final[..., at.planning, :].reshape(-1, final.shape[-1])
-
-
-def bag_pixels(cfg: VLAConfig) -> torch.Tensor:
-    """One synchronized frame of the embedded bag (data/dgp_scene02_6cam_mcap), cameras in index order (cycled
-    when the model takes more than the bag's 6), decoded and preprocessed for ``cfg``: (C, 3, S, S) float32."""
-    from rosbags.typesys import Stores, get_typestore
-
-    from ..util.bags import read_bag
-    from ..util.paths import embedded_bag
-    from ..vehicle.image import decode_compressed, preprocess
-
-    store = get_typestore(Stores.ROS2_KILTED)
-    first = {}
-    for m in read_bag(embedded_bag()):
-        if m.topic.endswith("/image_raw/compressed") and m.topic not in first:
-            first[m.topic] = store.deserialize_cdr(m.raw, m.msgtype)
-    msgs = [first[t] for t in sorted(first)]
-    images = [decode_compressed(msgs[i % len(msgs)].format, msgs[i % len(msgs)].data) for i in range(cfg.n_cameras)]
-    return preprocess(images, cfg.image_size, cfg.image_mean, cfg.image_std, resize=cfg.image_resize)
-
-
-def bag_images(cameras: int, camera_size: tuple[int, int] | None = None) -> list:
-    """One synchronized frame of the embedded bag as RGB uint8 arrays (H, W, 3), cameras in index order (cycled
-    past the bag's 6), each resized to ``camera_size`` (width, height) when given (PIL bilinear, as the prefix
-    node does, :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`)."""
-    from rosbags.typesys import Stores, get_typestore
-
-    from ..util.bags import read_bag
-    from ..util.paths import embedded_bag
-    from ..vehicle.image import decode_compressed, resize_rgb
-
-    store = get_typestore(Stores.ROS2_KILTED)
-    first = {}
-    for m in read_bag(embedded_bag()):
-        if m.topic.endswith("/image_raw/compressed") and m.topic not in first:
-            first[m.topic] = store.deserialize_cdr(m.raw, m.msgtype)
-    msgs = [first[t] for t in sorted(first)]
-    images = [decode_compressed(msgs[i % len(msgs)].format, msgs[i % len(msgs)].data) for i in range(cameras)]
-    return [resize_rgb(im, camera_size) for im in images] if camera_size else images
-
-
-def head_on_reference(suffix, final: torch.Tensor) -> torch.Tensor:
-    """The suffix's read-out head applied to the reference's final-norm hidden states ``final`` ((T, H), or
-    (P, T, H) with P passes): ``mlp`` / ``vae`` on the planning token of the action (last) pass,
-    ``vae_speed_path`` on its planning and path tokens with the decision pass's decision (token positions:
-    ``cfg.readout_positions``), ``queries`` on the
-    last ``query_count`` tokens, ``module`` on every token. Returns its (M, N, 2) waypoints."""
-    cfg = suffix.cfg
-    at = cfg.readout_positions
-    if cfg.readout_type == "vae_speed_path":  # MindDrive: the decided speed plan along each path, as plan() does
-        from ..model.modeling import DEFAULT_COMMAND, speed_path_plan
-
-        decision = suffix.decision_head(final[0, at.decision] if final.dim() == 3 else final[at.decision]).float()
-        action = final[-1] if final.dim() == 3 else final
-        return speed_path_plan(suffix, action[[at.planning, at.path]], DEFAULT_COMMAND, decision,
-                               int(decision.argmax())).modes
-    if cfg.readout_type == "queries":
-        return suffix.head(final[-cfg.query_count:])
-    if cfg.readout_type == "module":
-        return suffix.head(final)
-    last = final[..., at.planning, :]
-    modes = suffix.head(last[-1] if last.dim() == 2 else last)
-    if cfg.readout_type == "vae":  # plan() gives the published planner's positions in base_link axes
-        from ..model.vae_planner import published_to_base_link
-
-        modes = published_to_base_link(modes)
-    return modes
-
-
-def _vlm_reference(ck: Checkpoint, dtype, inputs) -> tuple[list, str]:
-    """transformers' own ForConditionalGeneration of a VLM directory on the processor's outputs: the input of
-    each text block (forward pre-hooks on the text model's layers; L entries) and the text model's
-    last_hidden_state (the final norm's output), batch dim dropped."""
-    from ..model.vlm import vlm_family
-
-    family = vlm_family(ck.model.vlm_type)
-    ref = family.generation_class.from_pretrained(str(ck.hf.path), dtype=dtype).eval()
-    text = getattr(ref.model, family.text_attribute)
-    states = []
-
-    def keep(module, args, kwargs):
-        states.append((args[0] if args else kwargs["hidden_states"])[0].clone())
-
-    hooks = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in text.layers]
-    queries = getattr(ck.model, "query_count", 0)
-    if queries:  # a queries read-out: the composition's own learned query embeddings in the copies' rows
-        learned = ck.load("prefix", 0, dtype=dtype).query_tokens.detach()
-
-        def swap(module, args, out):
-            return torch.cat([out[:, :-queries], learned.to(out.dtype).unsqueeze(0)], dim=1)
-
-        hooks.append(text.get_input_embeddings().register_forward_hook(swap))
-    try:
-        last = ref.model(input_ids=inputs.input_ids, **inputs.to("cpu", dtype).images).last_hidden_state[0]
-    finally:
-        for h in hooks:
-            h.remove()
-    return states + [last], (f"transformers {family.generation_class.__name__}.from_pretrained({ck.hf.path}) "
-                             "(each text block's input, and last_hidden_state)")
-
-
-def _causal_lm_class(model_type: str):
-    """transformers' causal LM class of a text family (``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``, ...), from
-    transformers' own ``MODEL_FOR_CAUSAL_LM_MAPPING``."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
-
-
-def _hidden_states(out) -> list[torch.Tensor]:
-    return [h.squeeze(0) if h.shape[0] == 1 else h for h in out.hidden_states]
-
-
-def _llm_reference_on_embeddings(ck: Checkpoint, cfg: VLAConfig, h0: torch.Tensor, dtype) -> tuple[list, str]:
-    """transformers' language model (of the referred directory, or built from ``llm`` for this package's own
-    format) run on the hybrid's h_0: its hidden_states, and a description."""
-    batch = h0 if h0.dim() == 3 else h0.unsqueeze(0)
-    if ck.hf is not None and ck.hf.kind == "llm" and getattr(cfg, "pass_lora_rank", 0):
-        return _per_pass_reference(ck, cfg, batch, dtype)
-    if ck.hf is not None and ck.hf.kind == "llm":
-        ref = _causal_lm_class(cfg.llm_type).from_pretrained(str(ck.hf.path), dtype=dtype).eval()
-        out = ref.model(inputs_embeds=batch, output_hidden_states=True)
-        return _hidden_states(out), f"transformers {ck.hf.architecture}.from_pretrained({ck.hf.path}) on h_0"
-    if ck.hf is not None:
-        from transformers import LlavaForConditionalGeneration
-
-        ref = LlavaForConditionalGeneration.from_pretrained(str(ck.hf.path), dtype=dtype).eval()
-        out = ref.model.language_model(inputs_embeds=batch, output_hidden_states=True)
-        return _hidden_states(out), f"the language model of transformers LlavaForConditionalGeneration " \
-                                    f"({ck.hf.path}) on h_0"
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModel
-
-    conf = AutoConfig.for_model(cfg.llm_type, **{k: v for k, v in cfg.llm.items() if k != "model_type"})
-    ref = AutoModel.from_config(conf).to(dtype).eval()  # the attention transformers picks for the family
-    model_cls = type(ref)
-    stored = load_file(str(ck.own_weights))
-    llm_parts = ("embed_tokens", "layers", "norm")
-    ref.load_state_dict({k: v.to(dtype) for k, v in stored.items() if k.split(".")[0] in llm_parts}, strict=True)
-    out = ref(inputs_embeds=batch, output_hidden_states=True)
-    return _hidden_states(out), f"transformers {model_cls.__name__} with the checkpoint's LLM tensors on h_0"
-
-
-def _per_pass_reference(ck: Checkpoint, cfg: VLAConfig, batch: torch.Tensor, dtype) -> tuple[list, str]:
-    """A converted MindDrive checkpoint (one LoRA adapter a pass): for pass p, transformers' model of the
-    referred (unmerged base) directory with the peft adapter ``adapters/<pass_adapters[p]>`` merged by peft
-    itself (``PeftModel.from_pretrained(...).merge_and_unload()``), run on h_0[p]; hidden states stacked to
-    (P, T, H). Raises RuntimeError when peft is not installed or an adapter directory is missing."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        raise RuntimeError("verifying per-pass LoRA adapters needs peft (pip install peft): the reference merges "
-                           "each adapter with peft itself") from None
-    per_pass = []
-    for p, name in enumerate(cfg.pass_adapters):
-        adapter = ck.path / "adapters" / name
-        if not (adapter / "adapter_config.json").is_file():
-            raise RuntimeError(f"{adapter}: adapter directory missing (written by `hybrid-vla convert`)")
-        base = _causal_lm_class(cfg.llm_type).from_pretrained(str(ck.hf.path), dtype=dtype)
-        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
-        out = merged.model(inputs_embeds=batch[p:p + 1], output_hidden_states=True)
-        per_pass.append(out.hidden_states)
-        del merged, base
-    states = [torch.cat([hs[i] for hs in per_pass], dim=0) for i in range(len(per_pass[0]))]
-    return states, (f"transformers {ck.hf.architecture}.from_pretrained({ck.hf.path}) with peft merging adapter "
-                    f"{', '.join(cfg.pass_adapters)} (pass 0, 1, ...) on h_0 of each pass")
-
-
-def _reference(ck: Checkpoint, dtype, pixels, ego, ids, scene=None, h0=None) -> tuple[list, str]:
-    """The referee's hidden_states (L + 1 entries, the last after the final norm) for this checkpoint's input;
-    ``h0``: the hybrid's own h_0 where the referee runs on it (default: computed here in ``dtype``)."""
-    cfg = ck.model
-    if ck.kind == "transformers" and ck.hf.kind == "llm":
-        ref = _causal_lm_class(cfg.llm_type).from_pretrained(str(ck.path), dtype=dtype).eval()
-        return _hidden_states(ref(ids.unsqueeze(0), output_hidden_states=True)), \
-            f"transformers {ck.hf.architecture}.from_pretrained({ck.path})"
-    if ck.hf is not None and ck.hf.kind == "llava" and not cfg.ego_state_input and cfg.llm_passes == 1:
-        from transformers import LlavaForConditionalGeneration
-
-        ref = LlavaForConditionalGeneration.from_pretrained(str(ck.hf.path), dtype=dtype).eval()
-        out = ref(input_ids=torch.tensor([llava_input_ids(cfg)]), pixel_values=pixels.to(dtype),
-                  output_hidden_states=True)
-        return _hidden_states(out), f"transformers LlavaForConditionalGeneration.from_pretrained({ck.hf.path})"
-    if h0 is None:
-        h0 = ck.load("prefix", 0, dtype=dtype)(pixels, ego, scene=scene)
-    return _llm_reference_on_embeddings(ck, cfg, h0.to(dtype), dtype)
 
 
 def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | None = None,
@@ -418,163 +245,84 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
     fixed = None if tolerance is None else float(tolerance)
     ck = open_checkpoint(path, trust_model_code=trust_model_code, cameras=cameras, prompt_ids=prompt_ids,
                          tokens=len(prompt_ids) if prompt_ids else 16, prompt=prompt, camera_size=camera_size)
-    ks = list(range(ck.num_layers + 1)) if layers is None else sorted(set(layers))
-    bad = [k for k in ks if not 0 <= k <= ck.num_layers]
+    L = ck.num_layers
+    ks = list(range(L + 1)) if layers is None else sorted(set(layers))
+    bad = [k for k in ks if not 0 <= k <= L]
     if bad or not ks:
-        raise ValueError(f"split layers {bad or ks} outside [0, {ck.num_layers}] for {path}")
+        raise ValueError(f"split layers {bad or ks} outside [0, {L}] for {path}")
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[torch_dtype]
     say = log or (lambda _line: None)
     with torch.inference_mode():
-        if ck.kind == "model_code":
-            return _verify_code(ck, torch_dtype, name, fixed, say, ks)
-        if isinstance(ck.model, VLMSpec) or (isinstance(ck.model, VLAConfig)
-                                             and ck.model.projector.get("type") == "vlm"):
-            return _verify_vlm(ck, torch_dtype, name, fixed, say, ks)
-        return _verify_llm(ck, torch_dtype, name, fixed, say, ks, prompt_ids)
-
-
-def _verify_llm(ck: Checkpoint, dtype, name: str, fixed: float | None, say, ks: list[int],
-                prompt_ids: list[int] | None) -> VerifyReport:
-    cfg = ck.model
-    pixels = ego = ids = scene = None
-    if isinstance(cfg, VLAConfig):
-        pixels = bag_pixels(cfg).to(dtype)
-        ego = torch.tensor(EGO_STATE) if cfg.ego_state_input else None
-        scene = example_scene(cfg)
-        inputs = (f"camera frame of {cfg.n_cameras} camera(s) from the embedded bag at {cfg.image_size} px, "
-                  f"{cfg.num_tokens} tokens" + (", ego state" if ego is not None else "")
-                  + (", made-up camera geometry and ego frame (query heads)" if scene is not None else ""))
-    else:
-        from ..model.hf import lm_prompt_ids
-
-        vocab = int(cfg.llm["vocab_size"])
-        ids = torch.tensor(prompt_ids if prompt_ids else lm_prompt_ids(vocab))
-        if int(ids.max()) >= vocab:
-            raise ValueError(f"token id {int(ids.max())} is outside the vocabulary [0, {vocab}) of {ck.path}")
-        inputs = f"{len(ids)} token ids"
-
-    def run_prefix(prefix):
-        return prefix(pixels, ego, scene=scene) if pixels is not None else prefix(ids)
-
-    say(f"reference forward ({ck.description}) ...")
-    h0 = None if pixels is None else ck.load("prefix", 0, dtype=dtype)(pixels, ego, scene=scene)
-    ref_states, ref_name = _reference(ck, dtype, pixels, ego, ids, scene, h0)
-    L = ck.num_layers
-    if len(ref_states) != L + 1:
-        raise RuntimeError(f"the reference gave {len(ref_states)} hidden states, expected L + 1 = {L + 1}")
-    say("reference forward in float64 (its own rounding) ...")
-    ref64 = None if fixed is not None else _reference(ck, torch.float64, pixels, ego, ids, scene, h0)[0]
-    say("the same code unsplit ...")
-    unsplit = _Unsplit(ck, dtype, run_prefix)
-    report = VerifyReport(str(ck.path), ck.description, ref_name, inputs, name, fixed, _basis(name, fixed))
-    allowed = head_ref = None
-    for k in ks:
-        prefix = ck.load("prefix", k, dtype=dtype)
-        suffix = ck.load("suffix", k, dtype=dtype)
-        h = run_prefix(prefix)
-        del prefix
-        final = suffix.final_hidden_states(h)
-        output = suffix.plan_all(h).modes if hasattr(suffix, "head") else None
-        if allowed is None:
-            allowed, head_ref = _allowed_columns(cfg, suffix, ref_states, ref64, dtype, fixed)
-        row = allowed.row(k, _diff(h, ref_states[k]) if k < L else None,
-                          _diff(_readout_rows(cfg, final), _readout_rows(cfg, ref_states[L])),
-                          None if output is None else _diff(output, head_ref), unsplit.diff(k, h, final, output))
-        report.rows.append(row)
-        say(format_row(row))
-        del suffix
+        sm = ck.split_model(prompt_ids)
+        inputs = sm.example_inputs(BagFrames(), dtype=torch_dtype)
+        say(f"reference forward ({ck.description}) ...")
+        ref = sm.referee(torch_dtype, inputs)
+        if ref.states is not None and len(ref.states) != L + 1:
+            raise RuntimeError(f"the reference gave {len(ref.states)} hidden states, expected L + 1 = {L + 1}")
+        ref64, note = None, ""
+        if fixed is None:
+            say("reference forward in float64 (its own rounding) ...")
+            try:
+                ref64 = sm.referee(torch.float64, inputs, h0=ref.h0)
+            except (RuntimeError, TypeError, ValueError) as e:  # own code need not run in float64
+                note = f" (the referee did not run in float64: {type(e).__name__}; {ULP_FLOOR:g} ulp only)"
+        say("the same code unsplit ...")
+        unsplit = _Unsplit(ck, sm, torch_dtype, inputs)
+        report = VerifyReport(str(ck.path), ck.description, ref.name, sm.describe_inputs(inputs), name, fixed,
+                              _basis(name, fixed, note))
+        columns = None
+        for k in ks:
+            suffix = ck.load("suffix", k, dtype=torch_dtype)
+            out = sm.run_prefix(ck.load("prefix", k, dtype=torch_dtype), inputs)
+            h, final, output = sm.hidden(out), sm.final_states(suffix, out), sm.output(suffix, out)
+            if columns is None:
+                columns = _Columns(sm, suffix, ref, ref64, torch_dtype, fixed)
+            row = columns.row(k, h, final, output, None if ref.states is None else unsplit.diff(k, h, final, output))
+            report.rows.append(row)
+            say(format_row(row))
+            del suffix, out
     return report
 
 
-def _allowed_columns(cfg, suffix, ref: list, ref64: list | None, dtype, fixed) -> tuple[_Allowed, torch.Tensor]:
-    """The allowed difference of every column, and the read-out head on the referee's final states (None without
-    a head). ``ref64``: the referee's float64 hidden states (None with a fixed tolerance)."""
-    L = len(ref) - 1
-    if ref64 is None:
-        ref64 = ref
-    head = head_on_reference(suffix, ref[L]) if hasattr(suffix, "head") else None
-    out = None
-    if head is not None:  # the head on the float64 run's final states: how far the referee's rounding moves it
-        out = _allowed(head, head_on_reference(suffix, ref64[L].to(dtype)), dtype, fixed)
-    return _Allowed([_allowed(ref[k], ref64[k], dtype, fixed) for k in range(L)] + [None],
-                    _allowed(_readout_rows(cfg, ref[L]), _readout_rows(cfg, ref64[L]), dtype, fixed), out), head
+class _Columns:
+    """What each K is compared with and the allowed difference of each column, from the referee's run ``ref`` and
+    its float64 run ``ref64`` (None: the ulp floor): h_K against its states, the read-out rows of the final states,
+    and the output (the head on the referee's final states, or own code's output)."""
+
+    def __init__(self, sm: SplitModel, suffix, ref, ref64, dtype, fixed):
+        self.sm, self.ref = sm, ref
+        L = sm.num_layers
+        self.ref_output = ref.output if ref.output is not None else sm.head_on_final(suffix, ref.states[L])
+        self.allowed_prefix, self.allowed_final = [], None
+        if ref.states is not None:
+            s64 = ref64.states if ref64 is not None else [None] * (L + 1)
+            self.allowed_prefix = [_allowed(a, b, dtype, fixed) for a, b in zip(ref.states[:L], s64[:L])]
+            self.ref_rows = sm.readout_rows(ref.states[L])
+            self.allowed_final = _allowed(self.ref_rows, None if ref64 is None else sm.readout_rows(s64[L]), dtype,
+                                          fixed)
+        self.allowed_output = None
+        if self.ref_output is not None:
+            if ref.output is not None:  # own code: its float64 output
+                out64 = None if ref64 is None else ref64.output
+            else:  # the head on the float64 run's final states: how far the referee's rounding moves it
+                out64 = None if ref64 is None else sm.head_on_final(suffix, ref64.states[L].to(dtype))
+            self.allowed_output = _allowed(self.ref_output, out64, dtype, fixed)
+
+    def row(self, k: int, h, final, output, unsplit) -> VerifyRow:
+        L, states = self.sm.num_layers, self.ref.states
+        prefix = _diff(h, states[k]) if states is not None and k < L else None
+        fin = _diff(self.sm.readout_rows(final), self.ref_rows) if states is not None and final is not None else None
+        out = _diff(output, self.ref_output) if output is not None and self.ref_output is not None else None
+        return VerifyRow(k, prefix, fin, out, self.allowed_prefix[k] if prefix is not None else None,
+                         self.allowed_final if fin is not None else None,
+                         self.allowed_output if out is not None else None, unsplit).judge()
 
 
-def _verify_vlm(ck: Checkpoint, dtype, name: str, fixed: float | None, say, ks: list[int]) -> VerifyReport:
-    from ..model.vlm import frame_inputs, load_processor
-
-    cfg = ck.model
-    processor = load_processor(ck.hf.path, cfg.vlm_type)
-    inputs = frame_inputs(processor, cfg, bag_images(cfg.cameras, cfg.camera_size))  # + planning token (driving)
-    say(f"reference forward ({ck.description}) ...")
-    ref_states, ref_name = _vlm_reference(ck, dtype, inputs)
-    L = ck.num_layers
-    if len(ref_states) != L + 1:
-        raise RuntimeError(f"the reference gave {len(ref_states)} hidden states, expected L + 1 = {L + 1}")
-    say("reference forward in float64 (its own rounding) ...")
-    ref64 = None if fixed is not None else _vlm_reference(ck, torch.float64, inputs)[0]
-    say("the same code unsplit ...")
-    unsplit = _Unsplit(ck, dtype, lambda prefix: prefix(inputs))
-    described = (f"camera frame of {cfg.cameras} camera(s) from the embedded bag at {cfg.camera_size[0]} x "
-                 f"{cfg.camera_size[1]} px through the family's processor, {inputs.tokens} tokens (prompt "
-                 f"{cfg.prompt!r})" + (f"; side tensors {', '.join(cfg.side)}" if cfg.side else ""))
-    report = VerifyReport(str(ck.path), ck.description, ref_name, described, name, fixed, _basis(name, fixed))
-    allowed = head_ref = None
-    last = _LastToken()
-    for k in ks:
-        state = ck.load("prefix", k, dtype=dtype)(inputs)
-        suffix = ck.load("suffix", k, dtype=dtype)
-        final = suffix.final_hidden_states(state)
-        output = suffix.plan_all(state).modes if hasattr(suffix, "head") else None
-        if allowed is None:
-            allowed, head_ref = _allowed_columns(last, suffix, ref_states, ref64, dtype, fixed)
-        row = allowed.row(k, _diff(state.hidden_states, ref_states[k]) if k < L else None,
-                          _diff(final[-1], ref_states[L][-1]), None if output is None else _diff(output, head_ref),
-                          unsplit.diff(k, state.hidden_states, final, output))
-        report.rows.append(row)
-        say(format_row(row))
-    return report
-
-
-class _LastToken:
-    """A config stand-in whose read-out is the last token (a VLM's planning or last prompt token)."""
-
-    readout_positions = None
-
-
-def _verify_code(ck: Checkpoint, dtype, name: str, fixed: float | None, say, ks: list[int]) -> VerifyReport:
-    full = ck.load("full", dtype=dtype)
-    inputs = tuple(x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
-                   for x in full.model.example_inputs(0))
-    reference = full(*inputs)
-    del full
-    note = ""
-    allowed = fixed
-    if fixed is None:
-        try:  # the model's own forward in float64, for its rounding; own code need not run in float64
-            full64 = ck.load("full", dtype=torch.float64)
-            ref64 = full64(*(x.double() if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs))
-            allowed = _allowed(reference, ref64, dtype, None)
-        except (RuntimeError, TypeError, ValueError) as e:
-            note = f" (the model did not run in float64: {type(e).__name__}; {ULP_FLOOR:g} ulp only)"
-            allowed = ULP_FLOOR * torch.finfo(dtype).eps * reference.double().abs().max().item()
-    report = VerifyReport(str(ck.path), ck.description, f"{ck.model.spec}.forward (the model's own)",
-                          "the model's example_inputs(0)", name, fixed, _basis(name, fixed, note))
-    if ck.model.drives:  # the waypoints its driving I/O declares, as the nodes will check each frame
-        want = (ck.model.n_modes, ck.model.n_waypoints, 2)
-        if tuple(reference.shape) != want:
-            raise ValueError(f"{ck.model.spec}.forward gives {tuple(reference.shape)}; its driving I/O declares "
-                             f"waypoints {want} (n_modes, n_waypoints, 2): the nodes would drop every frame")
-    for k in ks:
-        h = ck.load("prefix", k, dtype=dtype)(*inputs)
-        if tuple(h.shape) != ck.model.prefix_state_shape:
-            raise RuntimeError(f"the prefix at K={k} gave hidden states {tuple(h.shape)}, the model declares "
-                               f"{ck.model.prefix_state_shape}")
-        out = ck.load("suffix", k, dtype=dtype)(h)
-        row = VerifyRow(k, None, None, _diff(out, reference), allowed_output=allowed).judge()
-        report.rows.append(row)
-        say(format_row(row))
-    return report
+def _basis(dtype_name: str, fixed: float | None, note: str = "") -> str:
+    if fixed is not None:
+        return f"a fixed max abs difference of {fixed:g} (--tolerance)"
+    return (f"{ROUNDING_FACTOR:g} x the referee's own {dtype_name} rounding (its run against its float64 run on the "
+            f"same input), at least {ULP_FLOOR:g} ulp of the tensor's largest value{note}")
 
 
 def _fmt(v: float | None, allowed: float | None = None) -> str:

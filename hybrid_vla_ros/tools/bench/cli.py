@@ -261,42 +261,29 @@ def _suffix_bound(text) -> dict | None:
     return {"preset": preset, "split_layer": int(k), "suffix_extra_ms": float(ms), "frames": 10}
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the selected parts; write JSON, Markdown and (with --plots) PNGs; print the tables."""
-    from . import report
-
-    t_start = time.monotonic()
-
-    def log(line: str) -> None:
-        if not args.quiet:
-            print(f"[{time.monotonic() - t_start:6.1f} s] {line}", flush=True)
-
-    parts = list(dict.fromkeys(args.only))
+def _cores_and_settings(args: argparse.Namespace, parts: list[str]):
+    """(prefix cores, suffix cores, FLOP/s cores, settings) of the command line, or the problems (lines) that stop
+    it."""
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
-        print(f"hybrid-vla bench: unknown part(s) {unknown}; use {','.join(PARTS)}", file=sys.stderr)
-        return 2
+        return [f"unknown part(s) {unknown}; use {','.join(PARTS)}"]
     try:
         prefix_cores, suffix_cores = parse_core_list(args.prefix_cores), parse_core_list(args.suffix_cores)
         flops_cores = parse_core_list(args.flops_cores) if args.flops_cores else suffix_cores
     except ValueError as e:
-        print(f"hybrid-vla bench: {e}", file=sys.stderr)
-        return 2
+        return [str(e)]
     allowed = os.sched_getaffinity(0)
     bad = sorted(set(prefix_cores + suffix_cores + flops_cores) - allowed)
     if bad:
-        print(f"hybrid-vla bench: cores {bad} are not available to this process (it may use {sorted(allowed)})",
-              file=sys.stderr)
-        return 2
+        return [f"cores {bad} are not available to this process (it may use {sorted(allowed)})"]
     s = _settings(args)
-    problems = _setting_problems(args, s, parts)
-    if problems:
-        for line in problems:
-            print(f"hybrid-vla bench: {line}", file=sys.stderr)
-        return 2
-    from .pipeline import DEFAULT_IMAGE_SIZES
+    return _setting_problems(args, s, parts) or (prefix_cores, suffix_cores, flops_cores, s)
 
-    image_sizes = {**DEFAULT_IMAGE_SIZES, **args.image_size}
+
+def _header(args: argparse.Namespace, parts: list[str], s: dict, cores: tuple, image_sizes: dict) -> dict:
+    """The report's fields before any part runs: host, software, settings."""
+    from . import report
+
     doc = {
         "kind": report.KIND, "format_version": report.FORMAT_VERSION,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -309,8 +296,94 @@ def run(args: argparse.Namespace) -> int:
         "notes": ["Figures are ratios measured side by side in one run; none is a timing test. "
                   "See 'noise' for how busy the machine was with other work during each part."],
     }
+    prefix_cores, suffix_cores, flops_cores = cores
     doc["settings"].update(prefix_cores=prefix_cores, suffix_cores=suffix_cores, flops_cores=flops_cores,
                            dtype=args.dtype, image_sizes=image_sizes, split=args.split, k_margin=args.k_margin)
+    return doc
+
+
+def _flops(args: argparse.Namespace, s: dict, cores: list[int], log) -> dict:
+    """The FLOP/s part, with the llama.cpp peer built first when asked."""
+    from .suffix_flops import run_flops_part
+
+    build = None
+    if args.build_llama_cpp and not args.no_peer and "smol" in s["flops_presets"]:  # the peer's preset
+        from .llama_peer import build_llama_cpp
+
+        try:
+            build = build_llama_cpp(log=log)
+        except RuntimeError as e:  # the peer is then skipped with the reason; the FLOP/s rows still run
+            build = {"error": str(e)}
+            log(f"  peer: building llama-cpp-python failed: {e}")
+    out = run_flops_part(s["flops_presets"], dtypes=tuple(args.flops_dtypes), cores=cores, blocks=s["flops_blocks"],
+                         repeats=s["flops_repeats"], backends=tuple(args.flops_backends), peer=not args.no_peer,
+                         log=log)
+    if build is not None and out.get("peer") is not None:
+        out["peer"]["llama_cpp_build"] = build
+    return out
+
+
+def _run_model_parts(args, parts, s, part, prefix_cores, suffix_cores, image_sizes, log) -> None:
+    """The parts on prepared presets (checkpoints and split layers first): pipeline, load step, preprocessing."""
+    from .pipeline import DEFAULT_CACHE, DEFAULT_FRAMES, prepare_preset
+
+    plans = {}
+
+    def prepare():
+        log(f"preparing {', '.join(s['presets'])}: checkpoints and split layers ({args.dtype})")
+        for name in s["presets"]:
+            plans[name] = prepare_preset(
+                name, dtype=args.dtype, image_size=image_sizes.get(name), split_layer=args.split.get(name),
+                cache=Path(args.model_cache) if args.model_cache else DEFAULT_CACHE, prefix_cores=prefix_cores,
+                bag=Path(args.bag), margin=args.k_margin, log=log)
+            log(f"  {name}: K = {plans[name]['split_layer']} ({plans[name]['split_reason']})")
+        return dict(plans)
+
+    part("prepare", prepare)
+    if "pipeline" in parts and plans:
+        from .pipeline import run_pipeline_part
+
+        frames = {n: s["frames"] or DEFAULT_FRAMES.get(n, 10) for n in plans}
+        part("pipeline", lambda: run_pipeline_part(
+            plans, frames=frames, warmup=args.warmup_frames, prefix_cores=prefix_cores, suffix_cores=suffix_cores,
+            sequential=tuple(s["sequential"]), bag=Path(args.bag), suffix_bound=_suffix_bound(s["suffix_bound"]),
+            log=log))
+    if "loadstep" in parts and plans:
+        from .loadstep import run_load_step_part
+
+        before, during, after = (int(x) for x in str(s["load_step"]).split(":"))
+        chosen = {n: plans[n] for n in s["load_step_presets"] if n in plans}
+        part("loadstep", lambda: run_load_step_part(
+            chosen, before=before, during=during, after=after, warmup=args.warmup_frames, prefix_cores=prefix_cores,
+            suffix_cores=suffix_cores, bag=Path(args.bag), log=log))
+    if "preprocess" in parts and plans:
+        from .preprocess import run_preprocess_part
+
+        part("preprocess", lambda: run_preprocess_part(
+            plans, dtype=args.dtype, cores=prefix_cores, camera_dir=args.camera_dir or None, bag=Path(args.bag),
+            min_frames=s["preprocess_frames"], min_seconds=s["preprocess_seconds"], log=log))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the selected parts; write JSON, Markdown and (with --plots) PNGs; print the tables."""
+    from . import report
+    from .pipeline import DEFAULT_IMAGE_SIZES
+
+    t_start = time.monotonic()
+
+    def log(line: str) -> None:
+        if not args.quiet:
+            print(f"[{time.monotonic() - t_start:6.1f} s] {line}", flush=True)
+
+    parts = list(dict.fromkeys(args.only))
+    checked = _cores_and_settings(args, parts)
+    if isinstance(checked, list):
+        for line in checked:
+            print(f"hybrid-vla bench: {line}", file=sys.stderr)
+        return 2
+    prefix_cores, suffix_cores, flops_cores, s = checked
+    image_sizes = {**DEFAULT_IMAGE_SIZES, **args.image_size}
+    doc = _header(args, parts, s, (prefix_cores, suffix_cores, flops_cores), image_sizes)
 
     def part(name: str, fn):
         with NoiseMeter() as meter:
@@ -334,63 +407,9 @@ def run(args: argparse.Namespace) -> int:
             block_gaps_ms=tuple(args.block_gaps_ms), zero_copy=not args.no_zero_copy, rt_priority=args.rt_priority,
             log=log))
     if "flops" in parts:
-        from .suffix_flops import run_flops_part
-
-        def flops():
-            build = None
-            if args.build_llama_cpp and not args.no_peer and "smol" in s["flops_presets"]:  # the peer's preset
-                from .llama_peer import build_llama_cpp
-
-                try:
-                    build = build_llama_cpp(log=log)
-                except RuntimeError as e:  # the peer is then skipped with the reason; the FLOP/s rows still run
-                    build = {"error": str(e)}
-                    log(f"  peer: building llama-cpp-python failed: {e}")
-            out = run_flops_part(
-                s["flops_presets"], dtypes=tuple(args.flops_dtypes), cores=flops_cores, blocks=s["flops_blocks"],
-                repeats=s["flops_repeats"], backends=tuple(args.flops_backends), peer=not args.no_peer, log=log)
-            if build is not None and out.get("peer") is not None:
-                out["peer"]["llama_cpp_build"] = build
-            return out
-
-        part("suffix_flops", flops)
-    plans = {}
+        part("suffix_flops", lambda: _flops(args, s, flops_cores, log))
     if "pipeline" in parts or "preprocess" in parts or "loadstep" in parts:
-        from .pipeline import DEFAULT_CACHE, DEFAULT_FRAMES, prepare_preset
-
-        def prepare():
-            log(f"preparing {', '.join(s['presets'])}: checkpoints and split layers ({args.dtype})")
-            for name in s["presets"]:
-                plans[name] = prepare_preset(
-                    name, dtype=args.dtype, image_size=image_sizes.get(name), split_layer=args.split.get(name),
-                    cache=Path(args.model_cache) if args.model_cache else DEFAULT_CACHE, prefix_cores=prefix_cores,
-                    bag=Path(args.bag), margin=args.k_margin, log=log)
-                log(f"  {name}: K = {plans[name]['split_layer']} ({plans[name]['split_reason']})")
-            return dict(plans)
-
-        part("prepare", prepare)
-    if "pipeline" in parts and plans:
-        from .pipeline import run_pipeline_part
-
-        frames = {n: s["frames"] or DEFAULT_FRAMES.get(n, 10) for n in plans}
-        part("pipeline", lambda: run_pipeline_part(
-            plans, frames=frames, warmup=args.warmup_frames, prefix_cores=prefix_cores, suffix_cores=suffix_cores,
-            sequential=tuple(s["sequential"]), bag=Path(args.bag), suffix_bound=_suffix_bound(s["suffix_bound"]),
-            log=log))
-    if "loadstep" in parts and plans:
-        from .loadstep import run_load_step_part
-
-        before, during, after = (int(x) for x in str(s["load_step"]).split(":"))
-        chosen = {n: plans[n] for n in s["load_step_presets"] if n in plans}
-        part("loadstep", lambda: run_load_step_part(
-            chosen, before=before, during=during, after=after, warmup=args.warmup_frames, prefix_cores=prefix_cores,
-            suffix_cores=suffix_cores, bag=Path(args.bag), log=log))
-    if "preprocess" in parts and plans:
-        from .preprocess import run_preprocess_part
-
-        part("preprocess", lambda: run_preprocess_part(
-            plans, dtype=args.dtype, cores=prefix_cores, camera_dir=args.camera_dir or None, bag=Path(args.bag),
-            min_frames=s["preprocess_frames"], min_seconds=s["preprocess_seconds"], log=log))
+        _run_model_parts(args, parts, s, part, prefix_cores, suffix_cores, image_sizes, log)
     if "families" in parts:
         from .families import PUBLISHED, run_families
 

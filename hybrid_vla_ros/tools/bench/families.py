@@ -161,7 +161,7 @@ def run_families(families: list[str] | None = None, repeats: int = 3, log=print,
 
     from ...model.checkpoint import open_checkpoint
     from ...model.contract import side_bytes
-    from ...model.vlm import load_processor, run_processor
+    from ...model.vlm import run_processor
     from ...split.verify import bag_images
 
     from ...model.checkpoint import parse_dtype
@@ -178,7 +178,7 @@ def run_families(families: list[str] | None = None, repeats: int = 3, log=print,
             path, depth = _build(family, Path(tmp))
             ck = open_checkpoint(path, cameras=6, camera_size=size)
             cfg = ck.model
-            processor = load_processor(path, cfg.vlm_type)
+            processor = ck.split_model().processor()
             images = bag_images(6, size)
             pre = []
             for _ in range(repeats):

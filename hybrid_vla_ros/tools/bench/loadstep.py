@@ -2,8 +2,8 @@
 
 On a vehicle the CPU load beside the suffix changes (Autoware's planning and perception come and go), and so does
 the K with the lowest camera-to-trajectory latency. Per preset (its profile gives the per-K times) this part runs the
-pipeline of :mod:`.pipeline` four times on the embedded bag: a co-tenant (:class:`CoTenant`: one busy process per
-core) starts on the suffix's cores after ``before`` measured frames and stops ``during`` frames later, then
+pipeline of :mod:`.pipeline` four times on the embedded bag: a co-tenant (:class:`~.cotenant.CoTenant`: one busy
+process per core) starts on the suffix's cores after ``before`` measured frames and stops ``during`` frames later, then
 ``after`` frames follow; once with K fixed at the profile's choice and once with the prefix rebalancing live
 (:class:`~hybrid_vla_ros.split.rebalance.LatencyBalancer` after every frame, as the prefix node's ``split_layer:
 auto`` does); then the same with the co-tenant on the prefix's cores.
@@ -16,46 +16,10 @@ stays within 10 % of the phase's last-third median); and the moves of K made.
 """
 from __future__ import annotations
 
-import signal
 import statistics
-import subprocess
-import sys
 
 from .common import DEFAULT_BAG, percentiles
 
-#: The co-tenant's loop: a busy process that only burns its core (no memory traffic, no threads).
-_BUSY = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
-
-
-class CoTenant:
-    """Busy processes, one pinned to each core of ``cores``, standing in for other work on those cores (Autoware's
-    perception or planning beside the suffix). :meth:`start` and :meth:`stop` are idempotent; :meth:`stop` kills
-    the processes (SIGKILL) and reaps them."""
-
-    def __init__(self, cores):
-        self.cores = [int(c) for c in cores]
-        self._procs: list[subprocess.Popen] = []
-
-    @property
-    def running(self) -> bool:
-        return bool(self._procs)
-
-    def start(self) -> None:
-        if self._procs:
-            return
-        for core in self.cores:  # each pins itself: the script sets its own affinity first
-            self._procs.append(subprocess.Popen([sys.executable, "-S", "-c", _BUSY, str(core)],
-                                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                stderr=subprocess.DEVNULL))
-
-    def stop(self) -> None:
-        for p in self._procs:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        self._procs = []
 
 
 def _median(values: list[float]) -> float | None:

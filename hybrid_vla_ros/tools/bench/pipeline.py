@@ -53,10 +53,7 @@ made slow by a busy wait, in the three variants, and reports the same latency fi
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -75,70 +72,6 @@ RING_SLOTS = 4  # the prefix node's default ring_slots
 
 
 # ------------------------------------------------------------------------------------------ configuration
-
-def model_overrides(name: str, image_size: int | None) -> dict:
-    """Preset overrides that set the camera image size to ``image_size`` px (None: the preset's own)."""
-    if not image_size:
-        return {}
-    from ...model.config import preset
-
-    base = preset(name)
-    if image_size == base.image_size:
-        return {}
-    return {"image_size": int(image_size), "vision": dict(base.vision, image_size=int(image_size))}
-
-
-def checkpoint_dir(cache: Path, name: str, overrides: dict, dtype: str) -> Path:
-    """Cache folder of a preset's benchmark checkpoint: ``<cache>/<preset>[-img<S>]-<dtype>``."""
-    tag = f"-img{overrides['image_size']}" if "image_size" in overrides else ""
-    return Path(cache) / f"{name}{tag}-{dtype}"
-
-
-def _expected_config(name: str, overrides: dict) -> dict:
-    from ...model.config import preset
-
-    d = preset(name, **overrides).to_dict()
-    d.pop("random_init", None)
-    return d
-
-
-def checkpoint_is_current(path: Path, name: str, overrides: dict) -> bool:
-    """True when ``path`` holds a checkpoint whose config equals the preset's with these overrides."""
-    try:
-        d = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    d.pop("random_init", None)
-    expected = json.loads(json.dumps(_expected_config(name, overrides)))  # tuples -> lists, as in the file
-    return (Path(path) / "model.safetensors").is_file() and d == expected
-
-
-def checkpoint_task(chan, *, name: str, path: str, overrides: dict, dtype: str) -> dict:
-    """Worker: write a random-init checkpoint with :func:`~hybrid_vla_ros.model.checkpoint.init_model` into a
-    temporary folder next to ``path`` and move it into place."""
-    from ...model.checkpoint import init_model
-
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    t0 = time.monotonic()
-    init_model(name, tmp, overrides=overrides, dtype=dtype)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return {"path": str(path), "seconds": time.monotonic() - t0}
-
-
-def ensure_checkpoint(cache: Path, name: str, overrides: dict, dtype: str, log=print) -> Path:
-    """The cached checkpoint of a preset (built by a worker when missing or stale)."""
-    path = checkpoint_dir(cache, name, overrides, dtype)
-    if checkpoint_is_current(path, name, overrides):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"  writing a random-init {name} checkpoint to {path} (cached for later runs)")
-    with Worker("checkpoint", {"name": name, "path": str(path), "overrides": overrides, "dtype": dtype}) as w:
-        w.result(1800)
-    return path
-
 
 # ------------------------------------------------------------------------------------------ frames
 
@@ -246,48 +179,51 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
     until ``close`` (so the suffix can read the last frames).
 
     ``rebalance_times``: the profile's :class:`~hybrid_vla_ros.split.rebalance.StageTimes` of every K, each as a
-    dict of its fields (JSON from the parent): after each frame a
-    :class:`~hybrid_vla_ros.split.rebalance.LatencyBalancer` judges the stage times and the move it decides is
-    requested, as the prefix node does with ``split_layer: auto`` (the result's ``moves``: {frame, from_k, to_k,
+    dict of its fields (JSON from the parent): after each frame the prefix node's
+    :class:`~hybrid_vla_ros.runtime.split_control.SplitLayerControl` judges the stage times (its latency balancer)
+    and requests the move it decides, as with ``split_layer: auto`` (the result's ``moves``: {frame, from_k, to_k,
     reason} each). ``load_step``: {"start": frame index, "stop": frame index, "cores": [...]}: a co-tenant (one busy
-    process per core, :class:`~.loadstep.CoTenant`) runs on those cores from frame ``start`` to ``stop``."""
+    process per core, :class:`~.cotenant.CoTenant`) runs on those cores from frame ``start`` to ``stop``."""
     import torch
 
+    from ...runtime.loops import PrefixLoop, counting_context
     from ...runtime.prefix import PrefixRunner
     from ...runtime.settings import PrefixRunnerSettings
-    from ...split.rebalance import LatencyBalancer, StageTimes
-    from .loadstep import CoTenant
+    from ...runtime.split_control import SplitLayerControl
+    from ...split.rebalance import LatencyBalancer, SplitPolicy, StageTimes
+    from .cotenant import CoTenant
 
     torch.set_num_threads(threads)
     frames = load_bag_frames(bag)
     runner = PrefixRunner(model_path, PrefixRunnerSettings(split_layer, device=device, dtype=dtype,
                                                            ring_name=ring_name, ring_slots=RING_SLOTS,
                                                            torch_threads=threads))
-    ego = EGO_STATE if runner.cfg.ego_state_input else None
-    balancer = LatencyBalancer([StageTimes(**t) for t in rebalance_times], paced=pace) if rebalance_times else None
     cotenant = CoTenant(load_step["cores"]) if load_step else None
+    records, moves = [], []
+    ctx, drops = counting_context(runner)
+    control = None
+    if rebalance_times:  # the node's split-layer control, on the profile's per-K times instead of a plan
+        balancer = LatencyBalancer([StageTimes(**t) for t in rebalance_times], paced=pace)
+        control = SplitLayerControl.of_policy(ctx, SplitPolicy(None, latency=balancer), on_move=lambda move, k: (
+            moves.append({"frame": len(records), "from_k": k, "to_k": move.k, "reason": move.reason})))
+    loop = PrefixLoop(ctx, pace=pace, frame_inputs=lambda stamp, items: _frame_inputs(runner.cfg, stamp),
+                      after_frame=(lambda: control.after_frame(None)) if control is not None else None)
     try:
         chan.send({"type": "ready"})
         chan.recv()  # go
-        records, moves = [], []
         for i in range(total):
             if cotenant is not None and i == load_step["start"]:
                 cotenant.start()
             if cotenant is not None and i == load_step["stop"]:
                 cotenant.stop()
             items, stamp = _frame(frames, i)
-            if pace:
-                time.sleep(runner.pacing_delay_s())
             t_call = time.monotonic_ns()
-            r = runner.run(items, stamp, ego, scene=_scene(runner.cfg, stamp))
+            r = loop.process((stamp, items))
             t_ret = time.monotonic_ns()
+            if r is None:
+                raise RuntimeError(f"the prefix dropped frame {i}: {drops}")
             records.append({"seq": r.seq, "preprocess_ms": r.preprocess_ms, "prefix_ms": r.prefix_ms,
                             "t_call_ns": t_call, "t_return_ns": t_ret, "split_layer": r.split_layer})
-            if balancer is not None:
-                move = balancer.observe(runner.stage_sample(None), runner.split_layer, runner.cfg.num_layers)
-                if move.k is not None and not runner.split_requested:
-                    runner.request_split_layer(move.k)
-                    moves.append({"frame": i, "from_k": runner.split_layer, "to_k": move.k, "reason": move.reason})
         stats = runner.ring.stats
         chan.send({"type": "done"})
         chan.recv()  # close: the suffix has what it needs
@@ -306,6 +242,7 @@ def suffix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
     slow, to run a suffix-bound pipeline with a small model)."""
     import torch
 
+    from ...runtime.loops import SuffixLoop, counting_context
     from ...runtime.settings import SuffixRunnerSettings
     from ...runtime.suffix import SuffixRunner
 
@@ -326,40 +263,37 @@ def suffix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
 
         runner.backend.plan_all = slow_plan_all
     try:
-        deadline = time.monotonic() + 300
-        while not runner.attached:
-            runner.poll(0.05)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"suffix could not attach: {runner.attach_error}")
+        runner.wait_attached(300)
         chan.send({"type": "ready"})
-        records, last_seq, t_last = [], 0, time.monotonic()
-        while last_seq < total:
-            r = runner.poll(1.0)
-            if r is None:
-                if time.monotonic() - t_last > idle_timeout_s:
-                    raise TimeoutError(f"no frame for {idle_timeout_s} s after seq {last_seq}")
-                continue
-            t_last = time.monotonic()
-            records.append(_suffix_record(r))
-            last_seq = r.meta.seq
+        records = []
+        ctx, drops = counting_context(runner)
+        loop = SuffixLoop(ctx, publish=lambda r: records.append(_suffix_record(r)))
+        t_last = time.monotonic()
+        while not records or records[-1]["seq"] < total:
+            if loop.poll_once(1.0) is not None:
+                t_last = time.monotonic()
+            elif time.monotonic() - t_last > idle_timeout_s:
+                last = records[-1]["seq"] if records else 0
+                raise TimeoutError(f"no frame for {idle_timeout_s} s after seq {last} (dropped: {drops})")
         return {"records": records, "ring_stats": runner.ring_stats().as_dict()}
     finally:
         runner.close()
 
 
-def _scene(cfg, stamp_ns: int):
-    """The scene inputs of a ``scene_queries`` model (the published query heads) for a frame stamped
-    ``stamp_ns``: made-up cameras and a standing vehicle (``query_heads.example_scene_inputs``; the cost of the heads
-    does not depend on the geometry), the frame's stamp as its time so the heads' memory carries from frame to
-    frame; None for any other model."""
-    from ...model.modeling import example_scene
-
-    scene = example_scene(cfg)
-    if scene is None:
-        return None
+def _frame_inputs(cfg, stamp_ns: int):
+    """A bench frame's inputs beside its cameras (:class:`~hybrid_vla_ros.runtime.loops.FrameInputs`): the fixed ego
+    state where the model takes one; for the published query heads made-up cameras and a standing vehicle
+    (``query_heads.example_scene_inputs``; their cost does not depend on the geometry), the frame's stamp as its
+    time so the heads' memory carries from frame to frame."""
     from dataclasses import replace
 
-    return replace(scene, frame=replace(scene.frame, timestamp=stamp_ns * 1e-9))
+    from ...model.modeling import example_scene
+    from ...runtime.loops import FrameInputs
+
+    scene = example_scene(cfg)
+    if scene is not None:
+        scene = replace(scene, frame=replace(scene.frame, timestamp=stamp_ns * 1e-9))
+    return FrameInputs(ego_state=EGO_STATE if cfg.ego_state_input else None, scene=scene)
 
 
 def sequential_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_name: str, threads: int, total: int,
@@ -378,7 +312,6 @@ def sequential_task(chan, *, model_path: str, split_layer: int, dtype: str, ring
                                                            torch_threads=threads))
     suffix = SuffixRunner(model_path, SuffixRunnerSettings(split_layer, dtype=dtype, ring_name=ring_name,
                                                            threads=threads))
-    ego = EGO_STATE if prefix.cfg.ego_state_input else None
     try:
         suffix.poll(0)  # attach before the first publish (a frame published earlier counts as stale)
         if not suffix.attached:
@@ -386,7 +319,8 @@ def sequential_task(chan, *, model_path: str, split_layer: int, dtype: str, ring
         records = []
         for i in range(total):
             items, stamp = _frame(frames, i)
-            prefix.run(items, stamp, ego, scene=_scene(prefix.cfg, stamp))
+            got = _frame_inputs(prefix.cfg, stamp)
+            prefix.run(items, stamp, got.ego_state, scene=got.scene)
             r = suffix.poll(60.0)
             if r is None:
                 raise TimeoutError("the suffix got no frame in the sequential run")
@@ -527,7 +461,9 @@ def prepare_preset(name: str, *, dtype: str, image_size: int | None, split_layer
     """Checkpoint and split layer of one preset (shared by the pipeline and preprocessing parts)."""
     from ...model.config import VLAConfig
 
-    overrides = model_overrides(name, image_size)
+    from ..harness import ensure_checkpoint, sized
+
+    overrides = sized(name, image_size)
     path = ensure_checkpoint(cache, name, overrides, dtype, log=log)
     cfg = VLAConfig.load(path)
     plan = {"preset": name, "model_path": str(path), "dtype": dtype, "num_layers": cfg.num_layers,

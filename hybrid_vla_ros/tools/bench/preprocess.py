@@ -116,13 +116,14 @@ def memory_pass_ms(items: list, repeats: int = 9) -> float:
 def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, camera_dir: str | None,
                     bag: str = str(DEFAULT_BAG), min_frames: int = 5, max_frames: int = 40,
                     min_seconds: float = 2.0, device: str = "cpu") -> dict:
-    """Worker (pinned to the prefix cores): per preset and case (:data:`CASES`), PrefixRunner.run on the 6
-    cameras until at least ``min_frames`` frames and ``min_seconds`` s (at most ``max_frames``), after one
+    """Worker (pinned to the prefix cores): per preset and case (:data:`CASES`), the prefix loop (PrefixRunner.run)
+    on the 6 cameras until at least ``min_frames`` frames and ``min_seconds`` s (at most ``max_frames``), after one
     warm-up frame; the one-pass limit (:func:`memory_pass_ms`) measured between the frames of each case."""
     import time
 
     import torch
 
+    from ...runtime.loops import FrameInputs, PrefixLoop, counting_context
     from ...runtime.prefix import PrefixRunner
     from ...runtime.settings import PrefixRunnerSettings
     from ...vehicle import image
@@ -138,6 +139,15 @@ def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, came
             spec["split_layer"], device=device, dtype=dtype, ring_name=f"bench_pre_{uuid.uuid4().hex[:10]}",
             torch_threads=threads))
         ego = EGO_STATE if runner.cfg.ego_state_input else None
+        ctx, drops = counting_context(runner)
+        loop = PrefixLoop(ctx, pace=False, frame_inputs=lambda stamp, items: FrameInputs(ego))
+
+        def frame(seq: int, items: list):
+            r = loop.process((seq, items))
+            if r is None:
+                raise RuntimeError(f"{spec['name']}: the prefix dropped a frame: {drops.last}")
+            return r
+
         own_filter = runner.cfg.image_resize
         try:
             for kind, decoder, resize in CASES:
@@ -149,10 +159,10 @@ def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, came
                 image.JPEG_DECODER = decoder or installed
                 runner.cfg.image_resize = resize  # the bench's case; the checkpoint's own filter is put back below
                 runner.fast_jpeg_decode = kind == "jpeg_fast"  # PrefixRunner's scaled-down JPEG decode
-                runner.run(items, 0, ego)  # warm-up
+                frame(0, items)  # warm-up
                 pre, pfx, dec, lim, t0, i = [], [], [], [], time.monotonic(), 0
                 while i < max_frames and (i < min_frames or time.monotonic() - t0 < min_seconds):
-                    r = runner.run(items, i + 1, ego)
+                    r = frame(i + 1, items)
                     pre.append(r.preprocess_ms)
                     pfx.append(r.prefix_ms)
                     # decode alone, right after each frame (same load on the machine); the images are freed

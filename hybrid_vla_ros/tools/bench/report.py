@@ -77,7 +77,6 @@ numbers are written as null.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -170,6 +169,42 @@ def validate(doc: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ goals
 
+def _flops_goals(f: dict, add) -> None:
+    """The CPU suffix's goals: eager ratio to the GEMM peak, the best backend's, restart time, the llama.cpp peer."""
+    rows = f["results"]
+    for r in rows:
+        if r.get("backend", "eager") == "eager":
+            add(f"suffix_flops_{r['preset']}_{r['dtype']}", "suffix_flops",
+                f"{r['preset']} {r['dtype']} eager: achieved / GEMM peak FLOP/s", r["ratio"],
+                f">= {f['goal_ratio']}", r["ratio"] >= f["goal_ratio"])
+    for name in ("smol", "minddrive-0.5b"):
+        for dtype, target in (f.get("goal_ratio_best") or {}).items():
+            cands = [r for r in rows if r["preset"] == name and r["dtype"] == dtype]
+            if not cands:
+                continue
+            best = max(cands, key=lambda r: r.get("ratio_vs_best_peak", r["ratio"]))
+            v = best.get("ratio_vs_best_peak", best["ratio"])
+            add(f"suffix_flops_best_{name}_{dtype}", "suffix_flops",
+                f"{name} {dtype}, best backend ({best['backend']}): achieved / same run's best GEMM "
+                f"(max of {dtype} and fp32)", v, f">= {target}", v >= target)
+    for r in rows:
+        x = r.get("restart")
+        if x:
+            add(f"suffix_restart_{r['preset']}_{r['dtype']}_{r['backend']}", "suffix_flops",
+                f"{r['preset']} {r['dtype']} {r['backend']}: restart from the cached artifact, s beyond eager"
+                + ("" if x.get("cache_hit") else " (artifact NOT reused)"), x["backend_extra_s"],
+                f"<= {f['goal_restart_s']}", x["backend_extra_s"] <= f["goal_restart_s"] and x.get("cache_hit"))
+    peer = f.get("peer") or {}
+    timed = sorted((r for r in peer.get("ours", []) if "time_ms" in r and r["dtype"] == "bf16"),
+                   key=lambda r: r["time_ms"])
+    for kind, lr in (peer.get("llama_cpp") or {}).items():
+        if timed:
+            v = lr["median_ms"] / timed[0]["time_ms"]
+            add(f"suffix_peer_llama_cpp_{kind}", "suffix_flops",
+                f"llama.cpp {kind} prefill ms / ours ({timed[0]['backend']} bf16, all 30 smol blocks) ms at "
+                f"T={peer['tokens']}", v, "> 1", v > 1)
+
+
 def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: float = 0.5,
                    handoff_ratio: float = 40.0) -> list[dict]:
     """The issue's goals against the measured figures: [{id, part, what, value, target, met}]."""
@@ -234,38 +269,7 @@ def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: 
                     ratio, "<= 1 (not slower than a fixed K)", ratio <= 1.0)
     f = doc.get("suffix_flops")
     if f:
-        rows = f["results"]
-        for r in rows:
-            if r.get("backend", "eager") == "eager":
-                add(f"suffix_flops_{r['preset']}_{r['dtype']}", "suffix_flops",
-                    f"{r['preset']} {r['dtype']} eager: achieved / GEMM peak FLOP/s", r["ratio"],
-                    f">= {f['goal_ratio']}", r["ratio"] >= f["goal_ratio"])
-        for name in ("smol", "minddrive-0.5b"):
-            for dtype, target in (f.get("goal_ratio_best") or {}).items():
-                cands = [r for r in rows if r["preset"] == name and r["dtype"] == dtype]
-                if not cands:
-                    continue
-                best = max(cands, key=lambda r: r.get("ratio_vs_best_peak", r["ratio"]))
-                v = best.get("ratio_vs_best_peak", best["ratio"])
-                add(f"suffix_flops_best_{name}_{dtype}", "suffix_flops",
-                    f"{name} {dtype}, best backend ({best['backend']}): achieved / same run's best GEMM "
-                    f"(max of {dtype} and fp32)", v, f">= {target}", v >= target)
-        for r in rows:
-            x = r.get("restart")
-            if x:
-                add(f"suffix_restart_{r['preset']}_{r['dtype']}_{r['backend']}", "suffix_flops",
-                    f"{r['preset']} {r['dtype']} {r['backend']}: restart from the cached artifact, s beyond eager"
-                    + ("" if x.get("cache_hit") else " (artifact NOT reused)"), x["backend_extra_s"],
-                    f"<= {f['goal_restart_s']}", x["backend_extra_s"] <= f["goal_restart_s"] and x.get("cache_hit"))
-        peer = f.get("peer") or {}
-        timed = sorted((r for r in peer.get("ours", []) if "time_ms" in r and r["dtype"] == "bf16"),
-                       key=lambda r: r["time_ms"])
-        for kind, lr in (peer.get("llama_cpp") or {}).items():
-            if timed:
-                v = lr["median_ms"] / timed[0]["time_ms"]
-                add(f"suffix_peer_llama_cpp_{kind}", "suffix_flops",
-                    f"llama.cpp {kind} prefill ms / ours ({timed[0]['backend']} bf16, all 30 smol blocks) ms at "
-                    f"T={peer['tokens']}", v, "> 1", v > 1)
+        _flops_goals(f, add)
     q = doc.get("preprocess")
     for r in (q or {}).get("results", []):
         if r["input"] == "rgb8" and r.get("ratio_to_limit") is not None:
@@ -304,22 +308,11 @@ def _zero_copy_goals(h: dict, add, p50_ms: float = 0.05, p99_ms: float = 0.2) ->
 
 # ------------------------------------------------------------------------------------------ JSON
 
-def _finite(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def write_json(doc: dict, path: str | Path) -> Path:
-    """Write ``doc`` as strict JSON (NaN / inf as null), creating the folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n")
-    return path
+    """Write ``doc`` as strict JSON (NaN / inf as null), creating the folder (:func:`~..harness.write_report`)."""
+    from ..harness import write_report
+
+    return write_report(doc, path)
 
 
 # ------------------------------------------------------------------------------------------ Markdown
@@ -375,84 +368,10 @@ def markdown(doc: dict) -> str:
                    + ", ".join(f"{k} {v['foreign_cpu_share']:.0%}" for k, v in noise.items()) + ".")
     h = doc.get("handoff")
     if h:
-        out.append(f"\n**Hand-off** of bf16 hidden states between two processes (producer cores "
-                   f"{h['producer_cores']}, consumer cores {h['consumer_cores']}); p50 / p90 ms, CPU ms per message "
-                   f"(producer + consumer); ring/memcpy {h['count']} messages, rclpy {h['rclpy_count']} per size.")
-        variants = list(h["variants"])
-        header = ["size", "memcpy (floor)", "ring", "ring copy / wake p50", "ring CPU"]
-        for v in variants:
-            header += [f"rclpy {v}", f"{v} CPU"]
-        header += ["best rclpy / ring", "ring / memcpy"]
-        rows = []
-        for r in h["sizes"]:
-            ring = r["ring"]
-            row = [f"{r['size_mib']:g} MiB", _pp(r["memcpy"]["latency_ms"]), f"**{_pp(ring['latency_ms'])}**",
-                   f"{_f(ring['copy_ms']['p50'], 3)} / {_f(ring['publish_to_view_ms']['p50'], 3)}",
-                   _f(ring["cpu_ms_per_msg"]["total"], 3)]
-            for v in variants:
-                x = r["rclpy"][v]
-                row += [_pp(x["latency_ms"], 2) + (f" ({x['lost']} lost)" if x.get("lost") else ""),
-                        _f(x["cpu_ms_per_msg"]["total"], 2)]
-            row += [f"{_f(r['ratio_best_rclpy_over_ring_p50'], 1)}x" if r["ratio_best_rclpy_over_ring_p50"] else "-",
-                    f"{_f(r['ratio_ring_over_memcpy_p50'], 2)}x"]
-            rows.append(row)
-        out.append(_table(header, rows))
-        if "gaps_ms" in h:
-            out.append(_zero_copy_markdown(h))
+        out += _handoff_markdown(h)
     p = doc.get("pipeline")
     if p:
-        out.append(f"\n**Pipeline** on the embedded bag ({p['frames']}; {p['warmup_frames']} warm-up frames); prefix "
-                   "and suffix in two processes pinned to one core each, one torch thread each. Ideal fps = 1 / "
-                   "max(mean(preprocess + prefix), mean(hand-off + suffix)) from the same run's per-frame stage times "
-                   "(those two columns are means); e2e, stage sum (preprocess + prefix + suffix) and overhead "
-                   "(e2e - stage sum, per frame) are p50, ms.")
-        header = ["preset (K / L, dtype)", "preprocess + prefix", "hand-off + suffix", "fps / ideal", "efficiency",
-                  "e2e", "stage sum", "overhead"]
-        modes = p.get("sequential_modes", [])
-        header += [f"sequential {m}: fps / e2e" for m in modes]
-        rows = []
-        for e in p["presets"]:
-            pl = e["pipeline"]
-            lat = pl["latency"]
-            row = [f"{e['preset']} ({e['split_layer']} / {e['num_layers']}, {e['dtype']}"
-                   + (f", {e['image_size']} px" if e.get("image_size_overridden") else "") + ")",
-                   _f(pl["prefix_side_ms"]["mean"], 1), _f(pl["handoff_suffix_side_ms"]["mean"], 1),
-                   f"{_f(pl['fps'], 2)} / {_f(pl['ideal_fps'], 2)}", f"**{_f(pl['efficiency'], 3)}**",
-                   _f(lat["e2e_p50_ms"], 1), _f(lat["stage_sum_p50_ms"], 1), f"{_f(lat['overhead_p50_ms'], 2)}"]
-            for m in modes:
-                s = e["sequential"].get(m)
-                row.append(f"{_f(s['fps'], 2)} / {_f(s['stages_ms']['e2e_ms']['p50'], 1)}" if s else "-")
-            rows.append(row)
-        out.append(_table(header, rows))
-        notes = [f"{e['preset']}: K = {e['split_layer']}: {e['split_reason']}" for e in p["presets"]]
-        notes += [f"{e['preset']}: {e['note']}" for e in p["presets"] if e.get("note")]
-        for e in p["presets"]:
-            pl, c = e["pipeline"], e.get("contention")
-            st = pl["stages_ms"]
-            extra = [f"bottleneck {pl['bottleneck']}", f"frames dropped {pl['frames_dropped']}",
-                     f"prefix process cycle (incl. copy, publish, freeing) {_f(pl['prefix_cycle_ms']['p50'], 1)} ms",
-                     f"hand-off {_f(st['handoff_net_ms']['p50'], 3)} ms (copy {_f(st['copy_ms']['p50'], 3)}, "
-                     f"wake {_f(st['wake_ms']['p50'], 3)}, queue wait {_f(st['queue_wait_ms']['p50'], 3)})"]
-            if c:
-                extra.append(f"stage time in the pipeline / alone on one core: prefix {_f(c['prefix'], 2)}x, "
-                             f"suffix {_f(c['suffix'], 2)}x")
-            notes.append(f"{e['preset']}: " + "; ".join(extra))
-        out.append("\n".join(f"- {n}" for n in notes))
-        sb = p.get("suffix_bound")
-        if sb:
-            out.append(f"\n**Suffix-bound pipeline**: {sb['preset']} at K={sb['split_layer']}, its suffix made "
-                       f"{sb['suffix_extra_ms']:g} ms slower (busy wait); {sb.get('warmup_frames', '?')} warm-up "
-                       "frames; p50 ms." + (f" **Error**: {sb['error']}." if sb.get("error") else ""))
-            rows = []
-            for name, v in sb["variants"].items():
-                lat, st = v["latency"], v["stages_ms"]
-                rows.append([name, _f(v["prefix_side_ms"]["p50"], 1), _f(st["suffix_ms"]["p50"], 1),
-                             _f(st["queue_wait_ms"]["p50"], 1), _f(lat["e2e_p50_ms"], 1),
-                             _f(lat["stage_sum_p50_ms"], 1),
-                             f"**{_f(lat['overhead_p50_ms'], 1)}** (<= {_f(lat['allowed_ms'], 1)})", _f(v["fps"], 2),
-                             str(ConsumerStats.from_dict(v["ring_stats"]["consumer"]).superseded)])
-            out.append(_table(["variant", "preprocess + prefix", "suffix", "queue wait", "e2e", "stage sum",
-                               "overhead (allowed)", "fps", "superseded"], rows))
+        out += _pipeline_markdown(p)
     ls = doc.get("loadstep")
     for e in (ls or {}).get("presets", []):
         out.append(f"\n**Load step** ({e['preset']}, K = {e['split_layer']} from the profile; {e['before']} frames, "
@@ -471,80 +390,10 @@ def markdown(doc: dict) -> str:
                            "K during", "moves"], rows))
     f = doc.get("suffix_flops")
     if f:
-        out.append(f"\n**CPU suffix FLOP/s** (cores {f['cores']}, {f['threads']} thread(s), {f.get('clock', 'wall')} "
-                   "clock): the last blocks of the "
-                   "LLM + norm + heads at the preset's token count against the best torch GEMM on the same cores and "
-                   "dtype. FLOPs: 2 x MACs of every Linear + causal attention counted as half; a compiled row "
-                   "counts what its graph computes (its last block's MLP on the read-out rows only).")
-        header = ["preset", "dtype", "backend (computes in)", "blocks x T (passes)", "GFLOP", "ms", "GFLOP/s",
-                  "GEMM peak", "ratio", "vs best peak", "vs block-shape GEMM", "x eager",
-                  "time in GEMM / attention / other (/ outside the graph; GEMMs' own rate / peak)"]
-        rows = []
-        for r in f["results"]:
-            ops = r.get("ops") or {}
-            backend = r.get("backend", "eager") + (f" ({r['precision']})" if r.get("precision") else "")
-            rows.append([r["preset"], r["dtype"], backend, f"{r['blocks']} x {r['tokens']} ({r['passes']})",
-                         _f(r["gflop"], 3), _f(r["time_ms"], 2), _f(r["achieved_gflops"], 1), _f(r["peak_gflops"], 1),
-                         f"**{_f(r['ratio'], 2)}**", _f(r.get("ratio_vs_best_peak"), 2),
-                         _f(r.get("ratio_vs_block_peak"), 2),
-                         _f(r.get("speedup_vs_eager"), 2),
-                         _time_shares(ops, r["peak_gflops"])])
-        out.append(_table(header, rows))
-        compiled = [r for r in f["results"] if r.get("backend", "eager") != "eager"]
-        if compiled:
-            out.append("\nCompiled backends: cold build (convert + save + compile into an empty cache), restart in a "
-                       "fresh process from the cached artifact (s beyond the eager path: import, weights digest, "
-                       "read, compile and the first compiled frame, less the first eager frame), and drift from "
-                       "eager (relative L2 of the last token's hidden state; waypoints in m; bf16 also against fp32 "
-                       "weights of the same values).")
-            header = ["preset", "dtype", "backend", "cold build s", "restart + s (cache hit)", "artifact MiB",
-                      "rel L2 vs eager", "waypoints vs eager m", "rel L2 vs fp32 (eager's)"]
-            rows = []
-            for r in compiled:
-                x, a = r.get("restart") or {}, r.get("accuracy") or {}
-                vs32 = (f"{_f(a['rel_l2_last_hidden_vs_fp32'], 4)} ({_f(a['eager_rel_l2_last_hidden_vs_fp32'], 4)})"
-                        if "rel_l2_last_hidden_vs_fp32" in a else "-")
-                rows.append([r["preset"], r["dtype"], r["backend"], _f(r.get("build_cold_s"), 1),
-                             f"{_f(x.get('backend_extra_s'), 2)} ({x.get('cache_hit')})" if x else "-",
-                             _f(r.get("artifact_bytes", 0) / 2**20, 1),
-                             f"{a.get('rel_l2_last_hidden_vs_eager', float('nan')):.2e}",
-                             f"{a.get('waypoints_max_abs_vs_eager_m', float('nan')):.1e}", vs32])
-            out.append(_table(header, rows))
-        for sk in f.get("skipped") or []:
-            out.append(f"- {sk['backend']} skipped for {sk['preset']} {sk['dtype']}: {sk['reason']}")
-        peer = f.get("peer")
-        if peer:
-            line = (f"\n**llama.cpp peer**: prefill of SmolLM2-135M, T = {peer['tokens']}, {peer['threads']} "
-                    "thread(s), same cores; ours = all 30 `smol` blocks + norm + heads. ")
-            line += "Ours: " + ", ".join(f"{r['backend']} {r['dtype']} {_f(r['time_ms'], 1)} ms"
-                                         for r in peer["ours"] if "time_ms" in r) + ". "
-            if peer.get("llama_cpp"):
-                line += "llama.cpp: " + ", ".join(f"{k} {_f(v['median_ms'], 1)} ms"
-                                                  for k, v in peer["llama_cpp"].items()) + ". "
-                line += "Ratios (llama.cpp ms / ours ms, > 1: ours faster): " + ", ".join(
-                    f"{k} {_f(v, 2)}" for k, v in peer["ratios"].items()) + "."
-            else:
-                line += f"llama.cpp skipped: {peer.get('skipped_reason')}"
-            build = peer.get("llama_cpp_build")
-            if build and "error" in build:
-                line += f" Building llama-cpp-python failed: {build['error'].splitlines()[0]}"
-            elif build:
-                line += (f" llama-cpp-python built from source in {build['seconds']:.0f} s ({build['path']})."
-                         if build["built"] else f" llama-cpp-python: the build in {build['path']}.")
-            out.append(line)
+        out += _flops_markdown(f)
     q = doc.get("preprocess")
     if q:
-        out.append(f"\n**Camera preprocessing**, 6 cameras of 1600x900 per frame ({q['source']}), prefix cores "
-                   f"{q['cores']}: decode + convert + resize + normalise (PrefixResult.preprocess_ms) against the "
-                   "prefix model time; share = preprocess / (preprocess + prefix); one-pass limit: one copy of the "
-                   "six cameras' rgb8 pixels (26 MB) into buffers allocated beforehand; ms are p50.")
-        header = ["preset (input px, K)", "input", "JPEG decoder", "resize", "decode / convert", "resize + normalise",
-                  "preprocess", "one-pass limit", "preprocess / limit", "prefix", "share"]
-        rows = [[f"{r['preset']} ({r['image_size']}, {r['split_layer']})", r["input"], r.get("decoder") or "-",
-                 r.get("resize", "area"), _f(r["decode_ms"], 1), _f(r["resize_normalize_ms"], 1),
-                 _f(r["preprocess_ms"]["p50"], 1), _f(r.get("limit_ms"), 1), _f(r.get("ratio_to_limit"), 2),
-                 _f(r["prefix_ms"]["p50"], 1), f"**{_f(r['share'], 2)}**"] for r in q["results"]]
-        out.append(_table(header, rows))
+        out += _preprocess_markdown(q)
     if doc.get("families"):
         from .families import markdown as families_markdown
 
@@ -559,6 +408,177 @@ def markdown(doc: dict) -> str:
         out.append("\n**Errors**: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in doc["errors"].items()))
     return "\n".join(out) + "\n"
 
+
+def _handoff_markdown(h: dict) -> list[str]:
+    """The hand-off table (ring, memcpy, rclpy per size) and the zero-copy one."""
+    out = []
+    out.append(f"\n**Hand-off** of bf16 hidden states between two processes (producer cores "
+               f"{h['producer_cores']}, consumer cores {h['consumer_cores']}); p50 / p90 ms, CPU ms per message "
+               f"(producer + consumer); ring/memcpy {h['count']} messages, rclpy {h['rclpy_count']} per size.")
+    variants = list(h["variants"])
+    header = ["size", "memcpy (floor)", "ring", "ring copy / wake p50", "ring CPU"]
+    for v in variants:
+        header += [f"rclpy {v}", f"{v} CPU"]
+    header += ["best rclpy / ring", "ring / memcpy"]
+    rows = []
+    for r in h["sizes"]:
+        ring = r["ring"]
+        row = [f"{r['size_mib']:g} MiB", _pp(r["memcpy"]["latency_ms"]), f"**{_pp(ring['latency_ms'])}**",
+               f"{_f(ring['copy_ms']['p50'], 3)} / {_f(ring['publish_to_view_ms']['p50'], 3)}",
+               _f(ring["cpu_ms_per_msg"]["total"], 3)]
+        for v in variants:
+            x = r["rclpy"][v]
+            row += [_pp(x["latency_ms"], 2) + (f" ({x['lost']} lost)" if x.get("lost") else ""),
+                    _f(x["cpu_ms_per_msg"]["total"], 2)]
+        row += [f"{_f(r['ratio_best_rclpy_over_ring_p50'], 1)}x" if r["ratio_best_rclpy_over_ring_p50"] else "-",
+                f"{_f(r['ratio_ring_over_memcpy_p50'], 2)}x"]
+        rows.append(row)
+    out.append(_table(header, rows))
+    if "gaps_ms" in h:
+        out.append(_zero_copy_markdown(h))
+    return out
+
+
+def _pipeline_markdown(p: dict) -> list[str]:
+    """The pipeline table per preset, its notes, and the suffix-bound run."""
+    out = []
+    out.append(f"\n**Pipeline** on the embedded bag ({p['frames']}; {p['warmup_frames']} warm-up frames); prefix "
+               "and suffix in two processes pinned to one core each, one torch thread each. Ideal fps = 1 / "
+               "max(mean(preprocess + prefix), mean(hand-off + suffix)) from the same run's per-frame stage times "
+               "(those two columns are means); e2e, stage sum (preprocess + prefix + suffix) and overhead "
+               "(e2e - stage sum, per frame) are p50, ms.")
+    header = ["preset (K / L, dtype)", "preprocess + prefix", "hand-off + suffix", "fps / ideal", "efficiency",
+              "e2e", "stage sum", "overhead"]
+    modes = p.get("sequential_modes", [])
+    header += [f"sequential {m}: fps / e2e" for m in modes]
+    rows = []
+    for e in p["presets"]:
+        pl = e["pipeline"]
+        lat = pl["latency"]
+        row = [f"{e['preset']} ({e['split_layer']} / {e['num_layers']}, {e['dtype']}"
+               + (f", {e['image_size']} px" if e.get("image_size_overridden") else "") + ")",
+               _f(pl["prefix_side_ms"]["mean"], 1), _f(pl["handoff_suffix_side_ms"]["mean"], 1),
+               f"{_f(pl['fps'], 2)} / {_f(pl['ideal_fps'], 2)}", f"**{_f(pl['efficiency'], 3)}**",
+               _f(lat["e2e_p50_ms"], 1), _f(lat["stage_sum_p50_ms"], 1), f"{_f(lat['overhead_p50_ms'], 2)}"]
+        for m in modes:
+            s = e["sequential"].get(m)
+            row.append(f"{_f(s['fps'], 2)} / {_f(s['stages_ms']['e2e_ms']['p50'], 1)}" if s else "-")
+        rows.append(row)
+    out.append(_table(header, rows))
+    notes = [f"{e['preset']}: K = {e['split_layer']}: {e['split_reason']}" for e in p["presets"]]
+    notes += [f"{e['preset']}: {e['note']}" for e in p["presets"] if e.get("note")]
+    for e in p["presets"]:
+        pl, c = e["pipeline"], e.get("contention")
+        st = pl["stages_ms"]
+        extra = [f"bottleneck {pl['bottleneck']}", f"frames dropped {pl['frames_dropped']}",
+                 f"prefix process cycle (incl. copy, publish, freeing) {_f(pl['prefix_cycle_ms']['p50'], 1)} ms",
+                 f"hand-off {_f(st['handoff_net_ms']['p50'], 3)} ms (copy {_f(st['copy_ms']['p50'], 3)}, "
+                 f"wake {_f(st['wake_ms']['p50'], 3)}, queue wait {_f(st['queue_wait_ms']['p50'], 3)})"]
+        if c:
+            extra.append(f"stage time in the pipeline / alone on one core: prefix {_f(c['prefix'], 2)}x, "
+                         f"suffix {_f(c['suffix'], 2)}x")
+        notes.append(f"{e['preset']}: " + "; ".join(extra))
+    out.append("\n".join(f"- {n}" for n in notes))
+    sb = p.get("suffix_bound")
+    if sb:
+        out.append(f"\n**Suffix-bound pipeline**: {sb['preset']} at K={sb['split_layer']}, its suffix made "
+                   f"{sb['suffix_extra_ms']:g} ms slower (busy wait); {sb.get('warmup_frames', '?')} warm-up "
+                   "frames; p50 ms." + (f" **Error**: {sb['error']}." if sb.get("error") else ""))
+        rows = []
+        for name, v in sb["variants"].items():
+            lat, st = v["latency"], v["stages_ms"]
+            rows.append([name, _f(v["prefix_side_ms"]["p50"], 1), _f(st["suffix_ms"]["p50"], 1),
+                         _f(st["queue_wait_ms"]["p50"], 1), _f(lat["e2e_p50_ms"], 1),
+                         _f(lat["stage_sum_p50_ms"], 1),
+                         f"**{_f(lat['overhead_p50_ms'], 1)}** (<= {_f(lat['allowed_ms'], 1)})", _f(v["fps"], 2),
+                         str(ConsumerStats.from_dict(v["ring_stats"]["consumer"]).superseded)])
+        out.append(_table(["variant", "preprocess + prefix", "suffix", "queue wait", "e2e", "stage sum",
+                           "overhead (allowed)", "fps", "superseded"], rows))
+    return out
+
+
+def _flops_markdown(f: dict) -> list[str]:
+    """The CPU suffix FLOP/s table, the compiled backends' and the llama.cpp peer."""
+    out = []
+    out.append(f"\n**CPU suffix FLOP/s** (cores {f['cores']}, {f['threads']} thread(s), {f.get('clock', 'wall')} "
+               "clock): the last blocks of the "
+               "LLM + norm + heads at the preset's token count against the best torch GEMM on the same cores and "
+               "dtype. FLOPs: 2 x MACs of every Linear + causal attention counted as half; a compiled row "
+               "counts what its graph computes (its last block's MLP on the read-out rows only).")
+    header = ["preset", "dtype", "backend (computes in)", "blocks x T (passes)", "GFLOP", "ms", "GFLOP/s",
+              "GEMM peak", "ratio", "vs best peak", "vs block-shape GEMM", "x eager",
+              "time in GEMM / attention / other (/ outside the graph; GEMMs' own rate / peak)"]
+    rows = []
+    for r in f["results"]:
+        ops = r.get("ops") or {}
+        backend = r.get("backend", "eager") + (f" ({r['precision']})" if r.get("precision") else "")
+        rows.append([r["preset"], r["dtype"], backend, f"{r['blocks']} x {r['tokens']} ({r['passes']})",
+                     _f(r["gflop"], 3), _f(r["time_ms"], 2), _f(r["achieved_gflops"], 1), _f(r["peak_gflops"], 1),
+                     f"**{_f(r['ratio'], 2)}**", _f(r.get("ratio_vs_best_peak"), 2),
+                     _f(r.get("ratio_vs_block_peak"), 2),
+                     _f(r.get("speedup_vs_eager"), 2),
+                     _time_shares(ops, r["peak_gflops"])])
+    out.append(_table(header, rows))
+    compiled = [r for r in f["results"] if r.get("backend", "eager") != "eager"]
+    if compiled:
+        out.append("\nCompiled backends: cold build (convert + save + compile into an empty cache), restart in a "
+                   "fresh process from the cached artifact (s beyond the eager path: import, weights digest, "
+                   "read, compile and the first compiled frame, less the first eager frame), and drift from "
+                   "eager (relative L2 of the last token's hidden state; waypoints in m; bf16 also against fp32 "
+                   "weights of the same values).")
+        header = ["preset", "dtype", "backend", "cold build s", "restart + s (cache hit)", "artifact MiB",
+                  "rel L2 vs eager", "waypoints vs eager m", "rel L2 vs fp32 (eager's)"]
+        rows = []
+        for r in compiled:
+            x, a = r.get("restart") or {}, r.get("accuracy") or {}
+            vs32 = (f"{_f(a['rel_l2_last_hidden_vs_fp32'], 4)} ({_f(a['eager_rel_l2_last_hidden_vs_fp32'], 4)})"
+                    if "rel_l2_last_hidden_vs_fp32" in a else "-")
+            rows.append([r["preset"], r["dtype"], r["backend"], _f(r.get("build_cold_s"), 1),
+                         f"{_f(x.get('backend_extra_s'), 2)} ({x.get('cache_hit')})" if x else "-",
+                         _f(r.get("artifact_bytes", 0) / 2**20, 1),
+                         f"{a.get('rel_l2_last_hidden_vs_eager', float('nan')):.2e}",
+                         f"{a.get('waypoints_max_abs_vs_eager_m', float('nan')):.1e}", vs32])
+        out.append(_table(header, rows))
+    for sk in f.get("skipped") or []:
+        out.append(f"- {sk['backend']} skipped for {sk['preset']} {sk['dtype']}: {sk['reason']}")
+    peer = f.get("peer")
+    if peer:
+        line = (f"\n**llama.cpp peer**: prefill of SmolLM2-135M, T = {peer['tokens']}, {peer['threads']} "
+                "thread(s), same cores; ours = all 30 `smol` blocks + norm + heads. ")
+        line += "Ours: " + ", ".join(f"{r['backend']} {r['dtype']} {_f(r['time_ms'], 1)} ms"
+                                     for r in peer["ours"] if "time_ms" in r) + ". "
+        if peer.get("llama_cpp"):
+            line += "llama.cpp: " + ", ".join(f"{k} {_f(v['median_ms'], 1)} ms"
+                                              for k, v in peer["llama_cpp"].items()) + ". "
+            line += "Ratios (llama.cpp ms / ours ms, > 1: ours faster): " + ", ".join(
+                f"{k} {_f(v, 2)}" for k, v in peer["ratios"].items()) + "."
+        else:
+            line += f"llama.cpp skipped: {peer.get('skipped_reason')}"
+        build = peer.get("llama_cpp_build")
+        if build and "error" in build:
+            line += f" Building llama-cpp-python failed: {build['error'].splitlines()[0]}"
+        elif build:
+            line += (f" llama-cpp-python built from source in {build['seconds']:.0f} s ({build['path']})."
+                     if build["built"] else f" llama-cpp-python: the build in {build['path']}.")
+        out.append(line)
+    return out
+
+
+def _preprocess_markdown(q: dict) -> list[str]:
+    """The camera preprocessing table."""
+    out = []
+    out.append(f"\n**Camera preprocessing**, 6 cameras of 1600x900 per frame ({q['source']}), prefix cores "
+               f"{q['cores']}: decode + convert + resize + normalise (PrefixResult.preprocess_ms) against the "
+               "prefix model time; share = preprocess / (preprocess + prefix); one-pass limit: one copy of the "
+               "six cameras' rgb8 pixels (26 MB) into buffers allocated beforehand; ms are p50.")
+    header = ["preset (input px, K)", "input", "JPEG decoder", "resize", "decode / convert", "resize + normalise",
+              "preprocess", "one-pass limit", "preprocess / limit", "prefix", "share"]
+    rows = [[f"{r['preset']} ({r['image_size']}, {r['split_layer']})", r["input"], r.get("decoder") or "-",
+             r.get("resize", "area"), _f(r["decode_ms"], 1), _f(r["resize_normalize_ms"], 1),
+             _f(r["preprocess_ms"]["p50"], 1), _f(r.get("limit_ms"), 1), _f(r.get("ratio_to_limit"), 2),
+             _f(r["prefix_ms"]["p50"], 1), f"**{_f(r['share'], 2)}**"] for r in q["results"]]
+    out.append(_table(header, rows))
+    return out
 
 def _zero_copy_markdown(h: dict) -> str:
     """The zero-copy table: p50 / p99 ms per size and gap for the ring (spin then block), ring block only and

@@ -119,7 +119,7 @@ def head_flops(cfg) -> int:
 def mlp_rows_flops(cfg, rows: int) -> int:
     """FLOPs of one block's MLP (gate, up: H -> I; down: I -> H) on ``rows`` tokens of each of the
     ``cfg.llm_passes`` passes: what a compiled suffix leaves out of block L-1 when it computes the MLP for the
-    read-out rows only (:func:`hybrid_vla_ros.runtime.suffix_backend._last_rows_of_block`, T - rows rows)."""
+    read-out rows only (:func:`hybrid_vla_ros.model.traced.last_rows_of_block`, T - rows rows)."""
     shapes = linear_shapes(cfg)
     return sum(2 * cfg.llm_passes * rows * fin * fout for fin, fout in (shapes[n] for n in ("gate_proj", "up_proj",
                                                                                            "down_proj")))
@@ -239,7 +239,7 @@ def _stage(cfg, k: int, dtype, seed: int):
     import torch
 
     from ...model.modeling import SuffixStage
-    from ...split.profiler import random_init_
+    from ...model.timing_parts import random_init_
 
     torch.manual_seed(seed)
     with torch.device("meta"):
@@ -322,6 +322,59 @@ def _reps(fn, repeats: int, slow_s: float = 1.0) -> int:
     return repeats if time.process_time() - t0 <= slow_s else min(repeats, 2)
 
 
+class _GemmPeaks:
+    """The best torch GEMM rates at a config's shapes (:func:`gemm_shapes`) per dtype, as F.linear and torch.mm, each
+    shape timed once (``repeats`` samples of at least ``min_sample_s`` s on ``clock``)."""
+
+    def __init__(self, repeats: int, min_sample_s: float, clock: str):
+        self.repeats, self.min_sample_s, self.clock = repeats, min_sample_s, clock
+        self.cache: dict[tuple, dict] = {}
+
+    def gemm(self, shape, dtype) -> dict:
+        """{shape, mm_gflops, linear_gflops} of one (M, K, N) GEMM in ``dtype`` (timed once per shape)."""
+        import torch
+        import torch.nn.functional as F
+
+        key = (shape, dtype)
+        if key not in self.cache:
+            m, k, n = shape
+            a = torch.randn(m, k).to(dtype)
+            b = torch.randn(k, n).to(dtype)
+            w = b.t().contiguous()  # (N, K): nn.Linear's weight layout
+            c = torch.empty(m, n, dtype=dtype)
+            flop = 2 * m * k * n
+            with torch.inference_mode():
+                t_lin = time_call(lambda: F.linear(a, w), repeats=_reps(lambda: F.linear(a, w), self.repeats),
+                                  min_sample_s=self.min_sample_s, clock=self.clock)
+                t0 = time.process_time()
+                torch.mm(a, b, out=c)
+                t_probe = time.process_time() - t0
+                if t_probe > 1.0 and t_probe > 3 * t_lin["median"]:  # bf16 without bf16 instructions: torch.mm
+                    t_mm = {"median": t_probe}  # runs at ~1 GFLOP/s, 10x below F.linear: one call tells enough
+                else:
+                    t_mm = time_call(lambda: torch.mm(a, b, out=c), repeats=self.repeats,
+                                     min_sample_s=self.min_sample_s, clock=self.clock)
+            self.cache[key] = {"shape": list(shape), "mm_gflops": flop / t_mm["median"] / 1e9,
+                               "linear_gflops": flop / t_lin["median"] / 1e9}
+        return self.cache[key]
+
+    def peak_of(self, cfg, dtype):
+        """(every GEMM timed at the config's shapes, the best one, its GFLOP/s)."""
+        gemms = []
+        for shape in gemm_shapes(cfg):
+            rate = max((max(g["mm_gflops"], g["linear_gflops"]) for g in gemms), default=0.0)
+            if shape == LARGE_GEMM and rate and 2 * math.prod(shape) / (rate * 1e9) > 0.5:
+                # over 0.5 s a call at the block shapes' best rate (bf16 without bf16 instructions: 1-10 GFLOP/s,
+                # torch.mm the slower): not the peak there, and timing it would take minutes
+                gemms.append({"shape": list(shape), "mm_gflops": None, "linear_gflops": None,
+                              "skipped": f"over 0.5 s a call at the {rate:.1f} GFLOP/s the block shapes reach"})
+                continue
+            gemms.append(self.gemm(shape, dtype))
+        timed = [g for g in gemms if g["mm_gflops"] is not None]
+        best = max(timed, key=lambda g: max(g["mm_gflops"], g["linear_gflops"]))
+        return gemms, best, max(best["mm_gflops"], best["linear_gflops"])
+
+
 def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, repeats: int = 5,
                min_sample_s: float = 0.05, gemm_repeats: int = 5, profile_ops: bool = True,
                backends: list[str] = ("eager",), cache_dir: str | None = None, clock: str = "wall") -> dict:
@@ -336,7 +389,6 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
     reuse) and measured on the same stage. A backend that cannot be built is listed in ``skipped`` with the
     reason. ``clock``: :func:`.common.time_call`'s clock for every timing here (suffix and GEMMs alike)."""
     import torch
-    import torch.nn.functional as F
 
     from ...model.checkpoint import parse_dtype
     from ...model.config import preset
@@ -344,46 +396,7 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    gemm_cache: dict[tuple, dict] = {}
-
-    def gemm(shape, dtype) -> dict:
-        key = (shape, dtype)
-        if key not in gemm_cache:
-            m, k, n = shape
-            a = torch.randn(m, k).to(dtype)
-            b = torch.randn(k, n).to(dtype)
-            w = b.t().contiguous()  # (N, K): nn.Linear's weight layout
-            c = torch.empty(m, n, dtype=dtype)
-            flop = 2 * m * k * n
-            with torch.inference_mode():
-                t_lin = time_call(lambda: F.linear(a, w), repeats=_reps(lambda: F.linear(a, w), gemm_repeats),
-                                  min_sample_s=min_sample_s, clock=clock)
-                t0 = time.process_time()
-                torch.mm(a, b, out=c)
-                t_probe = time.process_time() - t0
-                if t_probe > 1.0 and t_probe > 3 * t_lin["median"]:  # bf16 without bf16 instructions: torch.mm
-                    t_mm = {"median": t_probe}  # runs at ~1 GFLOP/s, 10x below F.linear: one call tells enough
-                else:
-                    t_mm = time_call(lambda: torch.mm(a, b, out=c), repeats=gemm_repeats, min_sample_s=min_sample_s,
-                                     clock=clock)
-            gemm_cache[key] = {"shape": list(shape), "mm_gflops": flop / t_mm["median"] / 1e9,
-                               "linear_gflops": flop / t_lin["median"] / 1e9}
-        return gemm_cache[key]
-
-    def peak_of(cfg, dtype):
-        gemms = []
-        for shape in gemm_shapes(cfg):
-            rate = max((max(g["mm_gflops"], g["linear_gflops"]) for g in gemms), default=0.0)
-            if shape == LARGE_GEMM and rate and 2 * math.prod(shape) / (rate * 1e9) > 0.5:
-                # over 0.5 s a call at the block shapes' best rate (bf16 without bf16 instructions: 1-10 GFLOP/s,
-                # torch.mm the slower): not the peak there, and timing it would take minutes
-                gemms.append({"shape": list(shape), "mm_gflops": None, "linear_gflops": None,
-                              "skipped": f"over 0.5 s a call at the {rate:.1f} GFLOP/s the block shapes reach"})
-                continue
-            gemms.append(gemm(shape, dtype))
-        timed = [g for g in gemms if g["mm_gflops"] is not None]
-        best = max(timed, key=lambda g: max(g["mm_gflops"], g["linear_gflops"]))
-        return gemms, best, max(best["mm_gflops"], best["linear_gflops"])
+    peaks = _GemmPeaks(gemm_repeats, min_sample_s, clock)
 
     out, skipped = [], []
     for spec in presets:
@@ -400,11 +413,11 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
                               min_sample_s=min_sample_s, clock=clock)
                 calls = max(1, min(3, int(0.5 / t["median"])))  # about half a second of profiling
                 ops = _op_breakdown(lambda: stage(h, DEFAULT_COMMAND, k), calls=calls) if profile_ops else None
-            gemms, best, peak = peak_of(cfg, dtype)
-            peak32 = peak if dtype == torch.float32 else peak_of(cfg, torch.float32)[2]
+            gemms, best, peak = peaks.peak_of(cfg, dtype)
+            peak32 = peak if dtype == torch.float32 else peaks.peak_of(cfg, torch.float32)[2]
             # the best GEMM at the block's own shapes (M = B T), in the faster of the two dtypes
             block_peak = max(max(g["mm_gflops"], g["linear_gflops"]) for dt in {dtype, torch.float32}
-                             for g in peak_of(cfg, dt)[0]
+                             for g in peaks.peak_of(cfg, dt)[0]
                              if g["mm_gflops"] is not None and g["shape"] != list(LARGE_GEMM))
             achieved = count["total"] / t["median"] / 1e9
             row = {

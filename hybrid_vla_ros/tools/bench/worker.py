@@ -23,7 +23,6 @@ TASKS = {
     "zc_iox_consumer": ("hybrid_vla_ros.tools.bench.zero_copy", "iox_consumer_task"),
     "rclpy_publisher": ("hybrid_vla_ros.tools.bench.handoff", "rclpy_publisher_task"),
     "rclpy_subscriber": ("hybrid_vla_ros.tools.bench.handoff", "rclpy_subscriber_task"),
-    "checkpoint": ("hybrid_vla_ros.tools.bench.pipeline", "checkpoint_task"),
     "split_profile": ("hybrid_vla_ros.tools.bench.pipeline", "split_profile_task"),
     "pipeline_prefix": ("hybrid_vla_ros.tools.bench.pipeline", "prefix_task"),
     "pipeline_suffix": ("hybrid_vla_ros.tools.bench.pipeline", "suffix_task"),

@@ -70,16 +70,10 @@ def sizes_for(small: bool, cuda: bool = False) -> Sizes:
 
 
 def image_size_overrides(name: str, size: int, overrides: dict | None = None) -> dict:
-    """``overrides`` of preset ``name`` with its cameras at ``size`` px: the top-level ``image_size`` and the
-    vision encoder's own ``vision.image_size`` together (the config refuses them differing; ``preset`` replaces
-    top-level fields only, so the vision dict is copied with the new size)."""
-    from ...model.config import preset
+    """``overrides`` of preset ``name`` with its cameras at ``size`` px (:func:`~..harness.sized`)."""
+    from ..harness import sized
 
-    out = dict(overrides or {})
-    vision = dict(out.get("vision") or preset(name, **out).vision)
-    vision["image_size"] = size
-    out.update(image_size=size, vision=vision)
-    return out
+    return sized(name, size, overrides)
 
 
 def numerics_overrides(sizes: "Sizes") -> dict:

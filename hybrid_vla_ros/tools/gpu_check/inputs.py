@@ -10,36 +10,10 @@ from types import SimpleNamespace
 
 
 def ensure_checkpoint(cache: Path, name: str, overrides: dict, dtype: str = "fp16", log=print) -> Path:
-    """A random-init checkpoint of preset ``name`` with ``overrides`` stored in ``dtype`` under ``cache``,
-    written once and reused while its config matches (``init_model``; a 7B one takes a minute or two)."""
-    from ...model.checkpoint import init_model
-    from ...model.config import preset
+    """The cached random-init checkpoint of preset ``name`` (:func:`~..harness.ensure_checkpoint`), fp16 by default."""
+    from ..harness import ensure_checkpoint as cached
 
-    import hashlib
-
-    key = f"{name}-{dtype}"
-    if overrides:
-        key += "-" + hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:10]
-    path = Path(cache) / key
-    want = preset(name, **overrides).to_dict()
-    want["random_init"] = True
-    cfg_file = path / "config.json"
-    if cfg_file.is_file() and (path / "model.safetensors").is_file():
-        try:
-            if json.loads(cfg_file.read_text()) == want:
-                from ...model.checkpoint import open_checkpoint
-
-                open_checkpoint(path)  # every tensor's bytes in the file: not one cut short by a killed writer
-                return path
-        except (OSError, ValueError):
-            pass
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
-    t0 = time.perf_counter()
-    init_model(name, path, seed=0, overrides=dict(overrides), dtype=dtype)
-    log(f"  wrote the {name} checkpoint ({dtype}) to {path} in {time.perf_counter() - t0:.1f} s")
-    return path
+    return cached(cache, name, overrides, dtype, log=log)
 
 
 def synthetic_rgb(width: int, height: int, seed: int = 0):

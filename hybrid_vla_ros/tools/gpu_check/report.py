@@ -247,24 +247,10 @@ def _json_default(o):
 
 
 def write_report(report: dict, out: Path) -> tuple[Path, Path]:
-    """Write ``gpu_check.json`` and ``gpu_check.md`` under ``out``; returns their paths. Each file is written
-    beside itself and renamed over the old one, so a run killed while writing leaves the previous whole report,
-    never a truncated one."""
-    jpath, mpath = Path(out) / "gpu_check.json", Path(out) / "gpu_check.md"
-    for path, text in ((jpath, json.dumps(_finite(report), indent=2, default=_json_default) + "\n"),
-                       (mpath, markdown(report))):
-        part = path.with_name(path.name + ".part")
-        part.write_text(text)
-        os.replace(part, path)
-    return jpath, mpath
+    """Write ``gpu_check.json`` and ``gpu_check.md`` under ``out`` (:func:`~..harness.write_report`: a run killed
+    while writing leaves the previous whole report); returns their paths."""
+    from ..harness import write_report as write
 
+    jpath = write(report, Path(out) / "gpu_check.json", markdown(report), indent=2, default=_json_default)
+    return jpath, jpath.with_suffix(".md")
 
-def _finite(o):
-    """NaN / inf as None (strict JSON)."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    return o

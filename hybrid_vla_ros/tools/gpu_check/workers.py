@@ -33,14 +33,17 @@ def _free_reader(device, sim):
     return lambda runner: int(total - plan.row(runner.split_layer).gpu_total_bytes - ballast.value)
 
 
-def _auto_policy(spec: dict, runner, shared, conn):
-    """(policy, free-memory reader) of the spec's auto re-split (``spec['policy']``: ``low`` / ``high``
-    thresholds and ``margin`` in bytes, ``up_after`` readings), after sending the parent the plan's bytes per K;
-    (None, None) without one. On the CPU the free memory is simulated: a device of ``sim_total`` bytes (set here
-    in the spec's policy) minus the plan total of the current K minus the ballast."""
+def _auto_policy(spec: dict, runner, shared, conn, ctx, on_move):
+    """The prefix's split-layer control (runtime.split_control) running the spec's auto re-split on memory
+    pressure (``spec['policy']``: ``low`` / ``high`` thresholds and ``margin`` in bytes, ``up_after`` readings),
+    after sending the parent the plan's bytes per K; None without one. On the CPU the free memory is simulated: a
+    device of ``sim_total`` bytes (set here in the spec's policy) minus the plan total of the current K minus the
+    ballast. Each reading is also stored in ``shared['free']``."""
     if not spec.get("policy"):
-        return None, None
+        return None
+    from ...runtime.split_control import SplitLayerControl
     from ...split.planner import AutoResplitPolicy, plan_for_checkpoint
+    from ...split.rebalance import SplitPolicy
 
     dev = runner.device
     pol = spec["policy"]
@@ -52,7 +55,12 @@ def _auto_policy(spec: dict, runner, shared, conn):
     read_free = _free_reader(dev, (pol.get("sim_total", 0), plan, shared["ballast"]))
     conn.send({"type": "plan", "rows": [r.gpu_total_bytes for r in plan.rows],
                "sim_total": pol.get("sim_total", 0), "free": read_free(runner)})
-    return policy, read_free
+
+    def reading(r) -> int:
+        shared["free"].value = free = read_free(r)
+        return free
+
+    return SplitLayerControl.of_policy(ctx, SplitPolicy(plan, memory=policy), read_free=reading, on_move=on_move)
 
 
 def _frame_record(i: int, r) -> dict:
@@ -82,6 +90,7 @@ def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
         if spec.get("threads"):
             torch.set_num_threads(spec["threads"])
         from ...runtime.device import cuda_memory
+        from ...runtime.loops import FrameInputs, PrefixLoop, counting_context
         from ...runtime.prefix import PrefixRunner
         from ...runtime.settings import PrefixRunnerSettings
 
@@ -98,42 +107,33 @@ def prefix_process(conn, ev_attached, shared, spec: dict) -> None:
             raise TimeoutError("the suffix did not attach to the ring within 300 s")
         items = raw_items(runner.cfg.n_cameras, tuple(spec["camera_wh"]))
         ego = EGO_STATE if runner.cfg.ego_state_input else None
-        policy, read_free = _auto_policy(spec, runner, shared, conn)
+        ctx, drops = counting_context(runner)
         records, decisions, errors = [], [], []
+        control = _auto_policy(spec, runner, shared, conn, ctx, on_move=lambda move, k: decisions.append(
+            {"frame": i, "free": shared["free"].value, "from": k, "to": move.k, "why": move.reason}))
+        loop = PrefixLoop(ctx, pace=spec.get("pace", True), frame_inputs=lambda stamp, frame: FrameInputs(ego))
         last_read = 0.0
         stop_at = time.monotonic() + spec.get("max_s", 600)
         i = 0
         # a requested move up is applied by run() once its blocks are loaded in the background (frames keep
         # flowing meanwhile, as in the node); frames continue past `frames` until it is
         while (i < spec["frames"] or runner.split_requested
-               or (policy is not None and not shared["done"].value)):
+               or (control is not None and not shared["done"].value)):
             if time.monotonic() > stop_at:
                 errors.append("stopped: the run's time limit")
                 break
             k_req = spec.get("moves", {}).get(str(i))
             if k_req is not None:
                 runner.request_split_layer(int(k_req))
-            if policy is not None and time.monotonic() - last_read >= spec["policy"].get("period_s", 0.2):
+            if control is not None and time.monotonic() - last_read >= spec["policy"].get("period_s", 0.2):
                 last_read = time.monotonic()
-                free = read_free(runner)
-                shared["free"].value = free
-                try:
-                    k_new, why = policy.decide(runner.split_layer, free)
-                except ValueError as e:
-                    k_new, why = None, f"no K fits: {e}"
-                if k_new is not None:
-                    decisions.append({"frame": i, "free": free, "from": runner.split_layer, "to": k_new, "why": why})
-                    runner.request_split_layer(k_new)
-            if spec.get("pace", True):
-                delay = runner.pacing_delay_s()
-                if delay > 0:
-                    time.sleep(delay)
-            try:
-                r = runner.run(items, stamp_ns=i + 1, ego_state=ego)
-            except torch.cuda.OutOfMemoryError as e:
-                errors.append(f"frame {i}: out of memory: {e}")
-                sync(dev)
-                torch.cuda.empty_cache()
+                control.check_memory()  # the node's 2 s timer, at the spec's period
+            r = loop.process((i + 1, items))
+            if r is None:  # out of memory, or another failure: counted by the loop, the run goes on
+                errors.append(f"frame {i}: {drops.last}")
+                if dev.type == "cuda":
+                    sync(dev)
+                    torch.cuda.empty_cache()
                 i += 1
                 continue
             shared["k"].value = runner.split_layer
@@ -167,6 +167,7 @@ def suffix_process(conn, ev_attached, shared, spec: dict) -> None:
     try:
         import torch
 
+        from ...runtime.loops import SuffixLoop, counting_context
         from ...runtime.settings import SuffixRunnerSettings
         from ...runtime.suffix import SuffixRunner
 
@@ -174,19 +175,25 @@ def suffix_process(conn, ev_attached, shared, spec: dict) -> None:
             spec["k"], dtype=spec["dtype"], ring_name=spec["ring"], threads=spec.get("threads", 0),
             delivery=spec.get("delivery", "newest"), background_build=False))
         records, errors = [], []
-        t_attach = time.monotonic() + 300
-        while not runner.attached and time.monotonic() < t_attach:
-            runner.poll(0.05)
-        if not runner.attached:
-            raise TimeoutError(f"could not attach: {runner.attach_error}")
+        runner.wait_attached(300)
         ev_attached.set()
-        idle_since = None
+        def record(r) -> None:
+            records.append({"seq": r.meta.seq, "k": r.meta.split_layer, "stamp": r.meta.stamp_ns,
+                            "suffix_ms": r.suffix_ms, "handoff_ms": r.handoff_ms,
+                            "e2e_ms": (r.t_suffix_end_ns - r.t_prefix_start_ns) / 1e6 if r.t_prefix_start_ns else None,
+                            "t_end_ns": r.t_suffix_end_ns, "suffix_k_held": runner.split.first_held,
+                            "superseded": r.superseded, "waypoints": r.waypoints.tolist(),
+                            "resplits": len(r.resplits)})
+
+        ctx, drops = counting_context(runner)
+        loop = SuffixLoop(ctx, publish=record)
+        idle_since, seen = None, 0
         while True:
-            try:
-                r = runner.poll(0.2)
-            except (RuntimeError, ValueError) as e:
-                errors.append(f"{type(e).__name__}: {e}")
-                continue
+            r = loop.poll_once(0.2)
+            dropped = sum(n for cause, n in drops.items() if cause != "superseded")
+            if dropped > seen:  # a frame dropped (rejected, stale, a compute error): said, the run goes on
+                seen = dropped
+                errors.append(drops.last)
             if r is None:
                 if shared["prefix_done"].value:
                     idle_since = idle_since or time.monotonic()
@@ -194,12 +201,6 @@ def suffix_process(conn, ev_attached, shared, spec: dict) -> None:
                         break
                 continue
             idle_since = None
-            records.append({"seq": r.meta.seq, "k": r.meta.split_layer, "stamp": r.meta.stamp_ns,
-                            "suffix_ms": r.suffix_ms, "handoff_ms": r.handoff_ms,
-                            "e2e_ms": (r.t_suffix_end_ns - r.t_prefix_start_ns) / 1e6 if r.t_prefix_start_ns else None,
-                            "t_end_ns": r.t_suffix_end_ns, "suffix_k_held": runner.split.first_held,
-                            "superseded": r.superseded, "waypoints": r.waypoints.tolist(),
-                            "resplits": len(r.resplits)})
         conn.send({"type": "result", "records": records, "errors": errors, "superseded": runner.superseded,
                    "ring_stats": runner.ring_stats().as_dict(),
                    "rss_peak": rss_peak_bytes(), "threads": torch.get_num_threads()})

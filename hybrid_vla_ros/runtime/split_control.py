@@ -1,13 +1,29 @@
-"""The prefix node's split layer K: the plan of ``split_layer: auto``, a K set while running, and the one policy
-that moves it live (measured stage times, memory pressure; split.rebalance)."""
+"""The prefix's split layer K, without ROS: the plan of ``split_layer: auto``, a K set while running, and the one
+policy that moves it live (measured stage times, memory pressure; split.rebalance). The prefix node, the bench's
+load step and the GPU check all move K through :class:`SplitLayerControl`."""
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
-from ..runtime.device import resolve_device
+from .device import resolve_device
+from .settings import SplitPolicySettings
+
+
+class Timers(Protocol):
+    """A host's periodic timers: ``start(period_s, fn) -> handle`` calls ``fn`` every ``period_s`` (steady clock)
+    until ``cancel(handle)``."""
+
+    def start(self, period_s: float, fn: Callable[[], None]) -> Any: ...
+
+    def cancel(self, handle: Any) -> None: ...
+
+
+def cuda_free_bytes(runner) -> int:
+    """Free memory of the runner's CUDA device, bytes (the driver's count)."""
+    return int(torch.cuda.mem_get_info(runner.device)[0])
 
 
 class SplitLayerControl:
@@ -24,23 +40,36 @@ class SplitLayerControl:
       recovers (split.planner.AutoResplitPolicy); memory wins, the latency moves stay within what fits.
 
     ``moves`` counts the moves asked for by kind ('latency', 'memory'); ``reason`` is the policy's last
-    judgement (for /diagnostics).
+    judgement (for /diagnostics); ``on_move(move, from_k)`` (optional) is told of each move requested.
+
+    ``ctx``: the host's runtime.loops.LoopContext; ``settings()``: its :class:`SplitPolicySettings` now (None while
+    unconfigured); ``wake``: wakes the frame loop so that it applies a requested K at once; ``timers``: the host's
+    (:class:`Timers`) for the memory-pressure check, None: no timer (a tool calls :meth:`check_memory` itself);
+    ``read_free(runner)``: free device memory in bytes (default: CUDA's).
     """
 
-    def __init__(self, ctx, wake: Callable[[], None]):
-        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the memory-pressure timer);
-        ``wake``: wakes the worker so that it applies a requested K at once."""
-        self._ctx = ctx
-        self._wake = wake
+    def __init__(self, ctx, settings: Callable[[], SplitPolicySettings | None],
+                 wake: Callable[[], None] = lambda: None, *, timers: Timers | None = None,
+                 read_free: Callable[[Any], int] = cuda_free_bytes, on_move: Callable[[Any, int], None] | None = None):
+        self._ctx, self._settings, self._wake = ctx, settings, wake
+        self._timers, self._read_free, self._on_move = timers, read_free, on_move
         self.plan = None  # the split plan of `split_layer: auto` (split.planner.Plan), None for a fixed K
         self._timer = None
         self._policy = None  # split.rebalance.SplitPolicy of the running `auto` plan
-        self._lock = threading.Lock()  # the worker's after_frame and the executor's timer share the policy
+        self._lock = threading.Lock()  # the loop's after_frame and the host's timer share the policy
         self.moves = {"latency": 0, "memory": 0}
         self.reason = ""
 
-    def initial_layer(self, p) -> int:
-        """K to load at configure (parameters ``p``); logs the plan's reason for 'auto'. Raises ValueError (no K
+    @classmethod
+    def of_policy(cls, ctx, policy, **kwargs) -> "SplitLayerControl":
+        """A control that runs ``policy`` (split.rebalance.SplitPolicy, made by the caller: a tool's own plan or
+        per-K times) from the first frame, as ``split_layer: auto`` does. ``kwargs`` as the constructor's."""
+        control = cls(ctx, lambda: None, **kwargs)
+        control.plan, control._policy = policy.plan, policy
+        return control
+
+    def initial_layer(self, p: SplitPolicySettings) -> int:
+        """K to load at configure (settings ``p``); logs the plan's reason for 'auto'. Raises ValueError (no K
         fits, bad profile), FileNotFoundError."""
         self.plan = None
         self._policy = None
@@ -51,7 +80,7 @@ class SplitLayerControl:
             self._ctx.logger.info(f"split_layer auto: {self.plan.reason}")
         return k
 
-    def make_plan(self, p, budget_bytes: int | None = None):
+    def make_plan(self, p: SplitPolicySettings, budget_bytes: int | None = None):
         """The split plan of ``split_layer: auto`` (split.planner.Plan) for budget ``budget_bytes`` (default:
         ``gpu_budget_gb``, or the device's free memory on CUDA when that is 0). Raises ValueError (no K fits,
         bad profile), FileNotFoundError."""
@@ -79,7 +108,7 @@ class SplitLayerControl:
             return  # unconfigured: read at configure
         if k == "auto":
             try:
-                plan = self.make_plan(self._ctx.settings())
+                plan = self.make_plan(self._settings())
             except (ValueError, OSError) as e:
                 log.error(f"split_layer auto: no plan ({e}); K stays {runner.split_layer}")
                 return
@@ -102,7 +131,7 @@ class SplitLayerControl:
         from ..split.planner import AutoResplitPolicy
         from ..split.rebalance import LatencyBalancer, SplitPolicy
 
-        ctx, p, runner = self._ctx, self._ctx.settings(), self._ctx.runner()
+        ctx, p, runner = self._ctx, self._settings(), self._ctx.runner()
         memory = latency = None
         if p.auto_resplit_free_mb > 0 and runner.device.type == "cuda":
             try:
@@ -129,7 +158,7 @@ class SplitLayerControl:
         """After each frame the worker computed (its thread): with ``split_layer: auto``, let the policy judge
         both stages' measured times and request the move it decides (logged, counted as 'latency')."""
         runner = self._ctx.runner()
-        if runner is None or self.plan is None:
+        if runner is None or (self.plan is None and self._policy is None):
             return
         sample = runner.stage_sample(camera_period_ns)
         if sample is None:
@@ -143,43 +172,45 @@ class SplitLayerControl:
         if move.k is not None and move.k != runner.split_layer and not runner.split_requested:
             self.moves["latency"] += 1
             self._ctx.logger.info(f"rebalancing K {runner.split_layer} -> {move.k}: {move.reason}")
-            runner.request_split_layer(move.k)
+            self._request(runner, move)
 
     def update_timer(self, active: bool) -> None:
         """Run the 2 s memory-pressure check while ``active`` with ``split_layer: auto``, ``auto_resplit_free_mb``
         > 0 and a CUDA prefix; stop it otherwise. Going active with ``auto``, the policy is built (and what it
         will do is logged) now rather than at the first frame."""
-        runner, p = self._ctx.runner(), self._ctx.settings()
+        runner, p = self._ctx.runner(), self._settings()
         if active and self.plan is not None and runner is not None and p is not None:
             with self._lock:
                 if self._policy is None:
                     self._make_policy()
         wanted = (active and self.plan is not None and p is not None and p.auto_resplit_free_mb > 0
-                  and runner is not None and runner.device.type == "cuda")
+                  and runner is not None and runner.device.type == "cuda" and self._timers is not None)
         if wanted and self._timer is None:
-            from rclpy.clock import Clock, ClockType  # steady: device memory runs on wall time, not the bag's
-
-            self._timer = self._ctx.ros.create_timer(2.0, self._check_memory_pressure,
-                                                     clock=Clock(clock_type=ClockType.STEADY_TIME))
+            self._timer = self._timers.start(2.0, self.check_memory)
         elif not wanted:
             self.stop_timer()
 
     def stop_timer(self) -> None:
         """Stop the memory-pressure check (idempotent)."""
         if self._timer is not None:
-            self._ctx.ros.destroy_timer(self._timer)
+            self._timers.cancel(self._timer)
             self._timer = None
 
-    def _check_memory_pressure(self) -> None:
+    def _request(self, runner, move) -> None:
+        if self._on_move is not None:
+            self._on_move(move, runner.split_layer)
+        runner.request_split_layer(move.k)
+
+    def check_memory(self) -> None:
         """2 s timer (``split_layer: auto`` on CUDA with ``auto_resplit_free_mb`` > 0): move K down when the
         device's free memory falls under ``auto_resplit_free_mb`` and back up (at most to the planned K) when a
         move up leaves ``auto_resplit_recover_mb`` free for 3 readings (split.planner.AutoResplitPolicy); with live
         rebalancing the way back up is the balancer's, within the room the memory leaves."""
         ctx = self._ctx
         runner = ctx.runner()
-        if runner is None or self.plan is None:
+        if runner is None or (self.plan is None and self._policy is None):
             return
-        free = torch.cuda.mem_get_info(runner.device)[0]
+        free = self._read_free(runner)
         with self._lock:
             policy = self._policy if self._policy is not None else self._make_policy()
             if policy.memory is None:
@@ -196,5 +227,5 @@ class SplitLayerControl:
         if move.k is not None and move.k != runner.split_layer:
             self.moves["memory"] += 1
             ctx.logger.warning(f"moving K {runner.split_layer} -> {move.k}: {move.reason}")
-            runner.request_split_layer(move.k)
+            self._request(runner, move)
             self._wake()

@@ -1,0 +1,653 @@
+"""One interface for every kind of model the package splits: :class:`SplitModel` and its adapters.
+
+split/, runtime/ and tools/ ask a model through this interface and never look at its kind; adding a kind is one
+adapter here plus its tests (docs/design.md, "To change X, go to Y"). The kinds, as :func:`split_model` picks them
+(the one place that tells them apart):
+
+=================  =============================================================================================
+:class:`DrivingVLA` this package's driving model with its own vision side (presets, a composition on a
+                   transformers LLM or LLaVA, Orion / MindDrive as published): pixels in, waypoints out
+:class:`VLMFront`  a transformers VLM directory, or a driving composition on one: the family's processor in
+:class:`TextLM`    a bare transformers causal LM: token ids in
+:class:`OwnCode`   a team's own model code (:mod:`.extension`)
+=================  =============================================================================================
+
+What each gives: the inputs of an example frame (real camera images from a :class:`CameraFrames` the caller
+provides, or made-up ones), how to read h_K, the final states and the waypoints from what its stages return, the
+referee ``hybrid-vla verify-split`` compares with (transformers' own forward, the published code, or the model's
+own forward, in any dtype), the phases whose live tensors the planner adds up (:mod:`.activations`), the key of
+the architecture a profile was measured on, and what its profile and plan need to know.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from . import activations as act
+from . import modeling
+from .config import MODEL_TYPE, LMConfig, VLAConfig, VLMSpec
+from .modeling import DEFAULT_COMMAND, example_scene, llava_input_ids, plan
+
+#: The ego state fed to example frames of models that take one: 8.3 m/s, -0.4 m/s^2, 0.05 rad/s.
+EGO_STATE = (8.3, -0.4, 0.05)
+
+
+class CameraFrames(Protocol):
+    """Camera images for a model's front, from the caller (e.g. the embedded bag's first frame): ``images(n,
+    size)`` -> ``n`` RGB uint8 (H, W, 3) arrays in camera order, each resized to ``size`` (width, height) when
+    given; ``pixels(cfg)`` -> the (C, 3, S, S) float32 pixels of a driving config's own front (resized and
+    normalised as the prefix node does)."""
+
+    def images(self, cameras: int, size: tuple[int, int] | None = None) -> list: ...
+
+    def pixels(self, cfg) -> torch.Tensor: ...
+
+
+@dataclass
+class Referee:
+    """A referee's run on one frame: ``states`` the input of each decoder block and, last, the final-norm states
+    (L + 1 tensors, batch dimension dropped), None where the referee gives no hidden states (own code);
+    ``output`` its output where that is what is compared (own code), else None; ``name`` what ran; ``h0`` the
+    hybrid's h_0 it ran on (this package's own front), to run it again in another dtype on the same input."""
+
+    states: list[torch.Tensor] | None
+    output: torch.Tensor | None
+    name: str
+    h0: torch.Tensor | None = None
+
+
+class SplitModel:
+    """A model as split/, runtime/ and tools/ see it (module docstring). ``cfg``: its config (what ``build_stage``
+    builds from); ``ck``: its opened :class:`~.checkpoint.Checkpoint`, None for a preset (then only the plan's
+    methods apply)."""
+
+    #: Whether a profile measures its own front part by part (:func:`hybrid_vla_ros.split.profiler.profile`).
+    profile_detailed = False
+    #: Whether it takes camera images and drives (a planning head).
+    takes_cameras = False
+
+    @property
+    def preprocess_config(self):
+        """The driving config whose camera preprocessing (decode, resize to ``image_size``, normalise) a profile
+        measures, None where there is none to measure."""
+        return self.cfg if isinstance(self.cfg, VLAConfig) else None
+
+    def __init__(self, cfg, ck=None):
+        self.cfg, self.ck = cfg, ck
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.cfg.num_layers)
+
+    def build_stage(self, role: str, split_layer: int | None = None, stop: int | None = None):
+        """A stage on the current default device (call it under ``torch.device("meta")``): ``prefix`` / ``suffix``
+        at ``split_layer``, ``blocks`` (decoder blocks [split_layer, stop)) or ``full`` (the monolithic model,
+        where the kind has one). Every returned module maps its state-dict keys to checkpoint keys with
+        ``checkpoint_key``. Raises ValueError for an unknown role, a K out of range or a role the kind lacks."""
+        from .modeling import BlockRange
+
+        if role == "blocks":
+            return BlockRange(self.cfg, split_layer, stop)
+        if role not in self.STAGES:
+            raise ValueError(f"unknown role {role!r}; use prefix, suffix or full")
+        cls = self.STAGES[role]
+        if cls is None:
+            raise ValueError(self.NO_FULL)
+        return cls(self.cfg) if role == "full" else cls(self.cfg, split_layer)
+
+    #: role -> the stage class (``full``: None where the kind has no monolithic model, :attr:`NO_FULL` says why).
+    STAGES: dict = {}
+    NO_FULL = ""
+
+    # ----------------------------------------------------------------------------------------- inputs
+    def example_inputs(self, frames: CameraFrames | None = None, device="cpu", dtype=torch.float32) -> tuple:
+        """The prefix stage's arguments for one frame: from ``frames`` (None: made-up inputs of the right shapes,
+        for timing)."""
+        raise NotImplementedError
+
+    def describe_inputs(self, inputs: tuple) -> str:
+        """One phrase for reports: what :meth:`example_inputs` gave."""
+        raise NotImplementedError
+
+    def vision_layers(self) -> int:
+        """Blocks of its vision encoder, as a driving config states them (a profile's table), 1 for any other."""
+        return int(self.cfg.vision["num_hidden_layers"]) if isinstance(self.cfg, VLAConfig) else 1
+
+    def camera_description(self) -> str:
+        """How its cameras reach the model, for ``init-model``'s line ("" where it takes none)."""
+        return ""
+
+    # -------------------------------------------------------------------------------- stage outputs
+    def run_prefix(self, stage, inputs: tuple):
+        """Its prefix stage on :meth:`example_inputs`' arguments."""
+        return stage(*inputs)
+
+    def output(self, suffix, out) -> torch.Tensor | None:
+        """What the check compares at the end: the waypoints of every mode (M, N, 2), own code's output; None for a
+        model without a head."""
+        return self.waypoints(suffix, out)
+
+    def hidden(self, out) -> torch.Tensor:
+        """h_K from what its prefix returns (a tensor, or a SplitState's hidden states)."""
+        return out
+
+    def final_states(self, suffix, out) -> torch.Tensor | None:
+        """The suffix's final-norm states of every token, from the prefix's output; None for own code."""
+        return suffix.final_hidden_states(out)
+
+    def waypoints(self, suffix, out) -> torch.Tensor | None:
+        """Every mode's waypoints (M, N, 2) the suffix plans from the prefix's output; None without a head."""
+        return suffix.plan_all(out).modes if hasattr(suffix, "head") else None
+
+    def readout_rows(self, final: torch.Tensor) -> torch.Tensor:
+        """The final states the read-outs take ((R, H)): the last token by default."""
+        return final[..., -1, :].reshape(-1, final.shape[-1])
+
+    def profile_tail(self, tail, out):
+        """A zero-argument callable running the suffix at K = L (final norm and head) on the prefix's output."""
+        return lambda: tail.final_hidden_states(out)
+
+    def timing_inputs(self, frames: CameraFrames, device="cpu", dtype=torch.float32) -> tuple:
+        """The prefix's arguments for a profile: made-up ones of the right shapes where the kind takes them
+        (``frames`` only where it needs real images)."""
+        return self.example_inputs(None, device, dtype)
+
+    def block_driver(self, stage, out, device):
+        """How a profile runs one decoder block on its own, given its prefix ``stage`` at K = 0 and that stage's
+        output ``out``: (a zero-argument callable computing the blocks' rotary tables and masks, or None; a callable
+        ``(block, i)`` running block i on h_0), with the family's own rotary embedding, attention kinds and
+        positions (:mod:`.text`)."""
+        from . import text
+        from .modeling import llm_config, llm_family
+
+        h = self.hidden(out)
+        with torch.device(device):
+            rotary = text.make_rotary(llm_family(self.cfg), llm_config(self.cfg))
+        x = h if h.dim() == 3 else h.unsqueeze(0)
+        kinds = text.attention_kinds(rotary.config)
+        positions = getattr(out, "position_ids", None)
+        with torch.inference_mode():
+            inputs = text.block_inputs(rotary.config, rotary, x, set(kinds), positions)
+        return (lambda: text.block_inputs(rotary.config, rotary, x, set(kinds), positions),
+                lambda block, i: block(x, **inputs.for_block(block, kinds[i])))
+
+    # --------------------------------------------------------------------------------------- runtime
+    #: Whether its prefix can produce h_K in place (the last op writes into a ring slot: ``out=``), on a CPU.
+    produces_in_place = False
+    #: Whether the prefix node may decode its JPEGs scaled down to the model input (it resizes them itself).
+    decodes_scaled = False
+
+    def frame_args(self, frames: CameraFrames, ego_state=None, scene=None, device="cpu", dtype=torch.float32) -> tuple:
+        """The prefix stage's arguments for one live frame: its cameras (``frames``), the ego state and scene inputs
+        where the model takes them. Raises ValueError for what the front refuses (camera count, image sizes)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run on the nodes")
+
+    def split_state(self, out):
+        """What its prefix returned, as the :class:`~.contract.SplitState` that crosses the split (h_K and the side
+        tensors, none for most kinds)."""
+        from .contract import SplitState
+
+        return out if isinstance(out, SplitState) else SplitState(out)
+
+    def copy_reason(self, stage) -> str:
+        """Why h_K is copied into the ring slot instead of produced there (for the configure log)."""
+        block = type(stage.layers[-1]).__name__ if len(stage.layers) else "embeddings"
+        return f"{block}: its forward is not the layout produced in place"
+
+    # --------------------------------------------------------------------------------------- referee
+    def referee(self, dtype: torch.dtype, inputs: tuple, h0: torch.Tensor | None = None) -> Referee:
+        """The independent forward of the same weights on ``inputs`` in ``dtype`` (:class:`Referee`); ``h0``:
+        the hybrid's h_0 where the referee runs on it (this package's own front)."""
+        raise NotImplementedError
+
+    def head_on_final(self, suffix, final: torch.Tensor) -> torch.Tensor | None:
+        """The suffix's read-out head on the referee's final states; None without a head."""
+        return suffix.head(final[-1]) if hasattr(suffix, "head") else None
+
+    # ------------------------------------------------------------------------------------------ plan
+    def activation_phases(self, split_layer: int, e: int, role: str) -> list[act.Phase]:
+        """The phases of one frame through its stage ``role`` at ``split_layer``, in ``e``-byte elements."""
+        raise NotImplementedError
+
+    def arch_key(self) -> dict:
+        """The architecture a profile of it is matched on: its config and the shape crossing the split."""
+        return {"config": {k: v for k, v in self.cfg.to_dict().items() if k != "num_tokens"},
+                "prefix_state_shape": list(self.cfg.prefix_state_shape)}
+
+    #: What its plan says beyond the figures.
+    plan_notes: tuple[str, ...] = ()
+
+
+def _reference_states(out) -> list[torch.Tensor]:
+    return [h.squeeze(0) if h.shape[0] == 1 else h for h in out.hidden_states]
+
+
+def causal_lm_class(model_type: str):
+    """transformers' causal LM class of a text family (``Qwen3ForCausalLM``, ...), from its own registry."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
+
+
+class TextLM(SplitModel):
+    """A bare transformers causal LM (:class:`~.config.LMConfig`): token ids in, final states out."""
+
+    STAGES = {"prefix": modeling.TokenPrefixStage, "suffix": modeling.LMSuffixStage, "full": None}
+    NO_FULL = "a bare language model has no monolithic driving model: load its prefix and suffix"
+
+    def __init__(self, cfg, ck=None, prompt_ids: list[int] | None = None):
+        super().__init__(cfg, ck)
+        self.prompt_ids = prompt_ids
+
+    def example_inputs(self, frames=None, device="cpu", dtype=torch.float32) -> tuple:
+        from .hf import lm_prompt_ids
+
+        vocab = int(self.cfg.llm["vocab_size"])
+        if frames is None:
+            return (torch.arange(self.cfg.num_tokens, device=device) % vocab,)
+        ids = torch.tensor(self.prompt_ids if self.prompt_ids else lm_prompt_ids(vocab), device=device)
+        if int(ids.max()) >= vocab:
+            raise ValueError(f"token id {int(ids.max())} is outside the vocabulary [0, {vocab})")
+        return (ids,)
+
+    def describe_inputs(self, inputs) -> str:
+        return f"{len(inputs[0])} token ids"
+
+    def referee(self, dtype, inputs, h0=None) -> Referee:
+        ref = causal_lm_class(self.cfg.llm_type).from_pretrained(str(self.ck.path), dtype=dtype).eval()
+        return Referee(_reference_states(ref(inputs[0].unsqueeze(0), output_hidden_states=True)), None,
+                       f"transformers {self.ck.hf.architecture}.from_pretrained({self.ck.path})")
+
+    def activation_phases(self, split_layer, e, role):
+        if role == "prefix":
+            return act.llm_prefix_phases(self.cfg, e, split_layer, [act.token_embed_phase(self.cfg, e)])
+        return act.llm_suffix_phases(self.cfg, e, split_layer, act.norm_phase(self.cfg, e))
+
+
+class VLMFront(SplitModel):
+    """A transformers VLM directory (:class:`~.config.VLMSpec`), or a driving composition on one (a
+    :class:`~.config.VLAConfig` with a ``vlm`` projector): camera images through the family's processor; its
+    stages pass a :class:`~.contract.SplitState` (h_K and the side tensors)."""
+
+    NO_FULL = "a composition on a transformers VLM has no monolithic model here: load its prefix and suffix"
+
+    def __init__(self, cfg, ck=None):
+        super().__init__(cfg, ck)
+        self.takes_cameras = isinstance(cfg, VLAConfig)
+        self._processor = None
+        self.STAGES = {"prefix": modeling.VLMPrefixStage, "full": None,
+                       "suffix": modeling.VLMDriveSuffixStage if self.takes_cameras else modeling.VLMSuffixStage}
+
+    def processor(self):
+        """The family's processor of the checkpoint's VLM directory (loaded once)."""
+        from .vlm import load_processor
+
+        if self._processor is None:
+            self._processor = load_processor(self.ck.hf.path, self.cfg.vlm_type)
+        return self._processor
+
+    def frame_inputs(self, images: list):
+        """One frame's :class:`~.vlm.VLMInputs` from camera images already of ``cfg.camera_size``."""
+        from .vlm import frame_inputs
+
+        return frame_inputs(self.processor(), self.cfg, images)
+
+    def example_inputs(self, frames=None, device="cpu", dtype=torch.float32) -> tuple:
+        if frames is None:
+            raise ValueError("a VLM's example frame needs camera images (its processor sizes the input)")
+        inputs = self.frame_inputs(frames.images(self.cfg.cameras, self.cfg.camera_size))
+        return (inputs.to(device, dtype),)
+
+    def timing_inputs(self, frames, device="cpu", dtype=torch.float32) -> tuple:
+        return self.example_inputs(frames, device, dtype)
+
+    def describe_inputs(self, inputs) -> str:
+        cfg = self.cfg
+        return (f"camera frame of {cfg.cameras} camera(s) from the embedded bag at {cfg.camera_size[0]} x "
+                f"{cfg.camera_size[1]} px through the family's processor, {inputs[0].tokens} tokens (prompt "
+                f"{cfg.prompt!r})" + (f"; side tensors {', '.join(cfg.side)}" if cfg.side else ""))
+
+    def camera_description(self) -> str:
+        return f"{self.cfg.camera_size[0]} x {self.cfg.camera_size[1]} px through the {self.cfg.vlm_type} processor"
+
+    def frame_args(self, frames, ego_state=None, scene=None, device="cpu", dtype=torch.float32) -> tuple:
+        return (self.frame_inputs(frames.images(self.cfg.cameras, self.cfg.camera_size)),)
+
+    def copy_reason(self, stage) -> str:
+        from .contract import side_specs
+
+        names = [name for name, _, _ in side_specs(self.cfg, torch.float32)]
+        return f"h_K{' and side tensors ' + ', '.join(names) if names else ''} of a {self.cfg.vlm_type} VLM"
+
+    def hidden(self, out):
+        return out.hidden_states
+
+    def profile_tail(self, tail, out):
+        return lambda: tail.final_hidden_states(out)
+
+    def referee(self, dtype, inputs, h0=None) -> Referee:
+        """transformers' own ForConditionalGeneration on the processor's outputs: the input of each text block
+        (forward pre-hooks on the text model's layers) and the text model's last_hidden_state."""
+        from .vlm import vlm_family
+
+        ck = self.ck
+        family = vlm_family(self.cfg.vlm_type)
+        ref = family.generation_class.from_pretrained(str(ck.hf.path), dtype=dtype).eval()
+        text = getattr(ref.model, family.text_attribute)
+        states = []
+
+        def keep(module, args, kwargs):
+            states.append((args[0] if args else kwargs["hidden_states"])[0].clone())
+
+        hooks = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in text.layers]
+        queries = getattr(self.cfg, "query_count", 0)
+        if queries:  # a queries read-out: the composition's own learned query embeddings in the copies' rows
+            learned = ck.load("prefix", 0, dtype=dtype).query_tokens.detach()
+
+            def swap(module, args, out):
+                return torch.cat([out[:, :-queries], learned.to(out.dtype).unsqueeze(0)], dim=1)
+
+            hooks.append(text.get_input_embeddings().register_forward_hook(swap))
+        frame = inputs[0]
+        try:
+            last = ref.model(input_ids=frame.input_ids, **frame.to("cpu", dtype).images).last_hidden_state[0]
+        finally:
+            for h in hooks:
+                h.remove()
+        return Referee(states + [last], None, f"transformers {family.generation_class.__name__}.from_pretrained("
+                                              f"{ck.hf.path}) (each text block's input, and last_hidden_state)")
+
+    def head_on_final(self, suffix, final):
+        return DrivingVLA.head_on_final(self, suffix, final)
+
+    def activation_phases(self, split_layer, e, role):
+        d = act.llm_dims(self.cfg)
+        state = d["B"] * d["T"] * d["H"] * e
+        if role == "prefix":
+            return act.llm_prefix_phases(self.cfg, e, split_layer, act.vlm_front_phases(self.cfg, e, state))
+        tail = act.head_phase(self.cfg) if self.takes_cameras else act.norm_phase(self.cfg, e)
+        return act.llm_suffix_phases(self.cfg, e, split_layer, tail)
+
+    def arch_key(self) -> dict:
+        return DrivingVLA.arch_key(self) if self.takes_cameras else super().arch_key()
+
+
+class DrivingVLA(SplitModel):
+    """This package's driving model with its own vision side (:class:`~.config.VLAConfig`): pixels (and the ego
+    state, the scene inputs of the query heads) in, waypoints out. Its referee runs on the hybrid's own h_0:
+    transformers' LLM (the referred directory, peft-merged adapters per pass, or built from ``llm``), or a whole
+    LLaVA where the composition adds nothing to it."""
+
+    takes_cameras = True
+    STAGES = {"prefix": modeling.PrefixStage, "suffix": modeling.SuffixStage, "full": modeling.VLAModel}
+
+    @property
+    def profile_detailed(self) -> bool:
+        return self.cfg.projector["type"] != "llava"
+
+    def example_inputs(self, frames=None, device="cpu", dtype=torch.float32) -> tuple:
+        cfg = self.cfg
+        if frames is None:
+            pixels = torch.rand((cfg.n_cameras, 3, cfg.image_size, cfg.image_size), device=device, dtype=dtype)
+            return pixels, torch.zeros(3, device=device) if cfg.ego_state_input else None, None
+        ego = torch.tensor(EGO_STATE) if cfg.ego_state_input else None
+        return frames.pixels(cfg).to(device, dtype), ego, example_scene(cfg)
+
+    produces_in_place = True
+    decodes_scaled = True
+
+    def run_prefix(self, stage, inputs, out=None):
+        return stage(inputs[0], inputs[1], scene=inputs[2], out=out)
+
+    def frame_args(self, frames, ego_state=None, scene=None, device="cpu", dtype=torch.float32) -> tuple:
+        ego = None if ego_state is None else torch.as_tensor(ego_state, dtype=torch.float32)
+        return frames.pixels(self.cfg).to(device, dtype, non_blocking=True), ego, scene
+
+    def describe_inputs(self, inputs) -> str:
+        cfg = self.cfg
+        return (f"camera frame of {cfg.n_cameras} camera(s) from the embedded bag at {cfg.image_size} px, "
+                f"{cfg.num_tokens} tokens" + (", ego state" if inputs[1] is not None else "")
+                + (", made-up camera geometry and ego frame (query heads)" if inputs[2] is not None else ""))
+
+    def camera_description(self) -> str:
+        return f"{self.cfg.image_size}px"
+
+    def readout_rows(self, final):
+        at = self.cfg.readout_positions
+        if final.dim() == 3 and at.decision is not None:
+            return torch.stack([final[-1, at.planning], final[0, at.decision]])
+        return final[..., at.planning, :].reshape(-1, final.shape[-1])
+
+    def profile_tail(self, tail, out):
+        return lambda: plan(tail, out, DEFAULT_COMMAND)
+
+    def referee(self, dtype, inputs, h0=None) -> Referee:
+        ck, cfg = self.ck, self.cfg
+        if ck.hf is not None and ck.hf.kind == "llava" and not cfg.ego_state_input and cfg.llm_passes == 1:
+            from transformers import LlavaForConditionalGeneration
+
+            ref = LlavaForConditionalGeneration.from_pretrained(str(ck.hf.path), dtype=dtype).eval()
+            out = ref(input_ids=torch.tensor([llava_input_ids(cfg)]), pixel_values=inputs[0].to(dtype),
+                      output_hidden_states=True)
+            return Referee(_reference_states(out), None,
+                           f"transformers LlavaForConditionalGeneration.from_pretrained({ck.hf.path})")
+        if h0 is None:
+            h0 = self.run_prefix(ck.load("prefix", 0, dtype=dtype), inputs)
+        states, name = self._llm_on_embeddings(h0.to(dtype), dtype)
+        return Referee(states, None, name, h0)
+
+    def _llm_on_embeddings(self, h0: torch.Tensor, dtype) -> tuple[list, str]:
+        """transformers' language model (of the referred directory, or built from ``llm`` for this package's own
+        format) on the hybrid's h_0: its hidden states, and what ran."""
+        ck, cfg = self.ck, self.cfg
+        batch = h0 if h0.dim() == 3 else h0.unsqueeze(0)
+        if ck.hf is not None and ck.hf.kind == "llm" and getattr(cfg, "pass_lora_rank", 0):
+            return self._per_pass(batch, dtype)
+        if ck.hf is not None and ck.hf.kind == "llm":
+            ref = causal_lm_class(cfg.llm_type).from_pretrained(str(ck.hf.path), dtype=dtype).eval()
+            out = ref.model(inputs_embeds=batch, output_hidden_states=True)
+            return _reference_states(out), f"transformers {ck.hf.architecture}.from_pretrained({ck.hf.path}) on h_0"
+        if ck.hf is not None:
+            from transformers import LlavaForConditionalGeneration
+
+            ref = LlavaForConditionalGeneration.from_pretrained(str(ck.hf.path), dtype=dtype).eval()
+            out = ref.model.language_model(inputs_embeds=batch, output_hidden_states=True)
+            return _reference_states(out), (f"the language model of transformers LlavaForConditionalGeneration "
+                                            f"({ck.hf.path}) on h_0")
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoModel
+
+        conf = AutoConfig.for_model(cfg.llm_type, **{k: v for k, v in cfg.llm.items() if k != "model_type"})
+        ref = AutoModel.from_config(conf).to(dtype).eval()  # the attention transformers picks for the family
+        stored = load_file(str(ck.own_weights))
+        llm_parts = ("embed_tokens", "layers", "norm")
+        ref.load_state_dict({k: v.to(dtype) for k, v in stored.items() if k.split(".")[0] in llm_parts}, strict=True)
+        out = ref(inputs_embeds=batch, output_hidden_states=True)
+        return _reference_states(out), f"transformers {type(ref).__name__} with the checkpoint's LLM tensors on h_0"
+
+    def _per_pass(self, batch: torch.Tensor, dtype) -> tuple[list, str]:
+        """A converted MindDrive checkpoint (one LoRA adapter a pass): for pass p, transformers' model of the
+        referred directory with the peft adapter ``adapters/<pass_adapters[p]>`` merged by peft itself, on h_0[p];
+        hidden states stacked to (P, T, H). Raises RuntimeError without peft or an adapter directory."""
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise RuntimeError("verifying per-pass LoRA adapters needs peft (pip install peft): the reference merges "
+                               "each adapter with peft itself") from None
+        ck, cfg = self.ck, self.cfg
+        per_pass = []
+        for p, name in enumerate(cfg.pass_adapters):
+            adapter = ck.path / "adapters" / name
+            if not (adapter / "adapter_config.json").is_file():
+                raise RuntimeError(f"{adapter}: adapter directory missing (written by `hybrid-vla convert`)")
+            base = causal_lm_class(cfg.llm_type).from_pretrained(str(ck.hf.path), dtype=dtype)
+            merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
+            per_pass.append(merged.model(inputs_embeds=batch[p:p + 1], output_hidden_states=True).hidden_states)
+            del merged, base
+        states = [torch.cat([hs[i] for hs in per_pass], dim=0) for i in range(len(per_pass[0]))]
+        return states, (f"transformers {ck.hf.architecture}.from_pretrained({ck.hf.path}) with peft merging adapter "
+                        f"{', '.join(cfg.pass_adapters)} (pass 0, 1, ...) on h_0 of each pass")
+
+    def head_on_final(self, suffix, final):
+        """The read-out on the referee's final states, as ``plan`` reads it: ``vae_speed_path`` on the action pass's
+        planning and path tokens with the decision pass's decision, ``queries`` on the last ``query_count``
+        tokens, ``module`` on every token, else the planning token of the last pass (``vae`` in base_link
+        axes)."""
+        cfg = self.cfg
+        if not hasattr(suffix, "head"):  # a transformers LLaVA directory as it is: no planning head
+            return None
+        at = cfg.readout_positions
+        if cfg.readout_type == "vae_speed_path":
+            from .modeling import speed_path_plan
+
+            decision = suffix.decision_head(final[0, at.decision] if final.dim() == 3 else final[at.decision]).float()
+            action = final[-1] if final.dim() == 3 else final
+            return speed_path_plan(suffix, action[[at.planning, at.path]], DEFAULT_COMMAND, decision,
+                                   int(decision.argmax())).modes
+        if cfg.readout_type == "queries":
+            return suffix.head(final[-cfg.query_count:])
+        if cfg.readout_type == "module":
+            return suffix.head(final)
+        last = final[..., at.planning, :]
+        modes = suffix.head(last[-1] if last.dim() == 2 else last)
+        if cfg.readout_type == "vae":
+            from .vae_planner import published_to_base_link
+
+            modes = published_to_base_link(modes)
+        return modes
+
+    def activation_phases(self, split_layer, e, role):
+        cfg = self.cfg
+        if role == "suffix":
+            return act.llm_suffix_phases(cfg, e, split_layer, act.head_phase(cfg))
+        front = act.own_front_phases(cfg, e)
+        return act.llm_prefix_phases(cfg, e, split_layer, front, held={"pixels": front[0].live["pixels"]})
+
+    def arch_key(self) -> dict:
+        cfg = self.cfg
+        return {"llm": dict(cfg.llm), "vision": dict(cfg.vision), "projector": dict(cfg.projector),
+                "n_cameras": cfg.n_cameras, "image_size": cfg.image_size,
+                "prefix_state_shape": list(cfg.prefix_state_shape), "n_modes": cfg.n_modes,
+                "n_waypoints": cfg.n_waypoints}
+
+
+class OwnCode(SplitModel):
+    """A team's own model code (:class:`~.extension.CodeModel`): its own example inputs, blocks and forward; its
+    referee is that forward (the output is compared), and its activations are not modelled."""
+
+    plan_notes = ("own model code: activations are not estimated (weights are exact); add your own margin to the "
+                  "budget",)
+
+    def build_stage(self, role, split_layer=None, stop=None):
+        return self.cfg.build_stage(role, split_layer, stop)  # the own code builds its own stages
+
+    @property
+    def takes_cameras(self) -> bool:
+        return self.cfg.drives
+
+    def example_inputs(self, frames=None, device="cpu", dtype=torch.float32) -> tuple:
+        with torch.device("meta"):  # built without weights; its example_inputs makes CPU tensors
+            model = self.cfg.new_model()
+        return tuple(x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype) if torch.is_tensor(x)
+                     else x for x in model.example_inputs(0))
+
+    def describe_inputs(self, inputs) -> str:
+        return "the model's example_inputs(0)"
+
+    def run_prefix(self, stage, inputs):
+        """Its prefix on the inputs; RuntimeError when the hidden states are not the shape the model declares."""
+        h = stage(*inputs)
+        if tuple(h.shape) != self.cfg.prefix_state_shape:
+            raise RuntimeError(f"the prefix at K={stage.split_layer} gave hidden states {tuple(h.shape)}, the model "
+                               f"declares {self.cfg.prefix_state_shape}")
+        return h
+
+    def frame_args(self, frames, ego_state=None, scene=None, device="cpu", dtype=torch.float32) -> tuple:
+        return (frames.pixels(self.cfg).to(device, dtype, non_blocking=True),)
+
+    def copy_reason(self, stage) -> str:
+        return f"own model code {self.cfg.spec}"
+
+    def final_states(self, suffix, out):
+        return None
+
+    def output(self, suffix, out):
+        return suffix(out)
+
+    def profile_tail(self, tail, out):
+        return lambda: tail(out)
+
+    def block_driver(self, stage, out, device):
+        from torch import nn
+
+        return None, lambda block, i: stage.code.run_blocks(nn.ModuleList([block]), out, i)
+
+    def referee(self, dtype, inputs, h0=None) -> Referee:
+        """The model's own forward; ValueError when a model that declares its driving I/O gives another shape than
+        its waypoints (M, N, 2) (the nodes would drop every frame)."""
+        full = self.ck.load("full", dtype=dtype)
+        cast = tuple(x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs)
+        out = full(*cast)
+        code = self.cfg
+        if code.drives and tuple(out.shape) != (code.n_modes, code.n_waypoints, 2):
+            raise ValueError(f"{code.spec}.forward gives {tuple(out.shape)}; its driving I/O declares waypoints "
+                             f"{(code.n_modes, code.n_waypoints, 2)} (n_modes, n_waypoints, 2): the nodes would drop "
+                             "every frame")
+        return Referee(None, out, f"{code.spec}.forward (the model's own)")
+
+    def activation_phases(self, split_layer, e, role):
+        return []
+
+
+def profile_arch_key(doc: dict) -> dict:
+    """The architecture key (:meth:`SplitModel.arch_key`) of the model a profile was measured on, from the config it
+    recorded (``model.config``): a driving config is read back, any other kind keyed by its config as recorded."""
+    config = doc["model"]["config"]
+    if config.get("model_type") == MODEL_TYPE:
+        return split_model(VLAConfig.from_dict(config)).arch_key()
+    return {"config": {k: v for k, v in config.items() if k not in ("num_tokens", "prefix_state_shape")},
+            "prefix_state_shape": list(doc["prefix_state_shape"])}
+
+
+@dataclass(frozen=True)
+class ProfiledShape:
+    """What a profile's tables must match, from the config it recorded (:func:`profiled_shape`): ``num_layers``
+    decoder blocks, ``vision_layers`` vision blocks (None: not timed one by one), ``prefix_state_shape`` the
+    config implies (None: taken as recorded)."""
+
+    num_layers: int
+    vision_layers: int | None = None
+    prefix_state_shape: tuple[int, ...] | None = None
+
+
+def profiled_shape(doc: dict) -> ProfiledShape:
+    """The :class:`ProfiledShape` of a profile document (``model.config``; ``num_layers`` for a kind whose config
+    this package does not read). Raises ValueError for a driving config that does not validate or a missing block
+    count."""
+    config = doc["model"]["config"]
+    if config.get("model_type") == MODEL_TYPE:
+        try:
+            cfg = VLAConfig.from_dict(config)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"model/config: {e}") from None
+        return ProfiledShape(cfg.num_layers, int(cfg.vision["num_hidden_layers"]), tuple(cfg.prefix_state_shape))
+    layers = doc.get("num_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+        raise ValueError(f"num_layers: a profile of a {config.get('model_type')!r} model must state its decoder "
+                         "block count")
+    return ProfiledShape(layers)
+
+
+def split_model(cfg, ck=None, *, prompt_ids: list[int] | None = None) -> SplitModel:
+    """The :class:`SplitModel` of a config (and its opened checkpoint, when there is one): the one place the
+    package tells the kinds apart. ``prompt_ids``: a bare LM's example token ids."""
+    if isinstance(cfg, VLMSpec) or (isinstance(cfg, VLAConfig) and cfg.vlm_front):
+        return VLMFront(cfg, ck)
+    if isinstance(cfg, VLAConfig):
+        return DrivingVLA(cfg, ck)
+    if isinstance(cfg, LMConfig):
+        return TextLM(cfg, ck, prompt_ids)
+    return OwnCode(cfg, ck)

@@ -1,0 +1,358 @@
+"""The frame loops of the two stages, without ROS: the prefix node, the suffix node, the bench and the GPU check all
+run these.
+
+:class:`PrefixLoop` keeps only the newest frame, paces itself to a slower suffix, applies split-layer requests
+between frames, computes each frame through the :class:`~.prefix.PrefixRunner` (a frame that fails is a drop
+counted by cause) and lets a judge look at each frame out (the split-layer policy). :class:`SuffixLoop` takes the
+frames from the ring through the :class:`~.suffix.SuffixRunner`, counts what it drops by cause and hands each
+computed frame to its publisher. Either runs on a thread of its own (``start`` / ``stop``: the nodes) or is driven
+frame by frame (``process`` / ``poll_once``: the bench, the GPU check). What they need of their host is a
+:class:`LoopContext`.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..split.resplit import ResplitError
+from ..transport.ring import SlotRejected
+from ..util.stats import StageTimes
+from ..vehicle.ego_input import ACCEL_SOURCES
+from ..vehicle.image import ImageDecodeError
+from .suffix import StaleFrame
+
+__all__ = ["LoopContext", "FrameInputs", "FrameInputError", "PrefixLoop", "SuffixLoop", "Drops", "counting_context"]
+
+
+@dataclass(frozen=True)
+class LoopContext:
+    """What a loop uses of its host. ``logger``: ``info`` / ``warning`` / ``error`` of one line; ``drop(cause,
+    message, n=1)``: count dropped frames of ``cause`` (the host logs them, rate-limited); ``count(cause, n=1) ->
+    total``: count without a log line; ``log_every(key) -> bool``: True at most every 2 s per key; ``times``: the
+    stage times; ``runner()`` the stage runner now; ``set_fault(text)``: a standing fault ("" clears it);
+    ``alive()``: False once the host shuts down."""
+
+    logger: Any
+    drop: Callable[..., None]
+    count: Callable[..., int]
+    log_every: Callable[[str], bool]
+    times: StageTimes
+    runner: Callable[[], Any]
+    set_fault: Callable[[str], None]
+    alive: Callable[[], bool]
+
+
+class Drops(dict):
+    """Drops by cause (cause -> count) and ``last``, the message of the latest."""
+
+    last = ""
+
+
+def counting_context(runner, logger=None) -> tuple[LoopContext, Drops]:
+    """A :class:`LoopContext` for a tool that drives a loop itself: drops counted into the returned :class:`Drops`
+    by cause, every log line to ``logger`` (default: none)."""
+    drops = Drops()
+
+    class _Quiet:
+        def info(self, line):
+            pass
+
+        warning = error = info
+
+    def count(cause: str, n: int = 1) -> int:
+        drops[cause] = drops.get(cause, 0) + n
+        return drops[cause]
+
+    def drop(cause: str, message: str, n: int = 1) -> None:
+        drops.last = message
+        count(cause, n)
+
+    ctx = LoopContext(logger or _Quiet(), drop, count, lambda key: True, StageTimes(), lambda: runner,
+                      lambda text: None, lambda: True)
+    return ctx, drops
+
+
+@dataclass
+class FrameInputs:
+    """What a frame takes beside its cameras: the ego state (speed m/s, acceleration m/s^2, yaw rate rad/s) at
+    its stamp where the model takes it, the query heads' scene inputs, where the acceleration came from, and how
+    long the host waited for them (ms; NaN: not timed)."""
+
+    ego_state: tuple | None = None
+    scene: Any = None
+    accel_source: str | None = None
+    ego_wait_ms: float = math.nan
+
+
+class FrameInputError(Exception):
+    """A frame's inputs cannot be had (no ego state, no camera geometry): dropped as ``cause``, with ``message``."""
+
+    def __init__(self, cause: str, message: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+class PrefixLoop:
+    """The prefix's frame loop (module docstring).
+
+    :meth:`offer` keeps only the newest frame ((stamp ns, camera-order items)): one not started yet is dropped as
+    ``superseded``, one still waiting at :meth:`stop` as ``deactivated``. With ``pace`` a frame waits while the
+    suffix would leave it unread in the ring (``PrefixRunner.pacing_delay_s``, asked again every
+    :data:`PACE_RECHECK_S`; newer frames replace it meanwhile). A requested split layer is applied between frames,
+    also while none waits. ``frame_inputs(stamp, items) -> FrameInputs`` gives a frame's ego state and scene
+    (raising :class:`FrameInputError`); ``after_frame()`` runs after each frame out (the split-layer policy; what
+    it raises is logged, not a drop). Counts ``frames_out``, ``ego_accel_sources`` and ``resplits``; ``resplit``
+    is told of each move applied (for its log line)."""
+
+    #: Longest wait (s) before the pacing delay is asked again (it shrinks; the suffix's announcement may change).
+    PACE_RECHECK_S = 0.1
+
+    def __init__(self, ctx: LoopContext, *, pace: bool = True,
+                 frame_inputs: Callable[[int, list], FrameInputs] | None = None,
+                 after_frame: Callable[[], None] | None = None, resplit: Callable[[Any], None] | None = None):
+        self._ctx, self.pace = ctx, pace
+        self._frame_inputs = frame_inputs or (lambda stamp, items: FrameInputs())
+        self._after_frame, self._on_resplit = after_frame, resplit
+        self._pending = None
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.frames_out = 0
+        self.ego_accel_sources = {source: 0 for source in ACCEL_SOURCES}
+        self.resplits = 0
+
+    @property
+    def running(self) -> bool:
+        """True from :meth:`start` to :meth:`stop`."""
+        return self._running
+
+    def start(self) -> None:
+        """Start the thread ('prefix_worker', daemon)."""
+        self._running = True
+        self._thread = threading.Thread(target=self._work, name="prefix_worker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread after the frame in progress (idempotent); a frame not started is ``deactivated``."""
+        with self._cv:
+            self._running = False
+            if self._pending is not None:
+                self._ctx.count("deactivated")
+            self._pending = None
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def offer(self, frame) -> None:
+        """Make ``frame`` the next one to compute, in place of any still waiting (that one is ``superseded``)."""
+        with self._cv:
+            if self._pending is not None:
+                self._ctx.drop("superseded", "a newer synchronized frame arrived before the worker took this "
+                                             "one (the prefix is slower than the camera rate)")
+            self._pending = frame
+            self._cv.notify()
+
+    def wake(self) -> None:
+        """Wake an idle thread, e.g. to apply a split layer just requested at once."""
+        with self._cv:
+            self._cv.notify()
+
+    def process(self, frame):
+        """Compute ``frame`` now on the calling thread, after the pacing wait: the PrefixResult, or None when it
+        was dropped (counted)."""
+        runner = self._ctx.runner()
+        if self.pace:
+            import time
+
+            while (delay := runner.pacing_delay_s()) > 0 and not runner.split_requested:
+                time.sleep(min(delay, self.PACE_RECHECK_S))
+        return self._compute(runner, frame)
+
+    def _work(self) -> None:
+        runner = self._ctx.runner()
+        while True:
+            with self._cv:
+                while self._running and self._pending is None and not runner.split_requested:
+                    self._cv.wait()
+                while self._running and self._pending is not None and self.pace and not runner.split_requested:
+                    delay = runner.pacing_delay_s()
+                    if delay <= 0:
+                        break
+                    self._cv.wait(min(delay, self.PACE_RECHECK_S))
+                if not self._running:
+                    return
+                frame, self._pending = self._pending, None
+            if frame is None:  # a split layer change while no frame waits: apply it now (frees memory now)
+                self._apply_split_request(runner)
+            else:
+                self._compute(runner, frame)
+
+    def _apply_split_request(self, runner) -> None:
+        try:  # blocks for a move up loaded in the background: check back every 50 ms (frames may come)
+            event = runner.apply_split_request(timeout=0.05)
+        except Exception as e:  # noqa: BLE001 - e.g. a missing block in the checkpoint: counted, K stays
+            self._ctx.drop("resplit_error", str(e))
+            return
+        if event is not None:
+            self._resplit(event)
+
+    def _compute(self, runner, frame):
+        ctx = self._ctx
+        stamp, items = frame
+        try:
+            got = self._frame_inputs(stamp, items)
+        except FrameInputError as e:
+            ctx.drop(e.cause, str(e))
+            return None
+        try:
+            result = runner.run(items, stamp, ego_state=got.ego_state, ego_wait_ms=got.ego_wait_ms, scene=got.scene)
+        except ImageDecodeError as e:
+            ctx.drop("decode_error", str(e))
+            return None
+        except (ValueError, FloatingPointError) as e:
+            ctx.drop("model_error", str(e))
+            return None
+        except Exception as e:  # noqa: BLE001 - the loop keeps running, the error is counted and reported
+            ctx.drop("internal_error", f"{type(e).__name__}: {e}")
+            return None
+        self.frames_out += 1
+        if result.resplit is not None:
+            self._resplit(result.resplit)
+        if self._after_frame is not None:
+            try:
+                self._after_frame()
+            except Exception as e:  # noqa: BLE001 - the frame is out; a failing judgement must not stop the loop
+                if ctx.log_every("split_policy"):
+                    ctx.logger.error(f"split-layer policy failed, K stays: {type(e).__name__}: {e}")
+        if result.resplit_error is not None:
+            ctx.drop("resplit_error", result.resplit_error)
+        if got.accel_source is not None:
+            self.ego_accel_sources[got.accel_source] += 1
+        ctx.times.add("preprocess", result.preprocess_ms)
+        ctx.times.add("prefix", result.prefix_ms)
+        return result
+
+    def _resplit(self, event) -> None:
+        self.resplits += 1
+        if self._on_resplit is not None:
+            self._on_resplit(event)
+
+
+class SuffixLoop:
+    """The suffix's frame loop (module docstring): each :meth:`poll_once` computes the next frame with
+    ``command()``'s navigation command and gives it to ``publish(result)``; a rejected slot, a stale frame, a
+    re-split or compute error is a counted drop. A ring contract that does not fit is the host's fault while it
+    lasts (logged once). ``on_attach(attached)`` is told of every (re-)attach and loss, ``on_resplits(result)`` of
+    the block moves a frame needed. Counts ``frames_in`` (frames taken, rejected and superseded ones included),
+    ``resplits`` and ``resplits_on_demand``."""
+
+    def __init__(self, ctx: LoopContext, *, publish: Callable[[Any], None], command: Callable[[], int] | None = None,
+                 on_attach: Callable[[bool], None] | None = None, on_resplits: Callable[[Any], None] | None = None,
+                 poll_s: float = 0.1):
+        self._ctx, self._publish, self._command = ctx, publish, command
+        self._on_attach, self._on_resplits, self.poll_s = on_attach, on_resplits, poll_s
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._superseded_seen = 0
+        self._fault = ""
+        self._ring = None
+        self.frames_in = 0
+        self.resplits = 0
+        self.resplits_on_demand = 0
+
+    def new_runner(self) -> None:
+        """The host has a new SuffixRunner: its superseded count starts at 0, no contract fault is known."""
+        self._superseded_seen, self._fault, self._ring = 0, "", None
+
+    @property
+    def running(self) -> bool:
+        """True from :meth:`start` to :meth:`stop`."""
+        return self._running
+
+    def start(self) -> None:
+        """Start the thread ('suffix_worker', daemon)."""
+        self._running = True
+        self._thread = threading.Thread(target=self._work, name="suffix_worker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread after the poll in progress (idempotent)."""
+        self._running = False
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _work(self) -> None:
+        while self._running and self._ctx.alive():
+            self.poll_once(self.poll_s)
+
+    def poll_once(self, timeout_s: float):
+        """Wait up to ``timeout_s`` for a frame, compute and publish it: the SuffixResult, or None (none came, or
+        it was dropped: counted)."""
+        ctx = self._ctx
+        runner = ctx.runner()
+        try:
+            if self._command is not None:
+                runner.command = self._command()
+            try:
+                result = runner.poll(timeout_s)
+            finally:
+                self._count_superseded(runner)
+            self._check_ring(runner)
+            if result is None:
+                return None
+            self.frames_in += 1
+            for e in result.resplits:
+                self.resplits += 1
+                self.resplits_on_demand += int(e.on_demand)
+            if result.resplits and self._on_resplits is not None:
+                self._on_resplits(result)
+            self._publish(result)
+            return result
+        except SlotRejected as e:
+            self.frames_in += 1
+            ctx.drop(f"slot_{e.cause}", str(e))
+        except StaleFrame as e:
+            self.frames_in += 1
+            ctx.drop("stale_frame", str(e))
+        except ResplitError as e:  # no frame was taken: counted as an event, frames_in unchanged
+            ctx.drop("resplit_error", str(e))
+        except FloatingPointError as e:
+            self.frames_in += 1
+            ctx.drop("non_finite_output", str(e))
+        except Exception as e:  # noqa: BLE001 - counted and reported, the loop keeps running
+            if ctx.alive():
+                ctx.drop("internal_error", f"{type(e).__name__}: {e}")
+        return None
+
+    def _check_ring(self, runner) -> None:
+        """Report a ring contract that does not fit once per distinct problem (the host's fault while it lasts),
+        and every (re-)attach and loss of the ring."""
+        ctx, error = self._ctx, runner.contract_error
+        if error != self._fault:
+            self._fault = error
+            ctx.set_fault(error)
+            if error:
+                ctx.logger.error(f"cannot attach to the ring '{runner.segment}': {error}; no frame is taken until the "
+                                 "prefix and this suffix fit (dtype, model, shape)")
+            else:
+                ctx.logger.info("the ring's contract fits now")
+        if runner.ring is not self._ring:
+            self._ring = runner.ring
+            if self._on_attach is not None:
+                self._on_attach(runner.attached)
+        if not runner.attached and not runner.contract_error and ctx.log_every("attach"):
+            ctx.logger.info(f"waiting for the prefix node's ring: {runner.attach_error}")
+
+    def _count_superseded(self, runner) -> None:
+        n = runner.superseded - self._superseded_seen
+        if n > 0:
+            self._superseded_seen = runner.superseded
+            total = self._ctx.count("superseded", n)
+            self.frames_in += n
+            if self._ctx.log_every("superseded"):
+                self._ctx.logger.info(f"took the newest frame: {n} older unread frame(s) dropped (superseded, {total} "
+                                      "so far; ring.delivery newest)")
