@@ -1,8 +1,7 @@
-"""Activation memory of one frame's forward pass of a stage: the tensors alive together at each moment.
+"""Activation memory (bytes) of one frame's forward pass of a stage: the tensors alive together at each moment.
 
-The planner's GPU and CPU memory columns add the peak of these phases to the weights; each kind of model
-(:mod:`.kinds`) says which phases its stages go through, from the shapes in the code as written (transformers
-decoder blocks, the package's own vision side, a VLM's front), in inference mode. Units: bytes.
+The planner's memory columns add the peak phase to the weights; each model kind (:mod:`.kinds`) says which phases
+its stages go through. Sizes follow the shapes in the code as written, in inference mode.
 """
 from __future__ import annotations
 
@@ -37,6 +36,7 @@ class Phase:
 
 
 def llm_dims(cfg) -> dict[str, int]:
+    """The LLM's sizes: widths H, Hq, Hkv, head_dim hd, MLP I, passes B, tokens T."""
     llm = cfg.llm
     heads = int(llm["num_attention_heads"])
     head_dim = int(llm.get("head_dim") or cfg.hidden_size // heads)
@@ -46,17 +46,13 @@ def llm_dims(cfg) -> dict[str, int]:
 
 
 def llm_block_phases(cfg, e: int, held: dict[str, int], label: str) -> list[Phase]:
-    """Phases of one LLM decoder block (transformers LlamaDecoderLayer / Qwen2DecoderLayer, SDPA).
+    """Phases of one LLM decoder block (transformers LlamaDecoderLayer / Qwen2DecoderLayer, SDPA) at N = B*T
+    tokens; ``held``: bytes the caller keeps alive meanwhile.
 
-    ``held``: tensors the callers keep alive meanwhile (bytes). Counted per block, at N = B*T tokens:
-    RMSNorm: its float32 working copies, 8*H bytes a token whatever the dtype (fp32: x^2 then the
-    normalised x and the weighted output; fp16/bf16: the fp32 copy plus x^2, then the normalised copy
-    plus two casts). Attention, at the rotary embedding of q (its largest moment): the normalised
-    input (H), raw q (Hq) with q*cos, rotate_half(q)*sin and their sum (3*Hq), raw k and v (2*Hkv);
-    GQA runs inside SDPA (``enable_gqa``), so k/v are never repeated; SDPA output + its contiguous copy
-    come later when q's raw copy is gone (3*Hq + 2*Hkv < that). MLP, at act(gate) * up: the block
-    input of this block held by the caller, the post-attention residual, its normalised copy (3*H in
-    all, the first in ``held``), act(gate), up and their product (3*I).
+    RMSNorm works in float32: 8*H bytes a token whatever the dtype. Attention peaks at q's rotary embedding;
+    GQA runs inside SDPA (``enable_gqa``), so k/v are never repeated, and SDPA's output and its contiguous copy
+    come after q's raw copy is freed (smaller). The MLP peaks at act(gate) * up, with the block input (in
+    ``held``), the post-attention residual and its normalised copy alive.
     """
     d = llm_dims(cfg)
     n = d["B"] * d["T"]
@@ -73,9 +69,8 @@ def llm_block_phases(cfg, e: int, held: dict[str, int], label: str) -> list[Phas
 
 def llm_prefix_phases(cfg, e: int, split_layer: int, first: list[Phase], held: dict[str, int] | None = None
                       ) -> list[Phase]:
-    """A prefix's phases: its front's (``first``), then up to two decoder blocks (the second holds the first's
-    input too), with the embedding output h_0 held by ``run_blocks``' argument and ``held`` (the caller's input,
-    e.g. the pixels) alive throughout."""
+    """A prefix's phases: its front's (``first``), then up to two decoder blocks, with h_0 (``run_blocks``'
+    argument) and ``held`` (the caller's input, e.g. the pixels) alive throughout."""
     d = llm_dims(cfg)
     state = d["B"] * d["T"] * d["H"] * e
     phases = list(first)
@@ -86,8 +81,7 @@ def llm_prefix_phases(cfg, e: int, split_layer: int, first: list[Phase], held: d
 
 
 def llm_suffix_phases(cfg, e: int, split_layer: int, tail: Phase) -> list[Phase]:
-    """A suffix's phases: up to two decoder blocks from ``split_layer`` (the second holds the first's input),
-    then its ``tail`` (the final norm, or a head)."""
+    """A suffix's phases: up to two decoder blocks from ``split_layer``, then ``tail`` (final norm or a head)."""
     d = llm_dims(cfg)
     state = d["B"] * d["T"] * d["H"] * e
     phases = []
@@ -117,21 +111,12 @@ def token_embed_phase(cfg, e: int) -> Phase:
 
 
 def own_front_phases(cfg, e: int) -> list[Phase]:
-    """This package's vision side, projector and embeddings, in ``e``-byte elements; the caller holds the pixels
-    (C*3*S*S) throughout, and so every phase counts them.
+    """This package's vision side, projector and embeddings, in ``e``-byte elements; every phase counts the
+    pixels (C*3*S*S), which the caller holds throughout.
 
-    * vision (N = C*P tokens of width Dv, MLP Mv): the patch convolution (its output and oneDNN's reordered copy
-      of its weight), the embeddings (conv output, position embedding, their sum); a block's attention (x0 held
-      by SiglipVisionModel, the block input, LN1, q, k, v, SDPA and out_proj outputs: fused SDPA writes its
-      output in (B, T, heads, d) layout, so the transpose back is free) and MLP (x0, block input, residual, LN2,
-      fc1 and GELU outputs); the post-layernorm. EVA-02: windows of a zero-padded grid, rotary q / k, SwiGLU.
-      LLaVA keeps every layer's output (it reads inner layers);
-    * query projector: nn.MultiheadAttention's packed k|v and its contiguous copy beside the memory; MLP
-      projector: Linear-GELU-Linear with the input alive; query heads: the 3-D position embedding's hidden layer
-      (N x 4E), then a head's cross-attention at its width E (estimated from the code's tensors, the memory of
-      earlier frames, about 1 MB, not counted);
-    * embeddings: vision tokens, text embeddings, ego token and their concatenation (T, H), and the (2, T, H)
-      pass-embedded copy with two passes.
+    Vision: one block's attention (fused SDPA writes (B, T, heads, d), so the transpose back is free) and MLP,
+    with the patch convolution counting oneDNN's reordered weight copy. Query projector: nn.MultiheadAttention's
+    packed k|v and its contiguous copy; query heads leave out the earlier frames' memory (about 1 MB).
 
     Not modelled: O(T) softmax statistics, per-thread SDPA tiles and GEMM packing buffers, cuDNN workspaces (in
     the CUDA overhead allowance), allocator rounding. On the CPU in fp32 the estimate is within 0.2 % of the peak
@@ -216,10 +201,8 @@ def own_front_phases(cfg, e: int) -> list[Phase]:
 
 
 def vlm_front_phases(cfg, e: int, state: int) -> list[Phase]:
-    """An estimate of a transformers VLM front's live tensors: the vision tower's widest block (its N patches of
-    width Dv: the pixels, a block input, q / k / v and the MLP's N x Mv) and the embedding of the T tokens with
-    the image features scattered in. An estimate from the config (the tower's internals differ per family:
-    windows, merges, tiles), not a measurement: ``hybrid-vla profile`` measures."""
+    """A transformers VLM front's live tensors, estimated from the config (tower internals differ per family;
+    ``hybrid-vla profile`` measures): the vision tower's widest block, then the T token embeddings."""
     v = cfg.vlm.get("vision_config", {})
     Dv = int(v.get("hidden_size") if "embed_dim" not in v else v["embed_dim"])
     Mv = int(v.get("intermediate_size") or Dv * float(v.get("mlp_ratio", 4)))

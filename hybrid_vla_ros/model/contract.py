@@ -1,12 +1,6 @@
-"""What crosses the split for one frame: the hidden states h_K and the side tensors the decoder blocks after K
-need that are not a function of T alone.
-
-A text model needs nothing but h_K: its positions are ``arange(T)`` and its masks follow from T and the config
-(:mod:`hybrid_vla_ros.model.text`). A Qwen-VL family needs its multimodal rotary positions, which the VLM computes
-from the image grid; Qwen3-VL also the DeepStack features its front adds to the visual tokens after blocks
-0 .. levels-1 (with K below ``levels`` the suffix adds the rest). Both sides use :class:`SplitState`; the ring
-carries the side tensors as declared :class:`~hybrid_vla_ros.transport.contract.TensorSpec` entries next to the
-hidden states (:func:`side_specs`).
+"""What crosses the split for one frame (:class:`SplitState`): h_K plus the side tensors the blocks after K need
+that are not a function of T alone (Qwen-VL rotary positions, Qwen3-VL DeepStack features); text models send h_K
+only. The ring carries them as :class:`~hybrid_vla_ros.transport.contract.TensorSpec` entries (:func:`side_specs`).
 """
 from __future__ import annotations
 
@@ -20,13 +14,12 @@ POSITION_IDS, VISUAL_MASK, DEEPSTACK = "position_ids", "visual_mask", "deepstack
 
 @dataclass
 class SplitState:
-    """One frame's state at a split layer K.
+    """One frame's state at split layer K.
 
-    ``hidden_states``: h_K, (T, H) (or (P, T, H) with P LLM passes) in the model dtype. ``position_ids``:
-    multimodal rotary positions (3 or 4, 1, T) int64 (Qwen2-VL / 2.5-VL / 3-VL), None for ``arange(T)``.
-    ``visual_mask``: (T,) bool, the visual tokens; ``deepstack``: (levels, V, H) in the model dtype, level i
-    added to the visual tokens after block i (Qwen3-VL), both None otherwise. The side tensors hold every
-    level whatever K is (the contract does not change with a re-split); the suffix adds levels >= K.
+    ``hidden_states``: h_K, (T, H) or (P, T, H) with P LLM passes, model dtype. ``position_ids``: (3 or 4, 1, T)
+    int64 (Qwen2/2.5/3-VL), None for ``arange(T)``. ``visual_mask``: (T,) bool; ``deepstack``: (levels, V, H) model
+    dtype, level i added to the visual tokens after block i (Qwen3-VL); both None otherwise. The side tensors hold
+    every level whatever K is, so a re-split keeps the contract; the suffix adds levels >= K.
     """
 
     hidden_states: torch.Tensor
@@ -41,8 +34,7 @@ class SplitState:
 
     @classmethod
     def from_side(cls, hidden_states: torch.Tensor, side: dict[str, torch.Tensor]) -> "SplitState":
-        """The state from h_K and the side tensors by contract name (a ring slot's). Raises ValueError for a
-        name this package does not know."""
+        """The state from h_K and a ring slot's side tensors. Raises ValueError for an unknown name."""
         known = {f.name for f in fields(cls)} - {"hidden_states"}
         unknown = set(side) - known
         if unknown:
@@ -50,8 +42,7 @@ class SplitState:
         return cls(hidden_states, **side)
 
     def to(self, device=None, dtype=None) -> "SplitState":
-        """hidden_states and deepstack in ``dtype`` on ``device``; the integer / bool side tensors on
-        ``device`` only."""
+        """Float tensors to ``dtype`` and ``device``; integer / bool side tensors to ``device`` only."""
         def move(t, floating):
             if t is None:
                 return None
@@ -62,16 +53,14 @@ class SplitState:
 
 
 def side_specs(cfg, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of every side tensor a model sends with h_K (a VLM spec's ``side`` /
-    ``side_shapes``; none for other models): positions int64, the visual mask bool, DeepStack features in the
-    model ``dtype``."""
+    """(name, shape, dtype) of each side tensor sent with h_K, from ``cfg.side`` / ``cfg.side_shapes``."""
     dtypes = {POSITION_IDS: torch.int64, VISUAL_MASK: torch.bool, DEEPSTACK: dtype}
     shapes = getattr(cfg, "side_shapes", {}) or {}
     return [(name, tuple(int(d) for d in shapes[name]), dtypes[name]) for name in getattr(cfg, "side", ())]
 
 
 def side_bytes(cfg, dtype: torch.dtype) -> int:
-    """Bytes of the side tensors per frame (:func:`side_specs`)."""
+    """Bytes of the side tensors per frame."""
     total = 0
     for _, shape, dt in side_specs(cfg, dtype):
         n = 1

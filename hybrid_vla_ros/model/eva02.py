@@ -1,26 +1,14 @@
 """The EVA-02 vision backbone of Orion and MindDrive: a ViTDet-style EVA-02 (window and global blocks, 2-D rotary
 positions, SwiGLU MLP), with the parameter names of the published ``img_backbone`` so a converted checkpoint
-loads one to one.
+loads one to one. No final norm, no class token.
 
-Sources of the layout and formulas:
-  * Fang et al., 2024, "EVA-02: A Visual Representation for Neon Genesis": pre-norm blocks with 2-D RoPE on q
-    and k, SwiGLU MLP with a LayerNorm before its output projection (``ffn_ln``), q and v biases without a k
-    bias;
-  * Li et al., 2022, "Exploring Plain Vision Transformer Backbones for Object Detection" (ViTDet): most blocks
-    attend inside non-overlapping windows of the patch grid (zero-padded to a multiple of the window, the
-    padding taking part in the attention unmasked), a few attend globally; the absolute position embedding of
-    the pre-training grid (with its class-token entry dropped) is resized bicubically to the patch grid;
-  * the published configuration (MindDrive's inference configs, Orion's README): 640 x 640 input, patch 16,
-    width 1024, 24 blocks, 16 heads, MLP ratio 8/3, window 16, global blocks 2, 5, ..., 23, pre-training
-    grid 224 / 16 with a class token, rotary pre-training grid 16.
+Sources: Fang et al., 2024, "EVA-02: A Visual Representation for Neon Genesis" (the block layout); Li et al.,
+2022, "Exploring Plain Vision Transformer Backbones for Object Detection" (ViTDet: window attention, resized
+absolute position embedding); the published configuration (MindDrive's inference configs, Orion's README), which
+:class:`EVA02Config`'s defaults are.
 
-Forward: pixels (C, 3, S, S) -> tokens (C, (S/p)^2, D) in camera, row, column order, the published feature map
-(C, D, S/p, S/p) flattened as its query heads flatten it (``feature_map`` gives the map itself). There is no
-final norm and no class token.
-
-The rotary tables are computed from the configuration (non-persistent buffers): the published checkpoints
-store them (``rope_win.*``, ``rope_glb.*`` and a copy under every block), and ``hybrid-vla convert`` checks
-those against :func:`rotary_table` instead of loading them.
+The rotary tables are non-persistent buffers: the published checkpoints store them, and ``hybrid-vla convert``
+checks those against :func:`rotary_table` (see :func:`derived_tensor_names`) instead of loading them.
 """
 from __future__ import annotations
 
@@ -41,14 +29,11 @@ def _published_global_blocks(depth: int, every: int = 3) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class EVA02Config:
-    """The backbone's shape. Defaults are the published EVA-02-L at 640 px (Orion, MindDrive 0.5B and 3B).
+    """The backbone's shape; defaults are the published EVA-02-L at 640 px (Orion, MindDrive 0.5B and 3B).
 
-    ``intermediate_size``: SwiGLU hidden width, ``int(hidden_size * 8 / 3)`` in the published model (2730);
-    ``window_size``: side of the attention windows in patches (0: every block global);
-    ``global_blocks``: indexes of the blocks that attend over the whole grid (the others use windows);
-    ``pretrain_image_size``: the pre-training image side whose (side / patch)^2 grid ``pos_embed`` holds (plus
-    a class-token entry when ``pretrain_cls_token``); ``rope_grid``: the rotary pre-training grid side (positions
-    of a larger grid are scaled into it); ``rope_theta``: the rotary base.
+    ``window_size``: attention window side in patches (0: every block global); ``pretrain_image_size``: the image
+    side of ``pos_embed``'s grid (plus a class-token entry when ``pretrain_cls_token``); ``rope_grid``: the rotary
+    pre-training grid side, into which larger grids' positions are scaled.
     """
 
     hidden_size: int = 1024
@@ -88,8 +73,8 @@ class EVA02Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "EVA02Config":
-        """From a model config's ``vision`` dict (its ``type`` key and unknown keys are refused by name).
-        Raises ValueError on an unknown or invalid field."""
+        """From a model config's ``vision`` dict (``type`` ignored). Raises ValueError on an unknown or invalid
+        field."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names - {"type"})
         if unknown:
@@ -117,12 +102,9 @@ class EVA02Config:
 
 def rotary_table(head_dim: int, side: int, rope_grid: int, theta: float = 10000.0) -> tuple[torch.Tensor,
                                                                                                   torch.Tensor]:
-    """(cos, sin), each (side * side, head_dim) float32: EVA-02's 2-D rotary angles for a side x side grid.
-
-    Position j of an axis is scaled to the pre-training grid, t_j = j * rope_grid / side; band k of the
-    head_dim / 4 bands has frequency theta^(-4k / head_dim). A token at (row r, column c) rotates dims
-    [0, head_dim/2) by the row's angles and [head_dim/2, head_dim) by the column's, each band's angle on two
-    adjacent dims (the pairs :func:`apply_rotary` rotates). Raises ValueError unless head_dim % 4 == 0.
+    """(cos, sin), each (side * side, head_dim) float32: EVA-02's 2-D rotary angles for a side x side grid,
+    positions scaled to the ``rope_grid`` side. Dims [0, head_dim/2) carry the row's angles, the rest the column's,
+    each angle on two adjacent dims. Raises ValueError unless head_dim % 4 == 0.
     """
     if head_dim % 4:
         raise ValueError(f"head_dim must be a multiple of 4, got {head_dim}")
@@ -136,16 +118,15 @@ def rotary_table(head_dim: int, side: int, rope_grid: int, theta: float = 10000.
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (..., N, head_dim) rotated pairwise: (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin) on dims (2i, 2i+1);
-    ``cos`` / ``sin`` (N, head_dim) from :func:`rotary_table`, cast to x's dtype."""
+    """x (..., N, head_dim) rotated on dim pairs (2i, 2i+1); ``cos`` / ``sin`` (N, head_dim), cast to x's
+    dtype."""
     pairs = x.unflatten(-1, (-1, 2))
     turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
     return x * cos.to(x.dtype) + turned * sin.to(x.dtype)
 
 
 class EVA02Attention(nn.Module):
-    """Multi-head self-attention over (B, N, D) tokens with 2-D rotary q and k. Parameters as published:
-    ``q_proj`` / ``k_proj`` / ``v_proj`` (no bias), ``q_bias``, ``v_bias``, ``proj``."""
+    """Multi-head self-attention with 2-D rotary q and k, q and v biases, no k bias."""
 
     def __init__(self, cfg: EVA02Config):
         super().__init__()
@@ -159,7 +140,7 @@ class EVA02Attention(nn.Module):
         self.proj = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (B, N, D) -> (B, N, D); ``cos`` / ``sin`` (N, head_dim)."""
+        """x (B, N, D) -> (B, N, D)."""
         b, n, d = x.shape
         heads = (b, n, self.num_heads, d // self.num_heads)
         q = F.linear(x, self.q_proj.weight, self.q_bias).view(heads).transpose(1, 2)
@@ -171,7 +152,7 @@ class EVA02Attention(nn.Module):
 
 
 class EVA02SwiGLU(nn.Module):
-    """``w3(ffn_ln(silu(w1 x) * w2 x))``: the EVA-02 MLP with its inner LayerNorm."""
+    """The EVA-02 MLP: ``w3(ffn_ln(silu(w1 x) * w2 x))``."""
 
     def __init__(self, cfg: EVA02Config):
         super().__init__()
@@ -182,15 +163,14 @@ class EVA02SwiGLU(nn.Module):
         self.w3 = nn.Linear(m, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> (..., D), in the parameters' dtype."""
+        """(..., D) -> (..., D)."""
         return self.w3(self.ffn_ln(F.silu(self.w1(x)) * self.w2(x)))
 
 
 class EVA02Block(nn.Module):
-    """One pre-norm block on the (B, G, G, D) grid: ``x + attn(norm1(x))`` inside ``window`` x ``window``
-    windows (``window`` 0: over the whole grid), then ``x + mlp(norm2(x))``. Windows are cut after norm1 from the
-    grid zero-padded at the bottom and right to a multiple of the window; the padded tokens take part in the
-    attention (keys from zeros, values the v bias), as in ViTDet, and are cut off afterwards."""
+    """One pre-norm block on the (B, G, G, D) grid, attending inside ``window`` x ``window`` windows (0: globally).
+    As in ViTDet, the normed grid is zero-padded at the bottom and right to a multiple of the window, and the
+    padded tokens take part in the attention unmasked."""
 
     def __init__(self, cfg: EVA02Config, window: int):
         super().__init__()
@@ -201,7 +181,7 @@ class EVA02Block(nn.Module):
         self.mlp = EVA02SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (B, G, G, D) -> (B, G, G, D); ``cos`` / ``sin`` the table of this block's attention extent."""
+        """x (B, G, G, D) -> (B, G, G, D); ``cos`` / ``sin`` for this block's attention extent."""
         b, g, _, d = x.shape
         y = self.norm1(x)
         w = self.window
@@ -219,11 +199,7 @@ class EVA02Block(nn.Module):
 
 
 class EVA02ViT(nn.Module):
-    """The EVA-02 backbone (module docstring): pixels (C, 3, S, S) -> tokens (C, (S/p)^2, D).
-
-    Parameters as published under ``img_backbone.``: ``patch_embed.proj`` (Conv2d 3 -> D, kernel = stride = p),
-    ``pos_embed`` (1, (pretrain / p)^2 [+ 1], D), ``blocks.i.{norm1, attn.*, norm2, mlp.*}``.
-    """
+    """The EVA-02 backbone: pixels (C, 3, S, S) -> tokens (C, (S/p)^2, D)."""
 
     def __init__(self, cfg: EVA02Config):
         super().__init__()
@@ -238,8 +214,7 @@ class EVA02ViT(nn.Module):
         self.rebuild_buffers(None)
 
     def rebuild_buffers(self, device=None) -> None:
-        """(Re)compute the rotary tables (float32) on ``device`` (None: where ``pos_embed`` is): after a move
-        from the meta device, or wherever buffers must be rebuilt rather than loaded."""
+        """(Re)compute the float32 rotary tables on ``device`` (None: where ``pos_embed`` is)."""
         device = self.pos_embed.device if device is None else torch.device(device)
         c = self.cfg
         for name, side in (("window", c.window_size), ("global", c.grid)):
@@ -248,8 +223,8 @@ class EVA02ViT(nn.Module):
             self.register_buffer(f"rope_{name}_sin", sin.to(device), persistent=False)
 
     def position_embedding(self) -> torch.Tensor:
-        """(1, G, G, D): ``pos_embed`` without its class-token entry, resized bicubically (align_corners False,
-        in float32) from the pre-training grid to the patch grid G."""
+        """(1, G, G, D): ``pos_embed`` without its class-token entry, resized bicubically in float32 to the patch
+        grid."""
         c = self.cfg
         pos = self.pos_embed[:, int(c.pretrain_cls_token):]
         side = int(math.isqrt(pos.shape[1]))
@@ -278,22 +253,20 @@ class EVA02ViT(nn.Module):
         return x.permute(0, 3, 1, 2)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixels (C, 3, S, S) -> tokens (C, G * G, D) in row, column order (the feature map flattened)."""
+        """The feature map flattened to (C, G * G, D) tokens in row, column order, as the query heads flatten it."""
         return self.feature_map(pixel_values).flatten(2).transpose(1, 2)
 
 
 def derived_tensor_names(cfg: EVA02Config) -> tuple[str, ...]:
-    """The published backbone's stored rotary tables (relative to ``img_backbone.``): computed here from the
-    configuration, so a converter checks them against :func:`rotary_table` rather than loading them."""
+    """The published backbone's stored rotary tables, relative to ``img_backbone.``."""
     names = [f"rope_{n}.freqs_{t}" for n in ("win", "glb") for t in ("cos", "sin")]
     names += [f"blocks.{i}.attn.rope.freqs_{t}" for i in range(cfg.num_hidden_layers) for t in ("cos", "sin")]
     return tuple(names)
 
 
 def expected_derived(cfg: EVA02Config, name: str) -> torch.Tensor:
-    """The value a published checkpoint stores under ``name`` (one of :func:`derived_tensor_names`), computed
-    from the configuration: the window table for ``rope_win`` and a window block's copy, the global one for
-    ``rope_glb`` and a global block's copy. Raises KeyError for another name."""
+    """The value a published checkpoint stores under ``name`` (one of :func:`derived_tensor_names`). Raises
+    KeyError for another name."""
     if name not in derived_tensor_names(cfg):
         raise KeyError(name)
     cos_or_sin = 0 if name.endswith("cos") else 1

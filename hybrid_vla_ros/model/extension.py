@@ -7,23 +7,12 @@ A checkpoint directory of own code holds its weights (``model.safetensors``, or 
      "model_class": "my_team.vla:DrivingVLA",       # importable module : class
      "config": {...}}                                 # passed to the class as is
 
-To run on the nodes the class also declares its driving I/O, a ``driving`` dict (:data:`DRIVING_KEYS`: the cameras
-and their preprocessing, the waypoints it returns from ``readout``); without it the model runs in
-``verify-split``, ``plan`` and ``profile`` only.
+The class follows :class:`SplitModelCode`. To run on the nodes it also declares a ``driving`` dict
+(:data:`DRIVING_KEYS`); without it the model runs in ``verify-split``, ``plan`` and ``profile`` only.
 
-The class is a ``torch.nn.Module`` that follows :class:`SplitModelCode`: ``cls(config)`` builds it (this
-package calls it under ``torch.device("meta")``, so it must not allocate or initialise weights by itself beyond
-what nn.Module constructors do); it names the modules that run before the decoder blocks (``front_modules``), its
-``nn.ModuleList`` of decoder blocks (``block_list``) and the modules after them (``tail_modules``); ``embed``,
-``run_blocks`` and ``readout`` are its forward pass cut at the blocks; ``forward`` is its own monolithic
-forward (the reference ``hybrid-vla verify-split`` compares the split with); ``hidden_state_shape`` is what
-crosses the split; ``example_inputs`` gives inputs for the check. The planner counts each stage's and each
-block's parameter bytes from the modules themselves (on the meta device), so it needs nothing more.
-
-**Importing the class runs its code.** It is an explicit opt-in: ``trust_model_code=True`` (the CLI's
-``--trust-model-code``) or the environment variable ``HYBRID_VLA_TRUST_MODEL_CODE=1``; without it a
-``model_class`` checkpoint is refused before anything is imported. The module must be importable (installed,
-or on ``PYTHONPATH``); nothing is imported from the checkpoint directory itself.
+**Importing the class runs its code**: opt in with ``trust_model_code=True`` (``--trust-model-code``) or
+``HYBRID_VLA_TRUST_MODEL_CODE=1``; otherwise the checkpoint is refused before anything is imported. The module
+must be importable (installed or on ``PYTHONPATH``); nothing is imported from the checkpoint directory.
 """
 from __future__ import annotations
 
@@ -48,12 +37,15 @@ TRUST_ENV = "HYBRID_VLA_TRUST_MODEL_CODE"
 
 @runtime_checkable
 class SplitModelCode(Protocol):
-    """A team's VLA as the ordered stages of the split (an ``nn.Module``; see the module docstring).
+    """A team's VLA (an ``nn.Module``) as the ordered stages of the split.
+
+    ``cls(config)`` is called under ``torch.device("meta")``, so it must not allocate or initialise weights
+    itself. Parameter bytes per stage and block are counted from the modules.
 
     Attributes:
-        front_modules: names of the child modules used before decoder block 0 (the prefix's side).
-        block_list: name of the ``nn.ModuleList`` attribute holding the L decoder blocks in order.
-        tail_modules: names of the child modules used after block L-1 (the suffix's side).
+        front_modules: child modules used before decoder block 0 (the prefix's side).
+        block_list: the ``nn.ModuleList`` attribute holding the L decoder blocks in order.
+        tail_modules: child modules used after block L-1 (the suffix's side).
     """
 
     front_modules: tuple[str, ...]
@@ -73,7 +65,7 @@ class SplitModelCode(Protocol):
         """Hidden states after block L-1 -> the model's output, using only ``tail_modules``."""
 
     def forward(self, *inputs) -> torch.Tensor:
-        """The model's own monolithic forward: the reference the split is checked against."""
+        """The model's own monolithic forward: ``verify-split``'s reference."""
 
     def example_inputs(self, seed: int = 0) -> tuple:
         """Inputs for ``embed`` / ``forward`` (CPU tensors), deterministic for a seed."""
@@ -87,10 +79,10 @@ def trusted(trust_model_code: bool | None) -> bool:
 
 
 def import_model_class(path: Path, spec: str, trust_model_code: bool | None = None) -> type:
-    """The class ``spec`` (``package.module:Name``) named by ``path``/config.json, imported only when trusted.
+    """The class ``spec`` (``package.module:Name``) of ``path``/config.json, imported only when trusted.
 
-    Raises CheckpointError: not trusted (nothing imported), a malformed spec, an import error, or a class that
-    does not follow :class:`SplitModelCode` (the missing members named).
+    Raises CheckpointError: not trusted (nothing imported), a malformed spec, an import error, or missing
+    :class:`SplitModelCode` members.
     """
     where = Path(path) / "config.json"
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
@@ -109,11 +101,11 @@ def import_model_class(path: Path, spec: str, trust_model_code: bool | None = No
 
 
 def import_head_class(spec: str, trust_model_code: bool | None = None) -> type:
-    """The team's own read-out head class ``spec`` (``package.module:Name``, a ``readout`` of type ``module``),
-    imported only with the model-code opt-in (``--trust-model-code``, or the environment variable for the
-    nodes). It is built ``cls(hidden_size=H, n_waypoints=N, n_modes=M, **config)`` and called on the final-norm
-    hidden states (T, H) of the suffix; it must return (M, N, 2) waypoints (metres, ego frame). Raises
-    CheckpointError: not trusted (nothing imported), a malformed spec, an import error, not an nn.Module."""
+    """The team's read-out head class ``spec`` (a ``readout`` of type ``module``), imported only when trusted.
+
+    Built ``cls(hidden_size=H, n_waypoints=N, n_modes=M, **config)``, called on the suffix's final-norm hidden
+    states (T, H); returns (M, N, 2) waypoints (metres, ego frame). Raises CheckpointError as
+    :func:`import_model_class`, or when the class is not an nn.Module."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise CheckpointError(f"readout.class must be 'package.module:ClassName', got {spec!r}")
     if not trusted(trust_model_code):
@@ -124,8 +116,7 @@ def import_head_class(spec: str, trust_model_code: bool | None = None) -> type:
 
 
 def _import_module_class(spec: str, what: str) -> type:
-    """The nn.Module class ``package.module:Name`` (already trusted). Raises CheckpointError naming ``what``: the
-    module cannot be imported, or the name is not an nn.Module class."""
+    """The nn.Module class ``spec`` (already trusted); CheckpointError naming ``what`` otherwise."""
     module_name, class_name = spec.split(":")
     try:
         module = importlib.import_module(module_name)
@@ -139,10 +130,10 @@ def _import_module_class(spec: str, what: str) -> type:
 
 
 class CodeModel:
-    """An own-code checkpoint's model class and config: builds its stages (what ``build_stage`` dispatches to).
+    """An own-code checkpoint's model class and config; builds its stages.
 
-    ``num_layers`` (L, the length of the block list) and ``prefix_state_shape`` come from one instance built on
-    the meta device. Raises CheckpointError when building it fails or the block list is not an ``nn.ModuleList``.
+    ``num_layers`` and ``prefix_state_shape`` come from a meta-device instance. Raises CheckpointError when
+    building it fails or the block list is not an ``nn.ModuleList``.
     """
 
     llm_passes = 1
@@ -154,14 +145,13 @@ class CodeModel:
             probe = self.new_model()
         self.num_layers = len(getattr(probe, probe.block_list))
         self.prefix_state_shape = tuple(int(s) for s in probe.hidden_state_shape())
-        #: The driving I/O the model declares (:data:`DRIVING_KEYS`), or None: then it runs in verify-split,
-        #: plan and profile only, not on the nodes.
+        #: The declared driving I/O (:data:`DRIVING_KEYS`), or None: not runnable on the nodes.
         self.driving = _driving(probe, Path(path) / "config.json", spec)
 
     # The driving I/O, under the names the nodes read from a driving config (model.config.VLAConfig).
     @property
     def drives(self) -> bool:
-        """True when the model declares its driving I/O: the nodes can run it."""
+        """True when the nodes can run the model (it declares driving I/O)."""
         return self.driving is not None
 
     def _io(self, key: str):
@@ -189,7 +179,7 @@ class CodeModel:
 
     @property
     def num_tokens(self) -> int:
-        """T: the second-to-last dim of the hidden states that cross the split."""
+        """T: the second-to-last dim of the hidden states."""
         return int(self.prefix_state_shape[-2])
 
     def new_model(self) -> nn.Module:
@@ -204,12 +194,13 @@ class CodeModel:
         return model
 
     def to_dict(self) -> dict:
-        """What a profile records as the model's config (as in config.json, without format_version)."""
+        """The config a profile records (config.json without format_version)."""
         return {"model_type": CODE_MODEL_TYPE, "model_class": self.spec, "config": self.config}
 
     def build_stage(self, role: str, split_layer: int | None, stop: int | None = None) -> nn.Module:
-        """``prefix`` / ``suffix`` at ``split_layer``, ``blocks`` [split_layer, stop), or ``full`` (the model
-        itself, for its own reference forward). Raises ValueError for an unknown role or a K out of range."""
+        """``prefix`` / ``suffix`` at ``split_layer``, ``blocks`` [split_layer, stop), or ``full``.
+
+        Raises ValueError for an unknown role or a K out of range."""
         if role == "full":
             return CodeFull(self, self.new_model())
         if role not in ("prefix", "suffix", "blocks"):
@@ -221,18 +212,15 @@ class CodeModel:
         return (CodePrefix if role == "prefix" else CodeSuffix)(self, self.new_model(), split_layer)
 
 
-#: What a model's ``driving`` dict must give for the nodes to run it: cameras (count, in ``camera_topics``
-#: order), image_size (px, square: the package decodes, resizes and normalises every camera to (C, 3, S, S)
-#: float pixels, which ``embed`` takes), image_mean / image_std (3 values each, [0, 1] units, RGB),
-#: n_waypoints, waypoint_dt_s (s), n_modes (1 or 6). Optional: random_init (bool: the trajectories are not
-#: driving advice), image_resize (the resize filter, model.config.RESIZE_FILTERS; default ``area``).
-#: ``readout`` then returns waypoints (n_modes, n_waypoints, 2) metres, ego frame.
+#: Required keys of a model's ``driving`` dict: cameras (in ``camera_topics`` order), image_size (px, square:
+#: ``embed`` gets (C, 3, S, S) float pixels), image_mean / image_std (3 values, [0, 1], RGB), n_waypoints,
+#: waypoint_dt_s (s), n_modes (1 or 6). Optional: random_init (bool: trajectories are not driving advice),
+#: image_resize (RESIZE_FILTERS, default ``area``). ``readout`` returns (n_modes, n_waypoints, 2) metres, ego frame.
 DRIVING_KEYS = ("cameras", "image_size", "image_mean", "image_std", "n_waypoints", "waypoint_dt_s", "n_modes")
 
 
 def _driving(model: nn.Module, where: Path, spec: str) -> dict | None:
-    """The model's ``driving`` dict checked (:data:`DRIVING_KEYS`), or None when it declares none. Raises
-    CheckpointError naming what is missing or wrong."""
+    """The model's checked ``driving`` dict, or None; CheckpointError naming what is missing or wrong."""
     io = getattr(model, "driving", None)
     if io is None:
         return None
@@ -257,8 +245,8 @@ def _attach(stage: nn.Module, model: nn.Module, names) -> None:
 
 
 class _CodeStage(nn.Module):
-    """Shared by own-code stages: the model object (not registered: its unused parts stay on meta), the
-    modules this stage owns registered under their own names, its blocks as ``layers``."""
+    """Base of own-code stages: owned modules under their own names, blocks as ``layers``; the model itself is
+    not registered, so its unused parts stay on meta."""
 
     def __init__(self, spec: CodeModel, model: nn.Module, split_layer: int):
         super().__init__()
@@ -273,7 +261,7 @@ class _CodeStage(nn.Module):
         return local_key
 
     def rebuild_buffers(self, device: torch.device) -> None:
-        """Let the model rebuild its non-persistent buffers on ``device`` (optional ``rebuild_buffers`` hook)."""
+        """Call the model's optional ``rebuild_buffers(device)`` hook."""
         hook = getattr(self.code, "rebuild_buffers", None)
         if hook is not None:
             hook(device)
@@ -314,9 +302,9 @@ class CodeSuffix(_CodeStage):
         return self._block_key(local_key, self.split_layer)
 
     def plan_all(self, hidden_states: torch.Tensor, command: int = 3, split_layer: int | None = None):
-        """A driving model's waypoints of every mode as :class:`~hybrid_vla_ros.model.stages.PlanOutput` (the
-        command picks the mode of a 6-mode model). Raises ValueError for a model without driving I/O, a readout
-        that is not (n_modes, n_waypoints, 2), or as :meth:`forward`."""
+        """Waypoints of every mode as :class:`~hybrid_vla_ros.model.stages.PlanOutput`; ``command`` picks the mode.
+
+        Raises ValueError without driving I/O, for a bad command or readout shape, or as :meth:`forward`."""
 
         if not self.cfg.drives:
             raise ValueError(f"{self.cfg.spec} declares no driving I/O: it gives its own output, not waypoints")
@@ -355,7 +343,7 @@ class CodeBlocks(_CodeStage):
 
 
 class CodeFull(nn.Module):
-    """The whole own-code model (its state-dict keys are the checkpoint's): ``forward`` is the model's own."""
+    """The whole own-code model, keys as in the checkpoint; ``forward`` is the model's own."""
 
     role = "full"
 

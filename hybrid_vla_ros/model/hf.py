@@ -1,22 +1,12 @@
 """Hugging Face transformers checkpoint directories: what they are, and how their tensors map onto the split.
 
-A transformers directory is ``config.json`` plus either ``model.safetensors`` or shards
-``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (as ``PreTrainedModel.save_pretrained``
-writes it). Supported architectures (``config.json`` ``model_type``):
+A directory is ``config.json`` plus ``model.safetensors`` or shards with ``model.safetensors.index.json``, as
+``save_pretrained`` writes it. Supported: a causal LM of a text family (:data:`LLM_MODEL_TYPES`; e.g. Vicuna,
+LLaMA 2 / 3, SmolLM2, Qwen2.5, Gemma 3 text), blocks from :mod:`hybrid_vla_ros.model.text`; ``llava`` (CLIP or
+SigLIP tower, LLaVA's two-layer projector, such an LM); the VLM families of :mod:`hybrid_vla_ros.model.vlm`.
 
-* a causal language model of one of the text families (:data:`~hybrid_vla_ros.model.text.TEXT_MODEL_TYPES`:
-  ``LlamaForCausalLM`` (Vicuna, LLaMA 2 / 3, SmolLM2), ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5),
-  ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` (Gemma 3 text,
-  model_type ``gemma3_text``), ``Phi3ForCausalLM``): a bare language model. Its decoder blocks are the family's
-  own transformers class built from the directory's own config (:mod:`hybrid_vla_ros.model.text`);
-* ``llava`` (``LlavaForConditionalGeneration``): a CLIP or SigLIP vision tower, LLaVA's two-layer projector
-  and a language model of one of those families.
-
-Stored names -> this package's canonical names (:mod:`hybrid_vla_ros.model.sources`), layouts read in the
-transformers sources (``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_mistral.py``,
-``modeling_gemma2.py``, ``modeling_gemma3.py``, ``modeling_phi3.py``, ``modeling_llava.py``,
-``conversion_mapping.py``) and checked against what transformers 5.24's ``save_pretrained`` writes (every text
-family stores its base model under ``model.``):
+Stored -> canonical names (:mod:`hybrid_vla_ros.model.sources`), from the transformers ``modeling_<family>.py``
+and ``conversion_mapping.py`` sources, checked against transformers 5.24's ``save_pretrained``:
 
 ============================================================  ==========================================
 stored                                                        canonical
@@ -34,8 +24,7 @@ LLaVA, transformers 5.x in-memory layout (``save_original_format=False``):
 ``model.vision_tower.<rest>``, ``model.multi_modal_projector.<rest>``  as above
 ============================================================  ==========================================
 
-(``vision_model.`` is the CLIP / SigLIP wrapper transformers 4.x had; 5.x flattens it.) Rotary
-``inv_freq`` buffers stored by old LLaMA checkpoints are not read: the stages rebuild them from the config.
+(``vision_model.`` is transformers 4.x's CLIP / SigLIP wrapper.) Stored rotary ``inv_freq`` buffers are not read.
 """
 from __future__ import annotations
 
@@ -52,16 +41,14 @@ from .sources import (
     hf_safetensors_files,
 )
 
-#: transformers ``model_type`` of the causal language models a directory may hold (their decoder blocks run here;
-#: :data:`~hybrid_vla_ros.model.text.TEXT_MODEL_TYPES` adds the VLMs' own text models).
+#: transformers ``model_type`` of the causal LMs a directory may hold (TEXT_MODEL_TYPES less VLM text models).
 LLM_MODEL_TYPES = tuple(t for t in TEXT_MODEL_TYPES if t in CAUSAL_LM_ARCHITECTURES)
 #: transformers ``model_type`` of the vision towers a LLaVA model may have here.
 VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
 #: Architectures (``config.json`` ``architectures``) read from a transformers directory, by model_type.
 ARCHITECTURES = {**CAUSAL_LM_ARCHITECTURES, "llava": "LlavaForConditionalGeneration"}
 
-#: Config keys that describe how a config was saved or used for training, not the architecture: left out of the
-#: ``llm`` / ``vision`` dicts this package stores (they change between transformers versions and saves).
+#: Config keys about saving or training, not the architecture: left out of the stored ``llm`` / ``vision`` dicts.
 _NOISE_KEYS = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "id2label",
                "label2id", "problem_type", "return_dict", "output_hidden_states", "output_attentions",
                "chunk_size_feed_forward", "is_encoder_decoder", "use_cache", "initializer_range",
@@ -83,8 +70,7 @@ LLAVA_KEY_MAP = KeyMap([
     (r"(?:model\.)?multi_modal_projector\.(.+)", r"multi_modal_projector.\1"),
 ], "transformers LLaVA")
 
-#: CLIP image statistics (OpenAI CLIP's preprocessing), LLaVA's default when a directory has no
-#: ``preprocessor_config.json``.
+#: OpenAI CLIP's image mean / std, LLaVA's default without ``preprocessor_config.json``.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -147,10 +133,8 @@ def _check_text_config_any(path: Path, text) -> None:
 class HFModel:
     """A transformers directory, resolved through transformers' own config classes.
 
-    ``kind``: ``llm``, ``llava`` or ``vlm`` (a family of :data:`~hybrid_vla_ros.model.vlm.VLM_MODEL_TYPES`);
-    ``architecture``: e.g. ``Qwen3ForCausalLM``; ``config``: the transformers
-    config object (its family's, e.g. ``Qwen3Config``, or ``LlavaConfig``); ``text_config``: the language model's
-    config (``config`` itself for an LLM); ``vision_config``: the LLaVA vision tower's (None for an LLM).
+    ``kind``: ``llm``, ``llava`` or ``vlm``; ``config``: the transformers config (e.g. ``Qwen3Config``);
+    ``text_config``: the language model's (``config`` itself for an LLM); ``vision_config``: None for an LLM.
     """
 
     path: Path
@@ -173,22 +157,22 @@ class HFModel:
         return LLAVA_KEY_MAP if self.kind == "llava" else LLM_KEY_MAP
 
     def source(self) -> SafetensorsSource:
-        """The directory's tensors in canonical names (shard index when there is one). Raises
-        MissingFileError (no weights, a missing shard), CheckpointError (index names a tensor a shard lacks)."""
+        """The directory's tensors in canonical names. Raises MissingFileError (no weights, a missing shard),
+        CheckpointError (the index names a tensor a shard lacks)."""
         files, index, index_file = hf_safetensors_files(self.path)
         return SafetensorsSource(files, self.key_map(), index=index, index_file=index_file,
                                  label=f"{index_file or files[0]}")
 
     def llm_dict(self) -> dict:
-        """The language model's config as this package's ``llm`` dict (transformers config kwargs)."""
+        """The language model's config as this package's ``llm`` dict."""
         return config_dict(self.text_config)
 
     def vision_dict(self) -> dict:
-        """The vision tower's config as this package's ``vision`` dict (LLaVA only)."""
+        """The vision tower's config as a ``vision`` dict (LLaVA only)."""
         return config_dict(self.vision_config)
 
     def projector_dict(self) -> dict:
-        """LLaVA's projector and feature selection as this package's ``projector`` dict (``type: llava``)."""
+        """LLaVA's projector and feature selection as a ``projector`` dict (``type: llava``)."""
         c = self.config
         layer = c.vision_feature_layer
         layer = list(layer) if isinstance(layer, (list, tuple)) else int(layer)
@@ -211,17 +195,17 @@ class HFModel:
 
 
 def config_dict(config) -> dict:
-    """A transformers config as a plain dict of its architecture kwargs (save noise removed, model_type kept)."""
+    """A transformers config as a plain dict of its architecture kwargs, model_type included."""
     d = {k: v for k, v in config.to_dict().items() if k not in _NOISE_KEYS}
     d["model_type"] = config.model_type
     return d
 
 
 def read_hf(path: str | Path) -> HFModel:
-    """Resolve a transformers directory through transformers' config classes (no network: a local path).
+    """Resolve a local transformers directory (no network).
 
-    Raises MissingFileError (no config.json), CheckpointError (not a supported architecture, an unsupported
-    language model or vision tower, a quantized checkpoint, attention that cannot be split exactly).
+    Raises MissingFileError (no config.json), CheckpointError (unsupported architecture, language model or
+    vision tower, a quantized checkpoint, attention that cannot be split exactly).
     """
     from transformers import LlavaConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -262,6 +246,5 @@ def read_hf(path: str | Path) -> HFModel:
 
 
 def lm_prompt_ids(vocab_size: int, n: int = 16) -> list[int]:
-    """A fixed, deterministic token sequence inside a vocabulary of ``vocab_size`` (for verifying a bare LM
-    without a tokenizer): ``n`` ids spread over the vocabulary."""
+    """``n`` fixed ids spread over the vocabulary, to verify a bare LM without a tokenizer."""
     return [(7 + 131 * i) % vocab_size for i in range(n)]

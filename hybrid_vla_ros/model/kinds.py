@@ -1,8 +1,7 @@
 """One interface for every kind of model the package splits: :class:`SplitModel` and its adapters.
 
 split/, runtime/ and tools/ ask a model through this interface and never look at its kind; adding a kind is one
-adapter here plus its tests (docs/design.md, "To change X, go to Y"). The kinds, as :func:`split_model` picks them
-(the one place that tells them apart):
+adapter here plus its tests (docs/design.md). The kinds, as :func:`split_model` picks them:
 
 =================  =============================================================================================
 :class:`DrivingVLA` this package's driving model with its own vision side (presets, a composition on a
@@ -11,12 +10,6 @@ adapter here plus its tests (docs/design.md, "To change X, go to Y"). The kinds,
 :class:`TextLM`    a bare transformers causal LM: token ids in
 :class:`OwnCode`   a team's own model code (:mod:`.extension`)
 =================  =============================================================================================
-
-What each gives: the inputs of an example frame (real camera images from a :class:`CameraFrames` the caller
-provides, or made-up ones), how to read h_K, the final states and the waypoints from what its stages return, the
-referee ``hybrid-vla verify-split`` compares with (transformers' own forward, the published code, or the model's
-own forward, in any dtype), the phases whose live tensors the planner adds up (:mod:`.activations`), the key of
-the architecture a profile was measured on, and what its profile and plan need to know.
 """
 from __future__ import annotations
 
@@ -35,10 +28,9 @@ EGO_STATE = (8.3, -0.4, 0.05)
 
 
 class CameraFrames(Protocol):
-    """Camera images for a model's front, from the caller (e.g. the embedded bag's first frame): ``images(n,
-    size)`` -> ``n`` RGB uint8 (H, W, 3) arrays in camera order, each resized to ``size`` (width, height) when
-    given; ``pixels(cfg)`` -> the (C, 3, S, S) float32 pixels of a driving config's own front (resized and
-    normalised as the prefix node does)."""
+    """Camera images from the caller (e.g. the embedded bag's first frame): ``images(n, size)`` -> ``n`` RGB uint8
+    (H, W, 3) arrays in camera order, resized to ``size`` (width, height) when given; ``pixels(cfg)`` -> (C, 3, S,
+    S) float32, preprocessed as the prefix node does."""
 
     def images(self, cameras: int, size: tuple[int, int] | None = None) -> list: ...
 
@@ -47,10 +39,9 @@ class CameraFrames(Protocol):
 
 @dataclass
 class Referee:
-    """A referee's run on one frame: ``states`` the input of each decoder block and, last, the final-norm states
-    (L + 1 tensors, batch dimension dropped), None where the referee gives no hidden states (own code);
-    ``output`` its output where that is what is compared (own code), else None; ``name`` what ran; ``h0`` the
-    hybrid's h_0 it ran on (this package's own front), to run it again in another dtype on the same input."""
+    """A referee's run on one frame: ``states`` each decoder block's input, then the final-norm states (L + 1,
+    batch dimension dropped; None for own code); ``output`` what own code compares instead; ``name`` what ran;
+    ``h0`` the hybrid's h_0 it ran on, to rerun in another dtype on the same input."""
 
     states: list[torch.Tensor] | None
     output: torch.Tensor | None
@@ -59,9 +50,8 @@ class Referee:
 
 
 class SplitModel:
-    """A model as split/, runtime/ and tools/ see it (module docstring). ``cfg``: its config (what ``build_stage``
-    builds from); ``ck``: its opened :class:`~.checkpoint.Checkpoint`, None for a preset (then only the plan's
-    methods apply)."""
+    """A model as split/, runtime/ and tools/ see it. ``ck``: its opened :class:`~.checkpoint.Checkpoint`, None
+    for a preset (then only the plan's methods apply)."""
 
     #: Whether a profile measures its own front part by part (:func:`hybrid_vla_ros.split.profiler.profile`).
     profile_detailed = False
@@ -70,8 +60,7 @@ class SplitModel:
 
     @property
     def preprocess_config(self):
-        """The driving config whose camera preprocessing (decode, resize to ``image_size``, normalise) a profile
-        measures, None where there is none to measure."""
+        """The driving config whose camera preprocessing a profile measures, or None."""
         return self.cfg if isinstance(self.cfg, VLAConfig) else None
 
     def __init__(self, cfg, ck=None):
@@ -82,10 +71,9 @@ class SplitModel:
         return int(self.cfg.num_layers)
 
     def build_stage(self, role: str, split_layer: int | None = None, stop: int | None = None):
-        """A stage on the current default device (call it under ``torch.device("meta")``): ``prefix`` / ``suffix``
-        at ``split_layer``, ``blocks`` (decoder blocks [split_layer, stop)) or ``full`` (the monolithic model,
-        where the kind has one). Every returned module maps its state-dict keys to checkpoint keys with
-        ``checkpoint_key``. Raises ValueError for an unknown role, a K out of range or a role the kind lacks."""
+        """A stage on the current default device (e.g. ``meta``): ``prefix`` / ``suffix`` at ``split_layer``,
+        ``blocks`` [split_layer, stop) or ``full``; each maps its keys with ``checkpoint_key``. Raises ValueError
+        for an unknown role, a K out of range or a role the kind lacks."""
         from .modeling import BlockRange
 
         if role == "blocks":
@@ -103,8 +91,7 @@ class SplitModel:
 
     # ----------------------------------------------------------------------------------------- inputs
     def example_inputs(self, frames: CameraFrames | None = None, device="cpu", dtype=torch.float32) -> tuple:
-        """The prefix stage's arguments for one frame: from ``frames`` (None: made-up inputs of the right shapes,
-        for timing)."""
+        """The prefix stage's arguments for one frame (``frames`` None: made-up inputs, for timing)."""
         raise NotImplementedError
 
     def describe_inputs(self, inputs: tuple) -> str:
@@ -112,7 +99,7 @@ class SplitModel:
         raise NotImplementedError
 
     def vision_layers(self) -> int:
-        """Blocks of its vision encoder, as a driving config states them (a profile's table), 1 for any other."""
+        """Blocks of a driving config's vision encoder, 1 for any other kind."""
         return int(self.cfg.vision["num_hidden_layers"]) if isinstance(self.cfg, VLAConfig) else 1
 
     def camera_description(self) -> str:
@@ -125,8 +112,7 @@ class SplitModel:
         return stage(*inputs)
 
     def output(self, suffix, out) -> torch.Tensor | None:
-        """What the check compares at the end: the waypoints of every mode (M, N, 2), own code's output; None for a
-        model without a head."""
+        """What the check compares at the end: waypoints (M, N, 2) or own code's output; None without a head."""
         return self.waypoints(suffix, out)
 
     def hidden(self, out) -> torch.Tensor:
@@ -146,19 +132,17 @@ class SplitModel:
         return final[..., -1, :].reshape(-1, final.shape[-1])
 
     def profile_tail(self, tail, out):
-        """A zero-argument callable running the suffix at K = L (final norm and head) on the prefix's output."""
+        """A zero-argument callable running the suffix at K = L on the prefix's output."""
         return lambda: tail.final_hidden_states(out)
 
     def timing_inputs(self, frames: CameraFrames, device="cpu", dtype=torch.float32) -> tuple:
-        """The prefix's arguments for a profile: made-up ones of the right shapes where the kind takes them
-        (``frames`` only where it needs real images)."""
+        """The prefix's arguments for a profile; made-up where the kind allows."""
         return self.example_inputs(None, device, dtype)
 
     def block_driver(self, stage, out, device):
-        """How a profile runs one decoder block on its own, given its prefix ``stage`` at K = 0 and that stage's
-        output ``out``: (a zero-argument callable computing the blocks' rotary tables and masks, or None; a callable
-        ``(block, i)`` running block i on h_0), with the family's own rotary embedding, attention kinds and
-        positions (:mod:`.text`)."""
+        """How a profile runs one decoder block alone, given the prefix ``stage`` at K = 0 and its output: (a
+        zero-argument callable computing rotary tables and masks, or None; a callable ``(block, i)`` running block
+        i on h_0)."""
         from . import text
         from .modeling import llm_config, llm_family
 
@@ -180,13 +164,12 @@ class SplitModel:
     decodes_scaled = False
 
     def frame_args(self, frames: CameraFrames, ego_state=None, scene=None, device="cpu", dtype=torch.float32) -> tuple:
-        """The prefix stage's arguments for one live frame: its cameras (``frames``), the ego state and scene inputs
-        where the model takes them. Raises ValueError for what the front refuses (camera count, image sizes)."""
+        """The prefix stage's arguments for one live frame. Raises ValueError for what the front refuses (camera
+        count, image sizes)."""
         raise NotImplementedError(f"{type(self).__name__} does not run on the nodes")
 
     def split_state(self, out):
-        """What its prefix returned, as the :class:`~.contract.SplitState` that crosses the split (h_K and the side
-        tensors, none for most kinds)."""
+        """What its prefix returned, as the :class:`~.contract.SplitState` that crosses the split."""
         from .contract import SplitState
 
         return out if isinstance(out, SplitState) else SplitState(out)
@@ -198,8 +181,7 @@ class SplitModel:
 
     # --------------------------------------------------------------------------------------- referee
     def referee(self, dtype: torch.dtype, inputs: tuple, h0: torch.Tensor | None = None) -> Referee:
-        """The independent forward of the same weights on ``inputs`` in ``dtype`` (:class:`Referee`); ``h0``:
-        the hybrid's h_0 where the referee runs on it (this package's own front)."""
+        """The independent forward of the same weights on ``inputs`` in ``dtype``."""
         raise NotImplementedError
 
     def head_on_final(self, suffix, final: torch.Tensor) -> torch.Tensor | None:
@@ -268,9 +250,8 @@ class TextLM(SplitModel):
 
 
 class VLMFront(SplitModel):
-    """A transformers VLM directory (:class:`~.config.VLMSpec`), or a driving composition on one (a
-    :class:`~.config.VLAConfig` with a ``vlm`` projector): camera images through the family's processor; its
-    stages pass a :class:`~.contract.SplitState` (h_K and the side tensors)."""
+    """A transformers VLM directory (:class:`~.config.VLMSpec`), or a driving composition on one: camera images
+    through the family's processor; its stages pass a :class:`~.contract.SplitState`."""
 
     NO_FULL = "a composition on a transformers VLM has no monolithic model here: load its prefix and suffix"
 
@@ -329,8 +310,8 @@ class VLMFront(SplitModel):
         return lambda: tail.final_hidden_states(out)
 
     def referee(self, dtype, inputs, h0=None) -> Referee:
-        """transformers' own ForConditionalGeneration on the processor's outputs: the input of each text block
-        (forward pre-hooks on the text model's layers) and the text model's last_hidden_state."""
+        """transformers' own ForConditionalGeneration: each text block's input (pre-hooks) and the
+        last_hidden_state."""
         from .vlm import vlm_family
 
         ck = self.ck
@@ -376,10 +357,8 @@ class VLMFront(SplitModel):
 
 
 class DrivingVLA(SplitModel):
-    """This package's driving model with its own vision side (:class:`~.config.VLAConfig`): pixels (and the ego
-    state, the scene inputs of the query heads) in, waypoints out. Its referee runs on the hybrid's own h_0:
-    transformers' LLM (the referred directory, peft-merged adapters per pass, or built from ``llm``), or a whole
-    LLaVA where the composition adds nothing to it."""
+    """This package's driving model (:class:`~.config.VLAConfig`). Its referee is transformers' LLM on the hybrid's
+    own h_0, or a whole LLaVA where the composition adds nothing to it."""
 
     takes_cameras = True
     STAGES = {"prefix": modeling.PrefixStage, "suffix": modeling.SuffixStage, "full": modeling.VLAModel}
@@ -440,8 +419,8 @@ class DrivingVLA(SplitModel):
         return Referee(states, None, name, h0)
 
     def _llm_on_embeddings(self, h0: torch.Tensor, dtype) -> tuple[list, str]:
-        """transformers' language model (of the referred directory, or built from ``llm`` for this package's own
-        format) on the hybrid's h_0: its hidden states, and what ran."""
+        """transformers' language model (the referred directory's, or built from ``llm``) on h_0: its hidden
+        states, and what ran."""
         ck, cfg = self.ck, self.cfg
         batch = h0 if h0.dim() == 3 else h0.unsqueeze(0)
         if ck.hf is not None and ck.hf.kind == "llm" and getattr(cfg, "pass_lora_rank", 0):
@@ -469,9 +448,8 @@ class DrivingVLA(SplitModel):
         return _reference_states(out), f"transformers {type(ref).__name__} with the checkpoint's LLM tensors on h_0"
 
     def _per_pass(self, batch: torch.Tensor, dtype) -> tuple[list, str]:
-        """A converted MindDrive checkpoint (one LoRA adapter a pass): for pass p, transformers' model of the
-        referred directory with the peft adapter ``adapters/<pass_adapters[p]>`` merged by peft itself, on h_0[p];
-        hidden states stacked to (P, T, H). Raises RuntimeError without peft or an adapter directory."""
+        """A converted MindDrive checkpoint: per pass p, the LLM with ``adapters/<pass_adapters[p]>`` merged by peft
+        on h_0[p]; hidden states (P, T, H). Raises RuntimeError without peft or an adapter directory."""
         try:
             from peft import PeftModel
         except ImportError:
@@ -492,10 +470,7 @@ class DrivingVLA(SplitModel):
                         f"{', '.join(cfg.pass_adapters)} (pass 0, 1, ...) on h_0 of each pass")
 
     def head_on_final(self, suffix, final):
-        """The read-out on the referee's final states, as ``plan`` reads it: ``vae_speed_path`` on the action pass's
-        planning and path tokens with the decision pass's decision, ``queries`` on the last ``query_count``
-        tokens, ``module`` on every token, else the planning token of the last pass (``vae`` in base_link
-        axes)."""
+        """The read-out on the referee's final states, as ``plan`` reads it (``vae`` in base_link axes)."""
         cfg = self.cfg
         if not hasattr(suffix, "head"):  # a transformers LLaVA directory as it is: no planning head
             return None
@@ -535,8 +510,8 @@ class DrivingVLA(SplitModel):
 
 
 class OwnCode(SplitModel):
-    """A team's own model code (:class:`~.extension.CodeModel`): its own example inputs, blocks and forward; its
-    referee is that forward (the output is compared), and its activations are not modelled."""
+    """A team's own model code (:class:`~.extension.CodeModel`); its referee is its own forward, and its
+    activations are not modelled."""
 
     plan_notes = ("own model code: activations are not estimated (weights are exact); add your own margin to the "
                   "budget",)
@@ -586,8 +561,7 @@ class OwnCode(SplitModel):
         return None, lambda block, i: stage.code.run_blocks(nn.ModuleList([block]), out, i)
 
     def referee(self, dtype, inputs, h0=None) -> Referee:
-        """The model's own forward; ValueError when a model that declares its driving I/O gives another shape than
-        its waypoints (M, N, 2) (the nodes would drop every frame)."""
+        """The model's own forward. Raises ValueError when a driving model's output is not its (M, N, 2)."""
         full = self.ck.load("full", dtype=dtype)
         cast = tuple(x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs)
         out = full(*cast)
@@ -603,8 +577,7 @@ class OwnCode(SplitModel):
 
 
 def profile_arch_key(doc: dict) -> dict:
-    """The architecture key (:meth:`SplitModel.arch_key`) of the model a profile was measured on, from the config it
-    recorded (``model.config``): a driving config is read back, any other kind keyed by its config as recorded."""
+    """The :meth:`SplitModel.arch_key` of the model a profile was measured on, from its recorded config."""
     config = doc["model"]["config"]
     if config.get("model_type") == MODEL_TYPE:
         return split_model(VLAConfig.from_dict(config)).arch_key()
@@ -614,9 +587,8 @@ def profile_arch_key(doc: dict) -> dict:
 
 @dataclass(frozen=True)
 class ProfiledShape:
-    """What a profile's tables must match, from the config it recorded (:func:`profiled_shape`): ``num_layers``
-    decoder blocks, ``vision_layers`` vision blocks (None: not timed one by one), ``prefix_state_shape`` the
-    config implies (None: taken as recorded)."""
+    """What a profile's tables must match; ``vision_layers`` None: not timed one by one; ``prefix_state_shape``
+    None: taken as recorded."""
 
     num_layers: int
     vision_layers: int | None = None
@@ -624,9 +596,8 @@ class ProfiledShape:
 
 
 def profiled_shape(doc: dict) -> ProfiledShape:
-    """The :class:`ProfiledShape` of a profile document (``model.config``; ``num_layers`` for a kind whose config
-    this package does not read). Raises ValueError for a driving config that does not validate or a missing block
-    count."""
+    """The :class:`ProfiledShape` of a profile document. Raises ValueError for a driving config that does not
+    validate or a missing block count."""
     config = doc["model"]["config"]
     if config.get("model_type") == MODEL_TYPE:
         try:
@@ -642,8 +613,8 @@ def profiled_shape(doc: dict) -> ProfiledShape:
 
 
 def split_model(cfg, ck=None, *, prompt_ids: list[int] | None = None) -> SplitModel:
-    """The :class:`SplitModel` of a config (and its opened checkpoint, when there is one): the one place the
-    package tells the kinds apart. ``prompt_ids``: a bare LM's example token ids."""
+    """The :class:`SplitModel` of a config: the one place the kinds are told apart. ``prompt_ids``: a bare LM's
+    example token ids."""
     if isinstance(cfg, VLMSpec) or (isinstance(cfg, VLAConfig) and cfg.vlm_front):
         return VLMFront(cfg, ck)
     if isinstance(cfg, VLAConfig):

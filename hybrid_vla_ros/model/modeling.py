@@ -14,28 +14,15 @@ Forward pass of one frame (one prefill, no autoregressive decode)::
                       t = the planning token's position (T-1 unless the prompts put it elsewhere)
     waypoints (N, 2) = modes[navigation command]                    (M = 1: the only mode)
 
-V is C*P with the MLP projector, the query count with the query projector (:class:`QueryProjector`).
+Split layer K in [0, L]: the *prefix* runs the vision encoder, projector, embeddings and blocks [0, K); the
+*suffix* runs blocks [K, L), the final norm and the planning head. Only h_K crosses, (T, H) or (2, T, H) in the
+model dtype: positions (``arange(T)``), the causal mask (a pass padded at its end needs none) and the read-out
+positions follow from T and the config; the ego state travels inside h_K, the navigation command goes to the
+suffix directly, and no KV cache is needed (block i's keys and values are used only inside block i).
 
-Split layer K in [0, L]: the *prefix* runs the vision encoder, the projector, the embeddings and
-decoder blocks [0, K); the *suffix* runs blocks [K, L), the final norm and the planning head.
-
-What crosses the split: only the hidden states h_K, shape (T, H) (or (2, T, H) with two passes), in
-the model dtype. Everything else the suffix needs is a function of T alone and is recomputed there:
-  * position ids are ``arange(T)`` (one prefill from position 0), so the rotary (cos, sin) tables
-    are rebuilt from T;
-  * the attention mask is plain causal over the T tokens (``is_causal`` in SDPA); a pass padded at its end
-    needs no mask (no real token attends to a later one);
-  * the read-out positions follow from the config (``VLAConfig.readout_positions``; the last token by default).
-The ego state enters at the embedding, so it travels inside h_K; the navigation command only picks
-the planner mode, so the suffix takes it directly. No KV cache crosses either: block i's keys and
-values are computed from h_i inside block i and are never needed by another block. A KV cache only
-pays off for autoregressive decoding, which the planning pass does not do.
-
-Layout and naming follow transformers' ``modeling_llama.py`` (a plain ``layers`` ModuleList of
-decoder blocks, ``norm``, ``embed_tokens``); the vision side is transformers' SigLIP vision
-transformer, the MLP projector LLaVA's two-layer MLP (Liu et al., 2023, "Visual Instruction
-Tuning"). The planning head reads the last hidden state of a waypoint token as in Orion
-(Fu et al., 2025), here with a plain MLP regressing per-step displacements for each mode.
+Layout and naming follow transformers' ``modeling_llama.py``; the vision side is transformers' SigLIP, the MLP
+projector LLaVA's (Liu et al., 2023, "Visual Instruction Tuning"); the planning head reads a waypoint token's last
+hidden state as in Orion (Fu et al., 2025), with a plain MLP regressing per-step displacements for each mode.
 """
 from __future__ import annotations
 
@@ -59,18 +46,12 @@ DEFAULT_COMMAND = NAV_COMMANDS.index("LANE_FOLLOW")
 
 
 class PlanningHead(nn.Module):
-    """MLP from the planning token's last hidden state to ego-frame waypoints of M modes.
+    """MLP from the planning token's final-norm state (H,) to float32 waypoints (M, N, 2) in metres, x forward,
+    y left (REP 103 base_link), at dt .. N*dt: the cumulative sum of predicted per-step displacements.
 
-    Input: (H,) hidden state after the final norm. Output: float32 waypoints (M, N, 2) in metres,
-    x forward, y left (REP 103 base_link), at times dt, 2dt, ... N*dt. The MLP predicts per-step
-    displacements; their cumulative sum gives positions, so the first waypoint is one step away
-    from the ego origin.
-
-    Untrained (``init-model``'s random heads), the output layer starts at :data:`UNTRAINED_OUTPUT_SCALE` of
-    torch's default initialisation and without bias: the displacements are centimetres of noise around the ego
-    ("stay here"), not the ~0.5 m random steps in random directions of a default-initialised layer on O(1)
-    hidden states, a zigzag no vehicle can drive that the output guard rejects as too sharp a turn. Loaded
-    weights replace it.
+    Untrained (``init-model``'s random heads), the output layer is :data:`UNTRAINED_OUTPUT_SCALE` times torch's
+    default initialisation, without bias: centimetres of noise around the ego ("stay here") instead of ~0.5 m
+    random steps, a zigzag the output guard rejects as too sharp a turn. Loaded weights replace it.
     """
 
     #: Factor on torch's default initialisation of the output layer of an untrained head (see above).
@@ -87,19 +68,15 @@ class PlanningHead(nn.Module):
             self.fc2.bias.zero_()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """(H,) -> waypoints (M, N, 2) float32 metres (cumulative displacements)."""
+        """(H,) -> (M, N, 2) float32 metres."""
         deltas = self.fc2(self.act(self.fc1(h))).float()
         return torch.cumsum(deltas.unflatten(-1, (self.n_modes, self.n_waypoints, 2)), dim=-2)
 
 
 class QueryHead(nn.Module):
-    """Waypoints from learned query tokens (SimLingo's read-out shape: queries appended to the sequence, each
-    query's final hidden state one waypoint step): ``proj`` Linear(H, 2 M) on each of the N query tokens' states
-    gives that step's displacement in each of the M modes; their cumulative sum the positions.
-
-    Input (N, H) final-norm hidden states of the N query tokens; output float32 (M, N, 2) metres, ego frame
-    (REP 103 base_link), at dt .. N dt. Untrained, the projection starts small and without bias, as
-    :class:`PlanningHead`'s output layer."""
+    """Waypoints from N learned query tokens appended to the sequence, one step each (SimLingo's read-out shape):
+    ``proj`` Linear(H, 2 M) on each query's final-norm state gives that step's displacement per mode. Output and
+    untrained initialisation as :class:`PlanningHead`'s."""
 
     def __init__(self, hidden_size: int, n_waypoints: int, n_modes: int = 1):
         super().__init__()
@@ -110,17 +87,16 @@ class QueryHead(nn.Module):
             self.proj.bias.zero_()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """(N, H) -> (M, N, 2) float32 metres (cumulative displacements)."""
+        """(N, H) -> (M, N, 2) float32 metres."""
         steps = self.proj(h).float().unflatten(-1, (self.n_modes, 2)).transpose(0, 1)  # (M, N, 2)
         return torch.cumsum(steps, dim=-2)
 
 
 def own_head(cfg: VLAConfig, hidden_size: int) -> nn.Module:
-    """The read-out head of ``cfg.readout`` (config.VLAConfig._readout_problems): :class:`PlanningHead`,
-    :class:`~.vae_planner.VAEPlanner`, :class:`QueryHead`, or the team's own class built
-    ``cls(hidden_size=H, n_waypoints=N, n_modes=M, **config)`` -- imported only with the model-code opt-in
-    (:func:`~.extension.import_head_class`), and required to return (M, N, 2) waypoints from the (T, H) final
-    hidden states."""
+    """The read-out head of ``cfg.readout`` (types: :class:`~.config.VLAConfig`). A ``module`` class is imported
+    only with the model-code opt-in (:func:`~.extension.import_head_class`), built ``cls(hidden_size=H,
+    n_waypoints=N, n_modes=M, **config)`` and must map the (T, H) final states to (M, N, 2); raises
+    CheckpointError when ``readout.config`` does not fit it."""
     kind = cfg.readout_type
     if kind == "queries":
         return QueryHead(hidden_size, cfg.n_waypoints, cfg.n_modes)
@@ -148,13 +124,10 @@ def own_head(cfg: VLAConfig, hidden_size: int) -> nn.Module:
 
 
 class QueryProjector(nn.Module):
-    """Q learned queries read all cameras' patch tokens, then an MLP maps them to the LLM width.
-
-    Input: vision features (C, P, Dv). Output: (Q, H) tokens. Each of ``num_layers`` torch
-    ``TransformerDecoderLayer`` (pre-norm, GELU, MLP 4*Dv) lets the queries attend to each other and
-    cross-attend to the C*P patch tokens. This has the token count and width of Orion's QT-Former
-    (513 tokens of width 4096); the published module's internals are not reproduced.
-    """
+    """Q learned queries read all cameras' patch tokens in ``num_layers`` pre-norm torch
+    ``TransformerDecoderLayer``s (GELU, MLP 4*Dv), then an MLP maps them to the LLM width: (C, P, Dv) -> (Q, H).
+    The token count and width of Orion's QT-Former (513 x 4096); the published module's internals are not
+    reproduced."""
 
     def __init__(self, vision_width: int, hidden_size: int, num_queries: int, num_layers: int, num_heads: int):
         super().__init__()
@@ -180,15 +153,13 @@ PASS_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class PassLoRALinear(nn.Module):
-    """A linear layer shared by P LLM passes, each pass adding its own low-rank delta (one LoRA adapter a pass).
+    """A linear layer shared by P LLM passes, each adding its own LoRA delta: x (P, T, in), row p = pass p, in the
+    layer's dtype -> ``y[p] = x[p] @ W^T + b + (x[p] @ A[p]^T) @ B[p]^T`` (P, T, out), pass p's merged weight up
+    to rounding. Raises ValueError when the batch is not P.
 
-    Input x (P, T, in) -- batch row p is pass p -- in the layer's dtype; output (P, T, out):
-    ``y[p] = x[p] @ W^T + b + (x[p] @ A[p]^T) @ B[p]^T``. ``weight`` (out, in) and ``bias`` (out,) keep
-    ``nn.Linear``'s names, so the shared base weights keep their checkpoint names
-    (``layers.{i}.self_attn.q_proj.weight``); ``lora_A`` (P, r, in) and ``lora_B`` (P, out, r) are the adapters'
-    ``lora_A`` / ``lora_B`` with the LoRA scaling ``lora_alpha / r`` already folded into ``lora_B`` (Hu et al.,
-    2021, "LoRA", eq. 3: h = W0 x + (alpha / r) B A x; peft's ``LoraLayer.scaling``). The result equals pass p's
-    merged weight ``W + (alpha / r) B[p] A[p]`` up to rounding. Raises ValueError when the batch is not P.
+    ``weight`` (out, in) / ``bias`` keep ``nn.Linear``'s checkpoint names; ``lora_A`` (P, r, in) and ``lora_B``
+    (P, out, r) are the adapters', with ``lora_alpha / r`` folded into ``lora_B`` (Hu et al., 2021, "LoRA", eq. 3;
+    peft's ``LoraLayer.scaling``).
     """
 
     def __init__(self, linear: nn.Linear, passes: int, rank: int):
@@ -201,7 +172,7 @@ class PassLoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(passes, self.out_features, rank, dtype=linear.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(P, T, in) -> (P, T, out); see the class docstring."""
+        """(P, T, in) -> (P, T, out)."""
         if x.dim() != 3 or x.shape[0] != self.passes:
             raise ValueError(f"a per-pass LoRA layer takes (passes={self.passes}, T, {self.in_features}), "
                              f"got {tuple(x.shape)}")
@@ -219,8 +190,7 @@ def add_pass_lora_(block: nn.Module, passes: int, rank: int) -> nn.Module:
 
 
 def llm_config(cfg: VLAConfig):
-    """transformers config of the checkpoint's LLM (its family's config class: ``LlamaConfig``,
-    ``Qwen3Config``, ``Gemma3TextConfig``, ...), attention pinned to SDPA (:func:`text.text_config`)."""
+    """transformers config of the checkpoint's LLM, attention pinned (:func:`text.text_config`)."""
     return text.text_config(cfg.llm)
 
 
@@ -230,8 +200,7 @@ def llm_family(cfg: VLAConfig) -> text.TextFamily:
 
 
 def _vision_config(cfg: VLAConfig):
-    """transformers config of the vision encoder: SigLIP for this package's own vision side, the LLaVA
-    directory's own tower type (``vision.model_type``: CLIP or SigLIP) for a LLaVA projector; SDPA attention."""
+    """transformers config of the vision encoder (SigLIP, or a LLaVA tower's ``vision.model_type``), SDPA attention."""
     if "model_type" in cfg.vision:
         from transformers import AutoConfig
 
@@ -244,9 +213,8 @@ def _vision_config(cfg: VLAConfig):
 
 
 def _llava_config(cfg: VLAConfig, vision, llm):
-    """A transformers LlavaConfig with the checkpoint's vision / text configs and projector settings (for
-    transformers' own LlavaMultiModalProjector). It gets copies: LlavaConfig resets its sub-configs' attention
-    implementation, and an unset one means eager attention, which is not causal without a mask."""
+    """A transformers LlavaConfig for LlavaMultiModalProjector, on copies of ``vision`` / ``llm``: LlavaConfig resets
+    their attention implementation, and eager attention is not causal without a mask."""
     import copy
 
     from transformers import LlavaConfig
@@ -261,12 +229,9 @@ def _llava_config(cfg: VLAConfig, vision, llm):
 
 
 def _add_prefix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
-    """Attach the modules before block 0 to ``m``: ``vision``, ``projector``, ``embed_tokens``, and
-    ``ego_embed`` / ``pass_embed`` when the config asks for them. ``vision`` is the published EVA-02 backbone
-    (:mod:`.eva02`) with ``vision.type`` ``eva02``, else transformers' SigLIP. With a LLaVA projector:
-    transformers' ``vision_tower`` (CLIP / SigLIP, built by ``AutoModel.from_config``) and
-    ``multi_modal_projector`` (``LlavaMultiModalProjector``) under LLaVA's own names, so the directory's tensors
-    load unchanged."""
+    """Attach the modules before block 0: ``vision`` (:mod:`.eva02` or SigLIP), ``projector``, ``embed_tokens``,
+    optional ``ego_embed`` / ``pass_embed``; with a LLaVA projector ``vision_tower`` and ``multi_modal_projector``
+    under LLaVA's names, so the directory's tensors load unchanged."""
     h = llm.hidden_size
     if cfg.vision_type == EVA02_TYPE:
         from .eva02 import EVA02Config, EVA02ViT
@@ -305,16 +270,14 @@ def _add_prefix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
 
 
 def _add_query_tokens(m: nn.Module, cfg, hidden_size: int) -> None:
-    """A ``queries`` read-out's learned query embeddings ``query_tokens`` (N, H), last in the sequence in the
-    planning token's place; O(1) entries (N(0, 1), as transformers draws token embeddings), so they weigh in the
-    attention like the prompt's tokens."""
+    """A ``queries`` read-out's ``query_tokens`` (N, H), drawn N(0, 1) as transformers draws token embeddings so
+    they weigh in the attention like the prompt's tokens."""
     if isinstance(cfg, VLAConfig) and cfg.query_count:
         m.query_tokens = nn.Parameter(torch.randn(cfg.query_count, hidden_size))
 
 
 def _add_suffix_side(m: nn.Module, cfg: VLAConfig, llm) -> None:
-    """Attach the modules after block L-1: ``norm``, ``head`` and, with two passes, ``decision_head`` (no heads
-    for a model without a planning head: ``cfg.planning_head`` false)."""
+    """Attach ``norm`` and, unless ``cfg.planning_head`` is false, ``head`` and a ``decision_head`` if any."""
     m.norm = text.make_norm(llm_family(cfg), llm)
     if not cfg.planning_head:
         return
@@ -341,13 +304,8 @@ def _blocks(cfg: VLAConfig, llm, start: int, stop: int) -> nn.ModuleList:
 
 
 class VLAModel(nn.Module):
-    """The whole model (monolithic reference). Parameter names are the checkpoint's keys.
-
-    Children: ``vision`` (SigLIP vision transformer), ``projector`` (MLP or :class:`QueryProjector`,
-    Dv -> H), ``embed_tokens`` (vocab, H), ``ego_embed`` (3 -> H, optional), ``pass_embed`` (passes,
-    H, optional), ``layers`` (L decoder blocks), ``norm`` (RMSNorm), ``head`` (PlanningHead),
-    ``decision_head`` (H -> 6, two passes only), ``rotary_emb`` (no weights).
-    """
+    """The whole model (monolithic reference); parameter names are the checkpoint's keys. Children: see
+    :func:`_add_prefix_side`, ``layers`` (L blocks), :func:`_add_suffix_side`, ``rotary_emb`` (no weights)."""
 
     def __init__(self, cfg: VLAConfig):
         super().__init__()
@@ -364,8 +322,7 @@ class VLAModel(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None,
                 command: int = DEFAULT_COMMAND, *, scene=None) -> torch.Tensor:
-        """Pixels (C, 3, S, S) in the model dtype, ego state (3,) (when the model takes it), command
-        index 0..5, scene inputs (``scene_queries`` models) -> waypoints (N, 2) float32 metres."""
+        """Pixels (C, 3, S, S) in the model dtype [+ ego state, scene], command 0..5 -> waypoints (N, 2) float32 m."""
         h = embed(self, pixel_values, ego_state, scene=scene)
         h = run_blocks(self, self.layers, h)
         return plan(self, h, command).waypoints
@@ -397,9 +354,8 @@ def check_scene(cfg: VLAConfig, scene) -> None:
 
 
 def example_scene(cfg) -> "SceneInputs | None":
-    """Scene inputs for checks that run a model without a vehicle (split checks, profiling, GPU checks): the
-    made-up cameras and standing vehicle of :func:`~hybrid_vla_ros.model.query_heads.example_scene_inputs` for a
-    ``scene_queries`` model, None for any other (never for driving)."""
+    """Made-up scene inputs (:func:`~hybrid_vla_ros.model.query_heads.example_scene_inputs`) for checks without a
+    vehicle, for a ``scene_queries`` model; None for any other. Never for driving."""
     if not isinstance(cfg, VLAConfig) or cfg.projector.get("type") != SCENE_QUERIES:
         return None
     from .query_heads import example_scene_inputs
@@ -411,18 +367,12 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
           scene=None, out=None) -> torch.Tensor:
     """Hidden states before block 0: (C, 3, S, S) pixels [+ ego state (3,)] -> (T, H) or (2, T, H).
 
-    ``m`` provides ``vision``, ``projector``, ``embed_tokens`` (and ``ego_embed`` / ``pass_embed``
-    when configured) and ``cfg`` (LLaVA: ``vision_tower``, ``multi_modal_projector``; the sequence is the
-    prompt with its image placeholders replaced, see :func:`llava_image_features`). All cameras go
-    through the vision encoder as one batch. ``scene``: the frame's
-    :class:`~hybrid_vla_ros.model.query_heads.SceneInputs` for a ``scene_queries`` model (whose query heads keep
-    a memory of the frames before), None for any other. ``out``: None, or the destination of the result (a tensor of
-    the result's shape, dtype and device, or a callable returning one, called just before the last op
-    writes it): the final concatenation (one pass) or pass-embedding add (two passes) writes straight into
-    it (with ``pass_prompt_token_ids`` the stacked passes are copied into it), bit for bit what it returns
-    without ``out``. Raises ValueError if the camera count or size is not
-    the checkpoint's, or the ego state or the scene inputs do not fit (:func:`check_ego_state`,
-    :func:`check_scene`, :meth:`~hybrid_vla_ros.model.query_heads.EgoFrame.check`).
+    ``m`` provides ``cfg`` and the modules of :func:`_add_prefix_side`; all cameras go through the vision encoder
+    as one batch. ``scene``: the frame's :class:`~hybrid_vla_ros.model.query_heads.SceneInputs` for a
+    ``scene_queries`` model (its heads keep a memory of earlier frames), else None. ``out``: None, or the
+    destination (a tensor of the result's shape, dtype and device, or a callable returning one, called just before
+    the last op), written by that op, bit for bit as without ``out``. Raises ValueError for another camera count or
+    size, or an ego state or scene that does not fit.
     """
     cfg: VLAConfig = m.cfg
     expected = (cfg.n_cameras, 3, cfg.image_size, cfg.image_size)
@@ -462,10 +412,8 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
 
 
 def _embed_pass_prompts(m: nn.Module, cfg: VLAConfig, vis: torch.Tensor, out) -> torch.Tensor:
-    """Hidden states before block 0 with one prompt per pass (``cfg.pass_prompt_token_ids``): (P, T, H), pass p =
-    the shared prompt, the V vision tokens ``vis`` (V, H), then pass p's own tokens, padded at its end with its last
-    token to T (causal attention: no real token sees the padding). Passes told apart by a pass embedding add it;
-    with per-pass adapters the tokens alone differ. ``out`` as :func:`embed`."""
+    """:func:`embed` with one prompt per pass (``cfg.pass_prompt_token_ids``) after the vision tokens ``vis``
+    (V, H): (P, T, H), or (T, H) with one pass."""
     T = cfg.num_tokens
     head = m.embed_tokens(torch.tensor(cfg.prompt_token_ids, dtype=torch.long, device=vis.device))
     rows = []
@@ -487,13 +435,10 @@ def _destination(out) -> torch.Tensor:
 
 def block_forward_into(block: nn.Module, x: torch.Tensor, out, *, position_ids, position_embeddings,
                        attention_mask=None) -> torch.Tensor:
-    """One transformers decoder block (no cache, SDPA) on ``x`` (B, T, H) with its last residual add written
-    into ``out`` (a tensor of ``x``'s shape, dtype and device, or a callable returning one, called after the
-    MLP). It is the LLaMA-layout block's forward step for step (transformers 5.x
-    ``modeling_llama.LlamaDecoderLayer.forward``: norm, attention, residual add, norm, MLP, residual add), which
-    Qwen2, Qwen3, Mistral and Phi-3 blocks share; :func:`output_into_is_exact` checks it bit for bit against the
-    installed block of the model's family, and a family with another layout (Gemma's extra norms) fails that
-    check, so its runner copies instead. Returns the destination."""
+    """One transformers decoder block (no cache, SDPA) on ``x`` (B, T, H), its last residual add written into
+    ``out`` (as :func:`embed`'s, called after the MLP); returns it. Step for step transformers 5.x
+    ``LlamaDecoderLayer.forward`` (shared by Qwen2, Qwen3, Mistral, Phi-3); :func:`output_into_is_exact` checks it
+    against the installed family, and another layout (Gemma's extra norms) fails, so its runner copies."""
     residual = x
     h = block.input_layernorm(x)
     h, _ = block.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
@@ -506,12 +451,11 @@ def block_forward_into(block: nn.Module, x: torch.Tensor, out, *, position_ids, 
 
 @torch.inference_mode()
 def output_into_is_exact(stage: nn.Module, seed: int = 0, attempts: int = 3) -> bool:
-    """True when ``run_blocks(..., out=)`` gives bit for bit what the stage's blocks give without it, checked
-    on its last block with random hidden states of the model's state shape (the stage's dtype and device);
-    True without blocks (the embeddings' last op takes ``out=`` directly). A False means the installed
-    transformers' decoder block no longer matches :func:`block_forward_into`: use the copy instead. ``attempts``:
-    how many times the pair is run before that is concluded (a run-to-run difference in the last bits is the
-    BLAS's thread split, not the formula)."""
+    """True when ``run_blocks(..., out=)`` matches the stage's blocks without it bit for bit, on its last block
+    and random hidden states of the state shape (stage dtype and device); True without blocks. False: the
+    installed block no longer matches :func:`block_forward_into`, so copy instead. ``attempts``: runs before
+    concluding, as the BLAS may split a GEMM over other thread counts per run (MKL on a busy machine), changing
+    the last bits; another formula never matches."""
     if len(stage.layers) == 0:
         return True
     param = next(stage.parameters())
@@ -520,8 +464,6 @@ def output_into_is_exact(stage: nn.Module, seed: int = 0, attempts: int = 3) -> 
     x = torch.randn(shape, generator=g).to(device=param.device, dtype=param.dtype)
     last = stage.layers[-1:]
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    # Up to three tries: the same formula can differ in its last bits from one run to the next when the BLAS
-    # splits a GEMM over another number of threads (MKL does on a busy machine); another formula never matches.
     for _ in range(attempts):
         expected = run_blocks(stage, last, x)
         try:
@@ -534,12 +476,9 @@ def output_into_is_exact(stage: nn.Module, seed: int = 0, attempts: int = 3) -> 
 
 
 def llava_image_features(m: nn.Module, cfg: VLAConfig, pixel_values: torch.Tensor) -> torch.Tensor:
-    """LLaVA's image features: (C, 3, S, S) pixels -> (C, P, H) projected vision tokens.
-
-    As transformers' ``LlavaModel.get_image_features`` defines them: the vision tower's hidden states at
-    ``projector.vision_feature_layer`` (a list: those layers concatenated on the feature axis), the first
-    token dropped with the ``default`` selection strategy, through ``multi_modal_projector``.
-    """
+    """LLaVA's image features, (C, 3, S, S) pixels -> (C, P, H), as transformers'
+    ``LlavaModel.get_image_features``: the tower's hidden states at ``vision_feature_layer`` (a list: concatenated
+    on the feature axis), minus the first token with the ``default`` strategy, through ``multi_modal_projector``."""
     p = cfg.projector
     states = m.vision_tower(pixel_values=pixel_values, output_hidden_states=True).hidden_states
     layers = p["vision_feature_layer"]
@@ -566,9 +505,8 @@ def _llava_parts(m: nn.Module, cfg: VLAConfig, pixel_values: torch.Tensor) -> li
 
 
 def llava_input_ids(cfg: VLAConfig) -> list[int]:
-    """The token ids transformers' LlavaForConditionalGeneration takes for this layout: every image placeholder
-    repeated P times (as LLaVA's processor expands ``<image>``), then the planning token. Only for a model
-    without ego / pass embeddings (those are this package's own inputs)."""
+    """The token ids transformers' LlavaForConditionalGeneration takes for this layout (each image placeholder
+    repeated P times, as LLaVA's processor does), then the planning token; only without ego / pass embeddings."""
     placeholder = cfg.projector["image_token_index"]
     out = []
     for token in cfg.prompt_token_ids:
@@ -583,16 +521,12 @@ def _kind(block: nn.Module, kinds: list[str]) -> str:
 def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None, state=None) -> torch.Tensor:
     """Run decoder blocks over hidden states (T, H) or (B, T, H) -> same shape.
 
-    Masks and rotary tables are the family's, as its base model computes them (:func:`text.block_inputs`:
-    causal, or a sliding-window band for the blocks whose attention kind says so; the rotary of each kind from
-    ``m.rotary_emb``, whose ``config`` is the LLM's), from positions 0..T-1 -- or, with ``state`` (a
-    :class:`~hybrid_vla_ros.model.contract.SplitState` whose side tensors are what crossed the split), from its
-    multimodal rotary ``position_ids``; its DeepStack features are added after each block whose index has a
-    level (Qwen3-VL, :func:`vlm.deepstack_add`). Without side tensors everything depends only on T and the
-    config: this is why positions and masks need not cross the split for a text model. ``out``: None, or the
-    destination of the result (a tensor of ``h``'s shape, dtype and device, or a callable returning one, called
-    after the last block's MLP): the last block's residual add writes into it (:func:`block_forward_into`;
-    not with DeepStack levels left to add); without blocks ``h`` is copied into it. Returns ``out`` then.
+    Masks and rotary tables are the family's, as its base model builds them (:func:`text.block_inputs`: causal,
+    or sliding-window per block; rotary from ``m.rotary_emb``), from positions 0..T-1 -- or, with ``state`` (a
+    :class:`~hybrid_vla_ros.model.contract.SplitState`), from its multimodal ``position_ids``, adding its DeepStack
+    features after each block that has a level (:func:`vlm.deepstack_add`). ``out``: as :func:`embed`'s (called
+    after the last block's MLP), written by the last residual add (:func:`block_forward_into`), or copied into
+    with DeepStack levels left or no blocks; returns ``out`` then.
     """
     if len(layers) == 0:
         return h if out is None else _destination(out).copy_(h)
@@ -636,22 +570,16 @@ def _check_modes(cfg, modes: torch.Tensor) -> None:
 
 
 def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanOutput:
-    """Final norm and planning head on hidden states (T, H) / (2, T, H) -> :class:`PlanOutput`.
+    """Final norm and read-out head on hidden states (T, H) / (2, T, H) -> :class:`PlanOutput`.
 
-    ``command``: navigation command index 0..5 (NAV_COMMANDS); it picks the mode of a 6-mode planner
-    and is ignored by a 1-mode one. Two passes: the decision pass is ``h[0]``, the action pass ``h[-1]`` (the
-    planning head reads the action pass's planning token). Token positions are ``cfg.readout_positions`` (the last
-    token(s), or where MindDrive's published prompts put them), so ``h`` may also be the last
-    ``readout_positions.tokens_from_end`` tokens only (a compiled suffix's output). With ``cfg.decision_token_ids``
-    the decision read-out is MindDrive's: the final norm of the decision pass at ``cfg.decision_position`` (-2), times
-    the LM head's rows of those tokens only (``decision_head.weight``, (D, H)), argmax -> ``speed_mode``.
-    The read-out (``cfg.readout``): ``mlp`` as above, ``vae`` the same with Orion's VAE planner
-    (:class:`~.vae_planner.VAEPlanner`, zero noise), its positions turned from the published frame (x right, y
-    forward) to base_link axes (:func:`~.vae_planner.published_to_base_link`); ``queries``: the
-    :class:`QueryHead` on the final-norm states of the last ``query_count`` tokens (the query tokens);
-    ``module``: the team's head on every token's final-norm state, which must give (M, N, 2). With
-    ``decision_token_ids`` and one pass, the decision is read the same way at ``decision_position`` of that pass.
-    Raises ValueError for a command out of range, or a head whose waypoints are not (M, N, 2).
+    ``command``: navigation command index 0..5; it picks the mode of a 6-mode planner. Two passes: ``h[0]`` is the
+    decision pass, ``h[-1]`` the action pass. Tokens are read at ``cfg.readout_positions``, so ``h`` may also be
+    the last ``tokens_from_end`` tokens only (a compiled suffix's output); ``queries`` reads the last
+    ``query_count`` tokens, ``module`` every token. With ``decision_token_ids`` (one pass or two) the decision is
+    the final-norm state at ``decision_position`` times ``decision_head.weight`` (D, H), argmax -> ``speed_mode``.
+    The ``vae`` planner (zero noise) works in the published frame (x right, y forward), turned to base_link
+    (:func:`~.vae_planner.published_to_base_link`). Raises ValueError for a command out of range, a model
+    without a planning head, or a head whose waypoints are not (M, N, 2).
     """
     if isinstance(command, bool) or not 0 <= int(command) < len(NAV_COMMANDS):
         raise ValueError(f"navigation command index {command!r} out of range [0, {len(NAV_COMMANDS)})")
@@ -696,12 +624,10 @@ def plan(m: nn.Module, h: torch.Tensor, command: int = DEFAULT_COMMAND) -> PlanO
 
 def speed_path_plan(m: nn.Module, states: torch.Tensor, command: int, decision: torch.Tensor | None,
                     speed: int | None) -> PlanOutput:
-    """MindDrive's planners on the final-norm states (2, H) of ``<waypoint_ego>`` and ``<path_waypoint_ego>`` (the
-    action pass's tokens at ``readout_positions.planning`` / ``.path``; ``m.head`` a
-    :class:`~.vae_planner.SpeedPathPlanner`): the speed mode is the decision's (``speed``; 0 when there is none,
-    e.g. FLOP counting on ``meta``), the path mode the command's (:data:`~.vae_planner.PATH_MODE_OF_COMMAND`).
-    ``modes`` (one per path mode): the decided speed plan driven along each path
-    (:func:`~.vae_planner.follow_path`), ``mode`` the command's, all in base_link axes."""
+    """MindDrive's planners (``m.head``, a :class:`~.vae_planner.SpeedPathPlanner`) on the final-norm states (2, H)
+    of ``<waypoint_ego>`` and ``<path_waypoint_ego>``: ``modes`` are the decided speed plan (``speed``; 0 when None,
+    e.g. on ``meta``) driven along each path mode (:func:`~.vae_planner.follow_path`), ``mode`` the command's
+    (:data:`~.vae_planner.PATH_MODE_OF_COMMAND`); base_link axes."""
     from .vae_planner import PATH_MODE_OF_COMMAND, follow_path, published_to_base_link
 
     speed_modes, path_modes = m.head(states[0], states[1])
@@ -714,12 +640,8 @@ def speed_path_plan(m: nn.Module, states: torch.Tensor, command: int, decision: 
 
 
 class PrefixStage(PrefixSide):
-    """Vision encoder, projector, embeddings and decoder blocks [0, K).
-
-    ``forward(pixel_values (C, 3, S, S), ego_state (3,) | None) -> hidden states h_K`` of shape
-    ``cfg.prefix_state_shape`` in the stage dtype on the stage device. ``layers`` holds the K owned
-    blocks (their ``layer_idx`` keeps the global index).
-    """
+    """Vision encoder, projector, embeddings and decoder blocks [0, K) (``layer_idx`` global): pixels -> h_K of
+    ``cfg.prefix_state_shape`` in the stage dtype on the stage device."""
 
     def __init__(self, cfg: VLAConfig, split_layer: int):
         super().__init__()
@@ -732,26 +654,17 @@ class PrefixStage(PrefixSide):
 
     def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *, scene=None,
                 out=None) -> torch.Tensor:
-        """Pixels (C, 3, S, S) in the stage dtype [+ ego state (3,)] [+ the frame's scene inputs, ``scene_queries``
-        models: the query heads' memory lives in this stage and moves on with every call] -> hidden states h_K.
-
-        ``out``: None, or where h_K is produced (a tensor of ``cfg.prefix_state_shape`` in the stage dtype on
-        the stage device, or a callable returning one, called just before the last op, e.g. a ring slot's
-        view): the last block's residual add (at K = 0 the embeddings' last op) writes into it, so no copy
-        follows; the values are bit for bit those without ``out``. Raises ValueError on a wrong shape or ego
-        state."""
+        """Pixels (C, 3, S, S) in the stage dtype [+ ego state (3,)] [+ scene] -> h_K; a ``scene_queries`` model's
+        query-head memory lives in this stage and moves on with every call. ``out`` (e.g. a ring slot's view): as
+        :func:`embed`'s, so no copy follows. Raises ValueError on a wrong shape or ego state."""
         if len(self.layers) == 0:
             return embed(self, pixel_values, ego_state, scene=scene, out=out)
         return run_blocks(self, self.layers, embed(self, pixel_values, ego_state, scene=scene), out=out)
 
 
 class SuffixStage(SuffixSide):
-    """Decoder blocks [K, L), final norm and planning head.
-
-    ``forward(h_K, command) -> waypoints (N, 2)`` float32 metres, ego frame. The input may be a
-    zero-copy view of a shared-memory slot; it is only read. A model without a planning head
-    (``cfg.planning_head`` false) has only the norm: :meth:`final_hidden_states` gives its output.
-    """
+    """Decoder blocks [K, L), final norm and planning head. h_K may be a zero-copy view of a shared-memory slot;
+    it is only read. Without a planning head (``cfg.planning_head`` false) only :meth:`final_hidden_states` works."""
 
     def __init__(self, cfg: VLAConfig, split_layer: int):
         super().__init__()
@@ -768,37 +681,27 @@ class SuffixStage(SuffixSide):
             raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != expected {expected}")
 
     def final_hidden_states(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
-        """Hidden states h_K -> final-norm hidden states of every token, same shape (the planning token's is at
-        ``cfg.readout_positions.planning``: what the planning head reads). Raises ValueError as :meth:`plan_all`."""
+        """h_K -> final-norm hidden states of every token, same shape. Raises ValueError as :meth:`plan_all`."""
         self._check_shape(hidden_states)
         return self.norm(run_blocks(self, self._layers_from(split_layer), hidden_states))
 
     def plan_all(self, hidden_states: torch.Tensor, command: int = DEFAULT_COMMAND,
                  split_layer: int | None = None) -> PlanOutput:
-        """Hidden states h_K -> :class:`PlanOutput` (all modes, decision logits).
-
-        ``split_layer``: the K the hidden states were computed at (default: this stage's); blocks [K, L)
-        run. Raises ValueError on a wrong shape or command, or a K below the first block this stage holds
-        (never computed with a mismatched K), or when the model has no planning head.
-        """
+        """h_K computed at ``split_layer`` (default this stage's K) -> :class:`PlanOutput`. Raises ValueError on
+        a wrong shape, command or K, or when the model has no planning head."""
         self._check_shape(hidden_states)
         return plan(self, run_blocks(self, self._layers_from(split_layer), hidden_states), command)
 
     def forward(self, hidden_states: torch.Tensor, command: int = DEFAULT_COMMAND,
                 split_layer: int | None = None) -> torch.Tensor:
-        """Hidden states h_K -> waypoints (N, 2) float32 m of the command's mode; see :meth:`plan_all`."""
+        """h_K -> the command's waypoints (N, 2) float32 m; see :meth:`plan_all`."""
         return self.plan_all(hidden_states, command, split_layer).waypoints
 
 
 # ------------------------------------------------------------------------- bare language models
 
 class TokenPrefixStage(PrefixSide):
-    """A bare language model's prefix: token embeddings and decoder blocks [0, K).
-
-    ``forward(input_ids (T,) int64) -> hidden states h_K (T, H)`` in the stage dtype. The same module names
-    as transformers' ``LlamaModel`` / ``Qwen2Model`` (``embed_tokens``, ``layers``), positions ``arange(T)``,
-    causal attention, as in :func:`run_blocks`.
-    """
+    """A bare language model's prefix: ``embed_tokens`` and ``layers`` [0, K) (transformers' names)."""
 
     def __init__(self, cfg: LMConfig, split_layer: int):
         super().__init__()
@@ -810,8 +713,8 @@ class TokenPrefixStage(PrefixSide):
         self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids (T,) -> h_K (T, H). Raises ValueError for ids that are not a 1-D integer tensor inside
-        the vocabulary."""
+        """Token ids (T,) -> h_K (T, H) in the stage dtype. Raises ValueError for ids that are not a 1-D integer
+        tensor inside the vocabulary."""
         vocab = self.embed_tokens.num_embeddings
         if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32) or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D integer tensor, got {tuple(input_ids.shape)} "
@@ -822,11 +725,7 @@ class TokenPrefixStage(PrefixSide):
 
 
 class LMSuffixStage(SuffixSide):
-    """A bare language model's suffix: decoder blocks [K, L) and the final norm.
-
-    ``forward(h_K (T, H), split_layer) -> final-norm hidden states (T, H)`` (what transformers returns as
-    ``last_hidden_state``). It has no planning head: a bare language model gives hidden states, not waypoints.
-    """
+    """A bare language model's suffix: blocks [K, L) and the final norm (transformers' ``last_hidden_state``)."""
 
     def __init__(self, cfg: LMConfig, split_layer: int):
         super().__init__()
@@ -860,13 +759,9 @@ def vlm_config(cfg):
 
 
 class VLMPrefixStage(PrefixSide):
-    """A transformers VLM's front (its own base model up to the text model, :func:`vlm.build_front`: vision
-    tower, connector, token embeddings, multimodal positions) and the text model's decoder blocks [0, K).
-
-    ``forward(inputs: VLMInputs) -> SplitState`` at K: h_K (T, H) in the stage dtype and the side tensors the
-    blocks after K need (:class:`~hybrid_vla_ros.model.contract.SplitState`). State-dict names: the front under
-    ``vlm.`` (its token embeddings ``embed_tokens.*`` in the checkpoint, as a text model's), ``layers.{i}``.
-    """
+    """A transformers VLM's front (:func:`vlm.build_front`: vision tower, connector, token embeddings, multimodal
+    positions) and the text model's blocks [0, K). State-dict names: the front under ``vlm.`` (its token embeddings
+    ``embed_tokens.*`` in the checkpoint, as a text model's), ``layers.{i}``."""
 
     def __init__(self, cfg, split_layer: int):
         super().__init__()
@@ -896,8 +791,8 @@ class VLMPrefixStage(PrefixSide):
                     module._buffers[name] = buf.to(device)
 
     def forward(self, inputs) -> "SplitState":
-        """One frame's processor outputs (:class:`~hybrid_vla_ros.model.vlm.VLMInputs`) -> SplitState at K.
-        Raises ValueError when T is not the spec's (another camera size or prompt)."""
+        """Processor outputs (:class:`~hybrid_vla_ros.model.vlm.VLMInputs`) -> SplitState at K, h_K in the stage
+        dtype. Raises ValueError when T is not the spec's (another camera size or prompt)."""
         from .contract import SplitState
         from .vlm import run_front
 
@@ -918,8 +813,7 @@ class VLMPrefixStage(PrefixSide):
 
 
 class VLMSuffixStage(SuffixSide):
-    """A transformers VLM's text blocks [K, L) and final norm. ``final_hidden_states(state, split_layer)`` ->
-    final-norm hidden states (T, H), what transformers returns as the text model's ``last_hidden_state``."""
+    """A transformers VLM's text blocks [K, L) and final norm: SplitState -> the text ``last_hidden_state`` (T, H)."""
 
     def __init__(self, cfg, split_layer: int):
         super().__init__()
@@ -931,8 +825,7 @@ class VLMSuffixStage(SuffixSide):
         self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
     def _check_state(self, state):
-        """``state`` as a SplitState (a bare h_K tensor wrapped: a family whose blocks need nothing else), checked:
-        its side tensors present, h_K of the spec's shape. Raises ValueError."""
+        """``state`` (a bare h_K is wrapped) as a checked SplitState. Raises ValueError."""
         from .contract import SplitState
 
         if isinstance(state, torch.Tensor):
@@ -957,17 +850,15 @@ class VLMSuffixStage(SuffixSide):
 
 
 class VLMDriveSuffixStage(VLMSuffixStage):
-    """The suffix of a composed driving checkpoint on a transformers VLM (``projector.type`` ``vlm``): the text
-    blocks [K, L), the final norm and this package's planning head on the last (planning) token.
-    ``plan_all(state, command, split_layer) -> PlanOutput``; ``forward`` -> waypoints (N, 2) float32 m."""
+    """The suffix of a composed driving checkpoint on a transformers VLM (``projector.type`` ``vlm``):
+    :class:`VLMSuffixStage` plus this package's planning head; ``forward`` -> waypoints (N, 2) float32 m."""
 
     def __init__(self, cfg: VLAConfig, split_layer: int):
         super().__init__(cfg, split_layer)
         _add_suffix_side(self, cfg, llm_config(cfg))
 
     def plan_all(self, state, command: int = DEFAULT_COMMAND, split_layer: int | None = None) -> "PlanOutput":
-        """SplitState at K -> :class:`PlanOutput`. Raises ValueError as :meth:`final_hidden_states`, or for a
-        command out of range."""
+        """SplitState at K -> :class:`PlanOutput`. Raises ValueError as :meth:`final_hidden_states` or :func:`plan`."""
         state = self._check_state(state)
         return plan(self, run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state), command)
 
@@ -988,14 +879,10 @@ class BlockRange(nn.Module):
 
 
 def parameter_counts(cfg: VLAConfig) -> dict[str, int]:
-    """Parameters per part of the model, counted on the meta device (no memory, any size).
-
-    Keys: ``vision``, ``projector``, ``llm`` (embed_tokens, decoder blocks, final norm: the LLM as
-    built here), ``lm_head`` (vocab x H when the published LLM has an untied LM head, which the
-    planning pass does not need and the model does not build; 0 when tied), ``llm_published``
-    (llm + lm_head: what model cards report), ``planner`` (ego / pass embeddings and heads),
-    ``total`` (everything built).
-    """
+    """Parameters per part, counted on the meta device (no memory): ``vision``, ``projector``, ``llm`` (embeddings,
+    blocks, final norm), ``lm_head`` (vocab x H for an untied published LM head, which is not built; 0 when tied),
+    ``llm_published`` (llm + lm_head, as model cards report), ``planner`` (ego / pass embeddings, heads), ``total``
+    (all built)."""
     with torch.device("meta"):
         model = VLAModel(cfg)
     counts = {"vision": 0, "projector": 0, "llm": 0, "planner": 0}

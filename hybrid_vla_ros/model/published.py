@@ -1,54 +1,38 @@
 """Orion and MindDrive as published: their mmcv ``.pth`` checkpoints converted once into this package's format.
 
-This module is the one place in the package that reads a pickle, and only here, at conversion time:
-``torch.load`` with ``weights_only=True, mmap=True, map_location="cpu"``. PyTorch's ``weights_only`` unpickler
-builds tensors and plain containers (dict, list, tuple, str, int, float, bool, None) only and raises
-``pickle.UnpicklingError`` for anything else (a class instance, a function reference), which is refused here
-with a :class:`CheckpointError` saying so. The converted directory never refers back to the pickle: loading it
-reads safetensors only (:mod:`hybrid_vla_ros.model.checkpoint`).
+This is the package's one reader of a pickle, at conversion time only (:func:`read_pth`: torch's weights-only
+unpickler, which refuses anything but tensors and plain containers). The converted directory reads safetensors
+only (:mod:`hybrid_vla_ros.model.checkpoint`).
 
-Published layout (read in Orion's and MindDrive's released code, issue #14): one pickled dict
-``{"state_dict": {name: tensor}, "meta": ...}`` (or a bare state dict) with
+Published layout (Orion's and MindDrive's released code), stored name -> here:
 
-==============================================================  ================================================
-stored (``state_dict``)                                         here
 ==============================================================  ================================================
 ``lm_head.base_model.model.model.embed_tokens.weight``          ``llm/`` ``model.embed_tokens.weight`` (the
-                                                                checkpoint's rows: Orion's 32001 with
-                                                                ``<waypoint_ego>``; ``vocab_size`` follows them)
+                                                                checkpoint's rows set ``vocab_size``)
 ``lm_head.base_model.model.model.layers.{i}.<m>.base_layer.*``  ``llm/`` ``model.layers.{i}.<m>.*`` (new PEFT)
-``lm_head.base_model.model.model.layers.{i}.<m>.{weight,bias}`` the same (old PEFT, no ``base_layer`` level)
+``lm_head.base_model.model.model.layers.{i}.<m>.{weight,bias}`` the same (old PEFT)
 ``...<m>.lora_A.<adapter>.weight`` (r, in), ``lora_B`` (out, r)  merged (one adapter) or per-pass deltas (two)
 ``lm_head.base_model.model.model.norm.weight``                  ``llm/`` ``model.norm.weight``
 ``lm_head.base_model.model.lm_head.weight``                     ``llm/`` ``lm_head.weight``; MindDrive: its rows
                                                                 of the meta-action tokens -> ``decision_head``
-``img_backbone.*`` (EVA-02-L)                                   ``vision.*`` one to one (model/eva02.py); the
-                                                                stored rotary tables (``rope_*``, each block's
-                                                                ``attn.rope.*``) are checked, not loaded
-``pts_bbox_head.*``, ``map_head.*``, ``ego_fut_decoder.*``,      not placed (reported by name): this package's
-VAE parts, anything else                                        query projector / planner are stand-ins of
-                                                                other structure (docs/models.md)
+``img_backbone.*`` (EVA-02-L)                                   ``vision.*`` (:func:`place_backbone`)
+``pts_bbox_head.*``, ``map_head.*``, shared encoders            ``projector.*`` (:func:`place_query_heads`)
+``present_distribution.*`` etc., ``pw_*``                       ``head.*`` (:func:`place_planner`)
+anything else                                                   not placed, reported by name
 ==============================================================  ================================================
 
-LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3; peft's
-``LoraLayer.scaling[adapter] = lora_alpha / r``): the adapted weight is ``W + (lora_alpha / r) * B @ A``,
-``A`` = ``lora_A`` (r, in), ``B`` = ``lora_B`` (out, r). r and lora_alpha come from ``adapter_config.json``
-(in the LLM config directory, or its ``<adapter>/`` subdirectory: peft's ``save_pretrained`` layout), else
-from the options (published: r = 16, alpha = 16). rsLoRA, DoRA and per-module rank / alpha patterns are refused
-(another formula).
+LoRA (Hu et al., 2021, eq. 3; peft's ``LoraLayer.scaling``): ``W + (lora_alpha / r) * B @ A``. r and lora_alpha
+come from ``adapter_config.json`` (in the LLM config directory or its ``<adapter>/``), else the options
+(published: 16, 16); rsLoRA, DoRA and per-module rank / alpha patterns are refused.
 
-Layouts: ``orion`` -- one adapter (``default``), merged into the base weights; the planning token is
-``<waypoint_ego>``. ``minddrive`` -- two adapters on one base, ``decision_expert`` (pass 0) and
-``action_expert`` (pass 1): the base is written unmerged, each pass's delta as
-:class:`hybrid_vla_ros.model.modeling.PassLoRALinear` tensors, and both adapters again as peft adapter
-directories ``adapters/<name>/`` (the reference ``verify-split`` merges with peft itself); the decision read-out
-is the LM head's rows of the meta-action tokens at position -2 of the decision pass.
+Layouts: ``orion``: one adapter (``default``) merged into the base; planning token ``<waypoint_ego>``.
+``minddrive``: ``decision_expert`` (pass 0) and ``action_expert`` (pass 1) on one unmerged base, each pass's delta
+as :class:`hybrid_vla_ros.model.modeling.PassLoRALinear` tensors, and both again as peft directories
+``adapters/<name>/`` (for the reference ``verify-split``).
 
-Output directory ``OUT``: ``llm/`` (a transformers LlamaForCausalLM / Qwen2ForCausalLM directory: config.json
-with the checkpoint's vocabulary size, model.safetensors or shards with transformers' index, the tokenizer
-files of the config directory),
-``config.json`` + ``model.safetensors`` (a composed checkpoint, ``llm_path: "llm"``: this package's own
-tensors), ``adapters/`` (MindDrive), ``convert_report.json`` (what was placed, what was not, by name).
+Output directory: ``llm/`` (a transformers directory with the checkpoint's vocabulary size and the tokenizer
+files), ``config.json`` + ``model.safetensors`` (this package's own tensors, ``llm_path: "llm"``), ``adapters/``
+(MindDrive), ``convert_report.json``.
 """
 from __future__ import annotations
 
@@ -95,13 +79,11 @@ _LLM_PART = re.compile(r"model\.(embed_tokens\.weight|norm\.weight|layers\.\d+\.
 
 
 def read_pth(path: str | Path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The state dict of an mmcv-style ``.pth`` (``{"state_dict": {...}, "meta": ...}`` or a bare state dict),
-    read with ``torch.load`` (``weights_only=True, mmap=True, map_location="cpu"``): tensors are views of the file's
-    memory map (nothing copied until used). Returns ``({name: tensor}, [names of entries that are not tensors])``.
+    """The state dict of an mmcv-style ``.pth`` (``{"state_dict": ..., "meta": ...}`` or bare), tensors as views
+    of the file's memory map. Returns ``({name: tensor}, [names of non-tensor entries])``.
 
-    Raises MissingFileError (no file), CheckpointError: the pickle holds something other than tensors and plain
-    containers (refused by torch's weights-only unpickler, nothing of it was run), an old non-zip ``torch.save``
-    file (mmap needs the zip format: re-save it with ``torch.save`` of torch >= 1.6), not a dict of tensors.
+    Raises MissingFileError, or CheckpointError for a pickle holding anything but tensors and plain containers
+    (nothing of it run), an old non-zip ``torch.save`` file (mmap needs torch >= 1.6's format), or no tensors.
     """
     path = Path(path)
     if not path.is_file():
@@ -132,8 +114,8 @@ def read_pth(path: str | Path) -> tuple[dict[str, torch.Tensor], list[str]]:
 
 @dataclass
 class Adapter:
-    """One LoRA adapter: ``name``, ``r``, ``alpha``, and per target module (transformers name without
-    ``.weight``, e.g. ``model.layers.0.self_attn.q_proj``) its ``A`` (r, in) and ``B`` (out, r)."""
+    """One LoRA adapter: per target module (e.g. ``model.layers.0.self_attn.q_proj``) ``A`` (r, in) and ``B``
+    (out, r)."""
 
     name: str
     r: int
@@ -148,15 +130,14 @@ class Adapter:
         return self.alpha / self.r
 
     def delta(self, module: str) -> torch.Tensor:
-        """(lora_alpha / r) * B @ A in float32, (out, in)."""
+        """(out, in) float32."""
         return self.scaling * (self.b[module].float() @ self.a[module].float())
 
 
 @dataclass
 class PublishedParts:
-    """A published state dict taken apart: ``llm`` (transformers names -> base tensors), ``adapters``,
-    ``not_placed`` (stored names of everything outside the LLM, and the LLM's tensors with no place),
-    ``placed`` (stored names used)."""
+    """A published state dict taken apart: ``llm`` (transformers names -> base tensors), ``adapters``, and the
+    stored names ``placed`` and ``not_placed``."""
 
     llm: dict[str, torch.Tensor]
     adapters: dict[str, Adapter]
@@ -181,10 +162,8 @@ def _adapter_hparams(config_dir: Path, name: str, r: int, alpha: float) -> tuple
 
 def take_apart(tensors: dict[str, torch.Tensor], config_dir: Path, r: int = DEFAULT_R,
                 alpha: float = DEFAULT_ALPHA) -> PublishedParts:
-    """Take a published state dict apart (see the module docstring): the LLM's base tensors under transformers'
-    names, its LoRA adapters, and the names of every tensor not placed. Raises CheckpointError for a LoRA
-    tensor without its partner, a rank that differs from the adapter's r, DoRA magnitudes, a name stored twice
-    (with and without ``base_layer``)."""
+    """Take a published state dict apart. Raises CheckpointError for a LoRA tensor without its partner, a rank
+    that differs from the adapter's r, DoRA magnitudes, a name stored twice (with and without ``base_layer``)."""
     llm: dict[str, torch.Tensor] = {}
     adapters: dict[str, Adapter] = {}
     not_placed, placed = [], []
@@ -231,8 +210,7 @@ def take_apart(tensors: dict[str, torch.Tensor], config_dir: Path, r: int = DEFA
 
 
 def _token_id(config_dir: Path, text: str) -> int | None:
-    """The id of an added token from the config directory's tokenizer files (``added_tokens.json``, else
-    ``tokenizer.json`` ``added_tokens``), None when not found."""
+    """The id of an added token from ``added_tokens.json``, else ``tokenizer.json``; None when not found."""
     file = config_dir / "added_tokens.json"
     if file.is_file():
         doc = json.loads(file.read_text())
@@ -257,8 +235,7 @@ def _group(names: list[str], depth: int = 1) -> dict[str, dict]:
 
 
 def _adapter_dir(out: Path, ad: Adapter, targets: list[str]) -> None:
-    """``out/<name>/``: the adapter in peft's ``save_pretrained`` layout (adapter_config.json +
-    adapter_model.safetensors, names ``base_model.model.<module>.lora_{A,B}.weight``), its A / B as stored."""
+    """``out/<name>/``: the adapter in peft's ``save_pretrained`` layout, A / B as stored."""
     d = out / ad.name
     d.mkdir(parents=True)
     cfg = {"peft_type": "LORA", "r": ad.r, "lora_alpha": ad.alpha, "target_modules": targets, "bias": "none",
@@ -273,9 +250,8 @@ def _adapter_dir(out: Path, ad: Adapter, targets: list[str]) -> None:
 
 
 def convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, **options) -> dict:
-    """Convert a published Orion / MindDrive ``.pth`` into a checkpoint directory ``out``: see
-    :func:`_convert` for the options, what it returns and raises. A failed conversion leaves no ``out`` behind
-    (when it created it)."""
+    """Convert a published ``.pth`` into a checkpoint directory ``out`` (options, return and errors:
+    :func:`_convert`). A failed conversion removes the ``out`` it created."""
     out = Path(out)
     created = not out.exists()
     try:
@@ -291,25 +267,18 @@ def _convert(checkpoint: str | Path, llm_config: str | Path, out: str | Path, *,
             lora_alpha: float = DEFAULT_ALPHA, waypoint_token_id: int | None = None,
             decision_token_ids: list[int] | None = None, seed: int = 0, dtype: str | torch.dtype | None = None,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES, prompts: str = "published", log=None) -> dict:
-    """Convert a published Orion / MindDrive ``.pth`` into a checkpoint directory ``out`` (module docstring).
+    """Convert a published ``.pth`` into a checkpoint directory ``out``.
 
-    ``llm_config``: the directory with the LLM's transformers ``config.json`` (and tokenizer; optionally
-    ``adapter_config.json``); ``layout``: ``orion``, ``minddrive`` or ``auto`` (from the adapter names);
-    ``preset_name``: the preset whose driving I/O and stand-in vision side / planning head are written around
-    the LLM (default ``orion`` / ``minddrive-0.5b``), ``overrides`` its fields (as ``init-model --set``);
-    ``lora_r`` / ``lora_alpha``: when no ``adapter_config.json`` says; ``waypoint_token_id``: the planning
-    token (default: ``<waypoint_ego>`` from the tokenizer files, else, for Orion, the one row the checkpoint's
-    vocabulary adds to config.json's); ``decision_token_ids``: MindDrive's meta-action (speed) token ids, the
-    rows of the LM head its decision read-out uses (``minddrive``: read from the tokenizer with ``prompts``
-    ``published``, and then only checked against it; required with ``preset``); ``prompts``: ``published``
-    (MindDrive's two conversations, tokenized with the tokenizer files beside the LLM config,
-    :mod:`.published_prompts`; a ValueError when there are none) or ``preset`` (the preset's fixed prompt: not
-    the published computation, and the report says so; the prompts are not made from the tokenizer, though
-    ``<waypoint_ego>``'s id may still be read from its files); ``dtype``: of the written
-    tensors (default: as stored). The merge runs in float32, then is cast to that dtype. ``max_shard_bytes``:
-    ``OUT/llm`` is written in shards of at most this size (one tensor more when a single tensor is larger),
-    with transformers' ``model.safetensors.index.json``, one shard in memory at a time; a single
-    ``model.safetensors`` when everything fits in one.
+    ``llm_config``: the directory with the LLM's ``config.json`` (and tokenizer; optionally
+    ``adapter_config.json``); ``layout``: ``auto`` tells it from the adapter names; ``preset_name``: the preset
+    whose driving I/O and stand-ins go around the LLM (default ``orion`` / ``minddrive-0.5b``), ``overrides`` its
+    fields (as ``init-model --set``); ``waypoint_token_id``: default from the tokenizer files, else, for Orion,
+    the one row the checkpoint adds to config.json's vocabulary; ``decision_token_ids``: the LM-head rows of
+    MindDrive's decision read-out (with ``prompts="published"`` read from the tokenizer and only checked against
+    it; required with ``"preset"``); ``prompts``: ``published`` (:mod:`.published_prompts`) or ``preset`` (the
+    preset's fixed prompt, not the published computation; the report says so); ``dtype``: of the written tensors
+    (default: as stored; merges run in float32); ``max_shard_bytes``: per ``OUT/llm`` shard, one shard in memory
+    at a time (a larger tensor alone).
 
     Returns the report (also written to ``out/convert_report.json``). Raises FileExistsError (``out`` holds
     files), MissingFileError, CheckpointError (refused pickle, unknown layout, inconsistent adapters or shapes),
@@ -380,9 +349,8 @@ def _check_inputs(out: Path, config_dir: Path, layout: str, max_shard_bytes: int
 
 
 def _choose_layout(checkpoint, parts, layout: str) -> tuple[str, tuple[str, ...]]:
-    """The layout (``auto`` told from the adapter names) and the adapters it uses; the LoRA tensors of any
-    other adapter are moved from ``parts.placed`` to ``parts.not_placed`` (reported, not merged).
-    Raises CheckpointError when the adapters fit neither layout or the chosen one lacks one."""
+    """The layout and the adapters it uses; other adapters' tensors move to ``parts.not_placed``. Raises
+    CheckpointError when the adapters fit neither layout or the chosen one lacks one."""
     names = set(parts.adapters)
     if layout == "auto":
         if names == {ORION_ADAPTER}:
@@ -409,8 +377,7 @@ def _choose_layout(checkpoint, parts, layout: str) -> tuple[str, tuple[str, ...]
 
 @dataclass
 class _WrittenLLM:
-    """What :func:`_write_llm` wrote to ``OUT/llm``: the directory read back, its tensor names, the
-    checkpoint's vocabulary and config.json's, and the modules Orion's adapter was merged into."""
+    """What :func:`_write_llm` wrote: the directory read back, the vocabulary sizes, the merged modules."""
 
     ref: object
     keys: list[str]
@@ -421,8 +388,7 @@ class _WrittenLLM:
 
 def _write_llm(checkpoint, config_dir: Path, doc: dict, parts, layout: str, out: Path, store_dtype: torch.dtype,
                max_shard_bytes: int) -> _WrittenLLM:
-    """``OUT/llm``: the LLM as a transformers directory (config with the checkpoint's vocabulary, shards,
-    tokenizer files); for Orion its adapter merged (W + alpha / r * B A, in float32, then cast)."""
+    """Write ``OUT/llm``, Orion's adapter merged in float32, then cast."""
     vocab = int(parts.llm["model.embed_tokens.weight"].shape[0])
     llm_doc = dict(doc)
     declared_vocab = int(doc.get("vocab_size", vocab))
@@ -462,9 +428,7 @@ def _write_llm(checkpoint, config_dir: Path, doc: dict, parts, layout: str, out:
 
 @dataclass
 class PlacedBackbone:
-    """The published ``img_backbone.*`` as placed: ``tensors`` (``vision.<name>`` -> tensor, in the store
-    dtype), ``checked`` (stored names of the rotary tables compared with the ones computed from the config and
-    not loaded)."""
+    """``tensors``: ``vision.<name>`` -> tensor; ``checked``: the stored rotary tables compared, not loaded."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     checked: list[str] = field(default_factory=list)
@@ -472,11 +436,9 @@ class PlacedBackbone:
 
 def place_backbone(tensors: dict[str, torch.Tensor], parts: PublishedParts, cfg, store_dtype: torch.dtype
                    ) -> PlacedBackbone:
-    """Place the published EVA-02 backbone (``img_backbone.*``) into the model's ``vision.*`` one to one by name
-    when the config's vision side is EVA-02 (model/eva02.py); its stored rotary tables are compared with the
-    ones the config computes (a difference means another image size, window or rotary grid: CheckpointError)
-    and left out. The names placed or checked leave ``parts.not_placed``; a stored name the backbone does not
-    have stays there (reported). Shapes are checked when the tensors are written (_write_own)."""
+    """Place ``img_backbone.*`` one to one when the config's vision side is EVA-02; names placed or checked
+    leave ``parts.not_placed``. Raises CheckpointError when a stored rotary table differs (another input size)
+    or the backbone is only partly stored. Shapes are checked in :func:`_write_own`."""
     from .eva02 import EVA02_TYPE, EVA02Config, derived_tensor_names, expected_derived
 
     placed = PlacedBackbone()
@@ -512,9 +474,7 @@ def place_backbone(tensors: dict[str, torch.Tensor], parts: PublishedParts, cfg,
 
 @dataclass
 class PlacedQueryHeads:
-    """The published query heads as placed (model/query_heads.py): ``tensors`` (``projector.<name>`` -> tensor,
-    in the store dtype), ``checked`` (stored names compared, not loaded: the derived constants and the extra
-    copies of shared modules), ``left_out`` (stored name -> why: output only or training only)."""
+    """As :class:`~.query_heads.PlacedHeads`, ``tensors`` keyed ``projector.<name>``."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     checked: list[str] = field(default_factory=list)
@@ -523,14 +483,10 @@ class PlacedQueryHeads:
 
 def place_query_heads(tensors: dict[str, torch.Tensor], parts: PublishedParts, cfg, store_dtype: torch.dtype
                       ) -> PlacedQueryHeads:
-    """Place the published query heads (``pts_bbox_head.*``, ``map_head.*``, the detector's ``query_pos.*``,
-    ``time_embedding.*``, ``ego_pose_pe.*``, ``position_encoder.*``; ``coords_d`` / ``position_range`` checked)
-    into the model's ``projector.*`` when its projector is ``scene_queries``
-    (:func:`~hybrid_vla_ros.model.query_heads.place_published_heads`: the shared copies and per-level branches
-    compared and placed once; the output-only motion / traffic-light branches and the loss weights named as left
-    out). Everything read leaves ``parts.not_placed``. Nothing is done for another projector or a checkpoint
-    without heads. Raises CheckpointError for heads only partly in the checkpoint, copies that differ, or sizes /
-    constants that are not the config's (the config's projector keys say the sizes)."""
+    """Place the published query heads into ``projector.*`` when the projector is ``scene_queries`` and the
+    checkpoint has heads (:func:`~hybrid_vla_ros.model.query_heads.place_published_heads`); everything read leaves
+    ``parts.not_placed``. Raises CheckpointError for heads only partly stored, copies that differ, or sizes /
+    constants that are not the config's."""
     from .config import SCENE_QUERIES
     from .query_heads import PUBLISHED_PREFIXES, place_published_heads
 
@@ -562,8 +518,7 @@ PLANNER_MODULES = ("present_distribution", "predict_model", "ego_fut_decoder")
 
 @dataclass
 class PlacedPlanner:
-    """The published planner(s) as placed: ``tensors`` (``head.<name>`` -> tensor, in the store dtype) and
-    ``training_only`` (stored names left out on purpose: the VAE's posterior)."""
+    """``tensors``: ``head.<name>`` -> tensor; ``training_only``: the VAE posterior's stored names, left out."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     training_only: list[str] = field(default_factory=list)
@@ -571,13 +526,9 @@ class PlacedPlanner:
 
 def place_planner(tensors: dict[str, torch.Tensor], parts: PublishedParts, cfg, layout: str,
                   store_dtype: torch.dtype) -> PlacedPlanner:
-    """Orion's VAE planner (``present_distribution.*``, ``predict_model.*``, ``ego_fut_decoder.*``) into the
-    ``vae`` read-out's ``head.*``, one to one, when the config's read-out is ``vae`` and the layout is Orion's;
-    MindDrive's speed planner (the same names) into ``head.speed.*`` and its path planner (``pw_`` + the same
-    names) into ``head.path.*`` with the ``vae_speed_path`` read-out. Returns a :class:`PlacedPlanner` (its
-    ``training_only``: the VAE's posterior ``future_distribution.*`` / ``pw_future_distribution.*``, see
-    vae_planner.TRAINING_ONLY); both kinds leave ``parts.not_placed``. Raises CheckpointError for a planner only
-    partly in the checkpoint."""
+    """Place Orion's VAE planner into ``head.*`` (``vae`` read-out), or MindDrive's speed and path (``pw_``)
+    planners into ``head.speed.*`` / ``head.path.*`` (``vae_speed_path``); placed and training-only names leave
+    ``parts.not_placed``. Raises CheckpointError for a planner only partly stored."""
     from .vae_planner import TRAINING_ONLY
 
     placed = PlacedPlanner()
@@ -609,11 +560,9 @@ def place_planner(tensors: dict[str, torch.Tensor], parts: PublishedParts, cfg, 
 
 def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, preset_name, overrides, waypoint_token_id,
                     decision_token_ids, store_dtype: torch.dtype, out: Path, prompts=None):
-    """The converted checkpoint's VLAConfig (the preset's driving I/O and stand-ins around ``OUT/llm``, the
-    planning token, for MindDrive the two passes and the decision tokens) and the own tensors that come from
-    the checkpoint (MindDrive: the decision rows and per-pass deltas; its adapters also go to
-    ``OUT/adapters``). ``prompts``: MindDrive's published prompts (:func:`_published_prompts`) or None. Raises
-    ValueError for a missing or out-of-range token id or a bad override."""
+    """The converted VLAConfig and the own tensors from the checkpoint (MindDrive: decision rows, per-pass
+    deltas; it also writes ``OUT/adapters``). Raises ValueError for a missing or out-of-range token id or a bad
+    override."""
     from .config import VLAConfig, preset
 
     ref, llm_keys, vocab, declared_vocab = llm.ref, llm.keys, llm.vocab, llm.declared_vocab
@@ -666,12 +615,9 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
 
 def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token_id, decision_token_ids,
                        use: str = "published", overrides: dict | None = None):
-    """MindDrive's published prompts from the tokenizer in ``config_dir`` (:mod:`.published_prompts`), or None for
-    Orion's layout or ``use="preset"`` (the preset's fixed prompt is then kept, and the report says it is not the
-    published one). Raises CheckpointError when the tokenizer, after the published token additions, does not have
-    the checkpoint's ``vocab`` embedding rows (another tokenizer: its ids would name other rows), ValueError for an
-    unknown ``use``, no tokenizer files in ``config_dir``, a token id option or prompt override that contradicts
-    the tokenizer, or a tokenizer that does not load."""
+    """MindDrive's published prompts, or None for Orion's layout or ``use="preset"``. Raises CheckpointError when
+    the tokenizer's size is not the checkpoint's ``vocab`` (another tokenizer: its ids would name other rows),
+    ValueError for an unknown ``use``, no or a broken tokenizer, or options that contradict it."""
     from .published_prompts import TOKENIZER_MARKERS, has_tokenizer, minddrive_prompts
 
     if use not in ("published", "preset"):
@@ -718,8 +664,8 @@ def _prompt_report(cfg, config_dir: Path) -> dict:
 
 
 def _write_own(out: Path, cfg, own_extra: dict, store_dtype: torch.dtype, seed: int, checkpoint, layout: str) -> None:
-    """``OUT/model.safetensors`` and ``OUT/config.json``: the preset's stand-ins (random, from ``seed``) with
-    the tensors the checkpoint provides in their place (shapes checked: CheckpointError)."""
+    """``OUT/model.safetensors`` and ``OUT/config.json``: random stand-ins (from ``seed``) where the checkpoint
+    has nothing. Raises CheckpointError on a shape mismatch."""
     from .checkpoint import WEIGHTS_FILE, _own_modules
 
     torch.manual_seed(seed)
@@ -741,8 +687,7 @@ def _write_own(out: Path, cfg, own_extra: dict, store_dtype: torch.dtype, seed: 
 
 def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _WrittenLLM, cfg, non_tensor,
                        backbone: PlacedBackbone, planner_placed: bool = False, heads_placed: bool = False) -> dict:
-    """The conversion's report (``convert_report.json``): what was placed, merged and written, and every
-    tensor not placed, by name, grouped by prefix."""
+    """The ``convert_report.json`` contents: what was placed, merged and written, and what was not, by name."""
     ref, llm_keys, vocab, declared_vocab, merged = llm.ref, llm.keys, llm.vocab, llm.declared_vocab, llm.merged
     wp = cfg.planning_token_id
     placed_groups = {"llm (lm_head.base_model.model.*)": len(parts.placed),
@@ -774,9 +719,8 @@ def _conversion_report(checkpoint, out: Path, layout: str, wanted, parts, llm: _
 
 
 def _stand_in_parts(cfg, *, backbone_placed: bool, planner_placed: bool, heads_placed: bool) -> list[str]:
-    """The converted model's parts that are this package's random-init stand-ins (the checkpoint has none for
-    them): the vision side, the projector, the planning head when not placed; an ego embedding, learned query
-    tokens or a pass embedding whenever the config has one (no published model has them)."""
+    """The converted model's parts that are random-init stand-ins (no published model has an ego embedding,
+    query tokens or a pass embedding)."""
     parts = [name for name, placed in (("vision.*", backbone_placed), ("projector.*", heads_placed),
                                        ("head.*", planner_placed)) if not placed]
     if cfg.ego_state_input:
@@ -789,7 +733,7 @@ def _stand_in_parts(cfg, *, backbone_placed: bool, planner_placed: bool, heads_p
 
 
 def _stand_ins(cfg, *, backbone_placed: bool, planner_placed: bool, heads_placed: bool) -> str:
-    """The report's line on the parts that are this package's random-init stand-ins, or that there are none."""
+    """The report's line on the random-init stand-ins."""
     parts = _stand_in_parts(cfg, backbone_placed=backbone_placed, planner_placed=planner_placed,
                             heads_placed=heads_placed)
     if not parts:
@@ -799,10 +743,8 @@ def _stand_ins(cfg, *, backbone_placed: bool, planner_placed: bool, heads_placed
 
 
 def _write_shards(directory: Path, keys: list[str], shapes: dict, make, dtype: torch.dtype, limit: int) -> None:
-    """Write ``{key: make(key)}`` for ``keys`` as transformers writes a checkpoint: ``model.safetensors``, or
-    shards ``model-0000i-of-0000n.safetensors`` of at most ``limit`` bytes each (a larger tensor alone) and
-    ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map": {name: shard}}``). Only
-    one shard's tensors are made and held at a time."""
+    """Write ``{key: make(key)}`` as transformers does: one file, or shards of at most ``limit`` bytes (a larger
+    tensor alone) with an index. Only one shard's tensors are held at a time."""
     size = torch.empty((), dtype=dtype).element_size()
     groups, current, used = [], [], 0
     for key in keys:
@@ -829,9 +771,8 @@ def _write_shards(directory: Path, keys: list[str], shapes: dict, make, dtype: t
 
 
 def _pass_deltas(parts: PublishedParts, ref: hf.HFModel, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Per-block ``layers.{i}.self_attn.{q,k,v,o}_proj.lora_A`` (P, rank, in) and ``lora_B`` (P, out, rank),
-    scaling folded into B, zero-padded to ``rank`` (exact: the padded rows / columns add nothing). Raises
-    CheckpointError when an adapter targets a module other than q/k/v/o (no per-pass place for it here)."""
+    """Per-block ``lora_A`` (P, rank, in) and ``lora_B`` (P, out, rank), scaling folded into B, zero-padded to
+    ``rank`` (exact). Raises CheckpointError when an adapter targets a module other than q/k/v/o."""
     from .modeling import PASS_LORA_TARGETS
 
     ads = [parts.adapters[a] for a in MINDDRIVE_ADAPTERS]

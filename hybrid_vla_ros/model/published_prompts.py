@@ -1,25 +1,19 @@
 """MindDrive's published prompts as token ids, made with the LLM's own tokenizer at conversion time.
 
-MindDrive runs its LLM twice a frame, each pass on its own conversation (its ``inference_only_pipeline``, the one
-its closed-loop agent runs, the same in the 0.5B and 3B configs: ``LoadAnnoatationMixCriticalVQATest`` with
-``single=True``, ``is_decoupling=True``, ``use_meta_action=True``, ``desc_qa=False``,
-``conv_template="llava_qwen2"``, turned into ids by ``preprocess_qwen2(training_mode=False)``;
-../shared/reference/minddrive, Apache-2.0):
+MindDrive runs its LLM twice a frame, each pass on its own conversation (its ``inference_only_pipeline``, as its
+closed-loop agent runs it in the 0.5B and 3B configs: ``LoadAnnoatationMixCriticalVQATest`` with ``single``,
+``is_decoupling``, ``use_meta_action`` and not ``desc_qa``, ``conv_template="llava_qwen2"``,
+``preprocess_qwen2(training_mode=False)``; ../shared/reference/minddrive, Apache-2.0):
 
-- the decision pass (adapter ``decision_expert``): "What actions should the car be taking?", answered "The car should
-  be <meta-action>"; the speed decision is the LM head's logits of the seven speed tokens at position -2 (the
-  token before the answer's meta-action, so the sampled meta-action itself never counts);
-- the action pass (adapter ``action_expert``): "Based on the above information, please provide a safe, executable,
-  and reasonable planning trajectory for the ego car.", answered "Here is the planning trajectory <waypoint_ego>
-  <path_waypoint_ego>"; the planners read the final hidden states where those two tokens are.
+- the decision pass (adapter ``decision_expert``): the speed decision is the LM head's logits of the speed tokens at
+  position -2, the token before the answer's meta-action, so the sampled meta-action never counts;
+- the action pass (adapter ``action_expert``): the planners read the final hidden states at ``<waypoint_ego>`` and
+  ``<path_waypoint_ego>``.
 
-Each human turn is ``<image>`` + newline + "You are driving a car." + the question, framed by the system turn and
-the Qwen2 chat markers exactly as the published ``preprocess_qwen2`` frames it at inference (it writes LLaMA-3's
-``<|start_header_id|>system<|end_header_id|>`` inside Qwen2's ``<|im_start|>`` ... ``<|im_end|>``; kept as
-published). The text before and after ``<image>`` and the answer are tokenized one piece at a time without special
-tokens (the published ``tokenizer_image_token_new``), and ``<image>`` becomes the scene tokens. The published model
-adds its tokens to the tokenizer in this order (``add_special_token``): the 7 speed and 6 path meta-action tokens,
-``<waypoint_ego>``, ``<path_waypoint_ego>``; the same additions here give the same ids.
+The turns are framed exactly as the published ``preprocess_qwen2`` frames them (LLaMA-3's system header inside
+Qwen2's markers, kept as published), the text around ``<image>`` tokenized piecewise without special tokens
+(``tokenizer_image_token_new``); ``<image>`` becomes the scene tokens. Tokens are added in the published order
+(``add_special_token``), so the ids match.
 """
 from __future__ import annotations
 
@@ -54,14 +48,11 @@ TOKENIZER_MARKERS = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 @dataclass(frozen=True)
 class MindDrivePrompts:
-    """MindDrive's two prompts as this package's config holds them (:class:`~hybrid_vla_ros.model.config.VLAConfig`).
+    """MindDrive's two prompts as :class:`~hybrid_vla_ros.model.config.VLAConfig` holds them.
 
-    prompt_token_ids: the tokens before the scene tokens (system turn, user marker), shared by both passes.
-    pass_prompt_token_ids: [decision pass, action pass]: each pass's tokens after the scene tokens, to the end of its
-    answer. speed_token_ids: the 7 speed meta-action ids (the decision read-out's LM-head rows, in speed-mode order).
-    waypoint_token_id / path_token_id: ``<waypoint_ego>`` / ``<path_waypoint_ego>``. vocab_size: the tokenizer's
-    length after the published additions (the published model's embedding rows). tokenizer: its class and
-    directory, for the report."""
+    prompt_token_ids: the tokens before the scene tokens, shared by both passes. pass_prompt_token_ids: [decision,
+    action]: each pass's tokens after the scene tokens, to the end of its answer. speed_token_ids: in speed-mode
+    order. vocab_size: after the published additions (the embedding rows). tokenizer: class and directory."""
 
     prompt_token_ids: list[int]
     pass_prompt_token_ids: list[list[int]]
@@ -78,9 +69,8 @@ def has_tokenizer(config_dir: str | Path) -> bool:
 
 
 def minddrive_prompts(config_dir: str | Path) -> MindDrivePrompts:
-    """Tokenize MindDrive's two published prompts with the tokenizer in ``config_dir`` (local files only), after
-    the published token additions (module docstring). Raises ValueError when no tokenizer loads from there, or when
-    a token the read-out needs does not come out as one id."""
+    """Tokenize the two prompts with the tokenizer in ``config_dir`` (local files only). Raises ValueError when no
+    tokenizer loads from there, or a token the read-out needs is not one id."""
     from transformers import AutoTokenizer
 
     config_dir = Path(config_dir)

@@ -1,45 +1,32 @@
 """The query heads of Orion and MindDrive: how the camera features become the LLM's scene tokens, with a memory of
 earlier frames moved by the ego motion.
 
-Two heads read the same image features (the backbone's (C, Dv, h, w) maps, camera-major then row-major) with the
-3-D position embedding of each feature (:mod:`.camera_rays`):
+Both heads read the backbone's (C, Dv, h, w) maps (camera-major, then row-major) with each feature's 3-D position
+embedding (:mod:`.camera_rays`):
 
-* the **map head** (published ``map_head``): ``num_extra`` learned "extra" queries and ``num_lane`` lane queries
-  (each lane ``n_control`` points) attend to one another, to the lanes kept from earlier frames and to the image
-  features; the extra queries' outputs, projected to the LLM width, are the map tokens (256 in MindDrive);
-* the **detection head** (published ``pts_bbox_head``): ``num_extra`` extra queries, ``num_query`` object queries
-  and the ``num_propagated`` newest objects of the memory as further queries, the older objects as keys; its
-  extra queries' outputs, then (MindDrive) ``num_memory`` scene-history queries that read the extra queries of the
-  last 16 frames, then one can-bus token (the command, the vehicle's motion state and that of the two earlier
-  frames, and the mean pose of each frame's remembered objects), all projected to the LLM width, are the object
-  tokens (256 + 16 + 1 = 273 in MindDrive; Orion has no scene history: 257).
+* the **map head** (published ``map_head``): extra queries and lane queries attend to one another, to the
+  remembered lanes and to the image features; the extra queries' outputs are the map tokens;
+* the **detection head** (published ``pts_bbox_head``): extra queries, object queries and the newest remembered
+  objects as queries, the older ones as keys; the object tokens are its extra queries' outputs, then (MindDrive)
+  scene-history queries that read the last 16 frames' extra queries, then one can-bus token (the command, the
+  motion state of this and two earlier frames, the mean pose of each frame's remembered objects).
 
-Scene tokens = object tokens then map tokens: (273 + 256 = 529, D) for MindDrive, 513 for Orion.
+Scene tokens = object tokens then map tokens (:attr:`QueryHeadsConfig.scene_tokens`).
 
-Sources: Wang et al., 2023, "Exploring Object-Centric Temporal Modeling for Efficient Multi-View 3D Object
-Detection" (StreamPETR: the decoder layer of self-attention over the queries and the memory, LayerNorm,
-cross-attention to the image features with their 3-D position embedding, LayerNorm, FFN, LayerNorm; the memory
-queue of the top-k queries of each frame, moved into the current frame by the ego motion; the motion-aware layer
-normalisation of the memory positions); Mildenhall et al., 2020 (NeRF's sin / cos encoding at frequencies
-2^0 .. 2^5); Fu et al., 2025 (Orion: the extra queries and the can-bus token as LLM tokens); the published code
-(MindDrive's ``MinddriveHead`` / ``MinddriveHeadM``, its inference config) for the sizes, the attention masks,
-the order of the memory updates and the parameter names, which are kept so a converted checkpoint loads one to
-one (the converter folds the published six copies of each shared branch into one module, see below).
+Sources: StreamPETR (Wang et al., 2023: the decoder layer, the top-k memory queue moved by the ego motion, the
+motion-aware layer norm); NeRF's sin / cos encoding (Mildenhall et al., 2020); Orion (Fu et al., 2025: extra
+queries and the can-bus token as LLM tokens); the published code (MindDrive's ``MinddriveHead`` /
+``MinddriveHeadM``, its inference config) for the sizes, masks, memory update order and parameter names, kept so a
+converted checkpoint loads one to one.
 
-What is left out, on purpose, and why:
-* the per-layer box and lane outputs of levels 0 .. 4, the traffic-light branch and the motion-prediction branch
-  (``motion_decoder``, ``motion_map_decoder``, ``lane_encoder``, ``traj_branches``, ...): the published test
-  computes them but they feed neither the tokens nor the memory. Only the last level's class scores and boxes /
-  lanes are computed, because the memory keeps the best-scored queries at their predicted positions;
-* the objects' velocities (``memory_velo``): kept by the published memory but read by nothing at inference;
-* denoising queries, losses, assigners: training only.
+Left out on purpose, as feeding neither the tokens nor the memory: the outputs of levels 0 .. 4, the traffic-light
+and motion-prediction branches (:data:`OUTPUT_ONLY`; the last level's scores and boxes / lanes are computed for
+the memory's top-k), the objects' velocities (``memory_velo``); training-only parts (denoising, losses).
 
-Memory arithmetic: the published code keeps the memory's poses, points and can-bus positions in float32 global
-coordinates; here they are float64 (:class:`ObjectMemory`, :class:`MapMemory`), so a vehicle in a map frame
-hundreds of kilometres from its origin (UTM) keeps centimetre resolution where float32 rounds to metres. The
-networks run in their parameters' dtype. The published memory is reset when the frame is 2 s or more from the
-last one or the scene changes; here also when time goes backwards or does not advance (a bag loop, a replayed
-frame), and by :meth:`QueryHeads.reset`.
+The memory's poses, points and can-bus positions are float64 (float32 in the published code), so a vehicle hundreds
+of kilometres from its map origin (UTM) keeps centimetre resolution. As published, the memory resets on a gap of
+:data:`MEMORY_MAX_GAP_S` or more; here also when time does not advance (a bag loop, a replayed frame) and on
+:meth:`QueryHeads.reset`.
 """
 from __future__ import annotations
 
@@ -67,17 +54,12 @@ MEMORY_MAX_GAP_S = 2.0
 class QueryHeadsConfig:
     """Shapes of both heads. Defaults are MindDrive-0.5B's published inference config with the LLM width to set.
 
-    ``embed_dims`` E: the heads' width; ``in_channels``: the backbone width; ``out_dims`` D: the LLM width;
-    ``num_layers`` / ``num_heads`` / ``feedforward_dims``: each head's decoder; ``num_extra``: extra queries (LLM
-    tokens) per head; ``n_control``: points per lane (and the repeat of an object's centre in its position
-    encoding); detection: ``num_query`` object queries, ``memory_len`` remembered objects, ``topk_proposals``
-    objects kept per frame, ``num_propagated`` newest remembered objects used as queries, ``num_classes`` /
-    ``code_size`` (box vector: centre 3, size 3, yaw 2, velocity 2), ``can_bus_len`` earlier can-bus vectors,
-    ``num_memory`` scene-history queries (0: none, Orion), ``scene_memory_len`` remembered history entries,
-    ``memory_ffn_dims`` their decoders' FFN width; map: ``num_lane`` lane queries of which the first
-    ``num_lanes_one2one`` are the one-to-one group (the rest only train), ``map_memory_len`` / ``map_topk``
-    remembered and kept lanes, ``map_classes``; ``with_mask``: the object / lane queries cannot see the extra
-    queries (published: True); ``pc_range``: the boxes' and lanes' range (:data:`PC_RANGE`)."""
+    ``embed_dims`` E: the heads' width; ``in_channels``: the backbone's; ``out_dims`` D: the LLM's; ``num_extra``:
+    extra queries (LLM tokens) per head; ``n_control``: points per lane (and the repeat of an object's centre in
+    its position encoding); ``code_size``: box vector (centre 3, size 3, yaw 2, velocity 2); ``num_propagated``:
+    newest remembered objects used as queries; ``num_memory``: scene-history queries (0: none, Orion);
+    ``num_lanes_one2one``: the first lane queries, the one-to-one group (the rest only train); ``with_mask``: the
+    object / lane queries cannot see the extra queries."""
 
     embed_dims: int = 256
     in_channels: int = 1024
@@ -107,9 +89,9 @@ class QueryHeadsConfig:
 
     @classmethod
     def from_dict(cls, d: dict, **overrides) -> "QueryHeadsConfig":
-        """From a model config's ``projector`` dict (without its ``type``; missing keys take the published values);
-        ``overrides`` (e.g. ``out_dims``, ``in_channels``) win. Raises ValueError for an unknown key (a misspelt
-        size must not silently take the published value) and for inconsistent sizes (:meth:`problems`)."""
+        """From a model config's ``projector`` dict (without ``type``; missing keys take the defaults); ``overrides``
+        win. Raises ValueError for an unknown key (a misspelt size must not silently take the default) and for
+        :meth:`problems`."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -162,34 +144,31 @@ class QueryHeadsConfig:
 
     @property
     def can_bus_input(self) -> int:
-        """Width of the can-bus token's input: (1 + can_bus_len) x (command + 18 can-bus entries) + 16 per
-        remembered frame of objects (their mean 4 x 4 pose): 89 in the published model."""
+        """Width of the can-bus token's input (89 in the published model)."""
         return (1 + self.can_bus_len) * (1 + CAN_BUS_SIZE) + 16 * (self.memory_len // self.topk_proposals)
 
     @property
     def object_tokens(self) -> int:
-        """Object tokens: extra queries, scene-history queries, the can-bus token (273 MindDrive, 257 Orion)."""
+        """273 for MindDrive, 257 for Orion."""
         return self.num_extra + self.num_memory + 1
 
     @property
     def scene_tokens(self) -> int:
-        """All scene tokens: object tokens then map tokens (529 MindDrive, 513 Orion)."""
+        """Object tokens then map tokens: 529 for MindDrive, 513 for Orion."""
         return self.object_tokens + self.num_extra
 
 
 # ---------------------------------------------------------------------------------------------- encodings
 def nerf_encoding(x: torch.Tensor, frequencies: int = NERF_FREQUENCIES) -> torch.Tensor:
-    """(..., k) -> (..., 2 k ``frequencies``): for f = 2^0 .. 2^(n-1), [sin(f x), cos(f x)] concatenated, input
-    not included (NeRF's encoding as the published ``nerf_positional_encoding`` orders it). Same dtype."""
+    """(..., k) -> (..., 2 k ``frequencies``), same dtype, ordered as the published ``nerf_positional_encoding``
+    (no input term)."""
     bands = 2.0 ** torch.linspace(0.0, frequencies - 1, frequencies, dtype=x.dtype, device=x.device)
     return torch.cat([fn(x * f) for f in bands for fn in (torch.sin, torch.cos)], dim=-1)
 
 
 def time_encoding(t: torch.Tensor, dims: int = 256, temperature: float = 10000.0) -> torch.Tensor:
-    """(..., 1) times (seconds) -> (..., ``dims``): the transformer sine encoding of 2 pi t, sin at even and cos at
-    odd features with wavelengths temperature^(2 floor(i / 2) / dims) (the published ``pos2posemb1d``; ``dims``
-    even). Computed in float64 for float64 times (as published: the memory's times are float64, cast by the
-    caller), else in float32; the result has t's dtype."""
+    """(..., 1) times in seconds -> (..., ``dims``) in t's dtype: the sine encoding of 2 pi t (the published
+    ``pos2posemb1d``; ``dims`` even). Computed in float64 for float64 times, as published, else float32."""
     work = torch.float64 if t.dtype == torch.float64 else torch.float32
     i = torch.arange(dims, dtype=torch.float32, device=t.device)
     dim_t = temperature ** (2 * torch.div(i, 2, rounding_mode="floor") / dims)
@@ -198,9 +177,8 @@ def time_encoding(t: torch.Tensor, dims: int = 256, temperature: float = 10000.0
 
 
 class MotionLayerNorm(nn.Module):
-    """Layer normalisation (no affine) whose scale and shift come from a condition (StreamPETR's motion-aware
-    layer norm; published ``MLN``): ``gamma(c) * LN(x) + beta(c)`` with c = ReLU(Linear(c_dim, E)) ``reduce``.
-    x (..., E), c (..., c_dim) -> (..., E)."""
+    """StreamPETR's motion-aware layer norm (published ``MLN``): x (..., E), condition c (..., c_dim) ->
+    (..., E)."""
 
     def __init__(self, c_dim: int, f_dim: int):
         super().__init__()
@@ -216,10 +194,8 @@ class MotionLayerNorm(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- decoders
 class PosAttention(nn.Module):
-    """Attention with positions added to queries and keys (not values) and a residual: ``attn(q + q_pos,
-    k + k_pos, k) + q``. ``attn`` is torch's ``nn.MultiheadAttention`` (batch first; ``bias`` False for the
-    published scene-history decoders, whose flash-attention modules have no biases). ``mask``: bool
-    (queries, keys), True = not attended. (B, Q, E), (B, K, E) -> (B, Q, E)."""
+    """``attn(q + q_pos, k + k_pos, k) + q``: (B, Q, E), (B, K, E) -> (B, Q, E). ``mask``: bool (Q, K), True = not
+    attended. ``bias`` False for the scene-history decoders (their published flash-attention has none)."""
 
     def __init__(self, embed_dims: int, num_heads: int, bias: bool = True):
         super().__init__()
@@ -233,8 +209,7 @@ class PosAttention(nn.Module):
 
 
 class FFN(nn.Module):
-    """Linear(E, F), ReLU, Linear(F, E) with a residual; ``_layers`` indexes 0 and 3 as published (the dropouts
-    between are identities at inference)."""
+    """Linear, ReLU, Linear with a residual; indexes 0 and 3 as published (the dropouts are identities)."""
 
     def __init__(self, embed_dims: int, feedforward_dims: int):
         super().__init__()
@@ -246,9 +221,8 @@ class FFN(nn.Module):
 
 
 class TemporalDecoderLayer(nn.Module):
-    """StreamPETR's decoder layer, post-norm: self-attention of the queries over [queries; memory] (with the
-    mask), LayerNorm, cross-attention to the image features, LayerNorm, FFN, LayerNorm. ``transformer_layers``
-    holds the six parts in that order, as published."""
+    """StreamPETR's post-norm decoder layer: self-attention over [queries; memory], cross-attention to the image
+    features, FFN, each followed by a LayerNorm."""
 
     def __init__(self, embed_dims: int, num_heads: int, feedforward_dims: int):
         super().__init__()
@@ -266,8 +240,7 @@ class TemporalDecoderLayer(nn.Module):
 
 
 class _Decoder(nn.Module):
-    """``_layers`` of :class:`TemporalDecoderLayer`; returns the last layer's queries (only it is read at
-    inference)."""
+    """Returns the last layer's queries (only they are read at inference)."""
 
     def __init__(self, cfg: QueryHeadsConfig):
         super().__init__()
@@ -289,13 +262,12 @@ class TemporalTransformer(nn.Module):
 
     def forward(self, query, query_pos, feats, feats_pos, mask, temp_memory, temp_pos) -> torch.Tensor:
         """(B, Q, E) queries and positions, (B, N, E) image features and positions, bool (Q, Q + M) mask or
-        None, (B, M, E) memory and positions -> (B, Q, E) the last layer's queries."""
+        None, (B, M, E) memory and positions -> (B, Q, E)."""
         return self.query_decoder(query, query_pos, feats, feats_pos, mask, temp_memory, temp_pos)
 
 
 class CrossDecoderLayer(nn.Module):
-    """One cross-attention layer without biases, post-norm (the published scene-history decoders): attention
-    (with positions), LayerNorm, FFN, LayerNorm."""
+    """The scene-history decoders' layer: bias-free cross-attention, LayerNorm, FFN, LayerNorm."""
 
     def __init__(self, embed_dims: int, num_heads: int, feedforward_dims: int):
         super().__init__()
@@ -337,11 +309,9 @@ def _regression_branch(e: int, out: int) -> nn.Sequential:
 class EgoFrame:
     """What the heads need of one frame besides the images.
 
-    ``timestamp``: the frame's camera stamp, seconds (float, kept as float64); ``ego_pose``: (4, 4) float64 pose
-    of the model frame in a fixed world frame (the odometry's), metres (published ``ego_pose``, "lidar to
-    global"); ``can_bus``: (18,) float64 in the published order (:data:`CAN_BUS_SIZE`): world translation (3),
-    rotation quaternion w, x, y, z (4), velocity (3, m/s), acceleration (3, m/s^2), angular rate (3, rad/s),
-    yaw (rad), yaw (deg); ``command``: the navigation command index 0 .. 5 (published ``command``)."""
+    ``timestamp``: camera stamp, seconds; ``ego_pose``: (4, 4) float64 pose of the model frame in the odometry's
+    world frame, metres (published "lidar to global"); ``can_bus``: (18,) float64 as :data:`CAN_BUS_SIZE` (the
+    quaternion w first; m/s, m/s^2, rad/s); ``command``: navigation command index 0 .. 5."""
 
     timestamp: float
     ego_pose: torch.Tensor
@@ -349,8 +319,8 @@ class EgoFrame:
     command: int
 
     def check(self) -> None:
-        """Raise ValueError unless the shapes are (4, 4) / (18,), every value finite, the pose's last row
-        (0, 0, 0, 1) and the command in 0 .. 5."""
+        """Raise ValueError unless the shapes are right, every value finite, the pose rigid and the command in
+        0 .. 5."""
         if isinstance(self.timestamp, bool) or not isinstance(self.timestamp, numbers.Real) or not math.isfinite(
                 self.timestamp):
             raise ValueError(f"timestamp must be finite seconds, got {self.timestamp!r}")
@@ -374,19 +344,17 @@ class EgoFrame:
 
 @dataclass(frozen=True)
 class SceneInputs:
-    """What a ``scene_queries`` model needs per frame besides the pixels: ``lidar2img`` (C, 4, 4) float, each
-    camera's projection from the model frame to the model image's pixels (the camera matrix of the resized image
-    times the camera's pose; :class:`~.camera_rays.CameraRayEmbedding`), and the ``frame`` (:class:`EgoFrame`)."""
+    """What a ``scene_queries`` model needs per frame besides the pixels: ``lidar2img`` (C, 4, 4) float (see
+    :mod:`.camera_rays`) and the ``frame``."""
 
     lidar2img: torch.Tensor
     frame: EgoFrame
 
 
 def example_scene_inputs(n_cameras: int, image_size: int, timestamp: float = 0.0) -> SceneInputs:
-    """A plausible but made-up scene for checks that need one and no vehicle (split checks, profiling,
-    benchmarks): ``n_cameras`` pinhole cameras 1.6 m above the model frame's origin, looking out horizontally at
-    even headings from the front (+y of the model frame), 90 degrees field of view on ``image_size`` px square
-    images; the vehicle at the world origin, standing, command LANE_FOLLOW. Not a calibration: never for driving."""
+    """A made-up scene for checks without a vehicle (split checks, profiling, benchmarks): ``n_cameras`` pinhole
+    cameras, 90 degrees field of view, at even headings from +y, 1.6 m up; the vehicle standing at the world
+    origin. Not a calibration: never for driving."""
     f = image_size / 2.0
     k = torch.tensor([[f, 0, image_size / 2.0, 0], [0, f, image_size / 2.0, 0], [0, 0, 1, 0], [0, 0, 0, 1]],
                      dtype=torch.float64)
@@ -409,15 +377,12 @@ def example_scene_inputs(n_cameras: int, image_size: int, timestamp: float = 0.0
 
 @dataclass
 class ObjectMemory:
-    """The detection head's memory (batch 1), newest first. float64 unless noted.
+    """The detection head's memory (batch 1), newest first; float64 but ``embedding`` and ``scene_query``.
 
-    ``embedding`` (M, E) the queries' outputs (network dtype); ``reference`` (M, 3) their centres, metres;
-    ``egopose`` (M, 4, 4) the pose of the frame each was seen in, relative to the frame it is held in;
-    ``timestamp`` (M, 1) seconds (relative, as held); ``can_bus`` (can_bus_len, 19) command and can-bus of the
-    earlier frames; ``can_bus_frames``: how many of those rows hold a frame; ``scene_query`` (S, E) the
-    scene-history queries of earlier frames (network dtype) and ``scene_timestamp`` (S, 1) seconds. Between
-    frames everything is held in the world frame of :attr:`EgoFrame.ego_pose` and at minus the absolute time;
-    :meth:`QueryHeads.forward` brings it into the current frame and back."""
+    ``reference`` (M, 3) centres, metres; ``egopose`` (M, 4, 4) the pose of the frame each was seen in;
+    ``timestamp`` (M, 1) seconds; ``can_bus`` (can_bus_len, 19) earlier frames' command and can-bus, of which
+    ``can_bus_frames`` rows hold a frame. Between frames everything is held in the world frame and at minus the
+    absolute time; :meth:`QueryHeads.forward` brings it into the current frame and back."""
 
     embedding: torch.Tensor
     reference: torch.Tensor
@@ -431,9 +396,7 @@ class ObjectMemory:
 
 @dataclass
 class MapMemory:
-    """The map head's memory (batch 1), newest first: ``embedding`` (M, E) (network dtype), ``reference``
-    (M, n_control, 3) lane points in metres, ``egopose`` (M, 4, 4), ``timestamp`` (M, 1) seconds; float64 but
-    the embedding; held as :class:`ObjectMemory` is."""
+    """The map head's memory, held as :class:`ObjectMemory` is; ``reference`` (M, n_control, 3) lane points."""
 
     embedding: torch.Tensor
     reference: torch.Tensor
@@ -443,11 +406,9 @@ class MapMemory:
 
 @dataclass
 class HeadsOutput:
-    """One frame of :class:`QueryHeads`: ``tokens`` (scene_tokens, D) in the network dtype, object tokens then
-    map tokens; ``objects`` (num_query + num_propagated, code_size) float32 boxes of the last decoder level
-    (centre in metres, model frame; the rest as the network predicts them) and ``object_scores`` (same count,
-    num_classes) sigmoid scores; ``lanes`` (num_lanes_one2one, n_control, 3) metres and ``lane_scores``
-    (num_lanes_one2one, map_classes); ``memory_reset``: whether the memory started afresh at this frame."""
+    """One frame of :class:`QueryHeads`: ``tokens`` (scene_tokens, D); float32 ``objects`` (num_query +
+    num_propagated, code_size) boxes (centre in metres, model frame), ``lanes`` (num_lanes_one2one, n_control, 3)
+    metres, and their sigmoid scores; ``memory_reset``: whether the memory started afresh at this frame."""
 
     tokens: torch.Tensor
     objects: torch.Tensor
@@ -459,9 +420,8 @@ class HeadsOutput:
 
 @dataclass
 class MapFrame:
-    """One frame of :class:`MapHead`: ``tokens`` (num_extra, D) map tokens; ``lanes`` (K, n_control, 3) metres and
-    ``scores`` (K, map_classes) logits of the K = num_lanes_one2one one-to-one lanes; ``kept_embedding`` (k, E) and
-    ``kept_points`` (k, n_control, 3) metres: the k = map_topk best-scored lanes, which the memory keeps."""
+    """One frame of :class:`MapHead`: ``lanes`` (num_lanes_one2one, n_control, 3) metres, ``scores`` logits;
+    ``kept_*``: the ``map_topk`` best-scored lanes, which the memory keeps."""
 
     tokens: torch.Tensor
     lanes: torch.Tensor
@@ -472,11 +432,9 @@ class MapFrame:
 
 @dataclass
 class ObjectFrame:
-    """One frame of :class:`ObjectHead`: ``tokens`` (object_tokens, D); ``boxes`` (Q, code_size) (centre in metres)
-    and ``scores`` (Q, num_classes) logits, Q = num_query + num_propagated; ``kept_embedding`` (k, E) and
-    ``kept_centres`` (k, 3) metres: the k = topk_proposals best-scored objects, which the memory keeps;
-    ``history`` (num_memory, E) the scene-history queries (None without them); ``can_bus_row`` (19,) float64 this
-    frame's command and can-bus with translation and yaw in degrees zeroed (published ``rec_can_bus``)."""
+    """One frame of :class:`ObjectHead`: ``boxes`` (centre in metres) and ``scores`` logits; ``kept_*``: the
+    ``topk_proposals`` best-scored objects; ``history`` (num_memory, E) or None; ``can_bus_row`` (19,) float64
+    command and can-bus, translation and yaw in degrees zeroed (published ``rec_can_bus``)."""
 
     tokens: torch.Tensor
     boxes: torch.Tensor
@@ -488,15 +446,14 @@ class ObjectFrame:
 
 
 def _to_frame(points: torch.Tensor, pose: torch.Tensor) -> torch.Tensor:
-    """(..., 3) points -> ``pose`` (4, 4) @ (x, y, z, 1), first three entries."""
+    """(..., 3) points transformed by ``pose`` (4, 4)."""
     return points @ pose[:3, :3].T + pose[:3, 3]
 
 
 # ---------------------------------------------------------------------------------------------- heads
 class MapHead(nn.Module):
-    """The published ``map_head`` at inference (see the module docstring). The six per-level branches of the
-    published head are one module there (the same object six times); here they are ``cls_branch`` and
-    ``reg_branch`` once."""
+    """The published ``map_head`` at inference; its six per-level branches (one shared module) are
+    ``cls_branch`` / ``reg_branch`` here."""
 
     def __init__(self, cfg: QueryHeadsConfig):
         super().__init__()
@@ -540,8 +497,7 @@ class MapHead(nn.Module):
 
     def forward(self, feats: torch.Tensor, feats_pos: torch.Tensor, mem: MapMemory,
                 shared: "SharedEncoders") -> MapFrame:
-        """``feats`` (N, in_channels) image features, ``feats_pos`` (N, E) their 3-D position embedding, ``mem``
-        in the current frame (times relative to it) -> :class:`MapFrame`."""
+        """``feats`` (N, in_channels), ``feats_pos`` (N, E), ``mem`` in the current frame -> :class:`MapFrame`."""
         c, dt = self.cfg, self.query_embedding.weight.dtype
         memory_img = self.input_projection(feats).unsqueeze(0)
         lane = self.instance_embedding_lane.weight.unsqueeze(-2) + self.points_embedding_lane.weight.unsqueeze(0)
@@ -569,9 +525,7 @@ class MapHead(nn.Module):
 
 
 class SharedEncoders(nn.Module):
-    """The encoders both heads share (published on the detector and referenced by each head): ``query_pos``
-    (NeRF-encoded points -> E), ``time_embedding`` (time encoding -> E, LayerNorm), ``ego_pose_pe`` (the
-    motion-aware layer norm of memory positions, conditioned on the NeRF encoding of (time, 3 x 4 pose))."""
+    """The encoders both heads share (published on the detector and referenced by each head)."""
 
     def __init__(self, cfg: QueryHeadsConfig):
         super().__init__()
@@ -581,8 +535,7 @@ class SharedEncoders(nn.Module):
         self.ego_pose_pe = MotionLayerNorm(13 * 2 * NERF_FREQUENCIES, e)
 
     def memory_motion(self, temp_pos: torch.Tensor, egopose: torch.Tensor, timestamp: torch.Tensor) -> torch.Tensor:
-        """(M, E) memory positions, (M, 4, 4) float64 poses, (M, 1) float64 relative times -> (M, E): the
-        motion-aware norm conditioned on (time, pose rows 0-2), then the time embedding added."""
+        """(M, E) memory positions, (M, 4, 4) float64 poses, (M, 1) float64 relative times -> (M, E)."""
         dt = temp_pos.dtype
         motion = torch.cat([timestamp, egopose[..., :3, :].flatten(-2)], dim=-1).to(dt)
         temp_pos = self.ego_pose_pe(temp_pos, nerf_encoding(motion))
@@ -590,9 +543,7 @@ class SharedEncoders(nn.Module):
 
 
 class ObjectHead(nn.Module):
-    """The published ``pts_bbox_head`` at inference (see the module docstring): object queries with the
-    propagated memory, the extra queries, the scene history and the can-bus token. ``cls_branch`` /
-    ``reg_branch`` are the published per-level branches (one module six times there) once."""
+    """The published ``pts_bbox_head`` at inference; branches as :class:`MapHead`'s."""
 
     def __init__(self, cfg: QueryHeadsConfig):
         super().__init__()
@@ -643,8 +594,7 @@ class ObjectHead(nn.Module):
             scene_timestamp=torch.zeros(c.scene_memory_len, 1, **f64))
 
     def seed_empty(self, mem: ObjectMemory) -> None:
-        """Give a fresh (all-zero) memory the learned pseudo objects: the first ``num_propagated`` rows get the
-        pseudo reference points (denormalised to the range) and identity poses (published, first frame)."""
+        """Give a fresh memory the learned pseudo objects (published, first frame)."""
         n = self.cfg.num_propagated
         if n:
             lo, hi = self.pc_range[:3].double(), self.pc_range[3:].double()
@@ -652,8 +602,7 @@ class ObjectHead(nn.Module):
             mem.egopose[:n] += torch.eye(4, dtype=torch.float64, device=mem.egopose.device)
 
     def forward(self, feats, feats_pos, mem: ObjectMemory, frame: EgoFrame, shared: SharedEncoders) -> ObjectFrame:
-        """``feats`` (N, in_channels), ``feats_pos`` (N, E), ``mem`` in the current frame, ``frame`` ->
-        :class:`ObjectFrame`."""
+        """As :meth:`MapHead.forward`, plus ``frame`` -> :class:`ObjectFrame`."""
         c, dt = self.cfg, self.query_embedding.weight.dtype
         lo, hi = self.pc_range[:3].double(), self.pc_range[3:].double()
         memory_img = self.input_projection(feats).unsqueeze(0)
@@ -703,27 +652,19 @@ class ObjectHead(nn.Module):
 
 
 class QueryHeads(nn.Module):
-    """The scene-token stage of Orion / MindDrive: 3-D position embedding, map head, detection head and their
-    memory across frames (module docstring).
+    """The scene-token stage of Orion / MindDrive: 3-D position embedding, both heads and their memory.
 
-    ``forward(features, lidar2img, frame)``: ``features`` (C, Dv, h, w) backbone feature maps (any float dtype),
-    ``lidar2img`` (C, 4, 4) camera geometries of the model images (:class:`~.camera_rays.CameraRayEmbedding`),
-    ``frame`` an :class:`EgoFrame` -> :class:`HeadsOutput` (tokens (scene_tokens, D) float32). Frames must come
-    in time order; the memory is held between calls (:attr:`object_memory`, :attr:`map_memory`) and restarts (published
-    behaviour) when the frame is :data:`MEMORY_MAX_GAP_S` or more after the last one, and also when it is not
-    after it; :meth:`reset` restarts it for a new drive. Raises ValueError for feature maps of the wrong width, a
-    geometry count that is not the cameras', a bad frame (:meth:`EgoFrame.check`) or a camera geometry that is not
-    finite or invertible; the memory is then unchanged. Non-finite features (or inputs so large that the tokens
-    overflow) give non-finite tokens, which the caller must refuse (the prefix runner does); such a frame is not
-    remembered.
+    ``forward(features, lidar2img, frame)``: (C, Dv, h, w) feature maps (any float dtype), (C, 4, 4) geometries,
+    an :class:`EgoFrame` -> :class:`HeadsOutput` (tokens float32). Frames must come in time order; the memory is
+    held between calls (:attr:`object_memory`, :attr:`map_memory`). Raises ValueError for feature maps of the wrong
+    width, a geometry count that is not the cameras', a bad frame or a geometry that is not finite or invertible;
+    the memory is then unchanged. Non-finite tokens (bad features, overflow) are returned for the caller to refuse
+    (the prefix runner does) and not remembered.
     """
 
-    #: The heads compute in float32 whatever the stage's dtype, as the published models do (MindDrive's
-    #: ``fp32_infer``): their memory's top-k choice of objects and lanes is discrete, and in bf16 near-equal scores
-    #: flip it (on random weights a 1.8 % token difference on a first frame grew to 10 % two frames later). A
-    #: conversion of the stage (``.to(bf16)``, ``.half()``) leaves them float32 (:meth:`_apply`); the tokens are
-    #: cast to the stage's dtype where they join the sequence (``modeling.embed``), and the split planner counts
-    #: their weights at 4 bytes.
+    #: The heads compute in float32 whatever the stage's dtype, as the published models do (``fp32_infer``): the
+    #: memory's top-k choice is discrete, and in bf16 near-equal scores flip it. ``.to(bf16)`` / ``.half()`` leave
+    #: them float32 (:meth:`_apply`); ``modeling.embed`` casts the tokens; the split planner counts 4-byte weights.
     keeps_float32 = True
 
     def __init__(self, cfg: QueryHeadsConfig, rays: RayEmbeddingConfig | None = None):
@@ -811,8 +752,7 @@ class QueryHeads(nn.Module):
     @torch.no_grad()
     def _remember(self, frame: EgoFrame, obj: ObjectMemory, lane: MapMemory, objects: ObjectFrame,
                   lanes: MapFrame) -> None:
-        """Prepend this frame's kept queries and take everything back to the world frame and absolute time
-        (published ``post_update_memory``)."""
+        """Prepend this frame's kept queries, back in the world frame (published ``post_update_memory``)."""
         pose, t = frame.ego_pose.to(torch.float64), frame.timestamp
         c = self.cfg
         k = c.topk_proposals
@@ -859,12 +799,9 @@ _SHARED = ("query_pos.", "time_embedding.", "ego_pose_pe.")
 
 @dataclass
 class PlacedHeads:
-    """The published heads' tensors in :class:`QueryHeads`' names.
-
-    ``tensors``: local key (``QueryHeads.state_dict()`` names) -> tensor; ``read``: every published key this
-    consumed (placed, checked or left out); ``left_out``: published key -> why it is not placed (output only or
-    training only); ``checked``: the derived constants compared with the configuration (``pc_range``,
-    ``coords_d``, ``position_range``) and the shared copies compared with each other."""
+    """The published heads' tensors in :class:`QueryHeads`' names: ``tensors`` local key -> tensor; ``read``
+    every published key consumed; ``left_out`` published key -> why; ``checked`` the derived constants and shared
+    copies compared rather than placed."""
 
     tensors: dict
     read: set
@@ -893,15 +830,12 @@ def _local_key(key: str) -> tuple[str | None, str]:
 
 
 def place_published_heads(state, cfg: QueryHeadsConfig, rays: RayEmbeddingConfig | None = None) -> PlacedHeads:
-    """Map a published detector's head tensors (``state``: published key -> tensor, e.g. a MindDrive ``.pth``'s
-    ``state_dict``) onto :class:`QueryHeads` of ``cfg``.
+    """Map a published detector's head tensors (e.g. a MindDrive ``.pth``'s ``state_dict``) onto
+    :class:`QueryHeads` of ``cfg``.
 
-    The published detector holds its shared encoders (``query_pos``, ``time_embedding``, ``ego_pose_pe``) once
-    at the top and once more under each head, and each head's six per-level class / box branches are one module
-    (six equal key sets); every copy must be equal and is placed once. ``pc_range``, ``coords_d`` and
-    ``position_range`` are checked against the configuration, not loaded. Raises ValueError when copies differ,
-    a derived constant or a shape is not the configuration's, or an inference tensor is missing (a partial
-    checkpoint), each naming the keys."""
+    The shared encoders are stored at the top and under each head, and each head's six per-level branches are one
+    module; every copy must be equal and is placed once. Raises ValueError, naming the keys, when copies differ,
+    a derived constant or a shape is not the configuration's, or an inference tensor is missing."""
     from .camera_rays import POSITION_RANGE, depth_bins
 
     rays = rays or RayEmbeddingConfig(embed_dims=cfg.embed_dims)

@@ -1,26 +1,15 @@
 """Tensor sources: where a stage's weights come from, one named tensor at a time, never by unpickling.
 
-Every stage of the split names its tensors in this package's *canonical* names: the keys of
-:class:`hybrid_vla_ros.model.modeling.VLAModel` (``embed_tokens.weight``, ``layers.{i}.self_attn.q_proj.weight``,
-``norm.weight``, ``vision.*``, ``projector.*``, ``head.*``; for a LLaVA model ``vision_tower.*`` and
-``multi_modal_projector.*``). A :class:`TensorSource` answers, for a canonical name, which safetensors file
-holds it under which stored name, its shape and stored dtype, and reads it straight onto a device. Sources:
+Stages name tensors by *canonical* names, the keys of :class:`hybrid_vla_ros.model.modeling.VLAModel`
+(``embed_tokens.weight``, ``layers.{i}.*``, ``norm.weight``, ``vision.*``, ``projector.*``, ``head.*``; LLaVA:
+``vision_tower.*``, ``multi_modal_projector.*``). A :class:`TensorSource` maps a canonical name to its file,
+stored name, shape and dtype, and reads it onto a device: :class:`SafetensorsSource` (files renamed by a
+:class:`KeyMap`), :class:`UnionSource` (several side by side, e.g. a composed checkpoint).
 
-* :class:`SafetensorsSource` -- one or more safetensors files (this package's ``model.safetensors``, or a
-  transformers directory's shards found through ``model.safetensors.index.json``), with a :class:`KeyMap`
-  from stored names to canonical names (identity for this package's own files);
-* :class:`UnionSource` -- several sources side by side, e.g. a *composed* checkpoint: this package's vision
-  side and planning head from its own file, the LLM from a transformers directory. A canonical name may
-  come from one source only.
-
-Layout source: the safetensors format (https://huggingface.co/docs/safetensors, "Format"): 8 bytes
-little-endian unsigned header length N, then N bytes of JSON ``{name: {"dtype", "shape", "data_offsets"},
-"__metadata__": {str: str}}``, then the raw bytes. Headers are parsed here directly (cheap: no tensor data);
-tensor data is read with ``safetensors.safe_open(...).get_tensor`` only for the tensors a stage owns.
-
-For converters (e.g. research ``.pth`` checkpoints with merged LoRA adapters, issue #14): a converter writes
-a safetensors file whose names a :class:`KeyMap` (a table of regular expressions) turns into canonical
-names, and :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint` reads it like any other source.
+Layout: the safetensors format (https://huggingface.co/docs/safetensors, "Format"): 8 bytes little-endian
+header length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``, then
+the raw bytes. Headers are parsed here; only the tensors a stage owns are read. Converted checkpoints (e.g.
+``.pth`` with merged LoRA adapters) are written as safetensors and read through a :class:`KeyMap`.
 """
 from __future__ import annotations
 
@@ -55,16 +44,13 @@ class CheckpointError(ValueError):
 
 
 class MissingFileError(CheckpointError, FileNotFoundError):
-    """A file the checkpoint refers to is not there (a shard, a referred directory). Both a ValueError and a
-    FileNotFoundError, so callers catching either see it."""
+    """A file the checkpoint refers to is missing; both a ValueError and a FileNotFoundError."""
 
 
 def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file: ``{name: {"dtype": str, "shape": [int], "data_offsets": [a, b]},
-    "__metadata__": {...}}`` (metadata optional). Reads 8 + N bytes, no tensor data.
+    """The JSON header of a safetensors file (module docstring); reads 8 + N bytes, no tensor data.
 
-    Raises MissingFileError when the file is absent, CheckpointError when it is not a safetensors file
-    (short, implausible header size, bad JSON).
+    Raises MissingFileError when the file is absent, CheckpointError when it is not a safetensors file.
     """
     return read_header_and_start(path)[0]
 
@@ -97,9 +83,8 @@ def read_header_and_start(path: Path) -> tuple[dict, int]:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where a canonical tensor is stored: ``file`` (absolute path), ``stored_name`` (its key in that file),
-    ``dtype`` (safetensors dtype string, e.g. ``BF16``), ``shape`` (tuple of ints), ``start`` / ``end``: its
-    bytes in the file (absolute offsets: the header's ``data_offsets`` plus 8 + N)."""
+    """Where a canonical tensor is stored; ``dtype`` is the safetensors string (``BF16``), ``start`` / ``end``
+    absolute byte offsets in ``file`` (``data_offsets`` + 8 + N), -1 when unknown."""
 
     file: Path
     stored_name: str
@@ -109,17 +94,15 @@ class TensorInfo:
     end: int = -1
 
     def where(self) -> str:
-        """``tensor 'name' in file '...'`` for error messages."""
+        """For error messages."""
         return f"tensor {self.stored_name!r} in {self.file}"
 
 
 class KeyMap:
     """Stored tensor names -> canonical names, as an ordered table of ``(regex, replacement)`` rules.
 
-    :meth:`canonical` applies the first rule whose pattern matches the whole stored name (``re.fullmatch``)
-    and returns ``re.sub``'s expansion of its replacement, or None when no rule matches or the rule's
-    replacement is None (the tensor is not used, e.g. ``lm_head.weight``: the planning pass reads hidden
-    states, not logits). ``KeyMap.identity()`` keeps every name.
+    :meth:`canonical` expands the first rule that fully matches; None (tensor unused, e.g. ``lm_head.weight``)
+    when none matches or the replacement is None.
     """
 
     def __init__(self, rules: Iterable[tuple[str, str | None]], name: str = ""):
@@ -139,8 +122,7 @@ class KeyMap:
 
 
 class TensorSource:
-    """Canonical name -> tensor, read straight onto a device. Subclasses fill ``self._index``
-    (canonical name -> :class:`TensorInfo`)."""
+    """Canonical name -> tensor; subclasses fill ``self._index`` (name -> :class:`TensorInfo`)."""
 
     label = "checkpoint"
 
@@ -159,11 +141,9 @@ class TensorSource:
         return self._index[name]
 
     def check_files(self) -> None:
-        """Check that every tensor this source names can be read, before any is: its file exists and its byte
-        range (from the header) lies inside the file and fits its dtype and shape. Reads file sizes only (the
-        headers were read when the source was built). Raises MissingFileError (a file gone), CheckpointError
-        naming the file and the first tensor whose bytes are missing or do not fit (a truncated or corrupt
-        shard)."""
+        """Check, from file sizes only, that every tensor's byte range lies in its file and fits dtype and shape.
+
+        Raises MissingFileError (a file gone), CheckpointError naming the first tensor that does not fit."""
         sizes: dict[Path, int] = {}
         for name in sorted(self._index, key=lambda n: (str(self._index[n].file), self._index[n].start)):
             info = self._index[name]
@@ -188,20 +168,15 @@ class TensorSource:
 
     def read(self, names: Iterable[str], device: str | torch.device = "cpu",
              float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Read the canonical tensors ``names`` onto ``device``: ``{name: tensor}``, floating-point ones converted
-        to ``float_dtype`` when given (others in their stored dtype).
+        """Read ``names`` onto ``device`` as ``{name: tensor}``, floating-point ones in ``float_dtype`` if given.
 
-        Only the named tensors are read, each with one ``readinto`` of its byte range (from the header, checked
-        against its dtype, shape and the file size) into this process's memory -- never a view of a memory map,
-        which a shard re-saved in place under a running node would turn into SIGBUS: straight into the result
-        when no conversion is needed, else into one scratch buffer per file that is converted into the result
-        on the CPU, so a conversion holds one stored tensor at a time. Onto another device (CUDA) each tensor,
-        already in ``float_dtype``, goes through a page-locked staging buffer with a non-blocking copy on the
-        *current* stream (:class:`DeviceUploader`): the device never holds a stored-dtype (e.g. fp32) copy of a
-        tensor that becomes fp16 there. The copies are ordered on that stream; a caller loading on a side
-        stream records an event there before another stream uses the tensors. Raises KeyError for a name the
-        source lacks, MissingFileError for a missing file, CheckpointError when a file does not hold a tensor
-        its index promised, or is shorter than its header says.
+        Each tensor is one ``readinto`` into process memory, never a memory-map view (a shard re-saved in place
+        would SIGBUS a running node); a conversion holds one stored tensor at a time, on the CPU, so the device
+        never holds a stored-dtype copy. CUDA uploads are non-blocking on the *current* stream
+        (:class:`DeviceUploader`): a caller on a side stream records an event before another stream uses them.
+
+        Raises KeyError for a name the source lacks, MissingFileError for a missing file, CheckpointError when a
+        file lacks a tensor its index promised or is shorter than its header says.
         """
         by_file: dict[Path, list[str]] = {}
         for name in names:
@@ -226,7 +201,7 @@ class TensorSource:
         return out
 
     def _read_ranges(self, file: Path, wanted: list[str], float_dtype):
-        """Yield (name, CPU tensor in its final dtype) for ``wanted`` tensors of ``file``, one read each."""
+        """Yield (name, CPU tensor in its final dtype), one read each."""
         with open(file, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             scratch = None
@@ -244,7 +219,7 @@ class TensorSource:
             del scratch
 
     def _read_with_safe_open(self, file: Path, wanted: list[str], float_dtype):
-        """Yield (name, CPU tensor in its final dtype) through ``safetensors.safe_open`` (CPU), each a copy."""
+        """As :meth:`_read_ranges`, through ``safetensors.safe_open``, each a copy."""
         from safetensors import safe_open
 
         try:
@@ -266,7 +241,7 @@ class TensorSource:
             raise CheckpointError(f"{file}: cannot read safetensors data ({type(e).__name__}: {e})") from e
 
     def fingerprint(self, digest) -> None:
-        """Feed what identifies this source (index, every file's header) into ``digest`` (a hashlib object)."""
+        """Feed what identifies this source (every file's header) into the hashlib ``digest``."""
         raise NotImplementedError
 
     def files(self) -> list[Path]:
@@ -275,16 +250,12 @@ class TensorSource:
 
 
 class DeviceUploader:
-    """Host tensors -> ``device`` (CUDA) through two page-locked staging buffers, non-blocking copies on the
-    stream current at each call.
+    """Host tensors -> ``device`` (CUDA) through two alternating page-locked staging buffers.
 
-    ``uploader(t)`` copies the CPU tensor ``t`` (any dtype, contiguous or not) into a staging buffer, starts its
-    DMA to a new device tensor of the same dtype and shape, and returns that tensor; the two buffers alternate,
-    and a buffer is reused only after the event recorded behind its last copy completed, so reading the next
-    tensor from the file overlaps the DMA of this one. The device tensor is complete once the stream reaches the
-    copy (order work on that stream, or record an event). Without page-locked memory (no CUDA driver, locked
-    memory limit) it falls back to ``t.to(device)`` (synchronous, pageable). :meth:`close` waits for the last
-    copies and frees the buffers. Raises what torch raises for an allocation on the device (OutOfMemoryError).
+    ``uploader(t)`` returns a new device tensor whose copy is queued non-blocking on the current stream (complete
+    once the stream reaches it), so the next file read overlaps this DMA; a buffer is reused only after its last
+    copy's event. Without page-locked memory it falls back to synchronous ``t.to(device)``. :meth:`close` waits
+    for the last copies and frees the buffers. Device allocation errors (OutOfMemoryError) propagate.
     """
 
     def __init__(self, device: torch.device):
@@ -337,8 +308,7 @@ class DeviceUploader:
 
 
 def _read_range(f, file_size: int, info: TensorInfo, into: torch.Tensor | None = None) -> torch.Tensor:
-    """One tensor's bytes [start, end) of the open file ``f`` as a CPU tensor of its dtype and shape: a new one,
-    or a view of the front of ``into`` (a uint8 scratch buffer at least that large)."""
+    """One tensor's bytes from the open file ``f`` as a CPU tensor, new or a view of the uint8 scratch ``into``."""
     dtype = FLOAT_DTYPES.get(info.dtype) or INT_DTYPES.get(info.dtype)
     if dtype is None:
         raise CheckpointError(f"{info.where()}: stored as {info.dtype}, which this package does not read")
@@ -357,15 +327,11 @@ def _read_range(f, file_size: int, info: TensorInfo, into: torch.Tensor | None =
 
 
 class SafetensorsSource(TensorSource):
-    """Tensors of one or more safetensors files, renamed by a :class:`KeyMap`.
+    """Tensors of one or more safetensors files, renamed by a :class:`KeyMap` (default identity).
 
-    ``files``: the safetensors files (an unsharded checkpoint: one); ``index``: optional ``{stored name:
-    file}`` from a shard index (transformers' ``model.safetensors.index.json`` ``weight_map``). With an index,
-    each shard's header is read to check it holds what the index names (a shard missing or lacking a tensor
-    is an error naming the shard and the tensor); without one, the files' headers are the index. Stored names
-    the key map drops (None) are ignored; two stored names mapping to one canonical name are an error.
-
-    Raises MissingFileError, CheckpointError.
+    ``index``: optional ``{stored name: file}`` (a shard index's ``weight_map``), checked against the shard
+    headers; without one the headers are the index. Raises MissingFileError (a shard missing), CheckpointError
+    (a shard lacks an indexed tensor, or two stored names map to one canonical name).
     """
 
     def __init__(self, files: list[Path], key_map: KeyMap | None = None, *, index: dict[str, Path] | None = None,
@@ -413,8 +379,7 @@ class SafetensorsSource(TensorSource):
         return self._headers[file]
 
     def fingerprint(self, digest) -> None:
-        # Headers in file-name order, keys sorted (safetensors writes metadata in hash order): for this
-        # package's single model.safetensors exactly what model_id has always hashed.
+        # Headers in file-name order, keys sorted (safetensors writes metadata in hash order).
         for file in self._all_files:
             digest.update(json.dumps(self._header(file), sort_keys=True).encode())
 
@@ -439,13 +404,10 @@ class UnionSource(TensorSource):
 
 
 def hf_safetensors_files(directory: Path) -> tuple[list[Path], dict[str, Path] | None, Path | None]:
-    """The safetensors weights of a transformers checkpoint directory: ``(files, index, index_file)``.
+    """``(files, index, index_file)`` of a transformers directory; ``index`` (name -> shard) None if unsharded.
 
-    A sharded checkpoint has ``model.safetensors.index.json`` (``{"metadata": ..., "weight_map": {tensor name:
-    shard file name}}``, written by ``PreTrainedModel.save_pretrained``): its shards and ``{name: shard path}``.
-    An unsharded one has ``model.safetensors``: that file and no index. Raises MissingFileError when neither
-    exists (the message names pickle files found instead and how to convert them), CheckpointError for an
-    unreadable index.
+    Raises MissingFileError when neither weights file exists (naming pickle files found instead),
+    CheckpointError for an unreadable index.
     """
     directory = Path(directory)
     index_file = directory / SHARD_INDEX
@@ -470,7 +432,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def pickle_hint(path: Path) -> str:
-    """An explanation for a path that is, or a directory that holds only, pickle checkpoints ("" otherwise)."""
+    """How to convert the pickle checkpoints at or in ``path``; "" when there are none."""
     path = Path(path)
     found = [path] if path.is_file() else (sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
                                            if path.is_dir() else [])

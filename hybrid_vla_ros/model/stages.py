@@ -1,6 +1,5 @@
 """What every stage shares, whatever builds it (this package's model, a VLM, own code): the owned block range and
-how it moves (:class:`PrefixSide`, :class:`SuffixSide`), the planner's output (:class:`PlanOutput`), and the
-split layer's range check."""
+how it moves (:class:`PrefixSide`, :class:`SuffixSide`), and the planner's output (:class:`PlanOutput`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,14 +26,11 @@ def _shift_layer_key(key: str, offset: int) -> str:
 
 @dataclass
 class PlanOutput:
-    """Planner output of one frame.
+    """Planner output of one frame; tensors float32, positions in metres.
 
-    waypoints: (N, 2) float32 metres, the mode the command selected. modes: (M, N, 2) float32, all
-    modes. decision_logits: float32 logits from the decision pass (two-pass models), else None: (6,) over
-    NAV_COMMANDS from this package's decision head, or, with ``decision_token_ids`` (MindDrive's read-out),
-    (D,) = the LM-head logits of those D meta-action tokens. mode: index of the selected mode in ``modes``
-    (``waypoints == modes[mode]``), from the navigation command. speed_mode: with ``decision_token_ids``,
-    ``argmax(decision_logits)`` (MindDrive's speed mode, index into ``decision_token_ids``), else None.
+    waypoints: (N, 2), ``modes[mode]`` with ``mode`` chosen by the navigation command; modes: (M, N, 2).
+    decision_logits (two-pass models, else None): (6,) over NAV_COMMANDS, or with ``decision_token_ids``
+    (MindDrive) the (D,) LM-head logits of those tokens, whose argmax is ``speed_mode`` (else None).
     """
 
     waypoints: torch.Tensor
@@ -58,11 +54,8 @@ class PrefixSide(nn.Module):
         return _shift_layer_key(local_key, 0)
 
     def move_split(self, split_layer: int, load_blocks) -> None:
-        """Re-split in place: own blocks [0, split_layer) from now on.
-
-        Moving K up appends blocks [K, K') made by ``load_blocks(start, stop) -> nn.ModuleList`` (on this
-        stage's device and dtype); moving it down drops blocks [K', K) so their memory can be returned.
-        Raises ValueError for a split layer out of range.
+        """Re-split in place to own blocks [0, split_layer); new blocks come from ``load_blocks(start, stop) ->
+        nn.ModuleList`` (on this stage's device and dtype), dropped ones are freed. Raises ValueError out of range.
         """
         check_split_layer(self.cfg, split_layer)
         if split_layer > self.split_layer:
@@ -82,8 +75,7 @@ class SuffixSide(nn.Module):
         return _shift_layer_key(local_key, self.split_layer)
 
     def _layers_from(self, split_layer: int | None) -> nn.ModuleList:
-        """The blocks to run for hidden states computed at ``split_layer`` (default: this stage's K). Raises
-        ValueError for a K below the first block held (never computed with a mismatched K) or above L."""
+        """Blocks to run for h at ``split_layer`` (default K). Raises ValueError for one below K or above L."""
         k = self.split_layer if split_layer is None else split_layer
         if isinstance(k, bool) or not self.split_layer <= k <= self.cfg.num_layers:
             raise ValueError(f"hidden states at split layer {k}: this suffix holds blocks "
@@ -91,11 +83,7 @@ class SuffixSide(nn.Module):
         return self.layers if k == self.split_layer else self.layers[k - self.split_layer:]
 
     def move_split(self, split_layer: int, load_blocks) -> None:
-        """Re-split in place: own blocks [split_layer, L) from now on.
-
-        Moving K down prepends blocks [K', K) made by ``load_blocks(start, stop) -> nn.ModuleList``; moving
-        it up drops blocks [K, K') so their memory can be returned. Raises ValueError for a K out of range.
-        """
+        """As :meth:`PrefixSide.move_split`, for blocks [split_layer, L)."""
         check_split_layer(self.cfg, split_layer)
         if split_layer < self.split_layer:
             self.layers = nn.ModuleList([*load_blocks(split_layer, self.split_layer), *self.layers])

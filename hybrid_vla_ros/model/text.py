@@ -1,29 +1,20 @@
 """The decoder-block stack of any transformers causal LM built as ``embed_tokens -> layers -> norm``.
 
-A *text family* is a transformers ``model_type`` whose base model (``LlamaModel``, ``Qwen3Model``,
-``Gemma3TextModel``, ...) holds a token embedding, a plain ``ModuleList`` of decoder blocks and a final norm, with
-a rotary embedding computed once per forward. The blocks, the norm and the rotary embedding are transformers'
-own classes of that family, found through transformers' own registries (``CONFIG_MAPPING``, ``MODEL_MAPPING``)
-and built from the checkpoint's config; this package never re-implements a block's forward. What it does itself
-is the loop the family's base model runs around the blocks (``<Family>Model.forward`` in
-``modeling_<family>.py``, transformers 5.24), step for step:
+A *text family* is a transformers ``model_type`` whose base model (``LlamaModel``, ``Qwen3Model``, ...) holds a
+token embedding, a plain ``ModuleList`` of decoder blocks and a final norm, with one rotary embedding per forward.
+Blocks, norm and rotary are transformers' own classes, found through its registries; this package only runs the
+loop of ``<Family>Model.forward`` (``modeling_<family>.py``, transformers 5.24) around them:
 
 * position ids ``arange(T)`` (one prefill from position 0, no cache);
-* one attention mask per *attention kind*, each from transformers' ``masking_utils``: ``full_attention`` ->
-  ``create_causal_mask``, ``sliding_attention`` -> ``create_sliding_window_causal_mask``. A block's kind is
-  ``config.layer_types[i]`` where the config has that list (Qwen2, Qwen3, Gemma 2 / 3), else
-  ``sliding_attention`` for every block when ``config.sliding_window`` is set (Mistral, Phi-3), else
-  ``full_attention`` (LLaMA). With SDPA and no padding the causal mask is ``None`` (SDPA's ``is_causal``); a
-  sliding window no shorter than T gives the same; a shorter window gives a boolean band mask;
-* the rotary (cos, sin) once per forward, per attention kind where the family's rotary takes one (Gemma 3:
-  local and global bases), else one table for every block;
-* Gemma's token embeddings are scaled by sqrt(H) in the embedding module (``Gemma3TextScaledWordEmbedding``):
-  :class:`ScaledEmbedding` does the same multiply (the scale as a float32 tensor cast to the weight dtype).
+* one mask per *attention kind* from ``masking_utils`` (``full_attention`` -> ``create_causal_mask``,
+  ``sliding_attention`` -> ``create_sliding_window_causal_mask``). A block's kind is ``config.layer_types[i]``
+  (Qwen2/3, Gemma 2/3), else sliding when ``config.sliding_window`` is set (Mistral, Phi-3), else full (LLaMA).
+  With SDPA the causal mask is ``None``, as is a window no shorter than T;
+* the rotary (cos, sin) once per forward, per kind where the rotary takes one (Gemma 3), else shared;
+* Gemma's sqrt(H) embedding scale (:class:`ScaledEmbedding`).
 
-Every one of these is a function of T and the config alone, so both sides of the split compute it and nothing
-but the hidden states needs to cross. What cannot be split exactly is refused at once
-(:func:`check_splittable`): bidirectional attention overlays (Gemma 3's ``use_bidirectional_attention``), which
-make a token's state depend on later tokens through a mask this loop does not build.
+All of these depend on T and the config only, so both sides of the split compute them and only hidden states
+cross. Bidirectional attention overlays are refused (:func:`check_splittable`).
 """
 from __future__ import annotations
 
@@ -50,14 +41,10 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 @dataclass(frozen=True)
 class TextFamily:
-    """transformers' classes of one text family (see the module docstring).
+    """transformers' classes of one text family (e.g. ``Qwen3Config``, ``Qwen3Model``, ``Qwen3DecoderLayer``).
 
-    ``config_class`` (e.g. ``Qwen3Config``), ``base_class`` (``Qwen3Model``), ``causal_lm_class``
-    (``Qwen3ForCausalLM``; None for a VLM's text model, e.g. ``qwen2_5_vl_text``), ``block_class``
-    (``Qwen3DecoderLayer``, built ``block_class(config, layer_idx)``),
-    ``norm_class`` (``Qwen3RMSNorm``, built ``norm_class(H, eps=rms_norm_eps)``), ``rotary_class``
-    (``Qwen3RotaryEmbedding``, built ``rotary_class(config)``); ``rotary_per_kind``: the rotary's forward takes
-    the attention kind (Gemma 3).
+    ``causal_lm_class`` is None for a VLM's text model (``qwen2_5_vl_text``); ``rotary_per_kind``: the rotary's
+    forward takes the attention kind (Gemma 3).
     """
 
     model_type: str
@@ -79,9 +66,9 @@ def check_model_type(model_type) -> None:
 
 @functools.lru_cache(maxsize=None)
 def text_family(model_type: str) -> TextFamily:
-    """The :class:`TextFamily` of a supported ``model_type``, from transformers' registries: the base model's
-    ``_no_split_modules`` names its decoder block class; a one-block instance of the base model on the meta
-    device (no memory) gives its norm and rotary classes. Raises ValueError for an unsupported model_type."""
+    """The :class:`TextFamily` of a supported ``model_type``, read off a one-block meta-device base model.
+
+    Raises ValueError for an unsupported model_type or blocks other than ``_no_split_modules`` declares."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
@@ -111,18 +98,15 @@ def _one_block_config(config):
 
 
 def attention_implementation(family: TextFamily) -> str:
-    """The attention implementation transformers itself picks for the family when none is asked for: ``sdpa``
-    where the base model supports it (``_supports_sdpa``), else ``eager`` (Gemma 2: its logit soft-capping is
-    in the eager path only). The masks :func:`block_inputs` builds follow it (``None`` for causal SDPA, a mask
-    tensor for eager)."""
+    """transformers' default for the family: ``sdpa`` where supported, else ``eager`` (Gemma 2's soft-capping)."""
     return "sdpa" if getattr(family.base_class, "_supports_sdpa", False) else "eager"
 
 
 def text_config(llm: dict):
-    """The transformers config (``Qwen3Config``, ``Gemma3TextConfig``, ...) of an ``llm`` dict (its
-    ``model_type`` and config kwargs, as ``config.json`` holds them), its attention implementation pinned to
-    :func:`attention_implementation`. Raises ValueError for an unsupported model_type, or a configuration
-    :func:`check_splittable` refuses."""
+    """The transformers config of an ``llm`` dict (``model_type`` and config kwargs, as in ``config.json``).
+
+    Attention implementation pinned to :func:`attention_implementation`. Raises ValueError for an unsupported
+    model_type or a configuration :func:`check_splittable` refuses."""
     family = text_family(llm.get("model_type", "llama"))  # this package's presets leave LLaMA implicit
     config = family.config_class(**{k: v for k, v in llm.items() if k != "model_type"})
     config._attn_implementation = attention_implementation(family)
@@ -131,8 +115,7 @@ def text_config(llm: dict):
 
 
 def check_splittable(config) -> None:
-    """Raise ValueError when the configuration cannot be split exactly by this package's loop, naming the
-    feature and what to do: bidirectional attention (Gemma 3 ``use_bidirectional_attention``)."""
+    """Raise ValueError for Gemma 3's ``use_bidirectional_attention``, which this loop cannot split exactly."""
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"{config.model_type}: use_bidirectional_attention is set (tokens attend to later tokens "
                          "through a mask overlay): not a causal language model, which is what the split runs; "
@@ -140,8 +123,7 @@ def check_splittable(config) -> None:
 
 
 def attention_kinds(config) -> list[str]:
-    """The attention kind of each decoder block (module docstring): ``full_attention`` or
-    ``sliding_attention``, length L."""
+    """The attention kind of each of the L decoder blocks (module docstring)."""
     n = int(config.num_hidden_layers)
     types = getattr(config, "layer_types", None)
     if types:
@@ -165,8 +147,7 @@ def make_blocks(family: TextFamily, config, start: int, stop: int) -> nn.ModuleL
 
 
 def embed_scale(family: TextFamily, config) -> float | None:
-    """The factor the family's base model multiplies token embeddings by (Gemma: sqrt(H)), None when it does
-    not: read off the family's own embedding module (``scalar_embed_scale``) of a one-block meta instance."""
+    """The family's token-embedding factor (Gemma: sqrt(H)) from ``scalar_embed_scale``, or None."""
     small = _one_block_config(config)
     with torch.device("meta"):
         shell = family.base_class(small)
@@ -175,8 +156,7 @@ def embed_scale(family: TextFamily, config) -> float | None:
 
 
 class ScaledEmbedding(nn.Embedding):
-    """Token embeddings times a constant (Gemma's ``*ScaledWordEmbedding``: ``embedding(ids) *
-    tensor(scale).to(weight.dtype)``). ``weight`` (vocab, H) keeps nn.Embedding's name."""
+    """Gemma's ``*ScaledWordEmbedding``: ``embedding(ids) * tensor(scale).to(weight.dtype)``; ``weight`` (vocab, H)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, scale: float):
         super().__init__(num_embeddings, embedding_dim)
@@ -198,10 +178,10 @@ def make_embedding(family: TextFamily, config) -> nn.Module:
 
 @dataclass
 class BlockInputs:
-    """What every decoder block of one forward takes besides the hidden states, by attention kind:
-    ``position_ids`` (1, T) int64 (None for a VLM's multimodal positions: its blocks take none), ``masks``
-    (kind -> None or a bool / additive mask), ``cos_sin`` (kind -> (cos, sin), each (1, T, head_dim) in the
-    hidden states' dtype)."""
+    """A forward's block inputs besides the hidden states.
+
+    ``position_ids`` (1, T) int64 (None for a VLM's multimodal positions), ``masks`` (kind -> None or a bool /
+    additive mask), ``cos_sin`` (kind -> (cos, sin), each (1, T, head_dim) in the hidden states' dtype)."""
 
     position_ids: torch.Tensor
     masks: dict
@@ -215,19 +195,16 @@ class BlockInputs:
 
 @functools.lru_cache(maxsize=None)
 def _rotary_per_kind(rotary_class: type) -> bool:
-    """Whether a rotary class's forward takes the attention kind (Gemma 3), looked up once per class: the
-    blocks run it every frame."""
+    """Whether a rotary class's forward takes the attention kind (Gemma 3); cached, it runs every frame."""
     return "layer_type" in inspect.signature(rotary_class.forward).parameters
 
 
 def split_positions(position_ids: torch.Tensor | None, x: torch.Tensor) -> tuple:
     """(rotary position ids, text position ids) for hidden states ``x`` (B, T, H).
 
-    ``position_ids`` None: a text model's one prefill, ``arange(T)`` (1, T) for both. Multimodal rotary
-    positions (Qwen2-VL / 2.5-VL / 3-VL, int64, as the VLM computed them from the image grid): (3, B, T) rows
-    temporal / height / width, the text positions None; (4, B, T): row 0 the text positions, rows 1.. the
-    rotary ones -- the rule of ``Qwen2_5_VLTextModel.forward`` / ``Qwen3VLTextModel.forward`` (transformers
-    5.24). Raises ValueError for another shape."""
+    None: ``arange(T)`` (1, T) for both. Qwen-VL multimodal positions (int64): (3, B, T) temporal / height /
+    width, text None; (4, B, T): row 0 text, rows 1.. rotary, as ``Qwen2_5_VLTextModel.forward`` /
+    ``Qwen3VLTextModel.forward`` (transformers 5.24). Raises ValueError for another shape."""
     if position_ids is None:
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         return positions, positions
@@ -242,9 +219,9 @@ def split_positions(position_ids: torch.Tensor | None, x: torch.Tensor) -> tuple
 
 def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
                  position_ids: torch.Tensor | None = None) -> BlockInputs:
-    """Position ids, masks and rotary tables for hidden states ``x`` (B, T, H) and the attention ``kinds`` the
-    blocks to run use, as the family's base model computes them (module docstring); ``position_ids``: None for
-    a text model's ``arange(T)``, or a VLM's multimodal rotary positions (:func:`split_positions`)."""
+    """:class:`BlockInputs` for hidden states ``x`` (B, T, H) and attention ``kinds`` (module docstring).
+
+    ``position_ids`` as :func:`split_positions`. Masks follow :func:`attention_implementation`."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     rotary_positions, text_positions = split_positions(position_ids, x)

@@ -1,9 +1,6 @@
-"""Models cut into parts that can be timed one at a time (read by split.profiler).
-
-A preset is profiled without ever holding its weights: each part is built on the ``meta`` device, given random
-weights on the target device (:func:`random_init_`), timed and freed (:func:`free_`). A vision encoder says which
-parts it has and which of its blocks cost the same (:class:`VisionParts`): this module is the one place that
-knows the encoders apart.
+"""Models cut into parts that can be timed one at a time (read by split.profiler): each part is built on the
+``meta`` device, given random weights (:func:`random_init_`), timed and freed (:func:`free_`), so a preset is
+profiled without ever holding its weights. This is the one module that knows the vision encoders apart.
 """
 from __future__ import annotations
 
@@ -18,12 +15,9 @@ from .eva02 import EVA02ViT
 
 def random_init_(module: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
     """Give a meta-device module random weights on ``device`` in ``dtype``, in place; returns it in eval mode
-    without gradients.
-
-    Matrices ~ N(0, 0.02), parameters named ``*bias`` 0, the rest (norm gains) 1; a module with
-    ``rebuild_buffers`` computes its own buffers, ``position_ids`` become an arange, a child ``rotary_emb`` is
-    rebuilt from its config (float32 tables, as a loaded stage has). Uses the global torch RNG. Raises
-    RuntimeError for any other buffer, which would be left uninitialised.
+    without gradients. Uses the global torch RNG; a child ``rotary_emb`` is rebuilt with float32 tables, as a
+    loaded stage has. Raises RuntimeError for a buffer other than ``position_ids`` or one a ``rebuild_buffers``
+    computes, which would be left uninitialised.
     """
     device = torch.device(device)
     rotary = getattr(module, "rotary_emb", None)
@@ -59,8 +53,8 @@ def free_(module: nn.Module) -> None:
 
 
 class FixedVision(nn.Module):
-    """Stands in for a vision encoder, returning fixed features (C, P, Dv): a prefix's projector and embeddings
-    are then timed without the encoder. ``feature_map`` gives them as EVA-02's (C, Dv, G, G) maps."""
+    """A vision encoder returning fixed features (C, P, Dv) (``feature_map``: EVA-02's (C, Dv, G, G)), to time a
+    prefix without its encoder."""
 
     def __init__(self, features: torch.Tensor):
         super().__init__()
@@ -76,13 +70,11 @@ class FixedVision(nn.Module):
 
 
 class VisionParts:
-    """A vision encoder's parts on example inputs: the stem (patch embedding, positions), each block, and the
-    step that turns the last block's output into tokens.
+    """A vision encoder's parts on example inputs: the stem, each block, and the step to tokens (post).
 
-    ``vision``: the encoder, on ``meta`` when ``random`` (each part then gets random weights when
-    :meth:`prepare` is called for it, and :meth:`release` frees a block), else loaded. ``pixels``: (C, 3, S, S);
-    ``features``: (C, P, Dv), the input every block is timed on. ``groups[i]``: blocks of one group cost the same
-    (EVA-02's window and global blocks differ), so the first of each group can stand for it.
+    ``vision``: on ``meta`` when ``random`` (parts get weights in :meth:`prepare`), else loaded. ``pixels``:
+    (C, 3, S, S); ``features``: (C, P, Dv), every block's input. ``groups[i]``: blocks of one group cost the same,
+    so the first of each can stand for it.
     """
 
     groups: list[str]
@@ -92,14 +84,12 @@ class VisionParts:
 
     @staticmethod
     def of(vision: nn.Module, pixels: torch.Tensor, features: torch.Tensor, random: bool) -> "VisionParts":
-        """The parts of ``vision``: EVA-02's, or those of a transformers vision model (embeddings, encoder
-        layers, post-layernorm)."""
+        """The parts of ``vision``: EVA-02's or a transformers vision model's."""
         cls = _EVA02Parts if isinstance(vision, EVA02ViT) else _TransformersParts
         return cls(vision, pixels, features, random)
 
     def prepare(self, part: str, index: int = 0) -> None:
-        """Random weights for ``part`` ("stem", "block" ``index``, "post") on the features' device and dtype,
-        when ``random``."""
+        """Random weights for ``part`` ("stem", "block" ``index``, "post") when ``random``."""
         if self.random:
             self._prepare(part, index, self.features.device, self.features.dtype)
 
@@ -149,8 +139,7 @@ class _TransformersParts(VisionParts):
 
 
 class _EVA02Parts(VisionParts):
-    """EVA-02: the patch convolution plus the resized position embedding, window and global blocks on the
-    (C, G, G, D) grid with their rotary tables, and the flattening into tokens (it has no final norm)."""
+    """EVA-02: window and global blocks on the (C, G, G, D) grid; post is a flatten (no final norm)."""
 
     def __init__(self, *args):
         super().__init__(*args)

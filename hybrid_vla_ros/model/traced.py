@@ -1,7 +1,5 @@
 """Decoder blocks [K, L) in the form a graph compiler traces (the compiled suffix, runtime.suffix_backend): the
-family's own block classes rebuilt over the stage's weights with plain causal attention, the last block computing
-its residual, norm and MLP for the read-out rows only where its layout allows (:func:`prunable`), and what a
-stage's blocks must be for that (:func:`traceable`)."""
+family's own block classes rebuilt over the stage's weights with plain causal attention."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +7,7 @@ from torch import nn
 
 
 def traceable(stage) -> str:
-    """"" when a suffix stage's blocks can be traced (transformers decoder blocks, nothing crossing the split but
-    h_K), else why not, in a sentence."""
+    """"" when a suffix stage's blocks can be traced, else why not, in a sentence."""
     if not hasattr(stage, "rotary_emb"):
         return "own model code: its blocks are not traced (only transformers decoder blocks are)"
     if getattr(stage.cfg, "side", ()):
@@ -23,14 +20,12 @@ def traceable(stage) -> str:
 ATTENTION_NAME = "hybrid_vla_causal_sdpa"
 def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask=None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """Causal self-attention in the form the traced graph gets: queries (B, n_h, T, d), keys and values
-    (B, n_kv, T, d) -> (B, T, n_h, d), the layout transformers' ``sdpa_attention_forward`` returns.
+    """Causal self-attention for the traced graph: queries (B, n_h, T, d), keys and values (B, n_kv, T, d) ->
+    (B, T, n_h, d), as transformers' ``sdpa_attention_forward`` returns.
 
-    Keys and values are repeated to n_h heads first (transformers' ``repeat_kv``), so the graph holds one 4-D
-    causal ``ScaledDotProductAttention`` per block, which OpenVINO's CPU plugin fuses into one MHA subgraph
-    (torch's ``enable_gqa`` becomes a 5-D one that it runs as separate MatMul and Softmax nodes; the two
-    measured alike here, see docs/performance.md). Positions 0..T-1, no padding: ``attention_mask`` must be
-    None (raises ValueError otherwise)."""
+    K/V are repeated to n_h heads (``repeat_kv``), giving one 4-D SDPA per block that OpenVINO's CPU plugin fuses
+    into one MHA subgraph (``enable_gqa``'s 5-D form is not fused; the two measured alike, docs/performance.md).
+    Raises ValueError for an ``attention_mask``: positions are 0..T-1, no padding."""
     from transformers.models.llama.modeling_llama import repeat_kv
 
     if attention_mask is not None:
@@ -48,11 +43,10 @@ def _register_attention() -> None:
 
 
 def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList:
-    """New decoder-block modules for tracing that hold ``layers``' weights (the same tensors when
-    ``weight_dtype`` is theirs, else copies cast to it) and a config of their own whose attention is
-    :func:`causal_attention`; the stage's modules and config are not touched, so the runner's eager path keeps
-    running on another thread while a build traces these. Raises ValueError for attention the traced form does
-    not have (Gemma 2's logit soft-capping; a mask other than plain causal raises in :func:`causal_attention`)."""
+    """New decoder blocks holding ``layers``' weights (the same tensors when ``weight_dtype`` is theirs, else cast
+    copies), with a config of their own using :func:`causal_attention`; the stage is untouched, so its eager path
+    may keep running on another thread. Raises ValueError for attention other than full causal (sliding windows,
+    Gemma 2's logit soft-capping)."""
     import copy
 
     from .modeling import llm_config, llm_family
@@ -79,10 +73,9 @@ def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList
 
 
 def read_out_tokens(cfg) -> int:
-    """How many last tokens of blocks [K, L)'s output the heads read (:func:`~hybrid_vla_ros.model.modeling.plan`):
-    enough to reach every :attr:`~hybrid_vla_ros.model.config.VLAConfig.readout_positions` entry (1 for the
-    planning token last; 2 for MindDrive's decision at -2 or its two planner tokens last; more where its published
-    prompts put them), the query tokens of a ``queries`` read-out, every token for a ``module`` read-out."""
+    """How many last tokens of blocks [K, L)'s output the heads read: enough for every
+    :attr:`~hybrid_vla_ros.model.config.VLAConfig.readout_positions` entry and a ``queries`` read-out's query
+    tokens; every token for a ``module`` read-out."""
     kind = getattr(cfg, "readout_type", "mlp")
     if kind == "module":  # the team's head reads every token
         return int(cfg.num_tokens)
@@ -92,14 +85,10 @@ def read_out_tokens(cfg) -> int:
 
 def last_rows_of_block(block: nn.Module, x: torch.Tensor, rows: int, positions: torch.Tensor,
                         cos_sin: tuple) -> torch.Tensor:
-    """Decoder block ``block`` on hidden states ``x`` (B, T, H) -> its output's last ``rows`` tokens (B, rows, H),
-    computing the attention module for every token (the keys and values need them all; its query and output
-    projections of the other rows are wasted too, but they sit inside the family's attention module) and the
-    residual adds, the post-attention norm and the MLP for those rows only: everything after attention is per
-    token, so the other rows' work there could only feed rows nobody reads. The composition is the pre-norm
-    decoder layer of transformers' ``LlamaDecoderLayer`` (x + attn(norm(x)), then x + mlp(norm(x))), which Qwen2,
-    Qwen3, Mistral and Phi-3 share; :func:`prunable` checks a block against its own ``forward`` before this is
-    used. Raises AttributeError for a block without ``input_layernorm`` / ``self_attn`` /
+    """``block`` on ``x`` (B, T, H) -> its output's last ``rows`` tokens (B, rows, H): attention over every token
+    (keys and values need them all), the per-token rest (residuals, post-attention norm, MLP) for those rows only.
+    Follows transformers' pre-norm ``LlamaDecoderLayer`` (shared by Qwen2, Qwen3, Mistral, Phi-3); :func:`prunable`
+    checks a block against it. Raises AttributeError for a block without ``input_layernorm`` / ``self_attn`` /
     ``post_attention_layernorm`` / ``mlp``."""
     attn = block.self_attn(hidden_states=block.input_layernorm(x), attention_mask=None, position_ids=positions,
                            position_embeddings=cos_sin)[0]
@@ -109,12 +98,9 @@ def last_rows_of_block(block: nn.Module, x: torch.Tensor, rows: int, positions: 
 
 def prunable(block: nn.Module, shape: tuple, rows: int, rotary_emb: nn.Module) -> bool:
     """Whether :func:`last_rows_of_block` gives ``block``'s own last ``rows`` output tokens, checked on an fp32
-    copy of the block (whatever dtype it will be traced in: in bf16 the rounding hides small differences) and
-    one seeded random input of ``shape`` (B, T, H): the two updates (output minus input) of those rows must agree
-    within 1e-4 of the block's largest update (a GEMM of ``rows`` rows may take other kernels than one of T;
-    the right composition measured within 1e-6). False when ``rows`` >= T (nothing to leave out), for a block of
-    another layout (it lacks the four parts, or composes them otherwise: a parallel attention + MLP, scaled
-    residuals, extra norms) and for anything the check raises."""
+    copy (bf16 rounding would hide differences) with one seeded random input of ``shape`` (B, T, H): the rows'
+    updates (output minus input) must agree within 1e-4 of the largest update (GEMM kernels vary with the row
+    count; the right layout measured within 1e-6). False when ``rows`` >= T, for another layout, or on any error."""
     import copy
 
     if not 0 < rows < shape[1]:
@@ -128,7 +114,7 @@ def prunable(block: nn.Module, shape: tuple, rows: int, rotary_emb: nn.Module) -
             whole = block32(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
             whole = (whole[0] if isinstance(whole, tuple) else whole)[:, -rows:, :]
             part = last_rows_of_block(block32, x, rows, positions, cos_sin)
-    except Exception:  # noqa: BLE001 -- any failure means: trace the block whole, as before
+    except Exception:  # noqa: BLE001 -- any failure means: trace the block whole
         return False
     if part.shape != whole.shape or not bool(torch.isfinite(part).all()):
         return False
@@ -137,11 +123,9 @@ def prunable(block: nn.Module, shape: tuple, rows: int, rotary_emb: nn.Module) -
 
 
 class BlocksToLastTokens(nn.Module):
-    """The traced module: hidden states (B, T, H) float32 -> blocks [K, L) (:func:`traced_blocks`, weights in
-    ``dtype``) -> the last ``tokens_out`` tokens' hidden states (B, tokens_out, H) float32 (before the final
-    norm; :func:`read_out_tokens`). Rotary tables come from positions 0..T-1. ``prune_last``: block L-1 computes
-    its residual, norm and MLP for the read-out rows only (:func:`last_rows_of_block`; use only where
-    :func:`prunable` says so)."""
+    """The traced module: (B, T, H) float32 -> blocks [K, L) in ``dtype`` -> the last ``tokens_out`` tokens
+    (B, tokens_out, H) float32, before the final norm; positions 0..T-1. ``prune_last``: block L-1 runs as
+    :func:`last_rows_of_block` (only where :func:`prunable` says so)."""
 
     def __init__(self, layers: nn.ModuleList, rotary_emb: nn.Module, dtype: torch.dtype, tokens_out: int = 1,
                  prune_last: bool = False):
@@ -153,9 +137,8 @@ class BlocksToLastTokens(nn.Module):
         self.prune_last = bool(prune_last)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The loop of model.modeling.run_blocks with no mask: causal_attention is causal by construction (under
-        # tracing transformers' mask functions would build a mask tensor instead of SDPA's is_causal), and
-        # traced_blocks took only blocks of full causal attention.
+        # model.modeling.run_blocks with no mask: causal_attention is causal by construction (traced, transformers'
+        # mask functions would build a mask tensor instead of SDPA's is_causal).
         x = x.to(self.dtype)
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         cos_sin = self.rotary_emb(x, positions)

@@ -1,22 +1,9 @@
-"""The VAE planner of Orion and MindDrive: a Gaussian latent from the LLM's planning-token state, a GRU that rolls
-it out over the future steps with that state as its initial hidden state, and an MLP that decodes each step's
-displacement in every mode. Parameter names are the published ones (``present_distribution``, ``predict_model``,
-``ego_fut_decoder``; MindDrive's path planner prefixes them with ``pw_``), so a converted checkpoint loads one to
-one.
+"""The VAE planner of Orion and MindDrive: a Gaussian latent from the LLM's planning-token state, a GRU rolling it
+out over the future steps, and an MLP decoding each step's displacement per mode.
 
-Sources: Fu et al., 2025 (Orion: a generative planner conditioned on the reasoning space) and the published code
-(MindDrive, Apache-2.0, which derives from Orion's), whose structure this follows:
-  * ``present_distribution``: three 1 x 1 convolutions on the D-wide state (D -> 2D -> 2D -> D/2, ReLU between),
-    average-pooled over its one position, and a 1 x 1 convolution to (mu, log sigma) of a 32-wide latent, log
-    sigma clamped to [-5, 5];
-  * the latent sample z = mu + exp(log sigma) * noise, the same z at each of the N steps as the input of a 4-layer
-    GRU of width D/4 whose initial hidden state is the planning-token state cut into 4 consecutive pieces (layer l
-    takes dims [l D/4, (l+1) D/4)), then Linear D/4 -> D/2, ReLU, Linear D/2 -> D, ReLU, Linear D -> D;
-  * each step's [planning-token state ; rolled-out state] (2D) through Linear 2D -> 2D, ReLU, Linear 2D -> 2D,
-    ReLU, Linear 2D -> 2 M: the step's displacement in each of the M modes; positions are their cumulative sum.
-
-The published test samples ``noise`` from N(0, 1) at every frame; here it defaults to zero (z = mu, the most likely
-latent), so a frame's trajectory does not change between runs, and a caller may pass its own noise.
+Sources: Fu et al., 2025 (Orion) and the published code (MindDrive, Apache-2.0), whose structure and parameter
+names this follows, so a converted checkpoint loads one to one. The published test samples ``noise`` from N(0, 1)
+every frame; here it defaults to zero (z = mu), so a frame's trajectory is reproducible.
 """
 from __future__ import annotations
 
@@ -30,7 +17,7 @@ GRU_LAYERS = 4
 
 
 class DistributionEncoder(nn.Module):
-    """``conv1`` D -> 2D, ReLU, ``conv2`` 2D -> 2D, ReLU, ``conv3`` 2D -> D/2 (1 x 1 convolutions) on (B, D, 1)."""
+    """Three 1 x 1 convolutions with ReLU between: (B, D, 1) -> (B, D/2, 1)."""
 
     def __init__(self, width: int):
         super().__init__()
@@ -39,12 +26,12 @@ class DistributionEncoder(nn.Module):
         self.conv3 = nn.Conv1d(2 * width, width // 2, kernel_size=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, D, 1) -> (B, D/2, 1), in the parameters' dtype."""
+        """Output in the parameters' dtype."""
         return self.conv3(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
 
 
 class GaussianLatent(nn.Module):
-    """The ``present_distribution``: (B, D) state -> (mu, log_sigma), each (B, LATENT_DIM), log sigma clamped."""
+    """The ``present_distribution``: (B, D) state -> (mu, log_sigma), each (B, LATENT_DIM)."""
 
     def __init__(self, width: int):
         super().__init__()
@@ -57,8 +44,9 @@ class GaussianLatent(nn.Module):
 
 
 class LatentRollout(nn.Module):
-    """The ``predict_model``: a GRU over the N steps (input the latent, initial hidden state the planning-token
-    state in GRU_LAYERS pieces), then Linear D/4 -> D/2, ReLU, D/2 -> D, ReLU, D -> D."""
+    """The ``predict_model``: a GRU over the N steps, the latent at every step as input, its initial hidden state
+    the planning-token state cut into GRU_LAYERS consecutive pieces (layer l: dims [l D/4, (l+1) D/4)), then an
+    MLP D/4 -> D."""
 
     def __init__(self, width: int):
         super().__init__()
@@ -77,17 +65,14 @@ class LatentRollout(nn.Module):
 
 
 class VAEPlanner(nn.Module):
-    """Waypoints of M modes over N steps from the planning token's final-norm state (module docstring).
+    """Waypoints of M modes over N steps from the planning token's final-norm state.
 
-    ``forward(h, noise=None)``: h (H,) or (B, H) -> float32 (M, N, 2) or (B, M, N, 2) metres, cumulative
-    displacements in the published planning frame (x right, y forward; :func:`published_to_base_link` turns them
-    into the package's trajectory frame, as :func:`~.modeling.plan` does for the ``vae`` read-out). ``noise``
-    (LATENT_DIM,) or (B, LATENT_DIM), default zero. ``mu_log_sigma(h)`` gives the latent's parameters. Raises
-    ValueError unless H is a multiple of 4 (the GRU's initial state) and even.
+    ``forward(h, noise=None)``: h (H,) or (B, H) -> float32 (M, N, 2) or (B, M, N, 2) metres, cumulative, in the
+    published planning frame (see :func:`published_to_base_link`). ``noise`` (LATENT_DIM,) or (B, LATENT_DIM),
+    default zero. Raises ValueError unless H is a multiple of 8.
 
-    Untrained (``init-model``'s random heads), the last decoder layer starts at
-    :attr:`~.modeling.PlanningHead.UNTRAINED_OUTPUT_SCALE` of its default initialisation and without bias, as the
-    MLP head's: centimetres of noise around the ego, not random metre steps. Loaded weights replace it.
+    The last decoder layer starts scaled by ``untrained_output_scale`` and without bias (as
+    :attr:`~.modeling.PlanningHead.UNTRAINED_OUTPUT_SCALE`): untrained, centimetres of noise around the ego.
     """
 
     def __init__(self, hidden_size: int, n_waypoints: int, n_modes: int = 1, untrained_output_scale: float = 0.05):
@@ -106,11 +91,11 @@ class VAEPlanner(nn.Module):
             self.ego_fut_decoder[4].bias.zero_()
 
     def mu_log_sigma(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, H) -> the latent's (mu, log_sigma), each (B, LATENT_DIM)."""
+        """(B, H) -> (mu, log_sigma), each (B, LATENT_DIM)."""
         return self.present_distribution(h)
 
     def forward(self, h: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """See the class docstring: (H,) / (B, H) -> float32 (M, N, 2) / (B, M, N, 2) metres."""
+        """See the class docstring."""
         single = h.dim() == 1
         state = h.unsqueeze(0) if single else h
         state = state.to(self.ego_fut_decoder[0].weight.dtype)
@@ -124,13 +109,9 @@ class VAEPlanner(nn.Module):
 
 
 def published_to_base_link(xy: torch.Tensor) -> torch.Tensor:
-    """(..., 2) positions in the published models' planning frame (Bench2Drive's "lidar" frame: x right, y
-    forward, metres) -> the package's trajectory frame (REP 103 base_link axes: x forward, y left): (y, -x).
-
-    Source: the published CARLA agents' lidar-to-ego rotation [[0, 1], [-1, 0]] (xiaomi-mlab/MindDrive,
-    team_code). Only the axes turn: the published positions start at that frame's origin, which the agents put
-    0.39 m behind the vehicle's centre (and CARLA's centre is not Autoware's rear axle); that offset is not
-    applied here, so a trajectory starts at base_link's origin."""
+    """(..., 2) positions in the published planning frame (Bench2Drive's "lidar": x right, y forward) -> REP 103
+    base_link axes, as the published CARLA agents rotate them (xiaomi-mlab/MindDrive, team_code). Their origin
+    offset (0.39 m behind the vehicle's centre) is not applied: a trajectory starts at base_link's origin."""
     return torch.stack((xy[..., 1], -xy[..., 0]), dim=-1)
 
 
@@ -146,11 +127,9 @@ PATH_MODE_OF_COMMAND = (2, 4, 1, 0, 3, 5)
 
 
 class SpeedPathPlanner(nn.Module):
-    """MindDrive's two VAE planners: ``speed`` on the final-norm state of ``<waypoint_ego>`` (one mode per
-    meta-action, N steps of ``waypoint_dt_s``; the published ``present_distribution`` / ``predict_model`` /
-    ``ego_fut_decoder``) and ``path`` on that of ``<path_waypoint_ego>`` (one mode per path kind, P points about
-    1 m apart; the published ``pw_*`` modules). ``forward(speed_state, path_state, noise=None)``: two (H,) states
-    -> (speed modes (Ms, N, 2), path modes (Mp, P, 2)), float32 metres in the published frame."""
+    """MindDrive's two planners: ``speed`` on ``<waypoint_ego>``'s state (a mode per meta-action, N steps of
+    ``waypoint_dt_s``), ``path`` (``pw_*``) on ``<path_waypoint_ego>``'s (a mode per path kind, P points about 1 m
+    apart). ``forward`` -> ((Ms, N, 2), (Mp, P, 2)) float32 metres in the published frame."""
 
     def __init__(self, hidden_size: int, n_waypoints: int, speed_modes: int, path_points: int, path_modes: int):
         super().__init__()
@@ -163,16 +142,10 @@ class SpeedPathPlanner(nn.Module):
 
 
 def follow_path(speed_xy: torch.Tensor, path_xy: torch.Tensor) -> torch.Tensor:
-    """The positions (N, 2) a vehicle reaches at the speed plan's times when it drives along the path: the
-    geometry from ``path_xy`` (P, 2), a polyline from the origin, the timing from ``speed_xy`` (N, 2), the
-    positions at steps of ``waypoint_dt_s``, whose cumulative step lengths are the distances travelled. Beyond the
-    path's end the last segment is extended; a path of zero length gives the origin at every step (no geometry to
-    follow: stand still); a non-finite plan gives non-finite positions (the output guard drops such a frame).
-    float32, any frame (the same for both). This is this package's fusion: the published agents give the path to
-    a steering controller and the speed plan to a speed controller, never one trajectory. Like their speed
-    controller, which takes its target speed from the norms of the speed plan's steps, the distance travelled is
-    the sum of the step lengths whatever their direction (a plan that jitters by centimetres creeps forward by
-    their sum)."""
+    """The float32 positions (N, 2) reached along ``path_xy`` (P, 2; a polyline from the origin) at the times of
+    ``speed_xy`` (N, 2), whose step lengths, whatever their direction (as the published speed controller reads
+    them), are the distances travelled. This package's fusion (the published agents feed two controllers). The
+    last segment extends beyond the end; a zero-length path gives the origin; non-finite plans stay non-finite."""
     speed_xy, path_xy = speed_xy.float(), path_xy.float()
     origin = speed_xy.new_zeros(1, 2)
     travelled = torch.cat([origin, speed_xy]).diff(dim=0).norm(dim=-1).cumsum(0)  # (N,)

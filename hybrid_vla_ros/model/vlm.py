@@ -1,25 +1,15 @@
 """Vision-language models whole, from transformers' own classes: the prefix's front and what crosses the split.
 
-A VLM family (``config.json`` ``model_type``: :data:`VLM_MODEL_TYPES`) is transformers' ``<Family>Model``:
-a vision tower, a connector, and a text model (``language_model``; Idefics3 / SmolVLM: ``text_model``) of
-decoder blocks. The prefix runs the family's own base-model forward on the processor's outputs -- vision tower,
-connector, image features scattered into the token embeddings at the image-token positions, multimodal
-rotary positions (``get_rope_index`` / ``compute_3d_position_ids``), DeepStack features -- up to the call of the
-text model, which :class:`TextCapture` stands in for: it records what the text model would have been given
-(``inputs_embeds``, ``position_ids``, ``visual_pos_masks``, ``deepstack_visual_embeds``) and stops the forward.
-Nothing of the family's own front is re-implemented here. From there the text model's decoder blocks run split
-at K (:mod:`hybrid_vla_ros.model.text`), and what they need besides the hidden states is a
-:class:`~hybrid_vla_ros.model.contract.SplitState`.
+A VLM family (:data:`VLM_MODEL_TYPES`) is transformers' ``<Family>Model``: vision tower, connector and a text
+model (``language_model``; Idefics3 / SmolVLM: ``text_model``). The prefix runs the family's own base-model
+forward (vision features scattered into the embeddings, multimodal rotary positions, DeepStack) up to the text
+model's call, where :class:`TextCapture` records its inputs and stops; nothing of that front is re-implemented.
+The text blocks then run split at K (:mod:`hybrid_vla_ros.model.text`), with a
+:class:`~hybrid_vla_ros.model.contract.SplitState` besides the hidden states.
 
-The camera images go through the family's own processor (:func:`load_processor`: its image processor's
-resizing, tiling and normalisation, its tokenizer; one image placeholder of the family per camera in the
-prompt, :func:`image_placeholder`), from the VLM directory's ``preprocessor_config.json`` and tokenizer files.
-Video processors are not loaded (:func:`images_only`): the nodes feed still camera images.
-
-Stored tensor names are mapped as transformers' own ``from_pretrained`` maps them (its conversion mapping of
-the family, ``conversion_mapping.get_model_conversion_mapping`` + ``core_model_loading.rename_source_key``),
-so a directory saved in the legacy layout (``model.layers.*`` + ``visual.*``) or the 5.x one
-(``model.language_model.*``) reads the same (:class:`VLMKeyMap`).
+Images go through the family's own processor (:func:`load_processor`), without a video processor. Stored tensor
+names map as transformers' ``from_pretrained`` maps them, so legacy and 5.x layouts read the same
+(:class:`VLMKeyMap`).
 """
 from __future__ import annotations
 
@@ -45,9 +35,7 @@ class CheckpointLayoutError(ValueError):
 
 @dataclass(frozen=True)
 class VLMFamily:
-    """transformers' classes of one VLM family: ``config_class`` (``Qwen2_5_VLConfig``), ``base_class``
-    (``Qwen2_5_VLModel``), ``generation_class`` (``Qwen2_5_VLForConditionalGeneration``), ``processor_class``
-    (``Qwen2_5_VLProcessor``), ``text_attribute`` (``language_model`` or ``text_model``)."""
+    """transformers' classes of one VLM family (e.g. ``Qwen2_5_VLConfig``, ``Qwen2_5_VLModel``, ...)."""
 
     model_type: str
     config_class: type
@@ -59,9 +47,7 @@ class VLMFamily:
 
 @functools.lru_cache(maxsize=None)
 def vlm_family(model_type: str) -> VLMFamily:
-    """The :class:`VLMFamily` of ``model_type`` from transformers' registries (``CONFIG_MAPPING``,
-    ``MODEL_MAPPING``, ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING``, ``PROCESSOR_MAPPING``). Raises ValueError for
-    a model_type not in :data:`VLM_MODEL_TYPES`."""
+    """The :class:`VLMFamily` of ``model_type``; ValueError if not in :data:`VLM_MODEL_TYPES`."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_MAPPING
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
@@ -77,9 +63,7 @@ def vlm_family(model_type: str) -> VLMFamily:
 # ----------------------------------------------------------------------------------------------- processor
 
 def images_only(processor_class: type) -> type:
-    """``processor_class`` (e.g. ``Qwen2_5_VLProcessor``) with image processor and tokenizer only: its
-    ``__init__`` takes no video processor, so the processor is built without one (transformers' video
-    processors need torchvision, and the nodes feed still images). Everything else is the family's class."""
+    """``processor_class`` built without a video processor (those need torchvision; the nodes feed stills)."""
 
     takes_video = "video_processor" in inspect.signature(processor_class.__init__).parameters
 
@@ -95,10 +79,9 @@ def images_only(processor_class: type) -> type:
 
 
 def load_processor(path: str | Path, model_type: str):
-    """The family's processor of the VLM directory ``path``: its image processor (``preprocessor_config.json``,
-    ``AutoImageProcessor``), its tokenizer (``AutoTokenizer``), the processor's own options from
-    ``processor_config.json`` where the directory has one, and no video processor (:func:`images_only`).
-    Raises MissingFileError naming what is missing (no image processor or tokenizer files)."""
+    """The family's processor of the VLM directory ``path``, options from ``processor_config.json`` if present.
+
+    Raises MissingFileError when the image processor or tokenizer files are missing."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     from .sources import MissingFileError
@@ -124,9 +107,7 @@ def load_processor(path: str | Path, model_type: str):
 
 
 def image_placeholder(processor) -> str:
-    """The text that stands for one image in the family's prompt: Qwen-VL ``<|vision_start|><|image_pad|>
-    <|vision_end|>`` (without the spaces), InternVL ``<IMG_CONTEXT>`` wrapped as its processor expects, others
-    the processor's ``image_token`` (``<image>``). The processor expands it to the image's tokens."""
+    """The text standing for one image in the family's prompt (e.g. ``<image>``); the processor expands it."""
     token = getattr(processor, "image_token", None) or "<image>"
     start = getattr(processor, "vision_start_token", None)
     if token == "<|image_pad|>":
@@ -137,19 +118,15 @@ def image_placeholder(processor) -> str:
 
 
 def default_prompt(processor, cameras: int) -> str:
-    """The default driving prompt: ``camera 1 <image> camera 2 <image> ... plan the route ahead`` with the
-    family's placeholder per camera (:func:`image_placeholder`), cameras in the order of the node's
-    ``camera_topics``."""
+    """``camera 1 <image> camera 2 <image> ... plan the route ahead``, cameras in ``camera_topics`` order."""
     holder = image_placeholder(processor)
     return " ".join(f"camera {i + 1} {holder}" for i in range(cameras)) + " plan the route ahead"
 
 
 @dataclass
 class VLMInputs:
-    """One frame as the family's processor gives it: ``input_ids`` (1, T) int64 with every image placeholder
-    expanded to the image's tokens, and ``images``: the processor's other outputs by the family's own keyword
-    names (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask``,
-    ``mm_token_type_ids``, ...; not ``attention_mask``), which its base model's forward takes as they are."""
+    """One processed frame: ``input_ids`` (1, T) int64, placeholders expanded, and ``images``, the processor's
+    other outputs (``pixel_values``, ``image_grid_thw``, ...; not ``attention_mask``) as the base model takes them."""
 
     input_ids: torch.Tensor
     images: dict
@@ -167,8 +144,7 @@ class VLMInputs:
 
 
 def run_processor(processor, images: list, prompt: str) -> VLMInputs:
-    """``images``: RGB uint8 arrays (H, W, 3), one per camera, in prompt order; ``prompt``: with one
-    placeholder per image. Raises ValueError when the counts differ."""
+    """Process RGB uint8 (H, W, 3) ``images``, one per prompt placeholder; ValueError when the counts differ."""
     holder = getattr(processor, "image_token", None) or "<image>"
     if prompt.count(holder) != len(images):
         raise ValueError(f"the prompt holds {prompt.count(holder)} image placeholder(s) ({holder!r}) for "
@@ -188,9 +164,7 @@ class _Captured(Exception):
 
 
 class TextCapture(nn.Module):
-    """Stands in for a VLM base model's text model: holds its token embeddings (``embed_tokens``, under the
-    text model's own name so the base model's ``get_input_embeddings`` finds it) and, when the base model
-    calls it, stops the forward with what it was given (:meth:`VLMFront.forward` catches it)."""
+    """Stand-in text model: holds ``embed_tokens`` (for ``get_input_embeddings``); called, it stops the forward."""
 
     def __init__(self, embed_tokens: nn.Module):
         super().__init__()
@@ -205,10 +179,11 @@ class TextCapture(nn.Module):
 
 @dataclass
 class FrontOutput:
-    """What the VLM's base model hands its text model for one frame: ``inputs_embeds`` (T, H) in the model
-    dtype; ``position_ids``: multimodal rotary positions (3 or 4, 1, T) int64, None where the family's text
-    model uses ``arange(T)``; ``visual_mask`` (T,) bool and ``deepstack`` (levels, V, H): Qwen3-VL's DeepStack
-    features (added to the visual tokens after blocks 0 .. levels-1), else None."""
+    """What the base model hands its text model for one frame.
+
+    ``inputs_embeds`` (T, H) in the model dtype; ``position_ids`` (3 or 4, 1, T) int64, None for ``arange(T)``;
+    ``visual_mask`` (T,) bool and ``deepstack`` (levels, V, H): Qwen3-VL's DeepStack features (added to the
+    visual tokens after blocks 0 .. levels-1), else None."""
 
     inputs_embeds: torch.Tensor
     position_ids: torch.Tensor | None = None
@@ -217,10 +192,9 @@ class FrontOutput:
 
 
 def build_front(config, family: VLMFamily, embed_tokens: nn.Module) -> nn.Module:
-    """The family's base model (``Qwen2_5_VLModel``, ...) with its text model replaced by a
-    :class:`TextCapture` around ``embed_tokens``. Its parameters are made on the meta device (filled by the
-    loader), its non-persistent buffers (vision rotary tables, position ids) on the CPU from the config
-    (accelerate's ``init_empty_weights(include_buffers=False)``), so no text block is ever allocated."""
+    """The family's base model with a :class:`TextCapture` for its text model.
+
+    Parameters on the meta device (the loader fills them), non-persistent buffers on the CPU."""
     import copy
 
     from accelerate import init_empty_weights
@@ -237,8 +211,7 @@ def build_front(config, family: VLMFamily, embed_tokens: nn.Module) -> nn.Module
 
 
 def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
-    """The base model's forward on one frame up to its text model (:class:`TextCapture`). Raises RuntimeError
-    when the forward ends without calling the text model (a family whose base model does not)."""
+    """The front's forward on one frame; RuntimeError if it never calls its text model."""
     try:
         front(input_ids=inputs.input_ids, **inputs.images)
     except _Captured as c:
@@ -260,9 +233,9 @@ def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
 
 
 def deepstack_add(h: torch.Tensor, visual_mask: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """Qwen3-VL's DeepStack step after a block: ``features`` (V, H) added to the hidden states (1, T, H) at
-    the visual tokens (``visual_mask`` (T,) bool, V of them) -- transformers'
-    ``Qwen3VLTextModel._deepstack_process``, called as it is (it uses no state of the model)."""
+    """Qwen3-VL's DeepStack step: ``features`` (V, H) added to ``h`` (1, T, H) where ``visual_mask`` (T,) is set.
+
+    Calls transformers' ``Qwen3VLTextModel._deepstack_process`` unbound (it uses no model state)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 
     return Qwen3VLTextModel._deepstack_process(None, h, visual_mask.reshape(h.shape[:-1]), features)
@@ -271,11 +244,11 @@ def deepstack_add(h: torch.Tensor, visual_mask: torch.Tensor, features: torch.Te
 # ---------------------------------------------------------------------------------------------- key names
 
 class VLMKeyMap:
-    """Stored tensor names of a VLM directory -> canonical names, as transformers' ``from_pretrained`` renames
-    them for the family's ``ForConditionalGeneration`` (module docstring), then: the text model's
-    ``embed_tokens`` / ``layers.{i}`` / ``norm`` -> ``embed_tokens.*`` / ``layers.{i}.*`` / ``norm.*`` (as for a
-    text LM), everything else of the base model ``model.<rest>`` -> ``vlm.<rest>``, the LM head dropped.
-    ``canonical`` raises CheckpointLayoutError for a name transformers would convert rather than rename."""
+    """Stored tensor names -> canonical names, after transformers' ``from_pretrained`` renaming.
+
+    The text model's ``embed_tokens`` / ``layers.{i}`` / ``norm`` keep those names, the rest of the base model
+    becomes ``vlm.<rest>``, the LM head is dropped. ``canonical`` raises CheckpointLayoutError for a name
+    transformers would convert rather than rename."""
 
     def __init__(self, config, family: VLMFamily):
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -324,7 +297,7 @@ class _AnyBlock(dict):
 
 
 def _small_copy(config):
-    """A deep copy of a VLM config with one text block (its module names are what counts, not its size)."""
+    """A deep copy of a VLM config with one text block."""
     import copy
 
     config = copy.deepcopy(config)
@@ -336,13 +309,11 @@ def _small_copy(config):
 
 
 def frame_inputs(processor, cfg, images: list) -> VLMInputs:
-    """One camera frame for a VLM split: ``images`` (RGB uint8 (H, W, 3), one per camera in prompt order, each
-    already of ``cfg.camera_size``: the prefix resizes them with
-    :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`) through the family's processor with ``cfg.prompt``; for a
-    driving composition (a ``VLAConfig``) the planning token
-    (``cfg.planning_token_id``) appended last, as its planning head reads it (a ``queries`` read-out: one copy
-    per query token, whose embeddings the prefix replaces by the learned queries). Raises ValueError (camera count,
-    an image of another size, a prompt without one placeholder per camera)."""
+    """One camera frame through the processor with ``cfg.prompt``.
+
+    ``images``: RGB uint8 (H, W, 3) of ``cfg.camera_size``, one per camera (resized by
+    :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`). A ``VLAConfig`` gets ``cfg.planning_token_id`` appended
+    once per query token (at least once). Raises ValueError for a wrong camera count, image size or prompt."""
     from .config import VLAConfig
 
     if len(images) != cfg.cameras:
@@ -360,8 +331,7 @@ def frame_inputs(processor, cfg, images: list) -> VLMInputs:
 
 
 def with_token(inputs: VLMInputs, token_id: int) -> VLMInputs:
-    """``inputs`` with one text token appended last (``input_ids`` (1, T+1)); per-token processor outputs
-    (``mm_token_type_ids``, ``token_type_ids``: (1, T)) get a text entry (0) for it."""
+    """``inputs`` with a text token appended; per-token outputs (``mm_token_type_ids``, ...) get a 0 for it."""
     ids = torch.cat([inputs.input_ids, torch.tensor([[token_id]], dtype=inputs.input_ids.dtype)], dim=1)
     images = dict(inputs.images)
     for key in ("mm_token_type_ids", "token_type_ids"):

@@ -19,13 +19,7 @@ from .suffix_worker import suffix_loop
 
 
 class SuffixNode(node_base.PipelineNode):
-    """Lifecycle node running the CPU suffix. See ``suffix_node`` and the README for topics.
-
-    The parts: ``SuffixInputs`` (suffix_inputs) buffers the odometry and holds the navigation command, a
-    ``SuffixLoop`` (runtime.loops, with the node's inputs and outputs: suffix_worker) computes each frame from the
-    ring, ``TrajectoryOutputs`` (suffix_outputs) guards and publishes the trajectories; this class runs the
-    lifecycle and reports the diagnostics.
-    """
+    """Lifecycle node running the CPU suffix (parts and topics: :mod:`.suffix_node`, the README)."""
 
     LIVE_PARAMETERS = ("navigation_command", "split_layer")
     STATUS = SuffixStatus

@@ -30,9 +30,8 @@ NO_CLOCK_HINT = ("use_sim_time is true but no message has arrived on /clock yet,
 
 def diagnostic_array(node: Node, name: str, level: bytes, message: str,
                      values: list[tuple[str, str]]) -> DiagnosticArray:
-    """One DiagnosticStatus named '<fully qualified node name>: <name>' (Autoware's '<node>: <task>'
-    convention, with the namespace so that two deployments stay apart) in a DiagnosticArray stamped now;
-    ``values``: its (key, value) strings (a status class's ``key_values()``, ros/status.py)."""
+    """A DiagnosticArray stamped now with one status '<fully qualified node>: <name>' (Autoware's '<node>: <task>',
+    namespaced so deployments stay apart) holding ``values``."""
     status = DiagnosticStatus(level=level, name=f"{node.get_fully_qualified_name()}: {name}", message=message,
                               hardware_id=node.get_fully_qualified_name())
     status.values = [KeyValue(key=k, value=v) for k, v in values]
@@ -42,12 +41,12 @@ def diagnostic_array(node: Node, name: str, level: bytes, message: str,
 
 
 def stage_times(stage_summary: dict) -> dict[str, StageTime]:
-    """util.stats.StageTimes.summary() (stage -> {'p50', 'p90', 'n'}, ms) as status.StageTime by stage."""
+    """``StageTimes.summary()`` (ms) as status.StageTime by stage."""
     return {stage: StageTime(s["p50"], s["p90"], s["n"]) for stage, s in stage_summary.items()}
 
 
 def ring_fill(ring) -> RingFill:
-    """READY slots and all slots of a ring end; RingFill(0, 0) without a ring or once it is closed."""
+    """READY and total slots of a ring end; RingFill(0, 0) without an open ring."""
     if ring is None:
         return RingFill()
     try:
@@ -58,9 +57,8 @@ def ring_fill(ring) -> RingFill:
 
 
 def memory_values() -> dict:
-    """Process memory for the status (field -> MiB, 2**20 bytes): resident set and, when CUDA is in use,
-    allocated / reserved (this process's caching allocator) and the device's driver-level used / free memory
-    (``torch.cuda.mem_get_info``, every process on the device)."""
+    """Process memory in MiB (2**20 bytes): RSS and, with CUDA in use, this process's allocated / reserved and the
+    device's driver-level used / free (every process)."""
     import psutil
     import torch
 
@@ -75,34 +73,15 @@ def memory_values() -> dict:
 
 
 class PipelineDiagnostics:
-    """The '<fully qualified node name>: pipeline' DiagnosticStatus of a PipelineNode on /diagnostics (depth 10).
+    """A PipelineNode's '<node>: pipeline' status on /diagnostics, from the node's public status interface.
 
-    A 1 s timer on steady time, not the node clock, calls the node's ``publish_diagnostics`` (with
-    use_sim_time a ROS-time timer stops when /clock does, and /diagnostics must keep coming: it is where a
-    missing /clock is reported); that calls :meth:`publish`. A second steady timer checks the peer stage every
-    ``runtime.peer.CHECK_PERIOD_S`` (0.1 s: the node's ``peer_status()``, None while the node is not active)
-    and publishes at once when its cause changes, and logs the change (ERROR when a peer seen since the node's
-    activation is lost, a warning when none has been seen yet, INFO when it is back): a dead peer is on
-    /diagnostics as ERROR within about 0.1 s, in either case.
+    Published every 1 s on the steady clock (it must keep coming without /clock, which it reports), and at once
+    when the peer check (every ``runtime.peer.CHECK_PERIOD_S``, 0.1 s) sees the peer's cause change.
 
-    Level: ERROR while the node's ``fault`` is set (its text is the message), while its last configure failed
-    and it is unconfigured (``configure_error``); WARN while the node is not active (unconfigured, inactive,
-    finalized: the state is the message's first word, and nothing else is judged: an idle node is never "ok");
-    ERROR while the peer cannot take part (the peer status's message: ring owner dead, a prefix that is inactive
-    or publishes nothing, no suffix attached, a suffix that is inactive or takes no frame, locked out of the ring,
-    no ring), when inputs keep arriving but nothing has come out for the node's ``stall_s()`` seconds, or when the
-    node's ``input_problem()`` names one (e.g. a silent camera); WARN when ``use_sim_time`` is set and no
-    /clock has arrived (NO_CLOCK_HINT, also logged), when the node's ``input_warning()`` names one (images
-    arriving late), when something was dropped since the previous report or
-    when the ring holds n_slots - 1 unread frames (the next frame overwrites one); else OK. Values: the
-    node's ``STATUS`` class (status.PrefixStatus / status.SuffixStatus): what both nodes report (lifecycle
-    state, refused lifecycle requests, the peer, the clock, the ring's unread slots, the process's memory and
-    cores, the last error, stage times, drops by cause) and the node's own ``status_fields()``.
-
-    What it reads of the node is the node's status interface, public names only: ``STATUS``,
-    ``status_fields()``, ``io_counts()``, ``ring_end()``, ``peer_status()``, ``input_problem()``,
-    ``input_warning()``, ``clock_missing()``, ``use_sim_time()``, ``drops``, ``times``, ``fault``,
-    ``configure_error``, ``last_error``, ``lifecycle_requests_refused``, ``stall_s()``.
+    Level, first match: ERROR for ``fault`` or a failed configure while unconfigured; WARN while not active
+    (an idle node is never "ok"); ERROR for a peer that cannot take part, inputs without output for
+    ``stall_s()``, or an ``input_problem()``; WARN for a missing /clock, an ``input_warning()``, new drops, or
+    a ring with n_slots - 1 unread frames; else OK. Values: the node's ``STATUS`` class.
     """
 
     def __init__(self, node):
@@ -120,8 +99,7 @@ class PipelineDiagnostics:
         self._peer_timer = node.create_timer(CHECK_PERIOD_S, self._check_peer, clock=steady)
 
     def _peer_now(self):
-        """The node's peer status now (None while it is not active or cannot tell); a failure to look is
-        reported as no status rather than raised into the executor."""
+        """The node's peer status, None while not active or on any failure (never raised into the executor)."""
         try:
             return self._node.peer_status()
         except Exception as e:  # noqa: BLE001 - e.g. the ring closing under a cleanup: nothing to judge
@@ -129,9 +107,8 @@ class PipelineDiagnostics:
             return None
 
     def _check_peer(self) -> None:
-        """Publish at once when the peer's cause changed since the last check, and log the change (a peer missing
-        before one was seen since the node's activation as a warning, one lost after that as an error;
-        /diagnostics says ERROR for both)."""
+        """Publish and log when the peer's cause changed: a warning while none was seen since activation, an
+        error when one is lost."""
         peer = self._peer_now()
         before = self._peer
         if lifecycle_state(self._node) != "active":
@@ -151,8 +128,7 @@ class PipelineDiagnostics:
         self.publish()
 
     def publish(self) -> None:
-        """Publish the status now: the node's ``STATUS`` class (ros/status.py) built from the values both nodes
-        have and the node's own (``status_fields()``), written as its ``key_values()``."""
+        """Publish the status now."""
         node = self._node
         peer = self._peer_now()  # the change log and the immediate publish are _check_peer's
         drops = node.drops.snapshot()

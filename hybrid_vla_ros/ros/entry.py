@@ -1,9 +1,7 @@
 """The one start-up of both node executables: pin the process, then import the node module and run the node.
 
-Light on purpose: it imports only the standard library and the ROS-free helpers below (PyYAML through
-``params_file``), so nothing has started a thread pool when :func:`~hybrid_vla_ros.util.cores.pin_then_import`
-pins the process to the node's ``cpu_affinity`` and sets the thread-count variables; the node module (torch,
-OpenCV, rclpy) is imported after that.
+It imports only the standard library and ROS-free helpers (PyYAML), so no thread pool exists yet when
+:func:`~hybrid_vla_ros.util.cores.pin_then_import` pins the process; torch, OpenCV and rclpy come after.
 """
 from __future__ import annotations
 
@@ -18,18 +16,12 @@ __all__ = ["run_pinned"]
 
 
 def run_pinned(node_name: str, node_module: str, node_class: str, args: list[str] | None = None) -> int:
-    """Run node ``node_class`` of module ``node_module`` as process ``node_name`` ('prefix_node' or
-    'suffix_node') with the command line ``args`` (default ``sys.argv``).
+    """Run ``node_module.node_class`` as process ``node_name`` with ``args`` (default ``sys.argv``).
 
-    Ends with the parent process when started by ``hybrid-vla replay`` (``util.process.exit_with_parent``),
-    pins the process to ``cpu_affinity`` from the command line or a params file (``-p`` or ``--params-file``,
-    launch_ros' files included; every thread and the thread-count variables), then imports the node module and
-    runs the node (``node_base.run_node``, which does not return after a spin). A fatal signal (SIGSEGV, SIGBUS,
-    SIGABRT, SIGFPE, SIGILL) prints the Python stack of every thread to stderr (``faulthandler``), so a native
-    crash leaves in the node's log where each thread was. Returns 2, with one line
-    '<node_name>: <why>' on stderr, when ``cpu_affinity`` or the other parameters cannot be read or the cores
-    cannot be used (the ValueError of ``pin_then_import``); else the node's exit code (0 after a clean
-    SIGINT / SIGTERM shutdown)."""
+    Ends with a ``hybrid-vla replay`` parent, pins to ``cpu_affinity`` (``-p`` or a params file), then runs the
+    node; a fatal signal dumps every thread's Python stack to stderr (``faulthandler``). Returns 2 with one line
+    '<node_name>: <why>' on stderr when the parameters cannot be read or the cores used, else the node's exit
+    code (0 after a clean SIGINT / SIGTERM)."""
     argv = args if args is not None else sys.argv
     faulthandler.enable(all_threads=True)
     exit_with_parent()

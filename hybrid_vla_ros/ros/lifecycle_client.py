@@ -20,8 +20,7 @@ TRANSITIONS = {
 PRIMARY_STATES = ("unconfigured", "inactive", "active", "finalized")
 #: Transitions that take a node one step towards active from each primary state.
 TOWARDS_ACTIVE = {"unconfigured": "configure", "inactive": "activate"}
-#: The state a transition passes through and the primary state it ends in when it succeeds (the lifecycle design's
-#: state machine: design.ros2.org "Managed nodes").
+#: (transition state, primary state on success) of each transition (design.ros2.org "Managed nodes").
 TRANSITION_STATES = {
     "configure": ("configuring", "inactive"), "cleanup": ("cleaningup", "unconfigured"),
     "activate": ("activating", "active"), "deactivate": ("deactivating", "inactive"),
@@ -33,10 +32,8 @@ BACK_FROM_ACTIVE = {"active": (), "inactive": ("deactivate",), "unconfigured": (
 
 
 class LifecycleClient:
-    """Calls ``<node>/change_state`` and ``<node>/get_state`` of one managed node and follows its
-    ``<node>/transition_event`` topic (transitions anyone triggers, e.g. a launch file's autostart).
-
-    ``node`` must be spun by an executor in another thread (calls block on a future).
+    """Calls one managed node's ``change_state`` / ``get_state`` and follows its ``transition_event`` topic
+    (transitions anyone triggers). ``node`` must be spun in another thread (calls block on a future).
     """
 
     def __init__(self, node, target: str):
@@ -55,7 +52,7 @@ class LifecycleClient:
         self.refused = 0  # change_state requests of this client the node answered with success false
 
     def close(self) -> None:
-        """Destroy this client's service clients and its transition_event subscription (idempotent)."""
+        """Destroy the clients and the subscription (idempotent)."""
         for attr, destroy in (("_change", self._node.destroy_client), ("_get", self._node.destroy_client),
                               ("_events_sub", self._node.destroy_subscription)):
             handle = getattr(self, attr, None)
@@ -64,10 +61,8 @@ class LifecycleClient:
                 setattr(self, attr, None)
 
     def wait_for_events(self, timeout_s: float, poll_s: float = 0.05) -> bool:
-        """Wait up to ``timeout_s`` (s) until this client's ``transition_event`` subscription is matched to the
-        node's publisher. The topic is volatile: an event the node publishes before the match (discovery can take
-        seconds on a loaded machine) never arrives, so a caller that will rely on the events (as
-        :meth:`change_state` does when a service answer is lost) waits here first. True when matched."""
+        """Wait up to ``timeout_s`` (s) until the volatile ``transition_event`` subscription is matched (events
+        before that are lost); True when matched."""
         deadline = time.monotonic() + timeout_s
         while self._events_sub is not None and self._events_sub.get_publisher_count() < 1:
             if time.monotonic() >= deadline:
@@ -76,8 +71,7 @@ class LifecycleClient:
         return self._events_sub is not None
 
     def other_managers(self) -> int:
-        """How many clients besides this one the node's ``change_state`` service has on the graph: a lifecycle
-        manager such as ``ros2 launch``'s LifecycleNode action (it keeps one per node, autostart or not)."""
+        """Other clients of the node's ``change_state`` (e.g. ``ros2 launch``'s LifecycleNode action)."""
         return max(0, self._node.count_clients(f"{self.name}/change_state") - 1)
 
     def _on_event(self, msg: TransitionEvent) -> None:
@@ -88,14 +82,13 @@ class LifecycleClient:
             del self._completed[:-20]
 
     def transition_finished(self, transition: str, since: float) -> bool:
-        """True when the node said on its transition_event topic, after ``since`` (monotonic s), that a
-        ``transition`` finished successfully (from its transition state to the primary state it leads to)."""
+        """Whether a transition_event after ``since`` (monotonic s) says ``transition`` succeeded."""
         between, goal = TRANSITION_STATES[transition]
         with self._lock:
             return any(t >= since and start == between and end == goal for t, start, end in self._completed)
 
     def wait_for_services(self, timeout_s: float, procs=()) -> bool:
-        """Wait until both services exist; gives up early if a process in ``procs`` has exited."""
+        """Wait until both services exist; False early if a process in ``procs`` exited."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._change.service_is_ready() and self._get.service_is_ready():
@@ -117,12 +110,11 @@ class LifecycleClient:
         return future.result()
 
     def change_state(self, transition: str, timeout_s: float = 30.0) -> tuple[bool, str]:
-        """Trigger a transition by name (see TRANSITIONS). Returns (success, detail).
+        """Trigger a transition by name (:data:`TRANSITIONS`); returns (success, detail).
 
-        A response that never comes is not taken for a failure while the node says on its transition_event topic
-        that the transition finished: rmw_fastrtps drops a service response when the service has not yet matched
-        the client's response reader ("failed to send response (timeout)" in the node's log), though the node made
-        the transition. The call then succeeds with a detail that says so, as soon as the event is seen."""
+        A lost response counts as success once transition_event says it finished: rmw_fastrtps drops responses
+        before the client's reader is matched ("failed to send response (timeout)").
+        """
         req = ChangeState.Request()
         req.transition.id = TRANSITIONS[transition]
         since = time.monotonic()
@@ -150,17 +142,11 @@ class LifecycleClient:
         return result.current_state.label if result is not None else ""
 
     def settled_state(self, timeout_s: float, quiet_s: float = 0.0, managed_quiet_s: float | None = None) -> str:
-        """The node's primary state once it has settled: not in a transition, and, unless it is active or
-        finalized, with no transition seen on its ``transition_event`` topic for ``quiet_s`` seconds (counted
-        from when this client first saw the node's services), or for ``managed_quiet_s`` seconds while another
-        lifecycle manager has a client on its ``change_state`` service (:meth:`other_managers`). So a
-        transition someone else is about to make (a launch file's autostart configures a node as soon as it sees
-        the node's services, which on a busy machine took more than 3 s after this client saw them) is waited
-        for, not raced.
+        """The node's primary state once settled, '' after ``timeout_s``; ``waited_s`` gets the time spent.
 
-        A node busy in a transition callback does not answer ``get_state`` (its executor is running the
-        callback): that counts as "in a transition" too. Returns the label, or '' when the node did not settle
-        within ``timeout_s``; ``waited_s`` is set to the time spent.
+        Unless active or finalized, it must also see no transition event for ``quiet_s`` (``managed_quiet_s``
+        while :meth:`other_managers`), so another manager's autostart (seen > 3 s late on a busy machine) is
+        waited for, not raced. A node that does not answer ``get_state`` is in a transition callback.
         """
         start = time.monotonic()
         deadline = start + timeout_s
@@ -184,12 +170,9 @@ class LifecycleClient:
 
     def bring_to_active(self, timeout_s: float, quiet_s: float = 0.0,
                         managed_quiet_s: float | None = None) -> tuple[str, list[str], str]:
-        """Make the node active with only the transitions its state needs (unconfigured: configure, then
-        activate; inactive: activate; active: none), waiting for transitions in progress and, first, for a
-        quiet time (``quiet_s``, or ``managed_quiet_s`` when another lifecycle manager is there; see
-        :meth:`settled_state`). A transition refused because the node moved meanwhile (someone else made it)
-        is not an error: the state is read again. Returns (the settled state found first, the transitions this
-        call made, '' or why the node is not active)."""
+        """Make the node active with only the transitions its state needs, after :meth:`settled_state`. A
+        refusal because someone else moved the node is not an error. Returns (first settled state, transitions
+        made, '' or why the node is not active)."""
         deadline = time.monotonic() + timeout_s
         found, made, quiet, managed = "", [], quiet_s, managed_quiet_s
         while True:
@@ -211,9 +194,7 @@ class LifecycleClient:
                 return found, made, f"{transition} of {self.name} failed ({detail})"
 
     def return_to(self, state: str, timeout_s: float) -> tuple[bool, str]:
-        """Take the node back down to primary state ``state`` ('active', 'inactive' or 'unconfigured') from the
-        state it is in now, with deactivate and cleanup as needed (a node already there, or below it, is left
-        alone). Returns (success, detail)."""
+        """Deactivate / clean up down to ``state`` (a node at or below it is left alone); (success, detail)."""
         order = ("unconfigured", "inactive", "active")
         current = self.get_state(timeout_s)
         if current not in order:
@@ -228,15 +209,12 @@ class LifecycleClient:
 
 
 def configure_when_ready(node, target: str, pid: int, timeout_s: float = 600.0, log=None) -> str:
-    """Configure managed node ``target`` of process ``pid`` once that process answers, for a launch file's
-    autostart; returns the state it is in afterwards ('' when it never answered or the process died).
+    """Configure ``target`` (process ``pid``) once its ``get_state`` answers, for a launch autostart; returns its
+    state afterwards ('' when it never answered or died).
 
-    A freshly (re)started process is asked only once its own ``get_state`` answers: right after a node process is
-    killed and respawned, DDS discovery still lists the dead process's services for a while, so a request sent at
-    once ("the service is ready") can go to the dead server alone and never be answered. ``get_state`` is asked
-    every 2 s until an answer comes (a dead server never answers); then ``configure`` is requested when the node is
-    unconfigured (a node some manager already moved is left as it is). ``node``: an rclpy node spun in another
-    thread (the launch's own). ``log(message)``: where to say what happened (None: nothing)."""
+    After a respawn DDS still lists the dead process's services for a while, so "service ready" is not trusted:
+    ``get_state`` is asked every 2 s. A node that is not unconfigured is left as it is.
+    """
     say = log or (lambda _message: None)
     client = LifecycleClient(node, target)
     try:

@@ -12,9 +12,8 @@ def lifecycle_state(node) -> str:
 
 
 def on_refused_change_state(node, refused: Callable[[], None]) -> None:
-    """Call ``refused()`` after each ``<node>/change_state`` request that leaves the state unchanged (a transition
-    not available from the current state, or a callback that failed), by wrapping the callback of rclpy's
-    service (``_service_change_state``; rclpy has no public hook). Does nothing on an rclpy without it."""
+    """Call ``refused()`` after each ``change_state`` request that leaves the state unchanged, by wrapping rclpy's
+    private ``_service_change_state`` callback; does nothing on an rclpy without it."""
     service = getattr(node, "_service_change_state", None)
     if service is None:
         return

@@ -1,10 +1,7 @@
 """The one place that builds ROS messages from core values: stamps, Autoware trajectories and candidates.
 
-Imports message types only (``builtin_interfaces``, ``geometry_msgs``, ``std_msgs``, ``unique_identifier_msgs``,
-``autoware_planning_msgs``, ``autoware_internal_planning_msgs``), not rclpy and not torch. Field meanings
-follow ``autoware_planning_msgs/msg/TrajectoryPoint.msg``, ``autoware_internal_planning_msgs/msg/
-CandidateTrajectories.msg`` (and its ``CandidateTrajectory``, ``GeneratorInfo``) and
-``builtin_interfaces/msg/Time.msg`` / ``Duration.msg`` (``int32 sec``, ``uint32 nanosec``).
+Imports message types only, not rclpy or torch. Field meanings follow ``TrajectoryPoint.msg``,
+``autoware_internal_planning_msgs/msg/CandidateTrajectories.msg`` and ``builtin_interfaces`` Time / Duration.
 """
 
 from __future__ import annotations
@@ -25,34 +22,18 @@ from ..vehicle.trajectory import TrajectoryArrays
 __all__ = ["ns_to_stamp", "trajectory_to_msg", "generator_uuid", "candidate_trajectories_to_msg"]
 
 def ns_to_stamp(ns: int) -> Time:
-    """``builtin_interfaces/msg/Time`` for ``ns`` nanoseconds since the epoch (``sec = ns // 1e9``,
-    ``nanosec = ns % 1e9``).
+    """``builtin_interfaces/msg/Time`` of ``ns`` since the epoch.
 
-    Raises:
-        ValueError: negative ``ns`` or seconds beyond int32 (year 2038).
-        TypeError: ``ns`` is not an integer (use ``int(...)``; floats lose nanoseconds).
+    Raises ValueError for negative ``ns`` or seconds beyond int32 (2038), TypeError for a non-integer.
     """
     sec, nanosec = split_ns(ns, "stamp")
     return Time(sec=sec, nanosec=nanosec)
 
 
 def trajectory_to_msg(arrays: TrajectoryArrays, stamp_ns: int, frame_id: str) -> Trajectory:
-    """Build an ``autoware_planning_msgs/msg/Trajectory`` from :class:`TrajectoryArrays`.
+    """An ``autoware_planning_msgs/msg/Trajectory``, one point per point of ``arrays`` (``t`` rounded to the ns).
 
-    Args:
-        arrays: P points (map frame, SI units; see :class:`TrajectoryArrays`).
-        stamp_ns: ``header.stamp`` in ns (int >= 0), normally the camera stamp the plan was made from.
-        frame_id: ``header.frame_id``, the frame of the poses (``map``).
-
-    Returns:
-        Trajectory with ``header`` set and one ``TrajectoryPoint`` per point, every field filled:
-        ``time_from_start`` (sec/nanosec from ``t``, rounded to the nearest ns), ``pose`` (position
-        x/y/z, orientation qx/qy/qz/qw), ``longitudinal_velocity_mps`` (v), ``lateral_velocity_mps``
-        (lat_v), ``acceleration_mps2`` (acc), ``heading_rate_rps`` (heading_rate),
-        ``front_wheel_angle_rad`` and ``rear_wheel_angle_rad`` (float32 on the wire).
-
-    Raises:
-        ValueError: negative or out-of-range ``stamp_ns``, a negative ``t``.
+    Raises ValueError for a negative or out-of-range ``stamp_ns`` or a negative ``t``.
     """
     msg = Trajectory()
     msg.header.stamp = ns_to_stamp(stamp_ns)
@@ -62,7 +43,7 @@ def trajectory_to_msg(arrays: TrajectoryArrays, stamp_ns: int, frame_id: str) ->
 
 
 def _points(arrays: TrajectoryArrays) -> list[TrajectoryPoint]:
-    """One ``TrajectoryPoint`` per point of ``arrays`` (see :func:`trajectory_to_msg`). Raises ValueError."""
+    """One ``TrajectoryPoint`` per point of ``arrays``."""
     columns = zip(
         arrays.t.tolist(), arrays.x.tolist(), arrays.y.tolist(), arrays.z.tolist(),
         arrays.qx.tolist(), arrays.qy.tolist(), arrays.qz.tolist(), arrays.qw.tolist(),
@@ -92,12 +73,9 @@ GENERATOR_UUID_NAMESPACE = uuid.NAMESPACE_URL
 
 
 def generator_uuid(fully_qualified_name: str) -> uuid.UUID:
-    """The fixed ``generator_id`` of the trajectory generator that is the node ``fully_qualified_name``.
+    """``uuid5(NAMESPACE_URL, "ros2:" + fully_qualified_name)``: the same node name gives the same id everywhere.
 
-    ``uuid.uuid5(uuid.NAMESPACE_URL, "ros2:" + fully_qualified_name)``, e.g. ``/hybrid_vla/suffix_node`` ->
-    ``ros2:/hybrid_vla/suffix_node``: the same node name gives the same id on every start and machine, two
-    deployments in different namespaces get different ones. Raises ValueError for a name without a leading
-    ``/`` (not fully qualified).
+    Raises ValueError for a name without a leading ``/``.
     """
     if not fully_qualified_name.startswith("/"):
         raise ValueError(f"{fully_qualified_name!r} is not a fully qualified node name (no leading '/')")
@@ -106,23 +84,9 @@ def generator_uuid(fully_qualified_name: str) -> uuid.UUID:
 
 def candidate_trajectories_to_msg(candidates: Sequence[TrajectoryArrays], stamp_ns: int, frame_id: str,
                                   generator_id: uuid.UUID, generator_name: str) -> CandidateTrajectories:
-    """Build an ``autoware_internal_planning_msgs/msg/CandidateTrajectories`` from one generator's candidates.
+    """A ``CandidateTrajectories`` with one candidate per entry (in order) and one ``GeneratorInfo``.
 
-    Args:
-        candidates: C >= 0 trajectories (map frame, SI units; see :class:`TrajectoryArrays`), in the order
-            they are to appear.
-        stamp_ns: ``header.stamp`` of every candidate in ns (int >= 0), the camera stamp of the frame.
-        frame_id: ``header.frame_id`` of every candidate (``map``).
-        generator_id: the generator's UUID (:func:`generator_uuid`), each candidate's ``generator_id``.
-        generator_name: ``generator_info[0].generator_name.data``.
-
-    Returns:
-        CandidateTrajectories with one ``CandidateTrajectory`` (header, generator_id, ``points`` built as
-        :func:`trajectory_to_msg` builds them) per candidate and one ``GeneratorInfo`` (generator_id,
-        generator_name).
-
-    Raises:
-        ValueError: negative or out-of-range ``stamp_ns``, a negative ``t``.
+    Raises ValueError as :func:`trajectory_to_msg`.
     """
     stamp = ns_to_stamp(stamp_ns)
     msg = CandidateTrajectories()

@@ -1,9 +1,7 @@
-"""The navigation command input both nodes share: ``~/input/navigation_command`` (std_msgs/String, a CARLA
-RoadOption name of :data:`~hybrid_vla_ros.model.config.NAV_COMMANDS`) and the node's ``navigation_command``
-parameter, the latest of the two.
+"""The navigation command both nodes share: the latest of ``~/input/navigation_command`` (std_msgs/String, a name
+of :data:`~hybrid_vla_ros.model.config.NAV_COMMANDS`) and the ``navigation_command`` parameter.
 
-The suffix picks the planner mode by it; a prefix with the published query heads also feeds it to the heads'
-can-bus token (as the published models do). The launch file remaps both nodes' inputs onto one topic.
+The suffix picks the planner mode by it; a prefix with the published query heads feeds it to their can-bus token.
 """
 from __future__ import annotations
 
@@ -16,14 +14,12 @@ from ..model.modeling import DEFAULT_COMMAND
 
 
 class NavigationCommandInput:
-    """``command``: the navigation command index (0..5, NAV_COMMANDS) for the next frame, set by a name on
-    ``~/input/navigation_command`` or by :meth:`set_command` (the parameter). A name that is not a command is a
-    ``bad_navigation_command`` drop (through the node's PartContext) and the command in use stays."""
+    """The command for the next frame; an unknown name is a ``bad_navigation_command`` drop and the command stays."""
 
     TOPIC = "~/input/navigation_command"
 
     def __init__(self, ctx):
-        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the subscription)."""
+        """``ctx``: the node's node_base.PartContext."""
         self._ctx = ctx
         self._command = DEFAULT_COMMAND
         self._lock = threading.Lock()
@@ -58,7 +54,7 @@ class NavigationCommandInput:
         self.set_command(index, f"topic {self.TOPIC}")
 
     def set_command(self, index: int, source: str) -> None:
-        """Use navigation command ``index`` (0..5) from the next frame on; a change is logged with its source."""
+        """Use ``index`` from the next frame on; a change is logged with its ``source``."""
         with self._lock:
             old, self._command = self._command, index
         if old != index:

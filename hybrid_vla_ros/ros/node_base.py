@@ -1,8 +1,7 @@
 """The base of the two lifecycle nodes (PipelineNode) and how a node process runs (run_node, spin).
 
-The parts a PipelineNode is made of live next to it: ``node_parameters`` (the schema's parameters, declared
-and checked), ``diagnostics`` (the 1 Hz /diagnostics status), ``lifecycle_hooks`` (what rclpy keeps private).
-Their public names are importable from here as well.
+Its parts live in :mod:`.node_parameters`, :mod:`.diagnostics` and :mod:`.lifecycle_hooks`, whose public names
+are re-exported here.
 """
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ class Throttle:
 
 
 class SteadyTimers:
-    """A node's timers on the steady clock (runtime.split_control.Timers): device memory runs on wall time, not on a
-    bag's simulated clock."""
+    """A node's timers (runtime.split_control.Timers) on the steady clock, not a bag's simulated one."""
 
     def __init__(self, node):
         self._node = node
@@ -78,13 +76,11 @@ class SteadyTimers:
 
 @dataclass(frozen=True)
 class PartContext(LoopContext):
-    """What a part of a node (its inputs, worker, outputs, split-layer control) may use of the node: built by
-    :meth:`PipelineNode.part_context`, so that a part's constructor says what it needs and no part reaches into
-    the node's private state. What the frame loops use is its :class:`~hybrid_vla_ros.runtime.loops.LoopContext`
-    half (``drop`` logs at most every 2 s per cause and keeps the message as the node's last error; ``alive`` is
-    the node's ROS context being valid, False once Ctrl-C shut it down); ``ros`` is the rclpy node for the part's
-    own ROS entities only (subscriptions, lifecycle publishers, timers and their destroy calls, ``get_clock``,
-    names, graph queries); ``settings()`` the node's validated parameters now (None while unconfigured).
+    """What a node's part (inputs, worker, outputs) may use of the node, so no part reaches into its private state.
+
+    Beyond :class:`~hybrid_vla_ros.runtime.loops.LoopContext` (``drop`` logs at most every 2 s per cause;
+    ``alive`` turns False once Ctrl-C shut the context down): ``ros``, the rclpy node, for the part's own ROS
+    entities only; ``settings()``, the validated parameters (None while unconfigured).
     """
 
     ros: Any = None
@@ -94,15 +90,10 @@ class PartContext(LoopContext):
 class PipelineNode(LifecycleNode):
     """Lifecycle scaffolding shared by prefix_node and suffix_node (after ros2/demos lifecycle_py).
 
-    The node's ROS parameters are declared from ``schema/<name>.schema.json`` (``name`` is the node's
-    default name) and each change is checked against it (node_parameters.ParameterChecks);
-    ``read_parameters`` returns them validated. Subclasses implement ``on_configure``,
-    ``on_activate`` (ending with ``super().on_activate``), ``_stop`` (stop the worker and
-    subscriptions; idempotent), ``_release`` (free the stage and ring; idempotent), ``STATUS`` (the node's
-    ros/status.py class) and ``status_fields`` (its own fields of it). Parts get a :class:`PartContext`
-    (:meth:`part_context`), not the node. This class gives deactivate /
-    cleanup / shutdown / error handling, counted and rate-limited drops, and a 1 Hz ``/diagnostics``
-    publisher that also reports on deactivate (diagnostics.PipelineDiagnostics).
+    Parameters are declared from ``schema/<name>.schema.json`` and each change is checked against it.
+    Subclasses implement ``on_configure``, ``on_activate`` (ending with ``super().on_activate``), idempotent
+    ``_stop`` (worker, subscriptions) and ``_release`` (stage, ring), ``STATUS`` and ``status_fields``. This
+    class gives deactivate / cleanup / shutdown / error handling, rate-limited drop counts and ``/diagnostics``.
     """
 
     def __init__(self, name: str, **kwargs):
@@ -115,19 +106,14 @@ class PipelineNode(LifecycleNode):
         self.drops = DropCounter()
         self.times = StageTimes()
         self.last_error = ""
-        #: A standing fault that keeps the node from working (e.g. the ring's contract does not fit): while
-        #: set, /diagnostics reports ERROR with it as the message. "" when there is none.
+        #: A standing fault that keeps the node from working; /diagnostics reports ERROR with it while set.
         self.fault = ""
-        #: The error of the last configure when it failed ("" after a successful one): while the node is
-        #: unconfigured /diagnostics reports ERROR with it (e.g. a second prefix_node of one name and namespace
-        #: whose ring is owned by the running one).
+        #: The last failed configure's error ("" after a success); /diagnostics ERROR while unconfigured.
         self.configure_error = ""
         self._throttle = Throttle()
         self._diagnostics = PipelineDiagnostics(self)
-        #: ChangeState requests that left the state as it was (a transition not available from the current
-        #: state, e.g. two lifecycle managers asking for the same one, or a callback that failed), in
-        #: /diagnostics as lifecycle_requests_refused: `hybrid-vla replay --attach` reads it to tell whether
-        #: another manager was bringing the node up while the replay did.
+        #: ChangeState requests that left the state as it was; `hybrid-vla replay --attach` reads it from
+        #: /diagnostics to tell whether another lifecycle manager was bringing the node up too.
         self.lifecycle_requests_refused = 0
         on_refused_change_state(self, self._count_refused_request)
 
@@ -139,23 +125,19 @@ class PipelineNode(LifecycleNode):
     LIVE_PARAMETERS: tuple[str, ...] = ()
 
     def apply_live_parameters(self, values: dict) -> None:
-        """Apply accepted new values (name -> value) of ``LIVE_PARAMETERS`` now (they met the schema)."""
+        """Apply accepted new values of ``LIVE_PARAMETERS`` now."""
 
     def live_parameter_problems(self, values: dict) -> list[str]:
-        """'name: problem' for new values of ``LIVE_PARAMETERS`` that the schema allows but the loaded
-        checkpoint does not (e.g. a split layer above L); [] by default."""
+        """'name: problem' for live values the schema allows but the loaded checkpoint does not."""
         return []
 
     def set_parameters_atomically(self, parameter_list: list[Parameter]) -> SetParametersResult:
-        """rclpy's, but an undeclared name, an unset value or a value of the wrong type is refused with
-        a reason that names the parameter (rclpy's own reasons do not, e.g. "Wrong parameter type,
-        expected '2' got '4'"). The parameter services (``ros2 param set``) call this method."""
+        """rclpy's, but refusals (undeclared, unset, wrong type) name the parameter, unlike rclpy's own."""
         refused = self._parameter_checks.refusal(parameter_list)
         return refused if refused is not None else super().set_parameters_atomically(parameter_list)
 
     def read_parameters(self, **checkpoint) -> params.Params:
-        """The current parameters checked against the node's schema and, given ``checkpoint`` facts
-        (``num_layers``, ``n_cameras``), against the checkpoint. Raises ParameterError."""
+        """The parameters validated against the schema and ``checkpoint`` facts. Raises ParameterError."""
         return params.validate(self._schema_node, parameter_values(self, self._schema_node), **checkpoint)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -193,7 +175,7 @@ class PipelineNode(LifecycleNode):
             self.last_error = text
 
     def _drop(self, cause: str, message: str, n: int = 1) -> None:
-        """Count ``n`` dropped frames or messages of ``cause`` and log it at most every 2 s per cause."""
+        """Count ``n`` drops of ``cause``; log at most every 2 s per cause."""
         total = self.drops.add(cause, n)
         self.last_error = message
         if self._throttle(cause):
@@ -202,11 +184,11 @@ class PipelineNode(LifecycleNode):
     STALL_S = 3.0  # inputs arriving without any output for this long is an ERROR (see stall_s)
 
     def stall_s(self) -> float:
-        """Seconds of inputs without any output after which /diagnostics says ERROR: :attr:`STALL_S`."""
+        """Seconds of inputs without output before /diagnostics says ERROR."""
         return self.STALL_S
 
     def use_sim_time(self) -> bool:
-        """The node's ``use_sim_time`` parameter (rclpy's own): its clock follows ``/clock``."""
+        """The node's ``use_sim_time`` parameter."""
         return bool(self.get_parameter("use_sim_time").value)
 
     def clock_missing(self) -> bool:
@@ -214,9 +196,7 @@ class PipelineNode(LifecycleNode):
         return self.use_sim_time() and self.get_clock().now().nanoseconds == 0
 
     def publish_diagnostics(self) -> None:
-        """Publish one DiagnosticStatus '<fully qualified node name>: pipeline' on /diagnostics (levels and
-        values: diagnostics.PipelineDiagnostics). Called every second on steady time, so also without /clock,
-        and at deactivate."""
+        """Publish '<node>: pipeline' on /diagnostics (:class:`~.diagnostics.PipelineDiagnostics`)."""
         self._diagnostics.publish()
 
     #: The node's status class (ros/status.py): what ``publish_diagnostics`` writes.
@@ -231,29 +211,25 @@ class PipelineNode(LifecycleNode):
         return 0, 0
 
     def peer_status(self):
-        """The other stage as this node sees it (runtime.peer.PeerStatus), None while the node is not active:
-        checked every 0.1 s by the diagnostics (diagnostics.PipelineDiagnostics)."""
+        """The other stage as seen from here (runtime.peer.PeerStatus), None while not active."""
         return None
 
     def input_problem(self) -> str:
-        """A standing problem with this node's inputs that keeps it from producing output (e.g. a camera that
-        sends nothing while the others do), "" when there is none; reported as ERROR while the node is active."""
+        """An input problem that stops output (ERROR while active), "" when none."""
         return ""
 
     def input_warning(self) -> str:
-        """A problem with this node's inputs that does not (yet) stop it (e.g. images arriving late), "" when
-        there is none; reported as WARN while the node is active."""
+        """An input problem that does not (yet) stop output (WARN while active), "" when none."""
         return ""
 
     def configure_failed(self, error: Exception | str) -> TransitionCallbackReturn:
-        """Record and log a failed configure (``configure_error``, ``last_error``; /diagnostics ERROR while
-        unconfigured) and return FAILURE."""
+        """Record and log a failed configure; returns FAILURE."""
         self.last_error = self.configure_error = str(error)
         self.get_logger().error(f"configure failed: {error}")
         return TransitionCallbackReturn.FAILURE
 
     def configured(self) -> None:
-        """A configure succeeded: the previous one's error is gone."""
+        """Clear the previous configure's error."""
         self.configure_error = ""
 
     def ring_end(self):
@@ -267,20 +243,16 @@ class PipelineNode(LifecycleNode):
         raise NotImplementedError
 
     def status_fields(self) -> dict:
-        """This node's own fields of its ``STATUS`` (field name -> typed value); {} by default."""
+        """This node's own ``STATUS`` fields (name -> typed value)."""
         return {}
 
 
 def run_node(name: str, factory, argv: list[str]) -> int:
-    """Start rclpy with ``argv``, build the node with ``factory()`` and spin it (:func:`spin`), then end the
-    process with spin's exit code (:func:`_exit_now`; it does not return after a spin). Returns 2 or 130 when
-    the node could not be started.
+    """Start rclpy, build the node with ``factory()``, :func:`spin` it and end the process with its exit code
+    (no return after a spin). Returns 2 or 130 when the node could not be started.
 
-    A command line rcl cannot read (a parameter file that is not YAML, a list mixing types) and values of
-    the wrong type are printed as one clear error naming each parameter, ``<name>: ...`` on stderr, and
-    the process exits with 2, never with a traceback. rclpy's own signal handlers are not installed:
-    SIGINT and SIGTERM are handled by :func:`spin`, so the node still logs (rosout included) while it
-    shuts down.
+    Unreadable or mistyped parameters print one ``<name>: ...`` line naming each parameter (no traceback) and
+    return 2. rclpy's signal handlers are not installed, so the node still logs while it shuts down.
     """
     try:
         rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
@@ -301,12 +273,8 @@ def run_node(name: str, factory, argv: list[str]) -> int:
 
 
 def _exit_now(code: int) -> None:
-    """End the process with ``code`` once the node is shut down: finalize the ROS context (the DDS participant,
-    Fast DDS's shared-memory files with it), flush stdout and stderr, then ``os._exit``. Python's own
-    interpreter finalization with torch loaded takes seconds on a busy machine (docs/reliability.md), more
-    than the 5 s ``ros2 launch`` waits after SIGINT before it escalates to
-    SIGTERM and then SIGKILL; nothing the node needs runs in it (the ring and the model are released, the
-    logs written)."""
+    """Destroy the ROS context (Fast DDS's shared-memory files with it), flush, then ``os._exit(code)``: Python's
+    finalization with torch takes seconds (docs/reliability.md), beyond ``ros2 launch``'s 5 s SIGINT grace."""
     try:
         rclpy.get_default_context().destroy()
     except Exception:  # noqa: BLE001 - exiting anyway
@@ -330,14 +298,10 @@ def _stop_signal(signum, frame) -> None:
 
 
 def spin(node: PipelineNode) -> int:
-    """Spin a pipeline node until SIGINT / SIGTERM (or an external shutdown), then release it; exit code 0.
+    """Spin ``node`` in a background thread until SIGINT / SIGTERM or an external shutdown, then release it.
 
-    The executor runs in a background thread and the main thread waits for a signal. On SIGINT or SIGTERM
-    the executor stops, the pipeline is released (worker stopped, ring and model freed) and logged while
-    the ROS context is still valid, then the node is destroyed and rclpy shut down. Further signals during
-    that shutdown are ignored. Returns 1 when the executor itself failed while the node ran (the error is logged);
-    an error a callback raises once the stop was asked for (the shutdown interrupting it) is logged as a warning
-    and leaves the exit code 0.
+    The pipeline is released while the ROS context is still valid (so it logs); further signals are ignored.
+    Returns 1 when the executor failed while running, else 0 (a callback error during the stop is a warning).
     """
     executor = SingleThreadedExecutor(context=node.context)
     executor.add_node(node)

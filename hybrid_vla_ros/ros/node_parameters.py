@@ -26,8 +26,7 @@ _RCLPY_PARAMETERS = ("use_sim_time", "start_type_description_service")
 
 
 def type_problem(name: str, given: Parameter, declared: Parameter.Type) -> str:
-    """'name: must be of type int, got string 'four'' for a value of the wrong ROS type (with a hint to
-    write 3.0 for a double given as an integer)."""
+    """'name: must be of type int, got string 'four'' (with a hint for an integer given to a double)."""
     hint = f" (write {float(given.value)!r})" if (given.type_, declared) == (
         Parameter.Type.INTEGER, Parameter.Type.DOUBLE) else ""
     return (f"{name}: must be of type {_TYPE_WORDS.get(declared, declared.name)}, "
@@ -35,17 +34,12 @@ def type_problem(name: str, given: Parameter, declared: Parameter.Type) -> str:
 
 
 def declare_parameters(node: Node, schema_node: str) -> None:
-    """Declare every parameter of ``schema/<schema_node>.schema.json`` with the schema's default,
-    description and valid values (``ros2 param describe``). A parameter without a default, or an
-    array whose default is [] (rclpy cannot type an empty list), is declared by its type and stays
-    unset until given; validation then applies the schema default.
+    """Declare every schema parameter with its default, description and valid values (``ros2 param describe``).
 
-    Values given at start (``--params-file``, ``-p``; launch_ros' files included) are taken as rcl read
-    them. An empty list (YAML ``name: []`` or ``-p 'name:=[]'``, which rcl reads as 'not set') of an array
-    parameter counts as the empty list. A value of the wrong type (``ring_slots: four``) is not declared: every such
-    parameter is collected and ParameterError is raised after all are declared, naming each ('ring_slots: must be of
-    type int, got string 'four''), where rclpy would raise on the first with a traceback. Values for
-    names the schema does not have are logged as a warning (rclpy ignores them).
+    Parameters without a default, or with default [] (rclpy cannot type an empty list), are declared by type and
+    stay unset until given. A given ``[]`` (rcl: 'not set') counts as the empty list. Values of the wrong type
+    are all collected into one ParameterError after declaring (rclpy would raise on the first); unknown names
+    are logged as a warning.
     """
     overrides = node._parameter_overrides  # rclpy's map of the values given at start (no public accessor)
     problems = []
@@ -86,7 +80,7 @@ def _declare(node: Node, name: str, spec: dict, default, declared_type, desc: Pa
 
 
 def parameter_values(node: Node, schema_node: str) -> dict:
-    """Name -> current value of each of the schema's parameters that is set (unset ones left out)."""
+    """Name -> current value of each set schema parameter."""
     values = {}
     for name in params.parameter_specs(schema_node):
         try:
@@ -102,20 +96,15 @@ def parameter_values(node: Node, schema_node: str) -> dict:
 
 
 class ParameterChecks:
-    """The checks of a PipelineNode's parameter changes (``ros2 param set``, ``set_parameters``) against the
-    schema of ``schema_node``, each refusal with a reason that names the parameter and the rule, also logged as
-    'parameter change refused: <reason>'. The node's ``LIVE_PARAMETERS`` are applied at once through its
-    ``apply_live_parameters`` (after its ``live_parameter_problems``); the others take effect at the next
-    configure."""
+    """Checks of a PipelineNode's parameter changes against its schema; refusals name the parameter and rule
+    and are logged. ``LIVE_PARAMETERS`` apply at once, the others at the next configure."""
 
     def __init__(self, node: Node, schema_node: str):
         self._node = node
         self._schema_node = schema_node
 
     def refusal(self, parameter_list: list[Parameter]) -> SetParametersResult | None:
-        """The refusal of a change that names an undeclared parameter, unsets one or gives a value of the wrong
-        type (rclpy's own reasons do not name the parameter, e.g. "Wrong parameter type, expected '2' got
-        '4'"); None when rclpy may go on."""
+        """The refusal of an undeclared, unset or mistyped parameter; None when rclpy may go on."""
         node = self._node
         problems = []
         for p in parameter_list:
@@ -132,12 +121,8 @@ class ParameterChecks:
         return self._refuse(problems) if problems else None
 
     def on_set(self, changes: list[Parameter]) -> SetParametersResult:
-        """on-set-parameters callback: each new value must meet its schema entry (type, range, enum,
-        pattern; ``params.value_problems``), else the whole change is refused with a reason
-        naming the parameter and the rule, e.g. 'split_layer: must be >= 0, got -5'. Values are read at
-        configure, so an accepted change takes effect at the next configure (those in
-        ``LIVE_PARAMETERS`` at once); the checks that need the checkpoint (e.g. split_layer <= L) wait
-        for it too. Parameters outside the schema (rclpy's own, e.g. use_sim_time) are left to rclpy."""
+        """On-set-parameters callback: the whole change is refused unless every value meets its schema entry
+        (checkpoint checks wait for configure). Parameters outside the schema are left to rclpy."""
         node, live_names = self._node, self._node.LIVE_PARAMETERS
         specs = params.parameter_specs(self._schema_node)
         values = {}

@@ -1,16 +1,9 @@
 """Node parameters, driven by one JSON schema per node (ROS-free, so they are tested without a ROS graph).
 
-``schema/<node>.schema.json`` (Autoware convention, draft-07) is the single source of truth for each
-node's parameter names, types, defaults, ranges and descriptions: the nodes declare their ROS
-parameters from it, :func:`validate` checks a node's values against it, and
-``scripts/generate_param_tables.py`` renders the README's parameter tables from it. :func:`validate` returns
-the values as the node's frozen settings dataclass (``ros.settings``: ``PrefixNodeSettings``,
-``SuffixNodeSettings``), one typed field per schema parameter.
-
-Only the checks a schema cannot express live here in code: the split layer against the
-checkpoint's L, the camera count against the checkpoint (and expanding a single transport to one per
-camera), ``model_path`` naming a directory, and ``cpu_affinity`` naming cores of this machine.
-Every problem is reported at once in one :class:`ParameterError`, one ``name: problem`` per parameter.
+``schema/<node>.schema.json`` (Autoware convention, draft-07) is the single source of truth for names, types,
+defaults, ranges and descriptions: the nodes declare their parameters from it and
+``scripts/generate_param_tables.py`` renders the README tables from it. Code here holds only what a schema
+cannot say (checkpoint, camera count, directories, cores of this machine).
 """
 from __future__ import annotations
 
@@ -32,10 +25,7 @@ _SOURCE_SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schema"  # <repo>/sc
 
 
 class ParameterError(ValueError):
-    """One or more parameters are invalid; the message lists each as 'name: problem'.
-
-    ``problems`` holds the same 'name: problem' lines as a list.
-    """
+    """Invalid parameters; the message and ``problems`` list each as 'name: problem'."""
 
     def __init__(self, problems: list[str] | str):
         problems = [problems] if isinstance(problems, str) else problems
@@ -43,15 +33,13 @@ class ParameterError(ValueError):
         self.problems = list(problems)
 
 
-#: The former name of a node's validated parameters (an attribute dict): now its settings dataclass, which still
-#: reads by parameter name (``p["ring.delivery"]``) and by attribute (``p.split_layer``, ``p.ring.delivery``).
+#: A node's validated parameters, read by name (``p["ring.delivery"]``) or attribute (``p.ring.delivery``).
 Params = NodeSettings
 
 
 # ------------------------------------------------------------------------------------------- schema
 def schema_path(node: str) -> Path:
-    """``<node>.schema.json``: the source tree's ``schema/`` folder, else the installed
-    ``share/hybrid_vla_ros/schema``. Raises LookupError for an unknown node or a missing file."""
+    """``<node>.schema.json`` from the source tree, else ``share/hybrid_vla_ros/schema``. Raises LookupError."""
     if node not in NODES:
         raise LookupError(f"no parameter schema for {node!r} (nodes: {', '.join(NODES)})")
     name = f"{node}.schema.json"
@@ -109,8 +97,8 @@ def ros_type(spec: Mapping) -> str:
 
 
 def constraint_text(spec: Mapping, code: str = "") -> str:
-    """The valid values of a schema entry in words, e.g. 'Must be in [3, 64].' or 'Must be one of fp32,
-    bf16, fp16.' ('' when unconstrained). ``code`` wraps literal values, e.g. '`' for Markdown."""
+    """The valid values of a schema entry in words, e.g. 'Must be in [3, 64].' ('' when unconstrained);
+    ``code`` wraps literals, e.g. '`' for Markdown."""
     def lit(v: Any) -> str:
         return f"{code}{v}{code}"
 
@@ -167,24 +155,19 @@ def _value_constraints(spec: Mapping, lit: Callable[[Any], str]) -> list[str]:
 
 # --------------------------------------------------------------------------------------- validation
 def schema_problems(node: str, values: Mapping[str, Any]) -> list[str]:
-    """Every way ``values`` (name -> value) breaks the node's schema, one 'name: problem' each.
-    Missing parameters are not problems here (:func:`validate` fills in the defaults)."""
+    """Every way ``values`` breaks the node's schema, one 'name: problem' each."""
     return [f"{_label(path)}: {problem}" for path, problem in _schema_errors(node, values)]
 
 
 def value_problems(node: str, values: Mapping[str, Any]) -> list[str]:
-    """Every way the given parameters break their own schema entries (type, range, enum, pattern,
-    lengths), one 'name: problem' each; a name the schema does not know is a problem too.
-
-    For a change to some parameters (``ros2 param set``): the others are not judged, and the checks
-    that need the checkpoint or this machine (:func:`validate`'s code-side checks) wait for configure.
-    """
+    """Problems of the given parameters only (unknown names included), for ``ros2 param set``; the code-side
+    checks of :func:`validate` wait for configure."""
     merged = {**copy.deepcopy(defaults(node)), **values}
     return [f"{_label(path)}: {problem}" for path, problem in _schema_errors(node, merged) if path[0] in values]
 
 
 def _schema_errors(node: str, values: Mapping[str, Any]) -> list[tuple[list, str]]:
-    """(path inside the parameters, e.g. ['camera_transports', 0], problem) for each schema violation."""
+    """(path, e.g. ['camera_transports', 0], problem) for each schema violation."""
     _, validator = _load(node)
     document = {"/**": {"ros__parameters": dict(values)}}
     found = []
@@ -237,15 +220,11 @@ def _type_words(t: str | list[str]) -> str:
 def validate(node: str, values: Mapping[str, Any], *, n_cameras: int | None = None,
              num_layers: int | None = None,
              needs_camera_info: bool = False) -> PrefixNodeSettings | SuffixNodeSettings:
-    """Check a node's parameters and return them complete (schema defaults for missing ones) as the node's
-    settings dataclass (:data:`~.settings.SETTINGS`: a ``number`` is a float, a list a tuple).
+    """A node's parameters, defaults filled in, as its settings dataclass (:data:`~.settings.SETTINGS`).
 
-    ``values``: name -> value as read from ROS (unset parameters left out). ``n_cameras`` and
-    ``num_layers`` come from the checkpoint when it is known; with ``n_cameras`` the prefix's
-    ``camera_topics`` [] becomes ``~/input/image<i>`` and a single ``camera_transports`` value one per
-    camera, and ``camera_info_topics`` [] one CameraInfo topic per camera (:func:`camera_info_topic`), which
-    must differ from each other when ``needs_camera_info`` (a checkpoint with the query heads). Raises
-    :class:`ParameterError` listing every problem, the schema's and the code's.
+    ``n_cameras`` / ``num_layers``: checkpoint facts when known; with ``n_cameras`` empty camera topics and a
+    single transport expand to one per camera (:func:`camera_info_topic`), info topics distinct when
+    ``needs_camera_info``. Raises :class:`ParameterError` listing every problem at once.
     """
     merged = {**copy.deepcopy(defaults(node)), **values}
     errors = _schema_errors(node, merged)
@@ -282,17 +261,16 @@ def _checkpoint_checks(v: dict, bad: set[str], num_layers: int | None) -> list[s
 
 
 def camera_info_topic(image_topic: str) -> str:
-    """The CameraInfo topic beside a camera's image topic, as image_transport pairs them (the image topic's last
-    name replaced by ``camera_info``), except that a last name ``image<N>`` (the node's own ``~/input/image<N>``)
-    becomes ``camera_info<N>``: ``/sensing/camera/camera0/image_rect_color`` -> ``/sensing/camera/camera0/
-    camera_info``, ``~/input/image3`` -> ``~/input/camera_info3``."""
+    """The CameraInfo topic beside an image topic, as image_transport pairs them, but ``image<N>`` ->
+    ``camera_info<N>``: ``/cam0/image_rect_color`` -> ``/cam0/camera_info``, ``~/input/image3`` ->
+    ``~/input/camera_info3``."""
     head, _, last = image_topic.rstrip("/").rpartition("/")
     number = last[len("image"):] if last.startswith("image") and last[len("image"):].isdigit() else ""
     return f"{head}/camera_info{number}" if head or image_topic.startswith("/") else f"camera_info{number}"
 
 
 def _camera_checks(v: dict, bad: set[str], n_cameras: int | None, needs_camera_info: bool = False) -> list[str]:
-    """Camera count against the checkpoint; expands the defaults in ``v`` when valid."""
+    """Camera count against the checkpoint; expands the defaults in ``v``."""
     if n_cameras is None:
         return []
     problems = []

@@ -1,19 +1,10 @@
 """Reading ROS 2 parameter files the way rcl reads them, before rclpy starts.
 
-Both nodes pin their process to ``cpu_affinity`` before torch, OpenCV and rclpy start threads, so they read
-that one parameter themselves from their command line (``-p``, ``--params-file``) before any of them is
-imported (:func:`cpu_affinity_from_ros_args`, given to ``util.cores.pin_then_import`` by each node's
-``main``). The files it meets there are written by people and by launch_ros. launch_ros
-(``launch_ros.actions.Node``) writes the parameters of a launch file's dict with ``yaml.dump``, which turns the
-tuples its parameter normalisation makes of every list into ``!!python/tuple`` nodes
-(``cpu_affinity: !!python/tuple [6, 7]``); rcl's own YAML
-parser ignores tags, while ``yaml.safe_load`` refuses them. :func:`load_params_file` reads such a file with a
-safe loader that treats a ``!!python/tuple`` sequence as the list it was, and nothing else beyond safe YAML.
-
-Node keys follow ROS 2's parameter-file rules (:func:`node_key_matches`): ``/**`` (every node), ``/node``,
-``/ns/node``, ``/ns/*``, ``/**/node``; namespaces may also be nested as mappings
-(``ns: {node: {ros__parameters: ...}}``).
-Only stdlib, PyYAML and :mod:`hybrid_vla_ros.util.cores` are imported here (no rclpy, no torch).
+The nodes read ``cpu_affinity`` from their command line themselves (:func:`cpu_affinity_from_ros_args`) to pin
+the process before torch, OpenCV and rclpy start threads. launch_ros writes list parameters as
+``!!python/tuple`` (``yaml.dump`` of its tuples), which rcl ignores and ``yaml.safe_load`` refuses; the loader
+here reads that tag as a list and nothing else beyond safe YAML. Node keys may be nested as mappings
+(``ns: {node: {ros__parameters: ...}}``). Imports no rclpy or torch.
 """
 from __future__ import annotations
 
@@ -28,8 +19,7 @@ PARAMETERS_KEY = "ros__parameters"
 
 
 class ParamsFileError(ValueError):
-    """A parameter file, or a parameter value in it or on the command line, that cannot be read; the message
-    names the file and the parameter."""
+    """A parameter file or value that cannot be read; the message names the file and the parameter."""
 
 
 class _ParamsFileLoader(yaml.SafeLoader):
@@ -50,11 +40,8 @@ def _safe_yaml(text: str):
 
 
 def load_params_file(path: str | Path) -> dict:
-    """The parsed parameter file: a mapping of node keys to sections (``{}`` for an empty file).
-
-    Raises ParamsFileError naming the file when it cannot be read, is not YAML (another unsafe tag
-    included), or its top level is not a mapping.
-    """
+    """The parsed file, node keys -> sections (``{}`` when empty). Raises ParamsFileError when it cannot be read,
+    is not (safe) YAML, or its top level is not a mapping."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -86,11 +73,10 @@ def _flatten(data: dict, prefix: str = ""):
 
 
 def node_key_matches(key: str, namespace: str, node: str) -> bool:
-    """Whether parameter-file node key ``key`` applies to node ``node`` in ``namespace``.
+    """Whether node key ``key`` applies to ``node`` in ``namespace``, by rclcpp's ``parameter_map`` rule.
 
-    The rule of rclcpp's ``parameter_map`` (which rclpy follows): a leading ``/`` is implied, ``/**`` stands
-    for any number of namespace components and ``/*`` for exactly one, and the result must match the node's
-    fully qualified name as a whole (so a bare ``suffix_node`` names the node in the root namespace only).
+    A leading ``/`` is implied, ``/**`` is any number of namespace components, ``/*`` exactly one, and the
+    whole name must match (a bare ``suffix_node`` is the root namespace's only).
     """
     fqn = "/" + "/".join(p for p in (namespace.strip("/"), node) if p)
     pattern = re.escape(key if key.startswith("/") else "/" + key)
@@ -99,15 +85,13 @@ def node_key_matches(key: str, namespace: str, node: str) -> bool:
 
 
 def _later(value, new):
-    """rcl's rule for a value given again: the later one wins, except an empty list, which rcl reads as
-    'not set' and which therefore never replaces an earlier value."""
+    """rcl's rule for a repeated value: the later wins, except an empty list (rcl reads it as 'not set')."""
     return value if isinstance(new, list) and not new and value is not None else new
 
 
 def parameter_from_files(paths: list[str], namespace: str, node: str, name: str):
-    """The value of parameter ``name`` for ``node`` in ``namespace`` from parameter files read in order,
-    the last match winning (as rcl applies them; an empty list does not replace an earlier value);
-    ``None`` when no file sets it. Raises ParamsFileError."""
+    """Parameter ``name`` of ``node`` from ``paths`` in order (rcl's precedence, :func:`_later`); None when
+    unset. Raises ParamsFileError."""
     value = None
     for path in paths:
         for key, params in _flatten(load_params_file(path)):
@@ -117,13 +101,11 @@ def parameter_from_files(paths: list[str], namespace: str, node: str, name: str)
 
 
 def ros_args_parameter(argv: list[str], node: str, name: str, namespace: str = "/"):
-    """The value of parameter ``name`` given to ``node`` on a ROS command line, before rclpy parses it.
+    """Parameter ``name`` of ``node`` from a ROS command line before rclpy parses it; None when not given.
 
-    Reads ``-p name:=value`` / ``--param name:=value`` (also ``node:name:=value``) and ``--params-file FILE``
-    after ``--ros-args`` in order, the last one winning as in rcl (but an empty list, which rcl reads as
-    'not set', does not replace an earlier value); ``-r __ns:=/ns`` (and ``__node:=``) set the namespace and
-    name the file keys are matched with. ``-p`` values are YAML (``[6, 7]``). Returns the parsed value, or
-    None when it is not given. Raises ParamsFileError naming the file or argument it cannot read.
+    Reads ``-p``/``--param`` (YAML values, ``node:name:=`` too) and ``--params-file`` after ``--ros-args`` with
+    rcl's precedence; ``-r __ns:=`` / ``__node:=`` set what file keys match. Raises ParamsFileError naming what
+    it cannot read.
     """
     args, value = _ros_args(argv), None
     for flag, text in args:  # the node's own name and namespace first: file keys are matched against them
@@ -150,7 +132,7 @@ def ros_args_parameter(argv: list[str], node: str, name: str, namespace: str = "
 
 
 def _ros_args(argv: list[str]) -> list[tuple[str, str]]:
-    """(flag, value) of every ``-p`` / ``--param`` / ``--params-file`` / ``-r`` / ``--remap`` after ``--ros-args``."""
+    """(flag, value) of every parameter and remap argument after ``--ros-args``."""
     args, in_ros, i = [], False, 0
     while i < len(argv):
         arg = argv[i]
@@ -177,8 +159,7 @@ def _rcl_kind(value) -> str | None:
 
 
 def _value_problem(value) -> str | None:
-    """Why rcl cannot read ``value`` as a parameter value (None when it can): a list mixing types, e.g.
-    ``[1, 2.0]`` or ``[a, 1]``, or one holding something other than a scalar."""
+    """Why rcl cannot read ``value`` (a list of mixed types or non-scalars), None when it can."""
     if not isinstance(value, list):
         return None
     kinds = [_rcl_kind(v) for v in value]
@@ -191,7 +172,7 @@ def _value_problem(value) -> str | None:
 
 
 def _walk_values(params: dict, prefix: str = ""):
-    """(dotted parameter name, value) of a ``ros__parameters`` mapping; nested mappings are dotted names."""
+    """(dotted name, value) of each parameter in a ``ros__parameters`` mapping."""
     for key, value in params.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
@@ -201,12 +182,9 @@ def _walk_values(params: dict, prefix: str = ""):
 
 
 def unreadable_parameters(argv: list[str]) -> list[str]:
-    """What on a ROS command line rcl cannot read, one line each, naming the parameter and where it is given.
+    """What on a ROS command line rcl cannot read, one line each naming the parameter and where; [] when none.
 
-    For the error ``rclpy.init`` raises when rcl fails to parse the parameters (its message names the file
-    and a line, not the parameter): a parameter file that is not YAML, or a value no ROS parameter type
-    holds (a list mixing types, e.g. ``[1, 2.0]``), in any node's section of every ``--params-file`` and in
-    each ``-p name:=value``. [] when nothing is found (the caller then shows rcl's own message).
+    Explains ``rclpy.init``'s parse error, which names a file and line but not the parameter.
     """
     problems = []
     for flag, text in _ros_args(argv):
@@ -237,9 +215,8 @@ def unreadable_parameters(argv: list[str]) -> list[str]:
 
 
 def cpu_affinity_from_ros_args(argv: list[str], node: str = "suffix_node") -> list[int] | None:
-    """``cpu_affinity`` of ``node`` from its command line (see :func:`ros_args_parameter`) as a core list; None
-    when not given, [] when given empty (not pinned). Raises ParamsFileError naming the parameter for a value
-    that is not a list of core indices, and for a file that cannot be read."""
+    """``cpu_affinity`` of ``node`` from its command line as a core list; None when not given, [] when empty
+    (not pinned). Raises ParamsFileError for a bad value or an unreadable file."""
     raw = ros_args_parameter(argv, node, "cpu_affinity")
     if raw is None or raw == [] or raw == "":
         return None if raw is None else []

@@ -1,8 +1,7 @@
 """The prefix node's inputs: the cameras and, for a checkpoint with ``ego_state_input``, the ego state.
 
-Callbacks only read the header stamp, count and buffer (:class:`CameraInputs` hands each synchronized frame
-to the worker, :class:`EgoStateInputs` keeps the samples); decoding and inference run on the worker thread
-(``prefix_worker``). Every bad or discarded message is a drop counted by cause (through the node's PartContext).
+Callbacks only read stamps, count and buffer; decoding and inference run on the worker thread (:mod:`.prefix_worker`).
+Every bad or discarded message is a drop counted by cause.
 """
 from __future__ import annotations
 
@@ -45,27 +44,19 @@ EGO_DROP_REASONS = {
 
 
 class CameraInputs:
-    """The camera subscriptions of a prefix node, synchronized by header stamp.
+    """The camera subscriptions of a prefix node, synchronized undecoded by header stamp
+    (:class:`~..vehicle.sync.CameraSynchronizer`); each SyncedSet of ``(transport, msg)`` goes to ``on_frame``.
 
-    Each message's stamp (int ns, from ``header.stamp``) goes to a :class:`~..vehicle.sync.CameraSynchronizer`
-    with the message, undecoded; each completed set (a SyncedSet: stamp ns, one ``(transport, msg)`` per camera
-    in camera order) goes to ``on_frame``. Counts ``frames_in`` (messages, every camera) and ``frames_synced``
-    (sets); a stamp that cannot be read is a ``bad_stamp`` drop, the synchronizer's discards are drops by its
-    cause (SYNC_DROP_REASONS). It also keeps when each camera's last message arrived (steady time), so that a
-    camera that sends nothing while the others do is named (:meth:`silence`), and the synchronized frames'
-    period (:meth:`frame_period_ns`); each camera's arrival delays (node clock minus header stamp), so that a
-    camera whose images come late is named (:meth:`lateness`); and how many synchronized frames in a row were
-    already older than the suffix's frame age limit (``frame_age_limit()``, s, None when unknown) when their last
-    image arrived (:meth:`too_old`: each of them will be dropped as ``guard_too_old``).
+    Also watches the inputs: silent cameras (:meth:`silence`), late images (:meth:`lateness`), and frames already
+    older than the suffix's frame age limit when complete (:meth:`too_old`, each to be dropped as
+    ``guard_too_old``).
     """
 
     #: A camera silent for this many of the others' message periods (and at least SILENT_MIN_S) is named.
     SILENT_PERIODS = 3
     SILENT_MIN_S = 0.5
-    #: A camera whose images arrive this long after their header stamp (median of its last LATE_WINDOW, by the node
-    #: clock) is named as late: half the suffix's frame age limit (its output guard's guard.max_age_s), so its
-    #: frames are about to be dropped as too old. Large raw images over a DDS transport that is not tuned for
-    #: them arrive seconds late (docs/deployment.md, "Large images").
+    #: Fraction of the suffix's frame age limit (guard.max_age_s) past which a camera's median arrival delay is
+    #: late: large raw images over an untuned DDS transport arrive seconds late (docs/deployment.md).
     LATE_FRACTION = 0.5
     #: Images per camera whose median arrival delay judges it late: one late image is not, the second is.
     LATE_WINDOW = 3
@@ -83,9 +74,7 @@ class CameraInputs:
 
     def __init__(self, ctx, on_frame: Callable[[SyncedSet], None],
                  frame_age_limit: Callable[[], float | None] = lambda: None):
-        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the subscriptions and the QoS timer);
-        ``on_frame``: called with each synchronized frame (the worker's ``offer``); ``frame_age_limit``: the
-        suffix's frame age limit now (s; None while unknown)."""
+        """``ctx``: the node's PartContext; ``frame_age_limit``: the suffix's limit now (s; None while unknown)."""
         self._ctx = ctx
         self._on_frame = on_frame
         self._frame_age_limit = frame_age_limit
@@ -115,11 +104,8 @@ class CameraInputs:
         self._last_stamp: list[int] = []  # per camera: the stamp of its last message (-1: none)
 
     def start(self, topics: list[str], transports: list[str], tolerance_ms: float, reliability: str = "auto") -> None:
-        """Subscribe to camera ``i`` at ``topics[i]`` (sensor_msgs/Image, transport 'raw') or at
-        ``topics[i]/compressed`` (sensor_msgs/CompressedImage, transport 'compressed'), with a new synchronizer
-        that pairs stamps within ``tolerance_ms`` (ms). ``reliability`` (the ``camera_reliability`` parameter):
-        'best_effort' (sensor-data QoS), 'reliable', or 'auto': each topic's reliability follows its publishers,
-        now and every second (:meth:`_match_publishers`)."""
+        """Subscribe camera i at ``topics[i]`` (Image) or ``topics[i]/compressed`` with a new synchronizer
+        (``tolerance_ms``); ``reliability`` 'auto' follows the publishers every second (:meth:`_match_publishers`)."""
         self._reliability_mode = reliability
         self._sync = CameraSynchronizer(len(topics), int(tolerance_ms * 1e6))
         self._topics_asked = [played_topic(t, tr) for t, tr in zip(topics, transports)]
@@ -148,8 +134,7 @@ class CameraInputs:
     SWITCH_OVERLAP_S = 3.0
 
     def _subscribe(self, cam: int, reliability: ReliabilityPolicy):
-        """The subscription of camera ``cam`` with ``reliability``, keep last 5, volatile (of the camera's current
-        generation)."""
+        """Camera ``cam``'s subscription (current generation) with ``reliability``, keep last 5, volatile."""
         qos = QoSProfile(depth=qos_profile_sensor_data.depth, history=HistoryPolicy.KEEP_LAST, reliability=reliability,
                          durability=qos_profile_sensor_data.durability)
         kind = CompressedImage if self._transports[cam] == "compressed" else Image
@@ -157,17 +142,12 @@ class CameraInputs:
                                               self._callback(cam, self._transports[cam], self._generation[cam]), qos)
 
     def _match_publishers(self) -> None:
-        """``camera_reliability: auto``: give each camera subscription the reliability its publishers offer --
-        reliable when every one of them offers reliable (DDS then repairs a large image's lost fragments instead
-        of losing the frame), best effort when any offers best effort (a reliable subscription would not match
-        it) or none is known yet -- re-creating a subscription whose reliability must change, and logging it.
+        """``camera_reliability: auto``: re-subscribe each camera reliable when all its publishers are (DDS then
+        repairs a large image's lost fragments), else best effort, and log the switch.
 
-        The switch loses no frame the old subscription received: the new subscription is made first and the old
-        one kept until the new one has delivered a message, or SWITCH_OVERLAP_S passed and the new one is matched
-        to as many publishers as the old; a message both deliver (the same stamp) is taken once. A best-effort
-        subscription can still lose a large image under load (what the switch to reliable is for), so a
-        publisher that sends a frame once waits for the switch first (ros/graph.wait_for_reliable_subscriptions). A
-        graph query that fails is logged (rate-limited) and tried again at the next tick."""
+        No frame is lost: the old subscription stays until the new one delivers, or SWITCH_OVERLAP_S passed and
+        the new one is matched as widely; a message both deliver is taken once.
+        """
         now = time.monotonic_ns()
         keep = []
         for cam, old, deadline in self._retiring:
@@ -204,7 +184,7 @@ class CameraInputs:
                 f"publisher(s) ({', '.join(sorted({r.name.lower() for r in offered}))})")
 
     def stop(self) -> None:
-        """Unsubscribe from every camera (idempotent)."""
+        """Unsubscribe (idempotent)."""
         if self._qos_timer is not None:
             self._ctx.ros.destroy_timer(self._qos_timer)
             self._qos_timer = None
@@ -213,7 +193,7 @@ class CameraInputs:
         self.subscriptions, self._retiring = [], []
 
     def frame_period_ns(self) -> int | None:
-        """Median interval between the last synchronized frames' arrivals (ns), None before two have come."""
+        """Median interval between synchronized frames' arrivals (ns), None before two."""
         if len(self._synced_ns) < 2:
             return None
         arrivals = list(self._synced_ns)
@@ -221,10 +201,8 @@ class CameraInputs:
         return gaps[len(gaps) // 2]
 
     def camera_delays_ms(self) -> list[tuple[float, float] | None]:
-        """Per camera: (median, largest) of its recent images' arrival delay (the node clock when the message
-        arrived minus its header stamp, ms: transport time, plus any offset between that camera's clock and this
-        computer's; the last :data:`DELAY_WINDOW`), None for a camera none of whose images arrived with the clock
-        running."""
+        """Per camera: (median, largest) arrival delay in ms (node clock at arrival minus header stamp, the last
+        :data:`DELAY_WINDOW`), None without a sample."""
         out = []
         for delays in self._delays_ns:
             ordered = sorted(delays)
@@ -232,8 +210,7 @@ class CameraInputs:
         return out
 
     def arrival_delay_ms(self) -> tuple[int, float, float] | None:
-        """(the camera with the largest median delay, its median, the largest delay of any camera), ms; None before
-        any image arrived with the clock running."""
+        """(camera with the largest median delay, its median, the largest delay of any camera) ms, or None."""
         delays = [(d[0], cam) for cam, d in enumerate(self.camera_delays_ms()) if d is not None]
         if not delays:
             return None
@@ -249,10 +226,8 @@ class CameraInputs:
         return limit if limit else self.DEFAULT_AGE_LIMIT_S
 
     def lateness(self) -> str:
-        """"" while every camera's images arrive in time, else one sentence naming each camera whose median arrival
-        delay over its last :data:`LATE_WINDOW` images is over :data:`LATE_FRACTION` of the suffix's frame age limit,
-        with its median and largest delay (last :data:`DELAY_WINDOW`), and the remedy; a change of the late cameras
-        is logged (WARN naming them, INFO when all are in time again)."""
+        """"" while images arrive in time, else a sentence naming each late camera and the remedy; changes are
+        logged."""
         limit = self._age_limit_s()
         delays = self.camera_delays_ms()
         late = {cam: d for cam, d in enumerate(delays)
@@ -274,10 +249,8 @@ class CameraInputs:
                 "clock is behind this computer's")
 
     def too_old(self) -> str:
-        """"" unless the last :data:`TOO_OLD_FRAMES` synchronized frames in a row were already older than the
-        suffix's frame age limit when their last image arrived (each is dropped as ``guard_too_old``, no trajectory
-        comes out); then one sentence naming the latest camera and the remedy, logged once (ERROR; INFO when a frame
-        is in time again)."""
+        """"" unless :data:`TOO_OLD_FRAMES` frames in a row were too old when complete; then a sentence naming the
+        latest camera and the remedy, logged once as ERROR."""
         bad = self.too_old_in_a_row >= self.TOO_OLD_FRAMES
         message = ""
         if bad:
@@ -296,10 +269,8 @@ class CameraInputs:
         return message
 
     def silent_cameras(self, now_ns: int | None = None) -> list[tuple[int, float]]:
-        """(camera index, seconds since its last message or since subscribing) of each camera that has sent
-        nothing for ``SILENT_PERIODS`` of the cameras' median message period (at least ``SILENT_MIN_S``) while
-        another camera has sent within that time; [] when every camera sends, or none does (no input at all is
-        not one camera's silence)."""
+        """(camera, seconds silent) of each camera silent for ``SILENT_PERIODS`` median periods (at least
+        ``SILENT_MIN_S``) while another sent; [] when all or none send."""
         if not self._last_ns:
             return []
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
@@ -312,9 +283,7 @@ class CameraInputs:
         return [(cam, s / 1e9) for cam, s in enumerate(since) if s > limit]
 
     def silence(self) -> str:
-        """"" while every camera sends, else one sentence naming each silent camera and its topic (no frame can be
-        synchronized without it); a change is logged once (WARN when a camera falls silent, INFO when all send
-        again)."""
+        """"" while every camera sends, else a sentence naming each silent camera; changes are logged once."""
         now = time.monotonic_ns()
         silent = self.silent_cameras(now)
         cams = {cam for cam, _ in silent}
@@ -383,25 +352,19 @@ class CameraInputs:
 
 
 class EgoStateInputs:
-    """``~/input/kinematic_state`` (nav_msgs/Odometry) and ``~/input/acceleration``
-    (geometry_msgs/AccelWithCovarianceStamped) of a prefix whose checkpoint takes the ego state or has the
-    published query heads.
-
-    The callbacks only add samples to ``buffer`` (vehicle.ego_input.EgoInputBuffer: speed, yaw rate,
-    acceleration) and ``poses`` (vehicle.odometry.OdometryBuffer: the pose in the odometry's frame); a message
-    that cannot be read is a ``bad_kinematic_state`` / ``bad_acceleration`` drop. :meth:`state_at` gives the
-    worker the ego state at a camera stamp, :meth:`pose_at` the pose.
+    """``~/input/kinematic_state`` and ``~/input/acceleration`` of a prefix whose checkpoint takes the ego state or
+    has the published query heads, buffered in ``buffer`` (EgoInputBuffer) and ``poses`` (OdometryBuffer).
     """
 
     def __init__(self, ctx):
-        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the two subscriptions)."""
+        """``ctx``: the node's PartContext."""
         self._ctx = ctx
         self.buffer = EgoInputBuffer()  # speed, yaw rate and acceleration samples
         self.poses = OdometryBuffer()  # the poses of the same kinematic states
         self.subscriptions = []
 
     def start(self) -> None:
-        """Forget the samples (those from before a deactivate may lie behind a clock jump) and subscribe."""
+        """Forget the samples (they may predate a clock jump) and subscribe."""
         self.buffer.clear()
         self.poses.clear()
         self.subscriptions = [
@@ -411,7 +374,7 @@ class EgoStateInputs:
         ]
 
     def stop(self) -> None:
-        """Unsubscribe from both topics (idempotent)."""
+        """Unsubscribe (idempotent)."""
         for sub in self.subscriptions:
             self._ctx.ros.destroy_subscription(sub)
         self.subscriptions = []
@@ -435,10 +398,8 @@ class EgoStateInputs:
             self._ctx.drop("bad_acceleration", f"~/input/acceleration: {e}")
 
     def state_at(self, stamp: int, wait_s: float, max_age_s: float):
-        """(ego state (3,) float32: speed m/s, acceleration m/s^2, yaw rate rad/s; acceleration source; the wait in
-        ms) at the camera stamp (ns), after waiting up to ``wait_s`` (s) for the kinematic state at or after it (the
-        wait is timed as stage ``ego_wait`` and sent with the frame, ``SlotTimings.ego_wait_ms``). Raises
-        LookupError (cause in args[0], EGO_DROP_REASONS) when no sample lies within ``max_age_s`` (s)."""
+        """(:meth:`EgoInputBuffer.ego_state_at` values, source, ms waited) after waiting up to ``wait_s`` (timed
+        as stage ``ego_wait``). Raises its LookupError (cause in args[0])."""
         t0 = time.perf_counter()
         self.buffer.wait_for(stamp, wait_s)
         wait_ms = (time.perf_counter() - t0) * 1e3
@@ -446,8 +407,5 @@ class EgoStateInputs:
         return (*self.buffer.ego_state_at(stamp, int(max_age_s * 1e9)), wait_ms)
 
     def pose_at(self, stamp: int, max_age_s: float) -> EgoState:
-        """The ego pose (odometry frame) at the camera stamp (ns): interpolated between the kinematic states around
-        it, or propagated from the nearest (vehicle.odometry.OdometryBuffer.pose_at; call after :meth:`state_at`,
-        which waited for them). Raises LookupError ('no_odometry', 'stale_odometry') when none lies within
-        ``max_age_s`` (s)."""
+        """The ego pose at the camera stamp (OdometryBuffer.pose_at); call after :meth:`state_at`, which waited."""
         return self.poses.pose_at(stamp, int(max_age_s * 1e9))[0]

@@ -1,37 +1,17 @@
 """prefix_node: cameras -> vision encoder, projector, decoder blocks [0, K) -> shared-memory ring.
 
-Lifecycle (ROS 2 managed node, as in ros2/demos lifecycle_py):
-  on_configure  validate parameters, load the prefix onto the device, create the ring;
-  on_activate   subscribe to the cameras (and, for a checkpoint with ``ego_state_input``, to
-                ``~/input/kinematic_state`` and ``~/input/acceleration``; for one with the published query
-                heads also to each camera's CameraInfo, ``/tf_static`` and ``~/input/navigation_command``),
-                start the worker thread;
-  on_deactivate unsubscribe, stop the worker (a frame in progress finishes and is published);
-  on_cleanup    remove the ring, free the device memory;
-  on_shutdown   as cleanup, from any state.
-Subscription callbacks only stamp and queue messages (``prefix_inputs``); decoding and inference run on
-one worker thread (``prefix_worker``) that always takes the newest synchronized frame (older unprocessed
-ones are counted as ``superseded``), so a slow model never backs up DDS queues. ``runtime.split_control`` chooses
-the split layer (``split_layer: auto``) and moves it while running.
+Lifecycle (as ros2/demos lifecycle_py): configure validates parameters, loads the prefix onto the device and
+creates the ring; activate subscribes (cameras; :mod:`.prefix_inputs` ego state for ``ego_state_input``;
+:mod:`.prefix_scene` for the published query heads) and starts the worker; deactivate unsubscribes and stops it
+(a frame in progress is published); cleanup / shutdown remove the ring and free device memory.
 
-Ego state (checkpoints with ``ego_state_input``): the odometry and acceleration callbacks only buffer
-samples (``vehicle/ego_input.py``); the worker waits up to ``ego_state_wait_s`` for the kinematic state at
-or after the camera stamp, then feeds speed, acceleration and yaw rate at that stamp to the model. A
-frame without a usable ego state is dropped and counted (``no_ego_state``, ``stale_ego_state``,
-``no_acceleration``), never computed with a made-up one.
+One worker thread (:mod:`.prefix_worker`) always takes the newest synchronized frame (older ones count as
+``superseded``), so a slow model never backs up DDS queues; a frame without a usable ego state or scene is a
+counted drop, never computed with a made-up one. ``runtime.split_control`` chooses and moves the split layer.
 
-Scene inputs (checkpoints with the published query heads, projector ``scene_queries``; ``prefix_scene``): each
-frame's camera geometry (``lidar2img`` from the cameras' CameraInfo and ``/tf_static``) and ego frame (pose and
-motion at the camera stamp from ``~/input/kinematic_state``, the navigation command). A frame without them is a
-counted drop naming the camera or the missing input.
-
-CPU cores: the entry point (``prefix_main.main``: the ``prefix_node`` executable, and ``python -m`` of this
-module, which hands over to it before the imports below) pins the process to ``cpu_affinity`` (from the
-command line or params file) and sets the thread-count variables (``util.cores.pin_then_import``) before it
-imports this module: OpenCV, torch and rclpy start their pools and the DDS threads on the pinned cores, sized
-to them, as in the suffix. Configure pins again (every thread, for cores given only to the node's parameters,
-e.g. in a composed process) and sizes torch's and OpenCV's pools to the pinned cores. Give the prefix the cores
-the suffix does not have (the launch file and ``hybrid-vla replay`` do).
+CPU cores: :mod:`.prefix_main` pins the process before this module's imports; configure pins again (for cores
+given only as parameters, e.g. in a composed process) and sizes torch's and OpenCV's pools. Give the prefix the
+cores the suffix does not have.
 """
 from __future__ import annotations
 
@@ -64,13 +44,7 @@ __all__ = ["PrefixNode", "main", "SYNC_DROP_REASONS", "EGO_DROP_REASONS"]
 
 
 class PrefixNode(node_base.PipelineNode):
-    """Lifecycle node running the GPU prefix. See the module docstring and README for topics.
-
-    The parts: ``CameraInputs`` and ``EgoStateInputs`` (prefix_inputs) subscribe and buffer, a ``PrefixLoop``
-    (runtime.loops, with the node's inputs: prefix_worker) computes the newest frame into the ring,
-    ``SplitLayerControl`` (runtime.split_control) chooses and moves the split layer; this class runs the lifecycle and
-    reports the diagnostics.
-    """
+    """Lifecycle node running the GPU prefix (module docstring; topics in the README)."""
 
     LIVE_PARAMETERS = ("navigation_command", "split_layer")
     STATUS = PrefixStatus
@@ -187,8 +161,7 @@ class PrefixNode(node_base.PipelineNode):
         return self._cameras.frames_in, self._worker.frames_out
 
     def stall_s(self) -> float:
-        """:attr:`STALL_S`, or two of the attached suffix's announced cycles when that is longer: paced to a
-        suffix slower than STALL_S (``pace_to_suffix``), this prefix publishes once per suffix cycle."""
+        """:attr:`STALL_S`, or two suffix cycles when longer (``pace_to_suffix`` publishes once per cycle)."""
         cycle_s = self.runner.suffix_cycle_s() if self.runner is not None else None
         return max(self.STALL_S, 2 * cycle_s) if cycle_s else self.STALL_S
 
@@ -199,7 +172,7 @@ class PrefixNode(node_base.PipelineNode):
         return runner.peer_status(self._cameras.frame_period_ns())
 
     def _frame_age_limit(self) -> float | None:
-        """The attached suffix's frame age limit (s), None while unknown (CameraInputs' ``frame_age_limit``)."""
+        """The attached suffix's frame age limit (s), None while unknown."""
         runner = self.runner
         return runner.suffix_frame_age_limit_s() if runner is not None else None
 
@@ -243,10 +216,8 @@ class PrefixNode(node_base.PipelineNode):
 
 
 def main(args: list[str] | None = None) -> int:
-    """The node's start-up, :func:`.prefix_main.main` (exit codes there), for callers of this module's ``main``
-    (a ``prefix_node`` script installed before the entry point moved). Importing this module imported OpenCV
-    and torch already, so their pools are not sized to ``cpu_affinity`` on this path (``pin_then_import`` warns):
-    start the node with the ``prefix_node`` executable or ``python -m`` of this module instead."""
+    """:func:`.prefix_main.main`, for older installed scripts. OpenCV and torch are already imported here, so their
+    pools are not sized to ``cpu_affinity`` (``pin_then_import`` warns): prefer the ``prefix_node`` executable."""
     from .prefix_main import main as pinned_main
 
     return pinned_main(args)

@@ -1,19 +1,10 @@
-"""The prefix node's scene inputs, for a checkpoint with the published query heads (projector ``scene_queries``):
-what the heads need of each frame besides its pixels (:class:`~hybrid_vla_ros.model.query_heads.SceneInputs`).
+"""The prefix node's scene inputs for a checkpoint with the published query heads (projector ``scene_queries``):
+:class:`~hybrid_vla_ros.model.query_heads.SceneInputs` besides the pixels.
 
-  * each camera's ``sensor_msgs/CameraInfo`` (``camera_info_topics``, best effort, so any publisher matches) and
-    the static transforms (``/tf_static``: reliable, transient local, depth 100, as tf2's listener) from
-    ``base_frame`` to each CameraInfo's ``header.frame_id`` (the camera's optical frame): with the
-    ``model_frame_origin`` they give ``lidar2img`` (vehicle.camera_geometry.CameraCalibration, computed again only
-    when the calibration changes);
-  * the ego pose, speed, acceleration and yaw rate at the camera stamp (``~/input/kinematic_state``,
-    ``~/input/acceleration``: prefix_inputs.EgoStateInputs), as the frame's ego pose and can-bus vector
-    (vehicle.camera_geometry.ego_motion_inputs);
-  * the navigation command (``~/input/navigation_command`` or the ``navigation_command`` parameter).
-
-Callbacks only read and store; the worker calls :meth:`SceneSource.scene_at`. A frame whose geometry or ego state
-cannot be made is a drop counted by cause (:data:`CALIBRATION_DROP_REASONS`, prefix_inputs.EGO_DROP_REASONS),
-the camera named, never computed with a made-up or older calibration.
+``lidar2img`` from each camera's CameraInfo (``camera_info_topics``, best effort) and ``/tf_static``
+(:class:`~hybrid_vla_ros.vehicle.camera_geometry.CameraCalibration`); ego pose and can-bus from
+prefix_inputs.EgoStateInputs; the navigation command. A frame whose geometry or ego state cannot be made is a
+drop counted by cause (:data:`CALIBRATION_DROP_REASONS`, prefix_inputs.EGO_DROP_REASONS).
 """
 from __future__ import annotations
 
@@ -42,9 +33,7 @@ TF_STATIC_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST, reliabili
 
 
 def image_size_of(transport: str, msg) -> tuple[int, int] | None:
-    """(width, height) px of a camera message without decoding it: a raw Image's fields, a JPEG's frame header, a
-    PNG's IHDR (the compressed formats the prefix decodes); None when the payload is neither (the decoder then
-    refuses it: ``decode_error``)."""
+    """(width, height) px of a camera message without decoding it; None for a payload neither JPEG nor PNG."""
     if transport != "compressed":
         return int(msg.width), int(msg.height)
     size = png_size(msg.data) or (jpeg_size(msg.data) if len(msg.data) > 4 else None)
@@ -52,12 +41,10 @@ def image_size_of(transport: str, msg) -> tuple[int, int] | None:
 
 
 class SceneSource:
-    """The scene inputs of a prefix node (module docstring). :meth:`start` subscribes, :meth:`stop` unsubscribes;
-    ``calibration`` is None while stopped."""
+    """A prefix node's scene inputs (module docstring); ``calibration`` is None while stopped."""
 
     def __init__(self, ctx, ego_inputs):
-        """``ctx``: the node's node_base.PartContext; ``ego_inputs``: its prefix_inputs.EgoStateInputs (started by
-        the node)."""
+        """``ctx``: the node's PartContext; ``ego_inputs``: its prefix_inputs.EgoStateInputs (the node starts it)."""
         self._ctx = ctx
         self._ego = ego_inputs
         self.navigation = NavigationCommandInput(ctx)
@@ -67,10 +54,8 @@ class SceneSource:
         self.bad_tf_static = 0
 
     def start(self, settings, cfg) -> None:
-        """Subscribe to each camera's ``camera_info_topics`` entry, ``/tf_static`` and the navigation command, with
-        a fresh calibration (the transient-local /tf_static is delivered again). ``settings``: the node's
-        PrefixNodeSettings; ``cfg``: the checkpoint's VLAConfig. Raises ValueError for a bad ``base_frame`` or
-        ``model_frame_origin`` (validation checks them first)."""
+        """Subscribe with a fresh calibration (transient-local /tf_static is delivered again). Raises ValueError for
+        a bad ``base_frame`` or ``model_frame_origin``."""
         self.model_frame = ModelFrame(tuple(settings.model_frame_origin))
         self.calibration = CameraCalibration(cfg.n_cameras, self.model_frame, cfg.image_size, cfg.image_resize,
                                              settings.base_frame)
@@ -109,10 +94,8 @@ class SceneSource:
             self._ctx.drop("bad_tf_static", f"/tf_static: {problem}")
 
     def scene_at(self, stamp: int, items, settings) -> tuple[SceneInputs, str | None, float]:
-        """(the frame's SceneInputs, how its acceleration was obtained, ms waited for the odometry) at camera stamp
-        ``stamp`` (ns) of the synchronized ``items`` ((transport, msg) per camera). Raises
-        vehicle.camera_geometry.CalibrationError (cause and reason in args) or LookupError (cause in args[0],
-        prefix_inputs.EGO_DROP_REASONS)."""
+        """(SceneInputs, acceleration source, ms waited) at camera ``stamp`` (ns) for ``items`` ((transport, msg)
+        per camera). Raises CalibrationError or LookupError (cause in args[0])."""
         calibration = self.calibration
         if calibration is None:
             raise RuntimeError("scene inputs asked for while stopped")

@@ -1,5 +1,5 @@
-"""The prefix node's frame loop: :class:`~hybrid_vla_ros.runtime.loops.PrefixLoop` with what only the node has, the
-ego state and the query heads' scene inputs of each frame, and its log lines of a live re-split."""
+"""The prefix node's frame loop: :class:`~hybrid_vla_ros.runtime.loops.PrefixLoop` with the node's ego state,
+scene inputs and re-split log lines."""
 from __future__ import annotations
 
 import math
@@ -13,9 +13,8 @@ from .prefix_scene import CALIBRATION_DROP_REASONS
 
 
 def prefix_loop(ctx, ego_inputs, scene=None, after_frame: Callable[[], None] | None = None) -> PrefixLoop:
-    """The node's PrefixLoop: a frame's ego state from ``ego_inputs`` (prefix_inputs.EgoStateInputs, for
-    ``ego_state_input`` checkpoints) or its camera geometry and ego frame from ``scene`` (prefix_scene.SceneSource,
-    the query heads), each missing one a drop by cause; ``after_frame`` judges each frame out (SplitLayerControl)."""
+    """The node's PrefixLoop: each frame's ego state (``ego_inputs``) or scene (``scene``), a missing one a drop by
+    cause; ``after_frame`` runs after each frame out."""
     handoff = {"path": ""}
 
     def frame_inputs(stamp: int, items: list) -> FrameInputs:

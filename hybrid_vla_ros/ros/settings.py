@@ -1,19 +1,9 @@
 """The nodes' validated parameters as frozen, typed dataclasses (ROS-free).
 
-:func:`hybrid_vla_ros.ros.params.validate` returns a :class:`PrefixNodeSettings` or a :class:`SuffixNodeSettings`:
-one field per parameter of ``schema/<node>.schema.json`` (the schema stays the single source of truth of names,
-types, ranges and defaults; test/test_settings.py checks these classes against it field by field). A dotted
-parameter name is a field of a nested frozen dataclass, mechanically: ``ring.delivery`` is ``settings.ring.delivery``,
-``guard.max_speed_mps`` is ``settings.guard.max_speed_mps`` (the guard group is
-:class:`~hybrid_vla_ros.vehicle.guard.GuardLimits` itself). The same values also read by parameter name,
-``settings["ring.delivery"]`` (a read-only ``Mapping`` of every parameter, for code that goes by names).
-List parameters are tuples here.
-
-Units, as the parameter names say (the names are kept: users' parameter files use them): ``_ms`` milliseconds,
-``_s`` seconds, ``_m`` metres, ``_gb`` GB (1e9 bytes), ``_mb`` MiB (2**20 bytes; ``auto_resplit_*_mb``).
-
-Each node's settings build what its runner needs in one call: :meth:`PrefixNodeSettings.runner_settings`,
-:meth:`SuffixNodeSettings.runner_settings` (``runtime.settings``).
+One field per parameter of ``schema/<node>.schema.json``, the source of truth (test/test_settings.py checks these
+classes against it). A dotted name is a field of a nested dataclass (``ring.delivery``; the ``guard`` group is
+:class:`~hybrid_vla_ros.vehicle.guard.GuardLimits`); lists are tuples. Units follow the name suffix: ``_ms``,
+``_s``, ``_m``, ``_gb`` GB (1e9 bytes), ``_mb`` MiB (2**20 bytes).
 """
 from __future__ import annotations
 
@@ -38,8 +28,7 @@ NavigationCommand = Literal["LEFT", "RIGHT", "STRAIGHT", "LANE_FOLLOW", "CHANGE_
 
 @functools.cache
 def _layout(cls: type) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """(parameter name, attribute path) of every parameter of settings class ``cls``, in field order: a field whose
-    type is a dataclass is a group, its fields the parameters ``<group>.<field>``."""
+    """(parameter name, attribute path) of every parameter of ``cls``, in field order; dataclass fields are groups."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -52,9 +41,8 @@ def _layout(cls: type) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 class NodeSettings(Mapping):
-    """Base of the node settings dataclasses: the mechanical mapping between parameter names and fields, and a
-    read-only ``Mapping`` view by parameter name (``settings["guard.max_age_s"]``; ``len``, ``in``, iteration in
-    field order). Subclasses are frozen dataclasses; :attr:`NODE` names the node (and its schema)."""
+    """Base of the frozen settings dataclasses, also a read-only ``Mapping`` by parameter name
+    (``settings["guard.max_age_s"]``); :attr:`NODE` names the node and its schema."""
 
     NODE: ClassVar[str] = ""
 
@@ -65,9 +53,8 @@ class NodeSettings(Mapping):
 
     @classmethod
     def from_parameters(cls, values: Mapping[str, Any]):
-        """The settings from parameter name -> value (validated ones: :func:`~hybrid_vla_ros.ros.params.validate`
-        builds them so; nothing is checked here). Lists become tuples; a name left out keeps the field's default.
-        Raises ValueError for a name that is not a parameter of this node."""
+        """The settings from already validated name -> value (missing: the default). Raises ValueError for a
+        name that is not a parameter of this node."""
         layout = dict(_layout(cls))
         unknown = sorted(set(values) - set(layout))
         if unknown:
@@ -88,7 +75,7 @@ class NodeSettings(Mapping):
         return cls(**top)
 
     def parameters(self) -> dict[str, Any]:
-        """Parameter name -> value, lists as lists (as a parameter file or ROS takes them)."""
+        """Parameter name -> value, lists as lists."""
         return {name: list(v) if isinstance(v, tuple) else v for name, v in self.items()}
 
     def __getitem__(self, name: str) -> Any:
@@ -109,9 +96,7 @@ class NodeSettings(Mapping):
 
 @dataclass(frozen=True)
 class PrefixNodeSettings(NodeSettings):
-    """prefix_node's validated parameters (``schema/prefix_node.schema.json`` has each one's full description).
-    Raises nothing itself: :func:`~hybrid_vla_ros.ros.params.validate` checks the values and raises ParameterError.
-    """
+    """prefix_node's validated parameters (``schema/prefix_node.schema.json`` describes each)."""
 
     NODE: ClassVar[str] = "prefix_node"
 
@@ -173,12 +158,9 @@ class PrefixNodeSettings(NodeSettings):
 
     def runner_settings(self, split_layer: int | None = None, *, namespace: str = "/",
                         domain_id: int | None = None) -> PrefixRunnerSettings:
-        """What the :class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner` of these parameters needs.
-
-        ``split_layer``: the K to load (the plan's for ``split_layer: auto``; None: this ``split_layer``, which
-        must then be a K). ``namespace`` / ``domain_id``: the node's ROS namespace and domain (they scope the
-        ring). ``torch_threads`` 0 becomes one per ``cpu_affinity`` core; ``gpu_budget_gb`` becomes bytes
-        (x 1e9). Raises ValueError when no K is given and ``split_layer`` is ``auto``.
+        """The :class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner`'s settings at K = ``split_layer`` (None: the
+        parameter's). ``namespace`` / ``domain_id`` scope the ring. Raises ValueError when no K is given and
+        ``split_layer`` is ``auto``.
         """
         k = self.split_layer if split_layer is None else split_layer
         if isinstance(k, bool) or not isinstance(k, int):
@@ -208,9 +190,7 @@ class SuffixRingSettings:
 
 @dataclass(frozen=True)
 class SuffixNodeSettings(NodeSettings):
-    """suffix_node's validated parameters (``schema/suffix_node.schema.json`` has each one's full description).
-    Raises nothing itself: :func:`~hybrid_vla_ros.ros.params.validate` checks the values and raises ParameterError.
-    """
+    """suffix_node's validated parameters (``schema/suffix_node.schema.json`` describes each)."""
 
     NODE: ClassVar[str] = "suffix_node"
 
@@ -253,13 +233,9 @@ class SuffixNodeSettings(NodeSettings):
 
     def runner_settings(self, num_layers: int, *, namespace: str = "/",
                         domain_id: int | None = None) -> SuffixRunnerSettings:
-        """What the :class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` of these parameters needs.
-
-        ``num_layers``: the checkpoint's L; ``split_layer: auto`` (follow the prefix) starts at K = L, no blocks
-        held, and the first frame loads the ones its K needs. ``namespace`` / ``domain_id``: the node's ROS
-        namespace and domain (they scope the ring). ``threads`` 0 becomes one per ``cpu_affinity`` core (still 0,
-        torch's default, when not pinned); the frame age limit is ``guard.max_age_s``, 0 without
-        ``guard.check_age``. Raises nothing.
+        """The :class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner`'s settings; ``split_layer: auto`` starts at
+        K = ``num_layers`` with no blocks held. The frame age limit is ``guard.max_age_s`` (0 without
+        ``guard.check_age``).
         """
         k = num_layers if self.split_layer == "auto" else self.split_layer
         return SuffixRunnerSettings(

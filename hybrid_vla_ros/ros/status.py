@@ -2,18 +2,13 @@
 (:class:`PrefixStatus`, :class:`SuffixStatus`) and the suffix's per-frame ``~/debug/frame_timing``
 (:class:`FrameTiming`).
 
-One class per message, used on both sides: a node builds the status and writes it with :meth:`key_values`
-(diagnostic_msgs/KeyValue strings, the wire format Autoware's diagnostic aggregator and ``ros2 topic echo``
-read); ``hybrid-vla replay``, its report and the tests read it back with :meth:`from_key_values`. No key is
-spelled outside this module, so a renamed field is a TypeError where the status is built, not a count that
-silently reads 0 in a tool.
+One class per message, used on both sides: nodes write it with :meth:`key_values` (diagnostic_msgs/KeyValue
+strings), ``hybrid-vla replay`` and the tests read it with :meth:`from_key_values`. No key is spelled outside this
+module, so a renamed field fails where the status is built, not as a silent 0 in a tool.
 
-The encoding of each field is fixed here and tested by a round trip of every field (test/test_status.py):
-integers in decimal; floats with 3 decimals (stage times, memory in MiB = 2**20 bytes with 1); booleans as
-``True`` / ``False``; an absent value (None: e.g. no split layer while unconfigured) as ""; ``cpu_affinity`` as a
-JSON list; the silent cameras as comma-separated indices; the ring fill as ``READY/SLOTS``; counters by name as one
-key per entry (``drop_<cause>``, ``ego_accel_<source>``); stage times as ``<stage>_p50_ms``, ``<stage>_p90_ms``
-and ``<stage>_n``. Imports nothing from ROS.
+Encoding (round-trip tested in test/test_status.py): floats with 3 decimals (memory in MiB = 2**20 bytes with 1);
+None as ""; ``cpu_affinity`` a JSON list; ring fill ``READY/SLOTS``; counters by name one key per entry
+(``drop_<cause>``); stage times ``<stage>_p50_ms`` / ``_p90_ms`` / ``_n``. Imports nothing from ROS.
 """
 from __future__ import annotations
 
@@ -27,8 +22,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 __all__ = ["StageTime", "RingFill", "NodeStatus", "PrefixStatus", "SuffixStatus", "FrameTiming", "StatusError",
            "PIPELINE", "pipeline_status_name"]
 
-#: The task name of a node's pipeline status: its DiagnosticStatus is named '<fully qualified node name>: pipeline'
-#: (Autoware's '<node>: <task>' convention, with the namespace so that two deployments stay apart).
+#: The task name of a node's pipeline status, '<fully qualified node name>: pipeline'.
 PIPELINE = "pipeline"
 
 
@@ -61,8 +55,7 @@ class RingFill:
 # ------------------------------------------------------------------------------------------ codecs
 @dataclass(frozen=True)
 class _Codec:
-    """How one field's value is written as a KeyValue string (``encode``) and read back (``decode``, which raises
-    ValueError or TypeError for text it cannot read)."""
+    """A field's KeyValue string ``encode`` and ``decode`` (ValueError / TypeError for unreadable text)."""
 
     encode: Callable[[Any], str]
     decode: Callable[[str], Any]
@@ -125,8 +118,7 @@ _STAGE_KEY = re.compile(r"^(?P<stage>.+)_(?P<what>p50_ms|p90_ms|n)$")
 # ------------------------------------------------------------------------------------------ statuses
 @dataclass(frozen=True)
 class NodeStatus:
-    """The values both nodes report in their '<fully qualified node name>: pipeline' status (1 Hz, on every
-    change of the peer's state and at deactivate; levels and messages: ros/diagnostics.py)."""
+    """The values both nodes report in their pipeline status (levels and messages: :mod:`.diagnostics`)."""
 
     state: str = _field(_STR, "", doc="lifecycle state: unconfigured, inactive, active, finalized")
     lifecycle_requests_refused: int = _field(_INT, 0, counter=True,
@@ -166,9 +158,8 @@ class NodeStatus:
 
     @classmethod
     def from_key_values(cls, values: Mapping[str, str] | Iterable[tuple[str, str]]):
-        """The status a node wrote (:meth:`key_values`, or the KeyValues of a received DiagnosticStatus as
-        pairs or a dict). A key this class does not know is ignored (a newer node); a missing one keeps the
-        field's default. Raises StatusError for a value that does not decode, naming key and value."""
+        """The status from :meth:`key_values` pairs or a dict; unknown keys ignored, missing ones default.
+        Raises StatusError naming a key whose value does not decode."""
         pairs = dict(values.items() if isinstance(values, Mapping) else values)
         kwargs: dict[str, Any] = {}
         left = dict(pairs)
@@ -198,15 +189,13 @@ class NodeStatus:
 
     @classmethod
     def unknown_keys(cls, values: Mapping[str, str] | Iterable[tuple[str, str]]) -> list[str]:
-        """The keys of ``values`` (a node's KeyValues) that no field of this class reads: [] for what this
-        release's nodes write (a test holds the running nodes to it)."""
+        """The keys of ``values`` that no field reads ([] for this release's nodes)."""
         pairs = dict(values.items() if isinstance(values, Mapping) else values)
         known = {k for k, _ in cls.from_key_values(pairs).key_values()}
         return sorted(set(pairs) - known)
 
     def counters(self) -> dict[str, int]:
-        """The values that count events over the life of the node process, by field name (counters by name
-        flattened as their keys, e.g. ``drop_<cause>``): for a report's JSON."""
+        """The process-lifetime counters by key (e.g. ``drop_<cause>``), for a report's JSON."""
         out = {}
         for f in dataclasses.fields(self):
             if not f.metadata.get("counter"):
@@ -219,10 +208,8 @@ class NodeStatus:
         return out
 
     def since(self, before: "NodeStatus | None"):
-        """This status with every counter counted since ``before``, an earlier report of the same node (None:
-        since the process started): ``self - before`` per counter, 0 for one that a restart of the process
-        reset below its earlier value; counters by name keep only the names with a count. The other fields are
-        this status's own. Raises TypeError when ``before`` is a status of another class."""
+        """This status with counters since ``before`` (an earlier report; None: process start), 0 where a
+        restart reset one. Raises TypeError for a status of another class."""
         if before is not None and type(before) is not type(self):
             raise TypeError(f"{type(self).__name__}.since({type(before).__name__})")
         changes = {}
@@ -331,9 +318,8 @@ class SuffixStatus(NodeStatus):
 # ------------------------------------------------------------------------------------------ frame timing
 @dataclass(frozen=True)
 class FrameTiming:
-    """One frame's timing on the suffix's ``~/debug/frame_timing`` (a DiagnosticArray stamped with the camera
-    stamp): per-stage milliseconds and CLOCK_MONOTONIC instants (ns, system-wide, so a process on this host lays
-    frames from both nodes on one timeline). A stage the producer did not time is NaN."""
+    """One frame on the suffix's ``~/debug/frame_timing`` (stamped with the camera stamp): stage ms (NaN when not
+    timed) and system-wide CLOCK_MONOTONIC instants (ns), one timeline for both nodes on this host."""
 
     STAGES: ClassVar[tuple[str, ...]] = ("ego_wait", "preprocess", "prefix", "handoff", "suffix", "odometry_wait")
 
@@ -360,8 +346,7 @@ class FrameTiming:
 
     @classmethod
     def from_key_values(cls, values: Mapping[str, str] | Iterable[tuple[str, str]]) -> "FrameTiming":
-        """The timing a suffix wrote (:meth:`key_values`); unknown keys ignored, missing ones NaN / 0. Raises
-        StatusError for a value that does not decode."""
+        """The timing from :meth:`key_values`; unknown keys ignored, missing NaN / 0. Raises StatusError."""
         pairs = dict(values.items() if isinstance(values, Mapping) else values)
         kwargs = {}
         for f in dataclasses.fields(cls):

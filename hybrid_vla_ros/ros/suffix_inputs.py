@@ -1,8 +1,6 @@
-"""The suffix node's inputs from the vehicle: the kinematic state (the ego pose at a camera stamp) and the
-navigation command (the planner mode of the next frame).
+"""The suffix node's vehicle inputs: the ego pose at a camera stamp and the navigation command.
 
-Callbacks only buffer (vehicle.odometry.OdometryBuffer) or set the command; a message that cannot be read is
-a drop counted by cause (through the node's PartContext).
+Callbacks only buffer or set the command; an unreadable message is a drop counted by cause.
 """
 from __future__ import annotations
 
@@ -16,17 +14,11 @@ from .navigation_command import NavigationCommandInput
 
 
 class SuffixInputs:
-    """``~/input/kinematic_state`` (nav_msgs/Odometry) and ``~/input/navigation_command`` (std_msgs/String).
-
-    ``command`` is the navigation command index (NAV_COMMANDS) for the next frame: set by a name on the topic
-    or by :meth:`set_command` (the ``navigation_command`` parameter), the latest of the two
-    (:class:`~.navigation_command.NavigationCommandInput`). :meth:`pose_at`
-    gives the ego pose at a camera stamp; :meth:`count_placed` counts how the pose of a published trajectory
-    was obtained (``odometry_propagated``, ``odometry_late``).
-    """
+    """``~/input/kinematic_state`` (nav_msgs/Odometry) and the navigation command
+    (:class:`~.navigation_command.NavigationCommandInput`)."""
 
     def __init__(self, ctx):
-        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the two subscriptions)."""
+        """``ctx``: the node's node_base.PartContext."""
         self._ctx = ctx
         self.odometry = OdometryBuffer()
         self._odom_sub = None
@@ -41,12 +33,12 @@ class SuffixInputs:
         return self._navigation.command
 
     def start(self) -> None:
-        """Subscribe to both topics (depth 10)."""
+        """Subscribe (depth 10)."""
         self._odom_sub = self._ctx.ros.create_subscription(Odometry, "~/input/kinematic_state", self._on_odometry, 10)
         self._navigation.start()
 
     def stop(self) -> None:
-        """Unsubscribe from both topics (idempotent)."""
+        """Unsubscribe (idempotent)."""
         if self._odom_sub is not None:
             self._ctx.ros.destroy_subscription(self._odom_sub)
             self._odom_sub = None
@@ -62,15 +54,12 @@ class SuffixInputs:
         self.odometry_in += 1
 
     def set_command(self, index: int, source: str) -> None:
-        """Use navigation command ``index`` (0..5) from the next frame on; a change is logged with its source."""
+        """See :meth:`~.navigation_command.NavigationCommandInput.set_command`."""
         self._navigation.set_command(index, source)
 
     def pose_at(self, stamp: int, wait_s: float, max_age_s: float) -> tuple[EgoState, str, str, float]:
-        """(ego pose at camera stamp ``stamp`` (ns), 'interpolated' | 'propagated', why the wait was as long as it
-        was (OdometryBuffer.wait_budget), ms waited). Waits up to ``wait_s`` (s) for the odometry after the stamp,
-        only while it is due (docs/design.md, "Pipeline and timing"): a late or stopped stream holds no frame,
-        the pose is propagated from the newest one. Raises LookupError ('no_odometry', 'stale_odometry') when
-        no state lies within ``max_age_s`` (s)."""
+        """(ego pose at ``stamp`` ns, method, wait reason, ms waited): waits up to ``wait_s`` only while the next
+        odometry is due (OdometryBuffer.wait_budget). Raises LookupError as OdometryBuffer.pose_at."""
         budget_s, why = self.odometry.wait_budget(stamp, wait_s)
         wait_ms = 0.0
         if budget_s > 0:
@@ -81,7 +70,7 @@ class SuffixInputs:
         return ego, method, why, wait_ms
 
     def count_placed(self, method: str, why: str) -> None:
-        """Count a published trajectory whose pose was obtained by ``method`` after a wait for reason ``why``."""
+        """Count how a published trajectory's pose was obtained."""
         if method == "propagated":
             self.odometry_propagated += 1
             self.odometry_late += why == "late"

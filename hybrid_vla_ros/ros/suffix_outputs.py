@@ -19,26 +19,17 @@ from .msg_conv import candidate_trajectories_to_msg, generator_uuid, ns_to_stamp
 
 
 class TrajectoryOutputs:
-    """The lifecycle publishers of a suffix node and what one frame publishes on them.
-
-    * ``~/output/trajectory`` (autoware_planning_msgs/Trajectory, depth 1, reliable): the selected mode's
-      trajectory, only when it passes the output guard (vehicle.output.guarded_outputs with ``guard``);
-    * ``~/output/candidate_trajectories`` (autoware_internal_planning_msgs/CandidateTrajectories, depth 1,
-      reliable), while configured with ``publish_candidate_trajectories``: every mode that passes, under
-      ``generator_id`` (a UUID fixed per node name);
-    * ``~/debug/frame_timing`` (DiagnosticArray, depth 10): per-stage milliseconds and CLOCK_MONOTONIC
-      instants of each published frame, stamped with its camera stamp.
-
-    Every trajectory left out is a drop counted by cause (through the node's PartContext). Counts ``frames_out``
-    (trajectories published), ``candidates_out`` and ``candidate_msgs_out``, and ``too_old_in_a_row``: frames in a
-    row dropped as ``guard_too_old`` (0 again at the next trajectory published).
+    """A suffix node's lifecycle publishers: ``~/output/trajectory`` and ``~/output/candidate_trajectories`` (depth
+    1, reliable; only what passes :func:`~hybrid_vla_ros.vehicle.output.guarded_outputs`, candidates under a
+    per-node ``generator_id``) and ``~/debug/frame_timing`` (depth 10). ``too_old_in_a_row`` counts frames in a
+    row dropped as ``guard_too_old``.
     """
 
     #: Frames in a row dropped as too old from which the suffix reports ERROR (:meth:`too_old`).
     TOO_OLD_FRAMES = 3
 
     def __init__(self, ctx):
-        """``ctx``: the node's node_base.PartContext (its ``ros`` node for the lifecycle publishers)."""
+        """``ctx``: the node's PartContext."""
         self._ctx = ctx
         node = ctx.ros
         self.guard: GuardLimits | None = None  # output guard limits, from the guard.* parameters at configure
@@ -69,9 +60,8 @@ class TrajectoryOutputs:
             self.candidates_pub = None
 
     def publish(self, result, ego: EgoState, odometry_wait_ms: float) -> bool:
-        """Publish what frame ``result`` (runtime.suffix.SuffixResult) may: its guarded trajectory placed with
-        ``ego`` (the pose at its camera stamp), its candidates, its timing (``odometry_wait_ms``, ms, among the
-        stages). True when the trajectory was published."""
+        """Publish what frame ``result`` may, placed with ``ego`` (the pose at its camera stamp); True when the
+        trajectory was published."""
         ctx, node, p = self._ctx, self._ctx.ros, self._ctx.settings()
         stamp = result.meta.stamp_ns
         now_ns = node.get_clock().now().nanoseconds
@@ -108,8 +98,7 @@ class TrajectoryOutputs:
         return True
 
     def too_old(self) -> str:
-        """"" unless the last :data:`TOO_OLD_FRAMES` frames in a row were dropped as too old (no trajectory came out
-        for them), else one sentence with the likely cause and what to do."""
+        """"" unless :data:`TOO_OLD_FRAMES` frames in a row were dropped as too old, else the cause and remedy."""
         if self.too_old_in_a_row < self.TOO_OLD_FRAMES:
             return ""
         limit = self.guard.max_age_s if self.guard is not None else float("nan")

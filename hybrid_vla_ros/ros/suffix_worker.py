@@ -1,15 +1,12 @@
-"""The suffix node's frame loop: :class:`~hybrid_vla_ros.runtime.loops.SuffixLoop` with what only the node has, the
-navigation command, the ego pose at each frame's camera stamp and the guarded trajectory outputs, and its log lines
-of the ring and the block moves."""
+"""The suffix node's frame loop: :class:`~hybrid_vla_ros.runtime.loops.SuffixLoop` with the node's inputs, outputs
+and log lines."""
 from __future__ import annotations
 
 from ..runtime.loops import SuffixLoop
 
 
 def suffix_loop(ctx, inputs, outputs) -> SuffixLoop:
-    """The node's SuffixLoop: each frame computed with ``inputs``' command (suffix_inputs.SuffixInputs), placed with
-    the ego pose at its camera stamp (``inputs.pose_at``: a frame without one is a drop by cause) and published
-    through ``outputs`` (suffix_outputs.TrajectoryOutputs)."""
+    """The node's SuffixLoop: ``inputs``' command, the pose at the camera stamp (else a drop), ``outputs``."""
 
     def publish(result) -> None:
         p = ctx.settings()

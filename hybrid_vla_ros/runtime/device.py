@@ -8,15 +8,11 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 def keep_frame_buffers(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 128 * 2**20) -> bool:
-    """Make glibc malloc keep the memory of freed camera frames for the next frame (process-wide).
+    """Make glibc keep freed camera frames' memory for the next frame (process-wide ``mallopt``).
 
-    By default glibc serves blocks over its dynamic mmap threshold (a decoded 1936 x 1216 RGB image is
-    7 MB) with ``mmap`` and gives them back with ``munmap`` when freed, so every frame pays for unmapping
-    six images after publishing and for page-faulting six fresh ones while decoding (the cost per frame:
-    docs/performance.md). Raising ``M_MMAP_THRESHOLD`` (bytes; glibc's
-    maximum on 64-bit is 32 MiB) keeps such blocks in the heap, and ``M_TRIM_THRESHOLD`` (bytes) stops the
-    heap top from being returned after each frame. Returns False (nothing changed) where ``mallopt`` is not
-    glibc's. Same effect as the ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` environment variables.
+    A decoded 1936 x 1216 RGB image (7 MB) is over the mmap threshold, so each frame would pay ``munmap`` and page
+    faults (docs/performance.md). Thresholds in bytes (mmap: 32 MiB is glibc's 64-bit maximum), as
+    ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``. Returns False (nothing changed) without glibc.
     """
     import ctypes
     import ctypes.util
@@ -31,13 +27,10 @@ def keep_frame_buffers(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 1
 
 
 def parse_device(name: str, cuda_available: bool, device_count: int) -> str:
-    """Check a device string against what the machine has (pure: no CUDA call); return the canonical name.
+    """Check ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` against the machine (pure); return ``"cpu"`` or ``"cuda:N"``.
 
-    ``name``: ``auto`` (-> ``cuda:0`` when CUDA is available, else ``cpu``), ``cpu``, ``cuda`` (-> ``cuda:0``)
-    or ``cuda:N``. ``cuda_available`` / ``device_count``: ``torch.cuda.is_available()`` /
-    ``torch.cuda.device_count()``. Returns ``"cpu"`` or ``"cuda:N"``. Raises ValueError for another device
-    type, a malformed index, CUDA asked for where it is absent, or an index >= ``device_count`` (the message
-    names the devices there are).
+    ``auto`` is ``cuda:0`` when CUDA is available, else ``cpu``. Raises ValueError for another device type, a
+    malformed index, CUDA where it is absent, or an index >= ``device_count``.
     """
     text = str(name).strip().lower()
     if text == "auto":
@@ -57,13 +50,7 @@ def parse_device(name: str, cuda_available: bool, device_count: int) -> str:
 
 
 def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda:0 when available else cpu; 'cpu', 'cuda' (= cuda:0), 'cuda:N' checked against
-    ``torch.cuda.device_count()`` (:func:`parse_device`).
-
-    A CUDA device is made the process's current device (``torch.cuda.set_device``), so allocations and kernels
-    that do not name a device (torch's defaults, safetensors, transformers' buffers) land on it too. Raises
-    ValueError when CUDA is asked for and not available, or for an index the machine does not have.
-    """
+    """:func:`parse_device` on this machine; a CUDA device becomes current, so unplaced allocations land on it."""
     available = torch.cuda.is_available()
     device = torch.device(parse_device(name, available, torch.cuda.device_count() if available else 0))
     if device.type == "cuda":
@@ -72,11 +59,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cuda_memory(device: torch.device | str | None = None) -> dict:
-    """Memory figures of a CUDA device, bytes: ``allocated`` (tensors alive, ``torch.cuda.memory_allocated``),
-    ``reserved`` (held by this process's caching allocator, ``memory_reserved``), ``peak_allocated`` /
-    ``peak_reserved`` (since the last ``torch.cuda.reset_peak_memory_stats``), and driver-level ``free`` /
-    ``total`` / ``used`` = total - free (``torch.cuda.mem_get_info``: every process and context on the device,
-    the figure another process sees). Returns {} where CUDA is not available or ``device`` is a CPU device.
+    """Memory figures of a CUDA device (bytes); {} without CUDA or for a CPU device.
+
+    ``allocated`` / ``reserved`` / ``peak_*`` are this process's caching allocator; ``free`` / ``total`` /
+    ``used`` come from ``torch.cuda.mem_get_info`` (every process on the device, what another process sees).
     """
     if not torch.cuda.is_available():
         return {}
@@ -91,18 +77,18 @@ def cuda_memory(device: torch.device | str | None = None) -> dict:
 
 
 def budget_fraction(budget_bytes: int, total_bytes: int) -> float:
-    """The fraction of a device's ``total_bytes`` that a ``budget_bytes`` cap is, for
-    ``torch.cuda.set_per_process_memory_fraction`` (pure). Raises ValueError for a budget <= 0 or a total <= 0;
-    a budget over the total gives 1.0 (no cap beyond the device itself)."""
+    """``budget_bytes / total_bytes`` for ``torch.cuda.set_per_process_memory_fraction``, at most 1.0.
+
+    Raises ValueError for a budget or total <= 0."""
     if budget_bytes <= 0 or total_bytes <= 0:
         raise ValueError(f"GPU budget {budget_bytes} bytes of a {total_bytes}-byte device: both must be > 0")
     return min(1.0, budget_bytes / total_bytes)
 
 
 def cap_device_memory(device: torch.device, budget_bytes: int) -> float:
-    """Cap this process's CUDA caching allocator on ``device`` at ``budget_bytes`` (an allocation past it raises
-    ``torch.OutOfMemoryError`` instead of taking memory other processes need). Returns the fraction set; 1.0 and
-    nothing set on a CPU device. Raises ValueError as :func:`budget_fraction`."""
+    """Cap this process's caching allocator on ``device`` at ``budget_bytes`` (past it: ``torch.OutOfMemoryError``).
+
+    Returns the fraction set (1.0, nothing set, on a CPU device); raises as :func:`budget_fraction`."""
     device = torch.device(device)
     if device.type != "cuda":
         return 1.0

@@ -1,13 +1,7 @@
-"""The frame loops of the two stages, without ROS: the prefix node, the suffix node, the bench and the GPU check all
-run these.
+"""The frame loops of the two stages without ROS, shared by the nodes, the bench and the GPU check.
 
-:class:`PrefixLoop` keeps only the newest frame, paces itself to a slower suffix, applies split-layer requests
-between frames, computes each frame through the :class:`~.prefix.PrefixRunner` (a frame that fails is a drop
-counted by cause) and lets a judge look at each frame out (the split-layer policy). :class:`SuffixLoop` takes the
-frames from the ring through the :class:`~.suffix.SuffixRunner`, counts what it drops by cause and hands each
-computed frame to its publisher. Either runs on a thread of its own (``start`` / ``stop``: the nodes) or is driven
-frame by frame (``process`` / ``poll_once``: the bench, the GPU check). What they need of their host is a
-:class:`LoopContext`.
+Each loop runs on its own thread (``start`` / ``stop``: the nodes) or is driven frame by frame (``process`` /
+``poll_once``: tools); a frame that fails is a drop counted by cause. The host is a :class:`LoopContext`.
 """
 from __future__ import annotations
 
@@ -95,16 +89,12 @@ class FrameInputError(Exception):
 
 
 class PrefixLoop:
-    """The prefix's frame loop (module docstring).
+    """The prefix's frame loop: newest frame only, paced to a slower suffix, split-layer moves between frames.
 
-    :meth:`offer` keeps only the newest frame ((stamp ns, camera-order items)): one not started yet is dropped as
-    ``superseded``, one still waiting at :meth:`stop` as ``deactivated``. With ``pace`` a frame waits while the
-    suffix would leave it unread in the ring (``PrefixRunner.pacing_delay_s``, asked again every
-    :data:`PACE_RECHECK_S`; newer frames replace it meanwhile). A requested split layer is applied between frames,
-    also while none waits. ``frame_inputs(stamp, items) -> FrameInputs`` gives a frame's ego state and scene
-    (raising :class:`FrameInputError`); ``after_frame()`` runs after each frame out (the split-layer policy; what
-    it raises is logged, not a drop). Counts ``frames_out``, ``ego_accel_sources`` and ``resplits``; ``resplit``
-    is told of each move applied (for its log line)."""
+    Frames are (stamp ns, camera-order items). With ``pace`` a frame waits per ``PrefixRunner.pacing_delay_s``
+    (newer frames replace it meanwhile). ``frame_inputs(stamp, items) -> FrameInputs`` may raise
+    :class:`FrameInputError`; ``after_frame()`` runs after each frame out (the split-layer policy; its errors are
+    logged, not drops); ``resplit`` is told of each move applied."""
 
     #: Longest wait (s) before the pacing delay is asked again (it shrinks; the suffix's announcement may change).
     PACE_RECHECK_S = 0.1
@@ -161,8 +151,7 @@ class PrefixLoop:
             self._cv.notify()
 
     def process(self, frame):
-        """Compute ``frame`` now on the calling thread, after the pacing wait: the PrefixResult, or None when it
-        was dropped (counted)."""
+        """Compute ``frame`` now on this thread, after the pacing wait; None when it was dropped."""
         runner = self._ctx.runner()
         if self.pace:
             import time
@@ -242,12 +231,11 @@ class PrefixLoop:
 
 
 class SuffixLoop:
-    """The suffix's frame loop (module docstring): each :meth:`poll_once` computes the next frame with
-    ``command()``'s navigation command and gives it to ``publish(result)``; a rejected slot, a stale frame, a
-    re-split or compute error is a counted drop. A ring contract that does not fit is the host's fault while it
-    lasts (logged once). ``on_attach(attached)`` is told of every (re-)attach and loss, ``on_resplits(result)`` of
-    the block moves a frame needed. Counts ``frames_in`` (frames taken, rejected and superseded ones included),
-    ``resplits`` and ``resplits_on_demand``."""
+    """The suffix's frame loop: each frame from the ring, computed with ``command()``, goes to ``publish(result)``.
+
+    A ring contract that does not fit is the host's fault while it lasts. ``on_attach(attached)`` is told of every
+    (re-)attach and loss, ``on_resplits(result)`` of a frame's block moves. ``frames_in`` counts every frame
+    taken, rejected and superseded ones included."""
 
     def __init__(self, ctx: LoopContext, *, publish: Callable[[Any], None], command: Callable[[], int] | None = None,
                  on_attach: Callable[[bool], None] | None = None, on_resplits: Callable[[Any], None] | None = None,
@@ -290,8 +278,7 @@ class SuffixLoop:
             self.poll_once(self.poll_s)
 
     def poll_once(self, timeout_s: float):
-        """Wait up to ``timeout_s`` for a frame, compute and publish it: the SuffixResult, or None (none came, or
-        it was dropped: counted)."""
+        """Wait up to ``timeout_s`` s for a frame, compute and publish it; None when none came or it was dropped."""
         ctx = self._ctx
         runner = ctx.runner()
         try:
@@ -329,8 +316,7 @@ class SuffixLoop:
         return None
 
     def _check_ring(self, runner) -> None:
-        """Report a ring contract that does not fit once per distinct problem (the host's fault while it lasts),
-        and every (re-)attach and loss of the ring."""
+        """Report each distinct contract problem once, and every (re-)attach and loss of the ring."""
         ctx, error = self._ctx, runner.contract_error
         if error != self._fault:
             self._fault = error

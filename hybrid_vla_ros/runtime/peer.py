@@ -1,28 +1,17 @@
 """How each stage sees the other: the peer status a node reports on /diagnostics (no ROS imports).
 
-A stage whose peer is gone cannot produce a trajectory, and a safety monitor reading /diagnostics must learn
-that from the stage that is still alive, within a stated time, with the cause and the peer named. What each
-end can observe of the other lives in the ring's global header and in the kernel:
+A safety monitor must learn from the surviving stage, within a stated time, that its peer is gone, with cause and
+peer named. The prefix (producer) observes the ring's single-consumer OFD lock (dropped by the kernel when its
+holder dies, SIGKILL included), the holder's pid, paused state, last take and announced next read
+(``transport.producer.ConsumerPresence``). The suffix (consumer) observes whether the ring exists, whether its
+owner lives (pid and start time), the producer's paused state, last publish and announced cycle
+(``RingProducer.announce_cycle``), and why an attach failed.
 
-* the prefix (producer) sees whether a consumer holds the ring's single-consumer lock (an OFD lock the kernel
-  drops the moment its holder closes it or dies, SIGKILL included), which process it named at attach, whether
-  it said it is paused (its node is inactive), when it last took a frame and when it said it will take the
-  next (``transport.producer.ConsumerPresence``);
-* the suffix (consumer) sees whether the ring exists, whether the process that owns it is alive (pid and start
-  time), whether the producer said it is paused, when it last published and how often it said it publishes
-  (``RingProducer.announce_cycle``), and why an attach failed (no ring, another consumer holds it, the contract
-  does not fit).
-
-:func:`consumer_status` and :func:`producer_status` turn those observations into a :class:`PeerStatus`. The
-nodes check them every :data:`CHECK_PERIOD_S` and publish /diagnostics at once when the status changes, so a
-dead peer is reported as ERROR within that period plus one publish. Two judgements need time. A producer that is
-alive but publishes nothing (stopped, hung, or without camera input) is stalled once its last publish is
-:data:`STALL_CYCLES` of its announced cycles old (at least :data:`PRODUCER_MIN_GRACE_S`; it announces none before
-its second publish, and is never called stalled before). A consumer that holds the ring but takes no frame: frames
-published after its last take are overdue once ``grace_ns`` (three camera frame periods, at least
-:data:`MIN_GRACE_S`) has passed beyond the later of the first such publish and the read it announced
-(``RingConsumer.announce_next_read``: a suffix slower than the cameras announces its own cycle, so its long frames
-are not mistaken for a stall; before it has measured one cycle it announces nothing and is never called stalled).
+Nodes check every :data:`CHECK_PERIOD_S` and publish on change, so a dead peer is an ERROR within that period
+plus one publish. A live producer is stalled once its last publish is :data:`STALL_CYCLES` announced cycles old
+(at least :data:`PRODUCER_MIN_GRACE_S`). A consumer holding the ring is stalled once a frame waits ``grace_ns``
+past the later of its publish and the read the consumer announced (``RingConsumer.announce_next_read``, so a
+suffix slower than the cameras is not mistaken for a stall). Neither is judged before it has announced a cycle.
 """
 from __future__ import annotations
 
@@ -41,10 +30,7 @@ PRODUCER_MIN_GRACE_S = 0.5
 #: A producer that has published nothing for this many of its announced cycles is stalled.
 STALL_CYCLES = 3
 
-#: Every cause a :class:`PeerStatus` can name, with what it means. Prefix side (the suffix is the peer):
-#: ``no_consumer``, ``consumer_paused``, ``consumer_stalled``; suffix side (the prefix is the peer):
-#: ``no_ring``, ``owner_dead``, ``producer_paused``, ``prefix_stalled``, ``locked_out``, ``contract``,
-#: ``attach_error``.
+#: Every cause a :class:`PeerStatus` can name: the first three on the prefix side, the rest on the suffix side.
 PEER_CAUSES = {
     "no_consumer": "no suffix is attached to the ring",
     "consumer_paused": "the suffix is attached but inactive",
@@ -63,9 +49,8 @@ PEER_CAUSES = {
 class PeerStatus:
     """The other stage as one stage sees it.
 
-    ``cause``: "" while the peer can take part in the pipeline, else a key of :data:`PEER_CAUSES`. ``peer``:
-    who it is, as far as known (e.g. "suffix pid 4242", "prefix pid 17 (dead)", "" when unknown).
-    ``message``: one sentence for /diagnostics and the log, naming the ring and what to do.
+    ``cause``: "" when fine, else a key of :data:`PEER_CAUSES`; ``peer``: e.g. "suffix pid 4242", "" when
+    unknown; ``message``: one sentence for /diagnostics, naming the ring and what to do.
     """
 
     cause: str
@@ -79,8 +64,7 @@ class PeerStatus:
 
 
 def stall_grace_ns(frame_period_ns: int | None) -> int:
-    """How long frames may wait past their due read before a consumer counts as stalled (ns): three camera frame
-    periods (``frame_period_ns``; None: not known yet), at least :data:`MIN_GRACE_S`."""
+    """Consumer stall grace (ns): three camera frame periods (None: unknown), at least :data:`MIN_GRACE_S`."""
     floor = int(MIN_GRACE_S * 1e9)
     return floor if not frame_period_ns or frame_period_ns <= 0 else max(floor, 3 * int(frame_period_ns))
 
@@ -88,17 +72,8 @@ def stall_grace_ns(frame_period_ns: int | None) -> int:
 def consumer_status(presence, ring: str, now_ns: int, waiting_since_ns: int, grace_ns: int) -> PeerStatus:
     """The suffix as the prefix sees it.
 
-    Args:
-        presence: the producer's ``ConsumerPresence`` (``RingProducer.consumer()``).
-        ring: the ring's segment name (for the message).
-        now_ns: CLOCK_MONOTONIC now (ns).
-        waiting_since_ns: CLOCK_MONOTONIC ns of the first frame published after the consumer's last take, 0 when
-            none waits (every published frame was taken or superseded by a take).
-        grace_ns: :func:`stall_grace_ns`.
-
-    Returns ``no_consumer`` when nobody holds the consumer lock, ``consumer_paused`` when the holder said it is
-    inactive, ``consumer_stalled`` when a frame has waited ``grace_ns`` past the later of its publish and the
-    consumer's announced next read, else an ok status.
+    ``presence``: ``RingProducer.consumer()``. Times are CLOCK_MONOTONIC ns; ``waiting_since_ns`` is the publish
+    of the first frame after the consumer's last take (0: none waits); ``grace_ns``: :func:`stall_grace_ns`.
     """
     who = f"suffix pid {presence.pid}" if presence.pid > 0 else "suffix"
     if not presence.attached:
@@ -123,22 +98,9 @@ def producer_status(attached: bool, attach_failure: str, attach_error: str, ring
                     last_publish_ns: int = 0, cycle_ns: int = 0) -> PeerStatus:
     """The prefix as the suffix sees it.
 
-    Args:
-        attached: the suffix holds a consumer end of the ring.
-        attach_failure: why the last attach failed ("" when attached or not tried): 'no_ring', 'locked_out',
-            'contract' or 'attach_error'.
-        attach_error: the failed attach's message.
-        ring: the ring's segment name.
-        owner_pid, owner_alive: the ring's owner as its header names it, and whether that process lives.
-        producer_state: what the producer said of itself ('running', 'paused', 'not said').
-        holder_pid: for 'locked_out', the process that holds the ring (0: unknown).
-        now_ns: CLOCK_MONOTONIC now (ns).
-        last_publish_ns, cycle_ns: the producer's last publish (CLOCK_MONOTONIC ns) and its announced interval
-            between publishes (ns); 0 when there is none (not judged).
-
-    Returns ``owner_dead`` (attached to a ring whose owner died), ``producer_paused``, ``prefix_stalled`` (alive,
-    running, its last publish :data:`STALL_CYCLES` announced cycles old, at least :data:`PRODUCER_MIN_GRACE_S`), or the
-    attach failure (``no_ring``, ``locked_out``, ``contract``, ``attach_error``), else an ok status.
+    ``attach_failure``: why the last attach failed ("" when attached or not tried; else a suffix-side cause).
+    ``producer_state``: 'running', 'paused' or 'not said'. ``holder_pid``: who holds the ring when locked out
+    (0: unknown). Times are CLOCK_MONOTONIC ns; ``last_publish_ns`` / ``cycle_ns`` 0: not judged.
     """
     if attached:
         who = f"prefix pid {owner_pid}"

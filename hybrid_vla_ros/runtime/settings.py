@@ -1,19 +1,10 @@
-"""What a runner needs, as one frozen, typed settings object per stage (ROS-free).
+"""One frozen, typed settings object per runner (ROS-free); ``dataclasses.replace`` makes a variant.
 
-:class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner` takes a :class:`PrefixRunnerSettings`,
-:class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` a :class:`SuffixRunnerSettings`, the prefix's
-split-layer control (:class:`~hybrid_vla_ros.runtime.split_control.SplitLayerControl`) a
-:class:`SplitPolicySettings`. The nodes build them from
-their validated parameters (``ros.settings``: ``PrefixNodeSettings.runner_settings`` /
-``SuffixNodeSettings.runner_settings``); tools and tests build them directly, and variants with
-``dataclasses.replace``. Defaults are the node schemas' defaults (``schema/<node>.schema.json``; checked by
-test/test_settings.py), except where a runner needs a resolved value the schema leaves open: ``split_layer`` is a
-concrete K here (no ``auto``, no -1 placeholder), so it has no default.
-
-Each class's ``PARAMETER_OF`` says, per runner field, which node parameter it comes from (for the defaults
-check); fields not listed there (``namespace``, ``domain_id``, ``background_build``) come from the node itself,
-not from a parameter. Units are in the field comments: ms, s, and bytes (the prefix node's ``gpu_budget_gb`` is
-in GB, 1e9 bytes; this side takes bytes).
+The nodes build them from their parameters (``ros.settings``: ``*NodeSettings.runner_settings``); tools and tests
+build them directly. Defaults are the node schemas' (``schema/<node>.schema.json``, checked by
+test/test_settings.py), except ``split_layer``, a resolved K here (no ``auto`` or -1), so without a default.
+Each class's ``PARAMETER_OF`` maps runner fields to node parameters; fields absent from it come from the node.
+Units are in the field comments (this side takes bytes where the node's ``gpu_budget_gb`` is GB, 1e9 bytes).
 """
 from __future__ import annotations
 
@@ -30,9 +21,7 @@ Backend = Literal["eager", "openvino"]
 
 @dataclass(frozen=True)
 class PrefixRunnerSettings:
-    """Settings of one :class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner` (frozen: ``dataclasses.replace`` for a
-    variant). Checked where they are used, as before (the runner raises ValueError for a device this machine does
-    not have, a K out of [0, L], a budget the plan for K exceeds)."""
+    """Settings of one :class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner`; checked by the runner (ValueError)."""
 
     #: K: the prefix loads decoder blocks [0, K). Resolved already: the node's ``split_layer: auto`` plans K first.
     split_layer: int
@@ -97,9 +86,7 @@ class SplitPolicySettings:
 
 @dataclass(frozen=True)
 class SuffixRunnerSettings:
-    """Settings of one :class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` (frozen: ``dataclasses.replace`` for a
-    variant). Checked where they are used, as before (the runner raises ValueError for a ``delivery`` other than
-    ``newest`` / ``fifo``, spin times out of range, a K out of [0, L])."""
+    """Settings of one :class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner`; checked by the runner (ValueError)."""
 
     #: K the suffix prepares for: it loads decoder blocks [K, L) (L: none, for a node's ``split_layer: auto``,
     #: which follows the prefix). Every frame is computed at the K in its slot header.

@@ -27,25 +27,15 @@ def cuda_free_bytes(runner) -> int:
 
 
 class SplitLayerControl:
-    """Chooses the prefix's split layer K and asks the PrefixRunner to move it; the worker applies a move
-    between frames (``wake`` tells it one was requested).
+    """Chooses the prefix's split layer K and asks the PrefixRunner to move it; the worker applies moves between
+    frames (``wake`` tells it one was requested).
 
-    * configure: :meth:`initial_layer` is ``split_layer``, or for ``split_layer: auto`` the K of a plan
-      (split.planner.Plan, kept in ``plan``) for the device memory budget;
-    * a ``split_layer`` set while running: :meth:`set_split_layer` (a new plan for 'auto');
-    * while active with ``split_layer: auto``, one policy (split.rebalance.SplitPolicy): after every frame
-      (:meth:`after_frame`, from the worker) the latency balancer judges the measured stage times
-      (``auto_rebalance``, with a profile), and on a CUDA prefix with ``auto_resplit_free_mb`` > 0 a 2 s timer
-      (:meth:`update_timer`) moves K down when the device's free memory runs low and lets it back up when it
-      recovers (split.planner.AutoResplitPolicy); memory wins, the latency moves stay within what fits.
-
-    ``moves`` counts the moves asked for by kind ('latency', 'memory'); ``reason`` is the policy's last
-    judgement (for /diagnostics); ``on_move(move, from_k)`` (optional) is told of each move requested.
-
-    ``ctx``: the host's runtime.loops.LoopContext; ``settings()``: its :class:`SplitPolicySettings` now (None while
-    unconfigured); ``wake``: wakes the frame loop so that it applies a requested K at once; ``timers``: the host's
-    (:class:`Timers`) for the memory-pressure check, None: no timer (a tool calls :meth:`check_memory` itself);
-    ``read_free(runner)``: free device memory in bytes (default: CUDA's).
+    K is ``split_layer``, or for ``auto`` a plan's (``plan``) for the memory budget. With ``auto`` while active, one
+    policy (split.rebalance.SplitPolicy) moves it: the latency balancer after every frame, and on CUDA a 2 s
+    memory-pressure timer; memory wins. ``moves`` counts moves by kind ('latency', 'memory'); ``reason`` is the
+    last judgement (/diagnostics); ``on_move(move, from_k)`` is told of each request. ``settings()``: the
+    :class:`SplitPolicySettings` now (None while unconfigured); ``timers`` None: the caller runs
+    :meth:`check_memory`; ``read_free(runner)``: free device bytes (default: CUDA's).
     """
 
     def __init__(self, ctx, settings: Callable[[], SplitPolicySettings | None],
@@ -62,8 +52,7 @@ class SplitLayerControl:
 
     @classmethod
     def of_policy(cls, ctx, policy, **kwargs) -> "SplitLayerControl":
-        """A control that runs ``policy`` (split.rebalance.SplitPolicy, made by the caller: a tool's own plan or
-        per-K times) from the first frame, as ``split_layer: auto`` does. ``kwargs`` as the constructor's."""
+        """A control that runs the caller's ``policy`` from the first frame, as ``split_layer: auto`` does."""
         control = cls(ctx, lambda: None, **kwargs)
         control.plan, control._policy = policy.plan, policy
         return control
@@ -81,9 +70,8 @@ class SplitLayerControl:
         return k
 
     def make_plan(self, p: SplitPolicySettings, budget_bytes: int | None = None):
-        """The split plan of ``split_layer: auto`` (split.planner.Plan) for budget ``budget_bytes`` (default:
-        ``gpu_budget_gb``, or the device's free memory on CUDA when that is 0). Raises ValueError (no K fits,
-        bad profile), FileNotFoundError."""
+        """The plan of ``split_layer: auto`` for ``budget_bytes`` (default: ``gpu_budget_gb``, else CUDA's free
+        memory). Raises ValueError (no K fits, bad profile), FileNotFoundError."""
         from ..split.planner import plan_for_checkpoint
 
         device = resolve_device(p.device)
@@ -125,9 +113,7 @@ class SplitLayerControl:
                  "finishes at its K, the next one is computed at the new K")
 
     def _make_policy(self):
-        """The SplitPolicy of the running plan (built on first use): the memory part on a CUDA prefix with
-        ``auto_resplit_free_mb`` > 0, the latency part with ``auto_rebalance`` and a plan with times (a profile);
-        why a part is off is logged once. Call with ``_lock`` held."""
+        """The running plan's SplitPolicy, built on first use (why a part is off is logged once). Hold ``_lock``."""
         from ..split.planner import AutoResplitPolicy
         from ..split.rebalance import LatencyBalancer, SplitPolicy
 
@@ -155,8 +141,7 @@ class SplitLayerControl:
         return self._policy
 
     def after_frame(self, camera_period_ns: int | None) -> None:
-        """After each frame the worker computed (its thread): with ``split_layer: auto``, let the policy judge
-        both stages' measured times and request the move it decides (logged, counted as 'latency')."""
+        """On the worker after each frame: with ``auto``, request the latency move the policy decides."""
         runner = self._ctx.runner()
         if runner is None or (self.plan is None and self._policy is None):
             return
@@ -175,9 +160,8 @@ class SplitLayerControl:
             self._request(runner, move)
 
     def update_timer(self, active: bool) -> None:
-        """Run the 2 s memory-pressure check while ``active`` with ``split_layer: auto``, ``auto_resplit_free_mb``
-        > 0 and a CUDA prefix; stop it otherwise. Going active with ``auto``, the policy is built (and what it
-        will do is logged) now rather than at the first frame."""
+        """Run the memory-pressure timer while ``active`` with ``auto``, ``auto_resplit_free_mb`` > 0 and CUDA; else
+        stop it. Going active builds the policy now rather than at the first frame."""
         runner, p = self._ctx.runner(), self._settings()
         if active and self.plan is not None and runner is not None and p is not None:
             with self._lock:
@@ -202,10 +186,9 @@ class SplitLayerControl:
         runner.request_split_layer(move.k)
 
     def check_memory(self) -> None:
-        """2 s timer (``split_layer: auto`` on CUDA with ``auto_resplit_free_mb`` > 0): move K down when the
-        device's free memory falls under ``auto_resplit_free_mb`` and back up (at most to the planned K) when a
-        move up leaves ``auto_resplit_recover_mb`` free for 3 readings (split.planner.AutoResplitPolicy); with live
-        rebalancing the way back up is the balancer's, within the room the memory leaves."""
+        """Memory-pressure check (split.planner.AutoResplitPolicy): K down when free memory falls under
+        ``auto_resplit_free_mb``, back up (at most to the plan's K; with rebalancing, the balancer's way) once
+        ``auto_resplit_recover_mb`` stays free for 3 readings."""
         ctx = self._ctx
         runner = ctx.runner()
         if runner is None or (self.plan is None and self._policy is None):

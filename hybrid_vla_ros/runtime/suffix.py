@@ -1,19 +1,13 @@
 """The suffix stage without ROS: ring slot -> decoder blocks [K, L), norm, planning head -> waypoints.
 
-Run in two processes with :mod:`hybrid_vla_ros.runtime.prefix` it forms the cross-frame asynchronous
-pipeline: while the suffix computes frame t from one ring slot, the prefix already computes frame t+1 into
-another. Timing fields (ms): ``handoff`` (start of the copy into the slot, or for a prefix that produced
-the frame in the slot the instant it was complete there -> the suffix holds a view of it, in its compute
-dtype) and ``suffix`` (blocks K..L-1, norm, head); instants (CLOCK_MONOTONIC ns): ``t_write_start_ns`` from
-the slot header, ``t_ready_ns`` (the suffix holds the view) and ``t_suffix_end_ns``.
+With :mod:`hybrid_vla_ros.runtime.prefix` in another process it forms the cross-frame pipeline: the suffix
+computes frame t from one slot while the prefix computes t+1 into another. Timings (ms): ``handoff`` (start of the
+write into the slot -> the suffix holds a view of it in its dtype) and ``suffix`` (blocks K..L-1, norm, head).
 
-The ring's contract (model id, dtype, device kind, state shape in its global header) is checked when the
-suffix attaches: a pair that does not fit is refused then (``contract_error``), not frame by frame. Frames
-are taken newest first by default (``delivery``; older READY ones count as ``superseded``), and the wait for
-the next one spins briefly before the frame the prefix's period predicts (``spin_lead_ms``, ``spin_max_ms``;
-:class:`~hybrid_vla_ros.transport.wake.SpinPolicy`). When it takes a frame the suffix announces in the ring
-when it will ask for the next one (its median cycle from taking a frame to the next poll), so a prefix faster
-than it can pace itself (``PrefixRunner.pacing_delay_s``) and hand over frames that do not wait.
+The ring's contract is checked once at attach (``contract_error``), not per frame. The wait for a frame spins
+briefly before the one the prefix's period predicts (:class:`~hybrid_vla_ros.transport.wake.SpinPolicy`). On each
+take the suffix announces when it will ask for the next (median take-to-poll cycle), so a faster prefix can pace
+itself (``PrefixRunner.pacing_delay_s``).
 """
 from __future__ import annotations
 
@@ -44,11 +38,10 @@ class StaleFrame(RuntimeError):
 
 @dataclass
 class SuffixResult:
-    """Waypoints of one frame with its slot metadata, stage timings (ms) and instants (CLOCK_MONOTONIC ns).
+    """Waypoints of one frame with its slot metadata, timings (ms) and instants (CLOCK_MONOTONIC ns).
 
-    ``waypoints`` is the mode the navigation command selected, ``modes`` every mode of the planner (M = 1 or
-    6, one per navigation command) and ``mode`` the selected one's index (``waypoints == modes[mode]``).
-    Only ``waypoints`` is checked for finiteness here; a non-finite other mode is the caller's to judge.
+    ``waypoints == modes[mode]``, the mode the navigation command selected (M = 1 or 6). Only ``waypoints`` is
+    checked for finiteness; the other modes are the caller's to judge.
     """
 
     waypoints: np.ndarray  # (N, 2) float64 metres, ego frame
@@ -64,49 +57,29 @@ class SuffixResult:
 
     @property
     def preprocess_ms(self) -> float:
-        """The prefix's decode + resize + normalise of this frame (ms, slot header); NaN when it did not send it."""
+        """The prefix's preprocessing of this frame (ms, slot header); NaN when not sent."""
         return self.meta.timings.preprocess_ms
 
     @property
     def prefix_ms(self) -> float:
-        """The prefix stage of this frame (ms, slot header); NaN when the producer did not send it."""
+        """The prefix stage of this frame (ms, slot header); NaN when not sent."""
         return self.meta.timings.prefix_ms
 
     @property
     def t_prefix_start_ns(self) -> int:
-        """When the prefix started on this frame (decode; CLOCK_MONOTONIC ns, slot header); 0 when the producer
-        did not send it."""
+        """When the prefix started on this frame (CLOCK_MONOTONIC ns, slot header); 0 when not sent."""
         return self.meta.timings.prefix_start_ns
 
 
 class SuffixRunner:
-    """Suffix stage plus ring consumer (CPU): ``SuffixRunner(model_path, settings, log=None)``, the checkpoint
-    directory and one :class:`~.settings.SuffixRunnerSettings` (K, dtype, ring, delivery, spin, threads, backend;
-    the names below are its fields).
+    """Suffix stage plus ring consumer (CPU), built from a checkpoint directory and
+    :class:`~.settings.SuffixRunnerSettings`; ``log(level, message)`` gets backend fallbacks.
 
-    ``poll(timeout_s)`` waits for a frame (the newest unread one with ``delivery="newest"``, the default for
-    planning: an older one still unread is dropped as ``superseded``; the oldest with ``"fifo"``), runs
-    blocks [K, L), norm and head on a view of the slot in this suffix's dtype (zero-copy when the prefix's
-    dtype is the same, else converted at the view: :mod:`hybrid_vla_ros.transport.contract`) and returns a
-    :class:`SuffixResult`. K is the one in the frame's slot header: the suffix follows the prefix through a
-    live re-split. Frames arrive in sequence order,
-    so once a frame at a higher K has been computed no frame at a lower K can follow, and the blocks
-    below it are freed (unless :meth:`request_split_layer` asked to keep them ready for a coming move
-    down). A frame at a K below the first block held loads the missing blocks first (``on_demand``):
-    a frame is never computed with a mismatched K. ``poll`` returns None on timeout or while it
-    cannot attach to the prefix's ring (``attach_error`` says why, ``contract_error`` too when the ring's
-    contract does not fit this suffix: another model, state shape or a dtype that cannot be converted; it
-    retries on the next poll, and re-attaches by itself when the prefix restarts and replaces the ring).
-    ``spin_max_ms`` 0 turns the spin off (the wait always blocks on the wake-up socket). Raises ``SlotRejected``
-    (counted by the ring) for a slot whose header fails validation, e.g. another model or a K outside
-    [0, L]; FloatingPointError for non-finite waypoints; StaleFrame for a frame published before this
-    consumer attached (left over from before a restart); ResplitError, once, when blocks requested
-    with :meth:`request_split_layer` could not be loaded (the request is dropped; no frame is lost).
-
-    ``backend`` ("eager" | "openvino", :mod:`hybrid_vla_ros.runtime.suffix_backend`): how blocks [K, L) are
-    computed; a compiled backend is built for the configured K in the background (``background_build``) and
-    for each new K a frame arrives at, eager serving meanwhile, and falls back to eager when it cannot be used
-    (``log(level, message)`` gets the line). ``backend_cache_dir``: where its artifacts live ("": the default).
+    Each frame is computed on a view of the slot in this suffix's dtype (zero-copy when the dtypes match) at the
+    K in its slot header, so the suffix follows a live re-split. Frames arrive in sequence order: once a frame at
+    a higher K is computed, the blocks below it are freed (unless :meth:`request_split_layer` keeps them); a frame
+    below the first block held loads the missing blocks first, so K never mismatches. The backend
+    (:mod:`hybrid_vla_ros.runtime.suffix_backend`) is compiled per K in the background, eager meanwhile.
     """
 
     def __init__(self, model_path: str, settings: SuffixRunnerSettings, *, log=None):
@@ -205,15 +178,13 @@ class SuffixRunner:
         return True
 
     def _side_problems(self, contract) -> list[str]:
-        """Differences between the side tensors the prefix declares and the ones this model needs (floating ones
-        in the prefix's dtype: converted here, as the hidden states are)."""
+        """Differences between the side tensors the prefix declares and the ones this model needs."""
         from ..transport.contract import side_differences
 
         return side_differences(contract.side, ring_side(self.cfg, contract.dtype or self.dtype))
 
     def _state(self, hidden: torch.Tensor, side: dict):
-        """The SplitState of a slot: h_K and its side tensors, floating ones converted to this suffix's dtype;
-        a bare tensor for a model without side tensors."""
+        """h_K and side tensors (floating ones in this dtype) as a SplitState; the bare tensor without side tensors."""
         if not self.cfg.side:
             return hidden
         from ..model.contract import SplitState
@@ -226,17 +197,13 @@ class SuffixRunner:
         return self.ring is not None
 
     def set_running(self, running: bool) -> None:
-        """Say in the ring's header (now and at every later attach) that this suffix takes frames (its node is
-        active) or is paused (inactive), so the prefix can report an inactive suffix
-        (:func:`~.peer.consumer_status`)."""
+        """Declare in the ring header, now and at every later attach, whether this suffix runs or is paused."""
         self._running = bool(running)
         if self.ring is not None and not self.ring.producer_gone:
             self.ring.set_running(self._running)
 
     def peer_status(self) -> PeerStatus:
-        """The prefix as this suffix sees it now (:func:`~.peer.producer_status`): the ring's owner alive or dead,
-        paused, stalled (no publish for three of its announced cycles), or why no ring could be attached (none,
-        another suffix holds it, the contract does not fit)."""
+        """The prefix as this suffix sees it now (:func:`~.peer.producer_status`)."""
         ring = self.ring
         if ring is not None and not ring.producer_gone:
             last_publish, cycle = ring.producer_schedule()
@@ -251,15 +218,13 @@ class SuffixRunner:
         return self.split.k
 
     def request_split_layer(self, split_layer: int) -> None:
-        """Prepare for frames at ``split_layer`` (thread-safe): blocks [K, first held) are loaded in the
-        background, swapped in between frames and kept until a frame at that K arrives, so the prefix's
-        move down costs no wait here. Raises ValueError for a K out of [0, L]."""
+        """Preload blocks for frames at ``split_layer`` in the background (thread-safe), so the prefix's move down
+        costs no wait here. Raises ValueError for a K out of [0, L]."""
         self.split.request(split_layer)
 
     @torch.inference_mode()
     def wait_attached(self, timeout_s: float) -> None:
-        """Attach to the ring, trying every 50 ms for up to ``timeout_s`` s, taking no frame. Raises TimeoutError
-        with the reason (``attach_error``)."""
+        """Attach to the ring (every 50 ms, up to ``timeout_s`` s) without taking a frame; else TimeoutError."""
         deadline = time.monotonic() + timeout_s
         while not self._attach():
             if time.monotonic() > deadline:
@@ -267,7 +232,14 @@ class SuffixRunner:
             time.sleep(0.05)
 
     def poll(self, timeout_s: float) -> SuffixResult | None:
-        """Wait up to ``timeout_s`` (s) for a frame and run the suffix on it; see the class docstring."""
+        """Wait up to ``timeout_s`` (s) for a frame and run the suffix on it.
+
+        The frame is the newest unread (older ones ``superseded``) or, with ``delivery="fifo"``, the oldest. Returns
+        None on timeout or while the ring cannot be attached (``attach_error`` / ``contract_error`` say why; it
+        retries each poll and re-attaches when the prefix replaces the ring). Raises ``SlotRejected`` for a slot
+        header that fails validation, FloatingPointError for non-finite waypoints, StaleFrame for a frame from
+        before this attach, and ResplitError once when requested blocks could not be loaded (no frame is lost).
+        """
         if not self._attach():
             time.sleep(min(timeout_s, 0.05))  # no ring to wait on yet: retry at a modest rate
             return None
@@ -308,9 +280,7 @@ class SuffixRunner:
                             resplits, superseded, modes, out.mode)
 
     def _announce_stage_time(self, k: int, stage_ns: int) -> None:
-        """Tell the prefix (through the ring header) this stage's time at K: the median of the compute times of its
-        last frames at ``k`` (blocks [K, L) and the read-out; started afresh when K changes), for live
-        rebalancing (``PrefixRunner.stage_sample``)."""
+        """Announce the median compute time of the last frames at ``k`` in the ring header (for rebalancing)."""
         if k != self._stage_k:
             self._stage_ns.clear()
             self._stage_k = k
@@ -319,7 +289,7 @@ class SuffixRunner:
             self.ring.announce_stage_time(k, sorted(self._stage_ns)[len(self._stage_ns) // 2])
 
     def ring_stats(self) -> ConsumerStats:
-        """The ring consumer's counters (:class:`~..transport.stats.ConsumerStats`; all 0 before it attached)."""
+        """The ring consumer's counters (all 0 before it attached)."""
         return self.ring.stats if self.ring is not None else ConsumerStats()
 
     def close(self) -> None:

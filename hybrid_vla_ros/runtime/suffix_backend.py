@@ -1,40 +1,24 @@
 """How the CPU suffix computes decoder blocks [K, L): eagerly in torch, or through a compiled OpenVINO model.
 
-:class:`SuffixBackend` is what :class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` calls instead of the stage:
-``backend(stage, hidden_states, command, k) -> waypoints``. ``eager`` is the stage itself. ``openvino`` converts
-the stage's blocks [K, L) at the frame shape (B, T, H) once with ``openvino.convert_model`` (PyTorch frontend:
-the module is traced and its aten graph mapped to OpenVINO ops; SDPA stays one ``ScaledDotProductAttention``
-op), saves it (IR: ``model.xml`` + ``model.bin``) in a cache folder and compiles it for the CPU plugin, whose
-GEMM and attention kernels (oneDNN, its own fused SDPA) and graph fusions (RMSNorm, rotary, SiLU x up) are what
-make it faster than eager torch (figures: docs/performance.md). The compiled model gives the last tokens' hidden
-states, as many as the read-out positions reach (the planning token, and MindDrive's decision and path tokens:
-:func:`~hybrid_vla_ros.model.traced.read_out_tokens`); its last block runs attention for every token but its
-residual, norm and MLP for those rows only, where a check at build time finds the family's block a pre-norm layer
-(:func:`~hybrid_vla_ros.model.traced.prunable`); the final norm and the heads stay in torch
-(:func:`hybrid_vla_ros.model.modeling.plan`), so the command, the modes and the decision logits are exactly the
-eager code's.
+``openvino`` converts blocks [K, L) at the frame shape (B, T, H) with ``openvino.convert_model`` (PyTorch frontend;
+SDPA stays one ``ScaledDotProductAttention`` op), saves the IR (``model.xml`` + ``model.bin``) and compiles it for
+the CPU plugin, whose oneDNN kernels and fusions (RMSNorm, rotary, SiLU x up) beat eager torch
+(docs/performance.md). The model outputs only the read-out tokens' hidden states
+(:func:`~hybrid_vla_ros.model.traced.read_out_tokens`), and its last block computes residual, norm and MLP for
+those rows only where the block is pre-norm (:func:`~hybrid_vla_ros.model.traced.prunable`); final norm and heads
+stay in torch (:func:`hybrid_vla_ros.model.modeling.plan`), so command, modes and decision logits are eager's.
 
-K and live re-splits: a compiled model covers one K (the blocks [K, L) it was built from) and one input shape.
-A frame at any other K runs eagerly, and a build for that K starts on a background thread (eager serves the
-frames meanwhile); the new model replaces the old one between frames once it is ready. A frame is therefore
-never computed with a mismatched K: the compiled path is used only when the frame's K is the one it covers.
+A compiled model covers one K and one shape. A frame at another K runs eagerly while a build for that K runs in
+the background; the new model is swapped in between frames, so a frame is never computed with a mismatched K.
 
-Artifacts and the cache key: ``<cache_dir>/<model id>/<backend>-k<K>-<dtype>-<B>x<T>x<H>-<key digest>/`` holds
-``model.xml``, ``model.bin``, the CPU plugin's compiled-blob cache (``ov_cache/``) and ``key.json``, written
-last (atomically, by renaming a finished temporary folder) with the whole :class:`ArtifactKey`. The key holds
-the checkpoint's model id, a sha256 digest of the bytes of every tensor of blocks [K, L) as the stage holds
-them (dtype included: :func:`weights_digest`), K, L, the dtype, the input shape, and the versions of the
-backend, torch, transformers and this artifact format. ``model_id`` alone does not hash weight values, so the
-digest is what keeps an artifact of other weights with the same header from ever being used. An artifact is
-used only when its ``key.json`` equals the wanted key field by field; anything else is rebuilt. The cache dir
-defaults to ``$XDG_CACHE_HOME/hybrid_vla_ros`` (``~/.cache/hybrid_vla_ros``), overridable per node
-(``backend_cache_dir``) or with ``HYBRID_VLA_CACHE``. Artifacts are never deleted here: remove the folder to
-reclaim the space (one artifact is about the size of its blocks' weights in their dtype).
+Cache: ``<cache_dir>/<model id>/<backend>-k<K>-<dtype>-<B>x<T>x<H>-<key digest>/`` holds ``model.xml``,
+``model.bin``, the plugin's blob cache (``ov_cache/``) and ``key.json`` (the whole :class:`ArtifactKey`), made
+atomically by renaming a finished temporary folder. The key includes a digest of the weight bytes
+(:func:`weights_digest`), since ``model_id`` does not hash weight values; an artifact is used only when its key
+equals the wanted one field by field. Artifacts are never deleted here (each is about its blocks' weight size).
 
-Precision: the CPU plugin is told the stage dtype's precision (``INFERENCE_PRECISION_HINT`` f32 for fp32,
-bf16 for bf16 where the CPU has bf16 instructions, AVX512_BF16 or AMX), because its default would run an fp32
-model in bf16 on such a CPU. Where the CPU lacks them (AVX2 only) a bf16 suffix is computed in f32 from its
-bf16 weights: closer to fp32 than eager bf16, at f32 GEMM speed. ``status()['precision']`` says which.
+Precision: the plugin is told the stage dtype (``INFERENCE_PRECISION_HINT``), since by default it runs fp32 in
+bf16 on a bf16 CPU; a bf16 suffix on a CPU without AVX512_BF16 / AMX computes in f32 from its bf16 weights.
 """
 from __future__ import annotations
 
@@ -58,22 +42,21 @@ from ..util.paths import cache_dir
 #: Values of the suffix node's ``suffix_backend`` parameter.
 BACKENDS = ("eager", "openvino")
 #: Version of the artifact layout and of the traced module (bump when either changes: old artifacts are rebuilt).
-ARTIFACT_FORMAT = 4  # 3: the model gives the last tokens_out tokens; 4: block L-1 after attention on those only
+ARTIFACT_FORMAT = 4
 #: What a build found, beside ``key.json`` in an artifact: {"last_block_rows": the rows block L-1 computes after
 #: attention, or null when it computes all (:func:`~hybrid_vla_ros.model.traced.prunable`)}.
 BUILD_FILE = "build.json"
 
 
 def default_cache_dir() -> Path:
-    """The default artifact folder: :func:`hybrid_vla_ros.util.paths.cache_dir` (``$HYBRID_VLA_CACHE``, else
-    ``$XDG_CACHE_HOME/hybrid_vla_ros``, else ``~/.cache/hybrid_vla_ros``)."""
+    """``$HYBRID_VLA_CACHE``, else ``$XDG_CACHE_HOME/hybrid_vla_ros``, else ``~/.cache/hybrid_vla_ros``."""
     return cache_dir()
 
 
 def weights_digest(blocks) -> str:
-    """sha256 (hex) over every parameter and buffer of ``blocks`` (an iterable of decoder blocks), in order:
-    its name, dtype, shape and raw bytes. Two block ranges share a digest only when they hold the same values
-    in the same dtype. Costs one pass over the weights (sha256 runs at about 1.5-2 GB/s with SHA-NI)."""
+    """sha256 (hex) over the name, dtype, shape and bytes of every parameter and buffer of ``blocks``, in order.
+
+    Equal only for the same values in the same dtype; one pass over the weights (about 1.5-2 GB/s with SHA-NI)."""
     h = hashlib.sha256()
     for i, block in enumerate(blocks):
         for name, t in [*block.named_parameters(), *block.named_buffers()]:
@@ -87,11 +70,8 @@ def weights_digest(blocks) -> str:
 class ArtifactKey:
     """Everything a compiled suffix depends on; an artifact is reused only for an equal key.
 
-    ``model_id``: :func:`hybrid_vla_ros.model.checkpoint.model_id` of the checkpoint (signed int64).
-    ``weights``: :func:`weights_digest` of blocks [split_layer, num_layers) as loaded. ``dtype``: "fp32" | "bf16"
-    | "fp16" (the stage's). ``shape``: the hidden states' (B, T, H). ``tokens_out``: how many last tokens the
-    model gives (:func:`~hybrid_vla_ros.model.traced.read_out_tokens`). The version fields pin the code that built it
-    (backend, torch, transformers, :data:`ARTIFACT_FORMAT`)."""
+    ``model_id``: signed int64 (:func:`hybrid_vla_ros.model.checkpoint.model_id`); ``weights``: :func:`weights_digest`
+    of blocks [split_layer, num_layers); ``shape``: (B, T, H); the version fields pin the code that built it."""
 
     backend: str
     backend_version: str
@@ -116,7 +96,7 @@ class ArtifactKey:
         return d
 
     def folder(self, cache_dir: str | Path) -> Path:
-        """The artifact's folder under ``cache_dir`` (see the module docstring)."""
+        """The artifact's folder under ``cache_dir``."""
         shape = "x".join(str(s) for s in self.shape)
         return (Path(cache_dir) / f"{self.model_id & (2**64 - 1):016x}"
                 / f"{self.backend}-k{self.split_layer}-{self.dtype}-{shape}-{self.digest()[:16]}")
@@ -130,15 +110,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class CompiledSuffix:
-    """One compiled model of blocks [k, L) at one input shape (built or loaded by :func:`build_openvino`).
+    """One compiled model of blocks [k, L) at one input shape (from :func:`build_openvino`); one inference at a time.
 
-    ``run(hidden)``: hidden states of ``shape`` ((T, H) or (B, T, H)), any float dtype -> the last
-    ``key.tokens_out`` tokens' hidden states after block L-1, shape (..., tokens_out, H), in ``dtype`` (for
-    :func:`~hybrid_vla_ros.model.modeling.plan`).
-    ``threads``: the CPU plugin's thread count it was compiled with (0: the plugin's default).
-    ``last_block_rows``: the rows block L-1 computes after its attention (the read-out rows), or None when it
-    computes every token (:func:`~hybrid_vla_ros.model.traced.prunable`).
-    One inference at a time (the runner's thread)."""
+    ``run(hidden)``: (T, H) or (B, T, H), any float dtype -> (..., tokens_out, H) in ``dtype``.
+    ``last_block_rows``: rows block L-1 computes after attention, None when all."""
 
     def __init__(self, key: ArtifactKey, compiled, *, dtype: torch.dtype, input_shape: tuple, folder: Path,
                  cache_hit: bool, build_s: float, precision: str, threads: int = 0,
@@ -171,9 +146,8 @@ def _openvino():
 
 
 def openvino_precision(core, dtype: torch.dtype) -> str:
-    """The CPU plugin's ``INFERENCE_PRECISION_HINT`` for a stage in ``dtype``: "f32" for fp32; "bf16" for bf16
-    when the CPU reports BF16 in ``OPTIMIZATION_CAPABILITIES`` (AVX512_BF16 or AMX), else "f32"; "f16" for
-    fp16 when it reports FP16, else "f32"."""
+    """The CPU plugin's ``INFERENCE_PRECISION_HINT`` for ``dtype``: "bf16" / "f16" where
+    ``OPTIMIZATION_CAPABILITIES`` has BF16 / FP16, else "f32"."""
     caps = set(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
     if dtype == torch.bfloat16 and "BF16" in caps:
         return "bf16"
@@ -184,9 +158,8 @@ def openvino_precision(core, dtype: torch.dtype) -> str:
 
 def artifact_key(stage, k: int, shape: tuple, *, model_id: int, backend: str = "openvino",
                  layers=None) -> ArtifactKey:
-    """The :class:`ArtifactKey` of ``stage``'s blocks [k, L) (``layers``: those blocks, default taken from the
-    stage) at hidden-state ``shape``. Raises ValueError when the stage does not hold blocks [k, L);
-    ImportError when the backend is not installed."""
+    """The :class:`ArtifactKey` of blocks [k, L) at ``shape``. Raises ValueError when the stage lacks them,
+    ImportError without openvino."""
     import transformers
 
     if layers is None:
@@ -203,9 +176,7 @@ def artifact_key(stage, k: int, shape: tuple, *, model_id: int, backend: str = "
 
 
 def _last_block_rows(folder: Path, tokens_out: int) -> int | None:
-    """The artifact's :data:`BUILD_FILE` ``last_block_rows`` when it is ``tokens_out`` (the only value a build
-    writes besides null); None when absent, unreadable or anything else. It informs (the bench's FLOP count);
-    what runs is the graph in ``model.xml``."""
+    """:data:`BUILD_FILE`'s ``last_block_rows`` when it equals ``tokens_out``, else None (informative only)."""
     try:
         rows = json.loads((folder / BUILD_FILE).read_text()).get("last_block_rows")
     except (OSError, ValueError, AttributeError):
@@ -215,9 +186,7 @@ def _last_block_rows(folder: Path, tokens_out: int) -> int | None:
 
 def plugin_config(precision: str, threads: int = 0, *, cache_dir: Path | None = None,
                   perf_count: bool = False) -> dict:
-    """The CPU plugin's compile options of a compiled suffix: latency hint, ``INFERENCE_PRECISION_HINT``
-    ``precision`` (:func:`openvino_precision`), ``INFERENCE_NUM_THREADS`` ``threads`` when > 0 (0: the plugin's
-    default), ``CACHE_DIR`` (its compiled-blob cache) when given, ``PERF_COUNT`` (per-node counters) when asked."""
+    """The CPU plugin's compile options (latency hint; threads 0: the plugin's default)."""
     config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision}
     if threads > 0:
         config["INFERENCE_NUM_THREADS"] = int(threads)
@@ -237,14 +206,10 @@ def _read_key(folder: Path) -> dict | None:
 
 def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str | Path, threads: int = 0,
                    layers=None, key: ArtifactKey | None = None) -> CompiledSuffix:
-    """Compile ``stage``'s blocks [k, L) for hidden states of ``shape`` ((T, H) or (B, T, H)) with OpenVINO,
-    reusing the artifact in ``cache_dir`` when its key matches (see the module docstring), else converting
-    the module and saving the artifact first; a matching artifact the plugin cannot compile (a damaged
-    ``model.bin``) is converted and saved again once.
+    """Compile blocks [k, L) for hidden states of ``shape`` ((T, H) or (B, T, H)), reusing a matching artifact.
 
-    ``threads``: the CPU plugin's ``INFERENCE_NUM_THREADS`` (0: its default, every core this process may use).
-    ``layers``: blocks [k, L) (default: from the stage; pass a list taken on the runner's thread when building
-    on another one). Returns a :class:`CompiledSuffix`. Raises ImportError (openvino missing), ValueError (the
+    A matching artifact the plugin cannot compile (a damaged ``model.bin``) is rebuilt once. ``layers``: the blocks,
+    taken on the runner's thread when building on another. Raises ImportError (no openvino), ValueError (the
     stage lacks blocks [k, L)), and what conversion or compilation raises."""
     ov = _openvino()
     t0 = time.perf_counter()
@@ -311,8 +276,7 @@ def build_openvino(stage, k: int, shape: tuple, *, model_id: int, cache_dir: str
 
 @dataclass(frozen=True)
 class BackendBuild:
-    """One finished build of the compiled suffix: for blocks ``[k, L)``, ``seconds`` it took (s), whether the
-    artifact came from the cache (``cache_hit``), its ``precision`` and the ``folder`` it lives in."""
+    """One finished build of blocks ``[k, L)``: ``seconds`` (s), ``cache_hit``, ``precision``, ``folder``."""
 
     k: int
     seconds: float
@@ -323,12 +287,8 @@ class BackendBuild:
 
 @dataclass(frozen=True)
 class BackendStatus:
-    """:meth:`SuffixBackend.status`: the backend asked for (``requested``) and the one computing frames now
-    (``in_use``: it or "eager"), the K the ready compiled model covers (``compiled_k``) and the K being built in the
-    background (``building``), both None when there is none; the compiled model's ``precision`` ("" without one);
-    ``error``: why the asked-for backend is not in use ("" when it is; also at K = L, where there are no blocks to
-    compile); ``cache_dir`` (the temporary folder builds go to when the configured one cannot be written); frames
-    computed by each path (``frames_compiled``, ``frames_eager``); the ``last_build`` (None before the first)."""
+    """:meth:`SuffixBackend.status`. ``compiled_k`` / ``building``: None when none; ``error``: why ``requested`` is
+    not in use (also at K = L); ``cache_dir``: the temporary one when the configured one cannot be written."""
 
     requested: str
     in_use: str
@@ -343,24 +303,13 @@ class BackendStatus:
 
 
 class SuffixBackend:
-    """The suffix's compute path: eager torch, or a compiled model built per K (see the module docstring).
+    """The suffix's compute path: eager torch, or a compiled model built per K.
 
-    Args:
-        name: "eager" or "openvino" (:data:`BACKENDS`).
-        stage: the runner's :class:`~hybrid_vla_ros.model.modeling.SuffixStage` (moved in place by re-splits).
-        model_id: the checkpoint's model id (part of the cache key).
-        cache_dir: artifact folder (None: :func:`default_cache_dir`).
-        threads: CPU plugin threads (0: as many as the process may use).
-        log: ``log(level, message)`` with level "info" | "warning" | "error" (default: print).
-        background: build on a background thread (eager serves meanwhile); False builds inside the call that
-            first needs it (tests, the bench).
-        temporary_fallback: when ``cache_dir`` cannot be written (OSError), build into a temporary folder of the
-            process, removed at :meth:`close` (the node); False: that build fails (``hybrid-vla compile-suffix``,
-            whose builds must be kept).
-
-    A backend that cannot be used (openvino not importable) falls back to eager at construction with one
-    warning line naming the reason; one whose build fails for a K logs an error line, serves that K eagerly
-    and does not retry it. ``status()`` says what is in use. Raises ValueError for an unknown name.
+    ``log(level, message)``: level "info" | "warning" | "error" (default: print). ``background`` False builds in
+    the call that first needs it. ``temporary_fallback``: build into a process temporary folder (removed at
+    :meth:`close`) when ``cache_dir`` cannot be written; False: that build fails (``hybrid-vla compile-suffix``).
+    An unusable backend falls back to eager with one warning; a failed build for a K logs an error and serves
+    that K eagerly without retry. Raises ValueError for an unknown name.
     """
 
     def __init__(self, name: str, stage, *, model_id: int, cache_dir: str | Path | None = None, threads: int = 0,
@@ -410,7 +359,7 @@ class SuffixBackend:
     # ------------------------------------------------------------------------------------------ state
     @property
     def in_use(self) -> str:
-        """"openvino" while a compiled model is ready (it serves frames at its K), else "eager"."""
+        """"openvino" while a compiled model is ready, else "eager"."""
         return self.requested if self._compiled is not None else "eager"
 
     @property
@@ -434,10 +383,8 @@ class SuffixBackend:
 
     # ------------------------------------------------------------------------------------------ builds
     def prepare(self, stage, k: int) -> None:
-        """Start building the compiled model for frames at ``k`` (blocks [k, L) must be held by ``stage``);
-        nothing when it is ready, building, has failed, or the backend is eager. One build at a time: a K asked
-        for while another builds is asked for again by its next frame (each eagerly computed frame calls this).
-        Call it on the runner's thread only: it takes the blocks from the stage, which re-splits move there."""
+        """Start building for frames at ``k`` unless ready, building, failed or eager. Runner's thread only (it takes
+        the blocks from the stage). One build at a time; each eager frame asks again."""
         if self._closed or not self.active or k in self.failed or k < stage.split_layer or k >= stage.cfg.num_layers:
             return
         with self._lock:
@@ -458,10 +405,7 @@ class SuffixBackend:
             self._pool.submit(self._build, stage, k, layers)
 
     def _build_in_cache(self, stage, k: int, layers: list) -> CompiledSuffix:
-        """:func:`build_openvino` into the cache folder; when that folder cannot be written (an OSError: read-only,
-        not a folder, no permission), into a temporary folder of this process instead (made once, with a warning;
-        removed at :meth:`close`), so the compiled suffix still serves, only not kept for a restart. Without
-        ``temporary_fallback`` (or once closed) the OSError is raised: the build fails."""
+        """:func:`build_openvino` into the cache folder, or on OSError into the temporary one (see the class)."""
         temp = self._temp_cache
         if temp is None:
             try:
@@ -513,8 +457,7 @@ class SuffixBackend:
 
     # ------------------------------------------------------------------------------------------ frames
     def plan_all(self, stage, hidden_states: torch.Tensor, command: int, k: int | None = None):
-        """:meth:`SuffixStage.plan_all` through the compiled model when it covers ``k`` (the frame's K),
-        else eagerly (and a build for ``k`` starts). Same arguments, result and errors as the stage's."""
+        """:meth:`SuffixStage.plan_all`, compiled when the model covers ``k``, else eagerly (and a build starts)."""
         k = stage.split_layer if k is None else k
         self._last_k = k
         if not isinstance(hidden_states, torch.Tensor):  # a SplitState with side tensors: the eager stage only
@@ -539,9 +482,9 @@ class SuffixBackend:
         return self.plan_all(stage, hidden_states, command, k).waypoints
 
     def close(self) -> None:
-        """Free the compiled model and stop taking builds; returns at once. A conversion in progress cannot be
-        interrupted: it finishes on its thread (the interpreter waits for it at exit) and its model is dropped.
-        A temporary build folder (a cache folder that could not be written) is removed."""
+        """Free the compiled model, stop taking builds and remove a temporary build folder; returns at once.
+
+        A conversion in progress finishes on its thread (the interpreter waits for it at exit) and is dropped."""
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,48 +1,26 @@
 """GPU memory plan per split layer K, predicted latency per K, and the automatic choice of K.
 
-For every split layer K in [0, L] a :class:`PlanRow` gives
+Units: bytes (int), ms (float), GB = 1e9 bytes. For every K in [0, L] a :class:`PlanRow` gives:
 
-* **GPU bytes of the prefix** (vision encoder, projector, embeddings, decoder blocks [0, K)):
-  ``weights + activations + non-persistent buffers + CUDA overhead``.
+* **GPU bytes of the prefix** (vision, projector, embeddings, blocks [0, K)) = weights + activations +
+  non-persistent buffers + CUDA overhead.
 
-  - *weights*: exact. The sum of numel x element size of the stage's parameters and persistent
-    buffers, floating-point tensors counted in the requested dtype, others in their own dtype (what
-    :func:`hybrid_vla_ros.model.checkpoint.load_stage` puts on the device). Counted on the ``meta``
-    device, so a 7B model is planned in well under a second with no tensor memory.
-  - *buffers*: the non-persistent buffers load_stage rebuilds from the config (rotary inverse
-    frequencies in float32, SigLIP position ids in int64), exact, a few kB.
-  - *activations*: an analytic estimate of the peak of one frame's forward pass (all cameras as one
-    batch), see :func:`activation_phases`. The forward is a sequence of phases (patch embedding, a
-    vision block's attention and MLP, the projector's cross-attention, the embeddings, an LLM block's
-    RMSNorm, attention and MLP); for each phase the estimate adds up the tensors that are alive at
-    the same time (the inputs the callers still hold, the phase's intermediates), and the peak is the
-    **largest such set**, not a sum over the whole forward, because inference without autograd frees
-    every intermediate as soon as Python drops its last reference. Attention assumes a fused
-    SDPA kernel (flash or memory-efficient on CUDA, the flash kernel on CPU): no T x T score matrix
-    is ever materialised, only the output and O(T) statistics, which the estimate ignores.
-  - *CUDA overhead*: an explicit allowance, :data:`DEFAULT_CUDA_OVERHEAD_GB` = 1.0 GB by default
-    (``cuda_overhead_bytes`` / ``--cuda-overhead-gb``): the CUDA context with lazy module loading
-    (a few hundred MB), cuBLAS / cuDNN workspaces (tens of MB; the patch-embedding convolution may
-    pick a larger cuDNN algorithm), and the caching allocator's rounding and fragmentation. It is an
-    assumption, not a measurement.
+  - *weights*: exact, counted on the ``meta`` device (a 7B model in well under a second, no tensor memory);
+    floating-point tensors in the requested dtype, others in their own, as ``load_stage`` loads them.
+  - *buffers*: the non-persistent buffers ``load_stage`` rebuilds (rotary frequencies, position ids), a few kB.
+  - *activations*: an analytic peak of one frame's forward (all cameras as one batch,
+    :func:`activation_phases`): the **largest** set of tensors alive in any phase, not a sum, since inference
+    without autograd frees intermediates at once. Attention assumes a fused SDPA kernel (no T x T scores).
+  - *CUDA overhead*: an assumed allowance, :data:`DEFAULT_CUDA_OVERHEAD_GB` (context with lazy loading,
+    cuBLAS / cuDNN workspaces, allocator rounding and fragmentation), not a measurement.
 
-* **CPU bytes of the suffix** (blocks [K, L), final norm, planning head): weights + buffers +
-  activations, same rules, in the suffix dtype.
-* **Bytes handed off per frame**: prod(``cfg.prefix_state_shape``) x element size, the ring slot
-  payload (:func:`hybrid_vla_ros.transport.ring.slot_bytes_for` rounds it up to 64 bytes).
-* **Latency** from a profile (:mod:`hybrid_vla_ros.split.profiler`): prefix ms = vision embeddings +
-  vision blocks + post-norm + projector/embeddings + rotary tables + blocks [0, K) on the prefix
-  device (CUDA when the profile has it, else CPU); hand-off ms from a straight-line fit of the
-  measured ring hand-off time vs bytes; suffix ms = rotary tables + blocks [K, L) + final norm/head
-  on the profiled CPU cores; end-to-end = prefix + hand-off + suffix; pipeline throughput (frames/s)
-  = 1000 / max(prefix, hand-off + suffix), the two processes working on consecutive frames.
-  Without a profile the latencies are None (printed ``n/a``).
+* **CPU bytes of the suffix** (blocks [K, L), final norm, head): same rules, in the suffix dtype.
+* **Hand-off bytes** per frame: the ring slot payload (:func:`handoff_bytes`).
+* **Latency** from a profile (:mod:`hybrid_vla_ros.split.profiler`, :func:`latency_model`): end-to-end = prefix +
+  hand-off + suffix; throughput = 1000 / max(prefix, hand-off + suffix) frames/s, the two processes working on
+  consecutive frames. None without a profile.
 
-:func:`choose_split_layer` picks the K with the lowest predicted end-to-end latency among those that
-fit the GPU budget (ties within 1%: higher throughput, then less GPU memory), or, without a profile,
-the largest K that fits. :func:`plan_for_checkpoint` is the entry point for ``split_layer: auto``.
-
-Units: bytes (int), ms (float), GB = 1e9 bytes.
+:func:`plan_for_checkpoint` is the entry point for ``split_layer: auto``; :func:`choose_split_layer` picks K.
 """
 from __future__ import annotations
 
@@ -58,7 +36,7 @@ from ..model.config import VLAConfig, preset
 from ..model.kinds import split_model
 
 GB = 1e9
-#: Default CUDA context + workspace + allocator allowance, GB (see the module docstring).
+#: Default CUDA context + workspace + allocator allowance, GB.
 DEFAULT_CUDA_OVERHEAD_GB = 1.0
 #: Predicted latencies within this fraction of the lowest count as a tie in :func:`choose_split_layer`.
 TIE_REL = 0.01
@@ -78,8 +56,7 @@ def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype) -> int:
 
 
 def _module_bytes(module: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
-    """(parameters + persistent buffers, non-persistent buffers) of a module, in bytes; the tensors of a part that
-    keeps float32 whatever the stage's dtype (``keeps_float32``: the query heads) at 4 bytes."""
+    """(parameters + persistent buffers, non-persistent buffers) bytes; ``keeps_float32`` parts count 4 bytes."""
     persistent = set(module.state_dict().keys())
     kept = {id(t) for m in module.modules() if getattr(m, "keeps_float32", False)
             for t in [*m.parameters(), *m.buffers()]}
@@ -95,12 +72,10 @@ def _module_bytes(module: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int
 
 @dataclass
 class StageWeights:
-    """Weight bytes of the model's parts in one dtype, counted on the meta device.
+    """Weight bytes of the model's parts in one dtype.
 
-    ``front``: vision, projector, embeddings (the prefix without blocks); ``blocks``: one entry per
-    decoder block i; ``tail``: final norm and heads (the suffix without blocks);
-    ``prefix_buffers`` / ``suffix_buffers``: non-persistent buffers of a stage (rotary tables, position
-    ids), which do not depend on K. All in bytes.
+    ``front``: the prefix without blocks; ``blocks``: one entry per decoder block; ``tail``: the suffix without
+    blocks; ``*_buffers``: a stage's non-persistent buffers (independent of K).
     """
 
     front: int
@@ -119,14 +94,9 @@ class StageWeights:
 
 
 def stage_weights(cfg, dtype: str | torch.dtype) -> StageWeights:
-    """Exact weight bytes of the prefix and suffix parts of ``cfg`` in ``dtype``.
+    """Exact weight bytes of the parts of ``cfg`` in ``dtype``, from both stages built at K = L on the meta device.
 
-    ``cfg``: any model's config; its kind builds the stages (:meth:`~hybrid_vla_ros.model.kinds.SplitModel.
-    build_stage`). Builds the prefix and the suffix at K = L on the meta device (milliseconds, no memory
-    even for 7B): front = the prefix minus its ``layers``, one entry per block from the prefix's
-    ``layers``, tail = the suffix stage (which has no block at K = L). Floating-point parameters and
-    persistent buffers count ``element_size(dtype)`` bytes each, others their own size, as
-    load_stage loads them. Raises ValueError for an unknown dtype name.
+    Raises ValueError for an unknown dtype name.
     """
     dtype = _as_dtype(dtype)
     with torch.device("meta"):
@@ -140,9 +110,8 @@ def stage_weights(cfg, dtype: str | torch.dtype) -> StageWeights:
 
 
 def ring_side(cfg, dtype: torch.dtype) -> tuple:
-    """The side tensors of ``cfg`` as the ring declares them (:class:`~hybrid_vla_ros.transport.contract.TensorSpec`,
-    in :func:`~hybrid_vla_ros.model.contract.side_specs` order, floating ones in ``dtype``): what the prefix's ring
-    carries next to h_K, what the suffix expects, and what the slot is sized for."""
+    """The side tensors the ring carries next to h_K (:class:`~hybrid_vla_ros.transport.contract.TensorSpec`s,
+    floating ones in ``dtype``)."""
     from ..model.contract import side_specs
     from ..transport.contract import TensorSpec
 
@@ -150,8 +119,7 @@ def ring_side(cfg, dtype: torch.dtype) -> tuple:
 
 
 def handoff_bytes(cfg: VLAConfig, dtype: str | torch.dtype) -> int:
-    """Bytes that cross the split per frame (the ring slot payload): prod(cfg.prefix_state_shape) x element size,
-    plus the side tensors a VLM sends with them (:func:`~hybrid_vla_ros.model.contract.side_bytes`)."""
+    """Bytes crossing the split per frame: prod(cfg.prefix_state_shape) x element size plus the side tensors."""
     from ..model.contract import side_bytes
 
     return math.prod(cfg.prefix_state_shape) * element_size(dtype) + side_bytes(cfg, _as_dtype(dtype))
@@ -160,10 +128,9 @@ def handoff_bytes(cfg: VLAConfig, dtype: str | torch.dtype) -> int:
 # ------------------------------------------------------------------------------------- activations
 
 def activation_phases(cfg, split_layer: int, dtype: str | torch.dtype, role: str = "prefix") -> list[Phase]:
-    """The phases of one frame's forward pass of a stage (``role`` prefix: its input -> h_K; suffix: h_K -> its
-    output), each with the bytes alive at that moment, as the model's kind gives them
-    (:meth:`~hybrid_vla_ros.model.kinds.SplitModel.activation_phases`, :mod:`hybrid_vla_ros.model.activations`);
-    [] where they are not modelled (own code). Raises ValueError for a bad K, role or dtype."""
+    """The phases of one frame's forward of a stage, each with its bytes alive
+    (:meth:`~hybrid_vla_ros.model.kinds.SplitModel.activation_phases`); [] for own model code. Raises ValueError
+    for a bad K, role or dtype."""
     from ..model.stages import check_split_layer
 
     check_split_layer(cfg, split_layer)
@@ -174,8 +141,7 @@ def activation_phases(cfg, split_layer: int, dtype: str | torch.dtype, role: str
 
 def activation_peak(cfg: VLAConfig, split_layer: int, dtype: str | torch.dtype,
                     role: str = "prefix") -> tuple[int, str]:
-    """(peak activation bytes, name of the phase where it occurs) of a stage; see :func:`activation_phases`.
-    (0, "not estimated") for own model code."""
+    """(peak activation bytes, its phase's name) of a stage; (0, "not estimated") for own model code."""
     phases = activation_phases(cfg, split_layer, dtype, role)
     if not phases:
         return 0, "not estimated"
@@ -239,13 +205,10 @@ def latency_model(profile: dict, cfg: VLAConfig, dtype: str | torch.dtype,
                   preprocess_ms: float | None = None) -> LatencyModel:
     """Turn a validated profile (:func:`hybrid_vla_ros.split.profiler.load_profile`) into per-part times.
 
-    The prefix runs on the profile's ``cuda`` device when it has one, else on its ``cpu`` one; the
-    suffix always on ``cpu``. The hand-off line is fitted to the prefix device's ring measurements
-    (bytes -> ms). The prefix's K-independent time includes the camera preprocessing of a frame
-    (decode, resize, normalise on the CPU): ``preprocess_ms`` when given, else the profile's
-    ``preprocess`` measurement, else none (said in ``notes``: the prediction is then too low for a
-    prefix fed JPEG cameras). Raises ValueError when the profile was measured on another architecture
-    (layers, widths, token count, cameras...). A different dtype is allowed and recorded in ``notes``.
+    The prefix runs on the profile's ``cuda`` device if any, else ``cpu``; the suffix on ``cpu``. Hand-off is a
+    least-squares line over the prefix device's ring measurements. The prefix's fixed time includes camera
+    preprocessing: ``preprocess_ms``, else the profile's, else none (noted: too low for JPEG cameras). Raises
+    ValueError for a profile of another architecture; another dtype is only noted.
     """
     mine, theirs = _arch_key(cfg), profile_arch_key(profile)
     diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
@@ -343,12 +306,10 @@ def choose_split_layer(rows: list[PlanRow], gpu_budget_bytes: int | float | None
                        tie_rel: float = TIE_REL) -> tuple[int, str]:
     """Pick the split layer: ``(K, reason)``.
 
-    Among the rows whose ``gpu_total_bytes`` is <= ``gpu_budget_bytes`` (all rows when it is None), the
-    lowest predicted ``e2e_ms``. Rows within ``tie_rel`` (relative, default 1%: below the run-to-run
-    noise of a profile) of that lowest latency are ties; ties go to the higher ``throughput_fps``,
-    then to the smaller GPU need. When the rows carry no latency (no profile), the largest K that
-    fits: the fewest decoder blocks run on the CPU, which is the slower device for them. Raises
-    ValueError when ``rows`` is empty or no row fits (the message names the smallest need).
+    Among rows within ``gpu_budget_bytes`` (None: all), the lowest ``e2e_ms``; rows within ``tie_rel`` of it
+    (below a profile's run-to-run noise) go to the higher throughput, then the smaller GPU need. Without
+    latencies, the largest K that fits (fewest blocks on the slower CPU). Raises ValueError when ``rows`` is
+    empty or none fits.
     """
     if not rows:
         raise ValueError("no split layers to choose from")
@@ -392,14 +353,8 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
                profile_name: str | None = None, preprocess_ms: float | None = None) -> Plan:
     """Memory (and, with a profile, latency) of every split layer of ``cfg``, and the chosen K.
 
-    ``dtype``: the prefix dtype on the GPU; ``suffix_dtype``: the suffix's on the CPU (default: the
-    same, as the nodes load both stages in one dtype). ``cuda_overhead_bytes`` defaults to
-    :data:`DEFAULT_CUDA_OVERHEAD_GB` GB. ``profile``: a dict from
-    :func:`hybrid_vla_ros.split.profiler.load_profile`; ``preprocess_ms``: camera preprocessing per frame
-    (ms) to use instead of the profile's (see :func:`latency_model`). Runs on the meta device: no tensor memory, well
-    under a second for 7B. Raises ValueError (bad dtype, profile of another architecture, no K fits
-    the budget), RuntimeError if the ring's slot size for the hidden states disagrees with the
-    hand-off payload computed here.
+    ``suffix_dtype`` defaults to ``dtype``. Raises ValueError (bad dtype, profile of another architecture, no K
+    fits), RuntimeError when the ring's slot size disagrees with the hand-off payload.
     """
     from ..transport.ring import slot_bytes_for
 
@@ -457,19 +412,11 @@ def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None 
                         cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None, *,
                         tokens: int = 512, cameras: int | None = None, trust_model_code: bool | None = None,
                         prompt: str | None = None, camera_size: tuple[int, int] | None = None) -> Plan:
-    """Plan the checkpoint at ``model_path`` (reads only its config files, no weights: every kind
-    :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint` opens): the entry point for ``split_layer: auto``.
+    """Plan the checkpoint at ``model_path`` from its config files only (no weights).
 
-    ``tokens``: T of a bare transformers language model (its input length); ``cameras`` / ``prompt`` /
-    ``camera_size``: how a transformers LLaVA / VLM directory is viewed (``open_checkpoint``);
-    ``trust_model_code``: opt-in for own model code.
-
-    ``profile_path``: a profile JSON (:mod:`hybrid_vla_ros.split.profiler`) or None; ``gpu_budget_gb``:
-    GPU memory for the prefix in GB (1e9 bytes), None for no limit; ``dtype``: the stages' dtype;
-    ``cuda_overhead_gb``: the CUDA context/workspace allowance (None: :data:`DEFAULT_CUDA_OVERHEAD_GB`);
-    ``preprocess_ms``: camera preprocessing per frame, ms (None: the profile's measurement).
-    Returns a :class:`Plan` (``.chosen_k``, ``.reason``, ``.rows``). Raises FileNotFoundError (no config
-    or profile), ValueError (bad config, dtype or profile, no K fits the budget).
+    ``tokens``: T of a bare transformers language model; ``cameras`` / ``prompt`` / ``camera_size`` /
+    ``trust_model_code``: as :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`. ``gpu_budget_gb``: None for
+    no limit. Raises FileNotFoundError (no config or profile), ValueError (bad config, dtype or profile, no K fits).
     """
     from ..model.checkpoint import open_checkpoint
 
@@ -506,11 +453,7 @@ def _fmt_ms(v: float | None) -> str:
 
 
 def format_table(plan: Plan, dtype_note: str = "") -> str:
-    """The plan as a text table, one row per K, then the chosen K and the reason.
-
-    Memory in GB (1e9 bytes) when the largest weight total is >= 1 GB, else in MB (1e6 bytes). ``dtype_note``
-    is appended to the dtype in the first line (``hybrid-vla plan``: where its default comes from).
-    """
+    """The plan as a text table (GB, or MB below 1 GB), then the chosen K and the reason."""
     big = max(max(r.gpu_weight_bytes, r.cpu_total_bytes) for r in plan.rows) >= GB
     unit, div = ("GB", GB) if big else ("MB", 1e6)
     cols = ["K", f"GPU weights {unit}", f"GPU act {unit}", f"GPU ovh+buf {unit}", f"GPU total {unit}",
@@ -542,9 +485,7 @@ def format_table(plan: Plan, dtype_note: str = "") -> str:
 
 
 def plot_plan(plan: Plan, path: str | Path) -> Path:
-    """Write a PNG (matplotlib, Agg backend): GPU memory (stacked) and CPU suffix memory vs K with the
-    budget line, and, with a profile, predicted prefix / hand-off+suffix / end-to-end ms vs K; the
-    chosen K is marked. Returns the path. Raises OSError when the file cannot be written."""
+    """Write a PNG of memory and (with a profile) predicted latency vs K; returns the path. Raises OSError."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -590,26 +531,16 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
 # ------------------------------------------------------------------------------ live re-split policy
 
 def budget_under_pressure(plan: Plan, current_k: int, free_bytes: int, threshold_bytes: int) -> int | None:
-    """GPU budget (bytes) for a re-plan when the device's free memory has fallen under a threshold.
-
-    The prefix at ``current_k`` needs ``plan.row(current_k).gpu_total_bytes``; another process took
-    memory, leaving ``free_bytes`` < ``threshold_bytes``. Giving back the shortfall
-    (``threshold_bytes - free_bytes``) restores the threshold, so the new budget is the current need
-    minus the shortfall. Returns None when ``free_bytes >= threshold_bytes`` (no pressure). Used by
-    ``split_layer: auto`` with ``auto_resplit_free_mb``: the prefix node passes the budget to
-    :func:`choose_split_layer` and moves K down live when the answer is lower; moving back up is
-    :class:`AutoResplitPolicy`'s, with a second, higher threshold (hysteresis).
-    """
+    """GPU budget (bytes) for a re-plan under memory pressure: the current need minus the shortfall
+    ``threshold_bytes - free_bytes``; None when ``free_bytes >= threshold_bytes``."""
     if free_bytes >= threshold_bytes:
         return None
     return plan.row(current_k).gpu_total_bytes - (threshold_bytes - free_bytes)
 
 
 def check_budget(plan: Plan, k: int, budget_bytes: int | float | None) -> None:
-    """Refuse split layer ``k`` when the plan's GPU total for it exceeds ``budget_bytes`` (None or <= 0: no
-    budget, nothing checked). Pure: compares the plan's bytes, no device call. The prefix runner calls it at
-    configure with ``gpu_budget_gb`` for a fixed K as well as for ``auto``. Raises ValueError naming the K,
-    both figures and the largest K that fits (or that none does)."""
+    """Raise ValueError (naming the largest K that fits) when the plan's GPU total for ``k`` exceeds
+    ``budget_bytes``; None or <= 0: no budget. Pure."""
     if budget_bytes is None or budget_bytes <= 0:
         return
     need = plan.row(k).gpu_total_bytes
@@ -624,21 +555,13 @@ def check_budget(plan: Plan, k: int, budget_bytes: int | float | None) -> None:
 
 @dataclass
 class AutoResplitPolicy:
-    """When ``split_layer: auto`` moves K live on memory pressure, and back: two thresholds (hysteresis).
+    """When ``split_layer: auto`` moves K on memory pressure, and back, given driver-level free bytes (pure).
 
-    Pure given free-memory readings (no device call): :meth:`decide` takes the current K and the device's
-    driver-level free bytes (``torch.cuda.mem_get_info()[0]``, read every ``period_s`` by the caller).
+    * down, at once: free < ``low_bytes`` -> the largest K within :func:`budget_under_pressure`;
+    * up: for ``up_after`` readings in a row a move to K' (at most ``plan.chosen_k``) leaves ``high_bytes`` free
+      -> the largest such K'. ``high_bytes`` > ``low_bytes`` prevents oscillation.
 
-    * down: free < ``low_bytes`` -> the largest K whose plan total fits the current need minus the shortfall
-      (:func:`budget_under_pressure`), at once (before an allocation fails);
-    * up: the memory a move up to K' would take (plan total of K' - of K) leaves at least ``high_bytes`` free,
-      for ``up_after`` readings in a row -> the largest such K', at most ``plan.chosen_k`` (the K planned for the
-      budget at configure). ``high_bytes`` must exceed ``low_bytes``: after a move up free memory stays above
-      ``high_bytes`` > ``low_bytes``, so the next reading cannot move K down again unless another process takes
-      more (no oscillation); ``up_after`` waits out short dips and frees.
-
-    Attributes: ``plan`` (split.planner.Plan), ``low_bytes``, ``high_bytes`` (bytes), ``up_after`` (readings),
-    ``calm`` (readings in a row that allowed a move up). Raises ValueError for ``low_bytes`` <= 0,
+    ``calm``: readings in a row that allowed a move up. Raises ValueError for ``low_bytes`` <= 0,
     ``high_bytes`` <= ``low_bytes`` or ``up_after`` < 1.
     """
 
@@ -659,15 +582,13 @@ class AutoResplitPolicy:
 
     @staticmethod
     def thresholds(free_mb: float, recover_mb: float) -> tuple[int, int]:
-        """(low, high) bytes from the node's ``auto_resplit_free_mb`` / ``auto_resplit_recover_mb`` (MiB);
-        ``recover_mb`` 0 means twice ``free_mb``."""
+        """(low, high) bytes from MiB thresholds; ``recover_mb`` 0 means twice ``free_mb``."""
         low = int(free_mb * 2**20)
         high = int((recover_mb if recover_mb > 0 else 2 * free_mb) * 2**20)
         return low, high
 
     def decide(self, current_k: int, free_bytes: int) -> tuple[int | None, str]:
-        """(new K or None to stay, why). See the class docstring. Raises ValueError when the device is under
-        the low threshold and no K fits (the message says so; K stays)."""
+        """(new K or None to stay, why). Raises ValueError when under the low threshold and no K fits."""
         if free_bytes < self.low_bytes:
             self.calm = 0
             budget = budget_under_pressure(self.plan, current_k, free_bytes, self.low_bytes)

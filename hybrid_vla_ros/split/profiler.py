@@ -1,19 +1,11 @@
 """Per-block timing profile of a split VLA on the devices at hand, read by the split planner.
 
-:func:`profile_model` times, on the CPU (a given core set and thread count) and on CUDA when there is
-one: the vision patch embedding, each vision encoder block (or one representative block counted for
-all), the vision post-layernorm, projector + embeddings, the rotary tables a stage builds, each LLM
-decoder block, the final norm + planning head, and the hand-off of the hidden states (acquire a ring
-slot -> copy -> publish -> consumer holds the zero-copy view, producer and consumer in this process;
-and a plain memcpy) at a few payload sizes around the model's. Every input has the real shape and
-dtype ((C, 3, S, S) pixels, (C, P, Dv) vision tokens, (T, H) or (2, T, H) hidden states). Each part
-runs ``warmup`` times untimed, then ``repeats`` times; the median is kept (and the minimum).
-
-Weights: for a preset, random weights are materialised one part at a time (built on the ``meta``
-device, ``to_empty`` on the target device, initialised, timed, freed), so a 7B model never has more
-than one decoder block in memory. For a checkpoint directory, the vision side and the heads come from
-:func:`hybrid_vla_ros.model.checkpoint.load_stage` (prefix at K = 0, suffix at K = L) and each decoder
-block is read on its own from the checkpoint's safetensors file.
+:func:`profile_model` times each part (vision embedding, vision blocks, post-norm, projector + embeddings, rotary
+tables, each decoder block, final norm + head, and the hand-off at a few payload sizes) on the CPU and on CUDA when
+there is one, with real input shapes and dtypes: ``warmup`` untimed runs, then the median (and minimum) of
+``repeats``; wall-clock, with ``torch.cuda.synchronize`` around each CUDA repeat. A preset's random weights are
+materialised one part at a time (a 7B model never holds more than one block); a checkpoint's blocks are read one
+by one from its safetensors file.
 
 Profile file (JSON, :data:`PROFILE_SCHEMA`, checked by :func:`load_profile`)::
 
@@ -41,9 +33,7 @@ Profile file (JSON, :data:`PROFILE_SCHEMA`, checked by :func:`load_profile`)::
       "handoff": {"ring": [{"bytes": int, "ms": float, "min_ms": float}], "memcpy": [same]}
     }
 
-When only one block of a kind is measured (``vision_blocks``/``llm_blocks`` = "1") its time is
-repeated for every block of that kind. Times are wall-clock (``time.perf_counter_ns``), with
-``torch.cuda.synchronize`` around each CUDA repeat.
+When only one block of a kind is measured (``"1"``) its time is repeated for every block of that kind.
 """
 from __future__ import annotations
 
@@ -152,10 +142,9 @@ def _non_finite(node, path: str = "") -> str | None:
 
 
 def validate_profile(doc: object, source: str = "profile") -> dict:
-    """Check a parsed profile against :data:`PROFILE_SCHEMA` and its internal consistency.
+    """Check a parsed profile against :data:`PROFILE_SCHEMA` and its internal consistency; returns ``doc``.
 
-    Returns ``doc``. Raises ValueError naming the first problem and where it is (a JSON path), e.g.
-    ``profile p.json: devices/cpu/llm_blocks_ms: has 3 entries, the model has 4 decoder blocks``.
+    Raises ValueError naming the first problem and its JSON path.
     """
     import jsonschema
 
@@ -193,10 +182,7 @@ def validate_profile(doc: object, source: str = "profile") -> dict:
 
 
 def load_profile(path: str | Path) -> dict:
-    """Read and validate a profile JSON file (:func:`validate_profile`).
-
-    Raises FileNotFoundError, ValueError (not JSON, or not a valid profile; the message says where).
-    """
+    """Read and validate a profile JSON file; raises FileNotFoundError, ValueError (not JSON, or invalid)."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
@@ -218,11 +204,9 @@ def write_profile(doc: dict, path: str | Path) -> Path:
 def measure_peak_cpu_bytes(fn):
     """Run ``fn()`` under ``torch.profiler`` with ``profile_memory=True``; return ``(result, peak bytes)``.
 
-    The peak is the largest running sum, in time order, of the CPU allocator's allocation (+) and
-    free (-) events recorded while ``fn`` runs: the bytes of tensor storage allocated during ``fn``
-    and alive at the worst moment (tensors that existed before are not counted; tensors ``fn``
-    returns are). It sees every allocation through c10's CPU allocator, which excludes memory that
-    BLAS / oneDNN libraries take with their own allocators. (tracemalloc cannot see tensor storage.)
+    The peak is the largest running sum of c10 CPU allocator events during ``fn``: storage allocated then and
+    alive at the worst moment (returned tensors count, older ones do not). BLAS / oneDNN's own allocations are
+    not seen.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -259,23 +243,18 @@ def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> tuple[float
 
 
 def _block_from_checkpoint(ck: Checkpoint, index: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Decoder block ``index`` of a checkpoint, read on its own (from a composed checkpoint's referred directory
-    too)."""
+    """Decoder block ``index`` of a checkpoint, read on its own."""
     return ck.load_blocks(index, index + 1, device=device, dtype=dtype)[0]
 
 
 def measure_handoff(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, warmup: int, repeats: int,
                     scales: tuple[float, ...] = (0.5, 1.0, 2.0), copier_factory=None) -> dict:
-    """Hand-off time of hidden states of ``shape`` (and of the token dim scaled by ``scales``) from ``device``.
+    """Hand-off time of hidden states of ``shape`` (token dim also scaled by ``scales``) from ``device``.
 
-    ``ring``: acquire a slot of a shared-memory ring -> copy the tensor into it the way the prefix runner does
-    (:class:`~hybrid_vla_ros.transport.pinned.SlotCopier` on the ring: from CUDA a DMA into the registered,
-    page-locked mapping, or its staging fallback; from the CPU a plain ``copy_``) -> publish -> the consumer's
-    ``read`` returns the zero-copy view (producer and consumer in this process, so no scheduler wake-up of another
-    process is included). ``memcpy``: one ``copy_`` into a preallocated CPU tensor. ``copier_factory``:
-    ``(producer, device) -> copier`` (default SlotCopier; injectable for tests). Returns {"ring": [...],
-    "memcpy": [...], "ring_path": the copier's mode}, each entry {"bytes", "ms" (median), "min_ms"}. Raises
-    RingError / OSError when /dev/shm is unusable.
+    ``ring``: acquire a slot -> copy as the prefix runner does (:class:`~hybrid_vla_ros.transport.pinned.SlotCopier`)
+    -> publish -> the consumer holds the zero-copy view, both in this process (no cross-process wake-up).
+    ``memcpy``: one ``copy_`` into a CPU tensor. Returns {"ring", "memcpy", "ring_path": the copier's mode}, entries
+    as in the profile file. Raises RingError / OSError when /dev/shm is unusable.
     """
     from ..transport.pinned import SlotCopier
     from ..transport.ring import (
@@ -344,10 +323,8 @@ def _device_doc(device: torch.device, timing: dict, mins: dict, vis_ms, vis_min,
 
 def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.dtype, *, warmup: int, repeats: int,
                             llm_blocks: str, log) -> dict:
-    """Per-block timing of a model whose front is not this package's SigLIP side (a transformers LM, VLM or LLaVA,
-    own code): the whole prefix at K = 0 counts as ``vision_embeddings`` (the K-independent part), each decoder
-    block on its own (:meth:`~hybrid_vla_ros.model.kinds.SplitModel.block_driver`), the suffix at K = L as
-    ``head``."""
+    """Per-block timing of a model without this package's SigLIP front: the prefix at K = 0 counts as
+    ``vision_embeddings``, the suffix at K = L as ``head``, each block on its own."""
     from .verify import BagFrames
 
     timing, mins = {}, {}
@@ -483,11 +460,8 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
 
 
 def measure_preprocess(cfg: VLAConfig, *, warmup: int = 1, repeats: int = 5, log=None) -> dict | None:
-    """Camera preprocessing of one frame on the CPU, as the prefix node does it: decode the embedded bag's
-    JPEG cameras (1936 x 1216; as many as the model takes, cycling through the bag's 6) and resize and
-    normalise them to the model input (``vehicle.image``). Returns ``{"ms": median ms, "min_ms": ms,
-    "source": str, "cameras": int}``, or None when the embedded bag is not found. The prefix pays this
-    every frame before its model stages, whatever K is."""
+    """Camera preprocessing of one frame on the CPU, as the prefix node does it, on the embedded bag's 1936 x 1216
+    JPEGs (cycling through its 6 cameras). Returns the profile's ``preprocess`` entry, None without the bag."""
     from ..util.bags import read_bag
     from ..util.paths import embedded_bag
     from ..vehicle.image import decode_compressed, preprocess
@@ -527,21 +501,15 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
                   seed: int = 0, log=None, tokens: int = 512, cameras: int | None = None,
                   trust_model_code: bool | None = None, prompt: str | None = None,
                   camera_size: tuple[int, int] | None = None, **overrides) -> dict:
-    """Measure a profile (see the module docstring for its fields) and return it as a dict.
+    """Measure a profile (the file format of the module docstring) and return it as a dict.
 
-    Exactly one of ``preset_name`` (random weights, one part at a time; ``overrides`` as in
-    :func:`hybrid_vla_ros.model.config.preset`) and ``model_path`` (a checkpoint directory).
-    ``cores``: CPU cores to pin the whole process to while measuring (default: the current set),
-    restored afterwards; ``threads``: torch intra-op threads (default: the current number), restored
-    afterwards. ``device``: "cpu" (CPU only), "cuda" (CUDA and CPU; error without CUDA) or "auto" (CUDA
-    too when available). The CPU is always measured because the suffix runs there. ``vision_blocks`` /
-    ``llm_blocks``: "all" or "1" (time one block, count it for every block; an EVA-02 vision side: the first
-    window block and the first global block, each counted for its kind). ``log``: callable taking
-    a progress line, or None. ``tokens`` / ``cameras`` / ``prompt`` / ``camera_size`` / ``trust_model_code``:
-    how a transformers directory or
-    own code is opened (:func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`); such models (and composed
-    LLaVA ones) are timed as prefix front / each block / suffix tail. Raises ValueError for bad arguments
-    (including cores this process may not use), RuntimeError when CUDA is requested but unavailable.
+    Exactly one of ``preset_name`` (``overrides`` as :func:`hybrid_vla_ros.model.config.preset`) and
+    ``model_path``. ``cores`` / ``threads``: pinning and torch threads while measuring (default: current;
+    restored after). ``device``: "cpu", "cuda" (and CPU) or "auto"; the CPU is always measured (the suffix runs
+    there). ``"1"`` for ``vision_blocks`` times one block per kind (EVA-02: one window, one global block).
+    ``tokens`` / ``cameras`` / ``prompt`` / ``camera_size`` / ``trust_model_code``: as
+    :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`. Raises ValueError for bad arguments (including
+    cores this process may not use), RuntimeError when CUDA is requested but unavailable.
     """
     if (preset_name is None) == (model_path is None):
         raise ValueError("give exactly one of a preset name and a checkpoint path")

@@ -1,53 +1,31 @@
 """Live rebalancing of the split layer K from measured stage times: ``split_layer: auto`` with ``auto_rebalance``.
 
-The plan (:mod:`.planner`) chooses K once, from a profile measured on a quiet machine. On a vehicle the load beside
-each stage changes (Autoware's planning and perception come and go on the suffix's cores, a co-tenant on the GPU),
-and so does the K with the lowest camera-to-trajectory latency. :class:`LatencyBalancer` keeps the plan's per-K
-shape and rescales it with what the prefix measures frame by frame (:class:`StageSample`):
-
-* the prefix's own cycle P (start of a frame to its publish: preprocessing, vision, blocks [0, K), hand-off write);
-* the suffix's stage time S at the K it was measured (the median of its recent frames: blocks [K, L) and the
-  read-out, ``RingConsumer.announce_stage_time``) and its whole cycle (from taking a frame to asking for the next,
-  ``RingConsumer.announce_next_read``), both in the ring header;
-* the camera period T (the synchronized frames' spacing), so a stage that waits for cameras is not mistaken for a
-  slow one.
-
-With ``a_p = P / P_plan(K)`` and ``a_s = S / S_plan(K)`` (the load factors of each side now) the predicted
-latency at any K' is
+The plan (:mod:`.planner`) chooses K once from a quiet-machine profile; on a vehicle the load beside each stage
+changes, and with it the latency-best K. :class:`LatencyBalancer` keeps the plan's per-K shape and rescales it
+by the load factors ``a_p = P / P_plan(K)`` and ``a_s = S / S_plan(K)`` measured at the current K
+(:class:`StageSample`: prefix cycle P, suffix stage time S and cycle, camera period T). The predicted latency is
 
     e2e(K') = age + P'(K') + h(K') + S'(K') + o + wait(K'),   P' = a_p P_plan, S' = a_s S_plan,
     age = T / 2 when P' > T (a busy prefix starts on a camera frame half a period old), else 0,
     wait(K') = max(P', T) / 2 when S'(K') + o > max(P', T) and the prefix does not pace itself, else 0
 
-with ``o`` the suffix's work per frame beside its stage (its cycle minus its stage time: publishing, waiting for
-odometry; the same at every K). A suffix slower than the frames it gets takes the newest one, published on average
-half a prefix cycle before its read (``ring.delivery: newest``); a prefix that paces itself to the suffix's
-announced read (``pace_to_suffix``, the default) publishes just in time instead, and a faster suffix finds each
-frame at once. The balancer moves K towards the K' with the lowest e2e among those the GPU budget allows, with
-hysteresis:
+with ``o`` the suffix's cycle minus its stage time (publishing, odometry; the same at every K). ``wait`` is the
+average age of the newest frame a slower suffix takes (``ring.delivery: newest``); ``pace_to_suffix`` removes it.
+The balancer moves K towards the best K' the GPU budget allows, with hysteresis:
 
-* it judges only samples measured at the current K on both sides (after a move it waits for ``settle`` more such
-  frames) and uses the median of the last ``window`` of them;
-* the best K must beat the current one by ``min_gain_rel`` of its latency and at least ``min_gain_ms``, on
-  ``confirm`` frames in a row, before K moves towards it: straight to it (``max_step`` 0, the default), or at most
-  ``max_step`` blocks;
-* the first judgement at the new K checks the move against what was *measured*, not modelled: when the latency
-  measured there is worse than the one measured before the move by the same margin, K goes straight back and no
-  latency move the same way is made for the next ``hold`` judged frames (the plan's per-K shape was wrong for this
-  load, or the load changed meanwhile; a move the other way stays allowed; the hold doubles with every further
-  such move, so a wrong model costs an excursion ever more rarely);
-* a side whose planned time at the current K is under :data:`TRUST_SHARE` of the stage sum there (the suffix at
-  K = L runs the read-out alone) keeps its last trusted load factor for the other K.
+* it judges only samples measured at the current K on both sides (``settle`` frames after a move), using the median
+  of the last ``window``;
+* the best K must beat the current one by ``min_gain_rel`` and ``min_gain_ms`` on ``confirm`` frames in a row; K then
+  moves straight to it (``max_step`` 0) or by at most ``max_step`` blocks. Moving one block at a time would cost
+  about 5 frames per block in a load step (docs/performance.md, "Load step");
+* the first judgement after a move compares *measured* latencies: if slower by the same margin, K goes straight back
+  and no latency move that way is made for ``hold`` judged frames (doubling per further such move, up to 32 x);
+* a move back towards the K the last move left needs that K itself predicted faster by the margin (no ping-pong);
+* a side whose planned time at the current K is under :data:`TRUST_SHARE` of the stage sum keeps its last trusted
+  load factor.
 
-Why not one block at a time: every move needs ``settle`` + ``window`` + ``confirm`` - 1 frames of measurement at its
-K (5 by default), and with both stages on CPU cores the latency-best K under a co-tenant lies at an end of [0, L]
-(every block costs the same on either side), so a load step needed about 5 frames per block: 6 moves in a 16-frame
-step on ``smol`` (docs/performance.md, "Load step"). A move of several blocks costs one re-split (the frame in
-progress finishes at its K, the next is computed at the new one).
-
-:class:`SplitPolicy` is the one policy of ``split_layer: auto``: memory pressure on a CUDA prefix
-(:class:`~.planner.AutoResplitPolicy`) sets the highest K that fits now, and wins; the latency moves stay at or under
-it, and when the latency-best K lies above it the reason says the budget holds K down. Pure: no ROS, no device call.
+:class:`SplitPolicy` adds memory pressure on a CUDA prefix (:class:`~.planner.AutoResplitPolicy`), which sets the
+highest K allowed and wins over latency. Pure: no ROS, no device call.
 """
 from __future__ import annotations
 
@@ -57,8 +35,7 @@ from dataclasses import dataclass, field
 from .planner import AutoResplitPolicy, Plan
 
 
-#: A side's planned time at the current K must be at least this share of the stage sum there for its measured time
-#: to rescale its other K (LatencyBalancer.observe).
+#: Minimum share of the stage sum a side's planned time at the current K needs for its load factor to be trusted.
 TRUST_SHARE = 0.1
 
 
@@ -66,13 +43,9 @@ TRUST_SHARE = 0.1
 class StageSample:
     """One frame's measured times as the prefix sees them after publishing it (ms).
 
-    ``k``: the split layer the suffix's time was measured at (-1: unknown); ``prefix_ms``: the prefix's cycle of
-    its newest frame (start of the frame to its publish; at the current K); ``suffix_ms``: the suffix's stage time
-    at ``k`` (blocks [K, L) and the read-out, the median of its recent frames, announced in the ring header), None
-    before it announced one; ``suffix_cycle_ms``: the suffix's whole cycle (from taking a frame to asking for the
-    next: its stage time plus what the node does around it, publishing, waiting for odometry), None when unknown;
-    ``camera_period_ms``: the spacing of synchronized frames, None when unknown (then the cameras are taken to be
-    faster than both stages)."""
+    ``k``: the K the suffix's time was measured at (-1: unknown); ``prefix_ms``: start to publish of the newest
+    frame; ``suffix_ms``: median stage time (blocks [K, L) and read-out); ``suffix_cycle_ms``: take to next ask;
+    ``camera_period_ms``: None when unknown (cameras taken as faster than both stages). None: not announced."""
 
     k: int
     prefix_ms: float
@@ -83,8 +56,7 @@ class StageSample:
 
 @dataclass(frozen=True)
 class Move:
-    """A decision of the policy: move to ``k`` (None: stay), why, and what moved it (``latency`` or
-    ``memory``)."""
+    """A decision of the policy: move to ``k`` (None: stay), why, and its ``kind`` (``latency`` or ``memory``)."""
 
     k: int | None
     reason: str
@@ -93,8 +65,7 @@ class Move:
 
 @dataclass(frozen=True)
 class StageTimes:
-    """The predicted times (ms) of one split layer K on a quiet machine: the prefix's (camera preprocessing to
-    block K-1), the hand-off's and the suffix's (blocks K..L-1 and the read-out)."""
+    """Quiet-machine times (ms) at one K: prefix (to block K-1), hand-off, suffix (blocks K..L-1 and read-out)."""
 
     prefix_ms: float
     handoff_ms: float
@@ -103,12 +74,10 @@ class StageTimes:
 
 @dataclass
 class LatencyBalancer:
-    """Moves K towards the lowest predicted camera-to-trajectory latency at the measured load, and back when the
-    move measured slower (see the module docstring for the model and the rules). ``times``: the quiet-machine
-    :class:`StageTimes` of every K in [0, L] (:meth:`from_plan` takes them from a plan made with a profile);
-    ``max_step``: the most blocks one move takes (0: straight to the best K); ``hold``: judged frames without a
-    latency move after a move that measured slower. Raises ValueError for fewer than two entries, a negative time or
-    a parameter out of range."""
+    """Moves K towards the lowest predicted latency at the measured load (model and rules: module docstring).
+
+    ``times``: :class:`StageTimes` of every K in [0, L]. Raises ValueError for fewer than two entries, a negative
+    time or a parameter out of range."""
 
     times: list[StageTimes]
     window: int = 2
@@ -131,8 +100,7 @@ class LatencyBalancer:
 
     @classmethod
     def from_plan(cls, plan: Plan, **kwargs) -> "LatencyBalancer":
-        """The balancer of a plan's per-K times (its rows' ``prefix_ms``, ``handoff_ms``, ``suffix_ms``). Raises
-        ValueError when the plan has none (it was made without a profile)."""
+        """The balancer of a plan's per-K times; ValueError when the plan has none (made without a profile)."""
         if any(r.prefix_ms is None or r.suffix_ms is None for r in plan.rows):
             raise ValueError("live rebalancing needs the plan's per-K stage times: give the prefix a profile "
                              "(profile_path, from `hybrid-vla profile`)")
@@ -157,8 +125,7 @@ class LatencyBalancer:
         self._hold_next = self.hold
 
     def moved(self) -> None:
-        """Forget what was measured: K just moved (by this balancer or by memory pressure; a memory move is not
-        checked against the latency before it)."""
+        """Forget what was measured: K just moved (a memory move is not checked against the latency before it)."""
         self._samples.clear()
         self._votes, self._vote_k = 0, None
         self._settling = self.settle
@@ -166,14 +133,12 @@ class LatencyBalancer:
 
     def predict(self, k: int, a_p: float, a_s: float, camera_period_ms: float | None,
                 overhead_ms: float = 0.0) -> float:
-        """Predicted camera-to-trajectory latency (ms) at split layer ``k`` with load factors ``a_p`` (prefix)
-        and ``a_s`` (suffix), the camera period (ms; None: faster than both stages) and the suffix's per-frame work
-        beside its stage (``overhead_ms``: publishing, odometry; the same at every K)."""
+        """Predicted camera-to-trajectory latency (ms) at ``k``; ``overhead_ms`` is ``o`` of the module docstring."""
         row = self.times[k]
         return self._latency(a_p * row.prefix_ms, row.handoff_ms, a_s * row.suffix_ms, camera_period_ms, overhead_ms)
 
     def _latency(self, p: float, h: float, s: float, camera_period_ms: float | None, overhead_ms: float) -> float:
-        """The latency model (module docstring) of stage times p (prefix), h (hand-off), s (suffix), all ms."""
+        """The latency model of stage times p, h, s (ms)."""
         period = max(camera_period_ms or 0.0, 0.0)
         cycle_p = max(p, period)
         age = period / 2 if p > period else 0.0  # a busy prefix starts on a camera frame half a period old
@@ -181,14 +146,10 @@ class LatencyBalancer:
         return age + p + h + s + overhead_ms + wait
 
     def observe(self, sample: StageSample, current_k: int, k_max: int) -> Move:
-        """Take one frame's sample; the move it leads to (``k`` None: stay) at current K ``current_k`` with the
-        highest K the budget allows now ``k_max``. A sample of another K than ``current_k`` (a frame of before the
-        last move), or one without the suffix's stage time, is left out. The first judgement after a latency move
-        sends K straight back when it measured slower than before the move (then ``hold`` judged frames without a
-        latency move the same way, doubled after each further move that measured slower, up to 32 x ``hold``, and
-        ``hold`` again after one that paid); otherwise a move back towards (or past) the K the last move left needs
-        that K itself predicted faster than the current one by a move's margin (no ping-pong where the far best K
-        flips sides with the measurement). Raises ValueError for ``current_k`` outside [0, L] or ``k_max`` < 0."""
+        """Take one frame's sample; the :class:`Move` it leads to, within ``k_max`` (the highest K allowed now).
+
+        Samples of another K or without a suffix time are left out; a move that paid resets the hold to ``hold``.
+        Raises ValueError for ``current_k`` outside [0, L] or ``k_max`` < 0."""
         if not 0 <= current_k <= self.num_layers or k_max < 0:
             raise ValueError(f"current_k must be in [0, {self.num_layers}] and k_max >= 0, got {current_k}, {k_max}")
         if sample.k != current_k or sample.suffix_ms is None or sample.prefix_ms <= 0 or sample.suffix_ms <= 0:
@@ -207,9 +168,7 @@ class LatencyBalancer:
         period = statistics.median(periods) if periods else None
         cycles = [x.suffix_cycle_ms - x.suffix_ms for x in self._samples if x.suffix_cycle_ms]
         overhead = max(0.0, statistics.median(cycles)) if cycles else 0.0
-        # the load factors at the current K; a side whose planned time here is under TRUST_SHARE of the stage sum
-        # (the suffix at K = L: the read-out alone) says little about its blocks: its last trusted factor is used
-        # for the other K (a warm-up or a fixed cost over a near-zero plan time gave factors of x250)
+        # a near-zero plan time (the suffix at K = L: the read-out alone) gave factors of x250: keep the last trusted
         m_p = p / row.prefix_ms if row.prefix_ms > 0 else 1.0
         m_s = s / row.suffix_ms if row.suffix_ms > 0 else 1.0
         total = row.prefix_ms + row.suffix_ms
@@ -254,9 +213,7 @@ class LatencyBalancer:
         back = self._came_from
         if back is not None and (k_new - current_k) * (back - current_k) > 0 and \
                 predicted[back] > now - max(self.min_gain_rel * now, self.min_gain_ms):
-            # back towards (or past) the K the last move left: only when that K itself is predicted faster now by
-            # the margin of a move, not just on the way to a far best K (whose side can flip with the measurement,
-            # e.g. across the camera period's step: no ping-pong)
+            # the far best K can flip sides with the measurement (e.g. across the camera period's step)
             self._votes, self._vote_k = 0, None
             return Move(None, f"{where}; holding: back to K={back} is predicted {predicted[back]:.0f} ms")
         self._votes = self._votes + 1 if self._vote_k == k_new else 1
@@ -273,11 +230,9 @@ class LatencyBalancer:
 class SplitPolicy:
     """The one policy of ``split_layer: auto``: memory pressure (CUDA) and measured latency.
 
-    ``plan``: the plan of ``auto`` (None: a latency balancer alone, over every K of its times); ``memory``: its
-    AutoResplitPolicy on a CUDA prefix with ``auto_resplit_free_mb`` > 0, else None; ``latency``: a LatencyBalancer
-    when ``auto_rebalance`` is on and the plan has times, else None. ``k_max`` is the highest K allowed now: the
-    largest K that fits the plan's budget, lowered by a memory-pressure move down and raised again by a move back
-    up. Every decision is one :class:`Move`. Raises ValueError for a memory part without a plan.
+    ``plan`` None: a latency balancer alone over every K; ``memory`` / ``latency`` None: that part is off.
+    ``k_max``: the highest K allowed now (the budget's, lowered by a memory move down). Raises ValueError for a
+    memory part without a plan.
     """
 
     plan: Plan | None
@@ -296,11 +251,9 @@ class SplitPolicy:
             self.k_max = max(fitting) if fitting else self.plan.chosen_k
 
     def on_memory(self, current_k: int, free_bytes: int) -> Move:
-        """A reading of the device's free memory (bytes). A move down lowers ``k_max`` to the K it moves to and wins
-        over any latency move; when memory has recovered (AutoResplitPolicy's move back up) ``k_max`` rises to every
-        K of the budget that leaves the recover threshold free, and without a latency balancer the move up is made
-        (as before live rebalancing: at most to the planned K). Raises ValueError when no K fits
-        (AutoResplitPolicy)."""
+        """A reading of free device memory (bytes). A move down sets ``k_max`` and wins; on recovery ``k_max`` rises
+        to every K leaving the recover threshold free, and without a balancer K moves back up (at most to the plan's
+        K). Raises ValueError when no K fits."""
         if self.memory is None:
             return Move(None, "", "memory")
         k, reason = self.memory.decide(current_k, free_bytes)
@@ -322,8 +275,7 @@ class SplitPolicy:
         return self.last
 
     def on_frame(self, sample: StageSample, current_k: int) -> Move:
-        """One frame's measured stage times: a latency move within ``k_max`` (or None: stay). Without a latency
-        balancer, never a move."""
+        """One frame's measured stage times: a latency move within ``k_max``; never one without a balancer."""
         if self.latency is None:
             return Move(None, "", "latency")
         if current_k > self.k_max:  # a memory move down is pending: nothing to judge until it is applied

@@ -1,21 +1,14 @@
 """Moving the split layer K of a running stage: one state machine, :class:`StageSplit`, for both runners.
 
-Each runner owns one :class:`StageSplit` and calls it at frame boundaries; a parameter callback on another
-thread calls :meth:`StageSplit.request`. Its pieces: a :class:`SplitRequest` holds the newest K asked for;
-a :class:`BlockPrefetcher` loads the decoder blocks a move needs on a background thread, so frames keep
-flowing at the old K meanwhile; :func:`move_split` swaps them into (or drops them from) the stage between
-frames and reports what the move cost as a :class:`Resplit`.
+A :class:`SplitRequest` holds the newest K asked for (from any thread); a :class:`BlockPrefetcher` loads the blocks
+a move needs in the background while frames continue at the old K; :func:`move_split` swaps them in (or drops
+blocks) between frames and reports a :class:`Resplit`.
 
-The two sides differ only in which blocks they hold and when they may let blocks go:
-
-* prefix: holds blocks [0, K) and computes every frame at K. A requested K is applied at the next frame
-  boundary once its blocks are loaded (moving up) or at once (moving down, the blocks' device memory is
-  returned). Frames carry the K they were computed at in their slot header.
-* suffix: holds blocks [first, L) and computes each frame at the K in its slot header (any K >= first).
-  Frames arrive in order, so once a frame at a higher K has been computed the blocks below it are freed,
-  unless a request asked to keep blocks ready for a coming move down. A frame at a K below ``first`` loads
-  the missing blocks before it is computed (``on_demand`` when nobody announced the move): a frame is never
-  computed with a mismatched K.
+* prefix: holds blocks [0, K) and computes every frame at K; a request applies at the next frame boundary once
+  its blocks are loaded (moving up) or at once (moving down, returning the device memory).
+* suffix: holds blocks [first, L) and computes each frame at its slot header's K. Frames arrive in order, so blocks
+  below a computed frame's K are freed unless a request keeps them for a coming move down; a frame below ``first``
+  loads the missing blocks first (``on_demand`` when unannounced), so K never mismatches.
 """
 from __future__ import annotations
 
@@ -33,20 +26,12 @@ from ..model.stages import check_split_layer
 class Resplit:
     """One move of the split layer on one side of the pipeline.
 
-    old_split_layer, new_split_layer: first block held before and after (K on the prefix side).
-    duration_ms: time the pipeline itself spent on the move (the frame that came next waited that long:
-    swapping in blocks that were loaded in the background, dropping blocks, or, for an unannounced move,
-    the whole load). load_ms: time the blocks took to load from the checkpoint (in the background when
-    the move was announced). blocks_loaded / blocks_freed: decoder blocks moved in / out of this
-    process. stage_bytes_before / stage_bytes_after: bytes of the stage's parameters.
-    device_bytes_before / device_bytes_after: ``torch.cuda.memory_allocated`` around the move on CUDA
-    (the tensors alive: what the stage dropped), else equal to the stage bytes. reserved_bytes_before /
-    reserved_bytes_after: ``torch.cuda.memory_reserved`` (what this process's caching allocator holds;
-    after a move down it is emptied, ``torch.cuda.empty_cache``, so the drop is memory handed back to the
-    driver). driver_used_before / driver_used_after: total - free of ``torch.cuda.mem_get_info`` (the
-    device's used memory over every process, what another process can take); all 0 off CUDA.
-    on_demand: True when the suffix had to load blocks because a frame arrived at a K it had not been
-    asked to prepare for.
+    ``*_split_layer``: first block held (K on the prefix side). ``duration_ms``: what the next frame waited (the
+    swap, or the whole load when unannounced); ``load_ms``: the checkpoint load, in the background when announced.
+    Bytes around the move: ``stage_bytes_*`` (parameters), ``device_bytes_*`` (``memory_allocated`` on CUDA, else
+    stage bytes), ``reserved_bytes_*`` (``memory_reserved``) and ``driver_used_*`` (total - free of
+    ``mem_get_info``, every process); the last two are 0 off CUDA. ``on_demand``: a suffix frame arrived at an
+    unannounced K.
     """
 
     old_split_layer: int
@@ -67,8 +52,7 @@ class Resplit:
 
     @property
     def returned_to_driver_bytes(self) -> int:
-        """Device memory the move gave back to the driver (driver-level used before - after; 0 off CUDA;
-        negative when the device's use grew: blocks loaded, or another process allocated meanwhile)."""
+        """Bytes given back to the driver; negative when the device's use grew (loads, other processes)."""
         return self.driver_used_before - self.driver_used_after
 
 
@@ -83,15 +67,10 @@ def _stage_bytes(stage: torch.nn.Module) -> int:
 
 
 class BlockPrefetcher:
-    """Loads decoder blocks [start, stop) of a checkpoint on a background thread.
+    """Loads decoder blocks [start, stop) of a checkpoint on a background thread, one job at a time.
 
-    A live re-split that needs new blocks asks for them here first (:meth:`prefetch`) and swaps them in
-    at a frame boundary once loaded (:meth:`take`), so frames keep flowing at the old K meanwhile: the
-    move costs the pipeline the swap, not the load. One job at a time: a job for another range replaces
-    the pending one, and :meth:`discard` drops it when the move is no longer wanted (a queued load never
-    runs; a running one finishes and its blocks are freed, not kept). Each load first checks that the
-    checkpoint on disk still has the model id the stage was loaded with, so blocks of different weights
-    are never mixed.
+    A job for another range replaces the pending one; a discarded running load finishes and is dropped. Each load
+    first checks the model id on disk (ValueError if it changed), so blocks of different weights are never mixed.
     """
 
     def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype, expected_model_id: int):
@@ -146,10 +125,8 @@ class BlockPrefetcher:
                 self._job = None
 
     def take(self, start: int, stop: int, timeout: float | None = 0.0):
-        """Blocks [start, stop) and their load time in ms, waiting up to ``timeout`` s (None: until
-        loaded). The pending job is used when it is for this range; otherwise one is started for it
-        (replacing the pending one). Returns (None, 0.0) when not loaded in time (the job goes on).
-        Raises what the loader raised (the job is then dropped)."""
+        """(blocks, load ms) of [start, stop), waiting up to ``timeout`` s (None: until loaded); (None, 0.0) when
+        not loaded in time (the job goes on). Raises what the loader raised (the job is dropped)."""
         from concurrent.futures import CancelledError
         from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -180,10 +157,8 @@ class BlockPrefetcher:
 
 
 def ready_for_current_stream(blocks) -> None:
-    """Order blocks loaded on another CUDA stream before the current stream's next kernels: wait for their
-    ``ready_event`` (recorded after their last host-to-device copy) and ``record_stream`` every parameter and
-    buffer, so the caching allocator does not hand their memory to the load stream again while the current
-    stream may still use it. No-op for blocks without an event (CPU, or loaded on the current stream)."""
+    """Make the current CUDA stream wait for blocks loaded on another stream, and ``record_stream`` their tensors
+    so the allocator does not reuse their memory early. No-op without a ``ready_event`` (CPU)."""
     event = getattr(blocks, "ready_event", None)
     if event is None:
         return
@@ -196,11 +171,7 @@ def ready_for_current_stream(blocks) -> None:
 
 
 class SplitRequest:
-    """The newest split layer asked for by another thread (a parameter callback), until a runner takes it.
-
-    ``set(k)`` records it; ``pending`` is it (None when there is none); ``done(k)`` clears it, but only
-    if no newer request replaced ``k`` meanwhile (that one stays for the next frame boundary).
-    """
+    """The newest split layer asked for by another thread; ``done(k)`` clears it only if no newer one replaced it."""
 
     def __init__(self):
         self._k: int | None = None
@@ -226,8 +197,9 @@ class ResplitError(RuntimeError):
 
 def move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float = 0.0,
                 on_demand: bool = False, t_start: float | None = None) -> Resplit:
-    """Move ``stage`` (PrefixStage or SuffixStage) to first/last block ``k`` in place with ``blocks``
-    (the decoder blocks it lacks, already loaded) or by dropping blocks; return what it cost."""
+    """Move ``stage`` to split layer ``k`` in place, adding the loaded ``blocks`` it lacks or dropping blocks.
+
+    Raises RuntimeError when ``blocks`` are not the range the move needs."""
     cuda = device.type == "cuda"
     t0 = time.perf_counter() if t_start is None else t_start
     old, before = stage.split_layer, _stage_bytes(stage)
@@ -237,8 +209,7 @@ def move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float 
     n_before = len(stage.layers)
 
     def first_index(default: int) -> int:
-        """Global index of the first block given: ``load_blocks`` records it as ``first_block``; a transformers
-        decoder block knows its own ``layer_idx``."""
+        """Global index of the first block given (``first_block`` of ``load_blocks``, else ``layer_idx``)."""
         first = getattr(blocks, "first_block", None)
         if first is None and len(blocks) and hasattr(blocks[0], "self_attn"):
             first = blocks[0].self_attn.layer_idx
@@ -264,18 +235,8 @@ def move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float 
 class StageSplit:
     """The split layer of one running stage (``side`` "prefix" or "suffix") and every move of it.
 
-    Args:
-        stage: the :class:`~hybrid_vla_ros.model.modeling.PrefixStage` or ``SuffixStage`` it moves in place
-            (its ``split_layer`` is the boundary of the blocks it holds; ``cfg.num_layers`` is L).
-        side: "prefix" or "suffix" (see the module docstring for the difference).
-        model_path, device, dtype, model_id: where blocks are loaded from and to (the prefetcher checks the
-            model id on disk before each load, so blocks of different weights are never mixed).
-
-    State (read-only for callers): ``k`` (prefix: the K frames are computed at; suffix: the K of the last
-    frame computed), ``first_held`` / ``held`` (the block range the stage holds), ``pending`` (a requested K
-    not applied yet), ``moves`` and ``moves_on_demand`` (counts of block moves), ``events`` (Resplit records
-    not yet collected with :meth:`pop_events`). Thread-safety: :meth:`request` may be called from any thread;
-    the other methods from the runner's own thread only.
+    ``stage`` is moved in place. ``k``: prefix, the K frames are computed at; suffix, the last frame's K.
+    Thread-safety: :meth:`request` from any thread, the other methods from the runner's thread only.
     """
 
     def __init__(self, stage, side: str, *, model_path: str, device: torch.device, dtype: torch.dtype,
@@ -318,12 +279,7 @@ class StageSplit:
 
     # ---------------------------------------------------------------------------------------- moves
     def request(self, k: int) -> None:
-        """Ask for split layer ``k`` (thread-safe): the blocks it needs start loading in the background now.
-
-        prefix: frames move to ``k`` at the first boundary after the blocks are loaded (or at once, moving
-        down). suffix: blocks [k, first held) are loaded ahead and kept until a frame at ``k`` arrives, so the
-        prefix's move down costs no wait here. Raises ValueError for a K out of [0, L].
-        """
+        """Ask for split layer ``k`` (thread-safe); its blocks start loading now. ValueError for a K out of [0, L]."""
         check_split_layer(self.stage.cfg, k)
         self._request.set(k)
         missing = self._missing(k)
@@ -333,12 +289,10 @@ class StageSplit:
             self.prefetcher.discard()  # a load for an earlier request is no longer wanted
 
     def before_frame(self, timeout: float | None = 0.0) -> Resplit | None:
-        """Apply a pending request as far as it can be at this frame boundary; return the move made, if any.
+        """Apply a pending request at this frame boundary; return the move made, if any.
 
-        Waits up to ``timeout`` s (None: until loaded) for blocks still loading; when they are not ready the
-        request stays pending and None is returned. prefix: K becomes the requested one. suffix: announced
-        blocks are swapped in (frames still decide the K they are computed at). Raises :class:`ResplitError`
-        when loading failed (the request is dropped and nothing changes).
+        Waits up to ``timeout`` s (None: until loaded); not ready: None, the request stays. Raises
+        :class:`ResplitError` when loading failed (the request is dropped, nothing changes).
         """
         k = self._request.pending
         if k is None:
@@ -368,9 +322,8 @@ class StageSplit:
         return event
 
     def for_frame(self, k: int) -> Resplit | None:
-        """suffix: make the stage able to compute a frame at ``k`` (its slot header's K), loading the blocks
-        it lacks now (``on_demand`` unless exactly those were announced and are loading). Returns the move,
-        or None when nothing was missing. Raises ValueError for a K outside [0, L]; what loading raised."""
+        """suffix: load now the blocks a frame at ``k`` lacks; the move or None. Raises ValueError for a K outside
+        [0, L], and what loading raised."""
         check_split_layer(self.stage.cfg, k)
         missing = self._missing(k)
         if missing is None:
@@ -381,8 +334,7 @@ class StageSplit:
         return self._move(k, blocks, load_ms, t0, on_demand=not announced)
 
     def after_frame(self, k: int) -> Resplit | None:
-        """suffix: a frame at ``k`` was computed. Frames come in order, so blocks below the lowest K still
-        wanted (this one, an announced move down, a pending request) are freed. Returns that move, if any."""
+        """suffix: a frame at ``k`` was computed; free blocks below the lowest K still wanted, returning that move."""
         self.k = k
         if self._keep_from is not None and k <= self._keep_from:
             self._keep_from = None  # the announced move down has happened
@@ -400,13 +352,12 @@ class StageSplit:
         return event
 
     def pop_events(self) -> tuple[Resplit, ...]:
-        """The moves made since the last call, oldest first (each also returned by the call that made it)."""
+        """The moves made since the last call, oldest first."""
         events, self._events = tuple(self._events), []
         return events
 
     def close(self) -> None:
-        """Stop the background loader (a load in progress finishes; its blocks are dropped) and let go of the
-        stage, so the runner's close frees its weights."""
+        """Stop the loader and let go of the stage, so the runner's close frees its weights."""
         self.prefetcher.close()
         self.stage = None
         self._events.clear()

@@ -1,9 +1,7 @@
 """Is the split exact? The hybrid at every split layer K against transformers' own forward (``verify-split``).
 
-For a checkpoint directory and every K in [0, L], the prefix is loaded at K and the suffix at K (each reading
-only its own tensors, as the nodes do) and run on the same input; the result is compared with an
-**independent reference**, a forward that shares none of the split path's code (no ``embed`` / ``run_blocks``
-/ ``plan``, no tensor loader of this package where transformers has its own):
+For every K in [0, L] the prefix and suffix are loaded at K (each reading only its own tensors, as the nodes do)
+and compared with an **independent reference** sharing none of the split path's code or loaders:
 
 ============================  ===========================================================================
 checkpoint                    reference
@@ -27,22 +25,16 @@ OneVision, Idefics3, SmolVLM) block K (a forward pre-hook: for Qwen3-VL, after t
                               blocks before K), the final state against its text model's last_hidden_state
 ============================  ===========================================================================
 
-Per K it reports, against the referee, three maximum absolute differences: ``prefix`` (h_K, every token, against
-its ``hidden_states[K]``; none at K = L, where transformers' last entry is already normed), ``final`` (the final-norm
-hidden states the read-outs use, at ``readout_positions``: the planning token, the last unless the prompts put it
-elsewhere) and ``output`` (waypoints of every mode: the planning head on the referee's final states; own code: the
-model's output). Each is judged against its own **allowed** difference, the referee's own rounding measured in the
-same run: the referee is run a second time in float64 on the same input, and
+Per K, three max abs differences against the referee: ``prefix`` (h_K, every token, against ``hidden_states[K]``;
+none at K = L, where transformers' last entry is already normed), ``final`` (final-norm states at
+``readout_positions``) and ``output`` (every mode's waypoints: the planning head on the referee's final states; own
+code: its output). Each must stay within the referee's own rounding, from a second referee run in float64:
 
     allowed = max(ROUNDING_FACTOR x max|referee - referee in float64|, ULP_FLOOR x eps(dtype) x max|referee in fp64|)
 
-per compared tensor (for ``output``: the head on the float64 run's final states). So a difference of rounding
-size passes whatever order the host's kernels sum in, and a wrong mask, bias or rotary table (1e-2 relative and
-up, far above fp32 rounding) fails; ``tolerance`` replaces it by one fixed maximum.
-
-It also runs the **same code unsplit** (the prefix at K = L, whose block inputs give h_K, and the suffix at L) and
-reports the largest difference of h_K, the final states and the waypoints against it (``unsplit``): splitting
-must change no bit, so anything but 0 fails (not for own code, whose own forward is its referee).
+so kernel summation order passes and a wrong mask, bias or rotary table (1e-2 relative and up) fails;
+``tolerance`` replaces it by one fixed maximum. Against the **same code unsplit** (prefix at K = L, its block
+inputs giving h_K; suffix at L) the difference (``unsplit``) must be exactly 0, except for own code.
 """
 from __future__ import annotations
 
@@ -55,17 +47,15 @@ import torch
 from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
 from ..model.kinds import EGO_STATE, SplitModel  # noqa: F401  (EGO_STATE: the example frame's ego state)
 
-#: allowed = ROUNDING_FACTOR x the referee's own rounding error (its run against its float64 run), at least
-#: ULP_FLOOR units in the last place of the tensor's largest value (module docstring).
+#: Factors of the allowed difference (module docstring).
 ROUNDING_FACTOR = 8.0
 ULP_FLOOR = 16.0
 
 
 @dataclass
 class VerifyRow:
-    """Split layer ``k``: max abs differences against the referee (``prefix`` h_K, ``final``, ``output``; None where
-    not applicable), each one's ``allowed_*`` difference, ``unsplit`` (max abs difference of the same three against
-    the same code unsplit; None for own code) and whether all hold."""
+    """Split layer ``k``: the differences of the module docstring (None where not applicable), their ``allowed_*``,
+    ``unsplit`` (None for own code) and whether all hold."""
 
     k: int
     prefix: float | None
@@ -95,8 +85,7 @@ class VerifyRow:
 
 @dataclass
 class VerifyReport:
-    """Outcome of :func:`verify_split`: what was checked against what, one row per K in [0, L]. ``tolerance``: a
-    fixed max abs difference the user gave, or None for the rounding basis described by ``basis``."""
+    """Outcome of :func:`verify_split`, one row per K; ``tolerance`` None: the rounding basis (``basis``)."""
 
     model: str
     description: str
@@ -132,8 +121,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _allowed(ref: torch.Tensor, ref64: torch.Tensor | None, dtype: torch.dtype, fixed: float | None) -> float:
-    """The allowed max abs difference from ``ref`` (the referee in ``dtype``) given its float64 run ``ref64`` (None:
-    the ulp floor alone), or ``fixed`` when the user gave a tolerance (module docstring)."""
+    """The allowed max abs difference for ``ref`` given its float64 run ``ref64`` (None: ulp floor), or ``fixed``."""
     if fixed is not None:
         return fixed
     floor = ULP_FLOOR * torch.finfo(dtype).eps * (ref if ref64 is None else ref64).double().abs().max().item()
@@ -143,8 +131,8 @@ def _allowed(ref: torch.Tensor, ref64: torch.Tensor | None, dtype: torch.dtype, 
 
 
 class BagFrames:
-    """The embedded bag's first synchronized frame (data/dgp_scene02_6cam_mcap), cameras in index order and cycled
-    past its 6: the :class:`~hybrid_vla_ros.model.kinds.CameraFrames` every check runs on."""
+    """The embedded bag's (data/dgp_scene02_6cam_mcap) first frame as
+    :class:`~hybrid_vla_ros.model.kinds.CameraFrames`, cameras cycled past its 6."""
 
     def __init__(self):
         from rosbags.typesys import Stores, get_typestore
@@ -166,8 +154,7 @@ class BagFrames:
                 for i in range(cameras)]
 
     def images(self, cameras: int, size: tuple[int, int] | None = None) -> list:
-        """RGB uint8 (H, W, 3), each resized to ``size`` (width, height) when given (PIL bilinear, as the prefix
-        node does: :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`)."""
+        """RGB uint8 (H, W, 3), resized to ``size`` (width, height) as the prefix node does when given."""
         from ..vehicle.image import resize_rgb
 
         images = self._decoded(cameras)
@@ -192,9 +179,7 @@ def bag_images(cameras: int, camera_size: tuple[int, int] | None = None) -> list
 
 
 class _Unsplit:
-    """The same code unsplit: the prefix at K = L (the input of each block kept: h_K for K < L) and the suffix at L.
-    ``states[k]`` is h_k, ``final`` the final-norm states of every token (None for own code), ``output`` what
-    :meth:`SplitModel.output` gives."""
+    """The same code unsplit: ``states[k]`` is h_k, ``final`` every token's final-norm states (None for own code)."""
 
     def __init__(self, ck: Checkpoint, sm: SplitModel, dtype, inputs: tuple):
         L = ck.num_layers
@@ -225,19 +210,13 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
                  prompt_ids: list[int] | None = None, cameras: int | None = None,
                  trust_model_code: bool | None = None, layers: list[int] | None = None, log=None,
                  prompt: str | None = None, camera_size: tuple[int, int] | None = None) -> VerifyReport:
-    """Run the split of the checkpoint at ``path`` at every K against its referee and the same code unsplit
-    (module docstring).
+    """Check the split of the checkpoint at ``path`` at every K in ``layers`` (default all), on the CPU.
 
-    ``dtype``: of both sides (fp32, bf16, fp16; the referee also runs once in float64 for its rounding);
-    ``tolerance``: a fixed max abs difference instead of the rounding basis; ``prompt_ids``: token ids for a bare
-    language model (default 16 fixed ids) or a LLaVA directory's prompt (one image placeholder per camera);
-    ``cameras``: images per frame for a LLaVA directory (default 1); ``layers``: the split layers to check
-    (default: every K in [0, L]; each K costs a whole forward, so a 30-block model on 81 tokens takes minutes on a
-    small CPU); ``log``: a callable for progress lines. Everything runs on the CPU.
-
-    Returns a :class:`VerifyReport` (``.ok``). Raises what :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`
-    and the loaders raise (FileNotFoundError, ValueError), and ValueError for a tolerance that is not a positive
-    number or a split layer outside [0, L].
+    ``prompt_ids``: token ids for a bare language model (default 16 fixed ids) or a LLaVA prompt (one image
+    placeholder per camera); ``cameras``: images per frame for a LLaVA directory (default 1). Each K costs a
+    whole forward (minutes for 30 blocks on 81 tokens on a small CPU). Raises what
+    :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint` raises, and ValueError for a tolerance that is not a
+    positive number or a split layer outside [0, L].
     """
     torch_dtype = parse_dtype(dtype)
     if tolerance is not None and not (tolerance > 0 and math.isfinite(tolerance)):
@@ -285,9 +264,7 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
 
 
 class _Columns:
-    """What each K is compared with and the allowed difference of each column, from the referee's run ``ref`` and
-    its float64 run ``ref64`` (None: the ulp floor): h_K against its states, the read-out rows of the final states,
-    and the output (the head on the referee's final states, or own code's output)."""
+    """What each K is compared with, and each column's allowed difference, from ``ref`` and ``ref64``."""
 
     def __init__(self, sm: SplitModel, suffix, ref, ref64, dtype, fixed):
         self.sm, self.ref = sm, ref

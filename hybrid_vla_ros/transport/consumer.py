@@ -1,6 +1,4 @@
-"""The ring's consumer: attaches to a producer's segment (checking its contract), takes frames (oldest first or
-newest first) and waits for them (bounded spin, then the wake-up socket: :class:`~.wake.FrameWaiter`). What it
-shares with the producer (the global header, mapping, mutex, close) is :class:`~.ring_end.RingEnd`."""
+"""The ring's consumer: attaches to a producer's segment (checking its contract), takes frames and waits for them."""
 from __future__ import annotations
 
 import os
@@ -29,17 +27,11 @@ DELIVERY_POLICIES = ("fifo", "newest")
 
 
 class ReadSlot:
-    """A frame the consumer holds (slot state READING) until :meth:`release` or the end of a ``with`` block.
+    """A frame the consumer holds (slot READING) until :meth:`release` or the end of a ``with`` block.
 
-    ``tensor``: zero-copy CPU view into the segment, shape ``meta.shape``, the producer's dtype ``meta.dtype``;
-    treat it as read-only and do not use it after release (the producer may overwrite the slot then; clone
-    what you keep). ``meta``: the :class:`FrameMeta`. ``index``: slot index. ``superseded``: older READY
-    frames freed unread when this one was taken (newest-first delivery). A ReadSlot dropped without release()
-    is released by the consumer's next read().
-
-    ``side``: a dict, side-tensor name -> zero-copy CPU view into the slot, of the shape and dtype the producer
-    declared (``RingConsumer.contract.side``; empty for a ring without side tensors); like ``tensor``: read-only
-    by convention and valid until release (clone what you keep). No dtype conversion applies to them.
+    ``tensor`` (``meta.shape``, the producer's ``meta.dtype``) and ``side`` (name -> tensor) are zero-copy views:
+    read-only, and invalid after release (clone what you keep). ``meta``: :class:`FrameMeta`; ``superseded``: older
+    READY frames freed unread for this one. One dropped without release() is released by the next read().
     """
 
     __slots__ = ("tensor", "meta", "index", "superseded", "side", "_consumer", "_released", "_compute",
@@ -53,9 +45,8 @@ class ReadSlot:
 
     @property
     def compute_tensor(self) -> torch.Tensor:
-        """The frame in the consumer's ``compute_dtype``: ``tensor`` itself (zero-copy) when the dtypes agree or
-        none was stated, else a converted copy (``Tensor.to``; made once; which pairs are exact:
-        :mod:`.contract`). Raises RingError after release."""
+        """The frame in the consumer's ``compute_dtype``: ``tensor`` itself when the dtypes agree or none was
+        stated, else a converted copy (made once; :mod:`.contract`). Raises RingError after release."""
         if self._released:
             raise RingError("ReadSlot already released")
         if self._compute is None:
@@ -79,9 +70,8 @@ class ReadSlot:
 
 
 class _Handles:
-    """The consumer's segment fd, its lock fd (an open file description of its own that holds the consumer
-    lock: mmap keeps a dup of the segment fd alive as long as any view of the mapping, which must not keep
-    the lock), its wake-up socket and the segment file's identity (st_dev, st_ino)."""
+    """The consumer's segment fd, its lock fd (its own open file description: mmap keeps a dup of the segment fd
+    alive with any view, which must not keep the lock), its wake-up socket and the file's (st_dev, st_ino)."""
 
     def __init__(self, fd: int, lock_fd: int, receiver: WakeReceiver, ident: tuple[int, int]):
         self.fd, self.lock_fd, self.receiver, self.ident = fd, lock_fd, receiver, ident
@@ -96,15 +86,12 @@ class _Handles:
 
 
 def _attach_segment(name: str, path: str, judge_header):
-    """Open segment ``name`` (file ``path``) as its single consumer.
+    """Open segment ``name`` (file ``path``) as its single consumer; returns (mmap, :class:`_Handles`).
 
-    The file must belong to this uid; ``judge_header(head, file_size)`` parses and judges its global header
-    (the first GLOBAL_HEADER_BYTES bytes; it raises to refuse the segment) and returns (the wake-up
-    directory name, the segment's total bytes). Only then is anything changed: a second fd of its own takes
-    the consumer lock (byte 1), the wake socket is bound in that directory and the segment mapped. Returns
-    (the mmap, the :class:`_Handles`). Raises FileNotFoundError, RingConsumerConflict (another consumer is
-    attached: its pid, as it wrote it into the header, in the message), RingError (another uid, the file replaced
-    while attaching) and whatever ``judge_header`` raises; on failure nothing is left open.
+    ``judge_header(head, file_size)`` judges the global header (raising to refuse it) and returns (wake-up directory
+    name, total bytes); only then does a second fd take the consumer lock, the socket get bound and the segment
+    mapped. Raises FileNotFoundError, RingConsumerConflict, RingError (another uid, the file replaced meanwhile)
+    and what ``judge_header`` raises; on failure nothing is left open.
     """
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     lock_fd = -1
@@ -136,39 +123,25 @@ class RingConsumer(RingEnd):
 
     Args:
         name: segment name, as given to the producer.
-        expected_model_id: if not None, a producer of another model is refused at attach and frames whose model
-            id differs are rejected (``model_mismatch``).
-        expected_split_layer: if not None, frames whose split layer differs are rejected (``split_mismatch``):
-            an int (that K only) or a container of ints (e.g. ``range(0, L + 1)``, every K the model has, for a
-            consumer that follows a live re-split); a plain attribute, settable at any time.
-        compute_dtype: the dtype the consumer computes in; a producer dtype that cannot be converted to it is
-            refused at attach (:func:`.contract.conversion_kind`); ``ReadSlot.compute_tensor`` converts.
-        expected_shape: if not None, a producer that declared another state shape is refused at attach.
-        expected_domain_id: if not None, a producer that declared another ROS domain (or none) is refused at
-            attach: a pipeline never reads frames of another domain's cameras.
-        expected_side: if not None, a tuple of :class:`~.contract.TensorSpec` the producer's side tensors must
-            equal (names, shapes, dtypes; order not significant; ``()``: none): otherwise it is refused at attach,
-            each difference named (:func:`.contract.side_differences`). ValueError if it is not a tuple of
-            TensorSpec with unique names.
-        delivery: ``"fifo"`` or ``"newest"`` (:data:`DELIVERY_POLICIES`).
-        spin: a :class:`~.wake.SpinPolicy` to spin for a predicted frame before blocking, or None (block only).
+        expected_model_id, expected_split_layer: if not None, frames of another model id / split layer are rejected
+            (``model_mismatch`` / ``split_mismatch``), and a producer of another model is refused at attach.
+            ``expected_split_layer``: an int or a container of ints (``range(0, L + 1)``: follow a live re-split).
+        compute_dtype: the dtype the consumer computes in (:func:`.contract.conversion_kind`; converted by
+            ``ReadSlot.compute_tensor``).
+        expected_shape, expected_domain_id, expected_side: if not None, a producer that declared another state
+            shape, ROS domain (or none) or side tensors (order not significant) is refused at attach.
+        delivery: one of :data:`DELIVERY_POLICIES`.
+        spin: a :class:`~.wake.SpinPolicy`, or None (block only).
 
-    Raises FileNotFoundError if the segment does not exist, RingContractError if the producer's contract does
-    not fit (before anything is changed), RingConsumerConflict if another live consumer is attached (it holds the
-    consumer lock, an OFD lock on byte 1 of the segment on an fd of its own, whatever its network namespace;
-    released by close() or the holder's death), RingError if it is not a compatible ring or belongs to another
-    uid. Once attached it writes its pid and start time into the header (``RingProducer.consumer``: who reads),
-    and the instant of every take. Slots left
-    READING by a crashed consumer are reset to FREE (that frame is lost, not re-delivered out of order). Frames
-    published before attaching and not yet overwritten are delivered.
+    Raises FileNotFoundError, RingContractError (:func:`.contract.check_contract`; nothing changed yet),
+    RingConsumerConflict (another live consumer, whatever its network namespace), RingError (an incompatible ring,
+    another uid's), ValueError (a malformed ``expected_side``). At attach, slots left READING by a dead consumer
+    are freed (those frames are lost); older frames not yet overwritten are delivered. After close() the other
+    methods raise RingError.
 
-    Attributes: ``name``, ``path``, ``n_slots``, ``slot_bytes``, ``slot_stride``, ``total_bytes``, ``state_bytes``
-    (the hidden states' capacity in a payload), ``side_offsets`` (each side tensor's payload offset, in
-    ``contract.side`` order) (bytes), ``model_id`` (the producer's), ``contract`` (:class:`.contract.Contract`;
-    its ``side``: the side tensors every frame carries, ``ReadSlot.side``), ``conversion`` ('none', 'exact',
-    'rounds' or 'per frame'), ``wake_dir`` (the wake-up directory's name), ``owner_pid``, ``owner_start_time``,
-    ``instance_id``, ``expected_model_id``, ``expected_domain_id``, ``expected_side``,
-    ``expected_split_layer``, ``compute_dtype``, ``delivery``, ``spin`` (settable at any time).
+    Attributes: the arguments (``expected_split_layer``, ``compute_dtype``, ``delivery``, ``spin`` settable at any
+    time), :class:`~.ring_end.RingEnd`'s, ``contract`` (:class:`.contract.Contract`), ``conversion`` (the kind
+    :func:`.contract.check_contract` returned), ``wake_dir``.
     """
 
     _ROLE = "consumer"
@@ -205,8 +178,7 @@ class RingConsumer(RingEnd):
         self._closed = False
 
     def _judge_header(self, head: bytes, file_size: int) -> tuple[str, int]:
-        """Read the global header (geometry, owner, ``contract``, ``wake_dir``) and judge the contract
-        (``conversion``); returns (wake-up directory name, total bytes). RingError / RingContractError."""
+        """Judge the global header (sets ``contract``, ``conversion``); returns (wake-up directory, total bytes)."""
         self.contract, self.wake_dir = self._read_global_header(head, file_size)
         self.conversion = check_contract(self.contract, expected_model_id=self.expected_model_id,
                                          compute_dtype=self.compute_dtype, expected_shape=self.expected_shape,
@@ -216,8 +188,7 @@ class RingConsumer(RingEnd):
 
     @property
     def stats(self) -> ConsumerStats:
-        """The counters now (:class:`~.stats.ConsumerStats`: frames read, rejected by cause, reclaimed, superseded,
-        how read() found its frames, spinning)."""
+        """The counters now (:class:`~.stats.ConsumerStats`)."""
         w = self._waiter.counts
         return ConsumerStats(read=self._read, rejected=dict(self._rejected), reclaimed_reading=self._reclaimed,
                              superseded=self._superseded, found_ready=w["found_ready"],
@@ -227,9 +198,8 @@ class RingConsumer(RingEnd):
 
     @property
     def producer_gone(self) -> bool:
-        """True if the segment was unlinked (producer closed) or the name now points at another segment
-        (producer restarted), or this consumer is closed: close it and attach again. A SIGKILLed producer's
-        segment stays linked, so this stays False until a new producer replaces it (see ``owner_alive``)."""
+        """True if the segment was unlinked or replaced (producer closed or restarted) or this consumer is closed:
+        close and attach again. A SIGKILLed producer's segment stays linked until a new producer replaces it."""
         if self._closed:
             return True
         try:
@@ -247,28 +217,25 @@ class RingConsumer(RingEnd):
 
     @property
     def producer_state(self) -> str:
-        """What the producer said of itself (``segment.STAGE_STATES``): 'running', 'paused' (its node is
-        inactive: no frames come) or 'not said'. Raises RingError after close()."""
+        """What the producer said of itself: 'running', 'paused' (no frames come) or 'not said'."""
         self._check_open()
         return STAGE_STATES.get(GLOBAL.producer_state.one(self._mm), "not said")
 
     def producer_schedule(self) -> tuple[int, int]:
-        """(the producer's last publish, CLOCK_MONOTONIC ns (0: none yet), the interval it announced between its
-        publishes in ns (0: none; ``RingProducer.announce_cycle``)). Raises RingError after close()."""
+        """(the producer's last publish, CLOCK_MONOTONIC ns, the interval it announced between publishes, ns
+        (``RingProducer.announce_cycle``)); 0: none."""
         self._check_open()
         return GLOBAL.published.read(self._mm)[1], GLOBAL.producer_cycle.one(self._mm)
 
     def announce_max_age(self, max_age_ns: int) -> None:
-        """Tell the producer the oldest a frame may be (ns after its camera stamp) for this consumer to publish its
-        result (0: no limit), so that the producer can tell when its inputs arrive too late to be of use
-        (``RingProducer.consumer_max_age_ns``). Raises RingError after close()."""
+        """Tell the producer the oldest a frame may be (ns after its camera stamp; 0: no limit) for this consumer to
+        publish its result, so it can tell when its inputs arrive too late (``RingProducer.consumer_max_age_ns``)."""
         self._check_open()
         GLOBAL.max_age.write(self._mm, int(max_age_ns))
 
     def set_running(self, running: bool) -> None:
-        """Say in the header whether this consumer takes frames ('running') or is attached but idle ('paused': its
-        node is inactive), for the producer's health report (``RingProducer.consumer``). Raises RingError after
-        close()."""
+        """Say in the header whether this consumer takes frames ('running') or its node is inactive ('paused'),
+        for the producer's health report (``RingProducer.consumer``)."""
         self._check_open()
         GLOBAL.consumer_state.write(self._mm, 1 if running else 2)
 
@@ -312,17 +279,10 @@ class RingConsumer(RingEnd):
         return slot, seen
 
     def read(self, timeout_s: float) -> ReadSlot | None:
-        """Wait up to ``timeout_s`` seconds (0: do not wait) for a published frame (the oldest unread one with
-        ``delivery="fifo"``, the newest with ``"newest"``).
-
-        Returns a ReadSlot (slot now READING until released) or None on timeout; also returns None early when no
-        frame is ready and ``producer_gone`` is true. Frames published before the call are found without
-        waiting; stale wake-ups are drained. With a ``spin`` policy it polls the segment's publish count inside
-        the predicted window and blocks on the wake-up socket outside it (:class:`~.wake.FrameWaiter`). Raises
-        SlotRejected if the chosen READY slot's header is invalid (the slot is freed and ``rejected_<cause>``
-        counted; call read() again for the next frame), RingError if the previous ReadSlot is still alive and
-        unreleased (one garbage-collected unreleased is released here) or the consumer is closed.
-        """
+        """Wait up to ``timeout_s`` seconds (0: do not wait) for a frame, chosen by ``delivery``; None on timeout, or
+        early when none is ready and ``producer_gone``. Frames published before the call are found without waiting.
+        Raises SlotRejected for an invalid header (the slot is freed and counted; read again), RingError while
+        the previous ReadSlot is alive and unreleased."""
         self._check_open()
         if self._outstanding is not None:
             prev = self._outstanding()
@@ -335,19 +295,14 @@ class RingConsumer(RingEnd):
         return self._waiter.wait_for(self._try_take, deadline, lambda: self.producer_gone, self._mm, self.spin)
 
     def announce_next_read(self, taken_ns: int, next_read_ns: int) -> None:
-        """Tell the producer that this consumer took a frame at ``taken_ns`` and expects to take the next one at
-        ``next_read_ns`` (CLOCK_MONOTONIC ns; 0, 0: no expectation). A hint for pacing
-        (``RingProducer.consumer_schedule``): a producer faster than this consumer can start its next frame so
-        that it is complete just then, instead of computing frames that wait in the ring or are superseded.
-        Raises RingError after close()."""
+        """Tell the producer this consumer took a frame at ``taken_ns`` and expects the next at ``next_read_ns``
+        (CLOCK_MONOTONIC ns; 0, 0: none): a pacing hint (``RingProducer.consumer_schedule``)."""
         self._check_open()
         GLOBAL.schedule.write(self._mm, int(taken_ns), int(next_read_ns))
 
     def announce_stage_time(self, split_layer: int, stage_ns: int) -> None:
-        """Tell the producer how long this consumer's stage takes a frame now (``stage_ns``, ns: e.g. the median of
-        its recent frames) at split layer ``split_layer`` (``RingProducer.consumer_stage_time``): what live
-        rebalancing judges the suffix by, without the consumer's other per-frame work. Raises RingError after
-        close()."""
+        """Tell the producer this consumer's stage time per frame (``stage_ns``, e.g. a recent median) at split
+        layer ``split_layer``: what live rebalancing judges the suffix by (``RingProducer.consumer_stage_time``)."""
         self._check_open()
         GLOBAL.stage_time.write(self._mm, int(stage_ns), int(split_layer))
 
@@ -364,9 +319,8 @@ class RingConsumer(RingEnd):
             self._outstanding_key = None
 
     def close(self) -> None:
-        """Release a held slot, unbind the wake socket and close the fd (which drops the consumer lock); never
-        unlinks the segment. Idempotent. Views handed out stay mapped until they are garbage-collected (their
-        contents may change)."""
+        """Release a held slot, unbind the wake socket, close the fds (dropping the consumer lock). Idempotent;
+        views handed out stay mapped (their contents may change)."""
         if self._closed:
             return
         if self._outstanding_key is not None:

@@ -1,6 +1,5 @@
-"""What the producer promises and the consumer checks at attach: model id, dtype of the hidden states, device
-kind, state shape and ROS domain (kept in the ring's global header, :mod:`.segment`), and which dtype
-conversions the consumer may apply at the view.
+"""What the producer declares in the global header and the consumer checks at attach (model id, hidden-state
+dtype, device kind, state shape, ROS domain, side tensors), and which dtype conversions the consumer may apply.
 
 Conversions from the producer's dtype to the consumer's compute dtype (``torch.Tensor.to``, round to nearest
 even; IEEE 754-2008 binary16 / binary32 and Google's bfloat16, i.e. binary32's upper 16 bits; "exact" is for
@@ -22,11 +21,7 @@ anything else  -              refused  (integer or float64 hidden states are not
 The trajectory drift of each allowed pair is measured in docs/design.md ("The dtype contract") and bounded
 (<= 1 cm at 3 s) by test/test_ring_contract.py.
 
-Side tensors (layout 4): besides the hidden states, a producer may declare typed tensors that cross with every
-frame (:class:`TensorSpec`: e.g. multimodal rotary position ids int64 (3, 1, T), an attention mask bool (T,),
-visual features in the model dtype (V, H)). They are part of the contract (``Contract.side``, the global header's
-side-tensor table) and judged at attach like the state shape (:func:`check_contract` ``expected_side``,
-:func:`side_differences`); no dtype conversion is applied to them.
+Side tensors (:class:`TensorSpec`) are judged at attach like the state shape; no conversion applies to them.
 """
 from __future__ import annotations
 
@@ -54,8 +49,7 @@ _ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPE_CODES}
 DEVICE_KINDS = {"undeclared": 0, "cpu": 1, "cuda": 2, "other": 3}
 _KIND_NAMES = {code: name for name, code in DEVICE_KINDS.items()}
 
-#: Dtypes a side tensor may have (wire codes: :data:`DTYPE_CODES`): the floating dtypes the ring
-#: carries and the integer / boolean dtypes that position ids and masks need.
+#: Dtypes a side tensor may have: the floating dtypes, and the integer / boolean ones of position ids and masks.
 SIDE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
 #: Longest side-tensor name (ASCII characters; the header keeps it in 32 bytes, NUL-padded).
 MAX_SIDE_NAME = 31
@@ -90,9 +84,8 @@ def device_kind_of(device) -> str:
 
 
 def conversion_kind(src: torch.dtype, dst: torch.dtype) -> str:
-    """'none' (same dtype: zero-copy), 'exact' or 'rounds' (see the module table).
-
-    Raises RingContractError, naming both dtypes and what to change, for a pair that is refused."""
+    """'none' (same dtype: zero-copy), 'exact' or 'rounds' (the module table). Raises RingContractError, naming
+    both dtypes and what to change, for a refused pair."""
     if src == dst:
         return "none"
     kind = CONVERSIONS.get((src, dst))
@@ -115,14 +108,10 @@ def conversion_kind(src: torch.dtype, dst: torch.dtype) -> str:
 class TensorSpec:
     """One side tensor that crosses the ring with every frame, as the producer declares it and a consumer expects.
 
-    ``name``: an ASCII identifier (``[A-Za-z_][A-Za-z0-9_]*``) of at most 31 characters, unique among a ring's
-    side tensors: the key of ``WriteSlot.side`` / ``ReadSlot.side``. ``shape``: the tensor's dims (at most 4,
-    each >= 0; ``()`` is a scalar), in elements, e.g. ``(3, 1, T)`` for multimodal rotary position ids over T
-    tokens. ``dtype``: one of :data:`SIDE_DTYPES` (float32, float16, bfloat16, float64, int64, int32, bool); it
-    crosses as is (no conversion). A list shape is stored as a tuple of ints.
-
-    Raises ValueError (naming the spec) for a bad name, an unsupported dtype (or not a torch.dtype), more than 4
-    dims, a negative, non-integer (bool included) or absurd (>= 2**62) dim.
+    ``name``: an ASCII identifier of at most 31 characters, unique per ring (the key of ``WriteSlot.side`` /
+    ``ReadSlot.side``). ``shape``: dims in elements (at most 4; ``()``: a scalar), e.g. ``(3, 1, T)`` multimodal
+    rotary position ids. ``dtype``: one of :data:`SIDE_DTYPES`. Raises ValueError (naming the spec) for a bad
+    name, an unsupported dtype, more than 4 dims, or a negative, non-integer (bool included) or >= 2**62 dim.
     """
 
     name: str
@@ -161,17 +150,17 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the tensor's data: numel times the dtype's element size (bool: 1 byte per element)."""
+        """Bytes of the tensor's data (bool: 1 byte per element)."""
         return self.numel * itemsize(self.dtype)
 
     def describe(self) -> str:
-        """'position_ids int64 (3, 1, 902)': name, dtype and shape, as :meth:`Contract.describe` lists it."""
+        """'position_ids int64 (3, 1, 902)': name, dtype and shape."""
         return f"{self.name} {dtype_name(self.dtype)} {self.shape}"
 
 
 def side_specs(side, what: str = "side") -> tuple[TensorSpec, ...]:
-    """``side`` (any iterable of :class:`TensorSpec`) as a tuple, checked: every item a TensorSpec, no name twice.
-    Raises ValueError otherwise (``what`` names the argument in the message)."""
+    """``side`` (an iterable of :class:`TensorSpec`) as a tuple; ValueError (naming ``what``) for an item that is
+    not a TensorSpec or a name twice."""
     try:
         side = tuple(side)
     except TypeError:
@@ -188,12 +177,8 @@ def side_specs(side, what: str = "side") -> tuple[TensorSpec, ...]:
 
 def side_differences(theirs, ours) -> list[str]:
     """Every difference between the producer's side tensors ``theirs`` and the ones a consumer expects, ``ours``
-    (tuples of :class:`TensorSpec`; matched by name, order not significant), one sentence each: a tensor both have
-    with another shape or dtype ("the prefix sends side tensor deepstack float16 (3, 256, 64), this suffix
-    expects (2, 256, 64)"), one the consumer needs and the producer does not send ("the prefix sends no side
-    tensor position_ids, which this suffix needs (int64 (3, 1, 902))"), then one the producer sends and the
-    consumer does not take, in the producer's order. Empty when they are equal. Raises ValueError for an item
-    that is not a TensorSpec or a name given twice on one side."""
+    (matched by name), one sentence each: another shape or dtype, needed but not sent, then sent but not taken (in
+    the producer's order); empty when equal. Raises ValueError as :func:`side_specs`."""
     theirs, ours = side_specs(theirs, "the prefix's side"), side_specs(ours, "expected_side")
     by_name = {spec.name: spec for spec in theirs}
     wanted = {spec.name for spec in ours}
@@ -219,14 +204,11 @@ def side_differences(theirs, ours) -> list[str]:
 
 @dataclass(frozen=True)
 class Contract:
-    """The producer's declaration in the global header.
+    """The producer's declaration in the global header (None: undeclared).
 
-    ``model_id``: int64 model identity. ``dtype``: torch dtype of every frame, or None when undeclared (each
-    frame's slot header then says). ``device_kind``: 'cpu', 'cuda', 'other' or 'undeclared'. ``state_shape``:
-    the shape of every frame, or None when undeclared. ``layout_version``: the segment layout (u32).
-    ``domain_id``: the ROS domain the producer runs in, or None when undeclared. ``side``: the side tensors
-    (:class:`TensorSpec`) every frame carries besides the hidden states, in the producer's order (layout 4;
-    ``()``: none).
+    ``model_id``: int64. ``dtype``: of every frame (None: each slot header says). ``device_kind``: 'cpu', 'cuda',
+    'other' or 'undeclared'. ``state_shape``: of every frame. ``layout_version``: u32. ``domain_id``: the
+    producer's ROS domain. ``side``: the :class:`TensorSpec` every frame carries, in the producer's order.
     """
 
     model_id: int
@@ -240,8 +222,8 @@ class Contract:
     @classmethod
     def from_wire(cls, model_id: int, dtype_code: int, device_code: int, ndim: int, dims, version: int,
                   domain_id: int = -1, side: tuple[TensorSpec, ...] = ()):
-        """From the header fields (``domain_id`` -1: undeclared; ``side``: the side tensors, already parsed from
-        the header's table); unknown codes raise RingContractError."""
+        """From the header fields (``domain_id`` -1: undeclared; ``side`` already parsed); RingContractError for
+        an unknown dtype code."""
         if dtype_code and dtype_code not in CODE_DTYPES:
             raise RingContractError(f"the producer declared an unknown dtype code {dtype_code}")
         shape = tuple(int(d) for d in dims[:ndim]) if 0 <= ndim <= len(dims) else None
@@ -250,8 +232,7 @@ class Contract:
 
     def describe(self) -> str:
         """One line for logs: 'model 1f2e3d4c5b6a7988, float16 hidden states (105, 128) from cuda in ROS domain
-        0, layout 4' (the model id as ``init-model`` and /diagnostics print it: 16 hex digits), followed by the
-        side tensors when there are any: ', side position_ids int64 (3, 1, 902), deepstack float16 (3, 256, 64)'."""
+        0, layout 4', then any side tensors: ', side position_ids int64 (3, 1, 902), ...'."""
         shape = "any shape" if self.state_shape is None else str(self.state_shape)
         domain = "" if self.domain_id is None else f" in ROS domain {self.domain_id}"
         side = f", side {', '.join(spec.describe() for spec in self.side)}" if self.side else ""
@@ -263,15 +244,11 @@ class Contract:
 def check_contract(contract: Contract, *, expected_model_id: int | None = None,
                    compute_dtype: torch.dtype | None = None, expected_shape=None,
                    expected_domain_id: int | None = None, expected_side=None) -> str:
-    """Judge a producer's contract against a consumer's expectations (None: no expectation).
-
-    ``expected_side``: a tuple of :class:`TensorSpec` the producer's side tensors must equal (names, shapes and
-    dtypes; order not significant; ``()``: none at all). Returns the conversion kind the consumer will apply at
-    the view ('none', 'exact', 'rounds', or 'per frame' when the producer declared no dtype). Raises
-    RingContractError with every problem in one message: another ROS domain (a producer that declared none is
-    refused too when one is expected), another model id, a state shape other than ``expected_shape``, a dtype
-    pair :func:`conversion_kind` refuses, each side-tensor difference (:func:`side_differences`). Raises
-    ValueError for an ``expected_side`` that is not a tuple of TensorSpec with unique names.
+    """Judge a producer's contract against a consumer's expectations (None: none; ``expected_side`` ``()``: no
+    side tensors). Returns the conversion kind ('none', 'exact', 'rounds', or 'per frame' without a declared dtype).
+    Raises RingContractError with every problem in one message: another ROS domain (or none when one is expected),
+    model id or state shape, a dtype pair :func:`conversion_kind` refuses, each :func:`side_differences`.
+    ValueError for a malformed ``expected_side``.
     """
     problems, kind = [], "per frame"
     if expected_domain_id is not None and contract.domain_id != expected_domain_id:

@@ -1,10 +1,8 @@
 """The ring's byte layout, declared once: the global header and the slot header as tables of fields.
 
-Every field has a name, a struct code, an offset and a line of meaning; consecutive fields that are read or
-written together form a :class:`FieldGroup`, whose struct is built from their codes (little-endian, no implicit
-padding) and whose offset is checked against the fields'. The producer, the consumer, the leftover cleanup and
-the tests read and write the header only through these groups, and the byte tables in :mod:`.segment` and
-:mod:`.slots` are :meth:`HeaderLayout.table` of them (``python -m hybrid_vla_ros.transport.layout`` prints both).
+Fields read or written together form a :class:`FieldGroup` (one little-endian struct, no implicit padding); all
+code reads and writes the headers only through these groups. The byte tables in :mod:`.segment` and :mod:`.slots`
+are :meth:`HeaderLayout.table` of them (``python -m hybrid_vla_ros.transport.layout`` prints both).
 """
 from __future__ import annotations
 
@@ -22,8 +20,8 @@ MAX_SIDE_TENSORS = 32
 
 @dataclass(frozen=True)
 class Field:
-    """One header field: ``code`` a struct code of one value (``Q``, ``i``, ``64s``, ``4q``: an array of 4, ``4x``:
-    padding, no value), ``doc`` its meaning (units, who writes it, since which layout)."""
+    """One header field: ``code`` a struct code of one value (``Q``, ``64s``, ``4q``: an array of 4, ``4x``:
+    padding), ``doc`` its meaning."""
 
     name: str
     code: str
@@ -58,10 +56,9 @@ class FieldGroup:
 
 
 class HeaderLayout:
-    """A header of ``size`` bytes: its groups by name (attributes). A field may appear in several groups (a group
-    that reads part of another's fields) only at the same offset with the same code; distinct fields never overlap
-    and none runs past the header. ``array``: a group repeated ``count`` times ``stride`` bytes apart
-    (``entry(k)``), e.g. the side-tensor table."""
+    """A header of ``size`` bytes: its groups by name (attributes). ValueError unless a field in several groups
+    has one offset and code, distinct fields never overlap and none runs past the header. ``array``: a group
+    repeated ``count`` times ``stride`` bytes apart (``entry(k)``), e.g. the side-tensor table."""
 
     def __init__(self, title: str, size: int, groups: dict[str, FieldGroup],
                  array: tuple[str, FieldGroup, int, int] | None = None):
@@ -84,7 +81,7 @@ class HeaderLayout:
         self.__dict__.update(groups)
 
     def offset_of(self, name: str) -> int:
-        """The offset of field ``name`` (KeyError for a name no group has)."""
+        """The offset of field ``name`` (KeyError if unknown)."""
         for g in self.groups.values():
             if name in g._offsets:
                 return g.offset_of(name)

@@ -15,9 +15,8 @@ __all__ = ["remove_dead_init_files", "evict_existing", "wake_dir_named_in", "rem
 
 
 def wake_dir_named_in(source) -> str | None:
-    """The wake-up directory name in a segment's global header (``source``: its bytes or its path), or None
-    (not a ring of layout >= 2, unreadable). The name is only ever used through :func:`.wake.remove_wake_dir`,
-    which touches nothing but this uid's own wake-up directories."""
+    """The wake-up directory name in a segment's global header (``source``: its bytes or path), or None. Used only
+    through :func:`.wake.remove_wake_dir`, which touches nothing but this uid's own wake-up directories."""
     if isinstance(source, str):
         try:
             fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -36,9 +35,8 @@ def wake_dir_named_in(source) -> str | None:
 
 
 def remove_dead_init_files(name: str) -> None:
-    """Remove the ``<name>.init-<pid>-<start>-<rand>`` files (and the wake-up directories their headers name)
-    that producers killed while creating segment ``name`` left, if their process is gone (pid and start
-    time: a reused pid is recognised). Errors are ignored (another producer may be doing the same)."""
+    """Remove the ``<name>.init-<pid>-<start>-<rand>`` files of dead producers (pid and start time) and the wake-up
+    directories their headers name. Errors are ignored (another producer may be doing the same)."""
     prefix = name + ".init-"
     try:
         entries = os.listdir(SHM_DIR)
@@ -61,10 +59,10 @@ def remove_dead_init_files(name: str) -> None:
 
 
 def evict_existing(path: str, owner_pid: int, owner_start_time: int, own_wake_dir: str | None) -> int:
-    """The segment file ``path`` exists: raise RingNameConflict if a live process other than (owner_pid,
-    owner_start_time) owns it, or it is not a regular file of this uid; else unlink it and the wake-up
-    directory its header names (unless that is ``own_wake_dir``). Returns the pid its header names as its owner
-    (a dead process, or this one), 0 when nothing was unlinked or the header names none."""
+    """Unlink the existing segment ``path`` and the wake-up directory its header names (unless ``own_wake_dir``);
+    returns its owner's pid (dead, or this process), 0 when nothing was unlinked or none is named. Raises
+    RingNameConflict if a live process other than (owner_pid, owner_start_time) owns it or it is not a regular
+    file of this uid."""
     try:
         lst = os.lstat(path)
     except FileNotFoundError:
@@ -103,9 +101,8 @@ def evict_existing(path: str, owner_pid: int, owner_start_time: int, own_wake_di
 
 
 def remove_orphan_wake_dirs() -> list[str]:
-    """Remove this uid's wake-up directories whose creator is dead and that no segment in /dev/shm names any
-    more (e.g. a SIGKILLed producer's segment that was then removed by hand); returns their names. A dead
-    producer's segment that is still there keeps its directory (its consumer may still be attached)."""
+    """Remove this uid's wake-up directories whose creator is dead and that no segment names any more; returns
+    their names. A dead producer's segment still there keeps its directory (its consumer may be attached)."""
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:

@@ -1,15 +1,13 @@
 """Device-to-host copy of the hidden states into a ring slot for a CUDA prefix.
 
-A device-to-host copy into pageable memory is staged by the CUDA driver through its own pinned buffer and
-is synchronous; into page-locked memory it is one DMA that can run on its own stream. So the producer
-registers the whole shared-memory mapping as page-locked for the device (``cudaHostRegister``, CUDA Runtime
-API, through torch's binding ``torch.cuda.cudart()``) and copies with ``non_blocking=True`` on a dedicated
-stream, synchronised before publish. If registration of the shared mapping is refused (some drivers or
-container limits on locked memory, RLIMIT_MEMLOCK), it falls back to a pinned staging buffer of one slot
-(DMA into it, then one host copy into the slot), and without CUDA to a plain copy.
+A copy into pageable memory is staged by the CUDA driver through its own pinned buffer and is synchronous; into
+page-locked memory it is one DMA on its own stream. So the whole mapping is registered as page-locked
+(``cudaHostRegister``, CUDA Runtime API, via ``torch.cuda.cudart()``) and copied into with ``non_blocking=True`` on
+a dedicated stream, synchronised before publish.
 
-Modes (:attr:`SlotCopier.mode`): ``registered`` (DMA straight into the slot), ``staging`` (pinned buffer +
-host copy), ``pageable`` (plain ``copy_``: CPU source, or nothing better available).
+Modes (:attr:`SlotCopier.mode`): ``registered`` (DMA straight into the slot), ``staging`` (registration refused,
+e.g. by RLIMIT_MEMLOCK: DMA into a pinned one-slot buffer, then a host copy), ``pageable`` (plain ``copy_``: CPU
+source, or nothing better available).
 """
 from __future__ import annotations
 
@@ -35,20 +33,13 @@ def _pinned(nbytes: int) -> torch.Tensor:
 
 
 class SlotCopier:
-    """Copies a prefix's hidden states (on ``device``) into a ring producer's slots.
+    """Copies a prefix's hidden states (on ``device``; CPU: ``pageable``) into ``producer``'s slots, registering its
+    mapping until :meth:`close`.
 
-    Args:
-        producer: the :class:`~.producer.RingProducer` whose mapping is registered (and unregistered at
-            :meth:`close`).
-        device: where the hidden states are (torch.device or string). A CPU device needs no copier: ``pageable``.
-        cudart: the CUDA runtime binding (default: ``torch.cuda.cudart()`` when CUDA is available, else None);
-            injectable for tests. Its ``cudaHostRegister(ptr, size, flags)`` / ``cudaHostUnregister(ptr)``
-            return a cudaError code (0 = cudaSuccess).
-        pinned_alloc: ``nbytes -> uint8 tensor`` in page-locked memory for the staging fallback (default
-            ``torch.empty(..., pin_memory=True)``); injectable for tests.
-
-    Attributes: ``mode`` (see the module docstring), ``reason`` (why not ``registered``, '' when it is).
-    Never raises for a refused registration or pinning: it falls back and says why in ``reason``.
+    ``cudart`` (default: ``torch.cuda.cudart()`` when available; its ``cudaHostRegister`` / ``cudaHostUnregister``
+    return a cudaError code, 0: success) and ``pinned_alloc`` (``nbytes -> uint8 tensor`` in page-locked memory,
+    for ``staging``) are injectable for tests. Attributes: ``mode`` (module docstring), ``reason`` (why not
+    ``registered``). Never raises for a refused registration or pinning: it falls back and says why.
     """
 
     def __init__(self, producer, device, *, cudart=None, pinned_alloc=_pinned):
@@ -86,10 +77,8 @@ class SlotCopier:
 
     @staticmethod
     def _clear_error(cudart) -> None:
-        """Reset the CUDA runtime's last error after a refused registration. A failed runtime call leaves its
-        error pending for the thread (CUDA Runtime API, ``cudaGetLastError``: "returns the last error ... and
-        resets it to cudaSuccess"), and torch's next CUDA call would then raise that error, misleadingly, as its
-        own (the staging buffer's pinned allocation, say). A binding without ``cudaGetLastError`` is left as is."""
+        """Reset the CUDA runtime's last error after a refused registration (``cudaGetLastError`` "returns the last
+        error ... and resets it to cudaSuccess"); else torch's next CUDA call would raise it as its own."""
         get_last = getattr(cudart, "cudaGetLastError", None)
         if get_last is not None:
             try:
@@ -98,8 +87,7 @@ class SlotCopier:
                 pass
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy ``src`` (device tensor) into ``dst`` (a slot's CPU view of the same shape and dtype); on return
-        the data is in ``dst`` (the stream is synchronised), so the slot can be published."""
+        """Copy ``src`` (device tensor) into ``dst`` (a slot's CPU view, same shape and dtype); complete on return."""
         if self.mode == "pageable":
             dst.copy_(src)
             return

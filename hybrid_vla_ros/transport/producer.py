@@ -1,6 +1,4 @@
-"""The ring's producer: creates the segment (and its wake-up directory: :func:`_create_segment`), takes slots and
-publishes frames. What it shares with the consumer (the global header, mapping, mutex, close) is
-:class:`~.ring_end.RingEnd`."""
+"""The ring's producer: creates the segment and its wake-up directory, takes slots and publishes frames."""
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +31,7 @@ _NO_LOCK = contextlib.nullcontext()
 
 
 def _check_side(side) -> tuple[TensorSpec, ...]:
-    """``side`` as a checked tuple of TensorSpec (:func:`.contract.side_specs`), at most MAX_SIDE_TENSORS of
-    them; ValueError otherwise."""
+    """:func:`.contract.side_specs`, at most MAX_SIDE_TENSORS of them (ValueError)."""
     side = side_specs(side)
     if len(side) > MAX_SIDE_TENSORS:
         raise ValueError(f"at most {MAX_SIDE_TENSORS} side tensors, got {len(side)}")
@@ -42,15 +39,9 @@ def _check_side(side) -> tuple[TensorSpec, ...]:
 
 
 def slot_bytes_for(shape, dtype: torch.dtype, side: tuple[TensorSpec, ...] = ()) -> int:
-    """Payload capacity in bytes needed for one tensor of ``shape`` (at most 4 dims) and ``dtype``, plus the side
-    tensors ``side`` (:class:`.contract.TensorSpec`) every frame carries.
-
-    Returns numel * element size rounded up to 64 bytes (at least 64), plus each side tensor's nbytes rounded up
-    to 64 (:func:`.slots.side_region_bytes`); pass it as ``RingProducer(slot_bytes=...)`` with the same ``side``.
-    Without side tensors, the hidden states' size alone. Raises ValueError for a bad shape or ``side`` (not
-    TensorSpecs, a name twice, more than MAX_SIDE_TENSORS) and TypeError for a dtype the ring cannot carry
-    (supported: float32/16/64, bfloat16, (u)int8, int16/32/64, bool).
-    """
+    """Payload capacity in bytes for one tensor of ``shape`` and ``dtype`` plus the side tensors ``side``, each
+    rounded up to 64 (the tensor: at least 64): ``RingProducer(slot_bytes=...)`` with the same ``side``. Raises
+    ValueError for a bad shape or ``side``, TypeError for a dtype the ring cannot carry."""
     _, _, nbytes = slots.check_shape_dtype(shape, dtype)
     return max(PAYLOAD_ALIGN, align(nbytes, PAYLOAD_ALIGN)) + slots.side_region_bytes(_check_side(side))
 
@@ -59,13 +50,10 @@ def slot_bytes_for(shape, dtype: torch.dtype, side: tuple[TensorSpec, ...] = ())
 class ConsumerPresence:
     """Whether a consumer is attached to the producer's ring, and what it last did (:meth:`RingProducer.consumer`).
 
-    ``attached``: a consumer holds the consumer lock (the kernel drops it the moment its holder closes it or dies,
-    SIGKILL included). ``pid`` / ``start_time``: the process the consumer wrote into the header at attach (0: not
-    known, e.g. it detached); ``alive``: that process exists (pid and start time: a reused pid is not it).
-    ``state``: what the consumer said of itself (``segment.STAGE_STATES``: 'running', 'paused' or 'not said').
-    ``last_take_ns``: CLOCK_MONOTONIC ns of its last take since it attached (0: none);
-    ``next_read_ns``: when it said it will take the next (0: no expectation); ``published``: frames published so
-    far; ``last_publish_ns``: CLOCK_MONOTONIC ns of the last publish (0: none).
+    ``attached``: a consumer holds the consumer lock (dropped by the kernel when it closes or dies). ``pid`` /
+    ``start_time``: the process it wrote at attach (0: unknown); ``alive``: that process (not a reused pid) exists.
+    ``state``: ``segment.STAGE_STATES``. ``last_take_ns`` / ``next_read_ns``: its last and announced next take;
+    ``published`` / ``last_publish_ns``: the producer's. Times in CLOCK_MONOTONIC ns, 0: none.
     """
 
     attached: bool
@@ -82,19 +70,11 @@ class ConsumerPresence:
 class WriteSlot:
     """A slot acquired by the producer and not yet published.
 
-    ``tensor``: writable CPU tensor of the requested shape/dtype that lives inside the segment; write the frame
-    into it (``slot.tensor.copy_(src)``, or produce it there: ``torch.add(a, b, out=slot.tensor)``). ``seq``:
-    the seq this frame gets when published. ``index``: slot index. ``t_write_start_ns``: ``time.monotonic_ns()``
-    at acquire, i.e. when the copy into the slot starts; a producer that computes the frame in the slot sets it
-    to the instant the frame was complete there (nothing is copied), before publish. Do not touch ``tensor``
-    (nor ``side``) after publish/abort. A WriteSlot dropped without publish/abort is taken back (counted as aborted)
-    by the next acquire().
-
-    ``side``: a dict, side-tensor name -> writable CPU tensor inside the slot, of that
-    :class:`~.contract.TensorSpec`'s shape and dtype (empty for a ring without side tensors); fill every one
-    before publish (``slot.side["mask"].copy_(mask)``). Publish does not check that they were written: one left
-    unwritten holds whatever bytes an earlier frame (or nobody: zeros) left in this slot, and the consumer gets
-    those stale bytes.
+    ``tensor`` and ``side`` (name -> tensor; fill every one: publish does not check, and one left unwritten carries
+    an earlier frame's bytes) are writable views inside the segment: copy the frame in, or compute it there
+    (``out=slot.tensor``). ``seq``: the frame's seq once published. ``t_write_start_ns``: ``time.monotonic_ns()``
+    at acquire; a producer that computes in the slot sets it to when the frame was complete. Touch nothing after
+    publish/abort; one dropped unpublished is aborted by the next acquire().
     """
 
     __slots__ = ("tensor", "seq", "index", "shape", "dtype", "t_write_start_ns", "side", "_nbytes", "_code", "_done",
@@ -131,19 +111,12 @@ class _Handles:
 
 def _create_segment(path: str, total_bytes: int, owner_pid: int, owner_start_time: int, write_header,
                     domain_id: int | None = None):
-    """Create the segment file ``path`` of ``total_bytes`` bytes, fully initialised before anyone can attach.
-
-    It is made under a temporary name ``<path>.init-<pid>-<start time>-<random>`` (mode 0600 whatever the
-    umask; pid and process start time in the name so that a dead process's leftover is recognised even if
-    its pid has been reused: :func:`.leftovers.remove_dead_init_files`), its tmpfs pages reserved, mapped,
-    its global header written by ``write_header(mm)``, its wake-up directory made (for ROS domain ``domain_id``;
-    the name recorded in the header first), and then hard-linked to ``path``; a segment already there is evicted
-    (:func:`.leftovers.evict_existing`) and the link tried again, 16 times at most. The temporary name is
-    always removed. Returns (the mmap, the :class:`_Handles`: fd, wake sender, path, file identity, wake-up
-    directory name, the pid of a dead owner whose segment it replaced or 0). Raises RingNameConflict (a live
-    owner), RingError (the name keeps being re-created),
-    OSError (e.g. ENOSPC); on failure the fd is closed and the wake-up directory removed.
-    """
+    """Create segment file ``path`` of ``total_bytes``, fully initialised before anyone can attach; returns (mmap,
+    :class:`_Handles`). Made under ``<path>.init-<pid>-<start time>-<random>`` (mode 0600 whatever the umask;
+    :func:`.leftovers.remove_dead_init_files`), header written by ``write_header(mm)``, wake-up directory made,
+    then hard-linked to ``path``, evicting a segment there (:func:`.leftovers.evict_existing`), 16 tries at most.
+    Raises RingNameConflict (a live owner), RingError (the name keeps being re-created), OSError (e.g. ENOSPC);
+    on failure nothing is left behind."""
     tmp = f"{path}.init-{owner_pid}-{owner_start_time}-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     wake_dir, replaced = None, 0
@@ -178,40 +151,26 @@ def _create_segment(path: str, total_bytes: int, owner_pid: int, owner_start_tim
 
 
 class RingProducer(RingEnd):
-    """Creates the segment and publishes frames into it (single producer).
+    """Creates the segment and publishes frames into it (single producer; not fork-safe: create it where it is used).
 
     Args:
-        name: segment name (``segment_name(...)`` builds one), file ``/dev/shm/<name>``.
-        n_slots: number of slots, >= 3 (one being read, one being written, one ready) and <= 1024.
-        slot_bytes: payload capacity per slot in bytes (``slot_bytes_for(shape, dtype, side)``), side tensors
-            included; rounded up to 64. The hidden states get what the side tensors leave (``state_bytes``).
-        model_id: int64 written into the global header and every slot header (the consumer can require it).
-        dtype, state_shape, device: the contract in the global header (:mod:`.contract`): the dtype and shape of
-            every frame (None: undeclared, each frame's header says) and where they are computed ('cpu',
-            'cuda', a torch.device; None: undeclared). acquire() refuses another dtype or shape.
-        domain_id: the ROS domain of the pipeline, declared in the header (a consumer that expects another refuses
-            the ring); None: undeclared. Also part of the wake-up directory's name.
-        side: the side tensors (:class:`~.contract.TensorSpec`, at most 32, names unique) every frame carries after
-            the hidden states, declared in the header's side-tensor table (a consumer can require them:
-            ``expected_side``) and filled through ``WriteSlot.side``. Each lies at a fixed, 64-byte aligned payload
-            offset (``side_offsets``) at the end of the payload (:mod:`.segment`). ``()``: none (the ring is what
-            it was before side tensors).
+        name: segment name (:func:`.segment.segment_name`), file ``/dev/shm/<name>``.
+        n_slots: 3 (one being read, one written, one ready) to 1024.
+        slot_bytes: payload capacity per slot, side tensors included (:func:`slot_bytes_for`); rounded up to 64.
+        model_id: int64 written into the global header and every slot header.
+        dtype, state_shape, device, domain_id: the contract (:mod:`.contract`; None: undeclared); acquire() refuses
+            another dtype or shape.
+        side: the :class:`~.contract.TensorSpec` (at most 32) every frame carries, filled via ``WriteSlot.side``.
 
-    The segment (mode 0600 whatever the umask) is fully initialised under a temporary name, then hard-linked
-    into place, so nobody ever attaches to a half-initialised segment. If the name exists and its owner (pid
-    and process start time) is alive and is another process, raises RingNameConflict; a leftover of a dead or
-    pid-reused owner, of this very process, or a file that is not a ring is unlinked and replaced (with its
-    wake-up directory). Raises ValueError for bad arguments (with side tensors: a ``slot_bytes`` that leaves the
-    hidden states less than 64 bytes, or less than the declared ``state_shape`` and ``dtype`` need; TypeError for
-    non-integers or an unknown dtype) and
-    OSError (e.g. ENOSPC from posix_fallocate) if /dev/shm cannot hold it. ``close()`` (or the end of a
-    ``with`` block, or interpreter exit) unlinks the segment. Not fork-safe: create it in the process that uses it.
+    The segment is initialised under a temporary name, then hard-linked into place, so nobody attaches to a
+    half-initialised one. RingNameConflict if the name's owner (pid and start time) is another live process; a
+    leftover of a dead owner or of this process, or a file that is not a ring, is replaced. Raises ValueError for
+    bad arguments (a ``slot_bytes`` that leaves the hidden states under 64 bytes or under what ``state_shape`` and
+    ``dtype`` need included), TypeError for non-integers or an unknown dtype, OSError (e.g. ENOSPC) if /dev/shm
+    cannot hold it. ``close()``, a ``with`` block's end or interpreter exit unlinks the segment; after it, the
+    other methods raise RingError.
 
-    Attributes: ``name``, ``path``, ``n_slots``, ``slot_bytes`` (payload capacity, bytes), ``slot_stride`` and
-    ``total_bytes`` (bytes), ``state_bytes`` (the hidden states' capacity in a payload, bytes), ``side`` (the
-    TensorSpecs), ``side_offsets`` (each one's payload offset, bytes, ``side`` order), ``model_id``, ``dtype``,
-    ``state_shape``, ``device_kind``, ``owner_pid``, ``owner_start_time`` (clock ticks), ``instance_id``,
-    ``wake_dir``.
+    Attributes: the arguments, :class:`~.ring_end.RingEnd`'s, ``path``, ``device_kind``, ``wake_dir``.
     """
 
     _ROLE = "producer"
@@ -274,35 +233,30 @@ class RingProducer(RingEnd):
 
     @property
     def stats(self) -> ProducerStats:
-        """The counters now (:class:`~.stats.ProducerStats`: published, dropped_oldest, aborted, wake_errors)."""
+        """The counters now (:class:`~.stats.ProducerStats`)."""
         return ProducerStats(published=self._published, dropped_oldest=self._dropped, aborted=self._aborted,
                              wake_errors=self._wake_errors)
 
     def consumer_schedule(self) -> tuple[int, int]:
-        """(when the consumer last took a frame, when it expects to take the next one), CLOCK_MONOTONIC ns, from
-        ``RingConsumer.announce_next_read``; (0, 0) when no consumer said so (none attached, or it closed). A
-        hint: a SIGKILLed consumer's last values stay, and only ever lie in the past. Raises RingError after
-        close()."""
+        """The consumer's (last take, expected next take), CLOCK_MONOTONIC ns (``RingConsumer.announce_next_read``);
+        (0, 0) when none said. A hint: a SIGKILLed consumer's values stay, in the past."""
         self._check_open()
         return GLOBAL.schedule.read(self._mm)
 
     def consumer_stage_time(self) -> tuple[int, int]:
-        """(the K, the consumer's stage time in ns at that K) from ``RingConsumer.announce_stage_time``; (-1, 0)
-        when it announced none (none attached, not timed yet, or it closed). Raises RingError after close()."""
+        """(K, the consumer's stage time in ns at that K) (``RingConsumer.announce_stage_time``); (-1, 0) when
+        none announced."""
         self._check_open()
         stage_ns, k = GLOBAL.stage_time.read(self._mm)
         return (k, stage_ns) if stage_ns > 0 else (-1, 0)
 
     def consumer_attached(self) -> bool:
-        """Whether a consumer holds the consumer lock now (one system call: no /proc read, unlike
-        :meth:`consumer`). Raises RingError after close()."""
+        """Whether a consumer holds the consumer lock now (one system call, unlike :meth:`consumer`)."""
         self._check_open()
         return byte_locked(self._handles.fd, CONSUMER_LOCK_BYTE)
 
     def consumer(self) -> ConsumerPresence:
-        """Who reads this ring now (:class:`ConsumerPresence`): whether a consumer holds the consumer lock (a
-        system call, no waiting), the process it named at attach and its last take and announced next read.
-        Raises RingError after close()."""
+        """Who reads this ring now (:class:`ConsumerPresence`)."""
         attached = self.consumer_attached()
         pid, start = GLOBAL.consumer.read(self._mm)
         state = STAGE_STATES.get(GLOBAL.consumer_state.one(self._mm), "not said")
@@ -312,45 +266,34 @@ class RingProducer(RingEnd):
                                 next_read, published, last_publish)
 
     def announce_cycle(self, cycle_ns: int) -> None:
-        """Say in the header how long this producer expects between its publishes (ns; 0: no expectation), so that
-        the consumer can tell a producer that stopped publishing from a slow one (``RingConsumer.producer_schedule``).
-        Raises RingError after close()."""
+        """Announce the expected interval between publishes (ns; 0: none), so the consumer can tell a stopped
+        producer from a slow one (``RingConsumer.producer_schedule``)."""
         self._check_open()
         GLOBAL.producer_cycle.write(self._mm, int(cycle_ns))
 
     def consumer_max_age_ns(self) -> int:
-        """The oldest a frame may be (ns after its camera stamp) for the consumer to publish its result, as the
-        consumer announced it (``RingConsumer.announce_max_age``); 0 when none is announced. Raises RingError after
-        close()."""
+        """The consumer's frame age limit, ns after the camera stamp (``RingConsumer.announce_max_age``); 0: none."""
         self._check_open()
         return GLOBAL.max_age.one(self._mm)
 
     def set_running(self, running: bool) -> None:
-        """Say in the header whether this producer's node works frames ('running') or is attached but idle
-        ('paused': the node is inactive), for the consumer's health report (``RingConsumer.producer``). Raises
-        RingError after close()."""
+        """Say in the header whether this producer's node works frames ('running') or is inactive ('paused'), for
+        the consumer's health report."""
         self._check_open()
         GLOBAL.producer_state.write(self._mm, 1 if running else 2)
 
     def mapping(self):
-        """The segment's mmap object (the whole ``total_bytes``), e.g. to page-lock it for a device
-        (:mod:`.pinned`). Raises RingError after close()."""
+        """The segment's mmap object (all ``total_bytes``), e.g. to page-lock it (:mod:`.pinned`)."""
         self._check_open()
         return self._mm
 
     def acquire(self, shape: tuple[int, ...], dtype: torch.dtype) -> WriteSlot:
-        """Take a slot for one frame of ``shape`` (<= 4 dims) and ``dtype`` (e.g. bf16 (tokens, hidden)).
+        """Take a slot for one frame of ``shape`` (<= 4 dims) and ``dtype``: a FREE one (preferring the last written:
+        warm in the cache), else the oldest READY one (``dropped_oldest``), never a READING one.
 
-        Returns a WriteSlot whose ``tensor`` is a writable CPU view of that shape/dtype into the segment, and whose
-        ``side`` holds a writable view of each side tensor (to be filled before publish). Takes a
-        FREE slot (the one written last when the consumer has freed it: its memory is warm in the cache), else
-        the oldest READY one (its frame is dropped and counted in ``dropped_oldest``), never a READING one
-        (:func:`.slots.pick_write_slot`). Raises ValueError if the payload exceeds ``state_bytes`` (``slot_bytes``
-        less the side tensors), the shape is
-        bad or differs from the declared ``state_shape``, or the dtype differs from the declared ``dtype``;
-        TypeError for an unsupported dtype; RingError if a previous WriteSlot is still alive and neither
-        published nor aborted (one that was garbage-collected unpublished is aborted here) or if the ring is
-        closed.
+        Raises ValueError if the payload exceeds ``state_bytes`` or the shape or dtype is bad or not the declared
+        one; TypeError for an unsupported dtype; RingError while a previous WriteSlot is neither published nor
+        aborted.
         """
         self._check_open()
         shape, code, nbytes = slots.check_shape_dtype(shape, dtype)
@@ -374,9 +317,8 @@ class RingProducer(RingEnd):
             chosen, dropped = slots.pick_write_slot(mm, self.n_slots, stride, self._next_index)
             self._dropped += dropped
             slots.begin_write(mm, slot_offset(chosen, stride), seq)
-        # Start the next scan at this slot: once the consumer has freed it, the next frame is written into the
-        # same memory, still warm in the cache, instead of rotating through every slot (an 8 MiB copy into a
-        # warm slot took 0.15 ms here, into slots rotated round-robin 0.23-0.26 ms).
+        # Start the next scan here: a freed slot is reused while warm in the cache (an 8 MiB copy into a warm
+        # slot took 0.15 ms, into slots rotated round-robin 0.23-0.26 ms).
         self._next_index = chosen
         tensor = tensor_view(mm, slot_offset(chosen, stride) + SLOT_HEADER_BYTES, shape, dtype)
         side = {}
@@ -401,12 +343,9 @@ class RingProducer(RingEnd):
                 timings: slots.SlotTimings = slots.NO_TIMINGS) -> int:
         """Publish a filled slot (READY, written last: :mod:`.slots`) and wake the consumer; returns its seq.
 
-        ``stamp_ns``: frame stamp (int64 ns); ``split_layer``: int32 decoder block index K; ``timings``: the
-        frame's :class:`~.slots.SlotTimings` (preprocess and prefix ms, the instant the producer started it),
-        passed through to ``FrameMeta.timings``; the default :data:`~.slots.NO_TIMINGS` sends none (NaN ms,
-        instant 0). ``FrameMeta.t_publish_ns`` is taken on entry: the frame is complete in the slot. Raises
-        RingError if ``slot`` is not the outstanding slot or the ring is closed, TypeError when ``timings`` is
-        not a SlotTimings, ValueError for out-of-range ints.
+        ``stamp_ns``: int64; ``split_layer``: int32 block index K. ``t_publish_ns`` is taken on entry. Raises
+        RingError if ``slot`` is not the outstanding slot, TypeError if ``timings`` is not a SlotTimings,
+        ValueError for out-of-range ints.
         """
         t_pub = time.monotonic_ns()
         self._take_back(slot)
@@ -431,10 +370,8 @@ class RingProducer(RingEnd):
         return slot.seq
 
     def abort(self, slot: WriteSlot) -> None:
-        """Give an acquired slot back unpublished (state FREE); its seq is reused by the next acquire.
-
-        Raises RingError if ``slot`` is not the outstanding slot or the ring is closed.
-        """
+        """Give an acquired slot back unpublished (FREE; its seq is reused). RingError if ``slot`` is not the
+        outstanding slot."""
         self._take_back(slot)
         with self._lock:
             slots.set_state(self._mm, slot_offset(slot.index, self.slot_stride), slots.FREE)
@@ -443,8 +380,7 @@ class RingProducer(RingEnd):
         self._aborted += 1
 
     def close(self) -> None:
-        """Unlink the segment (only if the name still points at this producer's segment), wake the consumer so
-        it sees ``producer_gone``, remove the wake-up directory and close the fd and socket. Idempotent. Views
-        handed out stay mapped until they are garbage-collected."""
+        """Unlink the segment (if the name is still this one's), wake the consumer so it sees ``producer_gone``,
+        remove the wake-up directory, close fd and socket. Idempotent; views handed out stay mapped."""
         self._shut()
         self._side_views = {}

@@ -1,10 +1,5 @@
 """What both ends of the ring share: :class:`RingEnd`, the base of :class:`~.producer.RingProducer` and
-:class:`~.consumer.RingConsumer`.
-
-That is the segment's name and path; its geometry and owner as the global header states them (written by the
-producer, read and judged by the consumer: the one place that knows the header's fields; their offsets and
-structs are :data:`.layout.GLOBAL`); the mapping, the segment mutex and the handles that a weakref finalizer
-closes; the closed state; the slot-state snapshot; and the context-manager protocol.
+:class:`~.consumer.RingConsumer`, and the one place that writes and reads the global header's fields.
 """
 from __future__ import annotations
 
@@ -25,19 +20,14 @@ __all__ = ["RingEnd"]
 
 
 class RingEnd:
-    """Base of the two ring ends; not used on its own.
+    """Base of the two ring ends; not used on its own. ``name``: segment name (ValueError for an unsafe one).
 
-    Args:
-        name: segment name (validated: ValueError for an unsafe one); ``path`` is ``/dev/shm/<name>``.
-
-    A subclass sets the geometry and owner attributes (``n_slots``, ``slot_bytes``, ``slot_stride``,
-    ``total_bytes`` in bytes; ``state_bytes``, the hidden states' capacity in each payload, and ``side_offsets``,
-    each side tensor's payload offset in bytes, in the contract's order; ``model_id``, ``owner_pid``,
-    ``owner_start_time`` in clock ticks, ``instance_id``: the producer from its arguments and its process, the
-    consumer by :meth:`_read_global_header`), maps the segment into ``_mm``, calls :meth:`_opened` with its
-    handles (an object whose ``close()`` releases them; it runs once, from :meth:`_shut` or at garbage
-    collection / interpreter exit), then clears ``_closed``; its ``close()`` ends with :meth:`_shut`. ``_ROLE``
-    ('producer', 'consumer') names the end in RingError messages.
+    Geometry and owner attributes: ``n_slots``, ``slot_bytes``, ``slot_stride``, ``total_bytes``, ``state_bytes``
+    (the hidden states' capacity per payload), ``side_offsets`` (contract order), all in bytes; ``model_id``,
+    ``owner_pid``, ``owner_start_time`` (clock ticks), ``instance_id``. A subclass sets them (the consumer by
+    :meth:`_read_global_header`), maps the segment into ``_mm``, calls :meth:`_opened` with its handles (whose
+    ``close()`` runs once: by :meth:`_shut` or at garbage collection / interpreter exit), then clears ``_closed``;
+    its ``close()`` ends with :meth:`_shut`. ``_ROLE`` names the end in RingError messages.
     """
 
     _ROLE = "ring end"
@@ -48,9 +38,8 @@ class RingEnd:
         self._closed, self._mm = True, None
 
     def _write_global_header(self, mm, contract: Contract) -> None:
-        """Write this end's geometry and owner, the creation instant and ``contract`` (its dtype, device kind,
-        state shape, ROS domain and side-tensor table with this end's ``state_bytes`` and ``side_offsets``; the
-        model id and layout version are this end's) into the global header of ``mm``."""
+        """Write this end's geometry, owner, creation instant and ``contract`` (model id and layout version:
+        this end's) into the global header of ``mm``."""
         GLOBAL.identity.write(mm, GLOBAL_MAGIC, LAYOUT_VERSION, GLOBAL_HEADER_BYTES, self.owner_pid,
                               self.owner_start_time, self.instance_id)
         GLOBAL.geometry.write(mm, self.n_slots, SLOT_HEADER_BYTES, self.slot_bytes, self.slot_stride,
@@ -67,10 +56,9 @@ class RingEnd:
                                   off)
 
     def _read_side_table(self, head: bytes) -> tuple[TensorSpec, ...]:
-        """Parse the side-tensor table of the global header ``head`` and check it against the geometry already
-        read (``slot_bytes``): sets ``state_bytes`` and ``side_offsets`` and returns the side tensors. Raises
-        RingContractError for a dtype code a side tensor cannot have, RingError for any other inconsistency
-        (count, name, ndim, dims, a name twice, offsets other than :func:`.slots.side_layout` places them)."""
+        """Parse the side-tensor table of ``head`` against ``slot_bytes``: sets ``state_bytes`` and ``side_offsets``,
+        returns the side tensors. RingContractError for a dtype code no side tensor can have, RingError for any
+        other inconsistency (offsets other than :func:`.slots.side_layout` gives included)."""
         count, state_bytes = GLOBAL.side_head.read(head)
         if count > MAX_SIDE_TENSORS:
             raise RingError(f"{self.path} has an inconsistent global header ({count} side tensors)")
@@ -103,11 +91,9 @@ class RingEnd:
         return tuple(side)
 
     def _read_global_header(self, head: bytes, file_size: int) -> tuple[Contract, str]:
-        """Parse and judge the global header ``head`` (the first ``GLOBAL_HEADER_BYTES`` bytes of a segment file
-        of ``file_size`` bytes): sets the geometry and owner attributes and returns (the producer's contract, the
-        wake-up directory name). Raises RingError for a file that is not a ring of this layout version or whose
-        geometry (side-tensor table included: :meth:`_read_side_table`) is inconsistent, RingContractError for
-        an unknown dtype code."""
+        """Parse and judge the global header ``head`` of a file of ``file_size`` bytes: sets the geometry and owner
+        attributes, returns (contract, wake-up directory name). RingError for a file that is not a ring of this
+        layout version or has an inconsistent geometry, RingContractError for an unknown dtype code."""
         if len(head) < GLOBAL_HEADER_BYTES:
             raise RingError(f"{self.path} is too small to be a ring")
         magic, version, header_bytes, self.owner_pid, self.owner_start_time, self.instance_id = \
@@ -130,8 +116,7 @@ class RingEnd:
         return contract, GLOBAL.wake_name.one(head).rstrip(b"\0").decode("ascii", "replace")
 
     def _opened(self, fd: int, handles) -> None:
-        """Keep ``handles`` (closed by :meth:`_shut`, or by a finalizer if this end is dropped unclosed) and make
-        the segment mutex on ``fd``."""
+        """Keep ``handles`` (closed by :meth:`_shut` or a finalizer) and make the segment mutex on ``fd``."""
         self._handles = handles
         self._finalizer = weakref.finalize(self, handles.close)
         self._lock = SegmentLock(fd)
@@ -142,16 +127,14 @@ class RingEnd:
             raise RingError(f"{self._ROLE} is closed")
 
     def slot_states(self) -> list[str]:
-        """Diagnostic snapshot of every slot's state name (FREE/WRITING/READY/READING, or UNKNOWN(<n>)).
-        Raises RingError after close()."""
+        """Diagnostic snapshot of every slot's state name. Raises RingError after close()."""
         if self._closed:
             raise RingError("ring end is closed")
         with self._lock:
             return slots.state_names(self._mm, self.n_slots, self.slot_stride)
 
     def _shut(self) -> None:
-        """Mark this end closed, close its handles (once) and drop its reference to the mapping (views handed
-        out keep it mapped until they are garbage-collected). Idempotent."""
+        """Mark this end closed, close its handles once and drop the mapping (views keep it mapped). Idempotent."""
         if self._closed:
             return
         self._closed = True

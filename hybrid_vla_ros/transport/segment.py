@@ -1,24 +1,17 @@
-"""The ring's shared-memory segment: its name and path, global header layout, owner identity, mapping and the
-mutex between processes.
+"""The ring's shared-memory segment: name and path, global header, owner identity, mapping and the mutex.
 
-One POSIX shared-memory file ``/dev/shm/<name>`` (mode 0600) holds a 4096-byte global header and ``n_slots``
-slots (slot layout: :mod:`.slots`). The global header's fields, their offsets and structs are declared once, in
-:data:`.layout.GLOBAL` (its table is printed at the end of this docstring and by ``python -m
-hybrid_vla_ros.transport.layout``): identity and geometry, the contract (layout 2), the ROS domain (layout 3), the
-wake-up directory's name, the producer's cache line at 256 (publish count, last publish, state, its cycle: layout 6)
-and the consumer's at 320 (its last take and next read, pid, state, stage time: layout 5, frame age limit: layout 6),
-the side-tensor table (layout 4).
+``/dev/shm/<name>`` (mode 0600) holds a 4096-byte global header and ``n_slots`` slots (:mod:`.slots`). The
+header's fields are declared in :data:`.layout.GLOBAL` (table at the end of this docstring) and written and read
+only by :class:`.ring_end.RingEnd`.
 
-Slot payload (layout 4; :mod:`.slots` for the slot header before it): the hidden states at payload offset 0, in
-a region of ``state bytes`` (the payload capacity less the side region); then each side tensor, in the table's
-order, at its payload offset: 64-byte aligned, each one's region its nbytes rounded up to 64. The side region
-ends at the payload capacity (``slot_bytes``). With no side tensors the state bytes are the payload capacity.
+Slot payload: the hidden states at offset 0, in ``state bytes`` (the payload capacity ``slot_bytes`` less the side
+region); then each side tensor in the table's order, 64-byte aligned, each taking its nbytes rounded up to 64; the
+side region ends at ``slot_bytes``.
 
-Mutex: an open-file-description record lock (``F_OFD_SETLKW``, Linux >= 3.15, fcntl(2)) on byte 0 of the
-segment, which the kernel drops when its holder dies, plus a ``threading.Lock`` per object. (A classic
-``fcntl.lockf`` lock belongs to the process, so it would not exclude a producer and a consumer in one process,
-and closing any fd of the file would drop it.) Byte 1 carries the single consumer's lock (:mod:`.consumer`).
-The global header's geometry, owner and contract are written and read in one place, :class:`.ring_end.RingEnd`.
+Mutex: an open-file-description record lock (``F_OFD_SETLKW``, Linux >= 3.15, fcntl(2)) on byte 0, which the
+kernel drops when its holder dies, plus a ``threading.Lock`` per object. (A classic ``fcntl.lockf`` lock belongs
+to the process, so it would not exclude a producer and a consumer in one process, and closing any fd of the file
+would drop it.) Byte 1 is the single consumer's lock (:mod:`.consumer`).
 
 """
 from __future__ import annotations
@@ -43,11 +36,7 @@ __all__ = ["SHM_DIR", "LAYOUT_VERSION", "GLOBAL_MAGIC", "GLOBAL_HEADER_BYTES", "
            "align"]
 
 SHM_DIR = "/dev/shm"
-LAYOUT_VERSION = 6  # 2: contract, wake-up directory and publish count in the global header; READY written last;
-#                    3: the ROS domain id, the consumer's pid and its last take (every take);
-#                    4: side tensors (their table in the global header, their data after the hidden states);
-#                    5: the consumer's stage time and the K it was measured at (live rebalancing);
-#                    6: the producer's publish cycle and the consumer's frame age limit (health by time)
+LAYOUT_VERSION = 6  # a segment of another version is refused
 GLOBAL_MAGIC = int.from_bytes(b"HVLARNG1", "little")
 PAYLOAD_ALIGN = 64
 MIN_SLOTS = 3
@@ -55,8 +44,7 @@ MAX_SLOTS = 1024
 MAX_SEGMENT_NAME = 100
 #: Byte of the segment on which the single consumer holds its OFD lock (byte 0 is the mutex).
 CONSUMER_LOCK_BYTE = 1
-#: What an end says of itself in the header (``RingProducer.set_running``, ``RingConsumer.set_running``): its
-#: node is active and works frames, or it is attached but paused (the node is inactive: no frames come or go).
+#: What an end says of itself in the header (``set_running``): its node works frames, or is inactive.
 STAGE_STATES = {0: "not said", 1: "running", 2: "paused"}
 __doc__ += "\n" + GLOBAL.table().replace("\n", "\n    ")  # the byte table, in help() and the docs
 
@@ -88,10 +76,9 @@ MAX_DOMAIN_ID = 232
 
 
 def ros_domain_id(domain_id: int | None = None) -> int:
-    """The ROS domain id a ring belongs to: ``domain_id`` when given, else ``ROS_DOMAIN_ID`` from the environment
-    (unset or empty: 0, rcl's default), the rule rcl applies (``rcl_get_default_domain_id``). A node passes its
-    context's own (``Context.get_domain_id()``), which is the same unless the node was started with another.
-    Raises ValueError for a negative or non-integer id, naming where it came from."""
+    """``domain_id`` when given, else ``ROS_DOMAIN_ID`` (unset or empty: 0), as ``rcl_get_default_domain_id``; a
+    node passes its ``Context.get_domain_id()``. Raises ValueError, naming the source, for an id that is not an
+    integer in [0, :data:`MAX_DOMAIN_ID`]."""
     if domain_id is None:
         text = os.environ.get("ROS_DOMAIN_ID", "").strip()
         if not text:
@@ -107,15 +94,13 @@ def ros_domain_id(domain_id: int | None = None) -> int:
 
 
 def segment_name(ring_name: str, namespace: str = "/", domain_id: int | None = None) -> str:
-    """Segment name ``hybrid_vla.<uid>.d<domain>.<ns>.<ring_name>`` for a ring in a ROS domain and namespace.
+    """Segment name ``hybrid_vla.<uid>.d<domain>.<ns>.<ring_name>``: scoped by user, ROS domain and namespace, so
+    two pipelines in two ROS domains on one computer never read each other's frames.
 
-    Scoped by user, ROS domain and namespace: two pipelines of one namespace in two ROS domains on one computer
-    (two vehicles, a simulator beside a vehicle) get two rings and never read each other's frames.
-    ``domain_id``: see :func:`ros_domain_id` (None: ``ROS_DOMAIN_ID``, else 0). The namespace (ROS characters
-    ``[A-Za-z0-9_/]``, leading/trailing '/' optional) is written with '/' mapped to '-' (ROS names cannot contain
-    '-', so the mapping is one-to-one): "/" -> "-", "/car1/front" -> "-car1-front". ``ring_name`` must match
-    ``[A-Za-z0-9_-]+``. Raises ValueError for an unsafe ring name (e.g. containing '/') or namespace (other
-    characters, empty components like "a//b"), a bad domain id, or a result longer than 100 characters.
+    ``domain_id``: as :func:`ros_domain_id`. The namespace (``[A-Za-z0-9_/]``, leading/trailing '/' optional) has
+    '/' mapped to '-' (one-to-one: ROS names have no '-'): "/" -> "-", "/car1/front" -> "-car1-front". Raises
+    ValueError for a ring name not matching ``[A-Za-z0-9_-]+``, a bad namespace (other characters, "a//b"), a bad
+    domain id, or a result longer than 100 characters.
     """
     if not isinstance(ring_name, str) or not _RING_RE.fullmatch(ring_name):
         raise ValueError(f"invalid ring name {ring_name!r}: use [A-Za-z0-9_-]+")
@@ -153,11 +138,8 @@ def process_alive(pid: int, start_time: int) -> bool:
 
 
 class Occupants(NamedTuple):
-    """Who uses a ring segment, read from its global header and its locks (:func:`segment_occupants`).
-
-    ``owner_pid`` / ``owner_alive``: the producer that created it and whether that process lives (pid and start
-    time). ``consumer_pid``: the pid the consumer wrote at attach (0: none said); ``consumer_attached``: a
-    consumer holds the consumer lock now."""
+    """Who uses a ring segment (:func:`segment_occupants`): the producer that created it and whether it lives
+    (pid and start time), the pid the consumer wrote at attach (0: none), whether a consumer holds its lock now."""
 
     owner_pid: int
     owner_alive: bool
@@ -166,8 +148,8 @@ class Occupants(NamedTuple):
 
 
 def segment_occupants(name: str) -> Occupants | None:
-    """Who uses segment ``name`` now, without attaching to it (nothing is changed); None when there is no such
-    segment of this uid or it is not a ring of this layout. Raises ValueError for an invalid name."""
+    """Who uses segment ``name`` now, changing nothing; None when it is not a ring of this uid and layout.
+    Raises ValueError for an invalid name."""
     path = segment_path(name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -193,10 +175,8 @@ def map_segment(fd: int, nbytes: int) -> mmap.mmap:
 
 
 def tensor_view(mm: mmap.mmap, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zero-copy tensor of ``shape`` / ``dtype`` over ``mm`` at byte ``offset``.
-
-    torch.frombuffer keeps a reference to the mmap object (not a buffer export), so the mapping lives as long
-    as any view; the ring therefore never calls mmap.close() and lets reference counting unmap it."""
+    """Zero-copy tensor of ``shape`` / ``dtype`` over ``mm`` at byte ``offset``. torch.frombuffer keeps a
+    reference to the mmap object, so the mapping lives as long as any view: the ring never calls mmap.close()."""
     numel = math.prod(shape)
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
@@ -208,8 +188,8 @@ def _flock(kind: int, byte: int) -> bytes:
 
 
 def try_lock_byte(fd: int, byte: int) -> bool:
-    """Take an OFD write lock on one byte of ``fd`` without waiting; False if another open file description
-    holds it. Held until every fd of this open file description is closed (or the holder dies)."""
+    """Take an OFD write lock on one byte of ``fd`` without waiting; False if another open file description holds
+    it. Held until every fd of this description is closed (or the holder dies)."""
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, byte))
     except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: held elsewhere
@@ -218,9 +198,8 @@ def try_lock_byte(fd: int, byte: int) -> bool:
 
 
 def byte_locked(fd: int, byte: int) -> bool:
-    """True when another open file description holds a lock on one byte of ``fd`` (``F_OFD_GETLK``: a lock of
-    this very description does not count). The kernel drops a lock when its holder closes it or dies, so this
-    tells at once whether a consumer (:mod:`.consumer`, byte 1) is attached, whatever became of its process."""
+    """True when another open file description locks one byte of ``fd`` (``F_OFD_GETLK``; this description's own
+    lock does not count). Since the kernel drops a dead holder's lock, this tells whether a consumer is attached."""
     got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, byte))
     return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
 

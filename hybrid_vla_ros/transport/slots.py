@@ -1,55 +1,25 @@
-"""One slot of the ring: its header layout, its states and the protocol that makes a frame visible.
+"""One slot of the ring: its header, its states and the protocol that makes a frame visible.
 
-Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header (slot version 3; bytes 136-255 unused),
-whose fields are declared in :data:`.layout.SLOT` (the table is at the end of this docstring); bytes 104-135 are
-the frame's :class:`SlotTimings`.
+Slot i starts at ``GLOBAL_HEADER_BYTES + i * stride``: a 256-byte header (fields: :data:`.layout.SLOT`, table at
+the end of this docstring; bytes 104-135: :class:`SlotTimings`), then the 64-byte aligned payload: the hidden
+states (the header's payload nbytes), then the side tensors (:func:`side_layout`). A consumer takes only slots of
+its own :data:`SLOT_VERSION` (else ``bad_version``).
 
-Slot versions: 1 carried the timings positionally (68 n timings u32, 104 timings ms f64[8], the prefix's start
-instant as a float of ms); 2 names them (:class:`SlotTimings`, the start instant an exact int64 of ns); 3 adds the
-prefix's wait for the ego state at the camera stamp (``ego_wait_ms``, before its start instant). A consumer
-takes only slots of its own :data:`SLOT_VERSION` and rejects any other as ``bad_version``, naming both versions.
+Publish protocol: acquire stores ``state = WRITING`` *first* (a READY frame being overwritten stops being READY
+before anything of it changes), then magic, version and seq; the payload is written while WRITING; publish stores
+every other header field, then, in a separate last store, ``state = READY``. So a READY (or READING) slot's header
+and payload are all of one frame, written completely, even if the producer is SIGKILLed at any instruction:
 
-then the payload at slot offset + 256 (64-byte aligned): the hidden states, then the side tensors at their
-fixed payload offsets (layout 4; :func:`side_layout`, the global header's table: :mod:`.segment`). The header's
-payload nbytes counts the hidden states only; the side tensors' shapes and dtypes are the contract's, the same
-for every frame. They belong to the frame like the hidden states: written while the slot is WRITING, visible
-with READY (the argument below covers every byte of the slot).
-
-Which slot each end takes, under the segment mutex: the producer the first slot neither READY nor READING from
-the one it wrote last, else the oldest READY one (:func:`pick_write_slot`); the consumer the oldest or newest
-READY one (:func:`take_ready`); a consumer that attaches resets READING slots to FREE (:func:`reclaim_reading`).
-
-Publish protocol: acquire stores ``state = WRITING`` *first* (so a READY frame being overwritten stops being
-READY before anything of it changes), then magic, version and seq; the payload is written while WRITING;
-publish stores every other header field, and then, in a separate last store, ``state = READY``.
-
-Why a consumer never takes a frame whose header belongs to another frame, even if the producer is SIGKILLed
-at any instruction of that sequence:
-
-* Every store here is a ``struct.Struct.pack_into`` call on the shared mapping. CPython writes each field
-  straight into the buffer, in format order, before the call returns, and the store of READY is a later,
-  separate call: the C compiler cannot move one call's stores past another call that writes through the
-  same escaped pointer, so program order is: body fields, then READY.
-* The consumer reads slot headers only under the segment mutex (an OFD lock, :mod:`.segment`): it loads a
-  slot's state, and only if READY its other fields. The mutex's lock and unlock are fcntl(2) system calls
-  whose kernel code orders memory (a spinlock: acquire on lock, release on unlock). No consumer reads a
-  header without it (the publish count it spins on is a hint only; :class:`.wake.FrameWaiter`).
-* Where stores become visible to other CPUs in program order and loads are not reordered with older loads
-  (x86-64: the TSO model, Intel SDM vol. 3 section 8.2.2; :data:`STORES_VISIBLE_IN_ORDER`), every store is a
-  release store: a consumer that loads READY then loads the other fields sees this frame's values. There the
-  producer publishes without the mutex (a WRITING slot is the producer's alone; nobody else changes it).
-  Elsewhere (e.g. aarch64, whose stores may become visible out of order) the producer publishes under the
-  mutex, and its unlock (release) before the consumer's lock (acquire) orders the stores.
-* A producer killed inside the sequence: a kill is taken at an instruction boundary, so the stores that
-  happened are a program-order prefix of the sequence, and (x86-TSO) they become visible in that order, or
-  (elsewhere) they are all visible once the kernel drops the killed process's mutex in its exit path. A
-  prefix that ends before the READY store leaves the slot WRITING, which no consumer delivers; a prefix that
-  includes it includes every field of this frame. A state u16 is a single aligned 2-byte store, and every
-  state value is < 256, so even a byte-wise write cannot show a third value.
-
-So the consumer can rely on: a READY (or READING) slot's header and payload are all of one frame, written
-completely. It cannot rely on anything in a WRITING or FREE slot. A frame that was READY and is being
-overwritten is WRITING before its seq, stamp or payload change.
+* Each store is a ``struct.Struct.pack_into`` call on the shared mapping, which writes its fields before it
+  returns; the C compiler cannot move its stores past a later call writing through the same escaped pointer.
+* The consumer reads a slot's state, and only if READY its other fields, under the segment mutex (an OFD lock),
+  whose fcntl(2) lock and unlock order memory (acquire / release); the publish count it spins on is a hint only.
+* On x86-64 (TSO, Intel SDM vol. 3 section 8.2.2: stores visible in program order, loads not reordered with older
+  loads; :data:`STORES_VISIBLE_IN_ORDER`) every store is a release store, so the producer publishes without the
+  mutex (a WRITING slot is its alone). Elsewhere (e.g. aarch64) it publishes under the mutex.
+* A kill lands at an instruction boundary: the stores done are a program-order prefix, visible in order (TSO) or
+  all once the kernel drops the dead process's mutex. Without the READY store the slot stays WRITING, which no
+  consumer delivers. The state is one aligned 2-byte store of a value < 256: no byte-wise write shows a third.
 """
 from __future__ import annotations
 
@@ -71,7 +41,7 @@ __all__ = ["FrameMeta", "SlotTimings", "NO_TIMINGS", "FREE", "WRITING", "READY",
 #: True on CPUs whose stores become visible in program order (x86-64, TSO): publish needs no mutex there.
 STORES_VISIBLE_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64")
 SLOT_MAGIC = int.from_bytes(b"SLOT", "little")
-SLOT_VERSION = 3  # 1: positional timings (n timings u32, f64[8] ms); 2: named SlotTimings; 3: + ego_wait_ms
+SLOT_VERSION = 3
 MAX_NDIM = 4
 FREE, WRITING, READY, READING = 0, 1, 2, 3
 STATE_NAMES = {FREE: "FREE", WRITING: "WRITING", READY: "READY", READING: "READING"}
@@ -82,22 +52,13 @@ _INT64 = (-(1 << 63), 1 << 63)
 
 @dataclass(frozen=True, eq=False)
 class SlotTimings:
-    """The stage timings of one frame, as its producer writes them into the slot header (slot version 3, header
-    offsets 104-135: the module docstring) and the consumer reads them back (``FrameMeta.timings``).
+    """Stage timings of one frame, written into its slot header (``FrameMeta.timings``); not sent: NaN ms, 0 ns.
 
-    preprocess_ms: the producer's input preparation (the prefix: decode + resize + normalise of every camera), ms;
-    NaN when not sent.
-    prefix_ms: the producer's stage (the prefix: vision .. block K-1), ms; NaN when not sent.
-    prefix_start_ns: ``time.monotonic_ns()`` (CLOCK_MONOTONIC, comparable across processes) when the producer
-    started the frame, exact int64 ns; 0 when not sent.
-    ego_wait_ms: how long the producer waited, before it started the frame, for the ego state at the frame's stamp
-    (the prefix: a kinematic state at or after the camera stamp), ms; NaN when not sent.
-
-    A producer that sends no timings publishes :data:`NO_TIMINGS` (every field its "not sent" value), so a
-    reader tells a missing timing from a measured one (``math.isnan``, ``== 0``). Equality and hashing treat
-    two NaNs as equal (both: not sent), so a round trip through a slot compares equal to what was published.
-    Raises TypeError for a field that is not a number (an int for ``prefix_start_ns``) and ValueError for an
-    instant outside int64.
+    ``preprocess_ms``: the producer's input preparation (the prefix: decode, resize, normalise every camera);
+    ``prefix_ms``: its stage (the prefix: vision .. block K-1); ``ego_wait_ms``: its wait, before starting, for the
+    ego state at the frame's stamp; ``prefix_start_ns``: its start, exact int64 CLOCK_MONOTONIC ns (comparable
+    across processes). NaN == NaN in equality and hashing, so a slot round trip compares equal. Raises TypeError
+    for a non-number (a non-int ``prefix_start_ns``), ValueError for an instant outside int64.
     """
 
     preprocess_ms: float = math.nan
@@ -139,8 +100,7 @@ _TIMING_FIELDS = ("preprocess_ms", "prefix_ms", "prefix_start_ns", "ego_wait_ms"
 
 
 def _slot_timings(*values) -> SlotTimings:
-    """SlotTimings of values read from a slot header (already of their types, in :data:`_TIMING_FIELDS` order),
-    without __init__'s checks: the reader's path (as :func:`_frame_meta`)."""
+    """SlotTimings of values read from a slot header, without __init__'s checks (as :func:`_frame_meta`)."""
     timings = object.__new__(SlotTimings)
     timings.__dict__.update(zip(_TIMING_FIELDS, values))
     return timings
@@ -148,16 +108,10 @@ def _slot_timings(*values) -> SlotTimings:
 
 @dataclass(frozen=True)
 class FrameMeta:
-    """Header of one published frame.
-
-    seq: 1, 2, 3, ... in publish order (no gaps; a drop shows as a gap on the consumer side).
-    stamp_ns: the producer's frame stamp (ns, any clock the producer chose, e.g. the camera stamp).
-    shape / dtype: the payload tensor's shape (at most 4 dims) and torch dtype (the producer's).
-    split_layer / model_id: decoder block index K and model identity the producer declared.
-    t_write_start_ns / t_publish_ns: ``time.monotonic_ns()`` (CLOCK_MONOTONIC, comparable across processes) when
-    the slot was acquired and when publish() was called (the frame complete in the slot).
-    timings: the producer's stage timings (:class:`SlotTimings`; NaN / 0 in the fields it did not send).
-    """
+    """Header of one published frame: ``seq`` (1, 2, ... in publish order: a drop is a gap), ``stamp_ns`` (the
+    producer's frame stamp, e.g. the camera's, ns), ``shape`` (<= 4 dims) / ``dtype`` (the producer's),
+    ``split_layer`` (K) / ``model_id`` as declared, ``t_write_start_ns`` / ``t_publish_ns`` (CLOCK_MONOTONIC ns at
+    acquire / publish), ``timings`` (:class:`SlotTimings`)."""
 
     seq: int
     stamp_ns: int
@@ -194,11 +148,8 @@ def side_region_bytes(side: tuple[TensorSpec, ...]) -> int:
 
 
 def side_layout(side: tuple[TensorSpec, ...], slot_bytes: int) -> tuple[int, tuple[int, ...]]:
-    """Where the side tensors ``side`` lie in a payload of ``slot_bytes`` bytes (a multiple of 64): (state bytes,
-    the payload offset of each side tensor in ``side`` order). The side region is the payload's end: the state
-    bytes (the hidden states' capacity, from payload offset 0) are ``slot_bytes`` less :func:`side_region_bytes`,
-    and each side tensor starts where the one before it ends, rounded up to 64 bytes. Raises ValueError when the
-    side tensors do not fit in ``slot_bytes``."""
+    """(state bytes, each side tensor's payload offset) in a payload of ``slot_bytes`` (a multiple of 64): the
+    side tensors fill its end, each where the previous one ends, rounded up to 64. ValueError if they do not fit."""
     state_bytes = slot_bytes - side_region_bytes(side)
     if state_bytes < 0:
         raise ValueError(f"the side tensors need {side_region_bytes(side)} bytes, more than the slot's "
@@ -235,8 +186,8 @@ def begin_write(mm, off: int, seq: int) -> None:
 def finish_write(mm, off: int, *, stamp_ns: int, t_write_start_ns: int, t_publish_ns: int, nbytes: int,
                  model_id: int, split_layer: int, dtype_code: int, shape: tuple[int, ...],
                  timings: SlotTimings) -> None:
-    """Publish the WRITING slot at ``off``: every header field (``timings`` at offsets 104-135), then READY as the
-    last store (see the module docstring; with the mutex held unless :data:`STORES_VISIBLE_IN_ORDER`)."""
+    """Publish the WRITING slot at ``off``: every header field, then READY as the last store (mutex held unless
+    :data:`STORES_VISIBLE_IN_ORDER`)."""
     shape4 = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
     SLOT.body.write(mm, stamp_ns, t_write_start_ns, t_publish_ns, nbytes, model_id, split_layer, dtype_code,
                     len(shape), *shape4, timings.preprocess_ms, timings.prefix_ms, timings.prefix_start_ns,
@@ -245,10 +196,8 @@ def finish_write(mm, off: int, *, stamp_ns: int, t_write_start_ns: int, t_publis
 
 
 def announce(mm, published: int, t_publish_ns: int) -> None:
-    """Store the publish count and instant in the global header, *after* the mutex was released: a spinning
-    consumer that sees the count change then finds the mutex free instead of sleeping on it (a sleep there
-    would cost the very wake-up the spin avoids). Only a hint: no consumer reads a slot because of it
-    without taking the mutex, and the wake-up byte follows it."""
+    """Store the publish count and instant in the global header *after* the mutex is released, so a spinning
+    consumer that sees the count change finds the mutex free instead of sleeping on it. A hint only."""
     GLOBAL.published.write(mm, published, t_publish_ns)
 
 
@@ -265,10 +214,8 @@ def check_shape_dtype(shape, dtype) -> tuple[tuple[int, ...], int, int]:
 
 
 def check_frame_fields(stamp_ns, split_layer, timings) -> tuple[int, int, SlotTimings]:
-    """Validate the header fields a publish writes; returns (stamp_ns, split_layer, timings) as int, int and the
-    :class:`SlotTimings` (checked when it was made). TypeError when ``timings`` is not a SlotTimings (a tuple of
-    positional timings included: slot version 1's form); ValueError for a split layer outside int32 or a stamp
-    outside int64."""
+    """Validate a publish's header fields; returns (stamp_ns, split_layer, timings). TypeError when ``timings``
+    is not a SlotTimings (e.g. a tuple); ValueError for a split layer outside int32 or a stamp outside int64."""
     if not isinstance(timings, SlotTimings):
         raise TypeError(f"timings must be a SlotTimings (named fields, slot version {SLOT_VERSION}), got "
                         f"{type(timings).__name__} {timings!r}")
@@ -279,17 +226,15 @@ def check_frame_fields(stamp_ns, split_layer, timings) -> tuple[int, int, SlotTi
 
 
 def version_refused(version: int) -> str:
-    """Why a slot header of slot version ``version`` is refused (the ``bad_version`` detail): both versions."""
+    """The ``bad_version`` detail, naming both versions."""
     return (f"slot header version {version}, this consumer reads version {SLOT_VERSION} only (a producer of "
             f"another hybrid_vla_ros release?)")
 
 
 def validate(raw: tuple, *, slot_bytes: int, declared_dtype, compute_dtype, expected_model_id,
              expected_split_layer) -> tuple[str | None, FrameMeta | None, str]:
-    """Judge a READY slot's unpacked header (:func:`read_header`): (None, meta, "") to take it, else (cause, meta
-    or None, detail); the causes are errors.REJECT_CAUSES, the detail "" or, for ``bad_version``,
-    :func:`version_refused` (nothing past the version of a header of another version is used). Never reads
-    the payload."""
+    """Judge a READY slot's unpacked header (:func:`read_header`), never the payload: (None, meta, "") to take
+    it, else (cause from errors.REJECT_CAUSES, meta or None, detail: "" or :func:`version_refused`)."""
     (magic, version, _state, seq, stamp, t_ws, t_pub, nbytes, model_id, split, code, ndim) = raw[:12]
     if magic != SLOT_MAGIC:
         return "bad_magic", None, ""
@@ -323,18 +268,16 @@ def read_header(mm, off: int) -> tuple:
 
 
 def state_names(mm, n_slots: int, stride: int) -> list[str]:
-    """Every slot's state name in the mapping ``mm`` (FREE / WRITING / READY / READING, or UNKNOWN(<n>)), slot
-    order: a diagnostic snapshot (the states may change while it is read; the caller holds its end's lock)."""
+    """Every slot's state name (or UNKNOWN(<n>)), slot order: a diagnostic snapshot (caller holds the lock)."""
     states = [read_prefix(mm, slot_offset(i, stride))[2] for i in range(n_slots)]
     return [STATE_NAMES.get(s, f"UNKNOWN({s})") for s in states]
 
 
 def take_ready(mm, n_slots: int, stride: int, *, newest: bool, **expect):
-    """Take the consumer's next frame (mutex held): the READY slot of the lowest seq, or with ``newest`` the
-    highest, judged by :func:`validate` (``expect``: its keyword arguments). Accepted, it becomes READING and
-    (``newest``) every other READY slot FREE, unread; rejected, it becomes FREE. Returns None when no slot is
-    READY, else (slot index, reject cause or None, FrameMeta or None, number of READY slots freed unread, the
-    reject detail or "")."""
+    """Take the consumer's next frame (mutex held): the READY slot of the lowest seq (``newest``: highest), judged
+    by :func:`validate` (``expect``: its keywords). Accepted, it becomes READING (``newest``: every other READY slot
+    FREE); rejected, FREE. Returns None when none is READY, else (index, cause or None, meta or None, READY slots
+    freed unread, detail)."""
     ready = []
     for i in range(n_slots):
         _m, _v, state, seq = read_prefix(mm, slot_offset(i, stride))
@@ -355,10 +298,9 @@ def take_ready(mm, n_slots: int, stride: int, *, newest: bool, **expect):
 
 
 def pick_write_slot(mm, n_slots: int, stride: int, start: int) -> tuple[int, bool]:
-    """The slot the producer writes next (mutex held): the first from ``start`` on, cyclically, that is neither
-    READY nor READING (FREE, a leftover WRITING, or garbage), else the oldest READY one, never a READING one.
-    Returns (slot index, True if that slot's READY frame is dropped). Raises RingError if every slot is
-    READING."""
+    """The slot the producer writes next (mutex held): the first from ``start`` on, cyclically, neither READY nor
+    READING, else the oldest READY one. Returns (index, whether a READY frame is dropped); RingError if every slot
+    is READING."""
     oldest, oldest_seq = -1, 0
     for k in range(n_slots):
         i = (start + k) % n_slots
@@ -374,8 +316,8 @@ def pick_write_slot(mm, n_slots: int, stride: int, start: int) -> tuple[int, boo
 
 
 def reclaim_reading(mm, n_slots: int, stride: int) -> int:
-    """Reset every READING slot to FREE and return how many (mutex held): at attach, the single consumer's
-    READING slots belong to a dead predecessor (their frames are lost, not re-delivered out of order)."""
+    """Reset every READING slot to FREE and return how many (mutex held; at attach they are a dead predecessor's:
+    those frames are lost, not re-delivered out of order)."""
     reclaimed = 0
     for i in range(n_slots):
         off = slot_offset(i, stride)

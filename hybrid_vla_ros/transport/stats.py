@@ -1,10 +1,5 @@
-"""The ring ends' counters as typed snapshots: what the nodes' /diagnostics, the bench and the GPU check read.
-
-``RingProducer.stats`` gives a :class:`ProducerStats`, ``RingConsumer.stats`` a :class:`ConsumerStats`; both are
-frozen snapshots taken at the call, so a reader compares two of them field by field (``after.read - before.read``)
-and never spells a counter's name as a string. ``as_dict`` / ``from_dict`` are the JSON form the bench and the GPU
-check's worker processes send to their parents (the same flat keys as the counters' names).
-"""
+"""The ring ends' counters as frozen snapshots (``RingProducer.stats``, ``RingConsumer.stats``), compared field
+by field (``after.read - before.read``); ``as_dict`` / ``from_dict`` are their JSON form (flat keys)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,11 +11,11 @@ from .errors import REJECT_CAUSES
 
 @dataclass(frozen=True)
 class ProducerStats:
-    """Counters of one :class:`~.producer.RingProducer` since it was created (frames, not bytes).
+    """Counters of one :class:`~.producer.RingProducer` since it was created (frames).
 
-    ``published``: frames made READY; ``dropped_oldest``: READY frames overwritten before the consumer took them
-    (a suffix slower than the prefix); ``aborted``: slots given back unpublished (a failed or non-finite frame);
-    ``wake_errors``: wake-up notifications that failed unexpectedly (the frames were still published).
+    ``published``: frames made READY; ``dropped_oldest``: READY frames overwritten before the consumer took them;
+    ``aborted``: slots given back unpublished; ``wake_errors``: wake-ups that failed unexpectedly (the frames were
+    still published).
     """
 
     published: int = 0
@@ -42,13 +37,11 @@ class ProducerStats:
 class ConsumerStats:
     """Counters of one :class:`~.consumer.RingConsumer` since it attached.
 
-    ``read``: frames handed out; ``rejected``: slots refused, by cause (every cause of
-    :data:`~.errors.REJECT_CAUSES`, 0 when none); ``reclaimed_reading``: READING slots of a dead predecessor reset
-    to FREE at attach; ``superseded``: READY frames freed unread because a newer one was delivered. How ``read()``
-    found the frames it returned: ``found_ready`` (at its first look), ``found_spinning`` (while polling the publish
-    count), ``found_after_block`` (after a wait on the wake-up socket); ``spin_misses``: spins that reached their
-    bound without a frame; ``spin_ms``: time spent spinning (ms, CPU time of the consumer's core); ``spin_pauses``:
-    times the spin paused because most spins missed (:class:`~.wake.SpinPolicy`).
+    ``read``: frames handed out; ``rejected``: slots refused, by every cause of :data:`~.errors.REJECT_CAUSES`;
+    ``reclaimed_reading``: READING slots of a dead predecessor freed at attach; ``superseded``: READY frames freed
+    unread for a newer one. :attr:`FOUND`: how ``read()`` found its frames (first look, polling the publish count,
+    after a wait on the wake-up socket); ``spin_misses``: spins that reached their bound; ``spin_ms``: time spent
+    spinning (ms of the consumer's core); ``spin_pauses``: see :class:`~.wake.SpinPolicy`.
     """
 
     read: int = 0
@@ -66,8 +59,8 @@ class ConsumerStats:
     FOUND = ("found_ready", "found_spinning", "found_after_block")
 
     def found_by(self, earlier: "ConsumerStats") -> str:
-        """Which of :attr:`FOUND` grew since ``earlier`` (the way the one frame read in between was found).
-        Raises ValueError when none did (no frame was read in between)."""
+        """Which of :attr:`FOUND` grew since ``earlier`` (how the one frame read in between was found); ValueError
+        when none did."""
         for name in self.FOUND:
             if getattr(self, name) != getattr(earlier, name):
                 return name

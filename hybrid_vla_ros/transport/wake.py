@@ -1,25 +1,19 @@
 """Waking the consumer: a Unix datagram socket only the owner's user can reach, and a bounded spin before it.
 
 Channel: the producer creates a directory ``/dev/shm/hvla-wake.<uid>.d<ROS domain>.<pid>-<start time>.<16 random
-hex>`` (mode 0700; ``dx`` for a ring of no ROS domain; mkdir(2) fails if the name exists, so nobody can plant it
-first; /dev/shm is sticky, so nobody else can rename or remove it) and writes its name into the segment's global
-header, which only the owner can read (the segment is 0600). The consumer binds the socket ``<dir>/wake`` inside
-it; the producer sends one byte per publish to that path. Another user can neither bind, connect nor send there:
-every path lookup under a 0700 directory of someone else fails with EACCES (path_resolution(7)); nor can they learn
-the name from the segment. A filesystem socket is found by path, not in a network namespace (unix(7): the abstract
-namespace is per network namespace), so the single-consumer rule (an OFD lock on the segment, :mod:`.consumer`) and
-the wake-ups work the same for a consumer in another network namespace.
+hex>`` (mode 0700; ``dx``: no ROS domain; mkdir(2) fails if the name exists, so nobody can plant it first;
+/dev/shm is sticky, so nobody else can rename or remove it) and writes its name into the 0600 segment's global
+header. The consumer binds ``<dir>/wake``; the producer sends one byte per publish to it. Another user can
+neither bind, connect nor send there (every path lookup under someone else's 0700 directory fails with EACCES:
+path_resolution(7)), nor learn the name. A filesystem socket is found by path, not per network namespace (unlike
+the abstract namespace, unix(7)), so wake-ups and the single-consumer rule work for a consumer in another one.
 
-Spin: waking an idle, blocked consumer costs the kernel's wake-up of an idle CPU (a few hundred microseconds,
-whatever the mechanism; the measured figures are in docs/performance.md), while a consumer that polls memory on its
-own core sees a publish within microseconds. :class:`SpinPolicy` predicts the next frame from the producer's recent
-publish instants and spins only from ``lead_ms`` (plus three times the recent jitter) before it is due, for at most
-``max_ms``; after that the consumer blocks on the socket. It costs about ``lead_ms`` of one core per frame. When
-most of the recent spins missed, it pauses (blocks only) for a while: on cores shared with other work a task that
-spins also loses the scheduler's wake-up preference, so a missed spin costs more than no spin.
-:class:`FrameWaiter` is how the consumer's read() waits: it looks at the slots, drains stale wake-ups and
-looks again, then spins on the segment's publish count inside the policy's window and blocks on the socket
-outside it.
+Spin: waking an idle, blocked consumer costs the kernel's wake-up of an idle CPU (a few hundred microseconds;
+docs/performance.md), while a consumer polling memory on its own core sees a publish within microseconds.
+:class:`SpinPolicy` predicts the next frame from recent publish instants and spins only from ``lead_ms`` (plus
+three times the recent jitter) before it is due, for at most ``max_ms`` (about ``lead_ms`` of one core per
+frame), then blocks on the socket. When most recent spins missed it pauses (blocks only) for a while: on shared
+cores a spinning task also loses the scheduler's wake-up preference, so a missed spin costs more than none.
 """
 from __future__ import annotations
 
@@ -62,13 +56,9 @@ def wake_dir_owner(name: str) -> tuple[int, int] | None:
 
 
 def make_wake_dir(record=None, domain_id: int | None = None) -> str:
-    """Create a fresh 0700 wake-up directory in /dev/shm owned by this uid, its name carrying the ring's ROS domain
-    (``domain_id``; None: ``dx``) and this process's pid and start time (so an orphan is recognised:
-    :func:`.leftovers.remove_orphan_wake_dirs`); returns the name (< 64 characters).
-
-    ``record(name)`` is called before each attempt to create it (the producer writes the name into its
-    segment header first, so a producer killed right after mkdir leaves a directory that its successor finds
-    and removes)."""
+    """Create a fresh wake-up directory (module docstring; ``domain_id`` None: ``dx``) and return its name (< 64
+    characters). ``record(name)`` is called before each mkdir, so a producer killed right after it has already
+    written the name into its header, where its successor finds it."""
     for _ in range(16):
         domain = "x" if domain_id is None else int(domain_id)
         name = f"hvla-wake.{os.getuid()}.d{domain}.{os.getpid()}-{_start_time()}.{secrets.token_hex(8)}"
@@ -84,8 +74,8 @@ def make_wake_dir(record=None, domain_id: int | None = None) -> str:
 
 
 def wake_socket_path(name: str) -> str:
-    """Path of the wake socket in directory ``name`` after checking that the directory is a real directory of
-    this uid with mode 0700. Raises RingError otherwise (a foreign or tampered header)."""
+    """Path of the wake socket in directory ``name``; RingError unless that is a real 0700 directory of this uid
+    (a foreign or tampered header)."""
     if not isinstance(name, str) or not _DIR_RE.fullmatch(name) or name.split(".")[1] != str(os.getuid()):
         raise RingError(f"the ring's wake-up directory name {name!r} is not one of this user's")
     path = os.path.join(SHM_DIR, name)
@@ -126,8 +116,7 @@ class WakeSender:
         self.sock = _datagram_socket()
 
     def send(self) -> bool:
-        """Send one wake byte; False only for an unexpected error (no consumer bound, or its queue full, is
-        fine: the frame is found by the consumer's next look anyway)."""
+        """Send one wake byte; False only for an unexpected error (no consumer bound or its queue full is fine)."""
         try:
             self.sock.sendto(b"\x01", self.path)
         except OSError as e:
@@ -180,11 +169,11 @@ class WakeReceiver:
 
 
 class SpinPolicy:
-    """When to spin for the next frame (see the module docstring).
+    """When to spin for the next frame (module docstring).
 
-    ``lead_ms`` (>= 0): start spinning this long before the predicted publish (plus 3 x the median absolute
-    deviation of the recent periods). ``max_ms`` (> 0): spin at most this long per frame, then block.
-    ``history``: publish intervals kept for the prediction. Raises ValueError for bad values.
+    ``lead_ms`` (>= 0): start this long before the predicted publish (plus 3 x the median absolute deviation of the
+    recent periods); ``max_ms`` (> 0): spin at most this long per frame; ``history`` (>= 2): publish intervals kept.
+    Raises ValueError for bad values.
     """
 
     #: Spins judged at once; when more than half of them missed, the spin pauses for as many frames.
@@ -198,9 +187,7 @@ class SpinPolicy:
         self._last: tuple[int, int] | None = None  # (seq, t_publish_ns) of the newest frame seen
         self._outcomes: deque = deque(maxlen=self.OUTCOMES)
         self._paused = 0  # frames left without spinning
-        #: Times the spin paused because most spins missed (frames not where the period predicts them, e.g. a
-        #: jittery producer, or cores shared with other work, where a spinning task also loses its wake-up
-        #: priority): the consumer then only blocks, for ``OUTCOMES`` frames.
+        #: Times the spin paused (blocked only, for ``OUTCOMES`` frames) because most spins missed.
         self.pauses = 0
 
     def outcome(self, hit: bool) -> None:
@@ -226,8 +213,7 @@ class SpinPolicy:
         self._last = None
 
     def window(self) -> tuple[int, int] | None:
-        """(spin from, spin until) in CLOCK_MONOTONIC ns for the next frame, or None without a prediction (or
-        while paused)."""
+        """(spin from, spin until), CLOCK_MONOTONIC ns, for the next frame; None without a prediction or paused."""
         if len(self._periods) < 2 or self._paused:
             return None
         periods = sorted(self._periods)
@@ -239,13 +225,10 @@ class SpinPolicy:
 
 
 class FrameWaiter:
-    """How the consumer's read() waits for a frame, and how it found the frames it returned.
-
-    ``receiver``: the consumer's :class:`WakeReceiver`. The consumer's :class:`SpinPolicy` (or None: block
-    only) is passed to each call, as the consumer may replace it at any time. Counters (``counts``):
-    ``found_ready`` (frames found at the first look), ``found_spinning`` (after a spin saw a publish),
-    ``found_after_block`` (after a wait on the socket), ``spin_misses`` (spins that reached their bound
-    without a publish), ``spin_ns`` (time spent spinning, ns).
+    """How the consumer's read() waits for a frame: look at the slots, drain stale wake-ups and look again, then
+    spin on the publish count inside the :class:`SpinPolicy` window (passed per call: the consumer may replace it)
+    and block on ``receiver`` outside it. ``counts``: the ``found_*`` and ``spin_*`` counters of
+    :class:`~.stats.ConsumerStats` (``spin_ns`` in ns).
     """
 
     #: Block until this long (ns) before a spin window opens: poll(2) counts in ms, so the wait ends 0.5-1.5
@@ -258,13 +241,10 @@ class FrameWaiter:
                        "spin_ns": 0}
 
     def wait_for(self, take, deadline_ns: int, gone, mm, spin: SpinPolicy | None):
-        """Look for a frame until ``deadline_ns`` (CLOCK_MONOTONIC ns) and return it, or None.
+        """Look for a frame until ``deadline_ns`` (CLOCK_MONOTONIC ns) or ``gone()`` and return it, or None.
 
-        ``take()`` looks once: (a frame with a ``meta`` FrameMeta, or None; the segment's publish count seen).
-        A miss drains stale wake-ups and looks again (not on the fast path; a frame published before the call
-        is found without waiting). Then, unless the deadline has passed or ``gone()`` is true, it waits once
-        (:meth:`_wait_once` on the mapping ``mm``) and looks again. A frame returned is counted by how it was
-        found and its seq and publish instant are told to ``spin``. Raises what ``take`` raises.
+        ``take()`` looks once: (a frame with a ``meta`` FrameMeta, or None; the publish count seen). A frame
+        returned is counted and told to ``spin``. Raises what ``take`` raises.
         """
         receiver, how = self.receiver, "found_ready"
         while True:
@@ -283,10 +263,9 @@ class FrameWaiter:
             how = self._wait_once(mm, seen, now, deadline_ns, spin)
 
     def _wait_once(self, mm, seen: int, now_ns: int, deadline_ns: int, spin: SpinPolicy | None) -> str:
-        """Wait once, at most until ``deadline_ns`` (``now_ns`` is now), for a publish after the publish count
-        ``seen``: inside the spin window, poll that count until it changes or the window ends; before the
-        window, block on the socket until just before it opens; without a window, block until a wake-up or the
-        deadline. Returns the counter of a frame the next look finds: 'found_spinning' or 'found_after_block'."""
+        """Wait once, at most until ``deadline_ns``, for a publish after count ``seen``: in the spin window poll
+        the count, before it block until just before it opens, without one block until a wake-up. Returns the
+        counter for a frame the next look finds: 'found_spinning' or 'found_after_block'."""
         receiver = self.receiver
         window = spin.window() if spin is not None else None
         if window is not None and now_ns < window[1]:

@@ -1,6 +1,6 @@
 """rosbag2 folders read with rosbags (no ROS install needed): every message as raw CDR bytes, in time order.
 
-Camera topics follow Autoware's sensing launch (``/sensing/camera/camera<i>/<suffix>[/compressed]``, the suffix
+Camera topics follow Autoware's sensing launch (``/sensing/camera/camera<i>/<suffix>[/compressed]``; suffix
 ``image_raw`` in the embedded bag, ``image_rect_color`` in Autoware's launch files), or are named one by one.
 """
 from __future__ import annotations
@@ -14,8 +14,7 @@ TRANSPORT_TYPES = {"compressed": "sensor_msgs/msg/CompressedImage", "raw": "sens
 
 
 def played_topic(base: str, transport: str) -> str:
-    """The topic a camera's images travel on for ``transport`` (image_transport's naming): ``<base>/compressed``
-    for "compressed", ``<base>`` for "raw"."""
+    """``<base>/compressed`` for "compressed", ``<base>`` for "raw" (image_transport's naming)."""
     return f"{base}/compressed" if transport == "compressed" else base
 
 
@@ -47,14 +46,10 @@ def read_bag(path: str | Path) -> list[BagMessage]:
 
 def camera_topics(messages: list[BagMessage], transport: str, suffix: str = "image_raw",
                   topics: list[str] | None = None) -> list[str]:
-    """The bag's base image topics (without ``/compressed``) of the cameras, in model camera order, for
-    ``transport`` ("compressed": ``<topic>/compressed`` sensor_msgs/msg/CompressedImage; "raw": ``<topic>``
-    sensor_msgs/msg/Image).
-
-    ``topics``: the base topics one by one, in camera order (each must be in the bag with the transport's type);
-    else found by name, ``/sensing/camera/camera<i>/<suffix>`` in camera-index order.
-    Raises ValueError when a named topic is missing or of another type, or none is found; the message lists the
-    bag's image topics of that transport."""
+    """The cameras' base image topics (without ``/compressed``) in model camera order, for ``transport``
+    (:data:`TRANSPORT_TYPES`): ``topics`` if given (each in the bag with the transport's type), else
+    ``/sensing/camera/camera<i>/<suffix>`` in index order. Raises ValueError, listing the bag's image topics, when
+    a named topic is missing or of another type, or none is found."""
     wanted = TRANSPORT_TYPES[transport]
     typed = {m.topic: m.msgtype for m in messages}
     images = sorted(t for t, kind in typed.items() if kind == wanted)

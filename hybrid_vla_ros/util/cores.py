@@ -1,10 +1,8 @@
 """CPU cores: core lists as users write them, pinning a whole process, and what the CPU is.
 
-``os.sched_setaffinity(0, cores)`` on Linux pins only the calling thread; threads created *after* it
-inherit the mask, threads that already exist keep theirs. torch (OpenMP pool) and rclpy (DDS threads)
-start threads when imported / initialised, so a process that must stay on its cores pins before
-importing either, and :func:`pin_process` pins every existing thread as well. Both nodes start that way,
-through :func:`pin_then_import`.
+``os.sched_setaffinity(0, cores)`` on Linux pins only the calling thread (and threads it creates later), so
+:func:`pin_process` pins every existing thread too, and :func:`pin_then_import` pins before torch and rclpy start
+their threads.
 """
 from __future__ import annotations
 
@@ -22,12 +20,9 @@ _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
 def parse_core_list(value) -> list[int]:
-    """Core indices from what a user writes, sorted and without repeats.
-
-    Accepts an int (``3``), a list or tuple of ints (``[6, 7]``, what a YAML or ROS parameter gives), or a
-    string: ``"1,2"``, ``"[1, 2]"``, ``"3"``, with ranges ``"0-3"`` as in ``taskset -c``. Raises ValueError
-    for anything else, a negative index or an empty list, naming the value.
-    """
+    """Core indices, sorted and unique, from an int, a list or tuple of ints (a YAML or ROS parameter), or a
+    string (``"1,2"``, ``"[1, 2]"``, ranges ``"0-3"`` as in ``taskset -c``). Raises ValueError, naming the value,
+    for anything else, a negative index or an empty list."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a list of core indices")
     if isinstance(value, int):
@@ -78,11 +73,8 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 
 def pin_process(cores: list[int]) -> list[int]:
-    """Pin the calling thread, every existing thread of this process and all future ones to ``cores``.
-
-    Returns the thread ids that were pinned. Raises ValueError for an empty list or a core this
-    process may not use (OSError from the kernel is turned into ValueError with the core set).
-    """
+    """Pin every existing and future thread of this process to ``cores``; returns the pinned thread ids. Raises
+    ValueError for an empty list or a core this process may not use."""
     if not cores:
         raise ValueError("cpu_affinity is empty")
     mask = set(cores)
@@ -105,35 +97,26 @@ def pin_process(cores: list[int]) -> list[int]:
     return pinned
 
 
-#: Environment variables that size a library's thread pool when it starts it (at import or first use):
-#: OpenMP (torch's intra-op pool, and MKL's), MKL, OpenBLAS (numpy, at import) and OpenCV's own pool
-#: (``OPENCV_FOR_THREADS_NUM``, read when cv2 starts its pool). :func:`pin_then_import` sets each, where unset.
+#: Environment variables that size a library's thread pool when it starts it: OpenMP (torch's intra-op pool,
+#: MKL's), MKL, OpenBLAS (numpy, at import) and OpenCV (when cv2 starts its pool).
 THREAD_COUNT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENCV_FOR_THREADS_NUM")
-#: Top-level modules that start (or size) thread pools when imported or initialised: none of them may be
-#: imported before :func:`pin_then_import` has pinned (test/test_params_affinity.py checks both nodes).
+#: Modules that start or size thread pools when imported or initialised: none may be imported before
+#: :func:`pin_then_import` has pinned (test/test_params_affinity.py checks both nodes).
 POOL_MODULES = ("torch", "cv2", "numpy", "rclpy")
 
 
 def pin_then_import(read_cores: Callable[[], list[int] | None], module: str) -> tuple[list[int] | None, ModuleType]:
     """Pin this process, size the thread pools to come, and only then import ``module``: how both nodes start.
 
-    ``read_cores()`` gives the node's ``cpu_affinity`` from its command line (the ROS arguments and parameter
-    files: :func:`hybrid_vla_ros.ros.params_file.cpu_affinity_from_ros_args`); None when not given, [] when
-    given empty. It must import nothing of :data:`POOL_MODULES`. With cores, every thread of the process is
-    pinned to them (:func:`pin_process`) and each of :data:`THREAD_COUNT_VARS` not already set is set to their
-    number; then ``module`` (the node's module, which imports torch, OpenCV and rclpy) is imported.
+    ``read_cores()`` (importing nothing of :data:`POOL_MODULES`) gives the node's ``cpu_affinity``
+    (:func:`hybrid_vla_ros.ros.params_file.cpu_affinity_from_ros_args`; None: not given). With cores, every thread
+    is pinned (:func:`pin_process`) and each unset :data:`THREAD_COUNT_VARS` set to their number. A pool is sized
+    from the affinity and these variables when the library first reads them, and new threads (DDS ones too)
+    inherit the affinity, so this gives one thread per node core; a later pin moves threads but cannot resize a
+    pool. With a :data:`POOL_MODULES` module already imported it still pins, with a RuntimeWarning.
 
-    Why in this order: a thread pool is sized from the affinity and these variables as they are when the
-    library reads them (OpenMP when torch loads it, OpenBLAS at numpy's import, OpenCV and torch when their
-    pools first run), and every new thread inherits the affinity of the thread that starts it. So the pools,
-    and the DDS threads ``rclpy.init`` starts later, run on the node's cores with one thread per core; a pin
-    after the imports can move the threads that exist, but does not resize a pool sized for every core of
-    the machine. A variable the user set is kept. Pinning with one of :data:`POOL_MODULES` imported already
-    (a start-up that imported the node first) still pins, with a RuntimeWarning naming them.
-
-    Returns (the cores, the imported module). Raises ValueError (``read_cores``' errors, e.g. a
-    ParamsFileError, or :func:`pin_process`'s for cores this process may not use) before importing anything;
-    ImportError from ``module``.
+    Returns (the cores, the module). Raises ValueError (from ``read_cores``, e.g. a ParamsFileError, or
+    :func:`pin_process`) before importing anything; ImportError from ``module``.
     """
     cores = read_cores()
     if cores:

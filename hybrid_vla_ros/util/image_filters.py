@@ -1,11 +1,10 @@
-"""The names of the camera resize filters: a checkpoint's ``image_resize`` (model.config, model.extension) and what
-:func:`hybrid_vla_ros.vehicle.image.preprocess` implements. Here, below both, so that each side reads one list."""
+"""The camera resize filters' names: one list for a checkpoint's ``image_resize`` and for the preprocessing."""
 from __future__ import annotations
 
 #: The resize filters of :func:`hybrid_vla_ros.vehicle.image.preprocess` (a checkpoint's ``image_resize``):
 #:
 #: * ``area``: OpenCV ``cv2.resize(..., interpolation=cv2.INTER_AREA)`` (each output pixel the mean of the input
-#:   area it covers, fractional edges weighted; rounded to uint8). The default, and all this package did before.
+#:   area it covers, fractional edges weighted; rounded to uint8). The default.
 #: * ``bilinear`` / ``bicubic``: ``torch.nn.functional.interpolate(..., antialias=True)`` on the uint8 image (torch's
 #:   separable uint8 kernels, vectorised for channels-last RGB), which follow Pillow's ``Image.resize`` with
 #:   ``BILINEAR`` / ``BICUBIC`` (the filters Hugging Face image processors name with ``resample`` 2 / 3): on the

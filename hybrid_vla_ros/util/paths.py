@@ -1,7 +1,4 @@
-"""Where the package's own files are: the source tree's, else an installed ``share/hybrid_vla_ros``.
-
-A colcon (ament_python) install keeps the Python code in ``site-packages`` and the launch, config, schema
-and data files under ``<prefix>/share/hybrid_vla_ros``; a source checkout has them beside the package.
+"""Where the package's own files are: the source tree's, else a colcon install's ``<prefix>/share/hybrid_vla_ros``.
 Nothing here imports ROS: the ament index is a folder tree, read directly.
 """
 from __future__ import annotations
@@ -16,9 +13,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def share_directory(package: str) -> Path:
-    """``<prefix>/share/<package>`` of the first prefix in ``AMENT_PREFIX_PATH`` whose ament index registers
-    ``package`` (what ``ament_index_python.get_package_share_directory`` returns, read here without it), else
-    this interpreter's prefix (the venv) when it holds ``share/<package>``. Raises LookupError when none has it."""
+    """``<prefix>/share/<package>`` of the first ``AMENT_PREFIX_PATH`` prefix whose ament index registers it (as
+    ``ament_index_python.get_package_share_directory``), else of ``sys.prefix`` if there. LookupError otherwise."""
     prefixes = [p for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p]
     for prefix in prefixes:
         marker = Path(prefix) / "share" / "ament_index" / "resource_index" / "packages" / package
@@ -32,9 +28,8 @@ def share_directory(package: str) -> Path:
 
 
 def package_file(*parts: str) -> Path:
-    """A file or folder shipped with the package (``config/...``, ``data/...``, ``schema/...``): the source
-    tree's when it exists, else the installed ``share/hybrid_vla_ros`` copy. Returns the source-tree path
-    when neither exists (callers report it missing with that path)."""
+    """A file or folder shipped with the package (``config/...``, ``data/...``): the source tree's, else the
+    installed copy, else the (missing) source-tree path."""
     local = REPO_ROOT.joinpath(*parts)
     if local.exists():
         return local
@@ -55,9 +50,8 @@ CACHE_ENV = "HYBRID_VLA_CACHE"
 
 
 def cache_dir() -> Path:
-    """Folder for artifacts this package builds and may reuse (compiled suffix models, exported GGUF files):
-    ``$HYBRID_VLA_CACHE``, else ``$XDG_CACHE_HOME/hybrid_vla_ros``, else ``~/.cache/hybrid_vla_ros``. Not
-    created here."""
+    """Folder for reusable build artifacts: ``$HYBRID_VLA_CACHE``, else ``$XDG_CACHE_HOME/hybrid_vla_ros``, else
+    ``~/.cache/hybrid_vla_ros`` (not created)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -65,12 +59,8 @@ def cache_dir() -> Path:
 
 
 def output_file_problem(path: str | os.PathLike, create_parents: bool = False) -> str:
-    """Why a file cannot be written at ``path``, checked before any work is done; ``""`` when it can.
-
-    The file must not be a folder (nor an existing read-only file), and its folder must exist and be writable;
-    with ``create_parents`` a missing folder is fine when :func:`output_dir_problem` accepts it (the writer
-    creates it with its parents). Nothing is created here.
-    """
+    """Why a file cannot be written at ``path`` (a folder, read-only, its folder missing or not writable), checked
+    before any work; ``""`` when it can. ``create_parents``: judge the folder by :func:`output_dir_problem`."""
     p = Path(path)
     if p.is_dir():
         return f"{p} is a folder, not a file"
@@ -89,8 +79,8 @@ def output_file_problem(path: str | os.PathLike, create_parents: bool = False) -
 
 
 def output_dir_problem(path: str | os.PathLike) -> str:
-    """Why a folder cannot be used (or created, with its parents) at ``path`` for output; ``""`` when it can: an
-    existing ``path`` must be a writable folder, else its nearest existing ancestor must be. Nothing is created."""
+    """Why a folder cannot be used (or created, with its parents) at ``path`` for output; ``""`` when it can (a
+    writable folder, or its nearest existing ancestor is one)."""
     p = Path(path)
     if p.exists():
         if not p.is_dir():

@@ -1,10 +1,8 @@
 """A child process that ends with the process that started it.
 
-:func:`~hybrid_vla_ros.tools.node_processes.launch_node` starts the nodes in their own session (a terminal's
-Ctrl-C reaches them only through the replay), so nothing would stop them if the replay itself were killed.
-It names itself in ``EXIT_WITH_PARENT_ENV``; a node that finds its parent's pid there asks the kernel for
-SIGTERM when that parent exits (``prctl(PR_SET_PDEATHSIG)``, Linux, man 2 prctl) and shuts down as it does on
-any SIGTERM. Started any other way (``ros2 launch``, ``ros2 run``) the variable is unset and nothing changes.
+:func:`~hybrid_vla_ros.tools.node_processes.launch_node` starts the nodes in their own session, so nothing would
+stop them if the replay were killed; it puts its pid in ``EXIT_WITH_PARENT_ENV``, and a node that finds it there
+asks for SIGTERM when that parent exits (``prctl(PR_SET_PDEATHSIG)``, Linux, man 2 prctl).
 """
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def exit_with_parent() -> bool:
-    """If ``EXIT_WITH_PARENT_ENV`` holds a pid, have the kernel send this process SIGTERM when its parent exits,
-    and send it now if the parent is no longer that pid (it exited before this call). Returns True when the
-    request is in place; False where the variable is unset or not a pid, or off Linux (nothing is done)."""
+    """If ``EXIT_WITH_PARENT_ENV`` holds a pid, get SIGTERM when the parent exits (now, if it already has).
+    Returns whether the request is in place (False: unset, not a pid, or off Linux; nothing done)."""
     value = os.environ.get(EXIT_WITH_PARENT_ENV, "")
     if not value.isdigit() or not sys.platform.startswith("linux"):
         return False

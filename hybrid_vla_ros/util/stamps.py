@@ -1,8 +1,6 @@
-"""Stamps: ``builtin_interfaces/msg/Time`` (``int32 sec``, ``uint32 nanosec``) to and from integer nanoseconds.
-
-The one home of this arithmetic. Duck-typed: any object with ``sec`` and ``nanosec`` works (an rclpy message,
-a rosbags one, a test stand-in), so nothing here imports ROS. Integer arithmetic only: a float of
-nanoseconds since the epoch loses precision (2**53 ns is 104 days).
+"""``builtin_interfaces/msg/Time`` (``int32 sec``, ``uint32 nanosec``) to and from integer ns, for any object with
+``sec`` and ``nanosec`` (no ROS import). Integers only: a float of ns since the epoch loses precision (2**53 ns is
+104 days).
 """
 from __future__ import annotations
 
@@ -13,11 +11,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def stamp_to_ns(time_msg, what: str = "stamp", *, allow_negative: bool = True) -> int:
-    """``sec * 1e9 + nanosec`` of a Time / Duration (any object with ``sec``, ``nanosec``), exactly.
-
-    Raises ValueError naming ``what`` for ``nanosec`` outside [0, 1e9), or for a negative result when
-    ``allow_negative`` is False (``int32 sec`` may be negative on the wire).
-    """
+    """``sec * 1e9 + nanosec`` of a Time / Duration, exactly. Raises ValueError naming ``what`` for ``nanosec``
+    outside [0, 1e9), or a negative result unless ``allow_negative``."""
     sec, nanosec = int(time_msg.sec), int(time_msg.nanosec)
     if not 0 <= nanosec < NS_PER_S:
         raise ValueError(f"{what} nanosec {nanosec} outside [0, 1e9)")
@@ -33,11 +28,8 @@ def header_stamp_ns(msg, what: str = "stamp") -> int:
 
 
 def split_ns(ns: int, what: str = "stamp") -> tuple[int, int]:
-    """``(sec, nanosec)`` of ``ns`` >= 0 for a Time / Duration message.
-
-    Raises ValueError for a negative value or seconds beyond int32 (year 2038), TypeError for a
-    non-integer (use ``int(...)``; floats lose nanoseconds).
-    """
+    """``(sec, nanosec)`` of ``ns`` >= 0. Raises ValueError for a negative value or seconds beyond int32 (year
+    2038), TypeError for a non-integer (floats lose nanoseconds)."""
     ns = operator.index(ns)
     if ns < 0:
         raise ValueError(f"{what} must be >= 0 ns, got {ns}")

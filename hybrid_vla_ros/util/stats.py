@@ -1,5 +1,4 @@
-"""Sample summaries (percentiles), counters and rolling latency windows: the one home of these statistics,
-used by the nodes' diagnostics, the replay report, the soak script and the bench."""
+"""Sample summaries (percentiles), counters and rolling latency windows."""
 from __future__ import annotations
 
 import threading
@@ -12,12 +11,8 @@ SUMMARY_KEYS = ("n", "p50", "p90", "p99", "mean", "min", "max")
 
 
 def percentiles(values, *, finite_only: bool = False) -> dict:
-    """Summary of a sample: ``n``, ``p50``, ``p90``, ``p99``, ``mean``, ``min``, ``max`` (the values' unit).
-
-    Percentiles are numpy's default linear interpolation between order statistics (type 7 of Hyndman and
-    Fan, 1996). ``finite_only`` leaves NaN / inf out first. An empty sample gives ``n`` 0 and None for the
-    rest (valid JSON, unlike NaN).
-    """
+    """:data:`SUMMARY_KEYS` of a sample, in its unit: numpy's linear interpolation (Hyndman and Fan's type 7).
+    ``finite_only`` drops NaN / inf first. An empty sample gives ``n`` 0 and None for the rest (valid JSON)."""
     v = np.asarray([float(x) for x in values], dtype=np.float64)
     if finite_only:
         v = v[np.isfinite(v)]
@@ -29,11 +24,7 @@ def percentiles(values, *, finite_only: bool = False) -> dict:
 
 
 class StageTimes:
-    """Thread-safe rolling window of per-stage durations in milliseconds.
-
-    ``add(stage, ms)`` records one sample; ``summary()`` returns ``{stage: {"n", "p50", "p90",
-    "mean", "max"}}`` over the last ``window`` samples of each stage (ms).
-    """
+    """Thread-safe rolling window of the last ``window`` durations (ms) of each stage."""
 
     def __init__(self, window: int = 1000):
         self._window = window

@@ -2,21 +2,14 @@
 each camera's ``sensor_msgs/CameraInfo`` and the static transforms from ``base_link`` to the cameras' optical frames
 (``/tf_static``).
 
-Frames (REP 103 / REP 105; Autoware):
-  * ``base_link``: x forward, y left, z up; Autoware puts it at the rear axle's centre on the ground;
-  * a camera's optical frame (``CameraInfo.header.frame_id``): x right, y down, z along the optical axis;
-  * the **model frame** of the published models: their training data's lidar frame (Bench2Drive), x right,
-    y forward, z up. Its pose in ``base_link`` is the rotation below and an origin the user gives
-    (:class:`ModelFrame`): the published lidar sits 1.84 m above the ground and 0.39 m behind the vehicle's centre
-    (Bench2Drive's ``lidar2ego``), so on a car whose base_link is the rear axle the origin is about
-    (wheelbase / 2 - 0.39, 0, 1.84) m.
+Frames: ``base_link`` x forward, y left, z up (Autoware: rear axle centre on the ground); a camera's optical
+frame (``CameraInfo.header.frame_id``) x right, y down, z forward; the **model frame** is the published models'
+Bench2Drive lidar frame, x right, y forward, z up, placed by :class:`ModelFrame` (with base_link at the rear axle
+its origin is about (wheelbase / 2 - 0.39, 0, 1.84) m).
 
-``lidar2img`` of camera i = K'_i (4 x 4) @ T(optical_i <- model), with K'_i the camera matrix of the *model image*
-(the camera pipeline's crop and resize applied to CameraInfo's ``p[:3, :3]``; :func:`model_image_intrinsics`) and
-T(optical_i <- model) = inverse(T(base_link <- optical_i)) @ T(base_link <- model). The published pipeline builds it
-the same way from its dataset's ``cam_intrinsic`` and ``lidar2cam``.
-
-No ROS imports: the readers take any object with the message's fields.
+``lidar2img`` of camera i = K'_i (4 x 4) @ inverse(T(base_link <- optical_i)) @ T(base_link <- model), K'_i the
+model image's camera matrix (:func:`model_image_intrinsics`), as the published pipeline builds it from
+``cam_intrinsic`` and ``lidar2cam``. No ROS imports: readers take any object with the message's fields.
 """
 from __future__ import annotations
 
@@ -30,18 +23,17 @@ import numpy as np
 from ..util.image_filters import RESIZE_FILTERS
 from .image import orion_crop_geometry
 
-#: Rotation of the model frame's axes in base_link: model x (right) = -y_base, model y (forward) = x_base,
-#: model z = z_base. Columns are the model axes written in base_link.
+#: Rotation of the model frame in base_link; columns are the model axes (x = -y_base, y = x_base, z = z_base).
 MODEL_AXES_IN_BASE_LINK = np.array([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
-#: Where the published models' lidar (the model frame's origin) sits relative to the vehicle's centre on the
-#: ground, metres, base_link axes (Bench2Drive's ``lidar2ego``: 0.39 m behind, 1.84 m up).
+#: The published lidar (model frame origin) from the vehicle's centre on the ground, m, base_link axes
+#: (Bench2Drive's ``lidar2ego``).
 PUBLISHED_LIDAR_FROM_VEHICLE_CENTRE = (-0.39, 0.0, 1.84)
 
 
 @dataclass(frozen=True)
 class ModelFrame:
-    """The model frame's pose in base_link: axes :data:`MODEL_AXES_IN_BASE_LINK`, origin ``origin`` (x, y, z)
-    metres in base_link. Raises ValueError for a non-finite origin."""
+    """The model frame's pose in base_link: axes :data:`MODEL_AXES_IN_BASE_LINK`, ``origin`` (x, y, z) m.
+    Raises ValueError for a non-finite origin."""
 
     origin: tuple[float, float, float]
 
@@ -59,9 +51,8 @@ class ModelFrame:
 
 @dataclass(frozen=True, eq=False)
 class CameraIntrinsics:
-    """One camera as its CameraInfo describes it: ``k`` (3, 3) float64, the camera matrix of the rectified
-    ``width`` x ``height`` image in pixels (the CameraInfo's ``p[:3, :3]``), ``frame_id`` (the optical frame).
-    Two are equal when every field is (the matrices element for element)."""
+    """One camera: ``k`` (3, 3) float64, CameraInfo's ``p[:3, :3]`` for the rectified ``width`` x ``height`` px
+    image, and its optical ``frame_id``. Equality compares ``k`` element-wise."""
 
     k: np.ndarray
     width: int
@@ -78,15 +69,13 @@ class CameraIntrinsics:
 
 
 def camera_intrinsics_from_info(msg) -> CameraIntrinsics:
-    """Read a ``sensor_msgs/msg/CameraInfo`` (or an object with its fields) for the camera's *rectified* image, the
-    one the published models take: its camera matrix is ``p[:3, :3]`` (sensor_msgs/CameraInfo.msg: "P ... specifies
-    the intrinsic (camera) matrix of the processed (rectified) image", as image_geometry's PinholeCameraModel reads
-    it); ``k`` and ``d`` describe the raw image and are not used, so the node must subscribe to the rectified image
-    (image_proc's ``image_rect`` / ``image_rect_color``). Raises ValueError, naming the field, for: an empty
-    frame_id, a zero or negative image size, a ``p`` that is not 12 finite values of a pinhole projection (fx, fy
-    > 0, last row (0, 0, 1, 0)), a stereo pair's second camera (p's Tx, Ty not 0: its projection is from the
-    first camera's frame), binning or a region of interest (the image would not be the described one), or a
-    principal point outside the image."""
+    """A ``sensor_msgs/msg/CameraInfo``'s *rectified* camera matrix ``p[:3, :3]`` (as image_geometry's
+    PinholeCameraModel reads it; ``k``/``d`` describe the raw image), so the node needs ``image_rect``.
+
+    Raises ValueError, naming the field, for an empty frame_id, a size <= 0, a ``p`` that is not a finite pinhole
+    projection (fx, fy > 0, last row (0, 0, 1, 0)), a stereo second camera (Tx, Ty != 0), binning, a region of
+    interest, or a principal point outside the image.
+    """
     frame = msg.header.frame_id.strip() if isinstance(msg.header.frame_id, str) else ""
     if not frame:
         raise ValueError("camera_info has an empty header.frame_id: the camera's optical frame is needed to place it")
@@ -125,10 +114,8 @@ def camera_intrinsics_from_info(msg) -> CameraIntrinsics:
 
 
 def model_image_intrinsics(cam: CameraIntrinsics, size: int, resize: str) -> np.ndarray:
-    """(3, 3) float64 camera matrix of the S x S model image made from this camera by the camera pipeline
-    ``resize`` (a checkpoint's ``image_resize``): ``orion_crop`` scales, crops and stretches
-    (:meth:`~hybrid_vla_ros.vehicle.image.CropResize.intrinsics`); the plain resizes (``area``, ``bilinear``,
-    ``bicubic``) stretch the whole image, diag(S / width, S / height, 1) @ k."""
+    """(3, 3) float64 camera matrix of the S x S model image after the ``image_resize`` pipeline ``resize``
+    (:meth:`~hybrid_vla_ros.vehicle.image.CropResize.intrinsics`, or diag(S / width, S / height, 1) @ k)."""
     if resize not in RESIZE_FILTERS:
         raise ValueError(f"image_resize {resize!r} is not one of {', '.join(RESIZE_FILTERS)}")
     if resize == "orion_crop":
@@ -147,9 +134,8 @@ def _quaternion_matrix(x: float, y: float, z: float, w: float) -> np.ndarray:
 
 
 def transform_matrix(translation, rotation) -> np.ndarray:
-    """(4, 4) float64 from a ``geometry_msgs`` translation (x, y, z) and rotation quaternion (x, y, z, w) (objects
-    with those fields). Raises ValueError for non-finite values or a quaternion that is not a unit one (norm off
-    by more than 1e-3; within that it is normalised)."""
+    """(4, 4) float64 from a ``geometry_msgs`` translation and rotation. Raises ValueError for non-finite values
+    or a quaternion norm off 1 by more than 1e-3 (within that it is normalised)."""
     t = np.array([float(translation.x), float(translation.y), float(translation.z)])
     if not np.isfinite(t).all():
         raise ValueError(f"translation {t.tolist()} is not finite")
@@ -160,12 +146,8 @@ def transform_matrix(translation, rotation) -> np.ndarray:
 
 
 class StaticTransforms:
-    """The static transform tree of ``tf2_msgs/TFMessage`` messages (``/tf_static``), for lookups from one frame
-    to another through their common parents. Frame names are compared without a leading '/'.
-
-    :meth:`add` takes a message's ``transforms`` (``geometry_msgs/TransformStamped``: ``header.frame_id`` the parent,
-    ``child_frame_id`` the child, ``transform`` the child's pose in the parent); a child given again takes the newer
-    transform (as tf2 does for static transforms). :meth:`lookup` answers T(target <- source)."""
+    """The static transform tree of ``/tf_static`` ``tf2_msgs/TFMessage`` messages; frame names compared without a
+    leading '/'. A child given again takes the newer transform, as tf2 does."""
 
     def __init__(self) -> None:
         self._parent: dict[str, tuple[str, np.ndarray]] = {}
@@ -175,10 +157,8 @@ class StaticTransforms:
         return str(frame).strip().lstrip("/")
 
     def add(self, msg) -> tuple[int, list[str]]:
-        """Add the transforms of a TFMessage; returns (how many were added, the problems of those left out). A
-        transform with an empty frame name, a frame that is its own parent, or a bad translation / rotation is
-        left out, named in its problem line; the message's other transforms are added (as tf2's buffer does:
-        robot_state_publisher sends every fixed joint in one message)."""
+        """Add a TFMessage's transforms; returns (number added, a problem line per transform left out: empty or
+        self-parent frames, bad pose). The others are still added, as tf2's buffer does."""
         added, problems = 0, []
         for tr in msg.transforms:
             try:
@@ -196,11 +176,11 @@ class StaticTransforms:
 
     @property
     def frames(self) -> set[str]:
-        """Every frame named so far (parents and children)."""
+        """Every frame named so far."""
         return set(self._parent) | {p for p, _ in self._parent.values()}
 
     def _to_root(self, frame: str) -> list[tuple[str, np.ndarray]]:
-        """[(frame, T(frame's root <- frame))] along the chain from ``frame`` to its root (the root last)."""
+        """[(f, T(f <- frame))] for each f from ``frame`` up to its root."""
         chain, t, seen = [(frame, np.eye(4))], np.eye(4), {frame}
         while frame in self._parent:
             parent, pose = self._parent[frame]
@@ -213,8 +193,7 @@ class StaticTransforms:
         return chain
 
     def lookup(self, target: str, source: str) -> np.ndarray:
-        """T(target <- source), (4, 4) float64: maps points in ``source`` to ``target``. Raises LookupError naming
-        the frames when they are not connected (a missing static transform) and ValueError for a loop."""
+        """T(target <- source), (4, 4) float64. Raises LookupError when not connected, ValueError for a loop."""
         target, source = self._name(target), self._name(source)
         up_source = {f: t for f, t in self._to_root(source)}
         for frame, t_target in self._to_root(target):
@@ -226,10 +205,8 @@ class StaticTransforms:
 
 def lidar2img(cameras: list[CameraIntrinsics], tf: StaticTransforms, model: ModelFrame, size: int, resize: str,
               base_frame: str = "base_link") -> np.ndarray:
-    """(C, 4, 4) float64 ``lidar2img`` of the model images, camera order as ``cameras`` (module docstring). Raises
-    LookupError naming the camera whose optical frame is not connected to ``base_frame``, ValueError for a
-    camera pipeline that cannot take the camera (:func:`~hybrid_vla_ros.vehicle.image.orion_crop_geometry`), an
-    unknown ``resize`` or no camera."""
+    """(C, 4, 4) float64 ``lidar2img`` (module docstring), in ``cameras`` order. Raises LookupError naming an
+    unconnected camera, ValueError for no camera, an unknown ``resize`` or a camera the pipeline refuses."""
     if not cameras:
         raise ValueError("lidar2img needs at least one camera")
     base_model = model.in_base_link()
@@ -252,17 +229,14 @@ CAN_BUS_FIELDS = ("x", "y", "z", "qw", "qx", "qy", "qz", "vx", "vy", "vz", "ax",
 
 def ego_motion_inputs(x: float, y: float, z: float, yaw: float, speed: float, accel: float, yaw_rate: float,
                       model: ModelFrame) -> tuple[np.ndarray, np.ndarray]:
-    """The query heads' per-frame motion inputs from the vehicle's state at the camera stamp: base_link's position
-    (x, y, z, metres) and heading ``yaw`` (rad, counter-clockwise from the odometry frame's +x) in the odometry
-    frame, its longitudinal ``speed`` (m/s), ``accel`` (m/s^2) and ``yaw_rate`` (rad/s).
+    """The query heads' motion inputs from base_link's odometry-frame pose (m, rad) and its ``speed`` (m/s),
+    ``accel`` (m/s^2), ``yaw_rate`` (rad/s) at the camera stamp.
 
-    Returns ``(ego_pose, can_bus)``, float64: ``ego_pose`` (4, 4) is T(odometry frame <- model frame) (published
-    ``ego_pose``, "lidar to global": base_link's planar pose times :meth:`ModelFrame.in_base_link`; roll and pitch
-    are taken as zero, as the published can-bus's yaw-only rotation does); ``can_bus`` (18,) in the published order
-    (:data:`CAN_BUS_FIELDS`; MindDrive's ``B2D_minddrive_Dataset``): translation, the yaw quaternion (w, x, y, z),
-    velocity, acceleration and angular rate in base_link (a ROS vehicle gives the longitudinal speed and
-    acceleration and the yaw rate; the other components are 0), the yaw in [0, 2 pi) and in degrees. Raises
-    ValueError for a non-finite value."""
+    Returns float64 ``(ego_pose, can_bus)``: ``ego_pose`` (4, 4) = T(odometry <- model) (published "lidar to
+    global"; roll and pitch zero, as the published yaw-only can-bus); ``can_bus`` (18,) in :data:`CAN_BUS_FIELDS`
+    order, the unmeasured velocity, acceleration and rate components 0, yaw in [0, 2 pi). Raises ValueError for a
+    non-finite value.
+    """
     values = (x, y, z, yaw, speed, accel, yaw_rate)
     if not all(math.isfinite(float(v)) for v in values):
         raise ValueError(f"ego state has a non-finite value: {values}")
@@ -280,8 +254,7 @@ CALIBRATION_CAUSES = ("no_camera_info", "bad_camera_info", "camera_size_mismatch
 
 
 class CalibrationError(LookupError):
-    """A frame's camera geometry cannot be made: ``args`` = (cause, one of :data:`CALIBRATION_CAUSES`; the reason,
-    naming the camera)."""
+    """A frame's camera geometry cannot be made: ``args`` = (cause in :data:`CALIBRATION_CAUSES`, reason)."""
 
     @property
     def cause(self) -> str:
@@ -293,10 +266,8 @@ class CalibrationError(LookupError):
 
 
 def check_optical_frame(base_cam: np.ndarray, frame: str) -> None:
-    """Raise ValueError unless T(base_link <- camera frame) ``base_cam`` (4, 4) looks like an *optical* frame (x
-    right, y down, z along the view; REP 103's ``_optical`` suffix): its z axis within 45 degrees of horizontal and
-    its y axis pointing down. A body-convention camera frame (x forward, z up: ``camera_link`` instead of
-    ``camera_optical_link``) fails, and would otherwise give a geometry turned by 90 degrees."""
+    """Raise ValueError unless T(base_link <- camera) ``base_cam`` (4, 4) is an *optical* frame (z within 45 deg of
+    horizontal, y down): a body-convention ``camera_link`` would turn the geometry by 90 degrees."""
     z_axis, y_axis = base_cam[:3, 2], base_cam[:3, 1]
     if abs(z_axis[2]) > math.sqrt(0.5) or y_axis[2] > -math.sqrt(0.5):
         raise ValueError(
@@ -306,14 +277,13 @@ def check_optical_frame(base_cam: np.ndarray, frame: str) -> None:
 
 
 class CameraCalibration:
-    """The latest calibration of a camera rig, for the ``lidar2img`` of each frame: one CameraInfo per camera and
-    the static transforms. Thread-safe: ROS callbacks call :meth:`set_camera_info` / :meth:`add_static_transforms`,
-    the prefix's worker :meth:`lidar2img`, which is computed again only after the calibration changed.
+    """The latest CameraInfo per camera (``n_cameras``, model order) and static transforms, for each frame's
+    ``lidar2img`` (``size`` px, ``resize`` = ``image_resize``).
 
-    ``n_cameras`` cameras in model order; ``model``: the model frame in ``base_frame``; ``size`` / ``resize``: the
-    model image side (px) and the checkpoint's ``image_resize``. A CameraInfo that cannot be used replaces that
-    camera's calibration until a good one comes (frames are dropped meanwhile, never computed with an older or
-    made-up one)."""
+    Thread-safe: ROS callbacks feed it, the prefix worker calls :meth:`lidar2img` (recomputed only after a
+    change). An unusable CameraInfo replaces that camera's calibration until a good one comes: frames are
+    dropped meanwhile, never computed with an older one.
+    """
 
     def __init__(self, n_cameras: int, model: ModelFrame, size: int, resize: str, base_frame: str = "base_link"):
         if n_cameras < 1:
@@ -332,9 +302,7 @@ class CameraCalibration:
         self.static_transforms = 0  # static transforms added
 
     def set_camera_info(self, cam: int, msg) -> str | None:
-        """Take camera ``cam``'s CameraInfo (:func:`camera_intrinsics_from_info`). Returns None when it is usable,
-        else the reason (that camera then has no calibration until a usable one arrives). A message equal to the
-        one in use changes nothing."""
+        """Take camera ``cam``'s CameraInfo; returns None when usable, else the reason."""
         try:
             new: CameraIntrinsics | str = camera_intrinsics_from_info(msg)
         except (ValueError, TypeError, AttributeError) as e:
@@ -347,8 +315,7 @@ class CameraCalibration:
         return new if isinstance(new, str) else None
 
     def add_static_transforms(self, msg) -> list[str]:
-        """Add a ``tf2_msgs/TFMessage``'s transforms (:meth:`StaticTransforms.add`); returns the problems of the
-        transforms left out (one line each, [] when all were added)."""
+        """Add a TFMessage's transforms; returns the problem lines of :meth:`StaticTransforms.add`."""
         with self._lock:
             n, problems = self._tf.add(msg)
             self.static_transforms += n
@@ -356,12 +323,10 @@ class CameraCalibration:
         return problems
 
     def lidar2img(self, image_sizes: list[tuple[int, int] | None] | None = None) -> np.ndarray:
-        """(C, 4, 4) float64 ``lidar2img`` of the current calibration (:func:`lidar2img`). ``image_sizes``: each
-        camera's image (width, height) px in this frame, None where unknown: an image whose size is not its
-        CameraInfo's is refused (its camera matrix would not fit). Raises :class:`CalibrationError`, cause
-        ``no_camera_info`` (none received for a camera), ``bad_camera_info`` (the latest could not be used),
-        ``camera_size_mismatch``, ``no_camera_transform`` (no static transform path from ``base_frame`` to the
-        camera's frame) or ``bad_camera_transform`` (not an optical frame, :func:`check_optical_frame`; a loop)."""
+        """(C, 4, 4) float64 :func:`lidar2img` of the current calibration; ``image_sizes``: this frame's (width,
+        height) px per camera, None where unknown. Raises :class:`CalibrationError`: ``no_camera_info``,
+        ``bad_camera_info``, ``camera_size_mismatch`` (image size differs from CameraInfo's),
+        ``no_camera_transform`` or ``bad_camera_transform`` (not optical, or a loop)."""
         with self._lock:
             version, cameras = self._version, list(self._cameras)
             cached = self._cached

@@ -1,21 +1,9 @@
 """Ego-state model input at a camera stamp: speed, longitudinal acceleration and yaw rate.
 
-A checkpoint with ``ego_state_input`` takes one ego token built from :data:`config.EGO_FEATURES`:
-speed (m/s, signed, along ``base_link`` +x), longitudinal acceleration (m/s^2) and yaw rate (rad/s,
-counter-clockwise about +z), all *at the instant the cameras fired*. Autoware publishes them on two
-topics:
-
-* ``/localization/kinematic_state`` (``nav_msgs/msg/Odometry``, about 50 Hz): the twist is in the
-  child frame ``base_link`` (Odometry.msg, REP 105), so the speed is ``twist.twist.linear.x`` and the
-  yaw rate ``twist.twist.angular.z``;
-* ``/localization/acceleration`` (``geometry_msgs/msg/AccelWithCovarianceStamped``, from
-  ``autoware_twist2accel``): the longitudinal acceleration is ``accel.accel.linear.x``.
-
-:class:`EgoInputBuffer` keeps a bounded history of both and answers :meth:`~EgoInputBuffer.ego_state_at`.
-When no acceleration sample lies near the stamp (a bag recorded without that topic, or a stack that does
-not run twist2accel), the acceleration is the finite difference of the kinematic speeds around the
-stamp, as twist2accel computes it from consecutive twists (its dt floor of 1 ms included; its low-pass
-filter is not reproduced). No ROS imports: the message readers below take any object with the fields.
+A checkpoint with ``ego_state_input`` takes :data:`config.EGO_FEATURES` at the instant the cameras fired, from
+Autoware's ``/localization/kinematic_state`` (Odometry, twist in ``base_link``) and ``/localization/acceleration``
+(``autoware_twist2accel``). Without an acceleration sample near the stamp, the speeds' finite difference is used,
+as twist2accel computes it (its 1 ms dt floor, not its low-pass filter). No ROS imports.
 """
 from __future__ import annotations
 
@@ -37,11 +25,9 @@ _MIN_DT_NS = 1_000_000  # 1 ms floor of the finite-difference step, as autoware_
 
 
 def kinematic_sample_from_odometry(msg) -> tuple[int, float, float]:
-    """(stamp ns, speed m/s, yaw rate rad/s) of a ``nav_msgs/msg/Odometry`` (or any object with its fields).
+    """(stamp ns, speed m/s, yaw rate rad/s) of a ``nav_msgs/msg/Odometry``.
 
-    Speed is ``twist.twist.linear.x`` and yaw rate ``twist.twist.angular.z``: the Odometry twist is in
-    ``child_frame_id`` (``base_link``). Raises ValueError for a bad stamp or non-finite values,
-    AttributeError when a field is missing.
+    Raises ValueError for a bad stamp or non-finite values, AttributeError when a field is missing.
     """
     stamp = header_stamp_ns(msg, "odometry stamp")
     speed, yaw_rate = float(msg.twist.twist.linear.x), float(msg.twist.twist.angular.z)
@@ -53,7 +39,6 @@ def kinematic_sample_from_odometry(msg) -> tuple[int, float, float]:
 def acceleration_sample_from_msg(msg) -> tuple[int, float]:
     """(stamp ns, longitudinal acceleration m/s^2) of a ``geometry_msgs/msg/AccelWithCovarianceStamped``.
 
-    The acceleration is ``accel.accel.linear.x`` (``base_link`` +x, as autoware_twist2accel publishes it).
     Raises ValueError for a bad stamp or a non-finite value, AttributeError when a field is missing.
     """
     stamp = header_stamp_ns(msg, "acceleration stamp")
@@ -64,8 +49,7 @@ def acceleration_sample_from_msg(msg) -> tuple[int, float]:
 
 
 def _value_at(series: StampedSeries, stamp_ns: int, max_age_ns: int) -> tuple[float, ...] | None:
-    """Values at ``stamp_ns``: linear interpolation between the two samples bracketing it when both are
-    within ``max_age_ns``, else the nearest sample within ``max_age_ns``, else None."""
+    """Values at ``stamp_ns``, interpolated or held (see :meth:`EgoInputBuffer.ego_state_at`), else None."""
     s, v = series.stamps, series.items
     lo, hi = series.bracket(stamp_ns)
     if lo is not None and lo == hi:
@@ -81,11 +65,9 @@ def _value_at(series: StampedSeries, stamp_ns: int, max_age_ns: int) -> tuple[fl
 
 
 def _slope(series: StampedSeries, stamp_ns: int, max_age_ns: int, index: int = 0) -> float | None:
-    """d(values[index])/dt (per s) around ``stamp_ns`` from two samples within ``max_age_ns`` of it.
+    """d(values[index])/dt (per s) at ``stamp_ns`` from two samples within ``max_age_ns``, None without a pair.
 
-    Preference: the samples just before and just after the stamp (central); with a sample exactly at
-    the stamp, it and its neighbour; else the two nearest on the one side that has samples (as a
-    live estimator such as twist2accel differentiates the two latest). None when no such pair.
+    Prefers the central pair, then a pair with a sample at the stamp, then the two nearest on one side.
     """
     s, v = series.stamps, series.items
     n = len(s)
@@ -108,13 +90,10 @@ def _slope(series: StampedSeries, stamp_ns: int, max_age_ns: int, index: int = 0
 
 
 class EgoInputBuffer:
-    """Thread-safe, bounded history of kinematic samples (speed m/s, yaw rate rad/s) and acceleration
-    samples (m/s^2), each stamped in ns; gives the model's ego state at a camera stamp.
+    """Thread-safe, bounded history of kinematic and acceleration samples; the ego state at a camera stamp.
 
-    Subscription callbacks call :meth:`add_kinematic` / :meth:`add_acceleration`; the worker calls
-    :meth:`wait_for` (bounded) and then :meth:`ego_state_at`. A sample more than ``jump_back_ns`` older
-    than the newest of its own stream means the clock jumped back (bag restarted, clock reset, or
-    earlier stamps in the future): both streams are cleared first and ``time_jumps`` counts it.
+    A sample more than ``jump_back_ns`` older than its stream's newest means the clock jumped back: both
+    streams are cleared first and ``time_jumps`` counts it. An equal stamp replaces the older sample.
     """
 
     def __init__(self, maxlen: int = 256, jump_back_ns: int = _NS_PER_S):
@@ -126,7 +105,7 @@ class EgoInputBuffer:
 
     @property
     def time_jumps(self) -> int:
-        """Times both streams were cleared because a clock jumped back."""
+        """Times both streams were cleared for a clock jump."""
         return self._buf.time_jumps
 
     @staticmethod
@@ -139,44 +118,28 @@ class EgoInputBuffer:
         return int(stamp_ns), tuple(float(v) for v in values.values())
 
     def add_kinematic(self, stamp_ns: int, speed_mps: float, yaw_rate_radps: float) -> None:
-        """Add one kinematic sample: stamp (ns), speed (m/s, base_link +x), yaw rate (rad/s).
-
-        An equal stamp replaces the older sample. Raises ValueError (nothing stored) for a negative or
-        non-integer stamp or a non-finite value.
-        """
+        """Add a kinematic sample. Raises ValueError (nothing stored) for a bad stamp or a non-finite value."""
         stamp, values = self._check(stamp_ns, {"speed_mps": speed_mps, "yaw_rate_radps": yaw_rate_radps})
         self._buf.add("kinematic", stamp, values)
 
     def add_acceleration(self, stamp_ns: int, accel_mps2: float) -> None:
-        """Add one longitudinal acceleration sample: stamp (ns), acceleration (m/s^2).
-
-        An equal stamp replaces the older sample. Raises ValueError (nothing stored) for a negative or
-        non-integer stamp or a non-finite value.
-        """
+        """Add an acceleration sample. Raises ValueError (nothing stored) for a bad stamp or a non-finite value."""
         stamp, values = self._check(stamp_ns, {"accel_mps2": accel_mps2})
         self._buf.add("acceleration", stamp, values)
 
     def wait_for(self, stamp_ns: int, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` (s) until a kinematic sample at or after ``stamp_ns`` is buffered, so the
-        speed and yaw rate can be interpolated; True if one is. The acceleration stream is not waited for
-        (it may not exist: then the speeds give the acceleration)."""
+        """Wait up to ``timeout_s`` (s) for a kinematic sample at or after ``stamp_ns``; True if one is buffered.
+        The acceleration stream, which may not exist, is not waited for."""
         return self._buf.wait_for("kinematic", stamp_ns, timeout_s)
 
     def ego_state_at(self, stamp_ns: int, max_age_ns: int) -> tuple[np.ndarray, str]:
-        """The ego state at ``stamp_ns`` and how its acceleration was obtained.
+        """``(values, accel_source)`` at ``stamp_ns``: float32 (3,) in :data:`config.EGO_FEATURES` order, and one of
+        :data:`ACCEL_SOURCES`.
 
-        Returns ``(values, accel_source)``: ``values`` is a float32 array (3,) in :data:`config.EGO_FEATURES`
-        order, speed (m/s), longitudinal acceleration (m/s^2), yaw rate (rad/s); ``accel_source`` is
-        ``"measured"`` (acceleration samples) or ``"speed_difference"`` (the finite difference of the
-        speeds, used when no acceleration sample lies within ``max_age_ns``).
-
-        Speed, yaw rate and a measured acceleration are interpolated linearly between the two samples
-        that bracket the stamp when both lie within ``max_age_ns`` (ns) of it, else taken from the
-        nearest sample within ``max_age_ns`` (held, zero-order, not extrapolated along a slope). Nothing
-        is made up: raises LookupError with
-        cause ``"no_ego_state"`` (no kinematic sample at all), ``"stale_ego_state"`` (none within
-        ``max_age_ns``) or ``"no_acceleration"`` (no acceleration sample and fewer than two kinematic
-        samples within ``max_age_ns``), and ValueError for a negative ``max_age_ns``.
+        Values are interpolated between the bracketing samples when both lie within ``max_age_ns``, else held
+        from the nearest one within it (never extrapolated). Raises LookupError with cause ``no_ego_state``,
+        ``stale_ego_state`` or ``no_acceleration`` (neither a measured sample nor two speeds within
+        ``max_age_ns``), ValueError for a negative ``max_age_ns``.
         """
         if max_age_ns < 0:
             raise ValueError(f"max_age_ns must be >= 0, got {max_age_ns}")
@@ -197,5 +160,5 @@ class EgoInputBuffer:
         return np.array([speed, accel, yaw_rate], dtype=np.float32), source
 
     def clear(self) -> None:
-        """Forget every sample (e.g. at deactivate)."""
+        """Forget every sample."""
         self._buf.clear()

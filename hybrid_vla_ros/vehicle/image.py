@@ -1,27 +1,14 @@
 """Camera image decoding and model preprocessing, free of ROS imports.
 
-Everything here takes plain values (or duck-typed message objects that carry the fields of
-``sensor_msgs/msg/Image`` / ``sensor_msgs/msg/CompressedImage``) and returns numpy arrays in one
-fixed layout: ``(H, W, 3)`` ``uint8`` **RGB**, C-contiguous. Nothing in this module swaps channels
-silently: every input encoding has one documented conversion, and anything else raises
-:class:`ImageDecodeError`.
+Inputs are plain values or duck-typed ``sensor_msgs/msg/Image`` / ``CompressedImage`` objects; outputs are
+``(H, W, 3)`` ``uint8`` **RGB**, C-contiguous. Every encoding has one documented conversion; anything else
+raises :class:`ImageDecodeError`.
 
-Conventions and their sources
------------------------------
-* Encoding names and their byte layouts: ROS ``sensor_msgs/image_encodings.hpp`` (``rgb8``, ``bgr8``,
-  ``rgba8``, ``bgra8``, ``mono8``, ``mono16``, ``bayer_<pattern>8``, ``yuv422`` = UYVY,
-  ``yuv422_yuy2`` = YUYV, and the aliases ``uyvy`` / ``yuyv`` added in later distributions).
-* Row layout: ``sensor_msgs/msg/Image.msg`` -- ``step`` is the full row length in bytes (it may exceed
-  ``width * bytes_per_pixel``: the padding is ignored), ``data`` holds ``step * height`` bytes and
-  ``is_bigendian`` gives the byte order of multi-byte samples.
-* Bayer names: ROS names the 2x2 pattern at the image's top-left corner (``bayer_rggb8`` = R G / G B).
-  OpenCV's legacy ``COLOR_Bayer<XY>2*`` codes name the pattern that starts at pixel (1, 1), one row and
-  one column further in, so ROS ``rggb`` is OpenCV ``BayerBG``, ``bggr`` is ``BayerRG``, ``gbrg`` is
-  ``BayerGR`` and ``grbg`` is ``BayerGB`` (the same mapping cv_bridge uses; checked by a synthetic
-  red-scene test).
-* Compressed formats: ``sensor_msgs/msg/CompressedImage.msg`` (``format`` = ``jpeg`` / ``png``) and
-  image_transport's ``compressed_image_transport`` strings ``"<encoding>; <codec> compressed <target>"``
-  (e.g. ``"rgb8; jpeg compressed bgr8"``); the channel-order rule follows that package's subscriber.
+Sources: encoding names and layouts from ``sensor_msgs/image_encodings.hpp`` (``yuv422`` = UYVY,
+``yuv422_yuy2`` = YUYV, later aliases ``uyvy`` / ``yuyv``); ``step`` (row bytes, padding ignored) and
+``is_bigendian`` from ``Image.msg``. ROS names a Bayer pattern at the top-left pixel, OpenCV's legacy
+``COLOR_Bayer<XY>2*`` at pixel (1, 1), so ROS ``rggb`` is OpenCV ``BayerBG`` (as cv_bridge maps it).
+Compressed ``format`` strings and their channel order follow ``compressed_image_transport``'s subscriber.
 """
 
 from __future__ import annotations
@@ -83,7 +70,7 @@ _YUV = ("yuv422", "uyvy", "yuv422_yuy2", "yuyv")
 
 
 def _unsupported_reason(encoding: str) -> str:
-    """Explain why ``encoding`` is not accepted (used in the ImageDecodeError message)."""
+    """Why ``encoding`` is not accepted, for the ImageDecodeError message."""
     if _GENERIC_TYPE.match(encoding):
         return (
             f"{encoding!r} is a generic OpenCV-type encoding (image_encodings TYPE_*): it has no colour "
@@ -102,7 +89,7 @@ def _unsupported_reason(encoding: str) -> str:
 
 
 def _as_index(value, name: str) -> int:
-    """Coerce an integer-like field (Python or numpy int) to ``int``; anything else is an error."""
+    """An integer-like field as ``int``, else ImageDecodeError."""
     if isinstance(value, bool):
         raise ImageDecodeError(f"{name} must be an integer, got bool")
     try:
@@ -125,39 +112,17 @@ def _as_bytes_array(data, what: str) -> np.ndarray:
 def decode_image(
     encoding: str, height: int, width: int, step: int, is_bigendian: bool | int, data, copy: bool = True
 ) -> np.ndarray:
-    """Decode the fields of a ``sensor_msgs/msg/Image`` into an RGB array.
+    """The fields of a ``sensor_msgs/msg/Image`` as ``(height, width, 3)`` ``uint8`` RGB, written in one pass.
 
-    Args:
-        encoding: ROS encoding name (``sensor_msgs/image_encodings.hpp``); one of
-            :data:`SUPPORTED_ENCODINGS`: ``rgb8``, ``bgr8``, ``rgba8``, ``bgra8`` (alpha dropped),
-            ``mono8`` (grey replicated to 3 channels), ``mono16`` (high byte, i.e. ``value >> 8``, in the
-            byte order given by ``is_bigendian``, replicated), ``bayer_rggb8`` / ``bayer_bggr8`` /
-            ``bayer_gbrg8`` / ``bayer_grbg8`` (OpenCV bilinear demosaic; pattern named at the top-left
-            pixel as in ROS), ``yuv422`` / ``uyvy`` (U Y0 V Y1) and ``yuv422_yuy2`` / ``yuyv``
-            (Y0 U Y1 V), converted by OpenCV (``width`` must be even).
-        height: rows (pixels), > 0.
-        width: columns (pixels), > 0.
-        step: bytes per row including any padding, ``>= width * bytes_per_pixel``.
-        is_bigendian: byte order of 16-bit samples (only ``mono16`` uses it).
-        data: ``height * step`` bytes; any buffer-protocol object (``bytes``, ``array('B')`` as rclpy
-            gives it, a ``uint8`` ndarray as rosbags gives it, ``memoryview``). It is not modified, and the
-            result aliases it only for ``rgb8`` with ``copy=False``.
-        copy: ``rgb8`` only: False returns a view of ``data`` (rows of ``step`` bytes, padding skipped; no
-            pass over the pixels) that the caller must only read, valid while ``data`` lives and is not
-            changed -- what the prefix uses, since the message outlives the frame's preprocessing. Other
-            encodings convert anyway.
+    ``encoding`` is one of :data:`SUPPORTED_ENCODINGS`: alpha is dropped, grey replicated, ``mono16`` keeps its
+    high byte (order from ``is_bigendian``), Bayer is OpenCV's bilinear demosaic, 4:2:2 YUV needs an even
+    ``width``. ``data``: ``height * step`` bytes in any buffer (``array('B')`` from rclpy, ndarray from
+    rosbags), never modified. ``copy=False`` (``rgb8`` only): the result is a read-only view of ``data``, valid
+    while the message lives and is unchanged (the prefix uses it).
 
-    Returns:
-        ``(height, width, 3)`` ``uint8`` RGB. The input is read through a strided view (row padding skipped,
-        OpenCV takes padded rows without copying) and written once: a single copy for ``rgb8`` (C-contiguous,
-        newly allocated; none with ``copy=False``), a single colour conversion otherwise (``mono16`` only:
-        OpenCV first gathers the high bytes, which was faster than any single-pass alternative measured).
-
-    Raises:
-        ImageDecodeError: unknown or non-colour encoding (e.g. ``16UC1``, ``32FC1``: depth has no RGB
-            meaning), ``height`` or ``width`` <= 0, ``step < width * bytes_per_pixel``, ``len(data) !=
-            height * step`` (``Image.msg``: data size is step * rows), odd ``width`` for 4:2:2 YUV,
-            non-integer sizes or a ``data`` object that is not a byte buffer.
+    Raises ImageDecodeError for an unknown or non-colour encoding (``16UC1``, ``32FC1``), sizes <= 0 or not
+    integers, ``step < width * bytes_per_pixel``, ``len(data) != height * step``, an odd YUV width, or ``data``
+    that is not a byte buffer.
     """
     if not isinstance(encoding, str):
         raise ImageDecodeError(f"encoding must be a str, got {type(encoding).__name__}")
@@ -215,13 +180,10 @@ _COLOUR_ENCODINGS = ("rgb8", "rgba8", "rgb16", "rgba16", "bgr8", "bgra8", "bgr16
 
 
 def _parse_format(fmt: str) -> tuple[str, bool]:
-    """Return (codec, payload_is_bgr) for a CompressedImage ``format`` string.
+    """(codec, payload_is_bgr) of a CompressedImage ``format`` string, as compressed_image_transport reads it.
 
-    ``payload_is_bgr`` says whether the 3-channel matrix that OpenCV's decoder produces (B, G, R order
-    in memory for a normal colour JPEG/PNG) holds BGR, following compressed_image_transport's
-    subscriber: a bare ``jpeg``/``png`` or a non-colour original (mono, bayer, yuv -> compressed as
-    mono8) is BGR/grey; a colour original is BGR only if the string says ``compressed bgr...``,
-    otherwise the publisher stored RGB bytes and the decoded matrix already is RGB.
+    A bare ``jpeg``/``png`` or a non-colour original is BGR/grey; a colour original is BGR only when the string
+    says ``compressed bgr...``, else the publisher stored RGB bytes.
     """
     if not isinstance(fmt, str):
         raise ImageDecodeError(f"format must be a str, got {type(fmt).__name__}")
@@ -251,8 +213,7 @@ def _parse_format(fmt: str) -> tuple[str, bool]:
 
 
 def jpeg_size(buf: np.ndarray) -> tuple[int, int] | None:
-    """(height, width) in pixels from a JPEG's start-of-frame segment (ITU-T T.81, B.2.2), or None when
-    the markers before it are not well formed. ``buf``: the uint8 payload, starting with SOI."""
+    """(height, width) px from a JPEG's start-of-frame segment (ITU-T T.81, B.2.2), or None when malformed."""
     data = memoryview(buf)  # walks the marker segments in place, however long the APP/EXIF segments are
     i = 2
     while i + 9 <= len(data):
@@ -273,8 +234,7 @@ def jpeg_size(buf: np.ndarray) -> tuple[int, int] | None:
 
 
 def png_size(buf) -> tuple[int, int] | None:
-    """(height, width) in pixels from a PNG's IHDR chunk (the signature, then IHDR first: PNG specification,
-    ISO/IEC 15948, 5.2 and 11.2.2), or None when ``buf`` (the uint8 payload) does not start so."""
+    """(height, width) px from a PNG's IHDR chunk (ISO/IEC 15948, 5.2 and 11.2.2), or None when absent."""
     data = bytes(memoryview(buf)[:24])
     if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
         return None
@@ -282,8 +242,7 @@ def png_size(buf) -> tuple[int, int] | None:
 
 
 def jpeg_reduction(height: int, width: int, min_size: int) -> int:
-    """Largest libjpeg DCT scale-down factor r in (8, 4, 2) with ceil(height / r) and ceil(width / r) both
-    >= ``min_size`` pixels, else 1 (decode at full size)."""
+    """Largest libjpeg DCT scale-down r in (8, 4, 2) keeping both sides >= ``min_size`` px, else 1."""
     for r in (8, 4, 2):
         if -(-height // r) >= min_size and -(-width // r) >= min_size:
             return r
@@ -303,20 +262,15 @@ try:
 except ImportError:  # optional: OpenCV decodes every JPEG too
     _simplejpeg = None
 
-#: What decodes JPEG payloads: ``simplejpeg`` (libjpeg-turbo's TurboJPEG API) when that package is installed, else
-#: ``opencv``. Both are libjpeg-turbo with its default (accurate) IDCT and upsampling; on the nuScenes cameras and
-#: the embedded bag their pixels are equal (test_image), and simplejpeg took 0.85x OpenCV's time for six 1600x900
-#: JPEGs at full size, 0.9x at 1/4 (bench preprocess, docs/performance.md). A payload simplejpeg refuses (CMYK, a
-#: damaged stream: it is strict where libjpeg only warns) or a scaled decode whose size differs from OpenCV's
-#: goes to OpenCV, so errors and recoveries are OpenCV's as before.
+#: What decodes JPEG payloads: ``simplejpeg`` when installed, else ``opencv``. Both are libjpeg-turbo with the same
+#: pixels (test_image); simplejpeg took 0.85x OpenCV's time on six 1600x900 JPEGs (docs/performance.md). What
+#: simplejpeg refuses (CMYK, damaged streams) or scales to another size goes to OpenCV, whose errors apply.
 JPEG_DECODER = "simplejpeg" if _simplejpeg is not None else "opencv"
 
 
 def _decode_jpeg_simplejpeg(buf: np.ndarray, payload_is_bgr: bool, reduction: int, size) -> np.ndarray | None:
-    """A JPEG payload decoded by simplejpeg to what :func:`decode_compressed` returns (RGB when the payload is BGR
-    as compressed_image_transport writes it, the payload's own order otherwise), scaled down by ``reduction``
-    (1, 2, 4, 8; ``size`` (height, width) from the header when > 1); None when simplejpeg refuses it or scales to
-    another size than libjpeg's 1/``reduction`` (OpenCV then decodes it)."""
+    """What :func:`decode_compressed` returns, decoded by simplejpeg at 1/``reduction`` (``size``: the header's
+    (height, width)); None when simplejpeg refuses it or scales to another size than libjpeg would."""
     kwargs = {}
     if reduction > 1:
         kwargs = {"min_height": -(-size[0] // reduction), "min_width": -(-size[1] // reduction)}
@@ -330,38 +284,16 @@ def _decode_jpeg_simplejpeg(buf: np.ndarray, payload_is_bgr: bool, reduction: in
 
 
 def decode_compressed(format: str, data, min_size: int | None = None) -> np.ndarray:  # noqa: A002 - the message field is called format
-    """Decode a ``sensor_msgs/msg/CompressedImage`` payload into an RGB array.
+    """A ``sensor_msgs/msg/CompressedImage`` payload as ``(H, W, 3)`` ``uint8`` RGB, C-contiguous.
 
-    Args:
-        format: ``"jpeg"`` (or ``"jpg"``), ``"png"`` (case-insensitive), or image_transport's
-            ``"<encoding>; <codec> compressed <target>"`` (e.g. ``"rgb8; jpeg compressed bgr8"``,
-            ``"mono8; png compressed mono8"``). Channel order of the payload follows
-            compressed_image_transport: BGR unless a colour original is declared with a non-``bgr``
-            target, in which case the payload already holds RGB.
-        data: the compressed bytes (any buffer-protocol object: ``bytes``, ``array('B')``, ``uint8``
-            ndarray). Not modified.
-        min_size: when given, a JPEG is decoded scaled down by the largest factor 2, 4 or 8 that keeps
-            both sides >= ``min_size`` pixels (libjpeg's DCT scaling, :func:`jpeg_reduction`): far less
-            work when the model input is much smaller than the camera image. The picture is then an
-            8x8-block average rather than every pixel, so after the model's resize it differs slightly
-            from a full decode (here: 1-3 grey levels on average at 64-128 px). PNG ignores it.
+    ``format``: ``jpeg``/``jpg``/``png`` or ``"<encoding>; <codec> compressed <target>"`` (see
+    :func:`_parse_format`). ``min_size``: decode a JPEG scaled down by :func:`jpeg_reduction` (8x8-block
+    averages: 1-3 grey levels off a full decode after a 64-128 px resize); PNG ignores it. Grey is replicated,
+    16-bit PNG reduced to 8 bits by OpenCV; JPEGs go to :data:`JPEG_DECODER`.
 
-    Returns:
-        ``(H, W, 3)`` ``uint8`` RGB, C-contiguous (H, W from the payload, divided by the reduction). Greyscale payloads
-        are replicated to 3 channels; 16-bit PNG is reduced to 8 bits by OpenCV.
-
-    Raises:
-        ImageDecodeError: unsupported format string (``tiff``, ``compressedDepth``, ...), empty data, a
-            payload whose magic bytes do not match the declared codec, a JPEG without its end-of-image
-            marker (truncated), or a payload OpenCV cannot decode (corrupt).
-
-    A JPEG is decoded by :data:`JPEG_DECODER` (simplejpeg when installed, OpenCV for what it refuses), a PNG by
-    OpenCV.
-
-    Note:
-        libjpeg recovers from some damage inside the entropy-coded data (it prints "Corrupt JPEG data"
-        on stderr and returns an image); OpenCV does not report that, so such frames cannot be detected
-        here. Truncation and header damage are detected.
+    Raises ImageDecodeError for an unsupported format (``tiff``, ``compressedDepth``), empty data, magic bytes
+    that do not match the codec, a JPEG without its end-of-image marker (truncated), or undecodable data.
+    Damage inside JPEG entropy-coded data that libjpeg recovers from ("Corrupt JPEG data") is not detected.
     """
     codec, payload_is_bgr = _parse_format(format)
     buf = _as_bytes_array(data, f"CompressedImage({format!r})")
@@ -411,13 +343,7 @@ def decode_compressed(format: str, data, min_size: int | None = None) -> np.ndar
 
 
 def image_msg_to_rgb(msg, copy: bool = True) -> np.ndarray:
-    """Decode a ``sensor_msgs/msg/Image`` (or any object with its fields) with :func:`decode_image`.
-
-    Uses ``msg.encoding``, ``msg.height``, ``msg.width``, ``msg.step``, ``msg.is_bigendian`` and
-    ``msg.data``. Returns ``(height, width, 3)`` ``uint8`` RGB; ``copy=False``: for ``rgb8`` a view of
-    ``msg.data`` to read only (see :func:`decode_image`). Raises :class:`ImageDecodeError` as
-    :func:`decode_image` does, and when a field is missing.
-    """
+    """:func:`decode_image` of an Image message's fields; also ImageDecodeError when a field is missing."""
     try:
         fields = (msg.encoding, msg.height, msg.width, msg.step, msg.is_bigendian, msg.data)
     except AttributeError as exc:
@@ -426,12 +352,7 @@ def image_msg_to_rgb(msg, copy: bool = True) -> np.ndarray:
 
 
 def compressed_msg_to_rgb(msg, min_size: int | None = None) -> np.ndarray:
-    """Decode a ``sensor_msgs/msg/CompressedImage`` (or any object with ``format`` and ``data``).
-
-    Returns ``(H, W, 3)`` ``uint8`` RGB (a JPEG scaled down when ``min_size`` allows: see
-    :func:`decode_compressed`). Raises :class:`ImageDecodeError` as :func:`decode_compressed` does, and
-    when a field is missing.
-    """
+    """:func:`decode_compressed` of a CompressedImage's ``format`` and ``data``; ImageDecodeError when missing."""
     try:
         fmt, data = msg.format, msg.data
     except AttributeError as exc:
@@ -440,7 +361,7 @@ def compressed_msg_to_rgb(msg, min_size: int | None = None) -> np.ndarray:
 
 
 def _channel_triplet(values, name: str) -> tuple[float, float, float]:
-    """Normalise a per-channel mean/std (scalar or 3 values, RGB order) to a float triple."""
+    """A per-channel mean/std (scalar or 3 values, RGB) as a float triple, or ValueError."""
     arr = np.asarray(values, dtype=np.float64).reshape(-1)
     if arr.size == 1:
         arr = np.repeat(arr, 3)
@@ -453,11 +374,10 @@ def _channel_triplet(values, name: str) -> tuple[float, float, float]:
 
 @dataclass(frozen=True)
 class CropResize:
-    """The geometry of the ``orion_crop`` camera pipeline for one camera (:func:`orion_crop_geometry`).
+    """One camera's ``orion_crop`` geometry (:func:`orion_crop_geometry`).
 
-    ``scale``: the first resize's factor (both axes); ``resized``: its output size (width, height) px;
-    ``crop``: the box kept from it, (left, top, right, bottom) px, right / bottom exclusive (Pillow's
-    ``Image.crop``); ``size``: the model's side S, the crop (S x S/2) stretched to S x S.
+    ``scale``: the first resize's factor; ``resized``: its (width, height) px; ``crop``: (left, top, right,
+    bottom) px kept from it, Pillow's exclusive box; ``size``: the model's side S (the S x S/2 crop stretched).
     """
 
     scale: float
@@ -466,10 +386,8 @@ class CropResize:
     size: int
 
     def intrinsics(self, k: np.ndarray) -> np.ndarray:
-        """The 3 x 3 camera matrix (float64) of the model's S x S image from the camera's own ``k`` (3 x 3, pixels
-        of the original image): scaled by ``scale``, shifted by the crop's top-left corner, then scaled by S / crop
-        width and S / crop height (as the published pipeline updates ``cam_intrinsic``; a zero-skew ``k`` gives
-        its numbers exactly). Raises ValueError unless ``k`` is 3 x 3 and finite."""
+        """The 3 x 3 float64 camera matrix of the S x S model image from the camera's ``k`` (as the published
+        pipeline updates ``cam_intrinsic``). Raises ValueError unless ``k`` is 3 x 3 and finite."""
         k = np.asarray(k, dtype=np.float64)
         if k.shape != (3, 3) or not np.isfinite(k).all():
             raise ValueError(f"camera matrix must be 3 x 3 and finite, got {k.shape}")
@@ -479,21 +397,17 @@ class CropResize:
         return stretch @ first @ k
 
 
-#: ``orion_crop`` refuses a camera whose first resize would exceed this many times the crop's area (an aspect ratio
-#: far from the crop's 2:1, e.g. 16:1: seconds of resizing and gigabytes for pixels that are cut away).
+#: ``orion_crop`` refuses a camera whose first resize would exceed this many times the crop's area (e.g. 16:1).
 MAX_CROP_RESIZE_AREA = 8
 
 
 def orion_crop_geometry(height: int, width: int, size: int) -> CropResize:
     """Where the ``orion_crop`` pipeline takes an S x S model image from a ``width`` x ``height`` camera.
 
-    From the published test pipeline (MindDrive's inference configs, ``ResizeCropFlipRotImage`` with
-    ``final_dim`` (S/2, S) and ``bot_pct_lim`` (0, 0), then ``ResizeMultiview3D`` to (S, S)): scale
-    r = max((S/2) / height, S / width); resized (int(width r), int(height r)); keep the centre S columns and the
-    bottom S/2 rows. The published code computes r from a fixed 1600 x 900 and so resizes any other camera to
-    640 x 360; this takes the camera's own size (the same for 1600 x 900). Raises ValueError for sizes < 1, an
-    odd S, or an aspect ratio so far from 2:1 that the first resize would exceed MAX_CROP_RESIZE_AREA times the
-    crop.
+    MindDrive's inference configs (``ResizeCropFlipRotImage``, ``final_dim`` (S/2, S), ``bot_pct_lim`` (0, 0),
+    then ``ResizeMultiview3D`` to (S, S)): scale by max((S/2) / height, S / width), keep the centre S columns and
+    bottom S/2 rows. The published code scales from a fixed 1600 x 900; this uses the camera's own size. Raises
+    ValueError for sizes < 1, an odd S, or a first resize over MAX_CROP_RESIZE_AREA times the crop.
     """
     if min(height, width, size) < 1 or size % 2:
         raise ValueError(f"orion_crop needs a positive camera size and an even model side, got {width}x{height}, "
@@ -515,10 +429,8 @@ _CROP_POOLS: dict = {}
 
 
 def _orion_crops(images: Sequence[np.ndarray], size: int) -> list:
-    """Each camera's ``orion_crop`` crop (:func:`orion_crop_geometry`): Pillow's bicubic resize (Pillow is the
-    published pipeline's own resize, so the pixels are its pixels) and the crop, as Pillow images. Pillow resizes
-    on one core and releases the GIL while it does, so with more than one core allowed to this process the
-    cameras are resized in a thread pool of that many workers (at most one per camera)."""
+    """Each camera's ``orion_crop`` crop as a Pillow image (Pillow's bicubic resize, the published pipeline's);
+    cameras run in a thread pool of one worker per allowed core (Pillow releases the GIL)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -552,35 +464,17 @@ def preprocess(
     out: "torch.Tensor | None" = None,
     resize: str = "area",
 ) -> "torch.Tensor":
-    """Resize and normalise camera images into the model's input tensor.
+    """``n_cams`` ``(H_i, W_i, 3)`` uint8 RGB images -> the model's ``float32 (n_cams, 3, size, size)`` RGB input.
 
-    Each image is resized to ``size x size`` with the filter ``resize`` (:data:`RESIZE_FILTERS`; aspect ratio not
-    kept) in one pass from its uint8 pixels (no full-size float copy), its
-    ``size x size`` uint8 result converted and normalised into ``out`` camera by camera while it is in the cache
-    (on another device than the CPU the uint8 image crosses and is normalised there):
-    ``(pixel / 255 - mean[c]) / std[c]``, computed in float32 as ``(pixel - 255 mean[c]) / (255 std[c])``.
-    ``orion_crop`` is the published Orion / MindDrive pipeline instead (:func:`orion_crop_geometry`): a Pillow
-    bicubic resize and crop in uint8, then its second resize on float32 pixels (as published, not rounded).
+    Each image is resized to ``size x size`` (aspect not kept) with ``resize`` (:data:`RESIZE_FILTERS`) from its
+    uint8 pixels, then normalised as ``(pixel / 255 - mean[c]) / std[c]`` (``mean``, ``std``: [0, 1] units, RGB,
+    scalar or 3 values), computed as ``(pixel - 255 mean) / (255 std)``. ``orion_crop`` is the published
+    Orion / MindDrive pipeline (:func:`orion_crop_geometry`). ``out``: a preallocated tensor of that shape on any
+    device, filled in place and returned (off the CPU the uint8 image crosses and is normalised there).
 
-    Args:
-        images: ``n_cams`` arrays, each ``(H_i, W_i, 3)`` ``uint8`` RGB (sizes may differ).
-        size: output side in pixels, > 0.
-        mean: per-channel mean in [0, 1] units, RGB order (e.g. ImageNet ``(0.485, 0.456, 0.406)``);
-            a scalar applies to all channels.
-        std: per-channel standard deviation in [0, 1] units, RGB order, each > 0; scalar allowed.
-        out: optional preallocated ``float32`` tensor of shape ``(n_cams, 3, size, size)`` (any
-            device); when given it is filled in place and returned, so steady-state calls allocate
-            nothing but the small resized ``uint8`` images.
-        resize: the filter, one of :data:`RESIZE_FILTERS` (default ``area``).
-
-    Returns:
-        ``float32`` tensor ``(n_cams, 3, size, size)``, channel order RGB (CHW per camera).
-
-    Raises:
-        ValueError: empty ``images``, an image that is not ``(H, W, 3)`` ``uint8``, ``size`` not an int > 0,
-            non-finite mean/std or ``std <= 0`` (or 255 mean, 255 std or the normalised pixels not finite in float32),
-            ``out`` with the wrong shape or dtype, an unknown ``resize``, or for ``orion_crop`` an odd ``size`` or a
-            camera :func:`orion_crop_geometry` refuses.
+    Raises ValueError for empty ``images``, an image not ``(H, W, 3)`` uint8, ``size`` not an int > 0, mean/std
+    not finite (also as 255 mean, 255 std or outputs in float32) or ``std <= 0``, a wrong ``out``, an unknown
+    ``resize``, or a camera or odd ``size`` that ``orion_crop`` refuses.
     """
     import torch
 
@@ -644,10 +538,8 @@ def preprocess(
 
 
 def resize_rgb(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """An RGB uint8 image (H, W, 3) resized to ``size`` = (width, height) px with ``cv2.INTER_AREA`` (as
-    :func:`preprocess`), returned as is when it already has that size: the fixed camera size a VLM's
-    processor is given, so that every frame has the same token count T. Raises ValueError for a size that is
-    not two positive ints or an image that is not (H, W, 3) uint8."""
+    """An (H, W, 3) uint8 RGB image at ``size`` = (width, height) px (``INTER_AREA``; as is when already so), the
+    fixed size a VLM's processor gets so every frame has the same token count. Raises ValueError for bad input."""
     w, h = (int(v) for v in size)
     if w <= 0 or h <= 0:
         raise ValueError(f"camera size must be two positive ints (width, height), got {size!r}")

@@ -1,9 +1,7 @@
 """One frame's planner output -> the trajectories a suffix may publish, each through the output guard.
 
-ROS-free: the suffix node (``ros/suffix_outputs.py``) calls :func:`guarded_outputs` with the frame's waypoints
-and the ego pose at its camera stamp, then publishes what it returns and counts what it drops. A
-trajectory that cannot be converted or that fails the guard is never published: it comes back as a drop
-(cause, message), one per trajectory, naming its first guard violation.
+ROS-free; called by ``ros/suffix_outputs.py``. A trajectory that cannot be converted or fails the guard is never
+published: it comes back as one drop (cause, message) naming its first violation.
 """
 from __future__ import annotations
 
@@ -20,14 +18,10 @@ from .trajectory import EgoState, TrajectoryArrays, waypoints_to_trajectory
 class GuardedOutputs:
     """What one frame may publish.
 
-    Attributes:
-        selected: the selected mode's trajectory, ``None`` when it could not be converted (then nothing
-            else is built: the frame is dropped as ``bad_waypoints``).
-        violations: the output guard's findings on ``selected`` (empty: it may be published).
-        candidates: with candidates asked for, every mode that converts and passes the guard, in mode
-            order (the selected mode's entry is ``selected`` itself).
-        drops: ``(cause, message)`` per trajectory left out: ``bad_waypoints`` or ``guard_<cause>`` for the
-            selected mode, ``candidate_bad_waypoints`` or ``candidate_guard_<cause>`` for other candidates.
+    ``selected`` is None when it could not be converted (nothing else is built); ``violations``: the guard's
+    findings on it (empty: publishable); ``candidates``: every mode that converts and passes, in mode order;
+    ``drops``: ``(cause, message)`` per trajectory left out, ``bad_waypoints`` / ``guard_<cause>`` or with a
+    ``candidate_`` prefix.
     """
 
     selected: TrajectoryArrays | None
@@ -40,24 +34,13 @@ def guarded_outputs(waypoints: np.ndarray, modes: np.ndarray | None, mode: int, 
                     wheelbase_m: float, limits: GuardLimits, stamp_ns: int, now_ns: int, *,
                     candidates: bool = False, mode_names: tuple[str, ...] = (),
                     to_base_link: Callable[[np.ndarray], np.ndarray] | None = None) -> GuardedOutputs:
-    """Convert a frame's waypoints (and with ``candidates`` every planner mode) into map-frame trajectories
-    (:func:`~.trajectory.waypoints_to_trajectory`) and judge each with the output guard
-    (:func:`~.guard.find_violations`, the age checks against ``now_ns``).
+    """The frame's waypoints (with ``candidates``, every mode) as map-frame trajectories, each judged by
+    :func:`~.guard.find_violations`. Raises nothing for bad waypoints: those are drops.
 
-    Args:
-        waypoints: ``(N, 2)`` float, the selected mode's waypoints in the ego frame at the camera stamp (m).
-        modes: ``(M, N, 2)`` float, every mode's waypoints, or ``None`` for a one-mode planner.
-        mode: index of the selected mode in ``modes`` (ignored when ``modes`` is ``None``).
-        dt_s: time between waypoints (s). ego: the ego pose and speed at the camera stamp (map frame).
-        wheelbase_m: for ``front_wheel_angle_rad`` (m). limits: the output guard's limits.
-        stamp_ns: the frame's camera stamp; now_ns: the node clock now (ns).
-        candidates: also build the candidate list. mode_names: a name per mode for the drop messages
-            (its index where missing).
-        to_base_link: applied to each mode's waypoints first when they are not base_link's (the published
-            planners' model-frame track: :func:`~.trajectory.model_track_to_base_link`); its ValueError is that
-            mode's ``bad_waypoints`` / ``candidate_bad_waypoints`` drop, the other modes unaffected.
-    Returns:
-        :class:`GuardedOutputs`. Raises nothing for bad waypoints: those are drops.
+    ``waypoints``: ``(N, 2)`` m, the selected mode, ego frame at the camera stamp ``stamp_ns``; ``modes``:
+    ``(M, N, 2)`` or None for a one-mode planner (then ``mode`` is ignored); ``now_ns``: the node clock;
+    ``mode_names`` name modes in drop messages (index where missing); ``to_base_link`` (e.g.
+    :func:`~.trajectory.model_track_to_base_link`) is applied first, its ValueError that mode's drop.
     """
     def convert(w) -> TrajectoryArrays:
         if to_base_link is not None:

@@ -1,10 +1,7 @@
 """Multi-camera time synchronization by header stamp, pure Python (no ROS, no message_filters).
 
-The prefix node feeds every camera message here, undecoded, with its ``header.stamp`` in integer
-nanoseconds; a frame is released once every camera has one message and all chosen stamps lie within
-``tolerance_ns`` of each other. Only then are the images decoded, so a frame that never completes costs
-no decode. ``message_filters`` (ApproximateTime) is not installable from PyPI here, and its policy has no
-bound on the stamp spread; this is the small fixed-tolerance variant the pipeline needs.
+The prefix node feeds undecoded camera messages here and decodes only released frames. ``message_filters``
+(ApproximateTime) is not on PyPI and does not bound the stamp spread; this is a fixed-tolerance variant.
 """
 
 from __future__ import annotations
@@ -21,13 +18,9 @@ DROP_CAUSES = ("unsynced", "queue_overflow", "out_of_order", "duplicate", "time_
 
 
 class SyncedSet(NamedTuple):
-    """One synchronized frame: unpacks as ``stamp_ns, items = synced_set``.
+    """One frame: ``stamp_ns`` the **newest** stamp of the set (ns), ``items`` in camera order.
 
-    Attributes:
-        stamp_ns: reference stamp (ns) = the **newest** (maximum) header stamp in the set, so no image
-            of the frame is later than it; per-camera stamps are in
-            :attr:`CameraSynchronizer.last_stamps_ns`.
-        items: the items passed to :meth:`CameraSynchronizer.add`, one per camera, in camera-index order.
+    Per-camera stamps are in :attr:`CameraSynchronizer.last_stamps_ns`.
     """
 
     stamp_ns: int
@@ -35,46 +28,20 @@ class SyncedSet(NamedTuple):
 
 
 class CameraSynchronizer:
-    """Group one message per camera whose stamps lie within a tolerance.
+    """Group one message per camera (``n_cameras``) whose stamps spread at most ``tolerance_ns``.
 
-    Args:
-        n_cameras: number of cameras (>= 1); camera indices are ``0 .. n_cameras - 1``.
-        tolerance_ns: largest allowed spread ``max(stamps) - min(stamps)`` within one set (ns, >= 0).
-        queue_depth: messages kept per camera while waiting (>= 1); the oldest is dropped beyond it.
-        jump_back_ns: a backwards step larger than this is a clock jump, not a late message (ns, >= 1).
+    ``queue_depth`` messages are kept per camera; a backward step over ``jump_back_ns`` is a clock jump. Every
+    discarded message is counted once in ``drops`` (cumulative, :data:`DROP_CAUSES`):
 
-    Behaviour:
-        * Per camera, stamps must strictly increase: an equal stamp is counted as ``duplicate``, an
-          older one as ``out_of_order``; both are discarded.
-        * A stamp more than ``jump_back_ns`` older than that camera's last one is a clock jump, counted
-          as ``time_jump``. When no other camera's last stamp lies within ``jump_back_ns`` of the new
-          stamp, the whole clock jumped (a bag restarted, a sensor clock reset, or every camera's earlier
-          stamps far in the future): every queue and stamp history is cleared, the queued messages count
-          as ``unsynced``, and the new message starts the new timeline. When some other camera is on the
-          new stamp's timeline, only this camera's earlier stamps were off (one camera stamped far in
-          the future): only its own queue (counted as ``unsynced``) and history are cleared, so the
-          other cameras' messages of the frame in progress are kept.
-        * :meth:`add` returns a :class:`SyncedSet` when the new message completes a set (each camera
-          contributes the message closest in time to the new one inside the best window of width
-          ``tolerance_ns``), else ``None``. At most one set is completed per call.
-        * After a set is emitted, every queued message at or before the one used for its camera is
-          removed; the skipped older ones count as ``unsynced``.
-        * A queued message that can no longer be matched -- some other camera has already moved more
-          than ``tolerance_ns`` past it without a partner in its queue -- is discarded as ``unsynced``.
-          A camera whose last stamp is more than ``jump_back_ns`` ahead of the message does not count
-          as having moved past it: that stamp is a jump or an outlier, and the camera's next message
-          decides which (otherwise one camera stamped an hour ahead would discard every other camera's
-          next message before its own next message is seen).
-        * A camera that stops publishing makes the others' queues fill up: the first message pushed
-          out of a frame counts as ``queue_overflow``, the frame's other members then as ``unsynced``.
-          Every discarded message is counted exactly once.
+    * per camera stamps must strictly increase (else ``duplicate`` / ``out_of_order``);
+    * ``time_jump``: when no other camera is on the new stamp's timeline every queue is cleared, else only this
+      camera's (its earlier stamps were the outliers); cleared messages count as ``unsynced``;
+    * a set takes, per camera, the message nearest the new one in the tightest window; older queued messages
+      then count as ``unsynced``, as does one another camera has passed by more than ``tolerance_ns`` without
+      a partner (a camera more than ``jump_back_ns`` ahead does not count as passing: its next message decides);
+    * a stopped camera fills the others' queues: the first message pushed out is ``queue_overflow``.
 
-    Attributes:
-        drops: cumulative counters ``{cause: count}`` for the causes in :data:`DROP_CAUSES`.
-        sets_emitted: number of sets returned so far.
-        last_stamps_ns: per-camera stamps (ns, camera order) of the last emitted set, or ``None``.
-
-    Thread safety: :meth:`add`, :meth:`pop_drops` and :meth:`reset` hold an internal lock.
+    :meth:`add`, :meth:`pop_drops` and :meth:`reset` hold an internal lock.
     """
 
     def __init__(self, n_cameras: int, tolerance_ns: int, queue_depth: int = 4,
@@ -93,18 +60,9 @@ class CameraSynchronizer:
 
     # ------------------------------------------------------------------------------------ public
     def add(self, camera_index: int, stamp_ns: int, item: Any) -> SyncedSet | None:
-        """Queue one message and return the set it completes, if any.
+        """Queue ``item`` (never inspected) and return the :class:`SyncedSet` it completes, if any (at most one).
 
-        Args:
-            camera_index: ``0 .. n_cameras - 1``.
-            stamp_ns: the message's ``header.stamp`` in ns (int >= 0).
-            item: anything (typically the undecoded message); returned as is, never inspected.
-
-        Returns:
-            :class:`SyncedSet` ``(stamp_ns = max stamp of the set, items in camera order)`` or ``None``.
-
-        Raises:
-            ValueError: ``camera_index`` out of range or not an int; ``stamp_ns`` not an int >= 0.
+        Raises ValueError for ``camera_index`` not an int in range or ``stamp_ns`` not an int >= 0.
         """
         cam = _index(camera_index, "camera_index")
         if not 0 <= cam < self.n_cameras:
@@ -131,14 +89,14 @@ class CameraSynchronizer:
             return result
 
     def pop_drops(self) -> dict[str, int]:
-        """Drops since the previous call, ``{cause: count}`` with only non-zero causes (for diagnostics)."""
+        """Non-zero drops since the previous call, ``{cause: count}``."""
         with self._lock:
             new = {k: v - self._reported[k] for k, v in self.drops.items() if v != self._reported[k]}
             self._reported = dict(self.drops)
         return new
 
     def reset(self) -> None:
-        """Forget queued messages and per-camera stamp history (counters are kept); e.g. after a clock jump."""
+        """Forget queued messages and stamp history; counters are kept."""
         with self._lock:
             for queue in self._queues:
                 queue.clear()
@@ -151,9 +109,7 @@ class CameraSynchronizer:
 
     # ----------------------------------------------------------------------------------- private
     def _restart_after_jump(self, cam: int, stamp: int) -> None:
-        """Camera ``cam``'s new ``stamp`` lies more than ``jump_back_ns`` before its last one: start over
-        rather than wait for time to catch up. Only ``cam`` restarts when another camera is on the new
-        stamp's timeline (``cam``'s earlier stamps were the outliers), every camera otherwise."""
+        """Start over after camera ``cam`` jumped back (see the class docstring)."""
         self.drops["time_jump"] += 1
         others_agree = any(s is not None and abs(s - stamp) <= self.jump_back_ns
                            for j, s in enumerate(self._last_stamp) if j != cam)

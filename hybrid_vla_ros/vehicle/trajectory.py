@@ -1,18 +1,9 @@
 """Ego-frame waypoints -> map-frame trajectory arrays (the content of an Autoware Trajectory), no ROS imports.
 
-Frames and units
-----------------
-* ``base_link`` (ego) frame: x forward, y left, z up; yaw counter-clockwise about +z (REP 103).
-* ``map`` frame: world-fixed (REP 105); ego poses come from ``nav_msgs/Odometry`` on
-  ``/localization/kinematic_state`` (header.frame_id ``map``, child_frame_id ``base_link``).
-* Odometry twist is expressed in the child frame (``nav_msgs/msg/Odometry.msg``: "The twist in this
-  message should be specified in the coordinate frame given by the child_frame_id"; REP 105 and
-  Autoware follow it), so the longitudinal speed is ``twist.twist.linear.x``.
-* Output fields mirror ``autoware_planning_msgs/msg/TrajectoryPoint.msg``: ``time_from_start``,
-  ``pose``, ``longitudinal_velocity_mps``, ``lateral_velocity_mps``, ``acceleration_mps2``,
-  ``heading_rate_rps``, ``front_wheel_angle_rad``, ``rear_wheel_angle_rad``.
-
-Units: metres, seconds, m/s, m/s^2, radians, rad/s; stamps in integer nanoseconds.
+Frames: ``base_link`` x forward, y left, z up, yaw counter-clockwise about +z (REP 103); ``map`` world-fixed
+(REP 105), ego poses from ``nav_msgs/Odometry`` on ``/localization/kinematic_state``, whose twist is in the
+child frame (Odometry.msg), so the longitudinal speed is ``twist.twist.linear.x``.
+Units: m, s, m/s, m/s^2, rad, rad/s; stamps in integer ns.
 """
 
 from __future__ import annotations
@@ -47,11 +38,7 @@ def wrap_angle(angle):
 
 
 def yaw_to_quaternion(yaw: float) -> tuple[float, float, float, float]:
-    """Quaternion ``(x, y, z, w)`` of a pure rotation by ``yaw`` (rad) about +z (REP 103, counter-clockwise).
-
-    Returns ``(0, 0, sin(yaw / 2), cos(yaw / 2))`` (unit norm, ``w >= 0`` for yaw in [-pi, pi]), the
-    order of ``geometry_msgs/msg/Quaternion``. Raises ``ValueError`` for a non-finite yaw.
-    """
+    """Quaternion ``(x, y, z, w)`` of a rotation by ``yaw`` (rad) about +z. Raises ValueError for a non-finite yaw."""
     yaw = float(yaw)
     if not math.isfinite(yaw):
         raise ValueError(f"yaw must be finite, got {yaw}")
@@ -60,14 +47,9 @@ def yaw_to_quaternion(yaw: float) -> tuple[float, float, float, float]:
 
 
 def quaternion_to_yaw(x: float, y: float, z: float, w: float) -> float:
-    """Yaw (rad, in [-pi, pi]) of a quaternion ``(x, y, z, w)``: rotation about +z of the Z-Y-X (yaw-pitch-roll)
-    decomposition.
+    """Yaw (rad, in [-pi, pi]) of the Z-Y-X decomposition, as tf2's ``getRPY``; the quaternion need not be unit.
 
-    Same convention as tf2's ``getRPY`` / REP 103. Uses ``atan2(2 (w z + x y), w^2 + x^2 - y^2 - z^2)``,
-    which does not require a unit quaternion (``q`` and ``-q`` give the same yaw).
-
-    Raises:
-        ValueError: a non-finite component or a (near-)zero quaternion (norm < 1e-9).
+    Raises ValueError for a non-finite component or a (near-)zero quaternion (norm < 1e-9).
     """
     x, y, z, w = float(x), float(y), float(z), float(w)
     if not all(math.isfinite(c) for c in (x, y, z, w)):
@@ -79,14 +61,7 @@ def quaternion_to_yaw(x: float, y: float, z: float, w: float) -> float:
 
 @dataclass
 class EgoState:
-    """Ego pose and speed at one instant.
-
-    Attributes:
-        x, y, z: position of ``base_link`` in the map frame (m).
-        yaw: heading of ``base_link`` in the map frame (rad, counter-clockwise from map +x; REP 103).
-        speed: signed longitudinal speed along ``base_link`` +x (m/s; negative when reversing).
-        stamp_ns: time of the state (ns since the epoch of the ROS clock in use).
-    """
+    """``base_link`` pose in the map frame (m, rad), signed speed along its +x (m/s, < 0 reversing), stamp (ns)."""
 
     x: float
     y: float
@@ -97,18 +72,11 @@ class EgoState:
 
 
 def ego_state_from_odometry(msg) -> EgoState:
-    """Build an :class:`EgoState` from a ``nav_msgs/msg/Odometry`` (or any object with its fields).
+    """An :class:`EgoState` from a ``nav_msgs/msg/Odometry`` (or any object with its fields); roll and pitch ignored.
 
-    Reads ``header.stamp`` (``sec``, ``nanosec``), ``pose.pose.position``, ``pose.pose.orientation``
-    (yaw via :func:`quaternion_to_yaw`; roll and pitch are ignored) and ``twist.twist.linear.x`` as the
-    longitudinal speed: the Odometry twist is in ``child_frame_id`` (``base_link``) per Odometry.msg /
-    REP 105, as Autoware's ``/localization/kinematic_state`` publishes it. A publisher that puts a
-    map-frame velocity there produces a wrong speed; this function cannot tell.
-
-    Raises:
-        ValueError: any non-finite position, orientation or speed, a zero quaternion, or a negative
-            stamp / nanosec outside [0, 1e9).
-        AttributeError: ``msg`` lacks one of the fields.
+    A publisher that puts a map-frame velocity in the twist produces a wrong speed; this cannot tell.
+    Raises ValueError for a non-finite position, orientation or speed, a zero quaternion, or a bad stamp;
+    AttributeError when ``msg`` lacks a field.
     """
     stamp_ns = header_stamp_ns(msg, "odometry stamp")
     p = msg.pose.pose.position
@@ -125,12 +93,9 @@ def ego_state_from_odometry(msg) -> EgoState:
 class TrajectoryArrays:
     """A trajectory of P points as parallel ``float64`` arrays of shape ``(P,)`` (map frame).
 
-    Field -> ``autoware_planning_msgs/msg/TrajectoryPoint`` field:
-        t -> time_from_start (s); x, y, z -> pose.position (m); qx, qy, qz, qw -> pose.orientation
-        (yaw only, about +z); yaw (rad, not in the message: the source of the quaternion);
-        v -> longitudinal_velocity_mps (m/s, signed); lat_v -> lateral_velocity_mps (m/s);
-        acc -> acceleration_mps2 (m/s^2); heading_rate -> heading_rate_rps (rad/s);
-        front_wheel_angle -> front_wheel_angle_rad (rad); rear_wheel_angle -> rear_wheel_angle_rad (rad).
+    Fields map to ``autoware_planning_msgs/msg/TrajectoryPoint``: t -> time_from_start, x/y/z and qx..qw -> pose
+    (yaw only; ``yaw`` itself is not in the message), v -> longitudinal_velocity_mps (signed), lat_v, acc,
+    heading_rate, front_wheel_angle, rear_wheel_angle -> the fields of those names with their unit suffix.
     """
 
     t: np.ndarray
@@ -165,8 +130,7 @@ def _finite(value, name: str) -> float:
     return value
 
 
-#: Default of ``heading_min_segment_m``: the output guard's ``guard.min_segment_m`` default (1 m, after
-#: Autoware's planning_validator, which resamples to 1 m before judging headings and curvature).
+#: Default of ``heading_min_segment_m``: the output guard's ``guard.min_segment_m`` default (1 m).
 HEADING_MIN_SEGMENT_M = 1.0
 
 
@@ -179,59 +143,23 @@ def waypoints_to_trajectory(
     min_segment_m: float = 0.01,
     heading_min_segment_m: float = HEADING_MIN_SEGMENT_M,
 ) -> TrajectoryArrays:
-    """Turn model waypoints in the ego frame into a map-frame trajectory of P = N + 1 points.
+    """Model waypoints (ego frame at ``t_0``) -> a map-frame trajectory of P = N + 1 points, ``t = k * dt_s``.
 
-    Waypoint ``k`` (1-based) is the planned ``base_link`` position at ``t_k = k * dt_s`` in the ego
-    frame at ``t_0`` (x forward, y left, REP 103). Point 0 is the ego pose itself at ``t = 0``. Points are
-    moved into the map frame with the ego pose: ``p_map = R(ego.yaw) p_ego + (ego.x, ego.y)``,
-    ``z = ego.z``. Segment ``k`` runs from point ``k`` to point ``k + 1`` (length ``L_k``, k = 0..N-1).
+    Waypoint ``k`` (1-based, ``(N, 2)`` m) is the planned ``base_link`` position at ``k * dt_s``; point 0 is the
+    ego pose. Per point:
 
-    Definitions (per point ``k``):
-        * pose yaw (``yaw[k]``, the orientation quaternion): ``yaw[0]`` = ``ego.yaw``, the odometry heading
-          (point 0 is the ego pose). For k >= 1 the direction of the chord from point ``k`` to the first
-          later point at least ``heading_min_segment_m`` away from it; where no later point is that far
-          (a car at standstill, whose waypoints jitter by centimetres, or the end of a slow trajectory)
-          the point keeps the previous point's yaw, so a standstill trajectory carries the ego heading
-          throughout instead of the direction of centimetre-long segments (:func:`pose_headings`).
-        * segment heading (k < N): direction of travel of segment ``k``. A segment shorter than
-          ``min_segment_m`` keeps the previous heading (the ego yaw before segment 0). A segment whose
-          direction is more than 90 deg from the previous heading is driven in reverse: heading =
-          direction + pi and the segment speed is negative (so stop-and-jitter waypoints do not spin the
-          heading by 180 deg; Autoware infers the driving direction the same way, from pose yaw versus
-          point-to-point azimuth). The pose yaw follows the same reverse rule.
-        * ``v[k]``: signed longitudinal speed (m/s). ``v[0]`` = ``ego.speed`` (measured);
-          ``v[k] = +-L_{k-1} / dt`` for k >= 1: the mean speed over ``(t_{k-1}, t_k]``, i.e. the speed
-          with which point ``k`` is reached.
-        * ``acc[k]`` (k < N) = ``(|v[k+1]| - |v[k]|) / dt``: change of speed magnitude over
-          ``[t_k, t_{k+1}]`` (TrajectoryPoint.msg: acceleration "does not consider vehicle direction");
-          ``acc[N] = acc[N-1]``. ``acc[0]`` is therefore the acceleration from the measured speed.
-        * curvature ``kappa[k]`` (1/m, :func:`chord_curvatures` with ``heading_min_segment_m``): the
-          heading curvature of the path measured over chords of at least ``heading_min_segment_m``, the
-          very chords the output guard judges, so every published kinematic value is one the guard has
-          judged; 0 at standstill (no chord that long).
-        * ``heading_rate[k] = kappa[k] * v[k]`` (rad/s): the yaw rate at that point's speed (point 0: the
-          measured ego speed), so ``heading_rate / v`` is the judged curvature.
-        * ``front_wheel_angle[k] = atan(wheelbase_m * kappa[k])`` (kinematic bicycle model, rad, left
-          positive); ``lat_v = 0``; ``rear_wheel_angle = 0`` (front-steered vehicle).
+    * ``yaw``: ``ego.yaw`` at point 0, then :func:`pose_headings` over chords >= ``heading_min_segment_m``
+      (a standstill trajectory keeps the ego heading).
+    * ``v``: ``ego.speed`` at point 0, then ``+-L_{k-1} / dt`` (the speed with which point k is reached), negative
+      for a segment more than 90 deg from the previous heading (:func:`segment_headings`; segments shorter than
+      ``min_segment_m`` keep the previous heading), as Autoware infers driving direction from pose yaw.
+    * ``acc[k] = (|v[k+1]| - |v[k]|) / dt`` (speed magnitude, TrajectoryPoint.msg), the last repeated.
+    * ``kappa``: :func:`chord_curvatures` with ``heading_min_segment_m`` (the suffix node passes the guard's
+      ``guard.min_segment_m``, so every published value is one the guard judges); ``heading_rate = kappa * v``;
+      ``front_wheel_angle = atan(wheelbase_m * kappa)`` (kinematic bicycle); ``lat_v = rear_wheel_angle = 0``.
 
-    Args:
-        waypoints_ego: ``(N, 2)`` float array-like, metres, ego frame, N >= 1.
-        dt_s: time between waypoints (s), > 0.
-        ego: ego state at ``t = 0`` (map frame).
-        wheelbase_m: front-to-rear axle distance (m), > 0.
-        min_segment_m: segments shorter than this (m) count as "not moving" for the driving direction
-            (forward or reverse) of their speed; >= 0.
-        heading_min_segment_m: shortest chord (m) a pose yaw and the curvature are measured over; >= 0.
-            The suffix node passes the output guard's ``guard.min_segment_m``, the length below which the
-            guard does not judge headings either.
-
-    Returns:
-        :class:`TrajectoryArrays` with P = N + 1 points, ``t = [0, dt, ..., N dt]``.
-
-    Raises:
-        ValueError: waypoints not of shape (N, 2) with N >= 1 or not finite; ``dt_s`` or
-            ``wheelbase_m`` not finite and > 0; ``min_segment_m`` or ``heading_min_segment_m`` negative
-            or not finite; non-finite ego fields.
+    Raises ValueError for waypoints not finite ``(N, 2)`` with N >= 1, ``dt_s`` or ``wheelbase_m`` not finite
+    and > 0, ``min_segment_m`` or ``heading_min_segment_m`` negative or not finite, or non-finite ego fields.
     """
     wp = _checked_waypoints(waypoints_ego)
     dt = _positive(dt_s, "dt_s")
@@ -277,7 +205,7 @@ def waypoints_to_trajectory(
 
 
 def _checked_waypoints(waypoints_ego) -> np.ndarray:
-    """``waypoints_ego`` as a finite ``(N, 2)`` float64 array, N >= 1. Raises ValueError naming the problem."""
+    """``waypoints_ego`` as a finite ``(N, 2)`` float64 array, N >= 1, or ValueError."""
     try:
         wp = np.asarray(waypoints_ego, dtype=np.float64)
     except (TypeError, ValueError) as exc:
@@ -305,17 +233,15 @@ def _non_negative(value, name: str) -> float:
 
 
 def _travel_heading(dx: float, dy: float, previous: float) -> tuple[float, bool]:
-    """(heading, forward) of a displacement ``(dx, dy)`` driven from heading ``previous`` (rad, ego frame):
-    more than 90 deg from ``previous`` it is driven in reverse, heading = direction + pi."""
+    """(heading, forward) of ``(dx, dy)`` driven from ``previous`` (rad); > 90 deg off is reverse (direction + pi)."""
     forward = dx * math.cos(previous) + dy * math.sin(previous) >= 0.0
     heading = math.atan2(dy, dx)
     return (heading if forward else wrap_angle(heading + math.pi)), forward
 
 
 def segment_headings(dx: np.ndarray, dy: np.ndarray, min_segment_m: float) -> tuple[np.ndarray, np.ndarray]:
-    """Heading (rad, ego frame: 0 = the ego heading) and driving direction (+1 forward, -1 reverse) of each
-    segment ``(dx[k], dy[k])`` (m). A segment shorter than ``min_segment_m`` keeps the previous heading
-    (0 before the first); see :func:`waypoints_to_trajectory`."""
+    """Heading (rad, 0 = ego heading) and direction (+1/-1) of each segment (m); shorter than ``min_segment_m``
+    keeps the previous heading."""
     n = dx.size
     heading, sign = np.empty(n), np.empty(n)
     prev = 0.0
@@ -329,14 +255,10 @@ def segment_headings(dx: np.ndarray, dy: np.ndarray, min_segment_m: float) -> tu
 
 
 def pose_headings(lx: np.ndarray, ly: np.ndarray, min_chord_m: float) -> np.ndarray:
-    """Pose yaw of each point ``(lx[k], ly[k])`` (m, ego frame, point 0 = the ego at the origin), rad in the
-    ego frame (0 = the ego heading).
+    """Pose yaw (rad, 0 = ego heading) of each point (m, ego frame, point 0 the ego at the origin, yaw 0).
 
-    Point 0 has yaw 0 (the odometry heading). Point k >= 1 takes the direction of the chord to the first
-    later point at least ``min_chord_m`` (and more than 0) away, driven in reverse when that chord points more
-    than 90 deg away from the previous yaw; with no such point it keeps the previous yaw. Chords shorter
-    than the output guard's ``guard.min_segment_m`` (Autoware's planning_validator thins to 1 m for the
-    same reason) carry no heading: centimetres of jitter at standstill would point anywhere.
+    Point k >= 1 takes the direction of the chord to the first later point at least ``min_chord_m`` (and > 0)
+    away (reversed past 90 deg), else the previous yaw: centimetres of standstill jitter would point anywhere.
     """
     p = lx.size
     yaw = np.zeros(p)
@@ -350,17 +272,14 @@ def pose_headings(lx: np.ndarray, ly: np.ndarray, min_chord_m: float) -> np.ndar
     return yaw
 
 
-#: Shortest chord (m) that gives a heading in :func:`model_track_to_base_link` (shorter ones, e.g. centimetres of
-#: jitter at standstill, keep the heading before them).
+#: Shortest chord (m) that gives a heading in :func:`model_track_to_base_link`.
 TRACK_MIN_CHORD_M = 0.2
 
 
 def _track_headings(x: np.ndarray, y: np.ndarray, min_chord_m: float) -> np.ndarray:
-    """Tangent heading (rad, 0 at point 0) at each point of a track ``(x[k], y[k])`` whose point 0 is the start,
-    heading 0: point k's from the chord between its neighbours (parallel to the tangent on a circle through
-    them), the last point's from its incoming chord turned on as much again past the previous point's heading
-    (on a circle, exact for even spacing); a chord shorter than ``min_chord_m`` keeps the previous heading and one
-    more than 90 deg from it is driven in reverse (its direction + pi), as :func:`pose_headings`."""
+    """Tangent heading (rad, 0 at point 0) of each track point: the chord between its neighbours (the last point:
+    its incoming chord turned on as much again, exact on a circle); short and reverse chords as in
+    :func:`pose_headings`."""
     n = x.size
     yaw = np.zeros(n)
     for k in range(1, n):
@@ -377,9 +296,8 @@ def _track_headings(x: np.ndarray, y: np.ndarray, min_chord_m: float) -> np.ndar
 
 
 def _track_curvatures(x: np.ndarray, y: np.ndarray, min_chord_m: float) -> np.ndarray:
-    """Signed curvature (1/m, left positive) at each point of a track: 1 / the radius of the circle through the
-    point and its neighbours (the last point: through the last three), 0 at point 0; where a chord is shorter than
-    ``min_chord_m`` the previous point's."""
+    """Signed curvature (1/m, left +) of the circle through each point and its neighbours (the last: the last
+    three); 0 at point 0, the previous point's where a chord is shorter than ``min_chord_m``."""
     n = x.size
     kappa = np.zeros(n)
     for k in range(1, n):
@@ -393,24 +311,14 @@ def _track_curvatures(x: np.ndarray, y: np.ndarray, min_chord_m: float) -> np.nd
 
 
 def model_track_to_base_link(waypoints, origin_xy, min_chord_m: float = TRACK_MIN_CHORD_M) -> np.ndarray:
-    """``base_link``'s planned positions from a plan of another point of the vehicle.
+    """``base_link``'s planned positions ``(N, 2)`` float64 from a plan of another point of the vehicle.
 
-    The published models (Orion, MindDrive) plan the track of their model frame's origin (their training lidar,
-    ``origin_xy`` = (x, y) m in base_link: ``model_frame_origin``): waypoint k is that point's position at t_k
-    in the frame it had at t_0, with base_link's axes (MindDrive's ``get_ego_trajs``: the lidar's future poses
-    in the current lidar frame). A point rigidly ``o`` ahead of base_link is at ``b_k + R(yaw_k) o`` when
-    base_link is at ``b_k`` with heading ``yaw_k``, so ``b_k = o + w_k - R(yaw_k) o`` (b_0 = 0).
-
-    ``yaw_k``, base_link's heading: base_link (the rear axle) moves along its heading, so a point d = o_x ahead
-    on a turn of its track's curvature kappa_w moves at asin(d kappa_w) to the left of the heading (rigid body on
-    a circle: the point's radius is sqrt(R^2 + d^2)); ``yaw_k`` = the track's tangent (:func:`_track_headings`)
-    minus that angle, kappa_w from the circle through each point and its neighbours (:func:`_track_curvatures`;
-    ``o_y`` is left out of that angle). Exact on a circle with evenly spaced waypoints; on a straight track
-    ``b_k = w_k``; within 6 cm for the uneven spacings of test_trajectory, where leaving the track as it is
-    would be 0.3 to 1 m off. Chords shorter than ``min_chord_m`` (standstill jitter) give no heading.
-
-    ``waypoints``: (N, 2) float (m); returns (N, 2) float64. Raises ValueError for another shape or a
-    non-finite value.
+    The published models (Orion, MindDrive) plan the track of their model frame's origin ``o = origin_xy`` (m in
+    base_link; MindDrive's ``get_ego_trajs``: the lidar's future poses in the current lidar frame), so
+    ``b_k = o + w_k - R(yaw_k) o``. The rear axle moves along its heading, so a point ``o_x`` ahead on a turn of
+    curvature kappa_w moves at ``asin(o_x kappa_w)`` left of it: ``yaw_k`` = track tangent minus that angle
+    (``o_y`` left out). Exact on a circle with even spacing; within 6 cm on test_trajectory's uneven spacings
+    (0.3 to 1 m without it). Raises ValueError for another shape or a non-finite value.
     """
     w = np.asarray(waypoints, dtype=np.float64)
     o = np.asarray(origin_xy, dtype=np.float64)
@@ -426,8 +334,7 @@ def model_track_to_base_link(waypoints, origin_xy, min_chord_m: float = TRACK_MI
 
 
 def _speeds(seg_v: np.ndarray, ego_speed: float, dt: float) -> tuple[np.ndarray, np.ndarray]:
-    """(v, acc) per point from the signed segment speeds ``seg_v`` (m/s) and the measured ego speed:
-    ``v = [ego_speed, seg_v...]``, ``acc[k] = (|v[k+1]| - |v[k]|) / dt`` with the last repeated."""
+    """(v, acc) per point: ``v = [ego_speed, seg_v...]``, ``acc`` as in :func:`waypoints_to_trajectory`."""
     v = np.concatenate(([ego_speed], seg_v))
     acc = np.empty(v.size)
     acc[:-1] = np.diff(np.abs(v)) / dt
@@ -436,28 +343,18 @@ def _speeds(seg_v: np.ndarray, ego_speed: float, dt: float) -> tuple[np.ndarray,
 
 
 def chord_curvatures(x, y, yaw0: float, min_chord_m: float) -> np.ndarray:
-    """Heading curvature (1/m) at each point of the path ``(x[k], y[k])`` (m; point 0 is the vehicle, heading
-    ``yaw0`` rad, any planar frame), measured over chords of at least ``min_chord_m``: the one definition the
-    trajectory's kinematic fields and the output guard's curvature, lateral acceleration and steering checks
-    share.
+    """Heading curvature (1/m, float64 shaped like ``x``) of a path (m; point 0 the vehicle, heading ``yaw0``),
+    over chords >= ``min_chord_m``: the one definition the trajectory fields and the output guard share.
 
-    * Thinning: point 0 is kept; each later point at least ``min_chord_m`` (and more than 0) from the last kept
-      one is kept (no interpolation), as Autoware's planning_validator resamples to 1 m before these checks.
-    * Driving direction: a chord pointing more than 90 deg away from the heading before it is driven in
-      reverse; the vehicle's heading along it is the chord's direction + pi.
-    * At point 0: the circular arc tangent to ``yaw0`` through the first kept point,
-      ``2 sin(alpha) / chord`` with ``alpha`` the turn from ``yaw0`` to the chord's heading.
-    * At each inner kept point: the circle through it and its kept neighbours (Menger curvature,
-      ``2 sin(turn) / |a + b|``, the turn between the heading of the chord into it and of the chord out of it;
-      at a switch of driving direction the chord out is mirrored, so a cusp counts by its change of heading).
-      The last kept point takes its predecessor's value (point 0's when only one chord is kept).
-    * Every other point: linear in arc length between the kept points around it (after the last kept point:
-      its value), so no point's curvature exceeds that of a judged kept point.
+    * Kept points: point 0, then each point at least ``min_chord_m`` (and > 0) from the last kept one, as
+      Autoware's planning_validator resamples to 1 m; a chord > 90 deg off the heading before it is reverse.
+    * Point 0: the arc tangent to ``yaw0`` through the first kept point, ``2 sin(alpha) / chord``.
+    * Inner kept points: Menger curvature of the circle through the kept neighbours (at a cusp the chord out is
+      mirrored); the last kept point takes its predecessor's value.
+    * Other points: linear in arc length between kept points, so none exceeds a judged kept point.
 
-    Sign: positive turns left when driving forward; it is the curvature of the heading per signed arc length,
-    so that ``heading_rate = kappa * v`` with the signed speed and the bicycle model's steering
-    ``atan(wheelbase * kappa)`` hold in reverse too. All zeros when no point is ``min_chord_m`` away (a car at
-    standstill). Returns a float64 array shaped like ``x``. Raises ValueError for arrays of different shapes.
+    Positive turns left driving forward; per signed arc length, so ``heading_rate = kappa * v`` and
+    ``atan(wheelbase * kappa)`` hold in reverse. All zeros at standstill. Raises ValueError for mismatched shapes.
     """
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
