@@ -104,3 +104,16 @@ def test_the_smol_preset_composed_on_the_exported_llm_verifies(smol_hf, tmp_path
     assert "OK: 3 of 3 split layers within the allowed difference" in check.stdout
     assert "bit-exact against the same code unsplit" in check.stdout
     assert f"transformers LlamaForCausalLM.from_pretrained({smol_hf})" in check.stdout
+
+
+def test_the_real_smollm2_decodes_across_the_split_as_generate_does(smol_hf, prompt_ids):
+    """Issue 40 on real weights: `hybrid-vla verify-split --decode-tokens 6` at three K (a decode step's logits
+    bit-exact against LlamaForCausalLM.generate with the same static cache length), and the decoded text starts
+    with " Paris"."""
+    from hybrid_vla_ros.model.gguf_llm import load_gguf_tokenizer
+    from hybrid_vla_ros.split.verify_decode import verify_decode
+
+    report = verify_decode(smol_hf, 6, prompt_ids=prompt_ids.tolist(), layers=[0, 17, 30])
+    assert report.ok and [r.k for r in report.rows] == [0, 17, 30], report.rows
+    assert max(r.logits for r in report.rows) <= 1e-5
+    assert load_gguf_tokenizer().decode(report.reference_tokens).startswith(" Paris")

@@ -172,7 +172,7 @@ class Checkpoint:
     def build(self, role: str, split_layer: int | None = None, stop: int | None = None) -> nn.Module:
         """The stage on the meta device: ``prefix`` / ``suffix`` at K, ``full``, ``blocks`` [K, stop)."""
         with torch.device("meta"):
-            return split_model(self.model).build_stage(role, split_layer, stop)
+            return split_model(self.model, self).build_stage(role, split_layer, stop)
 
     def load(self, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
              dtype: str | torch.dtype = torch.float32) -> nn.Module:

@@ -14,7 +14,7 @@ stored                                                        canonical
 ``model.embed_tokens.weight``                                 ``embed_tokens.weight``
 ``model.layers.{i}.<rest>``                                   ``layers.{i}.<rest>``
 ``model.norm.weight``                                         ``norm.weight``
-``lm_head.weight``                                            not read (the planning pass reads hidden states)
+``lm_head.weight``                                            ``lm_head.weight`` (read by a decode only)
 LLaVA, transformers 4.x and 5.x ``save_pretrained`` (default ``save_original_format``):
 ``language_model.model.{embed_tokens,layers.{i},norm}.*``     as above
 ``vision_tower.[vision_model.]<rest>``                        ``vision_tower.<rest>``
@@ -59,7 +59,7 @@ _LLM_PARTS = r"(embed_tokens\..+|layers\.\d+\..+|norm\..+)"
 LLM_KEY_MAP = KeyMap([
     (r".*rotary_emb\.inv_freq", None),
     (r"(?:model\.)?" + _LLM_PARTS, r"\1"),
-    (r"lm_head\..+", None),
+    (r"(lm_head\.weight)", r"\1"),
 ], "transformers causal LM")
 #: Stored names of a LlavaForConditionalGeneration (transformers 4.x and 5.x layouts) -> canonical.
 LLAVA_KEY_MAP = KeyMap([

@@ -78,8 +78,15 @@ class SplitModel:
 
         if role == "blocks":
             return BlockRange(self.cfg, split_layer, stop)
+        if role == "lm_head":
+            if not self.decodes:
+                raise ValueError(self.NO_DECODE)
+            from .decode import LMHead
+
+            tied = None if self.ck is None else "lm_head.weight" not in self.ck.source()
+            return LMHead(self.text_config(), tied)
         if role not in self.STAGES:
-            raise ValueError(f"unknown role {role!r}; use prefix, suffix or full")
+            raise ValueError(f"unknown role {role!r}; use prefix, suffix, full, blocks or lm_head")
         cls = self.STAGES[role]
         if cls is None:
             raise ValueError(self.NO_FULL)
@@ -88,6 +95,13 @@ class SplitModel:
     #: role -> the stage class (``full``: None where the kind has no monolithic model, :attr:`NO_FULL` says why).
     STAGES: dict = {}
     NO_FULL = ""
+    #: Whether it decodes across the split (:mod:`.decode`; role ``lm_head``), and why not where it does not.
+    decodes = False
+    NO_DECODE = "this model has no language-model head to decode with (a planning head reads fixed positions)"
+
+    def text_config(self):
+        """The transformers config of its decoder blocks (what its KV caches are built for)."""
+        return modeling.llm_config(self.cfg)
 
     # ----------------------------------------------------------------------------------------- inputs
     def example_inputs(self, frames: CameraFrames | None = None, device="cpu", dtype=torch.float32) -> tuple:
@@ -107,9 +121,23 @@ class SplitModel:
         return ""
 
     # -------------------------------------------------------------------------------- stage outputs
-    def run_prefix(self, stage, inputs: tuple):
-        """Its prefix stage on :meth:`example_inputs`' arguments."""
-        return stage(*inputs)
+    def run_prefix(self, stage, inputs: tuple, cache=None):
+        """Its prefix stage on :meth:`example_inputs`' arguments (``cache``: the prefix's KV cache, a decode)."""
+        return stage(*inputs) if cache is None else stage(*inputs, cache=cache)
+
+    # ----------------------------------------------------------------------------------------- decode
+    def prefix_step(self, stage, token_ids: torch.Tensor, prefill, cache, position: int):
+        """A decode step on the prefix: new token ids (k,) int64 at sequence positions ``position`` .. -> what
+        crosses (h_K rows, or a SplitState with their rotary positions); ``prefill``: the frame's prefill output."""
+        return stage(token_ids, cache=cache)
+
+    def prompt_tokens(self, inputs: tuple) -> int:
+        """Tokens of one frame's prefill from :meth:`example_inputs`' arguments."""
+        return int(inputs[0].numel())
+
+    def suffix_rows(self, suffix, out, cache):
+        """The suffix's final-norm rows (rows, H) of a prefill or a decode step, extending its KV cache."""
+        return suffix.final_hidden_states(out, cache=cache)
 
     def output(self, suffix, out) -> torch.Tensor | None:
         """What the check compares at the end: waypoints (M, N, 2) or own code's output; None without a head."""
@@ -219,6 +247,7 @@ class TextLM(SplitModel):
 
     STAGES = {"prefix": modeling.TokenPrefixStage, "suffix": modeling.LMSuffixStage, "full": None}
     NO_FULL = "a bare language model has no monolithic driving model: load its prefix and suffix"
+    decodes = True
 
     def __init__(self, cfg, ck=None, prompt_ids: list[int] | None = None):
         super().__init__(cfg, ck)
@@ -242,6 +271,21 @@ class TextLM(SplitModel):
         ref = causal_lm_class(self.cfg.llm_type).from_pretrained(str(self.ck.path), dtype=dtype).eval()
         return Referee(_reference_states(ref(inputs[0].unsqueeze(0), output_hidden_states=True)), None,
                        f"transformers {self.ck.hf.architecture}.from_pretrained({self.ck.path})")
+
+    def decode_referee(self, dtype, inputs: tuple, max_new_tokens: int):
+        """transformers' own greedy ``generate`` on the unsplit model with a static KV cache (of prompt +
+        ``max_new_tokens`` tokens: the split's cache class and length, so the same attention over the same keys),
+        stopping at the generation config's end tokens. Returns (new token ids, logits of each step (V,) float32,
+        those stop ids, what it is)."""
+        ref = causal_lm_class(self.cfg.llm_type).from_pretrained(str(self.ck.path), dtype=dtype).eval()
+        stop = ref.generation_config.eos_token_id
+        stop = () if stop is None else ((stop,) if isinstance(stop, int) else tuple(stop))
+        ids = inputs[0].unsqueeze(0)
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                           cache_implementation="static", output_logits=True, return_dict_in_generate=True,
+                           pad_token_id=stop[0] if stop else 0)  # every prompt token attended, pad id or not
+        return (out.sequences[0, ids.shape[1]:].tolist(), [x[0].float() for x in out.logits], stop,
+                f"transformers {self.ck.hf.architecture}.generate (greedy, static cache)")
 
     def activation_phases(self, split_layer, e, role):
         if role == "prefix":
@@ -343,6 +387,40 @@ class VLMFront(SplitModel):
 
     def head_on_final(self, suffix, final):
         return DrivingVLA.head_on_final(self, suffix, final)
+
+    @property
+    def decodes(self) -> bool:
+        return not self.takes_cameras  # a driving composition reads its planning head at fixed positions
+
+    def prompt_tokens(self, inputs) -> int:
+        return int(inputs[0].tokens)
+
+    def prefix_step(self, stage, token_ids, prefill, cache, position: int):
+        """The token's multimodal rotary positions continue after the prefill's largest, as ``generate`` does
+        (Qwen-VL's ``rope_deltas``); a family with plain positions continues from the cache."""
+        positions = None
+        if prefill.position_ids is not None:
+            rotary = prefill.position_ids[-3:]
+            start = int(rotary.max()) + 1 + position - int(prefill.hidden_states.shape[-2])
+            steps = torch.arange(start, start + token_ids.numel(), device=rotary.device)
+            positions = steps.view(1, 1, -1).expand(3, rotary.shape[1], -1)
+        return stage.step(token_ids, positions, cache)
+
+    def decode_referee(self, dtype, inputs: tuple, max_new_tokens: int):
+        """The family's ForConditionalGeneration ``generate`` on the processor's outputs (greedy, static cache)."""
+        from .vlm import vlm_family
+
+        family = vlm_family(self.cfg.vlm_type)
+        ref = family.generation_class.from_pretrained(str(self.ck.hf.path), dtype=dtype).eval()
+        stop = ref.generation_config.eos_token_id
+        stop = () if stop is None else ((stop,) if isinstance(stop, int) else tuple(stop))
+        frame = inputs[0]
+        out = ref.generate(input_ids=frame.input_ids, attention_mask=torch.ones_like(frame.input_ids),
+                           **frame.to("cpu", dtype).images, max_new_tokens=max_new_tokens, do_sample=False,
+                           cache_implementation="static", output_logits=True, return_dict_in_generate=True,
+                           pad_token_id=stop[0] if stop else 0)
+        return (out.sequences[0, frame.input_ids.shape[1]:].tolist(), [x[0].float() for x in out.logits], stop,
+                f"transformers {family.generation_class.__name__}.generate (greedy, static cache)")
 
     def activation_phases(self, split_layer, e, role):
         d = act.llm_dims(self.cfg)

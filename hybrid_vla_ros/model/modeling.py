@@ -1,6 +1,6 @@
 """A driving VLA as an ordered list of blocks, and its partition at a split layer K.
 
-Forward pass of one frame (one prefill, no autoregressive decode)::
+Forward pass of one frame (one prefill; a model that decodes continues in :mod:`.decode`)::
 
     pixels (C, 3, S, S) --vision encoder--> (C, P, Dv) --projector--> (V, H)   vision tokens
     prompt ids (p,)     --embed_tokens-->                             (p, H)   text tokens
@@ -518,7 +518,8 @@ def _kind(block: nn.Module, kinds: list[str]) -> str:
     return kinds[block.self_attn.layer_idx]
 
 
-def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None, state=None) -> torch.Tensor:
+def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None, state=None,
+               cache=None) -> torch.Tensor:
     """Run decoder blocks over hidden states (T, H) or (B, T, H) -> same shape.
 
     Masks and rotary tables are the family's, as its base model builds them (:func:`text.block_inputs`: causal,
@@ -526,7 +527,8 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
     :class:`~hybrid_vla_ros.model.contract.SplitState`), from its multimodal ``position_ids``, adding its DeepStack
     features after each block that has a level (:func:`vlm.deepstack_add`). ``out``: as :func:`embed`'s (called
     after the last block's MLP), written by the last residual add (:func:`block_forward_into`), or copied into
-    with DeepStack levels left or no blocks; returns ``out`` then.
+    with DeepStack levels left or no blocks; returns ``out`` then. ``cache``: this side's KV cache (:mod:`.decode`):
+    the blocks read and extend it, positions continue after what it holds.
     """
     if len(layers) == 0:
         return h if out is None else _destination(out).copy_(h)
@@ -534,11 +536,14 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
     config = m.rotary_emb.config
     kinds = text.attention_kinds(config)
     positions = state.position_ids if state is not None else None
-    inputs = text.block_inputs(config, m.rotary_emb, x, {_kind(b, kinds) for b in layers}, positions)
+    first = {}
+    for b in layers:
+        first.setdefault(_kind(b, kinds), b.self_attn.layer_idx)
+    inputs = text.block_inputs(config, m.rotary_emb, x, set(first), positions, cache=cache, first_layer=first)
     deep = state.deepstack if state is not None else None
     levels = 0 if deep is None else deep.shape[0]
     if out is not None and layers[-1].self_attn.layer_idx < levels:
-        y = run_blocks(m, layers, h, state=state)
+        y = run_blocks(m, layers, h, state=state, cache=cache)
         return _destination(out).copy_(y)
     last = len(layers) - 1 if out is not None else len(layers)
     for block in layers[:last]:
@@ -712,16 +717,17 @@ class TokenPrefixStage(PrefixSide):
         self.layers = _blocks(cfg, llm, 0, split_layer)
         self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids (T,) -> h_K (T, H) in the stage dtype. Raises ValueError for ids that are not a 1-D integer
-        tensor inside the vocabulary."""
+    def forward(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """Token ids (T,) -> h_K (T, H) in the stage dtype; ``cache``: this side's KV cache (a decode, after the
+        tokens it holds). Raises ValueError for ids that are not a 1-D integer tensor inside the vocabulary."""
         vocab = self.embed_tokens.num_embeddings
         if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32) or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D integer tensor, got {tuple(input_ids.shape)} "
                              f"{input_ids.dtype}")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
             raise ValueError(f"input_ids outside the vocabulary [0, {vocab})")
-        return run_blocks(self, self.layers, self.embed_tokens(input_ids.to(self.embed_tokens.weight.device)))
+        return run_blocks(self, self.layers, self.embed_tokens(input_ids.to(self.embed_tokens.weight.device)),
+                          cache=cache)
 
 
 class LMSuffixStage(SuffixSide):
@@ -736,11 +742,13 @@ class LMSuffixStage(SuffixSide):
         self.norm = text.make_norm(llm_family(cfg), llm)
         self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
-    def final_hidden_states(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
-        """h_K (T, H) -> final-norm hidden states (T, H). Raises ValueError on a wrong width or K."""
+    def final_hidden_states(self, hidden_states: torch.Tensor, split_layer: int | None = None,
+                            cache=None) -> torch.Tensor:
+        """h_K (T, H) -> final-norm hidden states (T, H); ``cache`` as the prefix's. Raises ValueError on a wrong
+        width or K."""
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != (T, {self.cfg.hidden_size})")
-        return self.norm(run_blocks(self, self._layers_from(split_layer), hidden_states))
+        return self.norm(run_blocks(self, self._layers_from(split_layer), hidden_states, cache=cache))
 
     forward = final_hidden_states
 
@@ -790,9 +798,10 @@ class VLMPrefixStage(PrefixSide):
                 if buf.device != torch.device(device):
                     module._buffers[name] = buf.to(device)
 
-    def forward(self, inputs) -> "SplitState":
+    def forward(self, inputs, cache=None) -> "SplitState":
         """Processor outputs (:class:`~hybrid_vla_ros.model.vlm.VLMInputs`) -> SplitState at K, h_K in the stage
-        dtype. Raises ValueError when T is not the spec's (another camera size or prompt)."""
+        dtype (``cache``: the prefix's KV cache, a decode). Raises ValueError when T is not the spec's (another
+        camera size or prompt)."""
         from .contract import SplitState
         from .vlm import run_front
 
@@ -808,7 +817,18 @@ class VLMPrefixStage(PrefixSide):
         if hasattr(self, "query_tokens"):  # the learned queries in place of the planning-token copies
             h0 = torch.cat([h0[:-len(self.query_tokens)], self.query_tokens.to(h0.dtype)], dim=0)
         state = SplitState(h0, front.position_ids, front.visual_mask, front.deepstack)
-        state.hidden_states = run_blocks(self, self.layers, state.hidden_states, state=state)
+        state.hidden_states = run_blocks(self, self.layers, state.hidden_states, state=state, cache=cache)
+        return state
+
+    def step(self, token_ids: torch.Tensor, position_ids: torch.Tensor | None, cache) -> "SplitState":
+        """A decode step: token ids (k,) -> SplitState of their h_K (k, H) and rotary ``position_ids`` (3, 1, k)
+        int64 (None: positions continue from ``cache``), through the text model's embeddings and blocks [0, K)."""
+        from .contract import SplitState
+
+        embed = getattr(self.vlm, self.family.text_attribute).embed_tokens
+        h = embed(token_ids.to(embed.weight.device))
+        state = SplitState(h, position_ids)
+        state.hidden_states = run_blocks(self, self.layers, h, state=state, cache=cache)
         return state
 
 
@@ -824,12 +844,17 @@ class VLMSuffixStage(SuffixSide):
         self.norm = text.make_norm(llm_family(cfg), llm)
         self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
-    def _check_state(self, state):
-        """``state`` (a bare h_K is wrapped) as a checked SplitState. Raises ValueError."""
+    def _check_state(self, state, step: bool = False):
+        """``state`` (a bare h_K is wrapped) as a checked SplitState; ``step``: a decode step's rows (any count,
+        their positions only). Raises ValueError."""
         from .contract import SplitState
 
         if isinstance(state, torch.Tensor):
             state = SplitState(state)
+        if step:
+            if state.hidden_states.dim() != 2 or state.hidden_states.shape[-1] != self.cfg.prefix_state_shape[-1]:
+                raise ValueError(f"decode step rows {tuple(state.hidden_states.shape)} are not (k, H)")
+            return state
         missing = [n for n in self.cfg.side if n not in state.side()]
         if missing:
             raise ValueError(f"this model's blocks after the split need side tensor(s) {missing}, which the "
@@ -839,10 +864,12 @@ class VLMSuffixStage(SuffixSide):
                              f"{self.cfg.prefix_state_shape}")
         return state
 
-    def final_hidden_states(self, state, split_layer: int | None = None) -> torch.Tensor:
-        """SplitState at K -> (T, H). Raises ValueError on a wrong shape or K, or missing side tensors."""
-        state = self._check_state(state)
-        h = run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state)
+    def final_hidden_states(self, state, split_layer: int | None = None, cache=None) -> torch.Tensor:
+        """SplitState at K -> (T, H); with ``cache`` (a decode) a prefill or a step's rows. Raises ValueError on a
+        wrong shape or K, or missing side tensors."""
+        rows = (state if isinstance(state, torch.Tensor) else state.hidden_states).shape[-2]
+        state = self._check_state(state, step=cache is not None and rows != self.cfg.prefix_state_shape[-2])
+        h = run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state, cache=cache)
         return self.norm(h)
 
     def forward(self, state, split_layer: int | None = None) -> torch.Tensor:

@@ -5,7 +5,7 @@ token embedding, a plain ``ModuleList`` of decoder blocks and a final norm, with
 Blocks, norm and rotary are transformers' own classes, found through its registries; this package only runs the
 loop of ``<Family>Model.forward`` (``modeling_<family>.py``, transformers 5.24) around them:
 
-* position ids ``arange(T)`` (one prefill from position 0, no cache);
+* position ids ``arange(T)`` (a prefill from position 0; a decode continues after the tokens its KV cache holds);
 * one mask per *attention kind* from ``masking_utils`` (``full_attention`` -> ``create_causal_mask``,
   ``sliding_attention`` -> ``create_sliding_window_causal_mask``). A block's kind is ``config.layer_types[i]``
   (Qwen2/3, Gemma 2/3), else sliding when ``config.sliding_window`` is set (Mistral, Phi-3), else full (LLaMA).
@@ -186,11 +186,23 @@ class BlockInputs:
     position_ids: torch.Tensor
     masks: dict
     cos_sin: dict
+    cache: object = None
 
     def for_block(self, block: nn.Module, kind: str) -> dict:
-        """Keyword arguments of ``block(x, **kwargs)``."""
-        return {"attention_mask": self.masks[kind], "position_ids": self.position_ids,
-                "position_embeddings": self.cos_sin[kind]}
+        """Keyword arguments of ``block(x, **kwargs)`` (with a KV cache: the block reads and extends it)."""
+        kwargs = {"attention_mask": self.masks[kind], "position_ids": self.position_ids,
+                  "position_embeddings": self.cos_sin[kind]}
+        if self.cache is not None:
+            kwargs[_cache_argument(type(block))] = self.cache
+            kwargs["use_cache"] = True
+        return kwargs
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(block_class: type) -> str:
+    """The name a decoder block takes its KV cache under: ``cache`` (transformers 5.24), ``past_key_values``
+    (earlier releases)."""
+    return "cache" if "cache" in inspect.signature(block_class.forward).parameters else "past_key_values"
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,14 +211,14 @@ def _rotary_per_kind(rotary_class: type) -> bool:
     return "layer_type" in inspect.signature(rotary_class.forward).parameters
 
 
-def split_positions(position_ids: torch.Tensor | None, x: torch.Tensor) -> tuple:
+def split_positions(position_ids: torch.Tensor | None, x: torch.Tensor, past: int = 0) -> tuple:
     """(rotary position ids, text position ids) for hidden states ``x`` (B, T, H).
 
     None: ``arange(T)`` (1, T) for both. Qwen-VL multimodal positions (int64): (3, B, T) temporal / height /
     width, text None; (4, B, T): row 0 text, rows 1.. rotary, as ``Qwen2_5_VLTextModel.forward`` /
     ``Qwen3VLTextModel.forward`` (transformers 5.24). Raises ValueError for another shape."""
     if position_ids is None:
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        positions = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         return positions, positions
     if position_ids.dim() != 3 or position_ids.shape[0] not in (3, 4) or position_ids.shape[-1] != x.shape[1]:
         raise ValueError(f"multimodal position ids must be (3 or 4, B, T={x.shape[1]}), got "
@@ -217,14 +229,24 @@ def split_positions(position_ids: torch.Tensor | None, x: torch.Tensor) -> tuple
     return position_ids, None
 
 
-def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
-                 position_ids: torch.Tensor | None = None) -> BlockInputs:
-    """:class:`BlockInputs` for hidden states ``x`` (B, T, H) and attention ``kinds`` (module docstring).
+def cached_tokens(cache, first_layer: int) -> int:
+    """Tokens a side's KV cache holds before this forward (0 without one), read at its first block's layer."""
+    return 0 if cache is None else int(cache.get_seq_length(first_layer))
 
-    ``position_ids`` as :func:`split_positions`. Masks follow :func:`attention_implementation`."""
+
+def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
+                 position_ids: torch.Tensor | None = None, *, cache=None, first_layer: dict | None = None
+                 ) -> BlockInputs:
+    """Position ids, masks and rotary tables for hidden states ``x`` (B, T, H) and the attention ``kinds`` the
+    blocks to run use, as the family's base model computes them; ``position_ids``: None for a text model's
+    positions, or a VLM's multimodal ones (:func:`split_positions`). ``cache``: this side's KV cache (a decode):
+    positions continue after the tokens it holds and each mask is sized against the cache layer of
+    ``first_layer[kind]``, the first block of that kind this side runs (the other side's layers stay empty)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    rotary_positions, text_positions = split_positions(position_ids, x)
+    first_layer = first_layer or {}
+    past = cached_tokens(cache, min(first_layer.values(), default=0))
+    rotary_positions, text_positions = split_positions(position_ids, x, past)
     makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
     masks = {}
     for kind in kinds:
@@ -233,11 +255,11 @@ def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
         if x.is_meta:  # FLOP counting on the meta device (no values): transformers' mask functions read values
             masks[kind] = None
             continue
-        masks[kind] = makers[kind](config=config, inputs_embeds=x, attention_mask=None, cache=None,
-                                   position_ids=text_positions)
+        masks[kind] = makers[kind](config=config, inputs_embeds=x, attention_mask=None, cache=cache,
+                                   position_ids=text_positions, layer_idx=first_layer.get(kind))
     if _rotary_per_kind(type(rotary)):
         cos_sin = {kind: rotary(x, rotary_positions, kind) for kind in kinds}
     else:
         shared = rotary(x, rotary_positions)
         cos_sin = {kind: shared for kind in kinds}
-    return BlockInputs(text_positions, masks, cos_sin)
+    return BlockInputs(text_positions, masks, cos_sin, cache)

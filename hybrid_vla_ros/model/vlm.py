@@ -275,6 +275,8 @@ class VLMKeyMap:
         if converter is not None:
             raise CheckpointLayoutError(f"stored tensor {stored!r} is converted by transformers on load "
                                         f"({converter}), not renamed: this package reads tensors 1:1")
+        if name == "lm_head.weight":  # read by a decode only
+            return name
         if name.startswith("lm_head."):
             return None
         m = self._text.fullmatch(name)

@@ -209,6 +209,8 @@ def _verify_split(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()  # "Loading weights" bars of the reference models: noise in a report
     if args.cameras is not None and args.cameras < 1:
         return _usage("verify-split", "--cameras must be >= 1")
+    if args.decode_tokens is not None:
+        return _verify_decode(args)
     try:
         report = verify_split(args.model, args.dtype, tolerance=args.tolerance, prompt_ids=args.prompt_ids,
                               cameras=args.cameras, trust_model_code=args.trust_model_code or None,
@@ -218,6 +220,32 @@ def _verify_split(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("verify-split", e)
     print(format_report(report))
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(report.to_dict(), f, indent=2)
+        except OSError as e:
+            return _err("verify-split", e)
+    return 0 if report.ok else 1
+
+
+def _verify_decode(args: argparse.Namespace) -> int:
+    """``verify-split --decode-tokens N``: exit 0 iff every K decodes the referee's tokens, 2 for a model that
+    cannot decode."""
+    import json
+
+    from ..split.verify_decode import CannotDecode, format_decode_report, verify_decode
+
+    try:
+        report = verify_decode(args.model, args.decode_tokens, args.dtype, prompt_ids=args.prompt_ids,
+                               layers=args.layers, tolerance=args.tolerance or 1e-5,
+                               log=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
+    except CannotDecode as e:
+        print(f"hybrid-vla verify-split: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        return _err("verify-split", e)
+    print(format_decode_report(report))
     if args.json:
         try:
             with open(args.json, "w") as f:
@@ -491,6 +519,10 @@ def _add_verify_split(sub) -> None:
                    help="check only these split layers (default: every K in [0, L]; each K is a whole forward)")
     v.add_argument("--trust-model-code", action="store_true",
                    help="allow importing the model_class a checkpoint names (runs that code)")
+    v.add_argument("--decode-tokens", type=int, default=None, metavar="N",
+                   help="check a greedy decode of N tokens across the split instead (a KV cache on each side) "
+                        "against transformers' generate on the unsplit model: every token equal, every step's "
+                        "logits within 1e-5; a model without a language-model head is refused (exit 2)")
     v.add_argument("--json", metavar="OUT", help="also write the report as JSON")
     v.add_argument("--quiet", action="store_true", help="no progress lines (they go to stderr)")
     v.set_defaults(func=_verify_split)
