@@ -384,8 +384,8 @@ def test_cli_verify_split_exits_1_when_a_split_layer_differs(hf_dirs, capsys, mo
 
     real = modeling.run_blocks
 
-    def off_by_a_little(m, layers, h):
-        out = real(m, layers, h)
+    def off_by_a_little(m, layers, h, **kw):
+        out = real(m, layers, h, **kw)
         return out + 1e-3 if len(layers) == 2 else out  # wrong only where two blocks run together
 
     monkeypatch.setattr(modeling, "run_blocks", off_by_a_little)

@@ -39,8 +39,8 @@ def test_a_clean_split_is_bit_exact_against_the_unsplit_model_and_within_the_ref
 
 def _band_mask(real):
     """block_inputs with every mask replaced by a 2-token window (each token sees itself and the one before)."""
-    def wrong(config, rotary, x, kinds, position_ids=None):
-        inputs = real(config, rotary, x, kinds, position_ids)
+    def wrong(config, rotary, x, kinds, position_ids=None, **kw):
+        inputs = real(config, rotary, x, kinds, position_ids, **kw)
         t = x.shape[1]
         i = torch.arange(t)
         band = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 2))[None, None]
@@ -52,9 +52,9 @@ def _band_mask(real):
 def _doubled_rotary(real):
     """block_inputs with rotary tables at twice the frequencies (positions 0, 2, 4, ...: a wrong rope theta; a
     uniform shift of every position would not do, rotary attention sees only the distances)."""
-    def wrong(config, rotary, x, kinds, position_ids=None):
+    def wrong(config, rotary, x, kinds, position_ids=None, **kw):
         doubled = (2 * torch.arange(x.shape[1])).unsqueeze(0)
-        inputs = real(config, rotary, x, kinds, position_ids)
+        inputs = real(config, rotary, x, kinds, position_ids, **kw)
         inputs.cos_sin = {kind: rotary(x, doubled) for kind in inputs.cos_sin}
         return inputs
     return wrong

@@ -58,7 +58,9 @@ class CameraInputs:
     #: Fraction of the suffix's frame age limit (guard.max_age_s) past which a camera's median arrival delay is
     #: late: large raw images over an untuned DDS transport arrive seconds late (docs/deployment.md).
     LATE_FRACTION = 0.5
-    #: Images per camera whose median arrival delay judges it late: one late image is not, the second is.
+    #: Images per camera whose median arrival delay judges it late as soon as the second is; a camera also stays
+    #: late while its median over :data:`DELAY_WINDOW` (the one /diagnostics reports) is, so a report never shows
+    #: a late median with OK.
     LATE_WINDOW = 3
     #: The frame age limit assumed while no suffix announced one: the output guard's default guard.max_age_s.
     DEFAULT_AGE_LIMIT_S = 1.0
@@ -231,7 +233,7 @@ class CameraInputs:
         limit = self._age_limit_s()
         delays = self.camera_delays_ms()
         late = {cam: d for cam, d in enumerate(delays)
-                if d is not None and self._recent_median_ns(cam) > self.LATE_FRACTION * limit * 1e9}
+                if d is not None and max(self._recent_median_ns(cam), d[0] * 1e6) > self.LATE_FRACTION * limit * 1e9}
         named = ", ".join(f"camera {cam} ({self._topics[cam]}) {d[0] / 1e3:.2f} s (up to {d[1] / 1e3:.2f} s)"
                           for cam, d in sorted(late.items()))
         if frozenset(late) != self._late_said:

@@ -427,6 +427,9 @@ class ReplaySession:
             self.baseline = self.rec.fresh_statuses(self.ns, time.monotonic())
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
         self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing")
+        if not self.rec.wait_outputs_matched():
+            print("warning: the trajectory or frame-timing subscription found no publisher within 10 s: the first "
+                  "answers may not be recorded", file=sys.stderr)
         # with ego state input both nodes read the odometry
         publishers = publishers_for(node, self.play, set(self.camera_play),
                                     2 if self.cfg.ego_state_input or self.scene else 1, camera_info_read=self.scene)

@@ -42,6 +42,7 @@ class Recorder:
     first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
     lock: threading.Lock = field(default_factory=threading.Lock)
     _decoded: dict = field(default_factory=dict)  # status name -> (receive time, its decoded status)
+    _output_subs: list = field(default_factory=list)  # record_outputs' subscriptions
 
     def on_diagnostics(self, msg) -> None:
         """/diagnostics callback (a DiagnosticArray): each status's key/values and when they arrived."""
@@ -121,9 +122,20 @@ class Recorder:
                     self.timings[stamp] = timing
             bag.write(timing_conn, stamp, serialize_message(msg))
 
-        node.create_subscription(Trajectory, output_topic, on_trajectory,
-                                 QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
-        node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)
+        self._output_subs = [
+            node.create_subscription(Trajectory, output_topic, on_trajectory,
+                                     QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)),
+            node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)]
+
+    def wait_outputs_matched(self, timeout: float = 10.0) -> bool:
+        """Wait up to ``timeout`` s until the subscriptions of :meth:`record_outputs` are each matched to a
+        publisher (DDS discovery; messages published before that are not delivered). False if one was not."""
+        deadline = time.monotonic() + timeout
+        while not all(sub.get_publisher_count() >= 1 for sub in self._output_subs):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def wait_for_answers(self, n_frames: int, stall_s: float = 3.0) -> None:
         """Let frames in flight finish: return when ``n_frames`` trajectories are in or none came for ``stall_s``."""
