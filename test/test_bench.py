@@ -479,3 +479,27 @@ except RuntimeError as e:
     assert lines[2] == "after True cache True", lines
     assert lines[3] == "failed True False False 1", lines
     assert lines[4] == "timeout True False", lines
+
+
+def test_quick_decode_part_measures_the_suffix_against_its_bandwidth_floor_and_the_round_trip(tmp_path):
+    """Issue 40: the real SmolLM2-135M decoding at K = 20 and K = 0 in fp32 and bf16; the floor counts the suffix's
+    weights, LM head and static KV cache (its ratio to the measured time is a fraction: a byte count off by a block
+    or the head would show), and the round trip crosses between two processes."""
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--quick", "--only", "decode", "--decode-split-layer", "20", "--json", str(out), "--quiet"])
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc["errors"]
+    d = doc["decode"]
+    assert sorted((r["k"], r["dtype"]) for r in d["rows"]) == [(0, "bf16"), (0, "fp32"), (20, "bf16"), (20, "fp32")]
+    rows = {(r["k"], r["dtype"]): r for r in d["rows"]}
+    for r in d["rows"]:
+        assert r["suffix_token_ms"]["n"] == 15 and 0.1 < r["bandwidth_ratio"] < 1.5, r
+    # the suffix at K = 20 reads 10 blocks, the final norm and the (tied) 49152 x 576 head; at K = 0 all 30 blocks
+    block = (rows[(0, "fp32")]["suffix_weight_bytes"] - rows[(20, "fp32")]["suffix_weight_bytes"]) / 20
+    assert rows[(20, "fp32")]["suffix_weight_bytes"] == pytest.approx(10 * block + 49152 * 576 * 4, rel=1e-3)
+    assert rows[(20, "bf16")]["suffix_weight_bytes"] * 2 == pytest.approx(rows[(20, "fp32")]["suffix_weight_bytes"],
+                                                                          rel=1e-3)
+    assert d["round_trip"]["n"] > 200 and 0 < d["round_trip"]["p50_us"] <= d["round_trip"]["p99_us"]
+    assert {"decode_bandwidth_fp32", "decode_bandwidth_bf16", "decode_round_trip_p50"} <= {g["id"] for g in
+                                                                                            doc["goals"]}
+    assert "**Decode**" in out.with_suffix(".md").read_text()

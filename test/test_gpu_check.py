@@ -248,6 +248,16 @@ def test_cpu_run_live_resplit_and_pressure(cpu_report):
     assert pressure["prefix_out_of_memory"] == 0 and pressure["mismatched_k"] == 0 and pressure["lost"] == 0
 
 
+def test_cpu_run_decodes_across_two_processes(cpu_report):
+    """Section 9 on the CPU: the prefix here, the suffix in its own process, both sides saw the same tokens; the
+    whole token is the prefix's step plus its wait for the reply, which holds the suffix's own compute."""
+    report, _, _ = cpu_report
+    s = report["sections"]["decode"]
+    assert s["status"] == "ok" and s["tokens_equal_on_both_sides"] and s["split_layer"] == 2
+    assert 0 < s["suffix_token_ms_p50"] < s["reply_wait_ms_p50"]
+    assert s["per_token_ms_p50"] == pytest.approx(s["prefix_step_ms_p50"] + s["reply_wait_ms_p50"])
+
+
 def test_cpu_run_handoff_decode_numerics(cpu_report):
     report, _, _ = cpu_report
     handoff = report["sections"]["handoff"]

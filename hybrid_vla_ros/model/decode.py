@@ -124,40 +124,81 @@ class SideCache:
 @dataclass
 class DecodeResult:
     """One frame's decode: ``tokens`` chosen in order (the stop token included), ``logits`` of each step (V,) float32
-    (the prefill's last row first), ``ended`` (:data:`STOP_TOKEN` or :data:`MAX_TOKENS`)."""
+    (the prefill's last row first), ``ended`` (:data:`STOP_TOKEN` or :data:`MAX_TOKENS`; "" while it goes on)."""
 
     tokens: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     ended: str = ""
 
 
+class PrefixDecoding:
+    """The prefix side of a frame's decode: the prefill and each step's embedding + blocks [0, K) against the
+    prefix's KV cache ``cache`` (:class:`SideCache`), through the model's
+    :class:`~hybrid_vla_ros.model.kinds.SplitModel` ``sm``. What each returns is what crosses the split."""
+
+    def __init__(self, sm, stage, cache: SideCache):
+        self.sm, self.stage, self.cache = sm, stage, cache
+        self._prefill = None
+        self.position = 0  # the sequence position of the next token
+
+    def prefill(self, inputs: tuple):
+        """Reset the cache and run the frame's prefill (the prefix's output: h_K, or a SplitState)."""
+        self.cache.reset()
+        self._prefill = out = self.sm.run_prefix(self.stage, inputs, cache=self.cache.cache)
+        self.position = int(self.sm.hidden(out).shape[-2])
+        return out
+
+    def step(self, tokens) -> object:
+        """The chosen ``tokens`` (a sequence of ids) through embedding + blocks [0, K) at the next positions.
+        Raises ValueError when the cache has no room left."""
+        ids = torch.as_tensor(list(tokens), dtype=torch.int64)
+        self.cache.room_for(ids.numel())
+        out = self.sm.prefix_step(self.stage, ids, self._prefill, self.cache.cache, self.position)
+        self.position += ids.numel()
+        return out
+
+
+class SuffixDecoding:
+    """The suffix side of a frame's decode: blocks [K, L) and the final norm against the suffix's KV cache
+    ``cache``, the LM head ``head`` on the last row, and the choice of the next token (:class:`TokenChooser`)."""
+
+    def __init__(self, sm, stage, head: LMHead, cache: SideCache, settings: DecodeSettings):
+        self.sm, self.stage, self.head, self.cache, self.settings = sm, stage, head, cache, settings
+        self.chooser = TokenChooser(settings)
+        self.result = DecodeResult()
+
+    def begin(self, frame_seq: int = 0) -> None:
+        """A new frame: an empty cache and result, the draws seeded for ``frame_seq``."""
+        self.cache.reset()
+        self.chooser.start(frame_seq)
+        self.result = DecodeResult()
+
+    def take(self, out) -> int:
+        """The prefill's or a step's output (what crossed) -> the next token, appended to ``result`` (whose
+        ``ended`` says whether it was the last). Raises ValueError when the cache has no room left."""
+        self.cache.room_for(self.sm.hidden(out).shape[-2])
+        final = self.sm.suffix_rows(self.stage, out, self.cache.cache)
+        logits = self.head(final[..., -1:, :]).reshape(-1)
+        token = self.chooser.choose(logits)
+        r = self.result
+        r.tokens.append(token)
+        r.logits.append(logits)
+        if token in self.settings.stop_token_ids:
+            r.ended = STOP_TOKEN
+        elif len(r.tokens) >= self.settings.max_new_tokens:
+            r.ended = MAX_TOKENS
+        return token
+
+
 def decode_in_process(sm, prefix, suffix, head: LMHead, prefix_cache: SideCache, suffix_cache: SideCache,
                       inputs: tuple, settings: DecodeSettings, frame_seq: int = 0) -> DecodeResult:
-    """Decode one frame with both stages in this process (the reference the ring's decode is checked against),
-    through the model's :class:`~hybrid_vla_ros.model.kinds.SplitModel` ``sm``: its prefill, then per token its
-    ``prefix_step`` and ``suffix_rows``. Returns a :class:`DecodeResult`."""
-    chooser = TokenChooser(settings)
-    chooser.start(frame_seq)
-    prefix_cache.reset()
-    suffix_cache.reset()
-    result = DecodeResult()
+    """Decode one frame with both sides in this process (what crosses handed over directly; the reference the
+    ring's decode is checked against). Returns a :class:`DecodeResult`."""
+    front = PrefixDecoding(sm, prefix, prefix_cache)
+    back = SuffixDecoding(sm, suffix, head, suffix_cache, settings)
+    back.begin(frame_seq)
     with torch.inference_mode():
-        first = out = sm.run_prefix(prefix, inputs, cache=prefix_cache.cache)
-        position = int(sm.hidden(first).shape[-2])
-        for _ in range(settings.max_new_tokens):
-            suffix_cache.room_for(sm.hidden(out).shape[-2])
-            final = sm.suffix_rows(suffix, out, suffix_cache.cache)
-            logits = head(final[..., -1:, :]).reshape(-1)
-            token = chooser.choose(logits)
-            result.tokens.append(token)
-            result.logits.append(logits)
-            if token in settings.stop_token_ids:
-                result.ended = STOP_TOKEN
-                return result
-            if len(result.tokens) == settings.max_new_tokens:
-                break
-            prefix_cache.room_for(1)
-            out = sm.prefix_step(prefix, torch.tensor([token]), first, prefix_cache.cache, position)
-            position += 1
-    result.ended = MAX_TOKENS
-    return result
+        token = back.take(front.prefill(inputs))
+        while not back.result.ended:
+            token = back.take(front.step([token]))
+    return back.result

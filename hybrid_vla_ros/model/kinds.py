@@ -135,6 +135,18 @@ class SplitModel:
         """Tokens of one frame's prefill from :meth:`example_inputs`' arguments."""
         return int(inputs[0].numel())
 
+    #: Rows of rotary positions a decode step carries across the split (0: positions continue from the cache).
+    step_position_rows = 0
+
+    def step_crossing(self, out) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a decode step's prefix output sends down: h_K rows (k, H) and their rotary positions
+        (:attr:`step_position_rows`, 1, k) int64, or None."""
+        return self.hidden(out), None
+
+    def step_arrived(self, rows: torch.Tensor, positions: torch.Tensor | None):
+        """The suffix's input for a step from the rows and positions that crossed (:meth:`step_crossing`)."""
+        return rows
+
     def suffix_rows(self, suffix, out, cache):
         """The suffix's final-norm rows (rows, H) of a prefill or a decode step, extending its KV cache."""
         return suffix.final_hidden_states(out, cache=cache)
@@ -394,6 +406,20 @@ class VLMFront(SplitModel):
 
     def prompt_tokens(self, inputs) -> int:
         return int(inputs[0].tokens)
+
+    @property
+    def step_position_rows(self) -> int:
+        from .contract import POSITION_IDS
+
+        return 3 if POSITION_IDS in self.cfg.side else 0
+
+    def step_crossing(self, out):
+        return out.hidden_states, out.position_ids
+
+    def step_arrived(self, rows, positions):
+        from .contract import SplitState
+
+        return SplitState(rows, positions)
 
     def prefix_step(self, stage, token_ids, prefill, cache, position: int):
         """The token's multimodal rotary positions continue after the prefill's largest, as ``generate`` does

@@ -17,7 +17,8 @@ from .segment import (
 )
 from .slots import READING, FrameMeta, slot_offset
 from .stats import ConsumerStats
-from .wake import FrameWaiter, SpinPolicy, WakeReceiver, wake_socket_path
+from .decode_channel import DecodeRegion
+from .wake import REPLY_SOCKET_NAME, FrameWaiter, SpinPolicy, WakeReceiver, WakeSender, wake_socket_path
 
 __all__ = ["RingConsumer", "ReadSlot", "DELIVERY_POLICIES"]
 
@@ -75,8 +76,12 @@ class _Handles:
 
     def __init__(self, fd: int, lock_fd: int, receiver: WakeReceiver, ident: tuple[int, int]):
         self.fd, self.lock_fd, self.receiver, self.ident = fd, lock_fd, receiver, ident
+        self.reply: WakeSender | None = None  # to the producer's decode-reply socket
 
     def close(self) -> None:
+        if self.reply is not None:
+            self.reply.close()
+            self.reply = None
         self.receiver.close()  # unbind before the single-consumer lock goes with lock_fd
         for attr in ("lock_fd", "fd"):
             fd = getattr(self, attr)
@@ -128,8 +133,9 @@ class RingConsumer(RingEnd):
             ``expected_split_layer``: an int or a container of ints (``range(0, L + 1)``: follow a live re-split).
         compute_dtype: the dtype the consumer computes in (:func:`.contract.conversion_kind`; converted by
             ``ReadSlot.compute_tensor``).
-        expected_shape, expected_domain_id, expected_side: if not None, a producer that declared another state
-            shape, ROS domain (or none) or side tensors (order not significant) is refused at attach.
+        expected_shape, expected_domain_id, expected_side, expected_decode: if not None, a producer that declared
+            another state shape, ROS domain (or none), side tensors (order not significant) or decode channel (rows,
+            position rows) is refused at attach.
         delivery: one of :data:`DELIVERY_POLICIES`.
         spin: a :class:`~.wake.SpinPolicy`, or None (block only).
 
@@ -149,7 +155,8 @@ class RingConsumer(RingEnd):
     def __init__(self, name: str, *, expected_model_id: int | None = None, expected_split_layer=None,
                  compute_dtype: torch.dtype | None = None, expected_shape=None, delivery: str = "fifo",
                  spin: SpinPolicy | None = None, expected_domain_id: int | None = None,
-                 expected_side: tuple[TensorSpec, ...] | None = None):
+                 expected_side: tuple[TensorSpec, ...] | None = None,
+                 expected_decode: tuple[int, int] | None = None):
         if delivery not in DELIVERY_POLICIES:
             raise ValueError(f"delivery must be one of {DELIVERY_POLICIES}, got {delivery!r}")
         self.expected_side = None if expected_side is None else side_specs(expected_side, "expected_side")
@@ -158,6 +165,7 @@ class RingConsumer(RingEnd):
         self.compute_dtype, self.delivery, self.spin = compute_dtype, delivery, spin
         self.expected_shape = None if expected_shape is None else tuple(int(d) for d in expected_shape)
         self.expected_domain_id = expected_domain_id
+        self.expected_decode = expected_decode
         self._read = self._superseded = self._reclaimed = 0
         self._rejected = {cause: 0 for cause in REJECT_CAUSES}
         self._outstanding: weakref.ref | None = None
@@ -167,6 +175,13 @@ class RingConsumer(RingEnd):
         self._mm, handles = _attach_segment(self.name, self.path, self._judge_header)
         self._waiter = FrameWaiter(handles.receiver)
         self._opened(handles.fd, handles)
+        #: The decode channel (:class:`~.decode_channel.DecodeRegion`: ``wait_step``, ``publish_reply``), or None.
+        self.decode = None
+        c = self.contract
+        if c.decode_rows:
+            handles.reply = WakeSender(wake_socket_path(self.wake_dir, REPLY_SOCKET_NAME))
+            self.decode = DecodeRegion(self._mm, self.decode_offset, c.decode_rows, c.state_shape[-1], c.dtype,
+                                       c.decode_positions, handles.reply.send, handles.receiver)
         with self._lock:  # we are the only consumer: READING slots belong to a dead predecessor
             self._reclaimed = slots.reclaim_reading(self._mm, self.n_slots, self.slot_stride)
             self._me = (os.getpid(), proc_identity(os.getpid())[1])
@@ -183,7 +198,7 @@ class RingConsumer(RingEnd):
         self.conversion = check_contract(self.contract, expected_model_id=self.expected_model_id,
                                          compute_dtype=self.compute_dtype, expected_shape=self.expected_shape,
                                          expected_domain_id=self.expected_domain_id,
-                                         expected_side=self.expected_side)
+                                         expected_side=self.expected_side, expected_decode=self.expected_decode)
         return self.wake_dir, self.total_bytes
 
     @property

@@ -218,17 +218,21 @@ class Contract:
     layout_version: int
     domain_id: int | None = None
     side: tuple[TensorSpec, ...] = ()
+    #: Rows a decode step carries (0: the producer does not decode) and rotary position rows with each step.
+    decode_rows: int = 0
+    decode_positions: int = 0
 
     @classmethod
     def from_wire(cls, model_id: int, dtype_code: int, device_code: int, ndim: int, dims, version: int,
-                  domain_id: int = -1, side: tuple[TensorSpec, ...] = ()):
-        """From the header fields (``domain_id`` -1: undeclared; ``side`` already parsed); RingContractError for
-        an unknown dtype code."""
+                  domain_id: int = -1, side: tuple[TensorSpec, ...] = (), decode: tuple[int, int] = (0, 0)):
+        """From the header fields (``domain_id`` -1: undeclared; ``side`` already parsed; ``decode``: rows,
+        position rows); RingContractError for an unknown dtype code."""
         if dtype_code and dtype_code not in CODE_DTYPES:
             raise RingContractError(f"the producer declared an unknown dtype code {dtype_code}")
         shape = tuple(int(d) for d in dims[:ndim]) if 0 <= ndim <= len(dims) else None
         return cls(int(model_id), CODE_DTYPES.get(dtype_code), _KIND_NAMES.get(device_code, f"code {device_code}"),
-                   shape, int(version), None if domain_id < 0 else int(domain_id), tuple(side))
+                   shape, int(version), None if domain_id < 0 else int(domain_id), tuple(side), int(decode[0]),
+                   int(decode[1]))
 
     def describe(self) -> str:
         """One line for logs: 'model 1f2e3d4c5b6a7988, float16 hidden states (105, 128) from cuda in ROS domain
@@ -236,18 +240,23 @@ class Contract:
         shape = "any shape" if self.state_shape is None else str(self.state_shape)
         domain = "" if self.domain_id is None else f" in ROS domain {self.domain_id}"
         side = f", side {', '.join(spec.describe() for spec in self.side)}" if self.side else ""
+        decode = (f", decode steps of up to {self.decode_rows} rows" + (" with rotary positions"
+                                                                       if self.decode_positions else "")
+                  if self.decode_rows else "")
         return (f"model {model_id_text(self.model_id)}, {dtype_name(self.dtype)} hidden states {shape} from "
-                f"{self.device_kind}{domain}, layout {self.layout_version}{side}")
+                f"{self.device_kind}{domain}, layout {self.layout_version}{side}{decode}")
 
 
 
 def check_contract(contract: Contract, *, expected_model_id: int | None = None,
                    compute_dtype: torch.dtype | None = None, expected_shape=None,
-                   expected_domain_id: int | None = None, expected_side=None) -> str:
+                   expected_domain_id: int | None = None, expected_side=None,
+                   expected_decode: tuple[int, int] | None = None) -> str:
     """Judge a producer's contract against a consumer's expectations (None: none; ``expected_side`` ``()``: no
     side tensors). Returns the conversion kind ('none', 'exact', 'rounds', or 'per frame' without a declared dtype).
     Raises RingContractError with every problem in one message: another ROS domain (or none when one is expected),
-    model id or state shape, a dtype pair :func:`conversion_kind` refuses, each :func:`side_differences`.
+    model id or state shape, a dtype pair :func:`conversion_kind` refuses, each :func:`side_differences`, a decode
+    channel other than ``expected_decode`` (rows, position rows).
     ValueError for a malformed ``expected_side``.
     """
     problems, kind = [], "per frame"
@@ -271,6 +280,12 @@ def check_contract(contract: Contract, *, expected_model_id: int | None = None,
         kind = "none"
     if expected_side is not None:
         problems.extend(side_differences(contract.side, expected_side))
+    if expected_decode is not None and (contract.decode_rows, contract.decode_positions) != tuple(expected_decode):
+        theirs = (f"decodes with steps of {contract.decode_rows} rows and {contract.decode_positions} position rows"
+                  if contract.decode_rows else "does not decode")
+        problems.append(f"the prefix {theirs}, this suffix expects {expected_decode[0]} rows and "
+                        f"{expected_decode[1]} position rows (0: no decode; the same checkpoint and decode "
+                        "settings on both)")
     if problems:
         raise RingContractError("ring contract does not fit: " + "; ".join(problems)
                                 + f" [producer: {contract.describe()}]")

@@ -10,12 +10,14 @@ import struct
 from dataclasses import dataclass
 
 __all__ = ["Field", "FieldGroup", "HeaderLayout", "GLOBAL", "SLOT", "GLOBAL_HEADER_BYTES", "SLOT_HEADER_BYTES",
-           "SIDE_ENTRY_BYTES", "MAX_SIDE_TENSORS"]
+           "SIDE_ENTRY_BYTES", "MAX_SIDE_TENSORS", "MAX_DECODE_ROWS"]
 
 GLOBAL_HEADER_BYTES = 4096
 SLOT_HEADER_BYTES = 256
 #: Most side tensors one ring carries (entries of the global header's side-tensor table).
 MAX_SIDE_TENSORS = 32
+#: Most rows one decode step carries (and tokens one reply): a token, or a few drafted ones.
+MAX_DECODE_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,29 @@ GLOBAL = HeaderLayout("global header", GLOBAL_HEADER_BYTES, dict(
                          Field("_pad1", "4x", ""),
                          Field("state_bytes", "Q", "payload offset of the side region: the hidden states' "
                                                    "capacity")),
+    decode=FieldGroup(
+        3008, Field("decode_rows", "I", "the most rows one decode step carries, 0: no decode (layout 7)"),
+        Field("decode_positions", "I", "rows of rotary positions each step carries (0 or 3)"),
+        Field("decode_offset", "Q", "the decode region's offset in the segment, after the slots"),
+        Field("decode_row_bytes", "Q", "bytes of one hidden-state row (H x the state dtype)")),
+    step_seq=FieldGroup(
+        3072, Field("step_seq", "Q", "twice the decode steps published, odd while the producer writes one (a "
+                                     "sequence lock: the producer alone writes from here to 3135)")),
+    step=FieldGroup(
+        3080, Field("step_frame", "Q", "the seq of the frame's prefill slot"),
+        Field("step_index", "I", "1, 2, ...: the step within the frame"),
+        Field("step_rows", "I", "rows in the decode region"),
+        Field("step_publish_ns", "q", "CLOCK_MONOTONIC ns")),
+    reply_seq=FieldGroup(
+        3136, Field("reply_seq", "Q", "twice the replies published, odd while the consumer writes one (a sequence "
+                                      "lock: the consumer alone writes from here to 3263)")),
+    reply=FieldGroup(
+        3144, Field("reply_frame", "Q", "the frame it answers"),
+        Field("reply_index", "I", "the step it answers (0: its prefill)"),
+        Field("reply_count", "I", "tokens in reply_tokens"),
+        Field("reply_end", "I", "0 go on, 1 stop token, 2 max_new_tokens, 3 abandoned"), Field("_pad2", "4x", ""),
+        Field("reply_publish_ns", "q", "CLOCK_MONOTONIC ns"),
+        Field("reply_tokens", f"{MAX_DECODE_ROWS}q", "the chosen token ids")),
 ), array=("side-tensor table", FieldGroup(SIDE_TABLE_OFFSET, *_SIDE_ENTRY_FIELDS), MAX_SIDE_TENSORS,
           SIDE_ENTRY_BYTES))
 

@@ -12,7 +12,8 @@ import weakref
 import torch
 
 from . import slots
-from .contract import DTYPE_CODES, Contract, TensorSpec, device_kind_of, dtype_name, side_specs
+from .contract import DTYPE_CODES, Contract, TensorSpec, device_kind_of, dtype_name, itemsize, side_specs
+from .decode_channel import DecodeRegion, decode_region_bytes
 from .errors import RingError
 from .leftovers import evict_existing, remove_dead_init_files, remove_orphan_wake_dirs
 from .ring_end import RingEnd
@@ -23,7 +24,7 @@ from .segment import (
 )
 from .slots import slot_offset
 from .stats import ProducerStats
-from .wake import WakeSender, make_wake_dir, remove_wake_dir, wake_socket_path
+from .wake import REPLY_SOCKET_NAME, WakeReceiver, WakeSender, make_wake_dir, remove_wake_dir, wake_socket_path
 
 __all__ = ["RingProducer", "WriteSlot", "ConsumerPresence", "slot_bytes_for"]
 
@@ -93,8 +94,12 @@ class _Handles:
                  replaced_pid: int = 0):
         self.fd, self.sender, self.path, self.ident, self.wake_dir = fd, sender, path, ident, wake_dir
         self.replaced_pid = replaced_pid
+        self.reply: WakeReceiver | None = None  # the decode replies' socket
 
     def close(self) -> None:
+        if self.reply is not None:
+            self.reply.close()
+            self.reply = None
         try:
             st = os.stat(self.path)
             if (st.st_dev, st.st_ino) == self.ident:  # never unlink a successor's segment
@@ -161,6 +166,8 @@ class RingProducer(RingEnd):
         dtype, state_shape, device, domain_id: the contract (:mod:`.contract`; None: undeclared); acquire() refuses
             another dtype or shape.
         side: the :class:`~.contract.TensorSpec` (at most 32) every frame carries, filled via ``WriteSlot.side``.
+        decode_rows, decode_positions: the decode channel (:mod:`.decode_channel`; 0: none), which needs ``dtype``
+            and ``state_shape``.
 
     The segment is initialised under a temporary name, then hard-linked into place, so nobody attaches to a
     half-initialised one. RingNameConflict if the name's owner (pid and start time) is another live process; a
@@ -176,7 +183,8 @@ class RingProducer(RingEnd):
     _ROLE = "producer"
 
     def __init__(self, name: str, n_slots: int, slot_bytes: int, model_id: int, *, dtype: torch.dtype | None = None,
-                 state_shape=None, device=None, domain_id: int | None = None, side: tuple[TensorSpec, ...] = ()):
+                 state_shape=None, device=None, domain_id: int | None = None, side: tuple[TensorSpec, ...] = (),
+                 decode_rows: int = 0, decode_positions: int = 0):
         super().__init__(name)
         n_slots, slot_bytes, model_id = operator.index(n_slots), operator.index(slot_bytes), operator.index(model_id)
         if not MIN_SLOTS <= n_slots <= MAX_SLOTS:
@@ -209,7 +217,14 @@ class RingProducer(RingEnd):
         else:
             self.state_bytes, self.side_offsets = self.slot_bytes, ()
         self.slot_stride = SLOT_HEADER_BYTES + self.slot_bytes
-        self.total_bytes = GLOBAL_HEADER_BYTES + n_slots * self.slot_stride
+        self.decode_offset = GLOBAL_HEADER_BYTES + n_slots * self.slot_stride
+        self.decode_row_bytes = 0
+        if decode_rows:
+            if dtype is None or self.state_shape is None:
+                raise ValueError("a ring that decodes declares the hidden states' dtype and shape")
+            self.decode_row_bytes = self.state_shape[-1] * itemsize(dtype)
+        self.total_bytes = self.decode_offset + decode_region_bytes(decode_rows, self.decode_row_bytes,
+                                                                    decode_positions)
         self.model_id = int(model_id)
         self.owner_pid = os.getpid()
         self.owner_start_time = proc_identity(self.owner_pid)[1]
@@ -222,13 +237,19 @@ class RingProducer(RingEnd):
         remove_orphan_wake_dirs()
         self.wake_dir = None
         contract = Contract(self.model_id, dtype, self.device_kind, self.state_shape, LAYOUT_VERSION, self.domain_id,
-                            self.side)
+                            self.side, int(decode_rows), int(decode_positions))
         self._mm, handles = _create_segment(self.path, self.total_bytes, self.owner_pid, self.owner_start_time,
                                             lambda mm: self._write_global_header(mm, contract), self.domain_id)
         self.wake_dir = handles.wake_dir
         #: The pid of the dead producer whose segment (and wake-up directory) this one replaced, 0 when none.
         self.replaced_pid = handles.replaced_pid
         self._opened(handles.fd, handles)
+        #: The decode channel (:class:`~.decode_channel.DecodeRegion`: ``publish_step``, ``wait_reply``), or None.
+        self.decode = None
+        if decode_rows:
+            handles.reply = WakeReceiver(wake_socket_path(self.wake_dir, REPLY_SOCKET_NAME))
+            self.decode = DecodeRegion(self._mm, self.decode_offset, int(decode_rows), self.state_shape[-1], dtype,
+                                       int(decode_positions), handles.sender.send, handles.reply)
         self._closed = False
 
     @property

@@ -9,7 +9,8 @@ import weakref
 from . import slots
 from .contract import CODE_DTYPES, DEVICE_KINDS, DTYPE_CODES, SIDE_DTYPES, Contract, TensorSpec
 from .errors import RingContractError, RingError
-from .layout import GLOBAL, GLOBAL_HEADER_BYTES, MAX_SIDE_TENSORS, SLOT_HEADER_BYTES
+from .decode_channel import decode_region_bytes
+from .layout import GLOBAL, GLOBAL_HEADER_BYTES, MAX_DECODE_ROWS, MAX_SIDE_TENSORS, SLOT_HEADER_BYTES
 from .segment import (
     GLOBAL_MAGIC, LAYOUT_VERSION, MAX_SLOTS, MIN_SLOTS, PAYLOAD_ALIGN, SegmentLock, segment_path,
     validate_segment_name,
@@ -50,6 +51,8 @@ class RingEnd:
                               *(shape + (0,) * (MAX_NDIM - len(shape))))
         GLOBAL.domain.write(mm, -1 if contract.domain_id is None else contract.domain_id)
         GLOBAL.side_head.write(mm, len(contract.side), self.state_bytes)
+        GLOBAL.decode.write(mm, contract.decode_rows, contract.decode_positions, self.decode_offset,
+                            self.decode_row_bytes)
         for k, (spec, off) in enumerate(zip(contract.side, self.side_offsets)):
             dims = spec.shape + (0,) * (MAX_NDIM - len(spec.shape))
             GLOBAL.entry(k).write(mm, spec.name.encode("ascii"), DTYPE_CODES[spec.dtype], len(spec.shape), *dims,
@@ -104,15 +107,21 @@ class RingEnd:
         if version != LAYOUT_VERSION:
             raise RingError(f"{self.path} has layout version {version}, this code reads {LAYOUT_VERSION} "
                             "(prefix and suffix from different versions of hybrid_vla_ros?)")
+        rows, positions, decode_offset, row_bytes = GLOBAL.decode.read(head)
+        slots_end = GLOBAL_HEADER_BYTES + n_slots * stride
         if (header_bytes != GLOBAL_HEADER_BYTES or slot_header_bytes != SLOT_HEADER_BYTES
                 or not MIN_SLOTS <= n_slots <= MAX_SLOTS or stride != SLOT_HEADER_BYTES + slot_bytes
-                or slot_bytes % PAYLOAD_ALIGN or total != GLOBAL_HEADER_BYTES + n_slots * stride
+                or slot_bytes % PAYLOAD_ALIGN or rows > MAX_DECODE_ROWS
+                or (rows and decode_offset != slots_end)
+                or total != slots_end + decode_region_bytes(rows, row_bytes, positions)
                 or file_size < total):
             raise RingError(f"{self.path} has an inconsistent global header")
         self.n_slots, self.slot_bytes, self.slot_stride, self.total_bytes = n_slots, slot_bytes, stride, total
+        self.decode_offset, self.decode_row_bytes = decode_offset, row_bytes
         code, device, ndim, *dims = GLOBAL.contract.read(head)
         side = self._read_side_table(head)
-        contract = Contract.from_wire(self.model_id, code, device, ndim, dims, version, GLOBAL.domain.one(head), side)
+        contract = Contract.from_wire(self.model_id, code, device, ndim, dims, version, GLOBAL.domain.one(head), side,
+                                      (rows, positions))
         return contract, GLOBAL.wake_name.one(head).rstrip(b"\0").decode("ascii", "replace")
 
     def _opened(self, fd: int, handles) -> None:

@@ -38,6 +38,8 @@ __all__ = ["SpinPolicy", "make_wake_dir", "wake_socket_path", "remove_wake_dir",
 _DIR_RE = re.compile(r"hvla-wake\.[0-9]+\.d(?:[0-9]+|x)\.[0-9]+-[0-9]+\.[0-9a-f]{16}")
 WAKE_DIR_PREFIX = "hvla-wake."
 SOCKET_NAME = "wake"
+#: The producer's socket in the same directory: the consumer's decode replies wake it (:mod:`.decode_channel`).
+REPLY_SOCKET_NAME = "reply"
 _IGNORED_SEND_ERRNOS = {errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN, errno.ENOBUFS}
 
 
@@ -73,9 +75,9 @@ def make_wake_dir(record=None, domain_id: int | None = None) -> str:
     raise RingError("could not create a wake-up directory in /dev/shm")
 
 
-def wake_socket_path(name: str) -> str:
-    """Path of the wake socket in directory ``name``; RingError unless that is a real 0700 directory of this uid
-    (a foreign or tampered header)."""
+def wake_socket_path(name: str, socket_name: str = SOCKET_NAME) -> str:
+    """Path of the wake socket (``socket_name``: the consumer's, or :data:`REPLY_SOCKET_NAME`) in directory
+    ``name``; RingError unless that is a real 0700 directory of this uid (a foreign or tampered header)."""
     if not isinstance(name, str) or not _DIR_RE.fullmatch(name) or name.split(".")[1] != str(os.getuid()):
         raise RingError(f"the ring's wake-up directory name {name!r} is not one of this user's")
     path = os.path.join(SHM_DIR, name)
@@ -86,7 +88,7 @@ def wake_socket_path(name: str) -> str:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
         raise RingError(f"{path} is not a private directory of uid {os.getuid()} (mode "
                         f"{stat.S_IMODE(st.st_mode):o}, uid {st.st_uid})")
-    return os.path.join(path, SOCKET_NAME)
+    return os.path.join(path, socket_name)
 
 
 def remove_wake_dir(name: str) -> None:
@@ -94,10 +96,11 @@ def remove_wake_dir(name: str) -> None:
     if not isinstance(name, str) or not _DIR_RE.fullmatch(name) or name.split(".")[1] != str(os.getuid()):
         return
     path = os.path.join(SHM_DIR, name)
-    try:
-        os.unlink(os.path.join(path, SOCKET_NAME))
-    except (FileNotFoundError, NotADirectoryError):
-        pass
+    for socket_name in (SOCKET_NAME, REPLY_SOCKET_NAME):
+        try:
+            os.unlink(os.path.join(path, socket_name))
+        except (FileNotFoundError, NotADirectoryError):
+            pass
     try:
         os.rmdir(path)
     except OSError:

@@ -21,7 +21,7 @@ from ...util.cores import cpu_model, parse_core_list
 from ...util.paths import output_dir_problem, output_file_problem
 from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, cpu_flags
 
-PARTS = ("handoff", "pipeline", "loadstep", "flops", "preprocess", "families")
+PARTS = ("handoff", "pipeline", "loadstep", "flops", "preprocess", "families", "decode")
 #: One-line description for the ``bench`` subcommand's help.
 DESCRIPTION = ("side-by-side measurements of the split pipeline (JSON, Markdown, PNG): hand-off ring vs rclpy vs "
                "memcpy, pipeline efficiency and latency, CPU suffix FLOP/s, camera preprocessing share")
@@ -35,12 +35,12 @@ QUICK = {"presets": ["tiny"], "flops_presets": ["tiny", "smol"], "sizes_mib": [1
          "rclpy_count": 10, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": 10,
          "sequential": ["1core"], "flops_repeats": 3, "flops_blocks": 2, "preprocess_frames": 3,
          "preprocess_seconds": 0.5, "gap_count": 10, "suffix_bound": None, "load_step": "3:8:5",
-         "load_step_presets": ["tiny"]}
+         "load_step_presets": ["tiny"], "decode_tokens": 16, "decode_prompt": 32, "decode_steps": 300}
 FULL = {"presets": list(DEFAULT_PRESETS), "flops_presets": list(DEFAULT_PRESETS), "sizes_mib": [1.0, 4.0, 8.0, 32.0],
         "count": 200, "rclpy_count": 50, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": None,
         "sequential": ["1core", "2core"], "flops_repeats": 5, "flops_blocks": 4, "preprocess_frames": 5,
         "preprocess_seconds": 2.0, "gap_count": 40, "suffix_bound": "tiny:2:400", "load_step": "6:16:10",
-        "load_step_presets": ["smol"]}
+        "load_step_presets": ["smol"], "decode_tokens": 64, "decode_prompt": 128, "decode_steps": 2000}
 
 
 def _list(text: str) -> list[str]:
@@ -140,6 +140,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--build-llama-cpp", action="store_true",
                    help="build llama-cpp-python from source into the cache first when it is not there (once, several "
                         "minutes; the JSON records how long), so the peer runs")
+    g = p.add_argument_group("decode")
+    g.add_argument("--decode-split-layer", type=int, default=None,
+                   help="K of the decode part's SmolLM2-135M (default: the K `make demo` planned, from "
+                        "out/demo/plan_smol.json, else 15)")
     g = p.add_argument_group("cores")
     g.add_argument("--prefix-cores", default="0", help="cores of the prefix process (default 0)")
     g.add_argument("--suffix-cores", default="1", help="cores of the suffix process (default 1)")
@@ -323,6 +327,31 @@ def _flops(args: argparse.Namespace, s: dict, cores: list[int], log) -> dict:
     return out
 
 
+def _decode(args: argparse.Namespace, s: dict, prefix_cores, suffix_cores, log) -> dict:
+    """The decode part at the demo's K (or ``--decode-split-layer``), llama.cpp built first when asked."""
+    import json
+
+    from .decode import run_decode_part
+
+    k, source = args.decode_split_layer, "--decode-split-layer"
+    plan = REPO_ROOT / "out" / "demo" / "plan_smol.json"
+    if k is None and plan.is_file():
+        k, source = int(json.loads(plan.read_text())["chosen_k"]), str(plan.relative_to(REPO_ROOT))
+    if k is None:
+        k, source = 15, "default (no demo plan)"
+    if args.build_llama_cpp:
+        from .llama_peer import build_llama_cpp
+
+        try:
+            build_llama_cpp(log=log)
+        except RuntimeError as e:
+            log(f"  decode: building llama-cpp-python failed: {e}")
+    out = run_decode_part(split_layer=k, prefix_cores=prefix_cores, suffix_cores=suffix_cores,
+                          new_tokens=s["decode_tokens"], prompt=s["decode_prompt"], steps=s["decode_steps"], log=log)
+    out["split_layer_from"] = source
+    return out
+
+
 def _run_model_parts(args, parts, s, part, prefix_cores, suffix_cores, image_sizes, log) -> None:
     """The parts on prepared presets (checkpoints and split layers first): pipeline, load step, preprocessing."""
     from .pipeline import DEFAULT_CACHE, DEFAULT_FRAMES, prepare_preset
@@ -410,6 +439,8 @@ def run(args: argparse.Namespace) -> int:
         part("suffix_flops", lambda: _flops(args, s, flops_cores, log))
     if "pipeline" in parts or "preprocess" in parts or "loadstep" in parts:
         _run_model_parts(args, parts, s, part, prefix_cores, suffix_cores, image_sizes, log)
+    if "decode" in parts:
+        part("decode", lambda: _decode(args, s, prefix_cores, suffix_cores, log))
     if "families" in parts:
         from .families import PUBLISHED, run_families
 

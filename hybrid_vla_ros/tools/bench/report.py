@@ -270,6 +270,10 @@ def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: 
     f = doc.get("suffix_flops")
     if f:
         _flops_goals(f, add)
+    if doc.get("decode"):
+        from .decode import decode_goals
+
+        decode_goals(doc["decode"], add)
     q = doc.get("preprocess")
     for r in (q or {}).get("results", []):
         if r["input"] == "rgb8" and r.get("ratio_to_limit") is not None:
@@ -394,6 +398,10 @@ def markdown(doc: dict) -> str:
     q = doc.get("preprocess")
     if q:
         out += _preprocess_markdown(q)
+    if doc.get("decode"):
+        from .decode import markdown as decode_markdown
+
+        out.append(decode_markdown(doc["decode"]))
     if doc.get("families"):
         from .families import markdown as families_markdown
 

@@ -32,6 +32,10 @@ TASKS = {
     "peer_ours": ("hybrid_vla_ros.tools.bench.suffix_flops", "peer_ours_task"),
     "peer_llama": ("hybrid_vla_ros.tools.bench.suffix_flops", "peer_llama_task"),
     "preprocess": ("hybrid_vla_ros.tools.bench.preprocess", "preprocess_task"),
+    "decode_side": ("hybrid_vla_ros.tools.bench.decode", "decode_side_task"),
+    "decode_llama": ("hybrid_vla_ros.tools.bench.decode", "llama_decode_task"),
+    "decode_rt_producer": ("hybrid_vla_ros.tools.bench.decode", "round_trip_producer_task"),
+    "decode_rt_consumer": ("hybrid_vla_ros.tools.bench.decode", "round_trip_consumer_task"),
 }
 
 

@@ -8,7 +8,8 @@ import time
 import traceback
 from pathlib import Path
 
-from . import camera_decode, handoff, live_resplit, memory_plan, memory_pressure, numerics, paper_table, vehicle
+from . import (camera_decode, decode, handoff, live_resplit, memory_plan, memory_pressure, numerics, paper_table,
+               vehicle)
 from .common import (SECTION_SHARES, SECTIONS, TITLES, core_split, numerics_overrides, runs, sizes_for,
                      torch_device)
 from .inputs import ensure_checkpoint, prepare_checkpoints, spec_key
@@ -243,3 +244,6 @@ class Check:
 
     def section_vehicle(self) -> dict:
         return vehicle.run(self)
+
+    def section_decode(self) -> dict:
+        return decode.run(self)

@@ -6,17 +6,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SECTIONS = ("memory_plan", "paper_table", "live_resplit", "memory_pressure", "handoff", "camera_decode",
-            "numerics", "vehicle")
+            "numerics", "vehicle", "decode")
 TITLES = {"memory_plan": "1. Memory plan vs reality", "paper_table": "2. The paper's table",
           "live_resplit": "3. Live re-split", "memory_pressure": "4. Memory pressure",
           "handoff": "5. Hand-off: pageable vs page-locked", "camera_decode": "6. Camera decode",
-          "numerics": "7. Numerics", "vehicle": "8. Vehicle conditions"}
+          "numerics": "7. Numerics", "vehicle": "8. Vehicle conditions", "decode": "9. Decode across the split"}
 #: Each section's part of the time budget, relative (a section's limit: what is left of the budget times its part
 #: over the parts of the sections still to run, so time one leaves unused goes to the ones after it). The paper
 #: table, with two presets at up to five K each, gets the most; the others' parts follow their measured CPU dry-run
 #: times and the GPU estimates in docs/performance.md.
 SECTION_SHARES = {"memory_plan": 2.0, "paper_table": 6.0, "live_resplit": 1.5, "memory_pressure": 1.5,
-                  "handoff": 0.5, "camera_decode": 0.5, "numerics": 1.0, "vehicle": 5.0}
+                  "handoff": 0.5, "camera_decode": 0.5, "numerics": 1.0, "vehicle": 5.0, "decode": 0.5}
 NEEDS_CUDA = "needs CUDA"
 #: Ego state fed to models that take one: (speed m/s, acceleration m/s^2, yaw rate rad/s).
 EGO_STATE = (5.0, 0.0, 0.0)

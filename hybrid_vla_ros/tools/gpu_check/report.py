@@ -200,10 +200,22 @@ def _md_vehicle(s: dict) -> list[str]:
     return out
 
 
+def _md_decode(s: dict) -> list[str]:
+    ms = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    return [f"{s.get('model')}, K = {s.get('split_layer')}, prefix on {s.get('device')}, suffix on the CPU; "
+            f"{s.get('new_tokens')} tokens after {s.get('prompt_tokens')}; tokens equal on both sides: "
+            f"{s.get('tokens_equal_on_both_sides')}", "", "| per token, ms p50 | |", "|---|---|",
+            f"| prefix step (device) | {ms(s.get('prefix_step_ms_p50'))} |",
+            f"| suffix token (CPU) | {ms(s.get('suffix_token_ms_p50'))} |",
+            f"| reply wait (suffix + crossings) | {ms(s.get('reply_wait_ms_p50'))} |",
+            f"| crossings (wait - suffix) | {ms(s.get('crossings_ms_p50'))} |",
+            f"| whole token | {ms(s.get('per_token_ms_p50'))} |", ""]
+
+
 #: Section name -> its Markdown body (lines) from the section's figures.
 _SECTION_MD = {"memory_plan": _md_memory_plan, "paper_table": _md_paper_table, "live_resplit": _md_resplit,
                "memory_pressure": _md_resplit, "handoff": _md_handoff, "camera_decode": _md_camera_decode,
-               "numerics": _md_numerics, "vehicle": _md_vehicle}
+               "numerics": _md_numerics, "vehicle": _md_vehicle, "decode": _md_decode}
 
 
 def _section_md(name: str, s: dict) -> list[str]:
