@@ -200,8 +200,6 @@ def _compile_suffix(args: argparse.Namespace) -> int:
 def _verify_split(args: argparse.Namespace) -> int:
     """``hybrid-vla verify-split``: the split at every K against its referee and the unsplit model; exit 0 iff all
     agree."""
-    import json
-
     from transformers.utils import logging as hf_logging
 
     from ..split.verify import format_report, verify_split
@@ -219,21 +217,12 @@ def _verify_split(args: argparse.Namespace) -> int:
                               log=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("verify-split", e)
-    print(format_report(report))
-    if args.json:
-        try:
-            with open(args.json, "w") as f:
-                json.dump(report.to_dict(), f, indent=2)
-        except OSError as e:
-            return _err("verify-split", e)
-    return 0 if report.ok else 1
+    return _verify_verdict(report, format_report(report), args.json)
 
 
 def _verify_decode(args: argparse.Namespace) -> int:
     """``verify-split --decode-tokens N``: exit 0 iff every K decodes the referee's tokens, 2 for a model that
     cannot decode."""
-    import json
-
     from ..split.verify_decode import CannotDecode, format_decode_report, verify_decode
 
     try:
@@ -245,10 +234,17 @@ def _verify_decode(args: argparse.Namespace) -> int:
         return 2
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("verify-split", e)
-    print(format_decode_report(report))
-    if args.json:
+    return _verify_verdict(report, format_decode_report(report), args.json)
+
+
+def _verify_verdict(report, text: str, json_path: str | None) -> int:
+    """Print a verify-split report's ``text``, write its JSON to ``json_path`` (None: none); the exit code."""
+    import json
+
+    print(text)
+    if json_path:
         try:
-            with open(args.json, "w") as f:
+            with open(json_path, "w") as f:
                 json.dump(report.to_dict(), f, indent=2)
         except OSError as e:
             return _err("verify-split", e)
