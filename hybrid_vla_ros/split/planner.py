@@ -179,6 +179,24 @@ class LatencyModel:
     handoff_a_ms: float
     handoff_b_ms_per_byte: float
     notes: list[str] = field(default_factory=list)
+    #: Per-token times of a decode (``profile --decode``): one step per decoder block on each device (ms), the LM
+    #: head on the suffix's device (0 for a model without one); empty lists when the profile has none.
+    prefix_step_ms: list[float] = field(default_factory=list)
+    suffix_step_ms: list[float] = field(default_factory=list)
+    lm_head_step_ms: float = 0.0
+
+    def predict_decode(self, k: int, tokens: int, row_bytes: int) -> tuple[float, float, float, float]:
+        """(prefix ms, round trip ms, suffix ms per token, the frame's decode ms) at split layer k for ``tokens``
+        new tokens: the first comes from the prefill's last row (the LM head once), each later one is a step
+        (prefix blocks [0, k), a round trip of one ``row_bytes`` row down and a token back, suffix blocks [k, L)
+        and the LM head). The round trip is two of the profile's ring hand-offs of one row. Raises ValueError
+        when the profile has no decode steps."""
+        if not self.prefix_step_ms or not self.suffix_step_ms:
+            raise ValueError("the profile has no decode steps: profile with `hybrid-vla profile --decode`")
+        prefix = sum(self.prefix_step_ms[:k])
+        suffix = sum(self.suffix_step_ms[k:]) + self.lm_head_step_ms
+        round_trip = 2 * (self.handoff_a_ms + self.handoff_b_ms_per_byte * row_bytes)
+        return prefix, round_trip, suffix, self.lm_head_step_ms + (tokens - 1) * (prefix + round_trip + suffix)
 
     def predict(self, k: int, nbytes: int) -> tuple[float, float, float]:
         """(prefix ms, hand-off ms, suffix ms) at split layer k for a payload of ``nbytes`` bytes."""
@@ -239,10 +257,14 @@ def latency_model(profile: dict, cfg: VLAConfig, dtype: str | torch.dtype,
         notes.append(f"camera preprocessing {preprocess_ms:.1f} ms a frame (given)")
     fixed += preprocess_ms
     a, b = _fit_line([(m["bytes"], m["ms"]) for m in pre["handoff"]["ring"]])
+    pre_dec, suf_dec = pre.get("decode") or {}, suf.get("decode") or {}
     return LatencyModel(prefix_device=pre["name"], suffix_device=suf["name"], prefix_fixed_ms=fixed,
                         prefix_rotary_ms=parts["rotary"], prefix_blocks_ms=list(pre["llm_blocks_ms"]),
                         suffix_rotary_ms=suf["parts_ms"]["rotary"], suffix_blocks_ms=list(suf["llm_blocks_ms"]),
-                        head_ms=suf["parts_ms"]["head"], handoff_a_ms=a, handoff_b_ms_per_byte=b, notes=notes)
+                        head_ms=suf["parts_ms"]["head"], handoff_a_ms=a, handoff_b_ms_per_byte=b, notes=notes,
+                        prefix_step_ms=list(pre_dec.get("llm_block_step_ms", [])),
+                        suffix_step_ms=list(suf_dec.get("llm_block_step_ms", [])),
+                        lm_head_step_ms=float(suf_dec.get("lm_head_step_ms") or 0.0))
 
 
 # -------------------------------------------------------------------------------------------- plan
@@ -269,6 +291,16 @@ class PlanRow:
     e2e_ms: float | None = None
     throughput_fps: float | None = None
     fits: bool | None = None
+    #: With a decode of ``decode_tokens`` new tokens a frame: both sides' KV caches (prompt + tokens - 1 tokens of
+    #: their own blocks; included in the totals), and per token the prefix's step, the round trip and the suffix's
+    #: step (ms; None without a profile), and the frame's decode time (included in e2e_ms).
+    decode_tokens: int = 0
+    gpu_kv_bytes: int = 0
+    cpu_kv_bytes: int = 0
+    prefix_token_ms: float | None = None
+    round_trip_ms: float | None = None
+    suffix_token_ms: float | None = None
+    decode_ms: float | None = None
 
 
 @dataclass
@@ -350,12 +382,16 @@ def choose_split_layer(rows: list[PlanRow], gpu_budget_bytes: int | float | None
 def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: dict | None = None,
                gpu_budget_bytes: int | float | None = None, cuda_overhead_bytes: int | float | None = None,
                suffix_dtype: str | torch.dtype | None = None, model_name: str = "",
-               profile_name: str | None = None, preprocess_ms: float | None = None) -> Plan:
+               profile_name: str | None = None, preprocess_ms: float | None = None, decode_tokens: int = 0) -> Plan:
     """Memory (and, with a profile, latency) of every split layer of ``cfg``, and the chosen K.
 
-    ``suffix_dtype`` defaults to ``dtype``. Raises ValueError (bad dtype, profile of another architecture, no K
-    fits), RuntimeError when the ring's slot size disagrees with the hand-off payload.
+    ``suffix_dtype`` defaults to ``dtype``. ``decode_tokens`` > 0: each frame also decodes that many tokens
+    (:meth:`LatencyModel.predict_decode`, both KV caches in the memory; no prefill of the next frame overlaps a
+    decode yet). Raises ValueError (bad dtype or token count, profile of another architecture or without decode
+    steps, no K fits), RuntimeError when the ring's slot size disagrees with the hand-off payload.
     """
+    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
+        raise ValueError(f"decode_tokens must be an integer >= 0, got {decode_tokens!r}")
     from ..transport.ring import slot_bytes_for
 
     dtype = _as_dtype(dtype)
@@ -372,7 +408,18 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
     if not payload <= slot < max(64, payload) + 64 * (1 + len(side)):
         raise RuntimeError(f"ring slot {slot} bytes disagrees with the hand-off payload {payload} bytes")
     lat = latency_model(profile, cfg, dtype, preprocess_ms) if profile is not None else None
-    extra_notes = list(split_model(cfg).plan_notes)
+    sm = split_model(cfg)
+    extra_notes = list(sm.plan_notes)
+    kv_layer = kv_tokens = 0
+    if decode_tokens:
+        text_cfg = sm.text_config()
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        kv_tokens = int(cfg.prefix_state_shape[-2]) + decode_tokens - 1
+        kv_layer = 2 * int(text_cfg.num_key_value_heads) * int(head_dim) * kv_tokens
+        extra_notes.append(f"{decode_tokens} new tokens a frame: each side holds a KV cache of {kv_tokens} tokens of "
+                           "its own blocks; the round trip per token is two ring hand-offs of one row from the "
+                           "profile (`hybrid-vla bench --only decode` measures the real one); no prefill of the "
+                           "next frame overlaps a decode yet")
     rows = []
     for k in range(cfg.num_layers + 1):
         act, phase = activation_peak(cfg, k, dtype, "prefix")
@@ -383,11 +430,24 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
                       gpu_peak_phase=phase, cpu_weight_bytes=cw.suffix(k), cpu_activation_bytes=sact,
                       cpu_total_bytes=cw.suffix(k) + cw.suffix_buffers + sact, handoff_bytes=payload,
                       ring_slot_bytes=slot)
+        if decode_tokens:
+            row.decode_tokens = decode_tokens
+            row.gpu_kv_bytes = k * kv_layer * dtype.itemsize
+            row.cpu_kv_bytes = (cfg.num_layers - k) * kv_layer * sdtype.itemsize
+            row.gpu_total_bytes += row.gpu_kv_bytes
+            row.cpu_total_bytes += row.cpu_kv_bytes
         if lat is not None:
             p, h, s = lat.predict(k, payload)
             row.prefix_ms, row.handoff_ms, row.suffix_ms = p, h, s
-            row.e2e_ms = p + h + s
-            row.throughput_fps = 1000.0 / max(p, h + s) if max(p, h + s) > 0 else math.inf
+            decode = 0.0
+            if decode_tokens:
+                row_bytes = int(cfg.prefix_state_shape[-1]) * dtype.itemsize
+                row.prefix_token_ms, row.round_trip_ms, row.suffix_token_ms, decode = lat.predict_decode(
+                    k, decode_tokens, row_bytes)
+                row.decode_ms = decode
+            row.e2e_ms = p + h + s + decode
+            cycle = max(p, h + s) + decode  # each side waits through the decode (no overlap with it yet)
+            row.throughput_fps = 1000.0 / cycle if cycle > 0 else math.inf
         row.fits = gpu_budget_bytes is None or row.gpu_total_bytes <= gpu_budget_bytes
         rows.append(row)
     k, reason = choose_split_layer(rows, gpu_budget_bytes)
@@ -411,29 +471,33 @@ def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None 
                         gpu_budget_gb: float | None = None, dtype: str = "fp16",
                         cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None, *,
                         tokens: int = 512, cameras: int | None = None, trust_model_code: bool | None = None,
-                        prompt: str | None = None, camera_size: tuple[int, int] | None = None) -> Plan:
+                        prompt: str | None = None, camera_size: tuple[int, int] | None = None,
+                        decode_tokens: int = 0) -> Plan:
     """Plan the checkpoint at ``model_path`` from its config files only (no weights).
 
     ``tokens``: T of a bare transformers language model; ``cameras`` / ``prompt`` / ``camera_size`` /
     ``trust_model_code``: as :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`. ``gpu_budget_gb``: None for
-    no limit. Raises FileNotFoundError (no config or profile), ValueError (bad config, dtype or profile, no K fits).
+    no limit. ``decode_tokens``: as :func:`plan_split`. Raises FileNotFoundError (no config or profile),
+    ValueError (bad config, dtype or profile, no K fits).
     """
     from ..model.checkpoint import open_checkpoint
 
     ck = open_checkpoint(model_path, tokens=tokens, cameras=cameras, trust_model_code=trust_model_code,
                          prompt=prompt, camera_size=camera_size)
-    return _plan_with(ck.model, str(model_path), profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms)
+    return _plan_with(ck.model, str(model_path), profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms,
+                      decode_tokens)
 
 
 def plan_for_preset(name: str, profile_path: str | Path | None = None, gpu_budget_gb: float | None = None,
                     dtype: str = "fp16", cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None,
-                    **overrides) -> Plan:
+                    decode_tokens: int = 0, **overrides) -> Plan:
     """Like :func:`plan_for_checkpoint` for a preset architecture (``overrides`` as in :func:`preset`)."""
     return _plan_with(preset(name, **overrides), name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb,
-                      preprocess_ms)
+                      preprocess_ms, decode_tokens)
 
 
-def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms=None) -> Plan:
+def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms=None,
+               decode_tokens: int = 0) -> Plan:
     if preprocess_ms is not None and not (preprocess_ms >= 0 and math.isfinite(preprocess_ms)):
         raise ValueError(f"preprocess_ms must be a finite number >= 0, got {preprocess_ms!r}")
     profile = None
@@ -443,7 +507,8 @@ def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, 
         profile = load_profile(profile_path)
     return plan_split(cfg, dtype, profile=profile, gpu_budget_bytes=_gb_to_bytes(gpu_budget_gb),
                       cuda_overhead_bytes=_gb_to_bytes(cuda_overhead_gb), model_name=name,
-                      profile_name=None if profile_path is None else str(profile_path), preprocess_ms=preprocess_ms)
+                      profile_name=None if profile_path is None else str(profile_path), preprocess_ms=preprocess_ms,
+                      decode_tokens=decode_tokens)
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -467,6 +532,12 @@ def format_table(plan: Plan, dtype_note: str = "") -> str:
                       _fmt_ms(r.handoff_ms), _fmt_ms(r.suffix_ms), _fmt_ms(r.e2e_ms),
                       "n/a" if r.throughput_fps is None else f"{r.throughput_fps:.2f}",
                       "yes" if r.fits else "no"])
+    if plan.rows[0].decode_tokens:
+        cols[-2:-2] = [f"KV GPU/CPU {unit}", "token ms (pre+rt+suf)", "decode ms"]
+        for line, r in zip(lines, plan.rows):
+            token = ("n/a" if r.prefix_token_ms is None else
+                     f"{r.prefix_token_ms:.2f}+{r.round_trip_ms:.2f}+{r.suffix_token_ms:.2f}")
+            line[-2:-2] = [f"{r.gpu_kv_bytes / div:.3f}/{r.cpu_kv_bytes / div:.3f}", token, _fmt_ms(r.decode_ms)]
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
     out = [f"split plan for {plan.model}: {plan.num_layers} decoder blocks, dtype {plan.dtype}{dtype_note}, "
            f"hidden states {tuple(plan.prefix_state_shape)}; GPU budget "
@@ -514,6 +585,9 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
         ax2.plot(ks, [r.prefix_ms for r in plan.rows], label=f"prefix ({plan.prefix_device})")
         ax2.plot(ks, [r.handoff_ms + r.suffix_ms for r in plan.rows],
                  label=f"hand-off + suffix ({plan.suffix_device})")
+        if plan.rows[0].decode_ms is not None:
+            ax2.plot(ks, [r.decode_ms for r in plan.rows], "m--",
+                     label=f"decode of {plan.rows[0].decode_tokens} tokens (in end-to-end)")
         ax2.plot(ks, [r.e2e_ms for r in plan.rows], "k-", lw=2, label="end-to-end")
         ax2.legend(fontsize=7)
     else:

@@ -30,7 +30,10 @@ Profile file (JSON, :data:`PROFILE_SCHEMA`, checked by :func:`load_profile`)::
       "vision_blocks_ms": [ms per vision block], "vision_blocks_measured": how many were timed,
       "llm_blocks_ms": [ms per decoder block, L entries], "llm_blocks_measured": how many were timed,
       "min_ms": same keys as parts_ms plus "vision_blocks" / "llm_blocks" lists: the fastest repeat,
-      "handoff": {"ring": [{"bytes": int, "ms": float, "min_ms": float}], "memcpy": [same]}
+      "handoff": {"ring": [{"bytes": int, "ms": float, "min_ms": float}], "memcpy": [same]},
+      "decode": (``profile --decode`` only) {"context_tokens": T, "llm_block_step_ms": [ms per decoder block: one
+                token against a KV cache of T tokens], "lm_head_step_ms": the LM head on one row, or null for a
+                model without one}
     }
 
 When only one block of a kind is measured (``"1"``) its time is repeated for every block of that kind.
@@ -89,6 +92,10 @@ _DEVICE = {
         "min_ms": {"type": "object"},
         "handoff": {"type": "object", "required": ["ring", "memcpy"],
                     "properties": {"ring": _HANDOFF, "memcpy": _HANDOFF}},
+        "decode": {"type": "object", "required": ["context_tokens", "llm_block_step_ms", "lm_head_step_ms"],
+                   "properties": {"context_tokens": {"type": "integer", "minimum": 1},
+                                  "llm_block_step_ms": {"type": "array", "items": _MS},
+                                  "lm_head_step_ms": {"anyOf": [_MS, {"type": "null"}]}}},
     },
 }
 #: JSON schema of a profile file (draft 2020-12).
@@ -247,6 +254,28 @@ def _block_from_checkpoint(ck: Checkpoint, index: int, device: torch.device, dty
     return ck.load_blocks(index, index + 1, device=device, dtype=dtype)[0]
 
 
+def block_step_ms(llm, family, block: nn.Module, index: int, context: int, device: torch.device,
+                  dtype: torch.dtype, warmup: int, repeats: int) -> tuple[float, float]:
+    """(median ms, min ms) of one decode step through decoder block ``index`` (``block``): one token against a KV
+    cache holding ``context`` tokens (transformers' ``StaticCache`` of ``llm``, as a decode's; the attention reads
+    its whole length), after a prefill of ``context`` random hidden states. ``llm``: the text config; ``family``:
+    its :class:`~hybrid_vla_ros.model.text.TextFamily`."""
+    from transformers.cache_utils import StaticCache
+
+    kind = text.attention_kinds(llm)[index]
+    with torch.device(device):
+        rotary = text.make_rotary(family, llm)
+    cache = StaticCache(config=llm, max_cache_len=context + 1 + warmup + repeats)
+    first = {kind: index}
+    x = torch.randn((1, context, llm.hidden_size), device=device, dtype=dtype)
+    step = torch.randn((1, 1, llm.hidden_size), device=device, dtype=dtype)
+    with torch.inference_mode():
+        block(x, **text.block_inputs(llm, rotary, x, {kind}, cache=cache, first_layer=first).for_block(block, kind))
+        inputs = text.block_inputs(llm, rotary, step, {kind}, cache=cache, first_layer=first).for_block(block, kind)
+    # each call appends one token to the cache (room for all): the same attention length up to a few keys
+    return _time_ms(lambda: block(step, **inputs), device, warmup, repeats)
+
+
 def measure_handoff(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, warmup: int, repeats: int,
                     scales: tuple[float, ...] = (0.5, 1.0, 2.0), copier_factory=None) -> dict:
     """Hand-off time of hidden states of ``shape`` (token dim also scaled by ``scales``) from ``device``.
@@ -307,7 +336,7 @@ def _time_handoffs(prod, cons, copier, shapes, dtype, device, warmup, repeats, o
 
 
 def _device_doc(device: torch.device, timing: dict, mins: dict, vis_ms, vis_min, n_vis, blk_ms, blk_min, n_llm,
-                handoff) -> dict:
+                handoff, decode: dict | None = None) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         desc, extra = props.name, {"total_memory_bytes": int(props.total_memory)}
@@ -318,11 +347,26 @@ def _device_doc(device: torch.device, timing: dict, mins: dict, vis_ms, vis_min,
             "parts_ms": {k: timing[k] for k in PART_KEYS}, "vision_blocks_ms": vis_ms,
             "vision_blocks_measured": n_vis, "llm_blocks_ms": blk_ms, "llm_blocks_measured": n_llm,
             "min_ms": {**{k: mins[k] for k in PART_KEYS}, "vision_blocks": vis_min, "llm_blocks": blk_min},
-            "handoff": handoff}
+            "handoff": handoff, **({"decode": decode} if decode is not None else {})}
+
+
+def _decode_doc(context: int, step_ms: list[float], n_llm: int, L: int, head_ms: float | None) -> dict:
+    """The device's ``decode`` entry (one measured block's time counted for all when only one was timed)."""
+    return {"context_tokens": int(context), "llm_block_step_ms": step_ms * L if 0 < n_llm < L else step_ms,
+            "lm_head_step_ms": head_ms}
+
+
+def _lm_head_step_ms(ck: Checkpoint | None, sm, device, dtype, warmup: int, repeats: int) -> float | None:
+    """The LM head on one final-norm row (ms), None for a model without one."""
+    if ck is None or not sm.decodes:
+        return None
+    head = ck.load("lm_head", device=device, dtype=dtype)
+    row = torch.randn((1, head.weight.shape[1]), device=device, dtype=dtype)
+    return _time_ms(lambda: head(row), device, warmup, repeats)[0]
 
 
 def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.dtype, *, warmup: int, repeats: int,
-                            llm_blocks: str, log) -> dict:
+                            llm_blocks: str, log, decode: bool = False) -> dict:
     """Per-block timing of a model without this package's SigLIP front: the prefix at K = 0 counts as
     ``vision_embeddings``, the suffix at K = L as ``head``, each block on its own."""
     from .verify import BagFrames
@@ -344,15 +388,19 @@ def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.d
     rotary, run_block = sm.block_driver(front, out, device)
     if rotary is not None:
         timed("rotary", rotary)
-    blk_ms, blk_min = [], []
+    blk_ms, blk_min, step_ms = [], [], []
     n_llm = L if llm_blocks == "all" else min(1, L)
+    context = int(ck.model.prefix_state_shape[-2])
     for i in range(n_llm):
         block = _block_from_checkpoint(ck, i, device, dtype)
         ms, mn = _time_ms(lambda b=block, i=i: run_block(b, i), device, warmup, repeats)
         blk_ms.append(ms)
         blk_min.append(mn)
+        if decode:
+            step_ms.append(block_step_ms(sm.text_config(), llm_family(ck.model), block, i, context, device, dtype,
+                                         warmup, repeats)[0])
         del block
-        log(f"  {device}: block {i} {ms:.3f} ms")
+        log(f"  {device}: block {i} {ms:.3f} ms" + (f", one decode step {step_ms[-1]:.3f} ms" if decode else ""))
     if 0 < n_llm < L:
         blk_ms, blk_min = blk_ms * L, blk_min * L
     tail = ck.load("suffix", L, device=device, dtype=dtype)
@@ -360,11 +408,13 @@ def _profile_device_generic(ck: Checkpoint, device: torch.device, dtype: torch.d
     tail = front = None  # free them (rebound rather than deleted: the lambdas above name them)
     handoff = measure_handoff(tuple(ck.model.prefix_state_shape), dtype, device, warmup, max(repeats, 5))
     nv = sm.vision_layers()
-    return _device_doc(device, timing, mins, [0.0] * nv, [0.0] * nv, nv, blk_ms, blk_min, n_llm, handoff)
+    steps = (_decode_doc(context, step_ms, n_llm, L, _lm_head_step_ms(ck, sm, device, dtype, warmup, repeats))
+             if decode else None)
+    return _device_doc(device, timing, mins, [0.0] * nv, [0.0] * nv, nv, blk_ms, blk_min, n_llm, handoff, steps)
 
 
 def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *, model_path: Checkpoint | None,
-                    warmup: int, repeats: int, vision_blocks: str, llm_blocks: str, log) -> dict:
+                    warmup: int, repeats: int, vision_blocks: str, llm_blocks: str, log, decode: bool = False) -> dict:
     timing = {}
     mins = {}
 
@@ -426,7 +476,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
         block_in = rotary_once()
     L = cfg.num_layers
     n_llm = L if llm_blocks == "all" else min(1, L)
-    blk_ms, blk_min = [], []
+    blk_ms, blk_min, step_ms = [], [], []
     for i in range(n_llm):
         if model_path is not None:
             block = _block_from_checkpoint(model_path, i, device, dtype)
@@ -437,9 +487,12 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
         ms, mn = _time_ms(lambda: block(x, **block_in.for_block(block, kinds[i])), device, warmup, repeats)
         blk_ms.append(ms)
         blk_min.append(mn)
+        if decode:
+            step_ms.append(block_step_ms(llm, llm_family(cfg), block, i, x.shape[-2], device, dtype, warmup,
+                                         repeats)[0])
         free_(block)
         block = None  # rebound rather than deleted: the lambda above names it
-        log(f"  {device}: LLM block {i} {ms:.3f} ms")
+        log(f"  {device}: LLM block {i} {ms:.3f} ms" + (f", one decode step {step_ms[-1]:.3f} ms" if decode else ""))
     if 0 < n_llm < L:
         blk_ms, blk_min = blk_ms * L, blk_min * L
     # ---- final norm + heads
@@ -456,7 +509,8 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     # ---- hand-off from this device
     handoff = measure_handoff(tuple(cfg.prefix_state_shape), dtype, device, warmup, max(repeats, 5))
     log(f"  {device}: ring hand-off " + ", ".join(f"{m['bytes']} B {m['ms']:.3f} ms" for m in handoff["ring"]))
-    return _device_doc(device, timing, mins, vis_ms, vis_min, n_measure, blk_ms, blk_min, n_llm, handoff)
+    steps = _decode_doc(x.shape[-2], step_ms, n_llm, L, None) if decode else None  # a planning head: no LM head
+    return _device_doc(device, timing, mins, vis_ms, vis_min, n_measure, blk_ms, blk_min, n_llm, handoff, steps)
 
 
 def measure_preprocess(cfg: VLAConfig, *, warmup: int = 1, repeats: int = 5, log=None) -> dict | None:
@@ -500,7 +554,7 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
                   repeats: int = 5, warmup: int = 1, vision_blocks: str = "all", llm_blocks: str = "all",
                   seed: int = 0, log=None, tokens: int = 512, cameras: int | None = None,
                   trust_model_code: bool | None = None, prompt: str | None = None,
-                  camera_size: tuple[int, int] | None = None, **overrides) -> dict:
+                  camera_size: tuple[int, int] | None = None, decode: bool = False, **overrides) -> dict:
     """Measure a profile (the file format of the module docstring) and return it as a dict.
 
     Exactly one of ``preset_name`` (``overrides`` as :func:`hybrid_vla_ros.model.config.preset`) and
@@ -508,7 +562,8 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
     restored after). ``device``: "cpu", "cuda" (and CPU) or "auto"; the CPU is always measured (the suffix runs
     there). ``"1"`` for ``vision_blocks`` times one block per kind (EVA-02: one window, one global block).
     ``tokens`` / ``cameras`` / ``prompt`` / ``camera_size`` / ``trust_model_code``: as
-    :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`. Raises ValueError for bad arguments (including
+    :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`. ``decode``: also time one decode step per block (and
+    the LM head) against a KV cache of the frame's tokens. Raises ValueError for bad arguments (including
     cores this process may not use), RuntimeError when CUDA is requested but unavailable.
     """
     if (preset_name is None) == (model_path is None):
@@ -546,9 +601,9 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
         def run(dev: torch.device) -> dict:
             if detailed:
                 return _profile_device(cfg, dev, tdtype, model_path=ck, warmup=warmup, repeats=repeats,
-                                       vision_blocks=vision_blocks, llm_blocks=llm_blocks, log=log)
+                                       vision_blocks=vision_blocks, llm_blocks=llm_blocks, log=log, decode=decode)
             return _profile_device_generic(ck, dev, tdtype, warmup=warmup, repeats=repeats, llm_blocks=llm_blocks,
-                                           log=log)
+                                           log=log, decode=decode)
 
         use_cuda = device in ("cuda", "auto") and cuda_ok
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if use_cuda else []):

@@ -335,12 +335,14 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         if args.preset:
             plan = planner.plan_for_preset(args.preset, args.profile, args.gpu_budget_gb, args.dtype,
-                                           args.cuda_overhead_gb, args.preprocess_ms, **dict(args.set))
+                                           args.cuda_overhead_gb, args.preprocess_ms, args.decode_tokens,
+                                           **dict(args.set))
         else:
             plan = planner.plan_for_checkpoint(args.model, args.profile, args.gpu_budget_gb, args.dtype,
                                                args.cuda_overhead_gb, args.preprocess_ms, tokens=args.tokens,
                                                cameras=args.cameras, trust_model_code=args.trust_model_code or None,
-                                               prompt=args.prompt, camera_size=args.camera_size)
+                                               prompt=args.prompt, camera_size=args.camera_size,
+                                               decode_tokens=args.decode_tokens)
     except (FileNotFoundError, ValueError) as e:
         return _err("plan", e)
     print(planner.format_table(plan, _plan_dtype_note(args.dtype)))
@@ -379,7 +381,7 @@ def _profile(args: argparse.Namespace) -> int:
                             vision_blocks=args.vision_blocks, llm_blocks=args.llm_blocks,
                             log=None if args.quiet else print, tokens=args.tokens, cameras=args.cameras,
                             prompt=args.prompt, camera_size=args.camera_size,
-                            trust_model_code=args.trust_model_code or None)
+                            trust_model_code=args.trust_model_code or None, decode=args.decode)
         write_profile(doc, args.out)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("profile", e)
@@ -589,6 +591,9 @@ def _add_plan(sub) -> None:
     _add_vlm_view(pl)
     pl.add_argument("--trust-model-code", action="store_true",
                     help="allow importing the model_class a checkpoint names (runs that code)")
+    pl.add_argument("--decode-tokens", type=int, default=0, metavar="N",
+                    help="each frame also decodes N new tokens across the split: both KV caches in the memory, "
+                         "N per-token steps in the latency (needs a profile made with --decode); default 0")
     pl.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
     pl.add_argument("--plot", metavar="OUT.png", help="also plot memory and latency vs K (PNG)")
     pl.set_defaults(func=_plan)
@@ -617,6 +622,9 @@ def _add_profile(sub) -> None:
     _add_vlm_view(pr)
     pr.add_argument("--trust-model-code", action="store_true",
                     help="allow importing the model_class a checkpoint names (runs that code)")
+    pr.add_argument("--decode", action="store_true",
+                    help="also time one decode step per decoder block (and the LM head) against a KV cache of the "
+                         "frame's tokens, for `plan --decode-tokens`")
     pr.add_argument("--quiet", action="store_true", help="no per-part progress lines")
     pr.add_argument("--out", required=True, metavar="FILE", help="profile JSON file to write")
     pr.set_defaults(func=_profile)

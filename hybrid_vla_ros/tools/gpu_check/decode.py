@@ -27,7 +27,8 @@ SMALL_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers"
 def run(check) -> dict:
     """The section on the check's device and cores."""
     path = write_model(check.cache / ("decode_small" if check.args.small else "decode_smol"), check.args.small)
-    return decode_figures(path, str(check.device), check.suffix_cores, timeout_s=max(30.0, check.left_s()))
+    return decode_figures(path, str(check.device), check.suffix_cores, check.prefix_cores,
+                          timeout_s=max(30.0, check.left_s()))
 
 
 def write_model(path: Path, small: bool) -> Path:
@@ -78,9 +79,24 @@ def _suffix_process(path: str, k: int, segment: str, cores, conn) -> None:
         conn.send({"type": "error", "error": f"{type(e).__name__}: {e}"})
 
 
-def decode_figures(path: Path, device_name: str, suffix_cores, timeout_s: float = 300.0) -> dict:
-    """The decode of the model at ``path`` with its prefix on ``device_name``; per-token figures (ms) of the
-    frames after the first."""
+def decode_figures(path: Path, device_name: str, suffix_cores, prefix_cores=None, timeout_s: float = 300.0) -> dict:
+    """The decode of the model at ``path`` with its prefix on ``device_name`` in this process (pinned to
+    ``prefix_cores`` with as many torch threads meanwhile, so its threads do not take the suffix's cores); per-token
+    figures (ms) of the frames after the first."""
+    import torch
+
+    old_cores, old_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    if prefix_cores:
+        os.sched_setaffinity(0, prefix_cores)
+        torch.set_num_threads(len(prefix_cores))
+    try:
+        return _decode_figures(path, device_name, suffix_cores, timeout_s)
+    finally:
+        os.sched_setaffinity(0, old_cores)
+        torch.set_num_threads(old_threads)
+
+
+def _decode_figures(path: Path, device_name: str, suffix_cores, timeout_s: float) -> dict:
     import torch
 
     from ...model.checkpoint import open_checkpoint
