@@ -36,6 +36,9 @@ class LifecycleClient:
     (transitions anyone triggers). ``node`` must be spun in another thread (calls block on a future).
     """
 
+    #: While a change_state request has no answer, how often (s) the node's state is asked instead.
+    ASK_STATE_S = 5.0
+
     def __init__(self, node, target: str):
         self.name = target
         self._node = node
@@ -112,8 +115,10 @@ class LifecycleClient:
     def change_state(self, transition: str, timeout_s: float = 30.0) -> tuple[bool, str]:
         """Trigger a transition by name (:data:`TRANSITIONS`); returns (success, detail).
 
-        A lost response counts as success once transition_event says it finished: rmw_fastrtps drops responses
-        before the client's reader is matched ("failed to send response (timeout)").
+        A lost response counts as success once transition_event says it finished, or once ``get_state`` (asked
+        every :data:`ASK_STATE_S` while no answer came) says the node is in the transition's goal state:
+        rmw_fastrtps drops responses before the client's reader is matched ("failed to send response (timeout)"),
+        and on a loaded machine the volatile transition_event may not be matched yet either.
         """
         req = ChangeState.Request()
         req.transition.id = TRANSITIONS[transition]
@@ -122,10 +127,16 @@ class LifecycleClient:
         future = self._change.call_async(req)
         future.add_done_callback(lambda _: done.set())
         deadline = since + timeout_s
+        next_ask = since + self.ASK_STATE_S
         while not done.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
             if self.transition_finished(transition, since):
                 self._change.remove_pending_request(future)
                 return True, "the answer was lost; the node's transition_event says the transition finished"
+            if time.monotonic() >= next_ask:  # a node in its transition callback does not answer: '' then
+                next_ask = time.monotonic() + self.ASK_STATE_S
+                if self.get_state(1.0) == TRANSITION_STATES[transition][1] and not done.is_set():
+                    self._change.remove_pending_request(future)
+                    return True, "the answer was lost; get_state says the node is in the transition's goal state"
             if time.monotonic() >= deadline:
                 self._change.remove_pending_request(future)
                 return False, f"no answer within {timeout_s:.0f} s"
