@@ -299,7 +299,8 @@ class SpunNode:
         self.node = rclpy.create_node(f"{name}_{uuid.uuid4().hex[:6]}", context=self.context)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
-        self.lock = threading.Lock()
+        # reentrant: a wait() predicate may read this node's state through methods that take the lock themselves
+        self.lock = threading.RLock()
         self.thread = threading.Thread(target=self.executor.spin, daemon=True)
         self.thread.start()
 
