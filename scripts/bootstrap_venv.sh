@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Create or update .venv: ROS 2 Kilted from PyPI wheels, torch (CPU), the model and bag libraries, the real
 # ROS 2 launch / launch_testing / ros2cli tools from ../shared/ros2-tools when that folder is there, the
-# interface packages (composition_interfaces for launch_ros; Autoware's autoware_planning_msgs and
-# autoware_internal_planning_msgs, and ROS 2's tf2_msgs, which has no PyPI wheel, from interfaces/) built into the
-# venv, and this package installed editable
+# interface packages (composition_interfaces for launch_ros; Autoware's autoware_planning_msgs,
+# autoware_internal_planning_msgs and autoware_internal_debug_msgs, and ROS 2's tf2_msgs, which has no PyPI wheel,
+# from interfaces/) built into the venv, and this package installed editable
 # (so `hybrid-vla` is on PATH after `source .venv/bin/activate`).
 # A stamp (hash of everything this script depends on) makes a second run a no-op.
 #
@@ -82,6 +82,7 @@ build_interface() {  # NAME SOURCE_DIR: cmake configure, build, install into the
 [[ -z "$TOOLS" ]] || build_interface composition_interfaces "$TOOLS/src/composition_interfaces"
 build_interface autoware_planning_msgs "$ROOT/interfaces/autoware_planning_msgs"
 build_interface autoware_internal_planning_msgs "$ROOT/interfaces/autoware_internal_planning_msgs"
+build_interface autoware_internal_debug_msgs "$ROOT/interfaces/autoware_internal_debug_msgs"
 build_interface tf2_msgs "$ROOT/interfaces/tf2_msgs"
 
 echo "bootstrap: installing hybrid_vla_ros (editable) into the venv"
@@ -89,6 +90,7 @@ echo "bootstrap: installing hybrid_vla_ros (editable) into the venv"
 
 check="import rclpy, torch, cv2, rosbags; from autoware_planning_msgs.msg import Trajectory
 from autoware_internal_planning_msgs.msg import CandidateTrajectories
+from autoware_internal_debug_msgs.msg import StringStamped
 from tf2_msgs.msg import TFMessage"
 [[ -z "$TOOLS" ]] || check+="
 import launch, launch_ros, launch_testing, ros2cli; from composition_interfaces.srv import LoadNode"

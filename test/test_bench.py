@@ -500,6 +500,11 @@ def test_quick_decode_part_measures_the_suffix_against_its_bandwidth_floor_and_t
     assert rows[(20, "bf16")]["suffix_weight_bytes"] * 2 == pytest.approx(rows[(20, "fp32")]["suffix_weight_bytes"],
                                                                           rel=1e-3)
     assert d["round_trip"]["n"] > 200 and 0 < d["round_trip"]["p50_us"] <= d["round_trip"]["p99_us"]
-    assert {"decode_bandwidth_fp32", "decode_bandwidth_bf16", "decode_round_trip_p50"} <= {g["id"] for g in
-                                                                                            doc["goals"]}
+    o = d["overlap"]  # both orders ran every frame's decode to its end, and the overlap's chunks were measured
+    for name in ("sequential", "overlap"):
+        assert o[name]["ended"] == ["max_new_tokens"] * o["frames"], o[name]
+        assert 0 < o[name]["ratio"] and o[name]["prefix_busy_ms"] > 0 and o[name]["suffix_busy_ms"] > 0
+    assert o["sequential"]["step_held_max_ms"] < 1.0 < o["overlap"]["step_held_max_ms"]
+    assert {"decode_bandwidth_fp32", "decode_bandwidth_bf16", "decode_round_trip_p50",
+            "decode_overlap"} <= {g["id"] for g in doc["goals"]}
     assert "**Decode**" in out.with_suffix(".md").read_text()

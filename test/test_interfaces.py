@@ -1,7 +1,7 @@
 """The locally built interface packages match upstream Autoware's types exactly: autoware_planning_msgs'
-Trajectory and autoware_internal_planning_msgs' CandidateTrajectories, CandidateTrajectory and GeneratorInfo
-(autowarefoundation/autoware_internal_msgs), by their RIHS01 type hashes on the DDS graph, in the installed
-type descriptions and as rosbags computes them from the .msg files."""
+Trajectory, autoware_internal_planning_msgs' CandidateTrajectories, CandidateTrajectory and GeneratorInfo and
+autoware_internal_debug_msgs' StringStamped (autowarefoundation/autoware_internal_msgs), by their RIHS01 type
+hashes on the DDS graph, in the installed type descriptions and as rosbags computes them from the .msg files."""
 import json
 from pathlib import Path
 
@@ -14,6 +14,9 @@ UPSTREAM_INTERNAL_PLANNING_HASHES = {
     "CandidateTrajectory": "RIHS01_65c7f26774c9459f94b7b95452c712f460ed20f4a008f972e71cb768b06576ee",
     "GeneratorInfo": "RIHS01_b930bac9138649852a4f9b06a66dd6d83a3639d44d4efdf6c1a5b6ff178cfbc4",
 }
+#: autoware_internal_debug_msgs/msg/StringStamped (the suffix's ~/output/reasoning): upstream's hash, as rosbags
+#: computes it from upstream's StringStamped.msg (autoware_internal_msgs commit 1856e5b)
+UPSTREAM_STRING_STAMPED_HASH = "RIHS01_e31ef527080bc4557f253671c1509b5d23f328414ea3e90b538ca151329f2faf"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -128,3 +131,33 @@ def test_tf2_msgs_built_here_is_the_upstream_type():
     desc = json.loads((share / "msg" / "TFMessage.json").read_text())
     hashes = {h["type_name"]: h["hash_string"] for h in desc["type_hashes"]}
     assert hashes["tf2_msgs/msg/TFMessage"] == upstream
+
+
+def test_string_stamped_is_upstream_on_the_graph_in_the_description_and_in_rosbags():
+    """The reasoning topic's StringStamped built here has upstream's hash three ways: what the DDS graph advertises
+    for a publisher, the installed type description, and rosbags' RIHS01 of the repo's .msg file."""
+    import rclpy
+    from autoware_internal_debug_msgs.msg import StringStamped
+    from rclpy.node import Node
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+    from hybrid_vla_ros.tools.output_bag import share_directory
+
+    name = "autoware_internal_debug_msgs/msg/StringStamped"
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        node = Node("type_hash_probe_debug", context=context)
+        node.create_publisher(StringStamped, "/type_hash_probe/reasoning", 1)
+        infos = node.get_publishers_info_by_topic("/type_hash_probe/reasoning")
+        assert infos and infos[0].topic_type == name
+        assert str(infos[0].topic_type_hash) == UPSTREAM_STRING_STAMPED_HASH
+        node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)
+    desc = json.loads((share_directory("autoware_internal_debug_msgs") / "msg" / "StringStamped.json").read_text())
+    assert {h["type_name"]: h["hash_string"] for h in desc["type_hashes"]}[name] == UPSTREAM_STRING_STAMPED_HASH
+    store = get_typestore(Stores.ROS2_KILTED)
+    text = (REPO / "interfaces" / "autoware_internal_debug_msgs" / "msg" / "StringStamped.msg").read_text()
+    store.register(get_types_from_msg(text, name))
+    assert store.hash_rihs01(name) == UPSTREAM_STRING_STAMPED_HASH

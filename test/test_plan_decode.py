@@ -71,18 +71,23 @@ def test_a_profile_without_decode_steps_is_refused_for_a_decode_plan(tmp_path):
 
 
 def test_a_decode_heavy_model_chooses_another_split_layer_than_its_prefill_only_twin(qwen2):
-    """The measured CPU profile, and a GPU beside it that prefills each block as fast as the CPU but steps a token
-    through it 10x faster (a decode step reads every weight once: the GPU's memory bandwidth). Prefill-only, every
-    K costs about the same and the pipelined throughput picks a balanced split; with 64 tokens a frame the decode
+    """The measured CPU profile (its prefill times fixed at 5 ms a block, nothing else), and a GPU beside it that
+    prefills each block as fast as the CPU but steps a token through it 10x faster (a decode step reads every
+    weight once: the GPU's memory bandwidth). Prefill-only, every K costs about the same and the pipelined
+    throughput picks a balanced split; with 64 tokens a frame the decode
     term falls with every block moved to the GPU and the plan moves K up to L. With a GPU budget, the prefix's KV
     cache takes memory, and a decode-heavy model fits fewer blocks."""
     path, profile = qwen2
     cfg = open_checkpoint(path, tokens=T).model
     doc = copy.deepcopy(load_profile(profile))
     cpu = doc["devices"]["cpu"]
-    cpu["parts_ms"]["vision_embeddings"] = 0.0
+    # every prefill time fixed (measured ones move with the machine's load): only the blocks cost, 5 ms each
+    cpu["parts_ms"] = {part: 0.0 for part in cpu["parts_ms"]}
+    cpu["vision_blocks_ms"] = [0.0] * len(cpu["vision_blocks_ms"])
     cpu["llm_blocks_ms"] = [5.0, 5.0, 5.0]
-    cpu["parts_ms"]["head"] = 0.0
+    for line in cpu["handoff"]["ring"]:
+        line["ms"] = 0.05
+    doc.pop("preprocess", None)
     gpu = copy.deepcopy(cpu)
     gpu.update(kind="cuda", name="cuda:0", description="synthetic")
     gpu["decode"]["llm_block_step_ms"] = [t / 10 for t in cpu["decode"]["llm_block_step_ms"]]

@@ -19,7 +19,7 @@ from hybrid_vla_ros.vehicle.guard import GuardLimits
 NODES = ("prefix_node", "suffix_node")
 RUNNERS = {"prefix_node": PrefixRunnerSettings, "suffix_node": SuffixRunnerSettings}
 #: Runner fields that come from the node itself, not from a parameter.
-NOT_PARAMETERS = {"prefix_node": {"namespace", "domain_id"},
+NOT_PARAMETERS = {"prefix_node": {"namespace", "domain_id", "decode_overlap", "decode_prefill_chunk"},
                   "suffix_node": {"namespace", "domain_id", "background_build"}}
 _SCALARS = {"string": str, "integer": int, "number": float, "boolean": bool}
 

@@ -29,7 +29,8 @@ COMMON = dict(state="active", lifecycle_requests_refused=2, configure_error="bad
 
 PREFIX = PrefixStatus(**COMMON, frames_in=60, frames_synchronized=10, frames_out=9, ring_published=9,
                       ring_dropped_oldest=1, split_layer=4, model_id="abc123", num_layers=12, split_layer_auto=True,
-                      resplits=2, split_moves_latency=3, split_moves_memory=1, split_move_reason="balanced",
+                      resplits=2, decode_tokens=12, split_moves_latency=3, split_moves_memory=1,
+                      split_move_reason="balanced",
                       handoff_path="produced in the slot", fast_jpeg_decode=True, ego_state_input=True,
                       ego_accel={"topic": 5, "differentiated": 4}, ego_time_jumps=1, camera_reliability="reliable",
                       camera_delay_worst=4, camera_delay_p50_ms=12.5, camera_delay_max_ms=40.0,
@@ -41,7 +42,8 @@ SUFFIX = SuffixStatus(**COMMON, frames_in=9, trajectories_out=8, frames_too_old_
                       ring_contract_error="dtype differs", ring_conversion="bf16 -> fp32", ring_owner_alive=True,
                       ring_read=9, odometry_in=30, odometry_propagated=2, odometry_late=1, odometry_time_jumps=1,
                       candidate_trajectories_out=8, candidates_out=40, split_layer=4, blocks_held_from=3, resplits=1,
-                      resplits_on_demand=1, navigation_command="LEFT", suffix_backend="openvino",
+                      resplits_on_demand=1, navigation_command="LEFT", decode_frames=3, decode_tokens=12,
+                      decode_max_tokens=2, decode_tokens_last=4, suffix_backend="openvino",
                       suffix_backend_in_use="openvino", suffix_backend_k=4, suffix_backend_building=5,
                       suffix_backend_precision="bf16", suffix_backend_error="no plugin",
                       suffix_backend_cache_dir="/var/cache/hv",
@@ -121,8 +123,10 @@ def test_both_statuses_share_the_common_fields():
 def test_frame_timing_round_trips_and_keeps_nan_for_an_untimed_stage():
     t = FrameTiming(ego_wait_ms=4.0, preprocess_ms=1.5, prefix_ms=2.25, handoff_ms=0.125, suffix_ms=3.0,
                     odometry_wait_ms=0.5,
-                    t_prefix_start_ns=10, t_write_start_ns=20, t_ready_ns=30, t_suffix_end_ns=40, t_publish_ns=50)
+                    t_prefix_start_ns=10, t_write_start_ns=20, t_ready_ns=30, t_suffix_end_ns=40, t_publish_ns=50,
+                    decode_tokens=16, prefix_token_ms=0.75, suffix_token_ms=2.5, decode_round_trip_ms=0.0625)
     assert FrameTiming.from_key_values(t.key_values()) == t
+    assert dict(t.key_values())["decode_tokens"] == "16"
     assert dict(t.key_values())["preprocess_ms"] == "1.5000" and dict(t.key_values())["t_ready_ns"] == "30"
     assert list(t.stage_ms()) == list(FrameTiming.STAGES)
     untimed = FrameTiming.from_key_values(FrameTiming(suffix_ms=3.0).key_values())

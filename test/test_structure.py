@@ -149,8 +149,9 @@ def test_one_prefix_and_one_suffix_frame_loop():
                     owners.setdefault(module, []).append(node.lineno)
     assert set(owners) == {"hybrid_vla_ros.runtime.loops"}, owners
     users = {"PrefixLoop": ("ros.prefix_worker", "tools.bench.pipeline", "tools.bench.preprocess",
+                            "tools.bench.decode_overlap", "tools.gpu_check.workers"),
+             "SuffixLoop": ("ros.suffix_worker", "tools.bench.pipeline", "tools.bench.decode_overlap",
                             "tools.gpu_check.workers"),
-             "SuffixLoop": ("ros.suffix_worker", "tools.bench.pipeline", "tools.gpu_check.workers"),
              "SplitLayerControl": ("ros.prefix_node", "tools.bench.pipeline", "tools.gpu_check.workers")}
     for name, modules in users.items():
         for module in modules:

@@ -692,7 +692,8 @@ def _init_composed(preset_name: str, path: Path, seed: int, overrides: dict, dty
                     prompt_token_ids=[], planning_token_id=int(token),
                     vlm_view={"cameras": view.cameras, "camera_size": list(view.camera_size), "prompt": view.prompt,
                               "num_tokens": view.num_tokens, "side": list(view.side),
-                              "side_shapes": _with_planning_token(view.side_shapes),
+                              "side_shapes": (view.side_shapes if base.get("decode")  # placed after the decode
+                                              else _with_planning_token(view.side_shapes)),
                               "vision_patches": view.vision_patches})
     else:
         if ref.kind != "llava":

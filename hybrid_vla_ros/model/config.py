@@ -135,6 +135,9 @@ class VLAConfig:
         vlm / vlm_view: with ``projector`` ``{"type": "vlm"}``: the VLM's config (``llm`` its text model's) and
             the :class:`VLMSpec` fields saying how the cameras are fed. The frame is the processor's tokens, then
             the planning token; the vision side fields are unused.
+        decode: with ``projector`` ``{"type": "vlm"}``, a frame decodes tokens after its prefill
+            (:class:`~hybrid_vla_ros.model.decode_spec.DecodeSpec`: how many, how chosen, what they drive); the
+            planning token then comes after the decode, not in the prefill. Empty: one prefill, no decode.
 
     With a ``llava`` projector, ``prompt_token_ids`` holds one image placeholder (``projector.image_token_index``)
     per camera, each replaced by that camera's P vision tokens.
@@ -168,6 +171,7 @@ class VLAConfig:
     vlm: dict = field(default_factory=dict)
     vlm_view: dict = field(default_factory=dict)
     readout: dict = field(default_factory=lambda: {"type": "mlp"})
+    decode: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.image_mean = tuple(float(v) for v in self.image_mean)
@@ -212,7 +216,7 @@ class VLAConfig:
             if key not in self.llm:
                 problems.append(f"llm.{key} missing")
         if self.vlm_front:
-            problems += self._vlm_problems() + self._readout_problems()
+            problems += self._vlm_problems() + self._readout_problems() + self._decode_problems()
             if problems:
                 raise ValueError("invalid model config: " + "; ".join(problems))
             return
@@ -269,6 +273,9 @@ class VLAConfig:
             problems.append(f"projector.type {kind!r} is not 'mlp', 'query', '{SCENE_QUERIES}' or 'llava'")
         if kind != "llava" and self.vlm_path:
             problems.append("vlm_path needs projector.type 'llava'")
+        if self.decode:
+            problems.append("decode: only a checkpoint composed on a transformers VLM (projector.type 'vlm') decodes "
+                            "in the nodes for now")
         if not self.planning_head and not self.vlm_path:
             problems.append("planning_head: false is only for a transformers LLaVA directory viewed as it is")
         if self.n_modes not in (1, len(NAV_COMMANDS)):
@@ -336,6 +343,38 @@ class VLAConfig:
                 return ["readout.config must be a mapping (keyword arguments of the head class)"]
             return [] if self.llm_passes == 1 else ["a module read-out takes one LLM pass"]
         return [f"readout.type {kind!r} is not 'mlp', 'vae', 'vae_speed_path', 'queries' or 'module'"]
+
+    def _decode_problems(self) -> list[str]:
+        """Problems of ``decode`` (:class:`~.decode_spec.DecodeSpec`)."""
+        if not self.decode:
+            return []
+        try:
+            spec = self.decode_spec
+        except ValueError as e:
+            return [str(e)]
+        if spec.drives == "head" and self.readout_type in ("queries", "module"):
+            return [f"decode with drives: head places read-out tokens after the decode; a {self.readout_type!r} "
+                    "read-out reads learned queries or every token"]
+        return []
+
+    @property
+    def decode_placed_token_ids(self) -> list[int]:
+        """Tokens placed after a frame's decode for the planning head (``decode.after_token_ids``, then the read-out
+        tokens); [] when the decode drives no head (or there is none)."""
+        spec = self.decode_spec
+        if spec is None or spec.drives != "head":
+            return []
+        return list(spec.after_token_ids) + self.readout_token_ids
+
+    @property
+    def decode_spec(self):
+        """The :class:`~.decode_spec.DecodeSpec` of ``decode``, or None when the model does not decode. Raises
+        ValueError for an invalid mapping."""
+        if not self.decode:
+            return None
+        from .decode_spec import DecodeSpec
+
+        return DecodeSpec.from_dict(self.decode, int(self.llm.get("vocab_size", 0)))
 
     @property
     def readout_type(self) -> str:
@@ -591,6 +630,8 @@ class VLAConfig:
         as the vision tokens that replace them)."""
         # the planning token(s), or the query tokens in their place
         last = self.query_count or (1 if self.vlm_front else len(self.readout_token_ids))
+        if self.vlm_front and self.decode:  # the read-out tokens come after the decode, not in the prefill
+            return int(self.vlm_view["num_tokens"])
         if self.vlm_front:  # the processor's tokens, then the planning / query tokens
             return int(self.vlm_view["num_tokens"]) + last
         if self.pass_prompt_token_ids:  # each pass's own text after the vision tokens, padded to the longest
@@ -613,7 +654,7 @@ class VLAConfig:
                              ("llm_path", ""), ("vlm_path", ""), ("planning_head", True), ("pass_lora_rank", 0),
                              ("pass_adapters", []), ("decision_token_ids", []), ("decision_position", -2),
                              ("pass_prompt_token_ids", []),
-                             ("vlm", {}), ("vlm_view", {}), ("readout", {"type": "mlp"})):
+                             ("vlm", {}), ("vlm_view", {}), ("readout", {"type": "mlp"}), ("decode", {})):
             if d[key] == default:
                 del d[key]
         return {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **d}

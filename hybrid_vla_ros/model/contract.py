@@ -41,6 +41,17 @@ class SplitState:
             raise ValueError(f"unknown side tensor(s) {sorted(unknown)}; known: {sorted(known)}")
         return cls(hidden_states, **side)
 
+    def rows(self, start: int, stop: int) -> "SplitState":
+        """Tokens [start, stop) of a one-pass state (a chunk of a prefill): their hidden states, positions, visual
+        mask and the DeepStack rows of the visual tokens among them."""
+        deep = None
+        if self.deepstack is not None:
+            before = int(self.visual_mask[:start].sum())
+            deep = self.deepstack[:, before:before + int(self.visual_mask[start:stop].sum())]
+        return SplitState(self.hidden_states[start:stop],
+                          None if self.position_ids is None else self.position_ids[..., start:stop],
+                          None if self.visual_mask is None else self.visual_mask[start:stop], deep)
+
     def to(self, device=None, dtype=None) -> "SplitState":
         """Float tensors to ``dtype`` and ``device``; integer / bool side tensors to ``device`` only."""
         def move(t, floating):

@@ -19,31 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .decode_spec import DecodeSettings  # what a decode is told (re-exported for callers)
+
 #: Why a frame's decode ended.
 STOP_TOKEN, MAX_TOKENS = "stop_token", "max_new_tokens"
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    """How a frame decodes: at most ``max_new_tokens`` tokens, ending early at any of ``stop_token_ids`` (kept as the
-    last token); ``temperature`` 0 is greedy, else sampling with ``top_p`` and ``seed`` (+ the frame's seq). Raises
-    ValueError for values out of range."""
-
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
 class TokenChooser:
@@ -124,11 +103,14 @@ class SideCache:
 @dataclass
 class DecodeResult:
     """One frame's decode: ``tokens`` chosen in order (the stop token included), ``logits`` of each step (V,) float32
-    (the prefill's last row first), ``ended`` (:data:`STOP_TOKEN` or :data:`MAX_TOKENS`; "" while it goes on)."""
+    (the prefill's last row first), ``ended`` (:data:`STOP_TOKEN` or :data:`MAX_TOKENS`; "" while it goes on) and,
+    where the planning head reads tokens placed after the decode, its ``plan``
+    (:class:`~.modeling.PlanOutput`)."""
 
     tokens: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     ended: str = ""
+    plan: object = None
 
 
 class PrefixDecoding:
@@ -136,15 +118,18 @@ class PrefixDecoding:
     prefix's KV cache ``cache`` (:class:`SideCache`), through the model's
     :class:`~hybrid_vla_ros.model.kinds.SplitModel` ``sm``. What each returns is what crosses the split."""
 
-    def __init__(self, sm, stage, cache: SideCache):
+    def __init__(self, sm, stage, cache: SideCache, chunk_rows: int = 0):
         self.sm, self.stage, self.cache = sm, stage, cache
+        #: > 0: the prefill runs its tokens through the blocks this many at a time (a VLM's chunked prefill).
+        self.chunk_rows = int(chunk_rows)
         self._prefill = None
         self.position = 0  # the sequence position of the next token
 
     def prefill(self, inputs: tuple):
         """Reset the cache and run the frame's prefill (the prefix's output: h_K, or a SplitState)."""
         self.cache.reset()
-        self._prefill = out = self.sm.run_prefix(self.stage, inputs, cache=self.cache.cache)
+        self._prefill = out = self.sm.run_prefix(self.stage, inputs, cache=self.cache.cache,
+                                                 chunk_rows=self.chunk_rows)
         self.position = int(self.sm.hidden(out).shape[-2])
         return out
 
@@ -160,15 +145,27 @@ class PrefixDecoding:
 
 class SuffixDecoding:
     """The suffix side of a frame's decode: blocks [K, L) and the final norm against the suffix's KV cache
-    ``cache``, the LM head ``head`` on the last row, and the choice of the next token (:class:`TokenChooser`)."""
+    ``cache``, the LM head ``head`` on the last row, and the choice of the next token (:class:`TokenChooser`).
 
-    def __init__(self, sm, stage, head: LMHead, cache: SideCache, settings: DecodeSettings):
+    ``placed``: token ids placed after the decode, their last rows read by the planning head (a decoding driving
+    model: ``decode.after_token_ids`` then the read-out tokens), or () when the decode drives nothing there. They
+    follow the decode's last token (never run yet) in steps of at most ``rows_per_step`` rows, the read-out tokens in
+    the last one (:meth:`placed_steps`). ``k``: the split layer the frames come at (default the stage's)."""
+
+    def __init__(self, sm, stage, head: LMHead, cache: SideCache, settings: DecodeSettings, placed=(),
+                 rows_per_step: int = 4, k: int | None = None):
         self.sm, self.stage, self.head, self.cache, self.settings = sm, stage, head, cache, settings
+        self.placed, self.rows_per_step = tuple(int(t) for t in placed), int(rows_per_step)
+        self.k = stage.split_layer if k is None else int(k)
+        self.command = 3  # LANE_FOLLOW (config.NAV_COMMANDS) until the runner says
         self.chooser = TokenChooser(settings)
         self.result = DecodeResult()
 
-    def begin(self, frame_seq: int = 0) -> None:
-        """A new frame: an empty cache and result, the draws seeded for ``frame_seq``."""
+    def begin(self, frame_seq: int = 0, k: int | None = None) -> None:
+        """A new frame (at split layer ``k``, default unchanged): an empty cache and result, the draws seeded for
+        ``frame_seq``."""
+        if k is not None:
+            self.k = self.cache.first_layer = int(k)
         self.cache.reset()
         self.chooser.start(frame_seq)
         self.result = DecodeResult()
@@ -177,7 +174,7 @@ class SuffixDecoding:
         """The prefill's or a step's output (what crossed) -> the next token, appended to ``result`` (whose
         ``ended`` says whether it was the last). Raises ValueError when the cache has no room left."""
         self.cache.room_for(self.sm.hidden(out).shape[-2])
-        final = self.sm.suffix_rows(self.stage, out, self.cache.cache)
+        final = self.sm.suffix_rows(self.stage, out, self.cache.cache, self.k)
         logits = self.head(final[..., -1:, :]).reshape(-1)
         token = self.chooser.choose(logits)
         r = self.result
@@ -189,16 +186,47 @@ class SuffixDecoding:
             r.ended = MAX_TOKENS
         return token
 
+    def placed_steps(self) -> list[list[int]]:
+        """After the decode ended: the tokens to run, step by step (the last decoded token, then :attr:`placed`),
+        the last step holding the last ``rows_per_step`` of them; [] when nothing is placed."""
+        if not self.placed:
+            return []
+        ids = [self.result.tokens[-1], *self.placed]
+        n = self.rows_per_step
+        head, last = ids[:-n] if len(ids) > n else [], ids[-n:]
+        return [head[i:i + n] for i in range(0, len(head), n)] + [last]
+
+    def take_placed(self, out, last: bool) -> None:
+        """A step of placed tokens (what crossed): blocks [K, L) extend the cache; the ``last`` one's rows go to the
+        planning head (``result.plan``). Raises ValueError when the cache has no room or the head refuses."""
+        self.cache.room_for(self.sm.hidden(out).shape[-2])
+        if last:
+            self.result.plan = self.sm.plan_rows(self.stage, out, self.cache.cache, self.k, self.command)
+        else:
+            self.sm.suffix_rows(self.stage, out, self.cache.cache, self.k)
+
+    @staticmethod
+    def bound(prompt: int, settings: DecodeSettings, placed: int = 0) -> int:
+        """Tokens a side's cache must hold: the prompt, every decoded token but the last (chosen, never cached:
+        ``generate``'s static length), and with ``placed`` tokens the last decoded one and those."""
+        return prompt + settings.max_new_tokens - 1 + (placed + 1 if placed else 0)
+
 
 def decode_in_process(sm, prefix, suffix, head: LMHead, prefix_cache: SideCache, suffix_cache: SideCache,
-                      inputs: tuple, settings: DecodeSettings, frame_seq: int = 0) -> DecodeResult:
+                      inputs: tuple, settings: DecodeSettings, frame_seq: int = 0, placed=(),
+                      command: int = 3) -> DecodeResult:
     """Decode one frame with both sides in this process (what crosses handed over directly; the reference the
-    ring's decode is checked against). Returns a :class:`DecodeResult`."""
+    ring's decode is checked against), then run the ``placed`` tokens (:class:`SuffixDecoding`) with navigation
+    command index ``command``. Returns a :class:`DecodeResult`."""
     front = PrefixDecoding(sm, prefix, prefix_cache)
-    back = SuffixDecoding(sm, suffix, head, suffix_cache, settings)
+    back = SuffixDecoding(sm, suffix, head, suffix_cache, settings, placed)
+    back.command = command
     back.begin(frame_seq)
     with torch.inference_mode():
         token = back.take(front.prefill(inputs))
         while not back.result.ended:
             token = back.take(front.step([token]))
+        steps = back.placed_steps()
+        for i, ids in enumerate(steps):
+            back.take_placed(front.step(ids), last=i == len(steps) - 1)
     return back.result

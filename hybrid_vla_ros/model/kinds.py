@@ -121,9 +121,12 @@ class SplitModel:
         return ""
 
     # -------------------------------------------------------------------------------- stage outputs
-    def run_prefix(self, stage, inputs: tuple, cache=None):
-        """Its prefix stage on :meth:`example_inputs`' arguments (``cache``: the prefix's KV cache, a decode)."""
-        return stage(*inputs) if cache is None else stage(*inputs, cache=cache)
+    def run_prefix(self, stage, inputs: tuple, cache=None, chunk_rows: int = 0):
+        """Its prefix stage on :meth:`example_inputs`' arguments (``cache``: the prefix's KV cache, a decode;
+        ``chunk_rows`` > 0: a chunked prefill, where the stage has one: a VLM's)."""
+        if cache is None:
+            return stage(*inputs)
+        return stage(*inputs, cache=cache, chunk_rows=chunk_rows) if chunk_rows else stage(*inputs, cache=cache)
 
     # ----------------------------------------------------------------------------------------- decode
     def prefix_step(self, stage, token_ids: torch.Tensor, prefill, cache, position: int):
@@ -147,9 +150,15 @@ class SplitModel:
         """The suffix's input for a step from the rows and positions that crossed (:meth:`step_crossing`)."""
         return rows
 
-    def suffix_rows(self, suffix, out, cache):
-        """The suffix's final-norm rows (rows, H) of a prefill or a decode step, extending its KV cache."""
-        return suffix.final_hidden_states(out, cache=cache)
+    def suffix_rows(self, suffix, out, cache, split_layer: int | None = None):
+        """The suffix's final-norm rows (rows, H) of a prefill or a decode step, extending its KV cache; the frame
+        crossed at ``split_layer`` (default the stage's K)."""
+        return suffix.final_hidden_states(out, split_layer, cache=cache)
+
+    def plan_rows(self, suffix, out, cache, split_layer: int | None, command: int):
+        """The planning head on a decode step's rows (its read-out tokens last), extending the KV cache ->
+        :class:`~.modeling.PlanOutput`. Raises ValueError where the model reads no tokens placed after a decode."""
+        raise ValueError("this model's planning head does not read tokens placed after a decode")
 
     def output(self, suffix, out) -> torch.Tensor | None:
         """What the check compares at the end: waypoints (M, N, 2) or own code's output; None without a head."""
@@ -402,7 +411,12 @@ class VLMFront(SplitModel):
 
     @property
     def decodes(self) -> bool:
-        return not self.takes_cameras  # a driving composition reads its planning head at fixed positions
+        """A bare VLM decodes; a driving composition when its config says so (``decode``), else its planning head
+        reads fixed positions of one prefill."""
+        return not self.takes_cameras or bool(self.cfg.decode)
+
+    def plan_rows(self, suffix, out, cache, split_layer, command):
+        return suffix.plan_step(out, cache, split_layer, command)
 
     def prompt_tokens(self, inputs) -> int:
         return int(inputs[0].tokens)
@@ -447,6 +461,28 @@ class VLMFront(SplitModel):
                            pad_token_id=stop[0] if stop else 0)
         return (out.sequences[0, frame.input_ids.shape[1]:].tolist(), [x[0].float() for x in out.logits], stop,
                 f"transformers {family.generation_class.__name__}.generate (greedy, static cache)")
+
+    def decode_readout_referee(self, dtype, inputs: tuple, tokens: list[int], command: int) -> torch.Tensor:
+        """The planning head after a decode, by transformers: the family's ForConditionalGeneration forward over the
+        frame's prompt + ``tokens`` (decoded) + the placed tokens (``cfg.decode_placed_token_ids``), the text
+        model's final-norm input taken at its read-out rows, then this checkpoint's norm and head
+        (:func:`~.modeling.plan`) -> modes (M, N, 2) float32 m."""
+        from .modeling import plan
+        from .vlm import vlm_family, with_token
+
+        family = vlm_family(self.cfg.vlm_type)
+        ref = family.generation_class.from_pretrained(str(self.ck.hf.path), dtype=dtype).eval()
+        frame = inputs[0]
+        for t in [*tokens, *self.cfg.decode_placed_token_ids]:
+            frame = with_token(frame, int(t))
+        kept = []
+        norm = getattr(ref.model, family.text_attribute).norm
+        hook = norm.register_forward_pre_hook(lambda module, args: kept.append(args[0][0].clone()))
+        try:
+            ref.model(input_ids=frame.input_ids, **frame.to("cpu", dtype).images)
+        finally:
+            hook.remove()
+        return plan(self.ck.load("suffix", self.num_layers, dtype=dtype), kept[-1], command).modes
 
     def activation_phases(self, split_layer, e, role):
         d = act.llm_dims(self.cfg)

@@ -798,10 +798,12 @@ class VLMPrefixStage(PrefixSide):
                 if buf.device != torch.device(device):
                     module._buffers[name] = buf.to(device)
 
-    def forward(self, inputs, cache=None) -> "SplitState":
+    def forward(self, inputs, cache=None, chunk_rows: int = 0) -> "SplitState":
         """Processor outputs (:class:`~hybrid_vla_ros.model.vlm.VLMInputs`) -> SplitState at K, h_K in the stage
-        dtype (``cache``: the prefix's KV cache, a decode). Raises ValueError when T is not the spec's (another
-        camera size or prompt)."""
+        dtype (``cache``: the prefix's KV cache, a decode). ``chunk_rows`` > 0 (with a cache): the blocks run over
+        the tokens ``chunk_rows`` at a time, each chunk attending to the cached ones before it (a chunked prefill:
+        what runs between two decode steps of another frame stays short; equal to the whole prefill up to the
+        attention's rounding). Raises ValueError when T is not the spec's (another camera size or prompt)."""
         from .contract import SplitState
         from .vlm import run_front
 
@@ -817,7 +819,15 @@ class VLMPrefixStage(PrefixSide):
         if hasattr(self, "query_tokens"):  # the learned queries in place of the planning-token copies
             h0 = torch.cat([h0[:-len(self.query_tokens)], self.query_tokens.to(h0.dtype)], dim=0)
         state = SplitState(h0, front.position_ids, front.visual_mask, front.deepstack)
-        state.hidden_states = run_blocks(self, self.layers, state.hidden_states, state=state, cache=cache)
+        T = state.hidden_states.shape[-2]
+        if cache is None or chunk_rows <= 0 or chunk_rows >= T or not len(self.layers):
+            state.hidden_states = run_blocks(self, self.layers, state.hidden_states, state=state, cache=cache)
+            return state
+        outs = []
+        for start in range(0, T, chunk_rows):
+            part = state.rows(start, min(T, start + chunk_rows))
+            outs.append(run_blocks(self, self.layers, part.hidden_states, state=part, cache=cache))
+        state.hidden_states = torch.cat(outs, dim=0)
         return state
 
     def step(self, token_ids: torch.Tensor, position_ids: torch.Tensor | None, cache) -> "SplitState":
@@ -888,6 +898,14 @@ class VLMDriveSuffixStage(VLMSuffixStage):
         """SplitState at K -> :class:`PlanOutput`. Raises ValueError as :meth:`final_hidden_states` or :func:`plan`."""
         state = self._check_state(state)
         return plan(self, run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state), command)
+
+    def plan_step(self, state, cache, split_layer: int | None = None, command: int = DEFAULT_COMMAND) -> "PlanOutput":
+        """A decode step's rows (k, H) whose last tokens are the read-out tokens (placed after the decode), through
+        blocks [K, L) against the KV cache ``cache`` -> :class:`PlanOutput` of those rows. Raises ValueError as
+        :func:`plan`."""
+        state = self._check_state(state, step=True)
+        h = run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state, cache=cache)
+        return plan(self, h, command)
 
     def forward(self, state, command: int = DEFAULT_COMMAND, split_layer: int | None = None) -> torch.Tensor:
         return self.plan_all(state, command, split_layer).waypoints

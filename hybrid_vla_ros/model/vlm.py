@@ -315,7 +315,8 @@ def frame_inputs(processor, cfg, images: list) -> VLMInputs:
 
     ``images``: RGB uint8 (H, W, 3) of ``cfg.camera_size``, one per camera (resized by
     :func:`~hybrid_vla_ros.vehicle.image.resize_rgb`). A ``VLAConfig`` gets ``cfg.planning_token_id`` appended
-    once per query token (at least once). Raises ValueError for a wrong camera count, image size or prompt."""
+    once per query token (at least once), unless it decodes (``cfg.decode``). Raises ValueError for a wrong camera
+    count, image size or prompt."""
     from .config import VLAConfig
 
     if len(images) != cfg.cameras:
@@ -326,7 +327,8 @@ def frame_inputs(processor, cfg, images: list) -> VLMInputs:
         raise ValueError(f"camera image(s) {wrong} are not {w} x {h} px (camera_size): resize them first (T, and "
                          "the ring's slot, are for that size)")
     inputs = run_processor(processor, list(images), cfg.prompt)
-    if isinstance(cfg, VLAConfig):  # the planning token, or one copy per query token (their rows replaced later)
+    if isinstance(cfg, VLAConfig) and not cfg.decode:  # the planning token, or one copy per query token (their
+        # rows replaced later); a decoding model places it after the decode
         for _ in range(max(1, cfg.query_count)):
             inputs = with_token(inputs, int(cfg.planning_token_id))
     return inputs

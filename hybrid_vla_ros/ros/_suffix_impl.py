@@ -52,7 +52,7 @@ class SuffixNode(node_base.PipelineNode):
             return self.configure_failed(e)
         self.params = p
         self.configured()
-        self._outputs.configure(p)
+        self._outputs.configure(p, decodes=self.runner.decode_spec is not None)
         self._inputs.set_command(nav_command_index(p.navigation_command), "parameter navigation_command")
         cores = sorted(set().union(*thread_affinities().values()))
         spin = f"{p.ring.spin_lead_ms} ms lead, <= {p.ring.spin_max_ms} ms" if p.ring.spin_max_ms else "off"
@@ -67,6 +67,9 @@ class SuffixNode(node_base.PipelineNode):
             + (f" (in use: eager: {self.runner.backend.error})" if self.runner.backend.error else "")
             + (f" (building for K={k} in the background, cache {self.runner.backend.cache_dir}; eager meanwhile)"
                if self.runner.backend.status().building is not None else "")
+            + (f"; decodes up to {self.runner.decode_spec.settings.max_new_tokens} tokens a frame "
+               f"(drives: {self.runner.decode_spec.drives}), text on {self._outputs.reasoning_pub.topic_name}"
+               if self.runner.decode_spec is not None else "")
             + (f"; candidate trajectories of all {self.runner.cfg.n_modes} modes on "
                f"{candidates.topic_name} (generator_id {self._outputs.generator_id})" if candidates else "")
             + (" [random-init weights: trajectories are not driving advice]" if self.runner.cfg.random_init else ""))
@@ -144,6 +147,9 @@ class SuffixNode(node_base.PipelineNode):
             candidates_out=outputs.candidates_out, split_layer=runner.split_layer if runner is not None else None,
             blocks_held_from=runner.stage.split_layer if runner is not None else None,
             resplits=worker.resplits, resplits_on_demand=worker.resplits_on_demand,
+            decode_frames=worker.decode_frames, decode_tokens=worker.decode_tokens,
+            decode_max_tokens=worker.decode_max_tokens,
+            decode_tokens_last=len(worker.last_decode.tokens) if worker.last_decode is not None else 0,
             navigation_command=NAV_COMMANDS[inputs.command], **self._backend_fields())
 
     def _backend_fields(self) -> dict:

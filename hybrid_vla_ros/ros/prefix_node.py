@@ -195,6 +195,7 @@ class PrefixNode(node_base.PipelineNode):
             model_id=model_id_text(runner.model_id) if runner is not None else "",
             num_layers=runner.cfg.num_layers if runner is not None else None,
             split_layer_auto=self._split.plan is not None, resplits=worker.resplits,
+            decode_tokens=worker.decode_tokens,
             split_moves_latency=self._split.moves["latency"], split_moves_memory=self._split.moves["memory"],
             split_move_reason=self._split.reason,
             handoff_path=runner.handoff_path if runner is not None else "",

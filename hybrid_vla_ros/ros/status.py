@@ -256,6 +256,7 @@ class PrefixStatus(NodeStatus):
     num_layers: int | None = _field(_OPT_INT, None, doc="L, decoder blocks of the loaded checkpoint")
     split_layer_auto: bool = _field(_BOOL, False, doc="K comes from a plan (split_layer: auto)")
     resplits: int = _field(_INT, 0, counter=True, doc="live moves of the split layer applied")
+    decode_tokens: int = _field(_INT, 0, counter=True, doc="tokens decoded in the frames this prefix followed")
     split_moves_latency: int = _field(_INT, 0, counter=True, doc="K moves asked for by live rebalancing")
     split_moves_memory: int = _field(_INT, 0, counter=True, doc="K moves asked for by memory pressure")
     split_move_reason: str = _field(_STR, "", doc="the auto policy's last judgement (split.rebalance)")
@@ -304,6 +305,11 @@ class SuffixStatus(NodeStatus):
     resplits: int = _field(_INT, 0, counter=True, doc="block moves that followed the prefix's K")
     resplits_on_demand: int = _field(_INT, 0, counter=True, doc="of which loads for a frame not announced")
     navigation_command: str = _field(_STR, "", doc="the command of the next frame")
+    decode_frames: int = _field(_INT, 0, counter=True, doc="frames decoded (a decoding model)")
+    decode_tokens: int = _field(_INT, 0, counter=True, doc="tokens decoded over those frames")
+    decode_max_tokens: int = _field(_INT, 0, counter=True, doc="decodes that ended at max_new_tokens, not a stop "
+                                                               "token")
+    decode_tokens_last: int = _field(_INT, 0, doc="tokens decoded for the last frame")
     suffix_backend: str = _field(_STR, "", doc="the suffix_backend parameter")
     suffix_backend_in_use: str = _field(_STR, "", doc="the backend computing frames now")
     suffix_backend_k: int | None = _field(_OPT_INT, None, doc="the K the compiled backend covers")
@@ -327,13 +333,17 @@ class FrameTiming:
     preprocess_ms: float = math.nan  # camera decode and resize into the model tensor
     prefix_ms: float = math.nan  # vision encoder, projector, blocks [0, K), into the slot
     handoff_ms: float = math.nan  # slot write start to READY seen by the suffix
-    suffix_ms: float = math.nan  # blocks [K, L) and the read-out
+    suffix_ms: float = math.nan  # blocks [K, L) and the read-out (a decoding model: the whole decode)
     odometry_wait_ms: float = math.nan  # waiting for the pose at the camera stamp
     t_prefix_start_ns: int = 0
     t_write_start_ns: int = 0
     t_ready_ns: int = 0
     t_suffix_end_ns: int = 0
     t_publish_ns: int = 0
+    decode_tokens: int = 0  # tokens decoded for this frame (0: the model does not decode)
+    prefix_token_ms: float = math.nan  # median per decode step: embedding + blocks [0, K) on the prefix
+    suffix_token_ms: float = math.nan  # median per token: blocks [K, L), norm, LM head, choice on the suffix
+    decode_round_trip_ms: float = math.nan  # median per step: the suffix's wait for it minus the prefix's compute
 
     def stage_ms(self) -> dict[str, float]:
         """Stage name (:attr:`STAGES`) -> milliseconds."""

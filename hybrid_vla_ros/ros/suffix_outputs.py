@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
+from autoware_internal_debug_msgs.msg import StringStamped
 from autoware_internal_planning_msgs.msg import CandidateTrajectories
 from autoware_planning_msgs.msg import Trajectory
 from diagnostic_msgs.msg import DiagnosticArray
@@ -42,22 +44,42 @@ class TrajectoryOutputs:
         self._timing_pub = node.create_lifecycle_publisher(DiagnosticArray, "~/debug/frame_timing", 10)
         # ~/output/candidate_trajectories, while configured with publish_candidate_trajectories
         self.candidates_pub = None
+        # ~/output/reasoning, while configured with a model that decodes
+        self.reasoning_pub = None
+        self.reasoning_out = 0
         self.generator_id = generator_uuid(node.get_fully_qualified_name())
 
-    def configure(self, p) -> None:
-        """Take the guard limits from parameters ``p`` and create the candidates publisher if asked for."""
+    def configure(self, p, decodes: bool = False) -> None:
+        """Take the guard limits from parameters ``p`` and create the candidates publisher if asked for, and the
+        reasoning publisher when the model ``decodes``."""
         self.guard = GuardLimits.from_params(p)
         self.too_old_in_a_row = 0
+        if decodes:
+            self.reasoning_pub = self._ctx.ros.create_lifecycle_publisher(
+                StringStamped, "~/output/reasoning", QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
         if p.publish_candidate_trajectories:
             self.candidates_pub = self._ctx.ros.create_lifecycle_publisher(
                 CandidateTrajectories, "~/output/candidate_trajectories",
                 QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
 
     def release(self) -> None:
-        """Destroy the candidates publisher (idempotent)."""
-        if self.candidates_pub is not None:
-            self._ctx.ros.destroy_lifecycle_publisher(self.candidates_pub)
-            self.candidates_pub = None
+        """Destroy the candidates and reasoning publishers (idempotent)."""
+        for name in ("candidates_pub", "reasoning_pub"):
+            pub = getattr(self, name)
+            if pub is not None:
+                self._ctx.ros.destroy_lifecycle_publisher(pub)
+                setattr(self, name, None)
+
+    def publish_reasoning(self, result) -> None:
+        """Publish frame ``result``'s decoded text on ``~/output/reasoning``, stamped with its camera stamp (as
+        alpamayo-autoware publishes its chain of causation); nothing for a frame without a decode."""
+        if self.reasoning_pub is None or result.decode is None:
+            return
+        msg = StringStamped()
+        msg.stamp = ns_to_stamp(result.meta.stamp_ns)
+        msg.data = result.decode.text
+        self.reasoning_pub.publish(msg)
+        self.reasoning_out += 1
 
     def publish(self, result, ego: EgoState, odometry_wait_ms: float) -> bool:
         """Publish what frame ``result`` may, placed with ``ego`` (the pose at its camera stamp); True when the
@@ -115,10 +137,23 @@ class TrajectoryOutputs:
                         suffix_ms=result.suffix_ms, odometry_wait_ms=odometry_wait_ms,
                         t_prefix_start_ns=result.t_prefix_start_ns, t_write_start_ns=result.meta.t_write_start_ns,
                         t_ready_ns=result.t_ready_ns, t_suffix_end_ns=result.t_suffix_end_ns,
-                        t_publish_ns=t_publish_ns)
+                        t_publish_ns=t_publish_ns, **_decode_timing(result.decode))
         for stage, ms in t.stage_ms().items():
             if not math.isnan(ms):  # a stage this frame's producer did not time (ego_wait without ego state)
                 self._ctx.times.add(stage, ms)
         timing = diagnostic_array(self._ctx.ros, "frame_timing", OK, f"seq {result.meta.seq}", t.key_values())
         timing.header.stamp = ns_to_stamp(result.meta.stamp_ns)
         self._timing_pub.publish(timing)
+
+
+def _decode_timing(decode) -> dict:
+    """A frame's decode figures for :class:`~.status.FrameTiming` (medians, ms); {} without a decode."""
+    if decode is None:
+        return {}
+
+    def median(values) -> float:
+        return statistics.median(values) if values else math.nan
+
+    trips = [w - p for w, p in zip(decode.step_wait_ms, decode.prefix_token_ms)]
+    return {"decode_tokens": len(decode.tokens), "prefix_token_ms": median(decode.prefix_token_ms),
+            "suffix_token_ms": median(decode.suffix_token_ms), "decode_round_trip_ms": median(trips)}

@@ -9,6 +9,7 @@ def suffix_loop(ctx, inputs, outputs) -> SuffixLoop:
     """The node's SuffixLoop: ``inputs``' command, the pose at the camera stamp (else a drop), ``outputs``."""
 
     def publish(result) -> None:
+        outputs.publish_reasoning(result)
         p = ctx.settings()
         try:
             ego, method, why, wait_ms = inputs.pose_at(result.meta.stamp_ns, p.odometry_wait_s, p.max_odometry_age_s)

@@ -10,7 +10,9 @@ answer within its timeout and says so (``no_reply`` / ``no_step``); the other si
 """
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,24 +20,31 @@ import torch
 from ..model.decode import MAX_TOKENS, STOP_TOKEN, PrefixDecoding, SuffixDecoding
 from ..transport import decode_channel as channel
 
-__all__ = ["FollowedDecode", "AnsweredDecode", "PrefixDecodeLoop", "SuffixDecodeLoop", "NO_REPLY", "NO_STEP"]
+__all__ = ["FollowedDecode", "AnsweredDecode", "PrefixDecodeLoop", "SuffixDecodeLoop", "NO_REPLY", "NO_STEP",
+           "SKIPPED", "StepFirst", "DecodeFollower", "chunk_modules"]
 
-#: How a frame's decode ended on the side that waited in vain.
-NO_REPLY, NO_STEP = "no_reply", "no_step"
+#: How a frame's decode ended on the side that waited in vain; ``SKIPPED``: the suffix answers a later frame (it
+#: never took this one).
+NO_REPLY, NO_STEP, SKIPPED = "no_reply", "no_step", "skipped"
+#: How often a waiting side asks whether its peer is still there (s).
+PEER_CHECK_S = 0.25
 _END_CODE = {"": channel.GO_ON, STOP_TOKEN: channel.STOP_TOKEN, MAX_TOKENS: channel.MAX_TOKENS}
 
 
 @dataclass
 class FollowedDecode:
-    """One frame's decode as the prefix followed it: the ``tokens`` the suffix chose, how it ended
-    (:data:`~hybrid_vla_ros.model.decode.STOP_TOKEN`, ``MAX_TOKENS``, ``abandoned`` or :data:`NO_REPLY`), and per
-    step the prefix's compute (ms: embedding + blocks [0, K)) and its wait for the reply (ms: from publishing the
-    step, or the prefill slot, to the reply: the suffix's compute and both crossings)."""
+    """One frame's decode as the prefix followed it: the ``tokens`` the suffix chose (placed read-out tokens not
+    included), how it ended (:data:`~hybrid_vla_ros.model.decode.STOP_TOKEN`, ``MAX_TOKENS``, ``abandoned`` or
+    :data:`NO_REPLY`), ``placed`` (tokens run for the read-out after the decode), and per step the prefix's compute
+    (ms: embedding + blocks [0, K)) and its wait for the reply (ms: from publishing the step, or the prefill slot,
+    to the reply: the suffix's compute and both crossings)."""
 
     tokens: list[int] = field(default_factory=list)
     ended: str = ""
+    placed: int = 0
     prefix_step_ms: list[float] = field(default_factory=list)
     reply_wait_ms: list[float] = field(default_factory=list)
+    step_held_ms: list[float] = field(default_factory=list)  # each step's wait for a prefill chunk (overlap)
 
 
 @dataclass
@@ -43,13 +52,19 @@ class AnsweredDecode:
     """One frame's decode as the suffix answered it: the ``tokens`` and ``logits`` (V,) float32 per step (from
     :class:`~hybrid_vla_ros.model.decode.SuffixDecoding`), how it ended (``STOP_TOKEN``, ``MAX_TOKENS`` or
     :data:`NO_STEP`), per token the suffix's compute (ms: blocks [K, L), norm, LM head, choice) and, from the
-    second token on, its wait for the step (ms: from its reply to the step's arrival)."""
+    second token on, its wait for the step (ms: from its reply to the step's arrival) and the prefix's compute of
+    it (ms, from the step's header: ``prefix_step_ms``); ``plan``: the planning
+    head's :class:`~hybrid_vla_ros.model.modeling.PlanOutput` on the tokens placed after the decode (None when none
+    are placed or the frame ended without them), ``readout_ms`` its compute (ms)."""
 
     tokens: list[int]
     logits: list[torch.Tensor]
     ended: str
     suffix_token_ms: list[float] = field(default_factory=list)
     step_wait_ms: list[float] = field(default_factory=list)
+    plan: object = None
+    readout_ms: float = 0.0
+    prefix_step_ms: list[float] = field(default_factory=list)  # each step's prefix compute, as the step said
 
 
 class PrefixDecodeLoop:
@@ -57,33 +72,59 @@ class PrefixDecodeLoop:
     through ``decoding`` and publish the step on ``region``, until the suffix ends the frame or does not reply
     within ``reply_timeout_s`` (s)."""
 
-    def __init__(self, decoding: PrefixDecoding, region: channel.DecodeRegion, reply_timeout_s: float):
+    def __init__(self, decoding: PrefixDecoding, region: channel.DecodeRegion, reply_timeout_s: float,
+                 peer_alive=None):
         self.decoding, self.region, self.reply_timeout_s = decoding, region, float(reply_timeout_s)
+        #: Asked every :data:`PEER_CHECK_S` while a reply is awaited: False ends the frame at once (``no_reply``).
+        self.peer_alive = peer_alive or (lambda: True)
 
-    def follow(self, frame: int) -> FollowedDecode:
+    def _wait_reply(self, frame: int, index: int, skipped: bool = False):
+        """The reply to step ``index`` of ``frame``; None at the timeout or once the peer is gone; with ``skipped``,
+        :data:`SKIPPED` when the suffix already replies to a later frame."""
+        deadline = time.monotonic() + self.reply_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            reply = self.region.wait_reply(frame, index, max(0.0, min(PEER_CHECK_S, left)))
+            if reply is not None or left <= PEER_CHECK_S or not self.peer_alive():
+                return reply
+            if skipped and index == 0:
+                latest = self.region.latest_reply()
+                if latest is not None and latest.frame > frame:
+                    return SKIPPED
+
+    def follow(self, frame: int, gate: StepFirst | None = None, skipped: bool = False) -> FollowedDecode:
         """Follow the decode of the frame whose prefill slot has seq ``frame`` (its prefill already run by
-        ``decoding.prefill``). Raises what the prefix stage raises (the suffix then finds no step: ``no_step``)."""
+        ``decoding.prefill``); each step's compute inside ``gate.step()`` when given; with ``skipped`` a frame the
+        suffix passed over ends :data:`SKIPPED`. Raises what the prefix stage raises (the suffix then finds no step:
+        ``no_step``)."""
         done, index = FollowedDecode(), 0
         sm = self.decoding.sm
         while True:
             t0 = time.perf_counter_ns()
-            reply = self.region.wait_reply(frame, index, self.reply_timeout_s)
+            reply = self._wait_reply(frame, index, skipped)
             done.reply_wait_ms.append((time.perf_counter_ns() - t0) / 1e6)
-            if reply is None:
-                done.ended = NO_REPLY
+            if reply is None or reply == SKIPPED:
+                done.ended = NO_REPLY if reply is None else SKIPPED
                 return done
-            done.tokens.extend(reply.tokens)
+            if reply.end == channel.PLACE:
+                done.placed += len(reply.tokens)
+            else:
+                done.tokens.extend(reply.tokens)
             if reply.ended:
+                done.placed = max(0, done.placed - 1)  # the last decoded token led the placed ones
                 done.ended = {channel.STOP_TOKEN: STOP_TOKEN, channel.MAX_TOKENS: MAX_TOKENS}.get(
                     reply.end, channel.END_NAMES[reply.end])
                 return done
-            t1 = time.perf_counter_ns()
-            rows, positions = sm.step_crossing(self.decoding.step(reply.tokens))
-            if not torch.isfinite(rows).all():
-                raise FloatingPointError("the prefix produced non-finite hidden states in a decode step")
+            with gate.step() if gate is not None else nullcontext(0.0) as held_ms:
+                t1 = time.perf_counter_ns()
+                rows, positions = sm.step_crossing(self.decoding.step(reply.tokens))
+                if not torch.isfinite(rows).all():
+                    raise FloatingPointError("the prefix produced non-finite hidden states in a decode step")
+                compute_ns = time.perf_counter_ns() - t1
+            done.step_held_ms.append(held_ms)
             index += 1
-            self.region.publish_step(frame, index, rows, positions)
-            done.prefix_step_ms.append((time.perf_counter_ns() - t1) / 1e6)
+            self.region.publish_step(frame, index, rows, positions, compute_ns)
+            done.prefix_step_ms.append(compute_ns / 1e6)
 
 
 class SuffixDecodeLoop:
@@ -92,37 +133,229 @@ class SuffixDecodeLoop:
     (:data:`NO_STEP`). ``dtype``: the suffix's compute dtype (step rows are converted from the ring's)."""
 
     def __init__(self, decoding: SuffixDecoding, region: channel.DecodeRegion, step_timeout_s: float,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, peer_alive=None):
         self.decoding, self.region = decoding, region
         self.step_timeout_s, self.dtype = float(step_timeout_s), dtype
+        #: Asked every :data:`PEER_CHECK_S` while a step is awaited: False ends the frame at once (``no_step``).
+        self.peer_alive = peer_alive or (lambda: True)
+        self._prefix_ms: list[float] = []
 
-    def answer(self, frame: int, prefill) -> AnsweredDecode:
-        """Decode the frame whose prefill slot has seq ``frame``; ``prefill``: the slot's state (h_K, or a
-        SplitState with its side tensors) in this suffix's dtype. Raises ValueError / FloatingPointError as the
-        suffix stage does (after replying ``abandoned``, so the prefix stops waiting)."""
+    def answer(self, frame: int, prefill, k: int | None = None) -> AnsweredDecode:
+        """Decode the frame whose prefill slot has seq ``frame`` and split layer ``k`` (default the decoding's);
+        ``prefill``: the slot's state (h_K, or a SplitState with its side tensors) in this suffix's dtype. After the
+        decode, the tokens the decoding places (:meth:`~hybrid_vla_ros.model.decode.SuffixDecoding.placed_steps`)
+        are sent up, their rows come down, and the planning head reads the last step. Raises ValueError /
+        FloatingPointError as the suffix stage does (after replying ``abandoned``, so the prefix stops waiting)."""
         d, region = self.decoding, self.region
-        d.begin(frame)
+        d.begin(frame, k)
+        self._prefix_ms = []
         times, waits, index = [], [], 0
         state = prefill
         while True:
             t0 = time.perf_counter_ns()
-            try:
-                token = d.take(state)
-            except BaseException:
-                region.publish_reply(frame, index, [], channel.ABANDONED)
-                raise
+            token = self._guarded(frame, index, lambda: d.take(state))
             times.append((time.perf_counter_ns() - t0) / 1e6)
-            region.publish_reply(frame, index, [token], _END_CODE[d.result.ended])
             if d.result.ended:
                 break
+            region.publish_reply(frame, index, [token], channel.GO_ON)
             index += 1
-            t1 = time.perf_counter_ns()
-            step = region.wait_step(frame, index, self.step_timeout_s)
-            waits.append((time.perf_counter_ns() - t1) / 1e6)
-            if step is None:
+            state = self._step(frame, index, waits)
+            if state is None:
                 d.result.ended = NO_STEP
                 break
-            positions = None if step.positions is None else step.positions.clone()
-            state = d.sm.step_arrived(step.rows.to(self.dtype, copy=True), positions)
         r = d.result
-        return AnsweredDecode(r.tokens, r.logits, r.ended, times, waits)
+        readout_ms = 0.0
+        if r.ended in (STOP_TOKEN, MAX_TOKENS):
+            steps = d.placed_steps()
+            for i, ids in enumerate(steps):
+                region.publish_reply(frame, index, ids, channel.PLACE)
+                index += 1
+                state = self._step(frame, index, waits)
+                if state is None:
+                    r.ended, r.plan = NO_STEP, None
+                    break
+                t0 = time.perf_counter_ns()
+                self._guarded(frame, index, lambda: d.take_placed(state, last=i == len(steps) - 1))
+                readout_ms += (time.perf_counter_ns() - t0) / 1e6
+            if r.ended != NO_STEP:
+                region.publish_reply(frame, index, [r.tokens[-1]], _END_CODE[r.ended])
+        return AnsweredDecode(r.tokens, r.logits, r.ended, times, waits, r.plan, readout_ms, self._prefix_ms)
+
+    def _guarded(self, frame: int, index: int, work):
+        """``work()``; on any exception reply ``abandoned`` to step ``index`` first (the prefix stops waiting)."""
+        try:
+            return work()
+        except BaseException:
+            self.region.publish_reply(frame, index, [], channel.ABANDONED)
+            raise
+
+    def _step(self, frame: int, index: int, waits: list):
+        """Wait for step ``index`` of ``frame``: the suffix's input from its rows (copied out of the region), or
+        None at the timeout."""
+        t1 = time.perf_counter_ns()
+        deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            step = self.region.wait_step(frame, index, max(0.0, min(PEER_CHECK_S, left)))
+            if step is not None or left <= PEER_CHECK_S or not self.peer_alive():
+                break
+        waits.append((time.perf_counter_ns() - t1) / 1e6)
+        if step is None:
+            return None
+        self._prefix_ms.append(step.compute_ns / 1e6)
+        positions = None if step.positions is None else step.positions.clone()
+        return self.decoding.sm.step_arrived(step.rows.to(self.dtype, copy=True), positions)
+
+
+class StepFirst:
+    """Compute priority on the prefix between a frame's decode steps and the next frame's prefill (issue 40 item 4):
+    a step waits at most for the prefill's current chunk (one block), never for the whole prefill.
+
+    The follower wraps each step in :meth:`step`; the prefill calls :meth:`boundary` before each of its chunks (a
+    forward pre-hook on every block, :func:`chunk_modules`) inside :meth:`prefill`. While a step waits or runs, the
+    prefill holds at its next boundary. ``held_ms`` of each step: how long it waited for a chunk to end."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._waiting = 0  # steps waiting for the compute
+        self._stepping = False
+        self._chunk = False  # a prefill chunk computes now
+        self._prefill_thread = 0  # the thread of the prefill in progress
+        self._yielded_ns = 0
+        #: How long the last prefill waited for steps at its boundaries (ms): its wall time minus this is its compute.
+        self.last_yield_ms = 0.0
+
+    @contextmanager
+    def step(self):
+        """Run a decode step's compute (yields the ms it waited for the prefill's chunk to end)."""
+        t0 = time.perf_counter_ns()
+        with self._cv:
+            self._waiting += 1
+            while self._chunk:
+                self._cv.wait()
+            self._waiting -= 1
+            self._stepping = True
+        try:
+            yield (time.perf_counter_ns() - t0) / 1e6
+        finally:
+            with self._cv:
+                self._stepping = False
+                self._cv.notify_all()
+
+    def boundary(self, *_args) -> None:
+        """Between two prefill chunks: let every waiting step run first (a forward pre-hook's signature). The blocks
+        are the steps' too: called on any other thread than the prefill's, it does nothing."""
+        if threading.get_ident() != self._prefill_thread:
+            return
+        t0 = time.perf_counter_ns()
+        with self._cv:
+            self._chunk = False
+            self._cv.notify_all()
+            while self._waiting or self._stepping:
+                self._cv.wait()
+            self._chunk = True
+        self._yielded_ns += time.perf_counter_ns() - t0
+
+    @contextmanager
+    def prefill(self, modules):
+        """A prefill that yields to steps before each of ``modules`` runs (their forward pre-hooks)."""
+        self._prefill_thread, self._yielded_ns = threading.get_ident(), 0
+        handles = [m.register_forward_pre_hook(self.boundary) for m in modules]
+        self.boundary()
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            with self._cv:
+                self._chunk = False
+                self._prefill_thread = 0
+                self.last_yield_ms = self._yielded_ns / 1e6
+                self._cv.notify_all()
+
+
+def chunk_modules(stage) -> list:
+    """The prefill's chunk boundaries in ``stage``: every element of every ``nn.ModuleList`` in it (the decoder
+    blocks, a vision tower's blocks)."""
+    from torch import nn
+
+    return [m for lst in stage.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
+class DecodeFollower:
+    """The prefix's decode follower thread: follows the decodes of published frames in publication order, each with
+    the :class:`~hybrid_vla_ros.model.decode.PrefixDecoding` (KV cache) its prefill filled; a decoding is free again
+    when its frame's decode ended. ``done(seq, FollowedDecode)`` is told of each frame's end (on this thread).
+
+    With ``overlap`` the runner prefills the next frame while this thread follows the current one (steps first,
+    :class:`StepFirst`), so it holds two decodings; without, one, and the runner waits for each frame's end."""
+
+    def __init__(self, decodings: list, region: channel.DecodeRegion, reply_timeout_s: float, peer_alive, done):
+        self._free = list(decodings)
+        self._cv = threading.Condition()
+        self._queue: list = []  # (seq, decoding) published, not followed yet
+        self._busy = 0
+        self._closed = False
+        self.gate = StepFirst()
+        self.region, self.reply_timeout_s, self.peer_alive, self.done = region, reply_timeout_s, peer_alive, done
+        self.results: dict[int, FollowedDecode] = {}  # seq -> the decode, for callers that wait for it
+        self._thread = threading.Thread(target=self._work, name="prefix_decode", daemon=True)
+        self._thread.start()
+
+    def acquire(self) -> PrefixDecoding:
+        """A free decoding for the next frame's prefill, waiting while every one is in flight."""
+        with self._cv:
+            while not self._free and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                raise RuntimeError("the prefix runner is closed")
+            return self._free.pop()
+
+    def release(self, decoding: PrefixDecoding) -> None:
+        """Give back a decoding whose frame was not published (its prefill failed)."""
+        with self._cv:
+            self._free.append(decoding)
+            self._cv.notify_all()
+
+    def follow(self, seq: int, decoding: PrefixDecoding) -> None:
+        """Follow the decode of the frame published as slot ``seq``, prefilled with ``decoding``."""
+        with self._cv:
+            self._queue.append((seq, decoding))
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until every published frame's decode ended (before a re-split, or without overlap)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout_s)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5.0)
+
+    def _work(self) -> None:
+        import torch
+
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if self._closed:
+                    return
+                seq, decoding = self._queue.pop(0)
+                self._busy = 1
+            loop = PrefixDecodeLoop(decoding, self.region, self.reply_timeout_s,
+                                    peer_alive=lambda: self.peer_alive() and not self._closed)
+            try:
+                with torch.inference_mode():
+                    followed = loop.follow(seq, gate=self.gate, skipped=True)
+            except Exception as e:  # noqa: BLE001 - the prefix stage failed in a step: the suffix finds no step
+                followed = FollowedDecode(ended=f"error: {type(e).__name__}: {e}")
+            with self._cv:
+                self.results[seq] = followed
+                while len(self.results) > 16:
+                    self.results.pop(min(self.results))
+                self._free.append(decoding)
+                self._busy = 0
+                self._cv.notify_all()
+            self.done(seq, followed)

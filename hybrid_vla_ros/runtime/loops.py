@@ -15,7 +15,9 @@ from ..transport.ring import SlotRejected
 from ..util.stats import StageTimes
 from ..vehicle.ego_input import ACCEL_SOURCES
 from ..vehicle.image import ImageDecodeError
-from .suffix import StaleFrame
+from ..model.decode import MAX_TOKENS
+from .decoding import NO_REPLY
+from .suffix import DecodeDropped, StaleFrame
 
 __all__ = ["LoopContext", "FrameInputs", "FrameInputError", "PrefixLoop", "SuffixLoop", "Drops", "counting_context"]
 
@@ -94,15 +96,18 @@ class PrefixLoop:
     Frames are (stamp ns, camera-order items). With ``pace`` a frame waits per ``PrefixRunner.pacing_delay_s``
     (newer frames replace it meanwhile). ``frame_inputs(stamp, items) -> FrameInputs`` may raise
     :class:`FrameInputError`; ``after_frame()`` runs after each frame out (the split-layer policy; its errors are
-    logged, not drops); ``resplit`` is told of each move applied."""
+    logged, not drops); ``resplit`` is told of each move applied; ``on_decode(seq, FollowedDecode)`` of each decoding
+    model's frame whose decode ended (on the runner's follower thread)."""
 
     #: Longest wait (s) before the pacing delay is asked again (it shrinks; the suffix's announcement may change).
     PACE_RECHECK_S = 0.1
 
     def __init__(self, ctx: LoopContext, *, pace: bool = True,
                  frame_inputs: Callable[[int, list], FrameInputs] | None = None,
-                 after_frame: Callable[[], None] | None = None, resplit: Callable[[Any], None] | None = None):
+                 after_frame: Callable[[], None] | None = None, resplit: Callable[[Any], None] | None = None,
+                 on_decode: Callable[[int, Any], None] | None = None):
         self._ctx, self.pace = ctx, pace
+        self._on_decode = on_decode
         self._frame_inputs = frame_inputs or (lambda stamp, items: FrameInputs())
         self._after_frame, self._on_resplit = after_frame, resplit
         self._pending = None
@@ -112,6 +117,8 @@ class PrefixLoop:
         self.frames_out = 0
         self.ego_accel_sources = {source: 0 for source in ACCEL_SOURCES}
         self.resplits = 0
+        self.decode_tokens = 0  # tokens the suffix chose in this prefix's decodes
+        self.last_decode = None  # the last frame's FollowedDecode
 
     @property
     def running(self) -> bool:
@@ -196,6 +203,7 @@ class PrefixLoop:
         except FrameInputError as e:
             ctx.drop(e.cause, str(e))
             return None
+        runner.on_decode = self._decode_done  # a decoding model's frame ends on the follower's thread
         try:
             result = runner.run(items, stamp, ego_state=got.ego_state, ego_wait_ms=got.ego_wait_ms, scene=got.scene)
         except ImageDecodeError as e:
@@ -224,6 +232,21 @@ class PrefixLoop:
         ctx.times.add("prefix", result.prefix_ms)
         return result
 
+    def _decode_done(self, seq: int, decode) -> None:
+        """A frame's decode ended (:class:`~.decoding.FollowedDecode`, on the follower's thread)."""
+        ctx = self._ctx
+        self.decode_tokens += len(decode.tokens)
+        for ms in decode.prefix_step_ms:
+            ctx.times.add("prefix_token", ms)
+        if decode.ended == NO_REPLY:
+            ctx.drop("decode_no_reply", f"frame seq {seq}: the suffix did not answer a decode step after "
+                                        f"{len(decode.tokens)} token(s) (it went away or hangs)")
+        elif decode.ended.startswith("error"):
+            ctx.drop("model_error", f"frame seq {seq}: a decode step failed: {decode.ended}")
+        self.last_decode = decode
+        if self._on_decode is not None:
+            self._on_decode(seq, decode)
+
     def _resplit(self, event) -> None:
         self.resplits += 1
         if self._on_resplit is not None:
@@ -250,6 +273,9 @@ class SuffixLoop:
         self.frames_in = 0
         self.resplits = 0
         self.resplits_on_demand = 0
+        #: Decoding models: frames decoded, tokens decoded, frames that ended at max_new_tokens, the last frame's.
+        self.decode_frames = self.decode_tokens = self.decode_max_tokens = 0
+        self.last_decode = None
 
     def new_runner(self) -> None:
         """The host has a new SuffixRunner: its superseded count starts at 0, no contract fault is known."""
@@ -297,8 +323,13 @@ class SuffixLoop:
                 self.resplits_on_demand += int(e.on_demand)
             if result.resplits and self._on_resplits is not None:
                 self._on_resplits(result)
+            if result.decode is not None:
+                self._count_decode(result.decode)
             self._publish(result)
             return result
+        except DecodeDropped as e:
+            self.frames_in += 1
+            ctx.drop(e.cause, str(e))
         except SlotRejected as e:
             self.frames_in += 1
             ctx.drop(f"slot_{e.cause}", str(e))
@@ -314,6 +345,17 @@ class SuffixLoop:
             if ctx.alive():
                 ctx.drop("internal_error", f"{type(e).__name__}: {e}")
         return None
+
+    def _count_decode(self, decode) -> None:
+        ctx = self._ctx
+        self.decode_frames += 1
+        self.decode_tokens += len(decode.tokens)
+        self.decode_max_tokens += int(decode.ended == MAX_TOKENS)
+        self.last_decode = decode
+        for ms in decode.suffix_token_ms:
+            ctx.times.add("suffix_token", ms)
+        for ms in decode.prefix_token_ms:
+            ctx.times.add("prefix_token", ms)
 
     def _check_ring(self, runner) -> None:
         """Report each distinct contract problem once, and every (re-)attach and loss of the ring."""

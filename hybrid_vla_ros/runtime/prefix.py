@@ -16,13 +16,16 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import load_stage, model_id, open_checkpoint, parse_dtype
+from ..model.decode import PrefixDecoding, SideCache, SuffixDecoding
 from ..split.planner import ring_side
 from ..model.modeling import check_ego_state, check_scene, output_into_is_exact
 from ..split.rebalance import StageSample
 from ..split.resplit import Resplit, ResplitError, StageSplit
 from ..transport.pinned import SlotCopier
+from ..transport.layout import MAX_DECODE_ROWS
 from ..transport.ring import RingProducer, SlotTimings, ros_domain_id, segment_name, slot_bytes_for
 from ..vehicle.image import compressed_msg_to_rgb, image_msg_to_rgb, preprocess, resize_rgb
+from .decoding import DecodeFollower, FollowedDecode, chunk_modules
 from .device import cap_device_memory, keep_frame_buffers, resolve_device
 from .peer import PeerStatus, consumer_status, stall_grace_ns
 from .settings import PrefixRunnerSettings
@@ -54,7 +57,14 @@ class PrefixResult:
     split_layer: int = -1
     resplit: Resplit | None = None
     resplit_error: str | None = None  # a requested move failed before this frame (it ran at the old K)
+    decode: FollowedDecode | None = None  # the frame's decode as this prefix followed it (a decoding model)
+    prefill_wait_ms: float = 0.0  # of prefix_ms, waits for a free KV cache and for the steps of the frame before
 
+
+#: Longest wait for the suffix's answer to a decode step or prefill (s): beyond it the frame ends ``no_reply``. A
+#: suffix that detaches ends it at once; this bounds a suffix that hangs (its first answer runs blocks [K, L) over
+#: the whole prefill: up to about 15 s on one core for ``minddrive-0.5b``, docs/performance.md).
+DECODE_REPLY_TIMEOUT_S = 30.0
 
 #: Longest pacing delay whatever the suffix's cycle (ns); beyond it the delay must be within two of its cycles.
 PACE_LIMIT_FLOOR_NS = 1_000_000_000
@@ -128,15 +138,33 @@ class PrefixRunner:
         #: become the stage's input (pixels, a VLM's processor outputs), and what crosses with h_K (side tensors).
         self.model = open_checkpoint(model_path).split_model()
         self.side = ring_side(self.cfg, self.dtype)
+        #: The checkpoint's decode (:class:`~hybrid_vla_ros.model.decode_spec.DecodeSpec`); None: one prefill a frame.
+        self.decode_spec = getattr(self.cfg, "decode_spec", None)  # own model code declares none
+        decoding = self.decode_spec is not None
         self.ring = RingProducer(segment_name(settings.ring_name, settings.namespace, self.domain_id),
                                  settings.ring_slots,
                                  slot_bytes_for(self.state_shape, self.dtype, self.side), self.model_id,
                                  dtype=self.dtype, state_shape=self.state_shape, device=self.device,
-                                 domain_id=self.domain_id, side=self.side)
+                                 domain_id=self.domain_id, side=self.side,
+                                 decode_rows=MAX_DECODE_ROWS if decoding else 0,
+                                 decode_positions=self.model.step_position_rows if decoding else 0)
+        #: The decode follower thread (a decoding model): follows each published frame's decode while, with
+        #: ``settings.decode_overlap``, the next frame's prefill runs between its steps.
+        self.follower: DecodeFollower | None = None
+        #: Told ``(seq, FollowedDecode)`` when a frame's decode ends (on the follower's thread); the loop sets it.
+        self.on_decode = None
+        if decoding:  # the prefix's KV caches (two with overlap: the decoding frame's, the next one's), reused
+            bound = SuffixDecoding.bound(self.cfg.num_tokens, self.decode_spec.settings,
+                                         len(self.cfg.decode_placed_token_ids))
+            chunk = settings.decode_prefill_chunk if settings.decode_overlap else 0
+            decodings = [PrefixDecoding(self.model, self.stage, SideCache(self.model.text_config(), bound, 0), chunk)
+                         for _ in range(2 if settings.decode_overlap else 1)]
+            self.follower = DecodeFollower(decodings, self.ring.decode, DECODE_REPLY_TIMEOUT_S,
+                                           self.ring.consumer_attached, self._decode_done)
         #: Device-to-host path of a CUDA prefix (page-locked slot, staging buffer or plain copy: its ``mode``).
         self.copier = SlotCopier(self.ring, self.device) if self.device.type == "cuda" else None
         self._into_checked: type | None = None  # decoder block class checked by output_into_is_exact
-        self._into_ok = self.device.type == "cpu" and self.model.produces_in_place
+        self._into_ok = self.device.type == "cpu" and self.model.produces_in_place and not decoding
         self._cycle_ns: deque = deque(maxlen=8)  # run() from its start to the frame published
         self._last_publish_ns = 0
         self._publishes_ns: deque = deque(maxlen=64)  # publish instants, for the consumer's stall check
@@ -196,6 +224,8 @@ class PrefixRunner:
         check_ego_state(self.cfg, ego)
         check_scene(self.cfg, scene)
         resplit_error = None
+        if self.follower is not None and self.split_requested:  # never mid-frame: both caches' blocks move together
+            self.follower.wait_idle()
         try:
             resplit = self.apply_split_request()
         except ResplitError as e:  # the frame still goes out, at the K it had
@@ -205,26 +235,63 @@ class PrefixRunner:
         frames = _LiveFrames(self.decode(items), self)
         inputs = self.model.frame_args(frames, ego_state, scene, self.device, self.dtype)
         t1 = time.perf_counter()
+        if self.follower is not None:  # the prefill fills a KV cache of this side; the follower takes the decode
+            return self._run_decoding(inputs, stamp_ns, t_start_ns, t0, t1, resplit, resplit_error, ego_wait_ms)
         if self.produce_in_slot:
             slot, t2 = self._run_in_slot(inputs)
         else:
-            state = self.model.split_state(self.model.run_prefix(self.stage, inputs))
-            if not torch.isfinite(state.hidden_states).all():
-                raise FloatingPointError("prefix produced non-finite hidden states")
-            t2 = time.perf_counter()
-            slot = self.ring.acquire(self.state_shape, self.dtype)
-            try:
-                if self.copier is not None:
-                    self.copier.copy(state.hidden_states, slot.tensor)
-                else:
-                    slot.tensor.copy_(state.hidden_states)
-                side = state.side()
-                for spec in self.side:
-                    slot.side[spec.name].copy_(side[spec.name].reshape(spec.shape))
-            except BaseException:
-                self.ring.abort(slot)
-                raise
+            slot, t2 = self._copy_into_slot(self.model.split_state(self.model.run_prefix(self.stage, inputs)))
         return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error, ego_wait_ms)
+
+    def _run_decoding(self, inputs, stamp_ns, t_start_ns, t0, t1, resplit, resplit_error, ego_wait_ms
+                      ) -> PrefixResult:
+        """A decoding model's frame: its prefill into a free KV cache (with overlap, yielding to the decode steps
+        of the frame before at every block), the slot published, the decode handed to the follower. Without
+        overlap it waits for the frame's decode (``PrefixResult.decode``). ``prefill_wait_ms``: how much of
+        ``prefix_ms`` went to waiting (for a free cache, for steps)."""
+        t_free = time.perf_counter()
+        decoding = self.follower.acquire()
+        cache_wait_ms = (time.perf_counter() - t_free) * 1e3
+        try:
+            decoding.stage = self.stage
+            with self.follower.gate.prefill(chunk_modules(self.stage)):
+                prefill = decoding.prefill(inputs)
+            slot, t2 = self._copy_into_slot(self.model.split_state(prefill))
+        except BaseException:
+            self.follower.release(decoding)
+            raise
+        result = self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error, ego_wait_ms)
+        result.prefill_wait_ms = cache_wait_ms + self.follower.gate.last_yield_ms
+        self.follower.follow(result.seq, decoding)
+        if not self.settings.decode_overlap:
+            self.follower.wait_idle()
+            result.decode = self.follower.results.get(result.seq)
+        return result
+
+    def _decode_done(self, seq: int, followed) -> None:
+        callback = self.on_decode
+        if callback is not None:
+            callback(seq, followed)
+
+    def _copy_into_slot(self, state) -> tuple:
+        """The prefix's SplitState (h_K and side tensors) copied into a slot taken now; returns (slot, t2, the
+        instant the stage's output was ready). Raises FloatingPointError for non-finite hidden states."""
+        if not torch.isfinite(state.hidden_states).all():
+            raise FloatingPointError("prefix produced non-finite hidden states")
+        t2 = time.perf_counter()
+        slot = self.ring.acquire(self.state_shape, self.dtype)
+        try:
+            if self.copier is not None:
+                self.copier.copy(state.hidden_states, slot.tensor)
+            else:
+                slot.tensor.copy_(state.hidden_states)
+            side = state.side()
+            for spec in self.side:
+                slot.side[spec.name].copy_(side[spec.name].reshape(spec.shape))
+        except BaseException:
+            self.ring.abort(slot)
+            raise
+        return slot, t2
 
     def _publish(self, slot, stamp_ns: int, t_start_ns: int, t0: float, t1: float, t2: float, resplit,
                  resplit_error, ego_wait_ms: float = math.nan) -> PrefixResult:
@@ -347,7 +414,9 @@ class PrefixRunner:
                           resize=cfg.image_resize)
 
     def close(self) -> None:
-        """Remove the ring and free the stage's (device) memory."""
+        """Stop following decodes, remove the ring and free the stage's (device) memory."""
+        if self.follower is not None:
+            self.follower.close()
         self.split.close()
         if self.copier is not None:
             self.copier.close()

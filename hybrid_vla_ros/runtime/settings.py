@@ -43,6 +43,12 @@ class PrefixRunnerSettings:
     namespace: str = "/"
     #: ROS domain id that scopes and is declared in the ring; None: ``ROS_DOMAIN_ID`` (not a parameter).
     domain_id: int | None = None
+    #: A decoding model: prefill the next frame between the current frame's decode steps (two prefix KV caches);
+    #: False: each frame's decode ends before the next frame starts (not a parameter; the bench measures both).
+    decode_overlap: bool = True
+    #: With ``decode_overlap``: the next frame's prefill runs its tokens through the blocks this many at a time, so
+    #: a decode step waits at most for one block over that many tokens (0: one block over every token).
+    decode_prefill_chunk: int = 64
 
     #: Runner field -> the prefix node parameter it comes from (``gpu_budget_bytes``: ``gpu_budget_gb`` x 1e9).
     PARAMETER_OF: ClassVar[dict[str, str]] = {

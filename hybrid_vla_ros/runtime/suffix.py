@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.checkpoint import load_stage, model_id, parse_dtype
+from ..model.checkpoint import load_stage, model_id, open_checkpoint, parse_dtype
+from ..model.decode import SideCache, SuffixDecoding
+from ..model.decode_spec import DRIVES_TEXT, UnparseableWaypoints
 from ..split.planner import ring_side
 from ..model.modeling import DEFAULT_COMMAND
 from ..split.resplit import StageSplit
@@ -27,6 +29,8 @@ from ..transport.ring import (
     ConsumerStats, FrameMeta, RingConsumer, RingConsumerConflict, RingContractError, RingError, SpinPolicy,
     ros_domain_id, segment_name,
 )
+from ..transport.layout import MAX_DECODE_ROWS
+from .decoding import NO_STEP, SuffixDecodeLoop
 from .peer import PeerStatus, producer_status
 from .settings import SuffixRunnerSettings
 from .suffix_backend import SuffixBackend
@@ -34,6 +38,36 @@ from .suffix_backend import SuffixBackend
 
 class StaleFrame(RuntimeError):
     """A frame published before this consumer attached (left in the ring from before a restart)."""
+
+
+class DecodeDropped(RuntimeError):
+    """A frame whose decode gave no trajectory: ``cause`` (``decode_no_step``: the prefix stopped sending steps;
+    ``unparseable_waypoints``: the text holds no waypoints of the declared grammar), the decoded ``text``."""
+
+    def __init__(self, cause: str, message: str, text: str = ""):
+        super().__init__(message)
+        self.cause, self.text = cause, text
+
+
+#: Longest wait for the prefix's next decode step (s): beyond it the frame ends ``no_step`` (a dead prefix ends it at
+#: once; one step is embedding + blocks [0, K) for one token, milliseconds even for a 7B prefix on a GPU).
+DECODE_STEP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class DecodeOutcome:
+    """One frame's decode on the suffix: ``tokens`` decoded (the stop token included), their ``text`` (the model's
+    tokenizer; "" without one), ``ended`` (``stop_token`` / ``max_new_tokens``), per token the suffix's compute and
+    the prefix's (ms; the prefix's from each step's header), the suffix's wait per step (ms: the prefix's compute and
+    both crossings) and the read-out after the decode (ms; 0 without one)."""
+
+    tokens: list[int]
+    text: str
+    ended: str
+    suffix_token_ms: list[float]
+    prefix_token_ms: list[float]
+    step_wait_ms: list[float]
+    readout_ms: float = 0.0
 
 
 @dataclass
@@ -54,6 +88,7 @@ class SuffixResult:
     superseded: int = 0  # older unread frames freed when this one was taken (newest-first delivery)
     modes: np.ndarray | None = None  # (M, N, 2) float64 metres, ego frame, every planner mode
     mode: int = 0  # index of the selected mode in modes
+    decode: DecodeOutcome | None = None  # the frame's decode (a decoding model)
 
     @property
     def preprocess_ms(self) -> float:
@@ -102,6 +137,21 @@ class SuffixRunner:
                                      cache_dir=settings.backend_cache_dir or None, threads=torch.get_num_threads(),
                                      log=log, background=settings.background_build)
         self.backend.prepare(self.stage, split_layer)
+        #: The checkpoint's decode (:class:`~hybrid_vla_ros.model.decode_spec.DecodeSpec`); None: one prefill a frame.
+        self.decode_spec = self.cfg.decode_spec if getattr(self.cfg, "vlm_front", False) else None
+        self._decoding: SuffixDecoding | None = None
+        self._tokenizer = None
+        if self.decode_spec is not None:  # eager (the compiled backend runs one prefill a frame)
+            sm = open_checkpoint(model_path).split_model()
+            placed = self.cfg.decode_placed_token_ids
+            bound = SuffixDecoding.bound(self.cfg.num_tokens, self.decode_spec.settings, len(placed))
+            head = load_stage(model_path, "lm_head", None, device="cpu", dtype=self.dtype)
+            self._decoding = SuffixDecoding(sm, self.stage, head, SideCache(sm.text_config(), bound, split_layer),
+                                            self.decode_spec.settings, placed, MAX_DECODE_ROWS, split_layer)
+            self._tokenizer = getattr(sm.processor(), "tokenizer", None)
+            self._decode_ring = (MAX_DECODE_ROWS, sm.step_position_rows)
+        else:
+            self._decode_ring = (0, 0)
         #: The ROS domain of this pipeline: the ring's name carries it, and a ring that declares another is refused.
         self.domain_id = ros_domain_id(settings.domain_id)
         self.segment = segment_name(settings.ring_name, settings.namespace, self.domain_id)
@@ -145,7 +195,7 @@ class SuffixRunner:
                     self.segment, expected_model_id=self.model_id,
                     expected_split_layer=range(0, self.cfg.num_layers + 1), compute_dtype=self.dtype,
                     expected_shape=self.cfg.prefix_state_shape, delivery=self.delivery,
-                    expected_domain_id=self.domain_id,
+                    expected_domain_id=self.domain_id, expected_decode=self._decode_ring,
                     spin=SpinPolicy(*self._spin_args) if self._spin_args is not None else None)
             except FileNotFoundError:
                 self.attach_error, self.attach_failure, self.contract_error = (
@@ -266,7 +316,10 @@ class SuffixRunner:
             hidden = slot.compute_tensor  # zero-copy, or converted to this suffix's dtype (an allowed pair)
             state = self._state(hidden, slot.side)
             t_ready = time.monotonic_ns()
-            out = self.backend.plan_all(self.stage, state, self.command, k)
+            if self._decoding is not None:
+                out, decode = self._decode(slot.meta.seq, state, k)
+            else:
+                out, decode = self.backend.plan_all(self.stage, state, self.command, k), None
             t_end = time.monotonic_ns()
             meta, superseded = slot.meta, slot.superseded
         self._announce_stage_time(k, t_end - t_ready)
@@ -277,7 +330,45 @@ class SuffixRunner:
         if not np.isfinite(wp).all():
             raise FloatingPointError("suffix produced non-finite waypoints")
         return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, (t_end - t_ready) / 1e6, t_ready, t_end,
-                            resplits, superseded, modes, out.mode)
+                            resplits, superseded, modes, out.mode, decode)
+
+    def _decode(self, seq: int, state, k: int):
+        """Decode the frame in slot ``seq`` (at split layer ``k``) with the prefix over the ring's decode channel ->
+        (PlanOutput, :class:`DecodeOutcome`). Raises :class:`DecodeDropped` when it gives no trajectory, and what
+        the suffix stage raises."""
+        from ..model.stages import PlanOutput
+
+        d = self._decoding
+        d.stage, d.command = self.stage, int(self.command)
+        self.backend.frames_eager += 1  # a decode runs eagerly (the compiled suffix is one prefill's graph)
+        ring = self.ring
+        loop = SuffixDecodeLoop(d, ring.decode, DECODE_STEP_TIMEOUT_S, self.dtype,
+                                peer_alive=lambda: not ring.producer_gone)
+        with torch.inference_mode():
+            answered = loop.answer(seq, state, k)
+        text = self.decoded_text(answered.tokens)
+        outcome = DecodeOutcome(answered.tokens, text, answered.ended, answered.suffix_token_ms,
+                                answered.prefix_step_ms, answered.step_wait_ms, answered.readout_ms)
+        if answered.ended == NO_STEP:
+            raise DecodeDropped("decode_no_step", f"frame seq {seq}: the prefix sent no decode step within "
+                                f"{DECODE_STEP_TIMEOUT_S:g} s (or went away) after {len(answered.tokens)} token(s)",
+                                text)
+        if self.decode_spec.drives == DRIVES_TEXT:
+            try:
+                points = self.decode_spec.text.parse(text, self.cfg.n_waypoints)
+            except UnparseableWaypoints as e:
+                raise DecodeDropped("unparseable_waypoints", f"frame seq {seq}: {e}; text {text[:200]!r}",
+                                    text) from None
+            modes = torch.tensor([points], dtype=torch.float32)
+            return PlanOutput(modes[0], modes, None, 0), outcome
+        return answered.plan, outcome
+
+    def decoded_text(self, tokens: list[int]) -> str:
+        """Token ids -> text with the model's tokenizer (special tokens kept); "" without one."""
+        if self._tokenizer is None or not tokens:
+            return ""
+        return self._tokenizer.decode(tokens, skip_special_tokens=False)
+
 
     def _announce_stage_time(self, k: int, stage_ns: int) -> None:
         """Announce the median compute time of the last frames at ``k`` in the ring header (for rebalancing)."""

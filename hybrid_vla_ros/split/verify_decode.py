@@ -16,11 +16,14 @@ from pathlib import Path
 import torch
 
 from ..model.checkpoint import open_checkpoint, parse_dtype
-from ..model.decode import DecodeSettings, SideCache, decode_in_process
+from ..model.decode import DecodeSettings, SideCache, SuffixDecoding, decode_in_process
+from ..model.modeling import DEFAULT_COMMAND
 from .verify import BagFrames
 
 #: Largest allowed max abs difference of a step's logits (fp32).
 LOGITS_TOLERANCE = 1e-5
+#: Largest allowed max abs difference of the waypoints read after a decode (m, fp32).
+WAYPOINT_TOLERANCE = 1e-5
 
 
 class CannotDecode(ValueError):
@@ -30,7 +33,8 @@ class CannotDecode(ValueError):
 @dataclass
 class DecodeRow:
     """One K: ``tokens_equal``; ``first_mismatch`` (step index, or -1); ``logits`` (max abs difference over every
-    step compared); ``ok``."""
+    step compared); ``readout`` (a decoding driving model's waypoints after the decode against the referee's, max
+    abs difference in m); ``ok``."""
 
     k: int
     tokens: list[int]
@@ -38,6 +42,7 @@ class DecodeRow:
     first_mismatch: int
     logits: float
     ok: bool = False
+    readout: float | None = None  # max abs difference (m) of the planning head after the decode; None: none
 
 
 @dataclass
@@ -86,12 +91,19 @@ def verify_decode(path: str | Path, new_tokens: int, dtype: str = "fp32", *, tol
         report = DecodeReport(str(ck.path), name, prompt, new_tokens, ref_tokens, dtype, float(tolerance))
         head = ck.load("lm_head", dtype=torch_dtype)
         config = sm.text_config()
+        placed = getattr(ck.cfg, "decode_placed_token_ids", []) if sm.takes_cameras else []
+        if placed:
+            say("transformers' forward over the prompt, those tokens and the read-out tokens placed after them ...")
+            ref_modes = sm.decode_readout_referee(torch_dtype, inputs, ref_tokens, DEFAULT_COMMAND)
         for k in ks:
             prefix, suffix = ck.load("prefix", k, dtype=torch_dtype), ck.load("suffix", k, dtype=torch_dtype)
-            bound = prompt + new_tokens - 1  # the last token is chosen, never cached: generate's static length
+            bound = SuffixDecoding.bound(prompt, settings, len(placed))  # generate's static length, + placed ones
             got = decode_in_process(sm, prefix, suffix, head, SideCache(config, bound, 0), SideCache(config, bound, k),
-                                    inputs, settings)
+                                    inputs, settings, placed=placed, command=DEFAULT_COMMAND)
             row = _row(k, got.tokens, got.logits, ref_tokens, ref_logits, tolerance)
+            if placed:
+                row.readout = (got.plan.modes - ref_modes).abs().max().item()
+                row.ok = row.ok and row.readout <= WAYPOINT_TOLERANCE
             report.rows.append(row)
             say(format_row(row))
     return report
@@ -111,21 +123,27 @@ def _row(k: int, tokens: list[int], logits: list, ref_tokens: list[int], ref_log
 def format_row(row: DecodeRow) -> str:
     """One line of the per-K table."""
     tokens = "equal" if row.tokens_equal else f"differ from step {row.first_mismatch}"
-    return f"{row.k:>4} | {tokens:>24} | {row.logits:>11.2e} | {'ok' if row.ok else 'DIFFERS'}"
+    readout = "" if row.readout is None else f" | {row.readout:>13.2e}"
+    return f"{row.k:>4} | {tokens:>24} | {row.logits:>11.2e}{readout} | {'ok' if row.ok else 'DIFFERS'}"
 
 
 def format_decode_report(report: DecodeReport) -> str:
     """The report as text: what was compared, one row per K, the verdict."""
+    readout = any(r.readout is not None for r in report.rows)
     lines = [f"verify-split --decode-tokens {report.new_tokens} {report.model}",
              f"  referee:  {report.reference}",
              f"  input:    {report.prompt_tokens} prompt token ids, greedy; dtype {report.dtype}",
              f"  referee tokens: {report.reference_tokens}",
-             "   K |                   tokens | max |dlogit| | verdict",
-             "-----+--------------------------+-------------+--------"]
+             "   K |                   tokens | max |dlogit| " + ("| waypoints (m) " if readout else "")
+             + "| verdict",
+             "-----+--------------------------+-------------+" + ("---------------+" if readout else "")
+             + "--------"]
     lines += [format_row(r) for r in report.rows]
     bad = sum(not r.ok for r in report.rows)
     worst = max((r.logits for r in report.rows), default=0.0)
     lines.append(f"{'OK' if report.ok else 'FAILED'}: {len(report.rows) - bad} of {len(report.rows)} split layers "
                  f"decode the referee's {len(report.reference_tokens)} tokens with every step's logits within "
-                 f"{report.tolerance:g} (worst {worst:.2e})")
+                 f"{report.tolerance:g} (worst {worst:.2e})"
+                 + (f" and the waypoints read after the decode within {WAYPOINT_TOLERANCE:g} m (worst "
+                    f"{max(r.readout for r in report.rows):.2e})" if readout else ""))
     return "\n".join(lines)

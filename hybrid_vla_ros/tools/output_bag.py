@@ -8,15 +8,21 @@ from pathlib import Path
 from ..util.paths import share_directory
 
 
+#: Autoware packages -> the message types the replay's output bag may hold, read from their installed .msg files.
+AUTOWARE_TYPES = {"autoware_planning_msgs": ("TrajectoryPoint", "Trajectory"),
+                  "autoware_internal_debug_msgs": ("StringStamped",)}
+
+
 def _typestore_with_autoware():
-    """rosbags Kilted typestore plus autoware_planning_msgs read from the installed .msg files."""
+    """rosbags Kilted typestore plus :data:`AUTOWARE_TYPES` read from the installed .msg files."""
     from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
     store = get_typestore(Stores.ROS2_KILTED)
-    share = share_directory("autoware_planning_msgs") / "msg"
     types = {}
-    for name in ("TrajectoryPoint", "Trajectory"):
-        types.update(get_types_from_msg((share / f"{name}.msg").read_text(), f"autoware_planning_msgs/msg/{name}"))
+    for package, names in AUTOWARE_TYPES.items():
+        share = share_directory(package) / "msg"
+        for name in names:
+            types.update(get_types_from_msg((share / f"{name}.msg").read_text(), f"{package}/msg/{name}"))
     store.register(types)
     return store
 

@@ -426,7 +426,8 @@ class ReplaySession:
         if self._wait_for_compiled_suffix():
             self.baseline = self.rec.fresh_statuses(self.ns, time.monotonic())
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
-        self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing")
+        self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing",
+                                f"{self.ns}/suffix_node/output/reasoning" if getattr(self.cfg, "decode", None) else "")
         if not self.rec.wait_outputs_matched():
             print("warning: the trajectory or frame-timing subscription found no publisher within 10 s: the first "
                   "answers may not be recorded", file=sys.stderr)

@@ -40,6 +40,7 @@ class Recorder:
     paths: dict[int, np.ndarray] = field(default_factory=dict)  # stamp -> (P, 3) time_from_start s, map x, y (m)
     odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
     first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
+    reasoning: dict[int, str] = field(default_factory=dict)  # stamp -> the decoded text (a decoding model)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _decoded: dict = field(default_factory=dict)  # status name -> (receive time, its decoded status)
     _output_subs: list = field(default_factory=list)  # record_outputs' subscriptions
@@ -87,9 +88,10 @@ class Recorder:
             time.sleep(0.05)
         return self.statuses(ns)
 
-    def record_outputs(self, node, bag, output_topic: str, timing_topic: str) -> None:
-        """Subscribe ``node`` to the Trajectory topic and the suffix's frame timing (a DiagnosticArray per frame);
-        each message is kept here by its stamp and written into ``bag`` (:class:`~.output_bag.OutputBag`)."""
+    def record_outputs(self, node, bag, output_topic: str, timing_topic: str, reasoning_topic: str = "") -> None:
+        """Subscribe ``node`` to the Trajectory topic, the suffix's frame timing (a DiagnosticArray per frame) and,
+        for a decoding model, its ``reasoning_topic`` (StringStamped); each message is kept here by its stamp and
+        written into ``bag`` (:class:`~.output_bag.OutputBag`)."""
         from autoware_planning_msgs.msg import Trajectory
         from diagnostic_msgs.msg import DiagnosticArray
         from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -126,6 +128,20 @@ class Recorder:
             node.create_subscription(Trajectory, output_topic, on_trajectory,
                                      QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)),
             node.create_subscription(DiagnosticArray, timing_topic, on_timing, 50)]
+        if reasoning_topic:
+            from autoware_internal_debug_msgs.msg import StringStamped
+
+            reasoning_conn = bag.add_topic(reasoning_topic, "autoware_internal_debug_msgs/msg/StringStamped")
+
+            def on_reasoning(msg):
+                stamp = stamp_to_ns(msg.stamp)
+                with self.lock:
+                    self.reasoning[stamp] = msg.data
+                bag.write(reasoning_conn, stamp, serialize_message(msg))
+
+            self._output_subs.append(node.create_subscription(
+                StringStamped, reasoning_topic, on_reasoning,
+                QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)))
 
     def wait_outputs_matched(self, timeout: float = 10.0) -> bool:
         """Wait up to ``timeout`` s until the subscriptions of :meth:`record_outputs` are each matched to a

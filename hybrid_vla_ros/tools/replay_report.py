@@ -35,6 +35,7 @@ def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: P
     with rec.lock:
         trajectories = dict(rec.trajectories)
         timings = dict(rec.timings)
+        reasoning = dict(rec.reasoning)
     e2e, foreign = [], 0
     for stamp, t_recv in trajectories.items():
         key = frame_of(frames, stamp, tolerance_ms * 1e6)
@@ -63,10 +64,31 @@ def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: P
         "stages_ms": stages,
         "pipeline_overhead": overhead,
         "suffix_backend": suffix_backend_report(suffix),
+        "decode": decode_report(timings, reasoning, suffix) if getattr(cfg, "decode", None) else None,
         "messages_played": published["messages"],
         "playback_wall_s": round(published["wall_s"], 3),
         "interrupted": published["interrupted"],
         "output_bag": str(bag_path),
+    }
+
+
+def decode_report(timings: dict, reasoning: dict[int, str], suffix: SuffixStatus | None) -> dict:
+    """A decoding model's run: frames with a frame timing that decoded, tokens per frame (min / p50 / max), the
+    per-token medians of each frame summarised as percentiles (ms: ``prefix_token_ms`` embedding + blocks [0, K),
+    ``suffix_token_ms`` blocks [K, L) + norm + LM head, ``round_trip_ms`` both crossings), the reasoning texts
+    received and the first one, and the suffix's count of decodes that ended at ``max_new_tokens``."""
+    decoded = [t for t in timings.values() if t.decode_tokens > 0]
+    tokens = sorted(t.decode_tokens for t in decoded)
+    first = reasoning[min(reasoning)] if reasoning else ""
+    return {
+        "frames": len(decoded),
+        "tokens_per_frame": {"min": tokens[0], "p50": tokens[len(tokens) // 2], "max": tokens[-1]} if tokens else {},
+        "prefix_token_ms": percentiles([t.prefix_token_ms for t in decoded], finite_only=True),
+        "suffix_token_ms": percentiles([t.suffix_token_ms for t in decoded], finite_only=True),
+        "round_trip_ms": percentiles([t.decode_round_trip_ms for t in decoded], finite_only=True),
+        "reasoning_messages": len(reasoning),
+        "first_reasoning": first[:500],
+        "ended_at_max_new_tokens": suffix.decode_max_tokens if suffix is not None else None,
     }
 
 
@@ -184,6 +206,20 @@ def print_report(r: dict) -> None:
               + (f"; at the end blocks [{b['compiled_k']}, {r['num_layers']}) compiled, {b['precision']}"
                  if b["compiled_k"] is not None else "")
               + (f"; not in use: {b['error']}" if b["error"] else ""))
+    d = r.get("decode")
+    if d:
+        tpf = d["tokens_per_frame"]
+        print(f"  decode                 {d['frames']} frame(s) decoded, tokens per frame "
+              + (f"{tpf['min']}-{tpf['max']} (p50 {tpf['p50']})" if tpf else "-")
+              + f", {d['ended_at_max_new_tokens']} ended at max_new_tokens; {d['reasoning_messages']} reasoning "
+              "message(s)")
+        for name, key in (("prefix per token", "prefix_token_ms"), ("suffix per token", "suffix_token_ms"),
+                          ("round trip", "round_trip_ms")):
+            v = d[key]
+            if v["n"]:
+                print(f"    {name:<20} p50 {v['p50']:.3f} ms, p90 {v['p90']:.3f} ms (per-frame medians)")
+        if d["first_reasoning"]:
+            print(f"    first reasoning      {d['first_reasoning'][:100]!r}")
     cores = r.get("cpu_affinity") or {}
     if cores.get("prefix") or cores.get("suffix"):
         print(f"  cores                  prefix {cores.get('prefix')}, suffix {cores.get('suffix')}")

@@ -28,11 +28,13 @@ from .segment import align
 from .slots import STORES_VISIBLE_IN_ORDER
 
 __all__ = ["DecodeRegion", "StepView", "Reply", "GO_ON", "STOP_TOKEN", "MAX_TOKENS", "ABANDONED", "END_NAMES",
-           "decode_region_bytes", "POSITION_ROWS"]
+           "decode_region_bytes", "POSITION_ROWS", "PLACE"]
 
-#: ``reply_end`` values.
-GO_ON, STOP_TOKEN, MAX_TOKENS, ABANDONED = 0, 1, 2, 3
-END_NAMES = {GO_ON: "go_on", STOP_TOKEN: "stop_token", MAX_TOKENS: "max_new_tokens", ABANDONED: "abandoned"}
+#: ``reply_end`` values: go on with the chosen token(s); the frame ended (stop token, ``max_new_tokens``, given up);
+#: ``PLACE``: the decode ended, run these placed tokens (the read-out after the decode) and send their rows.
+GO_ON, STOP_TOKEN, MAX_TOKENS, ABANDONED, PLACE = 0, 1, 2, 3, 4
+END_NAMES = {GO_ON: "go_on", STOP_TOKEN: "stop_token", MAX_TOKENS: "max_new_tokens", ABANDONED: "abandoned",
+             PLACE: "place"}
 #: Rows of multimodal rotary positions (temporal, height, width) a step carries when the model has them.
 POSITION_ROWS = 3
 #: How long a waiting end polls the counter before it blocks on its socket (s).
@@ -58,6 +60,7 @@ class StepView:
     rows: torch.Tensor
     positions: torch.Tensor | None
     t_publish_ns: int
+    compute_ns: int = 0  # the prefix's compute of the step (0: not said)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,8 @@ class Reply:
 
     @property
     def ended(self) -> bool:
-        return self.end != GO_ON
+        """True when the frame's decode is over on the suffix (no step answers it)."""
+        return self.end not in (GO_ON, PLACE)
 
 
 class DecodeRegion:
@@ -91,21 +95,25 @@ class DecodeRegion:
                              f"position rows (0 or {POSITION_ROWS}), width {hidden}")
         self.rows, self.hidden, self.dtype, self.positions = rows, hidden, dtype, positions
         self._mm, self._notify, self._receiver = mm, notify, receiver
-        # the two sequence-lock counters as int64 views: element reads and writes are single aligned 8-byte accesses
-        self._step_seq = torch.frombuffer(mm, dtype=torch.int64, count=1, offset=GLOBAL.step_seq.offset)
-        self._reply_seq = torch.frombuffer(mm, dtype=torch.int64, count=1, offset=GLOBAL.reply_seq.offset)
-        row_bytes = hidden * itemsize(dtype)
-        buf = torch.frombuffer(mm, dtype=torch.uint8, count=decode_region_bytes(rows, row_bytes, positions),
-                               offset=offset)
-        self._rows = buf[:rows * row_bytes].view(dtype).view(rows, hidden)
-        start = align(rows * row_bytes, 64)
-        self._positions = (buf[start:start + positions * rows * 8].view(torch.int64).view(positions, rows)
-                           if positions else None)
+        with torch.inference_mode(False):  # plain tensors: writable in and out of inference mode, whoever attaches
+            # the two sequence-lock counters as int64 views: element reads and writes are single aligned 8-byte
+            # accesses
+            self._step_seq = torch.frombuffer(mm, dtype=torch.int64, count=1, offset=GLOBAL.step_seq.offset)
+            self._reply_seq = torch.frombuffer(mm, dtype=torch.int64, count=1, offset=GLOBAL.reply_seq.offset)
+            row_bytes = hidden * itemsize(dtype)
+            buf = torch.frombuffer(mm, dtype=torch.uint8, count=decode_region_bytes(rows, row_bytes, positions),
+                                   offset=offset)
+            self._rows = buf[:rows * row_bytes].view(dtype).view(rows, hidden)
+            start = align(rows * row_bytes, 64)
+            self._positions = (buf[start:start + positions * rows * 8].view(torch.int64).view(positions, rows)
+                               if positions else None)
 
     # ------------------------------------------------------------------------------------------ producer
-    def publish_step(self, frame: int, index: int, rows: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+    def publish_step(self, frame: int, index: int, rows: torch.Tensor, positions: torch.Tensor | None = None,
+                     compute_ns: int = 0) -> None:
         """Write a step's ``rows`` (k, H) and ``positions`` ((3, 1, k) or (3, k) int64, where the region has them)
-        and announce it. Raises ValueError for a shape the region cannot hold."""
+        and announce it with the prefix's ``compute_ns`` of it. Raises ValueError for a shape the region cannot
+        hold."""
         k = rows.shape[0]
         if rows.dim() != 2 or rows.shape[1] != self.hidden or not 1 <= k <= self.rows:
             raise ValueError(f"a decode step carries (1..{self.rows}, {self.hidden}) rows, got {tuple(rows.shape)}")
@@ -115,7 +123,7 @@ class DecodeRegion:
         self._rows[:k].copy_(rows)
         if positions is not None:
             self._positions[:, :k].copy_(positions.reshape(self.positions, k))
-        self._locked_write(self._step_seq, GLOBAL.step, frame, index, k, time.monotonic_ns())
+        self._locked_write(self._step_seq, GLOBAL.step, frame, index, k, time.monotonic_ns(), int(compute_ns))
 
     def wait_reply(self, frame: int, index: int, timeout_s: float) -> Reply | None:
         """The suffix's reply to step ``index`` of ``frame`` (0: its prefill), or None at the deadline."""
@@ -139,9 +147,9 @@ class DecodeRegion:
             got = self._locked_read(self._step_seq, GLOBAL.step)
             if got is None or got[0] != frame or got[1] != index:
                 return None
-            f, i, k, t_pub = got
+            f, i, k, t_pub, compute_ns = got
             positions = None if self._positions is None else self._positions[:, :k].unsqueeze(1)
-            return StepView(f, i, self._rows[:k], positions, t_pub)
+            return StepView(f, i, self._rows[:k], positions, t_pub, compute_ns)
         return self._wait(take, timeout_s)
 
     def publish_reply(self, frame: int, index: int, tokens, end: int = GO_ON) -> None:

@@ -174,7 +174,8 @@ GLOBAL = HeaderLayout("global header", GLOBAL_HEADER_BYTES, dict(
         3080, Field("step_frame", "Q", "the seq of the frame's prefill slot"),
         Field("step_index", "I", "1, 2, ...: the step within the frame"),
         Field("step_rows", "I", "rows in the decode region"),
-        Field("step_publish_ns", "q", "CLOCK_MONOTONIC ns")),
+        Field("step_publish_ns", "q", "CLOCK_MONOTONIC ns"),
+        Field("step_compute_ns", "q", "the prefix's compute of this step (embedding + blocks [0, K)), ns")),
     reply_seq=FieldGroup(
         3136, Field("reply_seq", "Q", "twice the replies published, odd while the consumer writes one (a sequence "
                                       "lock: the consumer alone writes from here to 3263)")),
@@ -182,7 +183,8 @@ GLOBAL = HeaderLayout("global header", GLOBAL_HEADER_BYTES, dict(
         3144, Field("reply_frame", "Q", "the frame it answers"),
         Field("reply_index", "I", "the step it answers (0: its prefill)"),
         Field("reply_count", "I", "tokens in reply_tokens"),
-        Field("reply_end", "I", "0 go on, 1 stop token, 2 max_new_tokens, 3 abandoned"), Field("_pad2", "4x", ""),
+        Field("reply_end", "I", "0 go on, 1 stop token, 2 max_new_tokens, 3 abandoned, 4 place (read-out tokens)"),
+        Field("_pad2", "4x", ""),
         Field("reply_publish_ns", "q", "CLOCK_MONOTONIC ns"),
         Field("reply_tokens", f"{MAX_DECODE_ROWS}q", "the chosen token ids")),
 ), array=("side-tensor table", FieldGroup(SIDE_TABLE_OFFSET, *_SIDE_ENTRY_FIELDS), MAX_SIDE_TENSORS,

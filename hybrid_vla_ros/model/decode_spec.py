@@ -1,0 +1,161 @@
+"""What a checkpoint's decode is: how many tokens, how they are chosen, and what the decoded tokens drive.
+
+A driving checkpoint composed on a transformers VLM decodes every frame when its ``config.json`` has a ``decode``
+mapping (:class:`DecodeSpec`; docs/models.md "Decoding"). Its keys:
+
+- ``max_new_tokens``: tokens decoded at most per frame (int >= 1, default 16);
+- ``stop_token_ids``: ids that end the decode early (kept as its last token); empty: always ``max_new_tokens``;
+- ``temperature``: 0 (default) greedy; > 0 sampling with ``top_p`` (nucleus mass in (0, 1], default 1) and ``seed``
+  (default 0, plus the frame's sequence number);
+- ``drives``: what gives the trajectory: ``head`` (default; the planning head at read-out tokens placed after the
+  decode) or ``text_waypoints`` (waypoints written in the decoded text);
+- ``after_token_ids`` (``head``): token ids placed after the decode, before the read-out tokens (ORION's planning
+  prompt after its answers);
+- ``text`` (``text_waypoints``): the grammar (:class:`TextWaypoints`).
+
+Pure Python (no torch), so a config can be checked where torch is not imported.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+#: ``decode.drives`` values.
+DRIVES_HEAD, DRIVES_TEXT = "head", "text_waypoints"
+DRIVES = (DRIVES_HEAD, DRIVES_TEXT)
+#: ``decode.text.axes`` values: base_link (x forward, y left) or the published planners' frame (x right, y forward).
+AXES = ("x_forward_y_left", "x_right_y_forward")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How a frame decodes: at most ``max_new_tokens`` tokens, ending early at any of ``stop_token_ids`` (kept as the
+    last token); ``temperature`` 0 is greedy, else sampling with ``top_p`` and ``seed`` (+ the frame's seq). Raises
+    ValueError for values out of range."""
+
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+
+@dataclass(frozen=True)
+class TextWaypoints:
+    """The grammar of waypoints written in decoded text (Impromptu-VLA's, OpenEMMA's shape): every match of
+    ``pair`` (a regular expression with two groups: x, y) after the first ``start`` marker ("" : from the start of
+    the text), in order, is one waypoint ``waypoint_dt_s`` after the previous. ``axes``: :data:`AXES` (the frame
+    of the numbers; the published frame is turned to base_link); ``scale``: metres per written unit (1 for metres).
+    Raises ValueError for an invalid grammar."""
+
+    pair: str = r"\(\s*([-+]?\d+(?:\.\d+)?)\s*,\s*([-+]?\d+(?:\.\d+)?)\s*\)"
+    start: str = ""
+    axes: str = AXES[0]
+    scale: float = 1.0
+
+    def __post_init__(self):
+        try:
+            groups = re.compile(self.pair).groups
+        except (re.error, TypeError) as e:
+            raise ValueError(f"decode.text.pair is not a regular expression: {e}") from None
+        if groups != 2:
+            raise ValueError(f"decode.text.pair must have two groups (x, y), it has {groups}")
+        if not isinstance(self.start, str):
+            raise ValueError(f"decode.text.start must be a string, got {self.start!r}")
+        if self.axes not in AXES:
+            raise ValueError(f"decode.text.axes must be one of {', '.join(AXES)}, got {self.axes!r}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0:
+            raise ValueError(f"decode.text.scale must be a number > 0, got {self.scale!r}")
+
+    def parse(self, text: str, n_waypoints: int) -> list[tuple[float, float]]:
+        """``text`` -> ``n_waypoints`` (x forward, y left) points in metres, base_link axes. Raises ValueError
+        (:class:`UnparseableWaypoints`) when the text holds another count of pairs or a number that is not
+        finite."""
+        body = text
+        if self.start:
+            at = text.find(self.start)
+            if at < 0:
+                raise UnparseableWaypoints(f"no {self.start!r} in the decoded text")
+            body = text[at + len(self.start):]
+        points = []
+        for m in re.finditer(self.pair, body):
+            x, y = float(m.group(1)) * self.scale, float(m.group(2)) * self.scale
+            if not (math.isfinite(x) and math.isfinite(y)):
+                raise UnparseableWaypoints(f"a waypoint is not finite: {m.group(0)!r}")
+            points.append((x, y) if self.axes == AXES[0] else (y, -x))
+        if len(points) != n_waypoints:
+            raise UnparseableWaypoints(f"the decoded text holds {len(points)} waypoint(s), the model declares "
+                                       f"{n_waypoints}")
+        return points
+
+
+class UnparseableWaypoints(ValueError):
+    """Decoded text that does not hold the waypoints its grammar declares (a counted drop, never a trajectory)."""
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """A checkpoint's ``decode`` mapping (the module docstring's table): ``settings`` (:class:`DecodeSettings`),
+    ``drives`` (:data:`DRIVES`), ``after_token_ids`` and ``text`` (:class:`TextWaypoints` or None)."""
+
+    settings: DecodeSettings
+    drives: str = DRIVES_HEAD
+    after_token_ids: tuple[int, ...] = ()
+    text: TextWaypoints | None = None
+
+    KEYS = ("max_new_tokens", "stop_token_ids", "temperature", "top_p", "seed", "drives", "after_token_ids", "text")
+
+    @classmethod
+    def from_dict(cls, d: dict, vocab_size: int) -> "DecodeSpec":
+        """Parse a ``decode`` mapping; token ids must lie in [0, ``vocab_size``). Raises ValueError naming what is
+        wrong."""
+        if not isinstance(d, dict):
+            raise ValueError(f"decode must be a mapping, got {d!r}")
+        unknown = sorted(set(d) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"unknown decode key(s) {unknown}; known: {', '.join(cls.KEYS)}")
+        settings = DecodeSettings(**{k: d[k] for k in ("max_new_tokens", "stop_token_ids", "temperature", "top_p",
+                                                       "seed") if k in d})
+        drives = d.get("drives", DRIVES_HEAD)
+        if drives not in DRIVES:
+            raise ValueError(f"decode.drives must be one of {', '.join(DRIVES)}, got {drives!r}")
+        after = d.get("after_token_ids", [])
+        if not isinstance(after, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in after):
+            raise ValueError(f"decode.after_token_ids must be a list of token ids, got {after!r}")
+        bad = [t for t in list(after) + list(settings.stop_token_ids) if not 0 <= t < int(vocab_size)]
+        if bad:
+            raise ValueError(f"decode token id(s) {bad} outside the vocabulary of {vocab_size}")
+        if after and drives != DRIVES_HEAD:
+            raise ValueError("decode.after_token_ids are placed before a planning head's read-out (drives: head)")
+        text = d.get("text")
+        if (text is not None) != (drives == DRIVES_TEXT):
+            raise ValueError("decode.text (the waypoint grammar) goes with drives: text_waypoints, and only there")
+        if text is not None:
+            if not isinstance(text, dict) or set(text) - {"pair", "start", "axes", "scale"}:
+                raise ValueError("decode.text must be a mapping of pair, start, axes, scale")
+            text = TextWaypoints(**text)
+        return cls(settings, drives, tuple(int(t) for t in after), text)
+
+    def with_tokens(self, max_new_tokens: int) -> "DecodeSpec":
+        """The same spec with another ``max_new_tokens`` (a node parameter's override). Raises ValueError."""
+        s = self.settings
+        return DecodeSpec(DecodeSettings(max_new_tokens, s.stop_token_ids, s.temperature, s.top_p, s.seed),
+                          self.drives, self.after_token_ids, self.text)

@@ -1,0 +1,198 @@
+"""The cross-frame pipeline with decode (issue 40 item 4), in ``hybrid-vla bench --only decode``.
+
+A driving composition on a Qwen2.5-VL of its published widths (vision tower 1280 wide, text 2048 wide; a few blocks
+of each, random init: timing only) that decodes ``tokens`` tokens a frame, split at K, runs as it does in the nodes:
+a :class:`~hybrid_vla_ros.runtime.prefix.PrefixRunner` in one pinned worker (the prefix's cores) is handed the
+embedded bag's frames back to back (it never waits for a camera), a
+:class:`~hybrid_vla_ros.runtime.suffix.SuffixRunner` in another (the suffix's cores) answers them. Both orders are
+measured in the same run:
+
+* **one frame at a time** (``decode_overlap`` off): a frame's decode ends before the prefix starts the next;
+* **overlap**: the prefix prefills frame t+1 between frame t's decode steps (a step waits for at most one block).
+
+Figures: frames/s of each, and the ideal of the slower side: 1 / max(the prefix's busy time per frame, the
+suffix's), busy being compute only (prefix: preprocess, prefill less its waits, every step; suffix: blocks [K, L)
+over the prefill, every token, the read-out), medians of the same run's frames after the first. Goal: overlap
+frames/s >= 0.9 of that ideal. Also reported: the decode's own chain (the suffix's prefill, then token, step, token,
+... strictly alternating, as the suffix lives it), which bounds frames/s below that ideal whenever it is longer than
+either side's busy time.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+#: The issue's goal: the overlapped pipeline's frames/s against the ideal of its slower side.
+GOAL_OVERLAP_RATIO = 0.9
+#: The composition: vision blocks, text blocks, split layer, camera size (W, H).
+VISION_BLOCKS, TEXT_BLOCKS, SPLIT_LAYER, CAMERA_SIZE = 1, 4, 2, (224, 126)
+
+
+def build_reasoner(root: Path, tokens: int, log=print) -> Path:
+    """The benchmark's decoding composition under ``root``; returns its checkpoint directory."""
+    import json
+
+    from ..cli import main as cli
+    from .families import _build
+
+    vlm, _ = _build("qwen2_5_vl", root, VISION_BLOCKS, TEXT_BLOCKS)
+    drive = root / "reasoner"
+    rc = cli(["init-model", "--preset", "tiny", "--vlm", str(vlm), "--camera-size",
+              f"{CAMERA_SIZE[0]}x{CAMERA_SIZE[1]}", "--set", f"decode={json.dumps({'max_new_tokens': tokens})}",
+              str(drive)])
+    if rc != 0:
+        raise RuntimeError(f"init-model of the benchmark's decoding composition failed ({rc})")
+    return drive
+
+
+def bag_frames(n: int) -> list:
+    """The embedded bag's first ``n`` frames of all six cameras: [(stamp ns, [("compressed", CompressedImage)] x 6)],
+    cameras in topic order, as the prefix node's synchronizer hands them over."""
+    from rosbags.typesys import Stores, get_typestore
+
+    from ...util.bags import read_bag
+    from ...util.paths import embedded_bag
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    by_stamp: dict[int, dict] = {}
+    for m in read_bag(embedded_bag()):
+        if m.topic.endswith("/image_raw/compressed"):
+            msg = store.deserialize_cdr(m.raw, m.msgtype)
+            by_stamp.setdefault(msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec, {})[m.topic] = msg
+    whole = [(s, [("compressed", cams[t]) for t in sorted(cams)]) for s, cams in sorted(by_stamp.items())
+             if len(cams) == 6]
+    return (whole * (n // len(whole) + 1))[:n]  # the bag's frames again when it has fewer
+
+
+def overlap_prefix_task(chan, *, drive: str, namespace: str, overlap: bool, frames: int, threads: int) -> dict:
+    """Worker (prefix cores): the embedded bag's first ``frames`` frames through a PrefixRunner, back to back.
+    Returns per frame preprocess / prefill compute ms (its waits for steps left out) and the decode's step compute
+    (ms)."""
+    import torch
+
+    from ...runtime.loops import PrefixLoop, counting_context
+    from ...runtime.prefix import PrefixRunner
+    from ...runtime.settings import PrefixRunnerSettings
+
+    torch.set_num_threads(threads)
+    runner = PrefixRunner(drive, PrefixRunnerSettings(SPLIT_LAYER, device="cpu", namespace=namespace,
+                                                      decode_overlap=overlap))
+    ctx, drops = counting_context(runner)
+    followed = {}  # the node's loop; frames come back to back, so no pacing wait
+    loop = PrefixLoop(ctx, pace=False, on_decode=followed.__setitem__)
+
+    try:
+        chan.send({"type": "ready"})
+        chan.recv(120)  # "go": the suffix is attached
+        items = bag_frames(frames)
+        results = []
+        t0 = time.perf_counter()
+        for frame in items:
+            result = loop.process(frame)
+            if result is None:
+                raise RuntimeError(f"the prefix dropped a frame: {dict(drops)} {drops.last}")
+            results.append(result)
+        if not runner.follower.wait_idle(600):
+            raise TimeoutError("the last frame's decode did not end")
+        wall = time.perf_counter() - t0
+    finally:
+        runner.close()
+    return {"wall_s": wall, "preprocess_ms": [r.preprocess_ms for r in results],
+            "prefill_ms": [r.prefix_ms - r.prefill_wait_ms for r in results],  # compute: less its waits
+            "steps_ms": [sum(followed[r.seq].prefix_step_ms) for r in results],
+            "held_ms": [max(followed[r.seq].step_held_ms, default=0.0) for r in results],
+            "ended": [followed[r.seq].ended for r in results]}
+
+
+def overlap_suffix_task(chan, *, drive: str, namespace: str, frames: int, threads: int) -> dict:
+    """Worker (suffix cores): answers ``frames`` frames; per frame its busy time (ms: every token, the read-out;
+    the prefill is the first token) and its whole decode time."""
+    import torch
+
+    from ...runtime.loops import SuffixLoop, counting_context
+    from ...runtime.settings import SuffixRunnerSettings
+    from ...runtime.suffix import SuffixRunner
+
+    torch.set_num_threads(threads)
+    runner = SuffixRunner(drive, SuffixRunnerSettings(SPLIT_LAYER, namespace=namespace, backend="eager"))
+    ctx, drops = counting_context(runner)
+    got = []
+    loop = SuffixLoop(ctx, publish=got.append)  # the node's loop
+    try:
+        runner.wait_attached(120)
+        chan.send({"type": "ready"})
+        while len(got) < frames:
+            if loop.poll_once(600) is None:
+                raise TimeoutError(f"no frame within 600 s: {dict(drops)} {drops.last}")
+        busy = [sum(r.decode.suffix_token_ms) + r.decode.readout_ms for r in got]
+        whole = [r.suffix_ms for r in got]
+    finally:
+        runner.close()
+    return {"busy_ms": busy, "decode_ms": whole}
+
+
+def run_overlap(tokens: int, frames: int, prefix_cores, suffix_cores, log=print) -> dict:
+    """Both orders on the benchmark's composition, ``frames`` frames of ``tokens`` tokens each; returns the part's
+    ``overlap`` section."""
+    import uuid
+
+    from .common import Worker
+
+    out = {"model": f"Qwen2.5-VL widths, {VISION_BLOCKS} vision / {TEXT_BLOCKS} text blocks, K = {SPLIT_LAYER}, "
+                    f"{CAMERA_SIZE[0]} x {CAMERA_SIZE[1]} px cameras (random init)",
+           "tokens": tokens, "frames": frames, "goal_ratio": GOAL_OVERLAP_RATIO}
+    with tempfile.TemporaryDirectory() as tmp:
+        drive = str(build_reasoner(Path(tmp), tokens, log))
+        for name, overlap in (("sequential", False), ("overlap", True)):
+            ns = f"/bench_ovl_{uuid.uuid4().hex[:8]}"
+            args = {"drive": drive, "namespace": ns, "frames": frames}
+            with Worker("overlap_prefix", {**args, "overlap": overlap, "threads": len(prefix_cores)},
+                        cores=list(prefix_cores)) as p, \
+                    Worker("overlap_suffix", {**args, "threads": len(suffix_cores)}, cores=list(suffix_cores)) as s:
+                p.recv(300, expect="ready")
+                s.recv(300, expect="ready")
+                p.send({"type": "go"})
+                pre = p.result(1800, log=log)
+                suf = s.result(120, log=log)
+            prefix_busy = [a + b + c for a, b, c in zip(pre["preprocess_ms"], pre["prefill_ms"], pre["steps_ms"])]
+            # the first frame runs alone (nothing to overlap with): medians of the rest
+            slower = max(statistics.median(prefix_busy[1:]), statistics.median(suf["busy_ms"][1:]))
+            # the decode's own chain (the suffix's prefill, then token, step, token, ...: strictly alternating), as
+            # the suffix lives it from taking the frame to its last reply
+            chain = statistics.median(suf["decode_ms"][1:])
+            fps, ideal = frames / pre["wall_s"], 1e3 / slower
+            out[name] = {"frames_per_s": fps, "ideal_frames_per_s": ideal, "ratio": fps / ideal,
+                         "decode_chain_ms": chain, "chain_bound_frames_per_s": 1e3 / chain,
+                         "prefix_busy_ms": statistics.median(prefix_busy[1:]),
+                         "suffix_busy_ms": statistics.median(suf["busy_ms"][1:]),
+                         "step_held_max_ms": max(pre["held_ms"]), "prefill_ms": statistics.median(pre["prefill_ms"]),
+                         "preprocess_ms": statistics.median(pre["preprocess_ms"]),
+                         "steps_ms": statistics.median(pre["steps_ms"]),
+                         "ended": pre["ended"]}
+            log(f"  decode overlap ({name}): {fps:.2f} frames/s, ideal {ideal:.2f} ({fps / ideal:.2f}); prefix busy "
+                f"{out[name]['prefix_busy_ms']:.0f} ms, suffix busy {out[name]['suffix_busy_ms']:.0f} ms a frame; "
+                f"a step waited at most {out[name]['step_held_max_ms']:.1f} ms for the prefill")
+    return out
+
+
+def overlap_goals(o: dict, add) -> None:
+    """The overlap's goal into ``add(id, part, what, value, target, met)``."""
+    r = o["overlap"]["ratio"]
+    add("decode_overlap", "decode", "decode pipeline with the next prefill between the steps: frames/s / ideal of "
+        "the slower side", r, f">= {o['goal_ratio']}", r >= o["goal_ratio"])
+
+
+def markdown(o: dict) -> str:
+    """The overlap's lines of the decode part's table."""
+    lines = [f"\nCross-frame pipeline with decode ({o['model']}, {o['tokens']} tokens a frame, {o['frames']} frames "
+             "handed back to back):", "", "| order | frames/s | ideal of the slower side | ratio | prefix busy ms | "
+             "suffix busy ms | decode chain ms | longest step wait for the prefill, ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in ("sequential", "overlap"):
+        v = o[name]
+        lines.append(f"| {name} | {v['frames_per_s']:.2f} | {v['ideal_frames_per_s']:.2f} | {v['ratio']:.2f} | "
+                     f"{v['prefix_busy_ms']:.0f} | {v['suffix_busy_ms']:.0f} | {v['decode_chain_ms']:.0f} | "
+                     f"{v['step_held_max_ms']:.1f} |")
+    return "\n".join(lines)
