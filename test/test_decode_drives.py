@@ -32,13 +32,14 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENS = 4
 
 
-def _compose(root: Path, family: str, decode: dict) -> tuple[Path, Path]:
+def _compose(root: Path, family: str, decode: dict, *sets: str) -> tuple[Path, Path]:
     from hybrid_vla_ros.tools.cli import main
 
     builder, kw = VLM_BUILDERS[family]
     vlm = builder(root / family, **kw)
     drive = root / f"drive_{family}"
-    assert main(["init-model", "--preset", "tiny", "--vlm", str(vlm), "--set", f"decode={json.dumps(decode)}",
+    more = [a for s in sets for a in ("--set", s)]
+    assert main(["init-model", "--preset", "tiny", "--vlm", str(vlm), "--set", f"decode={json.dumps(decode)}", *more,
                  str(drive)]) == 0
     return vlm, drive
 
@@ -174,6 +175,9 @@ def test_a_missing_start_marker_is_unparseable():
     ({"drives": "text_waypoints", "text": {"pair": "(\\d+)"}}, "two groups"),
     ({"drives": "text_waypoints", "text": {"axes": "x_up"}}, "axes"),
     ({"drives": "text_waypoints", "text": {}, "after_token_ids": [1]}, "after_token_ids"),
+    ({"drives": "action_codebook"}, "decode.codebook"),
+    ({"drives": "action_codebook", "codebook": {"file": "../book.npy"}}, "file name"),
+    ({"drives": "action_codebook", "codebook": {"first_token_id": 400}}, "outside the vocabulary"),
     ({"stop_token_ids": [10**6]}, "outside the vocabulary"),
     ({"max_tokens": 4}, "unknown decode key"),
 ])
@@ -209,7 +213,8 @@ def test_text_that_holds_no_waypoints_is_a_counted_drop_with_its_text(tmp_path, 
     frame."""
     from hybrid_vla_ros.runtime.loops import SuffixLoop, counting_context
 
-    _, drive = _compose(tmp_path, "qwen2_5_vl", {"max_new_tokens": 3, "drives": "text_waypoints", "text": {}})
+    _, drive = _compose(tmp_path, "qwen2_5_vl", {"max_new_tokens": 3, "drives": "text_waypoints", "text": {}},
+                        "n_modes=1")
     prefix, suffix = _runners(drive, 1)
     try:
         suffix.wait_attached(10)
@@ -331,3 +336,123 @@ def test_a_chunked_prefill_equals_the_whole_one_and_a_chunk_without_the_cache_be
                                       cache=SideCache(config, T, 0).cache)
                            for part in (state.rows(a, min(T, a + 32)) for a in range(0, T, 32))])
         assert (alone - whole.hidden_states).abs().max().item() > 1e-2 * scale
+
+
+# ------------------------------------------------------------------------------------------ action codebook
+def _box(x: float, y: float, yaw: float, length: float = 4.0, width: float = 2.0):
+    """The 4 corners (front-left, front-right, rear-right, rear-left) of a box at (x, y) heading ``yaw``."""
+    import numpy as np
+
+    local = np.array([[length / 2, width / 2], [length / 2, -width / 2], [-length / 2, -width / 2],
+                      [-length / 2, width / 2]])
+    c, s = np.cos(yaw), np.sin(yaw)
+    return local @ np.array([[c, s], [-s, c]]) + np.array([x, y])
+
+
+def _book():
+    """Action 0: 2 m straight on; action 1: an arc of 3 m turning 0.3 rad left; action 2: stop. Two sub-steps each
+    (only the last one places the next pose)."""
+    import numpy as np
+
+    r = 3.0 / 0.3
+    arc = (r * np.sin(0.3), r * (1 - np.cos(0.3)), 0.3)
+    return np.stack([np.stack([_box(1.0, 0, 0), _box(2.0, 0, 0)]), np.stack([_box(1.5, 0.1, 0.15), _box(*arc)]),
+                     np.stack([_box(0, 0, 0), _box(0, 0, 0)])])
+
+
+def test_action_tokens_roll_out_through_the_codebook_like_the_published_tokenizer(tmp_path):
+    """AutoVLA's rollout: each action's last corners placed at the pose so far; next position their mean, next
+    heading from corner 3 to corner 0. Straight 2 m, then the 0.3 rad arc (from (2, 0) heading 0), then the arc
+    again from there (heading 0.3), then a stop: the expected poses by plain geometry. Tokens that are not actions
+    (reasoning text, the stop token) are passed over; another count of actions is unparseable."""
+    import numpy as np
+
+    from hybrid_vla_ros.model.decode_spec import ActionCodebook
+
+    np.save(tmp_path / "codebook.npy", _book())
+    book = ActionCodebook(first_token_id=100)
+    table = book.load(tmp_path)
+    r = 10.0
+    arc = np.array([r * np.sin(0.3), r * (1 - np.cos(0.3))])
+    second = np.array([2.0, 0.0]) + arc
+    rot = np.array([[np.cos(0.3), -np.sin(0.3)], [np.sin(0.3), np.cos(0.3)]])
+    third = second + rot @ arc
+    got = book.waypoints(table, [5, 100, 7, 101, 101, 102, 2], 4)  # 5, 7, 2: not actions
+    assert np.allclose(got, [(2.0, 0.0), tuple(second), tuple(third), tuple(third)], atol=1e-9), got
+    with pytest.raises(UnparseableWaypoints, match="3 action token"):
+        book.waypoints(table, [100, 101, 102], 4)
+    np.save(tmp_path / "flat.npy", np.zeros((3, 2, 4)))
+    with pytest.raises(ValueError, match="not \\(actions, sub-steps, 4, 2\\)"):
+        ActionCodebook(file="flat.npy").load(tmp_path)
+
+
+def test_a_codebook_model_drives_its_decoded_actions_through_the_runners(tmp_path, frames):
+    """drives: action_codebook with a codebook over the whole (tiny) vocabulary, 6 tokens a frame for 6 waypoints:
+    each frame's trajectory is the rollout of the tokens transformers' generate gives on that frame."""
+    import numpy as np
+
+    from hybrid_vla_ros.model.decode_spec import ActionCodebook
+    from hybrid_vla_ros.model.vlm import frame_inputs, load_processor
+
+    decode = {"max_new_tokens": 6, "drives": "action_codebook", "codebook": {"file": "codebook.npy"}}
+    vlm_dir, drive = _compose(tmp_path, "qwen2_5_vl", decode, "n_modes=1", "n_waypoints=6")
+    rng = np.random.default_rng(0)
+    vocab = open_checkpoint(drive).cfg.llm["vocab_size"]
+    np.save(drive / "codebook.npy", np.stack([np.stack([_box(*rng.uniform(-1, 1, 2), 0), _box(
+        *rng.uniform(0, 3, 2), rng.uniform(-0.2, 0.2))]) for _ in range(vocab)]))
+    _, got, _ = _pipeline(drive, 1, False, frames[:2])
+    ck = open_checkpoint(drive)
+    sm, cfg = ck.split_model(), ck.cfg
+    processor = load_processor(vlm_dir, cfg.vlm_type)
+    table = ActionCodebook().load(drive)
+    with torch.inference_mode():
+        for r in got:
+            stamp = r.meta.stamp_ns
+            images = [resize_rgb(compressed_msg_to_rgb(m), cfg.camera_size) for _, m in dict(frames)[stamp]]
+            tokens, _, _, _ = sm.decode_referee(torch.float32, (frame_inputs(processor, cfg, images),), 6)
+            assert r.decode.tokens == tokens
+            assert np.allclose(r.waypoints, ActionCodebook().waypoints(table, tokens, 6), atol=1e-5)
+
+
+def test_learned_queries_placed_after_the_decode_are_read_like_transformers(tmp_path):
+    """SimLingo's shape: a ``queries`` read-out (one learned query per waypoint) placed after the decode and a
+    two-token prompt before them, in steps of at most 4 rows (the queries span steps; the head reads all of them):
+    tokens bit-exact and waypoints within 1e-5 m of the head on transformers' forward over prompt + decoded tokens +
+    the placed tokens with the learned queries in the last rows' embeddings, at every K. The ids under the queries
+    do not matter (their embeddings are replaced), and the same placed tokens without the queries are far off."""
+    from hybrid_vla_ros.model.config import preset
+
+    n = preset("tiny").n_waypoints
+    _, drive = _compose(tmp_path, "qwen3_vl", {"max_new_tokens": 5, "after_token_ids": [11, 12]},
+                        f"readout={json.dumps({'type': 'queries', 'count': n})}")
+    report = verify_decode(drive, 5)
+    assert report.ok and all(r.readout <= 1e-5 for r in report.rows), report.rows
+    ck = open_checkpoint(drive)
+    sm, cfg = ck.split_model(), ck.cfg
+    assert cfg.decode_placed_token_ids == [11, 12] + [cfg.planning_token_id] * n
+    with torch.inference_mode():
+        inputs = sm.example_inputs(BagFrames())
+        bound = SuffixDecoding.bound(sm.prompt_tokens(inputs), cfg.decode_spec.settings, 2 + n)
+        config, k, head = sm.text_config(), 2, ck.load("lm_head")
+
+        def run(placed, queries=True):
+            """decode_in_process's steps, with the prefix's learned queries left out when not ``queries``."""
+            from hybrid_vla_ros.model.decode import PrefixDecoding
+
+            front = PrefixDecoding(sm, ck.load("prefix", k), SideCache(config, bound, 0), placed=len(placed))
+            front.query_count = front.query_count if queries else 0  # else the planning tokens' own embeddings
+            back = SuffixDecoding(sm, ck.load("suffix", k), head, SideCache(config, bound, k),
+                                  cfg.decode_spec.settings, placed)
+            back.begin(0)
+            token = back.take(front.prefill(inputs))
+            while not back.result.ended:
+                token = back.take(front.step([token]))
+            steps = back.placed_steps()
+            for i, ids in enumerate(steps):
+                back.take_placed(front.step(ids, placed=True), last=i == len(steps) - 1)
+            return back.result.plan.modes
+
+        want = sm.decode_readout_referee(torch.float32, inputs, report.reference_tokens, 3)
+        assert (run(cfg.decode_placed_token_ids) - want).abs().max() <= 1e-5
+        assert (run([11, 12] + [7] * n) - want).abs().max() <= 1e-5
+        assert (run(cfg.decode_placed_token_ids, queries=False) - want).abs().max() > 1e-3

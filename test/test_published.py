@@ -783,3 +783,61 @@ def test_minddrive_passes_run_the_published_prompts(minddrive_tokenized, monkeyp
                    decision_token_ids=speed_ids, waypoint_token_id=wp)
     assert "NOT the published conversation" in kept["prompt"]["source"]
     assert open_checkpoint(tmp_path / "d").cfg.pass_prompt_token_ids == []
+
+
+def _vicuna_tokenizer(path: Path, size: int):
+    """A LLaMA-style tokenizer of ``size`` ids as transformers saves one (SentencePiece's conventions through the
+    tokenizers library: "▁" for spaces with one prepended, byte fallback, BOS added in front; ids 0-2 are <unk>,
+    <s>, </s>), its vocabulary the 256 byte symbols and single characters (Vicuna's 32000-token one is not at hand;
+    what matters here is where the BOS goes and that each piece around <image> is tokenized on its own)."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for ch in "▁" + string.ascii_letters + string.digits:
+        if len(vocab) < size:
+            vocab[ch] = len(vocab)
+    assert len(vocab) == size
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def test_orion_runs_its_published_closed_loop_conversation_with_its_tokenizer(orion_like, monkeypatch, tmp_path):
+    """Issue 40 item 6: with the tokenizer beside the LLM config, `convert` writes Orion's closed-loop conversation
+    (its agent config: the planning turn alone, desc_qa off) around the scene tokens, and the planning state is read
+    at <waypoint_ego>, before the template's closing </s>. Referee: the published conversation machinery
+    (conv_vicuna_v1 and preprocess, in ../shared/reference/minddrive's copy of Orion's data utils) on Orion's
+    planning turn as its pipeline writes it (public copy: wzh506/CoT4AD mmcv/datasets/pipelines/transforms_3d.py,
+    LoadAnnoatationCriticalVQATest), -200 where the scene tokens go."""
+    from minddrive_reference import load_prompt_pipeline
+
+    root, hf_dir, pth, _, _ = orion_like
+    llm_dir = tmp_path / "llm"
+    llm_dir.mkdir()
+    (llm_dir / "config.json").write_text((hf_dir / "config.json").read_text())
+    tok = _vicuna_tokenizer(llm_dir, LLM["vocab_size"])
+    out = tmp_path / "converted"
+    report = convert(pth, llm_dir, out, preset_name="tiny", lora_r=4, lora_alpha=8)
+    cfg = open_checkpoint(out).cfg
+    pipeline = load_prompt_pipeline(monkeypatch)
+    tok.add_tokens(["<waypoint_ego>"], special_tokens=True)
+    sources = [[{"from": "human", "value": "<image>\nYou are driving a car.Please provide the planning trajectory "
+                                           "for the ego car without reasons."},
+                {"from": "gpt", "value": "Here is the planning trajectory <waypoint_ego>"}]]
+    want = pipeline.preprocess(sources, tok, has_image=True, training_mode=False,
+                               only_one_system_prompt=True)["input_ids"][0].tolist()
+    assert cfg.prompt_token_ids + [-200] + cfg.pass_prompt_token_ids[0] == want
+    waypoint = tok.convert_tokens_to_ids("<waypoint_ego>")
+    assert cfg.planning_token_id == waypoint == LLM["vocab_size"] and want[-1] == tok.eos_token_id
+    at = cfg.readout_positions.planning  # read at <waypoint_ego>, one before the closing </s>
+    assert cfg.pass_prompt_token_ids[0][at] == waypoint and at == -2
+    assert report["prompt"]["source"].startswith("Orion's closed-loop conversation")
+    verified = _cli("verify-split", "--model", str(out), "--quiet")
+    assert verified.returncode == 0, verified.stdout + verified.stderr

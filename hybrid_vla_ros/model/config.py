@@ -352,19 +352,23 @@ class VLAConfig:
             spec = self.decode_spec
         except ValueError as e:
             return [str(e)]
-        if spec.drives == "head" and self.readout_type in ("queries", "module"):
-            return [f"decode with drives: head places read-out tokens after the decode; a {self.readout_type!r} "
-                    "read-out reads learned queries or every token"]
+        if spec.drives == "head" and self.readout_type == "module":
+            return ["decode with drives: head places read-out tokens after the decode; a 'module' read-out reads "
+                    "every token"]
+        if spec.drives != "head" and self.n_modes != 1:
+            return [f"decode with drives: {spec.drives} gives one trajectory: n_modes must be 1"]
         return []
 
     @property
     def decode_placed_token_ids(self) -> list[int]:
         """Tokens placed after a frame's decode for the planning head (``decode.after_token_ids``, then the read-out
-        tokens); [] when the decode drives no head (or there is none)."""
+        tokens: with a ``queries`` read-out one planning-token copy per query, whose embeddings the learned queries
+        replace); [] when the decode drives no head (or there is none)."""
         spec = self.decode_spec
         if spec is None or spec.drives != "head":
             return []
-        return list(spec.after_token_ids) + self.readout_token_ids
+        reads = [self.planning_token_id] * self.query_count if self.query_count else self.readout_token_ids
+        return list(spec.after_token_ids) + reads
 
     @property
     def decode_spec(self):

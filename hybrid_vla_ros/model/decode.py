@@ -118,27 +118,43 @@ class PrefixDecoding:
     prefix's KV cache ``cache`` (:class:`SideCache`), through the model's
     :class:`~hybrid_vla_ros.model.kinds.SplitModel` ``sm``. What each returns is what crosses the split."""
 
-    def __init__(self, sm, stage, cache: SideCache, chunk_rows: int = 0):
+    def __init__(self, sm, stage, cache: SideCache, chunk_rows: int = 0, placed: int = 0):
         self.sm, self.stage, self.cache = sm, stage, cache
         #: > 0: the prefill runs its tokens through the blocks this many at a time (a VLM's chunked prefill).
         self.chunk_rows = int(chunk_rows)
+        #: Tokens placed after the decode (the decoding's ``placed``); with a ``queries`` read-out the last
+        #: ``query_count`` of them take the learned query embeddings.
+        self.placed = int(placed)
+        self.query_count = int(getattr(sm.cfg, "query_count", 0)) if placed else 0
         self._prefill = None
+        self._placed_run = 0  # placed tokens run so far this frame (the decode's last token first)
         self.position = 0  # the sequence position of the next token
 
     def prefill(self, inputs: tuple):
         """Reset the cache and run the frame's prefill (the prefix's output: h_K, or a SplitState)."""
         self.cache.reset()
+        self._placed_run = 0
         self._prefill = out = self.sm.run_prefix(self.stage, inputs, cache=self.cache.cache,
                                                  chunk_rows=self.chunk_rows)
         self.position = int(self.sm.hidden(out).shape[-2])
         return out
 
-    def step(self, tokens) -> object:
-        """The chosen ``tokens`` (a sequence of ids) through embedding + blocks [0, K) at the next positions.
+    def step(self, tokens, placed: bool = False) -> object:
+        """The chosen ``tokens`` (a sequence of ids) through embedding + blocks [0, K) at the next positions;
+        ``placed``: tokens placed after the decode (the decode's last token, then :attr:`placed` ones, in order).
         Raises ValueError when the cache has no room left."""
         ids = torch.as_tensor(list(tokens), dtype=torch.int64)
         self.cache.room_for(ids.numel())
-        out = self.sm.prefix_step(self.stage, ids, self._prefill, self.cache.cache, self.position)
+        queries = (0, 0)
+        if placed and self.query_count:  # the placed run's last query_count rows are the learned queries
+            first_query = 1 + self.placed - self.query_count
+            start = max(self._placed_run, first_query)
+            count = self._placed_run + ids.numel() - start
+            if count > 0:
+                queries = (start - first_query, count)
+        if placed:
+            self._placed_run += ids.numel()
+        out = self.sm.prefix_step(self.stage, ids, self._prefill, self.cache.cache, self.position, queries)
         self.position += ids.numel()
         return out
 
@@ -160,6 +176,7 @@ class SuffixDecoding:
         self.command = 3  # LANE_FOLLOW (config.NAV_COMMANDS) until the runner says
         self.chooser = TokenChooser(settings)
         self.result = DecodeResult()
+        self._placed_rows: list[torch.Tensor] = []
 
     def begin(self, frame_seq: int = 0, k: int | None = None) -> None:
         """A new frame (at split layer ``k``, default unchanged): an empty cache and result, the draws seeded for
@@ -169,6 +186,7 @@ class SuffixDecoding:
         self.cache.reset()
         self.chooser.start(frame_seq)
         self.result = DecodeResult()
+        self._placed_rows = []
 
     def take(self, out) -> int:
         """The prefill's or a step's output (what crossed) -> the next token, appended to ``result`` (whose
@@ -197,13 +215,14 @@ class SuffixDecoding:
         return [head[i:i + n] for i in range(0, len(head), n)] + [last]
 
     def take_placed(self, out, last: bool) -> None:
-        """A step of placed tokens (what crossed): blocks [K, L) extend the cache; the ``last`` one's rows go to the
-        planning head (``result.plan``). Raises ValueError when the cache has no room or the head refuses."""
+        """A step of placed tokens (what crossed): blocks [K, L) extend the cache and their rows are kept; after the
+        ``last`` one the planning head reads every placed row (``result.plan``; the read-out rows are the last).
+        Raises ValueError when the cache has no room or the head refuses."""
         self.cache.room_for(self.sm.hidden(out).shape[-2])
+        self._placed_rows.append(self.sm.placed_rows(self.stage, out, self.cache.cache, self.k))
         if last:
-            self.result.plan = self.sm.plan_rows(self.stage, out, self.cache.cache, self.k, self.command)
-        else:
-            self.sm.suffix_rows(self.stage, out, self.cache.cache, self.k)
+            self.result.plan = self.sm.plan_placed(self.stage, torch.cat(self._placed_rows, dim=-2), self.command)
+            self._placed_rows = []
 
     @staticmethod
     def bound(prompt: int, settings: DecodeSettings, placed: int = 0) -> int:
@@ -218,7 +237,7 @@ def decode_in_process(sm, prefix, suffix, head: LMHead, prefix_cache: SideCache,
     """Decode one frame with both sides in this process (what crosses handed over directly; the reference the
     ring's decode is checked against), then run the ``placed`` tokens (:class:`SuffixDecoding`) with navigation
     command index ``command``. Returns a :class:`DecodeResult`."""
-    front = PrefixDecoding(sm, prefix, prefix_cache)
+    front = PrefixDecoding(sm, prefix, prefix_cache, placed=len(placed))
     back = SuffixDecoding(sm, suffix, head, suffix_cache, settings, placed)
     back.command = command
     back.begin(frame_seq)
@@ -228,5 +247,5 @@ def decode_in_process(sm, prefix, suffix, head: LMHead, prefix_cache: SideCache,
             token = back.take(front.step([token]))
         steps = back.placed_steps()
         for i, ids in enumerate(steps):
-            back.take_placed(front.step(ids), last=i == len(steps) - 1)
+            back.take_placed(front.step(ids, placed=True), last=i == len(steps) - 1)
     return back.result

@@ -8,10 +8,12 @@ mapping (:class:`DecodeSpec`; docs/models.md "Decoding"). Its keys:
 - ``temperature``: 0 (default) greedy; > 0 sampling with ``top_p`` (nucleus mass in (0, 1], default 1) and ``seed``
   (default 0, plus the frame's sequence number);
 - ``drives``: what gives the trajectory: ``head`` (default; the planning head at read-out tokens placed after the
-  decode) or ``text_waypoints`` (waypoints written in the decoded text);
+  decode), ``text_waypoints`` (waypoints written in the decoded text) or ``action_codebook``;
 - ``after_token_ids`` (``head``): token ids placed after the decode, before the read-out tokens (ORION's planning
   prompt after its answers);
-- ``text`` (``text_waypoints``): the grammar (:class:`TextWaypoints`).
+- ``text`` (``text_waypoints``): the grammar (:class:`TextWaypoints`);
+- ``codebook`` (``action_codebook``): AutoVLA's shape, action tokens each a short motion from a codebook file shipped
+  with the checkpoint (:class:`ActionCodebook`).
 
 Pure Python (no torch), so a config can be checked where torch is not imported.
 """
@@ -22,8 +24,8 @@ import re
 from dataclasses import dataclass
 
 #: ``decode.drives`` values.
-DRIVES_HEAD, DRIVES_TEXT = "head", "text_waypoints"
-DRIVES = (DRIVES_HEAD, DRIVES_TEXT)
+DRIVES_HEAD, DRIVES_TEXT, DRIVES_CODEBOOK = "head", "text_waypoints", "action_codebook"
+DRIVES = (DRIVES_HEAD, DRIVES_TEXT, DRIVES_CODEBOOK)
 #: ``decode.text.axes`` values: base_link (x forward, y left) or the published planners' frame (x right, y forward).
 AXES = ("x_forward_y_left", "x_right_y_forward")
 
@@ -111,16 +113,76 @@ class UnparseableWaypoints(ValueError):
 
 
 @dataclass(frozen=True)
+class ActionCodebook:
+    """Action tokens to waypoints (AutoVLA's action tokenizer, facts of its published ``ActionTokenizer``): token id
+    ``first_token_id + i`` is action ``i`` of ``file`` (a ``.npy`` beside config.json, read without pickle), an array
+    (A, S, 4, 2): per action the ego box's 4 corners (x, y, metres, in the frame of the pose where the action starts:
+    x forward, y left) at each of its S sub-steps. The decode's action tokens, in order, are rolled out from the
+    origin: each one's corners are placed at the current pose; the next position is the mean of the last sub-step's
+    corners, the next heading the direction from corner 3 to corner 0 there. Each action gives one waypoint; other
+    tokens (reasoning, the stop token) are not actions. Raises ValueError for an invalid mapping."""
+
+    file: str = "codebook.npy"
+    first_token_id: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.file, str) or not self.file.endswith(".npy") or "/" in self.file or "\\" in self.file:
+            raise ValueError(f"decode.codebook.file must be a .npy file name beside config.json, got {self.file!r}")
+        if isinstance(self.first_token_id, bool) or not isinstance(self.first_token_id, int) \
+                or self.first_token_id < 0:
+            raise ValueError(f"decode.codebook.first_token_id must be a token id, got {self.first_token_id!r}")
+
+    def load(self, checkpoint_dir) -> "object":
+        """The codebook (A, S, 4, 2) float64 from the checkpoint directory. Raises ValueError (missing, another
+        shape, not finite)."""
+        from pathlib import Path
+
+        import numpy as np
+
+        path = Path(checkpoint_dir) / self.file
+        try:
+            book = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"the action codebook {path} does not load: {e}") from None
+        if book.ndim != 4 or book.shape[2:] != (4, 2) or book.shape[1] < 1 or not np.isfinite(book).all():
+            raise ValueError(f"the action codebook {path} is {book.shape}, not (actions, sub-steps, 4, 2) of finite "
+                             "corner positions")
+        return book.astype(np.float64)
+
+    def waypoints(self, book, tokens: list[int], n_waypoints: int) -> list[tuple[float, float]]:
+        """The decoded ``tokens``' actions rolled out (class docstring) -> ``n_waypoints`` (x, y) m, base_link axes.
+        Raises :class:`UnparseableWaypoints` when the decode holds another number of action tokens."""
+        import numpy as np
+
+        actions = [t - self.first_token_id for t in tokens if 0 <= t - self.first_token_id < len(book)]
+        if len(actions) != n_waypoints:
+            raise UnparseableWaypoints(f"the decode holds {len(actions)} action token(s), the model declares "
+                                       f"{n_waypoints}")
+        pos, heading, points = np.zeros(2), 0.0, []
+        for a in actions:
+            c, s = np.cos(heading), np.sin(heading)
+            corners = book[a, -1] @ np.array([[c, s], [-s, c]]) + pos  # the last sub-step, placed at the pose
+            pos = corners.mean(axis=0)
+            dx, dy = corners[0] - corners[3]
+            heading = float(np.arctan2(dy, dx))
+            points.append((float(pos[0]), float(pos[1])))
+        return points
+
+
+@dataclass(frozen=True)
 class DecodeSpec:
     """A checkpoint's ``decode`` mapping (the module docstring's table): ``settings`` (:class:`DecodeSettings`),
-    ``drives`` (:data:`DRIVES`), ``after_token_ids`` and ``text`` (:class:`TextWaypoints` or None)."""
+    ``drives`` (:data:`DRIVES`), ``after_token_ids``, ``text`` (:class:`TextWaypoints` or None) and ``codebook``
+    (:class:`ActionCodebook` or None)."""
 
     settings: DecodeSettings
     drives: str = DRIVES_HEAD
     after_token_ids: tuple[int, ...] = ()
     text: TextWaypoints | None = None
+    codebook: ActionCodebook | None = None
 
-    KEYS = ("max_new_tokens", "stop_token_ids", "temperature", "top_p", "seed", "drives", "after_token_ids", "text")
+    KEYS = ("max_new_tokens", "stop_token_ids", "temperature", "top_p", "seed", "drives", "after_token_ids", "text",
+            "codebook")
 
     @classmethod
     def from_dict(cls, d: dict, vocab_size: int) -> "DecodeSpec":
@@ -152,10 +214,20 @@ class DecodeSpec:
             if not isinstance(text, dict) or set(text) - {"pair", "start", "axes", "scale"}:
                 raise ValueError("decode.text must be a mapping of pair, start, axes, scale")
             text = TextWaypoints(**text)
-        return cls(settings, drives, tuple(int(t) for t in after), text)
+        book = d.get("codebook")
+        if (book is not None) != (drives == DRIVES_CODEBOOK):
+            raise ValueError("decode.codebook goes with drives: action_codebook, and only there")
+        if book is not None:
+            if not isinstance(book, dict) or set(book) - {"file", "first_token_id"}:
+                raise ValueError("decode.codebook must be a mapping of file, first_token_id")
+            book = ActionCodebook(**book)
+            if book.first_token_id >= int(vocab_size):
+                raise ValueError(f"decode.codebook.first_token_id {book.first_token_id} is outside the vocabulary "
+                                 f"of {vocab_size}")
+        return cls(settings, drives, tuple(int(t) for t in after), text, book)
 
     def with_tokens(self, max_new_tokens: int) -> "DecodeSpec":
         """The same spec with another ``max_new_tokens`` (a node parameter's override). Raises ValueError."""
         s = self.settings
         return DecodeSpec(DecodeSettings(max_new_tokens, s.stop_token_ids, s.temperature, s.top_p, s.seed),
-                          self.drives, self.after_token_ids, self.text)
+                          self.drives, self.after_token_ids, self.text, self.codebook)

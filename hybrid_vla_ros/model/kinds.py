@@ -129,9 +129,11 @@ class SplitModel:
         return stage(*inputs, cache=cache, chunk_rows=chunk_rows) if chunk_rows else stage(*inputs, cache=cache)
 
     # ----------------------------------------------------------------------------------------- decode
-    def prefix_step(self, stage, token_ids: torch.Tensor, prefill, cache, position: int):
+    def prefix_step(self, stage, token_ids: torch.Tensor, prefill, cache, position: int,
+                    queries: tuple[int, int] = (0, 0)):
         """A decode step on the prefix: new token ids (k,) int64 at sequence positions ``position`` .. -> what
-        crosses (h_K rows, or a SplitState with their rotary positions); ``prefill``: the frame's prefill output."""
+        crosses (h_K rows, or a SplitState with their rotary positions); ``prefill``: the frame's prefill output;
+        ``queries`` (first, count): learned query embeddings for the last rows, where the model has them."""
         return stage(token_ids, cache=cache)
 
     def prompt_tokens(self, inputs: tuple) -> int:
@@ -155,10 +157,18 @@ class SplitModel:
         crossed at ``split_layer`` (default the stage's K)."""
         return suffix.final_hidden_states(out, split_layer, cache=cache)
 
-    def plan_rows(self, suffix, out, cache, split_layer: int | None, command: int):
-        """The planning head on a decode step's rows (its read-out tokens last), extending the KV cache ->
-        :class:`~.modeling.PlanOutput`. Raises ValueError where the model reads no tokens placed after a decode."""
+    def placed_rows(self, suffix, out, cache, split_layer: int | None) -> torch.Tensor:
+        """A step of tokens placed after a decode through the suffix's blocks, extending its KV cache: the rows
+        before the final norm (k, H), for :meth:`plan_placed`. Raises ValueError where the model reads no tokens
+        placed after a decode."""
         raise ValueError("this model's planning head does not read tokens placed after a decode")
+
+    def plan_placed(self, suffix, rows: torch.Tensor, command: int):
+        """The planning head on every placed token's rows (:meth:`placed_rows`, in order; the read-out tokens
+        last) -> :class:`~.modeling.PlanOutput`."""
+        from .modeling import plan
+
+        return plan(suffix, rows, command)
 
     def output(self, suffix, out) -> torch.Tensor | None:
         """What the check compares at the end: waypoints (M, N, 2) or own code's output; None without a head."""
@@ -255,6 +265,19 @@ def _reference_states(out) -> list[torch.Tensor]:
     return [h.squeeze(0) if h.shape[0] == 1 else h for h in out.hidden_states]
 
 
+def _static_cache(ref, cache_len: int | None) -> dict:
+    """``generate``'s keyword arguments for a static KV cache: its own length, or ``cache_len`` tokens."""
+    if cache_len is None:
+        return {"cache_implementation": "static"}
+    import inspect
+
+    from transformers.cache_utils import StaticCache
+
+    # transformers renamed past_key_values to cache (it warns about the old name; older releases know only it)
+    name = "cache" if "cache" in inspect.signature(type(ref).forward).parameters else "past_key_values"
+    return {name: StaticCache(config=ref.config, max_cache_len=int(cache_len))}
+
+
 def causal_lm_class(model_type: str):
     """transformers' causal LM class of a text family (``Qwen3ForCausalLM``, ...), from its own registry."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -293,17 +316,17 @@ class TextLM(SplitModel):
         return Referee(_reference_states(ref(inputs[0].unsqueeze(0), output_hidden_states=True)), None,
                        f"transformers {self.ck.hf.architecture}.from_pretrained({self.ck.path})")
 
-    def decode_referee(self, dtype, inputs: tuple, max_new_tokens: int):
-        """transformers' own greedy ``generate`` on the unsplit model with a static KV cache (of prompt +
-        ``max_new_tokens`` tokens: the split's cache class and length, so the same attention over the same keys),
-        stopping at the generation config's end tokens. Returns (new token ids, logits of each step (V,) float32,
-        those stop ids, what it is)."""
+    def decode_referee(self, dtype, inputs: tuple, max_new_tokens: int, cache_len: int | None = None):
+        """transformers' own greedy ``generate`` on the unsplit model with a static KV cache (``generate``'s own
+        length, or ``cache_len`` tokens: the split's cache class and length, so the same attention over the same
+        keys), stopping at the generation config's end tokens. Returns (new token ids, logits of each step (V,)
+        float32, those stop ids, what it is)."""
         ref = causal_lm_class(self.cfg.llm_type).from_pretrained(str(self.ck.path), dtype=dtype).eval()
         stop = ref.generation_config.eos_token_id
         stop = () if stop is None else ((stop,) if isinstance(stop, int) else tuple(stop))
         ids = inputs[0].unsqueeze(0)
         out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                           cache_implementation="static", output_logits=True, return_dict_in_generate=True,
+                           **_static_cache(ref, cache_len), output_logits=True, return_dict_in_generate=True,
                            pad_token_id=stop[0] if stop else 0)  # every prompt token attended, pad id or not
         return (out.sequences[0, ids.shape[1]:].tolist(), [x[0].float() for x in out.logits], stop,
                 f"transformers {self.ck.hf.architecture}.generate (greedy, static cache)")
@@ -415,8 +438,8 @@ class VLMFront(SplitModel):
         reads fixed positions of one prefill."""
         return not self.takes_cameras or bool(self.cfg.decode)
 
-    def plan_rows(self, suffix, out, cache, split_layer, command):
-        return suffix.plan_step(out, cache, split_layer, command)
+    def placed_rows(self, suffix, out, cache, split_layer):
+        return suffix.step_rows(out, cache, split_layer)
 
     def prompt_tokens(self, inputs) -> int:
         return int(inputs[0].tokens)
@@ -435,19 +458,21 @@ class VLMFront(SplitModel):
 
         return SplitState(rows, positions)
 
-    def prefix_step(self, stage, token_ids, prefill, cache, position: int):
+    def prefix_step(self, stage, token_ids, prefill, cache, position: int, queries: tuple[int, int] = (0, 0)):
         """The token's multimodal rotary positions continue after the prefill's largest, as ``generate`` does
-        (Qwen-VL's ``rope_deltas``); a family with plain positions continues from the cache."""
+        (Qwen-VL's ``rope_deltas``); a family with plain positions continues from the cache. ``queries``: as
+        :meth:`~.modeling.VLMPrefixStage.step`."""
         positions = None
         if prefill.position_ids is not None:
             rotary = prefill.position_ids[-3:]
             start = int(rotary.max()) + 1 + position - int(prefill.hidden_states.shape[-2])
             steps = torch.arange(start, start + token_ids.numel(), device=rotary.device)
             positions = steps.view(1, 1, -1).expand(3, rotary.shape[1], -1)
-        return stage.step(token_ids, positions, cache)
+        return stage.step(token_ids, positions, cache, queries)
 
-    def decode_referee(self, dtype, inputs: tuple, max_new_tokens: int):
-        """The family's ForConditionalGeneration ``generate`` on the processor's outputs (greedy, static cache)."""
+    def decode_referee(self, dtype, inputs: tuple, max_new_tokens: int, cache_len: int | None = None):
+        """The family's ForConditionalGeneration ``generate`` on the processor's outputs (greedy, static cache of
+        ``cache_len`` tokens, default ``generate``'s own)."""
         from .vlm import vlm_family
 
         family = vlm_family(self.cfg.vlm_type)
@@ -457,16 +482,16 @@ class VLMFront(SplitModel):
         frame = inputs[0]
         out = ref.generate(input_ids=frame.input_ids, attention_mask=torch.ones_like(frame.input_ids),
                            **frame.to("cpu", dtype).images, max_new_tokens=max_new_tokens, do_sample=False,
-                           cache_implementation="static", output_logits=True, return_dict_in_generate=True,
+                           **_static_cache(ref, cache_len), output_logits=True, return_dict_in_generate=True,
                            pad_token_id=stop[0] if stop else 0)
         return (out.sequences[0, frame.input_ids.shape[1]:].tolist(), [x[0].float() for x in out.logits], stop,
                 f"transformers {family.generation_class.__name__}.generate (greedy, static cache)")
 
     def decode_readout_referee(self, dtype, inputs: tuple, tokens: list[int], command: int) -> torch.Tensor:
         """The planning head after a decode, by transformers: the family's ForConditionalGeneration forward over the
-        frame's prompt + ``tokens`` (decoded) + the placed tokens (``cfg.decode_placed_token_ids``), the text
-        model's final-norm input taken at its read-out rows, then this checkpoint's norm and head
-        (:func:`~.modeling.plan`) -> modes (M, N, 2) float32 m."""
+        frame's prompt + ``tokens`` (decoded) + the placed tokens (``cfg.decode_placed_token_ids``; a ``queries``
+        read-out's learned queries in its last rows' embeddings), the text model's final-norm input, then this
+        checkpoint's norm and head (:func:`~.modeling.plan`, on the read-out rows) -> modes (M, N, 2) float32 m."""
         from .modeling import plan
         from .vlm import vlm_family, with_token
 
@@ -476,12 +501,18 @@ class VLMFront(SplitModel):
         for t in [*tokens, *self.cfg.decode_placed_token_ids]:
             frame = with_token(frame, int(t))
         kept = []
-        norm = getattr(ref.model, family.text_attribute).norm
-        hook = norm.register_forward_pre_hook(lambda module, args: kept.append(args[0][0].clone()))
+        text = getattr(ref.model, family.text_attribute)
+        hooks = [text.norm.register_forward_pre_hook(lambda module, args: kept.append(args[0][0].clone()))]
+        queries = self.cfg.query_count
+        if queries:  # the composition's learned queries in place of the last planning-token copies
+            learned = self.ck.load("prefix", 0, dtype=dtype).query_tokens.detach()
+            hooks.append(text.get_input_embeddings().register_forward_hook(
+                lambda module, args, out: torch.cat([out[:, :-queries], learned.to(out.dtype).unsqueeze(0)], dim=1)))
         try:
             ref.model(input_ids=frame.input_ids, **frame.to("cpu", dtype).images)
         finally:
-            hook.remove()
+            for h in hooks:
+                h.remove()
         return plan(self.ck.load("suffix", self.num_layers, dtype=dtype), kept[-1], command).modes
 
     def activation_phases(self, split_layer, e, role):

@@ -816,7 +816,8 @@ class VLMPrefixStage(PrefixSide):
                              "cameras and the prompt fix T)")
         front = run_front(self.vlm, inputs.to(device, dtype))
         h0 = front.inputs_embeds
-        if hasattr(self, "query_tokens"):  # the learned queries in place of the planning-token copies
+        if hasattr(self, "query_tokens") and not self.cfg.decode:  # the learned queries in place of the
+            # planning-token copies (a decoding model places them after the decode: :meth:`step`)
             h0 = torch.cat([h0[:-len(self.query_tokens)], self.query_tokens.to(h0.dtype)], dim=0)
         state = SplitState(h0, front.position_ids, front.visual_mask, front.deepstack)
         T = state.hidden_states.shape[-2]
@@ -830,13 +831,19 @@ class VLMPrefixStage(PrefixSide):
         state.hidden_states = torch.cat(outs, dim=0)
         return state
 
-    def step(self, token_ids: torch.Tensor, position_ids: torch.Tensor | None, cache) -> "SplitState":
+    def step(self, token_ids: torch.Tensor, position_ids: torch.Tensor | None, cache,
+             queries: tuple[int, int] = (0, 0)) -> "SplitState":
         """A decode step: token ids (k,) -> SplitState of their h_K (k, H) and rotary ``position_ids`` (3, 1, k)
-        int64 (None: positions continue from ``cache``), through the text model's embeddings and blocks [0, K)."""
+        int64 (None: positions continue from ``cache``), through the text model's embeddings and blocks [0, K).
+        ``queries`` (first, count): the last ``count`` rows take the learned query embeddings ``first`` ..
+        (a ``queries`` read-out placed after a decode)."""
         from .contract import SplitState
 
         embed = getattr(self.vlm, self.family.text_attribute).embed_tokens
         h = embed(token_ids.to(embed.weight.device))
+        first, count = queries
+        if count:
+            h = torch.cat([h[:-count], self.query_tokens[first:first + count].to(h.dtype)], dim=0)
         state = SplitState(h, position_ids)
         state.hidden_states = run_blocks(self, self.layers, h, state=state, cache=cache)
         return state
@@ -899,13 +906,11 @@ class VLMDriveSuffixStage(VLMSuffixStage):
         state = self._check_state(state)
         return plan(self, run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state), command)
 
-    def plan_step(self, state, cache, split_layer: int | None = None, command: int = DEFAULT_COMMAND) -> "PlanOutput":
-        """A decode step's rows (k, H) whose last tokens are the read-out tokens (placed after the decode), through
-        blocks [K, L) against the KV cache ``cache`` -> :class:`PlanOutput` of those rows. Raises ValueError as
-        :func:`plan`."""
+    def step_rows(self, state, cache, split_layer: int | None = None) -> torch.Tensor:
+        """A decode step's rows (k, H) through blocks [K, L) against the KV cache ``cache``: their hidden states
+        before the final norm (what :func:`plan` reads), (k, H)."""
         state = self._check_state(state, step=True)
-        h = run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state, cache=cache)
-        return plan(self, h, command)
+        return run_blocks(self, self._layers_from(split_layer), state.hidden_states, state=state, cache=cache)
 
     def forward(self, state, command: int = DEFAULT_COMMAND, split_layer: int | None = None) -> torch.Tensor:
         return self.plan_all(state, command, split_layer).waypoints

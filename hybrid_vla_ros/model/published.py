@@ -607,6 +607,8 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
                 base["readout"] = {**readout, "path_token_id": int(tid)}
     else:
         base.update(llm_passes=1, pass_lora_rank=0, pass_adapters=[], decision_token_ids=[])
+        if prompts is not None:  # Orion's closed-loop conversation (model/published_prompts.py)
+            base.update(prompt_token_ids=prompts.prompt_token_ids, pass_prompt_token_ids=[prompts.after_token_ids])
     base.pop("model_type"), base.pop("format_version")
     base["random_init"] = True
     cfg = VLAConfig(**base)
@@ -615,14 +617,33 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
 
 def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token_id, decision_token_ids,
                        use: str = "published", overrides: dict | None = None):
-    """MindDrive's published prompts, or None for Orion's layout or ``use="preset"``. Raises CheckpointError when
-    the tokenizer's size is not the checkpoint's ``vocab`` (another tokenizer: its ids would name other rows),
-    ValueError for an unknown ``use``, no or a broken tokenizer, or options that contradict it."""
-    from .published_prompts import TOKENIZER_MARKERS, has_tokenizer, minddrive_prompts
+    """MindDrive's published prompts, Orion's closed-loop conversation (where its tokenizer is beside the LLM
+    config), or None (``use="preset"``, Orion without a tokenizer). Raises CheckpointError when the tokenizer's size
+    is not the checkpoint's ``vocab`` (another tokenizer: its ids would name other rows), ValueError for an unknown
+    ``use``, no or a broken tokenizer (MindDrive), or options that contradict it."""
+    from .published_prompts import TOKENIZER_MARKERS, has_tokenizer, minddrive_prompts, orion_prompt
 
     if use not in ("published", "preset"):
         raise ValueError(f"prompts {use!r}: use 'published' or 'preset'")
-    if layout != "minddrive" or use == "preset":
+    if use == "preset":
+        return None
+    if layout == "orion":  # its closed-loop conversation where its tokenizer is at hand, else the preset's prompt
+        if not has_tokenizer(config_dir):
+            return None
+        clash = sorted({"prompt_token_ids", "pass_prompt_token_ids"} & set(overrides or {}))
+        if clash:
+            raise ValueError(f"--set {', '.join(clash)}: the published prompt comes from {config_dir}'s tokenizer; "
+                             "use --prompts preset to give your own")
+        prompts = orion_prompt(config_dir)
+        if prompts.vocab_size != vocab:
+            raise CheckpointError(f"{prompts.tokenizer}: {prompts.vocab_size} tokens after Orion's <waypoint_ego>, "
+                                  f"the checkpoint's embeddings have {vocab} rows: not the tokenizer it was trained "
+                                  "with (--prompts preset keeps the preset's fixed prompt, not the published one)")
+        if waypoint_token_id is not None and int(waypoint_token_id) != prompts.waypoint_token_id:
+            raise ValueError(f"--waypoint-token-id {waypoint_token_id}, but the tokenizer gives "
+                             f"{prompts.waypoint_token_id} for {WAYPOINT_TOKEN}")
+        return prompts
+    if layout != "minddrive":
         return None
     if not has_tokenizer(config_dir):
         raise ValueError(f"{config_dir} has no tokenizer files ({', '.join(TOKENIZER_MARKERS)}): MindDrive's "
@@ -652,6 +673,12 @@ def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token
 
 def _prompt_report(cfg, config_dir: Path) -> dict:
     """The report's ``prompt`` entry: whether the passes run the published conversation or the preset's prompt."""
+    if cfg.pass_prompt_token_ids and cfg.llm_passes == 1:
+        return {"source": f"Orion's closed-loop conversation (its planning turn, desc_qa off), tokenized with "
+                          f"{config_dir}'s tokenizer",
+                "tokens_before_scene": len(cfg.prompt_token_ids),
+                "tokens_after_scene": len(cfg.pass_prompt_token_ids[0]),
+                "readout_positions_from_end": vars(cfg.readout_positions)}
     if cfg.pass_prompt_token_ids:
         return {"source": f"MindDrive's published prompts, tokenized with {config_dir}'s tokenizer",
                 "tokens_before_scene": len(cfg.prompt_token_ids),
@@ -659,7 +686,7 @@ def _prompt_report(cfg, config_dir: Path) -> dict:
                 "readout_positions_from_end": vars(cfg.readout_positions)}
     return {"source": f"the {cfg.preset} preset's fixed prompt: NOT the published conversation"
                       + (" (--prompts preset)" if cfg.llm_passes > 1 else
-                         " (Orion's published prompt is not in the reference code this package is checked with)"),
+                         " (no tokenizer files beside the LLM config, or --prompts preset)"),
             "tokens": cfg.num_tokens}
 
 

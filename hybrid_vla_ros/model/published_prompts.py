@@ -1,4 +1,13 @@
-"""MindDrive's published prompts as token ids, made with the LLM's own tokenizer at conversion time.
+"""Orion's and MindDrive's published prompts as token ids, made with the LLM's own tokenizer at conversion time.
+
+Orion's closed-loop agent runs one conversation a frame (its agent config's test pipeline:
+``LoadAnnoatationCriticalVQATest`` with ``load_type=["critical_qa"]``, ``desc_qa=False`` and ``use_gen_token``: the
+critical-QA turns are dropped and the planning turn alone remains), in Vicuna v1's conversation template
+(``conv_vicuna_v1``: its system prompt, ``USER`` / ``ASSISTANT``, separators " " and "</s>"), tokenized by LLaVA's
+``tokenizer_image_token`` (each piece around ``<image>`` with the tokenizer's own BOS, which only the first keeps).
+Source: the public copies of Orion's pipeline and agent config (xiaomi-mlab/Orion's code as carried in
+wzh506/CoT4AD: mmcv/datasets/pipelines/transforms_3d.py, adzoo/orion/configs/orion_stage3_agent.py); the planning
+hidden state is read at ``<waypoint_ego>`` (Orion's ``llava_llama.py``), followed by the template's "</s>".
 
 MindDrive runs its LLM twice a frame, each pass on its own conversation (its ``inference_only_pipeline``, as its
 closed-loop agent runs it in the 0.5B and 3B configs: ``LoadAnnoatationMixCriticalVQATest`` with ``single``,
@@ -41,6 +50,13 @@ ACTION_ANSWER = f"Here is the planning trajectory {WAYPOINT_TOKEN} {PATH_WAYPOIN
 #: The decision answer's meta-action: the published pipeline draws one at random; the read-out is the token
 #: before it, which it cannot change (causal attention), so any one gives the same decision.
 DECISION_ANSWER = f"The car should be {SPEED_TOKENS[0]}"
+#: Vicuna v1's conversation template (``conv_vicuna_v1``), Orion's LLM's.
+VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+                 "helpful, detailed, and polite answers to the user's questions.")
+VICUNA_USER, VICUNA_ASSISTANT, VICUNA_SEP, VICUNA_SEP2 = "USER", "ASSISTANT", " ", "</s>"
+#: Orion's closed-loop planning turn (desc_qa off: no critical-QA turns before it).
+ORION_QUESTION = "Please provide the planning trajectory for the ego car without reasons."
+ORION_ANSWER = f"Here is the planning trajectory {WAYPOINT_TOKEN}"
 #: Files whose presence says a directory holds a tokenizer's vocabulary (transformers' fast and slow formats; a
 #: ``tokenizer_config.json`` alone is not one: transformers would build an empty tokenizer from it).
 TOKENIZER_MARKERS = ("tokenizer.json", "vocab.json", "tokenizer.model")
@@ -71,13 +87,8 @@ def has_tokenizer(config_dir: str | Path) -> bool:
 def minddrive_prompts(config_dir: str | Path) -> MindDrivePrompts:
     """Tokenize the two prompts with the tokenizer in ``config_dir`` (local files only). Raises ValueError when no
     tokenizer loads from there, or a token the read-out needs is not one id."""
-    from transformers import AutoTokenizer
-
     config_dir = Path(config_dir)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(config_dir), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{config_dir}: its tokenizer does not load ({type(e).__name__}: {e})") from None
+    tok = _load_tokenizer(config_dir)
     tok.add_tokens(list(SPEED_TOKENS + PATH_TOKENS), special_tokens=True)
     tok.add_tokens([WAYPOINT_TOKEN], special_tokens=True)
     tok.add_tokens([PATH_WAYPOINT_TOKEN], special_tokens=True)
@@ -103,3 +114,48 @@ def minddrive_prompts(config_dir: str | Path) -> MindDrivePrompts:
                             speed_token_ids=[one(t) for t in SPEED_TOKENS], waypoint_token_id=one(WAYPOINT_TOKEN),
                             path_token_id=one(PATH_WAYPOINT_TOKEN), vocab_size=len(tok),
                             tokenizer=f"{type(tok).__name__} from {config_dir}")
+
+
+@dataclass(frozen=True)
+class OrionPrompt:
+    """Orion's closed-loop conversation as :class:`~hybrid_vla_ros.model.config.VLAConfig` holds it (one pass):
+    ``prompt_token_ids`` before the scene tokens (BOS, system prompt, "USER: "), ``after_token_ids`` after them to the
+    end of the answer (its one ``pass_prompt_token_ids``), ``waypoint_token_id``, ``vocab_size`` after Orion's
+    addition and the ``tokenizer`` (class and directory)."""
+
+    prompt_token_ids: list[int]
+    after_token_ids: list[int]
+    waypoint_token_id: int
+    vocab_size: int
+    tokenizer: str
+    speed_token_ids: tuple = ()  # Orion reads no decision tokens
+
+
+def _load_tokenizer(config_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(config_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_dir}: its tokenizer does not load ({type(e).__name__}: {e})") from None
+
+
+def orion_prompt(config_dir: str | Path) -> OrionPrompt:
+    """Tokenize Orion's closed-loop conversation (module docstring) with the tokenizer in ``config_dir`` (local
+    files only), ``<waypoint_ego>`` added as Orion adds it. Raises ValueError when no tokenizer loads from there or
+    ``<waypoint_ego>`` is not one id."""
+    config_dir = Path(config_dir)
+    tok = _load_tokenizer(config_dir)
+    tok.add_tokens([WAYPOINT_TOKEN], special_tokens=True)
+    turn = (f"{VICUNA_SYSTEM}{VICUNA_SEP}{VICUNA_USER}: {IMAGE}\n{DRIVING}{ORION_QUESTION}{VICUNA_SEP}"
+            f"{VICUNA_ASSISTANT}: {ORION_ANSWER}{VICUNA_SEP2}")
+    head, tail = turn.split(IMAGE)
+    before, after = tok(head).input_ids, tok(tail).input_ids
+    bos = tok.bos_token_id
+    if bos is not None and before[:1] == [bos]:  # each piece carries the BOS: only the first keeps it
+        after = after[1:] if after[:1] == [bos] else after
+    waypoint = tok(WAYPOINT_TOKEN, add_special_tokens=False).input_ids
+    if len(waypoint) != 1:
+        raise ValueError(f"{config_dir}: the tokenizer splits {WAYPOINT_TOKEN} into {len(waypoint)} ids")
+    return OrionPrompt(prompt_token_ids=list(before), after_token_ids=list(after), waypoint_token_id=waypoint[0],
+                       vocab_size=len(tok), tokenizer=f"{type(tok).__name__} from {config_dir}")

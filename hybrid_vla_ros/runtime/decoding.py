@@ -117,7 +117,8 @@ class PrefixDecodeLoop:
                 return done
             with gate.step() if gate is not None else nullcontext(0.0) as held_ms:
                 t1 = time.perf_counter_ns()
-                rows, positions = sm.step_crossing(self.decoding.step(reply.tokens))
+                rows, positions = sm.step_crossing(self.decoding.step(reply.tokens,
+                                                                      placed=reply.end == channel.PLACE))
                 if not torch.isfinite(rows).all():
                     raise FloatingPointError("the prefix produced non-finite hidden states in a decode step")
                 compute_ns = time.perf_counter_ns() - t1

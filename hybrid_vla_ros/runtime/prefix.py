@@ -157,8 +157,9 @@ class PrefixRunner:
             bound = SuffixDecoding.bound(self.cfg.num_tokens, self.decode_spec.settings,
                                          len(self.cfg.decode_placed_token_ids))
             chunk = settings.decode_prefill_chunk if settings.decode_overlap else 0
-            decodings = [PrefixDecoding(self.model, self.stage, SideCache(self.model.text_config(), bound, 0), chunk)
-                         for _ in range(2 if settings.decode_overlap else 1)]
+            placed = len(self.cfg.decode_placed_token_ids)
+            decodings = [PrefixDecoding(self.model, self.stage, SideCache(self.model.text_config(), bound, 0), chunk,
+                                        placed) for _ in range(2 if settings.decode_overlap else 1)]
             self.follower = DecodeFollower(decodings, self.ring.decode, DECODE_REPLY_TIMEOUT_S,
                                            self.ring.consumer_attached, self._decode_done)
         #: Device-to-host path of a CUDA prefix (page-locked slot, staging buffer or plain copy: its ``mode``).

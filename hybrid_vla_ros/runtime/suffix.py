@@ -21,7 +21,7 @@ import torch
 
 from ..model.checkpoint import load_stage, model_id, open_checkpoint, parse_dtype
 from ..model.decode import SideCache, SuffixDecoding
-from ..model.decode_spec import DRIVES_TEXT, UnparseableWaypoints
+from ..model.decode_spec import DRIVES_CODEBOOK, DRIVES_TEXT, UnparseableWaypoints
 from ..split.planner import ring_side
 from ..model.modeling import DEFAULT_COMMAND
 from ..split.resplit import StageSplit
@@ -149,6 +149,8 @@ class SuffixRunner:
             self._decoding = SuffixDecoding(sm, self.stage, head, SideCache(sm.text_config(), bound, split_layer),
                                             self.decode_spec.settings, placed, MAX_DECODE_ROWS, split_layer)
             self._tokenizer = getattr(sm.processor(), "tokenizer", None)
+            book = self.decode_spec.codebook
+            self._codebook = book.load(model_path) if book is not None else None
             self._decode_ring = (MAX_DECODE_ROWS, sm.step_position_rows)
         else:
             self._decode_ring = (0, 0)
@@ -353,9 +355,11 @@ class SuffixRunner:
             raise DecodeDropped("decode_no_step", f"frame seq {seq}: the prefix sent no decode step within "
                                 f"{DECODE_STEP_TIMEOUT_S:g} s (or went away) after {len(answered.tokens)} token(s)",
                                 text)
-        if self.decode_spec.drives == DRIVES_TEXT:
+        spec = self.decode_spec
+        if spec.drives in (DRIVES_TEXT, DRIVES_CODEBOOK):
             try:
-                points = self.decode_spec.text.parse(text, self.cfg.n_waypoints)
+                points = (spec.text.parse(text, self.cfg.n_waypoints) if spec.drives == DRIVES_TEXT
+                          else spec.codebook.waypoints(self._codebook, answered.tokens, self.cfg.n_waypoints))
             except UnparseableWaypoints as e:
                 raise DecodeDropped("unparseable_waypoints", f"frame seq {seq}: {e}; text {text[:200]!r}",
                                     text) from None

@@ -86,18 +86,19 @@ def verify_decode(path: str | Path, new_tokens: int, dtype: str = "fp32", *, tol
         inputs = sm.example_inputs(BagFrames(), dtype=torch_dtype)
         prompt = int(sm.prompt_tokens(inputs))
         say(f"transformers' generate of {new_tokens} tokens on the unsplit model ...")
-        ref_tokens, ref_logits, stop, name = sm.decode_referee(torch_dtype, inputs, new_tokens)
+        placed = getattr(ck.cfg, "decode_placed_token_ids", []) if sm.takes_cameras else []
+        probe = DecodeSettings(max_new_tokens=new_tokens)
+        bound = SuffixDecoding.bound(prompt, probe, len(placed))  # generate's static length, + placed ones
+        ref_tokens, ref_logits, stop, name = sm.decode_referee(torch_dtype, inputs, new_tokens, cache_len=bound)
         settings = DecodeSettings(max_new_tokens=new_tokens, stop_token_ids=stop)
         report = DecodeReport(str(ck.path), name, prompt, new_tokens, ref_tokens, dtype, float(tolerance))
         head = ck.load("lm_head", dtype=torch_dtype)
         config = sm.text_config()
-        placed = getattr(ck.cfg, "decode_placed_token_ids", []) if sm.takes_cameras else []
         if placed:
             say("transformers' forward over the prompt, those tokens and the read-out tokens placed after them ...")
             ref_modes = sm.decode_readout_referee(torch_dtype, inputs, ref_tokens, DEFAULT_COMMAND)
         for k in ks:
             prefix, suffix = ck.load("prefix", k, dtype=torch_dtype), ck.load("suffix", k, dtype=torch_dtype)
-            bound = SuffixDecoding.bound(prompt, settings, len(placed))  # generate's static length, + placed ones
             got = decode_in_process(sm, prefix, suffix, head, SideCache(config, bound, 0), SideCache(config, bound, k),
                                     inputs, settings, placed=placed, command=DEFAULT_COMMAND)
             row = _row(k, got.tokens, got.logits, ref_tokens, ref_logits, tolerance)
