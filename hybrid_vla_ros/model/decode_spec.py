@@ -11,9 +11,9 @@ mapping (:class:`DecodeSpec`; docs/models.md "Decoding"). Its keys:
   decode), ``text_waypoints`` (waypoints written in the decoded text) or ``action_codebook``;
 - ``after_token_ids`` (``head``): token ids placed after the decode, before the read-out tokens (ORION's planning
   prompt after its answers);
-- ``text`` (``text_waypoints``): the grammar (:class:`TextWaypoints`);
+- ``text`` (``text_waypoints``): the grammar (:class:`TextWaypoints`; its defaults when left out);
 - ``codebook`` (``action_codebook``): AutoVLA's shape, action tokens each a short motion from a codebook file shipped
-  with the checkpoint (:class:`ActionCodebook`).
+  with the checkpoint (:class:`ActionCodebook`; its defaults when left out).
 
 Pure Python (no torch), so a config can be checked where torch is not imported.
 """
@@ -207,15 +207,15 @@ class DecodeSpec:
             raise ValueError(f"decode token id(s) {bad} outside the vocabulary of {vocab_size}")
         if after and drives != DRIVES_HEAD:
             raise ValueError("decode.after_token_ids are placed before a planning head's read-out (drives: head)")
-        text = d.get("text")
-        if (text is not None) != (drives == DRIVES_TEXT):
+        text = d.get("text", {} if drives == DRIVES_TEXT else None)  # the default grammar unless given
+        if text is not None and drives != DRIVES_TEXT:
             raise ValueError("decode.text (the waypoint grammar) goes with drives: text_waypoints, and only there")
         if text is not None:
             if not isinstance(text, dict) or set(text) - {"pair", "start", "axes", "scale"}:
                 raise ValueError("decode.text must be a mapping of pair, start, axes, scale")
             text = TextWaypoints(**text)
-        book = d.get("codebook")
-        if (book is not None) != (drives == DRIVES_CODEBOOK):
+        book = d.get("codebook", {} if drives == DRIVES_CODEBOOK else None)  # codebook.npy, ids from 0 unless given
+        if book is not None and drives != DRIVES_CODEBOOK:
             raise ValueError("decode.codebook goes with drives: action_codebook, and only there")
         if book is not None:
             if not isinstance(book, dict) or set(book) - {"file", "first_token_id"}:
