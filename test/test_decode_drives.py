@@ -237,9 +237,11 @@ def test_text_that_holds_no_waypoints_is_a_counted_drop_with_its_text(tmp_path, 
         prefix.close()
 
 
-def test_a_suffix_that_goes_away_mid_decode_ends_the_prefix_frame_at_once(composed, frames):
-    """The suffix stops answering after the prefill (it detaches): the prefix's frame ends ``no_reply`` within a
-    second (its peer check), not at the 30 s reply timeout, and the prefix loop counts it as ``decode_no_reply``."""
+@pytest.mark.parametrize("how", ["gone", "paused"])
+def test_a_suffix_that_goes_away_or_pauses_ends_the_prefix_frame_at_once(composed, frames, how):
+    """The suffix never answers the prefill (it detached, or its node was deactivated: attached, paused): the
+    prefix's frame ends ``no_reply`` within a second (its peer check), not at the 30 s reply timeout, and the prefix
+    loop counts it as ``decode_no_reply``."""
     import time
 
     from hybrid_vla_ros.runtime.loops import PrefixLoop, counting_context
@@ -248,7 +250,10 @@ def test_a_suffix_that_goes_away_mid_decode_ends_the_prefix_frame_at_once(compos
     prefix, suffix = _runners(drive, 1)
     try:
         suffix.wait_attached(10)
-        suffix.close()  # attached, then gone before the frame: the prefill is published, no reply ever comes
+        if how == "gone":
+            suffix.close()  # attached, then gone before the frame: the prefill is published, no reply ever comes
+        else:
+            suffix.set_running(False)  # still attached, takes no frame
         ctx, drops = counting_context(prefix)
         t0 = time.monotonic()
         result = PrefixLoop(ctx, pace=False).process(frames[0])
@@ -256,6 +261,7 @@ def test_a_suffix_that_goes_away_mid_decode_ends_the_prefix_frame_at_once(compos
         assert result.decode.ended == "no_reply" and result.decode.tokens == []
         assert drops == {"decode_no_reply": 1}, drops
     finally:
+        suffix.close()
         prefix.close()
 
 

@@ -161,7 +161,7 @@ class PrefixRunner:
             decodings = [PrefixDecoding(self.model, self.stage, SideCache(self.model.text_config(), bound, 0), chunk,
                                         placed) for _ in range(2 if settings.decode_overlap else 1)]
             self.follower = DecodeFollower(decodings, self.ring.decode, DECODE_REPLY_TIMEOUT_S,
-                                           self.ring.consumer_attached, self._decode_done)
+                                           self._suffix_answers, self._decode_done)
         #: Device-to-host path of a CUDA prefix (page-locked slot, staging buffer or plain copy: its ``mode``).
         self.copier = SlotCopier(self.ring, self.device) if self.device.type == "cuda" else None
         self._into_checked: type | None = None  # decoder block class checked by output_into_is_exact
@@ -268,6 +268,12 @@ class PrefixRunner:
             self.follower.wait_idle()
             result.decode = self.follower.results.get(result.seq)
         return result
+
+    def _suffix_answers(self) -> bool:
+        """Whether a suffix may still answer a decode: one is attached and has not said it is paused (an inactive
+        suffix node takes no frame until it is activated again)."""
+        presence = self.ring.consumer()
+        return presence.attached and presence.state != "paused"
 
     def _decode_done(self, seq: int, followed) -> None:
         callback = self.on_decode
