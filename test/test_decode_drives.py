@@ -161,6 +161,52 @@ def test_text_with_another_count_of_waypoints_is_unparseable(text):
         TextWaypoints().parse(text, 3)
 
 
+def test_a_grammar_that_matches_words_gives_unparseable_text_not_an_error():
+    with pytest.raises(UnparseableWaypoints, match="not two numbers"):
+        TextWaypoints(pair=r"(w)(\d+)").parse("w1 w2", 2)
+
+
+def test_null_text_and_codebook_take_their_defaults():
+    assert DecodeSpec.from_dict({"drives": "text_waypoints", "text": None}, 320).text == TextWaypoints()
+    assert DecodeSpec.from_dict({"drives": "action_codebook", "codebook": None}, 320).codebook.file == "codebook.npy"
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"", "does not load"), (None, "not real numbers"), ("complex", "not real numbers"), ("empty", "actions >= 1"),
+    ("pickle", "object array"),
+])
+def test_a_bad_codebook_file_is_refused_naming_why(tmp_path, content, match):
+    import numpy as np
+
+    from hybrid_vla_ros.model.decode_spec import ActionCodebook
+
+    path = tmp_path / "codebook.npy"
+    if content == b"":
+        path.write_bytes(b"")
+    elif content is None:
+        np.save(path, np.array([["a"] * 2] * 4))
+    elif content == "complex":
+        np.save(path, np.zeros((2, 1, 4, 2), dtype=np.complex64))
+    elif content == "empty":
+        np.save(path, np.zeros((0, 1, 4, 2)))
+    else:
+        np.save(path, np.array([{"token_all": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match=match):
+        ActionCodebook().load(tmp_path)
+
+
+def test_a_decode_longer_than_the_llm_positions_is_refused(tmp_path, capsys):
+    """The prompt, max_new_tokens and the placed tokens must fit the LLM's max_position_embeddings (else every
+    frame would fail to allocate its KV caches)."""
+    from hybrid_vla_ros.tools.cli import main
+
+    builder, kw = VLM_BUILDERS["qwen2_5_vl"]
+    vlm = builder(tmp_path / "vlm", **kw)
+    assert main(["init-model", "--preset", "tiny", "--vlm", str(vlm), "--set", 'decode={"max_new_tokens": 100000}',
+                 str(tmp_path / "drive")]) != 0
+    assert "max_position_embeddings" in capsys.readouterr().err
+
+
 def test_a_missing_start_marker_is_unparseable():
     with pytest.raises(UnparseableWaypoints, match="Trajectory:"):
         TextWaypoints(start="Trajectory:").parse("(1, 2) (3, 4)", 2)
@@ -180,6 +226,7 @@ def test_a_missing_start_marker_is_unparseable():
     ({"drives": "action_codebook", "codebook": {"first_token_id": 400}}, "outside the vocabulary"),
     ({"stop_token_ids": [10**6]}, "outside the vocabulary"),
     ({"max_tokens": 4}, "unknown decode key"),
+    ({"temperature": float("inf")}, "finite"),
 ])
 def test_a_bad_decode_mapping_is_refused_naming_what_is_wrong(decode, match):
     with pytest.raises(ValueError, match=match):

@@ -357,6 +357,13 @@ class VLAConfig:
                     "every token"]
         if spec.drives != "head" and self.n_modes != 1:
             return [f"decode with drives: {spec.drives} gives one trajectory: n_modes must be 1"]
+        longest = int(self.vlm_view.get("num_tokens", 0)) + spec.settings.max_new_tokens \
+            + len(self.decode_placed_token_ids)
+        limit = self.llm.get("max_position_embeddings")
+        if isinstance(limit, int) and longest > limit:
+            return [f"decode: the prompt ({self.vlm_view.get('num_tokens')} tokens), max_new_tokens "
+                    f"({spec.settings.max_new_tokens}) and the placed tokens need {longest} positions, the LLM has "
+                    f"{limit} (max_position_embeddings)"]
         return []
 
     @property

@@ -47,8 +47,8 @@ class DecodeSettings:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+                or not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -98,7 +98,10 @@ class TextWaypoints:
             body = text[at + len(self.start):]
         points = []
         for m in re.finditer(self.pair, body):
-            x, y = float(m.group(1)) * self.scale, float(m.group(2)) * self.scale
+            try:
+                x, y = float(m.group(1)) * self.scale, float(m.group(2)) * self.scale
+            except (TypeError, ValueError):
+                raise UnparseableWaypoints(f"a waypoint is not two numbers: {m.group(0)!r}") from None
             if not (math.isfinite(x) and math.isfinite(y)):
                 raise UnparseableWaypoints(f"a waypoint is not finite: {m.group(0)!r}")
             points.append((x, y) if self.axes == AXES[0] else (y, -x))
@@ -142,11 +145,16 @@ class ActionCodebook:
         path = Path(checkpoint_dir) / self.file
         try:
             book = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"the action codebook {path} does not load: {e}") from None
-        if book.ndim != 4 or book.shape[2:] != (4, 2) or book.shape[1] < 1 or not np.isfinite(book).all():
-            raise ValueError(f"the action codebook {path} is {book.shape}, not (actions, sub-steps, 4, 2) of finite "
-                             "corner positions")
+        except Exception as e:  # noqa: BLE001 - numpy raises OSError, ValueError, EOFError, ... for a bad file
+            why = "an object array (pickled data), which is never loaded" if "pickle" in str(e) else str(e) or \
+                type(e).__name__
+            raise ValueError(f"the action codebook {path} does not load as a .npy array: {why}") from None
+        if not isinstance(book, np.ndarray) or book.dtype.kind not in "fiu":
+            raise ValueError(f"the action codebook {path} holds {getattr(book, 'dtype', type(book))}, not real "
+                             "numbers")
+        if book.ndim != 4 or book.shape[2:] != (4, 2) or min(book.shape[:2]) < 1 or not np.isfinite(book).all():
+            raise ValueError(f"the action codebook {path} is {book.shape}, not (actions >= 1, sub-steps >= 1, 4, 2) "
+                             "of finite corner positions")
         return book.astype(np.float64)
 
     def waypoints(self, book, tokens: list[int], n_waypoints: int) -> list[tuple[float, float]]:
@@ -207,14 +215,18 @@ class DecodeSpec:
             raise ValueError(f"decode token id(s) {bad} outside the vocabulary of {vocab_size}")
         if after and drives != DRIVES_HEAD:
             raise ValueError("decode.after_token_ids are placed before a planning head's read-out (drives: head)")
-        text = d.get("text", {} if drives == DRIVES_TEXT else None)  # the default grammar unless given
+        text = d.get("text")
+        if text is None and drives == DRIVES_TEXT:  # the default grammar unless given
+            text = {}
         if text is not None and drives != DRIVES_TEXT:
             raise ValueError("decode.text (the waypoint grammar) goes with drives: text_waypoints, and only there")
         if text is not None:
             if not isinstance(text, dict) or set(text) - {"pair", "start", "axes", "scale"}:
                 raise ValueError("decode.text must be a mapping of pair, start, axes, scale")
             text = TextWaypoints(**text)
-        book = d.get("codebook", {} if drives == DRIVES_CODEBOOK else None)  # codebook.npy, ids from 0 unless given
+        book = d.get("codebook")
+        if book is None and drives == DRIVES_CODEBOOK:  # codebook.npy, ids from 0, unless given
+            book = {}
         if book is not None and drives != DRIVES_CODEBOOK:
             raise ValueError("decode.codebook goes with drives: action_codebook, and only there")
         if book is not None:

@@ -472,18 +472,25 @@ class VLMFront(SplitModel):
 
     def decode_referee(self, dtype, inputs: tuple, max_new_tokens: int, cache_len: int | None = None):
         """The family's ForConditionalGeneration ``generate`` on the processor's outputs (greedy, static cache of
-        ``cache_len`` tokens, default ``generate``'s own)."""
+        ``cache_len`` tokens, default ``generate``'s own), stopping at the generation config's end tokens, or at a
+        decoding composition's own ``decode.stop_token_ids`` (what its nodes stop at; none: never)."""
+        import copy
+
         from .vlm import vlm_family
 
         family = vlm_family(self.cfg.vlm_type)
         ref = family.generation_class.from_pretrained(str(self.ck.hf.path), dtype=dtype).eval()
-        stop = ref.generation_config.eos_token_id
+        generation = copy.deepcopy(ref.generation_config)
+        if self.takes_cameras and self.cfg.decode:
+            generation.eos_token_id = list(self.cfg.decode_spec.settings.stop_token_ids) or None
+        stop = generation.eos_token_id
         stop = () if stop is None else ((stop,) if isinstance(stop, int) else tuple(stop))
         frame = inputs[0]
+        generation.update(max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=stop[0] if stop else 0)
         out = ref.generate(input_ids=frame.input_ids, attention_mask=torch.ones_like(frame.input_ids),
-                           **frame.to("cpu", dtype).images, max_new_tokens=max_new_tokens, do_sample=False,
-                           **_static_cache(ref, cache_len), output_logits=True, return_dict_in_generate=True,
-                           pad_token_id=stop[0] if stop else 0)
+                           generation_config=generation, **frame.to("cpu", dtype).images,
+                           **_static_cache(ref, cache_len))
         return (out.sequences[0, frame.input_ids.shape[1]:].tolist(), [x[0].float() for x in out.logits], stop,
                 f"transformers {family.generation_class.__name__}.generate (greedy, static cache)")
 

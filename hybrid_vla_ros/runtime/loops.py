@@ -329,6 +329,8 @@ class SuffixLoop:
             return result
         except DecodeDropped as e:
             self.frames_in += 1
+            if e.outcome is not None:
+                self._count_decode(e.outcome)
             ctx.drop(e.cause, str(e))
         except SlotRejected as e:
             self.frames_in += 1

@@ -42,11 +42,13 @@ class StaleFrame(RuntimeError):
 
 class DecodeDropped(RuntimeError):
     """A frame whose decode gave no trajectory: ``cause`` (``decode_no_step``: the prefix stopped sending steps;
-    ``unparseable_waypoints``: the text holds no waypoints of the declared grammar), the decoded ``text``."""
+    ``unparseable_waypoints``: the text holds no waypoints of the declared grammar), the decoded ``text`` and the
+    frame's :class:`DecodeOutcome` (``outcome``)."""
 
-    def __init__(self, cause: str, message: str, text: str = ""):
+    def __init__(self, cause: str, message: str, text: str = "", outcome=None):
         super().__init__(message)
         self.cause, self.text = cause, text
+        self.outcome = outcome  # the frame's DecodeOutcome (its tokens were decoded all the same)
 
 
 #: Longest wait for the prefix's next decode step (s): beyond it the frame ends ``no_step`` (a dead prefix ends it at
@@ -354,7 +356,7 @@ class SuffixRunner:
         if answered.ended == NO_STEP:
             raise DecodeDropped("decode_no_step", f"frame seq {seq}: the prefix sent no decode step within "
                                 f"{DECODE_STEP_TIMEOUT_S:g} s (or went away) after {len(answered.tokens)} token(s)",
-                                text)
+                                text, outcome)
         spec = self.decode_spec
         if spec.drives in (DRIVES_TEXT, DRIVES_CODEBOOK):
             try:
@@ -362,7 +364,7 @@ class SuffixRunner:
                           else spec.codebook.waypoints(self._codebook, answered.tokens, self.cfg.n_waypoints))
             except UnparseableWaypoints as e:
                 raise DecodeDropped("unparseable_waypoints", f"frame seq {seq}: {e}; text {text[:200]!r}",
-                                    text) from None
+                                    text, outcome) from None
             modes = torch.tensor([points], dtype=torch.float32)
             return PlanOutput(modes[0], modes, None, 0), outcome
         return answered.plan, outcome

@@ -73,15 +73,17 @@ def run_report(rec, frames, published, k, cfg, bag_path, tolerance_ms, prefix: P
 
 
 def decode_report(timings: dict, reasoning: dict[int, str], suffix: SuffixStatus | None) -> dict:
-    """A decoding model's run: frames with a frame timing that decoded, tokens per frame (min / p50 / max), the
-    per-token medians of each frame summarised as percentiles (ms: ``prefix_token_ms`` embedding + blocks [0, K),
+    """A decoding model's run: frames the suffix decoded (its counter; published or dropped after the decode), of
+    them those with a frame timing (published), their tokens per frame (min / p50 / max), the per-token medians of
+    each published frame summarised as percentiles (ms: ``prefix_token_ms`` embedding + blocks [0, K),
     ``suffix_token_ms`` blocks [K, L) + norm + LM head, ``round_trip_ms`` both crossings), the reasoning texts
     received and the first one, and the suffix's count of decodes that ended at ``max_new_tokens``."""
     decoded = [t for t in timings.values() if t.decode_tokens > 0]
     tokens = sorted(t.decode_tokens for t in decoded)
     first = reasoning[min(reasoning)] if reasoning else ""
     return {
-        "frames": len(decoded),
+        "frames": suffix.decode_frames if suffix is not None else len(decoded),
+        "frames_timed": len(decoded),
         "tokens_per_frame": {"min": tokens[0], "p50": tokens[len(tokens) // 2], "max": tokens[-1]} if tokens else {},
         "prefix_token_ms": percentiles([t.prefix_token_ms for t in decoded], finite_only=True),
         "suffix_token_ms": percentiles([t.suffix_token_ms for t in decoded], finite_only=True),
