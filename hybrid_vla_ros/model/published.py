@@ -627,23 +627,9 @@ def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token
         raise ValueError(f"prompts {use!r}: use 'published' or 'preset'")
     if use == "preset":
         return None
-    if layout == "orion":  # its closed-loop conversation where its tokenizer is at hand, else the preset's prompt
-        if not has_tokenizer(config_dir):
-            return None
-        clash = sorted({"prompt_token_ids", "pass_prompt_token_ids"} & set(overrides or {}))
-        if clash:
-            raise ValueError(f"--set {', '.join(clash)}: the published prompt comes from {config_dir}'s tokenizer; "
-                             "use --prompts preset to give your own")
-        prompts = orion_prompt(config_dir)
-        if prompts.vocab_size != vocab:
-            raise CheckpointError(f"{prompts.tokenizer}: {prompts.vocab_size} tokens after Orion's <waypoint_ego>, "
-                                  f"the checkpoint's embeddings have {vocab} rows: not the tokenizer it was trained "
-                                  "with (--prompts preset keeps the preset's fixed prompt, not the published one)")
-        if waypoint_token_id is not None and int(waypoint_token_id) != prompts.waypoint_token_id:
-            raise ValueError(f"--waypoint-token-id {waypoint_token_id}, but the tokenizer gives "
-                             f"{prompts.waypoint_token_id} for {WAYPOINT_TOKEN}")
-        return prompts
-    if layout != "minddrive":
+    if layout == "orion" and not has_tokenizer(config_dir):  # the preset's prompt without its tokenizer
+        return None
+    if layout not in ("orion", "minddrive"):
         return None
     if not has_tokenizer(config_dir):
         raise ValueError(f"{config_dir} has no tokenizer files ({', '.join(TOKENIZER_MARKERS)}): MindDrive's "
@@ -655,17 +641,18 @@ def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token
         raise ValueError(f"--set {', '.join(clash)}: the published prompts come from {config_dir}'s tokenizer; "
                          "use --prompts preset to give your own")
     try:
-        prompts = minddrive_prompts(config_dir)
+        prompts = orion_prompt(config_dir) if layout == "orion" else minddrive_prompts(config_dir)
     except ValueError as e:
         raise ValueError(f"{e}; --prompts preset keeps the preset's fixed prompt (not the published one)") from None
     if prompts.vocab_size != vocab:
-        raise CheckpointError(f"{prompts.tokenizer}: {prompts.vocab_size} tokens after MindDrive's additions, the "
-                              f"checkpoint's embeddings have {vocab} rows: not the tokenizer it was trained with "
-                              "(--prompts preset keeps the preset's fixed prompt, not the published one)")
+        added = "Orion's <waypoint_ego>" if layout == "orion" else "MindDrive's additions"
+        raise CheckpointError(f"{prompts.tokenizer}: {prompts.vocab_size} tokens after {added}, the checkpoint's "
+                              f"embeddings have {vocab} rows: not the tokenizer it was trained with (--prompts "
+                              "preset keeps the preset's fixed prompt, not the published one)")
     if waypoint_token_id is not None and int(waypoint_token_id) != prompts.waypoint_token_id:
         raise ValueError(f"--waypoint-token-id {waypoint_token_id}, but the tokenizer gives "
                          f"{prompts.waypoint_token_id} for {WAYPOINT_TOKEN}")
-    if decision_token_ids and [int(t) for t in decision_token_ids] != prompts.speed_token_ids:
+    if decision_token_ids and [int(t) for t in decision_token_ids] != list(prompts.speed_token_ids):
         raise ValueError(f"--decision-token-ids {list(decision_token_ids)}, but the tokenizer gives "
                          f"{prompts.speed_token_ids} for the speed meta-actions")
     return prompts
