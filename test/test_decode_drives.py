@@ -435,7 +435,7 @@ def test_action_tokens_roll_out_through_the_codebook_like_the_published_tokenize
     with pytest.raises(UnparseableWaypoints, match="3 action token"):
         book.waypoints(table, [100, 101, 102], 4)
     np.save(tmp_path / "flat.npy", np.zeros((3, 2, 4)))
-    with pytest.raises(ValueError, match="not \\(actions, sub-steps, 4, 2\\)"):
+    with pytest.raises(ValueError, match="not \\(actions >= 1, sub-steps >= 1, 4, 2\\)"):
         ActionCodebook(file="flat.npy").load(tmp_path)
 
 
