@@ -489,21 +489,13 @@ def test_learned_queries_placed_after_the_decode_are_read_like_transformers(tmp_
         config, k, head = sm.text_config(), 2, ck.load("lm_head")
 
         def run(placed, queries=True):
-            """decode_in_process's steps, with the prefix's learned queries left out when not ``queries``."""
+            """decode_in_process, with the prefix's learned queries left out when not ``queries``."""
             from hybrid_vla_ros.model.decode import PrefixDecoding
 
             front = PrefixDecoding(sm, ck.load("prefix", k), SideCache(config, bound, 0), placed=len(placed))
             front.query_count = front.query_count if queries else 0  # else the planning tokens' own embeddings
-            back = SuffixDecoding(sm, ck.load("suffix", k), head, SideCache(config, bound, k),
-                                  cfg.decode_spec.settings, placed)
-            back.begin(0)
-            token = back.take(front.prefill(inputs))
-            while not back.result.ended:
-                token = back.take(front.step([token]))
-            steps = back.placed_steps()
-            for i, ids in enumerate(steps):
-                back.take_placed(front.step(ids, placed=True), last=i == len(steps) - 1)
-            return back.result.plan.modes
+            return decode_in_process(sm, None, ck.load("suffix", k), head, None, SideCache(config, bound, k),
+                                     inputs, cfg.decode_spec.settings, placed=placed, front=front).plan.modes
 
         want = sm.decode_readout_referee(torch.float32, inputs, report.reference_tokens, 3)
         assert (run(cfg.decode_placed_token_ids) - want).abs().max() <= 1e-5

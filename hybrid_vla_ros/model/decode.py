@@ -233,11 +233,12 @@ class SuffixDecoding:
 
 def decode_in_process(sm, prefix, suffix, head: LMHead, prefix_cache: SideCache, suffix_cache: SideCache,
                       inputs: tuple, settings: DecodeSettings, frame_seq: int = 0, placed=(),
-                      command: int = 3) -> DecodeResult:
+                      command: int = 3, front: "PrefixDecoding | None" = None) -> DecodeResult:
     """Decode one frame with both sides in this process (what crosses handed over directly; the reference the
     ring's decode is checked against), then run the ``placed`` tokens (:class:`SuffixDecoding`) with navigation
-    command index ``command``. Returns a :class:`DecodeResult`."""
-    front = PrefixDecoding(sm, prefix, prefix_cache, placed=len(placed))
+    command index ``command``; ``front``: the prefix side to use instead of one made from ``prefix`` and
+    ``prefix_cache`` (a check that alters it). Returns a :class:`DecodeResult`."""
+    front = front or PrefixDecoding(sm, prefix, prefix_cache, placed=len(placed))
     back = SuffixDecoding(sm, suffix, head, suffix_cache, settings, placed)
     back.command = command
     back.begin(frame_seq)
