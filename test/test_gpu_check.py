@@ -479,6 +479,21 @@ def test_a_run_killed_mid_way_leaves_the_sections_done_so_far(tmp_path):
     print(f"\nkilled after {done}: {statuses}")
 
 
+def test_a_report_s_markdown_lands_before_its_json(tmp_path, monkeypatch):
+    """The killed-run test above reads the JSON, kills, then reads the markdown: each file of a report is renamed
+    into place whole, the markdown first, so a JSON that shows a section done never sits beside a markdown older
+    than it (a run SIGKILLed between the two renames, as happened under load, leaves the newer markdown)."""
+    from hybrid_vla_ros.tools import harness
+
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(harness.os, "replace", lambda a, b: (renamed.append(Path(b).name), real_replace(a, b)))
+    harness.write_report({"sections": {}}, tmp_path / "gpu_check.json", "# report\n")
+    assert renamed == ["gpu_check.md", "gpu_check.json"]
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == {"sections": {}}
+    assert not list(tmp_path.glob("*.part"))
+
+
 def test_a_suffix_that_fails_is_named_at_once_not_after_the_prefix_times_out(tiny_checkpoint):
     """Issue 24.5: the parent watches both children together: a suffix that cannot start (here: a dtype it
     refuses) is reported as the suffix's error within seconds, while the prefix would wait 300 s for its attach."""

@@ -76,12 +76,13 @@ def finite(obj):
 def write_report(doc: dict, path: str | Path, markdown: str | None = None, indent: int = 1, default=None) -> Path:
     """Write ``doc`` as strict JSON to ``path`` (and ``markdown`` beside it, ``.md``), creating the folder; each file
     is written beside itself and renamed over the old one, so a run killed while writing leaves the previous whole
-    report, never a truncated one. Returns the JSON's path."""
+    report, never a truncated one. The markdown is renamed into place first, so a reader who sees a JSON has a
+    markdown at least as new beside it (a run killed between the two renames leaves the newer markdown beside the
+    older JSON, never the reverse). Returns the JSON's path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    files = [(path, json.dumps(finite(doc), indent=indent, allow_nan=False, default=default) + "\n")]
-    if markdown is not None:
-        files.append((path.with_suffix(".md"), markdown))
+    files = [] if markdown is None else [(path.with_suffix(".md"), markdown)]
+    files.append((path, json.dumps(finite(doc), indent=indent, allow_nan=False, default=default) + "\n"))
     for target, text in files:
         part = target.with_name(target.name + ".part")
         part.write_text(text)
