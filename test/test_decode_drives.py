@@ -234,13 +234,19 @@ def test_a_bad_decode_mapping_is_refused_naming_what_is_wrong(decode, match):
 
 
 def test_a_decode_on_a_model_that_cannot_place_tokens_is_refused(tmp_path):
-    """A decode only on a composition over a transformers VLM; with drives: head not on a queries read-out."""
+    """This package's own model decodes with one pass and a planning token placed after the decode (ORION's
+    shape, test_decode_turns.py); two passes, another read-out or another thing to drive are refused by name."""
     from hybrid_vla_ros.model.config import VLAConfig, preset
 
     base = preset("tiny").to_dict()
     base.pop("model_type"), base.pop("format_version")
-    with pytest.raises(ValueError, match="only a checkpoint composed on a transformers VLM"):
-        VLAConfig(**{**base, "decode": {"max_new_tokens": 4}})
+    cfg = VLAConfig(**{**base, "decode": {"max_new_tokens": 4}})
+    assert cfg.num_tokens == preset("tiny").num_tokens - 1  # the planning token comes after the decode
+    assert cfg.decode_placed_token_ids == [cfg.planning_token_id] and cfg.readout_positions.planning == -1
+    with pytest.raises(ValueError, match="decodes with one LLM pass"):
+        VLAConfig(**{**base, "llm_passes": 2, "decode": {"max_new_tokens": 4}})
+    with pytest.raises(ValueError, match="drives its planning head"):
+        VLAConfig(**{**base, "n_modes": 1, "decode": {"max_new_tokens": 4, "drives": "text_waypoints"}})
 
 
 def _runners(drive: Path, k: int, overlap: bool = False):

@@ -43,7 +43,8 @@ def test_the_plan_counts_both_kv_caches_and_the_decode_in_every_row(qwen2, tmp_p
     per_layer = 2 * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * (T + n - 1) * 4
     steps = doc["devices"]["cpu"]["decode"]
     for r, b in zip(plan.rows, base.rows):
-        assert r.gpu_kv_bytes == r.k * per_layer and r.cpu_kv_bytes == (3 - r.k) * per_layer
+        # the prefix's two caches: the decoding frame's and the next prefill's (decode_overlap)
+        assert r.gpu_kv_bytes == 2 * r.k * per_layer and r.cpu_kv_bytes == (3 - r.k) * per_layer
         assert r.gpu_total_bytes == b.gpu_total_bytes + r.gpu_kv_bytes
         assert r.cpu_total_bytes == b.cpu_total_bytes + r.cpu_kv_bytes
         assert r.prefix_token_ms == pytest.approx(sum(steps["llm_block_step_ms"][:r.k]))

@@ -841,3 +841,50 @@ def test_orion_runs_its_published_closed_loop_conversation_with_its_tokenizer(or
     assert report["prompt"]["source"].startswith("Orion's closed-loop conversation")
     verified = _cli("verify-split", "--model", str(out), "--quiet")
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_orion_with_its_critical_qa_asks_its_questions_as_its_pipeline_tokenizes_them(orion_like, monkeypatch,
+                                                                                       tmp_path):
+    """Issue 40 item 6, the QA-then-plan conversation: `convert --prompts published-qa` writes Orion's chain-of-
+    thought conversation (desc_qa on): the first question around the scene tokens before the decode, the two other
+    questions as turns each answered by a decode, the planning turn placed after the last answer and the planning
+    state read at its <waypoint_ego>; each turn equal to the published pipeline's own tokenization of the same
+    sources (preprocess_v1 with only_one_system_prompt, one sequence per turn, -200 for the scene tokens), the
+    stop token its </s> and its sampling (temperature 0.1, top-p 0.75). `verify-split --decode-tokens 3` then
+    checks the three decodes and the read-out against transformers at every K."""
+    from minddrive_reference import load_prompt_pipeline
+    from hybrid_vla_ros.model.published_prompts import ORION_QA_QUESTIONS
+
+    root, hf_dir, pth, _, _ = orion_like
+    llm_dir = tmp_path / "llm"
+    llm_dir.mkdir()
+    # the test tokenizer spells most words letter by letter: the conversation needs more than the 512 positions
+    doc = json.loads((hf_dir / "config.json").read_text())
+    (llm_dir / "config.json").write_text(json.dumps({**doc, "max_position_embeddings": 2048}))
+    tok = _vicuna_tokenizer(llm_dir, LLM["vocab_size"])
+    out = tmp_path / "converted"
+    report = convert(pth, llm_dir, out, preset_name="tiny", lora_r=4, lora_alpha=8, prompts="published-qa",
+                     overrides={"decode": {"max_new_tokens": 24}})
+    cfg = open_checkpoint(out).cfg
+    spec = cfg.decode_spec
+    pipeline = load_prompt_pipeline(monkeypatch)
+    tok.add_tokens(["<waypoint_ego>"], special_tokens=True)
+    first, second, third = ORION_QA_QUESTIONS
+    sources = [[{"from": "human", "value": "<image>\nYou are driving a car." + first}, {"from": "gpt", "value": ""}],
+               [{"from": "human", "value": second}, {"from": "gpt", "value": ""}],
+               [{"from": "human", "value": third}, {"from": "gpt", "value": ""}],
+               [{"from": "human", "value": "Please provide the planning trajectory for the ego car without reasons."},
+                {"from": "gpt", "value": "Here is the planning trajectory <waypoint_ego>"}]]
+    want = [ids.tolist() for ids in pipeline.preprocess(sources, tok, has_image=True, training_mode=False,
+                                                          only_one_system_prompt=True)["input_ids"]]
+    assert cfg.prompt_token_ids + [-200] + cfg.pass_prompt_token_ids[0] == want[0]
+    assert [list(t) for t in spec.turns] == want[1:3] and all(t[0] == tok.bos_token_id for t in spec.turns)
+    waypoint = tok.convert_tokens_to_ids("<waypoint_ego>")
+    assert cfg.decode_placed_token_ids == want[3][:want[3].index(waypoint) + 1]
+    assert spec.settings.stop_token_ids == (tok.eos_token_id,) and spec.settings.max_new_tokens == 24
+    assert (spec.settings.temperature, spec.settings.top_p) == (0.1, 0.75)
+    assert report["prompt"]["source"].startswith("Orion's conversation with its critical QA")
+    assert report["prompt"]["turn_tokens"] == [len(want[1]), len(want[2])]
+    verified = _cli("verify-split", "--model", str(out), "--decode-tokens", "3", "--quiet")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "9 tokens" in verified.stdout, verified.stdout  # three decodes of three tokens

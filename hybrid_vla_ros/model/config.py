@@ -135,9 +135,11 @@ class VLAConfig:
         vlm / vlm_view: with ``projector`` ``{"type": "vlm"}``: the VLM's config (``llm`` its text model's) and
             the :class:`VLMSpec` fields saying how the cameras are fed. The frame is the processor's tokens, then
             the planning token; the vision side fields are unused.
-        decode: with ``projector`` ``{"type": "vlm"}``, a frame decodes tokens after its prefill
-            (:class:`~hybrid_vla_ros.model.decode_spec.DecodeSpec`: how many, how chosen, what they drive); the
-            planning token then comes after the decode, not in the prefill. Empty: one prefill, no decode.
+        decode: a frame decodes tokens after its prefill (:class:`~hybrid_vla_ros.model.decode_spec.DecodeSpec`:
+            how many, how chosen, what they drive, the turns between decodes); the planning token then comes after
+            the decode, not in the prefill (with ``pass_prompt_token_ids``, its one prompt is the text before the
+            decode, e.g. ORION's first question). This package's own model decodes with one pass and a planning
+            token (``drives: head``); a composition on a transformers VLM with any read-out. Empty: one prefill.
 
     With a ``llava`` projector, ``prompt_token_ids`` holds one image placeholder (``projector.image_token_index``)
     per camera, each replaced by that camera's P vision tokens.
@@ -274,8 +276,7 @@ class VLAConfig:
         if kind != "llava" and self.vlm_path:
             problems.append("vlm_path needs projector.type 'llava'")
         if self.decode:
-            problems.append("decode: only a checkpoint composed on a transformers VLM (projector.type 'vlm') decodes "
-                            "in the nodes for now")
+            problems += self._own_decode_problems(kind)
         if not self.planning_head and not self.vlm_path:
             problems.append("planning_head: false is only for a transformers LLaVA directory viewed as it is")
         if self.n_modes not in (1, len(NAV_COMMANDS)):
@@ -287,6 +288,8 @@ class VLAConfig:
             raise ValueError("invalid model config: " + "; ".join(problems + prompt_problems))
         problems += self._pass_problems()
         problems += self._readout_problems()
+        if self.decode and not problems:
+            problems += self._decode_problems()
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
@@ -344,6 +347,24 @@ class VLAConfig:
             return [] if self.llm_passes == 1 else ["a module read-out takes one LLM pass"]
         return [f"readout.type {kind!r} is not 'mlp', 'vae', 'vae_speed_path', 'queries' or 'module'"]
 
+    def _own_decode_problems(self, projector: str) -> list[str]:
+        """What this package's own model needs to decode (ORION's shape: one LLM pass, a planning token read after
+        the decode, drives: head)."""
+        problems = []
+        if self.llm_passes != 1:
+            problems.append("decode: this package's own model decodes with one LLM pass")
+        if self.readout_type not in ("mlp", "vae"):
+            problems.append(f"decode: this package's own model reads its planning token after the decode (readout "
+                            f"'mlp' or 'vae'), not {self.readout_type!r}")
+        if projector == "llava":
+            problems.append("decode: a LLaVA projector's image placeholders are not supported with decode")
+        if not self.planning_head:
+            problems.append("decode: a model without a planning head has nothing to drive")
+        if isinstance(self.decode, dict) and self.decode.get("drives", "head") != "head":
+            problems.append("decode: this package's own model drives its planning head (drives: head); text and "
+                            "codebook read-outs are for compositions on a transformers VLM")
+        return problems
+
     def _decode_problems(self) -> list[str]:
         """Problems of ``decode`` (:class:`~.decode_spec.DecodeSpec`)."""
         if not self.decode:
@@ -357,13 +378,14 @@ class VLAConfig:
                     "every token"]
         if spec.drives != "head" and self.n_modes != 1:
             return [f"decode with drives: {spec.drives} gives one trajectory: n_modes must be 1"]
-        longest = int(self.vlm_view.get("num_tokens", 0)) + spec.settings.max_new_tokens \
+        prompt = int(self.vlm_view.get("num_tokens", 0)) if self.vlm_front else self.num_tokens
+        longest = prompt + spec.decodes_per_frame * spec.settings.max_new_tokens + spec.turn_tokens \
             + len(self.decode_placed_token_ids)
         limit = self.llm.get("max_position_embeddings")
         if isinstance(limit, int) and longest > limit:
-            return [f"decode: the prompt ({self.vlm_view.get('num_tokens')} tokens), max_new_tokens "
-                    f"({spec.settings.max_new_tokens}) and the placed tokens need {longest} positions, the LLM has "
-                    f"{limit} (max_position_embeddings)"]
+            return [f"decode: the prompt ({prompt} tokens), {spec.decodes_per_frame} decode(s) of max_new_tokens "
+                    f"({spec.settings.max_new_tokens}), the turns and the placed tokens need {longest} positions, "
+                    f"the LLM has {limit} (max_position_embeddings)"]
         return []
 
     @property
@@ -457,6 +479,8 @@ class VLAConfig:
             problems.append(f"pass_prompt_token_ids needs a read-out at fixed tokens, not {self.readout_type!r}")
         last = prompts[-1]
         reads = self.readout_token_ids
+        if self.decode:  # the prompt before a decode; the read-out tokens are placed after it
+            return problems
         if not all(last.count(t) == 1 for t in reads):  # the published read-out takes every position of the id
             problems.append(f"the last pass's prompt must hold each read-out token ({reads}) exactly once")
         elif len(reads) == 2 and _last_index(last, reads[0]) > _last_index(last, reads[1]):
@@ -474,7 +498,7 @@ class VLAConfig:
             decision = pos - T
         elif self.llm_passes > 1:  # this package's 6-way decision head: the decision pass's last real token
             decision = self._pass_length(0) - 1 - T
-        if self.pass_prompt_token_ids:
+        if self.pass_prompt_token_ids and not self.decode:
             last = self.pass_prompt_token_ids[-1]
             start = len(self.prompt_token_ids) + self.num_vision_tokens
             at = [start + _last_index(last, t) - T for t in self.readout_token_ids]
@@ -641,7 +665,9 @@ class VLAConfig:
         as the vision tokens that replace them)."""
         # the planning token(s), or the query tokens in their place
         last = self.query_count or (1 if self.vlm_front else len(self.readout_token_ids))
-        if self.vlm_front and self.decode:  # the read-out tokens come after the decode, not in the prefill
+        if self.decode:  # the read-out tokens come after the decode, not in the prefill
+            last = 0
+        if self.vlm_front and self.decode:
             return int(self.vlm_view["num_tokens"])
         if self.vlm_front:  # the processor's tokens, then the planning / query tokens
             return int(self.vlm_view["num_tokens"]) + last

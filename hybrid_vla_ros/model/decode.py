@@ -105,12 +105,41 @@ class DecodeResult:
     """One frame's decode: ``tokens`` chosen in order (the stop token included), ``logits`` of each step (V,) float32
     (the prefill's last row first), ``ended`` (:data:`STOP_TOKEN` or :data:`MAX_TOKENS`; "" while it goes on) and,
     where the planning head reads tokens placed after the decode, its ``plan``
-    (:class:`~.modeling.PlanOutput`)."""
+    (:class:`~.modeling.PlanOutput`). With turns (``decode.turns``): ``turn_starts`` holds the index in ``tokens``
+    where each later decode starts, ``decode_ends`` how each decode ended (the last one is ``ended``)."""
 
     tokens: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     ended: str = ""
     plan: object = None
+    turn_starts: list[int] = field(default_factory=list)
+    decode_ends: list[str] = field(default_factory=list)
+
+    def decodes(self) -> list[list[int]]:
+        """The chosen tokens split into the frame's decodes (one list without turns)."""
+        cuts = [0, *self.turn_starts, len(self.tokens)]
+        return [self.tokens[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def split_decodes(tokens: list[int], stop_token_ids, max_new_tokens: int, decodes: int) -> list[list[int]]:
+    """A frame's chosen ``tokens`` split into its ``decodes`` decodes, each ending at a stop token or after
+    ``max_new_tokens`` (as :class:`SuffixDecoding` ends them); the last holds the rest."""
+    out: list[list[int]] = [[]]
+    for t in tokens:
+        out[-1].append(t)
+        if len(out) < decodes and (t in stop_token_ids or len(out[-1]) >= max_new_tokens):
+            out.append([])
+    return out
+
+
+def conversation_ids(decodes: list[list[int]], turns) -> list[int]:
+    """The token ids after the prompt in order: each decode's tokens, then the turn placed after it."""
+    ids: list[int] = []
+    for i, chosen in enumerate(decodes):
+        ids += chosen
+        if i < len(decodes) - 1:
+            ids += list(turns[i])
+    return ids
 
 
 class PrefixDecoding:
@@ -166,17 +195,25 @@ class SuffixDecoding:
     ``placed``: token ids placed after the decode, their last rows read by the planning head (a decoding driving
     model: ``decode.after_token_ids`` then the read-out tokens), or () when the decode drives nothing there. They
     follow the decode's last token (never run yet) in steps of at most ``rows_per_step`` rows, the read-out tokens in
-    the last one (:meth:`placed_steps`). ``k``: the split layer the frames come at (default the stage's)."""
+    the last one (:meth:`placed_steps`). ``turns``: token-id sequences, each run after a decode ends (after its last
+    token, in steps of at most ``rows_per_step`` rows) and answered by another decode (:meth:`take`). ``k``: the
+    split layer the frames come at (default the stage's)."""
 
     def __init__(self, sm, stage, head: LMHead, cache: SideCache, settings: DecodeSettings, placed=(),
-                 rows_per_step: int = 4, k: int | None = None):
+                 rows_per_step: int = 4, k: int | None = None, turns=()):
         self.sm, self.stage, self.head, self.cache, self.settings = sm, stage, head, cache, settings
         self.placed, self.rows_per_step = tuple(int(t) for t in placed), int(rows_per_step)
+        self.turns = tuple(tuple(int(t) for t in turn) for turn in turns)
         self.k = stage.split_layer if k is None else int(k)
         self.command = 3  # LANE_FOLLOW (config.NAV_COMMANDS) until the runner says
         self.chooser = TokenChooser(settings)
         self.result = DecodeResult()
         self._placed_rows: list[torch.Tensor] = []
+        self._pending: list[list[int]] = []  # a turn's steps still to run before the next choice
+        self._in_decode = 0  # tokens chosen in the current decode
+        #: Whether the ids :meth:`take` returned last are a turn's step (the first: the decode's last token, then
+        #: the turn's first ids), not a chosen token to go on with.
+        self.turn_step = False
 
     def begin(self, frame_seq: int = 0, k: int | None = None) -> None:
         """A new frame (at split layer ``k``, default unchanged): an empty cache and result, the draws seeded for
@@ -187,22 +224,40 @@ class SuffixDecoding:
         self.chooser.start(frame_seq)
         self.result = DecodeResult()
         self._placed_rows = []
+        self._pending, self._in_decode, self.turn_step = [], 0, False
 
-    def take(self, out) -> int:
-        """The prefill's or a step's output (what crossed) -> the next token, appended to ``result`` (whose
-        ``ended`` says whether it was the last). Raises ValueError when the cache has no room left."""
+    def take(self, out) -> list[int]:
+        """The prefill's or a step's output (what crossed) -> the token ids the prefix runs next: the chosen token
+        (appended to ``result``, whose ``ended`` says whether it was the last), or, where a decode ended and a turn
+        follows, its first step (the chosen token, then the turn's first ids; :attr:`turn_step`); while a turn's
+        steps remain, their rows only extend the cache and the next step's ids come back. Raises ValueError when the
+        cache has no room left."""
         self.cache.room_for(self.sm.hidden(out).shape[-2])
         final = self.sm.suffix_rows(self.stage, out, self.cache.cache, self.k)
+        self.turn_step = bool(self._pending)
+        if self._pending:  # a turn's rows: nothing is chosen before its last step
+            return self._pending.pop(0)
         logits = self.head(final[..., -1:, :]).reshape(-1)
         token = self.chooser.choose(logits)
         r = self.result
         r.tokens.append(token)
         r.logits.append(logits)
-        if token in self.settings.stop_token_ids:
-            r.ended = STOP_TOKEN
-        elif len(r.tokens) >= self.settings.max_new_tokens:
-            r.ended = MAX_TOKENS
-        return token
+        self._in_decode += 1
+        end = STOP_TOKEN if token in self.settings.stop_token_ids else \
+            MAX_TOKENS if self._in_decode >= self.settings.max_new_tokens else ""
+        if not end:
+            return [token]
+        r.decode_ends.append(end)
+        turn = len(r.turn_starts)
+        if turn >= len(self.turns):
+            r.ended = end
+            return [token]
+        ids, n = [token, *self.turns[turn]], self.rows_per_step
+        steps = [ids[i:i + n] for i in range(0, len(ids), n)]
+        self._pending = steps[1:]
+        r.turn_starts.append(len(r.tokens))
+        self._in_decode, self.turn_step = 0, True
+        return steps[0]
 
     def placed_steps(self) -> list[list[int]]:
         """After the decode ended: the tokens to run, step by step (the last decoded token, then :attr:`placed`),
@@ -225,27 +280,29 @@ class SuffixDecoding:
             self._placed_rows = []
 
     @staticmethod
-    def bound(prompt: int, settings: DecodeSettings, placed: int = 0) -> int:
+    def bound(prompt: int, settings: DecodeSettings, placed: int = 0, turns=()) -> int:
         """Tokens a side's cache must hold: the prompt, every decoded token but the last (chosen, never cached:
-        ``generate``'s static length), and with ``placed`` tokens the last decoded one and those."""
-        return prompt + settings.max_new_tokens - 1 + (placed + 1 if placed else 0)
+        ``generate``'s static length), and with ``placed`` tokens the last decoded one and those; with ``turns``
+        (token-id sequences) each one and its decode."""
+        turn_tokens = sum(len(t) for t in turns)
+        return prompt + (1 + len(turns)) * settings.max_new_tokens + turn_tokens - 1 + (placed + 1 if placed else 0)
 
 
 def decode_in_process(sm, prefix, suffix, head: LMHead, prefix_cache: SideCache, suffix_cache: SideCache,
                       inputs: tuple, settings: DecodeSettings, frame_seq: int = 0, placed=(),
-                      command: int = 3, front: "PrefixDecoding | None" = None) -> DecodeResult:
+                      command: int = 3, front: "PrefixDecoding | None" = None, turns=()) -> DecodeResult:
     """Decode one frame with both sides in this process (what crosses handed over directly; the reference the
-    ring's decode is checked against), then run the ``placed`` tokens (:class:`SuffixDecoding`) with navigation
-    command index ``command``; ``front``: the prefix side to use instead of one made from ``prefix`` and
-    ``prefix_cache`` (a check that alters it). Returns a :class:`DecodeResult`."""
+    ring's decode is checked against), with a decode after each of the ``turns``, then run the ``placed`` tokens
+    (:class:`SuffixDecoding`) with navigation command index ``command``; ``front``: the prefix side to use instead
+    of one made from ``prefix`` and ``prefix_cache`` (a check that alters it). Returns a :class:`DecodeResult`."""
     front = front or PrefixDecoding(sm, prefix, prefix_cache, placed=len(placed))
-    back = SuffixDecoding(sm, suffix, head, suffix_cache, settings, placed)
+    back = SuffixDecoding(sm, suffix, head, suffix_cache, settings, placed, turns=turns)
     back.command = command
     back.begin(frame_seq)
     with torch.inference_mode():
-        token = back.take(front.prefill(inputs))
+        ids = back.take(front.prefill(inputs))
         while not back.result.ended:
-            token = back.take(front.step([token]))
+            ids = back.take(front.step(ids))
         steps = back.placed_steps()
         for i, ids in enumerate(steps):
             back.take_placed(front.step(ids, placed=True), last=i == len(steps) - 1)

@@ -9,8 +9,11 @@ mapping (:class:`DecodeSpec`; docs/models.md "Decoding"). Its keys:
   (default 0, plus the frame's sequence number);
 - ``drives``: what gives the trajectory: ``head`` (default; the planning head at read-out tokens placed after the
   decode), ``text_waypoints`` (waypoints written in the decoded text) or ``action_codebook``;
-- ``after_token_ids`` (``head``): token ids placed after the decode, before the read-out tokens (ORION's planning
-  prompt after its answers);
+- ``turns``: token-id lists, each placed after a decode that ended (its stop token or ``max_new_tokens``) and followed
+  by another decode of up to ``max_new_tokens``: a conversation's next questions (ORION's critical-QA turns, each
+  answered before the next is asked); empty (default): one decode per frame;
+- ``after_token_ids`` (``head``): token ids placed after the (last) decode, before the read-out tokens (ORION's
+  planning prompt after its answers);
 - ``text`` (``text_waypoints``): the grammar (:class:`TextWaypoints`; its defaults when left out);
 - ``codebook`` (``action_codebook``): AutoVLA's shape, action tokens each a short motion from a codebook file shipped
   with the checkpoint (:class:`ActionCodebook`; its defaults when left out).
@@ -180,17 +183,28 @@ class ActionCodebook:
 @dataclass(frozen=True)
 class DecodeSpec:
     """A checkpoint's ``decode`` mapping (the module docstring's table): ``settings`` (:class:`DecodeSettings`),
-    ``drives`` (:data:`DRIVES`), ``after_token_ids``, ``text`` (:class:`TextWaypoints` or None) and ``codebook``
-    (:class:`ActionCodebook` or None)."""
+    ``drives`` (:data:`DRIVES`), ``after_token_ids``, ``text`` (:class:`TextWaypoints` or None), ``codebook``
+    (:class:`ActionCodebook` or None) and ``turns`` (token-id tuples placed between decodes)."""
 
     settings: DecodeSettings
     drives: str = DRIVES_HEAD
     after_token_ids: tuple[int, ...] = ()
     text: TextWaypoints | None = None
     codebook: ActionCodebook | None = None
+    turns: tuple[tuple[int, ...], ...] = ()
 
     KEYS = ("max_new_tokens", "stop_token_ids", "temperature", "top_p", "seed", "drives", "after_token_ids", "text",
-            "codebook")
+            "codebook", "turns")
+
+    @property
+    def decodes_per_frame(self) -> int:
+        """Decodes a frame runs: one, and one more after each turn."""
+        return 1 + len(self.turns)
+
+    @property
+    def turn_tokens(self) -> int:
+        """Tokens of every turn together."""
+        return sum(len(t) for t in self.turns)
 
     @classmethod
     def from_dict(cls, d: dict, vocab_size: int) -> "DecodeSpec":
@@ -210,7 +224,13 @@ class DecodeSpec:
         if not isinstance(after, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in after):
             raise ValueError(f"decode.after_token_ids must be a list of token ids, got {after!r}")
-        bad = [t for t in list(after) + list(settings.stop_token_ids) if not 0 <= t < int(vocab_size)]
+        turns = d.get("turns", [])
+        if not isinstance(turns, (list, tuple)) or not all(
+                isinstance(turn, (list, tuple)) and turn and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                 for t in turn) for turn in turns):
+            raise ValueError(f"decode.turns must be a list of non-empty token-id lists, got {turns!r}")
+        bad = [t for t in list(after) + list(settings.stop_token_ids) + [t for turn in turns for t in turn]
+               if not 0 <= t < int(vocab_size)]
         if bad:
             raise ValueError(f"decode token id(s) {bad} outside the vocabulary of {vocab_size}")
         if after and drives != DRIVES_HEAD:
@@ -236,10 +256,11 @@ class DecodeSpec:
             if book.first_token_id >= int(vocab_size):
                 raise ValueError(f"decode.codebook.first_token_id {book.first_token_id} is outside the vocabulary "
                                  f"of {vocab_size}")
-        return cls(settings, drives, tuple(int(t) for t in after), text, book)
+        return cls(settings, drives, tuple(int(t) for t in after), text, book,
+                   tuple(tuple(int(t) for t in turn) for turn in turns))
 
     def with_tokens(self, max_new_tokens: int) -> "DecodeSpec":
         """The same spec with another ``max_new_tokens`` (a node parameter's override). Raises ValueError."""
         s = self.settings
         return DecodeSpec(DecodeSettings(max_new_tokens, s.stop_token_ids, s.temperature, s.top_p, s.seed),
-                          self.drives, self.after_token_ids, self.text, self.codebook)
+                          self.drives, self.after_token_ids, self.text, self.codebook, self.turns)

@@ -103,6 +103,10 @@ class SplitModel:
         """The transformers config of its decoder blocks (what its KV caches are built for)."""
         return modeling.llm_config(self.cfg)
 
+    def tokenizer(self):
+        """The tokenizer that turns its decoded ids into text (local files only), or None where it has none."""
+        return None
+
     # ----------------------------------------------------------------------------------------- inputs
     def example_inputs(self, frames: CameraFrames | None = None, device="cpu", dtype=torch.float32) -> tuple:
         """The prefix stage's arguments for one frame (``frames`` None: made-up inputs, for timing)."""
@@ -358,6 +362,9 @@ class VLMFront(SplitModel):
             self._processor = load_processor(self.ck.hf.path, self.cfg.vlm_type)
         return self._processor
 
+    def tokenizer(self):
+        return getattr(self.processor(), "tokenizer", None)
+
     def frame_inputs(self, images: list):
         """One frame's :class:`~.vlm.VLMInputs` from camera images already of ``cfg.camera_size``."""
         from .vlm import frame_inputs
@@ -555,9 +562,99 @@ class DrivingVLA(SplitModel):
 
     produces_in_place = True
     decodes_scaled = True
+    NO_DECODE = ("this model has no language-model head to decode with: its planning head reads fixed positions of "
+                 "one prefill (a 'decode' mapping in its config.json makes it decode)")
 
-    def run_prefix(self, stage, inputs, out=None):
+    @property
+    def decodes(self) -> bool:
+        """Whether its config decodes (``decode``: ORION's questions answered before its planning token)."""
+        return bool(self.cfg.decode)
+
+    def run_prefix(self, stage, inputs, out=None, cache=None, chunk_rows: int = 0):
+        if cache is not None:
+            return stage(inputs[0], inputs[1], scene=inputs[2], cache=cache, chunk_rows=chunk_rows)
         return stage(inputs[0], inputs[1], scene=inputs[2], out=out)
+
+    def prompt_tokens(self, inputs) -> int:
+        return int(self.cfg.num_tokens)
+
+    def prefix_step(self, stage, token_ids, prefill, cache, position: int, queries: tuple[int, int] = (0, 0)):
+        return stage.step(token_ids, cache)
+
+    def placed_rows(self, suffix, out, cache, split_layer):
+        return suffix.step_rows(out, cache, split_layer)
+
+    def tokenizer(self):
+        """The tokenizer beside the referred LLM's config (a converted ORION's), or None."""
+        from .published_prompts import _load_tokenizer, has_tokenizer
+
+        hf = None if self.ck is None else self.ck.hf
+        if hf is None or not has_tokenizer(hf.path):
+            return None
+        return _load_tokenizer(hf.path)
+
+    def _causal_lm(self, dtype):
+        """transformers' causal LM of its LLM: the referred directory's (``from_pretrained``), or built from
+        ``llm`` with the checkpoint's own LLM tensors (LM head tied to the token embeddings, as the split reads it).
+        Returns (model, what it is)."""
+        ck, cfg = self.ck, self.cfg
+        cls = causal_lm_class(cfg.llm_type)
+        if ck.hf is not None and ck.hf.kind == "llm":
+            return (cls.from_pretrained(str(ck.hf.path), dtype=dtype).eval(),
+                    f"transformers {ck.hf.architecture}.from_pretrained({ck.hf.path})")
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        conf = AutoConfig.for_model(cfg.llm_type, **{k: v for k, v in cfg.llm.items() if k != "model_type"})
+        ref = cls(conf).to(dtype).eval()
+        stored = load_file(str(ck.own_weights))
+        parts = {k: v.to(dtype) for k, v in stored.items() if k.split(".")[0] in ("embed_tokens", "layers", "norm")}
+        ref.model.load_state_dict(parts, strict=True)
+        ref.lm_head.weight = ref.model.embed_tokens.weight
+        return ref, f"transformers {type(ref).__name__} with the checkpoint's LLM tensors (LM head tied)"
+
+    def decode_referee(self, dtype, inputs: tuple, max_new_tokens: int, cache_len: int | None = None):
+        """ORION's own decode (its ``simple_test_pts``): for each decode of the frame, transformers' ``generate``
+        (greedy, a static cache of ``cache_len`` tokens) on the whole history as input embeddings -- h_0 from this
+        package's front (the referee of :meth:`referee`), then the token embeddings of the earlier answers and
+        turns -- stopping at ``decode.stop_token_ids``. Returns (every decode's new token ids in order, logits of
+        each step (V,) float32, the stop ids, what it is)."""
+        spec = self.cfg.decode_spec
+        stop = tuple(spec.settings.stop_token_ids)
+        ref, name = self._causal_lm(dtype)
+        h0 = self.run_prefix(self.ck.load("prefix", 0, dtype=dtype), inputs).to(dtype)
+        embed = ref.get_input_embeddings()
+        history: list[int] = []
+        tokens, logits = [], []
+        for i in range(spec.decodes_per_frame):
+            rows = torch.cat([h0, embed(torch.tensor(history, dtype=torch.long))]) if history else h0
+            out = ref.generate(inputs_embeds=rows.unsqueeze(0), attention_mask=torch.ones(1, rows.shape[0],
+                                                                                          dtype=torch.long),
+                               max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stop) or None,
+                               pad_token_id=stop[0] if stop else 0, output_logits=True,
+                               return_dict_in_generate=True, **_static_cache(ref, cache_len))
+            new = out.sequences[0].tolist()  # generate on input embeddings returns the new tokens only
+            tokens += new
+            logits += [x[0].float() for x in out.logits]
+            if i < len(spec.turns):
+                history += new + list(spec.turns[i])
+        return tokens, logits, stop, f"{name}: generate per decode on the history (greedy, static cache)"
+
+    def decode_readout_referee(self, dtype, inputs: tuple, tokens: list[int], command: int) -> torch.Tensor:
+        """The planning head after the decode, by transformers: its LLM's forward on h_0 + the token embeddings of
+        ``tokens`` (the answers and turns in order) + the placed tokens, the final-norm input, then this
+        checkpoint's norm and head (:func:`~.modeling.plan`) -> modes (M, N, 2) float32 m."""
+        ref, _ = self._causal_lm(dtype)
+        h0 = self.run_prefix(self.ck.load("prefix", 0, dtype=dtype), inputs).to(dtype)
+        ids = torch.tensor([*tokens, *self.cfg.decode_placed_token_ids], dtype=torch.long)
+        rows = torch.cat([h0, ref.get_input_embeddings()(ids)])
+        kept = []
+        hook = ref.model.norm.register_forward_pre_hook(lambda module, args: kept.append(args[0][0].clone()))
+        try:
+            ref.model(inputs_embeds=rows.unsqueeze(0))
+        finally:
+            hook.remove()
+        return plan(self.ck.load("suffix", self.num_layers, dtype=dtype), kept[-1], command).modes
 
     def frame_args(self, frames, ego_state=None, scene=None, device="cpu", dtype=torch.float32) -> tuple:
         ego = None if ego_state is None else torch.as_tensor(ego_state, dtype=torch.float32)

@@ -399,7 +399,8 @@ def embed(m: nn.Module, pixel_values: torch.Tensor, ego_state: torch.Tensor | No
         parts = [text[:-reads], vis]
     if ego_state is not None:
         parts.append(m.ego_embed(ego_state.to(device=vis.device, dtype=vis.dtype).unsqueeze(0)))
-    parts.append(m.query_tokens if cfg.query_count else text[-len(cfg.readout_token_ids):])
+    if not cfg.decode:  # a decoding model places its read-out tokens after the decode
+        parts.append(m.query_tokens if cfg.query_count else text[-len(cfg.readout_token_ids):])
     if cfg.llm_passes > 1 and cfg.pass_lora_rank:  # same tokens for each pass; the adapters tell them apart
         h = torch.cat(parts, dim=0).unsqueeze(0).expand(cfg.llm_passes, -1, -1)
         return h.contiguous() if out is None else _destination(out).copy_(h)
@@ -658,13 +659,27 @@ class PrefixStage(PrefixSide):
         self.rotary_emb = text.make_rotary(llm_family(cfg), llm)
 
     def forward(self, pixel_values: torch.Tensor, ego_state: torch.Tensor | None = None, *, scene=None,
-                out=None) -> torch.Tensor:
+                out=None, cache=None, chunk_rows: int = 0) -> torch.Tensor:
         """Pixels (C, 3, S, S) in the stage dtype [+ ego state (3,)] [+ scene] -> h_K; a ``scene_queries`` model's
         query-head memory lives in this stage and moves on with every call. ``out`` (e.g. a ring slot's view): as
-        :func:`embed`'s, so no copy follows. Raises ValueError on a wrong shape or ego state."""
+        :func:`embed`'s, so no copy follows. ``cache``: the prefix's KV cache (a decoding model's prefill);
+        ``chunk_rows`` > 0 with it: the blocks run over the tokens that many at a time, each chunk attending to the
+        cached ones (as :meth:`VLMPrefixStage.forward`). Raises ValueError on a wrong shape or ego state."""
+        if cache is not None:
+            h = embed(self, pixel_values, ego_state, scene=scene)
+            if chunk_rows <= 0 or chunk_rows >= h.shape[-2] or not len(self.layers):
+                return run_blocks(self, self.layers, h, cache=cache)
+            return torch.cat([run_blocks(self, self.layers, h[i:i + chunk_rows], cache=cache)
+                              for i in range(0, h.shape[-2], chunk_rows)], dim=0)
         if len(self.layers) == 0:
             return embed(self, pixel_values, ego_state, scene=scene, out=out)
         return run_blocks(self, self.layers, embed(self, pixel_values, ego_state, scene=scene), out=out)
+
+    def step(self, token_ids: torch.Tensor, cache) -> torch.Tensor:
+        """A decode step: token ids (k,) int64 -> their h_K rows (k, H), through the token embeddings and blocks
+        [0, K) against the prefix's KV cache (positions continue after what it holds)."""
+        h = self.embed_tokens(token_ids.to(self.embed_tokens.weight.device))
+        return run_blocks(self, self.layers, h, cache=cache)
 
 
 class SuffixStage(SuffixSide):
@@ -685,10 +700,25 @@ class SuffixStage(SuffixSide):
         if tuple(hidden_states.shape) != expected:
             raise ValueError(f"hidden states shape {tuple(hidden_states.shape)} != expected {expected}")
 
-    def final_hidden_states(self, hidden_states: torch.Tensor, split_layer: int | None = None) -> torch.Tensor:
-        """h_K -> final-norm hidden states of every token, same shape. Raises ValueError as :meth:`plan_all`."""
-        self._check_shape(hidden_states)
-        return self.norm(run_blocks(self, self._layers_from(split_layer), hidden_states))
+    def final_hidden_states(self, hidden_states: torch.Tensor, split_layer: int | None = None,
+                            cache=None) -> torch.Tensor:
+        """h_K -> final-norm hidden states of every token, same shape; with ``cache`` (the suffix's KV cache, a
+        decoding model) a prefill's h_K or a decode step's rows (k, H). Raises ValueError as :meth:`plan_all`."""
+        if cache is not None and hidden_states.dim() == 2 and hidden_states.shape[0] != self.cfg.num_tokens:
+            self._check_step(hidden_states)
+        else:
+            self._check_shape(hidden_states)
+        return self.norm(run_blocks(self, self._layers_from(split_layer), hidden_states, cache=cache))
+
+    def _check_step(self, rows: torch.Tensor) -> None:
+        if rows.dim() != 2 or rows.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"decode step rows {tuple(rows.shape)} are not (k, {self.cfg.hidden_size})")
+
+    def step_rows(self, hidden_states: torch.Tensor, cache, split_layer: int | None = None) -> torch.Tensor:
+        """A decode step's rows (k, H) through blocks [K, L) against the suffix's KV cache: their hidden states
+        before the final norm (what :func:`plan` reads), (k, H)."""
+        self._check_step(hidden_states)
+        return run_blocks(self, self._layers_from(split_layer), hidden_states, cache=cache)
 
     def plan_all(self, hidden_states: torch.Tensor, command: int = DEFAULT_COMMAND,
                  split_layer: int | None = None) -> PlanOutput:

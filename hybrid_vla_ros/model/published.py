@@ -607,8 +607,10 @@ def _driving_config(config_dir: Path, parts, llm: _WrittenLLM, layout: str, pres
                 base["readout"] = {**readout, "path_token_id": int(tid)}
     else:
         base.update(llm_passes=1, pass_lora_rank=0, pass_adapters=[], decision_token_ids=[])
-        if prompts is not None:  # Orion's closed-loop conversation (model/published_prompts.py)
+        if prompts is not None:  # Orion's closed-loop conversation, or with its QA (model/published_prompts.py)
             base.update(prompt_token_ids=prompts.prompt_token_ids, pass_prompt_token_ids=[prompts.after_token_ids])
+            if prompts.decode:  # --set decode={...} changes keys of it (e.g. max_new_tokens), the rest stays
+                base["decode"] = {**prompts.decode, **dict((overrides or {}).get("decode") or {})}
     base.pop("model_type"), base.pop("format_version")
     base["random_init"] = True
     cfg = VLAConfig(**base)
@@ -621,12 +623,17 @@ def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token
     config), or None (``use="preset"``, Orion without a tokenizer). Raises CheckpointError when the tokenizer's size
     is not the checkpoint's ``vocab`` (another tokenizer: its ids would name other rows), ValueError for an unknown
     ``use``, no or a broken tokenizer (MindDrive), or options that contradict it."""
-    from .published_prompts import TOKENIZER_MARKERS, has_tokenizer, minddrive_prompts, orion_prompt
+    from .published_prompts import TOKENIZER_MARKERS, has_tokenizer, minddrive_prompts, orion_prompt, orion_qa_prompt
 
-    if use not in ("published", "preset"):
-        raise ValueError(f"prompts {use!r}: use 'published' or 'preset'")
+    if use not in ("published", "preset", "published-qa"):
+        raise ValueError(f"prompts {use!r}: use 'published', 'published-qa' (Orion) or 'preset'")
     if use == "preset":
         return None
+    if use == "published-qa" and layout != "orion":
+        raise ValueError("--prompts published-qa is Orion's conversation with its critical QA: an Orion checkpoint's")
+    if use == "published-qa" and not has_tokenizer(config_dir):
+        raise ValueError(f"{config_dir} has no tokenizer files ({', '.join(TOKENIZER_MARKERS)}): Orion's questions "
+                         "are made with its tokenizer")
     if layout == "orion" and not has_tokenizer(config_dir):  # the preset's prompt without its tokenizer
         return None
     if layout not in ("orion", "minddrive"):
@@ -641,7 +648,8 @@ def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token
         raise ValueError(f"--set {', '.join(clash)}: the published prompts come from {config_dir}'s tokenizer; "
                          "use --prompts preset to give your own")
     try:
-        prompts = orion_prompt(config_dir) if layout == "orion" else minddrive_prompts(config_dir)
+        make = orion_qa_prompt if use == "published-qa" else orion_prompt if layout == "orion" else minddrive_prompts
+        prompts = make(config_dir)
     except ValueError as e:
         raise ValueError(f"{e}; --prompts preset keeps the preset's fixed prompt (not the published one)") from None
     if prompts.vocab_size != vocab:
@@ -660,6 +668,15 @@ def _published_prompts(config_dir: Path, layout: str, vocab: int, waypoint_token
 
 def _prompt_report(cfg, config_dir: Path) -> dict:
     """The report's ``prompt`` entry: whether the passes run the published conversation or the preset's prompt."""
+    if cfg.pass_prompt_token_ids and cfg.llm_passes == 1 and cfg.decode:
+        spec = cfg.decode_spec
+        return {"source": f"Orion's conversation with its critical QA (desc_qa on: {spec.decodes_per_frame} "
+                          f"questions answered by up to {spec.settings.max_new_tokens} tokens each, then the "
+                          f"planning turn), tokenized with {config_dir}'s tokenizer",
+                "tokens_before_scene": len(cfg.prompt_token_ids),
+                "tokens_after_scene": len(cfg.pass_prompt_token_ids[0]),
+                "turn_tokens": [len(t) for t in spec.turns],
+                "planning_turn_tokens": len(cfg.decode_placed_token_ids)}
     if cfg.pass_prompt_token_ids and cfg.llm_passes == 1:
         return {"source": f"Orion's closed-loop conversation (its planning turn, desc_qa off), tokenized with "
                           f"{config_dir}'s tokenizer",

@@ -9,6 +9,14 @@ Source: the public copies of Orion's pipeline and agent config (xiaomi-mlab/Orio
 wzh506/CoT4AD: mmcv/datasets/pipelines/transforms_3d.py, adzoo/orion/configs/orion_stage3_agent.py); the planning
 hidden state is read at ``<waypoint_ego>`` (Orion's ``llava_llama.py``), followed by the template's "</s>".
 
+With its critical QA on (its chain-of-thought config ``orion_stage3_cot.py``: ``desc_qa=True``), Orion asks three
+questions before the planning turn, each its own conversation (``preprocess_v1`` with ``only_one_system_prompt``:
+the system prompt only in the first, each tokenized with its own BOS), and answers each by ``generate`` on the whole
+history (its ``simple_test_pts``: ``do_sample``, temperature 0.1, top-p 0.75, up to 320 new tokens, the answer
+appended to the history with its ``</s>``); the planning state is then read at ``<waypoint_ego>`` of the planning
+turn. The pipeline draws the first two questions at random from its templates; here the first of each is asked,
+every frame (:func:`orion_qa_prompt`).
+
 MindDrive runs its LLM twice a frame, each pass on its own conversation (its ``inference_only_pipeline``, as its
 closed-loop agent runs it in the 0.5B and 3B configs: ``LoadAnnoatationMixCriticalVQATest`` with ``single``,
 ``is_decoupling``, ``use_meta_action`` and not ``desc_qa``, ``conv_template="llava_qwen2"``,
@@ -26,7 +34,7 @@ Qwen2's markers, kept as published), the text around ``<image>`` tokenized piece
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: MindDrive's speed meta-actions in the order of its decision read-out (its SPEED_MAPPING, index = speed mode).
@@ -57,6 +65,11 @@ VICUNA_USER, VICUNA_ASSISTANT, VICUNA_SEP, VICUNA_SEP2 = "USER", "ASSISTANT", " 
 #: Orion's closed-loop planning turn (desc_qa off: no critical-QA turns before it).
 ORION_QUESTION = "Please provide the planning trajectory for the ego car without reasons."
 ORION_ANSWER = f"Here is the planning trajectory {WAYPOINT_TOKEN}"
+#: Orion's critical-QA questions (desc_qa on), the first of each of its pipeline's templates, and its decode.
+ORION_QA_QUESTIONS = ("What can you tell about the current driving conditions from the images?",
+                      "Where are the critical objects in the scene and what impact do they have on the ego vehicle?",
+                      "Please describe your driving behavior and explain the reasons.")
+ORION_QA_DECODE = {"max_new_tokens": 320, "temperature": 0.1, "top_p": 0.75}
 #: Files whose presence says a directory holds a tokenizer's vocabulary (transformers' fast and slow formats; a
 #: ``tokenizer_config.json`` alone is not one: transformers would build an empty tokenizer from it).
 TOKENIZER_MARKERS = ("tokenizer.json", "vocab.json", "tokenizer.model")
@@ -129,6 +142,9 @@ class OrionPrompt:
     vocab_size: int
     tokenizer: str
     speed_token_ids: tuple = ()  # Orion reads no decision tokens
+    #: With its critical QA (:func:`orion_qa_prompt`): the ``decode`` mapping of the config (the later questions as
+    #: turns, the planning turn placed after the last answer); {} for the closed-loop conversation.
+    decode: dict = field(default_factory=dict)
 
 
 def _load_tokenizer(config_dir: Path):
@@ -159,3 +175,39 @@ def orion_prompt(config_dir: str | Path) -> OrionPrompt:
         raise ValueError(f"{config_dir}: the tokenizer splits {WAYPOINT_TOKEN} into {len(waypoint)} ids")
     return OrionPrompt(prompt_token_ids=list(before), after_token_ids=list(after), waypoint_token_id=waypoint[0],
                        vocab_size=len(tok), tokenizer=f"{type(tok).__name__} from {config_dir}")
+
+
+def _vicuna_turn(question: str, answer: str = "", system: bool = False) -> str:
+    """One turn of ``conv_vicuna_v1`` as Orion's ``preprocess_v1`` writes it (the system prompt only in the first;
+    an empty answer leaves "ASSISTANT:" open)."""
+    head = (VICUNA_SYSTEM if system else "") + VICUNA_SEP + f"{VICUNA_USER}: {question}{VICUNA_SEP}{VICUNA_ASSISTANT}:"
+    return head + (f" {answer}{VICUNA_SEP2}" if answer else "")
+
+
+def orion_qa_prompt(config_dir: str | Path) -> OrionPrompt:
+    """Orion's conversation with its critical QA (module docstring) from the tokenizer in ``config_dir``: the
+    first question's turn around the scene tokens (``prompt_token_ids``, ``after_token_ids``: up to its open
+    "ASSISTANT:"), and ``decode``: the other questions' turns as ``turns``, the planning turn up to (not including)
+    ``<waypoint_ego>`` as ``after_token_ids`` (the read-out token follows it), the stop token ``</s>`` and Orion's
+    sampling (:data:`ORION_QA_DECODE`). Raises ValueError as :func:`orion_prompt`, or for a tokenizer without an
+    end-of-sequence token."""
+    config_dir = Path(config_dir)
+    tok = _load_tokenizer(config_dir)
+    tok.add_tokens([WAYPOINT_TOKEN], special_tokens=True)
+    if tok.eos_token_id is None:
+        raise ValueError(f"{config_dir}: the tokenizer has no end-of-sequence token to end Orion's answers")
+    first, *others = ORION_QA_QUESTIONS
+    head, tail = _vicuna_turn(f"{IMAGE}\n{DRIVING}{first}", system=True).split(IMAGE)
+    before, after = tok(head).input_ids, tok(tail).input_ids
+    bos = tok.bos_token_id
+    if bos is not None and before[:1] == [bos] and after[:1] == [bos]:  # only the first piece keeps its BOS
+        after = after[1:]
+    turns = [list(tok(_vicuna_turn(q)).input_ids) for q in others]
+    planning = list(tok(_vicuna_turn(ORION_QUESTION, ORION_ANSWER)).input_ids)
+    waypoint = tok(WAYPOINT_TOKEN, add_special_tokens=False).input_ids
+    if len(waypoint) != 1 or planning.count(waypoint[0]) != 1:
+        raise ValueError(f"{config_dir}: the tokenizer splits {WAYPOINT_TOKEN} into {len(waypoint)} ids")
+    decode = {**ORION_QA_DECODE, "stop_token_ids": [int(tok.eos_token_id)], "turns": turns,
+              "after_token_ids": planning[:planning.index(waypoint[0])]}
+    return OrionPrompt(prompt_token_ids=list(before), after_token_ids=list(after), waypoint_token_id=waypoint[0],
+                       vocab_size=len(tok), tokenizer=f"{type(tok).__name__} from {config_dir}", decode=decode)

@@ -67,8 +67,10 @@ class SuffixNode(node_base.PipelineNode):
             + (f" (in use: eager: {self.runner.backend.error})" if self.runner.backend.error else "")
             + (f" (building for K={k} in the background, cache {self.runner.backend.cache_dir}; eager meanwhile)"
                if self.runner.backend.status().building is not None else "")
-            + (f"; decodes up to {self.runner.decode_spec.settings.max_new_tokens} tokens a frame "
-               f"(drives: {self.runner.decode_spec.drives}), text on {self._outputs.reasoning_pub.topic_name}"
+            + (("; decodes " + (f"{self.runner.decode_spec.decodes_per_frame} answers of "
+                                   if self.runner.decode_spec.turns else "")
+                + f"up to {self.runner.decode_spec.settings.max_new_tokens} tokens a frame "
+                f"(drives: {self.runner.decode_spec.drives}), text on {self._outputs.reasoning_pub.topic_name}")
                if self.runner.decode_spec is not None else "")
             + (f"; candidate trajectories of all {self.runner.cfg.n_modes} modes on "
                f"{candidates.topic_name} (generator_id {self._outputs.generator_id})" if candidates else "")

@@ -42,6 +42,7 @@ class FollowedDecode:
     tokens: list[int] = field(default_factory=list)
     ended: str = ""
     placed: int = 0
+    turn_tokens: int = 0  # tokens of turns run between decodes (decode.turns)
     prefix_step_ms: list[float] = field(default_factory=list)
     reply_wait_ms: list[float] = field(default_factory=list)
     step_held_ms: list[float] = field(default_factory=list)  # each step's wait for a prefill chunk (overlap)
@@ -55,7 +56,8 @@ class AnsweredDecode:
     second token on, its wait for the step (ms: from its reply to the step's arrival) and the prefix's compute of
     it (ms, from the step's header: ``prefix_step_ms``); ``plan``: the planning
     head's :class:`~hybrid_vla_ros.model.modeling.PlanOutput` on the tokens placed after the decode (None when none
-    are placed or the frame ended without them), ``readout_ms`` its compute (ms)."""
+    are placed or the frame ended without them), ``readout_ms`` its compute (ms); ``turn_starts``: where each decode
+    after a turn starts in ``tokens`` (a turn's steps count in the per-token lists as steps)."""
 
     tokens: list[int]
     logits: list[torch.Tensor]
@@ -65,6 +67,7 @@ class AnsweredDecode:
     plan: object = None
     readout_ms: float = 0.0
     prefix_step_ms: list[float] = field(default_factory=list)  # each step's prefix compute, as the step said
+    turn_starts: list[int] = field(default_factory=list)
 
 
 class PrefixDecodeLoop:
@@ -97,7 +100,7 @@ class PrefixDecodeLoop:
         ``decoding.prefill``); each step's compute inside ``gate.step()`` when given; with ``skipped`` a frame the
         suffix passed over ends :data:`SKIPPED`. Raises what the prefix stage raises (the suffix then finds no step:
         ``no_step``)."""
-        done, index = FollowedDecode(), 0
+        done, index, in_turn = FollowedDecode(), 0, False
         sm = self.decoding.sm
         while True:
             t0 = time.perf_counter_ns()
@@ -108,8 +111,13 @@ class PrefixDecodeLoop:
                 return done
             if reply.end == channel.PLACE:
                 done.placed += len(reply.tokens)
+            elif reply.end == channel.TURN:  # a turn's first step leads with the decode's last token
+                lead = 0 if in_turn else 1
+                done.tokens.extend(reply.tokens[:lead])
+                done.turn_tokens += len(reply.tokens) - lead
             else:
                 done.tokens.extend(reply.tokens)
+            in_turn = reply.end == channel.TURN
             if reply.ended:
                 done.placed = max(0, done.placed - 1)  # the last decoded token led the placed ones
                 done.ended = {channel.STOP_TOKEN: STOP_TOKEN, channel.MAX_TOKENS: MAX_TOKENS}.get(
@@ -154,11 +162,11 @@ class SuffixDecodeLoop:
         state = prefill
         while True:
             t0 = time.perf_counter_ns()
-            token = self._guarded(frame, index, lambda: d.take(state))
+            ids = self._guarded(frame, index, lambda: d.take(state))
             times.append((time.perf_counter_ns() - t0) / 1e6)
             if d.result.ended:
                 break
-            region.publish_reply(frame, index, [token], channel.GO_ON)
+            region.publish_reply(frame, index, ids, channel.TURN if d.turn_step else channel.GO_ON)
             index += 1
             state = self._step(frame, index, waits)
             if state is None:
@@ -180,7 +188,8 @@ class SuffixDecodeLoop:
                 readout_ms += (time.perf_counter_ns() - t0) / 1e6
             if r.ended != NO_STEP:
                 region.publish_reply(frame, index, [r.tokens[-1]], _END_CODE[r.ended])
-        return AnsweredDecode(r.tokens, r.logits, r.ended, times, waits, r.plan, readout_ms, self._prefix_ms)
+        return AnsweredDecode(r.tokens, r.logits, r.ended, times, waits, r.plan, readout_ms, self._prefix_ms,
+                              list(r.turn_starts))
 
     def _guarded(self, frame: int, index: int, work):
         """``work()``; on any exception reply ``abandoned`` to step ``index`` first (the prefix stops waiting)."""

@@ -155,7 +155,7 @@ class PrefixRunner:
         self.on_decode = None
         if decoding:  # the prefix's KV caches (two with overlap: the decoding frame's, the next one's), reused
             bound = SuffixDecoding.bound(self.cfg.num_tokens, self.decode_spec.settings,
-                                         len(self.cfg.decode_placed_token_ids))
+                                         len(self.cfg.decode_placed_token_ids), self.decode_spec.turns)
             chunk = settings.decode_prefill_chunk if settings.decode_overlap else 0
             placed = len(self.cfg.decode_placed_token_ids)
             decodings = [PrefixDecoding(self.model, self.stage, SideCache(self.model.text_config(), bound, 0), chunk,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import load_stage, model_id, open_checkpoint, parse_dtype
-from ..model.decode import SideCache, SuffixDecoding
+from ..model.decode import DecodeResult, SideCache, SuffixDecoding, conversation_ids
 from ..model.decode_spec import DRIVES_CODEBOOK, DRIVES_TEXT, UnparseableWaypoints
 from ..split.planner import ring_side
 from ..model.modeling import DEFAULT_COMMAND
@@ -59,7 +59,8 @@ DECODE_STEP_TIMEOUT_S = 10.0
 @dataclass
 class DecodeOutcome:
     """One frame's decode on the suffix: ``tokens`` decoded (the stop token included), their ``text`` (the model's
-    tokenizer; "" without one), ``ended`` (``stop_token`` / ``max_new_tokens``), per token the suffix's compute and
+    tokenizer; "" without one; with turns the whole conversation after the prompt: answers and the questions
+    between them), ``ended`` (``stop_token`` / ``max_new_tokens``), per token the suffix's compute and
     the prefix's (ms; the prefix's from each step's header), the suffix's wait per step (ms: the prefix's compute and
     both crossings) and the read-out after the decode (ms; 0 without one)."""
 
@@ -140,17 +141,18 @@ class SuffixRunner:
                                      log=log, background=settings.background_build)
         self.backend.prepare(self.stage, split_layer)
         #: The checkpoint's decode (:class:`~hybrid_vla_ros.model.decode_spec.DecodeSpec`); None: one prefill a frame.
-        self.decode_spec = self.cfg.decode_spec if getattr(self.cfg, "vlm_front", False) else None
+        self.decode_spec = getattr(self.cfg, "decode_spec", None)  # own model code declares none
         self._decoding: SuffixDecoding | None = None
         self._tokenizer = None
         if self.decode_spec is not None:  # eager (the compiled backend runs one prefill a frame)
             sm = open_checkpoint(model_path).split_model()
             placed = self.cfg.decode_placed_token_ids
-            bound = SuffixDecoding.bound(self.cfg.num_tokens, self.decode_spec.settings, len(placed))
+            turns = self.decode_spec.turns
+            bound = SuffixDecoding.bound(self.cfg.num_tokens, self.decode_spec.settings, len(placed), turns)
             head = load_stage(model_path, "lm_head", None, device="cpu", dtype=self.dtype)
             self._decoding = SuffixDecoding(sm, self.stage, head, SideCache(sm.text_config(), bound, split_layer),
-                                            self.decode_spec.settings, placed, MAX_DECODE_ROWS, split_layer)
-            self._tokenizer = getattr(sm.processor(), "tokenizer", None)
+                                            self.decode_spec.settings, placed, MAX_DECODE_ROWS, split_layer, turns)
+            self._tokenizer = sm.tokenizer()
             book = self.decode_spec.codebook
             self._codebook = book.load(model_path) if book is not None else None
             self._decode_ring = (MAX_DECODE_ROWS, sm.step_position_rows)
@@ -350,17 +352,19 @@ class SuffixRunner:
                                 peer_alive=lambda: not ring.producer_gone)
         with torch.inference_mode():
             answered = loop.answer(seq, state, k)
-        text = self.decoded_text(answered.tokens)
+        spec = self.decode_spec
+        decodes = DecodeResult(answered.tokens, turn_starts=answered.turn_starts).decodes()
+        text = self.decoded_text(conversation_ids(decodes, spec.turns))  # turns: the questions between answers
         outcome = DecodeOutcome(answered.tokens, text, answered.ended, answered.suffix_token_ms,
                                 answered.prefix_step_ms, answered.step_wait_ms, answered.readout_ms)
         if answered.ended == NO_STEP:
             raise DecodeDropped("decode_no_step", f"frame seq {seq}: the prefix sent no decode step within "
                                 f"{DECODE_STEP_TIMEOUT_S:g} s (or went away) after {len(answered.tokens)} token(s)",
                                 text, outcome)
-        spec = self.decode_spec
         if spec.drives in (DRIVES_TEXT, DRIVES_CODEBOOK):
+            written = self.decoded_text(answered.tokens) if spec.turns else text  # what the model wrote
             try:
-                points = (spec.text.parse(text, self.cfg.n_waypoints) if spec.drives == DRIVES_TEXT
+                points = (spec.text.parse(written, self.cfg.n_waypoints) if spec.drives == DRIVES_TEXT
                           else spec.codebook.waypoints(self._codebook, answered.tokens, self.cfg.n_waypoints))
             except UnparseableWaypoints as e:
                 raise DecodeDropped("unparseable_waypoints", f"frame seq {seq}: {e}; text {text[:200]!r}",
@@ -373,7 +377,17 @@ class SuffixRunner:
         """Token ids -> text with the model's tokenizer (special tokens kept); "" without one."""
         if self._tokenizer is None or not tokens:
             return ""
-        return self._tokenizer.decode(tokens, skip_special_tokens=False)
+        known = len(self._tokenizer)  # ids the model has beyond its tokenizer's (added read-out tokens) as <id N>
+        parts, run = [], []
+        for t in tokens:
+            if 0 <= t < known:
+                run.append(t)
+                continue
+            parts += [self._tokenizer.decode(run, skip_special_tokens=False)] if run else []
+            parts.append(f"<id {t}>")
+            run = []
+        parts += [self._tokenizer.decode(run, skip_special_tokens=False)] if run else []
+        return "".join(parts)
 
 
     def _announce_stage_time(self, k: int, stage_ns: int) -> None:

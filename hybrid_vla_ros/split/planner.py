@@ -292,7 +292,8 @@ class PlanRow:
     throughput_fps: float | None = None
     fits: bool | None = None
     #: With a decode of ``decode_tokens`` new tokens a frame: both sides' KV caches (prompt + tokens - 1 tokens of
-    #: their own blocks; included in the totals), and per token the prefix's step, the round trip and the suffix's
+    #: their own blocks, or what the decode config bounds; the prefix's :data:`PREFIX_KV_CACHES` of them; included
+    #: in the totals), and per token the prefix's step, the round trip and the suffix's
     #: step (ms; None without a profile), and the frame's decode time (included in e2e_ms).
     decode_tokens: int = 0
     gpu_kv_bytes: int = 0
@@ -379,17 +380,48 @@ def choose_split_layer(rows: list[PlanRow], gpu_budget_bytes: int | float | None
     return best.k, reason
 
 
+#: KV caches a decoding prefix holds: the decoding frame's and the next frame's prefill's (decode_overlap on).
+PREFIX_KV_CACHES = 2
+
+
+def frame_decode(cfg) -> tuple[int, int]:
+    """A decoding checkpoint's (tokens a frame, tokens each side's KV cache holds) as its ``decode`` config says at
+    most, tokens counted as :meth:`LatencyModel.predict_decode` counts them (the first from the prefill, one step
+    each after it): every decode's ``max_new_tokens``, plus the extra steps of the turns and the placed tokens (up
+    to :data:`~hybrid_vla_ros.transport.layout.MAX_DECODE_ROWS` rows a step, the decode's last token leading);
+    (0, 0) for a model that does not decode."""
+    spec = getattr(cfg, "decode_spec", None)
+    if spec is None:
+        return 0, 0
+    from ..model.decode import SuffixDecoding
+    from ..transport.layout import MAX_DECODE_ROWS
+
+    rows = MAX_DECODE_ROWS
+    placed = len(cfg.decode_placed_token_ids)
+    steps = spec.decodes_per_frame * spec.settings.max_new_tokens \
+        + sum(-(-(len(t) + 1) // rows) - 1 for t in spec.turns) + (-(-(placed + 1) // rows) if placed else 0)
+    return steps, SuffixDecoding.bound(cfg.num_tokens, spec.settings, placed, spec.turns)
+
+
 def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: dict | None = None,
                gpu_budget_bytes: int | float | None = None, cuda_overhead_bytes: int | float | None = None,
                suffix_dtype: str | torch.dtype | None = None, model_name: str = "",
-               profile_name: str | None = None, preprocess_ms: float | None = None, decode_tokens: int = 0) -> Plan:
+               profile_name: str | None = None, preprocess_ms: float | None = None,
+               decode_tokens: int | None = None) -> Plan:
     """Memory (and, with a profile, latency) of every split layer of ``cfg``, and the chosen K.
 
     ``suffix_dtype`` defaults to ``dtype``. ``decode_tokens`` > 0: each frame also decodes that many tokens
-    (:meth:`LatencyModel.predict_decode`, both KV caches in the memory; no prefill of the next frame overlaps a
-    decode yet). Raises ValueError (bad dtype or token count, profile of another architecture or without decode
-    steps, no K fits), RuntimeError when the ring's slot size disagrees with the hand-off payload.
+    (:meth:`LatencyModel.predict_decode`, both KV caches in the memory; the next frame's prefill runs in the decode's
+    gaps, so the prefix's cycle is its prefill and its steps, the suffix's its prefill, the hand-off and the whole
+    decode); None (default): what the checkpoint's ``decode`` config says (:func:`frame_decode`; its KV caches of
+    every turn), 0 without one. Raises ValueError (bad dtype or token count, profile of another architecture or,
+    for a count given, without decode steps; no K fits), RuntimeError when the ring's slot size disagrees with the
+    hand-off payload.
     """
+    from_config = decode_tokens is None
+    kv_from_config = 0
+    if from_config:
+        decode_tokens, kv_from_config = frame_decode(cfg)
     if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
         raise ValueError(f"decode_tokens must be an integer >= 0, got {decode_tokens!r}")
     from ..transport.ring import slot_bytes_for
@@ -411,15 +443,23 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
     sm = split_model(cfg)
     extra_notes = list(sm.plan_notes)
     kv_layer = kv_tokens = 0
+    decode_latency = bool(decode_tokens)
     if decode_tokens:
         text_cfg = sm.text_config()
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        kv_tokens = int(cfg.prefix_state_shape[-2]) + decode_tokens - 1
+        kv_tokens = kv_from_config or int(cfg.prefix_state_shape[-2]) + decode_tokens - 1
         kv_layer = 2 * int(text_cfg.num_key_value_heads) * int(head_dim) * kv_tokens
-        extra_notes.append(f"{decode_tokens} new tokens a frame: each side holds a KV cache of {kv_tokens} tokens of "
-                           "its own blocks; the round trip per token is two ring hand-offs of one row from the "
-                           "profile (`hybrid-vla bench --only decode` measures the real one); no prefill of the "
-                           "next frame overlaps a decode yet")
+        extra_notes.append(f"the prefix holds {PREFIX_KV_CACHES} KV caches (the decoding frame's and the next "
+                           "prefill's: decode_overlap, the default)")
+        source = "as its decode config says at most" if from_config else "as asked"
+        extra_notes.append(f"{decode_tokens} decode steps a frame ({source}): each side holds a KV cache of "
+                           f"{kv_tokens} tokens of its own blocks; the round trip per token is two ring hand-offs of "
+                           "one row from the profile (`hybrid-vla bench --only decode` measures the real one); the "
+                           "next frame's prefill runs in the decode's gaps")
+        if from_config and lat is not None and not lat.prefix_step_ms:
+            decode_latency = False
+            extra_notes.append("the profile has no decode steps: the latency leaves the decode out (profile with "
+                               "`hybrid-vla profile --decode`)")
     rows = []
     for k in range(cfg.num_layers + 1):
         act, phase = activation_peak(cfg, k, dtype, "prefix")
@@ -432,21 +472,24 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
                       ring_slot_bytes=slot)
         if decode_tokens:
             row.decode_tokens = decode_tokens
-            row.gpu_kv_bytes = k * kv_layer * dtype.itemsize
+            row.gpu_kv_bytes = PREFIX_KV_CACHES * k * kv_layer * dtype.itemsize
             row.cpu_kv_bytes = (cfg.num_layers - k) * kv_layer * sdtype.itemsize
             row.gpu_total_bytes += row.gpu_kv_bytes
             row.cpu_total_bytes += row.cpu_kv_bytes
         if lat is not None:
             p, h, s = lat.predict(k, payload)
             row.prefix_ms, row.handoff_ms, row.suffix_ms = p, h, s
-            decode = 0.0
-            if decode_tokens:
+            decode = prefix_steps = 0.0
+            if decode_latency:
                 row_bytes = int(cfg.prefix_state_shape[-1]) * dtype.itemsize
                 row.prefix_token_ms, row.round_trip_ms, row.suffix_token_ms, decode = lat.predict_decode(
                     k, decode_tokens, row_bytes)
                 row.decode_ms = decode
+                prefix_steps = (decode_tokens - 1) * row.prefix_token_ms
             row.e2e_ms = p + h + s + decode
-            cycle = max(p, h + s) + decode  # each side waits through the decode (no overlap with it yet)
+            # the next prefill fills the decode's gaps: the prefix is busy for its prefill and its steps, the suffix
+            # waits through the whole decode
+            cycle = max(p + prefix_steps, h + s + decode)
             row.throughput_fps = 1000.0 / cycle if cycle > 0 else math.inf
         row.fits = gpu_budget_bytes is None or row.gpu_total_bytes <= gpu_budget_bytes
         rows.append(row)
@@ -472,7 +515,7 @@ def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None 
                         cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None, *,
                         tokens: int = 512, cameras: int | None = None, trust_model_code: bool | None = None,
                         prompt: str | None = None, camera_size: tuple[int, int] | None = None,
-                        decode_tokens: int = 0) -> Plan:
+                        decode_tokens: int | None = None) -> Plan:
     """Plan the checkpoint at ``model_path`` from its config files only (no weights).
 
     ``tokens``: T of a bare transformers language model; ``cameras`` / ``prompt`` / ``camera_size`` /
@@ -490,14 +533,14 @@ def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None 
 
 def plan_for_preset(name: str, profile_path: str | Path | None = None, gpu_budget_gb: float | None = None,
                     dtype: str = "fp16", cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None,
-                    decode_tokens: int = 0, **overrides) -> Plan:
+                    decode_tokens: int | None = None, **overrides) -> Plan:
     """Like :func:`plan_for_checkpoint` for a preset architecture (``overrides`` as in :func:`preset`)."""
     return _plan_with(preset(name, **overrides), name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb,
                       preprocess_ms, decode_tokens)
 
 
 def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms=None,
-               decode_tokens: int = 0) -> Plan:
+               decode_tokens: int | None = None) -> Plan:
     if preprocess_ms is not None and not (preprocess_ms >= 0 and math.isfinite(preprocess_ms)):
         raise ValueError(f"preprocess_ms must be a finite number >= 0, got {preprocess_ms!r}")
     profile = None

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..model.checkpoint import open_checkpoint, parse_dtype
-from ..model.decode import DecodeSettings, SideCache, SuffixDecoding, decode_in_process
+from ..model.decode import (DecodeSettings, SideCache, SuffixDecoding, conversation_ids, decode_in_process,
+                            split_decodes)
 from ..model.modeling import DEFAULT_COMMAND
 from .verify import BagFrames
 
@@ -87,8 +88,10 @@ def verify_decode(path: str | Path, new_tokens: int, dtype: str = "fp32", *, tol
         prompt = int(sm.prompt_tokens(inputs))
         say(f"transformers' generate of {new_tokens} tokens on the unsplit model ...")
         placed = getattr(ck.cfg, "decode_placed_token_ids", []) if sm.takes_cameras else []
+        spec = getattr(ck.cfg, "decode_spec", None) if sm.takes_cameras else None
+        turns = spec.turns if spec is not None else ()  # questions between decodes (ORION's QA)
         probe = DecodeSettings(max_new_tokens=new_tokens)
-        bound = SuffixDecoding.bound(prompt, probe, len(placed))  # generate's static length, + placed ones
+        bound = SuffixDecoding.bound(prompt, probe, len(placed), turns)  # generate's static length, + placed ones
         ref_tokens, ref_logits, stop, name = sm.decode_referee(torch_dtype, inputs, new_tokens, cache_len=bound)
         settings = DecodeSettings(max_new_tokens=new_tokens, stop_token_ids=stop)
         report = DecodeReport(str(ck.path), name, prompt, new_tokens, ref_tokens, dtype, float(tolerance))
@@ -96,11 +99,12 @@ def verify_decode(path: str | Path, new_tokens: int, dtype: str = "fp32", *, tol
         config = sm.text_config()
         if placed:
             say("transformers' forward over the prompt, those tokens and the read-out tokens placed after them ...")
-            ref_modes = sm.decode_readout_referee(torch_dtype, inputs, ref_tokens, DEFAULT_COMMAND)
+            conversation = conversation_ids(split_decodes(ref_tokens, stop, new_tokens, 1 + len(turns)), turns)
+            ref_modes = sm.decode_readout_referee(torch_dtype, inputs, conversation, DEFAULT_COMMAND)
         for k in ks:
             prefix, suffix = ck.load("prefix", k, dtype=torch_dtype), ck.load("suffix", k, dtype=torch_dtype)
             got = decode_in_process(sm, prefix, suffix, head, SideCache(config, bound, 0), SideCache(config, bound, k),
-                                    inputs, settings, placed=placed, command=DEFAULT_COMMAND)
+                                    inputs, settings, placed=placed, command=DEFAULT_COMMAND, turns=turns)
             row = _row(k, got.tokens, got.logits, ref_tokens, ref_logits, tolerance)
             if placed:
                 row.readout = (got.plan.modes - ref_modes).abs().max().item()

@@ -481,10 +481,13 @@ def _add_convert(sub) -> None:
                    help="minddrive: the meta-action (speed) token ids the decision pass reads (7 published): read "
                         "from the tokenizer with --prompts published (then only checked against it), needed with "
                         "--prompts preset")
-    c.add_argument("--prompts", choices=("published", "preset"), default="published",
-                   help="minddrive: 'published' (default) runs each pass on its published conversation, tokenized "
-                        "with the tokenizer files beside --llm-config (an error when there are none); 'preset' keeps "
-                        "the preset's fixed prompt (not the published computation; needs --decision-token-ids)")
+    c.add_argument("--prompts", choices=("published", "published-qa", "preset"), default="published",
+                   help="'published' (default) runs each pass on its published conversation, tokenized with the "
+                        "tokenizer files beside --llm-config (MindDrive: an error when there are none; Orion: its "
+                        "closed-loop planning turn); 'published-qa' (orion): its critical-QA questions answered by a "
+                        "decode every frame before the planning turn (its chain-of-thought config); 'preset' keeps "
+                        "the preset's fixed prompt (not the published computation; minddrive: needs "
+                        "--decision-token-ids)")
     c.add_argument("--dtype", default=None, help="dtype of the written tensors (default: as stored)")
     c.add_argument("--seed", type=int, default=0, help="seed of the stand-in (random) own tensors")
     c.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB",
@@ -591,9 +594,10 @@ def _add_plan(sub) -> None:
     _add_vlm_view(pl)
     pl.add_argument("--trust-model-code", action="store_true",
                     help="allow importing the model_class a checkpoint names (runs that code)")
-    pl.add_argument("--decode-tokens", type=int, default=0, metavar="N",
+    pl.add_argument("--decode-tokens", type=int, default=None, metavar="N",
                     help="each frame also decodes N new tokens across the split: both KV caches in the memory, "
-                         "N per-token steps in the latency (needs a profile made with --decode); default 0")
+                         "N per-token steps in the latency (needs a profile made with --decode); default: what the "
+                         "checkpoint's decode config says at most (its turns included), 0 without one")
     pl.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
     pl.add_argument("--plot", metavar="OUT.png", help="also plot memory and latency vs K (PNG)")
     pl.set_defaults(func=_plan)

@@ -28,13 +28,15 @@ from .segment import align
 from .slots import STORES_VISIBLE_IN_ORDER
 
 __all__ = ["DecodeRegion", "StepView", "Reply", "GO_ON", "STOP_TOKEN", "MAX_TOKENS", "ABANDONED", "END_NAMES",
-           "decode_region_bytes", "POSITION_ROWS", "PLACE"]
+           "decode_region_bytes", "POSITION_ROWS", "PLACE", "TURN"]
 
 #: ``reply_end`` values: go on with the chosen token(s); the frame ended (stop token, ``max_new_tokens``, given up);
-#: ``PLACE``: the decode ended, run these placed tokens (the read-out after the decode) and send their rows.
-GO_ON, STOP_TOKEN, MAX_TOKENS, ABANDONED, PLACE = 0, 1, 2, 3, 4
+#: ``PLACE``: the decode ended, run these placed tokens (the read-out after the decode) and send their rows;
+#: ``TURN``: a decode ended and a turn follows: run these tokens (the first step: the decode's last token, then the
+#: turn's first ids; later steps: the turn's next ids) and send their rows; the reply to the last chooses again.
+GO_ON, STOP_TOKEN, MAX_TOKENS, ABANDONED, PLACE, TURN = 0, 1, 2, 3, 4, 5
 END_NAMES = {GO_ON: "go_on", STOP_TOKEN: "stop_token", MAX_TOKENS: "max_new_tokens", ABANDONED: "abandoned",
-             PLACE: "place"}
+             PLACE: "place", TURN: "turn"}
 #: Rows of multimodal rotary positions (temporal, height, width) a step carries when the model has them.
 POSITION_ROWS = 3
 #: How long a waiting end polls the counter before it blocks on its socket (s).
@@ -77,7 +79,7 @@ class Reply:
     @property
     def ended(self) -> bool:
         """True when the frame's decode is over on the suffix (no step answers it)."""
-        return self.end not in (GO_ON, PLACE)
+        return self.end not in (GO_ON, PLACE, TURN)
 
 
 class DecodeRegion:

@@ -183,7 +183,7 @@ GLOBAL = HeaderLayout("global header", GLOBAL_HEADER_BYTES, dict(
         3144, Field("reply_frame", "Q", "the frame it answers"),
         Field("reply_index", "I", "the step it answers (0: its prefill)"),
         Field("reply_count", "I", "tokens in reply_tokens"),
-        Field("reply_end", "I", "0 go on, 1 stop token, 2 max_new_tokens, 3 abandoned, 4 place (read-out tokens)"),
+        Field("reply_end", "I", "0 go on, 1 stop token, 2 max_new_tokens, 3 abandoned, 4 place, 5 turn"),
         Field("_pad2", "4x", ""),
         Field("reply_publish_ns", "q", "CLOCK_MONOTONIC ns"),
         Field("reply_tokens", f"{MAX_DECODE_ROWS}q", "the chosen token ids")),

@@ -123,12 +123,12 @@ def _timed_decode(front, back, inputs) -> tuple[list[float], list[float]]:
     for timed in (False, True):
         back.begin(0)
         prefix_ms, suffix_ms = [], []
-        token = back.take(front.prefill(inputs))
+        ids = back.take(front.prefill(inputs))
         while not back.result.ended:
             t0 = time.perf_counter_ns()
-            out = front.step([token])
+            out = front.step(ids)
             t1 = time.perf_counter_ns()
-            token = back.take(out)
+            ids = back.take(out)
             t2 = time.perf_counter_ns()
             prefix_ms.append((t1 - t0) / 1e6)
             suffix_ms.append((t2 - t1) / 1e6)
