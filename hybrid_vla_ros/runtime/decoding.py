@@ -266,9 +266,15 @@ class StepFirst:
             self._chunk = True
         self._yielded_ns += time.perf_counter_ns() - t0
 
+    @property
+    def yielded_ms(self) -> float:
+        """How long the prefill in progress has waited for steps so far (ms)."""
+        return self._yielded_ns / 1e6
+
     @contextmanager
     def prefill(self, modules):
-        """A prefill that yields to steps before each of ``modules`` runs (their forward pre-hooks)."""
+        """A prefill that yields to steps before each of ``modules`` runs (their forward pre-hooks), and wherever
+        its thread calls :meth:`boundary` (between cameras)."""
         self._prefill_thread, self._yielded_ns = threading.get_ident(), 0
         handles = [m.register_forward_pre_hook(self.boundary) for m in modules]
         self.boundary()
@@ -286,10 +292,14 @@ class StepFirst:
 
 def chunk_modules(stage) -> list:
     """The prefill's chunk boundaries in ``stage``: every element of every ``nn.ModuleList`` in it (the decoder
-    blocks, a vision tower's blocks)."""
+    blocks, a vision tower's blocks) and every linear and convolution layer (so a step waits for one matrix
+    product of the prefill, not a whole vision block over every camera's patches)."""
     from torch import nn
 
-    return [m for lst in stage.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    heavy = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    chosen = {id(m): m for lst in stage.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+    chosen.update((id(m), m) for m in stage.modules() if isinstance(m, heavy))
+    return list(chosen.values())
 
 
 class DecodeFollower:

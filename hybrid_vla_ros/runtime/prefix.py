@@ -58,7 +58,8 @@ class PrefixResult:
     resplit: Resplit | None = None
     resplit_error: str | None = None  # a requested move failed before this frame (it ran at the old K)
     decode: FollowedDecode | None = None  # the frame's decode as this prefix followed it (a decoding model)
-    prefill_wait_ms: float = 0.0  # of prefix_ms, waits for a free KV cache and for the steps of the frame before
+    prefill_wait_ms: float = 0.0  # of prefix_ms, waits for the steps of the frame before (a decoding model)
+    preprocess_wait_ms: float = 0.0  # of preprocess_ms, waits for a free KV cache and for those steps
 
 
 #: Longest wait for the suffix's answer to a decode step or prefill (s): beyond it the frame ends ``no_reply``. A
@@ -153,6 +154,7 @@ class PrefixRunner:
         self.follower: DecodeFollower | None = None
         #: Told ``(seq, FollowedDecode)`` when a frame's decode ends (on the follower's thread); the loop sets it.
         self.on_decode = None
+        self._chunks: tuple | None = None  # (stage key, its prefill chunk boundaries)
         if decoding:  # the prefix's KV caches (two with overlap: the decoding frame's, the next one's), reused
             bound = SuffixDecoding.bound(self.cfg.num_tokens, self.decode_spec.settings,
                                          len(self.cfg.decode_placed_token_ids), self.decode_spec.turns)
@@ -198,7 +200,10 @@ class PrefixRunner:
     def decode(self, items: list) -> list[np.ndarray]:
         """Decode a frame's images to HxWx3 uint8 RGB; a raw ``rgb8`` image is a view of its message (no copy)."""
         images = []
+        gate = self.follower.gate if self.follower is not None else None
         for cam, (transport, msg) in enumerate(items):
+            if gate is not None:  # a decode step of the frame before goes first (inside a gated prefill only)
+                gate.boundary()
             fast = self.fast_jpeg_decode and self.model.decodes_scaled  # a VLM's processor sizes its own input
             try:
                 images.append(compressed_msg_to_rgb(msg, self.cfg.image_size if fast else None)
@@ -233,41 +238,56 @@ class PrefixRunner:
             resplit, resplit_error = None, str(e)
         t_start_ns = time.monotonic_ns()
         t0 = time.perf_counter()
+        if self.follower is not None:  # the prefill fills a KV cache of this side; the follower takes the decode
+            return self._run_decoding(items, ego_state, scene, stamp_ns, t_start_ns, t0, resplit, resplit_error,
+                                      ego_wait_ms)
         frames = _LiveFrames(self.decode(items), self)
         inputs = self.model.frame_args(frames, ego_state, scene, self.device, self.dtype)
         t1 = time.perf_counter()
-        if self.follower is not None:  # the prefill fills a KV cache of this side; the follower takes the decode
-            return self._run_decoding(inputs, stamp_ns, t_start_ns, t0, t1, resplit, resplit_error, ego_wait_ms)
         if self.produce_in_slot:
             slot, t2 = self._run_in_slot(inputs)
         else:
             slot, t2 = self._copy_into_slot(self.model.split_state(self.model.run_prefix(self.stage, inputs)))
         return self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error, ego_wait_ms)
 
-    def _run_decoding(self, inputs, stamp_ns, t_start_ns, t0, t1, resplit, resplit_error, ego_wait_ms
-                      ) -> PrefixResult:
-        """A decoding model's frame: its prefill into a free KV cache (with overlap, yielding to the decode steps
-        of the frame before at every block), the slot published, the decode handed to the follower. Without
-        overlap it waits for the frame's decode (``PrefixResult.decode``). ``prefill_wait_ms``: how much of
-        ``prefix_ms`` went to waiting (for a free cache, for steps)."""
-        t_free = time.perf_counter()
-        decoding = self.follower.acquire()
-        cache_wait_ms = (time.perf_counter() - t_free) * 1e3
+    def _run_decoding(self, items, ego_state, scene, stamp_ns, t_start_ns, t0, resplit, resplit_error,
+                      ego_wait_ms) -> PrefixResult:
+        """A decoding model's frame: a free KV cache taken, then the cameras decoded and the prefill run into it,
+        with overlap yielding to the decode steps of the frame before between cameras and before every block and
+        linear layer (:class:`~.decoding.StepFirst`), the slot published, the decode handed to the follower.
+        Without overlap it waits for the frame's decode (``PrefixResult.decode``). ``preprocess_wait_ms``: how much
+        of ``preprocess_ms`` went to waiting for a free cache and for steps; ``prefill_wait_ms``: of ``prefix_ms``,
+        for steps."""
+        gate = self.follower.gate
+        decoding = self.follower.acquire()  # before the gate: a step of the decode that frees one must not wait
+        cache_wait_ms = (time.perf_counter() - t0) * 1e3
         try:
             decoding.stage = self.stage
-            with self.follower.gate.prefill(chunk_modules(self.stage)):
+            with gate.prefill(self._chunk_modules()):
+                frames = _LiveFrames(self.decode(items), self)
+                inputs = self.model.frame_args(frames, ego_state, scene, self.device, self.dtype)
+                t1 = time.perf_counter()
+                preprocess_wait_ms = gate.yielded_ms
                 prefill = decoding.prefill(inputs)
             slot, t2 = self._copy_into_slot(self.model.split_state(prefill))
         except BaseException:
             self.follower.release(decoding)
             raise
         result = self._publish(slot, stamp_ns, t_start_ns, t0, t1, t2, resplit, resplit_error, ego_wait_ms)
-        result.prefill_wait_ms = cache_wait_ms + self.follower.gate.last_yield_ms
+        result.preprocess_wait_ms = cache_wait_ms + preprocess_wait_ms
+        result.prefill_wait_ms = gate.last_yield_ms - preprocess_wait_ms
         self.follower.follow(result.seq, decoding)
         if not self.settings.decode_overlap:
             self.follower.wait_idle()
             result.decode = self.follower.results.get(result.seq)
         return result
+
+    def _chunk_modules(self) -> list:
+        """:func:`~.decoding.chunk_modules` of the stage, found again only after a re-split."""
+        key = (id(self.stage), self.split_layer, len(self.stage.layers))
+        if self._chunks is None or self._chunks[0] != key:
+            self._chunks = (key, chunk_modules(self.stage))
+        return self._chunks[1]
 
     def _suffix_answers(self) -> bool:
         """Whether a suffix may still answer a decode: one is attached and has not said it is paused (an inactive

@@ -99,7 +99,7 @@ def overlap_prefix_task(chan, *, drive: str, namespace: str, overlap: bool, fram
         wall = time.perf_counter() - t0
     finally:
         runner.close()
-    return {"wall_s": wall, "preprocess_ms": [r.preprocess_ms for r in results],
+    return {"wall_s": wall, "preprocess_ms": [r.preprocess_ms - r.preprocess_wait_ms for r in results],
             "prefill_ms": [r.prefix_ms - r.prefill_wait_ms for r in results],  # compute: less its waits
             "steps_ms": [sum(followed[r.seq].prefix_step_ms) for r in results],
             "held_ms": [max(followed[r.seq].step_held_ms, default=0.0) for r in results],
