@@ -62,12 +62,14 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self.tied = bool(getattr(config, "tie_word_embeddings", False)) if tied is None else bool(tied)
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        #: The projection in place of ``weight`` once packed (``runtime.packed_linear.pack_lm_head_``), else None.
+        self.packed = None
 
     def checkpoint_key(self, local_key: str) -> str:
         return "embed_tokens.weight" if self.tied else "lm_head.weight"
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(rows, self.weight)
+        logits = self.packed(rows) if self.packed is not None else nn.functional.linear(rows, self.weight)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()

@@ -312,6 +312,7 @@ class SuffixStatus(NodeStatus):
     decode_tokens_last: int = _field(_INT, 0, doc="tokens decoded for the last frame")
     suffix_backend: str = _field(_STR, "", doc="the suffix_backend parameter")
     suffix_backend_in_use: str = _field(_STR, "", doc="the backend computing frames now")
+    suffix_linear_packing: str = _field(_STR, "", doc="bf16 linear layers packed for oneDNN once, or why not")
     suffix_backend_k: int | None = _field(_OPT_INT, None, doc="the K the compiled backend covers")
     suffix_backend_building: int | None = _field(_OPT_INT, None, doc="the K being compiled in the background")
     suffix_backend_precision: str = _field(_STR, "", doc="the compiled backend's precision")

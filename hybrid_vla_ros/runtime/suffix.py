@@ -31,6 +31,7 @@ from ..transport.ring import (
 )
 from ..transport.layout import MAX_DECODE_ROWS
 from .decoding import NO_STEP, SuffixDecodeLoop
+from .packed_linear import pack_linears_, pack_lm_head_, packing_supported
 from .peer import PeerStatus, producer_status
 from .settings import SuffixRunnerSettings
 from .suffix_backend import SuffixBackend
@@ -158,6 +159,9 @@ class SuffixRunner:
             self._decode_ring = (MAX_DECODE_ROWS, sm.step_position_rows)
         else:
             self._decode_ring = (0, 0)
+        #: How the eager suffix computes its bf16 linear layers (:mod:`.packed_linear`): ``packed N (oneDNN, once)``,
+        #: or why not; "" for another dtype. Logged at configure and in /diagnostics.
+        self.linear_packing = self._pack_linears(settings.backend)
         #: The ROS domain of this pipeline: the ring's name carries it, and a ring that declares another is refused.
         self.domain_id = ros_domain_id(settings.domain_id)
         self.segment = segment_name(settings.ring_name, settings.namespace, self.domain_id)
@@ -337,6 +341,25 @@ class SuffixRunner:
             raise FloatingPointError("suffix produced non-finite waypoints")
         return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, (t_end - t_ready) / 1e6, t_ready, t_end,
                             resplits, superseded, modes, out.mode, decode)
+
+    def _pack_linears(self, backend: str) -> str:
+        """Pack the bf16 stage's decoder blocks' linear layers (and the decode's LM head) for oneDNN once, where
+        this CPU computes bf16 natively and the packed output is bit-identical; blocks loaded by later re-splits
+        are packed as they load. The compiled backend traces the eager blocks, so they stay unpacked there."""
+        if self.dtype != torch.bfloat16:
+            return ""
+        if backend != "eager":
+            return f"not packed: the {backend} backend traces the eager blocks"
+        ok, why = packing_supported()
+        if not ok:
+            return f"not packed: {why}"
+        n = pack_linears_(self.stage.layers)  # the decoder blocks: the heads after them stay torch modules
+        if n == 0 and any(isinstance(m, torch.nn.Linear) for m in self.stage.layers.modules()):
+            return "not packed: the packed layer's output differs from the unpacked one on this CPU"
+        self.split.prefetcher.prepare = pack_linears_
+        head = self._decoding.head if self._decoding is not None else None
+        lm = " and the LM head" if head is not None and pack_lm_head_(head) else ""
+        return f"packed {n} linear layers of blocks [K, L){lm} (oneDNN, once)"
 
     def _decode(self, seq: int, state, k: int):
         """Decode the frame in slot ``seq`` (at split layer ``k``) with the prefix over the ring's decode channel ->

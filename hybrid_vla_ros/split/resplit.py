@@ -28,10 +28,10 @@ class Resplit:
 
     ``*_split_layer``: first block held (K on the prefix side). ``duration_ms``: what the next frame waited (the
     swap, or the whole load when unannounced); ``load_ms``: the checkpoint load, in the background when announced.
-    Bytes around the move: ``stage_bytes_*`` (parameters), ``device_bytes_*`` (``memory_allocated`` on CUDA, else
-    stage bytes), ``reserved_bytes_*`` (``memory_reserved``) and ``driver_used_*`` (total - free of
-    ``mem_get_info``, every process); the last two are 0 off CUDA. ``on_demand``: a suffix frame arrived at an
-    unannounced K.
+    Bytes around the move: ``stage_bytes_*`` (parameters and packed weights), ``device_bytes_*``
+    (``memory_allocated`` on CUDA, else stage bytes), ``reserved_bytes_*`` (``memory_reserved``) and
+    ``driver_used_*`` (total - free of ``mem_get_info``, every process); the last two are 0 off CUDA.
+    ``on_demand``: a suffix frame arrived at an unannounced K.
     """
 
     old_split_layer: int
@@ -63,7 +63,9 @@ def _cuda_figures(device: torch.device) -> tuple[int, int, int]:
 
 
 def _stage_bytes(stage: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in stage.parameters())
+    """Bytes of the stage's weights: its parameters and its packed (oneDNN) weights."""
+    packed = (t for t in stage.buffers() if t.is_mkldnn)
+    return sum(t.numel() * t.element_size() for t in (*stage.parameters(), *packed))
 
 
 class BlockPrefetcher:
@@ -81,6 +83,8 @@ class BlockPrefetcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block_loader")
         self._job = None  # (start, stop, future of (blocks, load_ms))
         self._lock = threading.Lock()
+        #: Applied to every loaded block list on the loader thread (e.g. packing its weights), or None.
+        self.prepare = None
         self.load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def _load(self, start: int, stop: int):
@@ -92,6 +96,8 @@ class BlockPrefetcher:
                              "reconfigure the nodes to use it")
         if self.load_stream is None:
             blocks = load_blocks(self.model_path, start, stop, device=self.device, dtype=self.dtype)
+            if self.prepare is not None:
+                self.prepare(blocks)
         else:
             with torch.cuda.device(self.device), torch.cuda.stream(self.load_stream):  # a new thread: device 0
                 blocks = load_blocks(self.model_path, start, stop, device=self.device, dtype=self.dtype)

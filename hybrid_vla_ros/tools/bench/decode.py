@@ -62,7 +62,9 @@ def _seconds(fn) -> float:
 
 
 def _bytes(module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of a module's weights: its parameters and its packed (oneDNN) weights."""
+    packed = (t for t in module.buffers() if t.is_mkldnn)
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *packed))
 
 
 def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: list[str], prompt: int,
@@ -74,6 +76,7 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
 
     from ...model.checkpoint import open_checkpoint, parse_dtype
     from ...model.decode import DecodeSettings, PrefixDecoding, SideCache, SuffixDecoding
+    from ...runtime.packed_linear import pack_linears_, pack_lm_head_
 
     torch.set_num_threads(threads)
     bandwidth = read_bandwidth_gbs(bandwidth_mib)
@@ -87,11 +90,13 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
         for dtype_name in dtypes:
             dtype = parse_dtype(dtype_name)
             head = ck.load("lm_head", dtype=dtype)
+            head_packed = pack_lm_head_(head)  # bf16 where this CPU packs it exactly, as the suffix node does
             inputs = sm.example_inputs(None, dtype=dtype)  # ``prompt`` token ids (a ramp)
             bound = prompt + new_tokens - 1
             for k in split_layers:
                 front = PrefixDecoding(sm, ck.load("prefix", k, dtype=dtype), SideCache(config, bound, 0))
                 suffix = ck.load("suffix", k, dtype=dtype)
+                packed = pack_linears_(suffix.layers)  # as the suffix node packs them
                 back = SuffixDecoding(sm, suffix, head, SideCache(config, bound, k), settings)
                 prefix_ms, suffix_ms = _timed_decode(front, back, inputs)
                 layers = config.num_hidden_layers - k
@@ -99,7 +104,8 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
                 weights = _bytes(suffix) + _bytes(head)
                 floor_ms = (weights + kv) / (bandwidth * 1e9) * 1e3
                 p50 = statistics.median(suffix_ms)
-                rows.append({"k": k, "dtype": dtype_name, "suffix_token_ms": _stats(suffix_ms),
+                rows.append({"k": k, "dtype": dtype_name, "packed_linears": packed, "head_packed": head_packed,
+                             "suffix_token_ms": _stats(suffix_ms),
                              "prefix_token_ms": _stats(prefix_ms), "suffix_weight_bytes": weights,
                              "suffix_kv_bytes": kv, "floor_ms": floor_ms, "bandwidth_ratio": floor_ms / p50})
                 chan.send({"type": "progress", "line": f"  decode {dtype_name} K={k}: suffix {p50:.2f} ms/token, "
@@ -281,10 +287,12 @@ def markdown(d: dict) -> str:
     """The decode part's table."""
     lines = [f"\n**Decode** ({d['model']}, {d['prompt_tokens']}-token prompt, {d['new_tokens']} greedy tokens, "
              f"{d['threads']} thread(s); read bandwidth {d['bandwidth_gbs']:.1f} GB/s): per token, ms",
-             "", "| K | dtype | suffix p50 | floor (weights + KV / bandwidth) | floor / time | prefix p50 |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "", "| K | dtype | suffix linears | suffix p50 | floor (weights + KV / bandwidth) | floor / time | "
+             "prefix p50 |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in d["rows"]:
-        lines.append(f"| {r['k']} | {r['dtype']} | {r['suffix_token_ms']['p50']:.2f} | {r['floor_ms']:.2f} | "
+        how = (f"packed ({r['packed_linears']}{' + LM head' if r.get('head_packed') else ''})"
+               if r.get("packed_linears") else "torch")
+        lines.append(f"| {r['k']} | {r['dtype']} | {how} | {r['suffix_token_ms']['p50']:.2f} | {r['floor_ms']:.2f} | "
                      f"{r['bandwidth_ratio']:.2f} | {r['prefix_token_ms']['p50']:.3f} |")
     if d["whole_model_vs_llama_cpp"]:
         lines.append("\nWhole model per token against llama.cpp (same core, same GGUF weights at that precision): "
