@@ -56,6 +56,13 @@ def test_each_answer_and_the_plan_after_them_equal_transformers_at_every_k(conve
     assert all(r.readout is not None and r.readout <= 1e-5 for r in report.rows)
 
 
+def test_a_check_longer_than_the_llm_positions_is_refused(conversation):
+    """--decode-tokens N runs N tokens in every answer: beyond the LLM's positions it is refused, as init-model
+    refuses such a decode config."""
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        verify_decode(conversation, 200)
+
+
 def test_a_question_left_out_changes_the_answers_and_the_plan(conversation):
     """The same frame decoded without the turns (one long answer) gives other tokens after the first answer and
     other waypoints: the check above sees the questions, it does not pass whatever is asked."""
@@ -126,6 +133,9 @@ def test_the_runners_ask_each_question_over_the_ring_like_transformers(conversat
             decodes = [tokens[i:i + TOKENS] for i in range(0, len(tokens), TOKENS)]
             want = sm.decode_readout_referee(torch.float32, inputs, conversation_ids(decodes, spec.turns), 3)
         assert result.decode.tokens == tokens and result.decode.ended == "max_new_tokens"
+        # no tokenizer files beside this Llama: the reasoning text is the conversation's ids, questions included
+        conversation = conversation_ids(decodes, spec.turns)
+        assert result.decode.text == "token ids: " + " ".join(map(str, conversation))
         lane_follow = want[3 if len(want) > 1 else 0]
         assert abs(result.waypoints - lane_follow.double().numpy()).max() <= 1e-5
         done = followed[result.meta.seq]

@@ -360,7 +360,8 @@ class VLAConfig:
             problems.append("decode: a LLaVA projector's image placeholders are not supported with decode")
         if not self.planning_head:
             problems.append("decode: a model without a planning head has nothing to drive")
-        if isinstance(self.decode, dict) and self.decode.get("drives", "head") != "head":
+        if isinstance(self.decode, dict) and self.decode.get("drives", "head") in ("text_waypoints",
+                                                                                  "action_codebook"):
             problems.append("decode: this package's own model drives its planning head (drives: head); text and "
                             "codebook read-outs are for compositions on a transformers VLM")
         return problems

@@ -71,7 +71,9 @@ class SuffixNode(node_base.PipelineNode):
             + (("; decodes " + (f"{self.runner.decode_spec.decodes_per_frame} answers of "
                                    if self.runner.decode_spec.turns else "")
                 + f"up to {self.runner.decode_spec.settings.max_new_tokens} tokens a frame "
-                f"(drives: {self.runner.decode_spec.drives}), text on {self._outputs.reasoning_pub.topic_name}")
+                f"(drives: {self.runner.decode_spec.drives}), text on {self._outputs.reasoning_pub.topic_name}"
+                + ("" if self.runner.has_tokenizer else " (no tokenizer files beside the model: the text is the "
+                                                        "token ids)"))
                if self.runner.decode_spec is not None else "")
             + (f"; candidate trajectories of all {self.runner.cfg.n_modes} modes on "
                f"{candidates.topic_name} (generator_id {self._outputs.generator_id})" if candidates else "")

@@ -159,6 +159,8 @@ class SuffixRunner:
             self._decode_ring = (MAX_DECODE_ROWS, sm.step_position_rows)
         else:
             self._decode_ring = (0, 0)
+        #: Whether decoded ids become text (a tokenizer beside the model); else the reasoning text is the ids.
+        self.has_tokenizer = self._tokenizer is not None
         #: How the eager suffix computes its bf16 linear layers (:mod:`.packed_linear`): ``packed N (oneDNN, once)``,
         #: or why not; "" for another dtype. Logged at configure and in /diagnostics.
         self.linear_packing = self._pack_linears(settings.backend)
@@ -358,7 +360,7 @@ class SuffixRunner:
             return "not packed: the packed layer's output differs from the unpacked one on this CPU"
         self.split.prefetcher.prepare = pack_linears_
         head = self._decoding.head if self._decoding is not None else None
-        lm = " and the LM head" if head is not None and pack_lm_head_(head) else ""
+        lm = ", and the LM head" if head is not None and pack_lm_head_(head) else ""
         return f"packed {n} linear layers of blocks [K, L){lm} (oneDNN, once)"
 
     def _decode(self, seq: int, state, k: int):
@@ -397,9 +399,12 @@ class SuffixRunner:
         return answered.plan, outcome
 
     def decoded_text(self, tokens: list[int]) -> str:
-        """Token ids -> text with the model's tokenizer (special tokens kept); "" without one."""
-        if self._tokenizer is None or not tokens:
+        """Token ids -> text with the model's tokenizer (special tokens kept); without tokenizer files beside the
+        model, the ids themselves (``token ids: 108 196 ...``), never an empty text for a decode."""
+        if not tokens:
             return ""
+        if self._tokenizer is None:
+            return "token ids: " + " ".join(str(int(t)) for t in tokens)
         known = len(self._tokenizer)  # ids the model has beyond its tokenizer's (added read-out tokens) as <id N>
         parts, run = [], []
         for t in tokens:

@@ -452,7 +452,8 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
         extra_notes.append(f"the prefix holds {PREFIX_KV_CACHES} KV caches (the decoding frame's and the next "
                            "prefill's: decode_overlap, the default)")
         source = "as its decode config says at most" if from_config else "as asked"
-        extra_notes.append(f"{decode_tokens} decode steps a frame ({source}): each side holds a KV cache of "
+        extra_notes.append(f"{decode_tokens} tokens a frame ({source}; the first from the prefill, a decode step "
+                           f"each after it): each side holds a KV cache of "
                            f"{kv_tokens} tokens of its own blocks; the round trip per token is two ring hand-offs of "
                            "one row from the profile (`hybrid-vla bench --only decode` measures the real one); the "
                            "next frame's prefill runs in the decode's gaps")

@@ -86,12 +86,18 @@ def verify_decode(path: str | Path, new_tokens: int, dtype: str = "fp32", *, tol
     with torch.inference_mode():
         inputs = sm.example_inputs(BagFrames(), dtype=torch_dtype)
         prompt = int(sm.prompt_tokens(inputs))
-        say(f"transformers' generate of {new_tokens} tokens on the unsplit model ...")
         placed = getattr(ck.cfg, "decode_placed_token_ids", []) if sm.takes_cameras else []
         spec = getattr(ck.cfg, "decode_spec", None) if sm.takes_cameras else None
         turns = spec.turns if spec is not None else ()  # questions between decodes (ORION's QA)
         probe = DecodeSettings(max_new_tokens=new_tokens)
         bound = SuffixDecoding.bound(prompt, probe, len(placed), turns)  # generate's static length, + placed ones
+        limit = getattr(sm.text_config(), "max_position_embeddings", None)
+        if isinstance(limit, int) and bound + 1 > limit:
+            raise ValueError(f"--decode-tokens {new_tokens}: the prompt ({prompt} tokens), "
+                             f"{1 + len(turns)} decode(s) of {new_tokens} tokens, the turns and the placed tokens "
+                             f"need {bound + 1} positions, the LLM has {limit} (max_position_embeddings)")
+        answers = f" in each of {1 + len(turns)} answers" if turns else ""
+        say(f"transformers' generate of {new_tokens} tokens{answers} on the unsplit model ...")
         ref_tokens, ref_logits, stop, name = sm.decode_referee(torch_dtype, inputs, new_tokens, cache_len=bound)
         settings = DecodeSettings(max_new_tokens=new_tokens, stop_token_ids=stop)
         report = DecodeReport(str(ck.path), name, prompt, new_tokens, ref_tokens, dtype, float(tolerance))
