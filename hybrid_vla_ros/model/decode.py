@@ -119,8 +119,14 @@ class DecodeResult:
 
     def decodes(self) -> list[list[int]]:
         """The chosen tokens split into the frame's decodes (one list without turns)."""
-        cuts = [0, *self.turn_starts, len(self.tokens)]
-        return [self.tokens[a:b] for a, b in zip(cuts, cuts[1:])]
+        return split_at(self.tokens, self.turn_starts)
+
+
+def split_at(tokens: list[int], turn_starts: list[int]) -> list[list[int]]:
+    """A frame's chosen ``tokens`` split into its decodes at ``turn_starts`` (the index where each decode after a
+    turn starts, :attr:`DecodeResult.turn_starts`); one list without turns."""
+    cuts = [0, *turn_starts, len(tokens)]
+    return [tokens[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def split_decodes(tokens: list[int], stop_token_ids, max_new_tokens: int, decodes: int) -> list[list[int]]:
@@ -135,7 +141,8 @@ def split_decodes(tokens: list[int], stop_token_ids, max_new_tokens: int, decode
 
 
 def conversation_ids(decodes: list[list[int]], turns) -> list[int]:
-    """The token ids after the prompt in order: each decode's tokens, then the turn placed after it."""
+    """The token ids after the prompt in order: each decode's tokens, then the turn placed after it. Raises
+    IndexError when ``turns`` holds fewer than ``len(decodes) - 1`` turns."""
     ids: list[int] = []
     for i, chosen in enumerate(decodes):
         ids += chosen

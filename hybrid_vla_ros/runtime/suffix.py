@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import load_stage, model_id, open_checkpoint, parse_dtype
-from ..model.decode import DecodeResult, SideCache, SuffixDecoding, conversation_ids
+from ..model.decode import SideCache, SuffixDecoding, conversation_ids, split_at
 from ..model.decode_spec import DRIVES_CODEBOOK, DRIVES_TEXT, UnparseableWaypoints
 from ..split.planner import ring_side
 from ..model.modeling import DEFAULT_COMMAND
@@ -159,8 +159,6 @@ class SuffixRunner:
             self._decode_ring = (MAX_DECODE_ROWS, sm.step_position_rows)
         else:
             self._decode_ring = (0, 0)
-        #: Whether decoded ids become text (a tokenizer beside the model); else the reasoning text is the ids.
-        self.has_tokenizer = self._tokenizer is not None
         #: How the eager suffix computes its bf16 linear layers (:mod:`.packed_linear`): ``packed N (oneDNN, once)``,
         #: or why not; "" for another dtype. Logged at configure and in /diagnostics.
         self.linear_packing = self._pack_linears(settings.backend)
@@ -344,6 +342,11 @@ class SuffixRunner:
         return SuffixResult(wp, meta, (t_ready - meta.t_write_start_ns) / 1e6, (t_end - t_ready) / 1e6, t_ready, t_end,
                             resplits, superseded, modes, out.mode, decode)
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether decoded ids become text (a tokenizer beside the model); else the reasoning text is the ids."""
+        return self._tokenizer is not None
+
     def _pack_linears(self, backend: str) -> str:
         """Pack the bf16 stage's decoder blocks' linear layers (and the decode's LM head) for oneDNN once, where
         this CPU computes bf16 natively and the packed output is bit-identical; blocks loaded by later re-splits
@@ -378,7 +381,7 @@ class SuffixRunner:
         with torch.inference_mode():
             answered = loop.answer(seq, state, k)
         spec = self.decode_spec
-        decodes = DecodeResult(answered.tokens, turn_starts=answered.turn_starts).decodes()
+        decodes = split_at(answered.tokens, answered.turn_starts)
         text = self.decoded_text(conversation_ids(decodes, spec.turns))  # turns: the questions between answers
         outcome = DecodeOutcome(answered.tokens, text, answered.ended, answered.suffix_token_ms,
                                 answered.prefix_step_ms, answered.step_wait_ms, answered.readout_ms)
