@@ -490,8 +490,12 @@ def test_quick_decode_part_measures_the_suffix_against_its_bandwidth_floor_and_t
     doc = json.loads(out.read_text())
     assert rc == 0, doc["errors"]
     d = doc["decode"]
-    assert sorted((r["k"], r["dtype"]) for r in d["rows"]) == [(0, "bf16"), (0, "fp32"), (20, "bf16"), (20, "fp32")]
-    rows = {(r["k"], r["dtype"]): r for r in d["rows"]}
+    assert sorted((r["k"], r["dtype"], r["step"]) for r in d["rows"]) == [
+        (0, "bf16", "eager"), (0, "fp32", "eager"), (20, "bf16", "eager"), (20, "fp32", "eager"),
+        (20, "fp32", "inductor")]  # --quick: the compiled step at the split layer in fp32 only (one short build)
+    rows = {(r["k"], r["dtype"]): r for r in d["rows"] if r["step"] == "eager"}
+    compiled = next(r for r in d["rows"] if r["step"] == "inductor")
+    assert compiled["build_s"] > 0 and compiled["suffix_weight_bytes"] == rows[(20, "fp32")]["suffix_weight_bytes"]
     for r in d["rows"]:
         assert r["suffix_token_ms"]["n"] == 15 and 0.1 < r["bandwidth_ratio"] < 1.5, r
     # the suffix at K = 20 reads 10 blocks, the final norm and the (tied) 49152 x 576 head; at K = 0 all 30 blocks

@@ -249,14 +249,15 @@ def test_a_decode_on_a_model_that_cannot_place_tokens_is_refused(tmp_path):
         VLAConfig(**{**base, "n_modes": 1, "decode": {"max_new_tokens": 4, "drives": "text_waypoints"}})
 
 
-def _runners(drive: Path, k: int, overlap: bool = False):
+def _runners(drive: Path, k: int, overlap: bool = False, decode_step: str = "eager"):
     from hybrid_vla_ros.runtime.prefix import PrefixRunner
     from hybrid_vla_ros.runtime.settings import PrefixRunnerSettings, SuffixRunnerSettings
     from hybrid_vla_ros.runtime.suffix import SuffixRunner
 
     ns = f"/dr_{uuid.uuid4().hex[:8]}"
     prefix = PrefixRunner(str(drive), PrefixRunnerSettings(k, device="cpu", namespace=ns, decode_overlap=overlap))
-    suffix = SuffixRunner(str(drive), SuffixRunnerSettings(k, namespace=ns, backend="eager"))
+    suffix = SuffixRunner(str(drive), SuffixRunnerSettings(k, namespace=ns, backend="eager", decode_step=decode_step,
+                                                           background_build=False))
     return prefix, suffix
 
 
@@ -318,10 +319,12 @@ def test_a_suffix_that_goes_away_or_pauses_ends_the_prefix_frame_at_once(compose
         prefix.close()
 
 
-def _pipeline(drive: Path, k: int, overlap: bool, frames: list) -> tuple[list, list, dict]:
+def _pipeline(drive: Path, k: int, overlap: bool, frames: list, decode_step: str = "eager",
+              seen=None) -> tuple[list, list, dict]:
     """``frames`` through a PrefixRunner (offered back to back on a thread) and a SuffixRunner (polled here):
-    (the prefix's results, the suffix's results, seq -> the prefix's FollowedDecode)."""
-    prefix, suffix = _runners(drive, k, overlap)
+    (the prefix's results, the suffix's results, seq -> the prefix's FollowedDecode). ``seen``: called with both
+    runners after the last frame."""
+    prefix, suffix = _runners(drive, k, overlap, decode_step)
     followed = {}
     prefix.on_decode = followed.__setitem__
     try:
@@ -336,6 +339,8 @@ def _pipeline(drive: Path, k: int, overlap: bool, frames: list) -> tuple[list, l
             got.append(r)
         worker.join(30)
         assert prefix.follower.wait_idle(10)
+        if seen is not None:
+            seen(prefix, suffix)
         return out, got, followed
     finally:
         suffix.close()
@@ -346,9 +351,12 @@ def test_the_next_prefill_runs_between_the_decode_steps_and_changes_no_token(tmp
     """With overlap the prefix prefills frame t+1 (in its second KV cache, 64 tokens at a time) while frame t
     decodes, yielding to each step at every block: frame t+1's slot is published before frame t's decode ends, and
     every frame's tokens and text are the ones the same frames give without overlap (each frame ends before the
-    next starts), its waypoints within 1e-6 m (the chunked prefill's attention rounds apart by ulps)."""
+    next starts), its waypoints within 1e-6 m (the chunked prefill's attention rounds apart by ulps). No step ever
+    waited while a prefill chunk started (it waits for the chunk computing when it came, never a whole prefill: a
+    count, where a wait's milliseconds depend on the host's load; the bench measures those)."""
     _, drive = _compose(tmp_path, "qwen2_5_vl", {"max_new_tokens": 24})
-    with_overlap = _pipeline(drive, 1, True, frames[:3])
+    gates = []
+    with_overlap = _pipeline(drive, 1, True, frames[:3], seen=lambda p, s: gates.append(p.follower.gate))
     without = _pipeline(drive, 1, False, frames[:3])
     for (out, got, followed), overlap in ((with_overlap, True), (without, False)):
         assert [r.meta.seq for r in got] == [o.seq for o in out] == sorted(followed)
@@ -359,7 +367,30 @@ def test_the_next_prefill_runs_between_the_decode_steps_and_changes_no_token(tmp
         assert a.decode.tokens == b.decode.tokens and a.decode.text == b.decode.text
         assert abs(a.modes - b.modes).max() <= 1e-6
     held = [ms for f in with_overlap[2].values() for ms in f.step_held_ms]
-    assert held and max(held) < max(o.prefix_ms for o in with_overlap[0])  # a step never waits a whole prefill
+    assert held and gates[0].most_chunks_waited == 0 and gates[0].chunks_started > 3 * len(frames[:3])
+
+
+def test_the_inductor_decode_step_gives_the_eager_tokens_through_the_runners(tmp_path, frames):
+    """``decode_step: inductor`` on an InternVL composition (text positions in its steps), built at construction:
+    each frame's tokens and text are the eager step's and its waypoints within 1e-5 m (the compiled kernels round
+    apart by ulps), and the runner says the step ran compiled; a Qwen2.5-VL composition (multimodal positions in
+    every step) is refused naming why and decodes eagerly."""
+    _, drive = _compose(tmp_path, "internvl", {"max_new_tokens": 8})
+    states = []
+    compiled = _pipeline(drive, 1, False, frames[:2], "inductor", lambda p, s: states.append(s.decode_step_state))
+    eager = _pipeline(drive, 1, False, frames[:2], "eager", lambda p, s: states.append(s.decode_step_state))
+    assert states == ["inductor at K=1", "eager"]
+    for a, b in zip(compiled[1], eager[1]):
+        assert a.decode.tokens == b.decode.tokens and a.decode.text == b.decode.text and len(a.decode.tokens) == 8
+        assert abs(a.modes - b.modes).max() <= 1e-5
+    _, qwen = _compose(tmp_path, "qwen2_5_vl", {"max_new_tokens": 2})
+    prefix, suffix = _runners(qwen, 1, decode_step="inductor")
+    try:
+        assert suffix.decode_step_state == "eager (not compiled: its decode steps take multimodal positions)"
+        assert suffix.decode_steps is None and suffix.linear_packing == ""
+    finally:
+        suffix.close()
+        prefix.close()
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "internvl"])

@@ -48,7 +48,8 @@ SUFFIX = SuffixStatus(**COMMON, frames_in=9, trajectories_out=8, frames_too_old_
                       suffix_backend_precision="bf16", suffix_backend_error="no plugin",
                       suffix_backend_cache_dir="/var/cache/hv",
                       suffix_backend_frames_compiled=6, suffix_backend_frames_eager=3,
-                      suffix_linear_packing="packed 14 linear layers of blocks [K, L) (oneDNN, once)")
+                      suffix_linear_packing="packed 14 linear layers of blocks [K, L) (oneDNN, once)",
+                      suffix_decode_step="inductor at K=4")
 
 
 @pytest.mark.parametrize("status", [PREFIX, SUFFIX], ids=["prefix", "suffix"])

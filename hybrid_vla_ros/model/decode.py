@@ -223,12 +223,21 @@ class SuffixDecoding:
         #: Whether the ids :meth:`take` returned last are a turn's step (the first: the decode's last token, then
         #: the turn's first ids), not a chosen token to go on with.
         self.turn_step = False
+        #: Where one-row steps may run compiled: an object whose ``for_frame(stage, k)`` gives a step (its own
+        #: ``cache``, ``logits(row)``) or None, and whose ``plain(out)`` says whether a step's crossing is rows
+        #: at text positions (:class:`~hybrid_vla_ros.runtime.compiled_step.DecodeStepBuilder`); None: every step
+        #: runs eagerly.
+        self.compiled = None
+        self._own_cache = cache
+        self._step = None  # this frame's compiled step, or None
 
     def begin(self, frame_seq: int = 0, k: int | None = None) -> None:
         """A new frame (at split layer ``k``, default unchanged): an empty cache and result, the draws seeded for
         ``frame_seq``."""
         if k is not None:
-            self.k = self.cache.first_layer = int(k)
+            self.k = self._own_cache.first_layer = int(k)
+        self._step = self.compiled.for_frame(self.stage, self.k) if self.compiled is not None else None
+        self.cache = self._step.cache if self._step is not None else self._own_cache  # the step's graph holds its own
         self.cache.reset()
         self.chooser.start(frame_seq)
         self.result = DecodeResult()
@@ -241,12 +250,16 @@ class SuffixDecoding:
         follows, its first step (the chosen token, then the turn's first ids; :attr:`turn_step`); while a turn's
         steps remain, their rows only extend the cache and the next step's ids come back. Raises ValueError when the
         cache has no room left."""
-        self.cache.room_for(self.sm.hidden(out).shape[-2])
-        final = self.sm.suffix_rows(self.stage, out, self.cache.cache, self.k)
+        rows = self.sm.hidden(out)
+        self.cache.room_for(rows.shape[-2])
         self.turn_step = bool(self._pending)
-        if self._pending:  # a turn's rows: nothing is chosen before its last step
-            return self._pending.pop(0)
-        logits = self.head(final[..., -1:, :]).reshape(-1)
+        if self._step is not None and not self._pending and rows.shape[-2] == 1 and self.compiled.plain(out):
+            logits = self._step.logits(rows)  # blocks [K, L), norm and head compiled
+        else:
+            final = self.sm.suffix_rows(self.stage, out, self.cache.cache, self.k)
+            if self._pending:  # a turn's rows: nothing is chosen before its last step
+                return self._pending.pop(0)
+            logits = self.head(final[..., -1:, :]).reshape(-1)
         token = self.chooser.choose(logits)
         r = self.result
         r.tokens.append(token)

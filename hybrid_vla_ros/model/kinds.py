@@ -399,7 +399,8 @@ class VLMFront(SplitModel):
         return f"h_K{' and side tensors ' + ', '.join(names) if names else ''} of a {self.cfg.vlm_type} VLM"
 
     def hidden(self, out):
-        return out.hidden_states
+        """h_K of a SplitState, or the tensor itself (what crosses for a VLM without side tensors, InternVL)."""
+        return out if isinstance(out, torch.Tensor) else out.hidden_states
 
     def profile_tail(self, tail, out):
         return lambda: tail.final_hidden_states(out)

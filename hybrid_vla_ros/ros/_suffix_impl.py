@@ -68,6 +68,7 @@ class SuffixNode(node_base.PipelineNode):
             + (f" (building for K={k} in the background, cache {self.runner.backend.cache_dir}; eager meanwhile)"
                if self.runner.backend.status().building is not None else "")
             + (f"; bf16 linear layers: {self.runner.linear_packing}" if self.runner.linear_packing else "")
+            + (f"; decode step: {self.runner.decode_step_state}" if self.runner.decode_step_state else "")
             + (("; decodes " + (f"{self.runner.decode_spec.decodes_per_frame} answers of "
                                    if self.runner.decode_spec.turns else "")
                 + f"up to {self.runner.decode_spec.settings.max_new_tokens} tokens a frame "
@@ -167,4 +168,5 @@ class SuffixNode(node_base.PipelineNode):
                 "suffix_backend_precision": st.precision, "suffix_backend_error": st.error,
                 "suffix_backend_cache_dir": st.cache_dir if st.requested != "eager" else "",
                 "suffix_backend_frames_compiled": st.frames_compiled,
-                "suffix_backend_frames_eager": st.frames_eager, "suffix_linear_packing": self.runner.linear_packing}
+                "suffix_backend_frames_eager": st.frames_eager, "suffix_linear_packing": self.runner.linear_packing,
+                "suffix_decode_step": self.runner.decode_step_state}

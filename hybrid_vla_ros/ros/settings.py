@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from ..runtime.settings import (Backend, Delivery, Dtype, PrefixRunnerSettings, SplitPolicySettings,
+from ..runtime.settings import (Backend, DecodeStep, Delivery, Dtype, PrefixRunnerSettings, SplitPolicySettings,
                                 SuffixRunnerSettings)
 from ..vehicle.guard import GuardLimits
 
@@ -208,6 +208,8 @@ class SuffixNodeSettings(NodeSettings):
     dtype: Dtype = "fp32"
     #: How blocks [K, L) are computed: ``eager`` or ``openvino``.
     suffix_backend: Backend = "eager"
+    #: A decoding model's one-row decode step: ``eager`` or ``inductor`` (compiled in the background).
+    decode_step: DecodeStep = "eager"
     #: Folder of the compiled suffix artifacts; "": ``$HYBRID_VLA_CACHE`` or the user cache folder.
     backend_cache_dir: str = ""
     #: Name of the shared-memory ring to attach to, as the prefix node's.
@@ -242,7 +244,8 @@ class SuffixNodeSettings(NodeSettings):
             split_layer=k, dtype=self.dtype, ring_name=self.ring_name,
             threads=self.threads or len(self.cpu_affinity), delivery=self.ring.delivery,
             spin_lead_ms=self.ring.spin_lead_ms, spin_max_ms=self.ring.spin_max_ms, backend=self.suffix_backend,
-            backend_cache_dir=self.backend_cache_dir, namespace=namespace, domain_id=domain_id,
+            decode_step=self.decode_step, backend_cache_dir=self.backend_cache_dir, namespace=namespace,
+            domain_id=domain_id,
             frame_age_limit_s=self.guard.max_age_s if self.guard.check_age else 0.0)
 
 

@@ -313,6 +313,8 @@ class SuffixStatus(NodeStatus):
     suffix_backend: str = _field(_STR, "", doc="the suffix_backend parameter")
     suffix_backend_in_use: str = _field(_STR, "", doc="the backend computing frames now")
     suffix_linear_packing: str = _field(_STR, "", doc="bf16 linear layers packed for oneDNN once, or why not")
+    suffix_decode_step: str = _field(_STR, "", doc="a decoding model's token step: eager, inductor at K, building, "
+                                                   "or why not compiled")
     suffix_backend_k: int | None = _field(_OPT_INT, None, doc="the K the compiled backend covers")
     suffix_backend_building: int | None = _field(_OPT_INT, None, doc="the K being compiled in the background")
     suffix_backend_precision: str = _field(_STR, "", doc="the compiled backend's precision")

@@ -232,8 +232,13 @@ class StepFirst:
         self._chunk = False  # a prefill chunk computes now
         self._prefill_thread = 0  # the thread of the prefill in progress
         self._yielded_ns = 0
+        #: Prefill chunks started so far.
+        self.chunks_started = 0
         #: How long the last prefill waited for steps at its boundaries (ms): its wall time minus this is its compute.
         self.last_yield_ms = 0.0
+        #: The most prefill chunks that started while one step waited: 0, since a step waits only for the chunk
+        #: computing when it came (what a test asserts, where a wait's milliseconds depend on the host's load).
+        self.most_chunks_waited = 0
 
     @contextmanager
     def step(self):
@@ -241,10 +246,12 @@ class StepFirst:
         t0 = time.perf_counter_ns()
         with self._cv:
             self._waiting += 1
+            started = self.chunks_started
             while self._chunk:
                 self._cv.wait()
             self._waiting -= 1
             self._stepping = True
+            self.most_chunks_waited = max(self.most_chunks_waited, self.chunks_started - started)
         try:
             yield (time.perf_counter_ns() - t0) / 1e6
         finally:
@@ -264,6 +271,7 @@ class StepFirst:
             while self._waiting or self._stepping:
                 self._cv.wait()
             self._chunk = True
+            self.chunks_started += 1
         self._yielded_ns += time.perf_counter_ns() - t0
 
     @property

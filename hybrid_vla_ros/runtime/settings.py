@@ -17,6 +17,8 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 Delivery = Literal["newest", "fifo"]
 #: How a suffix computes decoder blocks [K, L) (``runtime.suffix_backend``).
 Backend = Literal["eager", "openvino"]
+#: How a decoding suffix computes a one-row decode step (``runtime.compiled_step``).
+DecodeStep = Literal["eager", "inductor"]
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,12 @@ class SuffixRunnerSettings:
     backend: Backend = "eager"
     #: Folder of the compiled backend's artifacts; "" = the default (``runtime.suffix_backend.default_cache_dir``).
     backend_cache_dir: str = ""
-    #: Build the compiled backend on a background thread (False: at construction, for tests and tools).
+    #: A decoding model's one-row decode step: ``eager`` (torch, module by module) or ``inductor`` (blocks [K, L),
+    #: norm and LM head compiled by ``torch.compile`` in the background, eager meanwhile; its costs:
+    #: ``runtime.compiled_step``). Where it cannot be compiled the step stays eager, said at configure.
+    decode_step: DecodeStep = "eager"
+    #: Build the compiled backend (and the compiled decode step) on a background thread (False: at construction,
+    #: for tests and tools).
     background_build: bool = True
     #: ROS namespace that scopes the ring's name (the node's own namespace; not a parameter).
     namespace: str = "/"
@@ -127,4 +134,5 @@ class SuffixRunnerSettings:
     PARAMETER_OF: ClassVar[dict[str, str]] = {
         "split_layer": "split_layer", "dtype": "dtype", "ring_name": "ring_name", "threads": "threads",
         "delivery": "ring.delivery", "spin_lead_ms": "ring.spin_lead_ms", "spin_max_ms": "ring.spin_max_ms",
-        "backend": "suffix_backend", "backend_cache_dir": "backend_cache_dir", "frame_age_limit_s": "guard.max_age_s"}
+        "backend": "suffix_backend", "backend_cache_dir": "backend_cache_dir", "decode_step": "decode_step",
+        "frame_age_limit_s": "guard.max_age_s"}

@@ -30,6 +30,7 @@ from ..transport.ring import (
     ros_domain_id, segment_name,
 )
 from ..transport.layout import MAX_DECODE_ROWS
+from .compiled_step import DECODE_STEPS, DecodeStepBuilder, compile_support
 from .decoding import NO_STEP, SuffixDecodeLoop
 from .packed_linear import pack_linears_, pack_lm_head_, packing_supported
 from .peer import PeerStatus, producer_status
@@ -124,6 +125,8 @@ class SuffixRunner:
     def __init__(self, model_path: str, settings: SuffixRunnerSettings, *, log=None):
         #: What this runner was built with (:class:`~.settings.SuffixRunnerSettings`).
         self.settings = settings
+        if settings.decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {settings.decode_step!r}")
         split_layer, delivery = settings.split_layer, settings.delivery
         spin_lead_ms, spin_max_ms = settings.spin_lead_ms, settings.spin_max_ms
         if settings.threads > 0:
@@ -159,9 +162,22 @@ class SuffixRunner:
             self._decode_ring = (MAX_DECODE_ROWS, sm.step_position_rows)
         else:
             self._decode_ring = (0, 0)
+        #: The compiled decode step (:class:`~.compiled_step.DecodeStepBuilder`), or None: every step eager.
+        self.decode_steps: DecodeStepBuilder | None = None
+        #: Why the ``inductor`` decode step asked for cannot run ("" when it can, or was not asked for).
+        self.decode_step_refused = ""
+        if self._decoding is not None and settings.decode_step == "inductor":
+            d = self._decoding
+            self.decode_step_refused = compile_support(d.sm, self.stage, d.head)
+            if not self.decode_step_refused:
+                self.decode_steps = DecodeStepBuilder(d.sm, d.head, d.cache.max_len, torch.get_num_threads(),
+                                                      settings.background_build, log)
+                d.compiled = self.decode_steps
         #: How the eager suffix computes its bf16 linear layers (:mod:`.packed_linear`): ``packed N (oneDNN, once)``,
         #: or why not; "" for another dtype. Logged at configure and in /diagnostics.
         self.linear_packing = self._pack_linears(settings.backend)
+        if self.decode_steps is not None and len(self.stage.layers):
+            self.decode_steps.for_frame(self.stage, split_layer)  # the configured K's build starts now
         #: The ROS domain of this pipeline: the ring's name carries it, and a ring that declares another is refused.
         self.domain_id = ros_domain_id(settings.domain_id)
         self.segment = segment_name(settings.ring_name, settings.namespace, self.domain_id)
@@ -347,6 +363,18 @@ class SuffixRunner:
         """Whether decoded ids become text (a tokenizer beside the model); else the reasoning text is the ids."""
         return self._tokenizer is not None
 
+    @property
+    def decode_step_state(self) -> str:
+        """A decoding model's decode step in one line: ``eager``, the compiled step's state
+        (:attr:`~.compiled_step.DecodeStepBuilder.state`) or why it is not compiled; "" without a decode."""
+        if self._decoding is None:
+            return ""
+        if self.decode_steps is not None:
+            return self.decode_steps.state
+        if self.decode_step_refused:
+            return f"eager (not compiled: {self.decode_step_refused})"
+        return "eager"
+
     def _pack_linears(self, backend: str) -> str:
         """Pack the bf16 stage's decoder blocks' linear layers (and the decode's LM head) for oneDNN once, where
         this CPU computes bf16 natively and the packed output is bit-identical; blocks loaded by later re-splits
@@ -355,6 +383,8 @@ class SuffixRunner:
             return ""
         if backend != "eager":
             return f"not packed: the {backend} backend traces the eager blocks"
+        if self.decode_steps is not None:
+            return "not packed: the inductor decode step traces the eager blocks (and packs its own weights)"
         ok, why = packing_supported()
         if not ok:
             return f"not packed: {why}"

@@ -36,13 +36,13 @@ QUICK = {"presets": ["tiny"], "flops_presets": ["tiny", "smol"], "sizes_mib": [1
          "sequential": ["1core"], "flops_repeats": 3, "flops_blocks": 2, "preprocess_frames": 3,
          "preprocess_seconds": 0.5, "gap_count": 10, "suffix_bound": None, "load_step": "3:8:5",
          "load_step_presets": ["tiny"], "decode_tokens": 16, "decode_prompt": 32, "decode_steps": 300,
-         "overlap_tokens": 4, "overlap_frames": 3}
+         "overlap_tokens": 4, "overlap_frames": 3, "decode_inductor": "split_fp32"}
 FULL = {"presets": list(DEFAULT_PRESETS), "flops_presets": list(DEFAULT_PRESETS), "sizes_mib": [1.0, 4.0, 8.0, 32.0],
         "count": 200, "rclpy_count": 50, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": None,
         "sequential": ["1core", "2core"], "flops_repeats": 5, "flops_blocks": 4, "preprocess_frames": 5,
         "preprocess_seconds": 2.0, "gap_count": 40, "suffix_bound": "tiny:2:400", "load_step": "6:16:10",
         "load_step_presets": ["smol"], "decode_tokens": 64, "decode_prompt": 128, "decode_steps": 2000,
-        "overlap_tokens": 16, "overlap_frames": 6}
+        "overlap_tokens": 16, "overlap_frames": 6, "decode_inductor": "all"}
 
 
 def _list(text: str) -> list[str]:
@@ -350,7 +350,7 @@ def _decode(args: argparse.Namespace, s: dict, prefix_cores, suffix_cores, log) 
             log(f"  decode: building llama-cpp-python failed: {e}")
     out = run_decode_part(split_layer=k, prefix_cores=prefix_cores, suffix_cores=suffix_cores,
                           new_tokens=s["decode_tokens"], prompt=s["decode_prompt"], steps=s["decode_steps"],
-                          overlap=(s["overlap_tokens"], s["overlap_frames"]), log=log)
+                          overlap=(s["overlap_tokens"], s["overlap_frames"]), inductor=s["decode_inductor"], log=log)
     out["split_layer_from"] = source
     return out
 

