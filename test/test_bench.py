@@ -496,6 +496,7 @@ def test_quick_decode_part_measures_the_suffix_against_its_bandwidth_floor_and_t
     rows = {(r["k"], r["dtype"]): r for r in d["rows"] if r["step"] == "eager"}
     compiled = next(r for r in d["rows"] if r["step"] == "inductor")
     assert compiled["build_s"] > 0 and compiled["suffix_weight_bytes"] == rows[(20, "fp32")]["suffix_weight_bytes"]
+    assert compiled["same_tokens_as_eager"]  # fp32: the compiled step decodes the eager tokens
     for r in d["rows"]:
         assert r["suffix_token_ms"]["n"] == 15 and 0.1 < r["bandwidth_ratio"] < 1.5, r
     # the suffix at K = 20 reads 10 blocks, the final norm and the (tied) 49152 x 576 head; at K = 0 all 30 blocks

@@ -13,7 +13,7 @@ from hybrid_vla_ros.model.checkpoint import open_checkpoint
 from hybrid_vla_ros.model.decode import DecodeSettings, PrefixDecoding, SideCache, SuffixDecoding
 from hybrid_vla_ros.runtime.compiled_step import CompiledDecodeStep, DecodeStepBuilder, compile_support
 
-PROMPT, TOKENS = 16, 12  # past Mistral's sliding window (5): the masks of the compiled step are checked too
+PROMPT, TOKENS = 16, 12
 
 
 def _decode(sm, prefix, back, inputs, frame_seq=0):
@@ -47,11 +47,13 @@ class _Counting(DecodeStepBuilder):
         return step
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_the_compiled_step_chooses_the_eager_tokens_with_the_eager_logits(tmp_path, family):
-    """Greedy, 12 tokens after 16 at K = 1: every token of the eager decode, each step's logits within 1e-5 of
-    their scale; every step after the prefill ran compiled, in the step's own cache (the decoding's stays empty),
-    and a second frame gives the same again (the cache was emptied in place, the graph still bound to it)."""
+    """Greedy, 12 tokens after 16 at K = 1 (LLaMA; Qwen3 with its q / k norms and a tied head): every token of the
+    eager decode, each step's logits within 1e-5 of their scale; every step after the prefill ran compiled (the
+    graph never compiled again: that would have dropped the step, the state says not), in the step's own cache (the
+    decoding's stays empty), and a second frame gives the same again (the cache emptied in place, the graph still
+    bound to it)."""
     path = write_llama(tmp_path / family) if family == "llama" else write_text_lm(tmp_path / family, family)
     ck = open_checkpoint(path, tokens=PROMPT)
     sm, k = ck.split_model(), 1
@@ -62,7 +64,7 @@ def test_the_compiled_step_chooses_the_eager_tokens_with_the_eager_logits(tmp_pa
     eager = _decode(sm, prefix, SuffixDecoding(sm, suffix, head, SideCache(sm.text_config(), bound, k), settings),
                     inputs)
     back = SuffixDecoding(sm, suffix, head, SideCache(sm.text_config(), bound, k), settings)
-    back.compiled = builder = _Counting(sm, head, bound, threads=1, background=False)
+    back.compiled = builder = _Counting(sm, head, bound, background=False)
     for frame in range(2):
         got = _decode(sm, prefix, back, inputs, frame)
         assert got.tokens == eager.tokens, (frame, got.tokens, eager.tokens)
@@ -85,7 +87,7 @@ def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(
     settings = DecodeSettings(max_new_tokens=4)
     bound = SuffixDecoding.bound(PROMPT, settings)
     back = SuffixDecoding(sm, suffix, head, SideCache(sm.text_config(), bound, 1), settings)
-    back.compiled = builder = DecodeStepBuilder(sm, head, bound, threads=1, background=True)
+    back.compiled = builder = DecodeStepBuilder(sm, head, bound, background=True)
     inputs = sm.example_inputs(None)
     eager = _decode(sm, prefixes[1], back, inputs).tokens  # asks for the build at K = 1, decodes eagerly
     assert back._step is None
@@ -104,20 +106,45 @@ def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(
     assert back._step is None and builder.wait(1) and builder.state.startswith("eager at K=3 (steps are kept for 2")
 
 
+def test_a_step_that_would_compile_again_falls_back_to_the_eager_step_for_good(tmp_path):
+    """After its build the graph never compiles again: a change its guards see (here the final norm's epsilon) makes
+    the step raise before it touches the cache, the frame goes on eagerly in the same cache with the eager tokens,
+    and the K decodes eagerly from then on, said in the state."""
+    ck = open_checkpoint(write_llama(tmp_path / "llama"), tokens=PROMPT)
+    sm, k = ck.split_model(), 1
+    prefix, suffix, head = ck.load("prefix", k), ck.load("suffix", k), ck.load("lm_head")
+    settings = DecodeSettings(max_new_tokens=6)
+    bound = SuffixDecoding.bound(PROMPT, settings)
+    inputs = sm.example_inputs(None)
+    back = SuffixDecoding(sm, suffix, head, SideCache(sm.text_config(), bound, k), settings)
+    back.compiled = builder = DecodeStepBuilder(sm, head, bound, background=False)
+    _decode(sm, prefix, back, inputs)
+    assert builder.state == "inductor at K=1"
+    suffix.norm.variance_epsilon = 1e-2  # a guarded constant of the graph
+    got = _decode(sm, prefix, back, inputs)
+    eager = _decode(sm, prefix, SuffixDecoding(sm, suffix, head, SideCache(sm.text_config(), bound, k), settings),
+                    inputs)
+    assert got.tokens == eager.tokens and len(got.tokens) == 6
+    assert builder.state.startswith("eager at K=1 (its step failed:") and "would compile again" in builder.state
+    assert builder.for_frame(suffix, k) is None
+
+
 def test_what_cannot_be_compiled_is_refused_naming_why(tmp_path):
-    """Gemma 2 alternates sliding and full attention (one graph per kind is not built): refused, and the step
-    object refuses too; a packed LM head (oneDNN's own op) likewise; the runner refuses an unknown step."""
+    """A sliding window (Mistral on every block, Gemma 2 on every other; transformers' sliding static cache counts
+    in Python, so the graph would be rebuilt every token), a packed LM head (oneDNN's own op), and an unknown step
+    in the runner: each refused, naming why."""
     from hybrid_vla_ros.runtime.packed_linear import pack_lm_head_, packing_supported
     from hybrid_vla_ros.runtime.settings import SuffixRunnerSettings
     from hybrid_vla_ros.runtime.suffix import SuffixRunner
 
-    ck = open_checkpoint(write_text_lm(tmp_path / "gemma2", "gemma2"), tokens=PROMPT)
-    sm, suffix, head = ck.split_model(), ck.load("suffix", 0), ck.load("lm_head")
-    assert "mix attention kinds (full_attention, sliding_attention)" in compile_support(sm, suffix, head)
-    with pytest.raises(ValueError, match="cannot be compiled: its blocks mix attention kinds"):
-        CompiledDecodeStep(sm, suffix, head, 0, 32)
-    assert compile_support(sm, ck.load("suffix", 2), head) == ""  # block 2 alone: one kind
+    for family in ("mistral", "gemma2"):
+        ck = open_checkpoint(write_text_lm(tmp_path / family, family), tokens=PROMPT)
+        sm, suffix, head = ck.split_model(), ck.load("suffix", 1), ck.load("lm_head")
+        assert "its blocks use sliding_attention" in compile_support(sm, suffix, head)
+        with pytest.raises(ValueError, match="cannot be compiled: its blocks use sliding_attention"):
+            CompiledDecodeStep(sm, suffix, head, 1, 32)
     llama = open_checkpoint(write_llama(tmp_path / "llama"), tokens=PROMPT)
+    assert compile_support(llama.split_model(), llama.load("suffix", 1), llama.load("lm_head")) == ""
     lm_head = llama.load("lm_head", dtype=torch.bfloat16)
     if packing_supported()[0] and pack_lm_head_(lm_head):
         assert "packed for oneDNN" in compile_support(llama.split_model(), llama.load("suffix", 1), lm_head)

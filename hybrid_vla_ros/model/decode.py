@@ -253,9 +253,10 @@ class SuffixDecoding:
         rows = self.sm.hidden(out)
         self.cache.room_for(rows.shape[-2])
         self.turn_step = bool(self._pending)
+        logits = None
         if self._step is not None and not self._pending and rows.shape[-2] == 1 and self.compiled.plain(out):
-            logits = self._step.logits(rows)  # blocks [K, L), norm and head compiled
-        else:
+            logits = self._compiled_logits(rows)  # blocks [K, L), norm and head compiled (None: it failed)
+        if logits is None:
             final = self.sm.suffix_rows(self.stage, out, self.cache.cache, self.k)
             if self._pending:  # a turn's rows: nothing is chosen before its last step
                 return self._pending.pop(0)
@@ -280,6 +281,25 @@ class SuffixDecoding:
         r.turn_starts.append(len(r.tokens))
         self._in_decode, self.turn_step = 0, True
         return steps[0]
+
+    def _compiled_logits(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The compiled step's logits for one row, or None when it failed before touching the cache: the step is
+        dropped for this K (``compiled.failed``) and the eager path computes the row. Raises what failed after the
+        cache was extended (the frame cannot go on), and ValueError (no room left) as the eager path would."""
+        before = self.cache.tokens
+        try:
+            return self._step.logits(rows)
+        except ValueError:
+            raise
+        except Exception as e:  # a compiled step that fails leaves the eager one
+            if self.cache.tokens != before:
+                raise
+            cause = e  # the first cause (dynamo wraps a backend's error: inner_exception)
+            while (inner := cause.__cause__ or getattr(cause, "inner_exception", None)) not in (None, cause):
+                cause = inner
+            self.compiled.failed(self.k, f"its step failed: {type(cause).__name__}: {cause}".splitlines()[0][:300])
+            self._step = None
+            return None
 
     def placed_steps(self) -> list[list[int]]:
         """After the decode ended: the tokens to run, step by step (the last decoded token, then :attr:`placed`),

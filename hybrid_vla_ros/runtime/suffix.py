@@ -176,8 +176,6 @@ class SuffixRunner:
         #: How the eager suffix computes its bf16 linear layers (:mod:`.packed_linear`): ``packed N (oneDNN, once)``,
         #: or why not; "" for another dtype. Logged at configure and in /diagnostics.
         self.linear_packing = self._pack_linears(settings.backend)
-        if self.decode_steps is not None and len(self.stage.layers):
-            self.decode_steps.for_frame(self.stage, split_layer)  # the configured K's build starts now
         #: The ROS domain of this pipeline: the ring's name carries it, and a ring that declares another is refused.
         self.domain_id = ros_domain_id(settings.domain_id)
         self.segment = segment_name(settings.ring_name, settings.namespace, self.domain_id)
@@ -210,6 +208,8 @@ class SuffixRunner:
         self._t_taken_ns = 0
         self._taken_k = -1
         self._attached_ns = 0  # CLOCK_MONOTONIC time of the last attach
+        if self.decode_steps is not None and len(self.stage.layers):
+            self.decode_steps.for_frame(self.stage, split_layer)  # the configured K's build starts now, last
 
     def _attach(self) -> bool:
         if self.ring is not None and self.ring.producer_gone:
@@ -466,6 +466,8 @@ class SuffixRunner:
 
     def close(self) -> None:
         self.backend.close()
+        if self.decode_steps is not None:
+            self.decode_steps.close()
         self.split.close()
         if self.ring is not None:
             self.ring.close()

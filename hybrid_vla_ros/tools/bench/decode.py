@@ -99,6 +99,7 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
             for k in split_layers:
                 front = PrefixDecoding(sm, ck.load("prefix", k, dtype=dtype), SideCache(config, bound, 0))
                 compiled = inductor == "all" or (k == max(split_layers) and dtype_name == "fp32")
+                eager_tokens = None
                 for step in ("eager", "inductor") if compiled else ("eager",):
                     head, suffix = ck.load("lm_head", dtype=dtype), ck.load("suffix", k, dtype=dtype)
                     back = SuffixDecoding(sm, suffix, head, SideCache(config, bound, k), settings)
@@ -108,10 +109,12 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
                     else:
                         back.compiled = DecodeStepBuilder(sm, head, bound, threads, background=False)
                     prefix_ms, suffix_ms = _timed_decode(front, back, inputs)
+                    tokens = list(back.result.tokens)
+                    eager_tokens = tokens if step == "eager" else eager_tokens
                     if step == "inductor":
                         built = back.compiled.for_frame(suffix, k)
-                        if built is None:
-                            raise RuntimeError(f"the inductor decode step was not built: {back.compiled.state}")
+                        if built is None:  # not built, or dropped: a timing of the eager step would be misread
+                            raise RuntimeError(f"the inductor decode step did not run: {back.compiled.state}")
                         build_s = built.build_s
                     layers = config.num_hidden_layers - k
                     kv = 2 * layers * config.num_key_value_heads * _head_dim(config) * bound * dtype.itemsize
@@ -119,6 +122,7 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
                     floor_ms = (weights + kv) / (bandwidth * 1e9) * 1e3
                     p50 = statistics.median(suffix_ms)
                     rows.append({"k": k, "dtype": dtype_name, "step": step, "build_s": build_s,
+                                 "same_tokens_as_eager": tokens == eager_tokens,
                                  "packed_linears": packed, "head_packed": head_packed,
                                  "suffix_token_ms": _stats(suffix_ms),
                                  "prefix_token_ms": _stats(prefix_ms), "suffix_weight_bytes": weights,
