@@ -14,7 +14,7 @@ What it costs, said where it is chosen (``decode_step`` of the suffix node):
   blocks [K, L); the blocks it was built from stay alive with it after a re-split frees them from the stage. At most
   :attr:`DecodeStepBuilder.MAX_SPLIT_LAYERS` Ks per runner (a node that is cleaned up and configured again builds
   anew: the earlier copies stay).
-* **Start-up**: a build takes 25-60 s for SmolLM2 on this host (less when inductor's on-disk cache holds its
+* **Start-up**: a build takes 25-65 s for SmolLM2 on this host (less when inductor's on-disk cache holds its
   kernels); it runs on a background thread, sharing the suffix's cores (and the interpreter) with the frames that
   decode eagerly meanwhile, and again after a live re-split to a K not built yet.
 * **The eager path unpacked**: with ``inductor`` a bf16 suffix does not pack its eager linear layers for oneDNN
@@ -81,11 +81,18 @@ class _Inductor:
     def __call__(self, graph, example_inputs):
         if self.sealed:
             raise StepRecompile(f"the compiled decode step at K={self.k} would compile again (a guard failed)")
-        from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        with inductor_config.patch(INDUCTOR_OPTIONS):
+        with _inductor_options():
             return compile_fx(graph, example_inputs)
+
+
+def _inductor_options():
+    """A context that sets :data:`INDUCTOR_OPTIONS` in inductor's configuration (restored after). Around the
+    traced call too, not only the backend: dynamo reads ``freezing`` while it traces (parameters as constants)."""
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(INDUCTOR_OPTIONS)
 
 
 def plain_step(out) -> bool:
@@ -158,7 +165,8 @@ class CompiledDecodeStep:
             step(*self._inputs(zero))  # eagerly: allocates the cache's layers before the graph binds them
             self.cache.reset()
             self._step = torch.compile(own, dynamic=False, backend=self._backend)
-            self.logits(zero)  # the compile
+            with _inductor_options():
+                self.logits(zero)  # the compile
             self.cache.reset()
         self._backend.sealed = True
         #: Seconds the build took (compile and warm-up).

@@ -366,9 +366,10 @@ class SuffixRunner:
     @property
     def decode_step_state(self) -> str:
         """A decoding model's decode step in one line: ``eager``, the compiled step's state
-        (:attr:`~.compiled_step.DecodeStepBuilder.state`) or why it is not compiled; "" without a decode."""
+        (:attr:`~.compiled_step.DecodeStepBuilder.state`) or why it is not compiled; without a decode "", or that
+        ``inductor`` is ignored."""
         if self._decoding is None:
-            return ""
+            return "" if self.settings.decode_step == "eager" else "ignored: this model does not decode"
         if self.decode_steps is not None:
             return self.decode_steps.state
         if self.decode_step_refused:
