@@ -15,6 +15,7 @@ token follows ``generate``: greedy, or ``temperature`` then ``top_p`` (``Tempera
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -197,6 +198,36 @@ class PrefixDecoding:
         return out
 
 
+class CompiledStep(Protocol):
+    """One decode row through blocks [K, L), the norm and the LM head, computed outside the eager modules, against
+    its own :class:`SideCache` ``cache`` (the frame's other rows are run eagerly into that same cache)."""
+
+    cache: SideCache
+
+    def logits(self, row: torch.Tensor) -> torch.Tensor:
+        """Row (1, H) in the stage dtype -> the next token's logits (V,) float32, extending ``cache``. Raises
+        ValueError when the cache is full."""
+
+
+class CompiledSteps(Protocol):
+    """Where a :class:`SuffixDecoding` finds its frame's :class:`CompiledStep`
+    (:class:`~hybrid_vla_ros.runtime.compiled_step.DecodeStepBuilder`)."""
+
+    def for_frame(self, stage, k: int) -> CompiledStep | None:
+        """The step for a frame at split layer ``k`` of suffix ``stage``, or None (the frame decodes eagerly)."""
+
+    def failed(self, k: int, why: str) -> None:
+        """The step at ``k`` failed (``why``): frames at ``k`` decode eagerly from now on."""
+
+
+def plain_step(out) -> bool:
+    """Whether what crossed for a decode step (rows (k, H), or a :class:`~.contract.SplitState`) is rows at text
+    positions only (no multimodal positions, no DeepStack features): what a :class:`CompiledStep` computes."""
+    if isinstance(out, torch.Tensor):
+        return True
+    return getattr(out, "position_ids", None) is None and getattr(out, "deepstack", None) is None
+
+
 class SuffixDecoding:
     """The suffix side of a frame's decode: blocks [K, L) and the final norm against the suffix's KV cache
     ``cache``, the LM head ``head`` on the last row, and the choice of the next token (:class:`TokenChooser`).
@@ -223,13 +254,10 @@ class SuffixDecoding:
         #: Whether the ids :meth:`take` returned last are a turn's step (the first: the decode's last token, then
         #: the turn's first ids), not a chosen token to go on with.
         self.turn_step = False
-        #: Where one-row steps may run compiled: an object whose ``for_frame(stage, k)`` gives a step (its own
-        #: ``cache``, ``logits(row)``) or None, and whose ``plain(out)`` says whether a step's crossing is rows
-        #: at text positions (:class:`~hybrid_vla_ros.runtime.compiled_step.DecodeStepBuilder`); None: every step
-        #: runs eagerly.
-        self.compiled = None
+        #: Where one-row steps may run compiled (:class:`CompiledSteps`); None: every step runs eagerly.
+        self.compiled: CompiledSteps | None = None
         self._own_cache = cache
-        self._step = None  # this frame's compiled step, or None
+        self._step: CompiledStep | None = None  # this frame's compiled step
 
     def begin(self, frame_seq: int = 0, k: int | None = None) -> None:
         """A new frame (at split layer ``k``, default unchanged): an empty cache and result, the draws seeded for
@@ -254,7 +282,7 @@ class SuffixDecoding:
         self.cache.room_for(rows.shape[-2])
         self.turn_step = bool(self._pending)
         logits = None
-        if self._step is not None and not self._pending and rows.shape[-2] == 1 and self.compiled.plain(out):
+        if self._step is not None and not self._pending and rows.shape[-2] == 1 and plain_step(out):
             logits = self._compiled_logits(rows)  # blocks [K, L), norm and head compiled (None: it failed)
         if logits is None:
             final = self.sm.suffix_rows(self.stage, out, self.cache.cache, self.k)

@@ -51,8 +51,7 @@ import torch
 from ..model import text
 from ..model.decode import LMHead, SideCache
 
-__all__ = ["DECODE_STEPS", "CompiledDecodeStep", "DecodeStepBuilder", "StepRecompile", "compile_support",
-           "plain_step"]
+__all__ = ["DECODE_STEPS", "CompiledDecodeStep", "DecodeStepBuilder", "StepRecompile", "compile_support"]
 
 #: How the suffix computes a decode step's one row: ``eager`` (torch, module by module) or ``inductor``
 #: (:class:`CompiledDecodeStep`).
@@ -93,14 +92,6 @@ def _inductor_options():
     from torch._inductor import config as inductor_config
 
     return inductor_config.patch(INDUCTOR_OPTIONS)
-
-
-def plain_step(out) -> bool:
-    """Whether what crossed for a step (rows, or a :class:`~hybrid_vla_ros.model.contract.SplitState`) is rows at
-    text positions only, which the compiled step computes as the eager one does."""
-    if isinstance(out, torch.Tensor):
-        return True
-    return getattr(out, "position_ids", None) is None and getattr(out, "deepstack", None) is None
 
 
 def compile_support(sm, stage, head: LMHead) -> str:
@@ -191,7 +182,7 @@ class CompiledDecodeStep:
         return self._step(*self._inputs(row)).reshape(-1)
 
 
-class DecodeStepBuilder:
+class DecodeStepBuilder:  # a model.decode.CompiledSteps
     """The suffix's compiled decode steps for one decoding, one per split layer a frame came at, each built on a
     background thread (or at once, ``background`` False) while frames at that K decode eagerly, and kept: a K met
     again uses its step. At most :attr:`MAX_SPLIT_LAYERS` are built (each holds a copy of blocks [K, L) and the head
@@ -258,8 +249,6 @@ class DecodeStepBuilder:
             self._built.pop(int(k), None)
             self._failed[int(k)] = why
         self.log("warning", f"decode step: eager at K={k} from now on ({why})")
-
-    plain = staticmethod(plain_step)
 
     @property
     def state(self) -> str:
