@@ -204,6 +204,8 @@ def test_the_real_smollm2_decodes_across_two_processes(tmp_path, name, smol_hf_d
 
 
 def test_a_qwen2_5_vl_decode_crosses_with_its_multimodal_positions(tmp_path, name):
+    """Also the guard of util.numerics.warm_vector_math: without it a process's first vision rotary table (a cos
+    over 2 threads) sometimes came out less exact, and this test failed in about 1 of 3 runs (CI, 2026-12-06)."""
     from vlm_builders import VLM_BUILDERS
 
     builder, options = VLM_BUILDERS["qwen2_5_vl"]
