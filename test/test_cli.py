@@ -42,6 +42,8 @@ def test_init_model_writes_a_random_init_checkpoint_and_refuses_to_overwrite(tmp
     (["--prefix-threads", "-1"], "--prefix-threads must be >= 0"),
     (["--timeout", "0"], "--timeout must be > 0"),
     (["--attach", "--suffix-backend", "openvino"], "attached nodes keep their own"),
+    (["--attach", "--decode-step", "inductor"], "set decode_step on them"),
+    (["--decode-step", "compiled"], "invalid choice: 'compiled'"),
     (["--camera-topics", "/a/image", "--camera-topic-suffix", "image_rect_color"], "not both"),
     (["--camera-topics", "a/image,,/b"], "give absolute topics"),
 ])

@@ -107,7 +107,8 @@ def _reasoning(out: Path) -> dict[int, str]:
 
 
 def test_replay_through_the_nodes_decodes_every_frame_like_transformers(composed, frames, embedded_bag, tmp_path):
-    """The embedded bag through the real nodes with the Qwen2.5-VL composition decoding 4 tokens a frame at K = 1:
+    """The embedded bag through the real nodes with the Qwen2.5-VL composition decoding 4 tokens a frame at K = 1
+    (``--decode-step inductor`` asked for and refused, so the steps run eagerly):
     every frame answered, its reasoning text on ~/output/reasoning (camera stamp) equal to transformers' generate
     on that frame decoded by the tokenizer, its trajectory the head after that decode, and the report with tokens
     per frame and per-token times on each side."""
@@ -116,12 +117,16 @@ def test_replay_through_the_nodes_decodes_every_frame_like_transformers(composed
     vlm_dir, drive = composed["qwen2_5_vl"]
     out = tmp_path / "replay"
     run = _cli("replay", "--model-path", str(drive), "--bag", str(embedded_bag), "--loops", "1", "--split-layer",
-               "1", "--namespace", f"/dd_{uuid.uuid4().hex[:8]}", "--output", str(out), "--quiet")
+               "1", "--namespace", f"/dd_{uuid.uuid4().hex[:8]}", "--output", str(out), "--quiet",
+               "--decode-step", "inductor")
     logs = "\n".join(p.read_text() for p in out.glob("*.log"))
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{logs}"
     report = json.loads((out / "report.json").read_text())
     assert report["trajectories_out"] == 3 and report["drops"] == {}, report
     d = report["decode"]
+    # asked for the compiled step, refused for Qwen2.5-VL's multimodal positions: said, and every token eager
+    assert d["decode_step"] == "eager (not compiled: its decode steps take multimodal positions)", d
+    assert "warning: the decode step is not compiled (eager (not compiled: its decode steps take" in run.stderr
     assert d["frames"] == 3 and d["tokens_per_frame"] == {"min": TOKENS, "p50": TOKENS, "max": TOKENS}, d
     assert d["reasoning_messages"] == 3 and d["ended_at_max_new_tokens"] == 3
     for key in ("prefix_token_ms", "suffix_token_ms", "round_trip_ms"):
@@ -143,6 +148,29 @@ def test_replay_through_the_nodes_decodes_every_frame_like_transformers(composed
             modes = sm.decode_readout_referee(torch.float32, inputs, tokens, 3)
             lane_follow = modes[3 if len(modes) > 1 else 0]  # the node's default command, LANE_FOLLOW
             assert_trajectory_matches(traj, lane_follow.double().numpy(), cfg.waypoint_dt_s, odometry)
+
+
+def test_replay_waits_for_the_inductor_decode_step_and_decodes_the_eager_tokens(composed, embedded_bag, tmp_path):
+    """``replay --decode-step inductor`` with the InternVL composition (text positions in its steps) at K = 1: the
+    replay waits for the suffix node's compiled step before playing the bag, every frame is answered with the
+    reasoning text of an eager replay, and the report says the step in use at the end was the compiled one."""
+    _, drive = composed["internvl"]
+    texts, runs = {}, {}
+    for step in ("inductor", "eager"):
+        out = tmp_path / step
+        run = _cli("replay", "--model-path", str(drive), "--bag", str(embedded_bag), "--loops", "1",
+                   "--split-layer", "1", "--namespace", f"/dd_{uuid.uuid4().hex[:8]}", "--output", str(out),
+                   "--quiet", "--decode-step", step)
+        logs = "\n".join(p.read_text() for p in out.glob("*.log"))
+        assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{logs}"
+        report = json.loads((out / "report.json").read_text())
+        assert report["trajectories_out"] == 3 and report["drops"] == {}, report
+        runs[step], texts[step] = (run, report["decode"]), _reasoning(out)
+    run, decode = runs["inductor"]
+    assert "waiting for the compiled decode step (building at K=1, TorchInductor)" in run.stdout, run.stdout
+    assert "compiled decode step ready after" in run.stdout and decode["decode_step"] == "inductor at K=1", decode
+    assert runs["eager"][1]["decode_step"] == "eager" and "waiting for the compiled" not in runs["eager"][0].stdout
+    assert len(texts["inductor"]) == 3 and texts["inductor"] == texts["eager"]
 
 
 # ------------------------------------------------------------------------------------------ text waypoints

@@ -94,6 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the suffix node's suffix_backend (default: the node's, eager). With openvino the replay "
                         "waits, up to --timeout, for the compiled suffix before playing the bag, so every frame "
                         "runs through it; the report says which backend computed how many frames")
+    p.add_argument("--decode-step", choices=parameter_specs("suffix_node")["decode_step"]["enum"], default=None,
+                   help="the suffix node's decode_step for a decoding model (default: the node's, eager). With "
+                        "inductor the replay waits, up to --timeout, for the compiled step of its K before playing "
+                        "the bag; the report's decode part says which step ran")
     p.add_argument("--suffix-cores", default=None,
                    help="cores for the suffix process, e.g. '1' or '2,3' (default: the last core)")
     p.add_argument("--prefix-threads", type=int, default=0, help="torch threads of a CPU prefix (0 = the other cores)")
@@ -213,6 +217,9 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     if args.attach and args.suffix_backend is not None:
         problems.append("--suffix-backend sets the nodes a replay starts; attached nodes keep their own: set "
                         "suffix_backend on them (e.g. `-p suffix_backend:=openvino`)")
+    if args.attach and args.decode_step is not None:
+        problems.append("--decode-step sets the nodes a replay starts; attached nodes keep their own: set "
+                        "decode_step on them (e.g. `-p decode_step:=inductor`)")
     if args.camera_topics and args.camera_topic_suffix != "image_raw":
         problems.append("give --camera-topics or --camera-topic-suffix, not both")
     if args.prefix_threads < 0:
@@ -423,7 +430,7 @@ class ReplaySession:
                 self.k = prefix.split_layer  # the attached prefix's K, not this replay's default
         where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
         print(f"nodes active after {active_s:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
-        if self._wait_for_compiled_suffix():
+        if self._wait_for_compiled_suffix() | self._wait_for_decode_step():
             self.baseline = self.rec.fresh_statuses(self.ns, time.monotonic())
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
         self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing",
@@ -496,6 +503,40 @@ class ReplaySession:
         elif st.suffix_backend_building is not None:
             print(f"warning: the compiled suffix was not ready after {waited:.1f} s (--timeout): frames run eagerly "
                   "until it is", file=sys.stderr)
+        return True
+
+    def _wait_for_decode_step(self) -> bool:
+        """When the suffix node builds a decoding model's compiled decode step (``decode_step: inductor``;
+        ``suffix_decode_step`` 'building at K=...', /diagnostics), wait for it, up to ``--timeout`` s, so that the
+        frames' tokens run through it rather than eagerly meanwhile. Prints how it ended: ready, refused or failed
+        (the node's reason; tokens run eagerly) or not ready in time; a step refused at configure (or ``inductor``
+        on a model that does not decode) is said too. Returns whether it waited (the baseline is then taken
+        again)."""
+        st = self.baseline.suffix
+        if st is None or st.suffix_decode_step in ("", "eager"):
+            return False
+        if not st.suffix_decode_step.startswith("building"):
+            if not st.suffix_decode_step.startswith("inductor"):
+                print(f"warning: the decode step is not compiled ({st.suffix_decode_step})", file=sys.stderr)
+            return False
+        print(f"waiting for the compiled decode step ({st.suffix_decode_step.split(' (')[0]}, TorchInductor) before "
+              f"playing the bag; up to {self.args.timeout:g} s")
+        t0 = time.monotonic()
+        while st is not None and st.suffix_decode_step.startswith("building") \
+                and time.monotonic() - t0 < self.args.timeout:
+            left = self.args.timeout - (time.monotonic() - t0)
+            st = self.rec.fresh_statuses(self.ns, time.monotonic(), timeout=min(1.5, max(0.1, left))).suffix
+        waited = time.monotonic() - t0
+        if st is None:
+            return True
+        if st.suffix_decode_step.startswith("inductor"):
+            print(f"compiled decode step ready after {waited:.1f} s: {st.suffix_decode_step}")
+        elif st.suffix_decode_step.startswith("building"):
+            print(f"warning: the compiled decode step was not ready after {waited:.1f} s (--timeout): tokens run "
+                  "eagerly until it is", file=sys.stderr)
+        else:
+            print(f"warning: the decode step is not compiled ({st.suffix_decode_step}): tokens run eagerly",
+                  file=sys.stderr)
         return True
 
     def _slowest_answer_s(self, frames: dict[int, float]) -> float:

@@ -46,6 +46,8 @@ def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int],
               "threads": len(suffix_cores), "dtype": a.dtype, "use_sim_time": True}
     if a.suffix_backend is not None:
         suffix["suffix_backend"] = a.suffix_backend
+    if getattr(a, "decode_step", None) is not None:
+        suffix["decode_step"] = a.decode_step
     if a.rate > 1.0:
         suffix["guard.max_age_s"] = round(defaults("suffix_node")["guard.max_age_s"] * a.rate, 6)
     prefix = {"model_path": model, "split_layer": k, "camera_topics": cams,

@@ -77,7 +77,8 @@ def decode_report(timings: dict, reasoning: dict[int, str], suffix: SuffixStatus
     them those with a frame timing (published), their tokens per frame (min / p50 / max), the per-token medians of
     each published frame summarised as percentiles (ms: ``prefix_token_ms`` embedding + blocks [0, K),
     ``suffix_token_ms`` blocks [K, L) + norm + LM head, ``round_trip_ms`` both crossings), the reasoning texts
-    received and the first one, and the suffix's count of decodes that ended at ``max_new_tokens``."""
+    received and the first one, the suffix's count of decodes that ended at ``max_new_tokens``, and its decode step at
+    the end (``decode_step``: the node's ``suffix_decode_step``, e.g. ``inductor at K=1`` or ``eager``)."""
     decoded = [t for t in timings.values() if t.decode_tokens > 0]
     tokens = sorted(t.decode_tokens for t in decoded)
     first = reasoning[min(reasoning)] if reasoning else ""
@@ -91,6 +92,7 @@ def decode_report(timings: dict, reasoning: dict[int, str], suffix: SuffixStatus
         "reasoning_messages": len(reasoning),
         "first_reasoning": first[:500],
         "ended_at_max_new_tokens": suffix.decode_max_tokens if suffix is not None else None,
+        "decode_step": suffix.suffix_decode_step if suffix is not None else None,
     }
 
 
@@ -215,6 +217,8 @@ def print_report(r: dict) -> None:
               + (f"{tpf['min']}-{tpf['max']} (p50 {tpf['p50']})" if tpf else "-")
               + f", {d['ended_at_max_new_tokens']} ended at max_new_tokens; {d['reasoning_messages']} reasoning "
               "message(s)")
+        if d.get("decode_step"):
+            print(f"  decode step            {d['decode_step']}")
         for name, key in (("prefix per token", "prefix_token_ms"), ("suffix per token", "suffix_token_ms"),
                           ("round trip", "round_trip_ms")):
             v = d[key]
