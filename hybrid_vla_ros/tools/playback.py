@@ -103,8 +103,9 @@ def play_bag(args, play, publishers, rec, ns: str, cameras: list[str], on_frame=
              baseline=None) -> dict:
     """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
 
-    ``cameras``: the camera topics as played, in model camera order (a frame is timed as its last image goes out;
-    the first camera's images are kept for the plots).
+    ``cameras``: the camera topics as played, in model camera order. A frame is timed from the instant the call
+    publishing its last image begins (CLOCK_MONOTONIC: a node may hold that image before the call returns); the
+    first camera's images are kept for the plots.
 
     ``clock`` (tools.sim_clock.BagClock): the bag's clock, run with the playback from its first message and
     advanced to each message's receive time (loop offset included) before the message goes out.
@@ -170,13 +171,15 @@ def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wa
                 counts["frames"] = counts.get("frames", 0) + 1
             if clock is not None:
                 clock.advance_to(m.t_ns + offset)  # the bag's clock first: no message from a node's future
+            # the instant the publish call begins: a subscriber can hold the message before the call returns
+            sent = time.monotonic()
             pub.publish(msg)
             counts["messages"] += 1
             if m.topic in cameras:
                 if new_frame:
                     last_frame = stamp
                     bar.update(1)
-                frames[last_frame] = time.monotonic()
+                frames[last_frame] = sent
                 if m.topic == first_camera:
                     with rec.lock:
                         rec.first_camera[stamp] = m

@@ -112,10 +112,10 @@ def suffix_backend_report(suffix: SuffixStatus | None) -> dict | None:
 def pipeline_overhead(trajectories: dict[int, float], timings: dict, frames: dict[int, float],
                       tolerance_ms: float) -> dict:
     """What end to end costs beyond the stages, per frame that has both a trajectory and a timing (ms, p50 over
-    those frames): ``overhead`` = end to end (last camera message published to trajectory received,
+    those frames): ``overhead`` = end to end (the last camera message's publish call begun to trajectory received,
     CLOCK_MONOTONIC) minus the stage sum (ego wait + preprocess + prefix + hand-off + suffix + odometry wait,
     the suffix's ``~/debug/frame_timing``; an untimed stage counts 0), against the goal of 5 % of the stage sum
-    + 2 ms (issue 23's); where it goes: ``before_prefix`` (last camera message published to the prefix's start,
+    + 2 ms (issue 23's); where it goes: ``before_prefix`` (that call begun to the prefix's start,
     less the ego wait, which is a stage: image transport, synchronization, a busy or paced prefix) and
     ``after_suffix`` (the suffix's end to the trajectory received: guard, message, transport). Medians over
     frames: the overhead is the median of each frame's difference, not the difference of the stages' medians.
