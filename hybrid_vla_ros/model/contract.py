@@ -8,6 +8,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..util.numerics import warm_vector_math
+
+# oneMKL's vector math chooses its kernels on this thread, before a model's first multi-threaded sin / cos / exp;
+# here because every path that computes with a model imports this module (util/numerics.py says what happened
+# without it)
+warm_vector_math()
+
 #: Side tensor names, as the ring's contract declares them.
 POSITION_IDS, VISUAL_MASK, DEEPSTACK = "position_ids", "visual_mask", "deepstack"
 

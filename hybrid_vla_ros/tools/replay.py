@@ -120,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds allowed for each node's lifecycle services to appear, for each lifecycle transition "
-                        "and, with the openvino suffix backend, for its first build before playing")
+                        "and, with the openvino suffix backend or the inductor decode step, for their builds "
+                        "before playing (one --timeout for both)")
 
 
 def _parse_cores(text: str | None) -> list[int]:
@@ -430,7 +431,10 @@ class ReplaySession:
                 self.k = prefix.split_layer  # the attached prefix's K, not this replay's default
         where = "attached to running nodes" if self.args.attach else f"suffix pinned to cores {self.suffix_cores}"
         print(f"nodes active after {active_s:.1f} s: split_layer={self.k}/{self.cfg.num_layers}, {where}")
-        if self._wait_for_compiled_suffix() | self._wait_for_decode_step():
+        waits_from = time.monotonic()  # both builds share one --timeout
+        if self._wait_for_compiled_suffix():
+            self.baseline = self.rec.fresh_statuses(self.ns, time.monotonic())
+        if self._wait_for_decode_step(self.args.timeout - (time.monotonic() - waits_from)):
             self.baseline = self.rec.fresh_statuses(self.ns, time.monotonic())
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
         self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing",
@@ -505,26 +509,33 @@ class ReplaySession:
                   "until it is", file=sys.stderr)
         return True
 
-    def _wait_for_decode_step(self) -> bool:
+    def _wait_for_decode_step(self, timeout_s: float) -> bool:
         """When the suffix node builds a decoding model's compiled decode step (``decode_step: inductor``;
-        ``suffix_decode_step`` 'building at K=...', /diagnostics), wait for it, up to ``--timeout`` s, so that the
-        frames' tokens run through it rather than eagerly meanwhile. Prints how it ended: ready, refused or failed
-        (the node's reason; tokens run eagerly) or not ready in time; a step refused at configure (or ``inductor``
-        on a model that does not decode) is said too. Returns whether it waited (the baseline is then taken
-        again)."""
+        ``suffix_decode_step`` 'building at K=...', /diagnostics), wait for it, up to ``timeout_s`` (what is left of
+        ``--timeout``), so that the frames' tokens run through it rather than eagerly meanwhile. Prints how it
+        ended: ready, not in use (the node's state, e.g. refused for a VLM's multimodal positions, or ``inductor``
+        on a model that does not decode) or not ready in time; a suffix at K = L builds at its first frame, which
+        it says. Returns whether it waited (the baseline is then taken again)."""
         st = self.baseline.suffix
-        if st is None or st.suffix_decode_step in ("", "eager"):
+        state = st.suffix_decode_step if st is not None else ""
+        if state in ("", "eager"):
             return False
-        if not st.suffix_decode_step.startswith("building"):
-            if not st.suffix_decode_step.startswith("inductor"):
-                print(f"warning: the decode step is not compiled ({st.suffix_decode_step})", file=sys.stderr)
+        if state == "not built yet":
+            print("the compiled decode step builds at the first frame (no blocks at this K before it): the first "
+                  "frames' tokens run eagerly")
             return False
-        print(f"waiting for the compiled decode step ({st.suffix_decode_step.split(' (')[0]}, TorchInductor) before "
-              f"playing the bag; up to {self.args.timeout:g} s")
+        if not state.startswith("building"):
+            if state.startswith("inductor"):
+                print(f"compiled decode step ready: {state}")
+            else:
+                print(f"warning: the compiled decode step is not in use; the suffix node's decode step: {state}",
+                      file=sys.stderr)
+            return False
+        print(f"waiting for the compiled decode step ({state.split(' (')[0]}, TorchInductor) before playing the "
+              f"bag; up to {max(timeout_s, 0.0):g} s")
         t0 = time.monotonic()
-        while st is not None and st.suffix_decode_step.startswith("building") \
-                and time.monotonic() - t0 < self.args.timeout:
-            left = self.args.timeout - (time.monotonic() - t0)
+        while st is not None and st.suffix_decode_step.startswith("building") and time.monotonic() - t0 < timeout_s:
+            left = timeout_s - (time.monotonic() - t0)
             st = self.rec.fresh_statuses(self.ns, time.monotonic(), timeout=min(1.5, max(0.1, left))).suffix
         waited = time.monotonic() - t0
         if st is None:
@@ -535,8 +546,8 @@ class ReplaySession:
             print(f"warning: the compiled decode step was not ready after {waited:.1f} s (--timeout): tokens run "
                   "eagerly until it is", file=sys.stderr)
         else:
-            print(f"warning: the decode step is not compiled ({st.suffix_decode_step}): tokens run eagerly",
-                  file=sys.stderr)
+            print(f"warning: the compiled decode step is not in use; the suffix node's decode step: "
+                  f"{st.suffix_decode_step}", file=sys.stderr)
         return True
 
     def _slowest_answer_s(self, frames: dict[int, float]) -> float:

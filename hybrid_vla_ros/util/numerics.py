@@ -9,7 +9,7 @@ so every process of the package runs in CNR mode; on an Intel Xeon with AMX it w
 (docs/models.md, "Exactness on every host").
 
 oneMKL's vector math (VML) also needs one call on a single thread before any call spread over threads:
-:func:`warm_vector_math`, run when :mod:`hybrid_vla_ros.model` is imported.
+:func:`warm_vector_math`, run when :mod:`hybrid_vla_ros.model.contract` is imported.
 """
 from __future__ import annotations
 
@@ -34,9 +34,12 @@ VML_OPS = ("sin", "cos", "tan", "asin", "acos", "atan", "exp", "expm1", "log", "
            "tanh", "erf", "erfc", "trunc")
 
 
+_warmed = False
+
+
 def warm_vector_math() -> None:
-    """Call each of :data:`VML_OPS` once, in float32 and float64, on 8 elements (under torch's 2048-element grain,
-    so on this thread alone). Imports torch.
+    """Once per process: call each of :data:`VML_OPS` once, in float32 and float64, on 8 elements (under torch's
+    2048-element grain, so on this thread alone). Imports torch.
 
     Why: torch splits a float ``cos`` of more than 2048 elements over its threads, and each thread calls oneMKL's
     ``vmsCos`` on its part. When oneMKL's first vector-math call in a process comes from two threads at once, the
@@ -45,8 +48,12 @@ def warm_vector_math() -> None:
     the second call always exact). Qwen2.5-VL's vision rotary table is such a call, so the first frame of a process
     differed from every later one. After one call on one thread, 0 of 160 processes differed, whichever op was
     warmed, so the choice is made once per process; calling every op is cheap insurance (about 2 ms)."""
+    global _warmed
+    if _warmed:
+        return
     import torch
 
+    _warmed = True
     for dtype in (torch.float32, torch.float64):
         x = torch.full((8,), 0.5, dtype=dtype)
         for op in VML_OPS:
