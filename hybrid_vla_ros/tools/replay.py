@@ -491,11 +491,7 @@ class ReplaySession:
         if waits:
             print(f"waiting for the compiled suffix (blocks [{st.suffix_backend_building}, {self.cfg.num_layers}), "
                   f"OpenVINO) before playing the bag; up to {self.args.timeout:g} s")
-        t0 = time.monotonic()
-        while st is not None and st.suffix_backend_building is not None and time.monotonic() - t0 < self.args.timeout:
-            left = self.args.timeout - (time.monotonic() - t0)
-            st = self.rec.fresh_statuses(self.ns, time.monotonic(), timeout=min(1.5, max(0.1, left))).suffix
-        waited = time.monotonic() - t0
+        st, waited = self._suffix_while(st, lambda s: s.suffix_backend_building is not None, self.args.timeout)
         if st is None:
             return True
         if st.suffix_backend_in_use == "openvino":
@@ -533,11 +529,7 @@ class ReplaySession:
             return False
         print(f"waiting for the compiled decode step ({state.split(' (')[0]}, TorchInductor) before playing the "
               f"bag; up to {max(timeout_s, 0.0):g} s")
-        t0 = time.monotonic()
-        while st is not None and st.suffix_decode_step.startswith("building") and time.monotonic() - t0 < timeout_s:
-            left = timeout_s - (time.monotonic() - t0)
-            st = self.rec.fresh_statuses(self.ns, time.monotonic(), timeout=min(1.5, max(0.1, left))).suffix
-        waited = time.monotonic() - t0
+        st, waited = self._suffix_while(st, lambda s: s.suffix_decode_step.startswith("building"), timeout_s)
         if st is None:
             return True
         if st.suffix_decode_step.startswith("inductor"):
@@ -549,6 +541,16 @@ class ReplaySession:
             print(f"warning: the compiled decode step is not in use; the suffix node's decode step: "
                   f"{st.suffix_decode_step}", file=sys.stderr)
         return True
+
+    def _suffix_while(self, st, busy, timeout_s: float) -> tuple:
+        """Poll the suffix node's /diagnostics status while ``busy(status)`` holds, up to ``timeout_s`` s, from
+        ``st`` (its SuffixStatus now, or None). Returns (the last status, None once the node falls silent; the
+        seconds waited)."""
+        t0 = time.monotonic()
+        while st is not None and busy(st) and time.monotonic() - t0 < timeout_s:
+            left = timeout_s - (time.monotonic() - t0)
+            st = self.rec.fresh_statuses(self.ns, time.monotonic(), timeout=min(1.5, max(0.1, left))).suffix
+        return st, time.monotonic() - t0
 
     def _slowest_answer_s(self, frames: dict[int, float]) -> float:
         """The longest time (s) from a frame's playback to its trajectory so far, 0 before any answer; ``frames``:
