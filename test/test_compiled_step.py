@@ -11,7 +11,8 @@ import torch
 from hf_builders import write_llama, write_text_lm
 from hybrid_vla_ros.model.checkpoint import open_checkpoint
 from hybrid_vla_ros.model.decode import DecodeSettings, PrefixDecoding, SideCache, SuffixDecoding
-from hybrid_vla_ros.runtime.compiled_step import CompiledDecodeStep, DecodeStepBuilder, compile_support
+from hybrid_vla_ros.runtime.compiled_step import (CompiledDecodeStep, DecodeStepBuilder, DecodeStepStatus,
+                                                   compile_support)
 
 PROMPT, TOKENS = 16, 12
 
@@ -73,7 +74,9 @@ def test_the_compiled_step_chooses_the_eager_tokens_with_the_eager_logits(tmp_pa
         assert back.cache is back._step.cache and back.cache.tokens == PROMPT + TOKENS - 1
         assert back._own_cache.tokens == 0
     assert builder.compiled_steps == 2 * (TOKENS - 1)  # the first token comes from the prefill's last row
-    assert builder.state == f"inductor at K={k}"
+    assert builder.status() == DecodeStepStatus("inductor", compiled_k=k, line=f"inductor at K={k}")
+    # each cache length's step inputs computed once (and 0, the build's warm-up): the second frame reused them
+    assert sorted(back._step._by_length) == [0, *range(PROMPT, PROMPT + TOKENS - 1)]
 
 
 def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(tmp_path):
@@ -96,6 +99,8 @@ def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(
     with torch.inference_mode():
         back.begin(0, 2)  # a frame at K = 2 is about to come: eager, and K = 2's build starts
     assert back._step is None and builder.state.startswith("building at K=2")
+    st = builder.status()
+    assert (st.compiled_k, st.building, st.error) == (None, 2, "")
     assert builder.wait(300) and builder.state == "inductor at K=2"
     assert _decode(sm, prefixes[2], back, inputs).tokens == eager and back._step.k == 2
     first = builder.for_frame(suffix, 1)
@@ -104,6 +109,8 @@ def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(
     with torch.inference_mode():
         back.begin(0, 3)  # a third K past the bound: eager, nothing built
     assert back._step is None and builder.wait(1) and builder.state.startswith("eager at K=3 (steps are kept for 2")
+    st = builder.status()
+    assert st.compiled_k is None and st.building is None and st.error.startswith("steps are kept for 2")
 
 
 def test_a_step_that_would_compile_again_falls_back_to_the_eager_step_for_good(tmp_path):
@@ -126,6 +133,7 @@ def test_a_step_that_would_compile_again_falls_back_to_the_eager_step_for_good(t
                     inputs)
     assert got.tokens == eager.tokens and len(got.tokens) == 6
     assert builder.state.startswith("eager at K=1 (its step failed:") and "would compile again" in builder.state
+    assert builder.status().compiled_k is None and "would compile again" in builder.status().error
     assert builder.for_frame(suffix, k) is None
 
 

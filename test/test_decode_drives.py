@@ -25,6 +25,7 @@ from hybrid_vla_ros.model.checkpoint import open_checkpoint
 from hybrid_vla_ros.model.decode import SideCache, SuffixDecoding, decode_in_process
 from hybrid_vla_ros.model.decode_spec import DecodeSpec, TextWaypoints, UnparseableWaypoints
 from hybrid_vla_ros.split.verify import BagFrames
+from hybrid_vla_ros.runtime.compiled_step import DecodeStepStatus
 from hybrid_vla_ros.split.verify_decode import verify_decode
 from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, resize_rgb
 
@@ -168,7 +169,7 @@ def test_replay_waits_for_the_inductor_decode_step_and_decodes_the_eager_tokens(
         assert report["trajectories_out"] == 3 and report["drops"] == {}, report
         runs[step], texts[step] = (run, report["decode"]), _reasoning(out)
     run, decode = runs["inductor"]
-    assert "waiting for the compiled decode step (building at K=1, TorchInductor)" in run.stdout, run.stdout
+    assert "waiting for the compiled decode step (K=1, TorchInductor)" in run.stdout, run.stdout
     assert "compiled decode step ready after" in run.stdout and decode["decode_step"] == "inductor at K=1", decode
     assert runs["eager"][1]["decode_step"] == "eager" and "waiting for the compiled" not in runs["eager"][0].stdout
     assert len(texts["inductor"]) == 3 and texts["inductor"] == texts["eager"]
@@ -406,16 +407,19 @@ def test_the_inductor_decode_step_gives_the_eager_tokens_through_the_runners(tmp
     every step) is refused naming why and decodes eagerly."""
     _, drive = _compose(tmp_path, "internvl", {"max_new_tokens": 8})
     states = []
-    compiled = _pipeline(drive, 1, False, frames[:2], "inductor", lambda p, s: states.append(s.decode_step_state))
-    eager = _pipeline(drive, 1, False, frames[:2], "eager", lambda p, s: states.append(s.decode_step_state))
-    assert states == ["inductor at K=1", "eager"]
+    compiled = _pipeline(drive, 1, False, frames[:2], "inductor", lambda p, s: states.append(s.decode_step_status()))
+    eager = _pipeline(drive, 1, False, frames[:2], "eager", lambda p, s: states.append(s.decode_step_status()))
+    assert states == [DecodeStepStatus("inductor", compiled_k=1, line="inductor at K=1"),
+                      DecodeStepStatus("eager", line="eager")]
     for a, b in zip(compiled[1], eager[1]):
         assert a.decode.tokens == b.decode.tokens and a.decode.text == b.decode.text and len(a.decode.tokens) == 8
         assert abs(a.modes - b.modes).max() <= 1e-5
     _, qwen = _compose(tmp_path, "qwen2_5_vl", {"max_new_tokens": 2})
     prefix, suffix = _runners(qwen, 1, decode_step="inductor")
     try:
-        assert suffix.decode_step_state == "eager (not compiled: its decode steps take multimodal positions)"
+        why = "its decode steps take multimodal positions"
+        assert suffix.decode_step_status() == DecodeStepStatus("inductor", error=why,
+                                                               line=f"eager (not compiled: {why})")
         assert suffix.decode_steps is None and suffix.linear_packing == ""
     finally:
         suffix.close()

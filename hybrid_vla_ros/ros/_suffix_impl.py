@@ -68,7 +68,7 @@ class SuffixNode(node_base.PipelineNode):
             + (f" (building for K={k} in the background, cache {self.runner.backend.cache_dir}; eager meanwhile)"
                if self.runner.backend.status().building is not None else "")
             + (f"; bf16 linear layers: {self.runner.linear_packing}" if self.runner.linear_packing else "")
-            + (f"; decode step: {self.runner.decode_step_state}" if self.runner.decode_step_state else "")
+            + (f"; decode step: {step}" if (step := self.runner.decode_step_status().line) else "")
             + (("; decodes " + (f"{self.runner.decode_spec.decodes_per_frame} answers of "
                                    if self.runner.decode_spec.turns else "")
                 + f"up to {self.runner.decode_spec.settings.max_new_tokens} tokens a frame "
@@ -161,7 +161,8 @@ class SuffixNode(node_base.PipelineNode):
     def _backend_fields(self) -> dict:
         """The suffix backend's fields of the status: asked for, in use, the K it covers, build state, error."""
         if self.runner is None:
-            return {"suffix_backend": self.params.suffix_backend if self.params else ""}
+            return {"suffix_backend": self.params.suffix_backend if self.params else "",
+                    "decode_step": self.params.decode_step if self.params else ""}
         st = self.runner.backend.status()
         return {"suffix_backend": st.requested, "suffix_backend_in_use": st.in_use,
                 "suffix_backend_k": st.compiled_k, "suffix_backend_building": st.building,
@@ -169,4 +170,10 @@ class SuffixNode(node_base.PipelineNode):
                 "suffix_backend_cache_dir": st.cache_dir if st.requested != "eager" else "",
                 "suffix_backend_frames_compiled": st.frames_compiled,
                 "suffix_backend_frames_eager": st.frames_eager, "suffix_linear_packing": self.runner.linear_packing,
-                "suffix_decode_step": self.runner.decode_step_state}
+                **self._decode_step_fields()}
+
+    def _decode_step_fields(self) -> dict:
+        """The decode step's fields of the status (:class:`~hybrid_vla_ros.runtime.compiled_step.DecodeStepStatus`)."""
+        st = self.runner.decode_step_status()
+        return {"decode_step": st.requested, "suffix_decode_step": st.line, "suffix_decode_step_k": st.compiled_k,
+                "suffix_decode_step_building": st.building, "suffix_decode_step_error": st.error}

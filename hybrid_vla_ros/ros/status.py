@@ -313,8 +313,14 @@ class SuffixStatus(NodeStatus):
     suffix_backend: str = _field(_STR, "", doc="the suffix_backend parameter")
     suffix_backend_in_use: str = _field(_STR, "", doc="the backend computing frames now")
     suffix_linear_packing: str = _field(_STR, "", doc="bf16 linear layers packed for oneDNN once, or why not")
-    suffix_decode_step: str = _field(_STR, "", doc="a decoding model's token step: eager, inductor at K, building, "
-                                                   "or why not compiled")
+    decode_step: str = _field(_STR, "", doc="the decode_step parameter")
+    suffix_decode_step: str = _field(_STR, "", doc="a decoding model's token step in one line: eager, inductor at K, "
+                                                   "building, or why not compiled")
+    suffix_decode_step_k: int | None = _field(_OPT_INT, None, doc="the K whose compiled decode step serves frames "
+                                                                  "at the last frame's K")
+    suffix_decode_step_building: int | None = _field(_OPT_INT, None, doc="the K whose decode step is being compiled")
+    suffix_decode_step_error: str = _field(_STR, "", doc="why the asked-for decode step is not in use and will not "
+                                                         "be at the last frame's K")
     suffix_backend_k: int | None = _field(_OPT_INT, None, doc="the K the compiled backend covers")
     suffix_backend_building: int | None = _field(_OPT_INT, None, doc="the K being compiled in the background")
     suffix_backend_precision: str = _field(_STR, "", doc="the compiled backend's precision")

@@ -45,13 +45,15 @@ from __future__ import annotations
 import threading
 import time
 import types
+from dataclasses import dataclass
 
 import torch
 
 from ..model import text
 from ..model.decode import LMHead, SideCache
 
-__all__ = ["DECODE_STEPS", "CompiledDecodeStep", "DecodeStepBuilder", "StepRecompile", "compile_support"]
+__all__ = ["DECODE_STEPS", "CompiledDecodeStep", "DecodeStepBuilder", "DecodeStepStatus", "StepRecompile",
+           "compile_support"]
 
 #: How the suffix computes a decode step's one row: ``eager`` (torch, module by module) or ``inductor``
 #: (:class:`CompiledDecodeStep`).
@@ -135,6 +137,7 @@ class CompiledDecodeStep:
         #: The KV cache the graph is bound to: the frame's prefill runs eagerly into it, the steps extend it.
         self.cache = SideCache(sm.text_config(), max_len, self.k)
         self._rotary = stage.rotary_emb
+        self._by_length: dict[int, tuple] = {}  # cache length -> (mask, position ids, cos, sin): :meth:`_inputs`
         layers = list(stage._layers_from(self.k)) if layers is None else list(layers)
         norm, cache = stage.norm, self.cache.cache
         argument = text._cache_argument(type(layers[0])) if layers else "cache"
@@ -164,12 +167,20 @@ class CompiledDecodeStep:
         self.build_s = time.perf_counter() - t0
 
     def _inputs(self, row: torch.Tensor) -> tuple:
-        """The step's inputs for ``row`` (1, H): (x (1, 1, H), mask, position ids, cos, sin) at the cache's length."""
+        """The step's inputs for ``row`` (1, H): (x (1, 1, H), mask, position ids, cos, sin) at the cache's length.
+        The mask, positions and rotary tables depend only on that length (the cache's size, K and the dtype are
+        this step's own), so each length's are computed once, as the family's base model computes them
+        (:func:`~hybrid_vla_ros.model.text.block_inputs`), and kept: a frame's steps meet the lengths of the
+        frame before (about 0.5 ms a token saved on SmolLM2)."""
         x = row.unsqueeze(0)
-        inputs = text.block_inputs(self.config, self._rotary, x, {"full_attention"}, None, cache=self.cache.cache,
-                                   first_layer={"full_attention": self.k})
-        cos, sin = inputs.cos_sin["full_attention"]
-        return x, inputs.masks["full_attention"], inputs.position_ids, cos, sin
+        length = self.cache.tokens
+        kept = self._by_length.get(length)
+        if kept is None:
+            inputs = text.block_inputs(self.config, self._rotary, x, {"full_attention"}, None,
+                                       cache=self.cache.cache, first_layer={"full_attention": self.k})
+            cos, sin = inputs.cos_sin["full_attention"]
+            kept = self._by_length[length] = (inputs.masks["full_attention"], inputs.position_ids, cos, sin)
+        return (x, *kept)
 
     def logits(self, row: torch.Tensor) -> torch.Tensor:
         """A decode step's row (1, H) in the stage dtype -> the next token's logits (V,) float32, extending
@@ -180,6 +191,25 @@ class CompiledDecodeStep:
                              f"{tuple(row.shape)} {row.dtype}")
         self.cache.room_for(1)
         return self._step(*self._inputs(row)).reshape(-1)
+
+
+@dataclass(frozen=True)
+class DecodeStepStatus:
+    """Where a decoding suffix's decode step stands (:meth:`DecodeStepBuilder.status`,
+    ``SuffixRunner.decode_step_status``; on /diagnostics as the ``*decode_step*`` fields of the suffix's status).
+
+    ``requested``: the ``decode_step`` setting (:data:`DECODE_STEPS`); ``compiled_k``: the split layer whose compiled
+    step serves frames at the last frame's K (None: they decode eagerly); ``building``: the split layer whose step is
+    being built now (None: none); ``error``: why the requested step is not in use at the last frame's K and will not
+    be ('' while it is, or may still be: before the first frame, while building); ``line``: all of it in one line
+    for logs and /diagnostics (``inductor at K=k``, ``building at K=k (eager meanwhile)``, ``eager at K=k (why)``,
+    ``not built yet``; ``eager`` when eager was asked; '' for a model that does not decode)."""
+
+    requested: str
+    compiled_k: int | None = None
+    building: int | None = None
+    error: str = ""
+    line: str = ""
 
 
 class DecodeStepBuilder:  # a model.decode.CompiledSteps
@@ -250,24 +280,31 @@ class DecodeStepBuilder:  # a model.decode.CompiledSteps
             self._failed[int(k)] = why
         self.log("warning", f"decode step: eager at K={k} from now on ({why})")
 
+    def status(self) -> DecodeStepStatus:
+        """Where the step of the last frame's K stands (``requested`` "inductor"): built, being built, or why
+        that K decodes eagerly (its build or step failed; :attr:`MAX_SPLIT_LAYERS` Ks kept already)."""
+        with self._lock:
+            k, building = self._last_k, self._building
+            if k is None:
+                return DecodeStepStatus("inductor", building=building, line="not built yet")
+            if k in self._built:
+                return DecodeStepStatus("inductor", compiled_k=k, building=building, line=f"inductor at K={k}")
+            if k in self._failed:
+                return DecodeStepStatus("inductor", building=building, error=self._failed[k],
+                                        line=f"eager at K={k} ({self._failed[k]})")
+            if building == k:
+                return DecodeStepStatus("inductor", building=k, line=f"building at K={k} (eager meanwhile)")
+            if building is not None:
+                return DecodeStepStatus("inductor", building=building,
+                                        line=f"eager at K={k} (building at K={building} first)")
+            why = (f"steps are kept for {self.MAX_SPLIT_LAYERS} split layers already: "
+                   f"{', '.join(map(str, sorted(self._built)))}")
+            return DecodeStepStatus("inductor", error=why, line=f"eager at K={k} ({why})")
+
     @property
     def state(self) -> str:
-        """One line for status and logs, of the last frame's K: ``inductor at K=k``, ``building at K=k`` or
-        ``eager at K=k (why)``; ``not built yet`` before a frame."""
-        with self._lock:
-            k = self._last_k
-            if k is None:
-                return "not built yet"
-            if k in self._built:
-                return f"inductor at K={k}"
-            if k in self._failed:
-                return f"eager at K={k} ({self._failed[k]})"
-            if self._building == k:
-                return f"building at K={k} (eager meanwhile)"
-            if self._building is not None:
-                return f"eager at K={k} (building at K={self._building} first)"
-            return (f"eager at K={k} (steps are kept for {self.MAX_SPLIT_LAYERS} split layers already: "
-                    f"{', '.join(map(str, sorted(self._built)))})")
+        """:meth:`status` in one line (its ``line``)."""
+        return self.status().line
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for a background build to end; True when none runs now."""

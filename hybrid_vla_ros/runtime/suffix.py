@@ -30,7 +30,7 @@ from ..transport.ring import (
     ros_domain_id, segment_name,
 )
 from ..transport.layout import MAX_DECODE_ROWS
-from .compiled_step import DECODE_STEPS, DecodeStepBuilder, compile_support
+from .compiled_step import DECODE_STEPS, DecodeStepBuilder, DecodeStepStatus, compile_support
 from .decoding import NO_STEP, SuffixDecodeLoop
 from .packed_linear import pack_linears_, pack_lm_head_, packing_supported
 from .peer import PeerStatus, producer_status
@@ -363,18 +363,20 @@ class SuffixRunner:
         """Whether decoded ids become text (a tokenizer beside the model); else the reasoning text is the ids."""
         return self._tokenizer is not None
 
-    @property
-    def decode_step_state(self) -> str:
-        """A decoding model's decode step in one line: ``eager``, the compiled step's state
-        (:attr:`~.compiled_step.DecodeStepBuilder.state`) or why it is not compiled; without a decode "", or that
-        ``inductor`` is ignored."""
+    def decode_step_status(self) -> DecodeStepStatus:
+        """A decoding model's decode step (:class:`~.compiled_step.DecodeStepStatus`): the compiled step's where one
+        is built, else eager and why not compiled; without a decode, ``line`` "" (or, with ``inductor`` asked,
+        that it is ignored, also the ``error``)."""
+        asked = self.settings.decode_step
         if self._decoding is None:
-            return "" if self.settings.decode_step == "eager" else "ignored: this model does not decode"
+            why = "" if asked == "eager" else "ignored: this model does not decode"
+            return DecodeStepStatus(asked, error=why, line=why)
         if self.decode_steps is not None:
-            return self.decode_steps.state
+            return self.decode_steps.status()
         if self.decode_step_refused:
-            return f"eager (not compiled: {self.decode_step_refused})"
-        return "eager"
+            return DecodeStepStatus(asked, error=self.decode_step_refused,
+                                    line=f"eager (not compiled: {self.decode_step_refused})")
+        return DecodeStepStatus(asked, line="eager")
 
     def _pack_linears(self, backend: str) -> str:
         """Pack the bf16 stage's decoder blocks' linear layers (and the decode's LM head) for oneDNN once, where

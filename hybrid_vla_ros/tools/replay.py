@@ -507,34 +507,34 @@ class ReplaySession:
 
     def _wait_for_decode_step(self, timeout_s: float) -> bool:
         """When the suffix node builds a decoding model's compiled decode step (``decode_step: inductor``;
-        ``suffix_decode_step`` 'building at K=...', /diagnostics), wait for it, up to ``timeout_s`` (what is left of
+        ``suffix_decode_step_building`` on /diagnostics), wait for it, up to ``timeout_s`` (what is left of
         ``--timeout``), so that the frames' tokens run through it rather than eagerly meanwhile. Prints how it
-        ended: ready, not in use (the node's state, e.g. refused for a VLM's multimodal positions, or ``inductor``
-        on a model that does not decode) or not ready in time; a suffix at K = L builds at its first frame, which
-        it says. Returns whether it waited (the baseline is then taken again)."""
+        ended: ready (``suffix_decode_step_k``), not in use (``suffix_decode_step_error``: e.g. refused for a VLM's
+        multimodal positions, or ``inductor`` on a model that does not decode) or not ready in time; a suffix at
+        K = L builds at its first frame, which it says. Returns whether it waited (the baseline is then taken
+        again)."""
         st = self.baseline.suffix
-        state = st.suffix_decode_step if st is not None else ""
-        if state in ("", "eager"):
+        if st is None or st.decode_step != "inductor":
             return False
-        if state == "not built yet":
+        if st.suffix_decode_step_k is not None and st.suffix_decode_step_building is None:
+            print(f"compiled decode step ready: {st.suffix_decode_step}")
+            return False
+        if st.suffix_decode_step_error:
+            print(f"warning: the compiled decode step is not in use; the suffix node's decode step: "
+                  f"{st.suffix_decode_step}", file=sys.stderr)
+            return False
+        if st.suffix_decode_step_building is None:
             print("the compiled decode step builds at the first frame (no blocks at this K before it): the first "
                   "frames' tokens run eagerly")
             return False
-        if not state.startswith("building"):
-            if state.startswith("inductor"):
-                print(f"compiled decode step ready: {state}")
-            else:
-                print(f"warning: the compiled decode step is not in use; the suffix node's decode step: {state}",
-                      file=sys.stderr)
-            return False
-        print(f"waiting for the compiled decode step ({state.split(' (')[0]}, TorchInductor) before playing the "
-              f"bag; up to {max(timeout_s, 0.0):g} s")
-        st, waited = self._suffix_while(st, lambda s: s.suffix_decode_step.startswith("building"), timeout_s)
+        print(f"waiting for the compiled decode step (K={st.suffix_decode_step_building}, TorchInductor) before "
+              f"playing the bag; up to {max(timeout_s, 0.0):g} s")
+        st, waited = self._suffix_while(st, lambda s: s.suffix_decode_step_building is not None, timeout_s)
         if st is None:
             return True
-        if st.suffix_decode_step.startswith("inductor"):
+        if st.suffix_decode_step_k is not None:
             print(f"compiled decode step ready after {waited:.1f} s: {st.suffix_decode_step}")
-        elif st.suffix_decode_step.startswith("building"):
+        elif st.suffix_decode_step_building is not None:
             print(f"warning: the compiled decode step was not ready after {waited:.1f} s (--timeout): tokens run "
                   "eagerly until it is", file=sys.stderr)
         else:
