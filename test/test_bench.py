@@ -499,6 +499,9 @@ def test_quick_decode_part_measures_the_suffix_against_its_bandwidth_floor_and_t
     assert compiled["same_tokens_as_eager"]  # fp32: the compiled step decodes the eager tokens
     for r in d["rows"]:
         assert r["suffix_token_ms"]["n"] == 15 and 0.1 < r["bandwidth_ratio"] < 1.5, r
+        # the floor is this row's bytes over the bandwidth measured next to it
+        assert r["floor_ms"] == pytest.approx((r["suffix_weight_bytes"] + r["suffix_kv_bytes"])
+                                              / (r["bandwidth_gbs"] * 1e9) * 1e3), r
     # the suffix at K = 20 reads 10 blocks, the final norm and the (tied) 49152 x 576 head; at K = 0 all 30 blocks
     block = (rows[(0, "fp32")]["suffix_weight_bytes"] - rows[(20, "fp32")]["suffix_weight_bytes"]) / 20
     assert rows[(20, "fp32")]["suffix_weight_bytes"] == pytest.approx(10 * block + 49152 * 576 * 4, rel=1e-3)

@@ -4,9 +4,10 @@
 * **Suffix per token against its memory-bandwidth limit.** A decode step reads every weight of the suffix (blocks
   [K, L), final norm, LM head) and its KV cache once for one token, so its floor is those bytes over the core's read
   bandwidth. The bandwidth is measured in the same pinned worker (``torch.sum`` over a buffer far larger than the
-  caches, one thread, best of several); the KV bytes are the static cache's whole length for the suffix's layers
-  (transformers' ``StaticCache`` attends over its full length, masked). Ratio = floor / measured median (1.0: at
-  the limit).
+  caches, one thread, best of several) just before each row's timing (a shared host's bandwidth drifts: 14.5 and
+  11.3 GB/s in two runs half an hour apart here); the KV bytes are the static cache's whole length for the
+  suffix's layers (transformers' ``StaticCache`` attends over its full length, masked). Ratio = floor / measured
+  median (1.0: at the limit).
   Each K and dtype is measured with both decode steps of the suffix node's ``decode_step``: ``eager`` (bf16 linear
   layers packed for oneDNN, as the node packs them) and ``inductor`` (:mod:`hybrid_vla_ros.runtime.compiled_step`;
   its build time is reported, not timed); the goals read the ``inductor`` rows, the fastest step the node offers.
@@ -108,6 +109,7 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
                         packed, head_packed = pack_linears_(suffix.layers), pack_lm_head_(head)
                     else:
                         back.compiled = DecodeStepBuilder(sm, head, bound, threads, background=False)
+                    row_bandwidth = read_bandwidth_gbs(bandwidth_mib, 3)  # next to the timing: the host's drifts
                     prefix_ms, suffix_ms = _timed_decode(front, back, inputs)
                     tokens = list(back.result.tokens)
                     eager_tokens = tokens if step == "eager" else eager_tokens
@@ -119,17 +121,19 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
                     layers = config.num_hidden_layers - k
                     kv = 2 * layers * config.num_key_value_heads * _head_dim(config) * bound * dtype.itemsize
                     weights = _bytes(suffix) + _bytes(head)
-                    floor_ms = (weights + kv) / (bandwidth * 1e9) * 1e3
+                    floor_ms = (weights + kv) / (row_bandwidth * 1e9) * 1e3
                     p50 = statistics.median(suffix_ms)
                     rows.append({"k": k, "dtype": dtype_name, "step": step, "build_s": build_s,
                                  "same_tokens_as_eager": tokens == eager_tokens,
                                  "packed_linears": packed, "head_packed": head_packed,
                                  "suffix_token_ms": _stats(suffix_ms),
                                  "prefix_token_ms": _stats(prefix_ms), "suffix_weight_bytes": weights,
-                                 "suffix_kv_bytes": kv, "floor_ms": floor_ms, "bandwidth_ratio": floor_ms / p50})
+                                 "suffix_kv_bytes": kv, "bandwidth_gbs": row_bandwidth, "floor_ms": floor_ms,
+                                 "bandwidth_ratio": floor_ms / p50})
                     built = f" (built in {build_s:.0f} s)" if build_s is not None else ""
                     chan.send({"type": "progress", "line": f"  decode {dtype_name} K={k} {step}{built}: suffix "
-                                                           f"{p50:.2f} ms/token, floor {floor_ms:.2f} ms "
+                                                           f"{p50:.2f} ms/token, floor {floor_ms:.2f} ms at "
+                                                           f"{row_bandwidth:.1f} GB/s "
                                                            f"({floor_ms / p50:.2f}); prefix "
                                                            f"{statistics.median(prefix_ms):.2f} ms/token"})
     return {"bandwidth_gbs": bandwidth, "threads": threads, "prompt_tokens": prompt, "new_tokens": new_tokens,
@@ -313,16 +317,18 @@ def decode_goals(d: dict, add) -> None:
 def markdown(d: dict) -> str:
     """The decode part's table."""
     lines = [f"\n**Decode** ({d['model']}, {d['prompt_tokens']}-token prompt, {d['new_tokens']} greedy tokens, "
-             f"{d['threads']} thread(s); read bandwidth {d['bandwidth_gbs']:.1f} GB/s): per token, ms",
-             "", "| K | dtype | decode step | suffix linears | suffix p50 | floor (weights + KV / bandwidth) | "
-             "floor / time | prefix p50 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"{d['threads']} thread(s); read bandwidth {d['bandwidth_gbs']:.1f} GB/s at the start, and next to "
+             "each row): per token, ms",
+             "", "| K | dtype | decode step | suffix linears | suffix p50 | read GB/s | floor (weights + KV / "
+             "bandwidth) | floor / time | prefix p50 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in d["rows"]:
         step = r.get("step", "eager")
         how = (f"packed ({r['packed_linears']}{' + LM head' if r.get('head_packed') else ''})"
                if r.get("packed_linears") else "frozen into the graph" if step == "inductor" else "torch")
         built = f" (built in {r['build_s']:.0f} s)" if r.get("build_s") is not None else ""
+        gbs = f"{r['bandwidth_gbs']:.1f}" if "bandwidth_gbs" in r else ""
         lines.append(f"| {r['k']} | {r['dtype']} | {step}{built} | {how} | {r['suffix_token_ms']['p50']:.2f} | "
-                     f"{r['floor_ms']:.2f} | {r['bandwidth_ratio']:.2f} | {r['prefix_token_ms']['p50']:.3f} |")
+                     f"{gbs} | {r['floor_ms']:.2f} | {r['bandwidth_ratio']:.2f} | {r['prefix_token_ms']['p50']:.3f} |")
     if d["whole_model_vs_llama_cpp"]:
         lines.append("\nWhole model per token against llama.cpp (same core, same GGUF weights at that precision): "
                      + "; ".join(f"{k}: ours {v['ours_ms']:.2f} ms ({v.get('step', 'eager')} step), llama.cpp "
