@@ -81,7 +81,8 @@ def test_the_compiled_step_chooses_the_eager_tokens_with_the_eager_logits(tmp_pa
 
 def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(tmp_path):
     """Built in the background: the first frame (and a frame at a new K) decodes eagerly, later ones compiled at
-    their own K with the same tokens."""
+    their own K with the same tokens; a K met while another builds is not refused (it builds at its next frame),
+    only one past the kept bound is, and a closed builder says so."""
     path = write_llama(tmp_path / "llama")
     ck = open_checkpoint(path, tokens=PROMPT)
     sm = ck.split_model()
@@ -94,8 +95,13 @@ def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(
     inputs = sm.example_inputs(None)
     eager = _decode(sm, prefixes[1], back, inputs).tokens  # asks for the build at K = 1, decodes eagerly
     assert back._step is None
-    assert builder.wait(300) and builder.state == "inductor at K=1"
+    assert builder.for_frame(suffix, 2) is None  # a frame at K = 2 while K = 1 builds: no second build now
+    assert builder.status().building == 1 and builder.status().error == ""
+    assert builder.wait(300)
+    st = builder.status()  # K = 2 not built, nothing building, one K kept: not refused, it builds at its next frame
+    assert (st.compiled_k, st.building, st.error) == (None, None, "") and "builds at its next frame" in st.line
     assert _decode(sm, prefixes[1], back, inputs).tokens == eager and back._step.k == 1
+    assert builder.state == "inductor at K=1"
     with torch.inference_mode():
         back.begin(0, 2)  # a frame at K = 2 is about to come: eager, and K = 2's build starts
     assert back._step is None and builder.state.startswith("building at K=2")
@@ -111,6 +117,8 @@ def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(
     assert back._step is None and builder.wait(1) and builder.state.startswith("eager at K=3 (steps are kept for 2")
     st = builder.status()
     assert st.compiled_k is None and st.building is None and st.error.startswith("steps are kept for 2")
+    builder.close()
+    assert builder.status().error == "closed"
 
 
 def test_a_step_that_would_compile_again_falls_back_to_the_eager_step_for_good(tmp_path):

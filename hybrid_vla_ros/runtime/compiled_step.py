@@ -138,6 +138,8 @@ class CompiledDecodeStep:
         self.cache = SideCache(sm.text_config(), max_len, self.k)
         self._rotary = stage.rotary_emb
         self._by_length: dict[int, tuple] = {}  # cache length -> (mask, position ids, cos, sin): :meth:`_inputs`
+        # a dynamic rotary embedding changes its frequencies with the longest sequence it has seen: computed each time
+        self._keep_inputs = "dynamic" not in str(getattr(self._rotary, "rope_type", ""))
         layers = list(stage._layers_from(self.k)) if layers is None else list(layers)
         norm, cache = stage.norm, self.cache.cache
         argument = text._cache_argument(type(layers[0])) if layers else "cache"
@@ -171,7 +173,8 @@ class CompiledDecodeStep:
         The mask, positions and rotary tables depend only on that length (the cache's size, K and the dtype are
         this step's own), so each length's are computed once, as the family's base model computes them
         (:func:`~hybrid_vla_ros.model.text.block_inputs`), and kept: a frame's steps meet the lengths of the
-        frame before (about 0.5 ms a token saved on SmolLM2)."""
+        frame before (about 0.5 ms a token saved on SmolLM2). Not kept for a ``dynamic`` rotary embedding (its
+        frequencies follow the longest sequence it has seen)."""
         x = row.unsqueeze(0)
         length = self.cache.tokens
         kept = self._by_length.get(length)
@@ -179,7 +182,9 @@ class CompiledDecodeStep:
             inputs = text.block_inputs(self.config, self._rotary, x, {"full_attention"}, None,
                                        cache=self.cache.cache, first_layer={"full_attention": self.k})
             cos, sin = inputs.cos_sin["full_attention"]
-            kept = self._by_length[length] = (inputs.masks["full_attention"], inputs.position_ids, cos, sin)
+            kept = (inputs.masks["full_attention"], inputs.position_ids, cos, sin)
+            if self._keep_inputs:
+                self._by_length[length] = kept
         return (x, *kept)
 
     def logits(self, row: torch.Tensor) -> torch.Tensor:
@@ -203,7 +208,8 @@ class DecodeStepStatus:
     being built now (None: none); ``error``: why the requested step is not in use at the last frame's K and will not
     be ('' while it is, or may still be: before the first frame, while building); ``line``: all of it in one line
     for logs and /diagnostics (``inductor at K=k``, ``building at K=k (eager meanwhile)``, ``eager at K=k (why)``,
-    ``not built yet``; ``eager`` when eager was asked; '' for a model that does not decode)."""
+    ``not built yet``; ``eager`` when eager was asked; for a model that does not decode '', or with ``inductor``
+    asked the ``error`` "ignored: this model does not decode")."""
 
     requested: str
     compiled_k: int | None = None
@@ -282,9 +288,12 @@ class DecodeStepBuilder:  # a model.decode.CompiledSteps
 
     def status(self) -> DecodeStepStatus:
         """Where the step of the last frame's K stands (``requested`` "inductor"): built, being built, or why
-        that K decodes eagerly (its build or step failed; :attr:`MAX_SPLIT_LAYERS` Ks kept already)."""
+        that K decodes eagerly (its build or step failed; :attr:`MAX_SPLIT_LAYERS` Ks kept already; closed);
+        ``building`` may be another K's build."""
         with self._lock:
             k, building = self._last_k, self._building
+            if self._closed:
+                return DecodeStepStatus("inductor", error="closed", line="eager (closed)")
             if k is None:
                 return DecodeStepStatus("inductor", building=building, line="not built yet")
             if k in self._built:
@@ -297,9 +306,12 @@ class DecodeStepBuilder:  # a model.decode.CompiledSteps
             if building is not None:
                 return DecodeStepStatus("inductor", building=building,
                                         line=f"eager at K={k} (building at K={building} first)")
-            why = (f"steps are kept for {self.MAX_SPLIT_LAYERS} split layers already: "
-                   f"{', '.join(map(str, sorted(self._built)))}")
-            return DecodeStepStatus("inductor", error=why, line=f"eager at K={k} ({why})")
+            if len(self._built) >= self.MAX_SPLIT_LAYERS:
+                why = (f"steps are kept for {self.MAX_SPLIT_LAYERS} split layers already: "
+                       f"{', '.join(map(str, sorted(self._built)))}")
+                return DecodeStepStatus("inductor", error=why, line=f"eager at K={k} ({why})")
+            # a frame at k came while another K was built: k's build starts at its next frame
+            return DecodeStepStatus("inductor", line=f"eager at K={k} (not built yet: builds at its next frame)")
 
     @property
     def state(self) -> str:

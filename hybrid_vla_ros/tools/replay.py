@@ -510,31 +510,36 @@ class ReplaySession:
         ``suffix_decode_step_building`` on /diagnostics), wait for it, up to ``timeout_s`` (what is left of
         ``--timeout``), so that the frames' tokens run through it rather than eagerly meanwhile. Prints how it
         ended: ready (``suffix_decode_step_k``), not in use (``suffix_decode_step_error``: e.g. refused for a VLM's
-        multimodal positions, or ``inductor`` on a model that does not decode) or not ready in time; a suffix at
-        K = L builds at its first frame, which it says. Returns whether it waited (the baseline is then taken
-        again)."""
+        multimodal positions, or ``inductor`` on a model that does not decode) or not ready in time. It waits only
+        for the step of the node's K (``split_layer``), and not when none is built for it yet (a suffix at K = L,
+        or a node moved to a K whose build has not started): that step builds at the next frame, which it says.
+        Returns whether it waited (the baseline is then taken again)."""
         st = self.baseline.suffix
         if st is None or st.decode_step != "inductor":
             return False
-        if st.suffix_decode_step_k is not None and st.suffix_decode_step_building is None:
+        if st.suffix_decode_step_k is not None:
             print(f"compiled decode step ready: {st.suffix_decode_step}")
             return False
         if st.suffix_decode_step_error:
             print(f"warning: the compiled decode step is not in use; the suffix node's decode step: "
                   f"{st.suffix_decode_step}", file=sys.stderr)
             return False
-        if st.suffix_decode_step_building is None:
-            print("the compiled decode step builds at the first frame (no blocks at this K before it): the first "
-                  "frames' tokens run eagerly")
+        if st.suffix_decode_step_building is None or st.suffix_decode_step_building != st.split_layer:
+            print(f"the compiled decode step builds at the next frame ({st.suffix_decode_step}): the first frames' "
+                  "tokens run eagerly")
             return False
+
+        def building(s) -> bool:  # the step of the node's K is being built
+            return s.suffix_decode_step_k is None and s.suffix_decode_step_building == s.split_layer
+
         print(f"waiting for the compiled decode step (K={st.suffix_decode_step_building}, TorchInductor) before "
               f"playing the bag; up to {max(timeout_s, 0.0):g} s")
-        st, waited = self._suffix_while(st, lambda s: s.suffix_decode_step_building is not None, timeout_s)
+        st, waited = self._suffix_while(st, building, timeout_s)
         if st is None:
             return True
         if st.suffix_decode_step_k is not None:
             print(f"compiled decode step ready after {waited:.1f} s: {st.suffix_decode_step}")
-        elif st.suffix_decode_step_building is not None:
+        elif building(st):
             print(f"warning: the compiled decode step was not ready after {waited:.1f} s (--timeout): tokens run "
                   "eagerly until it is", file=sys.stderr)
         else:

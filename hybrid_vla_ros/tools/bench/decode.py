@@ -4,10 +4,10 @@
 * **Suffix per token against its memory-bandwidth limit.** A decode step reads every weight of the suffix (blocks
   [K, L), final norm, LM head) and its KV cache once for one token, so its floor is those bytes over the core's read
   bandwidth. The bandwidth is measured in the same pinned worker (``torch.sum`` over a buffer far larger than the
-  caches, one thread, best of several) just before each row's timing (a shared host's bandwidth drifts: 14.5 and
-  11.3 GB/s in two runs half an hour apart here); the KV bytes are the static cache's whole length for the
-  suffix's layers (transformers' ``StaticCache`` attends over its full length, masked). Ratio = floor / measured
-  median (1.0: at the limit).
+  caches, one thread, best of several) just before each row's timed frame, after its warm-up frame and any
+  build (a shared host's bandwidth drifts: 14.5 and 11.3 GB/s in two runs half an hour apart here); the KV bytes
+  are the static cache's whole length for the suffix's layers (transformers' ``StaticCache`` attends over its full
+  length, masked). Ratio = floor / measured median (1.0: at the limit).
   Each K and dtype is measured with both decode steps of the suffix node's ``decode_step``: ``eager`` (bf16 linear
   layers packed for oneDNN, as the node packs them) and ``inductor`` (:mod:`hybrid_vla_ros.runtime.compiled_step`;
   its build time is reported, not timed); the goals read the ``inductor`` rows, the fastest step the node offers.
@@ -109,8 +109,10 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
                         packed, head_packed = pack_linears_(suffix.layers), pack_lm_head_(head)
                     else:
                         back.compiled = DecodeStepBuilder(sm, head, bound, threads, background=False)
-                    row_bandwidth = read_bandwidth_gbs(bandwidth_mib, 3)  # next to the timing: the host's drifts
-                    prefix_ms, suffix_ms = _timed_decode(front, back, inputs)
+                    measured = []  # the read bandwidth between the warm-up (and an inductor build) and the timing
+                    prefix_ms, suffix_ms = _timed_decode(front, back, inputs,
+                                                         lambda: measured.append(read_bandwidth_gbs(bandwidth_mib)))
+                    row_bandwidth = measured[0]
                     tokens = list(back.result.tokens)
                     eager_tokens = tokens if step == "eager" else eager_tokens
                     if step == "inductor":
@@ -149,9 +151,12 @@ def _stats(values: list[float]) -> dict:
     return {"p50": statistics.median(ordered), "min": ordered[0], "n": len(ordered)}
 
 
-def _timed_decode(front, back, inputs) -> tuple[list[float], list[float]]:
-    """One warm-up frame, then one timed frame: per token the prefix step and the suffix's token (ms)."""
+def _timed_decode(front, back, inputs, before_timed=None) -> tuple[list[float], list[float]]:
+    """One warm-up frame, then one timed frame: per token the prefix step and the suffix's token (ms).
+    ``before_timed``: called between the two (e.g. a bandwidth measurement next to the timing)."""
     for timed in (False, True):
+        if timed and before_timed is not None:
+            before_timed()
         back.begin(0)
         prefix_ms, suffix_ms = [], []
         ids = back.take(front.prefill(inputs))
