@@ -121,7 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds allowed for each node's lifecycle services to appear, for each lifecycle transition "
                         "and, with the openvino suffix backend or the inductor decode step, for their builds "
-                        "before playing (one --timeout for both)")
+                        "before playing (one --timeout for both; an inductor step is built again by each "
+                        "replay, 25-65 s for SmolLM2-135M: raise it for larger models)")
 
 
 def _parse_cores(text: str | None) -> list[int]:
