@@ -75,6 +75,9 @@ def test_the_compiled_step_chooses_the_eager_tokens_with_the_eager_logits(tmp_pa
         assert back._own_cache.tokens == 0
     assert builder.compiled_steps == 2 * (TOKENS - 1)  # the first token comes from the prefill's last row
     assert builder.status() == DecodeStepStatus("inductor", compiled_k=k, line=f"inductor at K={k}")
+    with pytest.raises(ValueError, match="do not fit"):  # the cache is full: a further step is refused, untouched
+        back._step.logits(torch.zeros(1, back._step.hidden_size))
+    assert back._step.cache.tokens == PROMPT + TOKENS - 1
     # each cache length's step inputs computed once (and 0, the build's warm-up): the second frame reused them
     assert sorted(back._step._by_length) == [0, *range(PROMPT, PROMPT + TOKENS - 1)]
 

@@ -168,15 +168,16 @@ class CompiledDecodeStep:
         #: Seconds the build took (compile and warm-up).
         self.build_s = time.perf_counter() - t0
 
-    def _inputs(self, row: torch.Tensor) -> tuple:
+    def _inputs(self, row: torch.Tensor, length: int | None = None) -> tuple:
         """The step's inputs for ``row`` (1, H): (x (1, 1, H), mask, position ids, cos, sin) at the cache's length.
         The mask, positions and rotary tables depend only on that length (the cache's size, K and the dtype are
         this step's own), so each length's are computed once, as the family's base model computes them
         (:func:`~hybrid_vla_ros.model.text.block_inputs`), and kept: a frame's steps meet the lengths of the
         frame before (about 0.5 ms a token saved on SmolLM2). Not kept for a ``dynamic`` rotary embedding (its
-        frequencies follow the longest sequence it has seen)."""
+        frequencies follow the longest sequence it has seen). ``length``: the cache's length when the caller has
+        just read it (None: read here)."""
         x = row.unsqueeze(0)
-        length = self.cache.tokens
+        length = self.cache.tokens if length is None else length
         kept = self._by_length.get(length)
         if kept is None:
             inputs = text.block_inputs(self.config, self._rotary, x, {"full_attention"}, None,
@@ -194,8 +195,10 @@ class CompiledDecodeStep:
         if tuple(row.shape) != (1, self.hidden_size) or row.dtype != self.dtype:
             raise ValueError(f"a compiled decode step takes one row (1, {self.hidden_size}) {self.dtype}, got "
                              f"{tuple(row.shape)} {row.dtype}")
-        self.cache.room_for(1)
-        return self._step(*self._inputs(row)).reshape(-1)
+        length = self.cache.tokens  # read once a token (a tensor read): the room check and the inputs share it
+        if length + 1 > self.cache.max_len:
+            self.cache.room_for(1)  # raises, saying why
+        return self._step(*self._inputs(row, length)).reshape(-1)
 
 
 @dataclass(frozen=True)
