@@ -512,7 +512,16 @@ def test_quick_decode_part_measures_the_suffix_against_its_bandwidth_floor_and_t
     for name in ("sequential", "overlap"):
         assert o[name]["ended"] == ["max_new_tokens"] * o["frames"], o[name]
         assert 0 < o[name]["ratio"] and o[name]["prefix_busy_ms"] > 0 and o[name]["suffix_busy_ms"] > 0
+        # frames/s in steady state: frames out over the span of their decode ends, from the first frame's to the
+        # one before the last's (the last decodes with no prefill beside it)
+        ends = o[name]["decode_end_s"]
+        assert len(ends) == o["frames"] == 3 and ends == sorted(ends)
+        assert o[name]["frames_per_s"] == pytest.approx(1 / (ends[1] - ends[0]))
+        assert o[name]["frames_per_s_whole_run"] > 0
     assert o["sequential"]["step_held_max_ms"] < 1.0 < o["overlap"]["step_held_max_ms"]
+    seq = o["sequential"]
+    assert o["overlap"]["ratio_vs_sequential_busy"] == pytest.approx(
+        o["overlap"]["frames_per_s"] * max(seq["prefix_busy_ms"], seq["suffix_busy_ms"]) / 1e3)
     assert {"decode_bandwidth_fp32", "decode_bandwidth_bf16", "decode_round_trip_p50",
             "decode_overlap"} <= {g["id"] for g in doc["goals"]}
     assert "**Decode**" in out.with_suffix(".md").read_text()

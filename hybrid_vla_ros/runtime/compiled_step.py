@@ -4,8 +4,10 @@ A decode step on the CPU suffix is one row per token: every weight of blocks [K,
 the eager path spends as long again in Python and in per-operator dispatch (about 100 operators per block). Compiled
 by ``torch.compile`` (:data:`INDUCTOR_OPTIONS`: weights frozen into the graph and packed once, for oneDNN or for
 inductor's own CPU GEMM, whichever timed faster at build; the linear layers that share an input concatenated; the
-C++ wrapper), the step reads its weights at near the memory bandwidth: docs/performance.md ("Decode") has the
-bench's figures (SmolLM2-135M at K = 15 on one Intel AMX core: bf16 19.3 -> 12.0 ms per token, fp32 28.2 -> 21.3).
+C++ wrapper; attention by SDPA's math kernel, which inductor fuses into one loop a block, where the CPU flash
+kernel a single query calls costs about twice as long), the step reads its weights at near the memory bandwidth:
+docs/performance.md ("Decode") has the bench's figures (SmolLM2-135M at K = 15 on one Intel AMX core: bf16 19.3 ->
+12.0 ms per token, fp32 28.2 -> 21.3, on one day's host).
 
 What it costs, said where it is chosen (``decode_step`` of the suffix node):
 
@@ -48,6 +50,7 @@ import types
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..model import text
 from ..model.decode import LMHead, SideCache
@@ -145,9 +148,12 @@ class CompiledDecodeStep:
         argument = text._cache_argument(type(layers[0])) if layers else "cache"
 
         def step(x, mask, positions, cos, sin):
-            for block in layers:
-                x = block(x, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
-                          use_cache=True, **{argument: cache})
+            # one query row: the math kernel, fused by inductor, takes half the flash kernel's time (SmolLM2 bf16,
+            # K = 15: 1.4 -> 0.8 ms a token, docs/performance.md); its sums are in float32 as the flash kernel's
+            with sdpa_kernel(SDPBackend.MATH):
+                for block in layers:
+                    x = block(x, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
+                              use_cache=True, **{argument: cache})
             return head(norm(x)[:, -1])
 
         # A code object of its own: dynamo keeps compiled graphs and counts recompiles per code object, so the steps

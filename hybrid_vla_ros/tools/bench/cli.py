@@ -42,7 +42,7 @@ FULL = {"presets": list(DEFAULT_PRESETS), "flops_presets": list(DEFAULT_PRESETS)
         "sequential": ["1core", "2core"], "flops_repeats": 5, "flops_blocks": 4, "preprocess_frames": 5,
         "preprocess_seconds": 2.0, "gap_count": 40, "suffix_bound": "tiny:2:400", "load_step": "6:16:10",
         "load_step_presets": ["smol"], "decode_tokens": 64, "decode_prompt": 128, "decode_steps": 2000,
-        "overlap_tokens": 16, "overlap_frames": 6, "decode_inductor": "all"}
+        "overlap_tokens": 16, "overlap_frames": 8, "decode_inductor": "all"}
 
 
 def _list(text: str) -> list[str]:
