@@ -516,12 +516,29 @@ def test_quick_decode_part_measures_the_suffix_against_its_bandwidth_floor_and_t
         # one before the last's (the last decodes with no prefill beside it)
         ends = o[name]["decode_end_s"]
         assert len(ends) == o["frames"] == 3 and ends == sorted(ends)
-        assert o[name]["frames_per_s"] == pytest.approx(1 / (ends[1] - ends[0]))
-        assert o[name]["frames_per_s_whole_run"] > 0
+        assert o[name]["frames_per_s_steady"] == pytest.approx(1 / (ends[1] - ends[0]))
+        assert o[name]["frames_per_s_whole_run"] <= o["frames"] / ends[-1]  # the whole run holds every decode
     assert o["sequential"]["step_held_max_ms"] < 1.0 < o["overlap"]["step_held_max_ms"]
     seq = o["sequential"]
     assert o["overlap"]["ratio_vs_sequential_busy"] == pytest.approx(
-        o["overlap"]["frames_per_s"] * max(seq["prefix_busy_ms"], seq["suffix_busy_ms"]) / 1e3)
+        o["overlap"]["frames_per_s_steady"] * max(seq["prefix_busy_ms"], seq["suffix_busy_ms"]) / 1e3)
     assert {"decode_bandwidth_fp32", "decode_bandwidth_bf16", "decode_round_trip_p50",
             "decode_overlap"} <= {g["id"] for g in doc["goals"]}
     assert "**Decode**" in out.with_suffix(".md").read_text()
+
+
+def test_the_decode_overlap_refuses_what_it_cannot_measure_and_a_decode_that_ended_early_misses_its_goal():
+    """Fewer than 3 frames (no steady state between the first and the last) or no token are refused before any
+    worker starts; a run where a decode met a stop token is not compared with the goal (it ran fewer steps)."""
+    from hybrid_vla_ros.tools.bench.decode_overlap import check_overlap, overlap_goals
+
+    for tokens, frames in ((16, 2), (0, 8)):
+        with pytest.raises(ValueError, match="needs"):
+            check_overlap(tokens, frames)
+    check_overlap(16, 3)
+    full = ["max_new_tokens"] * 3
+    for ended, met in ((full, True), (["max_new_tokens", "stop_token", "max_new_tokens"], False)):
+        goals = []
+        o = {"goal_ratio": 0.9, "sequential": {"ended": full}, "overlap": {"ratio": 0.95, "ended": ended}}
+        overlap_goals(o, lambda *goal: goals.append(goal))
+        assert [(g[0], g[-1]) for g in goals] == [("decode_overlap", met)], goals

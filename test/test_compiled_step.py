@@ -7,6 +7,7 @@ logits agree to rounding (a few ulp of their scale), not bit for bit; bf16 round
 the bench, not asserted here."""
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from hf_builders import write_llama, write_text_lm
 from hybrid_vla_ros.model.checkpoint import open_checkpoint
@@ -67,7 +68,10 @@ def test_the_compiled_step_chooses_the_eager_tokens_with_the_eager_logits(tmp_pa
     back = SuffixDecoding(sm, suffix, head, SideCache(sm.text_config(), bound, k), settings)
     back.compiled = builder = _Counting(sm, head, bound, background=False)
     for frame in range(2):
-        got = _decode(sm, prefix, back, inputs, frame)
+        if frame == 0:  # the build: the code inductor generates for the step kept
+            got, code = run_and_get_code(_decode, sm, prefix, back, inputs, frame)
+        else:
+            got = _decode(sm, prefix, back, inputs, frame)
         assert got.tokens == eager.tokens, (frame, got.tokens, eager.tokens)
         for a, b in zip(got.logits, eager.logits):
             assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
@@ -80,6 +84,13 @@ def test_the_compiled_step_chooses_the_eager_tokens_with_the_eager_logits(tmp_pa
     assert back._step.cache.tokens == PROMPT + TOKENS - 1
     # each cache length's step inputs computed once (and 0, the build's warm-up): the second frame reused them
     assert sorted(back._step._by_length) == [0, *range(PROMPT, PROMPT + TOKENS - 1)]
+    # attention in the compiled step is SDPA's math kernel, fused into the graph: the generated code calls no flash
+    # kernel, while the eager prefix step beside it still does (the build left the process's SDPA choice as it was)
+    assert code and not any("flash_attention" in c for c in code)
+    assert torch.backends.cuda.flash_sdp_enabled()
+    with torch.inference_mode(), torch.profiler.profile() as eager_step:
+        PrefixDecoding(sm, prefix, SideCache(sm.text_config(), bound, 0)).prefill(inputs)
+    assert any("flash_attention" in e.name for e in eager_step.events())
 
 
 def test_a_frame_at_another_split_layer_decodes_eagerly_until_its_step_is_built(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 import uuid
 
@@ -158,5 +159,46 @@ def test_a_waiting_end_gives_up_at_its_deadline(name):
             assert prod.decode.wait_reply(FRAME, 1, 0.3) is None
             assert 0.29 <= time.monotonic() - t0 < 2.0
             assert cons.decode.wait_step(FRAME, 2, 0.05) is None  # step 1 is not step 2
+    finally:
+        prod.close()
+
+
+def test_a_frame_whose_last_reply_was_overwritten_by_the_next_frames_ends_without_waiting(name):
+    """The channel holds the latest reply only, and a suffix takes the next frame as soon as it sent a frame's last
+    reply: when its answer to frame 8's prefill lands before the prefix read frame 7's last reply (a prefix thread
+    held off its core), the prefix's follower ends frame 7 ``ended_unseen`` within its peer check instead of waiting
+    out its reply timeout (which left frame 8's suffix without a step until it dropped the frame), and frame 8 is
+    then followed from its prefill. The ring and its channel are real; the prefix's model is a stand-in that
+    computes nothing (its step is where the test lets the suffix race ahead)."""
+    from types import SimpleNamespace
+
+    from hybrid_vla_ros.runtime.decoding import ENDED_UNSEEN, PrefixDecodeLoop
+
+    prod = RingProducer(name, 3, 4096, 5, dtype=torch.float32, state_shape=(T, H), decode_rows=1)
+    try:
+        with RingConsumer(name) as cons:
+            def step(tokens, placed=False):  # the prefix computes step 1 of frame 7 while the suffix goes on
+                if len(steps) == 0:
+                    cons.decode.publish_reply(FRAME, 1, [42], MAX_TOKENS)  # frame 7's last reply, unread ...
+                    cons.decode.publish_reply(FRAME + 1, 0, [5])  # ... overwritten by frame 8's first
+                steps.append(tokens)
+                return torch.ones(1, H)
+
+            steps = []
+            sm = SimpleNamespace(step_crossing=lambda out: (out, None))
+            loop = PrefixDecodeLoop(SimpleNamespace(sm=sm, step=step), prod.decode, reply_timeout_s=20.0)
+            cons.decode.publish_reply(FRAME, 0, [3])  # the suffix answers frame 7's prefill
+            t0 = time.monotonic()
+            seven = loop.follow(FRAME, skipped=True)
+            assert seven.ended == ENDED_UNSEEN and seven.tokens == [3] and steps == [(3,)]
+            assert time.monotonic() - t0 < 3.0  # its peer check, not the 20 s reply timeout
+            assert cons.decode.wait_step(FRAME, 1, 0.1) is not None  # step 1 of frame 7 went down
+            done = {}  # frame 8's prefill reply is still the latest: its step 1 goes down at once
+            follower = threading.Thread(target=lambda: done.update(f=loop.follow(FRAME + 1)))
+            follower.start()
+            assert cons.decode.wait_step(FRAME + 1, 1, 5.0) is not None
+            cons.decode.publish_reply(FRAME + 1, 1, [6], MAX_TOKENS)
+            follower.join(5.0)
+            assert done["f"].ended == "max_new_tokens" and done["f"].tokens == [5, 6]
     finally:
         prod.close()

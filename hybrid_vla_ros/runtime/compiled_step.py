@@ -4,10 +4,11 @@ A decode step on the CPU suffix is one row per token: every weight of blocks [K,
 the eager path spends as long again in Python and in per-operator dispatch (about 100 operators per block). Compiled
 by ``torch.compile`` (:data:`INDUCTOR_OPTIONS`: weights frozen into the graph and packed once, for oneDNN or for
 inductor's own CPU GEMM, whichever timed faster at build; the linear layers that share an input concatenated; the
-C++ wrapper; attention by SDPA's math kernel, which inductor fuses into one loop a block, where the CPU flash
-kernel a single query calls costs about twice as long), the step reads its weights at near the memory bandwidth:
-docs/performance.md ("Decode") has the bench's figures (SmolLM2-135M at K = 15 on one Intel AMX core: bf16 19.3 ->
-12.0 ms per token, fp32 28.2 -> 21.3, on one day's host).
+C++ wrapper; where the family's attention is SDPA, its math kernel, which inductor fuses into one loop a block, in
+about 0.6 of the CPU flash kernel's time for one query row), the step reads its weights at near the memory
+bandwidth: docs/performance.md ("Decode") has the bench's figures (SmolLM2-135M at K = 15 on one Intel AMX core,
+eager -> compiled: bf16 19.3 -> 12.0 ms per token, fp32 28.2 -> 21.3 on one day's host, before the math kernel;
+bf16 15.3-16.0, fp32 24.3-25.3 with it on a slower day).
 
 What it costs, said where it is chosen (``decode_step`` of the suffix node):
 
@@ -69,6 +70,15 @@ DECODE_STEPS = ("eager", "inductor")
 #: thread (no worker pool beside a node).
 INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True, "max_autotune": True,
                     "max_autotune_gemm_backends": "CPP,ATEN", "compile_threads": 1}
+
+
+#: Held by a build while dynamo traces its step. The step's ``sdpa_kernel(MATH)`` is traced into the graph (the
+#: built step never switches anything when it runs), but while dynamo traces it the switch is process-wide: frames
+#: decoding eagerly on other threads in those seconds attend with the math kernel (the same float32 sums, rounded
+#: differently), and two traces at once could restore each other's saved state out of order, leaving the flash
+#: kernel off for the process. Builds take this lock, so their switches nest. (A built step whose guard fails is
+#: traced again on the decode thread without it, and raises :class:`StepRecompile` within that trace.)
+_TRACE_LOCK = threading.Lock()
 
 
 class StepRecompile(RuntimeError):
@@ -147,14 +157,18 @@ class CompiledDecodeStep:
         norm, cache = stage.norm, self.cache.cache
         argument = text._cache_argument(type(layers[0])) if layers else "cache"
 
-        def step(x, mask, positions, cos, sin):
-            # one query row: the math kernel, fused by inductor, takes half the flash kernel's time (SmolLM2 bf16,
-            # K = 15: 1.4 -> 0.8 ms a token, docs/performance.md); its sums are in float32 as the flash kernel's
-            with sdpa_kernel(SDPBackend.MATH):
-                for block in layers:
-                    x = block(x, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
-                              use_cache=True, **{argument: cache})
+        def rows(x, mask, positions, cos, sin):
+            for block in layers:
+                x = block(x, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
+                          use_cache=True, **{argument: cache})
             return head(norm(x)[:, -1])
+
+        def step(x, mask, positions, cos, sin):
+            # one query row: where the family's attention is SDPA, its math kernel fused by inductor takes about 0.6
+            # of the flash kernel's time (SmolLM2 bf16, K = 15: 1.4 -> 0.8 ms a token, docs/performance.md), its
+            # sums in float32 as the flash kernel's. Only the trace sees this switch (:data:`_TRACE_LOCK`).
+            with sdpa_kernel(SDPBackend.MATH):
+                return rows(x, mask, positions, cos, sin)
 
         # A code object of its own: dynamo keeps compiled graphs and counts recompiles per code object, so the steps
         # at other Ks are not this one's guards.
@@ -164,10 +178,10 @@ class CompiledDecodeStep:
         t0 = time.perf_counter()
         with torch.inference_mode():
             zero = torch.zeros(1, self.hidden_size, dtype=self.dtype)
-            step(*self._inputs(zero))  # eagerly: allocates the cache's layers before the graph binds them
+            rows(*self._inputs(zero))  # eagerly: allocates the cache's layers before the graph binds them
             self.cache.reset()
             self._step = torch.compile(own, dynamic=False, backend=self._backend)
-            with _inductor_options():
+            with _TRACE_LOCK, _inductor_options():
                 self.logits(zero)  # the compile
             self.cache.reset()
         self._backend.sealed = True

@@ -21,11 +21,13 @@ from ..model.decode import MAX_TOKENS, STOP_TOKEN, PrefixDecoding, SuffixDecodin
 from ..transport import decode_channel as channel
 
 __all__ = ["FollowedDecode", "AnsweredDecode", "PrefixDecodeLoop", "SuffixDecodeLoop", "NO_REPLY", "NO_STEP",
-           "SKIPPED", "StepFirst", "DecodeFollower", "chunk_modules"]
+           "SKIPPED", "ENDED_UNSEEN", "StepFirst", "DecodeFollower", "chunk_modules"]
 
 #: How a frame's decode ended on the side that waited in vain; ``SKIPPED``: the suffix answers a later frame (it
-#: never took this one).
-NO_REPLY, NO_STEP, SKIPPED = "no_reply", "no_step", "skipped"
+#: never took this one); ``ENDED_UNSEEN``: the suffix answers a later frame after answering steps of this one, so
+#: this frame ended in a reply the prefix never read (the channel holds the latest reply only, and the suffix
+#: takes the next frame at once after a frame's last reply): its last token(s) and end are the suffix's to say.
+NO_REPLY, NO_STEP, SKIPPED, ENDED_UNSEEN = "no_reply", "no_step", "skipped", "ended_unseen"
 #: How often a waiting side asks whether its peer is still there (s).
 PEER_CHECK_S = 0.25
 _END_CODE = {"": channel.GO_ON, STOP_TOKEN: channel.STOP_TOKEN, MAX_TOKENS: channel.MAX_TOKENS}
@@ -34,9 +36,10 @@ _END_CODE = {"": channel.GO_ON, STOP_TOKEN: channel.STOP_TOKEN, MAX_TOKENS: chan
 @dataclass
 class FollowedDecode:
     """One frame's decode as the prefix followed it: the ``tokens`` the suffix chose (placed read-out tokens not
-    included), how it ended (:data:`~hybrid_vla_ros.model.decode.STOP_TOKEN`, ``MAX_TOKENS``, ``abandoned`` or
-    :data:`NO_REPLY`), ``placed`` (tokens run for the read-out after the decode), and per step the prefix's compute
-    (ms: embedding + blocks [0, K)) and its wait for the reply (ms: from publishing the step, or the prefill slot,
+    included), how it ended (:data:`~hybrid_vla_ros.model.decode.STOP_TOKEN`, ``MAX_TOKENS``, ``abandoned``,
+    :data:`NO_REPLY`, :data:`SKIPPED` or :data:`ENDED_UNSEEN`: then ``tokens`` lacks the last reply's), ``placed``
+    (tokens run for the read-out after the decode), and per step the prefix's compute (ms: embedding + blocks
+    [0, K)) and its wait for the reply (ms: from publishing the step, or the prefill slot,
     to the reply: the suffix's compute and both crossings)."""
 
     tokens: list[int] = field(default_factory=list)
@@ -82,18 +85,19 @@ class PrefixDecodeLoop:
         self.peer_alive = peer_alive or (lambda: True)
 
     def _wait_reply(self, frame: int, index: int, skipped: bool = False):
-        """The reply to step ``index`` of ``frame``; None at the timeout or once the peer is gone; with ``skipped``,
-        :data:`SKIPPED` when the suffix already replies to a later frame."""
+        """The reply to step ``index`` of ``frame``; None at the timeout or once the peer is gone; when the suffix
+        already replies to a later frame: at the prefill (``index`` 0) :data:`SKIPPED` with ``skipped``, after a
+        step :data:`ENDED_UNSEEN` (this frame's last reply was overwritten before it was read)."""
         deadline = time.monotonic() + self.reply_timeout_s
         while True:
             left = deadline - time.monotonic()
             reply = self.region.wait_reply(frame, index, max(0.0, min(PEER_CHECK_S, left)))
             if reply is not None or left <= PEER_CHECK_S or not self.peer_alive():
                 return reply
-            if skipped and index == 0:
+            if skipped or index > 0:
                 latest = self.region.latest_reply()
                 if latest is not None and latest.frame > frame:
-                    return SKIPPED
+                    return ENDED_UNSEEN if index > 0 else SKIPPED
 
     def follow(self, frame: int, gate: StepFirst | None = None, skipped: bool = False) -> FollowedDecode:
         """Follow the decode of the frame whose prefill slot has seq ``frame`` (its prefill already run by
@@ -106,8 +110,8 @@ class PrefixDecodeLoop:
             t0 = time.perf_counter_ns()
             reply = self._wait_reply(frame, index, skipped)
             done.reply_wait_ms.append((time.perf_counter_ns() - t0) / 1e6)
-            if reply is None or reply == SKIPPED:
-                done.ended = NO_REPLY if reply is None else SKIPPED
+            if reply is None or reply in (SKIPPED, ENDED_UNSEEN):
+                done.ended = NO_REPLY if reply is None else reply
                 return done
             if reply.end == channel.PLACE:
                 done.placed += len(reply.tokens)

@@ -264,8 +264,10 @@ def run_decode_part(*, split_layer: int, prefix_cores, suffix_cores, new_tokens:
     """The whole decode part; returns its JSON section. ``overlap``: (tokens, frames) of the cross-frame pipeline
     with decode (:mod:`.decode_overlap`), None: not measured; ``inductor``: as :func:`decode_side_task`'s."""
     from .common import Worker
-    from .decode_overlap import run_overlap
+    from .decode_overlap import check_overlap, run_overlap
 
+    if overlap is not None:
+        check_overlap(*overlap)  # before the hour the other workers may take
     model_dir = smollm2_directory(log)
     threads = len(suffix_cores)
     with Worker("decode_side", {"model_dir": model_dir, "split_layers": sorted({split_layer, 0}),
