@@ -25,8 +25,8 @@ __all__ = ["FollowedDecode", "AnsweredDecode", "PrefixDecodeLoop", "SuffixDecode
 
 #: How a frame's decode ended on the side that waited in vain; ``SKIPPED``: the suffix answers a later frame (it
 #: never took this one); ``ENDED_UNSEEN``: the suffix answers a later frame after answering steps of this one, so
-#: this frame ended in a reply the prefix never read (the channel holds the latest reply only, and the suffix
-#: takes the next frame at once after a frame's last reply): its last token(s) and end are the suffix's to say.
+#: this frame ended (or the suffix gave it up) in a reply the prefix never read (the channel holds the latest reply
+#: only, and the suffix takes the next frame at once after a frame's last reply): the suffix's record says which.
 NO_REPLY, NO_STEP, SKIPPED, ENDED_UNSEEN = "no_reply", "no_step", "skipped", "ended_unseen"
 #: How often a waiting side asks whether its peer is still there (s).
 PEER_CHECK_S = 0.25
