@@ -163,13 +163,14 @@ def test_a_waiting_end_gives_up_at_its_deadline(name):
         prod.close()
 
 
-def test_a_frame_whose_last_reply_was_overwritten_by_the_next_frames_ends_without_waiting(name):
-    """The channel holds the latest reply only, and a suffix takes the next frame as soon as it sent a frame's last
-    reply: when its answer to frame 8's prefill lands before the prefix read frame 7's last reply (a prefix thread
-    held off its core), the prefix's follower ends frame 7 ``ended_unseen`` within its peer check instead of waiting
-    out its reply timeout (which left frame 8's suffix without a step until it dropped the frame), and frame 8 is
-    then followed from its prefill. The ring and its channel are real; the prefix's model is a stand-in that
-    computes nothing (its step is where the test lets the suffix race ahead)."""
+def test_a_frame_whose_last_reply_was_replaced_by_the_next_frames_is_read_from_the_ended_copy(name):
+    """The suffix takes the next frame as soon as it sent a frame's last reply: when its answer to frame 8's prefill
+    lands before the prefix read frame 7's last reply (a prefix thread held off its core), the prefix's follower
+    reads frame 7's ending reply from the channel's ended copy (its token and how it ended; the code before the
+    copy waited out its reply timeout, and frame 8's suffix dropped the frame ``no_step``), and frame 8 is then
+    followed from its prefill. When frame 8 ended unseen too (the copy replaced), frame 7 ends ``ended_unseen`` at
+    its peer check instead of waiting out the timeout. The ring and its channel are real; the prefix's model is a
+    stand-in that computes nothing (its step is where the test lets the suffix race ahead)."""
     from types import SimpleNamespace
 
     from hybrid_vla_ros.runtime.decoding import ENDED_UNSEEN, PrefixDecodeLoop
@@ -177,22 +178,28 @@ def test_a_frame_whose_last_reply_was_overwritten_by_the_next_frames_ends_withou
     prod = RingProducer(name, 3, 4096, 5, dtype=torch.float32, state_shape=(T, H), decode_rows=1)
     try:
         with RingConsumer(name) as cons:
-            def step(tokens, placed=False):  # the prefix computes step 1 of frame 7 while the suffix goes on
-                if len(steps) == 0:
-                    cons.decode.publish_reply(FRAME, 1, [42], MAX_TOKENS)  # frame 7's last reply, unread ...
-                    cons.decode.publish_reply(FRAME + 1, 0, [5])  # ... overwritten by frame 8's first
+            race = []  # the replies the suffix sends while the prefix computes its next step
+
+            def step(tokens, placed=False):
+                for reply in race:
+                    cons.decode.publish_reply(*reply)
+                race.clear()
                 steps.append(tokens)
                 return torch.ones(1, H)
 
             steps = []
             sm = SimpleNamespace(step_crossing=lambda out: (out, None))
             loop = PrefixDecodeLoop(SimpleNamespace(sm=sm, step=step), prod.decode, reply_timeout_s=20.0)
+            # frame 7's last reply, unread, replaced by frame 8's first
+            race.extend([(FRAME, 1, [42], MAX_TOKENS), (FRAME + 1, 0, [5])])
             cons.decode.publish_reply(FRAME, 0, [3])  # the suffix answers frame 7's prefill
             t0 = time.monotonic()
             seven = loop.follow(FRAME, skipped=True)
-            assert seven.ended == ENDED_UNSEEN and seven.tokens == [3] and steps == [(3,)]
-            assert time.monotonic() - t0 < 3.0  # its peer check, not the 20 s reply timeout
+            assert seven.ended == "max_new_tokens" and seven.tokens == [3, 42] and steps == [(3,)]
+            assert time.monotonic() - t0 < 1.0
             assert cons.decode.wait_step(FRAME, 1, 0.1) is not None  # step 1 of frame 7 went down
+            assert cons.decode.latest_reply().frame == FRAME + 1  # the latest is frame 8's; the copy is frame 7's
+            assert cons.decode.last_ended_reply().frame == FRAME
             done = {}  # frame 8's prefill reply is still the latest: its step 1 goes down at once
             follower = threading.Thread(target=lambda: done.update(f=loop.follow(FRAME + 1)))
             follower.start()
@@ -200,5 +207,15 @@ def test_a_frame_whose_last_reply_was_overwritten_by_the_next_frames_ends_withou
             cons.decode.publish_reply(FRAME + 1, 1, [6], MAX_TOKENS)
             follower.join(5.0)
             assert done["f"].ended == "max_new_tokens" and done["f"].tokens == [5, 6]
+            # both frame 9's ending reply and frame 10's ending one land while the prefix computes frame 9's step
+            steps.clear()
+            race.extend([(FRAME + 2, 1, [7], STOP_TOKEN), (FRAME + 3, 0, [8], STOP_TOKEN)])
+            cons.decode.publish_reply(FRAME + 2, 0, [1])
+            t0 = time.monotonic()
+            nine = loop.follow(FRAME + 2, skipped=True)
+            assert nine.ended == ENDED_UNSEEN and nine.tokens == [1] and steps == [(1,)]
+            assert time.monotonic() - t0 < 3.0  # its peer check, not the 20 s reply timeout
+            ten = loop.follow(FRAME + 3, skipped=True)  # its ending reply at its prefill, read from the latest
+            assert ten.ended == "stop_token" and ten.tokens == [8]
     finally:
         prod.close()

@@ -104,14 +104,14 @@ def test_side_tensors_cross_between_processes_exactly_for_every_frame(name, with
         with RingConsumer(name, expected_model_id=21, expected_shape=STATE[0], compute_dtype=torch.bfloat16,
                           expected_side=tuple(reversed(expected))) as cons:  # order not significant
             assert cons.contract.side == expected  # in the producer's order, as it declared them
-            assert cons.contract.layout_version == sg.LAYOUT_VERSION == 8  # 6: cycle, age; 7: decode; 8: turn replies
+            assert cons.contract.layout_version == sg.LAYOUT_VERSION == 9  # 7: decode; 8: turn; 9: ended copy
             old_bytes = slot_bytes_for(*STATE)
             assert old_bytes == 576  # 11 * 24 * 2 = 528 bytes, rounded up to 64
             if with_side:
                 assert cons.slot_bytes == old_bytes + 320 + 64 + 192  # 264, 11 and 160 bytes, each rounded to 64
                 assert cons.state_bytes == old_bytes and cons.side_offsets == (576, 896, 960)
                 assert cons.contract.describe().endswith(
-                    ", layout 8, side positions int64 (3, 1, 11), mask bool (11,), feat float16 (5, 16)")
+                    ", layout 9, side positions int64 (3, 1, 11), mask bool (11,), feat float16 (5, 16)")
             else:  # a ring without side tensors is the ring it was: same slot size, nothing after the states
                 assert cons.slot_bytes == cons.state_bytes == old_bytes and cons.side_offsets == ()
                 assert cons.slot_stride == sg.SLOT_HEADER_BYTES + old_bytes
@@ -270,7 +270,7 @@ def test_global_header_side_table_layout_and_a_corrupt_table_is_refused(name):
     with RingProducer(name, 3, sb, model_id=2, side=SIDE) as prod:
         with open(segment_path(name), "rb") as f:
             head = f.read(sg.GLOBAL_HEADER_BYTES)
-        assert struct.unpack_from("<I", head, 8)[0] == sg.LAYOUT_VERSION == 8
+        assert struct.unpack_from("<I", head, 8)[0] == sg.LAYOUT_VERSION == 9
         assert struct.unpack_from("<qi", head, 360) == (0, 0)  # layout 5: no stage time announced yet
         assert struct.unpack_from("<I4xQ", head, 384) == (3, 576)
         rows = [struct.unpack_from("<32sII4qQ", head, 448 + 80 * k) for k in range(4)]

@@ -24,9 +24,10 @@ __all__ = ["FollowedDecode", "AnsweredDecode", "PrefixDecodeLoop", "SuffixDecode
            "SKIPPED", "ENDED_UNSEEN", "StepFirst", "DecodeFollower", "chunk_modules"]
 
 #: How a frame's decode ended on the side that waited in vain; ``SKIPPED``: the suffix answers a later frame (it
-#: never took this one); ``ENDED_UNSEEN``: the suffix answers a later frame after answering steps of this one, so
-#: this frame ended (or the suffix gave it up) in a reply the prefix never read (the channel holds the latest reply
-#: only, and the suffix takes the next frame at once after a frame's last reply): the suffix's record says which.
+#: never took this one); ``ENDED_UNSEEN``: the suffix answers a later frame after answering steps of this one, and
+#: this frame's ending reply is gone from the channel too (the channel keeps the latest reply and a copy of the
+#: latest ending one: a later frame also ended before the prefix read this one's, a prefix held off its core that
+#: long): the suffix's record says how it ended.
 NO_REPLY, NO_STEP, SKIPPED, ENDED_UNSEEN = "no_reply", "no_step", "skipped", "ended_unseen"
 #: How often a waiting side asks whether its peer is still there (s).
 PEER_CHECK_S = 0.25
@@ -87,7 +88,7 @@ class PrefixDecodeLoop:
     def _wait_reply(self, frame: int, index: int, skipped: bool = False):
         """The reply to step ``index`` of ``frame``; None at the timeout or once the peer is gone; when the suffix
         already replies to a later frame: at the prefill (``index`` 0) :data:`SKIPPED` with ``skipped``, after a
-        step :data:`ENDED_UNSEEN` (this frame's last reply was overwritten before it was read)."""
+        step :data:`ENDED_UNSEEN` (this frame's ending reply and its copy were both replaced before it was read)."""
         deadline = time.monotonic() + self.reply_timeout_s
         while True:
             left = deadline - time.monotonic()

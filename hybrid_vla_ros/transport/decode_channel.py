@@ -4,8 +4,10 @@ A frame's prefill crosses in a slot as before. Each decode step then crosses in 
 (up to :data:`~.layout.MAX_DECODE_ROWS` hidden-state rows, and their rotary positions where the model has
 multimodal ones), announced by the global header's ``step`` group; the suffix answers every prefill and every
 step with the ``reply`` group (the chosen token ids and whether the frame ended). The two strictly alternate for a
-frame, so each direction has one writer and one reader and no slot states. Each direction's header is a sequence
-lock: the writer makes its 8-byte counter odd (one aligned store: ``struct.pack_into`` zero-fills the whole
+frame, so each direction has one writer and one reader and no slot states. The suffix takes the next frame as soon
+as it sent a frame's last reply, so that reply can be replaced before the prefix read it: an ending reply is also
+copied to the ``ended`` group, which only the next ending replaces, and the prefix reads it there. Each header is a
+sequence lock: the writer makes its 8-byte counter odd (one aligned store: ``struct.pack_into`` zero-fills the whole
 struct before it writes the fields, so a reader could see a half-written one), writes the data and the header
 fields, then makes the counter even; the reader takes a header read between two equal even counters (stores and
 loads keep program order on x86-64, Intel SDM vol. 3 8.2.2; other CPUs are refused for now). A waiting end polls
@@ -102,6 +104,7 @@ class DecodeRegion:
             # accesses
             self._step_seq = torch.frombuffer(mm, dtype=torch.int64, count=1, offset=GLOBAL.step_seq.offset)
             self._reply_seq = torch.frombuffer(mm, dtype=torch.int64, count=1, offset=GLOBAL.reply_seq.offset)
+            self._ended_seq = torch.frombuffer(mm, dtype=torch.int64, count=1, offset=GLOBAL.ended_seq.offset)
             row_bytes = hidden * itemsize(dtype)
             buf = torch.frombuffer(mm, dtype=torch.uint8, count=decode_region_bytes(rows, row_bytes, positions),
                                    offset=offset)
@@ -128,15 +131,26 @@ class DecodeRegion:
         self._locked_write(self._step_seq, GLOBAL.step, frame, index, k, time.monotonic_ns(), int(compute_ns))
 
     def wait_reply(self, frame: int, index: int, timeout_s: float) -> Reply | None:
-        """The suffix's reply to step ``index`` of ``frame`` (0: its prefill), or None at the deadline."""
+        """The suffix's reply to step ``index`` of ``frame`` (0: its prefill), or None at the deadline. An ending
+        reply is found after the next frame's replies replaced it, until the next ending replaces its copy."""
         def take():
-            reply = self.latest_reply()
-            return reply if reply is not None and (reply.frame, reply.index) == (frame, index) else None
+            for reply in (self.latest_reply(), self.last_ended_reply()):
+                if reply is not None and (reply.frame, reply.index) == (frame, index):
+                    return reply
+            return None
         return self._wait(take, timeout_s)
 
     def latest_reply(self) -> Reply | None:
         """The last reply the suffix published, read whole; None before the first or while one is being written."""
-        got = self._locked_read(self._reply_seq, GLOBAL.reply)
+        return self._read_reply(self._reply_seq, GLOBAL.reply)
+
+    def last_ended_reply(self) -> Reply | None:
+        """The last reply that ended a frame (``ended`` true), read whole; None before the first or while one is
+        being written."""
+        return self._read_reply(self._ended_seq, GLOBAL.ended)
+
+    def _read_reply(self, counter: torch.Tensor, group) -> Reply | None:
+        got = self._locked_read(counter, group)
         if got is None:
             return None
         f, i, count, end, t_pub, *tokens = got
@@ -160,17 +174,20 @@ class DecodeRegion:
         tokens = [int(t) for t in tokens]
         if len(tokens) > MAX_DECODE_ROWS or end not in END_NAMES:
             raise ValueError(f"a reply holds at most {MAX_DECODE_ROWS} tokens and an end in {sorted(END_NAMES)}")
-        padded = tokens + [0] * (MAX_DECODE_ROWS - len(tokens))
-        self._locked_write(self._reply_seq, GLOBAL.reply, frame, index, len(tokens), end, time.monotonic_ns(),
-                           *padded)
+        padded, now = tokens + [0] * (MAX_DECODE_ROWS - len(tokens)), time.monotonic_ns()
+        if end not in (GO_ON, PLACE, TURN):  # the copy first: whoever finds the latest replaced finds the copy
+            self._locked_write(self._ended_seq, GLOBAL.ended, frame, index, len(tokens), end, now, *padded,
+                               notify=False)
+        self._locked_write(self._reply_seq, GLOBAL.reply, frame, index, len(tokens), end, now, *padded)
 
     # ---------------------------------------------------------------------------------------------- both
-    def _locked_write(self, counter: torch.Tensor, group, *values) -> None:
+    def _locked_write(self, counter: torch.Tensor, group, *values, notify: bool = True) -> None:
         seq = int(counter[0])
         counter[0] = seq | 1  # odd: being written (a writer that died mid-write left it odd: made even here)
         group.write(self._mm, *values)
         counter[0] = (seq | 1) + 1
-        self._notify()
+        if notify:
+            self._notify()
 
     def _locked_read(self, counter: torch.Tensor, group) -> tuple | None:
         """The group's values read between two equal even counters, None while it is being written."""

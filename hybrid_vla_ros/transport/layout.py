@@ -187,6 +187,18 @@ GLOBAL = HeaderLayout("global header", GLOBAL_HEADER_BYTES, dict(
         Field("_pad2", "4x", ""),
         Field("reply_publish_ns", "q", "CLOCK_MONOTONIC ns"),
         Field("reply_tokens", f"{MAX_DECODE_ROWS}q", "the chosen token ids")),
+    ended_seq=FieldGroup(
+        3264, Field("ended_seq", "Q", "twice the ending replies published, odd while the consumer writes one (a "
+                                      "sequence lock: the consumer alone writes from here to 3391; layout 9)")),
+    ended=FieldGroup(
+        3272, Field("ended_frame", "Q", "the last frame whose decode ended: a copy of its ending reply, kept while "
+                                        "the next frame's replies replace the latest"),
+        Field("ended_index", "I", "the step it answers"),
+        Field("ended_count", "I", "tokens in ended_tokens"),
+        Field("ended_end", "I", "1 stop token, 2 max_new_tokens, 3 abandoned"),
+        Field("_pad3", "4x", ""),
+        Field("ended_publish_ns", "q", "CLOCK_MONOTONIC ns"),
+        Field("ended_tokens", f"{MAX_DECODE_ROWS}q", "the chosen token ids")),
 ), array=("side-tensor table", FieldGroup(SIDE_TABLE_OFFSET, *_SIDE_ENTRY_FIELDS), MAX_SIDE_TENSORS,
           SIDE_ENTRY_BYTES))
 

@@ -36,7 +36,7 @@ __all__ = ["SHM_DIR", "LAYOUT_VERSION", "GLOBAL_MAGIC", "GLOBAL_HEADER_BYTES", "
            "align"]
 
 SHM_DIR = "/dev/shm"
-LAYOUT_VERSION = 8  # a segment of another version is refused (8: the decode reply code "turn")
+LAYOUT_VERSION = 9  # a segment of another version is refused (9: the decode channel's ended-reply record)
 GLOBAL_MAGIC = int.from_bytes(b"HVLARNG1", "little")
 PAYLOAD_ALIGN = 64
 MIN_SLOTS = 3
