@@ -81,6 +81,44 @@ def write_text_lm(path: Path, model_type: str, seed: int = 3, shard: str = "60KB
     return Path(path)
 
 
+#: Decoders split by the generic path (text.text_family; not in text.TESTED_TEXT_TYPES), as config overrides of
+#: :data:`LLM` that exercise what sets each apart: mixture-of-experts blocks (8 experts, 2 active; Qwen2-MoE's shared
+#: expert; DeepSeek-V3's latent attention and a dense first block), Granite's embedding / residual / logit factors,
+#: Cohere 2's logit scale and sliding layers, SmolLM3's NoPE layer, gpt-oss's sinks and alternating windows.
+GENERIC_FAMILIES = {
+    "olmo2": {},
+    "glm4": {},
+    "exaone4": dict(sliding_window=5, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "smollm3": dict(no_rope_layers=[1, 1, 0]),
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
+    "cohere2": dict(sliding_window=5, logit_scale=0.5,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4),
+}
+
+
+def write_generic_lm(path: Path, model_type: str, seed: int = 3, shard: str = "60KB") -> Path:
+    """A causal LM of ``model_type`` (:data:`GENERIC_FAMILIES`), perturbed (:func:`perturb_`: routers included, so
+    tokens go to several experts) and saved sharded by transformers' ``save_pretrained`` (per-expert tensors, as
+    published MoE checkpoints are stored)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, **{**LLM, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                              **GENERIC_FAMILIES[model_type]})
+    perturb_(AutoModelForCausalLM.from_config(cfg), seed).save_pretrained(str(path), max_shard_size=shard)
+    return Path(path)
+
+
 def write_llava(path: Path, vision: str = "clip", text: str = "llama", seed: int = 2, shard: str = "60KB",
                 original_format: bool = True, **overrides) -> Path:
     """A LlavaForConditionalGeneration saved sharded at ``path``.

@@ -118,7 +118,7 @@ def test_a_model_without_a_language_model_head_is_refused_in_one_line(tiny_check
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "cannot decode" in run.stderr, run.stderr
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "internvl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "internvl", "qwen3_vl_moe", "internvl_qwen3_moe"])
 def test_a_vlm_decodes_as_its_own_generate_at_every_split_layer(tmp_path, family):
     """A camera frame of the embedded bag through the family's processor, then 8 greedy tokens: the decode steps'
     multimodal rotary positions continue after the prefill's largest (Qwen-VL's rope_deltas), InternVL's plain

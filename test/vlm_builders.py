@@ -24,19 +24,22 @@ def _text(model_type: str, **overrides) -> dict:
 
 
 def write_qwen_vl(path: Path, family: str = "qwen2_5_vl", seed: int = 5, shard: str = "100KB") -> Path:
-    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL (``family``) with its processor: vision patch 8, merge 2 (one token per
-    2 x 2 patches), images resized to at most 64 x 64 px (16 tokens a camera at 16:9), multimodal rotary sections
-    that sum to head_dim / 2 (8 = 2 + 3 + 3); Qwen3-VL with DeepStack features added after blocks 0 and 1."""
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE (``family``) with its processor: vision patch 8, merge 2
+    (one token per 2 x 2 patches), images resized to at most 64 x 64 px (16 tokens a camera at 16:9), multimodal
+    rotary sections that sum to head_dim / 2 (8 = 2 + 3 + 3); Qwen3-VL with DeepStack features added after blocks 0
+    and 1; Qwen3-VL-MoE with 8 experts, 2 active, in every block (stored per expert)."""
     from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
 
     special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>"]
     tok = word_tokenizer(special, LLM["vocab_size"], path)
     ids = {t: tok.convert_tokens_to_ids(t) for t in special}
     rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
-    if family == "qwen3_vl":
+    qwen3 = family in ("qwen3_vl", "qwen3_vl_moe")
+    if qwen3:
         rope["mrope_interleaved"] = True
-    text = _text(f"{family}_text", head_dim=16, rope_parameters=rope)
-    if family == "qwen3_vl":
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32) if family == "qwen3_vl_moe" else {}
+    text = _text(f"{family}_text", head_dim=16, rope_parameters=rope, **moe)
+    if qwen3:
         vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
                       temporal_patch_size=2, out_hidden_size=LLM["hidden_size"], num_position_embeddings=64,
                       deepstack_visual_indexes=[0, 1])
@@ -80,9 +83,10 @@ def _save_vlm(path: Path, cfg, seed: int, shard: str) -> None:
     model.save_pretrained(str(path), max_shard_size=shard)
 
 
-def write_internvl(path: Path, seed: int = 6, shard: str = "100KB") -> Path:
-    """An InternVL (InternVL3 layout: InternViT tower, pixel-shuffle connector, Qwen2 text model) with its
-    processor: 32 px tiles, patch 8, downsample 0.5 (4 tokens a tile), no extra tiles."""
+def write_internvl(path: Path, seed: int = 6, shard: str = "100KB", text: str = "qwen2") -> Path:
+    """An InternVL (InternVL3 layout: InternViT tower, pixel-shuffle connector, a Qwen2 text model, or with
+    ``text="qwen3_moe"`` InternVL3.5-A3B's Qwen3-MoE one: 8 experts, 2 active) with its processor: 32 px tiles,
+    patch 8, downsample 0.5 (4 tokens a tile), no extra tiles."""
     from transformers import AutoConfig, GotOcr2ImageProcessorPil
 
     special = ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
@@ -91,7 +95,8 @@ def write_internvl(path: Path, seed: int = 6, shard: str = "100KB") -> Path:
         "video_token": "<video>"})
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=[32, 32], patch_size=[8, 8])
-    cfg = AutoConfig.for_model("internvl", vision_config=vision, text_config=_text("qwen2"),
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32) if text == "qwen3_moe" else {}
+    cfg = AutoConfig.for_model("internvl", vision_config=vision, text_config=_text(text, **moe),
                                image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4,
                                downsample_ratio=0.5, vision_feature_layer=-1)
     _save_vlm(path, cfg, seed, shard)
@@ -164,7 +169,9 @@ VLM_BUILDERS = {
     "qwen2_vl": (write_qwen_vl, dict(family="qwen2_vl")),
     "qwen2_5_vl": (write_qwen_vl, dict(family="qwen2_5_vl")),
     "qwen3_vl": (write_qwen_vl, dict(family="qwen3_vl")),
+    "qwen3_vl_moe": (write_qwen_vl, dict(family="qwen3_vl_moe")),
     "internvl": (write_internvl, {}),
+    "internvl_qwen3_moe": (write_internvl, dict(text="qwen3_moe")),
     "llava_next": (write_llava_next, dict(family="llava_next")),
     "llava_onevision": (write_llava_next, dict(family="llava_onevision")),
     "idefics3": (write_idefics3, dict(family="idefics3")),

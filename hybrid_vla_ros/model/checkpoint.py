@@ -254,9 +254,9 @@ def vlm_view(model: hf.HFModel, cameras: int = 6, prompt: str | None = None,
     tokens = inputs.tokens
     side, shapes = (), {}
     kind = model.config.model_type
-    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         side, shapes = (POSITION_IDS,), {POSITION_IDS: [3, 1, tokens]}
-    if kind == "qwen3_vl":
+    if kind in ("qwen3_vl", "qwen3_vl_moe"):
         visual = int((inputs.input_ids == int(model.config.image_token_id)).sum())
         levels = len(model.vision_config.deepstack_visual_indexes)
         side = (POSITION_IDS, VISUAL_MASK, DEEPSTACK)

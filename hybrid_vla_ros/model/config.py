@@ -28,16 +28,32 @@ SCENE_QUERIES = "scene_queries"
 
 #: Navigation command names, in CARLA RoadOption order (value = index + 1).
 NAV_COMMANDS = ("LEFT", "RIGHT", "STRAIGHT", "LANE_FOLLOW", "CHANGE_LANE_LEFT", "CHANGE_LANE_RIGHT")
-#: LLM families whose decoder blocks the model can hold (transformers model_type values).
+#: LLM families this package's tests prove split exactly (transformers model_type values); any other decoder
+#: transformers has is accepted when its structure passes :func:`~.text.text_family` and its forward
+#: :func:`~.text.check_forward_matches`.
 LLM_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3",
              # the text models of the Qwen VLMs (multimodal rotary positions; Qwen3-VL: DeepStack features)
              "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 #: transformers ``model_type`` of the VLM families split here (their ``<Family>ForConditionalGeneration``).
-VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "llava_next", "llava_onevision", "idefics3",
-                   "smolvlm")
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "llava_next", "llava_onevision",
+                   "idefics3", "smolvlm")
 #: Ego-state features fed as one token when ``ego_state_input`` is set: speed (m/s, signed, base_link +x),
 #: longitudinal acceleration (m/s^2) and yaw rate (rad/s, counter-clockwise), in this order.
 EGO_FEATURES = ("speed_mps", "accel_mps2", "yaw_rate_radps")
+
+
+def llm_type_problem(model_type) -> str | None:
+    """Why ``model_type`` is not a language model this package splits (:func:`~.text.text_family`), None when it
+    is."""
+    from .text import text_family
+
+    if not isinstance(model_type, str):
+        return f"llm.model_type {model_type!r} is not a transformers model type name"
+    try:
+        text_family(model_type)
+    except ValueError as e:
+        return f"llm.model_type: {e}"
+    return None
 
 
 def takes_scene(cfg) -> bool:
@@ -256,8 +272,9 @@ class VLAConfig:
         elif self.image_resize == "orion_crop" and self.image_size % 2:
             problems.append(f"image_resize orion_crop needs an even image_size (S x S/2 is cropped), got "
                             f"{self.image_size}")
-        if self.llm.get("model_type", "llama") not in LLM_TYPES:
-            problems.append(f"llm.model_type {self.llm.get('model_type')!r} is not one of {', '.join(LLM_TYPES)}")
+        problem = llm_type_problem(self.llm.get("model_type", "llama"))
+        if problem:
+            problems.append(problem)
         kind = self.projector.get("type")
         if kind == "query":
             for key in ("num_queries", "num_layers", "num_heads"):
@@ -523,8 +540,9 @@ class VLAConfig:
             problems.append("a VLM composition takes no ego token and one LLM pass (the VLM's own inputs only)")
         if not 0 <= self.planning_token_id < int(self.llm["vocab_size"]):
             problems.append("planning_token_id is outside the vocabulary")
-        if self.llm.get("model_type") not in LLM_TYPES:
-            problems.append(f"llm.model_type {self.llm.get('model_type')!r} is not one of {', '.join(LLM_TYPES)}")
+        problem = llm_type_problem(self.llm.get("model_type"))
+        if problem:
+            problems.append(problem)
         if self.n_modes not in (1, len(NAV_COMMANDS)):
             problems.append(f"n_modes must be 1 or {len(NAV_COMMANDS)} (one per navigation command)")
         if self.n_cameras != view.get("cameras", self.n_cameras):
@@ -738,8 +756,9 @@ class LMConfig:
     preset: str = ""
 
     def __post_init__(self) -> None:
-        if self.llm.get("model_type") not in LLM_TYPES:
-            raise ValueError(f"llm.model_type {self.llm.get('model_type')!r} is not one of {', '.join(LLM_TYPES)}")
+        problem = llm_type_problem(self.llm.get("model_type"))
+        if problem:
+            raise ValueError(problem)
         if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 1:
             raise ValueError(f"the token count must be a positive integer, got {self.num_tokens!r}")
 
@@ -825,7 +844,7 @@ def not_a_driving_checkpoint(path: Path, doc: dict) -> str:
                 f"--vlm {path} [--head HEAD.safetensors] OUT` (the VLM's weights stay in {path}) and set model_path "
                 "to OUT; `hybrid-vla verify-split --model DIR` and `hybrid-vla plan --model DIR` work on the "
                 "directory as it is")
-    if kind in LLM_TYPES:
+    if llm_type_problem(kind) is None:
         return (f"{where} is a transformers {arch} directory, a bare language model without a planning head: the "
                 "nodes need cameras in and a trajectory out. Compose a driving checkpoint around it with `hybrid-vla "
                 f"init-model --preset tiny|smol|orion|minddrive-0.5b|minddrive-3b --llm {path} [--head "

@@ -55,14 +55,17 @@ class TokenChooser:
 
 class LMHead(nn.Module):
     """The family's causal-LM head: final-norm rows (k, H) -> logits (k, V) float32. ``weight`` (V, H) is
-    ``lm_head.weight``, or ``embed_tokens.weight`` when tied (``tied``; None: as the config says); Gemma's
-    ``final_logit_softcapping`` (``tanh(logits / cap) * cap``) as ``Gemma2ForCausalLM.forward``."""
+    ``lm_head.weight``, or ``embed_tokens.weight`` when tied (``tied``; None: as the config says); the config's
+    logit factors as the families' ``ForCausalLM.forward`` apply them: Cohere's ``logit_scale`` (times), Granite's
+    ``logits_scaling`` (divided by), Gemma's ``final_logit_softcapping`` (``tanh(logits / cap) * cap``)."""
 
     def __init__(self, config, tied: bool | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self.tied = bool(getattr(config, "tie_word_embeddings", False)) if tied is None else bool(tied)
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.times = getattr(config, "logit_scale", None)
+        self.divided_by = getattr(config, "logits_scaling", None)
         #: The projection in place of ``weight`` once packed (``runtime.packed_linear.pack_lm_head_``), else None.
         self.packed = None
 
@@ -71,6 +74,10 @@ class LMHead(nn.Module):
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         logits = self.packed(rows) if self.packed is not None else nn.functional.linear(rows, self.weight)
+        if self.times is not None:
+            logits = logits * self.times
+        if self.divided_by is not None:
+            logits = logits / self.divided_by
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()

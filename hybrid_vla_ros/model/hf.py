@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .text import CAUSAL_LM_ARCHITECTURES, TEXT_MODEL_TYPES, check_splittable
+from .text import CAUSAL_LM_ARCHITECTURES, TEXT_MODEL_TYPES, check_splittable, text_family
 from .sources import (
     CheckpointError,
     KeyMap,
@@ -104,22 +104,37 @@ def unsupported_message(path: Path, doc: dict) -> str:
     """Why a transformers config is not supported, naming the file, its architecture and what is."""
     from .vlm import VLM_MODEL_TYPES
 
+    why = ""
+    try:
+        text_family(doc.get("model_type"))
+    except (ValueError, TypeError) as e:
+        why = f" ({e})"
     return (f"{Path(path) / 'config.json'}: architecture {architecture_name(doc)!r} (model_type "
-            f"{doc.get('model_type')!r}) is not supported; this package splits "
-            f"{', '.join(sorted(ARCHITECTURES.values()))} directories, the VLM families "
-            f"{', '.join(VLM_MODEL_TYPES)} (their ForConditionalGeneration), this package's own checkpoints and own "
-            "model code (model_type 'hybrid_vla_code', see docs/models.md)")
+            f"{doc.get('model_type')!r}) is not supported{why}; this package splits transformers causal LMs built "
+            f"as embedding -> decoder blocks -> norm (tested: {', '.join(sorted(ARCHITECTURES.values()))}), the "
+            f"VLM families {', '.join(VLM_MODEL_TYPES)} (their ForConditionalGeneration), this package's own "
+            "checkpoints and own model code (model_type 'hybrid_vla_code', see docs/models.md)")
 
 
 def _check_text_config(path: Path, text) -> None:
     file = Path(path) / "config.json"
-    if text.model_type not in LLM_MODEL_TYPES:
-        raise CheckpointError(f"{file}: language model type {text.model_type!r} is not supported (use one of "
-                              f"{', '.join(LLM_MODEL_TYPES)})")
     try:
+        family = text_family(text.model_type)
+        if family.causal_lm_class is None:
+            raise ValueError(f"language model type {text.model_type!r} is a VLM's text model, not a causal LM "
+                             "directory (open the VLM's directory)")
         check_splittable(text)
     except ValueError as e:
         raise CheckpointError(f"{file}: {e}") from None
+
+
+def causal_lm_config_class(model_type) -> type | None:
+    """transformers' config class of a causal LM family :func:`~.text.text_family` accepts, else None."""
+    try:
+        family = text_family(model_type)
+    except (ValueError, TypeError):
+        return None
+    return family.config_class if family.causal_lm_class is not None else None
 
 
 def _check_text_config_any(path: Path, text) -> None:
@@ -160,8 +175,22 @@ class HFModel:
         """The directory's tensors in canonical names. Raises MissingFileError (no weights, a missing shard),
         CheckpointError (the index names a tensor a shard lacks)."""
         files, index, index_file = hf_safetensors_files(self.path)
-        return SafetensorsSource(files, self.key_map(), index=index, index_file=index_file,
-                                 label=f"{index_file or files[0]}")
+        label = f"{index_file or files[0]}"
+        from .weight_conversion import ConvertedSource, OneBlockModel, conversion_transforms
+
+        if self.kind == "llm":  # a family whose stored tensors transformers converts at load (MoE experts)
+            transforms, shell = conversion_transforms(text_family(self.config.model_type), self.config)
+            if transforms:
+                raw = SafetensorsSource(files, None, index=index, index_file=index_file, label=label)
+                return ConvertedSource(raw, transforms, self.key_map(), label, shell)
+        if self.kind == "vlm":  # its key map renames; the converters (a MoE text model's experts) run first
+            key_map = self.key_map()
+            if key_map.converters:
+                raw = SafetensorsSource(files, None, index=index, index_file=index_file, label=label)
+                return ConvertedSource(raw, key_map.converters, key_map.renaming_only(), label,
+                                       OneBlockModel(key_map.shell))
+            return SafetensorsSource(files, key_map, index=index, index_file=index_file, label=label)
+        return SafetensorsSource(files, self.key_map(), index=index, index_file=index_file, label=label)
 
     def llm_dict(self) -> dict:
         """The language model's config as this package's ``llm`` dict."""
@@ -221,6 +250,8 @@ def read_hf(path: str | Path) -> HFModel:
     from .vlm import VLM_MODEL_TYPES
 
     classes = {**{t: CONFIG_MAPPING[t] for t in (*LLM_MODEL_TYPES, *VLM_MODEL_TYPES)}, "llava": LlavaConfig}
+    if model_type not in classes and causal_lm_config_class(model_type) is not None:
+        classes[model_type] = causal_lm_config_class(model_type)
     if model_type not in classes:
         raise CheckpointError(unsupported_message(path, doc))
     try:
@@ -229,9 +260,10 @@ def read_hf(path: str | Path) -> HFModel:
         raise CheckpointError(f"{file}: transformers cannot read it as a {model_type} config ({e})") from e
     if model_type in VLM_MODEL_TYPES:
         text = config.text_config
-        if text.model_type not in TEXT_MODEL_TYPES:
-            raise CheckpointError(f"{file}: the text model of this {model_type} is {text.model_type!r}, not one of "
-                                  f"{', '.join(TEXT_MODEL_TYPES)}")
+        try:
+            text_family(text.model_type)
+        except ValueError as e:
+            raise CheckpointError(f"{file}: the text model of this {model_type} cannot be split: {e}") from None
         _check_text_config_any(path, text)
         return HFModel(path, "vlm", architecture_name(doc), config, text, config.vision_config, doc)
     if model_type == "llava":

@@ -391,12 +391,31 @@ class UnionSource(TensorSource):
         super().__init__()
         self.label = label
         self.sources = list(sources)
+        self._owner: dict[str, TensorSource] = {}
         for source in self.sources:
             for name in source.names():
                 if name in self._index:
                     raise CheckpointError(f"{label}: {self._index[name].where()} and {source.info(name).where()} "
                                           f"both provide {name!r}")
                 self._index[name] = source.info(name)
+                self._owner[name] = source
+
+    def check_files(self) -> None:
+        for source in self.sources:
+            source.check_files()
+
+    def read(self, names: Iterable[str], device: str | torch.device = "cpu",
+             float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """As :meth:`TensorSource.read`, each name read by the source that holds it (a converting source
+        included)."""
+        by_source: dict[int, list[str]] = {}
+        for name in names:
+            by_source.setdefault(id(self._owner[name]), []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for source in self.sources:
+            if id(source) in by_source:
+                out.update(source.read(by_source[id(source)], device, float_dtype))
+        return out
 
     def fingerprint(self, digest) -> None:
         for source in self.sources:

@@ -1,6 +1,6 @@
 """The decoder-block stack of any transformers causal LM built as ``embed_tokens -> layers -> norm``.
 
-A *text family* is a transformers ``model_type`` whose base model (``LlamaModel``, ``Qwen3Model``, ...) holds a
+A *text family* is a transformers ``model_type`` whose base model (``LlamaModel``, ``Qwen3MoeModel``, ...) holds a
 token embedding, a plain ``ModuleList`` of decoder blocks and a final norm, with one rotary embedding per forward.
 Blocks, norm and rotary are transformers' own classes, found through its registries; this package only runs the
 loop of ``<Family>Model.forward`` (``modeling_<family>.py``, transformers 5.24) around them:
@@ -14,13 +14,24 @@ loop of ``<Family>Model.forward`` (``modeling_<family>.py``, transformers 5.24) 
 * Gemma's sqrt(H) embedding scale (:class:`ScaledEmbedding`).
 
 All of these depend on T and the config only, so both sides of the split compute them and only hidden states
-cross. Bidirectional attention overlays are refused (:func:`check_splittable`).
+cross. What a block does inside (its attention, q/k norms, NoPE layers, mixture-of-experts routing, attention
+sinks, latent attention) is transformers' code and needs nothing here.
+
+Which families: any ``model_type`` transformers knows whose base model has exactly that structure
+(:func:`text_family` checks it and names what differs). The families of :data:`TESTED_TEXT_TYPES` are proven
+equal to transformers' forward by this package's tests; any other is proven once per process and configuration by
+:func:`check_forward_matches` (a small random copy of the configuration run both ways, this package's loop split
+in two against the family's own forward), so a family whose forward does more than the loop (Granite's
+``embedding_multiplier``) is refused, naming the difference, instead of split wrong. Refused by structure:
+attention kinds other than full and sliding (chunked, linear, convolution or state-space layers), bidirectional
+overlays (:func:`check_splittable`), base models with other parts than the four.
 """
 from __future__ import annotations
 
 import copy
 import functools
 import inspect
+import json
 from dataclasses import dataclass
 
 import torch
@@ -28,15 +39,20 @@ from torch import nn
 
 from .config import LLM_TYPES
 
-#: transformers ``model_type`` of the language models whose decoder blocks this package runs (tested families).
-TEXT_MODEL_TYPES = LLM_TYPES
-#: The causal LM class transformers' ``save_pretrained`` names in ``architectures``, by model_type.
+#: transformers ``model_type`` of the language models this package's tests prove split exactly (the text models of
+#: the Qwen VLMs among them); any other that :func:`text_family` accepts is checked by :func:`check_forward_matches`.
+TESTED_TEXT_TYPES = LLM_TYPES
+#: Kept for callers of the first releases: the tested families.
+TEXT_MODEL_TYPES = TESTED_TEXT_TYPES
+#: The causal LM class transformers' ``save_pretrained`` names in ``architectures``, by tested model_type.
 CAUSAL_LM_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
 FULL, SLIDING = "full_attention", "sliding_attention"
+#: The children a splittable base model has, and nothing else (``<Family>Model.__init__``).
+BASE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 
 @dataclass(frozen=True)
@@ -58,30 +74,75 @@ class TextFamily:
 
 
 def check_model_type(model_type) -> None:
-    """Raise ValueError unless ``model_type`` is one of :data:`TEXT_MODEL_TYPES`."""
-    if model_type not in TEXT_MODEL_TYPES:
-        raise ValueError(f"language model type {model_type!r} is not supported; this package splits "
-                         f"{', '.join(TEXT_MODEL_TYPES)} (transformers {', '.join(CAUSAL_LM_ARCHITECTURES.values())})")
+    """Raise ValueError unless ``model_type`` is a text family (:func:`text_family`), naming why not."""
+    text_family(model_type)
+
+
+def is_text_model_type(model_type) -> bool:
+    """True when :func:`text_family` accepts ``model_type``."""
+    try:
+        text_family(model_type)
+    except ValueError:
+        return False
+    return True
+
+
+def causal_lm_architecture(model_type: str) -> str | None:
+    """The ``*ForCausalLM`` class name transformers' ``save_pretrained`` writes for a text family, None for a VLM's
+    text model. Raises ValueError as :func:`text_family`."""
+    family = text_family(model_type)
+    return None if family.causal_lm_class is None else family.causal_lm_class.__name__
 
 
 @functools.lru_cache(maxsize=None)
 def text_family(model_type: str) -> TextFamily:
-    """The :class:`TextFamily` of a supported ``model_type``, read off a one-block meta-device base model.
+    """The :class:`TextFamily` of ``model_type``, read off a one-block meta-device base model.
 
-    Raises ValueError for an unsupported model_type or blocks other than ``_no_split_modules`` declares."""
+    Raises ValueError naming what makes it unsplittable here: unknown to the installed transformers, a base model
+    with other parts than :data:`BASE_PARTS` (a hybrid's extra norms, a vision tower), blocks other than
+    ``_no_split_modules`` declares or without ``self_attn.layer_idx``, a block forward that does not take rotary
+    tables, a mask and a cache (as ``LlamaDecoderLayer.forward``)."""
+    import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
-    check_model_type(model_type)
+    where = f"language model type {model_type!r} (transformers {transformers.__version__})"
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{where}: not a model type the installed transformers knows; this package splits the "
+                         f"decoders transformers has (tested: {', '.join(TESTED_TEXT_TYPES)})")
     config_class = CONFIG_MAPPING[model_type]
+    if config_class not in MODEL_MAPPING:
+        raise ValueError(f"{where}: transformers has no base model for it")
     base_class = MODEL_MAPPING[config_class]
-    config = _one_block_config(config_class())
-    with torch.device("meta"):
-        shell = base_class(config)
+    try:
+        config = _one_block_config(config_class())
+        with torch.device("meta"):
+            shell = base_class(config)
+    except Exception as e:  # noqa: BLE001 - any family's constructor: its error is the reason
+        raise ValueError(f"{where}: its base model {base_class.__name__} cannot be built from its default "
+                         f"configuration ({type(e).__name__}: {e}); not a plain decoder") from None
+    parts = [name for name, _ in shell.named_children()]
+    if sorted(parts) != sorted(BASE_PARTS):
+        extra = [p for p in parts if p not in BASE_PARTS]
+        lacking = [p for p in BASE_PARTS if p not in parts]
+        raise ValueError(f"{where}: its base model {base_class.__name__} has parts {parts}, not "
+                         f"{list(BASE_PARTS)} (" + "; ".join(
+                             ([f"extra: {extra}"] if extra else []) + ([f"lacking: {lacking}"] if lacking else []))
+                         + "): its forward is not embed -> decoder blocks -> norm, which is what the split runs")
+    if not isinstance(shell.layers, nn.ModuleList) or len(shell.layers) != 1:
+        raise ValueError(f"{where}: {base_class.__name__}.layers is not a plain list of decoder blocks")
     block_class = type(shell.layers[0])
     if block_class.__name__ not in (base_class._no_split_modules or []):
         raise ValueError(f"transformers {base_class.__name__}'s blocks are {block_class.__name__}, not the "
                          f"decoder block it declares ({base_class._no_split_modules}): not a plain block list")
+    if getattr(getattr(shell.layers[0], "self_attn", None), "layer_idx", None) != 0:
+        raise ValueError(f"{where}: its block {block_class.__name__} has no self_attn with a layer_idx (a "
+                         "recurrent or convolution block?): the split needs each block's attention layer index")
+    params = inspect.signature(block_class.forward).parameters
+    needed = {"hidden_states", "attention_mask", "position_embeddings"}
+    if not needed <= set(params) or not {"cache", "past_key_values"} & set(params):
+        raise ValueError(f"{where}: {block_class.__name__}.forward takes {list(params)[1:]}, not the standard "
+                         "decoder block arguments (hidden_states, attention_mask, position_embeddings, a cache)")
     rotary_class = type(shell.rotary_emb)
     per_kind = _rotary_per_kind(rotary_class)
     causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[config_class] if config_class in MODEL_FOR_CAUSAL_LM_MAPPING else None
@@ -92,7 +153,10 @@ def text_family(model_type: str) -> TextFamily:
 def _one_block_config(config):
     config = copy.deepcopy(config)
     if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types[:1])
+        try:
+            config.layer_types = list(config.layer_types[:1])
+        except AttributeError:  # derived from other fields (a hybrid's block pattern): left as it is
+            pass
     config.num_hidden_layers = 1
     return config
 
@@ -115,11 +179,151 @@ def text_config(llm: dict):
 
 
 def check_splittable(config) -> None:
-    """Raise ValueError for Gemma 3's ``use_bidirectional_attention``, which this loop cannot split exactly."""
+    """Raise ValueError for what this loop cannot split exactly: Gemma 3's ``use_bidirectional_attention``,
+    attention kinds other than full and sliding, and for a family outside :data:`TESTED_TEXT_TYPES` a forward that
+    :func:`check_forward_matches` finds differs."""
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"{config.model_type}: use_bidirectional_attention is set (tokens attend to later tokens "
                          "through a mask overlay): not a causal language model, which is what the split runs; "
                          "use a causal checkpoint")
+    other = sorted(set(attention_kinds(config)) - {FULL, SLIDING})
+    if other:
+        raise ValueError(f"{config.model_type}: its layer_types include {other} (only {FULL} and {SLIDING} blocks "
+                         "split here: chunked attention, linear attention, convolution and state-space layers carry "
+                         "state or masks this loop does not build)")
+    if config.model_type not in TESTED_TEXT_TYPES:
+        check_forward_matches(config)
+
+
+#: Tokens of the forward check (a window of 5 below it is exercised).
+_CHECK_TOKENS = 9
+#: Widths of the forward check's small copy: config attribute -> value, set where the config has the attribute.
+_SMALL_WIDTHS = {
+    "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "head_dim": 16,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "vocab_size": 128,
+    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "n_group": 1, "topk_group": 1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+}
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def small_copy(config, blocks: int = 4):
+    """A small configuration of the same family and structure as ``config`` for :func:`check_forward_matches`:
+    widths of :data:`_SMALL_WIDTHS` (grouped KV kept grouped), at most 8 experts and 2 active, a sliding window of
+    at most 5, the first ``blocks`` decoder blocks with every attention kind of the original among them. Built
+    through the family's config class from a dict, so derived fields follow. Raises what the class raises."""
+    doc = config.to_dict()
+    n = min(int(config.num_hidden_layers), blocks)
+    over = {k: v for k, v in _SMALL_WIDTHS.items() if k in doc and (doc[k] is not None or v is None)}
+    heads, kv = int(doc.get("num_attention_heads") or 4), doc.get("num_key_value_heads")
+    if kv is not None:
+        over["num_key_value_heads"] = 1 if int(kv) == 1 else (4 if int(kv) == heads else 2)
+    for key in _EXPERT_COUNTS:
+        if doc.get(key):
+            over[key] = min(int(doc[key]), 8)
+    if doc.get("num_experts_per_tok"):
+        over["num_experts_per_tok"] = min(int(doc["num_experts_per_tok"]), 2)
+    if doc.get("kv_lora_rank") and "head_dim" in doc:  # latent attention: the rotary runs on the rope part only
+        over["head_dim"] = over["qk_rope_head_dim"]
+    if doc.get("sliding_window"):
+        over["sliding_window"] = min(int(doc["sliding_window"]), 5)
+    if doc.get("layer_types"):
+        kinds = list(doc["layer_types"])
+        picked = kinds[:n]
+        missing = [k for k in dict.fromkeys(kinds) if k not in picked]
+        for j, kind in enumerate(missing[:n]):  # every kind among the n: the last ones replaced
+            picked[n - 1 - j] = kind
+        over["layer_types"] = picked
+    over["num_hidden_layers"] = n
+    small = type(config).from_dict({**doc, **over})
+    return small
+
+
+def _draw_(module: nn.Module, generator: torch.Generator) -> None:
+    """Re-draw every parameter so hidden states are O(1) and nothing is a constant (routers included, so tokens go
+    to several experts): matrices ~ N(0, 1/fan_in) (last dim), embeddings ~ N(0, 1), biases ~ N(0, 0.2), 1-D gains
+    ~ 1 + N(0, 0.1)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+            elif p.dim() == 1:
+                p.copy_(1.0 + torch.randn(p.shape, generator=generator) * 0.1)
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+
+
+def check_forward_matches(config) -> None:
+    """Prove this package's loop equals the family's own forward for ``config``'s structure: a small random copy
+    (:func:`small_copy`) run by transformers' ``<Family>ForCausalLM`` (or base model) and by this package's
+    embedding, :func:`~hybrid_vla_ros.model.modeling.run_blocks` split after half the blocks, norm and
+    :class:`~hybrid_vla_ros.model.decode.LMHead`, in float32 on the CPU. Cached per configuration and process.
+
+    Raises ValueError when they differ by more than 1e-4 (naming where: the hidden states, e.g. a scaled
+    embedding or residual the loop does not apply, or only the logits, e.g. a logit scale), or when no small
+    copy can be built."""
+    doc = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype",
+                                                                  "torch_dtype", "architectures")}
+    _check_forward_cached(config.model_type, json.dumps(doc, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=64)
+def _check_forward_cached(model_type: str, config_json: str) -> None:
+    family = text_family(model_type)
+    where = f"language model type {model_type!r}"
+    try:
+        small = small_copy(family.config_class.from_dict(json.loads(config_json)))
+    except Exception as e:  # noqa: BLE001 - any family's config validation: its error is the reason
+        raise ValueError(f"{where}: no small copy of this configuration could be built to check the split against "
+                         f"transformers' forward ({type(e).__name__}: {e}); not split unchecked") from None
+    small._attn_implementation = attention_implementation(family)
+    try:
+        _compare_on(family, small, where)
+    except (RuntimeError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"{where}: a small random copy of this configuration does not run through this package's "
+                         f"loop ({type(e).__name__}: {e}): refused rather than split unchecked") from None
+
+
+def _compare_on(family: TextFamily, small, where: str) -> None:
+    """:func:`check_forward_matches` on the small configuration ``small``."""
+    from .decode import LMHead
+    from .modeling import run_blocks
+
+    g = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        torch.manual_seed(0)
+        full = (family.causal_lm_class or family.base_class)(small).float().eval()
+        _draw_(full, g)
+        base = full.base_model if family.causal_lm_class is not None else full
+        ids = (torch.arange(_CHECK_TOKENS) * 37 + 5) % int(small.vocab_size)
+        reference = base(input_ids=ids[None]).last_hidden_state[0]
+        logits = full(input_ids=ids[None]).logits[0] if family.causal_lm_class is not None else None
+        embedding = make_embedding(family, small)
+        embedding.load_state_dict(base.embed_tokens.state_dict())
+        norm = make_norm(family, small)
+        norm.load_state_dict(base.norm.state_dict())
+        holder = nn.Module()
+        holder.rotary_emb = base.rotary_emb
+        half = len(base.layers) // 2
+        h = run_blocks(holder, base.layers[:half], embedding(ids))
+        h = norm(run_blocks(holder, base.layers[half:], h))
+        diff = float((h - reference).abs().max())
+        if not diff <= 1e-4:
+            raise ValueError(f"{where}: this package's loop (embedding -> decoder blocks split in two -> norm) "
+                             f"differs from transformers' {type(base).__name__}.forward by {diff:.3g} on a small "
+                             "random copy of this configuration: the family's forward does more than the loop "
+                             "(e.g. a scaled embedding or residual, per-layer inputs): refused rather than split "
+                             "wrong")
+        if family.causal_lm_class is not None:
+            head = LMHead(small)
+            head.weight = nn.Parameter(full.get_output_embeddings().weight.detach().clone())
+            diff = float((head(h) - logits.float()).abs().max())
+            if not diff <= 1e-4:
+                raise ValueError(f"{where}: its hidden states split exactly but its logits differ from "
+                                 f"{type(full).__name__}'s by {diff:.3g} (a logit scale or cap the LM head here "
+                                 "does not apply): refused, as a decode would choose wrong tokens")
 
 
 def attention_kinds(config) -> list[str]:
@@ -131,9 +335,17 @@ def attention_kinds(config) -> list[str]:
     return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n
 
 
+#: Where a family's config keeps its norms' epsilon, in the order looked for.
+_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon", "norm_epsilon")
+
+
 def make_norm(family: TextFamily, config) -> nn.Module:
-    """The family's final norm, (H,) gains, eps from the config."""
-    return family.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+    """The family's final norm, (H,) gains, eps from the config (:data:`_EPS_KEYS`). Raises ValueError when the
+    config has none of them."""
+    eps = next((getattr(config, k) for k in _EPS_KEYS if getattr(config, k, None) is not None), None)
+    if eps is None:
+        raise ValueError(f"{config.model_type}: its config has no norm epsilon ({', '.join(_EPS_KEYS)})")
+    return family.norm_class(config.hidden_size, eps=eps)
 
 
 def make_rotary(family: TextFamily, config) -> nn.Module:
@@ -147,11 +359,14 @@ def make_blocks(family: TextFamily, config, start: int, stop: int) -> nn.ModuleL
 
 
 def embed_scale(family: TextFamily, config) -> float | None:
-    """The family's token-embedding factor (Gemma: sqrt(H)) from ``scalar_embed_scale``, or None."""
+    """The family's token-embedding factor, or None: Gemma's sqrt(H) (its embedding's ``scalar_embed_scale``),
+    Granite's ``embedding_multiplier`` (its base model's, applied in ``GraniteModel.forward``)."""
     small = _one_block_config(config)
     with torch.device("meta"):
         shell = family.base_class(small)
     scale = getattr(shell.embed_tokens, "scalar_embed_scale", None)
+    if scale is None:
+        scale = getattr(shell, "embedding_multiplier", None)
     return None if scale is None else float(scale)
 
 

@@ -46,7 +46,7 @@ def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList
     """New decoder blocks holding ``layers``' weights (the same tensors when ``weight_dtype`` is theirs, else cast
     copies), with a config of their own using :func:`causal_attention`; the stage is untouched, so its eager path
     may keep running on another thread. Raises ValueError for attention other than full causal (sliding windows,
-    Gemma 2's logit soft-capping)."""
+    Gemma 2's logit soft-capping) and for mixture-of-experts blocks (data-dependent routing)."""
     import copy
 
     from .modeling import llm_config, llm_family
@@ -59,6 +59,11 @@ def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList
     if kinds != {FULL} or getattr(llm, "use_sliding_window", False):
         raise ValueError(f"{cfg.llm_type}: blocks of attention kind {sorted(kinds)}: the traced attention is plain "
                          "causal; this model's suffix runs eagerly")
+    moe = sorted({type(m).__name__ for old in layers for m in old.modules() if hasattr(m, "experts")})
+    if moe:
+        raise ValueError(f"{cfg.llm_type}: mixture-of-experts blocks ({', '.join(moe)}) route each token at run "
+                         "time, and a traced graph would keep the example's routing; this model's suffix runs "
+                         "eagerly")
     if getattr(llm, "attn_logit_softcapping", None):
         raise ValueError(f"{cfg.llm_type}: attention logit soft-capping ({llm.attn_logit_softcapping}) is not in "
                          "the traced attention; this model's suffix runs eagerly")

@@ -248,7 +248,7 @@ class VLMKeyMap:
 
     The text model's ``embed_tokens`` / ``layers.{i}`` / ``norm`` keep those names, the rest of the base model
     becomes ``vlm.<rest>``, the LM head is dropped. ``canonical`` raises CheckpointLayoutError for a name
-    transformers would convert rather than rename."""
+    transformers would convert rather than rename (read through a converting source, it never sees one)."""
 
     def __init__(self, config, family: VLMFamily):
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -259,12 +259,25 @@ class VLMKeyMap:
         transforms = get_model_conversion_mapping(model)
         self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        #: transformers' converters of this family (a MoE text model's per-expert tensors merged): a
+        #: :class:`~.weight_conversion.ConvertedSource` runs them before this map names the merged tensors.
+        self.converters = list(self._converters)
+        self.shell = model  # the one-text-block model on the meta device (its parameters' shapes)
         self._prefix = model.base_model_prefix
         self._meta = _AnyBlock(model.state_dict())
         text = re.escape(family.text_attribute)
         self._text = re.compile(rf"{re.escape(self._prefix)}\.{text}\.(embed_tokens\..+|layers\.\d+\..+|norm\..+)")
         self._rest = re.compile(rf"{re.escape(self._prefix)}\.(.+)")
         self.name = f"transformers {family.generation_class.__name__}"
+
+    def renaming_only(self) -> "VLMKeyMap":
+        """This map without the converters' check: for names a converter already produced (a converter may keep
+        its tensor's name, e.g. Qwen3-VL-MoE's transposed experts)."""
+        import copy
+
+        other = copy.copy(self)
+        other._converters = []
+        return other
 
     def canonical(self, stored: str) -> str | None:
         from transformers.core_model_loading import rename_source_key
