@@ -155,3 +155,26 @@ def test_a_moe_suffix_is_never_traced_for_openvino(generic_dirs, tmp_path):
     with pytest.raises(ValueError, match=r"mixture-of-experts blocks \(Qwen3MoeSparseMoeBlock\).*runs eagerly"):
         build_openvino(stage, 1, tuple(stage.cfg.prefix_state_shape), model_id=ck.model_id(),
                        cache_dir=tmp_path / "cache")
+
+
+def test_plan_counts_every_expert_in_memory_and_the_active_ones_per_token(generic_dirs):
+    """`plan` on a MoE directory: its note gives the blocks' total and active parameters (counted here from
+    transformers' own model: the expert tensors at 2 of 8, everything else whole) and the GPU memory one block
+    frees; the memory columns count every expert. A dense model gets no such note."""
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_vla_ros.split.planner import expert_counts, plan_for_checkpoint
+
+    path = generic_dirs["deepseek_v3"]  # a dense first block, then MoE blocks with a shared expert
+    layers = AutoModelForCausalLM.from_pretrained(str(path)).model.layers
+    total = sum(p.numel() for p in layers.parameters())
+    experts = sum(p.numel() for n, p in layers.named_parameters() if ".experts." in n)
+    counts = expert_counts(open_checkpoint(path).model)
+    assert (counts.total, counts.active) == (total, total - experts + experts * 2 // 8)
+    assert (counts.moe_blocks, counts.blocks, counts.experts, counts.active_experts) == (2, 3, 8, 2)
+    plan = plan_for_checkpoint(path, dtype="fp32")
+    note = next(n for n in plan.notes if n.startswith("mixture of experts"))
+    assert "2 of 3 decoder blocks route each token to 2 of 8 experts" in note
+    block = sum(t.numel() for t in layers[2].state_dict().values()) * 4  # the router's bias buffer included
+    assert plan.rows[3].gpu_weight_bytes - plan.rows[2].gpu_weight_bytes == block, "every expert in the memory"
+    assert not any(n.startswith("mixture") for n in plan_for_checkpoint(generic_dirs["olmo2"]).notes)

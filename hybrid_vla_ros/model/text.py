@@ -60,7 +60,8 @@ class TextFamily:
     """transformers' classes of one text family (e.g. ``Qwen3Config``, ``Qwen3Model``, ``Qwen3DecoderLayer``).
 
     ``causal_lm_class`` is None for a VLM's text model (``qwen2_5_vl_text``); ``rotary_per_kind``: the rotary's
-    forward takes the attention kind (Gemma 3).
+    forward takes the attention kind (Gemma 3); ``experts_implementation``: what transformers' model init picks for
+    the family's experts (``grouped_mm`` where it can, as ``from_pretrained`` runs them; else ``eager``).
     """
 
     model_type: str
@@ -71,6 +72,7 @@ class TextFamily:
     norm_class: type
     rotary_class: type
     rotary_per_kind: bool
+    experts_implementation: str | None = None
 
 
 def check_model_type(model_type) -> None:
@@ -147,7 +149,7 @@ def text_family(model_type: str) -> TextFamily:
     per_kind = _rotary_per_kind(rotary_class)
     causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[config_class] if config_class in MODEL_FOR_CAUSAL_LM_MAPPING else None
     return TextFamily(model_type, config_class, base_class, causal_lm, block_class, type(shell.norm), rotary_class,
-                      per_kind)
+                      per_kind, getattr(shell.config, "_experts_implementation", None))
 
 
 def _one_block_config(config):
@@ -169,11 +171,14 @@ def attention_implementation(family: TextFamily) -> str:
 def text_config(llm: dict):
     """The transformers config of an ``llm`` dict (``model_type`` and config kwargs, as in ``config.json``).
 
-    Attention implementation pinned to :func:`attention_implementation`. Raises ValueError for an unsupported
+    Attention implementation pinned to :func:`attention_implementation`, experts to the family's
+    ``experts_implementation``. Raises ValueError for an unsupported
     model_type or a configuration :func:`check_splittable` refuses."""
     family = text_family(llm.get("model_type", "llama"))  # this package's presets leave LLaMA implicit
     config = family.config_class(**{k: v for k, v in llm.items() if k != "model_type"})
     config._attn_implementation = attention_implementation(family)
+    if family.experts_implementation:  # MoE blocks run their experts as from_pretrained's model does
+        config._experts_implementation = family.experts_implementation
     check_splittable(config)
     return config
 
@@ -279,6 +284,8 @@ def _check_forward_cached(model_type: str, config_json: str) -> None:
         raise ValueError(f"{where}: no small copy of this configuration could be built to check the split against "
                          f"transformers' forward ({type(e).__name__}: {e}); not split unchecked") from None
     small._attn_implementation = attention_implementation(family)
+    if family.experts_implementation:
+        small._experts_implementation = family.experts_implementation
     try:
         _compare_on(family, small, where)
     except (RuntimeError, TypeError, AttributeError, IndexError) as e:

@@ -109,6 +109,52 @@ def stage_weights(cfg, dtype: str | torch.dtype) -> StageWeights:
                         suffix_buffers=suffix_buffers)
 
 
+@dataclass(frozen=True)
+class ExpertCounts:
+    """A mixture-of-experts model's decoder-block parameters: ``total`` (every expert), ``active`` (what one token
+    runs: the attention, routers, shared experts and ``active_experts`` of ``experts`` in each MoE block);
+    ``moe_blocks`` of ``blocks`` have experts."""
+
+    total: int
+    active: int
+    experts: int
+    active_experts: int
+    moe_blocks: int
+    blocks: int
+
+
+def expert_counts(cfg) -> ExpertCounts | None:
+    """:class:`ExpertCounts` of ``cfg``'s decoder blocks (built on the meta device; a module with an ``experts``
+    child is a MoE block, its experts' first dimension or list length E, ``num_experts_per_tok`` of the text config
+    active), None for a model without experts or whose text config does not say how many are active."""
+    sm = split_model(cfg)
+    with torch.device("meta"):
+        prefix = sm.build_stage("prefix", cfg.num_layers)
+    has_experts = any(isinstance(getattr(m, "experts", None), torch.nn.Module) for m in prefix.layers.modules())
+    if not has_experts:
+        return None
+    try:
+        active_experts = getattr(sm.text_config(), "num_experts_per_tok", None)
+    except (AttributeError, NotImplementedError, ValueError):  # own model code: no transformers text config
+        active_experts = None
+    total = active = moe_blocks = experts = 0
+    for block in prefix.layers:
+        params = sum(p.numel() for p in block.parameters())
+        total += params
+        moe = [m.experts for m in block.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)]
+        if not moe or not active_experts:
+            active += params
+            continue
+        moe_blocks += 1
+        in_experts = sum(p.numel() for e in moe for p in e.parameters())
+        e = moe[0]
+        experts = len(e) if isinstance(e, torch.nn.ModuleList) else next(p.shape[0] for p in e.parameters())
+        active += params - in_experts + in_experts * int(active_experts) // experts
+    if not moe_blocks:
+        return None
+    return ExpertCounts(total, active, experts, int(active_experts), moe_blocks, len(prefix.layers))
+
+
 def ring_side(cfg, dtype: torch.dtype) -> tuple:
     """The side tensors the ring carries next to h_K (:class:`~hybrid_vla_ros.transport.contract.TensorSpec`s,
     floating ones in ``dtype``)."""
@@ -442,6 +488,14 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
     lat = latency_model(profile, cfg, dtype, preprocess_ms) if profile is not None else None
     sm = split_model(cfg)
     extra_notes = list(sm.plan_notes)
+    moe = expert_counts(cfg)
+    if moe is not None:
+        extra_notes.append(
+            f"mixture of experts: {moe.moe_blocks} of {moe.blocks} decoder blocks route each token to "
+            f"{moe.active_experts} of {moe.experts} experts; the blocks hold {moe.total / 1e6:.2f} M parameters, "
+            f"{moe.active / 1e6:.2f} M of them active per token: the memory columns count every expert (the last "
+            f"block moved to the CPU frees {gw.blocks[-1] / 1e6:.2f} MB of GPU memory in {DTYPE_NAMES.get(dtype)}), "
+            "the compute follows the active ones")
     kv_layer = kv_tokens = 0
     decode_latency = bool(decode_tokens)
     if decode_tokens:
