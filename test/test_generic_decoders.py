@@ -178,3 +178,35 @@ def test_plan_counts_every_expert_in_memory_and_the_active_ones_per_token(generi
     block = sum(t.numel() for t in layers[2].state_dict().values()) * 4  # the router's bias buffer included
     assert plan.rows[3].gpu_weight_bytes - plan.rows[2].gpu_weight_bytes == block, "every expert in the memory"
     assert not any(n.startswith("mixture") for n in plan_for_checkpoint(generic_dirs["olmo2"]).notes)
+
+
+def test_a_moe_checkpoint_missing_an_expert_or_mixing_dtypes_is_refused_naming_the_tensors(generic_dirs, tmp_path):
+    """Bad shards of a MoE checkpoint: an expert's tensor deleted leaves 7 up projections beside 8 gate ones, an
+    expert stored in another dtype than its siblings: the stage that owns the block is refused naming the merged
+    tensor and why, before anything is read; the other stage loads."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for case in ("missing", "dtype"):
+        path = tmp_path / case
+        shutil.copytree(generic_dirs["qwen3_moe"], path)
+        index_file = path / "model.safetensors.index.json"
+        doc = json.loads(index_file.read_text())
+        name = "model.layers.1.mlp.experts.3.up_proj.weight"
+        shard = path / doc["weight_map"][name]
+        tensors = load_file(str(shard))
+        if case == "missing":
+            del tensors[name], doc["weight_map"][name]
+            index_file.write_text(json.dumps(doc))
+        else:
+            tensors[name] = tensors[name].to(torch.float16)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError) as e:
+            open_checkpoint(path).load("suffix", 1)
+        msg = str(e.value)
+        if case == "missing":
+            assert "mlp.experts.gate_up_proj" in msg and "uneven" in msg and "7 of" in msg and "8 of" in msg, msg
+        else:
+            assert "mlp.experts.gate_up_proj" in msg and "several dtypes ['F16', 'F32']" in msg, msg
+        open_checkpoint(path).load("prefix", 1)  # the prefix does not own block 1: it loads

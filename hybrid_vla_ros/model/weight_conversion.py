@@ -71,7 +71,8 @@ class ConvertedSource(TensorSource):
     :class:`~.sources.TensorInfo` has its shape (the converter run once on meta tensors) and the stored dtype;
     reading it reads its group's stored tensors and runs the converter.
 
-    Raises CheckpointError when a group's stored tensors differ in dtype or the converter fails on them."""
+    :meth:`info` and :meth:`read` raise CheckpointError for a merged tensor whose stored tensors are uneven, differ
+    in dtype or fail the converter (only a stage that needs it fails)."""
 
     def __init__(self, raw: TensorSource, transforms: list, key_map: KeyMap, label: str = "",
                  model: OneBlockModel | None = None):
@@ -95,15 +96,26 @@ class ConvertedSource(TensorSource):
             group = groups.setdefault(renamed, _Group(by_pattern[pattern], renamed))
             group.members.append((pattern, stored))
         self._groups: dict[str, _Group] = {}  # canonical -> its group
+        #: canonical name (the group's target) -> why its stored tensors cannot be merged: raised by :meth:`info`
+        #: for the stage that needs it only (a stage that does not own the block still loads)
+        self._broken: dict[str, str] = {}
         for group in groups.values():
-            dtypes = {raw.info(s).dtype for _, s in group.members}
-            if len(dtypes) != 1:
-                raise CheckpointError(f"{self.label}: the tensors merged into {group.target!r} are stored in "
-                                      f"several dtypes {sorted(dtypes)}")
-            stored_dtype = dtypes.pop()
-            meta = {s: torch.empty(raw.info(s).shape, dtype=FLOAT_DTYPES.get(stored_dtype, torch.float32),
-                                   device="meta") for _, s in group.members}
-            for full, t in self._convert(group, meta).items():
+            problem = self._check_group(group)
+            if problem is None:
+                stored_dtype = raw.info(group.members[0][1]).dtype
+                meta = {s: torch.empty(raw.info(s).shape, dtype=FLOAT_DTYPES.get(stored_dtype, torch.float32),
+                                       device="meta") for _, s in group.members}
+                try:
+                    converted = self._convert(group, meta)
+                except CheckpointError as e:
+                    problem = str(e)
+            if problem is not None:
+                canonical = key_map.canonical(group.target)
+                if canonical is not None:
+                    self._broken[canonical] = problem
+                    self._index[canonical] = raw.info(group.members[0][1])
+                continue
+            for full, t in converted.items():
                 canonical = key_map.canonical(full)
                 if canonical is None:
                     continue
@@ -113,6 +125,28 @@ class ConvertedSource(TensorSource):
                 self._index[canonical] = TensorInfo(
                     first.file, f"{len(group.members)} stored tensors from {first.stored_name!r} on, merged by "
                                 f"transformers' {type(group.converter).__name__}", stored_dtype, tuple(t.shape))
+
+    def _check_group(self, group: _Group) -> str | None:
+        """Why ``group``'s stored tensors cannot be merged (uneven counts per source pattern: an expert's tensor
+        missing; several dtypes), None when they can."""
+        counts: dict[str, int] = {}
+        for pattern, _ in group.members:
+            counts[pattern] = counts.get(pattern, 0) + 1
+        if len(set(counts.values())) > 1:
+            return (f"{self.label}: the stored tensors merged into {group.target!r} are uneven ("
+                    + ", ".join(f"{n} of {p!r}" for p, n in counts.items()) + "): an expert's tensor is missing")
+        dtypes = {self.raw.info(s).dtype for _, s in group.members}
+        if len(dtypes) != 1:
+            return (f"{self.label}: the tensors merged into {group.target!r} are stored in several dtypes "
+                    f"{sorted(dtypes)}")
+        return None
+
+    def info(self, name: str) -> TensorInfo:
+        """Where ``name`` is stored. Raises KeyError, CheckpointError for a merged tensor whose stored tensors
+        cannot be merged (uneven counts, several dtypes, the converter failing)."""
+        if name in self._broken:
+            raise CheckpointError(self._broken[name])
+        return super().info(name)
 
     def _convert(self, group: _Group, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The converter's outputs (full names) for the group's stored ``tensors`` (stored name -> tensor)."""
