@@ -100,6 +100,35 @@ def test_the_side_tensors_are_needed(vlm_dirs, family):
             assert (suffix.final_hidden_states(no_deep) - ref[-1]).abs().max().item() > 1e-2
 
 
+def test_gemma3s_image_blocks_are_needed(vlm_dirs):
+    """Gemma 3's image tokens attend to each other both ways: its image blocks cross with h_K, and a suffix run
+    without them (causal masks only) differs from transformers far beyond the tolerance; one that lacks the
+    declared side tensor refuses, naming it. A decode is refused in one line (its masks against a split KV cache
+    are not built)."""
+    from hybrid_vla_ros.model.contract import SplitState
+    from hybrid_vla_ros.model.vlm import load_processor, run_processor
+    from hybrid_vla_ros.split.verify_decode import CannotDecode, verify_decode
+
+    path = vlm_dirs["gemma3"]
+    ck = open_checkpoint(path, cameras=CAMERAS)
+    cfg = ck.model
+    assert cfg.side == ("image_blocks",)
+    inputs = run_processor(load_processor(path, cfg.vlm_type), _camera_images(cfg.camera_size), cfg.prompt)
+    with torch.inference_mode():
+        ref = _reference(path, inputs)
+        state = ck.load("prefix", 1)(inputs)
+        blocks = state.image_blocks
+        assert sorted(set(blocks.tolist())) == [-1, 0, 1] and int((blocks >= 0).sum()) == 2 * 4
+        suffix = ck.load("suffix", 1)
+        assert (suffix.final_hidden_states(state) - ref[-1]).abs().max().item() <= TOL
+        with pytest.raises(ValueError, match="image_blocks"):
+            suffix.final_hidden_states(SplitState(state.hidden_states))
+        suffix.cfg.side = ()
+        assert (suffix.final_hidden_states(SplitState(state.hidden_states)) - ref[-1]).abs().max().item() > 1e-2
+    with pytest.raises(CannotDecode, match="both ways"):
+        verify_decode(path, 2)
+
+
 def test_the_processor_sees_the_camera_images_in_rgb(vlm_dirs):
     """The images the processor gets are the cameras' RGB (the bag's JPEGs decoded as RGB, resized): swapping to
     BGR changes the pixel values the family's processor produces, so a colour-order slip cannot pass unseen."""

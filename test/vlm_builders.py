@@ -105,6 +105,32 @@ def write_internvl(path: Path, seed: int = 6, shard: str = "100KB", text: str = 
     return Path(path)
 
 
+def write_gemma3(path: Path, seed: int = 9, shard: str = "100KB") -> Path:
+    """A Gemma 3 (SigLIP tower, average-pooled projector, Gemma 3 text model with sliding layers of window 5) with
+    its processor: 32 px images, patch 8, 4 tokens an image between ``<start_of_image>`` and ``<end_of_image>``;
+    an image's tokens attend to each other both ways (transformers' ``token_type_ids`` masks)."""
+    from transformers import AutoConfig, Gemma3ImageProcessorPil
+
+    special = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    tok = word_tokenizer(special, LLM["vocab_size"], path, extra={
+        "boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    text = _text("gemma3_text", head_dim=16, sliding_window=5, query_pre_attn_scalar=16,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                 rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    text.pop("rope_theta")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    cfg = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                               boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                               image_token_index=ids["<image_soft_token>"])
+    _save_vlm(path, cfg, seed, shard)
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=False)
+    _save_processor(path, images, cfg, image_seq_length=4)
+    return Path(path)
+
+
 def write_llava_next(path: Path, family: str = "llava_next", seed: int = 7, shard: str = "100KB") -> Path:
     """A LLaVA-NeXT (CLIP tower, llama text) or LLaVA-OneVision (SigLIP tower, qwen2 text) with its processor:
     32 px base image, patch 8, 'anyres' grids of 32 / 64 px (the base image plus its tiles, a newline token per
@@ -170,6 +196,7 @@ VLM_BUILDERS = {
     "qwen2_5_vl": (write_qwen_vl, dict(family="qwen2_5_vl")),
     "qwen3_vl": (write_qwen_vl, dict(family="qwen3_vl")),
     "qwen3_vl_moe": (write_qwen_vl, dict(family="qwen3_vl_moe")),
+    "gemma3": (write_gemma3, {}),
     "internvl": (write_internvl, {}),
     "internvl_qwen3_moe": (write_internvl, dict(text="qwen3_moe")),
     "llava_next": (write_llava_next, dict(family="llava_next")),

@@ -243,7 +243,7 @@ def vlm_view(model: hf.HFModel, cameras: int = 6, prompt: str | None = None,
     import numpy as np
 
     from .config import DEFAULT_CAMERA_SIZE, VLMSpec
-    from .contract import DEEPSTACK, POSITION_IDS, VISUAL_MASK
+    from .contract import DEEPSTACK, IMAGE_BLOCKS, POSITION_IDS, VISUAL_MASK
     from .vlm import default_prompt, load_processor, run_processor
 
     processor = load_processor(model.path, model.config.model_type)
@@ -256,6 +256,8 @@ def vlm_view(model: hf.HFModel, cameras: int = 6, prompt: str | None = None,
     kind = model.config.model_type
     if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         side, shapes = (POSITION_IDS,), {POSITION_IDS: [3, 1, tokens]}
+    if kind == "gemma3":  # images attend both ways: their blocks cross with h_K
+        side, shapes = (IMAGE_BLOCKS,), {IMAGE_BLOCKS: [tokens]}
     if kind in ("qwen3_vl", "qwen3_vl_moe"):
         visual = int((inputs.input_ids == int(model.config.image_token_id)).sum())
         levels = len(model.vision_config.deepstack_visual_indexes)
@@ -518,13 +520,12 @@ def _default_planning_token(ref: hf.HFModel, vocab: int) -> int:
 
 def _with_planning_token(shapes: dict) -> dict:
     """Side tensor shapes of a T-token frame for T + 1 (the planning token appended)."""
-    from .contract import POSITION_IDS, VISUAL_MASK
+    from .contract import IMAGE_BLOCKS, POSITION_IDS, VISUAL_MASK
 
     out = {k: list(v) for k, v in shapes.items()}
-    if POSITION_IDS in out:
-        out[POSITION_IDS][-1] += 1
-    if VISUAL_MASK in out:
-        out[VISUAL_MASK][-1] += 1
+    for name in (POSITION_IDS, VISUAL_MASK, IMAGE_BLOCKS):
+        if name in out:
+            out[name][-1] += 1
     return out
 
 

@@ -35,8 +35,8 @@ LLM_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi
              # the text models of the Qwen VLMs (multimodal rotary positions; Qwen3-VL: DeepStack features)
              "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 #: transformers ``model_type`` of the VLM families split here (their ``<Family>ForConditionalGeneration``).
-VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "llava_next", "llava_onevision",
-                   "idefics3", "smolvlm")
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "internvl", "llava_next",
+                   "llava_onevision", "idefics3", "smolvlm")
 #: Ego-state features fed as one token when ``ego_state_input`` is set: speed (m/s, signed, base_link +x),
 #: longitudinal acceleration (m/s^2) and yaw rate (rad/s, counter-clockwise), in this order.
 EGO_FEATURES = ("speed_mps", "accel_mps2", "yaw_rate_radps")

@@ -1,6 +1,7 @@
 """What crosses the split for one frame (:class:`SplitState`): h_K plus the side tensors the blocks after K need
-that are not a function of T alone (Qwen-VL rotary positions, Qwen3-VL DeepStack features); text models send h_K
-only. The ring carries them as :class:`~hybrid_vla_ros.transport.contract.TensorSpec` entries (:func:`side_specs`).
+that are not a function of T alone (Qwen-VL rotary positions, Qwen3-VL DeepStack features, Gemma 3's image
+blocks); text models send h_K only. The ring carries them as
+:class:`~hybrid_vla_ros.transport.contract.TensorSpec` entries (:func:`side_specs`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ..util.numerics import warm_vector_math
 warm_vector_math()
 
 #: Side tensor names, as the ring's contract declares them.
-POSITION_IDS, VISUAL_MASK, DEEPSTACK = "position_ids", "visual_mask", "deepstack"
+POSITION_IDS, VISUAL_MASK, DEEPSTACK, IMAGE_BLOCKS = "position_ids", "visual_mask", "deepstack", "image_blocks"
 
 
 @dataclass
@@ -26,13 +27,17 @@ class SplitState:
     ``hidden_states``: h_K, (T, H) or (P, T, H) with P LLM passes, model dtype. ``position_ids``: (3 or 4, 1, T)
     int64 (Qwen2/2.5/3-VL), None for ``arange(T)``. ``visual_mask``: (T,) bool; ``deepstack``: (levels, V, H) model
     dtype, level i added to the visual tokens after block i (Qwen3-VL); both None otherwise. The side tensors hold
-    every level whatever K is, so a re-split keeps the contract; the suffix adds levels >= K.
+    every level whatever K is, so a re-split keeps the contract; the suffix adds levels >= K. ``image_blocks``:
+    (T,) int64, each image's tokens numbered 0, 1, ... by image and text tokens -1 (transformers'
+    ``block_sequence_ids``, Gemma 3): an image's tokens attend to each other both ways, so every block's masks
+    need it; None otherwise.
     """
 
     hidden_states: torch.Tensor
     position_ids: torch.Tensor | None = None
     visual_mask: torch.Tensor | None = None
     deepstack: torch.Tensor | None = None
+    image_blocks: torch.Tensor | None = None
 
     def side(self) -> dict[str, torch.Tensor]:
         """The side tensors present, by their contract name."""
@@ -50,7 +55,10 @@ class SplitState:
 
     def rows(self, start: int, stop: int) -> "SplitState":
         """Tokens [start, stop) of a one-pass state (a chunk of a prefill): their hidden states, positions, visual
-        mask and the DeepStack rows of the visual tokens among them."""
+        mask and the DeepStack rows of the visual tokens among them. Raises ValueError for a state with
+        ``image_blocks`` (an image's tokens attend to later ones of the same image: not chunked)."""
+        if self.image_blocks is not None:
+            raise ValueError("a state whose images attend both ways (image_blocks) is not split into chunks")
         deep = None
         if self.deepstack is not None:
             before = int(self.visual_mask[:start].sum())
@@ -67,12 +75,12 @@ class SplitState:
             return t.to(device=device, dtype=dtype) if floating and dtype is not None else t.to(device=device)
 
         return SplitState(move(self.hidden_states, True), move(self.position_ids, False),
-                          move(self.visual_mask, False), move(self.deepstack, True))
+                          move(self.visual_mask, False), move(self.deepstack, True), move(self.image_blocks, False))
 
 
 def side_specs(cfg, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of each side tensor sent with h_K, from ``cfg.side`` / ``cfg.side_shapes``."""
-    dtypes = {POSITION_IDS: torch.int64, VISUAL_MASK: torch.bool, DEEPSTACK: dtype}
+    dtypes = {POSITION_IDS: torch.int64, VISUAL_MASK: torch.bool, DEEPSTACK: dtype, IMAGE_BLOCKS: torch.int64}
     shapes = getattr(cfg, "side_shapes", {}) or {}
     return [(name, tuple(int(d) for d in shapes[name]), dtypes[name]) for name in getattr(cfg, "side", ())]
 

@@ -443,8 +443,22 @@ class VLMFront(SplitModel):
     @property
     def decodes(self) -> bool:
         """A bare VLM decodes; a driving composition when its config says so (``decode``), else its planning head
-        reads fixed positions of one prefill."""
+        reads fixed positions of one prefill. Not a VLM whose images attend both ways (Gemma 3: its masks against a
+        KV cache split in two are not built here yet)."""
+        from .contract import IMAGE_BLOCKS
+
+        if IMAGE_BLOCKS in self.cfg.side:
+            return False
         return not self.takes_cameras or bool(self.cfg.decode)
+
+    @property
+    def NO_DECODE(self) -> str:
+        from .contract import IMAGE_BLOCKS
+
+        if IMAGE_BLOCKS in self.cfg.side:
+            return ("its images' tokens attend to each other both ways (Gemma 3), and the masks of a decode against "
+                    "a KV cache split in two are not built for that yet: one prefill and a planning head only")
+        return SplitModel.NO_DECODE
 
     def placed_rows(self, suffix, out, cache, split_layer):
         return suffix.step_rows(out, cache, split_layer)

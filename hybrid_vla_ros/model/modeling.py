@@ -540,7 +540,9 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
     first = {}
     for b in layers:
         first.setdefault(_kind(b, kinds), b.self_attn.layer_idx)
-    inputs = text.block_inputs(config, m.rotary_emb, x, set(first), positions, cache=cache, first_layer=first)
+    blocks_of_images = state.image_blocks if state is not None else None
+    inputs = text.block_inputs(config, m.rotary_emb, x, set(first), positions, cache=cache, first_layer=first,
+                               image_blocks=blocks_of_images)
     deep = state.deepstack if state is not None else None
     levels = 0 if deep is None else deep.shape[0]
     if out is not None and layers[-1].self_attn.layer_idx < levels:
@@ -849,9 +851,10 @@ class VLMPrefixStage(PrefixSide):
         if hasattr(self, "query_tokens") and not self.cfg.decode:  # the learned queries in place of the
             # planning-token copies (a decoding model places them after the decode: :meth:`step`)
             h0 = torch.cat([h0[:-len(self.query_tokens)], self.query_tokens.to(h0.dtype)], dim=0)
-        state = SplitState(h0, front.position_ids, front.visual_mask, front.deepstack)
+        state = SplitState(h0, front.position_ids, front.visual_mask, front.deepstack, front.image_blocks)
         T = state.hidden_states.shape[-2]
-        if cache is None or chunk_rows <= 0 or chunk_rows >= T or not len(self.layers):
+        if (cache is None or chunk_rows <= 0 or chunk_rows >= T or not len(self.layers)
+                or state.image_blocks is not None):  # images attending both ways are computed whole
             state.hidden_states = run_blocks(self, self.layers, state.hidden_states, state=state, cache=cache)
             return state
         outs = []

@@ -457,13 +457,16 @@ def cached_tokens(cache, first_layer: int) -> int:
 
 
 def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
-                 position_ids: torch.Tensor | None = None, *, cache=None, first_layer: dict | None = None
-                 ) -> BlockInputs:
+                 position_ids: torch.Tensor | None = None, *, cache=None, first_layer: dict | None = None,
+                 image_blocks: torch.Tensor | None = None) -> BlockInputs:
     """Position ids, masks and rotary tables for hidden states ``x`` (B, T, H) and the attention ``kinds`` the
     blocks to run use, as the family's base model computes them; ``position_ids``: None for a text model's
     positions, or a VLM's multimodal ones (:func:`split_positions`). ``cache``: this side's KV cache (a decode):
     positions continue after the tokens it holds and each mask is sized against the cache layer of
-    ``first_layer[kind]``, the first block of that kind this side runs (the other side's layers stay empty)."""
+    ``first_layer[kind]``, the first block of that kind this side runs (the other side's layers stay empty).
+    ``image_blocks``: (T,) int64 (:class:`~.contract.SplitState`): the masks also let each image's tokens attend to
+    each other, built by transformers' ``create_masks_for_vision_model`` (``modeling_gemma3.py``: full layers
+    causal OR the image block, sliding layers that AND the window)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     first_layer = first_layer or {}
@@ -471,7 +474,15 @@ def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
     rotary_positions, text_positions = split_positions(position_ids, x, past)
     makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
     masks = {}
-    for kind in kinds:
+    if image_blocks is not None and not x.is_meta:
+        if cache is not None:
+            raise ValueError("masks for images attending both ways against a KV cache are not built here")
+        from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model
+
+        both = create_masks_for_vision_model(config, x, None, cache, text_positions,
+                                             image_blocks.reshape(1, -1).to(x.device))
+        masks = {kind: both[kind] for kind in kinds}
+    for kind in set(kinds) - set(masks):
         if kind not in makers:
             raise ValueError(f"attention kind {kind!r} is not supported (only {FULL}, {SLIDING})")
         if x.is_meta:  # FLOP counting on the meta device (no values): transformers' mask functions read values

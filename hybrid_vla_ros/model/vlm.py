@@ -183,12 +183,14 @@ class FrontOutput:
 
     ``inputs_embeds`` (T, H) in the model dtype; ``position_ids`` (3 or 4, 1, T) int64, None for ``arange(T)``;
     ``visual_mask`` (T,) bool and ``deepstack`` (levels, V, H): Qwen3-VL's DeepStack features (added to the
-    visual tokens after blocks 0 .. levels-1), else None."""
+    visual tokens after blocks 0 .. levels-1), else None; ``image_blocks`` (T,) int64: Gemma 3's image blocks
+    (:class:`~.contract.SplitState`), else None."""
 
     inputs_embeds: torch.Tensor
     position_ids: torch.Tensor | None = None
     visual_mask: torch.Tensor | None = None
     deepstack: torch.Tensor | None = None
+    image_blocks: torch.Tensor | None = None
 
 
 def build_front(config, family: VLMFamily, embed_tokens: nn.Module) -> nn.Module:
@@ -211,13 +213,26 @@ def build_front(config, family: VLMFamily, embed_tokens: nn.Module) -> nn.Module
 
 
 def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
-    """The front's forward on one frame; RuntimeError if it never calls its text model."""
+    """The front's forward on one frame. Where the front builds the text model's attention masks itself (Gemma 3:
+    causal, or both ways within an image), the image blocks they come from, by the family's own
+    ``get_block_sequence_ids_for_mask`` on the processor's ``token_type_ids``. RuntimeError if it never calls its
+    text model, or hands it masks of another kind."""
     try:
         front(input_ids=inputs.input_ids, **inputs.images)
     except _Captured as c:
         kw = c.kwargs
     else:
         raise RuntimeError(f"{type(front).__name__}.forward never called its text model")
+    blocks = None
+    if kw.get("attention_mask") is not None:
+        import sys
+
+        own = getattr(sys.modules[type(front).__module__], "get_block_sequence_ids_for_mask", None)
+        types = inputs.images.get("token_type_ids")
+        if own is None or types is None:
+            raise RuntimeError(f"{type(front).__name__}.forward hands its text model attention masks of its own, "
+                               "which this package cannot rebuild on both sides of the split")
+        blocks = own(types.to(inputs.input_ids.device)).reshape(-1)
     h = kw["inputs_embeds"]
     if h.dim() != 3 or h.shape[0] != 1:
         raise RuntimeError(f"the VLM front gave inputs_embeds {tuple(h.shape)}, expected (1, T, H)")
@@ -229,7 +244,7 @@ def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
     deep = kw.get("deepstack_visual_embeds")
     mask = kw.get("visual_pos_masks")
     return FrontOutput(h[0], positions, None if mask is None else mask.reshape(-1),
-                       None if deep is None or len(deep) == 0 else torch.stack(list(deep)))
+                       None if deep is None or len(deep) == 0 else torch.stack(list(deep)), blocks)
 
 
 def deepstack_add(h: torch.Tensor, visual_mask: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
