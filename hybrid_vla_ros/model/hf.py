@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .text import CAUSAL_LM_ARCHITECTURES, TEXT_MODEL_TYPES, check_splittable, text_family
+from .text import CAUSAL_LM_ARCHITECTURES, TESTED_TEXT_TYPES, check_splittable, text_family
 from .sources import (
     CheckpointError,
     KeyMap,
@@ -41,8 +41,9 @@ from .sources import (
     hf_safetensors_files,
 )
 
-#: transformers ``model_type`` of the causal LMs a directory may hold (TEXT_MODEL_TYPES less VLM text models).
-LLM_MODEL_TYPES = tuple(t for t in TEXT_MODEL_TYPES if t in CAUSAL_LM_ARCHITECTURES)
+#: transformers ``model_type`` of the tested causal LMs (TESTED_TEXT_TYPES less VLM text models); any other that
+#: text.text_family accepts is read too.
+LLM_MODEL_TYPES = tuple(t for t in TESTED_TEXT_TYPES if t in CAUSAL_LM_ARCHITECTURES)
 #: transformers ``model_type`` of the vision towers a LLaVA model may have here.
 VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
 #: Architectures (``config.json`` ``architectures``) read from a transformers directory, by model_type.

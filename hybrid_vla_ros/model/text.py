@@ -42,8 +42,6 @@ from .config import LLM_TYPES
 #: transformers ``model_type`` of the language models this package's tests prove split exactly (the text models of
 #: the Qwen VLMs among them); any other that :func:`text_family` accepts is checked by :func:`check_forward_matches`.
 TESTED_TEXT_TYPES = LLM_TYPES
-#: Kept for callers of the first releases: the tested families.
-TEXT_MODEL_TYPES = TESTED_TEXT_TYPES
 #: The causal LM class transformers' ``save_pretrained`` names in ``architectures``, by tested model_type.
 CAUSAL_LM_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -73,27 +71,6 @@ class TextFamily:
     rotary_class: type
     rotary_per_kind: bool
     experts_implementation: str | None = None
-
-
-def check_model_type(model_type) -> None:
-    """Raise ValueError unless ``model_type`` is a text family (:func:`text_family`), naming why not."""
-    text_family(model_type)
-
-
-def is_text_model_type(model_type) -> bool:
-    """True when :func:`text_family` accepts ``model_type``."""
-    try:
-        text_family(model_type)
-    except ValueError:
-        return False
-    return True
-
-
-def causal_lm_architecture(model_type: str) -> str | None:
-    """The ``*ForCausalLM`` class name transformers' ``save_pretrained`` writes for a text family, None for a VLM's
-    text model. Raises ValueError as :func:`text_family`."""
-    family = text_family(model_type)
-    return None if family.causal_lm_class is None else family.causal_lm_class.__name__
 
 
 @functools.lru_cache(maxsize=None)
