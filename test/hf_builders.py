@@ -83,7 +83,8 @@ def write_text_lm(path: Path, model_type: str, seed: int = 3, shard: str = "60KB
 
 #: Decoders split by the generic path (text.text_family; not in text.TESTED_TEXT_TYPES), as config overrides of
 #: :data:`LLM` that exercise what sets each apart: mixture-of-experts blocks (8 experts, 2 active; Qwen2-MoE's shared
-#: expert; DeepSeek-V3's latent attention and a dense first block), Granite's embedding / residual / logit factors,
+#: expert; DeepSeek-V3's latent attention and a dense first block; Granite-MoE's experts stored under names
+#: transformers renames at load), Granite's embedding / residual / logit factors,
 #: Cohere 2's logit scale and sliding layers, SmolLM3's NoPE layer, gpt-oss's sinks and alternating windows.
 GENERIC_FAMILIES = {
     "olmo2": {},
@@ -98,6 +99,7 @@ GENERIC_FAMILIES = {
                       shared_expert_intermediate_size=48),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2),
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=2.0, logits_scaling=2.0),
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=5,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,

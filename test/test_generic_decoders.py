@@ -17,7 +17,7 @@ from hybrid_vla_ros.model.sources import CheckpointError
 from hybrid_vla_ros.split.verify import verify_split
 from hybrid_vla_ros.split.verify_decode import verify_decode
 
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,11 @@ def test_a_moe_stage_holds_transformers_merged_experts_and_routing_uses_several(
 
     path = generic_dirs[name]
     stored = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    # per expert, as published MoE checkpoints are stored; gpt-oss publishes its experts fused, and so saves them
-    assert any(".experts.0." in k for k in stored) == (name != "gpt_oss")
+    # per expert, as published MoE checkpoints are stored; gpt-oss publishes its experts fused, and so saves them;
+    # Granite-MoE stores them fused under names transformers renames (input_linear, output_linear)
+    assert any(".experts.0." in k for k in stored) == (name not in ("gpt_oss", "granitemoe"))
+    if name == "granitemoe":
+        assert any(".input_linear." in k for k in stored)
     ref = AutoModelForCausalLM.from_pretrained(str(path)).eval()
     suffix = open_checkpoint(path).load("suffix", 2)
     ours, theirs = suffix.layers[0].state_dict(), ref.model.layers[2].state_dict()
@@ -56,8 +59,11 @@ def test_a_moe_stage_holds_transformers_merged_experts_and_routing_uses_several(
     assert any("experts" in k and v.dim() == 3 for k, v in theirs.items()), "fused expert tensors"
     for key in theirs:
         assert torch.equal(ours[key], theirs[key]), key
-    seen, routers = [], [m for n, m in ref.named_modules() if n.endswith(("mlp.gate", "mlp.router"))]
-    hooks = [r.register_forward_hook(lambda m, args, out: seen.append((m.weight, args[0]))) for r in routers]
+    seen, routers = [], [m for n, m in ref.named_modules()
+                         if n.endswith(("mlp.gate", "mlp.router", "block_sparse_moe.router"))]
+    hooks = [r.register_forward_hook(lambda m, args, out: seen.append((getattr(m, "weight", None)
+                                                                        if hasattr(m, "weight") else m.layer.weight,
+                                                                        args[0]))) for r in routers]
     with torch.inference_mode():
         ref(torch.tensor([[(7 + 131 * i) % LLM["vocab_size"] for i in range(16)]]))
     for h in hooks:
@@ -180,11 +186,15 @@ def test_plan_counts_every_expert_in_memory_and_the_active_ones_per_token(generi
     assert not any(n.startswith("mixture") for n in plan_for_checkpoint(generic_dirs["olmo2"]).notes)
 
 
-def test_a_moe_checkpoint_missing_an_expert_or_mixing_dtypes_is_refused_naming_the_tensors(generic_dirs, tmp_path):
+def test_a_moe_checkpoint_missing_an_expert_or_mixing_dtypes_is_refused_naming_the_tensors(generic_dirs, tmp_path,
+                                                                                          capsys):
     """Bad shards of a MoE checkpoint: an expert's tensor deleted leaves 7 up projections beside 8 gate ones, an
     expert stored in another dtype than its siblings: the stage that owns the block is refused naming the merged
-    tensor and why, before anything is read; the other stage loads."""
+    tensor and why, before anything is read; the other stage loads; `verify-split` says so in one line (exit 2)
+    before transformers' own loader meets the checkpoint."""
     import shutil
+
+    from hybrid_vla_ros.tools.cli import main as cli
 
     from safetensors.torch import load_file, save_file
 
@@ -210,3 +220,7 @@ def test_a_moe_checkpoint_missing_an_expert_or_mixing_dtypes_is_refused_naming_t
         else:
             assert "mlp.experts.gate_up_proj" in msg and "several dtypes ['F16', 'F32']" in msg, msg
         open_checkpoint(path).load("prefix", 1)  # the prefix does not own block 1: it loads
+        capsys.readouterr()
+        assert cli(["verify-split", "--model", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "mlp.experts.gate_up_proj" in err and "Traceback" not in err, err

@@ -187,6 +187,13 @@ class Checkpoint:
         _materialize(module, self.source(), device, dtype, f"the {role} of {self.path}")
         return module.eval().requires_grad_(False)
 
+    def check_tensors(self) -> None:
+        """Check from headers only that every tensor of both stages is stored, shaped and floating-point (what
+        :meth:`load` checks first), before anything is read. Raises CheckpointError, MissingFileError."""
+        L = self.num_layers
+        for role, k in (("prefix", L), ("suffix", 0)):
+            check_tensors(self.build(role, k), self.source(), f"the {role} of {self.path}")
+
     def load_blocks(self, start: int, stop: int, *, device: str | torch.device = "cpu",
                     dtype: str | torch.dtype = torch.float32) -> nn.ModuleList:
         """Decoder blocks [start, stop) as :meth:`load`; ``first_block`` is ``start``.
@@ -367,14 +374,10 @@ def _open(path: str | Path, *, trust_model_code: bool | None = None, cameras: in
     return Checkpoint(path, "transformers", spec, f"transformers {model.architecture} ({shards})", hf=model)
 
 
-def _materialize(module: nn.Module, source: TensorSource, device: torch.device, dtype: torch.dtype,
-                 what: str) -> None:
-    """Fill a meta-device module with its tensors from ``source``, on ``device`` in ``dtype``.
-
-    Every tensor is checked (present, shape, floating-point stored dtype) before any is read; parts marked
-    ``keeps_float32`` are read in float32. Peak memory: the stage plus one stored tensor. Raises CheckpointError
-    naming file and tensor, RuntimeError when a tensor is left uninitialised.
-    """
+def check_tensors(module: nn.Module, source: TensorSource, what: str) -> dict[str, str]:
+    """Check, from headers only, that ``source`` holds every tensor of the (meta-device) ``module`` with its shape
+    and a floating-point stored dtype; returns local name -> canonical name. Raises CheckpointError naming file and
+    tensor (a MoE group that cannot be merged: :class:`~.weight_conversion.ConvertedSource`)."""
     wanted = module.state_dict()
     keys = {local: module.checkpoint_key(local) for local in wanted}
     missing = [c for c in keys.values() if c not in source]
@@ -388,6 +391,18 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
         if want.is_floating_point() and info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{info.where()} is stored as {info.dtype} (quantized?); this package loads "
                                   f"floating-point weights ({', '.join(FLOAT_DTYPES)}): dequantize it first")
+    return keys
+
+
+def _materialize(module: nn.Module, source: TensorSource, device: torch.device, dtype: torch.dtype,
+                 what: str) -> None:
+    """Fill a meta-device module with its tensors from ``source``, on ``device`` in ``dtype``.
+
+    Every tensor is checked (present, shape, floating-point stored dtype) before any is read; parts marked
+    ``keeps_float32`` are read in float32. Peak memory: the stage plus one stored tensor. Raises CheckpointError
+    naming file and tensor, RuntimeError when a tensor is left uninitialised.
+    """
+    keys = check_tensors(module, source, what)
     local_of = {c: local for local, c in keys.items()}
     kept = tuple(f"{name}." for name, m in module.named_modules() if name and getattr(m, "keeps_float32", False))
     as_fp32 = [c for local, c in keys.items() if local.startswith(kept)] if kept else []

@@ -112,7 +112,8 @@ def unsupported_message(path: Path, doc: dict) -> str:
         why = f" ({e})"
     return (f"{Path(path) / 'config.json'}: architecture {architecture_name(doc)!r} (model_type "
             f"{doc.get('model_type')!r}) is not supported{why}; this package splits transformers causal LMs built "
-            f"as embedding -> decoder blocks -> norm (tested: {', '.join(sorted(ARCHITECTURES.values()))}), the "
+            f"as embedding -> decoder blocks -> norm (e.g. {', '.join(sorted(ARCHITECTURES.values()))}; "
+            "docs/models.md, 'Any decoder', lists the families checked), the "
             f"VLM families {', '.join(VLM_MODEL_TYPES)} (their ForConditionalGeneration), this package's own "
             "checkpoints and own model code (model_type 'hybrid_vla_code', see docs/models.md)")
 
@@ -179,10 +180,10 @@ class HFModel:
         label = f"{index_file or files[0]}"
         from .weight_conversion import ConvertedSource, OneBlockModel, conversion_transforms
 
-        if self.kind == "llm":  # a family whose stored tensors transformers converts at load (MoE experts)
-            transforms, shell = conversion_transforms(text_family(self.config.model_type), self.config)
+        if self.kind == "llm":  # a family whose stored tensors transformers converts or renames at load
+            raw = SafetensorsSource(files, None, index=index, index_file=index_file, label=label)
+            transforms, shell = conversion_transforms(text_family(self.config.model_type), self.config, raw.names())
             if transforms:
-                raw = SafetensorsSource(files, None, index=index, index_file=index_file, label=label)
                 return ConvertedSource(raw, transforms, self.key_map(), label, shell)
         if self.kind == "vlm":  # its key map renames; the converters (a MoE text model's experts) run first
             key_map = self.key_map()

@@ -23,13 +23,14 @@ from .sources import FLOAT_DTYPES, CheckpointError, KeyMap, TensorInfo, TensorSo
 __all__ = ["ConvertedSource", "conversion_transforms", "OneBlockModel"]
 
 
-def conversion_transforms(family, config) -> tuple[list, "OneBlockModel | None"]:
+def conversion_transforms(family, config, stored_names) -> tuple[list, "OneBlockModel | None"]:
     """transformers' weight transforms for a causal LM of ``family`` (:class:`~.text.TextFamily`) and ``config``,
     from a one-block meta-device model (``get_model_conversion_mapping``), and that model
-    (:class:`OneBlockModel`, for converters that compare shapes with the model's); ([], None) when they convert no
-    tensor (only renamings: nothing this package's key maps need)."""
+    (:class:`OneBlockModel`, for converters that compare shapes with the model's); ([], None) when they change none
+    of ``stored_names`` (the checkpoint's tensor names): neither merge (MoE experts) nor rename (Granite-MoE's
+    ``input_linear``, EXAONE's ``transformer.h``) any."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter
+    from transformers.core_model_loading import WeightConverter, rename_source_key
 
     from .text import _one_block_config
 
@@ -38,9 +39,14 @@ def conversion_transforms(family, config) -> tuple[list, "OneBlockModel | None"]
     with torch.device("meta"):
         shell = family.causal_lm_class(_one_block_config(config))
     transforms = list(get_model_conversion_mapping(shell))
-    if not any(isinstance(t, WeightConverter) for t in transforms):
-        return [], None
-    return transforms, OneBlockModel(shell)
+    probe = copy.deepcopy(transforms)  # renamings keep state (a guard seen): the real pass starts fresh
+    renamings = [t for t in probe if not isinstance(t, WeightConverter)]
+    converters = [t for t in probe if isinstance(t, WeightConverter)]
+    for name in sorted(stored_names):
+        renamed, pattern = rename_source_key(name, renamings, converters)
+        if pattern is not None or renamed != name:
+            return transforms, OneBlockModel(shell)
+    return [], None
 
 
 class OneBlockModel:

@@ -231,6 +231,7 @@ def verify_split(path: str | Path, dtype: str = "fp32", *, tolerance: float | No
         raise ValueError(f"split layers {bad or ks} outside [0, {L}] for {path}")
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[torch_dtype]
     say = log or (lambda _line: None)
+    ck.check_tensors()  # this package's own refusal of a bad checkpoint, before the referee's loader meets it
     with torch.inference_mode():
         sm = ck.split_model(prompt_ids)
         inputs = sm.example_inputs(BagFrames(), dtype=torch_dtype)

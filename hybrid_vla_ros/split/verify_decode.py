@@ -75,6 +75,7 @@ def verify_decode(path: str | Path, new_tokens: int, dtype: str = "fp32", *, tol
         raise ValueError(f"--decode-tokens must be an integer >= 1, got {new_tokens!r}")
     torch_dtype = parse_dtype(dtype)
     ck = open_checkpoint(path, prompt_ids=prompt_ids, tokens=len(prompt_ids) if prompt_ids else 16)
+    ck.check_tensors()  # this package's own refusal of a bad checkpoint, before the referee's loader meets it
     sm = ck.split_model(prompt_ids)
     if not sm.decodes:
         raise CannotDecode(f"{path}: cannot decode: {sm.NO_DECODE}")

@@ -154,7 +154,8 @@ class ReplayNodes:
             if count > 1:
                 domain = os.environ.get("ROS_DOMAIN_ID", "0")
                 what = ("attach to one pair only" if self.args.attach
-                        else "stop it, drive it with --attach, or give this replay another --namespace")
+                        else "stop it, drive it with --attach, or give this replay another --namespace (or "
+                             "another ROS_DOMAIN_ID, e.g. `ROS_DOMAIN_ID=57 make demo`)")
                 print(f"hybrid-vla replay: {count} nodes named {m.name} are running in ROS domain {domain}: {what}",
                       file=sys.stderr)
                 return False
