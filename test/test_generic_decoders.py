@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_builders import GENERIC_FAMILIES, LLM, perturb_, write_generic_lm
-from hybrid_vla_ros.model import text
+from hybrid_vla_ros.model import family_check, text
 from hybrid_vla_ros.model.checkpoint import open_checkpoint
 from hybrid_vla_ros.model.sources import CheckpointError
 from hybrid_vla_ros.split.verify import verify_split
@@ -120,18 +120,18 @@ def test_structures_that_cannot_be_split_are_refused_naming_the_feature(tmp_path
 
 
 def test_the_forward_check_refuses_what_the_loop_does_not_apply(generic_dirs, monkeypatch):
-    """Negative controls of text.check_forward_matches on Granite: without its embedding multiplier the loop's
+    """Negative controls of family_check.check_forward_matches on Granite: without its embedding multiplier the loop's
     hidden states differ from GraniteModel's and the checkpoint is refused; without its logits divisor the hidden
     states match but the logits do not, and it is refused for that (a decode would choose wrong tokens)."""
     from hybrid_vla_ros.model import decode
 
     path = generic_dirs["granite"]
-    text._check_forward_cached.cache_clear()
+    family_check._check_forward_cached.cache_clear()
     monkeypatch.setattr(text, "embed_scale", lambda family, config: None)
     with pytest.raises(CheckpointError, match="differs from transformers' GraniteModel.forward"):
         open_checkpoint(path)
     monkeypatch.undo()
-    text._check_forward_cached.cache_clear()
+    family_check._check_forward_cached.cache_clear()
     real_init = decode.LMHead.__init__
 
     def without_divisor(self, config, tied=None):
@@ -142,7 +142,7 @@ def test_the_forward_check_refuses_what_the_loop_does_not_apply(generic_dirs, mo
     with pytest.raises(CheckpointError, match="logits differ from GraniteForCausalLM's"):
         open_checkpoint(path)
     monkeypatch.undo()
-    text._check_forward_cached.cache_clear()
+    family_check._check_forward_cached.cache_clear()
     assert open_checkpoint(path).num_layers == 3
 
 

@@ -337,6 +337,12 @@ def _open(path: str | Path, *, trust_model_code: bool | None = None, cameras: in
                                    + pickle_hint(path))
         ref_path = cfg.llm_path or cfg.vlm_path
         if not ref_path:
+            from .family_check import check_family
+
+            try:  # its own blocks of a family no test proves (a --set llm.model_type): the forward check
+                check_family(llm_config(cfg))
+            except ValueError as e:
+                raise CheckpointError(f"{path / 'config.json'}: {e}") from None
             return Checkpoint(path, "hybrid_vla", cfg, f"hybrid_vla checkpoint ({cfg.preset or 'custom'})",
                               own_weights=own)
         ref_dir = _resolve_ref(path, ref_path)

@@ -28,12 +28,6 @@ SCENE_QUERIES = "scene_queries"
 
 #: Navigation command names, in CARLA RoadOption order (value = index + 1).
 NAV_COMMANDS = ("LEFT", "RIGHT", "STRAIGHT", "LANE_FOLLOW", "CHANGE_LANE_LEFT", "CHANGE_LANE_RIGHT")
-#: LLM families this package's tests prove split exactly (transformers model_type values); any other decoder
-#: transformers has is accepted when its structure passes :func:`~.text.text_family` and its forward
-#: :func:`~.text.check_forward_matches`.
-LLM_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3",
-             # the text models of the Qwen VLMs (multimodal rotary positions; Qwen3-VL: DeepStack features)
-             "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 #: transformers ``model_type`` of the VLM families split here (their ``<Family>ForConditionalGeneration``).
 VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "internvl", "llava_next",
                    "llava_onevision", "idefics3", "smolvlm")
@@ -110,8 +104,8 @@ class VLAConfig:
             ``orion_crop`` (Orion's and MindDrive's published resize, crop and stretch; S even).
         vision: SiglipVisionConfig kwargs (``image_size`` = S), or with ``type: eva02``
             :class:`~hybrid_vla_ros.model.eva02.EVA02Config` fields.
-        llm: the transformers config kwargs of an :data:`LLM_TYPES` family (hidden_size H, num_hidden_layers L,
-            ...) with ``model_type`` (default ``llama``).
+        llm: the transformers config kwargs of a text family (:func:`~.text.text_family`; hidden_size H,
+            num_hidden_layers L, ...) with ``model_type`` (default ``llama``).
         projector: vision features to LLM tokens, by ``type``. ``mlp``: each camera's patch tokens through a LLaVA
             two-layer MLP (C*P tokens). ``query``: ``num_queries`` Q learned queries cross-attend to the patch
             tokens in ``num_layers`` layers of ``num_heads``, then the MLP (Q tokens; Orion's QT-Former shape).

@@ -126,6 +126,7 @@ def _check_text_config(path: Path, text) -> None:
             raise ValueError(f"language model type {text.model_type!r} is a VLM's text model, not a causal LM "
                              "directory (open the VLM's directory)")
         check_splittable(text)
+        _check_family(text)
     except ValueError as e:
         raise CheckpointError(f"{file}: {e}") from None
 
@@ -139,9 +140,17 @@ def causal_lm_config_class(model_type) -> type | None:
     return family.config_class if family.causal_lm_class is not None else None
 
 
+def _check_family(text) -> None:
+    """:func:`~.family_check.check_family` (imported here: it runs the split path, which this module is below)."""
+    from .family_check import check_family
+
+    check_family(text)
+
+
 def _check_text_config_any(path: Path, text) -> None:
     try:
         check_splittable(text)
+        _check_family(text)
     except ValueError as e:
         raise CheckpointError(f"{Path(path) / 'config.json'}: {e}") from None
 
