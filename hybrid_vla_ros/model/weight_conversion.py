@@ -57,6 +57,7 @@ class OneBlockModel:
         self.model = model
 
     def get_parameter(self, name: str) -> torch.nn.Parameter:
+        """The meta-device parameter ``name`` (any block index read as 0). Raises AttributeError if unknown."""
         return self.model.get_parameter(re.sub(r"\.layers\.\d+\.", ".layers.0.", name))
 
 

@@ -133,8 +133,9 @@ class DecodeRegion:
     def wait_reply(self, frame: int, index: int, timeout_s: float) -> Reply | None:
         """The suffix's reply to step ``index`` of ``frame`` (0: its prefill), or None at the deadline. An ending
         reply is found after the next frame's replies replaced it, until the next ending replaces its copy."""
-        def take():
-            for reply in (self.latest_reply(), self.last_ended_reply()):
+        def take():  # the latest first; the ended copy only when the latest is another (each poll of the spin)
+            for read in (self.latest_reply, self.last_ended_reply):
+                reply = read()
                 if reply is not None and (reply.frame, reply.index) == (frame, index):
                     return reply
             return None
