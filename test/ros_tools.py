@@ -140,9 +140,21 @@ def ros2(env: dict, *args: str, timeout: float = 120.0) -> subprocess.CompletedP
     A verb that looks the node up (``_NODE_VERBS``) asks the ros2 daemon first, as a user's command does; when
     the daemon does not list the node, it is asked once more with ``--no-daemon`` (its own discovery for 2 s): a
     daemon that has served many launches can keep missing a node that is up and answering (ros2/ros2cli#582;
-    seen in CI as a minute of 'Node not found' for nodes that a replay had just driven)."""
+    seen in CI as a minute of 'Node not found' for nodes that a replay had just driven).
+
+    A command still running after ``timeout`` s is killed and returned with exit code 124 and a line in its
+    stderr: the ros2 CLI's service verbs wait without end for a reply that a killed node's still-listed service
+    never sends (after a SIGKILL DDS lists the dead process's ``get_state`` for a while; seen in CI after a
+    respawn), so a caller that polls asks again instead of failing on the CLI's hang."""
     def run(argv):
-        return subprocess.run([executable("ros2"), *argv], env=env, capture_output=True, text=True, timeout=timeout)
+        command = [executable("ros2"), *argv]
+        try:
+            return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            def text(b):
+                return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+            killed = f"\n(ros2 {' '.join(argv)} killed after {timeout:.0f} s)"
+            return subprocess.CompletedProcess(command, 124, text(e.stdout), text(e.stderr) + killed)
 
     out = run(args)
     if tuple(args[:2]) in _NODE_VERBS and out.returncode != 0 and "Node not found" in out.stdout + out.stderr:
@@ -152,11 +164,11 @@ def ros2(env: dict, *args: str, timeout: float = 120.0) -> subprocess.CompletedP
 
 def lifecycle_state(env: dict, node: str, timeout: float = 60.0) -> str:
     """The state label ``ros2 lifecycle get <node>`` prints ('active', 'unconfigured', ...). A call that does not
-    find the node yet (the ros2 daemon it starts discovers the graph first) is repeated for up to ``timeout`` s;
-    '' when it never does."""
+    find the node yet (the ros2 daemon it starts discovers the graph first), or that hangs past 20 s (see
+    :func:`ros2`), is repeated for up to ``timeout`` s; '' when it never answers."""
     deadline = time.monotonic() + timeout
     while True:
-        out = ros2(env, "lifecycle", "get", node, timeout=60)
+        out = ros2(env, "lifecycle", "get", node, timeout=20)
         match = re.match(r"(\w+) \[\d+\]", out.stdout.strip())
         if out.returncode == 0 and match:
             return match.group(1)

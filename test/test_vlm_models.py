@@ -129,6 +129,97 @@ def test_gemma3s_image_blocks_are_needed(vlm_dirs):
         verify_decode(path, 2)
 
 
+def test_paligemmas_prefix_attends_both_ways_by_its_own_rule(vlm_dirs):
+    """PaliGemma's images and prompt (its prefix) attend to each other both ways, and its sliding layers OR the
+    prefix into the window (not Gemma 3's window AND): the prefix block and the positions (counted from 1) cross
+    with h_K; a suffix that combines them by Gemma 3's rule, or runs causal masks only, differs from transformers
+    far beyond the tolerance."""
+    from hybrid_vla_ros.model.contract import BlockMaskRule, SplitState
+    from hybrid_vla_ros.model.vlm import _BLOCK_MASK_RULES, load_processor, run_processor
+
+    path = vlm_dirs["paligemma"]
+    ck = open_checkpoint(path, cameras=CAMERAS)
+    cfg = ck.model
+    assert cfg.side == ("position_ids", "image_blocks")
+    inputs = run_processor(load_processor(path, cfg.vlm_type), _camera_images(cfg.camera_size), cfg.prompt)
+    with torch.inference_mode():
+        ref = _reference(path, inputs)
+        state = ck.load("prefix", 1)(inputs)
+        assert state.image_blocks.tolist() == [0] * cfg.num_tokens, "the whole prompt is PaliGemma's prefix"
+        assert state.position_ids.reshape(-1).tolist() == list(range(1, cfg.num_tokens + 1))
+        assert cfg.num_tokens > 2 * 6, "longer than the sliding window, so the rules differ"
+        suffix = ck.load("suffix", 1)
+        assert (suffix.final_hidden_states(state) - ref[-1]).abs().max().item() <= TOL
+        try:
+            _BLOCK_MASK_RULES["paligemma"] = BlockMaskRule.WINDOW_OF_BLOCKS
+            assert (suffix.final_hidden_states(state) - ref[-1]).abs().max().item() > 1e-2, "Gemma 3's rule"
+        finally:
+            _BLOCK_MASK_RULES["paligemma"] = BlockMaskRule.EACH_KIND
+        suffix.cfg.side = ("position_ids",)
+        causal = SplitState(state.hidden_states, state.position_ids)
+        assert (suffix.final_hidden_states(causal) - ref[-1]).abs().max().item() > 1e-2, "causal masks only"
+
+
+class _PixtralPrompt:
+    """Stand-in for transformers' ``PixtralProcessor``, which cannot be imported on this host (its module imports
+    torchvision, whose wheels do not load with the CPU build of torch here): transformers' own
+    ``PixtralImageProcessorPil`` for the pixels and image sizes, and each ``[IMG]`` of the prompt expanded as
+    PixtralProcessor documents it (per row of merged patches: one ``[IMG]`` each, then ``[IMG_BREAK]``; the last
+    break is ``[IMG_END]``). It models the processor only; the split and the referee are the real ones."""
+
+    image_token = "[IMG]"
+
+    def __init__(self, path):
+        from transformers import AutoTokenizer, PixtralImageProcessorPil
+
+        self.images = PixtralImageProcessorPil.from_pretrained(str(path))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+
+    def __call__(self, images, text, return_tensors="pt"):
+        out = self.images(images=images, return_tensors="pt")
+        step = 8 * 2  # patch 8, merge 2 (write_mistral3)
+        pieces = text.split(self.image_token)
+        words = [pieces[0]]
+        for (h, w), rest in zip(out["image_sizes"].tolist(), pieces[1:]):
+            rows = [" ".join(["[IMG]"] * (w // step)) + " [IMG_BREAK]" for _ in range(h // step)]
+            words.append(" " + " ".join(rows)[:-len("[IMG_BREAK]")] + "[IMG_END] " + rest)
+        ids = self.tokenizer("".join(words), return_tensors="pt")
+        return {"input_ids": ids["input_ids"], "pixel_values": out["pixel_values"],
+                "image_sizes": out["image_sizes"]}
+
+
+def test_mistral3_needs_torchvision_here_and_splits_exactly_with_pixtral_inputs(tmp_path, monkeypatch):
+    """Mistral 3 (Pixtral tower with 2-D rotary positions and image sizes, patch merger, Mistral text): on this host
+    its directory is refused in one line naming torchvision (its processor's dependency). With the processor
+    modelled (:class:`_PixtralPrompt`), the split is exact at every K against transformers' own forward on the same
+    inputs: h_K, the final hidden states, and the image tokens' count per camera."""
+    import hybrid_vla_ros.model.vlm as vlm
+    from vlm_builders import write_mistral3
+    from hybrid_vla_ros.model.sources import MissingFileError
+    from hybrid_vla_ros.model.vlm import load_processor, run_processor
+
+    path = write_mistral3(tmp_path / "mistral3")
+    with pytest.raises(MissingFileError, match="PixtralProcessor.*needs torchvision"):
+        load_processor(path, "mistral3")
+    monkeypatch.setattr(vlm, "load_processor", lambda p, t: _PixtralPrompt(p))
+    ck = open_checkpoint(path, cameras=CAMERAS)
+    cfg = ck.model
+    inputs = run_processor(_PixtralPrompt(path), _camera_images(cfg.camera_size), cfg.prompt)
+    assert inputs.tokens == cfg.num_tokens
+    image_id = _PixtralPrompt(path).tokenizer.convert_tokens_to_ids("[IMG]")
+    assert int((inputs.input_ids == image_id).sum()) > 0
+    with torch.inference_mode():
+        ref = _reference(path, inputs)
+        L = ck.num_layers
+        for k in range(L + 1):
+            state = ck.load("prefix", k)(inputs)
+            if k < L:
+                assert (state.hidden_states - ref[k]).abs().max().item() <= TOL, f"h_{k} differs"
+            final = ck.load("suffix", k).final_hidden_states(state)
+            assert (final - ref[L]).abs().max().item() <= TOL, f"split at {k}: final hidden states differ"
+        assert (ref[L] - ref[0]).abs().max() > 0.5
+
+
 def test_the_processor_sees_the_camera_images_in_rgb(vlm_dirs):
     """The images the processor gets are the cameras' RGB (the bag's JPEGs decoded as RGB, resized): swapping to
     BGR changes the pixel values the family's processor produces, so a colour-order slip cannot pass unseen."""

@@ -190,6 +190,99 @@ def write_idefics3(path: Path, family: str = "idefics3", seed: int = 8, shard: s
     return Path(path)
 
 
+def write_mistral3(path: Path, seed: int = 10, shard: str = "100KB") -> Path:
+    """A Mistral 3 (Pixtral tower with 2-D rotary positions, patch merger 2, a Mistral text model) with its
+    processor: images resized to at most 32 px on the longest edge, patch 8 (2 x 1 tokens a 16:9 camera after the
+    merge), rows ended by ``[IMG_BREAK]`` and the image by ``[IMG_END]``; the image sizes go with the pixels."""
+    from transformers import AutoConfig, PixtralImageProcessorPil
+
+    special = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    tok = word_tokenizer(special, LLM["vocab_size"], path)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, head_dim=16, image_size=64, patch_size=8, rope_theta=1e4)
+    cfg = AutoConfig.for_model("mistral3", vision_config=vision, text_config=_text("mistral", head_dim=16),
+                               image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+                               vision_feature_layer=-1)
+    _save_vlm(path, cfg, seed, shard)
+    images = PixtralImageProcessorPil(size={"longest_edge": 32}, patch_size={"height": 8, "width": 8})
+    _save_processor(path, images, cfg, patch_size=8, spatial_merge_size=2)
+    return Path(path)
+
+
+def write_aya_vision(path: Path, seed: int = 11, shard: str = "100KB") -> Path:
+    """An Aya Vision (SigLIP tower, pixel-shuffle 2 with a SwiGLU projector, a Cohere 2 text model with sliding
+    layers of window 6) with its processor: 32 px tiles, patch 8 (4 tokens a tile), no extra tiles, the image
+    wrapped in ``<|START_OF_IMG|>`` ... ``<|END_OF_IMG|>``."""
+    from transformers import AutoConfig, GotOcr2ImageProcessorPil
+
+    special = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "TILE",
+               "TILE_GLOBAL"]
+    tok = word_tokenizer(special, LLM["vocab_size"], path)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    text = _text("cohere2", head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention",
+                                                                         "sliding_attention"],
+                 pad_token_id=1, bos_token_id=None, eos_token_id=None)
+    cfg = AutoConfig.for_model("aya_vision", vision_config=vision, text_config=text, downsample_factor=2,
+                               image_token_index=tok.convert_tokens_to_ids("<|IMG_PATCH|>"),
+                               vision_feature_select_strategy="full", vision_feature_layer=-1)
+    _save_vlm(path, cfg, seed, shard)
+    images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=False)
+    _save_processor(path, images, cfg, patch_size=8, img_size=32, downsample_factor=2)
+    return Path(path)
+
+
+def write_paligemma(path: Path, seed: int = 12, shard: str = "100KB") -> Path:
+    """A PaliGemma 2 (SigLIP tower, linear projector, a Gemma 2 text model with sliding layers of window 6) with its
+    processor: 32 px images, patch 8 (16 tokens an image, all images first, then the prompt); images and prompt
+    attend to each other both ways (the prefix of transformers' ``token_type_ids``), positions counted from 1."""
+    from transformers import AutoConfig, SiglipImageProcessorPil
+
+    special = ["<image>", "<bos>", "<eos>"]
+    tok = word_tokenizer(special, LLM["vocab_size"], path, extra={"image_token": "<image>"})
+    tok.bos_token, tok.eos_token = "<bos>", "<eos>"
+    tok.save_pretrained(str(path))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8, projection_dim=LLM["hidden_size"])
+    text = _text("gemma2", head_dim=16, sliding_window=6, query_pre_attn_scalar=16)
+    cfg = AutoConfig.for_model("paligemma", vision_config=vision, text_config=text,
+                               image_token_index=tok.convert_tokens_to_ids("<image>"),
+                               projection_dim=LLM["hidden_size"], hidden_size=LLM["hidden_size"],
+                               vocab_size=LLM["vocab_size"])
+    _save_vlm(path, cfg, seed, shard)
+    images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    images.image_seq_length = 16
+    _save_processor(path, images, cfg)
+    return Path(path)
+
+
+def write_glm4v(path: Path, seed: int = 13, shard: str = "100KB") -> Path:
+    """A GLM-4.1V (its own vision tower with 2-D rotary and interpolated position embeddings, patch merger 2, a
+    GLM-4 text model with multimodal rotary positions) with its processor: images resized to at most 64 x 64 px,
+    patch 8, merge 2, each image between ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
+    from transformers import AutoConfig, Glm4vImageProcessorPil
+
+    special = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
+               "<|video|>"]
+    tok = word_tokenizer(special, LLM["vocab_size"], path, extra={"image_token": "<|image|>",
+                                                                  "video_token": "<|video|>"})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}
+    text = _text("glm4v_text", head_dim=32, rope_parameters=rope)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=LLM["hidden_size"], image_size=32)
+    cfg = AutoConfig.for_model("glm4v", text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
+                               video_token_id=ids["<|video|>"], image_start_token_id=ids["<|begin_of_image|>"],
+                               image_end_token_id=ids["<|end_of_image|>"],
+                               video_start_token_id=ids["<|begin_of_video|>"],
+                               video_end_token_id=ids["<|end_of_video|>"])
+    _save_vlm(path, cfg, seed, shard)
+    images = Glm4vImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
+    _save_processor(path, images, cfg)
+    return Path(path)
+
+
 #: Every VLM family of the tests: name -> (builder, kwargs).
 VLM_BUILDERS = {
     "qwen2_vl": (write_qwen_vl, dict(family="qwen2_vl")),
@@ -203,4 +296,7 @@ VLM_BUILDERS = {
     "llava_onevision": (write_llava_next, dict(family="llava_onevision")),
     "idefics3": (write_idefics3, dict(family="idefics3")),
     "smolvlm": (write_idefics3, dict(family="smolvlm")),
+    "aya_vision": (write_aya_vision, {}),
+    "paligemma": (write_paligemma, {}),
+    "glm4v": (write_glm4v, {}),
 }

@@ -261,10 +261,12 @@ def vlm_view(model: hf.HFModel, cameras: int = 6, prompt: str | None = None,
     tokens = inputs.tokens
     side, shapes = (), {}
     kind = model.config.model_type
-    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"):
         side, shapes = (POSITION_IDS,), {POSITION_IDS: [3, 1, tokens]}
     if kind == "gemma3":  # images attend both ways: their blocks cross with h_K
         side, shapes = (IMAGE_BLOCKS,), {IMAGE_BLOCKS: [tokens]}
+    if kind == "paligemma":  # images and prompt attend both ways; positions from 1
+        side, shapes = (POSITION_IDS, IMAGE_BLOCKS), {POSITION_IDS: [1, 1, tokens], IMAGE_BLOCKS: [tokens]}
     if kind in ("qwen3_vl", "qwen3_vl_moe"):
         visual = int((inputs.input_ids == int(model.config.image_token_id)).sum())
         levels = len(model.vision_config.deepstack_visual_indexes)

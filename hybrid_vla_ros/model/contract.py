@@ -1,10 +1,11 @@
 """What crosses the split for one frame (:class:`SplitState`): h_K plus the side tensors the blocks after K need
-that are not a function of T alone (Qwen-VL rotary positions, Qwen3-VL DeepStack features, Gemma 3's image
-blocks); text models send h_K only. The ring carries them as
+that are not a function of T alone (Qwen-VL / GLM-4V rotary positions, Qwen3-VL DeepStack features, Gemma 3's
+image blocks, PaliGemma's prefix and positions); text models send h_K only. The ring carries them as
 :class:`~hybrid_vla_ros.transport.contract.TensorSpec` entries (:func:`side_specs`).
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields
 
 import torch
@@ -20,17 +21,30 @@ warm_vector_math()
 POSITION_IDS, VISUAL_MASK, DEEPSTACK, IMAGE_BLOCKS = "position_ids", "visual_mask", "deepstack", "image_blocks"
 
 
+class BlockMaskRule(enum.Enum):
+    """How a VLM family's forward lets the tokens of one block (:attr:`SplitState.image_blocks`) attend to each other
+    both ways, per attention kind; known on both sides from the spec's VLM type (:func:`~.vlm.block_mask_rule`).
+
+    ``WINDOW_OF_BLOCKS`` (Gemma 3, transformers' ``create_masks_for_vision_model``): full layers causal OR the
+    block, sliding layers the window AND (causal OR the block). ``EACH_KIND`` (PaliGemma's forward): each kind's own
+    mask (causal, or the causal window) OR the block."""
+
+    WINDOW_OF_BLOCKS = "window_of_blocks"
+    EACH_KIND = "each_kind"
+
+
 @dataclass
 class SplitState:
     """One frame's state at split layer K.
 
     ``hidden_states``: h_K, (T, H) or (P, T, H) with P LLM passes, model dtype. ``position_ids``: (3 or 4, 1, T)
-    int64 (Qwen2/2.5/3-VL), None for ``arange(T)``. ``visual_mask``: (T,) bool; ``deepstack``: (levels, V, H) model
+    int64 (Qwen2/2.5/3-VL, GLM-4V: multimodal rotary positions) or (1, 1, T) (PaliGemma: positions from 1), None
+    for ``arange(T)``. ``visual_mask``: (T,) bool; ``deepstack``: (levels, V, H) model
     dtype, level i added to the visual tokens after block i (Qwen3-VL); both None otherwise. The side tensors hold
     every level whatever K is, so a re-split keeps the contract; the suffix adds levels >= K. ``image_blocks``:
-    (T,) int64, each image's tokens numbered 0, 1, ... by image and text tokens -1 (transformers'
-    ``block_sequence_ids``, Gemma 3): an image's tokens attend to each other both ways, so every block's masks
-    need it; None otherwise.
+    (T,) int64, transformers' ``block_sequence_ids``: tokens with the same number >= 0 attend to each other both
+    ways, -1 causally (Gemma 3: each image a block; PaliGemma: images and prompt one block), so every block's masks
+    need it (combined per :class:`BlockMaskRule`); None otherwise.
     """
 
     hidden_states: torch.Tensor

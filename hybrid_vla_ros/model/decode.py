@@ -57,15 +57,22 @@ class LMHead(nn.Module):
     """The family's causal-LM head: final-norm rows (k, H) -> logits (k, V) float32. ``weight`` (V, H) is
     ``lm_head.weight``, or ``embed_tokens.weight`` when tied (``tied``; None: as the config says); the config's
     logit factors as the families' ``ForCausalLM.forward`` apply them: Cohere's ``logit_scale`` (times), Granite's
-    ``logits_scaling`` (divided by), Gemma's ``final_logit_softcapping`` (``tanh(logits / cap) * cap``)."""
+    ``logits_scaling`` (divided by), Gemma's ``final_logit_softcapping`` (``tanh(logits / cap) * cap``).
+    ``factors``: the names of those the model's generation class applies (a VLM's ``ForConditionalGeneration``
+    may apply none of its text model's, e.g. Aya Vision's Cohere 2 scale: :func:`~.vlm.logit_factors`); None:
+    all the config sets."""
 
-    def __init__(self, config, tied: bool | None = None):
+    def __init__(self, config, tied: bool | None = None, factors: frozenset | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self.tied = bool(getattr(config, "tie_word_embeddings", False)) if tied is None else bool(tied)
-        self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.times = getattr(config, "logit_scale", None)
-        self.divided_by = getattr(config, "logits_scaling", None)
+
+        def factor(name):
+            return getattr(config, name, None) if factors is None or name in factors else None
+
+        self.softcap = factor("final_logit_softcapping")
+        self.times = factor("logit_scale")
+        self.divided_by = factor("logits_scaling")
         #: The projection in place of ``weight`` once packed (``runtime.packed_linear.pack_lm_head_``), else None.
         self.packed = None
 

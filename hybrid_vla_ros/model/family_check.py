@@ -41,8 +41,9 @@ _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 def small_copy(config, blocks: int = 4):
     """A small configuration of the same family and structure as ``config`` for :func:`check_forward_matches`:
-    widths of :data:`_SMALL_WIDTHS` (grouped KV kept grouped), at most 8 experts and 2 active, a sliding window of
-    at most 5, the first ``blocks`` decoder blocks with every attention kind of the original among them. Built
+    widths of :data:`_SMALL_WIDTHS` (grouped KV kept grouped; the head width kept where multimodal rotary sections
+    are declared for it), at most 8 experts and 2 active, a sliding window of at most 5, attention chunks of at
+    most 4 tokens, the first ``blocks`` decoder blocks with every attention kind of the original among them. Built
     through the family's config class from a dict, so derived fields follow. Raises what the class raises."""
     doc = config.to_dict()
     n = min(int(config.num_hidden_layers), blocks)
@@ -55,10 +56,15 @@ def small_copy(config, blocks: int = 4):
             over[key] = min(int(doc[key]), 8)
     if doc.get("num_experts_per_tok"):
         over["num_experts_per_tok"] = min(int(doc["num_experts_per_tok"]), 2)
+    rope = doc.get("rope_parameters") or doc.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("mrope_section") and doc.get("head_dim"):  # sections sum to its half
+        over["head_dim"] = int(doc["head_dim"])
     if doc.get("kv_lora_rank") and "head_dim" in doc:  # latent attention: the rotary runs on the rope part only
         over["head_dim"] = over["qk_rope_head_dim"]
     if doc.get("sliding_window"):
         over["sliding_window"] = min(int(doc["sliding_window"]), 5)
+    if doc.get("attention_chunk_size"):  # chunks shorter than the check's tokens, so the chunked masks act
+        over["attention_chunk_size"] = min(int(doc["attention_chunk_size"]), 4)
     if doc.get("layer_types"):
         kinds = list(doc["layer_types"])
         picked = kinds[:n]
@@ -127,7 +133,8 @@ def _compare_on(family: text.TextFamily, small, where: str) -> None:
         torch.manual_seed(0)
         full = (family.causal_lm_class or family.base_class)(small).float().eval()
         _draw_(full, g)
-        base = full.base_model if family.causal_lm_class is not None else full
+        # the base model as the causal LM holds it (Llama 4's names a prefix it does not use: find it by class)
+        base = next((m for m in full.children() if isinstance(m, family.base_class)), full.base_model)
         ids = (torch.arange(_CHECK_TOKENS) * 37 + 5) % int(small.vocab_size)
         reference = base(input_ids=ids[None]).last_hidden_state[0]
         logits = full(input_ids=ids[None]).logits[0] if family.causal_lm_class is not None else None

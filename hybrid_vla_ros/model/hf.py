@@ -147,9 +147,9 @@ def _check_family(text) -> None:
     check_family(text)
 
 
-def _check_text_config_any(path: Path, text) -> None:
+def _check_text_config_any(path: Path, text, both_ways: bool = False) -> None:
     try:
-        check_splittable(text)
+        check_splittable(text, both_ways)
         _check_family(text)
     except ValueError as e:
         raise CheckpointError(f"{Path(path) / 'config.json'}: {e}") from None
@@ -275,7 +275,9 @@ def read_hf(path: str | Path) -> HFModel:
             text_family(text.model_type)
         except ValueError as e:
             raise CheckpointError(f"{file}: the text model of this {model_type} cannot be split: {e}") from None
-        _check_text_config_any(path, text)
+        from .vlm import block_mask_rule
+
+        _check_text_config_any(path, text, both_ways=block_mask_rule(model_type) is not None)
         return HFModel(path, "vlm", architecture_name(doc), config, text, config.vision_config, doc)
     if model_type == "llava":
         vision = config.vision_config

@@ -84,7 +84,7 @@ class SplitModel:
             from .decode import LMHead
 
             tied = None if self.ck is None else "lm_head.weight" not in self.ck.source()
-            return LMHead(self.text_config(), tied)
+            return LMHead(self.text_config(), tied, self.logit_factors())
         if role not in self.STAGES:
             raise ValueError(f"unknown role {role!r}; use prefix, suffix, full, blocks or lm_head")
         cls = self.STAGES[role]
@@ -102,6 +102,16 @@ class SplitModel:
     def text_config(self):
         """The transformers config of its decoder blocks (what its KV caches are built for)."""
         return modeling.llm_config(self.cfg)
+
+    def logit_factors(self) -> frozenset | None:
+        """The logit factors its LM head applies (:class:`~.decode.LMHead`): a VLM's generation class's
+        (:func:`~.vlm.logit_factors`), None (all its text config sets) otherwise."""
+        vlm_type = getattr(self.cfg, "vlm_type", "")
+        if not vlm_type:
+            return None
+        from .vlm import logit_factors
+
+        return logit_factors(vlm_type)
 
     def tokenizer(self):
         """The tokenizer that turns its decoded ids into text (local files only), or None where it has none."""
@@ -443,8 +453,8 @@ class VLMFront(SplitModel):
     @property
     def decodes(self) -> bool:
         """A bare VLM decodes; a driving composition when its config says so (``decode``), else its planning head
-        reads fixed positions of one prefill. Not a VLM whose images attend both ways (Gemma 3: its masks against a
-        KV cache split in two are not built here yet)."""
+        reads fixed positions of one prefill. Not a VLM whose images attend both ways (Gemma 3, PaliGemma: their
+        masks against a KV cache split in two are not built here yet)."""
         from .contract import IMAGE_BLOCKS
 
         if IMAGE_BLOCKS in self.cfg.side:
@@ -456,8 +466,9 @@ class VLMFront(SplitModel):
         from .contract import IMAGE_BLOCKS
 
         if IMAGE_BLOCKS in self.cfg.side:
-            return ("its images' tokens attend to each other both ways (Gemma 3), and the masks of a decode against "
-                    "a KV cache split in two are not built for that yet: one prefill and a planning head only")
+            return ("its images' tokens attend to each other both ways (Gemma 3's images, PaliGemma's prefix), and "
+                    "the masks of a decode against a KV cache split in two are not built for that yet: one prefill "
+                    "and a planning head only")
         return SplitModel.NO_DECODE
 
     def placed_rows(self, suffix, out, cache, split_layer):

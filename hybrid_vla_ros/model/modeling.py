@@ -190,8 +190,11 @@ def add_pass_lora_(block: nn.Module, passes: int, rank: int) -> nn.Module:
 
 
 def llm_config(cfg: VLAConfig):
-    """transformers config of the checkpoint's LLM, attention pinned (:func:`text.text_config`)."""
-    return text.text_config(cfg.llm)
+    """transformers config of the checkpoint's LLM, attention pinned (:func:`text.text_config`); a VLM whose forward
+    builds masks with both-ways blocks keeps its text model's bidirectional flag (:func:`vlm.block_mask_rule`)."""
+    from .vlm import block_mask_rule
+
+    return text.text_config(cfg.llm, both_ways=block_mask_rule(getattr(cfg, "vlm_type", None)) is not None)
 
 
 def llm_family(cfg: VLAConfig) -> text.TextFamily:
@@ -541,8 +544,13 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
     for b in layers:
         first.setdefault(_kind(b, kinds), b.self_attn.layer_idx)
     blocks_of_images = state.image_blocks if state is not None else None
+    rule = None
+    if blocks_of_images is not None:
+        from .vlm import block_mask_rule
+
+        rule = block_mask_rule(m.cfg.vlm_type)
     inputs = text.block_inputs(config, m.rotary_emb, x, set(first), positions, cache=cache, first_layer=first,
-                               image_blocks=blocks_of_images)
+                               image_blocks=blocks_of_images, block_rule=rule)
     deep = state.deepstack if state is not None else None
     levels = 0 if deep is None else deep.shape[0]
     if out is not None and layers[-1].self_attn.layer_idx < levels:

@@ -23,7 +23,7 @@ equal to transformers' forward by this package's tests; any other is proven once
 :func:`~.family_check.check_forward_matches` (a small random copy of the configuration run both ways, this
 package's loop split in two against the family's own forward), so a family whose forward does more than the
 loop is refused, naming the difference, instead of split wrong. Refused by structure:
-attention kinds other than full and sliding (chunked, linear, convolution or state-space layers), bidirectional
+attention kinds other than full, sliding and chunked (linear, convolution or state-space layers), bidirectional
 overlays (:func:`check_splittable`), base models with other parts than the four.
 """
 from __future__ import annotations
@@ -47,7 +47,10 @@ CAUSAL_LM_ARCHITECTURES = {
     "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
-FULL, SLIDING = "full_attention", "sliding_attention"
+#: The attention kinds the loop builds masks for (transformers' ``layer_types`` names): causal, a causal window of
+#: ``sliding_window`` keys, causal within chunks of ``attention_chunk_size`` tokens (Llama 4).
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
 #: The children a splittable base model has, and nothing else (``<Family>Model.__init__``).
 BASE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 
@@ -144,34 +147,36 @@ def attention_implementation(family: TextFamily) -> str:
     return "sdpa" if getattr(family.base_class, "_supports_sdpa", False) else "eager"
 
 
-def text_config(llm: dict):
+def text_config(llm: dict, both_ways: bool = False):
     """The transformers config of an ``llm`` dict (``model_type`` and config kwargs, as in ``config.json``).
 
     Attention implementation pinned to :func:`attention_implementation`, experts to the family's
-    ``experts_implementation``. Raises ValueError for an unsupported
+    ``experts_implementation``. ``both_ways``: as :func:`check_splittable`'s. Raises ValueError for an unsupported
     model_type or a configuration :func:`check_splittable` refuses."""
     family = text_family(llm.get("model_type", "llama"))  # this package's presets leave LLaMA implicit
     config = family.config_class(**{k: v for k, v in llm.items() if k != "model_type"})
     config._attn_implementation = attention_implementation(family)
     if family.experts_implementation:  # MoE blocks run their experts as from_pretrained's model does
         config._experts_implementation = family.experts_implementation
-    check_splittable(config)
+    check_splittable(config, both_ways)
     return config
 
 
-def check_splittable(config) -> None:
-    """Raise ValueError for what this loop cannot split exactly by structure: Gemma 3's
-    ``use_bidirectional_attention``, attention kinds other than full and sliding (a family outside
-    :data:`TESTED_TEXT_TYPES` is then proven by :func:`~.family_check.check_forward_matches`)."""
-    if getattr(config, "use_bidirectional_attention", False):
+def check_splittable(config, both_ways: bool = False) -> None:
+    """Raise ValueError for what this loop cannot split exactly by structure: ``use_bidirectional_attention``
+    (Gemma 3's encoder use: every token attends to later ones), unless ``both_ways`` (the text model of a VLM whose
+    forward builds its masks with blocks that attend both ways, :class:`~.contract.BlockMaskRule`: PaliGemma sets
+    the flag and hands explicit masks, which both sides rebuild); attention kinds other than :data:`ATTENTION_KINDS` (a
+    family outside :data:`TESTED_TEXT_TYPES` is then proven by :func:`~.family_check.check_forward_matches`)."""
+    if getattr(config, "use_bidirectional_attention", False) and not both_ways:
         raise ValueError(f"{config.model_type}: use_bidirectional_attention is set (tokens attend to later tokens "
                          "through a mask overlay): not a causal language model, which is what the split runs; "
                          "use a causal checkpoint")
-    other = sorted(set(attention_kinds(config)) - {FULL, SLIDING})
+    other = sorted(set(attention_kinds(config)) - set(ATTENTION_KINDS))
     if other:
-        raise ValueError(f"{config.model_type}: its layer_types include {other} (only {FULL} and {SLIDING} blocks "
-                         "split here: chunked attention, linear attention, convolution and state-space layers carry "
-                         "state or masks this loop does not build)")
+        raise ValueError(f"{config.model_type}: its layer_types include {other} (only {', '.join(ATTENTION_KINDS)} "
+                         "blocks split here: linear attention, convolution and state-space layers carry state or "
+                         "masks this loop does not build)")
 
 
 def attention_kinds(config) -> list[str]:
@@ -277,16 +282,18 @@ def _rotary_per_kind(rotary_class: type) -> bool:
 def split_positions(position_ids: torch.Tensor | None, x: torch.Tensor, past: int = 0) -> tuple:
     """(rotary position ids, text position ids) for hidden states ``x`` (B, T, H).
 
-    None: ``arange(T)`` (1, T) for both. Qwen-VL multimodal positions (int64): (3, B, T) temporal / height /
-    width, text None; (4, B, T): row 0 text, rows 1.. rotary, as ``Qwen2_5_VLTextModel.forward`` /
-    ``Qwen3VLTextModel.forward`` (transformers 5.24). Raises ValueError for another shape."""
+    None: ``arange(T)`` (1, T) for both. (1, B, T): plain positions not from 0 (PaliGemma's from 1), (B, T) for
+    both. Multimodal positions (int64): (3, B, T) temporal / height / width, text None; (4, B, T): row 0 text,
+    rows 1.. rotary, as ``Qwen2_5_VLTextModel.forward`` / ``Qwen3VLTextModel.forward`` (transformers 5.24). Raises
+    ValueError for another shape."""
     if position_ids is None:
         positions = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         return positions, positions
-    if position_ids.dim() != 3 or position_ids.shape[0] not in (3, 4) or position_ids.shape[-1] != x.shape[1]:
-        raise ValueError(f"multimodal position ids must be (3 or 4, B, T={x.shape[1]}), got "
-                         f"{tuple(position_ids.shape)}")
+    if position_ids.dim() != 3 or position_ids.shape[0] not in (1, 3, 4) or position_ids.shape[-1] != x.shape[1]:
+        raise ValueError(f"position ids must be (1, 3 or 4, B, T={x.shape[1]}), got {tuple(position_ids.shape)}")
     position_ids = position_ids.to(x.device)
+    if position_ids.shape[0] == 1:
+        return position_ids[0], position_ids[0]
     if position_ids.shape[0] == 4:
         return position_ids[1:], position_ids[0]
     return position_ids, None
@@ -299,33 +306,47 @@ def cached_tokens(cache, first_layer: int) -> int:
 
 def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
                  position_ids: torch.Tensor | None = None, *, cache=None, first_layer: dict | None = None,
-                 image_blocks: torch.Tensor | None = None) -> BlockInputs:
+                 image_blocks: torch.Tensor | None = None, block_rule=None) -> BlockInputs:
     """Position ids, masks and rotary tables for hidden states ``x`` (B, T, H) and the attention ``kinds`` the
     blocks to run use, as the family's base model computes them; ``position_ids``: None for a text model's
     positions, or a VLM's multimodal ones (:func:`split_positions`). ``cache``: this side's KV cache (a decode):
     positions continue after the tokens it holds and each mask is sized against the cache layer of
     ``first_layer[kind]``, the first block of that kind this side runs (the other side's layers stay empty).
-    ``image_blocks``: (T,) int64 (:class:`~.contract.SplitState`): the masks also let each image's tokens attend to
-    each other, built by transformers' ``create_masks_for_vision_model`` (``modeling_gemma3.py``: full layers
-    causal OR the image block, sliding layers that AND the window)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    ``image_blocks``: (T,) int64 (:class:`~.contract.SplitState`): the masks also let each block's tokens attend to
+    each other, combined per ``block_rule`` (:class:`~.contract.BlockMaskRule`, required with ``image_blocks``):
+    by transformers' ``create_masks_for_vision_model`` (``modeling_gemma3.py``), or each kind's own mask function
+    given the blocks (as ``PaliGemmaModel.forward`` calls them)."""
+    from transformers.masking_utils import (create_causal_mask, create_chunked_causal_mask,
+                                            create_sliding_window_causal_mask)
 
     first_layer = first_layer or {}
     past = cached_tokens(cache, min(first_layer.values(), default=0))
     rotary_positions, text_positions = split_positions(position_ids, x, past)
-    makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+    makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask,
+              CHUNKED: create_chunked_causal_mask}
     masks = {}
     if image_blocks is not None and not x.is_meta:
         if cache is not None:
             raise ValueError("masks for images attending both ways against a KV cache are not built here")
-        from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model
+        from .contract import BlockMaskRule
 
-        both = create_masks_for_vision_model(config, x, None, cache, text_positions,
-                                             image_blocks.reshape(1, -1).to(x.device))
-        masks = {kind: both[kind] for kind in kinds}
+        blocks = image_blocks.reshape(1, -1).to(x.device)
+        if block_rule is BlockMaskRule.WINDOW_OF_BLOCKS:
+            from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model
+
+            both = create_masks_for_vision_model(config, x, None, cache, text_positions, blocks)
+            masks = {kind: both[kind] for kind in kinds}
+        elif block_rule is BlockMaskRule.EACH_KIND:
+            for kind in kinds:
+                if kind not in makers:
+                    raise ValueError(f"attention kind {kind!r} is not supported (only {', '.join(ATTENTION_KINDS)})")
+                masks[kind] = makers[kind](config=config, inputs_embeds=x, attention_mask=None, cache=cache,
+                                           position_ids=text_positions, block_sequence_ids=blocks)
+        else:
+            raise ValueError(f"blocks that attend both ways need a BlockMaskRule, got {block_rule!r}")
     for kind in set(kinds) - set(masks):
         if kind not in makers:
-            raise ValueError(f"attention kind {kind!r} is not supported (only {FULL}, {SLIDING})")
+            raise ValueError(f"attention kind {kind!r} is not supported (only {', '.join(ATTENTION_KINDS)})")
         if x.is_meta:  # FLOP counting on the meta device (no values): transformers' mask functions read values
             masks[kind] = None
             continue

@@ -24,9 +24,13 @@ import torch
 from torch import nn
 
 from .config import VLM_MODEL_TYPES
+from .contract import BlockMaskRule
 
 #: The base model's attribute holding the text model, where it is not ``language_model``.
 _TEXT_ATTRIBUTE = {"idefics3": "text_model", "smolvlm": "text_model"}
+#: Families whose forward hands its text model masks where some tokens attend both ways, and how it combines
+#: them per attention kind (``modeling_gemma3.py``, ``modeling_paligemma.py``, transformers 5.24).
+_BLOCK_MASK_RULES = {"gemma3": BlockMaskRule.WINDOW_OF_BLOCKS, "paligemma": BlockMaskRule.EACH_KIND}
 
 
 class CheckpointLayoutError(ValueError):
@@ -62,6 +66,25 @@ def vlm_family(model_type: str) -> VLMFamily:
 
 # ----------------------------------------------------------------------------------------------- processor
 
+def block_mask_rule(model_type: str) -> BlockMaskRule | None:
+    """How the VLM family ``model_type`` combines its both-ways blocks with each attention kind's mask; None for a
+    family whose text model's masks are causal (or sliding) only."""
+    return _BLOCK_MASK_RULES.get(model_type)
+
+
+#: The logit factors a causal-LM head may apply (:class:`~.decode.LMHead`).
+LOGIT_FACTORS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+@functools.lru_cache(maxsize=None)
+def logit_factors(model_type: str) -> frozenset:
+    """The logit factors (:data:`LOGIT_FACTORS`) the family's ``ForConditionalGeneration.forward`` applies, read
+    from its source in transformers (Gemma 3 and PaliGemma soft-cap; Aya Vision applies none of its Cohere 2 text
+    model's ``logit_scale``). ValueError for a type not in :data:`VLM_MODEL_TYPES`."""
+    source = inspect.getsource(vlm_family(model_type).generation_class.forward)
+    return frozenset(name for name in LOGIT_FACTORS if name in source)
+
+
 def images_only(processor_class: type) -> type:
     """``processor_class`` built without a video processor (those need torchvision; the nodes feed stills)."""
 
@@ -81,7 +104,8 @@ def images_only(processor_class: type) -> type:
 def load_processor(path: str | Path, model_type: str):
     """The family's processor of the VLM directory ``path``, options from ``processor_config.json`` if present.
 
-    Raises MissingFileError when the image processor or tokenizer files are missing."""
+    Raises MissingFileError when the image processor or tokenizer files are missing, or when the family's
+    processor class needs a library not installed here (Mistral 3's ``PixtralProcessor`` imports torchvision)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     from .sources import MissingFileError
@@ -96,6 +120,8 @@ def load_processor(path: str | Path, model_type: str):
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise MissingFileError(f"{path}: cannot load the VLM's image processor or tokenizer ({e})") from None
+    except ImportError as e:  # an image processor with a torchvision backend only (Llama 4's)
+        raise MissingFileError(_needs_library(path, model_type, "image processor", e)) from None
     options = {}
     doc_file = path / "processor_config.json"
     if doc_file.is_file():
@@ -103,7 +129,19 @@ def load_processor(path: str | Path, model_type: str):
         accepted = inspect.signature(family.processor_class.__init__).parameters
         options = {k: v for k, v in doc.items() if k in accepted and k not in ("image_processor", "tokenizer",
                                                                                "video_processor", "chat_template")}
-    return images_only(family.processor_class)(image_processor=images, tokenizer=tokenizer, **options)
+    try:
+        return images_only(family.processor_class)(image_processor=images, tokenizer=tokenizer, **options)
+    except ImportError as e:  # transformers' placeholder for a processor whose module needs a missing library
+        what = f"processor ({family.processor_class.__name__})"
+        raise MissingFileError(_needs_library(path, model_type, what, e)) from None
+
+
+def _needs_library(path, model_type: str, what: str, error: ImportError) -> str:
+    """The one line for a VLM ``what`` (its processor, image processor) that needs a library not installed."""
+    if "orchvision" not in str(error):
+        return f"{path}: the {model_type} {what} cannot be imported here ({str(error).strip()})"
+    return (f"{path}: the {model_type} {what} needs torchvision, which is not installed here: install the "
+            f"torchvision built for this torch ({torch.__version__}) to run this family")
 
 
 def image_placeholder(processor) -> str:
@@ -152,6 +190,7 @@ def run_processor(processor, images: list, prompt: str) -> VLMInputs:
     out = processor(images=list(images), text=prompt, return_tensors="pt")
     ids = out.pop("input_ids")
     out.pop("attention_mask", None)  # one unpadded prompt: no mask (the blocks' masks are causal)
+    out.pop("labels", None)  # PaliGemma's training targets (its prompt holds no suffix: all ignored)
     return VLMInputs(ids, dict(out))
 
 
@@ -213,10 +252,12 @@ def build_front(config, family: VLMFamily, embed_tokens: nn.Module) -> nn.Module
 
 
 def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
-    """The front's forward on one frame. Where the front builds the text model's attention masks itself (Gemma 3:
-    causal, or both ways within an image), the image blocks they come from, by the family's own
-    ``get_block_sequence_ids_for_mask`` on the processor's ``token_type_ids``. RuntimeError if it never calls its
-    text model, or hands it masks of another kind."""
+    """The front's forward on one frame. Where the front builds the text model's attention masks itself, the
+    blocks of tokens that attend both ways they come from, from the processor's ``token_type_ids``: Gemma 3's
+    images by the family's own ``get_block_sequence_ids_for_mask``, PaliGemma's prefix (images and prompt, type 0)
+    as its forward numbers it (0, the rest -1). Positions other than ``arange(T)`` from 1-D position ids
+    (PaliGemma counts from 1) come back as (1, 1, T). RuntimeError if it never calls its text model, or hands it
+    masks of another kind or position ids of another form."""
     try:
         front(input_ids=inputs.input_ids, **inputs.images)
     except _Captured as c:
@@ -227,20 +268,26 @@ def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
     if kw.get("attention_mask") is not None:
         import sys
 
+        rule = block_mask_rule(front.config.model_type)
         own = getattr(sys.modules[type(front).__module__], "get_block_sequence_ids_for_mask", None)
         types = inputs.images.get("token_type_ids")
-        if own is None or types is None:
+        if rule is None or types is None or (rule is BlockMaskRule.WINDOW_OF_BLOCKS and own is None):
             raise RuntimeError(f"{type(front).__name__}.forward hands its text model attention masks of its own, "
                                "which this package cannot rebuild on both sides of the split")
-        blocks = own(types.to(inputs.input_ids.device)).reshape(-1)
+        types = types.to(inputs.input_ids.device)
+        if rule is BlockMaskRule.WINDOW_OF_BLOCKS:
+            blocks = own(types).reshape(-1)
+        else:  # PaliGemma's prefix: one block numbered 0
+            blocks = torch.where(types == 0, 0, -1).reshape(-1)
     h = kw["inputs_embeds"]
     if h.dim() != 3 or h.shape[0] != 1:
         raise RuntimeError(f"the VLM front gave inputs_embeds {tuple(h.shape)}, expected (1, T, H)")
     positions = kw.get("position_ids")
     if positions is not None and positions.dim() == 2:  # (1, T): plain positions, arange for a prefill
-        if not torch.equal(positions[0], torch.arange(h.shape[1], device=positions.device)):
-            raise RuntimeError("the VLM front gave 2-D position ids other than 0..T-1")
-        positions = None
+        steps = torch.arange(h.shape[1], device=positions.device)
+        if positions.shape != (1, h.shape[1]) or not torch.equal(positions[0] - positions[0, 0], steps):
+            raise RuntimeError("the VLM front gave 2-D position ids that are not consecutive")
+        positions = None if int(positions[0, 0]) == 0 else positions.unsqueeze(0)
     deep = kw.get("deepstack_visual_embeds")
     mask = kw.get("visual_pos_masks")
     return FrontOutput(h[0], positions, None if mask is None else mask.reshape(-1),
