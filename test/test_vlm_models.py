@@ -160,6 +160,37 @@ def test_paligemmas_prefix_attends_both_ways_by_its_own_rule(vlm_dirs):
         assert (suffix.final_hidden_states(causal) - ref[-1]).abs().max().item() > 1e-2, "causal masks only"
 
 
+def test_mllamas_cross_attention_blocks_read_the_vision_states_that_cross(vlm_dirs):
+    """Mllama's block 1 is a cross-attention block: the text tokens are not image tokens, the vision states reach
+    the text model only there. They cross with h_K (with the prepared cross-attention mask and rows) when the block
+    is on the suffix's side; a suffix run without them (the block skipped, as transformers skips it for text alone)
+    differs from transformers far beyond the tolerance, one that lacks them refuses naming them, and a decode is
+    refused in one line (its cross-attention cache is not built across the split)."""
+    from hybrid_vla_ros.model.contract import SplitState
+    from hybrid_vla_ros.model.vlm import load_processor, run_processor
+    from hybrid_vla_ros.split.verify_decode import CannotDecode, verify_decode
+
+    path = vlm_dirs["mllama"]
+    ck = open_checkpoint(path, cameras=CAMERAS)
+    cfg = ck.model
+    assert cfg.side == ("cross_states", "cross_mask", "cross_rows")
+    inputs = run_processor(load_processor(path, cfg.vlm_type), _camera_images(cfg.camera_size), cfg.prompt)
+    with torch.inference_mode():
+        ref = _reference(path, inputs)
+        state = ck.load("prefix", 1)(inputs)
+        tiles, patches, width = state.cross_states.shape
+        assert (tiles, width) == (CAMERAS * 2, cfg.hidden_size) and patches == 17, "2 tiles a camera, 16 + 1 patches"
+        assert state.cross_mask.shape == (1, 1, cfg.num_tokens, tiles * patches)
+        suffix = ck.load("suffix", 1)
+        assert (suffix.final_hidden_states(state) - ref[-1]).abs().max().item() <= TOL
+        with pytest.raises(ValueError, match="cross_states"):
+            suffix.final_hidden_states(SplitState(state.hidden_states))
+        suffix.cfg.side = ()
+        assert (suffix.final_hidden_states(SplitState(state.hidden_states)) - ref[-1]).abs().max().item() > 1e-2
+    with pytest.raises(CannotDecode, match="cross-attention"):
+        verify_decode(path, 2)
+
+
 class _PixtralPrompt:
     """Stand-in for transformers' ``PixtralProcessor``, which cannot be imported on this host (its module imports
     torchvision, whose wheels do not load with the CPU build of torch here): transformers' own
@@ -243,11 +274,13 @@ def test_the_processor_sees_the_camera_images_in_rgb(vlm_dirs):
     assert torch.allclose(out[:, :third], torch.full_like(out[:, :third], (1 - mean[0]) / std[0]), atol=1e-3)
 
 
-@pytest.mark.parametrize("family", ["internvl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["internvl", "qwen2_5_vl", "qwen3_vl", "paligemma", "mllama"])
 def test_cli_verify_split_and_plan_on_a_vlm_directory(vlm_dirs, family, tmp_path, capsys):
-    """`hybrid-vla verify-split --model DIR` exits 0 at every K; `hybrid-vla plan --model DIR` lists L + 1 rows,
-    its hand-off bytes the hidden states plus the declared side tensors (none, positions, positions + DeepStack;
-    every family's directory is checked at every K above, and through the CLI on its composition below)."""
+    """`hybrid-vla verify-split --model DIR` exits 0 at every K; `hybrid-vla profile` times every block (Mllama's
+    cross-attention block reading the vision states the prefix made) and `hybrid-vla plan --model DIR --profile`
+    lists L + 1 rows, its hand-off bytes the hidden states plus the declared side tensors (none, positions,
+    positions + DeepStack, positions + PaliGemma's prefix, Mllama's vision states and masks; every family's
+    directory is checked at every K above, and through the CLI on its composition below)."""
     from hybrid_vla_ros.model.contract import side_bytes
     from hybrid_vla_ros.tools.cli import main
 
@@ -257,10 +290,13 @@ def test_cli_verify_split_and_plan_on_a_vlm_directory(vlm_dirs, family, tmp_path
     out = capsys.readouterr().out
     assert "OK: 4 of 4 split layers within the allowed difference" in out, out
     assert "through the family's processor" in out, out
+    assert main(["profile", "--model", str(path), "--cameras", str(CAMERAS), "--warmup", "0", "--quiet",
+                 "--out", str(tmp_path / "profile.json")]) == 0
     assert main(["plan", "--model", str(path), "--dtype", "fp32", "--cameras", str(CAMERAS), "--json",
-                 str(tmp_path / "plan.json")]) == 0
+                 str(tmp_path / "plan.json"), "--profile", str(tmp_path / "profile.json")]) == 0
     rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
     assert [r["k"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["suffix_ms"] is not None and r["suffix_ms"] >= 0 for r in rows), rows
     cfg = open_checkpoint(path, cameras=CAMERAS).model
     want = cfg.num_tokens * cfg.hidden_size * 4 + side_bytes(cfg, torch.float32)
     assert all(r["handoff_bytes"] == want for r in rows), (rows[0]["handoff_bytes"], want)

@@ -6,9 +6,10 @@ the same processor outputs of the same camera images (the frame the trajectory's
 family's processor with the planning token appended, as the prefix node feeds it), its text model's final
 hidden state of the planning token through the composed checkpoint's planning head (this package's own tensor).
 Qwen3-VL sends multimodal positions and DeepStack features with h_K (Qwen3-VL-MoE too, its text blocks mixtures
-of experts), Gemma 3 its image blocks (its images attend both ways), InternVL nothing but h_K: the kinds of ring
-contract a VLM has (Qwen2.5-VL's positions alone are the first half of Qwen3-VL's; every family's split at every K
-is checked against transformers in test_vlm_models.py).
+of experts), Gemma 3 its image blocks (its images attend both ways), Mllama the vision states and masks its
+cross-attention blocks read, InternVL nothing but h_K: the kinds of ring contract a VLM has (Qwen2.5-VL's
+positions alone are the first half of Qwen3-VL's; every family's split at every K is checked against transformers
+in test_vlm_models.py).
 """
 import json
 import os
@@ -26,7 +27,7 @@ from hybrid_vla_ros.model.checkpoint import open_checkpoint
 from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, resize_rgb
 
 REPO = Path(__file__).resolve().parent.parent
-FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "gemma3", "internvl"]
+FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "gemma3", "internvl", "mllama"]
 
 
 def _cli(*argv, timeout=400):

@@ -283,6 +283,31 @@ def write_glm4v(path: Path, seed: int = 13, shard: str = "100KB") -> Path:
     return Path(path)
 
 
+def write_mllama(path: Path, seed: int = 14, shard: str = "100KB") -> Path:
+    """An Mllama (Llama 3.2 Vision: a tiled vision tower with a global encoder, a projector, a Llama text model whose
+    block 1 is a cross-attention block reading the vision states) with its processor: 32 px tiles, patch 8 (16
+    patches and a class token a tile), at most 2 tiles an image; each ``<|image|>`` token marks where the text
+    starts attending to that camera's tiles."""
+    from transformers import AutoConfig, MllamaImageProcessorPil
+
+    special = ["<|image|>", "<|begin_of_text|>", "<|python_tag|>", "<|finetune_right_pad_id|>"]
+    tok = word_tokenizer(special, LLM["vocab_size"], path, extra={"image_token": "<|image|>"})
+    tok.bos_token, tok.pad_token = "<|begin_of_text|>", "<|finetune_right_pad_id|>"
+    tok.save_pretrained(str(path))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                  image_size=32, patch_size=8, max_num_tiles=2, vision_output_dim=64,
+                  intermediate_layers_indices=[0], supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+    text = _text("mllama_text_model", cross_attention_layers=[1], bos_token_id=ids["<|begin_of_text|>"],
+                 pad_token_id=ids["<|finetune_right_pad_id|>"], eos_token_id=None)
+    text.pop("max_position_embeddings")
+    cfg = AutoConfig.for_model("mllama", vision_config=vision, text_config=text, image_token_index=ids["<|image|>"])
+    _save_vlm(path, cfg, seed, shard)
+    images = MllamaImageProcessorPil(size={"height": 32, "width": 32}, max_image_tiles=2)
+    _save_processor(path, images, cfg)
+    return Path(path)
+
+
 #: Every VLM family of the tests: name -> (builder, kwargs).
 VLM_BUILDERS = {
     "qwen2_vl": (write_qwen_vl, dict(family="qwen2_vl")),
@@ -299,4 +324,5 @@ VLM_BUILDERS = {
     "aya_vision": (write_aya_vision, {}),
     "paligemma": (write_paligemma, {}),
     "glm4v": (write_glm4v, {}),
+    "mllama": (write_mllama, {}),
 }

@@ -250,7 +250,7 @@ def vlm_view(model: hf.HFModel, cameras: int = 6, prompt: str | None = None,
     import numpy as np
 
     from .config import DEFAULT_CAMERA_SIZE, VLMSpec
-    from .contract import DEEPSTACK, IMAGE_BLOCKS, POSITION_IDS, VISUAL_MASK
+    from .contract import CROSS_MASK, CROSS_ROWS, CROSS_STATES, DEEPSTACK, IMAGE_BLOCKS, POSITION_IDS, VISUAL_MASK
     from .vlm import default_prompt, load_processor, run_processor
 
     processor = load_processor(model.path, model.config.model_type)
@@ -267,6 +267,13 @@ def vlm_view(model: hf.HFModel, cameras: int = 6, prompt: str | None = None,
         side, shapes = (IMAGE_BLOCKS,), {IMAGE_BLOCKS: [tokens]}
     if kind == "paligemma":  # images and prompt attend both ways; positions from 1
         side, shapes = (POSITION_IDS, IMAGE_BLOCKS), {POSITION_IDS: [1, 1, tokens], IMAGE_BLOCKS: [tokens]}
+    if kind == "mllama":  # cross-attention blocks read every tile's projected vision states
+        vision = model.vision_config
+        tiles = int(inputs.images["pixel_values"].shape[1]) * int(inputs.images["pixel_values"].shape[2])
+        patches = (int(vision.image_size) // int(vision.patch_size)) ** 2 + 1  # MllamaVisionModel.num_patches
+        side = (CROSS_STATES, CROSS_MASK, CROSS_ROWS)
+        shapes = {CROSS_STATES: [tiles, patches, int(model.text_config.hidden_size)],
+                  CROSS_MASK: [1, 1, tokens, tiles * patches], CROSS_ROWS: [1, 1, tokens, 1]}
     if kind in ("qwen3_vl", "qwen3_vl_moe"):
         visual = int((inputs.input_ids == int(model.config.image_token_id)).sum())
         levels = len(model.vision_config.deepstack_visual_indexes)
@@ -543,12 +550,15 @@ def _default_planning_token(ref: hf.HFModel, vocab: int) -> int:
 
 def _with_planning_token(shapes: dict) -> dict:
     """Side tensor shapes of a T-token frame for T + 1 (the planning token appended)."""
-    from .contract import IMAGE_BLOCKS, POSITION_IDS, VISUAL_MASK
+    from .contract import CROSS_MASK, CROSS_ROWS, IMAGE_BLOCKS, POSITION_IDS, VISUAL_MASK
 
     out = {k: list(v) for k, v in shapes.items()}
     for name in (POSITION_IDS, VISUAL_MASK, IMAGE_BLOCKS):
         if name in out:
             out[name][-1] += 1
+    for name in (CROSS_MASK, CROSS_ROWS):  # (1, 1, T, ...)
+        if name in out:
+            out[name][-2] += 1
     return out
 
 
@@ -558,7 +568,10 @@ def _own_modules(cfg: VLAConfig) -> nn.Module:
     llm = llm_config(cfg)
     tiny = copy.deepcopy(llm)
     tiny.vocab_size = 1  # embed_tokens comes from the referred directory: never allocate vocab x H here
-    tiny.bos_token_id = tiny.eos_token_id = tiny.pad_token_id = None
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # inside the one-row vocabulary (a config may
+        value = getattr(tiny, key, None)  # require them set: Mllama's)
+        if value is not None:
+            setattr(tiny, key, [0] * len(value) if isinstance(value, list) else 0)
     m = nn.Module()
     if cfg.vlm_front:  # the VLM brings every part before the head (and query tokens)
         _add_query_tokens(m, cfg, llm.hidden_size)

@@ -30,7 +30,7 @@ SCENE_QUERIES = "scene_queries"
 NAV_COMMANDS = ("LEFT", "RIGHT", "STRAIGHT", "LANE_FOLLOW", "CHANGE_LANE_LEFT", "CHANGE_LANE_RIGHT")
 #: transformers ``model_type`` of the VLM families split here (their ``<Family>ForConditionalGeneration``).
 VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "paligemma", "internvl",
-                   "llava_next", "llava_onevision", "idefics3", "smolvlm", "mistral3", "aya_vision")
+                   "llava_next", "llava_onevision", "idefics3", "smolvlm", "mistral3", "aya_vision", "mllama")
 #: Ego-state features fed as one token when ``ego_state_input`` is set: speed (m/s, signed, base_link +x),
 #: longitudinal acceleration (m/s^2) and yaw rate (rad/s, counter-clockwise), in this order.
 EGO_FEATURES = ("speed_mps", "accel_mps2", "yaw_rate_radps")

@@ -1,6 +1,7 @@
 """What crosses the split for one frame (:class:`SplitState`): h_K plus the side tensors the blocks after K need
 that are not a function of T alone (Qwen-VL / GLM-4V rotary positions, Qwen3-VL DeepStack features, Gemma 3's
-image blocks, PaliGemma's prefix and positions); text models send h_K only. The ring carries them as
+image blocks, PaliGemma's prefix and positions, Mllama's vision states and cross-attention masks); text models send
+h_K only. The ring carries them as
 :class:`~hybrid_vla_ros.transport.contract.TensorSpec` entries (:func:`side_specs`).
 """
 from __future__ import annotations
@@ -19,6 +20,9 @@ warm_vector_math()
 
 #: Side tensor names, as the ring's contract declares them.
 POSITION_IDS, VISUAL_MASK, DEEPSTACK, IMAGE_BLOCKS = "position_ids", "visual_mask", "deepstack", "image_blocks"
+CROSS_STATES, CROSS_MASK, CROSS_ROWS = "cross_states", "cross_mask", "cross_rows"
+#: Side tensors in the model's floating dtype (moved with it); the others are integer or bool.
+FLOATING_SIDE = (DEEPSTACK, CROSS_STATES, CROSS_MASK, CROSS_ROWS)
 
 
 class BlockMaskRule(enum.Enum):
@@ -44,7 +48,10 @@ class SplitState:
     every level whatever K is, so a re-split keeps the contract; the suffix adds levels >= K. ``image_blocks``:
     (T,) int64, transformers' ``block_sequence_ids``: tokens with the same number >= 0 attend to each other both
     ways, -1 causally (Gemma 3: each image a block; PaliGemma: images and prompt one block), so every block's masks
-    need it (combined per :class:`BlockMaskRule`); None otherwise.
+    need it (combined per :class:`BlockMaskRule`); None otherwise. ``cross_states`` (N, P, H) model dtype: the
+    projected vision states Mllama's cross-attention blocks read (N = images x tiles, P patches a tile);
+    ``cross_mask`` (1, 1, T, N * P) and ``cross_rows`` (1, 1, T, 1), model dtype: the additive cross-attention mask
+    and the rows that see any tile, as ``MllamaModel.forward`` prepares them; all three None otherwise.
     """
 
     hidden_states: torch.Tensor
@@ -52,6 +59,9 @@ class SplitState:
     visual_mask: torch.Tensor | None = None
     deepstack: torch.Tensor | None = None
     image_blocks: torch.Tensor | None = None
+    cross_states: torch.Tensor | None = None
+    cross_mask: torch.Tensor | None = None
+    cross_rows: torch.Tensor | None = None
 
     def side(self) -> dict[str, torch.Tensor]:
         """The side tensors present, by their contract name."""
@@ -70,9 +80,12 @@ class SplitState:
     def rows(self, start: int, stop: int) -> "SplitState":
         """Tokens [start, stop) of a one-pass state (a chunk of a prefill): their hidden states, positions, visual
         mask and the DeepStack rows of the visual tokens among them. Raises ValueError for a state with
-        ``image_blocks`` (an image's tokens attend to later ones of the same image: not chunked)."""
+        ``image_blocks`` (an image's tokens attend to later ones of the same image: not chunked) or cross-attention
+        side tensors (not chunked here)."""
         if self.image_blocks is not None:
             raise ValueError("a state whose images attend both ways (image_blocks) is not split into chunks")
+        if self.cross_states is not None:
+            raise ValueError("a state with cross-attention vision states is not split into chunks")
         deep = None
         if self.deepstack is not None:
             before = int(self.visual_mask[:start].sum())
@@ -88,13 +101,14 @@ class SplitState:
                 return None
             return t.to(device=device, dtype=dtype) if floating and dtype is not None else t.to(device=device)
 
-        return SplitState(move(self.hidden_states, True), move(self.position_ids, False),
-                          move(self.visual_mask, False), move(self.deepstack, True), move(self.image_blocks, False))
+        return SplitState(move(self.hidden_states, True), **{name: move(t, name in FLOATING_SIDE)
+                                                             for name, t in self.side().items()})
 
 
 def side_specs(cfg, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of each side tensor sent with h_K, from ``cfg.side`` / ``cfg.side_shapes``."""
-    dtypes = {POSITION_IDS: torch.int64, VISUAL_MASK: torch.bool, DEEPSTACK: dtype, IMAGE_BLOCKS: torch.int64}
+    dtypes = {POSITION_IDS: torch.int64, VISUAL_MASK: torch.bool, IMAGE_BLOCKS: torch.int64,
+              **{name: dtype for name in FLOATING_SIDE}}
     shapes = getattr(cfg, "side_shapes", {}) or {}
     return [(name, tuple(int(d) for d in shapes[name]), dtypes[name]) for name in getattr(cfg, "side", ())]
 

@@ -34,8 +34,9 @@ _SMALL_WIDTHS = {
     "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "head_dim": 16,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "vocab_size": 128,
     "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    "n_group": 1, "topk_group": 1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+    "n_group": 1, "topk_group": 1,
 }
+_TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -48,6 +49,11 @@ def small_copy(config, blocks: int = 4):
     doc = config.to_dict()
     n = min(int(config.num_hidden_layers), blocks)
     over = {k: v for k, v in _SMALL_WIDTHS.items() if k in doc and (doc[k] is not None or v is None)}
+    for key in _TOKEN_ID_KEYS:  # ids inside the small vocabulary (a config may require them set: Mllama's)
+        value = doc.get(key)
+        if value is not None:
+            vocab = int(over.get("vocab_size", doc.get("vocab_size") or 1))
+            over[key] = [int(v) % vocab for v in value] if isinstance(value, list) else int(value) % vocab
     heads, kv = int(doc.get("num_attention_heads") or 4), doc.get("num_key_value_heads")
     if kv is not None:
         over["num_key_value_heads"] = 1 if int(kv) == 1 else (4 if int(kv) == heads else 2)

@@ -219,15 +219,25 @@ class SplitModel:
         from . import text
         from .modeling import llm_config, llm_family
 
+        from .contract import SplitState
+
         h = self.hidden(out)
         with torch.device(device):
             rotary = text.make_rotary(llm_family(self.cfg), llm_config(self.cfg))
         x = h if h.dim() == 3 else h.unsqueeze(0)
         kinds = text.attention_kinds(rotary.config)
-        positions = getattr(out, "position_ids", None)
+        state = out if isinstance(out, SplitState) else SplitState(h)
+        extra = {"image_blocks": state.image_blocks}  # what the blocks read besides h (as run_blocks passes it)
+        if state.image_blocks is not None:
+            from .vlm import block_mask_rule
+
+            extra["block_rule"] = block_mask_rule(self.cfg.vlm_type)
+        if state.cross_states is not None:
+            extra["cross"] = {"cross_attention_states": state.cross_states, "cross_attention_mask": state.cross_mask,
+                              "full_text_row_masked_out_mask": state.cross_rows}
         with torch.inference_mode():
-            inputs = text.block_inputs(rotary.config, rotary, x, set(kinds), positions)
-        return (lambda: text.block_inputs(rotary.config, rotary, x, set(kinds), positions),
+            inputs = text.block_inputs(rotary.config, rotary, x, set(kinds), state.position_ids, **extra)
+        return (lambda: text.block_inputs(rotary.config, rotary, x, set(kinds), state.position_ids, **extra),
                 lambda block, i: block(x, **inputs.for_block(block, kinds[i])))
 
     # --------------------------------------------------------------------------------------- runtime
@@ -455,16 +465,19 @@ class VLMFront(SplitModel):
         """A bare VLM decodes; a driving composition when its config says so (``decode``), else its planning head
         reads fixed positions of one prefill. Not a VLM whose images attend both ways (Gemma 3, PaliGemma: their
         masks against a KV cache split in two are not built here yet)."""
-        from .contract import IMAGE_BLOCKS
+        from .contract import CROSS_STATES, IMAGE_BLOCKS
 
-        if IMAGE_BLOCKS in self.cfg.side:
+        if IMAGE_BLOCKS in self.cfg.side or CROSS_STATES in self.cfg.side:
             return False
         return not self.takes_cameras or bool(self.cfg.decode)
 
     @property
     def NO_DECODE(self) -> str:
-        from .contract import IMAGE_BLOCKS
+        from .contract import CROSS_STATES, IMAGE_BLOCKS
 
+        if CROSS_STATES in self.cfg.side:
+            return ("its cross-attention blocks keep the vision states' keys and values in their own cache layers, "
+                    "which a decode across the split does not build yet: one prefill and a planning head only")
         if IMAGE_BLOCKS in self.cfg.side:
             return ("its images' tokens attend to each other both ways (Gemma 3's images, PaliGemma's prefix), and "
                     "the masks of a decode against a KV cache split in two are not built for that yet: one prefill "

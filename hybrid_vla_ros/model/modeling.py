@@ -519,7 +519,7 @@ def llava_input_ids(cfg: VLAConfig) -> list[int]:
 
 
 def _kind(block: nn.Module, kinds: list[str]) -> str:
-    return kinds[block.self_attn.layer_idx]
+    return kinds[text.block_index(block)]
 
 
 def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None, state=None,
@@ -529,10 +529,12 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
     Masks and rotary tables are the family's, as its base model builds them (:func:`text.block_inputs`: causal,
     or sliding-window per block; rotary from ``m.rotary_emb``), from positions 0..T-1 -- or, with ``state`` (a
     :class:`~hybrid_vla_ros.model.contract.SplitState`), from its multimodal ``position_ids``, adding its DeepStack
-    features after each block that has a level (:func:`vlm.deepstack_add`). ``out``: as :func:`embed`'s (called
-    after the last block's MLP), written by the last residual add (:func:`block_forward_into`), or copied into
-    with DeepStack levels left or no blocks; returns ``out`` then. ``cache``: this side's KV cache (:mod:`.decode`):
-    the blocks read and extend it, positions continue after what it holds.
+    features after each block that has a level (:func:`vlm.deepstack_add`), and its cross-attention tensors to the
+    cross-attention blocks (Mllama; without them those blocks are skipped, as ``MllamaTextModel.forward`` skips
+    them for text alone). ``out``: as :func:`embed`'s (called after the last block's MLP), written by the last
+    residual add (:func:`block_forward_into`), or copied into with DeepStack levels left, a cross-attention block
+    last or no blocks; returns ``out`` then. ``cache``: this side's KV cache (:mod:`.decode`): the blocks read and
+    extend it, positions continue after what it holds.
     """
     if len(layers) == 0:
         return h if out is None else _destination(out).copy_(h)
@@ -540,9 +542,17 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
     config = m.rotary_emb.config
     kinds = text.attention_kinds(config)
     positions = state.position_ids if state is not None else None
+    cross = None
+    if state is not None and state.cross_states is not None:
+        cross = {"cross_attention_states": state.cross_states, "cross_attention_mask": state.cross_mask,
+                 "full_text_row_masked_out_mask": state.cross_rows}
+    elif any(_kind(b, kinds) == text.CROSS for b in layers):  # no vision states: the text model skips these
+        layers = [b for b in layers if _kind(b, kinds) != text.CROSS]
+        if not layers:
+            return h if out is None else _destination(out).copy_(h)
     first = {}
     for b in layers:
-        first.setdefault(_kind(b, kinds), b.self_attn.layer_idx)
+        first.setdefault(_kind(b, kinds), text.block_index(b))
     blocks_of_images = state.image_blocks if state is not None else None
     rule = None
     if blocks_of_images is not None:
@@ -550,16 +560,16 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
 
         rule = block_mask_rule(m.cfg.vlm_type)
     inputs = text.block_inputs(config, m.rotary_emb, x, set(first), positions, cache=cache, first_layer=first,
-                               image_blocks=blocks_of_images, block_rule=rule)
+                               image_blocks=blocks_of_images, block_rule=rule, cross=cross)
     deep = state.deepstack if state is not None else None
     levels = 0 if deep is None else deep.shape[0]
-    if out is not None and layers[-1].self_attn.layer_idx < levels:
+    if out is not None and (text.block_index(layers[-1]) < levels or _kind(layers[-1], kinds) == text.CROSS):
         y = run_blocks(m, layers, h, state=state, cache=cache)
         return _destination(out).copy_(y)
     last = len(layers) - 1 if out is not None else len(layers)
     for block in layers[:last]:
         x = block(x, **inputs.for_block(block, _kind(block, kinds)))
-        i = block.self_attn.layer_idx
+        i = text.block_index(block)
         if i < levels:
             from .vlm import deepstack_add
 
@@ -859,7 +869,7 @@ class VLMPrefixStage(PrefixSide):
         if hasattr(self, "query_tokens") and not self.cfg.decode:  # the learned queries in place of the
             # planning-token copies (a decoding model places them after the decode: :meth:`step`)
             h0 = torch.cat([h0[:-len(self.query_tokens)], self.query_tokens.to(h0.dtype)], dim=0)
-        state = SplitState(h0, front.position_ids, front.visual_mask, front.deepstack, front.image_blocks)
+        state = SplitState(h0, **front.side())
         T = state.hidden_states.shape[-2]
         if (cache is None or chunk_rows <= 0 or chunk_rows >= T or not len(self.layers)
                 or state.image_blocks is not None):  # images attending both ways are computed whole

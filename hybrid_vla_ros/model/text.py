@@ -51,6 +51,9 @@ CAUSAL_LM_ARCHITECTURES = {
 #: ``sliding_window`` keys, causal within chunks of ``attention_chunk_size`` tokens (Llama 4).
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
+#: The kind of a cross-attention block (the indices a config lists in ``cross_attention_layers``, Mllama): it reads
+#: the vision states with the masks its VLM's front prepared (:class:`~.contract.SplitState`), not a causal mask.
+CROSS = "cross_attention"
 #: The children a splittable base model has, and nothing else (``<Family>Model.__init__``).
 BASE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 
@@ -73,6 +76,8 @@ class TextFamily:
     rotary_class: type
     rotary_per_kind: bool
     experts_implementation: str | None = None
+    #: The block class of the layers its config lists in ``cross_attention_layers`` (Mllama), else None.
+    cross_block_class: type | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,9 +97,9 @@ def text_family(model_type: str) -> TextFamily:
         raise ValueError(f"{where}: not a model type the installed transformers knows; this package splits the "
                          f"decoders transformers has (tested: {', '.join(TESTED_TEXT_TYPES)})")
     config_class = CONFIG_MAPPING[model_type]
-    if config_class not in MODEL_MAPPING:
+    base_class = MODEL_MAPPING[config_class] if config_class in MODEL_MAPPING else _unmapped_base(config_class)
+    if base_class is None:
         raise ValueError(f"{where}: transformers has no base model for it")
-    base_class = MODEL_MAPPING[config_class]
     try:
         config = _one_block_config(config_class())
         with torch.device("meta"):
@@ -128,7 +133,39 @@ def text_family(model_type: str) -> TextFamily:
     per_kind = _rotary_per_kind(rotary_class)
     causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[config_class] if config_class in MODEL_FOR_CAUSAL_LM_MAPPING else None
     return TextFamily(model_type, config_class, base_class, causal_lm, block_class, type(shell.norm), rotary_class,
-                      per_kind, getattr(shell.config, "_experts_implementation", None))
+                      per_kind, getattr(shell.config, "_experts_implementation", None),
+                      _cross_block_class(base_class, config, where))
+
+
+def _unmapped_base(config_class: type) -> type | None:
+    """The base model of a text config transformers' auto classes do not map (Mllama's ``MllamaTextModel``): the one
+    class of the family's modeling module named ``*TextModel`` whose ``config_class`` it is; None if not one."""
+    import importlib
+
+    module_name = config_class.__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    found = [c for name, c in vars(module).items() if isinstance(c, type) and name.endswith("TextModel")
+             and getattr(c, "config_class", None) is config_class]
+    return found[0] if len(found) == 1 else None
+
+
+def _cross_block_class(base_class: type, config, where: str) -> type | None:
+    """The block class a base model builds at the indices its config lists in ``cross_attention_layers``: read off a
+    two-block meta shell whose block 1 is one (None when the config has no such list). Raises ValueError when that
+    block is not a declared decoder block with a ``layer_idx``."""
+    if getattr(config, "cross_attention_layers", None) is None:
+        return None
+    two = copy.deepcopy(config)
+    two.num_hidden_layers, two.cross_attention_layers = 2, [1]
+    with torch.device("meta"):
+        block = base_class(two).layers[1]
+    if type(block).__name__ not in (base_class._no_split_modules or []) or getattr(block, "layer_idx", None) != 1:
+        raise ValueError(f"{where}: its cross-attention block {type(block).__name__} is not a declared decoder block "
+                         "with a layer_idx")
+    return type(block)
 
 
 def _one_block_config(config):
@@ -172,7 +209,7 @@ def check_splittable(config, both_ways: bool = False) -> None:
         raise ValueError(f"{config.model_type}: use_bidirectional_attention is set (tokens attend to later tokens "
                          "through a mask overlay): not a causal language model, which is what the split runs; "
                          "use a causal checkpoint")
-    other = sorted(set(attention_kinds(config)) - set(ATTENTION_KINDS))
+    other = sorted(set(attention_kinds(config)) - set(ATTENTION_KINDS) - {CROSS})
     if other:
         raise ValueError(f"{config.model_type}: its layer_types include {other} (only {', '.join(ATTENTION_KINDS)} "
                          "blocks split here: linear attention, convolution and state-space layers carry state or "
@@ -180,12 +217,24 @@ def check_splittable(config, both_ways: bool = False) -> None:
 
 
 def attention_kinds(config) -> list[str]:
-    """The attention kind of each of the L decoder blocks (module docstring)."""
+    """The attention kind of each of the L decoder blocks (module docstring); :data:`CROSS` at the indices the
+    config lists in ``cross_attention_layers``."""
     n = int(config.num_hidden_layers)
     types = getattr(config, "layer_types", None)
     if types:
-        return [str(t) for t in types[:n]]
-    return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n
+        kinds = [str(t) for t in types[:n]]
+    else:
+        kinds = [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n
+    for i in getattr(config, "cross_attention_layers", None) or ():
+        if 0 <= int(i) < n:
+            kinds[int(i)] = CROSS
+    return kinds
+
+
+def block_index(block: nn.Module) -> int:
+    """A decoder block's global layer index: its ``layer_idx``, or its attention's."""
+    index = getattr(block, "layer_idx", None)
+    return int(block.self_attn.layer_idx if index is None else index)
 
 
 #: Where a family's config keeps its norms' epsilon, in the order looked for.
@@ -207,8 +256,11 @@ def make_rotary(family: TextFamily, config) -> nn.Module:
 
 
 def make_blocks(family: TextFamily, config, start: int, stop: int) -> nn.ModuleList:
-    """Decoder blocks [start, stop), transformers' own class, each with its global ``layer_idx``."""
-    return nn.ModuleList(family.block_class(config, i) for i in range(start, stop))
+    """Decoder blocks [start, stop), transformers' own class (the cross-attention class at the indices the config
+    lists, Mllama), each with its global ``layer_idx``."""
+    cross = {int(i) for i in getattr(config, "cross_attention_layers", None) or ()}
+    return nn.ModuleList((family.cross_block_class if i in cross and family.cross_block_class else family.block_class)
+                         (config, i) for i in range(start, stop))
 
 
 def embed_scale(family: TextFamily, config) -> float | None:
@@ -237,11 +289,15 @@ class ScaledEmbedding(nn.Embedding):
 
 
 def make_embedding(family: TextFamily, config) -> nn.Module:
-    """The token embedding (vocab, H) as the family's base model embeds (scaled for Gemma)."""
+    """The token embedding (rows, H) as the family's base model embeds (scaled for Gemma); rows as its base model
+    sizes them (the vocabulary, Mllama's plus 8)."""
     scale = embed_scale(family, config)
+    small = _one_block_config(config)
+    with torch.device("meta"):
+        rows = int(family.base_class(small).embed_tokens.num_embeddings)
     if scale is None:
-        return nn.Embedding(config.vocab_size, config.hidden_size)
-    return ScaledEmbedding(config.vocab_size, config.hidden_size, scale)
+        return nn.Embedding(rows, config.hidden_size)
+    return ScaledEmbedding(rows, config.hidden_size, scale)
 
 
 @dataclass
@@ -255,9 +311,14 @@ class BlockInputs:
     masks: dict
     cos_sin: dict
     cache: object = None
+    #: A cross-attention block's inputs (``cross_attention_states``, ``cross_attention_mask``,
+    #: ``full_text_row_masked_out_mask``: :class:`~.contract.SplitState`'s cross tensors), None without them.
+    cross: dict | None = None
 
     def for_block(self, block: nn.Module, kind: str) -> dict:
         """Keyword arguments of ``block(x, **kwargs)`` (with a KV cache: the block reads and extends it)."""
+        if kind == CROSS:
+            return {"attention_mask": None, **self.cross}
         kwargs = {"attention_mask": self.masks[kind], "position_ids": self.position_ids,
                   "position_embeddings": self.cos_sin[kind]}
         if self.cache is not None:
@@ -306,7 +367,7 @@ def cached_tokens(cache, first_layer: int) -> int:
 
 def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
                  position_ids: torch.Tensor | None = None, *, cache=None, first_layer: dict | None = None,
-                 image_blocks: torch.Tensor | None = None, block_rule=None) -> BlockInputs:
+                 image_blocks: torch.Tensor | None = None, block_rule=None, cross: dict | None = None) -> BlockInputs:
     """Position ids, masks and rotary tables for hidden states ``x`` (B, T, H) and the attention ``kinds`` the
     blocks to run use, as the family's base model computes them; ``position_ids``: None for a text model's
     positions, or a VLM's multimodal ones (:func:`split_positions`). ``cache``: this side's KV cache (a decode):
@@ -315,11 +376,13 @@ def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
     ``image_blocks``: (T,) int64 (:class:`~.contract.SplitState`): the masks also let each block's tokens attend to
     each other, combined per ``block_rule`` (:class:`~.contract.BlockMaskRule`, required with ``image_blocks``):
     by transformers' ``create_masks_for_vision_model`` (``modeling_gemma3.py``), or each kind's own mask function
-    given the blocks (as ``PaliGemmaModel.forward`` calls them)."""
+    given the blocks (as ``PaliGemmaModel.forward`` calls them). ``cross``: the cross-attention blocks' inputs
+    (:attr:`BlockInputs.cross`; :data:`CROSS` needs no mask here)."""
     from transformers.masking_utils import (create_causal_mask, create_chunked_causal_mask,
                                             create_sliding_window_causal_mask)
 
     first_layer = first_layer or {}
+    kinds = set(kinds) - {CROSS}
     past = cached_tokens(cache, min(first_layer.values(), default=0))
     rotary_positions, text_positions = split_positions(position_ids, x, past)
     makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask,
@@ -357,4 +420,4 @@ def block_inputs(config, rotary: nn.Module, x: torch.Tensor, kinds: set[str],
     else:
         shared = rotary(x, rotary_positions)
         cos_sin = {kind: shared for kind in kinds}
-    return BlockInputs(text_positions, masks, cos_sin, cache)
+    return BlockInputs(text_positions, masks, cos_sin, cache, cross)

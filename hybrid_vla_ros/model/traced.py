@@ -53,9 +53,9 @@ def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList
 
     _register_attention()
     llm = copy.copy(llm_config(cfg))
-    from .text import FULL, attention_kinds
+    from .text import FULL, attention_kinds, block_index
 
-    kinds = {attention_kinds(llm)[old.self_attn.layer_idx] for old in layers}
+    kinds = {attention_kinds(llm)[block_index(old)] for old in layers}
     if kinds != {FULL} or getattr(llm, "use_sliding_window", False):
         raise ValueError(f"{cfg.llm_type}: blocks of attention kind {sorted(kinds)}: the traced attention is plain "
                          "causal; this model's suffix runs eagerly")
@@ -70,7 +70,7 @@ def traced_blocks(cfg, layers: list, weight_dtype: torch.dtype) -> nn.ModuleList
     llm._attn_implementation = ATTENTION_NAME
     block_cls = llm_family(cfg).block_class
     with torch.device("meta"):
-        blocks = nn.ModuleList(block_cls(llm, old.self_attn.layer_idx) for old in layers)
+        blocks = nn.ModuleList(block_cls(llm, block_index(old)) for old in layers)
     for new, old in zip(blocks, layers):
         new.load_state_dict({k: v.detach().to(weight_dtype) for k, v in old.state_dict().items()}, strict=True,
                             assign=True)

@@ -222,14 +222,24 @@ class FrontOutput:
 
     ``inputs_embeds`` (T, H) in the model dtype; ``position_ids`` (3 or 4, 1, T) int64, None for ``arange(T)``;
     ``visual_mask`` (T,) bool and ``deepstack`` (levels, V, H): Qwen3-VL's DeepStack features (added to the
-    visual tokens after blocks 0 .. levels-1), else None; ``image_blocks`` (T,) int64: Gemma 3's image blocks
-    (:class:`~.contract.SplitState`), else None."""
+    visual tokens after blocks 0 .. levels-1), else None; ``image_blocks`` (T,) int64: blocks that attend both
+    ways (:class:`~.contract.SplitState`), else None; ``cross_states``, ``cross_mask``, ``cross_rows``: what
+    Mllama's cross-attention blocks read (:class:`~.contract.SplitState`), else None."""
 
     inputs_embeds: torch.Tensor
     position_ids: torch.Tensor | None = None
     visual_mask: torch.Tensor | None = None
     deepstack: torch.Tensor | None = None
     image_blocks: torch.Tensor | None = None
+    cross_states: torch.Tensor | None = None
+    cross_mask: torch.Tensor | None = None
+    cross_rows: torch.Tensor | None = None
+
+    def side(self) -> dict:
+        """The side tensors present, by their :class:`~.contract.SplitState` field names."""
+        return {name: getattr(self, name) for name in ("position_ids", "visual_mask", "deepstack", "image_blocks",
+                                                       "cross_states", "cross_mask", "cross_rows")
+                if getattr(self, name) is not None}
 
 
 def build_front(config, family: VLMFamily, embed_tokens: nn.Module) -> nn.Module:
@@ -256,8 +266,10 @@ def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
     blocks of tokens that attend both ways they come from, from the processor's ``token_type_ids``: Gemma 3's
     images by the family's own ``get_block_sequence_ids_for_mask``, PaliGemma's prefix (images and prompt, type 0)
     as its forward numbers it (0, the rest -1). Positions other than ``arange(T)`` from 1-D position ids
-    (PaliGemma counts from 1) come back as (1, 1, T). RuntimeError if it never calls its text model, or hands it
-    masks of another kind or position ids of another form."""
+    (PaliGemma counts from 1) come back as (1, 1, T). A front that hands its text model token ids (Mllama) has them
+    embedded by the text model's embedding it holds; its cross-attention inputs (vision states, the prepared mask
+    and row mask) are kept. RuntimeError if it never calls its text model, or hands it masks of another kind or
+    position ids of another form."""
     try:
         front(input_ids=inputs.input_ids, **inputs.images)
     except _Captured as c:
@@ -279,8 +291,10 @@ def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
             blocks = own(types).reshape(-1)
         else:  # PaliGemma's prefix: one block numbered 0
             blocks = torch.where(types == 0, 0, -1).reshape(-1)
-    h = kw["inputs_embeds"]
-    if h.dim() != 3 or h.shape[0] != 1:
+    h = kw.get("inputs_embeds")
+    if h is None and kw.get("input_ids") is not None:  # the text model embeds (Mllama)
+        h = getattr(front, _text_attribute(front)).embed_tokens(kw["input_ids"])
+    if h is None or h.dim() != 3 or h.shape[0] != 1:
         raise RuntimeError(f"the VLM front gave inputs_embeds {tuple(h.shape)}, expected (1, T, H)")
     positions = kw.get("position_ids")
     if positions is not None and positions.dim() == 2:  # (1, T): plain positions, arange for a prefill
@@ -290,8 +304,19 @@ def run_front(front: nn.Module, inputs: VLMInputs) -> FrontOutput:
         positions = None if int(positions[0, 0]) == 0 else positions.unsqueeze(0)
     deep = kw.get("deepstack_visual_embeds")
     mask = kw.get("visual_pos_masks")
+    cross = kw.get("cross_attention_states")
+    rows = kw.get("full_text_row_masked_out_mask")
+    if cross is not None and (kw.get("cross_attention_mask") is None or rows is None):
+        raise RuntimeError(f"{type(front).__name__}.forward hands its text model vision states without the "
+                           "prepared cross-attention masks")
     return FrontOutput(h[0], positions, None if mask is None else mask.reshape(-1),
-                       None if deep is None or len(deep) == 0 else torch.stack(list(deep)), blocks)
+                       None if deep is None or len(deep) == 0 else torch.stack(list(deep)), blocks,
+                       cross, None if cross is None else kw["cross_attention_mask"], None if cross is None else rows)
+
+
+def _text_attribute(front: nn.Module) -> str:
+    """The front's attribute holding its :class:`TextCapture`."""
+    return next(name for name, child in front.named_children() if isinstance(child, TextCapture))
 
 
 def deepstack_add(h: torch.Tensor, visual_mask: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -410,10 +435,15 @@ def frame_inputs(processor, cfg, images: list) -> VLMInputs:
 
 
 def with_token(inputs: VLMInputs, token_id: int) -> VLMInputs:
-    """``inputs`` with a text token appended; per-token outputs (``mm_token_type_ids``, ...) get a 0 for it."""
+    """``inputs`` with a text token appended; per-token outputs (``mm_token_type_ids``, ...) get a 0 for it, and
+    Mllama's ``cross_attention_mask`` (1, T, images, tiles) a copy of the last token's row (the last image's tiles
+    stay seen to the end of the prompt, as its processor marks the tokens after it)."""
     ids = torch.cat([inputs.input_ids, torch.tensor([[token_id]], dtype=inputs.input_ids.dtype)], dim=1)
     images = dict(inputs.images)
     for key in ("mm_token_type_ids", "token_type_ids"):
         if key in images and images[key].shape[-1] == inputs.tokens:
             images[key] = torch.cat([images[key], torch.zeros_like(images[key][..., :1])], dim=-1)
+    cross = images.get("cross_attention_mask")
+    if cross is not None and cross.dim() == 4 and cross.shape[1] == inputs.tokens:
+        images["cross_attention_mask"] = torch.cat([cross, cross[:, -1:]], dim=1)
     return VLMInputs(ids, images)

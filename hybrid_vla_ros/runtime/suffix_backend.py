@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..model.modeling import plan
+from ..model.text import block_index
 from ..model.traced import (BlocksToLastTokens, prunable, read_out_tokens, traceable,
                             traced_blocks)
 from ..util.paths import cache_dir
@@ -394,7 +395,7 @@ class SuffixBackend:
         # A re-split replaces the stage's ModuleList and never changes these block modules, so the build thread
         # can trace them while the runner computes (and moves) on.
         layers = list(stage.layers[k - stage.split_layer:])
-        if not layers or layers[0].self_attn.layer_idx != k:  # never build an artifact for the wrong blocks
+        if not layers or block_index(layers[0]) != k:  # never build an artifact for the wrong blocks
             self.failed[k] = f"the stage's blocks do not start at {k} (first held {stage.split_layer})"
             self._log("error", f"suffix_backend {self.requested}: {self.failed[k]}; frames at K={k} run eagerly")
             self._building = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.checkpoint import load_blocks, model_id
+from ..model.text import block_index
 from ..model.stages import check_split_layer
 
 
@@ -217,8 +218,8 @@ def move_split(stage, k: int, device: torch.device, blocks=None, load_ms: float 
     def first_index(default: int) -> int:
         """Global index of the first block given (``first_block`` of ``load_blocks``, else ``layer_idx``)."""
         first = getattr(blocks, "first_block", None)
-        if first is None and len(blocks) and hasattr(blocks[0], "self_attn"):
-            first = blocks[0].self_attn.layer_idx
+        if first is None and len(blocks) and (hasattr(blocks[0], "self_attn") or hasattr(blocks[0], "layer_idx")):
+            first = block_index(blocks[0])
         return default if first is None else first
 
     def provide(a: int, b: int):
