@@ -111,15 +111,32 @@ GENERIC_FAMILIES = {
 }
 
 
+#: Hybrid families (:attr:`hybrid_vla_ros.model.text.TextFamily.captured`): model_type -> config overrides on
+#: :data:`LLM` (3 blocks, every block kind among them).
+HYBRID_FAMILIES = {
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv"]),
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                      mamba_chunk_size=8, head_dim=16, embedding_multiplier=2.0),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2,
+                  use_mamba_kernels=False),
+    "qwen3_next": dict(layer_types=["linear_attention", "linear_attention", "full_attention"], num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, head_dim=16),
+}
+
+
 def write_generic_lm(path: Path, model_type: str, seed: int = 3, shard: str = "60KB") -> Path:
-    """A causal LM of ``model_type`` (:data:`GENERIC_FAMILIES`), perturbed (:func:`perturb_`: routers included, so
-    tokens go to several experts) and saved sharded by transformers' ``save_pretrained`` (per-expert tensors, as
-    published MoE checkpoints are stored)."""
+    """A causal LM of ``model_type`` (:data:`GENERIC_FAMILIES`, :data:`HYBRID_FAMILIES`), perturbed
+    (:func:`perturb_`: routers included, so tokens go to several experts) and saved sharded by transformers'
+    ``save_pretrained`` (per-expert tensors, as published MoE checkpoints are stored)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    overrides = GENERIC_FAMILIES[model_type] if model_type in GENERIC_FAMILIES else HYBRID_FAMILIES[model_type]
     cfg = AutoConfig.for_model(model_type, **{**LLM, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-                                              **GENERIC_FAMILIES[model_type]})
+                                              **overrides})
     perturb_(AutoModelForCausalLM.from_config(cfg), seed).save_pretrained(str(path), max_shard_size=shard)
     return Path(path)
 

@@ -262,6 +262,35 @@ def test_quick_run_writes_complete_json_markdown_and_pngs(tmp_path):
     assert "| 1 MiB |" in md and "| tiny | fp32 |" in md
 
 
+def test_quick_moe_part_times_qwen3_30b_a3b_blocks_against_the_gemm_peak_and_eager_experts(tmp_path):
+    """`bench --quick --only moe`: one decoder block of Qwen3-30B-A3B's width (16 of its 128 experts, 8 active), per
+    dtype: the suffix's time and transformers' eager experts' on the same weights, the active FLOPs counted from the
+    block's own parameters, the same run's GEMM peak, both goals, the GPU memory a block frees (its 16-bit
+    parameters), and the markdown table. Figures are reported, not asserted."""
+    out = tmp_path / "bench.json"
+    assert bench_main(["--quick", "--only", "moe", "--json", str(out), "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert report.validate(doc) == [] and doc["errors"] == {}
+    m = doc["moe"]
+    hidden, heads, head_dim, width = 2048, 32, 128, 768
+    attention = hidden * heads * head_dim * 2 + hidden * 4 * head_dim * 2 + 2 * head_dim
+    expert = 3 * hidden * width
+    assert m["params_per_block"] == attention + 16 * expert + 16 * hidden + 2 * hidden
+    assert m["active_params_per_block"] == m["params_per_block"] - 8 * expert
+    assert m["gpu_bytes_per_block"] == 2 * m["params_per_block"]
+    assert [(r["dtype"], r["tokens"]) for r in m["results"]] == [("fp32", 128), ("bf16", 128)]
+    for r in m["results"]:
+        assert r["suffix_ms"] > 0 and r["eager_ms"] > 0 and r["gemm_gflops"] > 0
+        assert r["active_gflop"] == pytest.approx((2 * m["active_params_per_block"] * 128
+                                                   + 2 * 128 * 128 * heads * head_dim) / 1e9)
+        assert r["ratio_to_gemm_peak"] == pytest.approx(r["active_gflop"] / r["suffix_ms"] * 1e3 / r["gemm_gflops"])
+        assert r["experts_implementation"] == "grouped_mm"
+    assert {g["id"] for g in doc["goals"]} == {"moe_fp32_vs_gemm_peak", "moe_fp32_vs_eager", "moe_bf16_vs_gemm_peak",
+                                              "moe_bf16_vs_eager"}
+    assert all(isinstance(g["met"], bool) for g in doc["goals"])
+    assert "**MoE suffix**" in out.with_suffix(".md").read_text()
+
+
 def test_suffix_bound_warm_up_covers_the_suffix_first_frame_at_the_prefix_rate():
     """One suffix frame (hand-off + suffix + the busy wait) at the prefix rate, plus 3: from the profile's row at the
     case's K, else from the preset's measured pipeline, else 3."""

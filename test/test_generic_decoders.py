@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from hf_builders import GENERIC_FAMILIES, LLM, perturb_, write_generic_lm
+from hf_builders import GENERIC_FAMILIES, HYBRID_FAMILIES, LLM, perturb_, write_generic_lm
 from hybrid_vla_ros.model import family_check, text
 from hybrid_vla_ros.model.checkpoint import open_checkpoint
 from hybrid_vla_ros.model.sources import CheckpointError
@@ -99,19 +99,87 @@ def _write(path, model_type, **overrides):
     return path
 
 
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    return {name: write_generic_lm(root / name, name) for name in HYBRID_FAMILIES}
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID_FAMILIES))
+def test_hybrid_blocks_split_exactly_with_what_their_own_forward_hands_them(hybrid_dirs, name):
+    """LFM2 (convolution blocks, its final norm ``embedding_norm``), Falcon-H1 (attention and state-space mixers in
+    each block, its own state-space mask), Jamba (state-space and attention blocks, MoE, no rotary), Qwen3-Next
+    (gated linear-attention blocks): every K equals transformers' forward (each side runs its blocks with what the
+    family's own forward hands them, recorded), blocks of a kind that is not attention alone are among the 3, and
+    a decode across the split is refused in one line (their state is not carried yet)."""
+    from hybrid_vla_ros.split.verify_decode import CannotDecode
+
+    family = text.text_family(name)
+    assert family.captured
+    report = verify_split(hybrid_dirs[name])
+    assert report.ok and [r.k for r in report.rows] == [0, 1, 2, 3], report
+    assert report.worst <= 1e-5
+    ck = open_checkpoint(hybrid_dirs[name])
+    kinds = text.attention_kinds(ck.split_model().text_config())
+    assert set(kinds) - set(text.ATTENTION_KINDS), f"blocks of a kind that is not attention alone: {kinds}"
+    with pytest.raises(CannotDecode, match="recurrent, convolution or linear-attention state"):
+        verify_decode(hybrid_dirs[name], 2)
+
+
+def test_the_nodes_run_a_composed_hybrid_model_with_a_live_resplit(hybrid_dirs, frames, embedded_bag, tmp_path):
+    """`hybrid-vla replay` of the embedded bag on a driving checkpoint composed on Falcon-H1 (hybrid blocks, an
+    embedding multiplier its forward applies, a config holding an infinite float), K moved 1 -> 3 live: every
+    trajectory equals the planning head on transformers' forward of the same embeddings; the prefix says h_K is
+    copied into the slot, and why."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from replay_check import assert_trajectory_matches, published_and_odometry, stamp_ns
+    from hybrid_vla_ros.model.modeling import embed
+    from hybrid_vla_ros.tools.cli import main
+    from hybrid_vla_ros.vehicle.image import compressed_msg_to_rgb, preprocess
+
+    llm_dir, drive, out = hybrid_dirs["falcon_h1"], tmp_path / "drive", tmp_path / "replay"
+    assert main(["init-model", "--preset", "tiny", "--llm", str(llm_dir), str(drive)]) == 0
+    repo = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "hybrid_vla_ros.tools.cli", "replay", "--model-path", str(drive),
+                          "--bag", str(embedded_bag), "--loops", "1", "--split-layer", "1", "--resplit", "1:3",
+                          "--namespace", f"/hy_{uuid.uuid4().hex[:8]}", "--output", str(out), "--quiet"],
+                         capture_output=True, text=True, timeout=400, cwd=repo,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
+    logs = "\n".join(p.read_text() for p in out.glob("*.log"))
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{logs}"
+    report = json.loads((out / "report.json").read_text())
+    assert report["trajectories_out"] == 3 and report["drops"] == {}, report
+    assert "re-split K 1 -> 3" in logs and "hybrid blocks run with the inputs" in logs, logs
+    published, odometry = published_and_odometry(out, embedded_bag)
+    ck = open_checkpoint(drive)
+    cfg, by_stamp = ck.cfg, dict(frames)
+    ref = AutoModelForCausalLM.from_pretrained(str(llm_dir)).eval()
+    prefix, tail = ck.load("prefix", 0), ck.load("suffix", ck.num_layers)
+    for traj in published:
+        pixels = preprocess([compressed_msg_to_rgb(m) for _, m in by_stamp[stamp_ns(traj)]], cfg.image_size,
+                            cfg.image_mean, cfg.image_std)
+        with torch.inference_mode():
+            final = ref.model(inputs_embeds=embed(prefix, pixels)[None]).last_hidden_state[0]
+            waypoints = tail.head(final[-1])[3].double().numpy()  # LANE_FOLLOW
+        assert_trajectory_matches(traj, waypoints, cfg.waypoint_dt_s, odometry)
+
+
 def test_structures_that_cannot_be_split_are_refused_naming_the_feature(tmp_path):
-    """LFM2 (convolution blocks and a norm under another name), Qwen3-Next (linear-attention blocks), GPT-2 (no
-    decoder-block list of the standard kind): each refused at open with the feature named, not split wrong."""
-    cases = {
-        "lfm2": (dict(layer_types=["conv", "full_attention", "conv"]), "embedding_norm"),
-        "qwen3_next": (dict(layer_types=["linear_attention", "linear_attention", "full_attention"],
-                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "self_attn"),
-    }
-    for name, (overrides, feature) in cases.items():
-        path = _write(tmp_path / name, name, **overrides)
-        with pytest.raises(CheckpointError) as e:
-            open_checkpoint(path)
-        assert feature in str(e.value) and str(path / "config.json") in str(e.value), str(e.value)
+    """Zamba2 (its hybrid blocks read the embeddings block 0 was given: another block's input, which the suffix
+    does not have), GPT-2 (no decoder-block list of the standard kind): each refused at open
+    with the feature named, not split wrong."""
+    path = _write(tmp_path / "zamba2", "zamba2", mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
+                  layer_types=["linear_attention", "hybrid", "linear_attention"], num_mem_blocks=1)
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(path)
+    assert "original_hidden_states" in str(e.value) and str(path / "config.json") in str(e.value), str(e.value)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(str(tmp_path / "g"))

@@ -29,6 +29,7 @@ LLaVA, transformers 5.x in-memory layout (``save_original_format=False``):
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,15 @@ LLM_KEY_MAP = KeyMap([
     (r"(?:model\.)?" + _LLM_PARTS, r"\1"),
     (r"(lm_head\.weight)", r"\1"),
 ], "transformers causal LM")
+def llm_key_map(norm_attribute: str = "norm") -> KeyMap:
+    """:data:`LLM_KEY_MAP` for a family whose base model holds its final norm under ``norm_attribute`` (LFM2's
+    ``embedding_norm``, Falcon-H1's ``final_layernorm``): stored there, canonical ``norm.*``."""
+    if norm_attribute == "norm":
+        return LLM_KEY_MAP
+    return KeyMap([(r"(?:model\.)?" + re.escape(norm_attribute) + r"\.(.+)", r"norm.\1"), *LLM_KEY_MAP.rules_text],
+                  f"transformers causal LM (final norm {norm_attribute})")
+
+
 #: Stored names of a LlavaForConditionalGeneration (transformers 4.x and 5.x layouts) -> canonical.
 LLAVA_KEY_MAP = KeyMap([
     (r".*rotary_emb\.inv_freq", None),
@@ -77,7 +87,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def read_config_json(path: Path) -> dict:
-    """``config.json`` of a checkpoint directory as a dict. Raises MissingFileError, CheckpointError."""
+    """``config.json`` of a checkpoint directory as a dict (floats JSON cannot hold as transformers writes them,
+    ``{"__float__": "Infinity"}``, left so). Raises MissingFileError, CheckpointError."""
     file = Path(path) / "config.json"
     try:
         doc = json.loads(file.read_text())
@@ -180,7 +191,9 @@ class HFModel:
             from .vlm import VLMKeyMap, vlm_family
 
             return VLMKeyMap(self.config, vlm_family(self.config.model_type))
-        return LLAVA_KEY_MAP if self.kind == "llava" else LLM_KEY_MAP
+        if self.kind == "llava":
+            return LLAVA_KEY_MAP
+        return llm_key_map(text_family(self.config.model_type).norm_attribute)
 
     def source(self) -> SafetensorsSource:
         """The directory's tensors in canonical names. Raises MissingFileError (no weights, a missing shard),
@@ -235,10 +248,14 @@ class HFModel:
 
 
 def config_dict(config) -> dict:
-    """A transformers config as a plain dict of its architecture kwargs, model_type included."""
+    """A transformers config as a plain dict of its architecture kwargs, model_type included; floats JSON cannot
+    hold written as transformers' ``save_pretrained`` writes them (``{"__float__": "Infinity"}``: Falcon-H1's
+    ``time_step_limit``), so the dict is plain JSON (:func:`~.text.text_config` decodes them)."""
+    from transformers import PretrainedConfig
+
     d = {k: v for k, v in config.to_dict().items() if k not in _NOISE_KEYS}
     d["model_type"] = config.model_type
-    return d
+    return PretrainedConfig._encode_special_floats(d)
 
 
 def read_hf(path: str | Path) -> HFModel:
@@ -265,8 +282,10 @@ def read_hf(path: str | Path) -> HFModel:
         classes[model_type] = causal_lm_config_class(model_type)
     if model_type not in classes:
         raise CheckpointError(unsupported_message(path, doc))
-    try:
-        config = classes[model_type].from_dict(doc)
+    from transformers import PretrainedConfig
+
+    try:  # floats JSON cannot hold decoded as transformers' from_pretrained decodes them (Falcon-H1's)
+        config = classes[model_type].from_dict(PretrainedConfig._decode_special_floats(doc))
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{file}: transformers cannot read it as a {model_type} config ({e})") from e
     if model_type in VLM_MODEL_TYPES:

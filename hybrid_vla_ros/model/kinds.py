@@ -227,6 +227,12 @@ class SplitModel:
         x = h if h.dim() == 3 else h.unsqueeze(0)
         kinds = text.attention_kinds(rotary.config)
         state = out if isinstance(out, SplitState) else SplitState(h)
+        family = llm_family(self.cfg)
+        if family.captured:  # what the family's own forward hands each block (recorded once)
+            with torch.inference_mode():
+                _, per_block = text.captured_block_inputs(family, rotary, x, state.position_ids)
+            return (lambda: text.captured_block_inputs(family, rotary, x, state.position_ids),
+                    lambda block, i: block(x, *per_block[i][0], **per_block[i][1]))
         extra = {"image_blocks": state.image_blocks}  # what the blocks read besides h (as run_blocks passes it)
         if state.image_blocks is not None:
             from .vlm import block_mask_rule
@@ -260,6 +266,8 @@ class SplitModel:
     def copy_reason(self, stage) -> str:
         """Why h_K is copied into the ring slot instead of produced there (for the configure log)."""
         block = type(stage.layers[-1]).__name__ if len(stage.layers) else "embeddings"
+        if _state_blocks(self.cfg):
+            return f"{block}: hybrid blocks run with the inputs their family's forward hands them"
         return f"{block}: its forward is not the layout produced in place"
 
     # --------------------------------------------------------------------------------------- referee
@@ -310,12 +318,31 @@ def causal_lm_class(model_type: str):
     return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
 
 
+def _state_blocks(cfg) -> bool:
+    """Whether ``cfg``'s decoder blocks keep recurrent or convolution state (a hybrid family,
+    :attr:`~.text.TextFamily.captured`): a decode across the split would have to carry it."""
+    return modeling.llm_family(cfg).captured
+
+
+#: Why a model with hybrid blocks does not decode across the split.
+NO_STATE_DECODE = ("its blocks keep recurrent, convolution or linear-attention state (a hybrid family), which a "
+                   "decode across the split does not carry yet: one prefill")
+
+
 class TextLM(SplitModel):
     """A bare transformers causal LM (:class:`~.config.LMConfig`): token ids in, final states out."""
 
     STAGES = {"prefix": modeling.TokenPrefixStage, "suffix": modeling.LMSuffixStage, "full": None}
     NO_FULL = "a bare language model has no monolithic driving model: load its prefix and suffix"
-    decodes = True
+
+    @property
+    def decodes(self) -> bool:
+        """True, unless its blocks keep state a decode across the split would carry (a hybrid family)."""
+        return not _state_blocks(self.cfg)
+
+    @property
+    def NO_DECODE(self) -> str:
+        return NO_STATE_DECODE
 
     def __init__(self, cfg, ck=None, prompt_ids: list[int] | None = None):
         super().__init__(cfg, ck)
@@ -467,7 +494,7 @@ class VLMFront(SplitModel):
         masks against a KV cache split in two are not built here yet)."""
         from .contract import CROSS_STATES, IMAGE_BLOCKS
 
-        if IMAGE_BLOCKS in self.cfg.side or CROSS_STATES in self.cfg.side:
+        if IMAGE_BLOCKS in self.cfg.side or CROSS_STATES in self.cfg.side or _state_blocks(self.cfg):
             return False
         return not self.takes_cameras or bool(self.cfg.decode)
 
@@ -475,6 +502,8 @@ class VLMFront(SplitModel):
     def NO_DECODE(self) -> str:
         from .contract import CROSS_STATES, IMAGE_BLOCKS
 
+        if _state_blocks(self.cfg):
+            return NO_STATE_DECODE
         if CROSS_STATES in self.cfg.side:
             return ("its cross-attention blocks keep the vision states' keys and values in their own cache layers, "
                     "which a decode across the split does not build yet: one prefill and a planning head only")
@@ -601,13 +630,19 @@ class DrivingVLA(SplitModel):
 
     produces_in_place = True
     decodes_scaled = True
-    NO_DECODE = ("this model has no language-model head to decode with: its planning head reads fixed positions of "
-                 "one prefill (a 'decode' mapping in its config.json makes it decode)")
+
+    @property
+    def NO_DECODE(self) -> str:
+        if self.cfg.decode:
+            return NO_STATE_DECODE
+        return ("this model has no language-model head to decode with: its planning head reads fixed positions of "
+                "one prefill (a 'decode' mapping in its config.json makes it decode)")
 
     @property
     def decodes(self) -> bool:
-        """Whether its config decodes (``decode``: ORION's questions answered before its planning token)."""
-        return bool(self.cfg.decode)
+        """Whether its config decodes (``decode``: ORION's questions answered before its planning token), on blocks
+        without state a decode would carry."""
+        return bool(self.cfg.decode) and not _state_blocks(self.cfg)
 
     def run_prefix(self, stage, inputs, out=None, cache=None, chunk_rows: int = 0):
         if cache is not None:

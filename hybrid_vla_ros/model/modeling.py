@@ -327,7 +327,7 @@ class VLAModel(nn.Module):
                 command: int = DEFAULT_COMMAND, *, scene=None) -> torch.Tensor:
         """Pixels (C, 3, S, S) in the model dtype [+ ego state, scene], command 0..5 -> waypoints (N, 2) float32 m."""
         h = embed(self, pixel_values, ego_state, scene=scene)
-        h = run_blocks(self, self.layers, h)
+        h = run_blocks(self, self.layers, h, embedded=True)
         return plan(self, h, command).waypoints
 
 
@@ -459,7 +459,10 @@ def output_into_is_exact(stage: nn.Module, seed: int = 0, attempts: int = 3) -> 
     and random hidden states of the state shape (stage dtype and device); True without blocks. False: the
     installed block no longer matches :func:`block_forward_into`, so copy instead. ``attempts``: runs before
     concluding, as the BLAS may split a GEMM over other thread counts per run (MKL on a busy machine), changing
-    the last bits; another formula never matches."""
+    the last bits; another formula never matches. False for a hybrid family (its blocks run as its forward hands
+    them inputs, :func:`_run_captured`, then the result is copied)."""
+    if llm_family(stage.cfg).captured:
+        return False
     if len(stage.layers) == 0:
         return True
     param = next(stage.parameters())
@@ -523,7 +526,7 @@ def _kind(block: nn.Module, kinds: list[str]) -> str:
 
 
 def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None, state=None,
-               cache=None) -> torch.Tensor:
+               cache=None, embedded: bool = False) -> torch.Tensor:
     """Run decoder blocks over hidden states (T, H) or (B, T, H) -> same shape.
 
     Masks and rotary tables are the family's, as its base model builds them (:func:`text.block_inputs`: causal,
@@ -534,12 +537,21 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
     them for text alone). ``out``: as :func:`embed`'s (called after the last block's MLP), written by the last
     residual add (:func:`block_forward_into`), or copied into with DeepStack levels left, a cross-attention block
     last or no blocks; returns ``out`` then. ``cache``: this side's KV cache (:mod:`.decode`): the blocks read and
-    extend it, positions continue after what it holds.
+    extend it, positions continue after what it holds. ``embedded``: ``h`` is the token embeddings (a prefix): a
+    hybrid family's forward may change them before block 0 (Falcon-H1's multiplier), and h_0 is block 0's input.
     """
+    if len(layers) == 0 and not embedded:
+        return h if out is None else _destination(out).copy_(h)
+    config = m.rotary_emb.config
+    family = text.text_family(config.model_type)
+    if family.captured:
+        x = h if h.dim() == 3 else h.unsqueeze(0)
+        y = _run_captured(family, m.rotary_emb, layers, x, state, cache, embedded)
+        y = y if h.dim() == 3 else y.squeeze(0)
+        return y if out is None else _destination(out).copy_(y)
     if len(layers) == 0:
         return h if out is None else _destination(out).copy_(h)
     x = h if h.dim() == 3 else h.unsqueeze(0)
-    config = m.rotary_emb.config
     kinds = text.attention_kinds(config)
     positions = state.position_ids if state is not None else None
     cross = None
@@ -585,6 +597,28 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
     block = layers[last]
     block_forward_into(block, x, batched, **inputs.for_block(block, _kind(block, kinds)))
     return dest[0]
+
+
+def _run_captured(family, rotary, layers, x: torch.Tensor, state, cache, embedded: bool) -> torch.Tensor:
+    """:func:`run_blocks` for a hybrid family (:attr:`text.TextFamily.captured`): each block gets what the family's
+    own forward hands it (:func:`text.captured_block_inputs`); from the embeddings (``embedded``) the blocks start
+    from the forward's own block-0 input. Raises ValueError with a KV cache (their recurrent / convolution state is
+    not carried across the split)."""
+    if cache is not None:
+        raise ValueError(f"{family.model_type}: its blocks keep recurrent or convolution state, which a decode across "
+                         "the split does not carry yet")
+    if x.is_meta:  # FLOP counting: no values to run the family's forward on; the blocks' own arithmetic counts
+        return x
+    positions = state.position_ids if state is not None else None
+    first, per_block = text.captured_block_inputs(family, rotary, x, positions)
+    if embedded:
+        x = first
+    for block in layers:
+        args, kwargs = per_block[text.block_index(block)]
+        x = block(x, *args, **kwargs)
+        if isinstance(x, tuple):
+            x = x[0]
+    return x
 
 
 def _check_modes(cfg, modes: torch.Tensor) -> None:
@@ -691,9 +725,10 @@ class PrefixStage(PrefixSide):
                 return run_blocks(self, self.layers, h, cache=cache)
             return torch.cat([run_blocks(self, self.layers, h[i:i + chunk_rows], cache=cache)
                               for i in range(0, h.shape[-2], chunk_rows)], dim=0)
-        if len(self.layers) == 0:
+        if len(self.layers) == 0 and not llm_family(self.cfg).captured:
             return embed(self, pixel_values, ego_state, scene=scene, out=out)
-        return run_blocks(self, self.layers, embed(self, pixel_values, ego_state, scene=scene), out=out)
+        return run_blocks(self, self.layers, embed(self, pixel_values, ego_state, scene=scene), out=out,
+                          embedded=True)
 
     def step(self, token_ids: torch.Tensor, cache) -> torch.Tensor:
         """A decode step: token ids (k,) int64 -> their h_K rows (k, H), through the token embeddings and blocks
@@ -777,7 +812,7 @@ class TokenPrefixStage(PrefixSide):
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
             raise ValueError(f"input_ids outside the vocabulary [0, {vocab})")
         return run_blocks(self, self.layers, self.embed_tokens(input_ids.to(self.embed_tokens.weight.device)),
-                          cache=cache)
+                          cache=cache, embedded=True)
 
 
 class LMSuffixStage(SuffixSide):

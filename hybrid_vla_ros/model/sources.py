@@ -106,7 +106,9 @@ class KeyMap:
     """
 
     def __init__(self, rules: Iterable[tuple[str, str | None]], name: str = ""):
-        self.rules = [(re.compile(p), r) for p, r in rules]
+        #: The rules as given (pattern text, replacement), to build a map from another.
+        self.rules_text = [(p, r) for p, r in rules]
+        self.rules = [(re.compile(p), r) for p, r in self.rules_text]
         self.name = name
 
     @classmethod

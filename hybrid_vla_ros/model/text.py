@@ -7,9 +7,11 @@ loop of ``<Family>Model.forward`` (``modeling_<family>.py``, transformers 5.24) 
 
 * position ids ``arange(T)`` (a prefill from position 0; a decode continues after the tokens its KV cache holds);
 * one mask per *attention kind* from ``masking_utils`` (``full_attention`` -> ``create_causal_mask``,
-  ``sliding_attention`` -> ``create_sliding_window_causal_mask``). A block's kind is ``config.layer_types[i]``
-  (Qwen2/3, Gemma 2/3), else sliding when ``config.sliding_window`` is set (Mistral, Phi-3), else full (LLaMA).
-  With SDPA the causal mask is ``None``, as is a window no shorter than T;
+  ``sliding_attention`` -> ``create_sliding_window_causal_mask``, ``chunked_attention`` ->
+  ``create_chunked_causal_mask``). A block's kind is ``config.layer_types[i]`` (Qwen2/3, Gemma 2/3, Llama 4), else
+  sliding when ``config.sliding_window`` is set (Mistral, Phi-3), else full (LLaMA); Mllama's cross-attention
+  blocks (:data:`CROSS`) read what its VLM's front prepared instead. With SDPA the causal mask is ``None``, as is a
+  window no shorter than T;
 * the rotary (cos, sin) once per forward, per kind where the rotary takes one (Gemma 3), else shared;
 * Gemma's sqrt(H) embedding scale (:class:`ScaledEmbedding`).
 
@@ -22,9 +24,12 @@ Which families: any ``model_type`` transformers knows whose base model has exact
 equal to transformers' forward by this package's tests; any other is proven once per process and configuration by
 :func:`~.family_check.check_forward_matches` (a small random copy of the configuration run both ways, this
 package's loop split in two against the family's own forward), so a family whose forward does more than the
-loop is refused, naming the difference, instead of split wrong. Refused by structure:
-attention kinds other than full, sliding and chunked (linear, convolution or state-space layers), bidirectional
-overlays (:func:`check_splittable`), base models with other parts than the four.
+loop is refused, naming the difference, instead of split wrong. Families whose blocks are not all the standard
+attention block, or of other kinds (convolution, state-space, linear attention: LFM2, Falcon-H1, Jamba, Qwen3-Next)
+are *captured* (:attr:`TextFamily.captured`): each block runs with what the family's own forward hands it
+(:func:`captured_block_inputs`), a prefill only. Refused by structure: bidirectional overlays
+(:func:`check_splittable`), base models with other parts than embedding, blocks, one final norm and a rotary
+embedding, blocks without a layer index or that read another block's input.
 """
 from __future__ import annotations
 
@@ -78,6 +83,12 @@ class TextFamily:
     experts_implementation: str | None = None
     #: The block class of the layers its config lists in ``cross_attention_layers`` (Mllama), else None.
     cross_block_class: type | None = None
+    #: The base model's attribute holding its final norm (``norm``; LFM2's ``embedding_norm``, Falcon-H1's and
+    #: Jamba's ``final_layernorm``).
+    norm_attribute: str = "norm"
+    #: Hybrid blocks (convolution, state-space or linear-attention layers, :func:`captured_block_inputs`): what each
+    #: block is handed is recorded from the family's own forward instead of built here; no decode across the split.
+    captured: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,9 +119,11 @@ def text_family(model_type: str) -> TextFamily:
         raise ValueError(f"{where}: its base model {base_class.__name__} cannot be built from its default "
                          f"configuration ({type(e).__name__}: {e}); not a plain decoder") from None
     parts = [name for name, _ in shell.named_children()]
-    if sorted(parts) != sorted(BASE_PARTS):
-        extra = [p for p in parts if p not in BASE_PARTS]
-        lacking = [p for p in BASE_PARTS if p not in parts]
+    others = [p for p in parts if p not in ("embed_tokens", "layers", "rotary_emb")]
+    norms = [p for p in others if "norm" in p.lower() or "Norm" in type(getattr(shell, p)).__name__]
+    extra = [p for p in others if p not in norms[:1]]
+    lacking = [p for p in ("embed_tokens", "layers") if p not in parts] + ([] if norms else ["a final norm"])
+    if extra or lacking:
         raise ValueError(f"{where}: its base model {base_class.__name__} has parts {parts}, not "
                          f"{list(BASE_PARTS)} (" + "; ".join(
                              ([f"extra: {extra}"] if extra else []) + ([f"lacking: {lacking}"] if lacking else []))
@@ -121,20 +134,47 @@ def text_family(model_type: str) -> TextFamily:
     if block_class.__name__ not in (base_class._no_split_modules or []):
         raise ValueError(f"transformers {base_class.__name__}'s blocks are {block_class.__name__}, not the "
                          f"decoder block it declares ({base_class._no_split_modules}): not a plain block list")
-    if getattr(getattr(shell.layers[0], "self_attn", None), "layer_idx", None) != 0:
-        raise ValueError(f"{where}: its block {block_class.__name__} has no self_attn with a layer_idx (a "
-                         "recurrent or convolution block?): the split needs each block's attention layer index")
     params = inspect.signature(block_class.forward).parameters
     needed = {"hidden_states", "attention_mask", "position_embeddings"}
-    if not needed <= set(params) or not {"cache", "past_key_values"} & set(params):
-        raise ValueError(f"{where}: {block_class.__name__}.forward takes {list(params)[1:]}, not the standard "
-                         "decoder block arguments (hidden_states, attention_mask, position_embeddings, a cache)")
-    rotary_class = type(shell.rotary_emb)
-    per_kind = _rotary_per_kind(rotary_class)
+    standard = (getattr(getattr(shell.layers[0], "self_attn", None), "layer_idx", None) == 0
+                and needed <= set(params) and bool({"cache", "past_key_values"} & set(params))
+                and "rotary_emb" in parts and norms[0] == "norm")
+    hybrid = sorted(set(attention_kinds(config_class())) - set(ATTENTION_KINDS) - {CROSS})
+    if not standard or hybrid:
+        _check_hybrid(where, base_class, config_class, hybrid)
+    rotary_class = type(shell.rotary_emb) if "rotary_emb" in parts else None
+    per_kind = rotary_class is not None and _rotary_per_kind(rotary_class)
     causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[config_class] if config_class in MODEL_FOR_CAUSAL_LM_MAPPING else None
-    return TextFamily(model_type, config_class, base_class, causal_lm, block_class, type(shell.norm), rotary_class,
-                      per_kind, getattr(shell.config, "_experts_implementation", None),
-                      _cross_block_class(base_class, config, where))
+    return TextFamily(model_type, config_class, base_class, causal_lm, block_class, type(getattr(shell, norms[0])),
+                      rotary_class, per_kind, getattr(shell.config, "_experts_implementation", None),
+                      _cross_block_class(base_class, config, where), norms[0], not standard or bool(hybrid))
+
+
+def _check_hybrid(where: str, base_class: type, config_class: type, kinds: list[str]) -> None:
+    """Raise ValueError unless a family whose blocks are not all the standard attention block (:attr:`TextFamily.
+    captured`) has, in its default configuration, only blocks it declares, each with a layer index."""
+    try:
+        with torch.device("meta"):
+            shell = base_class(config_class())
+    except Exception as e:  # noqa: BLE001 - any family's constructor
+        raise ValueError(f"{where}: its base model {base_class.__name__} cannot be built from its default "
+                         f"configuration ({type(e).__name__}: {e})") from None
+    declared = base_class._no_split_modules or []
+    for i, block in enumerate(shell.layers):
+        if type(block).__name__ not in declared:
+            raise ValueError(f"{where}: its block {i} is {type(block).__name__}, not a decoder block it declares "
+                             f"({declared}): not a plain block list")
+        try:
+            index = block_index(block)
+        except ValueError:
+            index = None
+        if index != i:
+            raise ValueError(f"{where}: its block {i} ({type(block).__name__}) has no layer index (layer_idx) of its "
+                             "own: the split needs each block's index")
+        if "original_hidden_states" in inspect.signature(type(block).forward).parameters:
+            raise ValueError(f"{where}: its block {type(block).__name__} reads original_hidden_states (the "
+                             "embeddings block 0 was given, Zamba's shared blocks): a block that reads another "
+                             "block's input, which the suffix does not have; not split")
 
 
 def _unmapped_base(config_class: type) -> type | None:
@@ -190,7 +230,10 @@ def text_config(llm: dict, both_ways: bool = False):
     Attention implementation pinned to :func:`attention_implementation`, experts to the family's
     ``experts_implementation``. ``both_ways``: as :func:`check_splittable`'s. Raises ValueError for an unsupported
     model_type or a configuration :func:`check_splittable` refuses."""
+    from transformers import PretrainedConfig
+
     family = text_family(llm.get("model_type", "llama"))  # this package's presets leave LLaMA implicit
+    llm = PretrainedConfig._decode_special_floats(llm)  # as config_dict encodes them ({"__float__": "Infinity"})
     config = family.config_class(**{k: v for k, v in llm.items() if k != "model_type"})
     config._attn_implementation = attention_implementation(family)
     if family.experts_implementation:  # MoE blocks run their experts as from_pretrained's model does
@@ -210,7 +253,7 @@ def check_splittable(config, both_ways: bool = False) -> None:
                          "through a mask overlay): not a causal language model, which is what the split runs; "
                          "use a causal checkpoint")
     other = sorted(set(attention_kinds(config)) - set(ATTENTION_KINDS) - {CROSS})
-    if other:
+    if other and not text_family(config.model_type).captured:
         raise ValueError(f"{config.model_type}: its layer_types include {other} (only {', '.join(ATTENTION_KINDS)} "
                          "blocks split here: linear attention, convolution and state-space layers carry state or "
                          "masks this loop does not build)")
@@ -232,9 +275,13 @@ def attention_kinds(config) -> list[str]:
 
 
 def block_index(block: nn.Module) -> int:
-    """A decoder block's global layer index: its ``layer_idx``, or its attention's."""
-    index = getattr(block, "layer_idx", None)
-    return int(block.self_attn.layer_idx if index is None else index)
+    """A decoder block's global layer index: its ``layer_idx``, or that of the first of its direct parts that has
+    one (its attention, convolution or state-space mixer). Raises ValueError when none has."""
+    for part in (block, *block.children()):
+        index = getattr(part, "layer_idx", None)
+        if isinstance(index, int):
+            return index
+    raise ValueError(f"{type(block).__name__} has no layer_idx, nor any of its parts")
 
 
 #: Where a family's config keeps its norms' epsilon, in the order looked for.
@@ -251,16 +298,58 @@ def make_norm(family: TextFamily, config) -> nn.Module:
 
 
 def make_rotary(family: TextFamily, config) -> nn.Module:
-    """The family's rotary embedding module (no weights; its inverse frequencies are buffers)."""
-    return family.rotary_class(config)
+    """The family's rotary embedding module (no weights; its inverse frequencies are buffers); a
+    :class:`NoRotary` for a family without one (Jamba)."""
+    return family.rotary_class(config) if family.rotary_class is not None else NoRotary(config)
+
+
+class NoRotary(nn.Module):
+    """Stands for the rotary embedding of a family that has none (its blocks take no rotary tables): holds the text
+    config, as a rotary embedding does; called, it returns None."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def forward(self, x, position_ids=None, *args):
+        return None
 
 
 def make_blocks(family: TextFamily, config, start: int, stop: int) -> nn.ModuleList:
     """Decoder blocks [start, stop), transformers' own class (the cross-attention class at the indices the config
-    lists, Mllama), each with its global ``layer_idx``."""
+    lists, Mllama; for a hybrid family the class its base model builds at each index), each with its global
+    ``layer_idx``."""
+    if family.captured:
+        with torch.device("meta"):
+            classes = [type(b) for b in family.base_class(config).layers]
+        blocks = nn.ModuleList(classes[i](config, i) for i in range(start, stop))
+        _adopt_base_buffers(family, config, blocks)
+        return blocks
     cross = {int(i) for i in getattr(config, "cross_attention_layers", None) or ()}
     return nn.ModuleList((family.cross_block_class if i in cross and family.cross_block_class else family.block_class)
                          (config, i) for i in range(start, stop))
+
+
+def _adopt_base_buffers(family: TextFamily, config, blocks: nn.ModuleList) -> None:
+    """Give each block the non-persistent buffers its base model's ``__init__`` registers on it (Falcon-H1's
+    ``mup_vector``, computed from the config), on the CPU: read off a base model built with its parameters on the
+    meta device (accelerate's ``init_empty_weights``) and its buffers real."""
+    from accelerate import init_empty_weights
+
+    if not len(blocks):
+        return
+    with torch.device("cpu"), init_empty_weights(include_buffers=False):
+        base = family.base_class(config)
+    for block in blocks:
+        own = dict(block.named_modules())
+        for name, buf in base.layers[block_index(block)].named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            part = own.get(owner)
+            if part is None or buf.is_meta:
+                continue
+            held = part._buffers.get(leaf)
+            if held is None or held.is_meta:
+                part.register_buffer(leaf, buf.clone(), persistent=False)
 
 
 def embed_scale(family: TextFamily, config) -> float | None:
@@ -358,6 +447,52 @@ def split_positions(position_ids: torch.Tensor | None, x: torch.Tensor, past: in
     if position_ids.shape[0] == 4:
         return position_ids[1:], position_ids[0]
     return position_ids, None
+
+
+class _BlockRecorder(nn.Module):
+    """Stands for decoder block ``index`` in :func:`captured_block_inputs`: records what the family's forward hands
+    it and passes the hidden states on unchanged."""
+
+    def __init__(self, index: int, record: dict):
+        super().__init__()
+        self.index, self.record = index, record
+
+    def forward(self, *args, **kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kwargs.pop("hidden_states", None)
+        self.record[self.index] = (hidden, args[1:], kwargs)
+        return hidden
+
+
+def captured_block_inputs(family: TextFamily, rotary: nn.Module, x: torch.Tensor,
+                          position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple]]:
+    """What a hybrid family's own base-model forward hands each of its L decoder blocks for hidden states ``x``
+    (1, T, H) given as ``inputs_embeds`` (:attr:`TextFamily.captured`): block 0's input (after whatever the forward
+    does to the embeddings, e.g. a multiplier) and, per block index, (extra positional arguments, keyword arguments:
+    masks per layer kind, rotary tables, a state-space mask, ...). Runs the family's forward on a shell of its base
+    model (built once per ``rotary``, on the meta device) whose blocks are :class:`_BlockRecorder` and whose final
+    norm is the identity, with ``rotary`` as its rotary embedding; no cache. Raises what the family's forward
+    raises."""
+    config = rotary.config
+    shell = rotary.__dict__.get("_captured_shell")
+    record: dict = {}
+    if shell is None:
+        with torch.device("meta"):
+            shell = family.base_class(config)
+        shell.layers = nn.ModuleList(_BlockRecorder(i, record) for i in range(len(shell.layers)))
+        setattr(shell, family.norm_attribute, nn.Identity())
+        if family.rotary_class is not None:
+            shell.rotary_emb = rotary
+        rotary.__dict__["_captured_shell"] = shell  # not a submodule: no state, not moved with the stage
+    else:
+        for recorder in shell.layers:
+            recorder.record = record
+    kwargs = {"inputs_embeds": x, "use_cache": False}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    shell(**kwargs)
+    per_block = [record[i][1:] for i in range(len(shell.layers))]
+    return record[0][0], per_block
 
 
 def cached_tokens(cache, first_layer: int) -> int:

@@ -467,13 +467,22 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
         rotary = text.make_rotary(llm_family(cfg), llm)
     x = h if h.dim() == 3 else h.unsqueeze(0)
     kinds = text.attention_kinds(llm)
+    family = llm_family(cfg)
 
-    def rotary_once():  # position ids, masks and rotary tables, as run_blocks makes them once per forward
+    def rotary_once():  # position ids, masks and rotary tables, as run_blocks makes them once per forward (a
+        # hybrid family: what its own forward hands each block, recorded)
+        if family.captured:
+            return text.captured_block_inputs(family, rotary, x)[1]
         return text.block_inputs(llm, rotary, x, set(kinds))
 
     timed("rotary", rotary_once)
     with torch.inference_mode():
         block_in = rotary_once()
+
+    def run_block(block, i):
+        if family.captured:
+            return block(x, *block_in[i][0], **block_in[i][1])
+        return block(x, **block_in.for_block(block, kinds[i]))
     L = cfg.num_layers
     n_llm = L if llm_blocks == "all" else min(1, L)
     blk_ms, blk_min, step_ms = [], [], []
@@ -484,7 +493,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
             with torch.device("meta"):
                 block = text.make_blocks(llm_family(cfg), llm, i, i + 1)[0]
             random_init_(block, device, dtype)
-        ms, mn = _time_ms(lambda: block(x, **block_in.for_block(block, kinds[i])), device, warmup, repeats)
+        ms, mn = _time_ms(lambda: run_block(block, i), device, warmup, repeats)
         blk_ms.append(ms)
         blk_min.append(mn)
         if decode:

@@ -21,7 +21,7 @@ from ...util.cores import cpu_model, parse_core_list
 from ...util.paths import output_dir_problem, output_file_problem
 from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, cpu_flags
 
-PARTS = ("handoff", "pipeline", "loadstep", "flops", "preprocess", "families", "decode")
+PARTS = ("handoff", "pipeline", "loadstep", "flops", "preprocess", "families", "decode", "moe")
 #: One-line description for the ``bench`` subcommand's help.
 DESCRIPTION = ("side-by-side measurements of the split pipeline (JSON, Markdown, PNG): hand-off ring vs rclpy vs "
                "memcpy, pipeline efficiency and latency, CPU suffix FLOP/s, camera preprocessing share")
@@ -36,13 +36,15 @@ QUICK = {"presets": ["tiny"], "flops_presets": ["tiny", "smol"], "sizes_mib": [1
          "sequential": ["1core"], "flops_repeats": 3, "flops_blocks": 2, "preprocess_frames": 3,
          "preprocess_seconds": 0.5, "gap_count": 10, "suffix_bound": None, "load_step": "3:8:5",
          "load_step_presets": ["tiny"], "decode_tokens": 16, "decode_prompt": 32, "decode_steps": 300,
-         "overlap_tokens": 4, "overlap_frames": 3, "decode_inductor": "split_fp32"}
+         "overlap_tokens": 4, "overlap_frames": 3, "decode_inductor": "split_fp32", "moe_blocks": 1,
+         "moe_tokens": [128], "moe_experts": 16}
 FULL = {"presets": list(DEFAULT_PRESETS), "flops_presets": list(DEFAULT_PRESETS), "sizes_mib": [1.0, 4.0, 8.0, 32.0],
         "count": 200, "rclpy_count": 50, "rclpy_variants": ["default", "large_data", "shm_profile"], "frames": None,
         "sequential": ["1core", "2core"], "flops_repeats": 5, "flops_blocks": 4, "preprocess_frames": 5,
         "preprocess_seconds": 2.0, "gap_count": 40, "suffix_bound": "tiny:2:400", "load_step": "6:16:10",
         "load_step_presets": ["smol"], "decode_tokens": 64, "decode_prompt": 128, "decode_steps": 2000,
-        "overlap_tokens": 16, "overlap_frames": 8, "decode_inductor": "all"}
+        "overlap_tokens": 16, "overlap_frames": 8, "decode_inductor": "all", "moe_blocks": 2,
+        "moe_tokens": [256, 1024], "moe_experts": None}
 
 
 def _list(text: str) -> list[str]:
@@ -449,6 +451,11 @@ def run(args: argparse.Namespace) -> int:
 
         chosen = args.families or list(PUBLISHED)
         part("families", lambda: run_families(chosen, repeats=1 if args.quick else 3, log=log))
+    if "moe" in parts:
+        from .moe import run_moe
+
+        part("moe", lambda: run_moe(s["moe_blocks"], tuple(s["moe_tokens"]), repeats=2 if args.quick else 3,
+                                    threads=max(1, len(suffix_cores)), experts=s["moe_experts"], log=log))
     doc["goals"] = report.evaluate_goals(doc)
     doc["wall_s"] = time.monotonic() - t_start
     json_path = report.write_json(doc, args.json)

@@ -84,7 +84,7 @@ from ...transport.stats import ConsumerStats
 
 FORMAT_VERSION = 1
 KIND = "hybrid_vla_bench"
-PARTS = ("handoff", "pipeline", "loadstep", "suffix_flops", "preprocess", "families")
+PARTS = ("handoff", "pipeline", "loadstep", "suffix_flops", "preprocess", "families", "moe")
 
 #: Keys each part's section must have (and, for list entries, each entry), checked by :func:`validate`.
 REQUIRED = {
@@ -274,6 +274,10 @@ def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_p50_ms: 
         from .decode import decode_goals
 
         decode_goals(doc["decode"], add)
+    if doc.get("moe"):
+        from .moe import goals as moe_goals
+
+        moe_goals(doc["moe"], add)
     q = doc.get("preprocess")
     for r in (q or {}).get("results", []):
         if r["input"] == "rgb8" and r.get("ratio_to_limit") is not None:
@@ -406,6 +410,10 @@ def markdown(doc: dict) -> str:
         from .families import markdown as families_markdown
 
         out.append(families_markdown(doc["families"]))
+    if doc.get("moe"):
+        from .moe import markdown as moe_markdown
+
+        out.append(moe_markdown(doc["moe"]))
     goals = doc.get("goals") or []
     if goals:
         out.append("\n**Goals**")
