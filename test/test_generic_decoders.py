@@ -20,10 +20,14 @@ from hybrid_vla_ros.split.verify_decode import verify_decode
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3")
 
 
+def _written(tmp_path_factory, label: str, names) -> dict:
+    root = tmp_path_factory.mktemp(label)
+    return {name: write_generic_lm(root / name, name) for name in names}
+
+
 @pytest.fixture(scope="module")
 def generic_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("generic")
-    return {name: write_generic_lm(root / name, name) for name in GENERIC_FAMILIES}
+    return _written(tmp_path_factory, "generic", GENERIC_FAMILIES)
 
 
 @pytest.mark.parametrize("name", sorted(GENERIC_FAMILIES))
@@ -101,8 +105,7 @@ def _write(path, model_type, **overrides):
 
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrid")
-    return {name: write_generic_lm(root / name, name) for name in HYBRID_FAMILIES}
+    return _written(tmp_path_factory, "hybrid", HYBRID_FAMILIES)
 
 
 @pytest.mark.parametrize("name", sorted(HYBRID_FAMILIES))

@@ -100,12 +100,23 @@ def test_the_side_tensors_are_needed(vlm_dirs, family):
             assert (suffix.final_hidden_states(no_deep) - ref[-1]).abs().max().item() > 1e-2
 
 
+def _side_tensors_are_needed(suffix, state, final, named: str) -> None:
+    """The suffix on ``state`` equals transformers' ``final`` hidden states; without the side tensors it refuses,
+    naming ``named``; told it needs none, it runs and differs far beyond the tolerance."""
+    from hybrid_vla_ros.model.contract import SplitState
+
+    assert (suffix.final_hidden_states(state) - final).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match=named):
+        suffix.final_hidden_states(SplitState(state.hidden_states))
+    suffix.cfg.side = ()
+    assert (suffix.final_hidden_states(SplitState(state.hidden_states)) - final).abs().max().item() > 1e-2
+
+
 def test_gemma3s_image_blocks_are_needed(vlm_dirs):
     """Gemma 3's image tokens attend to each other both ways: its image blocks cross with h_K, and a suffix run
     without them (causal masks only) differs from transformers far beyond the tolerance; one that lacks the
     declared side tensor refuses, naming it. A decode is refused in one line (its masks against a split KV cache
     are not built)."""
-    from hybrid_vla_ros.model.contract import SplitState
     from hybrid_vla_ros.model.vlm import load_processor, run_processor
     from hybrid_vla_ros.split.verify_decode import CannotDecode, verify_decode
 
@@ -119,12 +130,7 @@ def test_gemma3s_image_blocks_are_needed(vlm_dirs):
         state = ck.load("prefix", 1)(inputs)
         blocks = state.image_blocks
         assert sorted(set(blocks.tolist())) == [-1, 0, 1] and int((blocks >= 0).sum()) == 2 * 4
-        suffix = ck.load("suffix", 1)
-        assert (suffix.final_hidden_states(state) - ref[-1]).abs().max().item() <= TOL
-        with pytest.raises(ValueError, match="image_blocks"):
-            suffix.final_hidden_states(SplitState(state.hidden_states))
-        suffix.cfg.side = ()
-        assert (suffix.final_hidden_states(SplitState(state.hidden_states)) - ref[-1]).abs().max().item() > 1e-2
+        _side_tensors_are_needed(ck.load("suffix", 1), state, ref[-1], "image_blocks")
     with pytest.raises(CannotDecode, match="both ways"):
         verify_decode(path, 2)
 
@@ -166,7 +172,6 @@ def test_mllamas_cross_attention_blocks_read_the_vision_states_that_cross(vlm_di
     is on the suffix's side; a suffix run without them (the block skipped, as transformers skips it for text alone)
     differs from transformers far beyond the tolerance, one that lacks them refuses naming them, and a decode is
     refused in one line (its cross-attention cache is not built across the split)."""
-    from hybrid_vla_ros.model.contract import SplitState
     from hybrid_vla_ros.model.vlm import load_processor, run_processor
     from hybrid_vla_ros.split.verify_decode import CannotDecode, verify_decode
 
@@ -181,12 +186,7 @@ def test_mllamas_cross_attention_blocks_read_the_vision_states_that_cross(vlm_di
         tiles, patches, width = state.cross_states.shape
         assert (tiles, width) == (CAMERAS * 2, cfg.hidden_size) and patches == 17, "2 tiles a camera, 16 + 1 patches"
         assert state.cross_mask.shape == (1, 1, cfg.num_tokens, tiles * patches)
-        suffix = ck.load("suffix", 1)
-        assert (suffix.final_hidden_states(state) - ref[-1]).abs().max().item() <= TOL
-        with pytest.raises(ValueError, match="cross_states"):
-            suffix.final_hidden_states(SplitState(state.hidden_states))
-        suffix.cfg.side = ()
-        assert (suffix.final_hidden_states(SplitState(state.hidden_states)) - ref[-1]).abs().max().item() > 1e-2
+        _side_tensors_are_needed(ck.load("suffix", 1), state, ref[-1], "cross_states")
     with pytest.raises(CannotDecode, match="cross-attention"):
         verify_decode(path, 2)
 
