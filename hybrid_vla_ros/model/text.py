@@ -246,17 +246,18 @@ def check_splittable(config, both_ways: bool = False) -> None:
     """Raise ValueError for what this loop cannot split exactly by structure: ``use_bidirectional_attention``
     (Gemma 3's encoder use: every token attends to later ones), unless ``both_ways`` (the text model of a VLM whose
     forward builds its masks with blocks that attend both ways, :class:`~.contract.BlockMaskRule`: PaliGemma sets
-    the flag and hands explicit masks, which both sides rebuild); attention kinds other than :data:`ATTENTION_KINDS` (a
-    family outside :data:`TESTED_TEXT_TYPES` is then proven by :func:`~.family_check.check_forward_matches`)."""
+    the flag and hands explicit masks, which both sides rebuild); attention kinds other than :data:`ATTENTION_KINDS`
+    and :data:`CROSS` in a family that is not :attr:`~TextFamily.captured` (a family outside
+    :data:`TESTED_TEXT_TYPES` is then proven by :func:`~.family_check.check_forward_matches`)."""
     if getattr(config, "use_bidirectional_attention", False) and not both_ways:
         raise ValueError(f"{config.model_type}: use_bidirectional_attention is set (tokens attend to later tokens "
                          "through a mask overlay): not a causal language model, which is what the split runs; "
                          "use a causal checkpoint")
     other = sorted(set(attention_kinds(config)) - set(ATTENTION_KINDS) - {CROSS})
     if other and not text_family(config.model_type).captured:
-        raise ValueError(f"{config.model_type}: its layer_types include {other} (only {', '.join(ATTENTION_KINDS)} "
-                         "blocks split here: linear attention, convolution and state-space layers carry state or "
-                         "masks this loop does not build)")
+        raise ValueError(f"{config.model_type}: its layer_types include {other}, kinds its family's default "
+                         f"configuration does not have (the loop builds masks for {', '.join(ATTENTION_KINDS)} blocks "
+                         "only in such a family): not split")
 
 
 def attention_kinds(config) -> list[str]:

@@ -17,7 +17,7 @@ import functools
 import inspect
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -220,7 +220,8 @@ class TextCapture(nn.Module):
 class FrontOutput:
     """What the base model hands its text model for one frame.
 
-    ``inputs_embeds`` (T, H) in the model dtype; ``position_ids`` (3 or 4, 1, T) int64, None for ``arange(T)``;
+    ``inputs_embeds`` (T, H) in the model dtype; ``position_ids`` (3 or 4, 1, T) int64 (multimodal) or (1, 1, T)
+    (PaliGemma's from 1), None for ``arange(T)``;
     ``visual_mask`` (T,) bool and ``deepstack`` (levels, V, H): Qwen3-VL's DeepStack features (added to the
     visual tokens after blocks 0 .. levels-1), else None; ``image_blocks`` (T,) int64: blocks that attend both
     ways (:class:`~.contract.SplitState`), else None; ``cross_states``, ``cross_mask``, ``cross_rows``: what
@@ -237,9 +238,8 @@ class FrontOutput:
 
     def side(self) -> dict:
         """The side tensors present, by their :class:`~.contract.SplitState` field names."""
-        return {name: getattr(self, name) for name in ("position_ids", "visual_mask", "deepstack", "image_blocks",
-                                                       "cross_states", "cross_mask", "cross_rows")
-                if getattr(self, name) is not None}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "inputs_embeds" and getattr(self, f.name) is not None}
 
 
 def build_front(config, family: VLMFamily, embed_tokens: nn.Module) -> nn.Module:
