@@ -112,11 +112,12 @@ GENERIC_FAMILIES = {
 
 
 #: Hybrid families (:attr:`hybrid_vla_ros.model.text.TextFamily.captured`): model_type -> config overrides on
-#: :data:`LLM` (3 blocks, every block kind among them).
+#: :data:`LLM` (3 blocks, every block kind among them; Falcon-H1 5: its forward takes its blocks' output tuples
+#: apart, which only shows from the fourth block on).
 HYBRID_FAMILIES = {
     "lfm2": dict(layer_types=["conv", "full_attention", "conv"]),
     "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
-                      mamba_chunk_size=8, head_dim=16, embedding_multiplier=2.0),
+                      mamba_chunk_size=8, head_dim=16, embedding_multiplier=2.0, num_hidden_layers=5),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2,
                   use_mamba_kernels=False),

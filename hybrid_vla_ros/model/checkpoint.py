@@ -397,7 +397,8 @@ def check_tensors(module: nn.Module, source: TensorSource, what: str) -> dict[st
     keys = {local: module.checkpoint_key(local) for local in wanted}
     missing = [c for c in keys.values() if c not in source]
     if missing:
-        raise CheckpointError(f"{source.label} lacks {len(missing)} tensors {what} needs, e.g. {missing[:3]}")
+        raise CheckpointError(f"{source.label} lacks {len(missing)} tensor(s) {what} needs, e.g. {missing[:3]} "
+                              "(this package's names)")
     for local, canonical in keys.items():
         info, want = source.info(canonical), wanted[local]
         if tuple(info.shape) != tuple(want.shape):
@@ -426,14 +427,22 @@ def _materialize(module: nn.Module, source: TensorSource, device: torch.device, 
     if as_fp32:
         tensors.update(source.read(as_fp32, device, float_dtype=torch.float32))
     module.load_state_dict({local_of[c]: t for c, t in tensors.items()}, strict=True, assign=True)
-    _rebuild_buffers(module, device)
+    _rebuild_buffers(module, device, dtype)
     leftovers = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if leftovers:
         raise RuntimeError(f"tensors left uninitialised after loading {what}: {leftovers[:5]}")
 
 
-def _rebuild_buffers(module: nn.Module, device: torch.device) -> None:
-    """Rebuild the non-persistent buffers (not in the checkpoint) on ``device`` from the config."""
+def _rebuild_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Rebuild the non-persistent buffers (not in the checkpoint) on ``device`` from the config; the floating ones a
+    hybrid family's base model puts on its blocks (:func:`~.text.adopted_buffers`) in ``dtype``, as transformers'
+    ``from_pretrained(dtype=...)`` makes them under that default dtype."""
+    from .text import adopted_buffers
+
+    for sub, name in adopted_buffers(module):
+        buf = sub._buffers[name]
+        sub._buffers[name] = buf.to(device=device, dtype=dtype if dtype is not None and buf.is_floating_point()
+                                    else buf.dtype)
     if hasattr(module, "rotary_emb"):
         with torch.device(device):
             module.rotary_emb = type(module.rotary_emb)(module.rotary_emb.config)
@@ -473,7 +482,7 @@ def random_stage(cfg: VLAConfig, role: str, split_layer: int | None = None, *, d
         state[name] = new
     module.load_state_dict(state, strict=True, assign=True)
     del state
-    _rebuild_buffers(module, device)
+    _rebuild_buffers(module, device, dtype)
     return module.eval().requires_grad_(False)
 
 

@@ -147,9 +147,9 @@ def _compare_on(family: text.TextFamily, small, where: str) -> None:
         # the base model as the causal LM holds it (Llama 4's names a prefix it does not use: find it by class)
         base = next((m for m in full.children() if isinstance(m, family.base_class)), full.base_model)
         ids = (torch.arange(_CHECK_TOKENS) * 37 + 5) % int(small.vocab_size)
-        reference = base(input_ids=ids[None]).last_hidden_state[0]
+        reference = base(input_ids=ids[None], use_cache=False).last_hidden_state[0]
         with_logits = family.causal_lm_class is not None and not family.captured  # a hybrid family: no decode
-        logits = full(input_ids=ids[None]).logits[0] if with_logits else None
+        logits = full(input_ids=ids[None], use_cache=False).logits[0] if with_logits else None
         embedding = text.make_embedding(family, small)
         embedding.load_state_dict(base.embed_tokens.state_dict())
         norm = text.make_norm(family, small)

@@ -286,8 +286,9 @@ def read_hf(path: str | Path) -> HFModel:
 
     try:  # floats JSON cannot hold decoded as transformers' from_pretrained decodes them (Falcon-H1's)
         config = classes[model_type].from_dict(PretrainedConfig._decode_special_floats(doc))
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{file}: transformers cannot read it as a {model_type} config ({e})") from e
+    except Exception as e:  # noqa: BLE001 - the config class's own validation (strict dataclass errors included)
+        raise CheckpointError(f"{file}: transformers cannot read it as a {model_type} config "
+                              f"({type(e).__name__}: {' '.join(str(e).split())})") from None
     if model_type in VLM_MODEL_TYPES:
         text = config.text_config
         try:

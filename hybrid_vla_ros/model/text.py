@@ -351,6 +351,13 @@ def _adopt_base_buffers(family: TextFamily, config, blocks: nn.ModuleList) -> No
             held = part._buffers.get(leaf)
             if held is None or held.is_meta:
                 part.register_buffer(leaf, buf.clone(), persistent=False)
+                part.__dict__.setdefault("_adopted_buffers", set()).add(leaf)
+
+
+def adopted_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(part, buffer name) of every buffer :func:`_adopt_base_buffers` gave a block inside ``module``."""
+    return [(part, name) for part in module.modules() for name in sorted(part.__dict__.get("_adopted_buffers", ()))
+            if name in part._buffers]
 
 
 def embed_scale(family: TextFamily, config) -> float | None:
@@ -452,17 +459,18 @@ def split_positions(position_ids: torch.Tensor | None, x: torch.Tensor, past: in
 
 class _BlockRecorder(nn.Module):
     """Stands for decoder block ``index`` in :func:`captured_block_inputs`: records what the family's forward hands
-    it and passes the hidden states on unchanged."""
+    it and passes the hidden states on unchanged, as a tensor or, with ``as_tuple`` (a forward that takes
+    ``layer(...)[0]``, Falcon-H1's), as a 1-tuple."""
 
     def __init__(self, index: int, record: dict):
         super().__init__()
-        self.index, self.record = index, record
+        self.index, self.record, self.as_tuple = index, record, False
 
     def forward(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.pop("hidden_states")
         kwargs.pop("hidden_states", None)
         self.record[self.index] = (hidden, args[1:], kwargs)
-        return hidden
+        return (hidden,) if self.as_tuple else hidden
 
 
 def captured_block_inputs(family: TextFamily, rotary: nn.Module, x: torch.Tensor,
@@ -491,7 +499,16 @@ def captured_block_inputs(family: TextFamily, rotary: nn.Module, x: torch.Tensor
     kwargs = {"inputs_embeds": x, "use_cache": False}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
-    shell(**kwargs)
+    try:
+        shell(**kwargs)
+        passed_on = all(record[i][0].shape == record[0][0].shape for i in range(len(shell.layers)))
+    except (IndexError, TypeError, ValueError, RuntimeError):
+        passed_on = False
+    if not passed_on:  # the forward takes its blocks' output tuples apart: recorders answer with a 1-tuple
+        for recorder in shell.layers:
+            recorder.as_tuple = not recorder.as_tuple
+        record.clear()
+        shell(**kwargs)
     per_block = [record[i][1:] for i in range(len(shell.layers))]
     return record[0][0], per_block
 

@@ -13,6 +13,11 @@ def traceable(stage) -> str:
     if getattr(stage.cfg, "side", ()):
         return (f"the model's blocks after the split take side tensors ({', '.join(stage.cfg.side)}); the compiled "
                 "model takes the hidden states only")
+    from .modeling import llm_family
+
+    if getattr(stage.cfg, "llm", None) is not None and llm_family(stage.cfg).captured:
+        return ("hybrid blocks (convolution, state-space or linear-attention layers) run with the inputs their "
+                "family's forward hands them, which a traced graph does not: this suffix runs eagerly")
     return ""
 
 

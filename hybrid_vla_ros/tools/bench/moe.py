@@ -133,9 +133,10 @@ def goals(part: dict, add) -> None:
 def markdown(part: dict) -> str:
     """The part as a markdown table."""
     c = part["config"]
-    lines = [f"\n**MoE suffix**: {part['blocks']} Qwen3-30B-A3B decoder blocks ({c['num_experts']} experts of "
-             f"{c['moe_intermediate_size']}, {c['num_experts_per_tok']} active), {part['threads']} thread(s); a block "
-             f"frees {part['gpu_bytes_per_block'] / 1e9:.2f} GB of 16-bit GPU memory "
+    fewer = "" if c["num_experts"] == QWEN3_30B_A3B["num_experts"] else f" of its {QWEN3_30B_A3B['num_experts']}"
+    lines = [f"\n**MoE suffix**: {part['blocks']} Qwen3-30B-A3B decoder block(s) ({c['num_experts']}{fewer} experts "
+             f"of {c['moe_intermediate_size']}, {c['num_experts_per_tok']} active), {part['threads']} thread(s); "
+             f"a block frees {part['gpu_bytes_per_block'] / 1e9:.2f} GB of 16-bit GPU memory "
              f"({part['params_per_block'] / 1e6:.0f} M parameters, {part['active_params_per_block'] / 1e6:.0f} M "
              "active per token).", "",
              "| dtype | T | suffix ms | active GFLOP/s | of GEMM peak | transformers eager ms | speed-up |",
