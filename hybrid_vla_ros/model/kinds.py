@@ -230,9 +230,9 @@ class SplitModel:
         family = llm_family(self.cfg)
         if family.captured:  # what the family's own forward hands each block (recorded once)
             with torch.inference_mode():
-                _, per_block = text.captured_block_inputs(family, rotary, x, state.position_ids)
+                calls = text.captured_block_inputs(family, rotary, x, state.position_ids).calls
             return (lambda: text.captured_block_inputs(family, rotary, x, state.position_ids),
-                    lambda block, i: block(x, *per_block[i][0], **per_block[i][1]))
+                    lambda block, i: calls[i].run(block, x))
         extra = {"image_blocks": state.image_blocks}  # what the blocks read besides h (as run_blocks passes it)
         if state.image_blocks is not None:
             from .vlm import block_mask_rule

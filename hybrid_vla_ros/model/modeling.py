@@ -538,7 +538,7 @@ def run_blocks(m: nn.Module, layers: nn.ModuleList, h: torch.Tensor, *, out=None
     residual add (:func:`block_forward_into`), or copied into with DeepStack levels left, a cross-attention block
     last or no blocks; returns ``out`` then. ``cache``: this side's KV cache (:mod:`.decode`): the blocks read and
     extend it, positions continue after what it holds. ``embedded``: ``h`` is the token embeddings (a prefix): a
-    hybrid family's forward may change them before block 0 (Falcon-H1's multiplier), and h_0 is block 0's input.
+    hybrid family's forward may change given embeddings before block 0, and h_0 is block 0's input.
     """
     if len(layers) == 0 and not embedded:
         return h if out is None else _destination(out).copy_(h)
@@ -610,14 +610,11 @@ def _run_captured(family, rotary, layers, x: torch.Tensor, state, cache, embedde
     if x.is_meta:  # FLOP counting: no values to run the family's forward on; the blocks' own arithmetic counts
         return x
     positions = state.position_ids if state is not None else None
-    first, per_block = text.captured_block_inputs(family, rotary, x, positions)
+    captured = text.captured_block_inputs(family, rotary, x, positions)
     if embedded:
-        x = first
+        x = captured.first
     for block in layers:
-        args, kwargs = per_block[text.block_index(block)]
-        x = block(x, *args, **kwargs)
-        if isinstance(x, tuple):
-            x = x[0]
+        x = captured.calls[text.block_index(block)].run(block, x)
     return x
 
 

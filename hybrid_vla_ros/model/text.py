@@ -321,26 +321,23 @@ def make_blocks(family: TextFamily, config, start: int, stop: int) -> nn.ModuleL
     lists, Mllama; for a hybrid family the class its base model builds at each index), each with its global
     ``layer_idx``."""
     if family.captured:
-        with torch.device("meta"):
-            classes = [type(b) for b in family.base_class(config).layers]
-        blocks = nn.ModuleList(classes[i](config, i) for i in range(start, stop))
-        _adopt_base_buffers(family, config, blocks)
+        from accelerate import init_empty_weights
+
+        # one base model, its parameters on the meta device and its buffers real: the block classes and the buffers
+        with torch.device("cpu"), init_empty_weights(include_buffers=False):
+            base = family.base_class(config)
+        blocks = nn.ModuleList(type(base.layers[i])(config, i) for i in range(start, stop))
+        _adopt_base_buffers(base, blocks)
         return blocks
     cross = {int(i) for i in getattr(config, "cross_attention_layers", None) or ()}
     return nn.ModuleList((family.cross_block_class if i in cross and family.cross_block_class else family.block_class)
                          (config, i) for i in range(start, stop))
 
 
-def _adopt_base_buffers(family: TextFamily, config, blocks: nn.ModuleList) -> None:
+def _adopt_base_buffers(base: nn.Module, blocks: nn.ModuleList) -> None:
     """Give each block the non-persistent buffers its base model's ``__init__`` registers on it (Falcon-H1's
-    ``mup_vector``, computed from the config), on the CPU: read off a base model built with its parameters on the
-    meta device (accelerate's ``init_empty_weights``) and its buffers real."""
-    from accelerate import init_empty_weights
-
-    if not len(blocks):
-        return
-    with torch.device("cpu"), init_empty_weights(include_buffers=False):
-        base = family.base_class(config)
+    ``mup_vector``, computed from the config), on the CPU: read off ``base``, the family's base model built with its
+    parameters on the meta device (accelerate's ``init_empty_weights``) and its buffers real."""
     for block in blocks:
         own = dict(block.named_modules())
         for name, buf in base.layers[block_index(block)].named_buffers():
@@ -362,14 +359,18 @@ def adopted_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
 
 def embed_scale(family: TextFamily, config) -> float | None:
     """The family's token-embedding factor, or None: Gemma's sqrt(H) (its embedding's ``scalar_embed_scale``),
-    Granite's ``embedding_multiplier`` (its base model's, applied in ``GraniteModel.forward``)."""
-    small = _one_block_config(config)
+    Granite's and Falcon-H1's ``embedding_multiplier`` (their base model's, applied to the embedded token ids)."""
+    return _embedding_facts(family, config)[1]
+
+
+def _embedding_facts(family: TextFamily, config) -> tuple[int, float | None]:
+    """(rows of the family's token embedding, its factor: :func:`embed_scale`), read off a one-block meta shell."""
     with torch.device("meta"):
-        shell = family.base_class(small)
+        shell = family.base_class(_one_block_config(config))
     scale = getattr(shell.embed_tokens, "scalar_embed_scale", None)
     if scale is None:
         scale = getattr(shell, "embedding_multiplier", None)
-    return None if scale is None else float(scale)
+    return int(shell.embed_tokens.num_embeddings), None if scale is None else float(scale)
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -388,10 +389,8 @@ class ScaledEmbedding(nn.Embedding):
 def make_embedding(family: TextFamily, config) -> nn.Module:
     """The token embedding (rows, H) as the family's base model embeds (scaled for Gemma); rows as its base model
     sizes them (the vocabulary, Mllama's plus 8)."""
-    scale = embed_scale(family, config)
-    small = _one_block_config(config)
-    with torch.device("meta"):
-        rows = int(family.base_class(small).embed_tokens.num_embeddings)
+    scale = embed_scale(family, config)  # its own call: the factor is what a family check varies
+    rows = _embedding_facts(family, config)[0]
     if scale is None:
         return nn.Embedding(rows, config.hidden_size)
     return ScaledEmbedding(rows, config.hidden_size, scale)
@@ -473,12 +472,34 @@ class _BlockRecorder(nn.Module):
         return (hidden,) if self.as_tuple else hidden
 
 
+@dataclass
+class BlockCall:
+    """What a family's forward hands one decoder block besides its hidden states: ``args`` (positional, after the
+    hidden states) and ``kwargs`` (masks per layer kind, rotary tables, a state-space mask, ...)."""
+
+    args: tuple
+    kwargs: dict
+
+    def run(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``block`` on hidden states ``x`` (1, T, H) with these arguments -> (1, T, H) (a tuple output's first)."""
+        y = block(x, *self.args, **self.kwargs)
+        return y[0] if isinstance(y, tuple) else y
+
+
+@dataclass
+class CapturedInputs:
+    """:func:`captured_block_inputs`' result: ``first`` (1, T, H), block 0's input as the family's forward makes it
+    from the embeddings; ``calls``: one :class:`BlockCall` per block index 0..L-1."""
+
+    first: torch.Tensor
+    calls: list
+
+
 def captured_block_inputs(family: TextFamily, rotary: nn.Module, x: torch.Tensor,
-                          position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple]]:
+                          position_ids: torch.Tensor | None = None) -> CapturedInputs:
     """What a hybrid family's own base-model forward hands each of its L decoder blocks for hidden states ``x``
-    (1, T, H) given as ``inputs_embeds`` (:attr:`TextFamily.captured`): block 0's input (after whatever the forward
-    does to the embeddings, e.g. a multiplier) and, per block index, (extra positional arguments, keyword arguments:
-    masks per layer kind, rotary tables, a state-space mask, ...). Runs the family's forward on a shell of its base
+    (1, T, H) given as ``inputs_embeds`` (:attr:`TextFamily.captured`), as :class:`CapturedInputs` (block 0's
+    input after whatever the forward does to given embeddings). Runs the family's forward on a shell of its base
     model (built once per ``rotary``, on the meta device) whose blocks are :class:`_BlockRecorder` and whose final
     norm is the identity, with ``rotary`` as its rotary embedding; no cache. Raises what the family's forward
     raises."""
@@ -509,8 +530,7 @@ def captured_block_inputs(family: TextFamily, rotary: nn.Module, x: torch.Tensor
             recorder.as_tuple = not recorder.as_tuple
         record.clear()
         shell(**kwargs)
-    per_block = [record[i][1:] for i in range(len(shell.layers))]
-    return record[0][0], per_block
+    return CapturedInputs(record[0][0], [BlockCall(*record[i][1:]) for i in range(len(shell.layers))])
 
 
 def cached_tokens(cache, first_layer: int) -> int:

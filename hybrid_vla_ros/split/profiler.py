@@ -472,7 +472,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
     def rotary_once():  # position ids, masks and rotary tables, as run_blocks makes them once per forward (a
         # hybrid family: what its own forward hands each block, recorded)
         if family.captured:
-            return text.captured_block_inputs(family, rotary, x)[1]
+            return text.captured_block_inputs(family, rotary, x).calls
         return text.block_inputs(llm, rotary, x, set(kinds))
 
     timed("rotary", rotary_once)
@@ -481,7 +481,7 @@ def _profile_device(cfg: VLAConfig, device: torch.device, dtype: torch.dtype, *,
 
     def run_block(block, i):
         if family.captured:
-            return block(x, *block_in[i][0], **block_in[i][1])
+            return block_in[i].run(block, x)
         return block(x, **block_in.for_block(block, kinds[i]))
     L = cfg.num_layers
     n_llm = L if llm_blocks == "all" else min(1, L)
