@@ -1,5 +1,6 @@
-"""bf16 linear layers packed once for oneDNN (runtime/packed_linear.py): the CPU suffix computes the same bits with
-its weights packed as without, in a prefill, a decode (blocks and LM head) and after a re-split loads more blocks.
+"""bf16 linear layers and mixture-of-experts experts packed once for oneDNN (runtime/packed_linear.py): the CPU suffix
+computes the same bits with its weights packed as without, in a prefill, a decode (blocks and LM head) and after a
+re-split loads more blocks, for every MoE family transformers runs with its ``grouped_mm`` experts.
 
 The packed path runs only where oneDNN computes bf16 natively (AVX512-BF16 / AMX); elsewhere these tests are
 skipped with that reason, and the runner reports its suffix as not packed (the last test checks that report
@@ -7,10 +8,11 @@ wherever it runs)."""
 import pytest
 import torch
 
-from hf_builders import write_qwen2
+from hf_builders import GENERIC_FAMILIES, HYBRID_FAMILIES, LLM, perturb_, write_generic_lm, write_qwen2
 from hybrid_vla_ros.model.checkpoint import open_checkpoint
 from hybrid_vla_ros.model.decode import DecodeSettings, SideCache, SuffixDecoding, decode_in_process
-from hybrid_vla_ros.runtime.packed_linear import PackedLinear, pack_linears_, pack_lm_head_, packing_supported
+from hybrid_vla_ros.runtime.packed_linear import (PackedExperts, PackedLinear, pack_experts_, pack_linears_,
+                                                  pack_lm_head_, packing_supported)
 from hybrid_vla_ros.split.resplit import StageSplit
 from hybrid_vla_ros.split.verify import BagFrames
 
@@ -24,8 +26,74 @@ def qwen2(tmp_path_factory):
     return write_qwen2(tmp_path_factory.mktemp("packed") / "qwen2")
 
 
-def _packed_count(module) -> int:
-    return sum(isinstance(m, PackedLinear) for m in module.modules())
+def _packed_count(module, kind=PackedLinear) -> int:
+    return sum(isinstance(m, kind) for m in module.modules())
+
+
+#: The mixture-of-experts families of the generic-decoder tests (test/hf_builders.py), hybrids among them.
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "llama4_text",
+                "jamba", "qwen3_next")
+
+
+@needs_packing
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_packed_experts_give_transformers_own_bits_in_its_model(name):
+    """Inside transformers' own bf16 ``<Family>ForCausalLM`` (routers drawn so tokens reach most experts), the
+    blocks' experts and linear layers packed: the logits of a 24-token prompt and a 4-token greedy ``generate``
+    (decode steps of one row) equal the unpacked model's to the bit. Every MoE block whose experts transformers
+    runs in ``grouped_mm`` is packed and lets its unpacked expert weights go; Llama 4's experts (``eager``, which
+    adds each expert's rows in bf16) stay as they are. Jamba's state-space mixer reads ``dt_proj.weight`` itself:
+    that layer stays a plain ``nn.Linear`` and the model still runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = GENERIC_FAMILIES[name] if name in GENERIC_FAMILIES else HYBRID_FAMILIES[name]
+    config = AutoConfig.for_model(name, **{**LLM, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                           **overrides})
+    torch.manual_seed(4)
+    model = perturb_(AutoModelForCausalLM.from_config(config), 4).eval().to(BF16)
+    grouped = config._experts_implementation == "grouped_mm"
+    moe_blocks = sum(isinstance(getattr(m, "down_proj", None), torch.nn.Parameter) and m.down_proj.dim() == 3
+                     for m in model.model.layers.modules())  # fused experts: (E, H, I) or (E, I, H)
+    ids = torch.tensor([[(7 + 131 * i) % LLM["vocab_size"] for i in range(24)]])
+    with torch.inference_mode():
+        logits, tokens = model(ids).logits, model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert pack_linears_(model.model.layers) > 0
+        packed = pack_experts_(model.model.layers)
+        assert (packed == moe_blocks > 0) if grouped else packed == 0, (packed, moe_blocks)
+        assert torch.equal(model(ids).logits, logits)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+    for experts in (m for m in model.modules() if isinstance(m, PackedExperts)):
+        assert not any(p.dim() == 3 for p in experts.parameters())  # the packed copies replaced them
+    if name == "jamba":
+        assert all(type(m.dt_proj) is torch.nn.Linear for m in model.modules() if hasattr(m, "dt_proj"))
+
+
+@needs_packing
+def test_a_moe_suffix_packs_its_experts_and_those_a_re_split_loads(tmp_path):
+    """The bf16 suffix runner of a composed Qwen3-MoE VLA packs its blocks' experts and says so; its loader packs
+    the blocks a move of K down loads, and the stage then computes the unpacked stage's bits at the new K."""
+    from hybrid_vla_ros.runtime.settings import SuffixRunnerSettings
+    from hybrid_vla_ros.runtime.suffix import SuffixRunner
+    from hybrid_vla_ros.tools.cli import main as cli
+
+    composed = tmp_path / "composed"
+    llm = write_generic_lm(tmp_path / "qwen3_moe", "qwen3_moe")
+    assert cli(["init-model", "--preset", "tiny", "--llm", str(llm), str(composed)]) == 0
+    ck = open_checkpoint(composed)
+    runner = SuffixRunner(str(composed), SuffixRunnerSettings(2, namespace="/pe", dtype="bf16"))
+    try:
+        stage = runner.stage
+        assert "the experts of 1 MoE block(s)" in runner.linear_packing, runner.linear_packing
+        assert _packed_count(stage, PackedExperts) == len(stage.layers) == ck.num_layers - 2
+        event = runner.split.for_frame(0)
+        assert event is not None and stage.split_layer == 0
+        assert _packed_count(stage, PackedExperts) == ck.num_layers
+        plain = ck.load("suffix", 0, dtype=BF16)
+        h = torch.randn(stage.cfg.prefix_state_shape, generator=torch.Generator().manual_seed(5)).to(BF16)
+        with torch.inference_mode():
+            assert torch.equal(stage.final_hidden_states(h), plain.final_hidden_states(h))
+    finally:
+        runner.close()
 
 
 @needs_packing

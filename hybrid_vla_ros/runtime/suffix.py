@@ -32,7 +32,7 @@ from ..transport.ring import (
 from ..transport.layout import MAX_DECODE_ROWS
 from .compiled_step import DECODE_STEPS, DecodeStepBuilder, DecodeStepStatus, compile_support
 from .decoding import NO_STEP, SuffixDecodeLoop
-from .packed_linear import pack_linears_, pack_lm_head_, packing_supported
+from .packed_linear import ExpertsWorkspace, pack_experts_, pack_linears_, pack_lm_head_, packing_supported
 from .peer import PeerStatus, producer_status
 from .settings import SuffixRunnerSettings
 from .suffix_backend import SuffixBackend
@@ -379,9 +379,10 @@ class SuffixRunner:
         return DecodeStepStatus(asked, line="eager")
 
     def _pack_linears(self, backend: str) -> str:
-        """Pack the bf16 stage's decoder blocks' linear layers (and the decode's LM head) for oneDNN once, where
-        this CPU computes bf16 natively and the packed output is bit-identical; blocks loaded by later re-splits
-        are packed as they load. The compiled backend traces the eager blocks, so they stay unpacked there."""
+        """Pack the bf16 stage's decoder blocks' linear layers and MoE experts (and the decode's LM head) for oneDNN
+        once, where this CPU computes bf16 natively and the packed output is bit-identical; blocks loaded by later
+        re-splits are packed as they load. The compiled backend traces the eager blocks, so they stay unpacked
+        there."""
         if self.dtype != torch.bfloat16:
             return ""
         if backend != "eager":
@@ -391,12 +392,18 @@ class SuffixRunner:
         ok, why = packing_supported()
         if not ok:
             return f"not packed: {why}"
-        n = pack_linears_(self.stage.layers)  # the decoder blocks: the heads after them stay torch modules
+        workspace = ExpertsWorkspace()  # one for the stage's experts: its blocks run one after another
+
+        def pack(blocks) -> tuple[int, int]:  # linear layers, then MoE experts (grouped_mm families)
+            return pack_linears_(blocks), pack_experts_(blocks, workspace)
+
+        n, experts = pack(self.stage.layers)  # the decoder blocks: the heads after them stay torch modules
         if n == 0 and any(isinstance(m, torch.nn.Linear) for m in self.stage.layers.modules()):
             return "not packed: the packed layer's output differs from the unpacked one on this CPU"
-        self.split.prefetcher.prepare = pack_linears_
+        self.split.prefetcher.prepare = pack
         head = self._decoding.head if self._decoding is not None else None
         lm = ", and the LM head" if head is not None and pack_lm_head_(head) else ""
+        lm = f", the experts of {experts} MoE block(s){lm}" if experts else lm
         return f"packed {n} linear layers of blocks [K, L){lm} (oneDNN, once)"
 
     def _decode(self, seq: int, state, k: int):
