@@ -346,6 +346,47 @@ def test_quick_pipeline_and_preprocess_run(tmp_path):
     assert all(Path(tmp_path / "p" / f).is_file() for f in ("pipeline.png", "pipeline_timeline.png", "preprocess.png"))
 
 
+def test_a_query_head_model_runs_the_pipeline_and_preprocessing_parts_with_the_bags_calibration(tmp_path):
+    """minddrive-0.5b (the published query heads: each frame needs its camera geometry and ego frame) at 112 px and
+    K = 12: the pipeline and preprocessing parts complete (they once dropped every frame for want of SceneInputs),
+    every preprocessing case measured, with the scene made from the embedded bag's CameraInfo, /tf_static and
+    odometry as a prefix node makes it."""
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--quick", "--only", "pipeline,preprocess", "--presets", "minddrive-0.5b",
+                     "--split", "minddrive-0.5b=12", "--image-size", "minddrive-0.5b=112", "--frames", "2",
+                     "--warmup-frames", "1", "--sequential", "1core", "--preprocess-frames", "1",
+                     "--model-cache", str(tmp_path / "models"), "--json", str(out), "--quiet"])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["errors"] == {} and report.validate(doc) == []
+    e = doc["pipeline"]["presets"][0]
+    assert e["preset"] == "minddrive-0.5b" and e["pipeline"]["frames_measured"] == 2
+    assert len(doc["preprocess"]["results"]) >= 6 and all(r["frames"] >= 1 for r in doc["preprocess"]["results"])
+
+
+def test_the_bench_scene_projects_what_lies_ahead_of_the_car_into_a_camera():
+    """:func:`bag_scene` on the embedded bag: the model frame sits at the node's default origin (its pose in the
+    odometry frame is the first odometry message's, as the node's is at that stamp), and a point 10 m ahead of the
+    car at 1 m height falls inside some camera's image in front of it, and behind every camera that looks back."""
+    from hybrid_vla_ros.model.config import takes_scene
+    from hybrid_vla_ros.tools.bench.pipeline import bag_scene
+
+    cfg = preset("minddrive-0.5b")
+    assert takes_scene(cfg) and bag_scene(preset("tiny")) is None
+    scene = bag_scene(cfg)
+    scene.frame.check()
+    lidar2img = scene.lidar2img.double()
+    assert lidar2img.shape == (cfg.n_cameras, 4, 4) and torch.isfinite(lidar2img).all()
+    # the model frame: x = -y_base_link, y = x_base_link (forward), z up; its origin 1.84 m up at the default origin
+    ahead = torch.tensor([0.0, 10.0, 1.0 - 1.84, 1.0], dtype=torch.float64)
+    seen = []
+    for cam in lidar2img:
+        u, v, depth = (cam @ ahead)[:3]
+        if depth > 0 and 0 <= u / depth < cfg.image_size and 0 <= v / depth < cfg.image_size:
+            seen.append(float(depth))
+    assert seen and min(seen) > 5, seen
+    assert len(seen) < cfg.n_cameras  # the cameras looking back do not see it
+
+
 def test_quick_load_step_runs_fixed_and_rebalancing_side_by_side(tmp_path):
     """The load-step part on tiny: four pipelines (co-tenant on the suffix's, then the prefix's core; K fixed and
     rebalanced live), every phase measured; K never moves in a fixed run, and a rebalancing run moves it within

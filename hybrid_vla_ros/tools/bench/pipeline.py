@@ -206,7 +206,8 @@ def prefix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
         balancer = LatencyBalancer([StageTimes(**t) for t in rebalance_times], paced=pace)
         control = SplitLayerControl.of_policy(ctx, SplitPolicy(None, latency=balancer), on_move=lambda move, k: (
             moves.append({"frame": len(records), "from_k": k, "to_k": move.k, "reason": move.reason})))
-    loop = PrefixLoop(ctx, pace=pace, frame_inputs=lambda stamp, items: _frame_inputs(runner.cfg, stamp),
+    scene = bag_scene(runner.cfg, bag)
+    loop = PrefixLoop(ctx, pace=pace, frame_inputs=lambda stamp, items: _frame_inputs(runner.cfg, stamp, scene),
                       after_frame=(lambda: control.after_frame(None)) if control is not None else None)
     try:
         chan.send({"type": "ready"})
@@ -280,17 +281,72 @@ def suffix_task(chan, *, model_path: str, split_layer: int, dtype: str, ring_nam
         runner.close()
 
 
-def _frame_inputs(cfg, stamp_ns: int):
+def bag_scene(cfg, bag: str | Path = DEFAULT_BAG):
+    """The query heads' scene inputs of the bag's first frame, as a prefix node makes them
+    (:class:`~hybrid_vla_ros.model.query_heads.SceneInputs`), or None for a checkpoint without the heads:
+    ``lidar2img`` from each camera's first CameraInfo (``<camera>/camera_info``, model camera order) and the bag's
+    ``/tf_static`` through :class:`~hybrid_vla_ros.vehicle.camera_geometry.CameraCalibration` (the prefix node's
+    default ``base_frame`` and ``model_frame_origin``), the ego pose of the first odometry message (position, yaw)
+    with the bench's ego state :data:`EGO_STATE`, the default navigation command. The image sizes are not checked
+    against the CameraInfo (a bench part may time other frames of the same size class: the geometry does not change
+    what a frame costs). Raises ValueError naming what the bag lacks, or the calibration's error."""
+    from rosbags.typesys import Stores, get_typestore
+
+    from ...model.config import takes_scene
+    from ...model.modeling import DEFAULT_COMMAND
+    from ...model.query_heads import EgoFrame, SceneInputs
+    from ...ros.params import camera_info_topic
+    from ...ros.settings import PrefixNodeSettings
+    from ...util.bags import camera_topics, read_bag
+    from ...vehicle.camera_geometry import CalibrationError, CameraCalibration, ModelFrame, ego_motion_inputs
+    from ...vehicle.trajectory import quaternion_to_yaw
+
+    if not takes_scene(cfg):
+        return None
+    import torch
+
+    msgs = read_bag(bag)
+    store = get_typestore(Stores.ROS2_KILTED)
+    first = {}
+    for m in msgs:
+        first.setdefault(m.topic, m)
+    defaults = PrefixNodeSettings()
+    model = ModelFrame(tuple(defaults.model_frame_origin))
+    calibration = CameraCalibration(cfg.n_cameras, model, cfg.image_size, cfg.image_resize, defaults.base_frame)
+    infos = [camera_info_topic(t) for t in camera_topics(msgs, "compressed")][:cfg.n_cameras]
+    missing = [t for t in infos if t not in first] + [t for t in ("/tf_static", "/localization/kinematic_state")
+                                                      if t not in first]
+    if missing or len(infos) < cfg.n_cameras:
+        raise ValueError(f"the bag {bag} lacks the query heads' inputs: {', '.join(missing) or 'cameras'}")
+    for cam, topic in enumerate(infos):
+        problem = calibration.set_camera_info(cam, store.deserialize_cdr(first[topic].raw, first[topic].msgtype))
+        if problem is not None:
+            raise ValueError(f"{topic}: {problem}")
+    for m in msgs:
+        if m.topic == "/tf_static":
+            calibration.add_static_transforms(store.deserialize_cdr(m.raw, m.msgtype))
+    try:
+        lidar2img = calibration.lidar2img()
+    except CalibrationError as e:
+        raise ValueError(f"the bag {bag}'s calibration: {e}") from e
+    odom = first["/localization/kinematic_state"]
+    pose = store.deserialize_cdr(odom.raw, odom.msgtype).pose.pose
+    q = pose.orientation
+    ego_pose, can_bus = ego_motion_inputs(pose.position.x, pose.position.y, pose.position.z,
+                                          quaternion_to_yaw(q.x, q.y, q.z, q.w), *EGO_STATE, model)
+    frame = EgoFrame(timestamp=odom.t_ns * 1e-9, ego_pose=torch.from_numpy(ego_pose),
+                     can_bus=torch.from_numpy(can_bus), command=DEFAULT_COMMAND)
+    return SceneInputs(lidar2img=torch.from_numpy(lidar2img), frame=frame)
+
+
+def _frame_inputs(cfg, stamp_ns: int, scene=None):
     """A bench frame's inputs beside its cameras (:class:`~hybrid_vla_ros.runtime.loops.FrameInputs`): the fixed ego
-    state where the model takes one; for the published query heads made-up cameras and a standing vehicle
-    (``query_heads.example_scene_inputs``; their cost does not depend on the geometry), the frame's stamp as its
-    time so the heads' memory carries from frame to frame."""
+    state where the model takes one; for the published query heads ``scene`` (:func:`bag_scene`, the embedded
+    bag's calibration) with the frame's stamp as its time, so the heads' memory carries from frame to frame."""
     from dataclasses import replace
 
-    from ...model.modeling import example_scene
     from ...runtime.loops import FrameInputs
 
-    scene = example_scene(cfg)
     if scene is not None:
         scene = replace(scene, frame=replace(scene.frame, timestamp=stamp_ns * 1e-9))
     return FrameInputs(ego_state=EGO_STATE if cfg.ego_state_input else None, scene=scene)
@@ -317,9 +373,10 @@ def sequential_task(chan, *, model_path: str, split_layer: int, dtype: str, ring
         if not suffix.attached:
             raise RuntimeError(f"suffix could not attach: {suffix.attach_error}")
         records = []
+        scene = bag_scene(prefix.cfg, bag)
         for i in range(total):
             items, stamp = _frame(frames, i)
-            got = _frame_inputs(prefix.cfg, stamp)
+            got = _frame_inputs(prefix.cfg, stamp, scene)
             prefix.run(items, stamp, got.ego_state, scene=got.scene)
             r = suffix.poll(60.0)
             if r is None:

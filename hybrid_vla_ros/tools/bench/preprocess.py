@@ -123,11 +123,11 @@ def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, came
 
     import torch
 
-    from ...runtime.loops import FrameInputs, PrefixLoop, counting_context
+    from ...runtime.loops import PrefixLoop, counting_context
     from ...runtime.prefix import PrefixRunner
     from ...runtime.settings import PrefixRunnerSettings
     from ...vehicle import image
-    from .pipeline import EGO_STATE
+    from .pipeline import _frame_inputs, bag_scene
 
     torch.set_num_threads(threads)
     jpegs, source = camera_jpegs(camera_dir, bag)
@@ -138,9 +138,10 @@ def preprocess_task(chan, *, presets: list[dict], dtype: str, threads: int, came
         runner = PrefixRunner(spec["model_path"], PrefixRunnerSettings(
             spec["split_layer"], device=device, dtype=dtype, ring_name=f"bench_pre_{uuid.uuid4().hex[:10]}",
             torch_threads=threads))
-        ego = EGO_STATE if runner.cfg.ego_state_input else None
+        scene = bag_scene(runner.cfg, bag)  # the query heads' geometry and ego frame, from the bag's calibration
         ctx, drops = counting_context(runner)
-        loop = PrefixLoop(ctx, pace=False, frame_inputs=lambda stamp, items: FrameInputs(ego))
+        loop = PrefixLoop(ctx, pace=False,
+                          frame_inputs=lambda stamp, items: _frame_inputs(runner.cfg, stamp, scene))
 
         def frame(seq: int, items: list):
             r = loop.process((seq, items))
