@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ...util.cores import cpu_model, parse_core_list
 from ...util.paths import output_dir_problem, output_file_problem
-from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, cpu_flags
+from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, cpu_flags, isa_level, read_bandwidth_gbs
 
 PARTS = ("handoff", "pipeline", "loadstep", "flops", "preprocess", "families", "decode", "moe")
 #: One-line description for the ``bench`` subcommand's help.
@@ -299,6 +299,7 @@ def _header(args: argparse.Namespace, parts: list[str], s: dict, cores: tuple, i
         "options": {k: v for k, v in vars(args).items()
                     if isinstance(v, (str, int, float, bool, list, dict, type(None)))},
         "host": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu_flags(),
+                 "isa_level": isa_level(), "read_gbs_per_core": read_bandwidth_gbs(),
                  "platform": platform.platform()},
         "software": _versions(), "settings": {k: v for k, v in s.items()}, "noise": {}, "errors": {},
         "notes": ["Figures are ratios measured side by side in one run; none is a timing test. "

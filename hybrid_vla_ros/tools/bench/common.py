@@ -82,6 +82,37 @@ def cpu_flags() -> list[str]:
     return []
 
 
+def isa_level(flags: list[str] | None = None, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The host class by its widest matrix / vector unit: ``"AMX"`` (amx_bf16), ``"AVX-512"`` (avx512f),
+    ``"AVX2"``, ``"NEON"`` (an Arm CPU whose ``Features`` list asimd) or ``"baseline"``. ``flags``: those of
+    :func:`cpu_flags` (read when None)."""
+    have = set(cpu_flags() if flags is None else flags)
+    for flag, level in (("amx_bf16", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
+        if flag in have:
+            return level
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("Features") and "asimd" in line.split(":", 1)[1].split():
+                return "NEON"
+    except OSError:
+        pass
+    return "baseline"
+
+
+def read_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+    """Memory read bandwidth of one core, GB/s: the best of ``repeats`` sums over ``mib`` MiB of float64 (beyond
+    the caches; numpy's sum reads each byte once), on the calling thread."""
+    import numpy as np
+
+    a = np.ones(mib * 2**20 // 8)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
 class NoiseMeter:
     """How busy the machine was with *other* work while a part ran.
 

@@ -161,6 +161,32 @@ def choose_split(profile: dict, margin: float = 0.05) -> dict:
             "predicted_prefix_ms": table[chosen][1], "predicted_handoff_suffix_ms": table[chosen][2]}
 
 
+def plan_check(choice: dict, stages_ms: dict) -> dict:
+    """The profile's prediction at the chosen K against a pipeline run there, and the K it would choose knowing its
+    error (ms; ``stages_ms``: :func:`summarize_pipeline`'s ``stages_ms``, p50 of each stage).
+
+    ``prefix_error`` = measured (preprocess + prefix) / predicted P(K), ``suffix_error`` = measured (hand-off +
+    suffix) / predicted H + S(K); the run is ``prefix_bound`` when its measured prefix is the slower side. The
+    margin that keeps the choice prefix-bound under that error is ``margin_needed`` = (1 + margin) x suffix_error /
+    prefix_error - 1 (the errors taken as the same fraction at every K: they come mostly from the two stages
+    running side by side on a shared memory bus, which a one-stage-at-a-time profile does not see);
+    ``corrected_split_layer`` is :func:`choose_split`'s rule on the same table with max(margin, margin_needed)."""
+    k = choice["split_layer"]
+    measured_p = stages_ms["preprocess_ms"]["p50"] + stages_ms["prefix_ms"]["p50"]
+    measured_s = stages_ms["handoff_ms"]["p50"] + stages_ms["suffix_ms"]["p50"]
+    prefix_error = measured_p / choice["predicted_prefix_ms"]
+    suffix_error = measured_s / choice["predicted_handoff_suffix_ms"]
+    needed = (1.0 + choice["margin"]) * suffix_error / prefix_error - 1.0
+    margin = max(choice["margin"], needed)
+    table = choice["table"]
+    corrected = next((row[0] for row in table if row[1] >= (1.0 + margin) * row[2]), table[-1][0])
+    return {"split_layer": k, "predicted_prefix_ms": choice["predicted_prefix_ms"],
+            "predicted_handoff_suffix_ms": choice["predicted_handoff_suffix_ms"], "measured_prefix_ms": measured_p,
+            "measured_handoff_suffix_ms": measured_s, "prefix_error": prefix_error, "suffix_error": suffix_error,
+            "prefix_bound": measured_p >= measured_s, "margin": choice["margin"], "margin_needed": needed,
+            "corrected_split_layer": corrected}
+
+
 # ------------------------------------------------------------------------------------------ worker tasks
 
 def _suffix_record(r) -> dict:
@@ -560,18 +586,44 @@ def run_preset(plan: dict, *, frames: int, warmup: int, prefix_cores, suffix_cor
     expected = (max(choice["predicted_prefix_ms"], choice["predicted_handoff_suffix_ms"]) / 1e3) if choice else 5.0
     log(f"  {plan['preset']}: pipeline K={k} {dtype}, {warmup}+{frames} frames (prefix cores {list(prefix_cores)}, "
         f"suffix cores {list(suffix_cores)})")
-    raw = run_pipeline_once(path, k, dtype, prefix_cores=prefix_cores, suffix_cores=suffix_cores, frames=frames,
-                            warmup=warmup, bag=bag, expected_frame_s=expected, log=log)
-    pipe = summarize_pipeline(raw["suffix"]["records"], raw["prefix"]["records"], warmup, warmup + frames)
-    pipe["ring_stats"] = {"producer": raw["prefix"]["ring_stats"], "consumer": raw["suffix"]["ring_stats"]}
+    def pipeline_at(k: int) -> dict:
+        raw = run_pipeline_once(path, k, dtype, prefix_cores=prefix_cores, suffix_cores=suffix_cores, frames=frames,
+                                warmup=warmup, bag=bag, expected_frame_s=expected, log=log)
+        pipe = summarize_pipeline(raw["suffix"]["records"], raw["prefix"]["records"], warmup, warmup + frames)
+        pipe["ring_stats"] = {"producer": raw["prefix"]["ring_stats"], "consumer": raw["suffix"]["ring_stats"]}
+        return pipe
+
+    pipe = pipeline_at(k)
+    checks = []
+    if choice:  # the plan against its own error: a K that ran suffix-bound is chosen again knowing the error
+        checks.append(plan_check(choice, pipe["stages_ms"]))
+        c = checks[-1]
+        log(f"  {plan['preset']}: K={k} predicted prefix {c['predicted_prefix_ms']:.1f} ms vs hand-off + suffix "
+            f"{c['predicted_handoff_suffix_ms']:.1f}; measured {c['measured_prefix_ms']:.1f} vs "
+            f"{c['measured_handoff_suffix_ms']:.1f} (errors x{c['prefix_error']:.2f} / x{c['suffix_error']:.2f})")
+        if not c["prefix_bound"] and c["corrected_split_layer"] != k:
+            k = c["corrected_split_layer"]
+            log(f"  {plan['preset']}: ran suffix-bound; margin {c['margin_needed']:.2f} from the measured error "
+                f"-> K={k}")
+            choice = {**choice, "split_layer": k, "margin": max(choice["margin"], c["margin_needed"]),
+                      "predicted_prefix_ms": choice["table"][k][1],
+                      "predicted_handoff_suffix_ms": choice["table"][k][2]}
+            pipe = pipeline_at(k)
+            checks.append(plan_check(choice, pipe["stages_ms"]))
     entry = {**{key: plan[key] for key in ("preset", "model_path", "dtype", "num_layers", "image_size",
                                            "image_size_overridden", "num_tokens", "prefix_state_shape", "note",
-                                           "split_layer", "split_reason")},
+                                           "split_reason")},
+             "split_layer": k, "plan_checks": checks,
              "prefix_cores": list(prefix_cores), "suffix_cores": list(suffix_cores), "pipeline": pipe,
              "split_choice": {key: choice[key] for key in ("balanced_split_layer", "margin", "table",
                                                             "predicted_prefix_ms", "predicted_handoff_suffix_ms")}
              if choice else None,
              "sequential": {}}
+    if len(checks) > 1:
+        first = checks[0]
+        entry["split_reason"] += (f"; K = {first['split_layer']} ran suffix-bound ({first['measured_prefix_ms']:.1f}"
+                                  f" against {first['measured_handoff_suffix_ms']:.1f} ms), so K = {k} from a margin "
+                                  f"of {first['margin_needed']:.2f} sized by the measured error (plan_checks)")
     seq_cores = {"1core": list(prefix_cores), "2core": sorted(set(prefix_cores) | set(suffix_cores))}
     for mode in sequential:
         log(f"  {plan['preset']}: sequential {mode} (cores {seq_cores[mode]})")
@@ -666,6 +718,9 @@ def run_pipeline_part(plans: dict, *, frames: dict, warmup: int, prefix_cores, s
     for name, plan in plans.items():
         presets.append(run_preset(plan, frames=frames[name], warmup=warmup, prefix_cores=prefix_cores,
                                   suffix_cores=suffix_cores, sequential=sequential, bag=bag, log=log))
+        if presets[-1]["split_layer"] != plan["split_layer"]:  # chosen again from the measured error: the later
+            plan.update(split_layer=presets[-1]["split_layer"],  # parts (load step, preprocessing) run there too
+                        split_reason=presets[-1]["split_reason"])
         p = presets[-1]["pipeline"]
         log(f"  {name}: {p['fps']:.2f} fps of ideal {p['ideal_fps']:.2f} (efficiency {p['efficiency']:.3f}), "
             f"e2e {p['latency']['e2e_p50_ms']:.1f} ms vs stages {p['latency']['stage_sum_p50_ms']:.1f} ms")
