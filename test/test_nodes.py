@@ -369,10 +369,11 @@ def test_split_layer_auto_judges_the_measured_stage_times(tmp_path, tiny_checkpo
         assert "live rebalancing on" in (logs / "prefix.log").read_text()
         publish = _frame_publisher(graph, ns, embedded_bag)
         name = f"{ns}/prefix_node: pipeline"
-        for i in range(12):
-            publish(0, shift_ns=i * 10**9)
+        for i in range(30):  # each move costs frames (settling, then the suffix's times at the new K): a loaded
+            publish(0, shift_ns=i * 10**9)  # machine moves more often, so frames go on until a judgement shows
             assert graph.wait(lambda: len(graph.trajectories) >= i + 1), (logs / "suffix.log").read_text()
-            if PrefixStatus.from_key_values(graph.diag.get(name, {})).split_move_reason.startswith("prefix "):
+            if graph.wait(lambda: PrefixStatus.from_key_values(graph.diag.get(name, {})).split_move_reason
+                          .startswith("prefix "), timeout=1.5):
                 break
         assert graph.wait(lambda: PrefixStatus.from_key_values(graph.diag.get(name, {}))
                           .split_move_reason.startswith("prefix ")), graph.diag.get(name)
