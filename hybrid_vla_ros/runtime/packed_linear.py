@@ -26,8 +26,8 @@ import threading
 import torch
 from torch import nn
 
-__all__ = ["ExpertsWorkspace", "PackedExperts", "PackedLinear", "packing_supported", "pack_experts_", "pack_linears_",
-           "pack_lm_head_", "packs_exactly"]
+__all__ = ["CHECK_ROWS", "ExpertsWorkspace", "PackedExperts", "PackedLinear", "fused_experts_count",
+           "packing_supported", "pack_experts_", "pack_linears_", "pack_lm_head_", "packs_exactly"]
 
 
 def packing_supported() -> tuple[bool, str]:
@@ -80,9 +80,19 @@ def _weight_read_directly(parent: nn.Module, name: str) -> bool:
     return not source or f".{name}.weight" in source
 
 
+#: Row counts the exactness checks try: every count a decode step or a short prefill gives, then larger ones. oneDNN
+#: picks its kernel and blocking by the row count, the thread count and the weight's layout, and a packed product
+#: differed from the unpacked one only in bands of row counts on the Intel AMX host (e.g. 33-127 rows of a 2048 x
+#: 1536 product on 2 threads, 7-65 rows of gpt-oss's transposed experts on one): a few sampled counts missed them.
+CHECK_ROWS = (*range(1, 161), 192, 200, 255, 256, 300, 384, 512)
+#: Row counts the LM head's check tries: a decode step's logits are one row (a few with drafted tokens).
+LM_HEAD_ROWS = tuple(range(1, 17))
+
+
 @torch.inference_mode()
-def packs_exactly(linear: nn.Linear, rows=(1, 4, 128), seed: int = 0) -> bool:
-    """True when the packed layer gives the unpacked one's output bit for bit on random inputs of each row count."""
+def packs_exactly(linear: nn.Linear, rows=CHECK_ROWS, seed: int = 0) -> bool:
+    """True when the packed layer gives the unpacked one's output bit for bit on random inputs of each row count
+    (on this process's torch threads: the check holds for the thread count it ran at)."""
     packed = PackedLinear(linear)
     g = torch.Generator().manual_seed(seed)
     for n in rows:
@@ -95,30 +105,37 @@ def packs_exactly(linear: nn.Linear, rows=(1, 4, 128), seed: int = 0) -> bool:
 @torch.inference_mode()
 def pack_linears_(module: nn.Module) -> int:
     """Replace every bf16 CPU ``nn.Linear`` inside ``module`` by a :class:`PackedLinear`, in place, where the CPU
-    packs natively and the first one's output stays bit-identical (:func:`packs_exactly`); returns how many were
+    packs natively and the packed output stays bit-identical (:func:`packs_exactly` on the first layer of each
+    weight shape, at every row count of :data:`CHECK_ROWS`, on this process's torch threads); returns how many were
     replaced (0: none, or not here). Layers already packed, layers of other dtypes and layers whose weight their
     parent reads itself (:func:`_weight_read_directly`) are left alone."""
     if not packing_supported()[0]:
         return 0
     targets = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
                if _packable(child) and not _weight_read_directly(parent, name)]
-    if not targets or not packs_exactly(targets[0][2]):
-        return 0
+    exact: dict[tuple, bool] = {}  # per weight shape and bias: oneDNN's kernel choice depends on the shape
+    done = 0
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets)
+        shape = (child.in_features, child.out_features, child.bias is not None)
+        if shape not in exact:
+            exact[shape] = packs_exactly(child)
+        if exact[shape]:
+            setattr(parent, name, PackedLinear(child))
+            done += 1
+    return done
 
 
 @torch.inference_mode()
 def pack_lm_head_(head) -> bool:
     """Pack a :class:`~hybrid_vla_ros.model.decode.LMHead`'s bf16 CPU weight (V, H) as :func:`pack_linears_` packs a
-    linear layer (its ``packed`` then computes the logits; its ``weight`` is let go). Returns whether it did."""
+    linear layer, checked at :data:`LM_HEAD_ROWS` (its ``packed`` then computes the logits; its ``weight`` is let
+    go). Returns whether it did."""
     w = head.weight
     if w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or not packing_supported()[0]:
         return False
     linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
     linear.weight = w
-    if not packs_exactly(linear):
+    if not packs_exactly(linear, rows=LM_HEAD_ROWS):
         return False
     head.packed = PackedLinear(linear)
     head.weight = None
@@ -236,23 +253,35 @@ class PackedExperts(nn.Module):
 
 
 @torch.inference_mode()
-def _packs_experts_exactly(experts: nn.Module, packed: PackedExperts, tokens: int = 32, seed: int = 0) -> bool:
-    """True when ``packed`` gives ``experts``' own output bit for bit on random rows routed to random experts."""
+def _packs_experts_exactly(experts: nn.Module, packed: PackedExperts, rows=CHECK_ROWS, seed: int = 0) -> bool:
+    """True when ``packed`` gives ``experts``' own output bit for bit when one expert takes each row count of
+    ``rows`` (the counts a prefill gives an expert; the kernel oneDNN picks depends on it), on this process's torch
+    threads."""
     g = torch.Generator().manual_seed(seed)
-    top_k = min(2, packed.num_experts)
     stored = getattr(experts, packed._names[0])
     width = int(stored.shape[1] if experts.is_transposed else stored.shape[2])
-    x = torch.randn((tokens, width), generator=g).to(torch.bfloat16)
-    index = torch.stack([torch.randperm(packed.num_experts, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.softmax(torch.randn((tokens, top_k), generator=g), dim=-1)
-    return torch.equal(packed(x, index, weights), experts(x, index, weights))
+    for n in rows:
+        x = torch.randn((n, width), generator=g).to(torch.bfloat16)
+        index = torch.full((n, 1), int(torch.randint(packed.num_experts, (1,), generator=g)), dtype=torch.long)
+        weights = torch.rand((n, 1), generator=g)
+        if not torch.equal(packed(x, index, weights), experts(x, index, weights)):
+            return False
+    return True
+
+
+def fused_experts_count(module: nn.Module) -> int:
+    """How many bf16 CPU experts modules of transformers' fused kind running ``grouped_mm`` ``module`` holds (those
+    :func:`pack_experts_` would try)."""
+    return sum(_is_fused_experts(m) and getattr(getattr(m, "config", None), "_experts_implementation", None)
+               == "grouped_mm" for m in module.modules())
 
 
 @torch.inference_mode()
 def pack_experts_(module: nn.Module, workspace: ExpertsWorkspace | None = None) -> int:
     """Replace every bf16 CPU mixture-of-experts experts module inside ``module`` that runs transformers'
     ``grouped_mm`` experts by a :class:`PackedExperts` (one ``workspace`` for all), in place, where the CPU packs
-    natively and the first one's output stays bit-identical; returns how many were replaced (0: none, not here,
+    natively and the first one's output stays bit-identical at every row count of :data:`CHECK_ROWS` (on this
+    process's torch threads); returns how many were replaced (0: none, not here,
     or another experts implementation, whose arithmetic differs: ``eager`` adds each expert's rows in bf16)."""
     if not packing_supported()[0]:
         return 0

@@ -32,7 +32,8 @@ from ..transport.ring import (
 from ..transport.layout import MAX_DECODE_ROWS
 from .compiled_step import DECODE_STEPS, DecodeStepBuilder, DecodeStepStatus, compile_support
 from .decoding import NO_STEP, SuffixDecodeLoop
-from .packed_linear import ExpertsWorkspace, pack_experts_, pack_linears_, pack_lm_head_, packing_supported
+from .packed_linear import (ExpertsWorkspace, fused_experts_count, pack_experts_, pack_linears_, pack_lm_head_,
+                            packing_supported)
 from .peer import PeerStatus, producer_status
 from .settings import SuffixRunnerSettings
 from .suffix_backend import SuffixBackend
@@ -397,14 +398,17 @@ class SuffixRunner:
         def pack(blocks) -> tuple[int, int]:  # linear layers, then MoE experts (grouped_mm families)
             return pack_linears_(blocks), pack_experts_(blocks, workspace)
 
+        candidates = fused_experts_count(self.stage.layers)
         n, experts = pack(self.stage.layers)  # the decoder blocks: the heads after them stay torch modules
         if n == 0 and any(isinstance(m, torch.nn.Linear) for m in self.stage.layers.modules()):
             return "not packed: the packed layer's output differs from the unpacked one on this CPU"
+        unpacked = (", MoE experts not packed (the packed product differs from transformers' at some row counts on "
+                    "this CPU and thread count)") if candidates and not experts else ""
         self.split.prefetcher.prepare = pack
         head = self._decoding.head if self._decoding is not None else None
         lm = ", and the LM head" if head is not None and pack_lm_head_(head) else ""
         lm = f", the experts of {experts} MoE block(s){lm}" if experts else lm
-        return f"packed {n} linear layers of blocks [K, L){lm} (oneDNN, once)"
+        return f"packed {n} linear layers of blocks [K, L){lm} (oneDNN, once){unpacked}"
 
     def _decode(self, seq: int, state, k: int):
         """Decode the frame in slot ``seq`` (at split layer ``k``) with the prefix over the ring's decode channel ->

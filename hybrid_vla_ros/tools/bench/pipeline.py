@@ -166,14 +166,16 @@ def plan_check(choice: dict, stages_ms: dict) -> dict:
     error (ms; ``stages_ms``: :func:`summarize_pipeline`'s ``stages_ms``, p50 of each stage).
 
     ``prefix_error`` = measured (preprocess + prefix) / predicted P(K), ``suffix_error`` = measured (hand-off +
-    suffix) / predicted H + S(K); the run is ``prefix_bound`` when its measured prefix is the slower side. The
-    margin that keeps the choice prefix-bound under that error is ``margin_needed`` = (1 + margin) x suffix_error /
-    prefix_error - 1 (the errors taken as the same fraction at every K: they come mostly from the two stages
-    running side by side on a shared memory bus, which a one-stage-at-a-time profile does not see);
+    suffix) / predicted H + S(K), the hand-off without the frame's wait in the ring (``handoff_net_ms``: a
+    suffix-bound run's frames queue there, which is not the suffix's time); the run is ``prefix_bound`` when its
+    measured prefix is the slower side. The margin that keeps the choice prefix-bound under that error is
+    ``margin_needed`` = (1 + margin) x suffix_error / prefix_error - 1 (the errors taken as the same fraction at
+    every K: they come mostly from the two stages running side by side on a shared memory bus, which a
+    one-stage-at-a-time profile does not see);
     ``corrected_split_layer`` is :func:`choose_split`'s rule on the same table with max(margin, margin_needed)."""
     k = choice["split_layer"]
     measured_p = stages_ms["preprocess_ms"]["p50"] + stages_ms["prefix_ms"]["p50"]
-    measured_s = stages_ms["handoff_ms"]["p50"] + stages_ms["suffix_ms"]["p50"]
+    measured_s = stages_ms["handoff_net_ms"]["p50"] + stages_ms["suffix_ms"]["p50"]  # not the wait in the ring
     prefix_error = measured_p / choice["predicted_prefix_ms"]
     suffix_error = measured_s / choice["predicted_handoff_suffix_ms"]
     needed = (1.0 + choice["margin"]) * suffix_error / prefix_error - 1.0
