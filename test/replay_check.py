@@ -12,18 +12,19 @@ def published_and_odometry(out: Path, bag: Path) -> tuple[list, object]:
     """(the Trajectory messages in ``out/trajectories``, an OdometryBuffer of the bag's kinematic state)."""
     from rosbags.highlevel import AnyReader
 
-    from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
+    from hybrid_vla_ros.tools.output_bag import typestore
     from hybrid_vla_ros.util.bags import read_bag
     from hybrid_vla_ros.vehicle.odometry import OdometryBuffer
     from hybrid_vla_ros.vehicle.trajectory import ego_state_from_odometry
 
-    store = _typestore_with_autoware()
+    store = typestore()
     odometry = OdometryBuffer()
     for m in read_bag(bag):
         if m.topic == "/localization/kinematic_state":
             odometry.add(ego_state_from_odometry(store.deserialize_cdr(m.raw, m.msgtype)))
     with AnyReader([Path(out) / "trajectories"], default_typestore=store) as reader:
-        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"]
+        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"
+                 and c.topic != "/ground_truth/trajectory"]  # the published ones, not the logged drive
         published = [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
     return published, odometry
 

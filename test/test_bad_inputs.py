@@ -68,12 +68,13 @@ def _trajectories(path: Path) -> dict[int, object]:
     """Published trajectories by header stamp (ns), from the replay's output bag."""
     from rosbags.highlevel import AnyReader
 
-    from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
+    from hybrid_vla_ros.tools.output_bag import typestore
 
     if not (path / "metadata.yaml").exists():
         return {}
-    with AnyReader([path], default_typestore=_typestore_with_autoware()) as reader:
-        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"]
+    with AnyReader([path], default_typestore=typestore()) as reader:
+        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"
+                 and c.topic != "/ground_truth/trajectory"]  # the published ones, not the logged drive
         msgs = [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
     return {m.header.stamp.sec * 10**9 + m.header.stamp.nanosec: m for m in msgs}
 

@@ -173,7 +173,7 @@ def test_the_nodes_run_a_composed_checkpoint_end_to_end_with_a_live_resplit(llam
                                                                           embedded_bag, tmp_path):
     """`hybrid-vla replay` starts prefix_node and suffix_node on the composed checkpoint (model_path), moves K
     1 -> 3 live after the first frame; every trajectory equals the one from transformers' forward."""
-    from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
+    from hybrid_vla_ros.tools.output_bag import typestore
     from hybrid_vla_ros.vehicle.odometry import OdometryBuffer
     from hybrid_vla_ros.vehicle.trajectory import ego_state_from_odometry, waypoints_to_trajectory
 
@@ -186,7 +186,7 @@ def test_the_nodes_run_a_composed_checkpoint_end_to_end_with_a_live_resplit(llam
     report = json.loads((out / "report.json").read_text())
     assert report["trajectories_out"] == 3 and report["drops"] == {}
     assert "re-split K 1 -> 3" in logs
-    store = _typestore_with_autoware()
+    store = typestore()
     odometry = OdometryBuffer()
     for m in read_bag(embedded_bag):
         if m.topic == "/localization/kinematic_state":
@@ -194,7 +194,8 @@ def test_the_nodes_run_a_composed_checkpoint_end_to_end_with_a_live_resplit(llam
     from rosbags.highlevel import AnyReader
 
     with AnyReader([out / "trajectories"], default_typestore=store) as reader:
-        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"]
+        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"
+                 and c.topic != "/ground_truth/trajectory"]  # the published ones, not the logged drive
         published = [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
     assert len(published) == 3
     cfg = open_checkpoint(composed).cfg

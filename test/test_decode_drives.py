@@ -99,9 +99,9 @@ def _cli(*argv, timeout=400):
 def _reasoning(out: Path) -> dict[int, str]:
     from rosbags.highlevel import AnyReader
 
-    from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
+    from hybrid_vla_ros.tools.output_bag import typestore
 
-    with AnyReader([out / "trajectories"], default_typestore=_typestore_with_autoware()) as reader:
+    with AnyReader([out / "trajectories"], default_typestore=typestore()) as reader:
         conns = [c for c in reader.connections if c.msgtype == "autoware_internal_debug_msgs/msg/StringStamped"]
         msgs = [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
     return {m.stamp.sec * 10**9 + m.stamp.nanosec: m.data for m in msgs}

@@ -7,6 +7,7 @@ No timing is asserted: the run's figures are printed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -286,9 +287,12 @@ def test_cpu_run_vehicle_conditions(cpu_report):
     d = s["presets"]["tiny"]
     assert d["planned_k"] == d["num_layers"] // 2 and d["gpu_only"].startswith("does not fit"), d
     (row,) = d["rows"]
-    # a suffix slowed by the co-tenant plans on the newest frame: frames it skipped are counted (superseded, and
-    # `lost` stays 0), so on a loaded machine fewer are measured (2 in a fresh-clone run beside other work)
-    assert row["k"] == d["planned_k"] and row["e2e_ms"]["n"] >= 2 and row["e2e_ms"]["p99"] > 0 and row["fps"] > 0
+    # a suffix slowed by the co-tenant plans on the newest frame: frames it skipped are counted (superseded or
+    # overwritten, and `lost` stays 0), so on a loaded machine fewer are measured (1 in a CI run on a slow host):
+    # every published frame is either computed or counted, and a rate needs two measured frames
+    assert row["k"] == d["planned_k"] and row["e2e_ms"]["n"] >= 1 and row["e2e_ms"]["p99"] > 0
+    assert row["computed"] + row["superseded"] + row["overwritten"] == row["published"], row
+    assert row["fps"] > 0 if row["e2e_ms"]["n"] >= 2 else math.isnan(row["fps"]), row
     assert row["lost"] == 0 and row["mismatched_k"] == 0 and row["plan_bytes"] <= d["budget_bytes"]
     assert s["cotenant"]["held_bytes"] == 64 * 2**20 and s["cotenant"]["periods"] > 0, s["cotenant"]
     assert 0 < s["cotenant"]["measured_duty"] <= 1.0

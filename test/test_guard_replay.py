@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybrid_vla_ros.model.checkpoint import WEIGHTS_FILE, init_model
-from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
+from hybrid_vla_ros.tools.output_bag import typestore
 
 REPO = Path(__file__).resolve().parent.parent
 WHEELBASE = 2.79  # the suffix's wheelbase_m as shipped
@@ -85,8 +85,9 @@ def _replay(checkpoint: Path, out: Path, embedded_bag: Path, publishes: bool) ->
 def _published(out: Path) -> list:
     from rosbags.highlevel import AnyReader
 
-    with AnyReader([out / "trajectories"], default_typestore=_typestore_with_autoware()) as reader:
-        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"]
+    with AnyReader([out / "trajectories"], default_typestore=typestore()) as reader:
+        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"
+                 and c.topic != "/ground_truth/trajectory"]  # the published ones, not the logged drive
         return [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
 
 

@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 import torch
 
+from rosbags.highlevel import AnyReader
+
 from hybrid_vla_ros.model.checkpoint import load_stage
-from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
+from hybrid_vla_ros.tools.output_bag import typestore
 from hybrid_vla_ros.transport.ring import segment_name
 from hybrid_vla_ros.util.bags import read_bag
 from hybrid_vla_ros.vehicle.image import decode_compressed, preprocess
@@ -69,6 +71,7 @@ def test_report_counts_every_frame(replay_run):
         assert report["stages_ms"][stage]["n"] == 3, stage
         assert report["stages_ms"][stage]["p50"] > 0
     assert "trajectories out       3" in stdout
+    assert "  open loop (3 trajectories against the logged drive: 3 odometry samples over 2.001 s" in stdout
     o = report["pipeline_overhead"]  # e2e against the stage sum, per frame with a trajectory and a timing
     assert o["n"] == 3 and o["e2e_p50_ms"] == pytest.approx(report["stages_ms"]["end_to_end"]["p50"], abs=1e-3)
     assert o["before_prefix_p50_ms"] >= 0 and o["after_suffix_p50_ms"] >= 0 and isinstance(o["met"], bool)
@@ -115,7 +118,7 @@ def test_ring_removed_after_clean_shutdown(replay_run):
 
 def test_published_trajectories_match_the_monolithic_model(replay_run, tiny_checkpoint, embedded_bag):
     out, _, _ = replay_run
-    store = _typestore_with_autoware()
+    store = typestore()
     bag_msgs = read_bag(embedded_bag)
     frames: dict[int, dict[str, object]] = {}
     odometry = []
@@ -130,7 +133,8 @@ def test_published_trajectories_match_the_monolithic_model(replay_run, tiny_chec
     from rosbags.highlevel import AnyReader
 
     with AnyReader([out / "trajectories"], default_typestore=store) as reader:
-        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"]
+        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"
+                 and c.topic != "/ground_truth/trajectory"]  # the published ones, not the logged drive
         published = [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
     assert len(published) == 3
     assert {_stamp(t) for t in published} == set(frames), "header.stamp must be the synchronized camera stamp"
@@ -175,7 +179,7 @@ def _renamed_bag(src: Path, dst: Path, rename) -> Path:
     from rosbags.highlevel import AnyReader
     from rosbags.rosbag2 import StoragePlugin, Writer
 
-    store = _typestore_with_autoware()
+    store = typestore()
     with AnyReader([src], default_typestore=store) as reader, \
             Writer(dst, version=8, storage_plugin=StoragePlugin.MCAP) as writer:
         conns = {c.id: writer.add_connection(rename(c.topic), c.msgtype, typestore=store)
@@ -219,8 +223,9 @@ def test_a_bag_with_autowares_camera_topic_names_or_any_names_replays_the_same(r
 def _published(out: Path) -> list:
     from rosbags.highlevel import AnyReader
 
-    with AnyReader([out / "trajectories"], default_typestore=_typestore_with_autoware()) as reader:
-        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"]
+    with AnyReader([out / "trajectories"], default_typestore=typestore()) as reader:
+        conns = [c for c in reader.connections if c.msgtype == "autoware_planning_msgs/msg/Trajectory"
+                 and c.topic != "/ground_truth/trajectory"]  # the published ones, not the logged drive
         return [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
 
 
@@ -245,6 +250,77 @@ def test_nodes_run_on_the_bag_clock_with_the_age_check_on(request, run, embedded
     stamps = sorted(t.header.stamp.sec * 10**9 + t.header.stamp.nanosec for t in _published(out))
     frames = sorted({m.t_ns for m in read_bag(embedded_bag) if m.topic.endswith("/image_raw/compressed")})
     assert len(stamps) == 3 * loops and stamps[:3] == frames and all(b > a for a, b in zip(stamps, stamps[1:]))
+    _check_open_loop(report, out, embedded_bag, loops)
+
+
+def _check_open_loop(report: dict, out: Path, bag: Path, loops: int) -> None:
+    """Issue 43: the report's open-loop figures. The embedded bag logs 2.1 s of odometry from 91 ms after its first
+    frame; the tiny model plans 3 s (0.5 s apart): frames 0 and 1 reach 1 s, frame 0 reaches 2 s, none 3 s (beyond
+    the log), 4 s is beyond the trajectory. Every loop is compared with the log of its own loop, so loop 2's frames
+    1 and 2 score as loop 1's (same frames, same model, same pose; frame 0 of loop 2 is placed by the suffix with
+    the odometry around the loop's jump back, 91 ms before loop 2's first sample, so it differs); frame 1's 1 s ADE
+    / FDE recomputed here from the published points and the bag's odometry with np.interp."""
+    ol = report["open_loop"]
+    assert ol["logged_path"]["samples"] == 3 and ol["frames_compared"] == 3 * loops and ol["not_compared"] == {}
+    h = ol["horizons"]
+    assert (h["1s"]["frames"], h["2s"]["frames"], h["3s"]["frames"]) == (2 * loops, loops, 0), h
+    assert h["3s"]["left_out"] == {"beyond the logged path": 3 * loops} and h["3s"]["ade_m"] is None
+    assert h["4s"]["left_out"] == {"beyond the trajectory": 3 * loops}
+    per_frame = sorted(ol["frames"], key=lambda f: f["stamp_ns"])
+    for later in (f for i, f in enumerate(per_frame) if i >= 3 and i % 3):
+        first = per_frame[per_frame.index(later) % 3]
+        assert later["horizons"].keys() == first["horizons"].keys()
+        for name, fig in later["horizons"].items():
+            assert fig["ade_m"] == pytest.approx(first["horizons"][name]["ade_m"], abs=2e-4), (name, later, first)
+    store = typestore()
+    odom = [store.deserialize_cdr(m.raw, m.msgtype) for m in read_bag(bag)
+            if m.topic == "/localization/kinematic_state"]
+    t_odom = np.array([_stamp(o) for o in odom], dtype=np.float64)
+    xy_odom = np.array([(o.pose.pose.position.x, o.pose.pose.position.y) for o in odom])
+    traj = sorted(_published(out), key=_stamp)[1]
+    pts = [p for p in traj.points if p.time_from_start.sec + p.time_from_start.nanosec * 1e-9 <= 1.0 + 1e-9]
+    t = np.array([_stamp(traj) + p.time_from_start.sec * 10**9 + p.time_from_start.nanosec for p in pts], float)
+    truth = np.stack([np.interp(t, t_odom, xy_odom[:, 0]), np.interp(t, t_odom, xy_odom[:, 1])], axis=1)
+    err = np.hypot(*(np.array([(p.pose.position.x, p.pose.position.y) for p in pts]) - truth).T)
+    assert per_frame[1]["horizons"]["1s"]["ade_m"] == pytest.approx(err.mean(), abs=1e-3)
+    assert per_frame[1]["horizons"]["1s"]["fde_m"] == pytest.approx(err[-1], abs=1e-3)
+    # the output bag carries the played odometry and, per odometry message, the analyzer's ground truth of its own
+    # loop; `hybrid-vla evaluate` on that bag alone scores as the report
+    with AnyReader([out / "trajectories"], default_typestore=store) as reader:
+        by_topic = {}
+        for c, _, raw in reader.messages():
+            by_topic.setdefault(c.topic, []).append(reader.deserialize(raw, c.msgtype))
+    gts, played = by_topic["/ground_truth/trajectory"], by_topic["/localization/kinematic_state"]
+    assert len(gts) == len(played) == 3 * loops
+    for gt, od in zip(gts, played):
+        assert _stamp(gt) == _stamp(od) and gt.header.frame_id == "map"
+        assert (gt.points[0].pose.position.x, gt.points[0].pose.position.y) == pytest.approx(
+            (od.pose.pose.position.x, od.pose.pose.position.y), abs=1e-9)
+        assert 0 < len(gt.points) <= 81 and gt.points[1].time_from_start.nanosec == 100_000_000
+    assert len(gts[0].points) == 22 and len(gts[2].points) == 2  # to the log's reach, 0.1 s past its end (2.0 s on)
+    from hybrid_vla_ros.tools.cli import main
+
+    assert main(["evaluate", str(out / "trajectories"), "--json", str(out / "evaluate.json")]) == 0
+    again = json.loads((out / "evaluate.json").read_text())
+    assert again["logged_path"]["source"] == "/ground_truth/trajectory" and again["frames_compared"] == 3 * loops
+    for name in ("1s", "2s"):
+        assert again["horizons"][name]["frames"] == h[name]["frames"]
+        assert again["horizons"][name]["ade_m"] == pytest.approx(h[name]["ade_m"], abs=2e-3)
+
+
+def test_the_logged_path_oracle_scores_zero_through_the_nodes(tmp_path, tiny_checkpoint, embedded_bag):
+    """Issue 43's sanity oracle: with ``--oracle logged-path`` the suffix node publishes the logged future through
+    its own conversion and output guard, and the open-loop figures of what it published are ~0; the frame whose
+    future the log does not reach (stamped 92 ms before its end) is a counted drop, not a made-up trajectory."""
+    out, _, stdout = _replay(tmp_path / "oracle", tiny_checkpoint, embedded_bag, "--oracle", "logged-path")
+    report = json.loads((out / "report.json").read_text())
+    h = report["open_loop"]["horizons"]
+    assert report["trajectories_out"] == 2 and report["drops"] == {"suffix.oracle_no_logged_future": 1}, report
+    assert h["1s"]["frames"] == 2 and h["2s"]["frames"] == 1
+    for name in ("1s", "2s", "full"):
+        assert h[name]["ade_m"] < 0.05 and h[name]["fde_m"] < 0.05, h
+    assert "1s: ADE 0.000 m  FDE 0.000 m" in stdout
+    assert "oracle_bag is set" in (out / "suffix_node.log").read_text()
 
 
 def test_the_prefix_runs_on_the_cores_the_suffix_does_not_get(replay_run):
@@ -269,7 +345,7 @@ def test_point_yaws_never_follow_sub_metre_segments(replay_run, embedded_bag):
     buffer = OdometryBuffer()
     for m in read_bag(embedded_bag):
         if m.topic == "/localization/kinematic_state":
-            buffer.add(ego_state_from_odometry(_typestore_with_autoware().deserialize_cdr(m.raw, m.msgtype)))
+            buffer.add(ego_state_from_odometry(typestore().deserialize_cdr(m.raw, m.msgtype)))
     published = _published(out)
     assert len(published) == 3
 

@@ -15,7 +15,7 @@ import pytest
 
 from hybrid_vla_ros.ros.status import FrameTiming
 from hybrid_vla_ros.tools import plots
-from hybrid_vla_ros.tools.output_bag import _typestore_with_autoware
+from hybrid_vla_ros.tools.output_bag import typestore
 
 REPO = Path(__file__).resolve().parent.parent
 EXTRINSICS = REPO / "config" / plots.DEFAULT_EXTRINSICS
@@ -63,7 +63,7 @@ def test_frame_timing_carries_ordered_monotonic_instants(plots_run):
     out, _, _ = plots_run
     from rosbags.highlevel import AnyReader
 
-    with AnyReader([out / "trajectories"], default_typestore=_typestore_with_autoware()) as reader:
+    with AnyReader([out / "trajectories"], default_typestore=typestore()) as reader:
         conns = [c for c in reader.connections if c.topic.endswith("/debug/frame_timing")]
         arrays = [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=conns)]
     assert len(arrays) == 3

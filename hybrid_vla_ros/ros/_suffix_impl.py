@@ -14,7 +14,7 @@ from . import node_base
 from .params import ParameterError, Params
 from .status import SuffixStatus
 from .suffix_inputs import SuffixInputs
-from .suffix_outputs import TrajectoryOutputs
+from .suffix_outputs import TrajectoryOutputs, load_oracle
 from .suffix_worker import suffix_loop
 
 
@@ -47,12 +47,13 @@ class SuffixNode(node_base.PipelineNode):
                                          domain_id=self.context.get_domain_id())
             k = settings.split_layer
             self.runner = SuffixRunner(p.model_path, settings, log=self._backend_log)
+            oracle = load_oracle(p.oracle_bag) if p.oracle_bag else None
         except (ParameterError, ValueError, OSError, RuntimeError) as e:
             self.runner = None
             return self.configure_failed(e)
         self.params = p
         self.configured()
-        self._outputs.configure(p, decodes=self.runner.decode_spec is not None)
+        self._outputs.configure(p, decodes=self.runner.decode_spec is not None, oracle=oracle)
         self._inputs.set_command(nav_command_index(p.navigation_command), "parameter navigation_command")
         cores = sorted(set().union(*thread_affinities().values()))
         spin = f"{p.ring.spin_lead_ms} ms lead, <= {p.ring.spin_max_ms} ms" if p.ring.spin_max_ms else "off"
@@ -79,6 +80,11 @@ class SuffixNode(node_base.PipelineNode):
             + (f"; candidate trajectories of all {self.runner.cfg.n_modes} modes on "
                f"{candidates.topic_name} (generator_id {self._outputs.generator_id})" if candidates else "")
             + (" [random-init weights: trajectories are not driving advice]" if self.runner.cfg.random_init else ""))
+        if oracle is not None:
+            self.get_logger().warning(
+                f"oracle_bag is set: the trajectories are the drive logged in {p.oracle_bag} "
+                f"({len(oracle.stamps_ns)} odometry samples), not the model's plan (a check of the open-loop "
+                "figures, never for driving)")
         if not self._outputs.guard.check_age:
             self.get_logger().warning("guard.check_age is false: trajectories are published however old their "
                                       "camera stamp is (for replays of recorded bags, not for a vehicle)")

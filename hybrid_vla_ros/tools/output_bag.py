@@ -1,6 +1,7 @@
 """MCAP rosbag2 writer for the replay's outputs (rosbags, with message definitions embedded)."""
 from __future__ import annotations
 
+import functools
 import shutil
 import threading
 from pathlib import Path
@@ -13,8 +14,10 @@ AUTOWARE_TYPES = {"autoware_planning_msgs": ("TrajectoryPoint", "Trajectory"),
                   "autoware_internal_debug_msgs": ("StringStamped",)}
 
 
-def _typestore_with_autoware():
-    """rosbags Kilted typestore plus :data:`AUTOWARE_TYPES` read from the installed .msg files."""
+@functools.cache
+def typestore():
+    """rosbags Kilted typestore plus :data:`AUTOWARE_TYPES` read from the installed .msg files (made once).
+    Raises FileNotFoundError when an Autoware message package is not installed."""
     from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
     store = get_typestore(Stores.ROS2_KILTED)
@@ -44,7 +47,7 @@ class OutputBag:
         while candidate.exists():
             candidate, i = path.with_name(f"{path.name}_{i}"), i + 1
         self.path = candidate
-        self._store = _typestore_with_autoware()
+        self._store = typestore()
         self._writer = Writer(self.path, version=8, storage_plugin=StoragePlugin.MCAP)
         self._writer.open()
         self._lock = threading.Lock()

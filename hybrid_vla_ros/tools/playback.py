@@ -101,7 +101,8 @@ def publish_calibration(node, messages, info_topics: list[str], publishers: dict
 
 def play_bag(args, play, publishers, rec, ns: str, cameras: list[str], on_frame=None, clock=None,
              baseline=None) -> dict:
-    """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts.
+    """Publish the bag at its recorded rate, ``args.loops`` times. Returns frame stamps and counts, and
+    ``loop_ns``: how far (ns) each loop's stamps are shifted past the previous loop's.
 
     ``cameras``: the camera topics as played, in model camera order. A frame is timed from the instant the call
     publishing its last image begins (CLOCK_MONOTONIC: a node may hold that image before the call returns); the
@@ -143,7 +144,7 @@ def play_bag(args, play, publishers, rec, ns: str, cameras: list[str], on_frame=
         interrupted = True
     bar.close()
     return {"frames": frames, "messages": counts["messages"], "wall_s": time.monotonic() - wall0,
-            "interrupted": interrupted}
+            "interrupted": interrupted, "loop_ns": loop_len}
 
 
 def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wall0, t0, loop_len,
@@ -188,8 +189,9 @@ def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wa
                     ego = ego_state_from_odometry(msg)
                 except ValueError:
                     ego = None  # the suffix node drops it too (bad_odometry)
-                if ego is not None:
-                    with rec.lock:
+                with rec.lock:
+                    rec.played_odometry.append((loop, m.t_ns + offset, msg))
+                    if ego is not None:
                         rec.odometry.append(ego)
             with rec.lock:
                 done = len(rec.trajectories)

@@ -47,6 +47,9 @@ from ..ros.params import camera_info_topic, parameter_specs
 from ..util.bags import BagMessage, camera_topics, played_topic, read_bag
 from ..util.cores import parse_core_list, usable_cores
 from ..util.paths import embedded_bag, package_file
+from ..util.stamps import header_stamp_ns
+from ..vehicle.open_loop import LoggedPath, logged_future
+from .evaluate import GROUND_TRUTH_TOPIC, describe_path, logged_path, open_loop_report, replay_open_loop
 from .node_processes import launch_node, stop_processes
 from .playback import (ACCELERATION_TOPIC, ODOMETRY_TOPIC, message_class, missing_calibration, play_bag,
                        publish_calibration, publishers_for)
@@ -117,6 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="also write PNG pictures (trajectory on the front camera, bird's-eye view, timeline, "
                         "latency histograms) into DIR")
+    p.add_argument("--oracle", choices=("logged-path",), default=None,
+                   help="a check of the open-loop figures: the suffix publishes the drive the bag logged after each "
+                        "frame instead of the model's plan (suffix parameter oracle_bag), through the same conversion "
+                        "and output guard; its ADE / FDE must be ~0. One loop only; not with --attach")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds allowed for each node's lifecycle services to appear, for each lifecycle transition "
@@ -222,6 +229,9 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     if args.attach and args.decode_step is not None:
         problems.append("--decode-step sets the nodes a replay starts; attached nodes keep their own: set "
                         "decode_step on them (e.g. `-p decode_step:=inductor`)")
+    if getattr(args, "oracle", None) and (args.loops != 1 or args.attach):
+        problems.append("--oracle compares each frame with the drive logged after it, in one loop of the bag that the "
+                        "replay's own suffix reads: give --loops 1 and no --attach")
     if args.camera_topics and args.camera_topic_suffix != "image_raw":
         problems.append("give --camera-topics or --camera-topic-suffix, not both")
     if args.prefix_threads < 0:
@@ -470,6 +480,7 @@ class ReplaySession:
                           for now, before in ((final.prefix, self.baseline.prefix),
                                               (final.suffix, self.baseline.suffix)))
         self.nodes.return_all(final)
+        self._write_ground_truth()
         report = self._report(frames, published, prefix, suffix)
         for hint in hints(report, first_camera, self.args.rate, self.args.attach):
             print(f"hint: {hint}", file=sys.stderr)
@@ -574,12 +585,56 @@ class ReplaySession:
         report = run_report(self.rec, frames, published, self.k, self.cfg, self.bag.path,
                             self.args.sync_tolerance_ms, prefix, suffix)
         report.update(run_details(self.args, self.baseline, self.resplit_log, frames, self.rec))
+        report["open_loop"] = self._open_loop(published.get("loop_ns", 0))
         if report["resplits_not_reached"]:
             print(f"warning: --resplit {' '.join(report['resplits_not_reached'])} not applied: playback ended after "
                   f"{len(frames)} frames", file=sys.stderr)
         (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         print_report(report)
         return report
+
+    def _write_ground_truth(self) -> None:
+        """Into the output bag: the odometry played (``/localization/kinematic_state``, stamps as played) and, for
+        each of those messages, the drive logged after it in its own loop on ``/ground_truth/trajectory`` (the
+        topic and form autoware_planning_data_analyzer's ``add_gt_trajectory_to_bag.py`` adds: 8 s at 0.1 s,
+        the odometry's frame and stamp), so that analyzer or ``hybrid-vla evaluate`` runs on the output bag alone."""
+        from rclpy.serialization import serialize_message
+
+        from ..ros.msg_conv import pose_trajectory_to_msg
+
+        with self.rec.lock:
+            played = list(self.rec.played_odometry)
+        if not played:
+            return
+        odom_conn = self.bag.add_topic(ODOMETRY_TOPIC, "nav_msgs/msg/Odometry")
+        gt_conn = self.bag.add_topic(GROUND_TRUTH_TOPIC, "autoware_planning_msgs/msg/Trajectory")
+        for loop in sorted({n for n, _, _ in played}):
+            msgs = [(t_ns, msg) for n, t_ns, msg in played if n == loop]
+            path, _ = LoggedPath.from_odometry([msg for _, msg in msgs])
+            for t_ns, msg in msgs:
+                self.bag.write(odom_conn, t_ns, serialize_message(msg))
+                try:
+                    stamp = header_stamp_ns(msg)
+                except ValueError:
+                    continue  # dropped from the path too
+                t, xy, yaw = logged_future(path, stamp) if path is not None else ((), None, None)
+                if len(t):
+                    gt = pose_trajectory_to_msg(t, xy, yaw, stamp, path.frame_id)
+                    self.bag.write(gt_conn, t_ns, serialize_message(gt))
+
+    def _open_loop(self, loop_ns: int) -> dict:
+        """The report's ``open_loop`` section (:mod:`~hybrid_vla_ros.tools.evaluate`): each trajectory against the
+        odometry the bag logged after its stamp, in its own loop."""
+        path, dropped = logged_path(self.play, ODOMETRY_TOPIC)
+        with self.rec.lock:
+            planned, unreadable = dict(self.rec.planned), dict(self.rec.unreadable)
+            firsts = list(self.rec.first_camera)
+        # a frame's cameras may be stamped up to the sync tolerance before its first camera's image
+        first = min(firsts, default=0) - int(self.args.sync_tolerance_ms * 1e6)
+        frames, not_compared = replay_open_loop(planned, path, loop_ns, self.args.loops, first)
+        for reason, n in unreadable.items():
+            not_compared[reason] = not_compared.get(reason, 0) + n
+        return open_loop_report(frames, not_compared, describe_path(path, dropped))
 
     def _resplit(self, node, index: int) -> None:
         """Before frame ``index``: apply the ``--resplit`` events due (suffix first, so it loads blocks ahead)."""

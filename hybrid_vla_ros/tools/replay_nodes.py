@@ -22,8 +22,8 @@ def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int],
                 odometry_period_s: float | None = None) -> dict:
     """The parameters of the two node processes a replay starts (node name -> ``ros__parameters``), as written to
     its params file: split layer ``k``, the ``cams`` camera topics, the cores of each (the prefix's: those the
-    suffix does not get, [] = not pinned) and ``args``' model, dtype, device, transport, sync tolerance and suffix
-    backend (when given).
+    suffix does not get, [] = not pinned) and ``args``' model, dtype, device, transport, sync tolerance, suffix
+    backend (when given) and, with ``--oracle logged-path``, the bag as the suffix's ``oracle_bag``.
 
     Both nodes run on the bag's clock (``use_sim_time: true``; the replay publishes ``/clock``), so the
     output guard's age check stays on. At ``--rate`` above 1 the bag's clock runs that much faster than
@@ -48,6 +48,8 @@ def node_params(args, ns: str, k: int, cams: list[str], prefix_cores: list[int],
         suffix["suffix_backend"] = a.suffix_backend
     if getattr(a, "decode_step", None) is not None:
         suffix["decode_step"] = a.decode_step
+    if getattr(a, "oracle", None) == "logged-path":
+        suffix["oracle_bag"] = str(Path(a.bag).resolve())
     if a.rate > 1.0:
         suffix["guard.max_age_s"] = round(defaults("suffix_node")["guard.max_age_s"] * a.rate, 6)
     prefix = {"model_path": model, "split_layer": k, "camera_topics": cams,

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..ros.status import FrameTiming, PrefixStatus, StatusError, SuffixStatus, pipeline_status_name
 from ..util.bags import BagMessage
+from ..vehicle.open_loop import PlannedPath
 
 SIDES = ("prefix", "suffix")
 STATUS_OF = {"prefix": PrefixStatus, "suffix": SuffixStatus}
@@ -39,8 +40,11 @@ class Recorder:
     diagnostics_at: dict[str, float] = field(default_factory=dict)  # status name -> monotonic receive time (s)
     paths: dict[int, np.ndarray] = field(default_factory=dict)  # stamp -> (P, 3) time_from_start s, map x, y (m)
     odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
+    played_odometry: list = field(default_factory=list)  # (loop, receive time ns, Odometry) as played, loop offset in
     first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
     reasoning: dict[int, str] = field(default_factory=dict)  # stamp -> the decoded text (a decoding model)
+    planned: dict[int, PlannedPath] = field(default_factory=dict)  # stamp -> the trajectory, for the open-loop figures
+    unreadable: dict[str, int] = field(default_factory=dict)  # why a trajectory is not in ``planned`` -> count
     lock: threading.Lock = field(default_factory=threading.Lock)
     _decoded: dict = field(default_factory=dict)  # status name -> (receive time, its decoded status)
     _output_subs: list = field(default_factory=list)  # record_outputs' subscriptions
@@ -107,9 +111,17 @@ class Recorder:
             t_recv = time.monotonic()
             path = np.array([(p.time_from_start.sec + p.time_from_start.nanosec * 1e-9, p.pose.position.x,
                               p.pose.position.y) for p in msg.points]).reshape(-1, 3)
+            try:
+                planned, why = PlannedPath.from_message(msg), None
+            except ValueError as err:
+                planned, why = None, f"unreadable trajectory: {err}"
             with self.lock:
                 self.trajectories[stamp] = t_recv
                 self.paths[stamp] = path
+                if planned is not None:
+                    self.planned[stamp] = planned
+                else:
+                    self.unreadable[why] = self.unreadable.get(why, 0) + 1
             bag.write(traj_conn, stamp, serialize_message(msg))
 
         def on_timing(msg):

@@ -8,6 +8,7 @@ import statistics
 
 from ..ros.status import FrameTiming, PrefixStatus, SuffixStatus
 from ..util.stats import percentiles
+from .evaluate import print_open_loop
 
 
 def frame_of(frames: dict[int, float], stamp: int, tolerance_ns: float) -> int | None:
@@ -248,6 +249,8 @@ def print_report(r: dict) -> None:
         e2e = "-" if e["first_frame_e2e_ms"] is None else f"{e['first_frame_e2e_ms']:.1f} ms"
         print(f"  re-split before frame {e['frame']:<3} K -> {e['split_layer']}: "
               + (f"{cost}; that frame end to end {e2e}" if e["accepted"] else "refused"))
+    if r.get("open_loop"):
+        print_open_loop(r["open_loop"], indent="  ")
     print(f"  output bag             {r['output_bag']}")
 
 
