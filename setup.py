@@ -15,6 +15,7 @@ setup(
         (f"share/{PACKAGE}/launch", glob("launch/*.py") + glob("launch/*.xml")),
         (f"share/{PACKAGE}/config", glob("config/*.yaml") + glob("config/*.xml")),
         (f"share/{PACKAGE}/schema", glob("schema/*.json")),
+        (f"share/{PACKAGE}/rviz", glob("rviz/*.rviz")),
         (f"share/{PACKAGE}/data/dgp_scene02_6cam_mcap", glob("data/dgp_scene02_6cam_mcap/*")),
     ],
     install_requires=["setuptools"],

@@ -44,7 +44,7 @@ from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, Reg
 from launch.event_handlers import OnProcessStart
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
-from launch_ros.actions import LifecycleNode
+from launch_ros.actions import LifecycleNode, Node
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
 from launch_ros.ros_adapters import get_ros_node
@@ -94,6 +94,8 @@ ARGUMENTS = [
      "successful configure; later transitions are your lifecycle manager's"),
     ("respawn", "false", "true: restart a node process that died (autostart brings it up again)"),
     ("respawn_delay", "2.0", "seconds to wait before restarting a node process that died (with respawn)"),
+    ("rviz", "false", "true: also start rviz2 with the package's rviz/hybrid_vla.rviz (cameras, trajectory markers, "
+     "reasoning text)"),
     ("use_sim_time", "", "true: both nodes take their clock from /clock (a bag played with `ros2 bag play --clock` "
      "or `hybrid-vla replay --attach`), so the output guard judges recorded stamps by the bag's time"),
 ]
@@ -289,6 +291,9 @@ def launch_setup(context, *args, **kwargs) -> list:
     actions = []
     if _flag(values, "autostart"):
         actions += [_autostart(prefix), _autostart(suffix)]  # registered before the processes start
+    if _flag(values, "rviz"):
+        actions.append(Node(package="rviz2", executable="rviz2", name="rviz2", namespace=values["namespace"],
+                            arguments=["-d", f"{share}/rviz/hybrid_vla.rviz"], output="log"))
     return actions + [prefix, suffix]
 
 

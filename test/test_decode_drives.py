@@ -150,6 +150,27 @@ def test_replay_through_the_nodes_decodes_every_frame_like_transformers(composed
             modes = sm.decode_readout_referee(torch.float32, inputs, tokens, 3)
             lane_follow = modes[3 if len(modes) > 1 else 0]  # the node's default command, LANE_FOLLOW
             assert_trajectory_matches(traj, lane_follow.double().numpy(), cfg.waypoint_dt_s, odometry)
+    # RViz (issue 43): the output bag holds the suffix's ~/debug/reasoning_text (the text 3 m above the ego pose at
+    # the camera stamp) and ~/debug/trajectory_markers (the published points) of every frame
+    from rosbags.highlevel import AnyReader
+
+    from hybrid_vla_ros.tools.output_bag import typestore
+
+    with AnyReader([out / "trajectories"], default_typestore=typestore()) as reader:
+        got = {}
+        for c, _, raw in reader.messages():
+            if c.topic.endswith(("/debug/reasoning_text", "/debug/trajectory_markers")):
+                got.setdefault(c.topic.rsplit("/", 1)[-1], []).append(reader.deserialize(raw, c.msgtype))
+    texts = {stamp_ns(m): m for m in got["reasoning_text"]}
+    assert sorted(texts) == sorted(reasoning) and all(texts[s].text == reasoning[s] for s in reasoning)
+    for traj in published:
+        ego, _ = odometry.pose_at(stamp_ns(traj), int(1e9))
+        m = texts[stamp_ns(traj)]
+        assert (m.pose.position.x, m.pose.position.y, m.pose.position.z) == pytest.approx((ego.x, ego.y, ego.z + 3))
+    lines = {stamp_ns(a.markers[1]): a.markers[1] for a in got["trajectory_markers"]}
+    assert sorted(lines) == sorted(stamp_ns(t) for t in published)
+    for traj in published:
+        assert [q.x for q in lines[stamp_ns(traj)].points] == [p.pose.position.x for p in traj.points]
 
 
 def test_replay_waits_for_the_inductor_decode_step_and_decodes_the_eager_tokens(composed, embedded_bag, tmp_path):

@@ -402,6 +402,46 @@ def test_launch_arguments_override_the_node_parameters_of_their_names(ros_env, m
         assert origin == [1.0, 0.0, 2.0] and all(type(v) is float for v in origin), (node, origin)
 
 
+def test_rviz_true_starts_rviz2_with_the_installed_configuration_of_the_nodes_topics(ros_env, monkeypatch):
+    """Issue 43: ``rviz:=true`` adds rviz2 with ``-d <share>/rviz/hybrid_vla.rviz``, a file colcon installed; its
+    displays read the topics the launch file's defaults give (the suffix's markers and reasoning text, the
+    trajectory, the front camera, the odometry), in the fixed frame map. rviz2 itself is not installed here: the
+    action is checked, not run. ``rviz:=false`` (the default) adds none; a bad value is a clear error."""
+    from launch import LaunchContext
+    from launch.actions import DeclareLaunchArgument, OpaqueFunction
+    from launch.launch_description_sources import get_launch_description_from_python_launch_file
+    from launch_ros.actions import Node
+
+    monkeypatch.setenv("AMENT_PREFIX_PATH", ros_env["AMENT_PREFIX_PATH"])
+    description = get_launch_description_from_python_launch_file(str(REPO / "launch" / "hybrid_vla.launch.py"))
+
+    def actions(**given):
+        context = LaunchContext()
+        for entity in description.entities:
+            if isinstance(entity, DeclareLaunchArgument):
+                default = "".join(s.perform(context) for s in entity.default_value)
+                context.launch_configurations[entity.name] = given.get(entity.name, default)
+        setup = next(e for e in description.entities if isinstance(e, OpaqueFunction))
+        return [a for a in setup.execute(context) if type(a) is Node], context
+
+    assert actions()[0] == []
+    (rviz,), _ = actions(rviz="true")
+    assert rviz.node_package == "rviz2" and rviz.node_executable == "rviz2"
+    args = list(rviz._Node__arguments)  # as given (plain strings): launch_ros expands them only when it runs
+    config = Path(args[args.index("-d") + 1])
+    assert config.is_file() and config.name == "hybrid_vla.rviz" and "install" in config.parts
+    manager = yaml.safe_load(config.read_text())["Visualization Manager"]
+    topics = {d["Class"]: d["Topic"]["Value"] for d in manager["Displays"] if "Topic" in d}
+    assert topics == {"rviz_default_plugins/MarkerArray": "/hybrid_vla/suffix_node/debug/trajectory_markers",
+                      "rviz_default_plugins/Marker": "/hybrid_vla/suffix_node/debug/reasoning_text",
+                      "rviz_plugins/Trajectory": "/planning/hybrid_vla/trajectory",
+                      "rviz_default_plugins/Image": "/sensing/camera/camera0/image_rect_color",
+                      "rviz_default_plugins/Odometry": "/localization/kinematic_state"}
+    assert manager["Global Options"]["Fixed Frame"] == "map"
+    with pytest.raises(ValueError, match="rviz must be true or false"):
+        actions(rviz="maybe")
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split between the nodes")
 def test_prefix_cores_are_disjoint_from_the_suffix_cores(ros_env, monkeypatch, tmp_path):
     """prefix_cpu_affinity: empty = every usable core but the suffix's (from cpu_affinity, or else from the

@@ -623,10 +623,16 @@ def test_candidate_trajectories_all_modes_through_the_guard(nodes, embedded_bag)
     from hybrid_vla_ros.model.config import NAV_COMMANDS
     from hybrid_vla_ros.ros.msg_conv import generator_uuid
 
+    from visualization_msgs.msg import Marker, MarkerArray
+
+    from hybrid_vla_ros.ros.msg_conv import MODE_RGB
+
     ns, graph, prefix, suffix, procs, logs = nodes
-    received = []
+    received, markers = [], []
     graph.node.create_subscription(CandidateTrajectories, f"{ns}/suffix_node/output/candidate_trajectories",
                                    lambda m: graph.keep(received, m), 10)
+    graph.node.create_subscription(MarkerArray, f"{ns}/suffix_node/debug/trajectory_markers",
+                                   lambda m: graph.keep(markers, m), 10)
     _set_param(graph, f"{ns}/suffix_node", "split_layer", 1)
     _set_param(graph, f"{ns}/suffix_node", "publish_candidate_trajectories", True)
     for client in (prefix, suffix):
@@ -653,6 +659,20 @@ def test_candidate_trajectories_all_modes_through_the_guard(nodes, embedded_bag)
     assert msg.candidate_trajectories[selected].points == traj.points
     others = [c for i, c in enumerate(msg.candidate_trajectories) if i != selected]
     assert all(c.points != traj.points for c in others), "random-init modes differ"
+    # issue 43, RViz: ~/debug/trajectory_markers of the same frame: a DELETEALL, the trajectory's points as a line,
+    # and each candidate's in its mode's colour under its navigation command's name
+    assert graph.wait(lambda: any(a.markers[1].header == traj.header for a in markers))
+    with graph.lock:
+        array = next(a for a in markers if a.markers[1].header == traj.header)
+    assert array.markers[0].action == Marker.DELETEALL
+    line = {m.ns: m for m in array.markers[1:]}
+    assert line["trajectory"].type == Marker.LINE_STRIP and line["trajectory_points"].type == Marker.SPHERE_LIST
+    assert [(q.x, q.y) for q in line["trajectory"].points] == [(p.pose.position.x, p.pose.position.y)
+                                                                for p in traj.points]
+    for i, name in enumerate(NAV_COMMANDS):
+        m = line[f"candidate/{name}"]
+        assert (m.color.r, m.color.g, m.color.b) == pytest.approx(MODE_RGB[i])
+        assert [q.y for q in m.points] == [p.pose.position.y for p in msg.candidate_trajectories[i].points]
 
     # A speed limit in the widest gap between the modes' top speeds: the faster modes break it.
     top = sorted(max(abs(p.longitudinal_velocity_mps) for p in c.points) for c in msg.candidate_trajectories)

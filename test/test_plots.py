@@ -183,3 +183,36 @@ def test_the_ego_state_wait_is_its_own_bar_not_part_of_the_grey_input_wait():
     colors = {matplotlib.colors.to_hex(p.get_facecolor()) for p in fig.axes[0].patches}
     assert plots.EGO_WAIT[1] in colors and plots.INPUT_WAIT[1] in colors
     assert "ego_wait" not in plots._intervals(_timed_frame(10**9, 10**9), 0)  # not timed (NaN): no bar
+
+
+def test_the_logged_drive_is_drawn_beside_the_trajectory():
+    """Issue 43: the camera picture and the bird's-eye view draw the drive the bag logged after the frame (dashed,
+    LOGGED_COLOR) next to the trajectory, through the same camera geometry; ``collect`` places it in the same
+    base_link as the trajectory (the trajectory's first point and the odometry's heading)."""
+    from hybrid_vla_ros.vehicle.trajectory import EgoState
+
+    ext = plots.load_extrinsics_yaml(EXTRINSICS)
+    view = plots.CameraView("camera0", 0, np.full((1216, 1936, 3), 90, dtype=np.uint8), K_CAMERA0, ext.child, ext)
+    plan = np.array([[0.0, 0.0, 0.0], [0.5, 8.0, 0.0], [1.0, 16.0, 0.0]])
+    drive = np.array([[0.0, 0.0, 0.0], [0.5, 9.0, 0.5], [1.0, 18.0, 1.0]])  # t, x, y in base_link
+    data = plots.PlotData([plots.FrameRecord(0, None, plan, logged=drive)], highlight=0, camera=view)
+    ax = plots.draw_camera(data).axes[0]
+    dashed = [c for c in ax.collections if type(c).__name__ == "LineCollection"
+              and matplotlib.colors.to_hex(c.get_colors()[0]) == plots.LOGGED_COLOR]
+    assert len(dashed) == 1
+    expect = plots.visible_segments(np.column_stack([drive[:, 1:3], np.zeros(3)]), ext.matrix, K_CAMERA0)
+    assert np.allclose(np.concatenate(dashed[0].get_segments()), np.concatenate(expect))
+    assert "logged drive (0.1 s apart to 1.0 s, the bag's reach): 2 of 3 points in view; the car moved 18.0 m" \
+        in ax.get_title()
+    bev = plots.draw_bev(data).axes[0]
+    lines = [line for line in bev.get_lines() if line.get_color() == plots.LOGGED_COLOR]
+    assert len(lines) == 1 and list(lines[0].get_xdata()) == [0.0, 0.5, 1.0]  # y left on the page's x axis
+    # collect: the map rows go to the trajectory's base_link (origin its first point, heading the odometry's)
+    yaw = math.radians(30)
+    c, s = math.cos(yaw), math.sin(yaw)
+    to_map = lambda rows: np.column_stack([rows[:, 0], 100 + c * rows[:, 1] - s * rows[:, 2],  # noqa: E731
+                                           50 + s * rows[:, 1] + c * rows[:, 2]])
+    got = plots.collect(timings={}, paths={7: to_map(plan)}, received={}, sent={}, camera_images={},
+                        odometry=[EgoState(x=100.0, y=50.0, z=0.0, yaw=yaw, speed=1.0, stamp_ns=7)],
+                        bag_messages=[], tolerance_ns=1e6, extrinsics_yaml=None, logged={7: to_map(drive)})
+    assert np.allclose(got.frames[0].path, plan) and np.allclose(got.frames[0].logged, drive)

@@ -10,6 +10,7 @@ from autoware_internal_planning_msgs.msg import CandidateTrajectories
 from autoware_planning_msgs.msg import Trajectory
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from visualization_msgs.msg import Marker, MarkerArray
 
 from ..model.config import NAV_COMMANDS, takes_scene
 from ..util.bags import read_bag
@@ -19,7 +20,8 @@ from ..vehicle.output import guarded_outputs
 from ..vehicle.trajectory import EgoState, model_track_to_base_link
 from .diagnostics import NO_CLOCK_HINT, OK, diagnostic_array
 from .status import FrameTiming
-from .msg_conv import candidate_trajectories_to_msg, generator_uuid, ns_to_stamp, trajectory_to_msg
+from .msg_conv import (candidate_trajectories_to_msg, generator_uuid, ns_to_stamp, reasoning_marker_to_msg,
+                       trajectory_markers_to_msg, trajectory_to_msg)
 
 
 def load_oracle(bag: str) -> LoggedPath:
@@ -62,6 +64,9 @@ class TrajectoryOutputs:
         self._traj_pub = node.create_lifecycle_publisher(
             Trajectory, "~/output/trajectory", QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE))
         self._timing_pub = node.create_lifecycle_publisher(DiagnosticArray, "~/debug/frame_timing", 10)
+        # RViz: built only while something subscribes
+        self._markers_pub = node.create_lifecycle_publisher(MarkerArray, "~/debug/trajectory_markers", 1)
+        self.reasoning_text_pub = None  # ~/debug/reasoning_text, while configured with a model that decodes
         # ~/output/candidate_trajectories, while configured with publish_candidate_trajectories
         self.candidates_pub = None
         # ~/output/reasoning, while configured with a model that decodes
@@ -78,6 +83,7 @@ class TrajectoryOutputs:
         self.too_old_in_a_row = 0
         self.oracle = oracle
         if decodes:
+            self.reasoning_text_pub = self._ctx.ros.create_lifecycle_publisher(Marker, "~/debug/reasoning_text", 1)
             self.reasoning_pub = self._ctx.ros.create_lifecycle_publisher(
                 StringStamped, "~/output/reasoning", QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
         if p.publish_candidate_trajectories:
@@ -87,7 +93,7 @@ class TrajectoryOutputs:
 
     def release(self) -> None:
         """Destroy the candidates and reasoning publishers (idempotent)."""
-        for name in ("candidates_pub", "reasoning_pub"):
+        for name in ("candidates_pub", "reasoning_pub", "reasoning_text_pub"):
             pub = getattr(self, name)
             if pub is not None:
                 self._ctx.ros.destroy_lifecycle_publisher(pub)
@@ -106,9 +112,14 @@ class TrajectoryOutputs:
 
     def publish(self, result, ego: EgoState, odometry_wait_ms: float) -> bool:
         """Publish what frame ``result`` may, placed with ``ego`` (the pose at its camera stamp); True when the
-        trajectory was published."""
+        trajectory was published. For RViz, while subscribed: the markers of what was published and a decoded
+        text 3 m above ``ego``."""
         ctx, node, p = self._ctx, self._ctx.ros, self._ctx.settings()
         stamp = result.meta.stamp_ns
+        text_pub = self.reasoning_text_pub
+        if result.decode is not None and text_pub is not None and text_pub.get_subscription_count():
+            text_pub.publish(reasoning_marker_to_msg(result.decode.text, ego.x, ego.y, ego.z + 3.0, stamp,
+                                                     p.output_frame))
         now_ns = node.get_clock().now().nanoseconds
         modes, waypoints = result.modes, result.waypoints
         names = NAV_COMMANDS if modes is not None and len(modes) == len(NAV_COMMANDS) else ()
@@ -145,6 +156,11 @@ class TrajectoryOutputs:
             self.candidate_msgs_out += 1
         if violations:
             return False
+        if self._markers_pub.get_subscription_count():
+            self._markers_pub.publish(trajectory_markers_to_msg(
+                out.selected, out.candidates if self.candidates_pub is not None else [],
+                [names[i] if i < len(names) else str(i) for i in out.candidate_modes], out.candidate_modes, stamp,
+                p.output_frame))
         self.frames_out += 1
         self.too_old_in_a_row = 0
         self._publish_timing(result, odometry_wait_ms, t_publish_ns)

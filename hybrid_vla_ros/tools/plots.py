@@ -46,6 +46,8 @@ STAGE_STYLE = (  # key in the frame timing, legend label, colour
     ("suffix", "suffix (blocks K..L-1, head)", "#d62728"),
 )
 INPUT_WAIT = ("images sent -> prefix start (DDS, sync, queue)", "#c9c9c9")
+#: The logged drive's colour in the trajectory pictures (the published trajectory is cyan / red).
+LOGGED_COLOR = "#ff9f1c"
 EGO_WAIT = ("ego-state wait (prefix, odometry at the camera stamp)", "#8c6d31")
 OUTPUT_WAIT = ("odometry wait + publish", "#c5b0d5")
 LOST_COLOR = "#000000"  # a frame the replay sent that got no trajectory
@@ -176,6 +178,8 @@ class FrameRecord:
     path: np.ndarray | None = None  # (P, 3): time_from_start (s), x, y (m) in base_link at the camera stamp
     sent_s: float | None = None  # CLOCK_MONOTONIC (s): the replay published the frame's last image
     received_s: float | None = None  # CLOCK_MONOTONIC (s): the replay received the trajectory
+    #: (Q, 3): the drive the bag logged after the stamp, time from the stamp (s), x, y (m) in the same base_link
+    logged: np.ndarray | None = None
 
 
 @dataclass
@@ -211,7 +215,7 @@ def _nearest(keys, stamp: int, tolerance_ns: float):
 
 def collect(*, timings: dict, paths: dict, received: dict, sent: dict, odometry: list, camera_images: dict,
             bag_messages: list, tolerance_ns: float, extrinsics_yaml: str | Path | None, caption: str = "",
-            random_init: bool = True, unanswered: dict | None = None) -> PlotData:
+            random_init: bool = True, unanswered: dict | None = None, logged: dict | None = None) -> PlotData:
     """Build the :class:`PlotData` of a replay.
 
     ``timings`` / ``paths`` / ``received`` / ``sent``: by trajectory stamp, as the replay recorded them (paths
@@ -220,6 +224,8 @@ def collect(*, timings: dict, paths: dict, received: dict, sent: dict, odometry:
     ``camera_images``: played stamp -> bag message (topic, msgtype, raw CDR) of the first camera;
     ``bag_messages``: the whole bag, for that camera's CameraInfo and /tf_static. ``unanswered``: frames sent
     that got no trajectory, camera stamp (ns) -> send time (s, CLOCK_MONOTONIC); the timeline marks them.
+    ``logged``: by trajectory stamp, the drive the bag logged after it (rows of time from the stamp, map x, y:
+    :func:`~hybrid_vla_ros.vehicle.open_loop.logged_future`), placed in the same base_link as the trajectory.
     """
     from ..vehicle.odometry import OdometryBuffer
 
@@ -227,17 +233,20 @@ def collect(*, timings: dict, paths: dict, received: dict, sent: dict, odometry:
     for ego in odometry:
         buffer.add(ego)
     frames = []
+    logged = logged or {}
     for stamp in sorted(set(timings) | set(paths)):
-        path = paths.get(stamp)
+        path, drive = paths.get(stamp), logged.get(stamp)
         if path is not None and len(path):
             try:
                 ego, _ = buffer.pose_at(stamp, 1_000_000_000)
-                path = to_base_link(path, path[0, 1], path[0, 2], ego.yaw)
+                origin = path[0, 1], path[0, 2]  # the ego pose the suffix placed the trajectory with
+                path = to_base_link(path, *origin, ego.yaw)
+                drive = to_base_link(drive, *origin, ego.yaw) if drive is not None and len(drive) else None
             except LookupError:
-                path = None  # no heading for this frame
+                path = drive = None  # no heading for this frame
         else:
-            path = None
-        frames.append(FrameRecord(stamp, timings.get(stamp), path, sent.get(stamp), received.get(stamp)))
+            path = drive = None
+        frames.append(FrameRecord(stamp, timings.get(stamp), path, sent.get(stamp), received.get(stamp), drive))
     e2e = [(f.received_s - f.sent_s) * 1e3 for f in frames if f.received_s is not None and f.sent_s is not None]
     data = PlotData(frames, caption=caption, random_init=random_init, end_to_end_ms=e2e,
                     unanswered=dict(unanswered or {}))
@@ -342,6 +351,16 @@ def draw_camera(data: PlotData) -> Figure:
     subtitle = [_model_note(data), f"K from {cam.name}/camera_info, {source}"]
     if cam.extrinsics is not None:
         _draw_ground_grid(ax, cam)
+    if cam.extrinsics is not None and frame.logged is not None:
+        drive = np.column_stack([frame.logged[:, 1:3], np.zeros(len(frame.logged))])
+        ax.add_collection(LineCollection(visible_segments(drive, cam.extrinsics.matrix, cam.k), colors=LOGGED_COLOR,
+                                         linewidths=3, linestyles="--", zorder=3,
+                                         label=f"logged drive (odometry), 0 .. {frame.logged[-1, 0]:.1f} s"))
+        uv, ahead = project_points(drive, cam.extrinsics.matrix, cam.k)
+        seen = int((ahead & (uv[:, 0] >= 0) & (uv[:, 0] < w) & (uv[:, 1] >= 0) & (uv[:, 1] < h)).sum())
+        moved = float(np.hypot(*(frame.logged[-1, 1:3] - frame.logged[0, 1:3])))
+        subtitle.append(f"logged drive (0.1 s apart to {frame.logged[-1, 0]:.1f} s, the bag's reach): {seen} of "
+                        f"{len(drive)} points in view; the car moved {moved:.1f} m")
     if cam.extrinsics is not None and frame.path is not None:
         points = np.column_stack([frame.path[:, 1:3], np.zeros(len(frame.path))])  # on the ground, z = 0
         segments = visible_segments(points, cam.extrinsics.matrix, cam.k)
@@ -431,6 +450,9 @@ def draw_bev(data: PlotData) -> Figure:
     for _, path in paths:
         xs += list(path[:, 1])
         ys += list(path[:, 2])
+    if data.highlight is not None and data.frames[data.highlight].logged is not None:
+        xs += list(data.frames[data.highlight].logged[:, 1])
+        ys += list(data.frames[data.highlight].logged[:, 2])
     cam = data.camera
     if cam is not None and cam.extrinsics is not None:
         m = cam.extrinsics.matrix
@@ -447,6 +469,10 @@ def draw_bev(data: PlotData) -> Figure:
     lo_x, hi_x = min(xs) - pad, max(xs) + pad
     lo_y, hi_y = min(ys) - pad, max(ys) + pad
     span = max(hi_x - lo_x, (hi_y - lo_y) * 10 / 9, 8.0)  # the axes are about 9 wide by 10 high
+    drive = data.frames[data.highlight].logged if data.highlight is not None else None
+    if drive is not None:
+        ax.plot(drive[:, 2], drive[:, 1], color=LOGGED_COLOR, lw=2.5, ls="--", zorder=4,
+                label=f"frame {data.highlight}: the drive the bag logged, 0 .. {drive[-1, 0]:.1f} s")
     if data.highlight is not None and data.frames[data.highlight].path is not None:
         path = data.frames[data.highlight].path
         ax.plot(path[:, 2], path[:, 1], color="#d62728", lw=2.5, marker="o", ms=6, zorder=5,

@@ -42,6 +42,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from ..model.config import takes_scene
 from ..ros.params import camera_info_topic, parameter_specs
 from ..util.bags import BagMessage, camera_topics, played_topic, read_bag
@@ -337,6 +339,8 @@ class ReplaySession:
         self.bag = None
         self.interrupted = False
         self.baseline = Statuses()  # the nodes' /diagnostics statuses before playback
+        #: by trajectory stamp, (Q, 3) rows of time from the stamp (s), map x, y (m): the drive the bag logged
+        self.logged_drives: dict[int, np.ndarray] = {}
 
     def write_params(self) -> Path:
         """Write ``params.yaml``, the params file both node processes read (also a record of what was run:
@@ -448,8 +452,11 @@ class ReplaySession:
         if self._wait_for_decode_step(self.args.timeout - (time.monotonic() - waits_from)):
             self.baseline = self.rec.fresh_statuses(self.ns, time.monotonic())
         self.bag = OutputBag(self.out / "trajectories", overwrite=True)
+        decodes = bool(getattr(self.cfg, "decode", None))
         self.rec.record_outputs(node, self.bag, self.args.output_topic, f"{self.ns}/suffix_node/debug/frame_timing",
-                                f"{self.ns}/suffix_node/output/reasoning" if getattr(self.cfg, "decode", None) else "")
+                                f"{self.ns}/suffix_node/output/reasoning" if decodes else "",
+                                (f"{self.ns}/suffix_node/debug/trajectory_markers",)
+                                + ((f"{self.ns}/suffix_node/debug/reasoning_text",) if decodes else ()))
         if not self.rec.wait_outputs_matched():
             print("warning: the trajectory or frame-timing subscription found no publisher within 10 s: the first "
                   "answers may not be recorded", file=sys.stderr)
@@ -485,7 +492,8 @@ class ReplaySession:
         for hint in hints(report, first_camera, self.args.rate, self.args.attach):
             print(f"hint: {hint}", file=sys.stderr)
         plots_ok = (write_plots(self.rec, frames, self.messages, self.args.plots, self.args.sync_tolerance_ms,
-                                f"split layer {self.k} of {self.cfg.num_layers}", self.cfg.random_init)
+                                f"split layer {self.k} of {self.cfg.num_layers}", self.cfg.random_init,
+                                self.logged_drives)
                     if self.args.plots else True)
         return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
 
@@ -632,6 +640,12 @@ class ReplaySession:
         # a frame's cameras may be stamped up to the sync tolerance before its first camera's image
         first = min(firsts, default=0) - int(self.args.sync_tolerance_ms * 1e6)
         frames, not_compared = replay_open_loop(planned, path, loop_ns, self.args.loops, first)
+        if path is not None:  # the pictures draw each frame's logged drive beside its trajectory
+            for stamp, plan in planned.items():
+                loop = min(max((stamp - first) // loop_ns, 0), self.args.loops - 1) if loop_ns > 0 else 0
+                t, xy, _ = logged_future(path.shifted(loop * loop_ns), stamp, float(plan.t_s[-1]))
+                if len(t):
+                    self.logged_drives[stamp] = np.column_stack([t, xy])
         for reason, n in unreadable.items():
             not_compared[reason] = not_compared.get(reason, 0) + n
         return open_loop_report(frames, not_compared, describe_path(path, dropped))
@@ -658,10 +672,11 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 def write_plots(rec: Recorder, frames: dict[int, float], messages: list[BagMessage], plots_dir: str,
-                tolerance_ms: float, caption: str, random_init: bool) -> bool:
+                tolerance_ms: float, caption: str, random_init: bool, logged: dict | None = None) -> bool:
     """Draw what a replay recorded (``rec``; ``frames``: played frame stamp -> wall time its last image went out)
     into ``plots_dir`` (:mod:`~hybrid_vla_ros.tools.plots`; ``messages``: the whole bag, for CameraInfo and
-    /tf_static) and print their paths. False (and a message) when that fails."""
+    /tf_static; ``logged``: by trajectory stamp, the drive logged after it, drawn beside it) and print their paths.
+    False (and a message) when that fails."""
     from . import plots
 
     with rec.lock:
@@ -680,7 +695,7 @@ def write_plots(rec: Recorder, frames: dict[int, float], messages: list[BagMessa
             timings=timings, paths=paths, received=received, sent=sent, odometry=odometry,
             camera_images=camera_images, bag_messages=messages, tolerance_ns=tolerance_ns,
             extrinsics_yaml=config_file(plots.DEFAULT_EXTRINSICS), caption=caption, random_init=random_init,
-            unanswered=unanswered)
+            unanswered=unanswered, logged=logged)
         written = plots.write_all(data, plots_dir)
     except Exception as e:  # noqa: BLE001 - the report is out already; say what went wrong and fail
         print(f"hybrid-vla replay: cannot write the plots into {plots_dir}: {type(e).__name__}: {e}",

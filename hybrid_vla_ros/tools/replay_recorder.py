@@ -48,6 +48,7 @@ class Recorder:
     lock: threading.Lock = field(default_factory=threading.Lock)
     _decoded: dict = field(default_factory=dict)  # status name -> (receive time, its decoded status)
     _output_subs: list = field(default_factory=list)  # record_outputs' subscriptions
+    _marker_subs: list = field(default_factory=list)  # record_outputs' subscriptions to the RViz topics
 
     def on_diagnostics(self, msg) -> None:
         """/diagnostics callback (a DiagnosticArray): each status's key/values and when they arrived."""
@@ -92,10 +93,13 @@ class Recorder:
             time.sleep(0.05)
         return self.statuses(ns)
 
-    def record_outputs(self, node, bag, output_topic: str, timing_topic: str, reasoning_topic: str = "") -> None:
+    def record_outputs(self, node, bag, output_topic: str, timing_topic: str, reasoning_topic: str = "",
+                       marker_topics: tuple[str, ...] = ()) -> None:
         """Subscribe ``node`` to the Trajectory topic, the suffix's frame timing (a DiagnosticArray per frame) and,
         for a decoding model, its ``reasoning_topic`` (StringStamped); each message is kept here by its stamp and
-        written into ``bag`` (:class:`~.output_bag.OutputBag`)."""
+        written into ``bag`` (:class:`~.output_bag.OutputBag`). ``marker_topics``: the suffix's RViz topics
+        (``~/debug/trajectory_markers``: MarkerArray; ``~/debug/reasoning_text``: Marker), written into ``bag`` at
+        their stamps so a replay of it shows them in RViz."""
         from autoware_planning_msgs.msg import Trajectory
         from diagnostic_msgs.msg import DiagnosticArray
         from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -154,6 +158,28 @@ class Recorder:
             self._output_subs.append(node.create_subscription(
                 StringStamped, reasoning_topic, on_reasoning,
                 QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)))
+
+        for topic in marker_topics:
+            self._record_markers(node, bag, topic)
+
+    def _record_markers(self, node, bag, topic: str) -> None:
+        """Write each message on ``topic`` (a MarkerArray ``.../trajectory_markers``, else a Marker) into ``bag``
+        at its first marker's stamp."""
+        from rclpy.serialization import serialize_message
+        from visualization_msgs.msg import Marker, MarkerArray
+
+        from ..util.stamps import stamp_to_ns
+
+        array = topic.endswith("trajectory_markers")
+        cls = MarkerArray if array else Marker
+        conn = bag.add_topic(topic, f"visualization_msgs/msg/{cls.__name__}")
+
+        def on_markers(msg):
+            first = (msg.markers[0] if msg.markers else None) if array else msg
+            if first is not None:
+                bag.write(conn, stamp_to_ns(first.header.stamp), serialize_message(msg))
+
+        self._marker_subs.append(node.create_subscription(cls, topic, on_markers, 10))
 
     def wait_outputs_matched(self, timeout: float = 10.0) -> bool:
         """Wait up to ``timeout`` s until the subscriptions of :meth:`record_outputs` are each matched to a

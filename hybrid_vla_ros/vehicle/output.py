@@ -28,6 +28,8 @@ class GuardedOutputs:
     violations: list[Violation] = field(default_factory=list)
     candidates: list[TrajectoryArrays] = field(default_factory=list)
     drops: list[tuple[str, str]] = field(default_factory=list)
+    #: the planner mode index of each entry of ``candidates``
+    candidate_modes: list[int] = field(default_factory=list)
 
 
 def guarded_outputs(waypoints: np.ndarray, modes: np.ndarray | None, mode: int, dt_s: float, ego: EgoState,
@@ -78,4 +80,5 @@ def guarded_outputs(waypoints: np.ndarray, modes: np.ndarray | None, mode: int, 
                               f"candidate {name} left out: " + "; ".join(map(str, violations))))
             continue
         out.candidates.append(arrays)
+        out.candidate_modes.append(i)
     return out
