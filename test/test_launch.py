@@ -348,16 +348,12 @@ def _prefix_cores_given(ros_env, monkeypatch, **given) -> list[int] | None:
     return _parameters_given(ros_env, monkeypatch, "prefix_node", ("cpu_affinity",), **given)["cpu_affinity"]
 
 
-def _parameters_given(ros_env, monkeypatch, node: str, names, **given) -> dict:
-    """The parameters ``names`` the launch file hands ``node`` for launch arguments ``given`` (None: not set): the
-    real launch file evaluated by the real launch / launch_ros (its OpaqueFunction run in a LaunchContext, each
-    node's parameter files written as launch_ros writes them), read back with the nodes' own loader."""
+def _launch_actions(ros_env, monkeypatch, **given) -> tuple[list, object]:
+    """The actions the real launch file's OpaqueFunction returns for launch arguments ``given`` (the others at their
+    defaults), evaluated by the real launch / launch_ros against the colcon install space, and the LaunchContext."""
     from launch import LaunchContext
     from launch.actions import DeclareLaunchArgument, OpaqueFunction
     from launch.launch_description_sources import get_launch_description_from_python_launch_file
-    from launch_ros.actions import LifecycleNode
-
-    from hybrid_vla_ros.ros.params_file import parameter_from_files
 
     monkeypatch.setenv("AMENT_PREFIX_PATH", ros_env["AMENT_PREFIX_PATH"])  # FindPackageShare: the install space
     description = get_launch_description_from_python_launch_file(str(REPO / "launch" / "hybrid_vla.launch.py"))
@@ -367,7 +363,19 @@ def _parameters_given(ros_env, monkeypatch, node: str, names, **given) -> dict:
             default = "".join(s.perform(context) for s in entity.default_value)
             context.launch_configurations[entity.name] = given.get(entity.name, default)
     setup = next(e for e in description.entities if isinstance(e, OpaqueFunction))
-    nodes = [a for a in setup.execute(context) if isinstance(a, LifecycleNode)]
+    return setup.execute(context), context
+
+
+def _parameters_given(ros_env, monkeypatch, node: str, names, **given) -> dict:
+    """The parameters ``names`` the launch file hands ``node`` for launch arguments ``given`` (None: not set): the
+    real launch file evaluated by the real launch / launch_ros (its OpaqueFunction run in a LaunchContext, each
+    node's parameter files written as launch_ros writes them), read back with the nodes' own loader."""
+    from launch_ros.actions import LifecycleNode
+
+    from hybrid_vla_ros.ros.params_file import parameter_from_files
+
+    actions, context = _launch_actions(ros_env, monkeypatch, **given)
+    nodes = [a for a in actions if isinstance(a, LifecycleNode)]
     action = next(n for n in nodes if n.node_executable == node)
     action._perform_substitutions(context)
     files = [arg for arg, is_file in action._Node__expanded_parameter_arguments if is_file]
@@ -407,22 +415,11 @@ def test_rviz_true_starts_rviz2_with_the_installed_configuration_of_the_nodes_to
     displays read the topics the launch file's defaults give (the suffix's markers and reasoning text, the
     trajectory, the front camera, the odometry), in the fixed frame map. rviz2 itself is not installed here: the
     action is checked, not run. ``rviz:=false`` (the default) adds none; a bad value is a clear error."""
-    from launch import LaunchContext
-    from launch.actions import DeclareLaunchArgument, OpaqueFunction
-    from launch.launch_description_sources import get_launch_description_from_python_launch_file
     from launch_ros.actions import Node
 
-    monkeypatch.setenv("AMENT_PREFIX_PATH", ros_env["AMENT_PREFIX_PATH"])
-    description = get_launch_description_from_python_launch_file(str(REPO / "launch" / "hybrid_vla.launch.py"))
-
     def actions(**given):
-        context = LaunchContext()
-        for entity in description.entities:
-            if isinstance(entity, DeclareLaunchArgument):
-                default = "".join(s.perform(context) for s in entity.default_value)
-                context.launch_configurations[entity.name] = given.get(entity.name, default)
-        setup = next(e for e in description.entities if isinstance(e, OpaqueFunction))
-        return [a for a in setup.execute(context) if type(a) is Node], context
+        found, context = _launch_actions(ros_env, monkeypatch, **given)
+        return [a for a in found if type(a) is Node], context
 
     assert actions()[0] == []
     (rviz,), _ = actions(rviz="true")

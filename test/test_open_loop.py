@@ -86,7 +86,8 @@ def test_a_horizon_the_log_does_not_cover_is_left_out_and_counted():
     assert frame_errors(plan_past_end, path, (2.0,)).left_out == {"2s": "beyond the logged path",
                                                                   "full": "beyond the logged path"}
     s = summarize([late, early], {"frame 'odom'": 1}, (1.0, 2.0))
-    assert s.horizons["1s"].frames == 2 and s.horizons["1s"].ade_m == pytest.approx(0.2)
+    assert s.horizons["1s"].frames == 2 and s.horizons["1s"].mean.ade_m == pytest.approx(0.2)
+    assert s.horizons["1s"].mean.points == 6 and s.horizons["2s"].mean.ade_m == pytest.approx(0.1)
     assert s.horizons["2s"].frames == 1 and s.horizons["2s"].left_out == {"beyond the trajectory": 1}
     assert s.not_compared == {"frame 'odom'": 1} and s.frames == 2
     gappy = LoggedPath(np.array([0, S, 4 * S, 5 * S]), np.array([[0, 0], [1, 0], [4, 0], [5, 0.0]]), np.zeros(4))

@@ -8,7 +8,8 @@ starts the worker (it attaches to the prefix's ring, waiting for it); deactivate
 detach and free the model.
 Outputs: ``~/output/trajectory`` (frame ``output_frame``, stamped with the camera stamp, only what passes the
 output guard), ``~/output/candidate_trajectories`` (with ``publish_candidate_trajectories``),
-``~/debug/frame_timing`` (DiagnosticArray per frame, ms) and ``/diagnostics`` (1 Hz).
+``~/output/reasoning`` (a model that decodes), ``~/debug/frame_timing`` (DiagnosticArray per frame, ms),
+``~/debug/trajectory_markers`` and ``~/debug/reasoning_text`` (RViz, while subscribed) and ``/diagnostics`` (1 Hz).
 The node class is ``_suffix_impl.SuffixNode``; its parts are :mod:`.suffix_inputs`, :mod:`.suffix_worker` and
 :mod:`.suffix_outputs`.
 """

@@ -14,13 +14,14 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
 
 from ..util.bags import BagMessage, read_bag
-from ..vehicle.open_loop import HORIZONS_S, FrameErrors, LoggedPath, PlannedPath, frame_errors, summarize
+from ..vehicle.open_loop import (HORIZONS_S, FrameErrors, HorizonErrors, LoggedPath, PlannedPath, frame_errors,
+                                 summarize)
 
 __all__ = ["ODOMETRY_TOPIC", "TRAJECTORY_TOPIC", "GROUND_TRUTH_TOPIC", "logged_path", "ground_truth_paths",
            "replay_open_loop", "ground_truth_open_loop", "describe_path", "describe_ground_truth", "open_loop_report",
@@ -105,9 +106,11 @@ def replay_open_loop(planned: dict[int, PlannedPath], path: LoggedPath | None, l
     return frames, not_compared
 
 
-def _finite(x: float) -> float | None:
-    """JSON has no NaN: None for a non-finite value, else the value rounded to 4 decimals."""
-    return round(x, 4) if math.isfinite(x) else None
+def _figures(errors: HorizonErrors | None) -> dict:
+    """:class:`HorizonErrors` as JSON: each figure rounded to 4 decimals (every one None for None)."""
+    if errors is None:
+        return {f.name: None for f in fields(HorizonErrors)}
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(errors).items()}
 
 
 def describe_path(path: LoggedPath | None, dropped: list[str]) -> dict | None:
@@ -131,20 +134,20 @@ def describe_ground_truth(truths: list[LoggedPath], left: list[str]) -> dict | N
 
 def open_loop_report(frames: list[FrameErrors], not_compared: dict[str, int], logged: dict | None,
                      horizons_s=HORIZONS_S) -> dict:
-    """The ``open_loop`` section of a report: the summary per horizon (:func:`summarize`: JSON has no NaN, so a
-    horizon no frame reached has None figures), per frame its stamp and figures per horizon, what was left out
-    and why, and ``logged_path`` (:func:`describe_path` / :func:`describe_ground_truth`; None: no logged drive)."""
+    """The ``open_loop`` section of a report: the summary per horizon (:func:`summarize`: frames, left out by
+    reason and the mean figures, None where no frame reached it), per frame its stamp and figures per horizon, what
+    was left out and why, and ``logged_path`` (:func:`describe_path` / :func:`describe_ground_truth`; None: no
+    logged drive)."""
     summary = summarize(frames, not_compared, horizons_s)
     return {
         "definitions": "autoware_planning_data_analyzer open_loop (docs/open_loop.md)",
-        "horizons": {name: {k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(h).items()}
+        "horizons": {name: {"frames": h.frames, "left_out": h.left_out, **_figures(h.mean)}
                      for name, h in summary.horizons.items()},
         "frames_compared": summary.frames,
         "not_compared": summary.not_compared,
         "logged_path": logged,
         "frames": [{"stamp_ns": f.stamp_ns, "left_out": f.left_out,
-                    "horizons": {n: {k: _finite(v) if isinstance(v, float) else v for k, v in asdict(h).items()}
-                                 for n, h in f.horizons.items()}} for f in frames],
+                    "horizons": {n: _figures(h) for n, h in f.horizons.items()}} for f in frames],
     }
 
 

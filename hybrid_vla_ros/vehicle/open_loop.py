@@ -21,7 +21,7 @@ never filled in.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -251,25 +251,18 @@ def frame_errors(plan: PlannedPath, path: LoggedPath, horizons_s=HORIZONS_S) -> 
 
 @dataclass(frozen=True)
 class HorizonSummary:
-    """One horizon over a run: ``frames`` compared, and the mean over them of each :class:`HorizonErrors` field
-    (same units); ``left_out`` counts frames without this horizon by reason."""
+    """One horizon over a run: ``frames`` compared; ``mean``: each :class:`HorizonErrors` field's mean over them
+    (``points`` their sum), None when no frame reached it; ``left_out`` counts frames without it by reason."""
 
     frames: int
-    ade_m: float
-    fde_m: float
-    ahe_rad: float
-    fhe_rad: float
-    lateral_mean_m: float
-    lateral_max_m: float
-    longitudinal_mean_m: float
-    longitudinal_max_m: float
+    mean: HorizonErrors | None
     left_out: dict[str, int]
 
 
 @dataclass(frozen=True)
 class OpenLoopSummary:
-    """A run's open-loop figures: per horizon name (``full``, ``1s``, ...) a :class:`HorizonSummary` (frames 0
-    and NaN means where no frame reached it); ``frames`` compared at all; ``not_compared`` counts trajectories
+    """A run's open-loop figures: per horizon name (``full``, ``1s``, ...) a :class:`HorizonSummary`; ``frames``
+    compared at all; ``not_compared`` counts trajectories
     that could not be compared by reason."""
 
     horizons: dict[str, HorizonSummary]
@@ -279,21 +272,21 @@ class OpenLoopSummary:
 
 def summarize(frames: list[FrameErrors], not_compared: dict[str, int] | None = None,
               horizons_s=HORIZONS_S) -> OpenLoopSummary:
-    """Means over ``frames`` per horizon (module docstring); a horizon no frame reached has ``frames == 0``."""
-    names = [horizon_name(h) for h in (None, *horizons_s)]
-    keys = ("ade_m", "fde_m", "ahe_rad", "fhe_rad", "lateral_mean_m", "lateral_max_m", "longitudinal_mean_m",
-            "longitudinal_max_m")
+    """Means over ``frames`` per horizon (module docstring); a horizon no frame reached has ``mean`` None."""
     out = {}
-    for name in names:
+    for name in (horizon_name(h) for h in (None, *horizons_s)):
         got = [f.horizons[name] for f in frames if name in f.horizons]
         left: dict[str, int] = {}
         for f in frames:
             if name in f.left_out:
                 left[f.left_out[name]] = left.get(f.left_out[name], 0) + 1
-        means = {k: (float(np.mean([getattr(g, k) for g in got])) if got else float("nan")) for k in keys}
-        out[name] = HorizonSummary(frames=len(got), left_out=left, **means)
+        mean = None
+        if got:
+            mean = HorizonErrors(**{k.name: float(np.mean([getattr(g, k.name) for g in got]))
+                                    for k in fields(HorizonErrors) if k.name != "points"},
+                                 points=sum(g.points for g in got))
+        out[name] = HorizonSummary(frames=len(got), mean=mean, left_out=left)
     return OpenLoopSummary(out, len(frames), dict(not_compared or {}))
-
 
 def oracle_waypoints(path: LoggedPath, ego: EgoState, n: int, dt_s: float) -> np.ndarray:
     """The logged future as a planner's waypoints: the logged positions at ``ego.stamp_ns + k * dt_s`` (k = 1..n)
