@@ -1,4 +1,4 @@
-"""`hybrid-vla replay --plots DIR`: the four pictures from a real replay, the frame-timing instants they are
+"""`hybrid-vla replay --plots DIR`: the five pictures from a real replay, the frame-timing instants they are
 drawn from, and the camera projection and extrinsics math on their own."""
 import dataclasses
 import math
@@ -28,6 +28,7 @@ EXPECTED_PX = {  # (width, height)
     "trajectory_bev.png": (900, 1000),
     "timeline.png": (1400, 900),
     "latency_hist.png": (1400, 800),
+    "open_loop.png": (1300, 800),
 }
 
 
@@ -216,3 +217,28 @@ def test_the_logged_drive_is_drawn_beside_the_trajectory():
                         odometry=[EgoState(x=100.0, y=50.0, z=0.0, yaw=yaw, speed=1.0, stamp_ns=7)],
                         bag_messages=[], tolerance_ns=1e6, extrinsics_yaml=None, logged={7: to_map(drive)})
     assert np.allclose(got.frames[0].path, plan) and np.allclose(got.frames[0].logged, drive)
+
+
+def test_the_open_loop_picture_draws_each_horizon_only_where_a_frame_reaches_it():
+    """``open_loop.png`` from a report's ``open_loop`` section: ADE (top) and FDE (bottom) per frame against its stamp
+    (s from the first frame); frame 2 does not reach 2 s, so the 2 s lines have 2 points, never a 0 for it; without
+    odometry the picture says so."""
+    def fig(ade, fde):
+        return {"ade_m": ade, "fde_m": fde}
+
+    sec = 10**9
+    section = {"logged_path": {"what": "3 odometry samples over 2.0 s"},
+               "horizons": {"1s": {"frames": 3}, "2s": {"frames": 2}, "3s": {"frames": 0}},
+               "frames": [{"stamp_ns": 5 * sec, "horizons": {"1s": fig(0.5, 1.0), "2s": fig(1.0, 2.0)}},
+                          {"stamp_ns": 7 * sec, "horizons": {"1s": fig(0.2, 0.4)}},
+                          {"stamp_ns": 6 * sec, "horizons": {"1s": fig(0.3, 0.6), "2s": fig(0.6, 1.2)}}]}
+    top, bottom = plots.draw_open_loop(plots.PlotData([], open_loop=section)).axes
+    lines = {line.get_label(): line for line in top.get_lines()}
+    assert set(lines) == {"ADE at 1s (3 frames)", "ADE at 2s (2 frames)"}
+    assert list(lines["ADE at 1s (3 frames)"].get_xdata()) == [0.0, 1.0, 2.0]
+    assert list(lines["ADE at 1s (3 frames)"].get_ydata()) == [0.5, 0.3, 0.2]
+    assert list(lines["ADE at 2s (2 frames)"].get_ydata()) == [1.0, 0.6]
+    assert [list(line.get_ydata()) for line in bottom.get_lines()] == [[1.0, 0.6, 0.4], [2.0, 1.2]]
+    assert "1s: 3, 2s: 2, 3s: 0" in top.get_title()
+    empty = plots.draw_open_loop(plots.PlotData([], open_loop={"logged_path": None, "frames": []})).axes[0]
+    assert "no open-loop figures: the bag has no usable odometry" in [t.get_text() for t in empty.texts]

@@ -37,6 +37,7 @@ FIGSIZE_IN = {  # width, height in inches; at DPI the PNGs are exactly 100x thes
     "trajectory_bev.png": (9.0, 10.0),
     "timeline.png": (14.0, 9.0),
     "latency_hist.png": (14.0, 8.0),
+    "open_loop.png": (13.0, 8.0),
 }
 MIN_DEPTH_M = 0.1  # points closer to the camera plane than this (or behind it) are not drawn
 STAGE_STYLE = (  # key in the frame timing, legend label, colour
@@ -206,6 +207,8 @@ class PlotData:
     end_to_end_ms: list[float] = field(default_factory=list)
     #: Frames the replay sent that got no trajectory: camera stamp (ns) -> CLOCK_MONOTONIC (s) of the send.
     unanswered: dict[int, float] = field(default_factory=dict)
+    #: The report's ``open_loop`` section (:func:`~hybrid_vla_ros.tools.evaluate.open_loop_report`), None: none.
+    open_loop: dict | None = None
 
 
 def _nearest(keys, stamp: int, tolerance_ns: float):
@@ -698,11 +701,53 @@ def draw_latency(data: PlotData) -> Figure:
     return fig
 
 
+#: The horizons ``open_loop.png`` draws, with their colours.
+OPEN_LOOP_HORIZONS = (("1s", "#1f77b4"), ("2s", "#ff7f0e"), ("3s", "#2ca02c"))
+
+
+def draw_open_loop(data: PlotData) -> Figure:
+    """``open_loop.png``: per frame against its stamp (s from the first frame), the ADE (top) and FDE (bottom) at
+    1, 2 and 3 s against the logged drive (:mod:`~hybrid_vla_ros.vehicle.open_loop`); a horizon a frame does not
+    reach is not drawn for it (the legend counts the frames that reach each), never drawn as 0."""
+    fig = _figure("open_loop.png")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    section = data.open_loop or {}
+    frames = sorted(section.get("frames", []), key=lambda f: f["stamp_ns"])
+    if not frames:
+        why = ("the bag has no usable odometry" if data.open_loop is not None and section.get("logged_path") is None
+               else "no trajectory was compared")
+        for ax in (top, bottom):
+            ax.text(0.5, 0.5, f"no open-loop figures: {why}", ha="center", va="center", transform=ax.transAxes)
+    t0 = frames[0]["stamp_ns"] if frames else 0
+    for ax, key, what in ((top, "ade_m", "ADE"), (bottom, "fde_m", "FDE")):
+        for name, color in OPEN_LOOP_HORIZONS:
+            pts = [((f["stamp_ns"] - t0) / 1e9, f["horizons"][name][key]) for f in frames if name in f["horizons"]]
+            if pts:
+                t, v = zip(*pts)
+                ax.plot(t, v, color=color, marker="o", ms=5, lw=1.2, label=f"{what} at {name} ({len(pts)} frames)")
+        ax.set_ylabel(f"{what} (m)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, color="#e6e6e6")
+        ax.set_axisbelow(True)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=10, loc="upper right")
+    bottom.set_xlabel("camera stamp (s from the first frame compared)")
+    lp = section.get("logged_path") or {}
+    reached = ", ".join(f"{name}: {section['horizons'][name]['frames']}" for name, _ in OPEN_LOOP_HORIZONS
+                        if name in section.get("horizons", {}))
+    fig.suptitle(f"Open loop: the published trajectories against the drive the bag logged "
+                 f"({lp.get('what', 'none')})", fontsize=14)
+    top.set_title(f"{_model_note(data)}\nframes reaching each horizon: {reached or '-'} (autoware_planning_data_"
+                  "analyzer's definitions; a horizon not covered is left out, not drawn as 0)", fontsize=10)
+    return fig
+
+
 DRAW = {
     "trajectory_camera.png": draw_camera,
     "trajectory_bev.png": draw_bev,
     "timeline.png": draw_timeline,
     "latency_hist.png": draw_latency,
+    "open_loop.png": draw_open_loop,
 }
 
 

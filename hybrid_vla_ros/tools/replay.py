@@ -493,7 +493,7 @@ class ReplaySession:
             print(f"hint: {hint}", file=sys.stderr)
         plots_ok = (write_plots(self.rec, frames, self.messages, self.args.plots, self.args.sync_tolerance_ms,
                                 f"split layer {self.k} of {self.cfg.num_layers}", self.cfg.random_init,
-                                self.logged_drives)
+                                self.logged_drives, report["open_loop"])
                     if self.args.plots else True)
         return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
 
@@ -672,11 +672,12 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 def write_plots(rec: Recorder, frames: dict[int, float], messages: list[BagMessage], plots_dir: str,
-                tolerance_ms: float, caption: str, random_init: bool, logged: dict | None = None) -> bool:
+                tolerance_ms: float, caption: str, random_init: bool, logged: dict | None = None,
+                open_loop: dict | None = None) -> bool:
     """Draw what a replay recorded (``rec``; ``frames``: played frame stamp -> wall time its last image went out)
     into ``plots_dir`` (:mod:`~hybrid_vla_ros.tools.plots`; ``messages``: the whole bag, for CameraInfo and
-    /tf_static; ``logged``: by trajectory stamp, the drive logged after it, drawn beside it) and print their paths.
-    False (and a message) when that fails."""
+    /tf_static; ``logged``: by trajectory stamp, the drive logged after it, drawn beside it; ``open_loop``: the
+    report's section, drawn against time) and print their paths. False (and a message) when that fails."""
     from . import plots
 
     with rec.lock:
@@ -696,6 +697,7 @@ def write_plots(rec: Recorder, frames: dict[int, float], messages: list[BagMessa
             camera_images=camera_images, bag_messages=messages, tolerance_ns=tolerance_ns,
             extrinsics_yaml=config_file(plots.DEFAULT_EXTRINSICS), caption=caption, random_init=random_init,
             unanswered=unanswered, logged=logged)
+        data.open_loop = open_loop
         written = plots.write_all(data, plots_dir)
     except Exception as e:  # noqa: BLE001 - the report is out already; say what went wrong and fail
         print(f"hybrid-vla replay: cannot write the plots into {plots_dir}: {type(e).__name__}: {e}",
