@@ -68,8 +68,8 @@ def test_replay_reports_unusable_inputs_clearly(tiny_checkpoint, tmp_path, make_
     assert "Traceback" not in out.stderr
 
 
-SUBCOMMANDS = ("init-model", "convert", "verify-split", "compile-suffix", "export-smollm2", "replay", "plan",
-               "profile", "bench", "gpu-check")
+SUBCOMMANDS = ("init-model", "convert", "verify-split", "compile-suffix", "export-smollm2", "replay", "evaluate",
+               "plan", "profile", "bench", "gpu-check")
 
 
 def test_parser_help_lists_subcommands():
