@@ -192,6 +192,11 @@ def test_the_embedded_bags_odometry_and_bad_messages():
     assert np.array_equal(again.stamps_ns, path.stamps_ns) and len(bad) == 3
     assert "non-finite" in bad[0] and "frame 'odom'" in bad[1] and "repeated stamp" in bad[2]
     assert LoggedPath.from_odometry(odom[:1])[0] is None
+    # the bag's pose topic instead (geometry_msgs/PoseStamped: no twist, the pose directly under `pose`)
+    PoseStamped = store.types["geometry_msgs/msg/PoseStamped"]
+    poses = [PoseStamped(header=o.header, pose=o.pose.pose) for o in odom]
+    from_poses, bad = LoggedPath.from_odometry(poses)
+    assert bad == [] and np.array_equal(from_poses.xy, path.xy) and np.array_equal(from_poses.yaw, path.yaw)
 
 
 def test_evaluate_on_a_bag_of_trajectories_built_by_the_nodes_conversion(tmp_path, capsys):

@@ -37,7 +37,7 @@ SYNC_TOLERANCE_NS = 100_000_000
 
 
 def logged_path(messages: list[BagMessage], topic: str = ODOMETRY_TOPIC) -> tuple[LoggedPath | None, list[str]]:
-    """The logged path from the ``nav_msgs/msg/Odometry`` messages on ``topic`` among ``messages``
+    """The logged path from the Odometry (or pose) messages on ``topic`` among ``messages``
     (:meth:`LoggedPath.from_odometry`); a message that does not deserialize is dropped and named."""
     from .output_bag import typestore
 
@@ -182,7 +182,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trajectory-topic", default=None,
                    help=f"the Trajectory topic (default: {TRAJECTORY_TOPIC}, or the bag's only Trajectory topic "
                         f"other than {GROUND_TRUTH_TOPIC})")
-    p.add_argument("--odometry-topic", default=ODOMETRY_TOPIC, help="the Odometry topic (default: %(default)s)")
+    p.add_argument("--odometry-topic", default=ODOMETRY_TOPIC,
+                   help="the logged drive's topic: nav_msgs/Odometry, or a geometry_msgs PoseStamped / "
+                        "PoseWithCovarianceStamped pose topic (default: %(default)s)")
     p.add_argument("--horizons", type=float, nargs="+", default=list(HORIZONS_S),
                    help="horizons in s (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the figures here (the replay report's open_loop section)")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..util.stamps import header_stamp_ns, stamp_to_ns
-from .trajectory import EgoState, ego_state_from_odometry, quaternion_to_yaw, wrap_angle
+from .trajectory import EgoState, quaternion_to_yaw, wrap_angle
 
 __all__ = ["HORIZONS_S", "HORIZON_TOLERANCE_S", "MAX_GAP_S", "END_TOLERANCE_S", "LoggedPath", "PlannedPath",
            "HorizonErrors", "FrameErrors", "HorizonSummary", "OpenLoopSummary", "frame_errors", "summarize",
@@ -76,25 +76,26 @@ class LoggedPath:
 
     @classmethod
     def from_odometry(cls, messages, max_gap_s: float = MAX_GAP_S) -> tuple[LoggedPath | None, list[str]]:
-        """The path from ``nav_msgs/msg/Odometry`` messages (or objects with their fields) in any order: the
-        samples sorted by header stamp, a repeated stamp keeping its first message. Returns ``(path, dropped)``:
-        ``dropped`` names each message left out and why (a bad stamp, a non-finite pose, another frame than the
-        first message's, a repeated stamp); ``path`` is None when fewer than 2 samples are left."""
+        """The path from ``nav_msgs/msg/Odometry``, ``geometry_msgs/msg/PoseWithCovarianceStamped`` or
+        ``geometry_msgs/msg/PoseStamped`` messages (or objects with their fields) in any order: the samples sorted
+        by header stamp, a repeated stamp keeping its first message. Returns ``(path, dropped)``: ``dropped`` names
+        each message left out and why (a bad stamp, a non-finite pose, another frame than the first message's, a
+        repeated stamp); ``path`` is None when fewer than 2 samples are left."""
         samples, dropped, frame = {}, [], None
         for i, msg in enumerate(messages):
             try:
-                ego = ego_state_from_odometry(msg)
+                stamp, x, y, yaw = _stamped_pose(msg)
             except (ValueError, AttributeError) as err:
-                dropped.append(f"odometry {i}: {err}")
+                dropped.append(f"pose {i}: {err}")
                 continue
             frame_id = str(msg.header.frame_id) or "map"
             frame = frame if frame is not None else frame_id
             if frame_id != frame:
-                dropped.append(f"odometry {i}: frame {frame_id!r}, the path's is {frame!r}")
-            elif ego.stamp_ns in samples:
-                dropped.append(f"odometry {i}: repeated stamp {ego.stamp_ns} ns")
+                dropped.append(f"pose {i}: frame {frame_id!r}, the path's is {frame!r}")
+            elif stamp in samples:
+                dropped.append(f"pose {i}: repeated stamp {stamp} ns")
             else:
-                samples[ego.stamp_ns] = (ego.x, ego.y, ego.yaw)
+                samples[stamp] = (x, y, yaw)
         if len(samples) < 2:
             return None, dropped
         stamps = np.array(sorted(samples), dtype=np.int64)
@@ -192,6 +193,18 @@ class FrameErrors:
     heading_error_rad: np.ndarray = field(repr=False)
     lateral_m: np.ndarray = field(repr=False)
     longitudinal_m: np.ndarray = field(repr=False)
+
+
+def _stamped_pose(msg) -> tuple[int, float, float, float]:
+    """``(header stamp ns, x m, y m, yaw rad)`` of an Odometry / PoseWithCovarianceStamped (``pose.pose``) or a
+    PoseStamped (``pose``). Raises ValueError for a bad stamp, a non-finite position or a zero quaternion."""
+    stamp = header_stamp_ns(msg, "pose stamp")
+    pose = msg.pose.pose if hasattr(msg.pose, "pose") else msg.pose
+    x, y = float(pose.position.x), float(pose.position.y)
+    if not (math.isfinite(x) and math.isfinite(y)):
+        raise ValueError(f"non-finite position ({x}, {y})")
+    q = pose.orientation
+    return stamp, x, y, quaternion_to_yaw(q.x, q.y, q.z, q.w)
 
 
 def _to_path_frame(plan: PlannedPath, path: LoggedPath) -> tuple[np.ndarray, np.ndarray]:
