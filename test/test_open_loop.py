@@ -240,3 +240,33 @@ def test_evaluate_on_a_bag_of_trajectories_built_by_the_nodes_conversion(tmp_pat
     assert main(["evaluate", str(tmp_path / "nowhere")]) == 2
     assert main(["evaluate", str(bag.path)]) == 1  # no odometry in that bag
     assert "no usable odometry" in capsys.readouterr().out
+
+
+def test_the_suffix_oracle_reads_its_bag_and_refuses_one_without_a_drive(tmp_path):
+    """``oracle_bag`` (suffix_outputs.load_oracle): the embedded bag gives its 3-sample drive; a missing folder and a
+    bag without odometry are one clear error each (the node's configure fails with it, as for any bad parameter).
+    The oracle's waypoints put back with the same pose are the logged positions; past the log's end there are none."""
+    pytest.importorskip("rclpy")
+    from hybrid_vla_ros.ros.suffix_outputs import load_oracle
+    from hybrid_vla_ros.tools.output_bag import OutputBag
+    from hybrid_vla_ros.vehicle.open_loop import oracle_waypoints
+
+    path = load_oracle(str(embedded_bag()))
+    assert len(path.stamps_ns) == 3 and path.frame_id == "map"
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_oracle(str(tmp_path / "nowhere"))
+    empty = OutputBag(tmp_path / "no_odometry")
+    empty.add_topic("/planning/hybrid_vla/trajectory", "autoware_planning_msgs/msg/Trajectory")
+    empty.close()
+    with pytest.raises(ValueError, match="has 0 odometry message"):
+        load_oracle(str(empty.path))
+    stamp = int(path.stamps_ns[0])
+    xy, yaw, _ = path.poses_at(np.array([stamp]))
+    ego = EgoState(x=xy[0, 0], y=xy[0, 1], z=0.0, yaw=yaw[0], speed=1.0, stamp_ns=stamp)
+    wp = oracle_waypoints(path, ego, 6, 0.5)
+    assert wp.shape == (4, 2)  # 0.5 .. 2.0 s: 2.1 s logged after the first sample (its end + 0.1 s reach)
+    back = waypoints_to_trajectory(wp, 0.5, ego, 2.79)
+    truth, _, _ = path.poses_at(stamp + np.arange(1, 5) * S // 2)
+    assert np.abs(np.stack([back.x[1:], back.y[1:]], 1) - truth).max() < 1e-9
+    with pytest.raises(ValueError, match="does not cover"):
+        oracle_waypoints(path, EgoState(0.0, 0.0, 0.0, 0.0, 0.0, int(path.stamps_ns[-1]) + S), 6, 0.5)
