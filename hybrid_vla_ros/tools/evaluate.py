@@ -24,8 +24,8 @@ from ..vehicle.open_loop import (HORIZONS_S, FrameErrors, HorizonErrors, LoggedP
                                  summarize)
 
 __all__ = ["ODOMETRY_TOPIC", "TRAJECTORY_TOPIC", "GROUND_TRUTH_TOPIC", "logged_path", "ground_truth_paths",
-           "replay_open_loop", "ground_truth_open_loop", "describe_path", "describe_ground_truth", "open_loop_report",
-           "print_open_loop", "add_arguments", "run_evaluate"]
+           "loop_path", "replay_open_loop", "ground_truth_open_loop", "describe_path", "describe_ground_truth",
+           "open_loop_report", "print_open_loop", "add_arguments", "run_evaluate"]
 
 #: Autoware's ego odometry, and the output topic of the launch file and of a replay (namespace hybrid_vla).
 ODOMETRY_TOPIC = "/localization/kinematic_state"
@@ -88,6 +88,14 @@ def ground_truth_open_loop(planned: dict[int, PlannedPath], truths: list[LoggedP
     return frames, not_compared
 
 
+def loop_path(path: LoggedPath, stamp_ns: int, loop_ns: int, loops: int, first_stamp_ns: int) -> LoggedPath:
+    """``path`` as played in the loop of a replay's frame stamped ``stamp_ns``: loop ``n`` (``(stamp_ns -
+    first_stamp_ns) // loop_ns``, clipped to ``[0, loops)``; 0 when ``loop_ns`` is 0) has its stamps shifted by
+    ``n * loop_ns``."""
+    loop = min(max((stamp_ns - first_stamp_ns) // loop_ns, 0), loops - 1) if loop_ns > 0 else 0
+    return path.shifted(loop * loop_ns)
+
+
 def replay_open_loop(planned: dict[int, PlannedPath], path: LoggedPath | None, loop_ns: int, loops: int,
                      first_stamp_ns: int, horizons_s=HORIZONS_S) -> tuple[list[FrameErrors], dict[str, int]]:
     """Each trajectory of a replay compared with the logged path of its own loop: the replay shifts loop ``n``'s
@@ -98,9 +106,9 @@ def replay_open_loop(planned: dict[int, PlannedPath], path: LoggedPath | None, l
     if path is None:
         return [], {"the bag has no usable odometry": len(planned)} if planned else {}
     for stamp in sorted(planned):
-        loop = min(max((stamp - first_stamp_ns) // loop_ns, 0), loops - 1) if loop_ns > 0 else 0
         try:
-            frames.append(frame_errors(planned[stamp], path.shifted(loop * loop_ns), horizons_s))
+            frames.append(frame_errors(planned[stamp], loop_path(path, stamp, loop_ns, loops, first_stamp_ns),
+                                       horizons_s))
         except ValueError as err:
             not_compared[str(err)] = not_compared.get(str(err), 0) + 1
     return frames, not_compared

@@ -51,7 +51,8 @@ from ..util.cores import parse_core_list, usable_cores
 from ..util.paths import embedded_bag, package_file
 from ..util.stamps import header_stamp_ns
 from ..vehicle.open_loop import LoggedPath, logged_future
-from .evaluate import GROUND_TRUTH_TOPIC, describe_path, logged_path, open_loop_report, replay_open_loop
+from .evaluate import (GROUND_TRUTH_TOPIC, describe_path, logged_path, loop_path, open_loop_report,
+                       replay_open_loop)
 from .node_processes import launch_node, stop_processes
 from .playback import (ACCELERATION_TOPIC, ODOMETRY_TOPIC, message_class, missing_calibration, play_bag,
                        publish_calibration, publishers_for)
@@ -642,8 +643,8 @@ class ReplaySession:
         frames, not_compared = replay_open_loop(planned, path, loop_ns, self.args.loops, first)
         if path is not None:  # the pictures draw each frame's logged drive beside its trajectory
             for stamp, plan in planned.items():
-                loop = min(max((stamp - first) // loop_ns, 0), self.args.loops - 1) if loop_ns > 0 else 0
-                t, xy, _ = logged_future(path.shifted(loop * loop_ns), stamp, float(plan.t_s[-1]))
+                drive = loop_path(path, stamp, loop_ns, self.args.loops, first)
+                t, xy, _ = logged_future(drive, stamp, float(plan.t_s[-1]))
                 if len(t):
                     self.logged_drives[stamp] = np.column_stack([t, xy])
         for reason, n in unreadable.items():
