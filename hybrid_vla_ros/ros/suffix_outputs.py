@@ -34,11 +34,18 @@ def load_oracle(bag: str) -> LoggedPath:
         messages = read_bag(bag)
     except Exception as e:  # rosbags raises several types for a bad bag
         raise ValueError(f"oracle_bag {bag!r} cannot be read: {e}") from e
-    odometry = [deserialize_message(m.raw, Odometry) for m in messages if m.topic == "/localization/kinematic_state"]
+    odometry, unreadable = [], 0
+    for m in messages:
+        if m.topic == "/localization/kinematic_state":
+            try:
+                odometry.append(deserialize_message(m.raw, Odometry))
+            except Exception:  # another type on the topic or bad CDR: an unusable message
+                unreadable += 1
     path, dropped = LoggedPath.from_odometry(odometry)
     if path is None:
-        raise ValueError(f"oracle_bag {bag!r} has {len(odometry)} odometry message(s) on "
-                         f"/localization/kinematic_state, {len(dropped)} unusable: the oracle needs 2 or more")
+        raise ValueError(f"oracle_bag {bag!r} has {len(odometry) + unreadable} odometry message(s) on "
+                         f"/localization/kinematic_state, {len(dropped) + unreadable} unusable: the oracle needs 2 "
+                         "or more")
     return path
 
 
