@@ -39,7 +39,7 @@ def load_oracle(bag: str) -> LoggedPath:
         if m.topic == "/localization/kinematic_state":
             try:
                 odometry.append(deserialize_message(m.raw, Odometry))
-            except Exception:  # another type on the topic or bad CDR: an unusable message
+            except Exception:  # noqa: BLE001  (another type on the topic, or bad CDR: an unusable message)
                 unreadable += 1
     path, dropped = LoggedPath.from_odometry(odometry)
     if path is None:
