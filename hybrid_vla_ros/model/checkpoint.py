@@ -29,11 +29,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import hf
+from .text import TESTED_TEXT_TYPES
 from .config import MODEL_TYPE, LMConfig, VLAConfig, not_a_driving_checkpoint, preset
 from .extension import CODE_FORMAT_VERSION, CODE_MODEL_TYPE, CodeModel, import_model_class
 from .gguf_llm import PRESET_LLMS
-from .kinds import split_model
-from .modeling import VLAModel, _add_prefix_side, _add_query_tokens, _add_suffix_side, llm_config
 from .sources import (
     FLOAT_DTYPES,
     PICKLE_SUFFIXES,
@@ -131,6 +130,8 @@ class Checkpoint:
 
     def split_model(self, prompt_ids: list[int] | None = None):
         """This checkpoint as a :class:`~.kinds.SplitModel`; ``prompt_ids``: a bare LM's example token ids."""
+        from .kinds import split_model  # transformers' classes: imported where a model is built, not to read a config
+
         return split_model(self.model, self, prompt_ids=prompt_ids)
 
     def require_driving(self):
@@ -172,6 +173,8 @@ class Checkpoint:
     def build(self, role: str, split_layer: int | None = None, stop: int | None = None) -> nn.Module:
         """The stage on the meta device: ``prefix`` / ``suffix`` at K, ``full``, ``blocks`` [K, stop)."""
         with torch.device("meta"):
+            from .kinds import split_model
+
             return split_model(self.model, self).build_stage(role, split_layer, stop)
 
     def load(self, role: str, split_layer: int | None = None, *, device: str | torch.device = "cpu",
@@ -346,12 +349,14 @@ def _open(path: str | Path, *, trust_model_code: bool | None = None, cameras: in
                                    + pickle_hint(path))
         ref_path = cfg.llm_path or cfg.vlm_path
         if not ref_path:
-            from .family_check import check_family
+            if cfg.llm_type not in TESTED_TEXT_TYPES:  # (transformers' classes imported only then)
+                from .family_check import check_family
+                from .modeling import llm_config
 
-            try:  # its own blocks of a family no test proves (a --set llm.model_type): the forward check
-                check_family(llm_config(cfg))
-            except ValueError as e:
-                raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+                try:  # its own blocks of a family no test proves (a --set llm.model_type): the forward check
+                    check_family(llm_config(cfg))
+                except ValueError as e:
+                    raise CheckpointError(f"{path / 'config.json'}: {e}") from None
             return Checkpoint(path, "hybrid_vla", cfg, f"hybrid_vla checkpoint ({cfg.preset or 'custom'})",
                               own_weights=own)
         ref_dir = _resolve_ref(path, ref_path)
@@ -467,6 +472,8 @@ def random_stage(cfg: VLAConfig, role: str, split_layer: int | None = None, *, d
     device = torch.device(device)
     check_device_dtype(device, dtype)
     with torch.device("meta"):
+        from .kinds import split_model
+
         module = split_model(cfg).build_stage(role, split_layer)
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
@@ -574,6 +581,8 @@ def _with_planning_token(shapes: dict) -> dict:
 def _own_modules(cfg: VLAConfig) -> nn.Module:
     """A composed checkpoint's own modules, random-init on the CPU; the referred directory's parts are never
     built at full size."""
+    from .modeling import _add_prefix_side, _add_query_tokens, _add_suffix_side, llm_config
+
     llm = llm_config(cfg)
     tiny = copy.deepcopy(llm)
     tiny.vocab_size = 1  # embed_tokens comes from the referred directory: never allocate vocab x H here
@@ -686,6 +695,8 @@ def init_model(preset_name: str, path: str | Path, seed: int = 0, *, overrides: 
     # Build in the stored dtype: one copy in RAM (orion in fp16: 14 GB instead of 28 + 14 GB).
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    from .modeling import VLAModel
+
     try:
         model = VLAModel(cfg)
     finally:
