@@ -62,15 +62,16 @@ def test_hand_computed_errors_per_horizon(heading):
 
 def test_longitudinal_sign_and_the_horizon_tolerance():
     """Points 1 m behind the logged pose are longitudinal -1 (lateral 0); with points 0.3 s apart the 1 s horizon
-    takes t = 0.9 (within 0.1 s), with 0.4 s apart it is left out (0.8 is 0.2 s short)."""
+    takes t = 0.9 (within 0.1 s), with 0.4 s apart it is left out (0.8 is 0.2 s short), for that reason, not as
+    beyond the trajectory."""
     path = straight_path(math.radians(75))
     behind = offset_plan(path, 3 * S, 0.3, 8, np.zeros(8), longitudinal=-np.ones(8))
     f = frame_errors(behind, path)
     assert f.horizons["1s"].points == 4 and f.longitudinal_m == pytest.approx(-np.ones(8))
-    assert f.left_out["2s"] == "beyond the trajectory"  # 1.8 s is the last point below 2 s: 0.2 s short
+    assert f.left_out["2s"] == "no point within 0.1 s below it"  # 1.8 s is the last point below 2 s, 2.1 s the end
     assert f.horizons["full"].longitudinal_mean_m == pytest.approx(1.0) and f.horizons["full"].lateral_max_m < 1e-9
     coarse = frame_errors(offset_plan(path, 3 * S, 0.4, 8, np.zeros(8)), path)
-    assert coarse.left_out["1s"] == "beyond the trajectory" and coarse.horizons["2s"].points == 6
+    assert coarse.left_out["1s"] == "no point within 0.1 s below it" and coarse.horizons["2s"].points == 6
 
 
 def test_a_horizon_the_log_does_not_cover_is_left_out_and_counted():
@@ -90,6 +91,10 @@ def test_a_horizon_the_log_does_not_cover_is_left_out_and_counted():
     assert s.horizons["1s"].mean.points == 6 and s.horizons["2s"].mean.ade_m == pytest.approx(0.1)
     assert s.horizons["2s"].frames == 1 and s.horizons["2s"].left_out == {"beyond the trajectory": 1}
     assert s.not_compared == {"frame 'odom'": 1} and s.frames == 2
+    # a ground truth already reaches past its log: evaluated with no reach of its own after its last pose
+    truth = LoggedPath(path.stamps_ns, path.xy, path.yaw, reach_after_s=0.0)
+    assert list(truth.poses_at(np.array([end, end + S // 20]))[2]) == [True, False]
+    assert list(path.poses_at(np.array([end + S // 20, end + S // 5]))[2]) == [True, False]
     gappy = LoggedPath(np.array([0, S, 4 * S, 5 * S]), np.array([[0, 0], [1, 0], [4, 0], [5, 0.0]]), np.zeros(4))
     xy, _, covered = gappy.poses_at(np.array([S // 2, 2 * S, 4 * S + S // 2]))
     assert covered.tolist() == [True, False, True] and np.isnan(xy[1]).all() and xy[2, 0] == pytest.approx(4.5)
@@ -236,10 +241,26 @@ def test_evaluate_on_a_bag_of_trajectories_built_by_the_nodes_conversion(tmp_pat
     assert r["horizons"]["3s"]["frames"] == 0 and r["horizons"]["3s"]["ade_m"] is None
     assert "1s: ADE 0.000 m" in out and "3s: none (2 beyond the trajectory)" in out
     assert main(["evaluate", str(embedded_bag())]) == 2
-    assert "no trajectory on /planning/hybrid_vla/trajectory" in capsys.readouterr().err
+    assert "no message on /planning/hybrid_vla/trajectory in" in capsys.readouterr().err
     assert main(["evaluate", str(tmp_path / "nowhere")]) == 2
-    assert main(["evaluate", str(bag.path)]) == 1  # no odometry in that bag
-    assert "no usable odometry" in capsys.readouterr().out
+    assert main(["evaluate", str(bag.path)]) == 2  # no odometry in that bag: said, nothing computed
+    assert "no message on /localization/kinematic_state in" in capsys.readouterr().err
+    # bad options and inputs: one line each, exit 2, never a traceback
+    (tmp_path / "not_a_bag").mkdir()
+    (tmp_path / "x.txt").write_text("no bag")
+    for argv, needle in (([str(tmp_path / "not_a_bag")], "cannot read the bag"),
+                         ([str(tmp_path / "x.txt")], "cannot read the bag"),
+                         ([str(bag.path), "--json", str(tmp_path / "no" / "x.json")], "--json: the folder"),
+                         ([str(bag.path), "--json", str(tmp_path)], "--json: "),
+                         ([str(bag.path), "--horizons", "nan"], "--horizons must be > 0 s"),
+                         ([str(bag.path), "--trajectory-topic", "/nope"], "no message on /nope"),
+                         ([str(bag.path), "--odometry-bag", str(embedded_bag()), "--odometry-topic",
+                           "/sensing/camera/camera0/image_raw/compressed"], "not an odometry or pose topic")):
+        assert main(["evaluate", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, (argv, err)
+    assert main(["evaluate", str(embedded_bag()), "--trajectory-topic", "/localization/kinematic_state"]) == 2
+    assert "is nav_msgs/msg/Odometry, not a trajectory" in capsys.readouterr().err
 
 
 def test_the_suffix_oracle_reads_its_bag_and_refuses_one_without_a_drive(tmp_path):

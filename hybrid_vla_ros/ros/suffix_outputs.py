@@ -34,6 +34,10 @@ def load_oracle(bag: str) -> LoggedPath:
         messages = read_bag(bag)
     except Exception as e:  # rosbags raises several types for a bad bag
         raise ValueError(f"oracle_bag {bag!r} cannot be read: {e}") from e
+    types = {m.msgtype for m in messages if m.topic == "/localization/kinematic_state"}
+    if types - {"nav_msgs/msg/Odometry"}:
+        raise ValueError(f"oracle_bag {bag!r}: /localization/kinematic_state is {', '.join(sorted(types))}, not "
+                         "nav_msgs/msg/Odometry")
     odometry, unreadable = [], 0
     for m in messages:
         if m.topic == "/localization/kinematic_state":

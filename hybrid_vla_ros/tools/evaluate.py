@@ -62,8 +62,9 @@ def ground_truth_paths(messages: list[BagMessage], topic: str = GROUND_TRUTH_TOP
     for i, m in enumerate(x for x in messages if x.topic == topic):
         try:
             gt = PlannedPath.from_message(store.deserialize_cdr(m.raw, m.msgtype))
+            # the ground truth reaches as far past its log as the log does (logged_future): not again
             paths.append(LoggedPath(gt.stamp_ns + np.rint(gt.t_s * 1e9).astype(np.int64), gt.xy, gt.yaw,
-                                    gt.frame_id))
+                                    gt.frame_id, reach_after_s=0.0))
         except Exception as err:  # noqa: BLE001  (bad CDR or a path of one point: counted, not fatal)
             left.append(f"ground truth {i}: {type(err).__name__}: {err}")
     return sorted(paths, key=lambda p: int(p.stamps_ns[0])), left
@@ -185,37 +186,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``hybrid-vla evaluate``'s options."""
     p.add_argument("bag", help="a rosbag2 folder with the published trajectories (e.g. a replay's output bag)")
     p.add_argument("--odometry-bag", default=None,
-                   help="the bag with the logged odometry, e.g. the bag that was replayed (default: the same bag's "
-                        "/ground_truth/trajectory when it has one, else its odometry)")
+                   help="the bag with the logged drive (default: the bag itself); for a looped replay give its output "
+                        "bag alone, whose ground truth follows each loop")
     p.add_argument("--trajectory-topic", default=None,
                    help=f"the Trajectory topic (default: {TRAJECTORY_TOPIC}, or the bag's only Trajectory topic "
                         f"other than {GROUND_TRUTH_TOPIC})")
-    p.add_argument("--odometry-topic", default=ODOMETRY_TOPIC,
+    p.add_argument("--odometry-topic", default=None,
                    help="the logged drive's topic: nav_msgs/Odometry, or a geometry_msgs PoseStamped / "
-                        "PoseWithCovarianceStamped pose topic (default: %(default)s)")
+                        f"PoseWithCovarianceStamped pose topic (default: {GROUND_TRUTH_TOPIC} when the bag has it, "
+                        f"else {ODOMETRY_TOPIC})")
     p.add_argument("--horizons", type=float, nargs="+", default=list(HORIZONS_S),
                    help="horizons in s (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the figures here (the replay report's open_loop section)")
 
 
+#: The message types a logged drive is read from (:meth:`LoggedPath.from_odometry`).
+POSE_TYPES = ("nav_msgs/msg/Odometry", "geometry_msgs/msg/PoseWithCovarianceStamped", "geometry_msgs/msg/PoseStamped")
+TRAJECTORY_TYPE = "autoware_planning_msgs/msg/Trajectory"
+
+
+def _read(path: str) -> list[BagMessage]:
+    """:func:`read_bag`, every error as ValueError naming the bag (rosbags raises several types)."""
+    try:
+        return read_bag(path)
+    except Exception as err:  # re-raised as one readable error
+        raise ValueError(f"cannot read the bag {path}: {err}") from err
+
+
+def _topic_problem(messages: list[BagMessage], topic: str, types: tuple[str, ...], bag: str, what: str) -> str:
+    """Why ``topic`` of ``bag`` cannot give ``what`` (no message on it, or another type than ``types``); ""."""
+    found = {m.msgtype for m in messages if m.topic == topic}
+    if not found:
+        return f"no message on {topic} in {bag}"
+    if not found <= set(types):
+        return f"{topic} in {bag} is {', '.join(sorted(found))}, not {what} ({' / '.join(types)})"
+    return ""
+
+
 def run_evaluate(args: argparse.Namespace) -> int:
-    """``hybrid-vla evaluate``: 0 when at least one trajectory was compared, 1 when none was, 2 for a bag that
-    cannot be read or has no trajectory on the topic."""
+    """``hybrid-vla evaluate``: 0 when at least one trajectory was compared, 1 when none was, 2 for bad options, a
+    bag that cannot be read, or topics without the messages they need."""
+    from ..util.paths import output_file_problem
     from .output_bag import typestore
 
-    try:
-        messages = read_bag(args.bag)
-        odometry = messages if args.odometry_bag is None else read_bag(args.odometry_bag)
-    except (FileNotFoundError, OSError, ValueError) as err:
-        print(f"hybrid-vla evaluate: {err}", file=sys.stderr)
+    def fail(text: str) -> int:
+        print(f"hybrid-vla evaluate: {text}", file=sys.stderr)
         return 2
+
     if any(not (math.isfinite(h) and h > 0) for h in args.horizons):
-        print(f"hybrid-vla evaluate: --horizons must be > 0 s, got {args.horizons}", file=sys.stderr)
-        return 2
-    topics = sorted({m.topic for m in messages if m.msgtype == "autoware_planning_msgs/msg/Trajectory"}
-                    - {GROUND_TRUTH_TOPIC})
+        return fail(f"--horizons must be > 0 s, got {args.horizons}")
+    if args.json and (problem := output_file_problem(args.json)):
+        return fail(f"--json: {problem}")
+    try:
+        messages = _read(args.bag)
+        source, source_name = ((messages, args.bag) if args.odometry_bag is None
+                               else (_read(args.odometry_bag), args.odometry_bag))
+    except ValueError as err:
+        return fail(str(err))
+    topics = sorted({m.topic for m in messages if m.msgtype == TRAJECTORY_TYPE} - {GROUND_TRUTH_TOPIC})
     if args.trajectory_topic is None:
         args.trajectory_topic = topics[0] if len(topics) == 1 else TRAJECTORY_TOPIC
+    if problem := _topic_problem(messages, args.trajectory_topic, (TRAJECTORY_TYPE,), args.bag, "a trajectory"):
+        return fail(f"{problem} (its Trajectory topics: {', '.join(topics) or 'none'})")
     store, planned, bad = typestore(), {}, {}
     for m in messages:
         if m.topic != args.trajectory_topic:
@@ -226,23 +258,34 @@ def run_evaluate(args: argparse.Namespace) -> int:
         except Exception as err:  # noqa: BLE001  (a bad message is counted, not fatal)
             key = f"unreadable trajectory ({type(err).__name__}: {err})"
             bad[key] = bad.get(key, 0) + 1
-    if not planned and not bad:
-        print(f"hybrid-vla evaluate: no trajectory on {args.trajectory_topic} in {args.bag} (its Trajectory topics: "
-              f"{', '.join(topics) or 'none'})", file=sys.stderr)
-        return 2
-    truths, left = ([], []) if args.odometry_bag else ground_truth_paths(messages)
+    # the logged drive: the source bag's ground truth (loop by loop in a replay's output bag) unless a topic is named
+    truths, left = ground_truth_paths(source) if args.odometry_topic is None else ([], [])
     if truths:
         frames, not_compared = ground_truth_open_loop(planned, truths, tuple(args.horizons))
         logged = describe_ground_truth(truths, left)
     else:
-        path, dropped = logged_path(odometry, args.odometry_topic)
+        topic = args.odometry_topic or ODOMETRY_TOPIC
+        if problem := _topic_problem(source, topic, POSE_TYPES, source_name, "an odometry or pose topic"):
+            return fail(f"{problem}: the logged drive comes from --odometry-topic (default {ODOMETRY_TOPIC}) of "
+                        "--odometry-bag (default: the bag itself)")
+        path, dropped = logged_path(source, topic)
+        if path is None:
+            return fail(f"{topic} in {source_name} gives no logged drive (2 usable messages needed): "
+                        + "; ".join(dropped[:3]))
         frames, not_compared = replay_open_loop(planned, path, 0, 1, 0, tuple(args.horizons))
         logged = describe_path(path, dropped)
+        late = sum(1 for stamp in planned if stamp > path.stamps_ns[-1] + path.reach_after_s * 1e9)
+        if late:
+            print(f"note: {late} of {len(planned)} trajectories are stamped after the logged drive ends (a looped "
+                  "replay's later loops?); a replay's output bag alone compares every loop with its own log "
+                  f"({GROUND_TRUTH_TOPIC})")
     for reason, n in bad.items():
         not_compared[reason] = not_compared.get(reason, 0) + n
     section = open_loop_report(frames, not_compared, logged, tuple(args.horizons))
     print_open_loop(section)
     if args.json:
-        Path(args.json).write_text(json.dumps(section, indent=2) + "\n")
+        try:
+            Path(args.json).write_text(json.dumps(section, indent=2) + "\n")
+        except OSError as err:
+            return fail(f"cannot write --json {args.json}: {err}")
     return 0 if frames else 1
-

@@ -253,7 +253,10 @@ def collect(*, timings: dict, paths: dict, received: dict, sent: dict, odometry:
     e2e = [(f.received_s - f.sent_s) * 1e3 for f in frames if f.received_s is not None and f.sent_s is not None]
     data = PlotData(frames, caption=caption, random_init=random_init, end_to_end_ms=e2e,
                     unanswered=dict(unanswered or {}))
-    with_path = [i for i, f in enumerate(frames) if f.path is not None]
+    # a frame whose trajectory starts where the log says the car was (not one placed across a looped replay's jump)
+    placed = [i for i, f in enumerate(frames) if f.path is not None and f.logged is not None
+              and float(np.hypot(*(f.logged[0, 1:3] - f.path[0, 1:3]))) < 0.05]
+    with_path = placed or [i for i, f in enumerate(frames) if f.path is not None]
     with_image = [i for i in with_path if _nearest(camera_images, frames[i].stamp_ns, tolerance_ns) is not None]
     candidates = with_image or with_path
     if candidates:
@@ -362,8 +365,9 @@ def draw_camera(data: PlotData) -> Figure:
         uv, ahead = project_points(drive, cam.extrinsics.matrix, cam.k)
         seen = int((ahead & (uv[:, 0] >= 0) & (uv[:, 0] < w) & (uv[:, 1] >= 0) & (uv[:, 1] < h)).sum())
         moved = float(np.hypot(*(frame.logged[-1, 1:3] - frame.logged[0, 1:3])))
-        subtitle.append(f"logged drive (0.1 s apart to {frame.logged[-1, 0]:.1f} s, the bag's reach): {seen} of "
-                        f"{len(drive)} points in view; the car moved {moved:.1f} m")
+        logged_note = f"logged drive (to {frame.logged[-1, 0]:.1f} s, {moved:.1f} m): {seen} of {len(drive)} in view"
+    else:
+        logged_note = ""
     if cam.extrinsics is not None and frame.path is not None:
         points = np.column_stack([frame.path[:, 1:3], np.zeros(len(frame.path))])  # on the ground, z = 0
         segments = visible_segments(points, cam.extrinsics.matrix, cam.k)
@@ -380,7 +384,7 @@ def draw_camera(data: PlotData) -> Figure:
             counts.append(f"{behind} behind the camera, not drawn")
         if off:
             counts.append(f"{off} outside the image")
-        subtitle.append("; ".join(counts))
+        subtitle.append("; ".join(counts + ([logged_note] if logged_note else [])))
         if not inside.any():
             ax.text(w / 2, h * 0.25, "no trajectory point lies in front of the camera:\n"
                     f"all {len(points)} are within {np.abs(frame.path[:, 1:3]).max():.1f} m of base_link "

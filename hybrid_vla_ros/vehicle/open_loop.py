@@ -61,6 +61,10 @@ class LoggedPath:
     yaw: np.ndarray
     frame_id: str = "map"
     max_gap_s: float = MAX_GAP_S
+    #: How far (s) before the first sample and after the last the path reaches (:data:`END_TOLERANCE_S`; a
+    #: ground-truth trajectory, which already reaches past its log, takes 0 after).
+    reach_before_s: float = END_TOLERANCE_S
+    reach_after_s: float = END_TOLERANCE_S
 
     def __post_init__(self) -> None:
         n = np.shape(self.stamps_ns)[0] if np.ndim(self.stamps_ns) == 1 else -1
@@ -73,6 +77,9 @@ class LoggedPath:
             raise ValueError("the logged path's stamps must increase strictly")
         if not (math.isfinite(self.max_gap_s) and self.max_gap_s > 0):
             raise ValueError(f"max_gap_s must be finite and > 0, got {self.max_gap_s}")
+        if not all(math.isfinite(r) and r >= 0 for r in (self.reach_before_s, self.reach_after_s)):
+            raise ValueError(f"reach_before_s / reach_after_s must be finite and >= 0, got {self.reach_before_s}, "
+                             f"{self.reach_after_s}")
 
     @classmethod
     def from_odometry(cls, messages, max_gap_s: float = MAX_GAP_S) -> tuple[LoggedPath | None, list[str]]:
@@ -104,19 +111,20 @@ class LoggedPath:
 
     def shifted(self, offset_ns: int) -> LoggedPath:
         """The same path with every stamp moved by ``offset_ns`` (a replay's later loop)."""
-        return LoggedPath(self.stamps_ns + int(offset_ns), self.xy, self.yaw, self.frame_id, self.max_gap_s)
+        return LoggedPath(self.stamps_ns + int(offset_ns), self.xy, self.yaw, self.frame_id, self.max_gap_s,
+                          self.reach_before_s, self.reach_after_s)
 
     def poses_at(self, t_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Interpolated poses at stamps ``t_ns`` (M,) int64: ``(xy (M, 2), yaw (M,), covered (M,) bool)``. A stamp
-        up to :data:`END_TOLERANCE_S` outside the logged span takes the end segment's line; one further out, or
-        between two samples more than ``max_gap_s`` apart, is not covered (its pose is NaN)."""
+        up to ``reach_before_s`` / ``reach_after_s`` outside the logged span takes the end segment's line; one
+        further out, or between two samples more than ``max_gap_s`` apart, is not covered (its pose is NaN)."""
         t = np.asarray(t_ns, dtype=np.int64)
         s = self.stamps_ns
         hi = np.clip(np.searchsorted(s, t, side="left"), 1, len(s) - 1)
         lo = hi - 1
         gap = (s[hi] - s[lo]).astype(np.float64)
-        reach = int(END_TOLERANCE_S * 1e9)
-        covered = (t >= s[0] - reach) & (t <= s[-1] + reach) & (gap <= self.max_gap_s * 1e9)
+        before, after = int(self.reach_before_s * 1e9), int(self.reach_after_s * 1e9)
+        covered = (t >= s[0] - before) & (t <= s[-1] + after) & (gap <= self.max_gap_s * 1e9)
         w = np.where(covered, (t - s[lo]).astype(np.float64) / gap, np.nan)
         xy = self.xy[lo] + w[:, None] * (self.xy[hi] - self.xy[lo])
         yaw = wrap_angle(self.yaw[lo] + w * wrap_angle(self.yaw[hi] - self.yaw[lo]))
@@ -181,7 +189,8 @@ class HorizonErrors:
 @dataclass(frozen=True)
 class FrameErrors:
     """One trajectory's figures: ``stamp_ns``; ``horizons`` by :func:`horizon_name`; ``left_out`` by the same
-    names, why a horizon is absent (``"beyond the trajectory"``, ``"beyond the logged path"``); and the
+    names, why a horizon is absent (``"beyond the trajectory"``, ``"no point within 0.1 s below it"``, ``"beyond
+    the logged path"``); and the
     point-wise signed arrays over the covered points (``t_s``, ``error_m``, ``heading_error_rad``,
     ``lateral_m``, ``longitudinal_m``, each (C,) float64)."""
 
@@ -246,7 +255,8 @@ def frame_errors(plan: PlannedPath, path: LoggedPath, horizons_s=HORIZONS_S) -> 
         else:
             below = np.nonzero(plan.t_s <= h + 1e-9)[0]
             if below.size == 0 or h - plan.t_s[below[-1]] > HORIZON_TOLERANCE_S + 1e-9:
-                left_out[name] = "beyond the trajectory"
+                left_out[name] = ("beyond the trajectory" if plan.t_s[-1] < h - HORIZON_TOLERANCE_S
+                                  else "no point within 0.1 s below it")
                 continue
             k = int(below[-1])
         if not covered[: k + 1].all():
@@ -265,7 +275,8 @@ def frame_errors(plan: PlannedPath, path: LoggedPath, horizons_s=HORIZONS_S) -> 
 @dataclass(frozen=True)
 class HorizonSummary:
     """One horizon over a run: ``frames`` compared; ``mean``: each :class:`HorizonErrors` field's mean over them
-    (``points`` their sum), None when no frame reached it; ``left_out`` counts frames without it by reason."""
+    (so ``lateral_max_m`` is the mean of the frames' maxima; ``points`` their sum), None when no frame reached it;
+    ``left_out`` counts frames without it by reason."""
 
     frames: int
     mean: HorizonErrors | None
