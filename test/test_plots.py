@@ -216,13 +216,14 @@ def test_the_logged_drive_is_drawn_beside_the_trajectory():
                         odometry=[EgoState(x=100.0, y=50.0, z=0.0, yaw=yaw, speed=1.0, stamp_ns=7)],
                         bag_messages=[], tolerance_ns=1e6, extrinsics_yaml=None, logged={7: to_map(drive)})
     assert np.allclose(got.frames[0].path, plan) and np.allclose(got.frames[0].logged, drive)
-    # the pictures show a frame placed where the log says the car was: of three frames, the one whose logged drive
-    # starts 0.3 m off its trajectory's first point (a looped replay's jump) is not picked, though in the middle
+    # the pictures show a frame placed where the log says the car was, the one with the longest logged drive: of three
+    # frames, the one whose logged drive starts 0.3 m off its trajectory's first point (a looped replay's jump) is not
+    # picked, though its drive is as long, nor the first (its drive ends at 0.5 s)
     moved = drive + [0.0, 0.3, 0.0]
     odometry = [EgoState(x=100.0, y=50.0, z=0.0, yaw=yaw, speed=1.0, stamp_ns=s) for s in (7, 8, 9)]
     three = plots.collect(timings={}, paths={s: to_map(plan) for s in (7, 8, 9)}, received={}, sent={},
                           camera_images={}, odometry=odometry, bag_messages=[], tolerance_ns=1e6,
-                          extrinsics_yaml=None, logged={7: to_map(drive), 8: to_map(moved), 9: to_map(drive)})
+                          extrinsics_yaml=None, logged={7: to_map(drive[:2]), 8: to_map(moved), 9: to_map(drive)})
     assert three.highlight == 2
 
 

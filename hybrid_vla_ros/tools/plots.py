@@ -259,7 +259,9 @@ def collect(*, timings: dict, paths: dict, received: dict, sent: dict, odometry:
     with_path = placed or [i for i, f in enumerate(frames) if f.path is not None]
     with_image = [i for i in with_path if _nearest(camera_images, frames[i].stamp_ns, tolerance_ns) is not None]
     candidates = with_image or with_path
-    if candidates:
+    if candidates and placed:  # the longest logged drive shows most of the drive
+        data.highlight = max(candidates, key=lambda i: frames[i].logged[-1, 0])
+    elif candidates:
         data.highlight = candidates[len(candidates) // 2]
     if not with_image:
         data.camera_note = "no camera image of a frame with a trajectory"
