@@ -228,19 +228,23 @@ def test_the_logged_drive_is_drawn_beside_the_trajectory():
 
 
 def test_the_open_loop_picture_draws_each_horizon_only_where_a_frame_reaches_it():
-    """``open_loop.png`` from a report's ``open_loop`` section: ADE (top) and FDE (bottom) per frame against its stamp
+    """``open_loop.png`` from the replay's FrameErrors: ADE (top) and FDE (bottom) per frame against its stamp
     (s from the first frame); frame 2 does not reach 2 s, so the 2 s lines have 2 points, never a 0 for it; without
     odometry the picture says so."""
+    from hybrid_vla_ros.vehicle.open_loop import FrameErrors, HorizonErrors
+
     def fig(ade, fde):
-        return {"ade_m": ade, "fde_m": fde}
+        return HorizonErrors(ade, fde, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3)
+
+    def frame(stamp, horizons):
+        empty = np.zeros(0)
+        return FrameErrors(stamp, horizons, {}, empty, empty, empty, empty, empty)
 
     sec = 10**9
-    section = {"logged_path": {"what": "3 odometry samples over 2.0 s"},
-               "horizons": {"1s": {"frames": 3}, "2s": {"frames": 2}, "3s": {"frames": 0}},
-               "frames": [{"stamp_ns": 5 * sec, "horizons": {"1s": fig(0.5, 1.0), "2s": fig(1.0, 2.0)}},
-                          {"stamp_ns": 7 * sec, "horizons": {"1s": fig(0.2, 0.4)}},
-                          {"stamp_ns": 6 * sec, "horizons": {"1s": fig(0.3, 0.6), "2s": fig(0.6, 1.2)}}]}
-    top, bottom = plots.draw_open_loop(plots.PlotData([], open_loop=section)).axes
+    frames = [frame(5 * sec, {"1s": fig(0.5, 1.0), "2s": fig(1.0, 2.0)}), frame(7 * sec, {"1s": fig(0.2, 0.4)}),
+              frame(6 * sec, {"1s": fig(0.3, 0.6), "2s": fig(0.6, 1.2)})]
+    top, bottom = plots.draw_open_loop(plots.PlotData([], open_loop=frames,
+                                                      open_loop_source="3 odometry samples over 2.0 s")).axes
     lines = {line.get_label(): line for line in top.get_lines()}
     assert set(lines) == {"ADE at 1s (3 frames)", "ADE at 2s (2 frames)"}
     assert list(lines["ADE at 1s (3 frames)"].get_xdata()) == [0.0, 1.0, 2.0]
@@ -248,5 +252,5 @@ def test_the_open_loop_picture_draws_each_horizon_only_where_a_frame_reaches_it(
     assert list(lines["ADE at 2s (2 frames)"].get_ydata()) == [1.0, 0.6]
     assert [list(line.get_ydata()) for line in bottom.get_lines()] == [[1.0, 0.6, 0.4], [2.0, 1.2]]
     assert "1s: 3, 2s: 2, 3s: 0" in top.get_title()
-    empty = plots.draw_open_loop(plots.PlotData([], open_loop={"logged_path": None, "frames": []})).axes[0]
+    empty = plots.draw_open_loop(plots.PlotData([], open_loop=None)).axes[0]
     assert "no open-loop figures: the bag has no usable odometry" in [t.get_text() for t in empty.texts]

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..ros.graph import wait_for_reliable_subscriptions, wait_for_subscribers
 from .replay_report import drops_by_cause
+from .replay_recorder import PlayedOdometry
 
 ODOMETRY_TOPIC = "/localization/kinematic_state"
 TF_STATIC_TOPIC = "/tf_static"  # published before playback, transient local, for a model with the query heads
@@ -190,7 +191,7 @@ def play_loops(args, play, publishers, rec, deserialize_message, bar, frames, wa
                 except ValueError:
                     ego = None  # the suffix node drops it too (bad_odometry)
                 with rec.lock:
-                    rec.played_odometry.append((loop, m.t_ns + offset, msg))
+                    rec.played_odometry.append(PlayedOdometry(loop, m.t_ns + offset, msg))
                     if ego is not None:
                         rec.odometry.append(ego)
             with rec.lock:

@@ -207,8 +207,11 @@ class PlotData:
     end_to_end_ms: list[float] = field(default_factory=list)
     #: Frames the replay sent that got no trajectory: camera stamp (ns) -> CLOCK_MONOTONIC (s) of the send.
     unanswered: dict[int, float] = field(default_factory=dict)
-    #: The report's ``open_loop`` section (:func:`~hybrid_vla_ros.tools.evaluate.open_loop_report`), None: none.
-    open_loop: dict | None = None
+    #: The open-loop figures of each trajectory compared (:class:`~hybrid_vla_ros.vehicle.open_loop.FrameErrors`);
+    #: None: the bag has no usable logged drive.
+    open_loop: list | None = None
+    #: What the logged drive was, for the picture's title (e.g. "3 odometry samples over 2.001 s").
+    open_loop_source: str = ""
 
 
 def _nearest(keys, stamp: int, tolerance_ns: float):
@@ -717,17 +720,15 @@ def draw_open_loop(data: PlotData) -> Figure:
     reach is not drawn for it (the legend counts the frames that reach each), never drawn as 0."""
     fig = _figure("open_loop.png")
     top, bottom = fig.subplots(2, 1, sharex=True)
-    section = data.open_loop or {}
-    frames = sorted(section.get("frames", []), key=lambda f: f["stamp_ns"])
+    frames = sorted(data.open_loop or [], key=lambda f: f.stamp_ns)
     if not frames:
-        why = ("the bag has no usable odometry" if data.open_loop is not None and section.get("logged_path") is None
-               else "no trajectory was compared")
+        why = "the bag has no usable odometry" if data.open_loop is None else "no trajectory was compared"
         for ax in (top, bottom):
             ax.text(0.5, 0.5, f"no open-loop figures: {why}", ha="center", va="center", transform=ax.transAxes)
-    t0 = frames[0]["stamp_ns"] if frames else 0
+    t0 = frames[0].stamp_ns if frames else 0
     for ax, key, what in ((top, "ade_m", "ADE"), (bottom, "fde_m", "FDE")):
         for name, color in OPEN_LOOP_HORIZONS:
-            pts = [((f["stamp_ns"] - t0) / 1e9, f["horizons"][name][key]) for f in frames if name in f["horizons"]]
+            pts = [((f.stamp_ns - t0) / 1e9, getattr(f.horizons[name], key)) for f in frames if name in f.horizons]
             if pts:
                 t, v = zip(*pts)
                 ax.plot(t, v, color=color, marker="o", ms=5, lw=1.2, label=f"{what} at {name} ({len(pts)} frames)")
@@ -738,11 +739,9 @@ def draw_open_loop(data: PlotData) -> Figure:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=10, loc="upper right")
     bottom.set_xlabel("camera stamp (s from the first frame compared)")
-    lp = section.get("logged_path") or {}
-    reached = ", ".join(f"{name}: {section['horizons'][name]['frames']}" for name, _ in OPEN_LOOP_HORIZONS
-                        if name in section.get("horizons", {}))
+    reached = ", ".join(f"{name}: {sum(name in f.horizons for f in frames)}" for name, _ in OPEN_LOOP_HORIZONS)
     fig.suptitle(f"Open loop: the published trajectories against the drive the bag logged "
-                 f"({lp.get('what', 'none')})", fontsize=14)
+                 f"({data.open_loop_source or 'none'})", fontsize=14)
     top.set_title(f"{_model_note(data)}\nframes reaching each horizon: {reached or '-'} (autoware_planning_data_"
                   "analyzer's definitions; a horizon not covered is left out, not drawn as 0)", fontsize=10)
     return fig

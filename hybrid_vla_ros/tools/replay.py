@@ -342,6 +342,8 @@ class ReplaySession:
         self.baseline = Statuses()  # the nodes' /diagnostics statuses before playback
         #: by trajectory stamp, (Q, 3) rows of time from the stamp (s), map x, y (m): the drive the bag logged
         self.logged_drives: dict[int, np.ndarray] = {}
+        #: the open-loop figures of each trajectory compared (vehicle.open_loop.FrameErrors); None: no logged drive
+        self.open_loop_frames: list | None = None
 
     def write_params(self) -> Path:
         """Write ``params.yaml``, the params file both node processes read (also a record of what was run:
@@ -494,7 +496,8 @@ class ReplaySession:
             print(f"hint: {hint}", file=sys.stderr)
         plots_ok = (write_plots(self.rec, frames, self.messages, self.args.plots, self.args.sync_tolerance_ms,
                                 f"split layer {self.k} of {self.cfg.num_layers}", self.cfg.random_init,
-                                self.logged_drives, report["open_loop"])
+                                self.logged_drives, self.open_loop_frames,
+                                (report["open_loop"]["logged_path"] or {}).get("what", ""))
                     if self.args.plots else True)
         return 0 if report["trajectories_out"] > 0 and not self.interrupted and plots_ok else 1
 
@@ -617,8 +620,8 @@ class ReplaySession:
             return
         odom_conn = self.bag.add_topic(ODOMETRY_TOPIC, "nav_msgs/msg/Odometry")
         gt_conn = self.bag.add_topic(GROUND_TRUTH_TOPIC, "autoware_planning_msgs/msg/Trajectory")
-        for loop in sorted({n for n, _, _ in played}):
-            msgs = [(t_ns, msg) for n, t_ns, msg in played if n == loop]
+        for loop in sorted({p.loop for p in played}):
+            msgs = [(p.t_ns, p.msg) for p in played if p.loop == loop]
             path, _ = LoggedPath.from_odometry([msg for _, msg in msgs])
             for t_ns, msg in msgs:
                 self.bag.write(odom_conn, t_ns, serialize_message(msg))
@@ -641,6 +644,7 @@ class ReplaySession:
         # a frame's cameras may be stamped up to the sync tolerance before its first camera's image
         first = min(firsts, default=0) - int(self.args.sync_tolerance_ms * 1e6)
         frames, not_compared = replay_open_loop(planned, path, loop_ns, self.args.loops, first)
+        self.open_loop_frames = frames if path is not None else None
         if path is not None:  # the pictures draw each frame's logged drive beside its trajectory
             for stamp, plan in planned.items():
                 drive = loop_path(path, stamp, loop_ns, self.args.loops, first)
@@ -674,11 +678,12 @@ def _raise_keyboard_interrupt(signum, frame):
 
 def write_plots(rec: Recorder, frames: dict[int, float], messages: list[BagMessage], plots_dir: str,
                 tolerance_ms: float, caption: str, random_init: bool, logged: dict | None = None,
-                open_loop: dict | None = None) -> bool:
+                open_loop: list | None = None, open_loop_source: str = "") -> bool:
     """Draw what a replay recorded (``rec``; ``frames``: played frame stamp -> wall time its last image went out)
     into ``plots_dir`` (:mod:`~hybrid_vla_ros.tools.plots`; ``messages``: the whole bag, for CameraInfo and
     /tf_static; ``logged``: by trajectory stamp, the drive logged after it, drawn beside it; ``open_loop``: the
-    report's section, drawn against time) and print their paths. False (and a message) when that fails."""
+    FrameErrors of the trajectories compared (None: no logged drive) and ``open_loop_source`` what that drive was,
+    drawn against time) and print their paths. False (and a message) when that fails."""
     from . import plots
 
     with rec.lock:
@@ -698,7 +703,7 @@ def write_plots(rec: Recorder, frames: dict[int, float], messages: list[BagMessa
             camera_images=camera_images, bag_messages=messages, tolerance_ns=tolerance_ns,
             extrinsics_yaml=config_file(plots.DEFAULT_EXTRINSICS), caption=caption, random_init=random_init,
             unanswered=unanswered, logged=logged)
-        data.open_loop = open_loop
+        data.open_loop, data.open_loop_source = open_loop, open_loop_source
         written = plots.write_all(data, plots_dir)
     except Exception as e:  # noqa: BLE001 - the report is out already; say what went wrong and fail
         print(f"hybrid-vla replay: cannot write the plots into {plots_dir}: {type(e).__name__}: {e}",

@@ -30,6 +30,16 @@ class Statuses:
         return self.prefix if node_name.rsplit("/", 1)[-1] == "prefix_node" else self.suffix
 
 
+@dataclass(frozen=True)
+class PlayedOdometry:
+    """One odometry message as the replay played it: ``loop`` (0-based), ``t_ns`` its receive time in the bag with
+    the loop's offset (ns), ``msg`` the ``nav_msgs/msg/Odometry`` with its header stamp shifted as played."""
+
+    loop: int
+    t_ns: int
+    msg: object
+
+
 @dataclass
 class Recorder:
     """What the replay node received, by camera stamp (ns)."""
@@ -40,7 +50,7 @@ class Recorder:
     diagnostics_at: dict[str, float] = field(default_factory=dict)  # status name -> monotonic receive time (s)
     paths: dict[int, np.ndarray] = field(default_factory=dict)  # stamp -> (P, 3) time_from_start s, map x, y (m)
     odometry: list = field(default_factory=list)  # EgoState of each odometry message played (stamps as played)
-    played_odometry: list = field(default_factory=list)  # (loop, receive time ns, Odometry) as played, loop offset in
+    played_odometry: list[PlayedOdometry] = field(default_factory=list)  # the odometry messages as played
     first_camera: dict[int, BagMessage] = field(default_factory=dict)  # played stamp -> first camera's image
     reasoning: dict[int, str] = field(default_factory=dict)  # stamp -> the decoded text (a decoding model)
     planned: dict[int, PlannedPath] = field(default_factory=dict)  # stamp -> the trajectory, for the open-loop figures
