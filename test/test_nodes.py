@@ -564,6 +564,7 @@ def test_a_dtype_the_suffix_cannot_take_is_reported_at_attach_not_per_frame(node
     name = f"{ns}/suffix_node: pipeline"
     _set_param(graph, f"{ns}/suffix_node", "split_layer", 1)
     _set_param(graph, f"{ns}/suffix_node", "dtype", "fp16")
+    _set_param(graph, f"{ns}/suffix_node", "inference_precision", "dtype")  # never widened to fp32 here
     for client in (prefix, suffix):
         assert client.change_state("configure", 60)[0] and client.change_state("activate", 10)[0]
     publish = _frame_publisher(graph, ns, embedded_bag)
@@ -590,6 +591,9 @@ def test_a_dtype_the_suffix_cannot_take_is_reported_at_attach_not_per_frame(node
     _set_param(graph, f"{ns}/suffix_node", "dtype", "bf16")
     assert suffix.change_state("configure", 60)[0] and suffix.change_state("activate", 10)[0]
     assert graph.wait(lambda: graph.diag.get(name, {}).get("ring_conversion") == "rounds")
+    with graph.lock:
+        assert graph.diag[name]["suffix_inference_precision"] == "bf16", graph.diag[name]
+        assert "inference_precision 'dtype'" in graph.diag[name]["suffix_inference_precision_reason"]
     publish(2)
     assert graph.wait(lambda: len(graph.trajectories) >= 1), (logs / "suffix.log").read_text()
     with graph.lock:

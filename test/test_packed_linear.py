@@ -80,7 +80,8 @@ def test_a_moe_suffix_packs_its_experts_and_those_a_re_split_loads(tmp_path):
     llm = write_generic_lm(tmp_path / "qwen3_moe", "qwen3_moe")
     assert cli(["init-model", "--preset", "tiny", "--llm", str(llm), str(composed)]) == 0
     ck = open_checkpoint(composed)
-    runner = SuffixRunner(str(composed), SuffixRunnerSettings(2, namespace="/pe", dtype="bf16"))
+    runner = SuffixRunner(str(composed), SuffixRunnerSettings(2, namespace="/pe", dtype="bf16",
+                                                                   inference_precision="dtype"))
     try:
         stage = runner.stage
         assert "the experts of 1 MoE block(s)" in runner.linear_packing, runner.linear_packing
@@ -170,7 +171,7 @@ def test_the_runner_says_how_its_bf16_linears_compute(tiny_checkpoint):
         finally:
             runner.close()
 
-    said, n = packing(dtype="bf16")
+    said, n = packing(dtype="bf16", inference_precision="dtype")  # bf16 on every CPU, emulated or not
     if SUPPORTED:
         assert said.startswith("packed ") and n > 0, said
     else:

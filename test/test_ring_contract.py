@@ -148,7 +148,8 @@ def test_a_suffix_of_a_refused_dtype_reports_it_at_attach_not_per_frame(tiny_che
     proc.start()
     try:
         assert published.wait(WAIT_S)
-        bad = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, dtype="fp16", namespace=ns))
+        bad = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, dtype="fp16", namespace=ns,
+                                                                     inference_precision="dtype"))
         try:
             for _ in range(3):
                 assert bad.poll(0.05) is None and not bad.attached
@@ -157,7 +158,8 @@ def test_a_suffix_of_a_refused_dtype_reports_it_at_attach_not_per_frame(tiny_che
         finally:
             bad.close()
         good = SuffixRunner(str(tiny_checkpoint),
-                            SuffixRunnerSettings(2, dtype="bf16", namespace=ns, delivery="fifo"))
+                            SuffixRunnerSettings(2, dtype="bf16", namespace=ns, delivery="fifo",
+                                                 inference_precision="dtype"))
         try:
             for seq in (1, 2):  # both frames are still there (stale for a suffix that attaches after them)
                 with pytest.raises(StaleFrame, match=f"frame seq {seq} "):
@@ -190,7 +192,8 @@ def test_drift_of_every_allowed_pair_is_within_1cm_at_3s(tiny_checkpoint, frames
             try:
                 for s in [s for pp, s in ALLOWED if pp == p]:
                     suffix = SuffixRunner(str(tiny_checkpoint),
-                                          SuffixRunnerSettings(k, dtype=s, namespace=ns, delivery="fifo"))
+                                          SuffixRunnerSettings(k, dtype=s, namespace=ns, delivery="fifo",
+                                                                               inference_precision="dtype"))
                     try:
                         suffix.poll(0)  # attach first: frames published before it are stale
                         out = []

@@ -49,6 +49,8 @@ SUFFIX = SuffixStatus(**COMMON, frames_in=9, trajectories_out=8, frames_too_old_
                       suffix_backend_cache_dir="/var/cache/hv",
                       suffix_backend_frames_compiled=6, suffix_backend_frames_eager=3,
                       suffix_linear_packing="packed 14 linear layers of blocks [K, L) (oneDNN, once)",
+                      suffix_inference_precision="fp32",
+                      suffix_inference_precision_reason="bf16 asked: computed in fp32, as this CPU (AVX2) has none",
                       decode_step="inductor", suffix_decode_step="building at K=5 (eager meanwhile)",
                       suffix_decode_step_k=4, suffix_decode_step_building=5,
                       suffix_decode_step_error="its build failed")

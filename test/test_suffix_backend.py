@@ -402,6 +402,8 @@ def test_compile_suffix_builds_the_artifacts_a_node_then_finds_in_its_cache(tiny
     """``hybrid-vla compile-suffix`` builds a K range into the cache; a node's backend (a stage loaded at its own K,
     holding the blocks of every K above) then finds each of them there instead of converting."""
     _require_openvino()
+    from hybrid_vla_ros.runtime.settings import SuffixRunnerSettings
+    from hybrid_vla_ros.runtime.suffix import SuffixRunner
     from hybrid_vla_ros.tools.cli import main
 
     assert main(["compile-suffix", "--model", str(tiny_checkpoint), "--split-layers", "1-2",
@@ -412,6 +414,16 @@ def test_compile_suffix_builds_the_artifacts_a_node_then_finds_in_its_cache(tiny
         b.prepare(stage, k)
         assert b.compiled_k == k and b.builds[-1].cache_hit, b.status()
     b.close()
+    # a bf16 node finds what compile-suffix --dtype bf16 built, on any CPU (fp32 where it has no bf16 units)
+    assert main(["compile-suffix", "--model", str(tiny_checkpoint), "--split-layers", "2", "--dtype", "bf16",
+                 "--cache-dir", str(tmp_path / "bf16")]) == 0
+    runner = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, dtype="bf16", backend="openvino",
+                                                                     backend_cache_dir=str(tmp_path / "bf16"),
+                                                                     background_build=False, namespace="/csb"))
+    try:
+        assert runner.backend.builds[-1].cache_hit, (runner.precision, runner.backend.status())
+    finally:
+        runner.close()
     assert main(["compile-suffix", "--model", str(tiny_checkpoint), "--split-layers", "3-4",
                  "--cache-dir", str(tmp_path)]) == 1  # K = L = 4: no blocks to compile, refused before building
     assert not list((tmp_path).glob("*/openvino-k3-*"))

@@ -61,6 +61,7 @@ class SuffixNode(node_base.PipelineNode):
         candidates = self._outputs.candidates_pub
         self.get_logger().info(
             f"configured: split_layer={p.split_layer}/{self.runner.cfg.num_layers} dtype={p.dtype} "
+            f"(inference precision {self.runner.precision.name}: {self.runner.precision.reason}) "
             f"threads={torch.get_num_threads()} cores={cores} (pinned early: {self.early_affinity or 'no'}) "
             f"ring '{self.runner.segment}' (delivery {p.ring.delivery}, spin {spin}) "
             f"navigation_command={p.navigation_command} "
@@ -85,6 +86,8 @@ class SuffixNode(node_base.PipelineNode):
                 f"oracle_bag is set: the trajectories are the drive logged in {p.oracle_bag} "
                 f"({len(oracle.stamps_ns)} odometry samples), not the model's plan (a check of the open-loop "
                 "figures, never for driving)")
+        if self.runner.precision.emulated:
+            self.get_logger().warning(self.runner.precision.reason)
         if not self._outputs.guard.check_age:
             self.get_logger().warning("guard.check_age is false: trajectories are published however old their "
                                       "camera stamp is (for replays of recorded bags, not for a vehicle)")
@@ -176,6 +179,8 @@ class SuffixNode(node_base.PipelineNode):
                 "suffix_backend_cache_dir": st.cache_dir if st.requested != "eager" else "",
                 "suffix_backend_frames_compiled": st.frames_compiled,
                 "suffix_backend_frames_eager": st.frames_eager, "suffix_linear_packing": self.runner.linear_packing,
+                "suffix_inference_precision": self.runner.precision.name,
+                "suffix_inference_precision_reason": self.runner.precision.reason,
                 **self._decode_step_fields()}
 
     def _decode_step_fields(self) -> dict:

@@ -14,8 +14,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from ..runtime.settings import (Backend, DecodeStep, Delivery, Dtype, PrefixRunnerSettings, SplitPolicySettings,
-                                SuffixRunnerSettings)
+from ..runtime.settings import (Backend, DecodeStep, Delivery, Dtype, PrecisionMode, PrefixRunnerSettings,
+                                SplitPolicySettings, SuffixRunnerSettings)
 from ..vehicle.guard import GuardLimits
 
 #: ``split_layer`` as a parameter: a K in [0, L], ``"auto"``, or -1 (the schema's placeholder for "unset", which
@@ -204,8 +204,10 @@ class SuffixNodeSettings(NodeSettings):
     cpu_affinity: tuple[int, ...] = ()
     #: Torch intra-op threads; 0: one per pinned core, or torch's default when not pinned.
     threads: int = 0
-    #: Weights and compute dtype: ``fp32``, ``bf16``, ``fp16``.
+    #: Weights dtype: ``fp32``, ``bf16``, ``fp16``.
     dtype: Dtype = "fp32"
+    #: ``auto``: a bf16 / fp16 ``dtype`` is computed in fp32 on a CPU without native units for it; ``dtype``: never.
+    inference_precision: PrecisionMode = "auto"
     #: How blocks [K, L) are computed: ``eager`` or ``openvino``.
     suffix_backend: Backend = "eager"
     #: A decoding model's one-row decode step: ``eager`` or ``inductor`` (compiled in the background).
@@ -243,7 +245,7 @@ class SuffixNodeSettings(NodeSettings):
         """
         k = num_layers if self.split_layer == "auto" else self.split_layer
         return SuffixRunnerSettings(
-            split_layer=k, dtype=self.dtype, ring_name=self.ring_name,
+            split_layer=k, dtype=self.dtype, inference_precision=self.inference_precision, ring_name=self.ring_name,
             threads=self.threads or len(self.cpu_affinity), delivery=self.ring.delivery,
             spin_lead_ms=self.ring.spin_lead_ms, spin_max_ms=self.ring.spin_max_ms, backend=self.suffix_backend,
             decode_step=self.decode_step, backend_cache_dir=self.backend_cache_dir, namespace=namespace,

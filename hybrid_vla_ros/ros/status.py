@@ -313,6 +313,9 @@ class SuffixStatus(NodeStatus):
     suffix_backend: str = _field(_STR, "", doc="the suffix_backend parameter")
     suffix_backend_in_use: str = _field(_STR, "", doc="the backend computing frames now")
     suffix_linear_packing: str = _field(_STR, "", doc="bf16 linear layers packed for oneDNN once, or why not")
+    suffix_inference_precision: str = _field(_STR, "", doc="the dtype the blocks compute in (fp32 for a bf16 / fp16 "
+                                                           "dtype on a CPU without native units for it)")
+    suffix_inference_precision_reason: str = _field(_STR, "", doc="why that dtype (inference_precision)")
     decode_step: str = _field(_STR, "", doc="the decode_step parameter")
     suffix_decode_step: str = _field(_STR, "", doc="a decoding model's token step in one line: eager, inductor at K, "
                                                    "building, or why not compiled")

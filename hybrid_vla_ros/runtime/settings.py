@@ -19,6 +19,8 @@ Delivery = Literal["newest", "fifo"]
 Backend = Literal["eager", "openvino"]
 #: How a decoding suffix computes a one-row decode step (``runtime.compiled_step``).
 DecodeStep = Literal["eager", "inductor"]
+#: How a CPU stage chooses the dtype it computes in (:mod:`hybrid_vla_ros.util.precision`).
+PrecisionMode = Literal["auto", "dtype"]
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,12 @@ class SuffixRunnerSettings:
     #: K the suffix prepares for: it loads decoder blocks [K, L) (L: none, for a node's ``split_layer: auto``,
     #: which follows the prefix). Every frame is computed at the K in its slot header.
     split_layer: int
-    #: Compute dtype (``fp32``, ``bf16`` or ``fp16``); the ring's hidden states are converted to it when they differ.
+    #: Weights dtype (``fp32``, ``bf16`` or ``fp16``); the ring's hidden states are converted to the dtype computed
+    #: in when they differ.
     dtype: Dtype = "fp32"
+    #: ``auto``: compute a bf16 / fp16 ``dtype`` in fp32 on a CPU without native units for it; ``dtype``: always in
+    #: ``dtype`` (:func:`hybrid_vla_ros.util.precision.inference_precision`).
+    inference_precision: PrecisionMode = "auto"
     #: Ring name to attach to, as the prefix's.
     ring_name: str = "prefix_states"
     #: Torch intra-op threads; 0 leaves torch's setting alone (the node passes one per pinned core for 0).
@@ -132,7 +138,8 @@ class SuffixRunnerSettings:
 
     #: Runner field -> the suffix node parameter it comes from.
     PARAMETER_OF: ClassVar[dict[str, str]] = {
-        "split_layer": "split_layer", "dtype": "dtype", "ring_name": "ring_name", "threads": "threads",
+        "split_layer": "split_layer", "dtype": "dtype", "inference_precision": "inference_precision",
+        "ring_name": "ring_name", "threads": "threads",
         "delivery": "ring.delivery", "spin_lead_ms": "ring.spin_lead_ms", "spin_max_ms": "ring.spin_max_ms",
         "backend": "suffix_backend", "backend_cache_dir": "backend_cache_dir", "decode_step": "decode_step",
         "frame_age_limit_s": "guard.max_age_s"}

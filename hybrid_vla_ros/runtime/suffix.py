@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import load_stage, model_id, open_checkpoint, parse_dtype
+from ..util.precision import CpuFeatures, inference_precision
 from ..model.decode import SideCache, SuffixDecoding, conversation_ids, split_at
 from ..model.decode_spec import DRIVES_CODEBOOK, DRIVES_TEXT, UnparseableWaypoints
 from ..split.planner import ring_side
@@ -112,18 +113,26 @@ class SuffixResult:
         return self.meta.timings.prefix_start_ns
 
 
+#: The suffix announces the median compute time of its last this many frames at a K (for rebalancing): one outlier
+#: does not move it, and a load step shows after 2 loaded frames (5 frames took 3: the balancer then moved K about
+#: 7 frames after a co-tenant arrived, half of a 16-frame step in the bench's load-step part, 2026-12-07).
+ANNOUNCED_FRAMES = 3
+
+
 class SuffixRunner:
     """Suffix stage plus ring consumer (CPU), built from a checkpoint directory and
     :class:`~.settings.SuffixRunnerSettings`; ``log(level, message)`` gets backend fallbacks.
 
-    Each frame is computed on a view of the slot in this suffix's dtype (zero-copy when the dtypes match) at the
+    The blocks compute in :attr:`precision`'s dtype: the configured ``dtype``, or fp32 for a bf16 / fp16 ``dtype``
+    on a CPU without native units for it (``inference_precision: auto``; ``cpu`` overrides the host's features).
+    Each frame is computed on a view of the slot in that dtype (zero-copy when the dtypes match) at the
     K in its slot header, so the suffix follows a live re-split. Frames arrive in sequence order: once a frame at
     a higher K is computed, the blocks below it are freed (unless :meth:`request_split_layer` keeps them); a frame
     below the first block held loads the missing blocks first, so K never mismatches. The backend
     (:mod:`hybrid_vla_ros.runtime.suffix_backend`) is compiled per K in the background, eager meanwhile.
     """
 
-    def __init__(self, model_path: str, settings: SuffixRunnerSettings, *, log=None):
+    def __init__(self, model_path: str, settings: SuffixRunnerSettings, *, log=None, cpu: CpuFeatures | None = None):
         #: What this runner was built with (:class:`~.settings.SuffixRunnerSettings`).
         self.settings = settings
         if settings.decode_step not in DECODE_STEPS:
@@ -132,7 +141,10 @@ class SuffixRunner:
         spin_lead_ms, spin_max_ms = settings.spin_lead_ms, settings.spin_max_ms
         if settings.threads > 0:
             torch.set_num_threads(settings.threads)
-        self.dtype = parse_dtype(settings.dtype)
+        #: The dtype computed in and why (:class:`~hybrid_vla_ros.util.precision.InferencePrecision`): ``dtype``, or
+        #: fp32 for a bf16 / fp16 ``dtype`` on a CPU (``cpu``: read from /proc/cpuinfo when None) without native units.
+        self.precision = inference_precision(parse_dtype(settings.dtype), settings.inference_precision, cpu)
+        self.dtype = self.precision.dtype
         self.model_path = str(model_path)
         self.stage = load_stage(model_path, "suffix", split_layer, device="cpu", dtype=self.dtype)
         self.cfg = self.stage.cfg
@@ -203,8 +215,8 @@ class SuffixRunner:
         self._busy_ns: deque = deque(maxlen=5)
         self._busy_k = -1
         #: Compute times (ns) of the last frames at ``_stage_k`` (blocks [K, L) and the read-out), announced to the
-        #: prefix with their K.
-        self._stage_ns: deque = deque(maxlen=5)
+        #: prefix with their K (the median of :data:`ANNOUNCED_FRAMES`).
+        self._stage_ns: deque = deque(maxlen=ANNOUNCED_FRAMES)
         self._stage_k = -1
         self._t_taken_ns = 0
         self._taken_k = -1

@@ -24,6 +24,8 @@ Profile file (JSON, :data:`PROFILE_SCHEMA`, checked by :func:`load_profile`)::
                          "cameras": int; "source": str} (absent when the embedded bag was not found)
     DEVICE = {
       "kind": "cpu" | "cuda", "name": "cpu" | "cuda:0", "description": CPU model or GPU name,
+      "dtype": what this device computed in (the top-level dtype, or fp32 on a CPU without native units for it:
+               the suffix node's ``inference_precision: auto``; absent in profiles written before it),
       "cores": [int] (CPU cores the process was pinned to), "threads": int (torch intra-op threads),
       "total_memory_bytes": int (CUDA only),
       "parts_ms": {"vision_embeddings", "vision_post", "projector_embed", "rotary", "head": ms},
@@ -55,6 +57,7 @@ import torch
 from torch import nn
 
 from ..model.checkpoint import Checkpoint, open_checkpoint, parse_dtype
+from ..util.precision import inference_precision
 from ..model.config import VLAConfig, preset
 from ..model.kinds import profiled_shape, split_model
 from ..model.timing_parts import FixedVision, VisionParts, free_, random_init_
@@ -79,6 +82,7 @@ _DEVICE = {
     "properties": {
         "kind": {"enum": ["cpu", "cuda"]},
         "name": {"type": "string"},
+        "dtype": {"enum": ["fp32", "fp16", "bf16"]},
         "description": {"type": "string"},
         "cores": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "threads": {"type": "integer", "minimum": 1},
@@ -563,7 +567,8 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
                   repeats: int = 5, warmup: int = 1, vision_blocks: str = "all", llm_blocks: str = "all",
                   seed: int = 0, log=None, tokens: int = 512, cameras: int | None = None,
                   trust_model_code: bool | None = None, prompt: str | None = None,
-                  camera_size: tuple[int, int] | None = None, decode: bool = False, **overrides) -> dict:
+                  camera_size: tuple[int, int] | None = None, decode: bool = False, cpu_precision: str = "auto",
+                  **overrides) -> dict:
     """Measure a profile (the file format of the module docstring) and return it as a dict.
 
     Exactly one of ``preset_name`` (``overrides`` as :func:`hybrid_vla_ros.model.config.preset`) and
@@ -572,7 +577,9 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
     there). ``"1"`` for ``vision_blocks`` times one block per kind (EVA-02: one window, one global block).
     ``tokens`` / ``cameras`` / ``prompt`` / ``camera_size`` / ``trust_model_code``: as
     :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`. ``decode``: also time one decode step per block (and
-    the LM head) against a KV cache of the frame's tokens. Raises ValueError for bad arguments (including
+    the LM head) against a KV cache of the frame's tokens. ``cpu_precision``: the CPU is timed in the dtype a suffix
+    node with this ``inference_precision`` computes in (:func:`~hybrid_vla_ros.util.precision.inference_precision`:
+    fp32 for bf16 / fp16 on a CPU without native units, with ``auto``). Raises ValueError for bad arguments (including
     cores this process may not use), RuntimeError when CUDA is requested but unavailable.
     """
     if (preset_name is None) == (model_path is None):
@@ -586,6 +593,7 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
     if device not in ("cpu", "cuda", "auto"):
         raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
     tdtype = parse_dtype(dtype)
+    cpu_dtype = inference_precision(tdtype, cpu_precision).dtype
     ck = None
     if model_path is not None:
         model_path = Path(model_path)
@@ -608,11 +616,14 @@ def profile_model(*, preset_name: str | None = None, model_path: str | Path | No
         if threads is not None:
             torch.set_num_threads(threads)
         def run(dev: torch.device) -> dict:
+            ddtype = cpu_dtype if dev.type == "cpu" else tdtype
             if detailed:
-                return _profile_device(cfg, dev, tdtype, model_path=ck, warmup=warmup, repeats=repeats,
-                                       vision_blocks=vision_blocks, llm_blocks=llm_blocks, log=log, decode=decode)
-            return _profile_device_generic(ck, dev, tdtype, warmup=warmup, repeats=repeats, llm_blocks=llm_blocks,
-                                           log=log, decode=decode)
+                doc = _profile_device(cfg, dev, ddtype, model_path=ck, warmup=warmup, repeats=repeats,
+                                      vision_blocks=vision_blocks, llm_blocks=llm_blocks, log=log, decode=decode)
+            else:
+                doc = _profile_device_generic(ck, dev, ddtype, warmup=warmup, repeats=repeats, llm_blocks=llm_blocks,
+                                              log=log, decode=decode)
+            return {**doc, "dtype": DTYPE_NAMES[ddtype]}
 
         use_cuda = device in ("cuda", "auto") and cuda_ok
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if use_cuda else []):

@@ -18,8 +18,14 @@ The balancer moves K towards the best K' the GPU budget allows, with hysteresis:
 * the best K must beat the current one by ``min_gain_rel`` and ``min_gain_ms`` on ``confirm`` frames in a row; K then
   moves straight to it (``max_step`` 0) or by at most ``max_step`` blocks. Moving one block at a time would cost
   about 5 frames per block in a load step (docs/performance.md, "Load step");
-* the first judgement after a move compares *measured* latencies: if slower by the same margin, K goes straight back
-  and no latency move that way is made for ``hold`` judged frames (doubling per further such move, up to 32 x);
+* the first judgement after a move checks it against what was measured: K goes straight back (or past the K left, to
+  the best K under the load measured at the new K), and no latency move that way is made for ``hold`` judged frames
+  (doubling per further such move, up to 32 x; ended early when the load factor of the side such a move takes
+  blocks from rises by :data:`HOLD_RELEASE`), when the latency is
+  slower than before the move by the same margin *and* the side that took the blocks measured slower than predicted
+  for it by more than the gain the move was predicted to bring (:class:`MoveCheck`). A load that changed on the
+  other side at the same time (a co-tenant arriving as K moves away from it, or the memory bus it shares) is not
+  the move's fault: comparing latencies alone sent such a move back to the K the load had just made slow;
 * a move back towards the K the last move left needs that K itself predicted faster by the margin (no ping-pong);
 * a side whose planned time at the current K is under :data:`TRUST_SHARE` of the stage sum keeps its last trusted
   load factor.
@@ -37,6 +43,11 @@ from .planner import AutoResplitPolicy, Plan
 
 #: Minimum share of the stage sum a side's planned time at the current K needs for its load factor to be trusted.
 TRUST_SHARE = 0.1
+#: A hold on moves one way (after such a move measured slower) ends early when the load factor of the side those
+#: moves take blocks from rises this much over its value when the hold began: a co-tenant arrived there, which the
+#: failed move was not judged under (the bench's load step on an AVX2 host, 2026-12-07: a quiet move up measured
+#: slower, and the hold then kept K down through a co-tenant on the suffix's core).
+HOLD_RELEASE = 1.3
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,21 @@ class Move:
     k: int | None
     reason: str
     kind: str = "latency"
+
+
+@dataclass(frozen=True)
+class MoveCheck:
+    """What a latency move expected, judged on the first frames measured after it.
+
+    ``k_left`` / ``latency_ms``: the K left and the latency measured there; ``side``: ``"prefix"`` (K moved up: the
+    prefix took blocks) or ``"suffix"``; ``side_ms``: that side's time predicted at the new K (ms, the load factor of
+    the move's judgement); ``gain_ms``: the latency the move was predicted to save (ms)."""
+
+    k_left: int
+    latency_ms: float
+    side: str
+    side_ms: float
+    gain_ms: float
 
 
 @dataclass(frozen=True)
@@ -93,10 +119,12 @@ class LatencyBalancer:
     _came_from: int | None = field(default=None, repr=False)  # the K the last move left
     _vote_k: int | None = field(default=None, repr=False)
     _settling: int = field(default=0, repr=False)
-    _check: tuple[int, float] | None = field(default=None, repr=False)  # (K left, latency measured there)
+    _check: MoveCheck | None = field(default=None, repr=False)  # the last latency move, judged once
     _holds: dict[int, int] = field(default_factory=lambda: {1: 0, -1: 0}, repr=False)  # judged frames left, per way
     _a: tuple[float, float] = field(default=(1.0, 1.0), repr=False)  # the last trusted load factors (a_p, a_s)
     _hold_next: int = field(default=-1, repr=False)  # the hold after the next slower move (doubles, see observe)
+    #: per way, the load factor of the side that would give blocks that way (up: the suffix's) when the hold began
+    _hold_load: dict[int, float] = field(default_factory=lambda: {1: 0.0, -1: 0.0}, repr=False)
 
     @classmethod
     def from_plan(cls, plan: Plan, **kwargs) -> "LatencyBalancer":
@@ -145,6 +173,20 @@ class LatencyBalancer:
         wait = cycle_p / 2 if not self.paced and s + overhead_ms > cycle_p else 0.0
         return age + p + h + s + overhead_ms + wait
 
+    def _back_from(self, k_left: int, way: int, predicted: list[float], k_max: int) -> int:
+        """Where a move that measured slower goes: ``k_left``, or past it (away from the K it moved to, ``way`` +1:
+        it had moved up) to the K predicted fastest under the load factors measured at the K it moved to, when that
+        beats ``k_left`` by the move margin. A co-tenant that made the moved-to side slow is measured there, so the
+        best K under it is known at once (going back to ``k_left`` first cost the settle, window and confirm frames
+        of one more move, 6 frames of a 16-frame step in the bench). ``max_step`` > 0, or a hold on moves that way
+        (an earlier move that way measured slower): ``k_left``."""
+        if self.max_step or self._holds[-way] > 0:
+            return k_left
+        side = range(0, k_left + 1) if way > 0 else range(k_left, min(k_max, self.num_layers) + 1)
+        best = min(side, key=predicted.__getitem__)
+        margin = max(self.min_gain_rel * predicted[k_left], self.min_gain_ms)
+        return best if predicted[best] < predicted[k_left] - margin else k_left
+
     def observe(self, sample: StageSample, current_k: int, k_max: int) -> Move:
         """Take one frame's sample; the :class:`Move` it leads to, within ``k_max`` (the highest K allowed now).
 
@@ -182,20 +224,35 @@ class LatencyBalancer:
         where = (f"prefix {p:.0f} ms (x{a_p:.2f} of the plan), suffix {s:.0f} ms (x{a_s:.2f}), predicted "
                  f"{now:.0f} ms at K={current_k}")
         if self._check is not None:  # the first judgement after a latency move: did it pay, as measured?
-            k_left, before = self._check
+            check = self._check
+            k_left, before = check.k_left, check.latency_ms
             self._check = None
-            if k_left <= k_max and now > before + max(self.min_gain_rel * before, self.min_gain_ms):
+            side_error = (p if check.side == "prefix" else s) - check.side_ms
+            if k_left <= k_max and now > before + max(self.min_gain_rel * before, self.min_gain_ms) \
+                    and side_error > check.gain_ms:
                 self.moved()
                 way = 1 if current_k > k_left else -1
                 self._came_from, self._holds[way] = current_k, self._hold_next
+                self._hold_load[way] = a_s if way > 0 else a_p
                 self._hold_next = min(2 * self._hold_next, 32 * self.hold)  # the model stays wrong: try less often
-                return Move(k_left, f"{where}; measured slower than the {before:.0f} ms at K={k_left} before the "
-                                    f"move: back to K={k_left}, no latency move {'up' if way > 0 else 'down'} for "
-                                    f"{self._holds[way]} frames")
+                back = self._back_from(k_left, way, predicted, k_max)
+                past = (f" and on to K={back}, predicted {predicted[back]:.0f} ms under the load measured now "
+                        f"(K={k_left}: {predicted[k_left]:.0f} ms)" if back != k_left else "")
+                return Move(back, f"{where}; measured slower than the {before:.0f} ms at K={k_left} before the "
+                                  f"move, the {check.side} {side_error:.0f} ms over its prediction (the move was "
+                                  f"to save {check.gain_ms:.0f} ms): back to K={k_left}{past}, no latency move "
+                                  f"{'up' if way > 0 else 'down'} for {self._holds[way]} frames")
             if k_left <= k_max:
                 self._hold_next = self.hold  # it paid (a K left above the budget now is not judged)
+        released = ""
         for way in self._holds:
             self._holds[way] = max(0, self._holds[way] - 1)
+            giver = a_s if way > 0 else a_p  # the side a move that way takes blocks from
+            if self._holds[way] and giver > HOLD_RELEASE * self._hold_load[way]:  # a new load: the hold is stale
+                self._holds[way] = 0
+                released = (f"; the {'suffix' if way > 0 else 'prefix'} load rose x{giver / self._hold_load[way]:.2f}"
+                            f" since a move {'up' if way > 0 else 'down'} measured slower: that hold ended")
+        where += released
         gain = now - predicted[best]
         if best == current_k or gain <= 0 or gain < max(self.min_gain_rel * now, self.min_gain_ms):
             self._votes, self._vote_k = 0, None
@@ -222,7 +279,11 @@ class LatencyBalancer:
         if self._votes < self.confirm:
             return Move(None, f"{where}; {goal} ({self._votes}/{self.confirm})")
         self.moved()
-        self._came_from, self._check = current_k, (current_k, now)
+        side = "prefix" if k_new > current_k else "suffix"
+        row_new = self.times[k_new]
+        self._came_from = current_k
+        self._check = MoveCheck(current_k, now, side, a_p * row_new.prefix_ms if side == "prefix"
+                                else a_s * row_new.suffix_ms, now - predicted[k_new])
         return Move(k_new, f"{where}; towards {goal}")
 
 

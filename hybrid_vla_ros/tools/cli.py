@@ -185,7 +185,7 @@ def _compile_suffix(args: argparse.Namespace) -> int:
 
     try:
         builds = compile_suffix(args.model, args.split_layers, args.dtype, args.cache_dir or None, args.threads,
-                                log=say)
+                                log=say, inference_precision=args.inference_precision)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("compile-suffix", e)
     for b in builds:
@@ -382,11 +382,12 @@ def _profile(args: argparse.Namespace) -> int:
                             vision_blocks=args.vision_blocks, llm_blocks=args.llm_blocks,
                             log=None if args.quiet else print, tokens=args.tokens, cameras=args.cameras,
                             prompt=args.prompt, camera_size=args.camera_size,
-                            trust_model_code=args.trust_model_code or None, decode=args.decode)
+                            trust_model_code=args.trust_model_code or None, decode=args.decode,
+                            cpu_precision=args.cpu_precision)
         write_profile(doc, args.out)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("profile", e)
-    devs = ", ".join(f"{d['name']} ({d['description']}, cores {d['cores']}, {d['threads']} threads)"
+    devs = ", ".join(f"{d['name']} ({d['description']}, {d['dtype']}, cores {d['cores']}, {d['threads']} threads)"
                      for d in doc["devices"].values())
     print(f"wrote {args.out}: {doc['dtype']}, {devs}")
     return 0
@@ -542,6 +543,9 @@ def _add_compile_suffix(sub) -> None:
     cs.add_argument("--split-layers", type=_split_layer_range, required=True, metavar="K",
                     help="split layers K and ranges, e.g. 8-14 or 3,8-10 (each < L)")
     cs.add_argument("--dtype", default="fp32", help="the suffix node's dtype: fp32 (default), bf16, fp16")
+    cs.add_argument("--inference-precision", choices=("auto", "dtype"), default="auto",
+                    help="the suffix node's inference_precision (default auto: bf16 / fp16 built in fp32 on a CPU "
+                         "without native units for it, as the node loads it)")
     cs.add_argument("--cache-dir", default="", metavar="DIR",
                     help="the node's backend_cache_dir (default: $HYBRID_VLA_CACHE, else ~/.cache/hybrid_vla_ros)")
     cs.add_argument("--threads", type=int, default=0, metavar="N", help="threads for the compiles (0: all)")
@@ -622,6 +626,9 @@ def _add_profile(sub) -> None:
                                     "JSON file for plan --profile.")
     _add_model_source(pr)
     pr.add_argument("--dtype", default="fp32", help="dtype of weights and activations: fp32 (default), bf16, fp16")
+    pr.add_argument("--cpu-precision", choices=("auto", "dtype"), default="auto",
+                    help="the CPU is timed as a suffix node with this inference_precision computes: auto (default: "
+                         "bf16 / fp16 in fp32 on a CPU without native units for them) or dtype")
     pr.add_argument("--cores", type=_cores, default=None, metavar="0,1",
                     help="pin the process to these CPU cores while measuring (default: as started)")
     pr.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")

@@ -27,10 +27,12 @@ class SuffixBuild:
 
 
 def compile_suffix(model_path: str, split_layers: list[int], dtype: str = "fp32", cache_dir: str | None = None,
-                   threads: int = 0, log=None) -> list[SuffixBuild]:
+                   threads: int = 0, log=None, inference_precision: str = "auto") -> list[SuffixBuild]:
     """Build (or find) the compiled suffix of ``model_path`` for each K of ``split_layers`` in ``cache_dir`` (None:
     the node's default, ``$HYBRID_VLA_CACHE`` or ``~/.cache/hybrid_vla_ros``), in the stage ``dtype`` ("fp32",
-    "bf16", "fp16": the suffix node's ``dtype``). ``threads``: the CPU plugin's threads for the compile (0: its
+    "bf16", "fp16": the suffix node's ``dtype``) as the node computes it with ``inference_precision`` (its
+    parameter: with ``auto`` a bf16 / fp16 stage is built in fp32 on a CPU without native units, as the node
+    loads it, so the node finds the artifact). ``threads``: the CPU plugin's threads for the compile (0: its
     default; the artifact does not depend on it). ``log(level, message)``: the backend's lines (default: none).
 
     Returns one :class:`SuffixBuild` per K, in ascending K. Raises ValueError for a K outside [0, L) (K = L has
@@ -41,6 +43,7 @@ def compile_suffix(model_path: str, split_layers: list[int], dtype: str = "fp32"
     from ..model.checkpoint import load_stage, model_id, parse_dtype
     from ..model.config import VLAConfig
     from ..runtime.suffix_backend import SuffixBackend
+    from ..util.precision import inference_precision as precision_of
 
     ks = sorted(set(int(k) for k in split_layers))
     n = VLAConfig.load(model_path).num_layers
@@ -50,7 +53,8 @@ def compile_suffix(model_path: str, split_layers: list[int], dtype: str = "fp32"
                          f"got {bad or 'none'}")
     if threads > 0:
         torch.set_num_threads(threads)
-    stage = load_stage(model_path, "suffix", ks[0], device="cpu", dtype=parse_dtype(dtype))
+    computed = precision_of(parse_dtype(dtype), inference_precision).dtype
+    stage = load_stage(model_path, "suffix", ks[0], device="cpu", dtype=computed)
     backend = SuffixBackend("openvino", stage, model_id=model_id(model_path), cache_dir=cache_dir,
                             threads=threads, log=log or (lambda level, message: None), background=False,
                             temporary_fallback=False)

@@ -18,8 +18,9 @@ import traceback
 from pathlib import Path
 
 from ...util.cores import cpu_model, parse_core_list
+from ...util.precision import CpuFeatures
 from ...util.paths import output_dir_problem, output_file_problem
-from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, cpu_flags, isa_level, read_bandwidth_gbs
+from .common import DEFAULT_BAG, NUSCENES_DIR, REPO_ROOT, NoiseMeter, read_bandwidth_gbs
 
 PARTS = ("handoff", "pipeline", "loadstep", "flops", "preprocess", "families", "decode", "moe")
 #: One-line description for the ``bench`` subcommand's help.
@@ -113,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "minddrive-3b and orion; the others as the preset has it)")
     g.add_argument("--k-margin", type=float, default=0.05,
                    help="K = smallest K with prefix >= (1 + margin) x (hand-off + suffix) (default 0.05)")
-    g.add_argument("--dtype", default="bf16", help="model dtype of the pipeline and preprocessing runs (default bf16)")
+    g.add_argument("--dtype", default="bf16", help="model dtype of the pipeline and preprocessing runs (default bf16; "
+                   "fp32 on a CPU without native units for it, as the suffix node's inference_precision: auto)")
     g.add_argument("--suffix-bound", default=None,
                    help="suffix-bound pipeline case PRESET:K:MS (the preset's suffix made MS slower; FIFO, newest "
                         "and newest + paced prefix), 'none' to skip (default tiny:2:400; quick: none)")
@@ -292,14 +294,15 @@ def _header(args: argparse.Namespace, parts: list[str], s: dict, cores: tuple, i
     """The report's fields before any part runs: host, software, settings."""
     from . import report
 
+    cpu = CpuFeatures.read()
     doc = {
         "kind": report.KIND, "format_version": report.FORMAT_VERSION,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": None, "quick": bool(args.quick), "parts": parts,
         "options": {k: v for k, v in vars(args).items()
                     if isinstance(v, (str, int, float, bool, list, dict, type(None)))},
-        "host": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu_flags(),
-                 "isa_level": isa_level(), "read_gbs_per_core": read_bandwidth_gbs(),
+        "host": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu.reported_flags,
+                 "isa_level": cpu.isa_level, "read_gbs_per_core": read_bandwidth_gbs(),
                  "platform": platform.platform()},
         "software": _versions(), "settings": {k: v for k, v in s.items()}, "noise": {}, "errors": {},
         "notes": ["Figures are ratios measured side by side in one run; none is a timing test. "
@@ -307,7 +310,9 @@ def _header(args: argparse.Namespace, parts: list[str], s: dict, cores: tuple, i
     }
     prefix_cores, suffix_cores, flops_cores = cores
     doc["settings"].update(prefix_cores=prefix_cores, suffix_cores=suffix_cores, flops_cores=flops_cores,
-                           dtype=args.dtype, image_sizes=image_sizes, split=args.split, k_margin=args.k_margin)
+                           dtype=pipeline_precision(args.dtype).name, dtype_asked=args.dtype,
+                           dtype_reason=pipeline_precision(args.dtype).reason, image_sizes=image_sizes,
+                           split=args.split, k_margin=args.k_margin)
     return doc
 
 
@@ -358,17 +363,29 @@ def _decode(args: argparse.Namespace, s: dict, prefix_cores, suffix_cores, log) 
     return out
 
 
+def pipeline_precision(asked: str):
+    """The dtype the model parts run both CPU stages in (:class:`~hybrid_vla_ros.util.precision.InferencePrecision`):
+    ``--dtype``, or fp32 for bf16 / fp16 on a CPU without native units for it, as a suffix node computes it."""
+    from ...model.checkpoint import parse_dtype
+    from ...util.precision import inference_precision
+
+    return inference_precision(parse_dtype(asked))
+
+
 def _run_model_parts(args, parts, s, part, prefix_cores, suffix_cores, image_sizes, log) -> None:
     """The parts on prepared presets (checkpoints and split layers first): pipeline, load step, preprocessing."""
     from .pipeline import DEFAULT_CACHE, DEFAULT_FRAMES, prepare_preset
 
     plans = {}
+    precision = pipeline_precision(args.dtype)
+    dtype = precision.name
 
     def prepare():
-        log(f"preparing {', '.join(s['presets'])}: checkpoints and split layers ({args.dtype})")
+        log(f"preparing {', '.join(s['presets'])}: checkpoints and split layers ({dtype}"
+            + (f"; {precision.reason}" if precision.widened else "") + ")")
         for name in s["presets"]:
             plans[name] = prepare_preset(
-                name, dtype=args.dtype, image_size=image_sizes.get(name), split_layer=args.split.get(name),
+                name, dtype=dtype, image_size=image_sizes.get(name), split_layer=args.split.get(name),
                 cache=Path(args.model_cache) if args.model_cache else DEFAULT_CACHE, prefix_cores=prefix_cores,
                 bag=Path(args.bag), margin=args.k_margin, log=log)
             log(f"  {name}: K = {plans[name]['split_layer']} ({plans[name]['split_reason']})")
@@ -395,7 +412,7 @@ def _run_model_parts(args, parts, s, part, prefix_cores, suffix_cores, image_siz
         from .preprocess import run_preprocess_part
 
         part("preprocess", lambda: run_preprocess_part(
-            plans, dtype=args.dtype, cores=prefix_cores, camera_dir=args.camera_dir or None, bag=Path(args.bag),
+            plans, dtype=dtype, cores=prefix_cores, camera_dir=args.camera_dir or None, bag=Path(args.bag),
             min_frames=s["preprocess_frames"], min_seconds=s["preprocess_seconds"], log=log))
 
 

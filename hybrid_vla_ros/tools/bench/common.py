@@ -69,36 +69,6 @@ def time_call(fn, *, repeats: int, min_sample_s: float = 0.02, warmup: int = 1, 
 
 # ------------------------------------------------------------------------------------------------ host
 
-def cpu_flags() -> list[str]:
-    """The vector ISA flags of interest (AVX2, AVX-512 F/BF16/VNNI, AMX) that /proc/cpuinfo lists."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile")
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in wanted if f in have]
-    except OSError:
-        pass
-    return []
-
-
-def isa_level(flags: list[str] | None = None, cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The host class by its widest matrix / vector unit: ``"AMX"`` (amx_bf16), ``"AVX-512"`` (avx512f),
-    ``"AVX2"``, ``"NEON"`` (an Arm CPU whose ``Features`` list asimd) or ``"baseline"``. ``flags``: those of
-    :func:`cpu_flags` (read when None)."""
-    have = set(cpu_flags() if flags is None else flags)
-    for flag, level in (("amx_bf16", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
-        if flag in have:
-            return level
-    try:
-        for line in Path(cpuinfo).read_text().splitlines():
-            if line.startswith("Features") and "asimd" in line.split(":", 1)[1].split():
-                return "NEON"
-    except OSError:
-        pass
-    return "baseline"
-
-
 def read_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
     """Memory read bandwidth of one core, GB/s: the best of ``repeats`` sums over ``mib`` MiB of float64 (beyond
     the caches; numpy's sum reads each byte once), on the calling thread."""

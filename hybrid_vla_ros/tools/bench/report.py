@@ -41,7 +41,10 @@ the gaps 0, 20 and 100 ms ran): ``handoff_zero_copy_p50`` (largest p50 <= 0.05 m
     goal_ratio (eager rows, legacy 0.6), goal_ratio_best {dtype: ratio} and
     goal_restart_s (issue #16), skipped [{backend, preset, dtype, reason}] (a backend that could not be built)
     results[]   preset, dtype, backend ("eager" | "openvino"), split_layer, blocks, tokens, passes, gflop,
-                time_ms, achieved_gflops, peak_gflops (best torch GEMM of this dtype), ratio (achieved / peak),
+                time_ms, achieved_gflops, peak_gflops (best torch GEMM of the dtype computed in), ratio (achieved /
+                peak), eager rows also precision (the dtype computed in: ``inference_precision: auto`` widens bf16 /
+                fp16 to fp32 on a CPU without native units), precision_reason, asked_peak_gflops (the best GEMM of
+                the dtype asked, emulated where widened),
                 fp32_peak_gflops, ratio_vs_fp32_peak, best_peak_gflops (max of the two), ratio_vs_best_peak,
                 block_peak_gflops (the best GEMM at the block's own shapes, M = B T, without 2048^3; informative:
                 at T = 81 these run below the large product), ratio_vs_block_peak, speedup_vs_eager, gemm[]
@@ -391,6 +394,10 @@ def markdown(doc: dict) -> str:
                "on one core), "
                f"torch {doc.get('software', {}).get('torch')}, {doc.get('created_utc')}. "
                "All figures come from one run; ratios compare quantities measured side by side.")
+    st = doc.get("settings", {})
+    if st.get("dtype_asked") and st.get("dtype") != st["dtype_asked"]:
+        out.append(f"The pipeline, load-step and preprocessing parts ran in {st['dtype']}, not --dtype "
+                   f"{st['dtype_asked']}: {st.get('dtype_reason')}.")
     noise = doc.get("noise", {})
     if noise:
         out.append("Other load on the machine while each part ran (share of all CPUs used by other processes): "

@@ -377,7 +377,8 @@ class _GemmPeaks:
 
 def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, repeats: int = 5,
                min_sample_s: float = 0.05, gemm_repeats: int = 5, profile_ops: bool = True,
-               backends: list[str] = ("eager",), cache_dir: str | None = None, clock: str = "wall") -> dict:
+               backends: list[str] = ("eager",), cache_dir: str | None = None, clock: str = "wall",
+               precision: str = "auto") -> dict:
     """Worker (pinned to the suffix cores): measure each preset's suffix per dtype and backend, and the GEMM peak
     per dtype.
 
@@ -387,12 +388,15 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
     more in a short suffix than in the one a chosen K leaves (``--flops-blocks``).
     ``backends``: "eager" always runs; "openvino" is built cold into ``cache_dir`` (which the restart workers
     reuse) and measured on the same stage. A backend that cannot be built is listed in ``skipped`` with the
-    reason. ``clock``: :func:`.common.time_call`'s clock for every timing here (suffix and GEMMs alike)."""
+    reason. ``clock``: :func:`.common.time_call`'s clock for every timing here (suffix and GEMMs alike).
+    ``precision``: the suffix node's ``inference_precision``: with ``auto`` a bf16 / fp16 row is computed (and its
+    GEMM peak taken) in fp32 on a CPU without native units for it; ``asked_peak_gflops`` keeps that dtype's peak."""
     import torch
 
     from ...model.checkpoint import parse_dtype
     from ...model.config import preset
     from ...model.modeling import DEFAULT_COMMAND
+    from ...util.precision import inference_precision
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -404,7 +408,9 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
         k = max(0, cfg.num_layers - int(spec["blocks"]))
         count = suffix_flops(cfg, k)
         for dname in dtypes:
-            dtype = parse_dtype(dname)
+            asked = parse_dtype(dname)
+            prec = inference_precision(asked, precision)  # as the suffix node computes it on this CPU
+            dtype = prec.dtype
             stage, h = _stage(cfg, k, dtype, _seed(spec["name"], dname, k))
             t0 = time.monotonic()
             with torch.inference_mode():
@@ -431,10 +437,14 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
                 "best_peak_gflops": max(peak, peak32), "ratio_vs_best_peak": achieved / max(peak, peak32),
                 "block_peak_gflops": block_peak, "ratio_vs_block_peak": achieved / block_peak,
                 "speedup_vs_eager": 1.0, "gemm": gemms, "ops": ops, "seconds": time.monotonic() - t0,
+                "precision": prec.name, "precision_reason": prec.reason,
+                "asked_peak_gflops": peaks.peak_of(cfg, asked)[2] if prec.widened else peak,
             }
             out.append(row)
-            chan.send({"type": "progress", "line": f"  {spec['name']} {dname} eager: {achieved:.1f} of {peak:.1f} "
-                                                  f"GFLOP/s ({achieved / peak:.2f})"})
+            why = (f"; {dname} GEMMs reach {row['asked_peak_gflops']:.1f} GFLOP/s on this CPU (no native units)"
+                   if prec.widened else "")
+            chan.send({"type": "progress", "line": f"  {spec['name']} {dname} eager ({prec.name}): {achieved:.1f} of "
+                                                  f"{peak:.1f} GFLOP/s ({achieved / peak:.2f}){why}"})
             for backend in backends:
                 if backend == "eager":
                     continue
@@ -454,7 +464,7 @@ def flops_task(chan, *, presets: list[dict], dtypes: list[str], threads: int, re
 
 
 def restart_task(chan, *, preset_name: str, blocks: int, dtype: str, threads: int, cache_dir: str,
-                 backend: str = "openvino") -> dict:
+                 backend: str = "openvino", precision: str = "auto") -> dict:
     """Worker: a suffix restart in a fresh process, as the node does it. The stage (same seeded weights as the
     FLOP/s worker's) is built first -- the eager path could serve from then on -- and computes one frame
     eagerly; then ``backend`` comes up from the artifact the FLOP/s worker left in ``cache_dir`` (import, weights
@@ -462,18 +472,21 @@ def restart_task(chan, *, preset_name: str, blocks: int, dtype: str, threads: in
     eager_first_frame_ms, import_s, backend_build_s (digest + read + compile), cache_hit, first_frame_ms,
     steady_frame_ms (a later compiled frame), backend_extra_s}. backend_extra_s = import + build + first
     compiled frame - first eager frame: how much later than eager a restarted suffix returns its first frame
-    when it waits for the compiled path (the node does not wait: eager serves while it builds)."""
+    when it waits for the compiled path (the node does not wait: eager serves while it builds). ``precision``:
+    as :func:`flops_task`'s."""
     import torch
 
     from ...model.checkpoint import parse_dtype
     from ...model.config import preset
     from ...model.modeling import DEFAULT_COMMAND, plan
+    from ...util.precision import inference_precision
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     cfg = preset(preset_name)
     k = max(0, cfg.num_layers - int(blocks))
-    stage, h = _stage(cfg, k, parse_dtype(dtype), _seed(preset_name, dtype, k))
+    computed = inference_precision(parse_dtype(dtype), precision).dtype  # as the FLOP/s worker built it
+    stage, h = _stage(cfg, k, computed, _seed(preset_name, dtype, k))
     eager_ready = time.perf_counter() - t0
     with torch.inference_mode():
         t1 = time.perf_counter()
