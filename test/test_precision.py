@@ -71,7 +71,15 @@ def test_the_reason_names_the_unit_or_what_is_missing(tmp_path):
     assert "amx_bf16" in inference_precision(torch.bfloat16, cpu=amx).reason
     p = inference_precision(torch.bfloat16, cpu=avx2)
     assert p.widened and p.name == "fp32" and not p.emulated
-    assert "AVX2" in p.reason and "amx_bf16 / avx512_bf16 / bf16" in p.reason and "2x" in p.reason
+    assert "AVX2" in p.reason and "(amx_bf16 / avx512_bf16)" in p.reason and "2x" in p.reason
+    arm = _cpu(tmp_path, ARM_PLAIN)
+    assert arm.arch == "arm" and "(bf16)" in inference_precision(torch.bfloat16, cpu=arm).reason
+    # an x86 CPU listing an Arm feature name is not taken for an Arm CPU with bf16
+    odd = _cpu(tmp_path, AVX2.replace("bmi2", "bmi2 bf16 asimdhp"))
+    assert odd.arch == "x86" and inference_precision(torch.bfloat16, cpu=odd).widened
+    garbled = tmp_path / "garbled"
+    garbled.write_bytes(b"model name\t: \xff\xfe\nflags\t: avx2 amx_bf16\n")
+    assert CpuFeatures.read(garbled).native_flag(torch.bfloat16) == "amx_bf16"
     assert amx.reported_flags[:2] == ["amx_bf16", "amx_int8"] and "avx2" in avx2.reported_flags
     assert CpuFeatures.read(tmp_path / "missing").flags == frozenset()
 
@@ -131,3 +139,31 @@ def test_a_widened_bf16_suffix_computes_what_an_fp32_suffix_computes_and_is_clos
     ref = out[torch.float64]
     err32, err16 = ((out[dt] - ref).norm() / ref.norm() for dt in (torch.float32, torch.bfloat16))
     assert err32 < err16 / 100, (float(err32), float(err16))
+
+
+def test_a_pair_refused_elsewhere_is_refused_on_a_cpu_that_widens(tmp_path, tiny_checkpoint, frames):
+    """An fp32 prefix and an fp16 suffix: refused at attach on a CPU with fp16 units (fp32 -> fp16 could overflow),
+    so also on an AVX2 CPU where the suffix would compute in fp32 and could take the ring exactly: a launch file must
+    not pass on the development machine and fail on the car. An fp16 suffix beside an fp16 prefix is taken."""
+    avx2 = _cpu(tmp_path, AVX2)
+    for prefix_dtype, refused in (("fp32", True), ("fp16", False)):
+        ns = f"/pp_{uuid.uuid4().hex[:6]}"
+        prefix = PrefixRunner(str(tiny_checkpoint), PrefixRunnerSettings(2, device="cpu", dtype=prefix_dtype,
+                                                                         namespace=ns))
+        suffix = SuffixRunner(str(tiny_checkpoint), SuffixRunnerSettings(2, dtype="fp16", namespace=ns,
+                                                                         delivery="fifo"), cpu=avx2)
+        try:
+            assert suffix.precision.widened
+            assert suffix.poll(0.05) is None
+            if refused:
+                assert not suffix.attached and suffix.attach_failure == "contract"
+                assert "sends float32 hidden states and this suffix computes in float16" in suffix.contract_error
+                assert "refused on every CPU" in suffix.contract_error
+            else:
+                stamp, items = frames[0]
+                prefix.run(items, stamp)
+                r = suffix.poll(60.0)
+                assert r is not None and suffix.ring.conversion == "exact" and suffix.contract_error == ""
+        finally:
+            suffix.close()
+            prefix.close()

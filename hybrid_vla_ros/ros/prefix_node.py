@@ -32,7 +32,7 @@ from ..runtime.prefix import PrefixRunner
 from ..runtime.split_control import SplitLayerControl
 from ..transport.ring import ProducerStats
 from ..util.cores import pin_process
-from ..util.precision import inference_precision
+from ..util.precision import CpuFeatures, inference_precision
 from . import node_base
 from .params import ParameterError
 from .settings import PrefixNodeSettings
@@ -100,8 +100,10 @@ class PrefixNode(node_base.PipelineNode):
             + (" [random-init weights: trajectories are not driving advice]" if cfg.random_init else ""))
         cpu_stage = inference_precision(self.runner.dtype, "dtype")
         if self.runner.device.type == "cpu" and cpu_stage.emulated:  # a CPU prefix is computed in its dtype
-            self.get_logger().warning(f"prefix on the CPU: {cpu_stage.reason}; set dtype fp32 on both nodes for a "
-                                      "pipeline on this CPU")
+            self.get_logger().warning(
+                f"prefix on the CPU in {p.dtype}: this CPU ({CpuFeatures.read().isa_level}) has no native {p.dtype} "
+                f"arithmetic, so it is emulated, several times slower than fp32; set dtype fp32 on both nodes for a "
+                "pipeline on this CPU")
         if self.runner.ring.replaced_pid:
             # a restart (respawn, or by hand) of a prefix that died: the ring and wake-up directory it left are
             # replaced; what it was told at run time is not carried over

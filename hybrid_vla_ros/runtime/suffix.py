@@ -252,6 +252,13 @@ class SuffixRunner:
                 self.attach_error, self.attach_failure, self.contract_error = str(e), "attach_error", ""
                 return False
             problems = self._side_problems(self.ring.contract)
+            refused = self._pair_refused(self.ring.contract)
+            if refused:  # the same pairs are refused on every host, widened here or not
+                self.ring.close()
+                self.ring = None
+                self.attach_error = self.contract_error = refused
+                self.attach_failure = "contract"
+                return False
             if problems:  # the side tensors this model's blocks after K need do not fit what the prefix sends
                 self.ring.close()
                 self.ring = None
@@ -265,6 +272,21 @@ class SuffixRunner:
             if self._running is not None:
                 self.ring.set_running(self._running)
         return True
+
+    def _pair_refused(self, contract) -> str:
+        """Why the ring's dtype and the *configured* ``dtype`` are a refused pair ("" when allowed or when nothing is
+        widened): a suffix widened to fp32 could convert any ring exactly, but a launch file that pairs, say, an
+        fp32 prefix with an fp16 suffix must fail on this CPU as it does on one with fp16 units."""
+        from ..transport.contract import conversion_kind
+        from ..transport.errors import RingContractError
+
+        if not self.precision.widened or contract.dtype is None:
+            return ""
+        try:
+            conversion_kind(contract.dtype, self.precision.requested)
+        except RingContractError as e:
+            return f"{e} (refused on every CPU, although this one computes in fp32)"
+        return ""
 
     def _side_problems(self, contract) -> list[str]:
         """Differences between the side tensors the prefix declares and the ones this model needs."""

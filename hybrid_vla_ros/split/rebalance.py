@@ -18,10 +18,10 @@ The balancer moves K towards the best K' the GPU budget allows, with hysteresis:
 * the best K must beat the current one by ``min_gain_rel`` and ``min_gain_ms`` on ``confirm`` frames in a row; K then
   moves straight to it (``max_step`` 0) or by at most ``max_step`` blocks. Moving one block at a time would cost
   about 5 frames per block in a load step (docs/performance.md, "Load step");
-* the first judgement after a move checks it against what was measured: K goes straight back (or past the K left, to
-  the best K under the load measured at the new K), and no latency move that way is made for ``hold`` judged frames
-  (doubling per further such move, up to 32 x; ended early when the load factor of the side such a move takes
-  blocks from rises by :data:`HOLD_RELEASE`), when the latency is
+* the first judgement after a move checks it against what was measured: K goes straight back, and no latency move
+  that way is made for ``hold`` judged frames (doubling per further such move, up to 32 x; ended early when the load
+  factor of the side such a move takes blocks from rises by :data:`HOLD_RELEASE` at the K it held), when the
+  latency is
   slower than before the move by the same margin *and* the side that took the blocks measured slower than predicted
   for it by more than the gain the move was predicted to bring (:class:`MoveCheck`). A load that changed on the
   other side at the same time (a co-tenant arriving as K moves away from it, or the memory bus it shares) is not
@@ -35,6 +35,7 @@ highest K allowed and wins over latency. Pure: no ROS, no device call.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -44,9 +45,10 @@ from .planner import AutoResplitPolicy, Plan
 #: Minimum share of the stage sum a side's planned time at the current K needs for its load factor to be trusted.
 TRUST_SHARE = 0.1
 #: A hold on moves one way (after such a move measured slower) ends early when the load factor of the side those
-#: moves take blocks from rises this much over its value when the hold began: a co-tenant arrived there, which the
-#: failed move was not judged under (the bench's load step on an AVX2 host, 2026-12-07: a quiet move up measured
-#: slower, and the hold then kept K down through a co-tenant on the suffix's core).
+#: moves take blocks from rises this much over its value when the failed move was decided, measured at that same K
+#: (factors of different Ks differ by the plan's shape error, up to 30 % on an AVX2 host): a co-tenant arrived,
+#: which the failed move was not judged under (the bench's load step on an AVX2 host, 2026-12-07: a quiet move up
+#: measured slower, and the hold then kept K down through a co-tenant on the suffix's core).
 HOLD_RELEASE = 1.3
 
 
@@ -80,13 +82,15 @@ class MoveCheck:
 
     ``k_left`` / ``latency_ms``: the K left and the latency measured there; ``side``: ``"prefix"`` (K moved up: the
     prefix took blocks) or ``"suffix"``; ``side_ms``: that side's time predicted at the new K (ms, the load factor of
-    the move's judgement); ``gain_ms``: the latency the move was predicted to save (ms)."""
+    the move's judgement); ``gain_ms``: the latency the move was predicted to save (ms); ``giver_load``: the load
+    factor of the side that gave the blocks, measured at ``k_left`` (the load the move was decided under)."""
 
     k_left: int
     latency_ms: float
     side: str
     side_ms: float
     gain_ms: float
+    giver_load: float
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,9 @@ class LatencyBalancer:
     _a: tuple[float, float] = field(default=(1.0, 1.0), repr=False)  # the last trusted load factors (a_p, a_s)
     _hold_next: int = field(default=-1, repr=False)  # the hold after the next slower move (doubles, see observe)
     #: per way, the load factor of the side that would give blocks that way (up: the suffix's) when the hold began
-    _hold_load: dict[int, float] = field(default_factory=lambda: {1: 0.0, -1: 0.0}, repr=False)
+    #: per way, (K, factor): the load factor of the side a move that way takes blocks from, as the failed move was
+    #: decided at that K (compared only with factors measured at the same K: the plan's shape error differs by K)
+    _hold_load: dict[int, tuple[int, float] | None] = field(default_factory=lambda: {1: None, -1: None}, repr=False)
 
     @classmethod
     def from_plan(cls, plan: Plan, **kwargs) -> "LatencyBalancer":
@@ -173,28 +179,16 @@ class LatencyBalancer:
         wait = cycle_p / 2 if not self.paced and s + overhead_ms > cycle_p else 0.0
         return age + p + h + s + overhead_ms + wait
 
-    def _back_from(self, k_left: int, way: int, predicted: list[float], k_max: int) -> int:
-        """Where a move that measured slower goes: ``k_left``, or past it (away from the K it moved to, ``way`` +1:
-        it had moved up) to the K predicted fastest under the load factors measured at the K it moved to, when that
-        beats ``k_left`` by the move margin. A co-tenant that made the moved-to side slow is measured there, so the
-        best K under it is known at once (going back to ``k_left`` first cost the settle, window and confirm frames
-        of one more move, 6 frames of a 16-frame step in the bench). ``max_step`` > 0, or a hold on moves that way
-        (an earlier move that way measured slower): ``k_left``."""
-        if self.max_step or self._holds[-way] > 0:
-            return k_left
-        side = range(0, k_left + 1) if way > 0 else range(k_left, min(k_max, self.num_layers) + 1)
-        best = min(side, key=predicted.__getitem__)
-        margin = max(self.min_gain_rel * predicted[k_left], self.min_gain_ms)
-        return best if predicted[best] < predicted[k_left] - margin else k_left
-
     def observe(self, sample: StageSample, current_k: int, k_max: int) -> Move:
         """Take one frame's sample; the :class:`Move` it leads to, within ``k_max`` (the highest K allowed now).
 
-        Samples of another K or without a suffix time are left out; a move that paid resets the hold to ``hold``.
+        Samples of another K, without a suffix time or with a time that is not a positive finite number are left out;
+        a move that paid resets the hold to ``hold``.
         Raises ValueError for ``current_k`` outside [0, L] or ``k_max`` < 0."""
         if not 0 <= current_k <= self.num_layers or k_max < 0:
             raise ValueError(f"current_k must be in [0, {self.num_layers}] and k_max >= 0, got {current_k}, {k_max}")
-        if sample.k != current_k or sample.suffix_ms is None or sample.prefix_ms <= 0 or sample.suffix_ms <= 0:
+        if sample.k != current_k or sample.suffix_ms is None or not (0 < sample.prefix_ms < math.inf) \
+                or not (0 < sample.suffix_ms < math.inf):  # NaN fails both comparisons
             return Move(None, "waiting for frames measured at the current K on both sides")
         if self._settling > 0:
             self._settling -= 1
@@ -233,25 +227,25 @@ class LatencyBalancer:
                 self.moved()
                 way = 1 if current_k > k_left else -1
                 self._came_from, self._holds[way] = current_k, self._hold_next
-                self._hold_load[way] = a_s if way > 0 else a_p
+                self._hold_load[way] = (k_left, check.giver_load)
                 self._hold_next = min(2 * self._hold_next, 32 * self.hold)  # the model stays wrong: try less often
-                back = self._back_from(k_left, way, predicted, k_max)
-                past = (f" and on to K={back}, predicted {predicted[back]:.0f} ms under the load measured now "
-                        f"(K={k_left}: {predicted[k_left]:.0f} ms)" if back != k_left else "")
-                return Move(back, f"{where}; measured slower than the {before:.0f} ms at K={k_left} before the "
-                                  f"move, the {check.side} {side_error:.0f} ms over its prediction (the move was "
-                                  f"to save {check.gain_ms:.0f} ms): back to K={k_left}{past}, no latency move "
-                                  f"{'up' if way > 0 else 'down'} for {self._holds[way]} frames")
+                return Move(k_left, f"{where}; measured slower than the {before:.0f} ms at K={k_left} before the "
+                                    f"move, the {check.side} {side_error:.0f} ms over its prediction (the move was "
+                                    f"to save {check.gain_ms:.0f} ms): back to K={k_left}, no latency move "
+                                    f"{'up' if way > 0 else 'down'} for {self._holds[way]} frames")
             if k_left <= k_max:
                 self._hold_next = self.hold  # it paid (a K left above the budget now is not judged)
         released = ""
         for way in self._holds:
             self._holds[way] = max(0, self._holds[way] - 1)
             giver = a_s if way > 0 else a_p  # the side a move that way takes blocks from
-            if self._holds[way] and giver > HOLD_RELEASE * self._hold_load[way]:  # a new load: the hold is stale
+            if not self._holds[way] or self._hold_load[way] is None:
+                continue
+            k_held, base = self._hold_load[way]
+            if k_held == current_k and giver > HOLD_RELEASE * base:  # a new load at the same K: the hold is stale
                 self._holds[way] = 0
-                released = (f"; the {'suffix' if way > 0 else 'prefix'} load rose x{giver / self._hold_load[way]:.2f}"
-                            f" since a move {'up' if way > 0 else 'down'} measured slower: that hold ended")
+                released = (f"; the {'suffix' if way > 0 else 'prefix'} load rose x{giver / base:.2f} at K={k_held} "
+                            f"since a move {'up' if way > 0 else 'down'} measured slower: that hold ended")
         where += released
         gain = now - predicted[best]
         if best == current_k or gain <= 0 or gain < max(self.min_gain_rel * now, self.min_gain_ms):
@@ -283,7 +277,8 @@ class LatencyBalancer:
         row_new = self.times[k_new]
         self._came_from = current_k
         self._check = MoveCheck(current_k, now, side, a_p * row_new.prefix_ms if side == "prefix"
-                                else a_s * row_new.suffix_ms, now - predicted[k_new])
+                                else a_s * row_new.suffix_ms, now - predicted[k_new],
+                                a_s if side == "prefix" else a_p)
         return Move(k_new, f"{where}; towards {goal}")
 
 

@@ -188,6 +188,10 @@ def _compile_suffix(args: argparse.Namespace) -> int:
                                 log=say, inference_precision=args.inference_precision)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         return _err("compile-suffix", e)
+    from ..model.checkpoint import parse_dtype
+    from ..util.precision import inference_precision
+
+    print(f"stage dtype: {inference_precision(parse_dtype(args.dtype), args.inference_precision).reason}")
     for b in builds:
         what = (f"not compiled: {b.error}" if b.error else
                 f"{'found in the cache' if b.cached else 'converted and saved'}, {b.seconds:.1f} s: {b.folder}")

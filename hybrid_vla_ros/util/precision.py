@@ -2,7 +2,7 @@
 
 A bfloat16 or float16 model computed on a CPU without native units for that type runs an emulation: on an AMD EPYC
 host with AVX2 only (2026-12-07, torch 2.13 / oneDNN), a bf16 ``linear`` of 81 x 576 x 1536 ran at 8.2 GFLOP/s
-against 55 in fp32 (6.8x slower), and a 4-block SmolLM2 suffix at 8.1 GFLOP/s against 46.7. OpenVINO's CPU plugin
+against 55.3 in fp32 (6.7x slower), and a 4-block SmolLM2 suffix at 8.1 GFLOP/s against 46.7. OpenVINO's CPU plugin
 decides this per host with its ``INFERENCE_PRECISION_HINT``: bf16 only where the CPU has native bf16 arithmetic
 (AVX512_BF16 or AMX), f32 otherwise (its docs, "Precision Control"). :func:`inference_precision` applies the same
 rule to the eager suffix, so one checkpoint and one launch file are fast on either host:
@@ -32,9 +32,9 @@ import torch
 #: (always the configured ``dtype``, emulated or not).
 PRECISION_MODES = ("auto", "dtype")
 
-#: The flags (x86 ``flags`` / Arm ``Features`` of /proc/cpuinfo) that give native arithmetic per reduced type.
-NATIVE_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16", "bf16"),
-                torch.float16: ("amx_fp16", "avx512_fp16", "asimdhp")}
+#: The flags that give native arithmetic per reduced type: x86 ``flags`` and Arm ``Features`` of /proc/cpuinfo.
+NATIVE_FLAGS = {"x86": {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")},
+                "arm": {torch.bfloat16: ("bf16",), torch.float16: ("asimdhp",)}}
 
 #: The vector / matrix flags a report lists (the widest first).
 REPORTED_FLAGS = ("amx_bf16", "amx_fp16", "amx_int8", "amx_tile", "avx512_fp16", "avx512_bf16", "avx512_vnni",
@@ -47,8 +47,9 @@ _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 class CpuFeatures:
     """What a CPU offers for matrix arithmetic, from /proc/cpuinfo.
 
-    ``model``: its model name ("" when not listed); ``arch``: ``platform.machine()``; ``flags``: the first
-    processor's x86 ``flags`` or Arm ``Features`` (empty where the file cannot be read)."""
+    ``model``: its model name ("" when not listed); ``arch``: ``"x86"`` (a ``flags`` line), ``"arm"`` (a
+    ``Features`` line) or ``platform.machine()``; ``flags``: that line's words (empty where the file cannot be
+    read)."""
 
     model: str
     arch: str
@@ -57,18 +58,18 @@ class CpuFeatures:
     @classmethod
     def read(cls, cpuinfo: str | Path = "/proc/cpuinfo") -> "CpuFeatures":
         """The features of this host's CPU (of the first processor listed in ``cpuinfo``)."""
-        model, flags = "", frozenset()
+        model, flags, arch = "", frozenset(), platform.machine()
         try:
-            for line in Path(cpuinfo).read_text().splitlines():
+            for line in Path(cpuinfo).read_text(errors="replace").splitlines():
                 key, _, value = line.partition(":")
                 key = key.strip()
                 if key == "model name" and not model:
                     model = value.strip()
                 elif key in ("flags", "Features") and not flags:
-                    flags = frozenset(value.split())
+                    flags, arch = frozenset(value.split()), "x86" if key == "flags" else "arm"
         except OSError:
             pass
-        return cls(model, platform.machine(), flags)
+        return cls(model, arch, flags)
 
     @property
     def isa_level(self) -> str:
@@ -88,7 +89,15 @@ class CpuFeatures:
         """The flag that gives this CPU native arithmetic in ``dtype`` (``"fp32"`` for float32), or None."""
         if dtype == torch.float32:
             return "fp32"
-        return next((f for f in NATIVE_FLAGS.get(dtype, ()) if f in self.flags), None)
+        return next((f for f in self.wanted_flags(dtype) if f in self.flags), None)
+
+    def wanted_flags(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """The flags that would give this CPU's architecture native ``dtype`` arithmetic (both x86's and Arm's
+        where the architecture is unknown)."""
+        table = NATIVE_FLAGS.get(self.arch)
+        if table is None:
+            return tuple(f for t in NATIVE_FLAGS.values() for f in t.get(dtype, ()))
+        return table.get(dtype, ())
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,7 @@ def inference_precision(dtype: torch.dtype, mode: str = "auto", cpu: CpuFeatures
     flag = cpu.native_flag(dtype)
     if flag is not None:
         return InferencePrecision(dtype, dtype, f"{asked} asked: computed in {asked} (this CPU has {flag})")
-    wanted = " / ".join(NATIVE_FLAGS[dtype])
+    wanted = " / ".join(cpu.wanted_flags(dtype))
     if mode == "dtype":
         return InferencePrecision(dtype, dtype, f"{asked} asked, inference_precision 'dtype': computed in {asked}, "
                                                 f"emulated on this CPU ({cpu.isa_level}: no {wanted}), several "
