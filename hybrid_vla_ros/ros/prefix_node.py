@@ -98,10 +98,10 @@ class PrefixNode(node_base.PipelineNode):
             + (f"; cores {list(p.cpu_affinity)} (pinned early: {self.early_affinity or 'no'})" if p.cpu_affinity
                else "; not pinned (cpu_affinity [])")
             + (" [random-init weights: trajectories are not driving advice]" if cfg.random_init else ""))
-        cpu_stage = inference_precision(self.runner.dtype, "dtype")
-        if self.runner.device.type == "cpu" and cpu_stage.emulated:  # a CPU prefix is computed in its dtype
-            self.get_logger().warning(
-                f"prefix on the CPU in {p.dtype}: this CPU ({CpuFeatures.read().isa_level}) has no native {p.dtype} "
+        cpu = CpuFeatures.read()
+        if self.runner.device.type == "cpu" and inference_precision(self.runner.dtype, "dtype", cpu).emulated:
+            self.get_logger().warning(  # a CPU prefix is computed in its dtype
+                f"prefix on the CPU in {p.dtype}: this CPU ({cpu.isa_level}) has no native {p.dtype} "
                 f"arithmetic, so it is emulated, several times slower than fp32; set dtype fp32 on both nodes for a "
                 "pipeline on this CPU")
         if self.runner.ring.replaced_pid:

@@ -295,6 +295,7 @@ def _header(args: argparse.Namespace, parts: list[str], s: dict, cores: tuple, i
     from . import report
 
     cpu = CpuFeatures.read()
+    precision = pipeline_precision(args.dtype)
     doc = {
         "kind": report.KIND, "format_version": report.FORMAT_VERSION,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -310,8 +311,8 @@ def _header(args: argparse.Namespace, parts: list[str], s: dict, cores: tuple, i
     }
     prefix_cores, suffix_cores, flops_cores = cores
     doc["settings"].update(prefix_cores=prefix_cores, suffix_cores=suffix_cores, flops_cores=flops_cores,
-                           dtype=pipeline_precision(args.dtype).name, dtype_asked=args.dtype,
-                           dtype_reason=pipeline_precision(args.dtype).reason, image_sizes=image_sizes,
+                           dtype=precision.name, dtype_asked=args.dtype,
+                           dtype_reason=precision.reason, image_sizes=image_sizes,
                            split=args.split, k_margin=args.k_margin)
     return doc
 
