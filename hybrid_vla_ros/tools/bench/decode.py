@@ -76,15 +76,22 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
     """Worker (pinned to the suffix's cores): per split layer, dtype and decode step, the per-token times of a greedy
     decode of ``new_tokens`` tokens after ``prompt`` tokens with both sides in this process, the suffix's bytes read
     per token and its bandwidth floor. ``inductor``: where the compiled step is measured too, ``all`` or
-    ``split_fp32`` (the largest split layer, fp32 only: one short build, for ``--quick``)."""
+    ``split_fp32`` (the largest split layer, fp32 only: one short build, for ``--quick``). Each dtype runs in the
+    precision a suffix node computes it in on this CPU (:func:`~hybrid_vla_ros.util.precision.inference_precision`);
+    one computed in another dtype of ``dtypes`` (bf16 in fp32 without native bf16) is not measured twice: it is
+    named in the result's ``computed_as`` ({dtype: {"precision", "reason"}})."""
     import torch
 
     from ...model.checkpoint import open_checkpoint, parse_dtype
     from ...model.decode import DecodeSettings, PrefixDecoding, SideCache, SuffixDecoding
     from ...runtime.compiled_step import DecodeStepBuilder
     from ...runtime.packed_linear import pack_linears_, pack_lm_head_
+    from ...util.precision import inference_precision
 
     torch.set_num_threads(threads)
+    precision = {n: inference_precision(parse_dtype(n)) for n in dtypes}
+    computed_as = {n: {"precision": p.name, "reason": p.reason} for n, p in precision.items()
+                   if p.widened and p.name in dtypes}
     bandwidth = read_bandwidth_gbs(bandwidth_mib)
     chan.send({"type": "progress", "line": f"  decode: read bandwidth {bandwidth:.1f} GB/s ({threads} thread(s))"})
     ck = open_checkpoint(model_dir, tokens=prompt)
@@ -93,8 +100,8 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
     settings = DecodeSettings(max_new_tokens=new_tokens)  # no stop token: every run decodes new_tokens tokens
     rows = []
     with torch.inference_mode():
-        for dtype_name in dtypes:
-            dtype = parse_dtype(dtype_name)
+        for dtype_name in [n for n in dtypes if n not in computed_as]:
+            dtype = precision[dtype_name].dtype
             inputs = sm.example_inputs(None, dtype=dtype)  # ``prompt`` token ids (a ramp)
             bound = prompt + new_tokens - 1
             for k in split_layers:
@@ -125,7 +132,8 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
                     weights = _bytes(suffix) + _bytes(head)
                     floor_ms = (weights + kv) / (row_bandwidth * 1e9) * 1e3
                     p50 = statistics.median(suffix_ms)
-                    rows.append({"k": k, "dtype": dtype_name, "step": step, "build_s": build_s,
+                    rows.append({"k": k, "dtype": dtype_name, "precision": precision[dtype_name].name,
+                                 "step": step, "build_s": build_s,
                                  "same_tokens_as_eager": tokens == eager_tokens,
                                  "packed_linears": packed, "head_packed": head_packed,
                                  "suffix_token_ms": _stats(suffix_ms),
@@ -139,7 +147,7 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
                                                            f"({floor_ms / p50:.2f}); prefix "
                                                            f"{statistics.median(prefix_ms):.2f} ms/token"})
     return {"bandwidth_gbs": bandwidth, "threads": threads, "prompt_tokens": prompt, "new_tokens": new_tokens,
-            "rows": rows}
+            "computed_as": computed_as, "rows": rows}
 
 
 def _head_dim(config) -> int:
@@ -274,6 +282,7 @@ def run_decode_part(*, split_layer: int, prefix_cores, suffix_cores, new_tokens:
                                 "dtypes": list(dtypes), "prompt": prompt, "new_tokens": new_tokens,
                                 "threads": threads, "inductor": inductor}, cores=list(suffix_cores)) as w:
         sides = w.result(3600, log=log)
+    dtypes = [d for d in dtypes if d not in sides["computed_as"]]  # llama.cpp at the precisions measured
     kinds = [{"fp32": "f32", "bf16": "bf16"}[d] for d in dtypes]
     with Worker("decode_llama", {"prompt": prompt, "new_tokens": new_tokens, "threads": threads, "kinds": kinds},
                 cores=list(suffix_cores)) as w:
@@ -328,6 +337,8 @@ def markdown(d: dict) -> str:
              "each row): per token, ms",
              "", "| K | dtype | decode step | suffix linears | suffix p50 | read GB/s | floor (weights + KV / "
              "bandwidth) | floor / time | prefix p50 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, c in d.get("computed_as", {}).items():
+        lines[0] += f"; {name} is not measured apart: {c['reason']} (the {c['precision']} rows)"
     for r in d["rows"]:
         step = r.get("step", "eager")
         how = (f"packed ({r['packed_linears']}{' + LM head' if r.get('head_packed') else ''})"

@@ -81,13 +81,17 @@ def _read_bytes(block, tokens: int, element: int) -> int:
 
 
 def run_moe(blocks: int = 2, tokens: tuple[int, ...] = (256, 1024), dtypes: tuple[str, ...] = ("bf16", "fp32"),
-            repeats: int = 3, threads: int = 1, experts: int | None = None, log=print) -> dict:
+            repeats: int = 3, threads: int = 1, experts: int | None = None, cpu=None, log=print) -> dict:
     """Measure ``blocks`` Qwen3-30B-A3B decoder blocks (``experts``: fewer experts, for a short run) on ``threads``
-    threads of this process, per dtype and prompt length. Returns ``{"config", "blocks", "threads",
-    "gpu_bytes_per_block", "active_params_per_block", "params_per_block", "stream_gbs", "results": [{dtype, tokens,
-    suffix_ms, grouped_ms, eager_ms, speedup_vs_grouped, speedup_vs_eager, active_gflop, active_gflops,
-    gemm_gflops, ratio_to_gemm_peak, read_gb, floor_ms, ratio_to_floor, experts_implementation, packed_linears,
-    packed_experts}]}``. Raises ValueError for an unknown dtype."""
+    threads of this process, per dtype and prompt length. Each dtype is measured in the precision a suffix node
+    computes it in on this CPU (``cpu``: :class:`~hybrid_vla_ros.util.precision.CpuFeatures`, read when None): a
+    dtype computed in another that is measured too (bf16 in fp32 where the CPU has no native bf16) is not measured
+    twice but listed in ``computed_as``. Returns ``{"config", "blocks", "threads", "gpu_bytes_per_block",
+    "active_params_per_block", "params_per_block", "stream_gbs", "computed_as": {dtype: {"precision", "reason"}},
+    "results": [{dtype, precision, precision_reason, tokens, suffix_ms, grouped_ms, eager_ms, speedup_vs_grouped,
+    speedup_vs_eager, active_gflop, active_gflops, gemm_gflops, ratio_to_gemm_peak, read_gb, floor_ms,
+    ratio_to_floor, experts_implementation, packed_linears, packed_experts}]}``. Raises ValueError for an unknown
+    dtype."""
     import torch
     from torch import nn
 
@@ -96,12 +100,17 @@ def run_moe(blocks: int = 2, tokens: tuple[int, ...] = (256, 1024), dtypes: tupl
     from ...model.family_check import _draw_
     from ...model.modeling import run_blocks
     from ...runtime.packed_linear import pack_experts_, pack_linears_
+    from ...util.precision import inference_precision
 
     llm = dict(QWEN3_30B_A3B, num_hidden_layers=int(blocks))
     if experts:
         llm["num_experts"] = int(experts)
     family = text.text_family("qwen3_moe")
     order = sorted(dtypes, key=lambda n: parse_dtype(n) != torch.float32)  # fp32 first: then cast in place
+    precision = {n: inference_precision(parse_dtype(n), cpu=cpu) for n in order}
+    computed_as = {n: {"precision": p.name, "reason": p.reason} for n, p in precision.items()
+                   if p.widened and p.name in order}
+    order = [n for n in order if n not in computed_as]
     before = torch.get_num_threads()
     torch.set_num_threads(int(threads))
     try:
@@ -110,7 +119,7 @@ def run_moe(blocks: int = 2, tokens: tuple[int, ...] = (256, 1024), dtypes: tupl
         layers = text.make_blocks(family, config, 0, blocks)  # one copy of the weights, cast in place
         _draw_(layers, torch.Generator().manual_seed(0))
         active, every = _active_params(layers[0])
-        read = {(t, n): blocks * _read_bytes(layers[0], int(t), parse_dtype(n).itemsize)
+        read = {(t, n): blocks * _read_bytes(layers[0], int(t), precision[n].dtype.itemsize)
                 for t in tokens for n in order}
         holder = nn.Module()
         holder.rotary_emb = text.make_rotary(family, config)
@@ -118,7 +127,9 @@ def run_moe(blocks: int = 2, tokens: tuple[int, ...] = (256, 1024), dtypes: tupl
         stream = _stream_gbs(repeats + 2)
         results = []
         for name in order:
-            dtype = parse_dtype(name)
+            dtype = precision[name].dtype
+            if precision[name].widened:
+                log(f"  moe {name}: {precision[name].reason}")
             layers.to(dtype)
             a = torch.randn(2048, 2048).to(dtype)
             inputs = {t: torch.randn(int(t), int(config.hidden_size)).to(dtype) for t in tokens}
@@ -135,7 +146,9 @@ def run_moe(blocks: int = 2, tokens: tuple[int, ...] = (256, 1024), dtypes: tupl
                     suffix_ms = _median_ms(lambda: run_blocks(holder, layers, inputs[t]), repeats)
                     gflop = blocks * (2 * active * t + 2 * t * t * heads * head_dim) / 1e9
                     floor_ms = max(gflop / gemm * 1e3, read[t, name] / stream / 1e6)
-                    row = {"dtype": name, "tokens": int(t), "suffix_ms": suffix_ms, "grouped_ms": baseline[chosen, t],
+                    row = {"dtype": name, "precision": precision[name].name,
+                           "precision_reason": precision[name].reason, "tokens": int(t), "suffix_ms": suffix_ms,
+                           "grouped_ms": baseline[chosen, t],
                            "eager_ms": baseline["eager", t], "speedup_vs_grouped": baseline[chosen, t] / suffix_ms,
                            "speedup_vs_eager": baseline["eager", t] / suffix_ms, "active_gflop": gflop,
                            "active_gflops": gflop / suffix_ms * 1e3, "gemm_gflops": gemm,
@@ -152,7 +165,7 @@ def run_moe(blocks: int = 2, tokens: tuple[int, ...] = (256, 1024), dtypes: tupl
         torch.set_num_threads(before)
     return {"config": dict(llm), "blocks": int(blocks), "threads": int(threads),
             "gpu_bytes_per_block": 2 * every, "active_params_per_block": active, "params_per_block": every,
-            "stream_gbs": stream, "results": results}
+            "stream_gbs": stream, "computed_as": computed_as, "results": results}
 
 
 def goals(part: dict, add) -> None:
@@ -186,6 +199,8 @@ def markdown(part: dict) -> str:
              "| dtype | T | suffix ms | active GFLOP/s | of GEMM peak | weights read GB | floor ms (floor / suffix) "
              "| transformers ms (speed-up) | eager ms (speed-up) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, c in part.get("computed_as", {}).items():
+        lines[0] += f" {name} is not measured apart: {c['reason']} (the {c['precision']} rows)."
     for r in part["results"]:
         lines.append(f"| {r['dtype']} | {r['tokens']} | {r['suffix_ms']:.0f} | {r['active_gflops']:.0f} | "
                      f"{r['ratio_to_gemm_peak']:.2f} (of {r['gemm_gflops']:.0f}) | {r['read_gb']:.2f} | "
