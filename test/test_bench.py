@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,9 @@ def test_handoff_with_a_tiny_count_gives_sane_figures():
         z = row["zero_copy"][gap]
         assert z["n"] == n and z["lost"] == 0 and z["handoff_ms"]["p50"] > 0 and z["handoff_ms"]["p99"] > 0
         assert sum(z["found"].values()) == n and z["cpu_ms_per_msg"]["consumer"] > 0
+        o = z["outliers"]  # every message over 0.5 ms is given one cause
+        assert o["over_ms"] == 0.5 and sum(o["causes"].values()) == o["n"] <= n
+        assert (o["n"] > 0) == (z["handoff_ms"]["max"] > 0.5)
         if r["iceoryx2"]["available"]:
             assert row["iceoryx2"][gap]["n"] == n and row["ratio_iceoryx2_over_zero_copy"][gap]["p50"] > 0
     assert row["zero_copy_block"]["gap_20ms"]["found"]["found_spinning"] == 0
@@ -253,6 +257,47 @@ def test_handoff_with_a_tiny_count_gives_sane_figures():
     rc = row["rclpy"]["default"]
     assert rc["n"] + rc["lost"] == 2 and (rc["n"] == 0 or rc["latency_ms"]["p50"] > 0)
     assert row["best_rclpy"] == "default" and row["ratio_best_rclpy_over_ring_p50"] > 0
+
+
+def test_a_slow_hand_off_is_given_the_first_cause_that_held_from_the_threads_own_counters():
+    """The outlier causes of the zero-copy part: the thread counters they are read from move as the kernel says
+    (touching fresh pages faults; two busy threads on one core wait on its run queue), and a cause is the first
+    that held, in the documented order."""
+    import threading
+
+    from hybrid_vla_ros.tools.bench.zero_copy import CAUSES, RUN_DELAY_MS, cause_of, thread_counters
+
+    faults0, _, _ = thread_counters()
+    block = bytearray(32 * 2**20)  # zero pages mapped on first write
+    block[::4096] = b"x" * len(block[::4096])
+    assert thread_counters()[0] - faults0 >= 32 * 2**20 // 4096 // 2
+    core = sorted(os.sched_getaffinity(0))[:1]
+    waited = []
+
+    def busy():
+        os.sched_setaffinity(0, core)
+        before = thread_counters()
+        t = time.monotonic() + 0.3
+        while time.monotonic() < t:
+            pass
+        waited.append([a - b for a, b in zip(thread_counters()[1:], before[1:])])
+
+    threads = [threading.Thread(target=busy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # two threads spinning 0.3 s on one core: each is switched out and waits its turn (schedstat where it exists)
+    assert max(w[0] for w in waited) > 0
+    assert max(w[1] for w in waited) > RUN_DELAY_MS * 1e6 or not os.path.exists("/proc/thread-self/schedstat")
+    slow = RUN_DELAY_MS * 1e6 + 1
+    assert cause_of("found_after_block", 1, 1, slow, 1) == "page_faults"
+    assert cause_of("found_after_block", 0, 1, 0, 1) == cause_of("found_spinning", 0, 0, slow) == "preempted"
+    assert cause_of("found_ready", 0, 0, 0, 0, (0, slow)) == "preempted"  # the producer waited inside publish
+    assert cause_of("found_after_block", 0, 0, 0, 1) == "spin_window"
+    assert cause_of("found_after_block", 0, 0, 0, 0) == "wake_up"
+    assert [cause_of("found_spinning", 0, 0, 0), cause_of("found_ready", 0, 0, 0)] == ["spin", "ready"]
+    assert CAUSES == ("page_faults", "preempted", "spin_window", "wake_up", "spin", "ready")
 
 
 def test_quick_run_writes_complete_json_markdown_and_pngs(tmp_path):
@@ -297,8 +342,6 @@ def test_quick_moe_part_times_qwen3_30b_a3b_blocks_against_the_gemm_peak_and_eag
     16-bit parameters), and the markdown table. bf16 packs the experts where oneDNN computes bf16 natively; on a CPU
     without native bf16 it is computed in fp32 as a suffix node computes it, so it is not measured twice but named
     in ``computed_as``. Figures are reported, not asserted."""
-    import torch
-
     from hybrid_vla_ros.runtime.packed_linear import packing_supported
     from hybrid_vla_ros.util.precision import inference_precision
 
@@ -615,8 +658,6 @@ def test_quick_decode_part_measures_the_suffix_against_its_bandwidth_floor_and_t
     weights, LM head and static KV cache (its ratio to the measured time is a fraction: a byte count off by a block
     or the head would show), and the round trip crosses between two processes. On a CPU without native bf16, bf16
     is computed in fp32 as a suffix node computes it: not measured twice, named in ``computed_as``."""
-    import torch
-
     from hybrid_vla_ros.util.precision import inference_precision
 
     bf16 = inference_precision(torch.bfloat16)

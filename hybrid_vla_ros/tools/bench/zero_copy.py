@@ -22,6 +22,18 @@ is idle and waiting, as a suffix waiting for the next camera frame is. Consumers
 CPU per message: producer = CPU time of its ``publish`` (ring) or ``send`` + ``notify`` (iceoryx2) calls,
 consumer = CPU time of its whole process over the measured messages (waiting, spinning, reading, the
 acknowledgement), both ``time.process_time_ns``; ``spin_ms_per_msg`` = the ring consumer's ``spin_ms``.
+
+Where a slow hand-off came from (``outliers``: every message over :data:`OUTLIER_MS`, each given the first cause
+that holds, in this order): ``page_faults`` (the consumer's thread faulted between its acknowledgement of the last
+message and its view of this one: ``getrusage(RUSAGE_THREAD)`` minor + major faults), ``preempted`` (the consumer's
+thread or the producer's in its publish waited on a run queue for more than :data:`RUN_DELAY_MS`, or was switched
+out involuntarily: ``/proc/thread-self/schedstat``'s run delay, ``ru_nivcsw``), ``spin_window`` (the ring's spin
+ran and missed the message: the window the period predicted closed before the publish, and the consumer blocked),
+``wake_up`` (found after blocking on the socket: the kernel's wake-up of a sleeping thread), ``spin`` (found by
+polling, none of the above) and ``ready`` (there on the first look). ``spin`` and ``ready`` outliers are what the
+guest's own counters cannot explain: on a virtual machine a vCPU the hypervisor did not run is not in them (its
+steal time is counted per CPU in 10 ms ticks, too coarse for one message), and CPU frequency is not read (a virtual
+machine has no cpufreq).
 """
 from __future__ import annotations
 
@@ -37,6 +49,31 @@ ATTACH_TIMEOUT_S = 120.0
 ACK_TIMEOUT_S = 30.0
 SPIN = {"lead_ms": 1.0, "max_ms": 5.0}  # the suffix node's defaults (schema ring.spin_lead_ms / spin_max_ms)
 METHODS = ("zero_copy", "zero_copy_block", "iceoryx2")
+#: A hand-off slower than this (ms) is an outlier whose cause is reported (the issue's p99 bound).
+OUTLIER_MS = 0.5
+#: Run-queue wait (ms) over which a message counts as preempted.
+RUN_DELAY_MS = 0.05
+#: The causes, in the order they are tried (module docstring).
+CAUSES = ("page_faults", "preempted", "spin_window", "wake_up", "spin", "ready")
+
+
+def thread_counters() -> tuple[int, int, int]:
+    """(page faults, involuntary context switches, run-queue wait in ns) of the calling thread since it started:
+    ``getrusage(RUSAGE_THREAD)`` minor + major faults and ``ru_nivcsw``, ``/proc/thread-self/schedstat``'s second
+    field (0 where the kernel has no schedstat)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            delay = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        delay = 0
+    return r.ru_minflt + r.ru_majflt, r.ru_nivcsw, delay
+
+
+def _since(before: tuple[int, int, int]) -> list[int]:
+    return [a - b for a, b in zip(thread_counters(), before)]
 
 
 def gap_key(gap_ms: float) -> str:
@@ -88,17 +125,20 @@ def _produce(entries, ack, produce_and_publish) -> list[dict]:
     out = []
     for e in entries:
         src = torch.randn(_shape(e["size_mib"])).to(torch.bfloat16)
-        cpu_ns, lost, sent = 0, 0, {}
+        cpu_ns, lost, sent, held = 0, 0, {}, {}
         for i in range(e["warmup"] + e["count"]):
             if e["gap_ms"]:
                 time.sleep(e["gap_ms"] / 1e3)
+            before = thread_counters()
             seq, t0, cpu = produce_and_publish(src)
+            faults, switched, delay = _since(before)
             ok = _wait_ack(ack, seq)
             if i >= e["warmup"]:
                 cpu_ns += cpu
                 sent[seq] = t0
+                held[seq] = [switched, delay]  # the publish's involuntary switches and run-queue wait
                 lost += not ok
-        out.append({**e, "sent": sent, "producer_cpu_ms": cpu_ns / 1e6, "lost": lost})
+        out.append({**e, "sent": sent, "held": held, "producer_cpu_ms": cpu_ns / 1e6, "lost": lost})
     return out
 
 
@@ -130,7 +170,9 @@ def ring_producer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
 
 def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, threads: int = 1,
                        rt_priority: int = 0) -> dict:
-    """Worker: the ring consumer (spin per entry's ``spin``); records [seq, t_publish_ns, t_view_ns, found]."""
+    """Worker: the ring consumer (spin per entry's ``spin``); records [seq, t_publish_ns, t_view_ns, found, faults,
+    involuntary switches, run-queue wait ns, spins missed] (the last four from its acknowledgement of the message
+    before)."""
     import torch
 
     from ...transport.ring import SpinPolicy
@@ -148,12 +190,13 @@ def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
             for i in range(e["warmup"] + e["count"]):
                 if i == e["warmup"]:
                     cpu0, spin0 = time.process_time_ns(), cons.stats.spin_ms
-                before = cons.stats
+                before, counters = cons.stats, thread_counters()
                 slot = cons.read(ACK_TIMEOUT_S)
                 if slot is None:
                     raise TimeoutError(f"no ring frame within {ACK_TIMEOUT_S} s")
                 view = slot.tensor  # the zero-copy view the suffix computes on
                 t_view = time.monotonic_ns()
+                counters = _since(counters)
                 after = cons.stats
                 found = after.found_by(before)
                 m = slot.meta
@@ -161,7 +204,8 @@ def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
                 slot.release()
                 ack.send(m.seq.to_bytes(8, "little"))
                 if i >= e["warmup"]:
-                    recs.append([m.seq, m.t_publish_ns, t_view, found])
+                    recs.append([m.seq, m.t_publish_ns, t_view, found, *counters,
+                                 after.spin_misses - before.spin_misses])
             out.append({**e, "records": recs, "consumer_cpu_ms": (time.process_time_ns() - cpu0) / 1e6,
                         "spin_ms": cons.stats.spin_ms - spin0})
     return {"entries": out}
@@ -232,7 +276,7 @@ def iox_consumer_task(chan, *, service: str, entries: list[dict], ack_fd: int, t
         for i in range(e["warmup"] + e["count"]):
             if i == e["warmup"]:
                 cpu0 = time.process_time_ns()
-            found = "found_ready"
+            found, counters = "found_ready", thread_counters()
             sample = sub.receive()
             while sample is None:
                 listener.timed_wait(wait)
@@ -240,12 +284,13 @@ def iox_consumer_task(chan, *, service: str, entries: list[dict], ack_fd: int, t
                 sample = sub.receive()
             view = torch.frombuffer(sample.payload().as_memory_view(), dtype=torch.uint8)
             t_view = time.monotonic_ns()
+            counters = _since(counters)
             seq = int.from_bytes(bytes(view[:8]), "little")
             del view
             sample.delete()
             ack.send(seq.to_bytes(8, "little"))
             if i >= e["warmup"]:
-                recs.append([seq, None, t_view, found])
+                recs.append([seq, None, t_view, found, *counters, 0])
         out.append({**e, "records": recs, "consumer_cpu_ms": (time.process_time_ns() - cpu0) / 1e6, "spin_ms": 0.0})
     return {"entries": out}
 
@@ -275,19 +320,38 @@ def _run_pair(tasks: tuple[str, str], args: dict, entries: list[dict], producer_
         b.close()
 
 
+def cause_of(found: str, faults: int, switched: int, delay_ns: int, spin_missed: int = 0,
+             producer: tuple[int, int] = (0, 0)) -> str:
+    """The cause (:data:`CAUSES`) given to one slow hand-off: ``found`` is how the consumer found the message
+    (``found_ready`` / ``found_spinning`` / ``found_after_block``), ``faults``, ``switched``, ``delay_ns`` the
+    consumer thread's counters over its wait (:func:`thread_counters`), ``spin_missed`` the spins that missed in
+    it, ``producer`` the publish's (involuntary switches, run-queue wait ns)."""
+    if faults > 0:
+        return "page_faults"
+    if switched > 0 or producer[0] > 0 or max(delay_ns, producer[1]) > RUN_DELAY_MS * 1e6:
+        return "preempted"
+    if found == "found_after_block":
+        return "spin_window" if spin_missed else "wake_up"
+    return "spin" if found == "found_spinning" else "ready"
+
+
 def _summary(p: dict, c: dict) -> dict:
     recs = c["records"]
-    lat = []
-    for seq, t_pub, t_view, _found in recs:
+    lat, causes = [], dict.fromkeys(CAUSES, 0)
+    for seq, t_pub, t_view, found, faults, switched, delay, missed in recs:
         t0 = t_pub if t_pub is not None else p["sent"].get(seq, p["sent"].get(str(seq)))
         if t0 is not None:
             lat.append((t_view - t0) / 1e6)
+            if lat[-1] > OUTLIER_MS:
+                held = p["held"].get(seq, p["held"].get(str(seq), (0, 0)))
+                causes[cause_of(found, faults, switched, delay, missed, tuple(held))] += 1
     n = max(len(recs), 1)
     found = {k: sum(r[3] == k for r in recs) for k in ("found_ready", "found_spinning", "found_after_block")}
     return {"gap_ms": p["gap_ms"], "handoff_ms": percentiles(lat), "n": len(lat), "lost": p["lost"],
             "cpu_ms_per_msg": {"producer": p["producer_cpu_ms"] / n, "consumer": c["consumer_cpu_ms"] / n,
                                "total": (p["producer_cpu_ms"] + c["consumer_cpu_ms"]) / n},
-            "spin_ms_per_msg": c["spin_ms"] / n, "found": found}
+            "spin_ms_per_msg": c["spin_ms"] / n, "found": found,
+            "outliers": {"over_ms": OUTLIER_MS, "n": sum(causes.values()), "causes": causes}}
 
 
 def run_zero_copy(sizes_mib, *, gaps_ms=(0.0, 20.0, 100.0), count: int = 200, gap_count: int = 60, warmup: int = 10,
