@@ -17,6 +17,7 @@ from hybrid_vla_ros.split.planner import (
     activation_peak,
     activation_phases,
     choose_split_layer,
+    format_table,
     handoff_bytes,
     plan_for_checkpoint,
     plan_for_preset,
@@ -46,9 +47,35 @@ def _stage_bytes(stage):
 
 # ------------------------------------------------------------------------------------------ bytes
 
+def test_the_cpu_suffix_is_counted_in_the_precision_a_suffix_node_computes_in():
+    """A bf16 plan on a CPU without native bf16 (an AVX2 host's flags) counts the CPU suffix in the fp32 a suffix
+    node with ``inference_precision: auto`` loads it in (2x the bf16 bytes), the GPU prefix in bf16, and says why;
+    on a CPU with AMX, or with ``dtype``, the suffix stays bf16."""
+    from hybrid_vla_ros.util.precision import CpuFeatures
+
+    avx2 = CpuFeatures("AMD EPYC", "x86", frozenset({"sse2", "avx", "avx2", "fma", "f16c"}))
+    amx = CpuFeatures("Intel Xeon", "x86", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
+    cfg = preset("smol")
+    fp32, bf16 = plan_split(cfg, "fp32"), plan_split(cfg, "bf16", cpu=amx)
+    widened = plan_split(cfg, "bf16", cpu=avx2)
+    kept = plan_split(cfg, "bf16", cpu=avx2, cpu_precision="dtype")
+    assert (widened.dtype, widened.suffix_dtype, bf16.suffix_dtype, kept.suffix_dtype) == ("bf16", "fp32", "bf16",
+                                                                                           "bf16")
+    for w, f, b, k in zip(widened.rows, fp32.rows, bf16.rows, kept.rows):
+        assert w.cpu_weight_bytes == f.cpu_weight_bytes == 2 * b.cpu_weight_bytes == 2 * k.cpu_weight_bytes
+        assert w.cpu_total_bytes == f.cpu_total_bytes and b.cpu_total_bytes == k.cpu_total_bytes
+        assert w.gpu_total_bytes == b.gpu_total_bytes < f.gpu_total_bytes or w.k == 0
+    assert fp32.rows[0].cpu_weight_bytes > 0
+    assert any("the CPU suffix's memory counts fp32: bf16 asked: computed in fp32" in n for n in widened.notes)
+    assert not any("CPU suffix's memory" in n for n in bf16.notes + kept.notes)
+    assert "(the CPU suffix in fp32)" in format_table(widened) and "CPU suffix in" not in format_table(bf16)
+    with pytest.raises(ValueError, match="inference_precision must be one of"):
+        plan_split(cfg, "bf16", cpu_precision="fast")
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_weight_bytes_equal_the_loaded_stages_for_every_k(tiny_checkpoint, dtype):
-    plan = plan_for_checkpoint(tiny_checkpoint, dtype=dtype)
+    plan = plan_for_checkpoint(tiny_checkpoint, dtype=dtype, cpu_precision="dtype")  # the suffix kept in dtype
     assert len(plan.rows) == plan.num_layers + 1 == 5
     for row in plan.rows:
         pre = load_stage(tiny_checkpoint, "prefix", row.k, dtype=dtype)
@@ -240,7 +267,7 @@ def test_planning_orion_fp16_uses_no_real_memory_and_counts_weights_exactly():
     plan_for_preset("tiny")  # imports and first-call caches out of the way
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
-    plan = plan_for_preset("orion", gpu_budget_gb=29, dtype="fp16")
+    plan = plan_for_preset("orion", gpu_budget_gb=29, dtype="fp16", cpu_precision="dtype")
     grown = proc.memory_info().rss - rss0
     assert grown < 200e6, f"planning orion grew RSS by {grown / 1e6:.0f} MB"
     cfg = preset("orion")

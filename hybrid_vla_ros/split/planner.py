@@ -367,6 +367,9 @@ class Plan:
     prefix_device: str | None = None
     suffix_device: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: The dtype the CPU suffix's memory columns count: what a suffix node computes in on this CPU
+    #: (:func:`~hybrid_vla_ros.util.precision.inference_precision`), fp32 for bf16 / fp16 without native units.
+    suffix_dtype: str = ""
 
     def row(self, k: int) -> PlanRow:
         """The row of split layer k. Raises IndexError when k is out of [0, L]."""
@@ -453,16 +456,19 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
                gpu_budget_bytes: int | float | None = None, cuda_overhead_bytes: int | float | None = None,
                suffix_dtype: str | torch.dtype | None = None, model_name: str = "",
                profile_name: str | None = None, preprocess_ms: float | None = None,
-               decode_tokens: int | None = None) -> Plan:
+               decode_tokens: int | None = None, cpu_precision: str = "auto", cpu=None) -> Plan:
     """Memory (and, with a profile, latency) of every split layer of ``cfg``, and the chosen K.
 
-    ``suffix_dtype`` defaults to ``dtype``. ``decode_tokens`` > 0: each frame also decodes that many tokens
-    (:meth:`LatencyModel.predict_decode`, both KV caches in the memory; the next frame's prefill runs in the decode's
-    gaps, so the prefix's cycle is its prefill and its steps, the suffix's its prefill, the hand-off and the whole
-    decode); None (default): what the checkpoint's ``decode`` config says (:func:`frame_decode`; its KV caches of
-    every turn), 0 without one. Raises ValueError (bad dtype or token count, profile of another architecture or,
-    for a count given, without decode steps; no K fits), RuntimeError when the ring's slot size disagrees with the
-    hand-off payload.
+    ``suffix_dtype`` defaults to ``dtype``; the CPU suffix's memory is counted in the dtype a suffix node with
+    ``inference_precision: cpu_precision`` (``auto`` or ``dtype``) computes it in on ``cpu``
+    (:class:`~hybrid_vla_ros.util.precision.CpuFeatures`; this host's when None): fp32 for a bf16 / fp16 suffix on a
+    CPU without native units for it under ``auto``, said in the notes. ``decode_tokens`` > 0: each frame also
+    decodes that many tokens (:meth:`LatencyModel.predict_decode`, both KV caches in the memory; the next frame's
+    prefill runs in the decode's gaps, so the prefix's cycle is its prefill and its steps, the suffix's its prefill,
+    the hand-off and the whole decode); None (default): what the checkpoint's ``decode`` config says
+    (:func:`frame_decode`; its KV caches of every turn), 0 without one. Raises ValueError (bad dtype, precision mode
+    or token count, profile of another architecture or, for a count given, without decode steps; no K fits),
+    RuntimeError when the ring's slot size disagrees with the hand-off payload.
     """
     from_config = decode_tokens is None
     kv_from_config = 0
@@ -474,6 +480,12 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
 
     dtype = _as_dtype(dtype)
     sdtype = _as_dtype(suffix_dtype) if suffix_dtype is not None else dtype
+    widened = None
+    if sdtype in (torch.float32, torch.bfloat16, torch.float16):
+        from ..util.precision import inference_precision
+
+        precision = inference_precision(sdtype, cpu_precision, cpu)
+        sdtype, widened = precision.dtype, precision if precision.widened else None
     overhead = int(round(DEFAULT_CUDA_OVERHEAD_GB * GB if cuda_overhead_bytes is None else cuda_overhead_bytes))
     if overhead < 0:
         raise ValueError("cuda overhead must be >= 0 bytes")
@@ -488,6 +500,8 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
     lat = latency_model(profile, cfg, dtype, preprocess_ms) if profile is not None else None
     sm = split_model(cfg)
     extra_notes = list(sm.plan_notes)
+    if widened is not None:
+        extra_notes.append(f"the CPU suffix's memory counts {widened.name}: {widened.reason}")
     moe = expert_counts(cfg)
     if moe is not None:
         extra_notes.append(
@@ -554,7 +568,8 @@ def plan_split(cfg: VLAConfig, dtype: str | torch.dtype = "fp16", *, profile: di
                 gpu_budget_bytes=None if gpu_budget_bytes is None else int(gpu_budget_bytes),
                 cuda_overhead_bytes=overhead, rows=rows, chosen_k=k, reason=reason, profile=profile_name,
                 prefix_device=lat.prefix_device if lat else None, suffix_device=lat.suffix_device if lat else None,
-                notes=(list(lat.notes) if lat else []) + extra_notes)
+                notes=(list(lat.notes) if lat else []) + extra_notes,
+                suffix_dtype=DTYPE_NAMES.get(sdtype, str(sdtype)))
 
 
 def _gb_to_bytes(gb: float | None) -> int | None:
@@ -570,32 +585,32 @@ def plan_for_checkpoint(model_path: str | Path, profile_path: str | Path | None 
                         cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None, *,
                         tokens: int = 512, cameras: int | None = None, trust_model_code: bool | None = None,
                         prompt: str | None = None, camera_size: tuple[int, int] | None = None,
-                        decode_tokens: int | None = None) -> Plan:
+                        decode_tokens: int | None = None, cpu_precision: str = "auto") -> Plan:
     """Plan the checkpoint at ``model_path`` from its config files only (no weights).
 
     ``tokens``: T of a bare transformers language model; ``cameras`` / ``prompt`` / ``camera_size`` /
     ``trust_model_code``: as :func:`hybrid_vla_ros.model.checkpoint.open_checkpoint`. ``gpu_budget_gb``: None for
-    no limit. ``decode_tokens``: as :func:`plan_split`. Raises FileNotFoundError (no config or profile),
-    ValueError (bad config, dtype or profile, no K fits).
+    no limit. ``decode_tokens``, ``cpu_precision``: as :func:`plan_split`. Raises FileNotFoundError (no config or
+    profile), ValueError (bad config, dtype or profile, no K fits).
     """
     from ..model.checkpoint import open_checkpoint
 
     ck = open_checkpoint(model_path, tokens=tokens, cameras=cameras, trust_model_code=trust_model_code,
                          prompt=prompt, camera_size=camera_size)
     return _plan_with(ck.model, str(model_path), profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms,
-                      decode_tokens)
+                      decode_tokens, cpu_precision)
 
 
 def plan_for_preset(name: str, profile_path: str | Path | None = None, gpu_budget_gb: float | None = None,
                     dtype: str = "fp16", cuda_overhead_gb: float | None = None, preprocess_ms: float | None = None,
-                    decode_tokens: int | None = None, **overrides) -> Plan:
+                    decode_tokens: int | None = None, cpu_precision: str = "auto", **overrides) -> Plan:
     """Like :func:`plan_for_checkpoint` for a preset architecture (``overrides`` as in :func:`preset`)."""
     return _plan_with(preset(name, **overrides), name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb,
-                      preprocess_ms, decode_tokens)
+                      preprocess_ms, decode_tokens, cpu_precision)
 
 
 def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, preprocess_ms=None,
-               decode_tokens: int | None = None) -> Plan:
+               decode_tokens: int | None = None, cpu_precision: str = "auto") -> Plan:
     if preprocess_ms is not None and not (preprocess_ms >= 0 and math.isfinite(preprocess_ms)):
         raise ValueError(f"preprocess_ms must be a finite number >= 0, got {preprocess_ms!r}")
     profile = None
@@ -606,7 +621,7 @@ def _plan_with(cfg, name, profile_path, gpu_budget_gb, dtype, cuda_overhead_gb, 
     return plan_split(cfg, dtype, profile=profile, gpu_budget_bytes=_gb_to_bytes(gpu_budget_gb),
                       cuda_overhead_bytes=_gb_to_bytes(cuda_overhead_gb), model_name=name,
                       profile_name=None if profile_path is None else str(profile_path), preprocess_ms=preprocess_ms,
-                      decode_tokens=decode_tokens)
+                      decode_tokens=decode_tokens, cpu_precision=cpu_precision)
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -637,6 +652,8 @@ def format_table(plan: Plan, dtype_note: str = "") -> str:
                      f"{r.prefix_token_ms:.2f}+{r.round_trip_ms:.2f}+{r.suffix_token_ms:.2f}")
             line[-2:-2] = [f"{r.gpu_kv_bytes / div:.3f}/{r.cpu_kv_bytes / div:.3f}", token, _fmt_ms(r.decode_ms)]
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
+    if plan.suffix_dtype and plan.suffix_dtype != plan.dtype:
+        dtype_note += f" (the CPU suffix in {plan.suffix_dtype})"
     out = [f"split plan for {plan.model}: {plan.num_layers} decoder blocks, dtype {plan.dtype}{dtype_note}, "
            f"hidden states {tuple(plan.prefix_state_shape)}; GPU budget "
            + ("none" if plan.gpu_budget_bytes is None else f"{plan.gpu_budget_bytes / GB:.2f} GB")

@@ -341,13 +341,13 @@ def _plan(args: argparse.Namespace) -> int:
         if args.preset:
             plan = planner.plan_for_preset(args.preset, args.profile, args.gpu_budget_gb, args.dtype,
                                            args.cuda_overhead_gb, args.preprocess_ms, args.decode_tokens,
-                                           **dict(args.set))
+                                           args.cpu_precision, **dict(args.set))
         else:
             plan = planner.plan_for_checkpoint(args.model, args.profile, args.gpu_budget_gb, args.dtype,
                                                args.cuda_overhead_gb, args.preprocess_ms, tokens=args.tokens,
                                                cameras=args.cameras, trust_model_code=args.trust_model_code or None,
                                                prompt=args.prompt, camera_size=args.camera_size,
-                                               decode_tokens=args.decode_tokens)
+                                               decode_tokens=args.decode_tokens, cpu_precision=args.cpu_precision)
     except (FileNotFoundError, ValueError) as e:
         return _err("plan", e)
     print(planner.format_table(plan, _plan_dtype_note(args.dtype)))
@@ -598,6 +598,10 @@ def _add_plan(sub) -> None:
                                     "Sizes in GB are 1e9 bytes.")
     _add_model_source(pl)
     pl.add_argument("--dtype", default=PLAN_DEFAULT_DTYPE, help="dtype of the stages: fp16 (default), bf16, fp32")
+    pl.add_argument("--cpu-precision", choices=("auto", "dtype"), default="auto",
+                    help="the suffix node's inference_precision, for the CPU suffix's memory: auto (default: bf16 / "
+                         "fp16 counted in fp32 on a CPU without native units for them, as the node loads them) or "
+                         "dtype")
     pl.add_argument("--set", type=_option, action="append", default=[], metavar="KEY=VALUE",
                     help="with --preset: override a config field, as init-model --set (e.g. llm_passes=1)")
     pl.add_argument("--gpu-budget-gb", type=float, default=None, metavar="GB",
