@@ -254,6 +254,10 @@ def test_handoff_with_a_tiny_count_gives_sane_figures():
     assert ring["latency_ms"]["p50"] > 0 and ring["copy_ms"]["p50"] > 0 and ring["publish_to_view_ms"]["p50"] > 0
     assert ring["cpu_ms_per_msg"]["total"] > 0
     assert row["memcpy"]["latency_ms"]["p50"] > 0 and row["memcpy"]["bandwidth_gb_s"] > 0
+    waited = row["memcpy_after_wait"]  # each copy after the ring producer's median acknowledgement wait
+    assert waited["latency_ms"]["n"] == 4 and waited["wait_ms"] > 0
+    assert row["ratio_ring_over_memcpy_after_wait_p50"] == pytest.approx(
+        ring["latency_ms"]["p50"] / waited["latency_ms"]["p50"])
     rc = row["rclpy"]["default"]
     assert rc["n"] + rc["lost"] == 2 and (rc["n"] == 0 or rc["latency_ms"]["p50"] > 0)
     assert row["best_rclpy"] == "default" and row["ratio_best_rclpy_over_ring_p50"] > 0
@@ -522,6 +526,11 @@ def test_markdown_and_goals_of_a_synthetic_document(tmp_path):
     assert [(g["id"], g["met"]) for g in goals] == [("handoff_vs_memcpy_8mib", True), ("handoff_vs_rclpy_8mib", True)]
     doc["handoff"]["sizes"][0]["ratio_ring_over_memcpy_p50"] = 1.31  # 1.3x the same run's memcpy at most
     assert report.evaluate_goals(doc)[0]["met"] is False
+    # a document with the memcpy after the producer's wait is judged against that one
+    doc["handoff"]["sizes"][0].update(memcpy_after_wait={"latency_ms": {**pct, "p50": 0.35}, "wait_ms": 0.2},
+                                      ratio_ring_over_memcpy_after_wait_p50=1.14)
+    first = report.evaluate_goals(doc)[0]
+    assert first["met"] is True and first["value"] == 1.14 and "after the same 0.200 ms wait" in first["what"]
     doc["goals"] = goals
     md = report.markdown(doc)
     assert "| 8 MiB |" in md and "50.0x" in md and "| yes |" in md
