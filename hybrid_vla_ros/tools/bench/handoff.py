@@ -13,9 +13,11 @@ Methods (latency = producer write start -> consumer holds a zero-copy view, CLOC
 between processes):
 
 * ``ring``: ``RingProducer.acquire`` -> ``slot.tensor.copy_(src)`` -> ``publish`` ... ``RingConsumer.read``
-  returns the slot's view; 3 slots of the largest size. Latency = ``t_view - FrameMeta.t_write_start_ns``,
-  split into ``copy_ms`` (``t_publish - t_write_start``: the copy into the slot) and ``publish_to_view_ms``
-  (``t_view - t_publish``: header, lock, wake-up datagram, consumer wake-up, slot validation, view).
+  returns the slot's view; 3 slots of the largest size; the consumer waits as the suffix node does by default
+  (spin from 1 ms before the predicted frame, at most 5 ms, then block: ``ring.spin_lead_ms`` / ``spin_max_ms``).
+  Latency = ``t_view - FrameMeta.t_write_start_ns``, split into ``copy_ms`` (``t_publish - t_write_start``: the
+  copy into the slot) and ``publish_to_view_ms`` (``t_view - t_publish``: header, lock, wake-up datagram, consumer
+  wake-up, slot validation, view).
 * ``rclpy`` variants, each in fresh publisher and subscriber processes with the variant's environment for both
   ends and nothing else of Fast DDS inherited (:func:`.common.ros_env`): ``t0`` is taken before
   ``tensor -> bytes`` (the copy that corresponds to the ring's copy into the slot), the bytes go into
@@ -164,9 +166,13 @@ def ring_consumer_task(chan, *, segment: str, schedule: list[dict], ack_fd: int,
     t_view_ns] and the CPU ms of the measured messages."""
     import torch
 
+    from ...transport.ring import SpinPolicy
+    from .zero_copy import SPIN
+
     torch.set_num_threads(threads)
     ack = socket.socket(fileno=ack_fd)
-    cons = attach_consumer(segment, ATTACH_TIMEOUT_S)
+    # the suffix node's default wake-up: spin from just before the predicted frame, then block
+    cons = attach_consumer(segment, ATTACH_TIMEOUT_S, spin=SpinPolicy(SPIN["lead_ms"], SPIN["max_ms"]))
     out = []
     with cons:
         chan.send({"type": "ready"})
