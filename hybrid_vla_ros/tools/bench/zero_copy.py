@@ -119,7 +119,9 @@ def _wait_ack(ack: socket.socket, seq: int) -> bool:
 
 
 def _produce(entries, ack, produce_and_publish) -> list[dict]:
-    """The producer loop shared by both transports: per entry, warm-up + measured frames with the gap."""
+    """The producer loop shared by both transports: per entry, warm-up + measured frames with the gap.
+    ``produce_and_publish(src)`` returns (seq, t0 or None, CPU ns of the publish, :func:`thread_counters` over the
+    publish)."""
     import torch
 
     out = []
@@ -129,14 +131,12 @@ def _produce(entries, ack, produce_and_publish) -> list[dict]:
         for i in range(e["warmup"] + e["count"]):
             if e["gap_ms"]:
                 time.sleep(e["gap_ms"] / 1e3)
-            before = thread_counters()
-            seq, t0, cpu = produce_and_publish(src)
-            faults, switched, delay = _since(before)
+            seq, t0, cpu, (_faults, switched, delay) = produce_and_publish(src)
             ok = _wait_ack(ack, seq)
             if i >= e["warmup"]:
                 cpu_ns += cpu
                 sent[seq] = t0
-                held[seq] = [switched, delay]  # the publish's involuntary switches and run-queue wait
+                held[seq] = [switched, delay]  # the publish's (send + notify's) switches and run-queue wait
                 lost += not ok
         out.append({**e, "sent": sent, "held": held, "producer_cpu_ms": cpu_ns / 1e6, "lost": lost})
     return out
@@ -159,9 +159,9 @@ def ring_producer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
             slot = prod.acquire(tuple(src.shape), torch.bfloat16)
             slot.tensor.copy_(src)  # the prefix's last op writes its output into the slot
             slot.t_write_start_ns = time.monotonic_ns()
-            c0 = time.process_time_ns()
+            c0, counters = time.process_time_ns(), thread_counters()
             seq = prod.publish(slot, stamp_ns=0, split_layer=0)
-            return seq, None, time.process_time_ns() - c0
+            return seq, None, time.process_time_ns() - c0, _since(counters)
 
         chan.send({"type": "ready"})
         chan.recv(ATTACH_TIMEOUT_S)
@@ -240,11 +240,12 @@ def iox_producer_task(chan, *, service: str, entries: list[dict], ack_fd: int, t
         seq = counter[0]
         ctypes.memmove(sample.payload_ptr, seq.to_bytes(8, "little"), 8)
         del view
+        counters = thread_counters()
         t0 = time.monotonic_ns()
         c0 = time.process_time_ns()
         sample.assume_init().send()
         notifier.notify()
-        return seq, t0, time.process_time_ns() - c0
+        return seq, t0, time.process_time_ns() - c0, _since(counters)
 
     chan.send({"type": "ready"})
     chan.recv(ATTACH_TIMEOUT_S)
