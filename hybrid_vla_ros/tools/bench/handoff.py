@@ -104,6 +104,23 @@ def _wait_ack(ack: socket.socket, seq: int, timeout: float) -> bool:
 
 # ------------------------------------------------------------------------------------------ worker tasks
 
+def _timed_copies(src, warmup: int, count: int, wait_s: float = 0.0) -> list[float]:
+    """ms of ``count`` copies of ``src`` into one tensor allocated here, after ``warmup`` untimed ones, each after
+    sleeping ``wait_s`` s (0: back to back)."""
+    import torch
+
+    dst, out = torch.empty_like(src), []
+    for i in range(warmup + count):
+        if wait_s:
+            time.sleep(wait_s)
+        t0 = time.perf_counter_ns()
+        dst.copy_(src)
+        t1 = time.perf_counter_ns()
+        if i >= warmup:
+            out.append((t1 - t0) / 1e6)
+    return out
+
+
 def ring_producer_task(chan, *, segment: str, schedule: list[dict], ack_fd: int, threads: int = 1,
                        memcpy_count: int = 100) -> dict:
     """Producer end of the ring (and the memcpy floor). Returns per size: memcpy samples (ms), CPU ms of the
@@ -123,15 +140,7 @@ def ring_producer_task(chan, *, segment: str, schedule: list[dict], ack_fd: int,
         chan.recv(ATTACH_TIMEOUT_S)  # "go": the consumer is attached
         for entry, shape in zip(schedule, shapes):
             src = torch.randn(shape).to(dtype)
-            dst = torch.empty_like(src)
-            memcpy_ms = []
-            for i in range(entry["warmup"] + memcpy_count):
-                t0 = time.perf_counter_ns()
-                dst.copy_(src)
-                t1 = time.perf_counter_ns()
-                if i >= entry["warmup"]:
-                    memcpy_ms.append((t1 - t0) / 1e6)
-            del dst
+            memcpy_ms = _timed_copies(src, entry["warmup"], memcpy_count)
             lost, cpu0, waits = 0, time.process_time_ns(), []
             for i in range(entry["warmup"] + entry["count"]):
                 if i == entry["warmup"]:
@@ -145,16 +154,7 @@ def ring_producer_task(chan, *, segment: str, schedule: list[dict], ack_fd: int,
                 waits.append(time.perf_counter_ns() - t_wait)
             cpu_ms = (time.process_time_ns() - cpu0) / 1e6
             wait_s = sorted(waits)[len(waits) // 2] / 1e9  # the producer idles this long before each copy
-            dst = torch.empty_like(src)
-            after_wait = []
-            for i in range(entry["warmup"] + memcpy_count):
-                time.sleep(wait_s)
-                t0 = time.perf_counter_ns()
-                dst.copy_(src)
-                t1 = time.perf_counter_ns()
-                if i >= entry["warmup"]:
-                    after_wait.append((t1 - t0) / 1e6)
-            del dst
+            after_wait = _timed_copies(src, entry["warmup"], memcpy_count, wait_s)
             out.append({"size_mib": entry["size_mib"], "memcpy_ms": memcpy_ms, "memcpy_after_wait_ms": after_wait,
                         "wait_ms": wait_s * 1e3, "cpu_ms": cpu_ms, "lost": lost})
         stats = prod.stats
