@@ -216,6 +216,21 @@ def _flops_goals(f: dict, add) -> None:
 HANDOFF_MEMCPY_RATIO, HANDOFF_MEMCPY_FROM_MIB = 1.3, 4.0  # ratio, MiB
 
 
+def _copy_handoff_goal(row: dict, add) -> None:
+    """The copy hand-off's goal of one ``handoff.sizes`` row, from :data:`HANDOFF_MEMCPY_FROM_MIB` up. The copy the
+    ring makes follows the producer's wait for an acknowledgement: its limit is a memcpy after the same wait
+    (``memcpy_after_wait``, handoff.py); a document without it is judged against the back-to-back memcpy."""
+    waited = row.get("memcpy_after_wait")
+    v = row.get("ratio_ring_over_memcpy_after_wait_p50" if waited else "ratio_ring_over_memcpy_p50")
+    if row["size_mib"] < HANDOFF_MEMCPY_FROM_MIB or v is None:
+        return
+    limit = (f"memcpy after the same {_f(waited['wait_ms'], 3)} ms wait p50 {_f(waited['latency_ms']['p50'], 3)} "
+             "ms; back to back " if waited else "memcpy p50 ") + f"{_f(row['memcpy']['latency_ms']['p50'], 3)} ms"
+    add(f"handoff_vs_memcpy_{row['size_mib']:g}mib", "handoff", f"ring p50 / memcpy p50 at {row['size_mib']:g} MiB "
+        f"(ring {_f(row['ring']['latency_ms']['p50'], 3)} ms; {limit})", v, f"<= {HANDOFF_MEMCPY_RATIO}",
+        v <= HANDOFF_MEMCPY_RATIO)
+
+
 def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_ratio: float = 40.0) -> list[dict]:
     """The issue's goals against the measured figures: [{id, part, what, value, target, met}]. The copy hand-off
     is judged against the same run's memcpy of the same bytes (:data:`HANDOFF_MEMCPY_RATIO` from
@@ -230,18 +245,7 @@ def evaluate_goals(doc: dict, *, handoff_size_mib: float = 8.0, handoff_ratio: f
     h = doc.get("handoff")
     if h:
         for row in h["sizes"]:
-            # the copy the ring makes follows the producer's wait for an acknowledgement: its limit is a memcpy
-            # after the same wait (handoff.py); documents without it are judged against the back-to-back one
-            waited = row.get("memcpy_after_wait")
-            v = row.get("ratio_ring_over_memcpy_after_wait_p50" if waited else "ratio_ring_over_memcpy_p50")
-            if row["size_mib"] >= HANDOFF_MEMCPY_FROM_MIB and v is not None:
-                limit = (f"memcpy after the same {_f(waited['wait_ms'], 3)} ms wait p50 "
-                         f"{_f(waited['latency_ms']['p50'], 3)} ms; back to back "
-                         if waited else "memcpy p50 ") + f"{_f(row['memcpy']['latency_ms']['p50'], 3)} ms"
-                add(f"handoff_vs_memcpy_{row['size_mib']:g}mib", "handoff",
-                    f"ring p50 / memcpy p50 at {row['size_mib']:g} MiB (ring "
-                    f"{_f(row['ring']['latency_ms']['p50'], 3)} ms; {limit})", v, f"<= {HANDOFF_MEMCPY_RATIO}",
-                    v <= HANDOFF_MEMCPY_RATIO)
+            _copy_handoff_goal(row, add)
         row = next((r for r in h["sizes"] if r["size_mib"] == handoff_size_mib), None)
         if row is not None:
             r = row["ratio_best_rclpy_over_ring_p50"]
