@@ -41,6 +41,7 @@ import ctypes
 import socket
 import time
 import uuid
+from typing import NamedTuple
 
 from .common import Worker, attach_consumer, percentiles
 
@@ -57,10 +58,39 @@ RUN_DELAY_MS = 0.05
 CAUSES = ("page_faults", "preempted", "spin_window", "wake_up", "spin", "ready")
 
 
-def thread_counters() -> tuple[int, int, int]:
-    """(page faults, involuntary context switches, run-queue wait in ns) of the calling thread since it started:
-    ``getrusage(RUSAGE_THREAD)`` minor + major faults and ``ru_nivcsw``, ``/proc/thread-self/schedstat``'s second
-    field (0 where the kernel has no schedstat)."""
+class ThreadCounters(NamedTuple):
+    """A thread's counters since it started, or the change between two readings (:meth:`since`): ``faults`` (minor +
+    major page faults), ``switched`` (involuntary context switches), ``run_delay_ns`` (time runnable but waiting on a
+    run queue, ns)."""
+
+    faults: int
+    switched: int
+    run_delay_ns: int
+
+    def since(self, before: "ThreadCounters") -> "ThreadCounters":
+        """The change from ``before`` to these counters."""
+        return ThreadCounters(*(a - b for a, b in zip(self, before)))
+
+
+class ZeroCopyRecord(NamedTuple):
+    """One measured zero-copy message as a consumer worker records it (a list once through the worker's JSON):
+    ``t_publish_ns`` (ring: FrameMeta.t_publish_ns; None for iceoryx2, whose t0 the producer keeps), ``t_view_ns``
+    (CLOCK_MONOTONIC), ``found`` (:attr:`~hybrid_vla_ros.transport.stats.ConsumerStats.FOUND`), the consumer
+    thread's :class:`ThreadCounters` over its wait, flattened, and ``spin_missed`` (spins that missed in it)."""
+
+    seq: int
+    t_publish_ns: int | None
+    t_view_ns: int
+    found: str
+    faults: int
+    switched: int
+    run_delay_ns: int
+    spin_missed: int
+
+
+def thread_counters() -> ThreadCounters:
+    """The calling thread's :class:`ThreadCounters`: ``getrusage(RUSAGE_THREAD)`` minor + major faults and
+    ``ru_nivcsw``, ``/proc/thread-self/schedstat``'s second field (0 where the kernel has no schedstat)."""
     import resource
 
     r = resource.getrusage(resource.RUSAGE_THREAD)
@@ -69,11 +99,7 @@ def thread_counters() -> tuple[int, int, int]:
             delay = int(f.read().split()[1])
     except (OSError, IndexError, ValueError):
         delay = 0
-    return r.ru_minflt + r.ru_majflt, r.ru_nivcsw, delay
-
-
-def _since(before: tuple[int, int, int]) -> list[int]:
-    return [a - b for a, b in zip(thread_counters(), before)]
+    return ThreadCounters(r.ru_minflt + r.ru_majflt, r.ru_nivcsw, delay)
 
 
 def gap_key(gap_ms: float) -> str:
@@ -120,8 +146,8 @@ def _wait_ack(ack: socket.socket, seq: int) -> bool:
 
 def _produce(entries, ack, produce_and_publish) -> list[dict]:
     """The producer loop shared by both transports: per entry, warm-up + measured frames with the gap.
-    ``produce_and_publish(src)`` returns (seq, t0 or None, CPU ns of the publish, :func:`thread_counters` over the
-    publish)."""
+    ``produce_and_publish(src)`` returns (seq, t0 or None, CPU ns of the publish, the :class:`ThreadCounters` change
+    over the publish)."""
     import torch
 
     out = []
@@ -131,12 +157,12 @@ def _produce(entries, ack, produce_and_publish) -> list[dict]:
         for i in range(e["warmup"] + e["count"]):
             if e["gap_ms"]:
                 time.sleep(e["gap_ms"] / 1e3)
-            seq, t0, cpu, (_faults, switched, delay) = produce_and_publish(src)
+            seq, t0, cpu, publish = produce_and_publish(src)
             ok = _wait_ack(ack, seq)
             if i >= e["warmup"]:
                 cpu_ns += cpu
                 sent[seq] = t0
-                held[seq] = [switched, delay]  # the publish's (send + notify's) switches and run-queue wait
+                held[seq] = [publish.switched, publish.run_delay_ns]  # the publish's (send + notify's)
                 lost += not ok
         out.append({**e, "sent": sent, "held": held, "producer_cpu_ms": cpu_ns / 1e6, "lost": lost})
     return out
@@ -161,7 +187,7 @@ def ring_producer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
             slot.t_write_start_ns = time.monotonic_ns()
             c0, counters = time.process_time_ns(), thread_counters()
             seq = prod.publish(slot, stamp_ns=0, split_layer=0)
-            return seq, None, time.process_time_ns() - c0, _since(counters)
+            return seq, None, time.process_time_ns() - c0, thread_counters().since(counters)
 
         chan.send({"type": "ready"})
         chan.recv(ATTACH_TIMEOUT_S)
@@ -170,9 +196,8 @@ def ring_producer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
 
 def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, threads: int = 1,
                        rt_priority: int = 0) -> dict:
-    """Worker: the ring consumer (spin per entry's ``spin``); records [seq, t_publish_ns, t_view_ns, found, faults,
-    involuntary switches, run-queue wait ns, spins missed] (the last four from its acknowledgement of the message
-    before)."""
+    """Worker: the ring consumer (spin per entry's ``spin``); a :class:`ZeroCopyRecord` per measured message (its
+    counters from its acknowledgement of the message before)."""
     import torch
 
     from ...transport.ring import SpinPolicy
@@ -196,7 +221,7 @@ def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
                     raise TimeoutError(f"no ring frame within {ACK_TIMEOUT_S} s")
                 view = slot.tensor  # the zero-copy view the suffix computes on
                 t_view = time.monotonic_ns()
-                counters = _since(counters)
+                counters = thread_counters().since(counters)
                 after = cons.stats
                 found = after.found_by(before)
                 m = slot.meta
@@ -204,8 +229,8 @@ def ring_consumer_task(chan, *, segment: str, entries: list[dict], ack_fd: int, 
                 slot.release()
                 ack.send(m.seq.to_bytes(8, "little"))
                 if i >= e["warmup"]:
-                    recs.append([m.seq, m.t_publish_ns, t_view, found, *counters,
-                                 after.spin_misses - before.spin_misses])
+                    recs.append(ZeroCopyRecord(m.seq, m.t_publish_ns, t_view, found, *counters,
+                                               after.spin_misses - before.spin_misses))
             out.append({**e, "records": recs, "consumer_cpu_ms": (time.process_time_ns() - cpu0) / 1e6,
                         "spin_ms": cons.stats.spin_ms - spin0})
     return {"entries": out}
@@ -245,7 +270,7 @@ def iox_producer_task(chan, *, service: str, entries: list[dict], ack_fd: int, t
         c0 = time.process_time_ns()
         sample.assume_init().send()
         notifier.notify()
-        return seq, t0, time.process_time_ns() - c0, _since(counters)
+        return seq, t0, time.process_time_ns() - c0, thread_counters().since(counters)
 
     chan.send({"type": "ready"})
     chan.recv(ATTACH_TIMEOUT_S)
@@ -285,13 +310,13 @@ def iox_consumer_task(chan, *, service: str, entries: list[dict], ack_fd: int, t
                 sample = sub.receive()
             view = torch.frombuffer(sample.payload().as_memory_view(), dtype=torch.uint8)
             t_view = time.monotonic_ns()
-            counters = _since(counters)
+            counters = thread_counters().since(counters)
             seq = int.from_bytes(bytes(view[:8]), "little")
             del view
             sample.delete()
             ack.send(seq.to_bytes(8, "little"))
             if i >= e["warmup"]:
-                recs.append([seq, None, t_view, found, *counters, 0])
+                recs.append(ZeroCopyRecord(seq, None, t_view, found, *counters, 0))
         out.append({**e, "records": recs, "consumer_cpu_ms": (time.process_time_ns() - cpu0) / 1e6, "spin_ms": 0.0})
     return {"entries": out}
 
@@ -337,17 +362,17 @@ def cause_of(found: str, faults: int, switched: int, delay_ns: int, spin_missed:
 
 
 def _summary(p: dict, c: dict) -> dict:
-    recs = c["records"]
+    recs = [ZeroCopyRecord._make(r) for r in c["records"]]
     lat, causes = [], dict.fromkeys(CAUSES, 0)
-    for seq, t_pub, t_view, found, faults, switched, delay, missed in recs:
-        t0 = t_pub if t_pub is not None else p["sent"].get(seq, p["sent"].get(str(seq)))
+    for r in recs:
+        t0 = r.t_publish_ns if r.t_publish_ns is not None else p["sent"].get(r.seq, p["sent"].get(str(r.seq)))
         if t0 is not None:
-            lat.append((t_view - t0) / 1e6)
+            lat.append((r.t_view_ns - t0) / 1e6)
             if lat[-1] > OUTLIER_MS:
-                held = p["held"].get(seq, p["held"].get(str(seq), (0, 0)))
-                causes[cause_of(found, faults, switched, delay, missed, tuple(held))] += 1
+                held = p["held"].get(r.seq, p["held"].get(str(r.seq), (0, 0)))
+                causes[cause_of(r.found, r.faults, r.switched, r.run_delay_ns, r.spin_missed, tuple(held))] += 1
     n = max(len(recs), 1)
-    found = {k: sum(r[3] == k for r in recs) for k in ("found_ready", "found_spinning", "found_after_block")}
+    found = {k: sum(r.found == k for r in recs) for k in ("found_ready", "found_spinning", "found_after_block")}
     return {"gap_ms": p["gap_ms"], "handoff_ms": percentiles(lat), "n": len(lat), "lost": p["lost"],
             "cpu_ms_per_msg": {"producer": p["producer_cpu_ms"] / n, "consumer": c["consumer_cpu_ms"] / n,
                                "total": (p["producer_cpu_ms"] + c["consumer_cpu_ms"]) / n},
