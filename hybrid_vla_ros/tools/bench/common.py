@@ -277,6 +277,19 @@ class Worker:
         return False
 
 
+def measured_precisions(dtypes, cpu=None) -> tuple[dict, dict]:
+    """What a part measures for ``dtypes`` (names: fp32, bf16, fp16) on this CPU (``cpu``: a
+    :class:`~hybrid_vla_ros.util.precision.CpuFeatures`, read when None): ({name: InferencePrecision the suffix node
+    computes it in}, ``computed_as`` {name: {"precision", "reason"}} of the names computed in another name of
+    ``dtypes``, which the part does not time twice). Raises ValueError for an unknown dtype."""
+    from ...model.checkpoint import parse_dtype
+    from ...util.precision import inference_precision
+
+    precision = {n: inference_precision(parse_dtype(n), cpu=cpu) for n in dtypes}
+    return precision, {n: {"precision": p.name, "reason": p.reason} for n, p in precision.items()
+                       if p.widened and p.name in precision}
+
+
 def attach_consumer(segment: str, timeout_s: float, **options):
     """A :class:`~hybrid_vla_ros.transport.consumer.RingConsumer` on ``segment`` (``options`` passed on), retried
     every 10 ms until the producer process has created the segment. Raises FileNotFoundError when it has not

@@ -82,16 +82,14 @@ def decode_side_task(chan, *, model_dir: str, split_layers: list[int], dtypes: l
     named in the result's ``computed_as`` ({dtype: {"precision", "reason"}})."""
     import torch
 
-    from ...model.checkpoint import open_checkpoint, parse_dtype
+    from ...model.checkpoint import open_checkpoint
     from ...model.decode import DecodeSettings, PrefixDecoding, SideCache, SuffixDecoding
     from ...runtime.compiled_step import DecodeStepBuilder
     from ...runtime.packed_linear import pack_linears_, pack_lm_head_
-    from ...util.precision import inference_precision
+    from .common import measured_precisions
 
     torch.set_num_threads(threads)
-    precision = {n: inference_precision(parse_dtype(n)) for n in dtypes}
-    computed_as = {n: {"precision": p.name, "reason": p.reason} for n, p in precision.items()
-                   if p.widened and p.name in dtypes}
+    precision, computed_as = measured_precisions(dtypes)
     bandwidth = read_bandwidth_gbs(bandwidth_mib)
     chan.send({"type": "progress", "line": f"  decode: read bandwidth {bandwidth:.1f} GB/s ({threads} thread(s))"})
     ck = open_checkpoint(model_dir, tokens=prompt)

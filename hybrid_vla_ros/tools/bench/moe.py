@@ -100,16 +100,14 @@ def run_moe(blocks: int = 2, tokens: tuple[int, ...] = (256, 1024), dtypes: tupl
     from ...model.family_check import _draw_
     from ...model.modeling import run_blocks
     from ...runtime.packed_linear import pack_experts_, pack_linears_
-    from ...util.precision import inference_precision
+    from .common import measured_precisions
 
     llm = dict(QWEN3_30B_A3B, num_hidden_layers=int(blocks))
     if experts:
         llm["num_experts"] = int(experts)
     family = text.text_family("qwen3_moe")
     order = sorted(dtypes, key=lambda n: parse_dtype(n) != torch.float32)  # fp32 first: then cast in place
-    precision = {n: inference_precision(parse_dtype(n), cpu=cpu) for n in order}
-    computed_as = {n: {"precision": p.name, "reason": p.reason} for n, p in precision.items()
-                   if p.widened and p.name in order}
+    precision, computed_as = measured_precisions(order, cpu)
     order = [n for n in order if n not in computed_as]
     before = torch.get_num_threads()
     torch.set_num_threads(int(threads))
